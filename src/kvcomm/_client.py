@@ -1,0 +1,600 @@
+"""The client every agent opens: ``kvcomm.open()`` → :class:`Client`.
+
+Read path: L1 (this process, revalidated by one shared-memory word) → L2 (this host's
+segment, lock-free) → (cluster mode) L3. Write path: validate and encode here, then one
+locked copy-on-write store into L2. Everything shared is checked on the way in, so an
+error never leaves a half-done write behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .config import Config, resolve
+from .core import codec
+from .core.versions import Version
+from .errors import (
+    ConflictError,
+    InvalidArgument,
+    InvalidKey,
+    SegmentError,
+    Unavailable,
+    ValidationError,
+    ValueTooLarge,
+)
+from .tiers import l2 as l2mod
+from .tiers.l1 import L1Cache, L1Entry
+from .tiers.l2 import KIND_DELETE, L2Segment, Layout, Record, key_hash
+
+_new_version = tuple.__new__
+_CONSISTENCY = (None, "eventual", "strong")
+_MAX_UPDATE_RETRIES = 100_000
+_KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
+
+
+class _Absent:
+    """``expect=kvcomm.ABSENT``: the write succeeds only if the key does not exist."""
+
+    _instance: _Absent | None = None
+
+    def __new__(cls) -> _Absent:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "kvcomm.ABSENT"
+
+    def __reduce__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+_NO_CHECK: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One stored value with its version and the tier that served it."""
+
+    key: str
+    value: Any
+    version: Version
+    tier: str  # "l1" | "l2" | "l3"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A change seen by :meth:`Client.watch`. ``overflow`` has key "" and version None."""
+
+    key: str
+    kind: str  # "put" | "delete" | "overflow"
+    version: Version | None
+
+
+class _Shared:
+    """One L2 mapping per (process, namespace), shared by every Client that opens it."""
+
+    lock = threading.Lock()
+    segments: dict[str, tuple[L2Segment, int]] = {}
+
+    @classmethod
+    def acquire(cls, name: str, config: Config) -> L2Segment:
+        with cls.lock:
+            entry = cls.segments.get(name)
+            if entry is not None:
+                cls.segments[name] = (entry[0], entry[1] + 1)
+                return entry[0]
+            c = config.cache
+            layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
+                                 c.max_value_size)
+            seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions)
+            cls.segments[name] = (seg, 1)
+            return seg
+
+    @classmethod
+    def release(cls, seg: L2Segment) -> None:
+        with cls.lock:
+            entry = cls.segments.get(seg.name)
+            if entry is None or entry[0] is not seg:
+                seg.close()
+                return
+            if entry[1] > 1:
+                cls.segments[seg.name] = (seg, entry[1] - 1)
+                return
+            del cls.segments[seg.name]
+        seg.close()
+
+
+_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    """A child of fork() must open its own clients: the parent's locks are not its own."""
+    for c in list(_CLIENTS):
+        c._forked = c._unusable = True
+        c._l1_entries = {}  # type: ignore[assignment]
+    _Shared.segments.clear()
+    _Shared.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Client:
+    """An agent's handle on KVCOMM. Thread-safe. Use :func:`kvcomm.open` to make one."""
+
+    def __init__(self, name: str = "default", config: Config | None = None) -> None:
+        self.config = config or Config()
+        self.name = name
+        self._seg = _Shared.acquire(name, self.config)
+        self._q = self._seg._q
+        self._host = self._seg.host_id
+        self._l1 = L1Cache(self.config.cache.l1_size)
+        self._l1_entries = self._l1.entries
+        self._max_key = min(self.config.cache.max_key_bytes, self._seg.layout.max_key)
+        self._max_value = self.config.cache.max_value_size
+        self._zc = self.config.network.zero_copy_threshold
+        self._default_consistency = self.config.cache.l3_consistency
+        self._validators: dict[str, Callable[[str, Item | None, Any], None]] = {}
+        self._closed = False
+        self._forked = False
+        self._unusable = False  # closed, or inherited through fork(): every call checks this
+        _CLIENTS.add(self)
+        self.counters = dict.fromkeys(
+            ("l1_hits", "l2_hits", "l2_misses", "puts", "deletes", "conflicts", "views"), 0
+        )
+        self._l1_hits = 0
+        self._puts = 0
+        self._keys: dict[str, tuple[bytes, int]] = {}
+        self._host_vec = ((self._host, 0),)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _key_hash(self, key: Any) -> tuple[bytes, int]:
+        """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""
+        kh = self._keys.get(key) if type(key) is str else None
+        if kh is None:
+            kb = self._key(key)
+            kh = (kb, key_hash(kb))
+            if len(self._keys) >= _KEY_MEMO:
+                self._keys.clear()
+            self._keys[key] = kh
+        return kh
+
+    def _key(self, key: Any) -> bytes:
+        if type(key) is not str:
+            raise InvalidKey(f"keys are str, got {type(key).__name__}: {key!r}")
+        kb = key.encode("utf-8", "surrogatepass")
+        if not kb or len(kb) > self._max_key or b"\x00" in kb:
+            if not kb:
+                raise InvalidKey("the key is empty; use a non-empty str such as 'drone/7/pos'")
+            if b"\x00" in kb:
+                raise InvalidKey(f"key {key!r} contains NUL; remove it")
+            raise InvalidKey(
+                f"key is {len(kb)} bytes of UTF-8, over cache.max_key_bytes={self._max_key}"
+            )
+        return kb
+
+    def _live(self) -> None:
+        if self._closed:
+            raise SegmentError("this kvcomm client is closed; open a new one")
+        if self._forked:
+            raise SegmentError(
+                "this client was opened before fork(); call kvcomm.open() in the child process"
+            )
+
+    def _version(self, counter: int, hlc: int, vvx: bytes) -> Version:
+        if not vvx:  # tuple.__new__ skips NamedTuple's Python-level __new__ (hot path)
+            return _new_version(Version, (((self._host, counter),), hlc))
+        vector: tuple[tuple[str, int], ...]
+        if vvx:
+            others = [(str(a), int(c)) for a, c in msgpack.unpackb(vvx) if a != self._host]
+            vector = tuple(sorted([*others, (self._host, counter)]))
+        return Version(vector, hlc)
+
+    def _encode(self, value: Any) -> tuple[int, bytes, bytes | memoryview]:
+        tag, meta, payload = codec.encode(value)
+        if len(payload) > self._max_value:
+            raise ValueTooLarge(
+                f"value is {len(payload)} bytes, over cache.max_value_size={self._max_value}"
+            )
+        return tag, meta, payload
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key``, or ``default`` when absent.
+
+        Treat the returned object as read-only: L1 hands the same decoded object to every
+        caller in this process. Arrays of ``network.zero_copy_threshold`` bytes or more
+        are read-only views of shared memory. Raises InvalidKey, SegmentError.
+        """
+        try:
+            e = self._l1_entries.get(key)
+        except TypeError:
+            raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
+        if e is not None and self._q[e[1]] == e[2]:
+            self._l1_hits += 1
+            try:
+                self._l1_entries.move_to_end(key)
+            except KeyError:
+                pass
+            return e[0]
+        return self._get_slow(key, default, False)
+
+    def get_item(self, key: str) -> Item | None:
+        """The value with its Version and the tier that served it, or None when absent."""
+        try:
+            e = self._l1_entries.get(key)
+        except TypeError:
+            raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
+        if e is not None and self._q[e[1]] == e[2]:
+            self._l1_hits += 1
+            return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1")
+        return self._get_slow(key, None, True)  # type: ignore[no-any-return]
+
+    def _get_slow(self, key: str, default: Any, want_item: bool) -> Any:
+        """L2 (then, in cluster mode, L3) lookup; the value, or an Item if ``want_item``."""
+        if self._unusable:
+            self._live()
+        kb, h = self._key_hash(key)
+        seg = self._seg
+        rec = seg.read(kb, h, self._zc)
+        counters = self.counters
+        if rec is None:
+            counters["l2_misses"] += 1
+            return None if want_item else default
+        counters["l2_hits"] += 1
+        if rec.value is None:
+            item = self._get_view(key, kb, h)
+            if want_item:
+                return item
+            return default if item is None else item.value
+        try:
+            value = codec.decode(rec.tag, rec.meta, rec.value)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise SegmentError(f"stored value of {key!r} cannot be decoded ({exc})") from None
+        if rec.tag != codec.NDARRAY:
+            self._l1.store(key, L1Entry(value, rec.word, rec.seq, rec.size, rec.counter,
+                                        rec.hlc, rec.vvx))
+        if not want_item:
+            return value
+        return Item(key, value, self._version(rec.counter, rec.hlc, rec.vvx), "l2")
+
+    def _get_view(self, key: str, kb: bytes, h: int) -> Item | None:
+        seg = self._seg
+        pinned = seg.pin(kb, h)
+        if pinned is None:
+            return None
+        rec, index, off = pinned
+        if index < 0:  # pin table full: a read-only copy keeps the promise "never changes"
+            assert rec.value is not None
+            arr = codec.decode(rec.tag, rec.meta, rec.value)
+            arr.flags.writeable = False
+        else:
+            try:
+                arr = codec.array_view(rec.meta, seg.view(off, rec))
+            except BaseException:
+                seg.unpin(index)
+                raise
+            weakref.finalize(arr, seg.unpin, index)
+            self.counters["views"] += 1
+        return Item(key, arr, self._version(rec.counter, rec.hlc, rec.vvx), "l2")
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: str, value: Any, *, consistency: str | None = None,
+            expect: Any = _NO_CHECK) -> Version:
+        """Store ``value`` under ``key``; returns its Version.
+
+        ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
+        ConflictError is raised and nothing changes. ``consistency`` is "eventual" or
+        "strong" (both linearizable on one host). Raises InvalidKey, UnsupportedValue,
+        ValueTooLarge, ConflictError, ValidationError, Unavailable; on any of them the
+        stored data is unchanged.
+        """
+        if consistency is not None and consistency not in _CONSISTENCY:
+            _bad_consistency(consistency)
+        if self._unusable:
+            self._live()
+        kb, h = self._key_hash(key)
+        tag, meta, payload = self._encode(value)
+        check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        if self._validators:
+            validator = self._validator_for(key)
+            if validator is not None:
+                return self._put_validated(key, kb, h, value, (tag, meta, payload), check,
+                                           validator)
+        counter, hlc, vvx, _, _ = self._seg.write(kb, h, tag, meta, payload,
+                                                  now_ms=time.time_ns() // 1_000_000,
+                                                  expect=check)
+        self._puts += 1
+        if not vvx:
+            return _new_version(Version, (((self._host, counter),), hlc))  # type: ignore[no-any-return]
+        return self._version(counter, hlc, vvx)
+
+    def _expect_fn(self, key: str, expect: Any) -> Callable[[Record | None], None]:
+        if expect is not ABSENT and not isinstance(expect, Version):
+            raise InvalidArgument(
+                f"expect= takes a kvcomm.Version or kvcomm.ABSENT, got {type(expect).__name__}"
+            )
+
+        def check(rec: Record | None) -> None:
+            if expect is ABSENT:
+                if rec is not None:
+                    self.counters["conflicts"] += 1
+                    raise ConflictError(f"{key!r} exists; expected it absent")
+                return
+            current = None if rec is None else self._version(rec.counter, rec.hlc, rec.vvx)
+            if current != expect:
+                self.counters["conflicts"] += 1
+                raise ConflictError(
+                    f"{key!r} is at {current if current else 'absent'}, expected {expect}; "
+                    "re-read it and retry"
+                )
+
+        return check
+
+    def delete(self, key: str, *, expect: Any = _NO_CHECK) -> bool:
+        """Remove ``key``. True when something was deleted. Raises as :meth:`put`."""
+        self._live()
+        kb = self._key(key)
+        check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        if self._validators and self._validator_for(key) is not None:
+            validator = self._validator_for(key)
+            assert validator is not None
+            old = self._get_slow(key, None, True)
+            _run_validator(validator, key, old, None)
+        done = self._seg.delete(kb, key_hash(kb), now_ms=_now_ms(), expect=check)
+        self._l1.discard(key)
+        if done:
+            self.counters["deletes"] += 1
+        return done
+
+    def update(self, key: str, fn: Callable[[Any], Any], *, default: Any = None) -> Any:
+        """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
+
+        ``fn`` may run more than once when other writers race; it must not have side
+        effects. No increment is ever lost, whatever the number of processes.
+        """
+        for _ in range(_MAX_UPDATE_RETRIES):
+            item = self.get_item(key)
+            new = fn(default if item is None else item.value)
+            try:
+                self.put(key, new, expect=ABSENT if item is None else item.version)
+                return new
+            except ConflictError:
+                continue
+        raise Unavailable(f"update of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
+
+    def batch(self) -> Batch:
+        """``with kv.batch() as b: b.put(...); b.delete(...)`` — applied under one lock on exit."""
+        self._live()
+        return Batch(self)
+
+    # ------------------------------------------------------------------ validators
+
+    def register_validator(self, prefix: str, fn: Callable[[str, Item | None, Any], None]) -> None:
+        """Run ``fn(key, old_item, new_value)`` before every write under ``prefix`` in this
+        client; raising rejects the write with ValidationError (``new_value`` is None for a
+        delete). The longest matching prefix wins."""
+        if type(prefix) is not str:
+            raise InvalidKey("a validator prefix is a str ('' matches every key)")
+        if not callable(fn):
+            raise ValidationError("register_validator needs a callable")
+        self._validators[prefix] = fn
+
+    def _validator_for(self, key: str) -> Callable[[str, Item | None, Any], None] | None:
+        best = None
+        for prefix, fn in self._validators.items():
+            if key.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
+                best = (prefix, fn)
+        return None if best is None else best[1]
+
+    def _put_validated(self, key: str, kb: bytes, h: int, value: Any,
+                       encoded: tuple[int, bytes, bytes | memoryview],
+                       check: Callable[[Record | None], None] | None,
+                       validator: Callable[[str, Item | None, Any], None]) -> Version:
+        """Validate against the current item, then write only if it is still current."""
+        for _ in range(_MAX_UPDATE_RETRIES):
+            old = self._get_slow(key, None, True)
+            _run_validator(validator, key, old, value)
+            seen = ABSENT if old is None else old.version
+            seen_check = self._expect_fn(key, seen)
+
+            def both(rec: Record | None) -> None:
+                if check is not None:
+                    check(rec)
+                seen_check(rec)
+
+            try:
+                counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(),
+                                                          expect=both)
+            except ConflictError:
+                if check is not None:
+                    raise
+                continue
+            self.counters["puts"] += 1
+            return self._version(counter, hlc, vvx)
+        raise Unavailable(f"put of {key!r} lost {_MAX_UPDATE_RETRIES} races to validate")
+
+    # ------------------------------------------------------------------ watch
+
+    def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:
+        """Changes under ``prefix`` from now on, in per-key order.
+
+        With ``timeout``, iteration ends after that many seconds without an event. A
+        watcher that falls a whole feed (``cache.watch_buffer`` events) behind receives one
+        ``overflow`` event and continues from the newest; it should then re-read what it
+        tracks. Writers are never slowed by a watcher.
+        """
+        if type(prefix) is not str:
+            raise InvalidKey("a watch prefix is a str ('' watches every key)")
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
+            raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        self._live()
+        return self._watch(prefix, timeout, self._seg.feed_head())  # "from now": cursor taken here
+
+    def _watch(self, prefix: str, timeout: float | None, cursor: int) -> Iterator[Event]:
+        seg = self._seg
+        last_event = time.monotonic()
+        idle = 0.0001
+        while not self._closed:
+            events, cursor, overflowed = seg.feed_read(cursor)
+            got = False
+            if overflowed:
+                got = True
+                yield Event("", "overflow", None)
+            for ev in events:
+                if ev.key.startswith(prefix):
+                    got = True
+                    kind = "delete" if ev.kind == KIND_DELETE else "put"
+                    yield Event(ev.key, kind, self._version(ev.counter, ev.hlc, b""))
+            now = time.monotonic()
+            if got:
+                last_event = now
+                idle = 0.0001
+                continue
+            if timeout is not None and now - last_event >= timeout:
+                return
+            time.sleep(idle)
+            idle = min(idle * 2, 0.005)
+
+    # ------------------------------------------------------------------ admin
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tier hits/misses of this process, entries, bytes used and evictions."""
+        c = self.counters
+        l1_hits = self._l1_hits
+        l2_lookups = c["l2_hits"] + c["l2_misses"]
+        info = self._seg.info() if not self._closed else {}
+        return {
+            "l1": {"hits": l1_hits, "misses": l2_lookups, "entries": len(self._l1_entries),
+                   "bytes": self._l1.bytes, "max_bytes": self._l1.max_bytes,
+                   "evictions": self._l1.evictions},
+            "l2": {"hits": c["l2_hits"], "misses": c["l2_misses"],
+                   "entries": info.get("entries", 0), "bytes": info.get("used_bytes", 0),
+                   "capacity_bytes": info.get("data_bytes", 0),
+                   "evictions": info.get("evictions", 0),
+                   "recoveries": info.get("recoveries", 0),
+                   "views_taken": c["views"]},
+            "ops": {"puts": c["puts"] + self._puts, "deletes": c["deletes"], "conflicts": c["conflicts"]},
+        }
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """The keys under ``prefix`` present in L2 now (a scan: for tools, not hot paths)."""
+        self._live()
+        return [k for k in self._seg.keys() if k.startswith(prefix)]
+
+    def close(self) -> None:
+        """Release this client's L1 and its share of the process's L2 mapping. Idempotent."""
+        if self._closed:
+            return
+        self._closed = self._unusable = True
+        self._l1.clear()
+        self._l1_entries = {}  # type: ignore[assignment]
+        if not self._forked:
+            _Shared.release(self._seg)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<kvcomm.Client name={self.name!r} host={self._host!r}{' closed' if self._closed else ''}>"
+
+
+class Batch:
+    """Writes collected in a ``with kv.batch()`` block, applied together under one L2 lock.
+
+    Each ``put``/``delete`` validates and encodes at once (so a bad value raises at its
+    own line); nothing is stored unless the block exits without an exception. Other
+    processes may observe the keys change one by one while the batch is applied.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._ops: list[tuple[Any, ...]] = []
+        self._keys: list[str] = []
+        self.versions: list[Version | bool] = []
+
+    def put(self, key: str, value: Any) -> None:
+        c = self._client
+        kb = c._key(key)
+        tag, meta, payload = c._encode(value)
+        if c._validators:
+            validator = c._validator_for(key)
+            if validator is not None:
+                _run_validator(validator, key, c._get_slow(key, None, True), value)
+        self._ops.append((kb, key_hash(kb), tag, meta, payload))
+        self._keys.append(key)
+
+    def delete(self, key: str) -> None:
+        c = self._client
+        kb = c._key(key)
+        self._ops.append((kb, key_hash(kb)))
+        self._keys.append(key)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None or not self._ops:
+            return
+        c = self._client
+        c._live()
+        results = c._seg.write_many(self._ops, _now_ms())
+        for key, r in zip(self._keys, results, strict=True):
+            if isinstance(r, tuple):
+                c.counters["puts"] += 1
+                self.versions.append(c._version(r[0], r[1], r[2]))
+            else:
+                c._l1.discard(key)
+                c.counters["deletes"] += int(r)
+                self.versions.append(r)
+
+
+def _bad_consistency(consistency: Any) -> None:
+    raise InvalidArgument(f"consistency must be 'eventual' or 'strong', got {consistency!r}")
+
+
+def _run_validator(fn: Callable[[str, Item | None, Any], None], key: str, old: Item | None,
+                   new_value: Any) -> None:
+    try:
+        fn(key, old, new_value)
+    except ValidationError:
+        raise
+    except Exception as exc:
+        raise ValidationError(f"write to {key!r} rejected by validator: {exc}") from exc
+
+
+def open(name: str = "default", *, config: Config | str | os.PathLike[str] | None = None) -> Client:  # noqa: A001
+    """Open namespace ``name`` on this host (creating its L2 segment if needed).
+
+    ``config`` is a path to a YAML file or a :class:`kvcomm.Config`. Raises ConfigError,
+    SegmentError.
+    """
+    if type(name) is not str:
+        raise SegmentError(f"namespace must be a str, got {type(name).__name__}")
+    return Client(name, resolve(config))
+
+
+__all__ = ["ABSENT", "Batch", "Client", "Event", "Item", "open"]

@@ -1,0 +1,78 @@
+"""KVCOMM's exceptions: one tree, every message says what to do next.
+
+::
+
+    KVCommError
+    ├── InvalidKey          key is not a non-empty str, too long, or holds NUL
+    ├── UnsupportedValue    value type cannot be stored (never pickled)
+    ├── ValueTooLarge       over cache.max_value_size, or over what L2 can ever hold
+    ├── ConflictError       expect= did not match the stored version
+    ├── ValidationError     an application validator rejected the write
+    ├── InvalidArgument     another argument is wrong (consistency=, expect=, timeout=)
+    ├── ConfigError         bad config; .key names the offending key
+    ├── SegmentError        L2 segment is foreign, of another layout, corrupt or purged
+    └── Unavailable         a tier cannot serve now (L2 full of pinned data, cluster down)
+
+After any of these, nothing stored before the failing call has been changed.
+Lower-layer errors (OS, msgpack, redis) are translated at the boundary, never leaked.
+"""
+
+from __future__ import annotations
+
+
+class KVCommError(Exception):
+    """Root of every error KVCOMM raises on purpose."""
+
+
+class InvalidKey(KVCommError, ValueError):
+    """The key is not a non-empty str within cache.max_key_bytes of UTF-8 without NUL."""
+
+
+class UnsupportedValue(KVCommError, TypeError):
+    """The value's type cannot be stored; see the README's list of value types."""
+
+
+class ValueTooLarge(KVCommError, ValueError):
+    """The encoded value is over cache.max_value_size or larger than L2 can ever hold."""
+
+
+class ConflictError(KVCommError):
+    """A compare-and-set (expect=) did not match; nothing was changed."""
+
+
+class ValidationError(KVCommError):
+    """An application validator registered for the key's prefix rejected the write."""
+
+
+class InvalidArgument(KVCommError, ValueError):
+    """An argument other than the key or value is wrong; the message names it."""
+
+
+class ConfigError(KVCommError, ValueError):
+    """The configuration is invalid. ``key`` is the dotted name of the offending key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class SegmentError(KVCommError):
+    """The L2 shared-memory segment cannot be used as it is (foreign, old layout, corrupt)."""
+
+
+class Unavailable(KVCommError):
+    """The operation cannot be served right now; the message says which tier and why."""
+
+
+__all__ = [
+    "KVCommError",
+    "InvalidKey",
+    "UnsupportedValue",
+    "ValueTooLarge",
+    "ConflictError",
+    "ValidationError",
+    "InvalidArgument",
+    "ConfigError",
+    "SegmentError",
+    "Unavailable",
+]

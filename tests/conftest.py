@@ -1,0 +1,43 @@
+"""Shared fixtures: every test gets its own L2 namespace, purged afterwards."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import kvcomm
+from kvcomm.tiers import l2
+
+SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    l2.purge(name)
+
+
+@pytest.fixture
+def config() -> kvcomm.Config:
+    return kvcomm.Config.from_mapping(SMALL)
+
+
+@pytest.fixture
+def kv(ns: str, config: kvcomm.Config) -> Iterator[kvcomm.Client]:
+    client = kvcomm.open(ns, config=config)
+    yield client
+    client.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` until true or fail after ``timeout`` seconds (no sleeping-and-hoping)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.002)

@@ -1,0 +1,85 @@
+"""Property tests of the value codec: what goes in comes out (tuples as lists)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcomm.core import codec
+from kvcomm.errors import UnsupportedValue
+
+scalars = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False) | st.text() | st.binary()
+)
+trees = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=30,
+)
+
+
+def roundtrip(value: Any) -> Any:
+    tag, meta, payload = codec.encode(value)
+    return codec.decode(tag, meta, bytes(payload))
+
+
+@given(trees)
+def test_trees_roundtrip(value: Any) -> None:
+    assert roundtrip(value) == value
+
+
+@given(st.lists(st.integers(0, 10), max_size=4).map(tuple))
+def test_tuples_come_back_as_lists(value: tuple[int, ...]) -> None:
+    assert roundtrip(value) == list(value)
+
+
+@given(st.binary())
+def test_bytes_like(value: bytes) -> None:
+    assert roundtrip(bytearray(value)) == value
+    assert roundtrip(memoryview(value)) == value
+
+
+@pytest.mark.parametrize("dtype", ["u1", "i4", "<f8", "f4", "c16", "bool", ">i8"])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 4), (2, 3, 4)])
+def test_arrays_roundtrip(dtype: str, shape: tuple[int, ...]) -> None:
+    arr = (np.arange(int(np.prod(shape))) % 3).astype(dtype).reshape(shape)
+    out = roundtrip(arr)
+    assert out.dtype == arr.dtype and out.shape == arr.shape
+    assert np.array_equal(out, arr)
+
+
+def test_non_contiguous_array_is_stored_contiguous() -> None:
+    arr = np.arange(20).reshape(4, 5)[:, ::2]
+    assert np.array_equal(roundtrip(arr), arr)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.array(["a", "b"]), np.array([object()]), {"x": np.arange(3)}, [np.arange(2)],
+     {1: 2}, object(), {1.5}, 2**64],
+)
+def test_rejected(value: Any) -> None:
+    with pytest.raises(UnsupportedValue):
+        codec.encode(value)
+
+
+def test_view_is_read_only() -> None:
+    tag, meta, payload = codec.encode(np.arange(4.0))
+    view = codec.array_view(meta, bytearray(payload))
+    with pytest.raises(ValueError):
+        view[0] = 1
+    with pytest.raises(ValueError):
+        view.flags.writeable = True
+
+
+def test_malformed_payloads_raise_value_error() -> None:
+    with pytest.raises(ValueError):
+        codec.decode(99, b"", b"")
+    with pytest.raises(ValueError):
+        codec.array_view(codec.encode(np.arange(2))[1].replace(b"<i8", b"|O8"), b"\0" * 16)

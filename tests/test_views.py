@@ -1,0 +1,111 @@
+"""Zero-copy numpy views: read-only, stable under overwrite/delete, reclaimed when dropped."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import kvcomm
+
+from .conftest import wait_for
+
+BIG = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
+
+
+def test_large_array_is_a_read_only_view(kv: kvcomm.Client) -> None:
+    kv.put("a", BIG)
+    got = kv.get("a")
+    assert isinstance(got, np.ndarray) and np.array_equal(got, BIG)
+    assert not got.flags.writeable and not got.flags.owndata
+    with pytest.raises(ValueError):
+        got[0] = 1.0
+    with pytest.raises(ValueError):
+        got.flags.writeable = True
+
+
+def test_small_array_is_a_private_copy(kv: kvcomm.Client) -> None:
+    small = np.arange(10, dtype=np.int32)
+    kv.put("s", small)
+    got = kv.get("s")
+    assert np.array_equal(got, small) and got.flags.writeable
+
+
+def test_view_never_changes_under_its_holder(kv: kvcomm.Client) -> None:
+    kv.put("a", BIG)
+    view = kv.get("a")
+    kv.put("a", BIG * 2)
+    kv.put("a", BIG * 3)
+    assert np.array_equal(view, BIG)
+    kv.delete("a")
+    for i in range(50):  # churn the heap where the old block was
+        kv.put(f"fill{i}", np.full(1 << 14, i, dtype=np.float64))
+    assert np.array_equal(view, BIG)
+    assert kv.get("a") is None
+
+
+def test_space_reclaimed_once_views_go(kv: kvcomm.Client) -> None:
+    kv.put("a", BIG)
+    used_one = kv._seg.info()["used_bytes"]
+    view = kv.get("a")
+    kv.put("a", BIG + 1)
+    assert kv._seg.info()["pinned_deferred_blocks"] == 1
+    assert kv._seg.info()["used_bytes"] >= 2 * used_one
+    del view
+    gc.collect()
+    kv.put("other", 1)  # the next write sweeps released pins
+    info = kv._seg.info()
+    assert info["pinned_deferred_blocks"] == 0
+    assert info["used_bytes"] < 2 * used_one
+    assert kv._seg.check() == []
+
+
+def _hold_view(ns: str, cfg: kvcomm.Config, ready: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
+    kv = kvcomm.open(ns, config=cfg)
+    view = kv.get("a")
+    assert view is not None
+    ready.set()
+    signal.pause()
+
+
+def test_space_reclaimed_when_holder_dies(ns: str, config: kvcomm.Config) -> None:
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", BIG)
+        ready = ctx.Event()
+        p = ctx.Process(target=_hold_view, args=(ns, config, ready))
+        p.start()
+        assert ready.wait(10)
+        kv.put("a", BIG + 1)
+        assert kv._seg.info()["pinned_deferred_blocks"] == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+
+        def reclaimed() -> bool:
+            kv.put("tick", 1)  # writers sweep dead holders' pins (at most once a second)
+            return kv._seg.info()["pinned_deferred_blocks"] == 0
+
+        wait_for(reclaimed, 5, "dead holder's pin to be swept")
+        assert kv._seg.check() == []
+
+
+def test_pin_table_full_falls_back_to_read_only_copy(ns: str) -> None:
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "max_views": 1}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        kv.put("a", BIG)
+        v1 = kv.get("a")
+        v2 = kv.get("a")
+        assert not v1.flags.owndata and v2.flags.owndata and not v2.flags.writeable
+        assert np.array_equal(v1, v2)
+
+
+def test_close_with_live_views_keeps_them_valid(ns: str, config: kvcomm.Config) -> None:
+    kv = kvcomm.open(ns, config=config)
+    kv.put("a", BIG)
+    view = kv.get("a")
+    kv.close()
+    assert np.array_equal(view, BIG)
