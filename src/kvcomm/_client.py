@@ -415,7 +415,7 @@ class Client:
             seen = ABSENT if old is None else old.version
             seen_check = self._expect_fn(key, seen)
 
-            def both(rec: Record | None) -> None:
+            def both(rec: Record | None, seen_check: Callable[[Record | None], None] = seen_check) -> None:
                 if check is not None:
                     check(rec)
                 seen_check(rec)

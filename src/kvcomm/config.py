@@ -74,7 +74,9 @@ class CacheConfig(_Section):
     l3_consistency: Literal["eventual", "strong"] = "eventual"
     max_key_bytes: int = Field(default=250, ge=1, le=4096)
     max_value_size: Size = Field(default=64 << 20, ge=1)
-    watch_buffer: int = Field(default=16384, ge=16, le=1 << 22, description="change-feed events (at most 1/8 of l2_size)")
+    watch_buffer: int = Field(
+        default=16384, ge=16, le=1 << 22, description="change-feed events (at most 1/8 of l2_size)"
+    )
     max_views: int = Field(default=1024, ge=0, le=1 << 16, description="zero-copy views held")
     l2_permissions: int = Field(default=0o600, ge=0, le=0o777)
 
@@ -84,7 +86,9 @@ class NetworkConfig(_Section):
 
 
 class NodeConfig(_Section):
-    host_id: str = Field(default="local", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    host_id: str = Field(
+        default="local", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$"
+    )
 
 
 class Config(_Section):

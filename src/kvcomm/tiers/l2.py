@@ -628,7 +628,9 @@ class L2Segment:
         finally:
             self._release()
 
-    def write_many(self, ops: list[tuple[Any, ...]], now_ms: int) -> list[tuple[int, int, bytes, int, int] | bool]:
+    def write_many(
+        self, ops: list[tuple[Any, ...]], now_ms: int
+    ) -> list[tuple[int, int, bytes, int, int] | bool]:
         """Apply puts ``(key_b, h, tag, meta, value)`` and deletes ``(key_b, h)`` under one lock."""
         out: list[tuple[int, int, bytes, int, int] | bool] = []
         self._acquire()

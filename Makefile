@@ -1,0 +1,30 @@
+# Every target creates its own virtual environment on first use (Python 3.11+ only).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml setup.py src/kvcomm/_atomic.c
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)          ## the swarm demo on the embedded default (no servers)
+	$(BIN)/kvcomm demo
+
+test: $(STAMP)          ## the whole test suite
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)         ## benchmarks against peers (Redis, manager dict, LMDB, UltraDict)
+	$(BIN)/python -m pip install -q UltraDict atomics
+	$(BIN)/python bench/bench_embedded.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info src/kvcomm/*.so

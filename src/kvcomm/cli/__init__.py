@@ -1,0 +1,106 @@
+"""``kvcomm``: thin commands over the public API.
+
+    kvcomm demo [--agents N] [--seconds S] [--rate HZ] [--baseline auto|redis|manager|none]
+                [--plot FILE.png]
+    kvcomm info [--name N]          how much of a namespace's L2 segment is in use
+    kvcomm purge --name N           remove a namespace's segment
+    kvcomm config --show [--config FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import resolve
+from ..errors import KVCommError
+
+
+def _info(args: argparse.Namespace) -> int:
+    from ..tiers.l2 import L2Segment
+
+    seg = L2Segment(args.name, create_layout=None, host_id="")
+    try:
+        info = seg.info()
+    finally:
+        seg.close()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    used, data = info["used_bytes"], info["data_bytes"]
+    print(f"namespace      {info['name']}  ({info['path']}, host {info['host_id']})")
+    print(f"segment        {info['size_bytes'] / 2**20:.1f} MiB, data heap {data / 2**20:.1f} MiB")
+    print(f"in use         {used / 2**20:.2f} MiB ({100 * used / data:.1f}%), "
+          f"{info['entries']} entries in {info['slots']} slots")
+    print(f"writes         {info['writes']}  evictions {info['evictions']}  "
+          f"recoveries {info['recoveries']}")
+    print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
+    print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
+    return 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    from ..tiers.l2 import purge
+
+    if purge(args.name):
+        print(f"purged namespace {args.name!r}")
+        return 0
+    print(f"no segment for namespace {args.name!r}", file=sys.stderr)
+    return 1
+
+
+def _config(args: argparse.Namespace) -> int:
+    print(resolve(args.config).to_yaml(), end="")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcomm", description="KVCOMM: shared memory for agents")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="drone swarm on the embedded default, against a central store")
+    d.add_argument("--agents", type=int, default=16, help="drone processes (default 16)")
+    d.add_argument("--seconds", type=float, default=8.0, help="flight time per run (default 8)")
+    d.add_argument("--rate", type=float, default=50.0, help="state updates per second (default 50)")
+    d.add_argument("--neighbours", type=int, default=8, help="states read per tick (default 8)")
+    d.add_argument("--baseline", choices=["auto", "redis", "manager", "none"], default="auto",
+                   help="central store to compare with (auto: Redis if installed, else manager)")
+    d.add_argument("--plot", metavar="FILE.png", help="write a latency plot")
+    d.add_argument("--name", default="demo", help="L2 namespace to use (purged before and after)")
+    d.add_argument("--config", help="a kvcomm YAML config")
+    d.set_defaults(func=_demo)
+
+    i = sub.add_parser("info", help="show a namespace's L2 segment use")
+    i.add_argument("--name", default="default")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_info)
+
+    u = sub.add_parser("purge", help="remove a namespace's L2 segment")
+    u.add_argument("--name", required=True)
+    u.set_defaults(func=_purge)
+
+    c = sub.add_parser("config", help="print the effective config")
+    c.add_argument("--show", action="store_true", required=True)
+    c.add_argument("--config", help="a kvcomm YAML config (default: built-in defaults)")
+    c.set_defaults(func=_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KVCommError as exc:
+        print(f"kvcomm: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
