@@ -34,7 +34,8 @@ from .tiers import l2 as l2mod
 from .tiers.l1 import L1Cache, L1Entry
 from .tiers.l2 import KIND_DELETE, L2Segment, Layout, Record, key_hash
 
-_new_version = tuple.__new__
+_new_version = _new_entry = tuple.__new__  # skips NamedTuple's Python-level __new__
+_BYTES, _NDARRAY = codec.BYTES, codec.NDARRAY
 _CONSISTENCY = (None, "eventual", "strong")
 _MAX_UPDATE_RETRIES = 100_000
 _KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
@@ -115,6 +116,15 @@ class _Shared:
 
 
 _CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+_VIEWS: dict[int, Any] = {}  # weakrefs to live zero-copy views, by id
+
+
+def _unpinner(seg: L2Segment, index: int) -> Callable[[Any], None]:
+    def unpin(ref: Any) -> None:
+        _VIEWS.pop(id(ref), None)
+        seg.unpin(index)
+
+    return unpin
 
 
 def _mark_forked() -> None:
@@ -144,6 +154,7 @@ class Client:
         self._host = self._seg.host_id
         self._l1 = L1Cache(self.config.cache.l1_size)
         self._l1_entries = self._l1.entries
+        self._l1_on = self.config.cache.l1_size > 0
         self._max_key = min(self.config.cache.max_key_bytes, self._seg.layout.max_key)
         self._max_value = self.config.cache.max_value_size
         self._zc = self.config.network.zero_copy_threshold
@@ -154,9 +165,11 @@ class Client:
         self._unusable = False  # closed, or inherited through fork(): every call checks this
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
-            ("l1_hits", "l2_hits", "l2_misses", "puts", "deletes", "conflicts", "views"), 0
+            ("puts", "deletes", "conflicts", "views"), 0
         )
         self._l1_hits = 0
+        self._l2_hits = 0
+        self._l2_misses = 0
         self._puts = 0
         self._keys: dict[str, tuple[bytes, int]] = {}
         self._host_vec = ((self._host, 0),)
@@ -250,49 +263,63 @@ class Client:
         """L2 (then, in cluster mode, L3) lookup; the value, or an Item if ``want_item``."""
         if self._unusable:
             self._live()
-        kb, h = self._key_hash(key)
-        seg = self._seg
-        rec = seg.read(kb, h, self._zc)
-        counters = self.counters
-        if rec is None:
-            counters["l2_misses"] += 1
-            return None if want_item else default
-        counters["l2_hits"] += 1
-        if rec.value is None:
+        kh = self._keys.get(key) if type(key) is str else None
+        kb, h = self._key_hash(key) if kh is None else kh
+        rec = self._seg._core.read(kb, h, self._zc)
+        if type(rec) is not tuple:
+            if rec is None:
+                self._l2_misses += 1
+                return None if want_item else default
+            rec = self._seg.read(kb, h, self._zc)  # a stuck writer: the slow, careful path
+            if rec is None:
+                self._l2_misses += 1
+                return None if want_item else default
+        self._l2_hits += 1
+        # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
+        tag = rec[2]
+        raw = rec[4]
+        if raw is None:
             item = self._get_view(key, kb, h)
             if want_item:
                 return item
             return default if item is None else item.value
-        try:
-            value = codec.decode(rec.tag, rec.meta, rec.value)
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
-            raise SegmentError(f"stored value of {key!r} cannot be decoded ({exc})") from None
-        if rec.tag != codec.NDARRAY:
-            self._l1.store(key, L1Entry(value, rec.word, rec.seq, rec.size, rec.counter,
-                                        rec.hlc, rec.vvx))
-        if not want_item:
-            return value
-        return Item(key, value, self._version(rec.counter, rec.hlc, rec.vvx), "l2")
-
-    def _get_view(self, key: str, kb: bytes, h: int) -> Item | None:
-        seg = self._seg
-        pinned = seg.pin(kb, h)
-        if pinned is None:
-            return None
-        rec, index, off = pinned
-        if index < 0:  # pin table full: a read-only copy keeps the promise "never changes"
-            assert rec.value is not None
-            arr = codec.decode(rec.tag, rec.meta, rec.value)
-            arr.flags.writeable = False
+        if tag == _BYTES:
+            value = raw
         else:
             try:
-                arr = codec.array_view(rec.meta, seg.view(off, rec))
-            except BaseException:
+                value = codec.decode(tag, rec[3], raw)
+            except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+                raise SegmentError(f"stored value of {key!r} cannot be decoded ({exc})") from None
+        if tag != _NDARRAY and self._l1_on:
+            self._l1.store(key, _new_entry(L1Entry, (value, rec[0], rec[1], rec[8], rec[5],
+                                                     rec[6], rec[7])))
+        if not want_item:
+            return value
+        return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2")
+
+    def _get_view(self, key: str, kb: bytes, h: int) -> Item | None:
+        """A large array: pin its block and hand out a read-only view of shared memory."""
+        seg = self._seg
+        r = seg.pin(kb, h)
+        if r is None:
+            return None
+        index, buf = r[8], r[9]
+        try:
+            arr = codec.array_view(r[3], buf)
+        except BaseException:
+            if index >= 0:
                 seg.unpin(index)
-                raise
-            weakref.finalize(arr, seg.unpin, index)
+            raise
+        if index < 0:  # the pin table was full: ``buf`` is already a private copy
+            arr = arr.copy()
+            arr.flags.writeable = False
+        else:
+            # unpin when the last reference to the view goes (a weakref callback costs a
+            # tenth of weakref.finalize); the registry keeps the weakref itself alive
+            ref = weakref.ref(arr, _unpinner(seg, index))
+            _VIEWS[id(ref)] = ref
             self.counters["views"] += 1
-        return Item(key, arr, self._version(rec.counter, rec.hlc, rec.vvx), "l2")
+        return Item(key, arr, self._version(r[4], r[5], r[6]), "l2")
 
     # ------------------------------------------------------------------ writes
 
@@ -310,20 +337,32 @@ class Client:
             _bad_consistency(consistency)
         if self._unusable:
             self._live()
-        kb, h = self._key_hash(key)
-        tag, meta, payload = self._encode(value)
-        check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
-        if self._validators:
-            validator = self._validator_for(key)
-            if validator is not None:
-                return self._put_validated(key, kb, h, value, (tag, meta, payload), check,
-                                           validator)
-        counter, hlc, vvx, _, _ = self._seg.write(kb, h, tag, meta, payload,
-                                                  now_ms=time.time_ns() // 1_000_000,
-                                                  expect=check)
+        kh = self._keys.get(key) if type(key) is str else None
+        kb, h = self._key_hash(key) if kh is None else kh
+        if type(value) is bytes:  # the commonest payload needs no codec call
+            tag, meta, payload = codec.BYTES, b"", value
+        else:
+            tag, meta, payload = codec.encode(value)
+        if len(payload) > self._max_value:
+            self._encode(value)  # raises ValueTooLarge with the message
+        if expect is not _NO_CHECK or self._validators:
+            return self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
+        counter, hlc, vvx, _, _ = self._seg.write_fast(kb, h, tag, meta, payload,
+                                                       time.time_ns() // 1_000_000)
         self._puts += 1
         if not vvx:
             return _new_version(Version, (((self._host, counter),), hlc))  # type: ignore[no-any-return]
+        return self._version(counter, hlc, vvx)
+
+    def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
+                     encoded: tuple[int, bytes, bytes | memoryview], expect: Any) -> Version:
+        """put() with expect= and/or a validator for the key's prefix."""
+        check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        validator = self._validator_for(key) if self._validators else None
+        if validator is not None:
+            return self._put_validated(key, kb, h, value, encoded, check, validator)
+        counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=check)
+        self._puts += 1
         return self._version(counter, hlc, vvx)
 
     def _expect_fn(self, key: str, expect: Any) -> Callable[[Record | None], None]:
@@ -479,13 +518,14 @@ class Client:
         """Per-tier hits/misses of this process, entries, bytes used and evictions."""
         c = self.counters
         l1_hits = self._l1_hits
-        l2_lookups = c["l2_hits"] + c["l2_misses"]
+        l2_hits, l2_misses = self._l2_hits, self._l2_misses
+        l2_lookups = l2_hits + l2_misses
         info = self._seg.info() if not self._closed else {}
         return {
             "l1": {"hits": l1_hits, "misses": l2_lookups, "entries": len(self._l1_entries),
                    "bytes": self._l1.bytes, "max_bytes": self._l1.max_bytes,
                    "evictions": self._l1.evictions},
-            "l2": {"hits": c["l2_hits"], "misses": c["l2_misses"],
+            "l2": {"hits": l2_hits, "misses": l2_misses,
                    "entries": info.get("entries", 0), "bytes": info.get("used_bytes", 0),
                    "capacity_bytes": info.get("data_bytes", 0),
                    "evictions": info.get("evictions", 0),
@@ -535,13 +575,17 @@ class Batch:
 
     def put(self, key: str, value: Any) -> None:
         c = self._client
-        kb = c._key(key)
-        tag, meta, payload = c._encode(value)
+        kh = c._keys.get(key) if type(key) is str else None
+        kb, h = c._key_hash(key) if kh is None else kh
+        if type(value) is bytes and len(value) <= c._max_value:
+            tag, meta, payload = codec.BYTES, b"", value
+        else:
+            tag, meta, payload = c._encode(value)
         if c._validators:
             validator = c._validator_for(key)
             if validator is not None:
                 _run_validator(validator, key, c._get_slow(key, None, True), value)
-        self._ops.append((kb, key_hash(kb), tag, meta, payload))
+        self._ops.append((kb, h, tag, meta, payload))
         self._keys.append(key)
 
     def delete(self, key: str) -> None:

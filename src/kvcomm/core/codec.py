@@ -124,14 +124,32 @@ def decode(tag: int, meta: bytes, payload: bytes | memoryview) -> Any:
     raise ValueError(f"unknown value tag {tag}")
 
 
+_HEADERS: dict[bytes, tuple[Any, tuple[int, ...]]] = {}  # parsed array headers, bounded
+
+
+def _array_header(meta: bytes) -> tuple[Any, tuple[int, ...]]:
+    hdr = _HEADERS.get(meta)
+    if hdr is None:
+        dtype_str, shape = msgpack.unpackb(meta, raw=False)
+        dtype = _np.dtype(dtype_str)
+        if dtype.kind not in _NUMERIC_KINDS or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError("malformed array header")
+        hdr = (dtype, tuple(shape))
+        if len(_HEADERS) > 4096:
+            _HEADERS.clear()
+        _HEADERS[meta] = hdr
+    return hdr
+
+
 def array_view(meta: bytes, payload: bytes | memoryview) -> Any:
     """A read-only ndarray over ``payload`` (no copy). Raises ValueError if malformed."""
     if _np is None:
         raise UnsupportedValue("this value is a numpy array: install numpy to read it")
-    dtype_str, shape = msgpack.unpackb(meta, raw=False)
-    dtype = _np.dtype(dtype_str)
-    if dtype.kind not in _NUMERIC_KINDS or not all(type(n) is int and n >= 0 for n in shape):
-        raise ValueError("malformed array header")
+    dtype, shape = _array_header(meta)
     mv = payload if isinstance(payload, memoryview) else memoryview(payload)
-    arr = _np.frombuffer(mv.toreadonly(), dtype=dtype).reshape(tuple(shape))
-    return arr
+    if not mv.readonly:
+        mv = mv.toreadonly()
+    # frombuffer keeps the read-only memoryview as the base, so WRITEABLE can never be
+    # switched back on (np.ndarray(buffer=...) would expose the writable mapping)
+    arr = _np.frombuffer(mv, dtype=dtype)
+    return arr if len(shape) == 1 else arr.reshape(shape)

@@ -37,18 +37,19 @@ class L1Cache:
         self._lock = threading.Lock()
 
     def store(self, key: str, entry: L1Entry) -> None:
-        if entry.size > self.max_bytes:
-            self.discard(key)
+        size = entry[3]
+        if size > self.max_bytes:
+            if self.entries:
+                self.discard(key)
             return
         with self._lock:
-            old = self.entries.pop(key, None)
-            if old is not None:
-                self.bytes -= old.size
-            self.entries[key] = entry
-            self.bytes += entry.size
+            entries = self.entries
+            old = entries.pop(key, None)
+            entries[key] = entry
+            self.bytes += size if old is None else size - old[3]
             while self.bytes > self.max_bytes:
-                _, victim = self.entries.popitem(last=False)
-                self.bytes -= victim.size
+                _, victim = entries.popitem(last=False)
+                self.bytes -= victim[3]
                 self.evictions += 1
 
     def touch(self, key: str) -> None:

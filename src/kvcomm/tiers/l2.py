@@ -48,19 +48,20 @@ import os
 import platform
 import re
 import stat
-import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
+from .. import _l2core
 from .._atomic import Atomics
-from ..core.versions import hlc_tick
 from ..errors import KVCommError, SegmentError, Unavailable, ValueTooLarge
+
+_l2core.set_segment_error(SegmentError)
 
 MAGIC = int.from_bytes(b"KVCOMM\x00\x02", "little")
 LAYOUT_VERSION = 1
@@ -89,11 +90,8 @@ H_ENTRIES, H_USED, H_EVICTIONS, H_RECOVERIES, H_DEFERRED, H_PIN_HWM = 24, 25, 26
 H_FREE = 40  # 64 words of free-list heads, one per block order
 HOST_ID_AT = 1024  # 1 length byte + up to 64 bytes
 
-# A record header (8 words) and a feed entry header (4 words). Packing them with one
-# struct call is safe only because the block / entry is not yet published when written
-# (struct stores are not atomic, see FACTS.md); reads unpack them and then re-check seq.
-_REC = struct.Struct("<8Q")
-_FEED = struct.Struct("<4Q")
+# Statuses of _l2core.Core.put when it changed nothing.
+NEED_SPACE, NEED_SLOT, TOO_LARGE, CORRUPT = 1, 2, 3, 4
 
 STATE_OK = 0
 STATE_PURGED = 1
@@ -223,19 +221,21 @@ class Layout:
         return lay
 
 
-@dataclass(slots=True)
-class Record:
+class Record(NamedTuple):
     """A copy of one record, taken consistently by a lock-free read."""
 
     word: int  # index of the slot's seq word, for L1 revalidation
     seq: int
     tag: int
     meta: bytes
-    value: bytes | None
+    value: bytes | None  # None: a large array, to be pinned and viewed instead
     counter: int
     hlc: int
     vvx: bytes
     size: int
+
+
+_new_record = tuple.__new__
 
 
 @dataclass(slots=True)
@@ -362,7 +362,7 @@ class L2Segment:
         # the whole data area is free: one block of top order per tile
         step = 1 << lay.top_order
         for off in range(lay.data_off, lay.data_off + lay.data_size, step):
-            self._push_free(off, lay.top_order)
+            self._core.push_free(off, lay.top_order)
         self._atom.store(H_MAGIC * 8, MAGIC)  # last: attachers wait for it
 
     def _bind_layout(self) -> None:
@@ -376,28 +376,40 @@ class L2Segment:
         self._feed_off = lay.feed_off
         self._feed_n = lay.feed_n
         self._feed_esz = lay.feed_esz
+        self._core = _l2core.Core(self._mm, lay.data_off, lay.data_size, lay.top_order,
+                                  lay.slots_off, lay.n_slots, lay.meta_off, lay.feed_off,
+                                  lay.feed_n, lay.feed_esz, lay.defer_off, lay.n_pins, lay.max_key)
 
     # ---------------------------------------------------------------- lock
 
     def _acquire(self) -> None:
         self._tlock.acquire()
         try:
-            if not self._atom.cas(H_LOCK * 8, 0, self._pid):
-                self._acquire_slow()
-            q = self._q
-            if q[H_STATE] != STATE_OK:
-                self._atom.store(H_LOCK * 8, 0)
-                raise SegmentError(f"namespace {self.name!r} was purged; open it again")
-            if q[H_BUSY]:
-                self._recover()
-            q[H_BUSY] = 1
+            status = self._core.try_lock(self._pid)
+            if status:
+                if status == 1:
+                    self._acquire_slow()
+                self._after_lock()
         except BaseException:
             self._tlock.release()
             raise
 
+    def _after_lock(self) -> None:
+        """Lock held, busy not yet set: refuse a purged segment, recover from a dead writer."""
+        q = self._q
+        if q[H_STATE] != STATE_OK:
+            self._atom.store(H_LOCK * 8, 0)
+            raise SegmentError(f"namespace {self.name!r} was purged; open it again")
+        if q[H_BUSY]:
+            try:
+                self._recover()
+            except BaseException:
+                self._atom.store(H_LOCK * 8, 0)  # busy stays set: the next writer retries
+                raise
+        q[H_BUSY] = 1
+
     def _release(self) -> None:
-        self._q[H_BUSY] = 0
-        self._atom.store(H_LOCK * 8, 0)
+        self._core.unlock()
         self._tlock.release()
 
     def _acquire_slow(self) -> None:
@@ -427,192 +439,33 @@ class L2Segment:
             else:
                 time.sleep(0.0001)
 
-    # ---------------------------------------------------------------- heap
-
-    def _push_free(self, off: int, order: int) -> None:
-        q = self._q
-        head = q[H_FREE + order]
-        bi = off >> 3
-        q[bi + 1] = head
-        q[bi + 2] = 0
-        if head:
-            q[(head >> 3) + 2] = off
-        q[H_FREE + order] = off
-        self._meta[(off - self._data_off) >> MIN_ORDER] = 0x80 | (order - MIN_ORDER + 1)
-
-    def _unlink_free(self, off: int, order: int) -> None:
-        q = self._q
-        bi = off >> 3
-        nxt = q[bi + 1]
-        prv = q[bi + 2]
-        if prv:
-            q[(prv >> 3) + 1] = nxt
-        else:
-            q[H_FREE + order] = nxt
-        if nxt:
-            q[(nxt >> 3) + 2] = prv
-        self._meta[(off - self._data_off) >> MIN_ORDER] = 0
-
-    def _alloc(self, order: int) -> int:
-        """A block of 2**order bytes, or 0 when none is free."""
-        q = self._q
-        off = q[H_FREE + order]
-        if off:  # the common case: a block of exactly this order is free
-            nxt = q[(off >> 3) + 1]
-            q[H_FREE + order] = nxt
-            if nxt:
-                q[(nxt >> 3) + 2] = 0
-        else:
-            top = self._top
-            j = order + 1
-            while j <= top and q[H_FREE + j] == 0:
-                j += 1
-            if j > top:
-                return 0
-            off = q[H_FREE + j]
-            self._unlink_free(off, j)
-            while j > order:
-                j -= 1
-                self._push_free(off + (1 << j), j)
-        self._meta[(off - self._data_off) >> MIN_ORDER] = order - MIN_ORDER + 1
-        q[H_USED] += 1 << order
-        return off
-
-    def _free(self, off: int) -> None:
-        meta = self._meta
-        base = self._data_off
-        top = self._top
-        order = (meta[(off - base) >> MIN_ORDER] & 0x7F) + MIN_ORDER - 1
-        self._q[H_USED] -= 1 << order
-        while order < top:
-            buddy = ((off - base) ^ (1 << order)) + base
-            if meta[(buddy - base) >> MIN_ORDER] != (0x80 | (order - MIN_ORDER + 1)):
-                break
-            self._unlink_free(buddy, order)
-            meta[(max(off, buddy) - base) >> MIN_ORDER] = 0
-            off = min(off, buddy)
-            order += 1
-        self._push_free(off, order)
-
-    def _release_block(self, off: int) -> None:
-        """Free a block no slot references any more, or park it while views pin it."""
-        q = self._q
-        if q[(off >> 3) + 6] == 0:
-            self._free(off)
-            return
-        self._defer(off)
-
-    def _defer(self, off: int) -> None:
-        q = self._q
-        d0 = self.layout.defer_off >> 3
-        for i in range(self.layout.n_pins):
-            if q[d0 + i] == 0:
-                q[d0 + i] = off
-                q[H_DEFERRED] += 1
-                return
-        raise SegmentError("deferred table overflow (corrupt pin counts); purge the namespace")
-
     # ---------------------------------------------------------------- reads (lock-free)
 
     def read(self, key_b: bytes, h: int, zero_copy: int = 1 << 62) -> Record | None:
-        """A consistent copy of the record for ``key_b``, or None when absent.
+        """A consistent copy of the record for ``key_b``, or None when absent. Lock-free.
 
         An array value of ``zero_copy`` bytes or more is not copied: ``value`` is None and
-        the caller takes a view with :meth:`pin`.
+        the caller takes a view with :meth:`pin`. Raises SegmentError on a corrupt record.
         """
-        q = self._q
-        mm = self._mm
-        unpack = _REC.unpack_from
-        mask = self._mask
-        sbase = self._sbase
-        i = h & mask
-        for _ in range(MAX_PROBE):
-            w = sbase + i * SLOT_WORDS
-            spins = 0
-            while True:
-                s = q[w]
-                if s & 1:
-                    spins += 1
-                    self._wait_odd(spins)
-                    continue
-                off = q[w + 2]
-                if off == EMPTY:
-                    return None
-                if off == TOMB or q[w + 1] != h:
-                    break
-                rlen, counter, hlc, info, vlen, vrel, _, mlen = unpack(mm, off)
-                klen = info & 0xFFFF
-                p = off + REC_HEADER
-                same_key = mm[p : p + klen] == key_b
-                tag = (info >> 16) & 0xFF
-                if not same_key or vlen > rlen:
-                    value: bytes | None = b""
-                elif tag == 4 and vlen >= zero_copy:
-                    value = None
-                else:
-                    value = mm[off + vrel : off + vrel + vlen]
-                vvlen = info >> 24
-                if vvlen or mlen:
-                    p += klen
-                    vvx = mm[p : p + vvlen]
-                    meta = mm[p + vvlen : p + vvlen + mlen]
-                else:
-                    vvx = meta = b""
-                if q[w] != s:
-                    continue  # changed under us: retry this slot
-                if not same_key:
-                    break
-                if rlen > self._max_record or (value is not None and len(value) != vlen):
-                    raise SegmentError(f"corrupt record in {self.name!r}; purge the namespace")
-                if not q[w + 3]:
-                    q[w + 3] = 1
-                return Record(w, s, tag, meta, value, counter, hlc, vvx, rlen)
-            i = (i + 1) & mask
-        return None
+        r = self._core.read(key_b, h, zero_copy)
+        while type(r) is int:  # a slot stayed odd: its writer is slow, or died mid-publish
+            self._help_stuck_writer()
+            r = self._core.read(key_b, h, zero_copy)
+        return None if r is None else _new_record(Record, r)  # type: ignore[no-any-return]
 
     def seq_at(self, word: int) -> int:
         return self._q[word]  # type: ignore[no-any-return]
 
-    def _wait_odd(self, spins: int) -> None:
-        """A slot stays odd only while a writer publishes; if that writer died, recover."""
-        if spins < 100:
-            return
-        if spins % 100 == 0:
-            owner = self._atom.load(H_LOCK * 8)
-            if owner == 0 or not _pid_alive(owner):
-                self._acquire()  # runs recovery if the dead writer left busy set
-                self._release()
-                return
-        if spins > 200:
-            time.sleep(0.00005)
+    def _help_stuck_writer(self) -> None:
+        """If the lock owner is dead, take the lock (which recovers); else let it run."""
+        owner = self._atom.load(H_LOCK * 8)
+        if owner == 0 or not _pid_alive(owner):
+            self._acquire()
+            self._release()
+        else:
+            time.sleep(0.0001)
 
     # ---------------------------------------------------------------- writes (locked)
-
-    def _find(self, key_b: bytes, h: int) -> tuple[int, int]:
-        """Under the lock: (slot word of key or -1, first reusable slot word or -1)."""
-        q = self._q
-        mm = self._mm
-        mask = self._mask
-        sbase = self._sbase
-        i = h & mask
-        free = -1
-        for _ in range(MAX_PROBE):
-            w = sbase + i * SLOT_WORDS
-            off = q[w + 2]
-            if off == EMPTY:
-                return -1, (w if free < 0 else free)
-            if off == TOMB:
-                if free < 0:
-                    free = w
-            elif q[w + 1] == h:
-                p = off + REC_HEADER
-                if mm[p : p + (q[(off >> 3) + 3] & 0xFFFF)] == key_b:
-                    return w, free
-            i = (i + 1) & mask
-        return -1, free
-
-    def fits(self, size: int) -> bool:
-        return size <= self._max_record
 
     def write(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
               *, now_ms: int, expect: Callable[[Record | None], None] | None = None,
@@ -628,6 +481,26 @@ class L2Segment:
         finally:
             self._release()
 
+    def write_fast(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
+                   now_ms: int) -> tuple[int, int, bytes, int, int]:
+        """:meth:`write` without ``expect``: a single C call under the lock in the common case."""
+        with self._tlock:
+            core = self._core
+            status = core.try_lock(self._pid)
+            if status == 0:
+                r = core.put(key_b, h, tag, meta, value, now_ms, 0)
+                core.unlock()
+                if type(r) is tuple:
+                    return r  # type: ignore[no-any-return]
+            elif status == 2:  # locked, but pins to sweep or a dead writer to recover from
+                self._after_lock()
+                try:
+                    return self._write_locked(key_b, h, tag, meta, value, now_ms, None, False)
+                finally:
+                    core.unlock()
+        # contended, or the put needs eviction first: the general path
+        return self.write(key_b, h, tag, meta, value, now_ms=now_ms)
+
     def write_many(
         self, ops: list[tuple[Any, ...]], now_ms: int
     ) -> list[tuple[int, int, bytes, int, int] | bool]:
@@ -635,11 +508,17 @@ class L2Segment:
         out: list[tuple[int, int, bytes, int, int] | bool] = []
         self._acquire()
         try:
+            if self._q[H_RELEASED] or self._q[H_DEFERRED]:
+                self._sweep_released()
+            put = self._core.put
             for op in ops:
                 if len(op) == 2:
-                    out.append(self._delete_locked(op[0], op[1], now_ms, None))
-                else:
-                    out.append(self._write_locked(*op, now_ms, None, False))
+                    out.append(self._core.delete(op[0], op[1], now_ms))
+                    continue
+                r = put(op[0], op[1], op[2], op[3], op[4], now_ms, 0)
+                if type(r) is not tuple:  # needs eviction first
+                    r = self._write_locked(*op, now_ms, None, False)
+                out.append(r)
         finally:
             self._release()
         return out
@@ -649,79 +528,29 @@ class L2Segment:
                       expect: Callable[[Record | None], None] | None,
                       dirty: bool) -> tuple[int, int, bytes, int, int]:
         q = self._q
-        mm = self._mm
+        core = self._core
         if q[H_RELEASED] or q[H_DEFERRED]:
             self._sweep_released()
-        w, free = self._find(key_b, h)
-        old = q[w + 2] if w >= 0 else 0
-        vvx = b""
-        if old:
-            info = q[(old >> 3) + 3]
-            if info >> 24:  # the replaced write's vector entries of other hosts carry over
-                p = old + REC_HEADER + (info & 0xFFFF)
-                vvx = mm[p : p + (info >> 24)]
         if expect is not None:
+            w, _ = core.find(key_b, h)
             expect(self._record_locked(w) if w >= 0 else None)
-        klen = len(key_b)
-        vlen = len(value)
-        vrel = REC_HEADER + klen + len(vvx) + len(meta)
-        if tag == 4:  # arrays start 64-aligned so that views of them are aligned
-            vrel = (vrel + 63) & ~63
-        size = vrel + vlen
-        if size > self._max_record:
-            raise ValueTooLarge(
-                f"record of {size} bytes can never fit in L2 of {self.name!r} (largest block "
-                f"{self._max_record} bytes); raise cache.l2_size or store less"
-            )
-        order = (size - 1).bit_length()
-        if order < MIN_ORDER:
-            order = MIN_ORDER
-        off = self._alloc(order) or self._alloc_evicting(order, protect=w)
-        if w < 0:  # eviction may have moved where the first reusable slot is
-            _, free = self._find(key_b, h)
-            if free < 0:
-                self._evict_in_window(h)
-                _, free = self._find(key_b, h)
-        # build the record in its fresh block, unpublished, so plain stores are fine
-        counter = q[H_WSEQ] + 1
-        q[H_WSEQ] = counter
-        hlc = now_ms << 16
-        last = q[H_HLC]
-        if hlc <= last:
-            hlc = last + 1
-        q[H_HLC] = hlc
-        _REC.pack_into(mm, off, size, counter, hlc, klen | (tag << 16) | (len(vvx) << 24),
-                       vlen, vrel, 0, len(meta))
-        p = off + REC_HEADER
-        if vvx or meta:
-            mm[p : p + klen + len(vvx) + len(meta)] = key_b + vvx + meta
-        else:
-            mm[p : p + klen] = key_b
-        mm[off + vrel : off + size] = value
-        # publish: seq odd, swap, seq even (the atomic add is the full barrier before pins)
-        add = self._atom.add
         flags = FLAG_DIRTY if dirty else 0
-        if w >= 0:
-            add(w * 8, 1)
-            q[w + 2] = off
-            q[w + 4] = flags
-            seq = add(w * 8, 1)
-            q[w + 3] = 1
-            if q[(old >> 3) + 6]:
-                self._defer(old)
+        r = core.put(key_b, h, tag, meta, value, now_ms, flags)
+        while type(r) is int:
+            if r == NEED_SPACE:
+                w, _ = core.find(key_b, h)
+                self._make_space(REC_HEADER + len(key_b) + len(meta) + len(value) + 64, protect=w)
+            elif r == NEED_SLOT:
+                self._evict_in_window(h)
+            elif r == TOO_LARGE:
+                raise ValueTooLarge(
+                    f"a record of {len(value)} value bytes can never fit in L2 of {self.name!r} "
+                    f"(largest block {self._max_record} bytes); raise cache.l2_size or store less"
+                )
             else:
-                self._free(old)
-        else:
-            w = free
-            add(w * 8, 1)
-            q[w + 1] = h
-            q[w + 2] = off
-            q[w + 4] = flags
-            seq = add(w * 8, 1)
-            q[w + 3] = 1
-            q[H_ENTRIES] += 1
-        self._feed_append(KIND_PUT, key_b, counter, hlc)
-        return counter, hlc, vvx, w, seq
+                raise SegmentError(f"L2 of {self.name!r} is corrupt; purge the namespace")
+            r = core.put(key_b, h, tag, meta, value, now_ms, flags)
+        return r  # type: ignore[no-any-return]
 
     def delete(self, key_b: bytes, h: int, *, now_ms: int,
                expect: Callable[[Record | None], None] | None = None) -> bool:
@@ -734,40 +563,10 @@ class L2Segment:
 
     def _delete_locked(self, key_b: bytes, h: int, now_ms: int,
                        expect: Callable[[Record | None], None] | None) -> bool:
-        q = self._q
-        w, _ = self._find(key_b, h)
         if expect is not None:
+            w, _ = self._core.find(key_b, h)
             expect(self._record_locked(w) if w >= 0 else None)
-        if w < 0:
-            return False
-        counter = q[H_WSEQ] + 1
-        q[H_WSEQ] = counter
-        hlc = hlc_tick(q[H_HLC], now_ms)
-        q[H_HLC] = hlc
-        self._unlink_slot(w)
-        self._feed_append(KIND_DELETE, key_b, counter, hlc)
-        return True
-
-    def _unlink_slot(self, w: int) -> None:
-        q = self._q
-        atom = self._atom
-        old = q[w + 2]
-        atom.add(w * 8, 1)
-        q[w + 2] = TOMB
-        q[w + 1] = 0
-        atom.add(w * 8, 1)
-        q[H_ENTRIES] -= 1
-        self._release_block(old)
-        # a tombstone followed by an empty slot ends every probe chain: turn trailing
-        # tombstones back into empty slots so misses stay short
-        nxt = self._sbase + (((w - self._sbase) // SLOT_WORDS + 1) & self._mask) * SLOT_WORDS
-        if q[nxt + 2] != EMPTY:
-            return
-        while q[w + 2] == TOMB:
-            atom.add(w * 8, 1)
-            q[w + 2] = EMPTY
-            atom.add(w * 8, 1)
-            w = self._sbase + (((w - self._sbase) // SLOT_WORDS - 1) & self._mask) * SLOT_WORDS
+        return self._core.delete(key_b, h, now_ms)  # type: ignore[no-any-return]
 
     def _record_locked(self, w: int) -> Record:
         q = self._q
@@ -777,29 +576,26 @@ class L2Segment:
         klen = info & 0xFFFF
         vvlen = (info >> 24) & 0xFFFFFFFF
         p = off + REC_HEADER + klen
-        return Record(w, q[w], (info >> 16) & 0xFF, b"", b"", q[bi + 1], q[bi + 2],
-                      self._buf[p : p + vvlen].tobytes(), q[bi])
+        return Record(w, q[w], (info >> 16) & 0xFF, self._mm[p + vvlen : p + vvlen + q[bi + 7]],
+                      b"", q[bi + 1], q[bi + 2], self._mm[p : p + vvlen], q[bi])
 
     # ---------------------------------------------------------------- eviction
 
     def _evict_slot(self, w: int) -> None:
-        q = self._q
-        off = q[w + 2]
-        klen = q[(off >> 3) + 3] & 0xFFFF
-        key_b = self._buf[off + REC_HEADER : off + REC_HEADER + klen].tobytes()
-        counter = q[H_WSEQ] + 1
-        q[H_WSEQ] = counter
-        self._unlink_slot(w)
-        q[H_EVICTIONS] += 1
-        self._feed_append(KIND_DELETE, key_b, counter, q[H_HLC])
+        self._core.evict(w)
+        self._q[H_EVICTIONS] += 1
 
-    def _alloc_evicting(self, order: int, protect: int) -> int:
-        """CLOCK over all slots: evict clean, unreferenced entries until ``order`` fits."""
+    def _has_free(self, order: int) -> bool:
         q = self._q
+        return any(q[H_FREE + j] for j in range(order, self._top + 1))
+
+    def _make_space(self, size: int, protect: int) -> None:
+        """CLOCK over all slots: evict clean, unreferenced entries until ``size`` fits."""
+        q = self._q
+        order = max(MIN_ORDER, (size - 1).bit_length())
         self._sweep_pins(check_dead=True)
-        off = self._alloc(order)
-        if off:
-            return off
+        if self._has_free(order):
+            return
         n = self.layout.n_slots
         hand = q[H_CLOCK] % n
         for _ in range(2 * n + 1):
@@ -812,10 +608,9 @@ class L2Segment:
                 q[w + 3] = 0
                 continue
             self._evict_slot(w)
-            off = self._alloc(order)
-            if off:
+            if self._has_free(order):
                 q[H_CLOCK] = hand
-                return off
+                return
         q[H_CLOCK] = hand
         raise Unavailable(
             f"L2 of {self.name!r} is full: {q[H_DEFERRED]} blocks are pinned by zero-copy views "
@@ -829,6 +624,8 @@ class L2Segment:
         for rnd in range(2):
             for k in range(MAX_PROBE):
                 w = self._sbase + ((base + k) & self._mask) * SLOT_WORDS
+                if q[w + 2] <= TOMB:
+                    return  # a slot came free meanwhile
                 if q[w + 4] & FLAG_DIRTY:
                     continue
                 if q[w + 3] and rnd == 0:
@@ -840,43 +637,26 @@ class L2Segment:
 
     # ---------------------------------------------------------------- pins (zero-copy views)
 
-    def pin(self, key_b: bytes, h: int) -> tuple[Record, int, int] | None:
-        """Pin the block of ``key_b``. Returns (record, pin index, block offset) or None when
-        absent; pin index -1 when the pin table is full (then the caller must copy)."""
+    def pin(self, key_b: bytes, h: int) -> tuple[Any, ...] | None:
+        """Pin the block of ``key_b`` so that it outlives overwrites; None when absent.
+
+        Returns ``(word, seq, tag, meta, counter, hlc, vvx, size, pin, view)``: ``view`` is a
+        read-only memoryview of the value, valid until :meth:`unpin` of ``pin``; when the pin
+        table is full ``pin`` is -1 and ``view`` is a private copy instead.
+        """
         self._acquire()
         try:
-            self._sweep_released()
-            w, _ = self._find(key_b, h)
-            if w < 0:
+            if self._q[H_RELEASED]:
+                self._sweep_pins(check_dead=False)
+            r = self._core.pin(key_b, h, self._pid)
+            if r is None:
                 return None
-            q = self._q
-            off = q[w + 2]
-            bi = off >> 3
-            rec = self._record_locked(w)
-            p = off + REC_HEADER + (q[bi + 3] & 0xFFFF) + len(rec.vvx)
-            rec.meta = self._buf[p : p + q[bi + 7]].tobytes()
-            q[w + 3] = 1
-            lay = self.layout
-            p0 = lay.pins_off >> 3
-            for i in range(lay.n_pins):
-                if q[p0 + 2 * i] == 0:
-                    q[p0 + 2 * i] = off
-                    q[p0 + 2 * i + 1] = self._pid
-                    q[bi + 6] += 1
-                    if i >= q[H_PIN_HWM]:
-                        q[H_PIN_HWM] = i + 1
-                    return rec, i, off
-            # pin table full: hand out a copy taken under the lock instead of a view
-            vrel, vlen = q[bi + 5], q[bi + 4]
-            rec.value = self._buf[off + vrel : off + vrel + vlen].tobytes()
-            return rec, -1, off
+            voff, vlen = r[9], r[10]
+            if r[8] < 0:  # pin table full: a copy taken under the lock keeps the promise
+                return (*r[:9], self._mm[voff : voff + vlen])
+            return (*r[:9], self._ro[voff : voff + vlen])
         finally:
             self._release()
-
-    def view(self, off: int, rec: Record) -> memoryview:
-        bi = off >> 3
-        vrel, vlen = self._q[bi + 5], self._q[bi + 4]
-        return self._ro[off + vrel : off + vrel + vlen]
 
     def unpin(self, index: int) -> None:
         """Called from a view's finalizer in any thread: lock-free, the next writer sweeps."""
@@ -934,19 +714,9 @@ class L2Segment:
                 if off and q[(off >> 3) + 6] == 0:
                     q[d0 + i] = 0
                     q[H_DEFERRED] -= 1
-                    self._free(off)
+                    self._core.free(off)
 
     # ---------------------------------------------------------------- change feed
-
-    def _feed_append(self, kind: int, key_b: bytes, counter: int, hlc: int) -> None:
-        q = self._q
-        head = q[H_FEED_HEAD]
-        seq = head + 1
-        e = self._feed_off + (head % self._feed_n) * self._feed_esz
-        _FEED.pack_into(self._mm, e, 0, kind | (len(key_b) << 8), counter, hlc)
-        self._mm[e + 32 : e + 32 + len(key_b)] = key_b
-        self._atom.store(e, seq)
-        self._atom.store(H_FEED_HEAD * 8, seq)
 
     def feed_head(self) -> int:
         return self._q[H_FEED_HEAD]  # type: ignore[no-any-return]
@@ -1053,7 +823,7 @@ class L2Segment:
             while pos < off:
                 order = min(((pos - base) & -(pos - base)).bit_length() - 1 if pos > base
                              else lay.top_order, lay.top_order, (off - pos).bit_length() - 1)
-                self._push_free(pos, order)
+                self._core.push_free(pos, order)
                 pos += 1 << order
             if off == end:
                 break
@@ -1065,7 +835,7 @@ class L2Segment:
         q[H_ENTRIES] = entries
         q[H_DEFERRED] = deferred
         q[H_RECOVERIES] += 1
-        self._feed_append(KIND_RESYNC, b"", q[H_WSEQ], q[H_HLC])
+        self._core.feed(KIND_RESYNC, b"", q[H_WSEQ], q[H_HLC])
 
     def check(self) -> list[str]:
         """Under the lock, verify every invariant; returns the problems found (none: [])."""
@@ -1183,6 +953,9 @@ class L2Segment:
         if atom is not None:
             atom.release()
             self._atom = None  # type: ignore[assignment]
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.release()
         for name in ("_meta", "_q", "_ro", "_buf"):
             mv = getattr(self, name, None)
             if mv is not None:
