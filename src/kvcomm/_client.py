@@ -339,6 +339,7 @@ class Client:
             self._live()
         kh = self._keys.get(key) if type(key) is str else None
         kb, h = self._key_hash(key) if kh is None else kh
+        payload: bytes | memoryview
         if type(value) is bytes:  # the commonest payload needs no codec call
             tag, meta, payload = codec.BYTES, b"", value
         else:
@@ -351,7 +352,7 @@ class Client:
                                                        time.time_ns() // 1_000_000)
         self._puts += 1
         if not vvx:
-            return _new_version(Version, (((self._host, counter),), hlc))  # type: ignore[no-any-return]
+            return _new_version(Version, (((self._host, counter),), hlc))
         return self._version(counter, hlc, vvx)
 
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
@@ -577,6 +578,7 @@ class Batch:
         c = self._client
         kh = c._keys.get(key) if type(key) is str else None
         kb, h = c._key_hash(key) if kh is None else kh
+        payload: bytes | memoryview
         if type(value) is bytes and len(value) <= c._max_value:
             tag, meta, payload = codec.BYTES, b"", value
         else:

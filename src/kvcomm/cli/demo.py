@@ -314,13 +314,17 @@ def run_demo(args: argparse.Namespace) -> int:
         table.add_row(name, fmt.format(ours_v), "" if theirs_v is None else fmt.format(theirs_v),
                       ratio)
 
-    row("ticks flown", ours["ticks"], theirs and theirs["ticks"], "{:.0f}")
-    row("get ops", len(ours["gets"]), theirs and len(theirs["gets"]), "{:.0f}")
-    row("put ops", len(ours["puts"]), theirs and len(theirs["puts"]), "{:.0f}")
-    for op in ("get", "put"):
+    def both(fn: Callable[[dict[str, Any]], float]) -> tuple[float, float | None]:
+        return fn(ours), (None if theirs is None else fn(theirs))
+
+    row("ticks flown", *both(lambda r: r["ticks"]), "{:.0f}")
+    row("get ops", *both(lambda r: len(r["gets"])), "{:.0f}")
+    row("put ops", *both(lambda r: len(r["puts"])), "{:.0f}")
+    for op in ("gets", "puts"):
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
-            row(f"{op} latency {qn} (µs)", _pct(ours[op + "s"], q),
-                theirs and _pct(theirs[op + "s"], q), "{:.2f}")
+            ours_p = _pct(ours[op], q)
+            theirs_p = None if theirs is None else _pct(theirs[op], q)
+            row(f"{op[:-1]} latency {qn} (µs)", ours_p, theirs_p, "{:.2f}")
     t = ours["tiers"]
     lookups = t["l1"] + t["l2"] + t["miss"]
     if lookups:

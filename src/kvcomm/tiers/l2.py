@@ -448,13 +448,13 @@ class L2Segment:
         the caller takes a view with :meth:`pin`. Raises SegmentError on a corrupt record.
         """
         r = self._core.read(key_b, h, zero_copy)
-        while type(r) is int:  # a slot stayed odd: its writer is slow, or died mid-publish
+        while isinstance(r, int):  # a slot stayed odd: its writer is slow, or died mid-publish
             self._help_stuck_writer()
             r = self._core.read(key_b, h, zero_copy)
-        return None if r is None else _new_record(Record, r)  # type: ignore[no-any-return]
+        return None if r is None else _new_record(Record, r)
 
     def seq_at(self, word: int) -> int:
-        return self._q[word]  # type: ignore[no-any-return]
+        return int(self._q[word])
 
     def _help_stuck_writer(self) -> None:
         """If the lock owner is dead, take the lock (which recovers); else let it run."""
@@ -490,8 +490,8 @@ class L2Segment:
             if status == 0:
                 r = core.put(key_b, h, tag, meta, value, now_ms, 0)
                 core.unlock()
-                if type(r) is tuple:
-                    return r  # type: ignore[no-any-return]
+                if isinstance(r, tuple):
+                    return r
             elif status == 2:  # locked, but pins to sweep or a dead writer to recover from
                 self._after_lock()
                 try:
@@ -516,8 +516,8 @@ class L2Segment:
                     out.append(self._core.delete(op[0], op[1], now_ms))
                     continue
                 r = put(op[0], op[1], op[2], op[3], op[4], now_ms, 0)
-                if type(r) is not tuple:  # needs eviction first
-                    r = self._write_locked(*op, now_ms, None, False)
+                if not isinstance(r, tuple):  # needs eviction first
+                    r = self._write_locked(op[0], op[1], op[2], op[3], op[4], now_ms, None, False)
                 out.append(r)
         finally:
             self._release()
@@ -536,7 +536,7 @@ class L2Segment:
             expect(self._record_locked(w) if w >= 0 else None)
         flags = FLAG_DIRTY if dirty else 0
         r = core.put(key_b, h, tag, meta, value, now_ms, flags)
-        while type(r) is int:
+        while not isinstance(r, tuple):
             if r == NEED_SPACE:
                 w, _ = core.find(key_b, h)
                 self._make_space(REC_HEADER + len(key_b) + len(meta) + len(value) + 64, protect=w)
@@ -550,7 +550,7 @@ class L2Segment:
             else:
                 raise SegmentError(f"L2 of {self.name!r} is corrupt; purge the namespace")
             r = core.put(key_b, h, tag, meta, value, now_ms, flags)
-        return r  # type: ignore[no-any-return]
+        return r
 
     def delete(self, key_b: bytes, h: int, *, now_ms: int,
                expect: Callable[[Record | None], None] | None = None) -> bool:
@@ -566,7 +566,7 @@ class L2Segment:
         if expect is not None:
             w, _ = self._core.find(key_b, h)
             expect(self._record_locked(w) if w >= 0 else None)
-        return self._core.delete(key_b, h, now_ms)  # type: ignore[no-any-return]
+        return self._core.delete(key_b, h, now_ms)
 
     def _record_locked(self, w: int) -> Record:
         q = self._q
@@ -719,7 +719,7 @@ class L2Segment:
     # ---------------------------------------------------------------- change feed
 
     def feed_head(self) -> int:
-        return self._q[H_FEED_HEAD]  # type: ignore[no-any-return]
+        return int(self._q[H_FEED_HEAD])
 
     def feed_read(self, cursor: int) -> tuple[list[FeedEvent], int, bool]:
         """Events after ``cursor``: (events, new cursor, overflowed). Lock-free."""
