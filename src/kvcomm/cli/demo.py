@@ -33,7 +33,6 @@ from ..config import Config, resolve
 from ..tiers.l2 import purge
 
 WORLD = 200.0
-RESULTS_NS = "demo-results"
 
 
 class Store:
@@ -121,7 +120,7 @@ def _steer(me: dict[str, Any], others: list[dict[str, Any]]) -> tuple[list[float
     return pos, [vx, vy, vz]
 
 
-def _agent(make_store: Callable[[], Store], results_cfg: Config, i: int, n: int,
+def _agent(make_store: Callable[[], Store], results: tuple[str, Config], i: int, n: int,
            rate: float, seconds: float, neighbours: int, start_at: float) -> None:
     store = make_store()
     rng = random.Random(i)
@@ -165,14 +164,14 @@ def _agent(make_store: Callable[[], Store], results_cfg: Config, i: int, n: int,
         delay = next_t - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-    with kv_open(RESULTS_NS, config=results_cfg) as res:
+    with kv_open(results[0], config=results[1]) as res:
         res.put(f"{i}/get", gets.tobytes())
         res.put(f"{i}/put", puts.tobytes())
         res.put(f"{i}/info", {"ticks": ticks, "stats": store.stats()})
     store.close()
 
 
-def _mission_control(make_store: Callable[[], Store], results_cfg: Config, n: int,
+def _mission_control(make_store: Callable[[], Store], results: tuple[str, Config], n: int,
                      rate: float, seconds: float, start_at: float, use_watch: bool) -> None:
     store = make_store()
     swarm: dict[int, list[float]] = {}
@@ -198,23 +197,24 @@ def _mission_control(make_store: Callable[[], Store], results_cfg: Config, n: in
                     swarm[s["id"]] = s["pos"]
                     updates += 1
             time.sleep(1.0 / rate)
-    with kv_open(RESULTS_NS, config=results_cfg) as res:
+    with kv_open(results[0], config=results[1]) as res:
         res.put("mission", {"tracked": len(swarm), "updates": updates})
     store.close()
 
 
 def _run_swarm(label: str, make_store: Callable[[], Store], args: argparse.Namespace,
-               results_cfg: Config, use_watch: bool) -> dict[str, Any]:
+               results: tuple[str, Config], use_watch: bool) -> dict[str, Any]:
+    """Fly one swarm; agents report through the KVCOMM namespace ``results[0]``."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    purge(RESULTS_NS)
+    purge(results[0])
     ctx = mp.get_context("fork")
     start_at = time.time() + 0.5 + 0.05 * args.agents
-    procs = [ctx.Process(target=_agent, args=(make_store, results_cfg, i, args.agents, args.rate,
+    procs = [ctx.Process(target=_agent, args=(make_store, results, i, args.agents, args.rate,
                                               args.seconds, args.neighbours, start_at))
              for i in range(args.agents)]
     procs.append(ctx.Process(target=_mission_control,
-                             args=(make_store, results_cfg, args.agents, args.rate, args.seconds,
+                             args=(make_store, results, args.agents, args.rate, args.seconds,
                                    start_at, use_watch)))
     for p in procs:
         p.start()
@@ -232,7 +232,7 @@ def _run_swarm(label: str, make_store: Callable[[], Store], args: argparse.Names
     puts: list[int] = []
     ticks = 0
     tiers = {"l1": 0, "l2": 0, "miss": 0}
-    with kv_open(RESULTS_NS, config=results_cfg) as res:
+    with kv_open(results[0], config=results[1]) as res:
         for i in range(args.agents):
             gets.extend(array.array("I", res.get(f"{i}/get")))
             puts.extend(array.array("I", res.get(f"{i}/put")))
@@ -244,7 +244,7 @@ def _run_swarm(label: str, make_store: Callable[[], Store], args: argparse.Names
                 tiers["l2"] += st["l2"]["hits"]
                 tiers["miss"] += st["l2"]["misses"]
         mission = res.get("mission")
-    purge(RESULTS_NS)
+    purge(results[0])
     return {"gets": gets, "puts": puts, "ticks": ticks, "tiers": tiers, "mission": mission}
 
 
@@ -273,14 +273,14 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     console = Console()
     cfg = resolve(args.config)
-    results_cfg = Config.from_mapping({"cache": {"l2_size": "64MB"}})
+    results = (f"{args.name}-results", Config.from_mapping({"cache": {"l2_size": "64MB"}}))
     purge(args.name)
     baseline = _choose_baseline(args.baseline)
     console.print(f"[bold]KVCOMM swarm demo[/]: {args.agents} drones, {args.rate:g} Hz, "
                   f"{args.seconds:g} s, {args.neighbours} neighbours read per tick; "
                   f"baseline: {baseline}  (pid {os.getpid()})")
     ours = _run_swarm("kvcomm (L1+L2, embedded)", lambda: KvcommStore(args.name, cfg), args,
-                      results_cfg, use_watch=True)
+                      results, use_watch=True)
     purge(args.name)
     theirs: dict[str, Any] | None = None
     server = manager = None
@@ -291,12 +291,12 @@ def run_demo(args: argparse.Namespace) -> int:
             server = RedisServer().start()
             port = server.port
             theirs = _run_swarm("central store: redis (TCP)", lambda: RedisStore(port), args,
-                                results_cfg, use_watch=False)
+                                results, use_watch=False)
         elif baseline == "manager":
             manager = mp.get_context("fork").Manager()
             proxy = manager.dict()
             theirs = _run_swarm("central store: mp manager", lambda: ManagerStore(proxy), args,
-                                results_cfg, use_watch=False)
+                                results, use_watch=False)
     finally:
         if server is not None:
             server.stop()

@@ -1,0 +1,60 @@
+"""The kvcomm command as a user runs it: info, purge, config --show, demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvcomm
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvcomm", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_config_show_defaults_and_file(tmp_path: Path) -> None:
+    out = run("config", "--show")
+    assert out.returncode == 0
+    data = yaml.safe_load(out.stdout)
+    assert data["cache"]["l2_sync_interval"] == 0.05 and data["network"]["zero_copy_threshold"] == 4096
+    f = tmp_path / "k.yaml"
+    f.write_text("cache:\n  l1_size: 1GB\n")
+    assert yaml.safe_load(run("config", "--show", "--config", str(f)).stdout)["cache"]["l1_size"] == 1 << 30
+    f.write_text("cache:\n  l1_size: lots\n")
+    bad = run("config", "--show", "--config", str(f))
+    assert bad.returncode == 2 and "cache.l1_size" in bad.stderr
+
+
+def test_info_and_purge(ns: str, config: kvcomm.Config) -> None:
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", b"x" * 1000)
+        out = run("info", "--name", ns, "--json")
+        assert out.returncode == 0, out.stderr
+        info = json.loads(out.stdout)
+        assert info["entries"] == 1 and info["used_bytes"] > 0
+        assert "entries" in run("info", "--name", ns).stdout
+    assert run("purge", "--name", ns).returncode == 0
+    missing = run("info", "--name", ns)
+    assert missing.returncode == 2 and "no L2 segment" in missing.stderr
+    assert run("purge", "--name", ns).returncode == 1
+
+
+@pytest.mark.multiprocess
+def test_demo_smoke(tmp_path: Path) -> None:
+    plot = tmp_path / "lat.png"
+    out = run("demo", "--agents", "3", "--seconds", "1", "--rate", "20", "--baseline", "manager",
+              "--name", f"demo-test-{tmp_path.name}", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    assert "get latency p50" in out.stdout and "3/3" in out.stdout
+    assert plot.stat().st_size > 1000
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    out = run("demo", "--agents", "1")
+    assert out.returncode == 2
