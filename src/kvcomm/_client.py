@@ -20,11 +20,22 @@ import msgpack
 
 from .config import Config, resolve
 from .core import codec
-from .core.versions import Version
+from .core.resolve import PrefixTable, Sibling
+from .core.resolve import resolve as resolve_siblings
+from .core.versions import (
+    Dotted,
+    Ordering,
+    Version,
+    compare_vectors,
+    decode_others,
+    encode_others,
+    vector_get,
+)
 from .errors import (
     ConflictError,
     InvalidArgument,
     InvalidKey,
+    KVCommError,
     SegmentError,
     Unavailable,
     ValidationError,
@@ -159,13 +170,18 @@ class Client:
         self._max_value = self.config.cache.max_value_size
         self._zc = self.config.network.zero_copy_threshold
         self._default_consistency = self.config.cache.l3_consistency
-        self._validators: dict[str, Callable[[str, Item | None, Any], None]] = {}
+        self._validators: PrefixTable[Callable[[str, Item | None, Any], None]] = PrefixTable()
+        self._resolvers: PrefixTable[Callable[[str, list[Item]], Any]] = PrefixTable()
+        self._sample_every = self.config.cache.hot_key_sample
+        self._sample = self._sample_every or -1  # countdown to the next sampled read
+        self._hot: dict[bytes, int] = {}  # sampled reads not yet added to the host sketch
+        self._hot_flushed = time.monotonic()
         self._closed = False
         self._forked = False
         self._unusable = False  # closed, or inherited through fork(): every call checks this
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
-            ("puts", "deletes", "conflicts", "views"), 0
+            ("puts", "deletes", "conflicts", "views", "merges", "resolver_failures"), 0
         )
         self._l1_hits = 0
         self._l2_hits = 0
@@ -210,13 +226,12 @@ class Client:
             )
 
     def _version(self, counter: int, hlc: int, vvx: bytes) -> Version:
+        """The Version of a record: this host's entry (``counter``) and the others (``vvx``)."""
         if not vvx:  # tuple.__new__ skips NamedTuple's Python-level __new__ (hot path)
             return _new_version(Version, (((self._host, counter),), hlc))
-        vector: tuple[tuple[str, int], ...]
-        if vvx:
-            others = [(str(a), int(c)) for a, c in msgpack.unpackb(vvx) if a != self._host]
-            vector = tuple(sorted([*others, (self._host, counter)]))
-        return Version(vector, hlc)
+        others = decode_others(vvx)
+        own = ((self._host, counter),) if counter else ()
+        return Version(tuple(sorted(others + own)), hlc)
 
     def _encode(self, value: Any) -> tuple[int, bytes, bytes | memoryview]:
         tag, meta, payload = codec.encode(value)
@@ -241,12 +256,50 @@ class Client:
             raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
         if e is not None and self._q[e[1]] == e[2]:
             self._l1_hits += 1
-            try:
-                self._l1_entries.move_to_end(key)
-            except KeyError:
-                pass
+            self._sample -= 1
+            if not self._sample:  # 1 hit in N: count it for hot keys, refresh its LRU place
+                self._sampled(key)
             return e[0]
         return self._get_slow(key, default, False)
+
+    def _sampled(self, key: str) -> None:
+        """Every ``cache.hot_key_sample``-th read: buffer a count; flush to the host now and then.
+
+        Sampling keeps tracking off the L1 hit path, and the L1's LRU order is refreshed
+        on the same sampled hits (an approximate LRU, as Redis samples for its own).
+        """
+        n = self._sample_every
+        self._sample = n
+        try:
+            self._l1_entries.move_to_end(key)
+        except KeyError:
+            pass
+        kh = self._keys.get(key)
+        kb = kh[0] if kh is not None else key.encode("utf-8", "surrogatepass")
+        hot = self._hot
+        hot[kb] = hot.get(kb, 0) + n
+        if len(hot) >= 256 or time.monotonic() - self._hot_flushed > 1.0:
+            self._flush_hot()
+
+    def _flush_hot(self) -> None:
+        if self._hot and not self._unusable:
+            counts, self._hot = self._hot, {}
+            self._seg.count_accesses(counts)
+        self._hot_flushed = time.monotonic()
+
+    def hot_keys(self, n: int = 10) -> list[tuple[str, int]]:
+        """The host's ``n`` most read keys with estimated read counts, from every process.
+
+        Counts come from a Count-Min Sketch fed by 1 read in ``cache.hot_key_sample``
+        (scaled back up); counters age by half periodically, and concurrent processes
+        serialise their updates, so estimates are approximate but never low by more than
+        the sampling error. Empty when tracking is off (``hot_key_sample: 0``).
+        """
+        if type(n) is not int or n < 0:
+            raise InvalidArgument(f"n must be an int >= 0, got {n!r}")
+        self._live()
+        self._flush_hot()
+        return self._seg.hot_keys(n)
 
     def get_item(self, key: str) -> Item | None:
         """The value with its Version and the tier that served it, or None when absent."""
@@ -265,6 +318,9 @@ class Client:
             self._live()
         kh = self._keys.get(key) if type(key) is str else None
         kb, h = self._key_hash(key) if kh is None else kh
+        self._sample -= 1
+        if not self._sample:
+            self._sampled(key)
         rec = self._seg._core.read(kb, h, self._zc)
         if type(rec) is not tuple:
             if rec is None:
@@ -359,7 +415,7 @@ class Client:
                      encoded: tuple[int, bytes, bytes | memoryview], expect: Any) -> Version:
         """put() with expect= and/or a validator for the key's prefix."""
         check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
-        validator = self._validator_for(key) if self._validators else None
+        validator = self._validators.lookup(key) if self._validators else None
         if validator is not None:
             return self._put_validated(key, kb, h, value, encoded, check, validator)
         counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=check)
@@ -393,9 +449,8 @@ class Client:
         self._live()
         kb = self._key(key)
         check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
-        if self._validators and self._validator_for(key) is not None:
-            validator = self._validator_for(key)
-            assert validator is not None
+        validator = self._validators.lookup(key) if self._validators else None
+        if validator is not None:
             old = self._get_slow(key, None, True)
             _run_validator(validator, key, old, None)
         done = self._seg.delete(kb, key_hash(kb), now_ms=_now_ms(), expect=check)
@@ -434,15 +489,91 @@ class Client:
         if type(prefix) is not str:
             raise InvalidKey("a validator prefix is a str ('' matches every key)")
         if not callable(fn):
-            raise ValidationError("register_validator needs a callable")
-        self._validators[prefix] = fn
+            raise InvalidArgument("register_validator needs a callable")
+        self._validators.set(prefix, fn)
 
-    def _validator_for(self, key: str) -> Callable[[str, Item | None, Any], None] | None:
-        best = None
-        for prefix, fn in self._validators.items():
-            if key.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
-                best = (prefix, fn)
-        return None if best is None else best[1]
+    def register_resolver(self, prefix: str, fn: Callable[[str, list[Item]], Any]) -> None:
+        """Resolve concurrent versions of keys under ``prefix`` with ``fn(key, siblings)``.
+
+        ``siblings`` are the concurrent Items (oldest first by HLC); ``fn`` returns the
+        value to keep (e.g. merged counters, a union of sets). If it raises or returns a
+        value that cannot be stored, last-writer-wins decides instead and
+        ``stats()["ops"]["resolver_failures"]`` counts it; a host never crashes on it.
+        The longest matching prefix wins.
+        """
+        if type(prefix) is not str:
+            raise InvalidKey("a resolver prefix is a str ('' matches every key)")
+        if not callable(fn):
+            raise InvalidArgument("register_resolver needs a callable")
+        self._resolvers.set(prefix, fn)
+
+    def merge_remote(self, key: str, value: Any, version: Version) -> Version:
+        """Merge a version of ``key`` written on another host into this host's L2.
+
+        This is how the node daemon applies cluster changes (and how tests drive
+        conflicts): a newer ``version`` replaces the local value, an older or equal one
+        is ignored, a concurrent one is resolved (resolver, else last-writer-wins) and
+        stored with the merged vector. Returns the version stored afterwards.
+        """
+        if not isinstance(version, Version):
+            raise InvalidArgument(f"version must be a kvcomm.Version, got {type(version).__name__}")
+        if self._unusable:
+            self._live()
+        kb, h = self._key_hash(key)
+        remote_encoded = self._encode(value)
+        for _ in range(_MAX_UPDATE_RETRIES):
+            local = self._get_slow(key, None, True)
+            plan = self._merge_plan(key, local, value, remote_encoded, version)
+            if plan is None:
+                assert local is not None
+                return local.version  # type: ignore[no-any-return]
+            encoded, stored, new_write = plan
+            seen = self._expect_fn(key, ABSENT if local is None else local.version)
+            explicit = self._explicit(stored)
+            if new_write:  # a resolver made a new value: a new local write over the merge
+                explicit = (l2mod.NEW_DOT, stored.hlc, explicit[2])
+            try:
+                r = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=seen,
+                                    version=explicit)
+            except ConflictError:
+                continue  # a local write raced us: merge against it
+            self.counters["merges"] += 1
+            return self._version(r[0], r[1], r[2])
+        raise Unavailable(f"merge of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
+
+    def _explicit(self, v: Version) -> tuple[int, int, bytes]:
+        return vector_get(v.vector, self._host), v.hlc, encode_others(v.vector, self._host)
+
+    def _merge_plan(self, key: str, local: Item | None, value: Any,
+                    remote_encoded: tuple[int, bytes, bytes | memoryview], remote: Version,
+                    ) -> tuple[tuple[int, bytes, bytes | memoryview], Version, bool] | None:
+        """What to store: (encoded value, version, is a new local write), or None to keep."""
+        if local is None:
+            return remote_encoded, remote, False
+        order = compare_vectors(remote.vector, local.version.vector)
+        if order in (Ordering.BEFORE, Ordering.EQUAL):
+            return None
+        if order is Ordering.AFTER:
+            return remote_encoded, remote, False
+        sibs = [Sibling(local.value, _dotted(local.version, self._host)),
+                Sibling(value, _dotted(remote, ""))]
+        fn = self._resolvers.lookup(key) if self._resolvers else None
+        hook = None
+        if fn is not None:
+            def hook(live: list[Sibling[Any]], fn: Callable[[str, list[Item]], Any] = fn) -> Any:
+                return fn(key, [Item(key, s.value, Version(s.version.vector, s.version.hlc),
+                                     "l2" if s is sibs[0] else "l3") for s in live])
+        res = resolve_siblings(sibs, hook, _storable)
+        if res.fallback:
+            self.counters["resolver_failures"] += 1
+        merged = Version(res.vector, max(local.version.hlc, remote.hlc))
+        if res.winner is None:  # the resolver made a new value
+            return self._encode(res.value), merged, True
+        if res.value is local.value:
+            encoded = codec.encode(local.value)
+        else:
+            encoded = remote_encoded
+        return encoded, Version(res.vector, res.winner.hlc), False
 
     def _put_validated(self, key: str, kb: bytes, h: int, value: Any,
                        encoded: tuple[int, bytes, bytes | memoryview],
@@ -532,7 +663,9 @@ class Client:
                    "evictions": info.get("evictions", 0),
                    "recoveries": info.get("recoveries", 0),
                    "views_taken": c["views"]},
-            "ops": {"puts": c["puts"] + self._puts, "deletes": c["deletes"], "conflicts": c["conflicts"]},
+            "ops": {"puts": c["puts"] + self._puts, "deletes": c["deletes"],
+                    "conflicts": c["conflicts"], "merges": c["merges"],
+                    "resolver_failures": c["resolver_failures"]},
         }
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -544,6 +677,11 @@ class Client:
         """Release this client's L1 and its share of the process's L2 mapping. Idempotent."""
         if self._closed:
             return
+        if not self._unusable:
+            try:
+                self._flush_hot()
+            except KVCommError:
+                pass  # e.g. the namespace was purged: its counts no longer matter
         self._closed = self._unusable = True
         self._l1.clear()
         self._l1_entries = {}  # type: ignore[assignment]
@@ -584,7 +722,7 @@ class Batch:
         else:
             tag, meta, payload = c._encode(value)
         if c._validators:
-            validator = c._validator_for(key)
+            validator = c._validators.lookup(key)
             if validator is not None:
                 _run_validator(validator, key, c._get_slow(key, None, True), value)
         self._ops.append((kb, h, tag, meta, payload))
@@ -616,6 +754,24 @@ class Batch:
                 c._l1.discard(key)
                 c.counters["deletes"] += int(r)
                 self.versions.append(r)
+
+
+def _dotted(v: Version, prefer: str) -> Dotted:
+    """A version's dot: the entry of the host that wrote it (the HLC-latest host if unknown)."""
+    if prefer:
+        c = vector_get(v.vector, prefer)
+        if c:
+            return Dotted(v.vector, (prefer, c), v.hlc)
+    actor, counter = max(v.vector, key=lambda e: (e[1], e[0])) if v.vector else ("", 0)
+    return Dotted(v.vector, (actor, counter), v.hlc)
+
+
+def _storable(value: Any) -> bool:
+    try:
+        codec.encode(value)
+    except KVCommError:
+        return False
+    return True
 
 
 def _bad_consistency(consistency: Any) -> None:

@@ -391,17 +391,31 @@ Core_find(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(LL)", found ? (long long)(found / 8) : -1LL, free ? (long long)(free / 8) : -1LL);
 }
 
-/* put(key, h, tag, meta, value, now_ms, flags) -> (counter, hlc, vvx, word, seq) | int status
- * [lock held]. The new record keeps the replaced record's vector entries of other hosts
- * (vvx). A status means nothing changed: NEED_SPACE (evict, retry), NEED_SLOT (the key's
- * probe window is full: evict in it, retry), TOO_LARGE, CORRUPT (deferred table full). */
+/* put(key, h, tag, meta, value, now_ms, flags[, counter, hlc, vvx])
+ *     -> (counter, hlc, vvx, word, seq) | int status                          [lock held]
+ * A local write: a new dot (counter = the host's next write sequence), the next HLC, and
+ * the replaced record's vector entries of other hosts (vvx) carried over. With the last
+ * three arguments the record stores exactly that version instead (a remote or merged
+ * version: counter is this host's entry, 0 if none); the host's write sequence and HLC
+ * are raised past it so later local writes descend from it. counter = 2**64-1 asks for
+ * a fresh local dot on top of the given vector (a value an application resolver made).
+ * A status means nothing changed: NEED_SPACE (evict, retry), NEED_SLOT (the key's probe
+ * window is full: evict in it, retry), TOO_LARGE, CORRUPT.                               */
 static PyObject *
 Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     NEED_VIEW(c);
-    if (nargs != 7 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "put(key, h, tag, meta, value, now_ms, flags)");
+    if ((nargs != 7 && nargs != 10) || !PyBytes_Check(args[0]) || !PyBytes_Check(args[3]) ||
+        (nargs == 10 && !PyBytes_Check(args[9]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put(key, h, tag, meta, value, now_ms, flags[, counter, hlc, vvx])");
         return NULL;
+    }
+    int explicit = nargs == 10;
+    uint64_t x_counter = 0, x_hlc = 0;
+    if (explicit) {
+        x_counter = PyLong_AsUnsignedLongLong(args[7]);
+        x_hlc = PyLong_AsUnsignedLongLong(args[8]);
     }
     const char *key = PyBytes_AS_STRING(args[0]);
     uint64_t klen = (uint64_t)PyBytes_GET_SIZE(args[0]);
@@ -423,7 +437,10 @@ Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
     uint64_t old = found ? W(c, found)[2] : 0;
     const char *vvx = NULL;
     uint64_t vvlen = 0;
-    if (old) {
+    if (explicit) {
+        vvx = PyBytes_AS_STRING(args[9]);
+        vvlen = (uint64_t)PyBytes_GET_SIZE(args[9]);
+    } else if (old) {
         uint64_t info = W(c, old)[3];
         vvlen = info >> 24;
         vvx = c->base + old + REC_HEADER + (info & 0xFFFF);
@@ -453,9 +470,29 @@ Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return PyLong_FromLong(NEED_SPACE);
     }
     /* build the record, unpublished */
-    uint64_t counter = *W(c, H_WSEQ * 8) + 1;
-    *W(c, H_WSEQ * 8) = counter;
-    uint64_t hlc = hlc_next(c, now_ms);
+    uint64_t counter, hlc;
+    if (explicit && x_counter == UINT64_MAX) {
+        /* a new local write on top of a given (merged) vector: a fresh dot, an HLC past
+           both the local clock and the given timestamp */
+        counter = *W(c, H_WSEQ * 8) + 1;
+        *W(c, H_WSEQ * 8) = counter;
+        hlc = hlc_next(c, now_ms);
+        if (hlc <= x_hlc) {
+            hlc = x_hlc + 1;
+            *W(c, H_HLC * 8) = hlc;
+        }
+    } else if (explicit) {
+        counter = x_counter;
+        hlc = x_hlc;
+        if (*W(c, H_WSEQ * 8) < counter)
+            *W(c, H_WSEQ * 8) = counter;
+        if (*W(c, H_HLC * 8) < hlc)
+            *W(c, H_HLC * 8) = hlc;
+    } else {
+        counter = *W(c, H_WSEQ * 8) + 1;
+        *W(c, H_WSEQ * 8) = counter;
+        hlc = hlc_next(c, now_ms);
+    }
     uint64_t *rec = W(c, off);
     rec[0] = size;
     rec[1] = counter;

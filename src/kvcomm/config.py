@@ -79,6 +79,14 @@ class CacheConfig(_Section):
     )
     max_views: int = Field(default=1024, ge=0, le=1 << 16, description="zero-copy views held")
     l2_permissions: int = Field(default=0o600, ge=0, le=0o777)
+    max_batch_ops: int = Field(default=1000, ge=1, description="writes per coalesced batch")
+    max_batch_bytes: Size = Field(default=1 << 20, ge=1, description="bytes per batch")
+    negative_ttl: Duration = Field(default=5.0, ge=0, description="how long 'absent' is trusted")
+    negative_max_entries: int = Field(default=100_000, ge=1)
+    bloom_capacity: int = Field(default=1_000_000, ge=1, description="keys the Bloom filter holds")
+    bloom_fpr: float = Field(default=0.001, gt=0, lt=1, description="its false-positive rate")
+    hot_key_sample: int = Field(default=16, ge=0, le=1 << 20,
+                                description="count 1 read in N for hot keys (0: off)")
 
 
 class NetworkConfig(_Section):

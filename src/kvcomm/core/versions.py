@@ -1,28 +1,50 @@
-"""Versions: per-key version vectors whose actors are hosts, and a hybrid logical clock.
+"""Versions: per-key version vectors whose actors are hosts, dots, and a hybrid logical clock.
 
 Theory of operation
 -------------------
-Every write is stamped by the host that makes it with two things:
+Every write is stamped by the host that makes it with:
 
-* a **version vector** entry ``host → counter``. The counter is the host's own write
-  sequence (one per host, shared by every key on it, kept in the L2 header), so it is
-  monotonic per actor as version vectors require, and it also names one write on the
-  host uniquely, which is what ``expect=`` compares. Actors are hosts, not agents: the
-  vector of a key stays as small as the number of hosts that ever wrote it.
-* a **hybrid logical clock** timestamp: ``(physical_ms << 16) | logical``. It never goes
-  backwards on a host even when the wall clock does (:func:`hlc_tick`), so
-  last-writer-wins between concurrent writes is decided by it, then by host id.
+* a **dot** ``(host, counter)``: the counter is the host's write sequence (one per host,
+  shared by all its keys, kept in the L2 header), so a dot names exactly one write;
+* the **version vector** of the key after that write: the vector of what the write
+  replaced, with the host's entry raised to the new dot. The dot is the writer's entry.
+* a **hybrid logical clock** timestamp ``(physical_ms << 16) | logical`` that never runs
+  backwards on a host (:func:`hlc_tick`); last-writer-wins ties are broken by it, then by
+  host id.
 
-This module is pure: the caller passes the time in.
+Why vectors with dots, and not full dotted version vector sets: the classic sibling
+explosion that DVVs (Preguiça et al.) cure comes from actors that are *servers* writing
+on behalf of many unsynchronised clients. KVCOMM's actors are hosts, and a host
+serialises every write of a key through its L2 (linearizable on the host), so each
+host's history of a key is a chain. Concurrency arises only *between* hosts. A plain
+vector per value, plus the value's own dot, is therefore exact: a sibling is obsolete
+iff its dot is covered by another sibling's vector (the DVV rule, :func:`add_sibling`),
+and vectors stay as small as the number of hosts that wrote the key.
+
+Bounding vectors (:func:`prune`) follows Riak's small/big/young/old settings, but ages
+are those of *hosts* (their last lease activity, passed in), not of entries: a vector
+with at most ``small`` entries is never pruned; above ``big`` entries, or for hosts idle
+longer than ``old_ms``, the least recently active hosts are dropped — never one active
+within ``young_ms``. Safety condition: pruning only removes information, so a pruned
+newer version can look *concurrent* with an old one, never *older*; the conflict is then
+resolved by HLC last-writer-wins, which picks the newer write as long as host clocks are
+within ``old_ms`` of each other. No acknowledged write is lost to pruning.
+
+Everything here is pure: callers pass the time and the host activity in.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
+
+import msgpack
 
 LOGICAL_BITS = 16
 _LOGICAL_MASK = (1 << LOGICAL_BITS) - 1
+
+Vector = tuple[tuple[str, int], ...]  # sorted by actor, counters > 0
 
 
 class Ordering(enum.Enum):
@@ -30,6 +52,9 @@ class Ordering(enum.Enum):
     AFTER = "after"
     EQUAL = "equal"
     CONCURRENT = "concurrent"
+
+
+# ---------------------------------------------------------------- hybrid logical clock
 
 
 def hlc_tick(last: int, now_ms: int) -> int:
@@ -48,6 +73,82 @@ def hlc_millis(ts: int) -> int:
     return ts >> LOGICAL_BITS
 
 
+# ---------------------------------------------------------------- vectors
+
+
+def compare_vectors(a: Vector, b: Vector) -> Ordering:
+    """Causal order of two version vectors."""
+    da, db = dict(a), dict(b)
+    a_ge = all(da.get(k, 0) >= v for k, v in db.items())
+    b_ge = all(db.get(k, 0) >= v for k, v in da.items())
+    if a_ge and b_ge:
+        return Ordering.EQUAL
+    if a_ge:
+        return Ordering.AFTER
+    if b_ge:
+        return Ordering.BEFORE
+    return Ordering.CONCURRENT
+
+
+def merge_vectors(a: Vector, b: Vector) -> Vector:
+    """Least upper bound of two version vectors."""
+    out = dict(a)
+    for k, v in b:
+        if v > out.get(k, 0):
+            out[k] = v
+    return tuple(sorted(out.items()))
+
+
+def vector_get(v: Vector, actor: str) -> int:
+    for a, c in v:
+        if a == actor:
+            return c
+    return 0
+
+
+def with_dot(v: Vector, actor: str, counter: int) -> Vector:
+    """``v`` with ``actor``'s entry set to ``counter`` (a new write by ``actor``)."""
+    out = dict(v)
+    out[actor] = counter
+    return tuple(sorted(out.items()))
+
+
+def covers(v: Vector, dot: tuple[str, int]) -> bool:
+    """True when the write named by ``dot`` happened before (or is) what ``v`` describes."""
+    return vector_get(v, dot[0]) >= dot[1]
+
+
+def prune(v: Vector, last_active_ms: Mapping[str, int], now_ms: int, *, keep: Iterable[str] = (),
+          small: int = 8, big: int = 32, young_ms: int = 60_000,
+          old_ms: int = 86_400_000) -> Vector:
+    """Bound a vector's size (see the module docstring for the rule and its safety).
+
+    ``last_active_ms`` maps hosts to their last activity (hosts missing from it count as
+    inactive since time 0); ``keep`` names entries never to drop (the writer's own dot).
+    """
+    if len(v) <= small:
+        return v
+    protected = set(keep)
+
+    def age(actor: str) -> int:
+        return now_ms - last_active_ms.get(actor, 0)
+
+    entries = sorted(v, key=lambda e: -age(e[0]))  # least recently active first
+    out = dict(v)
+    for actor, _ in entries:
+        if len(out) <= small:
+            break
+        a = age(actor)
+        if actor in protected or a < young_ms:
+            continue
+        if len(out) > big or a > old_ms:
+            del out[actor]
+    return tuple(sorted(out.items()))
+
+
+# ---------------------------------------------------------------- the public version
+
+
 class Version(NamedTuple):
     """The version of one stored value: a version vector and the HLC timestamp of the write.
 
@@ -57,7 +158,7 @@ class Version(NamedTuple):
     built on every put, and a frozen dataclass costs twice as much to make).
     """
 
-    vector: tuple[tuple[str, int], ...]
+    vector: Vector
     hlc: int
 
     def compare(self, other: Version) -> Ordering:
@@ -88,28 +189,60 @@ class Version(NamedTuple):
         return f"v[{vv}]@{hlc_millis(self.hlc)}.{self.hlc & _LOGICAL_MASK}"
 
 
-def compare_vectors(
-    a: tuple[tuple[str, int], ...], b: tuple[tuple[str, int], ...]
-) -> Ordering:
-    """Causal order of two version vectors (sorted tuples of (actor, counter))."""
-    da, db = dict(a), dict(b)
-    a_ge = all(da.get(k, 0) >= v for k, v in db.items())
-    b_ge = all(db.get(k, 0) >= v for k, v in da.items())
-    if a_ge and b_ge:
-        return Ordering.EQUAL
-    if a_ge:
-        return Ordering.AFTER
-    if b_ge:
-        return Ordering.BEFORE
-    return Ordering.CONCURRENT
+class Dotted(NamedTuple):
+    """A sibling's version: its vector, the dot of the write that made it, its HLC."""
+
+    vector: Vector
+    dot: tuple[str, int]
+    hlc: int
 
 
-def merge_vectors(
-    a: tuple[tuple[str, int], ...], b: tuple[tuple[str, int], ...]
-) -> tuple[tuple[str, int], ...]:
-    """Least upper bound of two version vectors."""
-    out = dict(a)
-    for k, v in b:
-        if v > out.get(k, 0):
-            out[k] = v
-    return tuple(sorted(out.items()))
+def add_sibling(siblings: list[Dotted], new: Dotted) -> list[Dotted]:
+    """The sibling set after ``new`` arrives (the DVV rule; order of arrival is irrelevant).
+
+    Siblings whose dot ``new`` covers are obsolete and dropped; ``new`` itself is dropped
+    if an existing sibling covers its dot. Equal dots are the same write.
+    """
+    if any(s.dot == new.dot or covers(s.vector, new.dot) for s in siblings):
+        return list(siblings)
+    return [s for s in siblings if not covers(new.vector, s.dot)] + [new]
+
+
+# ---------------------------------------------------------------- compact encoding
+
+
+def encode_vector(v: Vector, hlc: int) -> bytes:
+    """``[hlc, actor1, counter1, actor2, counter2, ...]`` as msgpack: ~3 bytes + actor
+    name + 1-9 bytes per entry."""
+    flat: list[object] = [hlc]
+    for a, c in v:
+        flat.append(a)
+        flat.append(c)
+    return msgpack.packb(flat)  # type: ignore[no-any-return]
+
+
+def decode_vector(data: bytes) -> tuple[Vector, int]:
+    """Inverse of :func:`encode_vector`. Raises ValueError on malformed input."""
+    try:
+        flat = msgpack.unpackb(data)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"malformed version: {exc}") from None
+    if not isinstance(flat, list) or not flat or len(flat) % 2 != 1 or type(flat[0]) is not int:
+        raise ValueError("malformed version")
+    pairs = list(zip(flat[1::2], flat[2::2], strict=True))
+    if not all(type(a) is str and type(c) is int and c > 0 for a, c in pairs):
+        raise ValueError("malformed version entry")
+    return tuple(sorted(pairs)), flat[0]
+
+
+def encode_others(v: Vector, host: str) -> bytes:
+    """The entries of hosts other than ``host``, as stored beside an L2 record (b"" if none)."""
+    others = [(a, c) for a, c in v if a != host]
+    return b"" if not others else msgpack.packb([x for pair in others for x in pair])
+
+
+def decode_others(data: bytes) -> Vector:
+    if not data:
+        return ()
+    flat = msgpack.unpackb(data)
+    return tuple(sorted(zip(flat[0::2], flat[1::2], strict=True)))

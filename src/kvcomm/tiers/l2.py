@@ -5,6 +5,7 @@ Theory of operation
 The segment is a file in ``/dev/shm`` (owner-only by default), laid out as::
 
     header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
+                   | hot keys (count-min sketch + top-k, 0.1% of the segment)
 
 * **Slots** form an open-addressing hash table (linear probing, at most ``MAX_PROBE``
   slots from a key's home). A slot is five words: ``seq, hash, off, access, flags``.
@@ -59,12 +60,13 @@ import xxhash
 
 from .. import _l2core
 from .._atomic import Atomics
+from ..core.sketch import CountMinSketch, TopK
 from ..errors import KVCommError, SegmentError, Unavailable, ValueTooLarge
 
 _l2core.set_segment_error(SegmentError)
 
 MAGIC = int.from_bytes(b"KVCOMM\x00\x02", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 SHM_DIR = "/dev/shm"
 HEADER_SIZE = 4096
 MIN_ORDER = 6  # 64-byte blocks
@@ -87,14 +89,19 @@ H_LOCK, H_BUSY, H_WSEQ, H_HLC, H_FEED_HEAD, H_CLOCK, H_STATE, H_RELEASED = (
     16, 17, 18, 19, 20, 21, 22, 23,
 )
 H_ENTRIES, H_USED, H_EVICTIONS, H_RECOVERIES, H_DEFERRED, H_PIN_HWM = 24, 25, 26, 27, 28, 29
+H_HOT_OFF, H_HOT_SIZE, H_SKETCH_WIDTH, H_TOPK = 30, 31, 32, 33
 H_FREE = 40  # 64 words of free-list heads, one per block order
 HOST_ID_AT = 1024  # 1 length byte + up to 64 bytes
 
+NEW_DOT = (1 << 64) - 1  # put(..., counter=NEW_DOT): a fresh local dot over a given vector
 # Statuses of _l2core.Core.put when it changed nothing.
 NEED_SPACE, NEED_SLOT, TOO_LARGE, CORRUPT = 1, 2, 3, 4
 
 STATE_OK = 0
 STATE_PURGED = 1
+
+SKETCH_DEPTH = 4
+HOT_TOPK = 64
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LOCK_TIMEOUT = 10.0
@@ -156,6 +163,9 @@ class Layout:
     n_pins: int
     defer_off: int
     max_key: int
+    hot_off: int = 0
+    sketch_width: int = 0
+    topk: int = 0
 
     @staticmethod
     def plan(l2_size: int, max_key: int, feed_n: int, n_pins: int, max_value: int) -> Layout:
@@ -186,9 +196,15 @@ class Layout:
         feed_off = data_off + data_size
         pins_off = feed_off + feed_n * feed_esz
         defer_off = pins_off + n_pins * 16
-        total = (defer_off + n_pins * 8 + 4095) // 4096 * 4096
+        hot_off = (defer_off + n_pins * 8 + 63) // 64 * 64
+        topk = HOT_TOPK
+        hot_budget = max(l2_size // 1000, 32 << 10)  # the sketch's share: 0.1% (32 KiB floor)
+        width = max(64, (hot_budget - TopK.size_for(topk, max_key) - 16) // (4 * SKETCH_DEPTH))
+        hot_size = CountMinSketch.size_for(width, SKETCH_DEPTH) + TopK.size_for(topk, max_key)
+        total = (hot_off + hot_size + 4095) // 4096 * 4096
         return Layout(total, n_slots, slots_off, meta_off, data_off, data_size, top_order,
-                      feed_off, feed_n, feed_esz, pins_off, n_pins, defer_off, max_key)
+                      feed_off, feed_n, feed_esz, pins_off, n_pins, defer_off, max_key,
+                      hot_off, width, topk)
 
     def header_words(self) -> dict[int, int]:
         return {
@@ -196,14 +212,16 @@ class Layout:
             H_META_OFF: self.meta_off, H_DATA_OFF: self.data_off, H_DATA_SIZE: self.data_size,
             H_TOP_ORDER: self.top_order, H_FEED_OFF: self.feed_off, H_FEED_N: self.feed_n,
             H_FEED_ESZ: self.feed_esz, H_PINS_OFF: self.pins_off, H_NPINS: self.n_pins,
-            H_DEFER_OFF: self.defer_off, H_MAX_KEY: self.max_key,
+            H_DEFER_OFF: self.defer_off, H_MAX_KEY: self.max_key, H_HOT_OFF: self.hot_off,
+            H_SKETCH_WIDTH: self.sketch_width, H_TOPK: self.topk,
         }
 
     @staticmethod
     def from_header(q: memoryview, file_size: int) -> Layout:
         lay = Layout(q[H_TOTAL], q[H_NSLOTS], q[H_SLOTS_OFF], q[H_META_OFF], q[H_DATA_OFF],
                      q[H_DATA_SIZE], q[H_TOP_ORDER], q[H_FEED_OFF], q[H_FEED_N], q[H_FEED_ESZ],
-                     q[H_PINS_OFF], q[H_NPINS], q[H_DEFER_OFF], q[H_MAX_KEY])
+                     q[H_PINS_OFF], q[H_NPINS], q[H_DEFER_OFF], q[H_MAX_KEY], q[H_HOT_OFF],
+                     q[H_SKETCH_WIDTH], q[H_TOPK])
         ok = (
             lay.total == file_size
             and lay.n_slots > 0 and lay.n_slots & (lay.n_slots - 1) == 0
@@ -214,7 +232,10 @@ class Layout:
             and lay.feed_off == lay.data_off + lay.data_size
             and lay.pins_off == lay.feed_off + lay.feed_n * lay.feed_esz
             and lay.defer_off == lay.pins_off + lay.n_pins * 16
-            and lay.defer_off + lay.n_pins * 8 <= lay.total
+            and lay.hot_off >= lay.defer_off + lay.n_pins * 8
+            and 64 <= lay.sketch_width < (1 << 28) and 1 <= lay.topk <= 4096
+            and lay.hot_off + CountMinSketch.size_for(lay.sketch_width, SKETCH_DEPTH)
+            + TopK.size_for(lay.topk, lay.max_key) <= lay.total
         )
         if not ok:
             raise SegmentError("L2 segment header is inconsistent (corrupt); purge the namespace")
@@ -256,7 +277,7 @@ class L2Segment:
     """
 
     def __init__(self, name: str, *, create_layout: Layout | None, host_id: str,
-                 permissions: int = 0o600) -> None:
+                 permissions: int = 0o600, attach_timeout: float = 2.0) -> None:
         self.name = name
         self.path = segment_path(name)
         self._pid = os.getpid()
@@ -270,7 +291,7 @@ class L2Segment:
                 os.ftruncate(fd, create_layout.total)
                 size = create_layout.total
             if size < HEADER_SIZE:
-                size = self._wait_for_size(fd)
+                size = self._wait_for_size(fd, attach_timeout)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -282,7 +303,7 @@ class L2Segment:
             assert create_layout is not None
             self._initialise(create_layout, host_id)
         else:
-            self._wait_for_magic()
+            self._wait_for_magic(attach_timeout)
         self.layout = Layout.from_header(self._q, size)
         self._bind_layout()
         hb = bytes(self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + self._buf[HOST_ID_AT]])
@@ -316,19 +337,21 @@ class L2Segment:
             raise SegmentError(f"{self.path} is not a regular file; remove it")
         return fd, False
 
-    def _wait_for_size(self, fd: int) -> int:
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
+    def _wait_for_size(self, fd: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
             size = os.fstat(fd).st_size
             if size >= HEADER_SIZE:
                 return size
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.001)
         raise SegmentError(
             f"{self.path} was never sized by its creator; run `kvcomm purge --name {self.name}`"
         )
 
-    def _wait_for_magic(self) -> None:
-        deadline = time.monotonic() + 2.0
+    def _wait_for_magic(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         q = self._q
         while q[H_MAGIC] == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -376,6 +399,12 @@ class L2Segment:
         self._feed_off = lay.feed_off
         self._feed_n = lay.feed_n
         self._feed_esz = lay.feed_esz
+        sk = CountMinSketch.size_for(lay.sketch_width, SKETCH_DEPTH)
+        self.sketch = CountMinSketch(lay.sketch_width, SKETCH_DEPTH,
+                                     buffer=self._buf[lay.hot_off : lay.hot_off + sk])
+        self.topk = TopK(lay.topk, lay.max_key,
+                         buffer=self._buf[lay.hot_off + sk : lay.hot_off + sk
+                                          + TopK.size_for(lay.topk, lay.max_key)])
         self._core = _l2core.Core(self._mm, lay.data_off, lay.data_size, lay.top_order,
                                   lay.slots_off, lay.n_slots, lay.meta_off, lay.feed_off,
                                   lay.feed_n, lay.feed_esz, lay.defer_off, lay.n_pins, lay.max_key)
@@ -469,7 +498,8 @@ class L2Segment:
 
     def write(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
               *, now_ms: int, expect: Callable[[Record | None], None] | None = None,
-              dirty: bool = False) -> tuple[int, int, bytes, int, int]:
+              dirty: bool = False, version: tuple[int, int, bytes] | None = None,
+              ) -> tuple[int, int, bytes, int, int]:
         """Store one record under the lock. Returns (counter, hlc, vvx, slot word, seq).
 
         ``expect`` is called with the current record (or None) before anything changes and
@@ -477,7 +507,7 @@ class L2Segment:
         """
         self._acquire()
         try:
-            return self._write_locked(key_b, h, tag, meta, value, now_ms, expect, dirty)
+            return self._write_locked(key_b, h, tag, meta, value, now_ms, expect, dirty, version)
         finally:
             self._release()
 
@@ -526,7 +556,8 @@ class L2Segment:
     def _write_locked(self, key_b: bytes, h: int, tag: int, meta: bytes,
                       value: bytes | memoryview, now_ms: int,
                       expect: Callable[[Record | None], None] | None,
-                      dirty: bool) -> tuple[int, int, bytes, int, int]:
+                      dirty: bool, version: tuple[int, int, bytes] | None = None,
+                      ) -> tuple[int, int, bytes, int, int]:
         q = self._q
         core = self._core
         if q[H_RELEASED] or q[H_DEFERRED]:
@@ -535,7 +566,8 @@ class L2Segment:
             w, _ = core.find(key_b, h)
             expect(self._record_locked(w) if w >= 0 else None)
         flags = FLAG_DIRTY if dirty else 0
-        r = core.put(key_b, h, tag, meta, value, now_ms, flags)
+        extra = () if version is None else version
+        r = core.put(key_b, h, tag, meta, value, now_ms, flags, *extra)
         while not isinstance(r, tuple):
             if r == NEED_SPACE:
                 w, _ = core.find(key_b, h)
@@ -549,7 +581,7 @@ class L2Segment:
                 )
             else:
                 raise SegmentError(f"L2 of {self.name!r} is corrupt; purge the namespace")
-            r = core.put(key_b, h, tag, meta, value, now_ms, flags)
+            r = core.put(key_b, h, tag, meta, value, now_ms, flags, *extra)
         return r
 
     def delete(self, key_b: bytes, h: int, *, now_ms: int,
@@ -837,6 +869,29 @@ class L2Segment:
         q[H_RECOVERIES] += 1
         self._core.feed(KIND_RESYNC, b"", q[H_WSEQ], q[H_HLC])
 
+    # ---------------------------------------------------------------- hot keys
+
+    def count_accesses(self, counts: dict[bytes, int]) -> None:
+        """Add a process's buffered access counts to the host sketch (under the lock)."""
+        self._acquire()
+        try:
+            before = self.sketch.additions
+            add = self.sketch.add
+            offers = [(kb, add(kb, n)) for kb, n in counts.items()]
+            if self.sketch.additions < before:  # the sketch aged: age the top-k with it
+                self.topk.halve()
+            self.topk.offer_many(offers)
+        finally:
+            self._release()
+
+    def hot_keys(self, n: int) -> list[tuple[str, int]]:
+        self._acquire()
+        try:
+            top = self.topk.top(n)
+        finally:
+            self._release()
+        return [(k.decode("utf-8", "replace"), c) for k, c in top]
+
     def check(self) -> list[str]:
         """Under the lock, verify every invariant; returns the problems found (none: [])."""
         self._acquire()
@@ -956,6 +1011,10 @@ class L2Segment:
         core = getattr(self, "_core", None)
         if core is not None:
             core.release()
+        for obj in (getattr(self, "sketch", None), getattr(self, "topk", None)):
+            for mv in vars(obj).values() if obj is not None and hasattr(obj, "__dict__") else ():
+                if isinstance(mv, memoryview):
+                    mv.release()
         for name in ("_meta", "_q", "_ro", "_buf"):
             mv = getattr(self, name, None)
             if mv is not None:
@@ -1000,7 +1059,7 @@ def purge(name: str) -> bool:
     if not os.path.exists(path):
         return False
     try:
-        seg = L2Segment(name, create_layout=None, host_id="")
+        seg = L2Segment(name, create_layout=None, host_id="", attach_timeout=0)
         seg.mark_purged()
         seg.close()
     except SegmentError:

@@ -1,0 +1,76 @@
+"""Count-Min Sketch and top-k: never underestimate, find the heavy hitters, age."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcomm.core.sketch import CountMinSketch, TopK
+
+keys = st.lists(st.binary(min_size=1, max_size=6), min_size=1, max_size=300)
+
+
+@given(keys, st.integers(8, 64), st.integers(1, 5))
+def test_never_underestimates(stream: list[bytes], width: int, depth: int) -> None:
+    cms = CountMinSketch(width, depth, reset_every=10**9)
+    truth = Counter(stream)
+    for k in stream:
+        cms.add(k)
+    for k, n in truth.items():
+        assert cms.estimate(k) >= n
+
+
+@given(keys)
+def test_conservative_update_is_no_worse_than_plain(stream: list[bytes]) -> None:
+    cms = CountMinSketch(16, 3, reset_every=10**9)
+    plain = [[0] * 16 for _ in range(3)]
+    for k in stream:
+        cms.add(k)
+        for row, cell in enumerate(cms._cells(k)):
+            plain[row][cell - row * 16] += 1
+    for k in set(stream):
+        assert cms.estimate(k) <= min(plain[r][c - r * 16] for r, c in enumerate(cms._cells(k)))
+
+
+def test_aging_halves_counts() -> None:
+    cms = CountMinSketch(64, 4, reset_every=100)
+    for _ in range(99):
+        cms.add(b"k")
+    assert cms.estimate(b"k") == 99
+    cms.add(b"k")  # the 100th addition triggers the halving
+    assert cms.estimate(b"k") == 50 and cms.additions == 50
+
+
+def test_lives_in_a_given_buffer_and_is_shared() -> None:
+    buf = bytearray(CountMinSketch.size_for(32, 4))
+    a = CountMinSketch(32, 4, buffer=buf)
+    b = CountMinSketch(32, 4, buffer=buf)
+    a.add(b"x", 5)
+    assert b.estimate(b"x") == 5
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 2**32))
+def test_topk_finds_heavy_hitters(seed: int) -> None:
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    cms = CountMinSketch(512, 4, reset_every=10**9)
+    top = TopK(8, 16)
+    heavy = [f"hot{i}".encode() for i in range(5)]
+    stream = heavy * 200 + [f"cold{rng.randrange(5000)}".encode() for _ in range(3000)]
+    rng.shuffle(stream)
+    for k in stream:
+        top.offer(k, cms.add(k))
+    assert set(heavy) <= {k for k, _ in top.top(8)}
+
+
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=4), st.integers(1, 100)), max_size=60))
+def test_offer_many_matches_offer(offers: list[tuple[bytes, int]]) -> None:
+    one, many = TopK(5, 8), TopK(5, 8)
+    for k, e in offers:
+        one.offer(k, e)
+    many.offer_many(offers)
+    assert sorted(e for _, e in one.items()) == sorted(e for _, e in many.items())
