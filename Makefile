@@ -18,9 +18,10 @@ demo: $(STAMP)          ## the swarm demo on the embedded default (no servers)
 test: $(STAMP)          ## the whole test suite
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)         ## benchmarks against peers (Redis, manager dict, LMDB, UltraDict)
-	$(BIN)/python -m pip install -q UltraDict atomics
+bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, UltraDict, rbloom, pyprobables)
+	$(BIN)/python -m pip install -q UltraDict atomics rbloom pyprobables
 	$(BIN)/python bench/bench_embedded.py
+	$(BIN)/python bench/bench_core.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -264,6 +264,15 @@ def main() -> int:
         row("L1 hit (validated against L2), 1 KiB", p50_blocks(lambda: kv.get("k"), blocks),
             {"dict lookup (floor)": p50_blocks(lambda: {"k": VALUE}.get("k"), blocks)},
             "p50 <= 0.5 µs")
+        untracked = kvcomm.open(NS, config=kvcomm.Config.from_mapping(
+            {"cache": {"l2_size": "256MB", "hot_key_sample": 0}}))
+        untracked.get("k")
+        off_ns = p50_blocks(lambda: untracked.get("k"), blocks)
+        on_ns = p50_blocks(lambda: kv.get("k"), blocks)
+        row("L1 hit with hot-key tracking (1 read in 16 sampled)", on_ns,
+            {"L1 hit, tracking off (hot_key_sample: 0)": off_ns}, "adds <= 10%")
+        print(f"  => tracking adds {100 * (on_ns - off_ns) / off_ns:+.1f}% to an L1 hit")
+        untracked.close()
         row("L2 get of a value another process wrote, 1 KiB", p50_blocks(lambda: raw.get("k"), blocks),
             measure_peers(peers.getters("k"), blocks), "p50 <= 1.5 µs; >= 30x redis TCP")
         row("L2 put, 1 KiB", p50_blocks(lambda: kv.put("k", VALUE), blocks),

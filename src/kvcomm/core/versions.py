@@ -77,10 +77,19 @@ def hlc_millis(ts: int) -> int:
 
 
 def compare_vectors(a: Vector, b: Vector) -> Ordering:
-    """Causal order of two version vectors."""
-    da, db = dict(a), dict(b)
-    a_ge = all(da.get(k, 0) >= v for k, v in db.items())
-    b_ge = all(db.get(k, 0) >= v for k, v in da.items())
+    """Causal order of two version vectors (one pass over ``b``, one dict of ``a``)."""
+    if a == b:
+        return Ordering.EQUAL
+    rest = dict(a)
+    a_ge = b_ge = True
+    for k, v in b:
+        x = rest.pop(k, 0)
+        if x < v:
+            a_ge = False
+        elif x > v:
+            b_ge = False
+    if rest:  # entries only a has (counters are > 0)
+        b_ge = False
     if a_ge and b_ge:
         return Ordering.EQUAL
     if a_ge:
@@ -92,6 +101,10 @@ def compare_vectors(a: Vector, b: Vector) -> Ordering:
 
 def merge_vectors(a: Vector, b: Vector) -> Vector:
     """Least upper bound of two version vectors."""
+    if a == b or not b:
+        return a
+    if not a:
+        return b
     out = dict(a)
     for k, v in b:
         if v > out.get(k, 0):
