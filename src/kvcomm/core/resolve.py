@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
-from .versions import Dotted, Vector, add_sibling, merge_vectors
+from .versions import Dotted, Ordering, Vector, add_sibling, compare_vectors, merge_vectors
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -109,3 +109,34 @@ class PrefixTable(Generic[T]):
             self._memo.clear()
         self._memo[key] = hook
         return hook
+
+
+# ---------------------------------------------------------------- the L3 merge rule
+
+#: outcomes of merging an incoming record into what L3 holds
+NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT = "new", "newer", "older", "equal", "merged", "conflict"
+
+
+def merge_rule(stored: Dotted | None, incoming: Dotted,
+               keep_siblings: bool = False) -> tuple[str, Dotted | None]:
+    """What L3 does with ``incoming`` given ``stored``: (outcome, version stored after).
+
+    new/newer: incoming replaces; older/equal: stored stays; concurrent: last-writer-wins
+    by :func:`lww_key`, stored with the merged vector (``merged``) — or, with
+    ``keep_siblings``, nothing changes and the caller resolves (``conflict``). The
+    server-side Lua script in :mod:`kvcomm.tiers.l3` implements exactly this; a test
+    checks the two agree on generated histories.
+    """
+    if stored is None:
+        return NEW, incoming
+    order = compare_vectors(incoming.vector, stored.vector)
+    if order is Ordering.EQUAL:
+        return EQUAL, stored
+    if order is Ordering.AFTER:
+        return NEWER, incoming
+    if order is Ordering.BEFORE:
+        return OLDER, stored
+    if keep_siblings:
+        return CONFLICT, stored
+    winner = max((stored, incoming), key=lww_key)
+    return MERGED, Dotted(merge_vectors(stored.vector, incoming.vector), winner.dot, winner.hlc)

@@ -1,0 +1,188 @@
+"""A real Redis Cluster on loopback: 3 masters + 3 replicas by default, free ports, temp dirs.
+
+For tests, benchmarks and local development. The nodes are Debian's ``redis-server``
+started with ``cluster-enabled yes`` and joined by ``redis-cli --cluster create``;
+:meth:`RedisCluster.start` returns once every node reports ``cluster_state:ok`` and
+every slot is served. Faults are injected on purpose: :meth:`kill` (SIGKILL) and
+:meth:`pause` / :meth:`resume` (SIGSTOP / SIGCONT) of one node.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from types import TracebackType
+
+from ..errors import Unavailable
+
+
+def free_cluster_port(rng: random.Random | None = None) -> int:
+    """A port p <= 55535 with p and its cluster-bus port p + 10000 both free on loopback."""
+    rng = rng or random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 55535)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise Unavailable("no free port pair for a Redis Cluster node")
+
+
+def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
+    """One inline command over a raw socket (no client library needed to bootstrap)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall((" ".join(args) + "\r\n").encode())
+        data = b""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if data.startswith((b"+", b"-", b":")) and data.endswith(b"\r\n"):
+                break
+            if data.startswith(b"$"):
+                head, _, rest = data.partition(b"\r\n")
+                if len(rest) >= int(head[1:]) + 2:
+                    break
+        return data
+
+
+class RedisCluster:
+    """``masters`` masters with ``replicas`` replicas each, on 127.0.0.1."""
+
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000) -> None:
+        if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+            raise Unavailable("redis-server and redis-cli are needed (apt-get install redis-server)")
+        self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
+        self.dir = tempfile.mkdtemp(prefix="kvcomm-cluster-")
+        self.ports: list[int] = []
+        while len(self.ports) < masters * (1 + replicas):
+            port = free_cluster_port()
+            if port not in self.ports:
+                self.ports.append(port)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def seeds(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", p) for p in self.ports]
+
+    def _start_node(self, port: int) -> None:
+        node_dir = os.path.join(self.dir, str(port))
+        os.makedirs(node_dir, exist_ok=True)
+        self.procs[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir,
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms), "--save", "",
+             "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def start(self, timeout: float = 60.0) -> RedisCluster:
+        deadline = time.monotonic() + timeout
+        for port in self.ports:
+            self._start_node(port)
+        for port in self.ports:
+            self._wait(lambda p=port: _command(p, "PING").startswith(b"+PONG"), deadline,
+                       f"node {port} to answer")
+        out = subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
+             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            capture_output=True, text=True, timeout=max(5.0, deadline - time.monotonic()),
+        )
+        if out.returncode != 0:
+            self.stop()
+            raise Unavailable(f"redis-cli --cluster create failed: {out.stdout[-500:]}{out.stderr}")
+        for port in self.ports:
+            self._wait(lambda p=port: b"cluster_state:ok" in _command(p, "CLUSTER", "INFO"),
+                       deadline, f"node {port} to see the cluster ok")
+        return self
+
+    def _wait(self, cond: object, deadline: float, what: str) -> None:
+        while True:
+            try:
+                if cond():  # type: ignore[operator]
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def master_ports(self) -> list[int]:
+        out = []
+        for port in self.ports:
+            if self.procs[port].poll() is not None:
+                continue
+            try:
+                if b"role:master" in _command(port, "INFO", "replication"):
+                    out.append(port)
+            except OSError:
+                continue
+        return out
+
+    def wait_replicated(self, timeout: float = 10.0) -> None:
+        """Until every replica has acknowledged everything its master had when called
+        (replication is asynchronous: a master killed earlier may lose recent writes)."""
+        deadline = time.monotonic() + timeout
+        for port in self.master_ports():
+            info = _command(port, "INFO", "replication").decode()
+            target = int(info.split("master_repl_offset:")[1].split()[0])
+
+            def caught_up(p: int = port, target: int = target) -> bool:
+                text = _command(p, "INFO", "replication").decode()
+                offsets = [int(part.split("offset=")[1].split(",")[0])
+                           for part in text.split() if part.startswith("slave") and "offset=" in part]
+                return bool(offsets) and min(offsets) >= target
+
+            self._wait(caught_up, deadline, f"replicas of {port} to catch up")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (a crash: its replica takes over after the node timeout)."""
+        proc = self.procs[port]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def pause(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until every live node reports cluster_state:ok (after a failover, say)."""
+        deadline = time.monotonic() + timeout
+        for port in self.ports:
+            if self.procs[port].poll() is None:
+                self._wait(lambda p=port: b"cluster_state:ok" in _command(p, "CLUSTER", "INFO"),
+                           deadline, f"node {port} to see the cluster ok again")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
