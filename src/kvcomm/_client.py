@@ -20,6 +20,7 @@ import msgpack
 
 from .config import Config, resolve
 from .core import codec
+from .core.negative import NegativeCache
 from .core.resolve import PrefixTable, Sibling
 from .core.resolve import resolve as resolve_siblings
 from .core.versions import (
@@ -176,12 +177,20 @@ class Client:
         self._sample = self._sample_every or -1  # countdown to the next sampled read
         self._hot: dict[bytes, int] = {}  # sampled reads not yet added to the host sketch
         self._hot_flushed = time.monotonic()
+        cluster = self.config.cluster
+        self._cluster = cluster.enabled
+        self._flags = l2mod.FLAG_DIRTY if self._cluster else 0  # cluster writes await L3
+        self._outbound_max = min(cluster.outbound_max, self._seg.layout.feed_n // 2)
+        self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
+        self._negative = NegativeCache(self.config.cache.negative_ttl,
+                                       self.config.cache.negative_max_entries)
         self._closed = False
         self._forked = False
         self._unusable = False  # closed, or inherited through fork(): every call checks this
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
-            ("puts", "deletes", "conflicts", "views", "merges", "resolver_failures"), 0
+            ("puts", "deletes", "conflicts", "views", "merges", "resolver_failures",
+             "l3_reads", "negative_hits"), 0
         )
         self._l1_hits = 0
         self._l2_hits = 0
@@ -312,8 +321,8 @@ class Client:
             return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1")
         return self._get_slow(key, None, True)  # type: ignore[no-any-return]
 
-    def _get_slow(self, key: str, default: Any, want_item: bool) -> Any:
-        """L2 (then, in cluster mode, L3) lookup; the value, or an Item if ``want_item``."""
+    def _get_slow(self, key: str, default: Any, want_item: bool, l3: bool = True) -> Any:
+        """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
         if self._unusable:
             self._live()
         kh = self._keys.get(key) if type(key) is str else None
@@ -325,10 +334,14 @@ class Client:
         if type(rec) is not tuple:
             if rec is None:
                 self._l2_misses += 1
+                if self._cluster and l3:
+                    return self._get_l3(key, default, want_item)
                 return None if want_item else default
             rec = self._seg.read(kb, h, self._zc)  # a stuck writer: the slow, careful path
             if rec is None:
                 self._l2_misses += 1
+                if self._cluster and l3:
+                    return self._get_l3(key, default, want_item)
                 return None if want_item else default
         self._l2_hits += 1
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
@@ -352,6 +365,33 @@ class Client:
         if not want_item:
             return value
         return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2")
+
+    def _get_l3(self, key: str, default: Any, want_item: bool) -> Any:
+        """An L2 miss in cluster mode: one round trip to L3, then fill L2 (and L1 next read).
+
+        A key L3 does not have is remembered as absent for ``cache.negative_ttl``.
+        """
+        now = time.monotonic()
+        if self._negative.is_absent(key, now):
+            self.counters["negative_hits"] += 1
+            return None if want_item else default
+        if self._l3 is None:
+            from .tiers.l3 import L3Store
+
+            cl = self.config.cluster
+            self._l3 = L3Store(cl.seeds(), username=cl.redis_username,
+                               password=cl.redis_password, tls=cl.redis_tls, timeout=cl.timeout)
+        self.counters["l3_reads"] += 1
+        rec = self._l3.get(key)
+        if rec is None or rec.tombstone:
+            self._negative.note_absent(key, now)
+            return None if want_item else default
+        value = codec.decode(rec.tag, rec.meta, rec.value)
+        version = Version(rec.vector, rec.hlc)
+        self.merge_remote(key, value, version)  # fill L2 for every agent on the host
+        if want_item:
+            return Item(key, value, version, "l3")
+        return value
 
     def _get_view(self, key: str, kb: bytes, h: int) -> Item | None:
         """A large array: pin its block and hand out a read-only view of shared memory."""
@@ -404,8 +444,10 @@ class Client:
             self._encode(value)  # raises ValueTooLarge with the message
         if expect is not _NO_CHECK or self._validators:
             return self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
+        if self._cluster:
+            self._check_outbound(key)
         counter, hlc, vvx, _, _ = self._seg.write_fast(kb, h, tag, meta, payload,
-                                                       time.time_ns() // 1_000_000)
+                                                       time.time_ns() // 1_000_000, self._flags)
         self._puts += 1
         if not vvx:
             return _new_version(Version, (((self._host, counter),), hlc))
@@ -418,9 +460,24 @@ class Client:
         validator = self._validators.lookup(key) if self._validators else None
         if validator is not None:
             return self._put_validated(key, kb, h, value, encoded, check, validator)
-        counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=check)
+        if self._cluster:
+            self._check_outbound(key)
+        counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=check,
+                                                  dirty=bool(self._flags))
         self._puts += 1
         return self._version(counter, hlc, vvx)
+
+    def _check_outbound(self, key: str) -> None:
+        """Cluster mode: refuse a write when too many are waiting for the node daemon."""
+        seg = self._seg
+        waiting = seg.feed_head() - seg.sync_cursor
+        if waiting >= self._outbound_max:
+            raise Unavailable(
+                f"{waiting} writes on this host are waiting for L3 (bound {self._outbound_max}); "
+                f"is `kvcomm node` running for namespace {self.name!r} and the cluster up? "
+                f"{key!r} was not written"
+            )
+        self._negative.invalidate(key)
 
     def _expect_fn(self, key: str, expect: Any) -> Callable[[Record | None], None]:
         if expect is not ABSENT and not isinstance(expect, Version):
@@ -522,7 +579,7 @@ class Client:
         kb, h = self._key_hash(key)
         remote_encoded = self._encode(value)
         for _ in range(_MAX_UPDATE_RETRIES):
-            local = self._get_slow(key, None, True)
+            local = self._get_slow(key, None, True, l3=False)  # this host's L2 only
             plan = self._merge_plan(key, local, value, remote_encoded, version)
             if plan is None:
                 assert local is not None
@@ -532,9 +589,12 @@ class Client:
             explicit = self._explicit(stored)
             if new_write:  # a resolver made a new value: a new local write over the merge
                 explicit = (l2mod.NEW_DOT, stored.hlc, explicit[2])
+            # a merge of concurrent versions (or a resolver's new value) is new information
+            # that the cluster must learn: dirty, so the node daemon publishes it
+            publish = new_write or stored != version
             try:
                 r = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=seen,
-                                    version=explicit)
+                                    version=explicit, dirty=publish and bool(self._flags))
             except ConflictError:
                 continue  # a local write raced us: merge against it
             self.counters["merges"] += 1
@@ -593,7 +653,7 @@ class Client:
 
             try:
                 counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(),
-                                                          expect=both)
+                                                          expect=both, dirty=bool(self._flags))
             except ConflictError:
                 if check is not None:
                     raise
@@ -663,6 +723,7 @@ class Client:
                    "evictions": info.get("evictions", 0),
                    "recoveries": info.get("recoveries", 0),
                    "views_taken": c["views"]},
+            "l3": {"reads": c["l3_reads"], "negative_hits": c["negative_hits"]},
             "ops": {"puts": c["puts"] + self._puts, "deletes": c["deletes"],
                     "conflicts": c["conflicts"], "merges": c["merges"],
                     "resolver_failures": c["resolver_failures"]},
@@ -683,6 +744,8 @@ class Client:
             except KVCommError:
                 pass  # e.g. the namespace was purged: its counts no longer matter
         self._closed = self._unusable = True
+        if self._l3 is not None:
+            self._l3.close()
         self._l1.clear()
         self._l1_entries = {}  # type: ignore[assignment]
         if not self._forked:
@@ -745,7 +808,9 @@ class Batch:
             return
         c = self._client
         c._live()
-        results = c._seg.write_many(self._ops, _now_ms())
+        if c._cluster:
+            c._check_outbound(self._keys[0])
+        results = c._seg.write_many(self._ops, _now_ms(), dirty=bool(c._flags))
         for key, r in zip(self._keys, results, strict=True):
             if isinstance(r, tuple):
                 c.counters["puts"] += 1
@@ -788,15 +853,21 @@ def _run_validator(fn: Callable[[str, Item | None, Any], None], key: str, old: I
         raise ValidationError(f"write to {key!r} rejected by validator: {exc}") from exc
 
 
-def open(name: str = "default", *, config: Config | str | os.PathLike[str] | None = None) -> Client:  # noqa: A001
+def open(name: str | None = None, *,  # noqa: A001
+         config: Config | str | os.PathLike[str] | None = None) -> Client:
     """Open namespace ``name`` on this host (creating its L2 segment if needed).
 
-    ``config`` is a path to a YAML file or a :class:`kvcomm.Config`. Raises ConfigError,
-    SegmentError.
+    ``name`` defaults to the config's ``node.namespace`` ("default"). ``config`` is a
+    path to a YAML file or a :class:`kvcomm.Config`; with ``cluster.redis`` set, the
+    client works in cluster mode (a node daemon syncs the host with L3). Raises
+    ConfigError, SegmentError.
     """
+    cfg = resolve(config)
+    if name is None:
+        name = cfg.node.namespace
     if type(name) is not str:
         raise SegmentError(f"namespace must be a str, got {type(name).__name__}")
-    return Client(name, resolve(config))
+    return Client(name, cfg)
 
 
 __all__ = ["ABSENT", "Batch", "Client", "Event", "Item", "open"]

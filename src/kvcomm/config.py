@@ -97,6 +97,34 @@ class NodeConfig(_Section):
     host_id: str = Field(
         default="local", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$"
     )
+    namespace: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                           description="the L2 namespace kvcomm.open() uses by default")
+
+
+class ClusterConfig(_Section):
+    """Cluster mode: set ``redis`` to the Redis Cluster seed nodes ("host:port")."""
+
+    redis: list[str] = Field(default_factory=list)
+    redis_username: str | None = None
+    redis_password: str | None = None
+    redis_tls: bool = False
+    timeout: Duration = Field(default=2.0, gt=0)
+    outbound_max: int = Field(default=8192, ge=1,
+                              description="writes waiting for L3 before put raises Unavailable")
+    feed_poll: Duration = Field(default=0.005, gt=0, description="how often remote changes are read")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.redis)
+
+    def seeds(self) -> list[tuple[str, int]]:
+        out = []
+        for s in self.redis:
+            host, _, port = s.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError("cluster.redis", f"{s!r} is not host:port")
+            out.append((host, int(port)))
+        return out
 
 
 class Config(_Section):
@@ -105,6 +133,7 @@ class Config(_Section):
     cache: CacheConfig = CacheConfig()
     network: NetworkConfig = NetworkConfig()
     node: NodeConfig = NodeConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @classmethod
     def from_mapping(cls, data: Any) -> Config:

@@ -5,6 +5,8 @@
     kvcomm info [--name N]          how much of a namespace's L2 segment is in use
     kvcomm purge --name N           remove a namespace's segment
     kvcomm config --show [--config FILE]
+    kvcomm node --config FILE       the host daemon (cluster mode)
+    kvcomm dev-cluster up --hosts N --dir DIR | down --dir DIR
 """
 
 from __future__ import annotations
@@ -55,6 +57,28 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node(args: argparse.Namespace) -> int:
+    from ..node.daemon import main as node_main
+
+    return node_main(resolve(args.config), args.name)
+
+
+def _dev_cluster(args: argparse.Namespace) -> int:
+    from . import devcluster
+
+    if args.action == "up":
+        state = devcluster.up(args.hosts, args.dir)
+        print(f"Redis Cluster: {' '.join(state['redis'])}")
+        for h in state["hosts"]:
+            print(f"{h['host']}: daemon pid {h['pid']}, agents open kvcomm.open(config={h['config']!r})")
+        return 0
+    if devcluster.down(args.dir):
+        print(f"dev cluster in {args.dir} stopped")
+        return 0
+    print(f"no dev cluster in {args.dir}", file=sys.stderr)
+    return 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -85,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("purge", help="remove a namespace's L2 segment")
     u.add_argument("--name", required=True)
     u.set_defaults(func=_purge)
+
+    n = sub.add_parser("node", help="run the host daemon (cluster mode)")
+    n.add_argument("--config", required=True, help="the host's YAML config (cluster.redis set)")
+    n.add_argument("--name", help="L2 namespace (default: node.namespace from the config)")
+    n.set_defaults(func=_node)
+
+    dc = sub.add_parser("dev-cluster", help="a local Redis Cluster + one daemon per host")
+    dc.add_argument("action", choices=["up", "down"])
+    dc.add_argument("--hosts", type=int, default=3)
+    dc.add_argument("--dir", required=True)
+    dc.set_defaults(func=_dev_cluster)
 
     c = sub.add_parser("config", help="print the effective config")
     c.add_argument("--show", action="store_true", required=True)

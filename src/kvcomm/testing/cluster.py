@@ -60,11 +60,13 @@ def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
 class RedisCluster:
     """``masters`` masters with ``replicas`` replicas each, on 127.0.0.1."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000,
+                 directory: str | None = None, detached: bool = False) -> None:
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
             raise Unavailable("redis-server and redis-cli are needed (apt-get install redis-server)")
         self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
-        self.dir = tempfile.mkdtemp(prefix="kvcomm-cluster-")
+        self.detached = detached  # nodes in their own session: they outlive this process
+        self.dir = directory or tempfile.mkdtemp(prefix="kvcomm-cluster-")
         self.ports: list[int] = []
         while len(self.ports) < masters * (1 + replicas):
             port = free_cluster_port()
@@ -85,7 +87,12 @@ class RedisCluster:
              "--cluster-node-timeout", str(self.node_timeout_ms), "--save", "",
              "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=self.detached,
         )
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
 
     def start(self, timeout: float = 60.0) -> RedisCluster:
         deadline = time.monotonic() + timeout

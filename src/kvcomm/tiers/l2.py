@@ -90,6 +90,7 @@ H_LOCK, H_BUSY, H_WSEQ, H_HLC, H_FEED_HEAD, H_CLOCK, H_STATE, H_RELEASED = (
 )
 H_ENTRIES, H_USED, H_EVICTIONS, H_RECOVERIES, H_DEFERRED, H_PIN_HWM = 24, 25, 26, 27, 28, 29
 H_HOT_OFF, H_HOT_SIZE, H_SKETCH_WIDTH, H_TOPK = 30, 31, 32, 33
+H_SYNC_CURSOR, H_DAEMON_PID, H_DAEMON_BEAT = 34, 35, 36  # the node daemon's state
 H_FREE = 40  # 64 words of free-list heads, one per block order
 HOST_ID_AT = 1024  # 1 length byte + up to 64 bytes
 
@@ -512,27 +513,28 @@ class L2Segment:
             self._release()
 
     def write_fast(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
-                   now_ms: int) -> tuple[int, int, bytes, int, int]:
+                   now_ms: int, flags: int = 0) -> tuple[int, int, bytes, int, int]:
         """:meth:`write` without ``expect``: a single C call under the lock in the common case."""
         with self._tlock:
             core = self._core
             status = core.try_lock(self._pid)
             if status == 0:
-                r = core.put(key_b, h, tag, meta, value, now_ms, 0)
+                r = core.put(key_b, h, tag, meta, value, now_ms, flags)
                 core.unlock()
                 if isinstance(r, tuple):
                     return r
             elif status == 2:  # locked, but pins to sweep or a dead writer to recover from
                 self._after_lock()
                 try:
-                    return self._write_locked(key_b, h, tag, meta, value, now_ms, None, False)
+                    return self._write_locked(key_b, h, tag, meta, value, now_ms, None,
+                                              bool(flags))
                 finally:
                     core.unlock()
         # contended, or the put needs eviction first: the general path
-        return self.write(key_b, h, tag, meta, value, now_ms=now_ms)
+        return self.write(key_b, h, tag, meta, value, now_ms=now_ms, dirty=bool(flags))
 
     def write_many(
-        self, ops: list[tuple[Any, ...]], now_ms: int
+        self, ops: list[tuple[Any, ...]], now_ms: int, dirty: bool = False
     ) -> list[tuple[int, int, bytes, int, int] | bool]:
         """Apply puts ``(key_b, h, tag, meta, value)`` and deletes ``(key_b, h)`` under one lock."""
         out: list[tuple[int, int, bytes, int, int] | bool] = []
@@ -545,9 +547,9 @@ class L2Segment:
                 if len(op) == 2:
                     out.append(self._core.delete(op[0], op[1], now_ms))
                     continue
-                r = put(op[0], op[1], op[2], op[3], op[4], now_ms, 0)
+                r = put(op[0], op[1], op[2], op[3], op[4], now_ms, FLAG_DIRTY if dirty else 0)
                 if not isinstance(r, tuple):  # needs eviction first
-                    r = self._write_locked(op[0], op[1], op[2], op[3], op[4], now_ms, None, False)
+                    r = self._write_locked(op[0], op[1], op[2], op[3], op[4], now_ms, None, dirty)
                 out.append(r)
         finally:
             self._release()
@@ -868,6 +870,57 @@ class L2Segment:
         q[H_DEFERRED] = deferred
         q[H_RECOVERIES] += 1
         self._core.feed(KIND_RESYNC, b"", q[H_WSEQ], q[H_HLC])
+
+    # ---------------------------------------------------------------- node daemon support
+
+    def dirty_keys(self) -> list[bytes]:
+        """Keys whose records are flagged dirty (written here, not yet in L3). A scan."""
+        q = self._q
+        out = []
+        for i in range(self.layout.n_slots):
+            w = self._sbase + i * SLOT_WORDS
+            s = q[w]
+            off = q[w + 2]
+            if off > TOMB and q[w + 4] & FLAG_DIRTY:
+                klen = q[(off >> 3) + 3] & 0xFFFF
+                kb = self._mm[off + REC_HEADER : off + REC_HEADER + klen]
+                if q[w] == s:
+                    out.append(kb)
+        return out
+
+    def mark_clean(self, key_b: bytes, h: int, counter: int, hlc: int) -> bool:
+        """Clear the dirty flag if the key still holds the write (counter, hlc)."""
+        self._acquire()
+        try:
+            w, _ = self._core.find(key_b, h)
+            if w < 0:
+                return False
+            bi = self._q[w + 2] >> 3
+            if self._q[bi + 1] != counter or self._q[bi + 2] != hlc:
+                return False
+            self._q[w + 4] &= ~FLAG_DIRTY
+            return True
+        finally:
+            self._release()
+
+    def is_dirty(self, word: int) -> bool:
+        return bool(self._q[word + 4] & FLAG_DIRTY)
+
+    @property
+    def sync_cursor(self) -> int:
+        return int(self._q[H_SYNC_CURSOR])
+
+    @sync_cursor.setter
+    def sync_cursor(self, value: int) -> None:
+        self._atom.store(H_SYNC_CURSOR * 8, value)
+
+    def daemon_heartbeat(self, pid: int) -> None:
+        self._q[H_DAEMON_PID] = pid
+        self._atom.store(H_DAEMON_BEAT * 8, time.time_ns() // 1_000_000)
+
+    def daemon_alive(self, within_ms: int = 2000) -> bool:
+        beat = self._q[H_DAEMON_BEAT]
+        return bool(beat) and time.time_ns() // 1_000_000 - beat < within_ms
 
     # ---------------------------------------------------------------- hot keys
 

@@ -275,6 +275,43 @@ class L3Store:
         rows = self._call(lambda: self.rc.xrange(feed_key(group), min=b"(" + after, count=count))
         return [(eid, f[b"k"].decode("utf-8", "surrogatepass"), f[b"r"]) for eid, f in rows]
 
+    def feed_many(self, cursors: dict[int, bytes], count: int = 500,
+                  ) -> dict[int, list[tuple[bytes, str, bytes]]]:
+        """:meth:`feed` for many groups: one pipeline of XRANGEs per master node."""
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for g in cursors:
+            node = self._call(lambda g=g: self.rc.get_node_from_key(feed_key(g)))  # type: ignore[no-untyped-call]
+            by_node.setdefault(node.name, (node, []))[1].append(g)
+        out: dict[int, list[tuple[bytes, str, bytes]]] = {}
+        for node, groups in by_node.values():
+            def run(node: Any = node, groups: list[int] = groups) -> list[Any]:
+                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+                for g in groups:
+                    pipe.xrange(feed_key(g), min=b"(" + cursors[g], count=count)
+                return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+            for g, rows in zip(groups, self._call(run), strict=True):
+                if isinstance(rows, Exception):  # the slot moved: one call, redirects followed
+                    rows = self._call(lambda g=g: self.rc.xrange(feed_key(g), min=b"(" + cursors[g],
+                                                                 count=count))
+                out[g] = [(eid, f[b"k"].decode("utf-8", "surrogatepass"), f[b"r"]) for eid, f in rows]
+        return out
+
+    def feed_bounds(self, group: int) -> tuple[bytes, bytes]:
+        """(first id, last id) of a group's feed; (b"0-0", b"0-0") when empty."""
+        first = self._call(lambda: self.rc.xrange(feed_key(group), count=1))
+        last = self._call(lambda: self.rc.xrevrange(feed_key(group), count=1))
+        return (first[0][0] if first else b"0-0", last[0][0] if last else b"0-0")
+
+    def load_cursors(self, host: str) -> dict[int, bytes]:
+        raw = self._call(lambda: self.rc.hgetall(f"kvc:node:{{{host}}}:cursors"))
+        return {int(k): v for k, v in raw.items()}
+
+    def save_cursors(self, host: str, cursors: dict[int, bytes]) -> None:
+        if cursors:
+            self._call(lambda: self.rc.hset(f"kvc:node:{{{host}}}:cursors",
+                                            mapping={str(g): c for g, c in cursors.items()}))
+
     def close(self) -> None:
         self.rc.close()
 

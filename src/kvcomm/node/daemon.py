@@ -1,0 +1,316 @@
+"""``kvcomm node``: the host daemon that keeps one host's L2 in sync with the cluster (L3).
+
+Theory of operation
+-------------------
+Agents only ever touch L2 (and, on an L2 miss, read L3 once). The daemon does the rest,
+in one loop:
+
+1. **Local → L3.** It drains the host's L2 change feed from its cursor. Every ``put``
+   whose record is still flagged *dirty* (written by an agent of this host, not yet in
+   L3) enters the write window (:mod:`kvcomm.core.window`); deletes enter as tombstones.
+   When the window closes (``cache.l2_sync_interval``, or full), its writes go to L3 in
+   one pipeline of merge-script calls per master node (:class:`kvcomm.tiers.l3.L3Store`).
+   L3's answer is applied back: accepted writes are marked clean (L2 may now evict
+   them); where L3 held something newer, or merged a concurrent write, that record is
+   written into L2 (clean). The cursor is stored in the L2 header only once everything
+   before it is in L3, so a daemon killed at any point replays from there: at-least-once,
+   and the merge makes a replay harmless. If the feed ring was overwritten past the
+   cursor, every dirty record is pushed again (a scan).
+2. **L3 → local.** It reads every group's L3 change feed (Redis Streams, one per hash-slot
+   group, bounded) after its per-group cursors, which live in L3
+   (``kvc:node:{host}:cursors``), so a restarted daemon — or one whose connection dropped
+   — resumes where it was, and nothing is lost the way pub/sub loses messages. A change
+   to a key this host holds is merged into L2 (its own writes echo back as no-ops; a
+   record L3 merged from one of them is taken); keys it does not hold are left to the
+   read path. If a group's feed was trimmed past the
+   cursor, the keys of that group that L2 holds are re-read from L3 (a resync).
+3. **Heartbeat** in the L2 header, so agents and tools can see the daemon is alive.
+
+When L3 is unreachable, nothing is dropped: the unsent window is kept and retried with
+exponential backoff, agents keep writing into L2, and once ``cluster.outbound_max``
+writes are waiting, ``put`` raises ``Unavailable`` instead of losing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._client import Client
+from .._client import open as kv_open
+from ..config import Config
+from ..core import codec
+from ..core.versions import Version
+from ..core.window import Batch, WriteWindow
+from ..errors import ConflictError, KVCommError, Unavailable
+from ..tiers.l2 import H_WSEQ, KIND_DELETE, KIND_PUT, key_hash
+from ..tiers.l3 import GROUPS, CorruptRecord, L3Record, L3Store, group_of
+
+log = logging.getLogger("kvcomm.node")
+
+
+@dataclass
+class DaemonStats:
+    pushed: int = 0  # records sent to L3
+    windows: int = 0
+    accepted: int = 0  # new / newer / equal
+    refreshed: int = 0  # older / merged: L3's record written back into L2
+    pulled: int = 0  # remote changes merged into L2
+    skipped_remote: int = 0  # remote changes to keys this host does not hold
+    corrupt: int = 0
+    l3_errors: int = 0
+    resyncs: int = 0
+    feed_overflows: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class NodeDaemon:
+    """One host's sync loop. ``step()`` does one round; ``run()`` loops until stopped."""
+
+    def __init__(self, config: Config, name: str | None = None) -> None:
+        if not config.cluster.enabled:
+            raise KVCommError("kvcomm node needs cluster.redis (the Redis Cluster seed nodes)")
+        self.config = config
+        self.kv: Client = kv_open(name, config=config)
+        self.seg = self.kv._seg
+        self.host = self.seg.host_id
+        cl = config.cluster
+        self.l3 = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
+                          tls=cl.redis_tls, timeout=cl.timeout)
+        c = config.cache
+        self.window = WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes)
+        self.staged: dict[str, L3Record] = {}
+        self.cursor = self.seg.sync_cursor  # local feed: everything before it is in L3
+        self.stats = DaemonStats()
+        self.unsent: list[Batch] = []
+        self.backoff = 0.0
+        self.retry_at = 0.0
+        self.feed_cursors = self._initial_feed_cursors()
+        self.cursors_saved = time.monotonic()
+        self.own_deletes: set[tuple[str, int]] = set()  # deletes the daemon applied itself
+
+    # ------------------------------------------------------------------ local → L3
+
+    def _stage_put(self, key: str, now: float) -> None:
+        kb = key.encode("utf-8", "surrogatepass")
+        rec = self.seg.read(kb, key_hash(kb))
+        if rec is None or not self.seg.is_dirty(rec.word):
+            return  # deleted since, or not an agent's write (already in L3)
+        value = rec.value or b""  # read() copies every value unless asked for views
+        version = self.kv._version(rec.counter, rec.hlc, rec.vvx)
+        record = L3Record(rec.hlc, False, rec.tag, rec.meta, value, version.vector,
+                          (self.host, rec.counter))
+        self._stage(key, record, now)
+
+    def _stage(self, key: str, record: L3Record, now: float) -> None:
+        self.staged[key] = record
+        size_hint = None if record.tombstone else record.value
+        closed = self.window.add(key, size_hint, record.vector, record.hlc, now)
+        if closed is not None:
+            self.unsent.append(closed)
+
+    def push_local(self, now: float) -> None:
+        events, cursor, overflowed = self.seg.feed_read(self.cursor)
+        if overflowed:
+            self.stats.feed_overflows += 1
+            for kb in self.seg.dirty_keys():
+                self._stage_put(kb.decode("utf-8", "surrogatepass"), now)
+        for ev in events:
+            if ev.kind == KIND_PUT:
+                self._stage_put(ev.key, now)
+            elif ev.kind == KIND_DELETE:
+                if (ev.key, ev.counter) in self.own_deletes:
+                    self.own_deletes.discard((ev.key, ev.counter))
+                    continue
+                dot = (self.host, ev.counter)
+                self._stage(ev.key, L3Record(ev.hlc, True, 0, b"", b"", (dot,), dot), now)
+        self.cursor = cursor
+        closed = self.window.poll(now)
+        if closed is not None:
+            self.unsent.append(closed)
+        if now >= self.retry_at:
+            self._send_unsent()
+        if not self.unsent and not len(self.window):
+            self.seg.sync_cursor = self.cursor  # everything before it is in L3
+
+    def _send_unsent(self) -> None:
+        while self.unsent:
+            batch = self.unsent[0]
+            items = [(w.key, self.staged[w.key]) for w in batch.writes if w.key in self.staged]
+            try:
+                results = self.l3.merge_many(items)
+            except Unavailable as exc:
+                self.stats.l3_errors += 1
+                self.backoff = min(2.0, max(0.05, self.backoff * 2))
+                self.retry_at = time.monotonic() + self.backoff
+                log.warning("L3 unavailable (%s); retrying in %.2fs", exc, self.backoff)
+                return
+            self.backoff = 0.0
+            self.unsent.pop(0)
+            self.stats.windows += 1
+            for (key, sent), res in zip(items, results, strict=True):
+                if self.staged.get(key) is sent:
+                    del self.staged[key]
+                self.stats.pushed += 1
+                if isinstance(res, CorruptRecord):
+                    self.stats.corrupt += 1
+                    log.error("%s", res)
+                    self._mark_clean(key, sent)  # reported; retrying cannot help
+                elif res.outcome in ("new", "newer", "equal"):
+                    self.stats.accepted += 1
+                    self._mark_clean(key, sent)
+                else:  # older / merged: L3 holds another record; take it
+                    self.stats.refreshed += 1
+                    self._apply(key, res.record)
+
+    def _mark_clean(self, key: str, sent: L3Record) -> None:
+        if not sent.tombstone:
+            kb = key.encode("utf-8", "surrogatepass")
+            self.seg.mark_clean(kb, key_hash(kb), sent.dot[1], sent.hlc)
+
+    def _apply(self, key: str, record: L3Record) -> None:
+        """Write an L3 record into L2 (clean), unless L2 already holds something newer."""
+        version = Version(record.vector, record.hlc)
+        if record.tombstone:
+            item = self.kv.get_item(key)
+            if item is not None and item.version <= version:
+                # remember the delete's feed counter, so it is not pushed back as ours (if
+                # another writer slips in between, one redundant tombstone goes out: harmless)
+                self.own_deletes.add((key, self.seg._q[H_WSEQ] + 1))
+                try:
+                    self.kv.delete(key, expect=item.version)
+                except ConflictError:
+                    pass  # a local write came in meanwhile: it is newer, keep it
+            return
+        try:
+            value = codec.decode(record.tag, record.meta, record.value)
+        except (ValueError, TypeError) as exc:
+            self.stats.corrupt += 1
+            log.error("L3 record of %r cannot be decoded: %s", key, exc)
+            return
+        self.kv.merge_remote(key, value, version)
+
+    # ------------------------------------------------------------------ L3 → local
+
+    def _initial_feed_cursors(self) -> dict[int, bytes]:
+        saved = self.l3.load_cursors(self.host)
+        cursors: dict[int, bytes] = {}
+        for g in range(GROUPS):
+            first, last = self.l3.feed_bounds(g)
+            if g not in saved:
+                cursors[g] = last  # a new host needs no history: the read path has L3
+            else:
+                cursors[g] = saved[g]
+                if first != b"0-0" and _id_lt(saved[g], first) and _id_lt(b"0-0", saved[g]):
+                    self._resync_group(g)  # trimmed past our position: re-read what we hold
+        return cursors
+
+    def _resync_group(self, group: int) -> None:
+        self.stats.resyncs += 1
+        for key in self.kv.keys():
+            if group_of(key) == group:
+                rec = self.l3.get(key)
+                if rec is not None:
+                    self._apply(key, rec)
+
+    def pull_remote(self) -> None:
+        feeds = self.l3.feed_many(self.feed_cursors)
+        for g, rows in feeds.items():
+            for eid, key, raw in rows:
+                self.feed_cursors[g] = eid
+                try:
+                    rec = L3Record.decode(raw)
+                except CorruptRecord:
+                    self.stats.corrupt += 1
+                    continue
+                # our own writes come back too: the merge finds them equal (a no-op), but a
+                # record L3 merged from ours and another host's must still be taken
+                kb = key.encode("utf-8", "surrogatepass")
+                if self.seg.read(kb, key_hash(kb), 0) is None:
+                    self.stats.skipped_remote += 1
+                    continue  # not held here: the next read goes to L3
+                self.stats.pulled += 1
+                self._apply(key, rec)
+        if time.monotonic() - self.cursors_saved > 1.0:
+            self.l3.save_cursors(self.host, self.feed_cursors)
+            self.cursors_saved = time.monotonic()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> None:
+        now = time.monotonic()
+        self.seg.daemon_heartbeat(os.getpid())
+        self.push_local(now)
+        try:
+            self.pull_remote()
+        except Unavailable as exc:
+            self.stats.l3_errors += 1
+            log.warning("reading the L3 feed failed: %s", exc)
+
+    def run(self, stop: threading.Event) -> None:
+        poll = self.config.cluster.feed_poll
+        while not stop.is_set():
+            try:
+                self.step()
+            except Unavailable as exc:
+                self.stats.l3_errors += 1
+                log.warning("%s", exc)
+                stop.wait(min(2.0, max(poll, self.backoff)))
+                continue
+            deadline = self.window.deadline()
+            wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
+            stop.wait(wait)
+        self.flush()
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Send what is waiting (on shutdown); gives up after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        closed = self.window.flush(time.monotonic())
+        if closed is not None:
+            self.unsent.append(closed)
+        while self.unsent and time.monotonic() < end:
+            self.retry_at = 0.0
+            self._send_unsent()
+            if self.unsent:
+                time.sleep(0.05)
+        if not self.unsent:
+            self.push_local(time.monotonic())
+        try:
+            self.l3.save_cursors(self.host, self.feed_cursors)
+        except Unavailable:
+            pass
+
+    def close(self) -> None:
+        self.l3.close()
+        self.kv.close()
+
+
+def _id_lt(a: bytes, b: bytes) -> bool:
+    ams, _, aseq = a.partition(b"-")
+    bms, _, bseq = b.partition(b"-")
+    return (int(ams), int(aseq or 0)) < (int(bms), int(bseq or 0))
+
+
+def main(config: Config, name: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT. Returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvcomm-node %(message)s")
+    daemon = NodeDaemon(config, name)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("host %s, namespace %s, %d seed nodes", daemon.host, daemon.kv.name,
+             len(config.cluster.redis))
+    try:
+        daemon.run(stop)
+    finally:
+        daemon.close()
+    return 0

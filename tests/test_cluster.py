@@ -1,0 +1,170 @@
+"""Cluster mode end to end: real Redis Cluster, real `kvcomm node` daemons, several hosts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import kvcomm
+from kvcomm.cli import devcluster
+from kvcomm.tiers.l3 import L3Store, record_key
+
+from .conftest import wait_for
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
+]
+CTX = mp.get_context("fork")
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    d = tmp_path_factory.mktemp("devcluster")
+    state = devcluster.up(3, str(d))
+    state["dir"] = d
+    yield state
+    devcluster.down(str(d))
+
+
+def host(dev: dict[str, Any], i: int) -> kvcomm.Client:
+    return kvcomm.open(config=dev["hosts"][i]["config"])
+
+
+def l3(dev: dict[str, Any]) -> L3Store:
+    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]])
+
+
+def restart_daemon(dev: dict[str, Any], i: int) -> None:
+    dev["hosts"][i]["pid"] = devcluster.restart_daemon(str(dev["dir"]), i)
+
+
+def test_a_put_is_visible_on_every_host(dev: dict[str, Any]) -> None:
+    a, b, c = host(dev, 0), host(dev, 1), host(dev, 2)
+    try:
+        a.put("vis/1", {"pos": [1, 2, 3]})
+        wait_for(lambda: b.get("vis/1") == {"pos": [1, 2, 3]}, 10, "host 2 to read host 1's put")
+        item = b.get_item("vis/1")
+        assert item is not None and item.tier in ("l1", "l2")  # now held in host 2's L2
+        a.put("vis/1", {"pos": [4, 5, 6]})  # host 2 holds it: its daemon must refresh it
+        wait_for(lambda: b.get("vis/1") == {"pos": [4, 5, 6]}, 10, "the update to reach host 2")
+        wait_for(lambda: c.get("vis/1") == {"pos": [4, 5, 6]}, 10, "host 3 to read it")
+        assert c.get("vis/absent") is None
+        assert c.get("vis/absent") is None
+        assert c.stats()["l3"]["negative_hits"] >= 1
+    finally:
+        a.close(), b.close(), c.close()
+
+
+def _writer(config: str, seed: int, n: int) -> None:
+    rng = random.Random(seed)
+    with kvcomm.open(config=config) as kv:
+        for i in range(n):
+            kv.put(f"conv/{rng.randrange(20)}", {"by": seed, "i": i})
+            time.sleep(rng.random() * 0.002)
+
+
+def test_concurrent_writers_on_three_hosts_converge(dev: dict[str, Any]) -> None:
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    procs = [CTX.Process(target=_writer, args=(h["config"], seed + i, 300))
+             for i, h in enumerate(dev["hosts"])]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    clients = [host(dev, i) for i in range(3)]
+    store = l3(dev)
+    keys = [f"conv/{k}" for k in range(20)]
+    try:
+        def converged() -> bool:
+            truth = [store.get(k) for k in keys]
+            for kv in clients:
+                for k, rec in zip(keys, truth, strict=True):
+                    item = kv.get_item(k)
+                    if rec is None or item is None or item.version.vector != rec.vector:
+                        return False
+                    if item.version.hlc != rec.hlc:
+                        return False
+            return True
+
+        wait_for(converged, 30, "every host to hold L3's version of every key")
+        for k in keys:
+            values = {repr(kv.get(k)) for kv in clients}
+            assert len(values) == 1, f"{k} differs between hosts: {values}"
+    finally:
+        store.close()
+        for kv in clients:
+            kv.close()
+
+
+def test_daemon_kill_and_restart_loses_no_acknowledged_write(dev: dict[str, Any]) -> None:
+    a = host(dev, 0)
+    store = l3(dev)
+    try:
+        for i in range(200):
+            a.put(f"crash/{i}", i)
+            if i == 100:
+                os.kill(dev["hosts"][0]["pid"], signal.SIGKILL)
+        restart_daemon(dev, 0)
+        wait_for(lambda: all((r := store.get(f"crash/{i}")) is not None
+                             and int(kvcomm.core.codec.decode(r.tag, r.meta, r.value)) == i
+                             for i in range(200)), 30, "every acknowledged write to reach L3")
+    finally:
+        store.close()
+        a.close()
+
+
+def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) -> None:
+    b = host(dev, 1)
+    store = l3(dev)
+    try:
+        os.kill(dev["hosts"][1]["pid"], signal.SIGKILL)
+        written = 0
+        with pytest.raises(kvcomm.Unavailable, match="waiting for L3"):
+            for i in range(100_000):
+                b.put(f"queue/{i % 50}", i)
+                written += 1
+        assert 0 < written < 100_000
+        assert b.get(f"queue/{(written - 1) % 50}") == written - 1  # nothing lost locally
+        restart_daemon(dev, 1)
+
+        def accepted() -> bool:
+            try:
+                b.put("queue/after", 1)
+            except kvcomm.Unavailable:
+                return False  # still draining
+            return True
+
+        wait_for(accepted, 20, "puts to be accepted again")
+        last = (written - 1) % 50
+        wait_for(lambda: (r := store.get(f"queue/{last}")) is not None
+                 and int(kvcomm.core.codec.decode(r.tag, r.meta, r.value)) == written - 1,
+                 30, "the queued writes to reach L3")
+    finally:
+        store.close()
+        b.close()
+
+
+def test_a_foreign_value_in_l3_does_not_stop_the_daemon(dev: dict[str, Any]) -> None:
+    c = host(dev, 2)
+    store = l3(dev)
+    try:
+        store.rc.set(record_key("foreign/x"), b"not ours")
+        c.put("foreign/x", 1)
+        c.put("foreign/y", 2)
+        wait_for(lambda: store.get("foreign/y") is not None, 10, "the other key to sync")
+        assert store.rc.get(record_key("foreign/x")) == b"not ours"
+        assert devcluster._daemon_alive(dev["hosts"][2]["namespace"])
+    finally:
+        store.close()
+        c.close()
