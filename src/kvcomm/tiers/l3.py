@@ -288,7 +288,7 @@ class L3Store:
                 pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
                 for g in groups:
                     pipe.xrange(feed_key(g), min=b"(" + cursors[g], count=count)
-                return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+                return pipe.execute(raise_on_error=False)
 
             for g, rows in zip(groups, self._call(run), strict=True):
                 if isinstance(rows, Exception):  # the slot moved: one call, redirects followed
