@@ -168,3 +168,20 @@ def test_a_foreign_value_in_l3_does_not_stop_the_daemon(dev: dict[str, Any]) -> 
     finally:
         store.close()
         c.close()
+
+
+def test_absent_keys_never_leave_the_host(dev: dict[str, Any]) -> None:
+    a, c = host(dev, 0), host(dev, 2)
+    try:
+        wait_for(lambda: c._key_filter() is not None and c._key_filter().ready, 10,
+                 "host 3's daemon to build its key filter")
+        before = c.stats()["l3"]["reads"]
+        for i in range(3000):
+            assert c.get(f"absent/{i}") is None
+        s = c.stats()["l3"]
+        assert s["reads"] - before <= 3000 * 0.003  # the filter's rate is 0.1%
+        assert s["filter_hits"] >= 3000 * 0.997
+        a.put("absent/made-later", 1)  # created elsewhere: the feed adds it to the filter
+        wait_for(lambda: c.get("absent/made-later") == 1, 10, "the new key to be readable")
+    finally:
+        a.close(), c.close()

@@ -182,6 +182,8 @@ class Client:
         self._flags = l2mod.FLAG_DIRTY if self._cluster else 0  # cluster writes await L3
         self._outbound_max = min(cluster.outbound_max, self._seg.layout.feed_n // 2)
         self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
+        self._kf: Any = None  # the daemon's filter of existing keys
+        self._kf_retry = 0.0
         self._negative = NegativeCache(self.config.cache.negative_ttl,
                                        self.config.cache.negative_max_entries)
         self._closed = False
@@ -190,7 +192,7 @@ class Client:
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
             ("puts", "deletes", "conflicts", "views", "merges", "resolver_failures",
-             "l3_reads", "negative_hits"), 0
+             "l3_reads", "negative_hits", "filter_hits"), 0
         )
         self._l1_hits = 0
         self._l2_hits = 0
@@ -375,6 +377,11 @@ class Client:
         if self._negative.is_absent(key, now):
             self.counters["negative_hits"] += 1
             return None if want_item else default
+        kf = self._key_filter()
+        if kf is not None and kf.ready and not kf.may_exist(key.encode("utf-8", "surrogatepass")):
+            self.counters["filter_hits"] += 1
+            self._negative.note_absent(key, now)
+            return None if want_item else default
         if self._l3 is None:
             from .tiers.l3 import L3Store
 
@@ -392,6 +399,16 @@ class Client:
         if want_item:
             return Item(key, value, version, "l3")
         return value
+
+    def _key_filter(self) -> Any:
+        """The daemon's filter of existing keys, once it exists (checked once a second)."""
+        if self._kf is None and time.monotonic() >= self._kf_retry:
+            from .tiers.keyfilter import KeyFilter
+
+            c = self.config.cache
+            self._kf = KeyFilter.open_reader(self.name, c.bloom_capacity, c.bloom_fpr)
+            self._kf_retry = time.monotonic() + 1.0
+        return self._kf
 
     def _get_view(self, key: str, kb: bytes, h: int) -> Item | None:
         """A large array: pin its block and hand out a read-only view of shared memory."""
@@ -723,7 +740,8 @@ class Client:
                    "evictions": info.get("evictions", 0),
                    "recoveries": info.get("recoveries", 0),
                    "views_taken": c["views"]},
-            "l3": {"reads": c["l3_reads"], "negative_hits": c["negative_hits"]},
+            "l3": {"reads": c["l3_reads"], "negative_hits": c["negative_hits"],
+                   "filter_hits": c["filter_hits"]},
             "ops": {"puts": c["puts"] + self._puts, "deletes": c["deletes"],
                     "conflicts": c["conflicts"], "merges": c["merges"],
                     "resolver_failures": c["resolver_failures"]},
@@ -746,6 +764,8 @@ class Client:
         self._closed = self._unusable = True
         if self._l3 is not None:
             self._l3.close()
+        if self._kf is not None:
+            self._kf.close()
         self._l1.clear()
         self._l1_entries = {}  # type: ignore[assignment]
         if not self._forked:

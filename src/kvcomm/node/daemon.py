@@ -18,13 +18,16 @@ in one loop:
    cursor, every dirty record is pushed again (a scan).
 2. **L3 → local.** It reads every group's L3 change feed (Redis Streams, one per hash-slot
    group, bounded) after its per-group cursors, which live in L3
-   (``kvc:node:{host}:cursors``), so a restarted daemon — or one whose connection dropped
+   (``kvn:{host}:cursors``), so a restarted daemon — or one whose connection dropped
    — resumes where it was, and nothing is lost the way pub/sub loses messages. A change
    to a key this host holds is merged into L2 (its own writes echo back as no-ops; a
    record L3 merged from one of them is taken); keys it does not hold are left to the
    read path. If a group's feed was trimmed past the
    cursor, the keys of that group that L2 holds are re-read from L3 (a resync).
-3. **Heartbeat** in the L2 header, so agents and tools can see the daemon is alive.
+3. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
+   scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
+   deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
+4. **Heartbeat** in the L2 header, so agents and tools can see the daemon is alive.
 
 When L3 is unreachable, nothing is dropped: the unsent window is kept and retried with
 exponential backoff, agents keep writing into L2, and once ``cluster.outbound_max``
@@ -48,6 +51,7 @@ from ..core import codec
 from ..core.versions import Version
 from ..core.window import Batch, WriteWindow
 from ..errors import ConflictError, KVCommError, Unavailable
+from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import H_WSEQ, KIND_DELETE, KIND_PUT, key_hash
 from ..tiers.l3 import GROUPS, CorruptRecord, L3Record, L3Store, group_of
 
@@ -93,6 +97,10 @@ class NodeDaemon:
         self.feed_cursors = self._initial_feed_cursors()
         self.cursors_saved = time.monotonic()
         self.own_deletes: set[tuple[str, int]] = set()  # deletes the daemon applied itself
+        self.keys = KeyFilter(self.kv.name, c.bloom_capacity, c.bloom_fpr, create=True,
+                              permissions=c.l2_permissions)
+        self.rebuild_every = cl.key_filter_rebuild
+        self._fill_key_filter(initial=True)
 
     # ------------------------------------------------------------------ local → L3
 
@@ -102,6 +110,7 @@ class NodeDaemon:
         if rec is None or not self.seg.is_dirty(rec.word):
             return  # deleted since, or not an agent's write (already in L3)
         value = rec.value or b""  # read() copies every value unless asked for views
+        self.keys.add(kb)
         version = self.kv._version(rec.counter, rec.hlc, rec.vvx)
         record = L3Record(rec.hlc, False, rec.tag, rec.meta, value, version.vector,
                           (self.host, rec.counter))
@@ -195,6 +204,29 @@ class NodeDaemon:
             return
         self.kv.merge_remote(key, value, version)
 
+    # ------------------------------------------------------------------ the key filter
+
+    def _fill_key_filter(self, initial: bool = False) -> None:
+        """Initial fill (both generations) or a rotation (the older one, refilled)."""
+        if initial:
+            self.keys.set_ready(False)
+            for kb in self.l3.scan_keys():
+                self.keys.add(kb)
+            self.keys.set_ready(True)
+        else:
+            target = self.keys.begin_rotation()
+            for kb in self.l3.scan_keys():
+                target.add(kb)
+            self.keys.end_rotation()
+            self.stats.extra["key_filter_rotations"] = self.stats.extra.get(
+                "key_filter_rotations", 0) + 1
+        self.filter_built = time.monotonic()
+
+    def _maybe_rotate_filter(self) -> None:
+        if (time.monotonic() - self.filter_built > self.rebuild_every
+                or self.keys.adds_since_rotation >= self.config.cache.bloom_capacity):
+            self._fill_key_filter()
+
     # ------------------------------------------------------------------ L3 → local
 
     def _initial_feed_cursors(self) -> dict[int, bytes]:
@@ -231,6 +263,8 @@ class NodeDaemon:
                 # our own writes come back too: the merge finds them equal (a no-op), but a
                 # record L3 merged from ours and another host's must still be taken
                 kb = key.encode("utf-8", "surrogatepass")
+                if not rec.tombstone:
+                    self.keys.add(kb)
                 if self.seg.read(kb, key_hash(kb), 0) is None:
                     self.stats.skipped_remote += 1
                     continue  # not held here: the next read goes to L3
@@ -248,6 +282,7 @@ class NodeDaemon:
         self.push_local(now)
         try:
             self.pull_remote()
+            self._maybe_rotate_filter()
         except Unavailable as exc:
             self.stats.l3_errors += 1
             log.warning("reading the L3 feed failed: %s", exc)
@@ -286,6 +321,7 @@ class NodeDaemon:
             pass
 
     def close(self) -> None:
+        self.keys.close()
         self.l3.close()
         self.kv.close()
 

@@ -1118,4 +1118,8 @@ def purge(name: str) -> bool:
     except SegmentError:
         pass  # foreign or broken: removing the file is all we can do
     os.unlink(path)
+    try:
+        os.unlink(os.path.join(SHM_DIR, f"kvcomm.{name}.keys"))  # the daemon's key filter
+    except FileNotFoundError:
+        pass
     return True

@@ -4,7 +4,7 @@ Keys and slots
 --------------
 A KVCOMM key ``k`` is stored under ``kvc:{g}:k`` where ``g = xxh3(k) % GROUPS``. The
 hash tag ``{g}`` pins a whole group to one Redis Cluster hash slot, so a record and its
-group's change feed (the stream ``kvc:{g}:feed``) are in the same slot and one Lua call
+group's change feed (the stream ``kvf:{g}``) are in the same slot and one Lua call
 can update both atomically. Redis Cluster spreads the groups' slots over the masters,
 replicates them, and fails over; KVCOMM adds nothing to that.
 
@@ -99,7 +99,8 @@ def record_key(key: str) -> str:
 
 
 def feed_key(group: int) -> str:
-    return f"kvc:{{{group}}}:feed"
+    # its own prefix (same hash tag, so the same slot): a user key named "feed" is safe
+    return f"kvf:{{{group}}}"
 
 
 # KEYS[1] record key, KEYS[2] the group's feed stream
@@ -303,13 +304,21 @@ class L3Store:
         last = self._call(lambda: self.rc.xrevrange(feed_key(group), count=1))
         return (first[0][0] if first else b"0-0", last[0][0] if last else b"0-0")
 
+    def scan_keys(self) -> Any:
+        """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths)."""
+        def run() -> list[bytes]:
+            return list(self.rc.scan_iter(match="kvc:{*", count=1000))
+
+        for raw in self._call(run):
+            yield raw.split(b"}:", 1)[1]
+
     def load_cursors(self, host: str) -> dict[int, bytes]:
-        raw = self._call(lambda: self.rc.hgetall(f"kvc:node:{{{host}}}:cursors"))
+        raw = self._call(lambda: self.rc.hgetall(f"kvn:{{{host}}}:cursors"))
         return {int(k): v for k, v in raw.items()}
 
     def save_cursors(self, host: str, cursors: dict[int, bytes]) -> None:
         if cursors:
-            self._call(lambda: self.rc.hset(f"kvc:node:{{{host}}}:cursors",
+            self._call(lambda: self.rc.hset(f"kvn:{{{host}}}:cursors",
                                             mapping={str(g): c for g, c in cursors.items()}))
 
     def close(self) -> None:
