@@ -111,7 +111,7 @@ class ClusterConfig(_Section):
     timeout: Duration = Field(default=2.0, gt=0)
     outbound_max: int = Field(default=8192, ge=1,
                               description="writes waiting for L3 before put raises Unavailable")
-    feed_poll: Duration = Field(default=0.005, gt=0, description="how often remote changes are read")
+    feed_poll: Duration = Field(default=0.02, gt=0, description="how often remote changes are read")
     key_filter_rebuild: Duration = Field(default=600.0, gt=0,
                                          description="rotate the host's key filter this often")
 

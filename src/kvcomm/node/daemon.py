@@ -96,6 +96,7 @@ class NodeDaemon:
         self.retry_at = 0.0
         self.feed_cursors = self._initial_feed_cursors()
         self.cursors_saved = time.monotonic()
+        self.last_pull = 0.0
         self.own_deletes: set[tuple[str, int]] = set()  # deletes the daemon applied itself
         self.keys = KeyFilter(self.kv.name, c.bloom_capacity, c.bloom_fpr, create=True,
                               permissions=c.l2_permissions)
@@ -280,6 +281,9 @@ class NodeDaemon:
         now = time.monotonic()
         self.seg.daemon_heartbeat(os.getpid())
         self.push_local(now)
+        if now - self.last_pull < self.config.cluster.feed_poll:
+            return  # the feed costs GROUPS reads per poll: keep to feed_poll, not window pace
+        self.last_pull = now
         try:
             self.pull_remote()
             self._maybe_rotate_filter()
