@@ -18,7 +18,6 @@ import argparse
 import array
 import multiprocessing as mp
 import random
-import statistics
 import sys
 import tempfile
 import time
