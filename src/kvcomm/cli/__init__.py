@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--baseline", choices=["auto", "redis", "manager", "none"], default="auto",
                    help="central store to compare with (auto: Redis if installed, else manager)")
     d.add_argument("--plot", metavar="FILE.png", help="write a latency plot")
+    d.add_argument("--cluster", action="store_true",
+                   help="3 hosts on a local Redis Cluster (needs redis-server), vs Redis Cluster")
     d.add_argument("--name", default="demo", help="L2 namespace to use (purged before and after)")
     d.add_argument("--config", help="a kvcomm YAML config")
     d.set_defaults(func=_demo)

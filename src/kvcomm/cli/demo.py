@@ -46,7 +46,7 @@ class Store:
 
 
 class KvcommStore(Store):
-    def __init__(self, name: str, config: Config) -> None:
+    def __init__(self, name: str | None, config: Config) -> None:
         self.kv: Client = kv_open(name, config=config)
 
     def get(self, key: str) -> Any:
@@ -67,6 +67,23 @@ class RedisStore(Store):
         import redis
 
         self.r = redis.Redis(host="127.0.0.1", port=port)
+
+    def get(self, key: str) -> Any:
+        raw = self.r.get(key)
+        return None if raw is None else msgpack.unpackb(raw)
+
+    def put(self, key: str, value: Any) -> None:
+        self.r.set(key, msgpack.packb(value))
+
+    def close(self) -> None:
+        self.r.close()
+
+
+class RedisClusterStore(Store):
+    def __init__(self, seeds: list[tuple[str, int]]) -> None:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        self.r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds])  # type: ignore[no-untyped-call]
 
     def get(self, key: str) -> Any:
         raw = self.r.get(key)
@@ -120,9 +137,9 @@ def _steer(me: dict[str, Any], others: list[dict[str, Any]]) -> tuple[list[float
     return pos, [vx, vy, vz]
 
 
-def _agent(make_store: Callable[[], Store], results: tuple[str, Config], i: int, n: int,
+def _agent(make_store: Callable[[int], Store], results: tuple[str, Config], i: int, n: int,
            rate: float, seconds: float, neighbours: int, start_at: float) -> None:
-    store = make_store()
+    store = make_store(i)
     rng = random.Random(i)
     me: dict[str, Any] = {
         "id": i,
@@ -171,15 +188,17 @@ def _agent(make_store: Callable[[], Store], results: tuple[str, Config], i: int,
     store.close()
 
 
-def _mission_control(make_store: Callable[[], Store], results: tuple[str, Config], n: int,
+def _mission_control(make_store: Callable[[int], Store], results: tuple[str, Config], n: int,
                      rate: float, seconds: float, start_at: float, use_watch: bool) -> None:
-    store = make_store()
+    store = make_store(0)
     swarm: dict[int, list[float]] = {}
     updates = 0
     while time.time() < start_at:
         time.sleep(0.001)
     end = time.monotonic() + seconds
     if use_watch and isinstance(store, KvcommStore):
+        for j in range(n):  # hold every drone on this host, so that its updates arrive here
+            store.kv.get(f"drone/{j}/state")
         for ev in store.kv.watch("drone/", timeout=0.2):
             if time.monotonic() > end:
                 break
@@ -202,7 +221,7 @@ def _mission_control(make_store: Callable[[], Store], results: tuple[str, Config
     store.close()
 
 
-def _run_swarm(label: str, make_store: Callable[[], Store], args: argparse.Namespace,
+def _run_swarm(label: str, make_store: Callable[[int], Store], args: argparse.Namespace,
                results: tuple[str, Config], use_watch: bool) -> dict[str, Any]:
     """Fly one swarm; agents report through the KVCOMM namespace ``results[0]``."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -265,7 +284,6 @@ def _choose_baseline(choice: str) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     if args.agents < 2 or args.seconds <= 0 or args.rate <= 0 or args.neighbours < 1:
         print("kvcomm demo: need --agents >= 2, --seconds > 0, --rate > 0, --neighbours >= 1",
@@ -279,7 +297,9 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print(f"[bold]KVCOMM swarm demo[/]: {args.agents} drones, {args.rate:g} Hz, "
                   f"{args.seconds:g} s, {args.neighbours} neighbours read per tick; "
                   f"baseline: {baseline}  (pid {os.getpid()})")
-    ours = _run_swarm("kvcomm (L1+L2, embedded)", lambda: KvcommStore(args.name, cfg), args,
+    if args.cluster:
+        return _run_cluster_demo(args, console, results)
+    ours = _run_swarm("kvcomm (L1+L2, embedded)", lambda i: KvcommStore(args.name, cfg), args,
                       results, use_watch=True)
     purge(args.name)
     theirs: dict[str, Any] | None = None
@@ -290,18 +310,56 @@ def run_demo(args: argparse.Namespace) -> int:
 
             server = RedisServer().start()
             port = server.port
-            theirs = _run_swarm("central store: redis (TCP)", lambda: RedisStore(port), args,
+            theirs = _run_swarm("central store: redis (TCP)", lambda i: RedisStore(port), args,
                                 results, use_watch=False)
         elif baseline == "manager":
             manager = mp.get_context("fork").Manager()
             proxy = manager.dict()
-            theirs = _run_swarm("central store: mp manager", lambda: ManagerStore(proxy), args,
+            theirs = _run_swarm("central store: mp manager", lambda i: ManagerStore(proxy), args,
                                 results, use_watch=False)
     finally:
         if server is not None:
             server.stop()
         if manager is not None:
             manager.shutdown()
+
+    _report(console, args, ours, theirs, baseline)
+    purge(args.name)
+    return 0
+
+
+def _run_cluster_demo(args: argparse.Namespace, console: Any,
+                      results: tuple[str, Config]) -> int:
+    """The swarm over 3 hosts of a local cluster, against every agent on Redis Cluster."""
+    import shutil
+    import tempfile
+
+    from . import devcluster
+
+    if shutil.which("redis-server") is None:
+        console.print("--cluster needs Redis: apt-get install redis-server (Debian), then retry")
+        return 2
+    d = tempfile.mkdtemp(prefix="kvcomm-demo-cluster-")
+    console.print(f"starting a local cluster in {d}: Redis Cluster (3 masters + 3 replicas) "
+                  "and 3 hosts, each with its node daemon")
+    state = devcluster.up(3, d)
+    configs = [h["config"] for h in state["hosts"]]
+    seeds = [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in state["redis"]]
+    try:
+        ours = _run_swarm("kvcomm, 3 hosts (L1+L2+L3)",
+                          lambda i: KvcommStore(None, resolve(configs[i % 3])),
+                          args, results, use_watch=True)
+        theirs = _run_swarm("every agent on Redis Cluster", lambda i: RedisClusterStore(seeds),
+                            args, results, use_watch=False)
+    finally:
+        devcluster.down(d)
+    _report(console, args, ours, theirs, "redis cluster")
+    return 0
+
+
+def _report(console: Any, args: argparse.Namespace, ours: dict[str, Any],
+            theirs: dict[str, Any] | None, baseline: str) -> None:
+    from rich.table import Table
 
     table = Table(title="drone swarm: kvcomm vs central store")
     table.add_column("metric")
@@ -330,7 +388,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if lookups:
         table.add_row("served by L1 (this process)", f"{100 * t['l1'] / lookups:.1f}%", "", "")
         table.add_row("served by L2 (host shm)", f"{100 * t['l2'] / lookups:.1f}%", "", "")
-        table.add_row("misses", f"{100 * t['miss'] / lookups:.2f}%", "", "")
+        table.add_row("L2 misses (read from L3 in cluster mode)",
+                      f"{100 * t['miss'] / lookups:.2f}%", "", "")
     m = ours["mission"]
     tm = theirs["mission"] if theirs else None
     table.add_row("mission control: drones tracked", f"{m['tracked']}/{args.agents}",
@@ -341,8 +400,6 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args.plot, ours, theirs, baseline)
         console.print(f"latency plot written to {args.plot}")
-    purge(args.name)
-    return 0
 
 
 def _plot(path: str, ours: dict[str, Any], theirs: dict[str, Any] | None, baseline: str) -> None:
