@@ -112,6 +112,10 @@ class ClusterConfig(_Section):
     outbound_max: int = Field(default=8192, ge=1,
                               description="writes waiting for L3 before put raises Unavailable")
     feed_poll: Duration = Field(default=0.02, gt=0, description="how often remote changes are read")
+    feed_maxlen: int = Field(default=100_000, ge=100, description="events kept per group stream")
+    wait_replicas: int = Field(default=1, ge=0, le=16,
+                               description="replicas that must acknowledge a write (WAIT)")
+    wait_timeout: Duration = Field(default=0.1, gt=0)
     key_filter_rebuild: Duration = Field(default=600.0, gt=0,
                                          description="rotate the host's key filter this often")
 

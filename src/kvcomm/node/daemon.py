@@ -85,7 +85,8 @@ class NodeDaemon:
         self.host = self.seg.host_id
         cl = config.cluster
         self.l3 = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
-                          tls=cl.redis_tls, timeout=cl.timeout)
+                          tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
+                          wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000))
         c = config.cache
         self.window = WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes)
         self.staged: dict[str, L3Record] = {}
@@ -156,9 +157,11 @@ class NodeDaemon:
                 results = self.l3.merge_many(items)
             except Unavailable as exc:
                 self.stats.l3_errors += 1
+                if self.backoff < 2.0:  # log while backing off, then once per 2 s plateau
+                    log.warning("L3 unavailable (%s); retrying in %.2fs", exc,
+                                min(2.0, max(0.05, self.backoff * 2)))
                 self.backoff = min(2.0, max(0.05, self.backoff * 2))
                 self.retry_at = time.monotonic() + self.backoff
-                log.warning("L3 unavailable (%s); retrying in %.2fs", exc, self.backoff)
                 return
             self.backoff = 0.0
             self.unsent.pop(0)
@@ -171,6 +174,10 @@ class NodeDaemon:
                     self.stats.corrupt += 1
                     log.error("%s", res)
                     self._mark_clean(key, sent)  # reported; retrying cannot help
+                elif not res.durable:  # no replica has it yet: send again next window
+                    self.stats.extra["not_durable"] = self.stats.extra.get("not_durable", 0) + 1
+                    if key not in self.staged:  # (a newer staged write descends from it anyway)
+                        self._stage(key, sent, time.monotonic())
                 elif res.outcome in ("new", "newer", "equal"):
                     self.stats.accepted += 1
                     self._mark_clean(key, sent)
@@ -239,8 +246,9 @@ class NodeDaemon:
                 cursors[g] = last  # a new host needs no history: the read path has L3
             else:
                 cursors[g] = saved[g]
-                if first != b"0-0" and _id_lt(saved[g], first) and _id_lt(b"0-0", saved[g]):
-                    self._resync_group(g)  # trimmed past our position: re-read what we hold
+                # behind, and the entry after our cursor is no longer kept: it was trimmed
+                if _id_lt(saved[g], last) and (first is None or _id_lt(saved[g], first)):
+                    self._resync_group(g)
         return cursors
 
     def _resync_group(self, group: int) -> None:

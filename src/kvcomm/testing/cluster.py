@@ -112,6 +112,10 @@ class RedisCluster:
         for port in self.ports:
             self._wait(lambda p=port: b"cluster_state:ok" in _command(p, "CLUSTER", "INFO"),
                        deadline, f"node {port} to see the cluster ok")
+        # a replica that has not finished its first sync cannot take over: wait for them
+        for port in self.master_ports():
+            self._wait(lambda p=port: _command(p, "INFO", "replication").count(b"state=online")
+                       >= self.replicas, deadline, f"the replicas of {port} to sync")
         return self
 
     def _wait(self, cond: object, deadline: float, what: str) -> None:

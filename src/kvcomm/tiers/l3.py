@@ -186,6 +186,7 @@ class MergeResult(NamedTuple):
     key: str
     outcome: str  # one of OUTCOMES
     record: L3Record  # what L3 holds afterwards (for "conflict": what it holds now)
+    durable: bool = True  # a replica acknowledged it (WAIT), so a failover keeps it
 
 
 class L3Store:
@@ -197,7 +198,8 @@ class L3Store:
 
     def __init__(self, seeds: Sequence[tuple[str, int]], *, password: str | None = None,
                  username: str | None = None, tls: bool = False, timeout: float = 2.0,
-                 feed_maxlen: int = FEED_MAXLEN) -> None:
+                 feed_maxlen: int = FEED_MAXLEN, wait_replicas: int = 0,
+                 wait_ms: int = 100) -> None:
         from redis.cluster import ClusterNode, RedisCluster
 
         try:
@@ -210,8 +212,10 @@ class L3Store:
         except Exception as exc:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
         self.feed_maxlen = feed_maxlen
+        self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self._script = self.rc.register_script(MERGE_LUA)
         self._loaded: set[str] = set()  # nodes known to hold the script
+        self._refreshed = 0.0
 
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord."""
@@ -246,10 +250,14 @@ class L3Store:
         for node, idxs in by_node.values():
             raws = self._call(lambda node=node, idxs=idxs: self._pipeline(node, items, idxs,
                                                                            keep_siblings))
+            durable = True
+            if self.wait_replicas:
+                acked = raws.pop()
+                durable = isinstance(acked, int) and acked >= self.wait_replicas
             for i, raw in zip(idxs, raws, strict=True):
                 key, record = items[i]
                 if not isinstance(raw, Exception):
-                    out[i] = self._result(key, raw)
+                    out[i] = self._result(key, raw)._replace(durable=durable)
                 elif "KVCOMM" in str(raw):
                     out[i] = CorruptRecord(f"L3 value of {key!r}: {str(raw).split(' ', 1)[-1]}")
                 else:  # MOVED / ASK / NOSCRIPT after a failover: one call, redirects followed
@@ -269,6 +277,8 @@ class L3Store:
         for i in idxs:
             keys, args = self._args(items[i][0], items[i][1], keep_siblings)
             pipe.evalsha(self._script.sha, 2, *keys, *args)
+        if self.wait_replicas:
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
         raws: list[Any] = pipe.execute(raise_on_error=False)
         if any("NOSCRIPT" in str(r) for r in raws if isinstance(r, Exception)):
             self._loaded.discard(node.name)  # a restarted node: load again next time
@@ -302,11 +312,17 @@ class L3Store:
                 out[g] = [(eid, f[b"k"].decode("utf-8", "surrogatepass"), f[b"r"]) for eid, f in rows]
         return out
 
-    def feed_bounds(self, group: int) -> tuple[bytes, bytes]:
-        """(first id, last id) of a group's feed; (b"0-0", b"0-0") when empty."""
-        first = self._call(lambda: self.rc.xrange(feed_key(group), count=1))
-        last = self._call(lambda: self.rc.xrevrange(feed_key(group), count=1))
-        return (first[0][0] if first else b"0-0", last[0][0] if last else b"0-0")
+    def feed_bounds(self, group: int) -> tuple[bytes | None, bytes]:
+        """(first id still kept, or None when trimmed empty; last id ever added)."""
+        try:
+            info = self._call(lambda: self.rc.xinfo_stream(feed_key(group)))
+        except Unavailable as exc:
+            if "no such key" in str(exc).lower():
+                return None, b"0-0"
+            raise
+        first = info.get("first-entry")
+        return (_as_id(first[0]) if first else None,
+                _as_id(info.get("last-generated-id", b"0-0")))
 
     def scan_keys(self) -> Any:
         """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths)."""
@@ -354,4 +370,23 @@ class L3Store:
             raise Unavailable(f"Redis Cluster refused: {msg}") from None
         except (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError,
                 rex.ClusterError) as exc:
+            self._refresh_topology()
             raise Unavailable(f"Redis Cluster unreachable: {exc}; the write stays in L2") from None
+
+    def _refresh_topology(self) -> None:
+        """Re-read the slot map (after a failover our per-node pipelines would keep
+        dialling the dead master: redis-py only refreshes on its own command path)."""
+        import time
+
+        now = time.monotonic()
+        if now - self._refreshed < 0.5:
+            return
+        self._refreshed = now
+        try:
+            self.rc.nodes_manager.initialize()
+        except Exception:  # the cluster may still be electing: the next call retries
+            pass
+
+
+def _as_id(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()
