@@ -29,7 +29,7 @@ CTX = mp.get_context("fork")
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("devcluster")
-    state = devcluster.up(3, str(d))
+    state = devcluster.up(3, str(d), resolvers={"set/": "tests.cluster_resolvers:union"})
     state["dir"] = d
     yield state
     devcluster.down(str(d))
@@ -103,6 +103,28 @@ def test_concurrent_writers_on_three_hosts_converge(dev: dict[str, Any]) -> None
             assert len(values) == 1, f"{k} differs between hosts: {values}"
     finally:
         store.close()
+        for kv in clients:
+            kv.close()
+
+
+def test_resolver_is_honoured_across_hosts(dev: dict[str, Any]) -> None:
+    from .cluster_resolvers import union
+
+    clients = [host(dev, i) for i in range(3)]
+    try:
+        for kv in clients:
+            kv.register_resolver("set/", union)  # agents settle what they merge themselves
+        clients[0].put("set/crew", [])
+        wait_for(lambda: all(kv.get("set/crew") == [] for kv in clients), 10, "the empty set")
+        for kv, member in zip(clients, ("a", "b", "c"), strict=True):
+            kv.put("set/crew", [member])  # three concurrent additions
+        try:
+            wait_for(lambda: all(kv.get("set/crew") == ["a", "b", "c"] for kv in clients), 20,
+                     "every host to hold the union")
+        except AssertionError:
+            print([kv.get_item("set/crew") for kv in clients])
+            raise
+    finally:
         for kv in clients:
             kv.close()
 

@@ -632,8 +632,8 @@ class Client:
             return None
         if order is Ordering.AFTER:
             return remote_encoded, remote, False
-        sibs = [Sibling(local.value, _dotted(local.version, self._host)),
-                Sibling(value, _dotted(remote, ""))]
+        sibs = [Sibling(local.value, _dotted(local.version, remote)),
+                Sibling(value, _dotted(remote, local.version))]
         fn = self._resolvers.lookup(key) if self._resolvers else None
         hook = None
         if fn is not None:
@@ -841,13 +841,12 @@ class Batch:
                 self.versions.append(r)
 
 
-def _dotted(v: Version, prefer: str) -> Dotted:
-    """A version's dot: the entry of the host that wrote it (the HLC-latest host if unknown)."""
-    if prefer:
-        c = vector_get(v.vector, prefer)
-        if c:
-            return Dotted(v.vector, (prefer, c), v.hlc)
-    actor, counter = max(v.vector, key=lambda e: (e[1], e[0])) if v.vector else ("", 0)
+def _dotted(v: Version, other: Version) -> Dotted:
+    """``v`` as a sibling of the concurrent ``other``: its dot is an entry ``other`` has not
+    seen (one always exists between concurrent versions — the real dot is among them), the
+    greatest, so that every host picks the same one."""
+    unseen = [e for e in v.vector if e[1] > vector_get(other.vector, e[0])] or list(v.vector)
+    actor, counter = max(unseen, key=lambda e: (e[1], e[0])) if unseen else ("", 0)
     return Dotted(v.vector, (actor, counter), v.hlc)
 
 

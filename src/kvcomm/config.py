@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
 
@@ -116,12 +116,24 @@ class ClusterConfig(_Section):
     wait_replicas: int = Field(default=1, ge=0, le=16,
                                description="replicas that must acknowledge a write (WAIT)")
     wait_timeout: Duration = Field(default=0.1, gt=0)
+    resolvers: dict[str, str] = Field(
+        default_factory=dict,
+        description="key prefix -> 'module:function' the daemon imports to resolve conflicts")
     key_filter_rebuild: Duration = Field(default=600.0, gt=0,
                                          description="rotate the host's key filter this often")
 
     @property
     def enabled(self) -> bool:
         return bool(self.redis)
+
+    @field_validator("resolvers")
+    @classmethod
+    def _resolver_paths(cls, v: dict[str, str]) -> dict[str, str]:
+        for prefix, path in v.items():
+            module, _, attr = path.partition(":")
+            if not module or not attr:
+                raise ValueError(f"resolver for {prefix!r} must be 'module:function', got {path!r}")
+        return v
 
     def seeds(self) -> list[tuple[str, int]]:
         out = []

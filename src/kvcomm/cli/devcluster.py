@@ -28,7 +28,8 @@ from ..tiers.l2 import L2Segment, purge
 
 
 def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "50ms",
-       feed_poll: str = "20ms", timeout: float = 60.0) -> dict[str, Any]:
+       feed_poll: str = "20ms", timeout: float = 60.0,
+       resolvers: dict[str, str] | None = None) -> dict[str, Any]:
     d = Path(directory).resolve()
     d.mkdir(parents=True, exist_ok=True)
     state_file = d / "cluster.json"
@@ -48,7 +49,8 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
             ns = f"dev{tag}-{host}"
             cfg = {"node": {"host_id": host, "namespace": ns},
                    "cache": {"l2_size": l2_size, "l2_sync_interval": sync_interval},
-                   "cluster": {"redis": state["redis"], "feed_poll": feed_poll}}
+                   "cluster": {"redis": state["redis"], "feed_poll": feed_poll,
+                               "resolvers": resolvers or {}}}
             path = d / f"{host}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             purge(ns)

@@ -99,6 +99,8 @@ class NodeDaemon:
         self.cursors_saved = time.monotonic()
         self.last_pull = 0.0
         self.own_deletes: set[tuple[str, int]] = set()  # deletes the daemon applied itself
+        for prefix, path in cl.resolvers.items():  # the operator's own code, named in config
+            self.kv.register_resolver(prefix, _import(path))
         self.keys = KeyFilter(self.kv.name, c.bloom_capacity, c.bloom_fpr, create=True,
                               permissions=c.l2_permissions)
         self.rebuild_every = cl.key_filter_rebuild
@@ -154,7 +156,7 @@ class NodeDaemon:
             batch = self.unsent[0]
             items = [(w.key, self.staged[w.key]) for w in batch.writes if w.key in self.staged]
             try:
-                results = self.l3.merge_many(items)
+                results = self._merge(items)
             except Unavailable as exc:
                 self.stats.l3_errors += 1
                 if self.backoff < 2.0:  # log while backing off, then once per 2 s plateau
@@ -181,9 +183,30 @@ class NodeDaemon:
                 elif res.outcome in ("new", "newer", "equal"):
                     self.stats.accepted += 1
                     self._mark_clean(key, sent)
+                elif res.outcome == "conflict":  # a resolver's prefix: settle it here
+                    self.stats.extra["resolved"] = self.stats.extra.get("resolved", 0) + 1
+                    self._apply(key, res.record)  # concurrent → resolver → a new dirty write
                 else:  # older / merged: L3 holds another record; take it
                     self.stats.refreshed += 1
                     self._apply(key, res.record)
+
+    def _merge(self, items: list[tuple[str, L3Record]]) -> list[Any]:
+        """Merge into L3; keys with a resolver keep concurrent versions apart (``conflict``)."""
+        resolvers = self.kv._resolvers
+        if not resolvers:
+            return self.l3.merge_many(items)
+        with_hook = [i for i, (k, _) in enumerate(items) if resolvers.lookup(k) is not None]
+        if not with_hook:
+            return self.l3.merge_many(items)
+        hooked = set(with_hook)
+        plain_idx = [i for i in range(len(items)) if i not in hooked]
+        out: list[Any] = [None] * len(items)
+        for idxs, siblings in ((plain_idx, False), (with_hook, True)):
+            if idxs:
+                res = self.l3.merge_many([items[i] for i in idxs], keep_siblings=siblings)
+                for i, r in zip(idxs, res, strict=True):
+                    out[i] = r
+        return out
 
     def _mark_clean(self, key: str, sent: L3Record) -> None:
         if not sent.tombstone:
@@ -336,6 +359,20 @@ class NodeDaemon:
         self.keys.close()
         self.l3.close()
         self.kv.close()
+
+
+def _import(path: str) -> Any:
+    """``"module:function"`` → the function. Raises KVCommError naming the config entry."""
+    import importlib
+
+    module, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise KVCommError(f"cluster.resolvers: cannot load {path!r}: {exc}") from None
+    if not callable(fn):
+        raise KVCommError(f"cluster.resolvers: {path!r} is not callable")
+    return fn
 
 
 def _id_lt(a: bytes, b: bytes) -> bool:
