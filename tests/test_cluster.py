@@ -290,3 +290,32 @@ def test_zz_master_killed_mid_writes_loses_no_acknowledged_write(dev: dict[str, 
     finally:
         store.close()
         a.close()
+
+
+def test_a_restarted_host_is_prewarmed_with_its_hot_keys(dev: dict[str, Any]) -> None:
+    from kvcomm.tiers.l2 import L2Segment, key_hash
+
+    a, b = host(dev, 0), host(dev, 1)
+    store = l3(dev)
+    try:
+        for i in range(5):
+            a.put(f"warm/{i}", i)
+        wait_for(lambda: b.get("warm/0") == 0, 10, "host 2 to read the key")
+        for _ in range(2000):
+            b.get("warm/0")
+        b.hot_keys(1)  # flush this agent's counts into the host sketch
+        ns = dev["hosts"][1]["namespace"]
+        wait_for(lambda: store.load_hot("host-2")[:1] == ["warm/0"], 10,
+                 "host 2's daemon to save its hot list")
+    finally:
+        store.close()
+        a.close(), b.close()
+    os.kill(dev["hosts"][1]["pid"], signal.SIGKILL)
+    kvcomm.tiers.l2.purge(ns)  # the host comes back with an empty L2
+    restart_daemon(dev, 1)
+    seg = L2Segment(ns, create_layout=None, host_id="")
+    try:
+        assert seg.read(b"warm/0", key_hash(b"warm/0")) is not None  # there before any read
+        assert seg.read(b"warm/3", key_hash(b"warm/3")) is None  # not hot: left to the read path
+    finally:
+        seg.close()

@@ -24,10 +24,13 @@ in one loop:
    record L3 merged from one of them is taken); keys it does not hold are left to the
    read path. If a group's feed was trimmed past the
    cursor, the keys of that group that L2 holds are re-read from L3 (a resync).
-3. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
+3. **Prewarm.** Every couple of seconds the host's hot keys (the host-wide sketch of
+   agents' reads) are saved to L3 and any of them missing from L2 (evicted, say) are
+   read back in; a daemon that starts prewarms L2 from the list its predecessor saved.
+4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
-4. **Heartbeat** in the L2 header, so agents and tools can see the daemon is alive.
+5. **Heartbeat** in the L2 header, so agents and tools can see the daemon is alive.
 
 When L3 is unreachable, nothing is dropped: the unsent window is kept and retried with
 exponential backoff, agents keep writing into L2, and once ``cluster.outbound_max``
@@ -56,6 +59,7 @@ from ..tiers.l2 import H_WSEQ, KIND_DELETE, KIND_PUT, key_hash
 from ..tiers.l3 import GROUPS, CorruptRecord, L3Record, L3Store, group_of
 
 log = logging.getLogger("kvcomm.node")
+HOT_KEYS = 64  # hot keys saved and kept in L2 per host
 
 
 @dataclass
@@ -105,6 +109,8 @@ class NodeDaemon:
                               permissions=c.l2_permissions)
         self.rebuild_every = cl.key_filter_rebuild
         self._fill_key_filter(initial=True)
+        self.hot_saved = time.monotonic()
+        self.stats.extra["prewarmed"] = self._prewarm(self.l3.load_hot(self.host))
 
     # ------------------------------------------------------------------ local → L3
 
@@ -258,6 +264,30 @@ class NodeDaemon:
                 or self.keys.adds_since_rotation >= self.config.cache.bloom_capacity):
             self._fill_key_filter()
 
+    # ------------------------------------------------------------------ prewarm
+
+    def _prewarm(self, keys: list[str]) -> int:
+        """Read into L2 the keys of ``keys`` it does not hold; returns how many came in."""
+        n = 0
+        for key in keys:
+            kb = key.encode("utf-8", "surrogatepass")
+            if self.seg.read(kb, key_hash(kb), 0) is not None:
+                continue
+            rec = self.l3.get(key)
+            if rec is not None and not rec.tombstone:
+                self._apply(key, rec)
+                n += 1
+        return n
+
+    def _maybe_prewarm(self) -> None:
+        if time.monotonic() - self.hot_saved < 2.0:
+            return
+        self.hot_saved = time.monotonic()
+        hot = [k for k, _ in self.kv.hot_keys(HOT_KEYS)]
+        if hot:
+            self.l3.save_hot(self.host, hot)
+            self.stats.extra["prewarmed"] = self.stats.extra.get("prewarmed", 0) + self._prewarm(hot)
+
     # ------------------------------------------------------------------ L3 → local
 
     def _initial_feed_cursors(self) -> dict[int, bytes]:
@@ -318,6 +348,7 @@ class NodeDaemon:
         try:
             self.pull_remote()
             self._maybe_rotate_filter()
+            self._maybe_prewarm()
         except Unavailable as exc:
             self.stats.l3_errors += 1
             log.warning("reading the L3 feed failed: %s", exc)

@@ -332,6 +332,18 @@ class L3Store:
         for raw in self._call(run):
             yield raw.split(b"}:", 1)[1]
 
+    def save_hot(self, host: str, keys: list[str]) -> None:
+        """This host's hot-key list, for the next daemon run to prewarm L2 with."""
+        self._call(lambda: self.rc.set(f"kvn:{{{host}}}:hot", msgpack.packb(keys)))
+
+    def load_hot(self, host: str) -> list[str]:
+        raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:hot"))
+        try:
+            keys = msgpack.unpackb(raw) if raw else []
+        except Exception:  # written by something else: start without a list
+            return []
+        return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
+
     def load_cursors(self, host: str) -> dict[int, bytes]:
         raw = self._call(lambda: self.rc.hgetall(f"kvn:{{{host}}}:cursors"))
         return {int(k): v for k, v in raw.items()}
