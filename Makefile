@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: demo test bench lint clean
 
-$(STAMP): pyproject.toml setup.py src/kvcomm/_atomic.c src/kvcomm/_l2core.c
+$(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'

@@ -1,14 +1,9 @@
-"""Only here for the two compiled helpers: everything else lives in pyproject.toml."""
+"""Only here for the compiled helper: everything else lives in pyproject.toml."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension(
-            "kvcomm._atomic",
-            sources=["src/kvcomm/_atomic.c"],
-            extra_compile_args=["-O2", "-std=gnu11"],
-        ),
         Extension(
             "kvcomm._l2core",
             sources=["src/kvcomm/_l2core.c"],

@@ -184,38 +184,29 @@ def _writer_once(cfg: kvcomm.Config, items: dict[str, Any], done: Any) -> None:
     done.set()
 
 
-def _handoff_receiver(cfg: kvcomm.Config, n: int, out: Any) -> None:
-    """Spin on 'handoff' until each new value appears; record now - the writer's timestamp."""
-    with kvcomm.open(NS, config=cfg) as kv:
-        last = 0
-        lat = []
-        while len(lat) < n:
-            v = kv.get("handoff")
-            if v is None:
-                continue
-            stamp = int.from_bytes(v[:8], "little")
-            if stamp != last:
-                lat.append(clock() - stamp)
-                last = stamp
-                kv.put("ack", stamp)
-        out.put(statistics.median(lat))
+def _handoff_receiver(peer: Any, n: int, out: Any) -> None:
+    """Spin on 'handoff' until each new value appears; record now - the writer's timestamp.
 
+    ``peer`` is a kvcomm config (our run) or a Redis port (the peer's run)."""
+    if isinstance(peer, kvcomm.Config):
+        kv = kvcomm.open(NS, config=peer)
+        get, ack = kv.get, kv.put
+    else:
+        import redis
 
-def _redis_handoff_receiver(port: int, n: int, out: Any) -> None:
-    import redis
-
-    r = redis.Redis(host="127.0.0.1", port=port)
+        r = redis.Redis(host="127.0.0.1", port=peer)
+        get, ack = r.get, r.set
     last = 0
     lat = []
     while len(lat) < n:
-        v = r.get("handoff")
+        v = get("handoff")
         if v is None:
             continue
         stamp = int.from_bytes(v[:8], "little")
         if stamp != last:
             lat.append(clock() - stamp)
             last = stamp
-            r.set("ack", stamp)
+            ack("ack", stamp)
     out.put(statistics.median(lat))
 
 
@@ -329,7 +320,7 @@ def main() -> int:
         hand_peers: dict[str, float | None] = {"redis-py SET → GET (polling), TCP": None}
         if peers.redis_server is not None:
             r = peers.redis_tcp
-            rx = CTX.Process(target=_redis_handoff_receiver,
+            rx = CTX.Process(target=_handoff_receiver,
                              args=(peers.redis_server.port, n_hand // 4, out))
             rx.start()
             for _ in range(n_hand // 4):

@@ -79,21 +79,11 @@ class RedisStore(Store):
         self.r.close()
 
 
-class RedisClusterStore(Store):
-    def __init__(self, seeds: list[tuple[str, int]]) -> None:
+class RedisClusterStore(RedisStore):
+    def __init__(self, seeds: list[tuple[str, int]]) -> None:  # noqa: D107 - same store, other client
         from redis.cluster import ClusterNode, RedisCluster
 
-        self.r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds])  # type: ignore[no-untyped-call]
-
-    def get(self, key: str) -> Any:
-        raw = self.r.get(key)
-        return None if raw is None else msgpack.unpackb(raw)
-
-    def put(self, key: str, value: Any) -> None:
-        self.r.set(key, msgpack.packb(value))
-
-    def close(self) -> None:
-        self.r.close()
+        self.r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds])  # type: ignore[no-untyped-call,assignment]
 
 
 class ManagerStore(Store):

@@ -20,6 +20,7 @@ import time
 from types import TracebackType
 
 from ..errors import Unavailable
+from .servers import terminate
 
 
 def free_cluster_port(rng: random.Random | None = None) -> int:
@@ -179,16 +180,7 @@ class RedisCluster:
                            deadline, f"node {port} to see the cluster ok again")
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(list(self.procs.values()))
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisCluster:

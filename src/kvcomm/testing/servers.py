@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -20,6 +21,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def terminate(procs: list[subprocess.Popen[bytes]], timeout: float = 5.0) -> None:
+    """SIGTERM (after SIGCONT, in case a test paused them), then SIGKILL stragglers."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def redis_server_path() -> str | None:
@@ -65,13 +80,8 @@ class RedisServer:
         raise Unavailable(f"redis-server did not answer on port {self.port} within {timeout}s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate([self.proc])
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:

@@ -19,7 +19,7 @@ The segment is a file in ``/dev/shm`` (owner-only by default), laid out as::
   need from the block, and re-read ``seq``: unchanged means the copy is exactly the
   record that was published, because a block is freed only after its slot's ``seq`` moved.
 * **Writers take one lock**, a compare-and-set word holding the owner's pid (atomics from
-  the tiny C helper ``kvcomm._atomic``). A writer sets ``busy`` while it mutates. A waiter
+  the small C helper ``kvcomm._l2core``). A writer sets ``busy`` while it mutates. A waiter
   that finds the owner dead (or a zombie) steals the lock; a holder that finds ``busy``
   set knows the previous one died mid-operation and runs :meth:`L2Segment._recover`,
   which makes every slot's ``seq`` even and rebuilds the heap's free lists from the
@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from .. import _l2core
-from .._atomic import Atomics
+from .._l2core import Atomics
 from ..core.sketch import CountMinSketch, TopK
 from ..errors import KVCommError, SegmentError, Unavailable, ValueTooLarge
 
