@@ -69,10 +69,12 @@ class RedisCluster:
         self.detached = detached  # nodes in their own session: they outlive this process
         self.dir = directory or tempfile.mkdtemp(prefix="kvcomm-cluster-")
         self.ports: list[int] = []
+        taken: set[int] = set()  # client and bus ports alike: no node may take another's
         while len(self.ports) < masters * (1 + replicas):
             port = free_cluster_port()
-            if port not in self.ports:
+            if port not in taken and port + 10000 not in taken:
                 self.ports.append(port)
+                taken.update((port, port + 10000))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
