@@ -129,6 +129,20 @@ def test_resolver_is_honoured_across_hosts(dev: dict[str, Any]) -> None:
             kv.close()
 
 
+def test_a_delete_reaches_hosts_that_hold_the_key(dev: dict[str, Any]) -> None:
+    a, b, c = host(dev, 0), host(dev, 1), host(dev, 2)
+    try:
+        a.put("del/k", "a")
+        wait_for(lambda: b.get("del/k") == "a", 10, "host 2 to hold the key")
+        b.put("del/k", "b")  # the key's vector now names two hosts
+        wait_for(lambda: a.get("del/k") == "b" and c.get("del/k") == "b", 10, "the update")
+        assert a.delete("del/k") is True
+        wait_for(lambda: b.get("del/k") is None and c.get("del/k") is None, 15,
+                 "the delete to reach every host")
+    finally:
+        a.close(), b.close(), c.close()
+
+
 def test_daemon_kill_and_restart_loses_no_acknowledged_write(dev: dict[str, Any]) -> None:
     a = host(dev, 0)
     store = l3(dev)

@@ -201,7 +201,10 @@ class NodeDaemon:
         resolvers = self.kv._resolvers
         if not resolvers:
             return self.l3.merge_many(items)
-        with_hook = [i for i, (k, _) in enumerate(items) if resolvers.lookup(k) is not None]
+        # deletes always merge last-writer-wins (with merged vectors): a resolver settles
+        # concurrent values, and must not bring a deleted key back
+        with_hook = [i for i, (k, r) in enumerate(items)
+                     if not r.tombstone and resolvers.lookup(k) is not None]
         if not with_hook:
             return self.l3.merge_many(items)
         hooked = set(with_hook)
