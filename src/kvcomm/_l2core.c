@@ -1,6 +1,6 @@
 /*
  * kvcomm._l2core: the hot memory operations of the L2 segment, in C, and the 64-bit
- * atomics (Atomics) that its Python side uses for the writer lock.
+ * atomics its Python side uses for the writer lock.
  *
  * tiers/l2.py owns the design (its module docstring is the theory of operation) and
  * every policy: locking, eviction, pins, recovery, the invariant checker. This file
@@ -140,151 +140,71 @@ Core_release(Core *self, PyObject *Py_UNUSED(ignored))
         return NULL;                                                          \
     }
 
-/* ------------------------------------------------------------------ Atomics
- * Atomics(buffer): 64-bit atomic operations on a shared-memory buffer. Python offers no
- * atomic read-modify-write on memory shared between processes; the L2 segment needs a
- * compare-and-set (the writer lock), a fetch-and-add with a full barrier, and loads/stores
- * with acquire/release order. Offsets are in bytes, 8-aligned and in range, or
- * IndexError/ValueError is raised.
+/* ------------------------------------------------------------------ atomics
+ * load/store/cas/add on any 8-aligned word of the mapping. Python offers no atomic
+ * read-modify-write on memory shared between processes; the L2 segment needs a
+ * compare-and-set (the writer lock), a fetch-and-add with a full barrier, and loads and
+ * stores with acquire/release order. A bad offset raises IndexError.
  */
-typedef struct {
-    PyObject_HEAD
-    Py_buffer view;
-    int has_view;
-} Atomics;
-
-static int
-Atomics_init(Atomics *self, PyObject *args, PyObject *kwds)
-{
-    PyObject *obj;
-    if (!PyArg_ParseTuple(args, "O", &obj))
-        return -1;
-    if (self->has_view) {
-        PyBuffer_Release(&self->view);
-        self->has_view = 0;
-    }
-    if (PyObject_GetBuffer(obj, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    if (((uintptr_t)self->view.buf) % 8 != 0) {
-        PyBuffer_Release(&self->view);
-        PyErr_SetString(PyExc_ValueError, "buffer is not 8-byte aligned");
-        return -1;
-    }
-    self->has_view = 1;
-    return 0;
-}
-
-static void
-Atomics_dealloc(Atomics *self)
-{
-    if (self->has_view)
-        PyBuffer_Release(&self->view);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
 
 static uint64_t *
-word_at(Atomics *self, PyObject *off_obj)
+word_at(Core *c, PyObject *off_obj)
 {
-    if (!self->has_view) {
-        PyErr_SetString(PyExc_ValueError, "atomics released");
-        return NULL;
-    }
     Py_ssize_t off = PyLong_AsSsize_t(off_obj);
     if (off == -1 && PyErr_Occurred())
         return NULL;
-    if (off < 0 || off % 8 != 0 || off + 8 > self->view.len) {
+    if (off < 0 || off % 8 != 0 || (uint64_t)off + 8 > c->size) {
         PyErr_Format(PyExc_IndexError, "bad atomic offset %zd", off);
         return NULL;
     }
-    return (uint64_t *)((char *)self->view.buf + off);
-}
-
-static int
-as_u64(PyObject *o, uint64_t *out)
-{
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = (uint64_t)v;
-    return 0;
+    return (uint64_t *)(c->base + off);
 }
 
 static PyObject *
-Atomics_load(Atomics *self, PyObject *const *args, Py_ssize_t nargs)
+Core_load(Core *c, PyObject *arg)
 {
-    if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "load(off)"); return NULL; }
-    uint64_t *p = word_at(self, args[0]);
-    if (!p) return NULL;
-    return PyLong_FromUnsignedLongLong(__atomic_load_n(p, __ATOMIC_ACQUIRE));
+    NEED_VIEW(c);
+    uint64_t *p = word_at(c, arg);
+    return p ? PyLong_FromUnsignedLongLong(LD(p)) : NULL;
 }
 
 static PyObject *
-Atomics_store(Atomics *self, PyObject *const *args, Py_ssize_t nargs)
+Core_store(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t v;
+    NEED_VIEW(c);
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "store(off, value)"); return NULL; }
-    uint64_t *p = word_at(self, args[0]);
-    if (!p || as_u64(args[1], &v) < 0) return NULL;
-    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+    uint64_t *p = word_at(c, args[0]);
+    uint64_t v = PyLong_AsUnsignedLongLong(args[1]);
+    if (!p || PyErr_Occurred()) return NULL;
+    ST(p, v);
     Py_RETURN_NONE;
 }
 
 static PyObject *
-Atomics_cas(Atomics *self, PyObject *const *args, Py_ssize_t nargs)
+Core_cas(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t expected, desired;
+    NEED_VIEW(c);
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "cas(off, expected, desired)"); return NULL; }
-    uint64_t *p = word_at(self, args[0]);
-    if (!p || as_u64(args[1], &expected) < 0 || as_u64(args[2], &desired) < 0) return NULL;
+    uint64_t *p = word_at(c, args[0]);
+    uint64_t expected = PyLong_AsUnsignedLongLong(args[1]);
+    uint64_t desired = PyLong_AsUnsignedLongLong(args[2]);
+    if (!p || PyErr_Occurred()) return NULL;
     if (__atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         Py_RETURN_TRUE;
     Py_RETURN_FALSE;
 }
 
 static PyObject *
-Atomics_add(Atomics *self, PyObject *const *args, Py_ssize_t nargs)
+Core_add(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     /* fetch-and-add with a full barrier; delta may be negative. Returns the new value. */
+    NEED_VIEW(c);
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "add(off, delta)"); return NULL; }
-    uint64_t *p = word_at(self, args[0]);
-    if (!p) return NULL;
+    uint64_t *p = word_at(c, args[0]);
     long long delta = PyLong_AsLongLong(args[1]);
-    if (delta == -1 && PyErr_Occurred()) return NULL;
-    uint64_t r = __atomic_add_fetch(p, (uint64_t)delta, __ATOMIC_SEQ_CST);
-    return PyLong_FromUnsignedLongLong(r);
+    if (!p || PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_add_fetch(p, (uint64_t)delta, __ATOMIC_SEQ_CST));
 }
-
-static PyObject *
-Atomics_release(Atomics *self, PyObject *Py_UNUSED(ignored))
-{
-    if (self->has_view) {
-        PyBuffer_Release(&self->view);
-        self->has_view = 0;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef Atomics_methods[] = {
-    {"load", (PyCFunction)(void (*)(void))Atomics_load, METH_FASTCALL, "load(off) -> int (acquire)"},
-    {"store", (PyCFunction)(void (*)(void))Atomics_store, METH_FASTCALL, "store(off, v) (release)"},
-    {"cas", (PyCFunction)(void (*)(void))Atomics_cas, METH_FASTCALL, "cas(off, expected, desired) -> bool"},
-    {"add", (PyCFunction)(void (*)(void))Atomics_add, METH_FASTCALL, "add(off, delta) -> new value"},
-    {"release", (PyCFunction)Atomics_release, METH_NOARGS, "drop the buffer export"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyTypeObject AtomicsType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvcomm._l2core.Atomics",
-    .tp_basicsize = sizeof(Atomics),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Atomics_init,
-    .tp_dealloc = (destructor)Atomics_dealloc,
-    .tp_methods = Atomics_methods,
-    .tp_doc = "Atomics(buffer): 64-bit atomics on a writable, 8-aligned buffer",
-};
-
 
 /* ------------------------------------------------------------------ lock-free read */
 
@@ -907,6 +827,10 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef Core_methods[] = {
+    {"load", (PyCFunction)Core_load, METH_O, "load(off) -> int (acquire)"},
+    {"store", (PyCFunction)(void (*)(void))Core_store, METH_FASTCALL, "store(off, v) (release)"},
+    {"cas", (PyCFunction)(void (*)(void))Core_cas, METH_FASTCALL, "cas(off, expected, desired) -> bool"},
+    {"add", (PyCFunction)(void (*)(void))Core_add, METH_FASTCALL, "add(off, delta) -> new value"},
     {"pin", (PyCFunction)(void (*)(void))Core_pin, METH_FASTCALL, "pin a block (lock held)"},
     {"try_lock", (PyCFunction)Core_try_lock, METH_O, "take the writer lock if free"},
     {"unlock", (PyCFunction)Core_unlock, METH_NOARGS, "release the writer lock"},
@@ -961,14 +885,9 @@ PyInit__l2core(void)
         return NULL;
     SegmentError = PyExc_RuntimeError;
     Py_INCREF(SegmentError);
-    if (PyType_Ready(&AtomicsType) < 0)
-        return NULL;
     Py_INCREF(&CoreType);
-    Py_INCREF(&AtomicsType);
-    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0 ||
-        PyModule_AddObject(m, "Atomics", (PyObject *)&AtomicsType) < 0) {
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
         Py_DECREF(&CoreType);
-        Py_DECREF(&AtomicsType);
         Py_DECREF(m);
         return NULL;
     }

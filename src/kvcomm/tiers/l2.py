@@ -59,7 +59,6 @@ from typing import Any, NamedTuple
 import xxhash
 
 from .. import _l2core
-from .._l2core import Atomics
 from ..core.sketch import CountMinSketch, TopK
 from ..errors import KVCommError, SegmentError, Unavailable, ValueTooLarge
 
@@ -299,7 +298,6 @@ class L2Segment:
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
         self._ro = self._buf.toreadonly()
-        self._atom = Atomics(self._mm)
         if created:
             assert create_layout is not None
             self._initialise(create_layout, host_id)
@@ -409,6 +407,7 @@ class L2Segment:
         self._core = _l2core.Core(self._mm, lay.data_off, lay.data_size, lay.top_order,
                                   lay.slots_off, lay.n_slots, lay.meta_off, lay.feed_off,
                                   lay.feed_n, lay.feed_esz, lay.defer_off, lay.n_pins, lay.max_key)
+        self._atom = self._core  # the same object gives the atomics on any header word
 
     # ---------------------------------------------------------------- lock
 
@@ -700,7 +699,7 @@ class L2Segment:
         try:
             self._atom.store(p * 8, 0)
             self._atom.add(H_RELEASED * 8, 1)
-        except ValueError:
+        except (ValueError, SegmentError):
             pass  # mapping already closed: the pin is swept as a dead process's pin
 
     def _sweep_released(self) -> None:
@@ -1057,10 +1056,7 @@ class L2Segment:
     def close(self) -> None:
         """Drop this process's mapping. Views still alive keep it mapped until they go."""
         _LIVE.discard(self)
-        atom = getattr(self, "_atom", None)
-        if atom is not None:
-            atom.release()
-            self._atom = None  # type: ignore[assignment]
+        self._atom = None  # type: ignore[assignment]
         core = getattr(self, "_core", None)
         if core is not None:
             core.release()
