@@ -333,18 +333,13 @@ class Client:
         if not self._sample:
             self._sampled(key)
         rec = self._seg._core.read(kb, h, self._zc)
-        if type(rec) is not tuple:
-            if rec is None:
-                self._l2_misses += 1
-                if self._cluster and l3:
-                    return self._get_l3(key, default, want_item)
-                return None if want_item else default
-            rec = self._seg.read(kb, h, self._zc)  # a stuck writer: the slow, careful path
-            if rec is None:
-                self._l2_misses += 1
-                if self._cluster and l3:
-                    return self._get_l3(key, default, want_item)
-                return None if want_item else default
+        if type(rec) is int:  # a slot stayed odd: a slow or dead writer, the careful path
+            rec = self._seg.read(kb, h, self._zc)
+        if rec is None:
+            self._l2_misses += 1
+            if self._cluster and l3:
+                return self._get_l3(key, default, want_item)
+            return None if want_item else default
         self._l2_hits += 1
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
         tag = rec[2]
