@@ -332,7 +332,7 @@ class Client:
         self._sample -= 1
         if not self._sample:
             self._sampled(key)
-        rec = self._seg._core.read(kb, h, self._zc)
+        rec: Any = self._seg._core.read(kb, h, self._zc)
         if type(rec) is int:  # a slot stayed odd: a slow or dead writer, the careful path
             rec = self._seg.read(kb, h, self._zc)
         if rec is None:
