@@ -8,9 +8,15 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import settings
 
 import kvcomm
 from kvcomm.tiers import l2
+
+# CI machines are shared and noisy: no per-example deadline; a failure prints the blob
+# that replays it exactly (@reproduce_failure), as randomised tests here print their seed
+settings.register_profile("kvcomm", deadline=None, print_blob=True)
+settings.load_profile("kvcomm")
 
 SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
 
