@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench bench-cluster lint clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, Ultra
 	$(BIN)/python -m pip install -q UltraDict atomics rbloom pyprobables
 	$(BIN)/python bench/bench_embedded.py
 	$(BIN)/python bench/bench_core.py
+
+bench-cluster: $(STAMP) ## cluster mode vs Redis Cluster directly (needs redis-server)
+	$(BIN)/python bench/bench_cluster.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

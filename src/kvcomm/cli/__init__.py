@@ -39,6 +39,10 @@ def _info(args: argparse.Namespace) -> int:
           f"recoveries {info['recoveries']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
     print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
+    if info["daemon_pid"]:
+        state = "alive" if info["daemon_alive"] else "NOT heartbeating"
+        print(f"node daemon    pid {info['daemon_pid']}, {state}; "
+              f"{info['sync_backlog']} events not yet in L3")
     return 0
 
 

@@ -1029,6 +1029,9 @@ class L2Segment:
             "writes": q[H_WSEQ],
             "feed_events": q[H_FEED_HEAD],
             "feed_capacity": lay.feed_n,
+            "daemon_pid": q[H_DAEMON_PID],
+            "daemon_alive": self.daemon_alive(),
+            "sync_backlog": q[H_FEED_HEAD] - q[H_SYNC_CURSOR],
             "max_record_bytes": self._max_record,
         }
 
