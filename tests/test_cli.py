@@ -58,3 +58,35 @@ def test_demo_smoke(tmp_path: Path) -> None:
 def test_demo_rejects_bad_arguments() -> None:
     out = run("demo", "--agents", "1")
     assert out.returncode == 2
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(__import__("shutil").which("redis-server") is None,
+                    reason="redis-server is not installed")
+def test_dev_cluster_up_and_down_as_a_user_runs_it(tmp_path: Path) -> None:
+    d = tmp_path / "dc"
+    up = run("dev-cluster", "up", "--hosts", "2", "--dir", str(d))
+    assert up.returncode == 0, up.stderr
+    try:
+        assert (d / "host-1.yaml").exists() and (d / "host-2.yaml").exists()
+        assert run("dev-cluster", "up", "--hosts", "2", "--dir", str(d)).returncode == 2
+        code = (
+            "import kvcomm, time, sys\n"
+            f"a = kvcomm.open(config={str(d / 'host-1.yaml')!r})\n"
+            f"b = kvcomm.open(config={str(d / 'host-2.yaml')!r})\n"
+            "a.put('drone/1/state', {'pos': [1, 2]})\n"
+            "deadline = time.monotonic() + 10\n"
+            "while b.get('drone/1/state') is None and time.monotonic() < deadline:\n"
+            "    time.sleep(0.02)\n"
+            "sys.exit(0 if b.get('drone/1/state') == {'pos': [1, 2]} else 1)\n"
+        )
+        agent = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=60)
+        assert agent.returncode == 0, agent.stderr
+    finally:
+        down = run("dev-cluster", "down", "--dir", str(d))
+    assert down.returncode == 0, down.stderr
+    namespaces = [yaml.safe_load((d / f"host-{i}.yaml").read_text())["node"]["namespace"]
+                  for i in (1, 2)]
+    assert not any(Path(f"/dev/shm/kvcomm.{ns}").exists() for ns in namespaces)
+    assert run("dev-cluster", "down", "--dir", str(d)).returncode == 1
