@@ -23,11 +23,24 @@ from ..errors import Unavailable
 from .servers import terminate
 
 
+def _port_range() -> tuple[int, int]:
+    """Ports whose bus port (+10000) stays below the kernel's ephemeral range, so that no
+    outgoing connection can take either between our check and redis-server's bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    hi = low - 10001
+    return (10000, hi) if hi > 12000 else (20000, 55535)
+
+
 def free_cluster_port(rng: random.Random | None = None) -> int:
-    """A port p <= 55535 with p and its cluster-bus port p + 10000 both free on loopback."""
+    """A port p with p and its cluster-bus port p + 10000 both free on loopback."""
     rng = rng or random.Random()
+    lo, hi = _port_range()
     for _ in range(1000):
-        port = rng.randrange(20000, 55535)
+        port = rng.randrange(lo, hi)
         try:
             for p in (port, port + 10000):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -68,14 +81,36 @@ class RedisCluster:
         self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
         self.detached = detached  # nodes in their own session: they outlive this process
         self.dir = directory or tempfile.mkdtemp(prefix="kvcomm-cluster-")
-        self.ports: list[int] = []
+        self.ports = self._pick_ports(masters * (1 + replicas))
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    @staticmethod
+    def _pick_ports(n: int) -> list[int]:
+        ports: list[int] = []
         taken: set[int] = set()  # client and bus ports alike: no node may take another's
-        while len(self.ports) < masters * (1 + replicas):
+        while len(ports) < n:
             port = free_cluster_port()
             if port not in taken and port + 10000 not in taken:
-                self.ports.append(port)
+                ports.append(port)
                 taken.update((port, port + 10000))
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        return ports
+
+    def _all_answer(self, deadline: float) -> bool:
+        """True once every node answers PING; False as soon as one has exited."""
+        pending = list(self.ports)
+        while pending:
+            if any(self.procs[p].poll() is not None for p in self.ports):
+                return False
+            try:
+                if _command(pending[0], "PING").startswith(b"+PONG"):
+                    pending.pop(0)
+                    continue
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     @property
     def seeds(self) -> list[tuple[str, int]]:
@@ -97,13 +132,20 @@ class RedisCluster:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]
 
-    def start(self, timeout: float = 60.0) -> RedisCluster:
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> RedisCluster:
         deadline = time.monotonic() + timeout
-        for port in self.ports:
-            self._start_node(port)
-        for port in self.ports:
-            self._wait(lambda p=port: _command(p, "PING").startswith(b"+PONG"), deadline,
-                       f"node {port} to answer")
+        for attempt in range(attempts):
+            for port in self.ports:
+                self._start_node(port)
+            if self._all_answer(deadline):
+                break
+            # a node could not bind (a port race): stop them all, try other ports
+            terminate(list(self.procs.values()))
+            self.procs.clear()
+            if attempt == attempts - 1:
+                self.stop()
+                raise Unavailable("redis-server nodes did not start (ports busy?)")
+            self.ports = self._pick_ports(len(self.ports))
         out = subprocess.run(
             ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
              "--cluster-replicas", str(self.replicas), "--cluster-yes"],
