@@ -344,11 +344,8 @@ class Client:
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
         tag = rec[2]
         raw = rec[4]
-        if raw is None:
-            item = self._get_view(key, kb, h)
-            if want_item:
-                return item
-            return default if item is None else item.value
+        if raw is None:  # a large array: a zero-copy view
+            return self._get_view(key, kb, h, default, want_item)
         if tag == _BYTES:
             value = raw
         else:
@@ -405,12 +402,12 @@ class Client:
             self._kf_retry = time.monotonic() + 1.0
         return self._kf
 
-    def _get_view(self, key: str, kb: bytes, h: int) -> Item | None:
+    def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool) -> Any:
         """A large array: pin its block and hand out a read-only view of shared memory."""
         seg = self._seg
         r = seg.pin(kb, h)
         if r is None:
-            return None
+            return None if want_item else default
         index, buf = r[8], r[9]
         try:
             arr = codec.array_view(r[3], buf)
@@ -427,6 +424,8 @@ class Client:
             ref = weakref.ref(arr, _unpinner(seg, index))
             _VIEWS[id(ref)] = ref
             self.counters["views"] += 1
+        if not want_item:
+            return arr
         return Item(key, arr, self._version(r[4], r[5], r[6]), "l2")
 
     # ------------------------------------------------------------------ writes
