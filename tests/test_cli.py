@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
 import kvcomm
+
+from .conftest import wait_for
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -90,3 +93,33 @@ def test_dev_cluster_up_and_down_as_a_user_runs_it(tmp_path: Path) -> None:
                   for i in (1, 2)]
     assert not any(Path(f"/dev/shm/kvcomm.{ns}").exists() for ns in namespaces)
     assert run("dev-cluster", "down", "--dir", str(d)).returncode == 1
+
+
+def test_node_refuses_a_config_without_a_cluster(tmp_path: Path) -> None:
+    f = tmp_path / "h.yaml"
+    f.write_text("node:\n  host_id: h1\n")
+    out = run("node", "--config", str(f))
+    assert out.returncode == 2 and "cluster.redis" in out.stderr
+    f.write_text("cluster:\n  redis: ['no-port']\n")
+    out = run("node", "--config", str(f))
+    assert out.returncode == 2 and "host:port" in out.stderr
+
+
+def test_node_waits_for_an_unreachable_cluster_until_stopped(tmp_path: Path, ns: str) -> None:
+    import signal
+
+    f = tmp_path / "h.yaml"
+    f.write_text(f"node:\n  namespace: {ns}\ncluster:\n  redis: ['127.0.0.1:1']\n  timeout: 100ms\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "node", "--config", str(f)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_for(lambda: any("retrying" in x for x in lines) or proc.poll() is not None, 20,
+                 "the daemon to report that it is waiting")
+        assert proc.poll() is None, "".join(lines)  # still running, not exited
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0

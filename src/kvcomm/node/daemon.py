@@ -418,7 +418,6 @@ def _id_lt(a: bytes, b: bytes) -> bool:
 def main(config: Config, name: str | None = None) -> int:
     """Run until SIGTERM/SIGINT. Returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvcomm-node %(message)s")
-    daemon = NodeDaemon(config, name)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -426,6 +425,16 @@ def main(config: Config, name: str | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    backoff = 0.1
+    while True:  # a host may boot before its cluster: agents write into L2 meanwhile
+        try:
+            daemon = NodeDaemon(config, name)
+            break
+        except Unavailable as exc:
+            log.warning("cannot start yet (%s); retrying in %.1fs", exc, backoff)
+            if stop.wait(backoff):
+                return 0
+            backoff = min(5.0, backoff * 2)
     log.info("host %s, namespace %s, %d seed nodes", daemon.host, daemon.kv.name,
              len(config.cluster.redis))
     try:
