@@ -84,11 +84,12 @@ class NodeDaemon:
         if not config.cluster.enabled:
             raise KVCommError("kvcomm node needs cluster.redis (the Redis Cluster seed nodes)")
         self.config = config
+        seeds = config.cluster.seeds()  # validate before touching the host's L2
         self.kv: Client = kv_open(name, config=config)
         self.seg = self.kv._seg
         self.host = self.seg.host_id
         cl = config.cluster
-        self.l3 = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
+        self.l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
                           tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
                           wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000))
         c = config.cache
