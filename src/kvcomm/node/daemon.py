@@ -86,32 +86,40 @@ class NodeDaemon:
         self.config = config
         seeds = config.cluster.seeds()  # validate before touching the host's L2
         self.kv: Client = kv_open(name, config=config)
-        self.seg = self.kv._seg
-        self.host = self.seg.host_id
-        cl = config.cluster
-        self.l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
-                          tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
-                          wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000))
-        c = config.cache
-        self.window = WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes)
-        self.staged: dict[str, L3Record] = {}
-        self.cursor = self.seg.sync_cursor  # local feed: everything before it is in L3
-        self.stats = DaemonStats()
-        self.unsent: list[Batch] = []
-        self.backoff = 0.0
-        self.retry_at = 0.0
-        self.feed_cursors = self._initial_feed_cursors()
-        self.cursors_saved = time.monotonic()
-        self.last_pull = 0.0
-        self.own_deletes: set[tuple[str, int]] = set()  # deletes the daemon applied itself
-        for prefix, path in cl.resolvers.items():  # the operator's own code, named in config
-            self.kv.register_resolver(prefix, _import(path))
-        self.keys = KeyFilter(self.kv.name, c.bloom_capacity, c.bloom_fpr, create=True,
-                              permissions=c.l2_permissions)
-        self.rebuild_every = cl.key_filter_rebuild
-        self._fill_key_filter(initial=True)
-        self.hot_saved = time.monotonic()
-        self.stats.extra["prewarmed"] = self._prewarm(self.l3.load_hot(self.host))
+        try:
+            self.seg = self.kv._seg
+            self.host = self.seg.host_id
+            cl = config.cluster
+            self.l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
+                              tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
+                              wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000))
+            c = config.cache
+            self.window = WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes)
+            self.staged: dict[str, L3Record] = {}
+            self.cursor = self.seg.sync_cursor  # local feed: everything before it is in L3
+            self.stats = DaemonStats()
+            self.unsent: list[Batch] = []
+            self.backoff = 0.0
+            self.retry_at = 0.0
+            self.feed_cursors = self._initial_feed_cursors()
+            self.cursors_saved = time.monotonic()
+            self.last_pull = 0.0
+            self.own_deletes: set[tuple[str, int]] = set()  # deletes the daemon applied itself
+            for prefix, path in cl.resolvers.items():  # the operator's own code, named in config
+                self.kv.register_resolver(prefix, _import(path))
+            self.keys = KeyFilter(self.kv.name, c.bloom_capacity, c.bloom_fpr, create=True,
+                                  permissions=c.l2_permissions)
+            self.rebuild_every = cl.key_filter_rebuild
+            self._fill_key_filter(initial=True)
+            self.hot_saved = time.monotonic()
+            self.stats.extra["prewarmed"] = self._prewarm(self.l3.load_hot(self.host))
+        except BaseException:  # L3 unreachable at start, say: release what we opened
+            if getattr(self, "keys", None) is not None:
+                self.keys.close()
+            if getattr(self, "l3", None) is not None:
+                self.l3.close()
+            self.kv.close()
+            raise
 
     # ------------------------------------------------------------------ local → L3
 
