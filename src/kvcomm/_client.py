@@ -191,7 +191,7 @@ class Client:
         self._unusable = False  # closed, or inherited through fork(): every call checks this
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
-            ("puts", "deletes", "conflicts", "views", "merges", "resolver_failures",
+            ("deletes", "conflicts", "views", "merges", "resolver_failures",
              "l3_reads", "negative_hits", "filter_hits"), 0
         )
         self._l1_hits = 0
@@ -245,12 +245,28 @@ class Client:
         return Version(tuple(sorted(others + own)), hlc)
 
     def _encode(self, value: Any) -> tuple[int, bytes, bytes | memoryview]:
+        """(tag, meta, payload) of a value. Raises UnsupportedValue, ValueTooLarge."""
         tag, meta, payload = codec.encode(value)
         if len(payload) > self._max_value:
             raise ValueTooLarge(
                 f"value is {len(payload)} bytes, over cache.max_value_size={self._max_value}"
             )
         return tag, meta, payload
+
+    def _prepare(self, key: Any, value: Any) -> tuple[bytes, int, int, bytes, bytes | memoryview]:
+        """Everything a write needs, checked before anything is stored:
+        (key bytes, key hash, tag, meta, payload). Raises InvalidKey and the value errors."""
+        # the common case inline (a memoised key, a bytes value): one call per write
+        kh = self._keys.get(key) if type(key) is str else None
+        kb, h = kh if kh is not None else self._key_hash(key)
+        payload: bytes | memoryview
+        if type(value) is bytes and len(value) <= self._max_value:
+            tag, meta, payload = codec.BYTES, b"", value
+        else:
+            tag, meta, payload = self._encode(value)
+        if self._cluster:
+            self._negative.invalidate(key)  # this host will hold it: no longer "absent"
+        return kb, h, tag, meta, payload
 
     # ------------------------------------------------------------------ reads
 
@@ -327,8 +343,7 @@ class Client:
         """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
         if self._unusable:
             self._live()
-        kh = self._keys.get(key) if type(key) is str else None
-        kb, h = self._key_hash(key) if kh is None else kh
+        kb, h = self._key_hash(key)
         self._sample -= 1
         if not self._sample:
             self._sampled(key)
@@ -387,7 +402,7 @@ class Client:
             return None if want_item else default
         value = codec.decode(rec.tag, rec.meta, rec.value)
         version = Version(rec.vector, rec.hlc)
-        self.merge_remote(key, value, version)  # fill L2 for every agent on the host
+        self._merge(key, value, version, (rec.tag, rec.meta, rec.value))  # fill L2 for the host
         if want_item:
             return Item(key, value, version, "l3")
         return value
@@ -444,24 +459,14 @@ class Client:
             _bad_consistency(consistency)
         if self._unusable:
             self._live()
-        kh = self._keys.get(key) if type(key) is str else None
-        kb, h = self._key_hash(key) if kh is None else kh
-        payload: bytes | memoryview
-        if type(value) is bytes:  # the commonest payload needs no codec call
-            tag, meta, payload = codec.BYTES, b"", value
-        else:
-            tag, meta, payload = codec.encode(value)
-        if len(payload) > self._max_value:
-            self._encode(value)  # raises ValueTooLarge with the message
+        kb, h, tag, meta, payload = self._prepare(key, value)
         if expect is not _NO_CHECK or self._validators:
             return self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
         if self._cluster:
-            self._check_outbound(key)
+            self._check_outbound()
         counter, hlc, vvx, _, _ = self._seg.write_fast(kb, h, tag, meta, payload,
                                                        time.time_ns() // 1_000_000, self._flags)
         self._puts += 1
-        if not vvx:
-            return _new_version(Version, (((self._host, counter),), hlc))
         return self._version(counter, hlc, vvx)
 
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
@@ -472,13 +477,13 @@ class Client:
         if validator is not None:
             return self._put_validated(key, kb, h, value, encoded, check, validator)
         if self._cluster:
-            self._check_outbound(key)
+            self._check_outbound()
         counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=check,
                                                   dirty=bool(self._flags))
         self._puts += 1
         return self._version(counter, hlc, vvx)
 
-    def _check_outbound(self, key: str) -> None:
+    def _check_outbound(self) -> None:
         """Cluster mode: refuse a write when too many are waiting for the node daemon."""
         seg = self._seg
         waiting = seg.feed_head() - seg.sync_cursor
@@ -486,9 +491,8 @@ class Client:
             raise Unavailable(
                 f"{waiting} writes on this host are waiting for L3 (bound {self._outbound_max}); "
                 f"is `kvcomm node` running for namespace {self.name!r} and the cluster up? "
-                f"{key!r} was not written"
+                "Nothing was written"
             )
-        self._negative.invalidate(key)
 
     def _expect_fn(self, key: str, expect: Any) -> Callable[[Record | None], None]:
         if expect is not ABSENT and not isinstance(expect, Version):
@@ -514,18 +518,22 @@ class Client:
 
     def delete(self, key: str, *, expect: Any = _NO_CHECK) -> bool:
         """Remove ``key``. True when something was deleted. Raises as :meth:`put`."""
+        return self._delete(key, expect) > 0
+
+    def _delete(self, key: str, expect: Any = _NO_CHECK) -> int:
+        """:meth:`delete`, returning the delete's write counter (0: nothing was there)."""
         self._live()
-        kb = self._key(key)
+        kb, h = self._key_hash(key)
         check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
         if validator is not None:
             old = self._get_slow(key, None, True)
             _run_validator(validator, key, old, None)
-        done = self._seg.delete(kb, key_hash(kb), now_ms=_now_ms(), expect=check)
+        counter = self._seg.delete(kb, h, now_ms=_now_ms(), expect=check)
         self._l1.discard(key)
-        if done:
+        if counter:
             self.counters["deletes"] += 1
-        return done
+        return counter
 
     def update(self, key: str, fn: Callable[[Any], Any], *, default: Any = None) -> Any:
         """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
@@ -585,10 +593,14 @@ class Client:
         """
         if not isinstance(version, Version):
             raise InvalidArgument(f"version must be a kvcomm.Version, got {type(version).__name__}")
+        return self._merge(key, value, version, self._encode(value))
+
+    def _merge(self, key: str, value: Any, version: Version,
+               remote_encoded: tuple[int, bytes, bytes | memoryview]) -> Version:
+        """:meth:`merge_remote` with the value already encoded (an L3 record's bytes)."""
         if self._unusable:
             self._live()
         kb, h = self._key_hash(key)
-        remote_encoded = self._encode(value)
         for _ in range(_MAX_UPDATE_RETRIES):
             local = self._get_slow(key, None, True, l3=False)  # this host's L2 only
             plan = self._merge_plan(key, local, value, remote_encoded, version)
@@ -669,7 +681,7 @@ class Client:
                 if check is not None:
                     raise
                 continue
-            self.counters["puts"] += 1
+            self._puts += 1
             return self._version(counter, hlc, vvx)
         raise Unavailable(f"put of {key!r} lost {_MAX_UPDATE_RETRIES} races to validate")
 
@@ -736,7 +748,7 @@ class Client:
                    "views_taken": c["views"]},
             "l3": {"reads": c["l3_reads"], "negative_hits": c["negative_hits"],
                    "filter_hits": c["filter_hits"]},
-            "ops": {"puts": c["puts"] + self._puts, "deletes": c["deletes"],
+            "ops": {"puts": self._puts, "deletes": c["deletes"],
                     "conflicts": c["conflicts"], "merges": c["merges"],
                     "resolver_failures": c["resolver_failures"]},
         }
@@ -791,24 +803,16 @@ class Batch:
 
     def put(self, key: str, value: Any) -> None:
         c = self._client
-        kh = c._keys.get(key) if type(key) is str else None
-        kb, h = c._key_hash(key) if kh is None else kh
-        payload: bytes | memoryview
-        if type(value) is bytes and len(value) <= c._max_value:
-            tag, meta, payload = codec.BYTES, b"", value
-        else:
-            tag, meta, payload = c._encode(value)
+        op = c._prepare(key, value)
         if c._validators:
             validator = c._validators.lookup(key)
             if validator is not None:
                 _run_validator(validator, key, c._get_slow(key, None, True), value)
-        self._ops.append((kb, h, tag, meta, payload))
+        self._ops.append(op)
         self._keys.append(key)
 
     def delete(self, key: str) -> None:
-        c = self._client
-        kb = c._key(key)
-        self._ops.append((kb, key_hash(kb)))
+        self._ops.append(self._client._key_hash(key))
         self._keys.append(key)
 
     def __len__(self) -> int:
@@ -823,11 +827,11 @@ class Batch:
         c = self._client
         c._live()
         if c._cluster:
-            c._check_outbound(self._keys[0])
+            c._check_outbound()
         results = c._seg.write_many(self._ops, _now_ms(), dirty=bool(c._flags))
         for key, r in zip(self._keys, results, strict=True):
             if isinstance(r, tuple):
-                c.counters["puts"] += 1
+                c._puts += 1
                 self.versions.append(c._version(r[0], r[1], r[2]))
             else:
                 c._l1.discard(key)

@@ -638,7 +638,8 @@ unlink_slot(Core *c, uint64_t so, uint64_t counter, uint64_t hlc)
     return bad;
 }
 
-/* delete(key, h, now_ms) -> bool   [lock held] */
+/* delete(key, h, now_ms) -> the delete's write counter (its feed event's), 0 if absent
+ * [lock held] */
 static PyObject *
 Core_delete(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -654,14 +655,14 @@ Core_delete(Core *c, PyObject *const *args, Py_ssize_t nargs)
     uint64_t found;
     find(c, PyBytes_AS_STRING(args[0]), (uint64_t)PyBytes_GET_SIZE(args[0]), h, &found);
     if (!found)
-        Py_RETURN_FALSE;
+        return PyLong_FromLong(0);
     uint64_t counter = *W(c, H_WSEQ * 8) + 1;
     *W(c, H_WSEQ * 8) = counter;
     if (unlink_slot(c, found, counter, hlc_next(c, now_ms))) {
         PyErr_SetString(SegmentError, "deferred table overflow (corrupt pin counts); purge it");
         return NULL;
     }
-    Py_RETURN_TRUE;
+    return PyLong_FromUnsignedLongLong(counter);
 }
 
 /* evict(word) -> None: remove the live record in that slot, feed a delete   [lock held] */

@@ -55,7 +55,7 @@ from ..core.versions import Version
 from ..core.window import Batch, WriteWindow
 from ..errors import ConflictError, KVCommError, Unavailable
 from ..tiers.keyfilter import KeyFilter
-from ..tiers.l2 import H_WSEQ, KIND_DELETE, KIND_PUT, key_hash
+from ..tiers.l2 import KIND_DELETE, KIND_PUT, key_hash
 from ..tiers.l3 import GROUPS, CorruptRecord, L3Record, L3Store, group_of
 
 log = logging.getLogger("kvcomm.node")
@@ -237,13 +237,12 @@ class NodeDaemon:
         if record.tombstone:
             item = self.kv.get_item(key)
             if item is not None and item.version <= version:
-                # remember the delete's feed counter, so it is not pushed back as ours (if
-                # another writer slips in between, one redundant tombstone goes out: harmless)
-                self.own_deletes.add((key, self.seg._q[H_WSEQ] + 1))
                 try:
-                    self.kv.delete(key, expect=item.version)
+                    counter = self.kv._delete(key, expect=item.version)
                 except ConflictError:
-                    pass  # a local write came in meanwhile: it is newer, keep it
+                    return  # a local write came in meanwhile: it is newer, keep it
+                if counter:  # its feed event is ours, not an agent's: do not push it back
+                    self.own_deletes.add((key, counter))
             return
         try:
             value = codec.decode(record.tag, record.meta, record.value)
@@ -251,7 +250,7 @@ class NodeDaemon:
             self.stats.corrupt += 1
             log.error("L3 record of %r cannot be decoded: %s", key, exc)
             return
-        self.kv.merge_remote(key, value, version)
+        self.kv._merge(key, value, version, (record.tag, record.meta, record.value))
 
     # ------------------------------------------------------------------ the key filter
 

@@ -5,8 +5,10 @@ hit is revalidated by reading that one shared-memory word (``Client.get`` does i
 as the hottest path in KVCOMM), so L1 never serves a value L2 has replaced and never
 decodes twice what has not changed.
 
-Thread safety: lookups are plain dict reads (atomic under the GIL); inserts, evictions
-and LRU reordering happen under a lock. Entries are accounted by their encoded size.
+Thread safety: lookups are plain dict reads (atomic under the GIL); inserts and
+evictions happen under a lock. The client refreshes LRU order on sampled hits only
+(``Client._sampled``): an approximate LRU that keeps the hit path short. Entries are
+accounted by their encoded size.
 """
 
 from __future__ import annotations
@@ -51,12 +53,6 @@ class L1Cache:
                 _, victim = entries.popitem(last=False)
                 self.bytes -= victim[3]
                 self.evictions += 1
-
-    def touch(self, key: str) -> None:
-        try:
-            self.entries.move_to_end(key)
-        except KeyError:
-            pass  # evicted by another thread meanwhile
 
     def discard(self, key: str) -> None:
         with self._lock:

@@ -482,9 +482,6 @@ class L2Segment:
             r = self._core.read(key_b, h, zero_copy)
         return None if r is None else _new_record(Record, r)
 
-    def seq_at(self, word: int) -> int:
-        return int(self._q[word])
-
     def _help_stuck_writer(self) -> None:
         """If the lock owner is dead, take the lock (which recovers); else let it run."""
         owner = self._atom.load(H_LOCK * 8)
@@ -544,7 +541,7 @@ class L2Segment:
             put = self._core.put
             for op in ops:
                 if len(op) == 2:
-                    out.append(self._core.delete(op[0], op[1], now_ms))
+                    out.append(self._core.delete(op[0], op[1], now_ms) > 0)
                     continue
                 r = put(op[0], op[1], op[2], op[3], op[4], now_ms, FLAG_DIRTY if dirty else 0)
                 if not isinstance(r, tuple):  # needs eviction first
@@ -586,8 +583,9 @@ class L2Segment:
         return r
 
     def delete(self, key_b: bytes, h: int, *, now_ms: int,
-               expect: Callable[[Record | None], None] | None = None) -> bool:
-        """Remove ``key_b``; True when it existed. ``expect`` as for :meth:`write`."""
+               expect: Callable[[Record | None], None] | None = None) -> int:
+        """Remove ``key_b``. Returns the delete's write counter (the one its change-feed
+        event carries), 0 when the key was absent. ``expect`` as for :meth:`write`."""
         self._acquire()
         try:
             return self._delete_locked(key_b, h, now_ms, expect)
@@ -595,7 +593,7 @@ class L2Segment:
             self._release()
 
     def _delete_locked(self, key_b: bytes, h: int, now_ms: int,
-                       expect: Callable[[Record | None], None] | None) -> bool:
+                       expect: Callable[[Record | None], None] | None) -> int:
         if expect is not None:
             w, _ = self._core.find(key_b, h)
             expect(self._record_locked(w) if w >= 0 else None)
@@ -1117,8 +1115,7 @@ def purge(name: str) -> bool:
     except SegmentError:
         pass  # foreign or broken: removing the file is all we can do
     os.unlink(path)
-    try:
-        os.unlink(os.path.join(SHM_DIR, f"kvcomm.{name}.keys"))  # the daemon's key filter
-    except FileNotFoundError:
-        pass
+    from .keyfilter import remove  # (keyfilter builds on this module)
+
+    remove(name)  # the daemon's filter of existing keys goes with the namespace
     return True
