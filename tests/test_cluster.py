@@ -43,6 +43,12 @@ def l3(dev: dict[str, Any]) -> L3Store:
     return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]])
 
 
+def l3_value(store: L3Store, key: str) -> Any:
+    """The value L3 holds for ``key`` (None when absent)."""
+    rec = store.get(key)
+    return None if rec is None else kvcomm.core.codec.decode(rec.tag, rec.meta, rec.value)
+
+
 def restart_daemon(dev: dict[str, Any], i: int) -> None:
     dev["hosts"][i]["pid"] = devcluster.restart_daemon(str(dev["dir"]), i)
 
@@ -152,9 +158,8 @@ def test_daemon_kill_and_restart_loses_no_acknowledged_write(dev: dict[str, Any]
             if i == 100:
                 os.kill(dev["hosts"][0]["pid"], signal.SIGKILL)
         restart_daemon(dev, 0)
-        wait_for(lambda: all((r := store.get(f"crash/{i}")) is not None
-                             and int(kvcomm.core.codec.decode(r.tag, r.meta, r.value)) == i
-                             for i in range(200)), 30, "every acknowledged write to reach L3")
+        wait_for(lambda: all(l3_value(store, f"crash/{i}") == i for i in range(200)), 30,
+                 "every acknowledged write to reach L3")
     finally:
         store.close()
         a.close()
@@ -183,9 +188,8 @@ def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) ->
 
         wait_for(accepted, 20, "puts to be accepted again")
         last = (written - 1) % 50
-        wait_for(lambda: (r := store.get(f"queue/{last}")) is not None
-                 and int(kvcomm.core.codec.decode(r.tag, r.meta, r.value)) == written - 1,
-                 30, "the queued writes to reach L3")
+        wait_for(lambda: l3_value(store, f"queue/{last}") == written - 1, 30,
+                 "the queued writes to reach L3")
     finally:
         store.close()
         b.close()
@@ -294,9 +298,7 @@ def test_zz_master_killed_mid_writes_loses_no_acknowledged_write(dev: dict[str, 
 
         def all_there() -> bool:
             try:
-                return all((r := store.get(f"failover/{i}")) is not None
-                           and int(kvcomm.core.codec.decode(r.tag, r.meta, r.value)) == i
-                           for i in range(300))
+                return all(l3_value(store, f"failover/{i}") == i for i in range(300))
             except kvcomm.Unavailable:
                 return False
 
