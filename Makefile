@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: demo test bench bench-cluster lint clean
 
-$(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c
+$(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'

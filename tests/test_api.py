@@ -243,6 +243,57 @@ def test_longest_validator_prefix_wins(kv: kvcomm.Client) -> None:
     assert seen == ["long", "short"]
 
 
+def test_lone_surrogates_are_invalid_keys(kv: kvcomm.Client) -> None:
+    """Item 13: such a key was accepted here and killed the node daemon later."""
+    for key in ("bad\udc80", "\ud800", "a/\udfff/b"):
+        with pytest.raises(kvcomm.InvalidKey, match="surrogate"):
+            kv.put(key, 1)
+        with pytest.raises(kvcomm.InvalidKey):
+            kv.get(key)
+        with pytest.raises(kvcomm.InvalidKey):
+            with kv.batch() as b:
+                b.put(key, 1)
+    assert kv.keys() == []
+
+
+def test_update_needs_a_callable(kv: kvcomm.Client) -> None:
+    with pytest.raises(kvcomm.InvalidArgument, match="callable"):
+        kv.update("k", "not callable")  # type: ignore[arg-type]
+    assert kv.get("k") is None
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1, "1", True])
+def test_watch_timeout_is_validated(kv: kvcomm.Client, timeout: object) -> None:
+    with pytest.raises(kvcomm.InvalidArgument):
+        kv.watch("", timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_l1_is_bounded_per_process_by_decoded_size(ns: str) -> None:
+    """Item 18: four clients of 1 MB each held 36.7 MiB (L1 per client, counted encoded).
+    The bound is per process, on what the decoded values hold."""
+    import tracemalloc
+
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "64MB", "l1_size": "1MB"}})
+    clients = [kvcomm.open(ns, config=cfg) for _ in range(4)]
+    try:
+        value = {"pos": list(range(200)), "tags": [f"t{i}" for i in range(50)]}  # small ints
+        for i in range(400):
+            clients[0].put(f"k{i}", value)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for kv in clients:
+            for i in range(400):
+                kv.get(f"k{i}")
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert held < 3 * (1 << 20), f"L1 holds {held / 2**20:.1f} MiB for a 1 MiB bound"
+        assert sum(c.stats()["l1"]["entries"] for c in clients[:1]) > 0
+        assert clients[0].stats()["l1"]["bytes"] <= 1 << 20
+    finally:
+        for kv in clients:
+            kv.close()
+
+
 def test_l1_is_bounded_in_bytes(ns: str) -> None:
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "l1_size": "10KB"}})
     with kvcomm.open(ns, config=cfg) as kv:

@@ -169,14 +169,26 @@ def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) ->
     b = host(dev, 1)
     store = l3(dev)
     try:
+        a = host(dev, 0)
+        a.put("queue/existing", "v")
+        wait_for(lambda: b.get("queue/existing") == "v", 10, "host 2 to hold a clean key")
+        a.close()
         os.kill(dev["hosts"][1]["pid"], signal.SIGKILL)
         written = 0
         with pytest.raises(kvcomm.Unavailable, match="waiting for L3"):
             for i in range(100_000):
-                b.put(f"queue/{i % 50}", i)
+                b.put(f"queue/{i}", i)
+                b.put(f"queue/{i}", i)  # a rewrite of a waiting key adds nothing to wait for
                 written += 1
-        assert 0 < written < 100_000
-        assert b.get(f"queue/{(written - 1) % 50}") == written - 1  # nothing lost locally
+        assert 0 < written <= 8192  # cluster.outbound_max: keys whose write waits for L3
+        with pytest.raises(kvcomm.Unavailable, match="waiting for L3"):
+            b.delete("queue/existing")  # deletes count too
+        assert b.get("queue/existing") == "v"
+        with pytest.raises(kvcomm.Unavailable, match="waiting for L3"):
+            with b.batch() as batch:  # and every operation of a batch
+                batch.put("queue/a", 1)
+        assert b.get("queue/a") is None
+        assert all(b.get(f"queue/{i}") == i for i in range(written))  # nothing lost locally
         restart_daemon(dev, 1)
 
         def accepted() -> bool:
@@ -187,9 +199,8 @@ def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) ->
             return True
 
         wait_for(accepted, 20, "puts to be accepted again")
-        last = (written - 1) % 50
-        wait_for(lambda: l3_value(store, f"queue/{last}") == written - 1, 30,
-                 "the queued writes to reach L3")
+        wait_for(lambda: all(l3_value(store, f"queue/{i}") == i for i in range(written)), 60,
+                 "every queued write to reach L3")
     finally:
         store.close()
         b.close()
@@ -335,3 +346,61 @@ def test_a_restarted_host_is_prewarmed_with_its_hot_keys(dev: dict[str, Any]) ->
         assert seg.read(b"warm/3", key_hash(b"warm/3")) is None  # not hot: left to the read path
     finally:
         seg.close()
+
+
+def test_l2_evictions_never_delete_in_l3(dev: dict[str, Any]) -> None:
+    """Item 1: writing more than host 1's L2 holds evicts clean entries there; the keys
+    stay in L3 and on every other host, and host 1 reads them back from L3."""
+    a, b = host(dev, 0), host(dev, 1)
+    store = l3(dev)
+    value = b"e" * (48 << 10)
+    n = (a._seg.layout.data_size // len(value)) * 3 // 2  # 1.5x what L2 can hold
+    try:
+        evictions = a._seg.info()["evictions"]
+        for i in range(n):
+            deadline = time.monotonic() + 30
+            while True:  # L2 full of writes not yet in L3: Unavailable, retry (nothing lost)
+                try:
+                    a.put(f"evict/{i}", value)
+                    break
+                except kvcomm.Unavailable:
+                    assert time.monotonic() < deadline, "the daemon never drained L2"
+                    time.sleep(0.01)
+        assert a._seg.info()["evictions"] > evictions  # the fault happened
+        wait_for(lambda: all(store.get(f"evict/{i}") is not None for i in range(n)), 60,
+                 "every key to be in L3")
+        assert all(not store.get(f"evict/{i}").tombstone for i in range(n))  # type: ignore[union-attr]
+        assert all(b.get(f"evict/{i}") == value for i in range(0, n, 7))
+        assert all(a.get(f"evict/{i}") == value for i in range(0, n, 7))  # via L3
+    finally:
+        store.close()
+        a.close(), b.close()
+
+
+def test_a_delete_survives_a_feed_overflow_while_the_daemon_is_paused(dev: dict[str, Any]) -> None:
+    """Item 3: the delete lived only as a feed event; the ring overflowed before the paused
+    daemon read it, its rescan found only dirty puts, and the key came back from L3."""
+    a, b = host(dev, 0), host(dev, 1)
+    store = l3(dev)
+    pid = dev["hosts"][0]["pid"]
+    try:
+        a.put("ovf/k", "v")
+        wait_for(lambda: store.get("ovf/k") is not None, 10, "the put to reach L3")
+        wait_for(lambda: b.get("ovf/k") == "v", 10, "host 2 to hold it")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert a.delete("ovf/k") is True
+            head = a._seg.feed_head()
+            for i in range(a._seg.layout.feed_n + 100):  # overflow the ring past the delete
+                a.put("ovf/churn", i)
+            assert a._seg.feed_head() - head > a._seg.layout.feed_n
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: (r := store.get("ovf/k")) is not None and r.tombstone, 20,
+                 "the delete to reach L3")
+        wait_for(lambda: b.get("ovf/k") is None, 20, "the delete to reach host 2")
+        assert a.get("ovf/k") is None
+        wait_for(lambda: a._seg.dirty_count == 0, 20, "host 1 to have nothing waiting")
+    finally:
+        store.close()
+        a.close(), b.close()

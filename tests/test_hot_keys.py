@@ -58,3 +58,37 @@ def test_hot_keys_off_and_bad_arguments(ns: str) -> None:
         assert kv.hot_keys() == []
         with pytest.raises(kvcomm.InvalidArgument):
             kv.hot_keys(-1)
+
+
+def test_sampling_from_many_threads_keeps_counting(ns: str) -> None:
+    """Item 16: racing threads could skip the countdown's zero (sampling stopped for good)
+    or flush the buffer while another thread added to it."""
+    import threading
+
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "hot_key_sample": 2}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        for i in range(300):
+            kv.put(f"t/{i}", i)
+        errors: list[BaseException] = []
+
+        def reader(offset: int) -> None:
+            try:
+                for _ in range(30):
+                    for i in range(300):
+                        kv.get(f"t/{(i + offset) % 300}")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(k * 37,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert kv._sample > 0  # the countdown is alive...
+        top = dict(kv.hot_keys(64))
+        for _ in range(100):  # ...and still counts after the storm
+            kv.get("t/0")
+        assert dict(kv.hot_keys(64)).get("t/0", 0) > top.get("t/0", 0)
+        total = sum(c for _, c in kv.hot_keys(64))
+        assert total > 6 * 30 * 300 * 0.05  # a fair share of reads were counted

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import pathlib
 import random
 import stat
+import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -17,18 +21,23 @@ def test_segment_is_owner_only(kv: kvcomm.Client) -> None:
     assert stat.S_IMODE(mode) == 0o600
 
 
+def _plant(path: str, data: bytes, mode: int = 0o600) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+
+
 def test_foreign_file_refused(ns: str, config: kvcomm.Config) -> None:
     path = l2.segment_path(ns)
-    with open(path, "wb") as f:
-        f.write(os.urandom(8192))
+    _plant(path, os.urandom(8192))
     with pytest.raises(kvcomm.SegmentError, match="foreign"):
         kvcomm.open(ns, config=config)
     assert os.path.getsize(path) == 8192  # untouched
 
 
 def test_never_initialised_file_refused(ns: str, config: kvcomm.Config) -> None:
-    with open(l2.segment_path(ns), "wb") as f:
-        f.write(b"\0" * 8192)
+    _plant(l2.segment_path(ns), b"\0" * 8192)
     with pytest.raises(kvcomm.SegmentError, match="never initialised"):
         kvcomm.open(ns, config=config)
 
@@ -36,14 +45,14 @@ def test_never_initialised_file_refused(ns: str, config: kvcomm.Config) -> None:
 def test_other_layout_version_refused(ns: str, config: kvcomm.Config) -> None:
     with kvcomm.open(ns, config=config) as kv:
         kv.put("k", 1)
-        kv._seg._q[l2.H_LAYOUT] = l2.LAYOUT_VERSION + 1
+        kv._seg._q[l2.H["LAYOUT"]] = l2.LAYOUT_VERSION + 1
     with pytest.raises(kvcomm.SegmentError, match="layout version"):
         kvcomm.open(ns, config=config)
 
 
 def test_inconsistent_header_refused(ns: str, config: kvcomm.Config) -> None:
     with kvcomm.open(ns, config=config) as kv:
-        kv._seg._q[l2.H_NSLOTS] = 1000  # not a power of two
+        kv._seg._q[l2.H["NSLOTS"]] = 1000  # not a power of two
     with pytest.raises(kvcomm.SegmentError, match="corrupt"):
         kvcomm.open(ns, config=config)
 
@@ -108,8 +117,129 @@ def test_recovery_rebuilds_a_consistent_heap(ns: str, config: kvcomm.Config) -> 
         for i in range(0, 500, 3):
             kv.delete(f"k{i}")
         seg = kv._seg
-        seg._q[l2.H_BUSY] = 1  # as if a writer died mid-operation
+        seg._q[l2.H["BUSY"]] = 1  # as if a writer died mid-operation
         kv.put("after", 1)  # the next writer recovers first
         assert seg.info()["recoveries"] == 1
         assert seg.check() == []
         assert all(kv.get(f"k{i}") == b"v" * (i * 7) for i in range(500) if i % 3)
+
+
+def _reader_of_purged(ns: str, cfg: kvcomm.Config, ready: mp.Event, go: mp.Event,  # type: ignore[type-arg]
+                      out: mp.Queue) -> None:  # type: ignore[type-arg]
+    kv = kvcomm.open(ns, config=cfg)
+    assert kv.get("k") == "old" and kv.get("k") == "old"  # in L1 now
+    ready.set()
+    go.wait(30)
+    results = []
+    for reader in (kv.get, kv.get_item, lambda k: kv.get("other")):
+        try:
+            results.append(repr(reader("k")))
+        except kvcomm.SegmentError as exc:
+            results.append(f"SegmentError: {exc}")
+    out.put(results)
+
+
+@pytest.mark.multiprocess
+def test_readers_of_a_purged_namespace_notice(ns: str, config: kvcomm.Config) -> None:
+    """Item 5: a reader holding the old value in L1 (and its mapping of the old segment)
+    must not keep serving it once the namespace was purged and written again."""
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("k", "old")
+    ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=_reader_of_purged, args=(ns, config, ready, go, out))
+    p.start()
+    assert ready.wait(20)
+    assert l2.purge(ns)
+    with kvcomm.open(ns, config=config) as kv:  # a new segment of the same name
+        kv.put("k", "new")
+        go.set()
+        results = out.get(timeout=20)
+    p.join(10)
+    assert all(r in ("'new'",) or r.startswith("SegmentError") for r in results), results
+    assert not any("old" in r for r in results)
+
+
+def test_a_client_opened_after_a_purge_gets_the_new_segment(ns: str, config: kvcomm.Config) -> None:
+    a = kvcomm.open(ns, config=config)
+    a.put("k", "old")
+    assert l2.purge(ns)
+    with kvcomm.open(ns, config=config) as b:  # same process: the purged mapping is not reused
+        assert b.get("k") is None
+        b.put("k", "new")
+        with pytest.raises(kvcomm.SegmentError, match="purged"):
+            a.get("k")
+    a.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant a file as another user")
+@pytest.mark.parametrize("owner,mode", [(65534, 0o600), (65534, 0o666), (0, 0o666), (0, 0o640)])
+def test_a_squatted_segment_is_refused(ns: str, config: kvcomm.Config, owner: int, mode: int) -> None:
+    """Item 10: a segment another user created first (or one anyone can read or write)."""
+    with kvcomm.open(ns + "-src", config=config) as kv:  # a real, valid segment
+        kv.put("k", 1)
+        data = open(kv._seg.path, "rb").read()
+    l2.purge(ns + "-src")
+    path = l2.segment_path(ns)
+    _plant(path, data, mode)
+    os.chown(path, owner, owner)
+    with pytest.raises(kvcomm.SegmentError, match=oct(mode)):
+        kvcomm.open(ns, config=config)
+    assert open(path, "rb").read() == data  # untouched
+    os.unlink(path)
+
+
+def test_permissions_are_exact_whatever_the_umask(ns: str) -> None:
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB", "l2_permissions": 0o640}})
+    old = os.umask(0o077)
+    try:
+        with kvcomm.open(ns, config=cfg) as kv:
+            assert stat.S_IMODE(os.stat(kv._seg.path).st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: pathlib.Path) -> Iterator[str]:
+    d = tmp_path / "shm"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(d)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
+    yield str(d)
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_full_tmpfs_is_an_error_not_a_sigbus(ns: str, small_tmpfs: str) -> None:
+    """Item 11: creation reserves the memory; without room it says so and leaves no file."""
+    big = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "l2_dir": small_tmpfs}})
+    with pytest.raises(kvcomm.SegmentError, match="cannot reserve .* MiB are free"):
+        kvcomm.open(ns, config=big)
+    assert os.listdir(small_tmpfs) == []
+    small = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB", "l2_dir": small_tmpfs}})
+    with kvcomm.open(ns, config=small) as kv:
+        kv.put("k", b"x" * 100_000)  # every page was reserved at creation
+        with pytest.raises(kvcomm.SegmentError, match="cannot reserve"):
+            kvcomm.open(ns + "-2", config=big)
+        assert kv.get("k") == b"x" * 100_000
+    assert l2.purge(ns, small_tmpfs)
+
+
+def test_reopening_with_another_size_says_so(ns: str, config: kvcomm.Config) -> None:
+    with kvcomm.open(ns, config=config):
+        pass
+    bigger = kvcomm.Config.from_mapping({"cache": {"l2_size": "32MB"}})
+    with pytest.warns(kvcomm.KVCommWarning, match="l2_size"):
+        with kvcomm.open(ns, config=bigger) as kv:
+            assert kv._seg.layout.total < 32 << 20  # the existing segment, as it is
+
+
+def test_purge_always_works(ns: str) -> None:
+    path = l2.segment_path(ns)
+    _plant(path, b"\xff" * 100)  # foreign and too short
+    assert l2.purge(ns) is True
+    assert not os.path.exists(path)
+    _plant(path, b"\x00" * 8192, 0o666)  # not ours to use (mode), still ours to remove
+    assert l2.purge(ns) is True
+    assert not os.path.exists(path)

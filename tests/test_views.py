@@ -109,3 +109,90 @@ def test_close_with_live_views_keeps_them_valid(ns: str, config: kvcomm.Config) 
     view = kv.get("a")
     kv.close()
     assert np.array_equal(view, BIG)
+
+
+def test_a_view_overwritten_by_a_non_array_while_it_is_read(kv: kvcomm.Client) -> None:
+    """Item 7: the record changes between the lock-free read (an array: pin it) and the
+    pin; what is pinned is checked again."""
+    seg = kv._seg
+    real_pin = seg.pin
+    swaps = [b"not an array", 7, {"a": 1}, None]
+
+    def pin_after_overwrite(kb: bytes, h: int):  # type: ignore[no-untyped-def]
+        value = swaps.pop(0) if swaps else BIG
+        if value is None:
+            kv.delete("race")
+        else:
+            kv.put("race", value)
+        return real_pin(kb, h)
+
+    seg.pin = pin_after_overwrite  # type: ignore[method-assign]
+    try:
+        for expect in (b"not an array", 7, {"a": 1}, None):
+            kv.put("race", BIG)
+            kv._l1.clear()
+            assert kv.get("race") == expect
+    finally:
+        del seg.pin
+    assert kv._seg.check() == []
+
+
+def _child_drops_inherited_view(ns: str, cfg: kvcomm.Config, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import kvcomm._client as client_mod
+
+    views = [ref() for ref, _, _ in client_mod._VIEWS.values()]
+    out.put(len([v for v in views if v is not None]))
+    del views
+    for key in list(client_mod._VIEWS):
+        client_mod._VIEWS.pop(key)
+    gc.collect()  # the child's copies go
+    out.put("dropped")
+
+
+def test_a_forked_child_dropping_a_view_does_not_unpin_the_parents(ns: str, config: kvcomm.Config) -> None:
+    """Item 17: the child gets pins of its own; dropping its copy leaves the parent's."""
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", BIG)
+        view = kv.get("a")
+        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+        p = ctx.Process(target=_child_drops_inherited_view, args=(ns, config, out))
+        p.start()
+        assert out.get(timeout=20) >= 1
+        assert out.get(timeout=20) == "dropped"
+        p.join(10)
+        kv.put("a", BIG * 5)  # replaces the block: the parent's pin must still park it
+        for i in range(40):
+            kv.put(f"churn{i}", np.full(1 << 14, i, dtype=np.float64))
+        assert np.array_equal(view, BIG)
+        assert kv._seg.check() == []
+
+
+def _child_keeps_inherited_view(ns: str, cfg: kvcomm.Config, go: mp.Event, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import kvcomm._client as client_mod
+
+    views = [ref() for ref, _, _ in client_mod._VIEWS.values()]
+    view = next(v for v in views if v is not None)
+    out.put("ready")
+    go.wait(30)
+    out.put(bool(np.array_equal(view, BIG)))
+
+
+def test_a_forked_child_keeps_a_valid_view_after_the_parent_drops_it(ns: str, config: kvcomm.Config) -> None:
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", BIG)
+        view = kv.get("a")
+        go = ctx.Event()
+        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+        p = ctx.Process(target=_child_keeps_inherited_view, args=(ns, config, go, out))
+        p.start()
+        assert out.get(timeout=20) == "ready"
+        del view
+        gc.collect()
+        kv.put("a", BIG * 7)  # the parent's pin is gone; the child's must keep the block
+        for i in range(40):
+            kv.put(f"churn{i}", np.full(1 << 14, i, dtype=np.float64))
+        go.set()
+        assert out.get(timeout=20) is True
+        p.join(10)

@@ -18,6 +18,7 @@ from .errors import ConflictError as ConflictError
 from .errors import InvalidArgument as InvalidArgument
 from .errors import InvalidKey as InvalidKey
 from .errors import KVCommError as KVCommError
+from .errors import KVCommWarning as KVCommWarning
 from .errors import SegmentError as SegmentError
 from .errors import Unavailable as Unavailable
 from .errors import UnsupportedValue as UnsupportedValue

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
+from ._l2core import approx_size
 from .config import Config, resolve
 from .core import codec
 from .core.negative import NegativeCache
@@ -37,14 +37,15 @@ from .errors import (
     InvalidArgument,
     InvalidKey,
     KVCommError,
+    KVCommWarning,
     SegmentError,
     Unavailable,
     ValidationError,
     ValueTooLarge,
 )
 from .tiers import l2 as l2mod
-from .tiers.l1 import L1Cache, L1Entry
-from .tiers.l2 import KIND_DELETE, L2Segment, Layout, Record, key_hash
+from .tiers.l1 import L1Cache, L1Entry, process_budget
+from .tiers.l2 import KIND_NAMES, TAG_TOMBSTONE, L2Segment, Layout, Record, key_hash
 
 _new_version = _new_entry = tuple.__new__  # skips NamedTuple's Python-level __new__
 _BYTES, _NDARRAY = codec.BYTES, codec.NDARRAY
@@ -89,63 +90,97 @@ class Event:
     """A change seen by :meth:`Client.watch`. ``overflow`` has key "" and version None."""
 
     key: str
-    kind: str  # "put" | "delete" | "overflow"
+    kind: str  # "put" | "delete" | "evict" | "overflow"
     version: Version | None
 
 
+class _Attached:
+    """A namespace this process has mapped: its segment, its L1 and how many clients use it."""
+
+    __slots__ = ("seg", "l1", "refs")
+
+    def __init__(self, seg: L2Segment, l1: L1Cache) -> None:
+        self.seg, self.l1, self.refs = seg, l1, 0
+
+
 class _Shared:
-    """One L2 mapping per (process, namespace), shared by every Client that opens it."""
+    """One L2 mapping and one L1 per (process, namespace), shared by every Client on it."""
 
     lock = threading.Lock()
-    segments: dict[str, tuple[L2Segment, int]] = {}
+    attached: dict[str, _Attached] = {}
 
     @classmethod
-    def acquire(cls, name: str, config: Config) -> L2Segment:
+    def acquire(cls, name: str, config: Config) -> _Attached:
         with cls.lock:
-            entry = cls.segments.get(name)
-            if entry is not None:
-                cls.segments[name] = (entry[0], entry[1] + 1)
-                return entry[0]
-            c = config.cache
-            layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
-                                 c.max_value_size)
-            seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions)
-            cls.segments[name] = (seg, 1)
-            return seg
+            entry = cls.attached.get(name)
+            if entry is not None and entry.seg.purged:
+                del cls.attached[name]  # its clients keep it (and get SegmentError) until closed
+                entry = None
+            if entry is None:
+                c = config.cache
+                layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
+                                     c.max_value_size)
+                seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions,
+                                         directory=c.l2_dir, lock_timeout=c.lock_timeout)
+                entry = cls.attached[name] = _Attached(seg, L1Cache())
+            entry.refs += 1
+            return entry
 
     @classmethod
-    def release(cls, seg: L2Segment) -> None:
+    def release(cls, entry: _Attached) -> None:
         with cls.lock:
-            entry = cls.segments.get(seg.name)
-            if entry is None or entry[0] is not seg:
-                seg.close()
+            entry.refs -= 1
+            if entry.refs > 0:
                 return
-            if entry[1] > 1:
-                cls.segments[seg.name] = (seg, entry[1] - 1)
-                return
-            del cls.segments[seg.name]
-        seg.close()
+            if cls.attached.get(entry.seg.name) is entry:
+                del cls.attached[entry.seg.name]
+        entry.l1.clear()
+        entry.seg.close()
 
 
 _CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
-_VIEWS: dict[int, Any] = {}  # weakrefs to live zero-copy views, by id
+# live zero-copy views: id(weakref) -> (weakref, segment, pin index)
+_VIEWS: dict[int, tuple[Any, L2Segment, int]] = {}
 
 
-def _unpinner(seg: L2Segment, index: int) -> Callable[[Any], None]:
+def _register_view(arr: Any, seg: L2Segment, index: int) -> None:
+    pid = os.getpid()
+
     def unpin(ref: Any) -> None:
         _VIEWS.pop(id(ref), None)
-        seg.unpin(index)
+        seg.unpin(index, pid)
 
-    return unpin
+    # a weakref callback costs a tenth of weakref.finalize; the registry keeps the weakref
+    ref = weakref.ref(arr, unpin)
+    _VIEWS[id(ref)] = (ref, seg, index)
 
 
 def _mark_forked() -> None:
-    """A child of fork() must open its own clients: the parent's locks are not its own."""
+    """In a child of fork(): the parent's clients are unusable here (their locks and caches
+    are the parent's), and the views the child inherited get pins of their own, so they stay
+    valid when the parent drops its copies (and the child dropping them frees nothing of
+    the parent's)."""
     for c in list(_CLIENTS):
         c._forked = c._unusable = True
-        c._l1_entries = {}  # type: ignore[assignment]
-    _Shared.segments.clear()
+        c._l1_entries = {}
+    _Shared.attached = {}
     _Shared.lock = threading.Lock()
+    process_budget().forget()
+    inherited = list(_VIEWS.values())
+    _VIEWS.clear()
+    for ref, seg, index in inherited:
+        arr = ref()
+        if arr is None or seg._core is None:
+            continue
+        try:
+            seg.lock_timeout = min(seg.lock_timeout, 1.0)
+            new = seg.repin([index])[0]
+        except KVCommError as exc:
+            warnings.warn(f"a zero-copy view inherited through fork() could not be pinned "
+                          f"({exc}); copy it if the child keeps it", KVCommWarning, stacklevel=1)
+            continue
+        if new >= 0:
+            _register_view(arr, seg, new)
 
 
 os.register_at_fork(after_in_child=_mark_forked)
@@ -155,37 +190,52 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+class _TombstoneValue:
+    """The value of a local tombstone while a merge weighs it against a remote version."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_TOMBSTONE = _TombstoneValue()
+_TOMB_ENCODED: tuple[int, bytes, bytes] = (TAG_TOMBSTONE, b"", b"")
+_HUGE = 1 << 62
+
+
 class Client:
     """An agent's handle on KVCOMM. Thread-safe. Use :func:`kvcomm.open` to make one."""
 
     def __init__(self, name: str = "default", config: Config | None = None) -> None:
         self.config = config or Config()
         self.name = name
-        self._seg = _Shared.acquire(name, self.config)
+        c = self.config.cache
+        self._attached = _Shared.acquire(name, self.config)
+        self._seg = self._attached.seg
+        self._core_read = self._seg._core.read
         self._q = self._seg._q
         self._host = self._seg.host_id
-        self._l1 = L1Cache(self.config.cache.l1_size)
-        self._l1_entries = self._l1.entries
-        self._l1_on = self.config.cache.l1_size > 0
-        self._max_key = min(self.config.cache.max_key_bytes, self._seg.layout.max_key)
-        self._max_value = self.config.cache.max_value_size
+        self._l1 = self._attached.l1
+        self._l1_on = c.l1_size > 0
+        process_budget().register(c.l1_size)
+        self._l1_entries = self._l1.entries if self._l1_on else {}
+        self._max_key = min(c.max_key_bytes, self._seg.layout.max_key)
+        self._max_value = c.max_value_size
         self._zc = self.config.network.zero_copy_threshold
-        self._default_consistency = self.config.cache.l3_consistency
+        self._default_consistency = c.l3_consistency
         self._validators: PrefixTable[Callable[[str, Item | None, Any], None]] = PrefixTable()
         self._resolvers: PrefixTable[Callable[[str, list[Item]], Any]] = PrefixTable()
-        self._sample_every = self.config.cache.hot_key_sample
-        self._sample = self._sample_every or -1  # countdown to the next sampled read
+        self._sample_every = c.hot_key_sample
+        self._sample = self._sample_every or _HUGE  # countdown to the next sampled read
         self._hot: dict[bytes, int] = {}  # sampled reads not yet added to the host sketch
+        self._hot_lock = threading.Lock()
         self._hot_flushed = time.monotonic()
         cluster = self.config.cluster
-        self._cluster = cluster.enabled
-        self._flags = l2mod.FLAG_DIRTY if self._cluster else 0  # cluster writes await L3
-        self._outbound_max = min(cluster.outbound_max, self._seg.layout.feed_n // 2)
+        self._cluster = cluster.enabled  # writes are dirty (await L3); deletes are tombstones
+        self._max_dirty = cluster.outbound_max if self._cluster else 0
         self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
         self._kf: Any = None  # the daemon's filter of existing keys
         self._kf_retry = 0.0
-        self._negative = NegativeCache(self.config.cache.negative_ttl,
-                                       self.config.cache.negative_max_entries)
+        self._negative = NegativeCache(c.negative_ttl, c.negative_max_entries)
         self._closed = False
         self._forked = False
         self._unusable = False  # closed, or inherited through fork(): every call checks this
@@ -217,7 +267,12 @@ class Client:
     def _key(self, key: Any) -> bytes:
         if type(key) is not str:
             raise InvalidKey(f"keys are str, got {type(key).__name__}: {key!r}")
-        kb = key.encode("utf-8", "surrogatepass")
+        try:
+            kb = key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey(
+                f"key {key!r} is not valid Unicode (a lone surrogate); keys must encode to UTF-8"
+            ) from None
         if not kb or len(kb) > self._max_key or b"\x00" in kb:
             if not kb:
                 raise InvalidKey("the key is empty; use a non-empty str such as 'drone/7/pos'")
@@ -240,7 +295,10 @@ class Client:
         """The Version of a record: this host's entry (``counter``) and the others (``vvx``)."""
         if not vvx:  # tuple.__new__ skips NamedTuple's Python-level __new__ (hot path)
             return _new_version(Version, (((self._host, counter),), hlc))
-        others = decode_others(vvx)
+        try:
+            others = decode_others(vvx)
+        except ValueError as exc:
+            raise SegmentError(f"a stored version vector is corrupt ({exc}); purge the namespace") from None
         own = ((self._host, counter),) if counter else ()
         return Version(tuple(sorted(others + own)), hlc)
 
@@ -268,6 +326,22 @@ class Client:
             self._negative.invalidate(key)  # this host will hold it: no longer "absent"
         return kb, h, tag, meta, payload
 
+    def _decode(self, key: str, tag: int, meta: bytes, raw: bytes | memoryview) -> Any:
+        try:
+            return codec.decode(tag, meta, raw)
+        except KVCommError:
+            raise
+        except Exception as exc:  # msgpack and numpy raise many unrelated types
+            raise SegmentError(f"stored value of {key!r} cannot be decoded ({exc}); "
+                               "overwrite or delete it") from None
+
+    def _item_of(self, key: str, rec: Record | None) -> Item | None:
+        """The Item of a record read under the lock (None for absent or a tombstone)."""
+        if rec is None or rec.tag == TAG_TOMBSTONE:
+            return None
+        value = self._decode(key, rec.tag, rec.meta, rec.value or b"")
+        return Item(key, value, self._version(rec.counter, rec.hlc, rec.vvx), "l2")
+
     # ------------------------------------------------------------------ reads
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -275,7 +349,9 @@ class Client:
 
         Treat the returned object as read-only: L1 hands the same decoded object to every
         caller in this process. Arrays of ``network.zero_copy_threshold`` bytes or more
-        are read-only views of shared memory. Raises InvalidKey, SegmentError.
+        are read-only views of shared memory. Raises InvalidKey, SegmentError (purged or
+        corrupt namespace), Unavailable (cluster mode: L3 unreachable on an L2 miss),
+        CorruptRecord (cluster mode: L3 holds something that is not a KVCOMM record).
         """
         try:
             e = self._l1_entries.get(key)
@@ -284,7 +360,7 @@ class Client:
         if e is not None and self._q[e[1]] == e[2]:
             self._l1_hits += 1
             self._sample -= 1
-            if not self._sample:  # 1 hit in N: count it for hot keys, refresh its LRU place
+            if self._sample <= 0:  # 1 hit in N: count it for hot keys, refresh its LRU place
                 self._sampled(key)
             return e[0]
         return self._get_slow(key, default, False)
@@ -293,26 +369,38 @@ class Client:
         """Every ``cache.hot_key_sample``-th read: buffer a count; flush to the host now and then.
 
         Sampling keeps tracking off the L1 hit path, and the L1's LRU order is refreshed
-        on the same sampled hits (an approximate LRU, as Redis samples for its own).
+        on the same sampled hits (an approximate LRU, as Redis samples for its own). Racing
+        threads may both land here (the countdown is not atomic): the lock keeps the
+        buffer whole, and the countdown is reset, never left below zero for good.
         """
         n = self._sample_every
+        if not n:
+            self._sample = _HUGE
+            return
         self._sample = n
         try:
-            self._l1_entries.move_to_end(key)
-        except KeyError:
+            self._l1_entries.move_to_end(key)  # type: ignore[attr-defined]
+        except (KeyError, AttributeError):
             pass
         kh = self._keys.get(key)
         kb = kh[0] if kh is not None else key.encode("utf-8", "surrogatepass")
-        hot = self._hot
-        hot[kb] = hot.get(kb, 0) + n
-        if len(hot) >= 256 or time.monotonic() - self._hot_flushed > 1.0:
-            self._flush_hot()
+        with self._hot_lock:
+            hot = self._hot
+            hot[kb] = hot.get(kb, 0) + n
+            if len(hot) < 256 and time.monotonic() - self._hot_flushed <= 1.0:
+                return
+        self._flush_hot()
 
     def _flush_hot(self) -> None:
-        if self._hot and not self._unusable:
+        if self._unusable:
+            return
+        with self._hot_lock:
             counts, self._hot = self._hot, {}
-            self._seg.count_accesses(counts)
-        self._hot_flushed = time.monotonic()
+            self._hot_flushed = time.monotonic()
+        if counts and not self._seg.count_accesses(counts):
+            with self._hot_lock:  # this thread holds the L2 lock (a validator): later
+                for kb, n in counts.items():
+                    self._hot[kb] = self._hot.get(kb, 0) + n
 
     def hot_keys(self, n: int = 10) -> list[tuple[str, int]]:
         """The host's ``n`` most read keys with estimated read counts, from every process.
@@ -339,38 +427,40 @@ class Client:
             return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1")
         return self._get_slow(key, None, True)  # type: ignore[no-any-return]
 
+    def _read_l2(self, kb: bytes, h: int, zc: int) -> Any:
+        """The raw L2 record (tombstones too) or None. Repairs a corrupt segment once."""
+        try:
+            rec = self._core_read(kb, h, zc)
+        except SegmentError:
+            return self._seg.read(kb, h, zc)  # repairs once, or raises
+        if type(rec) is int:  # a slot stayed odd: a slow, stopped or dead writer
+            return self._seg.read(kb, h, zc)
+        return rec
+
     def _get_slow(self, key: str, default: Any, want_item: bool, l3: bool = True) -> Any:
         """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
         if self._unusable:
             self._live()
         kb, h = self._key_hash(key)
         self._sample -= 1
-        if not self._sample:
+        if self._sample <= 0:
             self._sampled(key)
-        rec: Any = self._seg._core.read(kb, h, self._zc)
-        if type(rec) is int:  # a slot stayed odd: a slow or dead writer, the careful path
-            rec = self._seg.read(kb, h, self._zc)
-        if rec is None:
-            self._l2_misses += 1
-            if self._cluster and l3:
-                return self._get_l3(key, default, want_item)
-            return None if want_item else default
-        self._l2_hits += 1
+        rec = self._read_l2(kb, h, self._zc)
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
+        if rec is None or rec[2] == TAG_TOMBSTONE:
+            self._l2_misses += 1
+            if rec is None and self._cluster and l3:
+                return self._get_l3(key, default, want_item)
+            return None if want_item else default  # a tombstone: deleted here, L3 told soon
+        self._l2_hits += 1
         tag = rec[2]
         raw = rec[4]
         if raw is None:  # a large array: a zero-copy view
             return self._get_view(key, kb, h, default, want_item)
-        if tag == _BYTES:
-            value = raw
-        else:
-            try:
-                value = codec.decode(tag, rec[3], raw)
-            except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
-                raise SegmentError(f"stored value of {key!r} cannot be decoded ({exc})") from None
+        value = raw if tag == _BYTES else self._decode(key, tag, rec[3], raw)
         if tag != _NDARRAY and self._l1_on:
-            self._l1.store(key, _new_entry(L1Entry, (value, rec[0], rec[1], rec[8], rec[5],
-                                                     rec[6], rec[7])))
+            self._l1.store(key, _new_entry(L1Entry, (value, rec[0], rec[1], approx_size(value),
+                                                     rec[5], rec[6], rec[7])))
         if not want_item:
             return value
         return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2")
@@ -418,27 +508,40 @@ class Client:
         return self._kf
 
     def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool) -> Any:
-        """A large array: pin its block and hand out a read-only view of shared memory."""
+        """A large array: pin its block and hand out a read-only view of shared memory.
+
+        The record may have been replaced between the read and the pin (by a small value,
+        another type, a tombstone): what is pinned is checked again and, if it is no longer
+        a large array, decoded from a copy instead.
+        """
         seg = self._seg
         r = seg.pin(kb, h)
         if r is None:
             return None if want_item else default
-        index, buf = r[8], r[9]
+        tag, meta, index, buf = r[2], r[3], r[8], r[9]
         try:
-            arr = codec.array_view(r[3], buf)
-        except BaseException:
+            if tag != _NDARRAY or len(buf) < self._zc:
+                value = self._decode(key, tag, meta, bytes(buf))
+                if index >= 0:
+                    buf.release()
+                    seg.unpin(index)
+                    index = -2
+                arr = value
+            else:
+                try:
+                    arr = codec.array_view(meta, buf)
+                except ValueError as exc:
+                    raise SegmentError(f"stored array of {key!r} is malformed ({exc})") from None
+                if index < 0:  # the pin table was full: ``buf`` is already a private copy
+                    arr = arr.copy()
+                    arr.flags.writeable = False
+                else:
+                    _register_view(arr, seg, index)
+                    index = -2
+                    self.counters["views"] += 1
+        finally:
             if index >= 0:
                 seg.unpin(index)
-            raise
-        if index < 0:  # the pin table was full: ``buf`` is already a private copy
-            arr = arr.copy()
-            arr.flags.writeable = False
-        else:
-            # unpin when the last reference to the view goes (a weakref callback costs a
-            # tenth of weakref.finalize); the registry keeps the weakref itself alive
-            ref = weakref.ref(arr, _unpinner(seg, index))
-            _VIEWS[id(ref)] = ref
-            self.counters["views"] += 1
         if not want_item:
             return arr
         return Item(key, arr, self._version(r[4], r[5], r[6]), "l2")
@@ -451,8 +554,11 @@ class Client:
 
         ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
         ConflictError is raised and nothing changes. ``consistency`` is "eventual" or
-        "strong" (both linearizable on one host). Raises InvalidKey, UnsupportedValue,
-        ValueTooLarge, ConflictError, ValidationError, Unavailable; on any of them the
+        "strong" (both linearizable on one host). A validator registered for the key's
+        prefix runs under the host's writer lock, against the value this put replaces.
+        Raises InvalidKey, UnsupportedValue, ValueTooLarge, ConflictError,
+        ValidationError, Unavailable (L2 full of pinned or unflushed data; in cluster mode
+        ``cluster.outbound_max`` writes waiting for L3), SegmentError; on any of them the
         stored data is unchanged.
         """
         if consistency is not None and consistency not in _CONSISTENCY:
@@ -462,37 +568,46 @@ class Client:
         kb, h, tag, meta, payload = self._prepare(key, value)
         if expect is not _NO_CHECK or self._validators:
             return self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
-        if self._cluster:
-            self._check_outbound()
-        counter, hlc, vvx, _, _ = self._seg.write_fast(kb, h, tag, meta, payload,
-                                                       time.time_ns() // 1_000_000, self._flags)
+        counter, hlc, vvx, _, _ = self._seg.put(kb, h, tag, meta, payload,
+                                                time.time_ns() // 1_000_000, self._cluster,
+                                                self._max_dirty)
         self._puts += 1
         return self._version(counter, hlc, vvx)
 
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
                      encoded: tuple[int, bytes, bytes | memoryview], expect: Any) -> Version:
-        """put() with expect= and/or a validator for the key's prefix."""
-        check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        """put() with expect= and/or a validator: both run under the writer lock."""
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
-        if validator is not None:
-            return self._put_validated(key, kb, h, value, encoded, check, validator)
-        if self._cluster:
-            self._check_outbound()
-        counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=check,
-                                                  dirty=bool(self._flags))
+        if cas is None and validator is None:
+            counter, hlc, vvx, _, _ = self._seg.put(kb, h, *encoded, _now_ms(), self._cluster,
+                                                    self._max_dirty)
+            self._puts += 1
+            return self._version(counter, hlc, vvx)
+        if validator is not None and self._cluster:
+            self._get_slow(key, None, True)  # bring L3's value into L2 for the validator
+        check = self._checker(key, kb, h, cas, validator, value)
+        counter, hlc, vvx, _, _ = self._seg.apply(
+            [(kb, h, *encoded)], now_ms=_now_ms(), dirty=self._cluster,
+            max_dirty=self._max_dirty, check=check)[0]
         self._puts += 1
         return self._version(counter, hlc, vvx)
 
-    def _check_outbound(self) -> None:
-        """Cluster mode: refuse a write when too many are waiting for the node daemon."""
-        seg = self._seg
-        waiting = seg.feed_head() - seg.sync_cursor
-        if waiting >= self._outbound_max:
-            raise Unavailable(
-                f"{waiting} writes on this host are waiting for L3 (bound {self._outbound_max}); "
-                f"is `kvcomm node` running for namespace {self.name!r} and the cluster up? "
-                "Nothing was written"
-            )
+    def _checker(self, key: str, kb: bytes, h: int, cas: Callable[[Record | None], None] | None,
+                 validator: Callable[[str, Item | None, Any], None] | None,
+                 new_value: Any) -> Callable[[], None]:
+        """What runs under the writer lock before a write of ``key``: compare-and-set, then
+        the validator against the value the write replaces."""
+        def check() -> None:
+            rec = self._seg.read(kb, h)
+            if rec is not None and rec.tag == TAG_TOMBSTONE:
+                rec = None
+            if cas is not None:
+                cas(rec)
+            if validator is not None:
+                _run_validator(validator, key, self._item_of(key, rec), new_value)
+
+        return check
 
     def _expect_fn(self, key: str, expect: Any) -> Callable[[Record | None], None]:
         if expect is not ABSENT and not isinstance(expect, Version):
@@ -517,19 +632,29 @@ class Client:
         return check
 
     def delete(self, key: str, *, expect: Any = _NO_CHECK) -> bool:
-        """Remove ``key``. True when something was deleted. Raises as :meth:`put`."""
+        """Remove ``key``. True when something was deleted. Raises as :meth:`put`.
+
+        In cluster mode the delete is a tombstone kept in L2 (dirty, never evicted) until
+        L3 has it, so it is as durable as a put; a key this host does not hold is looked up
+        in L3 first, so that the delete covers the version the cluster has.
+        """
         return self._delete(key, expect) > 0
 
     def _delete(self, key: str, expect: Any = _NO_CHECK) -> int:
         """:meth:`delete`, returning the delete's write counter (0: nothing was there)."""
         self._live()
         kb, h = self._key_hash(key)
-        check = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
-        if validator is not None:
-            old = self._get_slow(key, None, True)
-            _run_validator(validator, key, old, None)
-        counter = self._seg.delete(kb, h, now_ms=_now_ms(), expect=check)
+        if self._cluster and self._get_slow(key, None, True) is None:
+            local = self._read_l2(kb, h, _HUGE)
+            if local is None and cas is None and validator is None:
+                return 0  # absent here and in L3: nothing to delete, nothing to tell L3
+        check = None if cas is None and validator is None else \
+            self._checker(key, kb, h, cas, validator, None)
+        counter: int = self._seg.apply([(kb, h)], now_ms=_now_ms(), dirty=self._cluster,
+                                       max_dirty=self._max_dirty, tombstones=self._cluster,
+                                       check=check)[0]
         self._l1.discard(key)
         if counter:
             self.counters["deletes"] += 1
@@ -539,8 +664,11 @@ class Client:
         """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
 
         ``fn`` may run more than once when other writers race; it must not have side
-        effects. No increment is ever lost, whatever the number of processes.
+        effects. No increment is ever lost, whatever the number of processes. Raises
+        InvalidArgument when ``fn`` is not callable, and what :meth:`put` raises.
         """
+        if not callable(fn):
+            raise InvalidArgument(f"update() needs a callable, got {type(fn).__name__}")
         for _ in range(_MAX_UPDATE_RETRIES):
             item = self.get_item(key)
             new = fn(default if item is None else item.value)
@@ -552,7 +680,7 @@ class Client:
         raise Unavailable(f"update of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
 
     def batch(self) -> Batch:
-        """``with kv.batch() as b: b.put(...); b.delete(...)`` — applied under one lock on exit."""
+        """``with kv.batch() as b: b.put(...); b.delete(...)`` — applied whole, or not at all."""
         self._live()
         return Batch(self)
 
@@ -561,7 +689,13 @@ class Client:
     def register_validator(self, prefix: str, fn: Callable[[str, Item | None, Any], None]) -> None:
         """Run ``fn(key, old_item, new_value)`` before every write under ``prefix`` in this
         client; raising rejects the write with ValidationError (``new_value`` is None for a
-        delete). The longest matching prefix wins."""
+        delete). The longest matching prefix wins.
+
+        ``fn`` runs under the host's L2 writer lock, against exactly the value the write
+        replaces (in a batch, earlier operations of the batch on the same key count, with an
+        empty version). It may read from KVCOMM but not write (InvalidArgument), and should
+        be quick: every writer on the host waits for it.
+        """
         if type(prefix) is not str:
             raise InvalidKey("a validator prefix is a str ('' matches every key)")
         if not callable(fn):
@@ -575,7 +709,7 @@ class Client:
         value to keep (e.g. merged counters, a union of sets). If it raises or returns a
         value that cannot be stored, last-writer-wins decides instead and
         ``stats()["ops"]["resolver_failures"]`` counts it; a host never crashes on it.
-        The longest matching prefix wins.
+        The longest matching prefix wins. Deletes always merge last-writer-wins.
         """
         if type(prefix) is not str:
             raise InvalidKey("a resolver prefix is a str ('' matches every key)")
@@ -595,32 +729,55 @@ class Client:
             raise InvalidArgument(f"version must be a kvcomm.Version, got {type(version).__name__}")
         return self._merge(key, value, version, self._encode(value))
 
+    def _local_item(self, kb: bytes, h: int, key: str) -> Item | None:
+        """This host's record of ``key`` as an Item; a tombstone's value is ``_TOMBSTONE``."""
+        rec = self._read_l2(kb, h, _HUGE)
+        if rec is None:
+            return None
+        version = self._version(rec[5], rec[6], rec[7])
+        if rec[2] == TAG_TOMBSTONE:
+            return Item(key, _TOMBSTONE, version, "l2")
+        return Item(key, self._decode(key, rec[2], rec[3], rec[4]), version, "l2")
+
     def _merge(self, key: str, value: Any, version: Version,
                remote_encoded: tuple[int, bytes, bytes | memoryview]) -> Version:
-        """:meth:`merge_remote` with the value already encoded (an L3 record's bytes)."""
+        """:meth:`merge_remote` with the value already encoded (an L3 record's bytes).
+
+        ``remote_encoded[0] == TAG_TOMBSTONE``: the remote version is a delete; it is kept
+        as a clean tombstone. Deletes (on either side) merge last-writer-wins.
+        """
         if self._unusable:
             self._live()
         kb, h = self._key_hash(key)
+        remote_value = _TOMBSTONE if remote_encoded[0] == TAG_TOMBSTONE else value
         for _ in range(_MAX_UPDATE_RETRIES):
-            local = self._get_slow(key, None, True, l3=False)  # this host's L2 only
-            plan = self._merge_plan(key, local, value, remote_encoded, version)
+            local = self._local_item(kb, h, key)
+            plan = self._merge_plan(key, local, remote_value, remote_encoded, version)
             if plan is None:
                 assert local is not None
-                return local.version  # type: ignore[no-any-return]
+                return local.version
             encoded, stored, new_write = plan
-            seen = self._expect_fn(key, ABSENT if local is None else local.version)
+            seen = None if local is None else local.version
             explicit = self._explicit(stored)
             if new_write:  # a resolver made a new value: a new local write over the merge
                 explicit = (l2mod.NEW_DOT, stored.hlc, explicit[2])
             # a merge of concurrent versions (or a resolver's new value) is new information
             # that the cluster must learn: dirty, so the node daemon publishes it
             publish = new_write or stored != version
+
+            def unchanged(seen: Version | None = seen) -> None:
+                rec = self._seg.read(kb, h)
+                now = None if rec is None else self._version(rec.counter, rec.hlc, rec.vvx)
+                if now != seen:
+                    raise ConflictError("changed while merging")
+
             try:
-                r = self._seg.write(kb, h, *encoded, now_ms=_now_ms(), expect=seen,
-                                    version=explicit, dirty=publish and bool(self._flags))
+                r = self._seg.apply([(kb, h, *encoded, *explicit)], now_ms=_now_ms(),
+                                    dirty=publish and self._cluster, check=unchanged)[0]
             except ConflictError:
                 continue  # a local write raced us: merge against it
             self.counters["merges"] += 1
+            self._l1.discard(key)
             return self._version(r[0], r[1], r[2])
         raise Unavailable(f"merge of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
 
@@ -640,7 +797,8 @@ class Client:
             return remote_encoded, remote, False
         sibs = [Sibling(local.value, _dotted(local.version, remote)),
                 Sibling(value, _dotted(remote, local.version))]
-        fn = self._resolvers.lookup(key) if self._resolvers else None
+        deletes = local.value is _TOMBSTONE or value is _TOMBSTONE
+        fn = None if deletes or not self._resolvers else self._resolvers.lookup(key)
         hook = None
         if fn is not None:
             def hook(live: list[Sibling[Any]], fn: Callable[[str, list[Item]], Any] = fn) -> Any:
@@ -653,51 +811,27 @@ class Client:
         if res.winner is None:  # the resolver made a new value
             return self._encode(res.value), merged, True
         if res.value is local.value:
-            encoded = codec.encode(local.value)
+            encoded = _TOMB_ENCODED if local.value is _TOMBSTONE else codec.encode(local.value)
         else:
             encoded = remote_encoded
         return encoded, Version(res.vector, res.winner.hlc), False
-
-    def _put_validated(self, key: str, kb: bytes, h: int, value: Any,
-                       encoded: tuple[int, bytes, bytes | memoryview],
-                       check: Callable[[Record | None], None] | None,
-                       validator: Callable[[str, Item | None, Any], None]) -> Version:
-        """Validate against the current item, then write only if it is still current."""
-        for _ in range(_MAX_UPDATE_RETRIES):
-            old = self._get_slow(key, None, True)
-            _run_validator(validator, key, old, value)
-            seen = ABSENT if old is None else old.version
-            seen_check = self._expect_fn(key, seen)
-
-            def both(rec: Record | None, seen_check: Callable[[Record | None], None] = seen_check) -> None:
-                if check is not None:
-                    check(rec)
-                seen_check(rec)
-
-            try:
-                counter, hlc, vvx, _, _ = self._seg.write(kb, h, *encoded, now_ms=_now_ms(),
-                                                          expect=both, dirty=bool(self._flags))
-            except ConflictError:
-                if check is not None:
-                    raise
-                continue
-            self._puts += 1
-            return self._version(counter, hlc, vvx)
-        raise Unavailable(f"put of {key!r} lost {_MAX_UPDATE_RETRIES} races to validate")
 
     # ------------------------------------------------------------------ watch
 
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:
         """Changes under ``prefix`` from now on, in per-key order.
 
-        With ``timeout``, iteration ends after that many seconds without an event. A
-        watcher that falls a whole feed (``cache.watch_buffer`` events) behind receives one
+        Kinds: ``put``, ``delete``, ``evict`` (L2 dropped the key to make room: in embedded
+        mode it is gone, in cluster mode L3 still has it) and ``overflow``. With
+        ``timeout``, iteration ends after that many seconds without an event. A watcher
+        that falls a whole feed (``cache.watch_buffer`` events) behind receives one
         ``overflow`` event and continues from the newest; it should then re-read what it
-        tracks. Writers are never slowed by a watcher.
+        tracks. Writers are never slowed by a watcher. Raises InvalidKey, InvalidArgument.
         """
         if type(prefix) is not str:
             raise InvalidKey("a watch prefix is a str ('' watches every key)")
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
+        if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0
+                                    or timeout != timeout):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self._live()
         return self._watch(prefix, timeout, self._seg.feed_head())  # "from now": cursor taken here
@@ -715,8 +849,7 @@ class Client:
             for ev in events:
                 if ev.key.startswith(prefix):
                     got = True
-                    kind = "delete" if ev.kind == KIND_DELETE else "put"
-                    yield Event(ev.key, kind, self._version(ev.counter, ev.hlc, b""))
+                    yield Event(ev.key, KIND_NAMES[ev.kind], self._version(ev.counter, ev.hlc, b""))
             now = time.monotonic()
             if got:
                 last_event = now
@@ -745,6 +878,7 @@ class Client:
                    "capacity_bytes": info.get("data_bytes", 0),
                    "evictions": info.get("evictions", 0),
                    "recoveries": info.get("recoveries", 0),
+                   "dirty": info.get("dirty", 0),
                    "views_taken": c["views"]},
             "l3": {"reads": c["l3_reads"], "negative_hits": c["negative_hits"],
                    "filter_hits": c["filter_hits"]},
@@ -759,7 +893,7 @@ class Client:
         return [k for k in self._seg.keys() if k.startswith(prefix)]
 
     def close(self) -> None:
-        """Release this client's L1 and its share of the process's L2 mapping. Idempotent."""
+        """Release this client's share of the process's L2 mapping and L1. Idempotent."""
         if self._closed:
             return
         if not self._unusable:
@@ -772,10 +906,10 @@ class Client:
             self._l3.close()
         if self._kf is not None:
             self._kf.close()
-        self._l1.clear()
-        self._l1_entries = {}  # type: ignore[assignment]
+        self._l1_entries = {}
         if not self._forked:
-            _Shared.release(self._seg)
+            process_budget().unregister(self.config.cache.l1_size)
+            _Shared.release(self._attached)
 
     def __enter__(self) -> Client:
         return self
@@ -788,32 +922,40 @@ class Client:
 
 
 class Batch:
-    """Writes collected in a ``with kv.batch()`` block, applied together under one L2 lock.
+    """Writes collected in a ``with kv.batch()`` block, applied whole or not at all.
 
-    Each ``put``/``delete`` validates and encodes at once (so a bad value raises at its
-    own line); nothing is stored unless the block exits without an exception. Other
-    processes may observe the keys change one by one while the batch is applied.
+    Each ``put``/``delete`` validates its key and encodes its value at once (so a bad value
+    raises at its own line); nothing is stored unless the block exits without an exception.
+    On exit, under one hold of the host's writer lock, every validator runs (against the
+    value each operation replaces, earlier operations of the batch included) and space is
+    found for every operation before the first is published: if anything fails (a
+    validator, a value too large for L2, the outbound bound in cluster mode), nothing of
+    the batch is written. Other processes may observe the keys change one by one while it
+    is published.
     """
 
     def __init__(self, client: Client) -> None:
         self._client = client
         self._ops: list[tuple[Any, ...]] = []
         self._keys: list[str] = []
+        self._values: list[Any] = []
         self.versions: list[Version | bool] = []
 
     def put(self, key: str, value: Any) -> None:
+        """Add a put. Raises InvalidKey, UnsupportedValue, ValueTooLarge at once."""
         c = self._client
-        op = c._prepare(key, value)
-        if c._validators:
-            validator = c._validators.lookup(key)
-            if validator is not None:
-                _run_validator(validator, key, c._get_slow(key, None, True), value)
-        self._ops.append(op)
+        c._live()
+        self._ops.append(c._prepare(key, value))
         self._keys.append(key)
+        self._values.append(value)
 
     def delete(self, key: str) -> None:
-        self._ops.append(self._client._key_hash(key))
+        """Add a delete. Raises InvalidKey at once."""
+        c = self._client
+        c._live()
+        self._ops.append(c._key_hash(key))
         self._keys.append(key)
+        self._values.append(None)
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -826,17 +968,43 @@ class Batch:
             return
         c = self._client
         c._live()
-        if c._cluster:
-            c._check_outbound()
-        results = c._seg.write_many(self._ops, _now_ms(), dirty=bool(c._flags))
+        check = None
+        if c._validators and any(c._validators.lookup(k) is not None for k in self._keys):
+            if c._cluster:  # bring L3's values into L2 for the validators
+                for k in set(self._keys):
+                    if c._validators.lookup(k) is not None:
+                        c._get_slow(k, None, True)
+            check = self._validate
+        if c._cluster:  # deletes of keys this host does not hold cover L3's version
+            for key, op in zip(self._keys, self._ops, strict=True):
+                if len(op) == 2:
+                    c._get_slow(key, None, True)
+        results = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
+                               max_dirty=c._max_dirty, tombstones=c._cluster, check=check)
         for key, r in zip(self._keys, results, strict=True):
             if isinstance(r, tuple):
                 c._puts += 1
                 self.versions.append(c._version(r[0], r[1], r[2]))
             else:
                 c._l1.discard(key)
-                c.counters["deletes"] += int(r)
-                self.versions.append(r)
+                c.counters["deletes"] += int(r > 0)
+                self.versions.append(r > 0)
+
+    def _validate(self) -> None:
+        """Under the writer lock: every validator, in order, against the state the batch's
+        earlier operations leave."""
+        c = self._client
+        pending: dict[str, Item | None] = {}
+        for key, op, value in zip(self._keys, self._ops, self._values, strict=True):
+            if key in pending:
+                old = pending[key]
+            else:
+                rec = c._seg.read(op[0], op[1])
+                old = c._item_of(key, rec)
+            fn = c._validators.lookup(key)
+            if fn is not None:
+                _run_validator(fn, key, old, value)
+            pending[key] = None if len(op) == 2 else Item(key, value, Version((), 0), "batch")
 
 
 def _dotted(v: Version, other: Version) -> Dotted:

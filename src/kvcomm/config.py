@@ -68,8 +68,13 @@ class _Section(BaseModel):
 
 
 class CacheConfig(_Section):
-    l1_size: Size = Field(default=256 << 20, ge=0, description="L1 bound per process, bytes")
+    l1_size: Size = Field(default=256 << 20, ge=0,
+                          description="decoded values a process keeps in L1, bytes (0: no L1)")
     l2_size: Size = Field(default=256 << 20, ge=1 << 20, description="L2 segment size per host")
+    l2_dir: str = Field(default="/dev/shm", min_length=1,
+                        description="directory (a tmpfs) that holds the L2 segments")
+    lock_timeout: Duration = Field(default=10.0, gt=0, le=3600,
+                                   description="wait at most this long for the L2 writer lock")
     l2_sync_interval: Duration = Field(default=0.05, gt=0)
     l3_consistency: Literal["eventual", "strong"] = "eventual"
     max_key_bytes: int = Field(default=250, ge=1, le=4096)

@@ -13,6 +13,9 @@
     ├── SegmentError        L2 segment is foreign, of another layout, corrupt or purged
     └── Unavailable         a tier cannot serve now (L2 full of pinned data, cluster down)
 
+    KVCommWarning (a UserWarning, not an error): a setting was ignored, e.g. cache.l2_size of
+    a namespace that already exists with another size.
+
 After any of these, nothing stored before the failing call has been changed.
 Lower-layer errors (OS, msgpack, redis) are translated at the boundary, never leaked.
 """
@@ -64,7 +67,12 @@ class Unavailable(KVCommError):
     """The operation cannot be served right now; the message says which tier and why."""
 
 
+class KVCommWarning(UserWarning):
+    """Something was not done as configured; the message says what and why."""
+
+
 __all__ = [
+    "KVCommWarning",
     "KVCommError",
     "InvalidKey",
     "UnsupportedValue",

@@ -255,7 +255,16 @@ def encode_others(v: Vector, host: str) -> bytes:
 
 
 def decode_others(data: bytes) -> Vector:
+    """Inverse of :func:`encode_others`. Raises ValueError on malformed input."""
     if not data:
         return ()
-    flat = msgpack.unpackb(data)
-    return tuple(sorted(zip(flat[0::2], flat[1::2], strict=True)))
+    try:
+        flat = msgpack.unpackb(data)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"malformed version vector: {exc}") from None
+    if not isinstance(flat, list) or len(flat) % 2:
+        raise ValueError("malformed version vector")
+    pairs = list(zip(flat[0::2], flat[1::2], strict=True))
+    if not all(type(a) is str and type(c) is int and 0 < c < 1 << 64 for a, c in pairs):
+        raise ValueError("malformed version vector entry")
+    return tuple(sorted(pairs))

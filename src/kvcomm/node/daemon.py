@@ -53,9 +53,9 @@ from ..config import Config
 from ..core import codec
 from ..core.versions import Version
 from ..core.window import Batch, WriteWindow
-from ..errors import ConflictError, KVCommError, Unavailable
+from ..errors import KVCommError, Unavailable
 from ..tiers.keyfilter import KeyFilter
-from ..tiers.l2 import KIND_DELETE, KIND_PUT, key_hash
+from ..tiers.l2 import KIND_DELETE, KIND_PUT, TAG_TOMBSTONE, key_hash
 from ..tiers.l3 import GROUPS, CorruptRecord, L3Record, L3Store, group_of
 
 log = logging.getLogger("kvcomm.node")
@@ -104,7 +104,6 @@ class NodeDaemon:
             self.feed_cursors = self._initial_feed_cursors()
             self.cursors_saved = time.monotonic()
             self.last_pull = 0.0
-            self.own_deletes: set[tuple[str, int]] = set()  # deletes the daemon applied itself
             for prefix, path in cl.resolvers.items():  # the operator's own code, named in config
                 self.kv.register_resolver(prefix, _import(path))
             self.keys = KeyFilter(self.kv.name, c.bloom_capacity, c.bloom_fpr, create=True,
@@ -124,15 +123,20 @@ class NodeDaemon:
     # ------------------------------------------------------------------ local → L3
 
     def _stage_put(self, key: str, now: float) -> None:
+        """Stage the key's record if it is dirty: a put, or a delete's tombstone (which
+        carries the vector of the value it deleted, so it supersedes it in L3)."""
         kb = key.encode("utf-8", "surrogatepass")
         rec = self.seg.read(kb, key_hash(kb))
         if rec is None or not self.seg.is_dirty(rec.word):
-            return  # deleted since, or not an agent's write (already in L3)
-        value = rec.value or b""  # read() copies every value unless asked for views
-        self.keys.add(kb)
+            return  # evicted (clean), or not an agent's write (already in L3)
         version = self.kv._version(rec.counter, rec.hlc, rec.vvx)
-        record = L3Record(rec.hlc, False, rec.tag, rec.meta, value, version.vector,
-                          (self.host, rec.counter))
+        if rec.tag == TAG_TOMBSTONE:
+            record = L3Record(rec.hlc, True, 0, b"", b"", version.vector, (self.host, rec.counter))
+        else:
+            value = rec.value or b""  # read() copies every value unless asked for views
+            self.keys.add(kb)
+            record = L3Record(rec.hlc, False, rec.tag, rec.meta, value, version.vector,
+                              (self.host, rec.counter))
         self._stage(key, record, now)
 
     def _stage(self, key: str, record: L3Record, now: float) -> None:
@@ -149,14 +153,8 @@ class NodeDaemon:
             for kb in self.seg.dirty_keys():
                 self._stage_put(kb.decode("utf-8", "surrogatepass"), now)
         for ev in events:
-            if ev.kind == KIND_PUT:
+            if ev.kind in (KIND_PUT, KIND_DELETE):  # (evictions are local: never sent)
                 self._stage_put(ev.key, now)
-            elif ev.kind == KIND_DELETE:
-                if (ev.key, ev.counter) in self.own_deletes:
-                    self.own_deletes.discard((ev.key, ev.counter))
-                    continue
-                dot = (self.host, ev.counter)
-                self._stage(ev.key, L3Record(ev.hlc, True, 0, b"", b"", (dot,), dot), now)
         self.cursor = cursor
         closed = self.window.poll(now)
         if closed is not None:
@@ -227,22 +225,14 @@ class NodeDaemon:
         return out
 
     def _mark_clean(self, key: str, sent: L3Record) -> None:
-        if not sent.tombstone:
-            kb = key.encode("utf-8", "surrogatepass")
-            self.seg.mark_clean(kb, key_hash(kb), sent.dot[1], sent.hlc)
+        kb = key.encode("utf-8", "surrogatepass")
+        self.seg.mark_clean(kb, key_hash(kb), sent.dot[1], sent.hlc)
 
     def _apply(self, key: str, record: L3Record) -> None:
         """Write an L3 record into L2 (clean), unless L2 already holds something newer."""
         version = Version(record.vector, record.hlc)
-        if record.tombstone:
-            item = self.kv.get_item(key)
-            if item is not None and item.version <= version:
-                try:
-                    counter = self.kv._delete(key, expect=item.version)
-                except ConflictError:
-                    return  # a local write came in meanwhile: it is newer, keep it
-                if counter:  # its feed event is ours, not an agent's: do not push it back
-                    self.own_deletes.add((key, counter))
+        if record.tombstone:  # kept as a clean tombstone; merges last-writer-wins
+            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""))
             return
         try:
             value = codec.decode(record.tag, record.meta, record.value)

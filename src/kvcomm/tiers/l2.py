@@ -2,44 +2,57 @@
 
 Theory of operation
 -------------------
-The segment is a file in ``/dev/shm`` (owner-only by default), laid out as::
+The segment is a file in ``cache.l2_dir`` (``/dev/shm``; owner-only by default) whose
+layout is defined once, in :mod:`kvcomm.tiers.shm.layout`::
 
     header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
                    | hot keys (count-min sketch + top-k, 0.1% of the segment)
 
 * **Slots** form an open-addressing hash table (linear probing, at most ``MAX_PROBE``
-  slots from a key's home). A slot is five words: ``seq, hash, off, access, flags``.
-  ``off`` points at an immutable record block (``EMPTY``/``TOMB`` otherwise).
+  slots from a key's home). A slot points at an immutable record block.
 * **Records are copy-on-write.** A writer builds the new record in a fresh block, then
-  publishes it by bumping the slot's ``seq`` to odd, storing ``off``, and bumping ``seq``
+  publishes it by bumping the slot's ``seq`` to odd, storing the block, and bumping ``seq``
   back to even; only then is the old block freed. So a slot changes in a few word stores
-  and a reader never waits on a value copy (FACTS.md: rewriting a slot in place starves
-  readers).
-* **Readers take no lock.** They read ``seq`` (retry while odd), ``off``, copy what they
-  need from the block, and re-read ``seq``: unchanged means the copy is exactly the
-  record that was published, because a block is freed only after its slot's ``seq`` moved.
-* **Writers take one lock**, a compare-and-set word holding the owner's pid (atomics from
-  the small C helper ``kvcomm._l2core``). A writer sets ``busy`` while it mutates. A waiter
-  that finds the owner dead (or a zombie) steals the lock; a holder that finds ``busy``
-  set knows the previous one died mid-operation and runs :meth:`L2Segment._recover`,
-  which makes every slot's ``seq`` even and rebuilds the heap's free lists from the
-  blocks the slots reference. A SIGKILL at any instruction therefore loses at most the
-  write in flight, and the others carry on within milliseconds.
+  and a reader never waits on a value copy (rewriting a slot in place starves readers).
+* **Readers take no lock.** They read ``seq`` (retry while odd), the block, copy what they
+  need, and re-read ``seq``: unchanged means the copy is exactly the record that was
+  published, because a block is freed only after its slot's ``seq`` moved. Every field
+  they read is checked before use, so a corrupt segment raises SegmentError.
+* **Writers take one lock**: a process-shared, robust pthread mutex in the header (C
+  kernel ``kvcomm._l2core``). Its holder may die at any instruction: the kernel hands the
+  lock to the next taker, who sees ``EOWNERDEAD``. No pid is compared, so pid reuse,
+  zombies and PID namespaces (containers sharing ``/dev/shm``) change nothing. Python
+  code that runs under the lock (validators, compare-and-set checks) is written as
+  ``try: lock … finally: unlock``, and ``unlock`` knows in C whether this thread holds
+  the lock, so no exception — ``KeyboardInterrupt`` included, at any bytecode — can leave
+  it held.
+* **BUSY** is raised by every mutation before it changes anything and lowered after.
+  A writer that takes the lock and finds it raised (the previous holder died, or found
+  corruption, mid-mutation) first **recovers**: slots made even, implausible references
+  dropped, the heap's free lists rebuilt from what slots and parked blocks reference, pins
+  recounted, watchers told to resync. A kill at any instruction loses at most the write in
+  flight (never acknowledged); nothing else.
+* **Batches are all or nothing.** A batch is planned under the lock — sizes checked, a slot
+  claimed for every new key, every block allocated (evicting clean entries only if the
+  batch can then fit) — before its first record is published.
+* **Deletes in cluster mode are tombstones**: a record with no value, flagged dirty like
+  any write not yet in L3, so a delete is as durable as a put until L3 has it. Readers
+  treat a tombstone as absent.
 * **Zero-copy views** pin their block: under the lock the reader records ``(block, pid)``
-  in the pin table and bumps the block's pin count. A writer that replaces a pinned block
-  parks it in the deferred table instead of freeing it; the view's finalizer marks its
-  pin released, and the next writer's sweep frees the block. Pins of dead processes are
-  swept too, so space comes back when the holder dies.
-* **Change feed**: a ring of fixed-size events (``put``/``delete``/``resync``) appended
-  under the lock. Watchers poll it with their own cursor; a watcher that falls a whole
-  ring behind sees that its events were overwritten and reports ``overflow``.
+  in the pin table and counts the pin on the block. A writer that replaces a pinned block
+  parks it instead of freeing it; the view's finalizer marks its pin released (lock-free,
+  and only the pinning process can), and the next writer's sweep frees the block. Pins of
+  dead processes are swept too. A forked child re-pins the views it inherits.
+* **Change feed**: a ring of fixed-size events (put, delete, evict, resync) appended under
+  the lock. Watchers and the node daemon read it with their own cursors; a reader that
+  falls a whole ring behind learns that it overflowed.
+* **Eviction** (CLOCK) drops clean, unpinned entries when space or a probe window runs
+  out. It is a local event (an ``evict`` feed event), never a delete: in cluster mode the
+  key stays in L3.
 
 Memory ordering: stores and loads through ``memoryview.cast("Q")`` are single aligned
-8-byte moves, which x86-64 keeps in program order (TSO); the one store→load pattern
-that needs a full barrier (publish vs. pin) uses the C helper's sequentially consistent
-atomics, and pins are taken under the writer lock anyway. ``tests/test_l2_concurrency.py``
-checks the race with self-checksummed values. On other architectures this module refuses
-to run rather than risk torn reads.
+8-byte moves, which x86-64 keeps in program order (TSO); everything that needs more goes
+through the C kernel's atomics. On other architectures this module refuses to load.
 """
 
 from __future__ import annotations
@@ -47,10 +60,11 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import pwd
 import re
 import stat
-import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,51 +74,69 @@ import xxhash
 
 from .. import _l2core
 from ..core.sketch import CountMinSketch, TopK
-from ..errors import KVCommError, SegmentError, Unavailable, ValueTooLarge
-
-_l2core.set_segment_error(SegmentError)
-
-MAGIC = int.from_bytes(b"KVCOMM\x00\x02", "little")
-LAYOUT_VERSION = 2
-SHM_DIR = "/dev/shm"
-HEADER_SIZE = 4096
-MIN_ORDER = 6  # 64-byte blocks
-MAX_PROBE = 32
-SLOT_WORDS = 5
-REC_HEADER = 64
-EMPTY = 0
-TOMB = 1
-FLAG_DIRTY = 1
-
-KIND_PUT = 1
-KIND_DELETE = 2
-KIND_RESYNC = 3
-
-# Header words (index into the segment's uint64 view).
-H_MAGIC, H_LAYOUT, H_TOTAL, H_NSLOTS, H_SLOTS_OFF, H_META_OFF = 0, 1, 2, 3, 4, 5
-H_DATA_OFF, H_DATA_SIZE, H_TOP_ORDER, H_FEED_OFF, H_FEED_N, H_FEED_ESZ = 6, 7, 8, 9, 10, 11
-H_PINS_OFF, H_NPINS, H_DEFER_OFF, H_MAX_KEY = 12, 13, 14, 15
-H_LOCK, H_BUSY, H_WSEQ, H_HLC, H_FEED_HEAD, H_CLOCK, H_STATE, H_RELEASED = (
-    16, 17, 18, 19, 20, 21, 22, 23,
+from ..errors import (
+    InvalidArgument,
+    KVCommError,
+    KVCommWarning,
+    SegmentError,
+    Unavailable,
+    ValueTooLarge,
 )
-H_ENTRIES, H_USED, H_EVICTIONS, H_RECOVERIES, H_DEFERRED, H_PIN_HWM = 24, 25, 26, 27, 28, 29
-H_HOT_OFF, H_HOT_SIZE, H_SKETCH_WIDTH, H_TOPK = 30, 31, 32, 33
-H_SYNC_CURSOR, H_DAEMON_PID, H_DAEMON_BEAT = 34, 35, 36  # the node daemon's state
-H_FREE = 40  # 64 words of free-list heads, one per block order
-HOST_ID_AT = 1024  # 1 length byte + up to 64 bytes
+from .shm.layout import (
+    FEED,
+    FEED_KEY_AT,
+    FLAG_DIRTY,
+    H_FREE,
+    HEADER_SIZE,
+    HOST_ID_AT,
+    KIND_DELETE,
+    KIND_EVICT,
+    KIND_NAMES,
+    KIND_PUT,
+    KIND_RESYNC,
+    LAYOUT_VERSION,
+    MAGIC,
+    MAX_KEY,
+    MIN_ORDER,
+    PIN_WORDS,
+    REC,
+    REC_HEADER,
+    SLOT,
+    SLOT_WORDS,
+    STATE_OK,
+    TAG_TOMBSTONE,
+    TOMB,
+    H,
+)
 
-NEW_DOT = (1 << 64) - 1  # put(..., counter=NEW_DOT): a fresh local dot over a given vector
-# Statuses of _l2core.Core.put when it changed nothing.
-NEED_SPACE, NEED_SLOT, TOO_LARGE, CORRUPT = 1, 2, 3, 4
+_l2core.set_errors(SegmentError, Unavailable, InvalidArgument)
 
-STATE_OK = 0
-STATE_PURGED = 1
+__all__ = [
+    "FLAG_DIRTY", "KIND_DELETE", "KIND_EVICT", "KIND_NAMES", "KIND_PUT", "KIND_RESYNC",
+    "L2Segment", "Layout", "Record", "TAG_TOMBSTONE", "key_hash", "open_segment", "purge",
+    "segment_path",
+]
+
+SHM_DIR = "/dev/shm"
+NEW_DOT = (1 << 64) - 1  # a versioned put with this counter: a fresh local dot over the vector
+
+# statuses of the C kernel's writes when they changed nothing
+ST_SLOT_FULL = _l2core.ST_SLOT_FULL
+ST_TOO_LARGE = _l2core.ST_TOO_LARGE
+ST_DIRTY_FULL = _l2core.ST_DIRTY_FULL
+ST_LOOK = _l2core.ST_LOOK
+ST_FULL = _l2core.ST_FULL
 
 SKETCH_DEPTH = 4
 HOT_TOPK = 64
+DEFAULT_LOCK_TIMEOUT = 10.0
+
+# header words used on hot paths, bound once
+_H_STATE, _H_BUSY, _H_FEED_HEAD = H["STATE"], H["BUSY"], H["FEED_HEAD"]
+_H_RELEASED, _H_DEFERRED = H["RELEASED"], H["DEFERRED"]
+_S_FLAGS = SLOT["FLAGS"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_LOCK_TIMEOUT = 10.0
 
 if platform.machine().lower() not in ("x86_64", "amd64"):  # pragma: no cover
     raise ImportError(
@@ -113,13 +145,13 @@ if platform.machine().lower() not in ("x86_64", "amd64"):  # pragma: no cover
     )
 
 
-def segment_path(name: str) -> str:
+def segment_path(name: str, directory: str = SHM_DIR) -> str:
     """The file backing namespace ``name``. Raises SegmentError on a bad name."""
-    if not _NAME_RE.match(name):
+    if type(name) is not str or not _NAME_RE.match(name):
         raise SegmentError(
             f"namespace {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
         )
-    return os.path.join(SHM_DIR, f"kvcomm.{name}")
+    return os.path.join(directory, f"kvcomm.{name}")
 
 
 def key_hash(key_b: bytes) -> int:
@@ -127,9 +159,9 @@ def key_hash(key_b: bytes) -> int:
     return xxhash.xxh3_64_intdigest(key_b) | 1
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """True when ``pid`` runs and is not a zombie (a zombie cannot release anything)."""
-    if pid <= 0:
+    if pid <= 0 or pid > 1 << 22:
         return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -137,12 +169,32 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return False
     # the state letter follows the command name, which is in parentheses
-    state = data[data.rfind(b")") + 2 : data.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
+    end = data.rfind(b")")
+    return data[end + 2 : end + 3] not in (b"Z", b"X")
 
 
 def _order_for(nbytes: int) -> int:
     return max(MIN_ORDER, (nbytes - 1).bit_length())
+
+
+def check_owner(path: str, st: os.stat_result, permissions: int) -> None:
+    """Refuse a shared file another user could have planted or can reach.
+
+    Raises SegmentError naming the owner and the mode when ``st`` is not owned by this
+    process's effective user or grants more than ``permissions``.
+    """
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid() or mode & ~permissions:
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = str(st.st_uid)
+        raise SegmentError(
+            f"{path} is owned by {owner!r} with mode {oct(mode)}; this process runs as uid "
+            f"{os.geteuid()} and allows {oct(permissions)} (cache.l2_permissions): not using a "
+            "file another user could have created or can read. Remove it (as its owner) or "
+            "use another namespace"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,13 +219,19 @@ class Layout:
     sketch_width: int = 0
     topk: int = 0
 
+    _WORDS = ("TOTAL", "NSLOTS", "SLOTS_OFF", "META_OFF", "DATA_OFF", "DATA_SIZE", "TOP_ORDER",
+              "FEED_OFF", "FEED_N", "FEED_ESZ", "PINS_OFF", "NPINS", "DEFER_OFF", "MAX_KEY",
+              "HOT_OFF", "SKETCH_WIDTH", "TOPK")
+
     @staticmethod
     def plan(l2_size: int, max_key: int, feed_n: int, n_pins: int, max_value: int) -> Layout:
         """Carve ``l2_size`` bytes. Raises SegmentError when it is too small to be useful."""
+        if not 1 <= max_key <= MAX_KEY:
+            raise SegmentError(f"cache.max_key_bytes={max_key} is outside 1..{MAX_KEY}")
         n_slots = 1024
         while n_slots * 2048 < l2_size:
             n_slots *= 2
-        feed_esz = (32 + max_key + 63) // 64 * 64
+        feed_esz = (FEED_KEY_AT + max_key + 63) // 64 * 64
         feed_n = max(16, min(feed_n, l2_size // 8 // feed_esz))  # the feed takes <= 1/8
         n_pins = max(n_pins, 1)
         fixed = HEADER_SIZE + n_slots * SLOT_WORDS * 8 + feed_n * feed_esz + n_pins * 24
@@ -195,7 +253,7 @@ class Layout:
         data_off = (meta_off + (data_size >> MIN_ORDER) + 4095) // 4096 * 4096
         feed_off = data_off + data_size
         pins_off = feed_off + feed_n * feed_esz
-        defer_off = pins_off + n_pins * 16
+        defer_off = pins_off + n_pins * PIN_WORDS * 8
         hot_off = (defer_off + n_pins * 8 + 63) // 64 * 64
         topk = HOT_TOPK
         hot_budget = max(l2_size // 1000, 32 << 10)  # the sketch's share: 0.1% (32 KiB floor)
@@ -207,31 +265,27 @@ class Layout:
                       hot_off, width, topk)
 
     def header_words(self) -> dict[int, int]:
-        return {
-            H_TOTAL: self.total, H_NSLOTS: self.n_slots, H_SLOTS_OFF: self.slots_off,
-            H_META_OFF: self.meta_off, H_DATA_OFF: self.data_off, H_DATA_SIZE: self.data_size,
-            H_TOP_ORDER: self.top_order, H_FEED_OFF: self.feed_off, H_FEED_N: self.feed_n,
-            H_FEED_ESZ: self.feed_esz, H_PINS_OFF: self.pins_off, H_NPINS: self.n_pins,
-            H_DEFER_OFF: self.defer_off, H_MAX_KEY: self.max_key, H_HOT_OFF: self.hot_off,
-            H_SKETCH_WIDTH: self.sketch_width, H_TOPK: self.topk,
-        }
+        return {H[w]: getattr(self, f) for w, f in zip(self._WORDS, _FIELDS, strict=True)}
 
     @staticmethod
     def from_header(q: memoryview, file_size: int) -> Layout:
-        lay = Layout(q[H_TOTAL], q[H_NSLOTS], q[H_SLOTS_OFF], q[H_META_OFF], q[H_DATA_OFF],
-                     q[H_DATA_SIZE], q[H_TOP_ORDER], q[H_FEED_OFF], q[H_FEED_N], q[H_FEED_ESZ],
-                     q[H_PINS_OFF], q[H_NPINS], q[H_DEFER_OFF], q[H_MAX_KEY], q[H_HOT_OFF],
-                     q[H_SKETCH_WIDTH], q[H_TOPK])
+        """The layout a header describes. Raises SegmentError unless it is exactly one that
+        :meth:`plan` could have made for a file of ``file_size`` bytes."""
+        lay = Layout(*(int(q[H[w]]) for w in Layout._WORDS))
         ok = (
             lay.total == file_size
-            and lay.n_slots > 0 and lay.n_slots & (lay.n_slots - 1) == 0
+            and 0 < lay.n_slots <= 1 << 32 and lay.n_slots & (lay.n_slots - 1) == 0
             and lay.slots_off == HEADER_SIZE
             and lay.meta_off == lay.slots_off + lay.n_slots * SLOT_WORDS * 8
-            and lay.data_off % 4096 == 0 and lay.data_off >= lay.meta_off
-            and MIN_ORDER <= lay.top_order < 48 and lay.data_size % (1 << lay.top_order) == 0
+            and MIN_ORDER <= lay.top_order < 48 and 0 < lay.data_size < file_size
+            and lay.data_size % (1 << lay.top_order) == 0
+            and lay.data_off % 4096 == 0 and lay.data_off >= lay.meta_off + (lay.data_size >> MIN_ORDER)
+            and 1 <= lay.max_key <= MAX_KEY and 16 <= lay.feed_n <= 1 << 22
+            and lay.feed_esz == (FEED_KEY_AT + lay.max_key + 63) // 64 * 64
             and lay.feed_off == lay.data_off + lay.data_size
+            and 1 <= lay.n_pins <= 1 << 16
             and lay.pins_off == lay.feed_off + lay.feed_n * lay.feed_esz
-            and lay.defer_off == lay.pins_off + lay.n_pins * 16
+            and lay.defer_off == lay.pins_off + lay.n_pins * PIN_WORDS * 8
             and lay.hot_off >= lay.defer_off + lay.n_pins * 8
             and 64 <= lay.sketch_width < (1 << 28) and 1 <= lay.topk <= 4096
             and lay.hot_off + CountMinSketch.size_for(lay.sketch_width, SKETCH_DEPTH)
@@ -242,12 +296,17 @@ class Layout:
         return lay
 
 
+_FIELDS = ("total", "n_slots", "slots_off", "meta_off", "data_off", "data_size", "top_order",
+           "feed_off", "feed_n", "feed_esz", "pins_off", "n_pins", "defer_off", "max_key",
+           "hot_off", "sketch_width", "topk")
+
+
 class Record(NamedTuple):
     """A copy of one record, taken consistently by a lock-free read."""
 
     word: int  # index of the slot's seq word, for L1 revalidation
     seq: int
-    tag: int
+    tag: int  # TAG_TOMBSTONE (0): the key is deleted, L3 not yet told
     meta: bytes
     value: bytes | None  # None: a large array, to be pinned and viewed instead
     counter: int
@@ -262,7 +321,7 @@ _new_record = tuple.__new__
 @dataclass(slots=True)
 class FeedEvent:
     seq: int
-    kind: int
+    kind: int  # KIND_PUT, KIND_DELETE, KIND_EVICT (KIND_RESYNC is reported as an overflow)
     key: str
     counter: int
     hlc: int
@@ -271,41 +330,52 @@ class FeedEvent:
 class L2Segment:
     """One mapped L2 segment. Thread-safe; one instance per process per namespace.
 
-    Public methods raise SegmentError (unusable segment), ValueTooLarge (record can never
-    fit) or Unavailable (full of pinned/unflushed data, lock held too long). None of them
-    leaves the segment in a state another process cannot use.
+    Public methods raise SegmentError (unusable segment), ValueTooLarge (a record can never
+    fit), Unavailable (full of pinned or unflushed data, lock held too long), InvalidArgument
+    (a write from inside a validator). None of them leaves the segment in a state another
+    process cannot use.
     """
 
     def __init__(self, name: str, *, create_layout: Layout | None, host_id: str,
-                 permissions: int = 0o600, attach_timeout: float = 2.0) -> None:
+                 permissions: int = 0o600, attach_timeout: float = 2.0,
+                 directory: str = SHM_DIR, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
         self.name = name
-        self.path = segment_path(name)
+        self.path = segment_path(name, directory)
+        self.directory = directory
+        self.lock_timeout = float(lock_timeout)
         self._pid = os.getpid()
-        self._tlock = threading.Lock()
         self._next_dead_sweep = 0.0
+        self._core: Any = None
+        self._atom: Any = None
         fd, created = self._open_file(create_layout, permissions)
         try:
-            size = os.fstat(fd).st_size
-            if created:
-                assert create_layout is not None
-                os.ftruncate(fd, create_layout.total)
-                size = create_layout.total
+            size = create_layout.total if created and create_layout else os.fstat(fd).st_size
             if size < HEADER_SIZE:
                 size = self._wait_for_size(fd, attach_timeout)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            if created:
+                _unlink_quietly(self.path)
+            raise
+        os.close(fd)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
         self._ro = self._buf.toreadonly()
-        if created:
-            assert create_layout is not None
-            self._initialise(create_layout, host_id)
-        else:
-            self._wait_for_magic(attach_timeout)
-        self.layout = Layout.from_header(self._q, size)
-        self._bind_layout()
-        hb = bytes(self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + self._buf[HOST_ID_AT]])
+        try:
+            if created:
+                assert create_layout is not None
+                self._initialise(create_layout, host_id)
+            else:
+                self._wait_for_magic(attach_timeout)
+                self.layout = Layout.from_header(self._q, size)
+                self._bind_layout()
+        except BaseException:
+            self.close()
+            if created:
+                _unlink_quietly(self.path)
+            raise
+        hb = bytes(self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + min(64, self._buf[HOST_ID_AT])])
         self.host_id = hb.decode("utf-8", "replace")
         self.created = created
         _LIVE.add(self)
@@ -313,28 +383,48 @@ class L2Segment:
     # ---------------------------------------------------------------- opening
 
     def _open_file(self, layout: Layout | None, permissions: int) -> tuple[int, bool]:
-        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         if layout is not None:
             try:
-                old = os.umask(0)
-                try:
-                    fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, permissions)
-                finally:
-                    os.umask(old)
-                return fd, True
+                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, permissions & 0o777)
             except FileExistsError:
                 pass
+            except OSError as exc:
+                raise SegmentError(f"cannot create {self.path}: {exc.strerror}") from None
+            else:
+                try:
+                    os.fchmod(fd, permissions & 0o777)  # exactly, whatever the umask
+                    os.posix_fallocate(fd, 0, layout.total)  # memory reserved now, not on SIGBUS
+                except OSError as exc:
+                    os.close(fd)
+                    _unlink_quietly(self.path)
+                    raise SegmentError(self._no_room(layout.total, exc)) from None
+                return fd, True
         try:
             fd = os.open(self.path, flags)
         except FileNotFoundError:
             raise SegmentError(f"no L2 segment for namespace {self.name!r}") from None
         except OSError as exc:
             raise SegmentError(f"cannot open {self.path}: {exc.strerror}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"{self.path} is not a regular file; remove it")
+            check_owner(self.path, st, permissions)
+        except BaseException:
             os.close(fd)
-            raise SegmentError(f"{self.path} is not a regular file; remove it")
+            raise
         return fd, False
+
+    def _no_room(self, size: int, exc: OSError) -> str:
+        try:
+            vfs = os.statvfs(self.directory)
+            free = f"{vfs.f_bavail * vfs.f_frsize / 2**20:.1f} MiB are free there"
+        except OSError:
+            free = "its free space is unknown"
+        return (f"cannot reserve {size / 2**20:.1f} MiB for L2 segment {self.name!r} in "
+                f"{self.directory} ({exc.strerror}); {free}. Lower cache.l2_size, free space, "
+                "or point cache.l2_dir at a larger tmpfs (Docker: --shm-size)")
 
     def _wait_for_size(self, fd: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
@@ -352,28 +442,25 @@ class L2Segment:
     def _wait_for_magic(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         q = self._q
-        while q[H_MAGIC] == 0 and time.monotonic() < deadline:
+        while q[H["MAGIC"]] == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
-        if q[H_MAGIC] == 0:
-            self.close()
+        magic, layout = q[H["MAGIC"]], q[H["LAYOUT"]]
+        if magic == 0:
             raise SegmentError(
                 f"{self.path} was never initialised (its creator died?); "
                 f"run `kvcomm purge --name {self.name}`"
             )
-        if q[H_MAGIC] != MAGIC:
-            self.close()
+        if magic & 0x00FFFFFFFFFFFFFF != MAGIC & 0x00FFFFFFFFFFFFFF:
             raise SegmentError(f"{self.path} is not a KVCOMM segment (foreign file); not touching it")
-        if q[H_LAYOUT] != LAYOUT_VERSION:
-            found = q[H_LAYOUT]
-            self.close()
+        if magic != MAGIC or layout != LAYOUT_VERSION:
             raise SegmentError(
-                f"{self.path} has layout version {found}, this kvcomm uses {LAYOUT_VERSION}; "
+                f"{self.path} has layout version {layout}, this kvcomm uses {LAYOUT_VERSION}; "
                 f"stop its users and run `kvcomm purge --name {self.name}`"
             )
 
     def _initialise(self, lay: Layout, host_id: str) -> None:
         q = self._q
-        q[H_LAYOUT] = LAYOUT_VERSION
+        q[H["LAYOUT"]] = LAYOUT_VERSION
         for w, v in lay.header_words().items():
             q[w] = v
         hb = host_id.encode()[:64]
@@ -381,290 +468,207 @@ class L2Segment:
         self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + len(hb)] = hb
         self.layout = lay
         self._bind_layout()
-        # the whole data area is free: one block of top order per tile
-        step = 1 << lay.top_order
-        for off in range(lay.data_off, lay.data_off + lay.data_size, step):
-            self._core.push_free(off, lay.top_order)
-        self._atom.store(H_MAGIC * 8, MAGIC)  # last: attachers wait for it
+        self._core.init_lock()
+        self._core.init_heap()
+        self._atom.store(H["MAGIC"] * 8, MAGIC)  # last: attachers wait for it
 
     def _bind_layout(self) -> None:
         lay = self.layout
-        self._mask = lay.n_slots - 1
-        self._sbase = lay.slots_off // 8
         self._meta = self._buf[lay.meta_off : lay.meta_off + (lay.data_size >> MIN_ORDER)]
         self._max_record = 1 << lay.top_order
-        self._data_off = lay.data_off
-        self._top = lay.top_order
-        self._feed_off = lay.feed_off
-        self._feed_n = lay.feed_n
-        self._feed_esz = lay.feed_esz
         sk = CountMinSketch.size_for(lay.sketch_width, SKETCH_DEPTH)
         self.sketch = CountMinSketch(lay.sketch_width, SKETCH_DEPTH,
                                      buffer=self._buf[lay.hot_off : lay.hot_off + sk])
         self.topk = TopK(lay.topk, lay.max_key,
                          buffer=self._buf[lay.hot_off + sk : lay.hot_off + sk
                                           + TopK.size_for(lay.topk, lay.max_key)])
-        self._core = _l2core.Core(self._mm, lay.data_off, lay.data_size, lay.top_order,
-                                  lay.slots_off, lay.n_slots, lay.meta_off, lay.feed_off,
-                                  lay.feed_n, lay.feed_esz, lay.defer_off, lay.n_pins, lay.max_key)
+        self._core = _l2core.Core(self._mm)
         self._atom = self._core  # the same object gives the atomics on any header word
 
     # ---------------------------------------------------------------- lock
 
-    def _acquire(self) -> None:
-        self._tlock.acquire()
-        try:
-            status = self._core.try_lock(self._pid)
-            if status:
-                if status == 1:
-                    self._acquire_slow()
-                self._after_lock()
-        except BaseException:
-            self._tlock.release()
-            raise
+    def _lock(self) -> None:
+        """Take the writer lock and make the segment fit to use (purged? repair? sweep?).
+
+        The caller's ``finally`` must call ``self._core.unlock()``, which releases the lock
+        only if this thread holds it: call ``_lock`` inside the ``try``.
+        """
+        if self._core.lock(self.lock_timeout):
+            self._after_lock()
 
     def _after_lock(self) -> None:
-        """Lock held, busy not yet set: refuse a purged segment, recover from a dead writer."""
         q = self._q
-        if q[H_STATE] != STATE_OK:
-            self._atom.store(H_LOCK * 8, 0)
+        if q[_H_STATE] != STATE_OK:
             raise SegmentError(f"namespace {self.name!r} was purged; open it again")
-        if q[H_BUSY]:
-            try:
-                self._recover()
-            except BaseException:
-                self._atom.store(H_LOCK * 8, 0)  # busy stays set: the next writer retries
-                raise
-        q[H_BUSY] = 1
+        if q[_H_BUSY]:
+            self._recover()
+        if q[_H_RELEASED] or q[_H_DEFERRED]:
+            self._sweep_released()
 
-    def _release(self) -> None:
-        self._core.unlock()
-        self._tlock.release()
+    def locked(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` under the writer lock (for tools and tests); returns what it returns."""
+        core = self._core
+        try:
+            self._lock()
+            return fn()
+        finally:
+            core.unlock()
 
-    def _acquire_slow(self) -> None:
-        atom = self._atom
-        start = time.monotonic()
-        next_check = start + 0.002
-        spins = 0
-        while True:
-            spins += 1
-            if atom.cas(H_LOCK * 8, 0, self._pid):
-                return
-            if spins < 64:
-                continue
-            now = time.monotonic()
-            if now >= next_check:
-                owner = atom.load(H_LOCK * 8)
-                if owner and not _pid_alive(owner) and atom.cas(H_LOCK * 8, owner, self._pid):
-                    return  # stolen from a dead owner; busy (if set) triggers recovery
-                if now - start > _LOCK_TIMEOUT:
-                    raise Unavailable(
-                        f"L2 writer lock of {self.name!r} held by pid {owner} for over "
-                        f"{_LOCK_TIMEOUT:.0f}s; is that process stopped?"
-                    )
-                next_check = now + 0.005
-            if spins < 2000:
-                os.sched_yield()
-            else:
-                time.sleep(0.0001)
+    @property
+    def purged(self) -> bool:
+        """True once the namespace was purged (every read and write raises SegmentError)."""
+        return self._core is not None and self._q[_H_STATE] != STATE_OK
+
+    def holds_lock(self) -> bool:
+        """True when this thread holds the writer lock (inside a validator, say)."""
+        return bool(self._core is not None and self._core.held())
 
     # ---------------------------------------------------------------- reads (lock-free)
 
     def read(self, key_b: bytes, h: int, zero_copy: int = 1 << 62) -> Record | None:
-        """A consistent copy of the record for ``key_b``, or None when absent. Lock-free.
+        """A consistent copy of the record for ``key_b`` (tombstones included: tag 0), or
+        None when absent. Lock-free unless a writer is stuck or the segment needs repair.
 
         An array value of ``zero_copy`` bytes or more is not copied: ``value`` is None and
-        the caller takes a view with :meth:`pin`. Raises SegmentError on a corrupt record.
+        the caller takes a view with :meth:`pin`. Raises SegmentError (purged; corrupt and
+        not repairable), Unavailable (a writer stopped mid-publish for over the lock timeout).
         """
-        r = self._core.read(key_b, h, zero_copy)
-        while isinstance(r, int):  # a slot stayed odd: its writer is slow, or died mid-publish
-            self._help_stuck_writer()
-            r = self._core.read(key_b, h, zero_copy)
+        r = self._read_or_repair(lambda: self._core.read(key_b, h, zero_copy))
         return None if r is None else _new_record(Record, r)
 
-    def _help_stuck_writer(self) -> None:
-        """If the lock owner is dead, take the lock (which recovers); else let it run."""
-        owner = self._atom.load(H_LOCK * 8)
-        if owner == 0 or not _pid_alive(owner):
-            self._acquire()
-            self._release()
-        else:
-            time.sleep(0.0001)
+    def version(self, key_b: bytes, h: int) -> tuple[int, int, int, int, int, bytes, int] | None:
+        """``(word, seq, tag, counter, hlc, vvx, flags)`` of ``key_b``'s record, or None."""
+        r = self._read_or_repair(lambda: self._core.version(key_b, h))
+        return None if r is None else tuple(r)
+
+    def _read_or_repair(self, fn: Callable[[], Any]) -> Any:
+        repaired = False
+        deadline = None
+        while True:
+            try:
+                r = fn()
+            except SegmentError:
+                if repaired or self._q[_H_STATE] != STATE_OK:
+                    raise
+                self.repair()  # a corrupt record: let the lock holder rebuild, then retry once
+                repaired = True
+                continue
+            if type(r) is not int:
+                return r
+            # a slot stayed odd: its writer is slow, stopped, or died mid-publish. Taking
+            # the lock recovers from a death; a stopped writer makes us wait (bounded).
+            deadline = deadline or time.monotonic() + self.lock_timeout
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"an L2 slot of {self.name!r} stayed mid-write for over "
+                    f"{self.lock_timeout:.1f}s; is a writer process stopped?")
+            self.locked(lambda: None)
+
+    def repair(self) -> None:
+        """Under the lock, rebuild the segment's structures (as after a writer's death)."""
+        core = self._core
+        try:
+            self._lock()
+            core.set_busy(1)
+            self._recover()
+        finally:
+            core.unlock()
 
     # ---------------------------------------------------------------- writes (locked)
 
-    def write(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
-              *, now_ms: int, expect: Callable[[Record | None], None] | None = None,
-              dirty: bool = False, version: tuple[int, int, bytes] | None = None,
-              ) -> tuple[int, int, bytes, int, int]:
-        """Store one record under the lock. Returns (counter, hlc, vvx, slot word, seq).
+    def put(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
+            now_ms: int, dirty: bool, max_dirty: int) -> tuple[int, int, bytes, int, int]:
+        """Store one record: ``(counter, hlc, vvx, slot word, seq)``. One C call in the common
+        case. Raises ValueTooLarge, Unavailable, SegmentError; on any error nothing changed."""
+        r = self._core.put(key_b, h, tag, meta, value, now_ms, FLAG_DIRTY if dirty else 0,
+                           max_dirty, self.lock_timeout)
+        if type(r) is tuple:
+            return r
+        if r == ST_LOOK:  # purged, repair or pins first: the general path does it
+            out: tuple[int, int, bytes, int, int] = self.apply(
+                [(key_b, h, tag, meta, value)], now_ms=now_ms, dirty=dirty, max_dirty=max_dirty)[0]
+            return out
+        self._raise_status(r, 0, [(key_b, h, tag, meta, value)], max_dirty)
+        raise AssertionError("unreachable")
 
-        ``expect`` is called with the current record (or None) before anything changes and
-        may raise to abort. Raises ValueTooLarge / Unavailable; on any error nothing changed.
+    def apply(self, ops: list[tuple[Any, ...]], *, now_ms: int, dirty: bool = False,
+              max_dirty: int = 0, tombstones: bool = False,
+              check: Callable[[], None] | None = None) -> list[Any]:
+        """Apply ``ops`` under one lock, all or nothing.
+
+        Ops: ``(key_b, h)`` delete, ``(key_b, h, tag, meta, value)`` put, or
+        ``(key_b, h, tag, meta, value, counter, hlc, vvx)`` put with a given version (tag 0:
+        a tombstone with that version). ``tombstones``: deletes leave dirty tombstones
+        (cluster mode). ``check`` runs under the lock before anything changes (validators,
+        compare-and-set) and may raise to abort. Returns per op ``(counter, hlc, vvx, word,
+        seq)`` for a put, the delete's counter (0: nothing to delete) for a delete.
+        Raises ValueTooLarge, Unavailable, SegmentError, or what ``check`` raises; on any
+        error nothing changed (clean entries may have been evicted to make room).
         """
-        self._acquire()
-        try:
-            return self._write_locked(key_b, h, tag, meta, value, now_ms, expect, dirty, version)
-        finally:
-            self._release()
-
-    def write_fast(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
-                   now_ms: int, flags: int = 0) -> tuple[int, int, bytes, int, int]:
-        """:meth:`write` without ``expect``: a single C call under the lock in the common case."""
-        with self._tlock:
-            core = self._core
-            status = core.try_lock(self._pid)
-            if status == 0:
-                r = core.put(key_b, h, tag, meta, value, now_ms, flags)
-                core.unlock()
-                if isinstance(r, tuple):
-                    return r
-            elif status == 2:  # locked, but pins to sweep or a dead writer to recover from
-                self._after_lock()
-                try:
-                    return self._write_locked(key_b, h, tag, meta, value, now_ms, None,
-                                              bool(flags))
-                finally:
-                    core.unlock()
-        # contended, or the put needs eviction first: the general path
-        return self.write(key_b, h, tag, meta, value, now_ms=now_ms, dirty=bool(flags))
-
-    def write_many(
-        self, ops: list[tuple[Any, ...]], now_ms: int, dirty: bool = False
-    ) -> list[tuple[int, int, bytes, int, int] | bool]:
-        """Apply puts ``(key_b, h, tag, meta, value)`` and deletes ``(key_b, h)`` under one lock."""
-        out: list[tuple[int, int, bytes, int, int] | bool] = []
-        self._acquire()
-        try:
-            if self._q[H_RELEASED] or self._q[H_DEFERRED]:
-                self._sweep_released()
-            put = self._core.put
-            for op in ops:
-                if len(op) == 2:
-                    out.append(self._core.delete(op[0], op[1], now_ms) > 0)
-                    continue
-                r = put(op[0], op[1], op[2], op[3], op[4], now_ms, FLAG_DIRTY if dirty else 0)
-                if not isinstance(r, tuple):  # needs eviction first
-                    r = self._write_locked(op[0], op[1], op[2], op[3], op[4], now_ms, None, dirty)
-                out.append(r)
-        finally:
-            self._release()
-        return out
-
-    def _write_locked(self, key_b: bytes, h: int, tag: int, meta: bytes,
-                      value: bytes | memoryview, now_ms: int,
-                      expect: Callable[[Record | None], None] | None,
-                      dirty: bool, version: tuple[int, int, bytes] | None = None,
-                      ) -> tuple[int, int, bytes, int, int]:
-        q = self._q
         core = self._core
-        if q[H_RELEASED] or q[H_DEFERRED]:
-            self._sweep_released()
-        if expect is not None:
-            w, _ = core.find(key_b, h)
-            expect(self._record_locked(w) if w >= 0 else None)
         flags = FLAG_DIRTY if dirty else 0
-        extra = () if version is None else version
-        r = core.put(key_b, h, tag, meta, value, now_ms, flags, *extra)
-        while not isinstance(r, tuple):
-            if r == NEED_SPACE:
-                w, _ = core.find(key_b, h)
-                self._make_space(REC_HEADER + len(key_b) + len(meta) + len(value) + 64, protect=w)
-            elif r == NEED_SLOT:
-                self._evict_in_window(h)
-            elif r == TOO_LARGE:
-                raise ValueTooLarge(
-                    f"a record of {len(value)} value bytes can never fit in L2 of {self.name!r} "
-                    f"(largest block {self._max_record} bytes); raise cache.l2_size or store less"
-                )
-            else:
-                raise SegmentError(f"L2 of {self.name!r} is corrupt; purge the namespace")
-            r = core.put(key_b, h, tag, meta, value, now_ms, flags, *extra)
-        return r
-
-    def delete(self, key_b: bytes, h: int, *, now_ms: int,
-               expect: Callable[[Record | None], None] | None = None) -> int:
-        """Remove ``key_b``. Returns the delete's write counter (the one its change-feed
-        event carries), 0 when the key was absent. ``expect`` as for :meth:`write`."""
-        self._acquire()
         try:
-            return self._delete_locked(key_b, h, now_ms, expect)
+            self._lock()
+            if check is not None:
+                check()
+            for attempt in range(2):
+                try:
+                    r = core.apply(ops, now_ms, flags, max_dirty, tombstones)
+                    break
+                except SegmentError:
+                    if attempt or not self._q[_H_BUSY] or self._q[_H_STATE] != STATE_OK:
+                        raise
+                    self._recover()  # corruption found before anything was published
+            if type(r) is tuple:
+                self._raise_status(r[0], r[1], ops, max_dirty)
+            return r  # type: ignore[no-any-return]
         finally:
-            self._release()
+            core.unlock()
 
-    def _delete_locked(self, key_b: bytes, h: int, now_ms: int,
-                       expect: Callable[[Record | None], None] | None) -> int:
-        if expect is not None:
-            w, _ = self._core.find(key_b, h)
-            expect(self._record_locked(w) if w >= 0 else None)
-        return self._core.delete(key_b, h, now_ms)
+    def _raise_status(self, status: int, index: int, ops: list[tuple[Any, ...]],
+                      max_dirty: int) -> None:
+        op = ops[index] if 0 <= index < len(ops) else ops[-1]
+        key = bytes(op[0]).decode("utf-8", "replace")
+        if status == ST_TOO_LARGE:
+            size = len(op[4]) if len(op) > 2 else 0
+            if len(ops) > 1:
+                raise ValueTooLarge(
+                    f"this batch cannot fit in L2 of {self.name!r} (largest block "
+                    f"{self._max_record} bytes, heap {self.layout.data_size} bytes; at {key!r}, "
+                    f"{size} value bytes); raise cache.l2_size or split it. Nothing was written")
+            raise ValueTooLarge(
+                f"a record of {size} value bytes can never fit in L2 of {self.name!r} "
+                f"(largest block {self._max_record} bytes); raise cache.l2_size or store less")
+        if status == ST_DIRTY_FULL:
+            raise Unavailable(
+                f"{self._q[H['DIRTY']]} writes on this host are waiting for L3 (bound "
+                f"{max_dirty}, cluster.outbound_max); is `kvcomm node` running for namespace "
+                f"{self.name!r} and the cluster up? Nothing was written")
+        if status == ST_SLOT_FULL:
+            raise Unavailable(
+                f"the L2 hash window of {key!r} is full of writes not yet in L3; retry after "
+                "the node daemon syncs. Nothing was written")
+        if status == ST_FULL:
+            raise Unavailable(
+                f"L2 of {self.name!r} is full: {self._q[_H_DEFERRED]} blocks are pinned by "
+                "zero-copy views and the rest cannot be evicted (unflushed or pinned); release "
+                "views or raise cache.l2_size. Nothing was written")
+        raise SegmentError(f"L2 of {self.name!r} refused a write (status {status}); purge it")
 
-    def _record_locked(self, w: int) -> Record:
-        q = self._q
-        off = q[w + 2]
-        bi = off >> 3
-        info = q[bi + 3]
-        klen = info & 0xFFFF
-        vvlen = (info >> 24) & 0xFFFFFFFF
-        p = off + REC_HEADER + klen
-        return Record(w, q[w], (info >> 16) & 0xFF, self._mm[p + vvlen : p + vvlen + q[bi + 7]],
-                      b"", q[bi + 1], q[bi + 2], self._mm[p : p + vvlen], q[bi])
+    def mark_clean(self, key_b: bytes, h: int, counter: int, hlc: int) -> bool:
+        """Clear the dirty flag if the key still holds the write (counter, hlc)."""
+        core = self._core
+        try:
+            self._lock()
+            return bool(core.mark_clean(key_b, h, counter, hlc))
+        finally:
+            core.unlock()
 
-    # ---------------------------------------------------------------- eviction
-
-    def _evict_slot(self, w: int) -> None:
-        self._core.evict(w)
-        self._q[H_EVICTIONS] += 1
-
-    def _has_free(self, order: int) -> bool:
-        q = self._q
-        return any(q[H_FREE + j] for j in range(order, self._top + 1))
-
-    def _make_space(self, size: int, protect: int) -> None:
-        """CLOCK over all slots: evict clean, unreferenced entries until ``size`` fits."""
-        q = self._q
-        order = max(MIN_ORDER, (size - 1).bit_length())
-        self._sweep_pins(check_dead=True)
-        if self._has_free(order):
-            return
-        n = self.layout.n_slots
-        hand = q[H_CLOCK] % n
-        for _ in range(2 * n + 1):
-            w = self._sbase + hand * SLOT_WORDS
-            hand = (hand + 1) % n
-            o = q[w + 2]
-            if o <= TOMB or w == protect or q[w + 4] & FLAG_DIRTY:
-                continue
-            if q[w + 3]:
-                q[w + 3] = 0
-                continue
-            self._evict_slot(w)
-            if self._has_free(order):
-                q[H_CLOCK] = hand
-                return
-        q[H_CLOCK] = hand
-        raise Unavailable(
-            f"L2 of {self.name!r} is full: {q[H_DEFERRED]} blocks are pinned by zero-copy views "
-            "and the rest cannot be evicted; release views or raise cache.l2_size"
-        )
-
-    def _evict_in_window(self, h: int) -> None:
-        """All MAX_PROBE slots of a key's window are taken: evict one (CLOCK within it)."""
-        q = self._q
-        base = h & self._mask
-        for rnd in range(2):
-            for k in range(MAX_PROBE):
-                w = self._sbase + ((base + k) & self._mask) * SLOT_WORDS
-                if q[w + 2] <= TOMB:
-                    return  # a slot came free meanwhile
-                if q[w + 4] & FLAG_DIRTY:
-                    continue
-                if q[w + 3] and rnd == 0:
-                    q[w + 3] = 0
-                    continue
-                self._evict_slot(w)
-                return
-        raise Unavailable("L2 hash window is full of unflushed writes; retry after the daemon syncs")
+    def is_dirty(self, word: int) -> bool:
+        try:
+            return bool(self._q[word + _S_FLAGS] & FLAG_DIRTY)
+        except IndexError:
+            return False
 
     # ---------------------------------------------------------------- pins (zero-copy views)
 
@@ -675,11 +679,10 @@ class L2Segment:
         read-only memoryview of the value, valid until :meth:`unpin` of ``pin``; when the pin
         table is full ``pin`` is -1 and ``view`` is a private copy instead.
         """
-        self._acquire()
+        core = self._core
         try:
-            if self._q[H_RELEASED]:
-                self._sweep_pins(check_dead=False)
-            r = self._core.pin(key_b, h, self._pid)
+            self._lock()
+            r = core.pin(key_b, h, self._pid)
             if r is None:
                 return None
             voff, vlen = r[9], r[10]
@@ -687,244 +690,144 @@ class L2Segment:
                 return (*r[:9], self._mm[voff : voff + vlen])
             return (*r[:9], self._ro[voff : voff + vlen])
         finally:
-            self._release()
+            core.unlock()
 
-    def unpin(self, index: int) -> None:
-        """Called from a view's finalizer in any thread: lock-free, the next writer sweeps."""
-        if self._atom is None:
+    def unpin(self, index: int, pid: int | None = None) -> None:
+        """Called from a view's finalizer in any thread: lock-free; only the process that
+        took the pin releases it. The next writer sweeps it."""
+        core = self._core
+        if core is None:
             return
-        p = (self.layout.pins_off >> 3) + 2 * index + 1
         try:
-            self._atom.store(p * 8, 0)
-            self._atom.add(H_RELEASED * 8, 1)
+            core.unpin(index, self._pid if pid is None else pid)
         except (ValueError, SegmentError):
             pass  # mapping already closed: the pin is swept as a dead process's pin
+
+    def repin(self, block_pins: list[int]) -> list[int]:
+        """After fork: take new pins, for this process, on the blocks of ``block_pins``
+        (pin indexes of the parent). Returns the new indexes (-1 where none could be taken)."""
+        core = self._core
+        out = []
+        try:
+            self._lock()
+            core.set_busy(1)  # pin entries and counts change together, or are recounted
+            p0 = self.layout.pins_off // 8
+            for index in block_pins:
+                off = self._q[p0 + PIN_WORDS * index] if 0 <= index < self.layout.n_pins else 0
+                out.append(self._pin_block(off) if off else -1)
+            core.set_busy(0)
+        finally:
+            core.unlock()
+        return out
+
+    def _pin_block(self, off: int) -> int:
+        q = self._q
+        p0 = self.layout.pins_off // 8
+        for i in range(self.layout.n_pins):
+            if q[p0 + PIN_WORDS * i] == 0:
+                q[p0 + PIN_WORDS * i + 1] = self._pid
+                q[p0 + PIN_WORDS * i] = off
+                q[(off >> 3) + REC["PINS"]] += 1
+                if i >= q[H["PIN_HWM"]]:
+                    q[H["PIN_HWM"]] = i + 1
+                return i
+        return -1
 
     def _sweep_released(self) -> None:
         """Cheap unless views were released; checks for dead holders at most once a second."""
         q = self._q
-        if q[H_RELEASED]:
-            self._sweep_pins(check_dead=False)
-        elif q[H_DEFERRED]:
+        if q[_H_RELEASED]:
+            self._core.sweep(frozenset())
+        if q[_H_DEFERRED]:
             now = time.monotonic()
             if now >= self._next_dead_sweep:
                 self._next_dead_sweep = now + 1.0
-                self._sweep_pins(check_dead=True)
-
-    def _sweep_pins(self, check_dead: bool) -> None:
-        """Under the lock: drop released pins (and those of dead processes); free what they held."""
-        q = self._q
-        atom = self._atom
-        lay = self.layout
-        released = atom.load(H_RELEASED * 8)
-        if not released and not check_dead:
-            return
-        p0 = lay.pins_off >> 3
-        alive: dict[int, bool] = {}
-        for i in range(q[H_PIN_HWM]):
-            off = q[p0 + 2 * i]
-            if not off:
-                continue
-            pid = q[p0 + 2 * i + 1]
-            if pid:
-                if not check_dead:
-                    continue
-                if pid not in alive:
-                    alive[pid] = _pid_alive(pid)
-                if alive[pid]:
-                    continue
-            q[p0 + 2 * i + 1] = 0
-            q[p0 + 2 * i] = 0
-            q[(off >> 3) + 6] -= 1
-        if released:
-            atom.add(H_RELEASED * 8, -released)
-        if q[H_DEFERRED]:
-            d0 = lay.defer_off >> 3
-            for i in range(lay.n_pins):
-                off = q[d0 + i]
-                if off and q[(off >> 3) + 6] == 0:
-                    q[d0 + i] = 0
-                    q[H_DEFERRED] -= 1
-                    self._core.free(off)
+                self._core.sweep({p for p in self._core.pin_pids() if not pid_alive(p)})
 
     # ---------------------------------------------------------------- change feed
 
     def feed_head(self) -> int:
-        return int(self._q[H_FEED_HEAD])
+        return int(self._q[_H_FEED_HEAD])
 
-    def feed_read(self, cursor: int) -> tuple[list[FeedEvent], int, bool]:
-        """Events after ``cursor``: (events, new cursor, overflowed). Lock-free."""
+    def feed_read(self, cursor: int, limit: int = 1 << 30) -> tuple[list[FeedEvent], int, bool]:
+        """Events after ``cursor``: (events, new cursor, overflowed). Lock-free.
+
+        ``overflowed``: events after the cursor were overwritten before they were read (or a
+        writer died and the segment was repaired): the reader must rescan what it tracks.
+        """
         q = self._q
         lay = self.layout
-        head = q[H_FEED_HEAD]
-        if head - cursor > lay.feed_n:
+        head = int(q[_H_FEED_HEAD])
+        if cursor > head or head - cursor > lay.feed_n:
             return [], head, True
         out: list[FeedEvent] = []
         buf = self._buf
-        for seq in range(cursor + 1, head + 1):
+        end = min(head, cursor + limit)
+        for seq in range(cursor + 1, end + 1):
             e = lay.feed_off + ((seq - 1) % lay.feed_n) * lay.feed_esz
             ei = e >> 3
-            if q[ei] != seq:
+            if q[ei + FEED["SEQ"]] != seq:
                 return out, head, True
-            info = q[ei + 1]
-            klen = info >> 8
-            key = bytes(buf[e + 32 : e + 32 + min(klen, lay.max_key)])
-            counter, hlc = q[ei + 2], q[ei + 3]
-            if q[ei] != seq:
+            info = q[ei + FEED["INFO"]]
+            klen = min(info >> 8, lay.max_key)
+            key = bytes(buf[e + FEED_KEY_AT : e + FEED_KEY_AT + klen])
+            counter, hlc = q[ei + FEED["COUNTER"]], q[ei + FEED["HLC"]]
+            if q[ei + FEED["SEQ"]] != seq:
                 return out, head, True
             kind = info & 0xFF
             if kind == KIND_RESYNC:
                 return out, seq, True
-            out.append(FeedEvent(seq, kind, key.decode("utf-8", "replace"), counter, hlc))
-        return out, head, False
+            if kind in (KIND_PUT, KIND_DELETE, KIND_EVICT):
+                out.append(FeedEvent(seq, kind, key.decode("utf-8", "surrogateescape"), counter, hlc))
+        return out, end, False
 
     # ---------------------------------------------------------------- recovery
 
     def _recover(self) -> None:
-        """Under the lock, after a writer died mid-operation: make every structure whole.
-
-        Slots: odd seqs made even, references to implausible blocks dropped. Heap: free
-        lists rebuilt from the blocks that slots and the deferred table reference. Pins:
-        counts recomputed from the pin table. Watchers are told to resync.
-        """
-        q = self._q
-        lay = self.layout
-        base, end = lay.data_off, lay.data_off + lay.data_size
-        live: dict[int, int] = {}  # block offset -> order
-        entries = 0
-
-        def plausible(off: int) -> int:
-            if off < base or off >= end or (off - base) % 64:
-                return 0
-            size = q[off >> 3]
-            if size < REC_HEADER or size > self._max_record:
-                return 0
-            order = _order_for(size)
-            if (off - base) % (1 << order) or off + (1 << order) > end:
-                return 0
-            return order
-
-        for i in range(lay.n_slots):
-            w = self._sbase + i * SLOT_WORDS
-            if q[w] & 1:
-                q[w] += 1
-            off = q[w + 2]
-            if off <= TOMB:
-                continue
-            order = plausible(off)
-            if not order or off in live:
-                q[w] += 1
-                q[w + 2] = TOMB
-                q[w] += 1
-                continue
-            live[off] = order
-            entries += 1
-        # pins: keep those of live processes, recount per block
-        p0 = lay.pins_off >> 3
-        counts: dict[int, int] = {}
-        q[H_PIN_HWM] = lay.n_pins
-        for i in range(lay.n_pins):
-            off, pid = q[p0 + 2 * i], q[p0 + 2 * i + 1]
-            if off and pid and _pid_alive(pid):
-                counts[off] = counts.get(off, 0) + 1
-            else:
-                q[p0 + 2 * i] = q[p0 + 2 * i + 1] = 0
-        q[H_RELEASED] = 0
-        d0 = lay.defer_off >> 3
-        deferred = 0
-        for i in range(lay.n_pins):
-            off = q[d0 + i]
-            order = plausible(off) if off else 0
-            if off and order and off not in live and counts.get(off):
-                live[off] = order
-                deferred += 1
-            else:
-                q[d0 + i] = 0
-        for off in live:
-            q[(off >> 3) + 6] = counts.get(off, 0)
-        # heap: everything not live is free, in maximal aligned blocks
-        self._meta[:] = bytes(len(self._meta))
-        for k in range(64):
-            q[H_FREE + k] = 0
-        used = 0
-        pos = base
-        for off in sorted(live) + [end]:
-            if off < pos:  # overlaps the previous live block: corrupt, drop it
-                continue
-            while pos < off:
-                order = min(((pos - base) & -(pos - base)).bit_length() - 1 if pos > base
-                             else lay.top_order, lay.top_order, (off - pos).bit_length() - 1)
-                self._core.push_free(pos, order)
-                pos += 1 << order
-            if off == end:
-                break
-            order = live[off]
-            self._meta[(off - base) >> MIN_ORDER] = order - MIN_ORDER + 1
-            used += 1 << order
-            pos = off + (1 << order)
-        q[H_USED] = used
-        q[H_ENTRIES] = entries
-        q[H_DEFERRED] = deferred
-        q[H_RECOVERIES] += 1
-        self._core.feed(KIND_RESYNC, b"", q[H_WSEQ], q[H_HLC])
+        """Under the lock, with BUSY raised: make every structure whole (see the C kernel's
+        ``recover``). Pins of live processes are kept."""
+        live = {p for p in self._core.pin_pids() if pid_alive(p)}
+        self._core.recover(live)
 
     # ---------------------------------------------------------------- node daemon support
 
     def dirty_keys(self) -> list[bytes]:
-        """Keys whose records are flagged dirty (written here, not yet in L3). A scan."""
-        q = self._q
-        out = []
-        for i in range(self.layout.n_slots):
-            w = self._sbase + i * SLOT_WORDS
-            s = q[w]
-            off = q[w + 2]
-            if off > TOMB and q[w + 4] & FLAG_DIRTY:
-                klen = q[(off >> 3) + 3] & 0xFFFF
-                kb = self._mm[off + REC_HEADER : off + REC_HEADER + klen]
-                if q[w] == s:
-                    out.append(kb)
-        return out
+        """Keys whose records (tombstones too) are flagged dirty: written here, not yet in L3."""
+        return list(self._core.scan(1))
 
-    def mark_clean(self, key_b: bytes, h: int, counter: int, hlc: int) -> bool:
-        """Clear the dirty flag if the key still holds the write (counter, hlc)."""
-        self._acquire()
-        try:
-            w, _ = self._core.find(key_b, h)
-            if w < 0:
-                return False
-            bi = self._q[w + 2] >> 3
-            if self._q[bi + 1] != counter or self._q[bi + 2] != hlc:
-                return False
-            self._q[w + 4] &= ~FLAG_DIRTY
-            return True
-        finally:
-            self._release()
-
-    def is_dirty(self, word: int) -> bool:
-        return bool(self._q[word + 4] & FLAG_DIRTY)
+    @property
+    def dirty_count(self) -> int:
+        return int(self._q[H["DIRTY"]])
 
     @property
     def sync_cursor(self) -> int:
-        return int(self._q[H_SYNC_CURSOR])
+        return int(self._q[H["SYNC_CURSOR"]])
 
     @sync_cursor.setter
     def sync_cursor(self, value: int) -> None:
-        self._atom.store(H_SYNC_CURSOR * 8, value)
+        self._atom.store(H["SYNC_CURSOR"] * 8, value)
 
     def daemon_heartbeat(self, pid: int) -> None:
-        self._q[H_DAEMON_PID] = pid
-        self._atom.store(H_DAEMON_BEAT * 8, time.time_ns() // 1_000_000)
+        self._q[H["DAEMON_PID"]] = pid
+        self._atom.store(H["DAEMON_BEAT"] * 8, time.time_ns() // 1_000_000)
 
     def daemon_alive(self, within_ms: int = 2000) -> bool:
-        beat = self._q[H_DAEMON_BEAT]
+        beat = self._q[H["DAEMON_BEAT"]]
         return bool(beat) and time.time_ns() // 1_000_000 - beat < within_ms
+
+    def count_set_aside(self, n: int = 1) -> None:
+        self._atom.add(H["SET_ASIDE"] * 8, n)
 
     # ---------------------------------------------------------------- hot keys
 
-    def count_accesses(self, counts: dict[bytes, int]) -> None:
-        """Add a process's buffered access counts to the host sketch (under the lock)."""
-        self._acquire()
+    def count_accesses(self, counts: dict[bytes, int]) -> bool:
+        """Add a process's buffered access counts to the host sketch (under the lock).
+        Returns False, counting nothing, when this thread already holds the lock."""
+        core = self._core
+        if core.held():
+            return False
         try:
+            self._lock()
             before = self.sketch.additions
             add = self.sketch.add
             offers = [(kb, add(kb, n)) for kb, n in counts.items()]
@@ -932,23 +835,33 @@ class L2Segment:
                 self.topk.halve()
             self.topk.offer_many(offers)
         finally:
-            self._release()
+            core.unlock()
+        return True
 
     def hot_keys(self, n: int) -> list[tuple[str, int]]:
-        self._acquire()
+        core = self._core
         try:
+            self._lock()
             top = self.topk.top(n)
         finally:
-            self._release()
+            core.unlock()
         return [(k.decode("utf-8", "replace"), c) for k, c in top]
 
+    # ---------------------------------------------------------------- invariants
+
     def check(self) -> list[str]:
-        """Under the lock, verify every invariant; returns the problems found (none: [])."""
-        self._acquire()
+        """Under the lock, verify every invariant; returns the problems found (none: []).
+
+        Independent of the C kernel on purpose: it walks the structures its own way."""
+        core = self._core
         try:
-            return self._check_locked()
+            self._lock()
+            try:
+                return self._check_locked()
+            except (IndexError, ValueError, OverflowError) as exc:
+                return [f"checker stopped on a malformed structure: {exc}"]
         finally:
-            self._release()
+            core.unlock()
 
     def _check_locked(self) -> list[str]:
         q = self._q
@@ -960,10 +873,10 @@ class L2Segment:
         pos = base
         while pos < end:
             m = self._meta[(pos - base) >> MIN_ORDER]
-            if m == 0:
+            order = (m & 0x7F) + MIN_ORDER - 1
+            if m & 0x7F == 0 or order > lay.top_order or (pos - base) % (1 << order):
                 problems.append(f"heap walk hit a non-block at {pos}")
                 break
-            order = (m & 0x7F) + MIN_ORDER - 1
             (free if m & 0x80 else allocated)[pos] = order
             pos += 1 << order
         for order in range(MIN_ORDER, lay.top_order + 1):
@@ -980,31 +893,51 @@ class L2Segment:
                     break
             if seen != sum(1 for o in free.values() if o == order):
                 problems.append(f"free list {order} holds {seen} blocks, heap has a different count")
-        referenced: set[int] = set()
-        entries = 0
+        referenced: dict[int, int] = {}
+        entries = dirty = 0
+        sbase = lay.slots_off // 8
         for i in range(lay.n_slots):
-            w = self._sbase + i * SLOT_WORDS
-            if q[w] & 1:
+            w = sbase + i * SLOT_WORDS
+            if q[w + SLOT["SEQ"]] & 1:
                 problems.append(f"slot {i} left odd")
-            off = q[w + 2]
+            off = q[w + SLOT["OFF"]]
             if off > TOMB:
                 entries += 1
+                dirty += bool(q[w + SLOT["FLAGS"]] & FLAG_DIRTY)
                 if off not in allocated:
                     problems.append(f"slot {i} points at {off}, not an allocated block")
+                elif q[(off >> 3) + REC["SIZE"]] > 1 << allocated[off]:
+                    problems.append(f"slot {i}'s record is larger than its block")
                 if off in referenced:
                     problems.append(f"block {off} referenced twice")
-                referenced.add(off)
+                referenced[off] = 0
+        p0 = lay.pins_off // 8
         for i in range(lay.n_pins):
             off = q[(lay.defer_off >> 3) + i]
             if off:
-                referenced.add(off)
-        leaked = set(allocated) - referenced
+                if off in referenced:
+                    problems.append(f"parked block {off} is also referenced")
+                referenced[off] = 0
+            poff, ppid = q[p0 + PIN_WORDS * i], q[p0 + PIN_WORDS * i + 1]
+            if poff:
+                if poff not in referenced and poff in allocated:
+                    referenced.setdefault(poff, 0)
+                if ppid:
+                    referenced[poff] = referenced.get(poff, 0) + 1
+        for off, n in referenced.items():
+            if off in allocated and q[(off >> 3) + REC["PINS"]] < n:
+                problems.append(f"block {off} has {q[(off >> 3) + REC['PINS']]} pins counted, {n} held")
+        leaked = set(allocated) - set(referenced)
         if leaked:
             problems.append(f"{len(leaked)} allocated blocks are referenced by nothing")
-        if q[H_USED] != sum(1 << o for o in allocated.values()):
+        if q[H["USED"]] != sum(1 << o for o in allocated.values()):
             problems.append("used-bytes counter disagrees with the heap")
-        if q[H_ENTRIES] != entries:
-            problems.append(f"entries counter {q[H_ENTRIES]} != {entries} live slots")
+        if q[H["ENTRIES"]] != entries:
+            problems.append(f"entries counter {q[H['ENTRIES']]} != {entries} live slots")
+        if q[H["DIRTY"]] != dirty:
+            problems.append(f"dirty counter {q[H['DIRTY']]} != {dirty} dirty slots")
+        if q[_H_BUSY]:
+            problems.append("BUSY is raised outside a mutation")
         return problems
 
     # ---------------------------------------------------------------- info & lifecycle
@@ -1018,47 +951,45 @@ class L2Segment:
             "host_id": self.host_id,
             "size_bytes": lay.total,
             "data_bytes": lay.data_size,
-            "used_bytes": q[H_USED],
-            "entries": q[H_ENTRIES],
+            "used_bytes": q[H["USED"]],
+            "entries": q[H["ENTRIES"]],
+            "dirty": q[H["DIRTY"]],
             "slots": lay.n_slots,
-            "evictions": q[H_EVICTIONS],
-            "recoveries": q[H_RECOVERIES],
-            "pinned_deferred_blocks": q[H_DEFERRED],
-            "writes": q[H_WSEQ],
-            "feed_events": q[H_FEED_HEAD],
+            "evictions": q[H["EVICTIONS"]],
+            "recoveries": q[H["RECOVERIES"]],
+            "owner_deaths": q[H["OWNER_DEATHS"]],
+            "pinned_deferred_blocks": q[_H_DEFERRED],
+            "writes": q[H["WSEQ"]],
+            "feed_events": q[_H_FEED_HEAD],
             "feed_capacity": lay.feed_n,
-            "daemon_pid": q[H_DAEMON_PID],
+            "daemon_pid": q[H["DAEMON_PID"]],
             "daemon_alive": self.daemon_alive(),
-            "sync_backlog": q[H_FEED_HEAD] - q[H_SYNC_CURSOR],
+            "sync_backlog": q[H["DIRTY"]],
+            "set_aside": q[H["SET_ASIDE"]],
             "max_record_bytes": self._max_record,
         }
 
     def keys(self) -> Iterator[str]:
-        """Every key present now (a lock-free scan; concurrent writes may or may not show)."""
-        q = self._q
-        for i in range(self.layout.n_slots):
-            w = self._sbase + i * SLOT_WORDS
-            s = q[w]
-            off = q[w + 2]
-            if s & 1 or off <= TOMB:
-                continue
-            klen = q[(off >> 3) + 3] & 0xFFFF
-            kb = self._buf[off + REC_HEADER : off + REC_HEADER + klen].tobytes()
-            if q[w] == s:
-                yield kb.decode("utf-8", "replace")
+        """Every live key present now (a scan; concurrent writes may or may not show)."""
+        for kb in self._core.scan(0):
+            yield kb.decode("utf-8", "surrogateescape")
 
     def mark_purged(self) -> None:
-        self._acquire()
+        """Mark the namespace purged: every process's reads and writes raise SegmentError
+        from now on, L1 entries included (every slot's seq moves on)."""
+        core = self._core
         try:
-            self._q[H_STATE] = STATE_PURGED
+            if core.lock(self.lock_timeout) and self._q[_H_STATE] != STATE_OK:
+                return
+            core.purge_mark()
         finally:
-            self._release()
+            core.unlock()
 
     def close(self) -> None:
         """Drop this process's mapping. Views still alive keep it mapped until they go."""
         _LIVE.discard(self)
-        self._atom = None  # type: ignore[assignment]
-        core = getattr(self, "_core", None)
+        core = self._core
+        self._core = self._atom = None
         if core is not None:
             core.release()
         for obj in (getattr(self, "sketch", None), getattr(self, "topk", None)):
@@ -1074,12 +1005,18 @@ class L2Segment:
                     pass
         try:
             self._mm.close()
-        except BufferError:
+        except (BufferError, AttributeError):
             pass  # zero-copy views still reference it; unmapped when they are gone
 
     def _after_fork(self) -> None:
         self._pid = os.getpid()
-        self._tlock = threading.Lock()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 _LIVE: weakref.WeakSet[L2Segment] = weakref.WeakSet()
@@ -1093,28 +1030,59 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def open_segment(name: str, layout: Layout, host_id: str, permissions: int) -> L2Segment:
-    """Attach to namespace ``name``, creating it with ``layout`` if it does not exist."""
+def open_segment(name: str, layout: Layout, host_id: str, permissions: int,
+                 directory: str = SHM_DIR, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> L2Segment:
+    """Attach to namespace ``name``, creating it with ``layout`` if it does not exist.
+
+    Warns (KVCommWarning) when the namespace exists with another size than ``layout``'s:
+    the existing segment is used as it is. Raises SegmentError.
+    """
     try:
-        return L2Segment(name, create_layout=layout, host_id=host_id, permissions=permissions)
+        seg = L2Segment(name, create_layout=layout, host_id=host_id, permissions=permissions,
+                        directory=directory, lock_timeout=lock_timeout)
     except KVCommError:
         raise
     except OSError as exc:
         raise SegmentError(f"cannot map L2 segment {name!r}: {exc.strerror}") from None
+    if not seg.created and seg.layout.total != layout.total:
+        warnings.warn(
+            f"namespace {name!r} already exists with a segment of {seg.layout.total} bytes; "
+            f"the configured cache.l2_size (a {layout.total}-byte segment) is ignored until "
+            f"the namespace is purged (`kvcomm purge --name {name}`)", KVCommWarning, stacklevel=3)
+    return seg
 
 
-def purge(name: str) -> bool:
-    """Mark namespace ``name`` purged (live users get SegmentError) and remove its file."""
-    path = segment_path(name)
-    if not os.path.exists(path):
+def purge(name: str, directory: str = SHM_DIR) -> bool:
+    """Mark namespace ``name`` purged (its users get SegmentError) and remove its files.
+
+    Always removes the files, even of a corrupt, foreign or locked segment. Returns False
+    when there was no segment. Raises SegmentError only for a bad name or a file that
+    cannot be removed (the message says why).
+    """
+    path = segment_path(name, directory)
+    if not os.path.lexists(path):
+        from .keyfilter import remove
+
+        remove(name)
         return False
     try:
-        seg = L2Segment(name, create_layout=None, host_id="", attach_timeout=0)
-        seg.mark_purged()
-        seg.close()
-    except SegmentError:
-        pass  # foreign or broken: removing the file is all we can do
-    os.unlink(path)
+        seg = L2Segment(name, create_layout=None, host_id="", attach_timeout=0,
+                        directory=directory, lock_timeout=1.0)
+    except (KVCommError, OSError, ValueError):
+        seg = None  # foreign, broken or not ours: removing the file is all we can do
+    if seg is not None:
+        try:
+            seg.mark_purged()
+        except (KVCommError, OSError, ValueError):
+            pass  # a lock held by a stopped process, say: users notice the file is gone
+        finally:
+            seg.close()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise SegmentError(f"cannot remove {path}: {exc.strerror}") from None
     from .keyfilter import remove  # (keyfilter builds on this module)
 
     remove(name)  # the daemon's filter of existing keys goes with the namespace

@@ -1,0 +1,1 @@
+"""Shared-memory building blocks of the L2 tier (see :mod:`kvcomm.tiers.l2`)."""

@@ -1,0 +1,140 @@
+"""The L2 segment's layout, defined once.
+
+Python reads the tables below directly; ``setup.py`` turns them into the C header
+``_l2layout.h`` at build time (:func:`c_header`), so the C kernel and Python can never
+disagree about where a field lives. Nothing in this module imports anything but the
+standard library: the build runs it before ``kvcomm`` is importable.
+
+Segment, in file order::
+
+    header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
+                   | hot keys (count-min sketch + top-k)
+
+* **Header**: 64-bit words indexed by ``H_*`` (layout words written once by the creator,
+  then mutable state), the free-list heads (one word per block order, from ``H_FREE``),
+  the writer lock (a process-shared robust pthread mutex at ``MUTEX_AT``) and the host id
+  (a length byte and up to 64 bytes at ``HOST_ID_AT``).
+* **Slot**: ``SLOT_*`` words; an open-addressing hash table with linear probing.
+* **Record**: a block of the buddy heap: ``REC_*`` header words, then the key, the
+  encoded version vector of other hosts (``vvx``), the codec's meta, the extension
+  field, padding, and the value (64-byte aligned for arrays).
+* **Feed event**: ``FEED_*`` words, then the key bytes at ``FEED_KEY_AT``.
+
+Rule for the layout version: any change to these tables, to a field's meaning or width,
+or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
+A process meeting another version refuses the segment with SegmentError; it never
+misreads it.
+"""
+
+from __future__ import annotations
+
+LAYOUT_VERSION = 3
+MAGIC = int.from_bytes(b"KVCOMM\x00" + bytes([LAYOUT_VERSION]), "little")
+
+HEADER_SIZE = 4096
+MIN_ORDER = 6  # the smallest heap block is 64 bytes
+MAX_ORDER = 47
+MAX_PROBE = 32  # slots probed from a key's home slot
+MAX_KEY = 4096  # the largest cache.max_key_bytes a segment can be made with
+
+# Header words. The first group is written once by the creator; the rest is state.
+HEADER_WORDS = (
+    "MAGIC", "LAYOUT", "TOTAL", "NSLOTS", "SLOTS_OFF", "META_OFF", "DATA_OFF", "DATA_SIZE",
+    "TOP_ORDER", "FEED_OFF", "FEED_N", "FEED_ESZ", "PINS_OFF", "NPINS", "DEFER_OFF",
+    "MAX_KEY", "HOT_OFF", "SKETCH_WIDTH", "TOPK",
+    # ---- mutable state, changed under the writer lock unless noted
+    "BUSY",          # nonzero while a writer mutates: a writer that finds it set recovers
+    "STATE",         # STATE_OK or STATE_PURGED
+    "WSEQ",          # the host's write sequence: the counter of the next dot
+    "HLC",           # the host's hybrid logical clock
+    "FEED_HEAD",     # sequence number of the newest feed event
+    "CLOCK",         # the CLOCK eviction hand
+    "RELEASED",      # views released since the last sweep (lock-free increments)
+    "ENTRIES",       # live records (tombstones included)
+    "USED",          # heap bytes allocated
+    "DIRTY",         # records flagged dirty (not yet in L3)
+    "EVICTIONS",
+    "RECOVERIES",    # repairs after a writer died (or raised) mid-mutation
+    "OWNER_DEATHS",  # times the lock was taken over from a dead owner
+    "DEFERRED",      # replaced blocks parked while views pin them
+    "PIN_HWM",       # pin entries in use are all below this index
+    "SYNC_CURSOR",   # the node daemon's position in the feed (atomic store)
+    "DAEMON_PID",
+    "DAEMON_BEAT",   # the node daemon's heartbeat, ms since the epoch (atomic store)
+    "SET_ASIDE",     # records the daemon could not deliver and set aside
+)
+H = {name: i for i, name in enumerate(HEADER_WORDS)}
+H_FREE = 64  # MAX_ORDER + 1 words of free-list heads, one per block order
+MUTEX_AT = 1024  # byte offset of the writer lock (pthread_mutex_t, at most MUTEX_SPACE bytes)
+MUTEX_SPACE = 128
+HOST_ID_AT = 1536  # one length byte, then up to 64 bytes of host id
+
+STATE_OK = 0
+STATE_PURGED = 1
+
+SLOT_WORDS_NAMES = (
+    "SEQ",     # seqlock: odd while a writer publishes
+    "HASH",    # the key's stable hash (never 0 in a used slot)
+    "OFF",     # the record's block, or EMPTY / TOMB (a free slot that keeps probe chains)
+    "REF",     # CLOCK reference bit
+    "FLAGS",   # FLAG_DIRTY
+)
+SLOT = {name: i for i, name in enumerate(SLOT_WORDS_NAMES)}
+SLOT_WORDS = len(SLOT_WORDS_NAMES)
+EMPTY = 0
+TOMB = 1
+FLAG_DIRTY = 1
+
+REC_WORDS_NAMES = (
+    "SIZE",     # bytes of the whole record (<= its block)
+    "COUNTER",  # this host's dot counter for the write that made the record
+    "HLC",
+    "INFO",     # key length (16 bits) | tag << 16 (8 bits) | vvx length << 32 (32 bits)
+    "VLEN",     # value bytes
+    "VREL",     # offset of the value from the record's start
+    "PINS",     # zero-copy views pinning this block
+    "LENS",     # meta length (32 bits) | extension length << 32 (32 bits)
+)
+REC = {name: i for i, name in enumerate(REC_WORDS_NAMES)}
+REC_HEADER = 8 * len(REC_WORDS_NAMES)
+TAG_TOMBSTONE = 0  # a delete kept until L3 has it (cluster mode); codec tags are 1..15
+
+FEED_WORDS_NAMES = ("SEQ", "INFO", "COUNTER", "HLC")  # INFO: kind | key length << 8
+FEED = {name: i for i, name in enumerate(FEED_WORDS_NAMES)}
+FEED_KEY_AT = 8 * len(FEED_WORDS_NAMES)
+
+# Change-feed event kinds: the one list (watch maps them to Event.kind names).
+KIND_PUT = 1
+KIND_DELETE = 2
+KIND_RESYNC = 3  # a writer died mid-operation and the segment was repaired: re-read
+KIND_EVICT = 4  # L2 dropped a clean entry to make room (a local event; never sent to L3)
+KIND_NAMES = {KIND_PUT: "put", KIND_DELETE: "delete", KIND_RESYNC: "resync", KIND_EVICT: "evict"}
+
+PIN_WORDS = 2  # (block offset, holder pid)
+
+
+def c_header() -> str:
+    """The C header for ``_l2core.c``: every constant above as a #define."""
+    lines = ["/* Generated from kvcomm/tiers/shm/layout.py by setup.py: do not edit. */",
+             "#pragma once"]
+
+    def define(name: str, value: int) -> None:
+        lines.append(f"#define {name} {value}ULL")
+
+    for name, value in (("LAYOUT_VERSION", LAYOUT_VERSION), ("MAGIC", MAGIC),
+                        ("HEADER_SIZE", HEADER_SIZE), ("MIN_ORDER", MIN_ORDER),
+                        ("MAX_ORDER", MAX_ORDER), ("MAX_PROBE", MAX_PROBE),
+                        ("MAX_KEY", MAX_KEY), ("H_FREE", H_FREE), ("MUTEX_AT", MUTEX_AT),
+                        ("MUTEX_SPACE", MUTEX_SPACE), ("HOST_ID_AT", HOST_ID_AT),
+                        ("STATE_OK", STATE_OK), ("STATE_PURGED", STATE_PURGED),
+                        ("SLOT_WORDS", SLOT_WORDS), ("EMPTY", EMPTY), ("TOMB", TOMB),
+                        ("FLAG_DIRTY", FLAG_DIRTY), ("REC_HEADER", REC_HEADER),
+                        ("TAG_TOMBSTONE", TAG_TOMBSTONE), ("FEED_KEY_AT", FEED_KEY_AT),
+                        ("PIN_WORDS", PIN_WORDS)):
+        define(name, value)
+    for prefix, table in (("H_", H), ("SLOT_", SLOT), ("REC_", REC), ("FEED_", FEED)):
+        for name, index in table.items():
+            define(prefix + name, index)
+    for kind, name in KIND_NAMES.items():
+        define("KIND_" + name.upper(), kind)
+    return "\n".join(lines) + "\n"
