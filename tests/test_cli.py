@@ -25,10 +25,12 @@ def test_config_show_defaults_and_file(tmp_path: Path) -> None:
     out = run("config", "--show")
     assert out.returncode == 0
     data = yaml.safe_load(out.stdout)
-    assert data["cache"]["l2_sync_interval"] == 0.05 and data["network"]["zero_copy_threshold"] == 4096
+    # units as the config takes them (issue 8), and what is printed loads back
+    assert data["cache"]["l2_sync_interval"] == "50ms" and data["network"]["zero_copy_threshold"] == "4KB"
+    assert kvcomm.Config.from_mapping(data) == kvcomm.Config()
     f = tmp_path / "k.yaml"
     f.write_text("cache:\n  l1_size: 1GB\n")
-    assert yaml.safe_load(run("config", "--show", "--config", str(f)).stdout)["cache"]["l1_size"] == 1 << 30
+    assert yaml.safe_load(run("config", "--show", "--config", str(f)).stdout)["cache"]["l1_size"] == "1GB"
     f.write_text("cache:\n  l1_size: lots\n")
     bad = run("config", "--show", "--config", str(f))
     assert bad.returncode == 2 and "cache.l1_size" in bad.stderr
@@ -123,3 +125,27 @@ def test_node_waits_for_an_unreachable_cluster_until_stopped(tmp_path: Path, ns:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+def test_config_show_hides_the_password_and_loads_back(tmp_path: Path) -> None:
+    f = tmp_path / "k.yaml"
+    f.write_text("cache:\n  l2_permissions: 0o640\n  l1_size: 1536KB\n  negative_ttl: 500us\n"
+                 "cluster:\n  redis: ['10.0.0.5:7000']\n  redis_password: hunter2-secret\n"
+                 "  feed_poll: 0.0125\n")
+    out = run("config", "--show", "--config", str(f))
+    assert out.returncode == 0, out.stderr
+    assert "hunter2-secret" not in out.stdout + out.stderr
+    assert "  # redis_password: (set; hidden)\n" in out.stdout
+    for line in ("l2_permissions: 0o640", "l1_size: 1536KB", "negative_ttl: 500us",
+                 "feed_poll: 12500us", "l2_size: 256MB", "key_filter_rebuild: 10m"):
+        assert f"  {line}\n" in out.stdout, line
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(out.stdout)
+    expected = kvcomm.Config.load(f)
+    expected = expected.model_copy(
+        update={"cluster": expected.cluster.model_copy(update={"redis_password": None})})
+    assert kvcomm.Config.load(shown) == expected
+    again = run("config", "--show", "--config", str(shown))  # a fixpoint from then on
+    assert again.returncode == 0 and again.stdout == out.stdout.replace(
+        "  # redis_password: (set; hidden)\n", "  redis_password: null\n")
+
