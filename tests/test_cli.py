@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -149,3 +151,81 @@ def test_config_show_hides_the_password_and_loads_back(tmp_path: Path) -> None:
     assert again.returncode == 0 and again.stdout == out.stdout.replace(
         "  # redis_password: (set; hidden)\n", "  redis_password: null\n")
 
+
+def _no_traceback(out: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("kvcomm: "), out.stderr
+
+
+def test_purge_of_a_directory_says_what_to_do(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    (path / "sub").mkdir(parents=True)
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode == 2
+        _no_traceback(out)
+        assert "is a directory" in out.stderr and f"rm -r {path}" in out.stderr
+        assert path.is_dir()  # a directory is not ours to remove
+    finally:
+        shutil.rmtree(path)
+
+
+def test_purge_of_an_invalid_name_is_a_message() -> None:
+    out = run("purge", "--name", "../etc")
+    assert out.returncode == 2
+    _no_traceback(out)
+    assert "invalid" in out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the command as another user")
+def test_purge_of_another_users_segment_says_whose_it_is(ns: str, config: kvcomm.Config) -> None:
+    kvcomm.open(ns, config=config).close()
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    assert path.stat().st_uid == 0
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-m", "kvcomm", "purge", "--name", ns],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    _no_traceback(out)
+    assert "permission denied" in out.stderr and "user root (uid 0)" in out.stderr
+    assert path.exists()
+    assert run("purge", "--name", ns).returncode == 0  # its owner can
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("size", [8192, 4096, 100, 0])
+def test_purge_removes_a_corrupt_or_foreign_segment(ns: str, size: int) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes((bytes(range(256)) * (size // 256 + 1))[:size])
+    out = run("purge", "--name", ns)
+    assert out.returncode == 0, out.stderr
+    assert not path.exists()
+    missing = run("purge", "--name", ns)
+    assert missing.returncode == 1 and "no segment" in missing.stderr
+
+
+def test_purge_of_an_unreadable_segment_never_prints_a_traceback(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes(bytes(range(256)) * 16 + b"xyz")  # not a whole number of 8-byte words
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode in (0, 2), out.stderr
+        if out.returncode == 2:
+            _no_traceback(out)
+            assert f"rm {path}" in out.stderr
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.xfail(strict=True, reason="tiers/l2.py purge() lets L2Segment's TypeError out for a "
+                   "file whose size is not a multiple of 8: the file is left (fix belongs in l2.py)")
+def test_purge_removes_a_segment_of_odd_size(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes(bytes(range(256)) * 16 + b"xyz")
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode == 0, out.stderr
+        assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
