@@ -8,7 +8,7 @@ from pathlib import Path
 import pydantic
 import pytest
 import yaml
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import kvcomm
@@ -268,10 +268,10 @@ def _size(lo: int, hi: int = MAX_SIZE) -> st.SearchStrategy[object]:
 
 def _duration(positive: bool) -> st.SearchStrategy[object]:
     lo = 0.0 if not positive else 1e-9
-    units = st.sampled_from(["us", "ms", "s", "m"]).flatmap(
-        lambda u: st.integers(1 if positive else 0, 10**6).map(lambda k: f"{k}{u}"))
-    return st.one_of(st.floats(lo, MAX_DURATION, allow_nan=False), units).filter(
-        lambda v: 0 < parse_duration(v) <= MAX_DURATION or not positive)
+    per_unit = {"us": 10**6, "ms": 1000, "s": 1, "m": 1 / 60}
+    units = st.sampled_from(list(per_unit)).flatmap(lambda u: st.integers(
+        1 if positive else 0, int(MAX_DURATION * per_unit[u])).map(lambda k: f"{k}{u}"))
+    return st.one_of(st.floats(lo, MAX_DURATION, allow_nan=False), units)
 
 
 # one strategy per key: test_strategies_cover_every_key fails when a key is added without one
@@ -321,6 +321,8 @@ def _valid_configs(draw: st.DrawFn) -> dict[str, dict[str, object]]:
 
 
 @given(_valid_configs())
+# found at 3000 examples: blank lines inside a quoted scalar are the value's newlines
+@example({"cluster": {"resolvers": {"a\n\nb": "m:f"}, "redis_username": "x\n y \n\n"}})
 def test_show_loads_back_to_an_equal_config(tmp_path_factory: pytest.TempPathFactory,
                                             data: dict[str, dict[str, object]]) -> None:
     c = kvcomm.Config.from_mapping(data)

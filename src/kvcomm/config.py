@@ -550,7 +550,8 @@ class Config(_Section):
                 # never be taken for another key's line
                 text = yaml.safe_dump({name: _format(info, value)}, sort_keys=False,
                                       allow_unicode=False, width=1 << 16)
-                lines.extend(f"  {line}\n" for line in text.split("\n") if line)
+                # blank lines inside a quoted scalar are newlines of the value: keep them
+                lines.extend(f"  {line}\n" for line in text.removesuffix("\n").split("\n"))
         return "".join(lines)
 
 
