@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,10 +27,12 @@ def test_config_show_defaults_and_file(tmp_path: Path) -> None:
     out = run("config", "--show")
     assert out.returncode == 0
     data = yaml.safe_load(out.stdout)
-    assert data["cache"]["l2_sync_interval"] == 0.05 and data["network"]["zero_copy_threshold"] == 4096
+    # units as the config takes them (issue 8), and what is printed loads back
+    assert data["cache"]["l2_sync_interval"] == "50ms" and data["network"]["zero_copy_threshold"] == "4KB"
+    assert kvcomm.Config.from_mapping(data) == kvcomm.Config()
     f = tmp_path / "k.yaml"
     f.write_text("cache:\n  l1_size: 1GB\n")
-    assert yaml.safe_load(run("config", "--show", "--config", str(f)).stdout)["cache"]["l1_size"] == 1 << 30
+    assert yaml.safe_load(run("config", "--show", "--config", str(f)).stdout)["cache"]["l1_size"] == "1GB"
     f.write_text("cache:\n  l1_size: lots\n")
     bad = run("config", "--show", "--config", str(f))
     assert bad.returncode == 2 and "cache.l1_size" in bad.stderr
@@ -123,3 +127,119 @@ def test_node_waits_for_an_unreachable_cluster_until_stopped(tmp_path: Path, ns:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+def test_config_show_hides_the_password_and_loads_back(tmp_path: Path) -> None:
+    f = tmp_path / "k.yaml"
+    f.write_text("cache:\n  l2_permissions: 0o640\n  l1_size: 1536KB\n  negative_ttl: 500us\n"
+                 "cluster:\n  redis: ['10.0.0.5:7000']\n  redis_password: hunter2-secret\n"
+                 "  feed_poll: 0.0125\n")
+    out = run("config", "--show", "--config", str(f))
+    assert out.returncode == 0, out.stderr
+    assert "hunter2-secret" not in out.stdout + out.stderr
+    assert "  # redis_password: (set; hidden)\n" in out.stdout
+    for line in ("l2_permissions: 0o640", "l1_size: 1536KB", "negative_ttl: 500us",
+                 "feed_poll: 12500us", "l2_size: 256MB", "key_filter_rebuild: 10m"):
+        assert f"  {line}\n" in out.stdout, line
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(out.stdout)
+    expected = kvcomm.Config.load(f)
+    expected = expected.model_copy(
+        update={"cluster": expected.cluster.model_copy(update={"redis_password": None})})
+    assert kvcomm.Config.load(shown) == expected
+    again = run("config", "--show", "--config", str(shown))  # a fixpoint from then on
+    assert again.returncode == 0 and again.stdout == out.stdout.replace(
+        "  # redis_password: (set; hidden)\n", "  redis_password: null\n")
+
+
+def _no_traceback(out: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("kvcomm: "), out.stderr
+
+
+def test_purge_of_a_directory_says_what_to_do(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    (path / "sub").mkdir(parents=True)
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode == 2
+        _no_traceback(out)
+        assert "is a directory" in out.stderr and f"rm -r {path}" in out.stderr
+        assert path.is_dir()  # a directory is not ours to remove
+    finally:
+        shutil.rmtree(path)
+
+
+def test_purge_of_an_invalid_name_is_a_message() -> None:
+    out = run("purge", "--name", "../etc")
+    assert out.returncode == 2
+    _no_traceback(out)
+    assert "invalid" in out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the command as another user")
+def test_purge_of_another_users_segment_says_whose_it_is(ns: str, config: kvcomm.Config) -> None:
+    kvcomm.open(ns, config=config).close()
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    assert path.stat().st_uid == 0
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-m", "kvcomm", "purge", "--name", ns],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    _no_traceback(out)
+    assert "permission denied" in out.stderr and "user root (uid 0)" in out.stderr
+    assert path.exists()
+    assert run("purge", "--name", ns).returncode == 0  # its owner can
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("size", [8192, 4096, 100, 0])
+def test_purge_removes_a_corrupt_or_foreign_segment(ns: str, size: int) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes((bytes(range(256)) * (size // 256 + 1))[:size])
+    out = run("purge", "--name", ns)
+    assert out.returncode == 0, out.stderr
+    assert not path.exists()
+    missing = run("purge", "--name", ns)
+    assert missing.returncode == 1 and "no segment" in missing.stderr
+
+
+def test_purge_of_an_unreadable_segment_never_prints_a_traceback(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes(bytes(range(256)) * 16 + b"xyz")  # not a whole number of 8-byte words
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode in (0, 2), out.stderr
+        if out.returncode == 2:
+            _no_traceback(out)
+            assert f"rm {path}" in out.stderr
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_purge_removes_a_segment_of_odd_size(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes(bytes(range(256)) * 16 + b"xyz")
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode == 0, out.stderr
+        assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the command as another user")
+def test_a_failed_purge_leaves_the_segment_working(ns: str) -> None:
+    """A purge that cannot remove the file (another user's, in sticky /dev/shm) must not
+    mark it purged either: its users would fail while new ones reopened the old data."""
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB", "l2_permissions": 0o666}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        kv.put("k", 1)
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              sys.executable, "-m", "kvcomm", "purge", "--name", ns],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        kv.put("k", 2)  # still a working segment
+        assert kv.get("k") == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..config import resolve
@@ -47,13 +48,50 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    from ..tiers.l2 import purge
+    """Exit 0 when removed, 1 when there was no segment, 2 (with what to do) when it failed."""
+    from ..tiers.l2 import purge, segment_path
 
-    if purge(args.name):
-        print(f"purged namespace {args.name!r}")
+    name = args.name
+    try:
+        removed = purge(name)
+    except KVCommError as exc:
+        print(f"kvcomm: cannot purge namespace {name!r}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvcomm: cannot purge namespace {name!r}: {_purge_os_advice(name, exc)}",
+              file=sys.stderr)
+        return 2
+    except Exception as exc:  # the one command that must work whatever the file holds
+        path = segment_path(name)
+        print(f"kvcomm: cannot purge namespace {name!r}: {path} could not be read as a segment "
+              f"({type(exc).__name__}: {exc}); if no process uses it, remove it by hand "
+              f"(rm {path}) and report this as a bug", file=sys.stderr)
+        return 2
+    if removed:
+        print(f"purged namespace {name!r}")
         return 0
-    print(f"no segment for namespace {args.name!r}", file=sys.stderr)
+    print(f"no segment for namespace {name!r}", file=sys.stderr)
     return 1
+
+
+def _purge_os_advice(name: str, exc: OSError) -> str:
+    """What went wrong removing a segment, and what the user can do about it."""
+    import errno
+    import pwd
+
+    path = exc.filename or "the segment file"
+    if exc.errno == errno.EISDIR or isinstance(exc, IsADirectoryError):
+        return (f"{path} is a directory, not a kvcomm segment; nothing was removed: "
+                f"remove it by hand (rm -r {path}) if nothing else uses it")
+    if isinstance(exc, PermissionError):
+        try:
+            uid = os.lstat(path).st_uid
+            owner = f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+        except (OSError, KeyError):
+            owner = "another user"
+        return (f"permission denied on {path}, which belongs to {owner}: run "
+                f"`kvcomm purge --name {name}` as that user or as root")
+    return f"{path}: {exc.strerror or exc}; check that path and run the command again"
 
 
 def _config(args: argparse.Namespace) -> int:

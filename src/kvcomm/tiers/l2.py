@@ -352,6 +352,9 @@ class L2Segment:
             size = create_layout.total if created and create_layout else os.fstat(fd).st_size
             if size < HEADER_SIZE:
                 size = self._wait_for_size(fd, attach_timeout)
+            if size % 4096:
+                raise SegmentError(f"{self.path} is {size} bytes, not a whole number of pages: "
+                                   "not a KVCOMM segment (foreign or truncated); not touching it")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -1053,11 +1056,13 @@ def open_segment(name: str, layout: Layout, host_id: str, permissions: int,
 
 
 def purge(name: str, directory: str = SHM_DIR) -> bool:
-    """Mark namespace ``name`` purged (its users get SegmentError) and remove its files.
+    """Remove namespace ``name``'s files and mark its segment purged (its users get
+    SegmentError from then on, L1 hits included).
 
-    Always removes the files, even of a corrupt, foreign or locked segment. Returns False
-    when there was no segment. Raises SegmentError only for a bad name or a file that
-    cannot be removed (the message says why).
+    Always removes the segment file, even a corrupt, foreign or locked one; the segment
+    is marked purged only once its file is gone (a file that cannot be removed is left as
+    it was, unmarked). Returns False when there was no segment. Raises SegmentError for a
+    bad name, OSError when the file cannot be removed (the caller says what to do).
     """
     path = segment_path(name, directory)
     if not os.path.lexists(path):
@@ -1066,23 +1071,20 @@ def purge(name: str, directory: str = SHM_DIR) -> bool:
         remove(name)
         return False
     try:
-        seg = L2Segment(name, create_layout=None, host_id="", attach_timeout=0,
-                        directory=directory, lock_timeout=1.0)
-    except (KVCommError, OSError, ValueError):
-        seg = None  # foreign, broken or not ours: removing the file is all we can do
-    if seg is not None:
-        try:
-            seg.mark_purged()
-        except (KVCommError, OSError, ValueError):
-            pass  # a lock held by a stopped process, say: users notice the file is gone
-        finally:
-            seg.close()
+        seg: L2Segment | None = L2Segment(name, create_layout=None, host_id="", attach_timeout=0,
+                                          directory=directory, lock_timeout=1.0)
+    except Exception:  # foreign, broken or not ours: removing the file is all we can do
+        seg = None
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise SegmentError(f"cannot remove {path}: {exc.strerror}") from None
+        if seg is not None:
+            try:
+                seg.mark_purged()
+            except (KVCommError, OSError, ValueError):
+                pass  # a lock held by a stopped process, say: new users get a new segment
+    finally:
+        if seg is not None:
+            seg.close()
     from .keyfilter import remove  # (keyfilter builds on this module)
 
     remove(name)  # the daemon's filter of existing keys goes with the namespace
