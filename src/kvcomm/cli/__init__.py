@@ -23,7 +23,10 @@ from ..errors import KVCommError
 def _info(args: argparse.Namespace) -> int:
     from ..tiers.l2 import L2Segment
 
-    seg = L2Segment(args.name, create_layout=None, host_id="")
+    c = resolve(args.config).cache
+    seg = L2Segment(args.name or resolve(args.config).node.namespace, create_layout=None,
+                    host_id="", directory=c.l2_dir, permissions=c.l2_permissions,
+                    lock_timeout=c.lock_timeout)
     try:
         info = seg.info()
     finally:
@@ -37,13 +40,13 @@ def _info(args: argparse.Namespace) -> int:
     print(f"in use         {used / 2**20:.2f} MiB ({100 * used / data:.1f}%), "
           f"{info['entries']} entries in {info['slots']} slots")
     print(f"writes         {info['writes']}  evictions {info['evictions']}  "
-          f"recoveries {info['recoveries']}")
+          f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
     print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
     if info["daemon_pid"]:
         state = "alive" if info["daemon_alive"] else "NOT heartbeating"
         print(f"node daemon    pid {info['daemon_pid']}, {state}; "
-              f"{info['sync_backlog']} events not yet in L3")
+              f"{info['dirty']} writes not yet in L3, {info['set_aside']} set aside")
     return 0
 
 
@@ -52,8 +55,9 @@ def _purge(args: argparse.Namespace) -> int:
     from ..tiers.l2 import purge, segment_path
 
     name = args.name
+    directory = resolve(args.config).cache.l2_dir
     try:
-        removed = purge(name)
+        removed = purge(name, directory)
     except KVCommError as exc:
         print(f"kvcomm: cannot purge namespace {name!r}: {exc}", file=sys.stderr)
         return 2
@@ -62,7 +66,7 @@ def _purge(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     except Exception as exc:  # the one command that must work whatever the file holds
-        path = segment_path(name)
+        path = segment_path(name, directory)
         print(f"kvcomm: cannot purge namespace {name!r}: {path} could not be read as a segment "
               f"({type(exc).__name__}: {exc}); if no process uses it, remove it by hand "
               f"(rm {path}) and report this as a bug", file=sys.stderr)
@@ -146,12 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     i = sub.add_parser("info", help="show a namespace's L2 segment use")
-    i.add_argument("--name", default="default")
+    i.add_argument("--name", help="the namespace (default: node.namespace of the config)")
+    i.add_argument("--config", help="a kvcomm YAML config (for cache.l2_dir and the namespace)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_info)
 
     u = sub.add_parser("purge", help="remove a namespace's L2 segment")
     u.add_argument("--name", required=True)
+    u.add_argument("--config", help="a kvcomm YAML config (for cache.l2_dir)")
     u.set_defaults(func=_purge)
 
     n = sub.add_parser("node", help="run the host daemon (cluster mode)")
