@@ -1082,17 +1082,18 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
         PyErr_NoMemory();
         goto out;
     }
-    if (kidx_init(&ki, n) < 0)
+    if (n > 1 && kidx_init(&ki, n) < 0)
         goto out;
     for (;;) {
         Py_ssize_t nprotect = 0, nclaims = 0;
         int64_t dirty_delta = 0;
         uint64_t need_defer = 0, need_bytes = 0;
-        memset(ki.slots, 0, sizeof(Py_ssize_t) * (size_t)(ki.mask + 1));
+        if (n > 1)
+            memset(ki.slots, 0, sizeof(Py_ssize_t) * (size_t)(ki.mask + 1));
         int evicted = 0;
         for (Py_ssize_t i = 0; i < n && !evicted; i++) {
             Op *op = &ops[i];
-            op->prev = kidx_swap(&ki, ops, i);
+            op->prev = n == 1 ? 0 : kidx_swap(&ki, ops, i);
             op->writes_record = op->kind != OP_DEL || tombstones;
             op->block = 0;
             uint64_t prev_vvlen = 0;
@@ -1276,13 +1277,19 @@ unlink_record(Core *c, uint64_t found, Op *op, uint64_t now_ms)
     return 0;
 }
 
-/* Publish one planned op: build its record in its block and swap it into its slot. */
+/* Publish one planned op: build its record in its block and swap it into its slot.
+ * `planned`: nothing changed since the plan (a batch of one), so its slots stand; in a
+ * larger batch earlier ops change slots, and the key is probed again. */
 static int
-publish(Core *c, Op *op, uint64_t now_ms, uint64_t flags)
+publish(Core *c, Op *op, uint64_t now_ms, uint64_t flags, int planned)
 {
     uint64_t found = 0, reusable = 0;
-    if (find(c, op->key, op->klen, op->h, &found, &reusable) < 0)
+    if (planned) {
+        found = op->found;
+        reusable = op->found ? 0 : op->slot;
+    } else if (find(c, op->key, op->klen, op->h, &found, &reusable) < 0) {
         return -1;
+    }
     if (!op->writes_record)
         return found ? unlink_record(c, found, op, now_ms) : 0;
     uint64_t so = found ? found : reusable;
@@ -1457,7 +1464,7 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (publish(c, &ops[i], now_ms, flags) < 0) {
+        if (publish(c, &ops[i], now_ms, flags, n == 1) < 0) {
             Py_XDECREF(results);
             return NULL; /* corruption found mid-publish: BUSY stays raised for repair */
         }
