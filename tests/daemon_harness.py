@@ -8,9 +8,13 @@ made by merging records straight into L3 (:func:`remote_put`), the way its daemo
 from __future__ import annotations
 
 import random
+import shutil
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 import kvcomm
 from kvcomm.core import codec
@@ -18,6 +22,22 @@ from kvcomm.node.daemon import NodeDaemon
 from kvcomm.testing.cluster import RedisCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store
+
+
+@pytest.fixture(scope="module", name="cluster")
+def cluster_fixture() -> Iterator[RedisCluster]:
+    """A Redis Cluster of the test module's own: faults injected there stay there."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    with RedisCluster() as c:
+        yield c
+
+
+@pytest.fixture(name="store")
+def store_fixture(cluster: RedisCluster) -> Iterator[L3Store]:
+    s = L3Store(cluster.seeds)
+    yield s
+    s.close()
 
 
 def host_config(cluster: RedisCluster, host_id: str, ns: str, **cache: Any) -> kvcomm.Config:

@@ -13,25 +13,12 @@ from kvcomm.testing.cluster import RedisCluster
 from kvcomm.tiers.l3 import GROUPS, MERGE_LUA, L3Store, feed_key, group_of, seq_key
 
 from .conftest import wait_for
-from .daemon_harness import Host, record, remote_put
+from .daemon_harness import Host, cluster_fixture, record, remote_put, store_fixture  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.redis,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    with RedisCluster() as c:
-        yield c
-
-
-@pytest.fixture
-def store(cluster: RedisCluster) -> Iterator[L3Store]:
-    s = L3Store(cluster.seeds)
-    yield s
-    s.close()
 
 
 @pytest.fixture
@@ -72,19 +59,23 @@ def atomically(store: L3Store, group: int, merges: list[tuple[str, object, int]]
     assert all(r[0] in (b"new", b"newer") for r in out[:-1]), out
 
 
-def hold(host: Host, key: str, value: object) -> None:
+def hold(host: Host, store: L3Store, key: str, value: object) -> int:
+    """Until the host holds ``key`` at ``value`` in L2 and its daemon has read the key's
+    group feed up to date; returns the group."""
     wait_for(lambda: host.kv.get(key) == value, 10, f"host b to hold {key}")
     item = host.kv.get_item(key)
     assert item is not None and item.tier in ("l1", "l2")
+    g = group_of(key)
+    wait_for(lambda: host.daemon is not None
+             and host.daemon.feed_seqs[g] == store.feed_seqs([g])[g],
+             10, "the daemon to read the group's feed up to date")
+    return g
 
 
 def test_a_gap_in_a_running_daemon_s_feed_is_resynced(host: Host, store: L3Store) -> None:
     k, other = same_group_keys("gap", 2)
-    g = group_of(k)
     remote_put(store, k, "v1", "host-a", 1)
-    hold(host, k, "v1")
-    wait_for(lambda: host.daemon is not None and host.daemon.feed_seqs[g] == store.feed_seqs([g])[g],
-             10, "the daemon to read the group's feed up to date")
+    g = hold(host, store, k, "v1")
     before = host.stats.resyncs
     # v2 of k and a change of another key, then the stream keeps only the last entry:
     # the daemon's next read starts at sequence last + 2
@@ -97,11 +88,8 @@ def test_a_gap_in_a_running_daemon_s_feed_is_resynced(host: Host, store: L3Store
 
 def test_a_stream_trimmed_to_nothing_is_resynced(host: Host, store: L3Store) -> None:
     (k,) = same_group_keys("empty", 1)
-    g = group_of(k)
     remote_put(store, k, "v1", "host-a", 1)
-    hold(host, k, "v1")
-    wait_for(lambda: host.daemon is not None and host.daemon.feed_seqs[g] == store.feed_seqs([g])[g],
-             10, "the daemon to read the group's feed up to date")
+    g = hold(host, store, k, "v1")
     before = host.stats.resyncs
     # XTRIM while the daemon is running and holding the key: every read now returns
     # nothing, so only the group counter tells that a change was missed
@@ -114,11 +102,8 @@ def test_a_stream_trimmed_to_nothing_is_resynced(host: Host, store: L3Store) -> 
 
 def test_a_stream_that_went_backwards_is_resynced(host: Host, store: L3Store) -> None:
     (k,) = same_group_keys("rewind", 1)
-    g = group_of(k)
     remote_put(store, k, "v1", "host-a", 1)
-    hold(host, k, "v1")
-    wait_for(lambda: host.daemon is not None and (host.daemon.feed_seqs[g] or 0) >= 1, 10,
-             "the daemon to read the entry")
+    g = hold(host, store, k, "v1")
     before = host.stats.extra.get("resync_rewind", 0)
     # what a failover that lost the latest entries looks like: the stream and its
     # counter are behind what the daemon read (here: gone altogether)
@@ -157,9 +142,8 @@ def test_a_new_host_starts_at_each_group_s_current_sequence(cluster: RedisCluste
 def test_a_restarted_daemon_resumes_its_sequence_and_sees_what_it_missed(
         host: Host, store: L3Store) -> None:
     k, other = same_group_keys("resume", 2)
-    g = group_of(k)
     remote_put(store, k, "v1", "host-a", 1)
-    hold(host, k, "v1")
+    g = hold(host, store, k, "v1")
     host.stop()  # a clean stop saves cursors and sequence numbers
     saved_cursors, saved_seqs = store.load_cursors("host-b")
     assert saved_seqs[g] == store.feed_seqs([g])[g]

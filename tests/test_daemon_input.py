@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store, feed_key, group_of, record_key, seq_key
 
 from .conftest import wait_for
-from .daemon_harness import Host, host_config, record, remote_put
+from .daemon_harness import Host, cluster_fixture, host_config, record, remote_put, store_fixture  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.redis,
@@ -41,19 +40,6 @@ local s = redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[1], '*', 'k', ARGV[1], 'r', ARGV[2], 's', s)
 return s
 """
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    with RedisCluster() as c:
-        yield c
-
-
-@pytest.fixture
-def store(cluster: RedisCluster) -> Iterator[L3Store]:
-    s = L3Store(cluster.seeds)
-    yield s
-    s.close()
 
 
 @pytest.fixture

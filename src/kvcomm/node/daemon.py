@@ -257,12 +257,8 @@ class NodeDaemon:
             try:
                 results = self._merge(items)
             except Unavailable as exc:
-                self.stats.l3_errors += 1
-                delay = self.push_backoff.failed()
-                if self.push_backoff.attempts & (self.push_backoff.attempts - 1) == 0:
-                    log.warning("L3 unavailable (%s); retry %d in %.2fs", exc,
-                                self.push_backoff.attempts, delay)  # 1st, 2nd, 4th, 8th…
-                self.retry_at = time.monotonic() + delay
+                self.retry_at = time.monotonic() + self._l3_failed(self.push_backoff,
+                                                                   "sending to L3", exc)
                 return
             self.push_backoff.succeeded()
             self.unsent.pop(0)
@@ -541,12 +537,17 @@ class NodeDaemon:
             self._maybe_prewarm()
             self.pull_backoff.succeeded()
         except Unavailable as exc:
-            self.stats.l3_errors += 1
-            delay = self.pull_backoff.failed()
-            self.pull_at = time.monotonic() + delay
-            if self.pull_backoff.attempts & (self.pull_backoff.attempts - 1) == 0:
-                log.warning("reading the L3 feed failed (%s); retry %d in %.2fs", exc,
-                            self.pull_backoff.attempts, delay)
+            self.pull_at = time.monotonic() + self._l3_failed(self.pull_backoff,
+                                                              "reading the L3 feed", exc)
+
+    def _l3_failed(self, backoff: Backoff, what: str, exc: Exception) -> float:
+        """Count an L3 failure; returns the delay before the next try. Logged at the 1st,
+        2nd, 4th, 8th… failure in a row, so a long outage does not flood the log."""
+        self.stats.l3_errors += 1
+        delay = backoff.failed()
+        if backoff.attempts & (backoff.attempts - 1) == 0:
+            log.warning("%s failed (%s); retry %d in %.2fs", what, exc, backoff.attempts, delay)
+        return delay
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set, then flush. A failed round is logged, counted and
