@@ -183,3 +183,46 @@ def test_a_closed_daemon_filter_is_untrusted_at_once(fname: str) -> None:
     assert not r.ready and r.retired
     r.close()
     w.close()
+
+
+def _cluster_client(ns: str) -> kvcomm.Client:
+    """A cluster-mode agent whose L3 cannot be reached: any read that leaves the host
+    raises Unavailable, so a None proves the key filter answered."""
+    return kvcomm.open(ns, config=kvcomm.Config.from_mapping({
+        "node": {"namespace": ns}, "cache": {"l2_size": "4MB", "watch_buffer": 1024,
+                                             "negative_ttl": 0},
+        "cluster": {"redis": ["127.0.0.1:1"], "timeout": 0.2}}))
+
+
+def test_an_agent_trusts_the_filter_only_while_the_daemon_beats(ns: str) -> None:
+    w = KeyFilter.create(ns, 1000, 0.001)
+    kv = _cluster_client(ns)
+    try:
+        w.set_ready(True)
+        w.beat()
+        assert kv.get("surely/absent") is None  # answered by the filter: L3 is unreachable
+        assert kv.stats()["l3"]["filter_hits"] == 1
+        w.beat(now_ms=1)  # the daemon's last beat is long past: it is dead
+        with pytest.raises(kvcomm.Unavailable):
+            kv.get("surely/absent")  # so the agent asks L3 (unreachable here)
+    finally:
+        kv.close()
+        w.close()
+
+
+def test_an_agent_refuses_a_filter_of_another_user(ns: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a file to another user")
+    w = KeyFilter.create(ns, 1000, 0.001)
+    w.set_ready(True)
+    w.beat()
+    w.close()
+    os.chown(filter_path(ns), 65534, 65534)
+    kv = _cluster_client(ns)
+    try:
+        for _ in range(2):  # every time, not once a second
+            with pytest.raises(kvcomm.SegmentError, match="uid 65534"):
+                kv.get("k")
+    finally:
+        kv.close()
+        os.unlink(filter_path(ns))

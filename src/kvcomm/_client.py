@@ -423,13 +423,14 @@ class Client:
         now = time.monotonic()
         if now < self._kf_retry:
             return None
-        self._kf_retry = now + 1.0
         if kf is not None:
             self._kf = None
             kf.close()
         from .tiers.keyfilter import KeyFilter
 
+        # (a refused file raises at every miss, not once a second: no silent fallback)
         self._kf = KeyFilter.open_reader(self.name, self.config.cache.l2_permissions)
+        self._kf_retry = now + 1.0
         return self._kf if self._kf is not None and self._kf.ready else None
 
     def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool) -> Any:
