@@ -582,10 +582,9 @@ class NodeDaemon:
         if closed is not None:
             self.unsent.append(closed)
         while self.unsent and time.monotonic() < end:
-            self.retry_at = 0.0
             self._send_unsent()
-            if self.unsent:
-                time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+            if self.unsent:  # failed: wait as the backoff says (retry_at), within the timeout
+                time.sleep(max(0.0, min(self.retry_at, end) - time.monotonic()))
         if not self.unsent:
             self.push_local(time.monotonic())
         try:
