@@ -53,6 +53,22 @@ def restart_daemon(dev: dict[str, Any], i: int) -> None:
     dev["hosts"][i]["pid"] = devcluster.restart_daemon(str(dev["dir"]), i)
 
 
+def kill_daemon(dev: dict[str, Any], i: int) -> None:
+    os.kill(dev["hosts"][i]["pid"], signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def whole_cluster(dev: dict[str, Any]) -> Iterator[None]:
+    """Every test starts, and must end, with every daemon up and the Redis Cluster whole:
+    a test that kills something restores it itself (so that no test depends on the order
+    they run in), and this checks that it did."""
+    yield
+    devcluster.wait_redis_whole(str(dev["dir"]), timeout=60)
+    for h in dev["hosts"]:
+        wait_for(lambda h=h: devcluster._daemon_alive(h["namespace"]), 10,
+                 f"{h['host']}'s daemon to be up after the test")
+
+
 def test_a_put_is_visible_on_every_host(dev: dict[str, Any]) -> None:
     a, b, c = host(dev, 0), host(dev, 1), host(dev, 2)
     try:
@@ -156,13 +172,15 @@ def test_daemon_kill_and_restart_loses_no_acknowledged_write(dev: dict[str, Any]
         for i in range(200):
             a.put(f"crash/{i}", i)
             if i == 100:
-                os.kill(dev["hosts"][0]["pid"], signal.SIGKILL)
+                kill_daemon(dev, 0)
         restart_daemon(dev, 0)
         wait_for(lambda: all(l3_value(store, f"crash/{i}") == i for i in range(200)), 30,
                  "every acknowledged write to reach L3")
     finally:
         store.close()
         a.close()
+        if not devcluster._daemon_alive(dev["hosts"][0]["namespace"]):
+            restart_daemon(dev, 0)
 
 
 def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) -> None:
@@ -173,7 +191,7 @@ def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) ->
         a.put("queue/existing", "v")
         wait_for(lambda: b.get("queue/existing") == "v", 10, "host 2 to hold a clean key")
         a.close()
-        os.kill(dev["hosts"][1]["pid"], signal.SIGKILL)
+        kill_daemon(dev, 1)
         written = 0
         with pytest.raises(kvcomm.Unavailable, match="waiting for L3"):
             for i in range(100_000):
@@ -204,6 +222,8 @@ def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) ->
     finally:
         store.close()
         b.close()
+        if not devcluster._daemon_alive(dev["hosts"][1]["namespace"]):
+            restart_daemon(dev, 1)
 
 
 def test_a_foreign_value_in_l3_does_not_stop_the_daemon(dev: dict[str, Any]) -> None:
@@ -238,27 +258,57 @@ def test_absent_keys_never_leave_the_host(dev: dict[str, Any]) -> None:
         a.close(), c.close()
 
 
+def test_a_dead_daemon_s_key_filter_is_not_trusted(dev: dict[str, Any]) -> None:
+    """The filter only learns keys from its daemon: once the daemon is dead, "not in the
+    filter" no longer means absent, so agents go to L3 (issue 7, item 6)."""
+    a, c = host(dev, 0), host(dev, 2)
+    store = l3(dev)
+    try:
+        wait_for(lambda: c._key_filter() is not None, 10, "host 3's key filter")
+        assert c.get("deadfilter/k") is None
+        kill_daemon(dev, 2)
+        a.put("deadfilter/k", "made while host 3's daemon is dead")
+        wait_for(lambda: store.get("deadfilter/k") is not None, 10, "the key to reach L3")
+        wait_for(lambda: c.get("deadfilter/k") == "made while host 3's daemon is dead", 10,
+                 "host 3 to stop trusting its dead daemon's filter and read L3")
+        assert c._key_filter() is None
+    finally:
+        store.close()
+        a.close(), c.close()
+        restart_daemon(dev, 2)
+    c = host(dev, 2)
+    try:  # the restarted daemon's new filter file is picked up and trusted again
+        wait_for(lambda: c._key_filter() is not None, 10, "host 3 to trust the new filter")
+        assert c._key_filter().may_exist(b"deadfilter/k")
+    finally:
+        c.close()
+
+
 def test_resync_after_the_feed_was_trimmed_past_a_stopped_daemon(dev: dict[str, Any]) -> None:
+    from kvcomm.tiers.l3 import feed_key, group_of
+
     a, b = host(dev, 0), host(dev, 1)
     store = l3(dev)
+    g = group_of("trim/k")
     try:
         a.put("trim/k", "v1")
         wait_for(lambda: b.get("trim/k") == "v1", 10, "host 2 to hold the key")
-        wait_for(lambda: store.load_cursors("host-2") != {}, 10, "host 2 to save its cursors")
-        time.sleep(1.2)  # cursors are saved once a second: let host 2 record its position
-        os.kill(dev["hosts"][1]["pid"], signal.SIGKILL)
+        # cursors are saved once a second: wait until host 2 has recorded this position
+        wait_for(lambda: store.load_cursors("host-2")[1].get(g) == store.feed_seqs([g])[g],
+                 10, "host 2 to save its position in the group's feed")
+        kill_daemon(dev, 1)
         a.put("trim/k", "v2")
-        from kvcomm.tiers.l3 import feed_key, group_of
-
         wait_for(lambda: (r := store.get("trim/k")) is not None and r.value.endswith(b"v2"),
                  10, "v2 to reach L3")
-        store.rc.xtrim(feed_key(group_of("trim/k")), maxlen=0)  # the feed forgot v2
+        store.rc.xtrim(feed_key(g), maxlen=0)  # the feed forgot v2
         assert b.get("trim/k") == "v1"  # stale: its daemon is down
         restart_daemon(dev, 1)
         wait_for(lambda: b.get("trim/k") == "v2", 10, "host 2 to resync from L3")
     finally:
         store.close()
         a.close(), b.close()
+        if not devcluster._daemon_alive(dev["hosts"][1]["namespace"]):
+            restart_daemon(dev, 1)
 
 
 def test_dropped_connections_lose_nothing(dev: dict[str, Any]) -> None:
@@ -282,30 +332,31 @@ def test_dropped_connections_lose_nothing(dev: dict[str, Any]) -> None:
         a.close(), c.close()
 
 
-def test_zz_master_killed_mid_writes_loses_no_acknowledged_write(dev: dict[str, Any]) -> None:
-    """Runs last in this module: it leaves the cluster one node short (its replica serves)."""
+def test_master_killed_mid_writes_loses_no_acknowledged_write(dev: dict[str, Any]) -> None:
+    """A Redis master is SIGKILLed mid-writes; its replica takes over and every
+    acknowledged write reaches L3. The killed node is brought back (as a replica) and
+    the test ends only once the cluster is whole again."""
     from kvcomm.testing.cluster import _command
-    from kvcomm.tiers.l3 import record_key
 
     a = host(dev, 0)
     store = l3(dev)
+    victim = store.rc.get_node_from_key(record_key("failover/0")).port
+    killed = False
     try:
-        victim = store.rc.get_node_from_key(record_key("failover/0")).port
         for i in range(300):
             a.put(f"failover/{i}", i)
             if i == 150:
-                os.kill(next(p for p, port in zip(dev["redis_pids"], [
-                    int(x.rpartition(":")[2]) for x in dev["redis"]], strict=True) if port == victim),
-                    signal.SIGKILL)
+                devcluster.kill_redis(str(dev["dir"]), victim)
+                killed = True
 
-        def healthy() -> bool:
+        def failed_over() -> bool:
             try:
-                return all(b"cluster_state:ok" in _command(int(x.rpartition(":")[2]), "CLUSTER", "INFO")
-                           for x in dev["redis"] if int(x.rpartition(":")[2]) != victim)
-            except OSError:
+                others = [int(x.rpartition(":")[2]) for x in dev["redis"]
+                          if int(x.rpartition(":")[2]) != victim]
+                return (all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO") for p in others)
+                        and store.rc.get_node_from_key(record_key("failover/0")).port != victim)
+            except (OSError, kvcomm.Unavailable):
                 return False
-
-        wait_for(healthy, 30, "the replica to take over")
 
         def all_there() -> bool:
             try:
@@ -314,9 +365,12 @@ def test_zz_master_killed_mid_writes_loses_no_acknowledged_write(dev: dict[str, 
                 return False
 
         wait_for(all_there, 60, "every acknowledged write to be in L3 after the failover")
+        wait_for(failed_over, 30, "the replica to have taken over the killed master's slots")
     finally:
         store.close()
         a.close()
+        if killed:
+            devcluster.restart_redis(str(dev["dir"]), victim, timeout=60)
 
 
 def test_a_restarted_host_is_prewarmed_with_its_hot_keys(dev: dict[str, Any]) -> None:
@@ -324,6 +378,7 @@ def test_a_restarted_host_is_prewarmed_with_its_hot_keys(dev: dict[str, Any]) ->
 
     a, b = host(dev, 0), host(dev, 1)
     store = l3(dev)
+    ns = dev["hosts"][1]["namespace"]
     try:
         for i in range(5):
             a.put(f"warm/{i}", i)
@@ -331,13 +386,13 @@ def test_a_restarted_host_is_prewarmed_with_its_hot_keys(dev: dict[str, Any]) ->
         for _ in range(2000):
             b.get("warm/0")
         b.hot_keys(1)  # flush this agent's counts into the host sketch
-        ns = dev["hosts"][1]["namespace"]
-        wait_for(lambda: store.load_hot("host-2")[:1] == ["warm/0"], 10,
+        wait_for(lambda: "warm/0" in store.load_hot("host-2"), 10,
                  "host 2's daemon to save its hot list")
+        assert "warm/3" not in store.load_hot("host-2")
     finally:
         store.close()
         a.close(), b.close()
-    os.kill(dev["hosts"][1]["pid"], signal.SIGKILL)
+    kill_daemon(dev, 1)
     kvcomm.tiers.l2.purge(ns)  # the host comes back with an empty L2
     restart_daemon(dev, 1)
     seg = L2Segment(ns, create_layout=None, host_id="")

@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import random
 import shutil
+import struct
 import time
+import tracemalloc
 from collections.abc import Iterator
+from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvcomm
+from kvcomm.core import codec
 from kvcomm.core.resolve import merge_rule
 from kvcomm.core.versions import Dotted
 from kvcomm.errors import Unavailable
 from kvcomm.testing.cluster import RedisCluster
-from kvcomm.tiers.l3 import CorruptRecord, L3Record, L3Store, group_of, record_key
+from kvcomm.tiers.l3 import (
+    MAX_COUNTER,
+    CorruptRecord,
+    L3Record,
+    L3Store,
+    feed_key,
+    group_of,
+    record_key,
+    seq_key,
+)
 
 from .test_versions import histories
 
@@ -39,6 +54,165 @@ def test_record_codec_roundtrips(writes: list[Dotted], value: bytes, tomb: bool)
 def test_foreign_bytes_are_corrupt_records(junk: bytes) -> None:
     with pytest.raises(CorruptRecord):
         L3Record.decode(junk)
+
+
+def test_corrupt_record_is_exported_in_the_error_tree() -> None:
+    assert kvcomm.CorruptRecord is CorruptRecord
+    assert issubclass(CorruptRecord, kvcomm.KVCommError)
+    from kvcomm.errors import CorruptRecord as FromErrors
+
+    assert FromErrors is CorruptRecord
+
+
+GOOD = [1, b"0000018c2f3a4b5c", False, codec.PACKED, b"", msgpack.packb({"a": 1}),
+        [b"host-1", 3, b"host-2", 1], b"host-1", 3]
+
+
+def fields(**change: Any) -> bytes:
+    """A format-1 record with some fields replaced (by position name)."""
+    names = ["fmt", "hlc", "tomb", "tag", "meta", "value", "flat", "actor", "counter"]
+    r = list(GOOD)
+    for k, v in change.items():
+        r[names.index(k)] = v
+    return msgpack.packb(r, use_bin_type=False)
+
+
+def test_the_reference_record_is_valid() -> None:
+    rec = L3Record.decode(fields())
+    assert rec.vector == (("host-1", 3), ("host-2", 1)) and rec.dot == ("host-1", 3)
+    assert rec.decode_value("k") == {"a": 1}
+
+
+@pytest.mark.parametrize("change", [
+    {"fmt": 2}, {"fmt": True}, {"fmt": b"1"},
+    {"hlc": b"0000018C2F3A4B5C"}, {"hlc": b"000018c2f3a4b5c"}, {"hlc": b"0000018c2f3a4b5g"},
+    {"hlc": 12}, {"tomb": 0}, {"tomb": None}, {"tag": -1}, {"tag": 256}, {"tag": 1.0},
+    {"tag": True}, {"meta": 5}, {"meta": b"m" * 5000}, {"value": 7}, {"value": [1]},
+    {"flat": []}, {"flat": [b"host-1"]}, {"flat": {b"host-1": 1}}, {"flat": [b"host-1", 0]},
+    {"flat": [b"host-1", -3]}, {"flat": [b"host-1", 1e30]},
+    {"flat": [b"host-1", 1.5]}, {"flat": [b"host-1", True]}, {"flat": [b"h st", 1]},
+    {"flat": [b"", 1]}, {"flat": [b"h" * 65, 1]}, {"flat": [b"\xff", 1]},
+    {"flat": [b"a", 1, b"a", 2]}, {"flat": [3, 1]}, {"actor": b"bad actor"},
+    {"actor": 1}, {"counter": 0}, {"counter": -(2**63)}, {"counter": b"3"},
+])
+def test_every_field_is_checked(change: dict[str, Any]) -> None:
+    with pytest.raises(CorruptRecord):
+        L3Record.decode(fields(**change))
+
+
+def test_counters_up_to_2_64_minus_1_are_valid() -> None:
+    rec = L3Record.decode(fields(flat=[b"h", MAX_COUNTER], counter=MAX_COUNTER))
+    assert rec.vector == (("h", MAX_COUNTER),)
+
+
+def test_a_value_over_max_value_size_is_corrupt() -> None:
+    data = fields(value=b"x" * 1000)
+    assert L3Record.decode(data, max_value_size=1000).value == b"x" * 1000
+    with pytest.raises(CorruptRecord, match="exceeds|max_value_size"):
+        L3Record.decode(data, max_value_size=999)
+
+
+def _fuzz_decode(data: bytes) -> None:
+    """Only CorruptRecord may come out of decoding, the record's or its value's."""
+    try:
+        rec = L3Record.decode(data, max_value_size=1 << 16)
+    except CorruptRecord:
+        return
+    assert len(rec.value) <= 1 << 16 and all(1 <= c <= MAX_COUNTER for _, c in rec.vector)
+    if not rec.tombstone:
+        try:
+            rec.decode_value("fuzz")
+        except CorruptRecord:
+            pass
+
+
+@settings(max_examples=2000)
+@given(st.binary(max_size=256))
+def test_random_bytes_only_ever_raise_corrupt_record(data: bytes) -> None:
+    _fuzz_decode(data)
+
+
+def _valid_record(hlc: int, tomb: bool, value: Any, actors: int) -> bytes:
+    flat = [x for i in range(actors) for x in (b"h%d" % i, i + 1)]
+    return msgpack.packb([1, f"{hlc:016x}".encode(), tomb, codec.PACKED, b"",
+                          msgpack.packb(value), flat, b"h0", 1], use_bin_type=False)
+
+
+plain = st.none() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8)
+valid_records = st.builds(
+    _valid_record, st.integers(0, 2**64 - 1), st.booleans(),
+    st.recursive(plain, lambda c: st.lists(c, max_size=3)
+                 | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=8),
+    st.integers(1, 4))
+
+
+@settings(max_examples=1500)
+@given(valid_records, st.data())
+def test_mutated_records_only_ever_raise_corrupt_record(data: bytes, draw: st.DataObject) -> None:
+    L3Record.decode(data)  # the unmutated record is valid
+    buf = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 4))):
+        op = draw.draw(st.sampled_from(["flip", "set", "cut", "insert", "length"]))
+        i = draw.draw(st.integers(0, max(0, len(buf) - 1)))
+        if op == "flip" and buf:
+            buf[i] ^= 1 << draw.draw(st.integers(0, 7))
+        elif op == "set" and buf:
+            buf[i] = draw.draw(st.integers(0, 255))
+        elif op == "cut":
+            del buf[i:]
+        elif op == "insert":
+            buf[i:i] = draw.draw(st.binary(min_size=1, max_size=8))
+        elif op == "length":  # a msgpack 32-bit length header claiming up to 4 GiB
+            buf[i:i] = bytes([draw.draw(st.sampled_from([0xdb, 0xc6, 0xdd, 0xdf]))]) + \
+                struct.pack(">I", draw.draw(st.integers(0, 2**32 - 1)))
+    _fuzz_decode(bytes(buf))
+
+
+@settings(max_examples=1500)
+@given(st.integers(0, 6), st.binary(max_size=64), st.binary(max_size=128))
+def test_a_value_that_does_not_decode_is_corrupt_for_that_key(tag: int, meta: bytes,
+                                                               payload: bytes) -> None:
+    rec = L3Record(1, False, tag, meta, payload, (("h", 1),), ("h", 1))
+    try:
+        rec.decode_value("the/key")
+    except CorruptRecord as exc:
+        assert "the/key" in str(exc)
+
+
+HUGE_CLAIMS = [
+    b"\x99\xdb\xff\xff\xff\xff",  # record: a str of 4 GiB
+    b"\x99\x01\xc6\x7f\xff\xff\xff",  # a bin of 2 GiB
+    b"\xdd\xff\xff\xff\xff",  # an array of 4 G elements
+    b"\x99" + b"\xdd\x10\x00\x00\x00" * 9,  # nested arrays of 256 M elements each
+    b"\xdf\xff\xff\xff\xff",  # a map of 4 G entries
+    b"\xc9\xff\xff\xff\xff\x01",  # an ext of 4 GiB
+    b"\x91" * 100_000,  # 100,000 nested arrays
+    fields(value=300_000_000),  # an int where the value's bytes belong (bytes(n) allocates n)
+    fields(meta=300_000_000),
+]
+
+
+@pytest.mark.parametrize("data", HUGE_CLAIMS)
+def test_a_length_field_never_allocates_what_it_claims(data: bytes) -> None:
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptRecord):
+            L3Record.decode(data)
+        for tag, meta, payload in [
+            (codec.PACKED, b"", data),
+            (codec.NDARRAY, msgpack.packb(["<f8", [2**31, 2**31]]), b""),
+            (codec.NDARRAY, msgpack.packb(["<f8", [0, 2**62]]), b""),
+            (codec.NDARRAY, msgpack.packb(["V2000000000", [1]]), b""),
+            (codec.NDARRAY, msgpack.packb(["(100000,100000)f8", [1]]), b""),
+        ]:
+            try:
+                L3Record(1, False, tag, meta, payload, (("h", 1),), ("h", 1)).decode_value("k")
+            except CorruptRecord:
+                pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"decoding {data[:12]!r} peaked at {peak} bytes"
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +301,67 @@ def test_unreachable_cluster_is_unavailable() -> None:
 
 
 @needs_redis
+def test_every_change_carries_the_next_sequence_number_of_its_group(store: L3Store) -> None:
+    key = "seq/k"
+    g = group_of(key)
+    start_seq, start_id = store.feed_position(g)
+    assert start_seq is not None
+    for i in range(1, 6):
+        store.merge(key, rec(Dotted((("a", i),), ("a", i), i)))
+    store.merge(key, rec(Dotted((("a", 1),), ("a", 1), 1)))  # older: refused, not counted
+    rows = store.feed(g, after=start_id)
+    assert [r.seq for r in rows] == list(range(start_seq + 1, start_seq + 6))
+    assert all(r.key == key and not r.problem for r in rows)
+    assert store.feed_seqs([g]) == {g: start_seq + 5}
+    assert store.feed_position(g) == (start_seq + 5, rows[-1].id)
+
+
+@needs_redis
+def test_a_foreign_sequence_counter_restarts_the_sequence(store: L3Store) -> None:
+    key = "seq/foreign"
+    g = group_of(key)
+    store.rc.set(seq_key(g), b"not a number")
+    assert store.feed_seqs([g]) == {g: None}
+    _, last = store.feed_position(g)
+    out = store.merge(key, rec(Dotted((("a", 1),), ("a", 1), 1)))
+    assert out.outcome in ("new", "equal")
+    assert store.feed_seqs([g]) == {g: 1}  # readers see the sequence go back and resync
+    store.rc.delete(seq_key(g))
+    store.rc.hset(seq_key(g), "x", "y")  # another type altogether
+    store.merge(key, rec(Dotted((("a", 2),), ("a", 2), 2)))
+    assert store.feed_seqs([g]) == {g: 1}
+
+
+@needs_redis
+def test_feed_entries_that_are_not_ours_are_reported_not_raised(store: L3Store) -> None:
+    g = group_of("seq/k")
+    _, last = store.feed_position(g)
+    store.rc.xadd(feed_key(g), {b"k": b"\xff\xfe", b"r": b"x", b"s": b"1"})
+    store.rc.xadd(feed_key(g), {b"k": b"\xed\xa0\x80", b"r": b"x", b"s": b"2"})  # lone surrogate
+    store.rc.xadd(feed_key(g), {b"other": b"field"})
+    rows = store.feed_many({g: last})[g]
+    assert not isinstance(rows, Exception)
+    assert [r.key for r in rows] == [None, None, None]
+    assert "UTF-8" in rows[0].problem and "UTF-8" in rows[1].problem
+    assert rows[2].seq is None and "field" in rows[2].problem
+
+
+@needs_redis
+def test_a_value_of_another_type_is_an_error_for_that_key_only(store: L3Store) -> None:
+    store.rc.hset(record_key("typed/1"), "f", "v")
+    good = rec(Dotted((("a", 1),), ("a", 1), 1))
+    out = store.merge_many([("typed/1", good), ("typed/ok", good), ("bad\udc80key", good)])
+    assert isinstance(out[0], CorruptRecord) and "typed/1" in str(out[0])
+    assert not isinstance(out[1], Exception)
+    assert isinstance(out[2], CorruptRecord) and "UTF-8" in str(out[2])
+    with pytest.raises(CorruptRecord, match="typed/1"):
+        store.get("typed/1")
+
+
+@needs_redis
 def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
     store = L3Store(cluster.seeds)
+    victim = None
     try:
         items = [(f"failover/{i}", rec(Dotted((("h", 1),), ("h", 1), i))) for i in range(200)]
         assert all(not isinstance(r, Exception) for r in store.merge_many(items))
@@ -144,8 +377,29 @@ def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
             except Unavailable:
                 time.sleep(0.1)
         assert got == items[0][1]
+        assert store.rc.get_node_from_key(record_key("failover/0")).port != victim  # failed over
         assert all(store.get(k) == r for k, r in items)
         later = rec(Dotted((("h", 2),), ("h", 2), 999))
         assert store.merge("failover/0", later).outcome == "newer"
     finally:
         store.close()
+        if victim is not None:  # heal: later tests in any order get a whole cluster
+            cluster.restart(victim)
+            cluster.wait_restored(60)
+
+
+@needs_redis
+def test_a_killed_node_rejoins_and_the_cluster_is_whole_again(cluster: RedisCluster) -> None:
+    from kvcomm.testing.cluster import cluster_whole
+
+    cluster.wait_restored(60)
+    master = cluster.master_ports()[0]
+    cluster.kill(master)
+    why, _ = cluster_whole(cluster.ports, cluster.replicas)
+    assert why  # a node short: not whole
+    cluster.wait_healthy(30)
+    cluster.restart(master)
+    cluster.wait_restored(60)
+    assert cluster_whole(cluster.ports, cluster.replicas)[0] == ""
+    assert master not in cluster.master_ports()  # it came back as a replica
+    assert len(cluster.master_ports()) == cluster.masters

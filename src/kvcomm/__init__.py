@@ -15,6 +15,7 @@ from .core.versions import Ordering as Ordering
 from .core.versions import Version as Version
 from .errors import ConfigError as ConfigError
 from .errors import ConflictError as ConflictError
+from .errors import CorruptRecord as CorruptRecord
 from .errors import InvalidArgument as InvalidArgument
 from .errors import InvalidKey as InvalidKey
 from .errors import KVCommError as KVCommError

@@ -11,6 +11,7 @@
     ├── InvalidArgument     another argument is wrong (consistency=, expect=, timeout=)
     ├── ConfigError         bad config; .key names the offending key
     ├── SegmentError        L2 segment is foreign, of another layout, corrupt or purged
+    ├── CorruptRecord       an L3 value (or change-feed entry) of one key is not a KVCOMM record
     └── Unavailable         a tier cannot serve now (L2 full of pinned data, cluster down)
 
     KVCommWarning (a UserWarning, not an error): a setting was ignored, e.g. cache.l2_size of
@@ -63,6 +64,12 @@ class SegmentError(KVCommError):
     """The L2 shared-memory segment cannot be used as it is (foreign, old layout, corrupt)."""
 
 
+class CorruptRecord(KVCommError):
+    """A value read from L3 under a KVCOMM key is not a valid KVCOMM record (written by
+    something else, truncated, or hostile). It concerns that key only: remove or rewrite
+    the key in Redis; other keys are unaffected."""
+
+
 class Unavailable(KVCommError):
     """The operation cannot be served right now; the message says which tier and why."""
 
@@ -82,5 +89,6 @@ __all__ = [
     "InvalidArgument",
     "ConfigError",
     "SegmentError",
+    "CorruptRecord",
     "Unavailable",
 ]

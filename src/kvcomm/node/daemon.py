@@ -22,44 +22,69 @@ in one loop:
    — resumes where it was, and nothing is lost the way pub/sub loses messages. A change
    to a key this host holds is merged into L2 (its own writes echo back as no-ops; a
    record L3 merged from one of them is taken); keys it does not hold are left to the
-   read path. If a group's feed was trimmed past the
-   cursor, the keys of that group that L2 holds are re-read from L3 (a resync).
+   read path. Every entry carries its group's sequence number (:mod:`kvcomm.tiers.l3`);
+   the daemon keeps the last one it saw per group, with the cursors. An entry that is
+   not the next one — the stream was trimmed past the cursor (a gap), or went
+   backwards (a failover lost entries the daemon had read) — and, once a second, a
+   group counter that a read did not reach, make the daemon **resync** that group: take
+   the group's position, add its keys to the key filter, and re-read from L3 the keys
+   of that group that L2 holds. Until a resync completes, the group's old cursor is the
+   one saved, so a daemon killed meanwhile resyncs again.
 3. **Prewarm.** Every couple of seconds the host's hot keys (the host-wide sketch of
    agents' reads) are saved to L3 and any of them missing from L2 (evicted, say) are
    read back in; a daemon that starts prewarms L2 from the list its predecessor saved.
 4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
-5. **Heartbeat** in the L2 header, so agents and tools can see the daemon is alive.
+5. **Heartbeat** in the L2 header and in the key filter's header, so agents and tools
+   can see the daemon is alive (agents trust the filter only while it beats).
 
 When L3 is unreachable, nothing is dropped: the unsent window is kept and retried with
-exponential backoff, agents keep writing into L2, and once ``cluster.outbound_max``
-writes are waiting, ``put`` raises ``Unavailable`` instead of losing them.
+capped exponential backoff with jitter (:mod:`kvcomm.core.backoff`, so that hosts do
+not retry in lockstep after an outage), agents keep writing into L2, and once
+``cluster.outbound_max`` writes are waiting, ``put`` raises ``Unavailable`` instead of
+losing them.
+
+Input never kills the daemon
+----------------------------
+Everything the daemon reads from L3 may have been written by something else. A record
+that fails — it does not decode (CorruptRecord), L2 cannot take it (ValueTooLarge or
+any KVCommError), its key cannot be sent to Redis, or anything unexpected happens while
+handling that one record — is logged, counted (``stats.quarantined``), pushed to the
+capped L3 list ``kvn:{host}:quarantine`` ("set aside") when L3 is reachable, and
+skipped; the loop goes on. A round that fails as a whole is retried with backoff. The
+process exits only on SIGTERM/SIGINT, on a configuration error (ConfigError: bad
+cluster settings or resolvers), or when its own L2 segment or key filter cannot be used
+(SegmentError: purged, foreign, or another user's).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._client import Client
 from .._client import open as kv_open
 from ..config import Config
-from ..core import codec
+from ..core.backoff import Backoff
 from ..core.versions import Version
 from ..core.window import Batch, WriteWindow
-from ..errors import KVCommError, Unavailable
+from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT, TAG_TOMBSTONE, key_hash
-from ..tiers.l3 import GROUPS, CorruptRecord, L3Record, L3Store, group_of
+from ..tiers.l3 import GROUPS, FeedEntry, L3Record, L3Store, group_of
 
 log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
+STATE_EVERY = 1.0  # seconds between saves of the feed cursors and checks of group counters
+QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
 
 
 @dataclass
@@ -70,48 +95,73 @@ class DaemonStats:
     refreshed: int = 0  # older / merged: L3's record written back into L2
     pulled: int = 0  # remote changes merged into L2
     skipped_remote: int = 0  # remote changes to keys this host does not hold
-    corrupt: int = 0
+    corrupt: int = 0  # records that did not decode (each also counted in quarantined)
     l3_errors: int = 0
-    resyncs: int = 0
+    resyncs: int = 0  # group resyncs: a gap or a rewind seen in a group's feed
     feed_overflows: int = 0
+    quarantined: int = 0  # inputs set aside (logged, pushed to kvn:{host}:quarantine)
+    step_errors: int = 0  # rounds that failed as a whole (retried with backoff)
     extra: dict[str, int] = field(default_factory=dict)
+
+    def bump(self, name: str, n: int = 1) -> None:
+        self.extra[name] = self.extra.get(name, 0) + n
 
 
 class NodeDaemon:
-    """One host's sync loop. ``step()`` does one round; ``run()`` loops until stopped."""
+    """One host's sync loop. ``step()`` does one round; ``run()`` loops until stopped.
 
-    def __init__(self, config: Config, name: str | None = None) -> None:
+    Raises ConfigError (bad cluster settings or resolvers), SegmentError (the host's L2
+    or key filter cannot be used), Unavailable (L3 cannot be reached: retry later). A
+    failed start releases everything it opened.
+    """
+
+    def __init__(self, config: Config, name: str | None = None,
+                 rng: random.Random | None = None) -> None:
         if not config.cluster.enabled:
-            raise KVCommError("kvcomm node needs cluster.redis (the Redis Cluster seed nodes)")
+            raise ConfigError("cluster.redis",
+                              "kvcomm node needs the Redis Cluster seed nodes (host:port list)")
         self.config = config
+        self.started = False  # __init__ done: the L2 heartbeat says so to tools
         seeds = config.cluster.seeds()  # validate before touching the host's L2
+        # jitter must differ between hosts: an unseeded Random draws its seed from the OS
+        self.rng = rng if rng is not None else random.Random()
         self.kv: Client = kv_open(name, config=config)
         try:
             self.seg = self.kv._seg
             self.host = self.seg.host_id
             cl = config.cluster
+            c = config.cache
+            resolvers = {prefix: _import(path) for prefix, path in cl.resolvers.items()}
             self.l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
                               tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
-                              wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000))
-            c = config.cache
+                              wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000),
+                              max_value_size=c.max_value_size)
             self.window = WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes)
             self.staged: dict[str, L3Record] = {}
             self.cursor = self.seg.sync_cursor  # local feed: everything before it is in L3
             self.stats = DaemonStats()
             self.unsent: list[Batch] = []
-            self.backoff = 0.0
+            self.push_backoff = Backoff(self.rng, base=0.05, cap=2.0, floor=0.01)
+            self.pull_backoff = Backoff(self.rng, base=0.05, cap=2.0, floor=0.01)
             self.retry_at = 0.0
-            self.feed_cursors = self._initial_feed_cursors()
-            self.cursors_saved = time.monotonic()
+            self.pull_at = 0.0
             self.last_pull = 0.0
-            for prefix, path in cl.resolvers.items():  # the operator's own code, named in config
-                self.kv.register_resolver(prefix, _import(path))
-            self.keys = KeyFilter(self.kv.name, c.bloom_capacity, c.bloom_fpr, create=True,
-                                  permissions=c.l2_permissions)
+            self.state_at = time.monotonic() + STATE_EVERY
+            self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
+            self.feed_cursors: dict[int, bytes] = {}
+            self.feed_seqs: dict[int, int | None] = {}  # last sequence number seen, by group
+            # groups whose resync has not completed → whether their keys go to the filter
+            self.resync_pending: dict[int, bool] = {}
+            for prefix, fn in resolvers.items():  # the operator's own code, named in config
+                self.kv.register_resolver(prefix, fn)
+            self.keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
+                                         permissions=c.l2_permissions)
             self.rebuild_every = cl.key_filter_rebuild
             self._fill_key_filter(initial=True)
+            self._start_feeds()
             self.hot_saved = time.monotonic()
-            self.stats.extra["prewarmed"] = self._prewarm(self.l3.load_hot(self.host))
+            self.stats.bump("prewarmed", self._prewarm(self.l3.load_hot(self.host)))
+            self.started = True
         except BaseException:  # L3 unreachable at start, say: release what we opened
             if getattr(self, "keys", None) is not None:
                 self.keys.close()
@@ -120,12 +170,45 @@ class NodeDaemon:
             self.kv.close()
             raise
 
+    # ------------------------------------------------------------------ bad input
+
+    def _set_aside(self, key: str, reason: str) -> None:
+        """Count, log and (if L3 answers) record an input the daemon skips. A key that
+        keeps failing is logged and recorded once a minute, counted every time."""
+        self.stats.quarantined += 1
+        now = time.monotonic()
+        if now - self.set_aside_at.get(key, -QUARANTINE_QUIET) < QUARANTINE_QUIET:
+            log.debug("set aside %r again: %s", key, reason)
+            return
+        log.error("set aside %r: %s", key, reason)
+        if len(self.set_aside_at) > 10_000:
+            self.set_aside_at.clear()
+        self.set_aside_at[key] = now
+        try:
+            self.l3.quarantine(self.host, key, reason, time.time())
+        except Unavailable as exc:
+            log.warning("could not record %r in the quarantine list: %s", key, exc)
+
+    def _guarded(self, key: str, where: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` for one record, or False when it failed. Any failure but
+        Unavailable (which means "not now": the caller's round is retried) sets the
+        record aside."""
+        try:
+            return fn(*args)
+        except Unavailable:
+            raise
+        except Exception as exc:  # one record's failure, whatever it is, stops nothing else
+            if isinstance(exc, CorruptRecord):
+                self.stats.corrupt += 1
+            self._set_aside(key, f"{where}: {type(exc).__name__}: {exc}")
+            return False
+
     # ------------------------------------------------------------------ local → L3
 
     def _stage_put(self, key: str, now: float) -> None:
         """Stage the key's record if it is dirty: a put, or a delete's tombstone (which
         carries the vector of the value it deleted, so it supersedes it in L3)."""
-        kb = key.encode("utf-8", "surrogatepass")
+        kb = key.encode("utf-8", "surrogateescape")
         rec = self.seg.read(kb, key_hash(kb))
         if rec is None or not self.seg.is_dirty(rec.word):
             return  # evicted (clean), or not an agent's write (already in L3)
@@ -151,10 +234,11 @@ class NodeDaemon:
         if overflowed:
             self.stats.feed_overflows += 1
             for kb in self.seg.dirty_keys():
-                self._stage_put(kb.decode("utf-8", "surrogatepass"), now)
+                key = kb.decode("utf-8", "surrogateescape")
+                self._guarded(key, "local write", self._stage_put, key, now)
         for ev in events:
             if ev.kind in (KIND_PUT, KIND_DELETE):  # (evictions are local: never sent)
-                self._stage_put(ev.key, now)
+                self._guarded(ev.key, "local write", self._stage_put, ev.key, now)
         self.cursor = cursor
         closed = self.window.poll(now)
         if closed is not None:
@@ -171,37 +255,36 @@ class NodeDaemon:
             try:
                 results = self._merge(items)
             except Unavailable as exc:
-                self.stats.l3_errors += 1
-                if self.backoff < 2.0:  # log while backing off, then once per 2 s plateau
-                    log.warning("L3 unavailable (%s); retrying in %.2fs", exc,
-                                min(2.0, max(0.05, self.backoff * 2)))
-                self.backoff = min(2.0, max(0.05, self.backoff * 2))
-                self.retry_at = time.monotonic() + self.backoff
+                self.retry_at = time.monotonic() + self._l3_failed(self.push_backoff,
+                                                                   "sending to L3", exc)
                 return
-            self.backoff = 0.0
+            self.push_backoff.succeeded()
             self.unsent.pop(0)
             self.stats.windows += 1
             for (key, sent), res in zip(items, results, strict=True):
                 if self.staged.get(key) is sent:
                     del self.staged[key]
                 self.stats.pushed += 1
-                if isinstance(res, CorruptRecord):
-                    self.stats.corrupt += 1
-                    log.error("%s", res)
-                    self._mark_clean(key, sent)  # reported; retrying cannot help
-                elif not res.durable:  # no replica has it yet: send again next window
-                    self.stats.extra["not_durable"] = self.stats.extra.get("not_durable", 0) + 1
-                    if key not in self.staged:  # (a newer staged write descends from it anyway)
-                        self._stage(key, sent, time.monotonic())
-                elif res.outcome in ("new", "newer", "equal"):
-                    self.stats.accepted += 1
-                    self._mark_clean(key, sent)
-                elif res.outcome == "conflict":  # a resolver's prefix: settle it here
-                    self.stats.extra["resolved"] = self.stats.extra.get("resolved", 0) + 1
-                    self._apply(key, res.record)  # concurrent → resolver → a new dirty write
-                else:  # older / merged: L3 holds another record; take it
-                    self.stats.refreshed += 1
-                    self._apply(key, res.record)
+                self._guarded(key, "push to L3", self._handle_result, key, sent, res)
+
+    def _handle_result(self, key: str, sent: L3Record, res: Any) -> None:
+        """Apply L3's answer to one pushed record."""
+        if isinstance(res, CorruptRecord):
+            self._mark_clean(key, sent)  # retrying cannot help: set aside (and counted)
+            raise res
+        if not res.durable:  # no replica has it yet: send again next window
+            self.stats.bump("not_durable")
+            if key not in self.staged:  # (a newer staged write descends from it anyway)
+                self._stage(key, sent, time.monotonic())
+        elif res.outcome in ("new", "newer", "equal"):
+            self.stats.accepted += 1
+            self._mark_clean(key, sent)
+        elif res.outcome == "conflict":  # a resolver's prefix: settle it here
+            self.stats.bump("resolved")
+            self._apply(key, res.record)  # concurrent → resolver → a new dirty write
+        else:  # older / merged: L3 holds another record; take it
+            self.stats.refreshed += 1
+            self._apply(key, res.record)
 
     def _merge(self, items: list[tuple[str, L3Record]]) -> list[Any]:
         """Merge into L3; keys with a resolver keep concurrent versions apart (``conflict``)."""
@@ -225,22 +308,23 @@ class NodeDaemon:
         return out
 
     def _mark_clean(self, key: str, sent: L3Record) -> None:
-        kb = key.encode("utf-8", "surrogatepass")
+        kb = key.encode("utf-8", "surrogateescape")
         self.seg.mark_clean(kb, key_hash(kb), sent.dot[1], sent.hlc)
 
-    def _apply(self, key: str, record: L3Record) -> None:
-        """Write an L3 record into L2 (clean), unless L2 already holds something newer."""
+    def _apply(self, key: str, record: L3Record) -> bool:
+        """Write an L3 record into L2 (clean), unless L2 already holds something newer.
+        Returns True.
+
+        Raises CorruptRecord (the value does not decode), ValueTooLarge or another
+        KVCommError (L2 cannot take it): the caller sets the record aside.
+        """
         version = Version(record.vector, record.hlc)
         if record.tombstone:  # kept as a clean tombstone; merges last-writer-wins
             self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""))
-            return
-        try:
-            value = codec.decode(record.tag, record.meta, record.value)
-        except (ValueError, TypeError) as exc:
-            self.stats.corrupt += 1
-            log.error("L3 record of %r cannot be decoded: %s", key, exc)
-            return
+            return True
+        value = record.decode_value(key)
         self.kv._merge(key, value, version, (record.tag, record.meta, record.value))
+        return True
 
     # ------------------------------------------------------------------ the key filter
 
@@ -248,17 +332,22 @@ class NodeDaemon:
         """Initial fill (both generations) or a rotation (the older one, refilled)."""
         if initial:
             self.keys.set_ready(False)
-            for kb in self.l3.scan_keys():
-                self.keys.add(kb)
+            self._scan_into(self.keys.add, self.l3.scan_keys())
             self.keys.set_ready(True)
         else:
             target = self.keys.begin_rotation()
-            for kb in self.l3.scan_keys():
-                target.add(kb)
+            self._scan_into(target.add, self.l3.scan_keys())
             self.keys.end_rotation()
-            self.stats.extra["key_filter_rotations"] = self.stats.extra.get(
-                "key_filter_rotations", 0) + 1
+            self.stats.bump("key_filter_rotations")
         self.filter_built = time.monotonic()
+
+    def _scan_into(self, add: Any, keys: Iterable[bytes]) -> None:
+        for n, kb in enumerate(keys):
+            add(kb)
+            if n % 4096 == 0:  # a long scan must not look like a dead daemon to agents
+                self.keys.beat()
+                if self.started:  # (L2's heartbeat also says "started": not before that)
+                    self.seg.daemon_heartbeat(os.getpid())
 
     def _maybe_rotate_filter(self) -> None:
         if (time.monotonic() - self.filter_built > self.rebuild_every
@@ -268,17 +357,24 @@ class NodeDaemon:
     # ------------------------------------------------------------------ prewarm
 
     def _prewarm(self, keys: list[str]) -> int:
-        """Read into L2 the keys of ``keys`` it does not hold; returns how many came in."""
+        """Read into L2 the keys of ``keys`` it does not hold; returns how many came in.
+
+        A key whose L3 record fails is set aside. Raises Unavailable."""
         n = 0
         for key in keys:
-            kb = key.encode("utf-8", "surrogatepass")
+            kb = key.encode("utf-8", "surrogateescape")
             if self.seg.read(kb, key_hash(kb), 0) is not None:
                 continue
-            rec = self.l3.get(key)
-            if rec is not None and not rec.tombstone:
-                self._apply(key, rec)
-                n += 1
+            n += bool(self._guarded(key, "prewarm", self._fetch_and_apply, key, False))
         return n
+
+    def _fetch_and_apply(self, key: str, tombstones: bool) -> bool:
+        """Read ``key``'s record from L3 into L2 (a tombstone only if ``tombstones``);
+        True if there was one to apply."""
+        rec = self.l3.get(key)
+        if rec is None or (rec.tombstone and not tombstones):
+            return False
+        return self._apply(key, rec)
 
     def _maybe_prewarm(self) -> None:
         if time.monotonic() - self.hot_saved < 2.0:
@@ -287,82 +383,182 @@ class NodeDaemon:
         hot = [k for k, _ in self.kv.hot_keys(HOT_KEYS)]
         if hot:
             self.l3.save_hot(self.host, hot)
-            self.stats.extra["prewarmed"] = self.stats.extra.get("prewarmed", 0) + self._prewarm(hot)
+            self.stats.bump("prewarmed", self._prewarm(hot))
 
     # ------------------------------------------------------------------ L3 → local
 
-    def _initial_feed_cursors(self) -> dict[int, bytes]:
-        saved = self.l3.load_cursors(self.host)
-        cursors: dict[int, bytes] = {}
+    def _start_feeds(self) -> None:
+        """Resume every group's feed from the saved cursor and sequence number; a group
+        without both (a new host) starts from its current position, re-reading any keys
+        L2 already holds."""
+        saved, seqs = self.l3.load_cursors(self.host)
+        fresh = set()
         for g in range(GROUPS):
-            first, last = self.l3.feed_bounds(g)
-            if g not in saved:
-                cursors[g] = last  # a new host needs no history: the read path has L3
+            if g in saved and g in seqs:
+                self.feed_cursors[g], self.feed_seqs[g] = saved[g], seqs[g]
             else:
-                cursors[g] = saved[g]
-                # behind, and the entry after our cursor is no longer kept: it was trimmed
-                if _id_lt(saved[g], last) and (first is None or _id_lt(saved[g], first)):
-                    self._resync_group(g)
-        return cursors
+                fresh.add(g)
+        if fresh:
+            self._resync(fresh, reason="")
 
-    def _resync_group(self, group: int) -> None:
-        self.stats.resyncs += 1
+    def _resync(self, groups: set[int], reason: str) -> None:
+        """Take ``groups``' current feed positions, then re-read from L3 the keys of those
+        groups that L2 holds (changes after the position come through the feed). A
+        ``reason`` (a gap, a rewind) counts as a resync and adds the groups' keys to the
+        key filter, since the missed entries may have created keys.
+
+        Raises Unavailable; the groups stay pending (their old cursors are what is
+        saved) and are resynced again on the next round.
+        """
+        for g in groups:
+            self.resync_pending[g] = self.resync_pending.get(g, False) or bool(reason)
+        if reason:
+            self.stats.resyncs += len(groups)
+            self.stats.bump(f"resync_{reason}", len(groups))
+            log.warning("resyncing group(s) %s of the L3 feed (%s)", sorted(groups), reason)
+        for g in sorted(groups):
+            try:
+                seq, last_id = self.l3.feed_position(g)
+            except CorruptRecord as exc:  # a foreign value under the group's stream key
+                self._set_aside(f"feed of group {g}", f"resync: {exc}")
+                seq, last_id = None, b"0-0"  # (the first real entry then resyncs it again)
+            self.feed_cursors[g], self.feed_seqs[g] = last_id, seq
+            if self.resync_pending[g]:  # the missed entries may have created keys
+                self._scan_into(self.keys.add, self.l3.scan_group(g))
+                self.resync_pending[g] = False
         for key in self.kv.keys():
-            if group_of(key) == group:
-                rec = self.l3.get(key)
-                if rec is not None:
-                    self._apply(key, rec)
+            if group_of(key) in groups:
+                self._guarded(key, "resync", self._fetch_and_apply, key, True)
+        for g in groups:
+            del self.resync_pending[g]
 
-    def pull_remote(self) -> None:
-        feeds = self.l3.feed_many(self.feed_cursors)
+    def pull_remote(self, check_seqs: bool = False) -> None:
+        """Read every group's feed after its cursor and apply what this host holds.
+
+        ``check_seqs``: first read the groups' counters, to catch a group whose stream
+        lost entries that no read returned (a read that returns nothing carries no
+        sequence number). Raises Unavailable.
+        """
+        if self.resync_pending:  # an earlier resync was interrupted
+            self._resync(set(self.resync_pending), reason="")  # (keeps whether to scan)
+        counters = self.l3.feed_seqs(range(GROUPS)) if check_seqs else {}
+        count = 500
+        feeds = self.l3.feed_many(self.feed_cursors, count=count)
+        gaps: dict[int, str] = {}
         for g, rows in feeds.items():
-            for eid, key, raw in rows:
-                self.feed_cursors[g] = eid
-                try:
-                    rec = L3Record.decode(raw)
-                except CorruptRecord:
-                    self.stats.corrupt += 1
-                    continue
-                # our own writes come back too: the merge finds them equal (a no-op), but a
-                # record L3 merged from ours and another host's must still be taken
-                kb = key.encode("utf-8", "surrogatepass")
-                if not rec.tombstone:
-                    self.keys.add(kb)
-                if self.seg.read(kb, key_hash(kb), 0) is None:
-                    self.stats.skipped_remote += 1
-                    continue  # not held here: the next read goes to L3
-                self.stats.pulled += 1
-                self._apply(key, rec)
-        if time.monotonic() - self.cursors_saved > 1.0:
-            self.l3.save_cursors(self.host, self.feed_cursors)
-            self.cursors_saved = time.monotonic()
+            if isinstance(rows, CorruptRecord):
+                self._guarded(f"feed of group {g}", "feed read", _raise, rows)
+                continue
+            before = self.feed_seqs.get(g)
+            for entry in rows:
+                last = self.feed_seqs.get(g)
+                if entry.seq is None or last is None or entry.seq != last + 1:
+                    gaps[g] = ("unsequenced" if entry.seq is None or last is None
+                               else "gap" if entry.seq > last + 1 else "rewind")
+                    break
+                self._pull_entry(g, entry)
+                self.feed_cursors[g], self.feed_seqs[g] = entry.id, entry.seq
+            now_seq = counters.get(g)
+            if g in gaps or now_seq is None or before is None:
+                continue
+            if now_seq < before:
+                gaps[g] = "rewind"  # the counter went backwards: a failover lost entries
+            elif len(rows) < count and (self.feed_seqs[g] or 0) < now_seq:
+                gaps[g] = "gap"  # changes counted before this read, and the read missed them
+        if gaps:
+            for why in sorted(set(gaps.values())):
+                self._resync({g for g, w in gaps.items() if w == why}, reason=why)
+
+    def _pull_entry(self, g: int, entry: FeedEntry) -> None:
+        """Apply one feed entry (set aside if it fails). Raises Unavailable."""
+        if entry.key is None:
+            self._set_aside(f"feed entry {entry.id.decode(errors='replace')} of group {g}",
+                            entry.problem)
+            return
+        key = entry.key
+        try:
+            rec = self.l3.decode(entry.record, key)
+        except CorruptRecord as exc:
+            self.stats.corrupt += 1
+            self._set_aside(key, f"feed: {exc}")
+            return
+        # our own writes come back too: the merge finds them equal (a no-op), but a
+        # record L3 merged from ours and another host's must still be taken
+        kb = key.encode("utf-8")
+        if not rec.tombstone:
+            self.keys.add(kb)
+        if self.seg.read(kb, key_hash(kb), 0) is None:
+            self.stats.skipped_remote += 1
+            return  # not held here: the next read goes to L3
+        if self._guarded(key, "feed", self._apply, key, rec):
+            self.stats.pulled += 1
+
+    def _save_state(self) -> None:
+        """Save the feed cursors and sequence numbers (not those of a pending resync).
+        Raises Unavailable."""
+        done = [g for g in self.feed_cursors if g not in self.resync_pending]
+        self._guarded(f"kvn:{{{self.host}}}:cursors", "saving feed cursors",
+                      self.l3.save_cursors, self.host,
+                      {g: self.feed_cursors[g] for g in done},
+                      {g: s for g in done if (s := self.feed_seqs.get(g)) is not None})
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> None:
+        """One round: heartbeat, local changes to L3, and (every feed_poll) L3's changes.
+
+        Raises Unavailable only from the local half (the remote half backs off by itself)
+        and SegmentError when the host's L2 can no longer be used.
+        """
         now = time.monotonic()
         self.seg.daemon_heartbeat(os.getpid())
+        self.keys.beat()
         self.push_local(now)
-        if now - self.last_pull < self.config.cluster.feed_poll:
+        if now - self.last_pull < self.config.cluster.feed_poll or now < self.pull_at:
             return  # the feed costs GROUPS reads per poll: keep to feed_poll, not window pace
         self.last_pull = now
         try:
-            self.pull_remote()
+            state_due = now >= self.state_at
+            self.pull_remote(check_seqs=state_due)
+            if state_due:
+                self._save_state()
+                self.state_at = now + STATE_EVERY
             self._maybe_rotate_filter()
             self._maybe_prewarm()
+            self.pull_backoff.succeeded()
         except Unavailable as exc:
-            self.stats.l3_errors += 1
-            log.warning("reading the L3 feed failed: %s", exc)
+            self.pull_at = time.monotonic() + self._l3_failed(self.pull_backoff,
+                                                              "reading the L3 feed", exc)
+
+    def _l3_failed(self, backoff: Backoff, what: str, exc: Exception) -> float:
+        """Count an L3 failure; returns the delay before the next try. Logged at the 1st,
+        2nd, 4th, 8th… failure in a row, so a long outage does not flood the log."""
+        self.stats.l3_errors += 1
+        delay = backoff.failed()
+        if backoff.attempts & (backoff.attempts - 1) == 0:
+            log.warning("%s failed (%s); retry %d in %.2fs", what, exc, backoff.attempts, delay)
+        return delay
 
     def run(self, stop: threading.Event) -> None:
+        """Step until ``stop`` is set, then flush. A failed round is logged, counted and
+        retried with backoff; only SegmentError (the host's L2 or key filter is gone or
+        foreign) ends the loop early, raised."""
         poll = self.config.cluster.feed_poll
+        backoff = Backoff(self.rng, base=max(poll, 0.01), cap=2.0)
         while not stop.is_set():
             try:
                 self.step()
-            except Unavailable as exc:
-                self.stats.l3_errors += 1
-                log.warning("%s", exc)
-                stop.wait(min(2.0, max(poll, self.backoff)))
+                backoff.succeeded()
+            except SegmentError:
+                raise
+            except Exception as exc:  # never die of one bad round: back off and go on
+                if isinstance(exc, Unavailable):
+                    self.stats.l3_errors += 1
+                    log.warning("%s", exc)
+                else:
+                    self.stats.step_errors += 1
+                    log.exception("a daemon round failed; retrying")
+                stop.wait(backoff.failed())
                 continue
             deadline = self.window.deadline()
             wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
@@ -376,45 +572,49 @@ class NodeDaemon:
         if closed is not None:
             self.unsent.append(closed)
         while self.unsent and time.monotonic() < end:
-            self.retry_at = 0.0
             self._send_unsent()
-            if self.unsent:
-                time.sleep(0.05)
+            if self.unsent:  # failed: wait as the backoff says (retry_at), within the timeout
+                time.sleep(max(0.0, min(self.retry_at, end) - time.monotonic()))
         if not self.unsent:
             self.push_local(time.monotonic())
         try:
-            self.l3.save_cursors(self.host, self.feed_cursors)
+            self._save_state()
         except Unavailable:
             pass
 
     def close(self) -> None:
+        self.keys.set_ready(False)  # agents stop trusting it now, not in STALE_MS
         self.keys.close()
         self.l3.close()
         self.kv.close()
 
 
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 def _import(path: str) -> Any:
-    """``"module:function"`` → the function. Raises KVCommError naming the config entry."""
+    """``"module:function"`` → the function. Raises ConfigError naming the config entry."""
     import importlib
 
     module, _, attr = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise KVCommError(f"cluster.resolvers: cannot load {path!r}: {exc}") from None
+    except Exception as exc:  # ImportError, AttributeError, or the module's own failure
+        raise ConfigError("cluster.resolvers",
+                          f"cannot load {path!r} ({type(exc).__name__}: {exc}); give "
+                          "\"module:function\" of an importable module") from None
     if not callable(fn):
-        raise KVCommError(f"cluster.resolvers: {path!r} is not callable")
+        raise ConfigError("cluster.resolvers", f"{path!r} is not callable")
     return fn
 
 
-def _id_lt(a: bytes, b: bytes) -> bool:
-    ams, _, aseq = a.partition(b"-")
-    bms, _, bseq = b.partition(b"-")
-    return (int(ams), int(aseq or 0)) < (int(bms), int(bseq or 0))
-
-
 def main(config: Config, name: str | None = None) -> int:
-    """Run until SIGTERM/SIGINT. Returns the exit status."""
+    """Run until SIGTERM/SIGINT. Returns the exit status.
+
+    Waits (with backoff and jitter) for a cluster that cannot be reached yet; raises
+    ConfigError or SegmentError, which the CLI reports, for what waiting cannot fix.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvcomm-node %(message)s")
     stop = threading.Event()
 
@@ -423,18 +623,19 @@ def main(config: Config, name: str | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    backoff = 0.1
+    rng = random.Random()  # seeded by the OS: hosts that boot together wait differently
+    backoff = Backoff(rng, base=0.1, cap=5.0, floor=0.05)
     while True:  # a host may boot before its cluster: agents write into L2 meanwhile
         try:
-            daemon = NodeDaemon(config, name)
+            daemon = NodeDaemon(config, name, rng=rng)
             break
         except Unavailable as exc:
-            log.warning("cannot start yet (%s); retrying in %.1fs", exc, backoff)
-            if stop.wait(backoff):
+            delay = backoff.failed()
+            log.warning("cannot start yet (%s); retrying in %.1fs", exc, delay)
+            if stop.wait(delay):
                 return 0
-            backoff = min(5.0, backoff * 2)
-    log.info("host %s, namespace %s, %d seed nodes", daemon.host, daemon.kv.name,
-             len(config.cluster.redis))
+    log.info("host %s, namespace %s, %d seed nodes; %d hot keys prewarmed", daemon.host,
+             daemon.kv.name, len(config.cluster.redis), daemon.stats.extra.get("prewarmed", 0))
     try:
         daemon.run(stop)
     finally:

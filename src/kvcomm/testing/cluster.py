@@ -4,7 +4,12 @@ For tests, benchmarks and local development. The nodes are Debian's ``redis-serv
 started with ``cluster-enabled yes`` and joined by ``redis-cli --cluster create``;
 :meth:`RedisCluster.start` returns once every node reports ``cluster_state:ok`` and
 every slot is served. Faults are injected on purpose: :meth:`kill` (SIGKILL) and
-:meth:`pause` / :meth:`resume` (SIGSTOP / SIGCONT) of one node.
+:meth:`pause` / :meth:`resume` (SIGSTOP / SIGCONT) of one node. A test that kills a
+node heals the cluster before it ends: :meth:`restart` brings the node back on its
+port (it rejoins, as a replica if its replica took over) and :meth:`wait_restored`
+returns once the cluster is whole again — every node up and agreeing that every slot is
+served, every master with its replicas online and caught up — so that no later test
+depends on what an earlier one broke.
 """
 
 from __future__ import annotations
@@ -71,6 +76,106 @@ def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
         return data
 
 
+def node_argv(port: int, node_dir: str, node_timeout_ms: int) -> list[str]:
+    """The ``redis-server`` command line of one cluster node (its state in ``node_dir``)."""
+    return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir,
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms), "--save", "",
+            "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]
+
+
+def _info(text: bytes) -> dict[str, str]:
+    out = {}
+    for line in text.decode(errors="replace").splitlines():
+        k, sep, v = line.partition(":")
+        if sep:
+            out[k.strip()] = v.strip()
+    return out
+
+
+def cluster_whole(ports: list[int], replicas: int) -> tuple[str, dict[int, int]]:
+    """Why the cluster on ``ports`` is not whole yet ("" when it is), and each master's
+    replication offset: every node answers and sees ``cluster_state:ok`` with all 16384
+    slots served and every node known; there are ``len(ports) / (1 + replicas)`` masters,
+    each with ``replicas`` replicas online and linked."""
+    masters: dict[int, int] = {}
+    for port in ports:
+        try:
+            cinfo = _info(_command(port, "CLUSTER", "INFO"))
+            rinfo = _info(_command(port, "INFO", "replication"))
+        except OSError:
+            return f"node {port} does not answer", {}
+        if cinfo.get("cluster_state") != "ok" or cinfo.get("cluster_slots_ok") != "16384":
+            return f"node {port} sees cluster_state {cinfo.get('cluster_state')}", {}
+        if cinfo.get("cluster_known_nodes") != str(len(ports)):
+            return f"node {port} knows {cinfo.get('cluster_known_nodes')} nodes", {}
+        if rinfo.get("role") == "master":
+            online = [v for k, v in rinfo.items() if k.startswith("slave") and "state=online" in v]
+            if len(online) < replicas:
+                return f"master {port} has {len(online)} replicas online", {}
+            masters[port] = int(rinfo.get("master_repl_offset", "0"))
+        elif rinfo.get("master_link_status") != "up":
+            return f"replica {port} is not linked to its master", {}
+    if len(masters) != len(ports) // (1 + replicas):
+        return f"{len(masters)} masters", {}
+    return "", masters
+
+
+def _replicas_reached(port: int, target: int) -> bool:
+    rinfo = _info(_command(port, "INFO", "replication"))
+    offsets = [int(dict(p.split("=", 1) for p in v.split(",") if "=" in p).get("offset", "-1"))
+               for k, v in rinfo.items() if k.startswith("slave")]
+    return bool(offsets) and min(offsets) >= target
+
+
+def wait_failed_over(ports: list[int], port: int, timeout: float = 30.0) -> None:
+    """Until the live nodes have marked the (killed) node on ``port`` as failed and it
+    serves no slot: its replica has taken over. A master restarted before that would
+    come back empty and still a master, and its replica would copy the empty data set.
+    Raises Unavailable."""
+    deadline = time.monotonic() + timeout
+    others = [p for p in ports if p != port]
+    while True:
+        for live in others:
+            try:
+                nodes = _command(live, "CLUSTER", "NODES", timeout=1.0).decode(errors="replace")
+            except OSError:
+                continue
+            for line in nodes.splitlines():
+                parts = line.split()
+                if len(parts) >= 8 and parts[1].split("@")[0].endswith(f":{port}"):
+                    if "fail" in parts[2].split(",") and len(parts) == 8:
+                        if b"cluster_state:ok" in _command(live, "CLUSTER", "INFO"):
+                            return
+            break  # one live node's view is enough; ask again
+        if time.monotonic() > deadline:
+            raise Unavailable(f"node {port} was not failed over within {timeout}s")
+        time.sleep(0.05)
+
+
+def wait_whole(ports: list[int], replicas: int, timeout: float = 60.0) -> None:
+    """Until :func:`cluster_whole`, and every replica has acknowledged what its master
+    held at that moment. Raises Unavailable naming what is still missing."""
+    deadline = time.monotonic() + timeout
+    why = "not checked"
+    while time.monotonic() <= deadline:
+        try:
+            why, masters = cluster_whole(ports, replicas)
+            if not why:
+                pending = dict(masters)
+                while pending and time.monotonic() <= deadline:
+                    pending = {p: t for p, t in pending.items() if not _replicas_reached(p, t)}
+                    if pending:
+                        time.sleep(0.05)
+                if not pending:
+                    return
+                why = f"the replicas of {sorted(pending)} are behind"
+        except (OSError, ValueError) as exc:
+            why = f"a node answered oddly ({exc})"
+        time.sleep(0.05)
+    raise Unavailable(f"the Redis Cluster did not heal within {timeout}s: {why}")
+
+
 class RedisCluster:
     """``masters`` masters with ``replicas`` replicas each, on 127.0.0.1."""
 
@@ -120,10 +225,7 @@ class RedisCluster:
         node_dir = os.path.join(self.dir, str(port))
         os.makedirs(node_dir, exist_ok=True)
         self.procs[port] = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir,
-             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", str(self.node_timeout_ms), "--save", "",
-             "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
+            node_argv(port, node_dir, self.node_timeout_ms),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=self.detached,
         )
@@ -208,6 +310,21 @@ class RedisCluster:
         proc = self.procs[port]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+    def restart(self, port: int, timeout: float = 30.0) -> None:
+        """Start a killed node again on its port and directory, once the cluster has
+        failed it over (:func:`wait_failed_over`): it rejoins as a replica of the node
+        that took its slots over. Raises Unavailable if it is still running or the
+        failover does not happen within ``timeout``."""
+        if self.procs[port].poll() is None:
+            raise Unavailable(f"node {port} is still running: kill it first")
+        wait_failed_over(self.ports, port, timeout)
+        self._start_node(port)
+
+    def wait_restored(self, timeout: float = 60.0) -> None:
+        """Until the cluster is whole again (see :func:`cluster_whole`): after
+        :meth:`restart`, say. Raises Unavailable naming what is still missing."""
+        wait_whole(self.ports, self.replicas, timeout)
 
     def pause(self, port: int) -> None:
         self.procs[port].send_signal(signal.SIGSTOP)

@@ -8,23 +8,57 @@ age out while the other generation keeps answering for the keys that exist. Agen
 read it lock-free on an L2 miss: "not in the filter" means the key does not exist in
 the cluster (up to the feed's delay), so the read never leaves the host.
 
-File ``/dev/shm/kvcomm.<namespace>.keys`` (owner-only): a 64-byte header — magic,
-layout version, capacity, false-positive rate in parts per billion, ``current`` (0/1),
-``ready`` — then the two generations' bits. A reader ignores a filter that is not
-``ready`` (being built) and goes to L3.
+File ``/dev/shm/kvcomm.<namespace>.keys``: a 64-byte header of eight little-endian
+64-bit words — magic, layout version, capacity, false-positive rate (the float's bits,
+so a reader derives exactly the writer's geometry), ``current`` (0/1), ``ready``,
+``beat`` (the daemon's heartbeat, wall-clock ms) and ``retired`` — then the two
+generations' bits.
+
+When to trust it
+----------------
+"Absent" answers are only as good as the daemon that feeds the filter: a dead daemon
+no longer adds the keys other hosts create. So a reader trusts the filter
+(:attr:`KeyFilter.ready`) only while it is built (``ready``), not ``retired``, and its
+heartbeat, refreshed by every daemon step, is younger than :data:`STALE_MS`; otherwise
+it goes to L3 and reopens the file now and then.
+
+Rebuilding without SIGBUS
+-------------------------
+A file is never truncated or resized in place (a reader mapped at the old size would
+die of SIGBUS touching the lost pages). A daemon that starts builds a new file under a
+temporary name (``O_CREAT|O_EXCL``, mode ``cache.l2_permissions``, space reserved with
+``posix_fallocate``), marks the old file ``retired`` in its header, then ``rename()``s
+the new one into place. Readers still mapping the old inode keep valid memory, see
+``retired`` (or a stale heartbeat) and reopen the path.
+
+Ownership
+---------
+A filter file not owned by this user, or (for readers) whose mode grants more than
+``cache.l2_permissions``, is refused with :class:`~kvcomm.errors.SegmentError`: another
+local user could otherwise make this host's agents answer "absent" for keys that exist.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import mmap
 import os
+import secrets
+import stat
+import struct
+import time
 
 from ..core.bloom import BloomFilter, optimal_params
+from ..errors import SegmentError
 from .l2 import SHM_DIR, segment_path
 
-MAGIC = int.from_bytes(b"KVCKEYS1", "little")
+MAGIC = int.from_bytes(b"KVCKEYS2", "little")
+LAYOUT = 2
 _HDR = 64
-H_MAGIC, H_LAYOUT, H_CAP, H_FPR, H_CURRENT, H_READY = range(6)
+H_MAGIC, H_LAYOUT, H_CAP, H_FPR, H_CURRENT, H_READY, H_BEAT, H_RETIRED = range(8)
+STALE_MS = 2000  # a heartbeat older than this: the daemon is gone, trust the filter no more
+_OLD_MAGICS = (MAGIC, int.from_bytes(b"KVCKEYS1", "little"))
 
 
 def filter_path(namespace: str) -> str:
@@ -32,62 +66,130 @@ def filter_path(namespace: str) -> str:
     return os.path.join(SHM_DIR, f"kvcomm.{namespace}.keys")
 
 
+def _now_ms() -> int:
+    # wall clock, as the L2 segment's daemon heartbeat: comparable across processes and
+    # PID namespaces on one host
+    return time.time_ns() // 1_000_000
+
+
+def _float_bits(x: float) -> int:
+    return int.from_bytes(struct.pack("<d", x), "little")
+
+
+def _bits_float(w: int) -> float:
+    return float(struct.unpack("<d", w.to_bytes(8, "little"))[0])
+
+
+def _check_file(fd: int, path: str, permissions: int | None) -> os.stat_result:
+    """Refuse a file that is not a regular file of this user's, or (if ``permissions``
+    is given) whose mode grants more than ``permissions``. Raises SegmentError."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise SegmentError(f"{path} is not a regular file; remove it (it is not KVCOMM's)")
+    mode = stat.S_IMODE(st.st_mode)
+    euid = os.geteuid()
+    if st.st_uid != euid or (permissions is not None and mode & ~permissions):
+        allowed = "" if permissions is None else f" with at most mode {permissions:#o}"
+        raise SegmentError(
+            f"key filter {path} is owned by uid {st.st_uid} with mode {mode:#o}; KVCOMM only "
+            f"uses one owned by this user (uid {euid}){allowed} (cache.l2_permissions): "
+            f"another user may be squatting the namespace. Remove the file if it is stale "
+            f"(rm {path}) or choose another node.namespace")
+    return st
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(path: str, any_pid: bool = False) -> None:
+    """Remove temporary files of ``path`` left by daemons that died while building one."""
+    for tmp in glob.glob(glob.escape(path) + ".*.tmp"):
+        pid = tmp[len(path) + 1:].split(".", 1)[0]
+        if not pid.isdigit() or (not any_pid and _pid_alive(int(pid))):
+            continue
+        try:
+            if os.lstat(tmp).st_uid == os.geteuid():
+                os.unlink(tmp)
+        except OSError:
+            pass
+
+
 class KeyFilter:
-    """Open (reader) or create (the daemon) the filter of ``namespace``."""
+    """A mapped filter file: :meth:`create` (the daemon) or :meth:`open_reader` (agents)."""
 
-    def __init__(self, namespace: str, capacity: int, fpr: float, *, create: bool = False,
-                 permissions: int = 0o600) -> None:
-        bits, _ = optimal_params(capacity, fpr)
-        gen_bytes = bits // 8
-        size = _HDR + 2 * gen_bytes
-        path = filter_path(namespace)
-        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)
-        if create:
-            old = os.umask(0)
-            try:
-                fd = os.open(path, flags | os.O_CREAT, permissions)
-            finally:
-                os.umask(old)
-            os.ftruncate(fd, size)
-        else:
-            fd = os.open(path, flags)
-        try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"{path} has another size; the daemon rebuilds it")
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._q = memoryview(self._mm)[:_HDR].cast("Q")
-        if create:
-            self._q[H_READY] = 0
-            self._q[H_MAGIC] = MAGIC
-            self._q[H_LAYOUT] = 1
-            self._q[H_CAP] = capacity
-            self._q[H_FPR] = int(fpr * 1e9)
-        elif self._q[H_MAGIC] != MAGIC or self._q[H_CAP] != capacity:
-            self.close()
-            raise ValueError(f"{path} is not a key filter of this configuration")
-        self.gens = [BloomFilter(capacity, fpr, buffer=memoryview(self._mm)[_HDR + i * gen_bytes:
-                                                                          _HDR + (i + 1) * gen_bytes])
+    def __init__(self, path: str, mm: mmap.mmap, capacity: int, fpr: float) -> None:
+        self.path, self._mm = path, mm
+        self.capacity, self.fpr = capacity, fpr
+        gen_bytes = optimal_params(capacity, fpr)[0] // 8
+        self._q = memoryview(mm)[:_HDR].cast("Q")
+        view = memoryview(mm)
+        self.gens = [BloomFilter(capacity, fpr,
+                                 buffer=view[_HDR + i * gen_bytes:_HDR + (i + 1) * gen_bytes])
                      for i in range(2)]
+        view.release()
 
-    @classmethod
-    def open_reader(cls, namespace: str, capacity: int, fpr: float) -> KeyFilter | None:
-        """The filter if the daemon has made one of this configuration, else None."""
-        try:
-            return cls(namespace, capacity, fpr)
-        except (OSError, ValueError):
-            return None
-
-    @property
-    def ready(self) -> bool:
-        return bool(self._q[H_READY])
-
-    def may_exist(self, key: bytes) -> bool:
-        """False only for keys the cluster does not hold (modulo the feed's delay)."""
-        return key in self.gens[0] or key in self.gens[1]
+    @staticmethod
+    def size_for(capacity: int, fpr: float) -> int:
+        """The file size of a filter of ``capacity`` keys at rate ``fpr``."""
+        return _HDR + 2 * (optimal_params(capacity, fpr)[0] // 8)
 
     # ------------------------------------------------------------------ the daemon's side
+
+    @classmethod
+    def create(cls, namespace: str, capacity: int, fpr: float, *, permissions: int = 0o600,
+               ) -> KeyFilter:
+        """A new, empty, not-yet-ready filter in place of any old one (which is retired).
+
+        Raises SegmentError when the old file belongs to another user, or when /dev/shm
+        has no room for the new one (nothing is left behind then).
+        """
+        path = filter_path(namespace)
+        size = cls.size_for(capacity, fpr)
+        _remove_stale_temps(path)
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     permissions)
+        try:
+            os.fchmod(fd, permissions)  # exactly: the umask may have narrowed it
+            try:
+                os.posix_fallocate(fd, 0, size)  # no sparse file: a full /dev/shm fails here
+            except OSError as exc:
+                free = _free_bytes()
+                raise SegmentError(
+                    f"cannot reserve {size} bytes for the key filter {path}: {exc.strerror}; "
+                    f"{free} bytes free in {SHM_DIR}. Lower cache.bloom_capacity or free "
+                    "space there") from None
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        kf = cls(path, mm, capacity, fpr)
+        q = kf._q
+        q[H_READY] = 0
+        q[H_RETIRED] = 0
+        q[H_CURRENT] = 0
+        q[H_CAP] = capacity
+        q[H_FPR] = _float_bits(fpr)
+        q[H_LAYOUT] = LAYOUT
+        q[H_BEAT] = _now_ms()
+        q[H_MAGIC] = MAGIC
+        try:
+            _retire(path)
+            os.rename(tmp, path)
+        except BaseException:
+            kf.close()
+            os.unlink(tmp)
+            raise
+        return kf
 
     def add(self, key: bytes) -> None:
         self.gens[0].add(key)
@@ -95,6 +197,10 @@ class KeyFilter:
 
     def set_ready(self, ready: bool) -> None:
         self._q[H_READY] = int(ready)
+
+    def beat(self, now_ms: int | None = None) -> None:
+        """The daemon's heartbeat: readers trust the filter for STALE_MS after it."""
+        self._q[H_BEAT] = _now_ms() if now_ms is None else now_ms
 
     def begin_rotation(self) -> BloomFilter:
         """Clear the older generation for a refill; the other keeps answering meanwhile."""
@@ -109,15 +215,128 @@ class KeyFilter:
     def adds_since_rotation(self) -> int:
         return self.gens[self._q[H_CURRENT]].adds
 
+    # ------------------------------------------------------------------ the agents' side
+
+    @classmethod
+    def open_reader(cls, namespace: str, permissions: int = 0o600) -> KeyFilter | None:
+        """The filter the daemon made (read-only mapping, geometry from its header), or
+        None when there is none yet or it is not a valid filter file.
+
+        Raises SegmentError when the file belongs to another user or its mode grants more
+        than ``permissions``.
+        """
+        path = filter_path(namespace)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SegmentError(f"{path} is a symbolic link; remove it (KVCOMM never "
+                                   "makes one)") from None
+            raise SegmentError(f"cannot open the key filter {path}: {exc.strerror}") from None
+        try:
+            size = _check_file(fd, path, permissions).st_size
+            if size < _HDR:
+                return None
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        q = memoryview(mm)[:_HDR].cast("Q")
+        try:
+            magic, layout, cap, fpr = q[H_MAGIC], q[H_LAYOUT], q[H_CAP], _bits_float(q[H_FPR])
+        finally:
+            q.release()
+        if magic != MAGIC or layout != LAYOUT or not 1 <= cap < 1 << 40 or not 0.0 < fpr < 1.0:
+            mm.close()
+            return None  # an old layout, or not ours: the daemon replaces it
+        if cls.size_for(cap, fpr) != size:
+            mm.close()
+            return None
+        return cls(path, mm, cap, fpr)
+
+    @property
+    def built(self) -> bool:
+        """The daemon finished filling it (it may since have died: see :attr:`ready`)."""
+        return bool(self._q[H_READY])
+
+    @property
+    def retired(self) -> bool:
+        """A newer file has replaced this one: reopen the path."""
+        return bool(self._q[H_RETIRED])
+
+    def trusted(self, now_ms: int | None = None) -> bool:
+        """True while "not in the filter" may be taken for "absent": built, not retired,
+        and the daemon's heartbeat is younger than STALE_MS."""
+        q = self._q
+        if not q[H_READY] or q[H_RETIRED]:
+            return False
+        now = _now_ms() if now_ms is None else now_ms
+        return abs(now - q[H_BEAT]) < STALE_MS  # (abs: a clock set back is no proof of life)
+
+    @property
+    def ready(self) -> bool:
+        """:meth:`trusted` now: the check an agent makes before answering "absent"."""
+        return self.trusted()
+
+    def may_exist(self, key: bytes) -> bool:
+        """False only for keys the cluster does not hold (modulo the feed's delay)."""
+        return key in self.gens[0] or key in self.gens[1]
+
     def close(self) -> None:
-        for g in getattr(self, "gens", []):
+        for g in self.gens:
             g._b.release()
         self._q.release()
         self._mm.close()
 
 
-def remove(namespace: str) -> None:
+def _retire(path: str) -> None:
+    """Mark the filter file at ``path`` (if any) retired, so that its readers reopen.
+
+    Only the owner is checked, not the mode: the file is being discarded, never read.
+    Raises SegmentError when it belongs to another user.
+    """
     try:
-        os.unlink(filter_path(namespace))
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        pass
+        return
+    except OSError as exc:
+        raise SegmentError(f"cannot replace the key filter {path}: {exc.strerror}; remove "
+                           "it (rm) if it is stale") from None
+    try:
+        if _check_file(fd, path, None).st_size < _HDR:
+            return
+        mm = mmap.mmap(fd, _HDR)
+    finally:
+        os.close(fd)
+    q = memoryview(mm).cast("Q")
+    try:
+        if q[H_MAGIC] in _OLD_MAGICS:
+            q[H_READY] = 0
+            if q[H_MAGIC] == MAGIC:
+                q[H_RETIRED] = 1
+    finally:
+        q.release()
+        mm.close()
+
+
+def _free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+def remove(namespace: str) -> None:
+    path = filter_path(namespace)
+    try:
+        _retire(path)
+    except SegmentError:
+        pass  # another user's file: leave it to them
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    _remove_stale_temps(path)

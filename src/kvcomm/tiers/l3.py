@@ -19,6 +19,25 @@ Records (one compact msgpack array, format 1)
   ``value`` are the codec's (:mod:`kvcomm.core.codec`), never pickle.
 * the version vector flattened, sorted by actor; the dot names the write that made it.
 
+Decoding is defensive (:meth:`L3Record.decode`): anything in Redis may have been written
+by something else, so every field is checked for type and range (actors are host ids,
+counters in 1..2**64-1, the value at most ``cache.max_value_size``), msgpack's length
+limits are set so that no length field can make the decoder allocate more than the
+record's own size, and any failure is :class:`~kvcomm.errors.CorruptRecord` for that
+key only. :meth:`L3Record.decode_value` does the same for the value inside.
+
+Change feed and its sequence numbers
+------------------------------------
+Every change the merge script stores is appended to the group's stream ``kvf:{g}``
+with a field ``s``: the group's sequence number, ``INCR`` of ``kvs:{g}`` (same hash
+tag, same slot, same atomic script). A reader that knows the last sequence number it
+saw can tell from any entry whether it missed some: a first entry whose ``s`` is not
+last + 1 means entries were trimmed past its cursor (a gap); an ``s`` at or below the
+last means the stream went backwards (a failover lost entries that it had read). Either
+way the reader resyncs that group from the records themselves (:meth:`L3Store.feed_position`
+then re-reads). A read that returns nothing carries no sequence number, so a reader also
+compares its last sequence number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
+
 The merge script applies one incoming record atomically against the stored one, by the
 rule of :func:`kvcomm.core.resolve.merge_rule` (newer replaces, older is refused and the
 stored record comes back, concurrent → last-writer-wins with the merged vector, or
@@ -28,15 +47,20 @@ group's stream, bounded by ``MAXLEN ~``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
 import xxhash
 
+from ..core import codec
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
 from ..core.versions import Dotted, Vector
-from ..errors import KVCommError, Unavailable
+from ..errors import CorruptRecord, Unavailable, UnsupportedValue
+
+__all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "MergeResult", "GROUPS",
+           "group_of", "record_key", "feed_key", "seq_key"]
 
 # Hash-slot groups: each group is one slot, one stream. Daemons read every group's stream
 # every feed_poll, and Redis Cluster cannot read streams of different slots in one command,
@@ -46,10 +70,22 @@ GROUPS = 16
 FORMAT = 1
 FEED_MAXLEN = 100_000  # events kept per group stream (approximate: MAXLEN ~)
 OUTCOMES = (NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT)
+QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
+
+# Bounds of a valid record (see L3Record.decode). The value's own bound is the
+# configured cache.max_value_size; these are the rest.
+MAX_VALUE_SIZE = 64 << 20  # cache.max_value_size's default, for callers without a config
+MAX_META = 4096  # the codec's meta is an array header: [dtype, shape] of at most 64 dims
+MAX_ACTORS = 1024  # hosts in one version vector
+MAX_COUNTER = 2**64 - 1
+_ACTOR = re.compile(rb"[A-Za-z0-9_.:-]{1,64}\Z")  # as node.host_id
+_HLC = re.compile(rb"[0-9a-f]{16}\Z")
+# the msgpack framing of a record besides its value, meta and vector: ample
+_RECORD_OVERHEAD = 256 + MAX_META + MAX_ACTORS * (64 + 9 + 2)
 
 
-class CorruptRecord(KVCommError):
-    """An L3 value under a KVCOMM key is not a KVCOMM record (written by something else)."""
+def _valid_counter(c: object) -> bool:
+    return type(c) is int and 1 <= c <= MAX_COUNTER  # (type(): a bool is not a counter)
 
 
 class L3Record(NamedTuple):
@@ -74,24 +110,86 @@ class L3Record(NamedTuple):
              self.dot[0], self.dot[1]], use_bin_type=False)  # Redis' cmsgpack has no bin type
 
     @staticmethod
-    def decode(data: bytes) -> L3Record:
-        """Raises CorruptRecord on anything that is not a format-1 record."""
+    def decode(data: object, max_value_size: int = MAX_VALUE_SIZE) -> L3Record:
+        """The record encoded in ``data``.
+
+        Raises CorruptRecord, and nothing else, for any input that is not a valid
+        format-1 record: wrong types, a value over ``max_value_size``, meta over
+        MAX_META, counters outside 1..2**64-1, actors that are not host ids, an HLC
+        that is not 16 lowercase hex digits, or more than MAX_ACTORS actors. Memory
+        used is bounded by ``len(data)``, which is itself bounded before unpacking.
+        """
+        if type(data) is not bytes:
+            raise CorruptRecord(f"not a KVCOMM record (a {type(data).__name__}, not bytes)")
+        if len(data) > max_value_size + _RECORD_OVERHEAD:
+            raise CorruptRecord(f"not a KVCOMM record ({len(data)} bytes, over "
+                                f"cache.max_value_size = {max_value_size} plus its header)")
         try:
-            r = msgpack.unpackb(data, raw=True)
-            if not (isinstance(r, list) and len(r) == 9 and r[0] == FORMAT):
-                raise ValueError("not a format-1 record")
-            flat = r[6]
-            vector = tuple(sorted((flat[i].decode(), int(flat[i + 1]))
-                                  for i in range(0, len(flat), 2)))
-            hlc = int(r[1].decode(), 16)
-            if len(r[1]) != 16 or type(r[3]) is not int or not all(c > 0 for _, c in vector):
-                raise ValueError("malformed fields")
-            return L3Record(hlc, bool(r[2]), r[3], bytes(r[4]), bytes(r[5]), vector,
-                            (r[7].decode(), int(r[8])))
-        except CorruptRecord:
-            raise
-        except Exception as exc:  # msgpack and field errors alike
-            raise CorruptRecord(f"not a KVCOMM record ({exc}); remove or rewrite the key") from None
+            # every limit explicit: a length field can claim no more than these, whatever
+            # the msgpack version's defaults
+            r = msgpack.unpackb(data, raw=True, use_list=True, max_str_len=max_value_size,
+                                max_bin_len=max_value_size, max_array_len=2 * MAX_ACTORS + 9,
+                                max_map_len=0, max_ext_len=0)
+        except Exception as exc:  # msgpack's errors have no common base beyond Exception
+            raise CorruptRecord(f"not a KVCOMM record (msgpack: {exc})") from None
+        why = _check(r, max_value_size)
+        if why:
+            raise CorruptRecord(f"not a KVCOMM record ({why})")
+        flat = r[6]
+        vector = tuple(sorted((flat[i].decode("ascii"), flat[i + 1])
+                              for i in range(0, len(flat), 2)))
+        return L3Record(int(r[1], 16), r[2], r[3], r[4], r[5], vector,
+                        (r[7].decode("ascii"), r[8]))
+
+    def decode_value(self, key: str = "") -> Any:
+        """The Python value this (non-tombstone) record holds.
+
+        Raises CorruptRecord, naming ``key``, when the tag, meta or payload do not decode
+        (whatever the codec or numpy raised), or for a tombstone; UnsupportedValue only
+        when the value is a numpy array and numpy is not installed.
+        """
+        if self.tombstone:
+            raise CorruptRecord(f"L3 record of {key!r} is a tombstone: it holds no value")
+        try:
+            return codec.decode(self.tag, self.meta, self.value)
+        except UnsupportedValue:
+            raise  # numpy missing: not the record's fault, and the message says what to do
+        except Exception as exc:  # codec, msgpack and numpy errors alike: hostile input
+            raise CorruptRecord(f"L3 value of {key!r} cannot be decoded "
+                                f"({type(exc).__name__}: {exc}); remove or rewrite the key"
+                                ) from None
+
+
+def _check(r: object, max_value_size: int) -> str:
+    """Why ``r`` (msgpack-decoded with raw=True) is not a format-1 record; "" if it is."""
+    if type(r) is not list or len(r) != 9:
+        return "not an array of 9 fields"
+    fmt, hlc, tomb, tag, meta, value, flat, actor, counter = r
+    if type(fmt) is not int or fmt != FORMAT:
+        return f"format {fmt!r}, not {FORMAT}"
+    if type(hlc) is not bytes or not _HLC.match(hlc):
+        return "hlc is not 16 lowercase hex digits"
+    if type(tomb) is not bool:
+        return "tombstone flag is not a bool"
+    if type(tag) is not int or not 0 <= tag <= 255:
+        return "tag is not an int in 0..255"
+    if type(meta) is not bytes or len(meta) > MAX_META:
+        return f"meta is not bytes of at most {MAX_META}"
+    if type(value) is not bytes or len(value) > max_value_size:
+        return f"value is not bytes of at most {max_value_size} (cache.max_value_size)"
+    if type(flat) is not list or not flat or len(flat) % 2 or len(flat) > 2 * MAX_ACTORS:
+        return f"version vector is not 1..{MAX_ACTORS} (actor, counter) pairs"
+    seen = set()
+    for i in range(0, len(flat), 2):
+        a, c = flat[i], flat[i + 1]
+        if type(a) is not bytes or not _ACTOR.match(a) or not _valid_counter(c):
+            return "a version-vector entry is not (host id, counter in 1..2**64-1)"
+        seen.add(a)
+    if len(seen) != len(flat) // 2:
+        return "an actor appears twice in the version vector"
+    if type(actor) is not bytes or not _ACTOR.match(actor) or not _valid_counter(counter):
+        return "the dot is not (host id, counter in 1..2**64-1)"
+    return ""
 
 
 def group_of(key: str) -> int:
@@ -107,7 +205,12 @@ def feed_key(group: int) -> str:
     return f"kvf:{{{group}}}"
 
 
-# KEYS[1] record key, KEYS[2] the group's feed stream
+def seq_key(group: int) -> str:
+    """The group's change counter: the sequence number of its latest feed entry."""
+    return f"kvs:{{{group}}}"
+
+
+# KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key
 MERGE_LUA = r"""
 local function valid(r)
@@ -129,8 +232,14 @@ local function vv(r)
   return t
 end
 local function store(bytes)
+  -- (a script is not rolled back on error: the record goes last, once its feed entry is in)
+  local s = redis.pcall('INCR', KEYS[3])
+  if type(s) ~= 'number' then  -- a foreign value: restart the sequence (readers resync)
+    redis.call('DEL', KEYS[3])
+    s = redis.call('INCR', KEYS[3])
+  end
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
   redis.call('SET', KEYS[1], bytes)
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes)
 end
 local ok, incoming = pcall(cmsgpack.unpack, ARGV[1])
 if not ok or not valid(incoming) then
@@ -181,6 +290,58 @@ store(packed)
 return {'merged', packed}
 """
 
+# A group's feed position, read atomically: {sequence number, id of the last entry kept
+# or "0-0"}. A reader that resumes from there misses nothing and re-reads nothing.
+# KEYS[1] the group's feed stream, KEYS[2] its sequence counter
+POSITION_LUA = r"""
+local s = tonumber(redis.call('GET', KEYS[2]) or '0') or -1
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last == 0 then return {s, '0-0'} end
+return {s, last[1][1]}
+"""
+
+# Redis errors that say "not now" (a failover, a slot on the move, a restarted node)
+# rather than "not this key": they become Unavailable, and the caller retries.
+_TRANSIENT = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY",
+              "NOSCRIPT", "BUSY", "NOREPLICAS", "OOM", "NOPERM", "NOAUTH")
+
+
+def _key_error(msg: str) -> bool:
+    """True when a Redis error concerns the value under one key (a foreign value)."""
+    return ("KVCOMMCORRUPT" in msg or "KVCOMMBAD" in msg or "WRONGTYPE" in msg
+            or "not an integer" in msg)
+
+
+class FeedEntry(NamedTuple):
+    """One change-feed entry. ``key`` is None and ``problem`` says why when the entry
+    cannot be used (a key field that is not strict UTF-8, say); ``seq`` is None when
+    the entry has no valid sequence number (written by something else)."""
+
+    id: bytes
+    key: str | None
+    record: bytes
+    seq: int | None
+    problem: str = ""
+
+
+def _entry(eid: Any, fields: Any) -> FeedEntry:
+    """Parse one XRANGE row, never raising: whatever is wrong goes into ``problem``."""
+    eid = eid if isinstance(eid, bytes) else str(eid).encode()
+    if not isinstance(fields, dict):
+        return FeedEntry(eid, None, b"", None, "entry fields are not a map")
+    raw_seq = fields.get(b"s")
+    seq = int(raw_seq) if isinstance(raw_seq, bytes) and raw_seq.isdigit() and len(raw_seq) < 20 else None
+    kb, rec = fields.get(b"k"), fields.get(b"r")
+    if not isinstance(kb, bytes) or not isinstance(rec, bytes):
+        return FeedEntry(eid, None, b"", seq, "entry lacks its key (k) or record (r) field")
+    try:
+        key = kb.decode("utf-8")  # strict: no lone surrogates, nothing redis-py cannot send
+    except UnicodeDecodeError:
+        return FeedEntry(eid, None, rec, seq, f"key {kb[:80]!r} is not valid UTF-8")
+    if not key or "\0" in key:
+        return FeedEntry(eid, None, rec, seq, f"key {kb[:80]!r} is empty or holds NUL")
+    return FeedEntry(eid, key, rec, seq)
+
 
 class MergeResult(NamedTuple):
     key: str
@@ -193,13 +354,15 @@ class L3Store:
     """The cluster tier over redis-py's RedisCluster (MOVED/ASK and failover are its own).
 
     Credentials and TLS come from the caller's config, never from code. Redis errors are
-    translated: connection trouble → Unavailable, a foreign value → CorruptRecord.
+    translated: connection trouble → Unavailable, a foreign value under one key →
+    CorruptRecord for that key. ``max_value_size`` (``cache.max_value_size``) bounds
+    what a record read back may hold.
     """
 
     def __init__(self, seeds: Sequence[tuple[str, int]], *, password: str | None = None,
                  username: str | None = None, tls: bool = False, timeout: float = 2.0,
                  feed_maxlen: int = FEED_MAXLEN, wait_replicas: int = 0,
-                 wait_ms: int = 100) -> None:
+                 wait_ms: int = 100, max_value_size: int = MAX_VALUE_SIZE) -> None:
         from redis.cluster import ClusterNode, RedisCluster
 
         try:
@@ -213,40 +376,50 @@ class L3Store:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
         self.feed_maxlen = feed_maxlen
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
+        self.max_value_size = max_value_size
         self._script = self.rc.register_script(MERGE_LUA)
-        self._loaded: set[str] = set()  # nodes known to hold the script
+        self._position = self.rc.register_script(POSITION_LUA)
+        self._loaded: set[str] = set()  # nodes known to hold the merge script
         self._refreshed = 0.0
+
+    def decode(self, raw: object, key: str = "") -> L3Record:
+        """:meth:`L3Record.decode` under this store's bound; CorruptRecord names ``key``."""
+        try:
+            return L3Record.decode(raw, self.max_value_size)
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"L3 value of {key!r}: {exc}; remove or rewrite the key"
+                                ) from None
 
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord."""
-        raw = self._call(lambda: self.rc.get(record_key(key)))
-        if raw is None:
-            return None
-        try:
-            return L3Record.decode(raw)
-        except CorruptRecord as exc:
-            raise CorruptRecord(f"L3 value of {key!r}: {exc}") from None
+        raw = self._call(lambda: self.rc.get(_wire_key(record_key(key))), key)
+        return None if raw is None else self.decode(raw, key)
 
     def merge(self, key: str, record: L3Record, keep_siblings: bool = False) -> MergeResult:
         """Merge one record into L3 atomically. Raises Unavailable, CorruptRecord."""
         args = self._args(key, record, keep_siblings)
-        raw = self._call(lambda: self._script(keys=args[0], args=args[1]))
+        raw = self._call(lambda: self._script(keys=args[0], args=args[1]), key)
         return self._result(key, raw)
 
     def merge_many(self, items: Sequence[tuple[str, L3Record]], keep_siblings: bool = False,
                    ) -> list[MergeResult | CorruptRecord]:
         """Merge many records: one pipeline of script calls per master node.
 
-        A key whose stored value is foreign yields a CorruptRecord in its place; the
-        others are merged. A key whose slot moved meanwhile is retried through the
-        cluster client (which follows MOVED/ASK). Raises Unavailable when the cluster
-        cannot be reached.
+        A key whose stored value is foreign, or that cannot be sent (not strict UTF-8),
+        yields a CorruptRecord in its place; the others are merged. A key whose slot
+        moved meanwhile is retried through the cluster client (which follows MOVED/ASK).
+        Raises Unavailable when the cluster cannot be reached.
         """
         by_node: dict[str, tuple[Any, list[int]]] = {}
+        out: list[MergeResult | CorruptRecord | None] = [None] * len(items)
         for i, (key, _) in enumerate(items):
+            try:
+                _wire_key(key)
+            except CorruptRecord as exc:
+                out[i] = exc
+                continue
             node = self._call(lambda key=key: self.rc.get_node_from_key(record_key(key)))  # type: ignore[no-untyped-call]
             by_node.setdefault(node.name, (node, []))[1].append(i)
-        out: list[MergeResult | CorruptRecord | None] = [None] * len(items)
         for node, idxs in by_node.values():
             raws = self._call(lambda node=node, idxs=idxs: self._pipeline(node, items, idxs,
                                                                            keep_siblings))
@@ -256,15 +429,15 @@ class L3Store:
                 durable = isinstance(acked, int) and acked >= self.wait_replicas
             for i, raw in zip(idxs, raws, strict=True):
                 key, record = items[i]
-                if not isinstance(raw, Exception):
-                    out[i] = self._result(key, raw)._replace(durable=durable)
-                elif "KVCOMM" in str(raw):
-                    out[i] = CorruptRecord(f"L3 value of {key!r}: {str(raw).split(' ', 1)[-1]}")
-                else:  # MOVED / ASK / NOSCRIPT after a failover: one call, redirects followed
-                    try:
+                try:
+                    if not isinstance(raw, Exception):
+                        out[i] = self._result(key, raw)._replace(durable=durable)
+                    elif _key_error(str(raw)):
+                        out[i] = CorruptRecord(f"L3 value of {key!r}: {str(raw).split(' ', 1)[-1]}")
+                    else:  # MOVED / ASK / NOSCRIPT after a failover: one call, redirects followed
                         out[i] = self.merge(key, record, keep_siblings)
-                    except CorruptRecord as exc:
-                        out[i] = exc
+                except CorruptRecord as exc:
+                    out[i] = exc
         return out  # type: ignore[return-value]
 
     def _pipeline(self, node: Any, items: Sequence[tuple[str, L3Record]], idxs: list[int],
@@ -276,7 +449,7 @@ class L3Store:
         pipe = conn.pipeline(transaction=False)
         for i in idxs:
             keys, args = self._args(items[i][0], items[i][1], keep_siblings)
-            pipe.evalsha(self._script.sha, 2, *keys, *args)
+            pipe.evalsha(self._script.sha, len(keys), *keys, *args)
         if self.wait_replicas:
             pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
         raws: list[Any] = pipe.execute(raise_on_error=False)
@@ -284,20 +457,26 @@ class L3Store:
             self._loaded.discard(node.name)  # a restarted node: load again next time
         return raws
 
-    def feed(self, group: int, after: bytes = b"0-0", count: int = 1000,
-             ) -> list[tuple[bytes, str, bytes]]:
-        """Change-feed entries of one group after stream id ``after``: (id, key, record)."""
+    # ------------------------------------------------------------------ the change feed
+
+    def feed(self, group: int, after: bytes = b"0-0", count: int = 1000) -> list[FeedEntry]:
+        """Change-feed entries of one group after stream id ``after``."""
         rows = self._call(lambda: self.rc.xrange(feed_key(group), min=b"(" + after, count=count))
-        return [(eid, f[b"k"].decode("utf-8", "surrogatepass"), f[b"r"]) for eid, f in rows]
+        return [_entry(eid, f) for eid, f in rows]
 
     def feed_many(self, cursors: dict[int, bytes], count: int = 500,
-                  ) -> dict[int, list[tuple[bytes, str, bytes]]]:
-        """:meth:`feed` for many groups: one pipeline of XRANGEs per master node."""
+                  ) -> dict[int, list[FeedEntry] | CorruptRecord]:
+        """:meth:`feed` for many groups: one pipeline of XRANGEs per master node.
+
+        A group whose stream cannot be read as one (a foreign value under its key) gets
+        a CorruptRecord in place of its entries. Raises Unavailable when the cluster
+        cannot be reached.
+        """
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for g in cursors:
             node = self._call(lambda g=g: self.rc.get_node_from_key(feed_key(g)))  # type: ignore[no-untyped-call]
             by_node.setdefault(node.name, (node, []))[1].append(g)
-        out: dict[int, list[tuple[bytes, str, bytes]]] = {}
+        out: dict[int, list[FeedEntry] | CorruptRecord] = {}
         for node, groups in by_node.values():
             def run(node: Any = node, groups: list[int] = groups) -> list[Any]:
                 pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
@@ -306,16 +485,55 @@ class L3Store:
                 return pipe.execute(raise_on_error=False)
 
             for g, rows in zip(groups, self._call(run), strict=True):
-                if isinstance(rows, Exception):  # the slot moved: one call, redirects followed
-                    rows = self._call(lambda g=g: self.rc.xrange(feed_key(g), min=b"(" + cursors[g],
-                                                                 count=count))
-                out[g] = [(eid, f[b"k"].decode("utf-8", "surrogatepass"), f[b"r"]) for eid, f in rows]
+                try:
+                    if isinstance(rows, Exception):  # the slot moved: one call, redirects followed
+                        if _key_error(str(rows)):
+                            raise CorruptRecord(f"L3 feed of group {g}: {rows}")
+                        rows = self._call(lambda g=g: self.rc.xrange(
+                            feed_key(g), min=b"(" + cursors[g], count=count), feed_key(g))
+                    out[g] = [_entry(eid, f) for eid, f in rows]
+                except CorruptRecord as exc:
+                    out[g] = exc
         return out
+
+    def feed_seqs(self, groups: Sequence[int]) -> dict[int, int | None]:
+        """Each group's sequence number now (0: no change yet; None: a foreign value).
+
+        One pipeline of GETs per master node. Raises Unavailable.
+        """
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for g in groups:
+            node = self._call(lambda g=g: self.rc.get_node_from_key(seq_key(g)))  # type: ignore[no-untyped-call]
+            by_node.setdefault(node.name, (node, []))[1].append(g)
+        out: dict[int, int | None] = {}
+        for node, gs in by_node.values():
+            def run(node: Any = node, gs: list[int] = gs) -> list[Any]:
+                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+                for g in gs:
+                    pipe.get(seq_key(g))
+                return pipe.execute(raise_on_error=False)
+
+            for g, raw in zip(gs, self._call(run), strict=True):
+                if isinstance(raw, Exception):  # moved: one call, redirects followed
+                    try:
+                        raw = self._call(lambda g=g: self.rc.get(seq_key(g)), seq_key(g))
+                    except CorruptRecord:
+                        raw = b"?"
+                out[g] = 0 if raw is None else _as_seq(raw)
+        return out
+
+    def feed_position(self, group: int) -> tuple[int | None, bytes]:
+        """(sequence number, id of the last entry kept or ``0-0``) of one group, read
+        atomically: resuming from there misses no later change. Raises Unavailable."""
+        raw = self._call(lambda: self._position(keys=[feed_key(group), seq_key(group)]),
+                         feed_key(group))
+        seq = raw[0] if type(raw[0]) is int and raw[0] >= 0 else None
+        return seq, _as_id(raw[1])
 
     def feed_bounds(self, group: int) -> tuple[bytes | None, bytes]:
         """(first id still kept, or None when trimmed empty; last id ever added)."""
         try:
-            info = self._call(lambda: self.rc.xinfo_stream(feed_key(group)))
+            info = self._call(lambda: self.rc.xinfo_stream(feed_key(group)), feed_key(group))
         except Unavailable as exc:
             if "no such key" in str(exc).lower():
                 return None, b"0-0"
@@ -324,61 +542,147 @@ class L3Store:
         return (_as_id(first[0]) if first else None,
                 _as_id(info.get("last-generated-id", b"0-0")))
 
-    def scan_keys(self) -> Any:
+    # ------------------------------------------------------------------ scans
+
+    def scan_keys(self) -> Iterator[bytes]:
         """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths)."""
         def run() -> list[bytes]:
             return list(self.rc.scan_iter(match="kvc:{*", count=1000))
 
         for raw in self._call(run):
-            yield raw.split(b"}:", 1)[1]
+            _, sep, key = raw.partition(b"}:")
+            if sep and key:  # (a foreign name under our prefix is no key of ours)
+                yield key
+
+    def scan_group(self, group: int) -> Iterator[bytes]:
+        """Every KVCOMM key of one group (a SCAN of the master serving its slot)."""
+        prefix = f"kvc:{{{group}}}:".encode()
+
+        def run() -> list[bytes]:
+            node = self.rc.get_node_from_key(feed_key(group))  # type: ignore[no-untyped-call]
+            conn = self.rc.get_redis_connection(node)
+            return list(conn.scan_iter(match=prefix + b"*", count=1000))
+
+        for raw in self._call(run):
+            if raw.startswith(prefix) and len(raw) > len(prefix):
+                yield raw[len(prefix):]
+
+    # ------------------------------------------------------------------ per-host state
 
     def save_hot(self, host: str, keys: list[str]) -> None:
         """This host's hot-key list, for the next daemon run to prewarm L2 with."""
         self._call(lambda: self.rc.set(f"kvn:{{{host}}}:hot", msgpack.packb(keys)))
 
     def load_hot(self, host: str) -> list[str]:
-        raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:hot"))
+        """The hot-key list :meth:`save_hot` saved; [] when there is none or it is not
+        ours. Raises Unavailable."""
         try:
-            keys = msgpack.unpackb(raw) if raw else []
+            raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:hot"))
+        except CorruptRecord:  # another type under the name: start without a list
+            return []
+        try:
+            keys = msgpack.unpackb(raw, max_array_len=100_000) if raw else []
         except Exception:  # written by something else: start without a list
             return []
         return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
 
-    def load_cursors(self, host: str) -> dict[int, bytes]:
-        raw = self._call(lambda: self.rc.hgetall(f"kvn:{{{host}}}:cursors"))
-        return {int(k): v for k, v in raw.items()}
+    def load_cursors(self, host: str) -> tuple[dict[int, bytes], dict[int, int]]:
+        """The feed cursors and last sequence numbers this host saved, by group.
 
-    def save_cursors(self, host: str, cursors: dict[int, bytes]) -> None:
-        if cursors:
-            self._call(lambda: self.rc.hset(f"kvn:{{{host}}}:cursors",
-                                            mapping={str(g): c for g, c in cursors.items()}))
+        Malformed fields (written by something else) are left out: those groups start
+        afresh. Raises Unavailable.
+        """
+        try:
+            raw = self._call(lambda: self.rc.hgetall(f"kvn:{{{host}}}:cursors"))
+        except CorruptRecord:  # another type under the name: start afresh
+            raw = {}
+        cursors: dict[int, bytes] = {}
+        seqs: dict[int, int] = {}
+        for k, v in raw.items():
+            name = k.decode("ascii", "replace")
+            if name.isdigit() and int(name) < GROUPS and _valid_id(v):
+                cursors[int(name)] = v
+            elif name[:1] == "s" and name[1:].isdigit() and int(name[1:]) < GROUPS:
+                seq = _as_seq(v)
+                if seq is not None:
+                    seqs[int(name[1:])] = seq
+        return cursors, seqs
+
+    def save_cursors(self, host: str, cursors: dict[int, bytes],
+                     seqs: dict[int, int] | None = None) -> None:
+        mapping: dict[Any, Any] = {str(g): c for g, c in cursors.items()}
+        mapping.update({f"s{g}": s for g, s in (seqs or {}).items()})
+        if mapping:
+            self._own_key(f"kvn:{{{host}}}:cursors",
+                          lambda name: self.rc.hset(name, mapping=mapping))
+
+    def quarantine(self, host: str, key: str, reason: str, when: float,
+                   keep: int = QUARANTINE_MAX) -> None:
+        """Set an input aside: push ``[key, reason, when]`` (msgpack) onto the host's capped
+        list ``kvn:{host}:quarantine`` (newest first, ``keep`` kept). Raises Unavailable."""
+        entry = msgpack.packb([_printable(key)[:1000], _printable(reason)[:1000], when])
+
+        def run(name: str) -> None:
+            pipe = self.rc.pipeline()  # type: ignore[no-untyped-call]
+            pipe.lpush(name, entry)
+            pipe.ltrim(name, 0, keep - 1)
+            pipe.execute()
+
+        self._own_key(f"kvn:{{{host}}}:quarantine", run)
+
+    def quarantined(self, host: str) -> list[tuple[str, str, float]]:
+        """What :meth:`quarantine` set aside for ``host``, newest first."""
+        out = []
+        for raw in self._call(lambda: self.rc.lrange(f"kvn:{{{host}}}:quarantine", 0, -1)):
+            try:
+                key, reason, when = msgpack.unpackb(raw)
+                out.append((str(key), str(reason), float(when)))
+            except Exception:  # not an entry of ours
+                continue
+        return out
 
     def close(self) -> None:
         self.rc.close()
 
+    def _own_key(self, name: str, write: Any) -> None:
+        """``write(name)`` to a key of KVCOMM's own (``kvn:``); if something else left a
+        value of another type there, replace it. Raises Unavailable, CorruptRecord."""
+        try:
+            self._call(lambda: write(name), name)
+        except CorruptRecord:
+            self._call(lambda: self.rc.delete(name))
+            self._call(lambda: write(name), name)
+
     # ------------------------------------------------------------------ helpers
 
     def _args(self, key: str, record: L3Record, keep_siblings: bool,
-              ) -> tuple[list[str], list[Any]]:
-        return ([record_key(key), feed_key(group_of(key))],
+              ) -> tuple[list[bytes | str], list[Any]]:
+        g = group_of(key)
+        return ([_wire_key(record_key(key)), feed_key(g), seq_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
-                 key.encode("utf-8", "surrogatepass")])
+                 _wire_key(key)])
 
     def _result(self, key: str, raw: Any) -> MergeResult:
-        outcome, data = raw[0].decode(), raw[1]
+        try:
+            outcome = raw[0].decode()
+            data = raw[1]
+        except Exception:
+            raise CorruptRecord(f"unexpected merge reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected merge outcome {outcome!r} for {key!r}")
-        return MergeResult(key, outcome, L3Record.decode(data))
+        return MergeResult(key, outcome, self.decode(data, key))
 
-    def _call(self, fn: Any) -> Any:
+    def _call(self, fn: Any, key: str | None = None) -> Any:
+        """Run one Redis call; errors translated (``key`` names the value a key error is about)."""
         from redis import exceptions as rex
 
         try:
             return fn()
         except rex.ResponseError as exc:
             msg = str(exc)
-            if "KVCOMMCORRUPT" in msg or "KVCOMMBAD" in msg:
-                raise CorruptRecord(msg.split(" ", 1)[-1]) from None
+            if _key_error(msg) and not msg.startswith(_TRANSIENT):
+                where = f"L3 value of {key!r}: " if key is not None else ""
+                raise CorruptRecord(f"{where}{msg.split(' ', 1)[-1]}") from None
             raise Unavailable(f"Redis Cluster refused: {msg}") from None
         except (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError,
                 rex.ClusterError) as exc:
@@ -400,5 +704,36 @@ class L3Store:
             pass
 
 
+
+def _wire_key(key: str) -> bytes:
+    """``key`` as sent to Redis: strict UTF-8. Raises CorruptRecord (a lone surrogate, say)."""
+    try:
+        return key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CorruptRecord(f"key {key!r} is not valid UTF-8 (a lone surrogate?): it cannot "
+                            "be stored in L3; rename it") from None
+
+
+def _printable(s: str) -> str:
+    """``s`` with anything UTF-8 cannot carry (lone surrogates) escaped."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _as_id(v: Any) -> bytes:
     return v if isinstance(v, bytes) else str(v).encode()
+
+
+_ID = re.compile(rb"\d{1,20}-\d{1,20}\Z")
+
+
+def _valid_id(v: object) -> bool:
+    return isinstance(v, bytes) and bool(_ID.match(v))
+
+
+def _as_seq(v: object) -> int | None:
+    """A sequence number from Redis (bytes of digits), or None if it is not one."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v if v >= 0 else None
+    if isinstance(v, bytes) and v.isdigit() and len(v) < 20:
+        return int(v)
+    return None

@@ -1,0 +1,112 @@
+"""In-process node daemons on a real Redis Cluster, for tests that read the daemon's stats.
+
+A :class:`Host` is one host: an L2 namespace, its config, a :class:`NodeDaemon` running
+in a thread (stoppable, restartable) and an agent client. Another host's writes are
+made by merging records straight into L3 (:func:`remote_put`), the way its daemon would.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import kvcomm
+from kvcomm.core import codec
+from kvcomm.node.daemon import NodeDaemon
+from kvcomm.testing.cluster import RedisCluster
+from kvcomm.tiers import l2
+from kvcomm.tiers.l3 import L3Record, L3Store
+
+
+@pytest.fixture(scope="module", name="cluster")
+def cluster_fixture() -> Iterator[RedisCluster]:
+    """A Redis Cluster of the test module's own: faults injected there stay there."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    with RedisCluster() as c:
+        yield c
+
+
+@pytest.fixture(name="store")
+def store_fixture(cluster: RedisCluster) -> Iterator[L3Store]:
+    s = L3Store(cluster.seeds)
+    yield s
+    s.close()
+
+
+def host_config(cluster: RedisCluster, host_id: str, ns: str, **cache: Any) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({
+        "node": {"host_id": host_id, "namespace": ns},
+        "cache": {"l2_size": "16MB", "l2_sync_interval": "10ms", "watch_buffer": 4096,
+                  "negative_ttl": 0, **cache},
+        "cluster": {"redis": [f"127.0.0.1:{p}" for p in cluster.ports], "feed_poll": "10ms",
+                    "wait_replicas": 0},
+    })
+
+
+class Host:
+    def __init__(self, cluster: RedisCluster, host_id: str, seed: int, **cache: Any) -> None:
+        self.ns = f"td-{uuid.uuid4().hex[:10]}"
+        self.config = host_config(cluster, host_id, self.ns, **cache)
+        self.seed = seed
+        self.daemon: NodeDaemon | None = None
+        self.thread: threading.Thread | None = None
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        self.start()
+        self.kv = kvcomm.open(config=self.config)
+
+    def start(self) -> None:
+        self.daemon = NodeDaemon(self.config, rng=random.Random(self.seed))
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        assert self.daemon is not None
+        try:
+            self.daemon.run(self.stop_event)
+        except BaseException as exc:  # a test asserts the daemon never died
+            self.error = exc
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.error is None
+
+    def stop(self, close: bool = True) -> None:
+        """Stop the loop (and release the daemon, unless ``close`` is False: a daemon
+        that stopped beating without saying so, as a killed one does)."""
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(30)
+        if close and self.daemon is not None:
+            self.daemon.close()
+            self.daemon = None
+
+    def close(self) -> None:
+        self.stop()
+        self.kv.close()
+        l2.purge(self.ns)
+
+    @property
+    def stats(self) -> Any:
+        assert self.daemon is not None
+        return self.daemon.stats
+
+
+def record(value: Any, actor: str, counter: int, hlc: int, vector: Any = None) -> L3Record:
+    tag, meta, payload = codec.encode(value)
+    vec = tuple(sorted(vector)) if vector is not None else ((actor, counter),)
+    return L3Record(hlc, False, tag, bytes(meta), bytes(payload), vec, (actor, counter))
+
+
+def remote_put(store: L3Store, key: str, value: Any, actor: str, counter: int) -> None:
+    """What another host's daemon does for a put: merge a newer record into L3."""
+    out = store.merge(key, record(value, actor, counter, counter))
+    assert out.outcome in ("new", "newer"), out.outcome

@@ -1,0 +1,228 @@
+"""The host key filter: trusted only while its daemon beats, rebuilt without SIGBUS,
+refused when another user owns it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import kvcomm
+from kvcomm.tiers import keyfilter
+from kvcomm.tiers.keyfilter import STALE_MS, KeyFilter, filter_path
+
+CTX = mp.get_context("fork")
+
+
+@pytest.fixture
+def fname() -> Iterator[str]:
+    name = f"kf-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    keyfilter.remove(name)
+    for leftover in (filter_path(name),):
+        if os.path.exists(leftover):
+            os.unlink(leftover)
+
+
+def test_trusted_only_while_the_daemon_beats(fname: str) -> None:
+    w = KeyFilter.create(fname, 1000, 0.01)
+    r = KeyFilter.open_reader(fname)
+    try:
+        assert r is not None
+        assert not r.ready  # being built
+        w.add(b"k")
+        w.set_ready(True)
+        w.beat(now_ms=1_000_000)
+        assert r.trusted(now_ms=1_000_000 + STALE_MS - 1)
+        assert not r.trusted(now_ms=1_000_000 + STALE_MS + 1)  # the daemon stopped beating
+        w.beat()
+        assert r.ready and r.may_exist(b"k") and not r.may_exist(b"other")
+    finally:
+        w.close()
+        if r is not None:
+            r.close()
+
+
+def test_a_reader_takes_its_geometry_from_the_file(fname: str) -> None:
+    w = KeyFilter.create(fname, 12_345, 0.0123)
+    r = KeyFilter.open_reader(fname)
+    try:
+        assert r is not None and (r.capacity, r.fpr) == (12_345, 0.0123)
+        assert os.path.getsize(filter_path(fname)) == KeyFilter.size_for(12_345, 0.0123)
+    finally:
+        w.close()
+        if r is not None:
+            r.close()
+
+
+def test_new_files_are_owner_only_whatever_the_umask(fname: str) -> None:
+    old = os.umask(0)
+    try:
+        w = KeyFilter.create(fname, 100, 0.01, permissions=0o600)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(filter_path(fname)).st_mode) == 0o600
+        assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"kvcomm.{fname}.keys.")]
+    finally:
+        w.close()
+
+
+def _reader(name: str, conn: object, capacity: int) -> None:
+    """A reader mapped at the old size: it touches every byte of its mapping while the
+    daemon replaces the file, then reopens and reports the capacity it finds."""
+    r = KeyFilter.open_reader(name)
+    assert r is not None and r.capacity == capacity
+    conn.send("mapped")  # type: ignore[attr-defined]
+    seen_retired = False
+    for _ in range(200_000):
+        for g in r.gens:  # every page of the old mapping, beyond the new file's size
+            _ = bytes(g._b[-4096:])
+            _ = bytes(g._b[:64])
+        r.may_exist(b"k")
+        if r.retired:
+            seen_retired = True
+            break
+    r.close()
+    new = KeyFilter.open_reader(name)
+    conn.send((seen_retired, None if new is None else new.capacity))  # type: ignore[attr-defined]
+
+
+def test_resizing_never_sigbuses_a_reader_and_the_reader_picks_up_the_new_file(fname: str) -> None:
+    big, small = 400_000, 1000  # the new file is far smaller than the old mapping
+    w = KeyFilter.create(fname, big, 0.001)
+    w.set_ready(True)
+    w.beat()
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=_reader, args=(fname, child, big))
+    p.start()
+    try:
+        assert parent.poll(30) and parent.recv() == "mapped"
+        w2 = KeyFilter.create(fname, small, 0.001)  # the daemon restarts with another size
+        w.close()
+        w2.set_ready(True)
+        w2.beat()
+        assert parent.poll(60)
+        seen_retired, capacity = parent.recv()
+        p.join(30)
+        assert p.exitcode == 0, f"reader died with {p.exitcode} (-7 is SIGBUS)"
+        assert seen_retired
+        assert capacity == small
+        w2.close()
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def test_a_file_of_another_user_is_refused(fname: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a file to another user")
+    w = KeyFilter.create(fname, 100, 0.01)
+    w.close()
+    os.chown(filter_path(fname), 65534, 65534)
+    with pytest.raises(kvcomm.SegmentError, match=r"uid 65534.*mode 0o600"):
+        KeyFilter.open_reader(fname)
+    with pytest.raises(kvcomm.SegmentError, match="uid 65534"):
+        KeyFilter.create(fname, 100, 0.01)  # the daemon does not take it over either
+    assert os.stat(filter_path(fname)).st_uid == 65534
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"kvcomm.{fname}.keys.")]
+
+
+def test_a_file_with_a_wider_mode_is_refused_by_readers(fname: str) -> None:
+    w = KeyFilter.create(fname, 100, 0.01)
+    os.chmod(filter_path(fname), 0o666)
+    try:
+        with pytest.raises(kvcomm.SegmentError, match=r"mode 0o666.*at most mode 0o600"):
+            KeyFilter.open_reader(fname, permissions=0o600)
+        r = KeyFilter.open_reader(fname, permissions=0o666)  # as configured: accepted
+        assert r is not None
+        r.close()
+    finally:
+        w.close()
+    w = KeyFilter.create(fname, 100, 0.01, permissions=0o600)  # the daemon replaces it
+    w.close()
+    assert stat.S_IMODE(os.stat(filter_path(fname)).st_mode) == 0o600
+
+
+def test_a_symlink_is_refused(fname: str, tmp_path: object) -> None:
+    target = os.path.join(str(tmp_path), "elsewhere")
+    open(target, "wb").close()
+    os.symlink(target, filter_path(fname))
+    try:
+        with pytest.raises(kvcomm.SegmentError, match="symbolic link"):
+            KeyFilter.open_reader(fname)
+        with pytest.raises(kvcomm.SegmentError):
+            KeyFilter.create(fname, 100, 0.01)
+    finally:
+        os.unlink(filter_path(fname))
+
+
+def test_stale_temporary_files_are_cleaned_up(fname: str) -> None:
+    dead = CTX.Process(target=lambda: None)
+    dead.start()
+    dead.join()
+    stale = f"{filter_path(fname)}.{dead.pid}.deadbeef.tmp"
+    open(stale, "wb").close()
+    w = KeyFilter.create(fname, 100, 0.01)
+    w.close()
+    assert not os.path.exists(stale)
+
+
+def test_a_closed_daemon_filter_is_untrusted_at_once(fname: str) -> None:
+    w = KeyFilter.create(fname, 100, 0.01)
+    w.set_ready(True)
+    w.beat()
+    r = KeyFilter.open_reader(fname)
+    assert r is not None and r.ready
+    keyfilter.remove(fname)  # a purge: readers mapping it stop trusting it
+    assert not r.ready and r.retired
+    r.close()
+    w.close()
+
+
+def _cluster_client(ns: str) -> kvcomm.Client:
+    """A cluster-mode agent whose L3 cannot be reached: any read that leaves the host
+    raises Unavailable, so a None proves the key filter answered."""
+    return kvcomm.open(ns, config=kvcomm.Config.from_mapping({
+        "node": {"namespace": ns}, "cache": {"l2_size": "4MB", "watch_buffer": 1024,
+                                             "negative_ttl": 0},
+        "cluster": {"redis": ["127.0.0.1:1"], "timeout": 0.2}}))
+
+
+def test_an_agent_trusts_the_filter_only_while_the_daemon_beats(ns: str) -> None:
+    w = KeyFilter.create(ns, 1000, 0.001)
+    kv = _cluster_client(ns)
+    try:
+        w.set_ready(True)
+        w.beat()
+        assert kv.get("surely/absent") is None  # answered by the filter: L3 is unreachable
+        assert kv.stats()["l3"]["filter_hits"] == 1
+        w.beat(now_ms=1)  # the daemon's last beat is long past: it is dead
+        with pytest.raises(kvcomm.Unavailable):
+            kv.get("surely/absent")  # so the agent asks L3 (unreachable here)
+    finally:
+        kv.close()
+        w.close()
+
+
+def test_an_agent_refuses_a_filter_of_another_user(ns: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a file to another user")
+    w = KeyFilter.create(ns, 1000, 0.001)
+    w.set_ready(True)
+    w.beat()
+    w.close()
+    os.chown(filter_path(ns), 65534, 65534)
+    kv = _cluster_client(ns)
+    try:
+        for _ in range(2):  # every time, not once a second
+            with pytest.raises(kvcomm.SegmentError, match="uid 65534"):
+                kv.get("k")
+    finally:
+        kv.close()
+        os.unlink(filter_path(ns))
