@@ -403,3 +403,38 @@ def test_a_killed_node_rejoins_and_the_cluster_is_whole_again(cluster: RedisClus
     assert cluster_whole(cluster.ports, cluster.replicas)[0] == ""
     assert master not in cluster.master_ports()  # it came back as a replica
     assert len(cluster.master_ports()) == cluster.masters
+
+
+@needs_redis
+def test_a_master_without_replicas_does_not_hold_writes_back(cluster: RedisCluster) -> None:
+    """cluster.wait_replicas=1, but the master's only replica is down (a lost node, or
+    the time a promoted master has none): a write must still count as delivered once
+    every connected replica has it, or the host's dirty writes would never drain."""
+    import redis
+
+    from kvcomm.testing.cluster import _command
+
+    cluster.wait_restored(60)
+    store = L3Store(cluster.seeds, wait_replicas=1, wait_ms=1000)  # (WAIT returns when acked)
+    try:
+        master = store.rc.get_node_from_key(record_key("degraded/k")).port
+        replica = next(p for p in cluster.ports if p != master and f":{master}".encode()
+                       in _command(p, "INFO", "replication").split(b"master_port")[-1][:12])
+        cluster.kill(replica)
+        try:
+            v = Dotted((("h", 1),), ("h", 1), 1 << 20)
+            t0 = time.monotonic()
+            res = store.merge_many([("degraded/k", rec(v))])[0]
+            if not isinstance(res, Exception) and not res.durable:  # it had one last time
+                res = store.merge_many([("degraded/k", rec(v))])[0]
+            assert not isinstance(res, Exception) and res.durable
+            assert time.monotonic() - t0 < 4.0  # it no longer waits for a missing replica
+            assert store.degraded  # counted (and logged once)
+            healthy = store.merge_many([(f"degraded/{i}", rec(v)) for i in range(20)])
+            assert all(not isinstance(r, Exception) and r.durable for r in healthy)
+        finally:
+            cluster._start_node(replica)
+            cluster.wait_restored(60)
+        assert isinstance(store.rc, redis.cluster.RedisCluster)
+    finally:
+        store.close()

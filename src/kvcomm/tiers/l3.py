@@ -47,6 +47,7 @@ group's stream, bounded by ``MAXLEN ~``.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -61,6 +62,8 @@ from ..errors import CorruptRecord, Unavailable, UnsupportedValue
 
 __all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "MergeResult", "GROUPS",
            "group_of", "record_key", "feed_key", "seq_key"]
+
+log = logging.getLogger("kvcomm.l3")
 
 # Hash-slot groups: each group is one slot, one stream. Daemons read every group's stream
 # every feed_poll, and Redis Cluster cannot read streams of different slots in one command,
@@ -376,6 +379,8 @@ class L3Store:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
         self.feed_maxlen = feed_maxlen
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
+        self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
+        self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
         self._script = self.rc.register_script(MERGE_LUA)
         self._position = self.rc.register_script(POSITION_LUA)
@@ -425,8 +430,8 @@ class L3Store:
                                                                            keep_siblings))
             durable = True
             if self.wait_replicas:
-                acked = raws.pop()
-                durable = isinstance(acked, int) and acked >= self.wait_replicas
+                acked, role = raws.pop(), raws.pop()
+                durable = isinstance(acked, int) and acked >= self._replicas_to_wait(node, role)
             for i, raw in zip(idxs, raws, strict=True):
                 key, record = items[i]
                 try:
@@ -440,6 +445,26 @@ class L3Store:
                     out[i] = exc
         return out  # type: ignore[return-value]
 
+    def _replicas_to_wait(self, node: Any, role: Any) -> int:
+        """``cluster.wait_replicas``, or every replica the master has connected if it has
+        fewer: after a failover the promoted master has none until its old master comes
+        back, and its writes must not wait for a replica that does not exist (they would
+        stay dirty, and the host would stop taking writes). Counted and logged."""
+        try:
+            connected = len(role[2]) if role[0] in (b"master", "master") else self.wait_replicas
+        except (TypeError, IndexError):
+            connected = self.wait_replicas
+        self.connected[node.name] = connected
+        if connected < self.wait_replicas:
+            self.degraded[node.name] = self.degraded.get(node.name, 0) + 1
+            if self.degraded[node.name] == 1:
+                log.warning("Redis master %s has %d replica(s) connected, fewer than "
+                            "cluster.wait_replicas=%d: its writes wait for those only",
+                            node.name, connected, self.wait_replicas)
+        else:
+            self.degraded.pop(node.name, None)
+        return min(self.wait_replicas, connected)
+
     def _pipeline(self, node: Any, items: Sequence[tuple[str, L3Record]], idxs: list[int],
                   keep_siblings: bool) -> list[Any]:
         conn = self.rc.get_redis_connection(node)
@@ -451,7 +476,10 @@ class L3Store:
             keys, args = self._args(items[i][0], items[i][1], keep_siblings)
             pipe.evalsha(self._script.sha, len(keys), *keys, *args)
         if self.wait_replicas:
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
+            # wait only for the replicas the master had last time (none: no wait at all)
+            want = min(self.wait_replicas, self.connected.get(node.name, self.wait_replicas))
+            pipe.execute_command("ROLE")  # type: ignore[no-untyped-call]
+            pipe.execute_command("WAIT", want, self.wait_ms)  # type: ignore[no-untyped-call]
         raws: list[Any] = pipe.execute(raise_on_error=False)
         if any("NOSCRIPT" in str(r) for r in raws if isinstance(r, Exception)):
             self._loaded.discard(node.name)  # a restarted node: load again next time
