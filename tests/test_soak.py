@@ -212,6 +212,14 @@ def test_checker_reports_divergence_and_bad_reads() -> None:
     assert rv.lost_keys == [] and not rv.ok  # phantom reads fail a run
 
 
+def test_checker_leaves_keys_with_unknown_operations_alone() -> None:
+    h = H()
+    h.put("host-1/w0", "k", "a", 1.0)
+    h._op("host-1/w0", "cas", "k", "b", 2.0, OK)
+    v = check(h.ops, everywhere(Observed(True, "b", None)))
+    assert v.anomalies == [] and v.unchecked == ["k"]
+
+
 def test_history_round_trips_and_survives_a_cut_last_line(tmp_path: Path) -> None:
     h = H()
     h.put("host-1/w0", "k", "a", 1.0)
@@ -334,6 +342,27 @@ def test_a_stopped_nemesis_heals_what_is_active(toy_faults: list[str]) -> None:
         assert target.log == ["inject", "heal"]
     finally:
         FAULTS.pop("long", None)
+
+
+def test_a_heal_that_fails_is_recorded_and_stops_the_nemesis(toy_faults: list[str]) -> None:
+    class Unhealable(Fault):
+        name = "unhealable"
+
+        def inject(self, rng: random.Random) -> str:
+            return "done"
+
+        def heal(self) -> str:
+            raise RuntimeError("the node will not come back")
+
+    register(Unhealable)
+    try:
+        nem = Nemesis(FakeTarget(), ["toy", "unhealable"], seed=3, gap=(0.0, 0.0))
+        record = nem.run(60)  # would run for a minute; stops at the first failed heal
+        assert record[-1].kind == "unhealable" and len(record) <= 2
+        assert "will not come back" in (record[-1].error or "")
+        assert nem.heal_failures and nem.counts().get("unhealable") is None
+    finally:
+        FAULTS.pop("unhealable", None)
 
 
 def test_the_built_in_faults_are_registered() -> None:

@@ -39,6 +39,10 @@ With one process writing a key (the soak's *owned* keys) the first rule alone sa
 F must be exactly that process's last acknowledged operation, or an unknown one after
 it: that is the sharpest possible check, and it needs no clock.
 
+A key with an operation of a kind this checker does not know (a compare-and-set, say,
+which a linearizability checker judges) is not judged here: it is counted in
+``Verdict.unchecked`` rather than risk a false verdict.
+
 Every place must also agree (``divergent`` otherwise: not converged), and reads are
 checked as they ran: ``phantom-read`` (a value never written, or read before its write
 began), and ``stale-read`` (a process reading a key only it writes, on its own host,
@@ -96,6 +100,7 @@ class Verdict:
     keys: int = 0
     writes: int = 0
     reads: int = 0
+    unchecked: list[str] = field(default_factory=list)  # keys with operations of other kinds
 
     def of(self, *kinds: str) -> list[Anomaly]:
         return [a for a in self.anomalies if a.kind in kinds]
@@ -257,7 +262,11 @@ def check(history: Iterable[Op], final: Mapping[str, Mapping[str, Observed]], *,
     places = sorted(final)
     out = verdict.anomalies
     for key in sorted(keys):
-        kh = _Key(key, by_key.get(key, []), realtime_margin)
+        ops = by_key.get(key, [])
+        if any(o.kind not in (PUT, DELETE, GET) for o in ops):
+            verdict.unchecked.append(key)
+            continue
+        kh = _Key(key, ops, realtime_margin)
         seen = [(p, final[p].get(key, ABSENT)) for p in places]
         for place, f in seen:
             kh.check_final(place, f, out)

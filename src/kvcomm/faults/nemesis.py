@@ -32,7 +32,9 @@ The built-in faults live in :mod:`kvcomm.faults.kinds`. New ones (issue 9's part
 through a per-host TCP proxy, etcd member kills, clock skew) are new classes, each
 ``@register``-ed with what it ``requires`` ("proxy", "etcd", "clock"); the runner below
 and ``kvcomm soak --faults`` pick them up by name without a change. A target advertises
-its ``capabilities``; a fault whose requirements the target lacks is refused up front.
+its ``capabilities``; a fault whose requirements the target lacks is refused up front. A
+fault that moves a host's clock sets ``skews_clocks = True``: the soak's checker then
+drops its rule that relies on one shared clock.
 
 Schedule and replay
 -------------------
@@ -77,6 +79,9 @@ class Fault(abc.ABC):
     summary: ClassVar[str] = ""
     requires: ClassVar[frozenset[str]] = frozenset()
     hold: ClassVar[tuple[float, float]] = (0.0, 0.0)
+    # True for a fault that moves a host's clock: the checker then stops assuming that
+    # hosts share one clock (no real-time last-writer-wins rule)
+    skews_clocks: ClassVar[bool] = False
 
     def __init__(self, target: Any) -> None:
         self.target = target
@@ -198,8 +203,8 @@ class Nemesis:
     def run(self, seconds: float, stop: threading.Event | None = None,
             every_kind_once: bool = True) -> list[Injection]:
         """Inject, hold, heal, step after step, for ``seconds`` (and, with
-        ``every_kind_once``, at least until every kind has run once). Everything is
-        healed when this returns or raises. Returns the record."""
+        ``every_kind_once``, at least until every kind has run once). Stops early when a
+        heal fails. Everything is healed when this returns or raises. Returns the record."""
         stop = stop or threading.Event()
         self._t0 = time.monotonic()
         try:
@@ -213,6 +218,10 @@ class Nemesis:
                 self._inject(step)
                 stop.wait(step.hold)
                 self.heal_all()
+                if self.heal_failures:
+                    self.log(f"[{self._now():7.1f}s] a fault could not be healed: no more "
+                             "faults (the cluster stays damaged)")
+                    break
         finally:
             self.heal_all()
         return self.record

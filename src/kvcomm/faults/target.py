@@ -26,7 +26,7 @@ from .._client import Client
 from .._client import open as kv_open
 from ..errors import Unavailable
 from ..testing.cluster import _command, node_argv
-from ..tiers.l2 import H_LOCK, L2Segment
+from ..tiers.l2 import H_DAEMON_PID, H_LOCK, L2Segment
 from ..tiers.l3 import L3Store, feed_key
 from .history import HistoryWriter, Recorder
 
@@ -122,7 +122,9 @@ class DevClusterTarget:
         delay = 0.002
         while True:
             os.kill(pid, signal.SIGSTOP)
-            while proc_state(pid) not in ("T", "t", "", "Z"):
+            while proc_state(pid) not in ("T", "t", "", "Z"):  # the signal is asynchronous
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"{self.host_ids[i]}'s daemon (pid {pid}) did not stop")
                 time.sleep(0.001)
             if not avoid_lock or self.segment(i)._q[H_LOCK] != pid:
                 return pid
@@ -149,11 +151,26 @@ class DevClusterTarget:
         wait_gone(pid)
         return pid
 
-    def restart_daemon(self, i: int) -> int:
-        """Start host ``i``'s daemon again; returns once it heartbeats (its new pid)."""
+    def restart_daemon(self, i: int, timeout: float = 30.0) -> int:
+        """Start host ``i``'s daemon again; returns its new pid once that process itself
+        heartbeats. Raises Unavailable when it exits or stays silent for ``timeout`` s."""
         from ..cli import devcluster
 
-        return devcluster.restart_daemon(str(self.dir), i)
+        pid = devcluster.restart_daemon(str(self.dir), i, timeout)
+        # devcluster's wait can be satisfied by the killed daemon's last heartbeat (fresh
+        # for 2 s): wait for one signed with the new pid
+        seg = self.segment(i)
+        deadline = time.monotonic() + timeout
+        while not (seg._q[H_DAEMON_PID] == pid and seg.daemon_alive()):
+            if proc_state(pid) in ("", "Z"):
+                wait_gone(pid, 1.0)
+                raise Unavailable(f"{self.host_ids[i]}'s restarted daemon (pid {pid}) exited; "
+                                  f"see {self.dir}/{self.host_ids[i]}.log")
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{self.host_ids[i]}'s restarted daemon (pid {pid}) did not "
+                                  f"heartbeat within {timeout:.0f}s")
+            time.sleep(0.02)
+        return pid
 
     def daemon_alive(self, i: int) -> bool:
         return self.segment(i).daemon_alive() and proc_state(self.daemon_pid(i)) not in ("", "Z")
