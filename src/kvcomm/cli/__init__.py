@@ -90,7 +90,8 @@ def _soak(args: argparse.Namespace) -> int:
         "hosts": args.hosts, "seconds": args.seconds if args.seconds else args.minutes * 60,
         "seed": args.seed, "directory": args.dir, "workers": args.workers, "rate": args.rate,
         "faults": [f for f in args.faults.split(",") if f] if args.faults else None,
-        "shared_deletes": not args.no_shared_deletes, "strict_reads": args.strict_reads}
+        "shared_deletes": not args.no_shared_deletes, "strict_reads": args.strict_reads,
+        "converge_timeout": args.converge_timeout}
     if args.quiet:
         opts["log"] = lambda line: None
     return soak.main(opts, as_json=args.json)
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="agents never delete keys other hosts write")
     sk.add_argument("--strict-reads", action="store_true",
                     help="a stale read of an agent's own key fails the run too")
+    sk.add_argument("--converge-timeout", type=float, default=60.0,
+                    help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     sk.set_defaults(func=_soak)

@@ -185,8 +185,10 @@ class _Key:
                     why = ("no delete of the key was ever attempted"
                            if not any(o.kind == DELETE for o in self.writes)
                            else "every delete was followed by an acknowledged write")
+                    tomb = f" (tombstone {f.version})" if f.version is not None else ""
                     out.append(Anomaly("lost-write", self.key, place,
-                                       f"is absent, but {why} (the last: {describe(last)})"))
+                                       f"is absent{tomb}, but {why} (the last: "
+                                       f"{describe(last)})"))
                     return
         if f.version is None:
             if place == "l3" and self.acked_puts:

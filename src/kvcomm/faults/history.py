@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -246,11 +246,3 @@ class Recorder:
 def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
-
-def iter_keys(ops: Sequence[Op]) -> Iterator[str]:
-    """The keys of ``ops``, each once, in first-seen order."""
-    seen: set[str] = set()
-    for op in ops:
-        if op.key not in seen:
-            seen.add(op.key)
-            yield op.key

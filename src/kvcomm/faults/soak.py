@@ -92,6 +92,8 @@ class SoakOptions:
             raise InvalidArgument("--hosts must be between 1 and 32")
         if not self.seconds > 0:
             raise InvalidArgument("--seconds/--minutes must be > 0")
+        if not self.converge_timeout > 0:
+            raise InvalidArgument("--converge-timeout must be > 0")
         if not 1 <= self.workers <= 64 or not self.rate > 0:
             raise InvalidArgument("--workers must be 1..64 and --rate > 0")
         if self.owned_keys < 1 or self.shared_keys < 1:
