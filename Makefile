@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test bench bench-cluster lint clean
+.PHONY: demo test bench bench-cluster soak lint clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, Ultra
 
 bench-cluster: $(STAMP) ## cluster mode vs Redis Cluster directly (needs redis-server)
 	$(BIN)/python bench/bench_cluster.py
+
+soak: $(STAMP)          ## 10 minutes of faults on a 3-host dev cluster: lost = 0? (needs redis-server)
+	$(BIN)/kvcomm soak --hosts 3 --minutes 10
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

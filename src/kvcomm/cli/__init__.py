@@ -125,6 +125,20 @@ def _dev_cluster(args: argparse.Namespace) -> int:
     return 1
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from ..faults import soak
+
+    opts: dict[str, object] = {
+        "hosts": args.hosts, "seconds": args.seconds if args.seconds else args.minutes * 60,
+        "seed": args.seed, "directory": args.dir, "workers": args.workers, "rate": args.rate,
+        "faults": [f for f in args.faults.split(",") if f] if args.faults else None,
+        "shared_deletes": not args.no_shared_deletes, "strict_reads": args.strict_reads,
+        "converge_timeout": args.converge_timeout}
+    if args.quiet:
+        opts["log"] = lambda line: None
+    return soak.main(opts, as_json=args.json)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -170,6 +184,27 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--hosts", type=int, default=3)
     dc.add_argument("--dir", required=True)
     dc.set_defaults(func=_dev_cluster)
+
+    sk = sub.add_parser("soak", help="a dev cluster under a random workload and a nemesis: "
+                        "is anything acknowledged lost?")
+    sk.add_argument("--hosts", type=int, default=3)
+    sk.add_argument("--minutes", type=float, default=10.0, help="workload time (default 10)")
+    sk.add_argument("--seconds", type=float, help="workload time in seconds (over --minutes)")
+    sk.add_argument("--seed", type=int, help="replay the run of this seed")
+    sk.add_argument("--faults", help="comma-separated fault kinds (default: all)")
+    sk.add_argument("--dir", help="keep the cluster's logs, histories and report here")
+    sk.add_argument("--workers", type=int, default=2, help="agent processes per host (default 2)")
+    sk.add_argument("--rate", type=float, default=50.0,
+                    help="operations per second per agent (default 50)")
+    sk.add_argument("--no-shared-deletes", action="store_true",
+                    help="agents never delete keys other hosts write")
+    sk.add_argument("--strict-reads", action="store_true",
+                    help="a stale read of an agent's own key fails the run too")
+    sk.add_argument("--converge-timeout", type=float, default=60.0,
+                    help="seconds to wait for every host to agree with L3 (default 60)")
+    sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    sk.set_defaults(func=_soak)
 
     c = sub.add_parser("config", help="print the effective config")
     c.add_argument("--show", action="store_true", required=True)

@@ -33,7 +33,8 @@ from ..tiers.l2 import L2Segment, purge
 
 def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "50ms",
        feed_poll: str = "20ms", timeout: float = 60.0,
-       resolvers: dict[str, str] | None = None) -> dict[str, Any]:
+       resolvers: dict[str, str] | None = None,
+       watch_buffer: int | None = None) -> dict[str, Any]:
     d = Path(directory).resolve()
     d.mkdir(parents=True, exist_ok=True)
     state_file = d / "cluster.json"
@@ -53,8 +54,10 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
         for i in range(1, hosts + 1):
             host = f"host-{i}"
             ns = f"dev{tag}-{host}"
-            cfg = {"node": {"host_id": host, "namespace": ns},
-                   "cache": {"l2_size": l2_size, "l2_sync_interval": sync_interval},
+            cache: dict[str, Any] = {"l2_size": l2_size, "l2_sync_interval": sync_interval}
+            if watch_buffer is not None:  # a small feed ring: the soak overflows it on purpose
+                cache["watch_buffer"] = watch_buffer
+            cfg = {"node": {"host_id": host, "namespace": ns}, "cache": cache,
                    "cluster": {"redis": state["redis"], "feed_poll": feed_poll,
                                "resolvers": resolvers or {}}}
             path = d / f"{host}.yaml"

@@ -76,8 +76,12 @@ def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
         return data
 
 
-def node_argv(port: int, node_dir: str, node_timeout_ms: int) -> list[str]:
-    """The ``redis-server`` command line of one cluster node (its state in ``node_dir``)."""
+NODE_TIMEOUT_MS = 2000
+
+
+def node_argv(port: int, node_dir: str, node_timeout_ms: int = NODE_TIMEOUT_MS) -> list[str]:
+    """The command line of one cluster node (also how a killed node is started again: the
+    same port and directory, so its ``nodes.conf`` makes it rejoin the cluster)."""
     return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir,
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(node_timeout_ms), "--save", "",
@@ -179,7 +183,8 @@ def wait_whole(ports: list[int], replicas: int, timeout: float = 60.0) -> None:
 class RedisCluster:
     """``masters`` masters with ``replicas`` replicas each, on 127.0.0.1."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000,
+    def __init__(self, masters: int = 3, replicas: int = 1,
+                 node_timeout_ms: int = NODE_TIMEOUT_MS,
                  directory: str | None = None, detached: bool = False) -> None:
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
             raise Unavailable("redis-server and redis-cli are needed (apt-get install redis-server)")

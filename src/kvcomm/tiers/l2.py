@@ -522,6 +522,11 @@ class L2Segment:
         """True once the namespace was purged (every read and write raises SegmentError)."""
         return self._core is not None and self._q[_H_STATE] != STATE_OK
 
+    def lock_owner(self) -> int:
+        """The thread id holding the writer lock (a process's main thread id is its pid),
+        0 when free. For tools; meaningful only in this PID namespace, with glibc."""
+        return int(self._core.owner()) if self._core is not None else 0
+
     def holds_lock(self) -> bool:
         """True when this thread holds the writer lock (inside a validator, say)."""
         return bool(self._core is not None and self._core.held())

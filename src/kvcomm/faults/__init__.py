@@ -1,0 +1,31 @@
+"""Fault injection and a cluster soak that ship with the package: ``kvcomm soak``.
+
+Modules
+-------
+* :mod:`~kvcomm.faults.nemesis`: the :class:`~kvcomm.faults.nemesis.Fault` interface and
+  registry, the seeded schedule, the :class:`~kvcomm.faults.nemesis.Nemesis` that runs it
+  and records every injection.
+* :mod:`~kvcomm.faults.kinds`: the built-in faults (pause, kill and restart a node
+  daemon; kill a Redis master and bring it back as a replica; trim a change-feed
+  stream; overflow a host's L2 change feed; force L2 evictions).
+* :mod:`~kvcomm.faults.target`: the dev cluster as faults see it (processes, Redis
+  nodes, L3, a recording client per host).
+* :mod:`~kvcomm.faults.history`: recorded operations (JSON lines) and the recording
+  client.
+* :mod:`~kvcomm.faults.checker`: the pure checker: nothing acknowledged lost, no delete
+  undone, no phantom, every place in the same state.
+* :mod:`~kvcomm.faults.soak`: the whole run behind ``kvcomm soak``.
+
+Adding a fault: derive from :class:`~kvcomm.faults.nemesis.Fault`, give it a ``name``,
+what it ``requires`` of the target and how long it is held, implement ``inject(rng)``
+(choose only with ``rng``, return what was done) and ``heal()``, decorate it with
+:func:`~kvcomm.faults.nemesis.register`, and import its module before the nemesis
+starts. ``kvcomm soak --faults NAME`` then runs it; nothing in the runner changes.
+"""
+
+from .checker import Anomaly, Observed, Verdict, check
+from .history import Op, Recorder, load_history
+from .nemesis import FAULTS, Fault, Injection, Nemesis, fault_kinds, plan, register
+
+__all__ = ["FAULTS", "Anomaly", "Fault", "Injection", "Nemesis", "Observed", "Op", "Recorder",
+           "Verdict", "check", "fault_kinds", "load_history", "plan", "register"]

@@ -1,0 +1,302 @@
+"""The built-in faults, against a dev cluster (:class:`~kvcomm.faults.target.DevClusterTarget`).
+
+=====================  ==============================================================
+``pause-daemon``       SIGSTOP a host's node daemon (wherever it is, even holding the
+                       host's L2 lock); SIGCONT at heal.
+``kill-daemon``        SIGKILL a host's node daemon (a crash); restart it at heal.
+``kill-redis-master``  SIGKILL the Redis master serving a group; at heal, wait for its
+                       replica to take over, then start the killed node again from its
+                       directory: having lost its data, it rejoins as a replica.
+``trim-stream``        XTRIM a group's change feed to nothing (MAXLEN 0) while a host's
+                       daemon has not read a change of a key it holds (its daemon is
+                       paused across the change and the trim).
+``feed-overflow``      a burst of writes larger than a host's L2 change-feed ring (the
+                       soak runs hosts with a small ``cache.watch_buffer``) while its
+                       daemon is paused, with deletes of keys L3 holds at its start.
+``l2-evict``           a burst of large values, 1.5 times a host's L2 (the soak runs hosts
+                       with a small ``cache.l2_size``), so that L2 must evict; small
+                       probe keys written just before, and in L3, are eviction victims.
+=====================  ==============================================================
+
+Faults that write use keys under ``soak/n/`` through the target's recorders (process
+``nemesis/<host>``), so the soak's checker sees those writes like the workload's. Probe
+keys are written once and never again, which makes a fault's damage visible at the end
+of the run even when the workload would have rewritten its own keys since.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from ..errors import Unavailable
+from ..tiers.l2 import key_hash
+from ..tiers.l3 import GROUPS, feed_key, group_of
+from .history import DELETE, PUT, value_id
+from .nemesis import Fault, register
+from .target import DevClusterTarget
+
+
+def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``cond`` until true; Unavailable after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise Unavailable(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+
+
+class DevFault(Fault):
+    """A fault against a dev cluster, with helpers for the ones that write."""
+
+    target: DevClusterTarget
+
+    def _host(self, rng: random.Random) -> int:
+        i = rng.randrange(self.target.hosts)
+        self.effect["host"] = self.target.host_ids[i]
+        return i
+
+    def _put(self, host: int, key: str, pad: int = 0) -> str:
+        """An acknowledged put through host ``host``'s recorder; returns the value.
+        Raises Unavailable when the put was not acknowledged."""
+        w = self.target.recorder(host)
+        value = w.new_value(pad)
+        if w.put(key, value) is None:
+            raise Unavailable(f"the nemesis's put of {key!r} on {w.host} was not acknowledged")
+        return value
+
+    def _in_l3(self, key: str, value: str) -> bool:
+        try:
+            rec = self.target.l3().get(key)
+        except Unavailable:
+            return False
+        return rec is not None and not rec.tombstone and \
+            value_id(rec.value.decode("utf-8", "replace")) == value_id(value)
+
+    def _clean(self, host: int, keys: list[str]) -> bool:
+        """True when none of ``keys`` is still waiting for L3 on ``host`` (dirty)."""
+        seg = self.target.segment(host)
+        for key in keys:
+            kb = key.encode()
+            rec = seg.read(kb, key_hash(kb))
+            if rec is not None and seg.is_dirty(rec.word):
+                return False
+        return True
+
+
+@register
+class PauseDaemon(DevFault):
+    name = "pause-daemon"
+    summary = "SIGSTOP a host's node daemon; SIGCONT at heal"
+    requires = frozenset({"daemons"})
+    hold = (0.5, 4.0)
+
+    def inject(self, rng: random.Random) -> str:
+        self.host = self._host(rng)
+        self.pid: int | None = self.target.pause_daemon(self.host)
+        return f"SIGSTOP {self.target.host_ids[self.host]}'s daemon (pid {self.pid})"
+
+    def heal(self) -> str:
+        if getattr(self, "pid", None) is None:
+            return ""
+        assert self.pid is not None
+        self.target.resume_daemon(self.pid)
+        self.pid = None
+        return "SIGCONT"
+
+
+@register
+class KillDaemon(DevFault):
+    name = "kill-daemon"
+    summary = "SIGKILL a host's node daemon; start it again at heal"
+    requires = frozenset({"daemons"})
+    hold = (0.2, 3.0)
+
+    def inject(self, rng: random.Random) -> str:
+        self.host: int | None = self._host(rng)
+        pid = self.target.kill_daemon(self.host)
+        self.effect["killed_pid"] = pid
+        return f"SIGKILL {self.target.host_ids[self.host]}'s daemon (pid {pid})"
+
+    def heal(self) -> str:
+        if getattr(self, "host", None) is None:
+            return ""
+        assert self.host is not None
+        pid = self.target.restart_daemon(self.host)
+        self.host = None
+        self.effect["restarted_pid"] = pid
+        return f"restarted (pid {pid}), heartbeating"
+
+
+@register
+class KillRedisMaster(DevFault):
+    name = "kill-redis-master"
+    summary = "SIGKILL a Redis master (its replica fails over); restart it as a replica at heal"
+    requires = frozenset({"redis"})
+    hold = (0.5, 3.0)
+
+    def inject(self, rng: random.Random) -> str:
+        group = rng.randrange(GROUPS)
+        port = self.target.master_of_group(group)
+        self.killed_at = time.monotonic()
+        pid = self.target.kill_redis(port)
+        self.port: int | None = port
+        self.effect.update(group=group, port=port)
+        return f"SIGKILL the Redis master on port {port} (pid {pid}, serves group {group})"
+
+    def heal(self) -> str:
+        if getattr(self, "port", None) is None:
+            return ""
+        port = self.port
+        assert port is not None
+        self.target.wait_failover(port)
+        took = time.monotonic() - self.killed_at
+        self.effect["failover_s"] = round(took, 2)
+        pid = self.target.restart_redis(port)
+        self.port = None
+        self.effect["rejoined"] = True
+        return (f"a replica took over {took:.1f}s after the kill; port {port} restarted "
+                f"(pid {pid}) and in sync as a replica")
+
+
+def key_in_group(prefix: str, group: int) -> str:
+    """The first key ``prefix + n`` of hash-slot group ``group``."""
+    n = 0
+    while group_of(f"{prefix}{n}") != group:
+        n += 1
+    return f"{prefix}{n}"
+
+
+@register
+class TrimStream(DevFault):
+    name = "trim-stream"
+    summary = "XTRIM a group's change feed to nothing while a host has an unread change"
+    requires = frozenset({"daemons", "l3"})
+
+    def inject(self, rng: random.Random) -> str:
+        t = self.target
+        group = rng.randrange(GROUPS)
+        self.effect["group"] = group
+        h = self._host(rng)
+        paused = ""
+        if t.hosts > 1:
+            a = (h + 1 + rng.randrange(t.hosts - 1)) % t.hosts
+            key = key_in_group(f"soak/n/trim/{rng.getrandbits(32):08x}/", group)
+            self.effect["probe"] = key
+            v1 = self._put(a, key)
+            wait(lambda: self._in_l3(key, v1), 15, f"{key} to reach L3")
+            reader = t.recorder(h)
+
+            def held() -> bool:  # read on h: L2 fills from L3, so h's daemon tracks the key
+                ok, got = reader.get(key)
+                return ok and value_id(got) == value_id(v1) and \
+                    t.segment(h).read(key.encode(), key_hash(key.encode())) is not None
+
+            wait(held, 15, f"{t.host_ids[h]} to hold {key}")
+            self.pid: int | None = t.pause_daemon(h, avoid_lock=True)
+            v2 = self._put(a, key)
+            wait(lambda: self._in_l3(key, v2), 15, f"the change of {key} to reach L3")
+            paused = (f" while {t.host_ids[h]}'s daemon was paused; probe {key} changed on "
+                      f"{t.host_ids[a]} in between")
+        n = t.l3()._call(lambda: t.l3().rc.xtrim(feed_key(group), maxlen=0, approximate=False))
+        self.effect["trimmed"] = int(n)
+        self.heal()
+        return f"XTRIM {feed_key(group)} MAXLEN 0 removed {n} entries{paused}"
+
+    def heal(self) -> str:
+        if getattr(self, "pid", None) is None:
+            return ""
+        assert self.pid is not None
+        self.target.resume_daemon(self.pid)
+        self.pid = None
+        return "daemon resumed"
+
+
+@register
+class FeedOverflow(DevFault):
+    name = "feed-overflow"
+    summary = "a burst of writes larger than a host's L2 change-feed ring, daemon paused"
+    requires = frozenset({"daemons", "l2"})
+    PROBES = 8
+
+    def inject(self, rng: random.Random) -> str:
+        t = self.target
+        h = self._host(rng)
+        host = t.host_ids[h]
+        seg = t.segment(h)
+        ring = seg.layout.feed_n
+        bound = t.client(h)._max_dirty
+        tag = f"{rng.getrandbits(32):08x}"
+        probes = [f"soak/n/ovf/{tag}/d{i}" for i in range(self.PROBES)]
+        for p in probes:
+            self._put(h, p)
+        wait(lambda: self._clean(h, probes), 15, f"the probes to reach L3 from {host}")
+        # a few keys rewritten over and over: every write is a feed event, but a rewrite of
+        # a key already waiting for L3 adds nothing to cluster.outbound_max's count
+        fillers = [f"soak/n/ovf/{host}/f{i % 16}" for i in range(ring + 16)]
+        w = t.recorder(h)
+        ok = False
+        events = 0
+        for _ in range(3):  # a single check of the write bound guards today's batches
+            wait(lambda: seg.feed_head() - seg.sync_cursor < bound // 4, 15,
+                 f"{host}'s sync backlog to drain")
+            self.pid: int | None = t.pause_daemon(h, avoid_lock=True)
+            head = seg.feed_head()
+            ok = w.batch([(DELETE, p, None) for p in probes]
+                         + [(PUT, f, w.new_value()) for f in fillers])
+            events = seg.feed_head() - head
+            self.heal()
+            if ok:
+                break
+        self.effect.update(ring=ring, events=events, overflowed=ok and events > ring,
+                           refused=not ok)
+        if not ok:
+            return (f"{host}: a batch of {len(probes) + len(fillers)} writes (ring {ring}) was "
+                    "refused three times (Unavailable): no overflow")
+        return (f"{host}: daemon paused, one batch deleted {len(probes)} probes in L3 and "
+                f"wrote {len(fillers)} keys: {events} feed events into a ring of {ring}")
+
+    def heal(self) -> str:
+        if getattr(self, "pid", None) is None:
+            return ""
+        assert self.pid is not None
+        self.target.resume_daemon(self.pid)
+        self.pid = None
+        return "daemon resumed"
+
+
+@register
+class L2Evict(DevFault):
+    name = "l2-evict"
+    summary = "a burst of large values, 1.5 times a host's L2, forcing evictions"
+    requires = frozenset({"l2"})
+    PROBES = 8
+
+    def inject(self, rng: random.Random) -> str:
+        t = self.target
+        h = self._host(rng)
+        host = t.host_ids[h]
+        seg = t.segment(h)
+        tag = f"{rng.getrandbits(32):08x}"
+        probes = [f"soak/n/evict/{tag}/p{i}" for i in range(self.PROBES)]
+        for p in probes:
+            self._put(h, p)
+        wait(lambda: self._clean(h, probes), 15, f"the probes to reach L3 from {host}")
+        data = seg.layout.data_size
+        size = max(4096, data // 256)
+        count = int(1.5 * data / size) + 1
+        w = t.recorder(h)
+        before = seg.info()["evictions"]
+        refused = 0
+        for i in range(count):
+            if w.put(f"soak/n/evict/{host}/b{i}", w.new_value(pad=size)) is None:
+                refused += 1  # L2 full of writes not yet in L3: give the daemon a moment
+                time.sleep(0.05)
+        evictions = seg.info()["evictions"] - before
+        gone = sum(seg.read(p.encode(), key_hash(p.encode())) is None for p in probes)
+        self.effect.update(evictions=evictions, probes_evicted=gone, values=count,
+                           value_bytes=size, refused=refused)
+        return (f"{host}: {count} values of {size // 1024} KiB into an L2 of "
+                f"{data / 2**20:.1f} MiB: {evictions} evictions, {gone}/{len(probes)} probes "
+                f"evicted, {refused} puts refused")

@@ -1,0 +1,264 @@
+"""The nemesis: pluggable faults, a schedule drawn from a seed, a record of what it did.
+
+Faults
+------
+A fault is a class derived from :class:`Fault` and registered under its ``name`` with
+:func:`register`::
+
+    @register
+    class PauseDaemon(Fault):
+        name = "pause-daemon"
+        summary = "SIGSTOP a host's node daemon; SIGCONT it at heal"
+        requires = frozenset({"daemons"})   # what the target must be able to do
+        hold = (0.5, 4.0)                   # seconds between inject and heal (drawn)
+
+        def inject(self, rng):              # choose with rng only: replays from the seed
+            self.host = rng.randrange(self.target.hosts)
+            ...
+            return "SIGSTOP host-2's daemon (pid 4242)"   # what it did, for the record
+
+        def heal(self):                     # idempotent; "" when there was nothing to undo
+            ...
+
+One instance serves one injection: ``inject(rng)`` does the damage and returns a
+description; ``heal()`` undoes it (restart what was killed, resume what was paused).
+Faults that do their whole work at once (a stream trim, a burst of writes) have nothing
+to heal. ``effect`` holds evidence that the fault took effect (evictions counted, entries
+trimmed, seconds a failover took), so a test can assert the fault really happened.
+Faults that write go through the target's recorders, so their writes are checked like
+everyone else's.
+
+The built-in faults live in :mod:`kvcomm.faults.kinds`. New ones (issue 9's partitions
+through a per-host TCP proxy, etcd member kills, clock skew) are new classes, each
+``@register``-ed with what it ``requires`` ("proxy", "etcd", "clock"); the runner below
+and ``kvcomm soak --faults`` pick them up by name without a change. A target advertises
+its ``capabilities``; a fault whose requirements the target lacks is refused up front. A
+fault that moves a host's clock sets ``skews_clocks = True``: the soak's checker then
+drops its rule that relies on one shared clock.
+
+Schedule and replay
+-------------------
+:func:`plan` turns a seed into an endless sequence of steps: first every enabled kind
+once, in a seeded order (so even a short run exercises them all), then kinds drawn at
+random; each step with its gap before injection, its hold before heal and its own seed
+for the fault's choices (which host, which group). The same seed and the same kinds give
+the same steps: the same faults, the same targets, the same timing. :class:`Nemesis`
+runs steps one at a time until its time is up (and, by default, every kind has run
+once), records each :class:`Injection` with its times, and heals whatever is still
+active on the way out, whatever happens.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from ..errors import InvalidArgument
+
+
+class Target(Protocol):
+    """What a fault acts on. ``capabilities`` names the levers it offers."""
+
+    capabilities: frozenset[str]
+
+    @property
+    def hosts(self) -> int: ...
+
+
+class Fault(abc.ABC):
+    """One injection of one kind of fault (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    requires: ClassVar[frozenset[str]] = frozenset()
+    hold: ClassVar[tuple[float, float]] = (0.0, 0.0)
+    # True for a fault that moves a host's clock: the checker then stops assuming that
+    # hosts share one clock (no real-time last-writer-wins rule)
+    skews_clocks: ClassVar[bool] = False
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.effect: dict[str, Any] = {}
+
+    @abc.abstractmethod
+    def inject(self, rng: random.Random) -> str:
+        """Do the damage, choosing only with ``rng``; returns what was done. May raise:
+        the nemesis records the error and calls :meth:`heal`."""
+
+    def heal(self) -> str:
+        """Undo what :meth:`inject` did (idempotent); returns what was done, "" if nothing."""
+        return ""
+
+
+FAULTS: dict[str, type[Fault]] = {}
+
+
+def register(cls: type[Fault]) -> type[Fault]:
+    """Class decorator: make ``cls`` available by ``cls.name``. Raises InvalidArgument on
+    a missing or taken name."""
+    if not cls.name or cls.name in FAULTS and FAULTS[cls.name] is not cls:
+        raise InvalidArgument(f"fault {cls.__name__}: name {cls.name!r} is missing or taken")
+    lo, hi = cls.hold
+    if not 0 <= lo <= hi:
+        raise InvalidArgument(f"fault {cls.name}: hold must be (low, high) seconds, low <= high")
+    FAULTS[cls.name] = cls
+    return cls
+
+
+def fault_kinds() -> list[str]:
+    """Every registered fault name (the built-in ones included), sorted."""
+    from . import kinds  # noqa: F401  (registers the built-in faults)
+
+    return sorted(FAULTS)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    index: int
+    kind: str
+    gap: float  # seconds to wait before injecting
+    hold: float  # seconds between inject and heal
+    seed: int  # the fault's own choices
+
+
+def plan(seed: int, kinds: Sequence[str], gap: tuple[float, float] = (0.5, 3.0),
+         ) -> Iterator[Step]:
+    """The endless schedule of ``seed`` over ``kinds`` (see the module docstring)."""
+    names = sorted(set(kinds))
+    if not names:
+        raise InvalidArgument("the nemesis needs at least one fault kind")
+    unknown = [k for k in names if k not in FAULTS]
+    if unknown:
+        raise InvalidArgument(f"unknown fault kinds {unknown}; known: {sorted(FAULTS)}")
+    rng = random.Random(seed)
+    first = list(names)
+    rng.shuffle(first)
+    i = 0
+    while True:
+        kind = first[i] if i < len(first) else rng.choice(names)
+        lo, hi = FAULTS[kind].hold
+        yield Step(i, kind, rng.uniform(*gap), rng.uniform(lo, hi), rng.getrandbits(63))
+        i += 1
+
+
+@dataclass
+class Injection:
+    """One step as it ran: times are seconds since the nemesis started."""
+
+    step: int
+    kind: str
+    seed: int
+    at: float
+    description: str = ""
+    healed_at: float | None = None
+    heal_description: str = ""
+    effect: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Nemesis:
+    """Runs the schedule of ``seed`` over ``kinds`` against ``target``.
+
+    Raises InvalidArgument for an unknown kind or one the target cannot serve.
+    """
+
+    def __init__(self, target: Target, kinds: Sequence[str] | None = None,
+                 seed: int | None = None, *, gap: tuple[float, float] = (0.5, 3.0),
+                 log: Callable[[str], None] | None = None) -> None:
+        all_kinds = fault_kinds()
+        self.kinds = sorted(set(kinds)) if kinds is not None else all_kinds
+        for k in self.kinds:
+            if k not in FAULTS:
+                raise InvalidArgument(f"unknown fault kind {k!r}; known: {', '.join(all_kinds)}")
+            missing = FAULTS[k].requires - target.capabilities
+            if missing:
+                raise InvalidArgument(f"fault {k!r} needs {sorted(missing)}, which this "
+                                      f"cluster does not have")
+        self.target = target
+        self.seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
+        self.gap = gap
+        self.log = log or (lambda line: None)
+        self.record: list[Injection] = []
+        self._active: list[tuple[Fault, Injection]] = []
+        self.heal_failures: list[str] = []
+        self._t0 = time.monotonic()
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def run(self, seconds: float, stop: threading.Event | None = None,
+            every_kind_once: bool = True) -> list[Injection]:
+        """Inject, hold, heal, step after step, for ``seconds`` (and, with
+        ``every_kind_once``, at least until every kind has run once). Stops early when a
+        heal fails. Everything is healed when this returns or raises. Returns the record."""
+        stop = stop or threading.Event()
+        self._t0 = time.monotonic()
+        try:
+            for step in plan(self.seed, self.kinds, self.gap):
+                time_up = self._now() >= seconds
+                if stop.is_set() or (time_up and (not every_kind_once
+                                                  or step.index >= len(self.kinds))):
+                    break
+                if stop.wait(step.gap):
+                    break
+                self._inject(step)
+                stop.wait(step.hold)
+                self.heal_all()
+                if self.heal_failures:
+                    self.log(f"[{self._now():7.1f}s] a fault could not be healed: no more "
+                             "faults (the cluster stays damaged)")
+                    break
+        finally:
+            self.heal_all()
+        return self.record
+
+    def _inject(self, step: Step) -> None:
+        fault = FAULTS[step.kind](self.target)
+        inj = Injection(step.index, step.kind, step.seed, round(self._now(), 3))
+        self.record.append(inj)
+        self._active.append((fault, inj))
+        try:
+            inj.description = fault.inject(random.Random(step.seed))
+        except Exception as exc:  # recorded: a fault that cannot be injected is reported
+            inj.error = f"{type(exc).__name__}: {exc}"
+            self.log(f"[{inj.at:7.1f}s] {step.kind}: FAILED to inject: {inj.error}\n"
+                     + traceback.format_exc(limit=3))
+        else:
+            self.log(f"[{inj.at:7.1f}s] {step.kind}: {inj.description}")
+        inj.effect = fault.effect
+
+    def heal_all(self) -> None:
+        """Heal every active fault, most recent first. A heal that fails is recorded in
+        the injection's ``error`` and in :attr:`heal_failures` (the cluster may be left
+        damaged: a soak reports it as a failure)."""
+        while self._active:
+            fault, inj = self._active.pop()
+            try:
+                inj.heal_description = fault.heal()
+            except Exception as exc:
+                msg = f"heal failed: {type(exc).__name__}: {exc}"
+                inj.error = f"{inj.error}; {msg}" if inj.error else msg
+                self.heal_failures.append(f"{inj.kind} (step {inj.step}): {msg}")
+                self.log(f"[{self._now():7.1f}s] {inj.kind}: {msg}")
+            inj.healed_at = round(self._now(), 3)
+            inj.effect = fault.effect
+            if inj.heal_description:
+                self.log(f"[{inj.healed_at:7.1f}s] {inj.kind}: healed: {inj.heal_description}")
+
+    def counts(self) -> dict[str, int]:
+        """Successful injections by kind."""
+        return dict(sorted(Counter(i.kind for i in self.record if i.ok).items()))
