@@ -22,7 +22,8 @@ test: $(STAMP)          ## the whole test suite
 # process that must work or raise a KVCommError (never a signal, another exception or a
 # hang). FUZZ_SEED replays a run, FUZZ_CASE one case; the report lands in
 # /tmp/kvcomm-fuzz-<seed>.txt, with C frames (gdb) for each kind of crash. Takes about
-# an hour on 2 cores. See tests/test_fuzz_segment.py for every knob.
+# 40 minutes on 2 cores (longer while cases hang: each costs its 25 s deadline).
+# See tests/test_fuzz_segment.py for every knob.
 FUZZ_CASES ?= 20000
 fuzz: $(STAMP)          ## the segment fuzzer's long run (FUZZ_CASES=20000, FUZZ_SEED=...)
 	FUZZ_CASES=$(FUZZ_CASES) FUZZ_GDB=1 $(BIN)/python -m pytest -q -s tests/test_fuzz_segment.py -k never_crash

@@ -972,17 +972,31 @@ def _script(ns: str, cfg_map: dict[str, Any], keys: list[str], arrays: list[str]
                     "traceback": ""}
 
 
+class OutOfBoundsRead(AssertionError):
+    """A read returned more bytes than the whole segment holds: it read outside it."""
+
+
+def _in_bounds(value: Any, limit: int) -> Any:
+    """``value``, after checking that it could have come from a segment of ``limit`` bytes."""
+    v = value.value if isinstance(value, kvcomm.Item) else value
+    n = v.nbytes if hasattr(v, "nbytes") else len(v) if isinstance(v, bytes | str) else 0
+    if n > limit:
+        raise OutOfBoundsRead(f"read a value of {n} bytes from a segment of {limit} bytes")
+    return value
+
+
 def _ops(kv: kvcomm.Client, np: Any, keys: list[str], arrays: list[str],
          step: Callable[..., Any], result: dict[str, Any]) -> None:
-    reads = keys[:: max(1, len(keys) // 12)][:12]
-    for k in reads:
-        if step("get", lambda k=k: kv.get(k), k) is not None:
+    limit = os.path.getsize(l2.segment_path(kv.name))
+    for k in keys:  # every key: a corrupt record is found only by reading its key
+        if step("get", lambda k=k: _in_bounds(kv.get(k), limit), k) is not None:
             result["hits"] += 1
-    for k in keys[1::37][:4]:
-        step("get_item", lambda k=k: kv.get_item(k), k)
+    for k in keys[1::10]:
+        step("get_item", lambda k=k: _in_bounds(kv.get_item(k), limit), k)
+    reads = keys[:: max(1, len(keys) // 4)][:4]
     views = []
     for k in arrays:
-        v = step("get_view", lambda k=k: kv.get(k), k, locks=True)
+        v = step("get_view", lambda k=k: _in_bounds(kv.get(k), limit), k, locks=True)
         if v is not None:
             views.append(v)
             step("view_sum", lambda v=v: float(np.asarray(v).sum()), k)
@@ -1026,8 +1040,8 @@ def _ops(kv: kvcomm.Client, np: Any, keys: list[str], arrays: list[str],
     step("watch_prefix", lambda: sum(1 for _ in kv.watch("fuzz/", timeout=0.01)))
     step("hot_keys", lambda: kv.hot_keys(5), locks=True)
     step("stats", kv.stats)
-    for k in reads[:4]:
-        step("get_again", lambda k=k: kv.get(k), k)
+    for k in reads:
+        step("get_again", lambda k=k: _in_bounds(kv.get(k), limit), k)
     views.clear()
 
 
