@@ -782,6 +782,8 @@ def crafted(a: Anatomy) -> dict[str, list[Mutation]]:
     out["feed_head_max"] = [m]
 
     out["truncated_empty"] = [Mutation("crafted", "an empty file", size=0)]
+    out["truncated_by_one_byte"] = [Mutation("crafted", "one byte short (not a whole word)",
+                                             size=a.size - 1)]
     half = Mutation("crafted", f"truncated to {a.size // 2} bytes, H_TOTAL to match",
                     size=a.size // 2)
     half.set_word(l2.H_TOTAL * 8, a.size // 2)
