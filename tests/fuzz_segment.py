@@ -1300,12 +1300,16 @@ def gdb_backtrace(seed: int, case: int, timeout: float = 120.0) -> str:
     if gdb is None:
         return ""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ns = f"fuzzgdb-{os.getpid()}-{case}"
     try:
         p = subprocess.run([gdb, "-q", "-batch", "-ex", "run", "-ex", "bt 12", "--args",
-                            sys.executable, "-m", "tests.fuzz_segment", str(seed), str(case)],
+                            sys.executable, "-m", "tests.fuzz_segment", str(seed), str(case), ns],
                            capture_output=True, text=True, timeout=timeout, cwd=root)
     except subprocess.TimeoutExpired:
         return "gdb: no answer"
+    finally:
+        if os.path.exists(l2.segment_path(ns)):  # the replay died before its purge
+            os.unlink(l2.segment_path(ns))
     frames = [ln for ln in p.stdout.splitlines() if re.match(r"#\d ", ln)]
     sig = [ln for ln in p.stdout.splitlines() if "received signal" in ln]
     if not frames:
@@ -1315,7 +1319,7 @@ def gdb_backtrace(seed: int, case: int, timeout: float = 120.0) -> str:
 
 
 def _replay_main(argv: list[str]) -> int:
-    """``python -m tests.fuzz_segment SEED CASE``: run one case in this very process.
+    """``python -m tests.fuzz_segment SEED CASE [NAMESPACE]``: run one case in this process.
 
     For a C backtrace of a signal: ``gdb -batch -ex run -ex bt --args .venv/bin/python -m
     tests.fuzz_segment SEED CASE``. Prints the mutation, then the steps as they run.
@@ -1327,7 +1331,7 @@ def _replay_main(argv: list[str]) -> int:
     base, views = build_base(seed, f"fuzzreplay-{os.getpid()}", ctx)
     muts = case_mutations(seed, case, Anatomy(base.data))
     print(f"FUZZ_SEED={seed} case {case}: " + "; ".join(f"[{m.kind}] {m.what}" for m in muts))
-    ns = f"fuzzreplay-{os.getpid()}-{case}"
+    ns = argv[2] if len(argv) > 2 else f"fuzzreplay-{os.getpid()}-{case}"
     with open(l2.segment_path(ns), "xb") as f:
         f.write(apply(base.data, muts))
     os.chmod(l2.segment_path(ns), 0o600)
