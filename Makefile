@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test bench bench-cluster soak lint clean
+.PHONY: demo test fuzz bench bench-cluster soak lint clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,16 @@ demo: $(STAMP)          ## the swarm demo on the embedded default (no servers)
 
 test: $(STAMP)          ## the whole test suite
 	$(BIN)/python -m pytest -q
+
+# The segment fuzzer's long run: 20000 corrupted segments, each opened and used by a fresh
+# process that must work or raise a KVCommError (never a signal, another exception or a
+# hang). FUZZ_SEED replays a run, FUZZ_CASE one case; the report lands in
+# /tmp/kvcomm-fuzz-<seed>.txt, with C frames (gdb) for each kind of crash. Takes about
+# 40 minutes on 2 cores (longer while cases hang: each costs its 25 s deadline).
+# See tests/test_fuzz_segment.py for every knob.
+FUZZ_CASES ?= 20000
+fuzz: $(STAMP)          ## the segment fuzzer's long run (FUZZ_CASES=20000, FUZZ_SEED=...)
+	FUZZ_CASES=$(FUZZ_CASES) FUZZ_GDB=1 $(BIN)/python -m pytest -q -s tests/test_fuzz_segment.py -k never_crash
 
 bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, UltraDict, rbloom, pyprobables)
 	$(BIN)/python -m pip install -q UltraDict atomics rbloom pyprobables
