@@ -550,27 +550,37 @@ class L2Segment:
         return None if r is None else tuple(r)
 
     def _read_or_repair(self, fn: Callable[[], Any]) -> Any:
-        repaired = False
-        deadline = None
-        while True:
-            try:
+        """``fn()`` (a lock-free read), seeing through damage and stuck writers.
+
+        A corrupt record: the segment is repaired (under the lock) and read once more. A
+        slot that stays odd: its writer is slow, stopped, or died mid-publish — so take the
+        lock (which recovers from a death, and waits for a slow writer, at most
+        ``lock_timeout``: Unavailable for a stopped one). Under the lock no writer
+        publishes: a slot still odd then is damage, repaired there.
+        """
+        try:
+            r = fn()
+        except SegmentError:
+            if self._q[_H_STATE] != STATE_OK:
+                raise
+            self.repair()
+            return fn()
+        if type(r) is not int:
+            return r
+        core = self._core
+        try:
+            self._lock()
+            r = fn()
+            if type(r) is int:
+                core.set_busy(1)
+                self._recover()
                 r = fn()
-            except SegmentError:
-                if repaired or self._q[_H_STATE] != STATE_OK:
-                    raise
-                self.repair()  # a corrupt record: let the lock holder rebuild, then retry once
-                repaired = True
-                continue
-            if type(r) is not int:
-                return r
-            # a slot stayed odd: its writer is slow, stopped, or died mid-publish. Taking
-            # the lock recovers from a death; a stopped writer makes us wait (bounded).
-            deadline = deadline or time.monotonic() + self.lock_timeout
-            if time.monotonic() > deadline:
-                raise Unavailable(
-                    f"an L2 slot of {self.name!r} stayed mid-write for over "
-                    f"{self.lock_timeout:.1f}s; is a writer process stopped?")
-            self.locked(lambda: None)
+                if type(r) is int:
+                    raise SegmentError(f"an L2 slot of {self.name!r} cannot be repaired; "
+                                       "purge the namespace")
+            return r
+        finally:
+            core.unlock()
 
     def repair(self) -> None:
         """Under the lock, rebuild the segment's structures (as after a writer's death)."""
