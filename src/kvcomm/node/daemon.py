@@ -61,7 +61,6 @@ cluster settings or resolvers), or when its own L2 segment or key filter cannot 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import signal
 import threading
@@ -74,12 +73,12 @@ from .._client import Client
 from .._client import open as kv_open
 from ..config import Config
 from ..core.backoff import Backoff
-from ..core.versions import Version
 from ..core.window import Batch, WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable
 from ..tiers.keyfilter import KeyFilter
-from ..tiers.l2 import KIND_DELETE, KIND_PUT, TAG_TOMBSTONE, key_hash
+from ..tiers.l2 import KIND_DELETE, KIND_PUT
 from ..tiers.l3 import GROUPS, FeedEntry, L3Record, L3Store, group_of
+from .port import ClientPort, HostL2
 
 log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
@@ -127,8 +126,8 @@ class NodeDaemon:
         self.rng = rng if rng is not None else random.Random()
         self.kv: Client = kv_open(name, config=config)
         try:
-            self.seg = self.kv._seg
-            self.host = self.seg.host_id
+            self.port: HostL2 = ClientPort(self.kv)  # the one way to the host's L2
+            self.host = self.port.host_id
             cl = config.cluster
             c = config.cache
             resolvers = {prefix: _import(path) for prefix, path in cl.resolvers.items()}
@@ -138,7 +137,7 @@ class NodeDaemon:
                               max_value_size=c.max_value_size)
             self.window = WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes)
             self.staged: dict[str, L3Record] = {}
-            self.cursor = self.seg.sync_cursor  # local feed: everything before it is in L3
+            self.cursor = self.port.delivered_cursor  # local feed: all before it is in L3
             self.stats = DaemonStats()
             self.unsent: list[Batch] = []
             self.push_backoff = Backoff(self.rng, base=0.05, cap=2.0, floor=0.01)
@@ -153,7 +152,7 @@ class NodeDaemon:
             # groups whose resync has not completed → whether their keys go to the filter
             self.resync_pending: dict[int, bool] = {}
             for prefix, fn in resolvers.items():  # the operator's own code, named in config
-                self.kv.register_resolver(prefix, fn)
+                self.kv.register_resolver(prefix, fn)  # (agents of the host register theirs)
             self.keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
                                          permissions=c.l2_permissions)
             self.rebuild_every = cl.key_filter_rebuild
@@ -208,18 +207,11 @@ class NodeDaemon:
     def _stage_put(self, key: str, now: float) -> None:
         """Stage the key's record if it is dirty: a put, or a delete's tombstone (which
         carries the vector of the value it deleted, so it supersedes it in L3)."""
-        kb = key.encode("utf-8", "surrogateescape")
-        rec = self.seg.read(kb, key_hash(kb))
-        if rec is None or not self.seg.is_dirty(rec.word):
+        record = self.port.dirty_record(key)
+        if record is None:
             return  # evicted (clean), or not an agent's write (already in L3)
-        version = self.kv._version(rec.counter, rec.hlc, rec.vvx)
-        if rec.tag == TAG_TOMBSTONE:
-            record = L3Record(rec.hlc, True, 0, b"", b"", version.vector, (self.host, rec.counter))
-        else:
-            value = rec.value or b""  # read() copies every value unless asked for views
-            self.keys.add(kb)
-            record = L3Record(rec.hlc, False, rec.tag, rec.meta, value, version.vector,
-                              (self.host, rec.counter))
+        if not record.tombstone:
+            self.keys.add(key.encode("utf-8", "surrogateescape"))
         self._stage(key, record, now)
 
     def _stage(self, key: str, record: L3Record, now: float) -> None:
@@ -230,11 +222,10 @@ class NodeDaemon:
             self.unsent.append(closed)
 
     def push_local(self, now: float) -> None:
-        events, cursor, overflowed = self.seg.feed_read(self.cursor)
+        events, cursor, overflowed = self.port.feed_read(self.cursor)
         if overflowed:
             self.stats.feed_overflows += 1
-            for kb in self.seg.dirty_keys():
-                key = kb.decode("utf-8", "surrogateescape")
+            for key in self.port.dirty_keys():
                 self._guarded(key, "local write", self._stage_put, key, now)
         for ev in events:
             if ev.kind in (KIND_PUT, KIND_DELETE):  # (evictions are local: never sent)
@@ -246,7 +237,7 @@ class NodeDaemon:
         if now >= self.retry_at:
             self._send_unsent()
         if not self.unsent and not len(self.window):
-            self.seg.sync_cursor = self.cursor  # everything before it is in L3
+            self.port.delivered_up_to(self.cursor)  # everything before it is in L3
 
     def _send_unsent(self) -> None:
         while self.unsent:
@@ -288,13 +279,10 @@ class NodeDaemon:
 
     def _merge(self, items: list[tuple[str, L3Record]]) -> list[Any]:
         """Merge into L3; keys with a resolver keep concurrent versions apart (``conflict``)."""
-        resolvers = self.kv._resolvers
-        if not resolvers:
-            return self.l3.merge_many(items)
         # deletes always merge last-writer-wins (with merged vectors): a resolver settles
         # concurrent values, and must not bring a deleted key back
         with_hook = [i for i, (k, r) in enumerate(items)
-                     if not r.tombstone and resolvers.lookup(k) is not None]
+                     if not r.tombstone and self.port.has_resolver(k)]
         if not with_hook:
             return self.l3.merge_many(items)
         hooked = set(with_hook)
@@ -308,8 +296,7 @@ class NodeDaemon:
         return out
 
     def _mark_clean(self, key: str, sent: L3Record) -> None:
-        kb = key.encode("utf-8", "surrogateescape")
-        self.seg.mark_clean(kb, key_hash(kb), sent.dot[1], sent.hlc)
+        self.port.mark_delivered(key, sent)
 
     def _apply(self, key: str, record: L3Record) -> bool:
         """Write an L3 record into L2 (clean), unless L2 already holds something newer.
@@ -318,12 +305,7 @@ class NodeDaemon:
         Raises CorruptRecord (the value does not decode), ValueTooLarge or another
         KVCommError (L2 cannot take it): the caller sets the record aside.
         """
-        version = Version(record.vector, record.hlc)
-        if record.tombstone:  # kept as a clean tombstone; merges last-writer-wins
-            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""))
-            return True
-        value = record.decode_value(key)
-        self.kv._merge(key, value, version, (record.tag, record.meta, record.value))
+        self.port.apply_remote(key, record)
         return True
 
     # ------------------------------------------------------------------ the key filter
@@ -347,7 +329,7 @@ class NodeDaemon:
             if n % 4096 == 0:  # a long scan must not look like a dead daemon to agents
                 self.keys.beat()
                 if self.started:  # (L2's heartbeat also says "started": not before that)
-                    self.seg.daemon_heartbeat(os.getpid())
+                    self.port.heartbeat()
 
     def _maybe_rotate_filter(self) -> None:
         if (time.monotonic() - self.filter_built > self.rebuild_every
@@ -362,8 +344,7 @@ class NodeDaemon:
         A key whose L3 record fails is set aside. Raises Unavailable."""
         n = 0
         for key in keys:
-            kb = key.encode("utf-8", "surrogateescape")
-            if self.seg.read(kb, key_hash(kb), 0) is not None:
+            if self.port.holds(key):
                 continue
             n += bool(self._guarded(key, "prewarm", self._fetch_and_apply, key, False))
         return n
@@ -380,7 +361,7 @@ class NodeDaemon:
         if time.monotonic() - self.hot_saved < 2.0:
             return
         self.hot_saved = time.monotonic()
-        hot = [k for k, _ in self.kv.hot_keys(HOT_KEYS)]
+        hot = self.port.hot_keys(HOT_KEYS)
         if hot:
             self.l3.save_hot(self.host, hot)
             self.stats.bump("prewarmed", self._prewarm(hot))
@@ -426,7 +407,7 @@ class NodeDaemon:
             if self.resync_pending[g]:  # the missed entries may have created keys
                 self._scan_into(self.keys.add, self.l3.scan_group(g))
                 self.resync_pending[g] = False
-        for key in self.kv.keys():
+        for key in self.port.held_keys():
             if group_of(key) in groups:
                 self._guarded(key, "resync", self._fetch_and_apply, key, True)
         for g in groups:
@@ -484,10 +465,9 @@ class NodeDaemon:
             return
         # our own writes come back too: the merge finds them equal (a no-op), but a
         # record L3 merged from ours and another host's must still be taken
-        kb = key.encode("utf-8")
         if not rec.tombstone:
-            self.keys.add(kb)
-        if self.seg.read(kb, key_hash(kb), 0) is None:
+            self.keys.add(key.encode("utf-8"))
+        if not self.port.holds(key):
             self.stats.skipped_remote += 1
             return  # not held here: the next read goes to L3
         if self._guarded(key, "feed", self._apply, key, rec):
@@ -511,7 +491,7 @@ class NodeDaemon:
         and SegmentError when the host's L2 can no longer be used.
         """
         now = time.monotonic()
-        self.seg.daemon_heartbeat(os.getpid())
+        self.port.heartbeat()
         self.keys.beat()
         self.push_local(now)
         if now - self.last_pull < self.config.cluster.feed_poll or now < self.pull_at:

@@ -1,0 +1,144 @@
+"""The host's side of the node daemon: the one narrow interface it uses to reach L2.
+
+The daemon never touches the client's or the segment's internals; it goes through a
+:class:`HostL2`. :class:`ClientPort` implements it over a :class:`kvcomm.Client` (the real
+thing); tests of the delivery logic may implement it over a dict.
+
+What the daemon needs, and nothing more:
+
+* the local change feed (``feed_read``) and, when it overflowed, every key whose record
+  is not yet in L3 (``dirty_keys``);
+* a key's dirty record as an L3 record — a put or a delete's tombstone — or None when it
+  is clean or gone (``dirty_record``), and acknowledging delivery (``mark_delivered``:
+  the record may now be evicted);
+* whether the host holds a key (``holds``; a tombstone counts: it keeps the host told of
+  later writes) and which keys it holds (``held_keys``);
+* merging a record from L3 into L2 (``apply_remote``), with the host's resolvers;
+* the hot keys, the heartbeat, the feed position the daemon has delivered up to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..core.versions import Version
+from ..tiers.l2 import TAG_TOMBSTONE, FeedEvent, key_hash
+
+if TYPE_CHECKING:
+    from .._client import Client
+    from ..tiers.l3 import L3Record
+
+
+class HostL2(Protocol):
+    """What the node daemon needs of its host's L2."""
+
+    host_id: str
+    namespace: str
+
+    def feed_read(self, cursor: int) -> tuple[list[FeedEvent], int, bool]:
+        """Events after ``cursor``: (events, new cursor, overflowed)."""
+
+    def dirty_keys(self) -> list[str]:
+        """Every key whose record (a put or a tombstone) is not yet in L3."""
+
+    def dirty_record(self, key: str) -> L3Record | None:
+        """The key's record as an L3 record if it is dirty, else None."""
+
+    def mark_delivered(self, key: str, record: L3Record) -> bool:
+        """L3 has ``record``: clear the dirty flag if the key still holds that write."""
+
+    def holds(self, key: str) -> bool:
+        """The host's L2 has a record of ``key`` (a tombstone included)."""
+
+    def held_keys(self) -> list[str]:
+        """Every key the host's L2 holds (tombstones excluded)."""
+
+    def apply_remote(self, key: str, record: L3Record) -> None:
+        """Merge a record from L3 into L2 (newer replaces, older is kept, concurrent is
+        resolved). Raises CorruptRecord (the value does not decode), ValueTooLarge or
+        another KVCommError (L2 cannot take it)."""
+
+    def has_resolver(self, key: str) -> bool:
+        """A resolver is registered for ``key``'s prefix (its conflicts are settled here)."""
+
+    def hot_keys(self, n: int) -> list[str]:
+        """The host's ``n`` most read keys."""
+
+    def heartbeat(self) -> None:
+        """Tell agents and tools that the daemon is alive."""
+
+    def delivered_up_to(self, cursor: int) -> None:
+        """Everything in the feed before ``cursor`` is in L3."""
+
+    @property
+    def delivered_cursor(self) -> int:
+        """The feed position delivered up to (where a restarted daemon starts)."""
+
+
+class ClientPort:
+    """:class:`HostL2` over a client of the host's namespace (the daemon's own)."""
+
+    def __init__(self, kv: Client) -> None:
+        self.kv = kv
+        self.seg = kv._seg
+        self.host_id = self.seg.host_id
+        self.namespace = kv.name
+
+    def feed_read(self, cursor: int) -> tuple[list[FeedEvent], int, bool]:
+        return self.seg.feed_read(cursor)
+
+    def dirty_keys(self) -> list[str]:
+        return [kb.decode("utf-8", "surrogateescape") for kb in self.seg.dirty_keys()]
+
+    def dirty_record(self, key: str) -> L3Record | None:
+        from ..tiers.l3 import L3Record
+
+        kb = key.encode("utf-8", "surrogateescape")
+        rec = self.seg.read(kb, key_hash(kb))
+        if rec is None or not self.seg.is_dirty(rec.word):
+            return None  # evicted (clean), or not an agent's write (already in L3)
+        vector = self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
+        dot = (self.host_id, rec.counter)
+        if rec.tag == TAG_TOMBSTONE:
+            return L3Record(rec.hlc, True, 0, b"", b"", vector, dot)
+        return L3Record(rec.hlc, False, rec.tag, rec.meta, rec.value or b"", vector, dot)
+
+    def mark_delivered(self, key: str, record: L3Record) -> bool:
+        kb = key.encode("utf-8", "surrogateescape")
+        return self.seg.mark_clean(kb, key_hash(kb), record.dot[1], record.hlc)
+
+    def holds(self, key: str) -> bool:
+        kb = key.encode("utf-8", "surrogateescape")
+        return self.seg.read(kb, key_hash(kb), 0) is not None
+
+    def held_keys(self) -> list[str]:
+        return list(self.seg.keys())
+
+    def apply_remote(self, key: str, record: L3Record) -> None:
+        version = Version(record.vector, record.hlc)
+        if record.tombstone:  # kept as a clean tombstone; deletes merge last-writer-wins
+            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""))
+            return
+        value = record.decode_value(key)
+        self.kv._merge(key, value, version, (record.tag, record.meta, record.value))
+
+    def has_resolver(self, key: str) -> bool:
+        return bool(self.kv._resolvers) and self.kv._resolvers.lookup(key) is not None
+
+    def register_resolver(self, prefix: str, fn: Callable[[str, list[Any]], Any]) -> None:
+        self.kv.register_resolver(prefix, fn)
+
+    def hot_keys(self, n: int) -> list[str]:
+        return [k for k, _ in self.kv.hot_keys(n)]
+
+    def heartbeat(self) -> None:
+        self.seg.daemon_heartbeat(os.getpid())
+
+    def delivered_up_to(self, cursor: int) -> None:
+        self.seg.sync_cursor = cursor
+
+    @property
+    def delivered_cursor(self) -> int:
+        return self.seg.sync_cursor
