@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: demo test fuzz bench bench-cluster soak lint clean
 
-$(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c src/kvcomm/tiers/shm/layout.py
+$(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'

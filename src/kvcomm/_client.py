@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ._l2core import approx_size
+from ._l2core import Getter, approx_size
 from .config import Config, resolve
 from .core import codec
 from .core.negative import NegativeCache
@@ -144,11 +144,9 @@ _VIEWS: dict[int, tuple[Any, L2Segment, int]] = {}
 
 
 def _register_view(arr: Any, seg: L2Segment, index: int) -> None:
-    pid = os.getpid()
-
     def unpin(ref: Any) -> None:
         _VIEWS.pop(id(ref), None)
-        seg.unpin(index, pid)
+        seg.unpin(index)  # (a forked child's copy of this callback releases nothing)
 
     # a weakref callback costs a tenth of weakref.finalize; the registry keeps the weakref
     ref = weakref.ref(arr, unpin)
@@ -163,6 +161,8 @@ def _mark_forked() -> None:
     for c in list(_CLIENTS):
         c._forked = c._unusable = True
         c._l1_entries = {}
+        c._getter.close()
+        c.__dict__.pop("get", None)
     _Shared.attached = {}
     _Shared.lock = threading.Lock()
     process_budget().forget()
@@ -173,7 +173,6 @@ def _mark_forked() -> None:
         if arr is None or seg._core is None:
             continue
         try:
-            seg.lock_timeout = min(seg.lock_timeout, 1.0)
             new = seg.repin([index])[0]
         except KVCommError as exc:
             warnings.warn(f"a zero-copy view inherited through fork() could not be pinned "
@@ -225,7 +224,6 @@ class Client:
         self._validators: PrefixTable[Callable[[str, Item | None, Any], None]] = PrefixTable()
         self._resolvers: PrefixTable[Callable[[str, list[Item]], Any]] = PrefixTable()
         self._sample_every = c.hot_key_sample
-        self._sample = self._sample_every or _HUGE  # countdown to the next sampled read
         self._hot: dict[bytes, int] = {}  # sampled reads not yet added to the host sketch
         self._hot_lock = threading.Lock()
         self._hot_flushed = time.monotonic()
@@ -244,7 +242,12 @@ class Client:
             ("deletes", "conflicts", "views", "merges", "resolver_failures",
              "l3_reads", "negative_hits", "filter_hits"), 0
         )
-        self._l1_hits = 0
+        # kv.get is the C getter itself (an instance attribute: no Python frame on a hit);
+        # Client.get below is what it does, and what a closed client falls back to
+        self._getter = Getter(self._l1_entries, self._seg._core, self._get_slow, self._sampled,
+                              self._sample_every or _HUGE)
+        self.get = self._getter  # type: ignore[method-assign]
+        self._l1_hits = 0  # (get_item's; get's are counted by the getter)
         self._l2_hits = 0
         self._l2_misses = 0
         self._puts = 0
@@ -359,9 +362,6 @@ class Client:
             raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
         if e is not None and self._q[e[1]] == e[2]:
             self._l1_hits += 1
-            self._sample -= 1
-            if self._sample <= 0:  # 1 hit in N: count it for hot keys, refresh its LRU place
-                self._sampled(key)
             return e[0]
         return self._get_slow(key, default, False)
 
@@ -375,9 +375,9 @@ class Client:
         """
         n = self._sample_every
         if not n:
-            self._sample = _HUGE
+            self._getter.sample = _HUGE
             return
-        self._sample = n
+        self._getter.sample = n
         try:
             self._l1_entries.move_to_end(key)  # type: ignore[attr-defined]
         except (KeyError, AttributeError):
@@ -442,8 +442,9 @@ class Client:
         if self._unusable:
             self._live()
         kb, h = self._key_hash(key)
-        self._sample -= 1
-        if self._sample <= 0:
+        getter = self._getter
+        getter.sample -= 1
+        if getter.sample <= 0:
             self._sampled(key)
         rec = self._read_l2(kb, h, self._zc)
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
@@ -881,7 +882,7 @@ class Client:
     def stats(self) -> dict[str, Any]:
         """Per-tier hits/misses of this process, entries, bytes used and evictions."""
         c = self.counters
-        l1_hits = self._l1_hits
+        l1_hits = self._l1_hits + self._getter.hits
         l2_hits, l2_misses = self._l2_hits, self._l2_misses
         l2_lookups = l2_hits + l2_misses
         info = self._seg.info() if not self._closed else {}
@@ -923,6 +924,8 @@ class Client:
         if self._kf is not None:
             self._kf.close()
         self._l1_entries = {}
+        self._getter.close()
+        self.__dict__.pop("get", None)  # Client.get: it says the client is closed
         if not self._forked:
             process_budget().unregister(self.config.cache.l1_size)
             _Shared.release(self._attached)

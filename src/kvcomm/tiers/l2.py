@@ -505,8 +505,8 @@ class L2Segment:
             raise SegmentError(f"namespace {self.name!r} was purged; open it again")
         if q[_H_BUSY]:
             self._recover()
-        if q[_H_RELEASED] or q[_H_DEFERRED]:
-            self._sweep_released()
+        if q[_H_DEFERRED] and time.time_ns() // 1_000_000 >= q[H["DEAD_CHECK_MS"]]:
+            self._sweep_dead()
 
     def locked(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` under the writer lock (for tools and tests); returns what it returns."""
@@ -692,75 +692,43 @@ class L2Segment:
 
     def pin(self, key_b: bytes, h: int) -> tuple[Any, ...] | None:
         """Pin the block of ``key_b`` so that it outlives overwrites; None when absent.
+        Lock-free (a hazard entry of this process names the block; see the C kernel).
 
         Returns ``(word, seq, tag, meta, counter, hlc, vvx, size, pin, view)``: ``view`` is a
         read-only memoryview of the value, valid until :meth:`unpin` of ``pin``; when the pin
         table is full ``pin`` is -1 and ``view`` is a private copy instead.
         """
-        core = self._core
-        try:
-            self._lock()
-            r = core.pin(key_b, h, self._pid)
-            if r is None:
-                return None
-            voff, vlen = r[9], r[10]
-            if r[8] < 0:  # pin table full: a copy taken under the lock keeps the promise
-                return (*r[:9], self._mm[voff : voff + vlen])
-            return (*r[:9], self._ro[voff : voff + vlen])
-        finally:
-            core.unlock()
+        r = self._read_or_repair(lambda: self._core.pin(key_b, h))
+        if r is None:
+            return None
+        if r[8] < 0:  # pin table full: a consistent private copy keeps the promise
+            return (*r[:9], memoryview(r[10]).toreadonly())
+        voff, vlen = r[9], r[10]
+        return (*r[:9], self._ro[voff : voff + vlen])
 
-    def unpin(self, index: int, pid: int | None = None) -> None:
+    def unpin(self, index: int) -> None:
         """Called from a view's finalizer in any thread: lock-free; only the process that
-        took the pin releases it. The next writer sweeps it."""
+        took the pin releases it (a forked child's copy of the finalizer does nothing)."""
         core = self._core
         if core is None:
             return
         try:
-            core.unpin(index, self._pid if pid is None else pid)
+            core.unpin(index)
         except (ValueError, SegmentError):
-            pass  # mapping already closed: the pin is swept as a dead process's pin
+            pass  # mapping already closed: the entry is swept as a dead process's
 
-    def repin(self, block_pins: list[int]) -> list[int]:
-        """After fork: take new pins, for this process, on the blocks of ``block_pins``
-        (pin indexes of the parent). Returns the new indexes (-1 where none could be taken)."""
+    def repin(self, indexes: list[int]) -> list[int]:
+        """After fork: pins of this process on the blocks the parent's pin entries
+        ``indexes`` name (the parent's pins protect them meanwhile). Returns the new
+        indexes, -1 where none could be taken (the pin table is full)."""
         core = self._core
-        out = []
-        try:
-            self._lock()
-            core.set_busy(1)  # pin entries and counts change together, or are recounted
-            p0 = self.layout.pins_off // 8
-            for index in block_pins:
-                off = self._q[p0 + PIN_WORDS * index] if 0 <= index < self.layout.n_pins else 0
-                out.append(self._pin_block(off) if off else -1)
-            core.set_busy(0)
-        finally:
-            core.unlock()
-        return out
+        return [core.pin_block(off) if (off := core.pinned_block(i)) else -1 for i in indexes]
 
-    def _pin_block(self, off: int) -> int:
-        q = self._q
-        p0 = self.layout.pins_off // 8
-        for i in range(self.layout.n_pins):
-            if q[p0 + PIN_WORDS * i] == 0:
-                q[p0 + PIN_WORDS * i + 1] = self._pid
-                q[p0 + PIN_WORDS * i] = off
-                q[(off >> 3) + REC["PINS"]] += 1
-                if i >= q[H["PIN_HWM"]]:
-                    q[H["PIN_HWM"]] = i + 1
-                return i
-        return -1
-
-    def _sweep_released(self) -> None:
-        """Cheap unless views were released; checks for dead holders at most once a second."""
-        q = self._q
-        if q[_H_RELEASED]:
-            self._core.sweep(frozenset())
-        if q[_H_DEFERRED]:
-            now = time.monotonic()
-            if now >= self._next_dead_sweep:
-                self._next_dead_sweep = now + 1.0
-                self._core.sweep({p for p in self._core.pin_pids() if not pid_alive(p)})
+    def _sweep_dead(self) -> None:
+        """Under the lock: clear the pin entries of dead processes and free the parked
+        blocks they held; next time in a second."""
+        dead = {p for p in self._core.pin_pids() if not pid_alive(p)}
+        self._core.sweep(dead, time.time_ns() // 1_000_000 + 1000)
 
     # ---------------------------------------------------------------- change feed
 
@@ -929,22 +897,16 @@ class L2Segment:
                 if off in referenced:
                     problems.append(f"block {off} referenced twice")
                 referenced[off] = 0
-        p0 = lay.pins_off // 8
         for i in range(lay.n_pins):
             off = q[(lay.defer_off >> 3) + i]
             if off:
                 if off in referenced:
                     problems.append(f"parked block {off} is also referenced")
+                if off not in allocated:
+                    problems.append(f"parked block {off} is not an allocated block")
                 referenced[off] = 0
-            poff, ppid = q[p0 + PIN_WORDS * i], q[p0 + PIN_WORDS * i + 1]
-            if poff:
-                if poff not in referenced and poff in allocated:
-                    referenced.setdefault(poff, 0)
-                if ppid:
-                    referenced[poff] = referenced.get(poff, 0) + 1
-        for off, n in referenced.items():
-            if off in allocated and q[(off >> 3) + REC["PINS"]] < n:
-                problems.append(f"block {off} has {q[(off >> 3) + REC['PINS']]} pins counted, {n} held")
+        if q[H["PIN_HWM"]] > lay.n_pins:
+            problems.append("the pin table's high-water mark is past its end")
         leaked = set(allocated) - set(referenced)
         if leaked:
             problems.append(f"{len(leaked)} allocated blocks are referenced by nothing")
@@ -1028,6 +990,8 @@ class L2Segment:
 
     def _after_fork(self) -> None:
         self._pid = os.getpid()
+        if self._core is not None:
+            self._core.set_pid(self._pid)
 
 
 def _unlink_quietly(path: str) -> None:

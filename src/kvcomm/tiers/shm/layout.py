@@ -49,7 +49,7 @@ HEADER_WORDS = (
     "HLC",           # the host's hybrid logical clock
     "FEED_HEAD",     # sequence number of the newest feed event
     "CLOCK",         # the CLOCK eviction hand
-    "RELEASED",      # views released since the last sweep (lock-free increments)
+    "RELEASED",      # views released since the last sweep of parked blocks (lock-free)
     "ENTRIES",       # live records (tombstones included)
     "USED",          # heap bytes allocated
     "DIRTY",         # records flagged dirty (not yet in L3)
@@ -57,7 +57,8 @@ HEADER_WORDS = (
     "RECOVERIES",    # repairs after a writer died (or raised) mid-mutation
     "OWNER_DEATHS",  # times the lock was taken over from a dead owner
     "DEFERRED",      # replaced blocks parked while views pin them
-    "PIN_HWM",       # pin entries in use are all below this index
+    "PIN_HWM",       # pin entries owned by a process are all below this index
+    "DEAD_CHECK_MS", # when writers next look for pins of dead processes (ms since the epoch)
     "SYNC_CURSOR",   # the node daemon's position in the feed (atomic store)
     "DAEMON_PID",
     "DAEMON_BEAT",   # the node daemon's heartbeat, ms since the epoch (atomic store)
@@ -92,7 +93,7 @@ REC_WORDS_NAMES = (
     "INFO",     # key length (16 bits) | tag << 16 (8 bits) | vvx length << 32 (32 bits)
     "VLEN",     # value bytes
     "VREL",     # offset of the value from the record's start
-    "PINS",     # zero-copy views pinning this block
+    "SPARE",    # zero (reserved)
     "LENS",     # meta length (32 bits) | extension length << 32 (32 bits)
 )
 REC = {name: i for i, name in enumerate(REC_WORDS_NAMES)}
@@ -110,7 +111,7 @@ KIND_RESYNC = 3  # a writer died mid-operation and the segment was repaired: re-
 KIND_EVICT = 4  # L2 dropped a clean entry to make room (a local event; never sent to L3)
 KIND_NAMES = {KIND_PUT: "put", KIND_DELETE: "delete", KIND_RESYNC: "resync", KIND_EVICT: "evict"}
 
-PIN_WORDS = 2  # (block offset, holder pid)
+PIN_WORDS = 2  # (block offset or 0, owner pid or 0): a hazard entry, see tiers/l2.py
 
 
 def c_header() -> str:

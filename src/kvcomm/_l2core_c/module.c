@@ -1,0 +1,109 @@
+/* ------------------------------------------------------------------ the type */
+
+static PyMethodDef Core_methods[] = {
+    {"load", (PyCFunction)Core_load, METH_O, "load(off) -> int (acquire)"},
+    {"store", (PyCFunction)(void (*)(void))Core_store, METH_FASTCALL, "store(off, v) (release)"},
+    {"cas", (PyCFunction)(void (*)(void))Core_cas, METH_FASTCALL, "cas(off, expected, desired) -> bool"},
+    {"add", (PyCFunction)(void (*)(void))Core_add, METH_FASTCALL, "add(off, delta) -> new value"},
+    {"init_lock", (PyCFunction)Core_init_lock, METH_NOARGS, "initialise the writer lock (creator)"},
+    {"init_heap", (PyCFunction)Core_init_heap, METH_NOARGS, "free the whole heap (creator)"},
+    {"lock", (PyCFunction)Core_lock, METH_O, "lock(timeout) -> 0 | 1 (look first)"},
+    {"unlock", (PyCFunction)Core_unlock, METH_NOARGS, "release the lock if this thread holds it"},
+    {"held", (PyCFunction)Core_held, METH_NOARGS, "does this thread hold the lock"},
+    {"owner", (PyCFunction)Core_owner, METH_NOARGS, "the thread id holding the lock (glibc)"},
+    {"set_busy", (PyCFunction)Core_set_busy, METH_O, "raise/lower BUSY (lock held)"},
+    {"read", (PyCFunction)(void (*)(void))Core_read, METH_FASTCALL, "lock-free read"},
+    {"version", (PyCFunction)(void (*)(void))Core_version, METH_FASTCALL, "lock-free version read"},
+    {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL, "lock, put one, unlock"},
+    {"apply", (PyCFunction)(void (*)(void))Core_apply, METH_FASTCALL, "apply a batch (lock held)"},
+    {"mark_clean", (PyCFunction)(void (*)(void))Core_mark_clean, METH_FASTCALL, "clear dirty (lock held)"},
+    {"pin", (PyCFunction)(void (*)(void))Core_pin, METH_FASTCALL, "pin a block (lock-free)"},
+    {"unpin", (PyCFunction)Core_unpin, METH_O, "release a pin (lock-free)"},
+    {"pin_block", (PyCFunction)Core_pin_block, METH_O, "pin a known block (after fork)"},
+    {"pinned_block", (PyCFunction)Core_pinned_block, METH_O, "the block a pin entry names"},
+    {"set_pid", (PyCFunction)Core_set_pid, METH_O, "this process's pid (after fork)"},
+    {"pin_pids", (PyCFunction)Core_pin_pids, METH_NOARGS, "pids owning pin entries"},
+    {"sweep", (PyCFunction)(void (*)(void))Core_sweep, METH_FASTCALL, "dead pins, parked blocks (lock held)"},
+    {"purge_mark", (PyCFunction)Core_purge_mark, METH_NOARGS, "mark purged (lock held)"},
+    {"scan", (PyCFunction)Core_scan, METH_O, "keys: 0 live, 1 dirty"},
+    {"recover", (PyCFunction)Core_recover, METH_O, "repair after a death (lock held)"},
+    {"release", (PyCFunction)Core_release, METH_NOARGS, "drop the buffer export"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvcomm._l2core.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+    .tp_doc = "Core(mmap): the L2 operations over one mapped segment (layout read from its header)",
+};
+
+static PyObject *
+set_errors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_errors(SegmentError, Unavailable, InvalidArgument)");
+        return NULL;
+    }
+    Py_INCREF(args[0]);
+    Py_XSETREF(SegmentError, args[0]);
+    Py_INCREF(args[1]);
+    Py_XSETREF(Unavailable, args[1]);
+    Py_INCREF(args[2]);
+    Py_XSETREF(InvalidArgument, args[2]);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_errors", (PyCFunction)(void (*)(void))set_errors, METH_FASTCALL,
+     "the exception classes to raise: SegmentError, Unavailable, InvalidArgument"},
+    {"approx_size", approx_size, METH_O, "approximate bytes held by a decoded value"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "kvcomm._l2core", "L2 segment operations", -1, module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__l2core(void)
+{
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&GetterType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m)
+        return NULL;
+    SegmentError = PyExc_RuntimeError;
+    Unavailable = PyExc_RuntimeError;
+    InvalidArgument = PyExc_ValueError;
+    Py_INCREF(SegmentError);
+    Py_INCREF(Unavailable);
+    Py_INCREF(InvalidArgument);
+    Py_INCREF(&CoreType);
+    Py_INCREF(&GetterType);
+    if (PyModule_AddObject(m, "Getter", (PyObject *)&GetterType) < 0) {
+        Py_DECREF(&GetterType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ST_SLOT_FULL", ST_SLOT_FULL) < 0 ||
+        PyModule_AddIntConstant(m, "ST_TOO_LARGE", ST_TOO_LARGE) < 0 ||
+        PyModule_AddIntConstant(m, "ST_CORRUPT", ST_CORRUPT) < 0 ||
+        PyModule_AddIntConstant(m, "ST_DIRTY_FULL", ST_DIRTY_FULL) < 0 ||
+        PyModule_AddIntConstant(m, "ST_LOOK", ST_LOOK) < 0 ||
+        PyModule_AddIntConstant(m, "ST_FULL", ST_FULL) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

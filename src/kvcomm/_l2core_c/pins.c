@@ -1,0 +1,320 @@
+/* ------------------------------------------------------------------ pins (lock-free) */
+
+/* an entry this process owns and is not using, or a newly claimed one; -1: none free */
+static long long
+claim_entry(Core *c)
+{
+    if (c->n_owned > 0) {
+        uint32_t i = c->owned[--c->n_owned];
+        if (i < c->n_pins && __atomic_load_n(&pin_entry(c, i)[1], __ATOMIC_SEQ_CST) == c->pid)
+            return (long long)i;
+        /* (swept as a dead pid's while we thought it ours: claim another) */
+    }
+    for (uint64_t i = 0; i < c->n_pins; i++) {
+        uint64_t *e = pin_entry(c, i);
+        uint64_t expected = 0;
+        if (LDR(&e[1]) != 0)
+            continue;
+        if (!__atomic_compare_exchange_n(&e[1], &expected, c->pid, 0, __ATOMIC_SEQ_CST,
+                                         __ATOMIC_SEQ_CST))
+            continue;
+        __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
+        uint64_t hwm = __atomic_load_n(HW(c, H_PIN_HWM), __ATOMIC_SEQ_CST);
+        while (hwm < i + 1 && !__atomic_compare_exchange_n(HW(c, H_PIN_HWM), &hwm, i + 1, 0,
+                                                         __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            ;
+        return (long long)i;
+    }
+    return -1;
+}
+
+/* give an entry back: kept owned for the next view, or (cache full) unowned */
+static void
+return_entry(Core *c, uint64_t i)
+{
+    uint64_t *e = pin_entry(c, i);
+    __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
+    if (c->n_owned < OWNED_MAX) {
+        c->owned[c->n_owned++] = (uint32_t)i;
+        return;
+    }
+    uint64_t expected = c->pid;
+    __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+/* pin(key, h, zero_copy) -> None | (word, seq, tag, meta, counter, hlc, vvx, size, pin, voff,
+ * vlen) | (..., -1, value bytes)   LOCK-FREE
+ * Names the key's block in a hazard entry of this process, so that writers park instead of
+ * free it: the returned (voff, vlen) stays valid until unpin(pin). pin -1: the pin table is
+ * full, and the last element is a private copy of the value instead. None: absent or a
+ * tombstone. -1 (an int): a slot stayed odd too long (Python decides). */
+static PyObject *
+Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "pin(key: bytes, h: int)");
+        return NULL;
+    }
+    const char *key = PyBytes_AS_STRING(args[0]);
+    uint64_t klen = (uint64_t)PyBytes_GET_SIZE(args[0]);
+    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (LDR(HW(c, H_STATE)) != STATE_OK) {
+        PyErr_SetString(SegmentError, "this namespace was purged; open it again");
+        return NULL;
+    }
+    long long idx = -2; /* not claimed yet */
+    for (int attempt = 0; attempt < 100000; attempt++) {
+        /* find the key's slot and block, as a lock-free reader does */
+        uint64_t so = 0, s = 0, off = 0;
+        uint64_t i = h & c->mask;
+        int odd = 0;
+        for (uint64_t probe = 0; probe < MAX_PROBE; probe++, i = (i + 1) & c->mask) {
+            uint64_t *slot = W(c, slot_off(c, i));
+            uint64_t seq = LD(&slot[SLOT_SEQ]);
+            if (seq & 1) {
+                odd = 1;
+                break;
+            }
+            uint64_t o = LD(&slot[SLOT_OFF]), sh = LD(&slot[SLOT_HASH]);
+            if (o == EMPTY)
+                break;
+            if (o == TOMB || sh != h)
+                continue;
+            Rec r;
+            int sane = rec_parse(c, o, &r);
+            int match = sane && r.klen == klen && memcmp(rec_key(c, o), key, klen) == 0;
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (LD(&slot[SLOT_SEQ]) != seq) {
+                odd = 1; /* changed under us: look again */
+                break;
+            }
+            if (!sane) {
+                if (idx >= 0)
+                    return_entry(c, (uint64_t)idx);
+                PyErr_SetString(SegmentError, "corrupt L2 record; purge the namespace");
+                return NULL;
+            }
+            if (match) {
+                so = slot_off(c, i);
+                s = seq;
+                off = o;
+                break;
+            }
+        }
+        if (odd) {
+            if (attempt > 20000) {
+                if (idx >= 0)
+                    return_entry(c, (uint64_t)idx);
+                return PyLong_FromLong(-1);
+            }
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            continue;
+        }
+        if (!so) {
+            if (idx >= 0)
+                return_entry(c, (uint64_t)idx);
+            Py_RETURN_NONE;
+        }
+        if (idx == -2)
+            idx = claim_entry(c);
+        uint64_t *slot = W(c, so);
+        if (idx < 0) {
+            /* the pin table is full: a consistent copy instead of a view */
+            Rec r;
+            if (!rec_parse(c, off, &r))
+                continue;
+            PyObject *copy = PyBytes_FromStringAndSize(c->base + off + r.vrel, (Py_ssize_t)r.vlen);
+            PyObject *meta = PyBytes_FromStringAndSize(rec_meta(c, off, &r), (Py_ssize_t)r.mlen);
+            PyObject *vvx = PyBytes_FromStringAndSize(rec_vvx(c, off, &r), (Py_ssize_t)r.vvlen);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (!copy || !meta || !vvx || LD(&slot[SLOT_SEQ]) != s) {
+                Py_XDECREF(copy);
+                Py_XDECREF(meta);
+                Py_XDECREF(vvx);
+                if (PyErr_Occurred())
+                    return NULL;
+                continue;
+            }
+            if (r.tag == TAG_TOMBSTONE) {
+                Py_DECREF(copy);
+                Py_DECREF(meta);
+                Py_DECREF(vvx);
+                Py_RETURN_NONE;
+            }
+            return Py_BuildValue("(KKKNKKNKLKN)", (unsigned long long)(so / 8), (unsigned long long)s,
+                                 (unsigned long long)r.tag, meta, (unsigned long long)r.counter,
+                                 (unsigned long long)r.hlc, vvx, (unsigned long long)r.size, -1LL,
+                                 0ULL, copy);
+        }
+        /* publish the hazard, then check the slot still holds the block: if it does, no
+           writer can have freed the block (it scans hazards after it publishes) */
+        __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], off, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&slot[SLOT_SEQ], __ATOMIC_SEQ_CST) != s) {
+            __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], 0, __ATOMIC_SEQ_CST);
+            continue; /* replaced meanwhile: pin the new one */
+        }
+        Rec r;
+        int sane = rec_parse(c, off, &r);
+        if (!sane || r.tag == TAG_TOMBSTONE) {
+            return_entry(c, (uint64_t)idx);
+            if (!sane) {
+                PyErr_SetString(SegmentError, "corrupt L2 record; purge the namespace");
+                return NULL;
+            }
+            Py_RETURN_NONE;
+        }
+        if (!LDR(&slot[SLOT_REF]))
+            ST(&slot[SLOT_REF], 1);
+        PyObject *out = Py_BuildValue(
+            "(KKKy#KKy#KLKK)", (unsigned long long)(so / 8), (unsigned long long)s,
+            (unsigned long long)r.tag, rec_meta(c, off, &r), (Py_ssize_t)r.mlen,
+            (unsigned long long)r.counter, (unsigned long long)r.hlc, rec_vvx(c, off, &r),
+            (Py_ssize_t)r.vvlen, (unsigned long long)r.size, idx, (unsigned long long)(off + r.vrel),
+            (unsigned long long)r.vlen);
+        if (!out)
+            return_entry(c, (uint64_t)idx);
+        return out;
+    }
+    if (idx >= 0)
+        return_entry(c, (uint64_t)idx);
+    return PyLong_FromLong(-1);
+}
+
+/* unpin(index) -> bool: lock-free; withdraws this process's hazard in entry ``index``
+ * (a forked child never withdraws its parent's). The next writer frees a parked block. */
+static PyObject *
+Core_unpin(Core *c, PyObject *arg)
+{
+    if (!c->has_view)
+        Py_RETURN_FALSE;
+    uint64_t index = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (index >= c->n_pins || __atomic_load_n(&pin_entry(c, index)[1], __ATOMIC_SEQ_CST) != c->pid)
+        Py_RETURN_FALSE;
+    return_entry(c, index);
+    __atomic_add_fetch(HW(c, H_RELEASED), 1, __ATOMIC_SEQ_CST);
+    Py_RETURN_TRUE;
+}
+
+/* pin_block(off) -> index | -1: a hazard of this process on block ``off`` (after fork,
+ * for the views a child inherits; the parent's hazard protects the block meanwhile) */
+static PyObject *
+Core_pin_block(Core *c, PyObject *arg)
+{
+    NEED_VIEW(c);
+    uint64_t off = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!block_ok(c, off))
+        return PyLong_FromLong(-1);
+    long long idx = claim_entry(c);
+    if (idx >= 0)
+        __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], off, __ATOMIC_SEQ_CST);
+    return PyLong_FromLongLong(idx);
+}
+
+/* pin_block_of(index) -> the block entry ``index`` names, 0 if none */
+static PyObject *
+Core_pinned_block(Core *c, PyObject *arg)
+{
+    NEED_VIEW(c);
+    uint64_t index = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (index >= c->n_pins)
+        return PyLong_FromLong(0);
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&pin_entry(c, index)[0], __ATOMIC_SEQ_CST));
+}
+
+/* set_pid(pid): in a child after fork: the entries the parent owned are not the child's */
+static PyObject *
+Core_set_pid(Core *c, PyObject *arg)
+{
+    uint64_t pid = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    c->pid = pid;
+    c->n_owned = 0;
+    c->held = 0;
+    Py_RETURN_NONE;
+}
+
+/* pin_pids() -> set of the pids owning pin entries (lock-free; for the liveness check) */
+static PyObject *
+Core_pin_pids(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    NEED_VIEW(c);
+    PyObject *out = PySet_New(NULL);
+    if (!out)
+        return NULL;
+    uint64_t hwm = pin_hwm(c);
+    for (uint64_t i = 0; i < hwm; i++) {
+        uint64_t pid = LDR(&pin_entry(c, i)[1]);
+        if (pid) {
+            PyObject *v = PyLong_FromUnsignedLongLong(pid);
+            if (!v || PySet_Add(out, v) < 0) {
+                Py_XDECREF(v);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(v);
+        }
+    }
+    return out;
+}
+
+/* sweep(dead_pids, next_check_ms) -> parked blocks left: clear the entries of dead
+ * processes, free parked blocks no entry names, lower the high-water mark, and set when
+ * writers look for dead processes next   [lock held] */
+static PyObject *
+Core_sweep(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    NEED_LOCK(c);
+    if (nargs != 2 || !PyAnySet_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "sweep(dead_pids: set, next_check_ms: int)");
+        return NULL;
+    }
+    PyObject *dead = args[0];
+    uint64_t next = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t prev_busy = *HW(c, H_BUSY);
+    ST(HW(c, H_BUSY), 1);
+    uint64_t hwm = pin_hwm(c);
+    for (uint64_t i = 0; i < hwm; i++) {
+        uint64_t *e = pin_entry(c, i);
+        uint64_t pid = LDR(&e[1]);
+        if (!pid)
+            continue;
+        int drop = 0;
+        if (PySet_GET_SIZE(dead)) {
+            PyObject *v = PyLong_FromUnsignedLongLong(pid);
+            if (!v)
+                return NULL; /* BUSY stays raised: repaired next time */
+            drop = PySet_Contains(dead, v);
+            Py_DECREF(v);
+            if (drop < 0)
+                return NULL;
+        }
+        if (drop) { /* block word first: no live reader can own a dead pid's entry */
+            __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
+            uint64_t expected = pid;
+            __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+        }
+    }
+    /* (the high-water mark is never lowered: a reader may be claiming an entry above any
+       mark computed here, and a writer reading a lowered mark could miss its hazard.
+       Claims take the lowest free entry, so the mark stays near the most views held.) */
+    if (sweep_deferred(c) < 0)
+        return NULL;
+    ST(HW(c, H_DEAD_CHECK_MS), next);
+    ST(HW(c, H_BUSY), prev_busy);
+    return PyLong_FromUnsignedLongLong(*HW(c, H_DEFERRED));
+}

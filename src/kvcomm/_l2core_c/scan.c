@@ -1,0 +1,63 @@
+/* ------------------------------------------------------------------ purge, scans */
+
+/* purge_mark(): mark the namespace purged and move every slot's seq on, so that every
+ * process's L1 entries fail revalidation and every read raises SegmentError   [lock held] */
+static PyObject *
+Core_purge_mark(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    NEED_VIEW(c);
+    NEED_LOCK(c);
+    ST(HW(c, H_STATE), STATE_PURGED);
+    for (uint64_t i = 0; i < c->n_slots; i++) {
+        uint64_t *s = W(c, slot_off(c, i));
+        uint64_t v = LDR(&s[SLOT_SEQ]);
+        ST(&s[SLOT_SEQ], (v | 1) + 1); /* even, and moved on */
+    }
+    Py_RETURN_NONE;
+}
+
+/* scan(mode) -> list of keys (bytes). mode 0: live keys (not tombstones); mode 1: dirty
+ * records (tombstones too): what L3 has not acknowledged. Lock-free; concurrent writes may or
+ * may not show. */
+static PyObject *
+Core_scan(Core *c, PyObject *arg)
+{
+    NEED_VIEW(c);
+    long mode = PyLong_AsLong(arg);
+    if (mode == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    for (uint64_t i = 0; i < c->n_slots; i++) {
+        uint64_t *slot = W(c, slot_off(c, i));
+        uint64_t s = LD(&slot[SLOT_SEQ]);
+        uint64_t off = LD(&slot[SLOT_OFF]), fl = LD(&slot[SLOT_FLAGS]);
+        if ((s & 1) || off <= TOMB)
+            continue;
+        if (mode == 1 && !(fl & FLAG_DIRTY))
+            continue;
+        Rec r;
+        if (!rec_parse(c, off, &r))
+            continue;
+        if (mode == 0 && r.tag == TAG_TOMBSTONE)
+            continue;
+        PyObject *k = PyBytes_FromStringAndSize(rec_key(c, off), (Py_ssize_t)r.klen);
+        if (!k) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (LD(&slot[SLOT_SEQ]) != s || PyList_Append(out, k) < 0) {
+            int err = PyErr_Occurred() != NULL;
+            Py_DECREF(k);
+            if (err) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            continue;
+        }
+        Py_DECREF(k);
+    }
+    return out;
+}

@@ -1,0 +1,171 @@
+/* ------------------------------------------------------------------ init */
+
+static int
+Core_init(Core *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj))
+        return -1;
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    if (PyObject_GetBuffer(obj, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    self->has_view = 1;
+    self->base = self->view.buf;
+    self->size = (uint64_t)self->view.len;
+    self->held = 0;
+    self->pid = (uint64_t)getpid();
+    self->n_owned = 0;
+    if (((uintptr_t)self->base & 63) || self->size < HEADER_SIZE) {
+        PyErr_SetString(SegmentError, "L2 mapping is too small or misaligned");
+        return -1;
+    }
+    uint64_t *h = (uint64_t *)self->base;
+    uint64_t n_slots = h[H_NSLOTS], data_size = h[H_DATA_SIZE];
+    self->n_slots = n_slots;
+    self->mask = n_slots - 1;
+    self->slots_off = h[H_SLOTS_OFF];
+    self->meta_off = h[H_META_OFF];
+    self->data_off = h[H_DATA_OFF];
+    self->top_order = h[H_TOP_ORDER];
+    self->feed_off = h[H_FEED_OFF];
+    self->feed_n = h[H_FEED_N];
+    self->feed_esz = h[H_FEED_ESZ];
+    self->pins_off = h[H_PINS_OFF];
+    self->n_pins = h[H_NPINS];
+    self->defer_off = h[H_DEFER_OFF];
+    self->max_key = h[H_MAX_KEY];
+    self->mutex = (pthread_mutex_t *)(self->base + MUTEX_AT);
+    uint64_t sz = self->size;
+    /* each quantity is bounded before it is multiplied, so no product wraps */
+    int ok = n_slots > 0 && n_slots <= (1ULL << 32) && (n_slots & (n_slots - 1)) == 0 &&
+             self->slots_off == HEADER_SIZE &&
+             self->meta_off >= self->slots_off + n_slots * SLOT_WORDS * 8 &&
+             self->top_order >= MIN_ORDER && self->top_order <= MAX_ORDER &&
+             data_size > 0 && data_size <= sz && (data_size & ((1ULL << self->top_order) - 1)) == 0 &&
+             self->data_off <= sz && self->data_off % 4096 == 0 &&
+             self->meta_off <= self->data_off && (data_size >> MIN_ORDER) <= self->data_off - self->meta_off &&
+             data_size <= sz - self->data_off &&
+             self->max_key >= 1 && self->max_key <= MAX_KEY &&
+             self->feed_n >= 1 && self->feed_n <= (1ULL << 32) && self->feed_esz % 8 == 0 &&
+             self->feed_esz >= FEED_KEY_AT + self->max_key && self->feed_esz <= (1ULL << 16) &&
+             self->feed_off == self->data_off + data_size && self->feed_off <= sz &&
+             self->feed_n * self->feed_esz <= sz - self->feed_off &&
+             self->n_pins >= 1 && self->n_pins <= (1ULL << 24) &&
+             self->pins_off == self->feed_off + self->feed_n * self->feed_esz &&
+             self->pins_off <= sz && self->n_pins * PIN_WORDS * 8 <= sz - self->pins_off &&
+             self->defer_off == self->pins_off + self->n_pins * PIN_WORDS * 8 &&
+             self->n_pins * 8 <= sz - self->defer_off;
+    if (!ok) {
+        PyErr_SetString(SegmentError, "L2 layout does not fit its mapping (corrupt header); purge it");
+        return -1;
+    }
+    self->data_end = self->data_off + data_size;
+    return 0;
+}
+
+/* A mapping is never unmapped while a thread of this process holds the lock through it:
+ * the kernel releases a dead holder's robust mutex by walking the holder's list of held
+ * mutexes, which it can only do if the memory is still mapped at exit. So a Core that goes
+ * (closed, or collected at interpreter shutdown) while its lock is held keeps its buffer
+ * export, and with it the mapping, until the process ends. */
+static void
+Core_dealloc(Core *self)
+{
+    if (self->has_view && !self->held)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Core_release(Core *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->held) {
+        /* see Core_dealloc: leave the mapping in place */
+        Py_RETURN_FALSE;
+    }
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+        self->base = NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+#define NEED_VIEW(c)                                                          \
+    if (!(c)->has_view) {                                                     \
+        PyErr_SetString(SegmentError, "this L2 mapping is closed; reopen");   \
+        return NULL;                                                          \
+    }
+
+#define NEED_LOCK(c)                                                                  \
+    if (!(c)->held || !pthread_equal((c)->holder, pthread_self())) {                  \
+        PyErr_SetString(PyExc_RuntimeError, "L2 writer lock not held by this thread"); \
+        return NULL;                                                                  \
+    }
+
+/* ------------------------------------------------------------------ atomics
+ * load/store/cas/add on any 8-aligned word of the mapping: Python has no atomic
+ * read-modify-write on memory shared between processes. A bad offset raises IndexError.
+ */
+
+static uint64_t *
+word_at(Core *c, PyObject *off_obj)
+{
+    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
+    if (off == -1 && PyErr_Occurred())
+        return NULL;
+    if (off < 0 || off % 8 != 0 || (uint64_t)off + 8 > c->size) {
+        PyErr_Format(PyExc_IndexError, "bad atomic offset %zd", off);
+        return NULL;
+    }
+    return (uint64_t *)(c->base + off);
+}
+
+static PyObject *
+Core_load(Core *c, PyObject *arg)
+{
+    NEED_VIEW(c);
+    uint64_t *p = word_at(c, arg);
+    return p ? PyLong_FromUnsignedLongLong(LD(p)) : NULL;
+}
+
+static PyObject *
+Core_store(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "store(off, value)"); return NULL; }
+    uint64_t *p = word_at(c, args[0]);
+    uint64_t v = PyLong_AsUnsignedLongLong(args[1]);
+    if (!p || PyErr_Occurred()) return NULL;
+    ST(p, v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Core_cas(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "cas(off, expected, desired)"); return NULL; }
+    uint64_t *p = word_at(c, args[0]);
+    uint64_t expected = PyLong_AsUnsignedLongLong(args[1]);
+    uint64_t desired = PyLong_AsUnsignedLongLong(args[2]);
+    if (!p || PyErr_Occurred()) return NULL;
+    if (__atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+static PyObject *
+Core_add(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    /* fetch-and-add with a full barrier; delta may be negative. Returns the new value. */
+    NEED_VIEW(c);
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "add(off, delta)"); return NULL; }
+    uint64_t *p = word_at(c, args[0]);
+    long long delta = PyLong_AsLongLong(args[1]);
+    if (!p || PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(__atomic_add_fetch(p, (uint64_t)delta, __ATOMIC_SEQ_CST));
+}
