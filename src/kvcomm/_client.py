@@ -30,6 +30,7 @@ from .core.versions import (
     compare_vectors,
     decode_others,
     encode_others,
+    merge_vectors,
     vector_get,
 )
 from .errors import (
@@ -520,7 +521,8 @@ class Client:
         from .tiers.keyfilter import KeyFilter
 
         # (a refused file raises at every miss, not once a second: no silent fallback)
-        self._kf = KeyFilter.open_reader(self.name, self.config.cache.l2_permissions)
+        self._kf = KeyFilter.open_reader(self.name, self.config.cache.l2_permissions,
+                                         self.config.cache.l2_dir)
         self._kf_retry = now + 1.0
         return self._kf if self._kf is not None and self._kf.ready else None
 
@@ -798,6 +800,33 @@ class Client:
             return self._version(r[0], r[1], r[2])
         raise Unavailable(f"merge of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
 
+    def _restamp(self, key: str, other: Version) -> bool:
+        """Write this host's record of ``key`` again as a new local write that descends
+        from both itself and ``other`` (L3's version, which covers the local dot because
+        the host's write sequence restarted). The write sequence is first raised past
+        ``other``'s entry for this host. Returns False when there is nothing to restamp."""
+        kb, h = self._key_hash(key)
+        self._seg.raise_write_sequence(vector_get(other.vector, self._host))
+        rec = self._read_l2(kb, h, _HUGE)
+        if rec is None:
+            return False
+        seen = self._version(rec[5], rec[6], rec[7])
+        merged = merge_vectors(seen.vector, other.vector)
+
+        def unchanged() -> None:
+            now = self._seg.read(kb, h)
+            if now is None or self._version(now.counter, now.hlc, now.vvx) != seen:
+                raise ConflictError("changed while restamping")
+
+        op = (kb, h, rec[2], rec[3], rec[4], l2mod.NEW_DOT, max(seen.hlc, other.hlc),
+              encode_others(merged, self._host))
+        try:
+            self._seg.apply([op], now_ms=_now_ms(), dirty=True, check=unchanged)
+        except ConflictError:
+            return False  # a newer local write came meanwhile: it is pushed as it is
+        self._l1.discard(key)
+        return True
+
     def _explicit(self, v: Version) -> tuple[int, int, bytes]:
         return vector_get(v.vector, self._host), v.hlc, encode_others(v.vector, self._host)
 
@@ -858,6 +887,9 @@ class Client:
         last_event = time.monotonic()
         idle = 0.0001
         while not self._closed:
+            if seg.purged:
+                raise SegmentError(f"namespace {self.name!r} was purged while watched; "
+                                   "open it again and watch anew")
             events, cursor, overflowed = seg.feed_read(cursor)
             got = False
             if overflowed:
@@ -905,7 +937,10 @@ class Client:
         }
 
     def keys(self, prefix: str = "") -> list[str]:
-        """The keys under ``prefix`` present in L2 now (a scan: for tools, not hot paths)."""
+        """The keys under ``prefix`` present in L2 now (a scan: for tools, not hot paths).
+        Raises InvalidKey for a prefix that is not a str."""
+        if type(prefix) is not str:
+            raise InvalidKey(f"a key prefix is a str ('' lists every key), got {type(prefix).__name__}")
         self._live()
         return [k for k in self._seg.keys() if k.startswith(prefix)]
 

@@ -1,18 +1,16 @@
 /* ------------------------------------------------------------------ purge, scans */
 
-/* purge_mark(): mark the namespace purged and move every slot's seq on, so that every
- * process's L1 entries fail revalidation and every read raises SegmentError   [lock held] */
+/* purge_mark(): mark the namespace purged and move every slot's seq on by two, so that
+ * every process's L1 entries fail revalidation and every read and write raises
+ * SegmentError. LOCK-FREE on purpose: a process stopped while holding the lock must not
+ * keep the namespace alive (a writer mid-publish keeps its parity: +2 is even). */
 static PyObject *
 Core_purge_mark(Core *c, PyObject *Py_UNUSED(ignored))
 {
     NEED_VIEW(c);
-    NEED_LOCK(c);
-    ST(HW(c, H_STATE), STATE_PURGED);
-    for (uint64_t i = 0; i < c->n_slots; i++) {
-        uint64_t *s = W(c, slot_off(c, i));
-        uint64_t v = LDR(&s[SLOT_SEQ]);
-        ST(&s[SLOT_SEQ], (v | 1) + 1); /* even, and moved on */
-    }
+    __atomic_store_n(HW(c, H_STATE), STATE_PURGED, __ATOMIC_SEQ_CST);
+    for (uint64_t i = 0; i < c->n_slots; i++)
+        __atomic_add_fetch(&W(c, slot_off(c, i))[SLOT_SEQ], 2, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
 }
 

@@ -364,7 +364,7 @@ out:
 
 /* Unlink the record in slot `found` (an embedded-mode delete); feed a delete event. */
 static int
-unlink_record(Core *c, uint64_t found, Op *op, uint64_t now_ms)
+unlink_record(Core *c, uint64_t found, Op *op, uint64_t now_ms, int tidy)
 {
     uint64_t *slot = W(c, found);
     uint64_t old = slot[SLOT_OFF];
@@ -382,9 +382,10 @@ unlink_record(Core *c, uint64_t found, Op *op, uint64_t now_ms)
     if (release_block(c, old) < 0)
         return -1;
     /* a free slot followed by an empty one ends no probe chain that matters: turn trailing
-       tombstones back into empty slots so that misses stay short */
+       tombstones back into empty slots so that misses stay short (not inside a larger
+       batch, whose later ops were planned on these slots' probe chains) */
     uint64_t i = slot_index(c, found);
-    if (W(c, slot_off(c, i + 1))[SLOT_OFF] == EMPTY) {
+    if (tidy && W(c, slot_off(c, i + 1))[SLOT_OFF] == EMPTY) {
         for (uint64_t k = 0; k < MAX_PROBE && W(c, slot_off(c, i))[SLOT_OFF] == TOMB; k++) {
             uint64_t *s = W(c, slot_off(c, i));
             SEQ_ADD(&s[SLOT_SEQ]);
@@ -408,14 +409,15 @@ publish(Core *c, Op *op, uint64_t now_ms, uint64_t flags, int planned)
     uint64_t found = 0, reusable = 0;
     if (planned) {
         found = op->found;
-        reusable = op->found ? 0 : op->slot;
     } else if (find(c, op->key, op->klen, op->h, &found, &reusable) < 0) {
         return -1;
     }
     if (!op->writes_record)
-        return found ? unlink_record(c, found, op, now_ms) : 0;
-    uint64_t so = found ? found : reusable;
-    if (!so)
+        return found ? unlink_record(c, found, op, now_ms, planned) : 0;
+    /* a key not in place takes the slot its plan claimed: the first free one of its
+       window that no earlier op of the batch claimed (another key's op must not take it) */
+    uint64_t so = found ? found : op->slot;
+    if (!so || (!found && W(c, so)[SLOT_OFF] > TOMB))
         return set_corrupt(c, "a planned slot was taken");
     uint64_t old = found ? W(c, found)[SLOT_OFF] : 0;
     const char *vvx = NULL;

@@ -106,6 +106,8 @@ def _encode_array(arr: Any) -> tuple[int, bytes, memoryview]:
     if not arr.flags.c_contiguous:  # (ascontiguousarray would turn 0-d into 1-d)
         arr = arr.copy(order="C")
     meta = msgpack.packb([arr.dtype.str, list(arr.shape)])
+    if arr.size == 0:  # (memoryview cannot cast an empty array of several dimensions)
+        return NDARRAY, meta, memoryview(b"")
     return NDARRAY, meta, memoryview(arr).cast("B")
 
 

@@ -73,6 +73,7 @@ from .._client import Client
 from .._client import open as kv_open
 from ..config import Config
 from ..core.backoff import Backoff
+from ..core.versions import vector_get
 from ..core.window import Batch, WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable
 from ..tiers.keyfilter import KeyFilter
@@ -154,7 +155,7 @@ class NodeDaemon:
             for prefix, fn in resolvers.items():  # the operator's own code, named in config
                 self.kv.register_resolver(prefix, fn)  # (agents of the host register theirs)
             self.keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
-                                         permissions=c.l2_permissions)
+                                         permissions=c.l2_permissions, directory=c.l2_dir)
             self.rebuild_every = cl.key_filter_rebuild
             self._fill_key_filter(initial=True)
             self._start_feeds()
@@ -273,6 +274,14 @@ class NodeDaemon:
         elif res.outcome == "conflict":  # a resolver's prefix: settle it here
             self.stats.bump("resolved")
             self._apply(key, res.record)  # concurrent → resolver → a new dirty write
+        elif (res.outcome == "older" and sent.dot[0] == self.host
+              and vector_get(res.record.vector, self.host) > self.port.write_sequence()):
+            # L3 knows dots of this host that the host does not: its write sequence
+            # restarted (its L2 was lost). This write is new, not older: write it again
+            # over L3's version, with a dot past everything L3 has seen from this host
+            self.stats.bump("rebased")
+            if not self.port.rebase(key, res.record):
+                self._apply(key, res.record)
         else:  # older / merged: L3 holds another record; take it
             self.stats.refreshed += 1
             self._apply(key, res.record)

@@ -63,6 +63,15 @@ class HostL2(Protocol):
     def has_resolver(self, key: str) -> bool:
         """A resolver is registered for ``key``'s prefix (its conflicts are settled here)."""
 
+    def write_sequence(self) -> int:
+        """The counter of the host's newest dot."""
+
+    def rebase(self, key: str, record: L3Record) -> bool:
+        """L3's ``record`` covers this host's dot with one of its own older ones: the
+        host's write sequence restarted (its L2 was lost). Raise the sequence past the
+        record's entry for this host and write the local record again as a new write
+        descending from both (still dirty: the daemon pushes it). False: nothing to do."""
+
     def hot_keys(self, n: int) -> list[str]:
         """The host's ``n`` most read keys."""
 
@@ -126,6 +135,12 @@ class ClientPort:
 
     def has_resolver(self, key: str) -> bool:
         return bool(self.kv._resolvers) and self.kv._resolvers.lookup(key) is not None
+
+    def write_sequence(self) -> int:
+        return self.seg.write_sequence
+
+    def rebase(self, key: str, record: L3Record) -> bool:
+        return self.kv._restamp(key, Version(record.vector, record.hlc))
 
     def register_resolver(self, prefix: str, fn: Callable[[str, list[Any]], Any]) -> None:
         self.kv.register_resolver(prefix, fn)

@@ -61,9 +61,9 @@ STALE_MS = 2000  # a heartbeat older than this: the daemon is gone, trust the fi
 _OLD_MAGICS = (MAGIC, int.from_bytes(b"KVCKEYS1", "little"))
 
 
-def filter_path(namespace: str) -> str:
+def filter_path(namespace: str, directory: str = SHM_DIR) -> str:
     segment_path(namespace)  # validates the name
-    return os.path.join(SHM_DIR, f"kvcomm.{namespace}.keys")
+    return os.path.join(directory, f"kvcomm.{namespace}.keys")
 
 
 def _now_ms() -> int:
@@ -144,13 +144,13 @@ class KeyFilter:
 
     @classmethod
     def create(cls, namespace: str, capacity: int, fpr: float, *, permissions: int = 0o600,
-               ) -> KeyFilter:
+               directory: str = SHM_DIR) -> KeyFilter:
         """A new, empty, not-yet-ready filter in place of any old one (which is retired).
 
         Raises SegmentError when the old file belongs to another user, or when /dev/shm
         has no room for the new one (nothing is left behind then).
         """
-        path = filter_path(namespace)
+        path = filter_path(namespace, directory)
         size = cls.size_for(capacity, fpr)
         _remove_stale_temps(path)
         tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -161,10 +161,10 @@ class KeyFilter:
             try:
                 os.posix_fallocate(fd, 0, size)  # no sparse file: a full /dev/shm fails here
             except OSError as exc:
-                free = _free_bytes()
+                free = _free_bytes(directory)
                 raise SegmentError(
                     f"cannot reserve {size} bytes for the key filter {path}: {exc.strerror}; "
-                    f"{free} bytes free in {SHM_DIR}. Lower cache.bloom_capacity or free "
+                    f"{free} bytes free in {directory}. Lower cache.bloom_capacity or free "
                     "space there") from None
             mm = mmap.mmap(fd, size)
         except BaseException:
@@ -218,14 +218,15 @@ class KeyFilter:
     # ------------------------------------------------------------------ the agents' side
 
     @classmethod
-    def open_reader(cls, namespace: str, permissions: int = 0o600) -> KeyFilter | None:
+    def open_reader(cls, namespace: str, permissions: int = 0o600,
+                    directory: str = SHM_DIR) -> KeyFilter | None:
         """The filter the daemon made (read-only mapping, geometry from its header), or
         None when there is none yet or it is not a valid filter file.
 
         Raises SegmentError when the file belongs to another user or its mode grants more
         than ``permissions``.
         """
-        path = filter_path(namespace)
+        path = filter_path(namespace, directory)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -320,16 +321,16 @@ def _retire(path: str) -> None:
         mm.close()
 
 
-def _free_bytes() -> int:
+def _free_bytes(directory: str) -> int:
     try:
-        st = os.statvfs(SHM_DIR)
+        st = os.statvfs(directory)
     except OSError:
         return -1
     return st.f_bavail * st.f_frsize
 
 
-def remove(namespace: str) -> None:
-    path = filter_path(namespace)
+def remove(namespace: str, directory: str = SHM_DIR) -> None:
+    path = filter_path(namespace, directory)
     try:
         _retire(path)
     except SegmentError:

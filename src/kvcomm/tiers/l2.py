@@ -469,6 +469,11 @@ class L2Segment:
         hb = host_id.encode()[:64]
         self._buf[HOST_ID_AT] = len(hb)
         self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + len(hb)] = hb
+        # The host's write sequence (the counter of its dots) starts at the time in
+        # microseconds, not at 1: a host whose L2 is lost (a reboot) must never reuse the
+        # dots of writes L3 already has (they would read as older than themselves). The
+        # node daemon also rebases a write L3 finds covered by the host's own older dots.
+        q[H["WSEQ"]] = time.time_ns() // 1000
         self.layout = lay
         self._bind_layout()
         self._core.init_lock()
@@ -782,6 +787,19 @@ class L2Segment:
         return list(self._core.scan(1))
 
     @property
+    def write_sequence(self) -> int:
+        """The counter of the host's last write (its newest dot)."""
+        return int(self._q[H["WSEQ"]])
+
+    def raise_write_sequence(self, at_least: int) -> None:
+        """Make the host's next dots greater than ``at_least`` (under the lock)."""
+        def raise_() -> None:
+            if self._q[H["WSEQ"]] < at_least:
+                self._q[H["WSEQ"]] = at_least
+
+        self.locked(raise_)
+
+    @property
     def dirty_count(self) -> int:
         return int(self._q[H["DIRTY"]])
 
@@ -956,14 +974,9 @@ class L2Segment:
 
     def mark_purged(self) -> None:
         """Mark the namespace purged: every process's reads and writes raise SegmentError
-        from now on, L1 entries included (every slot's seq moves on)."""
-        core = self._core
-        try:
-            if core.lock(self.lock_timeout) and self._q[_H_STATE] != STATE_OK:
-                return
-            core.purge_mark()
-        finally:
-            core.unlock()
+        from now on, L1 hits included (every slot's seq moves on). Needs no lock."""
+        if self._core is not None:
+            self._core.purge_mark()
 
     def close(self) -> None:
         """Drop this process's mapping. Views still alive keep it mapped until they go."""
@@ -1047,7 +1060,7 @@ def purge(name: str, directory: str = SHM_DIR) -> bool:
     if not os.path.lexists(path):
         from .keyfilter import remove
 
-        remove(name)
+        remove(name, directory)
         return False
     try:
         seg: L2Segment | None = L2Segment(name, create_layout=None, host_id="", attach_timeout=0,
@@ -1066,5 +1079,5 @@ def purge(name: str, directory: str = SHM_DIR) -> bool:
             seg.close()
     from .keyfilter import remove  # (keyfilter builds on this module)
 
-    remove(name)  # the daemon's filter of existing keys goes with the namespace
+    remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
     return True
