@@ -25,6 +25,7 @@ from kvcomm.core import codec
 from kvcomm.node.daemon import NodeDaemon
 from kvcomm.testing.cluster import RedisCluster
 from kvcomm.tiers import l2
+from kvcomm.tiers.l2 import key_hash
 from kvcomm.tiers.l3 import L3Record, L3Store, feed_key, group_of, record_key, seq_key
 
 from .conftest import wait_for
@@ -108,7 +109,9 @@ def test_records_that_fail_are_set_aside_and_other_keys_keep_syncing(
         reasons = {k: r for k, r, _ in store.quarantined("in-recs")}
         assert "ValueTooLarge" in reasons["rec/huge"]
         assert "CorruptRecord" in reasons["rec/undecodable"]
-        assert h.kv.get("rec/huge") == "v1"  # the host keeps what it had
+        # the host cannot hold the new value: its stale copy is dropped, reads go to L3
+        wait_for(lambda: h.kv._seg.read(b"rec/huge", key_hash(b"rec/huge")) is None, 10,
+                 "the host to drop its stale copy")
     finally:
         h.close()
 

@@ -53,6 +53,9 @@ _BYTES, _NDARRAY = codec.BYTES, codec.NDARRAY
 _CONSISTENCY = (None, "eventual", "strong")
 _MAX_UPDATE_RETRIES = 100_000
 _KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
+# An L3 read fills L2 only if it took less than this: the node daemon applies a remote
+# change of a key not held here over a fill for 30 s (node/daemon.py RECENT_S)
+_FILL_WITHIN = 10.0
 
 
 class _Absent:
@@ -498,7 +501,11 @@ class Client:
             return None if want_item else default
         value = rec.decode_value(key)
         version = Version(rec.vector, rec.hlc)
-        self._merge(key, value, version, (rec.tag, rec.meta, rec.value))  # fill L2 for the host
+        if time.monotonic() - now < _FILL_WITHIN:  # (an older read might be stale by now)
+            try:
+                self._merge(key, value, version, (rec.tag, rec.meta, rec.value))  # fill L2
+            except ValueTooLarge:
+                pass  # this host's L2 can never hold it: served from L3 every time
         if want_item:
             return Item(key, value, version, "l3")
         return value

@@ -16,6 +16,7 @@ static PyMethodDef Core_methods[] = {
     {"version", (PyCFunction)(void (*)(void))Core_version, METH_FASTCALL, "lock-free version read"},
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL, "lock, put one, unlock"},
     {"apply", (PyCFunction)(void (*)(void))Core_apply, METH_FASTCALL, "apply a batch (lock held)"},
+    {"evict_key", (PyCFunction)(void (*)(void))Core_evict_key, METH_FASTCALL, "drop a clean record (lock held)"},
     {"mark_clean", (PyCFunction)(void (*)(void))Core_mark_clean, METH_FASTCALL, "clear dirty (lock held)"},
     {"pin", (PyCFunction)(void (*)(void))Core_pin, METH_FASTCALL, "pin a block (lock-free)"},
     {"unpin", (PyCFunction)Core_unpin, METH_O, "release a pin (lock-free)"},

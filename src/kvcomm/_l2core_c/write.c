@@ -749,6 +749,34 @@ Core_version(Core *c, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* evict_key(key, h) -> bool: drop the key's record from this host's L2 if it is clean (a
+ * local event, as CLOCK's evictions: an "evict" feed event, never a delete in L3). False
+ * when absent or dirty (a write not yet in L3 stays)   [lock held] */
+static PyObject *
+Core_evict_key(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    NEED_LOCK(c);
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "evict_key(key, h)");
+        return NULL;
+    }
+    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t found = 0, reusable = 0;
+    if (find(c, PyBytes_AS_STRING(args[0]), (uint64_t)PyBytes_GET_SIZE(args[0]), h, &found, &reusable) < 0)
+        return NULL;
+    if (!found || (W(c, found)[SLOT_FLAGS] & FLAG_DIRTY))
+        Py_RETURN_FALSE;
+    uint64_t prev = *HW(c, H_BUSY);
+    ST(HW(c, H_BUSY), 1);
+    if (evict_slot(c, found) < 0)
+        return NULL;
+    ST(HW(c, H_BUSY), prev);
+    Py_RETURN_TRUE;
+}
+
 /* mark_clean(key, h, counter, hlc) -> bool: clear the dirty flag if the key still holds the
  * write (counter, hlc), i.e. L3 has it   [lock held] */
 static PyObject *

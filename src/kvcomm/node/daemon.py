@@ -75,7 +75,7 @@ from ..config import Config
 from ..core.backoff import Backoff
 from ..core.versions import vector_get
 from ..core.window import Batch, WriteWindow
-from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable
+from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
 from ..tiers.l3 import GROUPS, FeedEntry, L3Record, L3Store, group_of
@@ -84,6 +84,8 @@ from .port import ClientPort, HostL2
 log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
 STATE_EVERY = 1.0  # seconds between saves of the feed cursors and checks of group counters
+RECENT_S = 30.0  # how long a skipped remote change can still be applied over a late fill
+RECENT_MAX = 65_536  # skipped remote changes remembered at most
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
 
 
@@ -148,6 +150,8 @@ class NodeDaemon:
             self.last_pull = 0.0
             self.state_at = time.monotonic() + STATE_EVERY
             self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
+            # remote changes to keys not held here, for a while (see _remember_skipped)
+            self.recent_remote: dict[str, tuple[float, L3Record]] = {}
             self.feed_cursors: dict[int, bytes] = {}
             self.feed_seqs: dict[int, int | None] = {}  # last sequence number seen, by group
             # groups whose resync has not completed → whether their keys go to the filter
@@ -215,6 +219,15 @@ class NodeDaemon:
             self.keys.add(key.encode("utf-8", "surrogateescape"))
         self._stage(key, record, now)
 
+    def _refill(self, key: str, now: float) -> None:
+        """A key whose remote change was skipped (not held) was written here since: an
+        agent's fill from L3, maybe older than that change. Apply the change over it (a
+        newer one replaces the fill, an older or equal one changes nothing)."""
+        seen, rec = self.recent_remote.pop(key)
+        if now - seen < RECENT_S:
+            self.stats.bump("refills")
+            self._guarded(key, "feed", self._apply_or_forget, key, rec)
+
     def _stage(self, key: str, record: L3Record, now: float) -> None:
         self.staged[key] = record
         size_hint = None if record.tombstone else record.value
@@ -231,6 +244,8 @@ class NodeDaemon:
         for ev in events:
             if ev.kind in (KIND_PUT, KIND_DELETE):  # (evictions are local: never sent)
                 self._guarded(ev.key, "local write", self._stage_put, ev.key, now)
+                if ev.key in self.recent_remote:
+                    self._refill(ev.key, now)
         self.cursor = cursor
         closed = self.window.poll(now)
         if closed is not None:
@@ -478,9 +493,31 @@ class NodeDaemon:
             self.keys.add(key.encode("utf-8"))
         if not self.port.holds(key):
             self.stats.skipped_remote += 1
+            self._remember_skipped(key, rec)
             return  # not held here: the next read goes to L3
-        if self._guarded(key, "feed", self._apply, key, rec):
+        if self._guarded(key, "feed", self._apply_or_forget, key, rec):
             self.stats.pulled += 1
+
+    def _apply_or_forget(self, key: str, rec: L3Record) -> bool:
+        """Apply a remote record; if this host's L2 can never hold it, drop the host's
+        stale copy instead (its reads then go to L3), and still set it aside (counted)."""
+        try:
+            return self._apply(key, rec)
+        except ValueTooLarge:
+            if self.port.forget(key):
+                self.stats.bump("forgotten")
+            raise
+
+    def _remember_skipped(self, key: str, rec: L3Record) -> None:
+        """A change to a key this host does not hold, kept a while: an agent that read
+        the key from L3 just before it may fill L2 with the older record just after
+        (push_local sees that fill, and applies this one over it)."""
+        recent = self.recent_remote
+        if len(recent) >= RECENT_MAX:
+            for k in list(recent)[: RECENT_MAX // 4]:  # the oldest quarter
+                del recent[k]
+        recent.pop(key, None)
+        recent[key] = (time.monotonic(), rec)
 
     def _save_state(self) -> None:
         """Save the feed cursors and sequence numbers (not those of a pending resync).

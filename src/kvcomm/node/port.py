@@ -66,6 +66,9 @@ class HostL2(Protocol):
     def write_sequence(self) -> int:
         """The counter of the host's newest dot."""
 
+    def forget(self, key: str) -> bool:
+        """Drop the host's clean copy of ``key`` (a local eviction: its reads go to L3)."""
+
     def rebase(self, key: str, record: L3Record) -> bool:
         """L3's ``record`` covers this host's dot with one of its own older ones: the
         host's write sequence restarted (its L2 was lost). Raise the sequence past the
@@ -138,6 +141,11 @@ class ClientPort:
 
     def write_sequence(self) -> int:
         return self.seg.write_sequence
+
+    def forget(self, key: str) -> bool:
+        kb = key.encode("utf-8", "surrogateescape")
+        self.kv._l1.discard(key)
+        return self.seg.evict(kb, key_hash(kb))
 
     def rebase(self, key: str, record: L3Record) -> bool:
         return self.kv._restamp(key, Version(record.vector, record.hlc))

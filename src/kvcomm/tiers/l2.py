@@ -687,6 +687,16 @@ class L2Segment:
         finally:
             core.unlock()
 
+    def evict(self, key_b: bytes, h: int) -> bool:
+        """Drop ``key_b``'s record from this host's L2 if it is clean (a local eviction);
+        False when it is absent or dirty."""
+        core = self._core
+        try:
+            self._lock()
+            return bool(core.evict_key(key_b, h))
+        finally:
+            core.unlock()
+
     def is_dirty(self, word: int) -> bool:
         try:
             return bool(self._q[word + _S_FLAGS] & FLAG_DIRTY)
