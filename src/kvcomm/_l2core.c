@@ -37,6 +37,8 @@
 #include <structmember.h>
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,8 +72,13 @@ typedef struct {
     pthread_t holder; /* the thread of this process that holds the lock, if held */
     int held;
     uint64_t pid;      /* this process (set again in a child after fork) */
+    uint64_t procs_off, n_procs;
+    uint64_t token;    /* this process's owner token (procs.c), 0 until it takes a pin */
+    void *sleeper;     /* the thread that keeps the token alive */
+    uint64_t active;   /* pins of this process in use through this mapping */
     uint32_t owned[OWNED_MAX]; /* pin entries this process owns and is not using */
     int n_owned;
+    int guard;         /* this mapping's entry in the truncation guard (guard.c), or -1 */
 } Core;
 
 static PyTypeObject CoreType;
@@ -92,6 +99,8 @@ _Static_assert(sizeof(pthread_mutex_t) <= MUTEX_SPACE, "pthread_mutex_t does not
 /* The kernel, one file per concern, compiled as one unit (so that its helpers stay
  * static and inline): read them in this order. */
 #include "_l2core_c/geometry.h"
+#include "_l2core_c/guard.c"
+#include "_l2core_c/procs.c"
 #include "_l2core_c/segment.c"
 #include "_l2core_c/lock.c"
 #include "_l2core_c/read.c"

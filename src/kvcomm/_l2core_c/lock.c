@@ -15,6 +15,8 @@ Core_init_lock(Core *c, PyObject *Py_UNUSED(ignored))
         rc = pthread_mutex_init(c->mutex, &attr);
     }
     pthread_mutexattr_destroy(&attr);
+    if (!rc)
+        rc = init_proc_mutexes(c);
     if (rc) {
         PyErr_Format(SegmentError, "cannot initialise the L2 writer lock (error %d)", rc);
         return NULL;

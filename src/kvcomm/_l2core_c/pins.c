@@ -4,18 +4,21 @@
 static long long
 claim_entry(Core *c)
 {
+    uint64_t token = my_token(c);
+    if (!token)
+        return -1; /* the process table is full: copies instead of views */
     if (c->n_owned > 0) {
         uint32_t i = c->owned[--c->n_owned];
-        if (i < c->n_pins && __atomic_load_n(&pin_entry(c, i)[1], __ATOMIC_SEQ_CST) == c->pid)
+        if (i < c->n_pins && __atomic_load_n(&pin_entry(c, i)[1], __ATOMIC_SEQ_CST) == token)
             return (long long)i;
-        /* (swept as a dead pid's while we thought it ours: claim another) */
+        /* (swept as a dead process's while we thought it ours: claim another) */
     }
     for (uint64_t i = 0; i < c->n_pins; i++) {
         uint64_t *e = pin_entry(c, i);
         uint64_t expected = 0;
         if (LDR(&e[1]) != 0)
             continue;
-        if (!__atomic_compare_exchange_n(&e[1], &expected, c->pid, 0, __ATOMIC_SEQ_CST,
+        if (!__atomic_compare_exchange_n(&e[1], &expected, token, 0, __ATOMIC_SEQ_CST,
                                          __ATOMIC_SEQ_CST))
             continue;
         __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
@@ -38,7 +41,7 @@ return_entry(Core *c, uint64_t i)
         c->owned[c->n_owned++] = (uint32_t)i;
         return;
     }
-    uint64_t expected = c->pid;
+    uint64_t expected = c->token;
     __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
@@ -170,14 +173,17 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
         }
         if (!LDR(&slot[SLOT_REF]))
             ST(&slot[SLOT_REF], 1);
+        c->active++;
         PyObject *out = Py_BuildValue(
             "(KKKy#KKy#KLKK)", (unsigned long long)(so / 8), (unsigned long long)s,
             (unsigned long long)r.tag, rec_meta(c, off, &r), (Py_ssize_t)r.mlen,
             (unsigned long long)r.counter, (unsigned long long)r.hlc, rec_vvx(c, off, &r),
             (Py_ssize_t)r.vvlen, (unsigned long long)r.size, idx, (unsigned long long)(off + r.vrel),
             (unsigned long long)r.vlen);
-        if (!out)
+        if (!out) {
+            c->active--;
             return_entry(c, (uint64_t)idx);
+        }
         return out;
     }
     if (idx >= 0)
@@ -195,9 +201,13 @@ Core_unpin(Core *c, PyObject *arg)
     uint64_t index = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
         return NULL;
-    if (index >= c->n_pins || __atomic_load_n(&pin_entry(c, index)[1], __ATOMIC_SEQ_CST) != c->pid)
+    if (!c->token || index >= c->n_pins ||
+        __atomic_load_n(&pin_entry(c, index)[1], __ATOMIC_SEQ_CST) != c->token ||
+        __atomic_load_n(&pin_entry(c, index)[0], __ATOMIC_SEQ_CST) == 0)
         Py_RETURN_FALSE;
     return_entry(c, index);
+    if (c->active)
+        c->active--;
     __atomic_add_fetch(HW(c, H_RELEASED), 1, __ATOMIC_SEQ_CST);
     Py_RETURN_TRUE;
 }
@@ -214,8 +224,10 @@ Core_pin_block(Core *c, PyObject *arg)
     if (!block_ok(c, off))
         return PyLong_FromLong(-1);
     long long idx = claim_entry(c);
-    if (idx >= 0)
+    if (idx >= 0) {
         __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], off, __ATOMIC_SEQ_CST);
+        c->active++;
+    }
     return PyLong_FromLongLong(idx);
 }
 
@@ -232,57 +244,29 @@ Core_pinned_block(Core *c, PyObject *arg)
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&pin_entry(c, index)[0], __ATOMIC_SEQ_CST));
 }
 
-/* set_pid(pid): in a child after fork: the entries the parent owned are not the child's */
+/* forked(): in a child after fork: the parent's lock, token, owned entries and pins are
+ * not the child's (its sleeper thread did not survive the fork) */
 static PyObject *
-Core_set_pid(Core *c, PyObject *arg)
+Core_forked(Core *c, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t pid = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
-        return NULL;
-    c->pid = pid;
+    c->pid = (uint64_t)getpid();
+    c->token = 0;
+    c->sleeper = NULL;
     c->n_owned = 0;
+    c->active = 0;
     c->held = 0;
     Py_RETURN_NONE;
 }
 
-/* pin_pids() -> set of the pids owning pin entries (lock-free; for the liveness check) */
+/* sweep(next_check_ms) -> parked blocks left: clear the entries of processes that are gone
+ * (their tokens dead: procs.c), free parked blocks no entry names, and set when writers
+ * look again   [lock held] */
 static PyObject *
-Core_pin_pids(Core *c, PyObject *Py_UNUSED(ignored))
-{
-    NEED_VIEW(c);
-    PyObject *out = PySet_New(NULL);
-    if (!out)
-        return NULL;
-    uint64_t hwm = pin_hwm(c);
-    for (uint64_t i = 0; i < hwm; i++) {
-        uint64_t pid = LDR(&pin_entry(c, i)[1]);
-        if (pid) {
-            PyObject *v = PyLong_FromUnsignedLongLong(pid);
-            if (!v || PySet_Add(out, v) < 0) {
-                Py_XDECREF(v);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(v);
-        }
-    }
-    return out;
-}
-
-/* sweep(dead_pids, next_check_ms) -> parked blocks left: clear the entries of dead
- * processes, free parked blocks no entry names, lower the high-water mark, and set when
- * writers look for dead processes next   [lock held] */
-static PyObject *
-Core_sweep(Core *c, PyObject *const *args, Py_ssize_t nargs)
+Core_sweep(Core *c, PyObject *arg)
 {
     NEED_VIEW(c);
     NEED_LOCK(c);
-    if (nargs != 2 || !PyAnySet_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "sweep(dead_pids: set, next_check_ms: int)");
-        return NULL;
-    }
-    PyObject *dead = args[0];
-    uint64_t next = PyLong_AsUnsignedLongLong(args[1]);
+    uint64_t next = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
         return NULL;
     uint64_t prev_busy = *HW(c, H_BUSY);
@@ -290,24 +274,13 @@ Core_sweep(Core *c, PyObject *const *args, Py_ssize_t nargs)
     uint64_t hwm = pin_hwm(c);
     for (uint64_t i = 0; i < hwm; i++) {
         uint64_t *e = pin_entry(c, i);
-        uint64_t pid = LDR(&e[1]);
-        if (!pid)
+        uint64_t token = LDR(&e[1]);
+        if (!token || token_alive(c, token))
             continue;
-        int drop = 0;
-        if (PySet_GET_SIZE(dead)) {
-            PyObject *v = PyLong_FromUnsignedLongLong(pid);
-            if (!v)
-                return NULL; /* BUSY stays raised: repaired next time */
-            drop = PySet_Contains(dead, v);
-            Py_DECREF(v);
-            if (drop < 0)
-                return NULL;
-        }
-        if (drop) { /* block word first: no live reader can own a dead pid's entry */
-            __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
-            uint64_t expected = pid;
-            __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-        }
+        /* block word first: no live reader can own a dead process's entry */
+        __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
+        uint64_t expected = token;
+        __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     }
     /* (the high-water mark is never lowered: a reader may be claiming an entry above any
        mark computed here, and a writer reading a lowered mark could miss its hazard.

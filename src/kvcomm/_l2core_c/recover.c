@@ -1,8 +1,8 @@
 /* ------------------------------------------------------------------ recovery   [lock held]
  *
- * recover(live_pids) -> live entries: after a writer died (or found corruption) mid-mutation.
+ * recover() -> live entries: after a writer died (or found corruption) mid-mutation.
  * Slots: odd seqs made even; references to malformed, misplaced, overlapping or duplicate
- * blocks dropped. Pins: kept for live pids on live or parked blocks, counts recomputed.
+ * blocks dropped. Pins: kept for live processes (procs.c); what they name stays parked.
  * Parked blocks: kept if still pinned. Heap: the block meta and every free list rebuilt from
  * what slots and parked entries reference. Counters recounted. Watchers told to resync.
  */
@@ -43,14 +43,10 @@ mark_block(Core *c, Units *u, uint64_t off, uint64_t order)
 }
 
 static PyObject *
-Core_recover(Core *c, PyObject *live_pids)
+Core_recover(Core *c, PyObject *Py_UNUSED(ignored))
 {
     NEED_VIEW(c);
     NEED_LOCK(c);
-    if (!PyAnySet_Check(live_pids)) {
-        PyErr_SetString(PyExc_TypeError, "recover(live_pids: set)");
-        return NULL;
-    }
     ST(HW(c, H_BUSY), 1);
     Units u;
     u.units = (c->data_end - c->data_off) >> MIN_ORDER;
@@ -91,27 +87,22 @@ Core_recover(Core *c, PyObject *live_pids)
         dirty += (slot[SLOT_FLAGS] & FLAG_DIRTY) != 0;
         used += 1ULL << order;
     }
-    /* pin entries: a dead (or vanished) process's entries are cleared — its block word
-       first, then its pid, so that no reader can claim the entry in between; a live
-       process's entries stay, and a block one names that no slot references stays parked.
-       Readers claim and fill entries concurrently (lock-free): an entry is only written
-       here while its pid is a dead one, which no live reader can own. */
+    /* pin entries: a dead process's entries are cleared — its block word first, then its
+       token, so that no reader can claim the entry in between; a live process's entries
+       stay, and a block one names that no slot references stays parked. Readers claim and
+       fill entries concurrently (lock-free): an entry is only written here while its
+       token is a dead one, which no live reader can own. */
     uint64_t *d = W(c, c->defer_off);
     for (uint64_t i = 0; i < c->n_pins; i++)
         d[i] = 0;
     for (uint64_t i = 0; i < c->n_pins; i++) {
         uint64_t *e = pin_entry(c, i);
-        uint64_t pid = __atomic_load_n(&e[1], __ATOMIC_SEQ_CST);
-        if (!pid)
+        uint64_t token = __atomic_load_n(&e[1], __ATOMIC_SEQ_CST);
+        if (!token)
             continue;
-        PyObject *v = PyLong_FromUnsignedLongLong(pid);
-        if (!v)
-            goto nomem;
-        int live = PySet_Contains(live_pids, v) == 1;
-        Py_DECREF(v);
-        if (!live) {
+        if (!token_alive(c, token)) {
             __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
-            uint64_t expected = pid;
+            uint64_t expected = token;
             __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
             continue;
         }
@@ -172,10 +163,6 @@ Core_recover(Core *c, PyObject *live_pids)
     feed_append(c, KIND_RESYNC, "", 0, *HW(c, H_WSEQ), *HW(c, H_HLC));
     ST(HW(c, H_BUSY), 0);
     return PyLong_FromUnsignedLongLong(entries);
-nomem:
-    free(u.start);
-    free(u.cover);
-    return NULL; /* BUSY stays raised: the next holder tries again */
 }
 
 /* init_heap(): the whole data area free, one top-order block per tile (creator only) */

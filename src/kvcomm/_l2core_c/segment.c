@@ -7,17 +7,23 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTuple(args, "O", &obj))
         return -1;
     if (self->has_view) {
+        guard_remove(self->guard);
         PyBuffer_Release(&self->view);
         self->has_view = 0;
     }
+    self->guard = -1;
     if (PyObject_GetBuffer(obj, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     self->has_view = 1;
     self->base = self->view.buf;
     self->size = (uint64_t)self->view.len;
+    self->guard = guard_add((uintptr_t)self->base, (size_t)self->size);
     self->held = 0;
     self->pid = (uint64_t)getpid();
     self->n_owned = 0;
+    self->token = 0;
+    self->sleeper = NULL;
+    self->active = 0;
     if (((uintptr_t)self->base & 63) || self->size < HEADER_SIZE) {
         PyErr_SetString(SegmentError, "L2 mapping is too small or misaligned");
         return -1;
@@ -37,6 +43,8 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
     self->n_pins = h[H_NPINS];
     self->defer_off = h[H_DEFER_OFF];
     self->max_key = h[H_MAX_KEY];
+    self->procs_off = h[H_PROCS_OFF];
+    self->n_procs = h[H_NPROCS];
     self->mutex = (pthread_mutex_t *)(self->base + MUTEX_AT);
     uint64_t sz = self->size;
     /* each quantity is bounded before it is multiplied, so no product wraps */
@@ -57,7 +65,10 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
              self->pins_off == self->feed_off + self->feed_n * self->feed_esz &&
              self->pins_off <= sz && self->n_pins * PIN_WORDS * 8 <= sz - self->pins_off &&
              self->defer_off == self->pins_off + self->n_pins * PIN_WORDS * 8 &&
-             self->n_pins * 8 <= sz - self->defer_off;
+             self->n_pins * 8 <= sz - self->defer_off &&
+             self->n_procs >= 1 && self->n_procs < (1ULL << TOKEN_SLOT_BITS) - 1 &&
+             self->procs_off % 64 == 0 && self->procs_off >= self->defer_off + self->n_pins * 8 &&
+             self->procs_off <= sz && self->n_procs * PROC_BYTES <= sz - self->procs_off;
     if (!ok) {
         PyErr_SetString(SegmentError, "L2 layout does not fit its mapping (corrupt header); purge it");
         return -1;
@@ -74,19 +85,29 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
 static void
 Core_dealloc(Core *self)
 {
-    if (self->has_view && !self->held)
+    if (self->has_view && !self->held && !self->active) {
+        if (self->token)
+            release_token(self);
+        guard_remove(self->guard);
         PyBuffer_Release(&self->view);
+    }
+    /* (else the mapping stays: a held lock, or pins of this process still in use, which
+       the process table's sleeper vouches for until the process ends) */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *
 Core_release(Core *self, PyObject *Py_UNUSED(ignored))
 {
-    if (self->held) {
+    if (self->held || self->active) {
         /* see Core_dealloc: leave the mapping in place */
         Py_RETURN_FALSE;
     }
+    if (self->token)
+        release_token(self);
     if (self->has_view) {
+        guard_remove(self->guard);
+        self->guard = -1;
         PyBuffer_Release(&self->view);
         self->has_view = 0;
         self->base = NULL;
@@ -94,10 +115,15 @@ Core_release(Core *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-#define NEED_VIEW(c)                                                          \
-    if (!(c)->has_view) {                                                     \
-        PyErr_SetString(SegmentError, "this L2 mapping is closed; reopen");   \
-        return NULL;                                                          \
+#define NEED_VIEW(c)                                                                  \
+    if (!(c)->has_view) {                                                             \
+        PyErr_SetString(SegmentError, "this L2 mapping is closed; reopen");           \
+        return NULL;                                                                  \
+    }                                                                                 \
+    if (guard_lost((c)->guard)) {                                                     \
+        PyErr_SetString(SegmentError, "the L2 segment file was truncated under this "  \
+                        "process (its data here is lost); open the namespace again"); \
+        return NULL;                                                                  \
     }
 
 #define NEED_LOCK(c)                                                                  \

@@ -51,7 +51,7 @@ import time
 
 from ..core.bloom import BloomFilter, optimal_params
 from ..errors import SegmentError
-from .l2 import SHM_DIR, segment_path
+from .l2 import SHM_DIR, pid_alive, segment_path
 
 MAGIC = int.from_bytes(b"KVCKEYS2", "little")
 LAYOUT = 2
@@ -98,21 +98,11 @@ def _check_file(fd: int, path: str, permissions: int | None) -> os.stat_result:
     return st
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_temps(path: str, any_pid: bool = False) -> None:
     """Remove temporary files of ``path`` left by daemons that died while building one."""
     for tmp in glob.glob(glob.escape(path) + ".*.tmp"):
         pid = tmp[len(path) + 1:].split(".", 1)[0]
-        if not pid.isdigit() or (not any_pid and _pid_alive(int(pid))):
+        if not pid.isdigit() or (not any_pid and pid_alive(int(pid))):
             continue
         try:
             if os.lstat(tmp).st_uid == os.geteuid():

@@ -99,12 +99,14 @@ from .shm.layout import (
     MAX_KEY,
     MIN_ORDER,
     PIN_WORDS,
+    PROC_BYTES,
     REC,
     REC_HEADER,
     SLOT,
     SLOT_WORDS,
     STATE_OK,
     TAG_TOMBSTONE,
+    TOKEN_SLOT_BITS,
     TOMB,
     H,
 )
@@ -218,10 +220,12 @@ class Layout:
     hot_off: int = 0
     sketch_width: int = 0
     topk: int = 0
+    procs_off: int = 0
+    n_procs: int = 0
 
     _WORDS = ("TOTAL", "NSLOTS", "SLOTS_OFF", "META_OFF", "DATA_OFF", "DATA_SIZE", "TOP_ORDER",
               "FEED_OFF", "FEED_N", "FEED_ESZ", "PINS_OFF", "NPINS", "DEFER_OFF", "MAX_KEY",
-              "HOT_OFF", "SKETCH_WIDTH", "TOPK")
+              "HOT_OFF", "SKETCH_WIDTH", "TOPK", "PROCS_OFF", "NPROCS")
 
     @staticmethod
     def plan(l2_size: int, max_key: int, feed_n: int, n_pins: int, max_value: int) -> Layout:
@@ -234,7 +238,9 @@ class Layout:
         feed_esz = (FEED_KEY_AT + max_key + 63) // 64 * 64
         feed_n = max(16, min(feed_n, l2_size // 8 // feed_esz))  # the feed takes <= 1/8
         n_pins = max(n_pins, 1)
-        fixed = HEADER_SIZE + n_slots * SLOT_WORDS * 8 + feed_n * feed_esz + n_pins * 24
+        n_procs = min(n_pins, (1 << TOKEN_SLOT_BITS) - 2)
+        fixed = (HEADER_SIZE + n_slots * SLOT_WORDS * 8 + feed_n * feed_esz + n_pins * 24
+                 + n_procs * PROC_BYTES)
         remaining = l2_size - fixed
         # data + meta (1 byte per 64-byte unit) must fit in what is left
         data_budget = remaining * 64 // 65
@@ -254,7 +260,8 @@ class Layout:
         feed_off = data_off + data_size
         pins_off = feed_off + feed_n * feed_esz
         defer_off = pins_off + n_pins * PIN_WORDS * 8
-        hot_off = (defer_off + n_pins * 8 + 63) // 64 * 64
+        procs_off = (defer_off + n_pins * 8 + 63) // 64 * 64
+        hot_off = procs_off + n_procs * PROC_BYTES
         topk = HOT_TOPK
         hot_budget = max(l2_size // 1000, 32 << 10)  # the sketch's share: 0.1% (32 KiB floor)
         width = max(64, (hot_budget - TopK.size_for(topk, max_key) - 16) // (4 * SKETCH_DEPTH))
@@ -262,7 +269,7 @@ class Layout:
         total = (hot_off + hot_size + 4095) // 4096 * 4096
         return Layout(total, n_slots, slots_off, meta_off, data_off, data_size, top_order,
                       feed_off, feed_n, feed_esz, pins_off, n_pins, defer_off, max_key,
-                      hot_off, width, topk)
+                      hot_off, width, topk, procs_off, n_procs)
 
     def header_words(self) -> dict[int, int]:
         return {H[w]: getattr(self, f) for w, f in zip(self._WORDS, _FIELDS, strict=True)}
@@ -286,7 +293,9 @@ class Layout:
             and 1 <= lay.n_pins <= 1 << 16
             and lay.pins_off == lay.feed_off + lay.feed_n * lay.feed_esz
             and lay.defer_off == lay.pins_off + lay.n_pins * PIN_WORDS * 8
-            and lay.hot_off >= lay.defer_off + lay.n_pins * 8
+            and lay.procs_off % 64 == 0 and lay.procs_off >= lay.defer_off + lay.n_pins * 8
+            and 1 <= lay.n_procs <= min(lay.n_pins, (1 << TOKEN_SLOT_BITS) - 2)
+            and lay.hot_off == lay.procs_off + lay.n_procs * PROC_BYTES
             and 64 <= lay.sketch_width < (1 << 28) and 1 <= lay.topk <= 4096
             and lay.hot_off + CountMinSketch.size_for(lay.sketch_width, SKETCH_DEPTH)
             + TopK.size_for(lay.topk, lay.max_key) <= lay.total
@@ -298,7 +307,7 @@ class Layout:
 
 _FIELDS = ("total", "n_slots", "slots_off", "meta_off", "data_off", "data_size", "top_order",
            "feed_off", "feed_n", "feed_esz", "pins_off", "n_pins", "defer_off", "max_key",
-           "hot_off", "sketch_width", "topk")
+           "hot_off", "sketch_width", "topk", "procs_off", "n_procs")
 
 
 class Record(NamedTuple):
@@ -740,10 +749,10 @@ class L2Segment:
         return [core.pin_block(off) if (off := core.pinned_block(i)) else -1 for i in indexes]
 
     def _sweep_dead(self) -> None:
-        """Under the lock: clear the pin entries of dead processes and free the parked
-        blocks they held; next time in a second."""
-        dead = {p for p in self._core.pin_pids() if not pid_alive(p)}
-        self._core.sweep(dead, time.time_ns() // 1_000_000 + 1000)
+        """Under the lock: clear the pin entries of processes that are gone (whatever
+        their pid or PID namespace: see the process table in tiers/shm/layout.py) and free
+        the parked blocks they held; next time in a second."""
+        self._core.sweep(time.time_ns() // 1_000_000 + 1000)
 
     # ---------------------------------------------------------------- change feed
 
@@ -787,8 +796,7 @@ class L2Segment:
     def _recover(self) -> None:
         """Under the lock, with BUSY raised: make every structure whole (see the C kernel's
         ``recover``). Pins of live processes are kept."""
-        live = {p for p in self._core.pin_pids() if pid_alive(p)}
-        self._core.recover(live)
+        self._core.recover()
 
     # ---------------------------------------------------------------- node daemon support
 
@@ -1014,7 +1022,7 @@ class L2Segment:
     def _after_fork(self) -> None:
         self._pid = os.getpid()
         if self._core is not None:
-            self._core.set_pid(self._pid)
+            self._core.forked()
 
 
 def _unlink_quietly(path: str) -> None:

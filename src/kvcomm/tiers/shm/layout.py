@@ -8,7 +8,7 @@ standard library: the build runs it before ``kvcomm`` is importable.
 Segment, in file order::
 
     header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
-                   | hot keys (count-min sketch + top-k)
+                   | processes | hot keys (count-min sketch + top-k)
 
 * **Header**: 64-bit words indexed by ``H_*`` (layout words written once by the creator,
   then mutable state), the free-list heads (one word per block order, from ``H_FREE``),
@@ -19,6 +19,13 @@ Segment, in file order::
   encoded version vector of other hosts (``vvx``), the codec's meta, the extension
   field, padding, and the value (64-byte aligned for arrays).
 * **Feed event**: ``FEED_*`` words, then the key bytes at ``FEED_KEY_AT``.
+* **Pin entry**: ``PIN_WORDS`` words: the block a zero-copy view holds (or 0) and the
+  owner token of the process holding it (or 0).
+* **Process entry**: ``PROC_BYTES`` bytes: a robust mutex (at ``PROC_MUTEX_AT``) that a
+  sleeping thread of a live process holds, then ``PROC_*`` words. A process's owner token
+  is its entry's index + 1 and the entry's generation (``token_of``): it is alive while
+  the mutex is held and the generation unchanged — whatever its pid, zombie or PID
+  namespace.
 
 Rule for the layout version: any change to these tables, to a field's meaning or width,
 or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
@@ -41,7 +48,7 @@ MAX_KEY = 4096  # the largest cache.max_key_bytes a segment can be made with
 HEADER_WORDS = (
     "MAGIC", "LAYOUT", "TOTAL", "NSLOTS", "SLOTS_OFF", "META_OFF", "DATA_OFF", "DATA_SIZE",
     "TOP_ORDER", "FEED_OFF", "FEED_N", "FEED_ESZ", "PINS_OFF", "NPINS", "DEFER_OFF",
-    "MAX_KEY", "HOT_OFF", "SKETCH_WIDTH", "TOPK",
+    "MAX_KEY", "HOT_OFF", "SKETCH_WIDTH", "TOPK", "PROCS_OFF", "NPROCS",
     # ---- mutable state, changed under the writer lock unless noted
     "BUSY",          # nonzero while a writer mutates: a writer that finds it set recovers
     "STATE",         # STATE_OK or STATE_PURGED
@@ -111,7 +118,19 @@ KIND_RESYNC = 3  # a writer died mid-operation and the segment was repaired: re-
 KIND_EVICT = 4  # L2 dropped a clean entry to make room (a local event; never sent to L3)
 KIND_NAMES = {KIND_PUT: "put", KIND_DELETE: "delete", KIND_RESYNC: "resync", KIND_EVICT: "evict"}
 
-PIN_WORDS = 2  # (block offset or 0, owner pid or 0): a hazard entry, see tiers/l2.py
+PIN_WORDS = 2  # (block offset or 0, owner token or 0): a hazard entry, see tiers/l2.py
+
+PROC_BYTES = 64
+PROC_MUTEX_AT = 0  # a pthread_mutex_t, at most PROC_WORDS_AT bytes
+PROC_WORDS_AT = 48
+PROC_WORDS_NAMES = ("GEN", "PID")  # from PROC_WORDS_AT: the entry's generation, a pid (info)
+PROC = {name: PROC_WORDS_AT // 8 + i for i, name in enumerate(PROC_WORDS_NAMES)}
+TOKEN_SLOT_BITS = 16
+
+
+def token_of(index: int, generation: int) -> int:
+    """The owner token of process entry ``index`` at ``generation``."""
+    return ((generation & ((1 << (64 - TOKEN_SLOT_BITS)) - 1)) << TOKEN_SLOT_BITS) | (index + 1)
 
 
 def c_header() -> str:
@@ -131,9 +150,12 @@ def c_header() -> str:
                         ("SLOT_WORDS", SLOT_WORDS), ("EMPTY", EMPTY), ("TOMB", TOMB),
                         ("FLAG_DIRTY", FLAG_DIRTY), ("REC_HEADER", REC_HEADER),
                         ("TAG_TOMBSTONE", TAG_TOMBSTONE), ("FEED_KEY_AT", FEED_KEY_AT),
-                        ("PIN_WORDS", PIN_WORDS)):
+                        ("PIN_WORDS", PIN_WORDS), ("PROC_BYTES", PROC_BYTES),
+                        ("PROC_MUTEX_AT", PROC_MUTEX_AT), ("PROC_WORDS_AT", PROC_WORDS_AT),
+                        ("TOKEN_SLOT_BITS", TOKEN_SLOT_BITS)):
         define(name, value)
-    for prefix, table in (("H_", H), ("SLOT_", SLOT), ("REC_", REC), ("FEED_", FEED)):
+    for prefix, table in (("H_", H), ("SLOT_", SLOT), ("REC_", REC), ("FEED_", FEED),
+                          ("PROC_", PROC)):
         for name, index in table.items():
             define(prefix + name, index)
     for kind, name in KIND_NAMES.items():
