@@ -68,8 +68,8 @@ def test_base_segment_has_everything_worth_corrupting(fuzz: tuple[fz.Base, Any, 
     assert info["feed_events"] > 2 * info["feed_capacity"], "the change feed never wrapped"
     assert info["pinned_deferred_blocks"] >= 2, "want a live and a dead view's deferred blocks"
     assert len(a.pins) >= 3 and len(a.deferred) >= 2
-    pids = {a.q[(a.lay.pins_off >> 3) + fz.PIN_WORDS * i + 1] for i in a.pins}
-    assert os.getpid() in pids and len(pids) >= 2, "want pins of a live and of a dead process"
+    owners = {a.q[(a.lay.pins_off >> 3) + fz.PIN_WORDS * i + 1] for i in a.pins}
+    assert len(owners) >= 2, "want pins of a live and of a dead process (owner tokens)"
     assert {"arr/kept", "arr/live", "arr/dead"} <= set(base.arrays)
     assert base.hot and base.hot[0][0] == "hot/0"
     assert len(base.keys) > 50 and len(a.free) > 0 and len(a.slots["tomb"]) > 0

@@ -196,3 +196,47 @@ def test_a_forked_child_keeps_a_valid_view_after_the_parent_drops_it(ns: str, co
         go.set()
         assert out.get(timeout=20) is True
         p.join(10)
+
+
+def test_a_stale_release_never_withdraws_a_later_pin(kv: kvcomm.Client) -> None:
+    """A finalizer that runs twice (or a release after an exception and again from the
+    view) aims at an entry the same process may have reused for a later view of the same
+    block: each pin carries a generation, and only its own release withdraws it."""
+    import kvcomm._client as client_mod
+
+    kv.put("a", BIG)
+    v1 = kv.get("a")
+    (_, _, pin1), = [e for e in client_mod._VIEWS.values() if e[0]() is v1]
+    del v1
+    gc.collect()
+    v2 = kv.get("a")
+    (_, _, pin2), = [e for e in client_mod._VIEWS.values() if e[0]() is v2]
+    assert pin2[0] == pin1[0] and pin2[1] != pin1[1]  # the same entry, a new generation
+    kv._seg.unpin(*pin1)  # the stale release
+    kv.put("a", BIG * 3)
+    for i in range(50):
+        kv.put(f"churn{i}", np.full(1 << 14, i, dtype=np.float64))
+    assert np.array_equal(v2, BIG)
+    assert kv._seg.check() == []
+
+
+def test_an_exception_between_pin_and_view_leaks_no_pin(kv: kvcomm.Client) -> None:
+    """KeyboardInterrupt (or any error) after the kernel pinned the block and before a view
+    owns the pin: the pin is released, the block is freed once replaced."""
+    import kvcomm.core.codec as codec_mod
+
+    kv.put("a", BIG)
+    real = codec_mod.array_view
+
+    def interrupted(meta: bytes, buf: object) -> object:
+        raise KeyboardInterrupt
+
+    codec_mod.array_view = interrupted  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kv.get("a")
+    finally:
+        codec_mod.array_view = real  # type: ignore[assignment]
+    kv.put("a", BIG * 2)  # the old block: not named by any pin, so freed at once
+    assert kv._seg.info()["pinned_deferred_blocks"] == 0
+    assert kv._seg.check() == []

@@ -143,18 +143,23 @@ class _Shared:
 
 
 _CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
-# live zero-copy views: id(weakref) -> (weakref, segment, pin index)
-_VIEWS: dict[int, tuple[Any, L2Segment, int]] = {}
+# live zero-copy views: id(weakref) -> (weakref, segment, (pin index, hazard word))
+_VIEWS: dict[int, tuple[Any, L2Segment, tuple[int, int]]] = {}
 
 
-def _register_view(arr: Any, seg: L2Segment, index: int) -> None:
+def _register_view(arr: Any, seg: L2Segment, pin: tuple[int, int]) -> None:
+    """Tie ``pin`` to the life of ``arr``: released when the last reference goes. Once
+    registered, the pin is the view's (``seg.pin_kept``): no longer the caller's to drop."""
     def unpin(ref: Any) -> None:
         _VIEWS.pop(id(ref), None)
-        seg.unpin(index)  # (a forked child's copy of this callback releases nothing)
+        # (exactly this pin: never a later pin of the same entry, never the parent's in a
+        # forked child)
+        seg.unpin(*pin)
 
     # a weakref callback costs a tenth of weakref.finalize; the registry keeps the weakref
     ref = weakref.ref(arr, unpin)
-    _VIEWS[id(ref)] = (ref, seg, index)
+    _VIEWS[id(ref)] = (ref, seg, pin)
+    seg.pin_kept()
 
 
 def _mark_forked() -> None:
@@ -172,17 +177,17 @@ def _mark_forked() -> None:
     process_budget().forget()
     inherited = list(_VIEWS.values())
     _VIEWS.clear()
-    for ref, seg, index in inherited:
+    for ref, seg, pin in inherited:
         arr = ref()
         if arr is None or seg._core is None:
             continue
         try:
-            new = seg.repin([index])[0]
+            new = seg.repin([pin[0]])[0]
         except KVCommError as exc:
             warnings.warn(f"a zero-copy view inherited through fork() could not be pinned "
                           f"({exc}); copy it if the child keeps it", KVCommWarning, stacklevel=1)
             continue
-        if new >= 0:
+        if new[0] >= 0:
             _register_view(arr, seg, new)
 
 
@@ -541,33 +546,27 @@ class Client:
         a large array, decoded from a copy instead.
         """
         seg = self._seg
-        r = seg.pin(kb, h)
-        if r is None:
-            return None if want_item else default
-        tag, meta, index, buf = r[2], r[3], r[8], r[9]
-        try:
+        try:  # (the pin is dropped on any exception, KeyboardInterrupt included, until a
+            #   view owns it: seg.pin_kept in _register_view)
+            r = seg.pin(kb, h)
+            if r is None:
+                return None if want_item else default
+            tag, meta, pin, buf = r[2], r[3], r[8], r[9]
             if tag != _NDARRAY or len(buf) < self._zc:
-                value = self._decode(key, tag, meta, bytes(buf))
-                if index >= 0:
-                    buf.release()
-                    seg.unpin(index)
-                    index = -2
-                arr = value
+                arr = self._decode(key, tag, meta, bytes(buf))  # replaced meanwhile
             else:
                 try:
                     arr = codec.array_view(meta, buf)
                 except ValueError as exc:
                     raise SegmentError(f"stored array of {key!r} is malformed ({exc})") from None
-                if index < 0:  # the pin table was full: ``buf`` is already a private copy
+                if pin[0] < 0:  # the pin table was full: ``buf`` is already a private copy
                     arr = arr.copy()
                     arr.flags.writeable = False
                 else:
-                    _register_view(arr, seg, index)
-                    index = -2
+                    _register_view(arr, seg, pin)
                     self.counters["views"] += 1
         finally:
-            if index >= 0:
-                seg.unpin(index)
+            seg.drop_pending()
         if not want_item:
             return arr
         return Item(key, arr, self._version(r[4], r[5], r[6]), "l2")

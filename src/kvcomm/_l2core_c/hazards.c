@@ -7,6 +7,12 @@
  * consistent: either the writer sees the reader's hazard, or the reader sees the slot
  * changed and withdraws it (see pin()). */
 
+/* An entry's block word: the block (low 48 bits) and a generation (high 16) that each pin
+ * of the entry changes, so that a release aimed at an earlier pin of the same entry (a
+ * finalizer running twice, say) can never withdraw a later one. */
+#define HAZ_OFF(w) ((w) & ((1ULL << 48) - 1))
+#define HAZ_GEN(w) ((w) >> 48)
+
 static inline uint64_t *
 pin_entry(Core *c, uint64_t i)
 {
@@ -25,7 +31,7 @@ hazard_held(Core *c, uint64_t off)
 {
     uint64_t hwm = pin_hwm(c);
     for (uint64_t i = 0; i < hwm; i++)
-        if (__atomic_load_n(&pin_entry(c, i)[0], __ATOMIC_SEQ_CST) == off)
+        if (HAZ_OFF(__atomic_load_n(&pin_entry(c, i)[0], __ATOMIC_SEQ_CST)) == off)
             return 1;
     return 0;
 }

@@ -31,12 +31,26 @@ claim_entry(Core *c)
     return -1;
 }
 
-/* give an entry back: kept owned for the next view, or (cache full) unowned */
+static int release_pin(Core *c, uint64_t index, uint64_t word);
+
+/* publish a hazard on ``off`` in entry ``i`` (this process's): the new block word */
+static uint64_t
+set_hazard(Core *c, uint64_t i, uint64_t off)
+{
+    uint64_t *e = pin_entry(c, i);
+    uint64_t gen = (HAZ_GEN(__atomic_load_n(&e[0], __ATOMIC_SEQ_CST)) + 1) & 0xFFFF;
+    uint64_t word = off | (gen << 48);
+    __atomic_store_n(&e[0], word, __ATOMIC_SEQ_CST);
+    return word;
+}
+
+/* give an entry back: kept owned for the next view (its generation kept), or unowned */
 static void
 return_entry(Core *c, uint64_t i)
 {
     uint64_t *e = pin_entry(c, i);
-    __atomic_store_n(&e[0], 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&e[0], HAZ_GEN(__atomic_load_n(&e[0], __ATOMIC_SEQ_CST)) << 48,
+                     __ATOMIC_SEQ_CST);
     if (c->n_owned < OWNED_MAX) {
         c->owned[c->n_owned++] = (uint32_t)i;
         return;
@@ -156,9 +170,9 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
         }
         /* publish the hazard, then check the slot still holds the block: if it does, no
            writer can have freed the block (it scans hazards after it publishes) */
-        __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], off, __ATOMIC_SEQ_CST);
+        uint64_t word = set_hazard(c, (uint64_t)idx, off);
         if (__atomic_load_n(&slot[SLOT_SEQ], __ATOMIC_SEQ_CST) != s) {
-            __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], 0, __ATOMIC_SEQ_CST);
+            __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], HAZ_GEN(word) << 48, __ATOMIC_SEQ_CST);
             continue; /* replaced meanwhile: pin the new one */
         }
         Rec r;
@@ -175,15 +189,22 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
             ST(&slot[SLOT_REF], 1);
         c->active++;
         PyObject *out = Py_BuildValue(
-            "(KKKy#KKy#KLKK)", (unsigned long long)(so / 8), (unsigned long long)s,
+            "(KKKy#KKy#KLKKK)", (unsigned long long)(so / 8), (unsigned long long)s,
             (unsigned long long)r.tag, rec_meta(c, off, &r), (Py_ssize_t)r.mlen,
             (unsigned long long)r.counter, (unsigned long long)r.hlc, rec_vvx(c, off, &r),
             (Py_ssize_t)r.vvlen, (unsigned long long)r.size, idx, (unsigned long long)(off + r.vrel),
-            (unsigned long long)r.vlen);
+            (unsigned long long)r.vlen, (unsigned long long)word);
         if (!out) {
             c->active--;
             return_entry(c, (uint64_t)idx);
+            return NULL;
         }
+        /* until Python says the view owns it (pin_kept), a release is pending: an
+           exception before that gives it back (drop_pending) instead of leaking it */
+        if (c->pending_idx >= 0)
+            release_pin(c, (uint64_t)c->pending_idx, c->pending_word);
+        c->pending_idx = idx;
+        c->pending_word = word;
         return out;
     }
     if (idx >= 0)
@@ -191,25 +212,58 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(-1);
 }
 
-/* unpin(index) -> bool: lock-free; withdraws this process's hazard in entry ``index``
- * (a forked child never withdraws its parent's). The next writer frees a parked block. */
-static PyObject *
-Core_unpin(Core *c, PyObject *arg)
+/* withdraw the hazard ``word`` in entry ``index`` if it is still this process's */
+static int
+release_pin(Core *c, uint64_t index, uint64_t word)
 {
-    if (!c->has_view)
-        Py_RETURN_FALSE;
-    uint64_t index = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
-        return NULL;
-    if (!c->token || index >= c->n_pins ||
+    if (!c->token || index >= c->n_pins || !HAZ_OFF(word) ||
         __atomic_load_n(&pin_entry(c, index)[1], __ATOMIC_SEQ_CST) != c->token ||
-        __atomic_load_n(&pin_entry(c, index)[0], __ATOMIC_SEQ_CST) == 0)
-        Py_RETURN_FALSE;
+        __atomic_load_n(&pin_entry(c, index)[0], __ATOMIC_SEQ_CST) != word)
+        return 0;
     return_entry(c, index);
     if (c->active)
         c->active--;
+    if ((long long)index == c->pending_idx)
+        c->pending_idx = -1;
     __atomic_add_fetch(HW(c, H_RELEASED), 1, __ATOMIC_SEQ_CST);
-    Py_RETURN_TRUE;
+    return 1;
+}
+
+/* unpin(index, word) -> bool: lock-free; withdraws this process's hazard ``word`` (as
+ * pin() returned it) in entry ``index``: never another pin of the entry, never another
+ * process's (a forked child's copy of a finalizer). The next writer frees a parked block. */
+static PyObject *
+Core_unpin(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!c->has_view)
+        Py_RETURN_FALSE;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "unpin(index, word)");
+        return NULL;
+    }
+    uint64_t index = PyLong_AsUnsignedLongLong(args[0]);
+    uint64_t word = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(release_pin(c, index, word));
+}
+
+/* pin_kept(): the last pin now belongs to a view (its finalizer will release it) */
+static PyObject *
+Core_pin_kept(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    c->pending_idx = -1;
+    Py_RETURN_NONE;
+}
+
+/* drop_pending(): release the last pin if no view took it (an exception came between) */
+static PyObject *
+Core_drop_pending(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    if (c->has_view && c->pending_idx >= 0)
+        release_pin(c, (uint64_t)c->pending_idx, c->pending_word);
+    c->pending_idx = -1;
+    Py_RETURN_NONE;
 }
 
 /* pin_block(off) -> index | -1: a hazard of this process on block ``off`` (after fork,
@@ -224,11 +278,11 @@ Core_pin_block(Core *c, PyObject *arg)
     if (!block_ok(c, off))
         return PyLong_FromLong(-1);
     long long idx = claim_entry(c);
-    if (idx >= 0) {
-        __atomic_store_n(&pin_entry(c, (uint64_t)idx)[0], off, __ATOMIC_SEQ_CST);
-        c->active++;
-    }
-    return PyLong_FromLongLong(idx);
+    if (idx < 0)
+        return Py_BuildValue("(LK)", -1LL, 0ULL);
+    uint64_t word = set_hazard(c, (uint64_t)idx, off);
+    c->active++;
+    return Py_BuildValue("(LK)", idx, (unsigned long long)word);
 }
 
 /* pin_block_of(index) -> the block entry ``index`` names, 0 if none */
@@ -241,7 +295,7 @@ Core_pinned_block(Core *c, PyObject *arg)
         return NULL;
     if (index >= c->n_pins)
         return PyLong_FromLong(0);
-    return PyLong_FromUnsignedLongLong(__atomic_load_n(&pin_entry(c, index)[0], __ATOMIC_SEQ_CST));
+    return PyLong_FromUnsignedLongLong(HAZ_OFF(__atomic_load_n(&pin_entry(c, index)[0], __ATOMIC_SEQ_CST)));
 }
 
 /* forked(): in a child after fork: the parent's lock, token, owned entries and pins are
@@ -255,6 +309,7 @@ Core_forked(Core *c, PyObject *Py_UNUSED(ignored))
     c->n_owned = 0;
     c->active = 0;
     c->held = 0;
+    c->pending_idx = -1;
     Py_RETURN_NONE;
 }
 

@@ -106,7 +106,7 @@ Core_recover(Core *c, PyObject *Py_UNUSED(ignored))
             __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
             continue;
         }
-        uint64_t off = __atomic_load_n(&e[0], __ATOMIC_SEQ_CST);
+        uint64_t off = HAZ_OFF(__atomic_load_n(&e[0], __ATOMIC_SEQ_CST));
         if (!off || (block_ok(c, off) && bit_get(u.start, (off - c->data_off) >> MIN_ORDER)))
             continue; /* nothing named, or a live record (or an already parked block) */
         uint64_t order = plausible(c, &u, off);
