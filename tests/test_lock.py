@@ -284,3 +284,10 @@ def test_lock_word_held_by_a_missing_thread_times_out(ns: str) -> None:
     finally:
         kv.close()
     assert kvcomm.tiers.l2.purge(ns)
+
+
+def test_a_validator_may_ask_for_hot_keys(kv: kvcomm.Client) -> None:
+    seen: list[object] = []
+    kv.register_validator("h/", lambda key, old, new: seen.append(kv.hot_keys(3)))
+    kv.put("h/1", 1)
+    assert len(seen) == 1 and isinstance(seen[0], list)

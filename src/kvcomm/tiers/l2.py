@@ -875,11 +875,14 @@ class L2Segment:
 
     def hot_keys(self, n: int) -> list[tuple[str, int]]:
         core = self._core
-        try:
-            self._lock()
+        if core.held():  # (from a validator: this thread holds the lock already)
             top = self.topk.top(n)
-        finally:
-            core.unlock()
+        else:
+            try:
+                self._lock()
+                top = self.topk.top(n)
+            finally:
+                core.unlock()
         return [(k.decode("utf-8", "replace"), c) for k, c in top]
 
     # ---------------------------------------------------------------- invariants
