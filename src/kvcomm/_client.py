@@ -45,10 +45,10 @@ from .errors import (
     ValueTooLarge,
 )
 from .tiers import l2 as l2mod
-from .tiers.l1 import L1Cache, L1Entry, process_budget
+from .tiers.l1 import L1Cache, process_budget
 from .tiers.l2 import KIND_NAMES, TAG_TOMBSTONE, L2Segment, Layout, Record, key_hash
 
-_new_version = _new_entry = tuple.__new__  # skips NamedTuple's Python-level __new__
+_new_version = tuple.__new__  # skips NamedTuple's Python-level __new__
 _BYTES, _NDARRAY = codec.BYTES, codec.NDARRAY
 _CONSISTENCY = (None, "eventual", "strong")
 _MAX_UPDATE_RETRIES = 100_000
@@ -126,7 +126,7 @@ class _Shared:
                                      c.max_value_size)
                 seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions,
                                          directory=c.l2_dir, lock_timeout=c.lock_timeout)
-                entry = cls.attached[name] = _Attached(seg, L1Cache())
+                entry = cls.attached[name] = _Attached(seg, process_budget().cache())
             entry.refs += 1
             return entry
 
@@ -138,7 +138,7 @@ class _Shared:
                 return
             if cls.attached.get(entry.seg.name) is entry:
                 del cls.attached[entry.seg.name]
-        entry.l1.clear()
+        process_budget().drop(entry.l1)
         entry.seg.close()
 
 
@@ -233,9 +233,6 @@ class Client:
         self._validators: PrefixTable[Callable[[str, Item | None, Any], None]] = PrefixTable()
         self._resolvers: PrefixTable[Callable[[str, list[Item]], Any]] = PrefixTable()
         self._sample_every = c.hot_key_sample
-        self._hot: dict[bytes, int] = {}  # sampled reads not yet added to the host sketch
-        self._hot_lock = threading.Lock()
-        self._hot_flushed = time.monotonic()
         cluster = self.config.cluster
         self._cluster = cluster.enabled  # writes are dirty (await L3); deletes are tombstones
         self._max_dirty = cluster.outbound_max if self._cluster else 0
@@ -251,16 +248,17 @@ class Client:
             ("deletes", "conflicts", "views", "merges", "resolver_failures",
              "l3_reads", "negative_hits", "filter_hits"), 0
         )
+        self._keys: dict[str, tuple[bytes, int]] = {}  # validated keys (the getter reads it)
         # kv.get is the C getter itself (an instance attribute: no Python frame on a hit);
         # Client.get below is what it does, and what a closed client falls back to
-        self._getter = Getter(self._l1_entries, self._seg._core, self._get_slow, self._sampled,
-                              self._sample_every or _HUGE)
+        self._getter = Getter(self._l1, self._seg._core, self._keys, codec.decode,
+                              self._get_slow, self._flush_hot, self._sample_every,
+                              self._zc, self._l1_on)
         self.get = self._getter  # type: ignore[method-assign]
         self._l1_hits = 0  # (get_item's; get's are counted by the getter)
         self._l2_hits = 0
         self._l2_misses = 0
         self._puts = 0
-        self._keys: dict[str, tuple[bytes, int]] = {}
         self._host_vec = ((self._host, 0),)
 
     # ------------------------------------------------------------------ helpers
@@ -374,42 +372,19 @@ class Client:
             return e[0]
         return self._get_slow(key, default, False)
 
-    def _sampled(self, key: str) -> None:
-        """Every ``cache.hot_key_sample``-th read: buffer a count; flush to the host now and then.
-
-        Sampling keeps tracking off the L1 hit path, and the L1's LRU order is refreshed
-        on the same sampled hits (an approximate LRU, as Redis samples for its own). Racing
-        threads may both land here (the countdown is not atomic): the lock keeps the
-        buffer whole, and the countdown is reset, never left below zero for good.
-        """
-        n = self._sample_every
-        if not n:
-            self._getter.sample = _HUGE
-            return
-        self._getter.sample = n
-        try:
-            self._l1_entries.move_to_end(key)  # type: ignore[attr-defined]
-        except (KeyError, AttributeError):
-            pass
-        kh = self._keys.get(key)
-        kb = kh[0] if kh is not None else key.encode("utf-8", "surrogatepass")
-        with self._hot_lock:
-            hot = self._hot
-            hot[kb] = hot.get(kb, 0) + n
-            if len(hot) < 256 and time.monotonic() - self._hot_flushed <= 1.0:
-                return
-        self._flush_hot()
-
     def _flush_hot(self) -> None:
+        """Add the reads the getter sampled (1 in ``cache.hot_key_sample``, scaled back
+        up) to the host-wide sketch. Called by the getter when its buffer is full or a
+        second old, and before hot_keys()."""
         if self._unusable:
             return
-        with self._hot_lock:
-            counts, self._hot = self._hot, {}
-            self._hot_flushed = time.monotonic()
-        if counts and not self._seg.count_accesses(counts):
-            with self._hot_lock:  # this thread holds the L2 lock (a validator): later
-                for kb, n in counts.items():
-                    self._hot[kb] = self._hot.get(kb, 0) + n
+        counts = self._getter.take_hot()
+        if not counts:
+            return
+        by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
+        # (from a validator this thread holds the L2 lock: the counts are dropped, which
+        # sampling, an estimate, can afford)
+        self._seg.count_accesses(by_bytes)
 
     def hot_keys(self, n: int = 10) -> list[tuple[str, int]]:
         """The host's ``n`` most read keys with estimated read counts, from every process.
@@ -451,10 +426,7 @@ class Client:
         if self._unusable:
             self._live()
         kb, h = self._key_hash(key)
-        getter = self._getter
-        getter.sample -= 1
-        if getter.sample <= 0:
-            self._sampled(key)
+        self._getter.sampled(key)
         rec = self._read_l2(kb, h, self._zc)
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
         if rec is None or rec[2] == TAG_TOMBSTONE:
@@ -469,8 +441,8 @@ class Client:
             return self._get_view(key, kb, h, default, want_item)
         value = raw if tag == _BYTES else self._decode(key, tag, rec[3], raw)
         if tag != _NDARRAY and self._l1_on:
-            self._l1.store(key, _new_entry(L1Entry, (value, rec[0], rec[1], approx_size(value),
-                                                     rec[5], rec[6], rec[7])))
+            self._l1.store(key, (value, rec[0], rec[1], approx_size(value), rec[5], rec[6],
+                                 rec[7]))
         if not want_item:
             return value
         return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2")
@@ -921,7 +893,7 @@ class Client:
         """Per-tier hits/misses of this process, entries, bytes used and evictions."""
         c = self.counters
         l1_hits = self._l1_hits + self._getter.hits
-        l2_hits, l2_misses = self._l2_hits, self._l2_misses
+        l2_hits, l2_misses = self._l2_hits + self._getter.l2_hits, self._l2_misses
         l2_lookups = l2_hits + l2_misses
         info = self._seg.info() if not self._closed else {}
         return {

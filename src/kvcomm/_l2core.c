@@ -36,6 +36,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -47,6 +48,7 @@
 
 #include "_l2layout.h"
 
+#define TAG_BYTES 1
 #define TAG_NDARRAY 4
 #define NEW_DOT UINT64_MAX
 #define OWNED_MAX 16 /* pin entries a process keeps owned, unused, for its next views */

@@ -75,7 +75,15 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC
 PyInit__l2core(void)
 {
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&GetterType) < 0)
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&GetterType) < 0 ||
+        PyType_Ready(&BudgetType) < 0 || PyType_Ready(&L1Type) < 0)
+        return NULL;
+    PyObject *collections = PyImport_ImportModule("collections");
+    if (!collections)
+        return NULL;
+    OrderedDictType = PyObject_GetAttrString(collections, "OrderedDict");
+    Py_DECREF(collections);
+    if (!OrderedDictType)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)
@@ -87,6 +95,13 @@ PyInit__l2core(void)
     Py_INCREF(Unavailable);
     Py_INCREF(InvalidArgument);
     Py_INCREF(&CoreType);
+    Py_INCREF(&BudgetType);
+    Py_INCREF(&L1Type);
+    if (PyModule_AddObject(m, "Budget", (PyObject *)&BudgetType) < 0 ||
+        PyModule_AddObject(m, "L1", (PyObject *)&L1Type) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&GetterType);
     if (PyModule_AddObject(m, "Getter", (PyObject *)&GetterType) < 0) {
         Py_DECREF(&GetterType);

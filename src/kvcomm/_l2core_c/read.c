@@ -1,50 +1,38 @@
-/* ------------------------------------------------------------------ lock-free read */
+/* ------------------------------------------------------------------ lock-free read
+ *
+ * read_into() is the one seqlock probe: find the key's slot, parse its record (every
+ * field checked), copy what the caller asks for, and check the slot's seq did not move
+ * while copying. read(), version() and kv.get's C path (l1.c) are built on it.
+ */
 
-static PyObject *
-build_read(Core *c, uint64_t so, uint64_t s, uint64_t off, Rec *r, int copy_value)
+typedef struct {
+    uint64_t word, seq, tag, counter, hlc, size, flags;
+    PyObject *value; /* NULL when not asked for, Py_None for a large array (pin it) */
+    PyObject *meta, *vvx;
+} Found;
+
+enum { READ_ABSENT = 0, READ_FOUND = 1, READ_STUCK = 2, READ_ERROR = -1 };
+#define WANT_VALUE 1
+#define WANT_META 2
+
+static void
+found_clear(Found *f)
 {
-    PyObject *value, *meta, *vvx;
-    if (!copy_value) {
-        value = Py_None;
-        Py_INCREF(value);
-    } else {
-        value = PyBytes_FromStringAndSize(c->base + off + r->vrel, (Py_ssize_t)r->vlen);
-    }
-    meta = PyBytes_FromStringAndSize(rec_meta(c, off, r), (Py_ssize_t)r->mlen);
-    vvx = PyBytes_FromStringAndSize(rec_vvx(c, off, r), (Py_ssize_t)r->vvlen);
-    if (!value || !meta || !vvx) {
-        Py_XDECREF(value);
-        Py_XDECREF(meta);
-        Py_XDECREF(vvx);
-        return NULL;
-    }
-    return Py_BuildValue("(KKKNNKKNK)", (unsigned long long)(so / 8), (unsigned long long)s,
-                         (unsigned long long)r->tag, meta, value, (unsigned long long)r->counter,
-                         (unsigned long long)r->hlc, vvx, (unsigned long long)r->size);
+    Py_CLEAR(f->value);
+    Py_CLEAR(f->meta);
+    Py_CLEAR(f->vvx);
 }
 
-/* read(key, h, zero_copy) -> None | tuple | -1
- * tuple: (slot word, seq, tag, meta, value or None, counter, hlc, vvx, size); tag 0 is a
- * tombstone (the key is deleted, L3 not told yet). value is None for an array of zero_copy
- * bytes or more (the caller pins it). -1: a slot stayed odd too long (a writer is stopped or
- * died mid-publish): Python decides. Raises SegmentError on a purged or corrupt segment.  */
-static PyObject *
-Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
+/* READ_FOUND (f filled: new references), READ_ABSENT, READ_STUCK (a slot stayed odd: a
+ * writer is stopped or died mid-publish) or READ_ERROR (an exception is set: purged,
+ * corrupt, out of memory). Arrays of ``zc`` bytes or more get value Py_None. */
+static int
+read_into(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t zc, int want, Found *f)
 {
-    NEED_VIEW(c);
-    if (nargs != 3 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "read(key: bytes, h: int, zero_copy: int)");
-        return NULL;
-    }
-    const char *key = PyBytes_AS_STRING(args[0]);
-    uint64_t klen = (uint64_t)PyBytes_GET_SIZE(args[0]);
-    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
-    unsigned long long zc = PyLong_AsUnsignedLongLong(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
+    memset(f, 0, sizeof(*f));
     if (LDR(HW(c, H_STATE)) != STATE_OK) {
         PyErr_SetString(SegmentError, "this namespace was purged; open it again");
-        return NULL;
+        return READ_ERROR;
     }
     uint64_t i = h & c->mask;
     for (uint64_t probe = 0; probe < MAX_PROBE; probe++, i = (i + 1) & c->mask) {
@@ -55,7 +43,7 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
             uint64_t s = LD(&slot[SLOT_SEQ]);
             if (s & 1) {
                 if (++spins > 20000)
-                    return PyLong_FromLong(-1);
+                    return READ_STUCK;
 #if defined(__x86_64__) || defined(__i386__)
                 __builtin_ia32_pause();
 #endif
@@ -63,11 +51,12 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
             }
             uint64_t off = LD(&slot[SLOT_OFF]);
             uint64_t sh = LD(&slot[SLOT_HASH]);
+            uint64_t fl = LD(&slot[SLOT_FLAGS]);
             if (off == EMPTY) {
                 __atomic_thread_fence(__ATOMIC_ACQUIRE);
                 if (LD(&slot[SLOT_SEQ]) != s)
                     continue;
-                Py_RETURN_NONE;
+                return READ_ABSENT;
             }
             if (off == TOMB || sh != h)
                 break;
@@ -79,22 +68,116 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
                 continue; /* changed under us */
             if (!sane) {
                 PyErr_SetString(SegmentError, "corrupt L2 record; purge the namespace");
-                return NULL;
+                return READ_ERROR;
             }
             if (!match)
                 break; /* a hash collision: keep probing */
-            PyObject *out = build_read(c, so, s, off, &r, !(r.tag == TAG_NDARRAY && r.vlen >= zc));
-            if (!out)
-                return NULL;
+            if (want & WANT_VALUE) {
+                if (r.tag == TAG_NDARRAY && r.vlen >= zc) {
+                    f->value = Py_None;
+                    Py_INCREF(Py_None);
+                } else {
+                    f->value = PyBytes_FromStringAndSize(c->base + off + r.vrel, (Py_ssize_t)r.vlen);
+                }
+            }
+            if (want & WANT_META)
+                f->meta = PyBytes_FromStringAndSize(rec_meta(c, off, &r), (Py_ssize_t)r.mlen);
+            f->vvx = PyBytes_FromStringAndSize(rec_vvx(c, off, &r), (Py_ssize_t)r.vvlen);
+            if (((want & WANT_VALUE) && !f->value) || ((want & WANT_META) && !f->meta) || !f->vvx) {
+                found_clear(f);
+                return READ_ERROR;
+            }
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
             if (LD(&slot[SLOT_SEQ]) != s) {
-                Py_DECREF(out);
+                found_clear(f);
                 continue; /* the copy may be torn: take it again */
             }
             if (!LDR(&slot[SLOT_REF]))
                 ST(&slot[SLOT_REF], 1); /* CLOCK reference bit */
-            return out;
+            f->word = so / 8;
+            f->seq = s;
+            f->tag = r.tag;
+            f->counter = r.counter;
+            f->hlc = r.hlc;
+            f->size = r.size;
+            f->flags = fl;
+            return READ_FOUND;
         }
     }
-    Py_RETURN_NONE;
+    return READ_ABSENT;
+}
+
+static int
+parse_key_h(PyObject *const *args, const char **key, uint64_t *klen, uint64_t *h)
+{
+    if (!PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "the key is bytes");
+        return -1;
+    }
+    *key = PyBytes_AS_STRING(args[0]);
+    *klen = (uint64_t)PyBytes_GET_SIZE(args[0]);
+    *h = PyLong_AsUnsignedLongLong(args[1]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* read(key, h, zero_copy) -> None | tuple | -1
+ * tuple: (slot word, seq, tag, meta, value or None, counter, hlc, vvx, size); tag 0 is a
+ * tombstone (the key is deleted, L3 not told yet). value is None for an array of zero_copy
+ * bytes or more (the caller pins it). -1: a slot stayed odd too long (a writer is stopped or
+ * died mid-publish): Python decides. Raises SegmentError on a purged or corrupt segment.  */
+static PyObject *
+Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    const char *key;
+    uint64_t klen, h;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "read(key: bytes, h: int, zero_copy: int)");
+        return NULL;
+    }
+    if (parse_key_h(args, &key, &klen, &h) < 0)
+        return NULL;
+    unsigned long long zc = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Found f;
+    switch (read_into(c, key, klen, h, zc, WANT_VALUE | WANT_META, &f)) {
+    case READ_ABSENT:
+        Py_RETURN_NONE;
+    case READ_STUCK:
+        return PyLong_FromLong(-1);
+    case READ_ERROR:
+        return NULL;
+    }
+    return Py_BuildValue("(KKKNNKKNK)", (unsigned long long)f.word, (unsigned long long)f.seq,
+                         (unsigned long long)f.tag, f.meta, f.value, (unsigned long long)f.counter,
+                         (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.size);
+}
+
+/* version(key, h) -> None | (word, seq, tag, counter, hlc, vvx, flags): a lock-free read of
+ * the version only (tag 0: a tombstone). -1 when a slot stays odd. */
+static PyObject *
+Core_version(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    const char *key;
+    uint64_t klen, h;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "version(key: bytes, h: int)");
+        return NULL;
+    }
+    if (parse_key_h(args, &key, &klen, &h) < 0)
+        return NULL;
+    Found f;
+    switch (read_into(c, key, klen, h, 0, 0, &f)) {
+    case READ_ABSENT:
+        Py_RETURN_NONE;
+    case READ_STUCK:
+        return PyLong_FromLong(-1);
+    case READ_ERROR:
+        return NULL;
+    }
+    return Py_BuildValue("(KKKKKNK)", (unsigned long long)f.word, (unsigned long long)f.seq,
+                         (unsigned long long)f.tag, (unsigned long long)f.counter,
+                         (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.flags);
 }
