@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given
@@ -83,3 +84,23 @@ def test_malformed_payloads_raise_value_error() -> None:
         codec.decode(99, b"", b"")
     with pytest.raises(ValueError):
         codec.array_view(codec.encode(np.arange(2))[1].replace(b"<i8", b"|O8"), b"\0" * 16)
+
+
+@pytest.mark.parametrize(
+    "tag,meta,payload",
+    [
+        # found by the segment fuzzer (seed 20261130, case 5085): a flipped dtype byte
+        (codec.NDARRAY, msgpack.packb(["<f_", [3]]), b"\0" * 8),
+        (codec.NDARRAY, msgpack.packb([1, [3]]), b"\0" * 8),
+        (codec.NDARRAY, msgpack.packb(["<i8", 3]), b"\0" * 8),
+        (codec.NDARRAY, b"\xc1", b"\0" * 8),
+        (codec.NDARRAY, msgpack.packb(["<i8", [3]]), b"\0" * 7),
+        # a map whose key is a list: msgpack raises TypeError (unhashable)
+        (codec.PACKED, b"", b"\x81\x92\x01\x02\x03"),
+        (codec.PACKED, b"", b"\xc1"),
+    ],
+)
+def test_corrupt_bytes_raise_value_error_only(tag: int, meta: bytes, payload: bytes) -> None:
+    # the L2 read path turns ValueError into CorruptRecord; anything else would escape
+    with pytest.raises(ValueError):
+        codec.decode(tag, meta, payload)

@@ -118,7 +118,10 @@ def decode(tag: int, meta: bytes, payload: bytes | memoryview) -> Any:
     if tag == STR:
         return bytes(payload).decode("utf-8", "surrogatepass")
     if tag == PACKED:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        try:
+            return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        except (TypeError, ValueError, msgpack.UnpackException) as e:  # e.g. an unhashable map key
+            raise ValueError(f"malformed packed value: {e}") from None
     if tag == NDARRAY:
         arr = array_view(meta, payload)
         out = arr.copy()
@@ -132,8 +135,14 @@ _HEADERS: dict[bytes, tuple[Any, tuple[int, ...]]] = {}  # parsed array headers,
 def _array_header(meta: bytes) -> tuple[Any, tuple[int, ...]]:
     hdr = _HEADERS.get(meta)
     if hdr is None:
-        dtype_str, shape = msgpack.unpackb(meta, raw=False)
-        dtype = _np.dtype(dtype_str)
+        try:
+            dtype_str, shape = msgpack.unpackb(meta, raw=False)
+            if type(dtype_str) is not str or type(shape) is not list:
+                raise ValueError("malformed array header")
+            # a corrupt header can name anything; numpy raises TypeError/ValueError
+            dtype = _np.dtype(dtype_str)
+        except (TypeError, ValueError, msgpack.UnpackException) as e:
+            raise ValueError(f"malformed array header: {e}") from None
         if dtype.kind not in _NUMERIC_KINDS or not all(type(n) is int and n >= 0 for n in shape):
             raise ValueError("malformed array header")
         hdr = (dtype, tuple(shape))
