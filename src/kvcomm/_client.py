@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ._l2core import Getter, approx_size
+from ._l2core import BatchOps, Getter, approx_size
 from .config import Config, resolve
 from .core import codec
 from .core.negative import NegativeCache
@@ -236,6 +236,10 @@ class Client:
         cluster = self.config.cluster
         self._cluster = cluster.enabled  # writes are dirty (await L3); deletes are tombstones
         self._max_dirty = cluster.outbound_max if self._cluster else 0
+        self._dirty_flag = l2mod.FLAG_DIRTY if self._cluster else 0
+        self._lock_timeout = float(c.lock_timeout)
+        self._core_put = self._seg._core.put
+        self._has_validators = False
         self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
         self._kf: Any = None  # the daemon's filter of existing keys
         self._kf_retry = 0.0
@@ -562,14 +566,28 @@ class Client:
             _bad_consistency(consistency)
         if self._unusable:
             self._live()
-        kb, h, tag, meta, payload = self._prepare(key, value)
-        if expect is not _NO_CHECK or self._validators:
+        # the common case inline (a key seen before, a bytes value, no checks): every call
+        # saved here is a tenth of a put
+        kh = self._keys.get(key) if type(key) is str else None
+        kb, h = kh if kh is not None else self._key_hash(key)
+        payload: bytes | memoryview
+        if type(value) is bytes and len(value) <= self._max_value:
+            tag, meta, payload = _BYTES, b"", value
+        else:
+            tag, meta, payload = self._encode(value)
+        if self._cluster:
+            self._negative.invalidate(key)  # this host will hold it: no longer "absent"
+        if expect is not _NO_CHECK or self._has_validators:
             return self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
-        counter, hlc, vvx, _, _ = self._seg.put(kb, h, tag, meta, payload,
-                                                time.time_ns() // 1_000_000, self._cluster,
-                                                self._max_dirty)
+        r = self._core_put(kb, h, tag, meta, payload, time.time_ns() // 1_000_000,
+                           self._dirty_flag, self._max_dirty, self._lock_timeout)
+        if type(r) is not tuple:  # purged, repair due, no room...: the careful path
+            r = self._seg.put_status(r, kb, h, tag, meta, payload, _now_ms(), self._cluster,
+                                     self._max_dirty)
         self._puts += 1
-        return self._version(counter, hlc, vvx)
+        if not r[2]:  # (no other host's entries: the Version without decoding anything)
+            return _new_version(Version, (((self._host, r[0]),), r[1]))
+        return self._version(r[0], r[1], r[2])
 
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
                      encoded: tuple[int, bytes, bytes | memoryview], expect: Any) -> Version:
@@ -698,6 +716,7 @@ class Client:
         if not callable(fn):
             raise InvalidArgument("register_validator needs a callable")
         self._validators.set(prefix, fn)
+        self._has_validators = True
 
     def register_resolver(self, prefix: str, fn: Callable[[str, list[Item]], Any]) -> None:
         """Resolve concurrent versions of keys under ``prefix`` with ``fn(key, siblings)``.
@@ -953,7 +972,7 @@ class Client:
         return f"<kvcomm.Client name={self.name!r} host={self._host!r}{' closed' if self._closed else ''}>"
 
 
-class Batch:
+class Batch(BatchOps):
     """Writes collected in a ``with kv.batch()`` block, applied whole or not at all.
 
     Each ``put``/``delete`` validates its key and encodes its value at once (so a bad value
@@ -966,31 +985,25 @@ class Batch:
     is published.
     """
 
+    _results: list[Any]
+    _versions: list[Version | bool] | None
+
     def __init__(self, client: Client) -> None:
+        # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
+        # once, through the client's key memo and encoder
+        super().__init__(client._keys, client._key_hash, client._encode, client._max_value)
         self._client = client
-        self._ops: list[tuple[Any, ...]] = []
-        self._keys: list[str] = []
-        self._values: list[Any] = []
-        self.versions: list[Version | bool] = []
+        self._results = []
+        self._versions = None
 
-    def put(self, key: str, value: Any) -> None:
-        """Add a put. Raises InvalidKey, UnsupportedValue, ValueTooLarge at once."""
-        c = self._client
-        c._live()
-        self._ops.append(c._prepare(key, value))
-        self._keys.append(key)
-        self._values.append(value)
-
-    def delete(self, key: str) -> None:
-        """Add a delete. Raises InvalidKey at once."""
-        c = self._client
-        c._live()
-        self._ops.append(c._key_hash(key))
-        self._keys.append(key)
-        self._values.append(None)
-
-    def __len__(self) -> int:
-        return len(self._ops)
+    @property
+    def versions(self) -> list[Version | bool]:
+        """Per operation, once applied: a put's Version, whether a delete deleted."""
+        if self._versions is None:
+            c = self._client
+            self._versions = [c._version(r[0], r[1], r[2]) if isinstance(r, tuple) else r > 0
+                              for r in self._results]
+        return self._versions
 
     def __enter__(self) -> Batch:
         return self
@@ -1001,26 +1014,28 @@ class Batch:
         c = self._client
         c._live()
         check = None
-        if c._validators and any(c._validators.lookup(k) is not None for k in self._keys):
+        if c._has_validators and any(c._validators.lookup(k) is not None for k in self._keys):
             if c._cluster:  # bring L3's values into L2 for the validators
                 for k in set(self._keys):
                     if c._validators.lookup(k) is not None:
                         c._get_slow(k, None, True)
             check = self._validate
-        if c._cluster:  # deletes of keys this host does not hold cover L3's version
-            for key, op in zip(self._keys, self._ops, strict=True):
-                if len(op) == 2:
-                    c._get_slow(key, None, True)
+        if c._cluster:
+            if self._deletes:  # deletes of keys this host does not hold cover L3's version
+                for key, op in zip(self._keys, self._ops, strict=True):
+                    if len(op) == 2:
+                        c._get_slow(key, None, True)
+            for key in self._keys:
+                c._negative.invalidate(key)  # this host holds them now: not "absent"
         results = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
                                max_dirty=c._max_dirty, tombstones=c._cluster, check=check)
-        for key, r in zip(self._keys, results, strict=True):
-            if isinstance(r, tuple):
-                c._puts += 1
-                self.versions.append(c._version(r[0], r[1], r[2]))
-            else:
-                c._l1.discard(key)
-                c.counters["deletes"] += int(r > 0)
-                self.versions.append(r > 0)
+        self._results = results
+        c._puts += len(results) - self._deletes
+        if self._deletes:
+            for key, r in zip(self._keys, results, strict=True):
+                if type(r) is not tuple:
+                    c._l1.discard(key)
+                    c.counters["deletes"] += int(r > 0)
 
     def _validate(self) -> None:
         """Under the writer lock: every validator, in order, against the state the batch's

@@ -76,7 +76,12 @@ PyMODINIT_FUNC
 PyInit__l2core(void)
 {
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&GetterType) < 0 ||
-        PyType_Ready(&BudgetType) < 0 || PyType_Ready(&L1Type) < 0)
+        PyType_Ready(&BudgetType) < 0 || PyType_Ready(&L1Type) < 0 ||
+        PyType_Ready(&BatchOpsType) < 0)
+        return NULL;
+    BytesTag = PyLong_FromLong(TAG_BYTES);
+    EmptyBytes = PyBytes_FromStringAndSize("", 0);
+    if (!BytesTag || !EmptyBytes)
         return NULL;
     PyObject *collections = PyImport_ImportModule("collections");
     if (!collections)
@@ -95,6 +100,11 @@ PyInit__l2core(void)
     Py_INCREF(Unavailable);
     Py_INCREF(InvalidArgument);
     Py_INCREF(&CoreType);
+    Py_INCREF(&BatchOpsType);
+    if (PyModule_AddObject(m, "BatchOps", (PyObject *)&BatchOpsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&BudgetType);
     Py_INCREF(&L1Type);
     if (PyModule_AddObject(m, "Budget", (PyObject *)&BudgetType) < 0 ||

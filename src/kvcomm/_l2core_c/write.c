@@ -401,19 +401,15 @@ unlink_record(Core *c, uint64_t found, Op *op, uint64_t now_ms, int tidy)
 }
 
 /* Publish one planned op: build its record in its block and swap it into its slot.
- * `planned`: nothing changed since the plan (a batch of one), so its slots stand; in a
- * larger batch earlier ops change slots, and the key is probed again. */
+ * ``found``: the slot that holds the key now, by the plan (nothing but this batch has run
+ * since it, and a batch moves no key: the key's first op found it in place, and a later
+ * op of the same key finds it where the earlier one left it). ``tidy``: a batch of one,
+ * whose delete may shorten probe chains. */
 static int
-publish(Core *c, Op *op, uint64_t now_ms, uint64_t flags, int planned)
+publish(Core *c, Op *op, uint64_t found, uint64_t now_ms, uint64_t flags, int tidy)
 {
-    uint64_t found = 0, reusable = 0;
-    if (planned) {
-        found = op->found;
-    } else if (find(c, op->key, op->klen, op->h, &found, &reusable) < 0) {
-        return -1;
-    }
     if (!op->writes_record)
-        return found ? unlink_record(c, found, op, now_ms, planned) : 0;
+        return found ? unlink_record(c, found, op, now_ms, tidy) : 0;
     /* a key not in place takes the slot its plan claimed: the first free one of its
        window that no earlier op of the batch claimed (another key's op must not take it) */
     uint64_t so = found ? found : op->slot;
@@ -512,10 +508,26 @@ op_result(Op *op)
 {
     if (op->kind == OP_DEL) /* the delete's counter, 0 when there was nothing to delete */
         return PyLong_FromUnsignedLongLong(op->existed ? op->counter : 0);
-    PyObject *vvx = op->vvx_obj;
+    PyObject *t = PyTuple_New(5);
+    if (!t)
+        return NULL;
+    PyObject *a = PyLong_FromUnsignedLongLong(op->counter), *b = PyLong_FromUnsignedLongLong(op->hlc),
+             *d = PyLong_FromUnsignedLongLong(op->so / 8), *e = PyLong_FromUnsignedLongLong(op->seq);
+    if (!a || !b || !d || !e) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        Py_XDECREF(d);
+        Py_XDECREF(e);
+        Py_DECREF(t);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(t, 0, a);
+    PyTuple_SET_ITEM(t, 1, b);
+    PyTuple_SET_ITEM(t, 2, op->vvx_obj); /* (the reference moves into the tuple) */
     op->vvx_obj = NULL;
-    return Py_BuildValue("(KKNKK)", (unsigned long long)op->counter, (unsigned long long)op->hlc, vvx,
-                         (unsigned long long)(op->so / 8), (unsigned long long)op->seq);
+    PyTuple_SET_ITEM(t, 3, d);
+    PyTuple_SET_ITEM(t, 4, e);
+    return t;
 }
 
 /* The vvx bytes object each put will return, made before anything is published (so that
@@ -590,7 +602,9 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (publish(c, &ops[i], now_ms, flags, n == 1) < 0) {
+        Op *op = &ops[i];
+        uint64_t found = op->prev ? (ops[op->prev - 1].live_after ? op->slot : 0) : op->found;
+        if (publish(c, op, found, now_ms, flags, n == 1) < 0) {
             Py_XDECREF(results);
             return NULL; /* corruption found mid-publish: BUSY stays raised for repair */
         }

@@ -616,6 +616,13 @@ class L2Segment:
                            max_dirty, self.lock_timeout)
         if type(r) is tuple:
             return r
+        return self.put_status(r, key_b, h, tag, meta, value, now_ms, dirty, max_dirty)
+
+    def put_status(self, r: int, key_b: bytes, h: int, tag: int, meta: bytes,
+                   value: bytes | memoryview, now_ms: int, dirty: bool,
+                   max_dirty: int) -> tuple[int, int, bytes, int, int]:
+        """The kernel's put answered status ``r`` (nothing written): look first and write
+        (ST_LOOK), or raise what the status means."""
         if r == ST_LOOK:  # purged, repair or pins first: the general path does it
             out: tuple[int, int, bytes, int, int] = self.apply(
                 [(key_b, h, tag, meta, value)], now_ms=now_ms, dirty=dirty, max_dirty=max_dirty)[0]
