@@ -10,8 +10,13 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from xxhash import xxh3_128_digest
 
 import kvcomm
+from kvcomm._l2core import bloom_has
+from kvcomm.core.bloom import BloomFilter
 from kvcomm.tiers import keyfilter
 from kvcomm.tiers.keyfilter import STALE_MS, KeyFilter, filter_path
 
@@ -226,3 +231,36 @@ def test_an_agent_refuses_a_filter_of_another_user(ns: str) -> None:
     finally:
         kv.close()
         os.unlink(filter_path(ns))
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(1, 5000), fpr=st.sampled_from([0.5, 0.1, 0.01, 0.001, 1e-6]),
+       added=st.lists(st.binary(max_size=40), max_size=60),
+       probes=st.lists(st.binary(max_size=40), max_size=60))
+def test_c_membership_agrees_with_the_python_filter(capacity: int, fpr: float,
+                                                    added: list[bytes], probes: list[bytes]) -> None:
+    # agents test in C (bloom_has), the daemon adds in Python (BloomFilter): same positions
+    gens = [BloomFilter(capacity, fpr), BloomFilter(capacity, fpr)]
+    for i, key in enumerate(added):
+        gens[i % 2].add(key)
+    both = bytes(gens[0]._b) + bytes(gens[1]._b)
+    for key in added + probes:
+        expected = key in gens[0] or key in gens[1]
+        got = bloom_has(both, gens[0].bits, gens[0].k, 2, xxh3_128_digest(key))
+        assert got == expected, key
+        assert bloom_has(bytes(gens[0]._b), gens[0].bits, gens[0].k, 1,
+                         xxh3_128_digest(key)) == (key in gens[0])
+    for key in added:
+        assert bloom_has(both, gens[0].bits, gens[0].k, 2, xxh3_128_digest(key))
+
+
+def test_c_membership_rejects_a_short_buffer_and_bad_geometry() -> None:
+    d = xxh3_128_digest(b"k")
+    with pytest.raises(ValueError):
+        bloom_has(bytes(8), 128, 3, 1, d)  # 16 bytes needed
+    with pytest.raises(ValueError):
+        bloom_has(bytes(64), 100, 3, 1, d)  # not a multiple of 64
+    with pytest.raises(ValueError):
+        bloom_has(bytes(64), 64, 0, 1, d)
+    with pytest.raises(TypeError):
+        bloom_has(bytes(64), 64, 3, 1, b"short")

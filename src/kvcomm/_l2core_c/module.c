@@ -65,6 +65,8 @@ static PyMethodDef module_methods[] = {
     {"set_errors", (PyCFunction)(void (*)(void))set_errors, METH_FASTCALL,
      "the exception classes to raise: SegmentError, Unavailable, InvalidArgument"},
     {"approx_size", approx_size, METH_O, "approximate bytes held by a decoded value"},
+    {"bloom_has", (PyCFunction)(void (*)(void))bloom_has, METH_FASTCALL,
+     "bloom_has(buffer, bits, k, gens, digest) -> bool: the key filter's membership test"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -49,6 +49,9 @@ import stat
 import struct
 import time
 
+from xxhash import xxh3_128_digest
+
+from .._l2core import bloom_has
 from ..core.bloom import BloomFilter, optimal_params
 from ..errors import SegmentError
 from .l2 import SHM_DIR, pid_alive, segment_path
@@ -123,6 +126,9 @@ class KeyFilter:
         self.gens = [BloomFilter(capacity, fpr,
                                  buffer=view[_HDR + i * gen_bytes:_HDR + (i + 1) * gen_bytes])
                      for i in range(2)]
+        # the agents' test runs in C over both generations at once (same positions)
+        self._both = view[_HDR:_HDR + 2 * gen_bytes]
+        self._bits, self._k = self.gens[0].bits, self.gens[0].k
         view.release()
 
     @staticmethod
@@ -272,9 +278,10 @@ class KeyFilter:
 
     def may_exist(self, key: bytes) -> bool:
         """False only for keys the cluster does not hold (modulo the feed's delay)."""
-        return key in self.gens[0] or key in self.gens[1]
+        return bloom_has(self._both, self._bits, self._k, 2, xxh3_128_digest(key))
 
     def close(self) -> None:
+        self._both.release()
         for g in self.gens:
             g._b.release()
         self._q.release()
