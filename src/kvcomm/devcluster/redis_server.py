@@ -1,19 +1,20 @@
-"""Real servers on loopback, on free ports, in temporary directories: for tests, benchmarks
-and the demo's baseline. Nothing here is a mock: these are the Debian ``redis-server``.
+"""One standalone ``redis-server`` on loopback, on a free port, in a temporary directory.
+
+The peer the demo and the benchmarks measure KVCOMM against (Redis over TCP and over a
+unix socket). It is the Debian ``redis-server`` binary, never a mock.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
-import time
-from types import TracebackType
 
+from .._wait import wait_until
 from ..errors import Unavailable
+from .procs import Service, spawn, stop
 
 
 def free_port() -> int:
@@ -23,25 +24,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def terminate(procs: list[subprocess.Popen[bytes]], timeout: float = 5.0) -> None:
-    """SIGTERM (after SIGCONT, in case a test paused them), then SIGKILL stragglers."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def redis_server_path() -> str | None:
+    """Where ``redis-server`` is on PATH, or None when it is not installed."""
     return shutil.which("redis-server")
 
 
-class RedisServer:
+class RedisServer(Service):
     """One standalone ``redis-server`` on 127.0.0.1 plus a unix socket (mode 700).
 
     ``start()`` returns once it answers PING or raises Unavailable; ``stop()`` ends it
@@ -55,38 +43,34 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start it; returns self once it answers PING. Raises Unavailable (nothing left
+        running) when redis-server is missing, exits or stays silent for ``timeout`` s."""
         exe = redis_server_path()
         if exe is None:
             raise Unavailable("redis-server is not installed (Debian: apt-get install redis-server)")
-        self.proc = subprocess.Popen(
+        proc = self.proc = spawn(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--unixsocket", self.unix_socket, "--unixsocketperm", "700",
              "--dir", self.dir, "--protected-mode", "yes", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise Unavailable(f"redis-server exited with {self.proc.returncode} at start")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.01)
-        self.stop()
-        raise Unavailable(f"redis-server did not answer on port {self.port} within {timeout}s")
+            detached=False)
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise Unavailable(f"redis-server exited with {proc.returncode} at start")
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
+        try:
+            wait_until(answers, timeout, f"redis-server to answer on port {self.port}",
+                       retry_on=(OSError,))
+        except Unavailable:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
+        """End the server (if started) and remove its directory."""
         if self.proc is not None:
-            terminate([self.proc])
+            stop([self.proc], timeout=5.0)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
