@@ -18,6 +18,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from .._extras import require_cluster
 from ..config import load_config
@@ -25,6 +27,8 @@ from ..errors import KVCommError
 
 
 def _info(args: argparse.Namespace) -> int:
+    """How much of a namespace's L2 segment is in use, its counters, and its node
+    daemon's state."""
     from ..tiers.l2 import L2Segment
 
     cfg = load_config(args.config)
@@ -56,7 +60,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    """Exit 0 when removed, 1 when there was no segment, 2 (with what to do) when it failed."""
+    """Remove a namespace's L2 segment. Exit status 0: removed; 1: there was none;
+    2: it could not be removed (the message says why)."""
     from ..tiers.l2 import purge, segment_path
 
     name = args.name
@@ -104,11 +109,15 @@ def _purge_os_advice(name: str, exc: OSError) -> str:
 
 
 def _config(args: argparse.Namespace) -> int:
+    """Print the effective config as YAML that loads back to the same config
+    (secrets shown as a comment, never their value)."""
     print(load_config(args.config).to_yaml(), end="")
     return 0
 
 
 def _node(args: argparse.Namespace) -> int:
+    """The host's node daemon: keeps the host's L2 and the Redis Cluster (L3) in sync
+    until SIGTERM or SIGINT. Needs pip install 'kvcomm[cluster]'."""
     from ..node.daemon import main as node_main
 
     cfg = load_config(args.config)
@@ -118,6 +127,11 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _dev_cluster(args: argparse.Namespace) -> int:
+    """A whole cluster on this machine (kvcomm.devcluster): a Redis Cluster of 3
+    masters and 3 replicas on free loopback ports and one node daemon per simulated host.
+    `up` writes DIR/host-N.yaml, the config agents of host N open; `down` stops it all and
+    removes the hosts' L2 segments. Needs redis-server, redis-cli and
+    pip install 'kvcomm[cluster]'."""
     from .. import devcluster
 
     if args.action == "up":
@@ -134,6 +148,9 @@ def _dev_cluster(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
+    """Brings up a dev cluster, runs agents on every host and a seeded nemesis
+    injecting faults, then checks the recorded history: exit 0 only when nothing
+    acknowledged was lost. Needs redis-server and pip install 'kvcomm[cluster]'."""
     from ..faults import soak
 
     require_cluster("kvcomm soak")
@@ -149,9 +166,21 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """A drone swarm flying on KVCOMM, then the same swarm on a central store; prints
+    latencies side by side. Needs pip install 'kvcomm[demo]'."""
     from .demo import run_demo
 
     return run_demo(args)
+
+
+def _command(sub: Any, name: str, run: Callable[[argparse.Namespace], int],
+             summary: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``: ``summary`` in ``kvcomm --help``, and ``run``'s docstring
+    (written for users, then) as ``kvcomm NAME --help``'s description; ``run(args)``
+    returns the exit status."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=run.__doc__)
+    parser.set_defaults(func=run)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,10 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Run `kvcomm COMMAND --help` for the options of a command.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="drone swarm on the embedded default, against a central store",
-                       description="A drone swarm flying on KVCOMM, then the same swarm on a "
-                       "central store; prints latencies side by side. Needs "
-                       "pip install 'kvcomm[demo]'.")
+    d = _command(sub, "demo", _demo, "drone swarm on the embedded default, against a central store")
     d.add_argument("--agents", type=int, default=16, metavar="N",
                    help="drone processes, at least 2 (default 16)")
     d.add_argument("--seconds", type=float, default=8.0, metavar="S",
@@ -184,56 +210,35 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--name", default="demo", metavar="NS",
                    help="L2 namespace to use (purged before and after; default demo)")
     d.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (default: built-in defaults)")
-    d.set_defaults(func=_demo)
 
-    i = sub.add_parser("info", help="show a namespace's L2 segment use",
-                       description="How much of a namespace's L2 segment is in use, its "
-                       "counters, and its node daemon's state.")
+    i = _command(sub, "info", _info, "show a namespace's L2 segment use")
     i.add_argument("--name", metavar="NS",
                    help="the namespace (default: node.namespace of the config)")
     i.add_argument("--config", metavar="FILE",
                    help="a kvcomm YAML config (for cache.l2_dir and the namespace)")
     i.add_argument("--json", action="store_true", help="print every field as JSON")
-    i.set_defaults(func=_info)
 
-    u = sub.add_parser("purge", help="remove a namespace's L2 segment",
-                       description="Remove a namespace's L2 segment. Exit status 0: removed; "
-                       "1: there was none; 2: it could not be removed (the message says why).")
+    u = _command(sub, "purge", _purge, "remove a namespace's L2 segment")
     u.add_argument("--name", required=True, metavar="NS", help="the namespace to remove")
     u.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (for cache.l2_dir)")
-    u.set_defaults(func=_purge)
 
-    n = sub.add_parser("node", help="run the host daemon (cluster mode)",
-                       description="The host's node daemon: keeps the host's L2 and the "
-                       "Redis Cluster (L3) in sync until SIGTERM or SIGINT. Needs "
-                       "pip install 'kvcomm[cluster]'.")
+    n = _command(sub, "node", _node, "run the host daemon (cluster mode)")
     n.add_argument("--config", required=True, metavar="FILE",
                    help="the host's YAML config (cluster.redis set)")
     n.add_argument("--name", metavar="NS",
                    help="L2 namespace (default: node.namespace from the config)")
-    n.set_defaults(func=_node)
 
-    dc = sub.add_parser("dev-cluster", help="a local Redis Cluster + one daemon per host",
-                        description="A whole cluster on this machine (kvcomm.devcluster): a "
-                        "Redis Cluster of 3 masters and 3 replicas on free loopback ports and "
-                        "one node daemon per simulated host. `up` writes DIR/host-N.yaml, the "
-                        "config agents of host N open; `down` stops it all and removes the "
-                        "hosts' L2 segments. Needs redis-server, redis-cli and "
-                        "pip install 'kvcomm[cluster]'.")
+    dc = _command(sub, "dev-cluster", _dev_cluster, "a local Redis Cluster + one daemon per host")
     dc.add_argument("action", choices=["up", "down"],
                     help="up: start it and wait until every daemon heartbeats; down: stop it")
     dc.add_argument("--hosts", type=int, default=3, metavar="N",
                     help="simulated hosts, 1 to 32 (up only; default 3)")
     dc.add_argument("--dir", required=True, metavar="DIR",
                     help="where its configs, logs and state (cluster.json) live")
-    dc.set_defaults(func=_dev_cluster)
 
-    sk = sub.add_parser("soak", help="a dev cluster under a random workload and a nemesis: "
-                        "is anything acknowledged lost?",
-                        description="Brings up a dev cluster, runs agents on every host and a "
-                        "seeded nemesis injecting faults, then checks the recorded history: "
-                        "exit 0 only when nothing acknowledged was lost. Needs redis-server "
-                        "and pip install 'kvcomm[cluster]'.")
+    sk = _command(sub, "soak", _soak,
+                  "a dev cluster under a random workload and a nemesis: is anything "
+                  "acknowledged lost?")
     sk.add_argument("--hosts", type=int, default=3, metavar="N",
                     help="simulated hosts (default 3)")
     sk.add_argument("--minutes", type=float, default=10.0, metavar="M",
@@ -259,16 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    sk.set_defaults(func=_soak)
 
-    c = sub.add_parser("config", help="print the effective config",
-                       description="Print the effective config as YAML that loads back to the "
-                       "same config (secrets shown as a comment, never their value).")
+    c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,
                    help="print it (the one action; required)")
     c.add_argument("--config", metavar="FILE",
                    help="a kvcomm YAML config (default: built-in defaults)")
-    c.set_defaults(func=_config)
     return p
 
 
