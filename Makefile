@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test fuzz bench bench-cluster soak lint clean
+.PHONY: demo test fuzz bench bench-cluster soak lint check-minimal clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,20 @@ bench-cluster: $(STAMP) ## cluster mode vs Redis Cluster directly (needs redis-s
 
 soak: $(STAMP)          ## 10 minutes of faults on a 3-host dev cluster: lost = 0? (needs redis-server)
 	$(BIN)/kvcomm soak --hosts 3 --minutes 10
+
+# `pip install kvcomm` with no extra, in a fresh venv: exactly the four base dependencies
+# get installed, the embedded default works, and cluster mode asks for kvcomm[cluster].
+MIN_VENV ?= /tmp/kvcomm-minimal-venv
+check-minimal:          ## the plain install (no extra) in a fresh venv
+	rm -rf $(MIN_VENV)
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q .
+	$(MIN_VENV)/bin/python -m pip list --format=freeze
+	$(MIN_VENV)/bin/python -c 'import kvcomm; kv = kvcomm.open("minimal-check"); \
+	  kv.put("k", [1, 2]); assert kv.get("k") == [1, 2]; kv.close()'
+	$(MIN_VENV)/bin/kvcomm purge --name minimal-check
+	$(MIN_VENV)/bin/kvcomm dev-cluster up --dir $(MIN_VENV)/dc 2>&1 | grep -F "pip install 'kvcomm[cluster]'"
+	rm -rf $(MIN_VENV)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -34,17 +34,17 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from _timing import clock, ns_per_item
 
 import kvcomm
+from kvcomm._wait import wait_until
 from kvcomm.tiers.l2 import purge
 
 CTX = mp.get_context("fork")
-clock = time.perf_counter_ns
 ROWS: list[dict[str, Any]] = []
 NS = f"bench-agents-{os.getpid()}"
 CFG = kvcomm.Config.from_mapping({"cache": {"l2_size": "256MB", "l1_size": "64MB"}})
@@ -158,20 +158,15 @@ def bench_fresh_reads(rounds: int) -> None:
             for r in range(rounds):
                 want = gen.value + 1
                 ready.set()
-                while gen.value < want:
-                    time.sleep(0.0002)
+                wait_until(lambda w=want: gen.value >= w, 60, "the rewriter", interval=0.0002)
                 for k in keys:
                     kv.get(k)  # (warm-up round 0 fills L1)
                 if r == 0:
                     continue
                 want = gen.value + 1
                 ready.set()
-                while gen.value < want:
-                    time.sleep(0.0002)
-                t0 = clock()
-                for k in keys:
-                    kv.get(k)  # every L1 entry is stale: L2, decode, L1 insert
-                ours.append((clock() - t0) / len(keys))
+                wait_until(lambda w=want: gen.value >= w, 60, "the rewriter", interval=0.0002)
+                ours.append(ns_per_item(kv.get, keys))  # every L1 entry stale: L2, decode, L1 insert
                 assert kv.get(keys[0]) == (b"%08d" % (want - 1)) * 128
                 if env is not None:
                     kbs = [k.encode() for k in keys]
@@ -207,14 +202,8 @@ def bench_l1_hits(rounds: int) -> None:
         dget = d.get
         ours, peer = [], []
         for _ in range(rounds):
-            t0 = clock()
-            for k in keys:
-                get(k)
-            ours.append((clock() - t0) / len(keys))
-            t0 = clock()
-            for k in keys:
-                dget(k)
-            peer.append((clock() - t0) / len(keys))
+            ours.append(ns_per_item(get, keys))
+            peer.append(ns_per_item(dget, keys))
         row("L1 hit, 100 distinct keys", median_ns(ours), "dict.get, same keys",
             median_ns(peer), "<= 3x")
 
@@ -281,10 +270,7 @@ def bench_key_filter(rounds: int) -> None:
         probe = present[:1000] + [f"absent/{i}".encode() for i in range(1000)]
         ours = []
         for _ in range(rounds):
-            t0 = clock()
-            for kb in probe:
-                kf.may_exist(kb)
-            ours.append((clock() - t0) / len(probe))
+            ours.append(ns_per_item(kf.may_exist, probe))
         peer_ns = None
         try:
             import rbloom

@@ -25,9 +25,11 @@ from typing import Any
 
 import msgpack
 import redis
+from _timing import percentile
 
 import kvcomm
-from kvcomm.cli import devcluster
+from kvcomm import devcluster
+from kvcomm._wait import wait_until
 from kvcomm.tiers.l2 import purge
 from kvcomm.tiers.l3 import GROUPS, feed_key
 
@@ -160,14 +162,14 @@ def run_swarm(kind: str, targets: list[Any], seconds: float, nodes: list[redis.R
 
 
 def pct(xs: list[int], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] / 1e6 if xs else float("nan")
+    """The ``q`` quantile of ``xs`` (ns), in ms."""
+    return percentile(xs, q) / 1e6
 
 
 def _spin_reader(config: str, n: int, out: Any, done: Any) -> None:
     with kvcomm.open(config=config) as kv:
-        while kv.get("prop/x") is None:  # the first read fills this host's L2 from L3
-            time.sleep(0.01)
+        # the first read fills this host's L2 from L3
+        wait_until(lambda: kv.get("prop/x") is not None, 60, "prop/x on host 2")
         last, lat = kv.get("prop/x"), []
         deadline = time.monotonic() + 60
         while len(lat) < n and time.monotonic() < deadline:

@@ -19,33 +19,22 @@ import json
 import random
 import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import xxhash
+from _timing import heading, ns_per_item, p50_blocks, stopwatch
 
 from kvcomm.core.bloom import BloomFilter
 from kvcomm.core.sketch import CountMinSketch, TopK
 from kvcomm.core.versions import compare_vectors, decode_vector, encode_vector, merge_vectors
 from kvcomm.core.window import WriteWindow
 
-clock = time.perf_counter_ns
 
-
-def per_op_ns(fn: Callable[[], Any], n: int, repeat: int = 5) -> float:
-    best = []
-    for _ in range(repeat):
-        t0 = clock()
-        for _ in range(n):
-            fn()
-        best.append((clock() - t0) / n)
-    return statistics.median(best)
-
-
-def heading(text: str) -> None:
-    print(f"\n== {text}")
+def per_op_ns(fn: Callable[[], Any], n: int) -> float:
+    """Median ns per call over 5 blocks of ``n`` calls."""
+    return p50_blocks(fn, 5, n)
 
 
 # ---------------------------------------------------------------- versions
@@ -129,14 +118,14 @@ def bench_sketch(quick: bool) -> None:
         topk = TopK(100, 24)
         stream = zipf_stream(n_keys, n_acc, s, seed=int(s * 10))
         keys = [b"k%d" % i for i in stream.tolist()]
-        t0 = time.perf_counter()
-        pending: Counter[bytes] = Counter()
-        for i, k in enumerate(keys):
-            pending[k] += 1
-            if len(pending) >= 256 or i == len(keys) - 1:  # buffered, as the client does
-                topk.offer_many([(kk, cms.add(kk, c)) for kk, c in pending.items()])
-                pending.clear()
-        el = time.perf_counter() - t0
+        with stopwatch() as took:
+            pending: Counter[bytes] = Counter()
+            for i, k in enumerate(keys):
+                pending[k] += 1
+                if len(pending) >= 256 or i == len(keys) - 1:  # buffered, as the client does
+                    topk.offer_many([(kk, cms.add(kk, c)) for kk, c in pending.items()])
+                    pending.clear()
+        el = took[0]
         truth = Counter(keys)
         true_top = {k for k, _ in truth.most_common(100)}
         found = topk.top(100)
@@ -163,14 +152,10 @@ def bench_bloom(quick: bool) -> None:
 
     def run(name: str, add: Callable[[bytes], Any], check: Callable[[bytes], bool],
             nbytes: int) -> None:
-        t0 = clock()
-        for k in keys:
-            add(k)
-        add_ns = (clock() - t0) / len(keys)
+        add_ns = ns_per_item(add, keys)
         assert all(check(k) for k in keys[:1000]), f"{name} has false negatives"
-        t0 = clock()
+        check_ns = ns_per_item(check, absent)
         fp = sum(1 for k in absent if check(k))
-        check_ns = (clock() - t0) / len(absent)
         rows.append((name, add_ns, check_ns, fp / len(absent), nbytes))
 
     ours = BloomFilter(cap, 0.001)

@@ -24,35 +24,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _timing import clock, p50_blocks, p50_each, run_all
+
 import kvcomm
-from kvcomm.testing.servers import RedisServer, redis_server_path
+from kvcomm.devcluster import RedisServer, redis_server_path
 from kvcomm.tiers.l2 import purge
 
 CTX = mp.get_context("fork")
 VALUE = os.urandom(1024)
 NS = "bench-embedded"
 ROWS: list[dict[str, Any]] = []
-clock = time.perf_counter_ns
-
-
-def p50_blocks(fn: Callable[[], None], blocks: int, per_block: int = 100) -> float:
-    """Median ns per call, timing blocks of calls (so the clock's own cost is amortised)."""
-    samples = []
-    for _ in range(blocks):
-        t0 = clock()
-        for _ in range(per_block):
-            fn()
-        samples.append((clock() - t0) / per_block)
-    return statistics.median(samples)
-
-
-def p50_each(fn: Callable[[], None], n: int) -> float:
-    samples = []
-    for _ in range(n):
-        t0 = clock()
-        fn()
-        samples.append(clock() - t0)
-    return statistics.median(samples)
 
 
 def row(name: str, ours_ns: float, peers: dict[str, float | None], target: str = "") -> None:
@@ -362,27 +343,15 @@ def main() -> int:
         # update() from 4 processes
         n_upd = 500 if args.quick else 3000
         kv.delete("counter")
-        t0 = time.perf_counter()
-        procs = [CTX.Process(target=_incrementer, args=(cfg, n_upd)) for _ in range(4)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        el = time.perf_counter() - t0
+        el = run_all(CTX.Process(target=_incrementer, args=(cfg, n_upd)) for _ in range(4))
         total = kv.get("counter")
         ours_upd = el / (4 * n_upd) * 1e9
         upd_peers: dict[str, float | None] = {"redis INCR from 4 processes, per op": None}
         if peers.redis_server is not None:
             peers.redis_tcp.delete("counter")
-            t0 = time.perf_counter()
-            procs = [CTX.Process(target=_redis_incrementer,
-                                 args=(peers.redis_server.port, n_upd)) for _ in range(4)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            upd_peers["redis INCR from 4 processes, per op"] = (
-                (time.perf_counter() - t0) / (4 * n_upd) * 1e9)
+            took = run_all(CTX.Process(target=_redis_incrementer, args=(peers.redis_server.port, n_upd))
+                           for _ in range(4))
+            upd_peers["redis INCR from 4 processes, per op"] = took / (4 * n_upd) * 1e9
         row("update() from 4 processes, wall time per increment", ours_upd, upd_peers,
             "throughput, zero lost increments")
         print(f"  => {4 * n_upd / el:,.0f} increments/s; counter = {total} "

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 from hypothesis import settings
 
 import kvcomm
+from kvcomm._wait import wait_until
 from kvcomm.tiers import l2
+
+T = TypeVar("T")
 
 # CI machines are shared and noisy: no per-example deadline; a failure prints the blob
 # that replays it exactly (@reproduce_failure), as randomised tests here print their seed
@@ -40,10 +43,9 @@ def kv(ns: str, config: kvcomm.Config) -> Iterator[kvcomm.Client]:
     client.close()
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``cond`` until true or fail after ``timeout`` seconds (no sleeping-and-hoping)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.002)
+def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "condition", *,
+             retry_on: tuple[type[BaseException], ...] = ()) -> T:
+    """:func:`kvcomm._wait.wait_until` for tests: polls ``cond`` (every 2 ms) until it
+    returns a true value, which it returns; fails the test (AssertionError) after
+    ``timeout`` seconds. No sleeping-and-hoping."""
+    return wait_until(cond, timeout, what, interval=0.002, retry_on=retry_on, error=AssertionError)

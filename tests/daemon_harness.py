@@ -18,8 +18,8 @@ import pytest
 
 import kvcomm
 from kvcomm.core import codec
+from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.node.daemon import NodeDaemon
-from kvcomm.testing.cluster import RedisCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store
 

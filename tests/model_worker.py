@@ -21,11 +21,11 @@ import faulthandler
 import multiprocessing as mp
 import signal
 import threading
-import time
 import traceback
 from typing import Any
 
 import kvcomm
+from kvcomm._wait import wait_until
 from kvcomm.tiers import l2
 
 Desc = tuple[Any, ...]
@@ -206,15 +206,18 @@ class _Worker:
         self.sync += 1
         marker = f"__sync/{self.sync}"
         self.kv.put(marker, self.sync)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+
+        def drained() -> tuple[list[tuple[str, str]]] | None:  # (events,): true even when empty
             with self.events_lock:
-                if (marker, "put") in self.events:
-                    out = [e for e in self.events if not e[0].startswith("__sync/")]
-                    self.events.clear()
-                    return out
-            time.sleep(0.001)
-        raise AssertionError("the watcher never saw the sync marker")
+                if (marker, "put") not in self.events:
+                    return None
+                out = [e for e in self.events if not e[0].startswith("__sync/")]
+                self.events.clear()
+                return (out,)
+
+        (got,) = wait_until(drained, 10, "the watcher to see the sync marker", interval=0.001,
+                            error=AssertionError)
+        return got
 
 
 def worker_main(conn: Any, cfg_map: dict[str, Any], watch: bool, dump_path: str) -> None:

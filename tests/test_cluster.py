@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import kvcomm
-from kvcomm.cli import devcluster
+from kvcomm import devcluster
 from kvcomm.tiers.l3 import L3Store, record_key
 
 from .conftest import wait_for
@@ -65,7 +65,7 @@ def whole_cluster(dev: dict[str, Any]) -> Iterator[None]:
     yield
     devcluster.wait_redis_whole(str(dev["dir"]), timeout=60)
     for h in dev["hosts"]:
-        wait_for(lambda h=h: devcluster._daemon_alive(h["namespace"]), 10,
+        wait_for(lambda h=h: devcluster.daemon_alive(h["namespace"]), 10,
                  f"{h['host']}'s daemon to be up after the test")
 
 
@@ -179,7 +179,7 @@ def test_daemon_kill_and_restart_loses_no_acknowledged_write(dev: dict[str, Any]
     finally:
         store.close()
         a.close()
-        if not devcluster._daemon_alive(dev["hosts"][0]["namespace"]):
+        if not devcluster.daemon_alive(dev["hosts"][0]["namespace"]):
             restart_daemon(dev, 0)
 
 
@@ -222,7 +222,7 @@ def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) ->
     finally:
         store.close()
         b.close()
-        if not devcluster._daemon_alive(dev["hosts"][1]["namespace"]):
+        if not devcluster.daemon_alive(dev["hosts"][1]["namespace"]):
             restart_daemon(dev, 1)
 
 
@@ -235,7 +235,7 @@ def test_a_foreign_value_in_l3_does_not_stop_the_daemon(dev: dict[str, Any]) -> 
         c.put("foreign/y", 2)
         wait_for(lambda: store.get("foreign/y") is not None, 10, "the other key to sync")
         assert store.rc.get(record_key("foreign/x")) == b"not ours"
-        assert devcluster._daemon_alive(dev["hosts"][2]["namespace"])
+        assert devcluster.daemon_alive(dev["hosts"][2]["namespace"])
     finally:
         store.close()
         c.close()
@@ -307,7 +307,7 @@ def test_resync_after_the_feed_was_trimmed_past_a_stopped_daemon(dev: dict[str, 
     finally:
         store.close()
         a.close(), b.close()
-        if not devcluster._daemon_alive(dev["hosts"][1]["namespace"]):
+        if not devcluster.daemon_alive(dev["hosts"][1]["namespace"]):
             restart_daemon(dev, 1)
 
 
@@ -336,7 +336,7 @@ def test_master_killed_mid_writes_loses_no_acknowledged_write(dev: dict[str, Any
     """A Redis master is SIGKILLed mid-writes; its replica takes over and every
     acknowledged write reaches L3. The killed node is brought back (as a replica) and
     the test ends only once the cluster is whole again."""
-    from kvcomm.testing.cluster import _command
+    from kvcomm.devcluster.redis_cluster import command
 
     a = host(dev, 0)
     store = l3(dev)
@@ -353,7 +353,7 @@ def test_master_killed_mid_writes_loses_no_acknowledged_write(dev: dict[str, Any
             try:
                 others = [int(x.rpartition(":")[2]) for x in dev["redis"]
                           if int(x.rpartition(":")[2]) != victim]
-                return (all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO") for p in others)
+                return (all(b"cluster_state:ok" in command(p, "CLUSTER", "INFO") for p in others)
                         and store.rc.get_node_from_key(record_key("failover/0")).port != victim)
             except (OSError, kvcomm.Unavailable):
                 return False

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcomm.testing.cluster import RedisCluster
+from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import GROUPS, MERGE_LUA, L3Store, feed_key, group_of, seq_key
 
 from .conftest import wait_for

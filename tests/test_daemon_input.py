@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 import kvcomm
-from kvcomm.cli import devcluster
+from kvcomm import devcluster
 from kvcomm.core import codec
+from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.node.daemon import NodeDaemon
-from kvcomm.testing.cluster import RedisCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.l2 import key_hash
 from kvcomm.tiers.l3 import L3Record, L3Store, feed_key, group_of, record_key, seq_key
@@ -217,9 +217,7 @@ def test_config_errors_are_config_errors(cluster: RedisCluster) -> None:
 
 
 def _spawn(cfg_path: Path, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvcomm", "node", "--config", str(cfg_path)],
-                                stdout=out, stderr=subprocess.STDOUT)
+    return devcluster.spawn_daemon(cfg_path, log, detached=False)
 
 
 def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
@@ -236,7 +234,7 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
     proc = _spawn(cfg_path, log)
     kv = None
     try:
-        wait_for(lambda: devcluster._daemon_alive(ns), 30, "the daemon to start")
+        wait_for(lambda: devcluster.daemon_alive(ns), 30, "the daemon to start")
         kv = kvcomm.open(config=str(cfg_path))
         for k in ("p/foreign", "p/huge", "p/ok"):
             remote_put(store, k, "v1", "host-a", 1)
@@ -265,7 +263,7 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
         proc.wait()
         store.rc.delete(f"kvn:{{{host_id}}}:quarantine")
         proc = _spawn(cfg_path, log)
-        wait_for(lambda: devcluster._daemon_alive(ns), 30, "the daemon to start again")
+        wait_for(lambda: devcluster.daemon_alive(ns), 30, "the daemon to start again")
         wait_for(lambda: "p/hot-junk" in set_aside_keys(store, host_id), 10,
                  "the restarted daemon to meet the corrupt hot key again")
         remote_put(store, "p/ok", "v3", "host-a", 3)
@@ -274,7 +272,7 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
         while time.monotonic() < end:
             assert proc.poll() is None, log.read_text()[-2000:]
             time.sleep(0.1)
-        assert devcluster._daemon_alive(ns)
+        assert devcluster.daemon_alive(ns)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0  # a signal: the one way out
     finally:

@@ -19,8 +19,8 @@ import kvcomm
 from kvcomm.core import codec
 from kvcomm.core.resolve import merge_rule
 from kvcomm.core.versions import Dotted
+from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import Unavailable
-from kvcomm.testing.cluster import RedisCluster
 from kvcomm.tiers.l3 import (
     MAX_COUNTER,
     CorruptRecord,
@@ -32,6 +32,7 @@ from kvcomm.tiers.l3 import (
     seq_key,
 )
 
+from .conftest import wait_for
 from .test_versions import histories
 
 pytestmark = pytest.mark.redis
@@ -369,13 +370,9 @@ def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
         victim = store.rc.get_node_from_key(record_key("failover/0")).port
         cluster.kill(victim)
         cluster.wait_healthy(30)
-        got = None
-        for _ in range(100):  # the client learns the new master after a refused call
-            try:
-                got = store.get("failover/0")
-                break
-            except Unavailable:
-                time.sleep(0.1)
+        # the client learns the new master after a refused call
+        got = wait_for(lambda: store.get("failover/0"), 10, "a read after the failover",
+                       retry_on=(Unavailable,))
         assert got == items[0][1]
         assert store.rc.get_node_from_key(record_key("failover/0")).port != victim  # failed over
         assert all(store.get(k) == r for k, r in items)
@@ -390,7 +387,7 @@ def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
 
 @needs_redis
 def test_a_killed_node_rejoins_and_the_cluster_is_whole_again(cluster: RedisCluster) -> None:
-    from kvcomm.testing.cluster import cluster_whole
+    from kvcomm.devcluster.redis_cluster import cluster_whole
 
     cluster.wait_restored(60)
     master = cluster.master_ports()[0]
@@ -412,23 +409,23 @@ def test_a_master_without_replicas_does_not_hold_writes_back(cluster: RedisClust
     every connected replica has it, or the host's dirty writes would never drain."""
     import redis
 
-    from kvcomm.testing.cluster import _command
+    from kvcomm.devcluster.redis_cluster import command
 
     cluster.wait_restored(60)
     store = L3Store(cluster.seeds, wait_replicas=1, wait_ms=1000)  # (WAIT returns when acked)
     try:
         master = store.rc.get_node_from_key(record_key("degraded/k")).port
         replica = next(p for p in cluster.ports if p != master and f":{master}".encode()
-                       in _command(p, "INFO", "replication").split(b"master_port")[-1][:12])
+                       in command(p, "INFO", "replication").split(b"master_port")[-1][:12])
         cluster.kill(replica)
         try:
             v = Dotted((("h", 1),), ("h", 1), 1 << 20)
-            t0 = time.monotonic()
             res = store.merge_many([("degraded/k", rec(v))])[0]
             if not isinstance(res, Exception) and not res.durable:  # it had one last time
                 res = store.merge_many([("degraded/k", rec(v))])[0]
+            # durable although WAIT 1 could never be acknowledged: it asked only for the
+            # replicas that are connected (no wall-time assertion: a loaded CI is slow)
             assert not isinstance(res, Exception) and res.durable
-            assert time.monotonic() - t0 < 4.0  # it no longer waits for a missing replica
             assert store.degraded  # counted (and logged once)
             healthy = store.merge_many([(f"degraded/{i}", rec(v)) for i in range(20)])
             assert all(not isinstance(r, Exception) and r.durable for r in healthy)

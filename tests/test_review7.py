@@ -263,9 +263,8 @@ def test_review7_writes_after_a_host_lost_its_l2_are_undone(cluster, store) -> N
         h.start()
         h.kv = kvcomm.open(config=h.config)
         h.kv.put("rb/k", "after-reboot")  # acknowledged
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _l3_value(store, "rb/k") != "after-reboot":
-            time.sleep(0.05)
+        wait_for(lambda: _l3_value(store, "rb/k") == "after-reboot", 10,
+                 "L3 to hold the write acknowledged after the host's L2 was lost (undone?)")
         h.kv._l1.clear()
         assert (_l3_value(store, "rb/k"), h.kv.get("rb/k")) == ("after-reboot", "after-reboot"), \
             "an acknowledged write made after the host's L2 was lost was undone"
@@ -486,10 +485,8 @@ def test_review7_l3_fill_racing_the_feed_serves_a_stale_value_forever(cluster, s
         assert h.kv.get("race/k") == "v1"  # fine: v1 was current when it was read
         h.kv._l3.get = real_get
         assert _l3_value(store, "race/k") == "v2"
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and h.kv.get("race/k") != "v2":
-            time.sleep(0.05)
-        assert h.kv.get("race/k") == "v2", "the host serves v1 forever; L3 has v2"
+        wait_for(lambda: h.kv.get("race/k") == "v2", 5, "the host to serve v2, which L3 has "
+                 "(it serves v1 forever?)")
     finally:
         h.close()
 

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ._extras import require_cluster
 from ._l2core import BatchOps, Getter, approx_size
-from .config import Config, resolve
+from .config import Config, load_config
 from .core import codec
 from .core.negative import NegativeCache
 from .core.resolve import PrefixTable, Sibling
@@ -1094,7 +1095,9 @@ def open(name: str | None = None, *,  # noqa: A001
     client works in cluster mode (a node daemon syncs the host with L3). Raises
     ConfigError, SegmentError.
     """
-    cfg = resolve(config)
+    cfg = load_config(config)
+    if cfg.cluster.redis:
+        require_cluster()  # at open(), not at the first L2 miss
     if name is None:
         name = cfg.node.namespace
     if type(name) is not str:

@@ -560,8 +560,11 @@ class Config(_Section):
         return "".join(lines)
 
 
-def resolve(config: Config | str | os.PathLike[str] | None) -> Config:
-    """A Config from what ``kvcomm.open(config=...)`` accepts. Raises ConfigError."""
+def load_config(config: Config | str | os.PathLike[str] | None) -> Config:
+    """The Config that ``kvcomm.open(config=...)`` and the ``--config`` option of every
+    command mean: the defaults for None, the Config itself, or the YAML file at a path
+    (:meth:`Config.load`). Raises ConfigError (a file that cannot be read or is invalid,
+    or another type); reads nothing else."""
     if config is None:
         return Config()
     if isinstance(config, Config):
@@ -569,3 +572,4 @@ def resolve(config: Config | str | os.PathLike[str] | None) -> Config:
     if isinstance(config, str | os.PathLike):
         return Config.load(config)
     raise ConfigError("", f"config must be a path or a kvcomm.Config, got {type(config).__name__}")
+

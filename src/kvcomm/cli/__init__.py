@@ -1,12 +1,15 @@
-"""``kvcomm``: thin commands over the public API.
+"""``kvcomm``: thin commands over the public API (``kvcomm --help``; every option is in
+the README's "Commands" section).
 
-    kvcomm demo [--agents N] [--seconds S] [--rate HZ] [--baseline auto|redis|manager|none]
-                [--plot FILE.png]
-    kvcomm info [--name N]          how much of a namespace's L2 segment is in use
-    kvcomm purge --name N           remove a namespace's segment
+    kvcomm demo [--agents N] [--seconds S] [--rate HZ] [--neighbours K]
+                [--baseline auto|redis|manager|none] [--plot FILE.png] [--cluster]
+                [--name NS] [--config FILE]
+    kvcomm info [--name NS] [--config FILE] [--json]
+    kvcomm purge --name NS [--config FILE]
     kvcomm config --show [--config FILE]
-    kvcomm node --config FILE       the host daemon (cluster mode)
-    kvcomm dev-cluster up --hosts N --dir DIR | down --dir DIR
+    kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
+    kvcomm dev-cluster up --dir DIR [--hosts N] | down --dir DIR
+    kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
 """
 
 from __future__ import annotations
@@ -15,16 +18,22 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from ..config import resolve
+from .._extras import require_cluster
+from ..config import load_config
 from ..errors import KVCommError
 
 
 def _info(args: argparse.Namespace) -> int:
+    """How much of a namespace's L2 segment is in use, its counters, and its node
+    daemon's state."""
     from ..tiers.l2 import L2Segment
 
-    c = resolve(args.config).cache
-    seg = L2Segment(args.name or resolve(args.config).node.namespace, create_layout=None,
+    cfg = load_config(args.config)
+    c = cfg.cache
+    seg = L2Segment(args.name or cfg.node.namespace, create_layout=None,
                     host_id="", directory=c.l2_dir, permissions=c.l2_permissions,
                     lock_timeout=c.lock_timeout)
     try:
@@ -51,11 +60,12 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    """Exit 0 when removed, 1 when there was no segment, 2 (with what to do) when it failed."""
+    """Remove a namespace's L2 segment. Exit status 0: removed; 1: there was none;
+    2: it could not be removed (the message says why)."""
     from ..tiers.l2 import purge, segment_path
 
     name = args.name
-    directory = resolve(args.config).cache.l2_dir
+    directory = load_config(args.config).cache.l2_dir
     try:
         removed = purge(name, directory)
     except KVCommError as exc:
@@ -99,18 +109,30 @@ def _purge_os_advice(name: str, exc: OSError) -> str:
 
 
 def _config(args: argparse.Namespace) -> int:
-    print(resolve(args.config).to_yaml(), end="")
+    """Print the effective config as YAML that loads back to the same config
+    (secrets shown as a comment, never their value)."""
+    print(load_config(args.config).to_yaml(), end="")
     return 0
 
 
 def _node(args: argparse.Namespace) -> int:
+    """The host's node daemon: keeps the host's L2 and the Redis Cluster (L3) in sync
+    until SIGTERM or SIGINT. Needs pip install 'kvcomm[cluster]'."""
     from ..node.daemon import main as node_main
 
-    return node_main(resolve(args.config), args.name)
+    cfg = load_config(args.config)
+    if cfg.cluster.redis:  # (without it, the daemon says what is missing from the config)
+        require_cluster("kvcomm node")
+    return node_main(cfg, args.name)
 
 
 def _dev_cluster(args: argparse.Namespace) -> int:
-    from . import devcluster
+    """A whole cluster on this machine (kvcomm.devcluster): a Redis Cluster of 3
+    masters and 3 replicas on free loopback ports and one node daemon per simulated host.
+    `up` writes DIR/host-N.yaml, the config agents of host N open; `down` stops it all and
+    removes the hosts' L2 segments. Needs redis-server, redis-cli and
+    pip install 'kvcomm[cluster]'."""
+    from .. import devcluster
 
     if args.action == "up":
         state = devcluster.up(args.hosts, args.dir)
@@ -126,8 +148,12 @@ def _dev_cluster(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
+    """Brings up a dev cluster, runs agents on every host and a seeded nemesis
+    injecting faults, then checks the recorded history: exit 0 only when nothing
+    acknowledged was lost. Needs redis-server and pip install 'kvcomm[cluster]'."""
     from ..faults import soak
 
+    require_cluster("kvcomm soak")
     opts: dict[str, object] = {
         "hosts": args.hosts, "seconds": args.seconds if args.seconds else args.minutes * 60,
         "seed": args.seed, "directory": args.dir, "workers": args.workers, "rate": args.rate,
@@ -140,76 +166,110 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """A drone swarm flying on KVCOMM, then the same swarm on a central store; prints
+    latencies side by side. Needs pip install 'kvcomm[demo]'."""
     from .demo import run_demo
 
     return run_demo(args)
 
 
+def _command(sub: Any, name: str, run: Callable[[argparse.Namespace], int],
+             summary: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``: ``summary`` in ``kvcomm --help``, and ``run``'s docstring
+    (written for users, then) as ``kvcomm NAME --help``'s description; ``run(args)``
+    returns the exit status."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=run.__doc__)
+    parser.set_defaults(func=run)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcomm", description="KVCOMM: shared memory for agents")
-    sub = p.add_subparsers(dest="command", required=True)
+    """The parser of every command; each option has its help (README: "Commands")."""
+    p = argparse.ArgumentParser(
+        prog="kvcomm", description="KVCOMM: shared memory for agents. "
+        "Run `kvcomm COMMAND --help` for the options of a command.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="drone swarm on the embedded default, against a central store")
-    d.add_argument("--agents", type=int, default=16, help="drone processes (default 16)")
-    d.add_argument("--seconds", type=float, default=8.0, help="flight time per run (default 8)")
-    d.add_argument("--rate", type=float, default=50.0, help="state updates per second (default 50)")
-    d.add_argument("--neighbours", type=int, default=8, help="states read per tick (default 8)")
+    d = _command(sub, "demo", _demo, "drone swarm on the embedded default, against a central store")
+    d.add_argument("--agents", type=int, default=16, metavar="N",
+                   help="drone processes, at least 2 (default 16)")
+    d.add_argument("--seconds", type=float, default=8.0, metavar="S",
+                   help="flight time per run (default 8)")
+    d.add_argument("--rate", type=float, default=50.0, metavar="HZ",
+                   help="state updates per second per drone (default 50)")
+    d.add_argument("--neighbours", type=int, default=8, metavar="K",
+                   help="states read per tick (default 8)")
     d.add_argument("--baseline", choices=["auto", "redis", "manager", "none"], default="auto",
-                   help="central store to compare with (auto: Redis if installed, else manager)")
-    d.add_argument("--plot", metavar="FILE.png", help="write a latency plot")
+                   help="central store to compare with (auto: Redis if redis-server and "
+                   "kvcomm[cluster] are installed, else a multiprocessing manager)")
+    d.add_argument("--plot", metavar="FILE.png",
+                   help="write a latency plot (needs pip install 'kvcomm[plot]')")
     d.add_argument("--cluster", action="store_true",
-                   help="3 hosts on a local Redis Cluster (needs redis-server), vs Redis Cluster")
-    d.add_argument("--name", default="demo", help="L2 namespace to use (purged before and after)")
-    d.add_argument("--config", help="a kvcomm YAML config")
-    d.set_defaults(func=_demo)
+                   help="3 hosts on a local Redis Cluster, against every agent on Redis "
+                   "Cluster (needs redis-server and kvcomm[cluster])")
+    d.add_argument("--name", default="demo", metavar="NS",
+                   help="L2 namespace to use (purged before and after; default demo)")
+    d.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (default: built-in defaults)")
 
-    i = sub.add_parser("info", help="show a namespace's L2 segment use")
-    i.add_argument("--name", help="the namespace (default: node.namespace of the config)")
-    i.add_argument("--config", help="a kvcomm YAML config (for cache.l2_dir and the namespace)")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(func=_info)
+    i = _command(sub, "info", _info, "show a namespace's L2 segment use")
+    i.add_argument("--name", metavar="NS",
+                   help="the namespace (default: node.namespace of the config)")
+    i.add_argument("--config", metavar="FILE",
+                   help="a kvcomm YAML config (for cache.l2_dir and the namespace)")
+    i.add_argument("--json", action="store_true", help="print every field as JSON")
 
-    u = sub.add_parser("purge", help="remove a namespace's L2 segment")
-    u.add_argument("--name", required=True)
-    u.add_argument("--config", help="a kvcomm YAML config (for cache.l2_dir)")
-    u.set_defaults(func=_purge)
+    u = _command(sub, "purge", _purge, "remove a namespace's L2 segment")
+    u.add_argument("--name", required=True, metavar="NS", help="the namespace to remove")
+    u.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (for cache.l2_dir)")
 
-    n = sub.add_parser("node", help="run the host daemon (cluster mode)")
-    n.add_argument("--config", required=True, help="the host's YAML config (cluster.redis set)")
-    n.add_argument("--name", help="L2 namespace (default: node.namespace from the config)")
-    n.set_defaults(func=_node)
+    n = _command(sub, "node", _node, "run the host daemon (cluster mode)")
+    n.add_argument("--config", required=True, metavar="FILE",
+                   help="the host's YAML config (cluster.redis set)")
+    n.add_argument("--name", metavar="NS",
+                   help="L2 namespace (default: node.namespace from the config)")
 
-    dc = sub.add_parser("dev-cluster", help="a local Redis Cluster + one daemon per host")
-    dc.add_argument("action", choices=["up", "down"])
-    dc.add_argument("--hosts", type=int, default=3)
-    dc.add_argument("--dir", required=True)
-    dc.set_defaults(func=_dev_cluster)
+    dc = _command(sub, "dev-cluster", _dev_cluster, "a local Redis Cluster + one daemon per host")
+    dc.add_argument("action", choices=["up", "down"],
+                    help="up: start it and wait until every daemon heartbeats; down: stop it")
+    dc.add_argument("--hosts", type=int, default=3, metavar="N",
+                    help="simulated hosts, 1 to 32 (up only; default 3)")
+    dc.add_argument("--dir", required=True, metavar="DIR",
+                    help="where its configs, logs and state (cluster.json) live")
 
-    sk = sub.add_parser("soak", help="a dev cluster under a random workload and a nemesis: "
-                        "is anything acknowledged lost?")
-    sk.add_argument("--hosts", type=int, default=3)
-    sk.add_argument("--minutes", type=float, default=10.0, help="workload time (default 10)")
-    sk.add_argument("--seconds", type=float, help="workload time in seconds (over --minutes)")
-    sk.add_argument("--seed", type=int, help="replay the run of this seed")
-    sk.add_argument("--faults", help="comma-separated fault kinds (default: all)")
-    sk.add_argument("--dir", help="keep the cluster's logs, histories and report here")
-    sk.add_argument("--workers", type=int, default=2, help="agent processes per host (default 2)")
-    sk.add_argument("--rate", type=float, default=50.0,
+    sk = _command(sub, "soak", _soak,
+                  "a dev cluster under a random workload and a nemesis: is anything "
+                  "acknowledged lost?")
+    sk.add_argument("--hosts", type=int, default=3, metavar="N",
+                    help="simulated hosts (default 3)")
+    sk.add_argument("--minutes", type=float, default=10.0, metavar="M",
+                    help="workload time in minutes (default 10)")
+    sk.add_argument("--seconds", type=float, metavar="S",
+                    help="workload time in seconds (over --minutes)")
+    sk.add_argument("--seed", type=int, metavar="N",
+                    help="replay the run of this seed (default: a random seed, printed)")
+    sk.add_argument("--faults", metavar="KIND,...",
+                    help="comma-separated fault kinds (default: all; README: Commands)")
+    sk.add_argument("--dir", metavar="DIR",
+                    help="keep the cluster's logs, histories and report here (default: a "
+                    "temporary directory, removed after a clean run)")
+    sk.add_argument("--workers", type=int, default=2, metavar="N",
+                    help="agent processes per host (default 2)")
+    sk.add_argument("--rate", type=float, default=50.0, metavar="HZ",
                     help="operations per second per agent (default 50)")
     sk.add_argument("--no-shared-deletes", action="store_true",
                     help="agents never delete keys other hosts write")
     sk.add_argument("--strict-reads", action="store_true",
                     help="a stale read of an agent's own key fails the run too")
-    sk.add_argument("--converge-timeout", type=float, default=60.0,
+    sk.add_argument("--converge-timeout", type=float, default=60.0, metavar="S",
                     help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    sk.set_defaults(func=_soak)
 
-    c = sub.add_parser("config", help="print the effective config")
-    c.add_argument("--show", action="store_true", required=True)
-    c.add_argument("--config", help="a kvcomm YAML config (default: built-in defaults)")
-    c.set_defaults(func=_config)
+    c = _command(sub, "config", _config, "print the effective config")
+    c.add_argument("--show", action="store_true", required=True,
+                   help="print it (the one action; required)")
+    c.add_argument("--config", metavar="FILE",
+                   help="a kvcomm YAML config (default: built-in defaults)")
     return p
 
 

@@ -29,7 +29,8 @@ import msgpack
 
 from .._client import Client
 from .._client import open as kv_open
-from ..config import Config, resolve
+from .._extras import available, require, require_cluster
+from ..config import Config, load_config
 from ..tiers.l2 import purge
 
 WORLD = 200.0
@@ -265,25 +266,37 @@ def _pct(values: list[int], q: float) -> float:
 
 
 def _choose_baseline(choice: str) -> str:
-    from ..testing.servers import redis_server_path
+    """The baseline to run: ``auto`` is Redis when both redis-server and redis-py are
+    installed, else the manager. Raises ConfigError when ``redis`` is asked for without
+    redis-py."""
+    from ..devcluster.redis_server import redis_server_path
 
     if choice == "auto":
-        return "redis" if redis_server_path() else "manager"
+        return "redis" if redis_server_path() and available("redis") else "manager"
+    if choice == "redis":
+        require_cluster("the demo's Redis baseline")
     return choice
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo as ``kvcomm demo`` was asked; returns the exit status. Raises
+    ConfigError (before anything runs) when an extra it needs is missing."""
+    require("rich", extra="demo", purpose="kvcomm demo")
+    if args.plot:
+        require("matplotlib", extra="plot", purpose="kvcomm demo --plot")
+    if args.cluster:
+        require_cluster("kvcomm demo --cluster")
     from rich.console import Console
 
     if args.agents < 2 or args.seconds <= 0 or args.rate <= 0 or args.neighbours < 1:
         print("kvcomm demo: need --agents >= 2, --seconds > 0, --rate > 0, --neighbours >= 1",
               file=sys.stderr)
         return 2
+    baseline = _choose_baseline(args.baseline)
     console = Console()
-    cfg = resolve(args.config)
+    cfg = load_config(args.config)
     results = (f"{args.name}-results", Config.from_mapping({"cache": {"l2_size": "64MB"}}))
     purge(args.name)
-    baseline = _choose_baseline(args.baseline)
     console.print(f"[bold]KVCOMM swarm demo[/]: {args.agents} drones, {args.rate:g} Hz, "
                   f"{args.seconds:g} s, {args.neighbours} neighbours read per tick; "
                   f"baseline: {baseline}  (pid {os.getpid()})")
@@ -296,7 +309,7 @@ def run_demo(args: argparse.Namespace) -> int:
     server = manager = None
     try:
         if baseline == "redis":
-            from ..testing.servers import RedisServer
+            from ..devcluster.redis_server import RedisServer
 
             server = RedisServer().start()
             port = server.port
@@ -324,7 +337,7 @@ def _run_cluster_demo(args: argparse.Namespace, console: Any,
     import shutil
     import tempfile
 
-    from . import devcluster
+    from .. import devcluster
 
     if shutil.which("redis-server") is None:
         console.print("--cluster needs Redis: apt-get install redis-server (Debian), then retry")
@@ -337,7 +350,7 @@ def _run_cluster_demo(args: argparse.Namespace, console: Any,
     seeds = [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in state["redis"]]
     try:
         ours = _run_swarm("kvcomm, 3 hosts (L1+L2+L3)",
-                          lambda i: KvcommStore(None, resolve(configs[i % 3])),
+                          lambda i: KvcommStore(None, load_config(configs[i % 3])),
                           args, results, use_watch=True)
         theirs = _run_swarm("every agent on Redis Cluster", lambda i: RedisClusterStore(seeds),
                             args, results, use_watch=False)
@@ -393,13 +406,11 @@ def _report(console: Any, args: argparse.Namespace, ours: dict[str, Any],
 
 
 def _plot(path: str, ours: dict[str, Any], theirs: dict[str, Any] | None, baseline: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # (run_demo checked that it is installed before the run)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvcomm[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, op in zip(axes, ("gets", "puts"), strict=True):
         for label, res in (("kvcomm", ours), (baseline, theirs)):

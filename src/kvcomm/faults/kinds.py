@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 
+from .._wait import wait_until
 from ..errors import Unavailable
 from ..tiers.l2 import key_hash
 from ..tiers.l3 import GROUPS, feed_key, group_of
@@ -38,19 +38,19 @@ from .nemesis import Fault, register
 from .target import DevClusterTarget
 
 
-def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``cond`` until true; Unavailable after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise Unavailable(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
-
-
 class DevFault(Fault):
     """A fault against a dev cluster, with helpers for the ones that write."""
 
     target: DevClusterTarget
+    pid: int | None = None  # a daemon this fault paused, until heal resumes it
+
+    def _resume(self) -> str:
+        """Resume the daemon this fault paused, if any; says what was done."""
+        if self.pid is None:
+            return ""
+        self.target.resume_daemon(self.pid)
+        self.pid = None
+        return "daemon resumed"
 
     def _host(self, rng: random.Random) -> int:
         i = rng.randrange(self.target.hosts)
@@ -94,16 +94,11 @@ class PauseDaemon(DevFault):
 
     def inject(self, rng: random.Random) -> str:
         self.host = self._host(rng)
-        self.pid: int | None = self.target.pause_daemon(self.host)
+        self.pid = self.target.pause_daemon(self.host)
         return f"SIGSTOP {self.target.host_ids[self.host]}'s daemon (pid {self.pid})"
 
     def heal(self) -> str:
-        if getattr(self, "pid", None) is None:
-            return ""
-        assert self.pid is not None
-        self.target.resume_daemon(self.pid)
-        self.pid = None
-        return "SIGCONT"
+        return self._resume() and "SIGCONT"
 
 
 @register
@@ -185,7 +180,7 @@ class TrimStream(DevFault):
             key = key_in_group(f"soak/n/trim/{rng.getrandbits(32):08x}/", group)
             self.effect["probe"] = key
             v1 = self._put(a, key)
-            wait(lambda: self._in_l3(key, v1), 15, f"{key} to reach L3")
+            wait_until(lambda: self._in_l3(key, v1), 15, f"{key} to reach L3")
             reader = t.recorder(h)
 
             def held() -> bool:  # read on h: L2 fills from L3, so h's daemon tracks the key
@@ -193,10 +188,10 @@ class TrimStream(DevFault):
                 return ok and value_id(got) == value_id(v1) and \
                     t.segment(h).read(key.encode(), key_hash(key.encode())) is not None
 
-            wait(held, 15, f"{t.host_ids[h]} to hold {key}")
-            self.pid: int | None = t.pause_daemon(h, avoid_lock=True)
+            wait_until(held, 15, f"{t.host_ids[h]} to hold {key}")
+            self.pid = t.pause_daemon(h, avoid_lock=True)
             v2 = self._put(a, key)
-            wait(lambda: self._in_l3(key, v2), 15, f"the change of {key} to reach L3")
+            wait_until(lambda: self._in_l3(key, v2), 15, f"the change of {key} to reach L3")
             paused = (f" while {t.host_ids[h]}'s daemon was paused; probe {key} changed on "
                       f"{t.host_ids[a]} in between")
         n = t.l3()._call(lambda: t.l3().rc.xtrim(feed_key(group), maxlen=0, approximate=False))
@@ -205,12 +200,7 @@ class TrimStream(DevFault):
         return f"XTRIM {feed_key(group)} MAXLEN 0 removed {n} entries{paused}"
 
     def heal(self) -> str:
-        if getattr(self, "pid", None) is None:
-            return ""
-        assert self.pid is not None
-        self.target.resume_daemon(self.pid)
-        self.pid = None
-        return "daemon resumed"
+        return self._resume()
 
 
 @register
@@ -231,7 +221,7 @@ class FeedOverflow(DevFault):
         probes = [f"soak/n/ovf/{tag}/d{i}" for i in range(self.PROBES)]
         for p in probes:
             self._put(h, p)
-        wait(lambda: self._clean(h, probes), 15, f"the probes to reach L3 from {host}")
+        wait_until(lambda: self._clean(h, probes), 15, f"the probes to reach L3 from {host}")
         # a few keys rewritten over and over: every write is a feed event, but a rewrite of
         # a key already waiting for L3 adds nothing to cluster.outbound_max's count
         fillers = [f"soak/n/ovf/{host}/f{i % 16}" for i in range(ring + 16)]
@@ -239,9 +229,9 @@ class FeedOverflow(DevFault):
         ok = False
         events = 0
         for _ in range(3):  # a single check of the write bound guards today's batches
-            wait(lambda: seg.feed_head() - seg.sync_cursor < bound // 4, 15,
+            wait_until(lambda: seg.feed_head() - seg.sync_cursor < bound // 4, 15,
                  f"{host}'s sync backlog to drain")
-            self.pid: int | None = t.pause_daemon(h, avoid_lock=True)
+            self.pid = t.pause_daemon(h, avoid_lock=True)
             head = seg.feed_head()
             ok = w.batch([(DELETE, p, None) for p in probes]
                          + [(PUT, f, w.new_value()) for f in fillers])
@@ -258,12 +248,7 @@ class FeedOverflow(DevFault):
                 f"wrote {len(fillers)} keys: {events} feed events into a ring of {ring}")
 
     def heal(self) -> str:
-        if getattr(self, "pid", None) is None:
-            return ""
-        assert self.pid is not None
-        self.target.resume_daemon(self.pid)
-        self.pid = None
-        return "daemon resumed"
+        return self._resume()
 
 
 @register
@@ -282,7 +267,7 @@ class L2Evict(DevFault):
         probes = [f"soak/n/evict/{tag}/p{i}" for i in range(self.PROBES)]
         for p in probes:
             self._put(h, p)
-        wait(lambda: self._clean(h, probes), 15, f"the probes to reach L3 from {host}")
+        wait_until(lambda: self._clean(h, probes), 15, f"the probes to reach L3 from {host}")
         data = seg.layout.data_size
         size = max(4096, data // 256)
         count = int(1.5 * data / size) + 1

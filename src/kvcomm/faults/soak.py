@@ -2,7 +2,7 @@
 
 What a run does
 ---------------
-1. Brings up a dev cluster (:func:`kvcomm.cli.devcluster.up`) whose hosts have a small
+1. Brings up a dev cluster (:func:`kvcomm.devcluster.up`) whose hosts have a small
    L2 (``cache.l2_size``, so evictions happen) and a small change-feed ring
    (``cache.watch_buffer``, so it can overflow).
 2. Starts ``workers`` agent processes per host. Each writes unique values
@@ -404,7 +404,7 @@ def run_soak(opts: SoakOptions) -> SoakResult:
                      f"--rate {opts.rate:g}" + ("" if opts.shared_deletes
                                                  else " --no-shared-deletes"))
     log(f"kvcomm soak: seed {seed}; replay with `{result.replay}`; directory {base}")
-    from ..cli import devcluster
+    from .. import devcluster
 
     devcluster.up(opts.hosts, str(cluster_dir), l2_size=opts.l2_size,
                   watch_buffer=opts.watch_buffer, timeout=120.0)

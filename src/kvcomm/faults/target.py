@@ -14,47 +14,23 @@ per-host proxies, an etcd fault an etcd cluster: a target that has them says so)
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from .._client import Client
 from .._client import open as kv_open
+from .._extras import require_cluster
+from .._wait import wait_until
+from ..devcluster import control
+from ..devcluster.procs import kill, proc_state, running
+from ..devcluster.redis_cluster import cluster_ok, command
 from ..errors import Unavailable
-from ..testing.cluster import _command, node_argv
 from ..tiers.l2 import L2Segment
 from ..tiers.l3 import L3Store, feed_key
-from ..tiers.shm.layout import H
 from .history import HistoryWriter, Recorder
-
-
-def proc_state(pid: int) -> str:
-    """The state letter of ``pid`` in /proc (R, S, T, Z, ...), or "" when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return ""
-    return data[data.rfind(b")") + 2: data.rfind(b")") + 3].decode()
-
-
-def wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    """Reap ``pid`` if it is our child; True once it has exited (zombies count as gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return True
-        except ChildProcessError:
-            pass  # not our child (or already reaped)
-        if proc_state(pid) in ("", "Z", "X"):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 class DevClusterTarget:
@@ -64,12 +40,12 @@ class DevClusterTarget:
 
     def __init__(self, directory: str | os.PathLike[str],
                  history_dir: str | os.PathLike[str] | None = None) -> None:
+        require_cluster("the fault tools")
         self.dir = Path(directory).resolve()
-        self.state_file = self.dir / "cluster.json"
         state = self._state()
         self.host_ids: list[str] = [h["host"] for h in state["hosts"]]
         self.configs: list[str] = [h["config"] for h in state["hosts"]]
-        self.redis_ports: list[int] = [int(a.rpartition(":")[2]) for a in state["redis"]]
+        self.redis_ports: list[int] = control.redis_ports(state)
         self.history_dir = Path(history_dir) if history_dir is not None else None
         self._clients: dict[int, Client] = {}
         self._recorders: dict[int, Recorder] = {}
@@ -80,16 +56,7 @@ class DevClusterTarget:
         return len(self.host_ids)
 
     def _state(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.state_file.read_text())  # type: ignore[no-any-return]
-        except (OSError, ValueError) as exc:
-            raise Unavailable(f"no dev cluster in {self.dir} ({exc}); "
-                              "start one with `kvcomm dev-cluster up`") from None
-
-    def _save(self, state: dict[str, Any]) -> None:
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self.state_file)
+        return control.load_state(self.dir)
 
     # ------------------------------------------------------------------ per host
 
@@ -123,10 +90,9 @@ class DevClusterTarget:
         delay = 0.002
         while True:
             os.kill(pid, signal.SIGSTOP)
-            while proc_state(pid) not in ("T", "t", "", "Z"):  # the signal is asynchronous
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"{self.host_ids[i]}'s daemon (pid {pid}) did not stop")
-                time.sleep(0.001)
+            wait_until(lambda: proc_state(pid) in ("T", "t", "", "Z"),  # signals are asynchronous
+                       max(0.0, deadline - time.monotonic()),
+                       f"{self.host_ids[i]}'s daemon (pid {pid}) to stop", interval=0.001)
             if not avoid_lock or self.segment(i).lock_owner() != pid:
                 return pid
             os.kill(pid, signal.SIGCONT)  # stopped holding the lock: let it finish, retry
@@ -144,37 +110,16 @@ class DevClusterTarget:
     def kill_daemon(self, i: int) -> int:
         """SIGKILL host ``i``'s daemon (a crash); returns the pid it had."""
         pid = self.daemon_pid(i)
-        try:
-            os.kill(pid, signal.SIGCONT)  # a stopped process dies just as well, but be plain
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        wait_gone(pid)
+        kill(pid)
         return pid
 
     def restart_daemon(self, i: int, timeout: float = 30.0) -> int:
         """Start host ``i``'s daemon again; returns its new pid once that process itself
         heartbeats. Raises Unavailable when it exits or stays silent for ``timeout`` s."""
-        from ..cli import devcluster
-
-        pid = devcluster.restart_daemon(str(self.dir), i, timeout)
-        # devcluster's wait can be satisfied by the killed daemon's last heartbeat (fresh
-        # for 2 s): wait for one signed with the new pid
-        seg = self.segment(i)
-        deadline = time.monotonic() + timeout
-        while not (seg._q[H["DAEMON_PID"]] == pid and seg.daemon_alive()):
-            if proc_state(pid) in ("", "Z"):
-                wait_gone(pid, 1.0)
-                raise Unavailable(f"{self.host_ids[i]}'s restarted daemon (pid {pid}) exited; "
-                                  f"see {self.dir}/{self.host_ids[i]}.log")
-            if time.monotonic() > deadline:
-                raise Unavailable(f"{self.host_ids[i]}'s restarted daemon (pid {pid}) did not "
-                                  f"heartbeat within {timeout:.0f}s")
-            time.sleep(0.02)
-        return pid
+        return control.restart_daemon(str(self.dir), i, timeout)
 
     def daemon_alive(self, i: int) -> bool:
-        return self.segment(i).daemon_alive() and proc_state(self.daemon_pid(i)) not in ("", "Z")
+        return self.segment(i).daemon_alive() and running(self.daemon_pid(i))
 
     # ------------------------------------------------------------------ Redis Cluster
 
@@ -188,13 +133,13 @@ class DevClusterTarget:
         return int(state["redis_pids"][self.redis_ports.index(port)])
 
     def live_redis(self) -> list[int]:
-        return [p for p in self.redis_ports if proc_state(self.redis_pid(p)) not in ("", "Z")]
+        return [p for p in self.redis_ports if running(self.redis_pid(p))]
 
     def cluster_nodes(self) -> list[dict[str, Any]]:
         """CLUSTER NODES as a live node sees it: port, flags, master id, slot ranges."""
         for port in self.live_redis():
             try:
-                raw = _command(port, "CLUSTER", "NODES")
+                raw = command(port, "CLUSTER", "NODES")
             except OSError:
                 continue
             if not raw.startswith(b"$"):
@@ -228,64 +173,32 @@ class DevClusterTarget:
         raise Unavailable(f"no master serves slot {slot} (group {group})")
 
     def kill_redis(self, port: int) -> int:
-        pid = self.redis_pid(port)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        wait_gone(pid)
-        return pid
+        """SIGKILL the Redis node on ``port``; returns its pid once it is gone."""
+        return control.kill_redis(str(self.dir), port)
 
     def wait_failover(self, port: int, timeout: float = 60.0) -> float:
         """Until the slots of the dead node ``port`` are served by others and every live
         node reports ``cluster_state:ok``. Returns the seconds waited. Raises Unavailable."""
         start = time.monotonic()
-        while True:
-            try:
-                nodes = self.cluster_nodes()
-                dead = [n for n in nodes if n["port"] == port]
-                covered = sum(hi - lo + 1 for n in nodes if n["port"] != port
-                              and "master" in n["flags"] and "fail" not in n["flags"]
-                              for lo, hi in n["slots"])
-                if (covered == 16384 and not (dead and dead[0]["slots"])
-                        and all(b"cluster_state:ok" in _command(p, "CLUSTER", "INFO")
-                                for p in self.live_redis())):
-                    return time.monotonic() - start
-            except (OSError, Unavailable):
-                pass
-            if time.monotonic() - start > timeout:
-                raise Unavailable(f"Redis node {port} died and no replica took over within "
-                                  f"{timeout:.0f}s")
-            time.sleep(0.1)
+
+        def taken_over() -> bool:
+            nodes = self.cluster_nodes()
+            dead = [n for n in nodes if n["port"] == port]
+            covered = sum(hi - lo + 1 for n in nodes if n["port"] != port
+                          and "master" in n["flags"] and "fail" not in n["flags"]
+                          for lo, hi in n["slots"])
+            return (covered == 16384 and not (dead and dead[0]["slots"])
+                    and all(cluster_ok(p) for p in self.live_redis()))
+
+        wait_until(taken_over, timeout, f"a replica to take over from the dead Redis node {port}",
+                   interval=0.1, retry_on=(OSError, Unavailable))
+        return time.monotonic() - start
 
     def restart_redis(self, port: int, timeout: float = 60.0) -> int:
         """Start the killed node ``port`` again from its directory (its nodes.conf makes it
         rejoin; having lost its data, it comes back as a replica of the node that took
-        over). Returns once it is a replica in sync. Raises Unavailable."""
-        pid = self.redis_pid(port)
-        if proc_state(pid) not in ("", "Z"):
-            raise Unavailable(f"Redis node {port} (pid {pid}) is still running")
-        node_dir = self.dir / "redis" / str(port)
-        proc = subprocess.Popen(node_argv(port, str(node_dir)), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        state = self._state()
-        state["redis_pids"][self.redis_ports.index(port)] = proc.pid
-        self._save(state)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                info = _command(port, "INFO", "replication")
-                if b"role:slave" in info and b"master_link_status:up" in info and \
-                        b"cluster_state:ok" in _command(port, "CLUSTER", "INFO"):
-                    return proc.pid
-            except OSError:
-                pass
-            if proc.poll() is not None:
-                raise Unavailable(f"restarted Redis node {port} exited ({proc.returncode})")
-            if time.monotonic() > deadline:
-                raise Unavailable(f"restarted Redis node {port} did not rejoin as a synced "
-                                  f"replica within {timeout:.0f}s")
-            time.sleep(0.1)
+        over). Returns its pid once the cluster is whole again. Raises Unavailable."""
+        return control.restart_redis(str(self.dir), port, timeout)
 
     # ------------------------------------------------------------------ lifecycle
 

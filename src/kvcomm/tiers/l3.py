@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 import msgpack
 import xxhash
 
+from .._extras import require_cluster
 from ..core import codec
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
 from ..core.versions import Dotted, Vector
@@ -366,6 +367,7 @@ class L3Store:
                  username: str | None = None, tls: bool = False, timeout: float = 2.0,
                  feed_maxlen: int = FEED_MAXLEN, wait_replicas: int = 0,
                  wait_ms: int = 100, max_value_size: int = MAX_VALUE_SIZE) -> None:
+        require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode, RedisCluster
 
         try:

@@ -1,15 +1,16 @@
 """A real Redis Cluster on loopback: 3 masters + 3 replicas by default, free ports, temp dirs.
 
-For tests, benchmarks and local development. The nodes are Debian's ``redis-server``
-started with ``cluster-enabled yes`` and joined by ``redis-cli --cluster create``;
-:meth:`RedisCluster.start` returns once every node reports ``cluster_state:ok`` and
-every slot is served. Faults are injected on purpose: :meth:`kill` (SIGKILL) and
-:meth:`pause` / :meth:`resume` (SIGSTOP / SIGCONT) of one node. A test that kills a
-node heals the cluster before it ends: :meth:`restart` brings the node back on its
-port (it rejoins, as a replica if its replica took over) and :meth:`wait_restored`
-returns once the cluster is whole again — every node up and agreeing that every slot is
-served, every master with its replicas online and caught up — so that no later test
-depends on what an earlier one broke.
+The L3 of ``kvcomm dev-cluster``, and what tests and benchmarks run cluster mode on. The
+nodes are Debian's ``redis-server`` started with ``cluster-enabled yes`` and joined by
+``redis-cli --cluster create``; :meth:`RedisCluster.start` returns once every node
+reports ``cluster_state:ok`` and every slot is served. Faults are injected on purpose:
+:meth:`~RedisCluster.kill` (SIGKILL) and :meth:`~RedisCluster.pause` /
+:meth:`~RedisCluster.resume` (SIGSTOP / SIGCONT) of one node. A test that kills a node
+heals the cluster before it ends: :meth:`~RedisCluster.restart` brings the node back on
+its port (it rejoins, as a replica if its replica took over) and
+:meth:`~RedisCluster.wait_restored` returns once the cluster is whole again — every node
+up and agreeing that every slot is served, every master with its replicas online and
+caught up — so that no later test depends on what an earlier one broke.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ import socket
 import subprocess
 import tempfile
 import time
-from types import TracebackType
+from collections.abc import Callable
+from functools import partial
 
+from .._wait import wait_until
 from ..errors import Unavailable
-from .servers import terminate
+from .procs import Service, spawn
+from .procs import kill as kill_proc
+from .procs import stop as stop_procs
 
 
 def _port_range() -> tuple[int, int]:
@@ -56,8 +61,9 @@ def free_cluster_port(rng: random.Random | None = None) -> int:
     raise Unavailable("no free port pair for a Redis Cluster node")
 
 
-def _command(port: int, *args: str, timeout: float = 1.0) -> bytes:
-    """One inline command over a raw socket (no client library needed to bootstrap)."""
+def command(port: int, *args: str, timeout: float = 1.0) -> bytes:
+    """The raw reply to one inline command sent to 127.0.0.1:``port`` over a plain socket
+    (no client library needed: the dev cluster runs without redis-py). Raises OSError."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall((" ".join(args) + "\r\n").encode())
         data = b""
@@ -105,8 +111,8 @@ def cluster_whole(ports: list[int], replicas: int) -> tuple[str, dict[int, int]]
     masters: dict[int, int] = {}
     for port in ports:
         try:
-            cinfo = _info(_command(port, "CLUSTER", "INFO"))
-            rinfo = _info(_command(port, "INFO", "replication"))
+            cinfo = _info(command(port, "CLUSTER", "INFO"))
+            rinfo = _info(command(port, "INFO", "replication"))
         except OSError:
             return f"node {port} does not answer", {}
         if cinfo.get("cluster_state") != "ok" or cinfo.get("cluster_slots_ok") != "16384":
@@ -125,8 +131,17 @@ def cluster_whole(ports: list[int], replicas: int) -> tuple[str, dict[int, int]]
     return "", masters
 
 
+def cluster_ok(port: int) -> bool:
+    """True when the node on ``port`` reports ``cluster_state:ok``. Raises OSError."""
+    return b"cluster_state:ok" in command(port, "CLUSTER", "INFO")
+
+
+def _replicas_online(port: int, replicas: int) -> bool:
+    return command(port, "INFO", "replication").count(b"state=online") >= replicas
+
+
 def _replicas_reached(port: int, target: int) -> bool:
-    rinfo = _info(_command(port, "INFO", "replication"))
+    rinfo = _info(command(port, "INFO", "replication"))
     offsets = [int(dict(p.split("=", 1) for p in v.split(",") if "=" in p).get("offset", "-1"))
                for k, v in rinfo.items() if k.startswith("slave")]
     return bool(offsets) and min(offsets) >= target
@@ -137,50 +152,51 @@ def wait_failed_over(ports: list[int], port: int, timeout: float = 30.0) -> None
     serves no slot: its replica has taken over. A master restarted before that would
     come back empty and still a master, and its replica would copy the empty data set.
     Raises Unavailable."""
-    deadline = time.monotonic() + timeout
     others = [p for p in ports if p != port]
-    while True:
-        for live in others:
+
+    def failed_over() -> bool:
+        for live in others:  # the first live node's view is enough
             try:
-                nodes = _command(live, "CLUSTER", "NODES", timeout=1.0).decode(errors="replace")
+                nodes = command(live, "CLUSTER", "NODES").decode(errors="replace")
             except OSError:
                 continue
             for line in nodes.splitlines():
-                parts = line.split()
-                if len(parts) >= 8 and parts[1].split("@")[0].endswith(f":{port}"):
-                    if "fail" in parts[2].split(",") and len(parts) == 8:
-                        if b"cluster_state:ok" in _command(live, "CLUSTER", "INFO"):
-                            return
-            break  # one live node's view is enough; ask again
-        if time.monotonic() > deadline:
-            raise Unavailable(f"node {port} was not failed over within {timeout}s")
-        time.sleep(0.05)
+                parts = line.split()  # a line with no slot ranges: the node serves none
+                if len(parts) == 8 and parts[1].split("@")[0].endswith(f":{port}") \
+                        and "fail" in parts[2].split(","):
+                    return cluster_ok(live)
+            return False
+        return False
+
+    wait_until(failed_over, timeout, f"node {port} to be failed over", interval=0.05,
+               retry_on=(OSError,))
 
 
 def wait_whole(ports: list[int], replicas: int, timeout: float = 60.0) -> None:
     """Until :func:`cluster_whole`, and every replica has acknowledged what its master
     held at that moment. Raises Unavailable naming what is still missing."""
-    deadline = time.monotonic() + timeout
     why = "not checked"
-    while time.monotonic() <= deadline:
+    pending: dict[int, int] | None = None  # once whole: master -> offset its replicas must reach
+
+    def healed() -> bool:
+        nonlocal why, pending
         try:
-            why, masters = cluster_whole(ports, replicas)
-            if not why:
-                pending = dict(masters)
-                while pending and time.monotonic() <= deadline:
-                    pending = {p: t for p, t in pending.items() if not _replicas_reached(p, t)}
-                    if pending:
-                        time.sleep(0.05)
-                if not pending:
-                    return
-                why = f"the replicas of {sorted(pending)} are behind"
+            if pending is None:
+                why, masters = cluster_whole(ports, replicas)
+                if why:
+                    return False
+                pending = masters
+            pending = {p: t for p, t in pending.items() if not _replicas_reached(p, t)}
         except (OSError, ValueError) as exc:
-            why = f"a node answered oddly ({exc})"
-        time.sleep(0.05)
-    raise Unavailable(f"the Redis Cluster did not heal within {timeout}s: {why}")
+            why, pending = f"a node answered oddly ({exc})", None
+            return False
+        why = f"the replicas of {sorted(pending)} are behind"
+        return not pending
+
+    wait_until(healed, timeout, lambda: f"the Redis Cluster to heal ({why})", interval=0.05)
 
 
-class RedisCluster:
+class RedisCluster(Service):
     """``masters`` masters with ``replicas`` replicas each, on 127.0.0.1."""
 
     def __init__(self, masters: int = 3, replicas: int = 1,
@@ -208,18 +224,19 @@ class RedisCluster:
     def _all_answer(self, deadline: float) -> bool:
         """True once every node answers PING; False as soon as one has exited."""
         pending = list(self.ports)
-        while pending:
+
+        def answered() -> bool:
             if any(self.procs[p].poll() is not None for p in self.ports):
-                return False
-            try:
-                if _command(pending[0], "PING").startswith(b"+PONG"):
-                    pending.pop(0)
-                    continue
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
+                raise Unavailable("a node exited")
+            while pending and command(pending[0], "PING").startswith(b"+PONG"):
+                pending.pop(0)
+            return not pending
+
+        try:
+            wait_until(answered, max(0.0, deadline - time.monotonic()), "the nodes to answer",
+                       interval=0.02, retry_on=(OSError,))
+        except Unavailable:
+            return False
         return True
 
     @property
@@ -229,11 +246,8 @@ class RedisCluster:
     def _start_node(self, port: int) -> None:
         node_dir = os.path.join(self.dir, str(port))
         os.makedirs(node_dir, exist_ok=True)
-        self.procs[port] = subprocess.Popen(
-            node_argv(port, node_dir, self.node_timeout_ms),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=self.detached,
-        )
+        self.procs[port] = spawn(node_argv(port, node_dir, self.node_timeout_ms),
+                                 detached=self.detached)
 
     @property
     def pids(self) -> list[int]:
@@ -247,7 +261,7 @@ class RedisCluster:
             if self._all_answer(deadline):
                 break
             # a node could not bind (a port race): stop them all, try other ports
-            terminate(list(self.procs.values()))
+            stop_procs(self.procs.values(), timeout=5.0)
             self.procs.clear()
             if attempt == attempts - 1:
                 self.stop()
@@ -262,25 +276,21 @@ class RedisCluster:
             self.stop()
             raise Unavailable(f"redis-cli --cluster create failed: {out.stdout[-500:]}{out.stderr}")
         for port in self.ports:
-            self._wait(lambda p=port: b"cluster_state:ok" in _command(p, "CLUSTER", "INFO"),
-                       deadline, f"node {port} to see the cluster ok")
+            self._wait(partial(cluster_ok, port), deadline, f"node {port} to see the cluster ok")
         # a replica that has not finished its first sync cannot take over: wait for them
         for port in self.master_ports():
-            self._wait(lambda p=port: _command(p, "INFO", "replication").count(b"state=online")
-                       >= self.replicas, deadline, f"the replicas of {port} to sync")
+            self._wait(partial(_replicas_online, port, self.replicas), deadline,
+                       f"the replicas of {port} to sync")
         return self
 
-    def _wait(self, cond: object, deadline: float, what: str) -> None:
-        while True:
-            try:
-                if cond():  # type: ignore[operator]
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise Unavailable(f"timed out waiting for {what}")
-            time.sleep(0.05)
+    def _wait(self, cond: Callable[[], bool], deadline: float, what: str) -> None:
+        """:func:`wait_until` ``deadline``; stops the whole cluster when it times out."""
+        try:
+            wait_until(cond, max(0.0, deadline - time.monotonic()), what, interval=0.05,
+                       retry_on=(OSError,))
+        except Unavailable:
+            self.stop()
+            raise
 
     def master_ports(self) -> list[int]:
         out = []
@@ -288,7 +298,7 @@ class RedisCluster:
             if self.procs[port].poll() is not None:
                 continue
             try:
-                if b"role:master" in _command(port, "INFO", "replication"):
+                if b"role:master" in command(port, "INFO", "replication"):
                     out.append(port)
             except OSError:
                 continue
@@ -299,22 +309,13 @@ class RedisCluster:
         (replication is asynchronous: a master killed earlier may lose recent writes)."""
         deadline = time.monotonic() + timeout
         for port in self.master_ports():
-            info = _command(port, "INFO", "replication").decode()
-            target = int(info.split("master_repl_offset:")[1].split()[0])
-
-            def caught_up(p: int = port, target: int = target) -> bool:
-                text = _command(p, "INFO", "replication").decode()
-                offsets = [int(part.split("offset=")[1].split(",")[0])
-                           for part in text.split() if part.startswith("slave") and "offset=" in part]
-                return bool(offsets) and min(offsets) >= target
-
-            self._wait(caught_up, deadline, f"replicas of {port} to catch up")
+            target = int(_info(command(port, "INFO", "replication"))["master_repl_offset"])
+            self._wait(partial(_replicas_reached, port, target), deadline,
+                       f"replicas of {port} to catch up")
 
     def kill(self, port: int) -> None:
         """SIGKILL one node (a crash: its replica takes over after the node timeout)."""
-        proc = self.procs[port]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_proc(self.procs[port])
 
     def restart(self, port: int, timeout: float = 30.0) -> None:
         """Start a killed node again on its port and directory, once the cluster has
@@ -342,16 +343,9 @@ class RedisCluster:
         deadline = time.monotonic() + timeout
         for port in self.ports:
             if self.procs[port].poll() is None:
-                self._wait(lambda p=port: b"cluster_state:ok" in _command(p, "CLUSTER", "INFO"),
-                           deadline, f"node {port} to see the cluster ok again")
+                self._wait(partial(cluster_ok, port), deadline,
+                           f"node {port} to see the cluster ok again")
 
     def stop(self) -> None:
-        terminate(list(self.procs.values()))
+        stop_procs(self.procs.values(), timeout=5.0)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisCluster:
-        return self.start()
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()

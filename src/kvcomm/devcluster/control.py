@@ -1,0 +1,221 @@
+"""``kvcomm dev-cluster up|down``: a whole local cluster, and the levers faults pull on it.
+
+``up(hosts, directory)`` starts a Redis Cluster (3 masters + 3 replicas on free
+loopback ports) and one ``kvcomm node`` daemon per host, each host being a host id plus
+an L2 namespace on this machine; writes ``DIR/host-1.yaml`` … ``DIR/host-N.yaml`` (the
+config an agent of that host passes to ``kvcomm.open(config=...)``) and
+``DIR/cluster.json`` (its state: what ``down`` and the fault tools read); and returns
+once every daemon heartbeats. ``down(directory)`` stops all of it and removes the
+hosts' L2 segments.
+
+For fault injection (tests, soaks): :func:`restart_daemon`, :func:`kill_redis` and
+:func:`restart_redis`, which brings a killed Redis node back on its port and waits until
+the cluster is whole again (every slot served, every master with its replicas in sync).
+Each keeps ``cluster.json`` current, so ``down`` still stops everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import xxhash
+import yaml
+
+from .._extras import require_cluster
+from .._wait import wait_until
+from ..errors import KVCommError, SegmentError, Unavailable
+from ..tiers.l2 import L2Segment, purge
+from .procs import kill, running, spawn, stop
+from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
+
+STATE_FILE = "cluster.json"
+
+
+def load_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The state of the dev cluster in ``directory`` (its ``cluster.json``): ``redis``
+    (host:port list), ``redis_pids``, ``hosts`` (host, namespace, config, pid) and how the
+    Redis nodes were started. Raises Unavailable when there is none."""
+    d = Path(directory).resolve()
+    try:
+        return json.loads((d / STATE_FILE).read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError) as exc:
+        raise Unavailable(f"no dev cluster in {d} ({exc}); "
+                          "start one with `kvcomm dev-cluster up --dir DIR`") from None
+
+
+def save_state(directory: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """Replace ``cluster.json`` in ``directory`` at once (a reader never sees half of it)."""
+    path = Path(directory).resolve() / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(path)
+
+
+def redis_ports(state: dict[str, Any]) -> list[int]:
+    """The client ports of the Redis Cluster's nodes, in the order of ``redis_pids``."""
+    return [int(a.rpartition(":")[2]) for a in state["redis"]]
+
+
+def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "50ms",
+       feed_poll: str = "20ms", timeout: float = 60.0,
+       resolvers: dict[str, str] | None = None,
+       watch_buffer: int | None = None) -> dict[str, Any]:
+    """Start a dev cluster of ``hosts`` hosts in ``directory``; returns its state (see
+    :func:`load_state`) once every daemon heartbeats.
+
+    ``l2_size``, ``sync_interval`` (``cache.l2_sync_interval``), ``feed_poll``,
+    ``resolvers`` and ``watch_buffer`` go into every host's config. Raises KVCommError
+    when a dev cluster is already up there or ``hosts`` is not 1 to 32, ConfigError when
+    redis-py is not installed, Unavailable when a server or daemon does not start
+    (everything started is stopped again).
+    """
+    if not 1 <= hosts <= 32:
+        raise KVCommError("--hosts must be between 1 and 32")
+    require_cluster("the dev cluster's node daemons")
+    d = Path(directory).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / STATE_FILE).exists():
+        raise KVCommError(
+            f"a dev cluster is already up in {d}; run `kvcomm dev-cluster down --dir {d}`")
+    cluster = RedisCluster(directory=str(d / "redis"), detached=True).start(timeout)
+    tag = f"{xxhash.xxh32_intdigest(str(d).encode()) % 10**6:06d}"  # unique per directory
+    state: dict[str, Any] = {"redis_pids": cluster.pids,
+                             "redis": [f"127.0.0.1:{p}" for p in cluster.ports], "hosts": [],
+                             "redis_dir": cluster.dir, "replicas": cluster.replicas,
+                             "node_timeout_ms": cluster.node_timeout_ms}
+    save_state(d, state)  # from here on, `down` can clean up
+    try:
+        for i in range(1, hosts + 1):
+            host = f"host-{i}"
+            ns = f"dev{tag}-{host}"
+            cache: dict[str, Any] = {"l2_size": l2_size, "l2_sync_interval": sync_interval}
+            if watch_buffer is not None:  # a small feed ring: the soak overflows it on purpose
+                cache["watch_buffer"] = watch_buffer
+            cfg = {"node": {"host_id": host, "namespace": ns}, "cache": cache,
+                   "cluster": {"redis": state["redis"], "feed_poll": feed_poll,
+                               "resolvers": resolvers or {}}}
+            path = d / f"{host}.yaml"
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            purge(ns)
+            state["hosts"].append({"host": host, "namespace": ns, "config": str(path),
+                                   "pid": spawn_daemon(path, d / f"{host}.log").pid})
+        save_state(d, state)
+        for h in state["hosts"]:
+            _wait_heartbeat(d, h, timeout)
+    except BaseException:
+        down(str(d))
+        raise
+    return state
+
+
+def spawn_daemon(config: str | os.PathLike[str], log: str | os.PathLike[str],
+                 detached: bool = True) -> subprocess.Popen[bytes]:
+    """Start ``kvcomm node --config CONFIG`` (this Python) with its output appended to
+    ``log``; returns at once (see :func:`daemon_alive`)."""
+    return spawn([sys.executable, "-m", "kvcomm", "node", "--config", str(config)], log,
+                 detached=detached)
+
+
+def daemon_alive(namespace: str, pid: int | None = None) -> bool:
+    """True when the node daemon of the L2 ``namespace`` heartbeats (and, given ``pid``,
+    is that process); False when it does not or there is no segment."""
+    try:
+        seg = L2Segment(namespace, create_layout=None, host_id="", attach_timeout=0)
+    except SegmentError:
+        return False
+    try:
+        info = seg.info()
+    finally:
+        seg.close()
+    return bool(info["daemon_alive"]) and (pid is None or info["daemon_pid"] == pid)
+
+
+def _wait_heartbeat(d: Path, host: dict[str, Any], timeout: float) -> None:
+    """Until the daemon process ``host["pid"]`` itself heartbeats (the last beat of one
+    that was killed stays fresh for a while). Raises Unavailable when it exits or stays
+    silent for ``timeout`` seconds."""
+    pid, log = int(host["pid"]), d / f"{host['host']}.log"
+
+    def beating() -> bool:
+        if not running(pid):
+            raise Unavailable(f"the node daemon of {host['host']} (pid {pid}) exited; see {log}")
+        return daemon_alive(host["namespace"], pid)
+
+    wait_until(beating, timeout, f"the node daemon of {host['host']} to start (see {log})",
+               interval=0.02)
+
+
+def restart_daemon(directory: str, index: int, timeout: float = 30.0) -> int:
+    """Start host ``index``'s daemon again (stopping it first if it still runs); returns
+    its new pid once that process heartbeats. Raises Unavailable when it does not."""
+    d = Path(directory).resolve()
+    state = load_state(d)
+    h = state["hosts"][index]
+    stop([int(h["pid"])])
+    h["pid"] = spawn_daemon(h["config"], d / f"{h['host']}.log").pid
+    save_state(d, state)
+    _wait_heartbeat(d, h, timeout)
+    return int(h["pid"])
+
+
+def _redis_index(state: dict[str, Any], port: int) -> int:
+    try:
+        return redis_ports(state).index(port)
+    except ValueError:
+        raise KVCommError(f"no Redis node on port {port} in this dev cluster") from None
+
+
+def kill_redis(directory: str, port: int) -> int:
+    """SIGKILL the Redis node on ``port`` (a crash: its replica takes over after the
+    node timeout). Returns its pid once the process is gone."""
+    state = load_state(directory)
+    pid = int(state["redis_pids"][_redis_index(state, port)])
+    kill(pid)
+    return pid
+
+
+def restart_redis(directory: str, port: int, timeout: float = 60.0) -> int:
+    """Start the killed Redis node on ``port`` again and wait until the cluster is whole:
+    every node agrees every slot is served and every master has its replicas online and
+    caught up (having lost its data, the node rejoins as a replica of the one that took
+    over). Returns the node's new pid; raises Unavailable if it is still running or the
+    cluster does not heal within ``timeout`` seconds."""
+    d = Path(directory).resolve()
+    state = load_state(d)
+    i = _redis_index(state, port)
+    if running(int(state["redis_pids"][i])):
+        raise Unavailable(f"the Redis node on port {port} is still running: kill it first")
+    ports = redis_ports(state)
+    wait_failed_over(ports, port, timeout)  # (restarted before that, a master comes back empty)
+    node_dir = str(Path(state.get("redis_dir", d / "redis")) / str(port))
+    proc = spawn(node_argv(port, node_dir, int(state.get("node_timeout_ms", 2000))))
+    state["redis_pids"][i] = proc.pid
+    save_state(d, state)
+    wait_whole(ports, int(state.get("replicas", 1)), timeout)
+    return proc.pid
+
+
+def wait_redis_whole(directory: str, timeout: float = 60.0) -> None:
+    """Until the dev cluster's Redis Cluster is whole (see :func:`restart_redis`)."""
+    state = load_state(directory)
+    wait_whole(redis_ports(state), int(state.get("replicas", 1)), timeout)
+
+
+def down(directory: str) -> bool:
+    """Stop the dev cluster in ``directory`` and remove its hosts' L2 segments; False
+    (nothing done) when there is none."""
+    d = Path(directory).resolve()
+    if not (d / STATE_FILE).exists():
+        return False
+    state = load_state(d)
+    stop([int(h["pid"]) for h in state["hosts"]])
+    stop([int(p) for p in state["redis_pids"]])
+    for h in state["hosts"]:
+        purge(h["namespace"])
+    (d / STATE_FILE).unlink()
+    return True

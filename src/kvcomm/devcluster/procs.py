@@ -1,0 +1,134 @@
+"""Starting and stopping the dev cluster's processes: the one place that signals them.
+
+Servers (``redis-server``) and node daemons are started with :func:`spawn` and ended
+with :func:`stop`; faults use :func:`proc_state`, :func:`running` and
+:func:`wait_gone` to see what a signal did. A pid may be a child of this process (it is
+then reaped here, so that it does not linger as a zombie) or not (a dev cluster started
+by another command: its pids come from ``cluster.json``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from .._wait import wait_until
+from ..errors import Unavailable
+
+Proc = int | subprocess.Popen[bytes]
+
+
+def spawn(argv: list[str], log: str | os.PathLike[str] | None = None,
+          detached: bool = True) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with stdout and stderr appended to ``log`` (discarded when None).
+
+    ``detached`` puts it in a session of its own, so that it outlives this process and a
+    terminal's Ctrl-C does not reach it (``kvcomm dev-cluster up`` returns while the
+    cluster runs on). Raises OSError when ``argv[0]`` cannot be executed.
+    """
+    if log is None:
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=detached)
+    with open(Path(log), "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=detached)
+
+
+def proc_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (R, S, T, Z, ...), or "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    return data[data.rfind(b")") + 2: data.rfind(b")") + 3].decode()
+
+
+def running(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited (a zombie has exited); reaps it when
+    it is our child and has exited."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return False  # our child, just reaped
+    except ChildProcessError:
+        pass  # not our child (or already reaped)
+    return proc_state(pid) not in ("", "Z", "X")
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    """True once ``pid`` has exited (reaped when it is our child); False after ``timeout``."""
+    try:
+        wait_until(lambda: not running(pid), timeout, f"pid {pid} to exit")
+    except Unavailable:
+        return False
+    return True
+
+
+def _gone(p: Proc) -> bool:
+    if isinstance(p, subprocess.Popen):
+        return p.poll() is not None
+    return not running(p)
+
+
+def _signal(p: Proc, sig: int) -> None:
+    try:
+        if isinstance(p, subprocess.Popen):
+            if p.poll() is None:
+                p.send_signal(sig)
+        else:
+            os.kill(p, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill(p: Proc, timeout: float = 10.0) -> bool:
+    """SIGKILL ``p`` (a crash) and wait until it is gone; True when it is."""
+    _signal(p, signal.SIGCONT)  # a stopped process dies as well, but be plain about it
+    _signal(p, signal.SIGKILL)
+    if isinstance(p, subprocess.Popen):
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    return wait_gone(p, timeout)
+
+
+def stop(procs: Iterable[Proc], timeout: float = 10.0) -> None:
+    """End every process in ``procs`` (pids or Popen objects): SIGCONT (one a fault left
+    stopped could not act on SIGTERM) and SIGTERM, then SIGKILL what is still running
+    after ``timeout`` seconds. Returns once all are gone; children are reaped."""
+    procs = list(procs)
+    for p in procs:
+        _signal(p, signal.SIGCONT)
+        _signal(p, signal.SIGTERM)
+    try:
+        wait_until(lambda: all(_gone(p) for p in procs), timeout, "processes to exit",
+                   interval=0.02)
+    except Unavailable:
+        for p in procs:
+            if not _gone(p):
+                kill(p, timeout)
+
+
+class Service:
+    """Servers started in a directory of their own: ``with Server() as s:`` starts them
+    (:meth:`start`) and always stops them and removes the directory (:meth:`stop`)."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
