@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import shutil
 import struct
-import time
 import tracemalloc
 from collections.abc import Iterator
 from typing import Any
