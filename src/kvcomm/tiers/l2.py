@@ -75,7 +75,7 @@ import os
 import warnings
 from typing import Any
 
-from ..errors import KVCommError, KVCommWarning, SegmentError
+from ..errors import KVCommError, KVCommWarning, SegmentError, UnflushedWrites
 from .shm.checker import Checker
 from .shm.feed import Feed, FeedEvent
 from .shm.files import SHM_DIR, check_owner, pid_alive, segment_path
@@ -168,14 +168,17 @@ def open_segment(name: str, layout: Layout, host_id: str, permissions: int,
     return seg
 
 
-def purge(name: str, directory: str = SHM_DIR) -> bool:
+def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) -> bool:
     """Remove namespace ``name``'s files and mark its segment purged (its users get
     SegmentError from then on, L1 hits included).
 
     Always removes the segment file, even a corrupt, foreign or locked one; the segment
     is marked purged only once its file is gone (a file that cannot be removed is left as
-    it was, unmarked). Returns False when there was no segment. Raises SegmentError for a
-    bad name, OSError when the file cannot be removed (the caller says what to do).
+    it was, unmarked). With ``keep_unflushed`` (what ``kvcomm purge`` does unless
+    ``--force``), a segment holding writes not yet in L3 — of this layout or of an older
+    one (see tiers/shm/migrate.py) — is left alone: UnflushedWrites says how many and what
+    to do. Returns False when there was no segment. Raises SegmentError for a bad name,
+    OSError when the file cannot be removed (the caller says what to do).
     """
     path = segment_path(name, directory)
     if not os.path.lexists(path):
@@ -188,6 +191,8 @@ def purge(name: str, directory: str = SHM_DIR) -> bool:
                                           directory=directory, lock_timeout=1.0)
     except Exception:  # foreign, broken or not ours: removing the file is all we can do
         seg = None
+    if keep_unflushed:
+        _refuse_unflushed(name, path, seg)
     try:
         os.unlink(path)
         if seg is not None:
@@ -202,4 +207,28 @@ def purge(name: str, directory: str = SHM_DIR) -> bool:
 
     remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
     return True
+
+
+def _refuse_unflushed(name: str, path: str, seg: L2Segment | None) -> None:
+    """Raise UnflushedWrites when the segment at ``path`` holds writes not yet in L3."""
+    from .shm.migrate import unflushed
+
+    if seg is not None:
+        n = seg.dirty_count
+        if n:
+            seg.close()
+            raise UnflushedWrites(
+                f"namespace {name!r} holds {n} writes not yet in L3; start (or wait for) its "
+                f"node daemon (`kvcomm node`), or discard them: `kvcomm purge --name {name} "
+                "--force`")
+        return
+    try:
+        old = unflushed(path, 0o7777)
+    except SegmentError:
+        return  # not readable as any layout: nothing can be saved from it
+    if old is not None and old[2]:
+        raise UnflushedWrites(
+            f"namespace {name!r} has a segment of layout {old[0]} holding {len(old[2])} writes "
+            f"not yet in L3; carry them over with `kvcomm migrate --name {name}`, or discard "
+            f"them: `kvcomm purge --name {name} --force`")
 

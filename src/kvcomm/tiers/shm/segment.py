@@ -205,10 +205,24 @@ class SegmentCore:
         if magic & 0x00FFFFFFFFFFFFFF != MAGIC & 0x00FFFFFFFFFFFFFF:
             raise SegmentError(f"{self.path} is not a KVCOMM segment (foreign file); not touching it")
         if magic != MAGIC or layout != LAYOUT_VERSION:
-            raise SegmentError(
-                f"{self.path} has layout version {layout}, this kvcomm uses {LAYOUT_VERSION}; "
-                f"stop its users and run `kvcomm purge --name {self.name}`"
-            )
+            raise SegmentError(self._other_layout(layout))
+
+    def _other_layout(self, layout: int) -> str:
+        """What to do with a segment of another layout: never a purge that drops writes
+        L3 has not got (see tiers/shm/migrate.py)."""
+        from .migrate import unflushed
+
+        head = f"{self.path} has layout version {layout}, this kvcomm uses {LAYOUT_VERSION}; "
+        try:
+            old = unflushed(self.path, 0o7777)  # (its owner was checked when it was opened)
+        except SegmentError as exc:
+            return head + (f"it cannot be read for unflushed writes ({exc}); stop its users "
+                           f"and run `kvcomm purge --name {self.name} --force` to discard it")
+        if old is not None and old[2]:
+            return head + (f"it holds {len(old[2])} writes not yet in L3: stop its users and "
+                           f"run `kvcomm migrate --name {self.name}` to carry them into a new "
+                           "segment (the node daemon then delivers them)")
+        return head + f"stop its users and run `kvcomm purge --name {self.name}`"
 
     def _initialise(self, lay: Layout, host_id: str) -> None:
         q = self._q
@@ -294,8 +308,12 @@ class SegmentCore:
         r = self._read_or_repair(lambda: self._core.read(key_b, h, zero_copy))
         return None if r is None else _new_record(Record, r)
 
-    def version(self, key_b: bytes, h: int) -> tuple[int, int, int, int, int, bytes, int] | None:
-        """``(word, seq, tag, counter, hlc, vvx, flags)`` of ``key_b``'s record, or None."""
+    def version(self, key_b: bytes, h: int) -> tuple[int, int, int, int, int, bytes, int, bytes] | None:
+        """``(word, seq, tag, counter, hlc, vvx, flags, ext)`` of ``key_b``'s record, or None.
+
+        ``ext`` is the record's extension field (``b""``: none): an encoded msgpack map that
+        a write may attach (the 6th element of a put op, the 9th of a versioned one); L2
+        stores it byte for byte and never reads it. Lock-free, as :meth:`read`."""
         r = self._read_or_repair(lambda: self._core.version(key_b, h))
         return None if r is None else tuple(r)
 

@@ -53,7 +53,9 @@ class Writes(SegmentCore):
 
         Ops: ``(key_b, h)`` delete, ``(key_b, h, tag, meta, value)`` put, or
         ``(key_b, h, tag, meta, value, counter, hlc, vvx)`` put with a given version (tag 0:
-        a tombstone with that version). ``tombstones``: deletes leave dirty tombstones
+        a tombstone with that version); either put may end with ``ext``, the record's
+        extension field (bytes: an encoded msgpack map, stored as it is; see
+        :meth:`version`). ``tombstones``: deletes leave dirty tombstones
         (cluster mode). ``check`` runs under the lock before anything changes (validators,
         compare-and-set) and may raise to abort. Returns per op ``(counter, hlc, vvx, word,
         seq)`` for a put, the delete's counter (0: nothing to delete) for a delete.
