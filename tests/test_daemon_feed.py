@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvcomm.testing.cluster import RedisCluster
-from kvcomm.tiers.l3 import GROUPS, MERGE_LUA, L3Store, feed_key, group_of, seq_key
+from kvcomm.tiers.l3 import GROUPS, PUSH_LUA, L3Store, feed_key, group_of, seq_key
 
 from .conftest import wait_for
 from .daemon_harness import Host, cluster_fixture, record, remote_put, store_fixture  # noqa: F401 (fixtures)
@@ -49,7 +49,7 @@ def atomically(store: L3Store, group: int, merges: list[tuple[str, object, int]]
     MULTI/EXEC on the group's master: no daemon read can fall in between."""
     node = store.rc.get_node_from_key(feed_key(group))
     conn = store.rc.get_redis_connection(node)
-    sha = conn.script_load(MERGE_LUA)
+    sha = conn.script_load(PUSH_LUA)
     pipe = conn.pipeline(transaction=True)
     for key, value, counter in merges:
         keys, args = store._args(key, record(value, "host-a", counter, counter), False)
@@ -112,7 +112,7 @@ def test_a_stream_that_went_backwards_is_resynced(host: Host, store: L3Store) ->
     pipe = conn.pipeline(transaction=True)
     pipe.delete(feed_key(g), seq_key(g))
     keys, args = store._args(k, record("v2", "host-a", 2, 2), False)
-    pipe.eval(MERGE_LUA, len(keys), *keys, *args)
+    pipe.eval(PUSH_LUA, len(keys), *keys, *args)
     pipe.execute()
     assert store.feed_seqs([g])[g] == 1
     wait_for(lambda: host.kv.get(k) == "v2", 10, "host b to serve v2")

@@ -74,7 +74,7 @@ from .._client import open as kv_open
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.versions import vector_get
-from ..core.window import Batch, WriteWindow
+from ..core.window import ClosedWindow, WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
@@ -142,7 +142,7 @@ class NodeDaemon:
             self.staged: dict[str, L3Record] = {}
             self.cursor = self.port.delivered_cursor  # local feed: all before it is in L3
             self.stats = DaemonStats()
-            self.unsent: list[Batch] = []
+            self.unsent: list[ClosedWindow] = []
             self.push_backoff = Backoff(self.rng, base=0.05, cap=2.0, floor=0.01)
             self.pull_backoff = Backoff(self.rng, base=0.05, cap=2.0, floor=0.01)
             self.retry_at = 0.0
@@ -260,7 +260,7 @@ class NodeDaemon:
             batch = self.unsent[0]
             items = [(w.key, self.staged[w.key]) for w in batch.writes if w.key in self.staged]
             try:
-                results = self._merge(items)
+                results = self._push(items)
             except Unavailable as exc:
                 self.retry_at = time.monotonic() + self._l3_failed(self.push_backoff,
                                                                    "sending to L3", exc)
@@ -301,20 +301,21 @@ class NodeDaemon:
             self.stats.refreshed += 1
             self._apply(key, res.record)
 
-    def _merge(self, items: list[tuple[str, L3Record]]) -> list[Any]:
-        """Merge into L3; keys with a resolver keep concurrent versions apart (``conflict``)."""
+    def _push(self, items: list[tuple[str, L3Record]]) -> list[Any]:
+        """Push into L3; keys with a resolver keep concurrent versions apart (``conflict``)."""
         # deletes always merge last-writer-wins (with merged vectors): a resolver settles
         # concurrent values, and must not bring a deleted key back
         with_hook = [i for i, (k, r) in enumerate(items)
                      if not r.tombstone and self.port.has_resolver(k)]
         if not with_hook:
-            return self.l3.merge_many(items)
+            return self.l3.push_many(items)
         hooked = set(with_hook)
         plain_idx = [i for i in range(len(items)) if i not in hooked]
         out: list[Any] = [None] * len(items)
         for idxs, siblings in ((plain_idx, False), (with_hook, True)):
             if idxs:
-                res = self.l3.merge_many([items[i] for i in idxs], keep_siblings=siblings)
+                part = [items[i] for i in idxs]
+                res = self.l3.push_many(part, {k for k, _ in part} if siblings else frozenset())
                 for i, r in zip(idxs, res, strict=True):
                     out[i] = r
         return out
