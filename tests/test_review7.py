@@ -323,11 +323,11 @@ def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(c
     print(f"seed={seed}")
     small = Host(cluster, f"sm{seed % 10000}", seed, l2_size="2MB", watch_buffer=1024)
     try:
-        out = store.merge("big/k", record("v1", "host-a", 1, 1))
+        out = store.push("big/k", record("v1", "host-a", 1, 1))
         assert out.outcome == "new"
         hold(small, "big/k", "v1")
         big = record(b"x" * (3 << 19), "host-a", 2, 2)  # 1.5 MiB: fits a 16 MB host
-        assert store.merge("big/k", big).outcome == "newer"
+        assert store.push("big/k", big).outcome == "newer"
         wait_for(lambda: small.stats.quarantined >= 1, 10, "the record to be set aside")
         time.sleep(0.5)
         small.kv._l1.clear()
