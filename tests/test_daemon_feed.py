@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvcomm.core import codec
 from kvcomm.core.versions import vector_get, with_dot
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import GROUPS, PUSH_LUA, L3Record, L3Store, feed_key, group_of, seq_key
@@ -196,3 +197,32 @@ def test_a_fresh_start_brings_back_a_key_the_host_holds_deleted(host: Host,
     assert store.push(key, v2).outcome == "newer"
     host.start()
     wait_for(lambda: host.kv.get(key) == "v2", 10, "the key to come back after the start")
+
+
+def test_the_extension_field_travels_between_l2_and_l3(host: Host, store: L3Store) -> None:
+    """The one extension map rides with its write: pushed from L2 into L3's ``x``, pulled
+    from L3 into L2 (a change of a key held here, and an L2 miss's fill), byte for byte."""
+    import msgpack
+
+    from kvcomm.tiers.l2 import key_hash
+
+    seg = host.kv._seg
+    x = msgpack.packb({"agent": "drone-7", "later": {"k": [1, 2]}})
+    kb = b"ext/pushed"
+    seg.apply([(kb, key_hash(kb), codec.BYTES, b"", b"v", x)], now_ms=1, dirty=True)
+    wait_for(lambda: (r := store.get("ext/pushed")) is not None and r.ext == x, 10,
+             "the write and its extension in L3")
+    wait_for(lambda: seg.dirty_count == 0, 10, "the write to be delivered")
+
+    remote_put(store, "ext/pulled", b"v1", "host-a", 40)
+    hold(host, store, "ext/pulled", b"v1")  # the host holds it: remote changes are merged
+    y = msgpack.packb({"agent": "robot-2"})
+    out = store.push("ext/pulled", record(b"v2", "host-a", 50, 50)._replace(ext=y))
+    assert out.outcome in ("new", "newer"), out.outcome
+    wait_for(lambda: host.kv.get("ext/pulled") == b"v2", 10, "the remote change")
+    assert seg.version(b"ext/pulled", key_hash(b"ext/pulled"))[7] == y
+
+    out = store.push("ext/filled", record(b"w", "host-a", 60, 60)._replace(ext=y))
+    assert out.outcome == "new"
+    wait_for(lambda: host.kv.get("ext/filled") == b"w", 10, "an L2 miss's read of L3")
+    assert seg.version(b"ext/filled", key_hash(b"ext/filled"))[7] == y

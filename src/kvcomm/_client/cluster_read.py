@@ -48,7 +48,8 @@ class ClusterReads(Merging):
         version = Version(rec.vector, rec.hlc)
         if time.monotonic() - now < _FILL_WITHIN:  # (an older read might be stale by now)
             try:
-                self._merge(key, value, version, (rec.tag, rec.meta, rec.value))  # fill L2
+                self._merge(key, value, version, (rec.tag, rec.meta, rec.value),  # fill L2
+                            rec.local_ext)
             except ValueTooLarge:
                 pass  # this host's L2 can never hold it: served from L3 every time
         if want_item:

@@ -67,11 +67,15 @@ class Merging(HotKeys):
         return Item(key, self._decode(key, rec[2], rec[3], rec[4]), version, "l2")
 
     def _merge(self, key: str, value: Any, version: Version,
-               remote_encoded: tuple[int, bytes, bytes | memoryview]) -> Version:
-        """:meth:`merge_remote` with the value already encoded (an L3 record's bytes).
+               remote_encoded: tuple[int, bytes, bytes | memoryview],
+               remote_ext: bytes = b"") -> Version:
+        """:meth:`merge_remote` with the value already encoded (an L3 record's bytes) and
+        the record's extension field (``remote_ext``, b"": none).
 
         ``remote_encoded[0] == TAG_TOMBSTONE``: the remote version is a delete; it is kept
-        as a clean tombstone. Deletes (on either side) merge last-writer-wins.
+        as a clean tombstone. Deletes (on either side) merge last-writer-wins. The stored
+        record carries the extension field of the side whose value it keeps (none for a
+        resolver's new value).
         """
         if self._unusable:
             self._live()
@@ -98,8 +102,12 @@ class Merging(HotKeys):
                 if now != seen:
                     raise ConflictError("changed while merging")
 
+            if encoded is remote_encoded:
+                ext = remote_ext
+            else:  # (read before the check, which fails if the local record moved since)
+                ext = b"" if new_write or local is None else self._local_ext(kb, h)
             try:
-                r = self._seg.apply([(kb, h, *encoded, *explicit)], now_ms=_now_ms(),
+                r = self._seg.apply([(kb, h, *encoded, *explicit, ext)], now_ms=_now_ms(),
                                     dirty=publish and self._cluster, check=unchanged)[0]
             except ConflictError:
                 continue  # a local write raced us: merge against it
@@ -107,6 +115,11 @@ class Merging(HotKeys):
             self._l1.discard(key)
             return self._version(r[0], r[1], r[2])
         raise Unavailable(f"merge of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
+
+    def _local_ext(self, kb: bytes, h: int) -> bytes:
+        """The extension field of this host's record of ``kb`` (b"": none or absent)."""
+        v = self._seg.version(kb, h)
+        return b"" if v is None else v[7]
 
     def _restamp(self, key: str, other: Version) -> bool:
         """Write this host's record of ``key`` again as a new local write that descends
@@ -127,7 +140,7 @@ class Merging(HotKeys):
                 raise ConflictError("changed while restamping")
 
         op = (kb, h, rec[2], rec[3], rec[4], l2mod.NEW_DOT, max(seen.hlc, other.hlc),
-              encode_others(merged, self._host))
+              encode_others(merged, self._host), self._local_ext(kb, h))
         try:
             self._seg.apply([op], now_ms=_now_ms(), dirty=True, check=unchanged)
         except ConflictError:

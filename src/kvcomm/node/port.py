@@ -192,17 +192,25 @@ class ClientPort:
         return [kb.decode("utf-8", "surrogateescape") for kb in self.seg.dirty_keys()]
 
     def dirty_record(self, key: str) -> L3Record | None:
-        from ..tiers.l3 import L3Record
+        from ..tiers.l3 import EMPTY_EXT, L3Record
 
         kb = key.encode("utf-8", "surrogateescape")
-        rec = self.seg.read(kb, key_hash(kb))
-        if rec is None or not self.seg.is_dirty(rec.word):
-            return None  # evicted (clean), or not an agent's write (already in L3)
+        h = key_hash(kb)
+        for _ in range(100):
+            rec = self.seg.read(kb, h)
+            if rec is None or not self.seg.is_dirty(rec.word):
+                return None  # evicted (clean), or not an agent's write (already in L3)
+            ver = self.seg.version(kb, h)  # the extension field, of the same write
+            if ver is not None and (ver[3], ver[4]) == (rec.counter, rec.hlc):
+                break
+        else:  # rewritten under us a hundred times: the next feed event names it again
+            return None
+        ext = ver[7] or EMPTY_EXT
         vector = self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
         dot = (self.host_id, rec.counter)
         if rec.tag == TAG_TOMBSTONE:
-            return L3Record(rec.hlc, True, 0, b"", b"", vector, dot)
-        return L3Record(rec.hlc, False, rec.tag, rec.meta, rec.value or b"", vector, dot)
+            return L3Record(rec.hlc, True, 0, b"", b"", vector, dot, ext)
+        return L3Record(rec.hlc, False, rec.tag, rec.meta, rec.value or b"", vector, dot, ext)
 
     def mark_delivered(self, key: str, record: L3Record) -> bool:
         kb = key.encode("utf-8", "surrogateescape")
@@ -218,10 +226,11 @@ class ClientPort:
     def apply_remote(self, key: str, record: L3Record) -> None:
         version = Version(record.vector, record.hlc)
         if record.tombstone:  # kept as a clean tombstone; deletes merge last-writer-wins
-            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""))
+            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""), record.local_ext)
             return
         value = record.decode_value(key)
-        self.kv._merge(key, value, version, (record.tag, record.meta, record.value))
+        self.kv._merge(key, value, version, (record.tag, record.meta, record.value),
+                       record.local_ext)
 
     def has_resolver(self, key: str) -> bool:
         return bool(self.kv._resolvers) and self.kv._resolvers.lookup(key) is not None

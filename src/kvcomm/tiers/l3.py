@@ -135,6 +135,11 @@ class L3Record(NamedTuple):
     def version(self) -> Dotted:
         return Dotted(self.vector, self.dot, self.hlc)
 
+    @property
+    def local_ext(self) -> bytes:
+        """The extension field as an L2 record stores it (b"" for the empty map)."""
+        return b"" if self.ext == EMPTY_EXT else self.ext
+
     def encode(self) -> bytes:
         """The record in the current FORMAT (a msgpack map)."""
         flat: list[object] = []
