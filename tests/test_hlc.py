@@ -54,12 +54,13 @@ def test_the_c_hlc_stamps_as_the_python_rules(kv: kvcomm.Client) -> None:
             model = hlc_tick(model, now)
             hlc = seg._q[l2.H["HLC"]]
         elif op < 0.8:  # a merge with a remote version: a fresh dot over it (receive)
-            remote = (now + rng.randrange(-5000, 5000)) << 16 | rng.randrange(1 << 16)
+            # around the host's clock, ahead of it or behind (the clock ratchets forward)
+            remote = (max(now, model >> 16) + rng.randrange(-3000, 3000)) << 16 | rng.randrange(1 << 16)
             hlc = seg.apply([(kb, h, tag, meta, payload, l2.NEW_DOT, remote, b"")],
                             now_ms=now)[0][1]
             model = hlc_receive(model, remote, now)
         else:  # a remote version stored as it is (observe: the clock only moves forward)
-            remote = (now + rng.randrange(-5000, 5000)) << 16
+            remote = (max(now, model >> 16) + rng.randrange(-3000, 3000)) << 16
             counter = seg._q[l2.H["WSEQ"]] + 1
             hlc = seg.apply([(kb, h, tag, meta, payload, counter, remote, b"")], now_ms=now)[0][1]
             assert hlc == remote
