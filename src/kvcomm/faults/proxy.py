@@ -93,8 +93,8 @@ class HostProxy:
         self.flowing = asyncio.Event()
         self.flowing.set()
         self.conns: set[_Conn] = set()
-        self.counters = {"accepted": 0, "bytes": 0, "held_chunks": 0, "dropped": 0,
-                         "upstream_errors": 0}
+        self.counters = {"accepted": 0, "bytes": 0, "held_chunks": 0, "held_connections": 0,
+                         "dropped": 0, "upstream_errors": 0}
 
     async def start(self) -> None:
         for up in self.upstreams:
@@ -109,6 +109,8 @@ class HostProxy:
         self.conns.add(conn)
         self.counters["accepted"] += 1
         try:
+            if not self.flowing.is_set():
+                self.counters["held_connections"] += 1
             await self.flowing.wait()  # a partitioned host's new connections go nowhere
             try:
                 sr, sw = await asyncio.open_connection(up[0], up[1])

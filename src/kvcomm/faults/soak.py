@@ -398,7 +398,9 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     cluster_dir, history_dir = base / "cluster", base / "history"
     history_dir.mkdir(exist_ok=True)
     result = SoakResult(seed, opts.hosts, directory=str(base), strict_reads=opts.strict_reads)
-    kinds = opts.faults if opts.faults is not None else fault_kinds()
+    # the soak's dev cluster has no fault proxies: by default, every kind that needs none
+    kinds = opts.faults if opts.faults is not None else [
+        k for k in fault_kinds() if "proxy" not in FAULTS[k].requires]
     result.replay = (f"kvcomm soak --hosts {opts.hosts} --seconds {opts.seconds:g} --seed {seed} "
                      f"--faults {','.join(sorted(kinds))} --workers {opts.workers} "
                      f"--rate {opts.rate:g}" + ("" if opts.shared_deletes
