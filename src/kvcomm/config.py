@@ -359,8 +359,9 @@ def _translate(exc: ValidationError, cls: type[_Section]) -> ConfigError:
     for bound in ("ge", "gt", "le", "lt"):
         if bound in ctx:
             # pydantic prints a float bound of 1.0 as "1": match the number as printed
+            shown_bound = str(_format(info, ctx[bound]))
             msg = re.sub(r"\b(least|most|than) [0-9.e+-]+",
-                         lambda m: f"{m.group(1)} {_format(info, ctx[bound])}", msg)
+                         lambda m, b=shown_bound: f"{m.group(1)} {b}", msg)
     shown = "(hidden)" if _is_secret(name) else _show(_format(info, value))
     return ConfigError(key, f"{msg}: {shown}" if ", got " in msg else f"{msg}, got {shown}")
 
