@@ -361,7 +361,7 @@ def _translate(exc: ValidationError, cls: type[_Section]) -> ConfigError:
             # pydantic prints a float bound of 1.0 as "1": match the number as printed
             shown_bound = str(_format(info, ctx[bound]))
             msg = re.sub(r"\b(least|most|than) [0-9.e+-]+",
-                         lambda m, b=shown_bound: f"{m.group(1)} {b}", msg)
+                         lambda m, b=shown_bound: f"{m.group(1)} {b}", msg)  # type: ignore[misc]
     shown = "(hidden)" if _is_secret(name) else _show(_format(info, value))
     return ConfigError(key, f"{msg}: {shown}" if ", got " in msg else f"{msg}, got {shown}")
 

@@ -114,15 +114,15 @@ def wait_healthy(ports: Sequence[int], timeout: float = 30.0,
     want = list(ports if alive is None else alive)
     state = {"why": "no answer yet"}
 
-    def healthy() -> int | None:
+    def healthy() -> int:
         st = _statuses(want, 1.0)
         if len(st) < len(want):
             state["why"] = f"members {sorted(set(want) - set(st))} do not answer"
-            return None
+            return 0
         lead = leader_index(want, 1.0)
         if lead is None:
             state["why"] = "no leader all members agree on"
-            return None
+            return 0
         c = EtcdClient([("127.0.0.1", p) for p in want], timeout=2.0)
         try:
             c.get(b"kvc/health")
@@ -130,8 +130,8 @@ def wait_healthy(ports: Sequence[int], timeout: float = 30.0,
             c.close()
         return list(ports).index(want[lead]) + 1  # +1: index 0 is a true value too
 
-    found = wait_until(healthy, timeout, lambda: f"etcd to be healthy ({state['why']})",
-                       interval=0.05, retry_on=(Unavailable,))
+    found: int = wait_until(healthy, timeout, lambda: f"etcd to be healthy ({state['why']})",
+                            interval=0.05, retry_on=(Unavailable,))
     return found - 1
 
 

@@ -335,6 +335,7 @@ class PauseEtcdMember(DevFault):
     def heal(self) -> str:
         if getattr(self, "member", None) is None:
             return ""
+        assert self.member is not None
         self.target.resume_etcd(self.member)
         self.member = None
         return "SIGCONT"

@@ -188,12 +188,12 @@ def operations(history: Iterable[Event]) -> list[Operation]:
                                   f"invoked {inv.f} {inv.key!r}")
         if e.type == FAIL or (e.type == INFO and e.f == GET):
             continue
+        status: Literal["ok", "info"] = "ok" if e.type == OK else "info"
         out.append(Operation(e.process, e.f, e.key, inv.value, e.value if e.type == OK else None,
-                             OK if e.type == OK else INFO, pos[j],
-                             pos[i] if e.type == OK else None))
+                             status, pos[j], pos[i] if e.type == OK else None))
     for j, inv in pending.values():  # never completed: unknown
         if inv.f != GET:
-            out.append(Operation(inv.process, inv.f, inv.key, inv.value, None, INFO, pos[j], None))
+            out.append(Operation(inv.process, inv.f, inv.key, inv.value, None, "info", pos[j], None))
     return out
 
 
@@ -240,23 +240,23 @@ def check_key(key: str, ops: Sequence[Operation], initial: Any = None,
     """Is the history of one key linearizable from ``initial``? (See the module
     docstring.) Never runs more than ``max_steps`` steps."""
     ops = list(ops)
-    for n, op in enumerate(ops):
-        op.index = n
+    for n, o in enumerate(ops):
+        o.index = n
     points: list[tuple[float, int, _Entry]] = []
-    for op in ops:
-        call = _Entry(op, True)
-        points.append((op.call, 0, call))
-        if op.ret is not None:
-            ret = _Entry(op, False)
+    for o in ops:
+        call = _Entry(o, True)
+        points.append((o.call, 0, call))
+        if o.ret is not None:
+            ret = _Entry(o, False)
             call.match = ret
-            points.append((op.ret, 1, ret))
+            points.append((o.ret, 1, ret))
     points.sort(key=lambda p: (p[0], p[1]))
     head = _Entry(None, True)
     prev = head
     for _, _, e in points:
         prev.next, e.prev = e, prev
         prev = e
-    returns = sum(1 for op in ops if op.ret is not None)
+    returns = sum(1 for o in ops if o.ret is not None)
 
     def lift(e: _Entry) -> None:
         for x in (e, e.match):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -98,8 +99,8 @@ class HostProxy:
 
     async def start(self) -> None:
         for up in self.upstreams:
-            server = await asyncio.start_server(
-                lambda r, w, up=up: self._serve(r, w, up), "127.0.0.1", 0)
+            server = await asyncio.start_server(functools.partial(self._serve, up=up),
+                                                "127.0.0.1", 0)
             port = server.sockets[0].getsockname()[1]
             self.ports[f"{up[0]}:{up[1]}"] = int(port)
 
@@ -225,15 +226,15 @@ def start_proxy(upstreams: Sequence[str], control: str | os.PathLike[str],
             "--ports-file", str(ports_file)] + [a for u in upstreams for a in ("--upstream", u)]
     proc: subprocess.Popen[bytes] = spawn(argv, log, detached=True)
 
-    def ready() -> dict[str, Any] | None:
+    def ready() -> dict[str, Any]:
         if not running(proc.pid):
             raise Unavailable(f"the fault proxy exited at start (see {log})")
         try:
             return json.loads(Path(ports_file).read_text())  # type: ignore[no-any-return]
         except (OSError, ValueError):
-            return None
+            return {}  # not written yet
 
-    info = wait_until(ready, timeout, "the fault proxy to listen", interval=0.02)
+    info: dict[str, Any] = wait_until(ready, timeout, "the fault proxy to listen", interval=0.02)
     remap = {up: f"127.0.0.1:{port}" for up, port in info["ports"].items()}
     return proc.pid, remap
 

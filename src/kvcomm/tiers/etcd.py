@@ -480,7 +480,7 @@ class EtcdClient:
         if resp.status != 200 or "error" in out and "code" in out:
             raise _Answer(int(out.get("code", 2)), str(out.get("message") or out.get("error")),
                           resp.status)
-        return out  # type: ignore[no-any-return]
+        return out
 
     # ------------------------------------------------------------ the call loop
 

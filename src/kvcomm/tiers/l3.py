@@ -372,17 +372,14 @@ class L3Store:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode, RedisCluster
 
-        # cluster.redis_ca / redis_cert / redis_key (only with tls: the config refuses them
-        # otherwise)
-        tls_files = {"ssl_ca_certs": tls_ca, "ssl_certfile": tls_cert,
-                     "ssl_keyfile": tls_key} if tls else {}
         try:
             self.rc = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in seeds],  # type: ignore[no-untyped-call]
                 decode_responses=False,
                 password=password, username=username, ssl=tls, socket_timeout=timeout,
                 socket_connect_timeout=timeout, require_full_coverage=True,
-                **{k: v for k, v in tls_files.items() if v is not None},
+                # cluster.redis_ca / redis_cert / redis_key (None: redis-py's defaults)
+                ssl_ca_certs=tls_ca, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
             )
         except Exception as exc:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
