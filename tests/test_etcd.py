@@ -261,7 +261,12 @@ def test_watch_resumes_across_a_member_restart_without_missed_or_duplicated_even
     rng = random.Random(seed)
     base = _key("w") + "/"
     start = client.put(base + "start", b"-") + 1
-    w = client.watch(base, prefix=True, start_revision=start)
+    # the watch streams from a follower: killing it must not disturb the writer, whose
+    # writes then never have an unknown outcome (a killed leader would give some)
+    follower = (healthy.leader() + 1) % 3
+    wclient = EtcdClient([healthy.endpoints[follower]], timeout=2.0)
+    wclient.endpoints += [e for j, e in enumerate(healthy.endpoints) if j != follower]
+    w = wclient.watch(base, prefix=True, start_revision=start)
     try:
         assert w.created.wait(10)
         n = 120
@@ -272,6 +277,7 @@ def test_watch_resumes_across_a_member_restart_without_missed_or_duplicated_even
         # the writer talks to the members the watch does not use: its writes are never
         # of unknown outcome, so the events expected are exactly the acknowledged writes
         streaming = healthy.endpoints.index(w.endpoint)  # type: ignore[arg-type]
+        assert streaming == follower
         others = [e for j, e in enumerate(healthy.endpoints) if j != streaming]
 
         def writer() -> None:
@@ -321,6 +327,7 @@ def test_watch_resumes_across_a_member_restart_without_missed_or_duplicated_even
         print(f"{len(seen)} events, {w.resumes} resumes, none missed or duplicated")
     finally:
         w.close()
+        wclient.close()
 
 
 def _existed(written: list[tuple[int, bytes, bytes]], rev: int, key: bytes) -> bool:
