@@ -2,7 +2,7 @@
 
 A :class:`Host` is one host: an L2 namespace, its config, a :class:`NodeDaemon` running
 in a thread (stoppable, restartable) and an agent client. Another host's writes are
-made by merging records straight into L3 (:func:`remote_put`), the way its daemon would.
+made by pushing records straight into L3 (:func:`remote_put`), the way its daemon would.
 """
 
 from __future__ import annotations
@@ -107,6 +107,6 @@ def record(value: Any, actor: str, counter: int, hlc: int, vector: Any = None) -
 
 
 def remote_put(store: L3Store, key: str, value: Any, actor: str, counter: int) -> None:
-    """What another host's daemon does for a put: merge a newer record into L3."""
-    out = store.merge(key, record(value, actor, counter, counter))
+    """What another host's daemon does for a put: push a newer record into L3."""
+    out = store.push(key, record(value, actor, counter, counter))
     assert out.outcome in ("new", "newer"), out.outcome

@@ -70,6 +70,7 @@ from typing import Any
 import kvcomm
 from kvcomm.core.sketch import CountMinSketch, TopK
 from kvcomm.tiers import l2 as _l2
+from kvcomm.tiers.shm import geometry as _geometry
 from kvcomm.tiers.shm import layout as _layout
 
 
@@ -86,7 +87,7 @@ class _Names:
     def __getattr__(self, name: str) -> Any:
         if name in self.table:
             return self.table[name]
-        for module in (_l2, _layout):
+        for module in (_l2, _layout, _geometry):
             if hasattr(module, name):
                 return getattr(module, name)
         raise AttributeError(name)
@@ -987,6 +988,12 @@ def _script(ns: str, cfg_map: dict[str, Any], keys: list[str], arrays: list[str]
         out = io.StringIO()
         with redirect_stdout(out), redirect_stderr(out):
             rc = step("purge", lambda: cli.main(["purge", "--name", ns]))
+        if rc == 2 and "not yet in L3" in out.getvalue() and os.path.exists(l2.segment_path(ns)):
+            # refused: the (possibly corrupt) segment says it holds unflushed writes; a
+            # forced purge must then remove it, whatever it holds
+            out = io.StringIO()
+            with redirect_stdout(out), redirect_stderr(out):
+                rc = step("purge", lambda: cli.main(["purge", "--name", ns, "--force"]))
         if rc != 0 or os.path.exists(l2.segment_path(ns)):
             if result["failure"] is None:
                 result["failure"] = {

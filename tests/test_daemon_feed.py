@@ -9,8 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvcomm.core import codec
+from kvcomm.core.versions import vector_get, with_dot
 from kvcomm.devcluster.redis_cluster import RedisCluster
-from kvcomm.tiers.l3 import GROUPS, MERGE_LUA, L3Store, feed_key, group_of, seq_key
+from kvcomm.tiers.l3 import GROUPS, PUSH_LUA, L3Record, L3Store, feed_key, group_of, seq_key
 
 from .conftest import wait_for
 from .daemon_harness import Host, cluster_fixture, record, remote_put, store_fixture  # noqa: F401 (fixtures)
@@ -49,7 +51,7 @@ def atomically(store: L3Store, group: int, merges: list[tuple[str, object, int]]
     MULTI/EXEC on the group's master: no daemon read can fall in between."""
     node = store.rc.get_node_from_key(feed_key(group))
     conn = store.rc.get_redis_connection(node)
-    sha = conn.script_load(MERGE_LUA)
+    sha = conn.script_load(PUSH_LUA)
     pipe = conn.pipeline(transaction=True)
     for key, value, counter in merges:
         keys, args = store._args(key, record(value, "host-a", counter, counter), False)
@@ -112,7 +114,7 @@ def test_a_stream_that_went_backwards_is_resynced(host: Host, store: L3Store) ->
     pipe = conn.pipeline(transaction=True)
     pipe.delete(feed_key(g), seq_key(g))
     keys, args = store._args(k, record("v2", "host-a", 2, 2), False)
-    pipe.eval(MERGE_LUA, len(keys), *keys, *args)
+    pipe.eval(PUSH_LUA, len(keys), *keys, *args)
     pipe.execute()
     assert store.feed_seqs([g])[g] == 1
     wait_for(lambda: host.kv.get(k) == "v2", 10, "host b to serve v2")
@@ -151,3 +153,76 @@ def test_a_restarted_daemon_resumes_its_sequence_and_sees_what_it_missed(
     host.start()
     wait_for(lambda: host.kv.get(k) == "v2", 10, "the restarted daemon to resync")
     assert host.stats.extra.get("resync_gap", 0) >= 1
+
+
+# A resync re-reads the keys the host holds as tombstones too: a key deleted here and
+# written again elsewhere while the daemon missed the feed must come back, not stay
+# "deleted" on this host for good (its agents answer a tombstone without asking L3).
+
+
+def deleted_here(host: Host, store: L3Store, key: str) -> L3Record:
+    """The host holds ``key``, deletes it, and L3 has the tombstone; returns a record
+    of another host's that supersedes that tombstone."""
+    remote_put(store, key, "v1", "host-a", 1)
+    wait_for(lambda: host.kv.get(key) == "v1", 10, "the host to hold the key")
+    host.kv.delete(key)
+    wait_for(lambda: (r := store.get(key)) is not None and r.tombstone, 10, "the delete in L3")
+    tomb = store.get(key)
+    assert tomb is not None
+    vector = with_dot(tomb.vector, "host-a", vector_get(tomb.vector, "host-a") + 1)
+    return record("v2", "host-a", vector_get(vector, "host-a"), tomb.hlc + 1, vector)
+
+
+def test_a_gap_brings_back_a_key_the_host_holds_deleted(host: Host, store: L3Store) -> None:
+    key = "tomb/gap"
+    v2 = deleted_here(host, store, key)
+    g = group_of(key)
+    before = host.stats.extra.get("resync_gap", 0)
+    conn = store.rc.get_redis_connection(store.rc.get_node_from_key(feed_key(g)))
+    pipe = conn.pipeline(transaction=True)  # pushed and trimmed away before any read
+    keys, args = store._args(key, v2, False)
+    pipe.eval(PUSH_LUA, len(keys), *keys, *args)
+    pipe.xtrim(feed_key(g), maxlen=0, approximate=False)
+    assert pipe.execute()[0][0] == b"newer"
+    wait_for(lambda: host.stats.extra.get("resync_gap", 0) > before, 10, "a gap resync")
+    wait_for(lambda: host.kv.get(key) == "v2", 10, "the key to come back after the resync")
+
+
+def test_a_fresh_start_brings_back_a_key_the_host_holds_deleted(host: Host,
+                                                                store: L3Store) -> None:
+    key = "tomb/fresh"
+    v2 = deleted_here(host, store, key)
+    host.stop()
+    store.rc.delete("kvn:{host-b}:cursors")  # no saved cursors: every group starts afresh
+    assert store.push(key, v2).outcome == "newer"
+    host.start()
+    wait_for(lambda: host.kv.get(key) == "v2", 10, "the key to come back after the start")
+
+
+def test_the_extension_field_travels_between_l2_and_l3(host: Host, store: L3Store) -> None:
+    """The one extension map rides with its write: pushed from L2 into L3's ``x``, pulled
+    from L3 into L2 (a change of a key held here, and an L2 miss's fill), byte for byte."""
+    import msgpack
+
+    from kvcomm.tiers.l2 import key_hash
+
+    seg = host.kv._seg
+    x = msgpack.packb({"agent": "drone-7", "later": {"k": [1, 2]}})
+    kb = b"ext/pushed"
+    seg.apply([(kb, key_hash(kb), codec.BYTES, b"", b"v", x)], now_ms=1, dirty=True)
+    wait_for(lambda: (r := store.get("ext/pushed")) is not None and r.ext == x, 10,
+             "the write and its extension in L3")
+    wait_for(lambda: seg.dirty_count == 0, 10, "the write to be delivered")
+
+    remote_put(store, "ext/pulled", b"v1", "host-a", 40)
+    hold(host, store, "ext/pulled", b"v1")  # the host holds it: remote changes are merged
+    y = msgpack.packb({"agent": "robot-2"})
+    out = store.push("ext/pulled", record(b"v2", "host-a", 50, 50)._replace(ext=y))
+    assert out.outcome in ("new", "newer"), out.outcome
+    wait_for(lambda: host.kv.get("ext/pulled") == b"v2", 10, "the remote change")
+    assert seg.version(b"ext/pulled", key_hash(b"ext/pulled"))[7] == y
+
+    out = store.push("ext/filled", record(b"w", "host-a", 60, 60)._replace(ext=y))
+    assert out.outcome == "new"
+    wait_for(lambda: host.kv.get("ext/filled") == b"w", 10, "an L2 miss's read of L3")
+    assert seg.version(b"ext/filled", key_hash(b"ext/filled"))[7] == y

@@ -97,9 +97,9 @@ def test_records_that_fail_are_set_aside_and_other_keys_keep_syncing(
         inject_entry(store, group_of("rec/foreign"), b"rec/foreign", b"written by something else")
         # a valid record whose value does not decode
         bad = L3Record(2, False, codec.PACKED, b"", b"\xc1\xc1\xc1", (("host-a", 2),), ("host-a", 2))
-        assert store.merge("rec/undecodable", bad).outcome == "newer"
+        assert store.push("rec/undecodable", bad).outcome == "newer"
         # a valid record bigger than this host's whole L2 (2 MB)
-        assert store.merge("rec/huge", record(b"x" * (3 << 20), "host-a", 2, 2)).outcome == "newer"
+        assert store.push("rec/huge", record(b"x" * (3 << 20), "host-a", 2, 2)).outcome == "newer"
         remote_put(store, "rec/ok", "v2", "host-a", 2)
         wait_for(lambda: h.kv.get("rec/ok") == "v2", 10, "the good key to sync")
         wait_for(lambda: {"rec/foreign", "rec/undecodable", "rec/huge"}
@@ -251,7 +251,7 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
         store.rc.set(record_key("p/foreign"), b"junk")
         inject_entry(store, group_of("p/foreign"), b"p/foreign", b"junk")
         inject_entry(store, group_of("p/ok"), b"\xff\xfe", record("x", "host-a", 1, 1).encode())
-        assert store.merge("p/huge", record(b"x" * (3 << 20), "host-a", 2, 2)).outcome == "newer"
+        assert store.push("p/huge", record(b"x" * (3 << 20), "host-a", 2, 2)).outcome == "newer"
         remote_put(store, "p/ok", "v2", "host-a", 2)
         wait_for(lambda: kv.get("p/ok") == "v2", 10, "the good key to sync past the bad input")
         wait_for(lambda: "p/hot-junk" in store.load_hot(host_id), 10, "the hot list saved")

@@ -243,3 +243,30 @@ def test_purge_always_works(ns: str) -> None:
     _plant(path, b"\x00" * 8192, 0o666)  # not ours to use (mode), still ours to remove
     assert l2.purge(ns) is True
     assert not os.path.exists(path)
+
+
+def test_the_extension_field_is_stored_as_it_is_and_survives_repair(kv: kvcomm.Client) -> None:
+    """Every L2 record has one extension field (bytes of a msgpack map, opaque to L2): a
+    put may attach one, a versioned put carries one, a put without one clears it, and a
+    repair keeps it. Later features (agent ids, expiry) ride in it."""
+    import msgpack
+
+    seg = kv._seg
+    kb = b"ext/1"
+    h = l2.key_hash(kb)
+    x = msgpack.packb({"agent": "drone-7", "future": [1, 2, 3]})
+    seg.apply([(kb, h, 1, b"", b"v1", x)], now_ms=1)
+    assert seg.version(kb, h)[7] == x and kv.get("ext/1") == b"v1"
+    kv.put("ext/1", b"v2")  # a write without one: none
+    assert seg.version(kb, h)[7] == b""
+    seg.apply([(kb, h, 1, b"", b"v3", l2.NEW_DOT, 7, b"", x),
+               (b"ext/2", l2.key_hash(b"ext/2"), 1, b"", b"w", x)], now_ms=1)
+    assert seg.version(kb, h)[7] == x and kv.get("ext/1") == b"v3"
+    seg.repair()  # a repair rebuilds from what slots reference: the field stays whole
+    assert seg.version(kb, h)[7] == x and seg.version(b"ext/2", l2.key_hash(b"ext/2"))[7] == x
+    assert seg.check() == []
+    with pytest.raises(TypeError):
+        seg.apply([(kb, h, 1, b"", b"v4", "not bytes")], now_ms=1)
+    with pytest.raises(kvcomm.ValueTooLarge):  # it counts toward the record's size
+        seg.apply([(kb, h, 1, b"", b"v", bytes(seg._max_record))], now_ms=1)
+    assert kv.get("ext/1") == b"v3"  # nothing changed

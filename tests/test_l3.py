@@ -1,4 +1,4 @@
-"""L3 on a real Redis Cluster (3 masters + 3 replicas): codec, merge script, feed, faults."""
+"""L3 on a real Redis Cluster (3 masters + 3 replicas): codec, push script, feed, faults."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ from hypothesis import strategies as st
 
 import kvcomm
 from kvcomm.core import codec
-from kvcomm.core.resolve import merge_rule
+from kvcomm.core.resolve import l3_rule
 from kvcomm.core.versions import Dotted
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import Unavailable
 from kvcomm.tiers.l3 import (
+    EMPTY_EXT,
+    FIELDS,
+    FORMAT,
     MAX_COUNTER,
     CorruptRecord,
     L3Record,
@@ -64,27 +67,57 @@ def test_corrupt_record_is_exported_in_the_error_tree() -> None:
     assert FromErrors is CorruptRecord
 
 
-GOOD = [1, b"0000018c2f3a4b5c", False, codec.PACKED, b"", msgpack.packb({"a": 1}),
-        [b"host-1", 3, b"host-2", 1], b"host-1", 3]
+GOOD = {"f": 2, "h": b"0000018c2f3a4b5c", "d": False, "t": codec.PACKED, "m": b"",
+        "v": msgpack.packb({"a": 1}), "vv": [b"host-1", 3, b"host-2", 1], "dot": [b"host-1", 3],
+        "x": b"\x80"}
+NAMES = {"fmt": "f", "hlc": "h", "tomb": "d", "tag": "t", "meta": "m", "value": "v", "flat": "vv",
+         "dot": "dot", "ext": "x"}
 
 
 def fields(**change: Any) -> bytes:
-    """A format-1 record with some fields replaced (by position name)."""
-    names = ["fmt", "hlc", "tomb", "tag", "meta", "value", "flat", "actor", "counter"]
-    r = list(GOOD)
+    """A format-2 record with some fields replaced (by name; ``actor``/``counter``: the
+    dot's halves; ``drop``: fields left out; ``extra``: fields added)."""
+    r = dict(GOOD)
+    r["dot"] = list(GOOD["dot"])
+    for name in change.pop("drop", ()):
+        del r[NAMES[name]]
+    r.update(change.pop("extra", {}))
+    if "actor" in change:
+        r["dot"][0] = change.pop("actor")
+    if "counter" in change:
+        r["dot"][1] = change.pop("counter")
     for k, v in change.items():
-        r[names.index(k)] = v
+        r[NAMES[k]] = v
     return msgpack.packb(r, use_bin_type=False)
 
 
 def test_the_reference_record_is_valid() -> None:
     rec = L3Record.decode(fields())
     assert rec.vector == (("host-1", 3), ("host-2", 1)) and rec.dot == ("host-1", 3)
-    assert rec.decode_value("k") == {"a": 1}
+    assert rec.decode_value("k") == {"a": 1} and rec.ext == EMPTY_EXT
+
+
+def test_records_are_maps_of_named_fields_and_carry_their_extension() -> None:
+    ext = msgpack.packb({"agent": "a-7", "ttl": 2**60, "nested": {}})
+    r = L3Record(0x18C2F3A4B5C, False, codec.PACKED, b"", b"v", (("h", 1),), ("h", 1), ext)
+    raw = msgpack.unpackb(r.encode(), raw=True)
+    assert sorted(raw) == sorted(f.encode() for f in FIELDS) and raw[b"f"] == FORMAT == 2
+    assert L3Record.decode(r.encode()) == r  # the extension comes back byte for byte
+    assert L3Record.decode(msgpack.packb(dict(reversed(raw.items())), use_bin_type=False)) == r
+
+
+def test_format_1_records_are_still_read() -> None:
+    v1 = [1, b"0000018c2f3a4b5c", True, 0, b"", b"", [b"host-2", 1, b"host-1", 3], b"host-1", 3]
+    rec = L3Record.decode(msgpack.packb(v1, use_bin_type=False))
+    assert rec == L3Record(0x18C2F3A4B5C, True, 0, b"", b"", (("host-1", 3), ("host-2", 1)),
+                           ("host-1", 3), EMPTY_EXT)
+    for bad in ([2, *v1[1:]], v1[:8], [*v1[:2], 1, *v1[3:]]):
+        with pytest.raises(CorruptRecord):
+            L3Record.decode(msgpack.packb(bad, use_bin_type=False))
 
 
 @pytest.mark.parametrize("change", [
-    {"fmt": 2}, {"fmt": True}, {"fmt": b"1"},
+    {"fmt": 0}, {"fmt": True}, {"fmt": b"2"},
     {"hlc": b"0000018C2F3A4B5C"}, {"hlc": b"000018c2f3a4b5c"}, {"hlc": b"0000018c2f3a4b5g"},
     {"hlc": 12}, {"tomb": 0}, {"tomb": None}, {"tag": -1}, {"tag": 256}, {"tag": 1.0},
     {"tag": True}, {"meta": 5}, {"meta": b"m" * 5000}, {"value": 7}, {"value": [1]},
@@ -94,6 +127,11 @@ def test_the_reference_record_is_valid() -> None:
     {"flat": [b"", 1]}, {"flat": [b"h" * 65, 1]}, {"flat": [b"\xff", 1]},
     {"flat": [b"a", 1, b"a", 2]}, {"flat": [3, 1]}, {"actor": b"bad actor"},
     {"actor": 1}, {"counter": 0}, {"counter": -(2**63)}, {"counter": b"3"},
+    {"fmt": 1}, {"fmt": 3}, {"dot": [b"host-1"]}, {"dot": b"host-1"},
+    {"dot": [b"host-1", 3, 4]}, {"ext": {}}, {"ext": b""}, {"ext": b"\x90"},
+    {"ext": b"\x81\x01\x02"}, {"ext": b"\x80\x80"}, {"ext": b"\x81\xa1\xff\x01"},
+    {"ext": b"\x80" * 5000}, {"ext": 5}, {"drop": ["ext"]}, {"drop": ["tomb"]},
+    {"drop": ["fmt"]}, {"extra": {"y": 1}},
 ])
 def test_every_field_is_checked(change: dict[str, Any]) -> None:
     with pytest.raises(CorruptRecord):
@@ -132,18 +170,22 @@ def test_random_bytes_only_ever_raise_corrupt_record(data: bytes) -> None:
     _fuzz_decode(data)
 
 
-def _valid_record(hlc: int, tomb: bool, value: Any, actors: int) -> bytes:
+def _valid_record(hlc: int, tomb: bool, value: Any, actors: int, v1: bool, ext: Any) -> bytes:
     flat = [x for i in range(actors) for x in (b"h%d" % i, i + 1)]
-    return msgpack.packb([1, f"{hlc:016x}".encode(), tomb, codec.PACKED, b"",
-                          msgpack.packb(value), flat, b"h0", 1], use_bin_type=False)
+    if v1:
+        return msgpack.packb([1, f"{hlc:016x}".encode(), tomb, codec.PACKED, b"",
+                              msgpack.packb(value), flat, b"h0", 1], use_bin_type=False)
+    return L3Record(hlc, tomb, codec.PACKED, b"", msgpack.packb(value),
+                    tuple(sorted((f"h{i}", i + 1) for i in range(actors))), ("h0", 1),
+                    msgpack.packb(ext)).encode()
 
 
 plain = st.none() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8)
+values = st.recursive(plain, lambda c: st.lists(c, max_size=3)
+                      | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=8)
 valid_records = st.builds(
-    _valid_record, st.integers(0, 2**64 - 1), st.booleans(),
-    st.recursive(plain, lambda c: st.lists(c, max_size=3)
-                 | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=8),
-    st.integers(1, 4))
+    _valid_record, st.integers(0, 2**64 - 1), st.booleans(), values, st.integers(1, 4),
+    st.booleans(), st.dictionaries(st.text(max_size=4), values, max_size=3))
 
 
 @settings(max_examples=1500)
@@ -233,7 +275,7 @@ def store(cluster: RedisCluster) -> Iterator[L3Store]:
 @needs_redis
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(histories, st.data())
-def test_lua_merge_agrees_with_the_pure_rule(store: L3Store, writes: list[Dotted],
+def test_lua_push_agrees_with_the_pure_rule(store: L3Store, writes: list[Dotted],
                                              data: st.DataObject) -> None:
     if not writes:
         return
@@ -243,13 +285,63 @@ def test_lua_merge_agrees_with_the_pure_rule(store: L3Store, writes: list[Dotted
     incoming = data.draw(st.sampled_from(writes))
     siblings = data.draw(st.booleans())
     if stored is not None:
-        store.merge(key, rec(stored, b"stored"))
-    expected_outcome, expected_version = merge_rule(stored, incoming, keep_siblings=siblings)
-    got = store.merge(key, rec(incoming, b"incoming"), keep_siblings=siblings)
+        store.push(key, rec(stored, b"stored"))
+    expected_outcome, expected_version = l3_rule(stored, incoming, keep_siblings=siblings)
+    got = store.push(key, rec(incoming, b"incoming"), keep_siblings=siblings)
     assert got.outcome == expected_outcome
     assert expected_version is not None and got.record.version == expected_version
     held = store.get(key)
     assert held is not None and held.version == expected_version
+
+
+@needs_redis
+def test_the_push_script_carries_the_extension_through_a_merge(store: L3Store) -> None:
+    """A merge (concurrent writes) is the one path where the script packs a record
+    itself: the winner's extension must come out byte for byte, though cmsgpack would
+    turn its empty map into an array and its big integer into a double."""
+    key = "ext/merge"
+    store.rc.delete(record_key(key))
+    ext = msgpack.packb({"big": 2**60 + 1, "empty": {}, "f": 1.5})
+    a = Dotted((("a", 1),), ("a", 1), 10)
+    b = Dotted((("b", 1),), ("b", 1), 20)  # later: wins last-writer-wins
+    store.push(key, rec(a))
+    out = store.push(key, rec(b)._replace(ext=ext))
+    assert out.outcome == "merged" and out.record.dot == ("b", 1)
+    assert out.record.ext == ext and out.record.vector == (("a", 1), ("b", 1))
+    raw = msgpack.unpackb(store.rc.get(record_key(key)), raw=True)
+    assert raw[b"f"] == 2 and raw[b"x"] == ext
+
+
+@needs_redis
+def test_the_push_script_reads_format_1_records_by_name(store: L3Store) -> None:
+    """A format-1 record stored before the upgrade is merged like any other; the
+    result is written in format 2."""
+    key = "ext/v1"
+    old = [1, b"%016x" % 10, False, codec.PACKED, b"", msgpack.packb("old"), [b"a", 1], b"a", 1]
+    store.rc.set(record_key(key), msgpack.packb(old, use_bin_type=False))
+    assert store.get(key) == L3Record(10, False, codec.PACKED, b"", msgpack.packb("old"),
+                                      (("a", 1),), ("a", 1))
+    assert store.push(key, rec(Dotted((("a", 1),), ("a", 1), 10))).outcome == "equal"
+    out = store.push(key, rec(Dotted((("b", 1),), ("b", 1), 5), b"new"))
+    assert out.outcome == "merged" and out.record.dot == ("a", 1)  # the older HLC lost
+    assert out.record.value == msgpack.packb("old") and out.record.ext == EMPTY_EXT
+    assert msgpack.unpackb(store.rc.get(record_key(key)), raw=True)[b"f"] == 2
+    newer = store.push(key, rec(Dotted((("a", 2), ("b", 1)), ("a", 2), 30)))
+    assert newer.outcome == "newer"
+
+
+@needs_redis
+def test_records_the_script_cannot_read_are_refused(store: L3Store) -> None:
+    key = "ext/bad"
+    good = rec(Dotted((("a", 1),), ("a", 1), 1))
+    future = msgpack.unpackb(good.encode(), raw=True) | {b"f": 3}
+    store.rc.set(record_key(key), msgpack.packb(future, use_bin_type=False))
+    with pytest.raises(CorruptRecord):  # a newer format: refused, not mis-merged
+        store.push(key, good)
+    store.rc.delete(record_key(key))
+    with pytest.raises(CorruptRecord):
+        store.push(key, good._replace(ext=None))  # type: ignore[arg-type]
+    assert store.rc.get(record_key(key)) is None
 
 
 @needs_redis
@@ -260,9 +352,9 @@ def test_every_accepted_change_is_in_the_group_feed(store: L3Store) -> None:
     last = before[-1][0] if before else b"0-0"
     a = Dotted((("a", 1),), ("a", 1), 10)
     b = Dotted((("a", 2),), ("a", 2), 11)
-    store.merge(key, rec(a))
-    store.merge(key, rec(b))
-    store.merge(key, rec(a))  # older: refused, not fed
+    store.push(key, rec(a))
+    store.push(key, rec(b))
+    store.push(key, rec(a))  # older: refused, not fed
     rows = [r for r in store.feed(g, after=last) if r[1] == key]
     assert [L3Record.decode(r[2]).dot for r in rows] == [("a", 1), ("a", 2)]
 
@@ -271,24 +363,24 @@ def test_every_accepted_change_is_in_the_group_feed(store: L3Store) -> None:
 def test_a_foreign_value_is_an_error_for_that_key_only(store: L3Store) -> None:
     store.rc.set(record_key("foreign/1"), b"written by someone else")
     good = rec(Dotted((("a", 1),), ("a", 1), 1))
-    out = store.merge_many([("foreign/1", good), ("foreign/ok", good)])
+    out = store.push_many([("foreign/1", good), ("foreign/ok", good)])
     assert isinstance(out[0], CorruptRecord) and "foreign/1" in str(out[0])
     assert not isinstance(out[1], Exception) and out[1].outcome in ("new", "equal")
     with pytest.raises(CorruptRecord):
         store.get("foreign/1")
     with pytest.raises(CorruptRecord):
-        store.merge("foreign/1", good)
+        store.push("foreign/1", good)
     assert store.rc.get(record_key("foreign/1")) == b"written by someone else"  # untouched
 
 
 @needs_redis
-def test_pipelined_merges_span_every_master(store: L3Store, cluster: RedisCluster) -> None:
+def test_pipelined_pushes_span_every_master(store: L3Store, cluster: RedisCluster) -> None:
     seed = random.randrange(2**32)
     print(f"seed={seed}")
     rng = random.Random(seed)
     items = [(f"spread/{i}", rec(Dotted((("h", i + 1),), ("h", i + 1), rng.randrange(99))))
              for i in range(600)]
-    out = store.merge_many(items)
+    out = store.push_many(items)
     assert all(not isinstance(r, Exception) for r in out)
     nodes = {store.rc.get_node_from_key(record_key(k)).name for k, _ in items}
     assert len(nodes) == len(cluster.master_ports())
@@ -307,8 +399,8 @@ def test_every_change_carries_the_next_sequence_number_of_its_group(store: L3Sto
     start_seq, start_id = store.feed_position(g)
     assert start_seq is not None
     for i in range(1, 6):
-        store.merge(key, rec(Dotted((("a", i),), ("a", i), i)))
-    store.merge(key, rec(Dotted((("a", 1),), ("a", 1), 1)))  # older: refused, not counted
+        store.push(key, rec(Dotted((("a", i),), ("a", i), i)))
+    store.push(key, rec(Dotted((("a", 1),), ("a", 1), 1)))  # older: refused, not counted
     rows = store.feed(g, after=start_id)
     assert [r.seq for r in rows] == list(range(start_seq + 1, start_seq + 6))
     assert all(r.key == key and not r.problem for r in rows)
@@ -323,12 +415,12 @@ def test_a_foreign_sequence_counter_restarts_the_sequence(store: L3Store) -> Non
     store.rc.set(seq_key(g), b"not a number")
     assert store.feed_seqs([g]) == {g: None}
     _, last = store.feed_position(g)
-    out = store.merge(key, rec(Dotted((("a", 1),), ("a", 1), 1)))
+    out = store.push(key, rec(Dotted((("a", 1),), ("a", 1), 1)))
     assert out.outcome in ("new", "equal")
     assert store.feed_seqs([g]) == {g: 1}  # readers see the sequence go back and resync
     store.rc.delete(seq_key(g))
     store.rc.hset(seq_key(g), "x", "y")  # another type altogether
-    store.merge(key, rec(Dotted((("a", 2),), ("a", 2), 2)))
+    store.push(key, rec(Dotted((("a", 2),), ("a", 2), 2)))
     assert store.feed_seqs([g]) == {g: 1}
 
 
@@ -350,7 +442,7 @@ def test_feed_entries_that_are_not_ours_are_reported_not_raised(store: L3Store) 
 def test_a_value_of_another_type_is_an_error_for_that_key_only(store: L3Store) -> None:
     store.rc.hset(record_key("typed/1"), "f", "v")
     good = rec(Dotted((("a", 1),), ("a", 1), 1))
-    out = store.merge_many([("typed/1", good), ("typed/ok", good), ("bad\udc80key", good)])
+    out = store.push_many([("typed/1", good), ("typed/ok", good), ("bad\udc80key", good)])
     assert isinstance(out[0], CorruptRecord) and "typed/1" in str(out[0])
     assert not isinstance(out[1], Exception)
     assert isinstance(out[2], CorruptRecord) and "UTF-8" in str(out[2])
@@ -364,7 +456,7 @@ def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
     victim = None
     try:
         items = [(f"failover/{i}", rec(Dotted((("h", 1),), ("h", 1), i))) for i in range(200)]
-        assert all(not isinstance(r, Exception) for r in store.merge_many(items))
+        assert all(not isinstance(r, Exception) for r in store.push_many(items))
         cluster.wait_replicated()  # replication is asynchronous: wait for it here
         victim = store.rc.get_node_from_key(record_key("failover/0")).port
         cluster.kill(victim)
@@ -376,7 +468,7 @@ def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
         assert store.rc.get_node_from_key(record_key("failover/0")).port != victim  # failed over
         assert all(store.get(k) == r for k, r in items)
         later = rec(Dotted((("h", 2),), ("h", 2), 999))
-        assert store.merge("failover/0", later).outcome == "newer"
+        assert store.push("failover/0", later).outcome == "newer"
     finally:
         store.close()
         if victim is not None:  # heal: later tests in any order get a whole cluster
@@ -419,14 +511,14 @@ def test_a_master_without_replicas_does_not_hold_writes_back(cluster: RedisClust
         cluster.kill(replica)
         try:
             v = Dotted((("h", 1),), ("h", 1), 1 << 20)
-            res = store.merge_many([("degraded/k", rec(v))])[0]
+            res = store.push_many([("degraded/k", rec(v))])[0]
             if not isinstance(res, Exception) and not res.durable:  # it had one last time
-                res = store.merge_many([("degraded/k", rec(v))])[0]
+                res = store.push_many([("degraded/k", rec(v))])[0]
             # durable although WAIT 1 could never be acknowledged: it asked only for the
             # replicas that are connected (no wall-time assertion: a loaded CI is slow)
             assert not isinstance(res, Exception) and res.durable
             assert store.degraded  # counted (and logged once)
-            healthy = store.merge_many([(f"degraded/{i}", rec(v)) for i in range(20)])
+            healthy = store.push_many([(f"degraded/{i}", rec(v)) for i in range(20)])
             assert all(not isinstance(r, Exception) and r.durable for r in healthy)
         finally:
             cluster._start_node(replica)

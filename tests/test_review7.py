@@ -323,11 +323,11 @@ def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(c
     print(f"seed={seed}")
     small = Host(cluster, f"sm{seed % 10000}", seed, l2_size="2MB", watch_buffer=1024)
     try:
-        out = store.merge("big/k", record("v1", "host-a", 1, 1))
+        out = store.push("big/k", record("v1", "host-a", 1, 1))
         assert out.outcome == "new"
         hold(small, "big/k", "v1")
         big = record(b"x" * (3 << 19), "host-a", 2, 2)  # 1.5 MiB: fits a 16 MB host
-        assert store.merge("big/k", big).outcome == "newer"
+        assert store.push("big/k", big).outcome == "newer"
         wait_for(lambda: small.stats.quarantined >= 1, 10, "the record to be set aside")
         time.sleep(0.5)
         small.kv._l1.clear()
@@ -346,7 +346,7 @@ def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(c
 
 def test_review7_watch_notices_a_purge(name: str) -> None:
     """Issue item 5: 'Every read path ... notices a purged or replaced segment: it returns
-    the new segment's data or raises SegmentError.' Client._watch (_client.py) loops on
+    the new segment's data or raises SegmentError.' Client._watch (_client/watch.py) loops on
     seg.feed_read, which never looks at the header's STATE: after `kvcomm purge` and new
     writes in the new segment, a watcher sees nothing and (timeout=None) waits forever;
     here, with a timeout, it just ends as if all were quiet."""
@@ -452,7 +452,7 @@ def test_review7_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type:
 @_redis
 def test_review7_l3_fill_racing_the_feed_serves_a_stale_value_forever(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """An agent misses L2 and GETs key k from L3 (v1). Before it writes v1 into L2
-    (_client.py _get_l3 -> _merge), another host writes v2; this host's daemon reads the
+    (_client/cluster_read.py _get_l3 -> _merge), another host writes v2; this host's daemon reads the
     feed entry for v2, finds k not held here and skips it (daemon.py _pull_entry:
     'not held here: the next read goes to L3'). The agent's fill then lands: L2 holds v1,
     clean, and nothing will ever refresh it (no later feed entry, no resync: the group's
@@ -525,7 +525,7 @@ def test_review7_arrays_stay_readable_while_a_writer_is_stopped(name: str) -> No
 
 def test_review7_keys_with_a_non_str_prefix(name: str) -> None:
     """F13 (wrong error). keys(5) leaks TypeError from str.startswith
-    (_client.py Client.keys); every other entry point raises InvalidKey for a non-str
+    (_client/client.py Client.keys); every other entry point raises InvalidKey for a non-str
     prefix (watch, register_validator)."""
     with kvcomm.open(name, config=_cfg()) as kv:
         kv.put("a", 1)

@@ -74,3 +74,14 @@ def test_offer_many_matches_offer(offers: list[tuple[bytes, int]]) -> None:
         one.offer(k, e)
     many.offer_many(offers)
     assert sorted(e for _, e in one.items()) == sorted(e for _, e in many.items())
+
+
+def test_a_corrupt_addition_count_ages_the_sketch_instead_of_overflowing() -> None:
+    # found by the segment fuzzer (the sketch lives in shared memory): header word 0 set to
+    # 2**64 - 1 made the next add raise ValueError from the memoryview
+    buf = bytearray(CountMinSketch.size_for(64, 4))
+    s = CountMinSketch(64, 4, buffer=buf)
+    s.add(b"k", 10)
+    s._hdr[0] = (1 << 64) - 1
+    assert s.add(b"k", 1) >= 1
+    assert s.additions == s.reset_every // 2  # aged once, back in range

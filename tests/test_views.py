@@ -138,7 +138,7 @@ def test_a_view_overwritten_by_a_non_array_while_it_is_read(kv: kvcomm.Client) -
 
 
 def _child_drops_inherited_view(ns: str, cfg: kvcomm.Config, out: mp.Queue) -> None:  # type: ignore[type-arg]
-    import kvcomm._client as client_mod
+    import kvcomm._client.attach as client_mod
 
     views = [ref() for ref, _, _ in client_mod._VIEWS.values()]
     out.put(len([v for v in views if v is not None]))
@@ -169,7 +169,7 @@ def test_a_forked_child_dropping_a_view_does_not_unpin_the_parents(ns: str, conf
 
 
 def _child_keeps_inherited_view(ns: str, cfg: kvcomm.Config, go: mp.Event, out: mp.Queue) -> None:  # type: ignore[type-arg]
-    import kvcomm._client as client_mod
+    import kvcomm._client.attach as client_mod
 
     views = [ref() for ref, _, _ in client_mod._VIEWS.values()]
     view = next(v for v in views if v is not None)
@@ -202,7 +202,7 @@ def test_a_stale_release_never_withdraws_a_later_pin(kv: kvcomm.Client) -> None:
     """A finalizer that runs twice (or a release after an exception and again from the
     view) aims at an entry the same process may have reused for a later view of the same
     block: each pin carries a generation, and only its own release withdraws it."""
-    import kvcomm._client as client_mod
+    import kvcomm._client.attach as client_mod
 
     kv.put("a", BIG)
     v1 = kv.get("a")

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcomm.core.versions import Ordering, compare_vectors
-from kvcomm.core.window import Batch, WriteWindow
+from kvcomm.core.window import ClosedWindow, WriteWindow
 
 ops = st.lists(
     st.tuples(st.sampled_from(["a", "b", "c", "d", "e"]),
@@ -22,7 +22,7 @@ def test_last_write_per_key_survives_and_bounds_hold(stream: list, max_ops: int,
                                                      max_bytes: int) -> None:
     w = WriteWindow(interval=0.05, max_ops=max_ops, max_bytes=max_bytes)
     now = 0.0
-    batches: list[Batch] = []
+    batches: list[ClosedWindow] = []
     last: dict[str, bytes | None] = {}
     for key, value, counter, dt in stream:
         now += dt

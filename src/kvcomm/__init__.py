@@ -25,6 +25,7 @@ from .errors import KVCommError as KVCommError
 from .errors import KVCommWarning as KVCommWarning
 from .errors import SegmentError as SegmentError
 from .errors import Unavailable as Unavailable
+from .errors import UnflushedWrites as UnflushedWrites
 from .errors import UnsupportedValue as UnsupportedValue
 from .errors import ValidationError as ValidationError
 from .errors import ValueTooLarge as ValueTooLarge
@@ -53,7 +54,8 @@ _LAZY = {
 __all__ = [
     "ABSENT", "Batch", "Client", "Config", "ConfigError", "ConflictError", "CorruptRecord",
     "Event", "InvalidArgument", "InvalidKey", "Item", "KVCommError", "KVCommWarning",
-    "Ordering", "SegmentError", "Unavailable", "UnsupportedValue", "ValidationError",
+    "Ordering", "SegmentError", "Unavailable", "UnflushedWrites", "UnsupportedValue",
+    "ValidationError",
     "ValueTooLarge", "Version", "open",
 ]
 

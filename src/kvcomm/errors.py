@@ -11,6 +11,7 @@
     ├── InvalidArgument     another argument is wrong (consistency=, expect=, timeout=)
     ├── ConfigError         bad config; .key names the offending key
     ├── SegmentError        L2 segment is foreign, of another layout, corrupt or purged
+    │   └── UnflushedWrites a purge refused: the segment holds writes not yet in L3
     ├── CorruptRecord       an L3 value (or change-feed entry) of one key is not a KVCOMM record
     └── Unavailable         a tier cannot serve now (L2 full of pinned data, cluster down)
 
@@ -62,6 +63,12 @@ class ConfigError(KVCommError, ValueError):
 
 class SegmentError(KVCommError):
     """The L2 shared-memory segment cannot be used as it is (foreign, old layout, corrupt)."""
+
+
+class UnflushedWrites(SegmentError):
+    """``kvcomm purge`` refused: the segment holds acknowledged writes L3 has not got yet.
+    Let the node daemon deliver them (or ``kvcomm migrate`` an older segment's), or pass
+    ``--force`` to discard them knowingly."""
 
 
 class CorruptRecord(KVCommError):

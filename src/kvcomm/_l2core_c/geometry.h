@@ -59,6 +59,9 @@ static inline const char *rec_vvx(Core *c, uint64_t off, Rec *r) { return c->bas
 static inline const char *rec_meta(Core *c, uint64_t off, Rec *r) {
     return c->base + off + REC_HEADER + r->klen + r->vvlen;
 }
+static inline const char *rec_ext(Core *c, uint64_t off, Rec *r) {
+    return c->base + off + REC_HEADER + r->klen + r->vvlen + r->mlen;
+}
 
 static int
 set_corrupt(Core *c, const char *what)

@@ -8,12 +8,13 @@
 typedef struct {
     uint64_t word, seq, tag, counter, hlc, size, flags;
     PyObject *value; /* NULL when not asked for, Py_None for a large array (pin it) */
-    PyObject *meta, *vvx;
+    PyObject *meta, *vvx, *ext; /* ext: only with WANT_EXT */
 } Found;
 
 enum { READ_ABSENT = 0, READ_FOUND = 1, READ_STUCK = 2, READ_ERROR = -1 };
 #define WANT_VALUE 1
 #define WANT_META 2
+#define WANT_EXT 4
 
 static void
 found_clear(Found *f)
@@ -21,6 +22,7 @@ found_clear(Found *f)
     Py_CLEAR(f->value);
     Py_CLEAR(f->meta);
     Py_CLEAR(f->vvx);
+    Py_CLEAR(f->ext);
 }
 
 /* READ_FOUND (f filled: new references), READ_ABSENT, READ_STUCK (a slot stayed odd: a
@@ -83,7 +85,10 @@ read_into(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t zc, int 
             if (want & WANT_META)
                 f->meta = PyBytes_FromStringAndSize(rec_meta(c, off, &r), (Py_ssize_t)r.mlen);
             f->vvx = PyBytes_FromStringAndSize(rec_vvx(c, off, &r), (Py_ssize_t)r.vvlen);
-            if (((want & WANT_VALUE) && !f->value) || ((want & WANT_META) && !f->meta) || !f->vvx) {
+            if (want & WANT_EXT)
+                f->ext = PyBytes_FromStringAndSize(rec_ext(c, off, &r), (Py_ssize_t)r.xlen);
+            if (((want & WANT_VALUE) && !f->value) || ((want & WANT_META) && !f->meta) || !f->vvx ||
+                ((want & WANT_EXT) && !f->ext)) {
                 found_clear(f);
                 return READ_ERROR;
             }
@@ -154,8 +159,9 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
                          (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.size);
 }
 
-/* version(key, h) -> None | (word, seq, tag, counter, hlc, vvx, flags): a lock-free read of
- * the version only (tag 0: a tombstone). -1 when a slot stays odd. */
+/* version(key, h) -> None | (word, seq, tag, counter, hlc, vvx, flags, ext): a lock-free read
+ * of the version and the record's extension field (tag 0: a tombstone). -1 when a slot stays
+ * odd. */
 static PyObject *
 Core_version(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -169,7 +175,7 @@ Core_version(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (parse_key_h(args, &key, &klen, &h) < 0)
         return NULL;
     Found f;
-    switch (read_into(c, key, klen, h, 0, 0, &f)) {
+    switch (read_into(c, key, klen, h, 0, WANT_EXT, &f)) {
     case READ_ABSENT:
         Py_RETURN_NONE;
     case READ_STUCK:
@@ -177,7 +183,7 @@ Core_version(Core *c, PyObject *const *args, Py_ssize_t nargs)
     case READ_ERROR:
         return NULL;
     }
-    return Py_BuildValue("(KKKKKNK)", (unsigned long long)f.word, (unsigned long long)f.seq,
+    return Py_BuildValue("(KKKKKNKN)", (unsigned long long)f.word, (unsigned long long)f.seq,
                          (unsigned long long)f.tag, (unsigned long long)f.counter,
-                         (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.flags);
+                         (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.flags, f.ext);
 }

@@ -18,6 +18,8 @@ typedef struct {
     uint64_t x_counter, x_hlc;
     const char *x_vvx;
     uint64_t x_vvlen;
+    const char *ext; /* the record's extension field (a msgpack map, opaque here) */
+    uint64_t xlen;
     /* the plan */
     int writes_record;   /* a put, or a tombstone */
     Py_ssize_t prev;     /* index+1 of the previous op on this key in the batch, 0 if none */
@@ -36,9 +38,9 @@ static int
 parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
 {
     memset(op, 0, sizeof(*op));
-    if ((n != 2 && n != 5 && n != 8) || !PyBytes_Check(it[0])) {
-        PyErr_SetString(PyExc_TypeError, "op: (key, h) | (key, h, tag, meta, value) | "
-                                         "(key, h, tag, meta, value, counter, hlc, vvx)");
+    if ((n != 2 && n != 5 && n != 6 && n != 8 && n != 9) || !PyBytes_Check(it[0])) {
+        PyErr_SetString(PyExc_TypeError, "op: (key, h) | (key, h, tag, meta, value[, ext]) | "
+                                         "(key, h, tag, meta, value, counter, hlc, vvx[, ext])");
         return -1;
     }
     op->key = PyBytes_AS_STRING(it[0]);
@@ -54,10 +56,19 @@ parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
         op->kind = OP_DEL;
         return 0;
     }
-    op->kind = n == 5 ? OP_PUT : OP_VPUT;
+    op->kind = n <= 6 ? OP_PUT : OP_VPUT;
+    if (n == 6 || n == 9) {
+        PyObject *ext = it[n - 1];
+        if (!PyBytes_Check(ext)) {
+            PyErr_SetString(PyExc_TypeError, "op ext must be bytes");
+            return -1;
+        }
+        op->ext = PyBytes_AS_STRING(ext);
+        op->xlen = (uint64_t)PyBytes_GET_SIZE(ext);
+    }
     op->tag = PyLong_AsUnsignedLongLong(it[2]);
     if (PyErr_Occurred() || !PyBytes_Check(it[3]) || op->tag > 0xFF ||
-        (op->tag == TAG_TOMBSTONE && n != 8)) {
+        (op->tag == TAG_TOMBSTONE && op->kind != OP_VPUT)) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "op tag must be 0..255 (0, a tombstone, only with a "
                                              "version) and meta bytes");
@@ -68,7 +79,7 @@ parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
     if (PyObject_GetBuffer(it[4], &op->val, PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     op->has_val = 1;
-    if (n == 8) {
+    if (op->kind == OP_VPUT) {
         op->x_counter = PyLong_AsUnsignedLongLong(it[5]);
         op->x_hlc = PyLong_AsUnsignedLongLong(it[6]);
         if (PyErr_Occurred() || !PyBytes_Check(it[7])) {
@@ -278,12 +289,13 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
             op->vvlen = op->kind == OP_VPUT ? op->x_vvlen : prev_vvlen;
             if (op->writes_record) {
                 uint64_t mlen = op->kind == OP_DEL ? 0 : op->mlen;
+                uint64_t xlen = op->kind == OP_DEL ? 0 : op->xlen;
                 uint64_t vlen = op->kind == OP_DEL ? 0 : (uint64_t)op->val.len;
-                uint64_t vrel = REC_HEADER + op->klen + op->vvlen + mlen;
+                uint64_t vrel = REC_HEADER + op->klen + op->vvlen + mlen + xlen;
                 if (op->kind != OP_DEL && op->tag == TAG_NDARRAY)
                     vrel = (vrel + 63) & ~63ULL;
                 op->size = vrel + vlen; /* each term is below 2**48: no wrap */
-                if (op->vvlen > 0xFFFFFFFFULL || mlen > 0xFFFFFFFFULL ||
+                if (op->vvlen > 0xFFFFFFFFULL || mlen > 0xFFFFFFFFULL || xlen > 0xFFFFFFFFULL ||
                     op->size > (1ULL << c->top_order)) {
                     *bad = i;
                     status = ST_TOO_LARGE;
@@ -454,6 +466,7 @@ publish(Core *c, Op *op, uint64_t found, uint64_t now_ms, uint64_t flags, int ti
     int del = op->kind == OP_DEL;
     uint64_t tag = del ? TAG_TOMBSTONE : op->tag;
     uint64_t mlen = del ? 0 : op->mlen;
+    uint64_t xlen = del ? 0 : op->xlen;
     uint64_t vlen = del ? 0 : (uint64_t)op->val.len;
     uint64_t vrel = op->size - vlen;
     uint64_t off = op->block;
@@ -465,13 +478,15 @@ publish(Core *c, Op *op, uint64_t found, uint64_t now_ms, uint64_t flags, int ti
     rec[REC_VLEN] = vlen;
     rec[REC_VREL] = vrel;
     rec[REC_SPARE] = 0;
-    rec[REC_LENS] = mlen;
+    rec[REC_LENS] = mlen | (xlen << 32);
     char *p = c->base + off + REC_HEADER;
     memcpy(p, op->key, op->klen);
     if (vvlen)
         memmove(p + op->klen, vvx, vvlen);
     if (mlen)
         memcpy(p + op->klen + vvlen, op->meta, mlen);
+    if (xlen)
+        memcpy(p + op->klen + vvlen + mlen, op->ext, xlen);
     if (vlen)
         memcpy(c->base + off + vrel, op->val.buf, vlen);
     /* publish: seq odd, swap, seq even (full barriers around the swap) */

@@ -5,7 +5,8 @@ the README's "Commands" section).
                 [--baseline auto|redis|manager|none] [--plot FILE.png] [--cluster]
                 [--name NS] [--config FILE]
     kvcomm info [--name NS] [--config FILE] [--json]
-    kvcomm purge --name NS [--config FILE]
+    kvcomm purge --name NS [--config FILE] [--force]
+    kvcomm migrate [--name NS] [--config FILE]     an older-layout segment's unflushed writes
     kvcomm config --show [--config FILE]
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR
@@ -62,14 +63,15 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    """Remove a namespace's L2 segment. Exit status 0: removed; 1: there was none;
-    2: it could not be removed (the message says why)."""
+    """Remove a namespace's L2 segment. It refuses a segment that holds writes not yet in
+    L3 (of this layout or an older one) unless --force. Exit status 0: removed; 1: there
+    was none; 2: it could not be removed, or was refused (the message says why)."""
     from ..tiers.l2 import purge, segment_path
 
     name = args.name
     directory = load_config(args.config).cache.l2_dir
     try:
-        removed = purge(name, directory)
+        removed = purge(name, directory, keep_unflushed=not args.force)
     except KVCommError as exc:
         print(f"kvcomm: cannot purge namespace {name!r}: {exc}", file=sys.stderr)
         return 2
@@ -88,6 +90,28 @@ def _purge(args: argparse.Namespace) -> int:
         return 0
     print(f"no segment for namespace {name!r}", file=sys.stderr)
     return 1
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    """Carry the writes not yet in L3 of a namespace's segment of an older layout into a
+    new segment (stop the old segment's users first). Exit status 0: done or nothing to
+    do; 2: it failed (the old segment is left as it was; the message says why)."""
+    from ..tiers.shm.migrate import migrate
+
+    cfg = load_config(args.config)
+    name = args.name or cfg.node.namespace
+    try:
+        done = migrate(name, cfg)
+    except (KVCommError, OSError) as exc:
+        print(f"kvcomm: cannot migrate namespace {name!r}: {exc}", file=sys.stderr)
+        return 2
+    if not done.from_version:
+        print(f"namespace {name!r} has no segment of an older layout: nothing to migrate")
+        return 0
+    print(f"migrated namespace {name!r} from layout {done.from_version}: {done.carried} "
+          f"writes carried (the node daemon delivers them), {done.superseded} already "
+          "superseded by newer writes")
+    return 0
 
 
 def _purge_os_advice(name: str, exc: OSError) -> str:
@@ -258,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     u = _command(sub, "purge", _purge, "remove a namespace's L2 segment")
     u.add_argument("--name", required=True, metavar="NS", help="the namespace to remove")
     u.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (for cache.l2_dir)")
+    u.add_argument("--force", action="store_true",
+                   help="remove it even if it holds writes not yet in L3 (they are lost)")
+
+    mg = _command(sub, "migrate", _migrate,
+                  "carry an older-layout segment's writes not yet in L3 into a new segment")
+    mg.add_argument("--name", metavar="NS", help="the namespace (default: the config's)")
+    mg.add_argument("--config", metavar="FILE",
+                    help="a kvcomm YAML config (the new segment's sizes, host id, l2_dir)")
 
     n = _command(sub, "node", _node, "run the host daemon (cluster mode)")
     n.add_argument("--config", required=True, metavar="FILE",

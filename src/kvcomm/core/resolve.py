@@ -111,15 +111,16 @@ class PrefixTable(Generic[T]):
         return hook
 
 
-# ---------------------------------------------------------------- the L3 merge rule
+# ---------------------------------------------------------------- the L3 rule
 
-#: outcomes of merging an incoming record into what L3 holds
+#: outcomes of pushing an incoming record into what L3 holds
 NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT = "new", "newer", "older", "equal", "merged", "conflict"
 
 
-def merge_rule(stored: Dotted | None, incoming: Dotted,
-               keep_siblings: bool = False) -> tuple[str, Dotted | None]:
-    """What L3 does with ``incoming`` given ``stored``: (outcome, version stored after).
+def l3_rule(stored: Dotted | None, incoming: Dotted,
+            keep_siblings: bool = False) -> tuple[str, Dotted | None]:
+    """The L3 rule: what L3 does with a pushed ``incoming`` version given the ``stored``
+    one. Returns (outcome, version stored after).
 
     new/newer: incoming replaces; older/equal: stored stays; concurrent: last-writer-wins
     by :func:`lww_key`, stored with the merged vector (``merged``) — or, with

@@ -71,9 +71,12 @@ class CountMinSketch:
             if c[j] < est:
                 c[j] = est
         hdr = self._hdr
-        hdr[0] += n
-        if hdr[0] >= self.reset_every:
+        total = hdr[0] + n  # (in shared memory the word may hold anything: never overflow)
+        if total >= self.reset_every:
+            hdr[0] = min(total, self.reset_every)
             self.halve()
+        else:
+            hdr[0] = total
         return est
 
     def estimate(self, key: bytes) -> int:

@@ -1,16 +1,17 @@
 """Write coalescing: the seeds' "batch commit" as a pure state machine.
 
-Writes enter an open window. The window closes — and comes out as one :class:`Batch` —
+Writes enter an open window. The window closes — and comes out as one
+:class:`ClosedWindow` (not to be confused with the user's ``kvcomm.Batch``) —
 when ``interval`` seconds have passed since its first write, or when it holds
 ``max_ops`` keys or ``max_bytes`` bytes. Within a window the last write of a key wins;
-the replaced writes' vectors are merged into it (so the batch's version of the key
+the replaced writes' vectors are merged into it (so the closed window's version of the key
 descends from every write it absorbed); a delete stays as a tombstone, since other
 hosts must learn of it.
 
 Memory is bounded by construction: a window never holds more than ``max_ops`` keys or
 ``max_bytes`` bytes (plus one write), because :meth:`WriteWindow.add` closes and returns
-the window that a write fills. The driver (the node daemon) must send each batch it is
-handed before adding more — that is the back-pressure: it is applied where sending
+the window that a write fills. The driver (the node daemon) must send each closed window
+it is handed before adding more — that is the back-pressure: it is applied where sending
 happens, with the driver's own bounded outbound queue.
 
 The caller passes the time (``now``, seconds, monotonic); nothing here sleeps or reads
@@ -38,7 +39,7 @@ class Write:
 
 
 @dataclass(slots=True)
-class Batch:
+class ClosedWindow:
     """One closed window: the last write per key, in first-write order."""
 
     writes: list[Write]
@@ -72,7 +73,7 @@ class WriteWindow:
             raise ValueError("interval, max_ops and max_bytes must be positive")
 
     def add(self, key: str, value: bytes | None, vector: Vector, hlc: int,
-            now: float) -> Batch | None:
+            now: float) -> ClosedWindow | None:
         """Add one write (``value`` None: delete). Returns the window if this write filled it."""
         size = len(key) + (0 if value is None else len(value))
         if self._opened_at is None:
@@ -90,18 +91,18 @@ class WriteWindow:
             return self._close(now)
         return None
 
-    def poll(self, now: float) -> Batch | None:
-        """The window, if ``interval`` has passed since its first write; else None."""
+    def poll(self, now: float) -> ClosedWindow | None:
+        """The window, closed, if ``interval`` has passed since its first write; else None."""
         if self._opened_at is not None and now - self._opened_at >= self.interval:
             return self._close(now)
         return None
 
-    def flush(self, now: float) -> Batch | None:
+    def flush(self, now: float) -> ClosedWindow | None:
         """Close the window now (shutdown, a strong write that must not wait)."""
         return self._close(now) if self._pending else None
 
     def deadline(self) -> float | None:
-        """When :meth:`poll` will next return a batch (for the driver's sleep)."""
+        """When :meth:`poll` will next close the window (for the driver's sleep)."""
         return None if self._opened_at is None else self._opened_at + self.interval
 
     def __len__(self) -> int:
@@ -111,11 +112,11 @@ class WriteWindow:
     def pending_bytes(self) -> int:
         return self._bytes
 
-    def _close(self, now: float) -> Batch:
+    def _close(self, now: float) -> ClosedWindow:
         assert self._opened_at is not None
-        batch = Batch(list(self._pending.values()), self._ops_in, self._bytes_in,
-                      self._opened_at, now)
+        closed = ClosedWindow(list(self._pending.values()), self._ops_in, self._bytes_in,
+                              self._opened_at, now)
         self._pending = {}
         self._bytes = self._ops_in = self._bytes_in = 0
         self._opened_at = None
-        return batch
+        return closed

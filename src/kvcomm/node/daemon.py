@@ -3,33 +3,29 @@
 Theory of operation
 -------------------
 Agents only ever touch L2 (and, on an L2 miss, read L3 once). The daemon does the rest,
-in one loop:
+in one loop. Its decisions — what to push and when, what L3's answers mean, which
+cursor may be persisted, when a group's feed must be resynced, how long to back off —
+are made by the state machines of :mod:`kvcomm.node.delivery`, which hold the whole
+theory of delivery and do no I/O. This module is their *driver*: it reaches L2, the
+key filter and L3 through the three ports of :mod:`kvcomm.node.port`, hands the
+machines what it read, and carries out what they answer.
 
-1. **Local → L3.** It drains the host's L2 change feed from its cursor. Every ``put``
-   whose record is still flagged *dirty* (written by an agent of this host, not yet in
-   L3) enters the write window (:mod:`kvcomm.core.window`); deletes enter as tombstones.
-   When the window closes (``cache.l2_sync_interval``, or full), its writes go to L3 in
-   one pipeline of merge-script calls per master node (:class:`kvcomm.tiers.l3.L3Store`).
-   L3's answer is applied back: accepted writes are marked clean (L2 may now evict
-   them); where L3 held something newer, or merged a concurrent write, that record is
-   written into L2 (clean). The cursor is stored in the L2 header only once everything
-   before it is in L3, so a daemon killed at any point replays from there: at-least-once,
-   and the merge makes a replay harmless. If the feed ring was overwritten past the
-   cursor, every dirty record is pushed again (a scan).
-2. **L3 → local.** It reads every group's L3 change feed (Redis Streams, one per hash-slot
-   group, bounded) after its per-group cursors, which live in L3
-   (``kvn:{host}:cursors``), so a restarted daemon — or one whose connection dropped
-   — resumes where it was, and nothing is lost the way pub/sub loses messages. A change
-   to a key this host holds is merged into L2 (its own writes echo back as no-ops; a
-   record L3 merged from one of them is taken); keys it does not hold are left to the
-   read path. Every entry carries its group's sequence number (:mod:`kvcomm.tiers.l3`);
-   the daemon keeps the last one it saw per group, with the cursors. An entry that is
-   not the next one — the stream was trimmed past the cursor (a gap), or went
-   backwards (a failover lost entries the daemon had read) — and, once a second, a
-   group counter that a read did not reach, make the daemon **resync** that group: take
-   the group's position, add its keys to the key filter, and re-read from L3 the keys
-   of that group that L2 holds. Until a resync completes, the group's old cursor is the
-   one saved, so a daemon killed meanwhile resyncs again.
+1. **Local → L3.** It reads the host's L2 change feed after the outbound cursor, hands
+   the dirty record of every key put or deleted (every dirty key after an overflow) to
+   the outbound machine, and pushes each closed write window to L3 in one pipeline of
+   push-script calls per master node (:class:`kvcomm.tiers.l3.L3Store`). L3's answers
+   are carried out: writes L3 holds are marked delivered (L2 may now evict them);
+   where L3 holds another record (newer, merged, a conflict for a resolver) that record
+   is merged into L2. The feed position stored in the L2 header is the machine's
+   delivered cursor: a daemon killed at any point replays from there. Vectors are
+   pruned, by host activity, before they are pushed.
+2. **L3 → local.** It reads every group's L3 change feed (Redis Streams, one per
+   hash-slot group, bounded) after per-group cursors that live in L3
+   (``kvn:{host}:cursors``), so a restarted daemon — or one whose connection dropped —
+   resumes where it was. A change to a key this host holds is merged into L2 (its own
+   writes echo back as no-ops); keys it does not hold are left to the read path. A
+   group whose sequence numbers show a gap or a rewind is resynced: its position taken,
+   its keys added to the key filter, its keys that L2 holds re-read from L3.
 3. **Prewarm.** Every couple of seconds the host's hot keys (the host-wide sketch of
    agents' reads) are saved to L3 and any of them missing from L2 (evicted, say) are
    read back in; a daemon that starts prewarms L2 from the list its predecessor saved.
@@ -39,7 +35,7 @@ in one loop:
 5. **Heartbeat** in the L2 header and in the key filter's header, so agents and tools
    can see the daemon is alive (agents trust the filter only while it beats).
 
-When L3 is unreachable, nothing is dropped: the unsent window is kept and retried with
+When L3 is unreachable, nothing is dropped: the unsent windows are kept and retried with
 capped exponential backoff with jitter (:mod:`kvcomm.core.backoff`, so that hosts do
 not retry in lockstep after an outage), agents keep writing into L2, and once
 ``cluster.outbound_max`` writes are waiting, ``put`` raises ``Unavailable`` instead of
@@ -65,7 +61,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,26 +69,34 @@ from .._client import Client
 from .._client import open as kv_open
 from ..config import Config
 from ..core.backoff import Backoff
-from ..core.versions import vector_get
-from ..core.window import Batch, WriteWindow
+from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
+from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
-from ..tiers.l3 import GROUPS, FeedEntry, L3Record, L3Store, group_of
-from .port import ClientPort, HostL2
+from ..tiers.l3 import GROUPS, FeedEntry, L3Record, L3Store, group_of, read_record
+from .delivery import (
+    CORRUPT,
+    FEED_COUNT,
+    NOT_DURABLE,
+    Answer,
+    HostActivity,
+    Inbound,
+    Outbound,
+    Skipped,
+)
+from .port import ClientPort, HostKeys, HostL2, L3Port
 
 log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
-STATE_EVERY = 1.0  # seconds between saves of the feed cursors and checks of group counters
-RECENT_S = 30.0  # how long a skipped remote change can still be applied over a late fill
-RECENT_MAX = 65_536  # skipped remote changes remembered at most
+HOT_EVERY = 2.0  # seconds between saves of the hot keys (and the prewarm that follows)
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
 
 
 @dataclass
 class DaemonStats:
     pushed: int = 0  # records sent to L3
-    windows: int = 0
+    windows: int = 0  # pushes (one closed window each)
     accepted: int = 0  # new / newer / equal
     refreshed: int = 0  # older / merged: L3's record written back into L2
     pulled: int = 0  # remote changes merged into L2
@@ -109,70 +113,49 @@ class DaemonStats:
         self.extra[name] = self.extra.get(name, 0) + n
 
 
-class NodeDaemon:
-    """One host's sync loop. ``step()`` does one round; ``run()`` loops until stopped.
+class Daemon:
+    """One host's sync loop over its ports: ``step()`` does one round, ``run()`` loops
+    until stopped. The clock, the sleep and the wall clock (for the quarantine list's
+    timestamps) are passed in; tests drive it over fakes.
 
-    Raises ConfigError (bad cluster settings or resolvers), SegmentError (the host's L2
-    or key filter cannot be used), Unavailable (L3 cannot be reached: retry later). A
-    failed start releases everything it opened.
+    Starting builds the key filter, resumes the feeds and prewarms L2. Raises
+    Unavailable (L3 cannot be reached: retry later) and SegmentError (the host's L2 or
+    key filter cannot be used); the ports stay open: the caller closes them.
     """
 
-    def __init__(self, config: Config, name: str | None = None,
-                 rng: random.Random | None = None) -> None:
-        if not config.cluster.enabled:
-            raise ConfigError("cluster.redis",
-                              "kvcomm node needs the Redis Cluster seed nodes (host:port list)")
-        self.config = config
+    def __init__(self, config: Config, port: HostL2, l3: L3Port, keys: HostKeys, *,
+                 rng: random.Random, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.config, self.port, self.l3, self.keys = config, port, l3, keys
+        self.rng, self.clock, self.sleep, self.wall = rng, clock, sleep, wall
         self.started = False  # __init__ done: the L2 heartbeat says so to tools
-        seeds = config.cluster.seeds()  # validate before touching the host's L2
-        # jitter must differ between hosts: an unseeded Random draws its seed from the OS
-        self.rng = rng if rng is not None else random.Random()
-        self.kv: Client = kv_open(name, config=config)
-        try:
-            self.port: HostL2 = ClientPort(self.kv)  # the one way to the host's L2
-            self.host = self.port.host_id
-            cl = config.cluster
-            c = config.cache
-            resolvers = {prefix: _import(path) for prefix, path in cl.resolvers.items()}
-            self.l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
-                              tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
-                              wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000),
-                              max_value_size=c.max_value_size)
-            self.window = WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes)
-            self.staged: dict[str, L3Record] = {}
-            self.cursor = self.port.delivered_cursor  # local feed: all before it is in L3
-            self.stats = DaemonStats()
-            self.unsent: list[Batch] = []
-            self.push_backoff = Backoff(self.rng, base=0.05, cap=2.0, floor=0.01)
-            self.pull_backoff = Backoff(self.rng, base=0.05, cap=2.0, floor=0.01)
-            self.retry_at = 0.0
-            self.pull_at = 0.0
-            self.last_pull = 0.0
-            self.state_at = time.monotonic() + STATE_EVERY
-            self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
-            # remote changes to keys not held here, for a while (see _remember_skipped)
-            self.recent_remote: dict[str, tuple[float, L3Record]] = {}
-            self.feed_cursors: dict[int, bytes] = {}
-            self.feed_seqs: dict[int, int | None] = {}  # last sequence number seen, by group
-            # groups whose resync has not completed → whether their keys go to the filter
-            self.resync_pending: dict[int, bool] = {}
-            for prefix, fn in resolvers.items():  # the operator's own code, named in config
-                self.kv.register_resolver(prefix, fn)  # (agents of the host register theirs)
-            self.keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
-                                         permissions=c.l2_permissions, directory=c.l2_dir)
-            self.rebuild_every = cl.key_filter_rebuild
-            self._fill_key_filter(initial=True)
-            self._start_feeds()
-            self.hot_saved = time.monotonic()
-            self.stats.bump("prewarmed", self._prewarm(self.l3.load_hot(self.host)))
-            self.started = True
-        except BaseException:  # L3 unreachable at start, say: release what we opened
-            if getattr(self, "keys", None) is not None:
-                self.keys.close()
-            if getattr(self, "l3", None) is not None:
-                self.l3.close()
-            self.kv.close()
-            raise
+        self.host = port.host_id
+        c, cl = config.cache, config.cluster
+        now = clock()
+        self.stats = DaemonStats()
+        self.out = Outbound(self.host, port.delivered_cursor,
+                            WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes),
+                            Backoff(rng, base=0.05, cap=2.0, floor=0.01))
+        self.persisted = self.out.cursor  # the delivered cursor L2 holds
+        self.inb = Inbound(GROUPS, cl.feed_poll, Backoff(rng, base=0.05, cap=2.0, floor=0.01), now)
+        self.hosts = HostActivity(self.host, _ms(now))
+        self.skipped = Skipped()  # remote changes to keys not held here, for a while
+        self.max_value_size = c.max_value_size
+        self.rebuild_every = cl.key_filter_rebuild
+        self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
+        self.held_at_start: set[str] = set()
+        self._fill_key_filter(initial=True)
+        self._start_feeds()
+        self.held_at_start.clear()
+        self.hot_saved = clock()
+        self.stats.bump("prewarmed", self._prewarm(self.l3.load_hot(self.host)))
+        self.started = True
+
+    @property
+    def feed_seqs(self) -> dict[int, int | None]:
+        """The last sequence number read, by group."""
+        return self.inb.seqs
 
     # ------------------------------------------------------------------ bad input
 
@@ -180,7 +163,7 @@ class NodeDaemon:
         """Count, log and (if L3 answers) record an input the daemon skips. A key that
         keeps failing is logged and recorded once a minute, counted every time."""
         self.stats.quarantined += 1
-        now = time.monotonic()
+        now = self.clock()
         if now - self.set_aside_at.get(key, -QUARANTINE_QUIET) < QUARANTINE_QUIET:
             log.debug("set aside %r again: %s", key, reason)
             return
@@ -189,7 +172,7 @@ class NodeDaemon:
             self.set_aside_at.clear()
         self.set_aside_at[key] = now
         try:
-            self.l3.quarantine(self.host, key, reason, time.time())
+            self.l3.quarantine(self.host, key, reason, self.wall())
         except Unavailable as exc:
             log.warning("could not record %r in the quarantine list: %s", key, exc)
 
@@ -209,118 +192,81 @@ class NodeDaemon:
 
     # ------------------------------------------------------------------ local → L3
 
-    def _stage_put(self, key: str, now: float) -> None:
-        """Stage the key's record if it is dirty: a put, or a delete's tombstone (which
-        carries the vector of the value it deleted, so it supersedes it in L3)."""
-        record = self.port.dirty_record(key)
-        if record is None:
-            return  # evicted (clean), or not an agent's write (already in L3)
-        if not record.tombstone:
-            self.keys.add(key.encode("utf-8", "surrogateescape"))
-        self._stage(key, record, now)
-
-    def _refill(self, key: str, now: float) -> None:
-        """A key whose remote change was skipped (not held) was written here since: an
-        agent's fill from L3, maybe older than that change. Apply the change over it (a
-        newer one replaces the fill, an older or equal one changes nothing)."""
-        seen, rec = self.recent_remote.pop(key)
-        if now - seen < RECENT_S:
-            self.stats.bump("refills")
-            self._guarded(key, "feed", self._apply_or_forget, key, rec)
-
-    def _stage(self, key: str, record: L3Record, now: float) -> None:
-        self.staged[key] = record
-        size_hint = None if record.tombstone else record.value
-        closed = self.window.add(key, size_hint, record.vector, record.hlc, now)
-        if closed is not None:
-            self.unsent.append(closed)
-
     def push_local(self, now: float) -> None:
-        events, cursor, overflowed = self.port.feed_read(self.cursor)
+        """Read the local feed, push what is due, persist the delivered cursor."""
+        events, cursor, overflowed = self.port.feed_read(self.out.cursor)
+        written = [ev.key for ev in events
+                   if ev.kind in (KIND_PUT, KIND_DELETE)]  # evictions stay local
+        keys: Iterable[str] = written
         if overflowed:
             self.stats.feed_overflows += 1
-            for key in self.port.dirty_keys():
-                self._guarded(key, "local write", self._stage_put, key, now)
-        for ev in events:
-            if ev.kind in (KIND_PUT, KIND_DELETE):  # (evictions are local: never sent)
-                self._guarded(ev.key, "local write", self._stage_put, ev.key, now)
-                if ev.key in self.recent_remote:
-                    self._refill(ev.key, now)
-        self.cursor = cursor
-        closed = self.window.poll(now)
-        if closed is not None:
-            self.unsent.append(closed)
-        if now >= self.retry_at:
-            self._send_unsent()
-        if not self.unsent and not len(self.window):
-            self.port.delivered_up_to(self.cursor)  # everything before it is in L3
+            keys = [*self.port.dirty_keys(), *written]
+        records: list[tuple[str, L3Record | None]] = []
+        for key in dict.fromkeys(keys):
+            record = self._guarded(key, "local write", self.port.dirty_record, key)
+            if isinstance(record, L3Record):  # (None: clean or gone; False: set aside)
+                if not record.tombstone:
+                    self.keys.add(key.encode("utf-8", "surrogateescape"))
+                records.append((key, record))
+        self.out.read(cursor, records, now)
+        for key in written:  # a fill from L3 may be older than a change skipped meanwhile
+            if (skipped := self.skipped.take(key, now)) is not None:
+                self.stats.bump("refills")
+                self._guarded(key, "feed", self._apply_or_forget, key, skipped)
+        self._push(now)
+        delivered = self.out.delivered()
+        if delivered != self.persisted:  # everything before it is in L3
+            self.port.delivered_up_to(delivered)
+            self.persisted = delivered
 
-    def _send_unsent(self) -> None:
-        while self.unsent:
-            batch = self.unsent[0]
-            items = [(w.key, self.staged[w.key]) for w in batch.writes if w.key in self.staged]
+    def _push(self, now: float) -> None:
+        """Push every closed window that is due; stop at the first failure."""
+        while (push := self.out.next_push(now, self.port.has_resolver, self._shape)) is not None:
             try:
-                results = self._merge(items)
+                results = self.l3.push_many([(i.key, i.record) for i in push.items],
+                                            push.keep_siblings)
             except Unavailable as exc:
-                self.retry_at = time.monotonic() + self._l3_failed(self.push_backoff,
-                                                                   "sending to L3", exc)
+                delay = self.out.push_failed(push, self.clock())
+                self._l3_failed(self.out.backoff, "sending to L3", exc, delay)
                 return
-            self.push_backoff.succeeded()
-            self.unsent.pop(0)
             self.stats.windows += 1
-            for (key, sent), res in zip(items, results, strict=True):
-                if self.staged.get(key) is sent:
-                    del self.staged[key]
-                self.stats.pushed += 1
-                self._guarded(key, "push to L3", self._handle_result, key, sent, res)
+            self.stats.pushed += len(push.items)
+            answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
+            for answer in answers:
+                try:  # every answer is carried out: they have left the staged set
+                    self._guarded(answer.key, "push to L3", self._carry_out, answer)
+                except Unavailable as exc:  # L2's merge lost races to local writers: the
+                    # newer local write is pushed in turn, and its answer taken then
+                    self.stats.bump("answers_not_taken")
+                    log.warning("could not take L3's answer for %r: %s", answer.key, exc)
 
-    def _handle_result(self, key: str, sent: L3Record, res: Any) -> None:
-        """Apply L3's answer to one pushed record."""
-        if isinstance(res, CorruptRecord):
-            self._mark_clean(key, sent)  # retrying cannot help: set aside (and counted)
-            raise res
-        if not res.durable:  # no replica has it yet: send again next window
-            self.stats.bump("not_durable")
-            if key not in self.staged:  # (a newer staged write descends from it anyway)
-                self._stage(key, sent, time.monotonic())
-        elif res.outcome in ("new", "newer", "equal"):
+    def _shape(self, record: L3Record) -> L3Record:
+        return self.hosts.shape(record, _ms(self.clock()))
+
+    def _carry_out(self, answer: Answer) -> None:
+        """Apply L3's answer to one pushed record. Raises what L2 raises (the caller sets
+        the record aside)."""
+        if answer.rebase and answer.take is not None:  # this host's L2 was lost: the
+            self.stats.bump("rebased")  # write is new, not older: written again past L3's
+            if not self.port.rebase(answer.key, answer.take):
+                self._apply(answer.key, answer.take)
+            return
+        if answer.outcome in (NEW, NEWER, EQUAL):
             self.stats.accepted += 1
-            self._mark_clean(key, sent)
-        elif res.outcome == "conflict":  # a resolver's prefix: settle it here
-            self.stats.bump("resolved")
-            self._apply(key, res.record)  # concurrent → resolver → a new dirty write
-        elif (res.outcome == "older" and sent.dot[0] == self.host
-              and vector_get(res.record.vector, self.host) > self.port.write_sequence()):
-            # L3 knows dots of this host that the host does not: its write sequence
-            # restarted (its L2 was lost). This write is new, not older: write it again
-            # over L3's version, with a dot past everything L3 has seen from this host
-            self.stats.bump("rebased")
-            if not self.port.rebase(key, res.record):
-                self._apply(key, res.record)
-        else:  # older / merged: L3 holds another record; take it
+        elif answer.outcome in (OLDER, MERGED):
             self.stats.refreshed += 1
-            self._apply(key, res.record)
-
-    def _merge(self, items: list[tuple[str, L3Record]]) -> list[Any]:
-        """Merge into L3; keys with a resolver keep concurrent versions apart (``conflict``)."""
-        # deletes always merge last-writer-wins (with merged vectors): a resolver settles
-        # concurrent values, and must not bring a deleted key back
-        with_hook = [i for i, (k, r) in enumerate(items)
-                     if not r.tombstone and self.port.has_resolver(k)]
-        if not with_hook:
-            return self.l3.merge_many(items)
-        hooked = set(with_hook)
-        plain_idx = [i for i in range(len(items)) if i not in hooked]
-        out: list[Any] = [None] * len(items)
-        for idxs, siblings in ((plain_idx, False), (with_hook, True)):
-            if idxs:
-                res = self.l3.merge_many([items[i] for i in idxs], keep_siblings=siblings)
-                for i, r in zip(idxs, res, strict=True):
-                    out[i] = r
-        return out
-
-    def _mark_clean(self, key: str, sent: L3Record) -> None:
-        self.port.mark_delivered(key, sent)
+        elif answer.outcome == CONFLICT:  # a resolver's prefix: L2 settles it (a new write)
+            self.stats.bump("resolved")
+        elif answer.outcome == NOT_DURABLE:
+            self.stats.bump("not_durable")
+        if answer.deliver:
+            self.port.mark_delivered(answer.key, answer.sent)
+        if answer.set_aside:  # retrying cannot help
+            if answer.outcome == CORRUPT:
+                self.stats.corrupt += 1
+            self._set_aside(answer.key, f"push to L3: CorruptRecord: {answer.set_aside}")
+        elif answer.take is not None:
+            self._apply(answer.key, answer.take)
 
     def _apply(self, key: str, record: L3Record) -> bool:
         """Write an L3 record into L2 (clean), unless L2 already holds something newer.
@@ -332,20 +278,31 @@ class NodeDaemon:
         self.port.apply_remote(key, record)
         return True
 
+    def _apply_or_forget(self, key: str, record: L3Record) -> bool:
+        """:meth:`_apply`; if this host's L2 can never hold ``record``, drop the host's
+        stale copy instead (its reads then go to L3), and still raise (set aside)."""
+        try:
+            return self._apply(key, record)
+        except ValueTooLarge:
+            if self.port.forget(key):
+                self.stats.bump("forgotten")
+            raise
+
     # ------------------------------------------------------------------ the key filter
 
     def _fill_key_filter(self, initial: bool = False) -> None:
         """Initial fill (both generations) or a rotation (the older one, refilled)."""
-        if initial:
+        if initial:  # (and note the keys L2 holds, tombstones too, for the start's resync)
             self.keys.set_ready(False)
-            self._scan_into(self.keys.add, self.l3.scan_keys())
+            self._scan_into(lambda kb: self._scanned(kb, self.held_at_start),
+                            self.l3.scan_keys())
             self.keys.set_ready(True)
         else:
             target = self.keys.begin_rotation()
             self._scan_into(target.add, self.l3.scan_keys())
             self.keys.end_rotation()
             self.stats.bump("key_filter_rotations")
-        self.filter_built = time.monotonic()
+        self.filter_built = self.clock()
 
     def _scan_into(self, add: Any, keys: Iterable[bytes]) -> None:
         for n, kb in enumerate(keys):
@@ -356,7 +313,7 @@ class NodeDaemon:
                     self.port.heartbeat()
 
     def _maybe_rotate_filter(self) -> None:
-        if (time.monotonic() - self.filter_built > self.rebuild_every
+        if (self.clock() - self.filter_built > self.rebuild_every
                 or self.keys.adds_since_rotation >= self.config.cache.bloom_capacity):
             self._fill_key_filter()
 
@@ -379,12 +336,12 @@ class NodeDaemon:
         rec = self.l3.get(key)
         if rec is None or (rec.tombstone and not tombstones):
             return False
-        return self._apply(key, rec)
+        return self._apply_or_forget(key, rec)
 
     def _maybe_prewarm(self) -> None:
-        if time.monotonic() - self.hot_saved < 2.0:
+        if self.clock() - self.hot_saved < HOT_EVERY:
             return
-        self.hot_saved = time.monotonic()
+        self.hot_saved = self.clock()
         hot = self.port.hot_keys(HOT_KEYS)
         if hot:
             self.l3.save_hot(self.host, hot)
@@ -396,46 +353,50 @@ class NodeDaemon:
         """Resume every group's feed from the saved cursor and sequence number; a group
         without both (a new host) starts from its current position, re-reading any keys
         L2 already holds."""
-        saved, seqs = self.l3.load_cursors(self.host)
-        fresh = set()
-        for g in range(GROUPS):
-            if g in saved and g in seqs:
-                self.feed_cursors[g], self.feed_seqs[g] = saved[g], seqs[g]
-            else:
-                fresh.add(g)
+        fresh = self.inb.resume(*self.l3.load_cursors(self.host))
         if fresh:
-            self._resync(fresh, reason="")
+            self._resync(fresh, reason="", held=self.held_at_start)
 
-    def _resync(self, groups: set[int], reason: str) -> None:
+    def _resync(self, groups: set[int], reason: str, held: Iterable[str] = ()) -> None:
         """Take ``groups``' current feed positions, then re-read from L3 the keys of those
-        groups that L2 holds (changes after the position come through the feed). A
-        ``reason`` (a gap, a rewind) counts as a resync and adds the groups' keys to the
-        key filter, since the missed entries may have created keys.
+        groups that L2 holds (changes after the position come through the feed): the live
+        ones, the tombstones among ``held``, and the tombstones found by the scan of a
+        group. A ``reason`` (a gap, a rewind) counts as a resync and scans the groups'
+        keys into the key filter, since the missed entries may have created keys.
 
         Raises Unavailable; the groups stay pending (their old cursors are what is
         saved) and are resynced again on the next round.
         """
-        for g in groups:
-            self.resync_pending[g] = self.resync_pending.get(g, False) or bool(reason)
+        self.inb.begin_resync(groups, missed=bool(reason))
         if reason:
             self.stats.resyncs += len(groups)
             self.stats.bump(f"resync_{reason}", len(groups))
             log.warning("resyncing group(s) %s of the L3 feed (%s)", sorted(groups), reason)
+        held = {key for key in (*self.port.held_keys(), *held) if group_of(key) in groups}
         for g in sorted(groups):
             try:
                 seq, last_id = self.l3.feed_position(g)
             except CorruptRecord as exc:  # a foreign value under the group's stream key
                 self._set_aside(f"feed of group {g}", f"resync: {exc}")
                 seq, last_id = None, b"0-0"  # (the first real entry then resyncs it again)
-            self.feed_cursors[g], self.feed_seqs[g] = last_id, seq
-            if self.resync_pending[g]:  # the missed entries may have created keys
-                self._scan_into(self.keys.add, self.l3.scan_group(g))
-                self.resync_pending[g] = False
-        for key in self.port.held_keys():
-            if group_of(key) in groups:
-                self._guarded(key, "resync", self._fetch_and_apply, key, True)
-        for g in groups:
-            del self.resync_pending[g]
+            if self.inb.positioned(g, seq, last_id):  # the missed entries may have made keys
+                self._scan_into(lambda kb: self._scanned(kb, held), self.l3.scan_group(g))
+                self.inb.scanned(g)
+        for key in sorted(held):
+            self._guarded(key, "resync", self._fetch_and_apply, key, True)
+        self.inb.resynced(groups)
+
+    def _scanned(self, kb: bytes, held: set[str]) -> None:
+        """A key exists in L3: into the key filter; and if L2 holds it, a tombstone
+        included (``held_keys`` leaves those out), into ``held``: the keys a resync
+        re-reads, since the missed entries may have brought it back."""
+        self.keys.add(kb)
+        try:
+            key = kb.decode("utf-8")
+        except UnicodeDecodeError:  # not a key of ours: L3 keys are strict UTF-8
+            return
+        if key not in held and self.port.holds(key):
+            held.add(key)
 
     def pull_remote(self, check_seqs: bool = False) -> None:
         """Read every group's feed after its cursor and apply what this host holds.
@@ -444,126 +405,87 @@ class NodeDaemon:
         lost entries that no read returned (a read that returns nothing carries no
         sequence number). Raises Unavailable.
         """
-        if self.resync_pending:  # an earlier resync was interrupted
-            self._resync(set(self.resync_pending), reason="")  # (keeps whether to scan)
-        counters = self.l3.feed_seqs(range(GROUPS)) if check_seqs else {}
-        count = 500
-        feeds = self.l3.feed_many(self.feed_cursors, count=count)
-        gaps: dict[int, str] = {}
-        for g, rows in feeds.items():
+        if self.inb.pending:  # an earlier resync was interrupted
+            self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
+        counters = self.l3.feed_seqs(self.inb.groups) if check_seqs else {}
+        problems: dict[str, set[int]] = {}
+        for g, rows in self.l3.feed_many(self.inb.cursors, count=FEED_COUNT).items():
             if isinstance(rows, CorruptRecord):
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 continue
-            before = self.feed_seqs.get(g)
-            for entry in rows:
-                last = self.feed_seqs.get(g)
-                if entry.seq is None or last is None or entry.seq != last + 1:
-                    gaps[g] = ("unsequenced" if entry.seq is None or last is None
-                               else "gap" if entry.seq > last + 1 else "rewind")
-                    break
+            reading = self.inb.examine(g, rows, counters.get(g))
+            for entry in reading.entries:
                 self._pull_entry(g, entry)
-                self.feed_cursors[g], self.feed_seqs[g] = entry.id, entry.seq
-            now_seq = counters.get(g)
-            if g in gaps or now_seq is None or before is None:
-                continue
-            if now_seq < before:
-                gaps[g] = "rewind"  # the counter went backwards: a failover lost entries
-            elif len(rows) < count and (self.feed_seqs[g] or 0) < now_seq:
-                gaps[g] = "gap"  # changes counted before this read, and the read missed them
-        if gaps:
-            for why in sorted(set(gaps.values())):
-                self._resync({g for g, w in gaps.items() if w == why}, reason=why)
+                self.inb.advance(g, entry)
+            if reading.problem:
+                problems.setdefault(reading.problem, set()).add(g)
+        for why in sorted(problems):
+            self._resync(problems[why], reason=why)
 
     def _pull_entry(self, g: int, entry: FeedEntry) -> None:
-        """Apply one feed entry (set aside if it fails). Raises Unavailable."""
+        """Apply one feed entry of group ``g`` (set aside if it fails). Raises Unavailable."""
         if entry.key is None:
             self._set_aside(f"feed entry {entry.id.decode(errors='replace')} of group {g}",
                             entry.problem)
             return
         key = entry.key
         try:
-            rec = self.l3.decode(entry.record, key)
+            rec = read_record(entry.record, key, self.max_value_size)
         except CorruptRecord as exc:
             self.stats.corrupt += 1
             self._set_aside(key, f"feed: {exc}")
             return
+        self.hosts.saw(rec.dot[0], _ms(self.clock()))
         # our own writes come back too: the merge finds them equal (a no-op), but a
         # record L3 merged from ours and another host's must still be taken
         if not rec.tombstone:
             self.keys.add(key.encode("utf-8"))
         if not self.port.holds(key):
             self.stats.skipped_remote += 1
-            self._remember_skipped(key, rec)
+            self.skipped.remember(key, rec, self.clock())
             return  # not held here: the next read goes to L3
         if self._guarded(key, "feed", self._apply_or_forget, key, rec):
             self.stats.pulled += 1
 
-    def _apply_or_forget(self, key: str, rec: L3Record) -> bool:
-        """Apply a remote record; if this host's L2 can never hold it, drop the host's
-        stale copy instead (its reads then go to L3), and still set it aside (counted)."""
-        try:
-            return self._apply(key, rec)
-        except ValueTooLarge:
-            if self.port.forget(key):
-                self.stats.bump("forgotten")
-            raise
-
-    def _remember_skipped(self, key: str, rec: L3Record) -> None:
-        """A change to a key this host does not hold, kept a while: an agent that read
-        the key from L3 just before it may fill L2 with the older record just after
-        (push_local sees that fill, and applies this one over it)."""
-        recent = self.recent_remote
-        if len(recent) >= RECENT_MAX:
-            for k in list(recent)[: RECENT_MAX // 4]:  # the oldest quarter
-                del recent[k]
-        recent.pop(key, None)
-        recent[key] = (time.monotonic(), rec)
-
     def _save_state(self) -> None:
         """Save the feed cursors and sequence numbers (not those of a pending resync).
         Raises Unavailable."""
-        done = [g for g in self.feed_cursors if g not in self.resync_pending]
+        cursors, seqs = self.inb.saveable()
         self._guarded(f"kvn:{{{self.host}}}:cursors", "saving feed cursors",
-                      self.l3.save_cursors, self.host,
-                      {g: self.feed_cursors[g] for g in done},
-                      {g: s for g in done if (s := self.feed_seqs.get(g)) is not None})
+                      self.l3.save_cursors, self.host, cursors, seqs)
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> None:
         """One round: heartbeat, local changes to L3, and (every feed_poll) L3's changes.
 
-        Raises Unavailable only from the local half (the remote half backs off by itself)
-        and SegmentError when the host's L2 can no longer be used.
+        Raises SegmentError when the host's L2 can no longer be used; L3 failures are
+        counted and backed off from, not raised.
         """
-        now = time.monotonic()
+        now = self.clock()
         self.port.heartbeat()
         self.keys.beat()
         self.push_local(now)
-        if now - self.last_pull < self.config.cluster.feed_poll or now < self.pull_at:
+        poll = self.inb.poll_due(now)
+        if poll is None:
             return  # the feed costs GROUPS reads per poll: keep to feed_poll, not window pace
-        self.last_pull = now
         try:
-            state_due = now >= self.state_at
-            self.pull_remote(check_seqs=state_due)
-            if state_due:
+            self.pull_remote(check_seqs=poll.check)
+            if poll.check:
                 self._save_state()
-                self.state_at = now + STATE_EVERY
             self._maybe_rotate_filter()
             self._maybe_prewarm()
-            self.pull_backoff.succeeded()
+            self.inb.polled(poll, now)
         except Unavailable as exc:
-            self.pull_at = time.monotonic() + self._l3_failed(self.pull_backoff,
-                                                              "reading the L3 feed", exc)
+            delay = self.inb.poll_failed(self.clock())
+            self._l3_failed(self.inb.backoff, "reading the L3 feed", exc, delay)
 
-    def _l3_failed(self, backoff: Backoff, what: str, exc: Exception) -> float:
-        """Count an L3 failure; returns the delay before the next try. Logged at the 1st,
-        2nd, 4th, 8th… failure in a row, so a long outage does not flood the log."""
+    def _l3_failed(self, backoff: Backoff, what: str, exc: Exception, delay: float) -> None:
+        """Count an L3 failure. Logged at the 1st, 2nd, 4th, 8th… failure in a row, so a
+        long outage does not flood the log."""
         self.stats.l3_errors += 1
-        delay = backoff.failed()
         if backoff.attempts & (backoff.attempts - 1) == 0:
             log.warning("%s failed (%s); retry %d in %.2fs", what, exc, backoff.attempts, delay)
-        return delay
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set, then flush. A failed round is logged, counted and
@@ -586,33 +508,81 @@ class NodeDaemon:
                     log.exception("a daemon round failed; retrying")
                 stop.wait(backoff.failed())
                 continue
-            deadline = self.window.deadline()
-            wait = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
-            stop.wait(wait)
+            wake = self.out.wake_at()
+            stop.wait(poll if wake is None else max(0.0, min(poll, wake - self.clock())))
         self.flush()
 
     def flush(self, timeout: float = 5.0) -> None:
         """Send what is waiting (on shutdown); gives up after ``timeout`` seconds."""
-        end = time.monotonic() + timeout
-        closed = self.window.flush(time.monotonic())
-        if closed is not None:
-            self.unsent.append(closed)
-        while self.unsent and time.monotonic() < end:
-            self._send_unsent()
-            if self.unsent:  # failed: wait as the backoff says (retry_at), within the timeout
-                time.sleep(max(0.0, min(self.retry_at, end) - time.monotonic()))
-        if not self.unsent:
-            self.push_local(time.monotonic())
+        end = self.clock() + timeout
+        self.out.flush(self.clock())
+        while self.out.waiting and self.clock() < end:
+            self._push(self.clock())
+            if self.out.waiting:  # failed: wait as the backoff says, within the timeout
+                self.sleep(max(0.0, min(self.out.retry_at, end) - self.clock()))
+        if not self.out.waiting:
+            self.push_local(self.clock())
         try:
             self._save_state()
         except Unavailable:
             pass
 
     def close(self) -> None:
-        self.keys.set_ready(False)  # agents stop trusting it now, not in STALE_MS
+        """Tell agents to stop trusting the key filter now (not in STALE_MS), and release
+        the key filter and L3."""
+        self.keys.set_ready(False)
         self.keys.close()
         self.l3.close()
+
+
+class NodeDaemon(Daemon):
+    """The daemon of a host, over its real L2 (a client of the host's namespace), its
+    key filter and the Redis Cluster named in ``config``.
+
+    Raises ConfigError (bad cluster settings or resolvers), SegmentError (the host's L2
+    or key filter cannot be used), Unavailable (L3 cannot be reached: retry later). A
+    failed start releases everything it opened.
+    """
+
+    def __init__(self, config: Config, name: str | None = None,
+                 rng: random.Random | None = None) -> None:
+        if not config.cluster.enabled:
+            raise ConfigError("cluster.redis",
+                              "kvcomm node needs the Redis Cluster seed nodes (host:port list)")
+        seeds = config.cluster.seeds()  # validate before touching the host's L2
+        # jitter must differ between hosts: an unseeded Random draws its seed from the OS
+        rng = rng if rng is not None else random.Random()
+        self.kv: Client = kv_open(name, config=config)
+        l3: L3Store | None = None
+        keys: KeyFilter | None = None
+        try:
+            port = ClientPort(self.kv)  # the one way to the host's L2
+            cl, c = config.cluster, config.cache
+            resolvers = {prefix: _import(path) for prefix, path in cl.resolvers.items()}
+            l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
+                         tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
+                         wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000),
+                         max_value_size=c.max_value_size)
+            for prefix, fn in resolvers.items():  # the operator's own code, named in config
+                port.register_resolver(prefix, fn)  # (agents of the host register theirs)
+            keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
+                                    permissions=c.l2_permissions, directory=c.l2_dir)
+            super().__init__(config, port, l3, keys, rng=rng)
+        except BaseException:  # L3 unreachable at start, say: release what we opened
+            if keys is not None:
+                keys.close()
+            if l3 is not None:
+                l3.close()
+            self.kv.close()
+            raise
+
+    def close(self) -> None:
+        super().close()
         self.kv.close()
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
 
 
 def _raise(exc: BaseException) -> None:

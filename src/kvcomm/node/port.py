@@ -1,10 +1,16 @@
-"""The host's side of the node daemon: the one narrow interface it uses to reach L2.
+"""The node daemon's ports: the narrow interfaces through which it reaches the world.
 
-The daemon never touches the client's or the segment's internals; it goes through a
-:class:`HostL2`. :class:`ClientPort` implements it over a :class:`kvcomm.Client` (the real
-thing); tests of the delivery logic may implement it over a dict.
+The daemon never touches the client's, the segment's or the Redis client's internals;
+it goes through three ports, each implemented by the real thing and, in tests of the
+delivery logic (``tests/test_delivery_sim.py``), by fakes in memory:
 
-What the daemon needs, and nothing more:
+* :class:`HostL2` — its host's L2, implemented by :class:`ClientPort` over a
+  :class:`kvcomm.Client`;
+* :class:`HostKeys` — the host's filter of existing keys,
+  :class:`kvcomm.tiers.keyfilter.KeyFilter`;
+* :class:`L3Port` — the cluster, :class:`kvcomm.tiers.l3.L3Store`.
+
+What the daemon needs of L2, and nothing more:
 
 * the local change feed (``feed_read``) and, when it overflowed, every key whose record
   is not yet in L3 (``dirty_keys``);
@@ -13,14 +19,21 @@ What the daemon needs, and nothing more:
   the record may now be evicted);
 * whether the host holds a key (``holds``; a tombstone counts: it keeps the host told of
   later writes) and which keys it holds (``held_keys``);
-* merging a record from L3 into L2 (``apply_remote``), with the host's resolvers;
+* merging a record from L3 into L2 (``apply_remote``), with the host's resolvers, and
+  dropping a stale copy L2 cannot replace (``forget``);
+* the host's write sequence, and writing a record again past dots of this host that L3
+  has seen and L2 lost (``write_sequence``, ``rebase``);
 * the hot keys, the heartbeat, the feed position the daemon has delivered up to.
+
+Of L3: pushing records (the L3 rule, atomically per key), the groups' change feeds and
+positions, reading and scanning keys, and the daemon's own small state there (feed
+cursors, hot keys, the quarantine list).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.versions import Version
@@ -28,7 +41,8 @@ from ..tiers.l2 import TAG_TOMBSTONE, FeedEvent, key_hash
 
 if TYPE_CHECKING:
     from .._client import Client
-    from ..tiers.l3 import L3Record
+    from ..errors import CorruptRecord
+    from ..tiers.l3 import FeedEntry, L3Record, PushResult
 
 
 class HostL2(Protocol):
@@ -89,6 +103,79 @@ class HostL2(Protocol):
         """The feed position delivered up to (where a restarted daemon starts)."""
 
 
+class HostKeys(Protocol):
+    """What the node daemon needs of its host's filter of existing keys."""
+
+    @property
+    def adds_since_rotation(self) -> int:
+        """Keys added since the last rotation."""
+
+    def add(self, key: bytes) -> None:
+        """``key`` exists (in L3)."""
+
+    def beat(self) -> None:
+        """Tell agents the filter's daemon is alive (they trust the filter only then)."""
+
+    def set_ready(self, ready: bool) -> None:
+        """Whether agents may trust the filter (built, not retired)."""
+
+    def begin_rotation(self) -> Any:
+        """Start a rotation; returns the generation to refill (it has ``add``)."""
+
+    def end_rotation(self) -> None:
+        """The refilled generation becomes the current one."""
+
+    def close(self) -> None: ...
+
+
+class L3Port(Protocol):
+    """What the node daemon needs of the cluster. Every method raises Unavailable when
+    the cluster cannot be reached (nothing changed, or the change is idempotent)."""
+
+    def push_many(self, items: Sequence[tuple[str, L3Record]],
+                  keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
+        """Push records by the L3 rule, atomically per key; the keys of ``keep_siblings``
+        get ``conflict`` for a concurrent record instead of a merge. One answer per item,
+        in order: CorruptRecord for a key whose stored value is not a record of ours."""
+
+    def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
+                  ) -> dict[int, list[FeedEntry] | CorruptRecord]:
+        """Each group's change-feed entries after its cursor (at most ``count``), or a
+        CorruptRecord for a group whose stream is not ours."""
+
+    def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
+        """Each group's sequence number now (0: no change yet; None: not a number)."""
+
+    def feed_position(self, group: int) -> tuple[int | None, bytes]:
+        """(sequence number, id of the last entry kept or ``0-0``), read atomically.
+        Raises CorruptRecord when the group's stream is not ours."""
+
+    def get(self, key: str) -> L3Record | None:
+        """The key's record, or None. Raises CorruptRecord."""
+
+    def scan_keys(self) -> Iterable[bytes]:
+        """Every key L3 holds."""
+
+    def scan_group(self, group: int) -> Iterable[bytes]:
+        """Every key of one group."""
+
+    def load_cursors(self, host: str) -> tuple[dict[int, bytes], dict[int, int]]:
+        """The feed cursors and sequence numbers ``host`` saved ({} for a new host)."""
+
+    def save_cursors(self, host: str, cursors: dict[int, bytes],
+                     seqs: dict[int, int] | None = None) -> None: ...
+
+    def load_hot(self, host: str) -> list[str]:
+        """The hot keys ``host`` saved ([] when none, or not ours)."""
+
+    def save_hot(self, host: str, keys: list[str]) -> None: ...
+
+    def quarantine(self, host: str, key: str, reason: str, when: float) -> None:
+        """Record an input the daemon set aside."""
+
+    def close(self) -> None: ...
+
+
 class ClientPort:
     """:class:`HostL2` over a client of the host's namespace (the daemon's own)."""
 
@@ -105,17 +192,25 @@ class ClientPort:
         return [kb.decode("utf-8", "surrogateescape") for kb in self.seg.dirty_keys()]
 
     def dirty_record(self, key: str) -> L3Record | None:
-        from ..tiers.l3 import L3Record
+        from ..tiers.l3 import EMPTY_EXT, L3Record
 
         kb = key.encode("utf-8", "surrogateescape")
-        rec = self.seg.read(kb, key_hash(kb))
-        if rec is None or not self.seg.is_dirty(rec.word):
-            return None  # evicted (clean), or not an agent's write (already in L3)
+        h = key_hash(kb)
+        for _ in range(100):
+            rec = self.seg.read(kb, h)
+            if rec is None or not self.seg.is_dirty(rec.word):
+                return None  # evicted (clean), or not an agent's write (already in L3)
+            ver = self.seg.version(kb, h)  # the extension field, of the same write
+            if ver is not None and (ver[3], ver[4]) == (rec.counter, rec.hlc):
+                break
+        else:  # rewritten under us a hundred times: the next feed event names it again
+            return None
+        ext = ver[7] or EMPTY_EXT
         vector = self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
         dot = (self.host_id, rec.counter)
         if rec.tag == TAG_TOMBSTONE:
-            return L3Record(rec.hlc, True, 0, b"", b"", vector, dot)
-        return L3Record(rec.hlc, False, rec.tag, rec.meta, rec.value or b"", vector, dot)
+            return L3Record(rec.hlc, True, 0, b"", b"", vector, dot, ext)
+        return L3Record(rec.hlc, False, rec.tag, rec.meta, rec.value or b"", vector, dot, ext)
 
     def mark_delivered(self, key: str, record: L3Record) -> bool:
         kb = key.encode("utf-8", "surrogateescape")
@@ -131,10 +226,11 @@ class ClientPort:
     def apply_remote(self, key: str, record: L3Record) -> None:
         version = Version(record.vector, record.hlc)
         if record.tombstone:  # kept as a clean tombstone; deletes merge last-writer-wins
-            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""))
+            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""), record.local_ext)
             return
         value = record.decode_value(key)
-        self.kv._merge(key, value, version, (record.tag, record.meta, record.value))
+        self.kv._merge(key, value, version, (record.tag, record.meta, record.value),
+                       record.local_ext)
 
     def has_resolver(self, key: str) -> bool:
         return bool(self.kv._resolvers) and self.kv._resolvers.lookup(key) is not None

@@ -1,4 +1,4 @@
-"""L3: Redis Cluster as the cluster tier — the record codec, the merge script, the adapter.
+"""L3: Redis Cluster as the cluster tier — the record codec, the push script, the adapter.
 
 Keys and slots
 --------------
@@ -8,27 +8,50 @@ group's change feed (the stream ``kvf:{g}``) are in the same slot and one Lua ca
 can update both atomically. Redis Cluster spreads the groups' slots over the masters,
 replicates them, and fails over; KVCOMM adds nothing to that.
 
-Records (one compact msgpack array, format 1)
----------------------------------------------
-``[1, hlc_hex, tombstone, tag, meta, value, [actor, counter, ...], dot_actor, dot_counter]``
+Records (a msgpack map of short named fields, format 2)
+-------------------------------------------------------
+``{"f": 2, "h": hlc_hex, "d": tombstone, "t": tag, "m": meta, "v": value,
+"vv": [actor, counter, ...], "dot": [actor, counter], "x": extension}``
 (bytes as msgpack's raw/str type: the ``cmsgpack`` inside Redis cannot read ``bin``)
 
-* ``hlc_hex``: the HLC timestamp as 16 lowercase hex digits. Redis' Lua numbers are
-  doubles (53 bits); as fixed-width hex the timestamp compares correctly as a string.
-* ``tombstone``: a delete, kept so that other hosts learn of it; ``tag``/``meta``/
-  ``value`` are the codec's (:mod:`kvcomm.core.codec`), never pickle.
-* the version vector flattened, sorted by actor; the dot names the write that made it.
+* ``h``: the HLC timestamp as 16 lowercase hex digits. Redis' Lua numbers are doubles
+  (53 bits); as fixed-width hex the timestamp compares correctly as a string.
+* ``d``: a delete, kept so that other hosts learn of it; ``t``/``m``/``v`` are the
+  codec's tag, meta and payload (:mod:`kvcomm.core.codec`), never pickle.
+* ``vv``: the version vector flattened, sorted by actor; ``dot`` names the write that
+  made the record.
+* ``x``: the extension: one msgpack map with string keys, itself packed into bytes
+  (``b"\\x80"``, the empty map, by default). It is opaque to the push script, which
+  copies it byte for byte: ``cmsgpack`` would turn an empty map into an array and
+  integers above 2**53 into doubles if it had to unpack and pack it again. Readers
+  ignore keys of ``x`` they do not know.
+
+Everyone reads fields by name — :meth:`L3Record.decode` and the Lua script alike —
+never by position. Format 1 (the array ``[1, hlc_hex, tombstone, tag, meta, value,
+vector, dot_actor, dot_counter]``) is still read, by both, and rewritten as format 2 at
+the key's next change; nothing writes it any more.
+
+**When to bump FORMAT.** A new key inside ``x`` that a reader may ignore safely does
+not bump it: old readers carry it through unchanged. Everything else does — a new
+top-level field, a field that changes type, unit or meaning, a field removed, or a key
+of ``x`` that an old reader must not ignore (one that would make it serve or merge
+wrongly). A bump keeps reading every older format (decode and Lua) and writes only the
+new one; a record of a format a reader does not know is refused (``CorruptRecord``,
+``KVCOMMBAD``/``KVCOMMCORRUPT`` from the script), so a host that was not upgraded
+fails loudly for that key instead of mis-merging it: upgrade every host's daemon and
+agents before the first writer of the new format.
 
 Decoding is defensive (:meth:`L3Record.decode`): anything in Redis may have been written
 by something else, so every field is checked for type and range (actors are host ids,
-counters in 1..2**64-1, the value at most ``cache.max_value_size``), msgpack's length
-limits are set so that no length field can make the decoder allocate more than the
-record's own size, and any failure is :class:`~kvcomm.errors.CorruptRecord` for that
-key only. :meth:`L3Record.decode_value` does the same for the value inside.
+counters in 1..2**64-1, the value at most ``cache.max_value_size``, ``x`` at most
+MAX_EXT bytes holding one map), msgpack's length limits are set so that no length field
+can make the decoder allocate more than the record's own size, and any failure is
+:class:`~kvcomm.errors.CorruptRecord` for that key only. :meth:`L3Record.decode_value`
+does the same for the value inside.
 
 Change feed and its sequence numbers
 ------------------------------------
-Every change the merge script stores is appended to the group's stream ``kvf:{g}``
+Every change the push script stores is appended to the group's stream ``kvf:{g}``
 with a field ``s``: the group's sequence number, ``INCR`` of ``kvs:{g}`` (same hash
 tag, same slot, same atomic script). A reader that knows the last sequence number it
 saw can tell from any entry whether it missed some: a first entry whose ``s`` is not
@@ -38,18 +61,19 @@ way the reader resyncs that group from the records themselves (:meth:`L3Store.fe
 then re-reads). A read that returns nothing carries no sequence number, so a reader also
 compares its last sequence number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
 
-The merge script applies one incoming record atomically against the stored one, by the
-rule of :func:`kvcomm.core.resolve.merge_rule` (newer replaces, older is refused and the
-stored record comes back, concurrent → last-writer-wins with the merged vector, or
-``conflict`` for an application resolver to settle), and appends every change to the
-group's stream, bounded by ``MAXLEN ~``.
+Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
+which applies the incoming record atomically against the stored one by the L3 rule,
+:func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
+record comes back, concurrent → last-writer-wins with the merged vector, or ``conflict``
+for an application resolver to settle), and appends every change to the group's stream,
+bounded by ``MAXLEN ~``.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 import msgpack
@@ -61,8 +85,9 @@ from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
 from ..core.versions import Dotted, Vector
 from ..errors import CorruptRecord, Unavailable, UnsupportedValue
 
-__all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "MergeResult", "GROUPS",
-           "group_of", "record_key", "feed_key", "seq_key"]
+__all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "PushResult", "GROUPS",
+           "EMPTY_EXT", "FORMAT", "group_of", "read_record", "record_key", "feed_key",
+           "seq_key"]
 
 log = logging.getLogger("kvcomm.l3")
 
@@ -71,7 +96,9 @@ log = logging.getLogger("kvcomm.l3")
 # so the feed costs GROUPS reads per poll per host: 16 keeps that small (measured in
 # bench/bench_cluster.py); it is also the unit a slot balancer can move.
 GROUPS = 16
-FORMAT = 1
+FORMAT = 2  # the record format written (see "When to bump FORMAT" above)
+FIELDS = ("f", "h", "d", "t", "m", "v", "vv", "dot", "x")  # a format-2 record's keys
+EMPTY_EXT = b"\x80"  # the empty msgpack map: the extension of a record that has none
 FEED_MAXLEN = 100_000  # events kept per group stream (approximate: MAXLEN ~)
 OUTCOMES = (NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT)
 QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
@@ -80,12 +107,14 @@ QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:qu
 # configured cache.max_value_size; these are the rest.
 MAX_VALUE_SIZE = 64 << 20  # cache.max_value_size's default, for callers without a config
 MAX_META = 4096  # the codec's meta is an array header: [dtype, shape] of at most 64 dims
+MAX_EXT = 4096  # the packed extension map
 MAX_ACTORS = 1024  # hosts in one version vector
 MAX_COUNTER = 2**64 - 1
 _ACTOR = re.compile(rb"[A-Za-z0-9_.:-]{1,64}\Z")  # as node.host_id
 _HLC = re.compile(rb"[0-9a-f]{16}\Z")
-# the msgpack framing of a record besides its value, meta and vector: ample
-_RECORD_OVERHEAD = 256 + MAX_META + MAX_ACTORS * (64 + 9 + 2)
+_FIELD_SET = frozenset(f.encode() for f in FIELDS)
+# the msgpack framing of a record besides its value, meta, extension and vector: ample
+_RECORD_OVERHEAD = 256 + MAX_META + MAX_EXT + MAX_ACTORS * (64 + 9 + 2)
 
 
 def _valid_counter(c: object) -> bool:
@@ -100,28 +129,38 @@ class L3Record(NamedTuple):
     value: bytes
     vector: Vector
     dot: tuple[str, int]
+    ext: bytes = EMPTY_EXT  # the extension map, packed: carried through unchanged
 
     @property
     def version(self) -> Dotted:
         return Dotted(self.vector, self.dot, self.hlc)
 
+    @property
+    def local_ext(self) -> bytes:
+        """The extension field as an L2 record stores it (b"" for the empty map)."""
+        return b"" if self.ext == EMPTY_EXT else self.ext
+
     def encode(self) -> bytes:
+        """The record in the current FORMAT (a msgpack map)."""
         flat: list[object] = []
         for actor, counter in self.vector:
             flat += [actor, counter]
         return msgpack.packb(  # type: ignore[no-any-return]
-            [FORMAT, f"{self.hlc:016x}", self.tombstone, self.tag, self.meta, self.value, flat,
-             self.dot[0], self.dot[1]], use_bin_type=False)  # Redis' cmsgpack has no bin type
+            {"f": FORMAT, "h": f"{self.hlc:016x}", "d": self.tombstone, "t": self.tag,
+             "m": self.meta, "v": self.value, "vv": flat, "dot": [self.dot[0], self.dot[1]],
+             "x": self.ext}, use_bin_type=False)  # Redis' cmsgpack has no bin type
 
     @staticmethod
     def decode(data: object, max_value_size: int = MAX_VALUE_SIZE) -> L3Record:
-        """The record encoded in ``data``.
+        """The record encoded in ``data`` (format 2, or the older format 1).
 
         Raises CorruptRecord, and nothing else, for any input that is not a valid
-        format-1 record: wrong types, a value over ``max_value_size``, meta over
-        MAX_META, counters outside 1..2**64-1, actors that are not host ids, an HLC
-        that is not 16 lowercase hex digits, or more than MAX_ACTORS actors. Memory
-        used is bounded by ``len(data)``, which is itself bounded before unpacking.
+        record: an unknown format, missing or unknown fields, wrong types, a value over
+        ``max_value_size``, meta over MAX_META, an extension that is not one msgpack map
+        of at most MAX_EXT bytes with string keys, counters outside 1..2**64-1, actors
+        that are not host ids, an HLC that is not 16 lowercase hex digits, or more than
+        MAX_ACTORS actors. Memory used is bounded by ``len(data)``, which is itself
+        bounded before unpacking.
         """
         if type(data) is not bytes:
             raise CorruptRecord(f"not a KVCOMM record (a {type(data).__name__}, not bytes)")
@@ -133,17 +172,23 @@ class L3Record(NamedTuple):
             # the msgpack version's defaults
             r = msgpack.unpackb(data, raw=True, use_list=True, max_str_len=max_value_size,
                                 max_bin_len=max_value_size, max_array_len=2 * MAX_ACTORS + 9,
-                                max_map_len=0, max_ext_len=0)
+                                max_map_len=len(FIELDS), max_ext_len=0)
         except Exception as exc:  # msgpack's errors have no common base beyond Exception
             raise CorruptRecord(f"not a KVCOMM record (msgpack: {exc})") from None
-        why = _check(r, max_value_size)
+        if type(r) is list:  # format 1: the same fields, by position
+            why = _check_v1(r, max_value_size)
+            if not why:
+                r = dict(zip((b"f", b"h", b"d", b"t", b"m", b"v", b"vv"), r[:7], strict=True)
+                         ) | {b"dot": r[7:9], b"x": EMPTY_EXT}
+        else:
+            why = _check(r, max_value_size)
         if why:
             raise CorruptRecord(f"not a KVCOMM record ({why})")
-        flat = r[6]
+        flat, dot = r[b"vv"], r[b"dot"]
         vector = tuple(sorted((flat[i].decode("ascii"), flat[i + 1])
                               for i in range(0, len(flat), 2)))
-        return L3Record(int(r[1], 16), r[2], r[3], r[4], r[5], vector,
-                        (r[7].decode("ascii"), r[8]))
+        return L3Record(int(r[b"h"], 16), r[b"d"], r[b"t"], r[b"m"], r[b"v"], vector,
+                        (dot[0].decode("ascii"), dot[1]), r[b"x"])
 
     def decode_value(self, key: str = "") -> Any:
         """The Python value this (non-tombstone) record holds.
@@ -164,13 +209,43 @@ class L3Record(NamedTuple):
                                 ) from None
 
 
+def read_record(raw: object, key: str = "", max_value_size: int = MAX_VALUE_SIZE) -> L3Record:
+    """:meth:`L3Record.decode`, with a CorruptRecord that names ``key`` and says what to do."""
+    try:
+        return L3Record.decode(raw, max_value_size)
+    except CorruptRecord as exc:
+        raise CorruptRecord(f"L3 value of {key!r}: {exc}; remove or rewrite the key") from None
+
+
 def _check(r: object, max_value_size: int) -> str:
-    """Why ``r`` (msgpack-decoded with raw=True) is not a format-1 record; "" if it is."""
-    if type(r) is not list or len(r) != 9:
+    """Why ``r`` (msgpack-decoded with raw=True) is not a format-2 record; "" if it is."""
+    if type(r) is not dict:
+        return "neither a map nor an array"
+    fmt = r.get(b"f")
+    if type(fmt) is not int or fmt != FORMAT:
+        return f"format {fmt!r}, not {FORMAT} (nor 1)"
+    if r.keys() != _FIELD_SET:
+        return f"fields are not {', '.join(FIELDS)}"
+    dot = r[b"dot"]
+    if type(dot) is not list or len(dot) != 2:
+        return "the dot is not [host id, counter]"
+    return (_check_fields(r[b"h"], r[b"d"], r[b"t"], r[b"m"], r[b"v"], r[b"vv"], dot[0], dot[1],
+                          max_value_size)
+            or _check_ext(r[b"x"]))
+
+
+def _check_v1(r: list[Any], max_value_size: int) -> str:
+    """Why ``r`` (an array) is not a format-1 record; "" if it is."""
+    if len(r) != 9:
         return "not an array of 9 fields"
     fmt, hlc, tomb, tag, meta, value, flat, actor, counter = r
-    if type(fmt) is not int or fmt != FORMAT:
-        return f"format {fmt!r}, not {FORMAT}"
+    if type(fmt) is not int or fmt != 1:
+        return f"format {fmt!r}, not {FORMAT} (nor 1)"
+    return _check_fields(hlc, tomb, tag, meta, value, flat, actor, counter, max_value_size)
+
+
+def _check_fields(hlc: object, tomb: object, tag: object, meta: object, value: object,
+                  flat: object, actor: object, counter: object, max_value_size: int) -> str:
     if type(hlc) is not bytes or not _HLC.match(hlc):
         return "hlc is not 16 lowercase hex digits"
     if type(tomb) is not bool:
@@ -196,6 +271,20 @@ def _check(r: object, max_value_size: int) -> str:
     return ""
 
 
+def _check_ext(x: object) -> str:
+    """Why ``x`` is not a packed extension map; "" if it is."""
+    if type(x) is not bytes or len(x) > MAX_EXT:
+        return f"the extension is not bytes of at most {MAX_EXT}"
+    try:
+        m = msgpack.unpackb(x, raw=False, max_str_len=MAX_EXT, max_bin_len=MAX_EXT,
+                            max_array_len=MAX_EXT, max_map_len=MAX_EXT, max_ext_len=0)
+    except Exception:  # msgpack's errors have no common base; bad UTF-8 in a key too
+        return "the extension is not one msgpack value"
+    if type(m) is not dict or not all(type(k) is str for k in m):
+        return "the extension is not a map with string keys"
+    return ""
+
+
 def group_of(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass")) % GROUPS
 
@@ -214,24 +303,38 @@ def seq_key(group: int) -> str:
     return f"kvs:{{{group}}}"
 
 
+# The L3 rule (kvcomm.core.resolve.l3_rule) run inside Redis, atomically per key.
 # KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key
-MERGE_LUA = r"""
-local function valid(r)
-  if type(r) ~= 'table' or r[1] ~= 1 or type(r[2]) ~= 'string' or #r[2] ~= 16
-     or type(r[7]) ~= 'table' or type(r[8]) ~= 'string' or type(r[9]) ~= 'number' then
-    return false
+PUSH_LUA = r"""
+local EMPTY_EXT = '\128'
+-- a record as a table of named fields, or nil when it is not one (fields read by name;
+-- a format-1 array is read into the same names)
+local function read(raw)
+  local ok, r = pcall(cmsgpack.unpack, raw)
+  if not ok or type(r) ~= 'table' then return nil end
+  if r.f == nil and r[1] == 1 and #r == 9 then
+    r = {f = 1, h = r[2], d = r[3], t = r[4], m = r[5], v = r[6], vv = r[7],
+         dot = {r[8], r[9]}, x = EMPTY_EXT}
+  elseif r.f ~= 2 then
+    return nil
   end
-  local f = r[7]
-  if #f % 2 ~= 0 then return false end
+  if type(r.h) ~= 'string' or #r.h ~= 16 or type(r.d) ~= 'boolean'
+     or type(r.t) ~= 'number' or type(r.m) ~= 'string' or type(r.v) ~= 'string'
+     or type(r.x) ~= 'string' or type(r.vv) ~= 'table' or type(r.dot) ~= 'table'
+     or type(r.dot[1]) ~= 'string' or type(r.dot[2]) ~= 'number' then
+    return nil
+  end
+  local f = r.vv
+  if #f % 2 ~= 0 then return nil end
   for i = 1, #f, 2 do
-    if type(f[i]) ~= 'string' or type(f[i + 1]) ~= 'number' then return false end
+    if type(f[i]) ~= 'string' or type(f[i + 1]) ~= 'number' then return nil end
   end
-  return true
+  return r
 end
 local function vv(r)
   local t = {}
-  local f = r[7]
+  local f = r.vv
   for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
   return t
 end
@@ -245,8 +348,8 @@ local function store(bytes)
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
   redis.call('SET', KEYS[1], bytes)
 end
-local ok, incoming = pcall(cmsgpack.unpack, ARGV[1])
-if not ok or not valid(incoming) then
+local incoming = read(ARGV[1])
+if incoming == nil then
   return redis.error_reply('KVCOMMBAD incoming record is malformed')
 end
 local raw = redis.call('GET', KEYS[1])
@@ -254,8 +357,8 @@ if not raw then
   store(ARGV[1])
   return {'new', ARGV[1]}
 end
-local ok2, stored = pcall(cmsgpack.unpack, raw)
-if not ok2 or not valid(stored) then
+local stored = read(raw)
+if stored == nil then
   return redis.error_reply('KVCOMMCORRUPT stored value is not a KVCOMM record')
 end
 local a, b = vv(incoming), vv(stored)
@@ -276,8 +379,8 @@ if b_ge then return {'older', raw} end
 if ARGV[2] == 'siblings' then return {'conflict', raw} end
 -- concurrent: last writer wins by (hlc, dot actor, dot counter); vectors merged
 local win = stored
-if incoming[2] > stored[2] or (incoming[2] == stored[2] and (incoming[8] > stored[8]
-   or (incoming[8] == stored[8] and incoming[9] > stored[9]))) then
+if incoming.h > stored.h or (incoming.h == stored.h and (incoming.dot[1] > stored.dot[1]
+   or (incoming.dot[1] == stored.dot[1] and incoming.dot[2] > stored.dot[2]))) then
   win = incoming
 end
 local merged = {}
@@ -288,7 +391,9 @@ for k, _ in pairs(merged) do actors[#actors + 1] = k end
 table.sort(actors)
 local flat = {}
 for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] end
-local out = {win[1], win[2], win[3], win[4], win[5], win[6], flat, win[8], win[9]}
+-- the winner's fields by name, in format 2; its extension copied as the bytes it was
+local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
+             dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
 store(packed)
 return {'merged', packed}
@@ -347,7 +452,9 @@ def _entry(eid: Any, fields: Any) -> FeedEntry:
     return FeedEntry(eid, key, rec, seq)
 
 
-class MergeResult(NamedTuple):
+class PushResult(NamedTuple):
+    """L3's answer to one pushed record."""
+
     key: str
     outcome: str  # one of OUTCOMES
     record: L3Record  # what L3 holds afterwards (for "conflict": what it holds now)
@@ -388,41 +495,42 @@ class L3Store:
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
-        self._script = self.rc.register_script(MERGE_LUA)
+        self._script = self.rc.register_script(PUSH_LUA)
         self._position = self.rc.register_script(POSITION_LUA)
-        self._loaded: set[str] = set()  # nodes known to hold the merge script
+        self._loaded: set[str] = set()  # nodes known to hold the push script
         self._refreshed = 0.0
 
     def decode(self, raw: object, key: str = "") -> L3Record:
-        """:meth:`L3Record.decode` under this store's bound; CorruptRecord names ``key``."""
-        try:
-            return L3Record.decode(raw, self.max_value_size)
-        except CorruptRecord as exc:
-            raise CorruptRecord(f"L3 value of {key!r}: {exc}; remove or rewrite the key"
-                                ) from None
+        """:func:`read_record` under this store's bound; CorruptRecord names ``key``."""
+        return read_record(raw, key, self.max_value_size)
 
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord."""
         raw = self._call(lambda: self.rc.get(_wire_key(record_key(key))), key)
         return None if raw is None else self.decode(raw, key)
 
-    def merge(self, key: str, record: L3Record, keep_siblings: bool = False) -> MergeResult:
-        """Merge one record into L3 atomically. Raises Unavailable, CorruptRecord."""
+    def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
+        """Push one record into L3: the L3 rule, applied atomically (``keep_siblings``:
+        a concurrent record comes back as ``conflict`` instead of being merged
+        last-writer-wins). Raises Unavailable, CorruptRecord (the stored value is
+        foreign, or the key cannot be sent); nothing is stored then."""
         args = self._args(key, record, keep_siblings)
         raw = self._call(lambda: self._script(keys=args[0], args=args[1]), key)
         return self._result(key, raw)
 
-    def merge_many(self, items: Sequence[tuple[str, L3Record]], keep_siblings: bool = False,
-                   ) -> list[MergeResult | CorruptRecord]:
-        """Merge many records: one pipeline of script calls per master node.
+    def push_many(self, items: Sequence[tuple[str, L3Record]],
+                  keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
+        """Push many records: one pipeline of script calls per master node. The keys in
+        ``keep_siblings`` get ``conflict`` for a concurrent record (as :meth:`push`).
 
-        A key whose stored value is foreign, or that cannot be sent (not strict UTF-8),
-        yields a CorruptRecord in its place; the others are merged. A key whose slot
+        Returns one answer per item, in order. A key whose stored value is foreign, or
+        that cannot be sent (not strict UTF-8), yields a CorruptRecord in its place; the
+        others are pushed. A key whose slot
         moved meanwhile is retried through the cluster client (which follows MOVED/ASK).
         Raises Unavailable when the cluster cannot be reached.
         """
         by_node: dict[str, tuple[Any, list[int]]] = {}
-        out: list[MergeResult | CorruptRecord | None] = [None] * len(items)
+        out: list[PushResult | CorruptRecord | None] = [None] * len(items)
         for i, (key, _) in enumerate(items):
             try:
                 _wire_key(key)
@@ -446,7 +554,7 @@ class L3Store:
                     elif _key_error(str(raw)):
                         out[i] = CorruptRecord(f"L3 value of {key!r}: {str(raw).split(' ', 1)[-1]}")
                     else:  # MOVED / ASK / NOSCRIPT after a failover: one call, redirects followed
-                        out[i] = self.merge(key, record, keep_siblings)
+                        out[i] = self.push(key, record, key in keep_siblings)
                 except CorruptRecord as exc:
                     out[i] = exc
         return out  # type: ignore[return-value]
@@ -472,14 +580,14 @@ class L3Store:
         return min(self.wait_replicas, connected)
 
     def _pipeline(self, node: Any, items: Sequence[tuple[str, L3Record]], idxs: list[int],
-                  keep_siblings: bool) -> list[Any]:
+                  keep_siblings: Set[str]) -> list[Any]:
         conn = self.rc.get_redis_connection(node)
         if node.name not in self._loaded:
-            conn.script_load(MERGE_LUA)
+            conn.script_load(PUSH_LUA)
             self._loaded.add(node.name)
         pipe = conn.pipeline(transaction=False)
         for i in idxs:
-            keys, args = self._args(items[i][0], items[i][1], keep_siblings)
+            keys, args = self._args(items[i][0], items[i][1], items[i][0] in keep_siblings)
             pipe.evalsha(self._script.sha, len(keys), *keys, *args)
         if self.wait_replicas:
             # wait only for the replicas the master had last time (none: no wait at all)
@@ -498,7 +606,7 @@ class L3Store:
         rows = self._call(lambda: self.rc.xrange(feed_key(group), min=b"(" + after, count=count))
         return [_entry(eid, f) for eid, f in rows]
 
-    def feed_many(self, cursors: dict[int, bytes], count: int = 500,
+    def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
                   ) -> dict[int, list[FeedEntry] | CorruptRecord]:
         """:meth:`feed` for many groups: one pipeline of XRANGEs per master node.
 
@@ -530,7 +638,7 @@ class L3Store:
                     out[g] = exc
         return out
 
-    def feed_seqs(self, groups: Sequence[int]) -> dict[int, int | None]:
+    def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         """Each group's sequence number now (0: no change yet; None: a foreign value).
 
         One pipeline of GETs per master node. Raises Unavailable.
@@ -696,15 +804,15 @@ class L3Store:
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
                  _wire_key(key)])
 
-    def _result(self, key: str, raw: Any) -> MergeResult:
+    def _result(self, key: str, raw: Any) -> PushResult:
         try:
             outcome = raw[0].decode()
             data = raw[1]
         except Exception:
-            raise CorruptRecord(f"unexpected merge reply {raw!r:.200} for {key!r}") from None
+            raise CorruptRecord(f"unexpected push reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
-            raise CorruptRecord(f"unexpected merge outcome {outcome!r} for {key!r}")
-        return MergeResult(key, outcome, self.decode(data, key))
+            raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
+        return PushResult(key, outcome, self.decode(data, key))
 
     def _call(self, fn: Any, key: str | None = None) -> Any:
         """Run one Redis call; errors translated (``key`` names the value a key error is about)."""

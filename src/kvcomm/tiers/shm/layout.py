@@ -30,7 +30,15 @@ Segment, in file order::
 Rule for the layout version: any change to these tables, to a field's meaning or width,
 or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
 A process meeting another version refuses the segment with SegmentError; it never
-misreads it.
+misreads it. A bump ships a reader of the previous version's unflushed records
+(``tiers/shm/migrate.py``), so that ``kvcomm migrate`` carries them into a new segment:
+writes not yet in L3 are never dropped by an upgrade. The header words up to ``STATE``
+keep their places across versions, so any version can tell what a segment is.
+
+What needs no bump: the **extension field** of a record (``REC_LENS`` high half gives its
+length; it follows the meta) holds one encoded msgpack map. New features add keys to it
+(an agent id, an expiry); L2 stores it byte for byte and a reader ignores keys it does
+not know, so records written by a newer KVCOMM stay readable by an older one.
 """
 
 from __future__ import annotations

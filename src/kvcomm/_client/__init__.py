@@ -1,0 +1,33 @@
+"""The client every agent opens: ``kvcomm.open()`` → :class:`Client`.
+
+Read path: L1 (this process, revalidated by one shared-memory word) → L2 (this host's
+segment, lock-free) → (cluster mode) L3. Write path: validate and encode here, then one
+locked copy-on-write store into L2. Everything shared is checked on the way in, so an
+error never leaves a half-done write behind.
+
+The client is built in layers, one module each; a layer may use the ones below it:
+
+    client.py        Client: open(), stats, keys, close — the facade
+    watch.py         Watching: the host's change feed as Events
+    write.py         Writes: put, delete, update, batch; compare-and-set, validators
+    read.py          Reads: get, get_item; L1, L2, zero-copy views
+    cluster_read.py  ClusterReads: an L2 miss in cluster mode (negative cache, key filter, L3)
+    merge.py         Merging: a version from elsewhere into L2 (the daemon's one port)
+    hotkeys.py       HotKeys: sampled reads into the host's sketch
+    base.py          ClientBase: the state, keys, versions, codec, the raw L2 read
+  beside them:
+    items.py         Item, Event, ABSENT
+    batch.py         Batch (kv.batch())
+    attach.py        one L2 mapping and one L1 per (process, namespace); views; fork()
+
+``get`` is special: on a live client it is the C getter itself (``kvcomm._l2core.Getter``,
+an instance attribute: no Python frame on an L1 hit); ``Reads.get`` is what it does.
+"""
+
+from __future__ import annotations
+
+from .batch import Batch
+from .client import Client, open  # noqa: A004
+from .items import ABSENT, Event, Item
+
+__all__ = ["ABSENT", "Batch", "Client", "Event", "Item", "open"]

@@ -1,0 +1,117 @@
+"""What a process shares between its clients: one L2 mapping and one L1 per namespace,
+the live zero-copy views, and what fork() does to them."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ..config import Config
+from ..errors import KVCommError, KVCommWarning
+from ..tiers import l2 as l2mod
+from ..tiers.l1 import L1Cache, process_budget
+from ..tiers.l2 import L2Segment, Layout
+
+if TYPE_CHECKING:
+    from .base import ClientBase
+
+
+class _Attached:
+    """A namespace this process has mapped: its segment, its L1 and how many clients use it."""
+
+    __slots__ = ("seg", "l1", "refs")
+
+    def __init__(self, seg: L2Segment, l1: L1Cache) -> None:
+        self.seg, self.l1, self.refs = seg, l1, 0
+
+
+class _Shared:
+    """One L2 mapping and one L1 per (process, namespace), shared by every Client on it."""
+
+    lock = threading.Lock()
+    attached: dict[str, _Attached] = {}
+
+    @classmethod
+    def acquire(cls, name: str, config: Config) -> _Attached:
+        with cls.lock:
+            entry = cls.attached.get(name)
+            if entry is not None and entry.seg.purged:
+                del cls.attached[name]  # its clients keep it (and get SegmentError) until closed
+                entry = None
+            if entry is None:
+                c = config.cache
+                layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
+                                     c.max_value_size)
+                seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions,
+                                         directory=c.l2_dir, lock_timeout=c.lock_timeout)
+                entry = cls.attached[name] = _Attached(seg, process_budget().cache())
+            entry.refs += 1
+            return entry
+
+    @classmethod
+    def release(cls, entry: _Attached) -> None:
+        with cls.lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            if cls.attached.get(entry.seg.name) is entry:
+                del cls.attached[entry.seg.name]
+        process_budget().drop(entry.l1)
+        entry.seg.close()
+
+
+_CLIENTS: weakref.WeakSet[ClientBase] = weakref.WeakSet()
+
+
+_VIEWS: dict[int, tuple[Any, L2Segment, tuple[int, int]]] = {}
+
+
+def _register_view(arr: Any, seg: L2Segment, pin: tuple[int, int]) -> None:
+    """Tie ``pin`` to the life of ``arr``: released when the last reference goes. Once
+    registered, the pin is the view's (``seg.pin_kept``): no longer the caller's to drop."""
+    def unpin(ref: Any) -> None:
+        _VIEWS.pop(id(ref), None)
+        # (exactly this pin: never a later pin of the same entry, never the parent's in a
+        # forked child)
+        seg.unpin(*pin)
+
+    # a weakref callback costs a tenth of weakref.finalize; the registry keeps the weakref
+    ref = weakref.ref(arr, unpin)
+    _VIEWS[id(ref)] = (ref, seg, pin)
+    seg.pin_kept()
+
+
+def _mark_forked() -> None:
+    """In a child of fork(): the parent's clients are unusable here (their locks and caches
+    are the parent's), and the views the child inherited get pins of their own, so they stay
+    valid when the parent drops its copies (and the child dropping them frees nothing of
+    the parent's)."""
+    for c in list(_CLIENTS):
+        c._forked = c._unusable = True
+        c._l1_entries = {}
+        c._getter.close()
+        c.__dict__.pop("get", None)
+    _Shared.attached = {}
+    _Shared.lock = threading.Lock()
+    process_budget().forget()
+    inherited = list(_VIEWS.values())
+    _VIEWS.clear()
+    for ref, seg, pin in inherited:
+        arr = ref()
+        if arr is None or seg._core is None:
+            continue
+        try:
+            new = seg.repin([pin[0]])[0]
+        except KVCommError as exc:
+            warnings.warn(f"a zero-copy view inherited through fork() could not be pinned "
+                          f"({exc}); copy it if the child keeps it", KVCommWarning, stacklevel=1)
+            continue
+        if new[0] >= 0:
+            _register_view(arr, seg, new)
+
+
+
+os.register_at_fork(after_in_child=_mark_forked)

@@ -1,0 +1,195 @@
+"""The client's state and the primitives every layer uses: keys, versions, codec, L2 reads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._l2core import Getter
+from ..config import Config
+from ..core import codec
+from ..core.negative import NegativeCache
+from ..core.resolve import PrefixTable
+from ..core.versions import Version, decode_others
+from ..errors import InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
+from ..tiers import l2 as l2mod
+from ..tiers.l1 import process_budget
+from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
+from .attach import _CLIENTS, _Shared
+from .items import Item
+
+_new_version = tuple.__new__  # skips NamedTuple's Python-level __new__
+_BYTES, _NDARRAY = codec.BYTES, codec.NDARRAY
+_CONSISTENCY = (None, "eventual", "strong")
+_MAX_UPDATE_RETRIES = 100_000
+_KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
+# An L3 read fills L2 only if it took less than this: the node daemon applies a remote
+# change of a key not held here over a fill for 30 s (node/daemon.py RECENT_S)
+_FILL_WITHIN = 10.0
+_HUGE = 1 << 62  # a zero-copy threshold no value reaches: always a copy
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ClientBase:
+    """What every layer stands on: the state of a client (made here) and its primitives."""
+
+    _getter: Getter  # made by Client.__init__ (it calls later layers)
+
+    def __init__(self, name: str = "default", config: Config | None = None) -> None:
+        self.config = config or Config()
+        self.name = name
+        c = self.config.cache
+        self._attached = _Shared.acquire(name, self.config)
+        self._seg = self._attached.seg
+        self._core_read = self._seg._core.read
+        self._q = self._seg._q
+        self._host = self._seg.host_id
+        self._l1 = self._attached.l1
+        self._l1_on = c.l1_size > 0
+        process_budget().register(c.l1_size)
+        self._l1_entries = self._l1.entries if self._l1_on else {}
+        self._max_key = min(c.max_key_bytes, self._seg.layout.max_key)
+        self._max_value = c.max_value_size
+        self._zc = self.config.network.zero_copy_threshold
+        self._default_consistency = c.l3_consistency
+        self._validators: PrefixTable[Callable[[str, Item | None, Any], None]] = PrefixTable()
+        self._resolvers: PrefixTable[Callable[[str, list[Item]], Any]] = PrefixTable()
+        self._sample_every = c.hot_key_sample
+        cluster = self.config.cluster
+        self._cluster = cluster.enabled  # writes are dirty (await L3); deletes are tombstones
+        self._max_dirty = cluster.outbound_max if self._cluster else 0
+        self._dirty_flag = l2mod.FLAG_DIRTY if self._cluster else 0
+        self._lock_timeout = float(c.lock_timeout)
+        self._core_put = self._seg._core.put
+        self._has_validators = False
+        self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
+        self._kf: Any = None  # the daemon's filter of existing keys
+        self._kf_retry = 0.0
+        self._negative = NegativeCache(c.negative_ttl, c.negative_max_entries)
+        self._closed = False
+        self._forked = False
+        self._unusable = False  # closed, or inherited through fork(): every call checks this
+        _CLIENTS.add(self)
+        self.counters = dict.fromkeys(
+            ("deletes", "conflicts", "views", "merges", "resolver_failures",
+             "l3_reads", "negative_hits", "filter_hits"), 0
+        )
+        self._keys: dict[str, tuple[bytes, int]] = {}  # validated keys (the getter reads it)
+        self._l1_hits = 0  # (get_item's; get's are counted by the getter)
+        self._l2_hits = 0
+        self._l2_misses = 0
+        self._puts = 0
+        self._host_vec = ((self._host, 0),)
+
+    def _key_hash(self, key: Any) -> tuple[bytes, int]:
+        """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""
+        kh = self._keys.get(key) if type(key) is str else None
+        if kh is None:
+            kb = self._key(key)
+            kh = (kb, key_hash(kb))
+            if len(self._keys) >= _KEY_MEMO:
+                self._keys.clear()
+            self._keys[key] = kh
+        return kh
+
+    def _key(self, key: Any) -> bytes:
+        if type(key) is not str:
+            raise InvalidKey(f"keys are str, got {type(key).__name__}: {key!r}")
+        try:
+            kb = key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey(
+                f"key {key!r} is not valid Unicode (a lone surrogate); keys must encode to UTF-8"
+            ) from None
+        if not kb or len(kb) > self._max_key or b"\x00" in kb:
+            if not kb:
+                raise InvalidKey("the key is empty; use a non-empty str such as 'drone/7/pos'")
+            if b"\x00" in kb:
+                raise InvalidKey(f"key {key!r} contains NUL; remove it")
+            raise InvalidKey(
+                f"key is {len(kb)} bytes of UTF-8, over cache.max_key_bytes={self._max_key}"
+            )
+        return kb
+
+    def _live(self) -> None:
+        if self._closed:
+            raise SegmentError("this kvcomm client is closed; open a new one")
+        if self._forked:
+            raise SegmentError(
+                "this client was opened before fork(); call kvcomm.open() in the child process"
+            )
+
+    def _version(self, counter: int, hlc: int, vvx: bytes) -> Version:
+        """The Version of a record: this host's entry (``counter``) and the others (``vvx``)."""
+        if not vvx:  # tuple.__new__ skips NamedTuple's Python-level __new__ (hot path)
+            return _new_version(Version, (((self._host, counter),), hlc))
+        try:
+            others = decode_others(vvx)
+        except ValueError as exc:
+            raise SegmentError(f"a stored version vector is corrupt ({exc}); purge the namespace") from None
+        own = ((self._host, counter),) if counter else ()
+        return Version(tuple(sorted(others + own)), hlc)
+
+    def _encode(self, value: Any) -> tuple[int, bytes, bytes | memoryview]:
+        """(tag, meta, payload) of a value. Raises UnsupportedValue, ValueTooLarge."""
+        tag, meta, payload = codec.encode(value)
+        if len(payload) > self._max_value:
+            raise ValueTooLarge(
+                f"value is {len(payload)} bytes, over cache.max_value_size={self._max_value}"
+            )
+        return tag, meta, payload
+
+    def _prepare(self, key: Any, value: Any) -> tuple[bytes, int, int, bytes, bytes | memoryview]:
+        """Everything a write needs, checked before anything is stored:
+        (key bytes, key hash, tag, meta, payload). Raises InvalidKey and the value errors."""
+        # the common case inline (a memoised key, a bytes value): one call per write
+        kh = self._keys.get(key) if type(key) is str else None
+        kb, h = kh if kh is not None else self._key_hash(key)
+        payload: bytes | memoryview
+        if type(value) is bytes and len(value) <= self._max_value:
+            tag, meta, payload = codec.BYTES, b"", value
+        else:
+            tag, meta, payload = self._encode(value)
+        if self._cluster:
+            self._negative.invalidate(key)  # this host will hold it: no longer "absent"
+        return kb, h, tag, meta, payload
+
+    def _decode(self, key: str, tag: int, meta: bytes, raw: bytes | memoryview) -> Any:
+        try:
+            return codec.decode(tag, meta, raw)
+        except KVCommError:
+            raise
+        except Exception as exc:  # msgpack and numpy raise many unrelated types
+            raise SegmentError(f"stored value of {key!r} cannot be decoded ({exc}); "
+                               "overwrite or delete it") from None
+
+    def _item_of(self, key: str, rec: Record | None) -> Item | None:
+        """The Item of a record read under the lock (None for absent or a tombstone)."""
+        if rec is None or rec.tag == TAG_TOMBSTONE:
+            return None
+        value = self._decode(key, rec.tag, rec.meta, rec.value or b"")
+        return Item(key, value, self._version(rec.counter, rec.hlc, rec.vvx), "l2")
+
+    def _read_l2(self, kb: bytes, h: int, zc: int) -> Any:
+        """The raw L2 record (tombstones too) or None. Repairs a corrupt segment once."""
+        try:
+            rec = self._core_read(kb, h, zc)
+        except SegmentError:
+            return self._seg.read(kb, h, zc)  # repairs once, or raises
+        if type(rec) is int:  # a slot stayed odd: a slow, stopped or dead writer
+            return self._seg.read(kb, h, zc)
+        return rec
+
+
+def _run_validator(fn: Callable[[str, Item | None, Any], None], key: str, old: Item | None,
+                   new_value: Any) -> None:
+    try:
+        fn(key, old, new_value)
+    except ValidationError:
+        raise
+    except Exception as exc:
+        raise ValidationError(f"write to {key!r} rejected by validator: {exc}") from exc

@@ -1,0 +1,96 @@
+"""kv.batch(): writes collected in C (BatchOps), applied whole or not at all."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .._l2core import BatchOps
+from ..core.versions import Version
+from .base import _now_ms, _run_validator
+from .items import Item
+
+if TYPE_CHECKING:
+    from .write import Writes
+
+
+class Batch(BatchOps):
+    """Writes collected in a ``with kv.batch()`` block, applied whole or not at all.
+
+    Each ``put``/``delete`` validates its key and encodes its value at once (so a bad value
+    raises at its own line); nothing is stored unless the block exits without an exception.
+    On exit, under one hold of the host's writer lock, every validator runs (against the
+    value each operation replaces, earlier operations of the batch included) and space is
+    found for every operation before the first is published: if anything fails (a
+    validator, a value too large for L2, the outbound bound in cluster mode), nothing of
+    the batch is written. Other processes may observe the keys change one by one while it
+    is published.
+    """
+
+    _results: list[Any]
+    _versions: list[Version | bool] | None
+
+    def __init__(self, client: Writes) -> None:
+        # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
+        # once, through the client's key memo and encoder
+        super().__init__(client._keys, client._key_hash, client._encode, client._max_value)
+        self._client = client
+        self._results = []
+        self._versions = None
+
+    @property
+    def versions(self) -> list[Version | bool]:
+        """Per operation, once applied: a put's Version, whether a delete deleted."""
+        if self._versions is None:
+            c = self._client
+            self._versions = [c._version(r[0], r[1], r[2]) if isinstance(r, tuple) else r > 0
+                              for r in self._results]
+        return self._versions
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None or not self._ops:
+            return
+        c = self._client
+        c._live()
+        check = None
+        if c._has_validators and any(c._validators.lookup(k) is not None for k in self._keys):
+            if c._cluster:  # bring L3's values into L2 for the validators
+                for k in set(self._keys):
+                    if c._validators.lookup(k) is not None:
+                        c._get_slow(k, None, True)
+            check = self._validate
+        if c._cluster:
+            if self._deletes:  # deletes of keys this host does not hold cover L3's version
+                for key, op in zip(self._keys, self._ops, strict=True):
+                    if len(op) == 2:
+                        c._get_slow(key, None, True)
+            for key in self._keys:
+                c._negative.invalidate(key)  # this host holds them now: not "absent"
+        results = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
+                               max_dirty=c._max_dirty, tombstones=c._cluster, check=check)
+        self._results = results
+        c._puts += len(results) - self._deletes
+        if self._deletes:
+            for key, r in zip(self._keys, results, strict=True):
+                if type(r) is not tuple:
+                    c._l1.discard(key)
+                    c.counters["deletes"] += int(r > 0)
+
+    def _validate(self) -> None:
+        """Under the writer lock: every validator, in order, against the state the batch's
+        earlier operations leave."""
+        c = self._client
+        pending: dict[str, Item | None] = {}
+        for key, op, value in zip(self._keys, self._ops, self._values, strict=True):
+            if key in pending:
+                old = pending[key]
+            else:
+                rec = c._seg.read(op[0], op[1])
+                old = c._item_of(key, rec)
+            fn = c._validators.lookup(key)
+            if fn is not None:
+                _run_validator(fn, key, old, value)
+            pending[key] = None if len(op) == 2 else Item(key, value, Version((), 0), "batch")
+

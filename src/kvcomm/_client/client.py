@@ -1,0 +1,111 @@
+"""The client every agent opens: ``kvcomm.open()`` → :class:`Client`, the top layer."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._extras import require_cluster
+from .._l2core import Getter
+from ..config import Config, load_config
+from ..core import codec
+from ..errors import InvalidKey, KVCommError, SegmentError
+from ..tiers.l1 import process_budget
+from .attach import _Shared
+from .watch import Watching
+
+
+class Client(Watching):
+    """An agent's handle on KVCOMM. Thread-safe. Use :func:`kvcomm.open` to make one."""
+
+    def __init__(self, name: str = "default", config: Config | None = None) -> None:
+        super().__init__(name, config)
+        # kv.get is the C getter itself (an instance attribute: no Python frame on a hit);
+        # Reads.get (read.py) is what it does, and what a closed client falls back to
+        self._getter = Getter(self._l1, self._seg._core, self._keys, codec.decode,
+                              self._get_slow, self._flush_hot, self._sample_every,
+                              self._zc, self._l1_on)
+        self.get = self._getter  # type: ignore[method-assign]
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tier hits/misses of this process, entries, bytes used and evictions."""
+        c = self.counters
+        l1_hits = self._l1_hits + self._getter.hits
+        l2_hits, l2_misses = self._l2_hits + self._getter.l2_hits, self._l2_misses
+        l2_lookups = l2_hits + l2_misses
+        info = self._seg.info() if not self._closed else {}
+        return {
+            "l1": {"hits": l1_hits, "misses": l2_lookups, "entries": len(self._l1_entries),
+                   "bytes": self._l1.bytes, "max_bytes": self._l1.max_bytes,
+                   "evictions": self._l1.evictions},
+            "l2": {"hits": l2_hits, "misses": l2_misses,
+                   "entries": info.get("entries", 0), "bytes": info.get("used_bytes", 0),
+                   "capacity_bytes": info.get("data_bytes", 0),
+                   "evictions": info.get("evictions", 0),
+                   "recoveries": info.get("recoveries", 0),
+                   "dirty": info.get("dirty", 0),
+                   "views_taken": c["views"]},
+            "l3": {"reads": c["l3_reads"], "negative_hits": c["negative_hits"],
+                   "filter_hits": c["filter_hits"]},
+            "ops": {"puts": self._puts, "deletes": c["deletes"],
+                    "conflicts": c["conflicts"], "merges": c["merges"],
+                    "resolver_failures": c["resolver_failures"]},
+        }
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """The keys under ``prefix`` present in L2 now (a scan: for tools, not hot paths).
+        Raises InvalidKey for a prefix that is not a str."""
+        if type(prefix) is not str:
+            raise InvalidKey(f"a key prefix is a str ('' lists every key), got {type(prefix).__name__}")
+        self._live()
+        return [k for k in self._seg.keys() if k.startswith(prefix)]
+
+    def close(self) -> None:
+        """Release this client's share of the process's L2 mapping and L1. Idempotent."""
+        if self._closed:
+            return
+        if not self._unusable:
+            try:
+                self._flush_hot()
+            except KVCommError:
+                pass  # e.g. the namespace was purged: its counts no longer matter
+        self._closed = self._unusable = True
+        if self._l3 is not None:
+            self._l3.close()
+        if self._kf is not None:
+            self._kf.close()
+        self._l1_entries = {}
+        self._getter.close()
+        self.__dict__.pop("get", None)  # Client.get: it says the client is closed
+        if not self._forked:
+            process_budget().unregister(self.config.cache.l1_size)
+            _Shared.release(self._attached)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<kvcomm.Client name={self.name!r} host={self._host!r}{' closed' if self._closed else ''}>"
+
+
+def open(name: str | None = None, *,  # noqa: A001
+         config: Config | str | os.PathLike[str] | None = None) -> Client:
+    """Open namespace ``name`` on this host (creating its L2 segment if needed).
+
+    ``name`` defaults to the config's ``node.namespace`` ("default"). ``config`` is a
+    path to a YAML file or a :class:`kvcomm.Config`; with ``cluster.redis`` set, the
+    client works in cluster mode (a node daemon syncs the host with L3). Raises
+    ConfigError, SegmentError.
+    """
+    cfg = load_config(config)
+    if cfg.cluster.redis:
+        require_cluster()  # at open(), not at the first L2 miss
+    if name is None:
+        name = cfg.node.namespace
+    if type(name) is not str:
+        raise SegmentError(f"namespace must be a str, got {type(name).__name__}")
+    return Client(name, cfg)
+

@@ -1,0 +1,81 @@
+"""The L2-miss path in cluster mode: negative cache, the host's key filter, one L3 read, an L2 fill."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..core.versions import Version
+from ..errors import ValueTooLarge
+from .base import _FILL_WITHIN
+from .items import Item
+from .merge import Merging
+
+
+class ClusterReads(Merging):
+    """The L2-miss path in cluster mode."""
+
+    def _get_l3(self, key: str, default: Any, want_item: bool) -> Any:
+        """An L2 miss in cluster mode: one round trip to L3, then fill L2 (and L1 next read).
+
+        A key L3 does not have is remembered as absent for ``cache.negative_ttl``; so is
+        one the host's key filter rules out, while the filter is trusted (its daemon's
+        heartbeat is fresh). Raises Unavailable (L3 unreachable) and CorruptRecord (the
+        L3 value of this key is not a valid KVCOMM record; nothing is written to L2).
+        """
+        now = time.monotonic()
+        if self._negative.is_absent(key, now):
+            self.counters["negative_hits"] += 1
+            return None if want_item else default
+        kf = self._key_filter()
+        if kf is not None and not kf.may_exist(key.encode("utf-8", "surrogatepass")):
+            self.counters["filter_hits"] += 1
+            self._negative.note_absent(key, now)
+            return None if want_item else default
+        if self._l3 is None:
+            from ..tiers.l3 import L3Store
+
+            cl = self.config.cluster
+            self._l3 = L3Store(cl.seeds(), username=cl.redis_username,
+                               password=cl.redis_password, tls=cl.redis_tls, timeout=cl.timeout,
+                               max_value_size=self.config.cache.max_value_size)
+        self.counters["l3_reads"] += 1
+        rec = self._l3.get(key)
+        if rec is None or rec.tombstone:
+            self._negative.note_absent(key, now)
+            return None if want_item else default
+        value = rec.decode_value(key)
+        version = Version(rec.vector, rec.hlc)
+        if time.monotonic() - now < _FILL_WITHIN:  # (an older read might be stale by now)
+            try:
+                self._merge(key, value, version, (rec.tag, rec.meta, rec.value),  # fill L2
+                            rec.local_ext)
+            except ValueTooLarge:
+                pass  # this host's L2 can never hold it: served from L3 every time
+        if want_item:
+            return Item(key, value, version, "l3")
+        return value
+
+    def _key_filter(self) -> Any:
+        """The daemon's filter of existing keys while it is trusted (built, not retired,
+        heartbeat fresh: ``KeyFilter.ready``), else None. An untrusted one is closed and
+        the file reopened, at most once a second: the daemon may have been restarted and
+        put a new file in place. Raises SegmentError for a filter file of another user or
+        of too wide a mode (``cache.l2_permissions``)."""
+        kf = self._kf
+        if kf is not None and kf.ready:
+            return kf
+        now = time.monotonic()
+        if now < self._kf_retry:
+            return None
+        if kf is not None:
+            self._kf = None
+            kf.close()
+        from ..tiers.keyfilter import KeyFilter
+
+        # (a refused file raises at every miss, not once a second: no silent fallback)
+        self._kf = KeyFilter.open_reader(self.name, self.config.cache.l2_permissions,
+                                         self.config.cache.l2_dir)
+        self._kf_retry = now + 1.0
+        return self._kf if self._kf is not None and self._kf.ready else None
+

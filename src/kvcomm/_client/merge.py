@@ -1,0 +1,203 @@
+"""Merging a version from elsewhere into this host's L2 — the one port the node daemon
+(and an L3 fill) uses: vector order, then a resolver or last-writer-wins."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..core import codec
+from ..core.resolve import Sibling
+from ..core.resolve import resolve as resolve_siblings
+from ..core.versions import (
+    Dotted,
+    Ordering,
+    Version,
+    compare_vectors,
+    encode_others,
+    merge_vectors,
+    vector_get,
+)
+from ..errors import ConflictError, InvalidArgument, InvalidKey, KVCommError, Unavailable
+from ..tiers import l2 as l2mod
+from ..tiers.l2 import TAG_TOMBSTONE
+from .base import _HUGE, _MAX_UPDATE_RETRIES, _now_ms
+from .hotkeys import HotKeys
+from .items import _TOMB_ENCODED, _TOMBSTONE, Item
+
+
+class Merging(HotKeys):
+    """Merging a version from elsewhere into this host's L2."""
+
+    def register_resolver(self, prefix: str, fn: Callable[[str, list[Item]], Any]) -> None:
+        """Resolve concurrent versions of keys under ``prefix`` with ``fn(key, siblings)``.
+
+        ``siblings`` are the concurrent Items (oldest first by HLC); ``fn`` returns the
+        value to keep (e.g. merged counters, a union of sets). If it raises or returns a
+        value that cannot be stored, last-writer-wins decides instead and
+        ``stats()["ops"]["resolver_failures"]`` counts it; a host never crashes on it.
+        The longest matching prefix wins. Deletes always merge last-writer-wins.
+        """
+        if type(prefix) is not str:
+            raise InvalidKey("a resolver prefix is a str ('' matches every key)")
+        if not callable(fn):
+            raise InvalidArgument("register_resolver needs a callable")
+        self._resolvers.set(prefix, fn)
+
+    def merge_remote(self, key: str, value: Any, version: Version) -> Version:
+        """Merge a version of ``key`` written on another host into this host's L2.
+
+        This is how the node daemon applies cluster changes (and how tests drive
+        conflicts): a newer ``version`` replaces the local value, an older or equal one
+        is ignored, a concurrent one is resolved (resolver, else last-writer-wins) and
+        stored with the merged vector. Returns the version stored afterwards.
+        """
+        if not isinstance(version, Version):
+            raise InvalidArgument(f"version must be a kvcomm.Version, got {type(version).__name__}")
+        return self._merge(key, value, version, self._encode(value))
+
+    def _local_item(self, kb: bytes, h: int, key: str) -> Item | None:
+        """This host's record of ``key`` as an Item; a tombstone's value is ``_TOMBSTONE``."""
+        rec = self._read_l2(kb, h, _HUGE)
+        if rec is None:
+            return None
+        version = self._version(rec[5], rec[6], rec[7])
+        if rec[2] == TAG_TOMBSTONE:
+            return Item(key, _TOMBSTONE, version, "l2")
+        return Item(key, self._decode(key, rec[2], rec[3], rec[4]), version, "l2")
+
+    def _merge(self, key: str, value: Any, version: Version,
+               remote_encoded: tuple[int, bytes, bytes | memoryview],
+               remote_ext: bytes = b"") -> Version:
+        """:meth:`merge_remote` with the value already encoded (an L3 record's bytes) and
+        the record's extension field (``remote_ext``, b"": none).
+
+        ``remote_encoded[0] == TAG_TOMBSTONE``: the remote version is a delete; it is kept
+        as a clean tombstone. Deletes (on either side) merge last-writer-wins. The stored
+        record carries the extension field of the side whose value it keeps (none for a
+        resolver's new value).
+        """
+        if self._unusable:
+            self._live()
+        kb, h = self._key_hash(key)
+        remote_value = _TOMBSTONE if remote_encoded[0] == TAG_TOMBSTONE else value
+        for _ in range(_MAX_UPDATE_RETRIES):
+            local = self._local_item(kb, h, key)
+            plan = self._merge_plan(key, local, remote_value, remote_encoded, version)
+            if plan is None:
+                assert local is not None
+                return local.version
+            encoded, stored, new_write = plan
+            seen = None if local is None else local.version
+            explicit = self._explicit(stored)
+            if new_write:  # a resolver made a new value: a new local write over the merge
+                explicit = (l2mod.NEW_DOT, stored.hlc, explicit[2])
+            # a merge of concurrent versions (or a resolver's new value) is new information
+            # that the cluster must learn: dirty, so the node daemon publishes it
+            publish = new_write or stored != version
+
+            def unchanged(seen: Version | None = seen) -> None:
+                rec = self._seg.read(kb, h)
+                now = None if rec is None else self._version(rec.counter, rec.hlc, rec.vvx)
+                if now != seen:
+                    raise ConflictError("changed while merging")
+
+            if encoded is remote_encoded:
+                ext = remote_ext
+            else:  # (read before the check, which fails if the local record moved since)
+                ext = b"" if new_write or local is None else self._local_ext(kb, h)
+            try:
+                r = self._seg.apply([(kb, h, *encoded, *explicit, ext)], now_ms=_now_ms(),
+                                    dirty=publish and self._cluster, check=unchanged)[0]
+            except ConflictError:
+                continue  # a local write raced us: merge against it
+            self.counters["merges"] += 1
+            self._l1.discard(key)
+            return self._version(r[0], r[1], r[2])
+        raise Unavailable(f"merge of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
+
+    def _local_ext(self, kb: bytes, h: int) -> bytes:
+        """The extension field of this host's record of ``kb`` (b"": none or absent)."""
+        v = self._seg.version(kb, h)
+        return b"" if v is None else v[7]
+
+    def _restamp(self, key: str, other: Version) -> bool:
+        """Write this host's record of ``key`` again as a new local write that descends
+        from both itself and ``other`` (L3's version, which covers the local dot because
+        the host's write sequence restarted). The write sequence is first raised past
+        ``other``'s entry for this host. Returns False when there is nothing to restamp."""
+        kb, h = self._key_hash(key)
+        self._seg.raise_write_sequence(vector_get(other.vector, self._host))
+        rec = self._read_l2(kb, h, _HUGE)
+        if rec is None:
+            return False
+        seen = self._version(rec[5], rec[6], rec[7])
+        merged = merge_vectors(seen.vector, other.vector)
+
+        def unchanged() -> None:
+            now = self._seg.read(kb, h)
+            if now is None or self._version(now.counter, now.hlc, now.vvx) != seen:
+                raise ConflictError("changed while restamping")
+
+        op = (kb, h, rec[2], rec[3], rec[4], l2mod.NEW_DOT, max(seen.hlc, other.hlc),
+              encode_others(merged, self._host), self._local_ext(kb, h))
+        try:
+            self._seg.apply([op], now_ms=_now_ms(), dirty=True, check=unchanged)
+        except ConflictError:
+            return False  # a newer local write came meanwhile: it is pushed as it is
+        self._l1.discard(key)
+        return True
+
+    def _explicit(self, v: Version) -> tuple[int, int, bytes]:
+        return vector_get(v.vector, self._host), v.hlc, encode_others(v.vector, self._host)
+
+    def _merge_plan(self, key: str, local: Item | None, value: Any,
+                    remote_encoded: tuple[int, bytes, bytes | memoryview], remote: Version,
+                    ) -> tuple[tuple[int, bytes, bytes | memoryview], Version, bool] | None:
+        """What to store: (encoded value, version, is a new local write), or None to keep."""
+        if local is None:
+            return remote_encoded, remote, False
+        order = compare_vectors(remote.vector, local.version.vector)
+        if order in (Ordering.BEFORE, Ordering.EQUAL):
+            return None
+        if order is Ordering.AFTER:
+            return remote_encoded, remote, False
+        sibs = [Sibling(local.value, _dotted(local.version, remote)),
+                Sibling(value, _dotted(remote, local.version))]
+        deletes = local.value is _TOMBSTONE or value is _TOMBSTONE
+        fn = None if deletes or not self._resolvers else self._resolvers.lookup(key)
+        hook = None
+        if fn is not None:
+            def hook(live: list[Sibling[Any]], fn: Callable[[str, list[Item]], Any] = fn) -> Any:
+                return fn(key, [Item(key, s.value, Version(s.version.vector, s.version.hlc),
+                                     "l2" if s is sibs[0] else "l3") for s in live])
+        res = resolve_siblings(sibs, hook, _storable)
+        if res.fallback:
+            self.counters["resolver_failures"] += 1
+        merged = Version(res.vector, max(local.version.hlc, remote.hlc))
+        if res.winner is None:  # the resolver made a new value
+            return self._encode(res.value), merged, True
+        if res.value is local.value:
+            encoded = _TOMB_ENCODED if local.value is _TOMBSTONE else codec.encode(local.value)
+        else:
+            encoded = remote_encoded
+        return encoded, Version(res.vector, res.winner.hlc), False
+
+
+
+def _dotted(v: Version, other: Version) -> Dotted:
+    """``v`` as a sibling of the concurrent ``other``: its dot is an entry ``other`` has not
+    seen (one always exists between concurrent versions — the real dot is among them), the
+    greatest, so that every host picks the same one."""
+    unseen = [e for e in v.vector if e[1] > vector_get(other.vector, e[0])] or list(v.vector)
+    actor, counter = max(unseen, key=lambda e: (e[1], e[0])) if unseen else ("", 0)
+    return Dotted(v.vector, (actor, counter), v.hlc)
+
+
+def _storable(value: Any) -> bool:
+    try:
+        codec.encode(value)
+    except KVCommError:
+        return False
+    return True
+

@@ -1,0 +1,107 @@
+"""Reads: get and get_item through L1, L2 (zero-copy views of large arrays) and, on a miss, the cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._l2core import approx_size
+from ..core import codec
+from ..errors import InvalidKey, SegmentError
+from ..tiers.l2 import TAG_TOMBSTONE
+from .attach import _register_view
+from .base import _BYTES, _NDARRAY
+from .cluster_read import ClusterReads
+from .items import Item
+
+
+class Reads(ClusterReads):
+    """Reads."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key``, or ``default`` when absent.
+
+        Treat the returned object as read-only: L1 hands the same decoded object to every
+        caller in this process. Arrays of ``network.zero_copy_threshold`` bytes or more
+        are read-only views of shared memory. Raises InvalidKey, SegmentError (purged or
+        corrupt namespace), Unavailable (cluster mode: L3 unreachable on an L2 miss),
+        CorruptRecord (cluster mode: L3 holds something that is not a KVCOMM record).
+        """
+        try:
+            e = self._l1_entries.get(key)
+        except TypeError:
+            raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
+        if e is not None and self._q[e[1]] == e[2]:
+            self._l1_hits += 1
+            return e[0]
+        return self._get_slow(key, default, False)
+
+    def get_item(self, key: str) -> Item | None:
+        """The value with its Version and the tier that served it, or None when absent."""
+        try:
+            e = self._l1_entries.get(key)
+        except TypeError:
+            raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
+        if e is not None and self._q[e[1]] == e[2]:
+            self._l1_hits += 1
+            return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1")
+        return self._get_slow(key, None, True)  # type: ignore[no-any-return]
+
+    def _get_slow(self, key: str, default: Any, want_item: bool, l3: bool = True) -> Any:
+        """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
+        if self._unusable:
+            self._live()
+        kb, h = self._key_hash(key)
+        self._getter.sampled(key)
+        rec = self._read_l2(kb, h, self._zc)
+        # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
+        if rec is None or rec[2] == TAG_TOMBSTONE:
+            self._l2_misses += 1
+            if rec is None and self._cluster and l3:
+                return self._get_l3(key, default, want_item)
+            return None if want_item else default  # a tombstone: deleted here, L3 told soon
+        self._l2_hits += 1
+        tag = rec[2]
+        raw = rec[4]
+        if raw is None:  # a large array: a zero-copy view
+            return self._get_view(key, kb, h, default, want_item)
+        value = raw if tag == _BYTES else self._decode(key, tag, rec[3], raw)
+        if tag != _NDARRAY and self._l1_on:
+            self._l1.store(key, (value, rec[0], rec[1], approx_size(value), rec[5], rec[6],
+                                 rec[7]))
+        if not want_item:
+            return value
+        return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2")
+
+    def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool) -> Any:
+        """A large array: pin its block and hand out a read-only view of shared memory.
+
+        The record may have been replaced between the read and the pin (by a small value,
+        another type, a tombstone): what is pinned is checked again and, if it is no longer
+        a large array, decoded from a copy instead.
+        """
+        seg = self._seg
+        try:  # (the pin is dropped on any exception, KeyboardInterrupt included, until a
+            #   view owns it: seg.pin_kept in _register_view)
+            r = seg.pin(kb, h)
+            if r is None:
+                return None if want_item else default
+            tag, meta, pin, buf = r[2], r[3], r[8], r[9]
+            if tag != _NDARRAY or len(buf) < self._zc:
+                arr = self._decode(key, tag, meta, bytes(buf))  # replaced meanwhile
+            else:
+                try:
+                    arr = codec.array_view(meta, buf)
+                except ValueError as exc:
+                    raise SegmentError(f"stored array of {key!r} is malformed ({exc})") from None
+                if pin[0] < 0:  # the pin table was full: ``buf`` is already a private copy
+                    arr = arr.copy()
+                    arr.flags.writeable = False
+                else:
+                    _register_view(arr, seg, pin)
+                    self.counters["views"] += 1
+        finally:
+            seg.drop_pending()
+        if not want_item:
+            return arr
+        return Item(key, arr, self._version(r[4], r[5], r[6]), "l2")
+

@@ -1,0 +1,199 @@
+"""Writes: put, delete, update, batch; compare-and-set and validators run under the host's writer lock."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..core.versions import Version
+from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
+from ..tiers.l2 import TAG_TOMBSTONE, Record
+from .base import (
+    _BYTES,
+    _CONSISTENCY,
+    _HUGE,
+    _MAX_UPDATE_RETRIES,
+    _new_version,
+    _now_ms,
+    _run_validator,
+)
+from .batch import Batch
+from .items import _NO_CHECK, ABSENT, Item
+from .read import Reads
+
+
+class Writes(Reads):
+    """Writes."""
+
+    def put(self, key: str, value: Any, *, consistency: str | None = None,
+            expect: Any = _NO_CHECK) -> Version:
+        """Store ``value`` under ``key``; returns its Version.
+
+        ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
+        ConflictError is raised and nothing changes. ``consistency`` is "eventual" or
+        "strong" (both linearizable on one host). A validator registered for the key's
+        prefix runs under the host's writer lock, against the value this put replaces.
+        Raises InvalidKey, UnsupportedValue, ValueTooLarge, ConflictError,
+        ValidationError, Unavailable (L2 full of pinned or unflushed data; in cluster mode
+        ``cluster.outbound_max`` writes waiting for L3), SegmentError; on any of them the
+        stored data is unchanged.
+        """
+        if consistency is not None and consistency not in _CONSISTENCY:
+            _bad_consistency(consistency)
+        if self._unusable:
+            self._live()
+        # the common case inline (a key seen before, a bytes value, no checks): every call
+        # saved here is a tenth of a put
+        kh = self._keys.get(key) if type(key) is str else None
+        kb, h = kh if kh is not None else self._key_hash(key)
+        payload: bytes | memoryview
+        if type(value) is bytes and len(value) <= self._max_value:
+            tag, meta, payload = _BYTES, b"", value
+        else:
+            tag, meta, payload = self._encode(value)
+        if self._cluster:
+            self._negative.invalidate(key)  # this host will hold it: no longer "absent"
+        if expect is not _NO_CHECK or self._has_validators:
+            return self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
+        r = self._core_put(kb, h, tag, meta, payload, time.time_ns() // 1_000_000,
+                           self._dirty_flag, self._max_dirty, self._lock_timeout)
+        if type(r) is not tuple:  # purged, repair due, no room...: the careful path
+            r = self._seg.put_status(r, kb, h, tag, meta, payload, _now_ms(), self._cluster,
+                                     self._max_dirty)
+        self._puts += 1
+        if not r[2]:  # (no other host's entries: the Version without decoding anything)
+            return _new_version(Version, (((self._host, r[0]),), r[1]))
+        return self._version(r[0], r[1], r[2])
+
+    def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
+                     encoded: tuple[int, bytes, bytes | memoryview], expect: Any) -> Version:
+        """put() with expect= and/or a validator: both run under the writer lock."""
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        validator = self._validators.lookup(key) if self._validators else None
+        if cas is None and validator is None:
+            counter, hlc, vvx, _, _ = self._seg.put(kb, h, *encoded, _now_ms(), self._cluster,
+                                                    self._max_dirty)
+            self._puts += 1
+            return self._version(counter, hlc, vvx)
+        if validator is not None and self._cluster:
+            self._get_slow(key, None, True)  # bring L3's value into L2 for the validator
+        check = self._checker(key, kb, h, cas, validator, value)
+        counter, hlc, vvx, _, _ = self._seg.apply(
+            [(kb, h, *encoded)], now_ms=_now_ms(), dirty=self._cluster,
+            max_dirty=self._max_dirty, check=check)[0]
+        self._puts += 1
+        return self._version(counter, hlc, vvx)
+
+    def _checker(self, key: str, kb: bytes, h: int, cas: Callable[[Record | None], None] | None,
+                 validator: Callable[[str, Item | None, Any], None] | None,
+                 new_value: Any) -> Callable[[], None]:
+        """What runs under the writer lock before a write of ``key``: compare-and-set, then
+        the validator against the value the write replaces."""
+        def check() -> None:
+            rec = self._seg.read(kb, h)
+            if rec is not None and rec.tag == TAG_TOMBSTONE:
+                rec = None
+            if cas is not None:
+                cas(rec)
+            if validator is not None:
+                _run_validator(validator, key, self._item_of(key, rec), new_value)
+
+        return check
+
+    def _expect_fn(self, key: str, expect: Any) -> Callable[[Record | None], None]:
+        if expect is not ABSENT and not isinstance(expect, Version):
+            raise InvalidArgument(
+                f"expect= takes a kvcomm.Version or kvcomm.ABSENT, got {type(expect).__name__}"
+            )
+
+        def check(rec: Record | None) -> None:
+            if expect is ABSENT:
+                if rec is not None:
+                    self.counters["conflicts"] += 1
+                    raise ConflictError(f"{key!r} exists; expected it absent")
+                return
+            current = None if rec is None else self._version(rec.counter, rec.hlc, rec.vvx)
+            if current != expect:
+                self.counters["conflicts"] += 1
+                raise ConflictError(
+                    f"{key!r} is at {current if current else 'absent'}, expected {expect}; "
+                    "re-read it and retry"
+                )
+
+        return check
+
+    def delete(self, key: str, *, expect: Any = _NO_CHECK) -> bool:
+        """Remove ``key``. True when something was deleted. Raises as :meth:`put`.
+
+        In cluster mode the delete is a tombstone kept in L2 (dirty, never evicted) until
+        L3 has it, so it is as durable as a put; a key this host does not hold is looked up
+        in L3 first, so that the delete covers the version the cluster has.
+        """
+        return self._delete(key, expect) > 0
+
+    def _delete(self, key: str, expect: Any = _NO_CHECK) -> int:
+        """:meth:`delete`, returning the delete's write counter (0: nothing was there)."""
+        self._live()
+        kb, h = self._key_hash(key)
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        validator = self._validators.lookup(key) if self._validators else None
+        if self._cluster and self._get_slow(key, None, True) is None:
+            local = self._read_l2(kb, h, _HUGE)
+            if local is None and cas is None and validator is None:
+                return 0  # absent here and in L3: nothing to delete, nothing to tell L3
+        check = None if cas is None and validator is None else \
+            self._checker(key, kb, h, cas, validator, None)
+        counter: int = self._seg.apply([(kb, h)], now_ms=_now_ms(), dirty=self._cluster,
+                                       max_dirty=self._max_dirty, tombstones=self._cluster,
+                                       check=check)[0]
+        self._l1.discard(key)
+        if counter:
+            self.counters["deletes"] += 1
+        return counter
+
+    def update(self, key: str, fn: Callable[[Any], Any], *, default: Any = None) -> Any:
+        """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
+
+        ``fn`` may run more than once when other writers race; it must not have side
+        effects. No increment is ever lost, whatever the number of processes. Raises
+        InvalidArgument when ``fn`` is not callable, and what :meth:`put` raises.
+        """
+        if not callable(fn):
+            raise InvalidArgument(f"update() needs a callable, got {type(fn).__name__}")
+        for _ in range(_MAX_UPDATE_RETRIES):
+            item = self.get_item(key)
+            new = fn(default if item is None else item.value)
+            try:
+                self.put(key, new, expect=ABSENT if item is None else item.version)
+                return new
+            except ConflictError:
+                continue
+        raise Unavailable(f"update of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
+
+    def batch(self) -> Batch:
+        """``with kv.batch() as b: b.put(...); b.delete(...)`` — applied whole, or not at all."""
+        self._live()
+        return Batch(self)
+
+    def register_validator(self, prefix: str, fn: Callable[[str, Item | None, Any], None]) -> None:
+        """Run ``fn(key, old_item, new_value)`` before every write under ``prefix`` in this
+        client; raising rejects the write with ValidationError (``new_value`` is None for a
+        delete). The longest matching prefix wins.
+
+        ``fn`` runs under the host's L2 writer lock, against exactly the value the write
+        replaces (in a batch, earlier operations of the batch on the same key count, with an
+        empty version). It may read from KVCOMM but not write (InvalidArgument), and should
+        be quick: every writer on the host waits for it.
+        """
+        if type(prefix) is not str:
+            raise InvalidKey("a validator prefix is a str ('' matches every key)")
+        if not callable(fn):
+            raise InvalidArgument("register_validator needs a callable")
+        self._validators.set(prefix, fn)
+        self._has_validators = True
+
+
+
+def _bad_consistency(consistency: Any) -> None:
+    raise InvalidArgument(f"consistency must be 'eventual' or 'strong', got {consistency!r}")

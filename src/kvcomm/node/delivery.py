@@ -1,0 +1,466 @@
+"""The node daemon's delivery logic, as state machines without I/O.
+
+Nothing here reads a clock, sleeps, draws randomness of its own or touches L2 or L3:
+the driver (:mod:`kvcomm.node.daemon`) does the I/O, passes the time in (``now``,
+seconds, monotonic), and carries out what these machines answer. So every decision —
+what to send, what to persist, when to resync, how long to back off — can be driven by
+a test from a script of events (``tests/test_delivery*.py``), without Redis.
+
+Theory
+------
+**Local → L3 (Outbound), at least once.** Agents write into L2; each write is flagged
+*dirty* there until L3 has it, and appears in L2's change feed. The driver reads the feed
+after the outbound cursor and hands over the dirty record of every key it names
+(:meth:`Outbound.read`); each record is *staged* together with the cursor *before* that
+read (its ``since``: a replay of the feed from there names the key again). Staged
+records enter the write window (:mod:`kvcomm.core.window`); a closed window is pushed
+whole, one push at a time, each key with its latest staged record. L3's answer to each
+record decides two things, by one rule:
+
+* **deliver** (clear the dirty flag) iff the record L3 holds afterwards covers the
+  write's dot — it is this write, or descends from it (newer, merged, refused as older);
+* **take** (merge L3's record into L2) iff L3 holds anything but exactly what was sent.
+
+======================  =======  ====  ============================================
+L3's answer             deliver  take  why
+======================  =======  ====  ============================================
+new / newer / equal     yes      no    L3 holds this write
+older                   yes      yes   L3 holds a write that saw this one
+merged                  yes      yes*  L3 holds the merge of it and a concurrent write
+conflict                no       yes   a resolver's key: L2 settles it (a new write)
+not durable             no       no    no replica has it yet: staged again, re-sent
+corrupt                 yes      no    retrying cannot help: set aside
+L3 unreachable          —        —     the push is retried whole, with backoff
+older / merged, lost    no       —     rebase: the host writes it again (see below)
+======================  =======  ====  ============================================
+
+(* not when this write won and its vector is unchanged.) *Lost*: L3's record covers
+the write's dot only through dots of this host past its write sequence — the host's
+L2 was lost and its sequence restarted, so those dots name older writes of an earlier
+life. The write is new, not older: the driver rebases it (L2 writes it again past
+every dot L3 has seen of this host; it is pushed in turn), or takes L3's record when
+there is nothing to rebase. A record leaves the staged
+set only once answered, so :meth:`Outbound.delivered` — the least ``since`` of what is
+staged, or the cursor when nothing is — is a feed position before which every write is
+in L3. Persisting that position, and never a later one, makes delivery at-least-once
+across a crash at any point; L3's rule makes the replay harmless (an equal record is a
+no-op, an older one is refused). If the feed ring overwrote events past the cursor, the
+driver hands over every dirty key instead (a rescan).
+
+**Bounded vectors.** Before a record is pushed its vector is pruned
+(:func:`kvcomm.core.versions.prune`) with host activity as the age: :class:`HostActivity`
+remembers when the daemon last saw each host's dot in the feeds; a host it has never
+seen counts as seen when the daemon started. The host's own entry and the writer's
+(the dot's) are always kept, which is the safety condition: the pruned vector still
+exceeds every earlier version at the dot, so it can look *concurrent* with an older
+version but never *older*; last-writer-wins then picks it, since a write's HLC exceeds
+those of the writes it saw. No acknowledged write loses to an older one.
+
+**L3 → local (Inbound).** Every group's feed is read after its cursor; every entry
+carries the group's sequence number. An entry that is not last + 1 — higher (the
+stream was trimmed past the cursor: a *gap*), lower or equal (the stream went back: a
+failover lost entries, a *rewind*), or missing (*unsequenced*) — stops that group's
+reading and makes it resync; so does, once every ``state_every`` seconds, a group
+counter that a read which reached the end of the stream did not reach (a gap that no
+entry shows), or that went below the last number seen (a rewind). A resync takes the
+group's position atomically, adds the group's keys to the key filter (when entries
+were missed: they may have created keys), and re-reads the group's keys that L2
+holds. Until it completes, the group is *pending*: its old cursor is the one saved, so a
+daemon killed meanwhile resyncs again. A change to a key the host does not hold is
+not applied, but remembered a while (:class:`Skipped`): an agent that read the key from
+L3 just before may fill L2 with the older record just after, and the driver applies
+the remembered change over that fill when the local feed shows it.
+
+Driver's obligations
+--------------------
+1. Read L2's feed after ``Outbound.cursor``; for every put and delete (evictions are
+   local, never sent) — or, when the feed overflowed, for every dirty key — read the
+   key's dirty record (None when clean) and hand them all, with the new cursor, to
+   :meth:`Outbound.read` in one call.
+2. Persist :meth:`Outbound.delivered` as the host's delivered cursor, never a later
+   position: only once L3 acknowledged everything before it.
+3. Push what :meth:`Outbound.next_push` returns, in one call, the keys of
+   ``keep_siblings`` keeping concurrent versions apart. Then exactly one of
+   :meth:`Outbound.pushed` (with one answer per item, in order) or
+   :meth:`Outbound.push_failed` (L3 unreachable), passing the host's write sequence
+   read after the push. Carry out every :class:`Answer` in order: deliver (mark
+   delivered) before take (merge into L2); rebase, else take; set aside = deliver,
+   then record the reason.
+4. When :meth:`Inbound.poll_due` returns a poll: first redo the pending resyncs
+   (``Inbound.pending``); if ``poll.check``, read every group's counter before reading
+   the feeds; read every group's feed after ``Inbound.cursors`` (FEED_COUNT entries);
+   for each group apply the entries :meth:`Inbound.examine` returns in order, calling
+   :meth:`Inbound.advance` after each (applied or set aside), then resync the groups
+   it found a problem in; save :meth:`Inbound.saveable` when ``poll.check``. Report
+   the outcome: :meth:`Inbound.polled` or :meth:`Inbound.poll_failed`.
+5. Resync: :meth:`Inbound.begin_resync`; for each group take its position from L3 and
+   hand it to :meth:`Inbound.positioned` — when that returns True, add the group's keys
+   in L3 to the key filter and call :meth:`Inbound.scanned` —; then re-read from L3 every
+   key of those groups that L2 holds; then :meth:`Inbound.resynced`. An exception midway
+   leaves the groups pending: redo them (step 4).
+6. Tell :meth:`HostActivity.saw` the dot of every record read from the feeds; hand
+   :meth:`Skipped.remember` every feed record of a key L2 does not hold, and apply what
+   :meth:`Skipped.take` returns for every key the local feed names.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+from ..core.backoff import Backoff
+from ..core.resolve import MERGED, OLDER
+from ..core.versions import covers, prune, vector_get
+from ..core.window import ClosedWindow, WriteWindow
+from ..errors import CorruptRecord
+from ..tiers.l3 import FeedEntry, L3Record, PushResult
+
+FEED_COUNT = 500  # entries read per group per poll
+STATE_EVERY = 1.0  # seconds between saves of the feed cursors and checks of group counters
+RECENT_S = 30.0  # how long a skipped remote change can still be applied over a late fill
+RECENT_MAX = 65_536  # skipped remote changes remembered at most
+
+# why a group is resynced
+GAP, REWIND, UNSEQUENCED = "gap", "rewind", "unsequenced"
+NOT_DURABLE, CORRUPT = "not_durable", "corrupt"  # answers that are not L3 outcomes
+
+
+# ---------------------------------------------------------------- local → L3
+
+
+class Staged(NamedTuple):
+    record: L3Record  # the key's dirty record, as L2 holds it
+    since: int  # the outbound cursor before the read that staged it
+
+
+class PushItem(NamedTuple):
+    key: str
+    record: L3Record  # as sent (vector pruned)
+    staged: L3Record  # as L2 holds it: what delivering names
+    since: int
+
+
+class Push(NamedTuple):
+    """One closed window's records, to be sent in one call."""
+
+    items: list[PushItem]
+    keep_siblings: frozenset[str]  # keys whose concurrent versions come back as conflicts
+    window: ClosedWindow
+
+
+class Answer(NamedTuple):
+    """What the driver does about one pushed record (see the module's table)."""
+
+    key: str
+    sent: L3Record  # the record as L2 holds it: what mark_delivered names
+    outcome: str  # an L3 outcome, NOT_DURABLE or CORRUPT
+    deliver: bool  # L3 holds this write or one that saw it: clear its dirty flag
+    take: L3Record | None  # L3 holds another record: merge it into L2
+    set_aside: str  # why the record is set aside ("" when it is not)
+    rebase: bool = False  # L2 lost dots L3 has: write it again past them, else take
+
+
+class Outbound:
+    """The local feed cursor, the staged records, the write window and the pushes."""
+
+    def __init__(self, host: str, cursor: int, window: WriteWindow, backoff: Backoff) -> None:
+        self.host = host
+        self.cursor = cursor  # the local feed has been read up to here
+        self.window = window
+        self.backoff = backoff
+        self.staged: dict[str, Staged] = {}  # key → its latest dirty record not yet answered
+        self.unsent: deque[ClosedWindow] = deque()  # closed windows, oldest first
+        self.in_flight: Push | None = None
+        self.retry_at = float("-inf")
+        self._since: Counter[int] = Counter()  # since → staged records with it
+
+    def read(self, cursor: int, records: Iterable[tuple[str, L3Record | None]],
+             now: float) -> None:
+        """The driver read the local feed up to ``cursor``, and these are the dirty
+        records (None: clean or gone) of the keys it named, or of every dirty key after an
+        overflow."""
+        since = self.cursor
+        for key, record in records:
+            if record is not None:
+                self._stage(key, record, since, now)
+        self.cursor = cursor
+
+    def delivered(self) -> int:
+        """The local feed position before which every write is in L3: the one to persist."""
+        return min(self._since) if self._since else self.cursor
+
+    def next_push(self, now: float, has_resolver: Callable[[str], bool],
+                  shape: Callable[[L3Record], L3Record] = lambda r: r) -> Push | None:
+        """The next push to make: the oldest closed window's keys with their latest staged
+        records, each passed through ``shape`` (pruning); or None when there is nothing to
+        send, a push is in flight, or the last one failed less than a backoff ago.
+
+        ``has_resolver(key)``: concurrent versions of the key are settled by a resolver
+        here, so L3 must keep them apart; never for a delete (a resolver must not bring a
+        deleted key back: deletes merge last-writer-wins).
+        """
+        closed = self.window.poll(now)
+        if closed is not None:
+            self.unsent.append(closed)
+        if self.in_flight is not None or now < self.retry_at:
+            return None
+        while self.unsent:
+            window = self.unsent[0]
+            items = [PushItem(w.key, shape(s.record), s.record, s.since)
+                     for w in window.writes if (s := self.staged.get(w.key)) is not None]
+            if items:
+                break
+            self.unsent.popleft()  # each of its keys went out with an earlier push
+        else:
+            return None
+        keep = frozenset(i.key for i in items if not i.record.tombstone and has_resolver(i.key))
+        self.in_flight = Push(items, keep, window)
+        return self.in_flight
+
+    def pushed(self, push: Push, results: Sequence[PushResult | CorruptRecord], now: float,
+               write_sequence: int) -> list[Answer]:
+        """L3 answered ``push`` (one result per item, in order); ``write_sequence``: the
+        counter of the host's newest dot, read after the push. Returns what to do about
+        each record. Raises ValueError when the results do not match the items."""
+        if len(results) != len(push.items):
+            raise ValueError(f"{len(results)} answers for {len(push.items)} pushed records")
+        self._settle(push)
+        self.backoff.succeeded()
+        self.unsent.popleft()  # (push.window: nothing else leaves the queue while in flight)
+        answers = []
+        for item, res in zip(push.items, results, strict=True):
+            staged = self.staged.get(item.key)
+            if staged is not None and staged.record is item.staged:
+                self._unstage(item.key)
+            answers.append(self._answer(item, res, now, write_sequence))
+        return answers
+
+    def push_failed(self, push: Push, now: float) -> float:
+        """L3 could not be reached: the push stays first in line (with whatever is staged
+        then). Returns the delay before the next try."""
+        self._settle(push)
+        delay = self.backoff.failed()
+        self.retry_at = now + delay
+        return delay
+
+    def flush(self, now: float) -> None:
+        """Close the open window now (shutdown): what it holds is pushed next."""
+        closed = self.window.flush(now)
+        if closed is not None:
+            self.unsent.append(closed)
+
+    @property
+    def waiting(self) -> bool:
+        """Closed windows wait to be pushed."""
+        return bool(self.unsent)
+
+    def wake_at(self) -> float | None:
+        """When :meth:`next_push` will next have something to do (for the driver's sleep);
+        None when only new writes can give it any."""
+        times = [t for t in (self.window.deadline(),
+                             self.retry_at if self.unsent else None) if t is not None]
+        return min(times) if times else None
+
+    def _answer(self, item: PushItem, res: PushResult | CorruptRecord, now: float,
+                write_sequence: int) -> Answer:
+        if isinstance(res, CorruptRecord):
+            return Answer(item.key, item.staged, CORRUPT, True, None, str(res))
+        if not res.durable:  # no replica has it yet: send again next window
+            if item.key not in self.staged:  # (a newer staged write descends from it anyway)
+                self._stage(item.key, item.staged, item.since, now)
+            return Answer(item.key, item.staged, NOT_DURABLE, False, None, "")
+        held, sent = res.record, item.record
+        if (res.outcome in (OLDER, MERGED) and sent.dot[0] == self.host and held.dot != sent.dot
+                and vector_get(held.vector, self.host) > write_sequence):
+            return Answer(item.key, item.staged, res.outcome, False, held, "", rebase=True)
+        same = held.dot == sent.dot and held.hlc == sent.hlc and held.vector == sent.vector
+        return Answer(item.key, item.staged, res.outcome, covers(held.vector, sent.dot),
+                      None if same else held, "")
+
+    def _stage(self, key: str, record: L3Record, since: int, now: float) -> None:
+        if key in self.staged:
+            self._unstage(key)
+        self.staged[key] = Staged(record, since)
+        self._since[since] += 1
+        size_hint = None if record.tombstone else record.value
+        closed = self.window.add(key, size_hint, record.vector, record.hlc, now)
+        if closed is not None:
+            self.unsent.append(closed)
+
+    def _unstage(self, key: str) -> None:
+        since = self.staged.pop(key).since
+        self._since[since] -= 1
+        if not self._since[since]:
+            del self._since[since]
+
+    def _settle(self, push: Push) -> None:
+        if push is not self.in_flight:
+            raise ValueError("an answer for a push that is not in flight")
+        self.in_flight = None
+
+
+class Skipped:
+    """Remote changes to keys the host does not hold, each kept ``keep_s`` seconds (at
+    most ``limit``, the oldest dropped first), to apply over an agent's late fill."""
+
+    def __init__(self, keep_s: float = RECENT_S, limit: int = RECENT_MAX) -> None:
+        self.keep_s, self.limit = keep_s, limit
+        self._recent: dict[str, tuple[float, L3Record]] = {}  # in the order remembered
+
+    def remember(self, key: str, record: L3Record, now: float) -> None:
+        if len(self._recent) >= self.limit:
+            for k in list(self._recent)[: max(1, self.limit // 4)]:  # the oldest quarter
+                del self._recent[k]
+        self._recent.pop(key, None)
+        self._recent[key] = (now, record)
+
+    def take(self, key: str, now: float) -> L3Record | None:
+        """The change remembered for ``key`` if it is recent (forgotten either way)."""
+        seen = self._recent.pop(key, None)
+        return None if seen is None or now - seen[0] >= self.keep_s else seen[1]
+
+
+# ---------------------------------------------------------------- bounded vectors
+
+
+class HostActivity:
+    """When this daemon last saw each host write (a dot in the feeds), in ms of the
+    driver's clock: the ages by which vectors are pruned before a push."""
+
+    def __init__(self, own: str, now_ms: int, *, small: int = 8, big: int = 32,
+                 young_ms: int = 60_000, old_ms: int = 86_400_000, limit: int = 4096) -> None:
+        self.own = own
+        self.started_ms = now_ms  # hosts never seen count as seen then
+        self.small, self.big, self.young_ms, self.old_ms = small, big, young_ms, old_ms
+        self.limit = limit
+        self.seen: dict[str, int] = {}
+
+    def saw(self, actor: str, now_ms: int) -> None:
+        """A write of ``actor`` came through the feeds."""
+        self.seen[actor] = max(now_ms, self.seen.get(actor, now_ms))
+        if len(self.seen) > self.limit:  # (actors come from L3: bound what they cost)
+            oldest = sorted(self.seen, key=self.seen.__getitem__)[: self.limit // 2]
+            for a in oldest:
+                del self.seen[a]
+
+    def last_active(self, vector: Iterable[tuple[str, int]]) -> Mapping[str, int]:
+        return {a: self.seen.get(a, self.started_ms) for a, _ in vector}
+
+    def shape(self, record: L3Record, now_ms: int) -> L3Record:
+        """``record`` with its vector pruned; this host's and the writer's entries kept."""
+        if len(record.vector) <= self.small:
+            return record
+        vector = prune(record.vector, self.last_active(record.vector), now_ms,
+                       keep=(self.own, record.dot[0]), small=self.small, big=self.big,
+                       young_ms=self.young_ms, old_ms=self.old_ms)
+        return record if vector == record.vector else record._replace(vector=vector)
+
+
+# ---------------------------------------------------------------- L3 → local
+
+
+class Reading(NamedTuple):
+    entries: list[FeedEntry]  # in sequence: apply in order, Inbound.advance after each
+    problem: str  # "", GAP, REWIND or UNSEQUENCED: resync the group afterwards
+
+
+class Poll(NamedTuple):
+    check: bool  # read the group counters first, and save the cursors afterwards
+
+
+class Inbound:
+    """Every group's feed cursor and last sequence number, the resyncs, the poll's pace."""
+
+    def __init__(self, groups: int, poll: float, backoff: Backoff, now: float,
+                 state_every: float = STATE_EVERY) -> None:
+        self.groups = range(groups)
+        self.cursors: dict[int, bytes] = {}  # group → id of the last entry read
+        self.seqs: dict[int, int | None] = {}  # group → sequence number of that entry
+        self.pending: dict[int, bool] = {}  # group resyncing → its keys still go to the filter
+        self.poll, self.backoff, self.state_every = poll, backoff, state_every
+        self.last_poll = float("-inf")
+        self.retry_at = float("-inf")
+        self.state_at = now + state_every
+
+    def resume(self, cursors: Mapping[int, bytes], seqs: Mapping[int, int]) -> set[int]:
+        """Start from saved cursors and sequence numbers. Returns the groups that lack
+        either: start them afresh (a resync without a reason)."""
+        fresh = set()
+        for g in self.groups:
+            if g in cursors and g in seqs:
+                self.cursors[g], self.seqs[g] = cursors[g], seqs[g]
+            else:
+                fresh.add(g)
+        return fresh
+
+    def examine(self, group: int, rows: Sequence[FeedEntry],
+                counter: int | None = None) -> Reading:
+        """The entries of one read of ``group``'s feed to apply, and whether the group
+        must be resynced. ``counter``: the group's counter read *before* the feed (None:
+        not read, or not a number). Changes nothing: :meth:`advance` does."""
+        before = last = self.seqs.get(group)
+        entries: list[FeedEntry] = []
+        for entry in rows:
+            if entry.seq is None or last is None:
+                return Reading(entries, UNSEQUENCED)
+            if entry.seq != last + 1:
+                return Reading(entries, GAP if entry.seq > last + 1 else REWIND)
+            entries.append(entry)
+            last = entry.seq
+        if counter is None or before is None or last is None:
+            return Reading(entries, "")
+        if counter < before:
+            return Reading(entries, REWIND)  # the counter went back: a failover lost entries
+        if len(rows) < FEED_COUNT and last < counter:
+            return Reading(entries, GAP)  # counted before this read, and the read missed them
+        return Reading(entries, "")
+
+    def advance(self, group: int, entry: FeedEntry) -> None:
+        """``entry`` (one :meth:`examine` returned) is applied or set aside."""
+        self.cursors[group], self.seqs[group] = entry.id, entry.seq
+
+    def begin_resync(self, groups: Iterable[int], missed: bool) -> None:
+        """Resync ``groups``; ``missed``: entries were missed (a gap, a rewind), so their
+        keys go to the key filter too."""
+        for g in groups:
+            self.pending[g] = self.pending.get(g, False) or missed
+
+    def positioned(self, group: int, seq: int | None, last_id: bytes) -> bool:
+        """The group's position, read atomically from L3. Returns True when the group's
+        keys must be added to the key filter (then :meth:`scanned`)."""
+        self.cursors[group], self.seqs[group] = last_id, seq
+        return self.pending[group]
+
+    def scanned(self, group: int) -> None:
+        self.pending[group] = False
+
+    def resynced(self, groups: Iterable[int]) -> None:
+        """The held keys of ``groups`` were re-read: the resync is complete."""
+        for g in groups:
+            self.pending.pop(g, None)
+
+    def saveable(self) -> tuple[dict[int, bytes], dict[int, int]]:
+        """The cursors and sequence numbers to save: not those of a pending group."""
+        done = [g for g in self.cursors if g not in self.pending]
+        return ({g: self.cursors[g] for g in done},
+                {g: s for g in done if (s := self.seqs.get(g)) is not None})
+
+    def poll_due(self, now: float) -> Poll | None:
+        """A poll to make now, or None: keep to the poll interval (the feed costs a read
+        per group), and to the backoff after a failure."""
+        if now - self.last_poll < self.poll or now < self.retry_at:
+            return None
+        self.last_poll = now
+        return Poll(check=now >= self.state_at)
+
+    def polled(self, poll: Poll, now: float) -> None:
+        self.backoff.succeeded()
+        if poll.check:
+            self.state_at = now + self.state_every
+
+    def poll_failed(self, now: float) -> float:
+        """L3 could not be reached; returns the delay before the next poll."""
+        delay = self.backoff.failed()
+        self.retry_at = now + delay
+        return delay

@@ -1,0 +1,252 @@
+"""Segments of an older layout: what they still owe L3, and carrying it into a new one.
+
+A segment made by an older KVCOMM is refused by this one (its layout version differs:
+tiers/shm/layout.py). In cluster mode it may still hold **writes not yet in L3** (dirty
+records): acknowledged writes that an upgrade must not drop. So an old segment is never
+silently purged: opening it names the unflushed writes, ``kvcomm purge`` refuses it while
+it holds any (``--force`` discards them, knowingly), and ``kvcomm migrate`` carries them
+into a new segment, where the node daemon delivers them as it delivers any local write.
+
+Each layout version that may be met in the wild has a reader here (``READERS``): pure
+Python over a read-only mapping, every offset and length checked before use (the file is
+shared memory another process wrote), returning the dirty records with their versions.
+Only words 0 and 1 (magic and layout version) are common to every version.
+
+Migration (:func:`migrate`), with the old segment's users stopped:
+
+1. the old file is renamed aside (``kvcomm.NS.v<old>.migrating``): new users now create a
+   new segment, and a crash leaves the old records in the aside file, where the next
+   ``kvcomm migrate`` finds them again;
+2. every dirty record is written into the new segment with its own version, dirty (the
+   daemon pushes it to L3, whose merge keeps whichever version is newer), unless the new
+   segment already holds the key (a write made after the upgrade: newer, kept);
+3. the aside file is removed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ...core.versions import decode_others, encode_others, vector_get
+from ...errors import SegmentError
+from .files import check_owner
+from .layout import LAYOUT_VERSION, MAGIC
+
+_MAGIC_STEM = MAGIC & 0x00FFFFFFFFFFFFFF  # b"KVCOMM\0" + the version byte on top
+
+
+@dataclass(frozen=True, slots=True)
+class OldRecord:
+    """A record an older segment holds, as the current segment takes it."""
+
+    key: bytes
+    tag: int
+    meta: bytes
+    value: bytes
+    counter: int
+    hlc: int
+    vvx: bytes
+    dirty: bool
+
+
+def _read_v2(mm: Any) -> tuple[str, list[OldRecord]]:
+    """Layout 2 (KVCOMM before the hardening of the L2 tier): host id at byte 1024; slots
+    of 5 words (seq, hash, record offset, reference bit, flags: 1 = dirty); records with a
+    64-byte header (size, counter, hlc, info = key length | tag << 16 | vvx length << 24,
+    value length, value offset, -, meta length), then key, vvx, meta, and the value."""
+    size = len(mm)
+
+    def word(off: int) -> int:
+        if off < 0 or off + 8 > size:
+            raise SegmentError("layout-2 segment: a field lies outside the file (corrupt)")
+        return int(struct.unpack_from("<Q", mm, off)[0])
+
+    n_slots, slots_off, data_off, data_size = word(24), word(32), word(48), word(56)
+    max_key = word(15 * 8)
+    if not (0 < n_slots <= 1 << 32 and slots_off + n_slots * 40 <= size
+            and data_off + data_size <= size and 0 < max_key <= 1 << 16):
+        raise SegmentError("layout-2 segment: its header is inconsistent (corrupt)")
+    hlen = min(mm[1024], 64)
+    host = bytes(mm[1025:1025 + hlen]).decode("utf-8", "replace")
+    out: list[OldRecord] = []
+    for i in range(n_slots):
+        s = slots_off + i * 40
+        off, flags = word(s + 16), word(s + 32)
+        if off <= 1 or not flags & 1:  # empty, deleted, or already in L3
+            continue
+        if not data_off <= off <= data_off + data_size - 64:
+            raise SegmentError(f"layout-2 segment: slot {i} points outside the heap (corrupt)")
+        rsize, counter, hlc, info = word(off), word(off + 8), word(off + 16), word(off + 24)
+        vlen, vrel, mlen = word(off + 32), word(off + 40), word(off + 56)
+        klen, tag, vvlen = info & 0xFFFF, (info >> 16) & 0xFF, info >> 24
+        if not (64 <= rsize <= data_off + data_size - off and 0 < klen <= max_key
+                and 64 + klen + vvlen + mlen <= vrel and vrel + vlen == rsize):
+            raise SegmentError(f"layout-2 segment: the record of slot {i} is malformed (corrupt)")
+        p = off + 64
+        key = bytes(mm[p:p + klen])
+        vvx = bytes(mm[p + klen:p + klen + vvlen])
+        meta = bytes(mm[p + klen + vvlen:p + klen + vvlen + mlen])
+        value = bytes(mm[off + vrel:off + vrel + vlen])
+        try:
+            decode_others(vvx)
+            key.decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            raise SegmentError(f"layout-2 segment: the record of slot {i} is malformed "
+                               "(corrupt)") from None
+        out.append(OldRecord(key, tag, meta, value, counter, hlc, vvx, True))
+    return host, out
+
+
+READERS = {2: _read_v2}
+
+
+def layout_version(path: str, permissions: int) -> int | None:
+    """The layout version of the KVCOMM segment at ``path``; None when it is not one (too
+    short, foreign). Raises SegmentError for a file of another user or too wide a mode."""
+    with _mapped(path, permissions) as mm:
+        if mm is None or len(mm) < 16:
+            return None
+        magic, version = struct.unpack_from("<QQ", mm, 0)
+        if magic & 0x00FFFFFFFFFFFFFF != _MAGIC_STEM:
+            return None
+        return int(version)
+
+
+def unflushed(path: str, permissions: int) -> tuple[int, str, list[OldRecord]] | None:
+    """``(layout version, host id, dirty records)`` of an older segment with a reader, or
+    None for the current layout, an unknown one, or a file that is not a segment. Raises
+    SegmentError (corrupt, or another user's)."""
+    with _mapped(path, permissions) as mm:
+        if mm is None or len(mm) < 4096:
+            return None
+        magic, version = struct.unpack_from("<QQ", mm, 0)
+        if magic & 0x00FFFFFFFFFFFFFF != _MAGIC_STEM or version == LAYOUT_VERSION:
+            return None
+        reader = READERS.get(int(version))
+        if reader is None:
+            return None
+        host, records = reader(mm)
+        return int(version), host, records
+
+
+class _mapped:
+    """``with _mapped(path, permissions) as mm``: a read-only mapping (None: no such file)."""
+
+    def __init__(self, path: str, permissions: int) -> None:
+        self.path, self.permissions = path, permissions
+        self.mm: Any = None
+
+    def __enter__(self) -> Any:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SegmentError(f"cannot open {self.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"{self.path} is not a regular file; remove it")
+            check_owner(self.path, st, self.permissions)
+            if st.st_size == 0:
+                return None
+            self.mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        return self.mm
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mm is not None:
+            self.mm.close()
+
+
+def aside_path(path: str, version: int) -> str:
+    return f"{path}.v{version}.migrating"
+
+
+@dataclass(frozen=True, slots=True)
+class Migrated:
+    """What :func:`migrate` did: records carried, records skipped because the new segment
+    already held a newer write of their key, and the old layout version (0: nothing to do)."""
+
+    carried: int
+    superseded: int
+    from_version: int
+
+
+def migrate(name: str, config: Any) -> Migrated:
+    """Carry the unflushed writes of namespace ``name``'s older segment into a new one.
+
+    ``config`` is the :class:`kvcomm.Config` the namespace is used with (its L2 geometry
+    makes the new segment). Stop the old segment's users first. Idempotent: a migration
+    that died half-way is finished by the next call (the aside file is found again).
+    Raises SegmentError (the old segment is corrupt or another user's; it is left where
+    it is) and what writing the new segment raises (e.g. Unavailable when more writes wait
+    than ``cluster.outbound_max``: raise it for the migration).
+    """
+    from ..l2 import open_segment, segment_path  # (l2 builds on this package)
+    from .geometry import Layout
+
+    c = config.cache
+    path = segment_path(name, c.l2_dir)
+    found = None
+    for v in sorted(READERS):
+        if os.path.exists(aside_path(path, v)):
+            found = (aside_path(path, v), v)
+    if found is None:
+        version = layout_version(path, c.l2_permissions)
+        if version is None or version == LAYOUT_VERSION:
+            return Migrated(0, 0, 0)
+        if version not in READERS:
+            raise SegmentError(f"{path} has layout version {version}, which this KVCOMM "
+                               "cannot read; migrate it with the version that wrote it")
+        found = (aside_path(path, version), version)
+        os.rename(path, found[0])  # new users now get a new segment; the records wait aside
+    aside, version = found
+    got = unflushed(aside, c.l2_permissions)
+    records = [] if got is None else got[2]
+    layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
+                         c.max_value_size)
+    seg = open_segment(name, layout, config.node.host_id, c.l2_permissions,
+                       directory=c.l2_dir, lock_timeout=c.lock_timeout)
+    carried = superseded = 0
+    try:
+        from .segment import key_hash
+
+        host = config.node.host_id
+        old_host = "" if got is None else got[1]
+        now_ms = time.time_ns() // 1_000_000
+        for rec in records:
+            h = key_hash(rec.key)
+            # the record's whole vector, told again from the new segment's host (the same
+            # one, unless the config names another host: then the old entry is an "other")
+            vector = tuple(sorted(decode_others(rec.vvx) + ((old_host, rec.counter),)))
+            counter, vvx = vector_get(vector, host), encode_others(vector, host)
+
+            def absent(kb: bytes = rec.key, h: int = h) -> None:
+                if seg.read(kb, h) is not None:
+                    raise _Present
+
+            try:
+                seg.apply([(rec.key, h, rec.tag, rec.meta, rec.value, counter, rec.hlc, vvx)],
+                          now_ms=now_ms, dirty=True, check=absent)
+                carried += 1
+            except _Present:
+                superseded += 1
+        # the new segment's own dots must stay above the carried ones
+        top = max((r.counter for r in records if old_host == host), default=0)
+        seg.raise_write_sequence(top)
+    finally:
+        seg.close()
+    os.unlink(aside)
+    return Migrated(carried, superseded, version)
+
+
+class _Present(Exception):
+    """The new segment holds the key already (a write made after the upgrade)."""

@@ -1,0 +1,430 @@
+"""The mapped segment's core: open or create it, the writer lock, lock-free reads and
+repair. See :mod:`kvcomm.tiers.l2` for the theory of operation."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import stat
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import xxhash
+
+from ... import _l2core
+from ...core.sketch import CountMinSketch, TopK
+from ...errors import InvalidArgument, SegmentError, Unavailable
+from .files import SHM_DIR, _unlink_quietly, check_owner, segment_path
+from .geometry import SKETCH_DEPTH, Layout
+from .layout import (
+    FLAG_DIRTY,
+    HEADER_SIZE,
+    HOST_ID_AT,
+    LAYOUT_VERSION,
+    MAGIC,
+    MIN_ORDER,
+    SLOT,
+    STATE_OK,
+    H,
+)
+
+_l2core.set_errors(SegmentError, Unavailable, InvalidArgument)  # what the C kernel raises
+
+NEW_DOT = (1 << 64) - 1  # a versioned put with this counter: a fresh local dot over the vector
+
+# statuses of the C kernel's writes when they changed nothing
+ST_SLOT_FULL = _l2core.ST_SLOT_FULL
+ST_TOO_LARGE = _l2core.ST_TOO_LARGE
+ST_DIRTY_FULL = _l2core.ST_DIRTY_FULL
+ST_LOOK = _l2core.ST_LOOK
+ST_FULL = _l2core.ST_FULL
+
+DEFAULT_LOCK_TIMEOUT = 10.0
+
+# header words used on hot paths, bound once
+_H_STATE, _H_BUSY, _H_FEED_HEAD = H["STATE"], H["BUSY"], H["FEED_HEAD"]
+_H_RELEASED, _H_DEFERRED = H["RELEASED"], H["DEFERRED"]
+_S_FLAGS = SLOT["FLAGS"]
+
+
+if platform.machine().lower() not in ("x86_64", "amd64"):  # pragma: no cover
+    raise ImportError(
+        "kvcomm's L2 relies on x86-64 store ordering for its lock-free readers; "
+        f"this machine is {platform.machine()}"
+    )
+
+
+
+def key_hash(key_b: bytes) -> int:
+    """Stable across processes and hosts (never Python's salted hash); never 0."""
+    return xxhash.xxh3_64_intdigest(key_b) | 1
+
+
+class Record(NamedTuple):
+    """A copy of one record, taken consistently by a lock-free read."""
+
+    word: int  # index of the slot's seq word, for L1 revalidation
+    seq: int
+    tag: int  # TAG_TOMBSTONE (0): the key is deleted, L3 not yet told
+    meta: bytes
+    value: bytes | None  # None: a large array, to be pinned and viewed instead
+    counter: int
+    hlc: int
+    vvx: bytes
+    size: int
+
+
+_new_record = tuple.__new__
+
+
+class SegmentCore:
+    """The mapped segment: opening, the writer lock, lock-free reads, repair, closing.
+
+    The other nouns (writes, pins, feed, hot keys, checker, the daemon's state) are mixins
+    over this class, combined in :class:`kvcomm.tiers.l2.L2Segment`.
+    """
+
+    def __init__(self, name: str, *, create_layout: Layout | None, host_id: str,
+                 permissions: int = 0o600, attach_timeout: float = 2.0,
+                 directory: str = SHM_DIR, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
+        self.name = name
+        self.path = segment_path(name, directory)
+        self.directory = directory
+        self.lock_timeout = float(lock_timeout)
+        self._pid = os.getpid()
+        self._next_dead_sweep = 0.0
+        self._core: Any = None
+        self._atom: Any = None
+        fd, created = self._open_file(create_layout, permissions)
+        try:
+            size = create_layout.total if created and create_layout else os.fstat(fd).st_size
+            if size < HEADER_SIZE:
+                size = self._wait_for_size(fd, attach_timeout)
+            if size % 4096:
+                raise SegmentError(f"{self.path} is {size} bytes, not a whole number of pages: "
+                                   "not a KVCOMM segment (foreign or truncated); not touching it")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            if created:
+                _unlink_quietly(self.path)
+            raise
+        os.close(fd)
+        self._buf = memoryview(self._mm)
+        self._q = self._buf.cast("Q")
+        self._ro = self._buf.toreadonly()
+        try:
+            if created:
+                assert create_layout is not None
+                self._initialise(create_layout, host_id)
+            else:
+                self._wait_for_magic(attach_timeout)
+                self.layout = Layout.from_header(self._q, size)
+                self._bind_layout()
+        except BaseException:
+            self.close()
+            if created:
+                _unlink_quietly(self.path)
+            raise
+        hb = bytes(self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + min(64, self._buf[HOST_ID_AT])])
+        self.host_id = hb.decode("utf-8", "replace")
+        self.created = created
+        _LIVE.add(self)
+
+    def _open_file(self, layout: Layout | None, permissions: int) -> tuple[int, bool]:
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        if layout is not None:
+            try:
+                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, permissions & 0o777)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise SegmentError(f"cannot create {self.path}: {exc.strerror}") from None
+            else:
+                try:
+                    os.fchmod(fd, permissions & 0o777)  # exactly, whatever the umask
+                    os.posix_fallocate(fd, 0, layout.total)  # memory reserved now, not on SIGBUS
+                except OSError as exc:
+                    os.close(fd)
+                    _unlink_quietly(self.path)
+                    raise SegmentError(self._no_room(layout.total, exc)) from None
+                return fd, True
+        try:
+            fd = os.open(self.path, flags)
+        except FileNotFoundError:
+            raise SegmentError(f"no L2 segment for namespace {self.name!r}") from None
+        except OSError as exc:
+            raise SegmentError(f"cannot open {self.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"{self.path} is not a regular file; remove it")
+            check_owner(self.path, st, permissions)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, False
+
+    def _no_room(self, size: int, exc: OSError) -> str:
+        try:
+            vfs = os.statvfs(self.directory)
+            free = f"{vfs.f_bavail * vfs.f_frsize / 2**20:.1f} MiB are free there"
+        except OSError:
+            free = "its free space is unknown"
+        return (f"cannot reserve {size / 2**20:.1f} MiB for L2 segment {self.name!r} in "
+                f"{self.directory} ({exc.strerror}); {free}. Lower cache.l2_size, free space, "
+                "or point cache.l2_dir at a larger tmpfs (Docker: --shm-size)")
+
+    def _wait_for_size(self, fd: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            size = os.fstat(fd).st_size
+            if size >= HEADER_SIZE:
+                return size
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
+        raise SegmentError(
+            f"{self.path} was never sized by its creator; run `kvcomm purge --name {self.name}`"
+        )
+
+    def _wait_for_magic(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        q = self._q
+        while q[H["MAGIC"]] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        magic, layout = q[H["MAGIC"]], q[H["LAYOUT"]]
+        if magic == 0:
+            raise SegmentError(
+                f"{self.path} was never initialised (its creator died?); "
+                f"run `kvcomm purge --name {self.name}`"
+            )
+        if magic & 0x00FFFFFFFFFFFFFF != MAGIC & 0x00FFFFFFFFFFFFFF:
+            raise SegmentError(f"{self.path} is not a KVCOMM segment (foreign file); not touching it")
+        if magic != MAGIC or layout != LAYOUT_VERSION:
+            raise SegmentError(self._other_layout(layout))
+
+    def _other_layout(self, layout: int) -> str:
+        """What to do with a segment of another layout: never a purge that drops writes
+        L3 has not got (see tiers/shm/migrate.py)."""
+        from .migrate import unflushed
+
+        head = f"{self.path} has layout version {layout}, this kvcomm uses {LAYOUT_VERSION}; "
+        try:
+            old = unflushed(self.path, 0o7777)  # (its owner was checked when it was opened)
+        except SegmentError as exc:
+            return head + (f"it cannot be read for unflushed writes ({exc}); stop its users "
+                           f"and run `kvcomm purge --name {self.name} --force` to discard it")
+        if old is not None and old[2]:
+            return head + (f"it holds {len(old[2])} writes not yet in L3: stop its users and "
+                           f"run `kvcomm migrate --name {self.name}` to carry them into a new "
+                           "segment (the node daemon then delivers them)")
+        return head + f"stop its users and run `kvcomm purge --name {self.name}`"
+
+    def _initialise(self, lay: Layout, host_id: str) -> None:
+        q = self._q
+        q[H["LAYOUT"]] = LAYOUT_VERSION
+        for w, v in lay.header_words().items():
+            q[w] = v
+        hb = host_id.encode()[:64]
+        self._buf[HOST_ID_AT] = len(hb)
+        self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + len(hb)] = hb
+        # The host's write sequence (the counter of its dots) starts at the time in
+        # microseconds, not at 1: a host whose L2 is lost (a reboot) must never reuse the
+        # dots of writes L3 already has (they would read as older than themselves). The
+        # node daemon also rebases a write L3 finds covered by the host's own older dots.
+        q[H["WSEQ"]] = time.time_ns() // 1000
+        self.layout = lay
+        self._bind_layout()
+        self._core.init_lock()
+        self._core.init_heap()
+        self._atom.store(H["MAGIC"] * 8, MAGIC)  # last: attachers wait for it
+
+    def _bind_layout(self) -> None:
+        lay = self.layout
+        self._meta = self._buf[lay.meta_off : lay.meta_off + (lay.data_size >> MIN_ORDER)]
+        self._max_record = 1 << lay.top_order
+        sk = CountMinSketch.size_for(lay.sketch_width, SKETCH_DEPTH)
+        self.sketch = CountMinSketch(lay.sketch_width, SKETCH_DEPTH,
+                                     buffer=self._buf[lay.hot_off : lay.hot_off + sk])
+        self.topk = TopK(lay.topk, lay.max_key,
+                         buffer=self._buf[lay.hot_off + sk : lay.hot_off + sk
+                                          + TopK.size_for(lay.topk, lay.max_key)])
+        self._core = _l2core.Core(self._mm)
+        self._atom = self._core  # the same object gives the atomics on any header word
+
+    def _lock(self) -> None:
+        """Take the writer lock and make the segment fit to use (purged? repair? sweep?).
+
+        The caller's ``finally`` must call ``self._core.unlock()``, which releases the lock
+        only if this thread holds it: call ``_lock`` inside the ``try``.
+        """
+        if self._core.lock(self.lock_timeout):
+            self._after_lock()
+
+    def _after_lock(self) -> None:
+        q = self._q
+        if q[_H_STATE] != STATE_OK:
+            raise SegmentError(f"namespace {self.name!r} was purged; open it again")
+        if q[_H_BUSY]:
+            self._recover()
+        if q[_H_DEFERRED] and time.time_ns() // 1_000_000 >= q[H["DEAD_CHECK_MS"]]:
+            self._sweep_dead()
+
+    def locked(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` under the writer lock (for tools and tests); returns what it returns."""
+        core = self._core
+        try:
+            self._lock()
+            return fn()
+        finally:
+            core.unlock()
+
+    @property
+    def purged(self) -> bool:
+        """True once the namespace was purged (every read and write raises SegmentError)."""
+        return self._core is not None and self._q[_H_STATE] != STATE_OK
+
+    def lock_owner(self) -> int:
+        """The thread id holding the writer lock (a process's main thread id is its pid),
+        0 when free. For tools; meaningful only in this PID namespace, with glibc."""
+        return int(self._core.owner()) if self._core is not None else 0
+
+    def holds_lock(self) -> bool:
+        """True when this thread holds the writer lock (inside a validator, say)."""
+        return bool(self._core is not None and self._core.held())
+
+    def read(self, key_b: bytes, h: int, zero_copy: int = 1 << 62) -> Record | None:
+        """A consistent copy of the record for ``key_b`` (tombstones included: tag 0), or
+        None when absent. Lock-free unless a writer is stuck or the segment needs repair.
+
+        An array value of ``zero_copy`` bytes or more is not copied: ``value`` is None and
+        the caller takes a view with :meth:`pin`. Raises SegmentError (purged; corrupt and
+        not repairable), Unavailable (a writer stopped mid-publish for over the lock timeout).
+        """
+        r = self._read_or_repair(lambda: self._core.read(key_b, h, zero_copy))
+        return None if r is None else _new_record(Record, r)
+
+    def version(self, key_b: bytes, h: int) -> tuple[int, int, int, int, int, bytes, int, bytes] | None:
+        """``(word, seq, tag, counter, hlc, vvx, flags, ext)`` of ``key_b``'s record, or None.
+
+        ``ext`` is the record's extension field (``b""``: none): an encoded msgpack map that
+        a write may attach (the 6th element of a put op, the 9th of a versioned one); L2
+        stores it byte for byte and never reads it. Lock-free, as :meth:`read`."""
+        r = self._read_or_repair(lambda: self._core.version(key_b, h))
+        return None if r is None else tuple(r)
+
+    def _read_or_repair(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a lock-free read), seeing through damage and stuck writers.
+
+        A corrupt record: the segment is repaired (under the lock) and read once more. A
+        slot that stays odd: its writer is slow, stopped, or died mid-publish — so take the
+        lock (which recovers from a death, and waits for a slow writer, at most
+        ``lock_timeout``: Unavailable for a stopped one). Under the lock no writer
+        publishes: a slot still odd then is damage, repaired there.
+        """
+        try:
+            r = fn()
+        except SegmentError:
+            if self._q[_H_STATE] != STATE_OK:
+                raise
+            self.repair()
+            return fn()
+        if type(r) is not int:
+            return r
+        core = self._core
+        try:
+            self._lock()
+            r = fn()
+            if type(r) is int:
+                core.set_busy(1)
+                self._recover()
+                r = fn()
+                if type(r) is int:
+                    raise SegmentError(f"an L2 slot of {self.name!r} cannot be repaired; "
+                                       "purge the namespace")
+            return r
+        finally:
+            core.unlock()
+
+    def repair(self) -> None:
+        """Under the lock, rebuild the segment's structures (as after a writer's death)."""
+        core = self._core
+        try:
+            self._lock()
+            core.set_busy(1)
+            self._recover()
+        finally:
+            core.unlock()
+
+    def _sweep_dead(self) -> None:
+        """Under the lock: clear the pin entries of processes that are gone (whatever
+        their pid or PID namespace: see the process table in tiers/shm/layout.py) and free
+        the parked blocks they held; next time in a second."""
+        self._core.sweep(time.time_ns() // 1_000_000 + 1000)
+
+    def _recover(self) -> None:
+        """Under the lock, with BUSY raised: make every structure whole (see the C kernel's
+        ``recover``). Pins of live processes are kept."""
+        self._core.recover()
+
+    def is_dirty(self, word: int) -> bool:
+        try:
+            return bool(self._q[word + _S_FLAGS] & FLAG_DIRTY)
+        except IndexError:
+            return False
+
+    def keys(self) -> Iterator[str]:
+        """Every live key present now (a scan; concurrent writes may or may not show)."""
+        for kb in self._core.scan(0):
+            yield kb.decode("utf-8", "surrogateescape")
+
+    def mark_purged(self) -> None:
+        """Mark the namespace purged: every process's reads and writes raise SegmentError
+        from now on, L1 hits included (every slot's seq moves on). Needs no lock."""
+        if self._core is not None:
+            self._core.purge_mark()
+
+    def close(self) -> None:
+        """Drop this process's mapping. Views still alive keep it mapped until they go."""
+        _LIVE.discard(self)
+        core = self._core
+        self._core = self._atom = None
+        if core is not None:
+            core.release()
+        for obj in (getattr(self, "sketch", None), getattr(self, "topk", None)):
+            for mv in vars(obj).values() if obj is not None and hasattr(obj, "__dict__") else ():
+                if isinstance(mv, memoryview):
+                    mv.release()
+        for name in ("_meta", "_q", "_ro", "_buf"):
+            mv = getattr(self, name, None)
+            if mv is not None:
+                try:
+                    mv.release()
+                except BufferError:
+                    pass
+        try:
+            self._mm.close()
+        except (BufferError, AttributeError):
+            pass  # zero-copy views still reference it; unmapped when they are gone
+
+    def _after_fork(self) -> None:
+        self._pid = os.getpid()
+        if self._core is not None:
+            self._core.forked()
+
+
+_LIVE: weakref.WeakSet[SegmentCore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for seg in list(_LIVE):
+        seg._after_fork()
+
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+

@@ -1,0 +1,54 @@
+"""The node daemon's words in the segment: dirty keys, the write sequence, its cursor
+and heartbeat."""
+
+from __future__ import annotations
+
+import time
+
+from .layout import H
+from .segment import SegmentCore
+
+
+class SyncState(SegmentCore):
+    """The node daemon's words in the segment."""
+
+    def dirty_keys(self) -> list[bytes]:
+        """Keys whose records (tombstones too) are flagged dirty: written here, not yet in L3."""
+        return list(self._core.scan(1))
+
+    @property
+    def write_sequence(self) -> int:
+        """The counter of the host's last write (its newest dot)."""
+        return int(self._q[H["WSEQ"]])
+
+    def raise_write_sequence(self, at_least: int) -> None:
+        """Make the host's next dots greater than ``at_least`` (under the lock)."""
+        def raise_() -> None:
+            if self._q[H["WSEQ"]] < at_least:
+                self._q[H["WSEQ"]] = at_least
+
+        self.locked(raise_)
+
+    @property
+    def dirty_count(self) -> int:
+        return int(self._q[H["DIRTY"]])
+
+    @property
+    def sync_cursor(self) -> int:
+        return int(self._q[H["SYNC_CURSOR"]])
+
+    @sync_cursor.setter
+    def sync_cursor(self, value: int) -> None:
+        self._atom.store(H["SYNC_CURSOR"] * 8, value)
+
+    def daemon_heartbeat(self, pid: int) -> None:
+        self._q[H["DAEMON_PID"]] = pid
+        self._atom.store(H["DAEMON_BEAT"] * 8, time.time_ns() // 1_000_000)
+
+    def daemon_alive(self, within_ms: int = 2000) -> bool:
+        beat = self._q[H["DAEMON_BEAT"]]
+        return bool(beat) and time.time_ns() // 1_000_000 - beat < within_ms
+
+    def count_set_aside(self, n: int = 1) -> None:
+        self._atom.add(H["SET_ASIDE"] * 8, n)
+

@@ -1,0 +1,133 @@
+"""Writes under the writer lock: one put in one C call, a batch all or nothing,
+and what a refused write means."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import SegmentError, Unavailable, ValueTooLarge
+from .layout import FLAG_DIRTY, STATE_OK, H
+from .segment import (
+    _H_BUSY,
+    _H_DEFERRED,
+    _H_STATE,
+    ST_DIRTY_FULL,
+    ST_FULL,
+    ST_LOOK,
+    ST_SLOT_FULL,
+    ST_TOO_LARGE,
+    SegmentCore,
+)
+
+
+class Writes(SegmentCore):
+    """Writes under the writer lock."""
+
+    def put(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
+            now_ms: int, dirty: bool, max_dirty: int) -> tuple[int, int, bytes, int, int]:
+        """Store one record: ``(counter, hlc, vvx, slot word, seq)``. One C call in the common
+        case. Raises ValueTooLarge, Unavailable, SegmentError; on any error nothing changed."""
+        r = self._core.put(key_b, h, tag, meta, value, now_ms, FLAG_DIRTY if dirty else 0,
+                           max_dirty, self.lock_timeout)
+        if type(r) is tuple:
+            return r
+        return self.put_status(r, key_b, h, tag, meta, value, now_ms, dirty, max_dirty)
+
+    def put_status(self, r: int, key_b: bytes, h: int, tag: int, meta: bytes,
+                   value: bytes | memoryview, now_ms: int, dirty: bool,
+                   max_dirty: int) -> tuple[int, int, bytes, int, int]:
+        """The kernel's put answered status ``r`` (nothing written): look first and write
+        (ST_LOOK), or raise what the status means."""
+        if r == ST_LOOK:  # purged, repair or pins first: the general path does it
+            out: tuple[int, int, bytes, int, int] = self.apply(
+                [(key_b, h, tag, meta, value)], now_ms=now_ms, dirty=dirty, max_dirty=max_dirty)[0]
+            return out
+        self._raise_status(r, 0, [(key_b, h, tag, meta, value)], max_dirty)
+        raise AssertionError("unreachable")
+
+    def apply(self, ops: list[tuple[Any, ...]], *, now_ms: int, dirty: bool = False,
+              max_dirty: int = 0, tombstones: bool = False,
+              check: Callable[[], None] | None = None) -> list[Any]:
+        """Apply ``ops`` under one lock, all or nothing.
+
+        Ops: ``(key_b, h)`` delete, ``(key_b, h, tag, meta, value)`` put, or
+        ``(key_b, h, tag, meta, value, counter, hlc, vvx)`` put with a given version (tag 0:
+        a tombstone with that version); either put may end with ``ext``, the record's
+        extension field (bytes: an encoded msgpack map, stored as it is; see
+        :meth:`version`). ``tombstones``: deletes leave dirty tombstones
+        (cluster mode). ``check`` runs under the lock before anything changes (validators,
+        compare-and-set) and may raise to abort. Returns per op ``(counter, hlc, vvx, word,
+        seq)`` for a put, the delete's counter (0: nothing to delete) for a delete.
+        Raises ValueTooLarge, Unavailable, SegmentError, or what ``check`` raises; on any
+        error nothing changed (clean entries may have been evicted to make room).
+        """
+        core = self._core
+        flags = FLAG_DIRTY if dirty else 0
+        try:
+            self._lock()
+            if check is not None:
+                check()
+            for attempt in range(2):
+                try:
+                    r = core.apply(ops, now_ms, flags, max_dirty, tombstones)
+                    break
+                except SegmentError:
+                    if attempt or not self._q[_H_BUSY] or self._q[_H_STATE] != STATE_OK:
+                        raise
+                    self._recover()  # corruption found before anything was published
+            if type(r) is tuple:
+                self._raise_status(r[0], r[1], ops, max_dirty)
+            return r  # type: ignore[no-any-return]
+        finally:
+            core.unlock()
+
+    def _raise_status(self, status: int, index: int, ops: list[tuple[Any, ...]],
+                      max_dirty: int) -> None:
+        op = ops[index] if 0 <= index < len(ops) else ops[-1]
+        key = bytes(op[0]).decode("utf-8", "replace")
+        if status == ST_TOO_LARGE:
+            size = len(op[4]) if len(op) > 2 else 0
+            if len(ops) > 1:
+                raise ValueTooLarge(
+                    f"this batch cannot fit in L2 of {self.name!r} (largest block "
+                    f"{self._max_record} bytes, heap {self.layout.data_size} bytes; at {key!r}, "
+                    f"{size} value bytes); raise cache.l2_size or split it. Nothing was written")
+            raise ValueTooLarge(
+                f"a record of {size} value bytes can never fit in L2 of {self.name!r} "
+                f"(largest block {self._max_record} bytes); raise cache.l2_size or store less")
+        if status == ST_DIRTY_FULL:
+            raise Unavailable(
+                f"{self._q[H['DIRTY']]} writes on this host are waiting for L3 (bound "
+                f"{max_dirty}, cluster.outbound_max); is `kvcomm node` running for namespace "
+                f"{self.name!r} and the cluster up? Nothing was written")
+        if status == ST_SLOT_FULL:
+            raise Unavailable(
+                f"the L2 hash window of {key!r} is full of writes not yet in L3; retry after "
+                "the node daemon syncs. Nothing was written")
+        if status == ST_FULL:
+            raise Unavailable(
+                f"L2 of {self.name!r} is full: {self._q[_H_DEFERRED]} blocks are pinned by "
+                "zero-copy views and the rest cannot be evicted (unflushed or pinned); release "
+                "views or raise cache.l2_size. Nothing was written")
+        raise SegmentError(f"L2 of {self.name!r} refused a write (status {status}); purge it")
+
+    def mark_clean(self, key_b: bytes, h: int, counter: int, hlc: int) -> bool:
+        """Clear the dirty flag if the key still holds the write (counter, hlc)."""
+        core = self._core
+        try:
+            self._lock()
+            return bool(core.mark_clean(key_b, h, counter, hlc))
+        finally:
+            core.unlock()
+
+    def evict(self, key_b: bytes, h: int) -> bool:
+        """Drop ``key_b``'s record from this host's L2 if it is clean (a local eviction);
+        False when it is absent or dirty."""
+        core = self._core
+        try:
+            self._lock()
+            return bool(core.evict_key(key_b, h))
+        finally:
+            core.unlock()
+

@@ -1,0 +1,438 @@
+"""In-memory fakes of the node daemon's three ports, for tests of the delivery logic
+without Redis or shared memory. Deterministic: time and randomness are passed in.
+
+* :class:`FakeL3` — :class:`kvcomm.node.port.L3Port`: records under the pure L3 rule
+  (:func:`kvcomm.core.resolve.l3_rule`, which the Lua script is tested to agree with),
+  one stream per group with sequence numbers, and the faults the daemon must survive:
+  down, writes not acknowledged by a replica, a failover that loses the unreplicated
+  suffix of a group (records reverted, entries and counter rewound), a trimmed stream.
+* :class:`FakeL2` — :class:`kvcomm.node.port.HostL2`: one host's records with dirty
+  flags, its write counter and HLC, and a bounded change feed (it overflows). Merging a
+  remote record follows ``Client._merge_plan``: newer replaces, older is kept,
+  concurrent is resolved (a resolver, else last-writer-wins) with the merged vector
+  and flagged dirty when the result is news to the cluster.
+* :class:`FakeKeys` — :class:`kvcomm.node.port.HostKeys`: a set.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcomm.core import codec
+from kvcomm.core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER, Sibling, l3_rule, resolve
+from kvcomm.core.versions import (
+    Dotted,
+    Ordering,
+    Vector,
+    compare_vectors,
+    hlc_tick,
+    merge_vectors,
+    vector_get,
+    with_dot,
+)
+from kvcomm.errors import CorruptRecord, Unavailable
+from kvcomm.tiers.l2 import KIND_DELETE, KIND_EVICT, KIND_PUT, FeedEvent
+from kvcomm.tiers.l3 import GROUPS, FeedEntry, L3Record, PushResult, group_of
+
+Value = tuple[int, bytes, bytes] | None  # (tag, meta, payload); None: a tombstone
+
+
+# ---------------------------------------------------------------- L3
+
+
+@dataclass
+class _Op:
+    entry_id: bytes
+    key: str
+    before: L3Record | None
+    durable: bool
+
+
+class FakeL3:
+    """The cluster, in memory. ``down``: every call raises Unavailable."""
+
+    def __init__(self, rng: random.Random, durable_p: float = 1.0) -> None:
+        self.rng = rng
+        self.durable_p = durable_p
+        self.down = False
+        self.records: dict[str, L3Record] = {}
+        self.streams: dict[int, list[FeedEntry]] = {g: [] for g in range(GROUPS)}
+        self.counters: dict[int, int] = dict.fromkeys(range(GROUPS), 0)
+        self.ids: dict[int, int] = dict.fromkeys(range(GROUPS), 0)
+        self.log: dict[int, list[_Op]] = {g: [] for g in range(GROUPS)}  # unreplicated suffix
+        self.cursors: dict[str, tuple[dict[int, bytes], dict[int, int]]] = {}
+        self.hot: dict[str, list[str]] = {}
+        self.quarantined: list[tuple[str, str, str]] = []
+        self.calls: dict[str, int] = {}
+        self.lost = 0  # records reverted by failovers
+
+    def _call(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if self.down:
+            raise Unavailable("the fake cluster is down")
+
+    # --- writes
+
+    def push_many(self, items: Sequence[tuple[str, L3Record]],
+                  keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
+        self._call("push_many")
+        durable = self.rng.random() < self.durable_p
+        out: list[PushResult | CorruptRecord] = []
+        touched = set()
+        for key, record in items:
+            out.append(self._push(key, record, key in keep_siblings, durable))
+            touched.add(group_of(key))
+        if durable:  # a replica caught up with everything before (WAIT)
+            for g in touched:
+                self.log[g].clear()
+        return out
+
+    def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
+        res = self.push_many([(key, record)], {key} if keep_siblings else frozenset())[0]
+        if isinstance(res, CorruptRecord):
+            raise res
+        return res
+
+    def _push(self, key: str, incoming: L3Record, siblings: bool, durable: bool) -> PushResult:
+        stored = self.records.get(key)
+        outcome, after = l3_rule(None if stored is None else stored.version, incoming.version,
+                                 keep_siblings=siblings)
+        if outcome in (NEW, NEWER):
+            held = incoming
+        elif outcome in (EQUAL, OLDER, CONFLICT):
+            assert stored is not None
+            held = stored
+        else:
+            assert outcome == MERGED and stored is not None and after is not None
+            winner = incoming if (incoming.dot, incoming.hlc) == (after.dot, after.hlc) else stored
+            held = winner._replace(vector=after.vector)
+        if held is not stored:
+            self._store(key, held, stored, durable)
+        return PushResult(key, outcome, held, durable)
+
+    def _store(self, key: str, record: L3Record, before: L3Record | None, durable: bool) -> None:
+        g = group_of(key)
+        self.counters[g] += 1
+        self.ids[g] += 1
+        eid = b"%d-0" % self.ids[g]
+        self.streams[g].append(FeedEntry(eid, key, record.encode(), self.counters[g]))
+        self.records[key] = record
+        self.log[g].append(_Op(eid, key, before, durable))
+
+    # --- faults
+
+    def failover(self, g: int) -> int:
+        """The group's master dies before replicating its latest writes: the suffix of
+        writes no replica acknowledged is lost (records reverted, entries and counter
+        rewound). Returns how many were lost."""
+        lost = 0
+        while self.log[g] and not self.log[g][-1].durable:
+            op = self.log[g].pop()
+            if op.before is None:
+                self.records.pop(op.key, None)
+            else:
+                self.records[op.key] = op.before
+            self.streams[g] = [e for e in self.streams[g] if e.id != op.entry_id]
+            self.counters[g] -= 1
+            lost += 1
+        self.log[g].clear()
+        self.lost += lost
+        return lost
+
+    def trim(self, g: int, keep: int) -> None:
+        """XTRIM: keep only the newest ``keep`` entries of the group's stream."""
+        self.streams[g] = self.streams[g][len(self.streams[g]) - keep:] if keep else []
+
+    # --- reads
+
+    def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
+                  ) -> dict[int, list[FeedEntry] | CorruptRecord]:
+        self._call("feed_many")
+        out: dict[int, list[FeedEntry] | CorruptRecord] = {}
+        for g, cursor in cursors.items():
+            after = _id_num(cursor)
+            out[g] = [e for e in self.streams[g] if _id_num(e.id) > after][:count]
+        return out
+
+    def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
+        self._call("feed_seqs")
+        return {g: self.counters[g] for g in groups}
+
+    def feed_position(self, group: int) -> tuple[int | None, bytes]:
+        self._call("feed_position")
+        stream = self.streams[group]
+        return self.counters[group], (stream[-1].id if stream else b"0-0")
+
+    def get(self, key: str) -> L3Record | None:
+        self._call("get")
+        return self.records.get(key)
+
+    def scan_keys(self) -> Iterable[bytes]:
+        self._call("scan_keys")
+        return [k.encode() for k in self.records]
+
+    def scan_group(self, group: int) -> Iterable[bytes]:
+        self._call("scan_group")
+        return [k.encode() for k in self.records if group_of(k) == group]
+
+    # --- the daemon's own state
+
+    def load_cursors(self, host: str) -> tuple[dict[int, bytes], dict[int, int]]:
+        self._call("load_cursors")
+        cursors, seqs = self.cursors.get(host, ({}, {}))
+        return dict(cursors), dict(seqs)
+
+    def save_cursors(self, host: str, cursors: dict[int, bytes],
+                     seqs: dict[int, int] | None = None) -> None:
+        self._call("save_cursors")
+        old_c, old_s = self.cursors.get(host, ({}, {}))
+        self.cursors[host] = ({**old_c, **cursors}, {**old_s, **(seqs or {})})  # (HSET)
+
+    def load_hot(self, host: str) -> list[str]:
+        self._call("load_hot")
+        return list(self.hot.get(host, []))
+
+    def save_hot(self, host: str, keys: list[str]) -> None:
+        self._call("save_hot")
+        self.hot[host] = list(keys)
+
+    def quarantine(self, host: str, key: str, reason: str, when: float) -> None:
+        self._call("quarantine")
+        self.quarantined.append((host, key, reason))
+
+    def close(self) -> None:
+        pass
+
+
+def _id_num(eid: bytes) -> int:
+    return int(eid.split(b"-")[0])
+
+
+# ---------------------------------------------------------------- L2
+
+
+@dataclass
+class Rec:
+    value: Value
+    vector: Vector
+    hlc: int
+    dirty: bool
+
+
+def _dotted(vector: Vector, hlc: int, other: Vector) -> Dotted:
+    """As ``kvcomm._client._dotted``: a sibling's dot is the greatest entry ``other`` has
+    not seen, so that every host picks the same one."""
+    unseen = [e for e in vector if e[1] > vector_get(other, e[0])] or list(vector)
+    actor, counter = max(unseen, key=lambda e: (e[1], e[0])) if unseen else ("", 0)
+    return Dotted(vector, (actor, counter), hlc)
+
+
+@dataclass
+class FakeL2:
+    """One host's L2. Agents write with :meth:`put`, :meth:`delete`, :meth:`read`."""
+
+    host_id: str
+    feed_capacity: int = 64
+    resolvers: dict[str, Callable[[str, list[Value]], Value]] = field(default_factory=dict)
+    namespace: str = ""
+    recs: dict[str, Rec] = field(default_factory=dict)
+    counter: int = 0
+    hlc: int = 0
+    seq: int = 0
+    feed: deque[FeedEvent] = field(default_factory=deque)
+    sync_cursor: int = 0
+    writes: list[tuple[str, tuple[str, int]]] = field(default_factory=list)  # (key, dot)
+    anomalies: list[str] = field(default_factory=list)
+    clock: Callable[[], float] = lambda: 0.0  # seconds; the HLC's physical part comes from it
+
+    def now_ms(self) -> int:
+        return 1_700_000_000_000 + int(self.clock() * 1000)
+
+    def _event(self, kind: int, key: str, rec: Rec | None) -> None:
+        self.seq += 1
+        self.feed.append(FeedEvent(self.seq, kind, key, 0, 0 if rec is None else rec.hlc))
+        while len(self.feed) > self.feed_capacity:
+            self.feed.popleft()
+
+    def _write(self, key: str, value: Value, base: Vector | None = None) -> None:
+        """A new local write of ``key`` (a new dot), over ``base`` or what L2 holds."""
+        old = self.recs.get(key)
+        self.counter += 1
+        vector = with_dot(base if base is not None else (old.vector if old else ()),
+                          self.host_id, self.counter)
+        self.hlc = hlc_tick(max(self.hlc, old.hlc if old else 0), self.now_ms())
+        rec = Rec(value, vector, self.hlc, dirty=True)
+        self.recs[key] = rec
+        self.writes.append((key, (self.host_id, self.counter)))
+        self._event(KIND_DELETE if value is None else KIND_PUT, key, rec)
+
+    # --- agents
+
+    def put(self, key: str, value: bytes) -> None:
+        tag, meta, payload = codec.encode(value)
+        self._write(key, (tag, bytes(meta), bytes(payload)))
+
+    def delete(self, key: str, l3: FakeL3) -> None:
+        """As ``Client.delete`` in cluster mode: a key not held is looked up in L3 first,
+        so the delete covers the cluster's version; absent everywhere: nothing to do."""
+        if key not in self.recs:
+            self.read(key, l3)
+        if key in self.recs and self.recs[key].value is not None:
+            self._write(key, None)
+
+    def read(self, key: str, l3: FakeL3) -> None:
+        """An agent's read: an L2 miss reads L3 once and fills L2 (Unavailable: nothing)."""
+        if key in self.recs:
+            return
+        try:
+            rec = l3.get(key)
+        except Unavailable:
+            return
+        if rec is not None and not rec.tombstone:
+            self.apply_remote(key, rec)
+
+    def evict(self, rng: random.Random) -> None:
+        clean = sorted(k for k, r in self.recs.items() if not r.dirty)
+        if clean:
+            key = rng.choice(clean)
+            self._event(KIND_EVICT, key, self.recs.pop(key))
+
+    # --- HostL2
+
+    def feed_read(self, cursor: int) -> tuple[list[FeedEvent], int, bool]:
+        first = self.feed[0].seq if self.feed else self.seq + 1
+        return [e for e in self.feed if e.seq > cursor], self.seq, first > cursor + 1
+
+    def dirty_keys(self) -> list[str]:
+        return sorted(k for k, r in self.recs.items() if r.dirty)
+
+    def dirty_record(self, key: str) -> L3Record | None:
+        rec = self.recs.get(key)
+        if rec is None or not rec.dirty:
+            return None
+        counter = vector_get(rec.vector, self.host_id)
+        if counter == 0:  # a dirty record must carry this host's entry: it is its dot
+            self.anomalies.append(f"dirty {key!r} without an entry of {self.host_id}: {rec}")
+        dot = (self.host_id, counter)
+        if rec.value is None:
+            return L3Record(rec.hlc, True, 0, b"", b"", rec.vector, dot)
+        return L3Record(rec.hlc, False, *rec.value, rec.vector, dot)
+
+    def mark_delivered(self, key: str, record: L3Record) -> bool:
+        rec = self.recs.get(key)
+        if (rec is None or not rec.dirty or rec.hlc != record.hlc
+                or vector_get(rec.vector, self.host_id) != record.dot[1]):
+            return False
+        rec.dirty = False
+        return True
+
+    def holds(self, key: str) -> bool:
+        return key in self.recs
+
+    def held_keys(self) -> list[str]:
+        return sorted(k for k, r in self.recs.items() if r.value is not None)
+
+    def apply_remote(self, key: str, record: L3Record) -> None:
+        remote: Value = None if record.tombstone else (record.tag, record.meta, record.value)
+        local = self.recs.get(key)
+        self.hlc = max(self.hlc, record.hlc)  # the host's clock absorbs what it saw
+        if local is None:
+            self._set(key, Rec(remote, record.vector, record.hlc, False))
+            return
+        order = compare_vectors(record.vector, local.vector)
+        if order in (Ordering.BEFORE, Ordering.EQUAL):
+            return
+        if order is Ordering.AFTER:
+            self._set(key, Rec(remote, record.vector, record.hlc, False))
+            return
+        sibs = [Sibling(local.value, _dotted(local.vector, local.hlc, record.vector)),
+                Sibling(remote, _dotted(record.vector, record.hlc, local.vector))]
+        deletes = local.value is None or remote is None
+        fn = None if deletes else self._resolver(key)
+        hook = None if fn is None else (lambda live: fn(key, [s.value for s in live]))
+        res = resolve(sibs, hook)
+        if res.winner is None:  # the resolver made a value: a new write over the merge
+            self._write(key, res.value, base=res.vector)
+            return
+        stored = (res.vector, res.winner.hlc)
+        self._set(key, Rec(res.value, res.vector, res.winner.hlc,
+                           dirty=stored != (record.vector, record.hlc)))
+
+    def _set(self, key: str, rec: Rec) -> None:
+        self.recs[key] = rec
+        self._event(KIND_DELETE if rec.value is None else KIND_PUT, key, rec)
+
+    def _resolver(self, key: str) -> Callable[[str, list[Value]], Value] | None:
+        best = max((p for p in self.resolvers if key.startswith(p)), key=len, default=None)
+        return None if best is None else self.resolvers[best]
+
+    def has_resolver(self, key: str) -> bool:
+        return self._resolver(key) is not None
+
+    def write_sequence(self) -> int:
+        return self.counter
+
+    def forget(self, key: str) -> bool:
+        rec = self.recs.get(key)
+        if rec is None or rec.dirty:
+            return False
+        self._event(KIND_EVICT, key, self.recs.pop(key))
+        return True
+
+    def rebase(self, key: str, record: L3Record) -> bool:
+        """As ``Client._restamp``: the write sequence past L3's entry for this host, then
+        the local record written again over both."""
+        self.counter = max(self.counter, vector_get(record.vector, self.host_id))
+        rec = self.recs.get(key)
+        if rec is None:
+            return False
+        self.hlc = max(self.hlc, record.hlc)
+        self._write(key, rec.value, base=merge_vectors(rec.vector, record.vector))
+        return True
+
+    def hot_keys(self, n: int) -> list[str]:
+        return self.held_keys()[:n]
+
+    def heartbeat(self) -> None:
+        pass
+
+    def delivered_up_to(self, cursor: int) -> None:
+        assert cursor <= self.seq, (cursor, self.seq)
+        self.sync_cursor = cursor
+
+    @property
+    def delivered_cursor(self) -> int:
+        return self.sync_cursor
+
+
+class FakeKeys:
+    """The key filter: exact, so a test can read what went in."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+        self.ready = False
+        self.adds_since_rotation = 0
+
+    def add(self, key: bytes) -> None:
+        self.keys.add(key)
+        self.adds_since_rotation += 1
+
+    def beat(self) -> None:
+        pass
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready = ready
+
+    def begin_rotation(self) -> Any:
+        self.adds_since_rotation = 0
+        return self
+
+    def end_rotation(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

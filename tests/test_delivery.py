@@ -1,0 +1,425 @@
+"""The delivery state machines (kvcomm.node.delivery) driven directly: no driver, no I/O.
+
+Each test is a script of events — feed reads, L3's answers, failures, feed entries —
+and checks what the machines decide: what is pushed, what each answer means, which
+cursor may be persisted, when a group resyncs, how vectors are pruned.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcomm.core.backoff import Backoff
+from kvcomm.core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER, l3_rule
+from kvcomm.core.versions import Dotted, Ordering, compare_vectors, covers, merge_vectors, with_dot
+from kvcomm.core.window import WriteWindow
+from kvcomm.errors import CorruptRecord
+from kvcomm.node.delivery import (
+    CORRUPT,
+    FEED_COUNT,
+    GAP,
+    NOT_DURABLE,
+    REWIND,
+    UNSEQUENCED,
+    HostActivity,
+    Inbound,
+    Outbound,
+    Poll,
+    Skipped,
+)
+from kvcomm.tiers.l3 import FeedEntry, L3Record, PushResult
+
+
+def rec(actor: str, counter: int, hlc: int = 0, vector: dict[str, int] | None = None,
+        tomb: bool = False, value: bytes = b"v") -> L3Record:
+    vec = dict(vector or {})
+    vec[actor] = counter
+    return L3Record(hlc or counter, tomb, 1, b"", b"" if tomb else value,
+                    tuple(sorted(vec.items())), (actor, counter))
+
+
+def outbound(cursor: int = 0, interval: float = 0.01, max_ops: int = 1000,
+             seed: int = 0) -> Outbound:
+    return Outbound("h", cursor, WriteWindow(interval, max_ops),
+                    Backoff(random.Random(seed), base=0.05, cap=2.0, floor=0.01))
+
+
+WSEQ = 1000  # the host's write sequence: past every dot these tests write
+
+
+def no_resolver(key: str) -> bool:
+    return False
+
+
+def ok(record: L3Record, outcome: str = NEW, key: str = "k", durable: bool = True) -> PushResult:
+    return PushResult(key, outcome, record, durable)
+
+
+# ---------------------------------------------------------------- outbound
+
+
+def test_a_window_is_pushed_once_closed_and_accepted_writes_are_delivered() -> None:
+    out = outbound()
+    a, b = rec("h", 1), rec("h", 2)
+    out.read(5, [("a", a), ("b", b), ("gone", None)], now=0.0)
+    assert out.next_push(0.005, no_resolver) is None  # the window is still open
+    assert out.delivered() == 0  # a and b are staged: nothing before 5 may be skipped
+    push = out.next_push(0.01, no_resolver)
+    assert push is not None and [(i.key, i.record) for i in push.items] == [("a", a), ("b", b)]
+    assert out.next_push(0.02, no_resolver) is None  # one push in flight at a time
+    answers = out.pushed(push, [ok(a, NEW, "a"), ok(b, NEWER, "b")], 0.02, WSEQ)
+    assert [(x.key, x.deliver, x.take, x.set_aside) for x in answers] == [
+        ("a", True, None, ""), ("b", True, None, "")]
+    assert not out.staged and out.delivered() == 5
+
+
+@pytest.mark.parametrize("outcome, held_is, deliver, take", [
+    (NEW, "sent", True, False),
+    (NEWER, "sent", True, False),
+    (EQUAL, "sent", True, False),
+    (OLDER, "newer", True, True),  # L3 holds a write that saw this one
+    (MERGED, "merged", True, True),  # L3 holds the merge: this write and a concurrent one
+    (MERGED, "merged-won", True, True),  # this write won, the vector grew: L2 learns it
+    (CONFLICT, "concurrent", False, True),  # a resolver's key: L2 settles it
+])
+def test_each_answer_means_what_the_table_says(outcome: str, held_is: str, deliver: bool,
+                                              take: bool) -> None:
+    sent = rec("h", 3, hlc=30, vector={"o": 1})
+    held = {
+        "sent": sent,
+        "newer": rec("o", 2, hlc=40, vector={"h": 3}),
+        "merged": rec("o", 2, hlc=40, vector={"h": 3}),
+        "merged-won": sent._replace(vector=(("h", 3), ("o", 2))),
+        "concurrent": rec("o", 2, hlc=40),
+    }[held_is]
+    out = outbound()
+    out.read(1, [("k", sent)], 0.0)
+    push = out.next_push(1.0, no_resolver)
+    assert push is not None
+    (answer,) = out.pushed(push, [ok(held, outcome)], 1.0, WSEQ)
+    assert answer.outcome == outcome and answer.sent is sent
+    assert answer.deliver is deliver and (answer.take is held) is take and not answer.set_aside
+    assert not out.staged  # answered: out of the staged set either way
+
+
+@pytest.mark.parametrize("outcome", [OLDER, MERGED])
+def test_a_write_covered_only_by_dots_of_a_lost_l2_is_rebased_not_delivered(outcome: str) -> None:
+    """The host's L2 was lost and its write sequence restarted: L3 holds dots of this
+    host past it (an earlier life's). A new write is not older than those: rebase it."""
+    sent = rec("h", 3, hlc=30)
+    earlier_life = rec("h", 200, hlc=20)  # covers ("h", 3), but names another write
+    out = outbound()
+    out.read(1, [("k", sent)], 0.0)
+    push = out.next_push(1.0, no_resolver)
+    assert push is not None
+    (answer,) = out.pushed(push, [ok(earlier_life, outcome)], 1.0, write_sequence=3)
+    assert answer.rebase and not answer.deliver and answer.take is earlier_life
+    out.read(2, [("k", sent)], 1.5)  # the same, with a sequence past 200: an honest answer
+    push = out.next_push(2.0, no_resolver)
+    assert push is not None
+    (answer,) = out.pushed(push, [ok(earlier_life, OLDER)], 2.0, write_sequence=250)
+    assert not answer.rebase and answer.deliver and answer.take is earlier_life
+
+
+def test_a_skipped_remote_change_is_kept_a_while_for_a_late_fill() -> None:
+    skipped = Skipped(keep_s=30.0, limit=8)
+    r = rec("o", 1)
+    skipped.remember("k", r, now=0.0)
+    assert skipped.take("other", 1.0) is None
+    assert skipped.take("k", 29.0) is r and skipped.take("k", 29.0) is None  # once
+    skipped.remember("k", r, now=0.0)
+    assert skipped.take("k", 30.0) is None  # too old: the fill is newer than it
+    for i in range(9):
+        skipped.remember(f"k{i}", r, now=float(i))
+    assert skipped.take("k0", 9.0) is None and skipped.take("k8", 9.0) is r  # bounded
+
+
+def test_a_write_no_replica_has_is_sent_again_and_holds_the_cursor_back() -> None:
+    out = outbound()
+    a = rec("h", 1)
+    out.read(7, [("a", a)], 0.0)
+    out.read(9, [], 0.5)
+    push = out.next_push(1.0, no_resolver)
+    assert push is not None
+    (answer,) = out.pushed(push, [ok(a, NEW, "a", durable=False)], 1.0, WSEQ)
+    assert answer.outcome == NOT_DURABLE and not answer.deliver and answer.take is None
+    assert out.staged["a"].since == 0 and out.delivered() == 0  # still the cursor before a
+    again = out.next_push(2.0, no_resolver)
+    assert again is not None and again.items[0].staged is a
+    out.pushed(again, [ok(a, EQUAL, "a")], 2.0, WSEQ)
+    assert out.delivered() == 9
+
+
+def test_a_foreign_value_in_l3_sets_the_write_aside_as_delivered() -> None:
+    out = outbound()
+    out.read(1, [("k", rec("h", 1))], 0.0)
+    push = out.next_push(1.0, no_resolver)
+    assert push is not None
+    (answer,) = out.pushed(push, [CorruptRecord("L3 value of 'k': not ours")], 1.0, WSEQ)
+    assert answer.outcome == CORRUPT and answer.deliver and "not ours" in answer.set_aside
+    assert out.delivered() == 1  # retrying cannot help: it does not hold the cursor back
+
+
+def test_an_unreachable_l3_is_retried_with_backoff_and_the_latest_records() -> None:
+    out = outbound(seed=3)
+    a1, a2 = rec("h", 1), rec("h", 2)
+    out.read(1, [("a", a1)], 0.0)
+    push = out.next_push(1.0, no_resolver)
+    assert push is not None
+    delay = out.push_failed(push, 1.0)
+    assert 0.01 <= delay <= 0.05 and out.retry_at == 1.0 + delay
+    assert out.next_push(1.0 + delay / 2, no_resolver) is None  # backing off
+    out.read(2, [("a", a2)], 1.0 + delay / 2)  # a newer write of the key meanwhile
+    second = out.push_failed(out.next_push(1.0 + delay, no_resolver), 1.0 + delay)  # type: ignore[arg-type]
+    assert second <= 0.1  # the ceiling doubled
+    retry = out.next_push(1.0 + delay + second, no_resolver)
+    assert retry is not None and [i.record for i in retry.items] == [a2]  # once, the latest
+    out.pushed(retry, [ok(a2, NEW, "a")], 5.0, WSEQ)
+    assert out.delivered() == 2 and out.backoff.attempts == 0
+    assert out.next_push(10.0, no_resolver) is None  # the window a2 entered went with it
+
+
+def test_the_persisted_cursor_never_passes_an_unanswered_write() -> None:
+    """A seeded script of feed reads, pushes and answers (accepted, not durable, L3
+    down), checked against a model: every write not yet in L3 is after the cursor."""
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    out = outbound(interval=0.01, max_ops=3, seed=seed)
+    feed_pos, now, counter = 0, 0.0, 0
+    pending: dict[str, tuple[int, L3Record]] = {}  # key → (position of its latest event, record)
+    delivered = 0
+    for _ in range(3000):
+        now += rng.uniform(0, 0.01)
+        r = rng.random()
+        if r < 0.5:  # writes, then the driver reads the feed
+            writes = []
+            for _ in range(rng.randrange(4)):
+                counter += 1
+                key = f"k{rng.randrange(6)}"
+                feed_pos += 1
+                record = rec("h", counter)
+                pending[key] = (feed_pos, record)
+                writes.append((key, record))
+            out.read(feed_pos, list({k: r for k, r in writes}.items()), now)
+        else:
+            push = out.next_push(now, no_resolver)
+            if push is None:
+                continue
+            if rng.random() < 0.2:
+                out.push_failed(push, now)
+                continue
+            durable = rng.random() < 0.8
+            results = [ok(i.record, NEW, i.key, durable) for i in push.items]
+            for a in out.pushed(push, results, now, WSEQ):
+                if a.deliver and pending.get(a.key, (0, None))[1] is a.sent:
+                    del pending[a.key]
+        cursor = out.delivered()
+        assert cursor >= delivered, "the cursor went back"
+        delivered = cursor
+        for key, (pos, _) in pending.items():
+            assert pos > cursor, f"{key}'s write at {pos} is not in L3, cursor {cursor}"
+
+
+def test_resolved_keys_keep_siblings_but_deletes_never_do() -> None:
+    out = outbound()
+    out.read(1, [("r/a", rec("h", 1)), ("r/b", rec("h", 2, tomb=True)), ("p", rec("h", 3))], 0)
+    push = out.next_push(1.0, lambda key: key.startswith("r/"))
+    assert push is not None and push.keep_siblings == frozenset({"r/a"})
+
+
+def test_answers_must_match_the_push_in_flight() -> None:
+    out = outbound()
+    out.read(1, [("a", rec("h", 1))], 0.0)
+    push = out.next_push(1.0, no_resolver)
+    assert push is not None
+    with pytest.raises(ValueError):
+        out.pushed(push, [], 1.0, WSEQ)
+    out.pushed(push, [ok(push.items[0].record, NEW, "a")], 1.0, WSEQ)
+    with pytest.raises(ValueError):
+        out.pushed(push, [ok(push.items[0].record, NEW, "a")], 1.0, WSEQ)
+
+
+def test_the_driver_sleeps_until_the_window_closes_or_the_retry_is_due() -> None:
+    out = outbound(interval=0.05)
+    assert out.wake_at() is None
+    out.read(1, [("a", rec("h", 1))], 1.0)
+    assert out.wake_at() == pytest.approx(1.05)
+    push = out.next_push(1.05, no_resolver)
+    assert push is not None
+    delay = out.push_failed(push, 1.1)
+    assert out.wake_at() == pytest.approx(1.1 + delay)
+    out.flush(1.2)  # (nothing open: flushing is harmless)
+    assert out.waiting
+
+
+# ---------------------------------------------------------------- inbound
+
+
+def entries(*seqs: int | None, start: int = 1) -> list[FeedEntry]:
+    return [FeedEntry(b"%d-0" % (start + i), "k", b"", s) for i, s in enumerate(seqs)]
+
+
+def inbound(now: float = 0.0) -> Inbound:
+    return Inbound(4, 0.02, Backoff(random.Random(1), base=0.05, cap=2.0, floor=0.01), now)
+
+
+def test_entries_in_sequence_are_applied_and_advance_the_cursor() -> None:
+    inb = inbound()
+    assert inb.resume({0: b"3-0", 1: b"1-0", 2: b"2-0"}, {0: 3, 1: 1, 3: 9}) == {2, 3}
+    reading = inb.examine(0, entries(4, 5, start=4))
+    assert [e.seq for e in reading.entries] == [4, 5] and reading.problem == ""
+    assert inb.seqs[0] == 3  # examine changes nothing
+    for e in reading.entries:
+        inb.advance(0, e)
+    assert (inb.cursors[0], inb.seqs[0]) == (b"5-0", 5)
+
+
+@pytest.mark.parametrize("seqs, taken, problem", [
+    ((4, 6), [4], GAP),  # the stream was trimmed past the cursor
+    ((7,), [], GAP),
+    ((4, 4), [4], REWIND),  # the stream went back: a failover lost entries
+    ((2,), [], REWIND),
+    ((4, None), [4], UNSEQUENCED),  # an entry someone else wrote
+])
+def test_a_gap_a_rewind_or_an_unsequenced_entry_stops_the_group(
+        seqs: tuple[int | None, ...], taken: list[int], problem: str) -> None:
+    inb = inbound()
+    inb.resume({0: b"3-0"}, {0: 3})
+    reading = inb.examine(0, entries(*seqs, start=4))
+    assert [e.seq for e in reading.entries] == taken and reading.problem == problem
+
+
+def test_the_group_counter_reveals_what_no_entry_shows() -> None:
+    inb = inbound()
+    inb.resume({0: b"3-0"}, {0: 3})
+    assert inb.examine(0, [], counter=3).problem == ""
+    assert inb.examine(0, [], counter=5).problem == GAP  # trimmed to nothing past the cursor
+    assert inb.examine(0, [], counter=2).problem == REWIND
+    assert inb.examine(0, entries(4, 5, start=4), counter=5).problem == ""
+    assert inb.examine(0, [], counter=None).problem == ""  # not read, or not a number
+    full = entries(*range(4, 4 + FEED_COUNT), start=4)
+    assert inb.examine(0, full, counter=10**6).problem == ""  # more to read: not a gap yet
+
+
+def test_a_resync_is_pending_until_complete_and_its_cursor_is_not_saved() -> None:
+    inb = inbound()
+    inb.resume({g: b"1-0" for g in range(4)}, {g: 1 for g in range(4)})
+    inb.begin_resync({1, 2}, missed=True)
+    assert inb.positioned(1, 40, b"40-0") is True  # missed entries: scan the group's keys
+    inb.scanned(1)
+    assert inb.positioned(2, 7, b"7-0") is True
+    cursors, seqs = inb.saveable()
+    assert set(cursors) == set(seqs) == {0, 3}  # interrupted here: 1 and 2 resync again
+    inb.begin_resync({1, 2}, missed=False)  # the redo keeps whether to scan
+    assert inb.positioned(1, 41, b"41-0") is False and inb.positioned(2, 7, b"7-0") is True
+    inb.resynced({1, 2})
+    cursors, seqs = inb.saveable()
+    assert cursors[1] == b"41-0" and seqs == {0: 1, 1: 41, 2: 7, 3: 1} and not inb.pending
+
+
+def test_a_fresh_group_is_resynced_without_scanning() -> None:
+    inb = inbound()
+    inb.begin_resync({0}, missed=False)
+    assert inb.positioned(0, 0, b"0-0") is False
+
+
+def test_polls_keep_their_pace_check_counters_each_second_and_back_off() -> None:
+    inb = inbound(now=10.0)
+    first = inb.poll_due(10.0)
+    assert first == Poll(check=False)  # counters first checked a second after start
+    inb.polled(first, 10.0)
+    assert inb.poll_due(10.01) is None  # feed_poll is 20 ms
+    due = inb.poll_due(11.0)
+    assert due == Poll(check=True)
+    inb.polled(due, 11.0)
+    assert inb.poll_due(11.5) == Poll(check=False)
+    delay = inb.poll_failed(11.5)
+    assert inb.poll_due(11.5 + delay / 2) is None and inb.poll_due(11.5 + delay + 0.02)
+
+
+# ---------------------------------------------------------------- bounded vectors
+
+
+def test_a_vector_of_many_hosts_is_pruned_before_it_is_pushed() -> None:
+    hosts = HostActivity("me", now_ms=0, young_ms=60_000, old_ms=3_600_000)
+    for i in range(5):
+        hosts.saw(f"busy{i}", 4_000_000)  # active a moment ago
+    vector = {f"idle{i:02d}": 1 for i in range(40)} | {f"busy{i}": 3 for i in range(5)}
+    r = rec("w", 9, vector={**vector, "me": 2})
+    # within a minute of the daemon's start, hosts it never saw count as just seen
+    assert hosts.shape(r, now_ms=30_000) is r
+    out = hosts.shape(r, now_ms=4_000_100)  # later: the idle ones are over an hour old
+    kept = dict(out.vector)
+    assert len(out.vector) <= 8 and set(dict(r.vector)) >= set(kept)
+    assert kept["me"] == 2 and kept["w"] == 9  # this host's and the writer's entries stay
+    assert all(kept[f"busy{i}"] == 3 for i in range(5))  # active hosts are never dropped
+    assert out._replace(vector=r.vector) == r  # nothing else changed
+    small = rec("w", 1, vector={"a": 1, "b": 2})
+    assert hosts.shape(small, now_ms=10**9) is small  # up to `small` entries: untouched
+
+
+def test_the_outbound_machine_pushes_pruned_vectors_and_delivers_the_write_l2_holds() -> None:
+    hosts = HostActivity("me", now_ms=0, young_ms=10, old_ms=100, small=2, big=3)
+    full = rec("me", 5, vector={"x": 1, "y": 1, "z": 1})
+    out = outbound()
+    out.read(1, [("k", full)], 0.0)
+    push = out.next_push(1.0, no_resolver, lambda r: hosts.shape(r, 10_000))
+    assert push is not None
+    sent = push.items[0].record
+    assert len(sent.vector) == 2 and ("me", 5) in sent.vector  # pruned down to `small`
+    assert push.items[0].staged is full
+    (answer,) = out.pushed(push, [ok(sent, NEW)], 1.0, WSEQ)
+    assert answer.sent is full and answer.deliver and answer.take is None
+
+
+def _causal_history(rng: random.Random, hosts: int, writes: int) -> list[Dotted]:
+    """A causally consistent history with HLCs as hosts keep them: each host writes on
+    top of what it has seen; a write's HLC exceeds that of everything it saw."""
+    names = [f"h{i:02d}" for i in range(hosts)]
+    seen: dict[str, tuple[tuple[tuple[str, int], ...], int]] = {h: ((), 0) for h in names}
+    out: list[Dotted] = []
+    for _ in range(writes):
+        h = rng.choice(names)
+        if rng.random() < 0.5 and out:  # sync: learn another write first
+            w = rng.choice(out)
+            vec, hlc = seen[h]
+            seen[h] = (merge_vectors(vec, w.vector), max(hlc, w.hlc))
+        vec, hlc = seen[h]
+        n = dict(vec).get(h, 0) + 1
+        vec = with_dot(vec, h, n)
+        hlc = max(hlc + 1, rng.randrange(1, 1000))  # skewed wall clocks, causal HLC
+        seen[h] = (vec, hlc)
+        out.append(Dotted(vec, (h, n), hlc))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 40), st.integers(0, 2))
+def test_pruning_never_makes_a_newer_write_lose_to_an_older_one(seed: int, hosts: int,
+                                                                 dead: int) -> None:
+    """The safety condition of kvcomm.core.versions: whatever activity says, a pruned
+    newer write pushed over an older one (or an older one pushed over it) ends with the
+    newer write in L3 — it may look concurrent, never older."""
+    rng = random.Random(seed)
+    history = _causal_history(rng, hosts, 60)
+    activity = HostActivity(f"h{rng.randrange(hosts):02d}", now_ms=0, small=2, big=4,
+                            young_ms=10, old_ms=100 * (dead + 1))
+    for i in range(hosts):
+        if rng.random() < 0.3:
+            activity.saw(f"h{i:02d}", rng.randrange(1000))
+    for _ in range(40):
+        old, new = rng.sample(history, 2)
+        if compare_vectors(new.vector, old.vector) is not Ordering.AFTER:
+            continue
+        r = L3Record(new.hlc, False, 1, b"", b"", new.vector, new.dot)
+        pruned = activity.shape(r, now_ms=1000).version
+        assert covers(pruned.vector, new.dot)
+        assert compare_vectors(pruned.vector, old.vector) in (Ordering.AFTER, Ordering.CONCURRENT)
+        for stored, incoming in ((old, pruned), (pruned, old)):
+            outcome, after = l3_rule(stored, incoming)
+            assert after is not None and after.dot == new.dot, (stored, incoming, outcome)
