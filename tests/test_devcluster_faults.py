@@ -61,7 +61,7 @@ def _redis(cfg: kvcomm.Config) -> Any:
     """redis-py as L3Store builds it, plus the host's routing (address_remap and MOVED)."""
     from redis.cluster import ClusterNode, RedisCluster
 
-    from kvcomm.faults.proxy import follow_remap
+    from kvcomm.tiers.routing import follow_remap
 
     cl = cfg.cluster
     rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cl.seeds()],
@@ -256,3 +256,27 @@ def test_down_stops_etcd_and_the_proxies(tmp_path: Path) -> None:
     with pytest.raises(kvcomm.ConfigError, match="strong_prefixes"):
         control.up(1, str(d), strong_prefixes=[""])
     assert not (d / "cluster.json").exists()  # nothing was started
+
+
+def test_a_moved_redirection_stays_behind_the_proxy(dc: Path) -> None:
+    """redis-py follows MOVED to the address a node announces (its real port): with
+    follow_remap the host stays behind its proxy; without, it leaks past it."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    cfg = _config(dc, "host-1")
+    proxied = {int(a.rpartition(":")[2]) for a in cfg.cluster.address_remap.values()}
+    real = {int(a.rpartition(":")[2]) for a in cfg.cluster.address_remap}
+    plain = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.cluster.seeds()],
+                         address_remap=cfg.cluster.remap_address)
+    for rc, leaks in ((_redis(cfg), False), (plain, True)):
+        try:
+            rc.set("kvc-test:moved", b"1")
+            slot = rc.keyslot("kvc-test:moved")
+            right = rc.nodes_manager.slots_cache[slot][0]
+            wrong = next(n for n in rc.get_primaries() if n.name != right.name)
+            rc.nodes_manager.slots_cache[slot] = [wrong]  # a stale map: wrong answers MOVED
+            assert rc.get("kvc-test:moved") == b"1"
+            used = {int(rc.nodes_manager.slots_cache[slot][0].port)}
+            assert bool(used & real) is leaks and bool(used & proxied) is not leaks, used
+        finally:
+            rc.close()

@@ -20,8 +20,8 @@ A host is routed through its proxy by its config: ``cluster.address_remap`` maps
 server's real address (as Redis announces it in CLUSTER SLOTS and MOVED, as
 ``cluster.etcd`` lists it) to the proxy's port for it; ``cluster.seeds()`` and
 ``cluster.etcd_endpoints()`` apply it, and redis-py's ``RedisCluster(address_remap=...)``
-applies it to the nodes it discovers (:func:`follow_remap` also to MOVED redirections,
-which redis-py does not remap). Every process that opens the host's config — its daemon
+applies it to the nodes it discovers (:func:`kvcomm.tiers.routing.follow_remap` also to
+MOVED redirections, which redis-py does not remap). Every process that opens the host's config — its daemon
 and its agents — goes through the proxy; other hosts are untouched.
 
 One proxy process per host (``python -m kvcomm.faults.proxy``), asyncio, one listening
@@ -46,7 +46,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -282,42 +282,6 @@ class ProxyControl:
 
     def status(self) -> dict[str, Any]:
         return self._ask({"op": "status"})
-
-
-def follow_remap(rc: Any, remap: Callable[[Address], Address]) -> None:
-    """Make redis-py's RedisCluster ``rc`` apply ``remap`` to MOVED and ASK redirections
-    too: it applies ``address_remap`` to the nodes CLUSTER SLOTS lists, but follows a
-    MOVED (after a failover, say) to the address the node announces, which would bypass
-    the host's proxy (redis-py issue 3382). ``remap`` must leave an address it does not
-    know unchanged (``ClusterConfig.remap_address`` does)."""
-    nm = rc.nodes_manager
-    move_slot, initialize, get_node = nm.move_slot, nm.initialize, rc.get_node
-
-    def remapped_move_slot(e: Any) -> Any:
-        e.host, e.port = remap((e.host, int(e.port)))
-        e.node_addr = (e.host, e.port)
-        return move_slot(e)
-
-    def remapped_initialize(*args: Any, **kwargs: Any) -> Any:
-        extra = kwargs.get("additional_startup_nodes_info")
-        if extra:
-            kwargs["additional_startup_nodes_info"] = [remap((h, int(p))) for h, p in extra]
-        return initialize(*args, **kwargs)
-
-    def remapped_get_node(host: str | None = None, port: int | None = None,
-                          node_name: str | None = None) -> Any:
-        if node_name is not None and host is None:
-            h, _, p = node_name.rpartition(":")
-            if p.isdigit():
-                h, pp = remap((h, int(p)))
-                node_name = f"{h}:{pp}"
-        elif host is not None and port is not None:
-            host, port = remap((host, int(port)))
-        return get_node(host, port, node_name)
-
-    nm.move_slot = remapped_move_slot
-    nm.initialize = remapped_initialize
-    rc.get_node = remapped_get_node
 
 
 def main(argv: list[str] | None = None) -> int:
