@@ -398,9 +398,7 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     cluster_dir, history_dir = base / "cluster", base / "history"
     history_dir.mkdir(exist_ok=True)
     result = SoakResult(seed, opts.hosts, directory=str(base), strict_reads=opts.strict_reads)
-    # the soak's dev cluster has no fault proxies: by default, every kind that needs none
-    kinds = opts.faults if opts.faults is not None else [
-        k for k in fault_kinds() if "proxy" not in FAULTS[k].requires]
+    kinds = opts.faults if opts.faults is not None else fault_kinds()
     result.replay = (f"kvcomm soak --hosts {opts.hosts} --seconds {opts.seconds:g} --seed {seed} "
                      f"--faults {','.join(sorted(kinds))} --workers {opts.workers} "
                      f"--rate {opts.rate:g}" + ("" if opts.shared_deletes
@@ -408,8 +406,10 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     log(f"kvcomm soak: seed {seed}; replay with `{result.replay}`; directory {base}")
     from .. import devcluster
 
+    # hosts go through fault proxies only when a fault needs them (partitions)
     devcluster.up(opts.hosts, str(cluster_dir), l2_size=opts.l2_size,
-                  watch_buffer=opts.watch_buffer, timeout=120.0)
+                  watch_buffer=opts.watch_buffer, timeout=120.0,
+                  proxies=any("proxy" in FAULTS[k].requires for k in kinds))
     target: DevClusterTarget | None = None
     procs: list[Any] = []
     ctx = mp.get_context("fork")
