@@ -12,7 +12,14 @@ from ..core import codec
 from ..core.negative import NegativeCache
 from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
-from ..errors import InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
+from ..errors import (
+    InvalidKey,
+    KVCommError,
+    SegmentError,
+    ValidationError,
+    ValueTooLarge,
+    WriteUnderLock,
+)
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
@@ -187,9 +194,12 @@ class ClientBase:
 
 def _run_validator(fn: Callable[[str, Item | None, Any], None], key: str, old: Item | None,
                    new_value: Any) -> None:
+    """Run a validator: whatever it raises rejects the write as ValidationError, except a
+    write it attempted (WriteUnderLock, an InvalidArgument: a bug of the validator, which
+    register_validator documents as such, not its verdict)."""
     try:
         fn(key, old, new_value)
-    except ValidationError:
+    except (ValidationError, WriteUnderLock):
         raise
     except Exception as exc:
         raise ValidationError(f"write to {key!r} rejected by validator: {exc}") from exc

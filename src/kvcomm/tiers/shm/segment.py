@@ -16,7 +16,7 @@ import xxhash
 
 from ... import _l2core
 from ...core.sketch import CountMinSketch, TopK
-from ...errors import InvalidArgument, SegmentError, Unavailable
+from ...errors import InvalidArgument, SegmentError, Unavailable, WriteUnderLock
 from .files import SHM_DIR, _unlink_quietly, check_owner, segment_path
 from .geometry import SKETCH_DEPTH, Layout
 from .layout import (
@@ -31,7 +31,7 @@ from .layout import (
     H,
 )
 
-_l2core.set_errors(SegmentError, Unavailable, InvalidArgument)  # what the C kernel raises
+_l2core.set_errors(SegmentError, Unavailable, InvalidArgument, WriteUnderLock)  # what C raises
 
 NEW_DOT = (1 << 64) - 1  # a versioned put with this counter: a fresh local dot over the vector
 
