@@ -24,6 +24,11 @@ class Batch(BatchOps):
     validator, a value too large for L2, the outbound bound in cluster mode), nothing of
     the batch is written. Other processes may observe the keys change one by one while it
     is published.
+
+    A batch is used once: after its block (applied, refused or abandoned by an exception)
+    ``put``/``delete`` and another ``with`` raise InvalidArgument, and from a validator
+    (while the batch is being applied) WriteUnderLock, an InvalidArgument; on a closed
+    client they raise SegmentError at once.
     """
 
     _packed: memoryview | None  # per op, two u64: a put's counter and hlc, a delete's counter
@@ -32,8 +37,10 @@ class Batch(BatchOps):
 
     def __init__(self, client: Writes) -> None:
         # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
-        # once, through the client's key memo and encoder
-        super().__init__(client._keys, client._key_hash, client._encode, client._max_value)
+        # once, through the client's key memo and encoder; the client's getter (closed with
+        # the client) tells them the client is still usable
+        super().__init__(client._keys, client._key_hash, client._encode, client._max_value,
+                         client._getter, client._live)
         self._client = client
         self._packed = None
         self._vvxs = []
@@ -50,11 +57,20 @@ class Batch(BatchOps):
         return self._versions
 
     def __enter__(self) -> Batch:
+        """Raises InvalidArgument for a batch used before (a batch is used once), SegmentError
+        when its client is closed."""
+        self._check()
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None or not self._ops:
-            return
+        self._seal()  # no op may be added from here on (a validator adding one is refused)
+        try:
+            if exc_type is None and len(self):
+                self._apply()
+        finally:
+            self._done()
+
+    def _apply(self) -> None:
         c = self._client
         c._live()
         check = None
