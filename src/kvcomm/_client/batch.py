@@ -81,10 +81,14 @@ class Batch(BatchOps):
                         c._get_slow(k, None, True)
             check = self._validate
         if c._cluster:
-            if self._deletes:  # deletes of keys this host does not hold cover L3's version
-                for key, op in zip(self._keys, self._ops, strict=True):
-                    if len(op) == 2:
-                        c._get_slow(key, None, True)
+            if self._deletes:
+                # deletes of keys this host does not hold cover L3's version (L2 holds it
+                # after the read); one of a key L3 does not have either writes a tombstone
+                # only over what the host holds when the batch applies, as kv.delete
+                ops = self._ops
+                for i, (key, op) in enumerate(zip(self._keys, ops, strict=True)):
+                    if len(op) == 2 and c._get_slow(key, None, True) is None:
+                        ops[i] = (op[0], op[1], False)
             for key in self._keys:
                 c._negative.invalidate(key)  # this host holds them now: not "absent"
         # compact results: no tuple per op (a batch's versions are built only if asked)
@@ -113,5 +117,5 @@ class Batch(BatchOps):
             fn = c._validators.lookup(key)
             if fn is not None:
                 _run_validator(fn, key, old, value)
-            pending[key] = None if len(op) == 2 else Item(key, value, Version((), 0), "batch")
+            pending[key] = None if len(op) <= 3 else Item(key, value, Version((), 0), "batch")
 
