@@ -90,6 +90,7 @@ class ClientBase:
         self._l2_hits = 0
         self._l2_misses = 0
         self._puts = 0
+        self._hot_pending: dict[str, int] = {}  # sampled reads the sketch has not got yet
         self._host_vec = ((self._host, 0),)
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
