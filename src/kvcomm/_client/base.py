@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,7 @@ class ClientBase:
         self._l2_misses = 0
         self._puts = 0
         self._hot_pending: dict[str, int] = {}  # sampled reads the sketch has not got yet
+        self._hot_lock = threading.Lock()  # (for _hot_pending)
         self._host_vec = ((self._host, 0),)
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:

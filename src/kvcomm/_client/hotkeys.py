@@ -27,20 +27,21 @@ class HotKeys(ClientBase):
         if self._unusable:
             return
         counts = self._getter.take_hot()
-        pending = self._hot_pending
-        if pending:
-            for k, n in counts.items():
-                pending[k] = pending.get(k, 0) + n
+        if self._hot_pending:  # (threads flush at once: each takes what it adds, whole)
+            with self._hot_lock:
+                pending, self._hot_pending = self._hot_pending, {}
+            _add(pending, counts)
             counts = pending
         if not counts:
             return
         by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
         if self._seg.count_accesses(by_bytes, wait):
-            self._hot_pending = {}
             return
-        if len(counts) > _HOT_PENDING_MAX:
-            counts = dict(heapq.nlargest(_HOT_PENDING_MAX, counts.items(), key=itemgetter(1)))
-        self._hot_pending = counts
+        with self._hot_lock:
+            _add(counts, self._hot_pending)
+            if len(counts) > _HOT_PENDING_MAX:
+                counts = dict(heapq.nlargest(_HOT_PENDING_MAX, counts.items(), key=itemgetter(1)))
+            self._hot_pending = counts
 
     def hot_keys(self, n: int = 10) -> list[tuple[str, int]]:
         """The host's ``n`` most read keys with estimated read counts, from every process.
@@ -56,3 +57,7 @@ class HotKeys(ClientBase):
         self._flush_hot(wait=True)
         return self._seg.hot_keys(n)
 
+
+def _add(into: dict[str, int], counts: dict[str, int]) -> None:
+    for k, n in counts.items():
+        into[k] = into.get(k, 0) + n
