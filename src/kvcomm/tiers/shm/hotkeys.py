@@ -28,12 +28,20 @@ class HotKeys(SegmentCore):
                     self._lock(0.0)
                 except Unavailable:
                     return False
-            before = self.sketch.additions
-            add = self.sketch.add
-            offers = [(kb, add(kb, n)) for kb, n in counts.items()]
-            if self.sketch.additions < before:  # the sketch aged: age the top-k with it
-                self.topk.halve()
-            self.topk.offer_many(offers)
+            sketch, topk = self.sketch, self.topk
+            add = sketch.add
+            offers: list[tuple[bytes, int]] = []
+            for kb, n in counts.items():
+                expected = sketch.additions + n
+                est = add(kb, n)
+                if sketch.additions != expected:
+                    # the sketch aged during this add (a flush may span several agings):
+                    # age the top-k and the estimates taken so far with it, this one too
+                    topk.halve()
+                    offers = [(k, e >> 1) for k, e in offers]
+                    est >>= 1
+                offers.append((kb, est))
+            topk.offer_many(offers)
         finally:
             core.unlock()
         return True
