@@ -50,6 +50,9 @@ class Reads(ClusterReads):
         """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
         if self._unusable:
             self._live()
+        self._lat_left -= 1
+        if not self._lat_left:  # this read's turn to be timed (metrics)
+            return self._timed("get", self._get_slow, key, default, want_item, l3)
         kb, h = self._key_hash(key)
         self._getter.sampled(key)
         rec = self._read_l2(kb, h, self._zc)
@@ -58,6 +61,7 @@ class Reads(ClusterReads):
             self._l2_misses += 1
             if rec is None and self._cluster and l3:
                 return self._get_l3(key, default, want_item)
+            self.counters["l2_absent"] += 1
             return None if want_item else default  # a tombstone: deleted here, L3 told soon
         self._l2_hits += 1
         tag = rec[2]
