@@ -162,7 +162,8 @@ def _dev_cluster(args: argparse.Namespace) -> int:
         state = devcluster.up(args.hosts, args.dir)
         print(f"Redis Cluster: {' '.join(state['redis'])}")
         for h in state["hosts"]:
-            print(f"{h['host']}: daemon pid {h['pid']}, agents open kvcomm.open(config={h['config']!r})")
+            print(f"{h['host']}: daemon pid {h['pid']}, agents open kvcomm.open(config={h['config']!r}),"
+                  f" metrics at {h['metrics']}")
         return 0
     if devcluster.down(args.dir):
         print(f"dev cluster in {args.dir} stopped")

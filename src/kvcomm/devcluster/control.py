@@ -3,7 +3,8 @@
 ``up(hosts, directory)`` starts a Redis Cluster (3 masters + 3 replicas on free
 loopback ports) and one ``kvcomm node`` daemon per host, each host being a host id plus
 an L2 namespace on this machine; writes ``DIR/host-1.yaml`` … ``DIR/host-N.yaml`` (the
-config an agent of that host passes to ``kvcomm.open(config=...)``) and
+config an agent of that host passes to ``kvcomm.open(config=...)``, with the host's own
+``metrics.port``: its daemon serves the host's metrics there) and
 ``DIR/cluster.json`` (its state: what ``down`` and the fault tools read); and returns
 once every daemon heartbeats. ``down(directory)`` stops all of it and removes the
 hosts' L2 segments.
@@ -32,6 +33,7 @@ from ..errors import KVCommError, SegmentError, Unavailable
 from ..tiers.l2 import L2Segment, purge
 from .procs import kill, running, spawn, stop
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
+from .redis_server import free_port
 
 STATE_FILE = "cluster.json"
 
@@ -98,12 +100,14 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
                 cache["watch_buffer"] = watch_buffer
             cfg = {"node": {"host_id": host, "namespace": ns}, "cache": cache,
                    "cluster": {"redis": state["redis"], "feed_poll": feed_poll,
-                               "resolvers": resolvers or {}}}
+                               "resolvers": resolvers or {}},
+                   "metrics": {"port": free_port()}}  # each host's own exporter
             path = d / f"{host}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             purge(ns)
             state["hosts"].append({"host": host, "namespace": ns, "config": str(path),
-                                   "pid": spawn_daemon(path, d / f"{host}.log").pid})
+                                   "pid": spawn_daemon(path, d / f"{host}.log").pid,
+                                   "metrics": f"http://127.0.0.1:{cfg['metrics']['port']}/metrics"})
         save_state(d, state)
         for h in state["hosts"]:
             _wait_heartbeat(d, h, timeout)
