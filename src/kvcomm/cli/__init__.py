@@ -11,6 +11,10 @@ the README's "Commands" section).
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] | down --dir DIR
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
+    kvcomm metrics [--name NS] [--port P] [--host ADDR] [--config FILE]
+    kvcomm top [--name NS | --config FILE [--cluster]] [--interval S] [--once]
+    kvcomm loadtest --scenario swarm|warehouse|hotkeys|penetration [--users N]
+                [--seconds S] [--config FILE] [--baseline none|redis] [--redis HOST:PORT] ...
 """
 
 from __future__ import annotations
@@ -297,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    from .operate import add_commands
+
+    add_commands(sub, _command)  # metrics, top, loadtest
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,
