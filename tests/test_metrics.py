@@ -337,3 +337,19 @@ def test_the_registry_lists_every_host_with_its_metrics_address(dev: dict[str, A
     finally:
         store.close()
     assert entries == {h["host"]: h["metrics"] for h in dev["hosts"]}
+
+
+@needs_redis
+@pytest.mark.redis
+def test_top_cluster_once_shows_every_host(dev: dict[str, Any]) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvcomm", "top", "--cluster", "--once",
+                          "--interval", "0.2", "--config", dev["hosts"][0]["config"]],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "100"})
+    assert out.returncode == 0, out.stderr
+    for h in dev["hosts"]:
+        assert h["host"] in out.stdout
+    assert "unreachable" not in out.stdout and "no metrics" not in out.stdout

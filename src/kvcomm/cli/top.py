@@ -87,7 +87,7 @@ def host_frame(v: View, title: str) -> Any:
         hot.add_column("key", overflow="ellipsis", no_wrap=True, max_width=48)
         hot.add_column("reads", justify="right")
         for key, n in s.hot[:10]:
-            hot.add_row(key, _n(n))
+            hot.add_row(key, str(int(n)))
         parts.append(hot)
     return Group(*parts)
 
