@@ -135,23 +135,21 @@ class Meter:
                 for word, n in fn().items():
                     now[word] = now.get(word, 0) + n
             adds = deltas(now, self._before)
-            made = {(_ERROR_WORDS.get(name, _ERROR_OTHER), name): n
-                    for name, n in list(errors.MADE.items())}
             err_now: dict[int, int] = {}
-            for (word, _), n in made.items():
+            for name, n in list(errors.MADE.items()):
+                word = _ERROR_WORDS.get(name, _ERROR_OTHER)
                 err_now[word] = err_now.get(word, 0) + n
-            adds += deltas(err_now, _STATE.errors_before)
+            err_adds = deltas(err_now, _STATE.errors_before)
             try:
-                self._region.add(adds)
+                self._region.add(adds + err_adds)
                 for fn in self._gauges:
                     for word, value in fn().items():
                         self._region.store(word, value)
-            except BaseException:
-                for word, d in adds:  # not added: next time
-                    if word in self._before:
-                        self._before[word] -= d
-                    if word in _STATE.errors_before:
-                        _STATE.errors_before[word] -= d
+            except BaseException:  # nothing was added (a closed segment): next time
+                for word, d in adds:
+                    self._before[word] -= d
+                for word, d in err_adds:
+                    _STATE.errors_before[word] -= d
                 raise
 
 
