@@ -97,6 +97,16 @@ def _loadtest(args: argparse.Namespace) -> int:
                         quiet=args.quiet, json_out=args.json)
 
 
+def _duration(text: str) -> float:
+    """``--interval``: ``2``, ``0.5``, ``500ms``, ``1s`` (argparse reports a bad one)."""
+    from ..config import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_commands(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
     """Register metrics, top and loadtest (``command``: the CLI's subcommand helper)."""
     m = command(sub, "metrics", _metrics, "serve a namespace's metrics for Prometheus (embedded mode)")
@@ -111,8 +121,9 @@ def add_commands(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> N
     t.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (the host's)")
     t.add_argument("--cluster", action="store_true",
                    help="every host the cluster knows (needs a cluster host's --config)")
-    t.add_argument("--interval", type=float, default=1.0, metavar="S",
-                   help="seconds between frames (default 1)")
+    t.add_argument("--interval", type=_duration, default=1.0, metavar="S",
+                   help="time between frames: seconds or a duration such as 500ms, 2s "
+                   "(default 1s)")
     t.add_argument("--once", action="store_true",
                    help="print one frame (rates over one interval) and exit")
 
