@@ -217,6 +217,26 @@ def test_every_family_is_exported_and_parses(ns: str) -> None:
     assert snap.host == "local" and snap.namespace == ns
 
 
+def test_hot_keys_cut_to_one_label_give_one_series(ns: str) -> None:
+    cfg = _cfg(hot_keys=5, hot_key_label="truncate", hot_key_chars=8)
+    with kvcomm.open(ns, config=cfg) as kv:
+        for i in range(4):  # four keys whose first 7 characters are the same
+            kv.put(f"sensor/{i}-long", b"v")
+            for _ in range(64 * (i + 1)):
+                kv.get(f"sensor/{i}-long")
+        kv.put("short", b"v")
+        for _ in range(64):
+            kv.get("short")
+        kv.hot_keys()  # (flushes this process's samples into the host's sketch)
+        snap = read(kv._seg, cfg)
+        top = kv.hot_keys(5)
+    labels = [k for k, _ in snap.hot]
+    assert len(labels) == len(set(labels)) <= 5
+    assert "sensor/…" in labels and "short" in labels
+    # the cut label keeps the hottest of the keys it stands for
+    assert dict(snap.hot)["sensor/…"] == max(n for k, n in top if k.startswith("sensor/"))
+
+
 # ---------------------------------------------------------------- a dev cluster
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -283,21 +303,45 @@ def test_a_dev_cluster_under_a_workload_exposes_every_family(dev: dict[str, Any]
 
     # agents closed: their last flush is in L2, so the totals are exact
     assert totals() == (reads, puts)
+    hot_k = kvcomm.Config.load(hosts[0]["config"]).metrics.hot_keys
     texts = [_scrape(h["metrics"]) for h in hosts]
-    for h, text in zip(hosts, texts, strict=True):
+    for h, text, b in zip(hosts, texts, base, strict=True):
         names = {f.name + ("_total" if f.type == "counter" else "")
                  for f in text_string_to_metric_families(text)}
-        assert {f.name for f in FAMILIES} <= names, h["host"]
+        assert {f.name for f in FAMILIES} | {HOT_KEYS.name, INFO.name} <= names, h["host"]
         snap = parse_text(text)
+
+        def d(family: str, s: Snapshot = snap, b: Snapshot = b, **labels: str) -> float:
+            return s.value(family, **labels) - b.value(family, **labels)
+
         assert snap.host == h["host"] and snap.value("kvcomm_daemon_up") == 1
-        # the daemon pushed this host's writes and counted its L3 traffic
-        wait_for(lambda h=h: parse_text(_scrape(h["metrics"])).value(
-            "kvcomm_window_writes_total", side="out") > 0, 30, "the daemon's pushes")
-        assert snap.value("kvcomm_l3_commands_total") > 0
-        assert snap.value("kvcomm_l3_bytes_total", direction="sent") > 0
-        assert snap.value("kvcomm_feed_events_total", feed="cluster") > 0
-        reads_l2 = snap.value(R, tier="l2")
-        assert snap.value(R, tier="l1", result="miss") == reads_l2  # l1 misses went to L2
+        # every L1 miss was read in L2; every L2 miss was answered by L3 or a guard
+        assert d(R, tier="l1", result="miss") == d(R, tier="l2")
+        assert d(R, tier="l2", result="miss") == (d(R, tier="l3")
+                                                   + d("kvcomm_guard_answers_total"))
+        assert d(R, tier="l2", result="hit") > 0
+        # the hot keys: the drones' state keys, at most metrics.hot_keys of them
+        assert 0 < len(snap.hot) <= hot_k
+        assert all(k.startswith("drone/") and k.endswith("/state") for k, _ in snap.hot)
+        # the daemon pushed this host's writes, read the other host's and counted its L3
+        # traffic (flushed every metrics.flush_interval: waited for)
+        def daemon_counted(h: dict[str, Any] = h) -> bool:
+            s = parse_text(_scrape(h["metrics"]))
+            return (s.value("kvcomm_window_writes_total", side="out") > 0
+                    and s.value("kvcomm_window_batches_total") > 0
+                    and s.value("kvcomm_feed_events_total", feed="cluster") > 0
+                    and s.value("kvcomm_l3_bytes_total", direction="sent") > 0
+                    and s.value("kvcomm_l3_bytes_total", direction="received") > 0)
+        wait_for(daemon_counted, 30, "the daemon's pushes, feed reads and L3 traffic")
+        s = parse_text(_scrape(h["metrics"]))
+        # each L3 read is one command at least, and the daemon's pushes are more
+        assert d("kvcomm_l3_commands_total", s=s) > d(R, s=s, tier="l3")
+        assert s.value("kvcomm_l2_entries") > 0 and 0 < s.value("kvcomm_l2_bytes") \
+            <= s.value("kvcomm_l2_capacity_bytes")
+        assert d("kvcomm_errors_total", s=s) == 0
+        hist = s.histograms["kvcomm_op_seconds"]
+        assert sum(x.count for lab, x in hist.items() if dict(lab)["op"] == "get") > 0
+        assert hist[(("op", "put"), ("tier", "l2"))].count > 0
     # and the backlog drains
     wait_for(lambda: all(parse_text(_scrape(h["metrics"])).value("kvcomm_outbound_backlog") == 0
                          for h in hosts), 30, "the outbound backlog to drain")

@@ -103,7 +103,6 @@ def test_every_scenario_runs_headless_with_no_failure(tmp_path: Path, ns: str) -
     # each scenario did its part: drones put and read, robots claimed, the storms read
     for name in ("put", "get l1", "get l2", "get absent", "read shelf", "claim", "release"):
         assert ops.get(name, {}).get("count", 0) > 0, name
-    assert ops["put"]["p50_us"] < 10_000
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")

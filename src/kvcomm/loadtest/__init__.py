@@ -67,14 +67,17 @@ def run(scenario: str, users: int = 16, seconds: float = 30.0, config: str | Non
         plot: str | None = None, rate: float = 0.0, seed: int = 0, quiet: bool = False,
         json_out: str | None = None) -> int:
     """Run ``scenario`` (and its Redis baseline); print the figures. Returns 0 when every
-    run finished with no failure. Raises ConfigError (Locust or, for the baseline,
-    redis-py/redis-server missing)."""
+    run finished with no failure. Raises InvalidArgument (an unknown scenario or
+    baseline), ConfigError (Locust or, for the baseline, redis-py/redis-server missing)."""
     from .._extras import require
-    from ..errors import ConfigError
+    from ..errors import InvalidArgument
 
-    require("locust", extra="loadtest", purpose="kvcomm loadtest")
     if scenario not in SCENARIOS:
-        raise ConfigError("", f"unknown scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}")
+        raise InvalidArgument(f"unknown scenario {scenario!r}; choose one of "
+                              f"{', '.join(SCENARIOS)}")
+    if baseline not in ("none", "redis"):
+        raise InvalidArgument(f"unknown baseline {baseline!r}; choose none or redis")
+    require("locust", extra="loadtest", purpose="kvcomm loadtest")
     tmp = tempfile.mkdtemp(prefix="kvcomm-loadtest-")
     results: dict[str, dict[str, Any]] = {}
     status = 0

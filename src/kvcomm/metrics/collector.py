@@ -86,8 +86,12 @@ def read(seg: Any, config: Any) -> Snapshot:
     snap.histograms["kvcomm_op_seconds"] = hist
     m = config.metrics
     if m.hot_keys:
-        snap.hot = [(hot_label(k, m.hot_key_label, m.hot_key_chars), n)
-                    for k, n in seg.hot_keys(m.hot_keys)]
+        # two keys cut to the same label would be two series with one name and labels,
+        # which Prometheus refuses: the label keeps the hotter one (they come hottest first)
+        hot: dict[str, int] = {}
+        for k, n in seg.hot_keys(m.hot_keys):
+            hot.setdefault(hot_label(k, m.hot_key_label, m.hot_key_chars), n)
+        snap.hot = list(hot.items())
     return snap
 
 
