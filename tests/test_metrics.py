@@ -237,6 +237,20 @@ def test_hot_keys_cut_to_one_label_give_one_series(ns: str) -> None:
     assert dict(snap.hot)["sensor/…"] == max(n for k, n in top if k.startswith("sensor/"))
 
 
+def test_the_grafana_dashboard_asks_only_for_exported_families() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    board = Path(__file__).resolve().parents[1] / "contrib" / "grafana-kvcomm.json"
+    exprs = [t["expr"] for p in json.loads(board.read_text())["panels"]
+             for t in p.get("targets", [])]
+    used = {re.sub(r"_(bucket|sum|count)$", "", m)
+            for e in exprs for m in re.findall(r"\bkvcomm_[a-z0-9_]+", e)}
+    exported = {f.name for f in FAMILIES} | {HOT_KEYS.name, INFO.name}
+    assert used and used <= exported, used - exported
+
+
 # ---------------------------------------------------------------- a dev cluster
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
