@@ -15,6 +15,8 @@ best of its blocks (the intrinsic cost: a shared machine only ever adds to a blo
 in brackets, the median:
 
 * **L1 hit** — ``kv.get`` over 100 distinct cached keys of 1 KiB.
+* **get_item L1 hit** — ``kv.get_item`` over the same keys (the Python path: its value,
+  Version and tier).
 * **fresh L2 read** — ``kv.get`` of keys another client just rewrote.
 * **put** — ``kv.put`` of 1 KiB bytes over 100 keys.
 """
@@ -65,7 +67,7 @@ def main() -> int:
     name = f"bench-metrics-{os.getpid()}"
     kv = kvcomm.open(name, config=CFG)
     writer = kvcomm.open(name, config=CFG)
-    out: dict[str, dict[bool, list[float]]] = {"l1": {}, "fresh": {}, "put": {}}
+    out: dict[str, dict[bool, list[float]]] = {"l1": {}, "item": {}, "fresh": {}, "put": {}}
     try:
         for k in KEYS:
             kv.put(k, VALUE)
@@ -75,6 +77,7 @@ def main() -> int:
             for on in (True, False) if b % 2 else (False, True):
                 sampling(kv, on)
                 out["l1"].setdefault(on, []).append(per_op(kv.get, 20))
+                out["item"].setdefault(on, []).append(per_op(kv.get_item, 5))
                 out["put"].setdefault(on, []).append(per_op(lambda k: put(k, VALUE), 2))
                 for k in KEYS:
                     writer.put(k, VALUE)  # every L1 entry of kv is now stale
@@ -91,8 +94,8 @@ def main() -> int:
     print(f"kvcomm, python {sys.version.split()[0]}, {os.cpu_count()} cpus, load average "
           f"{os.getloadavg()[0]:.1f}; {args.blocks} interleaved blocks per side")
     print(f"{'measurement':<30} {'sampling on':>22} {'sampling off':>22} {'on/off':>7}  target")
-    for key, label in (("l1", "L1 hit (100 keys, 1 KiB)"), ("fresh", "fresh L2 read"),
-                       ("put", "put 1 KiB")):
+    for key, label in (("l1", "L1 hit (100 keys, 1 KiB)"), ("item", "get_item L1 hit"),
+                       ("fresh", "fresh L2 read"), ("put", "put 1 KiB")):
         on, off = out[key][True], out[key][False]
         best_on, best_off = min(on), min(off)
         print(f"{label:<30} {best_on:>8.1f} ns ({statistics.median(on):>7.1f}) "

@@ -149,6 +149,20 @@ def test_latency_is_sampled_exactly_one_in_n(ns: str) -> None:
     assert q is not None and 0 < q < 0.01
 
 
+def test_get_item_is_sampled_one_in_n_on_either_path(ns: str) -> None:
+    with kvcomm.open(ns, config=_cfg(latency_sample=8)) as kv:
+        kv.put("a", b"x")  # (the put's countdown: 1 of 8)
+        for _ in range(79):  # the first from L2, then L1 hits
+            kv.get_item("a")
+        s = _snap(kv)
+    h = s.histograms["kvcomm_op_seconds"]
+    get_l1 = h[(("op", "get"), ("tier", "l1"))]
+    get_l2 = h[(("op", "get"), ("tier", "l2"))]
+    # 80 operations, 1 in 8 timed: the 8th, 16th... all L1 hits (the L2 read was the 2nd)
+    assert (get_l1.count, get_l2.count) == (10, 0)
+    assert s.value(R, tier="l1", result="hit") == 78
+
+
 def test_latency_off_times_nothing(ns: str) -> None:
     with kvcomm.open(ns, config=_cfg(latency_sample=0)) as kv:
         kv.put("a", b"x")

@@ -95,20 +95,21 @@ class ClientBase:
 
     def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, timed into the latency histogram of ``op`` (tier l2, or
-        for a read the tier that answered). Called by an operation whose turn it was to be
-        sampled; the countdown starts again, so ``fn`` (the operation itself) runs untimed
-        inside."""
+        for a read the tier that answered: get_item's L1 hits are timed here too). Called by
+        an operation whose turn it was to be sampled; the countdown starts again, so ``fn``
+        (the operation itself) runs untimed inside."""
         self._lat_left = self._lat_every + 1  # (``fn`` counts itself down once)
         if op == "get":
             c = self.counters
-            before = (self._l2_hits, c["l3_hits"])
+            before = (self._l1_hits, self._l2_hits, c["l3_hits"])
         t0 = time.perf_counter_ns()
         out = fn(*args, **kwargs)
         ns = time.perf_counter_ns() - t0
         tier = "l2"
         if op == "get":
-            tier = ("l3" if c["l3_hits"] != before[1] else
-                    "l2" if self._l2_hits != before[0] else "absent")
+            tier = ("l1" if self._l1_hits != before[0] else
+                    "l3" if c["l3_hits"] != before[2] else
+                    "l2" if self._l2_hits != before[1] else "absent")
         self._note_latency(op, tier, ns)
         return out
 

@@ -37,12 +37,15 @@ class Reads(ClusterReads):
 
     def get_item(self, key: str) -> Item | None:
         """The value with its Version and the tier that served it, or None when absent."""
+        if self._lat_left == 1:  # this read's turn to be timed (metrics): whichever path
+            return self._timed("get", self.get_item, key)  # it takes counts down to 0
         try:
             e = self._l1_entries.get(key)
         except TypeError:
             raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
         if e is not None and self._q[e[1]] == e[2]:
             self._l1_hits += 1
+            self._lat_left -= 1  # (the slow path counts itself down in _get_slow)
             return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1")
         return self._get_slow(key, None, True)  # type: ignore[no-any-return]
 
