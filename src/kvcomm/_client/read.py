@@ -37,8 +37,9 @@ class Reads(ClusterReads):
 
     def get_item(self, key: str) -> Item | None:
         """The value with its Version and the tier that served it, or None when absent."""
-        if self._lat_left == 1:  # this read's turn to be timed (metrics): whichever path
-            return self._timed("get", self.get_item, key)  # it takes counts down to 0
+        if self._lat_left == 1:  # this read's turn to be timed (metrics): either path below
+            # counts down once (the L1 hit here, the slow path in _get_slow), reaching 0
+            return self._timed("get", self.get_item, key)  # type: ignore[no-any-return]
         try:
             e = self._l1_entries.get(key)
         except TypeError:
