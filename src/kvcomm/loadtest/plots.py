@@ -4,6 +4,7 @@ over time."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 _STYLE = {"kvcomm": "-", "redis": "--"}
@@ -20,6 +21,39 @@ def plot_all(scenario: str, results: dict[str, dict[str, Any]], prefix: str) -> 
     matplotlib.use("Agg")
     return [latency_cdf(scenario, results, f"{prefix}-latency.png"),
             timeline(scenario, results, f"{prefix}-timeline.png")]
+
+
+def cdf(series: dict[str, Sequence[float]], title: str, path: str,
+        xlabel: str = "latency (µs, log scale)") -> str:
+    """A CDF per named series of latencies in µs, on a log scale, written to ``path``
+    (matplotlib, Agg); returns ``path``. For benchmarks (``bench/bench_cluster.py
+    --plot``). Raises ConfigError when matplotlib is missing."""
+    from .._extras import require
+
+    require("matplotlib", extra="plot", purpose="a latency plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for label, xs in series.items():
+        lat = sorted(xs)
+        if len(lat) < 2:
+            continue
+        p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+        ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))],
+                label=f"{label} (p50 {p50:.1f} µs, p99 {p99:.1f} µs, n={len(lat):,})")
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def latency_cdf(scenario: str, results: dict[str, dict[str, Any]], path: str) -> str:
