@@ -60,6 +60,13 @@ def test_top_without_a_segment_says_so(ns: str) -> None:
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("interval", ["0", "soon"])
+def test_top_refuses_an_interval_that_is_not_a_positive_duration(ns: str, interval: str) -> None:
+    out = kvcomm_cli("top", "--name", ns, "--once", "--interval", interval)
+    assert out.returncode == 2 and "--interval" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_kvcomm_metrics_serves_a_namespace_until_sigterm(ns: str) -> None:
     from kvcomm.devcluster.redis_server import free_port
 

@@ -102,9 +102,12 @@ def _duration(text: str) -> float:
     from ..config import parse_duration
 
     try:
-        return parse_duration(text)
+        seconds = parse_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:  # (rates need time between two frames)
+        raise argparse.ArgumentTypeError(f"the interval must be more than 0, got {text!r}")
+    return seconds
 
 
 def add_commands(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
