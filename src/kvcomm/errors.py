@@ -25,9 +25,19 @@ Lower-layer errors (OS, msgpack, redis) are translated at the boundary, never le
 
 from __future__ import annotations
 
+MADE: dict[str, int] = {}
+"""Errors made in this process, by class name (``kvcomm_errors_total{type}``: flushed to
+the host's L2 with the other counters). Counted when made, so it includes those KVCOMM
+handles itself: a compare-and-set that ``update()`` retries, an L3 call retried."""
+
 
 class KVCommError(Exception):
     """Root of every error KVCOMM raises on purpose."""
+
+    def __new__(cls, *args: object, **kwargs: object) -> KVCommError:
+        name = cls.__name__
+        MADE[name] = MADE.get(name, 0) + 1
+        return super().__new__(cls, *args, **kwargs)
 
 
 class InvalidKey(KVCommError, ValueError):

@@ -24,6 +24,7 @@ from ..errors import (
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
+from ..tiers.shm.counters import Histogram
 from .attach import _CLIENTS, _Shared
 from .items import Item
 
@@ -84,7 +85,8 @@ class ClientBase:
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
             ("deletes", "conflicts", "views", "merges", "resolver_failures",
-             "l3_reads", "negative_hits", "filter_hits"), 0
+             "l3_reads", "negative_hits", "filter_hits",
+             "l2_absent", "l3_hits", "l3_absent", "puts_strong", "batches", "updates"), 0
         )
         self._keys: dict[str, tuple[bytes, int]] = {}  # validated keys (the getter reads it)
         self._l1_hits = 0  # (get_item's; get's are counted by the getter)
@@ -94,6 +96,38 @@ class ClientBase:
         self._hot_pending: dict[str, int] = {}  # sampled reads the sketch has not got yet
         self._hot_lock = threading.Lock()  # (for _hot_pending)
         self._host_vec = ((self._host, 0),)
+        # sampled latency of the Python paths (the getter times L1/L2 hits itself): one
+        # call in latency_sample of put, delete, update, batch and a slow get is timed
+        self._lat_every = self.config.metrics.latency_sample
+        self._lat_left = self._lat_every or -1  # (never reaches 0 when off)
+        self._lat: dict[tuple[str, str], Histogram] = {}
+        self._default_strong = c.l3_consistency == "strong"
+
+    def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, timed into the latency histogram of ``op`` (tier l2, or
+        for a read the tier that answered: get_item's L1 hits are timed here too). Called by
+        an operation whose turn it was to be sampled; the countdown starts again, so ``fn``
+        (the operation itself) runs untimed inside."""
+        self._lat_left = self._lat_every + 1  # (``fn`` counts itself down once)
+        if op == "get":
+            c = self.counters
+            before = (self._l1_hits, self._l2_hits, c["l3_hits"])
+        t0 = time.perf_counter_ns()
+        out = fn(*args, **kwargs)
+        ns = time.perf_counter_ns() - t0
+        tier = "l2"
+        if op == "get":
+            tier = ("l1" if self._l1_hits != before[0] else
+                    "l3" if c["l3_hits"] != before[2] else
+                    "l2" if self._l2_hits != before[1] else "absent")
+        self._note_latency(op, tier, ns)
+        return out
+
+    def _note_latency(self, op: str, tier: str, ns: int) -> None:
+        h = self._lat.get((op, tier))
+        if h is None:
+            h = self._lat[(op, tier)] = Histogram()
+        h.note(ns)
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""

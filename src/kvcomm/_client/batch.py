@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from .._l2core import BatchOps
@@ -73,6 +74,11 @@ class Batch(BatchOps):
     def _apply(self) -> None:
         c = self._client
         c._live()
+        c._lat_left -= 1
+        t0 = 0
+        if not c._lat_left:  # this batch's turn to be timed (metrics)
+            c._lat_left = c._lat_every
+            t0 = time.perf_counter_ns()
         check = None
         if c._has_validators and any(c._validators.lookup(k) is not None for k in self._keys):
             if c._cluster:  # bring L3's values into L2 for the validators
@@ -96,7 +102,13 @@ class Batch(BatchOps):
                                           max_dirty=c._max_dirty, tombstones=c._cluster,
                                           check=check, compact=True)
         w = self._packed = memoryview(packed).cast("Q")
-        c._puts += len(self._vvxs) - self._deletes
+        puts = len(self._vvxs) - self._deletes
+        c._puts += puts
+        c.counters["batches"] += 1
+        if c._default_strong:
+            c.counters["puts_strong"] += puts
+        if t0:
+            c._note_latency("batch", "l2", time.perf_counter_ns() - t0)
         if self._deletes:
             for i, (key, vvx) in enumerate(zip(self._keys, self._vvxs, strict=True)):
                 if vvx is None:

@@ -145,6 +145,7 @@ class Daemon:
         self.rebuild_every = cl.key_filter_rebuild
         self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
         self.held_at_start: set[str] = set()
+        self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self._fill_key_filter(initial=True)
         self._start_feeds()
         self.held_at_start.clear()
@@ -231,6 +232,7 @@ class Daemon:
                 return
             self.stats.windows += 1
             self.stats.pushed += len(push.items)
+            self.stats.bump("window_in", push.window.ops_in)
             answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
             for answer in answers:
                 try:  # every answer is carried out: they have left the staged set
@@ -408,6 +410,8 @@ class Daemon:
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
         counters = self.l3.feed_seqs(self.inb.groups) if check_seqs else {}
+        if counters:
+            self.feed_counters = counters  # (the cluster feed's lag, for metrics)
         problems: dict[str, set[int]] = {}
         for g, rows in self.l3.feed_many(self.inb.cursors, count=FEED_COUNT).items():
             if isinstance(rows, CorruptRecord):
@@ -632,8 +636,17 @@ def main(config: Config, name: str | None = None) -> int:
                 return 0
     log.info("host %s, namespace %s, %d seed nodes; %d hot keys prewarmed", daemon.host,
              daemon.kv.name, len(config.cluster.redis), daemon.stats.extra.get("prewarmed", 0))
+    from ..metrics.node import attach_daemon
+
+    try:
+        exporter = attach_daemon(daemon)  # (metrics.port: the host's metrics endpoint)
+    except BaseException:
+        daemon.close()
+        raise
     try:
         daemon.run(stop)
     finally:
+        if exporter is not None:
+            exporter.close()
         daemon.close()
     return 0

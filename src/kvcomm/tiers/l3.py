@@ -477,10 +477,12 @@ class L3Store:
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
-        from redis.cluster import ClusterNode, RedisCluster
+        from redis.cluster import ClusterNode
+
+        from ..metrics.wire import counting_cluster
 
         try:
-            self.rc = RedisCluster(
+            self.rc = counting_cluster()(
                 startup_nodes=[ClusterNode(h, p) for h, p in seeds],  # type: ignore[no-untyped-call]
                 decode_responses=False,
                 password=password, username=username, ssl=tls, socket_timeout=timeout,
@@ -490,6 +492,7 @@ class L3Store:
             )
         except Exception as exc:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
+        self.wire = self.rc.wire  # type: ignore[attr-defined]  # commands and bytes to and from Redis (kvcomm metrics)
         self.feed_maxlen = feed_maxlen
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
