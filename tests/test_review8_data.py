@@ -204,28 +204,44 @@ def test_a_small_bloom_fpr_does_not_break_every_cluster_miss(cluster: object) ->
     """F (crash with a non-KVCommError on every L2 miss): cache.bloom_fpr is valid for any
     0 < fpr < 1, but below ~5e-20 the filter's hash count k exceeds 64 and the C
     membership test (bloom_has) raises ValueError for every key the negative cache does
-    not answer: kv.get of a missing key raises ValueError in every agent of the host."""
-    h1 = Host(cluster, "host-1", seed=1, bloom_fpr=1e-20, bloom_capacity=1000)  # type: ignore[arg-type]
+    not answer: kv.get of a missing key raises ValueError in every agent of the host.
+
+    Fixed by refusing such a rate in the config (ConfigError naming cache.bloom_fpr); a
+    rate just inside the bound (k = 63) answers a cluster miss."""
+    from kvcomm.core.bloom import MAX_HASHES, optimal_params
+
+    with pytest.raises(kvcomm.ConfigError, match="cache.bloom_fpr"):
+        Host(cluster, "host-1", seed=1, bloom_fpr=1e-20, bloom_capacity=1000)  # type: ignore[arg-type]
+    assert optimal_params(1000, 1e-19)[1] == MAX_HASHES - 1
+    h1 = Host(cluster, "host-1", seed=1, bloom_fpr=1e-19, bloom_capacity=1000)  # type: ignore[arg-type]
     try:
         h1.kv.put("present", b"1")
         wait_for(lambda: h1.kv._key_filter() is not None, 20, "the key filter is trusted")
         assert h1.kv.get("absent/1") is None
+        assert h1.kv.stats()["l3"]["filter_hits"] >= 1  # the filter answered it
     finally:
         h1.close()
 
 
-def test_keyfilter_reader_refuses_a_hash_count_bloom_has_cannot_use(tmp_path: pathlib.Path) -> None:
-    """Same, without a cluster: a filter file whose header (capacity, fpr) gives k > 64."""
+def test_keyfilter_reader_refuses_a_hash_count_bloom_has_cannot_use(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same, without a cluster: a filter file whose header (capacity, fpr) gives k > 64.
+    KeyFilter.create refuses such a geometry (InvalidArgument); a file made by a daemon
+    that allowed it (MAX_HASHES raised here) is refused by the reader with SegmentError,
+    not a ValueError at every membership test."""
+    from kvcomm.tiers import keyfilter
     from kvcomm.tiers.keyfilter import KeyFilter
 
+    with pytest.raises(kvcomm.InvalidArgument):
+        KeyFilter.create("bf", 1000, 1e-20, directory=str(tmp_path))
+    monkeypatch.setattr(keyfilter, "MAX_HASHES", 128)  # another KVCOMM's daemon
     w = KeyFilter.create("bf", 1000, 1e-20, directory=str(tmp_path))
+    monkeypatch.undo()
     w.set_ready(True)
     w.beat()
-    r = KeyFilter.open_reader("bf", directory=str(tmp_path))
     try:
-        assert r is None or r.may_exist(b"y") in (True, False)
-    except kvcomm.KVCommError:
-        pass
+        with pytest.raises(kvcomm.SegmentError, match="hash functions"):
+            KeyFilter.open_reader("bf", directory=str(tmp_path))
     finally:
         w.close()
 
