@@ -181,21 +181,60 @@ def test_an_l3_record_with_a_huge_counter_does_not_wrap_the_hosts_write_sequence
     read once by an agent of host-1 (L3 fill → merge), raises host-1's write sequence to
     2**64-2: host-1's next dots are 2**64-1 (= NEW_DOT, the 'fresh dot' sentinel), then 0,
     1, 2... — every later write of every key on host-1 is older than the earlier ones, so
-    L3's rule refuses it and other hosts never see it."""
+    L3's rule refuses it and other hosts never see it.
+
+    Fixed by bounding counters at 2**53-1 (kvcomm.core.versions.MAX_COUNTER) where they
+    enter: the push script refuses such a record, a reader refuses one written there by
+    anything else (CorruptRecord), and L2 refuses a version or a write sequence past the
+    bound (InvalidArgument). The reviewer's scenario then runs as before, with the poison
+    written raw into Redis: the read raises CorruptRecord, and host-1's writes reach
+    host-2."""
+    from redis.cluster import RedisCluster as RC
+
+    from kvcomm.core.versions import MAX_COUNTER
+    from kvcomm.tiers.l3 import record_key
+    from kvcomm.tiers.shm.segment import key_hash
+    from tests.daemon_harness import remote_put
+
     h1 = Host(cluster, "host-1", seed=1)  # type: ignore[arg-type]
     h2 = Host(cluster, "host-2", seed=2)  # type: ignore[arg-type]
+    rc = RC(host="127.0.0.1", port=cluster.ports[0])  # type: ignore[attr-defined]
     try:
         hostile = record(b"poison", "host-1", 2**64 - 2, 1)
-        assert store.push("poison", hostile).outcome == "new"  # type: ignore[attr-defined]
-        # one L2-miss read on host-1 (once the key filter has the key)
-        wait_for(lambda: h1.kv.get("poison") is not None, 20, "host-1 reads the record")
+        with pytest.raises(kvcomm.CorruptRecord):
+            store.push("poison", hostile)  # type: ignore[attr-defined]
+        # a valid record first (the key filters learn the key), then the poison over it,
+        # written by something that is not KVCOMM
+        remote_put(store, "poison", b"valid", "host-3", 1)  # type: ignore[arg-type]
+        rc.set(record_key("poison"), hostile.encode())
+
+        def refused() -> bool:
+            try:
+                h1.kv.get("poison")  # None until host-1's key filter has the key
+            except kvcomm.CorruptRecord:
+                return True
+            return False
+
+        wait_for(refused, 20, "host-1 reads the record from L3 and refuses it")
+        before = h1.kv._seg.write_sequence
+        assert before <= MAX_COUNTER
+        huge = kvcomm.Version((("host-1", 2**64 - 2),), 1)
+        with pytest.raises(kvcomm.InvalidArgument):
+            h1.kv.merge_remote("poison", b"x", huge)
+        kb = b"poison"
+        with pytest.raises(kvcomm.InvalidArgument):
+            h1.kv._seg.apply([(kb, key_hash(kb), 1, b"", b"x", 2**64 - 2, 1, b"")], now_ms=0)
+        with pytest.raises(kvcomm.InvalidArgument):
+            h1.kv._seg.raise_write_sequence(2**64 - 2)
+        assert h1.kv._seg.write_sequence == before
         h1.kv.put("y", b"first")
         wait_for(lambda: h2.kv.get("y") == b"first", 20, "host-2 sees the first write")
         v2 = h1.kv.put("y", b"second (acknowledged)")
-        assert all(0 < c < 2**64 - 1 for _, c in v2.vector), v2
+        assert all(0 < c <= MAX_COUNTER for _, c in v2.vector), v2
         wait_for(lambda: h2.kv.get("y") == b"second (acknowledged)", 20,
                  "host-2 sees the second write")
     finally:
+        rc.close()
         h1.close()
         h2.close()
 

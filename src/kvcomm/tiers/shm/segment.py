@@ -15,7 +15,9 @@ from typing import Any, NamedTuple
 import xxhash
 
 from ... import _l2core
+from ...core.ext import l2_ext_problem
 from ...core.sketch import CountMinSketch, TopK
+from ...core.versions import MAX_COUNTER
 from ...errors import InvalidArgument, SegmentError, Unavailable
 from .files import SHM_DIR, _unlink_quietly, check_owner, segment_path
 from .geometry import SKETCH_DEPTH, Layout
@@ -32,6 +34,9 @@ from .layout import (
 )
 
 _l2core.set_errors(SegmentError, Unavailable, InvalidArgument)  # what the C kernel raises
+_l2core.set_ext_check(l2_ext_problem)  # the one rule for a record's extension field
+if _l2core.MAX_COUNTER != MAX_COUNTER:  # a stale build of the kernel
+    raise ImportError("kvcomm._l2core was built from other sources; rebuild it (pip install -e .)")
 
 NEW_DOT = (1 << 64) - 1  # a versioned put with this counter: a fresh local dot over the vector
 
