@@ -76,6 +76,33 @@ def test_migrate_does_not_drop_an_unflushed_write_for_an_older_clean_copy(
         assert vector_get(item.version.vector, "host-a") >= dirty.counter
 
 
+@pytest.mark.parametrize("remote_is_later", [False, True])
+def test_migrate_merges_a_concurrent_clean_copy_last_writer_wins(
+        old: tuple[str, pathlib.Path, kvcomm.Config], remote_is_later: bool) -> None:
+    """(Added with the fix.) The new segment holds a clean copy from L3 that is
+    *concurrent* with the old unflushed write (another host's write that never saw it):
+    migrate merges the two as L3 would, last-writer-wins by HLC with the merged vector,
+    dirty either way (L3 must learn that the old write was seen), never dropping the old
+    dot from the vector."""
+    ns, _, cfg = old
+    path = l2.segment_path(ns, cfg.cache.l2_dir)
+    dirty = {r.key.decode(): r for r in mig.unflushed(path, 0o600)[2]}["drone/1/pos"]  # type: ignore[index]
+    os.rename(path, mig.aside_path(path, 2))
+    hlc = dirty.hlc + (1 if remote_is_later else -1)
+    with _open_local(ns, cfg) as kv:
+        kv.merge_remote("drone/1/pos", b"host-b's write", Version((("host-b", 5),), hlc))
+    done = mig.migrate(ns, cfg)
+    assert done.carried == 4 and done.superseded == 0, done
+    with _open_local(ns, cfg) as kv:
+        item = kv.get_item("drone/1/pos")
+        assert item is not None
+        assert item.value == (b"host-b's write" if remote_is_later else b"\x01\x03")
+        assert vector_get(item.version.vector, "host-a") == dirty.counter
+        assert vector_get(item.version.vector, "host-b") == 5
+        assert kv._seg.dirty_count == 4
+        assert kv._seg.check() == []
+
+
 def test_purge_without_force_refuses_a_segment_made_with_wider_permissions(
         tmp_path: pathlib.Path, ns: str) -> None:
     """F (acknowledged write lost): with cache.l2_permissions 0o660 (a documented setting),
