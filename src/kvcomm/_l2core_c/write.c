@@ -18,7 +18,7 @@ typedef struct {
     uint64_t x_counter, x_hlc;
     const char *x_vvx;
     uint64_t x_vvlen;
-    const char *ext; /* the record's extension field (a msgpack map, opaque here) */
+    const char *ext; /* the record's extension field (a msgpack map, checked by ExtCheck) */
     uint64_t xlen;
     /* the plan */
     int writes_record;   /* a put, or a tombstone */

@@ -318,7 +318,8 @@ class SegmentCore:
 
         ``ext`` is the record's extension field (``b""``: none): an encoded msgpack map that
         a write may attach (the 6th element of a put op, the 9th of a versioned one); L2
-        stores it byte for byte and never reads it. Lock-free, as :meth:`read`."""
+        checks it once, when it is written (:mod:`kvcomm.core.ext`: what L3's readers
+        accept), and stores it byte for byte. Lock-free, as :meth:`read`."""
         r = self._read_or_repair(lambda: self._core.version(key_b, h))
         return None if r is None else tuple(r)
 
