@@ -292,7 +292,8 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "max_batch_ops": st.integers(1, MAX_COUNT), "max_batch_bytes": _size(1),
         "negative_ttl": _duration(False), "negative_max_entries": st.integers(1, MAX_COUNT),
         "bloom_capacity": st.integers(1, MAX_COUNT),
-        "bloom_fpr": st.floats(0, 1, exclude_min=True, exclude_max=True),
+        # (below ~1e-12 a small capacity needs more hash functions than the filter tests)
+        "bloom_fpr": st.floats(1e-12, 1, exclude_max=True),
         "hot_key_sample": st.integers(0, 1 << 20),
         "strong_prefixes": st.lists(_unicode.filter(lambda t: t and "\0" not in t
                                                     and len(t.encode()) <= 8), max_size=3,
@@ -399,6 +400,8 @@ def test_show_loads_back_to_an_equal_config(tmp_path_factory: pytest.TempPathFac
         ({"cluster": {"feed_poll": "9" * 30 + "s"}}, "cluster.feed_poll"),
         ({"cache": {"max_views": True}}, "cache.max_views"),
         ({"cache": {"bloom_fpr": True}}, "cache.bloom_fpr"),
+        ({"cache": {"bloom_fpr": 1e-20}}, "cache.bloom_fpr"),  # 66 hash functions: over 64
+        ({"cache": {"bloom_fpr": 1e-14, "bloom_capacity": 1}}, "cache.bloom_fpr"),  # 89
         ({"cluster": {"redis_username": "\ud800"}}, "cluster.redis_username"),
         ({"cluster": {"redis": ["host:99999"]}}, "cluster.redis"),
         ({"cluster": {"resolvers": {"p/": "not a path:f"}}}, "cluster.resolvers"),

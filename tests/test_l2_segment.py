@@ -248,9 +248,10 @@ def test_purge_always_works(ns: str) -> None:
 
 
 def test_the_extension_field_is_stored_as_it_is_and_survives_repair(kv: kvcomm.Client) -> None:
-    """Every L2 record has one extension field (bytes of a msgpack map, opaque to L2): a
-    put may attach one, a versioned put carries one, a put without one clears it, and a
-    repair keeps it. Later features (agent ids, expiry) ride in it."""
+    """Every L2 record has one extension field (bytes of a msgpack map, stored as it is):
+    a put may attach one, a versioned put carries one, a put without one clears it, and a
+    repair keeps it. Later features (agent ids, expiry) ride in it. One that L3's readers
+    would refuse (kvcomm.core.ext) is refused before it is stored."""
     import msgpack
 
     seg = kv._seg
@@ -269,9 +270,21 @@ def test_the_extension_field_is_stored_as_it_is_and_survives_repair(kv: kvcomm.C
     assert seg.check() == []
     with pytest.raises(TypeError):
         seg.apply([(kb, h, 1, b"", b"v4", "not bytes")], now_ms=1)
-    with pytest.raises(kvcomm.ValueTooLarge):  # it counts toward the record's size
-        seg.apply([(kb, h, 1, b"", b"v", bytes(seg._max_record))], now_ms=1)
+    for bad in (b"not msgpack \xc1", msgpack.packb([1, 2]), msgpack.packb({1: 2}),
+                msgpack.packb({"a": "x" * 5000})):  # not one map of str keys, or too big
+        with pytest.raises(kvcomm.InvalidArgument, match="extension"):
+            seg.apply([(kb, h, 1, b"", b"v4", bad)], now_ms=1)
+        with pytest.raises(kvcomm.InvalidArgument, match="extension"):
+            seg.apply([(kb, h, 1, b"", b"v4", 5, 7, b"", bad)], now_ms=1)
+    # it counts toward the record's size: a value that fits alone does not with one
+    from kvcomm.tiers.shm.layout import REC_HEADER
+
+    big = msgpack.packb({"a": "x" * 4000})
+    value = bytes(seg._max_record - REC_HEADER - len(kb) - 64)
+    with pytest.raises(kvcomm.ValueTooLarge):
+        seg.apply([(kb, h, 1, b"", value, big)], now_ms=1)
     assert kv.get("ext/1") == b"v3"  # nothing changed
+    seg.apply([(b"ext/3", l2.key_hash(b"ext/3"), 1, b"", value)], now_ms=1)  # (alone: fits)
 
 
 @settings(max_examples=60)

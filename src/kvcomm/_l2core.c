@@ -51,6 +51,7 @@
 #define TAG_BYTES 1
 #define TAG_NDARRAY 4
 #define NEW_DOT UINT64_MAX
+#define MAX_COUNTER ((1ULL << 53) - 1) /* kvcomm.core.versions.MAX_COUNTER: a version's bound */
 #define OWNED_MAX 16 /* pin entries a process keeps owned, unused, for its next views */
 
 /* statuses returned (as ints) when a write changed nothing */
@@ -91,6 +92,7 @@ static PyObject *SegmentError;    /* kvcomm.errors.SegmentError, set at import *
 static PyObject *Unavailable;     /* kvcomm.errors.Unavailable */
 static PyObject *InvalidArgument; /* kvcomm.errors.InvalidArgument */
 static PyObject *WriteUnderLock;  /* kvcomm.errors.WriteUnderLock (an InvalidArgument) */
+static PyObject *ExtCheck;        /* kvcomm.core.ext.l2_ext_problem, set at import (NULL: none) */
 
 #define W(c, off) ((uint64_t *)((c)->base + (off)))
 #define HW(c, name) W(c, (name) * 8)

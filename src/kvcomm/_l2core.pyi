@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from typing import Any
 
 ST_SLOT_FULL: int
@@ -6,6 +7,7 @@ ST_CORRUPT: int
 ST_DIRTY_FULL: int
 ST_LOOK: int
 ST_FULL: int
+MAX_COUNTER: int
 
 class Core:
     def __init__(self, buffer: Any) -> None: ...
@@ -94,5 +96,6 @@ class Getter:
 def set_errors(segment_error: type[BaseException], unavailable: type[BaseException],
                invalid_argument: type[BaseException],
                write_under_lock: type[BaseException]) -> None: ...
+def set_ext_check(fn: Callable[[bytes], str]) -> None: ...
 def approx_size(obj: object) -> int: ...
 def bloom_has(buffer: Any, bits: int, k: int, gens: int, digest: bytes) -> bool: ...

@@ -402,6 +402,22 @@ class CacheConfig(_Section):
         default_factory=list,
         description="key prefixes whose keys are strong (linearizable, on etcd) in cluster mode")
 
+    @field_validator("bloom_fpr")
+    @classmethod
+    def _bloom_fpr_fits_the_filter(cls, v: float, info: ValidationInfo) -> float:
+        from .core.bloom import MAX_HASHES, optimal_params
+
+        capacity = info.data.get("bloom_capacity")
+        if capacity is None:  # it failed its own check
+            return v
+        k = optimal_params(capacity, v)[1]
+        if k > MAX_HASHES:
+            raise ValueError(
+                f"{v!r} with cache.bloom_capacity={capacity} needs {k} hash functions; the key "
+                f"filter uses at most {MAX_HASHES}: raise cache.bloom_fpr (1e-12 or more always "
+                "fits) or cache.bloom_capacity")
+        return v
+
     @field_validator("strong_prefixes")
     @classmethod
     def _strong_prefixes_are_key_prefixes(cls, v: list[str], info: ValidationInfo) -> list[str]:

@@ -75,8 +75,7 @@ class Client(Watching):
         self._closed = self._unusable = True
         if self._l3 is not None:
             self._l3.close()
-        if self._kf is not None:
-            self._kf.close()
+        self._kf = None  # (dropped, not closed: a get in another thread may be testing it)
         self._l1_entries = {}
         self._getter.close()
         self.__dict__.pop("get", None)  # Client.get: it says the client is closed

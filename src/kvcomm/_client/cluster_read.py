@@ -60,7 +60,7 @@ class ClusterReads(Merging):
 
     def _key_filter(self) -> Any:
         """The daemon's filter of existing keys while it is trusted (built, not retired,
-        heartbeat fresh: ``KeyFilter.ready``), else None. An untrusted one is closed and
+        heartbeat fresh: ``KeyFilter.ready``), else None. An untrusted one is dropped and
         the file reopened, at most once a second: the daemon may have been restarted and
         put a new file in place. Raises SegmentError for a filter file of another user or
         of too wide a mode (``cache.l2_permissions``)."""
@@ -70,9 +70,9 @@ class ClusterReads(Merging):
         now = time.monotonic()
         if now < self._kf_retry:
             return None
-        if kf is not None:
-            self._kf = None
-            kf.close()
+        # Dropped, not closed: another thread sharing this client may be between its own
+        # _key_filter() and may_exist() on it; the mapping goes with the last reference.
+        self._kf = None
         from ..tiers.keyfilter import KeyFilter
 
         # (a refused file raises at every miss, not once a second: no silent fallback)

@@ -13,7 +13,9 @@ from ..core.versions import (
     Dotted,
     Ordering,
     Version,
+    as_sibling,
     compare_vectors,
+    counters_valid,
     encode_others,
     merge_vectors,
     vector_get,
@@ -50,10 +52,16 @@ class Merging(HotKeys):
         This is how the node daemon applies cluster changes (and how tests drive
         conflicts): a newer ``version`` replaces the local value, an older or equal one
         is ignored, a concurrent one is resolved (resolver, else last-writer-wins) and
-        stored with the merged vector. Returns the version stored afterwards.
+        stored with the merged vector. Returns the version stored afterwards. Raises
+        InvalidArgument (nothing stored) for a vector that is not (host id, counter in
+        1..2**53-1) pairs: a counter past that bound would carry this host's write
+        sequence with it.
         """
         if not isinstance(version, Version):
             raise InvalidArgument(f"version must be a kvcomm.Version, got {type(version).__name__}")
+        if not counters_valid(version.vector):
+            raise InvalidArgument(f"version {version.vector!r:.200} is not (host id, counter in "
+                                  "1..2**53-1) pairs (kvcomm.core.versions.MAX_COUNTER)")
         return self._merge(key, value, version, self._encode(value))
 
     def _local_item(self, kb: bytes, h: int, key: str) -> Item | None:
@@ -186,12 +194,8 @@ class Merging(HotKeys):
 
 
 def _dotted(v: Version, other: Version) -> Dotted:
-    """``v`` as a sibling of the concurrent ``other``: its dot is an entry ``other`` has not
-    seen (one always exists between concurrent versions — the real dot is among them), the
-    greatest, so that every host picks the same one."""
-    unseen = [e for e in v.vector if e[1] > vector_get(other.vector, e[0])] or list(v.vector)
-    actor, counter = max(unseen, key=lambda e: (e[1], e[0])) if unseen else ("", 0)
-    return Dotted(v.vector, (actor, counter), v.hlc)
+    """``v`` as a sibling of the concurrent ``other`` (:func:`~kvcomm.core.versions.as_sibling`)."""
+    return as_sibling(v.vector, v.hlc, other.vector)
 
 
 def _storable(value: Any) -> bool:

@@ -64,10 +64,24 @@ set_errors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+set_ext_check(PyObject *mod, PyObject *fn)
+{
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_ext_check(fn: bytes -> str)");
+        return NULL;
+    }
+    Py_INCREF(fn);
+    Py_XSETREF(ExtCheck, fn);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"set_errors", (PyCFunction)(void (*)(void))set_errors, METH_FASTCALL,
      "the exception classes to raise: SegmentError, Unavailable, InvalidArgument, "
      "WriteUnderLock"},
+    {"set_ext_check", set_ext_check, METH_O,
+     "fn(ext: bytes) -> str: why a write's non-empty extension field is refused ('' if not)"},
     {"approx_size", approx_size, METH_O, "approximate bytes held by a decoded value"},
     {"bloom_has", (PyCFunction)(void (*)(void))bloom_has, METH_FASTCALL,
      "bloom_has(buffer, bits, k, gens, digest) -> bool: the key filter's membership test"},
@@ -107,6 +121,10 @@ PyInit__l2core(void)
     Py_INCREF(Unavailable);
     Py_INCREF(InvalidArgument);
     Py_INCREF(WriteUnderLock);
+    if (PyModule_AddIntConstant(m, "MAX_COUNTER", (long)MAX_COUNTER) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&CoreType);
     Py_INCREF(&BatchOpsType);
     if (PyModule_AddObject(m, "BatchOps", (PyObject *)&BatchOpsType) < 0) {

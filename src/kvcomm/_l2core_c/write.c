@@ -22,7 +22,7 @@ typedef struct {
     uint64_t x_counter, x_hlc;
     const char *x_vvx;
     uint64_t x_vvlen;
-    const char *ext; /* the record's extension field (a msgpack map, opaque here) */
+    const char *ext; /* the record's extension field (a msgpack map, checked by ExtCheck) */
     uint64_t xlen;
     /* the plan */
     int writes_record;   /* a put, or a tombstone */
@@ -75,6 +75,20 @@ parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
         }
         op->ext = PyBytes_AS_STRING(ext);
         op->xlen = (uint64_t)PyBytes_GET_SIZE(ext);
+        /* one rule for what a valid field is (kvcomm.core.ext, shared with L3's readers):
+           a field no other host could read is refused before the write is acknowledged */
+        if (op->xlen && ExtCheck) {
+            PyObject *why = PyObject_CallOneArg(ExtCheck, ext);
+            if (!why)
+                return -1;
+            int bad = PyUnicode_Check(why) && PyUnicode_GET_LENGTH(why) > 0;
+            if (bad)
+                PyErr_Format(InvalidArgument, "a record's extension field is refused: %U "
+                             "(kvcomm.core.ext)", why);
+            Py_DECREF(why);
+            if (bad)
+                return -1;
+        }
     }
     op->tag = PyLong_AsUnsignedLongLong(it[2]);
     if (PyErr_Occurred() || !PyBytes_Check(it[3]) || op->tag > 0xFF ||
@@ -99,6 +113,13 @@ parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
         }
         op->x_vvx = PyBytes_AS_STRING(it[7]);
         op->x_vvlen = (uint64_t)PyBytes_GET_SIZE(it[7]);
+        if (op->x_counter != NEW_DOT && op->x_counter > MAX_COUNTER) {
+            /* it would carry the host's write sequence past the bound (towards NEW_DOT) */
+            PyErr_Format(InvalidArgument, "a version's counter %llu is over 2**53-1 "
+                         "(kvcomm.core.versions.MAX_COUNTER): refused",
+                         (unsigned long long)op->x_counter);
+            return -1;
+        }
     }
     return 0;
 }

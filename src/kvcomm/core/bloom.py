@@ -26,6 +26,12 @@ _MAGIC = b"KVBF"
 _HDR = struct.Struct("<4sIIQQ")  # magic, k, seed, bits, adds
 
 
+#: The most hash functions a filter may use: the agents' membership test in C
+#: (``bloom_has`` in ``_l2core_c/bloom.c``) computes at most this many positions. A rate
+#: below about 2**-64 (fewer for tiny capacities, whose bits round up) needs more.
+MAX_HASHES = 64
+
+
 def optimal_params(capacity: int, fpr: float) -> tuple[int, int]:
     """(bits, hash count) for ``capacity`` keys at false-positive rate ``fpr``."""
     if capacity < 1 or not 0.0 < fpr < 1.0:

@@ -36,6 +36,14 @@ newer version can look *concurrent* with an old one, never *older*; the conflict
 resolved by HLC last-writer-wins, which picks the newer write as long as host clocks are
 within ``old_ms`` of each other. No acknowledged write is lost to pruning.
 
+Counters are bounded: 1..:data:`MAX_COUNTER` (2**53-1). A host's write sequence starts at
+the wall clock in microseconds when its L2 segment is made (about 2**51 today, 2**53 in
+the year 2255), so no real dot comes near it; the bound is where L3's push script (Lua
+numbers are doubles) stops comparing counters exactly, and it keeps every host's
+sequence far below the kernel's "fresh dot" sentinel (2**64-1) however it is raised.
+A counter past it is refused where it enters: an L3 record (CorruptRecord), a version
+given to ``merge_remote`` (InvalidArgument), an L2 write with a given version.
+
 Everything here is pure: callers pass the time and the host activity in.
 """
 
@@ -50,7 +58,10 @@ import msgpack
 LOGICAL_BITS = 16
 _LOGICAL_MASK = (1 << LOGICAL_BITS) - 1
 
-Vector = tuple[tuple[str, int], ...]  # sorted by actor, counters > 0
+Vector = tuple[tuple[str, int], ...]  # sorted by actor, counters in 1..MAX_COUNTER
+
+#: The largest counter a dot or a vector entry may hold (see the module docstring).
+MAX_COUNTER = (1 << 53) - 1
 
 
 class Ordering(enum.Enum):
@@ -187,6 +198,15 @@ def with_dot(v: Vector, actor: str, counter: int) -> Vector:
     return tuple(sorted(out.items()))
 
 
+def counters_valid(v: Iterable[tuple[str, int]]) -> bool:
+    """True when every entry of ``v`` is (a str actor, an int counter in 1..MAX_COUNTER).
+    False, never an exception, for anything else (an entry that is not a pair, say)."""
+    try:
+        return all(type(a) is str and type(c) is int and 0 < c <= MAX_COUNTER for a, c in v)
+    except (TypeError, ValueError):
+        return False
+
+
 def covers(v: Vector, dot: tuple[str, int]) -> bool:
     """True when the write named by ``dot`` happened before (or is) what ``v`` describes."""
     return vector_get(v, dot[0]) >= dot[1]
@@ -269,6 +289,15 @@ class Dotted(NamedTuple):
     vector: Vector
     dot: tuple[str, int]
     hlc: int
+
+
+def as_sibling(vector: Vector, hlc: int, other: Vector) -> Dotted:
+    """A version as a sibling of the concurrent ``other``: its dot is an entry ``other``
+    has not seen (one always exists between concurrent versions — the real dot is among
+    them), the greatest, so that every host picks the same one."""
+    unseen = [e for e in vector if e[1] > vector_get(other, e[0])] or list(vector)
+    actor, counter = max(unseen, key=lambda e: (e[1], e[0])) if unseen else ("", 0)
+    return Dotted(vector, (actor, counter), hlc)
 
 
 def add_sibling(siblings: list[Dotted], new: Dotted) -> list[Dotted]:

@@ -52,8 +52,8 @@ import time
 from xxhash import xxh3_128_digest
 
 from .._l2core import bloom_has
-from ..core.bloom import BloomFilter, optimal_params
-from ..errors import SegmentError
+from ..core.bloom import MAX_HASHES, BloomFilter, optimal_params
+from ..errors import InvalidArgument, SegmentError
 from .l2 import SHM_DIR, pid_alive, segment_path
 
 MAGIC = int.from_bytes(b"KVCKEYS2", "little")
@@ -143,10 +143,17 @@ class KeyFilter:
                directory: str = SHM_DIR) -> KeyFilter:
         """A new, empty, not-yet-ready filter in place of any old one (which is retired).
 
-        Raises SegmentError when the old file belongs to another user, or when /dev/shm
-        has no room for the new one (nothing is left behind then).
+        Raises InvalidArgument when ``capacity`` and ``fpr`` need more than MAX_HASHES hash
+        functions (the config refuses them: cache.bloom_fpr), SegmentError when the old
+        file belongs to another user, or when /dev/shm has no room for the new one
+        (nothing is left behind then).
         """
         path = filter_path(namespace, directory)
+        k = optimal_params(capacity, fpr)[1]
+        if k > MAX_HASHES:
+            raise InvalidArgument(f"a key filter of {capacity} keys at rate {fpr!r} needs {k} "
+                                  f"hash functions, more than {MAX_HASHES}: raise "
+                                  "cache.bloom_fpr or cache.bloom_capacity")
         size = cls.size_for(capacity, fpr)
         _remove_stale_temps(path)
         tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -220,7 +227,8 @@ class KeyFilter:
         None when there is none yet or it is not a valid filter file.
 
         Raises SegmentError when the file belongs to another user or its mode grants more
-        than ``permissions``.
+        than ``permissions``, or when its geometry needs more hash functions than the
+        membership test computes (MAX_HASHES: a daemon of another KVCOMM made it).
         """
         path = filter_path(namespace, directory)
         try:
@@ -250,6 +258,13 @@ class KeyFilter:
         if cls.size_for(cap, fpr) != size:
             mm.close()
             return None
+        k = optimal_params(cap, fpr)[1]
+        if k > MAX_HASHES:  # loud: answering "maybe" for ever would hide it
+            mm.close()
+            raise SegmentError(
+                f"the key filter {path} needs {k} hash functions (capacity {cap}, rate {fpr!r}); "
+                f"this KVCOMM tests at most {MAX_HASHES}: set cache.bloom_fpr to 1e-12 or more "
+                "and restart the node daemon (`kvcomm node`)")
         return cls(path, mm, cap, fpr)
 
     @property

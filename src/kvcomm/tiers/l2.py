@@ -175,9 +175,10 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     Always removes the segment file, even a corrupt, foreign or locked one; the segment
     is marked purged only once its file is gone (a file that cannot be removed is left as
     it was, unmarked). With ``keep_unflushed`` (what ``kvcomm purge`` does unless
-    ``--force``), a segment holding writes not yet in L3 — of this layout or of an older
-    one (see tiers/shm/migrate.py) — is left alone: UnflushedWrites says how many and what
-    to do. Returns False when there was no segment. Raises SegmentError for a bad name,
+    ``--force``), a segment holding writes not yet in L3 — of this layout (its dirty
+    counter and its slots' dirty flags agree that writes wait; its mode may be any) or of
+    an older one (see tiers/shm/migrate.py) — is left alone: UnflushedWrites says how many
+    and what to do. Returns False when there was no segment. Raises SegmentError for a bad name,
     OSError when the file cannot be removed (the caller says what to do).
     """
     path = segment_path(name, directory)
@@ -187,8 +188,11 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
         remove(name, directory)
         return False
     try:
+        # any mode (cache.l2_permissions may be wider than the default; the file is being
+        # removed, not used): a segment made with 0o660 must still be looked into
         seg: L2Segment | None = L2Segment(name, create_layout=None, host_id="", attach_timeout=0,
-                                          directory=directory, lock_timeout=1.0)
+                                          permissions=0o777, directory=directory,
+                                          lock_timeout=1.0)
     except Exception:  # foreign, broken or not ours: removing the file is all we can do
         seg = None
     if keep_unflushed:
@@ -214,7 +218,13 @@ def _refuse_unflushed(name: str, path: str, seg: L2Segment | None) -> None:
     from .shm.migrate import unflushed
 
     if seg is not None:
-        n = seg.dirty_count
+        # The header's counter and the slots' flags must agree that writes wait: a corrupt
+        # counter alone (or one flag bit) is no unflushed write, and must not make a
+        # corrupt segment unremovable. (Both corrupt at once: refused, --force removes it.)
+        try:
+            n = min(seg.dirty_count, len(seg.dirty_keys())) if seg.dirty_count else 0
+        except Exception:  # slots that cannot be scanned: nothing can be saved from them
+            n = 0
         if n:
             seg.close()
             raise UnflushedWrites(

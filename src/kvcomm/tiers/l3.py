@@ -43,9 +43,10 @@ agents before the first writer of the new format.
 
 Decoding is defensive (:meth:`L3Record.decode`): anything in Redis may have been written
 by something else, so every field is checked for type and range (actors are host ids,
-counters in 1..2**64-1, the value at most ``cache.max_value_size``, ``x`` at most
-MAX_EXT bytes holding one map), msgpack's length limits are set so that no length field
-can make the decoder allocate more than the record's own size, and any failure is
+counters in 1..2**53-1 (``MAX_COUNTER``: see :mod:`kvcomm.core.versions`), the value at
+most ``cache.max_value_size``, ``x`` at most MAX_EXT bytes holding one map), msgpack's
+length limits are set so that no length field can make the decoder allocate more than
+the record's own size, and any failure is
 :class:`~kvcomm.errors.CorruptRecord` for that key only. :meth:`L3Record.decode_value`
 does the same for the value inside.
 
@@ -66,7 +67,12 @@ which applies the incoming record atomically against the stored one by the L3 ru
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
 record comes back, concurrent → last-writer-wins with the merged vector, or ``conflict``
 for an application resolver to settle), and appends every change to the group's stream,
-bounded by ``MAXLEN ~``.
+bounded by ``MAXLEN ~``. A stored value that is not a KVCOMM record at all (garbage,
+another program's value, another Redis type, counters past ``MAX_COUNTER``) is replaced
+by the push as if the key were absent (``new``): that is how "rewrite the key", the
+advice of every CorruptRecord, repairs a key. A record of a *newer* format is not
+replaced (``KVCOMMCORRUPT``: upgrade this host), and an incoming record that is not
+valid is refused (``KVCOMMBAD``).
 """
 
 from __future__ import annotations
@@ -81,8 +87,10 @@ import xxhash
 
 from .._extras import require_cluster
 from ..core import codec
+from ..core.ext import EMPTY_EXT, MAX_EXT
+from ..core.ext import ext_problem as _check_ext
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
-from ..core.versions import Dotted, Vector
+from ..core.versions import MAX_COUNTER, Dotted, Vector
 from ..errors import CorruptRecord, Unavailable, UnsupportedValue
 
 __all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "PushResult", "GROUPS",
@@ -98,7 +106,6 @@ log = logging.getLogger("kvcomm.l3")
 GROUPS = 16
 FORMAT = 2  # the record format written (see "When to bump FORMAT" above)
 FIELDS = ("f", "h", "d", "t", "m", "v", "vv", "dot", "x")  # a format-2 record's keys
-EMPTY_EXT = b"\x80"  # the empty msgpack map: the extension of a record that has none
 FEED_MAXLEN = 100_000  # events kept per group stream (approximate: MAXLEN ~)
 OUTCOMES = (NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT)
 QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
@@ -107,9 +114,7 @@ QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:qu
 # configured cache.max_value_size; these are the rest.
 MAX_VALUE_SIZE = 64 << 20  # cache.max_value_size's default, for callers without a config
 MAX_META = 4096  # the codec's meta is an array header: [dtype, shape] of at most 64 dims
-MAX_EXT = 4096  # the packed extension map
 MAX_ACTORS = 1024  # hosts in one version vector
-MAX_COUNTER = 2**64 - 1
 _ACTOR = re.compile(rb"[A-Za-z0-9_.:-]{1,64}\Z")  # as node.host_id
 _HLC = re.compile(rb"[0-9a-f]{16}\Z")
 _FIELD_SET = frozenset(f.encode() for f in FIELDS)
@@ -157,7 +162,7 @@ class L3Record(NamedTuple):
         Raises CorruptRecord, and nothing else, for any input that is not a valid
         record: an unknown format, missing or unknown fields, wrong types, a value over
         ``max_value_size``, meta over MAX_META, an extension that is not one msgpack map
-        of at most MAX_EXT bytes with string keys, counters outside 1..2**64-1, actors
+        of at most MAX_EXT bytes with string keys, counters outside 1..2**53-1, actors
         that are not host ids, an HLC that is not 16 lowercase hex digits, or more than
         MAX_ACTORS actors. Memory used is bounded by ``len(data)``, which is itself
         bounded before unpacking.
@@ -262,26 +267,12 @@ def _check_fields(hlc: object, tomb: object, tag: object, meta: object, value: o
     for i in range(0, len(flat), 2):
         a, c = flat[i], flat[i + 1]
         if type(a) is not bytes or not _ACTOR.match(a) or not _valid_counter(c):
-            return "a version-vector entry is not (host id, counter in 1..2**64-1)"
+            return "a version-vector entry is not (host id, counter in 1..2**53-1)"
         seen.add(a)
     if len(seen) != len(flat) // 2:
         return "an actor appears twice in the version vector"
     if type(actor) is not bytes or not _ACTOR.match(actor) or not _valid_counter(counter):
-        return "the dot is not (host id, counter in 1..2**64-1)"
-    return ""
-
-
-def _check_ext(x: object) -> str:
-    """Why ``x`` is not a packed extension map; "" if it is."""
-    if type(x) is not bytes or len(x) > MAX_EXT:
-        return f"the extension is not bytes of at most {MAX_EXT}"
-    try:
-        m = msgpack.unpackb(x, raw=False, max_str_len=MAX_EXT, max_bin_len=MAX_EXT,
-                            max_array_len=MAX_EXT, max_map_len=MAX_EXT, max_ext_len=0)
-    except Exception:  # msgpack's errors have no common base; bad UTF-8 in a key too
-        return "the extension is not one msgpack value"
-    if type(m) is not dict or not all(type(k) is str for k in m):
-        return "the extension is not a map with string keys"
+        return "the dot is not (host id, counter in 1..2**53-1)"
     return ""
 
 
@@ -308,27 +299,34 @@ def seq_key(group: int) -> str:
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
+local MAX_COUNTER = 9007199254740991  -- 2**53-1: every larger integer is a double >= 2**53
+local function counter_ok(c)
+  return type(c) == 'number' and c >= 1 and c <= MAX_COUNTER
+end
 -- a record as a table of named fields, or nil when it is not one (fields read by name;
--- a format-1 array is read into the same names)
+-- a format-1 array is read into the same names); nil, 'newer' for a record of a format
+-- newer than this script's
 local function read(raw)
   local ok, r = pcall(cmsgpack.unpack, raw)
   if not ok or type(r) ~= 'table' then return nil end
   if r.f == nil and r[1] == 1 and #r == 9 then
     r = {f = 1, h = r[2], d = r[3], t = r[4], m = r[5], v = r[6], vv = r[7],
          dot = {r[8], r[9]}, x = EMPTY_EXT}
+  elseif type(r.f) == 'number' and r.f > 2 then
+    return nil, 'newer'
   elseif r.f ~= 2 then
     return nil
   end
   if type(r.h) ~= 'string' or #r.h ~= 16 or type(r.d) ~= 'boolean'
      or type(r.t) ~= 'number' or type(r.m) ~= 'string' or type(r.v) ~= 'string'
      or type(r.x) ~= 'string' or type(r.vv) ~= 'table' or type(r.dot) ~= 'table'
-     or type(r.dot[1]) ~= 'string' or type(r.dot[2]) ~= 'number' then
+     or type(r.dot[1]) ~= 'string' or not counter_ok(r.dot[2]) then
     return nil
   end
   local f = r.vv
   if #f % 2 ~= 0 then return nil end
   for i = 1, #f, 2 do
-    if type(f[i]) ~= 'string' or type(f[i + 1]) ~= 'number' then return nil end
+    if type(f[i]) ~= 'string' or not counter_ok(f[i + 1]) then return nil end
   end
   return r
 end
@@ -352,14 +350,20 @@ local incoming = read(ARGV[1])
 if incoming == nil then
   return redis.error_reply('KVCOMMBAD incoming record is malformed')
 end
-local raw = redis.call('GET', KEYS[1])
+local raw = redis.pcall('GET', KEYS[1])
+if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
 if not raw then
   store(ARGV[1])
   return {'new', ARGV[1]}
 end
-local stored = read(raw)
-if stored == nil then
-  return redis.error_reply('KVCOMMCORRUPT stored value is not a KVCOMM record')
+local stored, why = read(raw)
+if stored == nil and why == 'newer' then
+  return redis.error_reply('KVCOMMCORRUPT stored record has a newer format than this ' ..
+                           'host reads; upgrade this host')
+end
+if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
+  store(ARGV[1])
+  return {'new', ARGV[1]}
 end
 local a, b = vv(incoming), vv(stored)
 local a_ge, b_ge = true, true

@@ -42,7 +42,8 @@ keep their places across versions, so any version can tell what a segment is.
 
 What needs no bump: the **extension field** of a record (``REC_LENS`` high half gives its
 length; it follows the meta) holds one encoded msgpack map. New features add keys to it
-(an agent id, an expiry); L2 stores it byte for byte and a reader ignores keys it does
+(an agent id, an expiry); L2 checks it is one (kvcomm.core.ext), stores it byte for byte,
+and a reader ignores keys it does
 not know, so records written by a newer KVCOMM stay readable by an older one. Nor does
 **appending** a series to :data:`METRIC_SERIES` or :data:`HISTOGRAMS` (within the region's
 fixed size): an older KVCOMM never touches the new word (it reads zero in a segment that

@@ -18,8 +18,17 @@ Migration (:func:`migrate`), with the old segment's users stopped:
    new segment, and a crash leaves the old records in the aside file, where the next
    ``kvcomm migrate`` finds them again;
 2. every dirty record is written into the new segment with its own version, dirty (the
-   daemon pushes it to L3, whose merge keeps whichever version is newer), unless the new
-   segment already holds the key (a write made after the upgrade: newer, kept);
+   daemon pushes it to L3, whose merge keeps whichever version is newer). Where the new
+   segment already holds the key, the two are merged by L3's rule
+   (:func:`kvcomm.core.resolve.l3_rule`), not by presence: what the new segment holds may
+   be a write made after the upgrade (its dot is above the old ones: the new segment's
+   write sequence starts at the wall clock, and step 2 raises it past the carried dots),
+   but it may as well be an *older* copy from L3 (an agent's L2-miss read, the daemon's
+   prewarm or a pulled change, made while a crashed migration left the records aside).
+   A record that covers the old write's dot keeps its place (``superseded``); one older
+   than it is replaced; a concurrent one is merged last-writer-wins with the merged
+   vector (as L3 would; application resolvers are not consulted), dirty so that L3
+   learns the merge;
 3. the aside file is removed.
 """
 
@@ -33,8 +42,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...core.versions import decode_others, encode_others, vector_get
-from ...errors import SegmentError
+from ...core.resolve import EQUAL, NEW, OLDER, l3_rule
+from ...core.versions import (
+    MAX_COUNTER,
+    Dotted,
+    as_sibling,
+    counters_valid,
+    decode_others,
+    encode_others,
+    vector_get,
+)
+from ...errors import ConflictError, SegmentError, Unavailable
 from .files import check_owner
 from .layout import LAYOUT_VERSION, MAGIC
 
@@ -102,6 +120,9 @@ def _read_slots(mm: Any, version: int, *, host_at: int, vv_shift: int,
         if not data_off <= off <= data_off + data_size - 64:
             raise SegmentError(f"{where}: slot {i} points outside the heap (corrupt)")
         rsize, counter, hlc, info = word(off), word(off + 8), word(off + 16), word(off + 24)
+        if not 0 < counter <= MAX_COUNTER:
+            raise SegmentError(f"{where}: the record of slot {i} has counter "
+                               f"{counter}, outside 1..2**53-1 (corrupt)")
         vlen, vrel, lens = word(off + 32), word(off + 40), word(off + 56)
         klen, tag = info & 0xFFFF, (info >> 16) & 0xFF
         vvlen = (info >> vv_shift) & 0xFFFFFFFF
@@ -116,11 +137,14 @@ def _read_slots(mm: Any, version: int, *, host_at: int, vv_shift: int,
         xf = bytes(mm[p + klen + vvlen + mlen:p + klen + vvlen + mlen + xlen])
         value = bytes(mm[off + vrel:off + vrel + vlen])
         try:
-            decode_others(vvx)
+            others = decode_others(vvx)
             key.decode("utf-8")
         except (ValueError, UnicodeDecodeError):
             raise SegmentError(f"{where}: the record of slot {i} is malformed "
                                "(corrupt)") from None
+        if not counters_valid(others):
+            raise SegmentError(f"{where}: the record of slot {i} has a counter "
+                               "outside 1..2**53-1 (corrupt)")
         out.append(OldRecord(key, tag, meta, value, counter, hlc, vvx, True, xf))
     return host, out
 
@@ -194,8 +218,9 @@ def aside_path(path: str, version: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Migrated:
-    """What :func:`migrate` did: records carried, records skipped because the new segment
-    already held a newer write of their key, and the old layout version (0: nothing to do)."""
+    """What :func:`migrate` did: records carried (written into the new segment, alone or
+    merged with what it held), records skipped because the new segment already held a
+    write that covers theirs, and the old layout version (0: nothing to do)."""
 
     carried: int
     superseded: int
@@ -239,38 +264,69 @@ def migrate(name: str, config: Any) -> Migrated:
                        directory=c.l2_dir, lock_timeout=c.lock_timeout)
     carried = superseded = 0
     try:
-        from .segment import key_hash
-
         host = config.node.host_id
         old_host = "" if got is None else got[1]
-        now_ms = time.time_ns() // 1_000_000
+        # the new segment's own dots must stay above the carried ones (first: a write made
+        # while this runs must not reuse one of their dots)
+        seg.raise_write_sequence(max((r.counter for r in records if old_host == host),
+                                     default=0))
         for rec in records:
-            h = key_hash(rec.key)
-            # the record's whole vector, told again from the new segment's host (the same
-            # one, unless the config names another host: then the old entry is an "other")
-            vector = tuple(sorted(decode_others(rec.vvx) + ((old_host, rec.counter),)))
-            counter, vvx = vector_get(vector, host), encode_others(vector, host)
-
-            def absent(kb: bytes = rec.key, h: int = h) -> None:
-                if seg.read(kb, h) is not None:
-                    raise _Present
-
-            try:
-                op: tuple[Any, ...] = (rec.key, h, rec.tag, rec.meta, rec.value, counter,
-                                       rec.hlc, vvx)
-                seg.apply([(*op, rec.ext) if rec.ext else op], now_ms=now_ms, dirty=True,
-                          check=absent)
+            if _carry(seg, host, old_host, rec):
                 carried += 1
-            except _Present:
+            else:
                 superseded += 1
-        # the new segment's own dots must stay above the carried ones
-        top = max((r.counter for r in records if old_host == host), default=0)
-        seg.raise_write_sequence(top)
     finally:
         seg.close()
     os.unlink(aside)
     return Migrated(carried, superseded, version)
 
 
-class _Present(Exception):
-    """The new segment holds the key already (a write made after the upgrade)."""
+def _carry(seg: Any, host: str, old_host: str, rec: OldRecord) -> bool:
+    """Write the old dirty record ``rec`` into ``seg``, merged with what ``seg`` holds of
+    its key by L3's rule (see the module docstring). Returns False when ``seg`` holds a
+    write that covers it (nothing written). Raises what the write raises (Unavailable
+    when ``seg`` keeps changing under it)."""
+    from .segment import key_hash
+
+    h = key_hash(rec.key)
+    # the record's whole vector, told again from the new segment's host (the same one,
+    # unless the config names another host: then the old entry is an "other")
+    vector = tuple(sorted(decode_others(rec.vvx) + ((old_host, rec.counter),)))
+    incoming = Dotted(vector, (old_host, rec.counter), rec.hlc)
+    for _ in range(100):
+        cur = seg.read(rec.key, h)
+        op: tuple[Any, ...]
+        if cur is None:
+            outcome, after = NEW, incoming
+        else:
+            held = tuple(sorted(decode_others(cur.vvx)
+                                + (((host, cur.counter),) if cur.counter else ())))
+            outcome, merged = l3_rule(as_sibling(held, cur.hlc, vector), incoming)
+            assert merged is not None
+            after = merged
+        if outcome in (OLDER, EQUAL):
+            return False
+        counter, vvx = vector_get(after.vector, host), encode_others(after.vector, host)
+        if after.dot == incoming.dot and after.hlc == incoming.hlc:  # the old write wins
+            op = (rec.key, h, rec.tag, rec.meta, rec.value, counter, after.hlc, vvx)
+            if rec.ext:
+                op = (*op, rec.ext)
+        else:  # merged, and what the new segment holds wins: it learns the old dot
+            assert cur is not None and cur.value is not None
+            ext = seg.version(rec.key, h)
+            op = (rec.key, h, cur.tag, cur.meta, cur.value, counter, after.hlc, vvx,
+                  b"" if ext is None else ext[7])
+
+        def unchanged(kb: bytes = rec.key, h: int = h, seen: Any = cur) -> None:
+            now = seg.read(kb, h)
+            if (None if now is None else (now.word, now.seq)) != (
+                    None if seen is None else (seen.word, seen.seq)):
+                raise ConflictError("the key changed while it was merged")
+
+        try:
+            seg.apply([op], now_ms=time.time_ns() // 1_000_000, dirty=True, check=unchanged)
+        except ConflictError:
+            continue  # a write raced this one: merge against it
+        return True
+    raise Unavailable(f"migrating {rec.key!r}: the key kept changing; run `kvcomm migrate` "
+                      "again (the records wait in the aside file)")

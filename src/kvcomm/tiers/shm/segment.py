@@ -15,7 +15,9 @@ from typing import Any, NamedTuple
 import xxhash
 
 from ... import _l2core
+from ...core.ext import l2_ext_problem
 from ...core.sketch import CountMinSketch, TopK
+from ...core.versions import MAX_COUNTER
 from ...errors import InvalidArgument, SegmentError, Unavailable, WriteUnderLock
 from .files import SHM_DIR, _unlink_quietly, check_owner, segment_path
 from .geometry import SKETCH_DEPTH, Layout
@@ -32,6 +34,9 @@ from .layout import (
 )
 
 _l2core.set_errors(SegmentError, Unavailable, InvalidArgument, WriteUnderLock)  # what C raises
+_l2core.set_ext_check(l2_ext_problem)  # the one rule for a record's extension field
+if _l2core.MAX_COUNTER != MAX_COUNTER:  # a stale build of the kernel
+    raise ImportError("kvcomm._l2core was built from other sources; rebuild it (pip install -e .)")
 
 NEW_DOT = (1 << 64) - 1  # a versioned put with this counter: a fresh local dot over the vector
 
@@ -315,7 +320,8 @@ class SegmentCore:
 
         ``ext`` is the record's extension field (``b""``: none): an encoded msgpack map that
         a write may attach (the 6th element of a put op, the 9th of a versioned one); L2
-        stores it byte for byte and never reads it. Lock-free, as :meth:`read`."""
+        checks it once, when it is written (:mod:`kvcomm.core.ext`: what L3's readers
+        accept), and stores it byte for byte. Lock-free, as :meth:`read`."""
         r = self._read_or_repair(lambda: self._core.version(key_b, h))
         return None if r is None else tuple(r)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+from ...core.versions import MAX_COUNTER
+from ...errors import InvalidArgument
 from .layout import H
 from .segment import SegmentCore
 
@@ -22,7 +24,12 @@ class SyncState(SegmentCore):
         return int(self._q[H["WSEQ"]])
 
     def raise_write_sequence(self, at_least: int) -> None:
-        """Make the host's next dots greater than ``at_least`` (under the lock)."""
+        """Make the host's next dots greater than ``at_least`` (under the lock). Raises
+        InvalidArgument (nothing changed) when ``at_least`` is over MAX_COUNTER."""
+        if not 0 <= at_least <= MAX_COUNTER:
+            raise InvalidArgument(f"write sequence {at_least} is outside 0..2**53-1 "
+                                  "(kvcomm.core.versions.MAX_COUNTER)")
+
         def raise_() -> None:
             if self._q[H["WSEQ"]] < at_least:
                 self._q[H["WSEQ"]] = at_least

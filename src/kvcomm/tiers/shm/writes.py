@@ -55,14 +55,17 @@ class Writes(SegmentCore):
         ``(key_b, h, tag, meta, value, counter, hlc, vvx)`` put with a given version (tag 0:
         a tombstone with that version); either put may end with ``ext``, the record's
         extension field (bytes: an encoded msgpack map, stored as it is; see
-        :meth:`version`). ``tombstones``: deletes leave dirty tombstones
-        (cluster mode). ``check`` runs under the lock before anything changes (validators,
-        compare-and-set) and may raise to abort. Returns per op ``(counter, hlc, vvx, word,
+        :meth:`version`). A given version's counter is at most MAX_COUNTER (or NEW_DOT).
+        ``tombstones``: deletes leave dirty tombstones (cluster mode). ``check`` runs under
+        the lock before anything changes (validators, compare-and-set) and may raise to
+        abort. Returns per op ``(counter, hlc, vvx, word,
         seq)`` for a put, the delete's counter (0: nothing to delete) for a delete; with
         ``compact``, ``(packed, vvxs)`` instead: two native u64 per op in ``packed`` (a put's
         counter and hlc, a delete's counter and 0) and each put's vvx (None for a delete).
-        Raises ValueTooLarge, Unavailable, SegmentError, or what ``check`` raises; on any
-        error nothing changed (clean entries may have been evicted to make room).
+        Raises ValueTooLarge, Unavailable, SegmentError, InvalidArgument (an extension
+        field L3's readers would refuse, a counter over MAX_COUNTER), or what ``check``
+        raises; on any error nothing changed (clean entries may have been evicted to make
+        room).
         """
         core = self._core
         flags = FLAG_DIRTY if dirty else 0
