@@ -542,6 +542,7 @@ class L3Store:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
         self.feed_maxlen = min(feed_maxlen, max(FEED_MIN, feed_total // groups))
         self.timeout = timeout
+        self.auth = (username, password)  # (for MIGRATE's AUTH: kvcomm.balance.migrate)
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
