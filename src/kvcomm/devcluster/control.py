@@ -64,12 +64,13 @@ def redis_ports(state: dict[str, Any]) -> list[int]:
 def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "50ms",
        feed_poll: str = "20ms", timeout: float = 60.0,
        resolvers: dict[str, str] | None = None,
-       watch_buffer: int | None = None) -> dict[str, Any]:
+       watch_buffer: int | None = None, groups: int | None = None) -> dict[str, Any]:
     """Start a dev cluster of ``hosts`` hosts in ``directory``; returns its state (see
     :func:`load_state`) once every daemon heartbeats.
 
     ``l2_size``, ``sync_interval`` (``cache.l2_sync_interval``), ``feed_poll``,
-    ``resolvers`` and ``watch_buffer`` go into every host's config. Raises KVCommError
+    ``resolvers``, ``watch_buffer`` and ``groups`` (``cluster.groups``) go into every
+    host's config. Raises KVCommError
     when a dev cluster is already up there or ``hosts`` is not 1 to 32, ConfigError when
     redis-py is not installed, Unavailable when a server or daemon does not start
     (everything started is stopped again).
@@ -99,6 +100,8 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
             cfg = {"node": {"host_id": host, "namespace": ns}, "cache": cache,
                    "cluster": {"redis": state["redis"], "feed_poll": feed_poll,
                                "resolvers": resolvers or {}}}
+            if groups is not None:
+                cfg["cluster"]["groups"] = groups
             path = d / f"{host}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             purge(ns)

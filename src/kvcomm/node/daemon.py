@@ -36,10 +36,11 @@ machines what it read, and carries out what they answer.
 4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
-5. **Load.** The operations it makes on each group (records pushed, feed entries read)
-   are counted and saved to L3 (``kvn:{host}:load``, cumulative) every couple of
-   seconds when they changed: ``kvcomm balance`` adds them up over every host into the
-   load of each slot.
+5. **Load.** The Redis commands it causes on each group (a push that stores: the
+   script and the five commands it runs; one that does not: two; a feed read: one) are
+   counted and saved to L3 (``kvn:{host}:load``, cumulative) every couple of seconds
+   when they changed: ``kvcomm balance`` adds them up over every host into the load of
+   each slot, in the unit Redis' INFO counts a node's.
 6. **Heartbeat** in the L2 header and in the key filter's header, so agents and tools
    can see the daemon is alive (agents trust the filter only while it beats).
 
@@ -83,7 +84,7 @@ from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, Valu
 from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
-from ..tiers.l3 import FeedEntry, L3Record, L3Store, read_record
+from ..tiers.l3 import PUSH_KEPT, PUSH_STORED, FeedEntry, L3Record, L3Store, PushResult, read_record
 from .delivery import (
     CORRUPT,
     FEED_COUNT,
@@ -249,9 +250,10 @@ class Daemon:
                 return
             self.stats.windows += 1
             self.stats.pushed += len(push.items)
-            for item in push.items:
-                g = self.groups.of(item.key)
-                self.load[g] = self.load.get(g, 0) + 1
+            for item, res in zip(push.items, results, strict=False):
+                g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
+                stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
+                self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
             answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
             for answer in answers:
                 try:  # every answer is carried out: they have left the staged set
@@ -460,7 +462,7 @@ class Daemon:
             for entry in reading.entries:
                 self._pull_entry(g, entry)
                 self.inb.advance(g, entry)
-            self.load[g] = self.load.get(g, 0) + 1 + len(rows)
+            self.load[g] = self.load.get(g, 0) + 1  # one XRANGE
             self.inb.read(g, len(rows))
             if reading.problem:
                 problems.setdefault(reading.problem, set()).add(g)

@@ -129,6 +129,9 @@ FEED_TOTAL = 1_600_000  # events kept over all groups' streams (cluster.feed_tot
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
+# Redis commands one push costs (as INFO counts them, a script's own calls included):
+PUSH_STORED = 6  # EVALSHA, GET, INCR, XADD, SET, SPUBLISH
+PUSH_KEPT = 2  # EVALSHA, GET (equal, older, conflict: nothing stored)
 OUTCOMES = (NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT)
 QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
 
