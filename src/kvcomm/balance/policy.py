@@ -15,7 +15,8 @@ overshoot moves the fewest slots for the load shed. They differ in *when* to mov
   increasing reach, predicts for each the latency cost over the next minutes with a
   model trained on counterfactual runs of the simulator, and takes the plan whose
   predicted cost plus a price per moved slot is lowest. The model is a JSON file of
-  numbers (``learned_model.json``): no pickle, no numpy needed to decide.
+  numbers (``balance_model.json``, which also holds the threshold policy's tuned knobs):
+  no pickle, and no numpy needed to decide.
 
 Policies are deterministic and keep only their own small state (time of the last check,
 how long each master has been hot, recent loads); they never do I/O.
@@ -141,15 +142,28 @@ class ThresholdParams:
             raise InvalidArgument(f"threshold max_moves must be at least 1, not {self.max_moves}")
 
 
-# tuned by `kvcomm balance train` (search on training seeds); see train.py and the README
-TUNED_THRESHOLD = ThresholdParams()
+def threshold_params(model: str | Path | None = None) -> ThresholdParams:
+    """The threshold knobs tuned by ``kvcomm balance train`` (search on training seeds),
+    as recorded in a model file (default: the one shipped in the package). Raises
+    InvalidArgument for a file without them."""
+    data = _read_json(model, MODEL_FILE).get("threshold")
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{model or MODEL_FILE} has no tuned threshold knobs; retrain "
+                              "with `kvcomm balance train`")
+    try:
+        params = ThresholdParams(**data)
+    except TypeError as exc:
+        raise InvalidArgument(f"{model or MODEL_FILE}: bad threshold knobs ({exc})") from None
+    params.validate()
+    return params
 
 
 class ThresholdPolicy:
-    """Anna's rule on Redis masters (see the module docstring)."""
+    """Anna's rule on Redis masters (see the module docstring); ``params`` default to
+    the tuned ones shipped in the package."""
 
     def __init__(self, params: ThresholdParams | None = None) -> None:
-        self.params = params or TUNED_THRESHOLD
+        self.params = params or threshold_params()
         self.params.validate()
         self._last_check = -math.inf
         self._hot_since: dict[str, float] = {}
@@ -187,7 +201,7 @@ class ThresholdPolicy:
 
 # ---------------------------------------------------------------------- learned
 
-MODEL_FILE = "learned_model.json"
+MODEL_FILE = "balance_model.json"
 # the plans the learned policy chooses among: each caps every master at (1 + reach) x the
 # mean utilisation; the first action is to do nothing
 REACHES = (0.4, 0.2, 0.1, 0.03)
@@ -203,12 +217,13 @@ FEATURES = ("dp99", "dp99_future", "dq_max", "dq_future", "du_max", "dpeak_futur
             "slots", "gib", "slots_x_q", "gib_x_q", "gib_x_over")
 
 
-def queue_p99_ms(util: Mapping[str, float], weight: Mapping[str, float]) -> float:
+def queue_p99_ms(util: Mapping[str, float], capacity: Mapping[str, float]) -> float:
     """The p99 (ms) of the queueing part of latency over the whole cluster if each
-    master were an M/M/1 queue at utilisation ``util`` (of a 50k ops/s core), its
-    requests weighted by ``weight``: the x where the weighted share of requests slower
-    than x is 1%. A policy-side estimate: the simulator computes the real thing."""
-    rates = {n: max(1.0 - u, 0.005) * 50.0 for n, u in util.items()}  # spare, per ms
+    master were an M/M/1 queue at utilisation ``util`` of ``capacity`` ops/s, its share
+    of requests its load: the x where the share of requests slower than x is 1%. A
+    policy-side estimate: the simulator computes the real thing."""
+    weight = {n: u * capacity[n] for n, u in util.items()}
+    rates = {n: max(1.0 - u, 0.005) * capacity[n] / 1000 for n, u in util.items()}  # per ms
     total = sum(max(weight.get(n, 0.0), 0.0) for n in util)
     if total <= 0:
         return 0.0
@@ -224,9 +239,11 @@ def queue_p99_ms(util: Mapping[str, float], weight: Mapping[str, float]) -> floa
 
 
 def plan_features(now: Mapping[str, float], after: Mapping[str, float],
-                  trend: Mapping[str, float], slots: int, gib: float) -> list[float]:
+                  trend: Mapping[str, float], capacity: Mapping[str, float], slots: int,
+                  gib: float) -> list[float]:
     """The features of a plan (see :data:`FEATURES`), from utilisation per master now and
-    after the plan, each master's trend (utilisation per second) and the plan's size.
+    after the plan, each master's trend (utilisation per second), capacity (ops/s) and
+    the plan's size.
     Every feature is 0 for doing nothing, so the model predicts a plan's cost relative to
     doing nothing."""
     u_now = max(now.values())
@@ -237,9 +254,9 @@ def plan_features(now: Mapping[str, float], after: Mapping[str, float],
     over = max(0.0, u_now - 0.9) * 10
     fnow = {n: now[n] + TREND_S * trend.get(n, 0.0) for n in now}
     fafter = {n: after[n] + TREND_S * trend.get(n, 0.0) for n in after}
-    p99_now = queue_p99_ms(now, now)
-    p99_fut = queue_p99_ms(fnow, fnow)
-    return [queue_p99_ms(after, after) - p99_now, queue_p99_ms(fafter, fafter) - p99_fut,
+    p99_now = queue_p99_ms(now, capacity)
+    p99_fut = queue_p99_ms(fnow, capacity)
+    return [queue_p99_ms(after, capacity) - p99_now, queue_p99_ms(fafter, capacity) - p99_fut,
             _q(u_after) - qn, _q(fut_after) - _q(fut_now),
             u_after - u_now, max(fut_after, 0.9) - max(fut_now, 0.9), slots / 100, gib,
             slots / 100 * qn / 10, gib * qn / 10, gib * over]
@@ -340,8 +357,8 @@ class LearnedPolicy:
                 after[m.target] += ls
                 nbytes += view.slot_bytes.get(m.slot, 0)
             after_u = {n: after[n] / cap[n] if cap[n] > 0 else 0.0 for n in after}
-            out.append(Candidate(reach, moves, plan_features(util, after_u, trend, len(moves),
-                                                             nbytes / 2**30)))
+            out.append(Candidate(reach, moves, plan_features(util, after_u, trend, cap,
+                                                             len(moves), nbytes / 2**30)))
         return out
 
     def score(self, c: Candidate) -> float:
@@ -365,7 +382,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     ``price``). Raises InvalidArgument for an unknown name or knob."""
     if name == "threshold":
         try:
-            tp = ThresholdParams(**{**TUNED_THRESHOLD.__dict__, **params})
+            tp = ThresholdParams(**{**threshold_params().__dict__, **params})
         except TypeError as exc:
             raise InvalidArgument(f"threshold policy: {exc}") from None
         return ThresholdPolicy(tp)
@@ -378,12 +395,16 @@ def make_policy(name: str, **params: Any) -> Policy:
 
 
 def _read_json(path: str | Path | None, default: str) -> dict[str, Any]:
-    """A JSON object from ``path`` or this package's data file ``default``."""
-    if path is None:
-        text = resources.files("kvcomm.balance").joinpath(default).read_text()
-    else:
-        text = Path(path).read_text()
-    data = json.loads(text)
+    """A JSON object from ``path`` or this package's data file ``default``. Raises
+    InvalidArgument when it cannot be read or is not a JSON object."""
+    try:
+        if path is None:
+            text = resources.files("kvcomm.balance").joinpath(default).read_text()
+        else:
+            text = Path(path).read_text()
+        data = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read the balancing model {path or default}: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidArgument(f"{path or default} does not hold a JSON object")
     return data

@@ -11,6 +11,7 @@ the README's "Commands" section).
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] | down --dir DIR
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
+    kvcomm balance simulate|train ...               the slot-balancing simulator
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._extras import require_cluster
+from ..balance.cli import register_balance_tools
 from ..config import load_config
 from ..errors import KVCommError
 
@@ -296,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    register_balance_tools(sub)  # kvcomm balance simulate|train (kvcomm.balance.cli)
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,
