@@ -1,7 +1,8 @@
 """``kvcomm balance`` (balance/driver.py, signals.py) on a real Redis Cluster: the load
 the daemons report makes a hot master visible, the threshold policy moves slots off it
 while hosts keep writing, --once prints its JSON contract, --dry-run moves nothing, and
-a learned policy whose model is missing is a clear ConfigError."""
+a learned policy whose model is missing is a clear ConfigError. The policies are the
+simulator's (balance/policy.py), through the one contract (balance/model.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import yaml
 
 from kvcomm.balance.driver import Balancer, load_policy
 from kvcomm.balance.migrate import SlotMover
-from kvcomm.balance.policy_threshold import ThresholdPolicy
+from kvcomm.balance.policy import make_policy
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import ConfigError
 from kvcomm.tiers.l3 import L3Store
@@ -91,7 +91,8 @@ def test_a_dry_run_decides_and_moves_nothing(swarm: dict[str, Any]) -> None:
     cfg = swarm["hosts"][0].config
     owners = {s: swarm["mover"].owner(s).name
               for s in (swarm["store"].groups.slot(g) for g in swarm["groups"])}
-    b = Balancer(cfg, ThresholdPolicy(monitor_s=0, min_utilisation=0), window=2.0, dry_run=True)
+    b = Balancer(cfg, make_policy("threshold", monitor_s=0, grace_s=0, min_utilisation=0),
+                 window=2.0, dry_run=True)
     try:
         report = b.once()
     finally:
@@ -109,7 +110,8 @@ def test_a_dry_run_decides_and_moves_nothing(swarm: dict[str, Any]) -> None:
 
 def test_once_moves_slots_off_the_hot_master_and_writes_go_on(swarm: dict[str, Any]) -> None:
     cfg = swarm["hosts"][0].config
-    b = Balancer(cfg, ThresholdPolicy(monitor_s=0, min_utilisation=0), window=2.0)
+    b = Balancer(cfg, make_policy("threshold", monitor_s=0, grace_s=0, min_utilisation=0),
+                 window=2.0)
     try:
         report = b.once()
     finally:
@@ -126,7 +128,7 @@ def test_once_moves_slots_off_the_hot_master_and_writes_go_on(swarm: dict[str, A
         assert n >= m["keys"]  # the keys are counted on the target
     assert report["bytes_moved"] == sum(m["bytes"] for m in report["moves"])
     for d in report["decisions"]:
-        assert "over mean" in d["reason"]
+        assert "above mean" in d["reason"]
     # the writes went on through the moves, and every host still converges on L3
     assert not swarm["errors"], swarm["errors"]
     store, written = swarm["store"], dict(swarm["written"])
@@ -152,6 +154,17 @@ def test_the_command_prints_its_json_on_the_last_line(swarm: dict[str, Any],
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(report) >= {"moves", "bytes_moved", "load_before", "load_after"}
     assert "window of 1s" in out.stderr  # the decisions and their reasons are logged
+    assert report["policy"] == "threshold"
+    # the learned policy (trained in the simulator) decides on the live view as well
+    out = subprocess.run([sys.executable, "-m", "kvcomm", "balance", "--config", str(cfg_file),
+                          "--once", "--dry-run", "--window", "1s", "--policy", "learned"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    print(out.stderr, report)
+    assert report["policy"] == "learned" and report["dry_run"] and report["bytes_moved"] == 0
+    assert set(report["load_before"]) == set(report["load_after"])
+    assert all(m["from"] in report["load_before"] for m in report["moves"])
 
 
 def test_bad_options_and_a_missing_learned_model_are_config_errors(
@@ -162,18 +175,14 @@ def test_bad_options_and_a_missing_learned_model_are_config_errors(
                           "--once", "--window", "soon"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "--window" in out.stderr
-    # the learned policy's model: missing module, or a module whose model file is gone
-    monkeypatch.setitem(sys.modules, "kvcomm.balance.policy", None)
-    with pytest.raises(ConfigError, match="learned policy is not installed"):
+    # the learned policy's model: gone from the package, or not a model
+    import kvcomm.balance.policy as policy
+
+    monkeypatch.setattr(policy, "MODEL_FILE", "gone.json")
+    with pytest.raises(ConfigError, match="cannot read the balancing model gone.json"):
         load_policy("learned")
-    fake = types.ModuleType("kvcomm.balance.policy")
-
-    def load_learned() -> Any:
-        raise FileNotFoundError("kvcomm/balance/data/learned.json")
-
-    fake.load_learned = load_learned  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvcomm.balance.policy", fake)
-    with pytest.raises(ConfigError, match="model is missing.*learned.json"):
+    monkeypatch.setattr(policy, "MODEL_FILE", "__init__.py")
+    with pytest.raises(ConfigError, match="cannot read the balancing model"):
         load_policy("learned")
     with pytest.raises(ConfigError, match="unknown policy"):
         load_policy("random")

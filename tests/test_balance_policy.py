@@ -1,13 +1,15 @@
-"""The threshold policy (balance/policy_threshold.py) and the view it reads
-(balance/model.py): pure, driven by scripts of views."""
+"""The one policy contract (balance/model.py) and the policies behind it
+(balance/policy.py) on views shaped like the live driver's: only the slots that carry
+load, nodes' loads that slots do not fully explain. Pure, driven by scripts of views."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvcomm.balance.model import ClusterView, Move, NodeView
-from kvcomm.balance.policy_threshold import ThresholdPolicy
-from kvcomm.errors import InvalidArgument
+from kvcomm.balance.driver import load_policy
+from kvcomm.balance.model import ClusterView, Move, NodeView, SlotArray
+from kvcomm.balance.policy import LearnedPolicy, ThresholdParams, ThresholdPolicy, make_policy
+from kvcomm.errors import ConfigError, InvalidArgument
 
 
 def view(t: float, loads: dict[str, dict[int, float]], cap: float = 10_000,
@@ -20,59 +22,61 @@ def view(t: float, loads: dict[str, dict[int, float]], cap: float = 10_000,
     return ClusterView(nodes, slot_load, {s: 1000 for s in slot_load}, owner, t)
 
 
+# a is at 55%, b and c at 6% and 5%: a is hot by any k
 HOT = {"a": {1: 3000.0, 2: 2000.0, 3: 500.0}, "b": {10: 600.0}, "c": {20: 500.0}}
 
 
-def test_a_node_hot_for_the_monitor_period_gives_the_slot_that_evens_it_best() -> None:
-    p = ThresholdPolicy(k=1.0, monitor_s=10, grace_s=60)
-    assert p.decide(view(0, HOT)) == []  # hot, but not for long enough yet
-    assert p.decide(view(5, HOT)) == []
-    moves = p.decide(view(10, HOT))
-    assert [(m.slot, m.source, m.target) for m in moves] == [(2, "a", "c")]
-    assert "over mean" in moves[0].reason and "slot 2" in moves[0].reason
-    after = view(10, HOT).after(moves)
-    assert max(after.loads().values()) < max(view(10, HOT).loads().values())
+def test_a_node_hot_for_the_grace_period_sheds_its_excess_to_the_others() -> None:
+    p = ThresholdPolicy(ThresholdParams(k=1.0, monitor_s=10, grace_s=20))
+    assert p.decide(view(0, HOT)) == []  # hot since 0
+    assert p.decide(view(5, HOT)) == []  # between checks
+    assert p.decide(view(10, HOT)) == []  # hot for 10 s < grace
+    moves = p.decide(view(20, HOT))
+    assert moves and all(m.source == "a" and m.target in ("b", "c") for m in moves)
+    assert "mean" in moves[0].reason
+    before, after = view(20, HOT), view(20, HOT).after(moves)
+    assert max(after.loads().values()) < max(before.loads().values())
 
 
-def test_a_burst_shorter_than_the_monitor_period_moves_nothing() -> None:
-    p = ThresholdPolicy(monitor_s=10)
+def test_a_burst_shorter_than_the_grace_period_moves_nothing() -> None:
+    p = ThresholdPolicy(ThresholdParams(k=1.0, monitor_s=0, grace_s=10))
     calm = {"a": {1: 900.0}, "b": {10: 800.0}, "c": {20: 850.0}}
     assert p.decide(view(0, HOT)) == [] and p.decide(view(5, calm)) == []
     assert p.decide(view(12, HOT)) == []  # hot again: the period starts over
 
 
-def test_a_moved_slot_rests_for_the_grace_period() -> None:
-    p = ThresholdPolicy(monitor_s=0, grace_s=30, max_moves=1)
-    first = p.decide(view(0, HOT))
-    assert first
-    # the measurements have not caught up with the move: the same view again
-    again = p.decide(view(1, HOT))
-    assert all(m.slot != first[0].slot for m in again)
-    assert p.decide(view(40, HOT))[0].slot == first[0].slot  # rested: it may move again
-
-
-def test_a_single_hot_slot_that_would_only_move_the_hot_spot_stays() -> None:
-    p = ThresholdPolicy(monitor_s=0)
-    single = {"a": {1: 6000.0}, "b": {10: 300.0}, "c": {20: 200.0}}
-    assert p.decide(view(0, single)) == []  # c would be at 6200 > a's 6000
-    # with background load on a that no slot explains, moving the hot slot helps
-    moves = p.decide(view(1, single, other={"a": 2000.0}))
-    assert [(m.slot, m.target) for m in moves] == [(1, "c")]
-
-
 def test_an_idle_or_even_cluster_is_left_alone() -> None:
-    p = ThresholdPolicy(monitor_s=0, min_utilisation=0.05)
+    p = ThresholdPolicy(ThresholdParams(k=0.5, monitor_s=0, grace_s=0, min_utilisation=0.05))
     idle = {"a": {1: 30.0}, "b": {10: 1.0}, "c": {20: 2.0}}  # uneven, but 0.3% busy
     even = {"a": {1: 3000.0}, "b": {10: 3000.0}, "c": {20: 3000.0}}
-    assert p.decide(view(0, idle)) == [] and p.decide(view(0, even)) == []
+    assert p.decide(view(0, idle)) == [] and p.decide(view(1, even)) == []
+    # the same unevenness, busy enough: now it moves
+    busy = {n: {s: v * 100 for s, v in slots.items()} for n, slots in idle.items()}
+    busy["a"] |= {2: 1.0}
+    assert p.decide(view(2, busy, cap=100_000))
 
 
-def test_several_moves_per_decision_until_the_node_is_no_longer_hot() -> None:
-    p = ThresholdPolicy(k=0.5, monitor_s=0, max_moves=4)
-    many = {"a": {s: 700.0 for s in range(1, 9)}, "b": {10: 500.0}, "c": {20: 500.0}}
-    moves = p.decide(view(0, many))
-    assert 2 <= len(moves) <= 4 and all(m.source == "a" for m in moves)
-    assert {m.target for m in moves} == {"b", "c"}
+def test_the_live_driver_gets_the_same_policies_and_a_one_window_threshold() -> None:
+    once = load_policy("threshold", once=True)
+    assert isinstance(once, ThresholdPolicy)
+    assert once.params.monitor_s == 0 and once.params.grace_s == 0
+    assert once.decide(view(0, HOT))  # one window is enough with --once
+    tuned = load_policy("threshold")
+    assert isinstance(tuned, ThresholdPolicy) and tuned.params.grace_s > 0
+    assert tuned.params.k == make_policy("threshold").params.k  # type: ignore[attr-defined]
+    assert isinstance(load_policy("learned"), LearnedPolicy)
+    with pytest.raises(ConfigError, match="threshold, learned"):
+        load_policy("anna")
+
+
+def test_the_learned_policy_decides_on_a_sparse_live_view() -> None:
+    p = LearnedPolicy.load()
+    calm = {"a": {1: 900.0}, "b": {10: 800.0}, "c": {20: 850.0}}
+    assert p.decide(view(0, calm)) == []  # under its gate: nothing is worth moving
+    hot = {"a": {s: 1500.0 for s in range(1, 7)}, "b": {10: 1000.0}, "c": {20: 900.0}}
+    moves = p.decide(view(10, hot))  # a at 90%, b, c at 10%
+    assert moves and all(m.source == "a" and m.target in ("b", "c") for m in moves)
+    view(10, hot).after(moves)  # valid against the view (raises otherwise)
 
 
 def test_the_view_validates_and_predicts_moves() -> None:
@@ -92,3 +96,20 @@ def test_the_view_validates_and_predicts_moves() -> None:
     assert v.slot_node[1] == "a"  # the view itself is unchanged
     with pytest.raises(TypeError):
         v.slot_node[1] = "b"  # type: ignore[index]
+
+
+def test_a_slot_array_is_a_read_only_mapping_checked_in_bulk() -> None:
+    nodes = (NodeView("a", 10, 1), NodeView("b", 10, 1))
+    arr = SlotArray(["a", "b", "a"])
+    v = ClusterView(nodes, SlotArray([1.0, 0.0, 2.0]), SlotArray([5, 5, 5]), arr, time=1.0)
+    assert dict(v.slot_node) == {0: "a", 1: "b", 2: "a"} and v.slots_of("a") == [0, 2]
+    assert v.load_of(2) == 2.0 and v.load_of(3) == 0.0 and 3 not in v.slot_node
+    assert v.after([Move(2, "a", "b")]).loads() == {"a": 0.0, "b": 3.0}
+    with pytest.raises(InvalidArgument, match="not nodes"):
+        ClusterView(nodes, slot_node=SlotArray(["a", "z"]))
+    with pytest.raises(InvalidArgument, match="negative"):
+        ClusterView(nodes, slot_load=SlotArray([1.0, -1.0]))
+    with pytest.raises(InvalidArgument, match="16384 slots"):
+        SlotArray([0] * 16385)
+    with pytest.raises(KeyError):
+        arr[3]

@@ -17,10 +17,11 @@ with, besides: ``policy``, ``window_s``, ``dry_run``, ``predicted`` (load_after 
 prediction), ``decisions`` (each move's reason), ``failed`` (moves that could not be
 made, and why), ``latency_ms_before``/``latency_ms_after`` (per node, see signals).
 
-Policies: ``threshold`` (:class:`~kvcomm.balance.policy_threshold.ThresholdPolicy`;
-with ``--once`` its monitor period is the window itself) and ``learned``, the model
-trained in the simulator and shipped with the package
-(``kvcomm.balance.policy.load_learned()``); a missing model is a ConfigError.
+Policies (:mod:`kvcomm.balance.policy`, the ones the simulator evaluates):
+``threshold`` (its knobs tuned in the simulator; with ``--once`` the window itself is
+its monitor and grace period) and ``learned`` (the cost model trained in the simulator);
+both ship in the package as JSON (``balance_model.json``); a missing or malformed
+model is a ConfigError.
 """
 
 from __future__ import annotations
@@ -38,41 +39,24 @@ from ..errors import ConfigError, InvalidArgument, KVCommError, Unavailable
 from ..tiers.l3 import L3Store
 from .migrate import BATCH, MoveResult, SlotMover
 from .model import ClusterView, Move, Policy
-from .policy_threshold import ThresholdPolicy
+from .policy import POLICIES, make_policy
 from .signals import estimate_bytes, sample, view_between
 
 log = logging.getLogger("kvcomm.balance")
 
-POLICIES = ("threshold", "learned")
-
-
 def load_policy(name: str, once: bool = False) -> Policy:
-    """The policy called ``name``. Raises ConfigError for an unknown name, or for the
-    learned policy when its model is not installed."""
-    if name == "threshold":
-        return ThresholdPolicy(monitor_s=0.0) if once else ThresholdPolicy()
-    if name == "learned":
-        import importlib
-
-        try:  # (the simulator's side of the package ships it)
-            loader = importlib.import_module(f"{__package__}.policy").load_learned
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.policy":
-                raise  # the module is there but broken: say so, do not hide it
-            loader = None
-        except AttributeError:
-            loader = None
-        if loader is None:
-            raise ConfigError("--policy", "the learned policy is not installed with this "
-                              "kvcomm (no kvcomm.balance.policy.load_learned); use --policy "
-                              "threshold, or train one: kvcomm balance train") from None
-        try:
-            return loader()  # type: ignore[no-any-return]
-        except FileNotFoundError as exc:
-            raise ConfigError("--policy", f"the learned policy's model is missing ({exc}); "
-                              "reinstall kvcomm, or train one: kvcomm balance train") from None
-    raise ConfigError("--policy", f"unknown policy {name!r}; the policies are "
-                      f"{', '.join(POLICIES)}")
+    """The policy called ``name`` (:func:`kvcomm.balance.policy.make_policy`: the
+    threshold knobs tuned and the learned model trained in the simulator, shipped with
+    the package). With ``once`` the threshold policy acts on what one window shows (the
+    window is its monitor and grace period). Raises ConfigError for an unknown name or a
+    learned model that is missing or malformed."""
+    try:
+        if name == "threshold" and once:
+            return make_policy(name, monitor_s=0.0, grace_s=0.0)
+        return make_policy(name)
+    except InvalidArgument as exc:
+        raise ConfigError("--policy", f"{exc}; the policies are {', '.join(POLICIES)}, and "
+                          "`kvcomm balance train` writes a learned model") from None
 
 
 @dataclass
@@ -91,6 +75,7 @@ class Balancer:
     count than L3's), Unavailable (the cluster cannot be reached)."""
 
     def __init__(self, config: Config, policy: Policy, *, window: float = 30.0,
+                 policy_name: str | None = None,
                  dry_run: bool = False, batch: int = BATCH,
                  clock: Callable[[], float] = time.monotonic,
                  wait: Callable[[float], bool] | None = None) -> None:
@@ -108,6 +93,7 @@ class Balancer:
             self.store.close()
             raise
         self.policy, self.window, self.dry_run = policy, window, dry_run
+        self.policy_name = policy_name or type(policy).__name__
         self.mover = SlotMover(self.store, batch=batch)
         self.clock = clock
         self._stop = threading.Event()
@@ -149,8 +135,11 @@ class Balancer:
             log.info("no move: %s", "the load is even enough" if view.slot_load
                      else "no slot carries load the daemons report")
         for m in moves:
-            log.info("%s slot %d from %s to %s: %s", "would move" if self.dry_run else "move",
-                     m.slot, m.source, m.target, m.reason)
+            src = view.node(m.source)
+            log.info("%s slot %d (%.0f ops/s, ~%d bytes) from %s (%.0f ops/s, %.0f%% of "
+                     "capacity) to %s: %s", "would move" if self.dry_run else "move", m.slot,
+                     view.load_of(m.slot), view.bytes_of(m.slot), m.source, src.load,
+                     100 * src.utilisation, m.target, m.reason)
             if self.dry_run:
                 continue
             try:
@@ -179,7 +168,7 @@ class Balancer:
             "load_after": {n.id: round(n.load, 1) for n in after.nodes},
             "latency_ms_before": {n.id: round(n.latency_ms, 3) for n in c.view.nodes},
             "latency_ms_after": {n.id: round(n.latency_ms, 3) for n in after.nodes},
-            "policy": type(self.policy).__name__, "window_s": self.window,
+            "policy": self.policy_name, "window_s": self.window,
             "dry_run": self.dry_run, "predicted": predicted,
             "decisions": [{"slot": m.slot, "from": m.source, "to": m.target,
                            "reason": m.reason} for m in c.moves],
@@ -208,7 +197,8 @@ def main(config: Config, policy: str = "threshold", window: float = 30.0,
     import signal
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvcomm-balance %(message)s")
-    b = Balancer(config, load_policy(policy, once), window=window, dry_run=dry_run)
+    b = Balancer(config, load_policy(policy, once), window=window, dry_run=dry_run,
+                 policy_name=policy)
     try:
         if once:
             print(json.dumps(b.once()), flush=True)

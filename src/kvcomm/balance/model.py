@@ -1,6 +1,7 @@
-"""What a balancing policy sees and what it decides: the contract between the policies
-(:mod:`kvcomm.balance.policy`, tuned in the simulator) and the drivers that feed them
-(the real cluster's, :mod:`kvcomm.balance.driver`, and the simulator's).
+"""What a balancing policy sees and what it decides: the one contract between the
+policies (:mod:`kvcomm.balance.policy`: threshold and learned, tuned and trained in the
+simulator) and the two drivers that feed them: the real cluster's
+(:mod:`kvcomm.balance.driver`) and the simulator's (:mod:`kvcomm.balance.sim`).
 
 A :class:`ClusterView` is one moment of a Redis Cluster, at the level of hash slots:
 every master node (its capacity and load in operations per second, CPU, memory, latency)
@@ -10,22 +11,26 @@ builds the next view. Nothing here does I/O, reads a clock or draws randomness: 
 carries its own ``time`` (seconds, monotonic, of whoever built it), so a policy with a
 memory (monitor and grace periods) replays exactly from a script of views.
 
+The simulator hands a policy every one of its 16,384 slots each decision: it passes
+:class:`SlotArray`\\ s (slot i at index i, checked in bulk) instead of dicts.
+
 Units: loads are operations per second, sizes bytes, latencies milliseconds, CPU the
 fraction of one core in use (1.0 = one core busy; may exceed 1), ``time`` seconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ..errors import InvalidArgument
 
-__all__ = ["SLOTS", "ClusterView", "Move", "NodeView", "Policy"]
+__all__ = ["SLOTS", "ClusterView", "Move", "NodeView", "Policy", "SlotArray"]
 
 SLOTS = 16384  # Redis Cluster's hash slots
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,44 @@ class NodeView:
         return self.load / self.capacity
 
 
+class SlotArray(Mapping[int, V]):
+    """A read-only slot → value mapping over a sequence (slot i at index i, every slot
+    from 0 to ``len - 1`` present): what the simulator hands a policy for all 16,384
+    slots without building a dict per decision. Raises InvalidArgument for more values
+    than there are slots."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self, values: Sequence[V]) -> None:
+        if len(values) > SLOTS:
+            raise InvalidArgument(f"{len(values)} slot values: there are {SLOTS} slots")
+        self._v = list(values)
+
+    def __getitem__(self, slot: int) -> V:
+        if type(slot) is not int or not 0 <= slot < len(self._v):
+            raise KeyError(slot)
+        return self._v[slot]
+
+    def get(self, slot: int, default: V | None = None) -> V | None:  # type: ignore[override]
+        # (the simulator's policies call it 16,384 times a decision: no KeyError round trip)
+        if type(slot) is int and 0 <= slot < len(self._v):
+            return self._v[slot]
+        return default
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._v)))
+
+    def __len__(self) -> int:
+        return len(self._v)
+
+    def values_list(self) -> list[V]:
+        """Every value, slot i at index i (a copy)."""
+        return list(self._v)
+
+
 def _frozen(m: Mapping[int, object] | None) -> Mapping[int, object]:
+    if isinstance(m, SlotArray):  # read-only already, its keys 0..len-1 by construction
+        return m
     return MappingProxyType(dict(m or {}))
 
 
@@ -84,7 +126,16 @@ class ClusterView:
             raise InvalidArgument(f"two nodes share an id: {sorted(ids)}")
         known = set(ids)
         for name in ("slot_load", "slot_bytes", "slot_node"):
-            for slot, v in getattr(self, name).items():
+            m = getattr(self, name)
+            if isinstance(m, SlotArray):  # (checked in bulk: its keys are valid slots)
+                values = m.values_list()
+                if name == "slot_node" and not set(values) <= known:
+                    raise InvalidArgument(f"slot_node names {sorted(set(values) - known)!r}, "
+                                          "not nodes of the view")
+                if name != "slot_node" and values and min(values) < 0:
+                    raise InvalidArgument(f"{name} holds a negative value")
+                continue
+            for slot, v in m.items():
                 if type(slot) is not int or not 0 <= slot < SLOTS:
                     raise InvalidArgument(f"{name}: slot {slot!r} is not in 0..{SLOTS - 1}")
                 if name == "slot_node":

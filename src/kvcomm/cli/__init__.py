@@ -15,6 +15,7 @@ the README's "Commands" section).
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
     kvcomm balance --config FILE [--policy threshold|learned] [--window 30s] [--once]
                    [--dry-run]                     load-aware slot balancing of L3
+    kvcomm balance simulate|train ...               the slot-balancing simulator
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .._extras import require_cluster
+from ..balance.cli import register_balance_tools
 from ..config import load_config
-from ..errors import ConfigError, InvalidArgument, KVCommError
+from ..errors import InvalidArgument, KVCommError
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -228,27 +230,6 @@ def _soak(args: argparse.Namespace) -> int:
     return soak.main(opts, as_json=args.json)
 
 
-def _balance(args: argparse.Namespace) -> int:
-    """Watches every Redis master of the cluster (ops/s, CPU, memory, latency) and each
-    slot's load (the node daemons' per-group counts), decides moves with a policy, moves
-    slots live (writes keep flowing, nothing is lost) and logs each decision with its
-    reason, until SIGTERM or SIGINT. --once runs one cycle and prints one JSON object on
-    its last line: moves, bytes moved, per-node load before and after. Needs
-    pip install 'kvcomm[cluster]'."""
-    from ..balance.driver import main as balance_main
-    from ..config import parse_duration
-
-    cfg = load_config(args.config)
-    try:
-        window = parse_duration(args.window)
-    except ValueError as exc:
-        raise ConfigError("--window", str(exc)) from None
-    if cfg.cluster.redis:
-        require_cluster("kvcomm balance")
-    return balance_main(cfg, policy=args.policy, window=window, once=args.once,
-                        dry_run=args.dry_run)
-
-
 def _demo(args: argparse.Namespace) -> int:
     """A drone swarm flying on KVCOMM, then the same swarm on a central store; prints
     latencies side by side. Needs pip install 'kvcomm[demo]'."""
@@ -378,21 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
-    b = _command(sub, "balance", _balance,
-                 "move Redis Cluster slots by load: watch, decide, migrate live")
-    b.add_argument("--config", required=True, metavar="FILE",
-                   help="a config naming the cluster (cluster.redis, its credentials, "
-                   "cluster.groups): a host's config will do")
-    b.add_argument("--policy", choices=["threshold", "learned"], default="threshold",
-                   help="threshold: a node over mean + k std of load gives slots away; "
-                   "learned: the model trained in the simulator (default threshold)")
-    b.add_argument("--window", default="30s", metavar="DURATION",
-                   help="how long each measurement of the load lasts (default 30s)")
-    b.add_argument("--once", action="store_true",
-                   help="one cycle, then print one JSON object on the last line: moves, "
-                   "bytes_moved, load_before, load_after")
-    b.add_argument("--dry-run", action="store_true",
-                   help="decide and log, move nothing (load_after is then predicted)")
+    register_balance_tools(sub)  # kvcomm balance [simulate|train] (kvcomm.balance.cli)
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,
