@@ -134,8 +134,8 @@ class ThresholdParams:
     max_moves: int = 2000
     # a master under this utilisation is never hot: on a real, nearly idle cluster some
     # node is always k std over the mean (an idle dev cluster's masters measure ~1%: the
-    # daemons' sweeps; the simulated ones are never that idle)
-    min_utilisation: float = 0.02
+    # daemons' sweeps; the walkthrough's hot master 6%)
+    min_utilisation: float = 0.05
 
     def validate(self) -> None:
         """Raise InvalidArgument naming the first knob out of range."""
