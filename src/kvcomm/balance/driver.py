@@ -84,6 +84,12 @@ class Balancer:
                               "nodes (host:port list) of the cluster to balance")
         if not window > 0:
             raise InvalidArgument(f"--window must be more than 0 seconds, got {window}")
+        from ..node.daemon import HOT_EVERY
+
+        if window < 2 * HOT_EVERY:  # (a window sees 0 or 1 save of each host's counts)
+            log.warning("a --window of %gs is short: the daemons save their per-group counts "
+                        "every %gs, so slot loads will be partial or missing; use %gs or more",
+                        window, HOT_EVERY, 3 * HOT_EVERY)
         cl = config.cluster
         self.store = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                              tls=cl.redis_tls, timeout=cl.timeout, groups=cl.groups)

@@ -14,8 +14,10 @@ Two :func:`sample`\\ s a window apart make one view (:func:`view_between`):
 * **per slot**, from the node daemons: each saves, for every group, the Redis commands
   it caused there (its pushes with the commands their script runs, its feed reads:
   ``kvn:{host}:load``, cumulative); summed over the hosts and taken per second over
-  the window, that is the slot's load, in the unit of the nodes' loads (a group lies in
-  one slot: :mod:`kvcomm.tiers.groups`). The hosts' hot keys
+  the window, that is the slot's load, in the unit of the nodes' loads (a group lies
+  in one slot: :mod:`kvcomm.tiers.groups`). The daemons save their counts every couple
+  of seconds (``node.daemon.HOT_EVERY``): a window needs a few of those periods, or
+  it sees partial counts or none. The hosts' hot keys
   (``kvn:{host}:hot``, from their read sketches) are not load on Redis — agents' reads
   are served by L1 and L2 — but they say which keys a slot holds that agents care
   about: the driver names them in its log. A slot's bytes are estimated from a sample
