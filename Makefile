@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test fuzz bench bench-cluster soak lint check-minimal clean
+.PHONY: demo test fuzz bench bench-cluster bench-groups soak balance-train balance-eval balance-walkthrough lint check-minimal clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,24 @@ bench-cluster: $(STAMP) ## cluster mode vs Redis Cluster directly (needs redis-s
 
 soak: $(STAMP)          ## 10 minutes of faults on a 3-host dev cluster: lost = 0? (needs redis-server)
 	$(BIN)/kvcomm soak --hosts 3 --minutes 10
+
+bench-groups: $(STAMP)  ## what cluster.groups costs: commands/s per host idle and under the swarm, propagation (16/1024/16384; needs redis-server)
+	$(BIN)/python bench/group_cost.py --idle 10 --settle 15 --samples 30 --swarm 5
+
+# Slot balancing (README: "Slot balancing"). balance-walkthrough: a dev cluster with a hot
+# master, `kvcomm balance --once`, each master's load and p99 before and after, nothing
+# lost. balance-train fits the learned policy and tunes the threshold policy on training
+# seeds and writes the shipped model (a few minutes on 2 free cores); balance-eval compares both policies on 20
+# held-out seeds per workload, prints the README's table and draws docs/balance-sim.png.
+BALANCE_SEED ?= 1
+balance-train: $(STAMP) ## retrain the shipped balancing model (BALANCE_SEED=1)
+	$(BIN)/kvcomm balance train --seed $(BALANCE_SEED) --out src/kvcomm/balance/balance_model.json
+
+balance-eval: $(STAMP)  ## learned vs threshold on held-out seeds: table + docs/balance-sim.png
+	$(BIN)/python bench/balance_eval.py --seeds 20
+
+balance-walkthrough: $(STAMP) ## the README's balancing walkthrough on a dev cluster (needs redis-server)
+	$(BIN)/python bench/balance_walkthrough.py --window 10
 
 # `pip install kvcomm` with no extra, in a fresh venv: exactly the four base dependencies
 # get installed, the embedded default works, and cluster mode asks for kvcomm[cluster].

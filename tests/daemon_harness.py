@@ -40,20 +40,23 @@ def store_fixture(cluster: RedisCluster) -> Iterator[L3Store]:
     s.close()
 
 
-def host_config(cluster: RedisCluster, host_id: str, ns: str, **cache: Any) -> kvcomm.Config:
+def host_config(cluster: RedisCluster, host_id: str, ns: str,
+                cluster_keys: dict[str, Any] | None = None, **cache: Any) -> kvcomm.Config:
+    """A host's config; ``cache`` and ``cluster_keys`` override keys of those sections."""
     return kvcomm.Config.from_mapping({
         "node": {"host_id": host_id, "namespace": ns},
         "cache": {"l2_size": "16MB", "l2_sync_interval": "10ms", "watch_buffer": 4096,
                   "negative_ttl": 0, **cache},
         "cluster": {"redis": [f"127.0.0.1:{p}" for p in cluster.ports], "feed_poll": "10ms",
-                    "wait_replicas": 0},
+                    "wait_replicas": 0, **(cluster_keys or {})},
     })
 
 
 class Host:
-    def __init__(self, cluster: RedisCluster, host_id: str, seed: int, **cache: Any) -> None:
+    def __init__(self, cluster: RedisCluster, host_id: str, seed: int,
+                 cluster_keys: dict[str, Any] | None = None, **cache: Any) -> None:
         self.ns = f"td-{uuid.uuid4().hex[:10]}"
-        self.config = host_config(cluster, host_id, self.ns, **cache)
+        self.config = host_config(cluster, host_id, self.ns, cluster_keys, **cache)
         self.seed = seed
         self.daemon: NodeDaemon | None = None
         self.thread: threading.Thread | None = None

@@ -3,9 +3,11 @@ without Redis or shared memory. Deterministic: time and randomness are passed in
 
 * :class:`FakeL3` — :class:`kvcomm.node.port.L3Port`: records under the pure L3 rule
   (:func:`kvcomm.core.resolve.l3_rule`, which the Lua script is tested to agree with),
-  one stream per group with sequence numbers, and the faults the daemon must survive:
-  down, writes not acknowledged by a replica, a failover that loses the unreplicated
-  suffix of a group (records reverted, entries and counter rewound), a trimmed stream.
+  one stream per group with sequence numbers, hints to every subscriber (each daemon
+  gets its own :meth:`FakeL3.view`), and the faults the daemon must survive: down,
+  writes not acknowledged by a replica, a failover that loses the unreplicated suffix
+  of a group (records reverted, entries and counter rewound), a trimmed stream, hints
+  lost silently or with notice (``hint_loss_p``).
 * :class:`FakeL2` — :class:`kvcomm.node.port.HostL2`: one host's records with dirty
   flags, its write counter and HLC, and a bounded change feed (it overflows). Merging a
   remote record follows ``Client._merge_plan``: newer replaces, older is kept,
@@ -35,8 +37,15 @@ from kvcomm.core.versions import (
     with_dot,
 )
 from kvcomm.errors import CorruptRecord, Unavailable
+from kvcomm.tiers.groups import groups as groups_of
 from kvcomm.tiers.l2 import KIND_DELETE, KIND_EVICT, KIND_PUT, FeedEvent
-from kvcomm.tiers.l3 import GROUPS, FeedEntry, L3Record, PushResult, group_of
+from kvcomm.tiers.l3 import FeedEntry, L3Record, PushResult
+
+GROUPS = 16  # the simulated cluster's cluster.groups (every group is one slot)
+
+
+def group_of(key: str) -> int:
+    return groups_of(GROUPS).of(key)
 
 Value = tuple[int, bytes, bytes] | None  # (tag, meta, payload); None: a tombstone
 
@@ -55,9 +64,13 @@ class _Op:
 class FakeL3:
     """The cluster, in memory. ``down``: every call raises Unavailable."""
 
-    def __init__(self, rng: random.Random, durable_p: float = 1.0) -> None:
+    def __init__(self, rng: random.Random, durable_p: float = 1.0,
+                 hint_loss_p: float = 0.0) -> None:
         self.rng = rng
         self.durable_p = durable_p
+        self.hint_loss_p = hint_loss_p  # a hint lost: half of them silently, half told
+        self.subscribers: list[_View] = []
+        self.hints_lost = {"silently": 0, "told": 0}
         self.down = False
         self.records: dict[str, L3Record] = {}
         self.streams: dict[int, list[FeedEntry]] = {g: [] for g in range(GROUPS)}
@@ -122,6 +135,18 @@ class FakeL3:
         self.streams[g].append(FeedEntry(eid, key, record.encode(), self.counters[g]))
         self.records[key] = record
         self.log[g].append(_Op(eid, key, before, durable))
+        for view in self.subscribers:
+            if self.rng.random() >= self.hint_loss_p:
+                view.hinted.add(g)
+            elif self.rng.random() < 0.5:
+                self.hints_lost["silently"] += 1  # (only the sweep can find it)
+            else:
+                self.hints_lost["told"] += 1  # (a broken subscription: checked at once)
+                view.lost.add(g)
+
+    def view(self) -> _View:
+        """The cluster as one daemon sees it: its own hint subscription."""
+        return _View(self)
 
     # --- faults
 
@@ -192,6 +217,12 @@ class FakeL3:
         old_c, old_s = self.cursors.get(host, ({}, {}))
         self.cursors[host] = ({**old_c, **cursors}, {**old_s, **(seqs or {})})  # (HSET)
 
+    def save_load(self, host: str, ops: Mapping[int, int]) -> None:
+        self._call("save_load")
+
+    def hints(self) -> tuple[set[int], set[int]]:
+        return set(), set()
+
     def load_hot(self, host: str) -> list[str]:
         self._call("load_hot")
         return list(self.hot.get(host, []))
@@ -206,6 +237,30 @@ class FakeL3:
 
     def close(self) -> None:
         pass
+
+
+class _View:
+    """:class:`FakeL3` with a hint subscription of its own (made at the first
+    :meth:`hints`; a subscriber is told of changes made after it, as in Redis)."""
+
+    def __init__(self, l3: FakeL3) -> None:
+        self.l3 = l3
+        self.hinted: set[int] = set()
+        self.lost: set[int] = set()
+
+    def hints(self) -> tuple[set[int], set[int]]:
+        if self not in self.l3.subscribers:
+            self.l3.subscribers.append(self)
+        hinted, lost = self.hinted, self.lost
+        self.hinted, self.lost = set(), set()
+        return hinted, lost
+
+    def close(self) -> None:
+        if self in self.l3.subscribers:  # (a crashed daemon's connection is gone too)
+            self.l3.subscribers.remove(self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.l3, name)
 
 
 def _id_num(eid: bytes) -> int:

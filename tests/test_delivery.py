@@ -309,6 +309,9 @@ def test_the_group_counter_reveals_what_no_entry_shows() -> None:
 def test_a_resync_is_pending_until_complete_and_its_cursor_is_not_saved() -> None:
     inb = inbound()
     inb.resume({g: b"1-0" for g in range(4)}, {g: 1 for g in range(4)})
+    assert inb.saveable() == ({}, {})  # L3 holds what was resumed: nothing to save
+    inb.advance(0, entries(2, start=2)[0])
+    inb.advance(3, entries(2, start=2)[0])
     inb.begin_resync({1, 2}, missed=True)
     assert inb.positioned(1, 40, b"40-0") is True  # missed entries: scan the group's keys
     inb.scanned(1)
@@ -319,7 +322,11 @@ def test_a_resync_is_pending_until_complete_and_its_cursor_is_not_saved() -> Non
     assert inb.positioned(1, 41, b"41-0") is False and inb.positioned(2, 7, b"7-0") is True
     inb.resynced({1, 2})
     cursors, seqs = inb.saveable()
-    assert cursors[1] == b"41-0" and seqs == {0: 1, 1: 41, 2: 7, 3: 1} and not inb.pending
+    assert cursors[1] == b"41-0" and seqs == {0: 2, 1: 41, 2: 7, 3: 2} and not inb.pending
+    inb.saved(cursors, seqs)
+    assert inb.saveable() == ({}, {})  # only what changed since is saved
+    inb.advance(2, entries(8, start=8)[0])
+    assert inb.saveable() == ({2: b"8-0"}, {2: 8})
 
 
 def test_a_fresh_group_is_resynced_without_scanning() -> None:
@@ -328,16 +335,62 @@ def test_a_fresh_group_is_resynced_without_scanning() -> None:
     assert inb.positioned(0, 0, b"0-0") is False
 
 
-def test_polls_keep_their_pace_check_counters_each_second_and_back_off() -> None:
+def test_every_counter_is_checked_at_the_first_poll_then_a_sweep_slice_at_a_time() -> None:
+    inb = Inbound(1024, 0.02, Backoff(random.Random(1), base=0.05, cap=2.0, floor=0.01), 10.0,
+                  sweep_rate=1024, sweep_batch=256)
+    assert inb.sweep_every == 0.25 and inb.sweep_period == 1.0
+    first = inb.poll_due(10.0)
+    assert first is not None and first.check == frozenset(range(1024)) and not first.save
+    inb.polled(first, 10.0)
+    assert inb.poll_due(10.1) is None  # nothing hinted, nothing to check: no call at all
+    slices = []
+    t = 10.0
+    for _ in range(4):  # every group's counter once a second, 256 at a time
+        t += 0.25
+        poll = inb.poll_due(t)
+        assert poll is not None and poll.sweep == 256 and len(poll.check) == 256
+        slices.append(poll.check)
+        inb.polled(poll, t)
+    assert frozenset().union(*slices) == frozenset(range(1024))
+    assert inb.poll_due(t + 0.1) is None
+
+
+def test_hinted_groups_are_read_and_lost_hints_check_the_counters_at_once() -> None:
+    inb = inbound(now=10.0)
+    inb.resume({g: b"5-0" for g in range(4)}, {g: 5 for g in range(4)})
+    inb.polled(inb.poll_due(10.0), 10.0)  # type: ignore[arg-type]  # (the start's check)
+    inb.hinted({2, 99})  # (a group that is not one of ours is ignored)
+    poll = inb.poll_due(10.05)
+    assert poll == Poll(frozenset(), False, 0)
+    assert inb.to_read({}) == {2}
+    inb.read(2, 3)  # a short read: the stream's end was reached
+    inb.polled(poll, 10.05)  # type: ignore[arg-type]
+    assert inb.poll_due(10.1) is None
+    inb.hinted({1})
+    inb.read(1, FEED_COUNT)  # a full page: there may be more, read again next poll
+    assert inb.to_read({}) == {1}
+    inb.lost({3})
+    poll = inb.poll_due(10.2)
+    assert poll is not None and poll.check == frozenset({3})
+    assert inb.to_read({3: 5}) == {1}  # its counter did not move: nothing was missed
+    assert inb.to_read({3: 7}) == {1, 3}  # it did: read it
+    assert inb.to_read({3: None}) == {1, 3}  # not a number: read (and see why)
+    inb.poll_failed(10.2)  # the check failed: it is made again
+    poll = inb.poll_due(11.0)
+    assert poll is not None and 3 in poll.check
+
+
+def test_polls_keep_their_pace_save_each_second_and_back_off() -> None:
     inb = inbound(now=10.0)
     first = inb.poll_due(10.0)
-    assert first == Poll(check=False)  # counters first checked a second after start
+    assert first is not None and not first.save  # cursors first saved a second after start
     inb.polled(first, 10.0)
+    inb.hinted({0})
     assert inb.poll_due(10.01) is None  # feed_poll is 20 ms
     due = inb.poll_due(11.0)
-    assert due == Poll(check=True)
+    assert due is not None and due.save
     inb.polled(due, 11.0)
-    assert inb.poll_due(11.5) == Poll(check=False)
+    inb.hinted({0})
     delay = inb.poll_failed(11.5)
     assert inb.poll_due(11.5 + delay / 2) is None and inb.poll_due(11.5 + delay + 0.02)
 

@@ -2,7 +2,9 @@
 in-memory fakes of L2 and L3, under seeded scripts of writes and faults: L3 down,
 writes no replica acknowledged, failovers that lose them (the feed goes back), trimmed
 streams (gaps), daemons crashed at any point or paused until the local feed overflows,
-evictions, resolvers. No Redis, no shared memory; the clock is the script's.
+evictions, resolvers, hints lost (silently: only the sweep finds the change; or with
+notice: the group's counter is checked at once). No Redis, no shared memory; the clock
+is the script's.
 
 After the faults heal, every host must converge on L3 and nothing written may be lost:
 every write's dot is covered by the key's final record in L3, nothing stays dirty, and
@@ -21,9 +23,8 @@ from dataclasses import dataclass, field
 import kvcomm
 from kvcomm.core.versions import covers
 from kvcomm.node.daemon import Daemon
-from kvcomm.tiers.l3 import GROUPS
 
-from .delivery_fakes import FakeKeys, FakeL2, FakeL3, Value
+from .delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3, Value
 
 HOSTS = ("h1", "h2", "h3")
 KEYS = [f"k/{i}" for i in range(10)] + [f"r/{i}" for i in range(3)]  # r/: a resolver's
@@ -33,7 +34,7 @@ def config(host: str) -> kvcomm.Config:
     return kvcomm.Config.from_mapping({
         "node": {"host_id": host, "namespace": f"sim-{host}"},
         "cache": {"l2_sync_interval": "10ms", "max_batch_ops": 4},
-        "cluster": {"redis": ["127.0.0.1:1"], "feed_poll": "10ms"},
+        "cluster": {"redis": ["127.0.0.1:1"], "feed_poll": "10ms", "groups": GROUPS},
     })
 
 
@@ -67,7 +68,7 @@ class Sim:
         self.seed = seed
         self.rng = random.Random(seed)
         self.clock = Clock()
-        self.l3 = FakeL3(random.Random(self.rng.random()), durable_p=0.8)
+        self.l3 = FakeL3(random.Random(self.rng.random()), durable_p=0.8, hint_loss_p=0.1)
         self.hosts = [Host(h, FakeL2(h, feed_capacity=24, resolvers={"r/": larger},
                                      clock=self.clock)) for h in HOSTS]
         self.down_until = 0.0
@@ -80,7 +81,7 @@ class Sim:
     def start(self, h: Host) -> Daemon | None:
         if h.daemon is None:
             try:
-                h.daemon = Daemon(config(h.name), h.l2, self.l3, h.keys,
+                h.daemon = Daemon(config(h.name), h.l2, self.l3.view(), h.keys,  # type: ignore[arg-type]
                                   rng=random.Random(self.rng.random()), clock=self.clock,
                                   sleep=self.clock.sleep, wall=self.clock)
             except kvcomm.Unavailable:
@@ -92,8 +93,10 @@ class Sim:
         assert h.daemon is not None
         s = h.daemon.stats
         for name, n in [("resyncs", s.resyncs), ("feed_overflows", s.feed_overflows),
-                        ("l3_errors", s.l3_errors), *s.extra.items()]:
+                        ("l3_errors", s.l3_errors), ("hinted", s.hinted), ("swept", s.swept),
+                        ("lost_hints", s.lost_hints), *s.extra.items()]:
             h.stats[name] = h.stats.get(name, 0) + n
+        h.daemon.l3.close()  # its hint subscription ends with it
         h.daemon = None
 
     def step(self, h: Host) -> None:
@@ -212,6 +215,8 @@ class Sim:
             for name, n in h.stats.items():
                 out[name] = out.get(name, 0) + n
         out["lost_in_failovers"] = self.l3.lost
+        out["hints_lost_silently"] = self.l3.hints_lost["silently"]
+        out["hints_lost_told"] = self.l3.hints_lost["told"]
         return out
 
 
@@ -236,5 +241,6 @@ def test_hosts_converge_and_lose_nothing_under_faults() -> None:
     # every fault this test claims to survive happened, and was noticed
     for name in ("down", "failover", "trim", "crash", "stop", "pause", "lost_in_failovers",
                  "resyncs", "resync_gap", "resync_rewind", "feed_overflows", "l3_errors",
-                 "not_durable", "resolved"):
+                 "not_durable", "resolved", "hinted", "swept", "lost_hints",
+                 "hints_lost_silently", "hints_lost_told"):
         assert totals.get(name, 0) > 0, f"{name} never happened: {totals}"

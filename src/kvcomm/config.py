@@ -509,6 +509,15 @@ class ClusterConfig(_Section):
                                 description="writes waiting for L3 before put raises Unavailable")
     feed_poll: Duration = Field(default=0.02, gt=0, description="how often remote changes are read")
     feed_maxlen: Count = Field(default=100_000, ge=100, description="events kept per group stream")
+    groups: Count = Field(default=1024, ge=16, le=16384,
+                          description="hash-slot groups, a power of two (16384: one per slot); "
+                          "fixed when L3 is first used")
+    feed_total: Count = Field(default=1_600_000, ge=100,
+                              description="events kept over all groups' streams (each keeps "
+                              "feed_total / groups, at least 100, at most feed_maxlen)")
+    feed_sweep_rate: Count = Field(default=1024, ge=1,
+                                   description="group counters each daemon reads per second "
+                                   "to find changes whose hint was lost")
     wait_replicas: Count = Field(default=1, ge=0, le=16,
                                  description="replicas that must acknowledge a write (WAIT)")
     wait_timeout: Duration = Field(default=0.1, gt=0)
@@ -527,6 +536,13 @@ class ClusterConfig(_Section):
     def _seed_addresses(cls, v: list[str]) -> list[str]:
         for s in v:
             _host_port(s)
+        return v
+
+    @field_validator("groups")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two from 16 to 16384 (one group per slot), got {v}")
         return v
 
     @field_validator("address_remap")

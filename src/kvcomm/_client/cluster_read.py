@@ -20,8 +20,9 @@ class ClusterReads(Merging):
 
         A key L3 does not have is remembered as absent for ``cache.negative_ttl``; so is
         one the host's key filter rules out, while the filter is trusted (its daemon's
-        heartbeat is fresh). Raises Unavailable (L3 unreachable) and CorruptRecord (the
-        L3 value of this key is not a valid KVCOMM record; nothing is written to L2).
+        heartbeat is fresh). Raises Unavailable (L3 unreachable), CorruptRecord (the
+        L3 value of this key is not a valid KVCOMM record; nothing is written to L2) and
+        ConfigError (``cluster.groups`` is not the count L3 was initialised with).
         """
         now = time.monotonic()
         if self._negative.is_absent(key, now):
@@ -36,9 +37,15 @@ class ClusterReads(Merging):
             from ..tiers.l3 import L3Store
 
             cl = self.config.cluster
-            self._l3 = L3Store(cl.seeds(), username=cl.redis_username,
-                               password=cl.redis_password, tls=cl.redis_tls, timeout=cl.timeout,
-                               max_value_size=self.config.cache.max_value_size)
+            l3 = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
+                         tls=cl.redis_tls, timeout=cl.timeout, groups=cl.groups,
+                         max_value_size=self.config.cache.max_value_size)
+            try:  # (another count than L3's would read every key under the wrong name)
+                l3.check_groups()
+            except BaseException:
+                l3.close()
+                raise
+            self._l3 = l3
         self.counters["l3_reads"] += 1
         rec = self._l3.get(key)
         if rec is None or rec.tombstone:

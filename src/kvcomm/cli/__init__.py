@@ -17,6 +17,9 @@ the README's "Commands" section).
     kvcomm top [--name NS | --config FILE [--cluster]] [--interval S] [--once]
     kvcomm loadtest --scenario swarm|warehouse|hotkeys|penetration [--users N]
                 [--seconds S] [--config FILE] [--baseline none|redis] [--redis HOST:PORT] ...
+    kvcomm balance --config FILE [--policy threshold|learned] [--window 30s] [--once]
+                   [--dry-run]                     load-aware slot balancing of L3
+    kvcomm balance simulate|train ...               the slot-balancing simulator
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._extras import require_cluster
+from ..balance.cli import register_balance_tools
 from ..config import load_config
 from ..errors import InvalidArgument, KVCommError
 
@@ -362,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .operate import add_commands
 
     add_commands(sub, _command)  # metrics, top, loadtest
+    register_balance_tools(sub)  # kvcomm balance [simulate|train] (kvcomm.balance.cli)
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,

@@ -19,20 +19,29 @@ machines what it read, and carries out what they answer.
    is merged into L2. The feed position stored in the L2 header is the machine's
    delivered cursor: a daemon killed at any point replays from there. Vectors are
    pruned, by host activity, before they are pushed.
-2. **L3 → local.** It reads every group's L3 change feed (Redis Streams, one per
-   hash-slot group, bounded) after per-group cursors that live in L3
-   (``kvn:{host}:cursors``), so a restarted daemon — or one whose connection dropped —
-   resumes where it was. A change to a key this host holds is merged into L2 (its own
-   writes echo back as no-ops); keys it does not hold are left to the read path. A
-   group whose sequence numbers show a gap or a rewind is resynced: its position taken,
-   its keys added to the key filter, its keys that L2 holds re-read from L3.
+2. **L3 → local.** It reads a group's L3 change feed (Redis Streams, one per
+   hash-slot group, bounded) after a per-group cursor that lives in L3
+   (``kvn:{host}:cursors``, so a restarted daemon — or one whose connection dropped —
+   resumes where it was) when the group changed: a hint on the group's sharded pub/sub
+   channel says so, or the group's counter does (the sweep reads every counter, a slice
+   at a time; the groups whose hints may have been lost are checked at once). A change
+   to a key this host holds is merged into L2 (its own writes echo back as no-ops); keys
+   it does not hold are left to the read path. A group whose sequence numbers show a
+   gap or a rewind is resynced: its position taken, its keys added to the key filter,
+   its keys that L2 holds re-read from L3. An idle cluster costs each daemon the sweep's
+   few commands a second, whatever the number of groups.
 3. **Prewarm.** Every couple of seconds the host's hot keys (the host-wide sketch of
    agents' reads) are saved to L3 and any of them missing from L2 (evicted, say) are
    read back in; a daemon that starts prewarms L2 from the list its predecessor saved.
 4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
-5. **Heartbeat** in the L2 header and in the key filter's header, so agents and tools
+5. **Load.** The Redis commands it causes on each group (a push that stores: the
+   script and the five commands it runs; one that does not: two; a feed read: one) are
+   counted and saved to L3 (``kvn:{host}:load``, cumulative) every couple of seconds
+   when they changed: ``kvcomm balance`` adds them up over every host into the load of
+   each slot, in the unit Redis' INFO counts a node's.
+6. **Heartbeat** in the L2 header and in the key filter's header, so agents and tools
    can see the daemon is alive (agents trust the filter only while it beats).
 
 When L3 is unreachable, nothing is dropped: the unsent windows are kept and retried with
@@ -61,7 +70,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,9 +81,10 @@ from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
+from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
-from ..tiers.l3 import GROUPS, FeedEntry, L3Record, L3Store, group_of, read_record
+from ..tiers.l3 import PUSH_KEPT, PUSH_STORED, FeedEntry, L3Record, L3Store, PushResult, read_record
 from .delivery import (
     CORRUPT,
     FEED_COUNT,
@@ -83,6 +93,7 @@ from .delivery import (
     HostActivity,
     Inbound,
     Outbound,
+    Poll,
     Skipped,
 )
 from .port import ClientPort, HostKeys, HostL2, L3Port
@@ -104,6 +115,9 @@ class DaemonStats:
     corrupt: int = 0  # records that did not decode (each also counted in quarantined)
     l3_errors: int = 0
     resyncs: int = 0  # group resyncs: a gap or a rewind seen in a group's feed
+    hinted: int = 0  # groups read because a hint said they changed
+    swept: int = 0  # groups read because their counter said so (the sweep, lost hints)
+    lost_hints: int = 0  # groups whose hints may have been lost (their counters checked)
     feed_overflows: int = 0
     quarantined: int = 0  # inputs set aside (logged, pushed to kvn:{host}:quarantine)
     step_errors: int = 0  # rounds that failed as a whole (retried with backoff)
@@ -138,7 +152,12 @@ class Daemon:
                             WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes),
                             Backoff(rng, base=0.05, cap=2.0, floor=0.01))
         self.persisted = self.out.cursor  # the delivered cursor L2 holds
-        self.inb = Inbound(GROUPS, cl.feed_poll, Backoff(rng, base=0.05, cap=2.0, floor=0.01), now)
+        self.groups = groups_of(cl.groups)
+        self.inb = Inbound(cl.groups, cl.feed_poll, Backoff(rng, base=0.05, cap=2.0, floor=0.01),
+                           now, sweep_rate=cl.feed_sweep_rate)
+        self.load: dict[int, int] = {}  # group → operations made on it (cumulative)
+        self.load_saved: dict[int, int] = {}  # what L3 holds of it
+        self.hot_list: list[str] = []  # the hot keys last saved
         self.hosts = HostActivity(self.host, _ms(now))
         self.skipped = Skipped()  # remote changes to keys not held here, for a while
         self.max_value_size = c.max_value_size
@@ -233,6 +252,10 @@ class Daemon:
             self.stats.windows += 1
             self.stats.pushed += len(push.items)
             self.stats.bump("window_in", push.window.ops_in)
+            for item, res in zip(push.items, results, strict=False):
+                g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
+                stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
+                self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
             answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
             for answer in answers:
                 try:  # every answer is carried out: they have left the staged set
@@ -345,26 +368,43 @@ class Daemon:
             return
         self.hot_saved = self.clock()
         hot = self.port.hot_keys(HOT_KEYS)
-        if hot:
+        if hot and hot != self.hot_list:  # (unchanged: L3 has it; an idle host sends nothing)
             self.l3.save_hot(self.host, hot)
+            self.hot_list = hot
+        if hot:
             self.stats.bump("prewarmed", self._prewarm(hot))
+        self._save_load()
+
+    def _save_load(self) -> None:
+        """Save the per-group operation counts that changed (for ``kvcomm balance``).
+        Raises Unavailable."""
+        changed = {g: n for g, n in self.load.items() if self.load_saved.get(g) != n}
+        if changed:
+            self._guarded(f"kvn:{{{self.host}}}:load", "saving load counts",
+                          self.l3.save_load, self.host, changed)
+            self.load_saved.update(changed)
 
     # ------------------------------------------------------------------ L3 → local
 
     def _start_feeds(self) -> None:
-        """Resume every group's feed from the saved cursor and sequence number; a group
-        without both (a new host) starts from its current position, re-reading any keys
-        L2 already holds."""
+        """Subscribe to the groups' hints, then resume every group's feed from the saved
+        cursor and sequence number; a group without both (a new host) starts from its
+        current position, re-reading any keys L2 already holds (a group never written
+        starts at 0 without a call). The first poll checks every group's counter."""
+        self.inb.lost(self.l3.hints()[1])  # subscribed before any position is taken
         fresh = self.inb.resume(*self.l3.load_cursors(self.host))
         if fresh:
-            self._resync(fresh, reason="", held=self.held_at_start)
+            empty = {g for g, n in self.l3.feed_seqs(fresh).items() if n == 0}
+            self._resync(fresh, reason="", held=self.held_at_start, empty=empty)
 
-    def _resync(self, groups: set[int], reason: str, held: Iterable[str] = ()) -> None:
+    def _resync(self, groups: set[int], reason: str, held: Iterable[str] = (),
+                empty: Set[int] = frozenset()) -> None:
         """Take ``groups``' current feed positions, then re-read from L3 the keys of those
         groups that L2 holds (changes after the position come through the feed): the live
         ones, the tombstones among ``held``, and the tombstones found by the scan of a
         group. A ``reason`` (a gap, a rewind) counts as a resync and scans the groups'
-        keys into the key filter, since the missed entries may have created keys.
+        keys into the key filter, since the missed entries may have created keys. The
+        groups of ``empty`` were found never written: their position is (0, ``0-0``).
 
         Raises Unavailable; the groups stay pending (their old cursors are what is
         saved) and are resynced again on the next round.
@@ -374,10 +414,10 @@ class Daemon:
             self.stats.resyncs += len(groups)
             self.stats.bump(f"resync_{reason}", len(groups))
             log.warning("resyncing group(s) %s of the L3 feed (%s)", sorted(groups), reason)
-        held = {key for key in (*self.port.held_keys(), *held) if group_of(key) in groups}
+        held = {key for key in (*self.port.held_keys(), *held) if self.groups.of(key) in groups}
         for g in sorted(groups):
             try:
-                seq, last_id = self.l3.feed_position(g)
+                seq, last_id = (0, b"0-0") if g in empty else self.l3.feed_position(g)
             except CorruptRecord as exc:  # a foreign value under the group's stream key
                 self._set_aside(f"feed of group {g}", f"resync: {exc}")
                 seq, last_id = None, b"0-0"  # (the first real entry then resyncs it again)
@@ -400,27 +440,34 @@ class Daemon:
         if key not in held and self.port.holds(key):
             held.add(key)
 
-    def pull_remote(self, check_seqs: bool = False) -> None:
-        """Read every group's feed after its cursor and apply what this host holds.
-
-        ``check_seqs``: first read the groups' counters, to catch a group whose stream
-        lost entries that no read returned (a read that returns nothing carries no
-        sequence number). Raises Unavailable.
-        """
+    def pull_remote(self, poll: Poll) -> None:
+        """Read the feeds of the groups that changed and apply what this host holds: first
+        the counters of ``poll.check`` (a sweep slice, groups whose hints may have been
+        lost), then the feeds of the groups hinted or whose counter moved. Raises
+        Unavailable."""
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
-        counters = self.l3.feed_seqs(self.inb.groups) if check_seqs else {}
+        counters = self.l3.feed_seqs(poll.check) if poll.check else {}
         if counters:
-            self.feed_counters = counters  # (the cluster feed's lag, for metrics)
+            self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
+        read = self.inb.to_read(counters)
+        if not read:
+            return
+        self.stats.hinted += len(read - counters.keys())
+        self.stats.swept += len(read & counters.keys())
         problems: dict[str, set[int]] = {}
-        for g, rows in self.l3.feed_many(self.inb.cursors, count=FEED_COUNT).items():
+        for g, rows in self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
+                                         count=FEED_COUNT).items():
             if isinstance(rows, CorruptRecord):
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
+                self.inb.read(g, 0)
                 continue
             reading = self.inb.examine(g, rows, counters.get(g))
             for entry in reading.entries:
                 self._pull_entry(g, entry)
                 self.inb.advance(g, entry)
+            self.load[g] = self.load.get(g, 0) + 1  # one XRANGE
+            self.inb.read(g, len(rows))
             if reading.problem:
                 problems.setdefault(reading.problem, set()).add(g)
         for why in sorted(problems):
@@ -452,16 +499,22 @@ class Daemon:
             self.stats.pulled += 1
 
     def _save_state(self) -> None:
-        """Save the feed cursors and sequence numbers (not those of a pending resync).
-        Raises Unavailable."""
+        """Save the feed cursors and sequence numbers that changed (not those of a
+        pending resync). Raises Unavailable."""
         cursors, seqs = self.inb.saveable()
-        self._guarded(f"kvn:{{{self.host}}}:cursors", "saving feed cursors",
-                      self.l3.save_cursors, self.host, cursors, seqs)
+        if cursors and self._guarded(f"kvn:{{{self.host}}}:cursors", "saving feed cursors",
+                                     self._save_cursors, cursors, seqs):
+            self.inb.saved(cursors, seqs)
+
+    def _save_cursors(self, cursors: dict[int, bytes], seqs: dict[int, int]) -> bool:
+        self.l3.save_cursors(self.host, cursors, seqs)
+        return True
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> None:
-        """One round: heartbeat, local changes to L3, and (every feed_poll) L3's changes.
+        """One round: heartbeat, local changes to L3, the hints that arrived, and (at
+        most every feed_poll) the feeds of the groups that changed.
 
         Raises SegmentError when the host's L2 can no longer be used; L3 failures are
         counted and backed off from, not raised.
@@ -470,16 +523,19 @@ class Daemon:
         self.port.heartbeat()
         self.keys.beat()
         self.push_local(now)
-        poll = self.inb.poll_due(now)
-        if poll is None:
-            return  # the feed costs GROUPS reads per poll: keep to feed_poll, not window pace
+        hinted, lost = self.l3.hints()
+        self.inb.hinted(hinted)
+        self.inb.lost(lost)
+        self.stats.lost_hints += len(lost)
         try:
-            self.pull_remote(check_seqs=poll.check)
-            if poll.check:
-                self._save_state()
+            poll = self.inb.poll_due(now)
+            if poll is not None:
+                self.pull_remote(poll)
+                if poll.save:
+                    self._save_state()
+                self.inb.polled(poll, now)
             self._maybe_rotate_filter()
             self._maybe_prewarm()
-            self.inb.polled(poll, now)
         except Unavailable as exc:
             delay = self.inb.poll_failed(self.clock())
             self._l3_failed(self.inb.backoff, "reading the L3 feed", exc, delay)
@@ -566,7 +622,9 @@ class NodeDaemon(Daemon):
             l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
                          tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
                          wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000),
-                         max_value_size=c.max_value_size)
+                         max_value_size=c.max_value_size, groups=cl.groups,
+                         feed_total=cl.feed_total)
+            l3.check_groups(record=True)  # (a ConfigError for another count: not retried)
             for prefix, fn in resolvers.items():  # the operator's own code, named in config
                 port.register_resolver(prefix, fn)  # (agents of the host register theirs)
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,

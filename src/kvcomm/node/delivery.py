@@ -56,17 +56,28 @@ exceeds every earlier version at the dot, so it can look *concurrent* with an ol
 version but never *older*; last-writer-wins then picks it, since a write's HLC exceeds
 those of the writes it saw. No acknowledged write loses to an older one.
 
-**L3 → local (Inbound).** Every group's feed is read after its cursor; every entry
-carries the group's sequence number. An entry that is not last + 1 — higher (the
-stream was trimmed past the cursor: a *gap*), lower or equal (the stream went back: a
-failover lost entries, a *rewind*), or missing (*unsequenced*) — stops that group's
-reading and makes it resync; so does, once every ``state_every`` seconds, a group
-counter that a read which reached the end of the stream did not reach (a gap that no
-entry shows), or that went below the last number seen (a rewind). A resync takes the
+**L3 → local (Inbound).** A group's feed is read after its cursor when the group is
+*due*: a hint said it changed (the push script publishes one per change on the group's
+sharded channel), or its counter, read by a check, is not the last sequence number
+read. Counters are checked by the *sweep* — a slice of ``sweep_batch`` groups every
+``sweep_batch / sweep_rate`` seconds (at least MIN_SWEEP_EVERY), every group in turn, so
+its cost per second is fixed whatever the number of groups — and at once for groups
+whose hints may have been lost (:meth:`Inbound.lost`: a subscription broke, or its slot
+moved), and for every group at the first poll (changes made while no daemon listened
+hinted nobody). Hints make propagation fast; only counters make it lossless: a change
+whose hint is lost is found by the sweep within :attr:`Inbound.sweep_period`.
+
+Every entry carries the group's sequence number. An entry that is not last + 1 — higher
+(the stream was trimmed past the cursor: a *gap*), lower or equal (the stream went
+back: a failover lost entries, a *rewind*), or missing (*unsequenced*) — stops that
+group's reading and makes it resync; so does a counter read before a read that reached
+the end of the stream and that the read did not reach (a gap that no entry shows), or
+that went below the last number seen (a rewind). A resync takes the
 group's position atomically, adds the group's keys to the key filter (when entries
 were missed: they may have created keys), and re-reads the group's keys that L2
 holds. Until it completes, the group is *pending*: its old cursor is the one saved, so a
-daemon killed meanwhile resyncs again. A change to a key the host does not hold is
+daemon killed meanwhile resyncs again. Only the cursors that changed since the last
+save are saved. A change to a key the host does not hold is
 not applied, but remembered a while (:class:`Skipped`): an agent that read the key from
 L3 just before may fill L2 with the older record just after, and the driver applies
 the remembered change over that fill when the local feed shows it.
@@ -86,13 +97,17 @@ Driver's obligations
    read after the push. Carry out every :class:`Answer` in order: deliver (mark
    delivered) before take (merge into L2); rebase, else take; set aside = deliver,
    then record the reason.
-4. When :meth:`Inbound.poll_due` returns a poll: first redo the pending resyncs
-   (``Inbound.pending``); if ``poll.check``, read every group's counter before reading
-   the feeds; read every group's feed after ``Inbound.cursors`` (FEED_COUNT entries);
-   for each group apply the entries :meth:`Inbound.examine` returns in order, calling
-   :meth:`Inbound.advance` after each (applied or set aside), then resync the groups
-   it found a problem in; save :meth:`Inbound.saveable` when ``poll.check``. Report
-   the outcome: :meth:`Inbound.polled` or :meth:`Inbound.poll_failed`.
+4. Subscribe to the groups' hints before the first poll; hand every hint to
+   :meth:`Inbound.hinted`, and every group whose hints may have been lost to
+   :meth:`Inbound.lost`. When :meth:`Inbound.poll_due` returns a poll: first redo the
+   pending resyncs (``Inbound.pending``); read the counters of ``poll.check``; read the
+   feeds (FEED_COUNT entries after ``Inbound.cursors``) of the groups
+   :meth:`Inbound.to_read` names given those counters; for each group apply the entries
+   :meth:`Inbound.examine` returns (with the group's counter, if read) in order, calling
+   :meth:`Inbound.advance` after each (applied or set aside), then :meth:`Inbound.read`,
+   then resync the groups it found a problem in. If ``poll.save``, save
+   :meth:`Inbound.saveable` and tell :meth:`Inbound.saved`. Report the outcome:
+   :meth:`Inbound.polled` or :meth:`Inbound.poll_failed`.
 5. Resync: :meth:`Inbound.begin_resync`; for each group take its position from L3 and
    hand it to :meth:`Inbound.positioned` — when that returns True, add the group's keys
    in L3 to the key filter and call :meth:`Inbound.scanned` —; then re-read from L3 every
@@ -117,7 +132,10 @@ from ..errors import CorruptRecord
 from ..tiers.l3 import FeedEntry, L3Record, PushResult
 
 FEED_COUNT = 500  # entries read per group per poll
-STATE_EVERY = 1.0  # seconds between saves of the feed cursors and checks of group counters
+STATE_EVERY = 1.0  # seconds between saves of the feed cursors (those that changed)
+SWEEP_RATE = 1024.0  # group counters the sweep reads per second (cluster.feed_sweep_rate)
+SWEEP_BATCH = 256  # group counters per sweep slice (one read-only script call per master)
+MIN_SWEEP_EVERY = 0.25  # seconds between sweep slices at least
 RECENT_S = 30.0  # how long a skipped remote change can still be applied over a late fill
 RECENT_MAX = 65_536  # skipped remote changes remembered at most
 
@@ -366,33 +384,84 @@ class Reading(NamedTuple):
 
 
 class Poll(NamedTuple):
-    check: bool  # read the group counters first, and save the cursors afterwards
+    """One poll of the feeds: read ``check``'s counters first, then the feeds of the
+    groups :meth:`Inbound.to_read` names; save the cursors afterwards if ``save``."""
+
+    check: frozenset[int]  # groups whose counters to read first (a sweep slice, lost hints)
+    save: bool  # save the cursors that changed, afterwards
+    sweep: int = 0  # groups of ``check`` that are the sweep's slice (0: no slice this poll)
 
 
 class Inbound:
-    """Every group's feed cursor and last sequence number, the resyncs, the poll's pace."""
+    """Every group's feed cursor and last sequence number, which groups to read (hinted,
+    or found changed by a counter check), the sweep over every group's counter, the
+    resyncs, the poll's pace."""
 
     def __init__(self, groups: int, poll: float, backoff: Backoff, now: float,
-                 state_every: float = STATE_EVERY) -> None:
+                 state_every: float = STATE_EVERY, sweep_rate: float = SWEEP_RATE,
+                 sweep_batch: int = SWEEP_BATCH) -> None:
         self.groups = range(groups)
         self.cursors: dict[int, bytes] = {}  # group → id of the last entry read
         self.seqs: dict[int, int | None] = {}  # group → sequence number of that entry
         self.pending: dict[int, bool] = {}  # group resyncing → its keys still go to the filter
+        self.due: set[int] = set()  # groups to read at the next poll (hinted, or more to read)
+        self.recheck: set[int] = set(self.groups)  # counters to read at the next poll: all at start
         self.poll, self.backoff, self.state_every = poll, backoff, state_every
+        # the sweep: a slice of the groups' counters every sweep_every seconds, in turn
+        self.slice = max(1, min(groups, sweep_batch))
+        self.sweep_every = max(MIN_SWEEP_EVERY, self.slice / sweep_rate)
+        self.sweep_next = 0  # the group the next slice starts at
+        self.sweep_at = now + self.sweep_every
         self.last_poll = float("-inf")
         self.retry_at = float("-inf")
         self.state_at = now + state_every
+        self._saved: dict[int, tuple[bytes, int | None]] = {}  # group → what L3 holds of it
+
+    @property
+    def sweep_period(self) -> float:
+        """Seconds between two reads of one group's counter by the sweep: how late a
+        change whose hint was lost is found, at most (plus one poll)."""
+        return self.sweep_every * -(-len(self.groups) // self.slice)
 
     def resume(self, cursors: Mapping[int, bytes], seqs: Mapping[int, int]) -> set[int]:
         """Start from saved cursors and sequence numbers. Returns the groups that lack
-        either: start them afresh (a resync without a reason)."""
+        either: start them afresh (a resync without a reason). Every group's counter is
+        checked at the first poll (changes made while no daemon listened sent hints to
+        nobody)."""
         fresh = set()
         for g in self.groups:
             if g in cursors and g in seqs:
                 self.cursors[g], self.seqs[g] = cursors[g], seqs[g]
+                self._saved[g] = (cursors[g], seqs[g])
             else:
                 fresh.add(g)
         return fresh
+
+    def hinted(self, groups: Iterable[int]) -> None:
+        """Hints arrived: these groups changed (read them at the next poll)."""
+        self.due.update(g for g in groups if g in self.groups)
+
+    def lost(self, groups: Iterable[int]) -> None:
+        """Hints of these groups may have been lost (a subscription broke or moved):
+        check their counters at the next poll."""
+        self.recheck.update(g for g in groups if g in self.groups)
+
+    def to_read(self, counters: Mapping[int, int | None]) -> set[int]:
+        """The groups to read at this poll: those due, and those whose counter (read
+        just now, ``counters``) is not the last sequence number read."""
+        out = set(self.due)
+        for g, counter in counters.items():
+            if counter is None or counter != self.seqs.get(g):
+                out.add(g)
+        return out
+
+    def read(self, group: int, rows: int) -> None:
+        """``group``'s feed was read (``rows`` entries came back) and what
+        :meth:`examine` returned was applied: it stays due only if there may be more."""
+        if rows >= FEED_COUNT:
+            self.due.add(group)
+        else:
+            self.due.discard(group)
 
     def examine(self, group: int, rows: Sequence[FeedEntry],
                 counter: int | None = None) -> Reading:
@@ -441,22 +510,50 @@ class Inbound:
             self.pending.pop(g, None)
 
     def saveable(self) -> tuple[dict[int, bytes], dict[int, int]]:
-        """The cursors and sequence numbers to save: not those of a pending group."""
-        done = [g for g in self.cursors if g not in self.pending]
-        return ({g: self.cursors[g] for g in done},
-                {g: s for g in done if (s := self.seqs.get(g)) is not None})
+        """The cursors and sequence numbers to save: those that changed since the last
+        :meth:`saved`, not those of a pending group."""
+        cursors: dict[int, bytes] = {}
+        seqs: dict[int, int] = {}
+        for g, c in self.cursors.items():
+            if g in self.pending:
+                continue
+            s = self.seqs.get(g)
+            if self._saved.get(g) == (c, s):
+                continue
+            cursors[g] = c
+            if s is not None:
+                seqs[g] = s
+        return cursors, seqs
+
+    def saved(self, cursors: Mapping[int, bytes], seqs: Mapping[int, int]) -> None:
+        """L3 holds these cursors and sequence numbers now (what :meth:`saveable` gave)."""
+        for g, c in cursors.items():
+            self._saved[g] = (c, seqs.get(g))
 
     def poll_due(self, now: float) -> Poll | None:
-        """A poll to make now, or None: keep to the poll interval (the feed costs a read
-        per group), and to the backoff after a failure."""
+        """A poll to make now, or None: nothing to read, check or save, or too soon
+        (polls keep to the poll interval, and to the backoff after a failure)."""
         if now - self.last_poll < self.poll or now < self.retry_at:
             return None
+        check = set(self.recheck)
+        sweep = 0
+        if now >= self.sweep_at:
+            n = len(self.groups)
+            check |= {(self.sweep_next + i) % n for i in range(self.slice)}
+            sweep = self.slice
+        save = now >= self.state_at
+        if not (check or save or self.due or self.pending):
+            return None
         self.last_poll = now
-        return Poll(check=now >= self.state_at)
+        return Poll(frozenset(check), save, sweep)
 
     def polled(self, poll: Poll, now: float) -> None:
         self.backoff.succeeded()
-        if poll.check:
+        self.recheck -= poll.check
+        if poll.sweep:
+            self.sweep_next = (self.sweep_next + self.slice) % len(self.groups)
+            self.sweep_at = now + self.sweep_every
+        if poll.save:
             self.state_at = now + self.state_every
 
     def poll_failed(self, now: float) -> float:

@@ -25,9 +25,9 @@ What the daemon needs of L2, and nothing more:
   has seen and L2 lost (``write_sequence``, ``rebase``);
 * the hot keys, the heartbeat, the feed position the daemon has delivered up to.
 
-Of L3: pushing records (the L3 rule, atomically per key), the groups' change feeds and
-positions, reading and scanning keys, and the daemon's own small state there (feed
-cursors, hot keys, the quarantine list).
+Of L3: pushing records (the L3 rule, atomically per key), the groups' change feeds,
+counters, positions and hints, reading and scanning keys, and the daemon's own small
+state there (feed cursors, hot keys, per-group load, the quarantine list).
 """
 
 from __future__ import annotations
@@ -150,6 +150,10 @@ class L3Port(Protocol):
         """(sequence number, id of the last entry kept or ``0-0``), read atomically.
         Raises CorruptRecord when the group's stream is not ours."""
 
+    def hints(self) -> tuple[set[int], set[int]]:
+        """(groups hinted since the last call, groups whose hints may have been lost
+        since then); the first call subscribes. Never blocks, never raises."""
+
     def get(self, key: str) -> L3Record | None:
         """The key's record, or None. Raises CorruptRecord."""
 
@@ -169,6 +173,9 @@ class L3Port(Protocol):
         """The hot keys ``host`` saved ([] when none, or not ours)."""
 
     def save_hot(self, host: str, keys: list[str]) -> None: ...
+
+    def save_load(self, host: str, ops: Mapping[int, int]) -> None:
+        """Record ``host``'s cumulative operation count of these groups."""
 
     def quarantine(self, host: str, key: str, reason: str, when: float) -> None:
         """Record an input the daemon set aside."""

@@ -2,11 +2,16 @@
 
 Keys and slots
 --------------
-A KVCOMM key ``k`` is stored under ``kvc:{g}:k`` where ``g = xxh3(k) % GROUPS``. The
-hash tag ``{g}`` pins a whole group to one Redis Cluster hash slot, so a record and its
-group's change feed (the stream ``kvf:{g}``) are in the same slot and one Lua call
-can update both atomically. Redis Cluster spreads the groups' slots over the masters,
-replicates them, and fails over; KVCOMM adds nothing to that.
+A KVCOMM key ``k`` is stored under ``kvc:{t}:k`` where ``t`` is the hash tag of its
+group, ``xxh3(k) mod cluster.groups`` (:mod:`kvcomm.tiers.groups`: 1,024 groups by
+default, up to one per slot, spread evenly over the 16,384 slots). The tag pins a whole
+group to one Redis Cluster hash slot, so a record, its group's change feed (the stream
+``kvf:{t}``) and counter (``kvs:{t}``) are in the same slot and one Lua call can update
+them atomically; a slot, with everything of its group, moves between masters as one
+(:mod:`kvcomm.balance.migrate`). Redis Cluster spreads the slots over the masters,
+replicates them, and fails over; KVCOMM adds nothing to that. The group count is
+recorded in L3 (``kvm:groups``) at the first daemon's start, and a host configured with
+another count refuses to start (:meth:`L3Store.check_groups`).
 
 Records (a msgpack map of short named fields, format 2)
 -------------------------------------------------------
@@ -62,6 +67,27 @@ way the reader resyncs that group from the records themselves (:meth:`L3Store.fe
 then re-reads). A read that returns nothing carries no sequence number, so a reader also
 compares its last sequence number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
 
+Hints, and the sweep
+--------------------
+With a thousand groups or more, reading every group's stream every poll would cost each
+host thousands of Redis commands a second while nothing happens. So the push script
+also announces each change on its group's sharded pub/sub channel (``SPUBLISH
+kvh:{t} <seq>``, Redis 7), each daemon subscribes to every group's channel on the master
+serving it (:class:`kvcomm.tiers.hints.Hints`), and reads a group's stream only when
+hinted. Pub/sub is not reliable, so losing a hint must cost time, never a change:
+
+* a subscription connection that breaks, or a channel the server unsubscribes (its slot
+  moved to another master), makes the daemon check the counters of the groups it served
+  at once, and subscribe again where they are now;
+* a slow sweep reads every group's counter (:meth:`L3Store.feed_seqs`: one read-only
+  script call per master reads up to SWEEP_BATCH counters, so the sweep costs a fixed
+  number of commands a second per host whatever the number of groups) and reads the
+  groups whose counter moved. The sweep period bounds how late a lost hint is caught.
+
+The feeds' memory is bounded in total, not per group: each group's stream keeps
+``cluster.feed_total / cluster.groups`` entries (at least FEED_MIN, at most
+``cluster.feed_maxlen``); a reader that falls further behind sees a gap and resyncs.
+
 Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
 which applies the incoming record atomically against the stored one by the L3 rule,
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
@@ -79,11 +105,11 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 import msgpack
-import xxhash
 
 from .._extras import require_cluster
 from ..core import codec
@@ -91,22 +117,28 @@ from ..core.ext import EMPTY_EXT, MAX_EXT
 from ..core.ext import ext_problem as _check_ext
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
 from ..core.versions import MAX_COUNTER, Dotted, Vector
-from ..errors import CorruptRecord, Unavailable, UnsupportedValue
+from ..errors import ConfigError, CorruptRecord, Unavailable, UnsupportedValue
+from .groups import DEFAULT_GROUPS, LEGACY_GROUPS, Groups, groups
+from .groups import groups as _groups
+from .hints import Hints
 
 __all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "PushResult", "GROUPS",
-           "EMPTY_EXT", "FORMAT", "group_of", "read_record", "record_key", "feed_key",
-           "seq_key"]
+           "DEFAULT_GROUPS", "EMPTY_EXT", "FORMAT", "Groups", "group_of", "groups", "read_record",
+           "record_key", "feed_key", "seq_key"]
 
 log = logging.getLogger("kvcomm.l3")
 
-# Hash-slot groups: each group is one slot, one stream. Daemons read every group's stream
-# every feed_poll, and Redis Cluster cannot read streams of different slots in one command,
-# so the feed costs GROUPS reads per poll per host: 16 keeps that small (measured in
-# bench/bench_cluster.py); it is also the unit a slot balancer can move.
-GROUPS = 16
+GROUPS = DEFAULT_GROUPS  # (the older name of the default cluster.groups)
 FORMAT = 2  # the record format written (see "When to bump FORMAT" above)
 FIELDS = ("f", "h", "d", "t", "m", "v", "vv", "dot", "x")  # a format-2 record's keys
-FEED_MAXLEN = 100_000  # events kept per group stream (approximate: MAXLEN ~)
+FEED_MAXLEN = 100_000  # events kept per group stream at most (approximate: MAXLEN ~)
+FEED_TOTAL = 1_600_000  # events kept over all groups' streams (cluster.feed_total)
+FEED_MIN = 100  # events kept per group stream at least, however many groups
+SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
+META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
+# Redis commands one push costs (as INFO counts them, a script's own calls included):
+PUSH_STORED = 6  # EVALSHA, GET, INCR, XADD, SET, SPUBLISH
+PUSH_KEPT = 2  # EVALSHA, GET (equal, older, conflict: nothing stored)
 OUTCOMES = (NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT)
 QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
 
@@ -276,27 +308,29 @@ def _check_fields(hlc: object, tomb: object, tag: object, meta: object, value: o
     return ""
 
 
-def group_of(key: str) -> int:
-    return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass")) % GROUPS
+def group_of(key: str, count: int = DEFAULT_GROUPS) -> int:
+    """The group of ``key`` among ``count`` (``cluster.groups``)."""
+    return groups(count).of(key)
 
 
-def record_key(key: str) -> str:
-    return f"kvc:{{{group_of(key)}}}:{key}"
+def record_key(key: str, count: int = DEFAULT_GROUPS) -> str:
+    return groups(count).record_key(key)
 
 
-def feed_key(group: int) -> str:
-    # its own prefix (same hash tag, so the same slot): a user key named "feed" is safe
-    return f"kvf:{{{group}}}"
+def feed_key(group: int, count: int = DEFAULT_GROUPS) -> str:
+    return groups(count).feed_key(group)
 
 
-def seq_key(group: int) -> str:
+def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
     """The group's change counter: the sequence number of its latest feed entry."""
-    return f"kvs:{{{group}}}"
+    return groups(count).seq_key(group)
 
 
 # The L3 rule (kvcomm.core.resolve.l3_rule) run inside Redis, atomically per key.
 # KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter
-# ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key
+# ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key,
+# ARGV[5] the group's hint channel (an argument, not a key: during a slot migration Redis
+# counts a declared key that does not exist as missing, and would refuse every push)
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
 local MAX_COUNTER = 9007199254740991  -- 2**53-1: every larger integer is a double >= 2**53
@@ -345,6 +379,9 @@ local function store(bytes)
   end
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
   redis.call('SET', KEYS[1], bytes)
+  -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
+  -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
+  if ARGV[5] then redis.pcall('SPUBLISH', ARGV[5], s) end
 end
 local incoming = read(ARGV[1])
 if incoming == nil then
@@ -413,6 +450,20 @@ if #last == 0 then return {s, '0-0'} end
 return {s, last[1][1]}
 """
 
+# Group counters of many slots of one master in one call: a GET each (redis.pcall: a slot
+# that is not this node's, or is being migrated, answers its error text instead, and the
+# caller reads that counter again through the cluster client). Read-only, and declared
+# cross-slot: Redis 7 lets a script touch keys of several slots of its node that way.
+# ARGV: the counters' key names. Returns, per key, its value, false (absent) or an error text.
+SWEEP_LUA = r"""#!lua flags=no-writes,allow-cross-slot-keys
+local out = {}
+for i, k in ipairs(ARGV) do
+  local r = redis.pcall('GET', k)
+  if type(r) == 'table' and r.err then out[i] = 'ERR ' .. r.err else out[i] = r end
+end
+return out
+"""
+
 # Redis errors that say "not now" (a failover, a slot on the move, a restarted node)
 # rather than "not this key": they become Unavailable, and the caller retries.
 _TRANSIENT = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY",
@@ -471,13 +522,15 @@ class L3Store:
     Credentials and TLS come from the caller's config, never from code. Redis errors are
     translated: connection trouble → Unavailable, a foreign value under one key →
     CorruptRecord for that key. ``max_value_size`` (``cache.max_value_size``) bounds
-    what a record read back may hold.
+    what a record read back may hold. ``groups`` is ``cluster.groups``; each group's
+    stream keeps ``feed_total / groups`` entries, within FEED_MIN..``feed_maxlen``.
     """
 
     def __init__(self, seeds: Sequence[tuple[str, int]], *, password: str | None = None,
                  username: str | None = None, tls: bool = False, timeout: float = 2.0,
                  feed_maxlen: int = FEED_MAXLEN, wait_replicas: int = 0,
                  wait_ms: int = 100, max_value_size: int = MAX_VALUE_SIZE,
+                 groups: int = DEFAULT_GROUPS, feed_total: int = FEED_TOTAL,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
@@ -485,6 +538,10 @@ class L3Store:
 
         from ..metrics.wire import counting_cluster
 
+        try:
+            self.groups: Groups = _groups(groups)
+        except ValueError as exc:
+            raise ConfigError("cluster.groups", str(exc)) from None
         try:
             self.rc = counting_cluster()(
                 startup_nodes=[ClusterNode(h, p) for h, p in seeds],  # type: ignore[no-untyped-call]
@@ -497,74 +554,173 @@ class L3Store:
         except Exception as exc:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
         self.wire = self.rc.wire  # type: ignore[attr-defined]  # commands and bytes to and from Redis (kvcomm metrics)
-        self.feed_maxlen = feed_maxlen
+        self.feed_maxlen = min(feed_maxlen, max(FEED_MIN, feed_total // groups))
+        self.timeout = timeout
+        self.auth = (username, password)  # (for MIGRATE's AUTH: kvcomm.balance.migrate)
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
+        self.redirects: dict[str, int] = {"moved": 0, "ask": 0, "tryagain": 0}  # pushes retried
         self._script = self.rc.register_script(PUSH_LUA)
         self._position = self.rc.register_script(POSITION_LUA)
-        self._loaded: set[str] = set()  # nodes known to hold the push script
+        self._sweep = self.rc.register_script(SWEEP_LUA)
+        self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
         self._refreshed = 0.0
+        self._hints: Hints | None = None
 
     def decode(self, raw: object, key: str = "") -> L3Record:
         """:func:`read_record` under this store's bound; CorruptRecord names ``key``."""
         return read_record(raw, key, self.max_value_size)
 
+    def group_of(self, key: str) -> int:
+        return self.groups.of(key)
+
+    # ------------------------------------------------------------------ the group count
+
+    def check_groups(self, record: bool = False) -> int:
+        """Check ``cluster.groups`` against the count L3 was initialised with; with
+        ``record`` (a daemon starting), record it when L3 has none yet. Returns the count.
+
+        Raises ConfigError naming both counts when they differ, or when L3 holds data an
+        earlier KVCOMM wrote with 16 groups (before the count was recorded) and this host
+        is configured with another; Unavailable when L3 cannot be reached. Nothing is
+        written then.
+        """
+        count = len(self.groups)
+        raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
+        if raw is None:
+            if count != LEGACY_GROUPS and record and self._legacy_data():
+                raise ConfigError(
+                    "cluster.groups",
+                    f"L3 holds data that an earlier KVCOMM wrote with {LEGACY_GROUPS} groups "
+                    f"({seq_key(0, LEGACY_GROUPS)} …), and this host is configured with "
+                    f"{count}: set cluster.groups: {LEGACY_GROUPS} on every host to keep "
+                    "using that data (the count of an L3 cannot change while it holds data)")
+            if not record:
+                return count
+            self._call(lambda: self.rc.set(META_GROUPS, count, nx=True), META_GROUPS)
+            raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
+        stored = _as_seq(raw)
+        if stored is None:
+            raise ConfigError("cluster.groups", f"L3's {META_GROUPS} holds {raw!r:.40}, not a "
+                              "group count: it was written by something else; remove it")
+        if stored != count:
+            raise ConfigError(
+                "cluster.groups",
+                f"L3 was initialised with {stored} groups, and this host is configured with "
+                f"{count}: set cluster.groups: {stored} (the count of an L3 cannot change "
+                "while it holds data)")
+        return count
+
+    def _legacy_data(self) -> bool:
+        """Whether any of the 16 groups of the layout before cluster.groups was written."""
+        old = _groups(LEGACY_GROUPS)
+        return any(self._call(lambda g=g: self.rc.exists(old.seq_key(g))) for g in old)
+
+    # ------------------------------------------------------------------ reads and pushes
+
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord."""
-        raw = self._call(lambda: self.rc.get(_wire_key(record_key(key))), key)
+        raw = self._call(lambda: self.rc.get(_wire_key(self.groups.record_key(key))), key)
         return None if raw is None else self.decode(raw, key)
 
     def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
         """Push one record into L3: the L3 rule, applied atomically (``keep_siblings``:
         a concurrent record comes back as ``conflict`` instead of being merged
-        last-writer-wins). Raises Unavailable, CorruptRecord (the stored value is
-        foreign, or the key cannot be sent); nothing is stored then."""
-        args = self._args(key, record, keep_siblings)
-        raw = self._call(lambda: self._script(keys=args[0], args=args[1]), key)
-        return self._result(key, raw)
+        last-writer-wins); as :meth:`push_many`. Raises Unavailable, CorruptRecord (the
+        stored value is foreign, or the key cannot be sent); nothing is stored then."""
+        out = self.push_many([(key, record)], {key} if keep_siblings else frozenset())[0]
+        if isinstance(out, CorruptRecord):
+            raise out
+        return out
 
     def push_many(self, items: Sequence[tuple[str, L3Record]],
                   keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
-        """Push many records: one pipeline of script calls per master node. The keys in
-        ``keep_siblings`` get ``conflict`` for a concurrent record (as :meth:`push`).
+        """Push many records: one pipeline of script calls per master node, then (with
+        ``wait_replicas``) a WAIT on the same connection. The keys in ``keep_siblings``
+        get ``conflict`` for a concurrent record (as :meth:`push`).
 
         Returns one answer per item, in order. A key whose stored value is foreign, or
         that cannot be sent (not strict UTF-8), yields a CorruptRecord in its place; the
-        others are pushed. A key whose slot
-        moved meanwhile is retried through the cluster client (which follows MOVED/ASK).
-        Raises Unavailable when the cluster cannot be reached.
+        others are pushed. A push redirected (its slot moved: MOVED; or is moving: ASK,
+        TRYAGAIN) is sent again where Redis says, with its own WAIT — a retried push is
+        durable only when a replica acknowledged it there — until ``timeout`` seconds
+        have passed; pushes are idempotent (a repeated record is ``equal``), so a retry
+        never stores anything twice. Raises Unavailable when the cluster cannot be
+        reached, or a slot stayed on the move past the timeout; what was pushed before
+        stays pushed, and pushing it again is harmless.
         """
-        by_node: dict[str, tuple[Any, list[int]]] = {}
+        from redis.exceptions import AskError, MovedError, TryAgainError
+
         out: list[PushResult | CorruptRecord | None] = [None] * len(items)
+        route: dict[int, tuple[Any, bool]] = {}  # item → (node, send ASKING first)
         for i, (key, _) in enumerate(items):
             try:
                 _wire_key(key)
             except CorruptRecord as exc:
                 out[i] = exc
                 continue
-            node = self._call(lambda key=key: self.rc.get_node_from_key(record_key(key)))  # type: ignore[no-untyped-call]
-            by_node.setdefault(node.name, (node, []))[1].append(i)
-        for node, idxs in by_node.values():
-            raws = self._call(lambda node=node, idxs=idxs: self._pipeline(node, items, idxs,
-                                                                           keep_siblings))
-            durable = True
-            if self.wait_replicas:
-                acked, role = raws.pop(), raws.pop()
-                durable = isinstance(acked, int) and acked >= self._replicas_to_wait(node, role)
-            for i, raw in zip(idxs, raws, strict=True):
-                key, record = items[i]
-                try:
+            node = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
+                self.groups.record_key(key)))
+            route[i] = (node, False)
+        deadline = time.monotonic() + self.timeout
+        waits = 0
+        while route:
+            batches: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
+            for i, (node, asking) in route.items():
+                batches.setdefault((node.name, asking), (node, []))[1].append(i)
+            route = {}
+            busy = ""
+            for (_, asking), (node, idxs) in batches.items():
+                raws, durable = self._call(lambda node=node, idxs=idxs, asking=asking:
+                                           self._pipeline(node, items, idxs, keep_siblings,
+                                                          asking))
+                for i, raw in zip(idxs, raws, strict=True):
+                    key = items[i][0]
                     if not isinstance(raw, Exception):
-                        out[i] = self._result(key, raw)._replace(durable=durable)
+                        try:
+                            out[i] = self._result(key, raw)._replace(durable=durable)
+                        except CorruptRecord as exc:
+                            out[i] = exc
                     elif _key_error(str(raw)):
                         out[i] = CorruptRecord(f"L3 value of {key!r}: {str(raw).split(' ', 1)[-1]}")
-                    else:  # MOVED / ASK / NOSCRIPT after a failover: one call, redirects followed
-                        out[i] = self.push(key, record, key in keep_siblings)
-                except CorruptRecord as exc:
-                    out[i] = exc
+                    elif isinstance(raw, MovedError):  # (a MovedError is an AskError: first)
+                        self.redirects["moved"] += 1
+                        self.rc.nodes_manager.move_slot(raw)
+                        route[i] = (self._node(raw.host, raw.port), False)
+                    elif isinstance(raw, AskError):
+                        self.redirects["ask"] += 1
+                        route[i] = (self._node(raw.host, raw.port), True)
+                    elif isinstance(raw, TryAgainError) or "NOSCRIPT" in str(raw):
+                        # a multi-key call in a slot half migrated, or a node that lost
+                        # the script (loaded again by _pipeline): again, by the slot map
+                        self.redirects["tryagain"] += "NOSCRIPT" not in str(raw)
+                        busy = busy or str(raw)
+                        route[i] = (self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
+                            self.groups.record_key(key))), False)
+                    else:
+                        raise Unavailable(f"Redis Cluster refused a push: {raw}")
+            if route:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"{len(route)} push(es) still redirected after "
+                                      f"{self.timeout:g}s ({busy or 'MOVED/ASK'}): a slot "
+                                      "is on the move; retried later")
+                if busy:  # TRYAGAIN: the migration of a batch of keys is under way
+                    waits += 1
+                    time.sleep(min(0.1, 0.002 * 2 ** min(waits, 6)))
         return out  # type: ignore[return-value]
+
+    def _node(self, host: str, port: int) -> Any:
+        """The cluster node at ``host:port`` (a redirect's target)."""
+        node = self.rc.get_node(host=host, port=port)  # type: ignore[no-untyped-call]
+        if node is None:  # a node the slot map does not know yet
+            self._refresh_topology(force=True)
+            node = self.rc.get_node(host=host, port=port)  # type: ignore[no-untyped-call]
+            if node is None:
+                raise Unavailable(f"Redis Cluster redirected to {host}:{port}, a node it "
+                                  "does not list")
+        return node
 
     def _replicas_to_wait(self, node: Any, role: Any) -> int:
         """``cluster.wait_replicas``, or every replica the master has connected if it has
@@ -587,14 +743,17 @@ class L3Store:
         return min(self.wait_replicas, connected)
 
     def _pipeline(self, node: Any, items: Sequence[tuple[str, L3Record]], idxs: list[int],
-                  keep_siblings: Set[str]) -> list[Any]:
+                  keep_siblings: Set[str], asking: bool = False) -> tuple[list[Any], bool]:
+        """The push script for ``items[idxs]`` on ``node`` (each after ASKING if
+        ``asking``), then ROLE and WAIT on the same connection. Returns (one reply or
+        exception per item, whether a replica acknowledged them)."""
         conn = self.rc.get_redis_connection(node)
-        if node.name not in self._loaded:
-            conn.script_load(PUSH_LUA)
-            self._loaded.add(node.name)
+        self._load(node, conn, self._script)
         pipe = conn.pipeline(transaction=False)
         for i in idxs:
             keys, args = self._args(items[i][0], items[i][1], items[i][0] in keep_siblings)
+            if asking:  # (it holds for the next command only)
+                pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
             pipe.evalsha(self._script.sha, len(keys), *keys, *args)
         if self.wait_replicas:
             # wait only for the replicas the master had last time (none: no wait at all)
@@ -603,15 +762,35 @@ class L3Store:
             pipe.execute_command("WAIT", want, self.wait_ms)  # type: ignore[no-untyped-call]
         raws: list[Any] = pipe.execute(raise_on_error=False)
         if any("NOSCRIPT" in str(r) for r in raws if isinstance(r, Exception)):
-            self._loaded.discard(node.name)  # a restarted node: load again next time
-        return raws
+            self._loaded.discard((node.name, self._script.sha))  # a restarted node
+        durable = True
+        if self.wait_replicas:
+            acked, role = raws.pop(), raws.pop()
+            durable = isinstance(acked, int) and acked >= self._replicas_to_wait(node, role)
+        return (raws[1::2] if asking else raws), durable
+
+    def _load(self, node: Any, conn: Any, script: Any) -> None:
+        """Load ``script`` on ``node`` once (EVALSHA then finds it)."""
+        if (node.name, script.sha) not in self._loaded:
+            conn.script_load(script.script)
+            self._loaded.add((node.name, script.sha))
 
     # ------------------------------------------------------------------ the change feed
 
     def feed(self, group: int, after: bytes = b"0-0", count: int = 1000) -> list[FeedEntry]:
         """Change-feed entries of one group after stream id ``after``."""
-        rows = self._call(lambda: self.rc.xrange(feed_key(group), min=b"(" + after, count=count))
+        name = self.groups.feed_key(group)
+        rows = self._call(lambda: self.rc.xrange(name, min=b"(" + after, count=count))
         return [_entry(eid, f) for eid, f in rows]
+
+    def _by_node(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:
+        """``groups`` by the master serving their slot now (the client's slot map)."""
+        out: dict[str, tuple[Any, list[int]]] = {}
+        for g in groups:
+            node = self._call(lambda g=g: self.rc.nodes_manager.get_node_from_slot(
+                self.groups.slot(g)))
+            out.setdefault(node.name, (node, []))[1].append(g)
+        return out
 
     def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
                   ) -> dict[int, list[FeedEntry] | CorruptRecord]:
@@ -621,25 +800,22 @@ class L3Store:
         a CorruptRecord in place of its entries. Raises Unavailable when the cluster
         cannot be reached.
         """
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for g in cursors:
-            node = self._call(lambda g=g: self.rc.get_node_from_key(feed_key(g)))  # type: ignore[no-untyped-call]
-            by_node.setdefault(node.name, (node, []))[1].append(g)
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
-        for node, groups in by_node.values():
-            def run(node: Any = node, groups: list[int] = groups) -> list[Any]:
+        for node, gs in self._by_node(cursors).values():
+            def run(node: Any = node, gs: list[int] = gs) -> list[Any]:
                 pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
-                for g in groups:
-                    pipe.xrange(feed_key(g), min=b"(" + cursors[g], count=count)
+                for g in gs:
+                    pipe.xrange(self.groups.feed_key(g), min=b"(" + cursors[g], count=count)
                 return pipe.execute(raise_on_error=False)
 
-            for g, rows in zip(groups, self._call(run), strict=True):
+            for g, rows in zip(gs, self._call(run), strict=True):
+                name = self.groups.feed_key(g)
                 try:
                     if isinstance(rows, Exception):  # the slot moved: one call, redirects followed
                         if _key_error(str(rows)):
                             raise CorruptRecord(f"L3 feed of group {g}: {rows}")
-                        rows = self._call(lambda g=g: self.rc.xrange(
-                            feed_key(g), min=b"(" + cursors[g], count=count), feed_key(g))
+                        rows = self._call(lambda g=g, name=name: self.rc.xrange(
+                            name, min=b"(" + cursors[g], count=count), name)
                     out[g] = [_entry(eid, f) for eid, f in rows]
                 except CorruptRecord as exc:
                     out[g] = exc
@@ -648,41 +824,49 @@ class L3Store:
     def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         """Each group's sequence number now (0: no change yet; None: a foreign value).
 
-        One pipeline of GETs per master node. Raises Unavailable.
+        One read-only script call per master per SWEEP_BATCH groups (SWEEP_LUA); a
+        counter that call cannot read (its slot moved or is moving) is read again through
+        the cluster client, redirects followed. Raises Unavailable.
         """
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for g in groups:
-            node = self._call(lambda g=g: self.rc.get_node_from_key(seq_key(g)))  # type: ignore[no-untyped-call]
-            by_node.setdefault(node.name, (node, []))[1].append(g)
         out: dict[int, int | None] = {}
-        for node, gs in by_node.values():
-            def run(node: Any = node, gs: list[int] = gs) -> list[Any]:
-                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
-                for g in gs:
-                    pipe.get(seq_key(g))
-                return pipe.execute(raise_on_error=False)
+        for node, gs in self._by_node(groups).values():
+            for at in range(0, len(gs), SWEEP_BATCH):
+                part = gs[at:at + SWEEP_BATCH]
 
-            for g, raw in zip(gs, self._call(run), strict=True):
-                if isinstance(raw, Exception):  # moved: one call, redirects followed
+                def run(node: Any = node, part: list[int] = part) -> list[Any]:
+                    conn = self.rc.get_redis_connection(node)
+                    self._load(node, conn, self._sweep)
+                    names = [self.groups.seq_key(g) for g in part]
                     try:
-                        raw = self._call(lambda g=g: self.rc.get(seq_key(g)), seq_key(g))
-                    except CorruptRecord:
-                        raw = b"?"
-                out[g] = 0 if raw is None else _as_seq(raw)
+                        return list(conn.evalsha(self._sweep.sha, 0, *names))
+                    except Exception as exc:
+                        if "NOSCRIPT" in str(exc):
+                            self._loaded.discard((node.name, self._sweep.sha))
+                        raise
+
+                for g, raw in zip(part, self._call(run), strict=True):
+                    if isinstance(raw, bytes) and raw.startswith(b"ERR "):  # not served here
+                        name = self.groups.seq_key(g)
+                        try:
+                            raw = self._call(lambda name=name: self.rc.get(name), name)
+                        except CorruptRecord:
+                            raw = b"?"
+                    out[g] = 0 if raw is None else _as_seq(raw)
         return out
 
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         """(sequence number, id of the last entry kept or ``0-0``) of one group, read
         atomically: resuming from there misses no later change. Raises Unavailable."""
-        raw = self._call(lambda: self._position(keys=[feed_key(group), seq_key(group)]),
-                         feed_key(group))
+        fk, sk = self.groups.feed_key(group), self.groups.seq_key(group)
+        raw = self._call(lambda: self._position(keys=[fk, sk]), fk)
         seq = raw[0] if type(raw[0]) is int and raw[0] >= 0 else None
         return seq, _as_id(raw[1])
 
     def feed_bounds(self, group: int) -> tuple[bytes | None, bytes]:
         """(first id still kept, or None when trimmed empty; last id ever added)."""
+        name = self.groups.feed_key(group)
         try:
-            info = self._call(lambda: self.rc.xinfo_stream(feed_key(group)), feed_key(group))
+            info = self._call(lambda: self.rc.xinfo_stream(name), name)
         except Unavailable as exc:
             if "no such key" in str(exc).lower():
                 return None, b"0-0"
@@ -690,6 +874,22 @@ class L3Store:
         first = info.get("first-entry")
         return (_as_id(first[0]) if first else None,
                 _as_id(info.get("last-generated-id", b"0-0")))
+
+    # ------------------------------------------------------------------ hints
+
+    def hints(self) -> tuple[set[int], set[int]]:
+        """(groups hinted since the last call, groups whose hints may have been lost
+        since the last call); the first call subscribes every group's hint channel
+        (:class:`kvcomm.tiers.hints.Hints`). Never blocks; never raises for what Redis
+        does (trouble is reported as lost hints)."""
+        if self._hints is None:
+            self._hints = Hints(self.rc, self.groups, self._refresh_topology)
+        return self._hints.poll()
+
+    @property
+    def hint_stats(self) -> dict[str, int]:
+        """Counts of the hint subscriptions: hints, breaks, moved, subscribed."""
+        return dict(self._hints.stats) if self._hints is not None else {}
 
     # ------------------------------------------------------------------ scans
 
@@ -703,16 +903,27 @@ class L3Store:
             if sep and key:  # (a foreign name under our prefix is no key of ours)
                 yield key
 
-    def scan_group(self, group: int) -> Iterator[bytes]:
-        """Every KVCOMM key of one group (a SCAN of the master serving its slot)."""
-        prefix = f"kvc:{{{group}}}:".encode()
-
+    def slot_keys(self, slot: int) -> list[bytes]:
+        """Every key Redis holds in ``slot`` (on the master serving it: CLUSTER
+        GETKEYSINSLOT). Raises Unavailable."""
         def run() -> list[bytes]:
-            node = self.rc.get_node_from_key(feed_key(group))  # type: ignore[no-untyped-call]
+            node = self.rc.nodes_manager.get_node_from_slot(slot)
             conn = self.rc.get_redis_connection(node)
-            return list(conn.scan_iter(match=prefix + b"*", count=1000))
+            # the names as bytes: redis-py's own callback decodes them, and a name that
+            # is not UTF-8 would come back altered (a slot migration would miss it)
+            conn.set_response_callback("CLUSTER GETKEYSINSLOT", _raw)
+            n = int(conn.execute_command("CLUSTER COUNTKEYSINSLOT", slot))  # type: ignore[no-untyped-call]
+            if not n:
+                return []
+            return list(conn.execute_command(  # type: ignore[no-untyped-call]
+                "CLUSTER GETKEYSINSLOT", slot, n + 100))
 
-        for raw in self._call(run):
+        return self._call(run)  # type: ignore[no-any-return]
+
+    def scan_group(self, group: int) -> Iterator[bytes]:
+        """Every KVCOMM key of one group (the keys of its slot with its record prefix)."""
+        prefix = self.groups.record_prefix(group)
+        for raw in self.slot_keys(self.groups.slot(group)):
             if raw.startswith(prefix) and len(raw) > len(prefix):
                 yield raw[len(prefix):]
 
@@ -735,6 +946,37 @@ class L3Store:
             return []
         return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
 
+    def save_load(self, host: str, ops: Mapping[int, int]) -> None:
+        """Record ``host``'s cumulative operation counts of these groups (a hash
+        ``kvn:{host}:load``: group → count). Raises Unavailable."""
+        if ops:
+            mapping: dict[Any, Any] = {str(g): n for g, n in ops.items()}
+            self._own_key(f"kvn:{{{host}}}:load", lambda name: self.rc.hset(name, mapping=mapping))
+
+    def load_counts(self, host: str) -> dict[int, int]:
+        """What :meth:`save_load` recorded for ``host`` ({} when nothing, or not ours).
+        Raises Unavailable."""
+        try:
+            raw = self._call(lambda: self.rc.hgetall(f"kvn:{{{host}}}:load"))
+        except CorruptRecord:
+            return {}
+        out = {}
+        for k, v in raw.items():
+            n = _as_seq(v)
+            if k.isdigit() and int(k) < len(self.groups) and n is not None:
+                out[int(k)] = n
+        return out
+
+    def hosts(self) -> list[str]:
+        """The hosts whose daemons left state in L3 (their ``kvn:{host}:cursors``), by
+        a SCAN of every master: for tools, not hot paths. Raises Unavailable."""
+        found = set()
+        for raw in self._call(lambda: list(self.rc.scan_iter(match="kvn:{*}:cursors", count=1000))):
+            host = raw[5:raw.rfind(b"}")].decode("utf-8", "replace")
+            if host:
+                found.add(host)
+        return sorted(found)
+
     def load_cursors(self, host: str) -> tuple[dict[int, bytes], dict[int, int]]:
         """The feed cursors and last sequence numbers this host saved, by group.
 
@@ -749,9 +991,9 @@ class L3Store:
         seqs: dict[int, int] = {}
         for k, v in raw.items():
             name = k.decode("ascii", "replace")
-            if name.isdigit() and int(name) < GROUPS and _valid_id(v):
+            if name.isdigit() and int(name) < len(self.groups) and _valid_id(v):
                 cursors[int(name)] = v
-            elif name[:1] == "s" and name[1:].isdigit() and int(name[1:]) < GROUPS:
+            elif name[:1] == "s" and name[1:].isdigit() and int(name[1:]) < len(self.groups):
                 seq = _as_seq(v)
                 if seq is not None:
                     seqs[int(name[1:])] = seq
@@ -791,6 +1033,8 @@ class L3Store:
         return out
 
     def close(self) -> None:
+        if self._hints is not None:
+            self._hints.close()
         self.rc.close()
 
     def _own_key(self, name: str, write: Any) -> None:
@@ -806,10 +1050,11 @@ class L3Store:
 
     def _args(self, key: str, record: L3Record, keep_siblings: bool,
               ) -> tuple[list[bytes | str], list[Any]]:
-        g = group_of(key)
-        return ([_wire_key(record_key(key)), feed_key(g), seq_key(g)],
+        g = self.groups.of(key)
+        return ([_wire_key(self.groups.record_key(key)), self.groups.feed_key(g),
+                 self.groups.seq_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
-                 _wire_key(key)])
+                 _wire_key(key), self.groups.hint_channel(g)])
 
     def _result(self, key: str, raw: Any) -> PushResult:
         try:
@@ -838,13 +1083,12 @@ class L3Store:
             self._refresh_topology()
             raise Unavailable(f"Redis Cluster unreachable: {exc}; the write stays in L2") from None
 
-    def _refresh_topology(self) -> None:
+    def _refresh_topology(self, force: bool = False) -> None:
         """Re-read the slot map (after a failover our per-node pipelines would keep
-        dialling the dead master: redis-py only refreshes on its own command path)."""
-        import time
-
+        dialling the dead master: redis-py only refreshes on its own command path); at
+        most twice a second unless ``force``."""
         now = time.monotonic()
-        if now - self._refreshed < 0.5:
+        if now - self._refreshed < 0.5 and not force:
             return
         self._refreshed = now
         try:
@@ -852,6 +1096,10 @@ class L3Store:
         except Exception:  # the cluster may still be electing: the next call retries
             pass
 
+
+
+def _raw(r: Any, **kwargs: Any) -> Any:
+    return r
 
 
 def _wire_key(key: str) -> bytes:

@@ -1,0 +1,289 @@
+"""Moving one hash slot between Redis masters while writes keep flowing, nothing lost.
+
+Redis Cluster's own protocol (as ``redis-cli --cluster reshard`` does it), slot by slot:
+
+1. ``CLUSTER SETSLOT s IMPORTING <source>`` on the target, then ``CLUSTER SETSLOT s
+   MIGRATING <target>`` on the source. From now on the source serves the slot's keys it
+   still holds and answers ``ASK target`` for the others; the target serves a command
+   preceded by ``ASKING``.
+2. ``MIGRATE target "" 0 <timeout> REPLACE KEYS k1 … kn`` in batches, from ``CLUSTER
+   GETKEYSINSLOT`` of the source, until it holds none. A group's change feed and counter
+   (``kvf:{t}``, ``kvs:{t}``: same hash tag, same slot) move together, in the last
+   batch, so the position script always sees both or neither, and pushes to records
+   not yet moved keep running on the source meanwhile.
+3. ``CLUSTER SETSLOT s NODE <target>`` on the target first (it bumps its config epoch,
+   so the rest of the cluster learns it), then on the source (which refuses while it
+   still holds keys of the slot: the loop goes back to 2), then on every other master.
+
+Writes during a move: the push script declares a record, its feed and its counter.
+On the source, if all three are there the push runs there; if none are, the answer is
+``ASK`` and the push runs on the target after ``ASKING``; if some are (a record moved,
+its feed not yet; or a new key), Redis answers ``TRYAGAIN``. The node daemon
+(:meth:`kvcomm.tiers.l3.L3Store.push_many`) follows ASK and MOVED and retries TRYAGAIN
+with a short backoff; pushes are idempotent (versioned: a repeated record is
+``equal``), so a retry never stores anything twice, and a retried push counts as
+durable only when a replica of the node that ran it acknowledged it (WAIT on the same
+connection).
+
+Nothing lost across a failed batch. ``MIGRATE`` copies the keys to the target, and only
+once the target has answered deletes them from the source. An ``IOERR`` or a timeout
+may come after the target stored some keys and before the source deleted them: the
+keys are then on both sides. The source's copy is the right one — while a key is on the
+source every write of it goes to the source (the target only serves keys the source
+does not hold) — so the batch is simply sent again with ``REPLACE`` (counted as
+reconciled: ``MoveResult.reconciled`` keys were found on both sides). A key is never
+deleted anywhere but by MIGRATE's own delete after the target's acknowledgement.
+
+A move interrupted (the process killed) leaves the slot importing/migrating; moving
+it to the same target again resumes it (``redis-cli --cluster fix`` also closes it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidArgument, Unavailable
+from ..tiers.l3 import L3Store
+
+log = logging.getLogger("kvcomm.balance")
+
+BATCH = 100  # keys per MIGRATE
+MIGRATE_TIMEOUT_MS = 5000  # MIGRATE's own timeout for one batch
+RETRIES = 20  # failed batches (IOERR, timeout) tolerated in one move before giving up
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of ``CLUSTER NODES``."""
+
+    id: str
+    name: str  # "host:port"
+    master: bool
+    slots: frozenset[int]
+    importing: dict[int, str]  # slot → id of the node it imports it from
+    migrating: dict[int, str]  # slot → id of the node it migrates it to
+
+
+def parse_nodes(text: str) -> list[NodeInfo]:
+    """The nodes of a ``CLUSTER NODES`` reply (a node marked failed is left out)."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 8:
+            continue
+        flags = parts[2].split(",")
+        if "fail" in flags or "noaddr" in flags:
+            continue
+        slots: set[int] = set()
+        importing: dict[int, str] = {}
+        migrating: dict[int, str] = {}
+        for spec in parts[8:]:
+            if spec.startswith("["):  # [slot->-id] migrating, [slot-<-id] importing
+                body = spec.strip("[]")
+                if "->-" in body:
+                    s, node = body.split("->-")
+                    migrating[int(s)] = node
+                elif "-<-" in body:
+                    s, node = body.split("-<-")
+                    importing[int(s)] = node
+            elif "-" in spec:
+                lo, hi = spec.split("-")
+                slots.update(range(int(lo), int(hi) + 1))
+            else:
+                slots.add(int(spec))
+        out.append(NodeInfo(parts[0], parts[1].split("@")[0], "master" in flags,
+                            frozenset(slots), importing, migrating))
+    return out
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """What one slot move did."""
+
+    slot: int
+    source: str  # node names ("host:port")
+    target: str
+    keys: int  # keys moved
+    bytes: int  # their size (MEMORY USAGE, taken before each batch)
+    batches: int  # MIGRATE calls that moved keys
+    retries: int  # batches sent again after an IOERR or a timeout
+    reconciled: int  # keys found on both sides after a failed batch (the source's kept)
+    seconds: float
+
+
+class SlotMover:
+    """Moves slots of the Redis Cluster behind ``store`` (its credentials, its nodes).
+    ``batch`` keys per MIGRATE, each with MIGRATE's own ``timeout_ms``; ``clock`` and
+    ``sleep`` are passed in for tests."""
+
+    def __init__(self, store: L3Store, *, batch: int = BATCH,
+                 timeout_ms: int = MIGRATE_TIMEOUT_MS, retries: int = RETRIES,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 before_batch: Callable[[int, list[bytes]], None] | None = None) -> None:
+        if batch < 1 or timeout_ms < 1:
+            raise InvalidArgument("batch and timeout_ms must be at least 1")
+        self.store, self.batch, self.timeout_ms, self.retries = store, batch, timeout_ms, retries
+        self.clock, self.sleep = clock, sleep
+        self.before_batch = before_batch  # (a test's hook: a fault between batches)
+
+    # ------------------------------------------------------------------ topology
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every live node, as the cluster sees it now. Raises Unavailable."""
+        rc: Any = self.store.rc
+        last: Exception | None = None
+        for node in rc.get_primaries():
+            try:
+                conn = rc.get_redis_connection(node)
+                conn.set_response_callback("CLUSTER NODES", _raw)  # the text, not redis-py's dict
+                raw = conn.execute_command("CLUSTER NODES")
+            except Exception as exc:  # that node is down: ask another
+                last = exc
+                continue
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            return parse_nodes(text)
+        raise Unavailable(f"no Redis master answered CLUSTER NODES ({last})")
+
+    def masters(self) -> list[NodeInfo]:
+        return [n for n in self.nodes() if n.master]
+
+    def owner(self, slot: int) -> NodeInfo:
+        """The master serving ``slot``. Raises Unavailable when none does."""
+        for n in self.masters():
+            if slot in n.slots:
+                return n
+        raise Unavailable(f"no master serves slot {slot}")
+
+    def _conn(self, name: str) -> Any:
+        host, _, port = name.rpartition(":")
+        rc: Any = self.store.rc
+        node = rc.get_node(host=host, port=int(port))
+        if node is None:
+            self.store._refresh_topology(force=True)
+            node = rc.get_node(host=host, port=int(port))
+            if node is None:
+                raise Unavailable(f"Redis node {name} is not in the cluster's slot map")
+        return rc.get_redis_connection(node)
+
+    # ------------------------------------------------------------------ the move
+
+    def move(self, slot: int, target: str) -> MoveResult:
+        """Move ``slot`` to the master named ``target`` ("host:port"). Returns what was
+        moved. Raises InvalidArgument (no such master, or it already serves the slot),
+        Unavailable (a node cannot be reached, or too many batches failed: the slot is
+        left importing/migrating — move it again to resume). Keys are never lost:
+        see the module's doc.
+        """
+        if not 0 <= slot < 16384:
+            raise InvalidArgument(f"slot {slot} is not in 0..16383")
+        t0 = self.clock()
+        masters = {n.name: n for n in self.masters()}
+        if target not in masters:
+            raise InvalidArgument(f"{target} is not a master of the cluster "
+                                  f"({', '.join(sorted(masters))})")
+        src = next((n for n in masters.values() if slot in n.slots), None)
+        if src is None:
+            raise Unavailable(f"no master serves slot {slot}")
+        dst = masters[target]
+        if src.name == dst.name:
+            raise InvalidArgument(f"slot {slot} is already served by {target}")
+        source, dest = self._conn(src.name), self._conn(dst.name)
+        dest.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src.id)
+        source.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst.id)
+        keys = size = batches = retries = reconciled = 0
+        host, _, port = dst.name.rpartition(":")
+        while True:
+            listed = self._keys(source, slot)
+            # the group's feed and counter last, together (see the module's doc)
+            last = [k for k in listed if k.startswith((b"kvf:{", b"kvs:{"))]
+            batch = [k for k in listed if not k.startswith((b"kvf:{", b"kvs:{"))][:self.batch]
+            if not batch:
+                batch = last
+            if not batch:
+                break
+            if self.before_batch is not None:
+                self.before_batch(slot, batch)
+            nbytes = self._sizes(source, batch)
+            try:
+                reply = source.execute_command(
+                    "MIGRATE", host, int(port), "", 0, self.timeout_ms, "REPLACE",
+                    *self._auth(), "KEYS", *batch)
+            except Exception as exc:  # IOERR, a timeout, a dropped connection
+                retries += 1
+                if retries > self.retries:
+                    raise Unavailable(f"moving slot {slot} to {target}: {retries} batches "
+                                      f"failed (last: {exc}); it stays migrating: move it "
+                                      "again to resume") from None
+                both = self._on_both_sides(dest, batch, source)
+                reconciled += both
+                log.warning("slot %d: MIGRATE of %d keys failed (%s); %d on both sides, "
+                            "sent again from the source", slot, len(batch), exc, both)
+                self.sleep(min(1.0, 0.05 * retries))
+                continue
+            if reply not in (b"NOKEY", "NOKEY"):
+                keys += len(batch)
+                size += nbytes
+                batches += 1
+        self._hand_over(slot, src, dst, masters.values())
+        self.store._refresh_topology(force=True)
+        result = MoveResult(slot, src.name, dst.name, keys, size, batches, retries, reconciled,
+                            self.clock() - t0)
+        log.info("moved slot %d from %s to %s: %d keys, %d bytes, %d batches, %d retried, "
+                 "%d reconciled, %.3fs", slot, src.name, dst.name, keys, size, batches,
+                 retries, reconciled, result.seconds)
+        return result
+
+    def _keys(self, source: Any, slot: int) -> list[bytes]:
+        source.set_response_callback("CLUSTER GETKEYSINSLOT", _raw)  # names as bytes
+        return list(source.execute_command("CLUSTER GETKEYSINSLOT", slot, self.batch + 2))
+
+    def _sizes(self, source: Any, batch: list[bytes]) -> int:
+        pipe = source.pipeline(transaction=False)
+        for k in batch:
+            pipe.execute_command("MEMORY USAGE", k, "SAMPLES", "0")
+        return sum(int(n) for n in pipe.execute(raise_on_error=False) if isinstance(n, int))
+
+    def _auth(self) -> list[str]:
+        user, password = self.store.auth
+        if password is None:
+            return []
+        return ["AUTH2", user, password] if user else ["AUTH", password]
+
+    def _on_both_sides(self, dest: Any, batch: list[bytes], source: Any) -> int:
+        """How many keys of ``batch`` are on the target and still on the source (a
+        MIGRATE that failed after the target stored them); 0 if it cannot tell."""
+        try:
+            pipe = dest.pipeline(transaction=False)
+            for k in batch:
+                pipe.execute_command("ASKING")
+                pipe.exists(k)
+            there = pipe.execute(raise_on_error=False)[1::2]
+            pipe = source.pipeline(transaction=False)
+            for k in batch:
+                pipe.exists(k)
+            here = pipe.execute(raise_on_error=False)
+        except Exception:  # the target is still unreachable: the retry will tell
+            return 0
+        return sum(1 for a, b in zip(there, here, strict=True) if a == 1 and b == 1)
+
+    def _hand_over(self, slot: int, src: NodeInfo, dst: NodeInfo,
+                   masters: Any) -> None:
+        """SETSLOT NODE on the target, then the source, then every other master."""
+        self._conn(dst.name).execute_command("CLUSTER SETSLOT", slot, "NODE", dst.id)
+        self._conn(src.name).execute_command("CLUSTER SETSLOT", slot, "NODE", dst.id)
+        for n in masters:
+            if n.name not in (src.name, dst.name):
+                try:
+                    self._conn(n.name).execute_command("CLUSTER SETSLOT", slot, "NODE", dst.id)
+                except Exception as exc:  # gossip tells it anyway (the target's epoch won)
+                    log.warning("slot %d: %s did not take SETSLOT NODE (%s); gossip will "
+                                "tell it", slot, n.name, exc)
+
+
+def _raw(r: Any, **kwargs: Any) -> Any:
+    return r
