@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,8 @@ from ..core.negative import NegativeCache
 from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
 from ..errors import InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
+from ..placement.agents import check_agent, process_agent, with_agent
+from ..placement.report import AgentStats
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
@@ -39,7 +42,10 @@ class ClientBase:
 
     _getter: Getter  # made by Client.__init__ (it calls later layers)
 
-    def __init__(self, name: str = "default", config: Config | None = None) -> None:
+    def __init__(self, name: str = "default", config: Config | None = None,
+                 agent: str | None = None) -> None:
+        if agent is not None:
+            check_agent(agent)  # (before anything is opened)
         self.config = config or Config()
         self.name = name
         c = self.config.cache
@@ -84,6 +90,13 @@ class ClientBase:
         self._l2_misses = 0
         self._puts = 0
         self._host_vec = ((self._host, 0),)
+        # placement: who this agent is (every local write carries it in the record's
+        # extension field, packed once here) and what it observes (placement/report.py)
+        self.agent = agent if agent is not None else process_agent(os.getpid(), self._host)
+        self.agent_named = agent is not None
+        self._ext = with_agent(b"", self.agent)
+        self._observer = None if self._sample_every <= 0 else AgentStats(
+            self.agent, self._host, name, c.l2_dir, c.l2_permissions)
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""

@@ -32,7 +32,8 @@ class Batch(BatchOps):
     def __init__(self, client: Writes) -> None:
         # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
         # once, through the client's key memo and encoder
-        super().__init__(client._keys, client._key_hash, client._encode, client._max_value)
+        super().__init__(client._keys, client._key_hash, client._encode, client._max_value,
+                         client._ext)  # (every put carries the writer's agent id)
         self._client = client
         self._results = []
         self._versions = None

@@ -16,12 +16,23 @@ class HotKeys(ClientBase):
         if self._unusable:
             return
         counts = self._getter.take_hot()
-        if not counts:
-            return
-        by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
-        # (from a validator this thread holds the L2 lock: the counts are dropped, which
-        # sampling, an estimate, can afford)
-        self._seg.count_accesses(by_bytes)
+        if counts:
+            by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
+            # (from a validator this thread holds the L2 lock: the counts are dropped, which
+            # sampling, an estimate, can afford)
+            self._seg.count_accesses(by_bytes)
+        obs = self._observer
+        if obs is not None:  # placement: who wrote what was read, and now and then a report
+            if counts:
+                obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
+            if obs.report_due():
+                obs.report(self._ops())
+
+    def _ops(self) -> int:
+        """This client's operations so far: gets, puts (batched ones too) and deletes."""
+        g = self._getter
+        return (g.hits + g.l2_hits + self._l1_hits + self._l2_hits + self._l2_misses
+                + self._puts + self.counters["deletes"])
 
     def hot_keys(self, n: int = 10) -> list[tuple[str, int]]:
         """The host's ``n`` most read keys with estimated read counts, from every process.

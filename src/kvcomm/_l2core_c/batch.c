@@ -1,16 +1,18 @@
 /* ------------------------------------------------------------------ batches: collecting ops
  *
- * BatchOps(keys, key_hash, encode, max_value): the collecting half of ``kv.batch()``
+ * BatchOps(keys, key_hash, encode, max_value[, ext]): the collecting half of ``kv.batch()``
  * (kvcomm._client.Batch derives from it and applies the ops on exit). put() and delete()
  * are the per-operation cost of a batch, so they are here: a key already validated is
  * found in the client's memo ``keys`` (key -> (bytes, hash)), a bytes value is taken as
  * it is; anything else goes through ``key_hash(key)`` / ``encode(value)``, which validate
- * and raise. The ops are the tuples Core.apply takes.
+ * and raise. The ops are the tuples Core.apply takes; with ``ext`` (bytes) every put op
+ * carries it as the record's extension field (the writer's agent id).
  */
 typedef struct {
     PyObject_HEAD
     PyObject *ops, *keys, *values;
     PyObject *memo, *key_hash, *encode;
+    PyObject *ext; /* the extension field every put carries (NULL: none) */
     Py_ssize_t max_value;
     Py_ssize_t deletes; /* how many of the ops are deletes */
 } BatchOps;
@@ -20,10 +22,13 @@ static PyObject *BytesTag, *EmptyBytes;
 static int
 BatchOps_init(BatchOps *b, PyObject *args, PyObject *kwds)
 {
-    PyObject *memo, *key_hash, *encode;
+    PyObject *memo, *key_hash, *encode, *ext = NULL;
     Py_ssize_t max_value;
-    if (!PyArg_ParseTuple(args, "O!OOn", &PyDict_Type, &memo, &key_hash, &encode, &max_value))
+    if (!PyArg_ParseTuple(args, "O!OOn|O!", &PyDict_Type, &memo, &key_hash, &encode, &max_value,
+                          &PyBytes_Type, &ext))
         return -1;
+    Py_XINCREF(ext);
+    Py_XSETREF(b->ext, ext);
     Py_INCREF(memo);
     Py_XSETREF(b->memo, memo);
     Py_INCREF(key_hash);
@@ -47,6 +52,7 @@ BatchOps_traverse(BatchOps *b, visitproc visit, void *arg)
     Py_VISIT(b->memo);
     Py_VISIT(b->key_hash);
     Py_VISIT(b->encode);
+    Py_VISIT(b->ext);
     return 0;
 }
 
@@ -59,6 +65,7 @@ BatchOps_clear(BatchOps *b)
     Py_CLEAR(b->memo);
     Py_CLEAR(b->key_hash);
     Py_CLEAR(b->encode);
+    Py_CLEAR(b->ext);
     return 0;
 }
 
@@ -114,8 +121,8 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs)
     PyObject *op;
     PyObject *value = args[1];
     if (PyBytes_CheckExact(value) && PyBytes_GET_SIZE(value) <= b->max_value) {
-        op = PyTuple_Pack(5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1), BytesTag,
-                          EmptyBytes, value);
+        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          BytesTag, EmptyBytes, value, b->ext);
     } else {
         PyObject *enc = PyObject_CallOneArg(b->encode, value);
         if (!enc || !PyTuple_Check(enc) || PyTuple_GET_SIZE(enc) != 3) {
@@ -125,8 +132,9 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(kh);
             return NULL;
         }
-        op = PyTuple_Pack(5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
-                          PyTuple_GET_ITEM(enc, 0), PyTuple_GET_ITEM(enc, 1), PyTuple_GET_ITEM(enc, 2));
+        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          PyTuple_GET_ITEM(enc, 0), PyTuple_GET_ITEM(enc, 1), PyTuple_GET_ITEM(enc, 2),
+                          b->ext);
         Py_DECREF(enc);
     }
     Py_DECREF(kh);
@@ -192,5 +200,5 @@ static PyTypeObject BatchOpsType = {
     .tp_members = BatchOps_members,
     .tp_methods = BatchOps_methods,
     .tp_as_sequence = &BatchOps_as_sequence,
-    .tp_doc = "BatchOps(keys, key_hash, encode, max_value): kv.batch()'s collecting half",
+    .tp_doc = "BatchOps(keys, key_hash, encode, max_value[, ext]): kv.batch()'s collecting half",
 };

@@ -182,9 +182,11 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     """
     path = segment_path(name, directory)
     if not os.path.lexists(path):
+        from ..placement.report import remove_table
         from .keyfilter import remove
 
         remove(name, directory)
+        remove_table(name, directory)
         return False
     try:
         seg: L2Segment | None = L2Segment(name, create_layout=None, host_id="", attach_timeout=0,
@@ -203,9 +205,11 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     finally:
         if seg is not None:
             seg.close()
+    from ..placement.report import remove_table
     from .keyfilter import remove  # (keyfilter builds on this module)
 
     remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
+    remove_table(name, directory)  # and so do the agents' placement reports
     return True
 
 
