@@ -11,6 +11,7 @@ the README's "Commands" section).
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] | down --dir DIR
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
+    kvcomm placement observe|plan|launch ...      affinity placement (cli/placement.py)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from .._extras import require_cluster
 from ..config import load_config
 from ..errors import KVCommError
+from .placement import add_placement
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -296,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    add_placement(sub, _command)  # kvcomm placement observe | plan | launch
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,
