@@ -25,7 +25,7 @@ from kvcomm.cli import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "kvcomm"
 BASE = {"msgpack", "xxhash", "pydantic", "yaml"}  # the modules of the four dependencies
-OPTIONAL = {"redis", "hiredis", "rich", "matplotlib", "numpy"}
+OPTIONAL = {"redis", "hiredis", "rich", "matplotlib", "numpy", "networkx"}
 
 HIDE = textwrap.dedent('''
     import sys
@@ -135,6 +135,7 @@ def test_pip_install_kvcomm_needs_four_packages_and_the_extras_carry_the_rest() 
     assert extras["cluster"] == {"redis", "hiredis"}
     assert extras["demo"] == {"rich"} and extras["plot"] == {"matplotlib"}
     assert extras["numpy"] == {"numpy"}
+    assert extras["placement"] == {"networkx"}
     all_of = re.search(r"\[(.*)\]", project["optional-dependencies"]["all"][0])
     assert all_of is not None and set(all_of.group(1).split(",")) == set(_extras.EXTRAS)
     assert "kvcomm[all]" in project["optional-dependencies"]["dev"]

@@ -3,18 +3,19 @@
 ``pip install kvcomm`` is the embedded default (L1 + L2) with the fewest dependencies:
 msgpack, xxhash, pydantic and PyYAML. Everything else comes with an extra:
 
-===========  ======================  ==============================================
-extra        installs                needed for
-===========  ======================  ==============================================
-``cluster``  redis, hiredis          cluster mode (``cluster.redis`` set): clients
-                                     reaching L3, ``kvcomm node``, ``dev-cluster``,
-                                     ``soak``, the demo's Redis baselines
-``demo``     rich                    ``kvcomm demo``'s terminal output
-``plot``     matplotlib              ``kvcomm demo --plot``
-``numpy``    numpy                   storing numpy arrays as values
-``all``      all of the above
-``dev``      all, plus test tools    the test suite, linters, benchmarks' peers
-===========  ======================  ==============================================
+=============  ======================  ==============================================
+extra          installs                needed for
+=============  ======================  ==============================================
+``cluster``    redis, hiredis          cluster mode (``cluster.redis`` set): clients
+                                       reaching L3, ``kvcomm node``, ``dev-cluster``,
+                                       ``soak``, the demo's Redis baselines
+``demo``       rich                    ``kvcomm demo``'s terminal output
+``plot``       matplotlib              ``kvcomm demo --plot``
+``numpy``      numpy                   storing numpy arrays as values
+``placement``  networkx                ``kvcomm placement plan`` (the partitioner)
+``all``        all of the above
+``dev``        all, plus test tools    the test suite, linters, benchmarks' peers
+=============  ======================  ==============================================
 
 A code path that needs an optional module calls :func:`require` where it first imports
 it, so that a missing one is a :class:`~kvcomm.errors.ConfigError` saying what to
@@ -36,6 +37,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "demo": ("rich",),
     "plot": ("matplotlib",),
     "numpy": ("numpy",),
+    "placement": ("networkx",),
 }
 
 

@@ -94,7 +94,8 @@ def add_placement(sub: Any, command: Any) -> None:
     def run(args: argparse.Namespace) -> int:
         """Affinity placement: observe who reads whose state (observe), plan hosts for
         agents from that graph (plan), start agents on a dev cluster by a plan (launch)."""
-        return int(args.placement_func(args))
+        status: int = args.placement_func(args)
+        return status
 
     p = command(sub, "placement", run, "observe who reads whom, and plan hosts for agents")
     ps = p.add_subparsers(dest="placement_command", required=True, metavar="ACTION",
