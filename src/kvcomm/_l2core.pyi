@@ -78,6 +78,7 @@ class BatchOps:
 
 class Getter:
     sample: int
+    rng: int
     hits: int
     l2_hits: int
     def __init__(self, l1: L1, core: Core, keys: dict[str, tuple[bytes, int]], decode: Any,
