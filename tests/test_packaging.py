@@ -316,16 +316,25 @@ def test_the_shipped_package_holds_no_test_fixtures() -> None:
     assert dc.__doc__ and all(getattr(dc, n).__doc__ for n in dc.__all__)
 
 
-def _commands() -> dict[str, argparse.ArgumentParser]:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
+def _commands(parser: argparse.ArgumentParser | None = None,
+              prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every command by its name, subcommands too ("placement plan")."""
+    parser = parser or build_parser()
+    out: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, p in action.choices.items():
+                out[prefix + name] = p
+                out.update(_commands(p, f"{prefix}{name} "))
+    return out
 
 
 def test_every_command_and_option_has_help() -> None:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    helps = {c.dest: c.help for c in sub._choices_actions}
+    parsers = [build_parser(), *_commands().values()]
+    helps = {c.dest: c.help for p in parsers for a in p._actions
+             if isinstance(a, argparse._SubParsersAction) for c in a._choices_actions}
     for name, parser in _commands().items():
-        assert helps.get(name), f"kvcomm --help says nothing of {name}"
+        assert helps.get(name.rpartition(" ")[2]), f"kvcomm --help says nothing of {name}"
         assert parser.description, f"kvcomm {name} --help has no description"
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction):
@@ -342,6 +351,8 @@ def test_the_readme_documents_every_option_of_every_command() -> None:
         start = section.find(f"**`kvcomm {name}")
         assert start >= 0, f"README's Commands section has no paragraph on kvcomm {name}"
         end = section.find("**`kvcomm ", start + 3)
+        if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+            continue  # (its subcommands have paragraphs of their own)
         part = section[start:end if end > 0 else None]
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction):

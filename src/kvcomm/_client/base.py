@@ -15,7 +15,7 @@ from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
 from ..errors import InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
 from ..placement.agents import check_agent, process_agent, with_agent
-from ..placement.report import AgentStats
+from ..placement.report import REPORT_PUTS, AgentStats
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
@@ -97,6 +97,7 @@ class ClientBase:
         self._ext = with_agent(b"", self.agent)
         self._observer = None if self._sample_every <= 0 else AgentStats(
             self.agent, self._host, name, c.l2_dir, c.l2_permissions)
+        self._report_at = REPORT_PUTS if self._observer is not None else 1 << 62
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""

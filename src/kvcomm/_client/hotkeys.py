@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import InvalidArgument
+from ..placement.report import REPORT_PUTS
 from .base import ClientBase
 
 
@@ -27,6 +28,14 @@ class HotKeys(ClientBase):
                 obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
             if obs.report_due():
                 obs.report(self._ops())
+
+    def _report_writes(self) -> None:
+        """Every REPORT_PUTS puts: report if a report is due (an agent that only writes
+        never reaches the flush of sampled reads)."""
+        self._report_at = self._puts + REPORT_PUTS
+        obs = self._observer
+        if obs is not None and not self._unusable and obs.report_due():
+            obs.report(self._ops())
 
     def _ops(self) -> int:
         """This client's operations so far: gets, puts (batched ones too) and deletes."""

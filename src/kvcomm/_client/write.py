@@ -62,6 +62,8 @@ class Writes(Reads):
             r = self._seg.put_status(r, kb, h, tag, meta, payload, _now_ms(), self._cluster,
                                      self._max_dirty, self._ext)
         self._puts += 1
+        if self._puts >= self._report_at:  # (an agent that only writes reports its load too)
+            self._report_writes()
         if not r[2]:  # (no other host's entries: the Version without decoding anything)
             return _new_version(Version, (((self._host, r[0]),), r[1]))
         return self._version(r[0], r[1], r[2])

@@ -18,7 +18,8 @@ are counted in ``dropped``), and a cache of ``MAX_NAMES`` extension fields → i
 
 The host's table
 ----------------
-Every ``REPORT_EVERY`` seconds (at a flush: when the agent reads) an agent replaces its
+Every ``REPORT_EVERY`` seconds (at a flush when the agent reads; an agent that only
+writes looks at the clock every ``REPORT_PUTS`` puts) an agent replaces its
 file in ``{cache.l2_dir}/kvcomm.{namespace}.agents/`` with its running totals since it
 started — operations, and (reads, bytes) per writer — so that any two reports give rates
 over the time between them. A file is written whole under a temporary name and renamed:
@@ -51,8 +52,9 @@ from .agents import agent_of, is_agent_id
 
 FORMAT = 1
 REPORT_EVERY = 1.0  # seconds between an agent's reports
+REPORT_PUTS = 1024  # puts between two looks at the clock (for agents that only write)
 MAX_WRITERS = 1024  # edges kept per agent
-MAX_KEYS_PER_FLUSH = 64  # sampled keys whose writer one flush looks up
+MAX_KEYS_PER_FLUSH = 16  # sampled keys whose writer one flush looks up
 MAX_NAMES = 4096  # extension fields → writer ids remembered per agent
 MAX_REPORT_BYTES = 1 << 20  # a larger file is not a report of ours
 GONE_AFTER = 10.0  # seconds a dead process's report stays (the daemon publishes it once more)
