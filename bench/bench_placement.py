@@ -25,9 +25,10 @@ Measured over each run (after 2 s of warm-up):
   on the reader's host (counted, not sampled);
 * **L3 bytes** — bytes in and out of every Redis node for clients (``INFO stats``
   ``total_net_input_bytes`` + ``total_net_output_bytes``, replication apart), per second;
-* **staleness** of cross-agent reads, p50 / p99, for all, same-host and cross-host pairs:
-  how long before the read began had a newer write been acknowledged (its ``put``
-  returned) than the one the read returned (0: it returned the newest);
+* **staleness** of cross-agent reads, p50 / p99 / mean and the share of reads that
+  missed a write, for all, same-host and cross-host pairs: how long before the read
+  began had a newer write been acknowledged (its ``put`` returned) than the one the read
+  returned (0: it returned the newest);
 * agents' L3 reads (L2 misses that went to L3) and the observed graph's prediction.
 
 Then a **visibility probe**: one writer, one reader spinning on ``get``; the time from
@@ -296,6 +297,8 @@ def analyse(model: Swarm | Warehouse, assignment: dict[str, str], logs: list[dic
         "reads": reads, "same_host_share": same / reads if reads else float("nan"),
         "l3_reads": l3_reads, "l2_hit_rate": hits / (hits + misses) if hits + misses else 1.0}
     for cls, xs in stale.items():
+        out[f"stale_{cls}_mean_us"] = sum(xs) / len(xs) / 1000 if xs else float("nan")
+        out[f"stale_{cls}_missed"] = sum(1 for x in xs if x) / len(xs) if xs else float("nan")
         out[f"stale_{cls}_p50_us"] = _pct(xs, 0.50) / 1000
         out[f"stale_{cls}_p99_us"] = _pct(xs, 0.99) / 1000
         out[f"stale_{cls}_n"] = len(xs)
@@ -399,8 +402,9 @@ def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     lines = ["| workload | placement | same-host share | L3 bytes/s | staleness p50 / p99 (all) "
-             "| same-host pairs p99 | cross-host pairs p50 / p99 | L2 hit rate (L3 reads) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| mean, reads that missed a write | same-host pairs p99 | cross-host pairs p50 / p99 "
+             "| L2 hit rate (L3 reads) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind in ("swarm", "warehouse"):
         for name in ("random", "round-robin", "planned"):
             f = results[kind][name]
@@ -408,6 +412,7 @@ def table(results: dict[str, Any]) -> str:
                 f"| {kind} | {name} | {100 * f['same_host_share']:.0f}% | "
                 f"{f['l3_bytes_per_s'] / 1e6:.2f} MB/s | "
                 f"{f['stale_all_p50_us'] / 1000:.1f} / {f['stale_all_p99_us'] / 1000:.1f} ms | "
+                f"{f['stale_all_mean_us'] / 1000:.1f} ms, {100 * f['stale_all_missed']:.0f}% | "
                 f"{_us(f['stale_same_p99_us'])} | "
                 f"{f['stale_cross_p50_us'] / 1000:.1f} / {f['stale_cross_p99_us'] / 1000:.1f} ms | "
                 f"{100 * f['l2_hit_rate']:.2f}% ({f['l3_reads']}) |")
@@ -430,8 +435,8 @@ def plot(results: dict[str, Any], path: str) -> None:
     panels = [("same-host share of cross-agent reads (%)",
                lambda f: 100 * f["same_host_share"]),
               ("L3 traffic (MB/s, all Redis nodes)", lambda f: f["l3_bytes_per_s"] / 1e6),
-              ("staleness of cross-agent reads, p50 (ms)",
-               lambda f: f["stale_all_p50_us"] / 1000)]
+              ("staleness of cross-agent reads, mean (ms)",
+               lambda f: f["stale_all_mean_us"] / 1000)]
     kinds = ["swarm", "warehouse"]
     for ax, (title, get) in zip(axes, panels, strict=True):
         for j, name in enumerate(names):
@@ -456,7 +461,17 @@ def main() -> int:
     ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--plot", help="write the plot to this PNG (needs kvcomm[plot])")
     ap.add_argument("--probe", type=int, default=300, help="writes in each visibility probe (default 300)")
+    ap.add_argument("--probe-only", action="store_true", help="only the visibility probe")
     args = ap.parse_args()
+    if args.probe_only:
+        with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
+            dev = devcluster.up(3, str(Path(d) / "dev"))
+            try:
+                v = visibility(dev, args.probe)
+            finally:
+                devcluster.down(str(Path(d) / "dev"))
+        print(json.dumps(v), f"(load average {os.getloadavg()[0]:.1f})")
+        return 0
     seconds, observe_s = (6.0, 4.0) if args.quick else (args.seconds, args.observe)
     print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
           f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run", flush=True)
@@ -472,7 +487,8 @@ def main() -> int:
             devcluster.down(str(work / "dev"))
     print(table(results))
     v = results["visibility"]
-    print(f"visibility (put start → a spinning reader sees it): same host p50 "
+    print(f"load average {os.getloadavg()[0]:.1f}; visibility (put start → a spinning reader "
+          f"sees it): same host p50 "
           f"{v['same']['p50_us']:.0f} µs, p99 {v['same']['p99_us']:.0f} µs; other host p50 "
           f"{v['cross']['p50_us'] / 1000:.1f} ms, p99 {v['cross']['p99_us'] / 1000:.1f} ms")
     for kind in ("swarm", "warehouse"):
