@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcomm.core.bloom import BloomFilter, RotatingBloom
+from kvcomm.core.bloom import BloomFilter
 from kvcomm.core.negative import NegativeCache
 
 
@@ -55,18 +55,6 @@ def test_stable_across_instances() -> None:
     assert a.to_bytes() != b.to_bytes()
     b.add(b"drone/7")
     assert a.to_bytes() == b.to_bytes()
-
-
-def test_rotation_forgets_deleted_keys() -> None:
-    r = RotatingBloom(100, 0.01)
-    r.add(b"deleted")
-    r.add(b"kept")
-    r.rotate()
-    r.add(b"kept")  # the owner re-adds what still exists
-    assert b"deleted" in r and b"kept" in r  # still in the previous generation
-    r.rotate()
-    r.add(b"kept")
-    assert b"kept" in r and b"deleted" not in r
 
 
 def test_saturation_flag() -> None:

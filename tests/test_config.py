@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -266,6 +267,11 @@ def _size(lo: int, hi: int = MAX_SIZE) -> st.SearchStrategy[object]:
     return st.one_of(st.integers(lo, hi), exact.filter(lambda v: lo <= v <= hi))
 
 
+_path = st.none() | st.sampled_from(["/etc/kvcomm/ca.pem", "certs/client.pem", "a b.pem"])
+_address = st.builds(lambda h, p: f"{h}:{p}", st.sampled_from(["127.0.0.1", "10.0.0.5", "h"]),
+                     st.integers(1, 65535))
+
+
 def _duration(positive: bool) -> st.SearchStrategy[object]:
     lo = 0.0 if not positive else 1e-9
     per_unit = {"us": 10**6, "ms": 1000, "s": 1, "m": 1 / 60}
@@ -288,12 +294,16 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "bloom_capacity": st.integers(1, MAX_COUNT),
         "bloom_fpr": st.floats(0, 1, exclude_min=True, exclude_max=True),
         "hot_key_sample": st.integers(0, 1 << 20),
+        "strong_prefixes": st.lists(_unicode.filter(lambda t: t and "\0" not in t
+                                                    and len(t.encode()) <= 8), max_size=3,
+                                    unique=True),
         "l2_dir": st.sampled_from(["/dev/shm", "/run/kvcomm", "/tmp/a dir"]),
         "lock_timeout": st.floats(1e-3, 3600, allow_nan=False),
     },
     "network": {"zero_copy_threshold": _size(0)},
     "node": {"host_id": st.from_regex(r"[A-Za-z0-9_.:-]{1,64}", fullmatch=True),
-             "namespace": st.from_regex(r"[A-Za-z0-9_.-]{1,64}", fullmatch=True)},
+             "namespace": st.from_regex(r"[A-Za-z0-9_.-]{1,64}", fullmatch=True),
+             "test_clock_offset_file": st.none() | _unicode.filter(bool)},
     "cluster": {
         "redis": st.lists(st.builds(lambda h, p: f"{h}:{p}", _unicode.filter(bool),
                                     st.integers(1, 65535)), max_size=3),
@@ -306,8 +316,34 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
             lambda m, f: f"{'.'.join(m)}:{f}", st.lists(_ident, min_size=1, max_size=3), _ident),
             max_size=3),
         "key_filter_rebuild": _duration(True),
+        "redis_ca": _path, "redis_cert": _path, "redis_key": _path,
+        "etcd": st.lists(st.builds(lambda h, p: f"{h}:{p}", _unicode.filter(bool),
+                                   st.integers(1, 65535)), max_size=3),
+        "etcd_username": st.none() | _unicode, "etcd_password": st.none() | _unicode,
+        "etcd_tls": st.booleans(), "etcd_ca": _path, "etcd_cert": _path, "etcd_key": _path,
+        "address_remap": st.dictionaries(_address, _address, max_size=3),
+        "lease_ttl": st.floats(1, 3600, allow_nan=False),
+        "max_clock_skew": st.sampled_from(["1ms", "500ms", "2s", 0.25]),
     },
 }
+
+
+def _fix_cross_key_rules(data: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+    """Drop what a valid config cannot hold together: TLS files without TLS on, a key
+    file without its certificate, a strong prefix over cache.max_key_bytes."""
+    cl = data.get("cluster", {})
+    for system in ("redis", "etcd"):
+        if not cl.get(f"{system}_tls"):
+            for part in ("ca", "cert", "key"):
+                cl.pop(f"{system}_{part}", None)
+        if cl.get(f"{system}_cert") is None:
+            cl.pop(f"{system}_key", None)
+    cache = data.get("cache", {})
+    if "strong_prefixes" in cache:
+        limit = int(cache.get("max_key_bytes", 250))  # type: ignore[call-overload]
+        cache["strong_prefixes"] = [p for p in cache["strong_prefixes"]  # type: ignore[attr-defined]
+                                    if len(p.encode()) <= limit]
+    return data
 
 
 def test_strategies_cover_every_key() -> None:
@@ -318,8 +354,9 @@ def test_strategies_cover_every_key() -> None:
 
 @st.composite
 def _valid_configs(draw: st.DrawFn) -> dict[str, dict[str, object]]:
-    return {section: {k: draw(s) for k, s in fields.items() if draw(st.booleans())}
-            for section, fields in _VALID.items()}
+    return _fix_cross_key_rules(
+        {section: {k: draw(s) for k, s in fields.items() if draw(st.booleans())}
+         for section, fields in _VALID.items()})
 
 
 @given(_valid_configs())
@@ -471,3 +508,54 @@ def test_any_file_loads_or_is_a_config_error(tmp_path_factory: pytest.TempPathFa
         kvcomm.Config.load(p)
     except kvcomm.ConfigError:
         pass
+
+
+# ---------------------------------------------------------------- etcd, TLS, strong keys, routing
+
+
+def test_etcd_tls_and_routing_keys() -> None:
+    c = kvcomm.Config.from_mapping({
+        "cache": {"strong_prefixes": ["task/", "task/urgent/", "shelf/"]},
+        "cluster": {"redis": ["10.0.0.5:7000"], "etcd": ["10.0.0.7:2379", "10.0.0.8:2379"],
+                    "etcd_username": "kvc", "etcd_password": "etcd-s3cr3t", "etcd_tls": True,
+                    "etcd_ca": "/etc/kvcomm/ca.pem", "etcd_cert": "/etc/kvcomm/c.pem",
+                    "etcd_key": "/etc/kvcomm/k.pem", "redis_tls": True,
+                    "redis_ca": "/etc/kvcomm/ca.pem",
+                    "address_remap": {"10.0.0.5:7000": "127.0.0.1:17000",
+                                      "10.0.0.8:2379": "127.0.0.1:12379"},
+                    "lease_ttl": "10s", "max_clock_skew": "250ms"}})
+    cl = c.cluster
+    assert cl.seeds() == [("127.0.0.1", 17000)]  # seeds go through the remap, like MOVED targets
+    assert cl.etcd_endpoints() == [("10.0.0.7", 2379), ("127.0.0.1", 12379)]
+    assert cl.remap_address(("10.0.0.9", 7000)) == ("10.0.0.9", 7000)
+    assert (cl.lease_ttl, cl.max_clock_skew) == (10.0, 0.25)
+    assert kvcomm.Config().cluster.lease_ttl == 6.0 and kvcomm.Config().cluster.max_clock_skew == 0.5
+    # longest prefix wins; a key that matches none follows cache.l3_consistency
+    assert c.cache.strong_prefix("task/urgent/1") == "task/urgent/"
+    assert c.cache.strong_prefix("task/1") == "task/" and c.cache.strong_prefix("tas") is None
+    text = c.to_yaml()
+    assert "etcd-s3cr3t" not in text and "etcd-s3cr3t" not in repr(c)
+    assert "  # etcd_password: (set; hidden)\n" in text and "  lease_ttl: 10s\n" in text
+    assert kvcomm.Config.from_mapping(yaml.safe_load(text)) == _without_secrets(c)
+
+
+@pytest.mark.parametrize(("data", "key", "match"), [
+    ({"cache": {"strong_prefixes": [""]}}, "cache.strong_prefixes", "non-empty"),
+    ({"cache": {"strong_prefixes": ["a/", "a/"]}}, "cache.strong_prefixes", "twice"),
+    ({"cache": {"strong_prefixes": ["a\0"]}}, "cache.strong_prefixes", "NUL"),
+    ({"cache": {"max_key_bytes": 4, "strong_prefixes": ["tasks/"]}}, "cache.strong_prefixes",
+     "max_key_bytes=4"),
+    ({"cache": {"strong_prefixes": "task/"}}, "cache.strong_prefixes", "list"),
+    ({"cluster": {"etcd": ["no-port"]}}, "cluster.etcd", "host:port"),
+    ({"cluster": {"redis_ca": "/ca.pem"}}, "cluster.redis_ca", "redis_tls: true"),
+    ({"cluster": {"etcd_cert": "/c.pem"}}, "cluster.etcd_cert", "etcd_tls: true"),
+    ({"cluster": {"etcd_tls": True, "etcd_key": "/k.pem"}}, "cluster.etcd_key", "etcd_cert"),
+    ({"cluster": {"address_remap": {"a:1": "b:0"}}}, "cluster.address_remap", "host:port"),
+    ({"cluster": {"lease_ttl": "500ms"}}, "cluster.lease_ttl", "at least 1s"),
+    ({"cluster": {"max_clock_skew": 0}}, "cluster.max_clock_skew", "greater than 0"),
+    ({"cluster": {"etcd_password": 5}}, "cluster.etcd_password", "(hidden)"),
+])
+def test_etcd_and_strong_keys_are_validated(data: dict[str, object], key: str, match: str) -> None:
+    with pytest.raises(kvcomm.ConfigError, match=re.escape(match)) as info:
+        kvcomm.Config.from_mapping(data)
+    assert info.value.key == key

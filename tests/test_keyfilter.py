@@ -264,3 +264,20 @@ def test_c_membership_rejects_a_short_buffer_and_bad_geometry() -> None:
         bloom_has(bytes(64), 64, 0, 1, d)
     with pytest.raises(TypeError):
         bloom_has(bytes(64), 64, 3, 1, b"short")
+
+
+def test_two_rotations_forget_a_deleted_key_and_keep_the_rest(fname: str) -> None:
+    kf = KeyFilter.create(fname, 1000, 0.001)
+    try:
+        kf.add(b"deleted")
+        kf.add(b"kept")
+        for rotation in range(2):
+            kf.begin_rotation()
+            assert kf.may_exist(b"kept")  # the current generation answers meanwhile
+            assert kf.may_exist(b"deleted") == (rotation == 0)  # until refilled without it
+            kf.add(b"kept")  # the refill: only keys that still exist
+            kf.end_rotation()
+            assert kf.adds_since_rotation == 1
+        assert kf.may_exist(b"kept") and not kf.may_exist(b"deleted")
+    finally:
+        kf.close()

@@ -11,6 +11,8 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcomm
 from kvcomm.tiers import l2
@@ -272,3 +274,33 @@ def test_the_extension_field_is_stored_as_it_is_and_survives_repair(kv: kvcomm.C
     with pytest.raises(kvcomm.ValueTooLarge):  # it counts toward the record's size
         seg.apply([(kb, h, 1, b"", b"v", bytes(seg._max_record))], now_ms=1)
     assert kv.get("ext/1") == b"v3"  # nothing changed
+
+
+@settings(max_examples=60)
+@given(steps=st.lists(st.tuples(st.booleans(), st.integers(0, 3000),
+                                          st.integers(1 << 56, 1 << 58)),
+                      min_size=1, max_size=30))
+def test_the_c_hlc_agrees_with_the_pure_one(steps: list[tuple[bool, int, int]]) -> None:
+    """The C kernel stamps writes with the HLC (feed.c hlc_next, and a fresh local dot over
+    a remote version in write.c); core/versions.py's hlc_tick / hlc_receive are the spec."""
+    from kvcomm.core.versions import hlc_receive, hlc_tick
+
+    name = f"hlc-{os.getpid()}-{random.getrandbits(32):08x}"
+    seg = l2.open_segment(name, l2.Layout.plan(4 << 20, 64, 64, 4, 1 << 16), "h", 0o600)
+    try:
+        kb = b"k"
+        h = l2.key_hash(kb)
+        last = int(seg._q[l2.H["HLC"]])
+        now = 1_700_000_000_000
+        for remote, dt, remote_hlc in steps:
+            now += dt  # (the wall clock may also stand still)
+            if remote:  # a resolver's new value over a remote version: a new local dot
+                r = seg.apply([(kb, h, 1, b"", b"v", l2.NEW_DOT, remote_hlc, b"")], now_ms=now)[0]
+                last = hlc_receive(last, remote_hlc, now)
+            else:
+                r = seg.apply([(kb, h, 1, b"", b"v")], now_ms=now)[0]
+                last = hlc_tick(last, now)
+            assert r[1] == last
+    finally:
+        seg.close()
+        l2.purge(name)

@@ -62,6 +62,10 @@ def test_every_local_write_carries_its_writer(ns: str) -> None:
         with kv.batch() as b:
             b.put("c", b"y")
             b.put("d", [1, 2])
+            b.delete("never")
+        # the agent's ext and the batch's compact results together: versions still right
+        assert b.versions[:2] == [kv.get_item("c").version, kv.get_item("d").version]  # type: ignore[union-attr]
+        assert b.versions[2] is False
         kv.put("e", 1, expect=kvcomm.ABSENT)
         kv.update("f", lambda n: n + 1, default=0)
         kv.register_validator("v/", lambda key, old, new: None)

@@ -38,6 +38,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -357,7 +358,10 @@ def _translate(exc: ValidationError, cls: type[_Section]) -> ConfigError:
     ctx = err.get("ctx", {})
     for bound in ("ge", "gt", "le", "lt"):
         if bound in ctx:
-            msg = msg.replace(str(ctx[bound]), str(_format(info, ctx[bound])))
+            # pydantic prints a float bound of 1.0 as "1": match the number as printed
+            shown_bound = str(_format(info, ctx[bound]))
+            msg = re.sub(r"\b(least|most|than) [0-9.e+-]+",
+                         lambda m, b=shown_bound: f"{m.group(1)} {b}", msg)  # type: ignore[misc]
     shown = "(hidden)" if _is_secret(name) else _show(_format(info, value))
     return ConfigError(key, f"{msg}: {shown}" if ", got " in msg else f"{msg}, got {shown}")
 
@@ -394,6 +398,39 @@ class CacheConfig(_Section):
     bloom_fpr: Ratio = Field(default=0.001, gt=0, lt=1, description="its false-positive rate")
     hot_key_sample: Count = Field(default=16, ge=0, le=1 << 20,
                                   description="count 1 read in N for hot keys (0: off)")
+    strong_prefixes: list[Text] = Field(
+        default_factory=list,
+        description="key prefixes whose keys are strong (linearizable, on etcd) in cluster mode")
+
+    @field_validator("strong_prefixes")
+    @classmethod
+    def _strong_prefixes_are_key_prefixes(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        max_key = info.data.get("max_key_bytes", 250)  # absent: it failed its own check
+        seen: set[str] = set()
+        for i, prefix in enumerate(v):
+            where = f"entry {i}"
+            if not prefix:
+                raise ValueError(f"{where}: a strong prefix is a non-empty key prefix such as "
+                                 "'task/' (an empty one would make every key strong: use "
+                                 "cache.l3_consistency: strong for that)")
+            if "\0" in prefix:
+                raise ValueError(f"{where}: {_show(prefix)} holds NUL, which no key can hold")
+            if len(prefix.encode("utf-8")) > max_key:
+                raise ValueError(f"{where}: {_show(prefix)} is longer than cache.max_key_bytes="
+                                 f"{max_key}: no key could have it")
+            if prefix in seen:
+                raise ValueError(f"{where}: {_show(prefix)} is listed twice")
+            seen.add(prefix)
+        return v
+
+    def strong_prefix(self, key: str) -> str | None:
+        """The longest prefix in ``strong_prefixes`` that ``key`` starts with, or None
+        (the key then follows ``l3_consistency``)."""
+        best: str | None = None
+        for prefix in self.strong_prefixes:
+            if key.startswith(prefix) and (best is None or len(prefix) > len(best)):
+                best = prefix
+        return best
 
 
 class NetworkConfig(_Section):
@@ -410,6 +447,10 @@ class NodeConfig(_Section):
     )
     namespace: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
                            description="the L2 namespace kvcomm.open() uses by default")
+    # test-only: the fault tools skew one host's clock through this file (kvcomm.clock)
+    test_clock_offset_file: Text | None = Field(
+        default=None, min_length=1,
+        description="TEST ONLY: a file holding a clock offset added to this host's wall clock")
 
 
 class ClusterConfig(_Section):
@@ -422,6 +463,31 @@ class ClusterConfig(_Section):
     # repr=False: a Config printed in a log or a traceback never shows the password
     redis_password: Text | None = Field(default=None, repr=False)
     redis_tls: bool = False
+    redis_ca: Text | None = Field(default=None, min_length=1,
+                                  description="CA bundle (PEM) that verifies the Redis nodes")
+    redis_cert: Text | None = Field(default=None, min_length=1,
+                                    description="client certificate (PEM) shown to Redis")
+    redis_key: Text | None = Field(default=None, min_length=1,
+                                   description="its private key (PEM), unless in redis_cert")
+    etcd: list[Text] = Field(default_factory=list,
+                             description="etcd members (host:port) that hold strong keys and leases")
+    etcd_username: Text | None = None
+    etcd_password: Text | None = Field(default=None, repr=False)
+    etcd_tls: bool = False
+    etcd_ca: Text | None = Field(default=None, min_length=1,
+                                 description="CA bundle (PEM) that verifies the etcd members")
+    etcd_cert: Text | None = Field(default=None, min_length=1,
+                                   description="client certificate (PEM) shown to etcd")
+    etcd_key: Text | None = Field(default=None, min_length=1,
+                                  description="its private key (PEM), unless in etcd_cert")
+    address_remap: dict[Text, Text] = Field(
+        default_factory=dict,
+        description="host:port a Redis node or etcd member announces -> host:port this host "
+                    "reaches it at (a NAT, a tunnel, the dev cluster's fault proxies)")
+    lease_ttl: Duration = Field(default=6.0, ge=1.0, le=3600,
+                                description="a host's etcd lease (etcd counts whole seconds)")
+    max_clock_skew: Duration = Field(default=0.5, gt=0, le=3600,
+                                     description="remote HLC timestamps further ahead are counted")
     timeout: Duration = Field(default=2.0, gt=0)
     outbound_max: Count = Field(default=8192, ge=1,
                                 description="writes waiting for L3 before put raises Unavailable")
@@ -440,11 +506,32 @@ class ClusterConfig(_Section):
     def enabled(self) -> bool:
         return bool(self.redis)
 
-    @field_validator("redis")
+    @field_validator("redis", "etcd")
     @classmethod
     def _seed_addresses(cls, v: list[str]) -> list[str]:
         for s in v:
             _host_port(s)
+        return v
+
+    @field_validator("address_remap")
+    @classmethod
+    def _remap_addresses(cls, v: dict[str, str]) -> dict[str, str]:
+        for announced, reached in v.items():
+            _host_port(announced)
+            _host_port(reached)
+        return v
+
+    @field_validator("redis_ca", "redis_cert", "redis_key", "etcd_ca", "etcd_cert", "etcd_key")
+    @classmethod
+    def _tls_files_need_tls(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None or info.field_name is None:
+            return v
+        system, _, part = info.field_name.partition("_")
+        if not info.data.get(f"{system}_tls", True):  # (absent: it failed its own check)
+            raise ValueError(f"it is set but {system}_tls is false: set cluster.{system}_tls: "
+                             "true to use it (or remove it)")
+        if part == "key" and info.data.get(f"{system}_cert", "") is None:
+            raise ValueError(f"a key without {system}_cert: set both (or remove it)")
         return v
 
     @field_validator("resolvers")
@@ -458,14 +545,34 @@ class ClusterConfig(_Section):
         return v
 
     def seeds(self) -> list[tuple[str, int]]:
-        """The seed nodes as (host, port). Raises ConfigError on an entry that is not host:port."""
-        out = []
-        for s in self.redis:
-            try:
-                out.append(_host_port(s))
-            except ValueError as exc:
-                raise ConfigError("cluster.redis", str(exc)) from None
-        return out
+        """The Redis seed nodes as (host, port), each routed through ``address_remap``
+        (where this host reaches it). Raises ConfigError on an entry that is not host:port."""
+        return [self.remap_address(a) for a in _addresses(self.redis, "cluster.redis")]
+
+    def etcd_endpoints(self) -> list[tuple[str, int]]:
+        """The etcd members as (host, port), each routed through ``address_remap``.
+        Raises ConfigError on an entry that is not host:port."""
+        return [self.remap_address(a) for a in _addresses(self.etcd, "cluster.etcd")]
+
+    def remap_address(self, address: tuple[str, int]) -> tuple[str, int]:
+        """Where this host reaches ``address`` (as a server announces itself): its entry
+        in ``address_remap``, else itself. Has the signature of redis-py's
+        ``RedisCluster(address_remap=...)``: servers announce real ports in MOVED replies
+        and CLUSTER SLOTS; a host behind proxies must connect to their ports instead."""
+        if not self.address_remap:
+            return address
+        routed = self.address_remap.get(f"{address[0]}:{address[1]}")
+        return address if routed is None else _host_port(routed)
+
+
+def _addresses(entries: list[str], key: str) -> list[tuple[str, int]]:
+    out = []
+    for s in entries:
+        try:
+            out.append(_host_port(s))
+        except ValueError as exc:
+            raise ConfigError(key, str(exc)) from None
+    return out
 
 
 def _host_port(s: str) -> tuple[str, int]:

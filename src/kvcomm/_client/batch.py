@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._l2core import BatchOps
 from ..core.versions import Version
@@ -26,7 +26,8 @@ class Batch(BatchOps):
     is published.
     """
 
-    _results: list[Any]
+    _packed: memoryview | None  # per op, two u64: a put's counter and hlc, a delete's counter
+    _vvxs: list[bytes | None]
     _versions: list[Version | bool] | None
 
     def __init__(self, client: Writes) -> None:
@@ -35,16 +36,18 @@ class Batch(BatchOps):
         super().__init__(client._keys, client._key_hash, client._encode, client._max_value,
                          client._ext)  # (every put carries the writer's agent id)
         self._client = client
-        self._results = []
+        self._packed = None
+        self._vvxs = []
         self._versions = None
 
     @property
     def versions(self) -> list[Version | bool]:
         """Per operation, once applied: a put's Version, whether a delete deleted."""
         if self._versions is None:
-            c = self._client
-            self._versions = [c._version(r[0], r[1], r[2]) if isinstance(r, tuple) else r > 0
-                              for r in self._results]
+            c, w = self._client, self._packed
+            self._versions = [] if w is None else [
+                w[2 * i] > 0 if vvx is None else c._version(w[2 * i], w[2 * i + 1], vvx)
+                for i, vvx in enumerate(self._vvxs)]
         return self._versions
 
     def __enter__(self) -> Batch:
@@ -69,15 +72,17 @@ class Batch(BatchOps):
                         c._get_slow(key, None, True)
             for key in self._keys:
                 c._negative.invalidate(key)  # this host holds them now: not "absent"
-        results = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
-                               max_dirty=c._max_dirty, tombstones=c._cluster, check=check)
-        self._results = results
-        c._puts += len(results) - self._deletes
+        # compact results: no tuple per op (a batch's versions are built only if asked)
+        packed, self._vvxs = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
+                                          max_dirty=c._max_dirty, tombstones=c._cluster,
+                                          check=check, compact=True)
+        w = self._packed = memoryview(packed).cast("Q")
+        c._puts += len(self._vvxs) - self._deletes
         if self._deletes:
-            for key, r in zip(self._keys, results, strict=True):
-                if type(r) is not tuple:
+            for i, (key, vvx) in enumerate(zip(self._keys, self._vvxs, strict=True)):
+                if vvx is None:
                     c._l1.discard(key)
-                    c.counters["deletes"] += int(r > 0)
+                    c.counters["deletes"] += int(w[2 * i] > 0)
 
     def _validate(self) -> None:
         """Under the writer lock: every validator, in order, against the state the batch's

@@ -583,13 +583,17 @@ make_vvx_objects(Core *c, Op *ops, Py_ssize_t n)
     return 0;
 }
 
-/* Apply n parsed ops under the lock, all or nothing. Returns the results (a list; for a
- * single op its result alone), a status (an int for a single op, else (status, index)), or
- * NULL with an error (nothing published; BUSY raised if corruption was found). */
+enum { RESULTS_LIST = 0, RESULTS_SINGLE = 1, RESULTS_COMPACT = 2 };
+
+/* Apply n parsed ops under the lock, all or nothing. Returns the results (RESULTS_LIST: a
+ * list; RESULTS_SINGLE: the one op's result alone; RESULTS_COMPACT: (packed, vvxs), see
+ * Core_apply), a status (an int for a single op, else (status, index)), or NULL with an
+ * error (nothing published; BUSY raised if corruption was found). */
 static PyObject *
 apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint64_t max_dirty,
-          int tombstones, int single)
+          int tombstones, int mode)
 {
+    int single = mode == RESULTS_SINGLE;
     if (LDR(HW(c, H_STATE)) != STATE_OK) {
         PyErr_SetString(SegmentError, "this namespace was purged; open it again");
         return NULL;
@@ -609,9 +613,14 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
         ST(HW(c, H_BUSY), 0); /* nothing changed but evictions, which are complete */
         return single ? PyLong_FromLong(st) : Py_BuildValue("(in)", st, bad);
     }
+    /* (the answer's containers are made before anything is published: no allocation can
+       fail once the batch is applied, but the ints of a list's tuples) */
     PyObject *results = single ? NULL : PyList_New(n);
-    if ((!single && !results) || make_vvx_objects(c, ops, n) < 0) {
+    PyObject *packed = mode == RESULTS_COMPACT ? PyBytes_FromStringAndSize(NULL, 16 * n) : NULL;
+    if ((!single && !results) || (mode == RESULTS_COMPACT && !packed) ||
+        make_vvx_objects(c, ops, n) < 0) {
         Py_XDECREF(results);
+        Py_XDECREF(packed);
         if (give_back_blocks(c, ops, n) == 0 && !PyErr_ExceptionMatches(SegmentError))
             ST(HW(c, H_BUSY), 0);
         return NULL;
@@ -621,12 +630,27 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
         uint64_t found = op->prev ? (ops[op->prev - 1].live_after ? op->slot : 0) : op->found;
         if (publish(c, op, found, now_ms, flags, n == 1) < 0) {
             Py_XDECREF(results);
+            Py_XDECREF(packed);
             return NULL; /* corruption found mid-publish: BUSY stays raised for repair */
         }
     }
     ST(HW(c, H_BUSY), 0);
     if (single)
         return op_result(&ops[0]);
+    if (mode == RESULTS_COMPACT) {
+        uint64_t *w = (uint64_t *)PyBytes_AS_STRING(packed);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Op *op = &ops[i];
+            PyObject *v = op->vvx_obj ? op->vvx_obj : Py_None;
+            if (!op->vvx_obj)
+                Py_INCREF(v);
+            op->vvx_obj = NULL; /* (the reference moves into the list) */
+            PyList_SET_ITEM(results, i, v);
+            w[2 * i] = op->kind == OP_DEL ? (op->existed ? op->counter : 0) : op->counter;
+            w[2 * i + 1] = op->kind == OP_DEL ? 0 : op->hlc;
+        }
+        return Py_BuildValue("(NN)", packed, results);
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *r = op_result(&ops[i]);
         if (!r) { /* applied; only the answer could not be built (out of memory) */
@@ -638,20 +662,28 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
     return results;
 }
 
-/* apply(ops, now_ms, flags, max_dirty, tombstones) -> list | (status, index)   [lock held]
- * ops: (key, h) delete | (key, h, tag, meta, value) put | (..., counter, hlc, vvx) put with a
- * version. All or nothing: a status means nothing was written (evictions may have happened,
- * and only when the batch could then fit). Results per op: put → (counter, hlc, vvx, word,
- * seq); delete → its counter, 0 if there was nothing to delete. */
+/* apply(ops, now_ms, flags, max_dirty, tombstones[, compact]) -> results | (status, index)
+ *                                                                            [lock held]
+ * ops: (key, h) delete | (key, h, tag, meta, value[, ext]) put | (..., counter, hlc, vvx[,
+ * ext]) put with a version. All or nothing: a status means nothing was written (evictions
+ * may have happened, and only when the batch could then fit). Results per op: put →
+ * (counter, hlc, vvx, word, seq); delete → its counter, 0 if there was nothing to delete.
+ * compact (kv.batch(), which needs the versions only if asked): (packed, vvxs) instead,
+ * packed holding two native u64 per op (a put's counter and hlc; a delete's counter and
+ * 0), vvxs a put's vvx or None for a delete. */
 static PyObject *
 Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     NEED_VIEW(c);
     NEED_LOCK(c);
-    if (nargs != 5 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "apply(ops: list, now_ms, flags, max_dirty, tombstones)");
+    if ((nargs != 5 && nargs != 6) || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "apply(ops: list, now_ms, flags, max_dirty, tombstones"
+                                         "[, compact])");
         return NULL;
     }
+    int compact = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+    if (compact < 0)
+        return NULL;
     uint64_t now_ms = PyLong_AsUnsignedLongLong(args[1]);
     uint64_t flags = PyLong_AsUnsignedLongLong(args[2]);
     uint64_t max_dirty = PyLong_AsUnsignedLongLong(args[3]);
@@ -661,7 +693,7 @@ Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
     PyObject *list = args[0];
     Py_ssize_t n = PyList_GET_SIZE(list);
     if (n == 0)
-        return PyList_New(0);
+        return compact ? Py_BuildValue("(y#N)", "", (Py_ssize_t)0, PyList_New(0)) : PyList_New(0);
     Op local[4];
     Op *ops = n <= 4 ? local : PyMem_Calloc((size_t)n, sizeof(Op));
     if (!ops)
@@ -674,7 +706,8 @@ Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
         if (rc < 0)
             goto done;
     }
-    out = apply_ops(c, ops, n, now_ms, flags, max_dirty, tombstones, 0);
+    out = apply_ops(c, ops, n, now_ms, flags, max_dirty, tombstones,
+                    compact ? RESULTS_COMPACT : RESULTS_LIST);
 done:
     release_ops(ops, parsed);
     if (ops != local)
@@ -717,7 +750,7 @@ Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = NULL;
     if (take_lock(c, timeout) == 0) {
         out = needs_look(c, now_ms) ? PyLong_FromLong(ST_LOOK)
-                            : apply_ops(c, &op, 1, now_ms, flags, max_dirty, 0, 1);
+                            : apply_ops(c, &op, 1, now_ms, flags, max_dirty, 0, RESULTS_SINGLE);
         drop_lock(c);
     }
     release_ops(&op, 1);

@@ -9,7 +9,9 @@ the README's "Commands" section).
     kvcomm migrate [--name NS] [--config FILE]     an older-layout segment's unflushed writes
     kvcomm config --show [--config FILE]
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
-    kvcomm dev-cluster up --dir DIR [--hosts N] | down --dir DIR
+    kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR
+    kvcomm dev-cluster partition --dir DIR --host H [--mode M] | heal --dir DIR
+    kvcomm dev-cluster kill-etcd --dir DIR [--leader | --member N] | restart-etcd --dir DIR
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
     kvcomm placement observe|plan|launch ...      affinity placement (cli/placement.py)
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 from .._extras import require_cluster
 from ..config import load_config
-from ..errors import KVCommError
+from ..errors import InvalidArgument, KVCommError
 from .placement import add_placement
 
 
@@ -154,23 +156,58 @@ def _node(args: argparse.Namespace) -> int:
 
 def _dev_cluster(args: argparse.Namespace) -> int:
     """A whole cluster on this machine (kvcomm.devcluster): a Redis Cluster of 3
-    masters and 3 replicas on free loopback ports and one node daemon per simulated host.
-    `up` writes DIR/host-N.yaml, the config agents of host N open; `down` stops it all and
-    removes the hosts' L2 segments. Needs redis-server, redis-cli and
-    pip install 'kvcomm[cluster]'."""
+    masters and 3 replicas and a 3-member etcd cluster on free loopback ports, and one
+    node daemon per simulated host. `up` writes DIR/host-N.yaml, the config agents of
+    host N open; `down` stops it all and removes the hosts' L2 segments. Faults:
+    `partition` cuts a host off from Redis and etcd (needs `up --proxies`) until `heal`;
+    `kill-etcd` and `restart-etcd` kill and bring back etcd members. Needs redis-server,
+    redis-cli, etcd (Debian: etcd-server) and pip install 'kvcomm[cluster]'."""
     from .. import devcluster
+    from ..devcluster import control
 
-    if args.action == "up":
-        state = devcluster.up(args.hosts, args.dir)
+    a = args.action
+    if a == "up":
+        state = devcluster.up(args.hosts, args.dir, strong_prefixes=args.strong or (),
+                              proxies=args.proxies)
         print(f"Redis Cluster: {' '.join(state['redis'])}")
+        print(f"etcd: {' '.join(f'127.0.0.1:{p}' for p in state['etcd']['client_ports'])}")
         for h in state["hosts"]:
-            print(f"{h['host']}: daemon pid {h['pid']}, agents open kvcomm.open(config={h['config']!r})")
+            via = " (through its fault proxy)" if h.get("proxy") else ""
+            print(f"{h['host']}: daemon pid {h['pid']}, agents open "
+                  f"kvcomm.open(config={h['config']!r}){via}")
         return 0
-    if devcluster.down(args.dir):
-        print(f"dev cluster in {args.dir} stopped")
+    if a == "down":
+        if devcluster.down(args.dir):
+            print(f"dev cluster in {args.dir} stopped")
+            return 0
+        print(f"no dev cluster in {args.dir}", file=sys.stderr)
+        return 1
+    if a == "partition":
+        if not args.host:
+            raise InvalidArgument("partition needs --host HOST (e.g. --host host-2)")
+        st = control.partition(args.dir, args.host, args.mode, args.delay)
+        if args.mode == "drop":
+            print(f"{args.host}: {st['dropped_now']} live connections reset")
+        else:
+            print(f"{args.host}: {st['mode']}" + (f" {st['delay_ms']:g} ms" if args.mode == "delay"
+                                                  else "") + " until `dev-cluster heal`")
         return 0
-    print(f"no dev cluster in {args.dir}", file=sys.stderr)
-    return 1
+    if a == "heal":
+        healed = control.heal(args.dir, args.host)
+        print(f"healed: {', '.join(healed) or 'nothing (no host has a fault proxy)'}")
+        return 0
+    if a == "kill-etcd":
+        if args.leader and args.member is not None:
+            raise InvalidArgument("kill-etcd takes --leader or --member N, not both")
+        member = None if args.member is None else args.member - 1
+        killed = control.kill_etcd(args.dir, member, leader=args.leader)
+        print(f"etcd member {killed + 1} killed" + (" (it was the leader)" if args.leader else ""))
+        return 0
+    member = None if args.member is None else args.member - 1
+    restarted = control.restart_etcd(args.dir, member)
+    print(f"etcd members restarted: {', '.join(str(i + 1) for i in restarted) or 'none'}; "
+          "the cluster is healthy")
+    return 0
 
 
 def _soak(args: argparse.Namespace) -> int:
@@ -262,13 +299,34 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--name", metavar="NS",
                    help="L2 namespace (default: node.namespace from the config)")
 
-    dc = _command(sub, "dev-cluster", _dev_cluster, "a local Redis Cluster + one daemon per host")
-    dc.add_argument("action", choices=["up", "down"],
-                    help="up: start it and wait until every daemon heartbeats; down: stop it")
+    dc = _command(sub, "dev-cluster", _dev_cluster,
+                  "a local Redis Cluster + etcd + one daemon per host, and its faults")
+    dc.add_argument("action", choices=["up", "down", "partition", "heal", "kill-etcd",
+                                       "restart-etcd"],
+                    help="up: start it and wait until every daemon heartbeats; down: stop it; "
+                    "partition: cut --host off from Redis and etcd; heal: end every partition; "
+                    "kill-etcd: SIGKILL an etcd member; restart-etcd: bring killed members back")
     dc.add_argument("--hosts", type=int, default=3, metavar="N",
                     help="simulated hosts, 1 to 32 (up only; default 3)")
     dc.add_argument("--dir", required=True, metavar="DIR",
                     help="where its configs, logs and state (cluster.json) live")
+    dc.add_argument("--strong", action="append", metavar="PREFIX",
+                    help="a key prefix for every host's cache.strong_prefixes (up only; repeatable)")
+    dc.add_argument("--proxies", action="store_true",
+                    help="route each host through its own fault proxy, so that it can be "
+                    "partitioned (up only)")
+    dc.add_argument("--host", metavar="HOST",
+                    help="the host to partition (partition; heal: only this one)")
+    dc.add_argument("--mode", choices=["blackhole", "delay", "drop"], default="blackhole",
+                    help="partition: blackhole (default: nothing flows), delay (every chunk "
+                    "--delay ms late) or drop (reset every live connection once)")
+    dc.add_argument("--delay", type=float, default=100.0, metavar="MS",
+                    help="milliseconds added by --mode delay (default 100)")
+    dc.add_argument("--leader", action="store_true",
+                    help="kill-etcd: kill the member that leads now")
+    dc.add_argument("--member", type=int, metavar="N",
+                    help="kill-etcd / restart-etcd: member N (1 to 3); default: the first "
+                    "member running / every member down")
 
     sk = _command(sub, "soak", _soak,
                   "a dev cluster under a random workload and a nemesis: is anything "

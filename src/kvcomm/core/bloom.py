@@ -7,11 +7,12 @@ Beyond that the needs are few and fixed — stable hashing across processes and 
 (xxh3-128 split for double hashing, never Python's salted ``hash``), union, a portable
 byte form — so the filter is 60 lines over any buffer.
 
-Deletes cannot be removed from a Bloom filter, so :class:`RotatingBloom` keeps two
-generations: adds go to both, checks ask either, and :meth:`RotatingBloom.rotate` drops
-the older one and starts a fresh one, to be refilled from the keys that exist (the
-daemon rebuilds from its scan). A filter sized for ``capacity`` keys at rate ``fpr``
-holds its rate until it has seen ``capacity`` adds; :attr:`saturated` says when to rotate.
+Deletes cannot be removed from a Bloom filter, so the host's filter
+(:mod:`kvcomm.tiers.keyfilter`) keeps two of these generations in shared memory: adds go
+to both, checks ask either (in C there: the same positions, held to these by a test), and
+a rotation clears the older one, refilled from the keys that exist. A filter sized for
+``capacity`` keys at rate ``fpr`` holds its rate until it has seen ``capacity`` adds;
+:attr:`saturated` says when to rotate.
 """
 
 from __future__ import annotations
@@ -100,23 +101,3 @@ class BloomFilter:
         f._b[:] = data[_HDR.size :]
         f.adds = adds
         return f
-
-
-class RotatingBloom:
-    """Two generations, so that deleted keys age out: check either, add to both."""
-
-    def __init__(self, capacity: int, fpr: float = 0.001, seed: int = 0) -> None:
-        self.current = BloomFilter(capacity, fpr, seed=seed)
-        self.previous = BloomFilter(capacity, fpr, seed=seed)
-
-    def add(self, key: bytes) -> None:
-        self.current.add(key)
-        self.previous.add(key)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.current or key in self.previous
-
-    def rotate(self) -> None:
-        """Forget the older generation; the caller re-adds the keys that still exist."""
-        self.previous, self.current = self.current, self.previous
-        self.current.clear()

@@ -10,7 +10,13 @@ Every write is stamped by the host that makes it with:
   replaced, with the host's entry raised to the new dot. The dot is the writer's entry.
 * a **hybrid logical clock** timestamp ``(physical_ms << 16) | logical`` that never runs
   backwards on a host (:func:`hlc_tick`); last-writer-wins ties are broken by it, then by
-  host id.
+  host id. The L2 kernel keeps each host's HLC in the segment header and stamps writes
+  by the same rules in C (``hlc_next`` in ``_l2core_c/feed.c``: :func:`hlc_tick`; a
+  versioned put with a fresh dot: :func:`hlc_receive`); ``tests/test_hlc.py`` holds the
+  two to each other. Remote timestamps further ahead than ``cluster.max_clock_skew``
+  are refused (:func:`hlc_receive` with ``max_skew_ms``) or, where a write must not be
+  dropped, counted (:class:`SkewMonitor`). The physical time comes from the caller
+  (``kvcomm.clock``: the wall clock, plus a test-only offset per host).
 
 Why vectors with dots, and not full dotted version vector sets: the classic sibling
 explosion that DVVs (Preguiça et al.) cure comes from actors that are *servers* writing
@@ -63,9 +69,64 @@ def hlc_tick(last: int, now_ms: int) -> int:
     return physical if physical > last else last + 1
 
 
-def hlc_receive(last: int, remote: int, now_ms: int) -> int:
-    """The local HLC after seeing a remote timestamp; > both ``last`` and ``remote``."""
+def hlc_receive(last: int, remote: int, now_ms: int, max_skew_ms: int | None = None) -> int:
+    """The local HLC after seeing a remote timestamp; > both ``last`` and ``remote``.
+
+    With ``max_skew_ms``, refuses a remote timestamp whose physical part is more than
+    that far ahead of ``now_ms`` (its host's clock runs ahead, or it is corrupt: adopting
+    it would drag this host's clock, and every last-writer-wins decision, into the
+    future): raises :class:`ClockSkewError`, and the caller keeps ``last``.
+    """
+    if max_skew_ms is not None:
+        ahead = hlc_ahead_ms(remote, now_ms)
+        if ahead > max_skew_ms:
+            raise ClockSkewError(ahead, max_skew_ms)
     return max(hlc_tick(last, now_ms), remote + 1)
+
+
+def hlc_ahead_ms(remote: int, now_ms: int) -> int:
+    """How many milliseconds the physical part of ``remote`` runs ahead of ``now_ms``
+    (zero or negative: not ahead)."""
+    return (remote >> LOGICAL_BITS) - now_ms
+
+
+class ClockSkewError(ValueError):
+    """A remote HLC timestamp is further ahead of the local clock than allowed
+    (``cluster.max_clock_skew``). ``ahead_ms`` says by how much."""
+
+    def __init__(self, ahead_ms: int, max_skew_ms: int) -> None:
+        super().__init__(f"a remote timestamp is {ahead_ms} ms ahead of this host's clock, "
+                         f"over cluster.max_clock_skew ({max_skew_ms} ms): check the hosts' "
+                         "clock synchronisation (NTP)")
+        self.ahead_ms, self.max_skew_ms = ahead_ms, max_skew_ms
+
+
+class SkewMonitor:
+    """Counts remote timestamps beyond ``max_skew_ms`` where refusing them is not an
+    option (a remote write already acknowledged on its host must still be merged: it is
+    kept, its timestamp adopted, and the skew counted and reported).
+
+    Pure: the caller passes the local time. ``beyond`` counts offending timestamps,
+    ``max_ahead_ms`` is the largest lead seen, ``last_ahead_ms`` the latest offender's.
+    """
+
+    __slots__ = ("max_skew_ms", "beyond", "max_ahead_ms", "last_ahead_ms")
+
+    def __init__(self, max_skew_ms: int) -> None:
+        self.max_skew_ms = max_skew_ms
+        self.beyond = 0
+        self.max_ahead_ms = 0
+        self.last_ahead_ms = 0
+
+    def observe(self, remote: int, now_ms: int) -> bool:
+        """Note a remote timestamp seen at ``now_ms``; True when it is beyond the bound."""
+        ahead = hlc_ahead_ms(remote, now_ms)
+        if ahead <= self.max_skew_ms:
+            return False
+        self.beyond += 1
+        self.last_ahead_ms = ahead
+        self.max_ahead_ms = max(self.max_ahead_ms, ahead)
+        return True
 
 
 def hlc_millis(ts: int) -> int:

@@ -10,16 +10,22 @@ hosts' L2 segments.
 
 For fault injection (tests, soaks): :func:`restart_daemon`, :func:`kill_redis` and
 :func:`restart_redis`, which brings a killed Redis node back on its port and waits until
-the cluster is whole again (every slot served, every master with its replicas in sync).
-Each keeps ``cluster.json`` current, so ``down`` still stops everything.
+the cluster is whole again (every slot served, every master with its replicas in sync);
+:func:`kill_etcd` (a member or the leader), :func:`pause_etcd` and :func:`restart_etcd`;
+with ``up(proxies=True)``, :func:`partition`, :func:`drop_connections` and :func:`heal`
+through each host's fault proxy; :func:`set_clock_offset` (test only). Each keeps
+``cluster.json`` current, so ``down`` still stops everything.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +34,12 @@ import yaml
 
 from .._extras import require_cluster
 from .._wait import wait_until
+from ..clock import write_clock_offset
+from ..config import CacheConfig
 from ..errors import KVCommError, SegmentError, Unavailable
 from ..tiers.l2 import L2Segment, purge
+from .etcd_cluster import EtcdCluster, etcd_path, member_argv
+from .etcd_cluster import wait_healthy as wait_etcd_healthy
 from .procs import kill, running, spawn, stop
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
 
@@ -64,24 +74,36 @@ def redis_ports(state: dict[str, Any]) -> list[int]:
 def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "50ms",
        feed_poll: str = "20ms", timeout: float = 60.0,
        resolvers: dict[str, str] | None = None,
-       watch_buffer: int | None = None) -> dict[str, Any]:
+       watch_buffer: int | None = None, strong_prefixes: Sequence[str] = (),
+       proxies: bool = False) -> dict[str, Any]:
     """Start a dev cluster of ``hosts`` hosts in ``directory``; returns its state (see
     :func:`load_state`) once every daemon heartbeats.
+
+    Besides the Redis Cluster, a 3-member etcd cluster (data on tmpfs) whose members go
+    into every host's ``cluster.etcd``; ``strong_prefixes`` into every host's
+    ``cache.strong_prefixes``. With ``proxies``, each host reaches Redis and etcd
+    through its own fault proxy (:mod:`kvcomm.faults.proxy`; its config's
+    ``cluster.address_remap``), which :func:`partition`, :func:`heal` and
+    :func:`drop_connections` drive. Every host's ``node.test_clock_offset_file`` is
+    ``DIR/clock/host-N`` (:func:`set_clock_offset`).
 
     ``l2_size``, ``sync_interval`` (``cache.l2_sync_interval``), ``feed_poll``,
     ``resolvers`` and ``watch_buffer`` go into every host's config. Raises KVCommError
     when a dev cluster is already up there or ``hosts`` is not 1 to 32, ConfigError when
-    redis-py is not installed, Unavailable when a server or daemon does not start
-    (everything started is stopped again).
+    redis-py is not installed or a strong prefix is invalid, Unavailable when a server
+    or daemon does not start (everything started is stopped again).
     """
     if not 1 <= hosts <= 32:
         raise KVCommError("--hosts must be between 1 and 32")
     require_cluster("the dev cluster's node daemons")
+    CacheConfig(strong_prefixes=list(strong_prefixes))  # a bad prefix: ConfigError, nothing started
     d = Path(directory).resolve()
     d.mkdir(parents=True, exist_ok=True)
     if (d / STATE_FILE).exists():
         raise KVCommError(
             f"a dev cluster is already up in {d}; run `kvcomm dev-cluster down --dir {d}`")
+    if etcd_path() is None:
+        raise Unavailable("etcd is not installed (Debian: apt-get install etcd-server)")
     cluster = RedisCluster(directory=str(d / "redis"), detached=True).start(timeout)
     tag = f"{xxhash.xxh32_intdigest(str(d).encode()) % 10**6:06d}"  # unique per directory
     state: dict[str, Any] = {"redis_pids": cluster.pids,
@@ -90,19 +112,40 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
                              "node_timeout_ms": cluster.node_timeout_ms}
     save_state(d, state)  # from here on, `down` can clean up
     try:
+        etcd = EtcdCluster(detached=True).start(timeout)  # (stops itself if it fails)
+        state["etcd"] = etcd.state()
+        save_state(d, state)
+        etcd_addresses = etcd.addresses
+        (d / "clock").mkdir(exist_ok=True)
         for i in range(1, hosts + 1):
             host = f"host-{i}"
             ns = f"dev{tag}-{host}"
-            cache: dict[str, Any] = {"l2_size": l2_size, "l2_sync_interval": sync_interval}
+            cache: dict[str, Any] = {"l2_size": l2_size, "l2_sync_interval": sync_interval,
+                                     "strong_prefixes": list(strong_prefixes)}
             if watch_buffer is not None:  # a small feed ring: the soak overflows it on purpose
                 cache["watch_buffer"] = watch_buffer
-            cfg = {"node": {"host_id": host, "namespace": ns}, "cache": cache,
-                   "cluster": {"redis": state["redis"], "feed_poll": feed_poll,
+            remap: dict[str, str] = {}
+            proxy: dict[str, Any] | None = None
+            if proxies:
+                from ..faults.proxy import start_proxy
+
+                pdir = d / "proxy"
+                pdir.mkdir(mode=0o700, exist_ok=True)
+                ppid, remap = start_proxy(state["redis"] + etcd_addresses, pdir / f"{host}.sock",
+                                          pdir / f"{host}.json", d / f"{host}-proxy.log", timeout)
+                proxy = {"pid": ppid, "control": str(pdir / f"{host}.sock")}
+            clock = d / "clock" / host
+            clock.write_text("0\n")
+            cfg = {"node": {"host_id": host, "namespace": ns, "test_clock_offset_file": str(clock)},
+                   "cache": cache,
+                   "cluster": {"redis": state["redis"], "etcd": etcd_addresses,
+                               "address_remap": remap, "feed_poll": feed_poll,
                                "resolvers": resolvers or {}}}
             path = d / f"{host}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             purge(ns)
             state["hosts"].append({"host": host, "namespace": ns, "config": str(path),
+                                   "proxy": proxy, "clock": str(clock),
                                    "pid": spawn_daemon(path, d / f"{host}.log").pid})
         save_state(d, state)
         for h in state["hosts"]:
@@ -215,7 +258,135 @@ def down(directory: str) -> bool:
     state = load_state(d)
     stop([int(h["pid"]) for h in state["hosts"]])
     stop([int(p) for p in state["redis_pids"]])
+    etcd = state.get("etcd")
+    if etcd:
+        stop([int(p) for p in etcd["pids"]])
+        shutil.rmtree(etcd["dir"], ignore_errors=True)
+    stop([int(h["proxy"]["pid"]) for h in state["hosts"] if h.get("proxy")])
     for h in state["hosts"]:
         purge(h["namespace"])
     (d / STATE_FILE).unlink()
     return True
+
+
+# ---------------------------------------------------------------- etcd faults
+
+
+def _etcd(state: dict[str, Any]) -> dict[str, Any]:
+    etcd = state.get("etcd")
+    if not etcd:
+        raise KVCommError("this dev cluster has no etcd (started by an older kvcomm?): "
+                          "run `kvcomm dev-cluster down` and `up` again")
+    return etcd  # type: ignore[no-any-return]
+
+
+def etcd_leader(directory: str, timeout: float = 30.0) -> int:
+    """The index (0-based) of the etcd member that leads now, once the live members
+    agree on one. Raises Unavailable."""
+    etcd = _etcd(load_state(directory))
+    ports = etcd["client_ports"]
+    live = [p for p, pid in zip(ports, etcd["pids"], strict=True) if running(int(pid))]
+    return wait_etcd_healthy(ports, timeout, alive=live)
+
+
+def kill_etcd(directory: str, member: int | None = None, leader: bool = False) -> int:
+    """SIGKILL etcd member ``member`` (0-based), or the leader with ``leader``, or (with
+    neither) the first member still running. Returns the index of the member killed.
+    Raises KVCommError for a bad member, Unavailable when no leader can be found."""
+    etcd = _etcd(load_state(directory))
+    pids = [int(p) for p in etcd["pids"]]
+    if leader:
+        member = etcd_leader(directory)
+    elif member is None:
+        member = next((i for i, p in enumerate(pids) if running(p)), None)
+        if member is None:
+            raise KVCommError("every etcd member is already down; `restart-etcd` first")
+    if not 0 <= member < len(pids):
+        raise KVCommError(f"etcd member {member + 1} does not exist (members 1 to {len(pids)})")
+    kill(pids[member])
+    return member
+
+
+def pause_etcd(directory: str, member: int, resume: bool = False) -> int:
+    """SIGSTOP (SIGCONT with ``resume``) etcd member ``member``; returns its pid."""
+    etcd = _etcd(load_state(directory))
+    pid = int(etcd["pids"][member])
+    os.kill(pid, signal.SIGCONT if resume else signal.SIGSTOP)
+    return pid
+
+
+def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.0) -> list[int]:
+    """Start killed etcd members again (``member``, or every one that is down) with their
+    names, ports and data, and wait until every member is healthy. Returns the indexes
+    restarted. Raises Unavailable when the cluster does not heal within ``timeout``."""
+    d = Path(directory).resolve()
+    state = load_state(d)
+    etcd = _etcd(state)
+    pids = [int(p) for p in etcd["pids"]]
+    todo = [member] if member is not None else [i for i, p in enumerate(pids) if not running(p)]
+    for i in todo:
+        if running(pids[i]):
+            os.kill(pids[i], signal.SIGCONT)  # a paused member: resume it
+            continue
+        argv = member_argv(etcd["names"][i], os.path.join(etcd["dir"], etcd["names"][i]),
+                           etcd["client_ports"][i], etcd["peer_ports"][i],
+                           etcd["initial_cluster"], etcd["token"], etcd["heartbeat_ms"],
+                           etcd["election_ms"])
+        etcd["pids"][i] = spawn(argv, os.path.join(etcd["dir"], f"{etcd['names'][i]}.log")).pid
+    save_state(d, state)
+    wait_etcd_healthy(etcd["client_ports"], timeout)
+    return todo
+
+
+# ---------------------------------------------------------------- network and clock faults
+
+
+def _proxy(state: dict[str, Any], host: str) -> Any:
+    from ..faults.proxy import ProxyControl
+
+    for h in state["hosts"]:
+        if h["host"] == host:
+            if not h.get("proxy"):
+                raise KVCommError(f"{host} has no fault proxy: start the dev cluster with "
+                                  "`kvcomm dev-cluster up --proxies`")
+            return ProxyControl(h["proxy"]["control"])
+    raise KVCommError(f"no host {host!r} in this dev cluster "
+                      f"({', '.join(h['host'] for h in state['hosts'])})")
+
+
+def partition(directory: str, host: str, mode: str = "blackhole",
+              delay_ms: float = 0.0) -> dict[str, Any]:
+    """Cut ``host`` off from Redis and etcd in both directions (``mode`` blackhole), or
+    slow it (``delay`` by ``delay_ms``), or reset its live connections once (``drop``),
+    until :func:`heal`. Returns its proxy's status. Raises KVCommError (no such host, no
+    proxies), Unavailable (the proxy does not answer), InvalidArgument (a bad mode)."""
+    ctl = _proxy(load_state(directory), host)
+    if mode == "drop":
+        return ctl.drop()  # type: ignore[no-any-return]
+    return ctl.set(mode, delay_ms)  # type: ignore[no-any-return]
+
+
+def drop_connections(directory: str, host: str) -> int:
+    """Reset every live connection of ``host`` to Redis and etcd; returns how many."""
+    return int(partition(directory, host, "drop")["dropped_now"])
+
+
+def heal(directory: str, host: str | None = None) -> list[str]:
+    """End every network fault of ``host`` (default: every host with a proxy); returns
+    the hosts healed."""
+    state = load_state(directory)
+    hosts = [host] if host else [h["host"] for h in state["hosts"] if h.get("proxy")]
+    for h in hosts:
+        _proxy(state, h).set("pass")
+    return hosts
+
+
+def set_clock_offset(directory: str, host: str, offset_s: float) -> None:
+    """TEST ONLY: move ``host``'s clock by ``offset_s`` seconds (every process of that
+    host reads its offset file: :mod:`kvcomm.clock`)."""
+    state = load_state(directory)
+    for h in state["hosts"]:
+        if h["host"] == host:
+            write_clock_offset(h["clock"], offset_s)
+            return
+    raise KVCommError(f"no host {host!r} in this dev cluster")

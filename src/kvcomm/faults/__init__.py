@@ -7,7 +7,12 @@ Modules
   and records every injection.
 * :mod:`~kvcomm.faults.kinds`: the built-in faults (pause, kill and restart a node
   daemon; kill a Redis master and bring it back as a replica; trim a change-feed
-  stream; overflow a host's L2 change feed; force L2 evictions).
+  stream; overflow a host's L2 change feed; force L2 evictions; kill or pause an etcd
+  member, the leader included; partition a host; drop a host's connections).
+* :mod:`~kvcomm.faults.proxy`: the fault proxy in front of every server a host uses
+  (blackhole, delay, drop connections), driven through an owner-only control socket.
+* :mod:`~kvcomm.faults.linearizability`: the pure Wing-Gong/Lowe checker of register
+  histories (put, get, delete, compare-and-set; operations of unknown outcome).
 * :mod:`~kvcomm.faults.target`: the dev cluster as faults see it (processes, Redis
   nodes, L3, a recording client per host).
 * :mod:`~kvcomm.faults.history`: recorded operations (JSON lines) and the recording

@@ -16,6 +16,12 @@
 ``l2-evict``           a burst of large values, 1.5 times a host's L2 (the soak runs hosts
                        with a small ``cache.l2_size``), so that L2 must evict; small
                        probe keys written just before, and in L3, are eviction victims.
+``kill-etcd-member``   SIGKILL an etcd member, the leader half of the time; at heal,
+                       start it again and wait until the cluster is healthy.
+``pause-etcd-member``  SIGSTOP an etcd member; SIGCONT at heal.
+``partition-host``     cut a host off from Redis and etcd, both directions, through its
+                       fault proxy (needs ``dev-cluster up --proxies``); heal restores.
+``drop-connections``   reset every live connection of a host to Redis and etcd (proxy).
 =====================  ==============================================================
 
 Faults that write use keys under ``soak/n/`` through the target's recorders (process
@@ -285,3 +291,93 @@ class L2Evict(DevFault):
         return (f"{host}: {count} values of {size // 1024} KiB into an L2 of "
                 f"{data / 2**20:.1f} MiB: {evictions} evictions, {gone}/{len(probes)} probes "
                 f"evicted, {refused} puts refused")
+
+
+@register
+class KillEtcdMember(DevFault):
+    name = "kill-etcd-member"
+    summary = "SIGKILL an etcd member (the leader half of the time); restart it at heal"
+    requires = frozenset({"etcd"})
+    hold = (0.5, 4.0)
+
+    def inject(self, rng: random.Random) -> str:
+        t = self.target
+        leader = rng.random() < 0.5
+        member = None if leader else rng.randrange(t.etcd_members())
+        pid = t.etcd_pid(t.etcd_leader()) if leader else t.etcd_pid(member or 0)
+        self.member: int | None = t.kill_etcd(member, leader=leader)
+        self.effect.update(member=self.member + 1, leader=leader, pid=pid)
+        return f"SIGKILL etcd member {self.member + 1}" + (" (the leader)" if leader else "")
+
+    def heal(self) -> str:
+        if getattr(self, "member", None) is None:
+            return ""
+        t0 = time.monotonic()
+        self.target.restart_etcd(self.member)
+        self.member = None
+        self.effect["healthy_after_s"] = round(time.monotonic() - t0, 2)
+        return "restarted; the cluster is healthy"
+
+
+@register
+class PauseEtcdMember(DevFault):
+    name = "pause-etcd-member"
+    summary = "SIGSTOP an etcd member; SIGCONT at heal"
+    requires = frozenset({"etcd"})
+    hold = (0.5, 4.0)
+
+    def inject(self, rng: random.Random) -> str:
+        self.member: int | None = rng.randrange(self.target.etcd_members())
+        pid = self.target.pause_etcd(self.member)
+        self.effect.update(member=self.member + 1, pid=pid)
+        return f"SIGSTOP etcd member {self.member + 1} (pid {pid})"
+
+    def heal(self) -> str:
+        if getattr(self, "member", None) is None:
+            return ""
+        assert self.member is not None
+        self.target.resume_etcd(self.member)
+        self.member = None
+        return "SIGCONT"
+
+
+@register
+class PartitionHost(DevFault):
+    name = "partition-host"
+    summary = "cut a host off from Redis and etcd (both directions) through its proxy"
+    requires = frozenset({"proxy"})
+    hold = (1.0, 6.0)
+
+    def inject(self, rng: random.Random) -> str:
+        self.host: int | None = self._host(rng)
+        st = self.target.partition(self.host, "blackhole")
+        self.held_before = int(st["held_chunks"]) + int(st["held_connections"])
+        return f"{self.target.host_ids[self.host]} cut off from Redis and etcd"
+
+    def heal(self) -> str:
+        if getattr(self, "host", None) is None:
+            return ""
+        assert self.host is not None
+        # evidence: traffic the host tried to send while cut off
+        st = self.target.proxy_status(self.host)
+        held = int(st["held_chunks"]) + int(st["held_connections"]) - self.held_before
+        self.target.heal_network(self.host)
+        self.effect["held"] = held
+        self.host = None
+        return f"healed ({held} requests and connections were held while cut off)"
+
+
+@register
+class DropConnections(DevFault):
+    name = "drop-connections"
+    summary = "reset every live connection of a host to Redis and etcd"
+    requires = frozenset({"proxy"})
+
+    def inject(self, rng: random.Random) -> str:
+        h = self._host(rng)
+        n = self.target.drop_connections(h)
+        self.effect["dropped"] = n
+        return f"{self.target.host_ids[h]}: {n} live connections reset"
+
+    def heal(self) -> str:
+        return ""

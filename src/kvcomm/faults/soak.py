@@ -406,8 +406,10 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     log(f"kvcomm soak: seed {seed}; replay with `{result.replay}`; directory {base}")
     from .. import devcluster
 
+    # hosts go through fault proxies only when a fault needs them (partitions)
     devcluster.up(opts.hosts, str(cluster_dir), l2_size=opts.l2_size,
-                  watch_buffer=opts.watch_buffer, timeout=120.0)
+                  watch_buffer=opts.watch_buffer, timeout=120.0,
+                  proxies=any("proxy" in FAULTS[k].requires for k in kinds))
     target: DevClusterTarget | None = None
     procs: list[Any] = []
     ctx = mp.get_context("fork")

@@ -8,8 +8,10 @@ faults that write, so that their writes are checked like any other). It keeps
 everything.
 
 ``capabilities`` names what this target can do; a fault lists what it ``requires``,
-and the nemesis refuses a fault the target cannot serve (a partition fault will need
-per-host proxies, an etcd fault an etcd cluster: a target that has them says so).
+and the nemesis refuses a fault the target cannot serve: ``"etcd"`` (the dev cluster's
+etcd members: kill, pause, restart, find the leader), ``"proxy"`` (every host behind its
+fault proxy, ``dev-cluster up --proxies``: partition, delay, drop connections, heal) and
+``"clock"`` (every host reads a test-only clock offset file: skew one host's clock).
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ class DevClusterTarget:
         require_cluster("the fault tools")
         self.dir = Path(directory).resolve()
         state = self._state()
+        caps = set(type(self).capabilities)
+        if state.get("etcd"):
+            caps.add("etcd")
+        if state["hosts"] and all(h.get("proxy") for h in state["hosts"]):
+            caps.add("proxy")
+        if state["hosts"] and all(h.get("clock") for h in state["hosts"]):
+            caps.add("clock")
+        self.capabilities = frozenset(caps)
         self.host_ids: list[str] = [h["host"] for h in state["hosts"]]
         self.configs: list[str] = [h["config"] for h in state["hosts"]]
         self.redis_ports: list[int] = control.redis_ports(state)
@@ -199,6 +209,59 @@ class DevClusterTarget:
         rejoin; having lost its data, it comes back as a replica of the node that took
         over). Returns its pid once the cluster is whole again. Raises Unavailable."""
         return control.restart_redis(str(self.dir), port, timeout)
+
+    # ------------------------------------------------------------------ etcd
+
+    def etcd_members(self) -> int:
+        return len(self._state()["etcd"]["pids"])
+
+    def etcd_pid(self, member: int) -> int:
+        return int(self._state()["etcd"]["pids"][member])
+
+    def etcd_leader(self, timeout: float = 30.0) -> int:
+        """The index of the etcd member leading now (waits for an election to end)."""
+        return control.etcd_leader(str(self.dir), timeout)
+
+    def kill_etcd(self, member: int | None = None, leader: bool = False) -> int:
+        """SIGKILL an etcd member (``member``, or the leader); returns its index."""
+        return control.kill_etcd(str(self.dir), member, leader)
+
+    def pause_etcd(self, member: int) -> int:
+        """SIGSTOP an etcd member; returns its pid once it is stopped."""
+        pid = control.pause_etcd(str(self.dir), member)
+        wait_until(lambda: proc_state(pid) in ("T", "t", "", "Z"), 10,
+                   f"etcd member {member + 1} (pid {pid}) to stop", interval=0.001)
+        return pid
+
+    def resume_etcd(self, member: int) -> None:
+        control.pause_etcd(str(self.dir), member, resume=True)
+
+    def restart_etcd(self, member: int | None = None, timeout: float = 60.0) -> list[int]:
+        """Start killed etcd members again; returns once every member is healthy."""
+        return control.restart_etcd(str(self.dir), member, timeout)
+
+    # ------------------------------------------------------------------ network, clocks
+
+    def partition(self, i: int, mode: str = "blackhole", delay_ms: float = 0.0) -> dict[str, Any]:
+        """Cut host ``i`` off from Redis and etcd (or delay it); returns its proxy's status."""
+        return control.partition(str(self.dir), self.host_ids[i], mode, delay_ms)
+
+    def drop_connections(self, i: int) -> int:
+        """Reset every live connection of host ``i``; returns how many."""
+        return control.drop_connections(str(self.dir), self.host_ids[i])
+
+    def heal_network(self, i: int | None = None) -> None:
+        """End the network faults of host ``i`` (default: every host)."""
+        control.heal(str(self.dir), None if i is None else self.host_ids[i])
+
+    def proxy_status(self, i: int) -> dict[str, Any]:
+        from .proxy import ProxyControl
+
+        return ProxyControl(self._state()["hosts"][i]["proxy"]["control"]).status()
+
+    def set_clock_offset(self, i: int, offset_s: float) -> None:
+        """TEST ONLY: move host ``i``'s clock by ``offset_s`` seconds (0: back to true)."""
+        control.set_clock_offset(str(self.dir), self.host_ids[i], offset_s)
 
     # ------------------------------------------------------------------ lifecycle
 

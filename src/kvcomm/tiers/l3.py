@@ -473,7 +473,9 @@ class L3Store:
     def __init__(self, seeds: Sequence[tuple[str, int]], *, password: str | None = None,
                  username: str | None = None, tls: bool = False, timeout: float = 2.0,
                  feed_maxlen: int = FEED_MAXLEN, wait_replicas: int = 0,
-                 wait_ms: int = 100, max_value_size: int = MAX_VALUE_SIZE) -> None:
+                 wait_ms: int = 100, max_value_size: int = MAX_VALUE_SIZE,
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode, RedisCluster
 
@@ -483,6 +485,8 @@ class L3Store:
                 decode_responses=False,
                 password=password, username=username, ssl=tls, socket_timeout=timeout,
                 socket_connect_timeout=timeout, require_full_coverage=True,
+                # cluster.redis_ca / redis_cert / redis_key (None: redis-py's defaults)
+                ssl_ca_certs=tls_ca, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
             )
         except Exception as exc:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None

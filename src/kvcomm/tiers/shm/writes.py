@@ -51,7 +51,7 @@ class Writes(SegmentCore):
 
     def apply(self, ops: list[tuple[Any, ...]], *, now_ms: int, dirty: bool = False,
               max_dirty: int = 0, tombstones: bool = False,
-              check: Callable[[], None] | None = None) -> list[Any]:
+              check: Callable[[], None] | None = None, compact: bool = False) -> Any:
         """Apply ``ops`` under one lock, all or nothing.
 
         Ops: ``(key_b, h)`` delete, ``(key_b, h, tag, meta, value)`` put, or
@@ -61,7 +61,9 @@ class Writes(SegmentCore):
         :meth:`version`). ``tombstones``: deletes leave dirty tombstones
         (cluster mode). ``check`` runs under the lock before anything changes (validators,
         compare-and-set) and may raise to abort. Returns per op ``(counter, hlc, vvx, word,
-        seq)`` for a put, the delete's counter (0: nothing to delete) for a delete.
+        seq)`` for a put, the delete's counter (0: nothing to delete) for a delete; with
+        ``compact``, ``(packed, vvxs)`` instead: two native u64 per op in ``packed`` (a put's
+        counter and hlc, a delete's counter and 0) and each put's vvx (None for a delete).
         Raises ValueTooLarge, Unavailable, SegmentError, or what ``check`` raises; on any
         error nothing changed (clean entries may have been evicted to make room).
         """
@@ -73,15 +75,15 @@ class Writes(SegmentCore):
                 check()
             for attempt in range(2):
                 try:
-                    r = core.apply(ops, now_ms, flags, max_dirty, tombstones)
+                    r = core.apply(ops, now_ms, flags, max_dirty, tombstones, compact)
                     break
                 except SegmentError:
                     if attempt or not self._q[_H_BUSY] or self._q[_H_STATE] != STATE_OK:
                         raise
                     self._recover()  # corruption found before anything was published
-            if type(r) is tuple:
+            if type(r) is tuple and type(r[0]) is int:  # (status, index): nothing written
                 self._raise_status(r[0], r[1], ops, max_dirty)
-            return r  # type: ignore[no-any-return]
+            return r
         finally:
             core.unlock()
 
