@@ -31,9 +31,12 @@ Measured over each run (after 2 s of warm-up):
   returned (0: it returned the newest);
 * agents' L3 reads (L2 misses that went to L3) and the observed graph's prediction.
 
-Then a **visibility probe**: one writer, one reader spinning on ``get``; the time from
-the start of each ``put`` to the reader seeing it, p50 / p99, for a reader on the same
-host and on another host.
+In the workloads, the agents of one host share a process, so a same-host read never
+runs concurrently with a write. Then a **visibility probe** across processes: one writer
+(a write every 4-6 ms), one reader in another process spinning on ``get``, on the same
+host and on another host: the time from the start of each ``put`` to the reader seeing
+it (p50 / p99: on a loaded machine, mostly how long the reader waits for a CPU), and the
+staleness, as above, of every one of the reader's reads (p50 / p99 / max).
 """
 
 from __future__ import annotations
@@ -344,7 +347,8 @@ def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, w
 # ---------------------------------------------------------------- visibility probe
 
 
-def _probe_writer(config: str, key: str, n: int, ready: Any, go: Any, out: Any) -> None:
+def _probe_writer(config: str, key: str, n: int, ready: Any, go: Any, out: Any,
+                  acked: Any) -> None:
     with kvcomm.open(config=config, agent="probe-writer") as kv:
         kv.put(key, _HEAD.pack(0) + b"p" * 56)
         ready.wait(30)
@@ -353,10 +357,15 @@ def _probe_writer(config: str, key: str, n: int, ready: Any, go: Any, out: Any) 
             time.sleep(0.004 + random.random() * 0.002)
             t = time.monotonic_ns()
             kv.put(key, _HEAD.pack(s) + b"p" * 56)
+            acked[s] = time.monotonic_ns()  # (put returned: acknowledged)
             out[s] = t
 
 
-def _probe_reader(config: str, key: str, n: int, ready: Any, go: Any, out: Any) -> None:
+def _probe_reader(config: str, key: str, n: int, ready: Any, go: Any, out: Any,
+                  acked: Any, stale: Any) -> None:
+    """Spin on ``get``: when each write is first seen (``out``), and the staleness of
+    every read (as the workloads': how long before the read began had a newer write been
+    acknowledged): ``stale`` gets [reads, stale reads, p50, p99, max] (ns)."""
     with kvcomm.open(config=config, agent="probe-reader") as kv:
         end = time.monotonic() + 30
         while kv.get(key) is None and time.monotonic() < end:
@@ -364,16 +373,32 @@ def _probe_reader(config: str, key: str, n: int, ready: Any, go: Any, out: Any) 
         ready.set()
         go.wait(30)
         last = 0
+        reads = 0
+        late: list[int] = []
+        now_ns = time.monotonic_ns
         end = time.monotonic() + 2 + n * 0.02
         while last < n and time.monotonic() < end:
+            t0 = now_ns()
             v = kv.get(key)
             if v is not None:
                 s = _HEAD.unpack_from(v)[0]
+                reads += 1
+                nxt = acked[s + 1] if s < n else 0
+                if nxt and nxt <= t0:
+                    late.append(t0 - nxt)
                 if s > last:
-                    t = time.monotonic_ns()
+                    t = now_ns()
                     for x in range(last + 1, s + 1):
                         out[x] = t  # (writes it skipped were visible by then too)
                     last = s
+        late.sort()
+        zeros = reads - len(late)
+
+        def pct(q: float) -> float:  # (reads that returned the newest count as 0)
+            i = min(reads - 1, int(q * reads))
+            return 0.0 if i < zeros else float(late[i - zeros])
+
+        stale[:] = [reads, len(late), pct(0.50), pct(0.99), late[-1] if late else 0]
 
 
 def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
@@ -382,9 +407,13 @@ def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
     for cls, reader_host in (("same", "host-1"), ("cross", "host-2")):
         key = f"probe/{cls}/{os.getpid()}"
         wrote, seen = CTX.Array("q", n + 1), CTX.Array("q", n + 1)
+        acked = CTX.Array("q", n + 1, lock=False)  # (read on every get: no lock)
+        stale = CTX.Array("d", 5)
         ready, go = CTX.Event(), CTX.Event()
-        w = CTX.Process(target=_probe_writer, args=(configs["host-1"], key, n, ready, go, wrote))
-        r = CTX.Process(target=_probe_reader, args=(configs[reader_host], key, n, ready, go, seen))
+        w = CTX.Process(target=_probe_writer,
+                        args=(configs["host-1"], key, n, ready, go, wrote, acked))
+        r = CTX.Process(target=_probe_reader,
+                        args=(configs[reader_host], key, n, ready, go, seen, acked, stale))
         w.start()
         time.sleep(1.0)
         r.start()
@@ -393,7 +422,10 @@ def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
         w.join(120)
         r.join(120)
         lat = [seen[s] - wrote[s] for s in range(1, n + 1) if seen[s] and wrote[s]]
-        res[cls] = {"n": len(lat), "p50_us": _pct(lat, 0.5) / 1000, "p99_us": _pct(lat, 0.99) / 1000}
+        res[cls] = {"n": len(lat), "p50_us": _pct(lat, 0.5) / 1000, "p99_us": _pct(lat, 0.99) / 1000,
+                    "reads": int(stale[0]), "stale_reads": int(stale[1]),
+                    "stale_p50_us": stale[2] / 1000, "stale_p99_us": stale[3] / 1000,
+                    "stale_max_us": stale[4] / 1000}
     return res
 
 
@@ -416,6 +448,19 @@ def table(results: dict[str, Any]) -> str:
                 f"{_us(f['stale_same_p99_us'])} | "
                 f"{f['stale_cross_p50_us'] / 1000:.1f} / {f['stale_cross_p99_us'] / 1000:.1f} ms | "
                 f"{100 * f['l2_hit_rate']:.2f}% ({f['l3_reads']}) |")
+    return "\n".join(lines)
+
+
+def probe_line(v: dict[str, Any]) -> str:
+    lines = [f"load average {os.getloadavg()[0]:.1f}; visibility probe (another process, "
+             f"spinning on get):"]
+    for cls, where in (("same", "same host"), ("cross", "other host")):
+        p = v[cls]
+        lines.append(
+            f"  {where}: put start → seen p50 {p['p50_us']:.0f} µs, p99 {p['p99_us']:.0f} µs "
+            f"({p['n']} writes); staleness of its {p['reads']} reads p50 "
+            f"{p['stale_p50_us']:.0f} µs, p99 {p['stale_p99_us']:.0f} µs, max "
+            f"{p['stale_max_us']:.0f} µs ({p['stale_reads']} reads missed an acknowledged write)")
     return "\n".join(lines)
 
 
@@ -470,7 +515,7 @@ def main() -> int:
                 v = visibility(dev, args.probe)
             finally:
                 devcluster.down(str(Path(d) / "dev"))
-        print(json.dumps(v), f"(load average {os.getloadavg()[0]:.1f})")
+        print(probe_line(v))
         return 0
     seconds, observe_s = (6.0, 4.0) if args.quick else (args.seconds, args.observe)
     print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
@@ -487,10 +532,7 @@ def main() -> int:
             devcluster.down(str(work / "dev"))
     print(table(results))
     v = results["visibility"]
-    print(f"load average {os.getloadavg()[0]:.1f}; visibility (put start → a spinning reader "
-          f"sees it): same host p50 "
-          f"{v['same']['p50_us']:.0f} µs, p99 {v['same']['p99_us']:.0f} µs; other host p50 "
-          f"{v['cross']['p50_us'] / 1000:.1f} ms, p99 {v['cross']['p99_us'] / 1000:.1f} ms")
+    print(probe_line(v))
     for kind in ("swarm", "warehouse"):
         r = results[kind]
         rnd, pl = r["random"], r["planned"]
