@@ -126,21 +126,21 @@ class AgentStats:
         """Attribute the sampled reads ``counts`` (key → estimated reads) to their writers:
         ``writers(pairs)`` is ``Core.writers`` (the extension field and value size of each
         (key bytes, hash)); ``keys`` the client's key memo, ``key_hash`` its validator."""
-        items = list(counts.items())
+        picked = list(counts)  # (keys only: no tuple per key of a full buffer)
         scale = 1.0
-        if len(items) > MAX_KEYS_PER_FLUSH:  # every k-th key, its count scaled by k
-            step = -(-len(items) // MAX_KEYS_PER_FLUSH)
+        if len(picked) > MAX_KEYS_PER_FLUSH:  # every k-th key, its count scaled by k
+            step = -(-len(picked) // MAX_KEYS_PER_FLUSH)
             start = self._rot % step
             self._rot += 1
-            picked = items[start::step]
-            scale = len(items) / len(picked)
-            items = picked
+            scale = len(picked) / len(picked[start::step])
+            picked = picked[start::step]
         pairs = []
-        for key, _ in items:
+        for key in picked:
             kh = keys.get(key)
             pairs.append(kh if kh is not None else key_hash(key))
         names, edges = self._names, self.edges
-        for (_, n), found in zip(items, writers(pairs), strict=True):
+        for key, found in zip(picked, writers(pairs), strict=True):
+            n = counts[key]
             if found is None:
                 continue  # gone meanwhile: a sample can do without it
             ext, size = found
