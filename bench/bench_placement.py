@@ -248,7 +248,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     b0 = redis_bytes(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
-        time.sleep(max(0.0, start_at + seconds - observe_last - 3.0 - time.monotonic()))
+        time.sleep(max(0.0, start_at + seconds - observe_last - 5.0 - time.monotonic()))
         graph = observe(load_config(configs["host-1"]), observe_last)
         assert graph.edges and time.monotonic() < start_at + seconds, "observed too late"
     while time.monotonic() < start_at + seconds:
@@ -325,7 +325,7 @@ def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, w
     rows: dict[str, Any] = {}
     places = placements(model, seed)
     # the planned placement: observe a round-robin run, plan, then run on from there
-    observed_run = WARMUP + observe_s + 4.0
+    observed_run = WARMUP + observe_s + 6.0
     obs_run = run_once(dev, kind, places["round-robin"], 0.0, observed_run, work,
                        f"{kind}-observe", observe_last=observe_s)
     graph = obs_run["graph"]
@@ -476,19 +476,21 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     names = ["random", "round-robin", "planned"]
     colours = ["#bbbbbb", "#8899aa", "#2b7bba"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     panels = [("same-host share of cross-agent reads (%)",
                lambda f: 100 * f["same_host_share"]),
               ("L3 traffic (MB/s, all Redis nodes)", lambda f: f["l3_bytes_per_s"] / 1e6),
               ("staleness of cross-agent reads, mean (ms)",
-               lambda f: f["stale_all_mean_us"] / 1000)]
+               lambda f: f["stale_all_mean_us"] / 1000),
+              ("L2 hit rate of reads (%)", lambda f: 100 * f["l2_hit_rate"])]
     kinds = ["swarm", "warehouse"]
     for ax, (title, get) in zip(axes, panels, strict=True):
         for j, name in enumerate(names):
             xs = [k + (j - 1) * 0.27 for k in range(len(kinds))]
             ys = [get(results[kind][name]) for kind in kinds]
             bars = ax.bar(xs, ys, 0.27, label=name, color=colours[j])
-            ax.bar_label(bars, fmt="%.0f" if "share" in title else "%.1f", fontsize=7)
+            fmt = "%.0f" if "share" in title else "%.2f" if "hit" in title else "%.1f"
+            ax.bar_label(bars, fmt=fmt, fontsize=7)
         ax.set_xticks(range(len(kinds)), kinds)
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8, loc="upper left")
@@ -507,7 +509,11 @@ def main() -> int:
     ap.add_argument("--plot", help="write the plot to this PNG (needs kvcomm[plot])")
     ap.add_argument("--probe", type=int, default=300, help="writes in each visibility probe (default 300)")
     ap.add_argument("--probe-only", action="store_true", help="only the visibility probe")
+    ap.add_argument("--replot", metavar="JSON", help="only plot (--plot) the figures of --json's file")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.plot or "placement.png")
+        return 0
     if args.probe_only:
         with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
             dev = devcluster.up(3, str(Path(d) / "dev"))
@@ -538,7 +544,7 @@ def main() -> int:
         rnd, pl = r["random"], r["planned"]
         ratio = pl["same_host_share"] / rnd["same_host_share"]
         print(f"{kind}: planned/random same-host share {ratio:.2f}x; "
-              f"L3 bytes {100 * (1 - pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s']):+.0f}% fewer; "
+              f"L3 bytes {100 * (pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s'] - 1):+.0f}% vs random; "
               f"plan predicted {100 * (pl['predicted_share'] or 0):.0f}% "
               f"(observed before: {100 * (pl['observed_before'] or 0):.0f}%)")
     if args.json:
