@@ -1,6 +1,8 @@
 """Affinity placement, measured: what putting agents that share state on one host changes.
 
     python bench/bench_placement.py [--quick] [--seconds S] [--json FILE] [--plot FILE.png]
+    python bench/bench_placement.py --probe-only             # only the visibility probe
+    python bench/bench_placement.py --replot FILE.json --plot FILE.png
 
 A 3-host dev cluster (a real Redis Cluster and one node daemon per host, on this
 machine). Two workloads, each run under three placements of its agents on the hosts:
