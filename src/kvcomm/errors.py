@@ -9,6 +9,7 @@
     ├── ConflictError       expect= did not match the stored version
     ├── ValidationError     an application validator rejected the write
     ├── InvalidArgument     another argument is wrong (consistency=, expect=, timeout=)
+    │   └── WriteUnderLock  a write from a validator (code that runs under the writer lock)
     ├── ConfigError         bad config; .key names the offending key
     ├── SegmentError        L2 segment is foreign, of another layout, corrupt or purged
     │   └── UnflushedWrites a purge refused: the segment holds writes not yet in L3
@@ -53,6 +54,12 @@ class InvalidArgument(KVCommError, ValueError):
     """An argument other than the key or value is wrong; the message names it."""
 
 
+class WriteUnderLock(InvalidArgument):
+    """A write was attempted from a validator (or other code that runs under the host's L2
+    writer lock): validators may read, not write. It reaches the caller of the write
+    being validated as it is (an InvalidArgument, never turned into ValidationError)."""
+
+
 class ConfigError(KVCommError, ValueError):
     """The configuration is invalid. ``key`` is the dotted name of the offending key."""
 
@@ -94,6 +101,7 @@ __all__ = [
     "ConflictError",
     "ValidationError",
     "InvalidArgument",
+    "WriteUnderLock",
     "ConfigError",
     "SegmentError",
     "CorruptRecord",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,14 @@ from ..core import codec
 from ..core.negative import NegativeCache
 from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
-from ..errors import InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
+from ..errors import (
+    InvalidKey,
+    KVCommError,
+    SegmentError,
+    ValidationError,
+    ValueTooLarge,
+    WriteUnderLock,
+)
 from ..placement.agents import check_agent, process_agent, with_agent
 from ..placement.report import REPORT_PUTS, AgentStats
 from ..tiers import l2 as l2mod
@@ -89,6 +97,8 @@ class ClientBase:
         self._l2_hits = 0
         self._l2_misses = 0
         self._puts = 0
+        self._hot_pending: dict[str, int] = {}  # sampled reads the sketch has not got yet
+        self._hot_lock = threading.Lock()  # (for _hot_pending)
         self._host_vec = ((self._host, 0),)
         # placement: who this agent is (every local write carries it in the record's
         # extension field, packed once here) and what it observes (placement/report.py)
@@ -98,6 +108,7 @@ class ClientBase:
         self._observer = None if self._sample_every <= 0 else AgentStats(
             self.agent, self._host, name, c.l2_dir, c.l2_permissions)
         self._report_at = REPORT_PUTS if self._observer is not None else 1 << 62
+        self._obs_lock = threading.Lock()  # (the observer's edges, between threads' flushes)
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""
@@ -201,9 +212,12 @@ class ClientBase:
 
 def _run_validator(fn: Callable[[str, Item | None, Any], None], key: str, old: Item | None,
                    new_value: Any) -> None:
+    """Run a validator: whatever it raises rejects the write as ValidationError, except a
+    write it attempted (WriteUnderLock, an InvalidArgument: a bug of the validator, which
+    register_validator documents as such, not its verdict)."""
     try:
         fn(key, old, new_value)
-    except ValidationError:
+    except (ValidationError, WriteUnderLock):
         raise
     except Exception as exc:
         raise ValidationError(f"write to {key!r} rejected by validator: {exc}") from exc

@@ -68,7 +68,7 @@ class Client(Watching):
             return
         if not self._unusable:
             try:
-                self._flush_hot()
+                self._flush_hot(wait=True)
             except KVCommError:
                 pass  # e.g. the namespace was purged: its counts no longer matter
         self._closed = self._unusable = True

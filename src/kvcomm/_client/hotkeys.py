@@ -2,32 +2,54 @@
 
 from __future__ import annotations
 
+import heapq
+from operator import itemgetter
+
 from ..errors import InvalidArgument
 from ..placement.report import REPORT_PUTS
 from .base import ClientBase
+
+# sampled read counts kept while the writer lock was busy (beyond: the least read dropped,
+# which sampling, an estimate, can afford)
+_HOT_PENDING_MAX = 4096
 
 
 class HotKeys(ClientBase):
     """Hot keys."""
 
-    def _flush_hot(self) -> None:
+    def _flush_hot(self, wait: bool = False) -> None:
         """Add the reads the getter sampled (1 in ``cache.hot_key_sample``, scaled back
         up) to the host-wide sketch. Called by the getter when its buffer is full or a
-        second old, and before hot_keys()."""
+        second old (``wait`` false), and before hot_keys() and at close (``wait``).
+
+        Without ``wait`` a read never waits for the writer lock: while it is held (by a
+        writer, by a process stopped inside it, by this thread in a validator) the counts
+        are kept for the next flush, up to _HOT_PENDING_MAX keys (the most read ones)."""
         if self._unusable:
             return
         counts = self._getter.take_hot()
-        if counts:
-            by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
-            # (from a validator this thread holds the L2 lock: the counts are dropped, which
-            # sampling, an estimate, can afford)
-            self._seg.count_accesses(by_bytes)
         obs = self._observer
-        if obs is not None:  # placement: who wrote what was read, and now and then a report
-            if counts:
-                obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
-            if obs.report_due():
-                obs.report(self._ops())
+        if obs is not None:  # placement: who wrote what was read (these samples: pending
+            with self._obs_lock:  # ones were attributed when taken), now and then a report
+                if counts:
+                    obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
+                if obs.report_due():
+                    obs.report(self._ops())
+        if self._hot_pending:  # (threads flush at once: each takes what it adds, whole)
+            with self._hot_lock:
+                pending, self._hot_pending = self._hot_pending, {}
+            _add(pending, counts)
+            counts = pending
+        if not counts:
+            return
+        by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
+        if self._seg.count_accesses(by_bytes, wait):
+            return
+        with self._hot_lock:
+            _add(counts, self._hot_pending)
+            if len(counts) > _HOT_PENDING_MAX:
+                counts = dict(heapq.nlargest(_HOT_PENDING_MAX, counts.items(), key=itemgetter(1)))
+            self._hot_pending = counts
 
     def _report_writes(self) -> None:
         """Every REPORT_PUTS puts: report if a report is due (an agent that only writes
@@ -35,7 +57,8 @@ class HotKeys(ClientBase):
         self._report_at = self._puts + REPORT_PUTS
         obs = self._observer
         if obs is not None and not self._unusable and obs.report_due():
-            obs.report(self._ops())
+            with self._obs_lock:
+                obs.report(self._ops())
 
     def _ops(self) -> int:
         """This client's operations so far: gets, puts (batched ones too) and deletes."""
@@ -54,6 +77,10 @@ class HotKeys(ClientBase):
         if type(n) is not int or n < 0:
             raise InvalidArgument(f"n must be an int >= 0, got {n!r}")
         self._live()
-        self._flush_hot()
+        self._flush_hot(wait=True)
         return self._seg.hot_keys(n)
 
+
+def _add(into: dict[str, int], counts: dict[str, int]) -> None:
+    for k, n in counts.items():
+        into[k] = into.get(k, 0) + n

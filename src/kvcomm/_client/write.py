@@ -185,8 +185,10 @@ class Writes(Reads):
 
         ``fn`` runs under the host's L2 writer lock, against exactly the value the write
         replaces (in a batch, earlier operations of the batch on the same key count, with an
-        empty version). It may read from KVCOMM but not write (InvalidArgument), and should
-        be quick: every writer on the host waits for it.
+        empty version). It may read from KVCOMM but not write: a write from it (into the
+        batch it vets, too) raises WriteUnderLock, an InvalidArgument, out of the write being
+        vetted, which then changes nothing. It should be quick: every writer on the host
+        waits for it.
         """
         if type(prefix) is not str:
             raise InvalidKey("a validator prefix is a str ('' matches every key)")
