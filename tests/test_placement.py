@@ -139,6 +139,50 @@ def test_sampled_reads_become_edges_towards_their_writers(ns: str) -> None:
         assert 800 <= obs.unknown <= 1200
 
 
+def test_flushes_and_reports_from_many_threads_keep_the_edges(
+        ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads of one agent flush and report at once (the getter's buffer fills from all of
+    them): the edges are counted under the observer's lock, a report packs them whole, and
+    nothing is lost or raised."""
+    import threading
+
+    monkeypatch.setattr(report, "REPORT_EVERY", 0.0)  # a report at every flush
+    cfg = _cfg(hot_key_sample=1)
+    with kvcomm.open(ns, config=cfg, agent="w") as w, \
+            kvcomm.open(ns, config=cfg, agent="r") as r:
+        seed = 20261130
+        print("getter seed", seed)
+        r._getter.rng = seed
+        for i in range(300):
+            w.put(f"t/{i}", i)
+        errors: list[BaseException] = []
+
+        def reader(offset: int) -> None:
+            try:
+                for _ in range(30):
+                    for i in range(300):
+                        r.get(f"t/{(i + offset) % 300}")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads as often as CPython can
+        try:
+            threads = [threading.Thread(target=reader, args=(k * 37,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sys.setswitchinterval(old)
+        r._flush_hot()
+        obs = r._observer
+        assert obs is not None
+        assert errors == [] and obs.errors == 0 and obs.reports > 1
+        reads = obs.edges["w"][0]
+        assert 0.8 * 72_000 <= reads <= 1.2 * 72_000, reads  # (16 keys a flush, scaled)
+
+
 def test_a_flush_of_many_keys_attributes_a_bounded_sample_without_bias(ns: str) -> None:
     cfg = _cfg(hot_key_sample=1)
     n = 40 * report.MAX_KEYS_PER_FLUSH
