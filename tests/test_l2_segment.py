@@ -260,7 +260,9 @@ def test_the_extension_field_is_stored_as_it_is_and_survives_repair(kv: kvcomm.C
     x = msgpack.packb({"agent": "drone-7", "future": [1, 2, 3]})
     seg.apply([(kb, h, 1, b"", b"v1", x)], now_ms=1)
     assert seg.version(kb, h)[7] == x and kv.get("ext/1") == b"v1"
-    kv.put("ext/1", b"v2")  # a write without one: none
+    kv.put("ext/1", b"v2")  # a client's write: its writer's agent id, nothing of the old field
+    assert msgpack.unpackb(seg.version(kb, h)[7]) == {"a": kv.agent}
+    seg.apply([(kb, h, 1, b"", b"v2")], now_ms=1)  # a write without one: none
     assert seg.version(kb, h)[7] == b""
     seg.apply([(kb, h, 1, b"", b"v3", l2.NEW_DOT, 7, b"", x),
                (b"ext/2", l2.key_hash(b"ext/2"), 1, b"", b"w", x)], now_ms=1)

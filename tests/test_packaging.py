@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "kvcomm"
 BASE = {"msgpack", "xxhash", "pydantic", "yaml"}  # the modules of the four dependencies
 OPTIONAL = {"redis", "hiredis", "rich", "matplotlib", "numpy", "prometheus_client", "locust",
-            "gevent"}
+            "gevent",
+            "networkx"}
 # Locust loads these itself (kvcomm loadtest runs it): they may import locust when they load
 LOCUSTFILES = {"kvcomm/loadtest/locustfile.py", "kvcomm/loadtest/users.py"}
 
@@ -139,6 +140,7 @@ def test_pip_install_kvcomm_needs_four_packages_and_the_extras_carry_the_rest() 
     assert extras["metrics"] == {"prometheus-client", "rich"} and extras["loadtest"] == {"locust"}
     assert extras["demo"] == {"rich"} and extras["plot"] == {"matplotlib"}
     assert extras["numpy"] == {"numpy"}
+    assert extras["placement"] == {"networkx"}
     all_of = re.search(r"\[(.*)\]", project["optional-dependencies"]["all"][0])
     assert all_of is not None and set(all_of.group(1).split(",")) == set(_extras.EXTRAS)
     assert "kvcomm[all]" in project["optional-dependencies"]["dev"]
@@ -320,16 +322,25 @@ def test_the_shipped_package_holds_no_test_fixtures() -> None:
     assert dc.__doc__ and all(getattr(dc, n).__doc__ for n in dc.__all__)
 
 
-def _commands() -> dict[str, argparse.ArgumentParser]:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
+def _commands(parser: argparse.ArgumentParser | None = None,
+              prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every command by its name, subcommands too ("placement plan")."""
+    parser = parser or build_parser()
+    out: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, p in action.choices.items():
+                out[prefix + name] = p
+                out.update(_commands(p, f"{prefix}{name} "))
+    return out
 
 
 def test_every_command_and_option_has_help() -> None:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    helps = {c.dest: c.help for c in sub._choices_actions}
+    parsers = [build_parser(), *_commands().values()]
+    helps = {c.dest: c.help for p in parsers for a in p._actions
+             if isinstance(a, argparse._SubParsersAction) for c in a._choices_actions}
     for name, parser in _commands().items():
-        assert helps.get(name), f"kvcomm --help says nothing of {name}"
+        assert helps.get(name.rpartition(" ")[2]), f"kvcomm --help says nothing of {name}"
         assert parser.description, f"kvcomm {name} --help has no description"
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction):
@@ -346,6 +357,8 @@ def test_the_readme_documents_every_option_of_every_command() -> None:
         start = section.find(f"**`kvcomm {name}")
         assert start >= 0, f"README's Commands section has no paragraph on kvcomm {name}"
         end = section.find("**`kvcomm ", start + 3)
+        if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+            continue  # (its subcommands have paragraphs of their own)
         part = section[start:end if end > 0 else None]
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction):

@@ -275,8 +275,10 @@ def test_hot_counts_kept_while_the_lock_was_busy_are_added_later(kv: kvcomm.Clie
     finally:
         kv._seg._core.unlock()
     assert kv._hot_pending
+    kept = kv._hot_pending.get("hot", 0)  # (1 in 16 at random gaps: about 1000, scaled)
+    assert kept > 0
     counts = dict(kv.hot_keys(5))
-    assert counts.get("hot", 0) >= 1000 - 2 * kv.config.cache.hot_key_sample, counts
+    assert counts.get("hot", 0) >= kept, (counts, kept)  # (a Count-Min never counts low)
     assert not kv._hot_pending
 
 

@@ -3,22 +3,23 @@
 ``pip install kvcomm`` is the embedded default (L1 + L2) with the fewest dependencies:
 msgpack, xxhash, pydantic and PyYAML. Everything else comes with an extra:
 
-===========  ======================  ==============================================
-extra        installs                needed for
-===========  ======================  ==============================================
-``cluster``  redis, hiredis,         cluster mode (``cluster.redis`` set): clients
-             prometheus-client       reaching L3, ``kvcomm node`` (and its metrics
-                                     exporter), ``dev-cluster``,
-                                     ``soak``, the demo's Redis baselines
-``demo``     rich                    ``kvcomm demo``'s terminal output
-``plot``     matplotlib              ``kvcomm demo --plot``
-``numpy``    numpy                   storing numpy arrays as values
-``metrics``  prometheus-client,      ``kvcomm metrics`` (the exporter), ``kvcomm top``
-             rich
-``loadtest`` locust                  ``kvcomm loadtest``
-``all``      all of the above
-``dev``      all, plus test tools    the test suite, linters, benchmarks' peers
-===========  ======================  ==============================================
+=============  ======================  ==============================================
+extra          installs                needed for
+=============  ======================  ==============================================
+``cluster``    redis, hiredis,         cluster mode (``cluster.redis`` set): clients
+               prometheus-client       reaching L3, ``kvcomm node`` (and its metrics
+                                       exporter), ``dev-cluster``,
+                                       ``soak``, the demo's Redis baselines
+``demo``       rich                    ``kvcomm demo``'s terminal output
+``plot``       matplotlib              ``kvcomm demo --plot``
+``numpy``      numpy                   storing numpy arrays as values
+``metrics``    prometheus-client,      ``kvcomm metrics`` (the exporter), ``kvcomm top``
+               rich
+``loadtest``   locust                  ``kvcomm loadtest``
+``placement``  networkx                ``kvcomm placement plan`` (the partitioner)
+``all``        all of the above
+``dev``        all, plus test tools    the test suite, linters, benchmarks' peers
+=============  ======================  ==============================================
 
 A code path that needs an optional module calls :func:`require` where it first imports
 it, so that a missing one is a :class:`~kvcomm.errors.ConfigError` saying what to
@@ -42,6 +43,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy",),
     "metrics": ("prometheus_client", "rich"),
     "loadtest": ("locust",),
+    "placement": ("networkx",),
 }
 
 

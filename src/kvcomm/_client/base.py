@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from ..errors import (
     ValueTooLarge,
     WriteUnderLock,
 )
+from ..placement.agents import check_agent, process_agent, with_agent
+from ..placement.report import REPORT_PUTS, AgentStats
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
@@ -48,7 +51,10 @@ class ClientBase:
 
     _getter: Getter  # made by Client.__init__ (it calls later layers)
 
-    def __init__(self, name: str = "default", config: Config | None = None) -> None:
+    def __init__(self, name: str = "default", config: Config | None = None,
+                 agent: str | None = None) -> None:
+        if agent is not None:
+            check_agent(agent)  # (before anything is opened)
         self.config = config or Config()
         self.name = name
         c = self.config.cache
@@ -102,6 +108,15 @@ class ClientBase:
         self._lat_left = self._lat_every or -1  # (never reaches 0 when off)
         self._lat: dict[tuple[str, str], Histogram] = {}
         self._default_strong = c.l3_consistency == "strong"
+        # placement: who this agent is (every local write carries it in the record's
+        # extension field, packed once here) and what it observes (placement/report.py)
+        self.agent = agent if agent is not None else process_agent(os.getpid(), self._host)
+        self.agent_named = agent is not None
+        self._ext = with_agent(b"", self.agent)
+        self._observer = None if self._sample_every <= 0 else AgentStats(
+            self.agent, self._host, name, c.l2_dir, c.l2_permissions)
+        self._report_at = REPORT_PUTS if self._observer is not None else 1 << 62
+        self._obs_lock = threading.Lock()  # (the observer's edges, between threads' flushes)
 
     def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, timed into the latency histogram of ``op`` (tier l2, or

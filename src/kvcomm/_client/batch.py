@@ -39,9 +39,10 @@ class Batch(BatchOps):
     def __init__(self, client: Writes) -> None:
         # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
         # once, through the client's key memo and encoder; the client's getter (closed with
-        # the client) tells them the client is still usable
+        # the client) tells them the client is still usable; every put carries the
+        # writer's agent id
         super().__init__(client._keys, client._key_hash, client._encode, client._max_value,
-                         client._getter, client._live)
+                         client._getter, client._live, client._ext)
         self._client = client
         self._packed = None
         self._vvxs = []

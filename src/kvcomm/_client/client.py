@@ -11,6 +11,7 @@ from ..config import Config, load_config
 from ..core import codec
 from ..errors import InvalidKey, KVCommError, SegmentError
 from ..metrics import agent as metrics_agent
+from ..placement.agents import check_agent
 from ..tiers.l1 import process_budget
 from .attach import _Shared
 from .watch import Watching
@@ -19,8 +20,9 @@ from .watch import Watching
 class Client(Watching):
     """An agent's handle on KVCOMM. Thread-safe. Use :func:`kvcomm.open` to make one."""
 
-    def __init__(self, name: str = "default", config: Config | None = None) -> None:
-        super().__init__(name, config)
+    def __init__(self, name: str = "default", config: Config | None = None,
+                 agent: str | None = None) -> None:
+        super().__init__(name, config, agent)
         # kv.get is the C getter itself (an instance attribute: no Python frame on a hit);
         # Reads.get (read.py) is what it does, and what a closed client falls back to
         self._getter = Getter(self._l1, self._seg._core, self._keys, codec.decode,
@@ -73,6 +75,8 @@ class Client(Watching):
                 pass  # e.g. the namespace was purged: its counts no longer matter
             metrics_agent.detach(self._meter)
         self._closed = self._unusable = True
+        if self._observer is not None and not self._forked:  # (a forked child's is the parent's)
+            self._observer.close()
         if self._l3 is not None:
             self._l3.close()
         self._kf = None  # (dropped, not closed: a get in another thread may be testing it)
@@ -94,14 +98,20 @@ class Client(Watching):
 
 
 def open(name: str | None = None, *,  # noqa: A001
-         config: Config | str | os.PathLike[str] | None = None) -> Client:
+         config: Config | str | os.PathLike[str] | None = None,
+         agent: str | None = None) -> Client:
     """Open namespace ``name`` on this host (creating its L2 segment if needed).
 
     ``name`` defaults to the config's ``node.namespace`` ("default"). ``config`` is a
     path to a YAML file or a :class:`kvcomm.Config`; with ``cluster.redis`` set, the
-    client works in cluster mode (a node daemon syncs the host with L3). Raises
-    ConfigError, SegmentError.
+    client works in cluster mode (a node daemon syncs the host with L3). ``agent`` names
+    the agent using the client (1-64 letters, digits, ``_.:-``, e.g. ``"drone-7"``): its
+    writes carry the name, and placement (``kvcomm placement``) observes and may move
+    it; without one, the agent is ``PID@HOST``, observed but never moved. Raises
+    InvalidArgument (a bad agent name), ConfigError, SegmentError; nothing is opened then.
     """
+    if agent is not None:
+        check_agent(agent)
     cfg = load_config(config)
     if cfg.cluster.redis:
         require_cluster()  # at open(), not at the first L2 miss
@@ -109,5 +119,5 @@ def open(name: str | None = None, *,  # noqa: A001
         name = cfg.node.namespace
     if type(name) is not str:
         raise SegmentError(f"namespace must be a str, got {type(name).__name__}")
-    return Client(name, cfg)
+    return Client(name, cfg, agent)
 

@@ -6,6 +6,7 @@ import heapq
 from operator import itemgetter
 
 from ..errors import InvalidArgument
+from ..placement.report import REPORT_PUTS
 from .base import ClientBase
 
 # sampled read counts kept while the writer lock was busy (beyond: the least read dropped,
@@ -27,6 +28,13 @@ class HotKeys(ClientBase):
         if self._unusable:
             return
         counts = self._getter.take_hot()
+        obs = self._observer
+        if obs is not None:  # placement: who wrote what was read (these samples: pending
+            with self._obs_lock:  # ones were attributed when taken), now and then a report
+                if counts:
+                    obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
+                if obs.report_due():
+                    obs.report(self._ops())
         if self._hot_pending:  # (threads flush at once: each takes what it adds, whole)
             with self._hot_lock:
                 pending, self._hot_pending = self._hot_pending, {}
@@ -42,6 +50,21 @@ class HotKeys(ClientBase):
             if len(counts) > _HOT_PENDING_MAX:
                 counts = dict(heapq.nlargest(_HOT_PENDING_MAX, counts.items(), key=itemgetter(1)))
             self._hot_pending = counts
+
+    def _report_writes(self) -> None:
+        """Every REPORT_PUTS puts: report if a report is due (an agent that only writes
+        never reaches the flush of sampled reads)."""
+        self._report_at = self._puts + REPORT_PUTS
+        obs = self._observer
+        if obs is not None and not self._unusable and obs.report_due():
+            with self._obs_lock:
+                obs.report(self._ops())
+
+    def _ops(self) -> int:
+        """This client's operations so far: gets, puts (batched ones too) and deletes."""
+        g = self._getter
+        return (g.hits + g.l2_hits + self._l1_hits + self._l2_hits + self._l2_misses
+                + self._puts + self.counters["deletes"])
 
     def hot_keys(self, n: int = 10) -> list[tuple[str, int]]:
         """The host's ``n`` most read keys with estimated read counts, from every process.

@@ -64,13 +64,15 @@ class Writes(Reads):
                 self._count_consistency(consistency)
             return version
         r = self._core_put(kb, h, tag, meta, payload, time.time_ns() // 1_000_000,
-                           self._dirty_flag, self._max_dirty, self._lock_timeout)
+                           self._dirty_flag, self._max_dirty, self._lock_timeout, self._ext)
         if type(r) is not tuple:  # purged, repair due, no room...: the careful path
             r = self._seg.put_status(r, kb, h, tag, meta, payload, _now_ms(), self._cluster,
-                                     self._max_dirty)
+                                     self._max_dirty, self._ext)
         self._puts += 1
         if consistency is not None or self._default_strong:
             self._count_consistency(consistency)
+        if self._puts >= self._report_at:  # (an agent that only writes reports its load too)
+            self._report_writes()
         if not r[2]:  # (no other host's entries: the Version without decoding anything)
             return _new_version(Version, (((self._host, r[0]),), r[1]))
         return self._version(r[0], r[1], r[2])
@@ -87,14 +89,14 @@ class Writes(Reads):
         validator = self._validators.lookup(key) if self._validators else None
         if cas is None and validator is None:
             counter, hlc, vvx, _, _ = self._seg.put(kb, h, *encoded, _now_ms(), self._cluster,
-                                                    self._max_dirty)
+                                                    self._max_dirty, self._ext)
             self._puts += 1
             return self._version(counter, hlc, vvx)
         if validator is not None and self._cluster:
             self._get_slow(key, None, True)  # bring L3's value into L2 for the validator
         check = self._checker(key, kb, h, cas, validator, value)
         counter, hlc, vvx, _, _ = self._seg.apply(
-            [(kb, h, *encoded)], now_ms=_now_ms(), dirty=self._cluster,
+            [(kb, h, *encoded, self._ext)], now_ms=_now_ms(), dirty=self._cluster,
             max_dirty=self._max_dirty, check=check)[0]
         self._puts += 1
         return self._version(counter, hlc, vvx)

@@ -1,11 +1,12 @@
 /* ------------------------------------------------------------------ batches: collecting ops
  *
- * BatchOps(keys, key_hash, encode, max_value, getter, live): the collecting half of
+ * BatchOps(keys, key_hash, encode, max_value, getter, live[, ext]): the collecting half of
  * ``kv.batch()`` (kvcomm._client.Batch derives from it and applies the ops on exit).
  * put() and delete() are the per-operation cost of a batch, so they are here: a key already
  * validated is found in the client's memo ``keys`` (key -> (bytes, hash)), a bytes value
  * is taken as it is; anything else goes through ``key_hash(key)`` / ``encode(value)``,
- * which validate and raise. The ops are the tuples Core.apply takes.
+ * which validate and raise. The ops are the tuples Core.apply takes; with ``ext`` (bytes)
+ * every put op carries it as the record's extension field (the writer's agent id).
  *
  * A batch is used once. Its state: NEW (never initialised: made without kv.batch()), OPEN
  * (collecting), APPLYING (its with-block ended: validators run; an op added then would be
@@ -20,6 +21,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *ops, *keys, *values;
     PyObject *memo, *key_hash, *encode;
+    PyObject *ext; /* the extension field every put carries (NULL: none) */
     Getter *getter;
     PyObject *live;
     Py_ssize_t max_value;
@@ -32,15 +34,17 @@ static PyObject *BytesTag, *EmptyBytes;
 static int
 BatchOps_init(BatchOps *b, PyObject *args, PyObject *kwds)
 {
-    PyObject *memo, *key_hash, *encode, *getter, *live;
+    PyObject *memo, *key_hash, *encode, *getter, *live, *ext = NULL;
     Py_ssize_t max_value;
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "BatchOps() takes no keyword arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!OOnO!O", &PyDict_Type, &memo, &key_hash, &encode, &max_value,
-                          &GetterType, &getter, &live))
+    if (!PyArg_ParseTuple(args, "O!OOnO!O|O!", &PyDict_Type, &memo, &key_hash, &encode,
+                          &max_value, &GetterType, &getter, &live, &PyBytes_Type, &ext))
         return -1;
+    Py_XINCREF(ext);
+    Py_XSETREF(b->ext, ext);
     Py_INCREF(memo);
     Py_XSETREF(b->memo, memo);
     Py_INCREF(key_hash);
@@ -71,6 +75,7 @@ BatchOps_traverse(BatchOps *b, visitproc visit, void *arg)
     Py_VISIT(b->memo);
     Py_VISIT(b->key_hash);
     Py_VISIT(b->encode);
+    Py_VISIT(b->ext);
     Py_VISIT(b->getter);
     Py_VISIT(b->live);
     return 0;
@@ -85,6 +90,7 @@ BatchOps_clear(BatchOps *b)
     Py_CLEAR(b->memo);
     Py_CLEAR(b->key_hash);
     Py_CLEAR(b->encode);
+    Py_CLEAR(b->ext);
     Py_CLEAR(b->getter);
     Py_CLEAR(b->live);
     b->state = BATCH_NEW; /* (cleared by the GC: its fields are gone) */
@@ -215,8 +221,8 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *kwn
     PyObject *op;
     PyObject *value = args[1];
     if (PyBytes_CheckExact(value) && PyBytes_GET_SIZE(value) <= b->max_value) {
-        op = PyTuple_Pack(5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1), BytesTag,
-                          EmptyBytes, value);
+        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          BytesTag, EmptyBytes, value, b->ext);
     } else {
         PyObject *enc = PyObject_CallOneArg(b->encode, value);
         if (!enc || !PyTuple_Check(enc) || PyTuple_GET_SIZE(enc) != 3) {
@@ -226,8 +232,9 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *kwn
             Py_DECREF(kh);
             return NULL;
         }
-        op = PyTuple_Pack(5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
-                          PyTuple_GET_ITEM(enc, 0), PyTuple_GET_ITEM(enc, 1), PyTuple_GET_ITEM(enc, 2));
+        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          PyTuple_GET_ITEM(enc, 0), PyTuple_GET_ITEM(enc, 1), PyTuple_GET_ITEM(enc, 2),
+                          b->ext);
         Py_DECREF(enc);
     }
     Py_DECREF(kh);
@@ -340,6 +347,6 @@ static PyTypeObject BatchOpsType = {
     .tp_members = BatchOps_members,
     .tp_methods = BatchOps_methods,
     .tp_as_sequence = &BatchOps_as_sequence,
-    .tp_doc = "BatchOps(keys, key_hash, encode, max_value, getter, live): kv.batch()'s "
+    .tp_doc = "BatchOps(keys, key_hash, encode, max_value, getter, live[, ext]): kv.batch()'s "
               "collecting half",
 };

@@ -398,7 +398,7 @@ static PyTypeObject L1Type = {
  * * Anything else — a key never seen, absent from L2 (cluster mode: L3), a tombstone, a
  *   large array (a view), damage, a decoding error — goes to ``slow(key, default,
  *   False)``, the client's Python path, which also raises the errors.
- * Every ``sample_every``-th read is counted for hot keys (getter_sample).
+ * One read in ``sample_every`` (at random gaps) is counted for hot keys (getter_sample).
  */
 typedef struct {
     PyObject_HEAD
@@ -408,6 +408,7 @@ typedef struct {
     PyObject *keys, *decode, *slow, *flush;
     PyObject *hot; /* key -> sampled reads not yet added to the host's sketch */
     long long sample, sample_every;
+    uint64_t rng; /* xorshift state: the gaps between sampled reads */
     double hot_since;
     unsigned long long zc;
     unsigned long long hits, l2_hits;
@@ -440,9 +441,25 @@ lat_note(Getter *g, int tier, unsigned long long t0)
     g->lat[tier][LAT_BUCKETS + 1]++;
 }
 
-/* Every ``sample_every``-th read: count it (scaled) in the buffer, refresh the key's LRU
- * place in L1, and call ``flush()`` (which takes the buffer to the host's sketch) when
- * the buffer holds 256 keys or is a second old. */
+/* The reads until the next sampled one: uniform in 1 .. 2 * sample_every - 1 (mean
+ * sample_every). A fixed gap would alias with an agent's loop: reading 2 neighbours a
+ * tick, every 16th read is always the same neighbour, and the other is never seen. */
+static long long
+getter_gap(Getter *g)
+{
+    uint64_t x = g->rng ? g->rng : 0x9E3779B97F4A7C15ULL; /* (0 is xorshift's fixed point) */
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    g->rng = x;
+    if (g->sample_every > (1LL << 40))
+        return g->sample_every; /* (a rate this low needs no care, and 2N must not wrap) */
+    return 1 + (long long)(x % (uint64_t)(2 * g->sample_every - 1));
+}
+
+/* One read in ``sample_every`` on average (at random gaps: getter_gap): count it (scaled)
+ * in the buffer, refresh the key's LRU place in L1, and call ``flush()`` (which takes the
+ * buffer to the host's sketch) when the buffer holds 256 keys or is a second old. */
 static int
 getter_sample(Getter *g, PyObject *key)
 {
@@ -452,7 +469,7 @@ getter_sample(Getter *g, PyObject *key)
         g->sample = LLONG_MAX;
         return 0;
     }
-    g->sample = g->sample_every;
+    g->sample = getter_gap(g);
     if (g->l1 && PyDict_Contains(g->l1->entries, key) == 1) {
         PyObject *r = PyObject_CallMethod(g->l1->entries, "move_to_end", "O", key);
         if (!r)
@@ -634,7 +651,10 @@ Getter_init(Getter *g, PyObject *args, PyObject *kwds)
     if (!g->hot)
         return -1;
     g->sample_every = sample_every;
-    g->sample = sample_every > 0 ? sample_every : LLONG_MAX;
+    g->rng = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)g ^ (uint64_t)(mono_now() * 1e9);
+    if (!g->rng)
+        g->rng = 0x9E3779B97F4A7C15ULL;
+    g->sample = sample_every > 0 ? getter_gap(g) : LLONG_MAX;
     g->hot_since = mono_now();
     g->zc = zc;
     g->l1_on = l1_on;
@@ -781,6 +801,7 @@ Getter_call(Getter *g, PyObject *args, PyObject *kwargs)
 
 static PyMemberDef Getter_members[] = {
     {"sample", T_LONGLONG, offsetof(Getter, sample), 0, "reads until the next sampled one"},
+    {"rng", T_ULONGLONG, offsetof(Getter, rng), 0, "the sampling gaps' random state (non-zero)"},
     {"hits", T_ULONGLONG, offsetof(Getter, hits), 0, "L1 hits served"},
     {"l2_hits", T_ULONGLONG, offsetof(Getter, l2_hits), 0, "L2 reads served in C"},
     {NULL},

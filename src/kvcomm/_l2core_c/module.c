@@ -14,6 +14,7 @@ static PyMethodDef Core_methods[] = {
     {"set_busy", (PyCFunction)Core_set_busy, METH_O, "raise/lower BUSY (lock held)"},
     {"read", (PyCFunction)(void (*)(void))Core_read, METH_FASTCALL, "lock-free read"},
     {"version", (PyCFunction)(void (*)(void))Core_version, METH_FASTCALL, "lock-free version read"},
+    {"writers", (PyCFunction)Core_writers, METH_O, "lock-free (ext, value length) of many keys"},
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL, "lock, put one, unlock"},
     {"apply", (PyCFunction)(void (*)(void))Core_apply, METH_FASTCALL, "apply a batch (lock held)"},
     {"evict_key", (PyCFunction)(void (*)(void))Core_evict_key, METH_FASTCALL, "drop a clean record (lock held)"},

@@ -6,7 +6,7 @@
  */
 
 typedef struct {
-    uint64_t word, seq, tag, counter, hlc, size, flags;
+    uint64_t word, seq, tag, counter, hlc, size, flags, vlen;
     PyObject *value; /* NULL when not asked for, Py_None for a large array (pin it) */
     PyObject *meta, *vvx, *ext; /* ext: only with WANT_EXT */
 } Found;
@@ -105,6 +105,7 @@ read_into(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t zc, int 
             f->counter = r.counter;
             f->hlc = r.hlc;
             f->size = r.size;
+            f->vlen = r.vlen;
             f->flags = fl;
             return READ_FOUND;
         }
@@ -186,4 +187,60 @@ Core_version(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(KKKKKNKN)", (unsigned long long)f.word, (unsigned long long)f.seq,
                          (unsigned long long)f.tag, (unsigned long long)f.counter,
                          (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.flags, f.ext);
+}
+
+/* writers(pairs) -> list: for each (key, h) of ``pairs``, (ext, value length) of its record:
+ * the extension field (b"": none) and the value's bytes; None when the key is absent, a
+ * tombstone, or its slot stays odd. Lock-free, one seqlock probe per key (placement reads
+ * who wrote each sampled key: once per flush of the sampled reads, never on a hit). */
+static PyObject *
+Core_writers(Core *c, PyObject *pairs)
+{
+    NEED_VIEW(c);
+    if (!PyList_Check(pairs)) {
+        PyErr_SetString(PyExc_TypeError, "writers(pairs: list of (key: bytes, h: int))");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PyList_GET_ITEM(pairs, i);
+        const char *key;
+        uint64_t klen, h;
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2 ||
+            parse_key_h(&PyTuple_GET_ITEM(p, 0), &key, &klen, &h) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "writers(pairs: list of (key: bytes, h: int))");
+            Py_DECREF(out);
+            return NULL;
+        }
+        Found f;
+        PyObject *item;
+        switch (read_into(c, key, klen, h, 0, WANT_EXT, &f)) {
+        case READ_FOUND:
+            if (f.tag == TAG_TOMBSTONE) {
+                found_clear(&f);
+                item = Py_None;
+                Py_INCREF(item);
+            } else {
+                item = Py_BuildValue("(OK)", f.ext, (unsigned long long)f.vlen);
+                found_clear(&f);
+            }
+            break;
+        case READ_ERROR:
+            Py_DECREF(out);
+            return NULL;
+        default: /* absent, or stuck: a sample can do without it */
+            item = Py_None;
+            Py_INCREF(item);
+        }
+        if (!item) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    return out;
 }

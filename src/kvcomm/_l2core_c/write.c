@@ -755,8 +755,9 @@ static PyObject *
 Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     NEED_VIEW(c);
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "put(key, h, tag, meta, value, now_ms, flags, max_dirty, timeout)");
+    if (nargs != 9 && nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put(key, h, tag, meta, value, now_ms, flags, max_dirty, timeout[, ext])");
         return NULL;
     }
     uint64_t now_ms = PyLong_AsUnsignedLongLong(args[5]);
@@ -769,6 +770,15 @@ Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (parse_items(args, 5, &op) < 0) {
         release_ops(&op, 1);
         return NULL;
+    }
+    if (nargs == 10) { /* the record's extension field (the writer's agent id, ...) */
+        if (!PyBytes_Check(args[9])) {
+            release_ops(&op, 1);
+            PyErr_SetString(PyExc_TypeError, "put ext must be bytes");
+            return NULL;
+        }
+        op.ext = PyBytes_AS_STRING(args[9]);
+        op.xlen = (uint64_t)PyBytes_GET_SIZE(args[9]);
     }
     PyObject *out = NULL;
     if (take_lock(c, timeout) == 0) {

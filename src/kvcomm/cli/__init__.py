@@ -20,6 +20,7 @@ the README's "Commands" section).
     kvcomm balance --config FILE [--policy threshold|learned] [--window 30s] [--once]
                    [--dry-run]                     load-aware slot balancing of L3
     kvcomm balance simulate|train ...               the slot-balancing simulator
+    kvcomm placement observe|plan|launch ...      affinity placement (cli/placement.py)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .._extras import require_cluster
 from ..balance.cli import register_balance_tools
 from ..config import load_config
 from ..errors import InvalidArgument, KVCommError
+from .placement import add_placement
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -367,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commands(sub, _command)  # metrics, top, loadtest
     register_balance_tools(sub)  # kvcomm balance [simulate|train] (kvcomm.balance.cli)
+    add_placement(sub, _command)  # kvcomm placement observe | plan | launch
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,

@@ -43,6 +43,9 @@ machines what it read, and carries out what they answer.
    each slot, in the unit Redis' INFO counts a node's.
 6. **Heartbeat** in the L2 header and in the key filter's header, so agents and tools
    can see the daemon is alive (agents trust the filter only while it beats).
+6. **Placement** (:class:`NodeDaemon` only): once a second, the host's agent reports
+   (who read whose keys, sampled) are published to L3 as ``kvn:{host}:agents``
+   (:mod:`kvcomm.placement.observe`), for ``kvcomm placement observe``.
 
 When L3 is unreachable, nothing is dropped: the unsent windows are kept and retried with
 capped exponential backoff with jitter (:mod:`kvcomm.core.backoff`, so that hosts do
@@ -81,6 +84,7 @@ from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
+from ..placement.observe import HostPublisher
 from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
@@ -630,6 +634,8 @@ class NodeDaemon(Daemon):
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
                                     permissions=c.l2_permissions, directory=c.l2_dir)
             super().__init__(config, port, l3, keys, rng=rng)
+            # placement: the host's agent reports, published to L3 (kvn:{host}:agents)
+            self.agents = HostPublisher(config, self.kv.name, self.host)
         except BaseException:  # L3 unreachable at start, say: release what we opened
             if keys is not None:
                 keys.close()
@@ -637,6 +643,10 @@ class NodeDaemon(Daemon):
                 l3.close()
             self.kv.close()
             raise
+
+    def step(self) -> None:
+        super().step()
+        self.agents.maybe_publish(self.l3, self.clock())  # (never raises)
 
     def close(self) -> None:
         super().close()

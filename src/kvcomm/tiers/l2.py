@@ -183,9 +183,11 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     """
     path = segment_path(name, directory)
     if not os.path.lexists(path):
+        from ..placement.report import remove_table
         from .keyfilter import remove
 
         remove(name, directory)
+        remove_table(name, directory)
         return False
     try:
         # any mode (cache.l2_permissions may be wider than the default; the file is being
@@ -207,9 +209,11 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     finally:
         if seg is not None:
             seg.close()
+    from ..placement.report import remove_table
     from .keyfilter import remove  # (keyfilter builds on this module)
 
     remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
+    remove_table(name, directory)  # and so do the agents' placement reports
     return True
 
 

@@ -25,25 +25,28 @@ class Writes(SegmentCore):
     """Writes under the writer lock."""
 
     def put(self, key_b: bytes, h: int, tag: int, meta: bytes, value: bytes | memoryview,
-            now_ms: int, dirty: bool, max_dirty: int) -> tuple[int, int, bytes, int, int]:
-        """Store one record: ``(counter, hlc, vvx, slot word, seq)``. One C call in the common
-        case. Raises ValueTooLarge, Unavailable, SegmentError; on any error nothing changed."""
+            now_ms: int, dirty: bool, max_dirty: int,
+            ext: bytes = b"") -> tuple[int, int, bytes, int, int]:
+        """Store one record: ``(counter, hlc, vvx, slot word, seq)``; ``ext`` is its
+        extension field (b"": none). One C call in the common case. Raises ValueTooLarge,
+        Unavailable, SegmentError; on any error nothing changed."""
         r = self._core.put(key_b, h, tag, meta, value, now_ms, FLAG_DIRTY if dirty else 0,
-                           max_dirty, self.lock_timeout)
+                           max_dirty, self.lock_timeout, ext)
         if type(r) is tuple:
             return r
-        return self.put_status(r, key_b, h, tag, meta, value, now_ms, dirty, max_dirty)
+        return self.put_status(r, key_b, h, tag, meta, value, now_ms, dirty, max_dirty, ext)
 
     def put_status(self, r: int, key_b: bytes, h: int, tag: int, meta: bytes,
                    value: bytes | memoryview, now_ms: int, dirty: bool,
-                   max_dirty: int) -> tuple[int, int, bytes, int, int]:
+                   max_dirty: int, ext: bytes = b"") -> tuple[int, int, bytes, int, int]:
         """The kernel's put answered status ``r`` (nothing written): look first and write
         (ST_LOOK), or raise what the status means."""
+        op = (key_b, h, tag, meta, value, ext)
         if r == ST_LOOK:  # purged, repair or pins first: the general path does it
             out: tuple[int, int, bytes, int, int] = self.apply(
-                [(key_b, h, tag, meta, value)], now_ms=now_ms, dirty=dirty, max_dirty=max_dirty)[0]
+                [op], now_ms=now_ms, dirty=dirty, max_dirty=max_dirty)[0]
             return out
-        self._raise_status(r, 0, [(key_b, h, tag, meta, value)], dirty, max_dirty)
+        self._raise_status(r, 0, [op], dirty, max_dirty)
         raise AssertionError("unreachable")
 
     def apply(self, ops: list[tuple[Any, ...]], *, now_ms: int, dirty: bool = False,

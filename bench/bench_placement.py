@@ -1,0 +1,560 @@
+"""Affinity placement, measured: what putting agents that share state on one host changes.
+
+    python bench/bench_placement.py [--quick] [--seconds S] [--json FILE] [--plot FILE.png]
+    python bench/bench_placement.py --probe-only             # only the visibility probe
+    python bench/bench_placement.py --replot FILE.json --plot FILE.png
+
+A 3-host dev cluster (a real Redis Cluster and one node daemon per host, on this
+machine). Two workloads, each run under three placements of its agents on the hosts:
+
+* **swarm** — 36 drones in 6 flocks flying over a torus; every tick a drone writes its
+  state and reads its 4 nearest drones'. Flocks drift and cross, and a third of the
+  drones wander to the next flock every 12 s: neighbourhoods drift.
+* **warehouse** — 36 robots in 6 zones and 3 shelf keepers; every tick a robot writes
+  its pose and reads 3 zone-mates' and the stock of the shelf it picks from (which
+  changes every 10 s); a keeper writes its shelf's stock and reads 4 of its pickers.
+
+Placements: **random** (a random permutation dealt evenly), **round-robin** (agent i on
+host i mod 3), **planned** (a run under round-robin, ``kvcomm placement observe`` of its
+last seconds, ``kvcomm placement plan --balance 1.1``; then the measured run, which
+continues the workload where the observed run stopped: the plan only saw the past).
+Every agent runs as its own client (``kvcomm.open(config=host's, agent=name)``); the
+agents of one host share one process (a tick loop over them).
+
+Measured over each run (after 2 s of warm-up):
+
+* **same-host share** — of the reads of another agent's key, the share whose writer is
+  on the reader's host (counted, not sampled);
+* **L3 bytes** — bytes in and out of every Redis node for clients (``INFO stats``
+  ``total_net_input_bytes`` + ``total_net_output_bytes``, replication apart), per second;
+* **staleness** of cross-agent reads, p50 / p99 / mean and the share of reads that
+  missed a write, for all, same-host and cross-host pairs: how long before the read
+  began had a newer write been acknowledged (its ``put`` returned) than the one the read
+  returned (0: it returned the newest);
+* agents' L3 reads (L2 misses that went to L3) and the observed graph's prediction.
+
+In the workloads, the agents of one host share a process, so a same-host read never
+runs concurrently with a write. Then a **visibility probe** across processes: one writer
+(a write every 4-6 ms), one reader in another process spinning on ``get``, on the same
+host and on another host: the time from the start of each ``put`` to the reader seeing
+it (p50 / p99: on a loaded machine, mostly how long the reader waits for a CPU), and the
+staleness, as above, of every one of the reader's reads (p50 / p99 / max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import struct
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import kvcomm
+from kvcomm import devcluster
+from kvcomm.config import load_config
+from kvcomm.placement.observe import observe
+from kvcomm.placement.plan import make_plan
+
+CTX = mp.get_context("fork")
+HOSTS = ["host-1", "host-2", "host-3"]
+RATE = 20.0  # ticks per second
+WARMUP = 2.0  # seconds of each run left out of the figures
+VALUE = 256  # bytes of an agent's state
+_HEAD = struct.Struct("<Q")
+
+
+# ---------------------------------------------------------------- workloads
+
+
+class Swarm:
+    """Drones in flocks over the unit torus; a drone reads its k nearest."""
+
+    kind = "swarm"
+
+    def __init__(self, n: int = 36, flocks: int = 6, k: int = 4, seed: int = 1) -> None:
+        rng = random.Random(seed)
+        self.n, self.flocks, self.k = n, flocks, k
+        self.agents = [f"drone-{i}" for i in range(n)]
+        self.centre = [(rng.random(), rng.random(), rng.uniform(-0.02, 0.02), rng.uniform(-0.02, 0.02))
+                       for _ in range(flocks)]
+        self.offset = [(rng.uniform(-0.04, 0.04), rng.uniform(-0.04, 0.04)) for _ in range(n)]
+        self.wander = [rng.random() < 1 / 3 for _ in range(n)]  # a third change flock
+        self.phase = [rng.uniform(0, 12) for _ in range(n)]
+
+    def flock(self, i: int, t: float) -> int:
+        hops = int((t + self.phase[i]) // 12) if self.wander[i] else 0
+        return (i * self.flocks // self.n + hops) % self.flocks  # (flocks of consecutive ids)
+
+    def pos(self, i: int, t: float) -> tuple[float, float]:
+        x, y, vx, vy = self.centre[self.flock(i, t)]
+        dx, dy = self.offset[i]
+        return ((x + vx * t + dx) % 1.0, (y + vy * t + dy) % 1.0)
+
+    def tick(self, t: float) -> dict[int, list[int]]:
+        """Every drone's reads at model time ``t`` (agent index → writer indices)."""
+        p = [self.pos(i, t) for i in range(self.n)]
+
+        def d(a: int, b: int) -> float:
+            dx = abs(p[a][0] - p[b][0])
+            dy = abs(p[a][1] - p[b][1])
+            return min(dx, 1 - dx) ** 2 + min(dy, 1 - dy) ** 2
+
+        return {i: sorted((j for j in range(self.n) if j != i), key=lambda j: d(i, j))[:self.k]
+                for i in range(self.n)}
+
+
+class Warehouse:
+    """Robots in zones reading zone-mates and a shelf; keepers reading their pickers."""
+
+    kind = "warehouse"
+
+    def __init__(self, robots: int = 36, zones: int = 6, shelves: int = 3, seed: int = 2) -> None:
+        self.rng = random.Random(seed)
+        self.robots, self.zones, self.shelves = robots, zones, shelves
+        self.agents = [f"robot-{i}" for i in range(robots)] + [f"shelf-{s}" for s in range(shelves)]
+        self.n = len(self.agents)
+        per = robots // zones
+        self.zone = {i: i // per for i in range(robots)}
+        self.mates = {i: [z for z in range(robots) if self.zone[z] == self.zone[i] and z != i]
+                      for i in range(robots)}
+
+    def shelf_of(self, robot: int, t: float) -> int:
+        return (self.zone[robot] + int(t // 10)) % self.shelves
+
+    def tick(self, t: float) -> dict[int, list[int]]:
+        tick = int(round(t * RATE))
+        out: dict[int, list[int]] = {}
+        for i in range(self.robots):
+            mates = self.mates[i]
+            out[i] = [mates[(tick + j) % len(mates)] for j in range(3)] + \
+                [self.robots + self.shelf_of(i, t)]
+        for s in range(self.shelves):
+            pickers = [i for i in range(self.robots) if self.shelf_of(i, t) == s]
+            out[self.robots + s] = [pickers[(tick * 4 + j) % len(pickers)] for j in range(4)]
+        return out
+
+
+def workload(kind: str) -> Swarm | Warehouse:
+    return Swarm() if kind == "swarm" else Warehouse()
+
+
+# ---------------------------------------------------------------- a host's agents
+
+
+def host_worker(kind: str, run: str, config: str, mine: list[int], t_model0: float,
+                start: Any, seconds: float, barrier: Any, out: str) -> None:
+    """The agents ``mine`` of workload ``kind`` on the host of ``config``, as one tick loop:
+    first each writes its key once, then every host meets at ``barrier`` twice (between
+    the two, the parent sets ``start``, monotonic, a moment later: for L3 and the hosts'
+    key filters to know every key), then ``seconds`` of ticks from ``start``. Writes the
+    logs to ``out``."""
+    model = workload(kind)
+    names = model.agents
+    clients = {i: kvcomm.open(config=config, agent=names[i]) for i in mine}
+    key = [f"{run}/{names[i]}" for i in range(model.n)]
+    pad = b"s" * (VALUE - _HEAD.size)
+    w_agent, w_seq, w_t = array("q"), array("q"), array("q")
+    r_t, r_reader, r_writer, r_seq = array("q"), array("q"), array("q"), array("q")
+    for i, kv in clients.items():
+        kv.put(key[i], _HEAD.pack(0) + pad)
+    barrier.wait(60)
+    barrier.wait(60)
+    start_at = start.value
+    period = 1.0 / RATE
+    ticks = int(seconds * RATE)
+    now_ns = time.monotonic_ns
+    try:
+        for k in range(ticks):
+            due = start_at + k * period
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            reads = model.tick(t_model0 + k * period)
+            for i, kv in clients.items():
+                kv.put(key[i], _HEAD.pack(k + 1) + pad)
+                t = now_ns()
+                w_agent.append(i)
+                w_seq.append(k + 1)
+                w_t.append(t)
+                for j in reads[i]:
+                    t0 = now_ns()
+                    v = kv.get(key[j])
+                    r_t.append(t0)
+                    r_reader.append(i)
+                    r_writer.append(j)
+                    r_seq.append(-1 if v is None else _HEAD.unpack_from(v)[0])
+        stats = {names[i]: kv.stats() for i, kv in clients.items()}
+    finally:
+        for kv in clients.values():
+            kv.close()
+    with open(out, "w") as f:
+        json.dump({"start": start_at, "end": time.monotonic(),
+                   "w": [w_agent.tolist(), w_seq.tolist(), w_t.tolist()],
+                   "r": [r_t.tolist(), r_reader.tolist(), r_writer.tolist(), r_seq.tolist()],
+                   "stats": stats}, f)
+
+
+# ---------------------------------------------------------------- one run
+
+
+def redis_bytes(dev: dict[str, Any]) -> tuple[int, int]:
+    """(client bytes, replication bytes) in and out of every Redis node so far."""
+    import redis
+
+    client = repl = 0
+    for addr in dev["redis"]:
+        host, _, port = addr.rpartition(":")
+        r = redis.Redis(host=host, port=int(port))
+        try:
+            s = r.info("stats")
+        finally:
+            r.close()
+        client += int(s["total_net_input_bytes"]) + int(s["total_net_output_bytes"])
+        repl += int(s.get("total_net_repl_input_bytes", 0)) + int(s.get("total_net_repl_output_bytes", 0))
+    return client, repl
+
+
+def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model0: float,
+             seconds: float, work: Path, tag: str, observe_last: float = 0.0) -> dict[str, Any]:
+    """One run of ``kind`` with ``assignment`` (agent → host); its figures, and with
+    ``observe_last`` the graph observed over the run's last seconds."""
+    model = workload(kind)
+    configs = {h["host"]: h["config"] for h in dev["hosts"]}
+    by_host: dict[str, list[int]] = {h: [] for h in HOSTS}
+    for i, a in enumerate(model.agents):
+        by_host[assignment[a]].append(i)
+    run = f"{tag}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    barrier = CTX.Barrier(len(HOSTS) + 1)
+    start = CTX.Value("d", 0.0)
+    procs, outs = [], {h: str(work / f"{run}-{h}.json") for h in HOSTS}
+    for h in HOSTS:
+        p = CTX.Process(target=host_worker, args=(kind, run, configs[h], by_host[h], t_model0,
+                                                  start, seconds, barrier, outs[h]))
+        p.start()
+        procs.append(p)
+    barrier.wait(60)  # every first write is in L2
+    start_at = start.value = time.monotonic() + 1.0  # (L3 and the key filters catch up)
+    barrier.wait(60)
+    graph = None
+    while time.monotonic() < start_at + WARMUP:
+        time.sleep(0.01)
+    b0 = redis_bytes(dev)
+    t_b0 = time.monotonic()
+    if observe_last:  # (ending well before the agents stop: reports go when they close)
+        time.sleep(max(0.0, start_at + seconds - observe_last - 5.0 - time.monotonic()))
+        graph = observe(load_config(configs["host-1"]), observe_last)
+        assert graph.edges and time.monotonic() < start_at + seconds, "observed too late"
+    while time.monotonic() < start_at + seconds:
+        time.sleep(0.01)
+    b1 = redis_bytes(dev)
+    t_b1 = time.monotonic()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"a host process failed ({p.exitcode})"
+    logs = [json.loads(Path(outs[h]).read_text()) for h in HOSTS]
+    figures = analyse(model, assignment, logs, int((start_at + WARMUP) * 1e9))
+    figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
+    figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
+    figures["graph"] = graph
+    return figures
+
+
+def _pct(xs: Sequence[int], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return float(s[min(len(s) - 1, int(q * len(s)))])
+
+
+def analyse(model: Swarm | Warehouse, assignment: dict[str, str], logs: list[dict[str, Any]],
+            from_ns: int) -> dict[str, Any]:
+    names = model.agents
+    acked: dict[int, dict[int, int]] = {i: {} for i in range(model.n)}  # writer → seq → t_ack
+    for log in logs:
+        for a, s, t in zip(*log["w"], strict=True):
+            acked[a][s] = t
+    reads = same = 0
+    stale: dict[str, list[int]] = {"all": [], "same": [], "cross": []}
+    for log in logs:
+        for t, r, w, s in zip(*log["r"], strict=True):
+            if t < from_ns:
+                continue
+            cls = "same" if assignment[names[r]] == assignment[names[w]] else "cross"
+            reads += 1
+            same += cls == "same"
+            nxt = acked[w].get(max(s, 0) + 1)
+            age = t - nxt if nxt is not None and nxt <= t else 0
+            stale["all"].append(age)
+            stale[cls].append(age)
+    l3_reads = sum(st["l3"]["reads"] for log in logs for st in log["stats"].values())
+    l2 = [st["l2"] for log in logs for st in log["stats"].values()]
+    hits, misses = sum(x["hits"] for x in l2), sum(x["misses"] for x in l2)
+    out: dict[str, Any] = {
+        "reads": reads, "same_host_share": same / reads if reads else float("nan"),
+        "l3_reads": l3_reads, "l2_hit_rate": hits / (hits + misses) if hits + misses else 1.0}
+    for cls, xs in stale.items():
+        out[f"stale_{cls}_mean_us"] = sum(xs) / len(xs) / 1000 if xs else float("nan")
+        out[f"stale_{cls}_missed"] = sum(1 for x in xs if x) / len(xs) if xs else float("nan")
+        out[f"stale_{cls}_p50_us"] = _pct(xs, 0.50) / 1000
+        out[f"stale_{cls}_p99_us"] = _pct(xs, 0.99) / 1000
+        out[f"stale_{cls}_n"] = len(xs)
+    return out
+
+
+# ---------------------------------------------------------------- placements
+
+
+def placements(model: Swarm | Warehouse, seed: int) -> dict[str, dict[str, str]]:
+    rng = random.Random(seed)
+    shuffled = list(model.agents)
+    rng.shuffle(shuffled)
+    return {"random": {a: HOSTS[i % len(HOSTS)] for i, a in enumerate(shuffled)},
+            "round-robin": {a: HOSTS[i % len(HOSTS)] for i, a in enumerate(model.agents)}}
+
+
+def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, work: Path,
+             seed: int) -> dict[str, Any]:
+    model = workload(kind)
+    rows: dict[str, Any] = {}
+    places = placements(model, seed)
+    # the planned placement: observe a round-robin run, plan, then run on from there
+    observed_run = WARMUP + observe_s + 6.0
+    obs_run = run_once(dev, kind, places["round-robin"], 0.0, observed_run, work,
+                       f"{kind}-observe", observe_last=observe_s)
+    graph = obs_run["graph"]
+    plan = make_plan(graph, HOSTS, balance=1.1)
+    places["planned"] = {a: plan.assignment.get(a, places["round-robin"][a]) for a in model.agents}
+    t0 = observed_run  # the measured runs continue the workload from there
+    for name in ("random", "round-robin", "planned"):
+        print(f"  {kind}: {name} ...", file=sys.stderr, flush=True)
+        fig = run_once(dev, kind, places[name], t0, seconds, work, f"{kind}-{name}")
+        fig.pop("graph")
+        rows[name] = fig
+    rows["planned"]["predicted_share"] = plan.share
+    rows["planned"]["observed_before"] = plan.before
+    rows["planned"]["moves_from_round_robin"] = len(plan.moves)
+    rows["round-robin"]["observed_share"] = obs_run["same_host_share"]
+    return rows
+
+
+# ---------------------------------------------------------------- visibility probe
+
+
+def _probe_writer(config: str, key: str, n: int, ready: Any, go: Any, out: Any,
+                  acked: Any) -> None:
+    with kvcomm.open(config=config, agent="probe-writer") as kv:
+        kv.put(key, _HEAD.pack(0) + b"p" * 56)
+        ready.wait(30)
+        go.wait(30)
+        for s in range(1, n + 1):
+            time.sleep(0.004 + random.random() * 0.002)
+            t = time.monotonic_ns()
+            kv.put(key, _HEAD.pack(s) + b"p" * 56)
+            acked[s] = time.monotonic_ns()  # (put returned: acknowledged)
+            out[s] = t
+
+
+def _probe_reader(config: str, key: str, n: int, ready: Any, go: Any, out: Any,
+                  acked: Any, stale: Any) -> None:
+    """Spin on ``get``: when each write is first seen (``out``), and the staleness of
+    every read (as the workloads': how long before the read began had a newer write been
+    acknowledged): ``stale`` gets [reads, stale reads, p50, p99, max] (ns)."""
+    with kvcomm.open(config=config, agent="probe-reader") as kv:
+        end = time.monotonic() + 30
+        while kv.get(key) is None and time.monotonic() < end:
+            time.sleep(0.01)
+        ready.set()
+        go.wait(30)
+        last = 0
+        reads = 0
+        late: list[int] = []
+        now_ns = time.monotonic_ns
+        end = time.monotonic() + 2 + n * 0.02
+        while last < n and time.monotonic() < end:
+            t0 = now_ns()
+            v = kv.get(key)
+            if v is not None:
+                s = _HEAD.unpack_from(v)[0]
+                reads += 1
+                nxt = acked[s + 1] if s < n else 0
+                if nxt and nxt <= t0:
+                    late.append(t0 - nxt)
+                if s > last:
+                    t = now_ns()
+                    for x in range(last + 1, s + 1):
+                        out[x] = t  # (writes it skipped were visible by then too)
+                    last = s
+        late.sort()
+        zeros = reads - len(late)
+
+        def pct(q: float) -> float:  # (reads that returned the newest count as 0)
+            i = min(reads - 1, int(q * reads))
+            return 0.0 if i < zeros else float(late[i - zeros])
+
+        stale[:] = [reads, len(late), pct(0.50), pct(0.99), late[-1] if late else 0]
+
+
+def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
+    configs = {h["host"]: h["config"] for h in dev["hosts"]}
+    res: dict[str, Any] = {}
+    for cls, reader_host in (("same", "host-1"), ("cross", "host-2")):
+        key = f"probe/{cls}/{os.getpid()}"
+        wrote, seen = CTX.Array("q", n + 1), CTX.Array("q", n + 1)
+        acked = CTX.Array("q", n + 1, lock=False)  # (read on every get: no lock)
+        stale = CTX.Array("d", 5)
+        ready, go = CTX.Event(), CTX.Event()
+        w = CTX.Process(target=_probe_writer,
+                        args=(configs["host-1"], key, n, ready, go, wrote, acked))
+        r = CTX.Process(target=_probe_reader,
+                        args=(configs[reader_host], key, n, ready, go, seen, acked, stale))
+        w.start()
+        time.sleep(1.0)
+        r.start()
+        ready.wait(60)
+        go.set()
+        w.join(120)
+        r.join(120)
+        lat = [seen[s] - wrote[s] for s in range(1, n + 1) if seen[s] and wrote[s]]
+        res[cls] = {"n": len(lat), "p50_us": _pct(lat, 0.5) / 1000, "p99_us": _pct(lat, 0.99) / 1000,
+                    "reads": int(stale[0]), "stale_reads": int(stale[1]),
+                    "stale_p50_us": stale[2] / 1000, "stale_p99_us": stale[3] / 1000,
+                    "stale_max_us": stale[4] / 1000}
+    return res
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| workload | placement | same-host share | L3 bytes/s | staleness p50 / p99 (all) "
+             "| mean, reads that missed a write | same-host pairs p99 | cross-host pairs p50 / p99 "
+             "| L2 hit rate (L3 reads) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for kind in ("swarm", "warehouse"):
+        for name in ("random", "round-robin", "planned"):
+            f = results[kind][name]
+            lines.append(
+                f"| {kind} | {name} | {100 * f['same_host_share']:.0f}% | "
+                f"{f['l3_bytes_per_s'] / 1e6:.2f} MB/s | "
+                f"{f['stale_all_p50_us'] / 1000:.1f} / {f['stale_all_p99_us'] / 1000:.1f} ms | "
+                f"{f['stale_all_mean_us'] / 1000:.1f} ms, {100 * f['stale_all_missed']:.0f}% | "
+                f"{_us(f['stale_same_p99_us'])} | "
+                f"{f['stale_cross_p50_us'] / 1000:.1f} / {f['stale_cross_p99_us'] / 1000:.1f} ms | "
+                f"{100 * f['l2_hit_rate']:.2f}% ({f['l3_reads']}) |")
+    return "\n".join(lines)
+
+
+def probe_line(v: dict[str, Any]) -> str:
+    lines = [f"load average {os.getloadavg()[0]:.1f}; visibility probe (another process, "
+             f"spinning on get):"]
+    for cls, where in (("same", "same host"), ("cross", "other host")):
+        p = v[cls]
+        lines.append(
+            f"  {where}: put start → seen p50 {p['p50_us']:.0f} µs, p99 {p['p99_us']:.0f} µs "
+            f"({p['n']} writes); staleness of its {p['reads']} reads p50 "
+            f"{p['stale_p50_us']:.0f} µs, p99 {p['stale_p99_us']:.0f} µs, max "
+            f"{p['stale_max_us']:.0f} µs ({p['stale_reads']} reads missed an acknowledged write)")
+    return "\n".join(lines)
+
+
+def _us(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.0f} µs"
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["random", "round-robin", "planned"]
+    colours = ["#bbbbbb", "#8899aa", "#2b7bba"]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    panels = [("same-host share of cross-agent reads (%)",
+               lambda f: 100 * f["same_host_share"]),
+              ("L3 traffic (MB/s, all Redis nodes)", lambda f: f["l3_bytes_per_s"] / 1e6),
+              ("staleness of cross-agent reads, mean (ms)",
+               lambda f: f["stale_all_mean_us"] / 1000),
+              ("L2 hit rate of reads (%)", lambda f: 100 * f["l2_hit_rate"])]
+    kinds = ["swarm", "warehouse"]
+    for ax, (title, get) in zip(axes, panels, strict=True):
+        for j, name in enumerate(names):
+            xs = [k + (j - 1) * 0.27 for k in range(len(kinds))]
+            ys = [get(results[kind][name]) for kind in kinds]
+            bars = ax.bar(xs, ys, 0.27, label=name, color=colours[j])
+            fmt = "%.0f" if "share" in title else "%.2f" if "hit" in title else "%.1f"
+            ax.bar_label(bars, fmt=fmt, fontsize=7)
+        ax.set_xticks(range(len(kinds)), kinds)
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("Affinity placement on a 3-host dev cluster (bench/bench_placement.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short runs (a smoke run)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured seconds per run (default 20)")
+    ap.add_argument("--observe", type=float, default=8.0, help="seconds observed before planning (default 8)")
+    ap.add_argument("--seed", type=int, default=12, help="seed of the random placement (default 12)")
+    ap.add_argument("--json", help="write every figure to this file")
+    ap.add_argument("--plot", help="write the plot to this PNG (needs kvcomm[plot])")
+    ap.add_argument("--probe", type=int, default=300, help="writes in each visibility probe (default 300)")
+    ap.add_argument("--probe-only", action="store_true", help="only the visibility probe")
+    ap.add_argument("--replot", metavar="JSON", help="only plot (--plot) the figures of --json's file")
+    args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.plot or "placement.png")
+        return 0
+    if args.probe_only:
+        with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
+            dev = devcluster.up(3, str(Path(d) / "dev"))
+            try:
+                v = visibility(dev, args.probe)
+            finally:
+                devcluster.down(str(Path(d) / "dev"))
+        print(probe_line(v))
+        return 0
+    seconds, observe_s = (6.0, 4.0) if args.quick else (args.seconds, args.observe)
+    print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
+          f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run", flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
+        work = Path(d)
+        dev = devcluster.up(3, str(work / "dev"))
+        try:
+            results: dict[str, Any] = {}
+            for kind in ("swarm", "warehouse"):
+                results[kind] = scenario(dev, kind, seconds, observe_s, work, args.seed)
+            results["visibility"] = visibility(dev, args.probe if not args.quick else 60)
+        finally:
+            devcluster.down(str(work / "dev"))
+    print(table(results))
+    v = results["visibility"]
+    print(probe_line(v))
+    for kind in ("swarm", "warehouse"):
+        r = results[kind]
+        rnd, pl = r["random"], r["planned"]
+        ratio = pl["same_host_share"] / rnd["same_host_share"]
+        print(f"{kind}: planned/random same-host share {ratio:.2f}x; "
+              f"L3 bytes {100 * (pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s'] - 1):+.0f}% vs random; "
+              f"plan predicted {100 * (pl['predicted_share'] or 0):.0f}% "
+              f"(observed before: {100 * (pl['observed_before'] or 0):.0f}%)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Observing the whole cluster: each host's agent reports in L3, and the graph from them.
+
+The node daemon of each host (:class:`HostPublisher`, driven from ``node/daemon.py``)
+reads its host's table of agent reports (:mod:`kvcomm.placement.report`) every
+``PUBLISH_EVERY`` seconds, removes the reports of processes that are gone, and saves the
+rest in L3 under ``kvn:{host}:agents`` (beside the host's hot keys), with a TTL: a host
+whose daemon stops drops out of the graph.
+
+``kvcomm placement observe`` (:func:`observe`) reads every host's snapshot (a SCAN of
+``kvn:{*}:agents`` on every master), waits ``seconds``, reads them again, and turns the
+difference into rates: each report carries its agent's running totals and the time they
+were taken, so an agent's rates are (totals now − totals then) / (its own time between the
+two reports) — exact up to sampling, whatever the delays of reporting and publishing. An
+agent that started in between is counted since it started; with ``seconds`` 0, every agent
+is counted since it started. In embedded mode (no ``cluster.redis``) the host's own table
+is read directly.
+
+The snapshot in L3 (msgpack map, ``f`` 1): ``host``, ``t`` (wall clock) and ``reports``,
+the host's reports as :mod:`~kvcomm.placement.report` describes them, each with its file
+name under ``id``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+
+from ..config import Config
+from ..errors import CorruptRecord, KVCommError, Unavailable
+from .agents import host_of_unnamed
+from .graph import Agent, Edge, Graph
+from .report import _valid, agents_dir, read_reports
+
+log = logging.getLogger("kvcomm.placement")
+FORMAT = 1
+PUBLISH_EVERY = 1.0  # seconds between a daemon's snapshots
+SNAPSHOT_TTL = 30  # seconds a host's snapshot outlives its last publication
+MAX_REPORTS = 4096  # reports published per host
+MAX_SNAPSHOT_BYTES = 64 << 20
+
+
+def snapshot_key(host: str) -> str:
+    """Where ``host``'s snapshot lives in L3 (its hash tag is the host, as its hot keys)."""
+    return f"kvn:{{{host}}}:agents"
+
+
+def host_snapshot(host: str, table: str, now: float, clean: bool = True) -> dict[str, Any]:
+    """The snapshot of the table of reports ``table`` of host ``host``."""
+    return {"f": FORMAT, "host": host, "t": now,
+            "reports": read_reports(table, clean=clean, now=now)[:MAX_REPORTS]}
+
+
+class HostPublisher:
+    """The node daemon's part: its host's agent reports, published to L3 now and then."""
+
+    def __init__(self, config: Config, namespace: str, host: str, *,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.host, self.wall = host, wall
+        self.table = agents_dir(namespace, config.cache.l2_dir)
+        self.next_at = 0.0
+        self.published = 0
+        self.failures = 0
+
+    def maybe_publish(self, l3: Any, now: float) -> bool:
+        """Publish the host's snapshot if ``PUBLISH_EVERY`` has passed since the last one
+        (``now``: the daemon's monotonic clock). Returns whether it did. Never raises: a
+        failure (L3 unreachable, say) is counted and logged, and tried again next time."""
+        if now < self.next_at:
+            return False
+        self.next_at = now + PUBLISH_EVERY
+        try:
+            snap = host_snapshot(self.host, self.table, self.wall())
+            data = msgpack.packb(snap)
+            l3._call(lambda: l3.rc.set(snapshot_key(self.host), data, ex=SNAPSHOT_TTL))
+        except (KVCommError, OSError) as exc:
+            self.failures += 1
+            if self.failures & (self.failures - 1) == 0:  # the 1st, 2nd, 4th... in a row
+                log.warning("could not publish the agents of %s for placement: %s", self.host, exc)
+            return False
+        self.failures = 0
+        self.published += 1
+        return True
+
+
+def _decode_snapshot(raw: object) -> dict[str, Any] | None:
+    """A snapshot of ours, its invalid reports left out; None when it is not one."""
+    if not isinstance(raw, bytes) or len(raw) > MAX_SNAPSHOT_BYTES:
+        return None
+    try:
+        snap = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:  # not msgpack: written by something else
+        return None
+    if not isinstance(snap, dict) or snap.get("f") != FORMAT or not isinstance(snap.get("host"), str) \
+            or not isinstance(snap.get("reports"), list):
+        return None
+    snap["reports"] = [r for r in snap["reports"] if _valid(r) and isinstance(r.get("id"), str)]
+    return snap
+
+
+def load_snapshots(l3: Any) -> list[dict[str, Any]]:
+    """Every host's snapshot in L3 (a SCAN of every master: for tools, not hot paths).
+    Snapshots that are not ours are skipped. Raises Unavailable."""
+    def names() -> list[bytes]:
+        return list(l3.rc.scan_iter(match="kvn:{*}:agents", count=1000))
+
+    out = []
+    for name in sorted(set(l3._call(names))):
+        try:
+            raw = l3._call(lambda name=name: l3.rc.get(name), name.decode("utf-8", "replace"))
+        except CorruptRecord:  # another type under the name
+            continue
+        snap = _decode_snapshot(raw)
+        if snap is not None:
+            out.append(snap)
+    return out
+
+
+def _reports(snapshots: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(s["host"], r["id"]): r for s in snapshots for r in s["reports"]}
+
+
+def graph_from(before: Iterable[dict[str, Any]], after: Iterable[dict[str, Any]]) -> Graph:
+    """The graph of the rates between two sets of host snapshots (``before`` may be empty:
+    rates since each agent started)."""
+    then = _reports(before)
+    load: dict[str, float] = {}
+    hosts: dict[str, dict[str, float]] = {}  # agent → host → its ops per second there
+    edges: dict[tuple[str, str], list[float]] = {}
+    for key, r in sorted(_reports(after).items()):
+        p = then.get(key)
+        if p is not None and p["since"] == r["since"]:
+            dt = r["t"] - p["t"]
+            base_ops, base_edges = p["ops"], p["edges"]
+        else:  # started since (or not yet reported then): since it started
+            dt = r["t"] - r["since"]
+            base_ops, base_edges = 0, {}
+        agent = r["agent"]
+        rate = max(0.0, (r["ops"] - base_ops) / dt) if dt > 0 else 0.0
+        load[agent] = load.get(agent, 0.0) + rate
+        at = hosts.setdefault(agent, {})
+        at[r["host"]] = at.get(r["host"], 0.0) + rate
+        if dt <= 0:
+            continue
+        for writer, (reads, nbytes) in r["edges"].items():
+            b = base_edges.get(writer, (0, 0))
+            dr, db = max(0.0, reads - b[0]) / dt, max(0.0, nbytes - b[1]) / dt
+            if dr > 0 and writer != agent:
+                e = edges.setdefault((agent, writer), [0.0, 0.0])
+                e[0] += dr
+                e[1] += db
+    agents = [Agent(a, max(sorted(at), key=lambda h: at[h]), round(load[a], 3))
+              for a, at in sorted(hosts.items())]
+    known = set(load)
+    for _, writer in sorted(edges):  # seen only as a writer: no report of its own here
+        if writer not in known:
+            known.add(writer)
+            agents.append(Agent(writer, host_of_unnamed(writer), 0.0))
+    return Graph(tuple(agents),
+                 tuple(Edge(r, w, round(v[0], 3), round(v[1], 3))
+                       for (r, w), v in sorted(edges.items())))
+
+
+def _snapshots(config: Config, namespace: str | None, l3: Any) -> list[dict[str, Any]]:
+    if l3 is not None:
+        return load_snapshots(l3)
+    ns = namespace or config.node.namespace
+    return [host_snapshot(config.node.host_id, agents_dir(ns, config.cache.l2_dir), time.time())]
+
+
+def observe(config: Config, seconds: float, *, namespace: str | None = None,
+            sleep: Callable[[float], None] = time.sleep) -> Graph:
+    """The whole cluster's communication graph over the next ``seconds`` (0: since each
+    agent started). In cluster mode it reads every host's snapshot from L3 (each daemon
+    publishes once a second, so the rates cover about ``seconds``); in embedded mode the
+    table of the namespace ``namespace`` (default ``node.namespace``) on this host.
+    Raises InvalidArgument (``seconds`` < 0), Unavailable (L3 cannot be reached),
+    ConfigError (cluster mode without ``kvcomm[cluster]``)."""
+    from ..errors import InvalidArgument
+
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < 1e6:
+        raise InvalidArgument(f"seconds must be a number >= 0, got {seconds!r}")
+    l3 = None
+    if config.cluster.enabled:
+        from ..tiers.l3 import L3Store
+
+        cl = config.cluster
+        l3 = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
+                     tls=cl.redis_tls, timeout=cl.timeout)
+    try:
+        before = _snapshots(config, namespace, l3) if seconds > 0 else []
+        if seconds > 0:
+            sleep(seconds)
+        after = _snapshots(config, namespace, l3)
+    finally:
+        if l3 is not None:
+            l3.close()
+    if not after and l3 is not None:
+        raise Unavailable("no host has published its agents to L3: is `kvcomm node` running "
+                          "on the hosts, and are the agents reading (hot_key_sample > 0)?")
+    return graph_from(before, after)

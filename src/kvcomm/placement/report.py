@@ -1,0 +1,304 @@
+"""What each agent observes, and the host's table of it: one small file per agent.
+
+Sampling
+--------
+The C getter already counts 1 read in ``cache.hot_key_sample`` (16) for the host's hot
+keys, into a per-client buffer of key → reads (scaled back up) that the client flushes
+about once a second (``_client/hotkeys.py``). Placement rides on that flush, never on a
+read: :meth:`AgentStats.sampled` looks up who wrote each sampled key — the writer's agent
+id in the record's extension field and the value's size, read lock-free in C for all the
+keys at once (``Core.writers``) — and adds (reads, bytes) to the edge towards that writer.
+Reads of the agent's own keys are not edges. A flush attributes at most
+``MAX_KEYS_PER_FLUSH`` keys: beyond that, every k-th key (from a rotating start) with its
+count scaled by k, so an agent reading thousands of distinct keys pays a bounded price
+per flush and the estimate stays unbiased. An L1 hit costs exactly what it did.
+
+Memory is bounded: at most ``MAX_WRITERS`` writers per agent (reads of further writers
+are counted in ``dropped``), and a cache of ``MAX_NAMES`` extension fields → ids.
+
+The host's table
+----------------
+Every ``REPORT_EVERY`` seconds (at a flush when the agent reads; an agent that only
+writes looks at the clock every ``REPORT_PUTS`` puts) an agent replaces its
+file in ``{cache.l2_dir}/kvcomm.{namespace}.agents/`` with its running totals since it
+started — operations, and (reads, bytes) per writer — so that any two reports give rates
+over the time between them. A file is written whole under a temporary name and renamed:
+a reader sees the old report or the new one. The node daemon reads the directory,
+publishes it to L3 (:mod:`kvcomm.placement.observe`) and removes the files of processes
+that are gone; a client that closes removes its own. Writing a report never raises into
+the agent's call: a failure is counted, warned about once, and retried at the next one.
+
+Report format (msgpack map; ``f`` is 1): ``agent``, ``host``, ``pid``, ``since`` and ``t``
+(wall-clock seconds: the agent's start and this report), ``ops`` (gets, puts and deletes
+so far), ``edges`` ({writer: [reads, bytes]}, estimated from the samples), ``dropped`` and
+``unknown`` (sampled reads past the writer bound, and of records with no writer id).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgpack
+
+from ..errors import KVCommError, KVCommWarning, SegmentError
+from ..tiers.shm.files import SHM_DIR, pid_alive, segment_path
+from .agents import agent_of, is_agent_id
+
+FORMAT = 1
+REPORT_EVERY = 1.0  # seconds between an agent's reports
+REPORT_PUTS = 1024  # puts between two looks at the clock (for agents that only write)
+MAX_WRITERS = 1024  # edges kept per agent
+MAX_KEYS_PER_FLUSH = 16  # sampled keys whose writer one flush looks up
+MAX_NAMES = 4096  # extension fields → writer ids remembered per agent
+MAX_REPORT_BYTES = 1 << 20  # a larger file is not a report of ours
+GONE_AFTER = 10.0  # seconds a dead process's report stays (the daemon publishes it once more)
+TMP_AFTER = 60.0  # seconds after which a left-over temporary file is removed
+
+
+def agents_dir(namespace: str, directory: str = SHM_DIR) -> str:
+    """The host's table of agent reports for ``namespace``. Raises SegmentError on a bad
+    namespace."""
+    return segment_path(namespace, directory) + ".agents"
+
+
+def _dir_mode(permissions: int) -> int:
+    """A directory mode for files of ``permissions``: search wherever reading is allowed."""
+    return permissions | ((permissions & 0o444) >> 2)
+
+
+def ensure_dir(path: str, permissions: int) -> None:
+    """Create the table's directory (``permissions`` plus search bits), or check the one
+    there is a directory of this user. Raises SegmentError saying what to remove."""
+    try:
+        os.mkdir(path, _dir_mode(permissions))
+        os.chmod(path, _dir_mode(permissions))  # (mkdir's mode passed through the umask)
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise SegmentError(f"cannot create {path}: {exc.strerror}") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() \
+            or stat.S_IMODE(st.st_mode) & ~_dir_mode(permissions):
+        raise SegmentError(
+            f"{path} is not a directory of this user with mode at most "
+            f"{oct(_dir_mode(permissions))} (cache.l2_permissions); remove it (as its owner) "
+            "so that agents can report there")
+
+
+class AgentStats:
+    """One client's observations: sampled reads of other agents' keys, by writer, and the
+    report file they go to. ``clock`` is the wall clock (reports of different processes
+    are compared)."""
+
+    def __init__(self, agent: str, host: str, namespace: str, directory: str,
+                 permissions: int, *, clock: Callable[[], float] = time.time) -> None:
+        self.agent, self.host = agent, host
+        self.clock = clock
+        self.since = clock()
+        self.edges: dict[str, list[float]] = {}  # writer → [reads, bytes]
+        self.dropped = 0.0  # sampled reads of writers past MAX_WRITERS
+        self.unknown = 0.0  # sampled reads of records without a writer id
+        self.errors = 0  # reports that could not be written
+        self.reports = 0
+        self._names: dict[bytes, str | None] = {}
+        self._rot = 0
+        self._permissions = permissions
+        self._dir = agents_dir(namespace, directory)
+        self._pid = os.getpid()
+        self._file = f"{agent}.{self._pid}.{secrets.token_hex(4)}"
+        self._next = 0.0
+        self._warned = False
+        self._written = False
+
+    # ------------------------------------------------------------------ sampling
+
+    def sampled(self, counts: Mapping[str, int], keys: Mapping[str, tuple[bytes, int]],
+                key_hash: Callable[[str], tuple[bytes, int]],
+                writers: Callable[[list[tuple[bytes, int]]], list[tuple[bytes, int] | None]],
+                ) -> None:
+        """Attribute the sampled reads ``counts`` (key → estimated reads) to their writers:
+        ``writers(pairs)`` is ``Core.writers`` (the extension field and value size of each
+        (key bytes, hash)); ``keys`` the client's key memo, ``key_hash`` its validator."""
+        picked = list(counts)  # (keys only: no tuple per key of a full buffer)
+        scale = 1.0
+        if len(picked) > MAX_KEYS_PER_FLUSH:  # every k-th key, its count scaled by k
+            step = -(-len(picked) // MAX_KEYS_PER_FLUSH)
+            start = self._rot % step
+            self._rot += 1
+            scale = len(picked) / len(picked[start::step])
+            picked = picked[start::step]
+        pairs = []
+        for key in picked:
+            kh = keys.get(key)
+            pairs.append(kh if kh is not None else key_hash(key))
+        names, edges = self._names, self.edges
+        for key, found in zip(picked, writers(pairs), strict=True):
+            n = counts[key]
+            if found is None:
+                continue  # gone meanwhile: a sample can do without it
+            ext, size = found
+            if ext in names:
+                writer = names[ext]
+            else:
+                writer = agent_of(ext)
+                if len(names) >= MAX_NAMES:
+                    names.clear()
+                names[ext] = writer
+            reads = n * scale
+            if writer is None:
+                self.unknown += reads
+                continue
+            if writer == self.agent:
+                continue  # its own key: not an edge
+            e = edges.get(writer)
+            if e is None:
+                if len(edges) >= MAX_WRITERS:
+                    self.dropped += reads
+                    continue
+                e = edges[writer] = [0.0, 0.0]
+            e[0] += reads
+            e[1] += reads * size
+
+    # ------------------------------------------------------------------ the report file
+
+    def report_due(self) -> bool:
+        return self.clock() >= self._next
+
+    def report(self, ops: int) -> bool:
+        """Replace this agent's report with its totals now (``ops``: its operations so
+        far). Returns whether it was written; never raises (a failure is counted, and
+        warned about once per client)."""
+        now = self.clock()
+        self._next = now + REPORT_EVERY
+        if ops <= 0 and not self.edges:
+            return False  # nothing done yet (the node daemon's own client, say)
+        data = msgpack.packb({
+            "f": FORMAT, "agent": self.agent, "host": self.host, "pid": self._pid,
+            "since": self.since, "t": now, "ops": ops,
+            "edges": {w: [round(e[0]), round(e[1])] for w, e in self.edges.items()},
+            "dropped": round(self.dropped), "unknown": round(self.unknown)})
+        path = os.path.join(self._dir, self._file)
+        tmp = os.path.join(self._dir, f".{self._file}.tmp")
+        try:
+            if not self._written:
+                ensure_dir(self._dir, self._permissions)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         self._permissions)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except (OSError, KVCommError) as exc:
+            self.errors += 1
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"agent {self.agent!r} cannot report what it reads to {self._dir} "
+                              f"({exc}); placement will not see it until it can",
+                              KVCommWarning, stacklevel=2)
+            return False
+        self._written = True
+        self.reports += 1
+        return True
+
+    def close(self) -> None:
+        """Remove this agent's report (it no longer runs here). Never raises."""
+        if self._written:
+            try:
+                os.unlink(os.path.join(self._dir, self._file))
+            except OSError:
+                pass
+            self._written = False
+
+
+def _valid(r: Any) -> bool:
+    """True for a report of ours (every field of the right type and range)."""
+    if not isinstance(r, dict) or r.get("f") != FORMAT:
+        return False
+    if not is_agent_id(r.get("agent")) or not isinstance(r.get("host"), str):
+        return False
+    for k in ("since", "t", "ops", "dropped", "unknown"):
+        v = r.get(k)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0 or v == float("inf"):
+            return False
+    if not isinstance(r.get("pid"), int) or not isinstance(r.get("edges"), dict):
+        return False
+    if len(r["edges"]) > MAX_WRITERS:
+        return False
+    for w, e in r["edges"].items():
+        if not is_agent_id(w) or not isinstance(e, list) or len(e) != 2:
+            return False
+        if any(isinstance(x, bool) or not isinstance(x, int | float) or not x >= 0 for x in e):
+            return False
+    return True
+
+
+def read_reports(path: str, *, clean: bool = True, now: float | None = None) -> list[dict[str, Any]]:
+    """The valid reports in the table ``path`` ([] when there is none), each with its file
+    name under ``"id"``. With ``clean``, removes the reports of processes that are gone
+    (after GONE_AFTER seconds), left-over temporary files, and files that are not reports.
+    Never raises for what it finds: a file that is not a report is skipped."""
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        full = os.path.join(path, name)
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue
+        age = now - st.st_mtime
+        if name.startswith("."):
+            if clean and age > TMP_AFTER:
+                _unlink(full)
+            continue
+        report = None
+        if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_REPORT_BYTES:
+            try:
+                with open(full, "rb") as f:
+                    report = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+            except Exception:  # half-written by something else, or not msgpack
+                report = None
+        if not _valid(report):
+            if clean and age > TMP_AFTER:
+                _unlink(full)
+            continue
+        assert isinstance(report, dict)
+        if clean and age > GONE_AFTER and not pid_alive(int(report["pid"])):
+            _unlink(full)
+            continue
+        report["id"] = name
+        out.append(report)
+    return out
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def remove_table(namespace: str, directory: str = SHM_DIR) -> None:
+    """Remove the namespace's table of agent reports (with the namespace: ``purge``).
+    Leaves alone a path that is not a directory of this user. Never raises for what it
+    finds there."""
+    import shutil
+
+    path = agents_dir(namespace, directory)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        shutil.rmtree(path, ignore_errors=True)
