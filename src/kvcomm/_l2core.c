@@ -93,6 +93,8 @@ static PyObject *Unavailable;     /* kvcomm.errors.Unavailable */
 static PyObject *InvalidArgument; /* kvcomm.errors.InvalidArgument */
 static PyObject *WriteUnderLock;  /* kvcomm.errors.WriteUnderLock (an InvalidArgument) */
 static PyObject *ExtCheck;        /* kvcomm.core.ext.l2_ext_problem, set at import (NULL: none) */
+static PyObject *ExtOk;           /* the last field ExtCheck passed: bytes are immutable, so the
+                                     same object (a client's packed agent id) passes again unasked */
 
 #define W(c, off) ((uint64_t *)((c)->base + (off)))
 #define HW(c, name) W(c, (name) * 8)

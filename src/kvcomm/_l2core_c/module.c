@@ -74,6 +74,7 @@ set_ext_check(PyObject *mod, PyObject *fn)
     }
     Py_INCREF(fn);
     Py_XSETREF(ExtCheck, fn);
+    Py_CLEAR(ExtOk);
     Py_RETURN_NONE;
 }
 

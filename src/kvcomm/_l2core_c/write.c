@@ -77,7 +77,7 @@ parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
         op->xlen = (uint64_t)PyBytes_GET_SIZE(ext);
         /* one rule for what a valid field is (kvcomm.core.ext, shared with L3's readers):
            a field no other host could read is refused before the write is acknowledged */
-        if (op->xlen && ExtCheck) {
+        if (op->xlen && ExtCheck && ext != ExtOk) {
             PyObject *why = PyObject_CallOneArg(ExtCheck, ext);
             if (!why)
                 return -1;
@@ -88,6 +88,8 @@ parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
             Py_DECREF(why);
             if (bad)
                 return -1;
+            Py_INCREF(ext); /* (a batch's ops share their writer's field: checked once) */
+            Py_XSETREF(ExtOk, ext);
         }
     }
     op->tag = PyLong_AsUnsignedLongLong(it[2]);
