@@ -12,7 +12,7 @@ from ..core import codec
 from ..core.negative import NegativeCache
 from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
-from ..errors import InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
+from ..errors import InvalidArgument, InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
@@ -84,6 +84,54 @@ class ClientBase:
         self._l2_misses = 0
         self._puts = 0
         self._host_vec = ((self._host, 0),)
+        self._strong: Any = None  # StrongStore: cluster mode with cluster.etcd (_client/strong.py)
+        self._strong_on = False  # some keys are strong: every operation asks is_strong
+        if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
+            self._open_strong()
+
+    def _open_strong(self) -> None:
+        """Open the strong-key store and check this config's prefixes against the
+        cluster's. Raises ConfigError (no cluster.etcd; prefixes that disagree). When etcd
+        cannot answer now, the check is left to the first strong operation."""
+        from ..errors import ConfigError, Unavailable
+        from .strong import StrongStore
+
+        c = self.config.cache
+        if not self.config.cluster.etcd:
+            raise ConfigError("cluster.etcd", "cache.strong_prefixes (or cache.l3_consistency: "
+                              "strong) in cluster mode keeps strong keys in etcd: list the "
+                              "etcd members in cluster.etcd")
+        try:
+            self._strong = StrongStore(self.config, self.name, self._etcd_unreachable)
+            self._strong.check()
+        except Unavailable:
+            pass  # partitioned at start: eventual keys work; strong ones check first
+        except BaseException:
+            if self._strong is not None:
+                self._strong.close()
+            process_budget().unregister(c.l1_size)
+            _Shared.release(self._attached)
+            self._closed = self._unusable = True
+            raise
+        self._strong_on = bool(c.strong_prefixes) or c.l3_consistency == "strong"
+
+    def _is_strong(self, key: str, consistency: str | None) -> bool:
+        """Whether ``key`` is strong (cluster mode; see _client/strong.py). Raises
+        InvalidKey, and InvalidArgument when ``consistency`` names the other kind."""
+        self._key_hash(key)  # (validates the key)
+        strong = self._strong is not None and self._strong_on and self._strong.is_strong(key)
+        if consistency is not None and self._cluster and (consistency == "strong") != strong:
+            raise InvalidArgument(
+                f"{key!r} is {'a strong' if strong else 'an eventual'} key in cluster mode, "
+                f"and consistency={consistency!r} asks otherwise: which keys are strong is "
+                "the cluster's choice, set by cache.strong_prefixes (longest prefix wins; "
+                "others follow cache.l3_consistency); drop consistency= or change the prefixes")
+        return strong
+
+    def _etcd_unreachable(self) -> str | None:
+        """Why the host's node daemon finds etcd's majority out of reach, or None
+        (the daemon's status; see node/daemon.py). Overridden by later layers."""
+        return None
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from .._l2core import BatchOps
 from ..core.versions import Version
+from ..errors import InvalidArgument
 from .base import _now_ms, _run_validator
 from .items import Item
 
@@ -57,6 +58,13 @@ class Batch(BatchOps):
             return
         c = self._client
         c._live()
+        if c._strong_on:
+            for k in self._keys:
+                if c._is_strong(k, None):
+                    raise InvalidArgument(
+                        f"{k!r} is a strong key (cache.strong_prefixes): a batch is applied "
+                        "in L2, strong keys live in etcd; write it with put()/delete() "
+                        "outside the batch (nothing of this batch was written)")
         check = None
         if c._has_validators and any(c._validators.lookup(k) is not None for k in self._keys):
             if c._cluster:  # bring L3's values into L2 for the validators

@@ -74,6 +74,8 @@ class Client(Watching):
             self._l3.close()
         if self._kf is not None:
             self._kf.close()
+        if self._strong is not None:
+            self._strong.close()
         self._l1_entries = {}
         self._getter.close()
         self.__dict__.pop("get", None)  # Client.get: it says the client is closed

@@ -50,6 +50,11 @@ class Reads(ClusterReads):
         """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
         if self._unusable:
             self._live()
+        if self._strong_on and self._is_strong(key, None):
+            item = self._strong.get_item(key)
+            if want_item:
+                return item
+            return default if item is None else item.value
         kb, h = self._key_hash(key)
         self._getter.sampled(key)
         rec = self._read_l2(kb, h, self._zc)

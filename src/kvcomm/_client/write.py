@@ -43,6 +43,13 @@ class Writes(Reads):
             _bad_consistency(consistency)
         if self._unusable:
             self._live()
+        if self._strong_on or consistency is not None and self._cluster:
+            strong = self._is_strong(key, consistency)
+            if strong:
+                validator = self._validators.lookup(key) if self._has_validators else None
+                self._key_hash(key)
+                return self._strong.put(  # type: ignore[no-any-return]
+                    key, value, self._encode(value), expect, validator)
         # the common case inline (a key seen before, a bytes value, no checks): every call
         # saved here is a tenth of a put
         kh = self._keys.get(key) if type(key) is str else None
@@ -135,6 +142,9 @@ class Writes(Reads):
     def _delete(self, key: str, expect: Any = _NO_CHECK) -> int:
         """:meth:`delete`, returning the delete's write counter (0: nothing was there)."""
         self._live()
+        if self._strong_on and self._is_strong(key, None):
+            validator = self._validators.lookup(key) if self._has_validators else None
+            return int(self._strong.delete(key, expect, validator))
         kb, h = self._key_hash(key)
         cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
