@@ -86,6 +86,7 @@ class ClientBase:
         self._host_vec = ((self._host, 0),)
         self._strong: Any = None  # StrongStore: cluster mode with cluster.etcd (_client/strong.py)
         self._strong_on = False  # some keys are strong: every operation asks is_strong
+        self._status_reader: Any = None  # the node daemon's status file (partition mode)
         if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
             self._open_strong()
 
@@ -129,9 +130,15 @@ class ClientBase:
         return strong
 
     def _etcd_unreachable(self) -> str | None:
-        """Why the host's node daemon finds etcd's majority out of reach, or None
-        (the daemon's status; see node/daemon.py). Overridden by later layers."""
-        return None
+        """Why the host's node daemon finds etcd's majority out of reach, or None (its
+        status file, read at most every 50 ms; see node/presence.py)."""
+        r = self._status_reader
+        if r is None:
+            from ..node.presence import StatusReader, status_path
+
+            r = self._status_reader = StatusReader(status_path(self.name,
+                                                               self.config.cache.l2_dir))
+        return r.etcd_unreachable()  # type: ignore[no-any-return]
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""

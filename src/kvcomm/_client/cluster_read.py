@@ -36,9 +36,7 @@ class ClusterReads(Merging):
             from ..tiers.l3 import L3Store
 
             cl = self.config.cluster
-            self._l3 = L3Store(cl.seeds(), username=cl.redis_username,
-                               password=cl.redis_password, tls=cl.redis_tls, timeout=cl.timeout,
-                               max_value_size=self.config.cache.max_value_size)
+            self._l3 = L3Store.from_config(cl, max_value_size=self.config.cache.max_value_size)
         self.counters["l3_reads"] += 1
         rec = self._l3.get(key)
         if rec is None or rec.tombstone:

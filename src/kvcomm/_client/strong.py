@@ -5,7 +5,8 @@ Theory of operation
 A key is **strong** when it starts with one of ``cache.strong_prefixes`` (the longest
 prefix wins), or when it matches none and ``cache.l3_consistency`` is ``"strong"``. In
 cluster mode a strong key lives in etcd only, under ``kvc/k/<key>`` (like L3, shared by
-every host whatever its L2 namespace): never in L1, L2 or L3, so that no cache can serve a stale value and no merge can bring one back.
+every host whatever its L2 namespace): never in L1, L2 or L3, so that no cache can serve
+a stale value and no merge can bring one back.
 
 * **put / delete** are etcd writes: they return once a majority has them. ``expect=``
   is a transaction comparing the key's ``mod_revision`` with the Version's revision

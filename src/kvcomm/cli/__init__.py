@@ -12,6 +12,8 @@ the README's "Commands" section).
     kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR
     kvcomm dev-cluster partition --dir DIR --host H [--mode M] | heal --dir DIR
     kvcomm dev-cluster kill-etcd --dir DIR [--leader | --member N] | restart-etcd --dir DIR
+    kvcomm cluster status --config FILE [--json] | remove-host --config FILE HOST
+    kvcomm jepsen [--hosts N] [--minutes M | --seconds S] [--seed N] ...
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
 """
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +46,12 @@ def _info(args: argparse.Namespace) -> int:
         info = seg.info()
     finally:
         seg.close()
+    from ..node.presence import STATUS_FRESH_S, read_status, status_path
+
+    st = read_status(status_path(info["name"], c.l2_dir))
+    if st is not None and time.time() - float(st.get("updated", 0)) > STATUS_FRESH_S:
+        st = None  # (a daemon that died says nothing)
+    info["node"] = st
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -55,6 +64,13 @@ def _info(args: argparse.Namespace) -> int:
           f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
     print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
+    if st is not None:
+        mode = f"PARTITION MODE ({st.get('partition_reason')})" if st.get("partition") \
+            else "connected"
+        lease = f"lease {st['lease']:x}" if st.get("lease") else "no etcd lease"
+        etcd = ", etcd unreachable: strong keys fail at once" if st.get("etcd_unreachable") else ""
+        print(f"cluster        {mode}; {lease}{etcd}; backlog {st.get('backlog', 0)}, "
+              f"feed lag {st.get('feed_lag_s', 0)}s")
     if info["daemon_pid"]:
         state = "alive" if info["daemon_alive"] else "NOT heartbeating"
         print(f"node daemon    pid {info['daemon_pid']}, {state}; "
@@ -208,6 +224,52 @@ def _dev_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    """The cluster as etcd sees it. `status`: every host, its lease (live, expired,
+    stopped), whether it is in partition mode, its outbound backlog (writes not yet in
+    L3) and feed lag, as its daemon last published them. `remove-host HOST`: retire a
+    host that will not come back: revoke its lease, delete its records in etcd and its
+    feed cursors, hot keys and quarantine list in L3. Its backlog lives in its own L2:
+    run its daemon once (it flushes on SIGTERM) before removing it if it can still run."""
+    from ..node.presence import cluster_status, remove_host
+    from ..tiers.etcd import EtcdClient
+
+    cfg = load_config(args.config)
+    if not cfg.cluster.etcd:
+        raise InvalidArgument("kvcomm cluster needs cluster.etcd in the config (the etcd members)")
+    with EtcdClient.from_config(cfg.cluster) as etcd:
+        if args.action == "status":
+            hosts = cluster_status(etcd)
+            if args.json:
+                print(json.dumps({"hosts": hosts}, indent=2))
+                return 0
+            print(f"{'host':<16} {'lease':<18} {'partition':<9} {'backlog':>8} {'feed lag':>9}")
+            for h in hosts:
+                print(f"{h['host']:<16} {h['lease']:<18} {'yes' if h['partition'] else 'no':<9} "
+                      f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s")
+            return 0
+        if not args.host:
+            raise InvalidArgument("remove-host needs the host id: kvcomm cluster remove-host "
+                                  "--config FILE HOST")
+        found = remove_host(etcd, args.host)
+    l3_keys = 0
+    if cfg.cluster.redis:
+        require_cluster("kvcomm cluster remove-host")
+        from ..tiers.l3 import L3Store
+
+        cl = cfg.cluster
+        store = L3Store.from_config(cl)
+        try:
+            l3_keys = store.forget_host(args.host)
+        finally:
+            store.close()
+    last = found.get("last_status") or {}
+    print(f"{args.host}: lease {'revoked' if found['lease_revoked'] else 'already gone'}, "
+          f"{found['keys_deleted']} etcd records and {l3_keys} L3 records deleted; its "
+          f"last published backlog was {last.get('backlog', 'unknown')} writes")
+    return 0
+
+
 def _soak(args: argparse.Namespace) -> int:
     """Brings up a dev cluster, runs agents on every host and a seeded nemesis
     injecting faults, then checks the recorded history: exit 0 only when nothing
@@ -354,6 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    cl = _command(sub, "cluster", _cluster, "hosts, leases and partition mode (cluster mode)")
+    cl.add_argument("action", choices=["status", "remove-host"],
+                    help="status: list the hosts; remove-host: retire HOST")
+    cl.add_argument("host", nargs="?", metavar="HOST", help="remove-host: the host id")
+    cl.add_argument("--config", required=True, metavar="FILE",
+                    help="a host's kvcomm YAML config (its cluster.etcd and cluster.redis)")
+    cl.add_argument("--json", action="store_true",
+                    help='status as JSON: {"hosts": [{"host", "lease", "partition", '
+                    '"backlog", "feed_lag_s"}]}')
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,
