@@ -248,9 +248,6 @@ def _cluster(args: argparse.Namespace) -> int:
                 print(f"{h['host']:<16} {h['lease']:<18} {'yes' if h['partition'] else 'no':<9} "
                       f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s")
             return 0
-        if not args.host:
-            raise InvalidArgument("remove-host needs the host id: kvcomm cluster remove-host "
-                                  "--config FILE HOST")
         found = remove_host(etcd, args.host)
     l3_keys = 0
     if cfg.cluster.redis:
@@ -418,14 +415,17 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
     cl = _command(sub, "cluster", _cluster, "hosts, leases and partition mode (cluster mode)")
-    cl.add_argument("action", choices=["status", "remove-host"],
-                    help="status: list the hosts; remove-host: retire HOST")
-    cl.add_argument("host", nargs="?", metavar="HOST", help="remove-host: the host id")
-    cl.add_argument("--config", required=True, metavar="FILE",
-                    help="a host's kvcomm YAML config (its cluster.etcd and cluster.redis)")
-    cl.add_argument("--json", action="store_true",
-                    help='status as JSON: {"hosts": [{"host", "lease", "partition", '
-                    '"backlog", "feed_lag_s"}]}')
+    actions = cl.add_subparsers(dest="action", required=True, metavar="ACTION")
+    st = actions.add_parser("status", help="list the hosts, their leases, partition mode, "
+                            "backlog and feed lag")
+    st.add_argument("--json", action="store_true",
+                    help='as JSON: {"hosts": [{"host", "lease", "partition", "backlog", '
+                    '"feed_lag_s"}]}')
+    rm = actions.add_parser("remove-host", help="retire a host that will not come back")
+    rm.add_argument("host", metavar="HOST", help="the host id (node.host_id)")
+    for q in (st, rm):
+        q.add_argument("--config", required=True, metavar="FILE",
+                       help="a host's kvcomm YAML config (its cluster.etcd and cluster.redis)")
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,

@@ -528,13 +528,18 @@ class Daemon:
             log.warning("partition mode: %s; agents keep writing eventual keys into L2 (at "
                         "most cluster.outbound_max waiting), strong keys need etcd",
                         self.reach.reason)
-            # probe often: the heal is found within ~200 ms, not after a 2 s backoff
+            # probe often: the heal is found within ~200 ms, not after a 2 s backoff; and
+            # do not spend each probe re-reading the slot map from every unreachable seed
             self.out.backoff.cap = self.inb.backoff.cap = 0.2
+            if hasattr(self.l3, "refresh_every"):
+                self.l3.refresh_every = 10.0
         elif change == "leave":
             self.stats.bump("heals")
             log.warning("partition healed: replaying %d waiting writes through L3's merge",
                         self.backlog())
             self.out.backoff.cap = self.inb.backoff.cap = 2.0
+            if hasattr(self.l3, "refresh_every"):
+                self.l3.refresh_every = 0.5
             self.out.backoff.succeeded()
             self.inb.backoff.succeeded()
             self.out.retry_at = self.inb.retry_at = float("-inf")

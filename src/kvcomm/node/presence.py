@@ -165,7 +165,9 @@ class HostPresence:
         self.interval = self.ttl / 3
         self.etcd = EtcdClient.from_config(cl, timeout=min(cl.timeout, self.interval))
         self.snapshot = snapshot
-        self.on_change = on_change  # etcd_unreachable flipped: tell the agents now
+        # publishes the host's status locally (the status file): after every beat, from
+        # this thread, so that a main loop stuck in a Redis call cannot leave it stale
+        self.on_change = on_change
         self.clock = clock
         self.lease = 0
         self.etcd_ok_at = clock()
@@ -186,19 +188,22 @@ class HostPresence:
         return max(0.0, self.clock() - self.etcd_ok_at) if self.etcd_unreachable else 0.0
 
     def _run(self) -> None:
+        next_beat = self.clock()
         while True:
-            try:
-                self.beat()
-                ok = True
-            except KVCommError as exc:
-                ok = False
-                self.failures += 1
-                if not self.etcd_unreachable:
-                    log.warning("etcd does not answer (%s): strong keys fail at once until "
-                                "it does", exc)
-                    self.etcd_unreachable = True
-                    self._changed()
-            if self._stop.wait(self.interval if ok else PROBE_WHILE_DOWN):
+            ok = True
+            if self.clock() >= next_beat:  # every ttl / 3 (every 200 ms while etcd is down)
+                try:
+                    self.beat()
+                except KVCommError as exc:
+                    ok = False
+                    self.failures += 1
+                    if not self.etcd_unreachable:
+                        log.warning("etcd does not answer (%s): strong keys fail at once "
+                                    "until it does", exc)
+                        self.etcd_unreachable = True
+                next_beat = self.clock() + (self.interval if ok else PROBE_WHILE_DOWN)
+            self._changed()  # (the status file: at least every second)
+            if self._stop.wait(max(0.0, min(next_beat - self.clock(), 1.0))):
                 return
 
     def beat(self) -> None:
@@ -223,7 +228,6 @@ class HostPresence:
         if self.etcd_unreachable:
             log.info("etcd answers again")
             self.etcd_unreachable = False
-            self._changed()
 
     def _changed(self) -> None:
         if self.on_change is not None:

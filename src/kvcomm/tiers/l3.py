@@ -508,6 +508,9 @@ class L3Store:
         self._position = self.rc.register_script(POSITION_LUA)
         self._loaded: set[str] = set()  # nodes known to hold the push script
         self._refreshed = 0.0
+        # seconds between slot-map refreshes after a failed call: each one may try every
+        # seed for cluster.timeout; the daemon spaces them out in partition mode
+        self.refresh_every = 0.5
 
     @classmethod
     def from_config(cls, cluster: Any, *, max_value_size: int = MAX_VALUE_SIZE,
@@ -869,7 +872,7 @@ class L3Store:
         import time
 
         now = time.monotonic()
-        if now - self._refreshed < 0.5:
+        if now - self._refreshed < self.refresh_every:
             return
         self._refreshed = now
         try:
