@@ -285,6 +285,29 @@ def _soak(args: argparse.Namespace) -> int:
     return soak.main(opts, as_json=args.json)
 
 
+def _jepsen(args: argparse.Namespace) -> int:
+    """The soak (see `kvcomm soak --help`) turned on strong keys: CLIENTS processes per
+    host doing get/put/compare-and-set/update/delete with unique values on a handful of
+    strong keys while the nemesis partitions hosts, kills and pauses etcd members (the
+    leader included) and drops connections; the recorded history is checked by the
+    linearizability checker (kvcomm.faults.linearizability), the eventual keys as the
+    soak checks them (nothing acknowledged lost, every host converged), and every
+    partition's heal -> convergence time is measured (p50, p99). Exit 0 only when all
+    of it holds. Needs redis-server, etcd and pip install 'kvcomm[cluster]'."""
+    from ..faults import soak
+
+    require_cluster("kvcomm jepsen")
+    opts: dict[str, object] = {
+        "hosts": args.hosts, "seconds": args.seconds if args.seconds else args.minutes * 60,
+        "seed": args.seed, "directory": args.dir, "workers": args.workers,
+        "rate": args.rate, "strong_clients": args.clients, "strong_keys": args.strong_keys,
+        "faults": [f for f in args.faults.split(",") if f] if args.faults else None,
+        "converge_timeout": args.converge_timeout}
+    if args.quiet:
+        opts["log"] = lambda line: None
+    return soak.jepsen_main(opts, as_json=args.json)
+
+
 def _demo(args: argparse.Namespace) -> int:
     """A drone swarm flying on KVCOMM, then the same swarm on a central store; prints
     latencies side by side. Needs pip install 'kvcomm[demo]'."""
@@ -426,6 +449,29 @@ def build_parser() -> argparse.ArgumentParser:
     for q in (st, rm):
         q.add_argument("--config", required=True, metavar="FILE",
                        help="a host's kvcomm YAML config (its cluster.etcd and cluster.redis)")
+
+    jp = _command(sub, "jepsen", _jepsen, "strong keys under partitions and etcd faults: is "
+                  "the history linearizable, is anything acknowledged lost?")
+    jp.add_argument("--hosts", type=int, default=3, metavar="N", help="simulated hosts (default 3)")
+    jp.add_argument("--minutes", type=float, default=5.0, metavar="M",
+                    help="workload time in minutes (default 5)")
+    jp.add_argument("--seconds", type=float, metavar="S", help="workload time in seconds")
+    jp.add_argument("--seed", type=int, metavar="N", help="replay the faults of this seed")
+    jp.add_argument("--clients", type=int, default=3, metavar="N",
+                    help="strong-key clients per host (default 3)")
+    jp.add_argument("--strong-keys", type=int, default=5, metavar="N",
+                    help="strong keys they share (default 5)")
+    jp.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="eventual-key agent processes per host (default 1)")
+    jp.add_argument("--rate", type=float, default=30.0, metavar="HZ",
+                    help="eventual operations per second per agent (default 30)")
+    jp.add_argument("--faults", metavar="KIND,...", help="fault kinds (default: "
+                    "partition-host, kill-etcd-member, pause-etcd-member, drop-connections)")
+    jp.add_argument("--dir", metavar="DIR", help="keep logs, histories and report here")
+    jp.add_argument("--converge-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds to wait for every host to agree with L3 (default 60)")
+    jp.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    jp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,
