@@ -602,6 +602,9 @@ def run_soak(opts: SoakOptions) -> SoakResult:
                      f"--faults {','.join(sorted(kinds))} --workers {opts.workers} "
                      f"--rate {opts.rate:g}" + ("" if opts.shared_deletes
                                                  else " --no-shared-deletes"))
+    if opts.strong_clients:
+        result.replay = result.replay.replace("kvcomm soak", "kvcomm jepsen", 1) + \
+            f" --clients {opts.strong_clients} --strong-keys {opts.strong_keys}"
     log(f"kvcomm soak: seed {seed}; replay with `{result.replay}`; directory {base}")
     from .. import devcluster
 
