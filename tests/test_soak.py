@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from kvcomm.core.versions import Version
+from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.errors import InvalidArgument
 from kvcomm.faults import FAULTS, Fault, Nemesis, Observed, Op, check, fault_kinds, plan, register
 from kvcomm.faults.checker import ABSENT
 from kvcomm.faults.history import DELETE, GET, INFO, OK, PUT, HistoryWriter, load_history
-from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.faults.soak import SoakOptions, SoakResult, run_soak
 
 # ---------------------------------------------------------------------- the checker
