@@ -18,8 +18,8 @@ def test_partition_mode_enters_past_the_ttl_and_leaves_when_both_answer() -> Non
     assert r.update(5.0, etcd_ok_at=0.0) is None and not r.partition  # within the TTL
     assert r.update(6.5, etcd_ok_at=6.0) == "enter"  # Redis silent for 6.5 s
     assert r.partition and "Redis unreachable" in r.reason and r.entered == 1
-    r.redis_ok(7.0)
-    assert r.update(20.0, etcd_ok_at=7.0) is None  # Redis back, etcd now silent for 13 s
+    r.redis_ok(20.0)
+    assert r.update(20.0, etcd_ok_at=7.0) is None  # Redis back, etcd silent for 13 s
     assert r.partition and "no etcd majority" in r.reason and "Redis" not in r.reason
     r.redis_ok(21.0)
     assert r.update(21.0, etcd_ok_at=21.0) == "leave" and not r.partition and r.left == 1
