@@ -104,7 +104,8 @@ class ClientBase:
                               "etcd members in cluster.etcd")
         try:
             self._strong = StrongStore(self.config, self.name, self._etcd_unreachable)
-            self._strong.check()
+            if not self._etcd_unreachable():  # (partitioned: do not wait cluster.timeout)
+                self._strong.check()
         except Unavailable:
             pass  # partitioned at start: eventual keys work; strong ones check first
         except BaseException:

@@ -50,6 +50,8 @@ class Client(Watching):
             "ops": {"puts": self._puts, "deletes": c["deletes"],
                     "conflicts": c["conflicts"], "merges": c["merges"],
                     "resolver_failures": c["resolver_failures"]},
+            # strong keys (cluster mode): etcd operations of this client
+            "strong": dict(self._strong.counters) if self._strong is not None else {},
         }
 
     def keys(self, prefix: str = "") -> list[str]:
