@@ -438,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
     cl = _command(sub, "cluster", _cluster, "hosts, leases and partition mode (cluster mode)")
-    actions = cl.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions = cl.add_subparsers(dest="action", required=True, metavar="ACTION",
+                                help="status: list the hosts; remove-host HOST: retire one")
     st = actions.add_parser("status", help="list the hosts, their leases, partition mode, "
                             "backlog and feed lag")
     st.add_argument("--json", action="store_true",
