@@ -28,10 +28,11 @@ FUZZ_CASES ?= 20000
 fuzz: $(STAMP)          ## the segment fuzzer's long run (FUZZ_CASES=20000, FUZZ_SEED=...)
 	FUZZ_CASES=$(FUZZ_CASES) FUZZ_GDB=1 $(BIN)/python -m pytest -q -s tests/test_fuzz_segment.py -k never_crash
 
-bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, UltraDict, rbloom, pyprobables)
+bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, UltraDict, rbloom, pyprobables); metrics' cost
 	$(BIN)/python -m pip install -q UltraDict atomics rbloom pyprobables
 	$(BIN)/python bench/bench_embedded.py
 	$(BIN)/python bench/bench_core.py
+	$(BIN)/python bench/bench_metrics.py
 
 bench-cluster: $(STAMP) ## cluster mode vs Redis Cluster directly (needs redis-server)
 	$(BIN)/python bench/bench_cluster.py

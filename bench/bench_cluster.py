@@ -209,6 +209,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--quick", action="store_true", help="3 s runs, fewer propagation samples")
+    ap.add_argument("--plot", metavar="PNG", help="write the agents' tick-time CDFs, kvcomm vs "
+                    "the baseline, to this PNG (needs kvcomm[plot])")
     args = ap.parse_args()
     seconds = 3.0 if args.quick else args.seconds
     d = tempfile.mkdtemp(prefix="kvcomm-bench-")
@@ -262,6 +264,14 @@ def main() -> int:
     print(f"change feed: {sv['xrange']:,} XRANGE reads ({sv['xrange'] / seconds:,.0f}/s for {HOSTS} hosts), "
           f"{feed_len:,} stream entries kept, {feed_mem / 1024:,.0f} KiB of stream memory")
 
+    if args.plot:
+        from kvcomm.loadtest.plots import cdf
+
+        print("wrote", cdf({"kvcomm": [t / 1e3 for t in ours["ticks"]],
+                            "Redis Cluster directly": [t / 1e3 for t in base["ticks"]]},
+                           f"bench_cluster: agent tick time ({HOSTS} hosts x {PER_HOST} agents, "
+                           f"{RATE:g} Hz, {NEIGHBOURS} neighbours + {ABSENT} absent keys)",
+                           args.plot, xlabel="tick time (µs, log scale)"))
     n = 20 if args.quick else 60
     print("\n== cross-host propagation (put on host 1 -> a spinning reader on host 2 sees it)")
     for window, poll in (("50ms", "20ms"), ("5ms", "5ms")):

@@ -412,7 +412,7 @@ def m_header_word(rng: random.Random, a: Anatomy) -> Mutation:
 
 
 _LAYOUT_TARGETS = ["n_slots", "feed_n", "feed_esz", "n_pins", "top_order", "data_size",
-                   "sketch_width", "topk", "max_key", "hot_off", "total", "data_off"]
+                   "sketch_width", "topk", "max_key", "hot_off", "total", "data_off", "metrics_off"]
 
 
 def _fix_layout(lay: l2.Layout, changed: str) -> l2.Layout:
@@ -427,6 +427,8 @@ def _fix_layout(lay: l2.Layout, changed: str) -> l2.Layout:
     d["defer_off"] = d["pins_off"] + d["n_pins"] * 8 * PIN_WORDS
     if changed != "hot_off":
         d["hot_off"] = max(d["hot_off"], (d["defer_off"] + d["n_pins"] * 8 + 63) // 64 * 64)
+    if changed != "metrics_off":  # (the metrics region follows the hot keys)
+        d["metrics_off"] = _geometry._metrics_off(d["hot_off"], d["sketch_width"], d["topk"], d["max_key"])
     return l2.Layout(**d)
 
 

@@ -169,11 +169,17 @@ def test_failover_when_the_member_in_use_is_killed(healthy: EtcdCluster,
     assert not healthy.alive(i)
     before = client.stats.failovers
     t0 = time.monotonic()
-    kv = client.get(k)  # a read on the pooled connection to the dead member: fails over
+    # a read on the pooled connection to the dead member fails over; when that member was
+    # the leader, the others first elect one (longer than cluster.timeout on a loaded
+    # machine), and the read is Unavailable until then: never a stale answer
+    kv = wait_for(lambda: client.get(k), 60, "a read after the member in use was killed",
+                  retry_on=(kvcomm.Unavailable,))
     took = time.monotonic() - t0
     assert kv is not None and kv.value == b"before"
     assert client.endpoint != used and client.stats.failovers > before
-    client.put(k, b"after")  # a write too: the dead member is not tried first any more
+    # a write too: the dead member is not tried first any more
+    wait_for(lambda: client.put(k, b"after") or True, 60, "a write after the failover",
+             retry_on=(kvcomm.Unavailable,))
     assert client.get(k).value == b"after"  # type: ignore[union-attr]
     print(f"failover after killing the member in use: {took * 1000:.1f} ms")
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import msgpack
 import numpy as np
 import pytest
 import yaml
@@ -158,3 +159,69 @@ def test_a_corrupt_old_segment_is_refused_not_misread(
     with pytest.raises(kvcomm.SegmentError, match="corrupt"):
         mig.migrate(ns, cfg)
     assert os.path.exists(mig.aside_path(path, 2)) or os.path.exists(path)  # kept
+
+
+# ---------------------------------------------------------------- layout 3 → 4
+# ``tests/data/segment-layout3.bin.gz`` is a real segment written by KVCOMM's layout 3 (the
+# layout before the metrics region; commit 6a53a04) in cluster mode, as host "host-a": five
+# dirty records (drone/1/pos overwritten once, drone/2/pos a msgpack map, shelf/7 a str,
+# arr a numpy array, robot/3 with an extension field {"agent": "r3"}) and one clean record
+# merged from "host-b" (remote/1, extension {"a": "agent-9"}).
+FIXTURE3 = pathlib.Path(__file__).parent / "data" / "segment-layout3.bin.gz"
+
+
+@pytest.fixture
+def old3(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    seg = shm / f"kvcomm.{ns}"
+    seg.write_bytes(gzip.decompress(FIXTURE3.read_bytes()))
+    os.chmod(seg, 0o600)
+    raw = {"cache": {"l2_size": "16MB", "l2_dir": str(shm)},
+           "cluster": {"redis": ["127.0.0.1:1"]}, "node": {"host_id": "host-a"}}
+    cfg_file = tmp_path / "host.yaml"
+    cfg_file.write_text(yaml.safe_dump(raw))
+    yield ns, cfg_file, kvcomm.Config.from_mapping(raw)
+    l2.purge(ns, str(shm))
+
+
+def test_the_layout3_reader_finds_exactly_the_unflushed_writes_with_their_extension(
+        old3: tuple[str, pathlib.Path, kvcomm.Config]) -> None:
+    ns, _, cfg = old3
+    got = mig.unflushed(l2.segment_path(ns, cfg.cache.l2_dir), 0o600)
+    assert got is not None
+    version, host, records = got
+    assert (version, host) == (3, "host-a")
+    by_key = {r.key.decode(): r for r in records}
+    assert sorted(by_key) == ["arr", "drone/1/pos", "drone/2/pos", "robot/3", "shelf/7"]
+    assert by_key["robot/3"].ext == msgpack.packb({"agent": "r3"})
+    assert by_key["shelf/7"].ext == b"" and by_key["drone/1/pos"].value == b"\x01\x03"
+
+
+def test_opening_a_layout3_segment_names_its_unflushed_writes(
+        old3: tuple[str, pathlib.Path, kvcomm.Config]) -> None:
+    ns, _, cfg = old3
+    with pytest.raises(kvcomm.SegmentError, match=r"layout version 3.*5 writes not yet in L3"):
+        kvcomm.open(ns, config=cfg)
+
+
+def test_migrate_from_layout3_carries_values_versions_and_extensions(
+        old3: tuple[str, pathlib.Path, kvcomm.Config]) -> None:
+    ns, cfg_file, cfg = old3
+    before = {r.key.decode(): r for r in mig.unflushed(
+        l2.segment_path(ns, cfg.cache.l2_dir), 0o600)[2]}  # type: ignore[index]
+    out = _cli("migrate", "--name", ns, "--config", str(cfg_file))
+    assert out.returncode == 0, out
+    assert "5 writes carried" in out.stdout and "from layout 3" in out.stdout
+    with _open_local(ns, cfg) as kv:
+        for key, value in {**DIRTY, "robot/3": b"claimed"}.items():
+            item = kv.get_item(key)
+            assert item is not None and item.value == value, key
+            assert vector_get(item.version.vector, "host-a") == before[key].counter
+            assert item.version.hlc == before[key].hlc
+        assert np.array_equal(kv.get("arr"), np.arange(10, dtype="<i4"))
+        kb = b"robot/3"
+        assert kv._seg.version(kb, l2.key_hash(kb))[7] == msgpack.packb({"agent": "r3"})
+        assert kv.get("remote/1") is None  # clean: L3 has it; not carried
+        assert kv._seg.dirty_count == 5
+        assert kv._seg.check() == []

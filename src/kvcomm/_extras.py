@@ -6,12 +6,16 @@ msgpack, xxhash, pydantic and PyYAML. Everything else comes with an extra:
 ===========  ======================  ==============================================
 extra        installs                needed for
 ===========  ======================  ==============================================
-``cluster``  redis, hiredis          cluster mode (``cluster.redis`` set): clients
-                                     reaching L3, ``kvcomm node``, ``dev-cluster``,
+``cluster``  redis, hiredis,         cluster mode (``cluster.redis`` set): clients
+             prometheus-client       reaching L3, ``kvcomm node`` (and its metrics
+                                     exporter), ``dev-cluster``,
                                      ``soak``, the demo's Redis baselines
 ``demo``     rich                    ``kvcomm demo``'s terminal output
 ``plot``     matplotlib              ``kvcomm demo --plot``
 ``numpy``    numpy                   storing numpy arrays as values
+``metrics``  prometheus-client,      ``kvcomm metrics`` (the exporter), ``kvcomm top``
+             rich
+``loadtest`` locust                  ``kvcomm loadtest``
 ``all``      all of the above
 ``dev``      all, plus test tools    the test suite, linters, benchmarks' peers
 ===========  ======================  ==============================================
@@ -36,6 +40,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "demo": ("rich",),
     "plot": ("matplotlib",),
     "numpy": ("numpy",),
+    "metrics": ("prometheus_client", "rich"),
+    "loadtest": ("locust",),
 }
 
 

@@ -90,6 +90,7 @@ static PyTypeObject CoreType;
 static PyObject *SegmentError;    /* kvcomm.errors.SegmentError, set at import */
 static PyObject *Unavailable;     /* kvcomm.errors.Unavailable */
 static PyObject *InvalidArgument; /* kvcomm.errors.InvalidArgument */
+static PyObject *WriteUnderLock;  /* kvcomm.errors.WriteUnderLock (an InvalidArgument) */
 
 #define W(c, off) ((uint64_t *)((c)->base + (off)))
 #define HW(c, name) W(c, (name) * 8)

@@ -582,6 +582,30 @@ def _host_port(s: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class MetricsConfig(_Section):
+    """Prometheus metrics (kvcomm/metrics): agents count into the host's L2; one process
+    per host serves them (the node daemon, or ``kvcomm metrics`` in embedded mode)."""
+
+    _prefix: ClassVar[str] = "metrics"
+
+    port: Count = Field(default=0, ge=0, le=65535,
+                        description="the exporter's HTTP port (0: no exporter)")
+    host: Text = Field(default="127.0.0.1", min_length=1,
+                       description="the address it listens on (0.0.0.0: every interface)")
+    flush_interval: Duration = Field(default=1.0, ge=0, le=3600,
+                                     description="each process adds its counts to L2 this often "
+                                     "(0: only when a client closes)")
+    latency_sample: Count = Field(default=64, ge=0, le=1 << 20,
+                                  description="time 1 operation in N for the latency "
+                                  "histograms (0: off)")
+    hot_keys: Count = Field(default=10, ge=0, le=100,
+                            description="hot keys exported as kvcomm_hot_key_reads (0: none)")
+    hot_key_label: Literal["truncate", "hash"] = Field(
+        default="truncate", description="a hot key's label: its first hot_key_chars "
+        "characters, or a hash of it (keys that must not leave the host)")
+    hot_key_chars: Count = Field(default=64, ge=8, le=1024)
+
+
 class Config(_Section):
     """The whole configuration. ``Config()`` is the embedded default."""
 
@@ -589,6 +613,7 @@ class Config(_Section):
     network: NetworkConfig = NetworkConfig()
     node: NodeConfig = NodeConfig()
     cluster: ClusterConfig = ClusterConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="before")
     @classmethod

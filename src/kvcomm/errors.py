@@ -9,6 +9,7 @@
     ├── ConflictError       expect= did not match the stored version
     ├── ValidationError     an application validator rejected the write
     ├── InvalidArgument     another argument is wrong (consistency=, expect=, timeout=)
+    │   └── WriteUnderLock  a write from a validator (code that runs under the writer lock)
     ├── ConfigError         bad config; .key names the offending key
     ├── SegmentError        L2 segment is foreign, of another layout, corrupt or purged
     │   └── UnflushedWrites a purge refused: the segment holds writes not yet in L3
@@ -24,9 +25,19 @@ Lower-layer errors (OS, msgpack, redis) are translated at the boundary, never le
 
 from __future__ import annotations
 
+MADE: dict[str, int] = {}
+"""Errors made in this process, by class name (``kvcomm_errors_total{type}``: flushed to
+the host's L2 with the other counters). Counted when made, so it includes those KVCOMM
+handles itself: a compare-and-set that ``update()`` retries, an L3 call retried."""
+
 
 class KVCommError(Exception):
     """Root of every error KVCOMM raises on purpose."""
+
+    def __new__(cls, *args: object, **kwargs: object) -> KVCommError:
+        name = cls.__name__
+        MADE[name] = MADE.get(name, 0) + 1
+        return super().__new__(cls, *args, **kwargs)
 
 
 class InvalidKey(KVCommError, ValueError):
@@ -51,6 +62,12 @@ class ValidationError(KVCommError):
 
 class InvalidArgument(KVCommError, ValueError):
     """An argument other than the key or value is wrong; the message names it."""
+
+
+class WriteUnderLock(InvalidArgument):
+    """A write was attempted from a validator (or other code that runs under the host's L2
+    writer lock): validators may read, not write. It reaches the caller of the write
+    being validated as it is (an InvalidArgument, never turned into ValidationError)."""
 
 
 class ConfigError(KVCommError, ValueError):
@@ -94,6 +111,7 @@ __all__ = [
     "ConflictError",
     "ValidationError",
     "InvalidArgument",
+    "WriteUnderLock",
     "ConfigError",
     "SegmentError",
     "CorruptRecord",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,10 +13,19 @@ from ..core import codec
 from ..core.negative import NegativeCache
 from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
-from ..errors import InvalidArgument, InvalidKey, KVCommError, SegmentError, ValidationError, ValueTooLarge
+from ..errors import (
+    InvalidArgument,
+    InvalidKey,
+    KVCommError,
+    SegmentError,
+    ValidationError,
+    ValueTooLarge,
+    WriteUnderLock,
+)
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
+from ..tiers.shm.counters import Histogram
 from .attach import _CLIENTS, _Shared
 from .items import Item
 
@@ -76,14 +86,23 @@ class ClientBase:
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
             ("deletes", "conflicts", "views", "merges", "resolver_failures",
-             "l3_reads", "negative_hits", "filter_hits"), 0
+             "l3_reads", "negative_hits", "filter_hits",
+             "l2_absent", "l3_hits", "l3_absent", "puts_strong", "batches", "updates"), 0
         )
         self._keys: dict[str, tuple[bytes, int]] = {}  # validated keys (the getter reads it)
         self._l1_hits = 0  # (get_item's; get's are counted by the getter)
         self._l2_hits = 0
         self._l2_misses = 0
         self._puts = 0
+        self._hot_pending: dict[str, int] = {}  # sampled reads the sketch has not got yet
+        self._hot_lock = threading.Lock()  # (for _hot_pending)
         self._host_vec = ((self._host, 0),)
+        # sampled latency of the Python paths (the getter times L1/L2 hits itself): one
+        # call in latency_sample of put, delete, update, batch and a slow get is timed
+        self._lat_every = self.config.metrics.latency_sample
+        self._lat_left = self._lat_every or -1  # (never reaches 0 when off)
+        self._lat: dict[tuple[str, str], Histogram] = {}
+        self._default_strong = c.l3_consistency == "strong"
         self._strong: Any = None  # StrongStore: cluster mode with cluster.etcd (_client/strong.py)
         self._strong_on = False  # some keys are strong: every operation asks is_strong
         self._status_reader: Any = None  # the node daemon's status file (partition mode)
@@ -140,6 +159,32 @@ class ClientBase:
             r = self._status_reader = StatusReader(status_path(self.name,
                                                                self.config.cache.l2_dir))
         return r.etcd_unreachable()  # type: ignore[no-any-return]
+
+    def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, timed into the latency histogram of ``op`` (tier l2, or
+        for a read the tier that answered: get_item's L1 hits are timed here too). Called by
+        an operation whose turn it was to be sampled; the countdown starts again, so ``fn``
+        (the operation itself) runs untimed inside."""
+        self._lat_left = self._lat_every + 1  # (``fn`` counts itself down once)
+        if op == "get":
+            c = self.counters
+            before = (self._l1_hits, self._l2_hits, c["l3_hits"])
+        t0 = time.perf_counter_ns()
+        out = fn(*args, **kwargs)
+        ns = time.perf_counter_ns() - t0
+        tier = "l2"
+        if op == "get":
+            tier = ("l1" if self._l1_hits != before[0] else
+                    "l3" if c["l3_hits"] != before[2] else
+                    "l2" if self._l2_hits != before[1] else "absent")
+        self._note_latency(op, tier, ns)
+        return out
+
+    def _note_latency(self, op: str, tier: str, ns: int) -> None:
+        h = self._lat.get((op, tier))
+        if h is None:
+            h = self._lat[(op, tier)] = Histogram()
+        h.note(ns)
 
     def _key_hash(self, key: Any) -> tuple[bytes, int]:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""
@@ -243,9 +288,12 @@ class ClientBase:
 
 def _run_validator(fn: Callable[[str, Item | None, Any], None], key: str, old: Item | None,
                    new_value: Any) -> None:
+    """Run a validator: whatever it raises rejects the write as ValidationError, except a
+    write it attempted (WriteUnderLock, an InvalidArgument: a bug of the validator, which
+    register_validator documents as such, not its verdict)."""
     try:
         fn(key, old, new_value)
-    except ValidationError:
+    except (ValidationError, WriteUnderLock):
         raise
     except Exception as exc:
         raise ValidationError(f"write to {key!r} rejected by validator: {exc}") from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from .._l2core import BatchOps
@@ -25,6 +26,11 @@ class Batch(BatchOps):
     validator, a value too large for L2, the outbound bound in cluster mode), nothing of
     the batch is written. Other processes may observe the keys change one by one while it
     is published.
+
+    A batch is used once: after its block (applied, refused or abandoned by an exception)
+    ``put``/``delete`` and another ``with`` raise InvalidArgument, and from a validator
+    (while the batch is being applied) WriteUnderLock, an InvalidArgument; on a closed
+    client they raise SegmentError at once.
     """
 
     _packed: memoryview | None  # per op, two u64: a put's counter and hlc, a delete's counter
@@ -33,8 +39,10 @@ class Batch(BatchOps):
 
     def __init__(self, client: Writes) -> None:
         # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
-        # once, through the client's key memo and encoder
-        super().__init__(client._keys, client._key_hash, client._encode, client._max_value)
+        # once, through the client's key memo and encoder; the client's getter (closed with
+        # the client) tells them the client is still usable
+        super().__init__(client._keys, client._key_hash, client._encode, client._max_value,
+                         client._getter, client._live)
         self._client = client
         self._packed = None
         self._vvxs = []
@@ -51,11 +59,20 @@ class Batch(BatchOps):
         return self._versions
 
     def __enter__(self) -> Batch:
+        """Raises InvalidArgument for a batch used before (a batch is used once), SegmentError
+        when its client is closed."""
+        self._check()
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None or not self._ops:
-            return
+        self._seal()  # no op may be added from here on (a validator adding one is refused)
+        try:
+            if exc_type is None and len(self):
+                self._apply()
+        finally:
+            self._done()
+
+    def _apply(self) -> None:
         c = self._client
         c._live()
         if c._strong_on:
@@ -65,6 +82,11 @@ class Batch(BatchOps):
                         f"{k!r} is a strong key (cache.strong_prefixes): a batch is applied "
                         "in L2, strong keys live in etcd; write it with put()/delete() "
                         "outside the batch (nothing of this batch was written)")
+        c._lat_left -= 1
+        t0 = 0
+        if not c._lat_left:  # this batch's turn to be timed (metrics)
+            c._lat_left = c._lat_every
+            t0 = time.perf_counter_ns()
         check = None
         if c._has_validators and any(c._validators.lookup(k) is not None for k in self._keys):
             if c._cluster:  # bring L3's values into L2 for the validators
@@ -73,10 +95,14 @@ class Batch(BatchOps):
                         c._get_slow(k, None, True)
             check = self._validate
         if c._cluster:
-            if self._deletes:  # deletes of keys this host does not hold cover L3's version
-                for key, op in zip(self._keys, self._ops, strict=True):
-                    if len(op) == 2:
-                        c._get_slow(key, None, True)
+            if self._deletes:
+                # deletes of keys this host does not hold cover L3's version (L2 holds it
+                # after the read); one of a key L3 does not have either writes a tombstone
+                # only over what the host holds when the batch applies, as kv.delete
+                ops = self._ops
+                for i, (key, op) in enumerate(zip(self._keys, ops, strict=True)):
+                    if len(op) == 2 and c._get_slow(key, None, True) is None:
+                        ops[i] = (op[0], op[1], False)
             for key in self._keys:
                 c._negative.invalidate(key)  # this host holds them now: not "absent"
         # compact results: no tuple per op (a batch's versions are built only if asked)
@@ -84,7 +110,13 @@ class Batch(BatchOps):
                                           max_dirty=c._max_dirty, tombstones=c._cluster,
                                           check=check, compact=True)
         w = self._packed = memoryview(packed).cast("Q")
-        c._puts += len(self._vvxs) - self._deletes
+        puts = len(self._vvxs) - self._deletes
+        c._puts += puts
+        c.counters["batches"] += 1
+        if c._default_strong:
+            c.counters["puts_strong"] += puts
+        if t0:
+            c._note_latency("batch", "l2", time.perf_counter_ns() - t0)
         if self._deletes:
             for i, (key, vvx) in enumerate(zip(self._keys, self._vvxs, strict=True)):
                 if vvx is None:
@@ -105,5 +137,5 @@ class Batch(BatchOps):
             fn = c._validators.lookup(key)
             if fn is not None:
                 _run_validator(fn, key, old, value)
-            pending[key] = None if len(op) == 2 else Item(key, value, Version((), 0), "batch")
+            pending[key] = None if len(op) <= 3 else Item(key, value, Version((), 0), "batch")
 

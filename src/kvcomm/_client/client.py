@@ -10,6 +10,7 @@ from .._l2core import Getter
 from ..config import Config, load_config
 from ..core import codec
 from ..errors import InvalidKey, KVCommError, SegmentError
+from ..metrics import agent as metrics_agent
 from ..tiers.l1 import process_budget
 from .attach import _Shared
 from .watch import Watching
@@ -26,6 +27,7 @@ class Client(Watching):
                               self._get_slow, self._flush_hot, self._sample_every,
                               self._zc, self._l1_on)
         self.get = self._getter  # type: ignore[method-assign]
+        self._meter = metrics_agent.attach(self)  # counts flushed into L2 (kvcomm metrics)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier hits/misses of this process, entries, bytes used and evictions."""
@@ -68,9 +70,10 @@ class Client(Watching):
             return
         if not self._unusable:
             try:
-                self._flush_hot()
+                self._flush_hot(wait=True)
             except KVCommError:
                 pass  # e.g. the namespace was purged: its counts no longer matter
+            metrics_agent.detach(self._meter)
         self._closed = self._unusable = True
         if self._l3 is not None:
             self._l3.close()

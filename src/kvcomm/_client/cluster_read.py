@@ -40,9 +40,11 @@ class ClusterReads(Merging):
         self.counters["l3_reads"] += 1
         rec = self._l3.get(key)
         if rec is None or rec.tombstone:
+            self.counters["l3_absent"] += 1
             self._negative.note_absent(key, now)
             return None if want_item else default
         value = rec.decode_value(key)
+        self.counters["l3_hits"] += 1
         version = Version(rec.vector, rec.hlc)
         if time.monotonic() - now < _FILL_WITHIN:  # (an older read might be stale by now)
             try:

@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
+import heapq
+from operator import itemgetter
+
 from ..errors import InvalidArgument
 from .base import ClientBase
+
+# sampled read counts kept while the writer lock was busy (beyond: the least read dropped,
+# which sampling, an estimate, can afford)
+_HOT_PENDING_MAX = 4096
 
 
 class HotKeys(ClientBase):
     """Hot keys."""
 
-    def _flush_hot(self) -> None:
+    def _flush_hot(self, wait: bool = False) -> None:
         """Add the reads the getter sampled (1 in ``cache.hot_key_sample``, scaled back
         up) to the host-wide sketch. Called by the getter when its buffer is full or a
-        second old, and before hot_keys()."""
+        second old (``wait`` false), and before hot_keys() and at close (``wait``).
+
+        Without ``wait`` a read never waits for the writer lock: while it is held (by a
+        writer, by a process stopped inside it, by this thread in a validator) the counts
+        are kept for the next flush, up to _HOT_PENDING_MAX keys (the most read ones)."""
         if self._unusable:
             return
         counts = self._getter.take_hot()
+        if self._hot_pending:  # (threads flush at once: each takes what it adds, whole)
+            with self._hot_lock:
+                pending, self._hot_pending = self._hot_pending, {}
+            _add(pending, counts)
+            counts = pending
         if not counts:
             return
         by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
-        # (from a validator this thread holds the L2 lock: the counts are dropped, which
-        # sampling, an estimate, can afford)
-        self._seg.count_accesses(by_bytes)
+        if self._seg.count_accesses(by_bytes, wait):
+            return
+        with self._hot_lock:
+            _add(counts, self._hot_pending)
+            if len(counts) > _HOT_PENDING_MAX:
+                counts = dict(heapq.nlargest(_HOT_PENDING_MAX, counts.items(), key=itemgetter(1)))
+            self._hot_pending = counts
 
     def hot_keys(self, n: int = 10) -> list[tuple[str, int]]:
         """The host's ``n`` most read keys with estimated read counts, from every process.
@@ -34,6 +54,10 @@ class HotKeys(ClientBase):
         if type(n) is not int or n < 0:
             raise InvalidArgument(f"n must be an int >= 0, got {n!r}")
         self._live()
-        self._flush_hot()
+        self._flush_hot(wait=True)
         return self._seg.hot_keys(n)
 
+
+def _add(into: dict[str, int], counts: dict[str, int]) -> None:
+    for k, n in counts.items():
+        into[k] = into.get(k, 0) + n

@@ -37,12 +37,16 @@ class Reads(ClusterReads):
 
     def get_item(self, key: str) -> Item | None:
         """The value with its Version and the tier that served it, or None when absent."""
+        if self._lat_left == 1:  # this read's turn to be timed (metrics): either path below
+            # counts down once (the L1 hit here, the slow path in _get_slow), reaching 0
+            return self._timed("get", self.get_item, key)  # type: ignore[no-any-return]
         try:
             e = self._l1_entries.get(key)
         except TypeError:
             raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
         if e is not None and self._q[e[1]] == e[2]:
             self._l1_hits += 1
+            self._lat_left -= 1  # (the slow path counts itself down in _get_slow)
             return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1")
         return self._get_slow(key, None, True)  # type: ignore[no-any-return]
 
@@ -50,6 +54,9 @@ class Reads(ClusterReads):
         """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
         if self._unusable:
             self._live()
+        self._lat_left -= 1
+        if not self._lat_left:  # this read's turn to be timed (metrics)
+            return self._timed("get", self._get_slow, key, default, want_item, l3)
         if self._strong_on and self._is_strong(key, None):
             item = self._strong.get_item(key)
             if want_item:
@@ -63,6 +70,7 @@ class Reads(ClusterReads):
             self._l2_misses += 1
             if rec is None and self._cluster and l3:
                 return self._get_l3(key, default, want_item)
+            self.counters["l2_absent"] += 1
             return None if want_item else default  # a tombstone: deleted here, L3 told soon
         self._l2_hits += 1
         tag = rec[2]

@@ -43,13 +43,19 @@ class Writes(Reads):
             _bad_consistency(consistency)
         if self._unusable:
             self._live()
+        self._lat_left -= 1
+        if not self._lat_left:  # this put's turn to be timed (metrics)
+            return self._timed("put", self.put, key, value, consistency=consistency,  # type: ignore[no-any-return]
+                               expect=expect)
         if self._strong_on or consistency is not None and self._cluster:
             strong = self._is_strong(key, consistency)
             if strong:
                 validator = self._validators.lookup(key) if self._has_validators else None
                 self._key_hash(key)
-                return self._strong.put(  # type: ignore[no-any-return]
-                    key, value, self._encode(value), expect, validator)
+                version: Version = self._strong.put(key, value, self._encode(value), expect,
+                                                    validator)
+                self.counters["puts_strong"] += 1  # (metrics: agent.py)
+                return version
         # the common case inline (a key seen before, a bytes value, no checks): every call
         # saved here is a tenth of a put
         kh = self._keys.get(key) if type(key) is str else None
@@ -62,16 +68,26 @@ class Writes(Reads):
         if self._cluster:
             self._negative.invalidate(key)  # this host will hold it: no longer "absent"
         if expect is not _NO_CHECK or self._has_validators:
-            return self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
+            version = self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
+            if consistency is not None or self._default_strong:
+                self._count_consistency(consistency)
+            return version
         r = self._core_put(kb, h, tag, meta, payload, time.time_ns() // 1_000_000,
                            self._dirty_flag, self._max_dirty, self._lock_timeout)
         if type(r) is not tuple:  # purged, repair due, no room...: the careful path
             r = self._seg.put_status(r, kb, h, tag, meta, payload, _now_ms(), self._cluster,
                                      self._max_dirty)
         self._puts += 1
+        if consistency is not None or self._default_strong:
+            self._count_consistency(consistency)
         if not r[2]:  # (no other host's entries: the Version without decoding anything)
             return _new_version(Version, (((self._host, r[0]),), r[1]))
         return self._version(r[0], r[1], r[2])
+
+    def _count_consistency(self, consistency: str | None) -> None:
+        """A put succeeded: count it as strong if it was (puts are eventual otherwise)."""
+        if consistency == "strong" or (consistency is None and self._default_strong):
+            self.counters["puts_strong"] += 1
 
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
                      encoded: tuple[int, bytes, bytes | memoryview], expect: Any) -> Version:
@@ -142,6 +158,9 @@ class Writes(Reads):
     def _delete(self, key: str, expect: Any = _NO_CHECK) -> int:
         """:meth:`delete`, returning the delete's write counter (0: nothing was there)."""
         self._live()
+        self._lat_left -= 1
+        if not self._lat_left:  # this delete's turn to be timed (metrics)
+            return self._timed("delete", self._delete, key, expect)  # type: ignore[no-any-return]
         if self._strong_on and self._is_strong(key, None):
             validator = self._validators.lookup(key) if self._has_validators else None
             return int(self._strong.delete(key, expect, validator))
@@ -171,6 +190,10 @@ class Writes(Reads):
         """
         if not callable(fn):
             raise InvalidArgument(f"update() needs a callable, got {type(fn).__name__}")
+        self._lat_left -= 1
+        if not self._lat_left:  # this update's turn to be timed (metrics)
+            return self._timed("update", self.update, key, fn, default=default)
+        self.counters["updates"] += 1
         for _ in range(_MAX_UPDATE_RETRIES):
             item = self.get_item(key)
             new = fn(default if item is None else item.value)
@@ -193,8 +216,10 @@ class Writes(Reads):
 
         ``fn`` runs under the host's L2 writer lock, against exactly the value the write
         replaces (in a batch, earlier operations of the batch on the same key count, with an
-        empty version). It may read from KVCOMM but not write (InvalidArgument), and should
-        be quick: every writer on the host waits for it.
+        empty version). It may read from KVCOMM but not write: a write from it (into the
+        batch it vets, too) raises WriteUnderLock, an InvalidArgument, out of the write being
+        vetted, which then changes nothing. It should be quick: every writer on the host
+        waits for it.
         """
         if type(prefix) is not str:
             raise InvalidKey("a validator prefix is a str ('' matches every key)")

@@ -1,18 +1,30 @@
 /* ------------------------------------------------------------------ batches: collecting ops
  *
- * BatchOps(keys, key_hash, encode, max_value): the collecting half of ``kv.batch()``
- * (kvcomm._client.Batch derives from it and applies the ops on exit). put() and delete()
- * are the per-operation cost of a batch, so they are here: a key already validated is
- * found in the client's memo ``keys`` (key -> (bytes, hash)), a bytes value is taken as
- * it is; anything else goes through ``key_hash(key)`` / ``encode(value)``, which validate
- * and raise. The ops are the tuples Core.apply takes.
+ * BatchOps(keys, key_hash, encode, max_value, getter, live): the collecting half of
+ * ``kv.batch()`` (kvcomm._client.Batch derives from it and applies the ops on exit).
+ * put() and delete() are the per-operation cost of a batch, so they are here: a key already
+ * validated is found in the client's memo ``keys`` (key -> (bytes, hash)), a bytes value
+ * is taken as it is; anything else goes through ``key_hash(key)`` / ``encode(value)``,
+ * which validate and raise. The ops are the tuples Core.apply takes.
+ *
+ * A batch is used once. Its state: NEW (never initialised: made without kv.batch()), OPEN
+ * (collecting), APPLYING (its with-block ended: validators run; an op added then would be
+ * a write from a validator), DONE (applied or discarded). put()/delete() add ops only while
+ * OPEN and while the client is usable: ``getter`` is the client's kv.get, closed (core
+ * NULL) when the client is closed or forked away, and ``live()`` then raises the error
+ * that says which.
  */
+enum { BATCH_NEW = 0, BATCH_OPEN = 1, BATCH_APPLYING = 2, BATCH_DONE = 3 };
+
 typedef struct {
     PyObject_HEAD
     PyObject *ops, *keys, *values;
     PyObject *memo, *key_hash, *encode;
+    Getter *getter;
+    PyObject *live;
     Py_ssize_t max_value;
     Py_ssize_t deletes; /* how many of the ops are deletes */
+    int state;
 } BatchOps;
 
 static PyObject *BytesTag, *EmptyBytes;
@@ -20,9 +32,14 @@ static PyObject *BytesTag, *EmptyBytes;
 static int
 BatchOps_init(BatchOps *b, PyObject *args, PyObject *kwds)
 {
-    PyObject *memo, *key_hash, *encode;
+    PyObject *memo, *key_hash, *encode, *getter, *live;
     Py_ssize_t max_value;
-    if (!PyArg_ParseTuple(args, "O!OOn", &PyDict_Type, &memo, &key_hash, &encode, &max_value))
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "BatchOps() takes no keyword arguments");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!OOnO!O", &PyDict_Type, &memo, &key_hash, &encode, &max_value,
+                          &GetterType, &getter, &live))
         return -1;
     Py_INCREF(memo);
     Py_XSETREF(b->memo, memo);
@@ -30,12 +47,19 @@ BatchOps_init(BatchOps *b, PyObject *args, PyObject *kwds)
     Py_XSETREF(b->key_hash, key_hash);
     Py_INCREF(encode);
     Py_XSETREF(b->encode, encode);
+    Py_INCREF(getter);
+    Py_XSETREF(b->getter, (Getter *)getter);
+    Py_INCREF(live);
+    Py_XSETREF(b->live, live);
     Py_XSETREF(b->ops, PyList_New(0));
     Py_XSETREF(b->keys, PyList_New(0));
     Py_XSETREF(b->values, PyList_New(0));
     b->max_value = max_value;
     b->deletes = 0;
-    return b->ops && b->keys && b->values ? 0 : -1;
+    if (!b->ops || !b->keys || !b->values)
+        return -1;
+    b->state = BATCH_OPEN;
+    return 0;
 }
 
 static int
@@ -47,6 +71,8 @@ BatchOps_traverse(BatchOps *b, visitproc visit, void *arg)
     Py_VISIT(b->memo);
     Py_VISIT(b->key_hash);
     Py_VISIT(b->encode);
+    Py_VISIT(b->getter);
+    Py_VISIT(b->live);
     return 0;
 }
 
@@ -59,6 +85,9 @@ BatchOps_clear(BatchOps *b)
     Py_CLEAR(b->memo);
     Py_CLEAR(b->key_hash);
     Py_CLEAR(b->encode);
+    Py_CLEAR(b->getter);
+    Py_CLEAR(b->live);
+    b->state = BATCH_NEW; /* (cleared by the GC: its fields are gone) */
     return 0;
 }
 
@@ -69,6 +98,34 @@ BatchOps_dealloc(BatchOps *b)
     BatchOps_clear(b);
     Py_TYPE(b)->tp_free((PyObject *)b);
 }
+
+/* 0 when an op may be added now; else -1 with the error that says why */
+static int
+batch_refuse(BatchOps *b)
+{
+    switch (b->state) {
+    case BATCH_NEW:
+        PyErr_SetString(InvalidArgument, "this Batch was not initialised (a subclass that skips "
+                                         "Batch.__init__?); make batches with kv.batch()");
+        return -1;
+    case BATCH_APPLYING:
+        PyErr_SetString(WriteUnderLock, "kvcomm was called to write from inside a validator "
+                                        "(into the batch it vets); validators may read, not write");
+        return -1;
+    case BATCH_DONE:
+        PyErr_SetString(InvalidArgument, "this batch was applied (or discarded) when its "
+                                         "with-block ended; start a new one: with kv.batch() as b");
+        return -1;
+    }
+    PyObject *r = PyObject_CallNoArgs(b->live); /* raises SegmentError: closed, or forked */
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    PyErr_SetString(SegmentError, "the client of this batch is closed; open a new one");
+    return -1;
+}
+
+#define BATCH_USABLE(b) ((b)->state == BATCH_OPEN && (b)->getter->core)
 
 /* (bytes, hash) of a valid key, new reference */
 static PyObject *
@@ -95,14 +152,58 @@ batch_add(BatchOps *b, PyObject *op, PyObject *key, PyObject *value)
     return 0;
 }
 
-/* put(key, value): add a put. Raises InvalidKey, UnsupportedValue, ValueTooLarge at once. */
-static PyObject *
-BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs)
+/* The arguments of a call with parameters ``names`` (all required, by position or keyword)
+ * into out[]; 0, or -1 with TypeError as Python words it. */
+static int
+batch_args(const char *fn, const char *const *names, Py_ssize_t nparams, PyObject *const *args,
+           Py_ssize_t nargs, PyObject *kwnames, PyObject **out)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "put(key, value)");
-        return NULL;
+    if (nargs > nparams) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments but %zd were given",
+                     fn, nparams, nargs);
+        return -1;
     }
+    for (Py_ssize_t i = 0; i < nparams; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        Py_ssize_t i = 0;
+        while (i < nparams && PyUnicode_CompareWithASCIIString(name, names[i]) != 0)
+            i++;
+        if (i == nparams) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, name);
+            return -1;
+        }
+        if (out[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn,
+                         names[i]);
+            return -1;
+        }
+        out[i] = args[nargs + k];
+    }
+    for (Py_ssize_t i = 0; i < nparams; i++)
+        if (!out[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]);
+            return -1;
+        }
+    return 0;
+}
+
+/* put(key, value): add a put. Raises InvalidKey, UnsupportedValue, ValueTooLarge at once;
+ * InvalidArgument (or SegmentError) when the batch no longer takes ops. */
+static PyObject *
+BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"key", "value"};
+    PyObject *parsed[2];
+    if (nargs != 2 || kwnames) {
+        if (batch_args("put", names, 2, args, nargs, kwnames, parsed) < 0)
+            return NULL;
+        args = parsed;
+    }
+    if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
+        return NULL;
     PyObject *kh = batch_key(b, args[0]);
     if (!kh)
         return NULL;
@@ -139,10 +240,21 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* delete(key): add a delete. Raises InvalidKey at once. */
+/* delete(key): add a delete. Raises InvalidKey at once; InvalidArgument (or SegmentError)
+ * when the batch no longer takes ops. */
 static PyObject *
-BatchOps_delete(BatchOps *b, PyObject *key)
+BatchOps_delete(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
+    static const char *const names[] = {"key"};
+    PyObject *key;
+    if (nargs != 1 || kwnames) {
+        if (batch_args("delete", names, 1, args, nargs, kwnames, &key) < 0)
+            return NULL;
+    } else {
+        key = args[0];
+    }
+    if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
+        return NULL;
     PyObject *kh = batch_key(b, key);
     if (!kh)
         return NULL;
@@ -151,6 +263,38 @@ BatchOps_delete(BatchOps *b, PyObject *key)
     if (rc < 0)
         return NULL;
     b->deletes++;
+    Py_RETURN_NONE;
+}
+
+/* _seal(): the with-block ended: OPEN -> APPLYING (no more ops: a validator adding one is
+ * refused). Raises InvalidArgument for a batch never initialised or already ended
+ * (WriteUnderLock while it is being applied). */
+static PyObject *
+BatchOps_seal(BatchOps *b, PyObject *Py_UNUSED(ignored))
+{
+    if (b->state != BATCH_OPEN) {
+        batch_refuse(b);
+        return NULL;
+    }
+    b->state = BATCH_APPLYING;
+    Py_RETURN_NONE;
+}
+
+/* _check(): raises what put() would raise now for the batch's state (for __enter__) */
+static PyObject *
+BatchOps_check(BatchOps *b, PyObject *Py_UNUSED(ignored))
+{
+    if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _done(): the batch was applied or discarded: it takes no more ops */
+static PyObject *
+BatchOps_done(BatchOps *b, PyObject *Py_UNUSED(ignored))
+{
+    if (b->state != BATCH_NEW)
+        b->state = BATCH_DONE;
     Py_RETURN_NONE;
 }
 
@@ -169,9 +313,13 @@ static PyMemberDef BatchOps_members[] = {
 };
 
 static PyMethodDef BatchOps_methods[] = {
-    {"put", (PyCFunction)(void (*)(void))BatchOps_put, METH_FASTCALL,
+    {"put", (PyCFunction)(void (*)(void))BatchOps_put, METH_FASTCALL | METH_KEYWORDS,
      "put(key, value): add a put (raises InvalidKey, UnsupportedValue, ValueTooLarge at once)"},
-    {"delete", (PyCFunction)BatchOps_delete, METH_O, "delete(key): add a delete (raises InvalidKey)"},
+    {"delete", (PyCFunction)(void (*)(void))BatchOps_delete, METH_FASTCALL | METH_KEYWORDS,
+     "delete(key): add a delete (raises InvalidKey)"},
+    {"_seal", (PyCFunction)BatchOps_seal, METH_NOARGS, "the block ended: no more ops"},
+    {"_check", (PyCFunction)BatchOps_check, METH_NOARGS, "raise if no op may be added now"},
+    {"_done", (PyCFunction)BatchOps_done, METH_NOARGS, "applied or discarded: used up"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -192,5 +340,6 @@ static PyTypeObject BatchOpsType = {
     .tp_members = BatchOps_members,
     .tp_methods = BatchOps_methods,
     .tp_as_sequence = &BatchOps_as_sequence,
-    .tp_doc = "BatchOps(keys, key_hash, encode, max_value): kv.batch()'s collecting half",
+    .tp_doc = "BatchOps(keys, key_hash, encode, max_value, getter, live): kv.batch()'s "
+              "collecting half",
 };

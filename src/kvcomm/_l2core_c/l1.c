@@ -412,7 +412,33 @@ typedef struct {
     unsigned long long zc;
     unsigned long long hits, l2_hits;
     int l1_on;
+    /* sampled latency (kvcomm metrics): every lat_every-th read is timed, and an L1 or L2
+     * hit served here lands in lat[tier]: LAT_BUCKETS counts (the last is +Inf), the sum
+     * in ns, the count; cumulative. Bounds in ns from time_every(). */
+    long long lat_every, lat_left;
+    unsigned long long lat_bounds[LAT_BUCKETS - 1];
+    unsigned long long lat[2][LAT_BUCKETS + 2];
 } Getter;
+
+static inline unsigned long long
+lat_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+}
+
+static void
+lat_note(Getter *g, int tier, unsigned long long t0)
+{
+    unsigned long long ns = lat_now() - t0;
+    int b = 0;
+    while (b < LAT_BUCKETS - 1 && ns > g->lat_bounds[b])
+        b++;
+    g->lat[tier][b]++;
+    g->lat[tier][LAT_BUCKETS] += ns;
+    g->lat[tier][LAT_BUCKETS + 1]++;
+}
 
 /* Every ``sample_every``-th read: count it (scaled) in the buffer, refresh the key's LRU
  * place in L1, and call ``flush()`` (which takes the buffer to the host's sketch) when
@@ -532,6 +558,11 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
     }
     PyObject *key = args[0];
     Core *c = g->core;
+    unsigned long long t0 = 0;
+    if (g->lat_every > 0 && --g->lat_left <= 0) { /* one read in lat_every is timed */
+        g->lat_left = g->lat_every;
+        t0 = lat_now();
+    }
     if (g->l1 && c && c->has_view && !guard_lost(c->guard)) {
         PyObject *e = PyDict_GetItemWithError(g->l1->entries, key);
         if (e && PyTuple_Check(e) && PyTuple_GET_SIZE(e) >= 3) {
@@ -547,6 +578,8 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
                     Py_DECREF(value);
                     return NULL;
                 }
+                if (t0)
+                    lat_note(g, 0, t0);
                 return value;
             }
         } else if (!e && PyErr_Occurred()) {
@@ -560,6 +593,8 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
                 Py_DECREF(value);
                 return NULL;
             }
+            if (t0)
+                lat_note(g, 1, t0);
             return value;
         }
         if (PyErr_Occurred())
@@ -604,6 +639,8 @@ Getter_init(Getter *g, PyObject *args, PyObject *kwds)
     g->zc = zc;
     g->l1_on = l1_on;
     g->hits = g->l2_hits = 0;
+    g->lat_every = g->lat_left = 0;
+    memset(g->lat, 0, sizeof g->lat);
     g->vectorcall = (vectorcallfunc)Getter_vectorcall;
     return 0;
 }
@@ -676,6 +713,66 @@ Getter_sampled(Getter *g, PyObject *key)
     Py_RETURN_NONE;
 }
 
+/* time_every(n, bounds): time one read in n (0: none) into buckets with these upper
+ * bounds in ns (LAT_BUCKETS - 1 of them, increasing) */
+static PyObject *
+Getter_time_every(Getter *g, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != LAT_BUCKETS - 1) {
+        PyErr_Format(PyExc_TypeError, "time_every(n, bounds): bounds is a tuple of %d ints",
+                     (int)(LAT_BUCKETS - 1));
+        return NULL;
+    }
+    long long n = PyLong_AsLongLong(args[0]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long bounds[LAT_BUCKETS - 1];
+    for (Py_ssize_t i = 0; i < LAT_BUCKETS - 1; i++) {
+        bounds[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[1], i));
+        if (PyErr_Occurred())
+            return NULL;
+        if (i && bounds[i] <= bounds[i - 1]) {
+            PyErr_SetString(PyExc_ValueError, "time_every: bounds must increase");
+            return NULL;
+        }
+    }
+    memcpy(g->lat_bounds, bounds, sizeof bounds);
+    g->lat_every = n > 0 ? n : 0;
+    g->lat_left = g->lat_every;
+    Py_RETURN_NONE;
+}
+
+/* latency -> ((l1 buckets..., sum_ns, count), (l2 ...)): cumulative */
+static PyObject *
+Getter_get_latency(Getter *g, void *closure)
+{
+    PyObject *out = PyTuple_New(2);
+    if (!out)
+        return NULL;
+    for (int t = 0; t < 2; t++) {
+        PyObject *row = PyTuple_New(LAT_BUCKETS + 2);
+        if (!row) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, t, row);
+        for (int i = 0; i < LAT_BUCKETS + 2; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(g->lat[t][i]);
+            if (!v) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(row, i, v);
+        }
+    }
+    return out;
+}
+
+static PyGetSetDef Getter_getset[] = {
+    {"latency", (getter)Getter_get_latency, NULL, "sampled L1/L2 hit latency (cumulative)", NULL},
+    {NULL},
+};
+
 static PyObject *
 Getter_call(Getter *g, PyObject *args, PyObject *kwargs)
 {
@@ -693,6 +790,8 @@ static PyMethodDef Getter_methods[] = {
     {"close", (PyCFunction)Getter_close, METH_NOARGS, "serve no more reads"},
     {"take_hot", (PyCFunction)Getter_take_hot, METH_NOARGS, "the sampled reads buffered"},
     {"sampled", (PyCFunction)Getter_sampled, METH_O, "count a read for hot keys"},
+    {"time_every", (PyCFunction)(void (*)(void))Getter_time_every, METH_FASTCALL,
+     "time_every(n, bounds): time one read in n"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -710,6 +809,7 @@ static PyTypeObject GetterType = {
     .tp_vectorcall_offset = offsetof(Getter, vectorcall),
     .tp_members = Getter_members,
     .tp_methods = Getter_methods,
+    .tp_getset = Getter_getset,
     .tp_doc = "kv.get: Getter(l1, core, keys, decode, slow, flush, sample_every, zero_copy, l1_on)",
 };
 

@@ -57,7 +57,7 @@ take_lock(Core *c, double timeout)
 {
     pthread_t self = pthread_self();
     if (c->held && pthread_equal(c->holder, self)) {
-        PyErr_SetString(InvalidArgument,
+        PyErr_SetString(WriteUnderLock,
                         "kvcomm was called to write from inside a validator (or another callback "
                         "that runs under the L2 writer lock); validators may read, not write");
         return -1;
@@ -105,7 +105,7 @@ take_lock(Core *c, double timeout)
         rc = 0;
     }
     if (rc == EDEADLK) {
-        PyErr_SetString(InvalidArgument, "this thread already holds the L2 writer lock (re-entrant write)");
+        PyErr_SetString(WriteUnderLock, "this thread already holds the L2 writer lock (re-entrant write)");
         return -1;
     }
     if (rc != 0) {

@@ -48,8 +48,9 @@ static PyTypeObject CoreType = {
 static PyObject *
 set_errors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "set_errors(SegmentError, Unavailable, InvalidArgument)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_errors(SegmentError, Unavailable, InvalidArgument, WriteUnderLock)");
         return NULL;
     }
     Py_INCREF(args[0]);
@@ -58,12 +59,15 @@ set_errors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(Unavailable, args[1]);
     Py_INCREF(args[2]);
     Py_XSETREF(InvalidArgument, args[2]);
+    Py_INCREF(args[3]);
+    Py_XSETREF(WriteUnderLock, args[3]);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
     {"set_errors", (PyCFunction)(void (*)(void))set_errors, METH_FASTCALL,
-     "the exception classes to raise: SegmentError, Unavailable, InvalidArgument"},
+     "the exception classes to raise: SegmentError, Unavailable, InvalidArgument, "
+     "WriteUnderLock"},
     {"approx_size", approx_size, METH_O, "approximate bytes held by a decoded value"},
     {"bloom_has", (PyCFunction)(void (*)(void))bloom_has, METH_FASTCALL,
      "bloom_has(buffer, bits, k, gens, digest) -> bool: the key filter's membership test"},
@@ -98,9 +102,11 @@ PyInit__l2core(void)
     SegmentError = PyExc_RuntimeError;
     Unavailable = PyExc_RuntimeError;
     InvalidArgument = PyExc_ValueError;
+    WriteUnderLock = PyExc_ValueError;
     Py_INCREF(SegmentError);
     Py_INCREF(Unavailable);
     Py_INCREF(InvalidArgument);
+    Py_INCREF(WriteUnderLock);
     Py_INCREF(&CoreType);
     Py_INCREF(&BatchOpsType);
     if (PyModule_AddObject(m, "BatchOps", (PyObject *)&BatchOpsType) < 0) {

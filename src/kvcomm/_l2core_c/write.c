@@ -3,7 +3,10 @@
  * One op of a batch. kind: OP_PUT (a local write: a new dot; the replaced record's entries
  * of other hosts, vvx, carried over), OP_VPUT (a record with a given version: counter, hlc,
  * vvx; counter NEW_DOT asks for a fresh local dot over the given vector), OP_DEL (a delete:
- * a tombstone record when tombstones are on (cluster mode), else the slot is unlinked).
+ * a tombstone record when tombstones are on (cluster mode), else the slot is unlinked). A
+ * delete given as (key, h, False) is one of a key L3 has no record of (the caller looked):
+ * its tombstone covers only a record this host holds (or an earlier op of the batch
+ * wrote); with none, it writes nothing, as there is nothing to tell L3.
  */
 enum { OP_PUT = 0, OP_VPUT = 1, OP_DEL = 2 };
 
@@ -15,6 +18,7 @@ typedef struct {
     uint64_t mlen;
     Py_buffer val;
     int has_val;
+    int only_held;       /* a delete: a tombstone only over a record held here */
     uint64_t x_counter, x_hlc;
     const char *x_vvx;
     uint64_t x_vvlen;
@@ -38,8 +42,8 @@ static int
 parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
 {
     memset(op, 0, sizeof(*op));
-    if ((n != 2 && n != 5 && n != 6 && n != 8 && n != 9) || !PyBytes_Check(it[0])) {
-        PyErr_SetString(PyExc_TypeError, "op: (key, h) | (key, h, tag, meta, value[, ext]) | "
+    if ((n != 2 && n != 3 && n != 5 && n != 6 && n != 8 && n != 9) || !PyBytes_Check(it[0])) {
+        PyErr_SetString(PyExc_TypeError, "op: (key, h[, cover]) | (key, h, tag, meta, value[, ext]) | "
                                          "(key, h, tag, meta, value, counter, hlc, vvx[, ext])");
         return -1;
     }
@@ -52,8 +56,14 @@ parse_items(PyObject *const *it, Py_ssize_t n, Op *op)
         PyErr_SetString(PyExc_ValueError, "key length out of range");
         return -1;
     }
-    if (n == 2) {
+    if (n <= 3) {
         op->kind = OP_DEL;
+        if (n == 3) {
+            int cover = PyObject_IsTrue(it[2]);
+            if (cover < 0)
+                return -1;
+            op->only_held = !cover;
+        }
         return 0;
     }
     op->kind = n <= 6 ? OP_PUT : OP_VPUT;
@@ -259,6 +269,8 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
                     protect[nprotect++] = op->found;
                 }
             }
+            if (op->only_held && !op->slot)
+                op->writes_record = 0; /* nothing held here, nothing in L3: nothing to cover */
             if (op->writes_record && !op->slot) {
                 /* a new key needs a free slot in its window that no earlier op claimed */
                 uint64_t base = op->h & c->mask;
@@ -664,8 +676,8 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
 
 /* apply(ops, now_ms, flags, max_dirty, tombstones[, compact]) -> results | (status, index)
  *                                                                            [lock held]
- * ops: (key, h) delete | (key, h, tag, meta, value[, ext]) put | (..., counter, hlc, vvx[,
- * ext]) put with a version. All or nothing: a status means nothing was written (evictions
+ * ops: (key, h[, cover]) delete | (key, h, tag, meta, value[, ext]) put | (..., counter, hlc,
+ * vvx[, ext]) put with a version (see Op). All or nothing: a status means nothing was written (evictions
  * may have happened, and only when the batch could then fit). Results per op: put →
  * (counter, hlc, vvx, word, seq); delete → its counter, 0 if there was nothing to delete.
  * compact (kv.batch(), which needs the versions only if asked): (packed, vvxs) instead,

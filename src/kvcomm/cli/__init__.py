@@ -15,6 +15,10 @@ the README's "Commands" section).
     kvcomm cluster status --config FILE [--json] | remove-host --config FILE HOST
     kvcomm jepsen [--hosts N] [--minutes M | --seconds S] [--seed N] ...
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
+    kvcomm metrics [--name NS] [--port P] [--host ADDR] [--config FILE]
+    kvcomm top [--name NS | --config FILE [--cluster]] [--interval S] [--once]
+    kvcomm loadtest --scenario swarm|warehouse|hotkeys|penetration [--users N]
+                [--seconds S] [--config FILE] [--baseline none|redis] [--redis HOST:PORT] ...
 """
 
 from __future__ import annotations
@@ -188,7 +192,7 @@ def _dev_cluster(args: argparse.Namespace) -> int:
         for h in state["hosts"]:
             via = " (through its fault proxy)" if h.get("proxy") else ""
             print(f"{h['host']}: daemon pid {h['pid']}, agents open "
-                  f"kvcomm.open(config={h['config']!r}){via}")
+                  f"kvcomm.open(config={h['config']!r}){via}, metrics at {h['metrics']}")
         return 0
     if a == "down":
         if devcluster.down(args.dir):
@@ -473,6 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every host to agree with L3 (default 60)")
     jp.add_argument("--json", action="store_true", help="print the whole report as JSON")
     jp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    from .operate import add_commands
+
+    add_commands(sub, _command)  # metrics, top, loadtest
 
     c = _command(sub, "config", _config, "print the effective config")
     c.add_argument("--show", action="store_true", required=True,

@@ -3,7 +3,8 @@
 ``up(hosts, directory)`` starts a Redis Cluster (3 masters + 3 replicas on free
 loopback ports) and one ``kvcomm node`` daemon per host, each host being a host id plus
 an L2 namespace on this machine; writes ``DIR/host-1.yaml`` … ``DIR/host-N.yaml`` (the
-config an agent of that host passes to ``kvcomm.open(config=...)``) and
+config an agent of that host passes to ``kvcomm.open(config=...)``, with the host's own
+``metrics.port``: its daemon serves the host's metrics there) and
 ``DIR/cluster.json`` (its state: what ``down`` and the fault tools read); and returns
 once every daemon heartbeats. ``down(directory)`` stops all of it and removes the
 hosts' L2 segments.
@@ -42,6 +43,7 @@ from .etcd_cluster import EtcdCluster, etcd_path, member_argv
 from .etcd_cluster import wait_healthy as wait_etcd_healthy
 from .procs import kill, running, spawn, stop
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
+from .redis_server import free_port
 
 STATE_FILE = "cluster.json"
 
@@ -141,13 +143,15 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
                    "cache": cache,
                    "cluster": {"redis": state["redis"], "etcd": etcd_addresses,
                                "address_remap": remap, "feed_poll": feed_poll,
-                               "resolvers": resolvers or {}, **(cluster_settings or {})}}
+                               "resolvers": resolvers or {}, **(cluster_settings or {})},
+                   "metrics": {"port": free_port()}}  # each host's own exporter
             path = d / f"{host}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             purge(ns)
             state["hosts"].append({"host": host, "namespace": ns, "config": str(path),
                                    "proxy": proxy, "clock": str(clock),
-                                   "pid": spawn_daemon(path, d / f"{host}.log").pid})
+                                   "pid": spawn_daemon(path, d / f"{host}.log").pid,
+                                   "metrics": f"http://127.0.0.1:{cfg['metrics']['port']}/metrics"})
         save_state(d, state)
         for h in state["hosts"]:
             _wait_heartbeat(d, h, timeout)

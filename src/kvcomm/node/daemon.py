@@ -154,6 +154,7 @@ class Daemon:
         self.presence: HostPresence | None = None
         self.last_pull = now  # the last feed read that succeeded (feed lag)
         self.last_flush: dict[str, Any] | None = None
+        self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self._fill_key_filter(initial=True)
         self._start_feeds()
         self.held_at_start.clear()
@@ -241,6 +242,7 @@ class Daemon:
             self.stats.windows += 1
             self.stats.pushed += len(push.items)
             self.reach.redis_ok(self.clock())
+            self.stats.bump("window_in", push.window.ops_in)
             answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
             for answer in answers:
                 try:  # every answer is carried out: they have left the staged set
@@ -418,6 +420,8 @@ class Daemon:
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
         counters = self.l3.feed_seqs(self.inb.groups) if check_seqs else {}
+        if counters:
+            self.feed_counters = counters  # (the cluster feed's lag, for metrics)
         problems: dict[str, set[int]] = {}
         for g, rows in self.l3.feed_many(self.inb.cursors, count=FEED_COUNT).items():
             if isinstance(rows, CorruptRecord):
@@ -739,6 +743,13 @@ def main(config: Config, name: str | None = None) -> int:
                 return 0
     log.info("host %s, namespace %s, %d seed nodes; %d hot keys prewarmed", daemon.host,
              daemon.kv.name, len(config.cluster.redis), daemon.stats.extra.get("prewarmed", 0))
+    from ..metrics.node import attach_daemon
+
+    try:
+        exporter = attach_daemon(daemon)  # (metrics.port: the host's metrics endpoint)
+    except BaseException:
+        daemon.close()
+        raise
     try:
         daemon.run(stop)  # (it flushes when stopped)
         report = daemon.last_flush or {}
@@ -749,5 +760,7 @@ def main(config: Config, name: str | None = None) -> int:
         log.info("%s", msg)
         print(f"kvcomm node: {msg}", file=sys.stderr, flush=True)
     finally:
+        if exporter is not None:
+            exporter.close()
         daemon.close()
     return 0

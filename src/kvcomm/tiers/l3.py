@@ -479,13 +479,15 @@ class L3Store:
                  address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None
                  ) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
-        from redis.cluster import ClusterNode, RedisCluster
+        from redis.cluster import ClusterNode
+
+        from ..metrics.wire import counting_cluster
 
         extra: dict[str, Any] = {}
         if address_remap is not None:  # cluster.address_remap: every node through it
             extra["address_remap"] = address_remap
         try:
-            self.rc = RedisCluster(
+            self.rc = counting_cluster()(
                 startup_nodes=[ClusterNode(h, p) for h, p in seeds],  # type: ignore[no-untyped-call]
                 decode_responses=False,
                 password=password, username=username, ssl=tls, socket_timeout=timeout,
@@ -499,6 +501,7 @@ class L3Store:
             from .routing import follow_remap
 
             follow_remap(self.rc, address_remap)
+        self.wire = self.rc.wire  # type: ignore[attr-defined]  # commands and bytes to and from Redis (kvcomm metrics)
         self.feed_maxlen = feed_maxlen
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas

@@ -11,6 +11,7 @@ from .layout import (
     FEED_KEY_AT,
     HEADER_SIZE,
     MAX_KEY,
+    METRICS_WORDS,
     MIN_ORDER,
     PIN_WORDS,
     PROC_BYTES,
@@ -51,10 +52,11 @@ class Layout:
     topk: int = 0
     procs_off: int = 0
     n_procs: int = 0
+    metrics_off: int = 0
 
     _WORDS = ("TOTAL", "NSLOTS", "SLOTS_OFF", "META_OFF", "DATA_OFF", "DATA_SIZE", "TOP_ORDER",
               "FEED_OFF", "FEED_N", "FEED_ESZ", "PINS_OFF", "NPINS", "DEFER_OFF", "MAX_KEY",
-              "HOT_OFF", "SKETCH_WIDTH", "TOPK", "PROCS_OFF", "NPROCS")
+              "HOT_OFF", "SKETCH_WIDTH", "TOPK", "PROCS_OFF", "NPROCS", "METRICS_OFF")
 
     @staticmethod
     def plan(l2_size: int, max_key: int, feed_n: int, n_pins: int, max_value: int) -> Layout:
@@ -94,11 +96,11 @@ class Layout:
         topk = HOT_TOPK
         hot_budget = max(l2_size // 1000, 32 << 10)  # the sketch's share: 0.1% (32 KiB floor)
         width = max(64, (hot_budget - TopK.size_for(topk, max_key) - 16) // (4 * SKETCH_DEPTH))
-        hot_size = CountMinSketch.size_for(width, SKETCH_DEPTH) + TopK.size_for(topk, max_key)
-        total = (hot_off + hot_size + 4095) // 4096 * 4096
+        metrics_off = _metrics_off(hot_off, width, topk, max_key)
+        total = (metrics_off + METRICS_WORDS * 8 + 4095) // 4096 * 4096
         return Layout(total, n_slots, slots_off, meta_off, data_off, data_size, top_order,
                       feed_off, feed_n, feed_esz, pins_off, n_pins, defer_off, max_key,
-                      hot_off, width, topk, procs_off, n_procs)
+                      hot_off, width, topk, procs_off, n_procs, metrics_off)
 
     def header_words(self) -> dict[int, int]:
         return {H[w]: getattr(self, f) for w, f in zip(self._WORDS, _FIELDS, strict=True)}
@@ -126,8 +128,9 @@ class Layout:
             and 1 <= lay.n_procs <= min(lay.n_pins, (1 << TOKEN_SLOT_BITS) - 2)
             and lay.hot_off == lay.procs_off + lay.n_procs * PROC_BYTES
             and 64 <= lay.sketch_width < (1 << 28) and 1 <= lay.topk <= 4096
-            and lay.hot_off + CountMinSketch.size_for(lay.sketch_width, SKETCH_DEPTH)
-            + TopK.size_for(lay.topk, lay.max_key) <= lay.total
+            and lay.metrics_off == _metrics_off(lay.hot_off, lay.sketch_width, lay.topk,
+                                                lay.max_key)
+            and lay.metrics_off + METRICS_WORDS * 8 <= lay.total
         )
         if not ok:
             raise SegmentError("L2 segment header is inconsistent (corrupt); purge the namespace")
@@ -136,5 +139,11 @@ class Layout:
 
 _FIELDS = ("total", "n_slots", "slots_off", "meta_off", "data_off", "data_size", "top_order",
            "feed_off", "feed_n", "feed_esz", "pins_off", "n_pins", "defer_off", "max_key",
-           "hot_off", "sketch_width", "topk", "procs_off", "n_procs")
+           "hot_off", "sketch_width", "topk", "procs_off", "n_procs", "metrics_off")
+
+
+def _metrics_off(hot_off: int, width: int, topk: int, max_key: int) -> int:
+    """The metrics region: right after the hot keys, 64-byte aligned."""
+    end = hot_off + CountMinSketch.size_for(width, SKETCH_DEPTH) + TopK.size_for(topk, max_key)
+    return (end + 63) // 64 * 64
 

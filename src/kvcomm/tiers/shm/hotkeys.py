@@ -2,26 +2,46 @@
 
 from __future__ import annotations
 
+from ...errors import Unavailable
 from .segment import SegmentCore
 
 
 class HotKeys(SegmentCore):
     """Hot keys."""
 
-    def count_accesses(self, counts: dict[bytes, int]) -> bool:
+    def count_accesses(self, counts: dict[bytes, int], wait: bool = True) -> bool:
         """Add a process's buffered access counts to the host sketch (under the lock).
-        Returns False, counting nothing, when this thread already holds the lock."""
+
+        Returns False, counting nothing, when this thread already holds the lock, or when
+        ``wait`` is false and the lock is held now: a reader's flush never waits for a
+        writer (one stopped inside the lock would stall every read). With ``wait`` it
+        waits up to ``lock_timeout``, then raises Unavailable, as writes do. Raises
+        SegmentError (purged namespace)."""
         core = self._core
         if core.held():
             return False
         try:
-            self._lock()
-            before = self.sketch.additions
-            add = self.sketch.add
-            offers = [(kb, add(kb, n)) for kb, n in counts.items()]
-            if self.sketch.additions < before:  # the sketch aged: age the top-k with it
-                self.topk.halve()
-            self.topk.offer_many(offers)
+            if wait:
+                self._lock()
+            else:
+                try:
+                    self._lock(0.0)
+                except Unavailable:
+                    return False
+            sketch, topk = self.sketch, self.topk
+            add = sketch.add
+            offers: list[tuple[bytes, int]] = []
+            for kb, n in counts.items():
+                expected = sketch.additions + n
+                est = add(kb, n)
+                if sketch.additions != expected:
+                    # the sketch aged during this add (a flush may span several agings):
+                    # age the top-k and the estimates taken so far with it, this one too
+                    topk.halve()
+                    offers = [(k, e >> 1) for k, e in offers]
+                    est >>= 1
+                offers.append((kb, est))
+            topk.offer_many(offers)
         finally:
             core.unlock()
         return True

@@ -8,7 +8,7 @@ standard library: the build runs it before ``kvcomm`` is importable.
 Segment, in file order::
 
     header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
-                   | processes | hot keys (count-min sketch + top-k)
+                   | processes | hot keys (count-min sketch + top-k) | metrics
 
 * **Header**: 64-bit words indexed by ``H_*`` (layout words written once by the creator,
   then mutable state), the free-list heads (one word per block order, from ``H_FREE``),
@@ -26,6 +26,11 @@ Segment, in file order::
   is its entry's index + 1 and the entry's generation (``token_of``): it is alive while
   the mutex is held and the generation unchanged — whatever its pid, zombie or PID
   namespace.
+* **Metrics**: ``METRICS_WORDS`` 64-bit words at ``METRICS_OFF``: one word per series of
+  :data:`METRIC_SERIES` (counters that agents and the node daemon add to atomically, and
+  gauges the daemon stores), then from ``HIST_AT`` one block of ``HIST_WORDS`` per series
+  of :data:`HISTOGRAMS` (a count per bucket of :data:`LATENCY_BOUNDS_NS`, +Inf, the sum in
+  ns, the count). ``tiers/shm/counters.py`` reads and adds; ``kvcomm/metrics/`` exports.
 
 Rule for the layout version: any change to these tables, to a field's meaning or width,
 or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
@@ -38,12 +43,16 @@ keep their places across versions, so any version can tell what a segment is.
 What needs no bump: the **extension field** of a record (``REC_LENS`` high half gives its
 length; it follows the meta) holds one encoded msgpack map. New features add keys to it
 (an agent id, an expiry); L2 stores it byte for byte and a reader ignores keys it does
-not know, so records written by a newer KVCOMM stay readable by an older one.
+not know, so records written by a newer KVCOMM stay readable by an older one. Nor does
+**appending** a series to :data:`METRIC_SERIES` or :data:`HISTOGRAMS` (within the region's
+fixed size): an older KVCOMM never touches the new word (it reads zero in a segment that
+an older KVCOMM made), and no existing word moves. Removing, reordering or re-meaning a
+series, or changing :data:`LATENCY_BOUNDS_NS`, bumps it.
 """
 
 from __future__ import annotations
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4  # 4: the metrics region (3: records' extension field)
 MAGIC = int.from_bytes(b"KVCOMM\x00" + bytes([LAYOUT_VERSION]), "little")
 
 HEADER_SIZE = 4096
@@ -78,6 +87,8 @@ HEADER_WORDS = (
     "DAEMON_PID",
     "DAEMON_BEAT",   # the node daemon's heartbeat, ms since the epoch (atomic store)
     "SET_ASIDE",     # records the daemon could not deliver and set aside
+    # ---- layout words added since (written once by the creator)
+    "METRICS_OFF",   # the metrics region (METRICS_WORDS words)
 )
 H = {name: i for i, name in enumerate(HEADER_WORDS)}
 H_FREE = 64  # MAX_ORDER + 1 words of free-list heads, one per block order
@@ -136,6 +147,44 @@ PROC = {name: PROC_WORDS_AT // 8 + i for i, name in enumerate(PROC_WORDS_NAMES)}
 TOKEN_SLOT_BITS = 16
 
 
+# The metrics region. Each series is one word: "family" or "family{label=value,...}" (the
+# family without the kvcomm_ prefix). Counters are added to with atomic adds by the
+# process that counted (each process counts in plain ints and flushes the deltas: see
+# tiers/shm/counters.py); gauges (marked "=") are stored by their one writer, the daemon.
+# APPEND ONLY (see the rule above); kvcomm/metrics/families.py says what each family means.
+METRICS_WORDS = 2048
+_ERROR_TYPES = ("InvalidKey", "UnsupportedValue", "ValueTooLarge", "ConflictError",
+                "ValidationError", "InvalidArgument", "ConfigError", "SegmentError",
+                "Unavailable", "CorruptRecord", "UnflushedWrites", "other")
+METRIC_SERIES: tuple[str, ...] = (
+    *(f"reads_total{{tier={t},result={r}}}" for t, rs in
+      (("l1", ("hit", "miss")), ("l2", ("hit", "miss", "absent")), ("l3", ("hit", "absent")))
+      for r in rs),
+    *(f"writes_total{{kind={k},consistency={c}}}" for k in ("put", "delete")
+      for c in ("eventual", "strong")),
+    "guard_answers_total{guard=filter}", "guard_answers_total{guard=negative}",
+    *(f"errors_total{{type={t}}}" for t in _ERROR_TYPES),
+    "l3_commands_total", "l3_bytes_total{direction=sent}", "l3_bytes_total{direction=received}",
+    "window_writes_total{side=in}", "window_writes_total{side=out}", "window_batches_total",
+    "feed_events_total{feed=cluster}", "=feed_lag_events{feed=cluster}",
+    "conflicts_total", "merges_total", "resolver_failures_total", "views_total",
+    "daemon_resyncs_total", "daemon_set_aside_total", "daemon_l3_errors_total",
+    "batches_total", "updates_total",
+)
+METRIC = {name.lstrip("="): i for i, name in enumerate(METRIC_SERIES)}
+HIST_AT = 1024  # the first word of the histograms
+LATENCY_BOUNDS_NS = (250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
+                     500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000, 25_000_000,
+                     50_000_000, 100_000_000, 250_000_000, 1_000_000_000)
+HIST_WORDS = len(LATENCY_BOUNDS_NS) + 3  # the buckets, +Inf, the sum (ns), the count
+HISTOGRAMS: tuple[tuple[str, str], ...] = (  # (op, tier): kvcomm_op_seconds{op,tier}
+    ("get", "l1"), ("get", "l2"), ("get", "l3"), ("get", "absent"), ("put", "l2"),
+    ("delete", "l2"), ("batch", "l2"), ("update", "l2"),
+)
+HIST = {series: HIST_AT + i * HIST_WORDS for i, series in enumerate(HISTOGRAMS)}
+assert len(METRIC_SERIES) <= HIST_AT and HIST_AT + len(HISTOGRAMS) * HIST_WORDS <= METRICS_WORDS
+
+
 def token_of(index: int, generation: int) -> int:
     """The owner token of process entry ``index`` at ``generation``."""
     return ((generation & ((1 << (64 - TOKEN_SLOT_BITS)) - 1)) << TOKEN_SLOT_BITS) | (index + 1)
@@ -160,7 +209,8 @@ def c_header() -> str:
                         ("TAG_TOMBSTONE", TAG_TOMBSTONE), ("FEED_KEY_AT", FEED_KEY_AT),
                         ("PIN_WORDS", PIN_WORDS), ("PROC_BYTES", PROC_BYTES),
                         ("PROC_MUTEX_AT", PROC_MUTEX_AT), ("PROC_WORDS_AT", PROC_WORDS_AT),
-                        ("TOKEN_SLOT_BITS", TOKEN_SLOT_BITS)):
+                        ("TOKEN_SLOT_BITS", TOKEN_SLOT_BITS), ("METRICS_WORDS", METRICS_WORDS),
+                        ("LAT_BUCKETS", len(LATENCY_BOUNDS_NS) + 1)):
         define(name, value)
     for prefix, table in (("H_", H), ("SLOT_", SLOT), ("REC_", REC), ("FEED_", FEED),
                           ("PROC_", PROC)):

@@ -53,6 +53,7 @@ class OldRecord:
     hlc: int
     vvx: bytes
     dirty: bool
+    ext: bytes = b""  # the extension field (layout 3 on; b"": none)
 
 
 def _read_v2(mm: Any) -> tuple[str, list[OldRecord]]:
@@ -60,20 +61,38 @@ def _read_v2(mm: Any) -> tuple[str, list[OldRecord]]:
     of 5 words (seq, hash, record offset, reference bit, flags: 1 = dirty); records with a
     64-byte header (size, counter, hlc, info = key length | tag << 16 | vvx length << 24,
     value length, value offset, -, meta length), then key, vvx, meta, and the value."""
+    return _read_slots(mm, 2, host_at=1024, vv_shift=24, ext=False)
+
+
+def _read_v3(mm: Any) -> tuple[str, list[OldRecord]]:
+    """Layout 3 (the layout before the metrics region; slots and records as in layout 4):
+    host id at byte 1536; slots as layout 2's; records with a 64-byte header (size,
+    counter, hlc, info = key length | tag << 16 | vvx length << 32, value length, value
+    offset, -, lens = meta length | extension length << 32), then key, vvx, meta, the
+    extension field, and the value."""
+    return _read_slots(mm, 3, host_at=1536, vv_shift=32, ext=True)
+
+
+def _read_slots(mm: Any, version: int, *, host_at: int, vv_shift: int,
+                ext: bool) -> tuple[str, list[OldRecord]]:
+    """The dirty records of a layout-2 or -3 segment (their header words up to MAX_KEY,
+    slots and record headers are placed alike; the record's info word and the extension
+    field differ)."""
     size = len(mm)
+    where = f"layout-{version} segment"
 
     def word(off: int) -> int:
         if off < 0 or off + 8 > size:
-            raise SegmentError("layout-2 segment: a field lies outside the file (corrupt)")
+            raise SegmentError(f"{where}: a field lies outside the file (corrupt)")
         return int(struct.unpack_from("<Q", mm, off)[0])
 
     n_slots, slots_off, data_off, data_size = word(24), word(32), word(48), word(56)
     max_key = word(15 * 8)
     if not (0 < n_slots <= 1 << 32 and slots_off + n_slots * 40 <= size
             and data_off + data_size <= size and 0 < max_key <= 1 << 16):
-        raise SegmentError("layout-2 segment: its header is inconsistent (corrupt)")
-    hlen = min(mm[1024], 64)
-    host = bytes(mm[1025:1025 + hlen]).decode("utf-8", "replace")
+        raise SegmentError(f"{where}: its header is inconsistent (corrupt)")
+    hlen = min(mm[host_at], 64)
+    host = bytes(mm[host_at + 1:host_at + 1 + hlen]).decode("utf-8", "replace")
     out: list[OldRecord] = []
     for i in range(n_slots):
         s = slots_off + i * 40
@@ -81,29 +100,32 @@ def _read_v2(mm: Any) -> tuple[str, list[OldRecord]]:
         if off <= 1 or not flags & 1:  # empty, deleted, or already in L3
             continue
         if not data_off <= off <= data_off + data_size - 64:
-            raise SegmentError(f"layout-2 segment: slot {i} points outside the heap (corrupt)")
+            raise SegmentError(f"{where}: slot {i} points outside the heap (corrupt)")
         rsize, counter, hlc, info = word(off), word(off + 8), word(off + 16), word(off + 24)
-        vlen, vrel, mlen = word(off + 32), word(off + 40), word(off + 56)
-        klen, tag, vvlen = info & 0xFFFF, (info >> 16) & 0xFF, info >> 24
+        vlen, vrel, lens = word(off + 32), word(off + 40), word(off + 56)
+        klen, tag = info & 0xFFFF, (info >> 16) & 0xFF
+        vvlen = (info >> vv_shift) & 0xFFFFFFFF
+        mlen, xlen = (lens & 0xFFFFFFFF, lens >> 32) if ext else (lens, 0)
         if not (64 <= rsize <= data_off + data_size - off and 0 < klen <= max_key
-                and 64 + klen + vvlen + mlen <= vrel and vrel + vlen == rsize):
-            raise SegmentError(f"layout-2 segment: the record of slot {i} is malformed (corrupt)")
+                and 64 + klen + vvlen + mlen + xlen <= vrel and vrel + vlen == rsize):
+            raise SegmentError(f"{where}: the record of slot {i} is malformed (corrupt)")
         p = off + 64
         key = bytes(mm[p:p + klen])
         vvx = bytes(mm[p + klen:p + klen + vvlen])
         meta = bytes(mm[p + klen + vvlen:p + klen + vvlen + mlen])
+        xf = bytes(mm[p + klen + vvlen + mlen:p + klen + vvlen + mlen + xlen])
         value = bytes(mm[off + vrel:off + vrel + vlen])
         try:
             decode_others(vvx)
             key.decode("utf-8")
         except (ValueError, UnicodeDecodeError):
-            raise SegmentError(f"layout-2 segment: the record of slot {i} is malformed "
+            raise SegmentError(f"{where}: the record of slot {i} is malformed "
                                "(corrupt)") from None
-        out.append(OldRecord(key, tag, meta, value, counter, hlc, vvx, True))
+        out.append(OldRecord(key, tag, meta, value, counter, hlc, vvx, True, xf))
     return host, out
 
 
-READERS = {2: _read_v2}
+READERS = {2: _read_v2, 3: _read_v3}
 
 
 def layout_version(path: str, permissions: int) -> int | None:
@@ -234,8 +256,10 @@ def migrate(name: str, config: Any) -> Migrated:
                     raise _Present
 
             try:
-                seg.apply([(rec.key, h, rec.tag, rec.meta, rec.value, counter, rec.hlc, vvx)],
-                          now_ms=now_ms, dirty=True, check=absent)
+                op: tuple[Any, ...] = (rec.key, h, rec.tag, rec.meta, rec.value, counter,
+                                       rec.hlc, vvx)
+                seg.apply([(*op, rec.ext) if rec.ext else op], now_ms=now_ms, dirty=True,
+                          check=absent)
                 carried += 1
             except _Present:
                 superseded += 1

@@ -16,7 +16,7 @@ import xxhash
 
 from ... import _l2core
 from ...core.sketch import CountMinSketch, TopK
-from ...errors import InvalidArgument, SegmentError, Unavailable
+from ...errors import InvalidArgument, SegmentError, Unavailable, WriteUnderLock
 from .files import SHM_DIR, _unlink_quietly, check_owner, segment_path
 from .geometry import SKETCH_DEPTH, Layout
 from .layout import (
@@ -31,7 +31,7 @@ from .layout import (
     H,
 )
 
-_l2core.set_errors(SegmentError, Unavailable, InvalidArgument)  # what the C kernel raises
+_l2core.set_errors(SegmentError, Unavailable, InvalidArgument, WriteUnderLock)  # what C raises
 
 NEW_DOT = (1 << 64) - 1  # a versioned put with this counter: a fresh local dot over the vector
 
@@ -256,13 +256,15 @@ class SegmentCore:
         self._core = _l2core.Core(self._mm)
         self._atom = self._core  # the same object gives the atomics on any header word
 
-    def _lock(self) -> None:
-        """Take the writer lock and make the segment fit to use (purged? repair? sweep?).
+    def _lock(self, timeout: float | None = None) -> None:
+        """Take the writer lock within ``timeout`` seconds (default ``lock_timeout``; 0: only
+        if free now) and make the segment fit to use (purged? repair? sweep?). Raises
+        Unavailable when it stays held.
 
         The caller's ``finally`` must call ``self._core.unlock()``, which releases the lock
         only if this thread holds it: call ``_lock`` inside the ``try``.
         """
-        if self._core.lock(self.lock_timeout):
+        if self._core.lock(self.lock_timeout if timeout is None else timeout):
             self._after_lock()
 
     def _after_lock(self) -> None:

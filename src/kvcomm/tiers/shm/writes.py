@@ -43,7 +43,7 @@ class Writes(SegmentCore):
             out: tuple[int, int, bytes, int, int] = self.apply(
                 [(key_b, h, tag, meta, value)], now_ms=now_ms, dirty=dirty, max_dirty=max_dirty)[0]
             return out
-        self._raise_status(r, 0, [(key_b, h, tag, meta, value)], max_dirty)
+        self._raise_status(r, 0, [(key_b, h, tag, meta, value)], dirty, max_dirty)
         raise AssertionError("unreachable")
 
     def apply(self, ops: list[tuple[Any, ...]], *, now_ms: int, dirty: bool = False,
@@ -79,17 +79,20 @@ class Writes(SegmentCore):
                         raise
                     self._recover()  # corruption found before anything was published
             if type(r) is tuple and type(r[0]) is int:  # (status, index): nothing written
-                self._raise_status(r[0], r[1], ops, max_dirty)
+                self._raise_status(r[0], r[1], ops, dirty, max_dirty)
             return r
         finally:
             core.unlock()
 
-    def _raise_status(self, status: int, index: int, ops: list[tuple[Any, ...]],
+    def _raise_status(self, status: int, index: int, ops: list[tuple[Any, ...]], dirty: bool,
                       max_dirty: int) -> None:
+        """Raise what the kernel's status means for ``ops`` (``dirty``: cluster mode, whose
+        writes wait for L3)."""
         op = ops[index] if 0 <= index < len(ops) else ops[-1]
         key = bytes(op[0]).decode("utf-8", "replace")
+        batch = len(ops) > 1
         if status == ST_TOO_LARGE:
-            size = len(op[4]) if len(op) > 2 else 0
+            size = len(op[4]) if len(op) > 3 else 0
             if len(ops) > 1:
                 raise ValueTooLarge(
                     f"this batch cannot fit in L2 of {self.name!r} (largest block "
@@ -104,9 +107,19 @@ class Writes(SegmentCore):
                 f"{max_dirty}, cluster.outbound_max); is `kvcomm node` running for namespace "
                 f"{self.name!r} and the cluster up? Nothing was written")
         if status == ST_SLOT_FULL:
+            # (what can hold a window's slots: writes waiting for L3 only where there are
+            # any, which embedded mode never has, pins, and the batch's own new keys)
+            unflushed = dirty or self._q[H["DIRTY"]] > 0
+            held = ["writes not yet in L3"] if unflushed else []
+            held.append("entries pinned by zero-copy views")
+            hints = ["retry after the node daemon syncs"] if unflushed else []
+            if batch:
+                held.append("new keys of this batch")
+                hints.append("split the batch")
+            hints.append("release views or raise cache.l2_size")
             raise Unavailable(
-                f"the L2 hash window of {key!r} is full of writes not yet in L3; retry after "
-                "the node daemon syncs. Nothing was written")
+                f"the L2 hash window of {key!r} has no slot left that can be evicted (held by "
+                f"{', '.join(held)}); {', '.join(hints)}. Nothing was written")
         if status == ST_FULL:
             raise Unavailable(
                 f"L2 of {self.name!r} is full: {self._q[_H_DEFERRED]} blocks are pinned by "

@@ -1,0 +1,147 @@
+"""The custom collector: one host's families, read from its L2 segment at each scrape.
+
+:func:`read` turns the segment's metrics region and header into samples by family
+(:mod:`.families`); :class:`Collector` hands them to prometheus-client; ``kvcomm top``
+uses :func:`read` directly for the local host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from ..tiers.shm.counters import N_BUCKETS, MetricsRegion
+from ..tiers.shm.layout import HIST, LATENCY_BOUNDS_NS, METRIC_SERIES
+from .families import FAMILIES, HISTOGRAM, Labels, parse_series
+
+
+@dataclass
+class Histo:
+    """One histogram series: cumulative counts per upper bound in seconds (the last is
+    +Inf), the sum in seconds and the count."""
+
+    buckets: list[tuple[float, int]]
+    sum: float
+    count: int
+
+
+@dataclass
+class Snapshot:
+    """Every family's samples at one moment: ``values[family][labels] = value``,
+    ``histograms[family][labels] = Histo``, the hot keys, the host id."""
+
+    values: dict[str, dict[Labels, float]] = field(default_factory=dict)
+    histograms: dict[str, dict[Labels, Histo]] = field(default_factory=dict)
+    hot: list[tuple[str, int]] = field(default_factory=list)
+    host: str = ""
+    namespace: str = ""
+
+    def value(self, family: str, **labels: str) -> float:
+        """The sum of ``family``'s samples whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(v for lab, v in self.values.get(family, {}).items() if want <= set(lab))
+
+
+def hot_label(key: str, how: str, chars: int) -> str:
+    """A hot key as a label value: its first ``chars`` characters (``…`` marks a cut), or
+    ``how == "hash"``: ``#`` and 16 hex digits of its xxh3 hash."""
+    if how == "hash":
+        return "#" + xxhash.xxh3_64_hexdigest(key.encode("utf-8", "surrogatepass"))
+    return key if len(key) <= chars else key[:chars - 1] + "…"
+
+
+def read(seg: Any, config: Any) -> Snapshot:
+    """The host's families now, from ``seg`` (an L2Segment) and ``config`` (metrics.hot_keys
+    and the hot keys' labels; cluster mode). Raises SegmentError (purged)."""
+    region = MetricsRegion(seg)
+    words = region.words()
+    header: dict[str, int] = {**region.header(),
+                              "cluster": int(bool(config.cluster.enabled or seg.info()["daemon_pid"]))}
+    snap = Snapshot(host=seg.host_id, namespace=seg.name)
+    for fam in FAMILIES:
+        if fam.kind == HISTOGRAM:
+            continue
+        samples: dict[Labels, float] = {}
+        if fam.header is not None:
+            for labels, v in fam.header(header):
+                samples[labels] = v
+        snap.values[fam.name] = samples
+    for i, series in enumerate(METRIC_SERIES):
+        stem, labels = parse_series(series)
+        name = "kvcomm_" + stem
+        if name in snap.values:
+            snap.values[name][labels] = words[i]
+    bounds = [ns / 1e9 for ns in LATENCY_BOUNDS_NS] + [float("inf")]
+    hist: dict[Labels, Histo] = {}
+    for (op, tier), at in HIST.items():
+        row = words[at: at + N_BUCKETS + 2]
+        cum, acc = [], 0
+        for le, n in zip(bounds, row[:N_BUCKETS], strict=True):
+            acc += n
+            cum.append((le, acc))
+        hist[(("op", op), ("tier", tier))] = Histo(cum, row[N_BUCKETS] / 1e9, row[N_BUCKETS + 1])
+    snap.histograms["kvcomm_op_seconds"] = hist
+    m = config.metrics
+    if m.hot_keys:
+        # two keys cut to the same label would be two series with one name and labels,
+        # which Prometheus refuses: the label keeps the hotter one (they come hottest first)
+        hot: dict[str, int] = {}
+        for k, n in seg.hot_keys(m.hot_keys):
+            hot.setdefault(hot_label(k, m.hot_key_label, m.hot_key_chars), n)
+        snap.hot = list(hot.items())
+    return snap
+
+
+class Collector:
+    """A prometheus-client collector of one namespace's families (needs kvcomm[metrics])."""
+
+    def __init__(self, seg: Any, config: Any) -> None:
+        self.seg, self.config = seg, config
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        from .families import HOT_KEYS, INFO
+
+        snap = read(self.seg, self.config)
+        for fam in FAMILIES:
+            if fam.kind == HISTOGRAM:
+                series = snap.histograms.get(fam.name, {})
+                keys = [k for k, _ in next(iter(series))] if series else []
+                h = HistogramMetricFamily(fam.name.removesuffix("_seconds") + "_seconds",
+                                          fam.help, labels=keys, unit="")
+                for labels, histo in series.items():
+                    h.add_metric([v for _, v in labels],
+                                 [(_le(le), n) for le, n in histo.buckets], histo.sum)
+                yield h
+                continue
+            samples = snap.values.get(fam.name, {})
+            keys = sorted({k for labels in samples for k, _ in labels},
+                          key=lambda k: [k2 for lab in samples for k2, _ in lab].index(k))
+            c: Any
+            if fam.kind == "counter":
+                c = CounterMetricFamily(fam.name.removesuffix("_total"), fam.help, labels=keys)
+            else:
+                c = GaugeMetricFamily(fam.name, fam.help, labels=keys)
+            for labels, v in samples.items():
+                d = dict(labels)
+                c.add_metric([d.get(k, "") for k in keys], v)
+            yield c
+        hot = GaugeMetricFamily(HOT_KEYS.name, HOT_KEYS.help, labels=["key"])
+        for key, n in snap.hot:
+            hot.add_metric([key], n)
+        yield hot
+        info = GaugeMetricFamily(INFO.name, INFO.help, labels=["host", "namespace"])
+        info.add_metric([snap.host, snap.namespace], 1)
+        yield info
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)

@@ -1,0 +1,57 @@
+"""The node daemon's side of the metrics: its own counts into L2, its exporter, and its
+entry in the cluster's registry of hosts."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..tiers.shm.counters import series_word
+from .agent import wire_counts
+from .exporter import Exporter
+from .registry import publish
+
+log = logging.getLogger("kvcomm.metrics")
+_W = series_word
+
+
+def daemon_counts(daemon: Any) -> dict[int, int]:
+    """The daemon's cumulative counts (DaemonStats, its L3 client's traffic), by word."""
+    s = daemon.stats
+    out = {
+        _W("window_writes_total{side=in}"): s.extra.get("window_in", 0),
+        _W("window_writes_total{side=out}"): s.pushed,
+        _W("window_batches_total"): s.windows,
+        _W("feed_events_total{feed=cluster}"): s.pulled + s.skipped_remote,
+        _W("daemon_resyncs_total"): s.resyncs,
+        _W("daemon_set_aside_total"): s.quarantined,
+        _W("daemon_l3_errors_total"): s.l3_errors,
+    }
+    wire = getattr(daemon.l3, "wire", None)
+    if wire is not None:
+        wire_counts(wire, out)
+    return out
+
+
+def cluster_lag(daemon: Any) -> int:
+    """Cluster feed entries the daemon has not read yet, as of its last check of the
+    groups' counters (0 before the first)."""
+    counters = getattr(daemon, "feed_counters", {}) or {}
+    seqs = daemon.inb.seqs
+    return sum(max(0, c - (seqs.get(g) or 0)) for g, c in counters.items() if c is not None)
+
+
+def attach_daemon(daemon: Any) -> Exporter | None:
+    """Flush ``daemon``'s counts with its client's, and (``metrics.port`` set) serve the
+    host's metrics and publish where in the cluster's registry. Returns the exporter
+    (None without a port); raises ConfigError (kvcomm[metrics] missing, port taken)."""
+    meter = daemon.kv._meter
+    meter.add_source(lambda: daemon_counts(daemon))
+    meter.add_gauges(lambda: {_W("feed_lag_events{feed=cluster}"): cluster_lag(daemon)})
+    config = daemon.config
+    if not config.metrics.port:
+        return None
+    exporter = Exporter(daemon.kv._seg, config)
+    log.info("metrics at %s", exporter.url)
+    publish(daemon.l3, daemon.host, exporter.host, exporter.port)
+    return exporter

@@ -1,0 +1,108 @@
+"""What one L3 client sends to and receives from Redis: commands and bytes, counted exactly.
+
+:func:`counting_cluster` is redis-py's ``RedisCluster`` with one change: every
+connection it opens (the cluster client's own and every node's, pipelines included)
+counts into the client's :class:`WireCounts` — the bytes its socket sends and receives,
+and the replies it reads (one per command). The counts are plain integers of this
+process; the metrics flusher adds them to the host's L2 (``kvcomm_l3_commands_total``,
+``kvcomm_l3_bytes_total``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from redis.cluster import RedisCluster
+
+
+class WireCounts:
+    """Commands answered and bytes sent / received by one L3 client (cumulative)."""
+
+    __slots__ = ("commands", "sent", "received")
+
+    def __init__(self) -> None:
+        self.commands = 0
+        self.sent = 0
+        self.received = 0
+
+
+class _CountingSocket:
+    """A socket that counts the bytes through it; everything else is the socket's own."""
+
+    __slots__ = ("_sock", "_wire")
+
+    def __init__(self, sock: Any, wire: WireCounts) -> None:
+        self._sock, self._wire = sock, wire
+
+    def sendall(self, data: Any, *args: Any) -> None:
+        self._sock.sendall(data, *args)
+        self._wire.sent += len(data)
+
+    def send(self, data: Any, *args: Any) -> int:
+        n: int = self._sock.send(data, *args)
+        self._wire.sent += n
+        return n
+
+    def recv(self, *args: Any) -> bytes:
+        data: bytes = self._sock.recv(*args)
+        self._wire.received += len(data)
+        return data
+
+    def recv_into(self, *args: Any) -> int:
+        n: int = self._sock.recv_into(*args)
+        self._wire.received += n
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+_CLASSES: dict[type, type] = {}
+_COUNTING: set[type] = set()
+
+
+def _counting(cls: type) -> type:
+    """``cls`` (a redis-py Connection class) whose read_response counts one command."""
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        base: Any = cls
+
+        def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+            reply = base.read_response(self, *args, **kwargs)
+            self.kvcomm_wire.commands += 1
+            return reply
+
+        sub = _CLASSES[cls] = type(f"Counting{cls.__name__}", (cls,),
+                                   {"read_response": read_response})
+        _COUNTING.add(sub)
+    return sub
+
+
+_CLUSTER: Any = None
+
+
+def counting_cluster() -> type[RedisCluster]:
+    """The ``RedisCluster`` subclass whose connections count into ``self.wire``. Imports
+    redis-py (the caller has checked that kvcomm[cluster] is installed)."""
+    global _CLUSTER
+    if _CLUSTER is None:
+        from redis.cluster import RedisCluster
+
+        class CountingRedisCluster(RedisCluster):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self.wire = WireCounts()
+                super().__init__(*args, **kwargs)
+
+            def on_connect(self, connection: Any) -> None:
+                # before the handshake: the reply parser takes the socket in on_connect
+                # (a connection that reconnects comes here again with a new socket)
+                if not isinstance(connection._sock, _CountingSocket):
+                    connection._sock = _CountingSocket(connection._sock, self.wire)
+                connection.kvcomm_wire = self.wire
+                if type(connection) not in _COUNTING:
+                    connection.__class__ = _counting(type(connection))
+                super().on_connect(connection)  # type: ignore[no-untyped-call]
+
+        _CLUSTER = CountingRedisCluster
+    return _CLUSTER  # type: ignore[no-any-return]
