@@ -483,8 +483,11 @@ def test_a_short_jepsen_run_is_linearizable_and_loses_nothing(tmp_path: Path) ->
     converged after its heal."""
     from kvcomm.faults.soak import JEPSEN_FAULTS
 
+    # (no deletes of other hosts' keys: a delete on a host that does not see the key yet
+    # is a no-op in cluster mode, the known rule test_soak_with_the_faults_that_no_known_
+    # bug_affects avoids too; it is not what this run is about)
     result = _soak(tmp_path, JEPSEN_FAULTS, 15, workers=1, rate=20, strong_clients=2,
-                   strong_keys=4, cluster_settings={"lease_ttl": 3.0})
+                   strong_keys=4, cluster_settings={"lease_ttl": 3.0}, shared_deletes=False)
     print(result.strong_line())
     print(result.convergence_line())
     assert result.strong["ops"] > 200 and result.strong["ok"] > 100
