@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvcomm.core.versions import Version
+from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.errors import InvalidArgument
 from kvcomm.faults import FAULTS, Fault, Nemesis, Observed, Op, check, fault_kinds, plan, register
 from kvcomm.faults.checker import ABSENT
@@ -446,3 +448,50 @@ def test_soak_with_the_faults_that_no_known_bug_affects(tmp_path: Path) -> None:
     result = _soak(tmp_path, ["kill-daemon", "kill-redis-master", "pause-daemon"], 25,
                    shared_deletes=False)
     _assert_clean(result)
+
+
+# ---------------------------------------------------------------------- the jepsen run
+
+
+def test_check_strong_catches_a_stale_read_in_the_recorded_history(tmp_path: Path) -> None:
+    """The jepsen run's loader + checker on files as the strong workers write them: a
+    read that returns a value older than one whose write had returned is illegal."""
+    from kvcomm.faults.soak import check_strong
+
+    def line(p: str, t: str, f: str, v: Any, at: float) -> str:
+        return json.dumps({"p": p, "t": t, "f": f, "k": "soak/strong/0", "v": v, "at": at})
+
+    good = [line("a", "invoke", "put", "x", 1), line("a", "ok", "put", None, 2),
+            line("b", "invoke", "cas", ["x", "y"], 3), line("b", "ok", "cas", True, 4),
+            line("a", "invoke", "get", None, 5), line("a", "ok", "get", "y", 6)]
+    (tmp_path / "h-s0.lin").write_text("\n".join(good) + "\n")
+    ok = check_strong(tmp_path, 2, 1)
+    assert ok["verdict"] == "ok" and ok["ops"] == 3 and ok["ok"] == 3
+    stale = good + [line("c", "invoke", "get", None, 7), line("c", "ok", "get", "x", 8)]
+    (tmp_path / "h-s0.lin").write_text("\n".join(stale) + "\n")
+    bad = check_strong(tmp_path, 3, 1)
+    assert bad["verdict"] == "illegal" and "NOT linearizable" in bad["bad"][0]
+
+
+@pytest.mark.redis
+@needs_redis
+@pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
+def test_a_short_jepsen_run_is_linearizable_and_loses_nothing(tmp_path: Path) -> None:
+    """`kvcomm jepsen` in short: 3 hosts x 2 strong clients on 4 strong keys, while the
+    nemesis partitions hosts, kills and pauses etcd members and drops connections. The
+    strong history must be linearizable, nothing acknowledged lost, every partition
+    converged after its heal."""
+    from kvcomm.faults.soak import JEPSEN_FAULTS
+
+    # (no deletes of other hosts' keys: a delete on a host that does not see the key yet
+    # is a no-op in cluster mode, the known rule test_soak_with_the_faults_that_no_known_
+    # bug_affects avoids too; it is not what this run is about)
+    result = _soak(tmp_path, JEPSEN_FAULTS, 15, workers=1, rate=20, strong_clients=2,
+                   strong_keys=4, cluster_settings={"lease_ttl": 3.0}, shared_deletes=False)
+    print(result.strong_line())
+    print(result.convergence_line())
+    assert result.strong["ops"] > 200 and result.strong["ok"] > 100
+    assert result.strong["verdict"] == "ok", result.strong
+    assert result.partition_convergence and None not in result.partition_convergence
+    assert all(e["held"] > 0 for e in _effects(result, "partition-host"))  # really cut off
+    assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])

@@ -15,6 +15,7 @@ from ..core.negative import NegativeCache
 from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
 from ..errors import (
+    InvalidArgument,
     InvalidKey,
     KVCommError,
     SegmentError,
@@ -117,6 +118,62 @@ class ClientBase:
             self.agent, self._host, name, c.l2_dir, c.l2_permissions)
         self._report_at = REPORT_PUTS if self._observer is not None else 1 << 62
         self._obs_lock = threading.Lock()  # (the observer's edges, between threads' flushes)
+        self._strong: Any = None  # StrongStore: cluster mode with cluster.etcd (_client/strong.py)
+        self._strong_on = False  # some keys are strong: every operation asks is_strong
+        self._status_reader: Any = None  # the node daemon's status file (partition mode)
+        if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
+            self._open_strong()
+
+    def _open_strong(self) -> None:
+        """Open the strong-key store and check this config's prefixes against the
+        cluster's. Raises ConfigError (no cluster.etcd; prefixes that disagree). When etcd
+        cannot answer now, the check is left to the first strong operation."""
+        from ..errors import ConfigError, Unavailable
+        from .strong import StrongStore
+
+        c = self.config.cache
+        if not self.config.cluster.etcd:
+            raise ConfigError("cluster.etcd", "cache.strong_prefixes (or cache.l3_consistency: "
+                              "strong) in cluster mode keeps strong keys in etcd: list the "
+                              "etcd members in cluster.etcd")
+        try:
+            self._strong = StrongStore(self.config, self.name, self._etcd_unreachable)
+            if not self._etcd_unreachable():  # (partitioned: do not wait cluster.timeout)
+                self._strong.check()
+        except Unavailable:
+            pass  # partitioned at start: eventual keys work; strong ones check first
+        except BaseException:
+            if self._strong is not None:
+                self._strong.close()
+            process_budget().unregister(c.l1_size)
+            _Shared.release(self._attached)
+            self._closed = self._unusable = True
+            raise
+        self._strong_on = bool(c.strong_prefixes) or c.l3_consistency == "strong"
+
+    def _is_strong(self, key: str, consistency: str | None) -> bool:
+        """Whether ``key`` is strong (cluster mode; see _client/strong.py). Raises
+        InvalidKey, and InvalidArgument when ``consistency`` names the other kind."""
+        self._key_hash(key)  # (validates the key)
+        strong = self._strong is not None and self._strong_on and self._strong.is_strong(key)
+        if consistency is not None and self._cluster and (consistency == "strong") != strong:
+            raise InvalidArgument(
+                f"{key!r} is {'a strong' if strong else 'an eventual'} key in cluster mode, "
+                f"and consistency={consistency!r} asks otherwise: which keys are strong is "
+                "the cluster's choice, set by cache.strong_prefixes (longest prefix wins; "
+                "others follow cache.l3_consistency); drop consistency= or change the prefixes")
+        return strong
+
+    def _etcd_unreachable(self) -> str | None:
+        """Why the host's node daemon finds etcd's majority out of reach, or None (its
+        status file, read at most every 50 ms; see node/presence.py)."""
+        r = self._status_reader
+        if r is None:
+            from ..node.presence import StatusReader, status_path
+
+            r = self._status_reader = StatusReader(status_path(self.name,
+                                                               self.config.cache.l2_dir))
+        return r.etcd_unreachable()  # type: ignore[no-any-return]
 
     def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, timed into the latency histogram of ``op`` (tier l2, or

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from .._l2core import BatchOps
 from ..core.versions import Version
+from ..errors import InvalidArgument
 from .base import _now_ms, _run_validator
 from .items import Item
 
@@ -75,6 +76,13 @@ class Batch(BatchOps):
     def _apply(self) -> None:
         c = self._client
         c._live()
+        if c._strong_on:
+            for k in self._keys:
+                if c._is_strong(k, None):
+                    raise InvalidArgument(
+                        f"{k!r} is a strong key (cache.strong_prefixes): a batch is applied "
+                        "in L2, strong keys live in etcd; write it with put()/delete() "
+                        "outside the batch (nothing of this batch was written)")
         c._lat_left -= 1
         t0 = 0
         if not c._lat_left:  # this batch's turn to be timed (metrics)

@@ -54,6 +54,8 @@ class Client(Watching):
             "ops": {"puts": self._puts, "deletes": c["deletes"],
                     "conflicts": c["conflicts"], "merges": c["merges"],
                     "resolver_failures": c["resolver_failures"]},
+            # strong keys (cluster mode): etcd operations of this client
+            "strong": dict(self._strong.counters) if self._strong is not None else {},
         }
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -80,6 +82,8 @@ class Client(Watching):
         if self._l3 is not None:
             self._l3.close()
         self._kf = None  # (dropped, not closed: a get in another thread may be testing it)
+        if self._strong is not None:
+            self._strong.close()
         self._l1_entries = {}
         self._getter.close()
         self.__dict__.pop("get", None)  # Client.get: it says the client is closed

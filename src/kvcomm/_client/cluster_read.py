@@ -37,9 +37,7 @@ class ClusterReads(Merging):
             from ..tiers.l3 import L3Store
 
             cl = self.config.cluster
-            l3 = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
-                         tls=cl.redis_tls, timeout=cl.timeout, groups=cl.groups,
-                         max_value_size=self.config.cache.max_value_size)
+            l3 = L3Store.from_config(cl, max_value_size=self.config.cache.max_value_size)
             try:  # (another count than L3's would read every key under the wrong name)
                 l3.check_groups()
             except BaseException:

@@ -57,6 +57,11 @@ class Reads(ClusterReads):
         self._lat_left -= 1
         if not self._lat_left:  # this read's turn to be timed (metrics)
             return self._timed("get", self._get_slow, key, default, want_item, l3)
+        if self._strong_on and self._is_strong(key, None):
+            item = self._strong.get_item(key)
+            if want_item:
+                return item
+            return default if item is None else item.value
         kb, h = self._key_hash(key)
         self._getter.sampled(key)
         rec = self._read_l2(kb, h, self._zc)

@@ -47,6 +47,15 @@ class Writes(Reads):
         if not self._lat_left:  # this put's turn to be timed (metrics)
             return self._timed("put", self.put, key, value, consistency=consistency,  # type: ignore[no-any-return]
                                expect=expect)
+        if self._strong_on or consistency is not None and self._cluster:
+            strong = self._is_strong(key, consistency)
+            if strong:
+                validator = self._validators.lookup(key) if self._has_validators else None
+                self._key_hash(key)
+                version: Version = self._strong.put(key, value, self._encode(value), expect,
+                                                    validator)
+                self.counters["puts_strong"] += 1  # (metrics: agent.py)
+                return version
         # the common case inline (a key seen before, a bytes value, no checks): every call
         # saved here is a tenth of a put
         kh = self._keys.get(key) if type(key) is str else None
@@ -154,6 +163,9 @@ class Writes(Reads):
         self._lat_left -= 1
         if not self._lat_left:  # this delete's turn to be timed (metrics)
             return self._timed("delete", self._delete, key, expect)  # type: ignore[no-any-return]
+        if self._strong_on and self._is_strong(key, None):
+            validator = self._validators.lookup(key) if self._has_validators else None
+            return int(self._strong.delete(key, expect, validator))
         kb, h = self._key_hash(key)
         cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None

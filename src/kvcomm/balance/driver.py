@@ -91,8 +91,7 @@ class Balancer:
                         "every %gs, so slot loads will be partial or missing; use %gs or more",
                         window, HOT_EVERY, 3 * HOT_EVERY)
         cl = config.cluster
-        self.store = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
-                             tls=cl.redis_tls, timeout=cl.timeout, groups=cl.groups)
+        self.store = L3Store.from_config(cl)  # (routing, credentials, TLS: as a host's)
         try:
             self.store.check_groups()
         except BaseException:

@@ -12,6 +12,8 @@ the README's "Commands" section).
     kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR
     kvcomm dev-cluster partition --dir DIR --host H [--mode M] | heal --dir DIR
     kvcomm dev-cluster kill-etcd --dir DIR [--leader | --member N] | restart-etcd --dir DIR
+    kvcomm cluster status --config FILE [--json] | remove-host --config FILE HOST
+    kvcomm jepsen [--hosts N] [--minutes M | --seconds S] [--seed N] ...
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
     kvcomm metrics [--name NS] [--port P] [--host ADDR] [--config FILE]
     kvcomm top [--name NS | --config FILE [--cluster]] [--interval S] [--once]
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +56,12 @@ def _info(args: argparse.Namespace) -> int:
         info = seg.info()
     finally:
         seg.close()
+    from ..node.presence import STATUS_FRESH_S, read_status, status_path
+
+    st = read_status(status_path(info["name"], c.l2_dir))
+    if st is not None and time.time() - float(st.get("updated", 0)) > STATUS_FRESH_S:
+        st = None  # (a daemon that died says nothing)
+    info["node"] = st
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -65,6 +74,13 @@ def _info(args: argparse.Namespace) -> int:
           f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
     print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
+    if st is not None:
+        mode = f"PARTITION MODE ({st.get('partition_reason')})" if st.get("partition") \
+            else "connected"
+        lease = f"lease {st['lease']:x}" if st.get("lease") else "no etcd lease"
+        etcd = ", etcd unreachable: strong keys fail at once" if st.get("etcd_unreachable") else ""
+        print(f"cluster        {mode}; {lease}{etcd}; backlog {st.get('backlog', 0)}, "
+              f"feed lag {st.get('feed_lag_s', 0)}s")
     if info["daemon_pid"]:
         state = "alive" if info["daemon_alive"] else "NOT heartbeating"
         print(f"node daemon    pid {info['daemon_pid']}, {state}; "
@@ -218,6 +234,49 @@ def _dev_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    """The cluster as etcd sees it. `status`: every host, its lease (live, expired,
+    stopped), whether it is in partition mode, its outbound backlog (writes not yet in
+    L3) and feed lag, as its daemon last published them. `remove-host HOST`: retire a
+    host that will not come back: revoke its lease, delete its records in etcd and its
+    feed cursors, hot keys and quarantine list in L3. Its backlog lives in its own L2:
+    run its daemon once (it flushes on SIGTERM) before removing it if it can still run."""
+    from ..node.presence import cluster_status, remove_host
+    from ..tiers.etcd import EtcdClient
+
+    cfg = load_config(args.config)
+    if not cfg.cluster.etcd:
+        raise InvalidArgument("kvcomm cluster needs cluster.etcd in the config (the etcd members)")
+    with EtcdClient.from_config(cfg.cluster) as etcd:
+        if args.action == "status":
+            hosts = cluster_status(etcd)
+            if args.json:
+                print(json.dumps({"hosts": hosts}, indent=2))
+                return 0
+            print(f"{'host':<16} {'lease':<18} {'partition':<9} {'backlog':>8} {'feed lag':>9}")
+            for h in hosts:
+                print(f"{h['host']:<16} {h['lease']:<18} {'yes' if h['partition'] else 'no':<9} "
+                      f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s")
+            return 0
+        found = remove_host(etcd, args.host)
+    l3_keys = 0
+    if cfg.cluster.redis:
+        require_cluster("kvcomm cluster remove-host")
+        from ..tiers.l3 import L3Store
+
+        cl = cfg.cluster
+        store = L3Store.from_config(cl)
+        try:
+            l3_keys = store.forget_host(args.host)
+        finally:
+            store.close()
+    last = found.get("last_status") or {}
+    print(f"{args.host}: lease {'revoked' if found['lease_revoked'] else 'already gone'}, "
+          f"{found['keys_deleted']} etcd records and {l3_keys} L3 records deleted; its "
+          f"last published backlog was {last.get('backlog', 'unknown')} writes")
+    return 0
+
+
 def _soak(args: argparse.Namespace) -> int:
     """Brings up a dev cluster, runs agents on every host and a seeded nemesis
     injecting faults, then checks the recorded history: exit 0 only when nothing
@@ -234,6 +293,29 @@ def _soak(args: argparse.Namespace) -> int:
     if args.quiet:
         opts["log"] = lambda line: None
     return soak.main(opts, as_json=args.json)
+
+
+def _jepsen(args: argparse.Namespace) -> int:
+    """The soak (see `kvcomm soak --help`) turned on strong keys: CLIENTS processes per
+    host doing get/put/compare-and-set/update/delete with unique values on a handful of
+    strong keys while the nemesis partitions hosts, kills and pauses etcd members (the
+    leader included) and drops connections; the recorded history is checked by the
+    linearizability checker (kvcomm.faults.linearizability), the eventual keys as the
+    soak checks them (nothing acknowledged lost, every host converged), and every
+    partition's heal -> convergence time is measured (p50, p99). Exit 0 only when all
+    of it holds. Needs redis-server, etcd and pip install 'kvcomm[cluster]'."""
+    from ..faults import soak
+
+    require_cluster("kvcomm jepsen")
+    opts: dict[str, object] = {
+        "hosts": args.hosts, "seconds": args.seconds if args.seconds else args.minutes * 60,
+        "seed": args.seed, "directory": args.dir, "workers": args.workers,
+        "rate": args.rate, "strong_clients": args.clients, "strong_keys": args.strong_keys,
+        "faults": [f for f in args.faults.split(",") if f] if args.faults else None,
+        "converge_timeout": args.converge_timeout}
+    if args.quiet:
+        opts["log"] = lambda line: None
+    return soak.jepsen_main(opts, as_json=args.json)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -364,6 +446,43 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every host to agree with L3 (default 60)")
     sk.add_argument("--json", action="store_true", help="print the whole report as JSON")
     sk.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    cl = _command(sub, "cluster", _cluster, "hosts, leases and partition mode (cluster mode)")
+    actions = cl.add_subparsers(dest="action", required=True, metavar="ACTION",
+                                help="status: list the hosts; remove-host HOST: retire one")
+    st = actions.add_parser("status", help="list the hosts, their leases, partition mode, "
+                            "backlog and feed lag")
+    st.add_argument("--json", action="store_true",
+                    help='as JSON: {"hosts": [{"host", "lease", "partition", "backlog", '
+                    '"feed_lag_s"}]}')
+    rm = actions.add_parser("remove-host", help="retire a host that will not come back")
+    rm.add_argument("host", metavar="HOST", help="the host id (node.host_id)")
+    for q in (st, rm):
+        q.add_argument("--config", required=True, metavar="FILE",
+                       help="a host's kvcomm YAML config (its cluster.etcd and cluster.redis)")
+
+    jp = _command(sub, "jepsen", _jepsen, "strong keys under partitions and etcd faults: is "
+                  "the history linearizable, is anything acknowledged lost?")
+    jp.add_argument("--hosts", type=int, default=3, metavar="N", help="simulated hosts (default 3)")
+    jp.add_argument("--minutes", type=float, default=5.0, metavar="M",
+                    help="workload time in minutes (default 5)")
+    jp.add_argument("--seconds", type=float, metavar="S", help="workload time in seconds")
+    jp.add_argument("--seed", type=int, metavar="N", help="replay the faults of this seed")
+    jp.add_argument("--clients", type=int, default=3, metavar="N",
+                    help="strong-key clients per host (default 3)")
+    jp.add_argument("--strong-keys", type=int, default=5, metavar="N",
+                    help="strong keys they share (default 5)")
+    jp.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="eventual-key agent processes per host (default 1)")
+    jp.add_argument("--rate", type=float, default=30.0, metavar="HZ",
+                    help="eventual operations per second per agent (default 30)")
+    jp.add_argument("--faults", metavar="KIND,...", help="fault kinds (default: "
+                    "partition-host, kill-etcd-member, pause-etcd-member, drop-connections)")
+    jp.add_argument("--dir", metavar="DIR", help="keep logs, histories and report here")
+    jp.add_argument("--converge-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds to wait for every host to agree with L3 (default 60)")
+    jp.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    jp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
     from .operate import add_commands
 

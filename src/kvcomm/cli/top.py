@@ -166,8 +166,7 @@ def cluster_source(config: Any) -> tuple[Callable[[], list[tuple[str, str, Snaps
 
     require_cluster("kvcomm top --cluster")
     cl = config.cluster
-    store = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
-                    tls=cl.redis_tls, timeout=cl.timeout)
+    store = L3Store.from_config(cl)
     registry = L3Registry(store)  # (lease-backed once hosts hold leases: same protocol)
 
     def snap() -> list[tuple[str, str, Snapshot | None]]:

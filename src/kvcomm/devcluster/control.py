@@ -77,7 +77,8 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
        feed_poll: str = "20ms", timeout: float = 60.0,
        resolvers: dict[str, str] | None = None,
        watch_buffer: int | None = None, strong_prefixes: Sequence[str] = (),
-       proxies: bool = False, groups: int | None = None) -> dict[str, Any]:
+       proxies: bool = False, groups: int | None = None,
+       cluster_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start a dev cluster of ``hosts`` hosts in ``directory``; returns its state (see
     :func:`load_state`) once every daemon heartbeats.
 
@@ -91,7 +92,8 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
 
     ``l2_size``, ``sync_interval`` (``cache.l2_sync_interval``), ``feed_poll``,
     ``resolvers``, ``watch_buffer`` and ``groups`` (``cluster.groups``) go into every
-    host's config. Raises KVCommError
+    host's config, and ``cluster_settings`` (more ``cluster.*`` settings: ``timeout``,
+    ``lease_ttl``, ``outbound_max``...) too. Raises KVCommError
     when a dev cluster is already up there or ``hosts`` is not 1 to 32, ConfigError when
     redis-py is not installed or a strong prefix is invalid, Unavailable when a server
     or daemon does not start (everything started is stopped again).
@@ -143,7 +145,7 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
                    "cache": cache,
                    "cluster": {"redis": state["redis"], "etcd": etcd_addresses,
                                "address_remap": remap, "feed_poll": feed_poll,
-                               "resolvers": resolvers or {}},
+                               "resolvers": resolvers or {}, **(cluster_settings or {})},
                    "metrics": {"port": free_port()}}  # each host's own exporter
             if groups is not None:
                 cfg["cluster"]["groups"] = groups

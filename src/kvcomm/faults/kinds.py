@@ -18,9 +18,11 @@
                        probe keys written just before, and in L3, are eviction victims.
 ``kill-etcd-member``   SIGKILL an etcd member, the leader half of the time; at heal,
                        start it again and wait until the cluster is healthy.
-``pause-etcd-member``  SIGSTOP an etcd member; SIGCONT at heal.
+``pause-etcd-member``  SIGSTOP an etcd member, the leader half of the time; SIGCONT at heal.
 ``partition-host``     cut a host off from Redis and etcd, both directions, through its
-                       fault proxy (needs ``dev-cluster up --proxies``); heal restores.
+                       fault proxy (needs ``dev-cluster up --proxies``); heal restores,
+                       then measures heal -> convergence: probes written on both sides
+                       while cut off, read on every host every 50 ms.
 ``drop-connections``   reset every live connection of a host to Redis and etcd (proxy).
 =====================  ==============================================================
 
@@ -327,10 +329,14 @@ class PauseEtcdMember(DevFault):
     hold = (0.5, 4.0)
 
     def inject(self, rng: random.Random) -> str:
-        self.member: int | None = rng.randrange(self.target.etcd_members())
-        pid = self.target.pause_etcd(self.member)
-        self.effect.update(member=self.member + 1, pid=pid)
-        return f"SIGSTOP etcd member {self.member + 1} (pid {pid})"
+        leader = rng.random() < 0.5  # the leader half of the time: a stalled election
+        t = self.target
+        self.member: int | None = t.etcd_leader() if leader else rng.randrange(t.etcd_members())
+        assert self.member is not None
+        pid = t.pause_etcd(self.member)
+        self.effect.update(member=self.member + 1, pid=pid, leader=leader)
+        return f"SIGSTOP etcd member {self.member + 1} (pid {pid})" + (" (the leader)" if leader
+                                                                      else "")
 
     def heal(self) -> str:
         if getattr(self, "member", None) is None:
@@ -339,6 +345,10 @@ class PauseEtcdMember(DevFault):
         self.target.resume_etcd(self.member)
         self.member = None
         return "SIGCONT"
+
+
+PROBES = "soak/n/"
+CONVERGE_BOUND = 30.0  # seconds a partition's heal waits for every host to converge
 
 
 @register
@@ -352,6 +362,18 @@ class PartitionHost(DevFault):
         self.host: int | None = self._host(rng)
         st = self.target.partition(self.host, "blackhole")
         self.held_before = int(st["held_chunks"]) + int(st["held_connections"])
+        # probes written on both sides while cut off: at heal, the time until every host
+        # reads both is the heal -> convergence time (effect["converge_s"])
+        t = self.target
+        self.probes: dict[str, str] = {}
+        if t.hosts > 1 and t.history_dir is not None:
+            tag = f"{PROBES}partition-host/{t.host_ids[self.host]}/{time.time_ns()}"
+            other = (self.host + 1 + rng.randrange(t.hosts - 1)) % t.hosts
+            for side, h in (("in", self.host), ("out", other)):
+                try:
+                    self.probes[f"{tag}/{side}"] = self._put(h, f"{tag}/{side}")
+                except Unavailable:
+                    pass  # (the measure then covers the side that was written)
         return f"{self.target.host_ids[self.host]} cut off from Redis and etcd"
 
     def heal(self) -> str:
@@ -362,9 +384,34 @@ class PartitionHost(DevFault):
         st = self.target.proxy_status(self.host)
         held = int(st["held_chunks"]) + int(st["held_connections"]) - self.held_before
         self.target.heal_network(self.host)
+        t0 = time.monotonic()
         self.effect["held"] = held
         self.host = None
-        return f"healed ({held} requests and connections were held while cut off)"
+        if not self.probes:
+            return f"healed ({held} requests and connections were held while cut off)"
+        converged = self._converged_within(CONVERGE_BOUND)
+        took = time.monotonic() - t0
+        self.effect["converge_s"] = round(took, 3) if converged else None
+        return (f"healed ({held} requests and connections were held while cut off); every "
+                + (f"host converged in {took:.2f}s" if converged
+                   else f"host had NOT converged after {CONVERGE_BOUND:g}s"))
+
+    def _converged_within(self, bound: float) -> bool:
+        """Probe every host every 50 ms until each reads every probe's value."""
+        t = self.target
+        end = time.monotonic() + bound
+        pending = {(i, k) for i in range(t.hosts) for k in self.probes}
+        while time.monotonic() < end:
+            for i, k in sorted(pending):
+                try:
+                    if value_id(t.probe_client(i).get(k)) == value_id(self.probes[k]):
+                        pending.discard((i, k))
+                except Unavailable:
+                    pass
+            if not pending:
+                return True
+            time.sleep(0.05)
+        return False
 
 
 @register

@@ -58,6 +58,7 @@ class DevClusterTarget:
         self.redis_ports: list[int] = control.redis_ports(state)
         self.history_dir = Path(history_dir) if history_dir is not None else None
         self._clients: dict[int, Client] = {}
+        self._probe_clients: dict[int, Client] = {}
         self._recorders: dict[int, Recorder] = {}
         self._l3: L3Store | None = None
 
@@ -75,6 +76,17 @@ class DevClusterTarget:
         if i not in self._clients:
             self._clients[i] = kv_open(config=self.configs[i])
         return self._clients[i]
+
+    def probe_client(self, i: int) -> Client:
+        """A client of host ``i`` that never trusts "absent" (``cache.negative_ttl`` 0):
+        for probes that must see a key as soon as the host can."""
+        if i not in self._probe_clients:
+            from ..config import Config
+
+            data = Config.load(self.configs[i]).model_dump()
+            data["cache"]["negative_ttl"] = 0
+            self._probe_clients[i] = kv_open(config=Config.from_mapping(data))
+        return self._probe_clients[i]
 
     def segment(self, i: int) -> L2Segment:
         return self.client(i)._seg
@@ -268,7 +280,7 @@ class DevClusterTarget:
     def close(self) -> None:
         for r in self._recorders.values():
             r.sink.close()
-        for c in self._clients.values():
+        for c in [*self._clients.values(), *self._probe_clients.values()]:
             c.close()
         if self._l3 is not None:
             self._l3.close()

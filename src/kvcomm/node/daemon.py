@@ -69,8 +69,10 @@ cluster settings or resolvers), or when its own L2 segment or key filter cannot 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Set
@@ -101,6 +103,7 @@ from .delivery import (
     Skipped,
 )
 from .port import ClientPort, HostKeys, HostL2, L3Port
+from .presence import HostPresence, Reachability, status_path, write_status
 
 log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
@@ -168,6 +171,12 @@ class Daemon:
         self.rebuild_every = cl.key_filter_rebuild
         self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
         self.held_at_start: set[str] = set()
+        # partition mode (node/presence.py): Redis or an etcd majority out of reach
+        # longer than the lease TTL; etcd's side is the presence thread's (NodeDaemon)
+        self.reach = Reachability(cl.lease_ttl, now)
+        self.presence: HostPresence | None = None
+        self.last_pull = now  # the last feed read that succeeded (feed lag)
+        self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self._fill_key_filter(initial=True)
         self._start_feeds()
@@ -255,6 +264,7 @@ class Daemon:
                 return
             self.stats.windows += 1
             self.stats.pushed += len(push.items)
+            self.reach.redis_ok(self.clock())
             self.stats.bump("window_in", push.window.ops_in)
             for item, res in zip(push.items, results, strict=False):
                 g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
@@ -537,6 +547,8 @@ class Daemon:
                 self.pull_remote(poll)
                 if poll.save:
                     self._save_state()
+                self.reach.redis_ok(self.clock())
+                self.last_pull = self.clock()
                 self.inb.polled(poll, now)
             self._maybe_rotate_filter()
             self._maybe_prewarm()
@@ -550,6 +562,52 @@ class Daemon:
         self.stats.l3_errors += 1
         if backoff.attempts & (backoff.attempts - 1) == 0:
             log.warning("%s failed (%s); retry %d in %.2fs", what, exc, backoff.attempts, delay)
+
+    # ------------------------------------------------------------------ partition mode
+
+    def backlog(self) -> int:
+        """Writes of this host not yet in L3 (dirty L2 entries)."""
+        count = getattr(self.port, "dirty_count", None)  # (the test fakes have none)
+        return int(count()) if count is not None else 0
+
+    def status(self) -> dict[str, Any]:
+        """What the daemon tells its agents (the status file) and the cluster (etcd)."""
+        now = self.clock()
+        p = self.presence
+        return {"host": self.host, "pid": os.getpid(), "updated": self.wall(),
+                "partition": self.reach.partition, "partition_reason": self.reach.reason,
+                "partitions": self.reach.entered, "backlog": self.backlog(),
+                "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
+                "etcd_unreachable": bool(p and p.etcd_unreachable),
+                "etcd_down_s": round(p.etcd_down_s(), 3) if p else 0.0,
+                "lease": p.lease if p else 0}
+
+    def decide_partition(self) -> None:
+        """Enter or leave partition mode (see node/presence.py). Leaving it retries the
+        backlog and the feeds at once instead of after the backoff."""
+        now = self.clock()
+        change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
+        if change == "enter":
+            self.stats.bump("partitions")
+            log.warning("partition mode: %s; agents keep writing eventual keys into L2 (at "
+                        "most cluster.outbound_max waiting), strong keys need etcd",
+                        self.reach.reason)
+            # probe often: the heal is found within ~200 ms, not after a 2 s backoff; and
+            # do not spend each probe re-reading the slot map from every unreachable seed
+            self.out.backoff.cap = self.inb.backoff.cap = 0.2
+            if hasattr(self.l3, "refresh_every"):
+                self.l3.refresh_every = 10.0
+        elif change == "leave":
+            self.stats.bump("heals")
+            log.warning("partition healed: replaying %d waiting writes through L3's merge",
+                        self.backlog())
+            self.out.backoff.cap = self.inb.backoff.cap = 2.0
+            if hasattr(self.l3, "refresh_every"):
+                self.l3.refresh_every = 0.5
+            self.out.backoff.succeeded()
+            self.inb.backoff.succeeded()
+            self.out.retry_at = self.inb.retry_at = float("-inf")
+            self.inb.last_poll = float("-inf")
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set, then flush. A failed round is logged, counted and
@@ -570,26 +628,48 @@ class Daemon:
                 else:
                     self.stats.step_errors += 1
                     log.exception("a daemon round failed; retrying")
-                stop.wait(backoff.failed())
+                self.decide_partition()
+                self.after_step()
+                stop.wait(min(backoff.failed(), 0.2) if self.reach.partition else backoff.failed())
                 continue
+            self.decide_partition()
+            self.after_step()
             wake = self.out.wake_at()
             stop.wait(poll if wake is None else max(0.0, min(poll, wake - self.clock())))
         self.flush()
 
-    def flush(self, timeout: float = 5.0) -> None:
-        """Send what is waiting (on shutdown); gives up after ``timeout`` seconds."""
-        end = self.clock() + timeout
-        self.out.flush(self.clock())
-        while self.out.waiting and self.clock() < end:
-            self._push(self.clock())
-            if self.out.waiting:  # failed: wait as the backoff says, within the timeout
-                self.sleep(max(0.0, min(self.out.retry_at, end) - self.clock()))
-        if not self.out.waiting:
-            self.push_local(self.clock())
+    def after_step(self) -> None:
+        """Publish the daemon's status (NodeDaemon: the status file)."""
+
+    def flush(self, timeout: float = 5.0) -> dict[str, Any]:
+        """Send what is waiting (on shutdown: SIGTERM); gives up after ``timeout``
+        seconds. Returns ``{"sent", "left", "seconds"}``: records pushed, writes still
+        not in L3 (they stay dirty in L2: the next daemon sends them), time taken."""
+        t0 = self.clock()
+        end = t0 + timeout
+        pushed0 = self.stats.pushed
+        self.out.backoff.succeeded()
+        self.out.retry_at = float("-inf")
+        while True:
+            try:
+                self.push_local(self.clock())
+            except Unavailable:
+                pass
+            self.out.flush(self.clock())
+            if self.out.waiting:
+                self._push(self.clock())
+            if not self.out.waiting and not self.backlog() or self.clock() >= end:
+                break
+            # failed: wait as the backoff says, within the timeout (or for the feed)
+            self.sleep(max(0.01, min(self.out.retry_at, end) - self.clock())
+                       if self.out.waiting else 0.01)
         try:
             self._save_state()
         except Unavailable:
             pass
+        self.last_flush = {"sent": self.stats.pushed - pushed0, "left": self.backlog(),
+                           "seconds": round(self.clock() - t0, 3)}
+        return self.last_flush
 
     def close(self) -> None:
         """Tell agents to stop trusting the key filter now (not in STALE_MS), and release
@@ -613,7 +693,7 @@ class NodeDaemon(Daemon):
         if not config.cluster.enabled:
             raise ConfigError("cluster.redis",
                               "kvcomm node needs the Redis Cluster seed nodes (host:port list)")
-        seeds = config.cluster.seeds()  # validate before touching the host's L2
+        config.cluster.seeds()  # validate before touching the host's L2
         # jitter must differ between hosts: an unseeded Random draws its seed from the OS
         rng = rng if rng is not None else random.Random()
         self.kv: Client = kv_open(name, config=config)
@@ -623,11 +703,7 @@ class NodeDaemon(Daemon):
             port = ClientPort(self.kv)  # the one way to the host's L2
             cl, c = config.cluster, config.cache
             resolvers = {prefix: _import(path) for prefix, path in cl.resolvers.items()}
-            l3 = L3Store(seeds, username=cl.redis_username, password=cl.redis_password,
-                         tls=cl.redis_tls, timeout=cl.timeout, feed_maxlen=cl.feed_maxlen,
-                         wait_replicas=cl.wait_replicas, wait_ms=int(cl.wait_timeout * 1000),
-                         max_value_size=c.max_value_size, groups=cl.groups,
-                         feed_total=cl.feed_total)
+            l3 = L3Store.from_config(cl, max_value_size=c.max_value_size, daemon=True)
             l3.check_groups(record=True)  # (a ConfigError for another count: not retried)
             for prefix, fn in resolvers.items():  # the operator's own code, named in config
                 port.register_resolver(prefix, fn)  # (agents of the host register theirs)
@@ -636,6 +712,11 @@ class NodeDaemon(Daemon):
             super().__init__(config, port, l3, keys, rng=rng)
             # placement: the host's agent reports, published to L3 (kvn:{host}:agents)
             self.agents = HostPublisher(config, self.kv.name, self.host)
+            self.status_file = status_path(self.kv.name, c.l2_dir)
+            self.status_written = float("-inf")
+            if cl.etcd:
+                self.presence = HostPresence(config, self.status,
+                                             on_change=self.write_status).start()
         except BaseException:  # L3 unreachable at start, say: release what we opened
             if keys is not None:
                 keys.close()
@@ -648,7 +729,32 @@ class NodeDaemon(Daemon):
         super().step()
         self.agents.maybe_publish(self.l3, self.clock())  # (never raises)
 
+    def after_step(self) -> None:
+        """Write the status file for the host's agents and ``kvcomm info`` (every 200 ms
+        at most; a failure is logged, not raised)."""
+        now = self.clock()
+        if now - self.status_written < 0.2:
+            return
+        self.status_written = now
+        self.write_status()
+
+    def write_status(self) -> None:
+        """Write the status file now (also from the lease thread, when etcd's
+        reachability changes). Never raises."""
+        try:
+            write_status(self.status_file, self.status(), self.config.cache.l2_permissions)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", self.status_file, exc)
+
     def close(self) -> None:
+        """Revoke the host's lease (others see it leave at once), remove the status file,
+        release everything."""
+        if self.presence is not None:
+            self.presence.stop(revoke=True)
+        try:
+            os.unlink(self.status_file)
+        except OSError:
+            pass
         super().close()
         self.kv.close()
 
@@ -712,7 +818,14 @@ def main(config: Config, name: str | None = None) -> int:
         daemon.close()
         raise
     try:
-        daemon.run(stop)
+        daemon.run(stop)  # (it flushes when stopped)
+        report = daemon.last_flush or {}
+        msg = (f"stopping: flushed {report.get('sent', 0)} writes to L3 in "
+               f"{report.get('seconds', 0)}s; {report.get('left', 0)} not yet in L3")
+        if report.get("left"):
+            msg += " (they stay in L2, dirty: the next daemon of this host sends them)"
+        log.info("%s", msg)
+        print(f"kvcomm node: {msg}", file=sys.stderr, flush=True)
     finally:
         if exporter is not None:
             exporter.close()

@@ -198,6 +198,10 @@ class ClientPort:
     def dirty_keys(self) -> list[str]:
         return [kb.decode("utf-8", "surrogateescape") for kb in self.seg.dirty_keys()]
 
+    def dirty_count(self) -> int:
+        """Writes of the host not yet in L3."""
+        return self.seg.dirty_count
+
     def dirty_record(self, key: str) -> L3Record | None:
         from ..tiers.l3 import EMPTY_EXT, L3Record
 

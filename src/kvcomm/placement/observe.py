@@ -188,8 +188,7 @@ def observe(config: Config, seconds: float, *, namespace: str | None = None,
         from ..tiers.l3 import L3Store
 
         cl = config.cluster
-        l3 = L3Store(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
-                     tls=cl.redis_tls, timeout=cl.timeout)
+        l3 = L3Store.from_config(cl)
     try:
         before = _snapshots(config, namespace, l3) if seconds > 0 else []
         if seconds > 0:

@@ -106,7 +106,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 import msgpack
@@ -532,12 +532,17 @@ class L3Store:
                  wait_ms: int = 100, max_value_size: int = MAX_VALUE_SIZE,
                  groups: int = DEFAULT_GROUPS, feed_total: int = FEED_TOTAL,
                  tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None,
+                 address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None
+                 ) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode
 
         from ..metrics.wire import counting_cluster
 
+        extra: dict[str, Any] = {}
+        if address_remap is not None:  # cluster.address_remap: every node through it
+            extra["address_remap"] = address_remap
         try:
             self.groups: Groups = _groups(groups)
         except ValueError as exc:
@@ -549,10 +554,14 @@ class L3Store:
                 password=password, username=username, ssl=tls, socket_timeout=timeout,
                 socket_connect_timeout=timeout, require_full_coverage=True,
                 # cluster.redis_ca / redis_cert / redis_key (None: redis-py's defaults)
-                ssl_ca_certs=tls_ca, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                ssl_ca_certs=tls_ca, ssl_certfile=tls_cert, ssl_keyfile=tls_key, **extra,
             )
         except Exception as exc:
             raise Unavailable(f"cannot reach Redis Cluster at {list(seeds)}: {exc}") from None
+        if address_remap is not None:  # (MOVED and ASK too: tiers/routing.py)
+            from .routing import follow_remap
+
+            follow_remap(self.rc, address_remap)
         self.wire = self.rc.wire  # type: ignore[attr-defined]  # commands and bytes to and from Redis (kvcomm metrics)
         self.feed_maxlen = min(feed_maxlen, max(FEED_MIN, feed_total // groups))
         self.timeout = timeout
@@ -568,6 +577,26 @@ class L3Store:
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
         self._refreshed = 0.0
         self._hints: Hints | None = None
+        # seconds between slot-map refreshes after a failed call: each one may try every
+        # seed for cluster.timeout; the daemon spaces them out in partition mode
+        self.refresh_every = 0.5
+
+    @classmethod
+    def from_config(cls, cluster: Any, *, max_value_size: int = MAX_VALUE_SIZE,
+                    daemon: bool = False) -> L3Store:
+        """The store a host's ``cluster`` config describes: its seeds and every node
+        routed through ``cluster.address_remap``, credentials, TLS files, timeout (and,
+        for the node daemon, the feed bound and WAIT settings). Raises Unavailable,
+        ConfigError."""
+        cl = cluster
+        kw: dict[str, Any] = {}
+        if daemon:
+            kw = {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
+                  "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total}
+        return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
+                   tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
+                   tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
+                   address_remap=cl.remap_address if cl.address_remap else None, **kw)
 
     def decode(self, raw: object, key: str = "") -> L3Record:
         """:func:`read_record` under this store's bound; CorruptRecord names ``key``."""
@@ -929,6 +958,12 @@ class L3Store:
 
     # ------------------------------------------------------------------ per-host state
 
+    def forget_host(self, host: str) -> int:
+        """Delete a retired host's keys of KVCOMM's own (feed cursors, hot keys,
+        quarantine list); returns how many existed. Raises Unavailable."""
+        names = [f"kvn:{{{host}}}:{n}" for n in ("cursors", "hot", "quarantine")]
+        return int(self._call(lambda: self.rc.delete(*names)))
+
     def save_hot(self, host: str, keys: list[str]) -> None:
         """This host's hot-key list, for the next daemon run to prewarm L2 with."""
         self._call(lambda: self.rc.set(f"kvn:{{{host}}}:hot", msgpack.packb(keys)))
@@ -1088,7 +1123,7 @@ class L3Store:
         dialling the dead master: redis-py only refreshes on its own command path); at
         most twice a second unless ``force``."""
         now = time.monotonic()
-        if now - self._refreshed < 0.5 and not force:
+        if now - self._refreshed < self.refresh_every and not force:
             return
         self._refreshed = now
         try:

@@ -1,0 +1,272 @@
+"""Strong keys in cluster mode: every operation goes to etcd, from the agent itself.
+
+Theory of operation
+-------------------
+A key is **strong** when it starts with one of ``cache.strong_prefixes`` (the longest
+prefix wins), or when it matches none and ``cache.l3_consistency`` is ``"strong"``. In
+cluster mode a strong key lives in etcd only, under ``kvc/k/<key>`` (like L3, shared by
+every host whatever its L2 namespace): never in L1, L2 or L3, so that no cache can serve
+a stale value and no merge can bring one back.
+
+* **put / delete** are etcd writes: they return once a majority has them. ``expect=``
+  is a transaction comparing the key's ``mod_revision`` with the Version's revision
+  (``ABSENT``: ``create_revision == 0``); the failure branch reads the current value so
+  that ConflictError can say what it found.
+* **get / get_item** are quorum range reads (``serializable=false``: etcd's ReadIndex
+  confirms the leader with a majority before answering), so a read never returns a value
+  older than one whose write had returned anywhere. Measured in the README's bench
+  (``bench/bench_strong.py``): one HTTP round trip, about the price of a put. Caching in
+  L1/L2 behind an etcd watch with a revision fence would make hits cheaper, but a
+  watch lags the commit it reports, and a fence needs a quorum round trip anyway: the
+  quorum read is the simplest correct choice.
+* **Validators and update()**: a validator runs against the value read from etcd, then a
+  transaction commits the write only if the key's ``mod_revision`` is still the one read;
+  when another writer got there first the value is read again and the validator runs
+  again (so it may run more than once). ``update()`` is get_item + put(expect=) in a loop:
+  ``fn`` may run more than once too. Either way the committed result was always computed
+  from exactly the value it replaced.
+* **Version**: ``Version(((STRONG_ACTOR, mod_revision),), 0)``; :func:`revision_of`
+  returns the revision. ``STRONG_ACTOR`` ("@etcd") is no valid host id, so a strong
+  version is never mistaken for a host's.
+* **Failures**: no majority reachable raises Unavailable within ``2 x cluster.timeout``
+  (every operation has that budget; a write whose outcome is unknown says so), and at
+  once while the host's node daemon reports etcd unreachable (partition mode, see
+  ``node/daemon.py``). A value over etcd's request limit raises ValueTooLarge.
+
+The prefixes are the cluster's: the first daemon (or agent) records them in etcd under
+``kvc/config/strong_prefixes``; one whose config disagrees raises ConfigError
+(:func:`check_prefixes`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..core import codec
+from ..core.versions import Version
+from ..errors import ConfigError, ConflictError, InvalidArgument, Unavailable, ValueTooLarge
+from ..tiers.etcd import Compare, EtcdClient, KeyValue, delete_op, get_op, put_op
+from .base import _MAX_UPDATE_RETRIES, _run_validator
+from .items import ABSENT, Item
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+STRONG_ACTOR = "@etcd"  # the version-vector actor of a strong key ('@' is in no host id)
+PREFIXES_KEY = b"kvc/config/strong_prefixes"
+_HEADER = struct.Struct(">BI")  # tag, meta length; then meta, then the payload
+# etcd's --max-request-bytes default (1.5 MiB); the gateway base64-encodes the value
+ETCD_VALUE_LIMIT = 1536 * 1024 - 4096
+
+
+def revision_of(version: Version) -> int | None:
+    """The etcd revision a strong key's Version carries, or None for another Version."""
+    if len(version.vector) == 1 and version.vector[0][0] == STRONG_ACTOR:
+        return version.vector[0][1]
+    return None
+
+
+def strong_version(revision: int) -> Version:
+    return Version(((STRONG_ACTOR, revision),), 0)
+
+
+KEY_PREFIX = b"kvc/k/"
+
+
+def etcd_key(key: str) -> bytes:
+    """Where strong key ``key`` lives in etcd."""
+    return KEY_PREFIX + key.encode("utf-8")
+
+
+def check_prefixes(etcd: EtcdClient, config: Config, *, timeout: float | None = None) -> list[str]:
+    """Record this config's ``cache.strong_prefixes`` in etcd if none are recorded yet,
+    else compare them with the recorded ones; returns the cluster's prefixes.
+
+    Raises ConfigError when they differ (the host or agent must not start: it would treat
+    keys differently from the rest of the cluster), Unavailable when etcd cannot answer.
+    Nothing is changed when they differ.
+    """
+    mine = sorted(set(config.cache.strong_prefixes))
+    rec = etcd.txn([Compare.create(PREFIXES_KEY, "=", 0)],
+                   [put_op(PREFIXES_KEY, json.dumps(mine).encode())],
+                   [get_op(PREFIXES_KEY)], timeout=timeout)
+    if rec.succeeded:
+        return mine
+    kv = rec.results[0]
+    theirs = sorted(json.loads(kv.value)) if isinstance(kv, KeyValue) and kv.value else []
+    if theirs != mine:
+        raise ConfigError("cache.strong_prefixes",
+                          f"this config has {mine}, the cluster records {theirs} (in etcd, "
+                          f"{PREFIXES_KEY.decode()}): every host and agent must list the same "
+                          "strong prefixes; fix this host's config (or, with every host "
+                          "stopped, delete that etcd key)")
+    return theirs
+
+
+class StrongStore:
+    """The strong keys of one client's namespace (see the module docstring)."""
+
+    def __init__(self, config: Config, namespace: str,
+                 unreachable: Callable[[], str | None] | None = None) -> None:
+        cl = config.cluster
+        self.config = config
+        self.namespace = namespace
+        self.timeout = float(cl.timeout)
+        self.etcd = EtcdClient.from_config(cl)
+        self._prefix = KEY_PREFIX
+        self._default_strong = config.cache.l3_consistency == "strong"
+        self._prefixes = tuple(config.cache.strong_prefixes)
+        self._unreachable = unreachable  # the daemon's word: etcd majority unreachable
+        self._checked = False
+        self.counters = dict.fromkeys(("gets", "puts", "deletes", "retries", "conflicts"), 0)
+
+    # ------------------------------------------------------------ classification
+
+    def is_strong(self, key: str) -> bool:
+        for p in self._prefixes:
+            if key.startswith(p):
+                return True
+        return self._default_strong
+
+    def check(self) -> None:
+        """Compare (or record) the prefixes once. Raises ConfigError, Unavailable."""
+        if not self._checked:
+            check_prefixes(self.etcd, self.config)
+            self._checked = True
+
+    # ------------------------------------------------------------ encoding
+
+    def _encode(self, encoded: tuple[int, bytes, bytes | memoryview]) -> bytes:
+        tag, meta, payload = encoded
+        data = _HEADER.pack(tag, len(meta)) + meta + bytes(payload)
+        if len(data) > ETCD_VALUE_LIMIT:
+            raise ValueTooLarge(f"a strong value is stored in etcd, whose request limit "
+                                f"(--max-request-bytes, 1.5 MiB by default) this one "
+                                f"({len(data)} bytes encoded) exceeds: store it under an "
+                                "eventual key and keep a reference in the strong one")
+        return data
+
+    @staticmethod
+    def _decode(key: str, data: bytes) -> Any:
+        tag, n = _HEADER.unpack_from(data)
+        meta = data[_HEADER.size:_HEADER.size + n]
+        return codec.decode(tag, meta, data[_HEADER.size + n:])
+
+    def _item(self, key: str, kv: KeyValue | None) -> Item | None:
+        if kv is None:
+            return None
+        return Item(key, self._decode(key, kv.value), strong_version(kv.mod_revision), "etcd")
+
+    # ------------------------------------------------------------ budget
+
+    def _begin(self) -> float:
+        """The deadline of one operation (2 x cluster.timeout); raises Unavailable at once
+        while the host's daemon says etcd's majority is out of reach."""
+        if self._unreachable is not None:
+            why = self._unreachable()
+            if why:
+                raise Unavailable(f"strong keys are unavailable: {why} (partition mode); "
+                                  "eventual keys keep working on this host")
+        if not self._checked:
+            self.check()
+        return time.monotonic() + 2 * self.timeout
+
+    def _left(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Unavailable(f"etcd did not complete the operation within 2 x "
+                              f"cluster.timeout={self.timeout:g}s")
+        return min(left, self.timeout)
+
+    # ------------------------------------------------------------ operations
+
+    def get_item(self, key: str) -> Item | None:
+        """The key's value and Version, read linearizably. Raises Unavailable."""
+        deadline = self._begin()
+        self.counters["gets"] += 1
+        return self._item(key, self.etcd.get(self._prefix + key.encode(),
+                                             timeout=self._left(deadline)))
+
+    def put(self, key: str, value: Any, encoded: tuple[int, bytes, bytes | memoryview],
+            expect: Any, validator: Callable[[str, Item | None, Any], None] | None) -> Version:
+        """Write ``value`` (``encoded``) once a majority has it. Raises ConflictError,
+        ValidationError, ValueTooLarge, Unavailable (outcome unknown when it says so)."""
+        version = self._write(key, value, self._encode(encoded), expect, validator)
+        assert version is not None  # (a put always returns one)
+        return version
+
+    def delete(self, key: str, expect: Any,
+               validator: Callable[[str, Item | None, Any], None] | None) -> bool:
+        """Delete the key; True when it existed. Raises as :meth:`put`."""
+        return self._write(key, None, None, expect, validator) is not None
+
+    def _write(self, key: str, value: Any, data: bytes | None, expect: Any,
+               validator: Callable[[str, Item | None, Any], None] | None) -> Version | None:
+        deadline = self._begin()
+        ek = self._prefix + key.encode()
+        want = _expected_revision(key, expect)
+        op = put_op(ek, data) if data is not None else delete_op(ek)
+        for _ in range(_MAX_UPDATE_RETRIES):
+            compare: list[Compare] = []
+            if validator is not None:
+                kv = self.etcd.get(ek, timeout=self._left(deadline))
+                current = 0 if kv is None else kv.mod_revision
+                if want is not None and current != want:
+                    self._conflict(key, kv, expect)
+                _run_validator(validator, key, self._item(key, kv), value)
+                compare.append(Compare.mod(ek, "=", current))
+            elif want is not None:
+                compare.append(Compare.mod(ek, "=", want))
+            elif data is not None:  # a plain put: no compare, one round trip
+                rev = self.etcd.put(ek, data, timeout=self._left(deadline))
+                self.counters["puts"] += 1
+                return strong_version(rev)
+            r = self.etcd.txn(compare, [op], [get_op(ek)], timeout=self._left(deadline))
+            if r.succeeded:
+                if data is None:
+                    self.counters["deletes"] += 1
+                    deleted = r.results[0]
+                    return strong_version(r.revision) if deleted else None
+                self.counters["puts"] += 1
+                return strong_version(r.revision)
+            found = r.results[0]
+            kv = found if isinstance(found, KeyValue) else None
+            if validator is None or (want is not None and (0 if kv is None else kv.mod_revision) != want):
+                self._conflict(key, kv, expect)
+            self.counters["retries"] += 1  # another writer came between the read and the txn
+        raise Unavailable(f"a write of strong key {key!r} lost {_MAX_UPDATE_RETRIES} races")
+
+    def _conflict(self, key: str, kv: KeyValue | None, expect: Any) -> None:
+        self.counters["conflicts"] += 1
+        if expect is ABSENT:
+            raise ConflictError(f"{key!r} exists (etcd revision {kv.mod_revision if kv else 0}); "
+                                "expected it absent")
+        found = f"etcd revision {kv.mod_revision}" if kv is not None else "absent"
+        raise ConflictError(f"{key!r} is at {found}, expected {expect}; re-read it and retry")
+
+    def close(self) -> None:
+        self.etcd.close()
+
+
+def _expected_revision(key: str, expect: Any) -> int | None:
+    """The mod_revision ``expect=`` requires (0: absent), or None (no check). Raises
+    InvalidArgument for what is neither a Version nor ABSENT."""
+    from .items import _NO_CHECK
+
+    if expect is _NO_CHECK:
+        return None
+    if expect is ABSENT:
+        return 0
+    if not isinstance(expect, Version):
+        raise InvalidArgument(f"expect= takes a kvcomm.Version or kvcomm.ABSENT, got "
+                              f"{type(expect).__name__}")
+    rev = revision_of(expect)
+    if rev is None:
+        raise ConflictError(f"{key!r} is a strong key (cache.strong_prefixes): its Version "
+                            f"carries an etcd revision, and {expect} does not; re-read it "
+                            "with get_item and retry")
+    return rev

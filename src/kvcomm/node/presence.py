@@ -1,0 +1,300 @@
+"""A host's presence in the cluster: its etcd lease, its published status, partition mode.
+
+Theory of operation
+-------------------
+**The lease.** Each node daemon holds an etcd lease of ``cluster.lease_ttl`` seconds
+(rounded up: etcd counts whole seconds) and keeps it alive every ``ttl / 3`` seconds
+(:class:`HostPresence`, a thread of its own, so that a slow L3 round never lets the
+lease lapse). Attached to it is ``kvc/hosts/<host_id>``, the host's status as JSON
+(partition mode, outbound backlog, feed lag...), rewritten at each renewal: while the
+host is alive and reaches an etcd majority the key exists; once it is cut off (or
+killed) the lease expires within the TTL and the key disappears — that is how the other
+hosts (and ``kvcomm cluster status``) see it leave. ``kvc/members/<host_id>`` holds the
+same status without a lease (the last one seen), so that a host whose lease expired is
+still listed, as ``expired``, until ``kvcomm cluster remove-host`` retires it. A lease
+that etcd reports expired (the host was cut off longer than the TTL) is replaced by a
+new one as soon as etcd answers again.
+
+**Reachability.** The thread records when etcd last answered (``etcd_ok_at``). After a
+failed renewal it probes every 200 ms instead of every ``ttl / 3``, so that a heal is
+seen quickly. ``etcd_unreachable`` is set from the first failed probe (no member
+answered within ``cluster.timeout``: the evidence a strong operation would get, after
+the same wait) to the first successful one; agents on the host read it from the status
+file and fail strong operations at once meanwhile.
+
+**Partition mode** (:class:`Reachability`, pure): the daemon is in partition mode while
+Redis (any successful L3 round) or an etcd majority (``etcd_ok_at``) has been out of
+reach for longer than the lease TTL. Entering it changes nothing in what agents may do
+with eventual keys (they write into L2; dirty entries are never evicted; ``put`` raises
+Unavailable past ``cluster.outbound_max``); leaving it makes the daemon retry at once
+instead of after its backoff, replay its backlog through L3's merge and read the feeds
+it missed (a gap resyncs the group). See node/daemon.py.
+
+**The status file** ``<l2_dir>/kvcomm.<namespace>.node.json`` is the daemon's word to
+the host's agents and to ``kvcomm info``: written atomically (a rename) every 200 ms at
+most, read by agents at most every 50 ms, trusted only while fresh (a daemon that died
+says nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Config
+from ..errors import InvalidArgument, KVCommError
+from ..tiers.etcd import EtcdClient, KeyValue
+
+log = logging.getLogger("kvcomm.node")
+
+HOSTS_PREFIX = b"kvc/hosts/"
+MEMBERS_PREFIX = b"kvc/members/"
+STATUS_FRESH_S = 3.0  # an agent trusts the status file this long after it was written
+PROBE_WHILE_DOWN = 0.2  # seconds between probes while etcd does not answer
+
+
+def status_path(namespace: str, directory: str) -> str:
+    """Where the node daemon of ``namespace`` writes its status for the host's agents."""
+    return os.path.join(directory, f"kvcomm.{namespace}.node.json")
+
+
+def write_status(path: str, status: dict[str, Any], permissions: int = 0o600) -> None:
+    """Replace the status file atomically. Raises OSError."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, permissions)
+    try:
+        os.write(fd, json.dumps(status, separators=(",", ":")).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_status(path: str) -> dict[str, Any] | None:
+    """The status file's content, or None when absent or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            out = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+class StatusReader:
+    """An agent's cached view of its daemon's status file (re-read at most every 50 ms)."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.path, self.clock, self.wall = path, clock, wall
+        self._next = 0.0
+        self._status: dict[str, Any] | None = None
+
+    def status(self) -> dict[str, Any] | None:
+        """The daemon's status while fresh (written within STATUS_FRESH_S), else None."""
+        now = self.clock()
+        if now >= self._next:
+            self._next = now + 0.05
+            self._status = read_status(self.path)
+        s = self._status
+        if s is None or self.wall() - float(s.get("updated", 0)) > STATUS_FRESH_S:
+            return None
+        return s
+
+    def etcd_unreachable(self) -> str | None:
+        s = self.status()
+        if s is None or not s.get("etcd_unreachable"):
+            return None
+        return (f"the node daemon of host {s.get('host')!r} has not reached an etcd majority "
+                f"for {s.get('etcd_down_s', 0):.1f}s")
+
+
+class Reachability:
+    """Partition mode, decided from when Redis and etcd last answered (pure)."""
+
+    def __init__(self, ttl: float, now: float) -> None:
+        self.ttl = ttl
+        self.redis_ok_at = now
+        self.partition = False
+        self.since: float | None = None
+        self.reason = ""
+        self.entered = 0
+        self.left = 0
+
+    def redis_ok(self, now: float) -> None:
+        self.redis_ok_at = now
+
+    def update(self, now: float, etcd_ok_at: float | None) -> str | None:
+        """Re-decide; returns "enter", "leave" or None (no change)."""
+        why = []
+        if now - self.redis_ok_at > self.ttl:
+            why.append(f"Redis unreachable for {now - self.redis_ok_at:.1f}s")
+        if etcd_ok_at is not None and now - etcd_ok_at > self.ttl:
+            why.append(f"no etcd majority for {now - etcd_ok_at:.1f}s")
+        if why and not self.partition:
+            self.partition, self.since, self.reason = True, now, "; ".join(why)
+            self.entered += 1
+            return "enter"
+        if why:
+            self.reason = "; ".join(why)
+        if not why and self.partition:
+            self.partition, self.since, self.reason = False, None, ""
+            self.left += 1
+            return "leave"
+        return None
+
+
+class HostPresence:
+    """The thread that holds the host's lease and publishes its status in etcd (see the
+    module docstring). ``snapshot()`` returns the status to publish (JSON-able).
+
+    Constructing it sends nothing; :meth:`start` starts the thread. Raises ConfigError
+    (bad etcd settings).
+    """
+
+    def __init__(self, config: Config, snapshot: Callable[[], dict[str, Any]],
+                 clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[], None] | None = None) -> None:
+        cl = config.cluster
+        self.host = config.node.host_id
+        self.ttl = max(1, math.ceil(cl.lease_ttl))
+        self.interval = self.ttl / 3
+        self.etcd = EtcdClient.from_config(cl, timeout=min(cl.timeout, self.interval))
+        self.snapshot = snapshot
+        # publishes the host's status locally (the status file): after every beat, from
+        # this thread, so that a main loop stuck in a Redis call cannot leave it stale
+        self.on_change = on_change
+        self.clock = clock
+        self.lease = 0
+        self.etcd_ok_at = clock()
+        self.etcd_unreachable = False
+        self.renewals = 0
+        self.grants = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvcomm-host-lease", daemon=True)
+        self.key = HOSTS_PREFIX + self.host.encode()
+        self.member_key = MEMBERS_PREFIX + self.host.encode()
+
+    def start(self) -> HostPresence:
+        self._thread.start()
+        return self
+
+    def etcd_down_s(self) -> float:
+        return max(0.0, self.clock() - self.etcd_ok_at) if self.etcd_unreachable else 0.0
+
+    def _run(self) -> None:
+        next_beat = self.clock()
+        while True:
+            ok = True
+            if self.clock() >= next_beat:  # every ttl / 3 (every 200 ms while etcd is down)
+                try:
+                    self.beat()
+                except KVCommError as exc:
+                    ok = False
+                    self.failures += 1
+                    if not self.etcd_unreachable:
+                        log.warning("etcd does not answer (%s): strong keys fail at once "
+                                    "until it does", exc)
+                        self.etcd_unreachable = True
+                next_beat = self.clock() + (self.interval if ok else PROBE_WHILE_DOWN)
+            self._changed()  # (the status file: at least every second)
+            if self._stop.wait(max(0.0, min(next_beat - self.clock(), 1.0))):
+                return
+
+    def beat(self) -> None:
+        """Renew the lease (or take a new one) and publish the status. Raises
+        Unavailable (etcd did not answer), ConfigError."""
+        status = self.snapshot()
+        body = json.dumps(status, separators=(",", ":")).encode()
+        if self.lease:
+            left = self.etcd.lease_keepalive(self.lease)
+            if left <= 0:
+                log.warning("lease %x of host %s expired (cut off longer than %ss): taking "
+                            "a new one", self.lease, self.host, self.ttl)
+                self.lease = 0
+            else:
+                self.renewals += 1
+        if not self.lease:
+            self.lease = self.etcd.lease_grant(self.ttl)
+            self.grants += 1
+        self.etcd.put(self.key, body, lease=self.lease)
+        self.etcd.put(self.member_key, body)
+        self.etcd_ok_at = self.clock()
+        if self.etcd_unreachable:
+            log.info("etcd answers again")
+            self.etcd_unreachable = False
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # (the status file is advisory: never stop the lease for it)
+                log.exception("publishing the host's status failed")
+
+    def stop(self, revoke: bool = True) -> None:
+        """End the thread; with ``revoke``, revoke the lease (the host leaves at once) and
+        record the host as stopped. Never raises."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if revoke and self.lease:
+            try:
+                status = dict(self.snapshot(), stopped=True)
+                self.etcd.put(self.member_key, json.dumps(status).encode())
+                self.etcd.lease_revoke(self.lease)
+            except KVCommError as exc:
+                log.warning("could not revoke the host's lease (it expires on its own): %s", exc)
+        self.etcd.close()
+
+
+# ---------------------------------------------------------------- cluster status
+
+
+def cluster_status(etcd: EtcdClient) -> list[dict[str, Any]]:
+    """Every host etcd knows of: ``{"host", "lease", "partition", "backlog",
+    "feed_lag_s"}`` plus what its daemon published (``lease``: "live" with its TTL left,
+    "expired", or "stopped"). Raises Unavailable."""
+    live = {kv.key[len(HOSTS_PREFIX):].decode(): kv for kv in etcd.range(HOSTS_PREFIX).kvs}
+    members = {kv.key[len(MEMBERS_PREFIX):].decode(): kv for kv in etcd.range(MEMBERS_PREFIX).kvs}
+    out = []
+    for host in sorted(set(live) | set(members)):
+        kv: KeyValue = live.get(host) or members[host]
+        try:
+            s = json.loads(kv.value)
+        except ValueError:
+            s = {}
+        if host in live:
+            ttl = etcd.lease_ttl(kv.lease) if kv.lease else -1
+            lease = f"live ({ttl}s left)" if ttl >= 0 else "expired"
+        else:
+            lease = "stopped" if s.get("stopped") else "expired"
+        out.append({"host": host, "lease": lease, "partition": bool(s.get("partition")),
+                    "backlog": int(s.get("backlog", 0)),
+                    "feed_lag_s": round(float(s.get("feed_lag_s", 0.0)), 3),
+                    "namespace": s.get("namespace"), "pid": s.get("pid"),
+                    "updated": s.get("updated")})
+    return out
+
+
+def remove_host(etcd: EtcdClient, host: str) -> dict[str, Any]:
+    """Retire ``host`` from etcd: revoke its lease, delete its keys. Returns what was
+    found. Raises Unavailable, InvalidArgument (no such host; nothing changed)."""
+    found: dict[str, Any] = {"host": host, "lease_revoked": False, "keys_deleted": 0}
+    kv = etcd.get(HOSTS_PREFIX + host.encode())
+    if kv is not None and kv.lease:
+        found["lease_revoked"] = etcd.lease_revoke(kv.lease)
+    member = etcd.get(MEMBERS_PREFIX + host.encode())
+    if member is not None:
+        try:
+            found["last_status"] = json.loads(member.value)
+        except ValueError:
+            pass
+    found["keys_deleted"] = (etcd.delete(HOSTS_PREFIX + host.encode())
+                             + etcd.delete(MEMBERS_PREFIX + host.encode()))
+    if kv is None and member is None:
+        raise InvalidArgument(f"etcd knows no host {host!r}: see `kvcomm cluster status`")
+    return found
