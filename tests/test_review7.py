@@ -288,7 +288,7 @@ def test_a_host_whose_write_sequence_went_backwards_is_rebased(cluster, store) -
     try:
         for i in range(50):
             h.kv.put("rs/k", f"before-{i}")
-        wait_for(lambda: _l3_value(store, "rs/k") == "before-49", 20, "L3 to have before-49")
+        wait_for(lambda: _l3_value(store, "rs/k") == "before-49", 60, "L3 to have before-49")
         h.stop()
         h.kv.close()
         l2.purge(h.ns)
@@ -296,7 +296,7 @@ def test_a_host_whose_write_sequence_went_backwards_is_rebased(cluster, store) -
         h.kv = kvcomm.open(config=h.config)
         h.kv._seg._q[H["WSEQ"]] = 0  # as if the clock had gone back years
         h.kv.put("rs/k", "after-reboot")
-        wait_for(lambda: _l3_value(store, "rs/k") == "after-reboot", 20, "the new write in L3")
+        wait_for(lambda: _l3_value(store, "rs/k") == "after-reboot", 60, "the new write in L3")
         h.kv._l1.clear()
         assert h.kv.get("rs/k") == "after-reboot"
         assert h.daemon is not None and h.daemon.stats.extra.get("rebased", 0) >= 1

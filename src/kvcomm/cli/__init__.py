@@ -451,11 +451,18 @@ def build_parser() -> argparse.ArgumentParser:
     actions = cl.add_subparsers(dest="action", required=True, metavar="ACTION",
                                 help="status: list the hosts; remove-host HOST: retire one")
     st = actions.add_parser("status", help="list the hosts, their leases, partition mode, "
-                            "backlog and feed lag")
+                            "backlog and feed lag",
+                            description="Every host etcd knows: its lease (live, expired, "
+                            "stopped), partition mode, outbound backlog and feed lag, as each "
+                            "daemon last published them; a table, or JSON with --json.")
     st.add_argument("--json", action="store_true",
                     help='as JSON: {"hosts": [{"host", "lease", "partition", "backlog", '
                     '"feed_lag_s"}]}')
-    rm = actions.add_parser("remove-host", help="retire a host that will not come back")
+    rm = actions.add_parser("remove-host", help="retire a host that will not come back",
+                            description="Retire a host that will not come back: revoke its "
+                            "lease, delete its etcd records, its feed cursors, hot keys and "
+                            "quarantine list in L3. Its unflushed backlog lives in its own L2: "
+                            "SIGTERM its daemon first, if it can still run.")
     rm.add_argument("host", metavar="HOST", help="the host id (node.host_id)")
     for q in (st, rm):
         q.add_argument("--config", required=True, metavar="FILE",
