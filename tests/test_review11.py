@@ -257,3 +257,29 @@ def _cleanup(mover: SlotMover, slot: int) -> None:
                     command(port, "CLUSTER", "SETSLOT", str(slot), "STABLE")
             except Exception as exc:  # (best effort)
                 print("cleanup:", exc)
+
+
+def test_a_target_that_does_not_answer_is_unavailable_not_a_raw_redis_error(
+        cluster: RedisCluster) -> None:
+    """F: SlotMover.move sends its CLUSTER SETSLOT and MIGRATE on raw redis-py connections:
+    a target that does not answer (paused, dead but not yet marked failed) raised
+    redis.exceptions.TimeoutError / ConnectionError, which Balancer.cycle does not catch
+    (it catches Unavailable and InvalidArgument): one stuck master crashed `kvcomm
+    balance` instead of failing that move and going on."""
+    import os
+    import signal
+
+    store = L3Store(cluster.seeds, timeout=0.5)
+    mover = SlotMover(store, retries=1, sleep=lambda s: None)
+    slot = store.groups.slot(11)
+    src = mover.owner(slot).name
+    target = next(n.name for n in mover.masters() if n.name != src)
+    pid = cluster.procs[int(target.rpartition(":")[2])].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(KVCommError):
+            mover.move(slot, target)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        _cleanup(mover, slot)
+        store.close()
