@@ -63,6 +63,16 @@ def test_a_learned_model_with_a_gate_that_is_not_a_number_in_range_is_refused(ga
         LearnedPolicy.load({**MODEL, "gate": gate})
 
 
+@pytest.mark.parametrize("fmt", ["kvcomm-balance-learned/99", None, 7])
+def test_a_learned_model_of_another_format_is_refused(fmt: object) -> None:
+    """F: the model file carries "format": "kvcomm-balance-learned/1", but nothing reads it:
+    a model of a later format (other features, other units behind the same names) or of
+    none at all was loaded and used to move slots. Another format must be refused, saying
+    to retrain or upgrade."""
+    with pytest.raises(KVCommError, match="format"):
+        LearnedPolicy.load({**MODEL, "format": fmt})
+
+
 @pytest.mark.parametrize("knob,value", [("k", "x"), ("k", True), ("max_moves", 1.5),
                                         ("grace_s", float("inf")), ("monitor_s", "30"),
                                         ("drain", None)])
