@@ -18,7 +18,7 @@ import kvcomm
 from kvcomm.balance.migrate import SlotMover
 from kvcomm.balance.policy import FEATURES, LearnedPolicy, make_policy, threshold_params
 from kvcomm.devcluster.redis_cluster import RedisCluster
-from kvcomm.errors import ConfigError, KVCommError
+from kvcomm.errors import ConfigError, KVCommError, Unavailable
 from kvcomm.tiers.l3 import META_GROUPS, L3Store
 
 from .daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
@@ -211,6 +211,9 @@ def test_a_new_balancer_closes_a_move_left_open(cluster: RedisCluster, store: L3
     try:
         _interrupt(store, slot, target)
         assert _open_migrations(mover)  # the fault happened
+        new = _keys_of_slot(store, slot, 14, "review11/open")[-1]
+        with pytest.raises(Unavailable, match="still redirected"):  # the group's writes are wedged
+            store.push(new, record("n", "h1", 1, 99))
         cfg = kvcomm.Config.from_mapping({"node": {"host_id": "bal", "namespace": "r11"},
                                           "cluster": {"redis": [f"127.0.0.1:{p}"
                                                                 for p in cluster.ports]}})
@@ -218,7 +221,6 @@ def test_a_new_balancer_closes_a_move_left_open(cluster: RedisCluster, store: L3
         bal.close()
         assert not _open_migrations(mover)
         assert all(store.get(k) is not None for k in keys)
-        new = _keys_of_slot(store, slot, 14, "review11/open")[-1]
         assert store.push(new, record("n", "h1", 1, 99)).outcome
     finally:
         _cleanup(mover, slot)
@@ -292,4 +294,38 @@ def test_a_target_that_does_not_answer_is_unavailable_not_a_raw_redis_error(
     finally:
         os.kill(pid, signal.SIGCONT)
         _cleanup(mover, slot)
+        store.close()
+
+
+def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
+    """F: the source master of a move failing over mid-move (its replica promoted: the
+    MIGRATING state is not replicated) leaves the keys already moved on the target, which
+    only IMPORTs the slot: every read of them on the new source answers nil, so they are
+    lost to every host until someone closes the move. A balancer starting must finish
+    it (the target's import names a node that is gone: the move resumes from the new
+    owner)."""
+    from kvcomm.balance.driver import Balancer, load_policy
+    from kvcomm.devcluster.redis_cluster import wait_failed_over
+
+    with RedisCluster() as c:
+        store = L3Store(c.seeds)
+        mover = SlotMover(store)
+        slot = store.groups.slot(21)
+        src = mover.owner(slot).name
+        target = next(n.name for n in mover.masters() if n.name != src)
+        keys = _keys_of_slot(store, slot, 12, "review11/failover")
+        for i, k in enumerate(keys):
+            store.push(k, record(i, "h1", 1, i + 1))
+        _interrupt(store, slot, target)
+        c.procs[int(src.rpartition(":")[2])].kill()
+        wait_failed_over(c.ports, int(src.rpartition(":")[2]))
+        store._refresh_topology(force=True)
+        missing = [k for k in keys if store.get(k) is None]
+        assert missing  # the fault happened: the moved keys are out of sight
+        cfg = kvcomm.Config.from_mapping({"node": {"host_id": "bal", "namespace": "r11"},
+                                          "cluster": {"redis": [f"127.0.0.1:{p}" for p in c.ports
+                                                                if str(p) != src.rpartition(":")[2]]}})
+        Balancer(cfg, load_policy("threshold", True), window=6.0).close()
+        store._refresh_topology(force=True)
+        assert [k for k in keys if store.get(k) is None] == []
         store.close()
