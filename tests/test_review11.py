@@ -329,3 +329,31 @@ def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
         store._refresh_topology(force=True)
         assert [k for k in keys if store.get(k) is None] == []
         store.close()
+
+
+def test_a_change_whose_hint_subscription_was_killed_is_still_seen(cluster: RedisCluster) -> None:
+    """(Held.) Every hint subscription killed on every master (CLIENT KILL TYPE pubsub)
+    right before another host's write: the holder still sees the change (the broken
+    subscriptions count as lost hints, their groups' counters are read)."""
+    from kvcomm.devcluster.redis_cluster import command
+
+    from .conftest import wait_for
+    from .daemon_harness import Host
+
+    h1 = Host(cluster, "r11-hint-1", seed=1)
+    h2 = Host(cluster, "r11-hint-2", seed=2)
+    try:
+        h2.kv.put("review11/hint/k", {"n": 0})
+        wait_for(lambda: h1.kv.get("review11/hint/k") == {"n": 0}, 30, "h1 to read the key")
+        assert h1.daemon is not None
+        wait_for(lambda: h1.daemon.l3.hint_stats.get("subscribed", 0) >= 1024, 30,  # type: ignore[union-attr]
+                 "h1 to subscribe every group")
+        killed = sum(int(command(p, "CLIENT", "KILL", "TYPE", "pubsub").strip(b":\r\n") or 0)
+                     for p in cluster.master_ports())
+        assert killed >= 2  # the fault happened (both hosts' subscriptions)
+        h2.kv.put("review11/hint/k", {"n": 1})
+        wait_for(lambda: h1.kv.get("review11/hint/k") == {"n": 1}, 60, "h1 to see the change")
+        assert h1.stats.lost_hints > 0
+    finally:
+        h1.close()
+        h2.close()
