@@ -87,6 +87,21 @@ def test_threshold_knobs_of_the_wrong_type_are_a_kvcomm_error(
         make_policy("threshold", **{knob: value})
 
 
+def test_the_threshold_policy_can_act_on_two_masters() -> None:
+    """F: with n masters the largest z-score one can reach is sqrt(n - 1) (population
+    std), so with 2 masters "mean + 1.25 std" (the shipped k) is never exceeded: a master
+    at 95% next to one at 5% was never balanced, live or in `simulate --nodes 2` (0
+    migrations on every workload). k must be capped at what n masters can reach."""
+    from kvcomm.balance.model import ClusterView, NodeView
+
+    nodes = (NodeView("a", 100.0, 95.0), NodeView("b", 100.0, 5.0))
+    load = {s: 9.5 for s in range(10)} | {100 + s: 1.0 for s in range(5)}
+    owner = {s: "a" for s in range(10)} | {100 + s: "b" for s in range(5)}
+    view = ClusterView(nodes, load, {}, owner, 0.0)
+    moves = make_policy("threshold", monitor_s=0.0, grace_s=0.0).decide(view)
+    assert moves and all(m.source == "a" and m.target == "b" for m in moves)
+
+
 def test_simulate_prints_strict_json(tmp_path: Path) -> None:
     """F: `simulate --slo-ms inf --json` printed `"slo_ms": Infinity`, which is not JSON
     (a strict parser, jq, JavaScript refuse the whole line); an infinite SLO is no SLO:
