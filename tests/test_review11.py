@@ -315,27 +315,42 @@ def test_a_target_that_does_not_answer_is_unavailable_not_a_raw_redis_error(
 
 
 def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
-    """F: the source master of a move failing over mid-move (its replica promoted: the
-    MIGRATING state is not replicated) leaves the keys already moved on the target, which
-    only IMPORTs the slot: every read of them on the new source answers nil, so they are
-    lost to every host until someone closes the move. A balancer starting must finish
-    it (the target's import names a node that is gone: the move resumes from the new
-    owner)."""
+    """F (severe): the source master of a move failing over mid-move (its replica
+    promoted: the MIGRATING state is not replicated) leaves the keys already moved on the
+    target, which only IMPORTs the slot: every read of them on the new source answers
+    nil. Worse, the target ignores news of a slot it imports, so it still names the
+    failed node as the owner: its cluster_state is fail and it answers CLUSTERDOWN for
+    every one of its slots (a third of the cluster down). A balancer starting must
+    settle it: the target told the owner, the move finished from the new owner."""
     from kvcomm.balance.driver import Balancer, load_policy
-    from kvcomm.devcluster.redis_cluster import wait_failed_over
+    from kvcomm.devcluster.redis_cluster import cluster_ok, command
+
+    from .conftest import wait_for
 
     with RedisCluster() as c:
-        store = L3Store(c.seeds)
+        store = L3Store(c.seeds, wait_replicas=1)  # (acknowledged: the replica has them)
         mover = SlotMover(store)
         slot = store.groups.slot(21)
         src = mover.owner(slot).name
         target = next(n.name for n in mover.masters() if n.name != src)
         keys = _keys_of_slot(store, slot, 12, "review11/failover")
         for i, k in enumerate(keys):
-            store.push(k, record(i, "h1", 1, i + 1))
+            assert store.push(k, record(i, "h1", 1, i + 1)).durable
         _interrupt(store, slot, target)
-        c.procs[int(src.rpartition(":")[2])].kill()
-        wait_failed_over(c.ports, int(src.rpartition(":")[2]))
+        port, tport = int(src.rpartition(":")[2]), int(target.rpartition(":")[2])
+        c.kill(port)
+
+        def failed_over() -> bool:  # (seen from a node that is not the target)
+            for p in c.ports:
+                if p not in (port, tport) and cluster_ok(p):
+                    for line in command(p, "CLUSTER", "NODES").decode().splitlines():
+                        parts = line.split()
+                        if f":{port}@" in line and "fail" in parts[2].split(",") \
+                                and len(parts) == 8:
+                            return True
+            return False
+
+        wait_for(failed_over, 60, "the source to be failed over")
         store._refresh_topology(force=True)
         missing = [k for k in keys if store.get(k) is None]
         assert missing  # the fault happened: the moved keys are out of sight
@@ -345,6 +360,7 @@ def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
         Balancer(cfg, load_policy("threshold", True), window=6.0).close()
         store._refresh_topology(force=True)
         assert [k for k in keys if store.get(k) is None] == []
+        assert cluster_ok(tport)  # the target serves its other slots again
         store.close()
 
 

@@ -104,6 +104,27 @@ class Balancer:
         self.clock = clock
         self._stop = threading.Event()
         self.wait = wait if wait is not None else self._stop.wait  # True: stop asked
+        try:
+            self.recover()
+        except BaseException:
+            self.store.close()
+            raise
+
+    def recover(self) -> list[MoveResult]:
+        """Settle the moves left open (a balancer killed mid-move, a node that stopped
+        answering, a source failed over: :meth:`SlotMover.recover`): their keys would be
+        out of sight and their groups' writes refused. A dry run only logs them.
+        Returns the moves finished. Raises Unavailable."""
+        if self.dry_run:
+            for slot, towards in sorted(self.mover.open_slots().items()):
+                log.warning("slot %d is left open towards %s (a move interrupted): a run "
+                            "that is not a dry run settles it", slot, ", ".join(sorted(towards)))
+            return []
+        done = self.mover.recover()
+        for r in done:
+            log.warning("finished the move of slot %d to %s left open: %d keys", r.slot,
+                        r.target, r.keys)
+        return done
 
     def close(self) -> None:
         self.store.close()
@@ -131,6 +152,7 @@ class Balancer:
         """Measure, decide, move (unless a dry run); every decision is logged with its
         reason. A move that fails is logged and reported, and the others go on.
         Raises Unavailable when the cluster cannot be measured."""
+        self.recover()
         view = self.measure()
         log.info("window of %.0fs: %s", self.window, ", ".join(
             f"{n.id} {n.load:.0f} ops/s ({n.utilisation:.0%}, cpu {n.cpu:.2f}, "
