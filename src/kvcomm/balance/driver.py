@@ -15,7 +15,9 @@ last line::
 
 with, besides: ``policy``, ``window_s``, ``dry_run``, ``predicted`` (load_after is a
 prediction), ``decisions`` (each move's reason), ``failed`` (moves that could not be
-made, and why), ``latency_ms_before``/``latency_ms_after`` (per node, see signals).
+made, and why), ``recovered`` (moves left open by an earlier run, a stuck node or a
+failover, finished before measuring: :meth:`Balancer.recover`),
+``latency_ms_before``/``latency_ms_after`` (per node, see signals).
 
 Policies (:mod:`kvcomm.balance.policy`, the ones the simulator evaluates):
 ``threshold`` (its knobs tuned in the simulator; with ``--once`` the window itself is
@@ -104,6 +106,7 @@ class Balancer:
         self.clock = clock
         self._stop = threading.Event()
         self.wait = wait if wait is not None else self._stop.wait  # True: stop asked
+        self.recovered: list[MoveResult] = []  # moves left open and finished (recover)
         try:
             self.recover()
         except BaseException:
@@ -121,6 +124,7 @@ class Balancer:
                             "that is not a dry run settles it", slot, ", ".join(sorted(towards)))
             return []
         done = self.mover.recover()
+        self.recovered.extend(done)
         for r in done:
             log.warning("finished the move of slot %d to %s left open: %d keys", r.slot,
                         r.target, r.keys)
@@ -201,6 +205,8 @@ class Balancer:
             "decisions": [{"slot": m.slot, "from": m.source, "to": m.target,
                            "reason": m.reason} for m in c.moves],
             "failed": [{"slot": m.slot, "to": m.target, "why": why} for m, why in c.failed],
+            "recovered": [{"slot": r.slot, "from": r.source, "to": r.target, "keys": r.keys,
+                           "bytes": r.bytes} for r in self.recovered],
         }
 
     def run(self) -> None:
