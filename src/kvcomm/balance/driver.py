@@ -109,6 +109,9 @@ class Balancer:
         self.recovered: list[MoveResult] = []  # moves left open and finished (recover)
         try:
             self.recover()
+        except Unavailable as exc:  # (a master not answering: every cycle tries again)
+            log.warning("could not settle the moves left open: %s; the next cycle tries "
+                        "again", exc)
         except BaseException:
             self.store.close()
             raise
