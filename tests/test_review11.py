@@ -241,6 +241,7 @@ def test_a_new_balancer_closes_a_move_left_open(cluster: RedisCluster, store: L3
                                                                 for p in cluster.ports]}})
         bal = Balancer(cfg, load_policy("threshold", True), window=6.0)
         bal.close()
+        assert [(r.slot, r.target) for r in bal.recovered] == [(slot, target)]
         assert not _open_migrations(mover)
         assert all(store.get(k) is not None for k in keys)
         assert store.push(new, record("n", "h1", 1, 99)).outcome
