@@ -35,20 +35,22 @@ reconciled: ``MoveResult.reconciled`` keys were found on both sides). A key is n
 deleted anywhere but by MIGRATE's own delete after the target's acknowledgement.
 
 Moves left open. A move interrupted (the balancer killed, a node that stopped
-answering, the source failed over: a replica promoted knows nothing of MIGRATING) leaves
-the slot importing on its target and perhaps migrating on its source — and the keys
-already moved out of everyone's sight (the source no longer redirects to them) or a
-group's writes refused (``TRYAGAIN``: the group's feed on one side, its record on the
-other) — and when the source failed over, the target, which ignores news of a slot
-it imports, still names the failed node as the slot's owner, so its whole cluster
-state fails: CLUSTERDOWN for every slot it serves. So before every move,
-:meth:`SlotMover.move` first settles an open move of the same slot: every importer is
-told the slot's owner, every other master that holds some of its keys gets the rest
-(the open move is finished there first, then the slot goes on to where it was asked to
-go), and nodes left importing or migrating with no keys elsewhere are made stable. :meth:`SlotMover.recover`
-does that for every open slot; the balancer calls it when it starts and every cycle.
-Each node reports its own importing/migrating slots only in its own line of ``CLUSTER
-NODES``, so these are read from every master (:meth:`SlotMover.own_views`).
+answering, the source failed over: a replica promoted knows nothing of MIGRATING)
+leaves the slot importing on its target and perhaps migrating on its source, with the
+keys already moved out of everyone's sight (the source no longer redirects to them) or
+the group's writes refused (``TRYAGAIN``: its feed on one side, a record on the other).
+When the source failed over, the target, which ignores news of a slot it imports,
+still names the failed node as the slot's owner, so its whole cluster state fails:
+CLUSTERDOWN for every slot it serves. So before every move, :meth:`SlotMover.move`
+first settles an open move of the same slot: every importer is told the slot's owner,
+every other master that holds some of its keys gets the rest (the open move is
+finished there first; the slot then goes on to where it was asked to go), and nodes
+left importing or migrating with no keys elsewhere are made stable.
+:meth:`SlotMover.recover` does that for every open slot; the balancer calls it when it
+starts and every cycle. A node shows its own importing/migrating slots only in its own
+line of ``CLUSTER NODES``, so these are read from every master
+(:meth:`SlotMover.own_views`). Two balancers (or a balancer and ``redis-cli --cluster
+reshard``) must not run at once: each would settle the other's move.
 
 Every Redis call of a move goes through :meth:`kvcomm.tiers.l3.L3Store._call`: a node
 that does not answer is Unavailable (the move stops, left open, and is settled by the
