@@ -321,7 +321,7 @@ def test_a_target_that_does_not_answer_is_unavailable_not_a_raw_redis_error(
 
 
 def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
-    """F (severe): the source master of a move failing over mid-move (its replica
+    """F: (severe) the source master of a move failing over mid-move (its replica
     promoted: the MIGRATING state is not replicated) leaves the keys already moved on the
     target, which only IMPORTs the slot: every read of them on the new source answers
     nil. Worse, the target ignores news of a slot it imports, so it still names the
