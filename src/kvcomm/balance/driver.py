@@ -15,7 +15,9 @@ last line::
 
 with, besides: ``policy``, ``window_s``, ``dry_run``, ``predicted`` (load_after is a
 prediction), ``decisions`` (each move's reason), ``failed`` (moves that could not be
-made, and why), ``latency_ms_before``/``latency_ms_after`` (per node, see signals).
+made, and why), ``recovered`` (moves left open by an earlier run, a stuck node or a
+failover, finished before measuring: :meth:`Balancer.recover`),
+``latency_ms_before``/``latency_ms_after`` (per node, see signals).
 
 Policies (:mod:`kvcomm.balance.policy`, the ones the simulator evaluates):
 ``threshold`` (its knobs tuned in the simulator; with ``--once`` the window itself is
@@ -103,6 +105,32 @@ class Balancer:
         self.clock = clock
         self._stop = threading.Event()
         self.wait = wait if wait is not None else self._stop.wait  # True: stop asked
+        self.recovered: list[MoveResult] = []  # moves left open and finished (recover)
+        try:
+            self.recover()
+        except Unavailable as exc:  # (a master not answering: every cycle tries again)
+            log.warning("could not settle the moves left open: %s; the next cycle tries "
+                        "again", exc)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def recover(self) -> list[MoveResult]:
+        """Settle the moves left open (a balancer killed mid-move, a node that stopped
+        answering, a source failed over: :meth:`SlotMover.recover`): their keys would be
+        out of sight and their groups' writes refused. A dry run only logs them.
+        Returns the moves finished. Raises Unavailable."""
+        if self.dry_run:
+            for slot, towards in sorted(self.mover.open_slots().items()):
+                log.warning("slot %d is left open towards %s (a move interrupted): a run "
+                            "that is not a dry run settles it", slot, ", ".join(sorted(towards)))
+            return []
+        done = self.mover.recover()
+        self.recovered.extend(done)
+        for r in done:
+            log.warning("finished the move of slot %d to %s left open: %d keys", r.slot,
+                        r.target, r.keys)
+        return done
 
     def close(self) -> None:
         self.store.close()
@@ -130,6 +158,7 @@ class Balancer:
         """Measure, decide, move (unless a dry run); every decision is logged with its
         reason. A move that fails is logged and reported, and the others go on.
         Raises Unavailable when the cluster cannot be measured."""
+        self.recover()
         view = self.measure()
         log.info("window of %.0fs: %s", self.window, ", ".join(
             f"{n.id} {n.load:.0f} ops/s ({n.utilisation:.0%}, cpu {n.cpu:.2f}, "
@@ -178,6 +207,8 @@ class Balancer:
             "decisions": [{"slot": m.slot, "from": m.source, "to": m.target,
                            "reason": m.reason} for m in c.moves],
             "failed": [{"slot": m.slot, "to": m.target, "why": why} for m, why in c.failed],
+            "recovered": [{"slot": r.slot, "from": r.source, "to": r.target, "keys": r.keys,
+                           "bytes": r.bytes} for r in self.recovered],
         }
 
     def run(self) -> None:

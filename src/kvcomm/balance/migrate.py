@@ -34,8 +34,27 @@ does not hold) — so the batch is simply sent again with ``REPLACE`` (counted a
 reconciled: ``MoveResult.reconciled`` keys were found on both sides). A key is never
 deleted anywhere but by MIGRATE's own delete after the target's acknowledgement.
 
-A move interrupted (the process killed) leaves the slot importing/migrating; moving
-it to the same target again resumes it (``redis-cli --cluster fix`` also closes it).
+Moves left open. A move interrupted (the balancer killed, a node that stopped
+answering, the source failed over: a replica promoted knows nothing of MIGRATING)
+leaves the slot importing on its target and perhaps migrating on its source, with the
+keys already moved out of everyone's sight (the source no longer redirects to them) or
+the group's writes refused (``TRYAGAIN``: its feed on one side, a record on the other).
+When the source failed over, the target, which ignores news of a slot it imports,
+still names the failed node as the slot's owner, so its whole cluster state fails:
+CLUSTERDOWN for every slot it serves. So before every move, :meth:`SlotMover.move`
+first settles an open move of the same slot: every importer is told the slot's owner,
+every other master that holds some of its keys gets the rest (the open move is
+finished there first; the slot then goes on to where it was asked to go), and nodes
+left importing or migrating with no keys elsewhere are made stable.
+:meth:`SlotMover.recover` does that for every open slot; the balancer calls it when it
+starts and every cycle. A node shows its own importing/migrating slots only in its own
+line of ``CLUSTER NODES``, so these are read from every master
+(:meth:`SlotMover.own_views`). Two balancers (or a balancer and ``redis-cli --cluster
+reshard``) must not run at once: each would settle the other's move.
+
+Every Redis call of a move goes through :meth:`kvcomm.tiers.l3.L3Store._call`: a node
+that does not answer is Unavailable (the move stops, left open, and is settled by the
+next move of the slot or the next :meth:`SlotMover.recover`).
 """
 
 from __future__ import annotations
@@ -134,7 +153,9 @@ class SlotMover:
     # ------------------------------------------------------------------ topology
 
     def nodes(self) -> list[NodeInfo]:
-        """Every live node, as the cluster sees it now. Raises Unavailable."""
+        """Every live node, as the cluster sees it now (one node's view: its line for
+        another node does not show that node's importing/migrating slots). Raises
+        Unavailable."""
         rc: Any = self.store.rc
         last: Exception | None = None
         for node in rc.get_primaries():
@@ -151,6 +172,24 @@ class SlotMover:
 
     def masters(self) -> list[NodeInfo]:
         return [n for n in self.nodes() if n.master]
+
+    def own_views(self) -> dict[str, NodeInfo]:
+        """Every master as it sees itself (its own line of its own CLUSTER NODES: the
+        only one that shows its importing and migrating slots), by name. Raises
+        Unavailable when a master does not answer."""
+        out = {}
+        for m in self.masters():
+            conn = self._conn(m.name)
+
+            def run(conn: Any = conn) -> Any:
+                conn.set_response_callback("CLUSTER NODES", _raw)
+                return conn.execute_command("CLUSTER NODES")
+
+            raw = self.store._call(run)
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            me = next((n for n in parse_nodes(text) if n.id == m.id), None)
+            out[m.name] = me if me is not None else m
+        return out
 
     def owner(self, slot: int) -> NodeInfo:
         """The master serving ``slot``. Raises Unavailable when none does."""
@@ -170,17 +209,87 @@ class SlotMover:
                 raise Unavailable(f"Redis node {name} is not in the cluster's slot map")
         return rc.get_redis_connection(node)
 
+    def _cmd(self, name: str, *args: Any) -> Any:
+        """One command on the node ``name``; Redis errors as Unavailable."""
+        conn = self._conn(name)
+        return self.store._call(lambda: conn.execute_command(*args))
+
+    def _count(self, name: str, slot: int) -> int:
+        return int(self._cmd(name, "CLUSTER COUNTKEYSINSLOT", slot))
+
+    # ------------------------------------------------------------------ open moves
+
+    def open_slots(self, views: dict[str, NodeInfo] | None = None) -> dict[int, set[str]]:
+        """The slots some master imports or migrates: slot → the names of the masters
+        it is open towards (importers, and the targets its owner migrates it to)."""
+        views = self.own_views() if views is None else views
+        by_id = {n.id: name for name, n in views.items()}
+        out: dict[int, set[str]] = {}
+        for name, n in views.items():
+            for s in n.importing:
+                out.setdefault(s, set()).add(name)
+            for s, to in n.migrating.items():
+                out.setdefault(s, set()).update([by_id[to]] if to in by_id else [])
+        return out
+
+    def _settle(self, slot: int, target: str | None) -> list[MoveResult]:
+        """Settle an open move of ``slot`` before it goes to ``target`` (None: settle
+        only; see the module's doc). Returns the moves made. Raises Unavailable."""
+        views = self.own_views()
+        importers = {n for n, v in views.items() if slot in v.importing}
+        if not importers and not any(slot in v.migrating for v in views.values()):
+            return []  # (the usual case: one CLUSTER NODES per master, nothing else)
+        owner = next((n for n, v in views.items() if slot in v.slots), None)
+        if owner is not None:
+            # An importer ignores what the cluster says of the slot's owner: after a
+            # failover of the source it still names the failed node, so its whole
+            # cluster state fails (CLUSTERDOWN for every slot it serves). Tell it.
+            for name in sorted(importers - {owner}):
+                self._cmd(name, "CLUSTER SETSLOT", slot, "NODE", views[owner].id)
+        holders = sorted(n for n in views if n != owner and self._count(n, slot) > 0)
+        done: list[MoveResult] = []
+        for name in holders:  # keys out of sight there: they get the rest of the slot
+            log.warning("slot %d: a move to %s was left open with keys there; finishing "
+                        "it", slot, name)
+            done.append(self._move(slot, name))
+        views = self.own_views()
+        owner = next((n for n, v in views.items() if slot in v.slots), None)
+        for name, v in sorted(views.items()):
+            if name == target and name != owner:
+                continue  # (the move about to be made sets it importing again)
+            if slot in v.importing or (slot in v.migrating and target is None):
+                log.warning("slot %d: %s was left %s without keys elsewhere; made stable",
+                            slot, name, "importing" if slot in v.importing else "migrating")
+                self._cmd(name, "CLUSTER SETSLOT", slot, "STABLE")
+        return done
+
+    def recover(self) -> list[MoveResult]:
+        """Settle every move left open (see the module's doc): no slot is left importing
+        or migrating, and no key out of sight. Returns the moves it finished. Raises
+        Unavailable (what was settled stays settled; call it again)."""
+        done: list[MoveResult] = []
+        for slot in sorted(self.open_slots()):
+            done.extend(self._settle(slot, None))
+        return done
+
     # ------------------------------------------------------------------ the move
 
     def move(self, slot: int, target: str) -> MoveResult:
-        """Move ``slot`` to the master named ``target`` ("host:port"). Returns what was
-        moved. Raises InvalidArgument (no such master, or it already serves the slot),
+        """Move ``slot`` to the master named ``target`` ("host:port"), first settling a
+        move of it left open (see the module's doc). Returns what was moved (the last
+        move). Raises InvalidArgument (no such master, or it already serves the slot),
         Unavailable (a node cannot be reached, or too many batches failed: the slot is
-        left importing/migrating — move it again to resume). Keys are never lost:
-        see the module's doc.
+        left importing/migrating — the next move or :meth:`recover` settles it). Keys
+        are never lost: see the module's doc.
         """
         if not 0 <= slot < 16384:
             raise InvalidArgument(f"slot {slot} is not in 0..16383")
+        settled = self._settle(slot, target)
+        if settled and settled[-1].target == target:
+            return settled[-1]
+        return self._move(slot, target)
+
+    def _move(self, slot: int, target: str) -> MoveResult:
         t0 = self.clock()
         masters = {n.name: n for n in self.masters()}
         if target not in masters:
@@ -193,12 +302,12 @@ class SlotMover:
         if src.name == dst.name:
             raise InvalidArgument(f"slot {slot} is already served by {target}")
         source, dest = self._conn(src.name), self._conn(dst.name)
-        dest.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src.id)
-        source.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst.id)
+        self._cmd(dst.name, "CLUSTER SETSLOT", slot, "IMPORTING", src.id)
+        self._cmd(src.name, "CLUSTER SETSLOT", slot, "MIGRATING", dst.id)
         keys = size = batches = retries = reconciled = 0
         host, _, port = dst.name.rpartition(":")
         while True:
-            listed = self._keys(source, slot)
+            listed = self.store._call(lambda: self._keys(source, slot))
             # the group's feed and counter last, together (see the module's doc)
             last = [k for k in listed if k.startswith((b"kvf:{", b"kvs:{"))]
             batch = [k for k in listed if not k.startswith((b"kvf:{", b"kvs:{"))][:self.batch]
@@ -208,7 +317,7 @@ class SlotMover:
                 break
             if self.before_batch is not None:
                 self.before_batch(slot, batch)
-            nbytes = self._sizes(source, batch)
+            nbytes = self.store._call(lambda batch=batch: self._sizes(source, batch))
             try:
                 reply = source.execute_command(
                     "MIGRATE", host, int(port), "", 0, self.timeout_ms, "REPLACE",
@@ -217,8 +326,9 @@ class SlotMover:
                 retries += 1
                 if retries > self.retries:
                     raise Unavailable(f"moving slot {slot} to {target}: {retries} batches "
-                                      f"failed (last: {exc}); it stays migrating: move it "
-                                      "again to resume") from None
+                                      f"failed (last: {exc}); it stays migrating: the next "
+                                      "move of it, or the balancer's next cycle, settles "
+                                      "it") from None
                 both = self._on_both_sides(dest, batch, source)
                 reconciled += both
                 log.warning("slot %d: MIGRATE of %d keys failed (%s); %d on both sides, "
@@ -274,12 +384,12 @@ class SlotMover:
     def _hand_over(self, slot: int, src: NodeInfo, dst: NodeInfo,
                    masters: Any) -> None:
         """SETSLOT NODE on the target, then the source, then every other master."""
-        self._conn(dst.name).execute_command("CLUSTER SETSLOT", slot, "NODE", dst.id)
-        self._conn(src.name).execute_command("CLUSTER SETSLOT", slot, "NODE", dst.id)
+        self._cmd(dst.name, "CLUSTER SETSLOT", slot, "NODE", dst.id)
+        self._cmd(src.name, "CLUSTER SETSLOT", slot, "NODE", dst.id)
         for n in masters:
             if n.name not in (src.name, dst.name):
                 try:
-                    self._conn(n.name).execute_command("CLUSTER SETSLOT", slot, "NODE", dst.id)
+                    self._cmd(n.name, "CLUSTER SETSLOT", slot, "NODE", dst.id)
                 except Exception as exc:  # gossip tells it anyway (the target's epoch won)
                     log.warning("slot %d: %s did not take SETSLOT NODE (%s); gossip will "
                                 "tell it", slot, n.name, exc)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -138,7 +139,14 @@ class ThresholdParams:
     min_utilisation: float = 0.05
 
     def validate(self) -> None:
-        """Raise InvalidArgument naming the first knob out of range."""
+        """Raise InvalidArgument naming the first knob that is not a finite number (an
+        integer for max_moves) or is out of range."""
+        for name in ("k", "monitor_s", "grace_s", "drain", "max_moves", "min_utilisation"):
+            v = getattr(self, name)
+            if not _finite_number(v):
+                raise InvalidArgument(f"threshold {name} must be a finite number, not {v!r}")
+        if not isinstance(self.max_moves, numbers.Integral):
+            raise InvalidArgument(f"threshold max_moves must be an integer, not {self.max_moves!r}")
         if not self.k >= 0:
             raise InvalidArgument(f"threshold k must be at least 0, not {self.k}")
         if not (self.monitor_s >= 0 and self.grace_s >= 0):
@@ -168,6 +176,9 @@ def threshold_params(model: str | Path | None = None) -> ThresholdParams:
     return params
 
 
+REACH_OF_K = 0.9  # k is capped at this fraction of the largest z-score n masters reach
+
+
 class ThresholdPolicy:
     """Anna's rule on Redis masters (see the module docstring); ``params`` default to
     the tuned ones shipped in the package."""
@@ -185,7 +196,9 @@ class ThresholdPolicy:
             return []
         self._last_check = view.time
         util, mean, std = _stats(view)
-        bar = mean + p.k * std
+        # n values reach at most sqrt(n - 1) standard deviations over their mean: a k
+        # above that (1.25 on 2 masters) would never find a master hot
+        bar = mean + min(p.k, REACH_OF_K * math.sqrt(max(len(util) - 1, 0))) * std
         hot = {n for n, u in util.items() if u > bar and std > 0 and u >= p.min_utilisation}
         for n in list(self._hot_since):
             if n not in hot:
@@ -212,6 +225,12 @@ class ThresholdPolicy:
 # ---------------------------------------------------------------------- learned
 
 MODEL_FILE = "balance_model.json"
+MODEL_FORMAT = "kvcomm-balance-learned/1"  # what train.py writes and load() accepts
+
+
+def _finite_number(x: object) -> bool:
+    """A real number (not a bool, not a string) that is finite."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 # the plans the learned policy chooses among: each caps every master at (1 + reach) x the
 # mean utilisation; the first action is to do nothing
 REACHES = (0.4, 0.2, 0.1, 0.03)
@@ -294,11 +313,17 @@ class LearnedPolicy:
         if missing:
             raise InvalidArgument(f"learned model has no weight for {', '.join(missing)}; "
                                   "retrain it with `kvcomm balance train`")
-        if not (math.isfinite(price) and price >= 0):
-            raise InvalidArgument(f"learned policy price must be a finite number >= 0, not {price}")
+        if not _finite_number(price) or price < 0:
+            raise InvalidArgument(f"learned policy price must be a finite number >= 0, "
+                                  f"not {price!r}")
+        if not _finite_number(gate) or gate < 0:
+            raise InvalidArgument(f"learned policy gate must be a finite number >= 0 (a "
+                                  f"utilisation), not {gate!r}")
+        bad = [f for f in FEATURES if not _finite_number(weights[f])]
+        if bad:
+            raise InvalidArgument(f"learned model holds weights that are not finite numbers "
+                                  f"({', '.join(bad)}); retrain it with `kvcomm balance train`")
         self.weights = [float(weights[f]) for f in FEATURES]
-        if not all(math.isfinite(w) for w in self.weights):
-            raise InvalidArgument("learned model holds a weight that is not a finite number")
         self.price = price
         self.gate = gate
         self.meta = dict(meta or {})
@@ -311,15 +336,21 @@ class LearnedPolicy:
         """The policy of a model file (JSON written by ``train.py``; default: the one
         shipped in the package) or dict. Raises InvalidArgument for a malformed model."""
         data = dict(model) if isinstance(model, Mapping) else _read_json(model, MODEL_FILE)
+        if data.get("format") != MODEL_FORMAT:
+            raise InvalidArgument(f"learned model has format {data.get('format')!r:.40}, not "
+                                  f"{MODEL_FORMAT!r}: retrain it with `kvcomm balance train` "
+                                  "(or use the kvcomm that wrote it)")
         try:
             weights = data["weights"]
-            p = float(price if price is not None else data["price"])
-            g = float(gate if gate is not None else data.get("gate", 0.5))
+            p = price if price is not None else data["price"]
+            g = gate if gate is not None else data.get("gate", 0.5)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"learned model is malformed ({exc!r}); retrain it with "
                                   "`kvcomm balance train`") from None
         if not isinstance(weights, Mapping):
             raise InvalidArgument("learned model's weights are not a JSON object")
+        p = float(p) if _finite_number(p) else p
+        g = float(g) if _finite_number(g) else g
         return cls(weights, p, g, meta={k: v for k, v in data.items() if k != "weights"})
 
     def trend(self, view: ClusterView) -> dict[str, float]:
@@ -413,7 +444,7 @@ def _read_json(path: str | Path | None, default: str) -> dict[str, Any]:
         else:
             text = Path(path).read_text()
         data = json.loads(text)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise InvalidArgument(f"cannot read the balancing model {path or default}: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidArgument(f"{path or default} does not hold a JSON object")

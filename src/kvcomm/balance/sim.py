@@ -101,8 +101,11 @@ class SimConfig:
             raise InvalidArgument(f"slots must be {self.nodes} to {SLOTS}, not {self.slots}")
         if not 0 < self.minutes <= 24 * 60:
             raise InvalidArgument(f"minutes must be over 0 and at most a day, not {self.minutes}")
-        if not self.slo_ms > 0:
-            raise InvalidArgument(f"slo_ms must be positive, not {self.slo_ms}")
+        if not 0 < self.slo_ms < math.inf:  # (an infinite one would print as non-JSON)
+            raise InvalidArgument(f"slo_ms must be positive and finite, not {self.slo_ms}")
+        if 0 < self.dt and self.minutes * 60 < self.dt:
+            raise InvalidArgument(f"minutes must be at least one tick ({self.dt:g} s: "
+                                  f"{self.dt / 60:.4g} min), not {self.minutes}")
         for name in ("capacity", "base_ms", "dt", "decide_every", "mean_slot_bytes",
                      "migrate_bytes_per_s", "min_spare", "max_wait_s"):
             if not getattr(self, name) > 0:

@@ -35,7 +35,14 @@ from typing import Any, TypeVar
 
 from ..errors import InvalidArgument
 from .model import ClusterView, Move
-from .policy import FEATURES, Candidate, LearnedPolicy, ThresholdParams, ThresholdPolicy
+from .policy import (
+    FEATURES,
+    MODEL_FORMAT,
+    Candidate,
+    LearnedPolicy,
+    ThresholdParams,
+    ThresholdPolicy,
+)
 from .sim import SimConfig, Simulator, need_numpy
 from .workloads import WORKLOADS
 
@@ -225,7 +232,7 @@ def train(seed: int, tc: TrainConfig | None = None, log: Callable[[str], None] =
     log(f"learned: {len(rows)} counterfactual rows from {len(jobs)} runs")
     weights = fit(rows, tc.ridge)
     best, _ = tune_threshold(seed, tc, log)
-    return {"format": "kvcomm-balance-learned/1", "features": list(FEATURES),
+    return {"format": MODEL_FORMAT, "features": list(FEATURES),
             "weights": weights, "price": tc.price, "gate": 0.5, "threshold": asdict(best),
             "trained": {"seed": seed, "seeds": seeds, "rows": len(rows),
                         "horizon": tc.horizon, "ridge": tc.ridge, "explore": tc.explore,

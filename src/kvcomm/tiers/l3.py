@@ -613,8 +613,10 @@ class L3Store:
 
         Raises ConfigError naming both counts when they differ, or when L3 holds data an
         earlier KVCOMM wrote with 16 groups (before the count was recorded) and this host
-        is configured with another; Unavailable when L3 cannot be reached. Nothing is
-        written then.
+        is configured with another, or (recording) when no count is recorded but a
+        sample of the records (a SCAN) shows another count wrote them (``kvm:groups``
+        lost: a failover before it replicated, a deletion); Unavailable when L3 cannot be
+        reached. Nothing is written then.
         """
         count = len(self.groups)
         raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
@@ -628,6 +630,15 @@ class L3Store:
                     "using that data (the count of an L3 cannot change while it holds data)")
             if not record:
                 return count
+            foreign = self._foreign_record()
+            if foreign is not None:
+                raise ConfigError(
+                    "cluster.groups",
+                    f"L3 holds records that another group count wrote ({foreign!r:.80} is "
+                    f"not where {count} groups put its key), and {META_GROUPS}, which "
+                    "recorded that count, is gone (lost in a failover, or deleted): set "
+                    "cluster.groups to the count the data was written with on every host, "
+                    f"then SET {META_GROUPS} <count> in the Redis Cluster")
             self._call(lambda: self.rc.set(META_GROUPS, count, nx=True), META_GROUPS)
             raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
         stored = _as_seq(raw)
@@ -641,6 +652,29 @@ class L3Store:
                 f"{count}: set cluster.groups: {stored} (the count of an L3 cannot change "
                 "while it holds data)")
         return count
+
+    def _foreign_record(self, sample: int = 64) -> bytes | None:
+        """The name of a record (of the first ``sample`` a SCAN finds) whose hash tag is
+        not the one this store's group count gives its key, or None. Raises
+        Unavailable."""
+        def run() -> bytes | None:
+            seen = 0
+            for raw in self.rc.scan_iter(match="kvc:{*", count=1000):
+                tag, sep, key = raw[5:].partition(b"}:")
+                if not sep or not key:
+                    continue  # (a foreign name under our prefix is no record of ours)
+                try:
+                    name = key.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                if self.groups.tags[self.groups.of(name)].encode() != tag:
+                    return bytes(raw)
+                seen += 1
+                if seen >= sample:
+                    break
+            return None
+
+        return self._call(run)  # type: ignore[no-any-return]
 
     def _legacy_data(self) -> bool:
         """Whether any of the 16 groups of the layout before cluster.groups was written."""
