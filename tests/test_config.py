@@ -313,7 +313,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "outbound_max": st.integers(1, MAX_COUNT), "feed_poll": _duration(True),
         "feed_maxlen": st.integers(100, MAX_COUNT), "wait_replicas": st.integers(0, 16),
         "groups": st.sampled_from([16 << i for i in range(11)]),
-        "feed_total": st.integers(100, MAX_COUNT), "feed_sweep_rate": st.integers(1, MAX_COUNT),
+        "feed_total": st.integers(1_638_400, MAX_COUNT), "feed_sweep_rate": st.integers(1, MAX_COUNT),
         "wait_timeout": _duration(True),
         "resolvers": st.dictionaries(_unicode, st.builds(
             lambda m, f: f"{'.'.join(m)}:{f}", st.lists(_ident, min_size=1, max_size=3), _ident),

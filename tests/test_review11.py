@@ -119,11 +119,6 @@ def test_simulate_prints_strict_consistent_json_or_refuses(opt: str, value: str)
         assert opt.lstrip("-").replace("-", "_") in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="a decision for the lead: MAXLEN ~ trims whole stream "
-                   "nodes (100 entries), so no stream can be held under ~100 entries whatever "
-                   "feed_total says; refusing feed_total < 100 x groups would refuse the default "
-                   "(1.6M) with 16,384 groups (1.64M needed) -- raise the default, refuse, or "
-                   "document the real bound (feed_total + ~100 x groups)")
 def test_a_feed_total_that_cannot_be_honoured_is_refused() -> None:
     """F: cluster.feed_total is documented as the bound on all groups' streams together,
     but each stream keeps at least FEED_MIN (100) entries: feed_total 100,000 with 16,384

@@ -512,9 +512,10 @@ class ClusterConfig(_Section):
     groups: Count = Field(default=1024, ge=16, le=16384,
                           description="hash-slot groups, a power of two (16384: one per slot); "
                           "fixed when L3 is first used")
-    feed_total: Count = Field(default=1_600_000, ge=100,
+    feed_total: Count = Field(default=1_638_400, ge=100,
                               description="events kept over all groups' streams (each keeps "
-                              "feed_total / groups, at least 100, at most feed_maxlen)")
+                              "feed_total / groups, at least 100, at most feed_maxlen); at "
+                              "least 100 x groups")
     feed_sweep_rate: Count = Field(default=1024, ge=1,
                                    description="group counters each daemon reads per second "
                                    "to find changes whose hint was lost")
@@ -543,6 +544,18 @@ class ClusterConfig(_Section):
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"must be a power of two from 16 to 16384 (one group per slot), got {v}")
+        return v
+
+    @field_validator("feed_total")
+    @classmethod
+    def _feed_total_holds(cls, v: int, info: ValidationInfo) -> int:
+        # each stream keeps at least FEED_MIN (100) entries (MAXLEN ~ trims whole nodes of
+        # 100), so a total under 100 x groups could not be the bound it claims to be
+        groups = info.data.get("groups")
+        if groups is not None and v < 100 * groups:
+            raise ValueError(
+                f"{v} cannot bound {groups} groups' streams (each keeps at least 100 events): "
+                f"set it to at least {100 * groups} or use fewer cluster.groups")
         return v
 
     @field_validator("address_remap")

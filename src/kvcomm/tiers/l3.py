@@ -132,7 +132,7 @@ GROUPS = DEFAULT_GROUPS  # (the older name of the default cluster.groups)
 FORMAT = 2  # the record format written (see "When to bump FORMAT" above)
 FIELDS = ("f", "h", "d", "t", "m", "v", "vv", "dot", "x")  # a format-2 record's keys
 FEED_MAXLEN = 100_000  # events kept per group stream at most (approximate: MAXLEN ~)
-FEED_TOTAL = 1_600_000  # events kept over all groups' streams (cluster.feed_total)
+FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_total, >= 100 x groups)
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
