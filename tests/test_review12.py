@@ -1,0 +1,300 @@
+"""Review of affinity placement (issue 12): each test is a finding, its docstring ("F:")
+says what breaks and why it matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+import kvcomm
+from kvcomm.cli import main as cli_main
+from kvcomm.placement import report
+from kvcomm.placement.agents import with_agent
+from kvcomm.placement.graph import Graph, Plan
+from kvcomm.placement.launcher import Launcher
+from kvcomm.placement.observe import _decode_snapshot, graph_from, host_snapshot
+
+from .conftest import SMALL, wait_for
+
+
+def _cfg(**cache: Any) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({"cache": {**SMALL["cache"], **cache}})
+
+
+def _graph(**edits: Any) -> dict[str, Any]:
+    return {"agents": [{"id": "a", "host": "h1", "load": 1}, {"id": "b", "host": "h2", "load": 1}],
+            "edges": [{"reader": "a", "writer": "b", "reads_per_s": 1, "bytes_per_s": 1}]}
+
+
+# ---------------------------------------------------------------- the graph and plan contracts
+
+
+def _huge_load() -> dict[str, Any]:
+    g = _graph()
+    g["agents"][0]["load"] = 10 ** 400  # (json.loads reads such an integer as an int)
+    return g
+
+
+def _list_reader() -> dict[str, Any]:
+    g = _graph()
+    g["edges"][0]["reader"] = ["a"]
+    return g
+
+
+def _dict_writer() -> dict[str, Any]:
+    g = _graph()
+    g["edges"][0]["writer"] = {"id": "b"}
+    return g
+
+
+@pytest.mark.parametrize("make", [_huge_load, _list_reader, _dict_writer])
+def test_a_graph_with_a_huge_integer_or_an_unhashable_id_is_refused(make: Any) -> None:
+    """F: Graph.from_json raised OverflowError (an integer beyond a float, which JSON
+    allows) and TypeError (a list or object as an edge's reader/writer) instead of
+    InvalidArgument: `kvcomm placement plan` died with a traceback on a hostile graph
+    instead of exit status 2 and a message naming the place."""
+    with pytest.raises(kvcomm.InvalidArgument):
+        Graph.from_json(make())
+
+
+def test_a_plan_with_an_unhashable_agent_in_moves_is_refused() -> None:
+    """F: Plan.from_json raised TypeError for a move whose agent is a list: the launcher
+    (`kvcomm placement launch --plan`) died with a traceback on a corrupt plan."""
+    with pytest.raises(kvcomm.InvalidArgument):
+        Plan.from_json({"assignment": {"a": "h1"}, "moves": [{"agent": ["a"], "to": "h1"}],
+                        "predicted": {}})
+
+
+def test_the_cli_plan_of_a_huge_integer_graph_exits_2(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """F: the same, from the command line: a traceback instead of exit status 2."""
+    gfile = tmp_path / "g.json"
+    gfile.write_text(json.dumps(_huge_load()))
+    assert cli_main(["placement", "plan", "--graph", str(gfile), "--hosts", "h1,h2",
+                     "--out", str(tmp_path / "p.json")]) == 2
+    assert "agents[0].load" in capsys.readouterr().err
+
+
+def test_huge_but_finite_rates_give_a_plan_the_launcher_accepts() -> None:
+    """F: rates near the float limit (1e308, valid by the contract: finite, >= 0) overflow
+    in the sums: the plan's predicted share was NaN (written to plan.json as `NaN`, which
+    is not JSON, and refused by load_plan/the launcher), and loads that overflow to inf
+    made every host "within balance" (both agents of load 1e308 on one host)."""
+    from kvcomm.placement.plan import make_plan
+
+    g = _graph()
+    g["edges"][0]["reads_per_s"] = 1e308
+    g["edges"].append({"reader": "b", "writer": "a", "reads_per_s": 1e308, "bytes_per_s": 0})
+    plan = make_plan(Graph.from_json(g), ["h1", "h2"], balance=2)
+    back = Plan.from_json(json.loads(json.dumps(plan.to_json(), allow_nan=False)))
+    assert back.share == 1.0 and back.before == 0.0
+    g = _graph()
+    g["agents"][0]["load"] = g["agents"][1]["load"] = 1e308
+    plan = make_plan(Graph.from_json(g), ["h1", "h2"], balance=1.5)
+    assert sorted(plan.assignment.values()) == ["h1", "h2"]  # 2e308 on one host breaks 1.5x
+
+
+# ---------------------------------------------------------------- observe: what L3 holds
+
+
+def _rep(**kw: Any) -> dict[str, Any]:
+    r = {"f": 1, "agent": "a", "host": "h1", "pid": 1, "since": 0.0, "t": 10.0, "ops": 10,
+         "edges": {"b": [5, 50]}, "dropped": 0, "unknown": 0, "id": "a.1.x"}
+    r.update(kw)
+    return r
+
+
+def _snap(host: str, *reports: dict[str, Any]) -> dict[str, Any]:
+    s = _decode_snapshot(msgpack.packb({"f": 1, "host": host, "t": 1.0, "reports": list(reports)}))
+    assert s is not None
+    return s
+
+
+@pytest.mark.parametrize("bad", [
+    {"host": "evil host/1"},  # not a host id
+    {"host": "h" * 100},  # too long for one
+    {"since": 0.0, "t": 5e-324, "ops": 10 ** 18},  # a rate beyond a float
+    {"id": "z.1.y", "since": 0.0, "t": 1e-300, "edges": {"b": [10 ** 18, 10 ** 18]}},
+])
+def test_observe_keeps_its_own_contract_whatever_another_host_published(bad: dict[str, Any]) -> None:
+    """F: graph_from trusted every report that _valid let through from L3 (any host's
+    snapshot, or a process of the host that wrote its table): a report's host that is
+    not a host id, or rates that overflow to inf, went into graph.json, which then
+    `kvcomm placement plan` refused as breaking the contract: one odd report anywhere in
+    the cluster stopped the whole observe -> plan loop. The odd report must be left out
+    and the rest of the graph kept."""
+    good = _rep(agent="c", id="c.1.x", host="h2", edges={"b": [5, 50]})
+    g = graph_from([], [_snap("h1", _rep(**bad)), _snap("h2", good)])
+    doc = json.loads(json.dumps(g.to_json(), allow_nan=False))
+    assert Graph.from_json(doc) == g
+    assert ("c", "b") in {(e.reader, e.writer) for e in g.edges}
+
+
+# ---------------------------------------------------------------- the host's table
+
+
+def test_an_agent_whose_name_starts_with_a_dot_is_observed(ns: str) -> None:
+    """F: '.x' is a valid agent name (letters, digits, '_.:-'), but its report file
+    '.x.PID.HEX' starts with '.', which read_reports takes for a temporary file: the agent
+    never appears in the graph, and the daemon deletes its report after a minute."""
+    cfg = _cfg(hot_key_sample=1)
+    table = report.agents_dir(ns, cfg.cache.l2_dir)
+    with kvcomm.open(ns, config=cfg, agent=".x") as r, kvcomm.open(ns, config=cfg, agent="w") as w:
+        w.put("k", b"v")
+        for _ in range(100):
+            r.get("k")
+        r.hot_keys(1)
+        assert r._observer is not None and r._observer.reports >= 1
+        got = {rep["agent"] for rep in report.read_reports(table, now=1e12)}  # (all aged)
+        assert ".x" in got
+        assert any(name.startswith(".x.") for name in os.listdir(table))  # not cleaned away
+
+
+def test_a_report_swapped_for_a_fifo_never_blocks_the_daemon(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """F: read_reports lstat()s a file, then open()s it by name: a file replaced between
+    the two by a FIFO (or a symlink to one, or to /dev/...) is opened and read, and a
+    FIFO with no writer blocks open() forever: the node daemon's loop (which publishes
+    the table from its step) hangs. Here the swap is simulated by an lstat that saw a
+    regular file."""
+    table = tmp_path / "t"
+    report.ensure_dir(str(table), 0o600)
+    fifo = table / "a.1.x"
+    os.mkfifo(fifo)
+    real = os.lstat
+
+    def lstat(path: Any, *a: Any, **kw: Any) -> os.stat_result:
+        st = real(path, *a, **kw)
+        if os.fspath(path) == str(fifo):  # as it was a moment before the swap
+            return os.stat_result((stat.S_IFREG | 0o600,) + tuple(st)[1:])
+        return st
+
+    monkeypatch.setattr(report.os, "lstat", lstat)
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(report.read_reports(str(table))), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: done, 10, "read_reports to return")
+    finally:
+        if not done:  # unblock the thread: a writer opens the FIFO
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+    assert done == [[]]
+
+
+def test_a_symlinked_report_is_not_followed(tmp_path: Path) -> None:
+    """(held) A symlink in the table, to a valid report elsewhere, is not read."""
+    table = tmp_path / "t"
+    report.ensure_dir(str(table), 0o600)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(msgpack.packb({k: v for k, v in _rep(pid=os.getpid()).items() if k != "id"}))
+    os.symlink(target, table / "a.1.x")
+    assert report.read_reports(str(table)) == []
+    assert target.exists()
+
+
+def test_the_hosts_snapshot_carries_only_the_report_fields(tmp_path: Path) -> None:
+    """F: a report may carry keys the format does not know (readers ignore them), and the
+    daemon published each report as it read it: 4096 reports of up to 1 MiB each (junk in
+    an unknown key) make a snapshot of gigabytes in the daemon's memory, over Redis's
+    512 MB value limit, and over observe's 64 MiB bound (so the host's agents vanish
+    from the graph). The snapshot should carry the fields of the format, nothing else."""
+    table = tmp_path / "t"
+    report.ensure_dir(str(table), 0o600)
+    rep = {k: v for k, v in _rep(pid=os.getpid()).items() if k != "id"}
+    (table / "a.1.x").write_bytes(msgpack.packb({**rep, "junk": "x" * (512 << 10)}))
+    snap = host_snapshot("h1", str(table), 1.0)
+    assert [r["agent"] for r in snap["reports"]] == ["a"]
+    assert len(msgpack.packb(snap)) < 4096
+
+
+# ---------------------------------------------------------------- bounded memory of sampling
+
+
+def test_the_writer_names_cache_stays_small_whatever_the_extension_fields(ns: str) -> None:
+    """F: AgentStats caches extension field -> writer id for up to MAX_NAMES (4096)
+    fields, keyed by the whole field, which may be 4 KiB (other features' keys share the
+    map): up to 16 MiB per client, for a cache whose useful content is a few hundred
+    names. Records whose field differs per record (an expiry, say) fill it with garbage."""
+    cfg = _cfg(hot_key_sample=1)
+    with kvcomm.open(ns, config=cfg, agent="r") as r:
+        obs = r._observer
+        assert obs is not None
+        n = 0
+        for i in range(report.MAX_NAMES):
+            ext = with_agent(msgpack.packb({"pad": "p" * 3900, "i": i}), "w")
+            obs.sampled({f"k{i}": 1}, {}, lambda k: (k.encode(), 1),
+                        lambda pairs, ext=ext: [(ext, 10)] * len(pairs))
+            n += 1
+        held = sum(len(k) for k in obs._names)
+        assert obs.edges["w"][0] == n
+        assert held <= 1 << 20, f"{held} bytes of extension fields cached"
+
+
+def test_a_full_writer_table_still_learns_writers_that_came_later(
+        ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F: the edge table keeps running totals of up to MAX_WRITERS writers since the
+    agent started, and never forgets one: once a long-lived agent has read MAX_WRITERS
+    distinct writers (unnamed PID@HOST ones come and go with every restart), every read
+    of a new writer is only counted as dropped, forever: placement goes blind for that
+    reader. Writers no longer read (unchanged since the last report) should give way."""
+    monkeypatch.setattr(report, "MAX_WRITERS", 3)
+    t = [0.0]
+    cfg = _cfg(hot_key_sample=1)
+    with kvcomm.open(ns, config=cfg, agent="r"):  # (the table's directory exists)
+        obs = report.AgentStats("r", "local", ns, cfg.cache.l2_dir, 0o600, clock=lambda: t[0])
+
+        def look(pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, int] | None]:
+            return [(with_agent(b"", kb.decode()), 1) for kb, _ in pairs]
+
+        obs.sampled({"old1": 5, "old2": 5, "old3": 5}, {}, lambda k: (k.encode(), 0), look)
+        assert obs.report(10)
+        for i in range(5):  # later: only the new writer is read, report after report
+            t[0] += 2.0
+            obs.sampled({"new": 50}, {}, lambda k: (k.encode(), 0), look)
+            assert obs.report(20 + i)
+        try:
+            assert obs.edges.get("new", [0.0])[0] > 0, f"dropped {obs.dropped}"
+        finally:
+            obs.close()
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+def test_the_launcher_leaves_other_braces_in_the_command_alone(tmp_path: Path) -> None:
+    """F: the launcher replaced {agent}/{host}/{config} with str.format_map, so any other
+    brace in the command (a JSON argument, `python -c "d = {}"`, awk '{print $1}')
+    raised KeyError/ValueError: the agent cannot be launched, and from the command line
+    it is a traceback. The README promises only the three fields are replaced."""
+    out = tmp_path / "out.txt"
+    launcher = Launcher({"h1": "/c/h1.yaml"})
+    code = "import sys; d = {'k': 1}; open(sys.argv[1], 'w').write(sys.argv[2] + ' ' + sys.argv[3])"
+    try:
+        launcher.apply(Plan({"a": "h1"}, (), None, None),
+                       [sys.executable, "-c", code, str(out), "{agent}", '{"json": [1]}'])
+        assert launcher.wait() == 0
+    finally:
+        launcher.stop_all()
+    assert out.read_text() == 'a {"json": [1]}'
+
+
+def test_launch_of_a_command_that_cannot_run_exits_2(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """F: `kvcomm placement launch ... -- no-such-program` died with a FileNotFoundError
+    traceback (the CLI catches only KVCommError), where a newcomer's typo should get
+    exit status 2 and a message naming the command."""
+    (tmp_path / "cluster.json").write_text(json.dumps({"hosts": [{"host": "h1", "config": "/c/h1.yaml"}]}))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"assignment": {"a": "h1"}, "moves": [], "predicted": {}}))
+    assert cli_main(["placement", "launch", "--plan", str(plan), "--dir", str(tmp_path), "--",
+                     str(tmp_path / "no-such-program"), "{agent}"]) == 2
+    assert "no-such-program" in capsys.readouterr().err
