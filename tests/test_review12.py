@@ -298,3 +298,57 @@ def test_launch_of_a_command_that_cannot_run_exits_2(tmp_path: Path,
     assert cli_main(["placement", "launch", "--plan", str(plan), "--dir", str(tmp_path), "--",
                      str(tmp_path / "no-such-program"), "{agent}"]) == 2
     assert "no-such-program" in capsys.readouterr().err
+
+
+def _planted(tmp_path: Path, how: str) -> tuple[Path, Path]:
+    """A table at ``tmp_path/table`` that is not this user's (``how``), and a file of
+    someone's, old enough to be cleaned, where the table leads."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    precious = victim / "precious.txt"
+    precious.write_text("not a report")
+    old = os.stat(precious).st_mtime - report.TMP_AFTER - 5
+    os.utime(precious, (old, old))
+    table = tmp_path / "table"
+    if how == "symlink":  # /dev/shm is world-writable: anyone can plant the table's name
+        os.symlink(victim, table)
+    else:  # a directory another user made (and filled), under the table's name
+        table.mkdir(mode=0o777)
+        (table / "precious.txt").write_text("not a report")
+        os.utime(table / "precious.txt", (old, old))
+        os.chown(table / "precious.txt", 65534, 65534)
+        os.chown(table, 65534, 65534)
+        precious = table / "precious.txt"
+    return table, precious
+
+
+@pytest.mark.parametrize("how", ["symlink", "other-user"])
+def test_the_daemon_never_cleans_a_table_that_is_not_its_users_own(tmp_path: Path, how: str) -> None:
+    """F: read_reports(clean=True), which the node daemon runs every second on
+    /dev/shm/kvcomm.NS.agents, listed the path with os.listdir, which follows a symlink,
+    and took no notice of who owns the directory. /dev/shm is world-writable: any local
+    user can plant that name, as a symlink to a directory the daemon's user can write
+    (its home, another namespace's data), and the daemon then deletes every file there
+    older than a minute that is not a report. Agents refuse such a table (ensure_dir);
+    the daemon must refuse it too: read nothing, remove nothing."""
+    if os.geteuid() != 0 and how == "other-user":
+        pytest.skip("making another user's directory needs root")
+    table, precious = _planted(tmp_path, how)
+    assert report.read_reports(str(table)) == []
+    assert precious.exists(), "the daemon deleted a file outside its own table"
+
+
+def test_a_report_of_another_user_is_not_read(tmp_path: Path) -> None:
+    """F: read_reports read (and published to L3) a file in the table whatever its owner:
+    in the table of a group-shared namespace (cache.l2_permissions 0o660: the directory is
+    group-writable), another user's planted report speaks for any agent name. Only the
+    table owner's files are reports (agents of other users cannot write there anyway:
+    ensure_dir refuses a table that is not theirs)."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's file needs root")
+    table = tmp_path / "t"
+    report.ensure_dir(str(table), 0o660)
+    rep = {k: v for k, v in _rep(pid=os.getpid()).items() if k != "id"}
+    (table / "a.1.x").write_bytes(msgpack.packb(rep))
+    os.chown(table / "a.1.x", 65534, 65534)
+    assert report.read_reports(str(table)) == []
