@@ -352,3 +352,45 @@ def test_a_report_of_another_user_is_not_read(tmp_path: Path) -> None:
     (table / "a.1.x").write_bytes(msgpack.packb(rep))
     os.chown(table / "a.1.x", 65534, 65534)
     assert report.read_reports(str(table)) == []
+
+
+def test_a_launch_stopped_with_sigterm_stops_its_agents(tmp_path: Path) -> None:
+    """F: the README's walkthrough runs `kvcomm placement launch ... &` and then says "stop
+    the first launch": `kill PID` (SIGTERM, as any supervisor or script stops a process)
+    killed the launcher without its `finally` (only Ctrl-C, KeyboardInterrupt, was
+    handled), leaving every agent running, unowned, beside the ones the next plan starts:
+    two drone-7s on two hosts."""
+    import signal
+    import subprocess
+
+    (tmp_path / "cluster.json").write_text(json.dumps({"hosts": [{"host": "h1", "config": "/c/h1.yaml"}]}))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"assignment": {"a": "h1"}, "moves": [], "predicted": {}}))
+    pidfile = tmp_path / "agent.pid"
+    code = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+    cli = "import sys; from kvcomm.cli import main; sys.exit(main())"
+    launcher = subprocess.Popen([sys.executable, "-c", cli, "placement", "launch", "--plan",
+                                 str(plan), "--dir", str(tmp_path), "--", sys.executable, "-c", code,
+                                 str(pidfile)], start_new_session=True)
+    try:
+        wait_for(lambda: pidfile.exists() and pidfile.read_text(), 30, "the agent to start")
+        agent = int(pidfile.read_text())
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(30)
+
+        def gone() -> bool:
+            try:
+                with open(f"/proc/{agent}/stat", "rb") as f:
+                    return f.read().rsplit(b")", 1)[1][1:2] == b"Z"
+            except OSError:
+                return True
+
+        try:
+            wait_for(gone, 15, "the agent to stop with its launcher")
+        finally:
+            if not gone():
+                os.kill(agent, signal.SIGKILL)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
