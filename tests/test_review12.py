@@ -394,3 +394,27 @@ def test_a_launch_stopped_with_sigterm_stops_its_agents(tmp_path: Path) -> None:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_an_agent_that_only_writes_at_a_modest_rate_is_reported(ns: str) -> None:
+    """F: an agent that only writes looked at the clock every REPORT_PUTS (1024) puts: a
+    sensor writing 20 times a second first reported after 51 s and then every 51 s. Until
+    then `observe` saw it only as the writer of what others read (host null, load 0): the
+    plan gives it a host as if it ran nowhere, the launcher starts a second copy of it,
+    and its load is missing from the balance. At ~100 puts/s it must report within a few
+    seconds."""
+    import time
+
+    cfg = _cfg(hot_key_sample=16)
+    table = report.agents_dir(ns, cfg.cache.l2_dir)
+    with kvcomm.open(ns, config=cfg, agent="sensor") as w:
+        deadline = time.monotonic() + 8.0  # (at most ~800 puts: under REPORT_PUTS)
+        puts = 0
+        while time.monotonic() < deadline:
+            w.put("sensor/state", puts)
+            puts += 1
+            if {r["agent"] for r in report.read_reports(table, clean=False)} == {"sensor"}:
+                break
+            time.sleep(0.01)
+        assert {r["agent"] for r in report.read_reports(table, clean=False)} == {"sensor"}, \
+            f"no report after {puts} puts"
