@@ -169,15 +169,16 @@ def test_a_report_swapped_for_a_fifo_never_blocks_the_daemon(tmp_path: Path,
     report.ensure_dir(str(table), 0o600)
     fifo = table / "a.1.x"
     os.mkfifo(fifo)
-    real = os.lstat
+    def as_before_the_swap(real: Any) -> Any:
+        def look(path: Any, *a: Any, **kw: Any) -> os.stat_result:
+            st = real(path, *a, **kw)
+            if os.path.basename(os.fspath(path)) == fifo.name:  # a moment before the swap
+                return os.stat_result((stat.S_IFREG | 0o600,) + tuple(st)[1:])
+            return st
+        return look
 
-    def lstat(path: Any, *a: Any, **kw: Any) -> os.stat_result:
-        st = real(path, *a, **kw)
-        if os.fspath(path) == str(fifo):  # as it was a moment before the swap
-            return os.stat_result((stat.S_IFREG | 0o600,) + tuple(st)[1:])
-        return st
-
-    monkeypatch.setattr(report.os, "lstat", lstat)
+    monkeypatch.setattr(report.os, "lstat", as_before_the_swap(os.lstat))
+    monkeypatch.setattr(report.os, "stat", as_before_the_swap(os.stat))
     done: list[Any] = []
     t = threading.Thread(target=lambda: done.append(report.read_reports(str(table))), daemon=True)
     t.start()

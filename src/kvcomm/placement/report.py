@@ -25,8 +25,14 @@ started — operations, and (reads, bytes) per writer — so that any two report
 over the time between them. A file is written whole under a temporary name and renamed:
 a reader sees the old report or the new one. The node daemon reads the directory,
 publishes it to L3 (:mod:`kvcomm.placement.observe`) and removes the files of processes
-that are gone; a client that closes removes its own. Writing a report never raises into
-the agent's call: a failure is counted, warned about once, and retried at the next one.
+that are gone; a client that closes removes its own. The table is read (and cleaned) only
+when it is a directory of this user, reached without following a symlink, and only this
+user's regular files in it are reports (opened without following symlinks or waiting on
+a FIFO): /dev/shm is world-writable, and a planted name must not lead the daemon to read
+or delete anything else. A report's name begins with its agent's name (which may begin
+with "."): temporary files are those that begin with "." and end with ".tmp". Writing a
+report never raises into the agent's call: a failure is counted, warned about once, and
+retried at the next one.
 
 Report format (msgpack map; ``f`` is 1): ``agent``, ``host``, ``pid``, ``since`` and ``t``
 (wall-clock seconds: the agent's start and this report), ``ops`` (gets, puts and deletes
@@ -218,73 +224,130 @@ class AgentStats:
             self._written = False
 
 
+_FIELDS = ("f", "agent", "host", "pid", "since", "t", "ops", "edges", "dropped", "unknown")
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-")
+
+
+def _number(v: Any) -> bool:
+    """A finite number >= 0 (an int beyond a float too: it would overflow later)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return 0 <= v < float("inf") and float(v) < float("inf")
+    except OverflowError:
+        return False
+
+
 def _valid(r: Any) -> bool:
     """True for a report of ours (every field of the right type and range)."""
     if not isinstance(r, dict) or r.get("f") != FORMAT:
         return False
-    if not is_agent_id(r.get("agent")) or not isinstance(r.get("host"), str):
+    host = r.get("host")
+    if not is_agent_id(r.get("agent")) or type(host) is not str \
+            or not 1 <= len(host) <= 64 or not set(host) <= _HOST_CHARS:
         return False
     for k in ("since", "t", "ops", "dropped", "unknown"):
-        v = r.get(k)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0 or v == float("inf"):
+        if not _number(r.get(k)):
             return False
-    if not isinstance(r.get("pid"), int) or not isinstance(r.get("edges"), dict):
+    if type(r.get("pid")) is not int or not isinstance(r.get("edges"), dict):
         return False
     if len(r["edges"]) > MAX_WRITERS:
         return False
     for w, e in r["edges"].items():
         if not is_agent_id(w) or not isinstance(e, list) or len(e) != 2:
             return False
-        if any(isinstance(x, bool) or not isinstance(x, int | float) or not x >= 0 for x in e):
+        if not all(_number(x) for x in e):
             return False
     return True
 
 
-def read_reports(path: str, *, clean: bool = True, now: float | None = None) -> list[dict[str, Any]]:
-    """The valid reports in the table ``path`` ([] when there is none), each with its file
-    name under ``"id"``. With ``clean``, removes the reports of processes that are gone
-    (after GONE_AFTER seconds), left-over temporary files, and files that are not reports.
-    Never raises for what it finds: a file that is not a report is skipped."""
-    now = time.time() if now is None else now
+def _own_dir(path: str) -> int | None:
+    """A descriptor of the table ``path`` if it is a directory of this user, reached
+    without following a symlink; None otherwise (it is not ours to read or clean)."""
     try:
-        names = os.listdir(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_report(dfd: int, name: str) -> Any:
+    """The msgpack document in the table's file ``name``, or None: not a regular file of
+    this user (never following a symlink, never waiting on a FIFO), too large, not
+    msgpack."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)  # (what was opened, whatever the name pointed to a moment ago)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() \
+                or st.st_size > MAX_REPORT_BYTES:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_REPORT_BYTES + 1)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:  # half-written by something else, or not msgpack
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_reports(path: str, *, clean: bool = True, now: float | None = None) -> list[dict[str, Any]]:
+    """The valid reports in the table ``path`` ([] when there is none, or when ``path`` is
+    not a directory of this user: a symlink is never followed), each with its file name
+    under ``"id"`` and the fields of the format only. With ``clean``, removes the reports
+    of processes that are gone (after GONE_AFTER seconds), left-over temporary files, and
+    files that are not reports. Never raises for what it finds: a file that is not a
+    report (another user's, a symlink, a FIFO...) is skipped."""
+    now = time.time() if now is None else now
+    dfd = _own_dir(path)
+    if dfd is None:
+        return []
+    try:
+        return _read_table(dfd, clean, now)
+    finally:
+        os.close(dfd)
+
+
+def _read_table(dfd: int, clean: bool, now: float) -> list[dict[str, Any]]:
+    try:
+        names = os.listdir(dfd)
     except OSError:
         return []
     out = []
     for name in sorted(names):
-        full = os.path.join(path, name)
         try:
-            st = os.lstat(full)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except OSError:
             continue
         age = now - st.st_mtime
-        if name.startswith("."):
+        if name.startswith(".") and name.endswith(".tmp"):  # (an agent may be named ".x")
             if clean and age > TMP_AFTER:
-                _unlink(full)
+                _unlink(name, dfd)
             continue
-        report = None
-        if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_REPORT_BYTES:
-            try:
-                with open(full, "rb") as f:
-                    report = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-            except Exception:  # half-written by something else, or not msgpack
-                report = None
+        report = _read_report(dfd, name) if stat.S_ISREG(st.st_mode) else None
         if not _valid(report):
             if clean and age > TMP_AFTER:
-                _unlink(full)
+                _unlink(name, dfd)
             continue
         assert isinstance(report, dict)
         if clean and age > GONE_AFTER and not pid_alive(int(report["pid"])):
-            _unlink(full)
+            _unlink(name, dfd)
             continue
-        report["id"] = name
-        out.append(report)
+        clean_report = {k: report[k] for k in _FIELDS}  # (unknown keys are not published)
+        clean_report["id"] = name
+        out.append(clean_report)
     return out
 
 
-def _unlink(path: str) -> None:
+def _unlink(name: str, dfd: int) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
 
