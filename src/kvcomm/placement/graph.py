@@ -55,9 +55,14 @@ def check_host(host: object, where: str) -> str:
 
 
 def _rate(v: object, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise InvalidArgument(f"{where} must be a finite number >= 0, got {v!r}")
-    return float(v)
+    try:  # (an int beyond a float, which JSON allows, overflows)
+        ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v >= 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+        raise InvalidArgument(f"{where} must be a finite number >= 0, got {shown}")
+    return float(v)  # type: ignore[arg-type]
 
 
 def _items(obj: Mapping[str, Any], key: str, where: str) -> list[Any]:
@@ -153,7 +158,7 @@ class Graph:
                                       "reads_per_s, bytes_per_s")
             r, w = e.get("reader"), e.get("writer")
             for name, v in (("reader", r), ("writer", w)):
-                if v not in seen:
+                if type(v) is not str or v not in seen:
                     raise InvalidArgument(f"{where}.{name} {v!r} is not one of the agents")
             assert isinstance(r, str) and isinstance(w, str)
             if r == w:
@@ -200,7 +205,8 @@ class Plan:
             assignment[aid] = check_host(host, f"assignment[{aid!r}]")
         moves = []
         for i, m in enumerate(_items(obj, "moves", "")):
-            if not isinstance(m, dict) or m.get("agent") not in assignment:
+            if not isinstance(m, dict) or type(m.get("agent")) is not str \
+                    or m["agent"] not in assignment:
                 raise InvalidArgument(f"moves[{i}] must name an agent of the assignment")
             src = m.get("from")
             if src is not None:
