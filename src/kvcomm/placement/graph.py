@@ -111,13 +111,16 @@ class Graph:
         """The share of cross-agent reads (by reads per second) whose writer is on the
         reader's host under ``assignment``; reads of an agent without a host count as not
         on it. None when there are no reads."""
-        total = same = 0.0
+        top = max((e.reads_per_s for e in self.edges), default=0.0)
+        if top <= 0:
+            return None
+        total = same = 0.0  # (in units of the largest rate: sums near the float limit stay finite)
         for e in self.edges:
-            total += e.reads_per_s
+            total += e.reads_per_s / top
             h = assignment.get(e.reader)
             if h is not None and h == assignment.get(e.writer):
-                same += e.reads_per_s
-        return None if total <= 0 else same / total
+                same += e.reads_per_s / top
+        return min(1.0, same / total)
 
     def to_json(self) -> dict[str, Any]:
         return {"agents": [{"id": a.id, "host": a.host, "load": a.load} for a in self.agents],

@@ -107,8 +107,13 @@ class _State:
 class _Problem:
     def __init__(self, graph: Graph, hosts: Sequence[str], balance: float,
                  move_cost: float, seed: int) -> None:
-        self.graph, self.hosts, self.balance, self.cost, self.seed = graph, hosts, balance, move_cost, seed
-        self.load = {a.id: a.load for a in graph.agents}
+        # loads and read weights in units of the largest of each: sums of rates near the
+        # float limit (the contract bounds them only by "finite") stay finite
+        self.lscale = max((a.load for a in graph.agents), default=0.0) or 1.0
+        wscale = max((e.reads_per_s for e in graph.edges), default=0.0) or 1.0
+        self.graph, self.hosts, self.balance, self.seed = graph, hosts, balance, seed
+        self.cost = move_cost / wscale
+        self.load = {a.id: a.load / self.lscale for a in graph.agents}
         self.origin: dict[str, str | None] = {}
         self.pinned: dict[str, str] = {}
         self.movable: list[str] = []
@@ -123,8 +128,9 @@ class _Problem:
         adj: dict[str, dict[str, float]] = defaultdict(dict)
         for e in graph.edges:
             if e.reads_per_s > 0:
-                adj[e.reader][e.writer] = adj[e.reader].get(e.writer, 0.0) + e.reads_per_s
-                adj[e.writer][e.reader] = adj[e.writer].get(e.reader, 0.0) + e.reads_per_s
+                w = e.reads_per_s / wscale
+                adj[e.reader][e.writer] = adj[e.reader].get(e.writer, 0.0) + w
+                adj[e.writer][e.reader] = adj[e.writer].get(e.reader, 0.0) + w
         self.adj = dict(adj)
         on_hosts = sum(self.load[a] for a in self.movable) + sum(
             self.load[a] for a, h in self.pinned.items() if h in hosts)
@@ -137,14 +143,15 @@ class _Problem:
         for h, v in base.items():
             if v > self.limit:
                 raise InvalidArgument(
-                    f"the unnamed agents on {h} alone have load {v:g}, over --balance "
-                    f"{balance:g} x the mean ({self.cap:g}); they cannot move (they have no "
-                    "name): raise --balance, or name those agents")
+                    f"the unnamed agents on {h} alone have load {v * self.lscale:g}, over "
+                    f"--balance {balance:g} x the mean ({self.cap * self.lscale:g}); they cannot "
+                    "move (they have no name): raise --balance, or name those agents")
         for m in self.movable:
             if self.load[m] > self.limit:
                 raise InvalidArgument(
-                    f"agent {m!r} alone has load {self.load[m]:g}, over --balance {balance:g} x "
-                    f"the mean host load ({self.cap:g}): raise --balance or add hosts")
+                    f"agent {m!r} alone has load {self.load[m] * self.lscale:g}, over --balance "
+                    f"{balance:g} x the mean host load ({self.cap * self.lscale:g}): raise "
+                    "--balance or add hosts")
 
     def state(self, placed: dict[str, str | None]) -> _State:
         """The pinned agents where they are, the movable ones as ``placed`` says (None or
@@ -379,7 +386,7 @@ def make_plan(graph: Graph, hosts: Sequence[str], *, balance: float = 1.1,
         elif max_moves is not None:
             raise InvalidArgument(
                 f"the current placement is out of --balance {balance:g} and --max-moves "
-                f"{max_moves} moves cannot bring every host within {p.cap:g}: raise "
+                f"{max_moves} moves cannot bring every host within {p.cap * p.lscale:g}: raise "
                 "--max-moves or --balance")
     if max_moves is None or not have_hosts:
         fresh = p.packed(comms)
@@ -390,8 +397,8 @@ def make_plan(graph: Graph, hosts: Sequence[str], *, balance: float = 1.1,
         heavy = sorted(p.load, key=p.load.__getitem__)[-3:]
         raise InvalidArgument(
             f"no placement found that keeps every host within --balance {balance:g} x the "
-            f"mean load ({p.cap:g}); raise --balance (heaviest agents: "
-            f"{', '.join(f'{a}={p.load[a]:g}' for a in heavy)})")
+            f"mean load ({p.cap * p.lscale:g}); raise --balance (heaviest agents: "
+            f"{', '.join(f'{a}={p.load[a] * p.lscale:g}' for a in heavy)})")
     best = max(candidates, key=lambda s: (p.score(s), -s.moved))
     return _plan_of(graph, p, best)
 
