@@ -4,8 +4,8 @@ Applying a plan is the job of whatever starts the agents (systemd, Kubernetes, R
 script); this one does it for the hosts of a dev cluster (``kvcomm dev-cluster up``),
 where "host N" is the config ``DIR/host-N.yaml``. An agent is a command line, run once
 per named agent of the plan with ``{agent}``, ``{host}`` and ``{config}`` replaced in its
-arguments (any other brace is left alone) and ``KVCOMM_AGENT``, ``KVCOMM_HOST`` and ``KVCOMM_CONFIG`` set in its
-environment, so that it opens ``kvcomm.open(config=..., agent=...)``::
+arguments (any other brace is left alone) and ``KVCOMM_AGENT``, ``KVCOMM_HOST`` and
+``KVCOMM_CONFIG`` set in its environment, so that it opens ``kvcomm.open(config=..., agent=...)``::
 
     launcher = Launcher.for_dev_cluster("/tmp/kvc")
     launcher.apply(load_plan("plan.json"), ["python", "agent.py", "--agent", "{agent}"])
