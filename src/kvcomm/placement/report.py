@@ -13,8 +13,11 @@ Reads of the agent's own keys are not edges. A flush attributes at most
 count scaled by k, so an agent reading thousands of distinct keys pays a bounded price
 per flush and the estimate stays unbiased. An L1 hit costs exactly what it did.
 
-Memory is bounded: at most ``MAX_WRITERS`` writers per agent (reads of further writers
-are counted in ``dropped``), and a cache of ``MAX_NAMES`` extension fields → ids.
+Memory is bounded: at most ``MAX_WRITERS`` writers per agent — when full, a writer not
+read since the agent's previous report gives way to a new one (its edge leaves the
+report: a reader's neighbours change, and unnamed writers come and go with every
+restart), and reads of further writers are counted in ``dropped`` — and a cache of at
+most ``MAX_NAMES`` extension fields → ids, ``MAX_NAMES_BYTES`` bytes of fields in all.
 
 The host's table
 ----------------
@@ -64,6 +67,7 @@ REPORT_PUTS = 16
 MAX_WRITERS = 1024  # edges kept per agent
 MAX_KEYS_PER_FLUSH = 16  # sampled keys whose writer one flush looks up
 MAX_NAMES = 4096  # extension fields → writer ids remembered per agent
+MAX_NAMES_BYTES = 256 << 10  # ... and their bytes (a field may be 4 KiB: MAX_EXT)
 MAX_REPORT_BYTES = 1 << 20  # a larger file is not a report of ours
 GONE_AFTER = 10.0  # seconds a dead process's report stays (the daemon publishes it once more)
 TMP_AFTER = 60.0  # seconds after which a left-over temporary file is removed
@@ -116,6 +120,9 @@ class AgentStats:
         self.errors = 0  # reports that could not be written
         self.reports = 0
         self._names: dict[bytes, str | None] = {}
+        self._names_bytes = 0
+        self._touched: set[str] = set()  # writers read since the last report
+        self._idle: list[str] = []  # writers not read between the last two reports
         self._rot = 0
         self._permissions = permissions
         self._dir = agents_dir(namespace, directory)
@@ -156,9 +163,11 @@ class AgentStats:
                 writer = names[ext]
             else:
                 writer = agent_of(ext)
-                if len(names) >= MAX_NAMES:
+                if len(names) >= MAX_NAMES or self._names_bytes + len(ext) > MAX_NAMES_BYTES:
                     names.clear()
+                    self._names_bytes = 0
                 names[ext] = writer
+                self._names_bytes += len(ext)
             reads = n * scale
             if writer is None:
                 self.unknown += reads
@@ -167,12 +176,23 @@ class AgentStats:
                 continue  # its own key: not an edge
             e = edges.get(writer)
             if e is None:
-                if len(edges) >= MAX_WRITERS:
+                if len(edges) >= MAX_WRITERS and not self._evict_idle():
                     self.dropped += reads
                     continue
                 e = edges[writer] = [0.0, 0.0]
             e[0] += reads
             e[1] += reads * size
+            self._touched.add(writer)
+
+    def _evict_idle(self) -> bool:
+        """Forget one writer not read between the last two reports (nor since); False
+        when every writer kept is being read."""
+        while self._idle:
+            w = self._idle.pop()
+            if w in self.edges and w not in self._touched:
+                del self.edges[w]
+                return True
+        return False
 
     # ------------------------------------------------------------------ the report file
 
@@ -185,6 +205,8 @@ class AgentStats:
         warned about once per client)."""
         now = self.clock()
         self._next = now + REPORT_EVERY
+        self._idle = [w for w in self.edges if w not in self._touched]
+        self._touched.clear()
         if ops <= 0 and not self.edges:
             return False  # nothing done yet (the node daemon's own client, say)
         data = msgpack.packb({
