@@ -477,3 +477,23 @@ def test_the_partitioner_never_runs_on_more_than_a_few_thousand_nodes(
     plan = P.make_plan(g, ["h1", "h2", "h3"])
     assert sizes and max(sizes) <= 2000
     assert plan.share is not None and plan.share > 0.95  # (the ring still cut in 3 places or so)
+
+
+def test_a_report_after_close_does_not_bring_the_file_back(ns: str) -> None:
+    """F: Client.close() removed the agent's report without the observer's lock, and
+    AgentStats.report() after close() wrote it again: a thread whose read flushed while
+    another thread closed the client (it passed the closed check just before) left a
+    report of a closed client in the table for as long as the process lived, published
+    as a live agent. A closed observer writes nothing, and close waits for a report in
+    progress."""
+    cfg = _cfg(hot_key_sample=1)
+    table = report.agents_dir(ns, cfg.cache.l2_dir)
+    with kvcomm.open(ns, config=cfg, agent="r") as kv:
+        obs = kv._observer
+        assert obs is not None
+        assert obs.report(5)
+        assert len(report.read_reports(table, clean=False)) == 1
+    assert report.read_reports(table, clean=False) == []
+    obs._next = 0.0
+    obs.report(6)  # (the late flush of another thread)
+    assert report.read_reports(table, clean=False) == []
