@@ -131,6 +131,7 @@ class AgentStats:
         self._next = 0.0
         self._warned = False
         self._written = False
+        self._closed = False
 
     # ------------------------------------------------------------------ sampling
 
@@ -205,6 +206,8 @@ class AgentStats:
         warned about once per client)."""
         now = self.clock()
         self._next = now + REPORT_EVERY
+        if self._closed:
+            return False  # (a late flush of another thread: the agent is gone)
         self._idle = [w for w in self.edges if w not in self._touched]
         self._touched.clear()
         if ops <= 0 and not self.edges:
@@ -239,7 +242,9 @@ class AgentStats:
         return True
 
     def close(self) -> None:
-        """Remove this agent's report (it no longer runs here). Never raises."""
+        """Remove this agent's report (it no longer runs here); later reports write
+        nothing. Never raises."""
+        self._closed = True
         if self._written:
             try:
                 os.unlink(os.path.join(self._dir, self._file))
