@@ -35,6 +35,7 @@ two wins. Without it, the packing's plan and refinement of the current placement
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -265,8 +266,9 @@ class _Problem:
         for i, x in enumerate(self.hosts):
             for y in self.hosts[i + 1:]:
                 best = None
+                eager_b = self._eager(s, y, x, per_side)  # (nothing moves until the pair's best)
                 for a in self._eager(s, x, y, per_side):
-                    for b in self._eager(s, y, x, per_side):
+                    for b in eager_b:
                         d = s.move_delta(a, y) + s.move_delta(b, x)
                         if s.moved + d > budget:
                             continue
@@ -285,9 +287,8 @@ class _Problem:
 
     def _eager(self, s: _State, x: str, y: str, n: int) -> list[str]:
         """The agents on ``x`` that would most like to be on ``y``."""
-        on = [a for a in self.movable if s.assign[a] == x]
-        on.sort(key=lambda a: (-s.gain(a, y), a))
-        return on[:n]
+        on = (a for a in self.movable if s.assign[a] == x)
+        return heapq.nsmallest(n, on, key=lambda a: (-s.gain(a, y), a))  # (= sorted()[:n])
 
     def rebalance(self, s: _State, budget: float) -> bool:
         """Move agents off hosts over balance, losing as few same-host reads as possible;
