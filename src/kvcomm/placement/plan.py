@@ -315,37 +315,51 @@ class _Problem:
     def guided(self, s: _State, target: _State, comms: list[list[str]], budget: float) -> None:
         """Take ``target``'s placement a community at a time (the agents of one Louvain
         community that it puts elsewhere, together), most gain per move first, within the
-        budget and balance."""
-        pending = [grp for c in comms if (grp := [a for a in c if target.assign[a] != s.assign[a]])]
+        budget and balance.
+
+        Each group's trial (its gain, its moves, what it does to each host's load) is
+        kept, and redone only for the groups next to one that moved: nothing else changes
+        a group's gain (its own agents move only with it), and the budget and balance
+        are checked against the kept moves and loads, O(hosts) a group per round, where
+        trying every group again each round grew with the square of the agents."""
+        away = [[a for a in c if target.assign[a] != s.assign[a]] for c in comms]
+        pending = dict(enumerate(grp for grp in away if grp))
+        group_of = {a: i for i, grp in pending.items() for a in grp}
+        trials = {i: self._trial(s, grp, target) for i, grp in pending.items()}
         while pending:
             best = None
-            for i, grp in enumerate(pending):
-                g = self._trial(s, grp, target, budget)
-                if g is not None and (best is None or g > best[0]):
-                    best = (g, i)
+            for i in pending:
+                g, moves, delta = trials[i]
+                if g <= _EPS or s.moved + moves > budget or any(
+                        s.host_load[h] + d > self.limit for h, d in delta.items()):
+                    continue
+                per_move = g / max(1, moves)
+                if best is None or per_move > best[0]:
+                    best = (per_move, i)
             if best is None:
                 return
-            for a in pending.pop(best[1]):
+            grp = pending.pop(best[1])
+            for a in grp:
                 s.move(a, target.assign[a])
+            near = {group_of[b] for a in grp for b in self.adj.get(a, {}) if b in group_of}
+            for i in sorted(near & pending.keys()):
+                trials[i] = self._trial(s, pending[i], target)
 
-    def _trial(self, s: _State, grp: list[str], target: _State, budget: float) -> float | None:
-        """Gain per move of moving ``grp`` where ``target`` has it, now; None when that
-        breaks balance or the budget, or gains nothing."""
+    def _trial(self, s: _State, grp: list[str], target: _State
+               ) -> tuple[float, int, dict[str, float]]:
+        """What moving ``grp`` where ``target`` has it would do now: (same-host reads won
+        less the moves' cost, moves, each host's change of load)."""
         before = [(a, s.assign[a]) for a in grp]
         moved0, same0 = s.moved, 0.0
+        loads0 = dict(s.host_load)
         for a in grp:
             same0 += s.gain(a, target.assign[a] or "")
             s.move(a, target.assign[a])
         moves = s.moved - moved0
-        # (every agent was placed before and ``target`` places every one: only the hosts'
-        # loads can break balance, and checking them is O(hosts), not O(agents) per trial)
-        ok = s.moved <= budget and all(v <= self.limit for v in s.host_load.values())
+        delta = {h: v - loads0[h] for h, v in s.host_load.items() if v != loads0[h]}
         for a, h in reversed(before):
             s.move(a, h)
-        g = same0 - self.cost * moves
-        if not ok or g <= _EPS:
-            return None
-        return g / max(1, moves)
+        return same0 - self.cost * moves, moves, delta
 
 
 COARSEN_ABOVE = 2000  # agents beyond which label propagation coarsens the graph first
