@@ -83,8 +83,8 @@ def _launch(args: argparse.Namespace) -> int:
     except _Stopped as exc:
         return 128 + exc.signum
     except OSError as exc:
-        raise InvalidArgument(f"cannot start the agent's command {command[0]!r}: "
-                              f"{exc.strerror or exc}") from None
+        raise InvalidArgument(f"cannot start the agents ({exc}); check the command after "
+                              "-- and --logs") from None
     finally:
         if main:  # (a second SIGTERM must not cut the stopping short)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
