@@ -497,3 +497,20 @@ def test_a_report_after_close_does_not_bring_the_file_back(ns: str) -> None:
     obs._next = 0.0
     obs.report(6)  # (the late flush of another thread)
     assert report.read_reports(table, clean=False) == []
+
+
+def test_a_failing_writer_lookup_never_raises_into_a_read(ns: str) -> None:
+    """F: the flush of sampled reads runs inside a kv.get (an L1 hit, even), and
+    AgentStats.sampled let Core.writers' SegmentError (a segment found corrupt, which the
+    read path itself repairs) out of that get: observing must never fail a read. The
+    flush's samples are counted as unknown instead."""
+    cfg = _cfg(hot_key_sample=1)
+    with kvcomm.open(ns, config=cfg, agent="r") as r:
+        obs = r._observer
+        assert obs is not None
+
+        def broken(pairs: list[tuple[bytes, int]]) -> list[tuple[bytes, int] | None]:
+            raise kvcomm.SegmentError("the segment is corrupt (simulated)")
+
+        obs.sampled({"k": 3}, {}, lambda k: (k.encode(), 0), broken)
+        assert obs.unknown == 3
