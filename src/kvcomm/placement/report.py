@@ -141,7 +141,8 @@ class AgentStats:
                 ) -> None:
         """Attribute the sampled reads ``counts`` (key → estimated reads) to their writers:
         ``writers(pairs)`` is ``Core.writers`` (the extension field and value size of each
-        (key bytes, hash)); ``keys`` the client's key memo, ``key_hash`` its validator."""
+        (key bytes, hash)); ``keys`` the client's key memo, ``key_hash`` its validator.
+        Never raises a KVCommError of ``writers``: the reads are counted as unknown."""
         picked = list(counts)  # (keys only: no tuple per key of a full buffer)
         scale = 1.0
         if len(picked) > MAX_KEYS_PER_FLUSH:  # every k-th key, its count scaled by k
@@ -154,8 +155,13 @@ class AgentStats:
         for key in picked:
             kh = keys.get(key)
             pairs.append(kh if kh is not None else key_hash(key))
+        try:
+            looked = writers(pairs)
+        except KVCommError:  # (a corrupt segment: the read path repairs it; a sample can wait)
+            self.unknown += sum(counts[key] for key in picked) * scale
+            return
         names, edges = self._names, self.edges
-        for key, found in zip(picked, writers(pairs), strict=True):
+        for key, found in zip(picked, looked, strict=True):
             n = counts[key]
             if found is None:
                 continue  # gone meanwhile: a sample can do without it
