@@ -514,3 +514,30 @@ def test_a_failing_writer_lookup_never_raises_into_a_read(ns: str) -> None:
 
         obs.sampled({"k": 3}, {}, lambda k: (k.encode(), 0), broken)
         assert obs.unknown == 3
+
+
+def test_a_deeply_nested_graph_file_is_refused(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """F: load_json caught OSError and ValueError, but json raises RecursionError on a
+    deeply nested document ("[" * 200000): `kvcomm placement plan` (and launch, for a
+    plan) died with a traceback instead of exit status 2 saying the file is not a graph."""
+    gfile = tmp_path / "g.json"
+    gfile.write_text("[" * 200_000 + "]" * 200_000)
+    assert cli_main(["placement", "plan", "--graph", str(gfile), "--hosts", "h1",
+                     "--out", str(tmp_path / "p.json")]) == 2
+    assert "g.json" in capsys.readouterr().err
+
+
+def test_writing_the_output_never_follows_a_planted_temporary_name(tmp_path: Path) -> None:
+    """F: write_json wrote to OUT.tmp with open("w"), which follows a symlink: anyone who
+    can create OUT.tmp beside the output (a shared directory such as /tmp) makes
+    `kvcomm placement observe/plan --out` overwrite the file it points to with JSON."""
+    from kvcomm.placement.graph import write_json
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "graph.json"
+    os.symlink(victim, str(out) + ".tmp")
+    write_json(out, {"agents": [], "edges": []})
+    assert victim.read_text() == "precious"
+    assert json.loads(out.read_text()) == {"agents": [], "edges": []}
