@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -238,7 +239,7 @@ def load_json(path: str | os.PathLike[str], what: str) -> Any:
             return json.load(f)
     except OSError as exc:
         raise InvalidArgument(f"cannot read the {what} {os.fspath(path)!r}: {exc.strerror}") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise InvalidArgument(f"the {what} {os.fspath(path)!r} is not JSON: {exc}") from None
 
 
@@ -259,13 +260,25 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 
 def write_json(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
-    """Write ``doc`` to ``path`` whole (a temporary file renamed). Raises InvalidArgument
-    when the file cannot be written."""
-    tmp = f"{os.fspath(path)}.tmp"
+    """Write ``doc`` to ``path`` whole (a temporary file of a new random name beside it,
+    created exclusively: never a planted file or symlink, then renamed). Raises
+    InvalidArgument when the file cannot be written (nothing is left behind then)."""
+    target = os.fspath(path)
+    tmp = None
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".",
+                                   suffix=".tmp", dir=os.path.dirname(target) or ".")
+        mask = os.umask(0)  # (mkstemp makes 0600: give the file open()'s usual mode)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
             f.write("\n")
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
-        raise InvalidArgument(f"cannot write {os.fspath(path)!r}: {exc.strerror}") from None
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise InvalidArgument(f"cannot write {target!r}: {exc.strerror}") from None
