@@ -541,3 +541,42 @@ def test_writing_the_output_never_follows_a_planted_temporary_name(tmp_path: Pat
     write_json(out, {"agents": [], "edges": []})
     assert victim.read_text() == "precious"
     assert json.loads(out.read_text()) == {"agents": [], "edges": []}
+
+
+KILLED_AGENT = """
+import sys, kvcomm
+cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 4096,
+                                            "hot_key_sample": 1}})
+kv = kvcomm.open(sys.argv[1], config=cfg, agent="doomed")
+kv.put("other", b"x")  # (its own key: reads of it are no edge, but they flush and report)
+while True:
+    kv.get("other")
+    kv._observer._next = 0.0  # (a report at every flush)
+"""
+
+
+def test_an_agent_killed_mid_report_leaves_a_table_that_cleans_up(ns: str, tmp_path: Path) -> None:
+    """(held) An agent SIGKILLed while it reports at every flush (the kill may or may not
+    land inside a report: not asserted) leaves whole reports only (and perhaps a
+    temporary file), and the daemon's cleaning removes everything once it is gone."""
+    import signal
+    import subprocess
+    import time
+
+    cfg = _cfg()
+    table = report.agents_dir(ns, cfg.cache.l2_dir)
+    with kvcomm.open(ns, config=cfg):  # (the namespace, created here and purged by the fixture)
+        script = tmp_path / "agent.py"
+        script.write_text(KILLED_AGENT)
+        proc = subprocess.Popen([sys.executable, str(script), ns])
+        try:
+            wait_for(lambda: any(r["agent"] == "doomed" for r in report.read_reports(table, clean=False)),
+                     30, "the agent to report")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        got = report.read_reports(table, clean=False)
+        assert [r["agent"] for r in got] == ["doomed"]  # (whole, whatever the kill cut)
+        later = time.time() + report.TMP_AFTER + 5
+        assert report.read_reports(table, now=later) == []
+        assert os.listdir(table) == []
