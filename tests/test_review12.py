@@ -580,3 +580,21 @@ def test_an_agent_killed_mid_report_leaves_a_table_that_cleans_up(ns: str, tmp_p
         later = time.time() + report.TMP_AFTER + 5
         assert report.read_reports(table, now=later) == []
         assert os.listdir(table) == []
+
+
+def test_observe_with_l3_unreachable_exits_2_saying_so(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """(held) `kvcomm placement observe` against a Redis Cluster that cannot be reached
+    exits with status 2 and says which address, and writes no graph."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f'cluster:\n  redis: ["127.0.0.1:{port}"]\n  timeout: 0.5\n')
+    out = tmp_path / "g.json"
+    assert cli_main(["placement", "observe", "--config", str(cfg), "--seconds", "0",
+                     "--out", str(out)]) == 2
+    assert f"127.0.0.1', {port}" in capsys.readouterr().err
+    assert not out.exists()
