@@ -598,3 +598,19 @@ def test_observe_with_l3_unreachable_exits_2_saying_so(tmp_path: Path,
                      "--out", str(out)]) == 2
     assert f"127.0.0.1', {port}" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("agent", [123, "x" * 3000, ["drone-1"], "drone 1", None, b"drone-1"])
+def test_a_hostile_writer_id_in_a_record_is_an_unknown_writer(ns: str, agent: Any) -> None:
+    """(held) A record whose extension field names its writer with something that is not
+    an agent id (as another host's record could, through L3) is counted as a read of an
+    unknown writer: no edge, no error in the reader."""
+    cfg = _cfg(hot_key_sample=1)
+    with kvcomm.open(ns, config=cfg, agent="w") as w, kvcomm.open(ns, config=cfg, agent="r") as r:
+        w._ext = msgpack.packb({"a": agent, "x": 1}, use_bin_type=True)
+        w.put("k", b"v")
+        for _ in range(50):
+            assert r.get("k") == b"v"
+        r.hot_keys(1)
+        obs = r._observer
+        assert obs is not None and obs.edges == {} and obs.unknown >= 1
