@@ -47,6 +47,7 @@ from .agents import host_of_unnamed
 from .graph import Graph, Move, Plan, check_host
 
 _EPS = 1e-9
+REFINE_TOL = 1e-3  # a refinement round worth less than this share of all reads ends it
 
 
 class _State:
@@ -134,6 +135,7 @@ class _Problem:
                 adj[e.reader][e.writer] = adj[e.reader].get(e.writer, 0.0) + w
                 adj[e.writer][e.reader] = adj[e.writer].get(e.reader, 0.0) + w
         self.adj = dict(adj)
+        self.total = sum(w for nbrs in self.adj.values() for w in nbrs.values()) / 2
         on_hosts = sum(self.load[a] for a in self.movable) + sum(
             self.load[a] for a, h in self.pinned.items() if h in hosts)
         self.cap = balance * on_hosts / len(hosts)
@@ -234,10 +236,18 @@ class _Problem:
 
     def refine(self, s: _State, budget: float) -> None:
         """Step 3: single moves, then pair swaps, each kept when it gains more than its
-        cost and keeps balance and the move budget; until none helps."""
+        cost and keeps balance and the move budget; until none helps, or a round of both
+        gains less than REFINE_TOL of all reads (on a graph without communities, passes
+        of O(agents x hosts) each went on for hundreds of rounds of crumbs)."""
+        tol = REFINE_TOL * self.total
+        before = self.score(s)
         for _ in range(1000):
             if not (self._moves_pass(s, budget) | self._swaps_pass(s, budget)):
                 return
+            after = self.score(s)
+            if after - before <= tol:
+                return
+            before = after
 
     def _moves_pass(self, s: _State, budget: float) -> bool:
         cands = []
