@@ -23,7 +23,8 @@ How (graph partitioning is NP-hard; this is the usual multilevel recipe, small):
    (``balance`` − 1) × mean).
 3. **Refinement** — greedy moves of single agents and swaps of pairs between hosts
    (Fiduccia–Mattheyses style), each kept only if it raises same-host reads by more than
-   its cost and keeps every host within balance, until none helps.
+   its cost and keeps every host within balance, until none helps or a round gains less
+   than REFINE_TOL (0.1%) of all reads.
 
 With ``max_moves``, the search starts from where the agents run: first the moves that are
 unavoidable (agents on hosts not in ``hosts``) and those that restore balance, then
