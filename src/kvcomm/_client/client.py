@@ -78,7 +78,8 @@ class Client(Watching):
             metrics_agent.detach(self._meter)
         self._closed = self._unusable = True
         if self._observer is not None and not self._forked:  # (a forked child's is the parent's)
-            self._observer.close()
+            with self._obs_lock:  # (after a report another thread has under way)
+                self._observer.close()
         if self._l3 is not None:
             self._l3.close()
         self._kf = None  # (dropped, not closed: a get in another thread may be testing it)

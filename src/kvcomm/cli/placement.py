@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 from typing import Any
 
 from ..config import load_config
@@ -50,8 +52,8 @@ def _launch(args: argparse.Namespace) -> int:
     """Start one process per named agent of a plan on its host of a dev cluster: COMMAND
     (after --) with {agent}, {host} and {config} replaced, and KVCOMM_AGENT, KVCOMM_HOST
     and KVCOMM_CONFIG in its environment, so that it opens
-    kvcomm.open(config=..., agent=...). Waits for them all (Ctrl-C stops them); the exit
-    status is the first non-zero one of theirs."""
+    kvcomm.open(config=..., agent=...). Waits for them all (Ctrl-C or SIGTERM stops them);
+    the exit status is the first non-zero one of theirs."""
     from ..placement.graph import load_plan
     from ..placement.launcher import Launcher
 
@@ -63,6 +65,14 @@ def _launch(args: argparse.Namespace) -> int:
                               "-- python agent.py --agent {agent} --config {config}")
     launcher = Launcher.for_dev_cluster(args.dir)
     plan = load_plan(args.plan)
+
+    def stopped(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    # SIGTERM (kill, a supervisor) stops the agents as Ctrl-C does: they are this
+    # process's to stop, and left running they would double the next plan's
+    main = threading.current_thread() is threading.main_thread()  # (signals: main only)
+    previous = signal.signal(signal.SIGTERM, stopped) if main else None
     try:
         launcher.apply(plan, command, log_dir=args.logs)
         print(f"started {len(launcher.running)} agents: " + ", ".join(
@@ -70,8 +80,25 @@ def _launch(args: argparse.Namespace) -> int:
         return launcher.wait()
     except KeyboardInterrupt:
         return 130
+    except _Stopped as exc:
+        return 128 + exc.signum
+    except OSError as exc:
+        raise InvalidArgument(f"cannot start the agents ({exc}); check the command after "
+                              "-- and --logs") from None
     finally:
+        if main:  # (a second SIGTERM must not cut the stopping short)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         launcher.stop_all()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Stopped(BaseException):
+    """SIGTERM arrived: stop the agents and exit 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _pct(share: float | None) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,9 +56,14 @@ def check_host(host: object, where: str) -> str:
 
 
 def _rate(v: object, where: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise InvalidArgument(f"{where} must be a finite number >= 0, got {v!r}")
-    return float(v)
+    try:  # (an int beyond a float, which JSON allows, overflows)
+        ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v >= 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+        raise InvalidArgument(f"{where} must be a finite number >= 0, got {shown}")
+    return float(v)  # type: ignore[arg-type]
 
 
 def _items(obj: Mapping[str, Any], key: str, where: str) -> list[Any]:
@@ -106,13 +112,16 @@ class Graph:
         """The share of cross-agent reads (by reads per second) whose writer is on the
         reader's host under ``assignment``; reads of an agent without a host count as not
         on it. None when there are no reads."""
-        total = same = 0.0
+        top = max((e.reads_per_s for e in self.edges), default=0.0)
+        if top <= 0:
+            return None
+        total = same = 0.0  # (in units of the largest rate: sums near the float limit stay finite)
         for e in self.edges:
-            total += e.reads_per_s
+            total += e.reads_per_s / top
             h = assignment.get(e.reader)
             if h is not None and h == assignment.get(e.writer):
-                same += e.reads_per_s
-        return None if total <= 0 else same / total
+                same += e.reads_per_s / top
+        return min(1.0, same / total)
 
     def to_json(self) -> dict[str, Any]:
         return {"agents": [{"id": a.id, "host": a.host, "load": a.load} for a in self.agents],
@@ -153,7 +162,7 @@ class Graph:
                                       "reads_per_s, bytes_per_s")
             r, w = e.get("reader"), e.get("writer")
             for name, v in (("reader", r), ("writer", w)):
-                if v not in seen:
+                if type(v) is not str or v not in seen:
                     raise InvalidArgument(f"{where}.{name} {v!r} is not one of the agents")
             assert isinstance(r, str) and isinstance(w, str)
             if r == w:
@@ -200,7 +209,8 @@ class Plan:
             assignment[aid] = check_host(host, f"assignment[{aid!r}]")
         moves = []
         for i, m in enumerate(_items(obj, "moves", "")):
-            if not isinstance(m, dict) or m.get("agent") not in assignment:
+            if not isinstance(m, dict) or type(m.get("agent")) is not str \
+                    or m["agent"] not in assignment:
                 raise InvalidArgument(f"moves[{i}] must name an agent of the assignment")
             src = m.get("from")
             if src is not None:
@@ -229,7 +239,7 @@ def load_json(path: str | os.PathLike[str], what: str) -> Any:
             return json.load(f)
     except OSError as exc:
         raise InvalidArgument(f"cannot read the {what} {os.fspath(path)!r}: {exc.strerror}") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise InvalidArgument(f"the {what} {os.fspath(path)!r} is not JSON: {exc}") from None
 
 
@@ -250,13 +260,25 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 
 def write_json(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
-    """Write ``doc`` to ``path`` whole (a temporary file renamed). Raises InvalidArgument
-    when the file cannot be written."""
-    tmp = f"{os.fspath(path)}.tmp"
+    """Write ``doc`` to ``path`` whole (a temporary file of a new random name beside it,
+    created exclusively: never a planted file or symlink, then renamed). Raises
+    InvalidArgument when the file cannot be written (nothing is left behind then)."""
+    target = os.fspath(path)
+    tmp = None
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".",
+                                   suffix=".tmp", dir=os.path.dirname(target) or ".")
+        mask = os.umask(0)  # (mkstemp makes 0600: give the file open()'s usual mode)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
             f.write("\n")
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
-        raise InvalidArgument(f"cannot write {os.fspath(path)!r}: {exc.strerror}") from None
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise InvalidArgument(f"cannot write {target!r}: {exc.strerror}") from None

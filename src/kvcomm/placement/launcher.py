@@ -4,8 +4,8 @@ Applying a plan is the job of whatever starts the agents (systemd, Kubernetes, R
 script); this one does it for the hosts of a dev cluster (``kvcomm dev-cluster up``),
 where "host N" is the config ``DIR/host-N.yaml``. An agent is a command line, run once
 per named agent of the plan with ``{agent}``, ``{host}`` and ``{config}`` replaced in its
-arguments and ``KVCOMM_AGENT``, ``KVCOMM_HOST`` and ``KVCOMM_CONFIG`` set in its
-environment, so that it opens ``kvcomm.open(config=..., agent=...)``::
+arguments (any other brace is left alone) and ``KVCOMM_AGENT``, ``KVCOMM_HOST`` and
+``KVCOMM_CONFIG`` set in its environment, so that it opens ``kvcomm.open(config=..., agent=...)``::
 
     launcher = Launcher.for_dev_cluster("/tmp/kvc")
     launcher.apply(load_plan("plan.json"), ["python", "agent.py", "--agent", "{agent}"])
@@ -22,6 +22,7 @@ placement launch`` is this, from the command line.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,8 @@ from pathlib import Path
 from ..errors import InvalidArgument
 from .agents import is_named
 from .graph import Plan
+
+_FIELD = re.compile(r"\{(agent|host|config)\}")
 
 
 class Launcher:
@@ -61,7 +64,9 @@ class Launcher:
             raise InvalidArgument(f"agent {agent!r} already runs on {self.running[agent][0]}")
         config = self.configs[host]
         fields = {"agent": agent, "host": host, "config": config}
-        argv = [arg.format_map(fields) for arg in command]
+        # only the three fields: any other brace (a JSON argument, python -c "d = {}") is
+        # the command's own (str.format would raise on it)
+        argv = [_FIELD.sub(lambda m: fields[m.group(1)], arg) for arg in command]
         env = {**os.environ, "KVCOMM_AGENT": agent, "KVCOMM_HOST": host, "KVCOMM_CONFIG": config}
         if log_dir is None:
             proc = subprocess.Popen(argv, env=env)

@@ -23,6 +23,8 @@ name under ``id``.
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,9 +32,9 @@ from typing import Any
 import msgpack
 
 from ..config import Config
-from ..errors import CorruptRecord, KVCommError, Unavailable
+from ..errors import CorruptRecord, InvalidArgument, KVCommError, Unavailable
 from .agents import host_of_unnamed
-from .graph import Agent, Edge, Graph
+from .graph import Agent, Edge, Graph, check_host
 from .report import _valid, agents_dir, read_reports
 
 log = logging.getLogger("kvcomm.placement")
@@ -94,11 +96,19 @@ def _decode_snapshot(raw: object) -> dict[str, Any] | None:
         snap = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception:  # not msgpack: written by something else
         return None
-    if not isinstance(snap, dict) or snap.get("f") != FORMAT or not isinstance(snap.get("host"), str) \
+    if not isinstance(snap, dict) or snap.get("f") != FORMAT or not _is_host(snap.get("host")) \
             or not isinstance(snap.get("reports"), list):
         return None
     snap["reports"] = [r for r in snap["reports"] if _valid(r) and isinstance(r.get("id"), str)]
     return snap
+
+
+def _is_host(host: object) -> bool:
+    try:
+        check_host(host, "host")
+    except InvalidArgument:
+        return False
+    return True
 
 
 def load_snapshots(l3: Any) -> list[dict[str, Any]]:
@@ -139,19 +149,26 @@ def graph_from(before: Iterable[dict[str, Any]], after: Iterable[dict[str, Any]]
             dt = r["t"] - r["since"]
             base_ops, base_edges = 0, {}
         agent = r["agent"]
-        rate = max(0.0, (r["ops"] - base_ops) / dt) if dt > 0 else 0.0
-        load[agent] = load.get(agent, 0.0) + rate
-        at = hosts.setdefault(agent, {})
-        at[r["host"]] = at.get(r["host"], 0.0) + rate
-        if dt <= 0:
+        try:
+            rate = max(0.0, (r["ops"] - base_ops) / dt) if dt > 0 else 0.0
+            mine = []
+            if dt > 0:
+                for writer, (reads, nbytes) in r["edges"].items():
+                    b = base_edges.get(writer, (0, 0))
+                    dr, db = max(0.0, reads - b[0]) / dt, max(0.0, nbytes - b[1]) / dt
+                    if dr > 0 and writer != agent:
+                        mine.append((writer, dr, db))
+        except (OverflowError, ZeroDivisionError):
             continue
-        for writer, (reads, nbytes) in r["edges"].items():
-            b = base_edges.get(writer, (0, 0))
-            dr, db = max(0.0, reads - b[0]) / dt, max(0.0, nbytes - b[1]) / dt
-            if dr > 0 and writer != agent:
-                e = edges.setdefault((agent, writer), [0.0, 0.0])
-                e[0] += dr
-                e[1] += db
+        if not all(math.isfinite(v) for v in (rate, *(x for m in mine for x in m[1:]))):
+            continue  # (a report no clock could give: left out, not the whole graph)
+        load[agent] = _sum(load.get(agent, 0.0), rate)
+        at = hosts.setdefault(agent, {})
+        at[r["host"]] = _sum(at.get(r["host"], 0.0), rate)
+        for writer, dr, db in mine:
+            e = edges.setdefault((agent, writer), [0.0, 0.0])
+            e[0] = _sum(e[0], dr)
+            e[1] = _sum(e[1], db)
     agents = [Agent(a, max(sorted(at), key=lambda h: at[h]), round(load[a], 3))
               for a, at in sorted(hosts.items())]
     known = set(load)
@@ -162,6 +179,11 @@ def graph_from(before: Iterable[dict[str, Any]], after: Iterable[dict[str, Any]]
     return Graph(tuple(agents),
                  tuple(Edge(r, w, round(v[0], 3), round(v[1], 3))
                        for (r, w), v in sorted(edges.items())))
+
+
+def _sum(a: float, b: float) -> float:
+    """a + b, kept finite (the graph's numbers are finite by its contract)."""
+    return min(a + b, sys.float_info.max)
 
 
 def _snapshots(config: Config, namespace: str | None, l3: Any) -> list[dict[str, Any]]:
@@ -179,8 +201,6 @@ def observe(config: Config, seconds: float, *, namespace: str | None = None,
     table of the namespace ``namespace`` (default ``node.namespace``) on this host.
     Raises InvalidArgument (``seconds`` < 0), Unavailable (L3 cannot be reached),
     ConfigError (cluster mode without ``kvcomm[cluster]``)."""
-    from ..errors import InvalidArgument
-
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < 1e6:
         raise InvalidArgument(f"seconds must be a number >= 0, got {seconds!r}")
     l3 = None

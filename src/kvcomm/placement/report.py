@@ -13,8 +13,11 @@ Reads of the agent's own keys are not edges. A flush attributes at most
 count scaled by k, so an agent reading thousands of distinct keys pays a bounded price
 per flush and the estimate stays unbiased. An L1 hit costs exactly what it did.
 
-Memory is bounded: at most ``MAX_WRITERS`` writers per agent (reads of further writers
-are counted in ``dropped``), and a cache of ``MAX_NAMES`` extension fields → ids.
+Memory is bounded: at most ``MAX_WRITERS`` writers per agent — when full, a writer not
+read since the agent's previous report gives way to a new one (its edge leaves the
+report: a reader's neighbours change, and unnamed writers come and go with every
+restart), and reads of further writers are counted in ``dropped`` — and a cache of at
+most ``MAX_NAMES`` extension fields → ids, ``MAX_NAMES_BYTES`` bytes of fields in all.
 
 The host's table
 ----------------
@@ -25,8 +28,14 @@ started — operations, and (reads, bytes) per writer — so that any two report
 over the time between them. A file is written whole under a temporary name and renamed:
 a reader sees the old report or the new one. The node daemon reads the directory,
 publishes it to L3 (:mod:`kvcomm.placement.observe`) and removes the files of processes
-that are gone; a client that closes removes its own. Writing a report never raises into
-the agent's call: a failure is counted, warned about once, and retried at the next one.
+that are gone; a client that closes removes its own. The table is read (and cleaned) only
+when it is a directory of this user, reached without following a symlink, and only this
+user's regular files in it are reports (opened without following symlinks or waiting on
+a FIFO): /dev/shm is world-writable, and a planted name must not lead the daemon to read
+or delete anything else. A report's name begins with its agent's name (which may begin
+with "."): temporary files are those that begin with "." and end with ".tmp". Writing a
+report never raises into the agent's call: a failure is counted, warned about once, and
+retried at the next one.
 
 Report format (msgpack map; ``f`` is 1): ``agent``, ``host``, ``pid``, ``since`` and ``t``
 (wall-clock seconds: the agent's start and this report), ``ops`` (gets, puts and deletes
@@ -52,10 +61,13 @@ from .agents import agent_of, is_agent_id
 
 FORMAT = 1
 REPORT_EVERY = 1.0  # seconds between an agent's reports
-REPORT_PUTS = 1024  # puts between two looks at the clock (for agents that only write)
+# puts between two looks at the clock (for agents that only write): a clock read per 16
+# puts is ~0.1% of a put, and a writer at 20 puts/s reports within a second, not 51 s
+REPORT_PUTS = 16
 MAX_WRITERS = 1024  # edges kept per agent
 MAX_KEYS_PER_FLUSH = 16  # sampled keys whose writer one flush looks up
 MAX_NAMES = 4096  # extension fields → writer ids remembered per agent
+MAX_NAMES_BYTES = 256 << 10  # ... and their bytes (a field may be 4 KiB: MAX_EXT)
 MAX_REPORT_BYTES = 1 << 20  # a larger file is not a report of ours
 GONE_AFTER = 10.0  # seconds a dead process's report stays (the daemon publishes it once more)
 TMP_AFTER = 60.0  # seconds after which a left-over temporary file is removed
@@ -108,6 +120,9 @@ class AgentStats:
         self.errors = 0  # reports that could not be written
         self.reports = 0
         self._names: dict[bytes, str | None] = {}
+        self._names_bytes = 0
+        self._touched: set[str] = set()  # writers read since the last report
+        self._idle: list[str] = []  # writers not read between the last two reports
         self._rot = 0
         self._permissions = permissions
         self._dir = agents_dir(namespace, directory)
@@ -116,6 +131,7 @@ class AgentStats:
         self._next = 0.0
         self._warned = False
         self._written = False
+        self._closed = False
 
     # ------------------------------------------------------------------ sampling
 
@@ -125,7 +141,8 @@ class AgentStats:
                 ) -> None:
         """Attribute the sampled reads ``counts`` (key → estimated reads) to their writers:
         ``writers(pairs)`` is ``Core.writers`` (the extension field and value size of each
-        (key bytes, hash)); ``keys`` the client's key memo, ``key_hash`` its validator."""
+        (key bytes, hash)); ``keys`` the client's key memo, ``key_hash`` its validator.
+        Never raises a KVCommError of ``writers``: the reads are counted as unknown."""
         picked = list(counts)  # (keys only: no tuple per key of a full buffer)
         scale = 1.0
         if len(picked) > MAX_KEYS_PER_FLUSH:  # every k-th key, its count scaled by k
@@ -138,8 +155,13 @@ class AgentStats:
         for key in picked:
             kh = keys.get(key)
             pairs.append(kh if kh is not None else key_hash(key))
+        try:
+            looked = writers(pairs)
+        except KVCommError:  # (a corrupt segment: the read path repairs it; a sample can wait)
+            self.unknown += sum(counts[key] for key in picked) * scale
+            return
         names, edges = self._names, self.edges
-        for key, found in zip(picked, writers(pairs), strict=True):
+        for key, found in zip(picked, looked, strict=True):
             n = counts[key]
             if found is None:
                 continue  # gone meanwhile: a sample can do without it
@@ -148,9 +170,11 @@ class AgentStats:
                 writer = names[ext]
             else:
                 writer = agent_of(ext)
-                if len(names) >= MAX_NAMES:
+                if len(names) >= MAX_NAMES or self._names_bytes + len(ext) > MAX_NAMES_BYTES:
                     names.clear()
+                    self._names_bytes = 0
                 names[ext] = writer
+                self._names_bytes += len(ext)
             reads = n * scale
             if writer is None:
                 self.unknown += reads
@@ -159,12 +183,23 @@ class AgentStats:
                 continue  # its own key: not an edge
             e = edges.get(writer)
             if e is None:
-                if len(edges) >= MAX_WRITERS:
+                if len(edges) >= MAX_WRITERS and not self._evict_idle():
                     self.dropped += reads
                     continue
                 e = edges[writer] = [0.0, 0.0]
             e[0] += reads
             e[1] += reads * size
+            self._touched.add(writer)
+
+    def _evict_idle(self) -> bool:
+        """Forget one writer not read between the last two reports (nor since); False
+        when every writer kept is being read."""
+        while self._idle:
+            w = self._idle.pop()
+            if w in self.edges and w not in self._touched:
+                del self.edges[w]
+                return True
+        return False
 
     # ------------------------------------------------------------------ the report file
 
@@ -177,6 +212,10 @@ class AgentStats:
         warned about once per client)."""
         now = self.clock()
         self._next = now + REPORT_EVERY
+        if self._closed:
+            return False  # (a late flush of another thread: the agent is gone)
+        self._idle = [w for w in self.edges if w not in self._touched]
+        self._touched.clear()
         if ops <= 0 and not self.edges:
             return False  # nothing done yet (the node daemon's own client, say)
         data = msgpack.packb({
@@ -209,7 +248,9 @@ class AgentStats:
         return True
 
     def close(self) -> None:
-        """Remove this agent's report (it no longer runs here). Never raises."""
+        """Remove this agent's report (it no longer runs here); later reports write
+        nothing. Never raises."""
+        self._closed = True
         if self._written:
             try:
                 os.unlink(os.path.join(self._dir, self._file))
@@ -218,73 +259,130 @@ class AgentStats:
             self._written = False
 
 
+_FIELDS = ("f", "agent", "host", "pid", "since", "t", "ops", "edges", "dropped", "unknown")
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-")
+
+
+def _number(v: Any) -> bool:
+    """A finite number >= 0 (an int beyond a float too: it would overflow later)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return 0 <= v < float("inf") and float(v) < float("inf")
+    except OverflowError:
+        return False
+
+
 def _valid(r: Any) -> bool:
     """True for a report of ours (every field of the right type and range)."""
     if not isinstance(r, dict) or r.get("f") != FORMAT:
         return False
-    if not is_agent_id(r.get("agent")) or not isinstance(r.get("host"), str):
+    host = r.get("host")
+    if not is_agent_id(r.get("agent")) or type(host) is not str \
+            or not 1 <= len(host) <= 64 or not set(host) <= _HOST_CHARS:
         return False
     for k in ("since", "t", "ops", "dropped", "unknown"):
-        v = r.get(k)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0 or v == float("inf"):
+        if not _number(r.get(k)):
             return False
-    if not isinstance(r.get("pid"), int) or not isinstance(r.get("edges"), dict):
+    if type(r.get("pid")) is not int or not isinstance(r.get("edges"), dict):
         return False
     if len(r["edges"]) > MAX_WRITERS:
         return False
     for w, e in r["edges"].items():
         if not is_agent_id(w) or not isinstance(e, list) or len(e) != 2:
             return False
-        if any(isinstance(x, bool) or not isinstance(x, int | float) or not x >= 0 for x in e):
+        if not all(_number(x) for x in e):
             return False
     return True
 
 
-def read_reports(path: str, *, clean: bool = True, now: float | None = None) -> list[dict[str, Any]]:
-    """The valid reports in the table ``path`` ([] when there is none), each with its file
-    name under ``"id"``. With ``clean``, removes the reports of processes that are gone
-    (after GONE_AFTER seconds), left-over temporary files, and files that are not reports.
-    Never raises for what it finds: a file that is not a report is skipped."""
-    now = time.time() if now is None else now
+def _own_dir(path: str) -> int | None:
+    """A descriptor of the table ``path`` if it is a directory of this user, reached
+    without following a symlink; None otherwise (it is not ours to read or clean)."""
     try:
-        names = os.listdir(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_report(dfd: int, name: str) -> Any:
+    """The msgpack document in the table's file ``name``, or None: not a regular file of
+    this user (never following a symlink, never waiting on a FIFO), too large, not
+    msgpack."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)  # (what was opened, whatever the name pointed to a moment ago)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() \
+                or st.st_size > MAX_REPORT_BYTES:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_REPORT_BYTES + 1)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:  # half-written by something else, or not msgpack
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_reports(path: str, *, clean: bool = True, now: float | None = None) -> list[dict[str, Any]]:
+    """The valid reports in the table ``path`` ([] when there is none, or when ``path`` is
+    not a directory of this user: a symlink is never followed), each with its file name
+    under ``"id"`` and the fields of the format only. With ``clean``, removes the reports
+    of processes that are gone (after GONE_AFTER seconds), left-over temporary files, and
+    files that are not reports. Never raises for what it finds: a file that is not a
+    report (another user's, a symlink, a FIFO...) is skipped."""
+    now = time.time() if now is None else now
+    dfd = _own_dir(path)
+    if dfd is None:
+        return []
+    try:
+        return _read_table(dfd, clean, now)
+    finally:
+        os.close(dfd)
+
+
+def _read_table(dfd: int, clean: bool, now: float) -> list[dict[str, Any]]:
+    try:
+        names = os.listdir(dfd)
     except OSError:
         return []
     out = []
     for name in sorted(names):
-        full = os.path.join(path, name)
         try:
-            st = os.lstat(full)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except OSError:
             continue
         age = now - st.st_mtime
-        if name.startswith("."):
+        if name.startswith(".") and name.endswith(".tmp"):  # (an agent may be named ".x")
             if clean and age > TMP_AFTER:
-                _unlink(full)
+                _unlink(name, dfd)
             continue
-        report = None
-        if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_REPORT_BYTES:
-            try:
-                with open(full, "rb") as f:
-                    report = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-            except Exception:  # half-written by something else, or not msgpack
-                report = None
+        report = _read_report(dfd, name) if stat.S_ISREG(st.st_mode) else None
         if not _valid(report):
             if clean and age > TMP_AFTER:
-                _unlink(full)
+                _unlink(name, dfd)
             continue
         assert isinstance(report, dict)
         if clean and age > GONE_AFTER and not pid_alive(int(report["pid"])):
-            _unlink(full)
+            _unlink(name, dfd)
             continue
-        report["id"] = name
-        out.append(report)
+        clean_report = {k: report[k] for k in _FIELDS}  # (unknown keys are not published)
+        clean_report["id"] = name
+        out.append(clean_report)
     return out
 
 
-def _unlink(path: str) -> None:
+def _unlink(name: str, dfd: int) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
 
