@@ -123,11 +123,17 @@ class Meter:
         """Also store the gauges ``fn()`` returns (by word) at every flush."""
         self._gauges.append(fn)
 
-    def flush(self) -> None:
-        """Add what was counted since the last flush. Raises what the segment raises
-        (SegmentError: purged); the counts stay to be added next time."""
+    def flush(self, client: Client | None = None) -> None:
+        """Add what was counted since the last flush, store the gauges and hand the
+        getter's sampled reads to the host's hot keys (never waiting for the writer lock).
+        ``client``: the client being finalised (its weak reference is already dead then;
+        its sampled reads are not flushed: that takes locks a finaliser must not).
+        Raises what the segment raises (SegmentError: purged; the counts stay to be added
+        next time) and what a gauge source raises (the counts were added: only the gauges
+        are missing)."""
+        final = client
         with _STATE.lock:
-            client = self._client()
+            client = client if client is not None else self._client()
             if client is None:
                 return
             now = client_counts(client)
@@ -142,15 +148,19 @@ class Meter:
             err_adds = deltas(err_now, _STATE.errors_before)
             try:
                 self._region.add(adds + err_adds)
-                for fn in self._gauges:
-                    for word, value in fn().items():
-                        self._region.store(word, value)
             except BaseException:  # nothing was added (a closed segment): next time
                 for word, d in adds:
                     self._before[word] -= d
                 for word, d in err_adds:
                     _STATE.errors_before[word] -= d
                 raise
+            for fn in self._gauges:
+                for word, value in fn().items():
+                    self._region.store(word, value)
+        if client is not final:
+            # (outside the process's lock: it only tries the writer lock, and keeps the
+            # counts for later when that is held)
+            client._flush_hot()
 
 
 class _State:
@@ -190,13 +200,14 @@ def attach(client: Client) -> Meter:
     return meter
 
 
-def detach(meter: Meter) -> None:
-    """A last flush, then stop metering. Never raises a KVCommError (a purged namespace's
-    counts no longer matter)."""
+def detach(meter: Meter, client: Client | None = None) -> None:
+    """A last flush, then stop metering (``client``: the client being finalised, see
+    :meth:`Meter.flush`). Never raises a KVCommError (a purged namespace's counts no
+    longer matter)."""
     with _STATE.lock:
         _STATE.meters.discard(meter)
         try:
-            meter.flush()
+            meter.flush(client)
         except errors.KVCommError:
             pass
 
