@@ -13,6 +13,7 @@ from typing import Any
 
 import xxhash
 
+from ..errors import SegmentError
 from ..tiers.shm.counters import N_BUCKETS, MetricsRegion
 from ..tiers.shm.layout import HIST, LATENCY_BOUNDS_NS, METRIC_SERIES
 from .families import FAMILIES, HISTOGRAM, Labels, parse_series
@@ -31,13 +32,16 @@ class Histo:
 @dataclass
 class Snapshot:
     """Every family's samples at one moment: ``values[family][labels] = value``,
-    ``histograms[family][labels] = Histo``, the hot keys, the host id."""
+    ``histograms[family][labels] = Histo``, the hot keys, the host id. ``hot_read`` is
+    False when the hot keys could not be read (the writer lock was held): ``hot`` is
+    empty then, not "no hot keys"."""
 
     values: dict[str, dict[Labels, float]] = field(default_factory=dict)
     histograms: dict[str, dict[Labels, Histo]] = field(default_factory=dict)
     hot: list[tuple[str, int]] = field(default_factory=list)
     host: str = ""
     namespace: str = ""
+    hot_read: bool = True
 
     def value(self, family: str, **labels: str) -> float:
         """The sum of ``family``'s samples whose labels include ``labels``."""
@@ -55,7 +59,11 @@ def hot_label(key: str, how: str, chars: int) -> str:
 
 def read(seg: Any, config: Any) -> Snapshot:
     """The host's families now, from ``seg`` (an L2Segment) and ``config`` (metrics.hot_keys
-    and the hot keys' labels; cluster mode). Raises SegmentError (purged)."""
+    and the hot keys' labels; cluster mode). Never waits for the writer lock: the counters
+    and gauges are read without it, and the hot keys only if it is free now (else
+    ``hot_read`` is False). Raises SegmentError (purged, closed)."""
+    if seg.purged or seg._core is None:  # (its figures are frozen, not the namespace's)
+        raise SegmentError(f"namespace {seg.name!r} was purged (or closed); open it again")
     region = MetricsRegion(seg)
     words = region.words()
     header: dict[str, int] = {**region.header(),
@@ -88,10 +96,11 @@ def read(seg: Any, config: Any) -> Snapshot:
     if m.hot_keys:
         # two keys cut to the same label would be two series with one name and labels,
         # which Prometheus refuses: the label keeps the hotter one (they come hottest first)
+        top = seg.hot_keys_now(m.hot_keys)
         hot: dict[str, int] = {}
-        for k, n in seg.hot_keys(m.hot_keys):
+        for k, n in top or ():
             hot.setdefault(hot_label(k, m.hot_key_label, m.hot_key_chars), n)
-        snap.hot = list(hot.items())
+        snap.hot, snap.hot_read = list(hot.items()), top is not None
     return snap
 
 
@@ -100,6 +109,7 @@ class Collector:
 
     def __init__(self, seg: Any, config: Any) -> None:
         self.seg, self.config = seg, config
+        self._hot: list[tuple[str, int]] = []  # the last hot keys read (see collect)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -111,6 +121,10 @@ class Collector:
         from .families import HOT_KEYS, INFO
 
         snap = read(self.seg, self.config)
+        if snap.hot_read:
+            self._hot = snap.hot
+        else:  # (the writer lock was held: the last ones read, rather than none this time)
+            snap.hot = self._hot
         for fam in FAMILIES:
             if fam.kind == HISTOGRAM:
                 series = snap.histograms.get(fam.name, {})
