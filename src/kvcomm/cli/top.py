@@ -146,12 +146,9 @@ def run(snapshot: Callable[[], Any], render: Callable[[Any, Any, float], Any],
 def local_source(name: str, config: Any) -> tuple[Callable[[], Snapshot], Callable[[], None]]:
     """Snapshots of namespace ``name`` on this host, read from its L2; and a closer.
     Raises SegmentError when there is no such segment."""
-    from ..metrics.collector import read
-    from ..tiers.l2 import L2Segment
+    from ..metrics.collector import open_segment, read
 
-    c = config.cache
-    seg = L2Segment(name, create_layout=None, host_id="", directory=c.l2_dir,
-                    permissions=c.l2_permissions, lock_timeout=c.lock_timeout)
+    seg = open_segment(name, config)
     return (lambda: read(seg, config)), seg.close
 
 

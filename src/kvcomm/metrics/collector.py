@@ -7,7 +7,8 @@ uses :func:`read` directly for the local host.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,11 +105,52 @@ def read(seg: Any, config: Any) -> Snapshot:
     return snap
 
 
+def open_segment(name: str, config: Any) -> Any:
+    """Namespace ``name``'s L2 segment on this host, opened to be read and never created
+    (an exporter or a viewer must not make a namespace out of a typo). Raises
+    SegmentError when there is none."""
+    from ..tiers.l2 import L2Segment
+
+    c = config.cache
+    return L2Segment(name, create_layout=None, host_id="", directory=c.l2_dir,
+                     permissions=c.l2_permissions, lock_timeout=c.lock_timeout)
+
+
+class NamedSegment:
+    """Namespace ``name``'s segment for a process that outlives it (``kvcomm metrics``):
+    calling it returns the segment, opened again once it was purged and made anew by its
+    agents. Raises SegmentError while there is none. Thread-safe."""
+
+    def __init__(self, name: str, config: Any) -> None:
+        self.name, self.config = name, config
+        self._seg: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Any:
+        with self._lock:
+            seg = self._seg
+            if seg is None or seg.purged:
+                if seg is not None:
+                    seg.close()
+                    self._seg = None
+                self._seg = seg = open_segment(self.name, self.config)
+            return seg
+
+    def close(self) -> None:
+        with self._lock:
+            if self._seg is not None:
+                self._seg.close()
+                self._seg = None
+
+
 class Collector:
-    """A prometheus-client collector of one namespace's families (needs kvcomm[metrics])."""
+    """A prometheus-client collector of one namespace's families (needs kvcomm[metrics]).
+    ``seg``: an L2Segment, or a callable that returns the one to read at each scrape (a
+    :class:`NamedSegment`)."""
 
     def __init__(self, seg: Any, config: Any) -> None:
-        self.seg, self.config = seg, config
+        self._seg_now: Callable[[], Any] = seg if callable(seg) else (lambda: seg)
+        self.config = config
         self._hot: list[tuple[str, int]] = []  # the last hot keys read (see collect)
 
     def collect(self) -> Iterator[Any]:
@@ -120,7 +162,7 @@ class Collector:
 
         from .families import HOT_KEYS, INFO
 
-        snap = read(self.seg, self.config)
+        snap = read(self._seg_now(), self.config)
         if snap.hot_read:
             self._hot = snap.hot
         else:  # (the writer lock was held: the last ones read, rather than none this time)

@@ -3,6 +3,8 @@ metrics``'). Needs kvcomm[metrics] (prometheus-client)."""
 
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Any
 
 from .._extras import require
@@ -12,7 +14,10 @@ from .collector import Collector
 
 class Exporter:
     """Serves one namespace's families at ``http://host:port/metrics`` from a daemon
-    thread until :meth:`close`. ``port`` 0 picks a free port (``self.port`` says which)."""
+    thread until :meth:`close`. ``port`` 0 picks a free port (``self.port`` says which).
+    ``seg``: an L2Segment, or a callable returning the one to read at each scrape (see
+    :class:`~kvcomm.metrics.collector.NamedSegment`). Raises ConfigError naming
+    metrics.host (an address this machine cannot listen on) or metrics.port (taken)."""
 
     def __init__(self, seg: Any, config: Any, port: int | None = None,
                  host: str | None = None) -> None:
@@ -27,8 +32,13 @@ class Exporter:
         try:
             self._server, self._thread = start_http_server(want, self.host, self.registry)
         except OSError as exc:
+            why = exc.strerror or str(exc)
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError("metrics.host", f"cannot listen on {self.host!r} ({why}); "
+                                  "give an address of this machine (127.0.0.1, or 0.0.0.0 "
+                                  "for every interface)") from None
             raise ConfigError("metrics.port", f"cannot serve metrics on {self.host}:{want} "
-                              f"({exc.strerror or exc}); choose a free port") from None
+                              f"({why}); choose a free port") from None
         self.port: int = self._server.server_address[1]
 
     @property
