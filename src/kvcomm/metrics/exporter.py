@@ -10,6 +10,7 @@ from typing import Any
 from .._extras import require
 from ..errors import ConfigError
 from .collector import Collector
+from .registry import metrics_url
 
 
 class Exporter:
@@ -43,8 +44,7 @@ class Exporter:
 
     @property
     def url(self) -> str:
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"http://{host}:{self.port}/metrics"
+        return metrics_url(self.host, self.port)
 
     def text(self) -> str:
         """The exposition text a scrape gets now (for tests and tools)."""

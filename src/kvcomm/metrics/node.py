@@ -4,6 +4,7 @@ entry in the cluster's registry of hosts."""
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from ..tiers.shm.counters import series_word
@@ -53,5 +54,24 @@ def attach_daemon(daemon: Any) -> Exporter | None:
         return None
     exporter = Exporter(daemon.kv._seg, config)
     log.info("metrics at %s", exporter.url)
-    publish(daemon.l3, daemon.host, exporter.host, exporter.port)
+    publish(daemon.l3, daemon.host, advertised(config.metrics.advertise, exporter.host),
+            exporter.port)
     return exporter
+
+
+_EVERY_INTERFACE = ("", "0.0.0.0", "::", "[::]")
+
+
+def advertised(advertise: str, listen: str) -> str:
+    """The address to publish for other machines: ``advertise`` if set, else the listen
+    address, or this machine's name when that is every interface (a wildcard in the
+    registry would make each reader scrape its own host)."""
+    if advertise:
+        return advertise
+    if listen not in _EVERY_INTERFACE:
+        return listen
+    name = socket.gethostname()
+    log.info("metrics listen on every interface (%s): publishing this machine's name %r "
+             "for kvcomm top --cluster; set metrics.advertise if others reach it otherwise",
+             listen or "''", name)
+    return name
