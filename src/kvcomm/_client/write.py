@@ -44,7 +44,7 @@ class Writes(Reads):
         if self._unusable:
             self._live()
         self._lat_left -= 1
-        if not self._lat_left:  # this put's turn to be timed (metrics)
+        if self._lat_left <= 0:  # this put's turn to be timed (metrics)
             return self._timed("put", self.put, key, value, consistency=consistency,  # type: ignore[no-any-return]
                                expect=expect)
         # the common case inline (a key seen before, a bytes value, no checks): every call
@@ -152,7 +152,7 @@ class Writes(Reads):
         """:meth:`delete`, returning the delete's write counter (0: nothing was there)."""
         self._live()
         self._lat_left -= 1
-        if not self._lat_left:  # this delete's turn to be timed (metrics)
+        if self._lat_left <= 0:  # this delete's turn to be timed (metrics)
             return self._timed("delete", self._delete, key, expect)  # type: ignore[no-any-return]
         kb, h = self._key_hash(key)
         cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
@@ -181,7 +181,7 @@ class Writes(Reads):
         if not callable(fn):
             raise InvalidArgument(f"update() needs a callable, got {type(fn).__name__}")
         self._lat_left -= 1
-        if not self._lat_left:  # this update's turn to be timed (metrics)
+        if self._lat_left <= 0:  # this update's turn to be timed (metrics)
             return self._timed("update", self.update, key, fn, default=default)
         self.counters["updates"] += 1
         for _ in range(_MAX_UPDATE_RETRIES):
