@@ -126,7 +126,8 @@ class ClientBase:
         is this read's own, whatever other threads read meanwhile). Called by an operation
         whose turn it was to be sampled; the countdown starts again, so ``fn`` (the
         operation itself) runs untimed inside."""
-        self._lat_left = self._lat_every + 1  # (``fn`` counts itself down once)
+        # (``fn`` counts itself down once; sampling switched off meanwhile: never again)
+        self._lat_left = self._lat_every + 1 if self._lat_every else 1 << 62
         t0 = time.perf_counter_ns()
         out = fn(*args, **kwargs)
         ns = time.perf_counter_ns() - t0
