@@ -7,10 +7,11 @@ deltas and adds them to the segment's metrics region with atomic adds
 (:class:`~kvcomm.tiers.shm.counters.MetricsRegion`): every ``metrics.flush_interval``
 from one background thread per process (:func:`_flusher`, which also hands the getter's
 sampled reads to the host's hot keys), when the client closes or is garbage-collected
-unclosed (``Client.__del__``), and at interpreter exit. So the region's counters are exact host-wide totals, at most one
-flush interval behind what the processes did; a process killed outright loses its
-counts since its last flush (never more), and none is ever counted twice (a forked child
-starts with no meters: the parent's counts stay the parent's).
+unclosed (``Client.__del__``), and at interpreter exit. So the region's counters are
+exact host-wide totals, at most one flush interval behind what the processes did; a
+process killed outright loses its counts since its last flush (never more), and none is
+ever counted twice (a forked child starts with no meters: the parent's counts stay the
+parent's).
 
 Errors (``kvcomm.errors.MADE``) are counted per process, not per client: they are added
 to whichever namespace flushes first after they happen (a forked child's count starts at
