@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from .._extras import require_cluster
@@ -95,6 +96,8 @@ class Client(Watching):
         meter = self.__dict__.get("_meter")
         if meter is None or self._unusable:  # (not fully made; closed; a fork's copy)
             return
+        if sys.is_finalizing():  # (flushed at exit already; and a daemon thread frozen
+            return  # by the interpreter's shutdown may hold the metrics lock for ever)
         try:
             metrics_agent.detach(meter, self)
         except Exception:  # (at interpreter exit the modules may be half torn down)
