@@ -57,7 +57,7 @@ def sampling(kv: kvcomm.Client, on: bool) -> None:
     """Turn latency sampling on (1 in SAMPLE) or off, in the getter and the client."""
     kv._getter.time_every(SAMPLE if on else 0, LATENCY_BOUNDS_NS)
     kv._lat_every = SAMPLE if on else 0
-    kv._lat_left = SAMPLE if on else -1
+    kv._lat_left = SAMPLE if on else 1 << 62  # (as the client when off: never reaches 0)
 
 
 def main() -> int:

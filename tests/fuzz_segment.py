@@ -307,6 +307,7 @@ class Anatomy:
             "pins": (lay.pins_off, lay.defer_off),
             "deferred": (lay.defer_off, lay.defer_off + lay.n_pins * 8),
             "hot": (lay.hot_off, lay.hot_off + self.sketch_size + self.topk_size),
+            "metrics": (lay.metrics_off, lay.metrics_off + 8 * _layout.METRICS_WORDS),
         }
 
     def slot_word(self, i: int, k: int) -> int:
@@ -698,6 +699,28 @@ def m_hot(rng: random.Random, a: Anatomy) -> Mutation:
     return m
 
 
+def m_metrics(rng: random.Random, a: Anatomy) -> Mutation:
+    """The metrics region, which every scrape and ``kvcomm top`` read: counters and gauges
+    (``METRIC_SERIES``), histogram buckets, sums and counts, or whole histogram rows."""
+    off = a.lay.metrics_off
+    hist_words = len(_layout.HISTOGRAMS) * _layout.HIST_WORDS
+    m = Mutation("metrics", "metrics words:")
+    if rng.random() < 0.2:  # a whole histogram row: buckets that disagree with the count
+        first = _layout.HIST_AT + _layout.HIST_WORDS * rng.randrange(len(_layout.HISTOGRAMS))
+        words = list(range(first, first + _layout.HIST_WORDS))
+    else:
+        words = [rng.randrange(len(_layout.METRIC_SERIES)) if rng.random() < 0.5
+                 else _layout.HIST_AT + rng.randrange(hist_words)
+                 for _ in range(rng.choice([1, 1, 2, 8]))]
+    for word in words:
+        at = off + 8 * word
+        cur = a.word(at)
+        new = _value64(rng, a, cur)
+        m.what += f" [{word}] {_fmt(cur)}->{_fmt(new & U64)}"
+        m.set_word(at, new)
+    return m
+
+
 def m_byte_flips(rng: random.Random, a: Anatomy) -> Mutation:
     region = rng.choice(sorted(a.regions))
     lo, hi = a.regions[region]
@@ -831,6 +854,7 @@ KINDS: dict[str, tuple[Callable[[random.Random, Anatomy], Mutation], int]] = {
     "pin_table": (m_pin_table, 5),
     "defer_table": (m_defer_table, 5),
     "hot": (m_hot, 5),
+    "metrics": (m_metrics, 4),
     "byte_flips": (m_byte_flips, 5),
     "anywhere": (m_anywhere, 2),
     "truncate": (m_truncate, 3),
@@ -1073,9 +1097,32 @@ def _ops(kv: kvcomm.Client, np: Any, keys: list[str], arrays: list[str],
     step("watch_prefix", lambda: sum(1 for _ in kv.watch("fuzz/", timeout=0.01)))
     step("hot_keys", lambda: kv.hot_keys(5), locks=True)
     step("stats", kv.stats)
+    step("metrics_scrape", lambda: _scrape(kv))  # (the collector, the exposition, top)
     for k in reads:
         step("get_again", lambda k=k: _in_bounds(kv.get(k), limit), k)
     views.clear()
+
+
+def _scrape(kv: kvcomm.Client) -> int:
+    """What the exporter and ``kvcomm top`` read of the (corrupt) segment: the metrics
+    region, the header's gauges and the hot keys, through the collector, prometheus-client's
+    exposition and top's frame. Returns the exposition's length."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from rich.console import Console
+
+    from kvcomm.cli import top
+    from kvcomm.metrics import agent
+    from kvcomm.metrics.collector import Collector, read
+    from kvcomm.metrics.snapshot import View
+
+    agent.flush_all()  # (this client's counts added to the corrupt region first)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector(kv._seg, kv.config))
+    text = generate_latest(registry)
+    old = read(kv._seg, kv.config)
+    new = read(kv._seg, kv.config)
+    Console(file=io.StringIO(), width=80).print(top.host_frame(View(new, old, 1.0), "fuzz"))
+    return len(text)
 
 
 # ---------------------------------------------------------------------------- the parent

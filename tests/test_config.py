@@ -329,7 +329,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "max_clock_skew": st.sampled_from(["1ms", "500ms", "2s", 0.25]),
     },
     "metrics": {
-        "port": st.integers(0, 65535), "host": _unicode.filter(bool),
+        "port": st.integers(0, 65535), "host": _unicode.filter(bool), "advertise": _unicode,
         "flush_interval": st.floats(0, 3600, allow_nan=False),
         "latency_sample": st.integers(0, 1 << 20), "hot_keys": st.integers(0, 100),
         "hot_key_label": st.sampled_from(["truncate", "hash"]),

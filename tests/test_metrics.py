@@ -425,3 +425,25 @@ def test_top_cluster_once_shows_every_host(dev: dict[str, Any]) -> None:
     for h in dev["hosts"]:
         assert h["host"] in out.stdout
     assert "unreachable" not in out.stdout and "no metrics" not in out.stdout
+
+
+def test_partition_mode_and_the_lease_are_exported_from_the_daemons_state(ns: str) -> None:
+    """The daemon's cluster state (node/presence.py Reachability, HostPresence) reaches
+    kvcomm_partition_mode, kvcomm_lease_live and kvcomm_partitions_total through the same
+    gauge path as its feed lag (metrics/node.py cluster_state)."""
+    from types import SimpleNamespace
+
+    from kvcomm.metrics.node import cluster_state
+
+    daemon = SimpleNamespace(reach=SimpleNamespace(partition=True, entered=3),
+                             presence=SimpleNamespace(lease=0x1234))
+    with kvcomm.open(ns, config=_cfg(latency_sample=0)) as kv:
+        kv._meter.add_gauges(lambda: cluster_state(daemon))
+        kv._meter.flush()
+        s = _snap(kv)
+        assert (s.value("kvcomm_partition_mode"), s.value("kvcomm_lease_live"),
+                s.value("kvcomm_partitions_total")) == (1, 1, 3)
+        daemon.reach.partition, daemon.presence = False, None  # healed; etcd not configured
+        kv._meter.flush()
+        s = _snap(kv)
+        assert (s.value("kvcomm_partition_mode"), s.value("kvcomm_lease_live")) == (0, 0)

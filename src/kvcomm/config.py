@@ -637,6 +637,10 @@ class MetricsConfig(_Section):
                         description="the exporter's HTTP port (0: no exporter)")
     host: Text = Field(default="127.0.0.1", min_length=1,
                        description="the address it listens on (0.0.0.0: every interface)")
+    advertise: Text = Field(default="", description="the address other machines scrape it "
+                            "at, published in the cluster's registry for kvcomm top "
+                            "--cluster ('': metrics.host, or this machine's name when that "
+                            "is every interface)")
     flush_interval: Duration = Field(default=1.0, ge=0, le=3600,
                                      description="each process adds its counts to L2 this often "
                                      "(0: only when a client closes)")

@@ -25,10 +25,26 @@ Lower-layer errors (OS, msgpack, redis) are translated at the boundary, never le
 
 from __future__ import annotations
 
+import os
+import threading
+
 MADE: dict[str, int] = {}
 """Errors made in this process, by class name (``kvcomm_errors_total{type}``: flushed to
 the host's L2 with the other counters). Counted when made, so it includes those KVCOMM
-handles itself: a compare-and-set that ``update()`` retries, an L3 call retried."""
+handles itself: a compare-and-set that ``update()`` retries, an L3 call retried. Exact
+under threads (counted under a lock); a forked child starts from zero (what its parent
+made before the fork is the parent's to flush)."""
+
+_MADE_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _MADE_LOCK
+    _MADE_LOCK = threading.Lock()  # (another thread of the parent may have held it)
+    MADE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class KVCommError(Exception):
@@ -36,7 +52,8 @@ class KVCommError(Exception):
 
     def __new__(cls, *args: object, **kwargs: object) -> KVCommError:
         name = cls.__name__
-        MADE[name] = MADE.get(name, 0) + 1
+        with _MADE_LOCK:  # (a read-modify-write: threads making errors at once lose counts)
+            MADE[name] = MADE.get(name, 0) + 1
         return super().__new__(cls, *args, **kwargs)
 
 

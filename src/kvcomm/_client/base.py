@@ -106,7 +106,9 @@ class ClientBase:
         # sampled latency of the Python paths (the getter times L1/L2 hits itself): one
         # call in latency_sample of put, delete, update, batch and a slow get is timed
         self._lat_every = self.config.metrics.latency_sample
-        self._lat_left = self._lat_every or -1  # (never reaches 0 when off)
+        # (when off: never reaches 0. Threads count down at once, so an operation tests
+        # ``<= 0``: one may step over 0, and a test of ``== 0`` would then never time again)
+        self._lat_left = self._lat_every or 1 << 62
         self._lat: dict[tuple[str, str], Histogram] = {}
         self._default_strong = c.l3_consistency == "strong"
         # placement: who this agent is (every local write carries it in the record's
@@ -177,22 +179,17 @@ class ClientBase:
 
     def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, timed into the latency histogram of ``op`` (tier l2, or
-        for a read the tier that answered: get_item's L1 hits are timed here too). Called by
-        an operation whose turn it was to be sampled; the countdown starts again, so ``fn``
-        (the operation itself) runs untimed inside."""
-        self._lat_left = self._lat_every + 1  # (``fn`` counts itself down once)
-        if op == "get":
-            c = self.counters
-            before = (self._l1_hits, self._l2_hits, c["l3_hits"])
+        for a read the tier that answered: ``fn`` then returns an Item or None, whose tier
+        is this read's own, whatever other threads read meanwhile). Called by an operation
+        whose turn it was to be sampled; the countdown starts again, so ``fn`` (the
+        operation itself) runs untimed inside."""
+        # (``fn`` counts itself down once; sampling switched off meanwhile: never again)
+        self._lat_left = self._lat_every + 1 if self._lat_every else 1 << 62
         t0 = time.perf_counter_ns()
         out = fn(*args, **kwargs)
         ns = time.perf_counter_ns() - t0
-        tier = "l2"
-        if op == "get":
-            tier = ("l1" if self._l1_hits != before[0] else
-                    "l3" if c["l3_hits"] != before[2] else
-                    "l2" if self._l2_hits != before[1] else "absent")
-        self._note_latency(op, tier, ns)
+        self._note_latency(op, "l2" if op != "get" else "absent" if out is None else out.tier,
+                           ns)
         return out
 
     def _note_latency(self, op: str, tier: str, ns: int) -> None:

@@ -85,7 +85,7 @@ class Batch(BatchOps):
                         "outside the batch (nothing of this batch was written)")
         c._lat_left -= 1
         t0 = 0
-        if not c._lat_left:  # this batch's turn to be timed (metrics)
+        if c._lat_left <= 0:  # this batch's turn to be timed (metrics)
             c._lat_left = c._lat_every
             t0 = time.perf_counter_ns()
         check = None

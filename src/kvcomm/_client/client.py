@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from .._extras import require_cluster
@@ -91,6 +92,21 @@ class Client(Watching):
         if not self._forked:
             process_budget().unregister(self.config.cache.l1_size)
             _Shared.release(self._attached)
+
+    def __del__(self) -> None:
+        # a client dropped without close(): its counts live in it and its getter, so they
+        # are flushed now or never (a weakref.finalize could not reach them: the client
+        # and its getter reference each other, and the cycle's collector clears weak
+        # references before it runs finalisers)
+        meter = self.__dict__.get("_meter")
+        if meter is None or self._unusable:  # (not fully made; closed; a fork's copy)
+            return
+        if sys.is_finalizing():  # (flushed at exit already; and a daemon thread frozen
+            return  # by the interpreter's shutdown may hold the metrics lock for ever)
+        try:
+            metrics_agent.detach(meter, self)
+        except Exception:  # (at interpreter exit the modules may be half torn down)
+            pass
 
     def __enter__(self) -> Client:
         return self

@@ -37,7 +37,7 @@ class Reads(ClusterReads):
 
     def get_item(self, key: str) -> Item | None:
         """The value with its Version and the tier that served it, or None when absent."""
-        if self._lat_left == 1:  # this read's turn to be timed (metrics): either path below
+        if self._lat_left <= 1:  # this read's turn to be timed (metrics): either path below
             # counts down once (the L1 hit here, the slow path in _get_slow), reaching 0
             return self._timed("get", self.get_item, key)  # type: ignore[no-any-return]
         try:
@@ -55,8 +55,9 @@ class Reads(ClusterReads):
         if self._unusable:
             self._live()
         self._lat_left -= 1
-        if not self._lat_left:  # this read's turn to be timed (metrics)
-            return self._timed("get", self._get_slow, key, default, want_item, l3)
+        if self._lat_left <= 0:  # this read's turn to be timed (metrics): as an Item (its tier)
+            item = self._timed("get", self._get_slow, key, None, True, l3)
+            return item if want_item else default if item is None else item.value
         if self._strong_on and self._is_strong(key, None):
             item = self._strong.get_item(key)
             if want_item:

@@ -44,7 +44,7 @@ class Writes(Reads):
         if self._unusable:
             self._live()
         self._lat_left -= 1
-        if not self._lat_left:  # this put's turn to be timed (metrics)
+        if self._lat_left <= 0:  # this put's turn to be timed (metrics)
             return self._timed("put", self.put, key, value, consistency=consistency,  # type: ignore[no-any-return]
                                expect=expect)
         if self._strong_on or consistency is not None and self._cluster:
@@ -161,7 +161,7 @@ class Writes(Reads):
         """:meth:`delete`, returning the delete's write counter (0: nothing was there)."""
         self._live()
         self._lat_left -= 1
-        if not self._lat_left:  # this delete's turn to be timed (metrics)
+        if self._lat_left <= 0:  # this delete's turn to be timed (metrics)
             return self._timed("delete", self._delete, key, expect)  # type: ignore[no-any-return]
         if self._strong_on and self._is_strong(key, None):
             validator = self._validators.lookup(key) if self._has_validators else None
@@ -193,7 +193,7 @@ class Writes(Reads):
         if not callable(fn):
             raise InvalidArgument(f"update() needs a callable, got {type(fn).__name__}")
         self._lat_left -= 1
-        if not self._lat_left:  # this update's turn to be timed (metrics)
+        if self._lat_left <= 0:  # this update's turn to be timed (metrics)
             return self._timed("update", self.update, key, fn, default=default)
         self.counters["updates"] += 1
         for _ in range(_MAX_UPDATE_RETRIES):

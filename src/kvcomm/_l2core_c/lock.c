@@ -51,9 +51,12 @@ mono_now(void)
 
 /* Take the writer lock within timeout seconds. 0: taken; -1: a Python error is set and the
  * lock is NOT held (timeout → Unavailable, a signal's exception, a corrupt mutex). The GIL
- * is released while waiting, so the holder (maybe a thread of this process) can go on. */
+ * is released while waiting, so the holder (maybe a thread of this process) can go on.
+ * quiet: -2 and no error when another thread holds the lock now, without waiting (a caller
+ * that can do without the lock makes no Unavailable, which would count in
+ * kvcomm_errors_total though nothing failed). */
 static int
-take_lock(Core *c, double timeout)
+take_lock_or_not(Core *c, double timeout, int quiet)
 {
     pthread_t self = pthread_self();
     if (c->held && pthread_equal(c->holder, self)) {
@@ -63,6 +66,8 @@ take_lock(Core *c, double timeout)
         return -1;
     }
     int rc = pthread_mutex_trylock(c->mutex);
+    if (rc == EBUSY && quiet)
+        return -2;
     if (rc == EBUSY) {
         double deadline = mono_now() + (timeout > 0 ? timeout : 0);
         for (;;) {
@@ -118,6 +123,12 @@ take_lock(Core *c, double timeout)
     return 0;
 }
 
+static int
+take_lock(Core *c, double timeout)
+{
+    return take_lock_or_not(c, timeout, 0);
+}
+
 static void
 drop_lock(Core *c)
 {
@@ -137,6 +148,19 @@ Core_lock(Core *c, PyObject *arg)
     if (timeout == -1.0 && PyErr_Occurred())
         return NULL;
     if (take_lock(c, timeout) < 0)
+        return NULL;
+    return PyLong_FromLong(needs_look(c, wall_ms()));
+}
+
+/* try_lock() -> -1: another thread holds the lock now (no error raised); else as lock(0). */
+static PyObject *
+Core_try_lock(Core *c, PyObject *Py_UNUSED(ignored))
+{
+    NEED_VIEW(c);
+    int rc = take_lock_or_not(c, 0.0, 1);
+    if (rc == -2)
+        return PyLong_FromLong(-1);
+    if (rc < 0)
         return NULL;
     return PyLong_FromLong(needs_look(c, wall_ms()));
 }

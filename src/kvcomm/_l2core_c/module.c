@@ -8,6 +8,7 @@ static PyMethodDef Core_methods[] = {
     {"init_lock", (PyCFunction)Core_init_lock, METH_NOARGS, "initialise the writer lock (creator)"},
     {"init_heap", (PyCFunction)Core_init_heap, METH_NOARGS, "free the whole heap (creator)"},
     {"lock", (PyCFunction)Core_lock, METH_O, "lock(timeout) -> 0 | 1 (look first)"},
+    {"try_lock", (PyCFunction)Core_try_lock, METH_NOARGS, "try_lock() -> -1 (held: no error) | 0 | 1"},
     {"unlock", (PyCFunction)Core_unlock, METH_NOARGS, "release the lock if this thread holds it"},
     {"held", (PyCFunction)Core_held, METH_NOARGS, "does this thread hold the lock"},
     {"owner", (PyCFunction)Core_owner, METH_NOARGS, "the thread id holding the lock (glibc)"},

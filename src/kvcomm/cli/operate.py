@@ -10,32 +10,38 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError
+from ..errors import ConfigError, SegmentError
 
 
 def _metrics(args: argparse.Namespace) -> int:
     """Serve a namespace's metrics for Prometheus (embedded mode; in cluster mode the node
-    daemon serves them at metrics.port) until SIGTERM or Ctrl-C. Needs pip install
-    'kvcomm[metrics]'."""
-    import kvcomm
-
+    daemon serves them at metrics.port) until SIGTERM or Ctrl-C. The namespace must exist
+    (its agents made it): it is never created here; once purged, scrapes fail until the
+    agents make it again, then serve the new one. Needs pip install 'kvcomm[metrics]'."""
+    from ..metrics.collector import NamedSegment
     from ..metrics.exporter import Exporter
 
     cfg = load_config(args.config)
     port = args.port if args.port is not None else cfg.metrics.port
     if port is None or not 0 < port < 65536:
         raise ConfigError("metrics.port", "give --port P (1 to 65535) or set metrics.port")
-    kv = kvcomm.open(args.name or cfg.node.namespace, config=cfg)
+    name = args.name or cfg.node.namespace
+    source = NamedSegment(name, cfg)
     try:
-        exporter = Exporter(kv._seg, cfg, port=port, host=args.host)
-        print(f"serving the metrics of namespace {kv.name!r} at {exporter.url}", flush=True)
+        try:
+            source()
+        except SegmentError as exc:
+            raise SegmentError(f"{exc}: kvcomm metrics serves a namespace its agents made "
+                               "(check --name, or start it after them)") from None
+        exporter = Exporter(source, cfg, port=port, host=args.host)
+        print(f"serving the metrics of namespace {name!r} at {exporter.url}", flush=True)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         exporter.close()
     finally:
-        kv.close()
+        source.close()
     return 0
 
 

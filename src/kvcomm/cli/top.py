@@ -48,8 +48,7 @@ def host_frame(v: View, title: str) -> Any:
     for tier, results in (("l1", ("hit", "miss")), ("l2", ("hit", "miss", "absent")),
                           ("l3", ("hit", "absent"))):
         total = sum(v.rate(R, tier=tier, result=r) for r in results)
-        cum = sum(v.new.value(R, tier=tier, result=r) for r in results)
-        hit_rate = _pct(v.new.value(R, tier=tier, result="hit"), cum)
+        hit_rate = _pct(*v.hit_rate(tier))  # (over the interval, as the rates)
         h = v.histo("get", tier)
         tiers.add_row(tier.upper(), _n(total), hit_rate, _us(quantile(h, 0.5)),
                       _us(quantile(h, 0.99)))
@@ -106,12 +105,9 @@ def cluster_frame(views: list[tuple[str, str, View | None]]) -> Any:
             t.add_row(host, state, *["-"] * 7)
             continue
         s = v.new
-        l1 = s.value(R, tier="l1")
-        l2 = s.value(R, tier="l2")
         h = v.histo("get", "l2") or v.histo("get", "l1")
         t.add_row(host, state, _n(v.rate(R, tier="l1")),
-                  _pct(s.value(R, tier="l1", result="hit"), l1),
-                  _pct(s.value(R, tier="l2", result="hit"), l2),
+                  _pct(*v.hit_rate("l1")), _pct(*v.hit_rate("l2")),
                   _us(quantile(h, 0.99)), _n(v.rate("kvcomm_writes_total", kind="put")),
                   str(int(s.value("kvcomm_outbound_backlog"))),
                   str(int(s.value("kvcomm_feed_lag_events"))))
@@ -146,12 +142,9 @@ def run(snapshot: Callable[[], Any], render: Callable[[Any, Any, float], Any],
 def local_source(name: str, config: Any) -> tuple[Callable[[], Snapshot], Callable[[], None]]:
     """Snapshots of namespace ``name`` on this host, read from its L2; and a closer.
     Raises SegmentError when there is no such segment."""
-    from ..metrics.collector import read
-    from ..tiers.l2 import L2Segment
+    from ..metrics.collector import open_segment, read
 
-    c = config.cache
-    seg = L2Segment(name, create_layout=None, host_id="", directory=c.l2_dir,
-                    permissions=c.l2_permissions, lock_timeout=c.lock_timeout)
+    seg = open_segment(name, config)
     return (lambda: read(seg, config)), seg.close
 
 

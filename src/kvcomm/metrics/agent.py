@@ -5,14 +5,17 @@ client's counters, its L3 client's wire counts, sampled latency histograms — a
 touches shared memory to count. Its :class:`Meter` turns those cumulative counts into
 deltas and adds them to the segment's metrics region with atomic adds
 (:class:`~kvcomm.tiers.shm.counters.MetricsRegion`): every ``metrics.flush_interval``
-from one background thread per process (:func:`_flusher`), when the client closes, and
-at interpreter exit. So the region's counters are exact host-wide totals, at most one
-flush interval behind what the processes did; a process killed outright loses its
-counts since its last flush (never more), and none is ever counted twice (a forked child
-starts with no meters: the parent's counts stay the parent's).
+from one background thread per process (:func:`_flusher`, which also hands the getter's
+sampled reads to the host's hot keys), when the client closes or is garbage-collected
+unclosed (``Client.__del__``), and at interpreter exit. So the region's counters are
+exact host-wide totals, at most one flush interval behind what the processes did; a
+process killed outright loses its counts since its last flush (never more), and none is
+ever counted twice (a forked child starts with no meters: the parent's counts stay the
+parent's).
 
 Errors (``kvcomm.errors.MADE``) are counted per process, not per client: they are added
-to whichever namespace flushes first after they happen.
+to whichever namespace flushes first after they happen (a forked child's count starts at
+zero, as its meters do).
 
 Sources: the node daemon adds its own counts (:meth:`Meter.add_source`) and gauges
 (:meth:`Meter.add_gauges`), flushed the same way.
@@ -123,11 +126,17 @@ class Meter:
         """Also store the gauges ``fn()`` returns (by word) at every flush."""
         self._gauges.append(fn)
 
-    def flush(self) -> None:
-        """Add what was counted since the last flush. Raises what the segment raises
-        (SegmentError: purged); the counts stay to be added next time."""
+    def flush(self, client: Client | None = None) -> None:
+        """Add what was counted since the last flush, store the gauges and hand the
+        getter's sampled reads to the host's hot keys (never waiting for the writer lock).
+        ``client``: the client being finalised (its weak reference is already dead then;
+        its sampled reads are not flushed: that takes locks a finaliser must not).
+        Raises what the segment raises (SegmentError: purged; the counts stay to be added
+        next time) and what a gauge source raises (the counts were added: only the gauges
+        are missing)."""
+        final = client
         with _STATE.lock:
-            client = self._client()
+            client = client if client is not None else self._client()
             if client is None:
                 return
             now = client_counts(client)
@@ -142,15 +151,19 @@ class Meter:
             err_adds = deltas(err_now, _STATE.errors_before)
             try:
                 self._region.add(adds + err_adds)
-                for fn in self._gauges:
-                    for word, value in fn().items():
-                        self._region.store(word, value)
             except BaseException:  # nothing was added (a closed segment): next time
                 for word, d in adds:
                     self._before[word] -= d
                 for word, d in err_adds:
                     _STATE.errors_before[word] -= d
                 raise
+            for fn in self._gauges:
+                for word, value in fn().items():
+                    self._region.store(word, value)
+        if client is not final:
+            # (outside the process's lock: it only tries the writer lock, and keeps the
+            # counts for later when that is held)
+            client._flush_hot()
 
 
 class _State:
@@ -190,13 +203,14 @@ def attach(client: Client) -> Meter:
     return meter
 
 
-def detach(meter: Meter) -> None:
-    """A last flush, then stop metering. Never raises a KVCommError (a purged namespace's
-    counts no longer matter)."""
+def detach(meter: Meter, client: Client | None = None) -> None:
+    """A last flush, then stop metering (``client``: the client being finalised, see
+    :meth:`Meter.flush`). Never raises a KVCommError (a purged namespace's counts no
+    longer matter)."""
     with _STATE.lock:
         _STATE.meters.discard(meter)
         try:
-            meter.flush()
+            meter.flush(client)
         except errors.KVCommError:
             pass
 

@@ -7,12 +7,14 @@ uses :func:`read` directly for the local host.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
+from ..errors import SegmentError
 from ..tiers.shm.counters import N_BUCKETS, MetricsRegion
 from ..tiers.shm.layout import HIST, LATENCY_BOUNDS_NS, METRIC_SERIES
 from .families import FAMILIES, HISTOGRAM, Labels, parse_series
@@ -31,13 +33,16 @@ class Histo:
 @dataclass
 class Snapshot:
     """Every family's samples at one moment: ``values[family][labels] = value``,
-    ``histograms[family][labels] = Histo``, the hot keys, the host id."""
+    ``histograms[family][labels] = Histo``, the hot keys, the host id. ``hot_read`` is
+    False when the hot keys could not be read (the writer lock was held): ``hot`` is
+    empty then, not "no hot keys"."""
 
     values: dict[str, dict[Labels, float]] = field(default_factory=dict)
     histograms: dict[str, dict[Labels, Histo]] = field(default_factory=dict)
     hot: list[tuple[str, int]] = field(default_factory=list)
     host: str = ""
     namespace: str = ""
+    hot_read: bool = True
 
     def value(self, family: str, **labels: str) -> float:
         """The sum of ``family``'s samples whose labels include ``labels``."""
@@ -55,7 +60,11 @@ def hot_label(key: str, how: str, chars: int) -> str:
 
 def read(seg: Any, config: Any) -> Snapshot:
     """The host's families now, from ``seg`` (an L2Segment) and ``config`` (metrics.hot_keys
-    and the hot keys' labels; cluster mode). Raises SegmentError (purged)."""
+    and the hot keys' labels; cluster mode). Never waits for the writer lock: the counters
+    and gauges are read without it, and the hot keys only if it is free now (else
+    ``hot_read`` is False). Raises SegmentError (purged, closed)."""
+    if seg.purged or seg._core is None:  # (its figures are frozen, not the namespace's)
+        raise SegmentError(f"namespace {seg.name!r} was purged (or closed); open it again")
     region = MetricsRegion(seg)
     words = region.words()
     header: dict[str, int] = {**region.header(),
@@ -88,18 +97,61 @@ def read(seg: Any, config: Any) -> Snapshot:
     if m.hot_keys:
         # two keys cut to the same label would be two series with one name and labels,
         # which Prometheus refuses: the label keeps the hotter one (they come hottest first)
+        top = seg.hot_keys_now(m.hot_keys)
         hot: dict[str, int] = {}
-        for k, n in seg.hot_keys(m.hot_keys):
+        for k, n in top or ():
             hot.setdefault(hot_label(k, m.hot_key_label, m.hot_key_chars), n)
-        snap.hot = list(hot.items())
+        snap.hot, snap.hot_read = list(hot.items()), top is not None
     return snap
 
 
+def open_segment(name: str, config: Any) -> Any:
+    """Namespace ``name``'s L2 segment on this host, opened to be read and never created
+    (an exporter or a viewer must not make a namespace out of a typo). Raises
+    SegmentError when there is none."""
+    from ..tiers.l2 import L2Segment
+
+    c = config.cache
+    return L2Segment(name, create_layout=None, host_id="", directory=c.l2_dir,
+                     permissions=c.l2_permissions, lock_timeout=c.lock_timeout)
+
+
+class NamedSegment:
+    """Namespace ``name``'s segment for a process that outlives it (``kvcomm metrics``):
+    calling it returns the segment, opened again once it was purged and made anew by its
+    agents. Raises SegmentError while there is none. Thread-safe."""
+
+    def __init__(self, name: str, config: Any) -> None:
+        self.name, self.config = name, config
+        self._seg: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Any:
+        with self._lock:
+            seg = self._seg
+            if seg is None or seg.purged:
+                if seg is not None:
+                    seg.close()
+                    self._seg = None
+                self._seg = seg = open_segment(self.name, self.config)
+            return seg
+
+    def close(self) -> None:
+        with self._lock:
+            if self._seg is not None:
+                self._seg.close()
+                self._seg = None
+
+
 class Collector:
-    """A prometheus-client collector of one namespace's families (needs kvcomm[metrics])."""
+    """A prometheus-client collector of one namespace's families (needs kvcomm[metrics]).
+    ``seg``: an L2Segment, or a callable that returns the one to read at each scrape (a
+    :class:`NamedSegment`)."""
 
     def __init__(self, seg: Any, config: Any) -> None:
-        self.seg, self.config = seg, config
+        self._seg_now: Callable[[], Any] = seg if callable(seg) else (lambda: seg)
+        self.config = config
+        self._hot: list[tuple[str, int]] = []  # the last hot keys read (see collect)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -110,7 +162,11 @@ class Collector:
 
         from .families import HOT_KEYS, INFO
 
-        snap = read(self.seg, self.config)
+        snap = read(self._seg_now(), self.config)
+        if snap.hot_read:
+            self._hot = snap.hot
+        else:  # (the writer lock was held: the last ones read, rather than none this time)
+            snap.hot = self._hot
         for fam in FAMILIES:
             if fam.kind == HISTOGRAM:
                 series = snap.histograms.get(fam.name, {})

@@ -3,16 +3,22 @@ metrics``'). Needs kvcomm[metrics] (prometheus-client)."""
 
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Any
 
 from .._extras import require
 from ..errors import ConfigError
 from .collector import Collector
+from .registry import metrics_url
 
 
 class Exporter:
     """Serves one namespace's families at ``http://host:port/metrics`` from a daemon
-    thread until :meth:`close`. ``port`` 0 picks a free port (``self.port`` says which)."""
+    thread until :meth:`close`. ``port`` 0 picks a free port (``self.port`` says which).
+    ``seg``: an L2Segment, or a callable returning the one to read at each scrape (see
+    :class:`~kvcomm.metrics.collector.NamedSegment`). Raises ConfigError naming
+    metrics.host (an address this machine cannot listen on) or metrics.port (taken)."""
 
     def __init__(self, seg: Any, config: Any, port: int | None = None,
                  host: str | None = None) -> None:
@@ -27,14 +33,18 @@ class Exporter:
         try:
             self._server, self._thread = start_http_server(want, self.host, self.registry)
         except OSError as exc:
+            why = exc.strerror or str(exc)
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError("metrics.host", f"cannot listen on {self.host!r} ({why}); "
+                                  "give an address of this machine (127.0.0.1, or 0.0.0.0 "
+                                  "for every interface)") from None
             raise ConfigError("metrics.port", f"cannot serve metrics on {self.host}:{want} "
-                              f"({exc.strerror or exc}); choose a free port") from None
+                              f"({why}); choose a free port") from None
         self.port: int = self._server.server_address[1]
 
     @property
     def url(self) -> str:
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"http://{host}:{self.port}/metrics"
+        return metrics_url(self.host, self.port)
 
     def text(self) -> str:
         """The exposition text a scrape gets now (for tests and tools)."""

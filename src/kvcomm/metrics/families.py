@@ -94,6 +94,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("kvcomm_daemon_set_aside_total", COUNTER, "Inputs the daemon set aside "
            "(quarantine)"),
     Family("kvcomm_daemon_l3_errors_total", COUNTER, "Daemon rounds that could not reach L3"),
+    Family("kvcomm_partition_mode", GAUGE, "1 while the host's daemon is in partition mode "
+           "(no Redis Cluster or no etcd majority for longer than cluster.lease_ttl)"),
+    Family("kvcomm_lease_live", GAUGE, "1 while the host holds its etcd lease "
+           "(kvc/hosts/<host>; 0 without cluster.etcd)"),
+    Family("kvcomm_partitions_total", COUNTER, "Times the host's daemon entered partition mode "
+           "since it started"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 HOT_KEYS = Family("kvcomm_hot_key_reads", GAUGE, "The host's most read keys (estimated reads, "

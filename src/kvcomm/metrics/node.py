@@ -4,6 +4,7 @@ entry in the cluster's registry of hosts."""
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from ..tiers.shm.counters import series_word
@@ -41,17 +42,45 @@ def cluster_lag(daemon: Any) -> int:
     return sum(max(0, c - (seqs.get(g) or 0)) for g, c in counters.items() if c is not None)
 
 
+def cluster_state(daemon: Any) -> dict[int, int]:
+    """Partition mode, the host's lease, and how often it was partitioned, by word."""
+    reach, presence = getattr(daemon, "reach", None), getattr(daemon, "presence", None)
+    return {_W("partition_mode"): int(bool(reach and reach.partition)),
+            _W("lease_live"): int(bool(presence and presence.lease)),
+            _W("partitions_total"): int(reach.entered) if reach else 0}
+
+
 def attach_daemon(daemon: Any) -> Exporter | None:
     """Flush ``daemon``'s counts with its client's, and (``metrics.port`` set) serve the
     host's metrics and publish where in the cluster's registry. Returns the exporter
     (None without a port); raises ConfigError (kvcomm[metrics] missing, port taken)."""
     meter = daemon.kv._meter
     meter.add_source(lambda: daemon_counts(daemon))
-    meter.add_gauges(lambda: {_W("feed_lag_events{feed=cluster}"): cluster_lag(daemon)})
+    meter.add_gauges(lambda: {_W("feed_lag_events{feed=cluster}"): cluster_lag(daemon),
+                              **cluster_state(daemon)})
     config = daemon.config
     if not config.metrics.port:
         return None
     exporter = Exporter(daemon.kv._seg, config)
     log.info("metrics at %s", exporter.url)
-    publish(daemon.l3, daemon.host, exporter.host, exporter.port)
+    publish(daemon.l3, daemon.host, advertised(config.metrics.advertise, exporter.host),
+            exporter.port)
     return exporter
+
+
+_EVERY_INTERFACE = ("", "0.0.0.0", "::", "[::]")
+
+
+def advertised(advertise: str, listen: str) -> str:
+    """The address to publish for other machines: ``advertise`` if set, else the listen
+    address, or this machine's name when that is every interface (a wildcard in the
+    registry would make each reader scrape its own host)."""
+    if advertise:
+        return advertise
+    if listen not in _EVERY_INTERFACE:
+        return listen
+    name = socket.gethostname()
+    log.info("metrics listen on every interface (%s): publishing this machine's name %r "
+             "for kvcomm top --cluster; set metrics.advertise if others reach it otherwise",
+             listen or "''", name)
+    return name

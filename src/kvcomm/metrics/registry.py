@@ -35,10 +35,16 @@ def _key(host: str) -> str:
     return f"kvn:{{{host}}}:metrics"
 
 
+def metrics_url(addr: str, port: int) -> str:
+    """The URL of an exporter at ``addr`` (a name, an IPv4 or an IPv6 address) and ``port``."""
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+    return f"http://{host}:{port}/metrics"
+
+
 def publish(store: Any, host: str, addr: str, port: int) -> None:
     """Record ``host``'s metrics address in L3 (``store``: an L3Store). Logged, never
     raised: metrics must not stop a daemon."""
-    url = f"http://{addr}:{port}/metrics"
+    url = metrics_url(addr, port)
     try:
         store._call(lambda: store.rc.set(_key(host), url.encode()))
     except KVCommError as exc:

@@ -103,11 +103,26 @@ class View:
     dt: float
 
     def rate(self, family: str, **labels: str) -> float:
-        """Per second (the counter's total when there is no earlier snapshot: dt 0)."""
+        """Per second over the interval (0 when there is no earlier snapshot)."""
         now = self.new.value(family, **labels)
         if self.old is None or self.dt <= 0:
             return 0.0
         return max(0.0, now - self.old.value(family, **labels)) / self.dt
+
+    def delta(self, family: str, **labels: str) -> float:
+        """The increase over the interval (since the segment was made when there is no
+        earlier snapshot)."""
+        now = self.new.value(family, **labels)
+        return now if self.old is None else max(0.0, now - self.old.value(family, **labels))
+
+    def hit_rate(self, tier: str) -> tuple[float, float]:
+        """``(hits, reads)`` of ``tier`` over the interval (kvcomm_reads_total); when it had
+        no read of the tier, since the segment was made (as :meth:`histo` when idle)."""
+        R = "kvcomm_reads_total"
+        reads = self.delta(R, tier=tier)
+        if not reads:
+            return self.new.value(R, tier=tier, result="hit"), self.new.value(R, tier=tier)
+        return self.delta(R, tier=tier, result="hit"), reads
 
     def histo(self, op: str, tier: str) -> Histo | None:
         key = (("op", op), ("tier", tier))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ...errors import Unavailable
 from .segment import SegmentCore
 
 
@@ -23,11 +22,8 @@ class HotKeys(SegmentCore):
         try:
             if wait:
                 self._lock()
-            else:
-                try:
-                    self._lock(0.0)
-                except Unavailable:
-                    return False
+            elif not self._try_lock():
+                return False
             sketch, topk = self.sketch, self.topk
             add = sketch.add
             offers: list[tuple[bytes, int]] = []
@@ -47,12 +43,22 @@ class HotKeys(SegmentCore):
         return True
 
     def hot_keys(self, n: int) -> list[tuple[str, int]]:
+        """The ``n`` hottest keys with their estimates, hottest first. Waits for the writer
+        lock up to ``lock_timeout``; raises Unavailable, SegmentError (purged)."""
+        return self.hot_keys_now(n, wait=True) or []
+
+    def hot_keys_now(self, n: int, wait: bool = False) -> list[tuple[str, int]] | None:
+        """:meth:`hot_keys`, or without ``wait`` None when the writer lock is held now (a
+        scrape must not wait for a writer: one stopped inside the lock would fail it)."""
         core = self._core
         if core.held():  # (from a validator: this thread holds the lock already)
             top = self.topk.top(n)
         else:
             try:
-                self._lock()
+                if wait:
+                    self._lock()
+                elif not self._try_lock():
+                    return None
                 top = self.topk.top(n)
             finally:
                 core.unlock()

@@ -171,6 +171,8 @@ METRIC_SERIES: tuple[str, ...] = (
     "conflicts_total", "merges_total", "resolver_failures_total", "views_total",
     "daemon_resyncs_total", "daemon_set_aside_total", "daemon_l3_errors_total",
     "batches_total", "updates_total",
+    # (appended: the cluster features' state, stored by the node daemon)
+    "=partition_mode", "=lease_live", "=partitions_total",
 )
 METRIC = {name.lstrip("="): i for i, name in enumerate(METRIC_SERIES)}
 HIST_AT = 1024  # the first word of the histograms
@@ -181,6 +183,7 @@ HIST_WORDS = len(LATENCY_BOUNDS_NS) + 3  # the buckets, +Inf, the sum (ns), the 
 HISTOGRAMS: tuple[tuple[str, str], ...] = (  # (op, tier): kvcomm_op_seconds{op,tier}
     ("get", "l1"), ("get", "l2"), ("get", "l3"), ("get", "absent"), ("put", "l2"),
     ("delete", "l2"), ("batch", "l2"), ("update", "l2"),
+    ("get", "etcd"),  # (appended: a strong key's quorum read)
 )
 HIST = {series: HIST_AT + i * HIST_WORDS for i, series in enumerate(HISTOGRAMS)}
 assert len(METRIC_SERIES) <= HIST_AT and HIST_AT + len(HISTOGRAMS) * HIST_WORDS <= METRICS_WORDS

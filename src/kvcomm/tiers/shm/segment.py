@@ -272,6 +272,17 @@ class SegmentCore:
         if self._core.lock(self.lock_timeout if timeout is None else timeout):
             self._after_lock()
 
+    def _try_lock(self) -> bool:
+        """Take the writer lock if it is free now, as :meth:`_lock`; False (nothing raised,
+        nothing counted in kvcomm_errors_total) when another thread holds it. The caller's
+        ``finally`` must call ``self._core.unlock()``."""
+        looked = self._core.try_lock()
+        if looked < 0:
+            return False
+        if looked:
+            self._after_lock()
+        return True
+
     def _after_lock(self) -> None:
         q = self._q
         if q[_H_STATE] != STATE_OK:
