@@ -329,7 +329,8 @@ def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
     from .conftest import wait_for
 
     with RedisCluster() as c:
-        store = L3Store(c.seeds, wait_replicas=1)  # (acknowledged: the replica has them)
+        # (acknowledged: the replica has them; a loaded machine gets 10 s to say so)
+        store = L3Store(c.seeds, wait_replicas=1, wait_ms=10_000)
         mover = SlotMover(store)
         slot = store.groups.slot(21)
         src = mover.owner(slot).name
