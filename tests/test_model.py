@@ -602,9 +602,14 @@ def test_client_matches_a_dict_model_across_processes() -> None:
         phases.remove(Phase.shrink)
     POOL = Pool(watch_first=EXACT_EVICT_EVENTS)
     try:
-        run_state_machine_as_test(KVModel, settings=settings(
-            max_examples=examples, stateful_step_count=steps, deadline=None, phases=phases,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+        # (up to 3 rounds: on a loaded machine every drawn kill of one round may land outside
+        # a write; the assertion below still demands one that interrupted a write)
+        for _round in range(3):
+            run_state_machine_as_test(KVModel, settings=settings(
+                max_examples=examples, stateful_step_count=steps, deadline=None, phases=phases,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+            if TALLY["kill: interrupted a write (recovered)"] > 0:
+                break
     finally:
         POOL.close()
         POOL = None
