@@ -80,3 +80,26 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def heading(text: str) -> None:
     print(f"\n== {text}", flush=True)
+
+
+def propagation_reader(config: str, n: int, out: Any, done: Any, give_up_s: float = 60.0) -> None:
+    """A process that reads ``prop/x`` (a writer's ``perf_counter_ns`` stamp) through
+    KVCOMM on another host until it has seen ``n`` new values (or ``give_up_s`` passed), then
+    sets ``done`` and puts the write-to-read delays (ns) on ``out``. The first read fills
+    this host's L2 from L3. (Both hosts share one machine, so one clock.)"""
+    import kvcomm
+    from kvcomm._wait import wait_until
+
+    with kvcomm.open(config=config) as kv:
+        wait_until(lambda: kv.get("prop/x") is not None, 60, "prop/x on host 2")
+        last, lat = kv.get("prop/x"), []
+        deadline = time.monotonic() + give_up_s
+        while len(lat) < n and time.monotonic() < deadline:
+            v = kv.get("prop/x")
+            if v != last:
+                lat.append(time.perf_counter_ns() - v)
+                last = v
+            else:
+                time.sleep(0.0002)
+        done.set()
+        out.put(lat)

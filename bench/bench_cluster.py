@@ -25,11 +25,10 @@ from typing import Any
 
 import msgpack
 import redis
-from _timing import percentile
+from _timing import percentile, propagation_reader
 
 import kvcomm
 from kvcomm import devcluster
-from kvcomm._wait import wait_until
 from kvcomm.tiers.l2 import purge
 from kvcomm.tiers.l3 import GROUPS, feed_key
 
@@ -166,21 +165,6 @@ def pct(xs: list[int], q: float) -> float:
     return percentile(xs, q) / 1e6
 
 
-def _spin_reader(config: str, n: int, out: Any, done: Any) -> None:
-    with kvcomm.open(config=config) as kv:
-        # the first read fills this host's L2 from L3
-        wait_until(lambda: kv.get("prop/x") is not None, 60, "prop/x on host 2")
-        last, lat = kv.get("prop/x"), []
-        deadline = time.monotonic() + 60
-        while len(lat) < n and time.monotonic() < deadline:
-            v = kv.get("prop/x")
-            if v != last:
-                lat.append(time.perf_counter_ns() - v)
-                last = v
-            else:
-                time.sleep(0.0002)
-        done.set()
-        out.put(lat)
 
 
 def propagation(window: str, poll: str, n: int) -> tuple[float, float]:
@@ -191,7 +175,7 @@ def propagation(window: str, poll: str, n: int) -> tuple[float, float]:
         a.put("prop/x", time.perf_counter_ns())
         out: Any = CTX.Queue()
         done = CTX.Event()
-        rx = CTX.Process(target=_spin_reader, args=(state["hosts"][1]["config"], n, out, done))
+        rx = CTX.Process(target=propagation_reader, args=(state["hosts"][1]["config"], n, out, done))
         rx.start()
         deadline = time.monotonic() + 90
         while not done.is_set() and time.monotonic() < deadline:

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from _timing import percentile
+from _timing import percentile, propagation_reader
 
 import kvcomm
 from kvcomm import devcluster
-from kvcomm._wait import wait_until
 
 CTX = mp.get_context("fork")
 
@@ -76,20 +75,6 @@ def measure(nodes: list[redis.Redis], seconds: float, hosts: int) -> dict[str, A
                                           if v > 0}}
 
 
-def _spin_reader(config: str, n: int, out: Any, done: Any) -> None:
-    with kvcomm.open(config=config) as kv:
-        wait_until(lambda: kv.get("prop/x") is not None, 60, "prop/x on host 2")
-        last, lat = kv.get("prop/x"), []
-        deadline = time.monotonic() + 120
-        while len(lat) < n and time.monotonic() < deadline:
-            v = kv.get("prop/x")
-            if v != last:
-                lat.append(time.perf_counter_ns() - v)
-                last = v
-            else:
-                time.sleep(0.0002)
-        done.set()
-        out.put(lat)
 
 
 def propagation(state: dict[str, Any], n: int) -> dict[str, Any]:
@@ -98,7 +83,8 @@ def propagation(state: dict[str, Any], n: int) -> dict[str, Any]:
         a.put("prop/x", time.perf_counter_ns())
         out: Any = CTX.Queue()
         done = CTX.Event()
-        rx = CTX.Process(target=_spin_reader, args=(state["hosts"][1]["config"], n, out, done))
+        rx = CTX.Process(target=propagation_reader,
+                         args=(state["hosts"][1]["config"], n, out, done, 120.0))
         rx.start()
         deadline = time.monotonic() + 150
         while not done.is_set() and time.monotonic() < deadline:
