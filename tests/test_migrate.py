@@ -31,12 +31,14 @@ DIRTY = {"drone/1/pos": b"\x01\x03", "drone/2/pos": {"x": 1.5, "y": [1, 2]},
          "shelf/7": "str value ✓"}
 
 
-@pytest.fixture
-def old(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
+def _old_segment(tmp_path: pathlib.Path, ns: str, fixture: pathlib.Path
+                 ) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
+    """An older layout's segment (``fixture``, gzipped) in a private /dev/shm stand-in,
+    with a cluster config of host-a to migrate it under; purged afterwards."""
     shm = tmp_path / "shm"
     shm.mkdir()
     seg = shm / f"kvcomm.{ns}"
-    seg.write_bytes(gzip.decompress(FIXTURE.read_bytes()))
+    seg.write_bytes(gzip.decompress(fixture.read_bytes()))
     os.chmod(seg, 0o600)
     raw = {"cache": {"l2_size": "16MB", "l2_dir": str(shm)},
            "cluster": {"redis": ["127.0.0.1:1"]}, "node": {"host_id": "host-a"}}
@@ -44,6 +46,11 @@ def old(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kv
     cfg_file.write_text(yaml.safe_dump(raw))
     yield ns, cfg_file, kvcomm.Config.from_mapping(raw)
     l2.purge(ns, str(shm))
+
+
+@pytest.fixture
+def old(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
+    yield from _old_segment(tmp_path, ns, FIXTURE)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -172,17 +179,7 @@ FIXTURE3 = pathlib.Path(__file__).parent / "data" / "segment-layout3.bin.gz"
 
 @pytest.fixture
 def old3(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    seg = shm / f"kvcomm.{ns}"
-    seg.write_bytes(gzip.decompress(FIXTURE3.read_bytes()))
-    os.chmod(seg, 0o600)
-    raw = {"cache": {"l2_size": "16MB", "l2_dir": str(shm)},
-           "cluster": {"redis": ["127.0.0.1:1"]}, "node": {"host_id": "host-a"}}
-    cfg_file = tmp_path / "host.yaml"
-    cfg_file.write_text(yaml.safe_dump(raw))
-    yield ns, cfg_file, kvcomm.Config.from_mapping(raw)
-    l2.purge(ns, str(shm))
+    yield from _old_segment(tmp_path, ns, FIXTURE3)
 
 
 def test_the_layout3_reader_finds_exactly_the_unflushed_writes_with_their_extension(

@@ -24,6 +24,7 @@ from kvcomm.tiers.shm import migrate as mig
 
 from .conftest import wait_for
 from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401
+from .test_migrate import _old_segment
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "segment-layout2.bin.gz"
 
@@ -32,17 +33,7 @@ FIXTURE = pathlib.Path(__file__).parent / "data" / "segment-layout2.bin.gz"
 
 @pytest.fixture
 def old(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    seg = shm / f"kvcomm.{ns}"
-    seg.write_bytes(gzip.decompress(FIXTURE.read_bytes()))
-    os.chmod(seg, 0o600)
-    raw = {"cache": {"l2_size": "16MB", "l2_dir": str(shm)},
-           "cluster": {"redis": ["127.0.0.1:1"]}, "node": {"host_id": "host-a"}}
-    cfg_file = tmp_path / "host.yaml"
-    cfg_file.write_text(yaml.safe_dump(raw))
-    yield ns, cfg_file, kvcomm.Config.from_mapping(raw)
-    l2.purge(ns, str(shm))
+    yield from _old_segment(tmp_path, ns, FIXTURE)
 
 
 def _open_local(ns: str, cfg: kvcomm.Config) -> kvcomm.Client:
