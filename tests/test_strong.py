@@ -265,3 +265,46 @@ def test_no_majority_is_unavailable_within_twice_the_timeout(hosts: Hosts,
         healthy._spawn(i)
     healthy.wait_healthy(60)
     assert a.get(k) in (1, 2, 3)  # an outcome-unknown write may have landed, nothing else
+
+
+def test_an_l1_or_l2_copy_from_before_the_prefix_was_declared_is_never_served(
+        hosts: Hosts, etcd: EtcdCluster) -> None:
+    """A key written as an eventual key (no strong prefixes yet) sits in the host's L2 and
+    in the process's L1; once its prefix is declared, reads of it must come from etcd:
+    neither the C getter (L1, or L2 for a memoised key) nor get_item may serve the
+    planted copy, on the first read or any later one."""
+    k = _key("planted")
+    ns = f"ts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    hosts.namespaces.append(ns)
+    # before: cluster mode, no etcd, no strong prefixes: the key is an eventual one, in
+    # this host's L2 (no daemon runs: it stays there, dirty) and, once read, in L1
+    old_cfg = kvcomm.Config.from_mapping({
+        "node": {"host_id": "host-a", "namespace": ns},
+        "cache": {"l2_size": "16MB", "watch_buffer": 4096},
+        "cluster": {"redis": ["127.0.0.1:1"], "timeout": TIMEOUT}})
+    old = kvcomm.open(ns, config=old_cfg)
+    hosts.clients.append(old)
+    old.put(k, "planted in L2")
+    assert old.get(k) == "planted in L2" and old.get(k) == "planted in L2"
+    assert old.get_item(k).tier in ("l1", "l2")  # type: ignore[union-attr]
+    assert k in old._l1_entries  # the planted L1 copy, shared by this process's clients
+    assert old._read_l2(*old._key_hash(k), 1 << 40) is not None  # the planted L2 record
+
+    # after: the prefix declared (the cluster's), the same namespace, the same process
+    new = kvcomm.open(ns, config=host_config(etcd, "host-a", ns))
+    hosts.clients.append(new)
+    for _ in range(3):  # etcd has no value: absent, every time (memoised or not)
+        assert new.get(k) is None
+        assert new.get(k, "dflt") == "dflt"
+        assert new.get_item(k) is None
+    assert k not in new._l1_entries
+    other = hosts.open("host-b")
+    v = other.put(k, "from etcd")
+    for _ in range(3):
+        assert new.get(k) == "from etcd"
+        item = new.get_item(k)
+        assert item is not None and item.value == "from etcd" and item.tier == "etcd"
+        assert item.version == v
+    assert new.stats()["strong"]["gets"] >= 12  # every read went to etcd
+    assert k not in new._l1_entries and k not in new._keys
+    other.delete(k)

@@ -152,12 +152,17 @@ class ClientBase:
             self._closed = self._unusable = True
             raise
         self._strong_on = bool(c.strong_prefixes) or c.l3_consistency == "strong"
+        if self._strong_on:  # L1 copies of strong keys from before they were declared
+            for key in [k for k in list(self._l1_entries) if self._strong.is_strong(k)]:
+                self._forget_strong(key)
 
     def _is_strong(self, key: str, consistency: str | None) -> bool:
         """Whether ``key`` is strong (cluster mode; see _client/strong.py). Raises
         InvalidKey, and InvalidArgument when ``consistency`` names the other kind."""
         self._key_hash(key)  # (validates the key)
         strong = self._strong is not None and self._strong_on and self._strong.is_strong(key)
+        if strong:  # never served by a cache: see _forget_strong
+            self._forget_strong(key)
         if consistency is not None and self._cluster and (consistency == "strong") != strong:
             raise InvalidArgument(
                 f"{key!r} is {'a strong' if strong else 'an eventual'} key in cluster mode, "
@@ -165,6 +170,17 @@ class ClientBase:
                 "the cluster's choice, set by cache.strong_prefixes (longest prefix wins; "
                 "others follow cache.l3_consistency); drop consistency= or change the prefixes")
         return strong
+
+    def _forget_strong(self, key: str) -> None:
+        """Keep strong ``key`` out of the read caches: out of the key memo (the C getter
+        reads L2 only for memoised keys, so an L2 record of the key, written before its
+        prefix was declared, is never served) and out of L1 (shared by the process's
+        clients of the namespace). Its reads then always reach the slow path, which
+        asks etcd. The L2 record itself is left alone: it may be a dirty write the node
+        daemon must still send to L3, and no read of this config looks at it."""
+        self._keys.pop(key, None)
+        if self._l1_on and key in self._l1_entries:
+            self._l1.discard(key)
 
     def _etcd_unreachable(self) -> str | None:
         """Why the host's node daemon finds etcd's majority out of reach, or None (its
