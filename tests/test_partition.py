@@ -237,3 +237,46 @@ def test_sigterm_flushes_the_backlog_and_remove_host_retires_a_host(dc: Path) ->
         control.heal(str(dc))
     control.restart_daemon(str(dc), 2)
     wait_for(lambda: "host-3" in _cluster_status(dc), 30, "host-3 back in cluster status")
+
+
+def _scrape(dc: Path, host: str) -> dict[str, float]:
+    """``host``'s daemon's metrics endpoint, scraped over HTTP: the value of every
+    unlabelled-or-labelled sample of the cluster-state families, by family."""
+    import urllib.request
+
+    url = next(h["metrics"] for h in control.load_state(dc)["hosts"] if h["host"] == host)
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("kvcomm_partition_mode", "kvcomm_lease_live", "kvcomm_partitions_total"):
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_the_partition_gauges_of_a_real_daemon_during_a_partition_and_after_heal(dc: Path) -> None:
+    """kvcomm_partition_mode, kvcomm_lease_live and kvcomm_partitions_total as a scrape of
+    the daemons' own exporters shows them: the cut host in partition mode without a live
+    lease, counted once more; the others untouched; all back after the heal."""
+    m = wait_for(lambda: (s := _scrape(dc, "host-2")).get("kvcomm_lease_live") == 1 and s,
+                 30, "host-2's lease in its metrics")
+    assert m["kvcomm_partition_mode"] == 0, m
+    before = m["kvcomm_partitions_total"]
+    control.partition(str(dc), "host-2")
+    try:
+        cut = wait_for(lambda: (s := _scrape(dc, "host-2")).get("kvcomm_partition_mode") == 1
+                       and s.get("kvcomm_lease_live") == 0 and s, 60,
+                       "host-2's metrics to show partition mode and no live lease")
+        print("host-2 during the partition:", cut)
+        assert cut["kvcomm_partitions_total"] == before + 1, (before, cut)
+        assert _status(dc, "host-2").get("partition")  # the fault happened, by its own word
+        other = _scrape(dc, "host-1")
+        assert (other["kvcomm_partition_mode"], other["kvcomm_lease_live"]) == (0, 1), other
+    finally:
+        control.heal(str(dc))
+    healed = wait_for(lambda: (s := _scrape(dc, "host-2")).get("kvcomm_partition_mode") == 0
+                      and s.get("kvcomm_lease_live") == 1 and s, 60,
+                      "host-2's metrics to show the heal")
+    print("host-2 after the heal:", healed)
+    assert healed["kvcomm_partitions_total"] == before + 1, (before, healed)

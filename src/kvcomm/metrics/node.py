@@ -46,8 +46,13 @@ def cluster_state(daemon: Any) -> dict[int, int]:
     """Partition mode, the host's lease, and how often it was partitioned, by word."""
     reach, presence = getattr(daemon, "reach", None), getattr(daemon, "presence", None)
     return {_W("partition_mode"): int(bool(reach and reach.partition)),
-            _W("lease_live"): int(bool(presence and presence.lease)),
+            _W("lease_live"): int(bool(presence and _lease_live(presence))),
             _W("partitions_total"): int(reach.entered) if reach else 0}
+
+
+def _lease_live(presence: Any) -> bool:
+    live = getattr(presence, "lease_live", None)  # (HostPresence; a stand-in: its lease)
+    return bool(live()) if callable(live) else bool(presence.lease)
 
 
 def attach_daemon(daemon: Any) -> Exporter | None:

@@ -184,6 +184,12 @@ class HostPresence:
         self._thread.start()
         return self
 
+    def lease_live(self) -> bool:
+        """The host holds a lease etcd still counts live: one was granted, and etcd
+        answered within the TTL (a host cut off longer has lost it, as the other hosts
+        see, though it learns so only when etcd answers again)."""
+        return bool(self.lease) and self.clock() - self.etcd_ok_at <= self.ttl
+
     def etcd_down_s(self) -> float:
         return max(0.0, self.clock() - self.etcd_ok_at) if self.etcd_unreachable else 0.0
 
