@@ -502,6 +502,10 @@ class ClusterConfig(_Section):
                     "reaches it at (a NAT, a tunnel, the dev cluster's fault proxies)")
     lease_ttl: Duration = Field(default=6.0, ge=1.0, le=3600,
                                 description="a host's etcd lease (etcd counts whole seconds)")
+    shutdown_flush_timeout: Duration = Field(
+        default=5.0, ge=0, le=3600,
+        description="how long `kvcomm node` stopped by SIGTERM/SIGINT may spend sending its "
+                    "backlog to L3 before it exits (what is left stays dirty in L2)")
     max_clock_skew: Duration = Field(default=0.5, gt=0, le=3600,
                                      description="remote HLC timestamps further ahead are counted")
     timeout: Duration = Field(default=2.0, gt=0)

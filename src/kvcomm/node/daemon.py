@@ -76,6 +76,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Set
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,7 @@ from .delivery import (
     Inbound,
     Outbound,
     Poll,
+    Push,
     Skipped,
 )
 from .port import ClientPort, HostKeys, HostL2, L3Port
@@ -178,6 +180,9 @@ class Daemon:
         self.last_pull = now  # the last feed read that succeeded (feed lag)
         self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
+        self.async_push = False  # push from a thread (NodeDaemon): see _push
+        self._in_flight: tuple[Push, Future[list[PushResult | CorruptRecord]]] | None = None
+        self._pusher: Any = None
         self._fill_key_filter(initial=True)
         self._start_feeds()
         self.held_at_start.clear()
@@ -253,31 +258,74 @@ class Daemon:
             self.persisted = delivered
 
     def _push(self, now: float) -> None:
-        """Push every closed window that is due; stop at the first failure."""
-        while (push := self.out.next_push(now, self.port.has_resolver, self._shape)) is not None:
-            try:
-                results = self.l3.push_many([(i.key, i.record) for i in push.items],
-                                            push.keep_siblings)
-            except Unavailable as exc:
-                delay = self.out.push_failed(push, self.clock())
-                self._l3_failed(self.out.backoff, "sending to L3", exc, delay)
+        """Push every closed window that is due; stop at the first failure. With
+        ``async_push`` (the real daemon), a push is sent from a thread and its answer
+        taken by a later round: the loop reads the feeds meanwhile, so that a host back
+        from a partition catches up on both sides at once instead of one after the other
+        (a backlog of thousands takes seconds to push)."""
+        while True:
+            if self._in_flight is not None:
+                sent, fut = self._in_flight
+                if not fut.done():
+                    return
+                self._in_flight = None
+                try:
+                    answered = fut.result()
+                except Exception as exc:  # Unavailable, or anything a push raised
+                    self._push_failed(sent, exc)
+                    return
+                self._pushed(sent, answered)
+            push = self.out.next_push(now, self.port.has_resolver, self._shape)
+            if push is None:
                 return
-            self.stats.windows += 1
-            self.stats.pushed += len(push.items)
-            self.reach.redis_ok(self.clock())
-            self.stats.bump("window_in", push.window.ops_in)
-            for item, res in zip(push.items, results, strict=False):
-                g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
-                stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
-                self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
-            answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
-            for answer in answers:
-                try:  # every answer is carried out: they have left the staged set
-                    self._guarded(answer.key, "push to L3", self._carry_out, answer)
-                except Unavailable as exc:  # L2's merge lost races to local writers: the
-                    # newer local write is pushed in turn, and its answer taken then
-                    self.stats.bump("answers_not_taken")
-                    log.warning("could not take L3's answer for %r: %s", answer.key, exc)
+            items = [(i.key, i.record) for i in push.items]
+            if self.async_push:
+                if self._pusher is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._pusher = ThreadPoolExecutor(1, thread_name_prefix="kvcomm-push")
+                self._in_flight = (push, self._pusher.submit(self.l3.push_many, items,
+                                                             push.keep_siblings))
+                continue  # (done already? taken at once; else by a later round)
+            try:
+                results = self.l3.push_many(items, push.keep_siblings)
+            except Unavailable as exc:
+                self._push_failed(push, exc)
+                return
+            self._pushed(push, results)
+
+    def _push_failed(self, push: Push, exc: Exception) -> None:
+        delay = self.out.push_failed(push, self.clock())
+        if not isinstance(exc, Unavailable):
+            log.warning("a push failed (%s: %s); retried", type(exc).__name__, exc)
+        self._l3_failed(self.out.backoff, "sending to L3", exc, delay)
+
+    def _pushed(self, push: Push, results: list[PushResult | CorruptRecord]) -> None:
+        """Carry out L3's answers to ``push``."""
+        self.stats.windows += 1
+        self.stats.pushed += len(push.items)
+        self.reach.redis_ok(self.clock())
+        self.stats.bump("window_in", push.window.ops_in)
+        for item, res in zip(push.items, results, strict=False):
+            g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
+            stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
+            self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
+        answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
+        for answer in answers:
+            try:  # every answer is carried out: they have left the staged set
+                self._guarded(answer.key, "push to L3", self._carry_out, answer)
+            except Unavailable as exc:  # L2's merge lost races to local writers: the
+                # newer local write is pushed in turn, and its answer taken then
+                self.stats.bump("answers_not_taken")
+                log.warning("could not take L3's answer for %r: %s", answer.key, exc)
+
+    def _settle_push(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the push in flight, and take its answer."""
+        if self._in_flight is not None:
+            from concurrent.futures import wait
+
+            wait([self._in_flight[1]], timeout=max(0.0, timeout))
+            self._push(self.clock())
 
     def _shape(self, record: L3Record) -> L3Record:
         return self.hosts.shape(record, _ms(self.clock()))
@@ -476,6 +524,8 @@ class Daemon:
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 self.inb.read(g, 0)
                 continue
+            if self._in_flight is not None:  # a long catch-up does not hold up the pushes
+                self._push(self.clock())
             reading = self.inb.examine(g, rows, counters.get(g))
             for entry in reading.entries:
                 self._pull_entry(g, entry)
@@ -610,7 +660,8 @@ class Daemon:
             self.inb.last_poll = float("-inf")
 
     def run(self, stop: threading.Event) -> None:
-        """Step until ``stop`` is set, then flush. A failed round is logged, counted and
+        """Step until ``stop`` is set, then flush (for at most
+        ``cluster.shutdown_flush_timeout`` seconds). A failed round is logged, counted and
         retried with backoff; only SegmentError (the host's L2 or key filter is gone or
         foreign) ends the loop early, raised."""
         poll = self.config.cluster.feed_poll
@@ -634,20 +685,24 @@ class Daemon:
                 continue
             self.decide_partition()
             self.after_step()
-            wake = self.out.wake_at()
+            # (a push in flight: its answer is taken by the next round, a poll from now)
+            wake = self.out.wake_at() if self._in_flight is None else None
             stop.wait(poll if wake is None else max(0.0, min(poll, wake - self.clock())))
-        self.flush()
+        self.flush(self.config.cluster.shutdown_flush_timeout)
 
     def after_step(self) -> None:
         """Publish the daemon's status (NodeDaemon: the status file)."""
 
     def flush(self, timeout: float = 5.0) -> dict[str, Any]:
         """Send what is waiting (on shutdown: SIGTERM); gives up after ``timeout``
-        seconds. Returns ``{"sent", "left", "seconds"}``: records pushed, writes still
-        not in L3 (they stay dirty in L2: the next daemon sends them), time taken."""
+        seconds (0: one try, no waiting). Returns ``{"sent", "left", "seconds"}``:
+        records pushed, writes still not in L3 (they stay dirty in L2: the next daemon
+        sends them), time taken."""
         t0 = self.clock()
         end = t0 + timeout
         pushed0 = self.stats.pushed
+        self.async_push = False  # (the push in flight, if any, is waited for first)
+        self._settle_push(timeout)
         self.out.backoff.succeeded()
         self.out.retry_at = float("-inf")
         while True:
@@ -676,6 +731,8 @@ class Daemon:
         the key filter and L3."""
         self.keys.set_ready(False)
         self.keys.close()
+        if self._pusher is not None:  # (a push in flight ends within cluster.timeout)
+            self._pusher.shutdown(wait=True)
         self.l3.close()
 
 
@@ -710,6 +767,7 @@ class NodeDaemon(Daemon):
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
                                     permissions=c.l2_permissions, directory=c.l2_dir)
             super().__init__(config, port, l3, keys, rng=rng)
+            self.async_push = True
             # placement: the host's agent reports, published to L3 (kvn:{host}:agents)
             self.agents = HostPublisher(config, self.kv.name, self.host)
             self.status_file = status_path(self.kv.name, c.l2_dir)
@@ -822,6 +880,9 @@ def main(config: Config, name: str | None = None) -> int:
         report = daemon.last_flush or {}
         msg = (f"stopping: flushed {report.get('sent', 0)} writes to L3 in "
                f"{report.get('seconds', 0)}s; {report.get('left', 0)} not yet in L3")
+        if report.get("left") and report.get("seconds", 0) >= config.cluster.shutdown_flush_timeout:
+            msg += f" after cluster.shutdown_flush_timeout ({config.cluster.shutdown_flush_timeout:g}s)"
+
         if report.get("left"):
             msg += " (they stay in L2, dirty: the next daemon of this host sends them)"
         log.info("%s", msg)

@@ -330,9 +330,13 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key,
 # ARGV[5] the group's hint channel (an argument, not a key: during a slot migration Redis
-# counts a declared key that does not exist as missing, and would refuse every push)
+# counts a declared key that does not exist as missing, and would refuse every push), or
+# "" for no hint; ARGV[6] "1": hint even if this push stores nothing (the last push of its
+# group in a pipeline speaks for the earlier ones: one hint per group per pipeline, not one
+# per record, so a backlog of thousands does not send every subscriber thousands of hints)
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
+local hinted = false
 local MAX_COUNTER = 9007199254740991  -- 2**53-1: every larger integer is a double >= 2**53
 local function counter_ok(c)
   return type(c) == 'number' and c >= 1 and c <= MAX_COUNTER
@@ -381,7 +385,18 @@ local function store(bytes)
   redis.call('SET', KEYS[1], bytes)
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
-  if ARGV[5] then redis.pcall('SPUBLISH', ARGV[5], s) end
+  if ARGV[5] and ARGV[5] ~= '' then
+    redis.pcall('SPUBLISH', ARGV[5], s)
+    hinted = true
+  end
+end
+local function done(reply)
+  if ARGV[6] == '1' and not hinted and ARGV[5] ~= '' then
+    local s = redis.pcall('GET', KEYS[3])
+    if type(s) ~= 'string' then s = '0' end
+    redis.pcall('SPUBLISH', ARGV[5], s)
+  end
+  return reply
 end
 local incoming = read(ARGV[1])
 if incoming == nil then
@@ -391,7 +406,7 @@ local raw = redis.pcall('GET', KEYS[1])
 if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
 if not raw then
   store(ARGV[1])
-  return {'new', ARGV[1]}
+  return done({'new', ARGV[1]})
 end
 local stored, why = read(raw)
 if stored == nil and why == 'newer' then
@@ -400,7 +415,7 @@ if stored == nil and why == 'newer' then
 end
 if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
   store(ARGV[1])
-  return {'new', ARGV[1]}
+  return done({'new', ARGV[1]})
 end
 local a, b = vv(incoming), vv(stored)
 local a_ge, b_ge = true, true
@@ -411,13 +426,13 @@ end
 for k, v in pairs(a) do
   if b[k] == nil then b_ge = false end
 end
-if a_ge and b_ge then return {'equal', raw} end
+if a_ge and b_ge then return done({'equal', raw}) end
 if a_ge then
   store(ARGV[1])
-  return {'newer', ARGV[1]}
+  return done({'newer', ARGV[1]})
 end
-if b_ge then return {'older', raw} end
-if ARGV[2] == 'siblings' then return {'conflict', raw} end
+if b_ge then return done({'older', raw}) end
+if ARGV[2] == 'siblings' then return done({'conflict', raw}) end
 -- concurrent: last writer wins by (hlc, dot actor, dot counter); vectors merged
 local win = stored
 if incoming.h > stored.h or (incoming.h == stored.h and (incoming.dot[1] > stored.dot[1]
@@ -437,7 +452,7 @@ local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = 
              dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
 store(packed)
-return {'merged', packed}
+return done({'merged', packed})
 """
 
 # A group's feed position, read atomically: {sequence number, id of the last entry kept
@@ -577,6 +592,7 @@ class L3Store:
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
         self._refreshed = 0.0
         self._hints: Hints | None = None
+        self._pool: Any = None  # threads that send the masters' pipelines together
         # seconds between slot-map refreshes after a failed call: each one may try every
         # seed for cluster.timeout; the daemon spaces them out in partition mode
         self.refresh_every = 0.5
@@ -718,32 +734,39 @@ class L3Store:
 
         out: list[PushResult | CorruptRecord | None] = [None] * len(items)
         route: dict[int, tuple[Any, bool]] = {}  # item → (node, send ASKING first)
+        at: dict[int, Any] = {}  # group → its master (every key of a group shares a slot)
         for i, (key, _) in enumerate(items):
             try:
                 _wire_key(key)
             except CorruptRecord as exc:
                 out[i] = exc
                 continue
-            node = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
-                self.groups.record_key(key)))
+            g = self.groups.of(key)
+            node = at.get(g)
+            if node is None:
+                node = at[g] = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
+                    self.groups.record_key(key)))
             route[i] = (node, False)
         deadline = time.monotonic() + self.timeout
         waits = 0
+        sent: dict[int, tuple[bytes, L3Record]] = {}  # item → (its encoding, its record)
         while route:
             batches: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
             for i, (node, asking) in route.items():
                 batches.setdefault((node.name, asking), (node, []))[1].append(i)
             route = {}
             busy = ""
+            replies = self._pipelines(
+                [(node, idxs, asking) for (_, asking), (node, idxs) in batches.items()],
+                items, keep_siblings, sent)
             for (_, asking), (node, idxs) in batches.items():
-                raws, durable = self._call(lambda node=node, idxs=idxs, asking=asking:
-                                           self._pipeline(node, items, idxs, keep_siblings,
-                                                          asking))
+                raws, durable = replies[node.name, asking]
                 for i, raw in zip(idxs, raws, strict=True):
                     key = items[i][0]
                     if not isinstance(raw, Exception):
                         try:
-                            out[i] = self._result(key, raw)._replace(durable=durable)
+                            out[i] = self._result(key, raw, sent.get(i)
+                                                  )._replace(durable=durable)
                         except CorruptRecord as exc:
                             out[i] = exc
                     elif _key_error(str(raw)):
@@ -805,16 +828,58 @@ class L3Store:
             self.degraded.pop(node.name, None)
         return min(self.wait_replicas, connected)
 
+    def _pipelines(self, jobs: list[tuple[Any, list[int], bool]],
+                   items: Sequence[tuple[str, L3Record]], keep_siblings: Set[str],
+                   sent: dict[int, tuple[bytes, L3Record]],
+                   ) -> dict[tuple[str, bool], tuple[list[Any], bool]]:
+        """:meth:`_pipeline` for each (node, item indexes, asking) of ``jobs``, the
+        nodes' pipelines in flight together (threads: each master runs its scripts while
+        the others do, instead of one master after another). Returns the replies by
+        (node name, asking). Raises what a pipeline raised (Unavailable, CorruptRecord),
+        once every pipeline has returned: what was pushed stays pushed."""
+        def one(node: Any, idxs: list[int], asking: bool) -> tuple[list[Any], bool]:
+            return self._call(lambda: self._pipeline(node, items, idxs, keep_siblings,  # type: ignore[no-any-return]
+                                                     asking, sent))
+
+        if len(jobs) == 1:
+            node, idxs, asking = jobs[0]
+            return {(node.name, asking): one(node, idxs, asking)}
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
+        futures = {(node.name, asking): self._pool.submit(one, node, idxs, asking)
+                   for node, idxs, asking in jobs}
+        out: dict[tuple[str, bool], tuple[list[Any], bool]] = {}
+        first: BaseException | None = None
+        for name, fut in futures.items():
+            try:
+                out[name] = fut.result()
+            except BaseException as exc:  # (every pipeline is waited for first)
+                first = first or exc
+        if first is not None:
+            raise first
+        return out
+
     def _pipeline(self, node: Any, items: Sequence[tuple[str, L3Record]], idxs: list[int],
-                  keep_siblings: Set[str], asking: bool = False) -> tuple[list[Any], bool]:
+                  keep_siblings: Set[str], asking: bool = False,
+                  sent: dict[int, tuple[bytes, L3Record]] | None = None,
+                  ) -> tuple[list[Any], bool]:
         """The push script for ``items[idxs]`` on ``node`` (each after ASKING if
-        ``asking``), then ROLE and WAIT on the same connection. Returns (one reply or
-        exception per item, whether a replica acknowledged them)."""
+        ``asking``), then ROLE and WAIT on the same connection; the last push of each
+        group hints the group's change for all of them. Returns (one reply or exception
+        per item, whether a replica acknowledged them); ``sent`` gets each item's
+        encoding."""
         conn = self.rc.get_redis_connection(node)
         self._load(node, conn, self._script)
         pipe = conn.pipeline(transaction=False)
+        last = {self.groups.of(items[i][0]): i for i in idxs}
+        hint = set(last.values())
         for i in idxs:
-            keys, args = self._args(items[i][0], items[i][1], items[i][0] in keep_siblings)
+            keys, args = self._args(items[i][0], items[i][1], items[i][0] in keep_siblings,
+                                    hint=i in hint)
+            if sent is not None:
+                sent[i] = (args[0], items[i][1])
             if asking:  # (it holds for the next command only)
                 pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
             pipe.evalsha(self._script.sha, len(keys), *keys, *args)
@@ -1104,6 +1169,8 @@ class L3Store:
     def close(self) -> None:
         if self._hints is not None:
             self._hints.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.rc.close()
 
     def _own_key(self, name: str, write: Any) -> None:
@@ -1117,15 +1184,23 @@ class L3Store:
 
     # ------------------------------------------------------------------ helpers
 
-    def _args(self, key: str, record: L3Record, keep_siblings: bool,
+    def _args(self, key: str, record: L3Record, keep_siblings: bool, hint: bool = True,
               ) -> tuple[list[bytes | str], list[Any]]:
+        """The push script's keys and arguments. ``hint``: this push is the last of its
+        group in its pipeline, and announces the group's change even if it stores nothing
+        itself (the earlier ones of the group send none)."""
         g = self.groups.of(key)
         return ([_wire_key(self.groups.record_key(key)), self.groups.feed_key(g),
                  self.groups.seq_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
-                 _wire_key(key), self.groups.hint_channel(g)])
+                 _wire_key(key), self.groups.hint_channel(g) if hint else "",
+                 "1" if hint else "0"])
 
-    def _result(self, key: str, raw: Any) -> PushResult:
+    def _result(self, key: str, raw: Any, sent: tuple[bytes, L3Record] | None = None,
+                ) -> PushResult:
+        """One push's reply. ``sent``: the record pushed and its encoding; a reply that
+        holds those very bytes (a push stored as sent, or found equal) is that record,
+        not decoded again (a backlog of thousands is answered mostly so)."""
         try:
             outcome = raw[0].decode()
             data = raw[1]
@@ -1133,6 +1208,8 @@ class L3Store:
             raise CorruptRecord(f"unexpected push reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
+        if sent is not None and data == sent[0]:
+            return PushResult(key, outcome, sent[1])
         return PushResult(key, outcome, self.decode(data, key))
 
     def _call(self, fn: Any, key: str | None = None) -> Any:
