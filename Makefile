@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test fuzz bench bench-cluster bench-groups soak balance-train balance-eval balance-walkthrough lint check-minimal clean
+.PHONY: demo test fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ bench-cluster: $(STAMP) ## cluster mode vs Redis Cluster directly (needs redis-s
 
 soak: $(STAMP)          ## 10 minutes of faults on a 3-host dev cluster: lost = 0? (needs redis-server)
 	$(BIN)/kvcomm soak --hosts 3 --minutes 10
+
+# The seeds' "20 of 20": `kvcomm jepsen` whose nemesis first partitions a host 20 times in
+# a row (both sides keep writing; each heal -> convergence measured), then every jepsen
+# fault once. Prints the partitions healed and converged with p50/p99 of heal ->
+# convergence, and the strong history's verdict. About 4 minutes on 2 cores.
+PARTITIONS ?= 20
+partitions: $(STAMP)    ## 20 partitions in a row: healed/converged, heal -> convergence p50/p99 (needs redis-server, etcd)
+	$(BIN)/kvcomm jepsen --hosts 3 --seconds 10 --partitions $(PARTITIONS)
 
 bench-groups: $(STAMP)  ## what cluster.groups costs: commands/s per host idle and under the swarm, propagation (16/1024/16384; needs redis-server)
 	$(BIN)/python bench/group_cost.py --idle 10 --settle 15 --samples 30 --swarm 5

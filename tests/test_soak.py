@@ -321,6 +321,37 @@ def test_the_nemesis_records_injects_heals_and_survives_a_broken_fault(
         Nemesis(target, ["nope"])
 
 
+def test_forced_faults_run_first_in_a_row_whatever_the_time(toy_faults: list[str]) -> None:
+    """`kvcomm jepsen --partitions N`: N faults of one kind first, one after another, each
+    healed before the next, even when the run's time is already up; then every kind once."""
+    steps = list(islice(plan(5, ["broken"], forced=["toy"] * 4), 10))
+    assert [s.kind for s in steps[:4]] == ["toy"] * 4
+    assert {s.kind for s in steps[4:6]} == {"toy", "broken"}  # then every kind once
+    assert steps == list(islice(plan(5, ["broken"], forced=["toy"] * 4), 10))  # replays
+    target = FakeTarget()
+    nem = Nemesis(target, ["broken"], seed=3, gap=(0.0, 0.0), forced=["toy"] * 6)
+    record = nem.run(0.0)  # no time at all: the forced steps run anyway
+    assert [i.kind for i in record[:6]] == ["toy"] * 6  # then every kind once: 8 in all
+    assert len(record) == 8 and {i.kind for i in record[6:]} == {"toy", "broken"}
+    assert all(i.ok and i.healed_at is not None for i in record[:6])
+    assert target.log[:12] == [x for i in record[:6]
+                               for x in (f"inject {i.effect['host']}", f"heal {i.effect['host']}")]
+
+
+def test_partitions_option_is_validated() -> None:
+    for bad, why in ((SoakOptions(partitions=-1), "--partitions must be"),
+                     (SoakOptions(partitions=2, hosts=1), "at least 2 hosts")):
+        with pytest.raises(InvalidArgument, match=why):
+            bad.validate()
+    r = SoakResult(1, 3, partitions_wanted=3, partitions_healed=3,
+                   partition_convergence=[0.5, 1.0, 2.0], converged=True)
+    assert r.ok and "3 partitions healed (3 wanted); 3 of 3 converged" in r.convergence_line()
+    assert "p50 1.00s" in r.convergence_line() and "p99 2.00s" in r.convergence_line()
+    short = SoakResult(1, 3, partitions_wanted=3, partitions_healed=2,
+                       partition_convergence=[0.5, 1.0], converged=True)
+    assert not short.ok  # fewer measured than wanted fails the run
+
+
 def test_a_stopped_nemesis_heals_what_is_active(toy_faults: list[str]) -> None:
     class Long(Fault):
         name = "long"
@@ -494,4 +525,27 @@ def test_a_short_jepsen_run_is_linearizable_and_loses_nothing(tmp_path: Path) ->
     assert result.strong["verdict"] == "ok", result.strong
     assert result.partition_convergence and None not in result.partition_convergence
     assert all(e["held"] > 0 for e in _effects(result, "partition-host"))  # really cut off
+    assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])
+
+
+@pytest.mark.redis
+@needs_redis
+@pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
+def test_partitions_in_a_row_are_all_healed_and_measured(tmp_path: Path) -> None:
+    """`kvcomm jepsen --partitions 2` in short (`make partitions` runs 20): the nemesis
+    partitions hosts twice in a row before anything else, both sides keep writing, every
+    heal is followed by a measured convergence; the count healed and converged and the
+    p50/p99 are reported, and the run passes only with all of them."""
+    result = _soak(tmp_path, ["partition-host"], 3, workers=1, rate=20, strong_clients=1,
+                   strong_keys=2, cluster_settings={"lease_ttl": 3.0}, shared_deletes=False,
+                   partitions=2)
+    line = result.convergence_line()
+    print(line)
+    parts = [i for i in result.injections if i.kind == "partition-host"]
+    assert len(parts) >= 2 and all(i.ok and i.healed_at is not None for i in parts)
+    assert [i.step for i in parts[:2]] == [0, 1]  # the first two steps, in a row
+    assert all(e["held"] > 0 for e in _effects(result, "partition-host"))  # really cut off
+    assert result.partitions_healed >= 2 and len(result.partition_convergence) >= 2
+    assert f"{result.partitions_healed} partitions healed (2 wanted)" in line and "p99" in line
+    assert result.to_json()["partitions"]["converged"] == len(result.partition_convergence)
     assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])

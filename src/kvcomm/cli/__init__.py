@@ -13,7 +13,7 @@ the README's "Commands" section).
     kvcomm dev-cluster partition --dir DIR --host H [--mode M] | heal --dir DIR
     kvcomm dev-cluster kill-etcd --dir DIR [--leader | --member N] | restart-etcd --dir DIR
     kvcomm cluster status --config FILE [--json] | remove-host --config FILE HOST
-    kvcomm jepsen [--hosts N] [--minutes M | --seconds S] [--seed N] ...
+    kvcomm jepsen [--hosts N] [--minutes M | --seconds S] [--seed N] [--partitions N] ...
     kvcomm soak [--hosts N] [--minutes M | --seconds S] [--seed N] [--faults K,...] ...
     kvcomm metrics [--name NS] [--port P] [--host ADDR] [--config FILE]
     kvcomm top [--name NS | --config FILE [--cluster]] [--interval S] [--once]
@@ -312,7 +312,7 @@ def _jepsen(args: argparse.Namespace) -> int:
         "seed": args.seed, "directory": args.dir, "workers": args.workers,
         "rate": args.rate, "strong_clients": args.clients, "strong_keys": args.strong_keys,
         "faults": [f for f in args.faults.split(",") if f] if args.faults else None,
-        "converge_timeout": args.converge_timeout}
+        "converge_timeout": args.converge_timeout, "partitions": args.partitions}
     if args.quiet:
         opts["log"] = lambda line: None
     return soak.jepsen_main(opts, as_json=args.json)
@@ -485,6 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="eventual operations per second per agent (default 30)")
     jp.add_argument("--faults", metavar="KIND,...", help="fault kinds (default: "
                     "partition-host, kill-etcd-member, pause-etcd-member, drop-connections)")
+    jp.add_argument("--partitions", type=int, default=0, metavar="N",
+                    help="first N partition-host faults in a row (partition, both sides keep "
+                    "writing, heal, heal -> convergence measured): the count healed and "
+                    "converged, p50 and p99; the run fails with fewer (default 0)")
     jp.add_argument("--dir", metavar="DIR", help="keep logs, histories and report here")
     jp.add_argument("--converge-timeout", type=float, default=60.0, metavar="S",
                     help="seconds to wait for every host to agree with L3 (default 60)")

@@ -129,9 +129,11 @@ class Step:
 
 
 def plan(seed: int, kinds: Sequence[str], gap: tuple[float, float] = (0.5, 3.0),
-         ) -> Iterator[Step]:
-    """The endless schedule of ``seed`` over ``kinds`` (see the module docstring)."""
-    names = sorted(set(kinds))
+         forced: Sequence[str] = ()) -> Iterator[Step]:
+    """The endless schedule of ``seed`` over ``kinds`` (see the module docstring); the
+    kinds of ``forced`` come first, in that order (``kvcomm jepsen --partitions N``: N
+    partitions in a row), each also counted among ``kinds``."""
+    names = sorted(set(kinds) | set(forced))
     if not names:
         raise InvalidArgument("the nemesis needs at least one fault kind")
     unknown = [k for k in names if k not in FAULTS]
@@ -140,6 +142,7 @@ def plan(seed: int, kinds: Sequence[str], gap: tuple[float, float] = (0.5, 3.0),
     rng = random.Random(seed)
     first = list(names)
     rng.shuffle(first)
+    first = [*forced, *first]
     i = 0
     while True:
         kind = first[i] if i < len(first) else rng.choice(names)
@@ -178,9 +181,10 @@ class Nemesis:
 
     def __init__(self, target: Target, kinds: Sequence[str] | None = None,
                  seed: int | None = None, *, gap: tuple[float, float] = (0.5, 3.0),
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, forced: Sequence[str] = ()) -> None:
         all_kinds = fault_kinds()
-        self.kinds = sorted(set(kinds)) if kinds is not None else all_kinds
+        self.forced = list(forced)  # injected first, in this order, whatever the time
+        self.kinds = sorted(set(kinds) | set(self.forced)) if kinds is not None else all_kinds
         for k in self.kinds:
             if k not in FAULTS:
                 raise InvalidArgument(f"unknown fault kind {k!r}; known: {', '.join(all_kinds)}")
@@ -203,15 +207,16 @@ class Nemesis:
     def run(self, seconds: float, stop: threading.Event | None = None,
             every_kind_once: bool = True) -> list[Injection]:
         """Inject, hold, heal, step after step, for ``seconds`` (and, with
-        ``every_kind_once``, at least until every kind has run once). Stops early when a
-        heal fails. Everything is healed when this returns or raises. Returns the record."""
+        ``every_kind_once``, at least until every kind has run once), and in any case
+        until the ``forced`` steps have run. Stops early when a heal fails. Everything is
+        healed when this returns or raises. Returns the record."""
         stop = stop or threading.Event()
         self._t0 = time.monotonic()
+        must = len(self.forced) + (len(self.kinds) if every_kind_once else 0)
         try:
-            for step in plan(self.seed, self.kinds, self.gap):
+            for step in plan(self.seed, self.kinds, self.gap, self.forced):
                 time_up = self._now() >= seconds
-                if stop.is_set() or (time_up and (not every_kind_once
-                                                  or step.index >= len(self.kinds))):
+                if stop.is_set() or (time_up and step.index >= must):
                     break
                 if stop.wait(step.gap):
                     break

@@ -91,6 +91,9 @@ class SoakOptions:
     strong_keys: int = 5
     strong_rate: float = 20.0  # operations per second per strong client
     cluster_settings: dict[str, Any] | None = None  # more cluster.* for every host
+    # at least this many partition-host faults first, one after another (partition, both
+    # sides keep writing, heal, heal -> convergence measured): `kvcomm jepsen --partitions`
+    partitions: int = 0
 
     def validate(self) -> None:
         """Raises InvalidArgument naming the bad option."""
@@ -105,6 +108,11 @@ class SoakOptions:
         if not 0 <= self.strong_clients <= 16 or not 1 <= self.strong_keys <= 64 \
                 or not self.strong_rate > 0:
             raise InvalidArgument("--clients must be 0..16, --strong-keys 1..64, rates > 0")
+        if not 0 <= self.partitions <= 10_000:
+            raise InvalidArgument("--partitions must be 0..10000")
+        if self.partitions and self.hosts < 2:
+            raise InvalidArgument("--partitions needs at least 2 hosts (a partitioned host "
+                                  "and one that is not)")
         if self.owned_keys < 1 or self.shared_keys < 1:
             raise InvalidArgument("owned_keys and shared_keys must be >= 1")
         if self.faults is not None:
@@ -133,6 +141,8 @@ class SoakResult:
     # of every partition (seconds; None: did not converge within the bound)
     strong: dict[str, Any] = field(default_factory=dict)
     partition_convergence: list[float | None] = field(default_factory=list)
+    partitions_wanted: int = 0  # --partitions: the run fails with fewer healed and measured
+    partitions_healed: int = 0  # partition-host faults injected and healed without error
 
     @property
     def lost(self) -> int:
@@ -146,19 +156,22 @@ class SoakResult:
     def ok(self) -> bool:
         return (self.converged and not self.lost and not self.verdict.of("phantom-read")
                 and not self.errors and not (self.strict_reads and self.verdict.of("stale-read"))
-                and self.linearizable and None not in self.partition_convergence)
+                and self.linearizable and None not in self.partition_convergence
+                and len(self.partition_convergence) >= self.partitions_wanted)
 
     def convergence_line(self) -> str:
         """Heal -> convergence over the run's partitions: count, p50, p99, max."""
         times = sorted(t for t in self.partition_convergence if t is not None)
         n = len(self.partition_convergence)
+        healed = (f"{self.partitions_healed} partitions healed"
+                  + (f" ({self.partitions_wanted} wanted)" if self.partitions_wanted else ""))
         if not n:
-            return "no partitions"
+            return f"{healed}, none measured" if self.partitions_wanted else "no partitions"
         failed = n - len(times)
         if not times:
-            return f"{n} partitions, none converged"
+            return f"{healed}, {n} measured, none converged"
         p50, p99 = times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))]
-        return (f"{len(times)} of {n} partitions converged after the heal: p50 {p50:.2f}s, "
+        return (f"{healed}; {len(times)} of {n} converged after the heal: p50 {p50:.2f}s, "
                 f"p99 {p99:.2f}s, max {times[-1]:.2f}s" + (f" ({failed} did not)" if failed else ""))
 
     def strong_line(self) -> str:
@@ -186,6 +199,8 @@ class SoakResult:
             out += f"; {len(self.errors)} errors"
         if self.strong:
             out += f"; {self.strong_line()}; {self.convergence_line()}"
+        elif self.partitions_wanted:
+            out += f"; {self.convergence_line()}"
         if not self.ok and self.directory:
             out += f"; details in {self.directory}/report.json"
         return out
@@ -216,6 +231,10 @@ class SoakResult:
             "summary": self.summary(),
             "keys_checked": v.keys, "errors": self.errors, "ok": self.ok,
             "strong": self.strong, "partition_convergence": self.partition_convergence,
+            "partitions": {"wanted": self.partitions_wanted, "healed": self.partitions_healed,
+                           "measured": len(self.partition_convergence),
+                           "converged": sum(t is not None for t in self.partition_convergence),
+                           "summary": self.convergence_line()},
             "directory": self.directory, "replay": self.replay,
         }
 
@@ -598,6 +617,9 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     history_dir.mkdir(exist_ok=True)
     result = SoakResult(seed, opts.hosts, directory=str(base), strict_reads=opts.strict_reads)
     kinds = opts.faults if opts.faults is not None else fault_kinds()
+    if opts.partitions and "partition-host" not in kinds:
+        kinds = [*kinds, "partition-host"]
+    result.partitions_wanted = opts.partitions
     result.replay = (f"kvcomm soak --hosts {opts.hosts} --seconds {opts.seconds:g} --seed {seed} "
                      f"--faults {','.join(sorted(kinds))} --workers {opts.workers} "
                      f"--rate {opts.rate:g}" + ("" if opts.shared_deletes
@@ -605,6 +627,9 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     if opts.strong_clients:
         result.replay = result.replay.replace("kvcomm soak", "kvcomm jepsen", 1) + \
             f" --clients {opts.strong_clients} --strong-keys {opts.strong_keys}"
+    if opts.partitions:
+        result.replay = result.replay.replace("kvcomm soak", "kvcomm jepsen", 1) + \
+            f" --partitions {opts.partitions}"
     log(f"kvcomm soak: seed {seed}; replay with `{result.replay}`; directory {base}")
     from .. import devcluster
 
@@ -638,7 +663,8 @@ def run_soak(opts: SoakOptions) -> SoakResult:
                                       start_at, os.getpid()))
                 p.start()
                 procs.append(p)
-        nemesis = Nemesis(target, kinds, seed, gap=opts.gap, log=log)
+        nemesis = Nemesis(target, kinds, seed, gap=opts.gap, log=log,
+                          forced=["partition-host"] * opts.partitions)
         while time.monotonic() < start_at:
             time.sleep(0.01)
         t0 = time.monotonic()
@@ -683,6 +709,12 @@ def run_soak(opts: SoakOptions) -> SoakResult:
         result.partition_convergence = [
             i.effect.get("converge_s") for i in result.injections
             if i.kind == "partition-host" and i.ok and "converge_s" in i.effect]
+        result.partitions_healed = sum(1 for i in result.injections if i.kind == "partition-host"
+                                       and i.ok and i.healed_at is not None)
+        if len(result.partition_convergence) < opts.partitions:
+            result.errors.append(
+                f"{len(result.partition_convergence)} partitions measured of the "
+                f"{opts.partitions} wanted (--partitions)")
         outcomes = Counter(op.outcome for op in history)
         result.ops = {"total": len(history), "ok": outcomes[OK], "info": outcomes[INFO],
                       **{kind: n for kind, n in Counter(op.kind for op in history).items()}}
