@@ -37,6 +37,7 @@ pytestmark = [
 
 TTL = 2.0
 TIMEOUT = 0.5
+FLUSH = 30.0  # cluster.shutdown_flush_timeout: a SIGTERM'd daemon outlasts a heal
 
 
 def _kvcomm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -48,7 +49,8 @@ def _kvcomm(*args: str) -> subprocess.CompletedProcess[str]:
 def dc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("pdc")
     control.up(3, str(d), strong_prefixes=["task/"], proxies=True,
-               cluster_settings={"timeout": TIMEOUT, "lease_ttl": TTL, "outbound_max": 50_000})
+               cluster_settings={"timeout": TIMEOUT, "lease_ttl": TTL, "outbound_max": 50_000,
+                                 "shutdown_flush_timeout": FLUSH})
     try:
         yield d
     finally:
@@ -214,9 +216,12 @@ def test_sigterm_flushes_the_backlog_and_remove_host_retires_a_host(dc: Path) ->
             c.put(k, i)
         wait_for(lambda: _status(dc, "host-3").get("backlog", 0) >= len(keys), 30,
                  "host-3's backlog")
-        control.heal(str(dc))  # ...then it is stopped before its loop catches up
+        # ...then it is stopped while still cut off, and healed: its loop has stopped, so
+        # what reaches L3 now is sent by the flush, which waits up to
+        # cluster.shutdown_flush_timeout (FLUSH) for Redis to answer
         os.kill(int(h3["pid"]), signal.SIGTERM)
-        wait_for(lambda: not running(int(h3["pid"])), 60, "host-3's daemon to exit")
+        control.heal(str(dc))
+        wait_for(lambda: not running(int(h3["pid"])), 60 + FLUSH, "host-3's daemon to exit")
         log = (dc / "host-3.log").read_text()
         line = [ln for ln in log.splitlines() if "kvcomm node: stopping: flushed" in ln][-1]
         print(line)

@@ -548,8 +548,8 @@ class L3Store:
                  groups: int = DEFAULT_GROUPS, feed_total: int = FEED_TOTAL,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None,
-                 address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None
-                 ) -> None:
+                 address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
+                 retries: int | None = None) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode
 
@@ -558,6 +558,16 @@ class L3Store:
         extra: dict[str, Any] = {}
         if address_remap is not None:  # cluster.address_remap: every node through it
             extra["address_remap"] = address_remap
+        if retries is not None:
+            # redis-py retries a command that timed out up to 10 times, re-reading the slot
+            # map from the seeds before each (every seed costs a timeout when the host is
+            # cut off): one call could hold its caller for tens of timeouts. The node
+            # daemon passes 0: its loop has its own backoff, and must come back quickly
+            # to decide partition mode and to notice the heal
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            extra["retry"] = Retry(NoBackoff(), retries)
         try:
             self.groups: Groups = _groups(groups)
         except ValueError as exc:
@@ -593,6 +603,7 @@ class L3Store:
         self._refreshed = 0.0
         self._hints: Hints | None = None
         self._pool: Any = None  # threads that send the masters' pipelines together
+        self._ping_turn = 0
         # seconds between slot-map refreshes after a failed call: each one may try every
         # seed for cluster.timeout; the daemon spaces them out in partition mode
         self.refresh_every = 0.5
@@ -608,7 +619,8 @@ class L3Store:
         kw: dict[str, Any] = {}
         if daemon:
             kw = {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
-                  "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total}
+                  "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total,
+                  "retries": 0}
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
                    tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
@@ -698,6 +710,19 @@ class L3Store:
         return any(self._call(lambda g=g: self.rc.exists(old.seq_key(g))) for g in old)
 
     # ------------------------------------------------------------------ reads and pushes
+
+    def reachable(self) -> bool:
+        """Whether one master of the slot map answers a PING within the timeout (the
+        masters in turn). On the node's own connection: no retry, no slot-map refresh,
+        so that a host cut off learns it in one timeout, not in one per seed. Never
+        raises."""
+        try:
+            masters = self.rc.get_primaries()  # type: ignore[no-untyped-call]
+            node = masters[self._ping_turn % len(masters)]
+            self._ping_turn += 1
+            return bool(self.rc.get_redis_connection(node).ping())
+        except Exception:  # unreachable, refused, no slot map: not reachable now
+            return False
 
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord."""
