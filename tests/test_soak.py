@@ -350,6 +350,10 @@ def test_partitions_option_is_validated() -> None:
     short = SoakResult(1, 3, partitions_wanted=3, partitions_healed=2,
                        partition_convergence=[0.5, 1.0], converged=True)
     assert not short.ok  # fewer measured than wanted fails the run
+    out = subprocess.run([sys.executable, "-m", "kvcomm", "jepsen", "--partitions", "-1",
+                          "--seconds", "1", "--quiet"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "--partitions must be 0..10000" in out.stderr, out.stderr
 
 
 def test_a_stopped_nemesis_heals_what_is_active(toy_faults: list[str]) -> None:

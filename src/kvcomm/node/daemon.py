@@ -18,7 +18,10 @@ machines what it read, and carries out what they answer.
    where L3 holds another record (newer, merged, a conflict for a resolver) that record
    is merged into L2. The feed position stored in the L2 header is the machine's
    delivered cursor: a daemon killed at any point replays from there. Vectors are
-   pruned, by host activity, before they are pushed.
+   pruned, by host activity, before they are pushed. The node daemon sends each push
+   from a thread and takes its answers in a later round (``async_push``), so that
+   reading the feeds (step 2) goes on meanwhile: after a partition, the backlog and the
+   catch-up on other hosts' changes overlap instead of waiting on each other.
 2. **L3 → local.** It reads a group's L3 change feed (Redis Streams, one per
    hash-slot group, bounded) after a per-group cursor that lives in L3
    (``kvn:{host}:cursors``, so a restarted daemon — or one whose connection dropped —
@@ -46,6 +49,11 @@ machines what it read, and carries out what they answer.
 6. **Placement** (:class:`NodeDaemon` only): once a second, the host's agent reports
    (who read whose keys, sampled) are published to L3 as ``kvn:{host}:agents``
    (:mod:`kvcomm.placement.observe`), for ``kvcomm placement observe``.
+
+In partition mode (node/presence.py) each round starts with one PING of one master
+(:meth:`L3Store.reachable`) and does nothing else until Redis answers, so that the heal
+is seen within one ``cluster.timeout`` instead of after a round of calls that each wait a
+timeout per seed.
 
 When L3 is unreachable, nothing is dropped: the unsent windows are kept and retried with
 capped exponential backoff with jitter (:mod:`kvcomm.core.backoff`, so that hosts do
