@@ -77,6 +77,33 @@ def test_a_window_is_pushed_once_closed_and_accepted_writes_are_delivered() -> N
     assert not out.staged and out.delivered() == 5
 
 
+def test_windows_waiting_together_go_out_in_one_push_each_key_once() -> None:
+    """A backlog (windows closed while L3 was away) is sent MERGE windows per push: the
+    keys of the first ``merge`` waiting windows, each once with its latest record; the
+    answer takes those windows off the queue; the rest follow in the next push."""
+    out = Outbound("h", 0, WriteWindow(10.0, 2), Backoff(random.Random(0), base=0.05,
+                                                        cap=2.0, floor=0.01), merge=3)
+    recs = {f"k{i}": rec("h", i + 1) for i in range(8)}
+    # windows of 2 writes: [k0 k1] [k2 k1'] [k3 k4] [k5 k6] and k7 still open
+    k1b = rec("h", 20)
+    out.read(1, [("k0", recs["k0"]), ("k1", recs["k1"])], now=0.0)
+    out.read(2, [("k2", recs["k2"]), ("k1", k1b)], now=0.0)
+    out.read(3, [("k3", recs["k3"]), ("k4", recs["k4"]), ("k5", recs["k5"]),
+                 ("k6", recs["k6"]), ("k7", recs["k7"])], now=0.0)
+    assert len(out.unsent) == 4
+    push = out.next_push(0.0, no_resolver)
+    assert push is not None and len(push.more) == 2
+    assert [(i.key, i.record) for i in push.items] == [
+        ("k0", recs["k0"]), ("k1", k1b), ("k2", recs["k2"]), ("k3", recs["k3"]),
+        ("k4", recs["k4"])]  # k1 once, with its latest write
+    out.pushed(push, [ok(i.record, NEW, i.key) for i in push.items], 0.0, WSEQ)
+    assert len(out.unsent) == 1 and set(out.staged) == {"k5", "k6", "k7"}
+    nxt = out.next_push(0.0, no_resolver)
+    assert nxt is not None and nxt.more == () and [i.key for i in nxt.items] == ["k5", "k6"]
+    failed = out.push_failed(nxt, 0.0)  # a failed merged push leaves every window queued
+    assert failed > 0 and len(out.unsent) == 1
+
+
 @pytest.mark.parametrize("outcome, held_is, deliver, take", [
     (NEW, "sent", True, False),
     (NEWER, "sent", True, False),

@@ -119,6 +119,7 @@ log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
 HOT_EVERY = 2.0  # seconds between saves of the hot keys (and the prewarm that follows)
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
+MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backlog)
 
 
 @dataclass
@@ -167,7 +168,7 @@ class Daemon:
         self.stats = DaemonStats()
         self.out = Outbound(self.host, port.delivered_cursor,
                             WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes),
-                            Backoff(rng, base=0.05, cap=2.0, floor=0.01))
+                            Backoff(rng, base=0.05, cap=2.0, floor=0.01), merge=MERGE_WINDOWS)
         self.persisted = self.out.cursor  # the delivered cursor L2 holds
         self.groups = groups_of(cl.groups)
         self.inb = Inbound(cl.groups, cl.feed_poll, Backoff(rng, base=0.05, cap=2.0, floor=0.01),
@@ -311,10 +312,10 @@ class Daemon:
 
     def _pushed(self, push: Push, results: list[PushResult | CorruptRecord]) -> None:
         """Carry out L3's answers to ``push``."""
-        self.stats.windows += 1
+        self.stats.windows += 1 + len(push.more)
         self.stats.pushed += len(push.items)
         self.reach.redis_ok(self.clock())
-        self.stats.bump("window_in", push.window.ops_in)
+        self.stats.bump("window_in", push.window.ops_in + sum(w.ops_in for w in push.more))
         for item, res in zip(push.items, results, strict=False):
             g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)

@@ -160,11 +160,13 @@ class PushItem(NamedTuple):
 
 
 class Push(NamedTuple):
-    """One closed window's records, to be sent in one call."""
+    """One closed window's records (with ``more``, the windows after it that waited
+    too), to be sent in one call."""
 
     items: list[PushItem]
     keep_siblings: frozenset[str]  # keys whose concurrent versions come back as conflicts
     window: ClosedWindow
+    more: tuple[ClosedWindow, ...] = ()  # closed windows sent in the same call
 
 
 class Answer(NamedTuple):
@@ -182,8 +184,13 @@ class Answer(NamedTuple):
 class Outbound:
     """The local feed cursor, the staged records, the write window and the pushes."""
 
-    def __init__(self, host: str, cursor: int, window: WriteWindow, backoff: Backoff) -> None:
+    def __init__(self, host: str, cursor: int, window: WriteWindow, backoff: Backoff,
+                 merge: int = 1) -> None:
         self.host = host
+        # at most this many waiting windows go in one push: a backlog (after a partition,
+        # say) is sent in calls of several windows, fewer round trips and one hint per
+        # group per call; an idle host has one window waiting at a time, as before
+        self.merge = max(1, merge)
         self.cursor = cursor  # the local feed has been read up to here
         self.window = window
         self.backoff = backoff
@@ -232,8 +239,17 @@ class Outbound:
             self.unsent.popleft()  # each of its keys went out with an earlier push
         else:
             return None
+        more: list[ClosedWindow] = []
+        if self.merge > 1 and len(self.unsent) > 1:
+            seen = {i.key for i in items}  # (a key in two windows: its latest record, once)
+            for later in list(self.unsent)[1:self.merge]:
+                for w in later.writes:
+                    if w.key not in seen and (s := self.staged.get(w.key)) is not None:
+                        items.append(PushItem(w.key, shape(s.record), s.record, s.since))
+                        seen.add(w.key)
+                more.append(later)
         keep = frozenset(i.key for i in items if not i.record.tombstone and has_resolver(i.key))
-        self.in_flight = Push(items, keep, window)
+        self.in_flight = Push(items, keep, window, tuple(more))
         return self.in_flight
 
     def pushed(self, push: Push, results: Sequence[PushResult | CorruptRecord], now: float,
@@ -245,7 +261,8 @@ class Outbound:
             raise ValueError(f"{len(results)} answers for {len(push.items)} pushed records")
         self._settle(push)
         self.backoff.succeeded()
-        self.unsent.popleft()  # (push.window: nothing else leaves the queue while in flight)
+        for _ in range(1 + len(push.more)):  # (push.window and push.more: nothing else
+            self.unsent.popleft()  # leaves the queue while in flight)
         answers = []
         for item, res in zip(push.items, results, strict=True):
             staged = self.staged.get(item.key)
