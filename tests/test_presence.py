@@ -45,3 +45,44 @@ def test_the_status_file_is_trusted_only_while_fresh(tmp_path: Path) -> None:
     (tmp_path / "kvcomm.ns.node.json").write_text("not json")
     now["mono"] = 1.0
     assert reader.status() is None
+
+
+def test_after_a_heal_the_key_filter_is_not_trusted_until_the_feeds_are_read() -> None:
+    """Keys made elsewhere during a partition reach the host's key filter only through
+    the feeds: from the heal until every group's counter was checked and every changed
+    feed read to its end, agents must not take the filter's "absent" (it is not ready),
+    and every group is checked (their hints may have been lost)."""
+    import random
+
+    from kvcomm.node.daemon import Daemon
+
+    from .delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3
+    from .test_delivery_sim import Clock
+    from .test_shutdown_flush import _config
+
+    clock = Clock()
+    l3 = FakeL3(random.Random(1))
+    keys = FakeKeys()
+    d = Daemon(_config(lease_ttl=2), FakeL2("h1", clock=clock), l3.view(), keys,  # type: ignore[arg-type]
+               rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
+    assert keys.ready
+    l3.down = True
+    for _ in range(40):  # cut off past the TTL: partition mode
+        d.step()
+        d.decide_partition()
+        clock.sleep(0.1)
+    assert d.reach.partition and keys.ready  # (while cut off, nothing changes for agents)
+    l3.down = False
+    clock.sleep(0.1)
+    d.step()  # Redis answers (a round succeeds)...
+    d.decide_partition()  # ...healed
+    assert not d.reach.partition and not keys.ready and d.catching_up
+    assert d.inb.recheck == set(range(GROUPS))  # every group's counter checked
+    checked_before = l3.calls.get("feed_seqs", 0)
+    for _ in range(20):
+        if keys.ready:
+            break
+        d.step()
+        clock.sleep(0.05)
+    assert keys.ready and not d.catching_up and d.stats.extra.get("caught_up") == 1
+    assert l3.calls.get("feed_seqs", 0) > checked_before

@@ -191,6 +191,7 @@ class Daemon:
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self.async_push = False  # push from a thread (NodeDaemon): see _push
         self.probe_failed = False  # the last round found Redis silent (partition mode)
+        self.catching_up = False  # healed, the feeds not yet read up to their ends
         self._in_flight: tuple[Push, Future[list[PushResult | CorruptRecord]]] | None = None
         self._pusher: Any = None
         self._fill_key_filter(initial=True)
@@ -614,6 +615,10 @@ class Daemon:
                 self.reach.redis_ok(self.clock())
                 self.last_pull = self.clock()
                 self.inb.polled(poll, now)
+            if self.catching_up and not (self.inb.due or self.inb.recheck or self.inb.pending):
+                self.catching_up = False  # the feeds are read up to their ends again
+                self.keys.set_ready(True)
+                self.stats.bump("caught_up")
             self._maybe_rotate_filter()
             self._maybe_prewarm()
         except Unavailable as exc:
@@ -686,6 +691,12 @@ class Daemon:
             self.inb.backoff.succeeded()
             self.out.retry_at = self.inb.retry_at = float("-inf")
             self.inb.last_poll = float("-inf")
+            # keys made elsewhere while cut off are not in the key filter until the feeds
+            # are read: agents must not trust its "absent" (they ask L3) until then; and
+            # every group's hints may have been lost: check every counter now
+            self.keys.set_ready(False)
+            self.catching_up = True
+            self.inb.lost(range(self.config.cluster.groups))
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set, then flush (for at most
