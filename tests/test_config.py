@@ -326,6 +326,8 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "etcd_tls": st.booleans(), "etcd_ca": _path, "etcd_cert": _path, "etcd_key": _path,
         "address_remap": st.dictionaries(_address, _address, max_size=3),
         "lease_ttl": st.floats(1, 3600, allow_nan=False),
+        "shutdown_flush_timeout": st.floats(0, 3600, allow_nan=False) | st.sampled_from(
+            ["0s", "250ms", "5s", "60m"]),
         "max_clock_skew": st.sampled_from(["1ms", "500ms", "2s", 0.25]),
     },
     "metrics": {
