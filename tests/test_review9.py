@@ -22,6 +22,8 @@ from kvcomm.devcluster.etcd_cluster import EtcdCluster, etcd_path
 from kvcomm.tiers import l2
 from kvcomm.tiers.etcd import EtcdClient
 
+from .conftest import wait_for
+
 pytestmark = pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
 
 PREFIXES = ["task/"]
@@ -107,3 +109,135 @@ def test_a_strong_value_that_is_no_kvcomm_record_is_corrupt_record(hosts: Hosts,
     b = hosts.open("host-b")
     b.put(k, "fixed")
     assert a.get(k) == "fixed"
+
+
+class HostileMember:
+    """An HTTP server on loopback that answers every gateway call with ``body`` (HTTP
+    ``status``), or, on /v3/watch, streams ``lines`` (chunked, as the gateway streams)
+    after a valid "created" line. It stands in for an etcd member that sends what no
+    real one does."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.body = b"{}"
+        self.status = 200
+        self.lines: list[bytes] = []
+        self.calls = 0
+        member = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                member.calls += 1
+                if self.path == "/v3/watch":
+                    self.send_response(200)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    created = b'{"result":{"header":{"revision":"5"},"created":true}}\n'
+                    for line in [created, *member.lines]:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.close_connection = True
+                    return
+                self.send_response(member.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(member.body)))
+                self.end_headers()
+                self.wfile.write(member.body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = ("127.0.0.1", self.server.server_address[1])
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hostile() -> Iterator[HostileMember]:
+    m = HostileMember()
+    yield m
+    m.close()
+
+
+HOSTILE_ANSWERS = [
+    b"[]", b"5", b'"x"', b"null",
+    b'{"kvs": [5]}', b'{"kvs": "abc"}', b'{"kvs": [{"key": "a", "value": "a"}]}',
+    b'{"kvs": [{"key": "YQ==", "value": "YQ==", "mod_revision": "x"}]}',
+    b'{"header": {"revision": "abc"}}', b'{"header": 7}', b'{"header": {"revision": [1]}}',
+    b'{"succeeded": true, "responses": [5]}', b'{"succeeded": false, "responses": "x"}',
+    b'{"succeeded": false, "responses": [{"response_range": {"kvs": [{"value": "%%%"}]}}]}',
+    b'{"ID": "zz"}', b'{"result": 5}', b'{"TTL": "x"}', b'{"deleted": "many"}',
+    b'{"members": 5}', b'{"count": "x", "kvs": []}',
+]
+
+
+@pytest.mark.parametrize("body", HOSTILE_ANSWERS)
+def test_hostile_gateway_answers_raise_kvcomm_errors(hostile: HostileMember, body: bytes) -> None:
+    """F3: the client parsed etcd's JSON without checking its shape: an answer that is
+    JSON but not the object etcd sends (a list, a number, base64 that is not base64, a
+    revision that is not a number) crashed every call with AttributeError, TypeError,
+    ValueError or binascii.Error, outside the KVCommError tree. Every one is now
+    Unavailable, and for a write it says the outcome is unknown."""
+    from kvcomm.tiers.etcd import Compare, get_op, put_op
+
+    hostile.body = body
+    c = EtcdClient([hostile.endpoint], timeout=0.5)
+    calls = {
+        "get": lambda: c.get(b"k"), "range": lambda: c.range(b"k"),
+        "put": lambda: c.put(b"k", b"v"), "delete": lambda: c.delete(b"k"),
+        "txn": lambda: c.txn([Compare.mod(b"k", "=", 0)], [put_op(b"k", b"v")], [get_op(b"k")]),
+        "lease_grant": lambda: c.lease_grant(5), "lease_keepalive": lambda: c.lease_keepalive(1),
+        "lease_ttl": lambda: c.lease_ttl(1), "members": lambda: c.members(),
+    }
+    writes = {"put", "delete", "txn", "lease_grant"}
+    for name, call in calls.items():
+        try:
+            call()
+        except kvcomm.Unavailable as exc:
+            if name in writes:
+                assert "outcome unknown" in str(exc), (name, str(exc))
+        except kvcomm.KVCommError as exc:
+            raise AssertionError(f"{name}: {type(exc).__name__} for a malformed answer") from exc
+        # (an answer that happens to parse, e.g. {} for a put, is accepted as etcd's)
+    c.close()
+
+
+def test_an_error_answer_with_a_code_that_is_no_number_is_unavailable(
+        hostile: HostileMember) -> None:
+    """F3: an error answer whose "code" is not a number crashed with ValueError."""
+    hostile.status, hostile.body = 500, b'{"code": "x", "error": "y", "message": "z"}'
+    with EtcdClient([hostile.endpoint], timeout=0.5) as c, pytest.raises(kvcomm.Unavailable):
+        c.get(b"k")
+
+
+@pytest.mark.parametrize("line", [b"[]", b"5", b'{"result": 5}', b'{"error": 5}',
+                                  b'{"result": {"events": [5]}}',
+                                  b'{"result": {"events": [{"kv": {"key": "a"}}]}}',
+                                  b'{"result": {"compact_revision": "x"}}'])
+def test_a_hostile_watch_stream_does_not_kill_the_watch(hostile: HostileMember,
+                                                        line: bytes) -> None:
+    """F3: a watch message that is JSON of the wrong shape raised AttributeError or
+    TypeError in the reader thread, which the thread did not catch: it died, and the
+    watch's consumer waited for ever on a watch that would never deliver again, with
+    nothing said. The message is now a broken stream: the reader resumes elsewhere."""
+    hostile.lines = [line]
+    with EtcdClient([hostile.endpoint], timeout=0.5) as c:
+        w = c.watch(b"k")
+        try:
+            wait_for(lambda: w.resumes >= 2, 10, "the watch to resume after a hostile message")
+            assert w._thread.is_alive()
+            assert w.next(timeout=0) == []  # nothing was delivered from the garbage
+        finally:
+            w.close()
