@@ -241,3 +241,93 @@ def test_a_hostile_watch_stream_does_not_kill_the_watch(hostile: HostileMember,
             assert w.next(timeout=0) == []  # nothing was delivered from the garbage
         finally:
             w.close()
+
+
+def _presence(etcd: EtcdCluster, host: str) -> Any:
+    from kvcomm.node.presence import HostPresence
+
+    cfg = kvcomm.Config.from_mapping({
+        "node": {"host_id": host, "namespace": f"tr9-{uuid.uuid4().hex[:8]}"},
+        "cluster": {"redis": ["127.0.0.1:1"], "etcd": etcd.addresses, "timeout": TIMEOUT,
+                    "lease_ttl": 3}})
+    return HostPresence(cfg, lambda: {"host": host, "backlog": 7, "partition": False,
+                                      "feed_lag_s": 0.0}).start()
+
+
+def test_remove_host_refuses_a_live_host(etcd: EtcdCluster) -> None:
+    """F4: ``kvcomm cluster remove-host`` of a host whose daemon is running revoked its
+    lease and deleted its records, said it was retired, and the daemon re-registered at
+    its next beat (a new lease, the same records): the host was not retired, and in L3
+    its feed cursors were deleted under a running daemon. A live lease now refuses the
+    removal (nothing changed) unless forced."""
+    from kvcomm.node.presence import HOSTS_PREFIX, cluster_status, remove_host
+
+    host = f"live-{uuid.uuid4().hex[:6]}"
+    p = _presence(etcd, host)
+    try:
+        with EtcdClient(etcd.endpoints) as e:
+            wait_for(lambda: e.get(HOSTS_PREFIX + host.encode()) is not None, 15,
+                     "the host's lease key")
+            with pytest.raises(kvcomm.InvalidArgument, match="live"):
+                remove_host(e, host)
+            assert {h["host"]: h for h in cluster_status(e)}[host]["lease"].startswith("live")
+            grants = p.grants
+            found = remove_host(e, host, force=True)  # an operator who insists
+            assert found["lease_revoked"] is True
+            # ...and the running daemon comes back on its own, with a new lease
+            wait_for(lambda: p.grants > grants, 15, "the daemon to take a new lease")
+    finally:
+        p.stop(revoke=True)
+    with EtcdClient(etcd.endpoints) as e:  # stopped: now it can be retired
+        assert remove_host(e, host)["keys_deleted"] >= 1
+        assert host not in {h["host"] for h in cluster_status(e)}
+
+
+def test_cluster_status_survives_hostile_records(etcd: EtcdCluster) -> None:
+    """F5: ``cluster status`` decoded what other hosts published without checking it: a
+    record that is JSON but not an object, or a backlog that is not a number, or a host
+    name that is not UTF-8, crashed the whole listing (AttributeError, ValueError,
+    UnicodeDecodeError) for every host."""
+    from kvcomm.node.presence import MEMBERS_PREFIX, cluster_status
+
+    tag = uuid.uuid4().hex[:6]
+    bad = {f"h-{tag}-list": b"[1, 2]", f"h-{tag}-num": b"5",
+           f"h-{tag}-backlog": b'{"backlog": "lots", "feed_lag_s": "slow", "partition": 1}',
+           f"h-{tag}-garbage": b"\xff\xfe"}
+    with EtcdClient(etcd.endpoints) as e:
+        for host, value in bad.items():
+            e.put(MEMBERS_PREFIX + host.encode(), value)
+        e.put(MEMBERS_PREFIX + b"h-" + tag.encode() + b"-\xff", b"{}")
+        try:
+            listed = {h["host"]: h for h in cluster_status(e)}
+            for host in bad:
+                assert listed[host]["lease"] == "expired", listed[host]
+                assert isinstance(listed[host]["backlog"], int)
+                assert isinstance(listed[host]["feed_lag_s"], float)
+            assert any(h.startswith(f"h-{tag}-") and "\\xff" in h for h in listed), listed
+        finally:
+            e.delete(MEMBERS_PREFIX + b"h-" + tag.encode(), prefix=True)
+
+
+def test_the_published_status_names_the_namespace() -> None:
+    """F5: ``cluster status --json`` printed ``"namespace": null`` for every host: the
+    daemon never published its namespace, which the listing then read."""
+    import random
+    import shutil
+
+    from kvcomm.devcluster.redis_cluster import RedisCluster
+    from kvcomm.node.daemon import NodeDaemon
+
+    from .daemon_harness import host_config
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    ns = f"tr9-{uuid.uuid4().hex[:8]}"
+    with RedisCluster() as rc:
+        d = NodeDaemon(host_config(rc, "host-ns", ns), rng=random.Random(1))
+        try:
+            st = d.status()
+            assert st["namespace"] == ns, st
+        finally:
+            d.close()
+            l2.purge(ns)
