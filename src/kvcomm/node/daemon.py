@@ -574,7 +574,8 @@ class Daemon:
         """What the daemon tells its agents (the status file) and the cluster (etcd)."""
         now = self.clock()
         p = self.presence
-        return {"host": self.host, "pid": os.getpid(), "updated": self.wall(),
+        return {"host": self.host, "namespace": getattr(self.port, "namespace", None),
+                "pid": os.getpid(), "updated": self.wall(),
                 "partition": self.reach.partition, "partition_reason": self.reach.reason,
                 "partitions": self.reach.entered, "backlog": self.backlog(),
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
