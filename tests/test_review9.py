@@ -331,3 +331,48 @@ def test_the_published_status_names_the_namespace() -> None:
         finally:
             d.close()
             l2.purge(ns)
+
+
+@pytest.fixture
+def proxied(etcd: EtcdCluster, tmp_path: Any) -> Iterator[tuple[Any, dict[str, str]]]:
+    """A fault proxy in front of every etcd member: (its control, the address remap)."""
+    from kvcomm.devcluster.procs import kill
+    from kvcomm.faults.proxy import ProxyControl, start_proxy
+
+    pid, remap = start_proxy(etcd.addresses, tmp_path / "ctl.sock", tmp_path / "ports.json",
+                             tmp_path / "proxy.log")
+    try:
+        yield ProxyControl(tmp_path / "ctl.sock"), remap
+    finally:
+        kill(pid)
+
+
+def test_a_strong_read_cut_off_at_its_first_contact_says_it_is_a_read(
+        hosts: Hosts, proxied: tuple[Any, dict[str, str]]) -> None:
+    """F6: a client's first strong operation first records or compares the prefixes (an
+    etcd transaction), outside the operation's 2 x cluster.timeout budget. Cut off at
+    that moment, a *get* raised "after the write was sent; it may or may not have been
+    applied (outcome unknown)", as if the reader had written something; and a check
+    that answered late left the operation a whole new 2 x timeout budget. The check now
+    spends the operation's budget and says what it was."""
+    ctl, remap = proxied
+    hosts.open("host-a")  # the prefixes are recorded: a later check only compares
+    ns = f"tr9-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    hosts.namespaces.append(ns)
+    cfg = hosts.config("host-p", ns)
+    cfg = kvcomm.Config.from_mapping({**cfg.model_dump(mode="json"),
+                                      "cluster": {**cfg.cluster.model_dump(mode="json"),
+                                                  "address_remap": remap}})
+    ctl.set("blackhole")
+    assert ctl.status()["mode"] == "blackhole"
+    c = kvcomm.open(ns, config=cfg)  # cannot check now: the first strong operation will
+    hosts.clients.append(c)
+    try:
+        with pytest.raises(kvcomm.Unavailable) as err:
+            c.get(_key("r"))
+        msg = str(err.value)
+        assert "may or may not have been applied" not in msg, msg
+        assert "cache.strong_prefixes" in msg, msg
+    finally:
+        ctl.set("pass")
+    assert c.get(_key("r")) is None  # healed: the check and the read go through
