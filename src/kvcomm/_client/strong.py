@@ -65,9 +65,10 @@ if TYPE_CHECKING:
     from ..config import Config
 
 STRONG_ACTOR = "@etcd"  # the version-vector actor of a strong key ('@' is in no host id)
-PREFIXES_KEY = b"kvc/config/strong_prefixes"
+CONFIG_PREFIX = b"kvc/config/"
+PREFIXES_KEY = CONFIG_PREFIX + b"strong_prefixes"
 # cache.l3_consistency: whether a key under no strong prefix is strong (the cluster's too)
-DEFAULT_KEY = b"kvc/config/l3_consistency"
+DEFAULT_KEY = CONFIG_PREFIX + b"l3_consistency"
 _HEADER = struct.Struct(">BI")  # tag, meta length; then meta, then the payload
 # etcd's --max-request-bytes default (1.5 MiB); the gateway base64-encodes the value
 ETCD_VALUE_LIMIT = 1536 * 1024 - 4096
@@ -105,13 +106,24 @@ def check_prefixes(etcd: EtcdClient, config: Config, *, timeout: float | None = 
     """
     mine = sorted(set(config.cache.strong_prefixes))
     default = config.cache.l3_consistency
-    rec = etcd.txn([Compare.create(PREFIXES_KEY, "=", 0)],
-                   [put_op(PREFIXES_KEY, json.dumps(mine).encode()),
-                    put_op(DEFAULT_KEY, default.encode())],
-                   [get_op(PREFIXES_KEY), get_op(DEFAULT_KEY)], timeout=timeout)
-    if rec.succeeded:
-        return mine
-    kv, kd = rec.results[0], rec.results[1]
+    deadline = time.monotonic() + (etcd.timeout if timeout is None else timeout)
+    # a (quorum) read first: once recorded, checking is a read, whose failure says so
+    found = {kv.key: kv for kv in etcd.range(CONFIG_PREFIX, timeout=timeout).kvs}
+    kv: KeyValue | int | None = found.get(PREFIXES_KEY)
+    kd: KeyValue | int | None = found.get(DEFAULT_KEY)
+    if kv is None:
+        try:
+            rec = etcd.txn([Compare.create(PREFIXES_KEY, "=", 0)],
+                           [put_op(PREFIXES_KEY, json.dumps(mine).encode()),
+                            put_op(DEFAULT_KEY, default.encode())],
+                           [get_op(PREFIXES_KEY), get_op(DEFAULT_KEY)],
+                           timeout=max(0.001, deadline - time.monotonic()))
+        except Unavailable as exc:
+            raise Unavailable(f"recording the cluster's strong prefixes in etcd failed ({exc}); "
+                              "harmless: the next strong operation checks again") from None
+        if rec.succeeded:
+            return mine
+        kv, kd = rec.results[0], rec.results[1]
     try:
         theirs = sorted(json.loads(kv.value)) if isinstance(kv, KeyValue) and kv.value else []
     except (ValueError, TypeError):
@@ -125,8 +137,14 @@ def check_prefixes(etcd: EtcdClient, config: Config, *, timeout: float | None = 
                           "strong prefixes; fix this host's config (or, with every host "
                           "stopped, delete that etcd key)")
     if not isinstance(kd, KeyValue):  # recorded by a version that did not record it
-        r = etcd.txn([Compare.create(DEFAULT_KEY, "=", 0)], [put_op(DEFAULT_KEY, default.encode())],
-                     [get_op(DEFAULT_KEY)], timeout=timeout)
+        try:
+            r = etcd.txn([Compare.create(DEFAULT_KEY, "=", 0)],
+                         [put_op(DEFAULT_KEY, default.encode())], [get_op(DEFAULT_KEY)],
+                         timeout=max(0.001, deadline - time.monotonic()))
+        except Unavailable as exc:
+            raise Unavailable(f"recording the cluster's cache.l3_consistency in etcd failed "
+                              f"({exc}); harmless: the next strong operation checks again"
+                              ) from None
         kd = None if r.succeeded else r.results[0]
     recorded = kd.value.decode("utf-8", "replace") if isinstance(kd, KeyValue) else default
     if recorded != default:
@@ -164,10 +182,18 @@ class StrongStore:
                 return True
         return self._default_strong
 
-    def check(self) -> None:
-        """Compare (or record) the prefixes once. Raises ConfigError, Unavailable."""
+    def check(self, timeout: float | None = None) -> None:
+        """Compare (or record) the prefixes once (within ``timeout``, cluster.timeout by
+        default). Raises ConfigError, Unavailable (saying what it was checking: the check
+        records the prefixes when nobody has, so etcd calls it a write, but repeating it
+        is harmless)."""
         if not self._checked:
-            check_prefixes(self.etcd, self.config)
+            try:
+                check_prefixes(self.etcd, self.config, timeout=timeout)
+            except Unavailable as exc:
+                raise Unavailable(f"strong keys: cannot compare cache.strong_prefixes with "
+                                  f"the cluster's (recorded in etcd) yet, so no strong "
+                                  f"operation was sent: {exc}") from None
             self._checked = True
 
     # ------------------------------------------------------------ encoding
@@ -216,9 +242,10 @@ class StrongStore:
             if why:
                 raise Unavailable(f"strong keys are unavailable: {why} (partition mode); "
                                   "eventual keys keep working on this host")
-        if not self._checked:
-            self.check()
-        return time.monotonic() + 2 * self.timeout
+        deadline = time.monotonic() + 2 * self.timeout
+        if not self._checked:  # (the first operation: within its own budget)
+            self.check(timeout=self._left(deadline))
+        return deadline
 
     def _left(self, deadline: float) -> float:
         left = deadline - time.monotonic()
