@@ -376,3 +376,33 @@ def test_a_strong_read_cut_off_at_its_first_contact_says_it_is_a_read(
     finally:
         ctl.set("pass")
     assert c.get(_key("r")) is None  # healed: the check and the read go through
+
+
+def test_an_idle_watch_resumes_after_a_compaction(etcd: EtcdCluster) -> None:
+    """F7: a watch resumed from the revision of the last *event* it delivered, ignoring
+    the progress notifications that say "nothing for you up to revision R" (what they
+    are for). A watch on a quiet key, idle while the cluster moved on and compacted,
+    then dropped (a member restarted), raised WatchCompacted — re-read everything —
+    although it had missed nothing. It now resumes from the last notified revision."""
+    tag = uuid.uuid4().hex[:8]
+    watched = f"r9w/{tag}/".encode()
+    with EtcdClient(etcd.endpoints) as c:
+        w = c.watch(watched, prefix=True)
+        try:
+            wait_for(w.created.is_set, 10, "the watch to be created")
+            for i in range(20):  # the cluster moves on, elsewhere
+                rev = c.put(f"r9other/{tag}/{i}".encode(), b"x")
+            c.request("/v3/kv/compaction", {"revision": str(rev), "physical": True}, write=True)
+            # progress notifications (every 2 s on the dev etcd) carry the revision on
+            wait_for(lambda: w.last_revision >= rev, 15, "a progress notification")
+            resumes = w.resumes
+            sock = w._sock
+            assert sock is not None
+            sock.shutdown(2)  # the stream drops, as when its member restarts
+            wait_for(lambda: w.resumes > resumes, 10, "the watch to resume")
+            put_rev = c.put(watched + b"k", b"v")
+            events = wait_for(lambda: w.next(timeout=0.1), 10, "the event after the resume")
+            assert [(e.type, e.kv.key, e.revision) for e in events] == \
+                [("put", watched + b"k", put_rev)]
+        finally:
+            w.close()
