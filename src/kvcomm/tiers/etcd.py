@@ -70,6 +70,8 @@ events in revision order; when it drops (a member killed or restarted, a partiti
 idle stream past ``idle`` seconds) the reader opens it again on the next member from
 ``last_revision + 1``, and drops any event at or below ``last_revision``, so the
 consumer sees every event once, in order, across failovers (``resumes`` counts them).
+``last_revision`` also follows etcd's progress notifications (no event for this watch up
+to revision R), so an idle watch resumes past a compaction it had nothing to see in.
 
 **Leases**: :meth:`EtcdClient.lease_grant`, :meth:`~EtcdClient.lease_keepalive`,
 :meth:`~EtcdClient.lease_revoke`, and :class:`KeepAlive`, a thread that renews a lease
@@ -1043,6 +1045,13 @@ class Watch:
         if events:
             self.last_revision = events[-1].revision
             self._queue.put(events)
+        elif not result.get("events"):
+            # a progress notification: every event up to its revision was sent, so a
+            # resume may start after it (what they are for: an idle watch is not
+            # stranded behind a compaction of revisions it had nothing to see in)
+            rev = _revision(result)
+            if rev > self.last_revision:
+                self.last_revision = rev
 
 
 # ---------------------------------------------------------------- keepalive
