@@ -406,3 +406,32 @@ def test_an_idle_watch_resumes_after_a_compaction(etcd: EtcdCluster) -> None:
                 [("put", watched + b"k", put_rev)]
         finally:
             w.close()
+
+
+@pytest.mark.parametrize("message", ["etcdserver: server stopped", "etcdserver: request cancelled"])
+def test_a_write_a_stopping_member_gave_up_on_is_of_unknown_outcome(
+        hostile: HostileMember, etcd: EtcdCluster, message: str) -> None:
+    """F8: "etcdserver: server stopped" was taken for proof that nothing was applied, and
+    the write was sent again to the next member. etcd answers it (ErrStopped) after the
+    proposal went to raft, when the member stops while waiting for the commit: the
+    write may be committed. Sent again, a compare-and-set that had succeeded then found
+    its own write and reported ConflictError; a put was applied twice. It is now
+    outcome unknown, and not repeated ("request cancelled", a proposal whose context
+    ended, already was: kept here beside it)."""
+    from kvcomm.tiers.etcd import Compare, get_op, put_op
+
+    hostile.status = 503
+    hostile.body = (b'{"error": "%s", "code": 14, "message": "%s"}'
+                    % (message.encode(), message.encode()))
+    k = f"r9stop/{uuid.uuid4().hex[:8]}".encode()
+    writes = [lambda c: c.txn([Compare.create(k, "=", 0)], [put_op(k, b"v")], [get_op(k)]),
+              lambda c: c.put(k, b"w"), lambda c: c.delete(k)]
+    for write in writes:
+        # the stand-in first: it is the member the write is sent to
+        with EtcdClient([hostile.endpoint, *etcd.endpoints], timeout=TIMEOUT) as c:
+            before = hostile.calls
+            with pytest.raises(kvcomm.Unavailable, match="outcome unknown"):
+                write(c)
+            assert hostile.calls == before + 1 and c.stats.unknown == 1
+            assert c.stats.by_endpoint == {}  # no member answered it
+            assert c.get(k) is None  # (the stand-in applied nothing; nobody else was asked)
