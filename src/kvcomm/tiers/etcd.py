@@ -35,8 +35,9 @@ member depends on what is known of it:
 
 * not sent (connection refused, connect timed out, a pooled connection found closed
   before use): any call moves on to the next member;
-* sent, then no answer (a timeout, a connection lost mid-call, etcd's "request timed out"
-  or "leader changed"): a **read** (range, lease time-to-live, keepalive) moves on; a
+* sent, then no answer (a timeout, a connection lost mid-call, etcd's "request timed out",
+  "leader changed", or "server stopped": a member stopping while its proposal waited for
+  the commit, which raft may still make): a **read** (range, lease time-to-live, keepalive) moves on; a
   **write** (put, delete, txn, lease grant and revoke) raises Unavailable saying its
   outcome is unknown — it may have been committed — because repeating it could apply it
   twice (a compare-and-set that succeeded would then report failure);
@@ -115,9 +116,11 @@ _FAILED_PRECONDITION, _OUT_OF_RANGE, _UNAVAILABLE, _UNAUTHENTICATED = 9, 11, 14,
 
 # answers that prove nothing was applied: any call may try another member
 _NOT_APPLIED = ("etcdserver: no leader", "etcdserver: too many requests",
-                "etcdserver: not capable", "etcdserver: server stopped")
-# answers after which a write may or may not have been committed
-_UNKNOWN = ("etcdserver: request timed out", "etcdserver: leader changed",
+                "etcdserver: not capable")
+# answers after which a write may or may not have been committed ("server stopped":
+# the member stopped while its proposal waited for the commit, which raft may still make)
+_UNKNOWN = ("etcdserver: server stopped", "etcdserver: request cancelled",
+            "etcdserver: request timed out", "etcdserver: leader changed",
             "etcdserver: request timed out, possibly due to previous leader failure",
             "etcdserver: request timed out, possibly due to connection lost")
 _TOO_LARGE = ("etcdserver: request is too large", "received message larger than max",
