@@ -435,3 +435,50 @@ def test_a_write_a_stopping_member_gave_up_on_is_of_unknown_outcome(
             assert hostile.calls == before + 1 and c.stats.unknown == 1
             assert c.stats.by_endpoint == {}  # no member answered it
             assert c.get(k) is None  # (the stand-in applied nothing; nobody else was asked)
+
+
+def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """F9: ``cluster.max_clock_skew`` was a setting and versions.SkewMonitor a class, but
+    nothing used either: a host whose clock ran an hour ahead had its writes merged
+    with their timestamps adopted, winning last-writer-wins over every later write of
+    the other hosts for that hour, and nothing said so. The issue: "the HLC refuses,
+    or logs and counts, remote timestamps beyond cluster.max_clock_skew". The daemon
+    now counts them (stats, status) and logs (the 1st, 2nd, 4th... in a row); the write
+    itself is merged: it was acknowledged on its host."""
+    import shutil
+    import time
+
+    from kvcomm.core.versions import LOGICAL_BITS
+    from kvcomm.devcluster.redis_cluster import RedisCluster
+    from kvcomm.tiers.l3 import L3Store
+
+    from .daemon_harness import Host, record
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    with RedisCluster() as rc:
+        h = Host(rc, "host-1", 7)
+        store = L3Store(rc.seeds)
+        try:
+            k = f"skew/{uuid.uuid4().hex[:6]}"
+            h.kv.put(k, "local")  # held here: the remote write is merged into L2
+            ahead_ms = 3_600_000
+            hlc = (time.time_ns() // 1_000_000 + ahead_ms) << LOGICAL_BITS
+            with caplog.at_level("WARNING", logger="kvcomm.node"):
+                out = store.push(k, record("from the future", "host-9", 1, hlc,
+                                           vector=[("host-9", 1), ("host-1", 1)]))
+                assert out.outcome in ("new", "newer"), out.outcome
+                wait_for(lambda: h.kv.get(k) == "from the future", 20, "the remote write")
+                wait_for(lambda: h.stats.extra.get("clock_skew", 0) >= 1, 10,
+                         "the skew to be counted")
+            assert h.daemon is not None
+            st = h.daemon.status()
+            assert st["clock_skew"]["beyond"] >= 1, st
+            assert st["clock_skew"]["max_ahead_ms"] >= ahead_ms - 60_000, st
+            assert any("max_clock_skew" in r.getMessage() and "host-9" in r.getMessage()
+                       for r in caplog.records), [r.getMessage() for r in caplog.records]
+            assert h.alive
+        finally:
+            store.close()
+            h.close()
