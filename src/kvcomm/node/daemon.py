@@ -81,9 +81,11 @@ from typing import Any
 
 from .._client import Client
 from .._client import open as kv_open
+from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
+from ..core.versions import SkewMonitor
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
@@ -147,7 +149,8 @@ class Daemon:
     def __init__(self, config: Config, port: HostL2, l3: L3Port, keys: HostKeys, *,
                  rng: random.Random, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 hlc_ms: Callable[[], int] | None = None) -> None:
         self.config, self.port, self.l3, self.keys = config, port, l3, keys
         self.rng, self.clock, self.sleep, self.wall = rng, clock, sleep, wall
         self.started = False  # __init__ done: the L2 heartbeat says so to tools
@@ -176,6 +179,10 @@ class Daemon:
         self.reach = Reachability(cl.lease_ttl, now)
         self.presence: HostPresence | None = None
         self.last_pull = now  # the last feed read that succeeded (feed lag)
+        # remote timestamps beyond cluster.max_clock_skew: counted and logged, not
+        # refused (the write was acknowledged on its host); hlc_ms: this host's HLC clock
+        self.hlc_ms = hlc_ms if hlc_ms is not None else clock_for(config)
+        self.skew = SkewMonitor(max(1, round(cl.max_clock_skew * 1000)))
         self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self._fill_key_filter(initial=True)
@@ -501,6 +508,8 @@ class Daemon:
             self._set_aside(key, f"feed: {exc}")
             return
         self.hosts.saw(rec.dot[0], _ms(self.clock()))
+        if self.skew.observe(rec.hlc, self.hlc_ms()):
+            self._skewed(key, rec)
         # our own writes come back too: the merge finds them equal (a no-op), but a
         # record L3 merged from ours and another host's must still be taken
         if not rec.tombstone:
@@ -511,6 +520,19 @@ class Daemon:
             return  # not held here: the next read goes to L3
         if self._guarded(key, "feed", self._apply_or_forget, key, rec):
             self.stats.pulled += 1
+
+    def _skewed(self, key: str, rec: L3Record) -> None:
+        """A remote write stamped further ahead of this host's clock than
+        cluster.max_clock_skew: merged all the same (acknowledged on its host), counted,
+        and logged at the 1st, 2nd, 4th, 8th... such write."""
+        self.stats.bump("clock_skew")
+        n = self.skew.beyond
+        if n & (n - 1) == 0:
+            log.warning("a write of host %s to %r is stamped %d ms ahead of this host's "
+                        "clock, over cluster.max_clock_skew (%d ms): it is merged, and wins "
+                        "last-writer-wins over this host's later writes of the key until the "
+                        "clocks agree; check the hosts' clock sync (%d such writes so far)",
+                        rec.dot[0], key, self.skew.last_ahead_ms, self.skew.max_skew_ms, n)
 
     def _save_state(self) -> None:
         """Save the feed cursors and sequence numbers that changed (not those of a
@@ -581,7 +603,9 @@ class Daemon:
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
                 "etcd_unreachable": bool(p and p.etcd_unreachable),
                 "etcd_down_s": round(p.etcd_down_s(), 3) if p else 0.0,
-                "lease": p.lease if p else 0}
+                "lease": p.lease if p else 0,
+                "clock_skew": {"beyond": self.skew.beyond,
+                               "max_ahead_ms": self.skew.max_ahead_ms}}
 
     def decide_partition(self) -> None:
         """Enter or leave partition mode (see node/presence.py). Leaving it retries the
