@@ -177,6 +177,9 @@ class Daemon:
         # partition mode (node/presence.py): Redis or an etcd majority out of reach
         # longer than the lease TTL; etcd's side is the presence thread's (NodeDaemon)
         self.reach = Reachability(cl.lease_ttl, now)
+        # (decide_partition runs in the loop, and from the lease thread while the loop is
+        # stuck in Redis calls: a cut-off host's calls time out one after the other)
+        self.reach_lock = threading.Lock()
         self.presence: HostPresence | None = None
         self.last_pull = now  # the last feed read that succeeded (feed lag)
         # remote timestamps beyond cluster.max_clock_skew: counted and logged, not
@@ -610,6 +613,21 @@ class Daemon:
     def decide_partition(self) -> None:
         """Enter or leave partition mode (see node/presence.py). Leaving it retries the
         backlog and the feeds at once instead of after the backoff."""
+        with self.reach_lock:
+            self._decide_partition()
+
+    def enter_partition_if_due(self) -> None:
+        """Enter partition mode if it is due, leaving it to the loop to leave it (after
+        a Redis round that worked). The lease thread calls this every second at least,
+        so that a loop stuck in Redis calls that time out one after the other (a
+        cut-off host's redis-py tries every seed node in turn) does not delay partition
+        mode by far more than the lease TTL."""
+        with self.reach_lock:
+            if self.reach.overdue(self.clock(),
+                                  self.presence.etcd_ok_at if self.presence else None):
+                self._decide_partition()
+
+    def _decide_partition(self) -> None:
         now = self.clock()
         change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
         if change == "enter":
@@ -741,7 +759,7 @@ class NodeDaemon(Daemon):
             self.status_written = float("-inf")
             if cl.etcd:
                 self.presence = HostPresence(config, self.status,
-                                             on_change=self.write_status).start()
+                                             on_change=self._lease_tick).start()
         except BaseException:  # L3 unreachable at start, say: release what we opened
             if keys is not None:
                 keys.close()
@@ -761,6 +779,12 @@ class NodeDaemon(Daemon):
         if now - self.status_written < 0.2:
             return
         self.status_written = now
+        self.write_status()
+
+    def _lease_tick(self) -> None:
+        """From the lease thread (every second at least): partition mode when due, then
+        the status file."""
+        self.enter_partition_if_due()
         self.write_status()
 
     def write_status(self) -> None:

@@ -128,6 +128,12 @@ class Reachability:
     def redis_ok(self, now: float) -> None:
         self.redis_ok_at = now
 
+    def overdue(self, now: float, etcd_ok_at: float | None) -> bool:
+        """True when partition mode is due and not yet entered (:meth:`update` would
+        return "enter"); changes nothing."""
+        return not self.partition and (now - self.redis_ok_at > self.ttl or (
+            etcd_ok_at is not None and now - etcd_ok_at > self.ttl))
+
     def update(self, now: float, etcd_ok_at: float | None) -> str | None:
         """Re-decide; returns "enter", "leave" or None (no change)."""
         why = []
