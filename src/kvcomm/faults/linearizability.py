@@ -158,8 +158,13 @@ def operations(history: Iterable[Event]) -> list[Operation]:
     if any(e.time is not None for e in events):
         if not all(e.time is not None for e in events):
             raise InvalidArgument("either every event has a time or none has")
-        order = sorted(range(len(events)),
-                       key=lambda i: (events[i].time, events[i].type != INVOKE, i))
+        # pairing is per process: each process's events in time order, where a tie
+        # between its completion and its next invocation (one clock reading) is read
+        # the only way it can be. Across processes, equal times overlap (check_key).
+        by_process: dict[Hashable, list[int]] = {}
+        for i in sorted(range(len(events)), key=lambda i: (events[i].time, i)):
+            by_process.setdefault(events[i].process, []).append(i)
+        order = [i for idxs in by_process.values() for i in _alternate(events, idxs)]
         pos: dict[int, float] = {i: float(events[i].time) for i in order}  # type: ignore[arg-type]
     else:
         order = list(range(len(events)))
@@ -194,6 +199,31 @@ def operations(history: Iterable[Event]) -> list[Operation]:
     for j, inv in pending.values():  # never completed: unknown
         if inv.f != GET:
             out.append(Operation(inv.process, inv.f, inv.key, inv.value, None, "info", pos[j], None))
+    return out
+
+
+def _alternate(events: Sequence[Event], idxs: list[int]) -> list[int]:
+    """One process's events (indexes, in time order; ties in list order) with ties
+    arranged so that invocations and completions alternate: while an operation is in
+    flight, its completion first; else an invocation. What cannot alternate stays as it
+    is (and is refused as malformed by the caller)."""
+    out: list[int] = []
+    rest = list(idxs)
+    inflight: Event | None = None
+    while rest:
+        t = events[rest[0]].time
+        pick = 0
+        for j, i in enumerate(rest):
+            e = events[i]
+            if e.time != t:
+                break
+            if inflight is None and e.type == INVOKE or inflight is not None and \
+                    e.type != INVOKE and (e.f, e.key) == (inflight.f, inflight.key):
+                pick = j
+                break
+        i = rest.pop(pick)
+        out.append(i)
+        inflight = events[i] if events[i].type == INVOKE else None
     return out
 
 
