@@ -528,7 +528,11 @@ def test_a_completion_and_the_next_invocation_at_one_instant_are_a_valid_history
     process that completes an operation and invokes its next one within the clock's
     resolution (the same CLOCK_MONOTONIC reading, which ``kvcomm jepsen`` records) then
     seemed to invoke while its operation was in flight: the whole history was refused
-    as malformed (InvalidArgument), and the jepsen run ended without a verdict."""
+    as malformed (InvalidArgument), and the jepsen run ended without a verdict. And
+    once paired, the search let one process's operations that touch at an instant
+    overlap, so a later put could be ordered before an earlier one of the same process:
+    the stale read below (put a; put b; another process reads a after put b returned)
+    was judged linearizable."""
     from kvcomm.faults.linearizability import Event, check
 
     events = [Event(1, "invoke", "put", "k", "a", time=1.0), Event(1, "ok", "put", "k", None, time=2.0),
