@@ -548,3 +548,15 @@ def test_a_completion_and_the_next_invocation_at_one_instant_are_a_valid_history
                            Event(2, "ok", "get", "k", "a", time=4.0)]
     assert check(stale).verdict == "illegal"
     assert check(stale[6:] + stale[:6]).verdict == "illegal"
+
+
+def test_merge_remote_refuses_a_strong_key(hosts: Hosts) -> None:
+    """F12: ``merge_remote`` (public: how tests and tools apply another host's version)
+    wrote a strong key's value into L2, dirty: the daemon would have published it to
+    L3, where strong keys never live (and a strong read, from etcd, never saw it: an
+    accepted write that no read returns). It now refuses, as batch() does."""
+    a = hosts.open("host-a")
+    k = _key("m")
+    with pytest.raises(kvcomm.InvalidArgument, match="strong"):
+        a.merge_remote(k, "v", kvcomm.Version((("host-z", 1),), 1 << 16))
+    assert k not in a.keys() and a.get(k) is None
