@@ -55,13 +55,16 @@ class Merging(HotKeys):
         stored with the merged vector. Returns the version stored afterwards. Raises
         InvalidArgument (nothing stored) for a vector that is not (host id, counter in
         1..2**53-1) pairs: a counter past that bound would carry this host's write
-        sequence with it.
+        sequence with it; and for a strong key (cluster mode: it lives in etcd only).
         """
         if not isinstance(version, Version):
             raise InvalidArgument(f"version must be a kvcomm.Version, got {type(version).__name__}")
         if not counters_valid(version.vector):
             raise InvalidArgument(f"version {version.vector!r:.200} is not (host id, counter in "
                                   "1..2**53-1) pairs (kvcomm.core.versions.MAX_COUNTER)")
+        if self._strong_on and self._is_strong(key, None):
+            raise InvalidArgument(f"{key!r} is a strong key (cache.strong_prefixes): it lives "
+                                  "in etcd only, where no merge applies; write it with put()")
         return self._merge(key, value, version, self._encode(value))
 
     def _local_item(self, kb: bytes, h: int, key: str) -> Item | None:

@@ -48,7 +48,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..core import codec
 from ..core.versions import Version
-from ..errors import ConfigError, ConflictError, InvalidArgument, Unavailable, ValueTooLarge
+from ..errors import (
+    ConfigError,
+    ConflictError,
+    CorruptRecord,
+    InvalidArgument,
+    KVCommError,
+    Unavailable,
+    ValueTooLarge,
+)
 from ..tiers.etcd import Compare, EtcdClient, KeyValue, delete_op, get_op, put_op
 from .base import _MAX_UPDATE_RETRIES, _run_validator
 from .items import ABSENT, Item
@@ -57,7 +65,10 @@ if TYPE_CHECKING:
     from ..config import Config
 
 STRONG_ACTOR = "@etcd"  # the version-vector actor of a strong key ('@' is in no host id)
-PREFIXES_KEY = b"kvc/config/strong_prefixes"
+CONFIG_PREFIX = b"kvc/config/"
+PREFIXES_KEY = CONFIG_PREFIX + b"strong_prefixes"
+# cache.l3_consistency: whether a key under no strong prefix is strong (the cluster's too)
+DEFAULT_KEY = CONFIG_PREFIX + b"l3_consistency"
 _HEADER = struct.Struct(">BI")  # tag, meta length; then meta, then the payload
 # etcd's --max-request-bytes default (1.5 MiB); the gateway base64-encodes the value
 ETCD_VALUE_LIMIT = 1536 * 1024 - 4096
@@ -83,27 +94,66 @@ def etcd_key(key: str) -> bytes:
 
 
 def check_prefixes(etcd: EtcdClient, config: Config, *, timeout: float | None = None) -> list[str]:
-    """Record this config's ``cache.strong_prefixes`` in etcd if none are recorded yet,
-    else compare them with the recorded ones; returns the cluster's prefixes.
+    """Record this config's ``cache.strong_prefixes`` and ``cache.l3_consistency`` (which
+    together say which keys are strong) in etcd if none are recorded yet, else compare
+    them with the recorded ones; returns the cluster's prefixes.
 
     Raises ConfigError when they differ (the host or agent must not start: it would treat
-    keys differently from the rest of the cluster), Unavailable when etcd cannot answer.
-    Nothing is changed when they differ.
+    keys differently from the rest of the cluster, writing to etcd what the others read
+    from L3 or the other way round), Unavailable when etcd cannot answer. Nothing is
+    changed when they differ. A cluster whose prefixes were recorded before the default
+    was gets this config's default recorded, once.
     """
     mine = sorted(set(config.cache.strong_prefixes))
-    rec = etcd.txn([Compare.create(PREFIXES_KEY, "=", 0)],
-                   [put_op(PREFIXES_KEY, json.dumps(mine).encode())],
-                   [get_op(PREFIXES_KEY)], timeout=timeout)
-    if rec.succeeded:
-        return mine
-    kv = rec.results[0]
-    theirs = sorted(json.loads(kv.value)) if isinstance(kv, KeyValue) and kv.value else []
+    default = config.cache.l3_consistency
+    deadline = time.monotonic() + (etcd.timeout if timeout is None else timeout)
+    # a (quorum) read first: once recorded, checking is a read, whose failure says so
+    found = {kv.key: kv for kv in etcd.range(CONFIG_PREFIX, timeout=timeout).kvs}
+    kv: KeyValue | int | None = found.get(PREFIXES_KEY)
+    kd: KeyValue | int | None = found.get(DEFAULT_KEY)
+    if kv is None:
+        try:
+            rec = etcd.txn([Compare.create(PREFIXES_KEY, "=", 0)],
+                           [put_op(PREFIXES_KEY, json.dumps(mine).encode()),
+                            put_op(DEFAULT_KEY, default.encode())],
+                           [get_op(PREFIXES_KEY), get_op(DEFAULT_KEY)],
+                           timeout=max(0.001, deadline - time.monotonic()))
+        except Unavailable as exc:
+            raise Unavailable(f"recording the cluster's strong prefixes in etcd failed ({exc}); "
+                              "harmless: the next strong operation checks again") from None
+        if rec.succeeded:
+            return mine
+        kv, kd = rec.results[0], rec.results[1]
+    try:
+        theirs = sorted(json.loads(kv.value)) if isinstance(kv, KeyValue) and kv.value else []
+    except (ValueError, TypeError):
+        raise ConfigError("cache.strong_prefixes", f"etcd's {PREFIXES_KEY.decode()} is not a "
+                          "JSON list of prefixes: with every host stopped, delete it (the "
+                          "next host records its own)") from None
     if theirs != mine:
         raise ConfigError("cache.strong_prefixes",
                           f"this config has {mine}, the cluster records {theirs} (in etcd, "
                           f"{PREFIXES_KEY.decode()}): every host and agent must list the same "
                           "strong prefixes; fix this host's config (or, with every host "
                           "stopped, delete that etcd key)")
+    if not isinstance(kd, KeyValue):  # recorded by a version that did not record it
+        try:
+            r = etcd.txn([Compare.create(DEFAULT_KEY, "=", 0)],
+                         [put_op(DEFAULT_KEY, default.encode())], [get_op(DEFAULT_KEY)],
+                         timeout=max(0.001, deadline - time.monotonic()))
+        except Unavailable as exc:
+            raise Unavailable(f"recording the cluster's cache.l3_consistency in etcd failed "
+                              f"({exc}); harmless: the next strong operation checks again"
+                              ) from None
+        kd = None if r.succeeded else r.results[0]
+    recorded = kd.value.decode("utf-8", "replace") if isinstance(kd, KeyValue) else default
+    if recorded != default:
+        raise ConfigError("cache.l3_consistency",
+                          f"this config has {default!r}, the cluster records {recorded!r} (in "
+                          f"etcd, {DEFAULT_KEY.decode()}): it decides whether keys under no "
+                          "strong prefix are strong, so every host and agent must say the "
+                          "same; fix this host's config (or, with every host stopped, delete "
+                          "that etcd key)")
     return theirs
 
 
@@ -132,10 +182,18 @@ class StrongStore:
                 return True
         return self._default_strong
 
-    def check(self) -> None:
-        """Compare (or record) the prefixes once. Raises ConfigError, Unavailable."""
+    def check(self, timeout: float | None = None) -> None:
+        """Compare (or record) the prefixes once (within ``timeout``, cluster.timeout by
+        default). Raises ConfigError, Unavailable (saying what it was checking: the check
+        records the prefixes when nobody has, so etcd calls it a write, but repeating it
+        is harmless)."""
         if not self._checked:
-            check_prefixes(self.etcd, self.config)
+            try:
+                check_prefixes(self.etcd, self.config, timeout=timeout)
+            except Unavailable as exc:
+                raise Unavailable(f"strong keys: cannot compare cache.strong_prefixes with "
+                                  f"the cluster's (recorded in etcd) yet, so no strong "
+                                  f"operation was sent: {exc}") from None
             self._checked = True
 
     # ------------------------------------------------------------ encoding
@@ -152,9 +210,22 @@ class StrongStore:
 
     @staticmethod
     def _decode(key: str, data: bytes) -> Any:
-        tag, n = _HEADER.unpack_from(data)
-        meta = data[_HEADER.size:_HEADER.size + n]
-        return codec.decode(tag, meta, data[_HEADER.size + n:])
+        """The value stored in etcd. Raises CorruptRecord for bytes KVCOMM did not write
+        (etcdctl, another program): whatever is wrong with them, only this key is
+        concerned."""
+        try:
+            tag, n = _HEADER.unpack_from(data)
+            if _HEADER.size + n > len(data):
+                raise ValueError(f"{n} bytes of metadata announced, {len(data)} in all")
+            meta = data[_HEADER.size:_HEADER.size + n]
+            return codec.decode(tag, meta, data[_HEADER.size + n:])
+        except KVCommError:
+            raise
+        except Exception as exc:  # (struct.error, the codec's ValueError, msgpack's...)
+            raise CorruptRecord(f"strong key {key!r}: etcd holds {len(data)} bytes under "
+                                f"{(KEY_PREFIX + key.encode()).decode(errors='replace')} that "
+                                f"are not a KVCOMM value ({type(exc).__name__}: {exc}); "
+                                "overwrite or delete the key") from None
 
     def _item(self, key: str, kv: KeyValue | None) -> Item | None:
         if kv is None:
@@ -171,9 +242,10 @@ class StrongStore:
             if why:
                 raise Unavailable(f"strong keys are unavailable: {why} (partition mode); "
                                   "eventual keys keep working on this host")
-        if not self._checked:
-            self.check()
-        return time.monotonic() + 2 * self.timeout
+        deadline = time.monotonic() + 2 * self.timeout
+        if not self._checked:  # (the first operation: within its own budget)
+            self.check(timeout=self._left(deadline))
+        return deadline
 
     def _left(self, deadline: float) -> float:
         left = deadline - time.monotonic()

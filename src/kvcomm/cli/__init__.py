@@ -240,7 +240,8 @@ def _cluster(args: argparse.Namespace) -> int:
     L3) and feed lag, as its daemon last published them. `remove-host HOST`: retire a
     host that will not come back: revoke its lease, delete its records in etcd and its
     feed cursors, hot keys and quarantine list in L3. Its backlog lives in its own L2:
-    run its daemon once (it flushes on SIGTERM) before removing it if it can still run."""
+    run its daemon once (it flushes on SIGTERM) before removing it if it can still run.
+    A host whose lease is live is refused (its daemon runs) unless --force."""
     from ..node.presence import cluster_status, remove_host
     from ..tiers.etcd import EtcdClient
 
@@ -258,7 +259,7 @@ def _cluster(args: argparse.Namespace) -> int:
                 print(f"{h['host']:<16} {h['lease']:<18} {'yes' if h['partition'] else 'no':<9} "
                       f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s")
             return 0
-        found = remove_host(etcd, args.host)
+        found = remove_host(etcd, args.host, force=args.force)
     l3_keys = 0
     if cfg.cluster.redis:
         require_cluster("kvcomm cluster remove-host")
@@ -464,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "quarantine list in L3. Its unflushed backlog lives in its own L2: "
                             "SIGTERM its daemon first, if it can still run.")
     rm.add_argument("host", metavar="HOST", help="the host id (node.host_id)")
+    rm.add_argument("--force", action="store_true",
+                    help="retire it even though its lease is live (its daemon runs: it "
+                    "registers again at its next beat unless it stays cut off)")
     for q in (st, rm):
         q.add_argument("--config", required=True, metavar="FILE",
                        help="a host's kvcomm YAML config (its cluster.etcd and cluster.redis)")

@@ -7,7 +7,8 @@ invocation and its completion, in an order that a single register would produce.
 Histories
 ---------
 A history is a sequence of :class:`Event` s, in the order they happened (or with times:
-``time`` orders them when given). Each process runs one operation at a time: an
+``time`` orders them when given; operations of different processes that touch at one
+instant overlap, one process's never do). Each process runs one operation at a time: an
 ``invoke`` then its completion, one of
 
 * ``ok``: it took effect, with this result;
@@ -70,7 +71,8 @@ class Event:
     """One invocation or completion. ``value``: at ``invoke`` the argument (put: the value;
     cas: ``(expected, new)``), at ``ok`` the result (get: the value read, None for absent;
     cas: True/False; delete: True/False or None). ``time`` is optional: given, events are
-    ordered by it (ties: invocations first, so that equal instants overlap)."""
+    ordered by it (ties: operations of different processes overlap; one process's
+    events at one instant keep their list order)."""
 
     process: Hashable
     type: Literal["invoke", "ok", "fail", "info"]
@@ -158,8 +160,13 @@ def operations(history: Iterable[Event]) -> list[Operation]:
     if any(e.time is not None for e in events):
         if not all(e.time is not None for e in events):
             raise InvalidArgument("either every event has a time or none has")
-        order = sorted(range(len(events)),
-                       key=lambda i: (events[i].time, events[i].type != INVOKE, i))
+        # pairing is per process: each process's events in time order, where a tie
+        # between its completion and its next invocation (one clock reading) is read
+        # the only way it can be. Across processes, equal times overlap (check_key).
+        by_process: dict[Hashable, list[int]] = {}
+        for i in sorted(range(len(events)), key=lambda i: (events[i].time, i)):
+            by_process.setdefault(events[i].process, []).append(i)
+        order = [i for idxs in by_process.values() for i in _alternate(events, idxs)]
         pos: dict[int, float] = {i: float(events[i].time) for i in order}  # type: ignore[arg-type]
     else:
         order = list(range(len(events)))
@@ -194,6 +201,31 @@ def operations(history: Iterable[Event]) -> list[Operation]:
     for j, inv in pending.values():  # never completed: unknown
         if inv.f != GET:
             out.append(Operation(inv.process, inv.f, inv.key, inv.value, None, "info", pos[j], None))
+    return out
+
+
+def _alternate(events: Sequence[Event], idxs: list[int]) -> list[int]:
+    """One process's events (indexes, in time order; ties in list order) with ties
+    arranged so that invocations and completions alternate: while an operation is in
+    flight, its completion first; else an invocation. What cannot alternate stays as it
+    is (and is refused as malformed by the caller)."""
+    out: list[int] = []
+    rest = list(idxs)
+    inflight: Event | None = None
+    while rest:
+        t = events[rest[0]].time
+        pick = 0
+        for j, i in enumerate(rest):
+            e = events[i]
+            if e.time != t:
+                break
+            if inflight is None and e.type == INVOKE or inflight is not None and \
+                    e.type != INVOKE and (e.f, e.key) == (inflight.f, inflight.key):
+                pick = j
+                break
+        i = rest.pop(pick)
+        out.append(i)
+        inflight = events[i] if events[i].type == INVOKE else None
     return out
 
 
@@ -242,18 +274,31 @@ def check_key(key: str, ops: Sequence[Operation], initial: Any = None,
     ops = list(ops)
     for n, o in enumerate(ops):
         o.index = n
-    points: list[tuple[float, int, _Entry]] = []
+    # at equal times, calls come before completions (operations that touch overlap),
+    # except a call that follows its own process's completion at that instant (and its
+    # completion, if at the same instant too): one process's operations never overlap,
+    # whatever the clock's resolution. Those come after, in the process's order.
+    ended: dict[tuple[Hashable, float], int] = {}
+    for o in ops:
+        if o.ret is not None:
+            ended[(o.process, o.ret)] = ended.get((o.process, o.ret), 0) + 1
+    seq = {id(o): n for n, o in enumerate(sorted(
+        ops, key=lambda o: (o.call, float("inf") if o.ret is None else o.ret, o.index)))}
+    points: list[tuple[tuple[float, int, int, int], _Entry]] = []
     for o in ops:
         call = _Entry(o, True)
-        points.append((o.call, 0, call))
+        follows = ended.get((o.process, o.call), 0) - (1 if o.ret == o.call else 0) > 0
+        phase = 2 if follows else 0
+        points.append(((o.call, phase, seq[id(o)], 0), call))
         if o.ret is not None:
             ret = _Entry(o, False)
             call.match = ret
-            points.append((o.ret, 1, ret))
-    points.sort(key=lambda p: (p[0], p[1]))
+            points.append(((o.ret, 2 if follows and o.ret == o.call else 1, seq[id(o)], 1),
+                           ret))
+    points.sort(key=lambda p: p[0])
     head = _Entry(None, True)
     prev = head
-    for _, _, e in points:
+    for _, e in points:
         prev.next, e.prev = e, prev
         prev = e
     returns = sum(1 for o in ops if o.ret is not None)

@@ -90,9 +90,11 @@ from typing import Any
 
 from .._client import Client
 from .._client import open as kv_open
+from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
+from ..core.versions import SkewMonitor
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
@@ -158,7 +160,8 @@ class Daemon:
     def __init__(self, config: Config, port: HostL2, l3: L3Port, keys: HostKeys, *,
                  rng: random.Random, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 hlc_ms: Callable[[], int] | None = None) -> None:
         self.config, self.port, self.l3, self.keys = config, port, l3, keys
         self.rng, self.clock, self.sleep, self.wall = rng, clock, sleep, wall
         self.started = False  # __init__ done: the L2 heartbeat says so to tools
@@ -185,8 +188,15 @@ class Daemon:
         # partition mode (node/presence.py): Redis or an etcd majority out of reach
         # longer than the lease TTL; etcd's side is the presence thread's (NodeDaemon)
         self.reach = Reachability(cl.lease_ttl, now)
+        # (decide_partition runs in the loop, and from the lease thread while the loop is
+        # stuck in Redis calls: a cut-off host's calls time out one after the other)
+        self.reach_lock = threading.Lock()
         self.presence: HostPresence | None = None
         self.last_pull = now  # the last feed read that succeeded (feed lag)
+        # remote timestamps beyond cluster.max_clock_skew: counted and logged, not
+        # refused (the write was acknowledged on its host); hlc_ms: this host's HLC clock
+        self.hlc_ms = hlc_ms if hlc_ms is not None else clock_for(config)
+        self.skew = SkewMonitor(max(1, round(cl.max_clock_skew * 1000)))
         self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self.async_push = False  # push from a thread (NodeDaemon): see _push
@@ -562,6 +572,8 @@ class Daemon:
             self._set_aside(key, f"feed: {exc}")
             return
         self.hosts.saw(rec.dot[0], _ms(self.clock()))
+        if self.skew.observe(rec.hlc, self.hlc_ms()):
+            self._skewed(key, rec)
         # our own writes come back too: the merge finds them equal (a no-op), but a
         # record L3 merged from ours and another host's must still be taken
         if not rec.tombstone:
@@ -572,6 +584,19 @@ class Daemon:
             return  # not held here: the next read goes to L3
         if self._guarded(key, "feed", self._apply_or_forget, key, rec):
             self.stats.pulled += 1
+
+    def _skewed(self, key: str, rec: L3Record) -> None:
+        """A remote write stamped further ahead of this host's clock than
+        cluster.max_clock_skew: merged all the same (acknowledged on its host), counted,
+        and logged at the 1st, 2nd, 4th, 8th... such write."""
+        self.stats.bump("clock_skew")
+        n = self.skew.beyond
+        if n & (n - 1) == 0:
+            log.warning("a write of host %s to %r is stamped %d ms ahead of this host's "
+                        "clock, over cluster.max_clock_skew (%d ms): it is merged, and wins "
+                        "last-writer-wins over this host's later writes of the key until the "
+                        "clocks agree; check the hosts' clock sync (%d such writes so far)",
+                        rec.dot[0], key, self.skew.last_ahead_ms, self.skew.max_skew_ms, n)
 
     def _save_state(self) -> None:
         """Save the feed cursors and sequence numbers that changed (not those of a
@@ -657,17 +682,35 @@ class Daemon:
         """What the daemon tells its agents (the status file) and the cluster (etcd)."""
         now = self.clock()
         p = self.presence
-        return {"host": self.host, "pid": os.getpid(), "updated": self.wall(),
+        return {"host": self.host, "namespace": getattr(self.port, "namespace", None),
+                "pid": os.getpid(), "updated": self.wall(),
                 "partition": self.reach.partition, "partition_reason": self.reach.reason,
                 "partitions": self.reach.entered, "backlog": self.backlog(),
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
                 "etcd_unreachable": bool(p and p.etcd_unreachable),
                 "etcd_down_s": round(p.etcd_down_s(), 3) if p else 0.0,
-                "lease": p.lease if p else 0}
+                "lease": p.lease if p else 0,
+                "clock_skew": {"beyond": self.skew.beyond,
+                               "max_ahead_ms": self.skew.max_ahead_ms}}
 
     def decide_partition(self) -> None:
         """Enter or leave partition mode (see node/presence.py). Leaving it retries the
         backlog and the feeds at once instead of after the backoff."""
+        with self.reach_lock:
+            self._decide_partition()
+
+    def enter_partition_if_due(self) -> None:
+        """Enter partition mode if it is due, leaving it to the loop to leave it (after
+        a Redis round that worked). The lease thread calls this every second at least,
+        so that a loop stuck in Redis calls that time out one after the other (a
+        cut-off host's redis-py tries every seed node in turn) does not delay partition
+        mode by far more than the lease TTL."""
+        with self.reach_lock:
+            if self.reach.overdue(self.clock(),
+                                  self.presence.etcd_ok_at if self.presence else None):
+                self._decide_partition()
+
+    def _decide_partition(self) -> None:
         now = self.clock()
         change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
         if change == "enter":
@@ -816,7 +859,7 @@ class NodeDaemon(Daemon):
             self.status_written = float("-inf")
             if cl.etcd:
                 self.presence = HostPresence(config, self.status,
-                                             on_change=self.write_status).start()
+                                             on_change=self._lease_tick).start()
         except BaseException:  # L3 unreachable at start, say: release what we opened
             if keys is not None:
                 keys.close()
@@ -836,6 +879,12 @@ class NodeDaemon(Daemon):
         if now - self.status_written < 0.2:
             return
         self.status_written = now
+        self.write_status()
+
+    def _lease_tick(self) -> None:
+        """From the lease thread (every second at least): partition mode when due, then
+        the status file."""
+        self.enter_partition_if_due()
         self.write_status()
 
     def write_status(self) -> None:

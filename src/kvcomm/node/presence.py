@@ -128,6 +128,12 @@ class Reachability:
     def redis_ok(self, now: float) -> None:
         self.redis_ok_at = now
 
+    def overdue(self, now: float, etcd_ok_at: float | None) -> bool:
+        """True when partition mode is due and not yet entered (:meth:`update` would
+        return "enter"); changes nothing."""
+        return not self.partition and (now - self.redis_ok_at > self.ttl or (
+            etcd_ok_at is not None and now - etcd_ok_at > self.ttl))
+
     def update(self, now: float, etcd_ok_at: float | None) -> str | None:
         """Re-decide; returns "enter", "leave" or None (no change)."""
         why = []
@@ -264,8 +270,10 @@ def cluster_status(etcd: EtcdClient) -> list[dict[str, Any]]:
     """Every host etcd knows of: ``{"host", "lease", "partition", "backlog",
     "feed_lag_s"}`` plus what its daemon published (``lease``: "live" with its TTL left,
     "expired", or "stopped"). Raises Unavailable."""
-    live = {kv.key[len(HOSTS_PREFIX):].decode(): kv for kv in etcd.range(HOSTS_PREFIX).kvs}
-    members = {kv.key[len(MEMBERS_PREFIX):].decode(): kv for kv in etcd.range(MEMBERS_PREFIX).kvs}
+    # (what hosts publish is read defensively: one host's odd record must not hide the
+    # others; a name that is not UTF-8 is shown with its bytes escaped)
+    live = {_name(kv.key, HOSTS_PREFIX): kv for kv in etcd.range(HOSTS_PREFIX).kvs}
+    members = {_name(kv.key, MEMBERS_PREFIX): kv for kv in etcd.range(MEMBERS_PREFIX).kvs}
     out = []
     for host in sorted(set(live) | set(members)):
         kv: KeyValue = live.get(host) or members[host]
@@ -273,24 +281,58 @@ def cluster_status(etcd: EtcdClient) -> list[dict[str, Any]]:
             s = json.loads(kv.value)
         except ValueError:
             s = {}
+        if not isinstance(s, dict):
+            s = {}
         if host in live:
             ttl = etcd.lease_ttl(kv.lease) if kv.lease else -1
             lease = f"live ({ttl}s left)" if ttl >= 0 else "expired"
         else:
             lease = "stopped" if s.get("stopped") else "expired"
         out.append({"host": host, "lease": lease, "partition": bool(s.get("partition")),
-                    "backlog": int(s.get("backlog", 0)),
-                    "feed_lag_s": round(float(s.get("feed_lag_s", 0.0)), 3),
+                    "backlog": int(_number(s.get("backlog"))),
+                    "feed_lag_s": round(_number(s.get("feed_lag_s")), 3),
                     "namespace": s.get("namespace"), "pid": s.get("pid"),
                     "updated": s.get("updated")})
     return out
 
 
-def remove_host(etcd: EtcdClient, host: str) -> dict[str, Any]:
+def _name(key: bytes, prefix: bytes) -> str:
+    return key[len(prefix):].decode("utf-8", "backslashreplace")
+
+
+def _number(v: Any) -> float:
+    """A published figure, 0.0 when it is not a finite number."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return 0.0
+    return f if math.isfinite(f) else 0.0
+
+
+def live_lease(etcd: EtcdClient, host: str) -> int:
+    """The seconds ``host``'s lease has left, or -1 when it holds none (expired,
+    revoked, never taken). Raises Unavailable."""
+    kv = etcd.get(HOSTS_PREFIX + host.encode())
+    if kv is None or not kv.lease:
+        return -1
+    return etcd.lease_ttl(kv.lease)
+
+
+def remove_host(etcd: EtcdClient, host: str, *, force: bool = False) -> dict[str, Any]:
     """Retire ``host`` from etcd: revoke its lease, delete its keys. Returns what was
-    found. Raises Unavailable, InvalidArgument (no such host; nothing changed)."""
+    found. Raises Unavailable, InvalidArgument (no such host; or its lease is live: its
+    daemon runs, and would take a new lease and publish itself again at its next beat,
+    unless ``force``; nothing changed)."""
     found: dict[str, Any] = {"host": host, "lease_revoked": False, "keys_deleted": 0}
     kv = etcd.get(HOSTS_PREFIX + host.encode())
+    if kv is not None and kv.lease and not force:
+        left = etcd.lease_ttl(kv.lease)
+        if left >= 0:
+            raise InvalidArgument(
+                f"host {host!r} holds a live lease ({left}s left): its daemon is running and "
+                "would register again at its next beat. Stop it first (SIGTERM flushes its "
+                "backlog to L3 and revokes the lease), or pass --force if it is cut off for "
+                "good; nothing was changed")
     if kv is not None and kv.lease:
         found["lease_revoked"] = etcd.lease_revoke(kv.lease)
     member = etcd.get(MEMBERS_PREFIX + host.encode())

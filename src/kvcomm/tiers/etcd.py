@@ -35,8 +35,9 @@ member depends on what is known of it:
 
 * not sent (connection refused, connect timed out, a pooled connection found closed
   before use): any call moves on to the next member;
-* sent, then no answer (a timeout, a connection lost mid-call, etcd's "request timed out"
-  or "leader changed"): a **read** (range, lease time-to-live, keepalive) moves on; a
+* sent, then no answer (a timeout, a connection lost mid-call, etcd's "request timed out",
+  "leader changed", or "server stopped": a member stopping while its proposal waited for
+  the commit, which raft may still make): a **read** (range, lease time-to-live, keepalive) moves on; a
   **write** (put, delete, txn, lease grant and revoke) raises Unavailable saying its
   outcome is unknown — it may have been committed — because repeating it could apply it
   twice (a compare-and-set that succeeded would then report failure);
@@ -70,6 +71,8 @@ events in revision order; when it drops (a member killed or restarted, a partiti
 idle stream past ``idle`` seconds) the reader opens it again on the next member from
 ``last_revision + 1``, and drops any event at or below ``last_revision``, so the
 consumer sees every event once, in order, across failovers (``resumes`` counts them).
+``last_revision`` also follows etcd's progress notifications (no event for this watch up
+to revision R), so an idle watch resumes past a compaction it had nothing to see in.
 
 **Leases**: :meth:`EtcdClient.lease_grant`, :meth:`~EtcdClient.lease_keepalive`,
 :meth:`~EtcdClient.lease_revoke`, and :class:`KeepAlive`, a thread that renews a lease
@@ -82,8 +85,10 @@ after ``fork`` (never shared with the parent). The client is thread-safe.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
+import logging
 import os
 import queue
 import select
@@ -100,6 +105,8 @@ from ..errors import ConfigError, InvalidArgument, KVCommError, Unavailable, Val
 if TYPE_CHECKING:
     from ..config import ClusterConfig
 
+log = logging.getLogger("kvcomm.etcd")
+
 Endpoint = tuple[str, int]
 KeyLike = bytes | str
 
@@ -109,9 +116,11 @@ _FAILED_PRECONDITION, _OUT_OF_RANGE, _UNAVAILABLE, _UNAUTHENTICATED = 9, 11, 14,
 
 # answers that prove nothing was applied: any call may try another member
 _NOT_APPLIED = ("etcdserver: no leader", "etcdserver: too many requests",
-                "etcdserver: not capable", "etcdserver: server stopped")
-# answers after which a write may or may not have been committed
-_UNKNOWN = ("etcdserver: request timed out", "etcdserver: leader changed",
+                "etcdserver: not capable")
+# answers after which a write may or may not have been committed ("server stopped":
+# the member stopped while its proposal waited for the commit, which raft may still make)
+_UNKNOWN = ("etcdserver: server stopped", "etcdserver: request cancelled",
+            "etcdserver: request timed out", "etcdserver: leader changed",
             "etcdserver: request timed out, possibly due to previous leader failure",
             "etcdserver: request timed out, possibly due to connection lost")
 _TOO_LARGE = ("etcdserver: request is too large", "received message larger than max",
@@ -134,7 +143,15 @@ def _enc(data: bytes) -> str:
 
 
 def _dec(data: str | None) -> bytes:
-    return base64.b64decode(data) if data else b""
+    # validate: a non-base64 character is an error, not silently skipped (which would
+    # turn garbage into a shorter, wrong value)
+    return base64.b64decode(data, validate=True) if data else b""
+
+
+def _list(v: Any) -> list[Any]:
+    if not isinstance(v, list):
+        raise TypeError(f"a list was expected, got {type(v).__name__}")
+    return v
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -167,6 +184,7 @@ class KeyValue:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> KeyValue:
+        """Raises ValueError, TypeError, AttributeError for what is not etcd's key-value."""
         return KeyValue(_dec(d.get("key")), _dec(d.get("value")), int(d.get("create_revision", 0)),
                         int(d.get("mod_revision", 0)), int(d.get("version", 0)),
                         int(d.get("lease", 0)))
@@ -474,12 +492,13 @@ class EtcdClient:
         try:
             out = json.loads(data) if data else {}
         except ValueError:
+            out = None
+        if not isinstance(out, dict):  # (etcd answers every call with a JSON object)
             self._drop(ep)
-            raise _Lost(f"{ep[0]}:{ep[1]}: an answer that is not JSON (HTTP {resp.status}): "
-                        f"{data[:200]!r}") from None
+            raise _Lost(f"{ep[0]}:{ep[1]}: an answer that is not a JSON object (HTTP "
+                        f"{resp.status}): {data[:200]!r}") from None
         if resp.status != 200 or "error" in out and "code" in out:
-            raise _Answer(int(out.get("code", 2)), str(out.get("message") or out.get("error")),
-                          resp.status)
+            raise _Answer(_code(out), str(out.get("message") or out.get("error")), resp.status)
         return out
 
     # ------------------------------------------------------------ the call loop
@@ -636,9 +655,10 @@ class EtcdClient:
         if keys_only:
             payload["keys_only"] = True
         out = self.request("/v3/kv/range", payload, write=False, timeout=timeout)
-        kvs = [KeyValue.from_json(d) for d in out.get("kvs", [])]
-        return RangeResult(kvs, bool(out.get("more", False)), int(out.get("count", len(kvs))),
-                           _revision(out))
+        with _shaped("/v3/kv/range", False):
+            kvs = [KeyValue.from_json(d) for d in _list(out.get("kvs", []))]
+            return RangeResult(kvs, bool(out.get("more", False)),
+                               int(out.get("count", len(kvs))), _revision(out))
 
     def put(self, key: KeyLike, value: bytes, *, lease: int = 0,
             timeout: float | None = None) -> int:
@@ -647,7 +667,9 @@ class EtcdClient:
         payload: dict[str, Any] = {"key": _enc(_b(key)), "value": _enc(bytes(value))}
         if lease:
             payload["lease"] = str(lease)
-        return _revision(self.request("/v3/kv/put", payload, write=True, timeout=timeout))
+        out = self.request("/v3/kv/put", payload, write=True, timeout=timeout)
+        with _shaped("/v3/kv/put", True, self.stats):
+            return _revision(out)
 
     def delete(self, key: KeyLike, *, prefix: bool = False, timeout: float | None = None) -> int:
         """Delete the key (every key under it with ``prefix``); returns how many were
@@ -656,8 +678,9 @@ class EtcdClient:
         payload: dict[str, Any] = {"key": _enc(k)}
         if prefix:
             payload["range_end"] = _enc(prefix_end(k))
-        return int(self.request("/v3/kv/deleterange", payload, write=True,
-                                timeout=timeout).get("deleted", 0))
+        out = self.request("/v3/kv/deleterange", payload, write=True, timeout=timeout)
+        with _shaped("/v3/kv/deleterange", True, self.stats):
+            return int(out.get("deleted", 0))
 
     def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp],
             failure: Sequence[TxnOp] = (), *, timeout: float | None = None) -> TxnResult:
@@ -668,18 +691,22 @@ class EtcdClient:
                    "success": [_op_json(o) for o in success],
                    "failure": [_op_json(o) for o in failure]}
         out = self.request("/v3/kv/txn", payload, write=True, timeout=timeout)
-        ok = bool(out.get("succeeded", False))
-        ops = success if ok else failure
-        results: list[KeyValue | int | None] = []
-        for op, r in zip(ops, out.get("responses", []), strict=False):
-            if isinstance(op, Get):
-                kvs = r.get("response_range", {}).get("kvs", [])
-                results.append(KeyValue.from_json(kvs[0]) if kvs else None)
-            elif isinstance(op, Delete):
-                results.append(int(r.get("response_delete_range", {}).get("deleted", 0)))
-            else:
-                results.append(None)
-        return TxnResult(ok, _revision(out), results)
+        with _shaped("/v3/kv/txn", True, self.stats):
+            ok = bool(out.get("succeeded", False))
+            ops = success if ok else failure
+            responses = _list(out.get("responses", []))
+            if len(responses) != len(ops):  # (one response per operation of the branch)
+                raise ValueError(f"{len(responses)} responses to {len(ops)} operations")
+            results: list[KeyValue | int | None] = []
+            for op, r in zip(ops, responses, strict=True):
+                if isinstance(op, Get):
+                    kvs = _list(r.get("response_range", {}).get("kvs", []))
+                    results.append(KeyValue.from_json(kvs[0]) if kvs else None)
+                elif isinstance(op, Delete):
+                    results.append(int(r.get("response_delete_range", {}).get("deleted", 0)))
+                else:
+                    results.append(None)
+            return TxnResult(ok, _revision(out), results)
 
     # ------------------------------------------------------------ leases
 
@@ -689,21 +716,24 @@ class EtcdClient:
         if not isinstance(ttl, int) or ttl < 1:
             raise InvalidArgument(f"a lease TTL is a whole number of seconds >= 1, got {ttl!r}")
         out = self.request("/v3/lease/grant", {"TTL": str(ttl)}, write=True, timeout=timeout)
-        return int(out["ID"])
+        with _shaped("/v3/lease/grant", True, self.stats):
+            return int(out["ID"])
 
     def lease_keepalive(self, lease: int, *, timeout: float | None = None) -> int:
         """Renew ``lease``; returns the TTL it now has, 0 when it has expired (or never
         existed). Raises Unavailable."""
         out = self.request("/v3/lease/keepalive", {"ID": str(lease)}, write=False,
                            timeout=timeout)
-        return int(out.get("result", {}).get("TTL", 0))
+        with _shaped("/v3/lease/keepalive", False):
+            return int(out.get("result", {}).get("TTL", 0))
 
     def lease_ttl(self, lease: int, *, timeout: float | None = None) -> int:
         """The seconds ``lease`` has left, -1 when it has expired (or never existed).
         Raises Unavailable."""
         out = self.request("/v3/kv/lease/timetolive", {"ID": str(lease)}, write=False,
                            timeout=timeout)
-        return int(out.get("TTL", -1))
+        with _shaped("/v3/kv/lease/timetolive", False):
+            return int(out.get("TTL", -1))
 
     def lease_revoke(self, lease: int, *, timeout: float | None = None) -> bool:
         """Revoke ``lease`` (its keys are deleted); False when it had already expired.
@@ -733,7 +763,8 @@ class EtcdClient:
     def members(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """The cluster's members (``ID``, ``name``, ``clientURLs``...). Raises Unavailable."""
         out = self.request("/v3/cluster/member/list", {}, write=False, timeout=timeout)
-        return list(out.get("members", []))
+        with _shaped("/v3/cluster/member/list", False):
+            return [dict(m) for m in _list(out.get("members", []))]
 
     # ------------------------------------------------------------ watch
 
@@ -746,12 +777,15 @@ class EtcdClient:
         k = _b(key)
         return Watch(self, k, prefix_end(k) if prefix else b"", start_revision, idle)
 
-    def _open_stream(self, ep: Endpoint, path: str, payload: dict[str, Any],
-                     timeout: float) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """A dedicated connection streaming the answer to ``payload`` (a watch). Raises
-        _NotSent, _Lost, _Answer, ConfigError."""
+    def _open_stream(self, ep: Endpoint, path: str, payload: dict[str, Any], timeout: float
+                     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
+        """A dedicated connection streaming the answer to ``payload`` (a watch), and its
+        socket (http.client forgets it once an answer says ``Connection: close``, while
+        the answer still reads from it). Raises _NotSent, _Lost, _Answer, ConfigError."""
         self._ensure_auth()
         conn = self._new_conn(ep, timeout)
+        sock = conn.sock
+        assert sock is not None  # (connected by _new_conn)
         try:
             conn.request("POST", path, body=json.dumps(payload).encode(), headers=self._headers())
             resp = conn.getresponse()
@@ -765,8 +799,9 @@ class EtcdClient:
                 out = json.loads(data)
             except ValueError:
                 out = {"code": 2, "message": data[:200].decode(errors="replace")}
-            raise _Answer(int(out.get("code", 2)), str(out.get("message")), resp.status)
-        return conn, resp
+            raise _Answer(_code(out) if isinstance(out, dict) else 2,
+                          str(out.get("message") if isinstance(out, dict) else out), resp.status)
+        return conn, resp, sock
 
     def close(self) -> None:
         """Close every connection (other threads' included). Calls after it raise
@@ -790,6 +825,35 @@ class _LeaseNotFound(Unavailable):
 
 def _revision(out: dict[str, Any]) -> int:
     return int(out.get("header", {}).get("revision", 0))
+
+
+def _code(out: dict[str, Any]) -> int:
+    """The gRPC code of an error answer (2, UNKNOWN, when it is not a number)."""
+    try:
+        return int(out.get("code", 2))
+    except (ValueError, TypeError):
+        return 2
+
+
+@contextlib.contextmanager
+def _shaped(path: str, write: bool, stats: EtcdStats | None = None) -> Iterator[None]:
+    """Parse an answer of ``path`` inside this: JSON that is not what etcd sends (a
+    list where an object belongs, base64 that is not, a revision that is no number)
+    raises Unavailable — for a write, saying its outcome is unknown — rather than
+    whatever Python error the parse met."""
+    try:
+        yield
+    except KVCommError:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+        unknown = ""
+        if write:
+            if stats is not None:
+                stats.unknown += 1
+            unknown = ("; the write may or may not have been applied (outcome unknown): read "
+                       "the key to find out")
+        raise Unavailable(f"etcd answered {path} with JSON that is not what etcd sends "
+                          f"({type(exc).__name__}: {exc}){unknown}") from None
 
 
 def _op_json(op: TxnOp) -> dict[str, Any]:
@@ -848,7 +912,7 @@ class Watch:
         self.created = threading.Event()
         self._queue: queue.Queue[list[Event] | BaseException] = queue.Queue()
         self._stop = threading.Event()
-        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="kvcomm-etcd-watch", daemon=True)
         self._thread.start()
 
@@ -871,10 +935,10 @@ class Watch:
     def close(self) -> None:
         """Stop the reader thread (and its stream)."""
         self._stop.set()
-        conn = self._conn
-        if conn is not None and conn.sock is not None:
+        sock = self._sock
+        if sock is not None:
             try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         self._thread.join(timeout=5)
@@ -904,6 +968,9 @@ class Watch:
             except (_NotSent, _Lost, _Answer, OSError, http.client.HTTPException, ValueError,
                     KVCommError):
                 failures += 1
+            except Exception:  # a bug here must not end the watch silently: log, go on
+                log.exception("the etcd watch reader failed; resuming the stream")
+                failures += 1
             if self._stop.is_set():
                 return
             if self.created.is_set():
@@ -914,38 +981,51 @@ class Watch:
 
     def _stream(self, ep: Endpoint) -> None:
         """Read one stream from ``ep`` until it ends or fails."""
-        conn, resp = self.client._open_stream(ep, "/v3/watch", self._payload(), self.client.timeout)
-        self._conn = conn
+        conn, resp, sock = self.client._open_stream(ep, "/v3/watch", self._payload(),
+                                                    self.client.timeout)
+        self._sock = sock
         try:
             line = resp.readline()  # the "created" answer, within cluster.timeout
             first = self._parse(line)
             if not first.get("created"):
                 raise _Lost(f"{ep[0]}:{ep[1]}: the watch was not created: {line[:200]!r}")
             if self._from_now:
-                self.last_revision = _revision(first)
+                with _shaped("/v3/watch", False):
+                    self.last_revision = _revision(first)
                 self._from_now = False
             self.endpoint = ep
             self.created.set()
-            assert conn.sock is not None
-            conn.sock.settimeout(self.idle)
+            sock.settimeout(self.idle)
             while not self._stop.is_set():
                 line = resp.readline()
                 if not line:
                     return  # the member ended the stream (shutting down)
                 self._deliver(self._parse(line))
         finally:
-            self._conn = None
+            self._sock = None
             conn.close()
+            resp.close()
 
     def _parse(self, line: bytes) -> dict[str, Any]:
+        """One message of the stream. Raises _Lost (ended; not what etcd sends: the
+        stream is not trusted further), _Answer, WatchCompacted."""
         if not line:
             raise _Lost("the stream ended")
-        msg = json.loads(line)
+        with _shaped("/v3/watch", False):
+            return self._result(json.loads(line))
+
+    def _result(self, msg: Any) -> dict[str, Any]:
+        if not isinstance(msg, dict):
+            raise TypeError(f"a watch message is a JSON object, got {type(msg).__name__}")
         if "error" in msg:
-            err = msg["error"]
-            raise _Answer(int(err.get("grpc_code", err.get("code", 2))),
+            err: Any = msg["error"]
+            if not isinstance(err, dict):
+                raise TypeError(f"a watch error is a JSON object, got {type(err).__name__}")
+            raise _Answer(int(err.get("grpc_code", err.get("code", 2)) or 2),
                           str(err.get("message")), int(err.get("http_code", 200)))
-        result: dict[str, Any] = msg.get("result", {})
+        result: Any = msg.get("result", {})
+        if not isinstance(result, dict):
+            raise TypeError(f"a watch result is a JSON object, got {type(result).__name__}")
         if int(result.get("compact_revision", 0)) > 0:
             rev = int(result["compact_revision"])
             raise WatchCompacted(f"etcd compacted revisions before {rev}; the watch needed "
@@ -955,8 +1035,12 @@ class Watch:
         return result
 
     def _deliver(self, result: dict[str, Any]) -> None:
+        with _shaped("/v3/watch", False):
+            self._deliver_events(result)
+
+    def _deliver_events(self, result: dict[str, Any]) -> None:
         events = []
-        for e in result.get("events", []):
+        for e in _list(result.get("events", [])):
             kv = KeyValue.from_json(e.get("kv", {}))
             if kv.mod_revision <= self.last_revision:
                 continue  # already delivered before the stream was resumed
@@ -964,6 +1048,13 @@ class Watch:
         if events:
             self.last_revision = events[-1].revision
             self._queue.put(events)
+        elif not result.get("events"):
+            # a progress notification: every event up to its revision was sent, so a
+            # resume may start after it (what they are for: an idle watch is not
+            # stranded behind a compaction of revisions it had nothing to see in)
+            rev = _revision(result)
+            if rev > self.last_revision:
+                self.last_revision = rev
 
 
 # ---------------------------------------------------------------- keepalive
