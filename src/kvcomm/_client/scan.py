@@ -40,8 +40,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..core.sortedkeys import SortedKeys
+from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey
-from ..tiers.l2 import KIND_PUT, L2Segment
+from ..tiers.l2 import KIND_PUT, TAG_TOMBSTONE, L2Segment
+from .base import _HUGE
 from .items import Item
 from .watch import Watching
 
@@ -128,6 +130,8 @@ class Scanning(Watching):
         self._live()
         index = self._key_index()
         index.sync()
+        if self._cluster:
+            return self._scan_cluster(index, prefix, after or "", limit)
         return self._scan_local(index, prefix, after or "", limit)
 
     def _key_index(self) -> KeyIndex:
@@ -153,3 +157,103 @@ class Scanning(Watching):
                     if left == 0:
                         return
             after = keys[-1]
+
+    # ------------------------------------------------------------ cluster mode
+
+    def _strong_kinds(self, prefix: str) -> tuple[bool, bool]:
+        """(may keys under ``prefix`` be eventual, may they be strong)."""
+        st = self._strong
+        if st is None or not self._strong_on:
+            return True, False
+        if st._default_strong or any(prefix.startswith(p) for p in st._prefixes):
+            return False, True  # every key under it is strong (a key's longest prefix wins)
+        return True, st._default_strong or any(p.startswith(prefix) or prefix.startswith(p)
+                                               for p in st._prefixes)
+
+    def _scan_cluster(self, index: KeyIndex, prefix: str, after: str,
+                      limit: int | None) -> Iterator[Item]:
+        """Cluster mode: the merge, in key order, of three sorted sources, page by page:
+        L3's key index (every group, :meth:`L3Store.index_range`), this host's L2 (its
+        ordered index: keys written here and not yet in L3 among them) and, for strong
+        keys, etcd's range reads. Each round reads up to ``step`` keys from each source;
+        the merged candidates are final up to the smallest last key of a source that had
+        more (``bound``). A candidate L2 holds is served from L2 (a tombstone there: a
+        delete not yet in L3, skipped); one it does not, from L3's record (a tombstone:
+        skipped). Nothing read is put in L2.
+        """
+        eventual, strong = self._strong_kinds(prefix)
+        l3 = self._l3_store() if eventual else None
+        st = self._strong
+        left = limit if limit is not None else -1
+        while left != 0:
+            step = _CHUNK if left < 0 else min(max(left, 16), _CHUNK)
+            bounds: list[str] = []
+            cands: dict[str, Item | None] = {}  # key → its strong Item, or None: eventual
+            if eventual:
+                assert l3 is not None
+                keys3, bound3 = l3.index_range(prefix, after, step)
+                local = index.range(prefix, after, step)
+                if bound3 is not None:
+                    bounds.append(bound3)
+                if len(local) >= step:
+                    bounds.append(local[-1])
+                is_strong = st.is_strong if strong else None
+                for k in keys3 + local:
+                    if is_strong is None or not is_strong(k):
+                        cands[k] = None
+            if strong:
+                items, more = st.range(prefix, after, step)
+                if more and items:
+                    bounds.append(items[-1].key)
+                for it in items:
+                    cands[it.key] = it
+            bound = min(bounds) if bounds else None
+            order = sorted(k for k in cands if bound is None or k <= bound)
+            from_l3 = [k for k in order if cands[k] is None and not self._in_l2(k)]
+            recs = l3.get_many(from_l3) if from_l3 and l3 is not None else {}
+            for k in order:
+                item = cands[k] if cands[k] is not None else self._scan_item(k, recs)
+                if item is not None:
+                    yield item
+                    left -= 1
+                    if left == 0:
+                        return
+            if bound is None:
+                return
+            after = bound
+
+    def _l3_store(self) -> Any:
+        if self._l3 is None:
+            from ..tiers.l3 import L3Store
+
+            cl = self.config.cluster
+            l3 = L3Store.from_config(cl, max_value_size=self.config.cache.max_value_size)
+            try:
+                l3.check_groups()
+            except BaseException:
+                l3.close()
+                raise
+            self._l3 = l3
+        return self._l3
+
+    def _in_l2(self, key: str) -> bool:
+        kb, h = self._key_hash(key)
+        return self._read_l2(kb, h, _HUGE) is not None
+
+    def _scan_item(self, key: str, recs: dict[str, Any]) -> Item | None:
+        """The Item of an eventual candidate: from L2 when it holds the key (a tombstone:
+        None), else from L3's record read for this page (a tombstone, absent: None)."""
+        if key not in recs:
+            kb, h = self._key_hash(key)
+            rec = self._read_l2(kb, h, _HUGE)
+            if rec is not None:  # (a tombstone: deleted here, L3 told soon)
+                return None if rec[2] == TAG_TOMBSTONE else self._get_slow(key, None, True, False)
+            recs = self._l3_store().get_many([key])  # evicted since: L3 has it
+        rec3 = recs.get(key)
+        if rec3 is None:
+            return None
+        if isinstance(rec3, Exception):
+            raise rec3
+        if rec3.tombstone:
+            return None
+        return Item(key, rec3.decode_value(key), Version(rec3.vector, rec3.hlc), "l3")
