@@ -237,6 +237,9 @@ def test_the_index_is_in_l3_and_follows_deletes(dev: dict[str, Any]) -> None:
         a.delete("ix/1")
         wait_for(lambda: store.rc.zscore(idx, "ix/1") is None, 20, "the index to drop ix/1")
         assert store.rc.zscore(idx, "") == 0  # the set stays in existence
+        g = store.groups.of("ix/1")
+        page, bound = store.index_range("", "", 1, groups=[g])
+        assert "" not in page and bound != ""  # the empty member is no key, nor a bound
         assert store.index_ready()  # the daemons backfilled (an empty L3) at their start
     finally:
         a.close(), store.close()
@@ -343,5 +346,22 @@ def test_a_gap_in_the_cluster_feed_tells_watchers_to_rescan(dev: dict[str, Any])
         events = collect(w, lambda evs: evs[-1].kind == "overflow")
         assert events[-1].kind == "overflow"
         w.close()
+    finally:
+        a.close(), b.close(), store.close()
+
+
+def test_a_scan_of_everything_pages_through_the_whole_cluster(dev: dict[str, Any]) -> None:
+    a, b, store = host(dev, 0), host(dev, 1), l3(dev)
+    try:
+        mine = [f"all/{i:02d}" for i in range(50)]
+        for k in mine:
+            a.put(k, 1)
+        a.put("lock/all", 1)  # strong: merged in
+        wait_for(lambda: in_l3(store, mine), 20, "the puts to reach L3")
+        every = [k for p in pages(b, "", 97) for k in p]  # (prefix "": the empty member)
+        assert every == sorted(set(every), key=lambda k: k.encode())
+        assert {*mine, "lock/all"} <= set(every)
+        assert scan_keys(a, "", limit=1) == every[:1]
+        assert [k for p in pages(a, "", 1000) for k in p] == every
     finally:
         a.close(), b.close(), store.close()

@@ -15,7 +15,8 @@ and tells its reader to rescan (an ``overflow`` event) when the second moves.
 :meth:`WatchedPrefixes.wants` is the predicate "keys this host wants beyond those it
 holds" that the daemon's delivery asks for every remote change.
 
-Files of processes that are gone are removed by the daemon (every few seconds). The
+Files of processes that are gone are removed by the daemon (every few seconds); the
+directory goes with the namespace (``kvcomm purge``). The
 files never hold anything but a prefix (UTF-8): nothing is unpickled, and a file that
 is not valid UTF-8 is ignored.
 """

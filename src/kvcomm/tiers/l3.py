@@ -1040,7 +1040,7 @@ class L3Store:
         Cost: one ZRANGEBYLEX per group, pipelined per master (see "The key index").
         Raises Unavailable."""
         pb, ab = _wire_key(prefix), _wire_key(after)
-        lo = b"(" + ab if after and ab >= pb else b"[" + pb
+        lo = b"(" + ab if ab >= pb else b"[" + pb  # (prefix and after "": "(" skips b"")
         hi = b"[" + pb + b"\xff" if pb else b"+"  # (no UTF-8 key holds a 0xff byte)
         rows: list[list[bytes]] = []
         bound: bytes | None = None
