@@ -8,6 +8,7 @@ error never leaves a half-done write behind.
 The client is built in layers, one module each; a layer may use the ones below it:
 
     client.py        Client: open(), stats, keys, close — the facade
+    scan.py          Scanning: ordered prefix scans (an ordered key index; L3's in cluster mode)
     watch.py         Watching: the host's change feed as Events
     write.py         Writes: put, delete, update, batch; compare-and-set, validators
     read.py          Reads: get, get_item; L1, L2, zero-copy views

@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 class _Attached:
     """A namespace this process has mapped: its segment, its L1 and how many clients use it."""
 
-    __slots__ = ("seg", "l1", "refs")
+    __slots__ = ("seg", "l1", "refs", "index", "lock")
 
     def __init__(self, seg: L2Segment, l1: L1Cache) -> None:
         self.seg, self.l1, self.refs = seg, l1, 0
+        self.index: Any = None  # the ordered key index, made at the first scan (scan.py)
+        self.lock = threading.Lock()
 
 
 class _Shared:

@@ -15,10 +15,10 @@ from ..metrics import agent as metrics_agent
 from ..placement.agents import check_agent
 from ..tiers.l1 import process_budget
 from .attach import _Shared
-from .watch import Watching
+from .scan import Scanning
 
 
-class Client(Watching):
+class Client(Scanning):
     """An agent's handle on KVCOMM. Thread-safe. Use :func:`kvcomm.open` to make one."""
 
     def __init__(self, name: str = "default", config: Config | None = None,
@@ -60,12 +60,13 @@ class Client(Watching):
         }
 
     def keys(self, prefix: str = "") -> list[str]:
-        """The keys under ``prefix`` present in L2 now (a scan: for tools, not hot paths).
-        Raises InvalidKey for a prefix that is not a str."""
+        """The keys under ``prefix``, in key order: ``[i.key for i in kv.scan(prefix)]``
+        (a thin wrapper over :meth:`scan`, with its contract: in cluster mode every live
+        key of the cluster under the prefix, not only this host's). Reads every value:
+        for many keys, page through :meth:`scan` instead. Raises as :meth:`scan`."""
         if type(prefix) is not str:
             raise InvalidKey(f"a key prefix is a str ('' lists every key), got {type(prefix).__name__}")
-        self._live()
-        return [k for k in self._seg.keys() if k.startswith(prefix)]
+        return [item.key for item in self.scan(prefix)]
 
     def close(self) -> None:
         """Release this client's share of the process's L2 mapping and L1. Idempotent."""

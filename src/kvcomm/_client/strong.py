@@ -191,6 +191,21 @@ class StrongStore:
         return self._item(key, self.etcd.get(self._prefix + key.encode(),
                                              timeout=self._left(deadline)))
 
+    def range(self, prefix: str, after: str, limit: int) -> tuple[list[Item], bool]:
+        """Strong keys under ``prefix`` after ``after``, in key order (etcd's own order:
+        the keys' bytes), at most ``limit``, read linearizably in one range read:
+        ``(items, more)``, ``more`` when keys past the last one remain. Raises Unavailable."""
+        deadline = self._begin()
+        self.counters["gets"] += 1
+        start = None
+        if after and after >= prefix:
+            start = self._prefix + after.encode("utf-8") + b"\0"
+        r = self.etcd.range(self._prefix + prefix.encode("utf-8"), limit=limit, start=start,
+                            timeout=self._left(deadline))
+        n = len(self._prefix)
+        items = [self._item(kv.key[n:].decode("utf-8"), kv) for kv in r.kvs]
+        return [i for i in items if i is not None], r.more
+
     def put(self, key: str, value: Any, encoded: tuple[int, bytes, bytes | memoryview],
             expect: Any, validator: Callable[[str, Item | None, Any], None] | None) -> Version:
         """Write ``value`` (``encoded``) once a majority has it. Raises ConflictError,

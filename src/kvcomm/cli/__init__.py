@@ -125,6 +125,8 @@ def _migrate(args: argparse.Namespace) -> int:
     from ..tiers.shm.migrate import migrate
 
     cfg = load_config(args.config)
+    if args.l3_index:
+        return _migrate_l3_index(cfg)
     name = args.name or cfg.node.namespace
     try:
         done = migrate(name, cfg)
@@ -137,6 +139,27 @@ def _migrate(args: argparse.Namespace) -> int:
     print(f"migrated namespace {name!r} from layout {done.from_version}: {done.carried} "
           f"writes carried (the node daemon delivers them), {done.superseded} already "
           "superseded by newer writes")
+    return 0
+
+
+def _migrate_l3_index(cfg: Any) -> int:
+    """Index every record of L3 for prefix scans (L3Store.backfill_index; the node daemons
+    do it once by themselves). Exit status 0: done; 2: it failed (run it again)."""
+    from ..tiers.l3 import L3Store
+
+    if not cfg.cluster.enabled:
+        print("kvcomm: --l3-index needs a config with cluster.redis", file=sys.stderr)
+        return 2
+    try:
+        l3 = L3Store.from_config(cfg.cluster)
+        try:
+            n = l3.backfill_index()
+        finally:
+            l3.close()
+    except KVCommError as exc:
+        print(f"kvcomm: the L3 key index backfill failed: {exc}; run it again", file=sys.stderr)
+        return 2
+    print(f"L3 key index backfilled: {n} records looked at")
     return 0
 
 
@@ -382,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--name", metavar="NS", help="the namespace (default: the config's)")
     mg.add_argument("--config", metavar="FILE",
                     help="a kvcomm YAML config (the new segment's sizes, host id, l2_dir)")
+    mg.add_argument("--l3-index", action="store_true",
+                    help="instead: index every record of L3 for prefix scans (kv.scan), once "
+                         "after an upgrade (node daemons do it by themselves at start)")
 
     n = _command(sub, "node", _node, "run the host daemon (cluster mode)")
     n.add_argument("--config", required=True, metavar="FILE",

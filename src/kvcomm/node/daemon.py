@@ -705,6 +705,7 @@ class NodeDaemon(Daemon):
             resolvers = {prefix: _import(path) for prefix, path in cl.resolvers.items()}
             l3 = L3Store.from_config(cl, max_value_size=c.max_value_size, daemon=True)
             l3.check_groups(record=True)  # (a ConfigError for another count: not retried)
+            _index_l3(l3)
             for prefix, fn in resolvers.items():  # the operator's own code, named in config
                 port.register_resolver(prefix, fn)  # (agents of the host register theirs)
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
@@ -765,6 +766,19 @@ def _ms(seconds: float) -> int:
 
 def _raise(exc: BaseException) -> None:
     raise exc
+
+
+def _index_l3(l3: L3Store) -> None:
+    """Backfill L3's key index once per cluster (records written before it existed; see
+    tiers/l3.py, "The key index"). A failure is logged, not fatal: the next daemon start
+    (or ``kvcomm migrate --l3-index``) does it; until then scans may miss those records."""
+    try:
+        if not l3.index_ready():
+            n = l3.backfill_index()
+            log.info("kvcomm: L3 key index backfilled (%d records looked at)", n)
+    except (Unavailable, CorruptRecord) as exc:
+        log.warning("kvcomm: the L3 key index backfill did not complete (%s); prefix scans "
+                    "may miss records written before the index existed until it does", exc)
 
 
 def _import(path: str) -> Any:

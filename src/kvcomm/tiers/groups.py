@@ -10,6 +10,7 @@ record, its group's change feed and its group's counter atomically:
 ``kvf:{t}``                 the group's change feed (a Redis Stream)
 ``kvs:{t}``                 the group's sequence number (its latest feed entry)
 ``kvh:{t}``                 the group's hint channel (sharded pub/sub)
+``kvi:{t}``                 the group's key index (a sorted set of its live keys)
 ==========================  ==================================================
 
 Tags are chosen so that the groups are spread evenly over the 16,384 slots: group ``g``
@@ -141,6 +142,11 @@ class Groups:
     def seq_key(self, group: int) -> str:
         """The group's change counter: the sequence number of its latest feed entry."""
         return f"kvs:{{{self.tags[group]}}}"
+
+    def index_key(self, group: int) -> str:
+        """The group's key index: a sorted set of its live keys (score 0, ordered by their
+        bytes), kept by the push script with each record (see tiers/l3.py)."""
+        return f"kvi:{{{self.tags[group]}}}"
 
     def hint_channel(self, group: int) -> str:
         """The sharded pub/sub channel the push script announces the group's changes on."""

@@ -88,6 +88,24 @@ The feeds' memory is bounded in total, not per group: each group's stream keeps
 ``cluster.feed_total / cluster.groups`` entries (at least FEED_MIN, at most
 ``cluster.feed_maxlen``); a reader that falls further behind sees a gap and resyncs.
 
+The key index (prefix scans)
+----------------------------
+Each group keeps a sorted set ``kvi:{t}`` of its live keys (score 0, so Redis orders
+them by their bytes, ``ZRANGEBYLEX``). The push script maintains it in the same atomic
+call as the record (``ZADD`` for a stored value, ``ZREM`` for a stored tombstone), so it
+always agrees with the records, and, carrying the group's hash tag, it moves with its
+slot like everything else of the group. :meth:`L3Store.index_range` pages through every
+group's index: one ``ZRANGEBYLEX … LIMIT 0 n`` per group, pipelined (one round trip per
+master), the sorted answers merged. **A page of n keys costs G commands (G =
+``cluster.groups``, 1,024 by default) of O(log(keys of the group) + n) each, in one
+round trip per master, and returns up to G x n names to merge** (then at most n GETs for
+the values): with G = 1,024 and n = 100 that is ~1-3 ms on a dev cluster
+(bench/bench_scan.py). The index costs each record one sorted-set entry (its key plus
+~20 bytes). Data written before the index existed has no entries: the first daemon of
+an upgraded cluster backfills them once (:meth:`L3Store.backfill_index`, recorded in
+``kvm:index``; ``kvcomm migrate --l3-index`` runs it by hand); every host's daemon and
+agents must run a KVCOMM with the index before then, or writes of older ones go unindexed.
+
 Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
 which applies the incoming record atomically against the stored one by the L3 rule,
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
@@ -103,6 +121,7 @@ valid is refused (``KVCOMMBAD``).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import re
 import time
@@ -136,8 +155,9 @@ FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_tot
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
+META_INDEX = "kvm:index"  # set once the key index covers every record (backfill_index)
 # Redis commands one push costs (as INFO counts them, a script's own calls included):
-PUSH_STORED = 6  # EVALSHA, GET, INCR, XADD, SET, SPUBLISH
+PUSH_STORED = 7  # EVALSHA, GET, ZADD, INCR, XADD, SET, SPUBLISH (a delete: ZREM and ZADD: 8)
 PUSH_KEPT = 2  # EVALSHA, GET (equal, older, conflict: nothing stored)
 OUTCOMES = (NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT)
 QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
@@ -327,7 +347,8 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 
 
 # The L3 rule (kvcomm.core.resolve.l3_rule) run inside Redis, atomically per key.
-# KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter
+# KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter,
+# KEYS[4] the group's key index (a sorted set: see "The key index" above)
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key,
 # ARGV[5] the group's hint channel (an argument, not a key: during a slot migration Redis
 # counts a declared key that does not exist as missing, and would refuse every push)
@@ -370,8 +391,18 @@ local function vv(r)
   for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
   return t
 end
-local function store(bytes)
-  -- (a script is not rolled back on error: the record goes last, once its feed entry is in)
+local function store(bytes, dead)
+  -- (a script is not rolled back on error: the record goes last, once its feed entry and
+  -- its index entry are in)
+  if dead then
+    redis.call('ZREM', KEYS[4], ARGV[4])
+    -- the empty member (no key is empty) keeps the index of a group that was ever written
+    -- in existence: a push declaring it during a slot migration then finds it where the
+    -- group's other keys are, instead of retrying (TRYAGAIN) until the migration ends
+    redis.call('ZADD', KEYS[4], 0, '')
+  else
+    redis.call('ZADD', KEYS[4], 0, ARGV[4])
+  end
   local s = redis.pcall('INCR', KEYS[3])
   if type(s) ~= 'number' then  -- a foreign value: restart the sequence (readers resync)
     redis.call('DEL', KEYS[3])
@@ -390,7 +421,7 @@ end
 local raw = redis.pcall('GET', KEYS[1])
 if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
 if not raw then
-  store(ARGV[1])
+  store(ARGV[1], incoming.d)
   return {'new', ARGV[1]}
 end
 local stored, why = read(raw)
@@ -399,7 +430,7 @@ if stored == nil and why == 'newer' then
                            'host reads; upgrade this host')
 end
 if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
-  store(ARGV[1])
+  store(ARGV[1], incoming.d)
   return {'new', ARGV[1]}
 end
 local a, b = vv(incoming), vv(stored)
@@ -413,7 +444,7 @@ for k, v in pairs(a) do
 end
 if a_ge and b_ge then return {'equal', raw} end
 if a_ge then
-  store(ARGV[1])
+  store(ARGV[1], incoming.d)
   return {'newer', ARGV[1]}
 end
 if b_ge then return {'older', raw} end
@@ -436,7 +467,7 @@ for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] e
 local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
              dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
-store(packed)
+store(packed, win.d)
 return {'merged', packed}
 """
 
@@ -462,6 +493,27 @@ for i, k in ipairs(ARGV) do
   if type(r) == 'table' and r.err then out[i] = 'ERR ' .. r.err else out[i] = r end
 end
 return out
+"""
+
+# One record's key index entry from the record itself (L3Store.backfill_index), atomically
+# with it: KEYS[1] the record, KEYS[2] the group's index; ARGV[1] the user key. A record
+# the script cannot read as one (foreign) is left out of the index, as a tombstone is.
+BACKFILL_LUA = r"""
+local raw = redis.pcall('GET', KEYS[1])
+local live = false
+if type(raw) == 'string' then
+  local ok, r = pcall(cmsgpack.unpack, raw)
+  if ok and type(r) == 'table' then
+    if r.f == nil and r[1] == 1 then live = r[3] == false else live = r.d == false end
+  end
+end
+if live then
+  redis.call('ZADD', KEYS[2], 0, ARGV[1])
+else
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZADD', KEYS[2], 0, '')
+end
+return live and 1 or 0
 """
 
 # Redis errors that say "not now" (a failover, a slot on the move, a restarted node)
@@ -574,6 +626,7 @@ class L3Store:
         self._script = self.rc.register_script(PUSH_LUA)
         self._position = self.rc.register_script(POSITION_LUA)
         self._sweep = self.rc.register_script(SWEEP_LUA)
+        self._backfill = self.rc.register_script(BACKFILL_LUA)
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
         self._refreshed = 0.0
         self._hints: Hints | None = None
@@ -954,6 +1007,105 @@ class L3Store:
         """Counts of the hint subscriptions: hints, breaks, moved, subscribed."""
         return dict(self._hints.stats) if self._hints is not None else {}
 
+    # ------------------------------------------------------------------ the key index
+
+    def index_range(self, prefix: str, after: str, limit: int,
+                    groups: Iterable[int] | None = None) -> tuple[list[str], str | None]:
+        """Indexed keys under ``prefix`` after ``after``, in key order, from every group
+        (or ``groups``): ``(keys, bound)``. ``keys`` is every indexed key in
+        (after, bound] (``bound`` None: through the prefix's end); at most ``limit`` per
+        group are read, so keys past ``bound`` need another call (from ``after=bound``).
+        Cost: one ZRANGEBYLEX per group, pipelined per master (see "The key index").
+        Raises Unavailable."""
+        pb, ab = _wire_key(prefix), _wire_key(after)
+        lo = b"(" + ab if after and ab >= pb else b"[" + pb
+        hi = b"[" + pb + b"\xff" if pb else b"+"  # (no UTF-8 key holds a 0xff byte)
+        rows: list[list[bytes]] = []
+        bound: bytes | None = None
+        for node, gs in self._by_node(self.groups if groups is None else groups).values():
+            def run(node: Any = node, gs: list[int] = gs) -> list[Any]:
+                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+                for g in gs:
+                    pipe.zrangebylex(self.groups.index_key(g), lo, hi, start=0, num=limit)
+                return pipe.execute(raise_on_error=False)
+
+            for g, got in zip(gs, self._call(run), strict=True):
+                if isinstance(got, Exception):  # its slot moved: one call, redirects followed
+                    name = self.groups.index_key(g)
+                    got = self._call(lambda name=name: self.rc.zrangebylex(
+                        name, lo, hi, start=0, num=limit), name)
+                got = [k for k in got if k]  # (the empty member keeps the set in existence)
+                if len(got) >= limit and (bound is None or got[-1] < bound):
+                    bound = got[-1]
+                rows.append(got)
+        keys = [k.decode("utf-8", "replace") for k in heapq.merge(*rows)
+                if bound is None or k <= bound]
+        return keys, None if bound is None else bound.decode("utf-8", "replace")
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, L3Record | CorruptRecord | None]:
+        """The records of ``keys`` (None: absent; CorruptRecord: not a record), read with
+        one pipeline of GETs per master. Raises Unavailable."""
+        by_group: dict[int, list[str]] = {}
+        for k in keys:
+            by_group.setdefault(self.groups.of(k), []).append(k)
+        out: dict[str, L3Record | CorruptRecord | None] = {}
+        for node, gs in self._by_node(by_group).values():
+            ks = [k for g in gs for k in by_group[g]]
+
+            def run(node: Any = node, ks: list[str] = ks) -> list[Any]:
+                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+                for k in ks:
+                    pipe.get(_wire_key(self.groups.record_key(k)))
+                return pipe.execute(raise_on_error=False)
+
+            for k, raw in zip(ks, self._call(run), strict=True):
+                try:
+                    if isinstance(raw, Exception):
+                        raw = self._call(lambda k=k: self.rc.get(
+                            _wire_key(self.groups.record_key(k))), k)
+                    out[k] = None if raw is None else self.decode(raw, k)
+                except CorruptRecord as exc:
+                    out[k] = exc
+        return out
+
+    def index_ready(self) -> bool:
+        """Whether the key index covers data written before it existed (``kvm:index``
+        set by :meth:`backfill_index`). Raises Unavailable."""
+        return bool(self._call(lambda: self.rc.exists(META_INDEX), META_INDEX))
+
+    def backfill_index(self, batch: int = 500) -> int:
+        """Index every record L3 holds (once, after an upgrade; see "The key index"):
+        each group's keys are listed (its slot's keys), and each is indexed by a script
+        that reads its record atomically (live: ZADD; a tombstone or gone: ZREM), so a
+        push racing the backfill is never undone. Records ``kvm:index`` when done;
+        idempotent. Returns the keys looked at. Raises Unavailable (run it again)."""
+        seen = 0
+        for g in self.groups:
+            names = list(self.scan_group(g))
+            idx = self.groups.index_key(g)
+            for at in range(0, len(names), batch):
+                part = names[at:at + batch]
+                slot = self.groups.slot(g)
+                node = self._call(lambda slot=slot: self.rc.nodes_manager.get_node_from_slot(slot))
+                prefix = self.groups.record_prefix(g)
+
+                def run(node: Any = node, part: list[bytes] = part, idx: str = idx,
+                        prefix: bytes = prefix) -> list[Any]:
+                    conn = self.rc.get_redis_connection(node)
+                    self._load(node, conn, self._backfill)
+                    pipe = conn.pipeline(transaction=False)
+                    for k in part:
+                        pipe.evalsha(self._backfill.sha, 2, prefix + k, idx, k)
+                    return pipe.execute(raise_on_error=False)
+
+                for r in self._call(run):
+                    if isinstance(r, Exception):
+                        raise Unavailable(f"the key index backfill of group {g} was "
+                                          f"refused ({r}); run it again")
+                seen += len(part)
+        self._call(lambda: self.rc.set(META_INDEX, 1), META_INDEX)
+        return seen
+
     # ------------------------------------------------------------------ scans
 
     def scan_keys(self) -> Iterator[bytes]:
@@ -1121,7 +1273,7 @@ class L3Store:
               ) -> tuple[list[bytes | str], list[Any]]:
         g = self.groups.of(key)
         return ([_wire_key(self.groups.record_key(key)), self.groups.feed_key(g),
-                 self.groups.seq_key(g)],
+                 self.groups.seq_key(g), self.groups.index_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
                  _wire_key(key), self.groups.hint_channel(g)])
 
