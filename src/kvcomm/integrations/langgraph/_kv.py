@@ -16,16 +16,7 @@ _ABSENT: Any = object()
 def scan(kv: Client, prefix: str) -> Iterator[Item]:
     """Every live key under ``prefix``, in key order (UTF-8 bytes), with its value:
     ``kv.scan(prefix)`` (cluster-wide in cluster mode)."""
-    scanner = getattr(kv, "scan", None)
-    if scanner is not None:
-        yield from scanner(prefix)
-        return
-    # (kv.scan is issue 13's: until it lands, the keys this host's L2 holds, which in
-    # embedded mode are all of them)
-    for key in sorted(kv.keys(prefix), key=lambda k: k.encode("utf-8", "surrogatepass")):
-        item = kv.get_item(key)
-        if item is not None:
-            yield item
+    return kv.scan(prefix)
 
 
 def get_referenced(kv: Client, key: str, timeout: float, what: str) -> Any:
