@@ -120,6 +120,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         self.kv = kv
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
         self.wait_timeout = float(wait_timeout)
+        # cluster mode: reads of records a head names that had to wait for them, and
+        # those that gave up (Unavailable) after wait_timeout
+        self.counters: dict[str, int] = {"waits": 0, "wait_timeouts": 0}
         self._cluster = kv.config.cluster.enabled
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
                 and kv.config.cache.l3_consistency != "strong":
@@ -251,7 +254,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             cid = head["id"]
             referenced = head["w"]
             body = get_referenced(self.kv, k.checkpoint(thread_id, ns, cid), self.wait_timeout,
-                                  f"checkpoint {cid!r} of thread {thread_id!r}")
+                                  f"checkpoint {cid!r} of thread {thread_id!r}", self.counters)
         if body is None:
             return None
         # (each write with its index, which its key ends with)
@@ -269,7 +272,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             if (task_id, idx) in have:
                 continue
             w = get_referenced(self.kv, self.keys.write(thread_id, ns, cid, task_id, idx),
-                               self.wait_timeout, f"a pending write of checkpoint {cid!r}")
+                               self.wait_timeout, f"a pending write of checkpoint {cid!r}",
+                               self.counters)
             if w is not None:
                 out.append([*w, idx])
         return out
@@ -282,7 +286,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         for channel, version in checkpoint["channel_versions"].items():
             key = self.keys.blob(thread_id, ns, channel, version)
             blob = (get_referenced(self.kv, key, self.wait_timeout,
-                                   f"channel {channel!r} of checkpoint {cid!r}")
+                                   f"channel {channel!r} of checkpoint {cid!r}", self.counters)
                     if wait and self._cluster else self.kv.get(key))
             if blob is not None and blob[0] != "empty":
                 values[channel] = self._loads(blob[0], blob[1])
