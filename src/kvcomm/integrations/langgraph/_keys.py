@@ -31,6 +31,7 @@ those of ``("ab",)`` not.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from ...errors import InvalidKey
@@ -42,10 +43,16 @@ DEFAULT_ROOT = "lg/"
 
 
 def esc(component: str) -> str:
-    """``component`` with ``%``, ``/``, ``=`` and control characters percent-escaped."""
+    """``component`` with ``%``, ``/``, ``=`` and control characters percent-escaped.
+    Raises InvalidKey for a component that is not a str."""
     if type(component) is not str:
         raise InvalidKey(f"a LangGraph id must be a str, got {type(component).__name__}: "
                          f"{component!r}")
+    return _esc(component)
+
+
+@functools.lru_cache(maxsize=65536)  # (a run escapes the same few ids at every step)
+def _esc(component: str) -> str:
     return _ESCAPE.sub(lambda m: f"%{ord(m.group()):02X}", component)
 
 

@@ -198,9 +198,6 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 return old
             return {"id": cid, "w": list(slots)}
 
-        head = self.kv.get(self.keys.head(thread_id, ns))
-        if head is not None and head["id"] >= cid:
-            return  # (no write: copy_thread and replays put older checkpoints)
         self.kv.update(self.keys.head(thread_id, ns), forward)
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
