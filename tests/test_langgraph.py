@@ -9,6 +9,9 @@ import asyncio
 import operator
 import pickle
 import random
+import subprocess
+import sys
+from pathlib import Path
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypedDict
 
@@ -288,3 +291,17 @@ def test_the_async_store_methods(kv: kvcomm.Client) -> None:
     assert got.value == {"v": 1} and [i.key for i in found] == ["y"]
     assert namespaces == [("m", "a"), ("m", "b")]
 
+
+
+# ---------------------------------------------------------------- the README's example
+
+
+def test_the_three_agent_example_runs(ns: str) -> None:
+    """examples/langgraph_agents.py: three processes share memories through the store."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "langgraph_agents.py"
+    out = subprocess.run([sys.executable, str(example), "--namespace", ns],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "report: 12 observations, mean 21.86 C, 1 over 30 C: obs-02" in out.stdout, out.stdout
+    for role in ("scout", "analyst", "writer"):
+        assert f"[{role}] done" in out.stdout

@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,3 +155,15 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
         reader.delete(("users", "u1", "memories"), "fact-0")
         wait_for(lambda: "fact-0" not in {i.key for i in writer.search(("users", "u1"), limit=100)},
                  20, "host-2's delete to reach host-1's search")
+
+
+def test_the_three_agent_example_across_hosts(dev: dict[str, Any]) -> None:
+    """examples/langgraph_agents.py with its agents on host-1, host-2 and host-1: the
+    analyst (host-2) finds the scout's (host-1) memories by search, the writer (host-1)
+    the analyst's."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "langgraph_agents.py"
+    h = [x["config"] for x in dev["hosts"]]
+    out = subprocess.run([sys.executable, str(example), "--configs", h[0], h[1], h[0]],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "report: 12 observations, mean 21.86 C, 1 over 30 C: obs-02" in out.stdout, out.stdout
