@@ -11,8 +11,8 @@ import pickle
 import random
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import pytest

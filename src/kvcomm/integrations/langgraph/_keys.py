@@ -84,7 +84,7 @@ class Keys:
         self.writes = root + "cp/w/"
         self.store = root + "st/"
 
-    def _fit(self, key: str, what: str) -> str:
+    def fit(self, key: str, what: str) -> str:
         n = len(key.encode("utf-8", "surrogatepass"))
         if n > self.max:
             raise InvalidKey(
@@ -102,16 +102,16 @@ class Keys:
         return prefix + esc(thread_id) + "/" + esc(checkpoint_ns) + "/"
 
     def head(self, thread_id: str, checkpoint_ns: str) -> str:
-        return self._fit(self.ns(self.heads, thread_id, checkpoint_ns),
+        return self.fit(self.ns(self.heads, thread_id, checkpoint_ns),
                          f"the head of thread {thread_id!r}")
 
     def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
-        return self._fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + esc(checkpoint_id),
+        return self.fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + esc(checkpoint_id),
                          f"checkpoint {checkpoint_id!r} of thread {thread_id!r}")
 
     def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
              version: str | int | float) -> str:
-        return self._fit(self.ns(self.blobs, thread_id, checkpoint_ns) + esc(channel) + "/"
+        return self.fit(self.ns(self.blobs, thread_id, checkpoint_ns) + esc(channel) + "/"
                          + version_component(version),
                          f"channel {channel!r} of thread {thread_id!r}")
 
@@ -120,7 +120,7 @@ class Keys:
 
     def write(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
               idx: int) -> str:
-        return self._fit(self.write_prefix(thread_id, checkpoint_ns, checkpoint_id)
+        return self.fit(self.write_prefix(thread_id, checkpoint_ns, checkpoint_id)
                          + esc(task_id) + "/" + str(idx),
                          f"a write of task {task_id!r} in thread {thread_id!r}")
 
@@ -139,7 +139,7 @@ class Keys:
         return self.store + "".join(esc(label) + "/" for label in labels)
 
     def item(self, namespace: tuple[str, ...], key: str) -> str:
-        return self._fit(self.store_prefix(namespace) + "=" + esc(key),
+        return self.fit(self.store_prefix(namespace) + "=" + esc(key),
                          f"store item {key!r} of namespace {namespace!r}")
 
     def parse_item(self, key: str) -> tuple[tuple[str, ...], str]:

@@ -330,7 +330,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 writes.setdefault((t, n, c), []).append([*item.value, int(idx)])
         left = limit
         for (t, n), entries in groups.items():
-            for c, body in reversed(entries):
+            for c, body in sorted(entries, key=lambda e: e[0], reverse=True):
                 if cid and c != cid:
                     continue
                 if before_id and c >= before_id:
@@ -383,7 +383,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             for i in range(0, len(items), 256):
                 with self.kv.batch() as b:
                     for item in items[i:i + 256]:
-                        b.put(k._fit(dst + item.key[len(src):], f"a copy into thread "
+                        b.put(k.fit(dst + item.key[len(src):], f"a copy into thread "
                                                                 f"{target_thread_id!r}"), item.value)
         src = k.thread(k.heads, source_thread_id)
         for item in list(scan(self.kv, src)):
@@ -414,7 +414,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             if not gone:
                 continue
             kept = [(c, body) for c, body in entries if not drop(ns, c, body)]
-            latest = kept[-1][0] if kept else None
+            latest = max((c for c, _body in kept), default=None)
             head = self.kv.get(k.head(thread_id, ns))
             slots = head["w"] if head is not None and head["id"] == latest else []
             self._set_head(thread_id, ns, latest, slots)  # (first: never a head on a gone id)
