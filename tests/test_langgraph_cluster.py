@@ -92,8 +92,10 @@ def test_a_resume_waits_for_records_not_yet_in_l3_and_never_reads_an_older_threa
 
             def resume() -> None:
                 try:
-                    got["out"] = build_graph().compile(checkpointer=saver_b).invoke(
-                        Command(resume="late"), cfg)
+                    graph = build_graph().compile(checkpointer=saver_b)
+                    state = graph.get_state(cfg)  # (the interrupt's write included)
+                    got["interrupts"] = [i.value for t in state.tasks for i in t.interrupts]
+                    got["out"] = graph.invoke(Command(resume="late"), cfg)
                 except BaseException as exc:  # (reported below)
                     got["error"] = exc
 
@@ -106,6 +108,7 @@ def test_a_resume_waits_for_records_not_yet_in_l3_and_never_reads_an_older_threa
             os.kill(daemon, signal.SIGCONT)
         t.join(60)
         assert not t.is_alive() and "error" not in got, got
+        assert got["interrupts"] == [{"question": "go ahead?"}]
         assert got["out"]["steps"] == ["plan", "ask", "act:late"]
         assert saver_b.counters["wait_timeouts"] == 0
 

@@ -14,7 +14,8 @@ characters are percent-escaped (``%2F``...). A component then never holds ``/``,
 Saver (``root`` defaults to ``lg/``; ``T`` thread id, ``N`` checkpoint namespace, ``C``
 checkpoint id, all escaped)::
 
-    {root}cp/h/T/N/          the thread's head: {"id": latest C, "w": [[task, idx]...]}
+    {root}cp/h/T/N/          the thread's head: {"id": latest C, "w": its writes [[task, idx]...],
+                             "p": writes of newer checkpoints not yet put}
     {root}cp/c/T/N/C         one checkpoint (immutable): serialized checkpoint, metadata,
                              parent id, run id
     {root}cp/b/T/N/CH/VER    one channel value at one version (immutable)

@@ -191,12 +191,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
 
-    def _advance_head(self, thread_id: str, ns: str, cid: str,
-                      slots: Iterable[list[Any]] = ()) -> None:
+    def _advance_head(self, thread_id: str, ns: str, cid: str) -> None:
         def forward(old: dict[str, Any] | None) -> dict[str, Any]:
-            if old is not None and old["id"] >= cid:
+            if old is not None and old["id"] is not None and old["id"] >= cid:
                 return old
-            return {"id": cid, "w": list(slots)}
+            pending = {} if old is None else old.get("p", {})
+            head = {"id": cid, "w": pending.get(cid, [])}
+            later = {c: w for c, w in pending.items() if c > cid}
+            if later:
+                head["p"] = later
+            return head
 
         self.kv.update(self.keys.head(thread_id, ns), forward)
 
@@ -220,13 +224,21 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             self._note_writes(thread_id, ns, cid, slots)
 
     def _note_writes(self, thread_id: str, ns: str, cid: str, slots: list[list[Any]]) -> None:
-        """Cluster mode: list the writes in the head while ``cid`` is the head, so that a
-        read on another host waits for them."""
+        """Cluster mode: list the writes of checkpoint ``cid`` in the head, so that a read
+        on another host waits for them. LangGraph may store a checkpoint's writes before
+        the checkpoint itself (its puts run in the background): the head then keeps them
+        aside (``"p"``: checkpoint id -> writes) until ``put`` moves it to ``cid``."""
         def add(old: dict[str, Any] | None) -> dict[str, Any]:
-            if old is None or old["id"] != cid:
+            if old is not None and old["id"] is not None and old["id"] > cid:
                 raise _NotHead
-            have = {tuple(s) for s in old["w"]}
-            return {"id": cid, "w": old["w"] + [s for s in slots if tuple(s) not in have]}
+            head = {"id": None, "w": []} if old is None else dict(old)
+            if head["id"] == cid:
+                head["w"] = _merged(head["w"], slots)
+            else:
+                pending = dict(head.get("p", {}))
+                pending[cid] = _merged(pending.get(cid, []), slots)
+                head["p"] = pending
+            return head
 
         try:
             self.kv.update(self.keys.head(thread_id, ns), add)
@@ -246,7 +258,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             body = self.kv.get(k.checkpoint(thread_id, ns, cid))
         else:
             head = self.kv.get(k.head(thread_id, ns))
-            if head is None:
+            if head is None or head["id"] is None:  # (None: writes came before any checkpoint)
                 return None
             cid = head["id"]
             referenced = head["w"]
@@ -254,20 +266,19 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                                   f"checkpoint {cid!r} of thread {thread_id!r}", self.counters)
         if body is None:
             return None
-        # (each write with its index, which its key ends with)
-        writes = [[*item.value, int(item.key.rsplit("/", 1)[1])]
-                  for item in scan(self.kv, k.write_prefix(thread_id, ns, cid))]
-        if referenced:
-            have = {(w[0], w[5]) for w in writes}
-            writes = self._with_referenced(thread_id, ns, cid, writes, referenced, have)
+        if referenced is not None and self._cluster:
+            # the head lists every write of its checkpoint (put_writes adds them while it is
+            # the head): read those, no scan (a cluster scan costs a read of every group)
+            writes = self._referenced_writes(thread_id, ns, cid, referenced)
+        else:  # (each write with its index, which its key ends with)
+            writes = [[*item.value, int(item.key.rsplit("/", 1)[1])]
+                      for item in scan(self.kv, k.write_prefix(thread_id, ns, cid))]
         return self._tuple(thread_id, ns, cid, body, writes, referenced is not None)
 
-    def _with_referenced(self, thread_id: str, ns: str, cid: str, writes: list[Any],
-                         referenced: list[list[Any]], have: set[tuple[str, int]]) -> list[Any]:
-        out = list(writes)
+    def _referenced_writes(self, thread_id: str, ns: str, cid: str,
+                           referenced: list[list[Any]]) -> list[Any]:
+        out = []
         for task_id, idx in referenced:
-            if (task_id, idx) in have:
-                continue
             w = get_referenced(self.kv, self.keys.write(thread_id, ns, cid, task_id, idx),
                                self.wait_timeout, f"a pending write of checkpoint {cid!r}",
                                self.counters)
@@ -388,7 +399,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         src = k.thread(k.heads, source_thread_id)
         for item in list(scan(self.kv, src)):
             (ns,) = Keys.split(item.key, src)
-            self._set_head(target_thread_id, ns, item.value["id"], item.value["w"])
+            if item.value["id"] is not None:
+                self._set_head(target_thread_id, ns, item.value["id"], item.value["w"])
 
     def _set_head(self, thread_id: str, ns: str, cid: str | None, slots: builtins.list[Any]) -> None:
         key = self.keys.head(thread_id, ns)
@@ -416,7 +428,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             kept = [(c, body) for c, body in entries if not drop(ns, c, body)]
             latest = max((c for c, _body in kept), default=None)
             head = self.kv.get(k.head(thread_id, ns))
-            slots = head["w"] if head is not None and head["id"] == latest else []
+            if head is not None and head["id"] == latest:
+                slots = head["w"]
+            else:  # (the head moves back: it lists the writes of its new checkpoint)
+                slots = [] if latest is None else [
+                    [i.value[0], int(i.key.rsplit("/", 1)[1])]
+                    for i in scan(self.kv, k.write_prefix(thread_id, ns, latest))]
             self._set_head(thread_id, ns, latest, slots)  # (first: never a head on a gone id)
             for c, _body in gone:
                 doomed.append(k.checkpoint(thread_id, ns, c))
@@ -510,3 +527,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
 def _not_latest(latest: dict[str, str], ns: str, cid: str, _body: builtins.list[Any]) -> bool:
     return cid != latest[ns]
+
+
+def _merged(have: builtins.list[Any], slots: builtins.list[builtins.list[Any]]) -> builtins.list[Any]:
+    seen = {tuple(x) for x in have}
+    return have + [x for x in slots if tuple(x) not in seen]
