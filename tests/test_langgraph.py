@@ -305,3 +305,25 @@ def test_the_three_agent_example_runs(ns: str) -> None:
     assert "report: 12 observations, mean 21.86 C, 1 over 30 C: obs-02" in out.stdout, out.stdout
     for role in ("scout", "analyst", "writer"):
         assert f"[{role}] done" in out.stdout
+
+
+def test_heads_only_move_forward_whoever_moved_them_last(ns: str, config: kvcomm.Config) -> None:
+    """Two savers (two processes of a host) put checkpoints of one thread in turns: each
+    saver's remembered head goes stale, its compare-and-set fails and it reads again;
+    the head is always the greatest id put, an older put never moves it back."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    with kvcomm.open(ns, config=config) as a, kvcomm.open(ns, config=config) as b:
+        sa, sb = KVCommSaver(a), KVCommSaver(b)
+        cps = [empty_checkpoint() for _ in range(6)]
+        assert [c["id"] for c in cps] == sorted(c["id"] for c in cps)
+        cfg: Any = {"configurable": {"thread_id": "shared", "checkpoint_ns": ""}}
+        for i, cp in enumerate(cps[1:], start=1):
+            (sa if i % 2 else sb).put(cfg, cp, {"step": i}, {})
+            assert a.get(sa.keys.head("shared", ""))["id"] == cp["id"]
+            assert sb.get_tuple(cfg).checkpoint["id"] == cp["id"]  # type: ignore[union-attr]
+        sa.put(cfg, cps[0], {"step": 0}, {})  # an older checkpoint (a replay, a copy)
+        assert sb.get_tuple(cfg).checkpoint["id"] == cps[-1]["id"]  # type: ignore[union-attr]
+        assert len(list(sa.list(cfg))) == 6
+        # (the stale remembered heads were refused: each saver's client counted conflicts)
+        assert a.counters["conflicts"] >= 2 and b.counters["conflicts"] >= 2

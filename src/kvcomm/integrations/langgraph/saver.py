@@ -78,8 +78,9 @@ from langgraph.checkpoint.base import (
     writes_sort_key,
 )
 
-from ..._client import Client
-from ...errors import InvalidArgument, KVCommWarning
+from ..._client import ABSENT, Client
+from ...core.versions import Version
+from ...errors import ConflictError, InvalidArgument, KVCommWarning, Unavailable
 from ._keys import DEFAULT_ROOT, Keys
 from ._kv import get_referenced, scan
 from ._serde import NoPickleSerializer, no_pickle
@@ -123,6 +124,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # cluster mode: reads of records a head names that had to wait for them, and
         # those that gave up (Unavailable) after wait_timeout
         self.counters: dict[str, int] = {"waits": 0, "wait_timeouts": 0}
+        # the last head this saver wrote or read, per head key, with its Version: a head
+        # is moved by one compare-and-set on it (a strong head: one etcd round trip, not
+        # a read and a write); when another writer moved it meanwhile, read it again
+        self._heads: dict[str, tuple[Version, Any]] = {}
         self._cluster = kv.config.cluster.enabled
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
                 and kv.config.cache.l3_consistency != "strong":
@@ -202,7 +207,27 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 head["p"] = later
             return head
 
-        self.kv.update(self.keys.head(thread_id, ns), forward)
+        self._update_head(self.keys.head(thread_id, ns), forward)
+
+    def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]]) -> None:
+        """``kv.update(key, fn)``, starting from the head this saver last saw (no read
+        when it is still current). ``fn`` may run more than once; what it raises
+        propagates and nothing is written."""
+        cached = self._heads.get(key)
+        for _ in range(10_000):
+            if cached is None:
+                item = self.kv.get_item(key)
+                expect, old = (ABSENT, None) if item is None else (item.version, item.value)
+            else:
+                expect, old = cached
+            new = fn(old)
+            try:
+                self._heads[key] = (self.kv.put(key, new, expect=expect), new)
+                return
+            except ConflictError:
+                self._heads.pop(key, None)
+                cached = None
+        raise Unavailable(f"the head {key!r} lost 10000 compare-and-sets in a row")
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
                    task_path: str = "") -> None:
@@ -241,7 +266,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             return head
 
         try:
-            self.kv.update(self.keys.head(thread_id, ns), add)
+            self._update_head(self.keys.head(thread_id, ns), add)
         except _NotHead:
             pass  # an older checkpoint's writes: readers of it scan for them
 
@@ -381,6 +406,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         """Delete every checkpoint, value and write of ``thread_id`` (heads first, so that
         no reader finds a head whose records are going)."""
         for item in list(scan(self.kv, self.keys.thread(self.keys.heads, thread_id))):
+            self._heads.pop(item.key, None)
             self.kv.delete(item.key)
         self._delete_keys(self._thread_keys(thread_id))
 
@@ -404,6 +430,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     def _set_head(self, thread_id: str, ns: str, cid: str | None, slots: builtins.list[Any]) -> None:
         key = self.keys.head(thread_id, ns)
+        self._heads.pop(key, None)
         if cid is None:
             self.kv.delete(key)
         else:
