@@ -326,4 +326,4 @@ def test_heads_only_move_forward_whoever_moved_them_last(ns: str, config: kvcomm
         assert sb.get_tuple(cfg).checkpoint["id"] == cps[-1]["id"]  # type: ignore[union-attr]
         assert len(list(sa.list(cfg))) == 6
         # (the stale remembered heads were refused: each saver's client counted conflicts)
-        assert a.counters["conflicts"] >= 2 and b.counters["conflicts"] >= 2
+        assert a.counters["conflicts"] >= 2 and b.counters["conflicts"] >= 1
