@@ -1,7 +1,8 @@
-"""kv.scan in cluster mode, on a real dev cluster of two hosts: every live key of the
-cluster under the prefix (not only what this host holds), strong keys from etcd merged in,
-writes not yet in L3 included, deletes never shown, pages, concurrent writers, and the
-key index backfilled for data written before it existed."""
+"""kv.scan and kv.watch in cluster mode, on a real dev cluster of two hosts: every live
+key of the cluster under the prefix (not only what this host holds), strong keys from etcd
+merged in, writes not yet in L3 included, deletes never shown, pages, concurrent writers,
+the key index backfilled for data written before it existed; a watch on host 2 sees host
+1's changes, and overflows tell a watcher to rescan."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ CTX = mp.get_context("fork")
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("devcluster")
-    state = devcluster.up(2, str(d), strong_prefixes=["lock/"], groups=64)
+    # a small feed ring: the overflow test fills it on purpose
+    state = devcluster.up(2, str(d), strong_prefixes=["lock/"], groups=64, watch_buffer=1024)
     state["dir"] = d
     yield state
     devcluster.down(str(d))
@@ -235,6 +237,131 @@ def test_the_index_is_in_l3_and_follows_deletes(dev: dict[str, Any]) -> None:
         a.delete("ix/1")
         wait_for(lambda: store.rc.zscore(idx, "ix/1") is None, 20, "the index to drop ix/1")
         assert store.rc.zscore(idx, "") == 0  # the set stays in existence
+        g = store.groups.of("ix/1")
+        page, bound = store.index_range("", "", 1, groups=[g])
+        assert "" not in page and bound != ""  # the empty member is no key, nor a bound
         assert store.index_ready()  # the daemons backfilled (an empty L3) at their start
     finally:
         a.close(), store.close()
+
+
+def collect(it: Iterator[kvcomm.Event], done: Any, timeout: float = 20.0) -> list[kvcomm.Event]:
+    """Events of a watch (opened with a timeout) until ``done(events)`` or ``timeout``."""
+    import time
+
+    out: list[kvcomm.Event] = []
+    deadline = time.monotonic() + timeout
+    for ev in it:
+        out.append(ev)
+        if done(out) or time.monotonic() > deadline:
+            break
+    return out
+
+
+def seen(*pairs: tuple[str, str]) -> Any:
+    return lambda evs: set(pairs) <= {(e.key, e.kind) for e in evs}
+
+
+def test_a_watch_on_host_2_sees_host_1s_changes(dev: dict[str, Any]) -> None:
+    a, b = host(dev, 0), host(dev, 1)
+    try:
+        w = b.watch("wx/", timeout=20)  # returns once host 2's daemon has the prefix
+        v1 = a.put("wx/a", 1)  # a key host 2 never read
+        v2 = a.put("wx/a", 2)
+        a.put("wy/other", 0)  # outside the prefix
+        v3 = a.put("wx/b", 3)
+        a.delete("wx/a")
+        events = collect(w, seen(("wx/a", "delete"), ("wx/b", "put")))
+        by_key: dict[str, list[tuple[str, Any]]] = {}
+        for ev in events:
+            by_key.setdefault(ev.key, []).append((ev.kind, ev.version))
+        # host 1 sends L3 each key's latest write of a window (the puts of wx/a may never
+        # reach L3 apart from its delete), but what arrives keeps its order and carries
+        # the full version of its write
+        assert by_key["wx/a"][-1][0] == "delete"
+        assert all(k == "put" and v in (v1, v2) for k, v in by_key["wx/a"][:-1])
+        assert by_key["wx/b"] == [("put", v3)]
+        assert "wy/other" not in by_key
+        v4 = a.put("wx/b", 4)  # a key host 2 holds now: the same path
+        assert collect(w, seen(("wx/b", "put")))[-1].version == v4
+        w.close()
+        # the registration is gone with the watch: the daemon no longer installs wx/
+        from kvcomm.node.watched import watch_dir
+
+        wait_for(lambda: not os.listdir(watch_dir(b.name, b.config.cache.l2_dir)), 5,
+                 "the registration to be removed")
+    finally:
+        a.close(), b.close()
+
+
+def test_a_watch_sees_strong_keys_from_etcd(dev: dict[str, Any]) -> None:
+    a, b = host(dev, 0), host(dev, 1)
+    try:
+        w = b.watch("lock/w", timeout=20)
+        v = a.put("lock/w1", "mine")
+        a.delete("lock/w1")
+        events = collect(w, seen(("lock/w1", "delete")))
+        assert [(e.key, e.kind) for e in events] == [("lock/w1", "put"), ("lock/w1", "delete")]
+        assert events[0].version == v
+        w.close()
+    finally:
+        a.close(), b.close()
+
+
+def test_a_slow_watcher_gets_an_overflow_and_rescans(dev: dict[str, Any]) -> None:
+    a, b, store = host(dev, 0), host(dev, 1), l3(dev)
+    try:
+        w = b.watch("ov/", timeout=20)
+        start = b._seg.feed_head()  # (at or after the watch's cursor)
+        ring = b._seg.layout.feed_n
+        keys = [f"ov/{i:05d}" for i in range(ring + 200)]
+        for k in keys:  # host 1 writes; host 2's daemon installs them; nobody reads w
+            a.put(k, 1)
+        wait_for(lambda: b._seg.feed_head() - start > ring, 30,
+                 "host 2's daemon to install more than a ring of host 1's writes")
+        first = next(w)
+        assert first.kind == "overflow"  # the watcher fell a whole ring behind
+        wait_for(lambda: in_l3(store, keys[-5:]), 20, "the writes to reach L3")
+        assert b.keys("ov/") == keys  # the rescan the overflow asks for
+        w.close()
+    finally:
+        a.close(), b.close(), store.close()
+
+
+def test_a_gap_in_the_cluster_feed_tells_watchers_to_rescan(dev: dict[str, Any]) -> None:
+    """A group's feed skips a sequence number (entries lost: here its counter is bumped
+    by hand): host 2's daemon resyncs the group, and its watcher gets an overflow."""
+    import kvcomm.node.presence as presence
+
+    a, b, store = host(dev, 0), host(dev, 1), l3(dev)
+    try:
+        status = presence.status_path(b.name, b.config.cache.l2_dir)
+        before = presence.read_status(status)["watch_missed"]  # type: ignore[index]
+        w = b.watch("gap/", timeout=20)
+        g = store.groups.of("gap/1")
+        store.rc.incr(store.groups.seq_key(g))  # the next entry's number skips one
+        a.put("gap/1", 1)
+        wait_for(lambda: presence.read_status(status)["watch_missed"] > before,  # type: ignore[index]
+                 20, "host 2's daemon to resync the group")
+        events = collect(w, lambda evs: evs[-1].kind == "overflow")
+        assert events[-1].kind == "overflow"
+        w.close()
+    finally:
+        a.close(), b.close(), store.close()
+
+
+def test_a_scan_of_everything_pages_through_the_whole_cluster(dev: dict[str, Any]) -> None:
+    a, b, store = host(dev, 0), host(dev, 1), l3(dev)
+    try:
+        mine = [f"all/{i:02d}" for i in range(50)]
+        for k in mine:
+            a.put(k, 1)
+        a.put("lock/all", 1)  # strong: merged in
+        wait_for(lambda: in_l3(store, mine), 20, "the puts to reach L3")
+        every = [k for p in pages(b, "", 97) for k in p]  # (prefix "": the empty member)
+        assert every == sorted(set(every), key=lambda k: k.encode())
+        assert {*mine, "lock/all"} <= set(every)
+        assert scan_keys(a, "", limit=1) == every[:1]
+        assert [k for p in pages(a, "", 1000) for k in p] == every
+    finally:
+        a.close(), b.close(), store.close()

@@ -101,7 +101,7 @@ def test_a_strong_put_is_read_by_another_host_and_never_cached(hosts: Hosts,
     assert revision_of(v2) > rev  # type: ignore[operator]
     assert a.get(k) == {"n": 2}  # a second read on host-a sees the newer write: no L1 copy
     # the value lives in etcd only: not in either host's L2
-    assert k not in a.keys() and k not in b.keys()
+    assert k not in a._seg.keys() and k not in b._seg.keys()
     with EtcdClient(etcd.endpoints) as raw:
         kv = raw.get(KEY_PREFIX + k.encode())
         assert kv is not None and kv.mod_revision == revision_of(v2)
@@ -109,7 +109,7 @@ def test_a_strong_put_is_read_by_another_host_and_never_cached(hosts: Hosts,
     assert a.delete(k) is False
     # an eventual key in the same client still goes to L2
     a.put("plain/1", 5)
-    assert "plain/1" in a.keys()
+    assert "plain/1" in a._seg.keys()
 
 
 def test_compare_and_set_compares_the_etcd_revision(hosts: Hosts) -> None:
@@ -213,7 +213,7 @@ def test_a_batch_refuses_strong_keys_and_writes_nothing(hosts: Hosts) -> None:
         with a.batch() as b:
             b.put("plain/b", 1)
             b.put(k, 2)
-    assert "plain/b" not in a.keys() and a.get(k) is None
+    assert "plain/b" not in a._seg.keys() and a.get(k) is None
 
 
 def test_disagreeing_prefixes_refuse_to_start(hosts: Hosts, etcd: EtcdCluster) -> None:

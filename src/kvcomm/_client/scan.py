@@ -1,5 +1,8 @@
 """Prefix scans: ``kv.scan(prefix, limit=, after=)``, every live key under a prefix, in order.
 
+(Cluster mode's sources and the cost of a page: :meth:`Scanning._scan_cluster` and
+:mod:`kvcomm.tiers.l3`, "The key index".)
+
 The contract
 ------------
 ``scan`` yields the live keys under ``prefix`` in key order (the order of their UTF-8
@@ -122,9 +125,18 @@ class Scanning(Watching):
         host (or, in cluster mode, acknowledged by L3) before this call and not deleted
         since always appears. The index is brought up to date here, when ``scan`` is
         called, and the Items are read as the iterator is consumed. Embedded mode: a page
-        costs O(log n + limit + writes since this process's last scan); see
-        :mod:`kvcomm._client.scan`. Raises InvalidKey (a prefix that is not a str),
-        InvalidArgument (a bad limit or after), SegmentError; nothing changes.
+        costs O(log n + limit + writes since this process's last scan). Cluster mode:
+        every live key of the cluster under the prefix, merged from L3's key index, this
+        host's L2 (its writes not yet in L3 included) and etcd (strong keys); a page of n
+        costs G index reads of O(log(keys of a group) + n) each inside Redis (G =
+        ``cluster.groups``; one read-only script call per master per 512 groups), at
+        most n GETs, and one etcd range read when strong keys may be under the prefix;
+        a key another host changed shows its change once L3 has it (a key this host
+        holds: once its daemon applied it). See :mod:`kvcomm._client.scan`. Raises
+        InvalidKey (a prefix that is not a str), InvalidArgument (a bad limit or after),
+        SegmentError; in cluster mode, while iterating, Unavailable (L3 or etcd out of
+        reach: scan again from the last key received) and CorruptRecord (a foreign value
+        under an indexed key). Nothing is changed, and nothing is put in L2.
         """
         check_scan_args(prefix, limit, after)
         self._live()

@@ -1,28 +1,60 @@
-"""Watching: the host's change feed, filtered by prefix, as Events."""
+"""Watching: the host's change feed, filtered by prefix, as Events; in cluster mode, every
+host's changes under the prefix (the node daemon installs them: node/watched.py) and strong
+keys' changes from an etcd watch."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
-from ..errors import InvalidArgument, InvalidKey, SegmentError
-from ..tiers.l2 import KIND_NAMES
+from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
+from ..node.watched import register, unregister
+from ..tiers.l2 import KIND_NAMES, key_hash
 from .items import Event
 from .write import Writes
+
+_ACK_WAIT_S = 5.0  # how long watch() waits for the node daemon to take its prefix
+
+
+class _Subscription:
+    """A cluster-mode watch's ties: its registration with the node daemon, the daemon's
+    count of possibly missed changes it last saw, and the etcd watch of strong keys."""
+
+    def __init__(self, path: str, missed: int, etcd_watch: Any, etcd_key: bytes) -> None:
+        self.path, self.missed = path, missed
+        self.etcd_watch, self.etcd_key = etcd_watch, etcd_key
+
+    def close(self) -> None:
+        unregister(self.path)
+        if self.etcd_watch is not None:
+            self.etcd_watch.close()
+            self.etcd_watch = None
 
 
 class Watching(Writes):
     """Watching."""
 
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:
-        """Changes under ``prefix`` from now on, in per-key order.
+        """Changes under ``prefix`` from now on, in per-key order, each with its full
+        Version (the version of the write; for a write already replaced or evicted by
+        the time the watcher reads it: its HLC and this host's entry).
 
         Kinds: ``put``, ``delete``, ``evict`` (L2 dropped the key to make room: in embedded
-        mode it is gone, in cluster mode L3 still has it) and ``overflow``. With
-        ``timeout``, iteration ends after that many seconds without an event. A watcher
-        that falls a whole feed (``cache.watch_buffer`` events) behind receives one
-        ``overflow`` event and continues from the newest; it should then re-read what it
-        tracks. Writers are never slowed by a watcher. Raises InvalidKey, InvalidArgument.
+        mode it is gone, in cluster mode L3 still has it) and ``overflow``. In cluster mode
+        the watch sees the changes made on every host: the host's node daemon learns the
+        prefix and installs every change under it into this host's L2 (so the host holds
+        the watched keys); this call returns once the daemon has taken the prefix (at
+        most 5 s; a host whose daemon is not running gets the changes once it runs).
+        Strong keys under the prefix come from an etcd watch (resumed at the last
+        revision + 1 across member failures). With ``timeout``, iteration ends after
+        that many seconds without an event. A watcher that falls a whole feed
+        (``cache.watch_buffer`` events) behind, or whose daemon may have missed cluster
+        changes (a gap in a group's feed), or whose etcd watch was compacted, receives
+        one ``overflow`` event and continues from the newest: it should rescan what it
+        tracks with :meth:`scan`. Writers are never slowed by a watcher. Raises
+        InvalidKey, InvalidArgument; SegmentError (cluster mode) when the prefix cannot
+        be registered with the daemon.
         """
         if type(prefix) is not str:
             raise InvalidKey("a watch prefix is a str ('' watches every key)")
@@ -30,32 +62,123 @@ class Watching(Writes):
                                     or timeout != timeout):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self._live()
-        return self._watch(prefix, timeout, self._seg.feed_head())  # "from now": cursor taken here
+        cursor = self._seg.feed_head()  # "from now": cursor taken here
+        sub = self._subscribe(prefix) if self._cluster else None
+        return self._watch(prefix, timeout, cursor, sub)
 
-    def _watch(self, prefix: str, timeout: float | None, cursor: int) -> Iterator[Event]:
+    def _daemon_status(self) -> dict[str, Any] | None:
+        from ..node.presence import STATUS_FRESH_S, read_status, status_path
+
+        s = read_status(status_path(self.name, self.config.cache.l2_dir))
+        if s is None or time.time() - float(s.get("updated", 0)) > STATUS_FRESH_S:
+            return None
+        return s
+
+    def _subscribe(self, prefix: str) -> _Subscription:
+        """Register ``prefix`` with the host's node daemon and wait (at most _ACK_WAIT_S)
+        until it applies it; open the etcd watch of the strong keys under it."""
+        c = self.config.cache
+        try:
+            path, mtime = register(self.name, c.l2_dir, prefix, c.l2_permissions)
+        except OSError as exc:
+            raise SegmentError(f"cannot register the watch of {prefix!r} with the node daemon "
+                               f"in {c.l2_dir} ({exc.strerror}); check that directory") from None
+        status = self._daemon_status()
+        deadline = time.monotonic() + _ACK_WAIT_S
+        while (status is not None and "watch_applied" in status
+               and int(status["watch_applied"]) < mtime and time.monotonic() < deadline):
+            time.sleep(0.005)
+            status = self._daemon_status()
+        missed = int(status.get("watch_missed", 0)) if status is not None else 0
+        etcd_watch, key = None, b""
+        if self._strong is not None and self._strong_on and self._strong_possible(prefix):
+            from .strong import KEY_PREFIX
+
+            key = KEY_PREFIX + prefix.encode("utf-8")
+            etcd_watch = self._strong.etcd.watch(key, prefix=True)
+            etcd_watch.created.wait(2 * self._strong.timeout)
+        return _Subscription(path, missed, etcd_watch, key)
+
+    def _strong_possible(self, prefix: str) -> bool:
+        st = self._strong
+        return bool(st._default_strong or any(p.startswith(prefix) or prefix.startswith(p)
+                                              for p in st._prefixes))
+
+    def _watch(self, prefix: str, timeout: float | None, cursor: int,
+               sub: _Subscription | None = None) -> Iterator[Event]:
         seg = self._seg
         last_event = time.monotonic()
         idle = 0.0001
-        while not self._closed:
-            if seg.purged:
-                raise SegmentError(f"namespace {self.name!r} was purged while watched; "
-                                   "open it again and watch anew")
-            events, cursor, overflowed = seg.feed_read(cursor)
-            got = False
-            if overflowed:
-                got = True
-                yield Event("", "overflow", None)
-            for ev in events:
-                if ev.key.startswith(prefix):
+        full = self._cluster  # (embedded: the feed's own entry is the whole version)
+        try:
+            while not self._closed:
+                if seg.purged:
+                    raise SegmentError(f"namespace {self.name!r} was purged while watched; "
+                                       "open it again and watch anew")
+                events, cursor, overflowed = seg.feed_read(cursor)
+                got = False
+                if overflowed:
                     got = True
-                    yield Event(ev.key, KIND_NAMES[ev.kind], self._version(ev.counter, ev.hlc, b""))
-            now = time.monotonic()
-            if got:
-                last_event = now
-                idle = 0.0001
-                continue
-            if timeout is not None and now - last_event >= timeout:
-                return
-            time.sleep(idle)
-            idle = min(idle * 2, 0.005)
+                    yield Event("", "overflow", None)
+                for ev in events:
+                    if ev.key.startswith(prefix):
+                        got = True
+                        version = None
+                        if full:
+                            kb = ev.key.encode("utf-8", "surrogateescape")
+                            v = seg.version(kb, key_hash(kb))
+                            if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
+                                version = self._version(v[3], v[4], v[5])
+                        if version is None:
+                            version = self._version(ev.counter, ev.hlc, b"")
+                        yield Event(ev.key, KIND_NAMES[ev.kind], version)
+                if sub is not None:
+                    for e in self._cluster_events(sub):
+                        got = True
+                        yield e
+                now = time.monotonic()
+                if got:
+                    last_event = now
+                    idle = 0.0001
+                    continue
+                if timeout is not None and now - last_event >= timeout:
+                    return
+                time.sleep(idle)
+                idle = min(idle * 2, 0.005)
+        finally:
+            if sub is not None:
+                sub.close()
 
+    def _cluster_events(self, sub: _Subscription) -> list[Event]:
+        """An overflow when the daemon may have missed changes since the last look; the
+        etcd watch's events (an overflow when it was compacted: watched anew from now)."""
+        from ..tiers.etcd import WatchCompacted
+        from .strong import KEY_PREFIX, strong_version
+
+        out: list[Event] = []
+        status = self._status_reader_status()
+        if status is not None and int(status.get("watch_missed", 0)) > sub.missed:
+            sub.missed = int(status["watch_missed"])
+            out.append(Event("", "overflow", None))
+        w = sub.etcd_watch
+        if w is not None:
+            try:
+                for e in w.next(timeout=0):
+                    key = e.kv.key[len(KEY_PREFIX):].decode("utf-8", "surrogateescape")
+                    out.append(Event(key, e.type, strong_version(e.kv.mod_revision)))
+            except WatchCompacted:
+                w.close()
+                sub.etcd_watch = self._strong.etcd.watch(sub.etcd_key, prefix=True)
+                out.append(Event("", "overflow", None))
+            except Unavailable:
+                pass  # closed under us (the client is closing)
+        return out
+
+    def _status_reader_status(self) -> dict[str, Any] | None:
+        r = self._status_reader
+        if r is None:
+            from ..node.presence import StatusReader, status_path
+
+            r = self._status_reader = StatusReader(status_path(self.name,
+                                                               self.config.cache.l2_dir))
+        return r.status()  # type: ignore[no-any-return]

@@ -7,6 +7,7 @@ the README's "Commands" section).
     kvcomm info [--name NS] [--config FILE] [--json]
     kvcomm purge --name NS [--config FILE] [--force]
     kvcomm migrate [--name NS] [--config FILE]     an older-layout segment's unflushed writes
+    kvcomm migrate --l3-index --config FILE        index L3's older records for kv.scan
     kvcomm config --show [--config FILE]
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR

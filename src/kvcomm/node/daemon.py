@@ -104,6 +104,7 @@ from .delivery import (
 )
 from .port import ClientPort, HostKeys, HostL2, L3Port
 from .presence import HostPresence, Reachability, status_path, write_status
+from .watched import WatchedPrefixes
 
 log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
@@ -178,6 +179,11 @@ class Daemon:
         self.last_pull = now  # the last feed read that succeeded (feed lag)
         self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
+        # keys wanted beyond those held (node/watched.py): the prefixes the host's watchers
+        # registered (NodeDaemon reads them), and how often changes to them may have been
+        # missed (a resync after a gap: the watchers are told to rescan)
+        self.wants: Callable[[str], bool] = _nothing
+        self.watch_missed = 0
         self._fill_key_filter(initial=True)
         self._start_feeds()
         self.held_at_start.clear()
@@ -425,6 +431,7 @@ class Daemon:
         """
         self.inb.begin_resync(groups, missed=bool(reason))
         if reason:
+            self.watch_missed += 1  # (a watched key of these groups may have changed unseen)
             self.stats.resyncs += len(groups)
             self.stats.bump(f"resync_{reason}", len(groups))
             log.warning("resyncing group(s) %s of the L3 feed (%s)", sorted(groups), reason)
@@ -505,7 +512,7 @@ class Daemon:
         # record L3 merged from ours and another host's must still be taken
         if not rec.tombstone:
             self.keys.add(key.encode("utf-8"))
-        if not self.port.holds(key):
+        if not self.port.holds(key) and not self.wants(key):
             self.stats.skipped_remote += 1
             self.skipped.remember(key, rec, self.clock())
             return  # not held here: the next read goes to L3
@@ -580,7 +587,12 @@ class Daemon:
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
                 "etcd_unreachable": bool(p and p.etcd_unreachable),
                 "etcd_down_s": round(p.etcd_down_s(), 3) if p else 0.0,
-                "lease": p.lease if p else 0}
+                "lease": p.lease if p else 0, "watch_missed": self.watch_missed,
+                "watch_applied": self._watch_applied()}
+
+    def _watch_applied(self) -> int:
+        """The mtime of the watch registrations the daemon applies (node/watched.py)."""
+        return 0
 
     def decide_partition(self) -> None:
         """Enter or leave partition mode (see node/presence.py). Leaving it retries the
@@ -714,6 +726,7 @@ class NodeDaemon(Daemon):
             # placement: the host's agent reports, published to L3 (kvn:{host}:agents)
             self.agents = HostPublisher(config, self.kv.name, self.host)
             self.status_file = status_path(self.kv.name, c.l2_dir)
+            self.watched = WatchedPrefixes(self.kv.name, c.l2_dir)
             self.status_written = float("-inf")
             if cl.etcd:
                 self.presence = HostPresence(config, self.status,
@@ -726,7 +739,16 @@ class NodeDaemon(Daemon):
             self.kv.close()
             raise
 
+    def _watch_applied(self) -> int:
+        return self.watched.applied
+
     def step(self) -> None:
+        applied = self.watched.applied
+        if self.watched.poll(self.clock()):
+            self.wants = self.watched.wants if self.watched.prefixes else _nothing
+            log.info("watched prefixes of this host: %s", list(self.watched.prefixes))
+        if self.watched.applied != applied:
+            self.status_written = float("-inf")  # new watchers wait for the status: now
         super().step()
         self.agents.maybe_publish(self.l3, self.clock())  # (never raises)
 
@@ -766,6 +788,10 @@ def _ms(seconds: float) -> int:
 
 def _raise(exc: BaseException) -> None:
     raise exc
+
+
+def _nothing(key: str) -> bool:
+    return False
 
 
 def _index_l3(l3: L3Store) -> None:

@@ -188,6 +188,7 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
 
         remove(name, directory)
         remove_table(name, directory)
+        _remove_watches(name, directory)
         return False
     try:
         # any mode (cache.l2_permissions may be wider than the default; the file is being
@@ -214,7 +215,16 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
 
     remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
     remove_table(name, directory)  # and so do the agents' placement reports
+    _remove_watches(name, directory)  # and the watchers' registrations
     return True
+
+
+def _remove_watches(name: str, directory: str) -> None:
+    import shutil
+
+    from ..node.watched import watch_dir
+
+    shutil.rmtree(watch_dir(name, directory), ignore_errors=True)
 
 
 def _refuse_unflushed(name: str, path: str, seg: L2Segment | None) -> None:

@@ -95,16 +95,18 @@ them by their bytes, ``ZRANGEBYLEX``). The push script maintains it in the same 
 call as the record (``ZADD`` for a stored value, ``ZREM`` for a stored tombstone), so it
 always agrees with the records, and, carrying the group's hash tag, it moves with its
 slot like everything else of the group. :meth:`L3Store.index_range` pages through every
-group's index: one ``ZRANGEBYLEX … LIMIT 0 n`` per group, pipelined (one round trip per
-master), the sorted answers merged. **A page of n keys costs G commands (G =
-``cluster.groups``, 1,024 by default) of O(log(keys of the group) + n) each, in one
-round trip per master, and returns up to G x n names to merge** (then at most n GETs for
-the values): with G = 1,024 and n = 100 that is ~1-3 ms on a dev cluster
-(bench/bench_scan.py). The index costs each record one sorted-set entry (its key plus
-~20 bytes). Data written before the index existed has no entries: the first daemon of
-an upgraded cluster backfills them once (:meth:`L3Store.backfill_index`, recorded in
-``kvm:index``; ``kvcomm migrate --l3-index`` runs it by hand); every host's daemon and
-agents must run a KVCOMM with the index before then, or writes of older ones go unindexed.
+group's index: a read-only script per master (INDEX_LUA, up to INDEX_BATCH groups a
+call) runs ``ZRANGEBYLEX … LIMIT 0 n`` on each of its groups, and the client merges the
+sorted answers. **A page of n keys costs G index reads (G = ``cluster.groups``, 1,024 by
+default) of O(log(keys of the group) + n) each, done inside Redis in about
+max(1, G / (masters x INDEX_BATCH)) round trips per master, and returns up to G x n names
+to merge** (few when the prefix is selective; then at most n GETs for the values, one
+pipeline per master). See bench/bench_scan.py for figures. The index costs each record
+one sorted-set entry (its key plus ~20 bytes). Data written before the index existed
+has no entries: the first daemon of an upgraded cluster backfills them once
+(:meth:`L3Store.backfill_index`, recorded in ``kvm:index``; ``kvcomm migrate --l3-index``
+runs it by hand); every host's daemon and agents must run a KVCOMM with the index before
+then, or writes of older ones go unindexed.
 
 Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
 which applies the incoming record atomically against the stored one by the L3 rule,
@@ -154,6 +156,8 @@ FEED_MAXLEN = 100_000  # events kept per group stream at most (approximate: MAXL
 FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_total, >= 100 x groups)
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
+INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
+NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
 META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
 META_INDEX = "kvm:index"  # set once the key index covers every record (backfill_index)
 # Redis commands one push costs (as INFO counts them, a script's own calls included):
@@ -495,6 +499,21 @@ end
 return out
 """
 
+# One page of many groups' key indexes on one master in one call (L3Store.index_range):
+# ZRANGEBYLEX ARGV[1] ARGV[2] LIMIT 0 ARGV[3] of each index named from ARGV[4] on. Returns,
+# per index, its keys in order, or an error text (a slot not served here, or moving: the
+# caller reads that group again through the cluster client). The merge is the caller's:
+# Lua's string order follows the server's locale, not the bytes. Read-only, cross-slot.
+INDEX_LUA = r"""#!lua flags=no-writes,allow-cross-slot-keys
+local out = {}
+local limit = tonumber(ARGV[3])
+for i = 4, #ARGV do
+  local r = redis.pcall('ZRANGEBYLEX', ARGV[i], ARGV[1], ARGV[2], 'LIMIT', 0, limit)
+  if type(r) == 'table' and r.err then out[i - 3] = 'ERR ' .. r.err else out[i - 3] = r end
+end
+return out
+"""
+
 # One record's key index entry from the record itself (L3Store.backfill_index), atomically
 # with it: KEYS[1] the record, KEYS[2] the group's index; ARGV[1] the user key. A record
 # the script cannot read as one (foreign) is left out of the index, as a tombstone is.
@@ -627,6 +646,9 @@ class L3Store:
         self._position = self.rc.register_script(POSITION_LUA)
         self._sweep = self.rc.register_script(SWEEP_LUA)
         self._backfill = self.rc.register_script(BACKFILL_LUA)
+        self._index = self.rc.register_script(INDEX_LUA)
+        self._nodes: list[Any] | None = None  # every group's master (_by_node_cached)
+        self._nodes_at = 0.0
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
         self._refreshed = 0.0
         self._hints: Hints | None = None
@@ -1018,26 +1040,33 @@ class L3Store:
         Cost: one ZRANGEBYLEX per group, pipelined per master (see "The key index").
         Raises Unavailable."""
         pb, ab = _wire_key(prefix), _wire_key(after)
-        lo = b"(" + ab if after and ab >= pb else b"[" + pb
+        lo = b"(" + ab if ab >= pb else b"[" + pb  # (prefix and after "": "(" skips b"")
         hi = b"[" + pb + b"\xff" if pb else b"+"  # (no UTF-8 key holds a 0xff byte)
         rows: list[list[bytes]] = []
         bound: bytes | None = None
-        for node, gs in self._by_node(self.groups if groups is None else groups).values():
-            def run(node: Any = node, gs: list[int] = gs) -> list[Any]:
-                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
-                for g in gs:
-                    pipe.zrangebylex(self.groups.index_key(g), lo, hi, start=0, num=limit)
-                return pipe.execute(raise_on_error=False)
+        for node, gs in self._by_node_cached(self.groups if groups is None else groups).values():
+            for at in range(0, len(gs), INDEX_BATCH):
+                part = gs[at:at + INDEX_BATCH]
 
-            for g, got in zip(gs, self._call(run), strict=True):
-                if isinstance(got, Exception):  # its slot moved: one call, redirects followed
-                    name = self.groups.index_key(g)
-                    got = self._call(lambda name=name: self.rc.zrangebylex(
-                        name, lo, hi, start=0, num=limit), name)
-                got = [k for k in got if k]  # (the empty member keeps the set in existence)
-                if len(got) >= limit and (bound is None or got[-1] < bound):
-                    bound = got[-1]
-                rows.append(got)
+                def run(node: Any = node, part: list[int] = part) -> list[Any]:
+                    conn = self.rc.get_redis_connection(node)
+                    self._load(node, conn, self._index)
+                    names = [self.groups.index_key(g) for g in part]
+                    try:
+                        return list(conn.evalsha(self._index.sha, 0, lo, hi, limit, *names))
+                    except Exception as exc:
+                        if "NOSCRIPT" in str(exc):
+                            self._loaded.discard((node.name, self._index.sha))
+                        raise
+
+                for g, got in zip(part, self._call(run), strict=True):
+                    if not isinstance(got, list):  # its slot moved: redirects followed
+                        name = self.groups.index_key(g)
+                        got = self._call(lambda name=name: self.rc.zrangebylex(
+                            name, lo, hi, start=0, num=limit), name)
+                    if len(got) >= limit and (bound is None or got[-1] < bound):
+                        bound = got[-1]  # (counted with the empty member: it was read)
+                    rows.append([k for k in got if k])  # (the empty member is no key)
         keys = [k.decode("utf-8", "replace") for k in heapq.merge(*rows)
                 if bound is None or k <= bound]
         return keys, None if bound is None else bound.decode("utf-8", "replace")
@@ -1049,7 +1078,7 @@ class L3Store:
         for k in keys:
             by_group.setdefault(self.groups.of(k), []).append(k)
         out: dict[str, L3Record | CorruptRecord | None] = {}
-        for node, gs in self._by_node(by_group).values():
+        for node, gs in self._by_node_cached(by_group).values():
             ks = [k for g in gs for k in by_group[g]]
 
             def run(node: Any = node, ks: list[str] = ks) -> list[Any]:
@@ -1066,6 +1095,22 @@ class L3Store:
                     out[k] = None if raw is None else self.decode(raw, k)
                 except CorruptRecord as exc:
                     out[k] = exc
+        return out
+
+    def _by_node_cached(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:
+        """:meth:`_by_node` from a map of every group's master kept for NODE_MAP_S: a scan
+        page would otherwise spend more on G slot lookups than on Redis. A stale entry
+        costs a redirect (the caller reads that group again through the cluster client)."""
+        now = time.monotonic()
+        if self._nodes is None or now - self._nodes_at > NODE_MAP_S:
+            nm = self.rc.nodes_manager
+            self._nodes = self._call(lambda: [nm.get_node_from_slot(s) for s in self.groups.slots])
+            self._nodes_at = now
+        nodes = self._nodes
+        out: dict[str, tuple[Any, list[int]]] = {}
+        for g in groups:
+            node = nodes[g]
+            out.setdefault(node.name, (node, []))[1].append(g)
         return out
 
     def index_ready(self) -> bool:
