@@ -211,8 +211,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]]) -> None:
         """``kv.update(key, fn)``, starting from the head this saver last saw (no read
-        when it is still current). ``fn`` may run more than once; what it raises
-        propagates and nothing is written."""
+        when it is still current); ``fn`` returning its argument itself writes nothing.
+        ``fn`` may run more than once; what it raises propagates and nothing is written.
+        Raises what ``kv.put`` raises (Unavailable...)."""
         cached = self._heads.get(key)
         for _ in range(10_000):
             if cached is None:
@@ -221,6 +222,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             else:
                 expect, old = cached
             new = fn(old)
+            if new is old and old is not None:
+                if cached is None:
+                    return  # (unchanged: an older checkpoint put again moves nothing)
+                cached = None  # (judged on what this saver last saw: read the head now)
+                continue
             try:
                 self._heads[key] = (self.kv.put(key, new, expect=expect), new)
                 return
