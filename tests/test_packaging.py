@@ -27,9 +27,12 @@ SRC = ROOT / "src" / "kvcomm"
 BASE = {"msgpack", "xxhash", "pydantic", "yaml"}  # the modules of the four dependencies
 OPTIONAL = {"redis", "hiredis", "rich", "matplotlib", "numpy", "prometheus_client", "locust",
             "gevent",
-            "networkx"}
+            "networkx", "langgraph", "langchain_core"}
 # Locust loads these itself (kvcomm loadtest runs it): they may import locust when they load
 LOCUSTFILES = {"kvcomm/loadtest/locustfile.py", "kvcomm/loadtest/users.py"}
+# An integration is imported only by its users, after its package's __init__ has called
+# require() (ConfigError naming the extra): its modules subclass the framework's classes
+INTEGRATIONS = {"kvcomm/integrations/langgraph": ("langgraph", "langchain_core")}
 
 HIDE = textwrap.dedent('''
     import sys
@@ -141,6 +144,9 @@ def test_pip_install_kvcomm_needs_four_packages_and_the_extras_carry_the_rest() 
     assert extras["demo"] == {"rich"} and extras["plot"] == {"matplotlib"}
     assert extras["numpy"] == {"numpy"}
     assert extras["placement"] == {"networkx"}
+    assert extras["langgraph"] == {"langgraph", "langgraph-checkpoint"}
+    assert {"langgraph-checkpoint-conformance", "langgraph-checkpoint-sqlite"} <= {
+        _name(r) for r in project["optional-dependencies"]["dev"]}
     all_of = re.search(r"\[(.*)\]", project["optional-dependencies"]["all"][0])
     assert all_of is not None and set(all_of.group(1).split(",")) == set(_extras.EXTRAS)
     assert "kvcomm[all]" in project["optional-dependencies"]["dev"]
@@ -184,7 +190,11 @@ def test_src_imports_only_the_base_dependencies_at_module_level() -> None:
                 continue
             where = path.relative_to(SRC.parent)
             assert module in BASE | OPTIONAL, f"{where} imports {module}: not a declared dependency"
-            if module in OPTIONAL and not (str(where) in LOCUSTFILES and module in ("locust", "gevent")):
+            integration = INTEGRATIONS.get(str(where.parent), ())
+            if where.name == "__init__.py":
+                integration = ()  # (the package itself requires the extra first)
+            if module in OPTIONAL and not (str(where) in LOCUSTFILES and module in ("locust", "gevent")) \
+                    and module not in integration:
                 assert not at_load, f"{where} imports the optional {module} when it loads"
             assert module not in {"pytest", "hypothesis", "tests"}, where
 
@@ -295,6 +305,20 @@ def test_a_client_reaching_l3_without_redis_py_names_the_extra(tmp_path: Path, n
     ''', hide={"redis"})
     assert out.returncode == 0, out.stderr
     assert "ConfigError" in out.stdout and "pip install 'kvcomm[cluster]'" in out.stdout
+
+
+def test_the_langgraph_integration_without_langgraph_names_the_extra() -> None:
+    out = python('''
+        import kvcomm
+        try:
+            import kvcomm.integrations.langgraph
+        except kvcomm.ConfigError as exc:
+            print("ConfigError", exc)
+        else:
+            print("imported")
+    ''', hide={"langgraph"})
+    assert out.returncode == 0, out.stderr
+    assert "ConfigError" in out.stdout and "pip install 'kvcomm[langgraph]'" in out.stdout
 
 
 def test_require_tells_a_missing_extra_from_a_broken_package(

@@ -17,6 +17,8 @@ extra          installs                needed for
                rich
 ``loadtest``   locust                  ``kvcomm loadtest``
 ``placement``  networkx                ``kvcomm placement plan`` (the partitioner)
+``langgraph``  langgraph,              ``kvcomm.integrations.langgraph`` (a LangGraph
+               langgraph-checkpoint    checkpointer and store)
 ``all``        all of the above
 ``dev``        all, plus test tools    the test suite, linters, benchmarks' peers
 =============  ======================  ==============================================
@@ -44,6 +46,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "metrics": ("prometheus_client", "rich"),
     "loadtest": ("locust",),
     "placement": ("networkx",),
+    "langgraph": ("langgraph",),
 }
 
 

@@ -1,0 +1,152 @@
+"""The KVCOMM keys of LangGraph's checkpoints and store items (pure: no LangGraph, no I/O).
+
+A KVCOMM key is a non-empty str of at most ``cache.max_key_bytes`` (250 by default) bytes
+of UTF-8 without NUL (``_client/base.py`` ``_key``). LangGraph's ids (thread ids,
+checkpoint namespaces, task ids, store namespace labels and keys) are arbitrary strings,
+so each one becomes one *component*: ``%`` , ``/`` , ``=``, NUL and the other C0 control
+characters are percent-escaped (``%2F``...). A component then never holds ``/``, so
+
+* the mapping from ids to keys is injective (two different tuples of ids never share a
+  key), and
+* the keys of one thread (or one namespace, or one namespace *prefix* of the store) are
+  exactly the keys under one key prefix, which ``kv.scan`` lists in key order.
+
+Saver (``root`` defaults to ``lg/``; ``T`` thread id, ``N`` checkpoint namespace, ``C``
+checkpoint id, all escaped)::
+
+    {root}cp/h/T/N/          the thread's head: {"id": latest C, "w": its writes [[task, idx]...],
+                             "p": writes of newer checkpoints not yet put}
+    {root}cp/c/T/N/C         one checkpoint (immutable): serialized checkpoint, metadata,
+                             parent id, run id
+    {root}cp/b/T/N/CH/VER    one channel value at one version (immutable)
+    {root}cp/w/T/N/C/TASK/IDX  one pending write
+
+Store (``L`` namespace labels, ``K`` the item's key)::
+
+    {root}st/L1/L2/.../=K    one item: serialized value, created and updated times
+
+The ``=`` marks the end of the namespace (labels escape ``=``), so the items of namespace
+prefix ``("a",)`` are the keys under ``{root}st/a/``, those of ``("a", "b")`` included and
+those of ``("ab",)`` not.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from ...errors import InvalidKey
+
+_ESCAPE = re.compile(r"[%/=\x00-\x1f\x7f]")
+_UNESCAPE = re.compile(r"%([0-9A-F]{2})")
+
+DEFAULT_ROOT = "lg/"
+
+
+def esc(component: str) -> str:
+    """``component`` with ``%``, ``/``, ``=`` and control characters percent-escaped.
+    Raises InvalidKey for a component that is not a str."""
+    if type(component) is not str:
+        raise InvalidKey(f"a LangGraph id must be a str, got {type(component).__name__}: "
+                         f"{component!r}")
+    return _esc(component)
+
+
+@functools.lru_cache(maxsize=65536)  # (a run escapes the same few ids at every step)
+def _esc(component: str) -> str:
+    return _ESCAPE.sub(lambda m: f"%{ord(m.group()):02X}", component)
+
+
+def unesc(component: str) -> str:
+    """The inverse of :func:`esc`."""
+    return _UNESCAPE.sub(lambda m: chr(int(m.group(1), 16)), component)
+
+
+def version_component(version: str | int | float) -> str:
+    """A channel version as a key component; the type is kept (``1`` and ``"1"`` differ)."""
+    if isinstance(version, bool) or not isinstance(version, str | int | float):
+        raise InvalidKey(f"a channel version is a str, int or float, got {version!r}")
+    tag = "s" if isinstance(version, str) else "i" if isinstance(version, int) else "f"
+    return tag + esc(str(version) if not isinstance(version, float) else repr(version))
+
+
+class Keys:
+    """The key layout under one root, checked against the client's ``max_key_bytes``."""
+
+    def __init__(self, root: str, max_key_bytes: int) -> None:
+        if type(root) is not str or not root.endswith("/") or "\x00" in root:
+            raise InvalidKey(f"the key root must be a str ending in '/' (such as 'lg/'), "
+                             f"got {root!r}")
+        self.root = root
+        self.max = max_key_bytes
+        self.heads = root + "cp/h/"
+        self.checkpoints = root + "cp/c/"
+        self.blobs = root + "cp/b/"
+        self.writes = root + "cp/w/"
+        self.store = root + "st/"
+
+    def fit(self, key: str, what: str) -> str:
+        n = len(key.encode("utf-8", "surrogatepass"))
+        if n > self.max:
+            raise InvalidKey(
+                f"the KVCOMM key of {what} is {n} bytes, over cache.max_key_bytes={self.max}: "
+                "use shorter ids (thread ids, namespaces, store keys) or raise "
+                "cache.max_key_bytes (up to 4096) in every host's config")
+        return key
+
+    # ---------------------------------------------------------------- saver
+    def thread(self, prefix: str, thread_id: str) -> str:
+        """The prefix of every key of ``thread_id`` under ``prefix`` (heads, checkpoints...)."""
+        return prefix + esc(thread_id) + "/"
+
+    def ns(self, prefix: str, thread_id: str, checkpoint_ns: str) -> str:
+        return prefix + esc(thread_id) + "/" + esc(checkpoint_ns) + "/"
+
+    def head(self, thread_id: str, checkpoint_ns: str) -> str:
+        return self.fit(self.ns(self.heads, thread_id, checkpoint_ns),
+                         f"the head of thread {thread_id!r}")
+
+    def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
+        return self.fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + esc(checkpoint_id),
+                         f"checkpoint {checkpoint_id!r} of thread {thread_id!r}")
+
+    def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
+             version: str | int | float) -> str:
+        return self.fit(self.ns(self.blobs, thread_id, checkpoint_ns) + esc(channel) + "/"
+                         + version_component(version),
+                         f"channel {channel!r} of thread {thread_id!r}")
+
+    def write_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
+        return self.ns(self.writes, thread_id, checkpoint_ns) + esc(checkpoint_id) + "/"
+
+    def write(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
+              idx: int) -> str:
+        return self.fit(self.write_prefix(thread_id, checkpoint_ns, checkpoint_id)
+                         + esc(task_id) + "/" + str(idx),
+                         f"a write of task {task_id!r} in thread {thread_id!r}")
+
+    @staticmethod
+    def split(key: str, prefix: str) -> list[str]:
+        """The unescaped components of ``key`` after ``prefix`` (a head's trailing '/'
+        gives no empty last component)."""
+        rest = key[len(prefix):]
+        if rest.endswith("/"):
+            rest = rest[:-1]
+        return [unesc(c) for c in rest.split("/")]
+
+    # ---------------------------------------------------------------- store
+    def store_prefix(self, labels: tuple[str, ...]) -> str:
+        """The prefix of the items of every namespace that starts with ``labels``."""
+        return self.store + "".join(esc(label) + "/" for label in labels)
+
+    def item(self, namespace: tuple[str, ...], key: str) -> str:
+        return self.fit(self.store_prefix(namespace) + "=" + esc(key),
+                         f"store item {key!r} of namespace {namespace!r}")
+
+    def parse_item(self, key: str) -> tuple[tuple[str, ...], str]:
+        """(namespace, item key) of a store key made by :meth:`item`."""
+        rest = key[len(self.store):]
+        labels, _, k = rest.rpartition("/=")
+        if not _:  # the namespace is the whole store (never made by item(): namespaces are non-empty)
+            raise InvalidKey(f"{key!r} is not a KVCOMM store item key")
+        return tuple(unesc(c) for c in labels.split("/")), unesc(k)

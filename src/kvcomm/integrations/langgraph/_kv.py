@@ -1,0 +1,54 @@
+"""What the LangGraph integration needs of a client beyond get/put: ordered prefix scans,
+and reads of records that must exist (referenced by a thread's head) on another host."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..._client import Client, Item
+from ..._wait import wait_until
+from ...errors import Unavailable
+
+_ABSENT: Any = object()
+
+
+def scan(kv: Client, prefix: str) -> Iterator[Item]:
+    """Every live key under ``prefix``, in key order (UTF-8 bytes), with its value:
+    ``kv.scan(prefix)`` (cluster-wide in cluster mode)."""
+    return kv.scan(prefix)
+
+
+def get_referenced(kv: Client, key: str, timeout: float, what: str,
+                   counters: dict[str, int] | None = None) -> Any:
+    """The value of ``key``, a record that exists because a newer record (a thread's head)
+    names it, though its eventual write may not have reached this host yet.
+
+    In embedded mode the host's L2 is the whole truth: the value or None at once. In
+    cluster mode a miss is retried (the host's negative cache of absent keys forgotten
+    for this key each time, so that L3 is asked again) until ``timeout`` seconds have
+    passed; then Unavailable, naming ``what``. Never an older value: the records read
+    so are immutable, written once before the head that names them. ``counters``
+    ("waits", "wait_timeouts") counts the reads that had to wait and those that gave up.
+    """
+    value = kv.get(key, _ABSENT)
+    if value is not _ABSENT or not kv.config.cluster.enabled:
+        return None if value is _ABSENT else value
+
+    if counters is not None:
+        counters["waits"] += 1
+
+    def again() -> Any:
+        kv._negative.invalidate(key)  # (this key was remembered absent: ask L3 again)
+        v = kv.get(key, _ABSENT)
+        return None if v is _ABSENT else (v,)
+
+    try:
+        found = wait_until(again, timeout, f"{what} (KVCOMM key {key!r}), which the thread's "
+                           "head names, to reach this host: its writer's host may be down or "
+                           "cut off from L3 before flushing it", interval=0.005, error=Unavailable)
+    except Unavailable:
+        if counters is not None:
+            counters["wait_timeouts"] += 1
+        raise
+    return found[0]

@@ -1,0 +1,567 @@
+"""KVCommSaver: a LangGraph checkpointer (``BaseCheckpointSaver``) on a KVCOMM client.
+
+Keys (``_keys.py`` has the layout and the escaping)::
+
+    lg/cp/h/T/N/              head of (thread T, checkpoint namespace N): latest id
+    lg/cp/c/T/N/C             checkpoint C: checkpoint (without values), metadata, parent
+    lg/cp/b/T/N/CH/VER        the value of channel CH at version VER
+    lg/cp/w/T/N/C/TASK/IDX    a pending write of checkpoint C
+
+Why a resume on another host never sees a stale thread
+------------------------------------------------------
+Every record except the head is **immutable**: a checkpoint id, a channel version and a
+(task, index) are written once (LangGraph makes new ids and versions for every change), so
+a read of one returns the one value ever written, or nothing yet. Only the head changes.
+``put`` writes the checkpoint's new channel values and the checkpoint (one ``kv.batch``),
+*then* moves the head forward (``kv.update``: never backwards, ids are time-ordered).
+
+* **Cluster mode with etcd**: list the heads' prefix in every host's
+  ``cache.strong_prefixes``::
+
+      cache:
+        strong_prefixes: ["lg/cp/h/"]   # KVCommSaver's heads (root "lg/")
+
+  The head is then linearizable (etcd): a ``get_tuple`` anywhere after a ``put`` returned
+  reads that checkpoint's id or a newer one. Its records are eventual and may not have
+  reached the reading host yet: a read of a record the head names waits for it (a miss
+  is retried, asking L3 again, up to ``wait_timeout``, 10 s), then raises
+  ``kvcomm.Unavailable`` — never an older checkpoint. The head also lists the pending
+  writes of its checkpoint (``put_writes`` adds them), so an ``interrupt``'s writes are
+  waited for in the same way. ``KVCommSaver`` warns once when it runs in cluster mode
+  with heads that are not strong.
+* **Cluster mode without etcd** (heads eventual): a thread resumed on the host that last
+  ran it is always fresh (a host's L2 is linearizable). On another host the head is
+  last-writer-wins and arrives with the change feeds (tens of milliseconds normally):
+  a resume there within that window may start from the checkpoint before, and two
+  hosts running one thread at once may fork it. Use etcd for threads that move.
+* **Embedded mode**: one host, every read fresh.
+
+What else to know
+-----------------
+* ``list``, ``get_tuple`` of an explicit ``checkpoint_id``, ``copy_thread``, ``prune``
+  and ``delete_for_runs`` read with ``kv.scan`` (cluster-wide, eventual keys acknowledged
+  by L3): on another host they may miss records of the last moments.
+* ``delete_for_runs`` reads every checkpoint's run id (a scan of all checkpoints);
+  ``prune`` and ``delete_for_runs`` then delete the channel values no remaining
+  checkpoint of the thread names. ``prune(strategy="keep_latest")`` keeps the latest
+  checkpoint of each namespace and drops its ancestors: a graph using LangGraph's beta
+  ``DeltaChannel`` must not be pruned so (its values are rebuilt from ancestors).
+  Maintenance (copy, prune, deletes) of a thread is not meant to race a run of it.
+* Values go through LangGraph's serializer protocol (``JsonPlusSerializer`` by default,
+  ``serde=`` to choose), never pickle (``_serde.py``).
+* The async methods run the sync ones in the event loop's default thread executor: a
+  KVCOMM call is a shared-memory operation (microseconds) or, on a miss in cluster
+  mode, one round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import functools
+import random
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    PendingWrite,
+    get_checkpoint_id,
+    get_checkpoint_metadata,
+    writes_sort_key,
+)
+
+from ..._client import ABSENT, Client
+from ...core.versions import Version
+from ...errors import ConflictError, InvalidArgument, KVCommWarning, Unavailable
+from ._keys import DEFAULT_ROOT, Keys
+from ._kv import get_referenced, scan
+from ._serde import NoPickleSerializer, no_pickle
+
+R = TypeVar("R")
+
+
+class _NotHead(Exception):
+    """put_writes: the checkpoint is no longer the head (the head is left alone)."""
+
+
+class KVCommSaver(BaseCheckpointSaver[str]):
+    """A LangGraph checkpointer storing threads in KVCOMM (see the module docstring for
+    the key layout and what holds across hosts).
+
+    ``kv`` is an open client (``kvcomm.open(...)``), which the saver uses and never
+    closes. ``serde`` is a LangGraph serializer (default ``JsonPlusSerializer()``); one
+    that pickles is refused (ConfigError). ``root`` is the key prefix of everything the
+    saver writes (default ``"lg/"``; heads under ``root + "cp/h/"``). ``wait_timeout``
+    is how long, in cluster mode, a read waits for a record the thread's head names.
+
+    Methods raise what the client raises (kvcomm.KVCommError: InvalidKey for an id too
+    long for ``cache.max_key_bytes``, Unavailable...) and LangGraph's serializer errors;
+    a ``put`` that raises may have written the checkpoint's records but not moved the
+    head: the thread is then as before.
+    """
+
+    serde: NoPickleSerializer
+
+    def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
+                 wait_timeout: float = 10.0) -> None:
+        if not isinstance(kv, Client):
+            raise InvalidArgument(f"KVCommSaver needs an open kvcomm client (kvcomm.open()), "
+                                  f"got {type(kv).__name__}")
+        if not wait_timeout > 0:
+            raise InvalidArgument(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
+        super().__init__(serde=no_pickle(serde))
+        self.kv = kv
+        self.keys = Keys(root, kv.config.cache.max_key_bytes)
+        self.wait_timeout = float(wait_timeout)
+        # cluster mode: reads of records a head names that had to wait for them, and
+        # those that gave up (Unavailable) after wait_timeout
+        self.counters: dict[str, int] = {"waits": 0, "wait_timeouts": 0}
+        # the last head this saver wrote or read, per head key, with its Version: a head
+        # is moved by one compare-and-set on it (a strong head: one etcd round trip, not
+        # a read and a write); when another writer moved it meanwhile, read it again
+        self._heads: dict[str, tuple[Version, Any]] = {}
+        self._cluster = kv.config.cluster.enabled
+        if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
+                and kv.config.cache.l3_consistency != "strong":
+            warnings.warn(f"KVCommSaver in cluster mode with eventual heads: a thread resumed on "
+                          f"another host may start from an older checkpoint; add "
+                          f"{self.keys.heads!r} to cache.strong_prefixes (with cluster.etcd)",
+                          KVCommWarning, stacklevel=2)
+
+    # ---------------------------------------------------------------- helpers
+    def _dumps(self, obj: Any) -> list[Any]:
+        t, b = self.serde.dumps_typed(obj)
+        return [t, b]
+
+    def _loads(self, t: str, b: bytes) -> Any:
+        return self.serde.loads_typed((t, b))
+
+    @staticmethod
+    def _ids(config: RunnableConfig) -> tuple[str, str]:
+        c = config["configurable"]
+        return c["thread_id"], c.get("checkpoint_ns", "")
+
+    def with_allowlist(self, extra_allowlist: Any) -> KVCommSaver:
+        """A shallow clone whose serializer also allows ``extra_allowlist`` (LangGraph's
+        msgpack allowlist), still refusing pickles."""
+        import copy
+
+        from langgraph.checkpoint.base import _with_msgpack_allowlist
+
+        inner = _with_msgpack_allowlist(self.serde.inner, extra_allowlist)
+        if inner is self.serde.inner:
+            return self
+        clone = copy.copy(self)
+        clone.serde = no_pickle(inner)
+        return clone
+
+    def get_next_version(self, current: str | None, channel: None) -> str:
+        """``"<n+1, 32 digits>.<random>"``, as LangGraph's own savers: ordered, and two
+        hosts forking a thread never make the same version."""
+        if current is None:
+            n = 0
+        elif isinstance(current, int):
+            n = current
+        else:
+            n = int(str(current).split(".")[0])
+        return f"{n + 1:032}.{random.random():016}"
+
+    # ---------------------------------------------------------------- put
+    def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+            new_versions: ChannelVersions) -> RunnableConfig:
+        """Store ``checkpoint`` (its new channel values, then the checkpoint, then the
+        head); returns the config naming it."""
+        thread_id, ns = self._ids(config)
+        parent = config["configurable"].get("checkpoint_id")
+        c: dict[str, Any] = dict(checkpoint)
+        values: dict[str, Any] = c.pop("channel_values")
+        md = get_checkpoint_metadata(config, metadata)
+        cid = checkpoint["id"]
+        k = self.keys
+        with self.kv.batch() as b:
+            for channel, version in new_versions.items():
+                b.put(k.blob(thread_id, ns, channel, version),
+                      self._dumps(values[channel]) if channel in values else ["empty", b""])
+            b.put(k.checkpoint(thread_id, ns, cid),
+                  [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")])
+        self._advance_head(thread_id, ns, cid)
+        return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
+                                 "checkpoint_id": cid}}
+
+    def _advance_head(self, thread_id: str, ns: str, cid: str) -> None:
+        def forward(old: dict[str, Any] | None) -> dict[str, Any]:
+            if old is not None and old["id"] is not None and old["id"] >= cid:
+                return old
+            pending = {} if old is None else old.get("p", {})
+            head = {"id": cid, "w": pending.get(cid, [])}
+            later = {c: w for c, w in pending.items() if c > cid}
+            if later:
+                head["p"] = later
+            return head
+
+        self._update_head(self.keys.head(thread_id, ns), forward)
+
+    def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]]) -> None:
+        """``kv.update(key, fn)``, starting from the head this saver last saw (no read
+        when it is still current); ``fn`` returning its argument itself writes nothing.
+        ``fn`` may run more than once; what it raises propagates and nothing is written.
+        Raises what ``kv.put`` raises (Unavailable...)."""
+        cached = self._heads.get(key)
+        for _ in range(10_000):
+            if cached is None:
+                item = self.kv.get_item(key)
+                expect, old = (ABSENT, None) if item is None else (item.version, item.value)
+            else:
+                expect, old = cached
+            new = fn(old)
+            if new is old and old is not None:
+                if cached is None:
+                    return  # (unchanged: an older checkpoint put again moves nothing)
+                cached = None  # (judged on what this saver last saw: read the head now)
+                continue
+            try:
+                self._heads[key] = (self.kv.put(key, new, expect=expect), new)
+                return
+            except ConflictError:
+                self._heads.pop(key, None)
+                cached = None
+        raise Unavailable(f"the head {key!r} lost 10000 compare-and-sets in a row")
+
+    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
+                   task_path: str = "") -> None:
+        """Store the pending writes of task ``task_id`` at the checkpoint ``config`` names.
+        A regular write (index >= 0) already stored is kept, as in LangGraph's savers;
+        special ones (errors, interrupts...) replace theirs."""
+        thread_id, ns = self._ids(config)
+        cid = config["configurable"]["checkpoint_id"]
+        slots: list[list[Any]] = []
+        with self.kv.batch() as b:
+            for idx, (channel, value) in enumerate(writes):
+                i = WRITES_IDX_MAP.get(channel, idx)
+                key = self.keys.write(thread_id, ns, cid, task_id, i)
+                if i >= 0 and self.kv.get(key) is not None:
+                    continue
+                b.put(key, [task_id, channel, *self._dumps(value), task_path])
+                slots.append([task_id, i])
+        if slots and self._cluster:
+            self._note_writes(thread_id, ns, cid, slots)
+
+    def _note_writes(self, thread_id: str, ns: str, cid: str, slots: list[list[Any]]) -> None:
+        """Cluster mode: list the writes of checkpoint ``cid`` in the head, so that a read
+        on another host waits for them. LangGraph may store a checkpoint's writes before
+        the checkpoint itself (its puts run in the background): the head then keeps them
+        aside (``"p"``: checkpoint id -> writes) until ``put`` moves it to ``cid``."""
+        def add(old: dict[str, Any] | None) -> dict[str, Any]:
+            if old is not None and old["id"] is not None and old["id"] > cid:
+                raise _NotHead
+            head = {"id": None, "w": []} if old is None else dict(old)
+            if head["id"] == cid:
+                head["w"] = _merged(head["w"], slots)
+            else:
+                pending = dict(head.get("p", {}))
+                pending[cid] = _merged(pending.get(cid, []), slots)
+                head["p"] = pending
+            return head
+
+        try:
+            self._update_head(self.keys.head(thread_id, ns), add)
+        except _NotHead:
+            pass  # an older checkpoint's writes: readers of it scan for them
+
+    # ---------------------------------------------------------------- reads
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The checkpoint ``config`` names, or the thread's latest (its head); None when
+        there is none. Raises Unavailable (cluster mode) when a record the head names
+        has not reached this host within ``wait_timeout``."""
+        thread_id, ns = self._ids(config)
+        k = self.keys
+        cid = get_checkpoint_id(config)
+        referenced: list[list[Any]] | None = None
+        if cid:
+            body = self.kv.get(k.checkpoint(thread_id, ns, cid))
+        else:
+            head = self.kv.get(k.head(thread_id, ns))
+            if head is None or head["id"] is None:  # (None: writes came before any checkpoint)
+                return None
+            cid = head["id"]
+            referenced = head["w"]
+            body = get_referenced(self.kv, k.checkpoint(thread_id, ns, cid), self.wait_timeout,
+                                  f"checkpoint {cid!r} of thread {thread_id!r}", self.counters)
+        if body is None:
+            return None
+        if referenced is not None and self._cluster:
+            # the head lists every write of its checkpoint (put_writes adds them while it is
+            # the head): read those, no scan (a cluster scan costs a read of every group)
+            writes = self._referenced_writes(thread_id, ns, cid, referenced)
+        else:  # (each write with its index, which its key ends with)
+            writes = [[*item.value, int(item.key.rsplit("/", 1)[1])]
+                      for item in scan(self.kv, k.write_prefix(thread_id, ns, cid))]
+        return self._tuple(thread_id, ns, cid, body, writes, referenced is not None)
+
+    def _referenced_writes(self, thread_id: str, ns: str, cid: str,
+                           referenced: list[list[Any]]) -> list[Any]:
+        out = []
+        for task_id, idx in referenced:
+            w = get_referenced(self.kv, self.keys.write(thread_id, ns, cid, task_id, idx),
+                               self.wait_timeout, f"a pending write of checkpoint {cid!r}",
+                               self.counters)
+            if w is not None:
+                out.append([*w, idx])
+        return out
+
+    def _tuple(self, thread_id: str, ns: str, cid: str, body: list[Any], writes: list[Any],
+               wait: bool) -> CheckpointTuple:
+        cp_t, cp_b, md_t, md_b, parent, _run = body
+        checkpoint: dict[str, Any] = self._loads(cp_t, cp_b)
+        values: dict[str, Any] = {}
+        for channel, version in checkpoint["channel_versions"].items():
+            key = self.keys.blob(thread_id, ns, channel, version)
+            blob = (get_referenced(self.kv, key, self.wait_timeout,
+                                   f"channel {channel!r} of checkpoint {cid!r}", self.counters)
+                    if wait and self._cluster else self.kv.get(key))
+            if blob is not None and blob[0] != "empty":
+                values[channel] = self._loads(blob[0], blob[1])
+        checkpoint["channel_values"] = values
+        ordered = sorted(writes, key=lambda w: writes_sort_key(w[4], w[0], w[5]))
+        pending: list[PendingWrite] = [(w[0], w[1], self._loads(w[2], w[3])) for w in ordered]
+        return CheckpointTuple(
+            config={"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
+                                     "checkpoint_id": cid}},
+            checkpoint=checkpoint,  # type: ignore[arg-type]
+            metadata=self._loads(md_t, md_b),
+            parent_config=({"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
+                                             "checkpoint_id": parent}} if parent else None),
+            pending_writes=pending)
+
+    def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
+             before: RunnableConfig | None = None, limit: int | None = None
+             ) -> Iterator[CheckpointTuple]:
+        """Checkpoints newest first within each (thread, namespace), threads and
+        namespaces in key order; ``config`` narrows to a thread (and namespace, and
+        checkpoint id), ``filter`` to metadata equal on each key, ``before`` to older ids,
+        ``limit`` to that many."""
+        k = self.keys
+        thread_id = ns = cid = None
+        if config:
+            thread_id = config["configurable"]["thread_id"]
+            ns = config["configurable"].get("checkpoint_ns")
+            cid = get_checkpoint_id(config)
+        if thread_id is None:
+            suffix = ""
+        elif ns is None:
+            suffix = k.thread("", thread_id)
+        else:
+            suffix = k.ns("", thread_id, ns)
+        before_id = get_checkpoint_id(before) if before else None
+        groups: dict[tuple[str, str], list[tuple[str, list[Any]]]] = {}
+        for item in scan(self.kv, k.checkpoints + suffix):
+            t, n, c = Keys.split(item.key, k.checkpoints)
+            groups.setdefault((t, n), []).append((c, item.value))
+        writes: dict[tuple[str, str, str], list[Any]] = {}
+        if groups:
+            for item in scan(self.kv, k.writes + suffix):
+                t, n, c, _task, idx = Keys.split(item.key, k.writes)
+                writes.setdefault((t, n, c), []).append([*item.value, int(idx)])
+        left = limit
+        for (t, n), entries in groups.items():
+            for c, body in sorted(entries, key=lambda e: e[0], reverse=True):
+                if cid and c != cid:
+                    continue
+                if before_id and c >= before_id:
+                    continue
+                if filter:
+                    md = self._loads(body[2], body[3])
+                    if not all(md.get(fk) == fv for fk, fv in filter.items()):
+                        continue
+                if left is not None:
+                    if left <= 0:
+                        return
+                    left -= 1
+                yield self._tuple(t, n, c, body, writes.get((t, n, c), []), False)
+
+    # ---------------------------------------------------------------- deletes, copy, prune
+    def _thread_keys(self, thread_id: str) -> builtins.list[str]:
+        k = self.keys
+        return [item.key for prefix in (k.checkpoints, k.blobs, k.writes)
+                for item in scan(self.kv, k.thread(prefix, thread_id))]
+
+    def _delete_keys(self, keys: Iterable[str]) -> None:
+        batch: builtins.list[str] = []
+        for key in keys:
+            batch.append(key)
+            if len(batch) >= 256:
+                self._delete_now(batch)
+                batch = []
+        if batch:
+            self._delete_now(batch)
+
+    def _delete_now(self, keys: builtins.list[str]) -> None:
+        with self.kv.batch() as b:
+            for key in keys:
+                b.delete(key)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete every checkpoint, value and write of ``thread_id`` (heads first, so that
+        no reader finds a head whose records are going)."""
+        for item in list(scan(self.kv, self.keys.thread(self.keys.heads, thread_id))):
+            self._heads.pop(item.key, None)
+            self.kv.delete(item.key)
+        self._delete_keys(self._thread_keys(thread_id))
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy every checkpoint, value and write of ``source_thread_id`` to
+        ``target_thread_id`` (records first, then the heads)."""
+        k = self.keys
+        for prefix in (k.blobs, k.checkpoints, k.writes):
+            src, dst = k.thread(prefix, source_thread_id), k.thread(prefix, target_thread_id)
+            items = list(scan(self.kv, src))
+            for i in range(0, len(items), 256):
+                with self.kv.batch() as b:
+                    for item in items[i:i + 256]:
+                        b.put(k.fit(dst + item.key[len(src):], f"a copy into thread "
+                                                                f"{target_thread_id!r}"), item.value)
+        src = k.thread(k.heads, source_thread_id)
+        for item in list(scan(self.kv, src)):
+            (ns,) = Keys.split(item.key, src)
+            if item.value["id"] is not None:
+                self._set_head(target_thread_id, ns, item.value["id"], item.value["w"])
+
+    def _set_head(self, thread_id: str, ns: str, cid: str | None, slots: builtins.list[Any]) -> None:
+        key = self.keys.head(thread_id, ns)
+        self._heads.pop(key, None)
+        if cid is None:
+            self.kv.delete(key)
+        else:
+            self.kv.put(key, {"id": cid, "w": list(slots)})
+
+    def _rewrite(self, thread_id: str, drop: Callable[[str, str, builtins.list[Any]], bool]) -> None:
+        """Delete the checkpoints of ``thread_id`` that ``drop(ns, id, body)`` selects,
+        with their writes, then the values no remaining checkpoint names; then point
+        each namespace's head at its latest remaining checkpoint."""
+        k = self.keys
+        by_ns: dict[str, builtins.list[tuple[str, builtins.list[Any]]]] = {}
+        for item in scan(self.kv, k.thread(k.checkpoints, thread_id)):
+            _t, ns, c = Keys.split(item.key, k.checkpoints)
+            by_ns.setdefault(ns, []).append((c, item.value))
+        if not by_ns:
+            return
+        doomed: builtins.list[str] = []
+        for ns, entries in by_ns.items():
+            gone = [(c, body) for c, body in entries if drop(ns, c, body)]
+            if not gone:
+                continue
+            kept = [(c, body) for c, body in entries if not drop(ns, c, body)]
+            latest = max((c for c, _body in kept), default=None)
+            head = self.kv.get(k.head(thread_id, ns))
+            if head is not None and head["id"] == latest:
+                slots = head["w"]
+            else:  # (the head moves back: it lists the writes of its new checkpoint)
+                slots = [] if latest is None else [
+                    [i.value[0], int(i.key.rsplit("/", 1)[1])]
+                    for i in scan(self.kv, k.write_prefix(thread_id, ns, latest))]
+            self._set_head(thread_id, ns, latest, slots)  # (first: never a head on a gone id)
+            for c, _body in gone:
+                doomed.append(k.checkpoint(thread_id, ns, c))
+                doomed.extend(i.key for i in scan(self.kv, k.write_prefix(thread_id, ns, c)))
+            named: set[str] = set()
+            for _c, body in kept:
+                cp = self._loads(body[0], body[1])
+                named.update(k.blob(thread_id, ns, ch, v)
+                             for ch, v in cp["channel_versions"].items())
+            doomed.extend(i.key for i in scan(self.kv, k.ns(k.blobs, thread_id, ns))
+                          if i.key not in named)
+        self._delete_keys(doomed)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints (and their writes) whose metadata's run id is in
+        ``run_ids``, in every thread; heads move back to the latest remaining checkpoint.
+        Reads every checkpoint's run id."""
+        runs = set(run_ids)
+        if not runs:
+            return
+        k = self.keys
+        threads = []
+        for item in scan(self.kv, k.checkpoints):
+            if item.value[5] in runs:
+                t = Keys.split(item.key, k.checkpoints)[0]
+                if t not in threads:
+                    threads.append(t)
+        for t in threads:
+            self._rewrite(t, lambda _ns, _c, body: body[5] in runs)
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """``keep_latest``: keep only the latest checkpoint of each namespace of each
+        thread (with its writes and values); ``delete``: delete the threads. Raises
+        InvalidArgument for another strategy (nothing deleted)."""
+        if strategy not in ("keep_latest", "delete"):
+            raise InvalidArgument(f"prune strategy is 'keep_latest' or 'delete', got {strategy!r}")
+        for t in thread_ids:
+            if strategy == "delete":
+                self.delete_thread(t)
+                continue
+            latest: dict[str, str] = {}
+            for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, t)):
+                _t, ns, c = Keys.split(item.key, self.keys.checkpoints)
+                latest[ns] = max(c, latest.get(ns, c))
+            self._rewrite(t, functools.partial(_not_latest, latest))
+
+    # ---------------------------------------------------------------- async
+    async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(fn, *args, **kwargs))
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """:meth:`get_tuple` in the default thread executor."""
+        return await self._run(self.get_tuple, config)
+
+    async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
+                    before: RunnableConfig | None = None, limit: int | None = None
+                    ) -> AsyncIterator[CheckpointTuple]:
+        """:meth:`list`, run whole in the default thread executor, then yielded."""
+        items = await self._run(lambda: list(self.list(config, filter=filter, before=before,
+                                                        limit=limit)))
+        for item in items:
+            yield item
+
+    async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
+                   metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
+        """:meth:`put` in the default thread executor."""
+        return await self._run(self.put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
+                          task_id: str, task_path: str = "") -> None:
+        """:meth:`put_writes` in the default thread executor."""
+        await self._run(self.put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """:meth:`delete_thread` in the default thread executor."""
+        await self._run(self.delete_thread, thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """:meth:`delete_for_runs` in the default thread executor."""
+        await self._run(self.delete_for_runs, run_ids)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """:meth:`copy_thread` in the default thread executor."""
+        await self._run(self.copy_thread, source_thread_id, target_thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """:meth:`prune` in the default thread executor."""
+        await self._run(self.prune, thread_ids, strategy=strategy)
+
+
+def _not_latest(latest: dict[str, str], ns: str, cid: str, _body: builtins.list[Any]) -> bool:
+    return cid != latest[ns]
+
+
+def _merged(have: builtins.list[Any], slots: builtins.list[builtins.list[Any]]) -> builtins.list[Any]:
+    seen = {tuple(x) for x in have}
+    return have + [x for x in slots if tuple(x) not in seen]

@@ -1,0 +1,217 @@
+"""KVCommStore: a LangGraph store (``BaseStore``) on a KVCOMM client.
+
+One KVCOMM key per item, ``lg/st/<label>/<label>/.../=<key>`` (``_keys.py``: labels and
+keys escaped), holding ``[type, bytes, created_ms, updated_ms]``: the item's value through
+LangGraph's serializer protocol (``JsonPlusSerializer`` by default; never pickle), and its
+times. So:
+
+* ``put``/``get``/``delete`` are one KVCOMM put/get/delete of an eventual key: on the host,
+  linearizable; across hosts, last-writer-wins by hybrid logical clock, converging with
+  the change feeds (a ``get`` on another host reads L3 on a miss). ``put`` keeps an
+  existing item's ``created_at``.
+* ``search(prefix, filter=, limit=, offset=)`` is one ``kv.scan`` of the namespace
+  prefix's key prefix (every host's items, in cluster mode: ``kv.scan``'s contract), each
+  item decoded and matched against ``filter`` (LangGraph's operators: equality, nested
+  dicts, ``$eq $ne $gt $gte $lt $lte``), then paged. Results come in **key order**
+  (namespace labels, then the key, by UTF-8 bytes; LangGraph's ``InMemoryStore`` returns
+  insertion order, which no distributed store can keep), so pages are stable.
+* ``list_namespaces`` scans the prefix's keys and lists the namespaces that hold at least
+  one item (as LangGraph's SQL stores do: a namespace whose items were all deleted is
+  gone), sorted, with ``prefix``/``suffix`` (``*`` wildcards), ``max_depth`` and paging.
+  It reads every item key under the prefix: it is a tool for exploring, not a hot path.
+* Semantic (vector) search is not provided: a store made with ``index=`` raises
+  ConfigError, and ``search(query=...)`` raises InvalidArgument (nothing is read). TTLs
+  are not supported either (``supports_ttl`` is False: LangGraph refuses ``ttl=``).
+* The async methods run the sync ones in the event loop's default thread executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from langgraph.store.base import (
+    BaseStore,
+    GetOp,
+    Item,
+    ListNamespacesOp,
+    MatchCondition,
+    Op,
+    PutOp,
+    Result,
+    SearchItem,
+    SearchOp,
+    validate_op_namespace,
+)
+
+from ..._client import Client
+from ...errors import ConfigError, InvalidArgument
+from ._keys import DEFAULT_ROOT, Keys
+from ._kv import scan
+from ._serde import no_pickle
+
+
+def _ms_now() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _dt(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+class KVCommStore(BaseStore):
+    """A LangGraph store keeping items in KVCOMM (see the module docstring).
+
+    ``kv`` is an open client (never closed by the store), ``serde`` a LangGraph
+    serializer for the items' values (one that pickles is refused: ConfigError),
+    ``root`` the key prefix (default ``"lg/"``; items under ``root + "st/"``). ``index``
+    is accepted only as None: vector search is not provided (ConfigError otherwise).
+
+    Operations raise LangGraph's InvalidNamespaceError for a bad namespace label, and
+    what the client raises (kvcomm.KVCommError: InvalidKey when a namespace and key do
+    not fit ``cache.max_key_bytes``, Unavailable...). ``batch`` applies its operations
+    in order; one that raises leaves the earlier ones applied.
+    """
+
+    __slots__ = ("kv", "keys", "serde")
+
+    def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
+                 index: Any | None = None) -> None:
+        if not isinstance(kv, Client):
+            raise InvalidArgument(f"KVCommStore needs an open kvcomm client (kvcomm.open()), "
+                                  f"got {type(kv).__name__}")
+        if index is not None:
+            raise ConfigError("", "KVCommStore does not provide semantic (vector) search: make it "
+                                  "without index= (search by namespace prefix and filter works)")
+        self.kv = kv
+        self.keys = Keys(root, kv.config.cache.max_key_bytes)
+        self.serde = no_pickle(serde)
+
+    # ---------------------------------------------------------------- batch
+    def batch(self, ops: Iterable[Op]) -> list[Result]:
+        """Run ``ops`` in order; their results in the same order."""
+        results: list[Result] = []
+        for op in ops:
+            validate_op_namespace(op)
+            if isinstance(op, GetOp):
+                results.append(self._get(op.namespace, op.key))
+            elif isinstance(op, PutOp):
+                if op.value is None:
+                    self.kv.delete(self.keys.item(op.namespace, op.key))
+                else:
+                    self._put(op.namespace, op.key, op.value)
+                results.append(None)
+            elif isinstance(op, SearchOp):
+                results.append(self._search(op))
+            elif isinstance(op, ListNamespacesOp):
+                results.append(self._list_namespaces(op))
+            else:
+                raise InvalidArgument(f"unknown LangGraph store operation {type(op).__name__}")
+        return results
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """:meth:`batch` in the event loop's default thread executor."""
+        ops = list(ops)
+        return await asyncio.get_running_loop().run_in_executor(None, self.batch, ops)
+
+    # ---------------------------------------------------------------- operations
+    def _item(self, namespace: tuple[str, ...], key: str, raw: list[Any],
+              cls: type[Item] = Item) -> Any:
+        t, b, created, updated = raw
+        value = self.serde.loads_typed((t, b))
+        if cls is SearchItem:
+            return SearchItem(namespace, key, value, _dt(created), _dt(updated))
+        return Item(value=value, key=key, namespace=namespace, created_at=_dt(created),
+                    updated_at=_dt(updated))
+
+    def _get(self, namespace: tuple[str, ...], key: str) -> Item | None:
+        raw = self.kv.get(self.keys.item(namespace, key))
+        return None if raw is None else self._item(namespace, key, raw)
+
+    def _put(self, namespace: tuple[str, ...], key: str, value: Any) -> None:
+        t, b = self.serde.dumps_typed(dict(value))
+        now = _ms_now()
+
+        def write(old: list[Any] | None) -> list[Any]:
+            return [t, b, now if old is None else old[2], now]
+
+        self.kv.update(self.keys.item(namespace, key), write)
+
+    def _search(self, op: SearchOp) -> list[SearchItem]:
+        if op.query:
+            raise InvalidArgument("KVCommStore has no semantic search: search without query= "
+                                  "(by namespace prefix, filter, limit and offset)")
+        out: list[SearchItem] = []
+        skip = op.offset
+        if op.limit <= 0:
+            return out
+        for entry in scan(self.kv, self.keys.store_prefix(op.namespace_prefix)):
+            namespace, key = self.keys.parse_item(entry.key)
+            item = self._item(namespace, key, entry.value, SearchItem)
+            if op.filter and not all(_compare_values(item.value.get(fk), fv)
+                                     for fk, fv in op.filter.items()):
+                continue
+            if skip > 0:
+                skip -= 1
+                continue
+            out.append(item)
+            if len(out) >= op.limit:
+                break
+        return out
+
+    def _list_namespaces(self, op: ListNamespacesOp) -> list[tuple[str, ...]]:
+        prefix: tuple[str, ...] = ()
+        for cond in op.match_conditions or ():
+            if cond.match_type == "prefix" and "*" not in cond.path:
+                prefix = tuple(cond.path)  # (narrows the scan; still checked below)
+        seen: set[tuple[str, ...]] = set()
+        for entry in scan(self.kv, self.keys.store_prefix(prefix)):
+            namespace, _key = self.keys.parse_item(entry.key)
+            if all(_does_match(c, namespace) for c in op.match_conditions or ()):
+                seen.add(namespace if op.max_depth is None else namespace[:op.max_depth])
+        return sorted(seen)[op.offset:op.offset + op.limit]
+
+
+def _does_match(cond: MatchCondition, namespace: tuple[str, ...]) -> bool:
+    """LangGraph's namespace match: ``path`` (``*`` matches any label) is a prefix or a
+    suffix of ``namespace``."""
+    path = tuple(cond.path)
+    if len(namespace) < len(path):
+        return False
+    if cond.match_type == "prefix":
+        pairs = zip(namespace, path, strict=False)
+    elif cond.match_type == "suffix":
+        pairs = zip(reversed(namespace), reversed(path), strict=False)
+    else:
+        raise InvalidArgument(f"unsupported namespace match type {cond.match_type!r}")
+    return all(p == "*" or n == p for n, p in pairs)
+
+
+def _compare_values(item_value: Any, filter_value: Any) -> bool:
+    """LangGraph's filter semantics (JSONB-like): nested dicts match key by key, lists
+    element by element, ``{"$op": v}`` applies the operator, anything else is equality."""
+    if isinstance(filter_value, dict):
+        if any(k.startswith("$") for k in filter_value):
+            return all(_apply_operator(item_value, k, v) for k, v in filter_value.items())
+        if not isinstance(item_value, dict):
+            return False
+        return all(_compare_values(item_value.get(k), v) for k, v in filter_value.items())
+    if isinstance(filter_value, list | tuple):
+        return (isinstance(item_value, list | tuple) and len(item_value) == len(filter_value)
+                and all(_compare_values(i, f) for i, f in zip(item_value, filter_value,
+                                                              strict=False)))
+    return bool(item_value == filter_value)
+
+
+def _apply_operator(value: Any, operator: str, op_value: Any) -> bool:
+    if operator == "$eq":
+        return bool(value == op_value)
+    if operator == "$ne":
+        return bool(value != op_value)
+    if operator in ("$gt", "$gte", "$lt", "$lte"):
+        a, b = float(value), float(op_value)
+        return {"$gt": a > b, "$gte": a >= b, "$lt": a < b, "$lte": a <= b}[operator]
+    raise InvalidArgument(f"unsupported filter operator {operator!r} (use $eq $ne $gt $gte $lt $lte)")
