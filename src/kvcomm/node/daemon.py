@@ -18,10 +18,9 @@ machines what it read, and carries out what they answer.
    where L3 holds another record (newer, merged, a conflict for a resolver) that record
    is merged into L2. The feed position stored in the L2 header is the machine's
    delivered cursor: a daemon killed at any point replays from there. Vectors are
-   pruned, by host activity, before they are pushed. The node daemon sends each push
-   from a thread and takes its answers in a later round (``async_push``), so that
-   reading the feeds (step 2) goes on meanwhile: after a partition, the backlog and the
-   catch-up on other hosts' changes overlap instead of waiting on each other.
+   pruned, by host activity, before they are pushed. With ``async_push`` (off: see
+   NodeDaemon) a push is sent from a thread and its answers taken in a later round, so
+   that reading the feeds (step 2) goes on meanwhile.
 2. **L3 → local.** It reads a group's L3 change feed (Redis Streams, one per
    hash-slot group, bounded) after a per-group cursor that lives in L3
    (``kvn:{host}:cursors``, so a restarted daemon — or one whose connection dropped —
@@ -865,7 +864,10 @@ class NodeDaemon(Daemon):
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
                                     permissions=c.l2_permissions, directory=c.l2_dir)
             super().__init__(config, port, l3, keys, rng=rng)
-            self.async_push = True
+            # (off: with pushes answered a round later, test_review7's rebase of a host
+            # whose write sequence went backwards fails: the new write never reaches L3;
+            # not understood yet, see the branch's report)
+            self.async_push = False
             # placement: the host's agent reports, published to L3 (kvn:{host}:agents)
             self.agents = HostPublisher(config, self.kv.name, self.host)
             self.status_file = status_path(self.kv.name, c.l2_dir)
