@@ -84,13 +84,23 @@ from .._client import open as kv_open
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
+from ..core.versions import vector_get
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
 from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
-from ..tiers.l3 import PUSH_KEPT, PUSH_STORED, FeedEntry, L3Record, L3Store, PushResult, read_record
+from ..tiers.l3 import (
+    PUSH_KEPT,
+    PUSH_STORED,
+    FeedEntry,
+    FeedNote,
+    L3Record,
+    L3Store,
+    PushResult,
+    read_record,
+)
 from .delivery import (
     CORRUPT,
     FEED_COUNT,
@@ -100,7 +110,9 @@ from .delivery import (
     Inbound,
     Outbound,
     Poll,
+    Reading,
     Skipped,
+    echo,
 )
 from .port import ClientPort, HostKeys, HostL2, L3Port
 from .presence import HostPresence, Reachability, status_path, write_status
@@ -167,6 +179,10 @@ class Daemon:
         self.hot_list: list[str] = []  # the hot keys last saved
         self.hosts = HostActivity(self.host, _ms(now))
         self.skipped = Skipped()  # remote changes to keys not held here, for a while
+        self.refetch: dict[str, L3Record | FeedNote] = {}  # skipped changes to read again
+        # keys a local watcher wants from the feeds though L2 does not hold them (a hook
+        # for cluster-wide watches: see wants())
+        self.watching: Callable[[str], bool] = _nobody
         self.max_value_size = c.max_value_size
         self.rebuild_every = cl.key_filter_rebuild
         self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
@@ -242,15 +258,39 @@ class Daemon:
                     self.keys.add(key.encode("utf-8", "surrogateescape"))
                 records.append((key, record))
         self.out.read(cursor, records, now)
+        due = self.refetch  # (notes whose records could not be read last time)
+        self.refetch = {}
         for key in written:  # a fill from L3 may be older than a change skipped meanwhile
             if (skipped := self.skipped.take(key, now)) is not None:
-                self.stats.bump("refills")
-                self._guarded(key, "feed", self._apply_or_forget, key, skipped)
+                due[key] = skipped
+        if due:
+            self._refill(due)
         self._push(now)
         delivered = self.out.delivered()
         if delivered != self.persisted:  # everything before it is in L3
             self.port.delivered_up_to(delivered)
             self.persisted = delivered
+
+    def _refill(self, due: dict[str, L3Record | FeedNote]) -> None:
+        """Apply the skipped changes ``due`` over late fills: a record as it is, a note's
+        key read from L3 (all in one batch; when L3 cannot be reached, the notes are
+        kept in ``refetch`` for the next round)."""
+        self.stats.bump("refills", len(due))
+        notes = [key for key, got in due.items() if isinstance(got, FeedNote)]
+        fetched: dict[str, L3Record | None | CorruptRecord] = {}
+        try:
+            if notes:
+                fetched = self.l3.get_many(notes)
+        except Unavailable:
+            for key in notes:
+                self.refetch[key] = due.pop(key)
+        for key, got in due.items():
+            rec = got if isinstance(got, L3Record) else fetched.get(key)
+            if isinstance(rec, CorruptRecord):
+                self.stats.corrupt += 1
+                self._set_aside(key, f"feed: {rec}")
+            elif rec is not None:
+                self._guarded(key, "feed", self._apply_or_forget, key, rec)
 
     def _push(self, now: float) -> None:
         """Push every closed window that is due; stop at the first failure."""
@@ -470,30 +510,65 @@ class Daemon:
         self.stats.hinted += len(read - counters.keys())
         self.stats.swept += len(read & counters.keys())
         problems: dict[str, set[int]] = {}
+        readings: list[tuple[int, Reading, int]] = []
         for g, rows in self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
                                          count=FEED_COUNT).items():
             if isinstance(rows, CorruptRecord):
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 self.inb.read(g, 0)
                 continue
-            reading = self.inb.examine(g, rows, counters.get(g))
+            readings.append((g, self.inb.examine(g, rows, counters.get(g)), len(rows)))
+        # the records of the value-less entries this host wants, in one batch, before any
+        # entry is applied or cursor advanced (Unavailable: the poll is made again)
+        fetched = self._fetch_wanted([e for _, r, _ in readings for e in r.entries])
+        applied: set[str] = set()  # (keys whose fetched record was applied this poll)
+        for g, reading, n in readings:
             for entry in reading.entries:
-                self._pull_entry(g, entry)
+                self._pull_entry(g, entry, fetched, applied)
                 self.inb.advance(g, entry)
             self.load[g] = self.load.get(g, 0) + 1  # one XRANGE
-            self.inb.read(g, len(rows))
+            self.inb.read(g, n)
             if reading.problem:
                 problems.setdefault(reading.problem, set()).add(g)
         for why in sorted(problems):
             self._resync(problems[why], reason=why)
 
-    def _pull_entry(self, g: int, entry: FeedEntry) -> None:
-        """Apply one feed entry of group ``g`` (set aside if it fails). Raises Unavailable."""
+    def wants(self, key: str) -> bool:
+        """Whether this host takes ``key``'s changes from the feeds into L2: L2 holds it,
+        or :attr:`watching` (a hook for cluster-wide watches; by default nobody's) says
+        a local watcher asks for it. Other keys' changes are left to the read path."""
+        return self.port.holds(key) or self.watching(key)
+
+    def _fetch_wanted(self, entries: list[FeedEntry]) -> dict[str, L3Record | None | CorruptRecord]:
+        """The records, read from L3 in one batch (a pipeline per master), of the keys of
+        value-less ``entries`` this host wants and does not hold already (see
+        :func:`~kvcomm.node.delivery.echo`). Raises Unavailable."""
+        ws = self.port.write_sequence()
+        want = [e.key for e in entries if e.key is not None and e.note is not None
+                and not echo(e.note, self.host, ws) and self.wants(e.key)]
+        if not want:
+            return {}
+        fetched = self.l3.get_many(want)
+        self.stats.bump("fetched", len(fetched))
+        for key in fetched:  # (one GET each, as INFO counts)
+            g = self.groups.of(key)
+            self.load[g] = self.load.get(g, 0) + 1
+        return fetched
+
+    def _pull_entry(self, g: int, entry: FeedEntry,
+                    fetched: dict[str, L3Record | None | CorruptRecord], applied: set[str]
+                    ) -> None:
+        """Apply one feed entry of group ``g`` (set aside if it fails): its record (inline),
+        or the record ``fetched`` for its key (value-less; applied at the key's first
+        entry, which adds the key to ``applied``). Raises Unavailable."""
         if entry.key is None:
             self._set_aside(f"feed entry {entry.id.decode(errors='replace')} of group {g}",
                             entry.problem)
             return
         key = entry.key
+        if entry.note is not None:
+            self._pull_note(key, entry.note, fetched, applied)
+            return
         try:
             rec = read_record(entry.record, key, self.max_value_size)
         except CorruptRecord as exc:
@@ -505,10 +580,40 @@ class Daemon:
         # record L3 merged from ours and another host's must still be taken
         if not rec.tombstone:
             self.keys.add(key.encode("utf-8"))
-        if not self.port.holds(key):
+        if not self.wants(key):
             self.stats.skipped_remote += 1
             self.skipped.remember(key, rec, self.clock())
             return  # not held here: the next read goes to L3
+        if self._guarded(key, "feed", self._apply_or_forget, key, rec):
+            self.stats.pulled += 1
+
+    def _pull_note(self, key: str, note: FeedNote,
+                   fetched: dict[str, L3Record | None | CorruptRecord], applied: set[str]
+                   ) -> None:
+        """A value-less entry: apply the record read for it, if any (once per poll)."""
+        self.hosts.saw(note.writer, _ms(self.clock()))
+        if not note.tombstone:
+            self.keys.add(key.encode("utf-8"))
+        if key in applied:  # an earlier entry of this poll applied the record read
+            return
+        if key not in fetched:
+            if self.wants(key) and echo(note, self.host, self.port.write_sequence()):
+                self.stats.bump("echoes")  # this host's own write: L2 has it, or newer
+            else:  # (wanted only since the batch was read: as a skipped change, for a fill)
+                self.stats.skipped_remote += 1
+                self.skipped.remember(key, note, self.clock())
+            return
+        applied.add(key)
+        rec = fetched[key]
+        if rec is None:  # gone from L3 since (a failover lost it: the rewind is resynced)
+            self.stats.bump("fetch_missing")
+            return
+        if isinstance(rec, CorruptRecord):
+            self.stats.corrupt += 1
+            self._set_aside(key, f"feed: {rec}")
+            return
+        if vector_get(rec.vector, note.writer) < note.counter:
+            self.stats.bump("fetch_behind")  # L3 lost the entry's write: a rewind, resynced
         if self._guarded(key, "feed", self._apply_or_forget, key, rec):
             self.stats.pulled += 1
 
@@ -757,6 +862,10 @@ class NodeDaemon(Daemon):
             pass
         super().close()
         self.kv.close()
+
+
+def _nobody(key: str) -> bool:
+    return False
 
 
 def _ms(seconds: float) -> int:

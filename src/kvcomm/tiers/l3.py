@@ -122,7 +122,7 @@ from .groups import DEFAULT_GROUPS, LEGACY_GROUPS, Groups, groups
 from .groups import groups as _groups
 from .hints import Hints
 
-__all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "PushResult", "GROUPS",
+__all__ = ["CorruptRecord", "FeedEntry", "FeedNote", "L3Record", "L3Store", "PushResult", "GROUPS",
            "DEFAULT_GROUPS", "EMPTY_EXT", "FORMAT", "Groups", "group_of", "groups", "read_record",
            "record_key", "feed_key", "seq_key"]
 
@@ -134,6 +134,7 @@ FIELDS = ("f", "h", "d", "t", "m", "v", "vv", "dot", "x")  # a format-2 record's
 FEED_MAXLEN = 100_000  # events kept per group stream at most (approximate: MAXLEN ~)
 FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_total, >= 100 x groups)
 FEED_MIN = 100  # events kept per group stream at least, however many groups
+FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
 # Redis commands one push costs (as INFO counts them, a script's own calls included):
@@ -330,7 +331,8 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key,
 # ARGV[5] the group's hint channel (an argument, not a key: during a slot migration Redis
-# counts a declared key that does not exist as missing, and would refuse every push)
+# counts a declared key that does not exist as missing, and would refuse every push),
+# ARGV[6] the largest record (bytes) a feed entry carries inline (FEED_INLINE)
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
 local MAX_COUNTER = 9007199254740991  -- 2**53-1: every larger integer is a double >= 2**53
@@ -370,14 +372,29 @@ local function vv(r)
   for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
   return t
 end
-local function store(bytes)
+-- a value-less entry's version note: 'hlc:counter:flags:actor' (flags: d = tombstone,
+-- m = merged here; the actor last, since a host id may hold ':')
+local function note(r, merged)
+  local flags = ''
+  if r.d then flags = 'd' end
+  if merged then flags = flags .. 'm' end
+  return r.h .. ':' .. string.format('%d', r.dot[2]) .. ':' .. flags .. ':' .. r.dot[1]
+end
+local INLINE = tonumber(ARGV[6] or '')  -- (none: every record inline, as before)
+local function store(bytes, r, merged)
   -- (a script is not rolled back on error: the record goes last, once its feed entry is in)
   local s = redis.pcall('INCR', KEYS[3])
   if type(s) ~= 'number' then  -- a foreign value: restart the sequence (readers resync)
     redis.call('DEL', KEYS[3])
     s = redis.call('INCR', KEYS[3])
   end
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
+  if INLINE == nil or #bytes <= INLINE then  -- the record itself (the format-1 entry)
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
+  else  -- value-less: readers GET the record if they want the key ('q', not 's': a
+    -- reader that knows only 's' finds no sequence number and resyncs the group)
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'q', s,
+               'n', note(r, merged))
+  end
   redis.call('SET', KEYS[1], bytes)
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
@@ -390,7 +407,7 @@ end
 local raw = redis.pcall('GET', KEYS[1])
 if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
 if not raw then
-  store(ARGV[1])
+  store(ARGV[1], incoming, false)
   return {'new', ARGV[1]}
 end
 local stored, why = read(raw)
@@ -399,7 +416,7 @@ if stored == nil and why == 'newer' then
                            'host reads; upgrade this host')
 end
 if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
-  store(ARGV[1])
+  store(ARGV[1], incoming, false)
   return {'new', ARGV[1]}
 end
 local a, b = vv(incoming), vv(stored)
@@ -413,7 +430,7 @@ for k, v in pairs(a) do
 end
 if a_ge and b_ge then return {'equal', raw} end
 if a_ge then
-  store(ARGV[1])
+  store(ARGV[1], incoming, false)
   return {'newer', ARGV[1]}
 end
 if b_ge then return {'older', raw} end
@@ -436,7 +453,7 @@ for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] e
 local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
              dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
-store(packed)
+store(packed, out, true)
 return {'merged', packed}
 """
 
@@ -476,26 +493,67 @@ def _key_error(msg: str) -> bool:
             or "not an integer" in msg)
 
 
+class FeedNote(NamedTuple):
+    """The version a value-less feed entry announces (the record itself stays in L3)."""
+
+    hlc: int
+    writer: str  # the host of the write that made the record (its dot's actor)
+    counter: int  # the dot's counter
+    tombstone: bool
+    merged: bool  # the push script merged two hosts' records (the vector is a new one)
+
+
 class FeedEntry(NamedTuple):
     """One change-feed entry. ``key`` is None and ``problem`` says why when the entry
     cannot be used (a key field that is not strict UTF-8, say); ``seq`` is None when
-    the entry has no valid sequence number (written by something else)."""
+    the entry has no valid sequence number (written by something else). An entry
+    carries either the record (``record``, ``note`` None: inline) or only its version
+    (``note``, ``record`` b"": value-less; read the record from L3 if the key is wanted)."""
 
     id: bytes
     key: str | None
     record: bytes
     seq: int | None
     problem: str = ""
+    note: FeedNote | None = None
+
+
+def _seq(raw: object) -> int | None:
+    return int(raw) if isinstance(raw, bytes) and raw.isdigit() and len(raw) < 20 else None
+
+
+def _note(raw: bytes) -> FeedNote | None:
+    """A value-less entry's note (``hlc:counter:flags:actor``), or None if it is not one."""
+    parts = raw.split(b":", 3)
+    if len(parts) != 4:
+        return None
+    hlc, counter, flags, actor = parts
+    if (not _HLC.match(hlc) or not counter.isdigit() or len(counter) > 16
+            or not _valid_counter(int(counter)) or not _ACTOR.match(actor)
+            or flags not in (b"", b"d", b"m", b"dm")):
+        return None
+    return FeedNote(int(hlc, 16), actor.decode("ascii"), int(counter), b"d" in flags,
+                    b"m" in flags)
 
 
 def _entry(eid: Any, fields: Any) -> FeedEntry:
-    """Parse one XRANGE row, never raising: whatever is wrong goes into ``problem``."""
+    """Parse one XRANGE row, never raising: whatever is wrong goes into ``problem``.
+    Both kinds of entry are read: inline ``{k, r, s}`` (every entry before value-less
+    ones existed) and value-less ``{k, q, n}``."""
     eid = eid if isinstance(eid, bytes) else str(eid).encode()
     if not isinstance(fields, dict):
         return FeedEntry(eid, None, b"", None, "entry fields are not a map")
-    raw_seq = fields.get(b"s")
-    seq = int(raw_seq) if isinstance(raw_seq, bytes) and raw_seq.isdigit() and len(raw_seq) < 20 else None
-    kb, rec = fields.get(b"k"), fields.get(b"r")
+    kb, rec, raw_note = fields.get(b"k"), fields.get(b"r"), fields.get(b"n")
+    note = None
+    if isinstance(raw_note, bytes) and rec is None:  # value-less
+        seq = _seq(fields.get(b"q"))
+        note = _note(raw_note)
+        if note is None:
+            return FeedEntry(eid, None, b"", seq, f"entry's version note {raw_note[:80]!r} "
+                             "is not hlc:counter:flags:host")
+        rec = b""
+    else:
+        seq = _seq(fields.get(b"s"))
     if not isinstance(kb, bytes) or not isinstance(rec, bytes):
         return FeedEntry(eid, None, b"", seq, "entry lacks its key (k) or record (r) field")
     try:
@@ -504,7 +562,7 @@ def _entry(eid: Any, fields: Any) -> FeedEntry:
         return FeedEntry(eid, None, rec, seq, f"key {kb[:80]!r} is not valid UTF-8")
     if not key or "\0" in key:
         return FeedEntry(eid, None, rec, seq, f"key {kb[:80]!r} is empty or holds NUL")
-    return FeedEntry(eid, key, rec, seq)
+    return FeedEntry(eid, key, rec, seq, "", note)
 
 
 class PushResult(NamedTuple):
@@ -533,8 +591,8 @@ class L3Store:
                  groups: int = DEFAULT_GROUPS, feed_total: int = FEED_TOTAL,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None,
-                 address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None
-                 ) -> None:
+                 address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
+                 feed_inline: int | None = FEED_INLINE) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode
 
@@ -564,6 +622,8 @@ class L3Store:
             follow_remap(self.rc, address_remap)
         self.wire = self.rc.wire  # type: ignore[attr-defined]  # commands and bytes to and from Redis (kvcomm metrics)
         self.feed_maxlen = min(feed_maxlen, max(FEED_MIN, feed_total // groups))
+        # a push's feed entry carries the record up to this size (None: always)
+        self.feed_inline = feed_inline
         self.timeout = timeout
         self.auth = (username, password)  # (for MIGRATE's AUTH: kvcomm.balance.migrate)
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
@@ -687,6 +747,41 @@ class L3Store:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord."""
         raw = self._call(lambda: self.rc.get(_wire_key(self.groups.record_key(key))), key)
         return None if raw is None else self.decode(raw, key)
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
+        """The records of ``keys`` (None: absent): one pipeline of GETs per master node
+        (by the client's slot map); a GET redirected (its slot moved) is sent again
+        through the cluster client, redirects followed. A key whose value is foreign or
+        that cannot be sent gets a CorruptRecord in its place. Raises Unavailable; a
+        read changes nothing, so the caller may simply read again."""
+        out: dict[str, L3Record | None | CorruptRecord] = {}
+        by_node: dict[str, tuple[Any, list[tuple[str, bytes]]]] = {}
+        for key in dict.fromkeys(keys):
+            try:
+                name = _wire_key(self.groups.record_key(key))
+            except CorruptRecord as exc:
+                out[key] = exc
+                continue
+            node = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
+                self.groups.record_key(key)))
+            by_node.setdefault(node.name, (node, []))[1].append((key, name))
+        for node, names in by_node.values():
+            def run(node: Any = node, names: list[tuple[str, bytes]] = names) -> list[Any]:
+                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+                for _, name in names:
+                    pipe.get(name)
+                return pipe.execute(raise_on_error=False)
+
+            for (key, name), raw in zip(names, self._call(run), strict=True):
+                try:
+                    if isinstance(raw, Exception):  # moved, or a foreign type: one GET
+                        if _key_error(str(raw)) and not str(raw).startswith(_TRANSIENT):
+                            raise CorruptRecord(f"L3 value of {key!r}: {raw}")
+                        raw = self._call(lambda name=name: self.rc.get(name), key)
+                    out[key] = None if raw is None else self.decode(raw, key)
+                except CorruptRecord as exc:
+                    out[key] = exc
+        return out
 
     def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
         """Push one record into L3: the L3 rule, applied atomically (``keep_siblings``:
@@ -1123,7 +1218,9 @@ class L3Store:
         return ([_wire_key(self.groups.record_key(key)), self.groups.feed_key(g),
                  self.groups.seq_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
-                 _wire_key(key), self.groups.hint_channel(g)])
+                 _wire_key(key), self.groups.hint_channel(g),
+                 # (None: no ARGV[6], every entry inline, as a daemon before value-less ones)
+                 *([] if self.feed_inline is None else [self.feed_inline])])
 
     def _result(self, key: str, raw: Any) -> PushResult:
         try:
