@@ -223,6 +223,46 @@ def redis_bytes(dev: dict[str, Any]) -> tuple[int, int]:
     return client, repl
 
 
+def daemon_bytes(dev: dict[str, Any]) -> dict[str, list[int]]:
+    """Every host daemon's L3 bytes so far, [sent, received] by purpose (push, feed,
+    fetch, sweep, other, total: ``l3_bytes`` in its status file), summed over hosts."""
+    from kvcomm.node.presence import read_status, status_path
+
+    out: dict[str, list[int]] = {}
+    for h in dev["hosts"]:
+        st = read_status(status_path(h["namespace"], "/dev/shm")) or {}
+        for what, (sent, received) in (st.get("l3_bytes") or {}).items():
+            row = out.setdefault(what, [0, 0])
+            row[0] += sent
+            row[1] += received
+    return out
+
+
+def hints_sent(dev: dict[str, Any]) -> int:
+    """SPUBLISH calls so far on every master (one hint per change stored)."""
+    import redis
+
+    n = 0
+    for addr in dev["redis"]:
+        host, _, port = addr.rpartition(":")
+        r = redis.Redis(host=host, port=int(port))
+        try:
+            if r.info("replication")["role"] == "master":
+                n += int(r.info("commandstats").get("cmdstat_spublish", {}).get("calls", 0))
+        finally:
+            r.close()
+    return n
+
+
+def hint_bytes() -> int:
+    """Bytes of one hint as a subscriber receives it (RESP ``smessage``, a 6-digit
+    sequence number): what every host pays per change stored."""
+    from kvcomm.tiers.groups import groups
+
+    ch = groups(1024).hint_channel(0)
+    return len(f"*3\r\n$8\r\nsmessage\r\n${len(ch)}\r\n{ch}\r\n$6\r\n123456\r\n")
+
+
 def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model0: float,
              seconds: float, work: Path, tag: str, observe_last: float = 0.0) -> dict[str, Any]:
     """One run of ``kind`` with ``assignment`` (agent → host); its figures, and with
@@ -248,6 +288,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     while time.monotonic() < start_at + WARMUP:
         time.sleep(0.01)
     b0 = redis_bytes(dev)
+    d0, h0 = daemon_bytes(dev), hints_sent(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
         time.sleep(max(0.0, start_at + seconds - observe_last - 5.0 - time.monotonic()))
@@ -256,6 +297,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     while time.monotonic() < start_at + seconds:
         time.sleep(0.01)
     b1 = redis_bytes(dev)
+    d1, h1 = daemon_bytes(dev), hints_sent(dev)
     t_b1 = time.monotonic()
     for p in procs:
         p.join(120)
@@ -264,6 +306,12 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     figures = analyse(model, assignment, logs, int((start_at + WARMUP) * 1e9))
     figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
     figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
+    # where the bytes go: the daemons' own count by purpose (Redis in = sent, out =
+    # received), the hints every host receives (estimated: calls x hosts x size)
+    figures["daemon_bytes_per_s"] = {
+        what: [(d1[what][i] - d0.get(what, [0, 0])[i]) / (t_b1 - t_b0) for i in (0, 1)]
+        for what in d1}
+    figures["hint_bytes_per_s"] = (h1 - h0) * len(HOSTS) * hint_bytes() / (t_b1 - t_b0)
     figures["graph"] = graph
     return figures
 
@@ -453,6 +501,28 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def breakdown(results: dict[str, Any]) -> str:
+    """Where the L3 bytes go: kB/s into Redis / out of it, by purpose."""
+    parts = ("push", "feed", "fetch", "sweep", "other")
+    lines = ["| workload | placement | L3 total | " + " | ".join(parts)
+             + " | hints (est.) | rest (agents' L3 reads, unattributed) |",
+             "| --- " * (len(parts) + 5) + "|"]
+
+    def kb(x: float) -> str:
+        return f"{x / 1e3:.0f}"
+
+    for kind in ("swarm", "warehouse"):
+        for name in ("random", "round-robin", "planned"):
+            f = results[kind][name]
+            d = f.get("daemon_bytes_per_s") or {}
+            cells = [f"{kb(d[p][0])} / {kb(d[p][1])}" if p in d else "-" for p in parts]
+            total_d = sum(d.get("total", [0, 0]))
+            rest = f["l3_bytes_per_s"] - total_d - f.get("hint_bytes_per_s", 0.0)
+            lines.append(f"| {kind} | {name} | {kb(f['l3_bytes_per_s'])} | " + " | ".join(cells)
+                         + f" | {kb(f.get('hint_bytes_per_s', 0.0))} | {kb(rest)} |")
+    return "\n".join(lines)
+
+
 def probe_line(v: dict[str, Any]) -> str:
     lines = [f"load average {os.getloadavg()[0]:.1f}; visibility probe (another process, "
              f"spinning on get):"]
@@ -539,6 +609,8 @@ def main() -> int:
         finally:
             devcluster.down(str(work / "dev"))
     print(table(results))
+    print("\nWhere the L3 bytes go, kB/s into Redis / out of Redis (the daemons' count):")
+    print(breakdown(results))
     v = results["visibility"]
     print(probe_line(v))
     for kind in ("swarm", "warehouse"):

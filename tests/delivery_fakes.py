@@ -138,7 +138,7 @@ class FakeL3:
         if self.feed_inline is None or len(raw) <= self.feed_inline:  # as the push script
             entry = FeedEntry(eid, key, raw, self.counters[g])
         else:
-            note = FeedNote(record.hlc, record.dot[0], record.dot[1], record.tombstone, merged)
+            note = FeedNote(record.dot[0], record.dot[1], record.tombstone, merged)
             entry = FeedEntry(eid, key, b"", self.counters[g], "", note)
         self.streams[g].append(entry)
         self.records[key] = record

@@ -75,7 +75,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable, Iterator, Set
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +184,7 @@ class Daemon:
         # keys a local watcher wants from the feeds though L2 does not hold them (a hook
         # for cluster-wide watches: see wants())
         self.watching: Callable[[str], bool] = _nobody
+        self.wire_by: dict[str, list[int]] = {}  # push/feed/fetch/sweep → [sent, received]
         self.max_value_size = c.max_value_size
         self.rebuild_every = cl.key_filter_rebuild
         self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
@@ -280,7 +282,8 @@ class Daemon:
         fetched: dict[str, L3Record | None | CorruptRecord] = {}
         try:
             if notes:
-                fetched = self.l3.get_many(notes)
+                with self._metered("fetch"):
+                    fetched = self.l3.get_many(notes)
         except Unavailable:
             for key in notes:
                 self.refetch[key] = due.pop(key)
@@ -296,8 +299,9 @@ class Daemon:
         """Push every closed window that is due; stop at the first failure."""
         while (push := self.out.next_push(now, self.port.has_resolver, self._shape)) is not None:
             try:
-                results = self.l3.push_many([(i.key, i.record) for i in push.items],
-                                            push.keep_siblings)
+                with self._metered("push"):
+                    results = self.l3.push_many([(i.key, i.record) for i in push.items],
+                                                push.keep_siblings)
             except Unavailable as exc:
                 delay = self.out.push_failed(push, self.clock())
                 self._l3_failed(self.out.backoff, "sending to L3", exc, delay)
@@ -501,7 +505,8 @@ class Daemon:
         Unavailable."""
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
-        counters = self.l3.feed_seqs(poll.check) if poll.check else {}
+        with self._metered("sweep"):
+            counters = self.l3.feed_seqs(poll.check) if poll.check else {}
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
         read = self.inb.to_read(counters)
@@ -511,8 +516,10 @@ class Daemon:
         self.stats.swept += len(read & counters.keys())
         problems: dict[str, set[int]] = {}
         readings: list[tuple[int, Reading, int]] = []
-        for g, rows in self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
-                                         count=FEED_COUNT).items():
+        with self._metered("feed"):
+            feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
+                                      count=FEED_COUNT)
+        for g, rows in feeds.items():
             if isinstance(rows, CorruptRecord):
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 self.inb.read(g, 0)
@@ -533,6 +540,22 @@ class Daemon:
         for why in sorted(problems):
             self._resync(problems[why], reason=why)
 
+    @contextmanager
+    def _metered(self, what: str) -> Iterator[None]:
+        """Count the L3 bytes sent and received inside the block under ``what``
+        (``wire_by``: for ``status()``, which reports where a host's L3 traffic goes)."""
+        wire = getattr(self.l3, "wire", None)
+        if wire is None:  # (the test fakes count nothing)
+            yield
+            return
+        sent, received = wire.sent, wire.received
+        try:
+            yield
+        finally:
+            row = self.wire_by.setdefault(what, [0, 0])
+            row[0] += wire.sent - sent
+            row[1] += wire.received - received
+
     def wants(self, key: str) -> bool:
         """Whether this host takes ``key``'s changes from the feeds into L2: L2 holds it,
         or :attr:`watching` (a hook for cluster-wide watches; by default nobody's) says
@@ -548,7 +571,8 @@ class Daemon:
                 and not echo(e.note, self.host, ws) and self.wants(e.key)]
         if not want:
             return {}
-        fetched = self.l3.get_many(want)
+        with self._metered("fetch"):
+            fetched = self.l3.get_many(want)
         self.stats.bump("fetched", len(fetched))
         for key in fetched:  # (one GET each, as INFO counts)
             g = self.groups.of(key)
@@ -686,6 +710,19 @@ class Daemon:
                 "etcd_unreachable": bool(p and p.etcd_unreachable),
                 "etcd_down_s": round(p.etcd_down_s(), 3) if p else 0.0,
                 "lease": p.lease if p else 0}
+
+    def l3_bytes(self) -> dict[str, list[int]]:
+        """Bytes [sent, received] between this daemon and L3 so far, by what they were
+        for: push (windows), feed (stream reads), fetch (records of value-less entries),
+        sweep (group counters), other (resyncs, prewarm, cursors, load, reports), total
+        (hint messages arrive on subscriptions of their own, not counted here)."""
+        wire = getattr(self.l3, "wire", None)
+        out = {k: list(v) for k, v in dict(self.wire_by).items()}  # (a copy: other threads call)
+        if wire is not None:
+            out["total"] = [wire.sent, wire.received]
+            out["other"] = [wire.sent - sum(v[0] for v in self.wire_by.values()),
+                            wire.received - sum(v[1] for v in self.wire_by.values())]
+        return out
 
     def decide_partition(self) -> None:
         """Enter or leave partition mode (see node/presence.py). Leaving it retries the
@@ -847,7 +884,8 @@ class NodeDaemon(Daemon):
         """Write the status file now (also from the lease thread, when etcd's
         reachability changes). Never raises."""
         try:
-            write_status(self.status_file, self.status(), self.config.cache.l2_permissions)
+            write_status(self.status_file, {**self.status(), "l3_bytes": self.l3_bytes()},
+                         self.config.cache.l2_permissions)
         except OSError as exc:
             log.warning("cannot write %s: %s", self.status_file, exc)
 

@@ -372,13 +372,13 @@ local function vv(r)
   for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
   return t
 end
--- a value-less entry's version note: 'hlc:counter:flags:actor' (flags: d = tombstone,
--- m = merged here; the actor last, since a host id may hold ':')
+-- a value-less entry's version note: 'counter:flags:actor', the record's dot (flags:
+-- d = tombstone, m = merged here; the actor last, since a host id may hold ':')
 local function note(r, merged)
   local flags = ''
   if r.d then flags = 'd' end
   if merged then flags = flags .. 'm' end
-  return r.h .. ':' .. string.format('%d', r.dot[2]) .. ':' .. flags .. ':' .. r.dot[1]
+  return string.format('%d', r.dot[2]) .. ':' .. flags .. ':' .. r.dot[1]
 end
 local INLINE = tonumber(ARGV[6] or '')  -- (none: every record inline, as before)
 local function store(bytes, r, merged)
@@ -406,9 +406,10 @@ if incoming == nil then
 end
 local raw = redis.pcall('GET', KEYS[1])
 if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
+-- (new, newer: L3 holds the caller's own record, which the reply does not send back)
 if not raw then
   store(ARGV[1], incoming, false)
-  return {'new', ARGV[1]}
+  return {'new', ''}
 end
 local stored, why = read(raw)
 if stored == nil and why == 'newer' then
@@ -417,7 +418,7 @@ if stored == nil and why == 'newer' then
 end
 if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
   store(ARGV[1], incoming, false)
-  return {'new', ARGV[1]}
+  return {'new', ''}
 end
 local a, b = vv(incoming), vv(stored)
 local a_ge, b_ge = true, true
@@ -431,7 +432,7 @@ end
 if a_ge and b_ge then return {'equal', raw} end
 if a_ge then
   store(ARGV[1], incoming, false)
-  return {'newer', ARGV[1]}
+  return {'newer', ''}
 end
 if b_ge then return {'older', raw} end
 if ARGV[2] == 'siblings' then return {'conflict', raw} end
@@ -494,9 +495,9 @@ def _key_error(msg: str) -> bool:
 
 
 class FeedNote(NamedTuple):
-    """The version a value-less feed entry announces (the record itself stays in L3)."""
+    """The version a value-less feed entry announces, the record's dot and two flags
+    (the record itself stays in L3)."""
 
-    hlc: int
     writer: str  # the host of the write that made the record (its dot's actor)
     counter: int  # the dot's counter
     tombstone: bool
@@ -523,17 +524,15 @@ def _seq(raw: object) -> int | None:
 
 
 def _note(raw: bytes) -> FeedNote | None:
-    """A value-less entry's note (``hlc:counter:flags:actor``), or None if it is not one."""
-    parts = raw.split(b":", 3)
-    if len(parts) != 4:
+    """A value-less entry's note (``counter:flags:actor``), or None if it is not one."""
+    parts = raw.split(b":", 2)
+    if len(parts) != 3:
         return None
-    hlc, counter, flags, actor = parts
-    if (not _HLC.match(hlc) or not counter.isdigit() or len(counter) > 16
-            or not _valid_counter(int(counter)) or not _ACTOR.match(actor)
-            or flags not in (b"", b"d", b"m", b"dm")):
+    counter, flags, actor = parts
+    if (not counter.isdigit() or len(counter) > 16 or not _valid_counter(int(counter))
+            or not _ACTOR.match(actor) or flags not in (b"", b"d", b"m", b"dm")):
         return None
-    return FeedNote(int(hlc, 16), actor.decode("ascii"), int(counter), b"d" in flags,
-                    b"m" in flags)
+    return FeedNote(actor.decode("ascii"), int(counter), b"d" in flags, b"m" in flags)
 
 
 def _entry(eid: Any, fields: Any) -> FeedEntry:
@@ -550,7 +549,7 @@ def _entry(eid: Any, fields: Any) -> FeedEntry:
         note = _note(raw_note)
         if note is None:
             return FeedEntry(eid, None, b"", seq, f"entry's version note {raw_note[:80]!r} "
-                             "is not hlc:counter:flags:host")
+                             "is not counter:flags:host")
         rec = b""
     else:
         seq = _seq(fields.get(b"s"))
@@ -838,7 +837,8 @@ class L3Store:
                     key = items[i][0]
                     if not isinstance(raw, Exception):
                         try:
-                            out[i] = self._result(key, raw)._replace(durable=durable)
+                            out[i] = self._result(key, raw, items[i][1])._replace(
+                                durable=durable)
                         except CorruptRecord as exc:
                             out[i] = exc
                     elif _key_error(str(raw)):
@@ -1222,7 +1222,7 @@ class L3Store:
                  # (None: no ARGV[6], every entry inline, as a daemon before value-less ones)
                  *([] if self.feed_inline is None else [self.feed_inline])])
 
-    def _result(self, key: str, raw: Any) -> PushResult:
+    def _result(self, key: str, raw: Any, pushed: L3Record) -> PushResult:
         try:
             outcome = raw[0].decode()
             data = raw[1]
@@ -1230,6 +1230,8 @@ class L3Store:
             raise CorruptRecord(f"unexpected push reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
+        if outcome in (NEW, NEWER) and data == b"":  # L3 holds what was pushed
+            return PushResult(key, outcome, pushed)
         return PushResult(key, outcome, self.decode(data, key))
 
     def _call(self, fn: Any, key: str | None = None) -> Any:
