@@ -580,7 +580,10 @@ class L3Store:
     translated: connection trouble → Unavailable, a foreign value under one key →
     CorruptRecord for that key. ``max_value_size`` (``cache.max_value_size``) bounds
     what a record read back may hold. ``groups`` is ``cluster.groups``; each group's
-    stream keeps ``feed_total / groups`` entries, within FEED_MIN..``feed_maxlen``.
+    stream keeps ``feed_total / groups`` entries, within FEED_MIN..``feed_maxlen``. A
+    push's feed entry carries its record when that is at most ``feed_inline`` bytes
+    (``cluster.feed_inline``), else only the key and the record's dot (value-less); None
+    writes every entry inline, as KVCOMM did before value-less entries.
     """
 
     def __init__(self, seeds: Sequence[tuple[str, int]], *, password: str | None = None,
@@ -648,10 +651,10 @@ class L3Store:
         for the node daemon, the feed bound and WAIT settings). Raises Unavailable,
         ConfigError."""
         cl = cluster
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {"feed_inline": cl.feed_inline}
         if daemon:
-            kw = {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
-                  "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total}
+            kw |= {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
+                   "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total}
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
                    tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
