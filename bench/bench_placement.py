@@ -26,7 +26,9 @@ Measured over each run (after 2 s of warm-up):
 * **same-host share** — of the reads of another agent's key, the share whose writer is
   on the reader's host (counted, not sampled);
 * **L3 bytes** — bytes in and out of every Redis node for clients (``INFO stats``
-  ``total_net_input_bytes`` + ``total_net_output_bytes``, replication apart), per second;
+  ``total_net_input_bytes`` + ``total_net_output_bytes``, less their replication part,
+  ``total_net_repl_*``: Redis 7 counts replication in the totals), per second; and where
+  they go (the daemons' own count by purpose, in their status files);
 * **staleness** of cross-agent reads, p50 / p99 / mean and the share of reads that
   missed a write, for all, same-host and cross-host pairs: how long before the read
   began had a newer write been acknowledged (its ``put`` returned) than the one the read
@@ -218,8 +220,10 @@ def redis_bytes(dev: dict[str, Any]) -> tuple[int, int]:
             s = r.info("stats")
         finally:
             r.close()
-        client += int(s["total_net_input_bytes"]) + int(s["total_net_output_bytes"])
-        repl += int(s.get("total_net_repl_input_bytes", 0)) + int(s.get("total_net_repl_output_bytes", 0))
+        # (Redis 7's totals include replication: the repl_ counters are a part of them)
+        r_bytes = int(s.get("total_net_repl_input_bytes", 0)) + int(s.get("total_net_repl_output_bytes", 0))
+        client += int(s["total_net_input_bytes"]) + int(s["total_net_output_bytes"]) - r_bytes
+        repl += r_bytes
     return client, repl
 
 

@@ -25,8 +25,12 @@ machines what it read, and carries out what they answer.
    resumes where it was) when the group changed: a hint on the group's sharded pub/sub
    channel says so, or the group's counter does (the sweep reads every counter, a slice
    at a time; the groups whose hints may have been lost are checked at once). A change
-   to a key this host holds is merged into L2 (its own writes echo back as no-ops); keys
-   it does not hold are left to the read path. A group whose sequence numbers show a
+   to a key this host wants (L2 holds it, or a local watcher asks for it: ``wants``) is
+   merged into L2 (its own writes echo back as no-ops); keys it does not want are left to
+   the read path. Entries of large records are value-less (key and dot,
+   :mod:`kvcomm.tiers.l3`): the records of the wanted keys among them are read from L3
+   in one batch per poll, before any entry of the poll is applied — so a host pays for
+   the values of the keys it holds only. A group whose sequence numbers show a
    gap or a rewind is resynced: its position taken, its keys added to the key filter,
    its keys that L2 holds re-read from L3. An idle cluster costs each daemon the sweep's
    few commands a second, whatever the number of groups.

@@ -55,17 +55,38 @@ the record's own size, and any failure is
 :class:`~kvcomm.errors.CorruptRecord` for that key only. :meth:`L3Record.decode_value`
 does the same for the value inside.
 
-Change feed and its sequence numbers
-------------------------------------
-Every change the push script stores is appended to the group's stream ``kvf:{g}``
-with a field ``s``: the group's sequence number, ``INCR`` of ``kvs:{g}`` (same hash
-tag, same slot, same atomic script). A reader that knows the last sequence number it
-saw can tell from any entry whether it missed some: a first entry whose ``s`` is not
-last + 1 means entries were trimmed past its cursor (a gap); an ``s`` at or below the
-last means the stream went backwards (a failover lost entries that it had read). Either
-way the reader resyncs that group from the records themselves (:meth:`L3Store.feed_position`
-then re-reads). A read that returns nothing carries no sequence number, so a reader also
-compares its last sequence number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
+Change feed: entries, value-less or inline
+------------------------------------------
+Every change the push script stores is appended to the group's stream ``kvf:{g}``,
+numbered by the group's sequence number, ``INCR`` of ``kvs:{g}`` (same hash tag, same
+slot, same atomic script). An entry is one of two kinds (:class:`FeedEntry`):
+
+* **value-less** ``{k: key, q: sequence number, n: note}`` for a record over
+  ``feed_inline`` bytes (``cluster.feed_inline``, FEED_INLINE = 128 by default). The note
+  is ``counter:flags:host``: the stored record's dot, ``d`` if it is a tombstone, ``m``
+  if the script merged two hosts' records into it (:class:`FeedNote`). Every host reads
+  every entry of a group it reads, so an entry costs each host its size: a host reads
+  the record itself (``GET``, :meth:`L3Store.get_many`) only for the keys it wants, and
+  the record it reads may be newer than the entry (never older, unless a failover lost
+  the write; the rewind is then resynced). The sequence number is ``q``, not ``s``: a
+  daemon older than value-less entries finds no ``s`` in one and resyncs the group (it
+  re-reads the keys it holds) instead of missing the change.
+* **inline** ``{k: key, r: record, s: sequence number}`` for a small record: the entry
+  every version before value-less ones wrote, still read. A tiny record costs little
+  more than a note, and reading it inline spares the host a round trip.
+
+A reader applies both kinds in sequence order; a stream may hold both (during an
+upgrade, or when ``feed_inline`` changes).
+
+Sequence numbers
+----------------
+A reader that knows the last sequence number it saw can tell from any entry whether it
+missed some: a first entry whose number is not last + 1 means entries were trimmed past
+its cursor (a gap); a number at or below the last means the stream went backwards (a
+failover lost entries that it had read). Either way the reader resyncs that group from
+the records themselves (:meth:`L3Store.feed_position` then re-reads). A read that
+returns nothing carries no sequence number, so a reader also compares its last sequence
+number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
 
 Hints, and the sweep
 --------------------
@@ -98,7 +119,8 @@ another program's value, another Redis type, counters past ``MAX_COUNTER``) is r
 by the push as if the key were absent (``new``): that is how "rewrite the key", the
 advice of every CorruptRecord, repairs a key. A record of a *newer* format is not
 replaced (``KVCOMMCORRUPT``: upgrade this host), and an incoming record that is not
-valid is refused (``KVCOMMBAD``).
+valid is refused (``KVCOMMBAD``). The reply is ``{outcome, record L3 holds}``, the
+record left empty for ``new`` and ``newer``: L3 holds the caller's own record.
 """
 
 from __future__ import annotations
