@@ -70,6 +70,7 @@ CTX = mp.get_context("fork")
 HOSTS = ["host-1", "host-2", "host-3"]
 RATE = 20.0  # ticks per second
 WARMUP = 2.0  # seconds of each run left out of the figures
+SLACK = 10.0  # seconds the observed run goes on after observe's window (a loaded machine)
 VALUE = 256  # bytes of an agent's state
 _HEAD = struct.Struct("<Q")
 
@@ -295,7 +296,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     d0, h0 = daemon_bytes(dev), hints_sent(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
-        time.sleep(max(0.0, start_at + seconds - observe_last - 5.0 - time.monotonic()))
+        time.sleep(max(0.0, start_at + seconds - observe_last - SLACK - time.monotonic()))
         graph = observe(load_config(configs["host-1"]), observe_last)
         assert graph.edges and time.monotonic() < start_at + seconds, "observed too late"
     while time.monotonic() < start_at + seconds:
@@ -379,7 +380,7 @@ def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, w
     rows: dict[str, Any] = {}
     places = placements(model, seed)
     # the planned placement: observe a round-robin run, plan, then run on from there
-    observed_run = WARMUP + observe_s + 6.0
+    observed_run = WARMUP + observe_s + SLACK + 1.0
     obs_run = run_once(dev, kind, places["round-robin"], 0.0, observed_run, work,
                        f"{kind}-observe", observe_last=observe_s)
     graph = obs_run["graph"]

@@ -723,9 +723,10 @@ class Daemon:
         wire = getattr(self.l3, "wire", None)
         out = {k: list(v) for k, v in dict(self.wire_by).items()}  # (a copy: other threads call)
         if wire is not None:
-            out["total"] = [wire.sent, wire.received]
-            out["other"] = [wire.sent - sum(v[0] for v in self.wire_by.values()),
-                            wire.received - sum(v[1] for v in self.wire_by.values())]
+            sent, received = wire.sent, wire.received
+            out["other"] = [sent - sum(v[0] for v in out.values()),
+                            received - sum(v[1] for v in out.values())]
+            out["total"] = [sent, received]
         return out
 
     def decide_partition(self) -> None:
