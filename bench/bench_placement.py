@@ -317,11 +317,12 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
         what: [(d1[what][i] - d0.get(what, [0, 0])[i]) / (t_b1 - t_b0) for i in (0, 1)]
         for what in d1}
     figures["hint_bytes_per_s"] = (h1 - h0) * len(HOSTS) * hint_bytes() / (t_b1 - t_b0)
-    # per write made in the window: on a loaded machine the agents fall behind their
-    # 20 ticks/s by different amounts from run to run, and bytes/s follows the writes
+    # per change stored in L3 (a hint each): how many writes the window folds into one
+    # push depends on how far behind a loaded machine's daemons run, and bytes/s follows
     writes = sum(1 for log in logs for t in log["w"][2] if t_b0 * 1e9 <= t < t_b1 * 1e9)
     figures["writes_per_s"] = writes / (t_b1 - t_b0)
-    figures["l3_bytes_per_write"] = (b1[0] - b0[0]) / max(1, writes)
+    figures["stores_per_s"] = (h1 - h0) / (t_b1 - t_b0)
+    figures["l3_bytes_per_store"] = (b1[0] - b0[0]) / max(1, h1 - h0)
     figures["graph"] = graph
     return figures
 
@@ -493,8 +494,9 @@ def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| workload | placement | same-host share | L3 bytes/s (per write) | staleness p50 / p99 (all) "
-             "| mean, reads that missed a write | same-host pairs p99 | cross-host pairs p50 / p99 "
+    lines = ["| workload | placement | same-host share | L3 bytes/s (per change stored) "
+             "| staleness p50 / p99 (all) | mean, reads that missed a write | same-host pairs p99 "
+             "| cross-host pairs p50 / p99 "
              "| L2 hit rate (L3 reads) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind in ("swarm", "warehouse"):
@@ -502,7 +504,7 @@ def table(results: dict[str, Any]) -> str:
             f = results[kind][name]
             lines.append(
                 f"| {kind} | {name} | {100 * f['same_host_share']:.0f}% | "
-                f"{f['l3_bytes_per_s'] / 1e6:.2f} MB/s ({f['l3_bytes_per_write']:.0f} B) | "
+                f"{f['l3_bytes_per_s'] / 1e6:.2f} MB/s ({f['l3_bytes_per_store']:.0f} B) | "
                 f"{f['stale_all_p50_us'] / 1000:.1f} / {f['stale_all_p99_us'] / 1000:.1f} ms | "
                 f"{f['stale_all_mean_us'] / 1000:.1f} ms, {100 * f['stale_all_missed']:.0f}% | "
                 f"{_us(f['stale_same_p99_us'])} | "
@@ -512,16 +514,16 @@ def table(results: dict[str, Any]) -> str:
 
 
 def breakdown(results: dict[str, Any]) -> str:
-    """Where the L3 bytes go: bytes per write into Redis / out of it, by purpose."""
+    """Where the L3 bytes go: bytes per change stored into Redis / out of it, by purpose."""
     parts = ("push", "feed", "fetch", "sweep", "other")
-    lines = ["| workload | placement | writes/s | L3 total | " + " | ".join(parts)
+    lines = ["| workload | placement | writes/s | stored/s | L3 total | " + " | ".join(parts)
              + " | hints (est.) | rest (agents' L3 reads, unattributed) |",
-             "| --- " * (len(parts) + 6) + "|"]
+             "| --- " * (len(parts) + 7) + "|"]
 
     for kind in ("swarm", "warehouse"):
         for name in ("random", "round-robin", "planned"):
             f = results[kind][name]
-            per = max(1.0, f["writes_per_s"])
+            per = max(1.0, f["stores_per_s"])
 
             def kb(x: float, per: float = per) -> str:
                 return f"{x / per:.0f}"
@@ -530,7 +532,8 @@ def breakdown(results: dict[str, Any]) -> str:
             cells = [f"{kb(d[p][0])} / {kb(d[p][1])}" if p in d else "-" for p in parts]
             total_d = sum(d.get("total", [0, 0]))
             rest = f["l3_bytes_per_s"] - total_d - f.get("hint_bytes_per_s", 0.0)
-            lines.append(f"| {kind} | {name} | {f['writes_per_s']:.0f} | {kb(f['l3_bytes_per_s'])} | "
+            lines.append(f"| {kind} | {name} | {f['writes_per_s']:.0f} | {f['stores_per_s']:.0f} | "
+                         f"{kb(f['l3_bytes_per_s'])} | "
                          + " | ".join(cells)
                          + f" | {kb(f.get('hint_bytes_per_s', 0.0))} | {kb(rest)} |")
     return "\n".join(lines)
@@ -622,7 +625,8 @@ def main() -> int:
         finally:
             devcluster.down(str(work / "dev"))
     print(table(results))
-    print("\nWhere the L3 bytes go, bytes per write into Redis / out of Redis (the daemons' count):")
+    print("\nWhere the L3 bytes go, bytes per change stored, into Redis / out of Redis "
+          "(the daemons' count):")
     print(breakdown(results))
     v = results["visibility"]
     print(probe_line(v))
@@ -632,8 +636,8 @@ def main() -> int:
         ratio = pl["same_host_share"] / rnd["same_host_share"]
         print(f"{kind}: planned/random same-host share {ratio:.2f}x; "
               f"L3 bytes {100 * (pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s'] - 1):+.0f}% vs random "
-              f"per second, {100 * (pl['l3_bytes_per_write'] / rnd['l3_bytes_per_write'] - 1):+.0f}% "
-              f"per write ({pl['l3_bytes_per_write']:.0f} vs {rnd['l3_bytes_per_write']:.0f} B); "
+              f"per second, {100 * (pl['l3_bytes_per_store'] / rnd['l3_bytes_per_store'] - 1):+.0f}% "
+              f"per change stored ({pl['l3_bytes_per_store']:.0f} vs {rnd['l3_bytes_per_store']:.0f} B); "
               f"plan predicted {100 * (pl['predicted_share'] or 0):.0f}% "
               f"(observed before: {100 * (pl['observed_before'] or 0):.0f}%)")
     if args.json:
