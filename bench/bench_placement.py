@@ -26,7 +26,9 @@ Measured over each run (after 2 s of warm-up):
 * **same-host share** — of the reads of another agent's key, the share whose writer is
   on the reader's host (counted, not sampled);
 * **L3 bytes** — bytes in and out of every Redis node for clients (``INFO stats``
-  ``total_net_input_bytes`` + ``total_net_output_bytes``, replication apart), per second;
+  ``total_net_input_bytes`` + ``total_net_output_bytes``, less their replication part,
+  ``total_net_repl_*``: Redis 7 counts replication in the totals), per second; and where
+  they go (the daemons' own count by purpose, in their status files);
 * **staleness** of cross-agent reads, p50 / p99 / mean and the share of reads that
   missed a write, for all, same-host and cross-host pairs: how long before the read
   began had a newer write been acknowledged (its ``put`` returned) than the one the read
@@ -68,6 +70,7 @@ CTX = mp.get_context("fork")
 HOSTS = ["host-1", "host-2", "host-3"]
 RATE = 20.0  # ticks per second
 WARMUP = 2.0  # seconds of each run left out of the figures
+SLACK = 10.0  # seconds the observed run goes on after observe's window (a loaded machine)
 VALUE = 256  # bytes of an agent's state
 _HEAD = struct.Struct("<Q")
 
@@ -218,9 +221,51 @@ def redis_bytes(dev: dict[str, Any]) -> tuple[int, int]:
             s = r.info("stats")
         finally:
             r.close()
-        client += int(s["total_net_input_bytes"]) + int(s["total_net_output_bytes"])
-        repl += int(s.get("total_net_repl_input_bytes", 0)) + int(s.get("total_net_repl_output_bytes", 0))
+        # (Redis 7's totals include replication: the repl_ counters are a part of them)
+        r_bytes = int(s.get("total_net_repl_input_bytes", 0)) + int(s.get("total_net_repl_output_bytes", 0))
+        client += int(s["total_net_input_bytes"]) + int(s["total_net_output_bytes"]) - r_bytes
+        repl += r_bytes
     return client, repl
+
+
+def daemon_bytes(dev: dict[str, Any]) -> dict[str, list[int]]:
+    """Every host daemon's L3 bytes so far, [sent, received] by purpose (push, feed,
+    fetch, sweep, other, total: ``l3_bytes`` in its status file), summed over hosts."""
+    from kvcomm.node.presence import read_status, status_path
+
+    out: dict[str, list[int]] = {}
+    for h in dev["hosts"]:
+        st = read_status(status_path(h["namespace"], "/dev/shm")) or {}
+        for what, (sent, received) in (st.get("l3_bytes") or {}).items():
+            row = out.setdefault(what, [0, 0])
+            row[0] += sent
+            row[1] += received
+    return out
+
+
+def hints_sent(dev: dict[str, Any]) -> int:
+    """SPUBLISH calls so far on every master (one hint per change stored)."""
+    import redis
+
+    n = 0
+    for addr in dev["redis"]:
+        host, _, port = addr.rpartition(":")
+        r = redis.Redis(host=host, port=int(port))
+        try:
+            if r.info("replication")["role"] == "master":
+                n += int(r.info("commandstats").get("cmdstat_spublish", {}).get("calls", 0))
+        finally:
+            r.close()
+    return n
+
+
+def hint_bytes() -> int:
+    """Bytes of one hint as a subscriber receives it (RESP ``smessage``, a 6-digit
+    sequence number): what every host pays per change stored."""
+    from kvcomm.tiers.groups import groups
+
+    ch = groups(1024).hint_channel(0)
+    return len(f"*3\r\n$8\r\nsmessage\r\n${len(ch)}\r\n{ch}\r\n$6\r\n123456\r\n")
 
 
 def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model0: float,
@@ -248,14 +293,16 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     while time.monotonic() < start_at + WARMUP:
         time.sleep(0.01)
     b0 = redis_bytes(dev)
+    d0, h0 = daemon_bytes(dev), hints_sent(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
-        time.sleep(max(0.0, start_at + seconds - observe_last - 5.0 - time.monotonic()))
+        time.sleep(max(0.0, start_at + seconds - observe_last - SLACK - time.monotonic()))
         graph = observe(load_config(configs["host-1"]), observe_last)
         assert graph.edges and time.monotonic() < start_at + seconds, "observed too late"
     while time.monotonic() < start_at + seconds:
         time.sleep(0.01)
     b1 = redis_bytes(dev)
+    d1, h1 = daemon_bytes(dev), hints_sent(dev)
     t_b1 = time.monotonic()
     for p in procs:
         p.join(120)
@@ -264,6 +311,18 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     figures = analyse(model, assignment, logs, int((start_at + WARMUP) * 1e9))
     figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
     figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
+    # where the bytes go: the daemons' own count by purpose (Redis in = sent, out =
+    # received), the hints every host receives (estimated: calls x hosts x size)
+    figures["daemon_bytes_per_s"] = {
+        what: [(d1[what][i] - d0.get(what, [0, 0])[i]) / (t_b1 - t_b0) for i in (0, 1)]
+        for what in d1}
+    figures["hint_bytes_per_s"] = (h1 - h0) * len(HOSTS) * hint_bytes() / (t_b1 - t_b0)
+    # per change stored in L3 (a hint each): how many writes the window folds into one
+    # push depends on how far behind a loaded machine's daemons run, and bytes/s follows
+    writes = sum(1 for log in logs for t in log["w"][2] if t_b0 * 1e9 <= t < t_b1 * 1e9)
+    figures["writes_per_s"] = writes / (t_b1 - t_b0)
+    figures["stores_per_s"] = (h1 - h0) / (t_b1 - t_b0)
+    figures["l3_bytes_per_store"] = (b1[0] - b0[0]) / max(1, h1 - h0)
     figures["graph"] = graph
     return figures
 
@@ -327,7 +386,7 @@ def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, w
     rows: dict[str, Any] = {}
     places = placements(model, seed)
     # the planned placement: observe a round-robin run, plan, then run on from there
-    observed_run = WARMUP + observe_s + 6.0
+    observed_run = WARMUP + observe_s + SLACK + 1.0
     obs_run = run_once(dev, kind, places["round-robin"], 0.0, observed_run, work,
                        f"{kind}-observe", observe_last=observe_s)
     graph = obs_run["graph"]
@@ -435,8 +494,9 @@ def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| workload | placement | same-host share | L3 bytes/s | staleness p50 / p99 (all) "
-             "| mean, reads that missed a write | same-host pairs p99 | cross-host pairs p50 / p99 "
+    lines = ["| workload | placement | same-host share | L3 bytes/s (per change stored) "
+             "| staleness p50 / p99 (all) | mean, reads that missed a write | same-host pairs p99 "
+             "| cross-host pairs p50 / p99 "
              "| L2 hit rate (L3 reads) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind in ("swarm", "warehouse"):
@@ -444,12 +504,38 @@ def table(results: dict[str, Any]) -> str:
             f = results[kind][name]
             lines.append(
                 f"| {kind} | {name} | {100 * f['same_host_share']:.0f}% | "
-                f"{f['l3_bytes_per_s'] / 1e6:.2f} MB/s | "
+                f"{f['l3_bytes_per_s'] / 1e6:.2f} MB/s ({f['l3_bytes_per_store']:.0f} B) | "
                 f"{f['stale_all_p50_us'] / 1000:.1f} / {f['stale_all_p99_us'] / 1000:.1f} ms | "
                 f"{f['stale_all_mean_us'] / 1000:.1f} ms, {100 * f['stale_all_missed']:.0f}% | "
                 f"{_us(f['stale_same_p99_us'])} | "
                 f"{f['stale_cross_p50_us'] / 1000:.1f} / {f['stale_cross_p99_us'] / 1000:.1f} ms | "
                 f"{100 * f['l2_hit_rate']:.2f}% ({f['l3_reads']}) |")
+    return "\n".join(lines)
+
+
+def breakdown(results: dict[str, Any]) -> str:
+    """Where the L3 bytes go: bytes per change stored into Redis / out of it, by purpose."""
+    parts = ("push", "feed", "fetch", "sweep", "other")
+    lines = ["| workload | placement | writes/s | stored/s | L3 total | " + " | ".join(parts)
+             + " | hints (est.) | rest (agents' L3 reads, unattributed) |",
+             "| --- " * (len(parts) + 7) + "|"]
+
+    for kind in ("swarm", "warehouse"):
+        for name in ("random", "round-robin", "planned"):
+            f = results[kind][name]
+            per = max(1.0, f["stores_per_s"])
+
+            def kb(x: float, per: float = per) -> str:
+                return f"{x / per:.0f}"
+
+            d = f.get("daemon_bytes_per_s") or {}
+            cells = [f"{kb(d[p][0])} / {kb(d[p][1])}" if p in d else "-" for p in parts]
+            total_d = sum(d.get("total", [0, 0]))
+            rest = f["l3_bytes_per_s"] - total_d - f.get("hint_bytes_per_s", 0.0)
+            lines.append(f"| {kind} | {name} | {f['writes_per_s']:.0f} | {f['stores_per_s']:.0f} | "
+                         f"{kb(f['l3_bytes_per_s'])} | "
+                         + " | ".join(cells)
+                         + f" | {kb(f.get('hint_bytes_per_s', 0.0))} | {kb(rest)} |")
     return "\n".join(lines)
 
 
@@ -539,6 +625,9 @@ def main() -> int:
         finally:
             devcluster.down(str(work / "dev"))
     print(table(results))
+    print("\nWhere the L3 bytes go, bytes per change stored, into Redis / out of Redis "
+          "(the daemons' count):")
+    print(breakdown(results))
     v = results["visibility"]
     print(probe_line(v))
     for kind in ("swarm", "warehouse"):
@@ -546,7 +635,9 @@ def main() -> int:
         rnd, pl = r["random"], r["planned"]
         ratio = pl["same_host_share"] / rnd["same_host_share"]
         print(f"{kind}: planned/random same-host share {ratio:.2f}x; "
-              f"L3 bytes {100 * (pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s'] - 1):+.0f}% vs random; "
+              f"L3 bytes {100 * (pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s'] - 1):+.0f}% vs random "
+              f"per second, {100 * (pl['l3_bytes_per_store'] / rnd['l3_bytes_per_store'] - 1):+.0f}% "
+              f"per change stored ({pl['l3_bytes_per_store']:.0f} vs {rnd['l3_bytes_per_store']:.0f} B); "
               f"plan predicted {100 * (pl['predicted_share'] or 0):.0f}% "
               f"(observed before: {100 * (pl['observed_before'] or 0):.0f}%)")
     if args.json:

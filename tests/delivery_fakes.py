@@ -39,7 +39,7 @@ from kvcomm.core.versions import (
 from kvcomm.errors import CorruptRecord, Unavailable
 from kvcomm.tiers.groups import groups as groups_of
 from kvcomm.tiers.l2 import KIND_DELETE, KIND_EVICT, KIND_PUT, FeedEvent
-from kvcomm.tiers.l3 import FeedEntry, L3Record, PushResult
+from kvcomm.tiers.l3 import FEED_INLINE, FeedEntry, FeedNote, L3Record, PushResult
 
 GROUPS = 16  # the simulated cluster's cluster.groups (every group is one slot)
 
@@ -65,8 +65,9 @@ class FakeL3:
     """The cluster, in memory. ``down``: every call raises Unavailable."""
 
     def __init__(self, rng: random.Random, durable_p: float = 1.0,
-                 hint_loss_p: float = 0.0) -> None:
+                 hint_loss_p: float = 0.0, feed_inline: int | None = FEED_INLINE) -> None:
         self.rng = rng
+        self.feed_inline = feed_inline  # records up to this size ride in their entry (None: all)
         self.durable_p = durable_p
         self.hint_loss_p = hint_loss_p  # a hint lost: half of them silently, half told
         self.subscribers: list[_View] = []
@@ -124,15 +125,22 @@ class FakeL3:
             winner = incoming if (incoming.dot, incoming.hlc) == (after.dot, after.hlc) else stored
             held = winner._replace(vector=after.vector)
         if held is not stored:
-            self._store(key, held, stored, durable)
+            self._store(key, held, stored, durable, merged=outcome == MERGED)
         return PushResult(key, outcome, held, durable)
 
-    def _store(self, key: str, record: L3Record, before: L3Record | None, durable: bool) -> None:
+    def _store(self, key: str, record: L3Record, before: L3Record | None, durable: bool,
+               merged: bool = False) -> None:
         g = group_of(key)
         self.counters[g] += 1
         self.ids[g] += 1
         eid = b"%d-0" % self.ids[g]
-        self.streams[g].append(FeedEntry(eid, key, record.encode(), self.counters[g]))
+        raw = record.encode()
+        if self.feed_inline is None or len(raw) <= self.feed_inline:  # as the push script
+            entry = FeedEntry(eid, key, raw, self.counters[g])
+        else:
+            note = FeedNote(record.dot[0], record.dot[1], record.tombstone, merged)
+            entry = FeedEntry(eid, key, b"", self.counters[g], "", note)
+        self.streams[g].append(entry)
         self.records[key] = record
         self.log[g].append(_Op(eid, key, before, durable))
         for view in self.subscribers:
@@ -195,6 +203,10 @@ class FakeL3:
     def get(self, key: str) -> L3Record | None:
         self._call("get")
         return self.records.get(key)
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
+        self._call("get_many")
+        return {key: self.records.get(key) for key in keys}
 
     def scan_keys(self) -> Iterable[bytes]:
         self._call("scan_keys")

@@ -520,6 +520,10 @@ class ClusterConfig(_Section):
                               description="events kept over all groups' streams (each keeps "
                               "feed_total / groups, at least 100, at most feed_maxlen); at "
                               "least 100 x groups")
+    feed_inline: Size = Field(default=128, ge=0, le=1 << 20,
+                              description="records up to this size ride in their feed entry; "
+                              "larger ones are announced by key and version, and only hosts "
+                              "that want the key read the record (0: none inline)")
     feed_sweep_rate: Count = Field(default=1024, ge=1,
                                    description="group counters each daemon reads per second "
                                    "to find changes whose hint was lost")

@@ -27,8 +27,12 @@ machines what it read, and carries out what they answer.
    resumes where it was) when the group changed: a hint on the group's sharded pub/sub
    channel says so, or the group's counter does (the sweep reads every counter, a slice
    at a time; the groups whose hints may have been lost are checked at once). A change
-   to a key this host holds is merged into L2 (its own writes echo back as no-ops); keys
-   it does not hold are left to the read path. A group whose sequence numbers show a
+   to a key this host wants (L2 holds it, or a local watcher asks for it: ``wants``) is
+   merged into L2 (its own writes echo back as no-ops); keys it does not want are left to
+   the read path. Entries of large records are value-less (key and dot,
+   :mod:`kvcomm.tiers.l3`): the records of the wanted keys among them are read from L3
+   in one batch per poll, before any entry of the poll is applied — so a host pays for
+   the values of the keys it holds only. A group whose sequence numbers show a
    gap or a rewind is resynced: its position taken, its keys added to the key filter,
    its keys that L2 holds re-read from L3. An idle cluster costs each daemon the sweep's
    few commands a second, whatever the number of groups.
@@ -82,8 +86,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable, Iterator, Set
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,14 +98,23 @@ from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
-from ..core.versions import SkewMonitor
+from ..core.versions import SkewMonitor, vector_get
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
 from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
-from ..tiers.l3 import PUSH_KEPT, PUSH_STORED, FeedEntry, L3Record, L3Store, PushResult, read_record
+from ..tiers.l3 import (
+    PUSH_KEPT,
+    PUSH_STORED,
+    FeedEntry,
+    FeedNote,
+    L3Record,
+    L3Store,
+    PushResult,
+    read_record,
+)
 from .delivery import (
     CORRUPT,
     FEED_COUNT,
@@ -111,7 +125,9 @@ from .delivery import (
     Outbound,
     Poll,
     Push,
+    Reading,
     Skipped,
+    echo,
 )
 from .port import ClientPort, HostKeys, HostL2, L3Port
 from .presence import HostPresence, Reachability, status_path, write_status
@@ -181,6 +197,11 @@ class Daemon:
         self.hot_list: list[str] = []  # the hot keys last saved
         self.hosts = HostActivity(self.host, _ms(now))
         self.skipped = Skipped()  # remote changes to keys not held here, for a while
+        self.refetch: dict[str, L3Record | FeedNote] = {}  # skipped changes to read again
+        # keys a local watcher wants from the feeds though L2 does not hold them (a hook
+        # for cluster-wide watches: see wants())
+        self.watching: Callable[[str], bool] = _nobody
+        self.wire_by: dict[str, list[int]] = {}  # push/feed/fetch/sweep → [sent, received]
         self.max_value_size = c.max_value_size
         self.rebuild_every = cl.key_filter_rebuild
         self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
@@ -204,10 +225,9 @@ class Daemon:
         self.catching_up = False  # healed, the feeds not yet read up to their ends
         self._in_flight: tuple[Push, Future[list[PushResult | CorruptRecord]]] | None = None
         self._pusher: Any = None
-        # keys wanted beyond those held (node/watched.py): the prefixes the host's watchers
-        # registered (NodeDaemon reads them), and how often changes to them may have been
-        # missed (a resync after a gap: the watchers are told to rescan)
-        self.wants: Callable[[str], bool] = _nothing
+        # how often changes to watched prefixes (node/watched.py: NodeDaemon sets
+        # ``watching`` from them) may have been missed (a resync after a gap: the
+        # watchers are told to rescan)
         self.watch_missed = 0
         self._fill_key_filter(initial=True)
         self._start_feeds()
@@ -273,15 +293,40 @@ class Daemon:
                     self.keys.add(key.encode("utf-8", "surrogateescape"))
                 records.append((key, record))
         self.out.read(cursor, records, now)
+        due = self.refetch  # (notes whose records could not be read last time)
+        self.refetch = {}
         for key in written:  # a fill from L3 may be older than a change skipped meanwhile
             if (skipped := self.skipped.take(key, now)) is not None:
-                self.stats.bump("refills")
-                self._guarded(key, "feed", self._apply_or_forget, key, skipped)
+                due[key] = skipped
+        if due:
+            self._refill(due)
         self._push(now)
         delivered = self.out.delivered()
         if delivered != self.persisted:  # everything before it is in L3
             self.port.delivered_up_to(delivered)
             self.persisted = delivered
+
+    def _refill(self, due: dict[str, L3Record | FeedNote]) -> None:
+        """Apply the skipped changes ``due`` over late fills: a record as it is, a note's
+        key read from L3 (all in one batch; when L3 cannot be reached, the notes are
+        kept in ``refetch`` for the next round)."""
+        self.stats.bump("refills", len(due))
+        notes = [key for key, got in due.items() if isinstance(got, FeedNote)]
+        fetched: dict[str, L3Record | None | CorruptRecord] = {}
+        try:
+            if notes:
+                with self._metered("fetch"):
+                    fetched = self.l3.get_many(notes)
+        except Unavailable:
+            for key in notes:
+                self.refetch[key] = due.pop(key)
+        for key, got in due.items():
+            rec = got if isinstance(got, L3Record) else fetched.get(key)
+            if isinstance(rec, CorruptRecord):
+                self.stats.corrupt += 1
+                self._set_aside(key, f"feed: {rec}")
+            elif rec is not None:
+                self._guarded(key, "feed", self._apply_or_forget, key, rec)
 
     def _push(self, now: float) -> None:
         """Push every closed window that is due; stop at the first failure. With
@@ -314,7 +359,8 @@ class Daemon:
                                                              push.keep_siblings))
                 continue  # (done already? taken at once; else by a later round)
             try:
-                results = self.l3.push_many(items, push.keep_siblings)
+                with self._metered("push"):  # (async pushes: counted under "other")
+                    results = self.l3.push_many(items, push.keep_siblings)
             except Unavailable as exc:
                 self._push_failed(push, exc)
                 return
@@ -536,7 +582,8 @@ class Daemon:
         Unavailable."""
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
-        counters = self.l3.feed_seqs(poll.check) if poll.check else {}
+        with self._metered("sweep"):
+            counters = self.l3.feed_seqs(poll.check) if poll.check else {}
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
         read = self.inb.to_read(counters)
@@ -545,32 +592,86 @@ class Daemon:
         self.stats.hinted += len(read - counters.keys())
         self.stats.swept += len(read & counters.keys())
         problems: dict[str, set[int]] = {}
-        for g, rows in self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
-                                         count=FEED_COUNT).items():
+        readings: list[tuple[int, Reading, int]] = []
+        with self._metered("feed"):
+            feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
+                                      count=FEED_COUNT)
+        for g, rows in feeds.items():
             if isinstance(rows, CorruptRecord):
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 self.inb.read(g, 0)
                 continue
             if self._in_flight is not None:  # a long catch-up does not hold up the pushes
                 self._push(self.clock())
-            reading = self.inb.examine(g, rows, counters.get(g))
+            readings.append((g, self.inb.examine(g, rows, counters.get(g)), len(rows)))
+        # the records of the value-less entries this host wants, in one batch, before any
+        # entry is applied or cursor advanced (Unavailable: the poll is made again)
+        fetched = self._fetch_wanted([e for _, r, _ in readings for e in r.entries])
+        applied: set[str] = set()  # (keys whose fetched record was applied this poll)
+        for g, reading, n in readings:
             for entry in reading.entries:
-                self._pull_entry(g, entry)
+                self._pull_entry(g, entry, fetched, applied)
                 self.inb.advance(g, entry)
             self.load[g] = self.load.get(g, 0) + 1  # one XRANGE
-            self.inb.read(g, len(rows))
+            self.inb.read(g, n)
             if reading.problem:
                 problems.setdefault(reading.problem, set()).add(g)
         for why in sorted(problems):
             self._resync(problems[why], reason=why)
 
-    def _pull_entry(self, g: int, entry: FeedEntry) -> None:
-        """Apply one feed entry of group ``g`` (set aside if it fails). Raises Unavailable."""
+    @contextmanager
+    def _metered(self, what: str) -> Iterator[None]:
+        """Count the L3 bytes sent and received inside the block under ``what``
+        (``wire_by``: for ``status()``, which reports where a host's L3 traffic goes)."""
+        wire = getattr(self.l3, "wire", None)
+        if wire is None:  # (the test fakes count nothing)
+            yield
+            return
+        sent, received = wire.sent, wire.received
+        try:
+            yield
+        finally:
+            row = self.wire_by.setdefault(what, [0, 0])
+            row[0] += wire.sent - sent
+            row[1] += wire.received - received
+
+    def wants(self, key: str) -> bool:
+        """Whether this host takes ``key``'s changes from the feeds into L2: L2 holds it,
+        or :attr:`watching` (a hook for cluster-wide watches; by default nobody's) says
+        a local watcher asks for it. Other keys' changes are left to the read path."""
+        return self.port.holds(key) or self.watching(key)
+
+    def _fetch_wanted(self, entries: list[FeedEntry]) -> dict[str, L3Record | None | CorruptRecord]:
+        """The records, read from L3 in one batch (a pipeline per master), of the keys of
+        value-less ``entries`` this host wants and does not hold already (see
+        :func:`~kvcomm.node.delivery.echo`). Raises Unavailable."""
+        ws = self.port.write_sequence()
+        want = [e.key for e in entries if e.key is not None and e.note is not None
+                and not echo(e.note, self.host, ws) and self.wants(e.key)]
+        if not want:
+            return {}
+        with self._metered("fetch"):
+            fetched = self.l3.get_many(want)
+        self.stats.bump("fetched", len(fetched))
+        for key in fetched:  # (one GET each, as INFO counts)
+            g = self.groups.of(key)
+            self.load[g] = self.load.get(g, 0) + 1
+        return fetched
+
+    def _pull_entry(self, g: int, entry: FeedEntry,
+                    fetched: dict[str, L3Record | None | CorruptRecord], applied: set[str]
+                    ) -> None:
+        """Apply one feed entry of group ``g`` (set aside if it fails): its record (inline),
+        or the record ``fetched`` for its key (value-less; applied at the key's first
+        entry, which adds the key to ``applied``). Raises Unavailable."""
         if entry.key is None:
             self._set_aside(f"feed entry {entry.id.decode(errors='replace')} of group {g}",
                             entry.problem)
             return
         key = entry.key
+        if entry.note is not None:
+            self._pull_note(key, entry.note, fetched, applied)
+            return
         try:
             rec = read_record(entry.record, key, self.max_value_size)
         except CorruptRecord as exc:
@@ -584,7 +685,7 @@ class Daemon:
         # record L3 merged from ours and another host's must still be taken
         if not rec.tombstone:
             self.keys.add(key.encode("utf-8"))
-        if not self.port.holds(key) and not self.wants(key):
+        if not self.wants(key):
             self.stats.skipped_remote += 1
             self.skipped.remember(key, rec, self.clock())
             return  # not held here: the next read goes to L3
@@ -603,6 +704,36 @@ class Daemon:
                         "last-writer-wins over this host's later writes of the key until the "
                         "clocks agree; check the hosts' clock sync (%d such writes so far)",
                         rec.dot[0], key, self.skew.last_ahead_ms, self.skew.max_skew_ms, n)
+
+    def _pull_note(self, key: str, note: FeedNote,
+                   fetched: dict[str, L3Record | None | CorruptRecord], applied: set[str]
+                   ) -> None:
+        """A value-less entry: apply the record read for it, if any (once per poll)."""
+        self.hosts.saw(note.writer, _ms(self.clock()))
+        if not note.tombstone:
+            self.keys.add(key.encode("utf-8"))
+        if key in applied:  # an earlier entry of this poll applied the record read
+            return
+        if key not in fetched:
+            if self.wants(key) and echo(note, self.host, self.port.write_sequence()):
+                self.stats.bump("echoes")  # this host's own write: L2 has it, or newer
+            else:  # (wanted only since the batch was read: as a skipped change, for a fill)
+                self.stats.skipped_remote += 1
+                self.skipped.remember(key, note, self.clock())
+            return
+        applied.add(key)
+        rec = fetched[key]
+        if rec is None:  # gone from L3 since (a failover lost it: the rewind is resynced)
+            self.stats.bump("fetch_missing")
+            return
+        if isinstance(rec, CorruptRecord):
+            self.stats.corrupt += 1
+            self._set_aside(key, f"feed: {rec}")
+            return
+        if vector_get(rec.vector, note.writer) < note.counter:
+            self.stats.bump("fetch_behind")  # L3 lost the entry's write: a rewind, resynced
+        if self._guarded(key, "feed", self._apply_or_forget, key, rec):
+            self.stats.pulled += 1
 
     def _save_state(self) -> None:
         """Save the feed cursors and sequence numbers that changed (not those of a
@@ -703,6 +834,20 @@ class Daemon:
     def _watch_applied(self) -> int:
         """The mtime of the watch registrations the daemon applies (node/watched.py)."""
         return 0
+
+    def l3_bytes(self) -> dict[str, list[int]]:
+        """Bytes [sent, received] between this daemon and L3 so far, by what they were
+        for: push (windows), feed (stream reads), fetch (records of value-less entries),
+        sweep (group counters), other (resyncs, prewarm, cursors, load, reports), total
+        (hint messages arrive on subscriptions of their own, not counted here)."""
+        wire = getattr(self.l3, "wire", None)
+        out = {k: list(v) for k, v in dict(self.wire_by).items()}  # (a copy: other threads call)
+        if wire is not None:
+            sent, received = wire.sent, wire.received
+            out["other"] = [sent - sum(v[0] for v in out.values()),
+                            received - sum(v[1] for v in out.values())]
+            out["total"] = [sent, received]
+        return out
 
     def decide_partition(self) -> None:
         """Enter or leave partition mode (see node/presence.py). Leaving it retries the
@@ -890,7 +1035,7 @@ class NodeDaemon(Daemon):
     def step(self) -> None:
         applied = self.watched.applied
         if self.watched.poll(self.clock()):
-            self.wants = self.watched.wants if self.watched.prefixes else _nothing
+            self.watching = self.watched.wants if self.watched.prefixes else _nobody
             log.info("watched prefixes of this host: %s", list(self.watched.prefixes))
         if self.watched.applied != applied:
             self.status_written = float("-inf")  # new watchers wait for the status: now
@@ -916,7 +1061,8 @@ class NodeDaemon(Daemon):
         """Write the status file now (also from the lease thread, when etcd's
         reachability changes). Never raises."""
         try:
-            write_status(self.status_file, self.status(), self.config.cache.l2_permissions)
+            write_status(self.status_file, {**self.status(), "l3_bytes": self.l3_bytes()},
+                         self.config.cache.l2_permissions)
         except OSError as exc:
             log.warning("cannot write %s: %s", self.status_file, exc)
 
@@ -933,16 +1079,16 @@ class NodeDaemon(Daemon):
         self.kv.close()
 
 
+def _nobody(key: str) -> bool:
+    return False
+
+
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
 def _raise(exc: BaseException) -> None:
     raise exc
-
-
-def _nothing(key: str) -> bool:
-    return False
 
 
 def _index_l3(l3: L3Store) -> None:

@@ -113,9 +113,19 @@ Driver's obligations
    in L3 to the key filter and call :meth:`Inbound.scanned` —; then re-read from L3 every
    key of those groups that L2 holds; then :meth:`Inbound.resynced`. An exception midway
    leaves the groups pending: redo them (step 4).
-6. Tell :meth:`HostActivity.saw` the dot of every record read from the feeds; hand
-   :meth:`Skipped.remember` every feed record of a key L2 does not hold, and apply what
-   :meth:`Skipped.take` returns for every key the local feed names.
+6. Tell :meth:`HostActivity.saw` the dot of every record read from the feeds (the
+   writer of a value-less entry's note); hand :meth:`Skipped.remember` every feed record
+   (or note) of a key the host does not want, and apply what :meth:`Skipped.take`
+   returns for every key the local feed names (for a note: the key's record, read from
+   L3).
+7. Value-less entries (step 4): a key the host wants (L2 holds it, or a local watcher
+   asks for it) is read from L3 — every such key of the poll in one batch, before any of
+   the poll's entries is applied or any cursor advanced, so a failed read leaves the
+   poll to be made again — unless :func:`echo` says L2 holds the record already. A key
+   named by several entries of one poll is read and applied once, at its first entry:
+   the record read is at least as new as its last entry's. Apply the record read
+   through the same merge as an inline one: it may be newer than the entry, never
+   installed over something newer.
 """
 
 from __future__ import annotations
@@ -129,7 +139,7 @@ from ..core.resolve import MERGED, OLDER
 from ..core.versions import covers, prune, vector_get
 from ..core.window import ClosedWindow, WriteWindow
 from ..errors import CorruptRecord
-from ..tiers.l3 import FeedEntry, L3Record, PushResult
+from ..tiers.l3 import FeedEntry, FeedNote, L3Record, PushResult
 
 FEED_COUNT = 500  # entries read per group per poll
 STATE_EVERY = 1.0  # seconds between saves of the feed cursors (those that changed)
@@ -337,23 +347,34 @@ class Outbound:
 
 class Skipped:
     """Remote changes to keys the host does not hold, each kept ``keep_s`` seconds (at
-    most ``limit``, the oldest dropped first), to apply over an agent's late fill."""
+    most ``limit``, the oldest dropped first), to apply over an agent's late fill: the
+    record of an inline feed entry, or the note of a value-less one (the driver then
+    reads the key's record from L3: as new as the note's, or newer)."""
 
     def __init__(self, keep_s: float = RECENT_S, limit: int = RECENT_MAX) -> None:
         self.keep_s, self.limit = keep_s, limit
-        self._recent: dict[str, tuple[float, L3Record]] = {}  # in the order remembered
+        self._recent: dict[str, tuple[float, L3Record | FeedNote]] = {}  # in the order remembered
 
-    def remember(self, key: str, record: L3Record, now: float) -> None:
+    def remember(self, key: str, record: L3Record | FeedNote, now: float) -> None:
         if len(self._recent) >= self.limit:
             for k in list(self._recent)[: max(1, self.limit // 4)]:  # the oldest quarter
                 del self._recent[k]
         self._recent.pop(key, None)
         self._recent[key] = (now, record)
 
-    def take(self, key: str, now: float) -> L3Record | None:
+    def take(self, key: str, now: float) -> L3Record | FeedNote | None:
         """The change remembered for ``key`` if it is recent (forgotten either way)."""
         seen = self._recent.pop(key, None)
         return None if seen is None or now - seen[0] >= self.keep_s else seen[1]
+
+
+def echo(note: FeedNote, host: str, write_sequence: int) -> bool:
+    """Whether a value-less feed entry announces a record this host's L2 already holds,
+    or holds something newer than: its own write, stored by L3 as it was pushed (not a
+    merge, whose vector is news), from this life of its L2 (a dot past the host's write
+    sequence is from before L2 was lost: L2 does not hold it). Such an entry needs no
+    read of the record; any other entry of a key the host wants does."""
+    return note.writer == host and not note.merged and note.counter <= write_sequence
 
 
 # ---------------------------------------------------------------- bounded vectors

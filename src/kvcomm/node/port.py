@@ -157,6 +157,10 @@ class L3Port(Protocol):
     def get(self, key: str) -> L3Record | None:
         """The key's record, or None. Raises CorruptRecord."""
 
+    def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
+        """Each key's record, or None, or a CorruptRecord for a key whose value is not a
+        record of ours; read in one batch."""
+
     def scan_keys(self) -> Iterable[bytes]:
         """Every key L3 holds."""
 

@@ -55,17 +55,38 @@ the record's own size, and any failure is
 :class:`~kvcomm.errors.CorruptRecord` for that key only. :meth:`L3Record.decode_value`
 does the same for the value inside.
 
-Change feed and its sequence numbers
-------------------------------------
-Every change the push script stores is appended to the group's stream ``kvf:{g}``
-with a field ``s``: the group's sequence number, ``INCR`` of ``kvs:{g}`` (same hash
-tag, same slot, same atomic script). A reader that knows the last sequence number it
-saw can tell from any entry whether it missed some: a first entry whose ``s`` is not
-last + 1 means entries were trimmed past its cursor (a gap); an ``s`` at or below the
-last means the stream went backwards (a failover lost entries that it had read). Either
-way the reader resyncs that group from the records themselves (:meth:`L3Store.feed_position`
-then re-reads). A read that returns nothing carries no sequence number, so a reader also
-compares its last sequence number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
+Change feed: entries, value-less or inline
+------------------------------------------
+Every change the push script stores is appended to the group's stream ``kvf:{g}``,
+numbered by the group's sequence number, ``INCR`` of ``kvs:{g}`` (same hash tag, same
+slot, same atomic script). An entry is one of two kinds (:class:`FeedEntry`):
+
+* **value-less** ``{k: key, q: sequence number, n: note}`` for a record over
+  ``feed_inline`` bytes (``cluster.feed_inline``, FEED_INLINE = 128 by default). The note
+  is ``counter:flags:host``: the stored record's dot, ``d`` if it is a tombstone, ``m``
+  if the script merged two hosts' records into it (:class:`FeedNote`). Every host reads
+  every entry of a group it reads, so an entry costs each host its size: a host reads
+  the record itself (``GET``, :meth:`L3Store.get_many`) only for the keys it wants, and
+  the record it reads may be newer than the entry (never older, unless a failover lost
+  the write; the rewind is then resynced). The sequence number is ``q``, not ``s``: a
+  daemon older than value-less entries finds no ``s`` in one and resyncs the group (it
+  re-reads the keys it holds) instead of missing the change.
+* **inline** ``{k: key, r: record, s: sequence number}`` for a small record: the entry
+  every version before value-less ones wrote, still read. A tiny record costs little
+  more than a note, and reading it inline spares the host a round trip.
+
+A reader applies both kinds in sequence order; a stream may hold both (during an
+upgrade, or when ``feed_inline`` changes).
+
+Sequence numbers
+----------------
+A reader that knows the last sequence number it saw can tell from any entry whether it
+missed some: a first entry whose number is not last + 1 means entries were trimmed past
+its cursor (a gap); a number at or below the last means the stream went backwards (a
+failover lost entries that it had read). Either way the reader resyncs that group from
+the records themselves (:meth:`L3Store.feed_position` then re-reads). A read that
+returns nothing carries no sequence number, so a reader also compares its last sequence
+number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
 
 Hints, and the sweep
 --------------------
@@ -118,7 +139,8 @@ another program's value, another Redis type, counters past ``MAX_COUNTER``) is r
 by the push as if the key were absent (``new``): that is how "rewrite the key", the
 advice of every CorruptRecord, repairs a key. A record of a *newer* format is not
 replaced (``KVCOMMCORRUPT``: upgrade this host), and an incoming record that is not
-valid is refused (``KVCOMMBAD``).
+valid is refused (``KVCOMMBAD``). The reply is ``{outcome, record L3 holds}``, the
+record left empty for ``new`` and ``newer``: L3 holds the caller's own record.
 """
 
 from __future__ import annotations
@@ -143,7 +165,7 @@ from .groups import DEFAULT_GROUPS, LEGACY_GROUPS, Groups, groups
 from .groups import groups as _groups
 from .hints import Hints
 
-__all__ = ["CorruptRecord", "FeedEntry", "L3Record", "L3Store", "PushResult", "GROUPS",
+__all__ = ["CorruptRecord", "FeedEntry", "FeedNote", "L3Record", "L3Store", "PushResult", "GROUPS",
            "DEFAULT_GROUPS", "EMPTY_EXT", "FORMAT", "Groups", "group_of", "groups", "read_record",
            "record_key", "feed_key", "seq_key"]
 
@@ -155,6 +177,7 @@ FIELDS = ("f", "h", "d", "t", "m", "v", "vv", "dot", "x")  # a format-2 record's
 FEED_MAXLEN = 100_000  # events kept per group stream at most (approximate: MAXLEN ~)
 FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_total, >= 100 x groups)
 FEED_MIN = 100  # events kept per group stream at least, however many groups
+FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
 NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
@@ -359,6 +382,7 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # "" for no hint; ARGV[6] "1": hint even if this push stores nothing (the last push of its
 # group in a pipeline speaks for the earlier ones: one hint per group per pipeline, not one
 # per record, so a backlog of thousands does not send every subscriber thousands of hints)
+# ARGV[7] the largest record (bytes) a feed entry carries inline (FEED_INLINE)
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
 local hinted = false
@@ -399,10 +423,19 @@ local function vv(r)
   for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
   return t
 end
-local function store(bytes, dead)
+-- a value-less entry's version note: 'counter:flags:actor', the record's dot (flags:
+-- d = tombstone, m = merged here; the actor last, since a host id may hold ':')
+local function note(r, merged)
+  local flags = ''
+  if r.d then flags = 'd' end
+  if merged then flags = flags .. 'm' end
+  return string.format('%d', r.dot[2]) .. ':' .. flags .. ':' .. r.dot[1]
+end
+local INLINE = tonumber(ARGV[7] or '')  -- (none: every record inline, as before)
+local function store(bytes, r, merged)
   -- (a script is not rolled back on error: the record goes last, once its feed entry and
   -- its index entry are in)
-  if dead then
+  if r.d then
     redis.call('ZREM', KEYS[4], ARGV[4])
     -- the empty member (no key is empty) keeps the index of a group that was ever written
     -- in existence: a push declaring it during a slot migration then finds it where the
@@ -416,7 +449,13 @@ local function store(bytes, dead)
     redis.call('DEL', KEYS[3])
     s = redis.call('INCR', KEYS[3])
   end
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
+  if INLINE == nil or #bytes <= INLINE then  -- the record itself (the format-1 entry)
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
+  else  -- value-less: readers GET the record if they want the key ('q', not 's': a
+    -- reader that knows only 's' finds no sequence number and resyncs the group)
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'q', s,
+               'n', note(r, merged))
+  end
   redis.call('SET', KEYS[1], bytes)
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
@@ -439,9 +478,10 @@ if incoming == nil then
 end
 local raw = redis.pcall('GET', KEYS[1])
 if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
+-- (new, newer: L3 holds the caller's own record, which the reply does not send back)
 if not raw then
-  store(ARGV[1], incoming.d)
-  return done({'new', ARGV[1]})
+  store(ARGV[1], incoming, false)
+  return done({'new', ''})
 end
 local stored, why = read(raw)
 if stored == nil and why == 'newer' then
@@ -449,8 +489,8 @@ if stored == nil and why == 'newer' then
                            'host reads; upgrade this host')
 end
 if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
-  store(ARGV[1], incoming.d)
-  return done({'new', ARGV[1]})
+  store(ARGV[1], incoming, false)
+  return done({'new', ''})
 end
 local a, b = vv(incoming), vv(stored)
 local a_ge, b_ge = true, true
@@ -463,8 +503,8 @@ for k, v in pairs(a) do
 end
 if a_ge and b_ge then return done({'equal', raw}) end
 if a_ge then
-  store(ARGV[1], incoming.d)
-  return done({'newer', ARGV[1]})
+  store(ARGV[1], incoming, false)
+  return done({'newer', ''})
 end
 if b_ge then return done({'older', raw}) end
 if ARGV[2] == 'siblings' then return done({'conflict', raw}) end
@@ -486,7 +526,7 @@ for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] e
 local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
              dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
-store(packed, win.d)
+store(packed, out, true)
 return done({'merged', packed})
 """
 
@@ -562,26 +602,65 @@ def _key_error(msg: str) -> bool:
             or "not an integer" in msg)
 
 
+class FeedNote(NamedTuple):
+    """The version a value-less feed entry announces, the record's dot and two flags
+    (the record itself stays in L3)."""
+
+    writer: str  # the host of the write that made the record (its dot's actor)
+    counter: int  # the dot's counter
+    tombstone: bool
+    merged: bool  # the push script merged two hosts' records (the vector is a new one)
+
+
 class FeedEntry(NamedTuple):
     """One change-feed entry. ``key`` is None and ``problem`` says why when the entry
     cannot be used (a key field that is not strict UTF-8, say); ``seq`` is None when
-    the entry has no valid sequence number (written by something else)."""
+    the entry has no valid sequence number (written by something else). An entry
+    carries either the record (``record``, ``note`` None: inline) or only its version
+    (``note``, ``record`` b"": value-less; read the record from L3 if the key is wanted)."""
 
     id: bytes
     key: str | None
     record: bytes
     seq: int | None
     problem: str = ""
+    note: FeedNote | None = None
+
+
+def _seq(raw: object) -> int | None:
+    return int(raw) if isinstance(raw, bytes) and raw.isdigit() and len(raw) < 20 else None
+
+
+def _note(raw: bytes) -> FeedNote | None:
+    """A value-less entry's note (``counter:flags:actor``), or None if it is not one."""
+    parts = raw.split(b":", 2)
+    if len(parts) != 3:
+        return None
+    counter, flags, actor = parts
+    if (not counter.isdigit() or len(counter) > 16 or not _valid_counter(int(counter))
+            or not _ACTOR.match(actor) or flags not in (b"", b"d", b"m", b"dm")):
+        return None
+    return FeedNote(actor.decode("ascii"), int(counter), b"d" in flags, b"m" in flags)
 
 
 def _entry(eid: Any, fields: Any) -> FeedEntry:
-    """Parse one XRANGE row, never raising: whatever is wrong goes into ``problem``."""
+    """Parse one XRANGE row, never raising: whatever is wrong goes into ``problem``.
+    Both kinds of entry are read: inline ``{k, r, s}`` (every entry before value-less
+    ones existed) and value-less ``{k, q, n}``."""
     eid = eid if isinstance(eid, bytes) else str(eid).encode()
     if not isinstance(fields, dict):
         return FeedEntry(eid, None, b"", None, "entry fields are not a map")
-    raw_seq = fields.get(b"s")
-    seq = int(raw_seq) if isinstance(raw_seq, bytes) and raw_seq.isdigit() and len(raw_seq) < 20 else None
-    kb, rec = fields.get(b"k"), fields.get(b"r")
+    kb, rec, raw_note = fields.get(b"k"), fields.get(b"r"), fields.get(b"n")
+    note = None
+    if isinstance(raw_note, bytes) and rec is None:  # value-less
+        seq = _seq(fields.get(b"q"))
+        note = _note(raw_note)
+        if note is None:
+            return FeedEntry(eid, None, b"", seq, f"entry's version note {raw_note[:80]!r} "
+                             "is not counter:flags:host")
+        rec = b""
+    else:
+        seq = _seq(fields.get(b"s"))
     if not isinstance(kb, bytes) or not isinstance(rec, bytes):
         return FeedEntry(eid, None, b"", seq, "entry lacks its key (k) or record (r) field")
     try:
@@ -590,7 +669,7 @@ def _entry(eid: Any, fields: Any) -> FeedEntry:
         return FeedEntry(eid, None, rec, seq, f"key {kb[:80]!r} is not valid UTF-8")
     if not key or "\0" in key:
         return FeedEntry(eid, None, rec, seq, f"key {kb[:80]!r} is empty or holds NUL")
-    return FeedEntry(eid, key, rec, seq)
+    return FeedEntry(eid, key, rec, seq, "", note)
 
 
 class PushResult(NamedTuple):
@@ -609,7 +688,10 @@ class L3Store:
     translated: connection trouble → Unavailable, a foreign value under one key →
     CorruptRecord for that key. ``max_value_size`` (``cache.max_value_size``) bounds
     what a record read back may hold. ``groups`` is ``cluster.groups``; each group's
-    stream keeps ``feed_total / groups`` entries, within FEED_MIN..``feed_maxlen``.
+    stream keeps ``feed_total / groups`` entries, within FEED_MIN..``feed_maxlen``. A
+    push's feed entry carries its record when that is at most ``feed_inline`` bytes
+    (``cluster.feed_inline``), else only the key and the record's dot (value-less); None
+    writes every entry inline, as KVCOMM did before value-less entries.
     """
 
     def __init__(self, seeds: Sequence[tuple[str, int]], *, password: str | None = None,
@@ -620,7 +702,8 @@ class L3Store:
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None,
                  address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
-                 retries: int | None = None) -> None:
+                 retries: int | None = None,
+                 feed_inline: int | None = FEED_INLINE) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode
 
@@ -660,6 +743,8 @@ class L3Store:
             follow_remap(self.rc, address_remap)
         self.wire = self.rc.wire  # type: ignore[attr-defined]  # commands and bytes to and from Redis (kvcomm metrics)
         self.feed_maxlen = min(feed_maxlen, max(FEED_MIN, feed_total // groups))
+        # a push's feed entry carries the record up to this size (None: always)
+        self.feed_inline = feed_inline
         self.timeout = timeout
         self.auth = (username, password)  # (for MIGRATE's AUTH: kvcomm.balance.migrate)
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
@@ -691,11 +776,11 @@ class L3Store:
         for the node daemon, the feed bound and WAIT settings). Raises Unavailable,
         ConfigError."""
         cl = cluster
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {"feed_inline": cl.feed_inline}
         if daemon:
-            kw = {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
-                  "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total,
-                  "retries": 0}
+            kw |= {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
+                   "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total,
+                   "retries": 0}
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
                    tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
@@ -804,6 +889,41 @@ class L3Store:
         raw = self._call(lambda: self.rc.get(_wire_key(self.groups.record_key(key))), key)
         return None if raw is None else self.decode(raw, key)
 
+    def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
+        """The records of ``keys`` (None: absent): one pipeline of GETs per master node
+        (by the client's slot map); a GET redirected (its slot moved) is sent again
+        through the cluster client, redirects followed. A key whose value is foreign or
+        that cannot be sent gets a CorruptRecord in its place. Raises Unavailable; a
+        read changes nothing, so the caller may simply read again."""
+        out: dict[str, L3Record | None | CorruptRecord] = {}
+        by_node: dict[str, tuple[Any, list[tuple[str, bytes]]]] = {}
+        for key in dict.fromkeys(keys):
+            try:
+                name = _wire_key(self.groups.record_key(key))
+            except CorruptRecord as exc:
+                out[key] = exc
+                continue
+            node = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
+                self.groups.record_key(key)))
+            by_node.setdefault(node.name, (node, []))[1].append((key, name))
+        for node, names in by_node.values():
+            def run(node: Any = node, names: list[tuple[str, bytes]] = names) -> list[Any]:
+                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+                for _, name in names:
+                    pipe.get(name)
+                return pipe.execute(raise_on_error=False)
+
+            for (key, name), raw in zip(names, self._call(run), strict=True):
+                try:
+                    if isinstance(raw, Exception):  # moved, or a foreign type: one GET
+                        if _key_error(str(raw)) and not str(raw).startswith(_TRANSIENT):
+                            raise CorruptRecord(f"L3 value of {key!r}: {raw}")
+                        raw = self._call(lambda name=name: self.rc.get(name), key)
+                    out[key] = None if raw is None else self.decode(raw, key)
+                except CorruptRecord as exc:
+                    out[key] = exc
+        return out
+
     def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
         """Push one record into L3: the L3 rule, applied atomically (``keep_siblings``:
         a concurrent record comes back as ``conflict`` instead of being merged
@@ -865,7 +985,7 @@ class L3Store:
                     key = items[i][0]
                     if not isinstance(raw, Exception):
                         try:
-                            out[i] = self._result(key, raw, sent.get(i)
+                            out[i] = self._result(key, raw, items[i][1], sent.get(i)
                                                   )._replace(durable=durable)
                         except CorruptRecord as exc:
                             out[i] = exc
@@ -1161,32 +1281,6 @@ class L3Store:
                 if bound is None or k <= bound]
         return keys, None if bound is None else bound.decode("utf-8", "replace")
 
-    def get_many(self, keys: Sequence[str]) -> dict[str, L3Record | CorruptRecord | None]:
-        """The records of ``keys`` (None: absent; CorruptRecord: not a record), read with
-        one pipeline of GETs per master. Raises Unavailable."""
-        by_group: dict[int, list[str]] = {}
-        for k in keys:
-            by_group.setdefault(self.groups.of(k), []).append(k)
-        out: dict[str, L3Record | CorruptRecord | None] = {}
-        for node, gs in self._by_node_cached(by_group).values():
-            ks = [k for g in gs for k in by_group[g]]
-
-            def run(node: Any = node, ks: list[str] = ks) -> list[Any]:
-                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
-                for k in ks:
-                    pipe.get(_wire_key(self.groups.record_key(k)))
-                return pipe.execute(raise_on_error=False)
-
-            for k, raw in zip(ks, self._call(run), strict=True):
-                try:
-                    if isinstance(raw, Exception):
-                        raw = self._call(lambda k=k: self.rc.get(
-                            _wire_key(self.groups.record_key(k))), k)
-                    out[k] = None if raw is None else self.decode(raw, k)
-                except CorruptRecord as exc:
-                    out[k] = exc
-        return out
-
     def _by_node_cached(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:
         """:meth:`_by_node` from a map of every group's master kept for NODE_MAP_S: a scan
         page would otherwise spend more on G slot lookups than on Redis. A stale entry
@@ -1416,11 +1510,15 @@ class L3Store:
                  self.groups.seq_key(g), self.groups.index_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
                  _wire_key(key), self.groups.hint_channel(g) if hint else "",
-                 "1" if hint else "0"])
+                 "1" if hint else "0",
+                 # (None: no ARGV[7], every entry inline, as a daemon before value-less ones)
+                 *([] if self.feed_inline is None else [self.feed_inline])])
 
-    def _result(self, key: str, raw: Any, sent: tuple[bytes, L3Record] | None = None,
+    def _result(self, key: str, raw: Any, pushed: L3Record,
+                sent: tuple[bytes, L3Record] | None = None,
                 ) -> PushResult:
-        """One push's reply. ``sent``: the record pushed and its encoding; a reply that
+        """One push's reply. ``pushed``: the record pushed (a new or newer reply does not
+        send it back: L3 holds it); ``sent``: the record pushed and its encoding; a reply that
         holds those very bytes (a push stored as sent, or found equal) is that record,
         not decoded again (a backlog of thousands is answered mostly so)."""
         try:
@@ -1430,6 +1528,8 @@ class L3Store:
             raise CorruptRecord(f"unexpected push reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
+        if outcome in (NEW, NEWER) and data == b"":  # L3 holds what was pushed
+            return PushResult(key, outcome, pushed)
         if sent is not None and data == sent[0]:
             return PushResult(key, outcome, sent[1])
         return PushResult(key, outcome, self.decode(data, key))
