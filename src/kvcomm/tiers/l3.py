@@ -779,8 +779,7 @@ class L3Store:
         kw: dict[str, Any] = {"feed_inline": cl.feed_inline}
         if daemon:
             kw |= {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
-                   "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total,
-                   "retries": 0}
+                   "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total}
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
                    tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
