@@ -97,10 +97,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     the key layout and what holds across hosts).
 
     ``kv`` is an open client (``kvcomm.open(...)``), which the saver uses and never
-    closes. ``serde`` is a LangGraph serializer (default ``JsonPlusSerializer()``); one
-    that pickles is refused (ConfigError). ``root`` is the key prefix of everything the
-    saver writes (default ``"lg/"``; heads under ``root + "cp/h/"``). ``wait_timeout``
-    is how long, in cluster mode, a read waits for a record the thread's head names.
+    closes. ``serde`` is a LangGraph serializer (default ``JsonPlusSerializer(
+    allowed_msgpack_modules=None)``, strict); one that pickles, or calls any function a
+    stored record names, is refused (ConfigError; see ``_serde.py``). ``root`` is the
+    key prefix of everything the saver writes (default ``"lg/"``; heads under
+    ``root + "cp/h/"``). ``wait_timeout`` is how long, in cluster mode, a read waits for
+    a record the thread's head names.
 
     Methods raise what the client raises (kvcomm.KVCommError: InvalidKey for an id too
     long for ``cache.max_key_bytes``, Unavailable...) and LangGraph's serializer errors;
