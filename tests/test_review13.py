@@ -4,6 +4,8 @@ integration): every test here reproduced a finding before its fix (docstrings "F
 from __future__ import annotations
 
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,10 @@ import ormsgpack
 import pytest
 
 import kvcomm
+from kvcomm import devcluster
+from kvcomm.tiers.l3 import L3Store
+
+from .conftest import wait_for
 
 lg = pytest.importorskip("langgraph.checkpoint.serde.jsonplus")
 
@@ -81,3 +87,82 @@ def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_saver(kv: kvcomm.Clien
     except kvcomm.KVCommError:
         pass
     assert not marker.exists(), "a record read from KVCOMM ran os.system"
+
+
+# ---------------------------------------------------------------- a dev cluster
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if shutil.which("redis-server") is None or shutil.which("etcd") is None:
+        pytest.skip("redis-server and etcd are needed")
+    d = tmp_path_factory.mktemp("devcluster")
+    state = devcluster.up(2, str(d), strong_prefixes=["lock/"], groups=64, watch_buffer=1024)
+    state["dir"] = d
+    yield state
+    devcluster.down(str(d))
+
+
+def host(dev: dict[str, Any], i: int) -> kvcomm.Client:
+    return kvcomm.open(config=dev["hosts"][i]["config"])
+
+
+def l3(dev: dict[str, Any]) -> L3Store:
+    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]],
+                   groups=64)
+
+
+def scan_in_thread(kv: kvcomm.Client, prefix: str, **kw: Any) -> list[str] | BaseException:
+    """``[key...]`` of ``kv.scan(prefix, **kw)`` or what it raised, run in a thread so
+    that a scan that never ends fails the test instead of hanging it."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append([i.key for i in kv.scan(prefix, **kw)])
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_for(lambda: out, 60, f"the scan of {prefix!r} to end")
+    return out[0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.redis
+def test_hostile_index_members_are_skipped_and_the_scan_ends(dev: dict[str, Any]) -> None:
+    """F2: members planted in a group's key index (kvi:{t}) by a non-KVCOMM client: 600
+    that are not UTF-8 made ``scan`` loop for ever (the page bound, decoded with
+    "replace", sorted below the member it came from, so every round re-read the same
+    page); one holding NUL or one of 1 MB made it raise InvalidKey, so no scan of the
+    prefix could ever list the live keys. Members that cannot be keys are not live keys:
+    they are skipped, and every live key still appears, in order."""
+    b, store = host(dev, 1), l3(dev)
+    try:
+        live = [f"hx/{i:02d}" for i in range(5)] + ["hx/\u00e9", "hx/\U0001f600"]
+        for k in live:
+            b.put(k, 1)
+        wait_for(lambda: all(r is not None for r in store.get_many(live).values()), 30,
+                 "the keys in L3")
+        idx = store.groups.index_key(store.groups.of("hx/00"))
+        junk: dict[bytes, int] = {}
+        for lead in (b"\xf0", b"\xfe"):
+            junk.update({b"hx/" + lead + bytes([1 + i // 200, 1 + i % 200]): 0 for i in range(300)})
+        junk[b"hx/\x00nul"] = 0
+        junk[b"hx/" + b"y" * (1 << 20)] = 0
+        store.rc.zadd(idx, junk)  # type: ignore[arg-type]
+        got = scan_in_thread(b, "hx/")
+        assert got == sorted(live, key=lambda k: k.encode()), got
+        paged: list[str] = []
+        after = None
+        while True:
+            page = scan_in_thread(b, "hx/", limit=2, after=after)
+            assert isinstance(page, list), page
+            if not page:
+                break
+            paged += page
+            after = page[-1]
+        assert paged == sorted(live, key=lambda k: k.encode())
+    finally:
+        b.close()
+        store.close()
