@@ -211,7 +211,7 @@ class Scanning(Watching):
                     bounds.append(local[-1])
                 is_strong = st.is_strong if strong else None
                 for k in keys3 + local:
-                    if is_strong is None or not is_strong(k):
+                    if (is_strong is None or not is_strong(k)) and self._is_key(k):
                         cands[k] = None
             if strong:
                 items, more = st.range(prefix, after, step)
@@ -233,6 +233,15 @@ class Scanning(Watching):
             if bound is None:
                 return
             after = bound
+
+    def _is_key(self, key: str) -> bool:
+        """Whether ``key`` is a valid key (an L3 index member that is not, NUL in it or
+        too long, was put there by something else than KVCOMM: no live key)."""
+        try:
+            self._key_hash(key)
+        except InvalidKey:
+            return False
+        return True
 
     def _in_l2(self, key: str) -> bool:
         kb, h = self._key_hash(key)
