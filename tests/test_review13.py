@@ -221,3 +221,28 @@ def test_the_daemon_never_blocks_on_or_follows_planted_registrations(tmp_path: P
             os.close(fd)
     assert wp.prefixes == ("good/",)
     os.unlink(path)
+
+
+@pytest.mark.redis
+def test_foreign_strong_records_in_etcd_raise_kvcomm_errors(dev: dict[str, Any]) -> None:
+    """F4: a value under a strong key in etcd that KVCOMM did not write (4 bytes) made
+    ``get`` and every ``scan`` over it raise struct.error (no KVCommError: callers
+    catching KVCommError crashed), and a key there that is not UTF-8 made ``scan`` raise
+    UnicodeDecodeError. The value raises CorruptRecord; the key, no key, is skipped."""
+    from kvcomm.tiers.etcd import EtcdClient
+
+    eps = [("127.0.0.1", p) for p in dev["etcd"]["client_ports"]]
+    b = host(dev, 1)
+    try:
+        b.put("lock/f4/ok", "v")
+        with EtcdClient(eps) as raw:
+            raw.put(b"kvc/k/lock/f4/\xff\xfe", b"junk-not-a-record")
+        assert [(i.key, i.value) for i in b.scan("lock/f4/")] == [("lock/f4/ok", "v")]
+        with EtcdClient(eps) as raw:
+            raw.put(b"kvc/k/lock/f4/bad", b"junk")
+        with pytest.raises(kvcomm.CorruptRecord):
+            b.get("lock/f4/bad")
+        with pytest.raises(kvcomm.CorruptRecord):
+            list(b.scan("lock/f4/"))
+    finally:
+        b.close()
