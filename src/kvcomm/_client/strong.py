@@ -48,7 +48,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..core import codec
 from ..core.versions import Version
-from ..errors import ConfigError, ConflictError, InvalidArgument, Unavailable, ValueTooLarge
+from ..errors import (
+    ConfigError,
+    ConflictError,
+    CorruptRecord,
+    InvalidArgument,
+    Unavailable,
+    ValueTooLarge,
+)
 from ..tiers.etcd import Compare, EtcdClient, KeyValue, delete_op, get_op, put_op
 from .base import _MAX_UPDATE_RETRIES, _run_validator
 from .items import ABSENT, Item
@@ -152,7 +159,12 @@ class StrongStore:
 
     @staticmethod
     def _decode(key: str, data: bytes) -> Any:
-        tag, n = _HEADER.unpack_from(data)
+        """The value of a strong record. Raises CorruptRecord (not one KVCOMM wrote)."""
+        try:
+            tag, n = _HEADER.unpack_from(data)
+        except struct.error:
+            raise CorruptRecord(f"the etcd value of strong key {key!r} is not a KVCOMM record "
+                                f"({len(data)} bytes); remove or rewrite the key") from None
         meta = data[_HEADER.size:_HEADER.size + n]
         return codec.decode(tag, meta, data[_HEADER.size + n:])
 
@@ -200,11 +212,20 @@ class StrongStore:
         start = None
         if after and after >= prefix:
             start = self._prefix + after.encode("utf-8") + b"\0"
-        r = self.etcd.range(self._prefix + prefix.encode("utf-8"), limit=limit, start=start,
-                            timeout=self._left(deadline))
         n = len(self._prefix)
-        items = [self._item(kv.key[n:].decode("utf-8"), kv) for kv in r.kvs]
-        return [i for i in items if i is not None], r.more
+        items: list[Item | None] = []
+        while True:
+            r = self.etcd.range(self._prefix + prefix.encode("utf-8"), limit=limit, start=start,
+                                timeout=self._left(deadline))
+            for kv in r.kvs:
+                try:  # (a name that is not UTF-8 was not written by KVCOMM: no key)
+                    key = kv.key[n:].decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                items.append(self._item(key, kv))
+            if items or not r.more or not r.kvs:  # (more, and only such names: read past them)
+                return [i for i in items if i is not None], r.more
+            start = r.kvs[-1].key + b"\0"
 
     def put(self, key: str, value: Any, encoded: tuple[int, bytes, bytes | memoryview],
             expect: Any, validator: Callable[[str, Item | None, Any], None] | None) -> Version:
