@@ -246,3 +246,32 @@ def test_foreign_strong_records_in_etcd_raise_kvcomm_errors(dev: dict[str, Any])
             list(b.scan("lock/f4/"))
     finally:
         b.close()
+
+
+@pytest.mark.redis
+def test_a_late_watch_event_never_names_a_writer_that_did_not_write(dev: dict[str, Any]) -> None:
+    """F5: a watcher on host 2 that read host 1's put after the key had changed again got
+    Version((("host-2", 0),), hlc): a version saying host 2 wrote it, at counter 0. When
+    the full version is gone the event carries what is known (its HLC, and this host's
+    entry only when this host wrote it), never an invented entry."""
+    a, b = host(dev, 0), host(dev, 1)
+    try:
+        w = b.watch("f5/", timeout=5)
+        a.put("f5/k", 1)
+        wait_for(lambda: b.get("f5/k") == 1, 30, "host 2 to hold f5/k")
+        a.put("f5/k", 2)
+        wait_for(lambda: b.get("f5/k") == 2, 30, "host 2 to hold the second put")
+        events = []
+        for e in w:  # read only now: the first put's full version is gone from L2
+            events.append(e)
+            if e.kind == "put" and len([x for x in events if x.kind == "put"]) == 2:
+                break
+        host2 = dev["hosts"][1]["name"] if "name" in dev["hosts"][1] else "host-2"
+        puts = [e for e in events if e.kind == "put"]
+        assert len(puts) == 2, events
+        for e in puts:
+            assert e.version is not None
+            assert all(h != host2 for h, _ in e.version.vector), e
+        assert puts[1].version.vector and puts[1].version.vector[0][0] != host2
+    finally:
+        a.close(), b.close()
