@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
 from ..node.watched import register, unregister
 from ..tiers.l2 import KIND_NAMES, key_hash
@@ -39,7 +40,8 @@ class Watching(Writes):
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:
         """Changes under ``prefix`` from now on, in per-key order, each with its full
         Version (the version of the write; for a write already replaced or evicted by
-        the time the watcher reads it: its HLC and this host's entry).
+        the time the watcher reads it: its HLC, and this host's entry when this host
+        wrote it; another host's write then has an empty vector).
 
         Kinds: ``put``, ``delete``, ``evict`` (L2 dropped the key to make room: in embedded
         mode it is gone, in cluster mode L3 still has it) and ``overflow``. In cluster mode
@@ -133,8 +135,10 @@ class Watching(Writes):
                             v = seg.version(kb, key_hash(kb))
                             if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
                                 version = self._version(v[3], v[4], v[5])
-                        if version is None:
-                            version = self._version(ev.counter, ev.hlc, b"")
+                        if version is None:  # (replaced since: what the feed knows; its
+                            # counter is 0 for another host's write: no entry of this host)
+                            version = (self._version(ev.counter, ev.hlc, b"") if ev.counter
+                                       else Version((), ev.hlc))
                         yield Event(ev.key, KIND_NAMES[ev.kind], version)
                 if sub is not None:
                     for e in self._cluster_events(sub):
