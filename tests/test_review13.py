@@ -275,3 +275,53 @@ def test_a_late_watch_event_never_names_a_writer_that_did_not_write(dev: dict[st
         assert puts[1].version.vector and puts[1].version.vector[0][0] != host2
     finally:
         a.close(), b.close()
+
+
+def _l3_state(store: L3Store, key: str) -> str:
+    r = store.get_many([key])[key]
+    return "absent" if r is None else "error" if isinstance(r, Exception) else (
+        "tombstone" if r.tombstone else "live")
+
+
+def _dirty(kv: kvcomm.Client, key: str) -> bool:
+    from kvcomm.tiers.l2 import FLAG_DIRTY, key_hash
+
+    kb = key.encode()
+    v = kv._seg.version(kb, key_hash(kb))
+    return v is not None and bool(v[6] & FLAG_DIRTY)
+
+
+@pytest.mark.redis
+def test_a_scan_never_serves_l2s_stale_view_of_what_l3_acknowledged(dev: dict[str, Any]) -> None:
+    """F6: in cluster mode a scan served every key this host's L2 holds from L2, so until
+    the host's daemon applied other hosts' changes (here: stopped; in life, the feed's
+    lag) a key another host deleted, acknowledged by L3 before the scan began, still
+    appeared ("deleted keys never appear" broken), and a key this host had deleted and
+    another host put again (acknowledged) was missing ("always appears" broken). L2 now
+    serves only this host's writes not yet in L3, and keys L3's index lists; others are
+    read from L3."""
+    a, b, store = host(dev, 0), host(dev, 1), l3(dev)
+    pid = int(dev["hosts"][1]["pid"])
+    stopped = False
+    try:
+        a.put("f6/gone", 1)
+        a.put("f6/stay", 1)
+        b.put("f6/back", 1)
+        wait_for(lambda: all(_l3_state(store, k) == "live" for k in ("f6/gone", "f6/stay", "f6/back")),
+                 30, "the puts in L3")
+        wait_for(lambda: b.get("f6/gone") == 1 and b.get("f6/stay") == 1, 30, "host 2 to hold them")
+        b.delete("f6/back")
+        wait_for(lambda: _l3_state(store, "f6/back") == "tombstone" and not _dirty(b, "f6/back"),
+                 30, "host 2's delete in L3")
+        os.kill(pid, 19)  # SIGSTOP: host 2's daemon applies nothing from now on
+        stopped = True
+        a.delete("f6/gone")
+        a.put("f6/back", 2)
+        wait_for(lambda: _l3_state(store, "f6/gone") == "tombstone"
+                 and _l3_state(store, "f6/back") == "live", 30, "host 1's changes in L3")
+        got = [(i.key, i.value) for i in b.scan("f6/")]
+        assert got == [("f6/back", 2), ("f6/stay", 1)], got
+    finally:
+        if stopped:
+            os.kill(pid, 18)  # SIGCONT
+        a.close(), b.close(), store.close()
