@@ -325,3 +325,40 @@ def test_a_scan_never_serves_l2s_stale_view_of_what_l3_acknowledged(dev: dict[st
         if stopped:
             os.kill(pid, 18)  # SIGCONT
         a.close(), b.close(), store.close()
+
+
+@pytest.mark.redis
+def test_a_slow_watcher_of_strong_keys_is_told_to_rescan_and_holds_bounded_memory(
+        dev: dict[str, Any]) -> None:
+    """F7: the strong keys of a cluster watch come from an etcd watch whose reader thread
+    queued every event without bound: a watcher that does not read (a slow one, or one
+    whose generator sits unstarted) held every strong change of the prefix in memory for
+    ever and was never told to rescan, unlike L2's feed (``cache.watch_buffer``). The
+    queue now holds at most ``cache.watch_buffer`` events; past it the watcher gets one
+    ``overflow`` event and the changes after it."""
+    a, b = host(dev, 0), host(dev, 1)
+    try:
+        buffer = b.config.cache.watch_buffer
+        w = b.watch("lock/f7/", timeout=10)
+        n = buffer + 200
+        for i in range(n):
+            a.put(f"lock/f7/{i:05d}", i)
+        sub_watch = w.gi_frame.f_locals["sub"].etcd_watch  # type: ignore[attr-defined]
+
+        def queued() -> int:
+            return sum(len(x) for x in list(sub_watch._queue.queue) if isinstance(x, list))
+
+        a.put("lock/f7/last", "end")
+        wait_for(lambda: any(isinstance(x, list) and x[-1].kv.key.endswith(b"/last")
+                             for x in list(sub_watch._queue.queue)), 30,
+                 "the etcd watch to queue the last put")
+        assert queued() <= buffer, f"{queued()} events queued for a watcher that reads none"
+        kinds = []
+        for e in w:
+            kinds.append((e.kind, e.key))
+            if e.key == "lock/f7/last":
+                break
+        assert ("overflow", "") in kinds, kinds[:5]
+        assert len(kinds) <= buffer + 2, len(kinds)
+    finally:
+        a.close(), b.close()
