@@ -52,8 +52,9 @@ class Watching(Writes):
         Strong keys under the prefix come from an etcd watch (resumed at the last
         revision + 1 across member failures). With ``timeout``, iteration ends after
         that many seconds without an event. A watcher that falls a whole feed
-        (``cache.watch_buffer`` events) behind, or whose daemon may have missed cluster
-        changes (a gap in a group's feed), or whose etcd watch was compacted, receives
+        (``cache.watch_buffer`` events) behind (in L2's feed, or in the etcd watch of
+        strong keys), or whose daemon may have missed cluster changes (a gap in a group's
+        feed), or whose etcd watch was compacted, receives
         one ``overflow`` event and continues from the newest: it should rescan what it
         tracks with :meth:`scan`. Writers are never slowed by a watcher. Raises
         InvalidKey, InvalidArgument; SegmentError (cluster mode) when the prefix cannot
@@ -101,7 +102,8 @@ class Watching(Writes):
             from .strong import KEY_PREFIX
 
             key = KEY_PREFIX + prefix.encode("utf-8")
-            etcd_watch = self._strong.etcd.watch(key, prefix=True)
+            etcd_watch = self._strong.etcd.watch(key, prefix=True,
+                                                 max_pending=self.config.cache.watch_buffer)
             etcd_watch.created.wait(2 * self._strong.timeout)
         return _Subscription(path, missed, etcd_watch, key)
 
@@ -160,7 +162,7 @@ class Watching(Writes):
     def _cluster_events(self, sub: _Subscription) -> list[Event]:
         """An overflow when the daemon may have missed changes since the last look; the
         etcd watch's events (an overflow when it was compacted: watched anew from now)."""
-        from ..tiers.etcd import WatchCompacted
+        from ..tiers.etcd import WatchCompacted, WatchOverflowed
         from .strong import KEY_PREFIX, strong_version
 
         out: list[Event] = []
@@ -174,9 +176,12 @@ class Watching(Writes):
                 for e in w.next(timeout=0):
                     key = e.kv.key[len(KEY_PREFIX):].decode("utf-8", "surrogateescape")
                     out.append(Event(key, e.type, strong_version(e.kv.mod_revision)))
+            except WatchOverflowed:  # (a slow watcher: the events after it follow)
+                out.append(Event("", "overflow", None))
             except WatchCompacted:
                 w.close()
-                sub.etcd_watch = self._strong.etcd.watch(sub.etcd_key, prefix=True)
+                sub.etcd_watch = self._strong.etcd.watch(
+                    sub.etcd_key, prefix=True, max_pending=self.config.cache.watch_buffer)
                 out.append(Event("", "overflow", None))
             except Unavailable:
                 pass  # closed under us (the client is closing)
