@@ -362,3 +362,33 @@ def test_a_slow_watcher_of_strong_keys_is_told_to_rescan_and_holds_bounded_memor
         assert len(kinds) <= buffer + 2, len(kinds)
     finally:
         a.close(), b.close()
+
+
+@pytest.mark.parametrize("planted", [5, "x", ["msgpack"], [1, 2, 3, 4, 5, 6]])
+def test_malformed_records_under_langgraph_keys_raise_corrupt_record(kv: kvcomm.Client,
+                                                                      planted: Any) -> None:
+    """F8: a value of another shape under a KVCommSaver or KVCommStore key (written by
+    another program, or an older layout) made get_tuple, list, get and search raise
+    TypeError, ValueError or NotImplementedError: not KVCommError, so callers handling
+    KVCOMM's errors crashed. They raise CorruptRecord naming what to delete."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    saver, store = KVCommSaver(kv), KVCommStore(kv)
+    cfg = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    cp = empty_checkpoint()
+    saver.put(cfg, cp, {}, {})
+    kv.put(saver.keys.checkpoint("t", "", cp["id"]), planted)
+    with pytest.raises(kvcomm.CorruptRecord):
+        saver.get_tuple(cfg)
+    with pytest.raises(kvcomm.CorruptRecord):
+        list(saver.list(cfg))
+    store.put(("m",), "k", {"a": 1})
+    kv.put(store.keys.item(("m",), "k"), planted)
+    with pytest.raises(kvcomm.CorruptRecord):
+        store.get(("m",), "k")
+    with pytest.raises(kvcomm.CorruptRecord):
+        store.search(("m",))
+    if not isinstance(planted, list):
+        kv.put(saver.keys.head("t", ""), planted)
+        with pytest.raises(kvcomm.CorruptRecord):
+            saver.get_tuple(cfg)
