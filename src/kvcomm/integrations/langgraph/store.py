@@ -48,7 +48,7 @@ from langgraph.store.base import (
 )
 
 from ..._client import Client
-from ...errors import ConfigError, InvalidArgument
+from ...errors import ConfigError, CorruptRecord, InvalidArgument, KVCommError
 from ._keys import DEFAULT_ROOT, Keys
 from ._kv import scan
 from ._serde import no_pickle
@@ -120,8 +120,17 @@ class KVCommStore(BaseStore):
     # ---------------------------------------------------------------- operations
     def _item(self, namespace: tuple[str, ...], key: str, raw: list[Any],
               cls: type[Item] = Item) -> Any:
-        t, b, created, updated = raw
-        value = self.serde.loads_typed((t, b))
+        try:
+            t, b, created, updated = raw
+            value = self.serde.loads_typed((t, b))
+            _dt(created), _dt(updated)
+        except KVCommError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
+                NotImplementedError) as exc:
+            raise CorruptRecord(f"store item {key!r} of namespace {namespace!r} in KVCOMM is "
+                                f"not one KVCommStore wrote ({type(exc).__name__}: {exc}); "
+                                "delete it") from None
         if cls is SearchItem:
             return SearchItem(namespace, key, value, _dt(created), _dt(updated))
         return Item(value=value, key=key, namespace=namespace, created_at=_dt(created),
