@@ -62,6 +62,11 @@ class Watching(Writes):
         """
         if type(prefix) is not str:
             raise InvalidKey("a watch prefix is a str ('' watches every key)")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey(f"the watch prefix {prefix!r} is not valid UTF-8 (a lone "
+                             "surrogate?): no key starts with it") from None
         if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0
                                     or timeout != timeout):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
