@@ -13,8 +13,10 @@ times. So:
   prefix's key prefix (every host's items, in cluster mode: ``kv.scan``'s contract), each
   item decoded and matched against ``filter`` (LangGraph's operators: equality, nested
   dicts, ``$eq $ne $gt $gte $lt $lte``), then paged. Results come in **key order**
-  (namespace labels, then the key, by UTF-8 bytes; LangGraph's ``InMemoryStore`` returns
-  insertion order, which no distributed store can keep), so pages are stable.
+  (the items' KVCOMM keys by UTF-8 bytes: escaped labels, then ``=`` and the key, so an
+  item of ``("a",)`` comes after those of ``("a", "*")``, ``*`` sorting before ``=``;
+  LangGraph's ``InMemoryStore`` returns insertion order, which no distributed store can
+  keep), so pages are stable.
 * ``list_namespaces`` scans the prefix's keys and lists the namespaces that hold at least
   one item (as LangGraph's SQL stores do: a namespace whose items were all deleted is
   gone), sorted, with ``prefix``/``suffix`` (``*`` wildcards), ``max_depth`` and paging.
