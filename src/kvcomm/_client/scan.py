@@ -45,7 +45,7 @@ from typing import Any
 from ..core.sortedkeys import SortedKeys
 from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey
-from ..tiers.l2 import KIND_PUT, TAG_TOMBSTONE, L2Segment
+from ..tiers.l2 import FLAG_DIRTY, KIND_PUT, TAG_TOMBSTONE, L2Segment
 from .base import _HUGE
 from .items import Item
 from .watch import Watching
@@ -106,11 +106,25 @@ def check_scan_args(prefix: Any, limit: Any, after: Any) -> None:
     """Raise InvalidKey / InvalidArgument for arguments ``scan`` does not take."""
     if type(prefix) is not str:
         raise InvalidKey(f"a scan prefix is a str ('' scans every key), got {type(prefix).__name__}")
+    if not _utf8(prefix):
+        raise InvalidKey(f"the scan prefix {prefix!r} is not valid UTF-8 (a lone surrogate?): "
+                         "no key starts with it")
     if limit is not None and (type(limit) is not int or limit < 1):
         raise InvalidArgument(f"limit is a page size, an int >= 1 (or None: no limit), got {limit!r}")
     if after is not None and type(after) is not str:
         raise InvalidArgument(f"after is the last key of the previous page (a str) or None, "
                               f"got {type(after).__name__}")
+    if after is not None and not _utf8(after):
+        raise InvalidArgument(f"after={after!r} is not valid UTF-8 (a lone surrogate?): pass "
+                              "the last key of the previous page")
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Scanning(Watching):
@@ -131,8 +145,9 @@ class Scanning(Watching):
         costs G index reads of O(log(keys of a group) + n) each inside Redis (G =
         ``cluster.groups``; one read-only script call per master per 512 groups), at
         most n GETs, and one etcd range read when strong keys may be under the prefix;
-        a key another host changed shows its change once L3 has it (a key this host
-        holds: once its daemon applied it). See :mod:`kvcomm._client.scan`. Raises
+        a key another host deleted or put is absent or present as soon as L3 has the
+        change, but the value of a key this host holds may be the one before another
+        host's put until its daemon applied it (as ``get``). See :mod:`kvcomm._client.scan`. Raises
         InvalidKey (a prefix that is not a str), InvalidArgument (a bad limit or after),
         SegmentError; in cluster mode, while iterating, Unavailable (L3 or etcd out of
         reach: scan again from the last key received) and CorruptRecord (a foreign value
@@ -189,9 +204,11 @@ class Scanning(Watching):
         ordered index: keys written here and not yet in L3 among them) and, for strong
         keys, etcd's range reads. Each round reads up to ``step`` keys from each source;
         the merged candidates are final up to the smallest last key of a source that had
-        more (``bound``). A candidate L2 holds is served from L2 (a tombstone there: a
-        delete not yet in L3, skipped); one it does not, from L3's record (a tombstone:
-        skipped). Nothing read is put in L2.
+        more (``bound``). A candidate is served from L2 when L2's record is this host's
+        write not yet in L3 (a tombstone: a delete not yet in L3, skipped) or a value
+        L3's index lists; any other, from L3's record (a tombstone: skipped), so that
+        L2's view of another host's change the daemon has not applied yet (a delete, a
+        put over this host's delete) is never served. Nothing read is put in L2.
         """
         eventual, strong = self._strong_kinds(prefix)
         l3 = self._l3_store() if eventual else None
@@ -211,7 +228,7 @@ class Scanning(Watching):
                     bounds.append(local[-1])
                 is_strong = st.is_strong if strong else None
                 for k in keys3 + local:
-                    if is_strong is None or not is_strong(k):
+                    if (is_strong is None or not is_strong(k)) and self._is_key(k):
                         cands[k] = None
             if strong:
                 items, more = st.range(prefix, after, step)
@@ -221,7 +238,9 @@ class Scanning(Watching):
                     cands[it.key] = it
             bound = min(bounds) if bounds else None
             order = sorted(k for k in cands if bound is None or k <= bound)
-            from_l3 = [k for k in order if cands[k] is None and not self._in_l2(k)]
+            indexed = set(keys3) if eventual else set()
+            from_l3 = [k for k in order
+                       if cands[k] is None and not self._l2_serves(k, k in indexed)]
             recs = l3.get_many(from_l3) if from_l3 and l3 is not None else {}
             for k in order:
                 item = cands[k] if cands[k] is not None else self._scan_item(k, recs)
@@ -234,9 +253,27 @@ class Scanning(Watching):
                 return
             after = bound
 
-    def _in_l2(self, key: str) -> bool:
+    def _is_key(self, key: str) -> bool:
+        """Whether ``key`` is a valid key (an L3 index member that is not, NUL in it or
+        too long, was put there by something else than KVCOMM: no live key)."""
+        try:
+            self._key_hash(key)
+        except InvalidKey:
+            return False
+        return True
+
+    def _l2_serves(self, key: str, indexed: bool) -> bool:
+        """Whether L2's record of ``key`` is the one to serve: this host's write not yet
+        in L3 (dirty: a put, or a delete to skip), or a value L3's index lists. Any other
+        record L2 holds may be older than what L3 acknowledged (another host's delete or
+        put the daemon has not applied yet): L3's record is read instead."""
         kb, h = self._key_hash(key)
-        return self._read_l2(kb, h, _HUGE) is not None
+        v = self._seg.version(kb, h)
+        if v is None:
+            return False
+        if v[6] & FLAG_DIRTY:
+            return True
+        return indexed and v[2] != TAG_TOMBSTONE
 
     def _scan_item(self, key: str, recs: dict[str, Any]) -> Item | None:
         """The Item of an eventual candidate: from L2 when it holds the key (a tombstone:

@@ -272,11 +272,20 @@ class StrongStore:
         start = None
         if after and after >= prefix:
             start = self._prefix + after.encode("utf-8") + b"\0"
-        r = self.etcd.range(self._prefix + prefix.encode("utf-8"), limit=limit, start=start,
-                            timeout=self._left(deadline))
         n = len(self._prefix)
-        items = [self._item(kv.key[n:].decode("utf-8"), kv) for kv in r.kvs]
-        return [i for i in items if i is not None], r.more
+        items: list[Item | None] = []
+        while True:
+            r = self.etcd.range(self._prefix + prefix.encode("utf-8"), limit=limit, start=start,
+                                timeout=self._left(deadline))
+            for kv in r.kvs:
+                try:  # (a name that is not UTF-8 was not written by KVCOMM: no key)
+                    key = kv.key[n:].decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                items.append(self._item(key, kv))
+            if items or not r.more or not r.kvs:  # (more, and only such names: read past them)
+                return [i for i in items if i is not None], r.more
+            start = r.kvs[-1].key + b"\0"
 
     def put(self, key: str, value: Any, encoded: tuple[int, bytes, bytes | memoryview],
             expect: Any, validator: Callable[[str, Item | None, Any], None] | None) -> Version:

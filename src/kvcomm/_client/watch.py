@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
 from ..node.watched import register, unregister
 from ..tiers.l2 import KIND_NAMES, key_hash
@@ -39,7 +40,8 @@ class Watching(Writes):
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:
         """Changes under ``prefix`` from now on, in per-key order, each with its full
         Version (the version of the write; for a write already replaced or evicted by
-        the time the watcher reads it: its HLC and this host's entry).
+        the time the watcher reads it: its HLC, and this host's entry when this host
+        wrote it; another host's write then has an empty vector).
 
         Kinds: ``put``, ``delete``, ``evict`` (L2 dropped the key to make room: in embedded
         mode it is gone, in cluster mode L3 still has it) and ``overflow``. In cluster mode
@@ -50,8 +52,9 @@ class Watching(Writes):
         Strong keys under the prefix come from an etcd watch (resumed at the last
         revision + 1 across member failures). With ``timeout``, iteration ends after
         that many seconds without an event. A watcher that falls a whole feed
-        (``cache.watch_buffer`` events) behind, or whose daemon may have missed cluster
-        changes (a gap in a group's feed), or whose etcd watch was compacted, receives
+        (``cache.watch_buffer`` events) behind (in L2's feed, or in the etcd watch of
+        strong keys), or whose daemon may have missed cluster changes (a gap in a group's
+        feed), or whose etcd watch was compacted, receives
         one ``overflow`` event and continues from the newest: it should rescan what it
         tracks with :meth:`scan`. Writers are never slowed by a watcher. Raises
         InvalidKey, InvalidArgument; SegmentError (cluster mode) when the prefix cannot
@@ -59,6 +62,11 @@ class Watching(Writes):
         """
         if type(prefix) is not str:
             raise InvalidKey("a watch prefix is a str ('' watches every key)")
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey(f"the watch prefix {prefix!r} is not valid UTF-8 (a lone "
+                             "surrogate?): no key starts with it") from None
         if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0
                                     or timeout != timeout):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
@@ -99,7 +107,8 @@ class Watching(Writes):
             from .strong import KEY_PREFIX
 
             key = KEY_PREFIX + prefix.encode("utf-8")
-            etcd_watch = self._strong.etcd.watch(key, prefix=True)
+            etcd_watch = self._strong.etcd.watch(key, prefix=True,
+                                                 max_pending=self.config.cache.watch_buffer)
             etcd_watch.created.wait(2 * self._strong.timeout)
         return _Subscription(path, missed, etcd_watch, key)
 
@@ -133,8 +142,10 @@ class Watching(Writes):
                             v = seg.version(kb, key_hash(kb))
                             if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
                                 version = self._version(v[3], v[4], v[5])
-                        if version is None:
-                            version = self._version(ev.counter, ev.hlc, b"")
+                        if version is None:  # (replaced since: what the feed knows; its
+                            # counter is 0 for another host's write: no entry of this host)
+                            version = (self._version(ev.counter, ev.hlc, b"") if ev.counter
+                                       else Version((), ev.hlc))
                         yield Event(ev.key, KIND_NAMES[ev.kind], version)
                 if sub is not None:
                     for e in self._cluster_events(sub):
@@ -156,7 +167,7 @@ class Watching(Writes):
     def _cluster_events(self, sub: _Subscription) -> list[Event]:
         """An overflow when the daemon may have missed changes since the last look; the
         etcd watch's events (an overflow when it was compacted: watched anew from now)."""
-        from ..tiers.etcd import WatchCompacted
+        from ..tiers.etcd import WatchCompacted, WatchOverflowed
         from .strong import KEY_PREFIX, strong_version
 
         out: list[Event] = []
@@ -170,9 +181,12 @@ class Watching(Writes):
                 for e in w.next(timeout=0):
                     key = e.kv.key[len(KEY_PREFIX):].decode("utf-8", "surrogateescape")
                     out.append(Event(key, e.type, strong_version(e.kv.mod_revision)))
+            except WatchOverflowed:  # (a slow watcher: the events after it follow)
+                out.append(Event("", "overflow", None))
             except WatchCompacted:
                 w.close()
-                sub.etcd_watch = self._strong.etcd.watch(sub.etcd_key, prefix=True)
+                sub.etcd_watch = self._strong.etcd.watch(
+                    sub.etcd_key, prefix=True, max_pending=self.config.cache.watch_buffer)
                 out.append(Event("", "overflow", None))
             except Unavailable:
                 pass  # closed under us (the client is closing)

@@ -19,13 +19,20 @@ Files of processes that are gone are removed by the daemon (every few seconds); 
 directory goes with the namespace (``kvcomm purge``). The
 files never hold anything but a prefix (UTF-8): nothing is unpickled, and a file that
 is not valid UTF-8 is ignored.
+
+The directory is in a place every user can write (/dev/shm): a watch refuses one that is
+not a directory of this user with at most ``cache.l2_permissions`` (plus search bits)
+— another user's could drop a watcher's registration or plant prefixes — and the daemon
+reads only regular files of its user, never following a symlink nor waiting on a FIFO.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 
+from ..errors import SegmentError
 from ..tiers.shm.files import pid_alive
 
 PRUNE_EVERY_S = 5.0
@@ -38,12 +45,21 @@ def watch_dir(namespace: str, directory: str) -> str:
 
 def register(namespace: str, directory: str, prefix: str, permissions: int) -> tuple[str, int]:
     """Register a watch of ``prefix``: ``(its file, the directory's mtime after it)``.
-    Raises OSError."""
+    Raises SegmentError (the directory is another user's, a symlink, or has a wider mode
+    than ``permissions``: nothing is written), OSError."""
     d = watch_dir(namespace, directory)
+    mode = (permissions | (permissions & 0o444) >> 2) & 0o777
     try:
-        os.mkdir(d, (permissions | (permissions & 0o444) >> 2) & 0o777)
+        os.mkdir(d, mode)
+        os.chmod(d, mode)  # (mkdir's mode passed through the umask)
     except FileExistsError:
-        pass
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() \
+                or stat.S_IMODE(st.st_mode) & ~mode:
+            raise SegmentError(
+                f"{d} is not a directory of this user with mode at most {oct(mode)} "
+                "(cache.l2_permissions): another user could drop or plant watch "
+                "registrations there; remove it (as its owner) and watch again") from None
     path = os.path.join(d, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, permissions & 0o666)
@@ -61,6 +77,24 @@ def unregister(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _read_registration(path: str) -> str | None:
+    """The prefix in the registration ``path``, or None: not a regular file of this user
+    (never following a symlink, never waiting on a FIFO), or not UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)  # (what was opened, whatever the name pointed to a moment ago)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        return os.read(fd, 4096).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
 
 
 class WatchedPrefixes:
@@ -99,11 +133,9 @@ class WatchedPrefixes:
             if prune and not pid_alive(int(pid)):
                 unregister(path)
                 continue
-            try:
-                with open(path, "rb") as f:
-                    found.add(f.read(4096).decode("utf-8"))
-            except (OSError, UnicodeDecodeError):
-                continue
+            prefix = _read_registration(path)
+            if prefix is not None:
+                found.add(prefix)
         old = self.prefixes
         self.prefixes = tuple(sorted(found))
         self.applied = mtime

@@ -311,6 +311,11 @@ class Event:
         return self.kv.mod_revision
 
 
+class WatchOverflowed(Unavailable):
+    """Raised once by :meth:`Watch.next`: more than its ``max_pending`` events waited to
+    be read, and they were dropped. Re-read what is watched; the events after come next."""
+
+
 class WatchCompacted(Unavailable):
     """A watch cannot resume: etcd compacted the revisions from ``last_revision + 1`` on
     (``compact_revision`` is the oldest it still has). Re-read what is watched, then
@@ -769,13 +774,14 @@ class EtcdClient:
     # ------------------------------------------------------------ watch
 
     def watch(self, key: KeyLike, *, prefix: bool = False, start_revision: int = 0,
-              idle: float = 30.0) -> Watch:
+              idle: float = 30.0, max_pending: int = 0) -> Watch:
         """Watch ``key`` (every key under it with ``prefix``) from ``start_revision``
-        (0: from now on); see :class:`Watch`. Raises InvalidArgument."""
+        (0: from now on); see :class:`Watch` (``max_pending``: events queued unread at
+        most, 0 for no bound). Raises InvalidArgument."""
         if not isinstance(start_revision, int) or start_revision < 0:
             raise InvalidArgument(f"start_revision must be an int >= 0, got {start_revision!r}")
         k = _b(key)
-        return Watch(self, k, prefix_end(k) if prefix else b"", start_revision, idle)
+        return Watch(self, k, prefix_end(k) if prefix else b"", start_revision, idle, max_pending)
 
     def _open_stream(self, ep: Endpoint, path: str, payload: dict[str, Any], timeout: float
                      ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
@@ -901,8 +907,14 @@ class Watch:
     """
 
     def __init__(self, client: EtcdClient, key: bytes, range_end: bytes, start_revision: int,
-                 idle: float) -> None:
+                 idle: float, max_pending: int = 0) -> None:
         self.client = client
+        # (0: no bound) events queued for the reader at most: past it they are dropped
+        # and next() raises WatchOverflowed once, so a reader that does not keep up holds
+        # bounded memory and learns that it must re-read
+        self.max_pending = max_pending
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         self.key, self.range_end = key, range_end
         self.idle = idle
         self.last_revision = start_revision - 1 if start_revision > 0 else 0
@@ -923,9 +935,13 @@ class Watch:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
             return []
+        if isinstance(item, WatchOverflowed):
+            raise item  # (once: the events after it follow)
         if isinstance(item, BaseException):
             self._queue.put(item)  # every later call says the same
             raise item
+        with self._pending_lock:
+            self._pending -= len(item)
         return item
 
     def __iter__(self) -> Iterator[Event]:
@@ -1047,7 +1063,23 @@ class Watch:
             events.append(Event("delete" if e.get("type") == "DELETE" else "put", kv))
         if events:
             self.last_revision = events[-1].revision
-            self._queue.put(events)
+            with self._pending_lock:
+                if self.max_pending and self._pending + len(events) > self.max_pending:
+                    dropped = 0
+                    while True:
+                        try:
+                            old = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if isinstance(old, list):
+                            dropped += len(old)
+                    self._pending = 0
+                    self._queue.put(WatchOverflowed(
+                        f"{dropped + len(events)} watch events were not read in time and were "
+                        "dropped: re-read what is watched"))
+                    return
+                self._pending += len(events)
+                self._queue.put(events)
         elif not result.get("events"):
             # a progress notification: every event up to its revision was sent, so a
             # resume may start after it (what they are for: an idle watch is not

@@ -1269,16 +1269,25 @@ class L3Store:
                         raise
 
                 for g, got in zip(part, self._call(run), strict=True):
+                    name = self.groups.index_key(g)
                     if not isinstance(got, list):  # its slot moved: redirects followed
-                        name = self.groups.index_key(g)
                         got = self._call(lambda name=name: self.rc.zrangebylex(
                             name, lo, hi, start=0, num=limit), name)
-                    if len(got) >= limit and (bound is None or got[-1] < bound):
-                        bound = got[-1]  # (counted with the empty member: it was read)
-                    rows.append([k for k in got if k])  # (the empty member is no key)
-        keys = [k.decode("utf-8", "replace") for k in heapq.merge(*rows)
-                if bound is None or k <= bound]
-        return keys, None if bound is None else bound.decode("utf-8", "replace")
+                    row = [k for k in got if _utf8(k)]  # (the empty member is no key either)
+                    # A member that is not UTF-8 (written by something else than KVCOMM)
+                    # is no key, and cannot be a page's bound (the next page starts after
+                    # the bound as a str): a group read to its limit bounds the page at
+                    # its last key, read further past members that are no keys.
+                    while len(got) >= limit and not row:
+                        last = got[-1]
+                        got = self._call(lambda name=name, last=last: self.rc.zrangebylex(
+                            name, b"(" + last, hi, start=0, num=limit), name)
+                        row = [k for k in got if _utf8(k)]
+                    if len(got) >= limit and (bound is None or row[-1] < bound):
+                        bound = row[-1]
+                    rows.append(row)
+        keys = [k.decode("utf-8") for k in heapq.merge(*rows) if bound is None or k <= bound]
+        return keys, None if bound is None else bound.decode("utf-8")
 
     def _by_node_cached(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:
         """:meth:`_by_node` from a map of every group's master kept for NODE_MAP_S: a scan
@@ -1567,6 +1576,17 @@ class L3Store:
 
 def _raw(r: Any, **kwargs: Any) -> Any:
     return r
+
+
+def _utf8(member: bytes) -> bool:
+    """Whether a key index member can be a key: not empty, strict UTF-8."""
+    if not member:
+        return False
+    try:
+        member.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _wire_key(key: str) -> bytes:

@@ -14,6 +14,17 @@ reader. :func:`no_pickle` therefore
 
 Both raise :class:`kvcomm.UnsupportedValue` (writing) or :class:`kvcomm.CorruptRecord`
 (reading), and nothing is stored or returned then.
+
+A pickle is not the only way a record can run code: ``JsonPlusSerializer``'s msgpack
+records may name any ``module.function`` to call with their arguments when loaded (its
+"constructor" ext types), and by default (``allowed_msgpack_modules`` left unset, without
+``LANGGRAPH_STRICT_MSGPACK``) it calls whatever a record names, ``os.system`` included. So
+the default serializer here is strict (``allowed_msgpack_modules=None``: LangGraph's own
+list of safe types; a record naming anything else loads as its raw arguments, nothing is
+called), and a serializer that would call anything (``allowed_msgpack_modules=True`` or
+the permissive default, ``allowed_json_modules=True``) is refused like a pickling one.
+Graph states holding your own classes (dataclasses, pydantic models) name them:
+``JsonPlusSerializer(allowed_msgpack_modules=[("my.module", "MyState")])``.
 """
 
 from __future__ import annotations
@@ -34,6 +45,16 @@ def _pickles(serde: Any) -> bool:
         return bool(serde.pickle_fallback)
     if isinstance(serde, EncryptedSerializer):
         return _pickles(serde.serde)
+    return False
+
+
+def _calls_anything(serde: Any) -> bool:
+    """Whether ``serde`` calls any function a stored record names when it loads it."""
+    if isinstance(serde, JsonPlusSerializer):
+        return (getattr(serde, "_allowed_msgpack_modules", None) is True
+                or getattr(serde, "_allowed_json_modules", None) is True)
+    if isinstance(serde, EncryptedSerializer):
+        return _calls_anything(serde.serde)
     return False
 
 
@@ -63,9 +84,10 @@ class NoPickleSerializer(SerializerProtocol):
 def no_pickle(serde: Any | None) -> NoPickleSerializer:
     """The serializer a KVCommSaver or KVCommStore uses: ``serde`` (LangGraph's
     ``JsonPlusSerializer()`` when None), refusing pickles. Raises ConfigError for a
-    serializer configured to pickle or one without ``dumps_typed``/``loads_typed``."""
-    if serde is None:
-        serde = JsonPlusSerializer(pickle_fallback=False)
+    serializer configured to pickle, one that calls any function a record names when it
+    loads it (see the module docstring), or one without ``dumps_typed``/``loads_typed``."""
+    if serde is None:  # (strict: see the module docstring)
+        serde = JsonPlusSerializer(pickle_fallback=False, allowed_msgpack_modules=None)
     if isinstance(serde, NoPickleSerializer):
         return serde
     if not (callable(getattr(serde, "dumps_typed", None))
@@ -76,4 +98,11 @@ def no_pickle(serde: Any | None) -> NoPickleSerializer:
     if _pickles(serde):
         raise ConfigError("", "serde is configured with pickle_fallback=True: KVCOMM never "
                               "stores pickles; use JsonPlusSerializer() without it")
+    if _calls_anything(serde):
+        raise ConfigError("", "serde would call any function a record in KVCOMM names when it "
+                              "loads it (JsonPlusSerializer's default, allowed_msgpack_modules="
+                              "True or allowed_json_modules=True): KVCOMM's data is shared by "
+                              "every process of every host; pass JsonPlusSerializer("
+                              "allowed_msgpack_modules=[(module, name), ...]) naming your own "
+                              "types, or None (LangGraph's safe types only)")
     return NoPickleSerializer(serde)

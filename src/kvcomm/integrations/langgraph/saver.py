@@ -80,7 +80,14 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ...core.versions import Version
-from ...errors import ConflictError, InvalidArgument, KVCommWarning, Unavailable
+from ...errors import (
+    ConflictError,
+    CorruptRecord,
+    InvalidArgument,
+    KVCommError,
+    KVCommWarning,
+    Unavailable,
+)
 from ._keys import DEFAULT_ROOT, Keys
 from ._kv import get_referenced, scan
 from ._serde import NoPickleSerializer, no_pickle
@@ -92,15 +99,28 @@ class _NotHead(Exception):
     """put_writes: the checkpoint is no longer the head (the head is left alone)."""
 
 
+# what reading a record of another shape than KVCommSaver's raises (a planted one)
+_SHAPE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                 NotImplementedError)
+
+
+def _corrupt(what: str, exc: BaseException) -> CorruptRecord:
+    return CorruptRecord(f"a record of {what} in KVCOMM is not one KVCommSaver wrote "
+                         f"({type(exc).__name__}: {exc}); delete the thread (delete_thread) "
+                         "or the record")
+
+
 class KVCommSaver(BaseCheckpointSaver[str]):
     """A LangGraph checkpointer storing threads in KVCOMM (see the module docstring for
     the key layout and what holds across hosts).
 
     ``kv`` is an open client (``kvcomm.open(...)``), which the saver uses and never
-    closes. ``serde`` is a LangGraph serializer (default ``JsonPlusSerializer()``); one
-    that pickles is refused (ConfigError). ``root`` is the key prefix of everything the
-    saver writes (default ``"lg/"``; heads under ``root + "cp/h/"``). ``wait_timeout``
-    is how long, in cluster mode, a read waits for a record the thread's head names.
+    closes. ``serde`` is a LangGraph serializer (default ``JsonPlusSerializer(
+    allowed_msgpack_modules=None)``, strict); one that pickles, or calls any function a
+    stored record names, is refused (ConfigError; see ``_serde.py``). ``root`` is the
+    key prefix of everything the saver writes (default ``"lg/"``; heads under
+    ``root + "cp/h/"``). ``wait_timeout`` is how long, in cluster mode, a read waits for
+    a record the thread's head names.
 
     Methods raise what the client raises (kvcomm.KVCommError: InvalidKey for an id too
     long for ``cache.max_key_bytes``, Unavailable...) and LangGraph's serializer errors;
@@ -280,8 +300,18 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names, or the thread's latest (its head); None when
         there is none. Raises Unavailable (cluster mode) when a record the head names
-        has not reached this host within ``wait_timeout``."""
+        has not reached this host within ``wait_timeout``; CorruptRecord when a record
+        under the thread's keys is not one KVCommSaver wrote."""
         thread_id, ns = self._ids(config)
+        try:
+            return self._get_tuple(config, thread_id, ns)
+        except KVCommError:
+            raise
+        except _SHAPE_ERRORS as exc:
+            raise _corrupt(f"thread {thread_id!r}", exc) from None
+
+    def _get_tuple(self, config: RunnableConfig, thread_id: str,
+                   ns: str) -> CheckpointTuple | None:
         k = self.keys
         cid = get_checkpoint_id(config)
         referenced: list[list[Any]] | None = None
@@ -361,6 +391,21 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         else:
             suffix = k.ns("", thread_id, ns)
         before_id = get_checkpoint_id(before) if before else None
+        records = self._list(suffix, cid, before_id, filter, limit)
+        while True:
+            try:
+                tup = next(records)
+            except StopIteration:
+                return
+            except KVCommError:
+                raise
+            except _SHAPE_ERRORS as exc:
+                raise _corrupt("a checkpoint listed", exc) from None
+            yield tup
+
+    def _list(self, suffix: str, cid: str | None, before_id: str | None,
+              filter: dict[str, Any] | None, limit: int | None) -> Iterator[CheckpointTuple]:
+        k = self.keys
         groups: dict[tuple[str, str], list[tuple[str, list[Any]]]] = {}
         for item in scan(self.kv, k.checkpoints + suffix):
             t, n, c = Keys.split(item.key, k.checkpoints)

@@ -13,8 +13,10 @@ times. So:
   prefix's key prefix (every host's items, in cluster mode: ``kv.scan``'s contract), each
   item decoded and matched against ``filter`` (LangGraph's operators: equality, nested
   dicts, ``$eq $ne $gt $gte $lt $lte``), then paged. Results come in **key order**
-  (namespace labels, then the key, by UTF-8 bytes; LangGraph's ``InMemoryStore`` returns
-  insertion order, which no distributed store can keep), so pages are stable.
+  (the items' KVCOMM keys by UTF-8 bytes: escaped labels, then ``=`` and the key, so an
+  item of ``("a",)`` comes after those of ``("a", "*")``, ``*`` sorting before ``=``;
+  LangGraph's ``InMemoryStore`` returns insertion order, which no distributed store can
+  keep), so pages are stable.
 * ``list_namespaces`` scans the prefix's keys and lists the namespaces that hold at least
   one item (as LangGraph's SQL stores do: a namespace whose items were all deleted is
   gone), sorted, with ``prefix``/``suffix`` (``*`` wildcards), ``max_depth`` and paging.
@@ -48,7 +50,7 @@ from langgraph.store.base import (
 )
 
 from ..._client import Client
-from ...errors import ConfigError, InvalidArgument
+from ...errors import ConfigError, CorruptRecord, InvalidArgument, KVCommError
 from ._keys import DEFAULT_ROOT, Keys
 from ._kv import scan
 from ._serde import no_pickle
@@ -120,8 +122,17 @@ class KVCommStore(BaseStore):
     # ---------------------------------------------------------------- operations
     def _item(self, namespace: tuple[str, ...], key: str, raw: list[Any],
               cls: type[Item] = Item) -> Any:
-        t, b, created, updated = raw
-        value = self.serde.loads_typed((t, b))
+        try:
+            t, b, created, updated = raw
+            value = self.serde.loads_typed((t, b))
+            _dt(created), _dt(updated)
+        except KVCommError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
+                NotImplementedError) as exc:
+            raise CorruptRecord(f"store item {key!r} of namespace {namespace!r} in KVCOMM is "
+                                f"not one KVCommStore wrote ({type(exc).__name__}: {exc}); "
+                                "delete it") from None
         if cls is SearchItem:
             return SearchItem(namespace, key, value, _dt(created), _dt(updated))
         return Item(value=value, key=key, namespace=namespace, created_at=_dt(created),
