@@ -268,11 +268,12 @@ def test_a_late_watch_event_never_names_a_writer_that_did_not_write(dev: dict[st
                 break
         host2 = dev["hosts"][1]["name"] if "name" in dev["hosts"][1] else "host-2"
         puts = [e for e in events if e.kind == "put"]
-        assert len(puts) == 2, events
+        # (the first put, replaced before it was read, may be coalesced into the second)
+        assert 1 <= len(puts) <= 2, events
         for e in puts:
             assert e.version is not None
             assert all(h != host2 for h, _ in e.version.vector), e
-        assert puts[1].version.vector and puts[1].version.vector[0][0] != host2
+        assert puts[-1].version.vector and puts[-1].version.vector[0][0] != host2
     finally:
         a.close(), b.close()
 

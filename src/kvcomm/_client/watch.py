@@ -9,7 +9,6 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
 from ..node.watched import register, unregister
 from ..tiers.l2 import KIND_NAMES, key_hash
@@ -39,9 +38,11 @@ class Watching(Writes):
 
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:
         """Changes under ``prefix`` from now on, in per-key order, each with its full
-        Version (the version of the write; for a write already replaced or evicted by
-        the time the watcher reads it: its HLC, and this host's entry when this host
-        wrote it; another host's write then has an empty vector).
+        Version (the version of the write). In cluster mode, another host's write that
+        was already replaced by the time the watcher reads it is coalesced into the
+        change that replaced it (whose event follows), as the write window already
+        coalesces a host's writes; this host's own write already replaced carries what
+        L2's feed keeps of it: this host's entry and its HLC.
 
         Kinds: ``put``, ``delete``, ``evict`` (L2 dropped the key to make room: in embedded
         mode it is gone, in cluster mode L3 still has it) and ``overflow``. In cluster mode
@@ -142,10 +143,15 @@ class Watching(Writes):
                             v = seg.version(kb, key_hash(kb))
                             if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
                                 version = self._version(v[3], v[4], v[5])
-                        if version is None:  # (replaced since: what the feed knows; its
-                            # counter is 0 for another host's write: no entry of this host)
-                            version = (self._version(ev.counter, ev.hlc, b"") if ev.counter
-                                       else Version((), ev.hlc))
+                        if version is None and full and not ev.counter:
+                            # another host's write replaced since: its full version is
+                            # gone, and the change that replaced it follows in this feed
+                            # (or an overflow does): coalesced into it, as the cluster
+                            # already coalesces a window's writes
+                            continue
+                        if version is None:  # (this host's write replaced since: what the
+                            # feed knows, this host's entry and the HLC)
+                            version = self._version(ev.counter, ev.hlc, b"")
                         yield Event(ev.key, KIND_NAMES[ev.kind], version)
                 if sub is not None:
                     for e in self._cluster_events(sub):
