@@ -22,6 +22,7 @@ from .conftest import wait_for
 lg = pytest.importorskip("langgraph.checkpoint.serde.jsonplus")
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
+from tests.test_scan_cluster import host, l3  # noqa: E402  (the same 2-host cluster)
 
 needs_cluster = [
     pytest.mark.redis,
@@ -104,13 +105,6 @@ def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     devcluster.down(str(d))
 
 
-def host(dev: dict[str, Any], i: int) -> kvcomm.Client:
-    return kvcomm.open(config=dev["hosts"][i]["config"])
-
-
-def l3(dev: dict[str, Any]) -> L3Store:
-    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]],
-                   groups=64)
 
 
 def scan_in_thread(kv: kvcomm.Client, prefix: str, **kw: Any) -> list[str] | BaseException:
