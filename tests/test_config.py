@@ -291,6 +291,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
             lambda m: st.sampled_from([m, oct(m), "0" + oct(m)[2:]])),
         "max_batch_ops": st.integers(1, MAX_COUNT), "max_batch_bytes": _size(1),
         "negative_ttl": _duration(False), "negative_max_entries": st.integers(1, MAX_COUNT),
+        "expiry_sweep": st.floats(0.001, 60, allow_nan=False),
         "bloom_capacity": st.integers(1, MAX_COUNT),
         # (below ~1e-12 a small capacity needs more hash functions than the filter tests)
         "bloom_fpr": st.floats(1e-12, 1, exclude_max=True),
@@ -326,6 +327,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "etcd_tls": st.booleans(), "etcd_ca": _path, "etcd_cert": _path, "etcd_key": _path,
         "address_remap": st.dictionaries(_address, _address, max_size=3),
         "lease_ttl": st.floats(1, 3600, allow_nan=False),
+        "tombstone_grace": st.floats(60, 86400 * 30, allow_nan=False),
         "max_clock_skew": st.sampled_from(["1ms", "500ms", "2s", 0.25]),
     },
     "metrics": {

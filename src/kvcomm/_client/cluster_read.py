@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..core.expiry import expired
 from ..core.versions import Version
 from ..errors import ValueTooLarge
 from .base import _FILL_WITHIN
@@ -46,7 +47,7 @@ class ClusterReads(Merging):
             self._l3 = l3
         self.counters["l3_reads"] += 1
         rec = self._l3.get(key)
-        if rec is None or rec.tombstone:
+        if rec is None or rec.tombstone or expired(rec.deadline, time.time()):
             self.counters["l3_absent"] += 1
             self._negative.note_absent(key, now)
             return None if want_item else default
@@ -60,7 +61,7 @@ class ClusterReads(Merging):
             except ValueTooLarge:
                 pass  # this host's L2 can never hold it: served from L3 every time
         if want_item:
-            return Item(key, value, version, "l3")
+            return Item(key, value, version, "l3", rec.deadline)
         return value
 
     def _key_filter(self) -> Any:

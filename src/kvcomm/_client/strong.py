@@ -207,9 +207,15 @@ class StrongStore:
         return [i for i in items if i is not None], r.more
 
     def put(self, key: str, value: Any, encoded: tuple[int, bytes, bytes | memoryview],
-            expect: Any, validator: Callable[[str, Item | None, Any], None] | None) -> Version:
+            expect: Any, validator: Callable[[str, Item | None, Any], None] | None,
+            deadline: float | None = None) -> Version:
         """Write ``value`` (``encoded``) once a majority has it. Raises ConflictError,
-        ValidationError, ValueTooLarge, Unavailable (outcome unknown when it says so)."""
+        ValidationError, ValueTooLarge, Unavailable (outcome unknown when it says so),
+        InvalidArgument for a ``deadline`` (strong keys do not expire yet)."""
+        if deadline is not None:
+            raise InvalidArgument(
+                f"{key!r} is a strong key (cache.strong_prefixes): strong keys take no ttl "
+                "yet; write it without ttl= (nothing was written)")
         version = self._write(key, value, self._encode(encoded), expect, validator)
         assert version is not None  # (a put always returns one)
         return version

@@ -134,6 +134,7 @@ import msgpack
 
 from .._extras import require_cluster
 from ..core import codec
+from ..core.expiry import deadline_of
 from ..core.ext import EMPTY_EXT, MAX_EXT
 from ..core.ext import ext_problem as _check_ext
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
@@ -195,6 +196,12 @@ class L3Record(NamedTuple):
     @property
     def version(self) -> Dotted:
         return Dotted(self.vector, self.dot, self.hlc)
+
+    @property
+    def deadline(self) -> float | None:
+        """The record's expiry in epoch seconds, from its extension field (None: never;
+        :mod:`kvcomm.core.expiry`). Past it the record reads as a tombstone."""
+        return deadline_of(self.ext)
 
     @property
     def local_ext(self) -> bytes:
