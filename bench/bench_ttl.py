@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 ROUNDS = 300
@@ -90,23 +91,32 @@ def precision(keys: int) -> None:
     ns = f"bench-ttl-p-{os.getpid()}"
     try:
         with kvcomm.open(ns) as kv:
-            w = kv.watch("wave/", timeout=0.001)
+            events: dict[str, float] = {}
+            w = kv.watch("wave/", timeout=30.0)
+
+            def watch() -> None:
+                for ev in w:
+                    if ev.kind == "expire":
+                        events.setdefault(ev.key, time.time())
+                        if len(events) == keys:
+                            return
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
             r = subprocess.run([sys.executable, "-c", _WRITER, ns, str(keys)], check=True,
                                capture_output=True, text=True)
             deadlines: dict[str, float] = json.loads(r.stdout)
             used = kv.stats()["l2"]["bytes"]
             gone: dict[str, float] = {}
-            events: dict[str, float] = {}
             live = set(deadlines)
             end = max(deadlines.values()) + 5.0
-            while (live or len(events) < keys) and time.time() < end:
+            while live and time.time() < end:
                 for k in list(live):
                     if kv.get(k) is None:
                         gone[k] = time.time()
                         live.discard(k)
-                for ev in w:
-                    if ev.kind == "expire":
-                        events.setdefault(ev.key, time.time())
+                time.sleep(0.0005)  # (the watcher thread gets the GIL)
+            watcher.join()
             read_ms = [(gone[k] - deadlines[k]) * 1000 for k in gone]
             ev_ms = [(events[k] - deadlines[k]) * 1000 for k in events]
             early = [k for k in gone if gone[k] < deadlines[k]]

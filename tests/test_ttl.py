@@ -19,7 +19,7 @@ import pytest
 import kvcomm
 from kvcomm.core.expiry import ExtCache, check_ttl, deadline_of, expired, with_deadline
 from kvcomm.tiers.l2 import key_hash
-from tests.conftest import SMALL
+from tests.conftest import SMALL, wait_for
 
 
 def _until(t: float) -> None:
@@ -293,3 +293,71 @@ def test_check_ttl_and_expired() -> None:
     assert not expired(None, 1e9) and not expired(0.0, 1e9)
     assert expired(10.0, 10.0) and expired(10.0, 11.0) and not expired(10.0, 9.999)
     assert with_deadline(with_deadline(b"", 5.0), None) == b""
+
+
+# ---------------------------------------------------------------- presence
+
+_AGENT = textwrap.dedent("""
+    import json, sys, time, kvcomm
+    cfg = kvcomm.Config.from_mapping(json.loads(sys.argv[2])) if sys.argv[2].startswith("{") \\
+        else sys.argv[2]
+    kv = kvcomm.open(sys.argv[1], config=cfg)
+    p = kv.presence("alive/", sys.argv[3], ttl=float(sys.argv[4]))
+    print("up", flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def spawn_agent(ns: str, config: str, agent: str, ttl: float) -> subprocess.Popen[str]:
+    """A process that keeps ``alive/<agent>`` present until it is killed; returns once its
+    presence is written."""
+    p = subprocess.Popen([sys.executable, "-c", _AGENT, ns, config, agent, str(ttl)],
+                         stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert p.stdout is not None and p.stdout.readline().strip() == "up"
+    return p
+
+
+def test_presence_refreshes_and_stop_lets_it_lapse(kv: kvcomm.Client) -> None:
+    with pytest.raises(kvcomm.InvalidArgument):
+        kv.presence("alive/", "x", ttl=0)
+    with pytest.raises(kvcomm.InvalidKey):
+        kv.presence("alive/", "")
+    p = kv.presence("alive/", "me", ttl=0.3)
+    q = kv.presence("alive/", "you", ttl=0.3)
+    assert kv.present("alive/") == ["me", "you"]
+    first = kv.get_item("alive/me").expires_at  # type: ignore[union-attr]
+    _until(first + 0.2)  # type: ignore[operator]
+    assert kv.present("alive/") == ["me", "you"]  # refreshed past its first deadline
+    assert p.refreshes >= 2 and p.failures == 0
+    p.stop()
+    last = kv.get_item("alive/me").expires_at  # type: ignore[union-attr]
+    assert last is not None and last <= time.time() + 0.3
+    _until(last)
+    assert kv.present("alive/") == ["you"]
+    q.stop(remove=True)
+    assert kv.present("alive/") == [] and kv.get("alive/you") is None
+
+
+def test_presence_of_a_killed_process_lapses_within_ttl_and_a_refresh(
+        ns: str, config: kvcomm.Config) -> None:
+    ttl = 0.6
+    with kvcomm.open(ns, config=config) as kv:
+        agent = spawn_agent(ns, json.dumps(SMALL), "drone-9", ttl)
+        try:
+            assert kv.present("alive/") == ["drone-9"]
+            wait_for(lambda: kv.get_item("alive/drone-9").expires_at  # type: ignore[union-attr]
+                     > time.time() + ttl * 0.5, what="a refresh")
+            assert agent.poll() is None
+            os.kill(agent.pid, 9)
+            killed = time.time()
+            agent.wait(timeout=30)
+            assert agent.returncode == -9
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+        # every refresh happened before the kill: from kill + ttl + ttl / 3 on, nobody
+        # lists it (checked once at that instant, not waited for)
+        _until(killed + ttl + ttl / 3)
+        assert kv.present("alive/") == [] and kv.get("alive/drone-9") is None

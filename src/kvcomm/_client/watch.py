@@ -40,8 +40,10 @@ class Watching(Writes):
         Version (the version of the write; for a write already replaced or evicted by
         the time the watcher reads it: its HLC and this host's entry).
 
-        Kinds: ``put``, ``delete``, ``evict`` (L2 dropped the key to make room: in embedded
-        mode it is gone, in cluster mode L3 still has it) and ``overflow``. In cluster mode
+        Kinds: ``put``, ``delete``, ``expire`` (the key reached its deadline, seen by this
+        host's sweep or a read of it: see ``put(ttl=)``), ``evict`` (L2 dropped the key to
+        make room: in embedded mode it is gone, in cluster mode L3 still has it) and
+        ``overflow``. In cluster mode
         the watch sees the changes made on every host: the host's node daemon learns the
         prefix and installs every change under it into this host's L2 (so the host holds
         the watched keys); this call returns once the daemon has taken the prefix (at
