@@ -126,6 +126,7 @@ class DaemonStats:
     hinted: int = 0  # groups read because a hint said they changed
     swept: int = 0  # groups read because their counter said so (the sweep, lost hints)
     lost_hints: int = 0  # groups whose hints may have been lost (their counters checked)
+    expired_unindexed: int = 0  # keys past their deadline dropped from L3's key index
     feed_overflows: int = 0
     quarantined: int = 0  # inputs set aside (logged, pushed to kvn:{host}:quarantine)
     step_errors: int = 0  # rounds that failed as a whole (retried with backoff)
@@ -728,6 +729,7 @@ class NodeDaemon(Daemon):
             self.status_file = status_path(self.kv.name, c.l2_dir)
             self.watched = WatchedPrefixes(self.kv.name, c.l2_dir)
             self.status_written = float("-inf")
+            self._expire_index_at = 0.0  # (the clock's next expire_index)
             if cl.etcd:
                 self.presence = HostPresence(config, self.status,
                                              on_change=self.write_status).start()
@@ -751,6 +753,21 @@ class NodeDaemon(Daemon):
             self.status_written = float("-inf")  # new watchers wait for the status: now
         super().step()
         self.agents.maybe_publish(self.l3, self.clock())  # (never raises)
+        self._maybe_expire_index()
+
+    def _maybe_expire_index(self) -> None:
+        """About once a second: keys past their deadline leave L3's key index (every
+        daemon does it: the work is idempotent, and bounded per group per call). An L3
+        failure is logged and tried again next time, never raised."""
+        now = self.clock()
+        if now < self._expire_index_at:
+            return
+        self._expire_index_at = now + 1.0
+        try:
+            assert isinstance(self.l3, L3Store)
+            self.stats.expired_unindexed += self.l3.expire_index(time.time())
+        except Unavailable as exc:
+            log.warning("dropping expired keys from L3's key index: %s", exc)
 
     def after_step(self) -> None:
         """Write the status file for the host's agents and ``kvcomm info`` (every 200 ms

@@ -108,6 +108,25 @@ has no entries: the first daemon of an upgraded cluster backfills them once
 runs it by hand); every host's daemon and agents must run a KVCOMM with the index before
 then, or writes of older ones go unindexed.
 
+Expiry
+------
+A record whose extension field carries a deadline (``x`` key ``"e"``, epoch seconds:
+:mod:`kvcomm.core.expiry`) is, from that deadline on, a tombstone at its version: every
+reader treats it as absent, and the push script merges it by its version like any record
+(a later write wins over it; an older write replayed after it is ``older`` and changes
+nothing). The script stores a record already past its deadline as a tombstone would be
+(out of the key index), and gives the Redis key ``PEXPIREAT deadline +
+cluster.tombstone_grace``: the expired record stays, holding the version that refuses
+replays, for the grace, and then Redis reclaims it. The grace must be at least the longest
+backlog a partitioned host may replay (the default is a day); a write after the deadline
+without a ttl makes the key permanent again (``SET`` clears the expiry). Each group also
+keeps ``kvx:{t}``: its keys that have a deadline, scored by it, kept by the push script
+with each record; the node daemons drop keys past their deadline from the key indexes
+through it about once a second (:meth:`L3Store.expire_index`, EXPIRE_INDEX_LUA), so scans
+skip them without reading their records. (``kvx`` is named in ARGV, not KEYS, for the
+reason the hint channel is: a declared key missing during a slot migration would refuse
+every push of the group.)
+
 Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
 which applies the incoming record atomically against the stored one by the L3 rule,
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
@@ -362,9 +381,20 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # KEYS[4] the group's key index (a sorted set: see "The key index" above)
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key,
 # ARGV[5] the group's hint channel (an argument, not a key: during a slot migration Redis
-# counts a declared key that does not exist as missing, and would refuse every push)
+# counts a declared key that does not exist as missing, and would refuse every push),
+# ARGV[6] cluster.tombstone_grace in ms, ARGV[7] the group's expiry index (kvx, same hash
+# tag; an argument for the same reason: see "Expiry" above)
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
+-- the record's deadline (epoch seconds: kvcomm.core.expiry), nil when none
+local function deadline_of(x)
+  if type(x) ~= 'string' or #x == 0 then return nil end
+  local ok, m = pcall(cmsgpack.unpack, x)
+  if not ok or type(m) ~= 'table' then return nil end
+  local d = m.e
+  if type(d) ~= 'number' or not (d > 0 and d < 1e300) then return nil end
+  return d
+end
 local MAX_COUNTER = 9007199254740991  -- 2**53-1: every larger integer is a double >= 2**53
 local function counter_ok(c)
   return type(c) == 'number' and c >= 1 and c <= MAX_COUNTER
@@ -402,9 +432,22 @@ local function vv(r)
   for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
   return t
 end
-local function store(bytes, dead)
+local function store(bytes, dead, rec)
   -- (a script is not rolled back on error: the record goes last, once its feed entry and
   -- its index entry are in)
+  -- a record past its deadline is a tombstone at its version: out of the key index
+  local d = deadline_of(rec.x)
+  if d ~= nil then
+    local t = redis.call('TIME')
+    if d <= tonumber(t[1]) + tonumber(t[2]) / 1e6 then dead = true end
+  end
+  if ARGV[7] then
+    if d ~= nil and not dead then
+      redis.call('ZADD', ARGV[7], d, ARGV[4])
+    else
+      redis.call('ZREM', ARGV[7], ARGV[4])
+    end
+  end
   if dead then
     redis.call('ZREM', KEYS[4], ARGV[4])
     -- the empty member (no key is empty) keeps the index of a group that was ever written
@@ -421,6 +464,11 @@ local function store(bytes, dead)
   end
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
   redis.call('SET', KEYS[1], bytes)
+  if d ~= nil and ARGV[6] then
+    -- kept past its deadline as a tombstone for the grace (so that no replayed older
+    -- write comes back), then Redis reclaims it; a later write without one clears this
+    redis.call('PEXPIREAT', KEYS[1], math.floor(d * 1000) + tonumber(ARGV[6]))
+  end
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
   if ARGV[5] then redis.pcall('SPUBLISH', ARGV[5], s) end
@@ -432,7 +480,7 @@ end
 local raw = redis.pcall('GET', KEYS[1])
 if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
 if not raw then
-  store(ARGV[1], incoming.d)
+  store(ARGV[1], incoming.d, incoming)
   return {'new', ARGV[1]}
 end
 local stored, why = read(raw)
@@ -441,7 +489,7 @@ if stored == nil and why == 'newer' then
                            'host reads; upgrade this host')
 end
 if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
-  store(ARGV[1], incoming.d)
+  store(ARGV[1], incoming.d, incoming)
   return {'new', ARGV[1]}
 end
 local a, b = vv(incoming), vv(stored)
@@ -455,7 +503,7 @@ for k, v in pairs(a) do
 end
 if a_ge and b_ge then return {'equal', raw} end
 if a_ge then
-  store(ARGV[1], incoming.d)
+  store(ARGV[1], incoming.d, incoming)
   return {'newer', ARGV[1]}
 end
 if b_ge then return {'older', raw} end
@@ -478,7 +526,7 @@ for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] e
 local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
              dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
-store(packed, win.d)
+store(packed, win.d, win)
 return {'merged', packed}
 """
 
@@ -519,6 +567,26 @@ for i = 4, #ARGV do
   if type(r) == 'table' and r.err then out[i - 3] = 'ERR ' .. r.err else out[i - 3] = r end
 end
 return out
+"""
+
+# Keys past their deadline leave their groups' key indexes (L3Store.expire_index): ARGV[1]
+# now (epoch seconds), ARGV[2] at most this many keys per group, ARGV[3..] pairs of a
+# group's expiry index (kvx) and key index (kvi), all of one master. The push script keeps
+# each kvx score equal to the key's current deadline, so a due member is an expired key.
+# Returns the keys dropped.
+EXPIRE_INDEX_LUA = r"""#!lua flags=allow-cross-slot-keys
+local n = 0
+for i = 3, #ARGV, 2 do
+  local due = redis.pcall('ZRANGEBYSCORE', ARGV[i], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+  if type(due) == 'table' and not due.err then
+    for _, k in ipairs(due) do
+      redis.call('ZREM', ARGV[i + 1], k)
+      redis.call('ZREM', ARGV[i], k)
+      n = n + 1
+    end
+  end
+end
+return n
 """
 
 # One record's key index entry from the record itself (L3Store.backfill_index), atomically
@@ -611,8 +679,8 @@ class L3Store:
                  groups: int = DEFAULT_GROUPS, feed_total: int = FEED_TOTAL,
                  tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None,
-                 address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None
-                 ) -> None:
+                 address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
+                 tombstone_grace: float = 86400.0) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode
 
@@ -648,12 +716,14 @@ class L3Store:
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
+        self.tombstone_grace_ms = int(tombstone_grace * 1000)  # (cluster.tombstone_grace)
         self.redirects: dict[str, int] = {"moved": 0, "ask": 0, "tryagain": 0}  # pushes retried
         self._script = self.rc.register_script(PUSH_LUA)
         self._position = self.rc.register_script(POSITION_LUA)
         self._sweep = self.rc.register_script(SWEEP_LUA)
         self._backfill = self.rc.register_script(BACKFILL_LUA)
         self._index = self.rc.register_script(INDEX_LUA)
+        self._expire_index = self.rc.register_script(EXPIRE_INDEX_LUA)
         self._nodes: list[Any] | None = None  # every group's master (_by_node_cached)
         self._nodes_at = 0.0
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
@@ -678,7 +748,8 @@ class L3Store:
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
                    tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
-                   address_remap=cl.remap_address if cl.address_remap else None, **kw)
+                   address_remap=cl.remap_address if cl.address_remap else None,
+                   tombstone_grace=cl.tombstone_grace, **kw)
 
     def decode(self, raw: object, key: str = "") -> L3Record:
         """:func:`read_record` under this store's bound; CorruptRecord names ``key``."""
@@ -1078,6 +1149,31 @@ class L3Store:
                 if bound is None or k <= bound]
         return keys, None if bound is None else bound.decode("utf-8", "replace")
 
+    def expire_index(self, now: float, limit: int = 256) -> int:
+        """Drop the keys past their deadline at ``now`` from every group's key index (at
+        most ``limit`` per group): one script call per master per INDEX_BATCH groups.
+        Returns how many were dropped. Raises Unavailable."""
+        dropped = 0
+        for node, gs in self._by_node_cached(self.groups).values():
+            for at in range(0, len(gs), INDEX_BATCH):
+                part = gs[at:at + INDEX_BATCH]
+                names: list[str] = []
+                for g in part:
+                    names += [self.groups.expiry_key(g), self.groups.index_key(g)]
+
+                def run(node: Any = node, names: list[str] = names) -> Any:
+                    conn = self.rc.get_redis_connection(node)
+                    self._load(node, conn, self._expire_index)
+                    try:
+                        return conn.evalsha(self._expire_index.sha, 0, repr(now), limit, *names)
+                    except Exception as exc:
+                        if "NOSCRIPT" in str(exc):
+                            self._loaded.discard((node.name, self._expire_index.sha))
+                        raise
+
+                dropped += int(self._call(run))
+        return dropped
+
     def get_many(self, keys: Sequence[str]) -> dict[str, L3Record | CorruptRecord | None]:
         """The records of ``keys`` (None: absent; CorruptRecord: not a record), read with
         one pipeline of GETs per master. Raises Unavailable."""
@@ -1327,7 +1423,8 @@ class L3Store:
         return ([_wire_key(self.groups.record_key(key)), self.groups.feed_key(g),
                  self.groups.seq_key(g), self.groups.index_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
-                 _wire_key(key), self.groups.hint_channel(g)])
+                 _wire_key(key), self.groups.hint_channel(g), self.tombstone_grace_ms,
+                 self.groups.expiry_key(g)])
 
     def _result(self, key: str, raw: Any) -> PushResult:
         try:
