@@ -365,3 +365,21 @@ def test_a_scan_of_everything_pages_through_the_whole_cluster(dev: dict[str, Any
         assert [k for p in pages(a, "", 1000) for k in p] == every
     finally:
         a.close(), b.close(), store.close()
+
+
+def test_a_watch_dropped_unstarted_unregisters(dev: dict[str, Any]) -> None:
+    import gc
+
+    from kvcomm.node.watched import watch_dir
+
+    b = host(dev, 1)
+    try:
+        d = watch_dir(b.name, b.config.cache.l2_dir)
+        before = set(os.listdir(d)) if os.path.isdir(d) else set()
+        w = b.watch("dropped/")
+        assert len(set(os.listdir(d)) - before) == 1  # registered at watch()
+        del w
+        gc.collect()
+        assert set(os.listdir(d)) - before == set()
+    finally:
+        b.close()

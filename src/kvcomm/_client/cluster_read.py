@@ -34,19 +34,8 @@ class ClusterReads(Merging):
             self.counters["filter_hits"] += 1
             self._negative.note_absent(key, now)
             return None if want_item else default
-        if self._l3 is None:
-            from ..tiers.l3 import L3Store
-
-            cl = self.config.cluster
-            l3 = L3Store.from_config(cl, max_value_size=self.config.cache.max_value_size)
-            try:  # (another count than L3's would read every key under the wrong name)
-                l3.check_groups()
-            except BaseException:
-                l3.close()
-                raise
-            self._l3 = l3
         self.counters["l3_reads"] += 1
-        rec = self._l3.get(key)
+        rec = self._l3_store().get(key)
         if rec is None or rec.tombstone or expired(rec.deadline, time.time()):
             self.counters["l3_absent"] += 1
             self._negative.note_absent(key, now)
@@ -63,6 +52,22 @@ class ClusterReads(Merging):
         if want_item:
             return Item(key, value, version, "l3", rec.deadline)
         return value
+
+    def _l3_store(self) -> Any:
+        """The L3 adapter, opened at its first use. Raises Unavailable, ConfigError
+        (``cluster.groups`` is not the count L3 was initialised with)."""
+        if self._l3 is None:
+            from ..tiers.l3 import L3Store
+
+            cl = self.config.cluster
+            l3 = L3Store.from_config(cl, max_value_size=self.config.cache.max_value_size)
+            try:  # (another count than L3's would read every key under the wrong name)
+                l3.check_groups()
+            except BaseException:
+                l3.close()
+                raise
+            self._l3 = l3
+        return self._l3
 
     def _key_filter(self) -> Any:
         """The daemon's filter of existing keys while it is trusted (built, not retired,

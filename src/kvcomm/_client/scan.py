@@ -236,20 +236,6 @@ class Scanning(Watching):
                 return
             after = bound
 
-    def _l3_store(self) -> Any:
-        if self._l3 is None:
-            from ..tiers.l3 import L3Store
-
-            cl = self.config.cluster
-            l3 = L3Store.from_config(cl, max_value_size=self.config.cache.max_value_size)
-            try:
-                l3.check_groups()
-            except BaseException:
-                l3.close()
-                raise
-            self._l3 = l3
-        return self._l3
-
     def _in_l2(self, key: str) -> bool:
         kb, h = self._key_hash(key)
         return self._read_l2(kb, h, _HUGE) is not None

@@ -5,6 +5,7 @@ keys' changes from an etcd watch."""
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,7 +67,10 @@ class Watching(Writes):
         self._live()
         cursor = self._seg.feed_head()  # "from now": cursor taken here
         sub = self._subscribe(prefix) if self._cluster else None
-        return self._watch(prefix, timeout, cursor, sub)
+        gen = self._watch(prefix, timeout, cursor, sub)
+        if sub is not None:  # (a watch dropped unstarted runs no finally: unregister then)
+            weakref.finalize(gen, sub.close)
+        return gen
 
     def _daemon_status(self) -> dict[str, Any] | None:
         from ..node.presence import STATUS_FRESH_S, read_status, status_path
