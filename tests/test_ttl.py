@@ -30,8 +30,8 @@ def _until(t: float) -> None:
 
 
 def test_put_with_ttl_is_absent_from_its_deadline_on_every_read_path(kv: kvcomm.Client) -> None:
-    kv.put("a", b"bytes", ttl=0.3)
-    kv.put("b", {"n": 1}, ttl=0.3)
+    kv.put("a", b"bytes", ttl=1.0)
+    kv.put("b", {"n": 1}, ttl=1.0)
     kv.put("c", "permanent")
     hits0 = kv.stats()["l1"]["hits"]
     for _ in range(3):  # fills L1 and hits it (the C getter), then Python's get_item
@@ -40,7 +40,7 @@ def test_put_with_ttl_is_absent_from_its_deadline_on_every_read_path(kv: kvcomm.
     item = kv.get_item("b")
     assert item is not None and item.tier == "l1"
     deadline = item.expires_at
-    assert deadline is not None and time.time() < deadline <= time.time() + 0.3
+    assert deadline is not None and time.time() < deadline <= time.time() + 1.0
     assert kv.get_item("c").expires_at is None  # type: ignore[union-attr]
     _until(deadline)
     # from the deadline on: no L1 hit, no L2 read, no scan returns them
@@ -61,13 +61,15 @@ def test_l1_entry_never_outlives_the_deadline_in_a_tight_loop(kv: kvcomm.Client)
     while True:
         before = time.time()
         got = kv.get("k")
+        after = time.time()
         if before >= deadline:
             assert got is None, f"served {before - deadline:.6f} s after the deadline"
             late += 1
             if late > 1000:
                 break
-        elif got is None:
-            pytest.fail("absent before its deadline")
+        elif got is None:  # (the read may have started after the deadline: not before it)
+            assert after >= deadline, "absent before its deadline"
+
 
 
 def test_put_without_ttl_makes_the_key_permanent(kv: kvcomm.Client) -> None:
@@ -82,7 +84,7 @@ def test_put_without_ttl_makes_the_key_permanent(kv: kvcomm.Client) -> None:
 def test_touch_sets_extends_and_clears_the_deadline(kv: kvcomm.Client) -> None:
     assert kv.touch("nothing", 1.0) is False
     kv.put("k", {"v": 1})
-    assert kv.touch("k", 0.3) is True
+    assert kv.touch("k", 1.0) is True
     d1 = kv.get_item("k").expires_at  # type: ignore[union-attr]
     assert d1 is not None
     assert kv.touch("k", 5.0) is True
@@ -114,7 +116,7 @@ def test_update_keeps_the_deadline_unless_ttl_is_given(kv: kvcomm.Client) -> Non
 
 def test_batch_ops_take_ttl(kv: kvcomm.Client) -> None:
     with kv.batch() as b:
-        b.put("q1", b"1", ttl=0.2)
+        b.put("q1", b"1", ttl=1.0)
         b.put("q2", {"x": 2})
         b.delete("nothing")
     d = kv.get_item("q1").expires_at  # type: ignore[union-attr]
@@ -142,7 +144,7 @@ def test_bad_ttl_is_refused_and_nothing_is_written(kv: kvcomm.Client, bad: Any) 
 
 
 def test_a_write_after_the_deadline_wins_and_expect_absent_sees_it_gone(kv: kvcomm.Client) -> None:
-    v1 = kv.put("k", 1, ttl=0.1)
+    v1 = kv.put("k", 1, ttl=0.5)
     _until(kv.get_item("k").expires_at)  # type: ignore[arg-type, union-attr]
     with pytest.raises(kvcomm.ConflictError):
         kv.put("k", 9, expect=v1)  # the key is absent (expired): not at v1 any more
@@ -158,7 +160,7 @@ def test_expire_event_within_the_sweep_interval_and_space_reclaimed(ns: str) -> 
         n = 500
         with kv.batch() as b:
             for i in range(n):
-                b.put(f"p/{i}", b"x" * 200, ttl=0.3)
+                b.put(f"p/{i}", b"x" * 200, ttl=1.0)
         deadline = kv.get_item("p/0").expires_at  # type: ignore[union-attr]
         used = kv.stats()["l2"]["bytes"]
         entries = kv.stats()["l2"]["entries"]
@@ -184,7 +186,7 @@ def test_expire_event_within_the_sweep_interval_and_space_reclaimed(ns: str) -> 
 def test_a_read_reclaims_an_expired_key_at_once(ns: str) -> None:
     cfg = kvcomm.Config.from_mapping({**SMALL, "cache": {**SMALL["cache"], "expiry_sweep": "60s"}})
     with kvcomm.open(ns, config=cfg) as kv:
-        kv.put("k", b"v", ttl=0.1)
+        kv.put("k", b"v", ttl=0.5)
         w = kv.watch("", timeout=2.0)
         _until(kv.get_item("k").expires_at)  # type: ignore[arg-type, union-attr]
         assert kv.stats()["l2"]["entries"] == 1  # the sweep sleeps 60 s
@@ -208,7 +210,7 @@ def test_crossing_the_deadline_in_another_process(ns: str, config: kvcomm.Config
     in a watch: from the deadline on it is absent here, and the watch sees one expire."""
     with kvcomm.open(ns, config=config) as kv:
         w = kv.watch("shared/", timeout=5.0)
-        out = subprocess.run([sys.executable, "-c", _WRITER, ns, json.dumps(SMALL), "0.5"],
+        out = subprocess.run([sys.executable, "-c", _WRITER, ns, json.dumps(SMALL), "3.0"],
                              check=True, capture_output=True, text=True, timeout=60,
                              cwd=os.path.dirname(os.path.dirname(__file__)))
         deadline = json.loads(out.stdout)
@@ -324,16 +326,16 @@ def test_presence_refreshes_and_stop_lets_it_lapse(kv: kvcomm.Client) -> None:
         kv.presence("alive/", "x", ttl=0)
     with pytest.raises(kvcomm.InvalidKey):
         kv.presence("alive/", "")
-    p = kv.presence("alive/", "me", ttl=0.3)
-    q = kv.presence("alive/", "you", ttl=0.3)
+    p = kv.presence("alive/", "me", ttl=1.2)
+    q = kv.presence("alive/", "you", ttl=1.2)
     assert kv.present("alive/") == ["me", "you"]
     first = kv.get_item("alive/me").expires_at  # type: ignore[union-attr]
-    _until(first + 0.2)  # type: ignore[operator]
+    _until(first + 0.4)  # type: ignore[operator]
     assert kv.present("alive/") == ["me", "you"]  # refreshed past its first deadline
     assert p.refreshes >= 2 and p.failures == 0
     p.stop()
     last = kv.get_item("alive/me").expires_at  # type: ignore[union-attr]
-    assert last is not None and last <= time.time() + 0.3
+    assert last is not None and last <= time.time() + 1.2
     _until(last)
     assert kv.present("alive/") == ["you"]
     q.stop(remove=True)
@@ -342,7 +344,7 @@ def test_presence_refreshes_and_stop_lets_it_lapse(kv: kvcomm.Client) -> None:
 
 def test_presence_of_a_killed_process_lapses_within_ttl_and_a_refresh(
         ns: str, config: kvcomm.Config) -> None:
-    ttl = 0.6
+    ttl = 1.2
     with kvcomm.open(ns, config=config) as kv:
         agent = spawn_agent(ns, json.dumps(SMALL), "drone-9", ttl)
         try:

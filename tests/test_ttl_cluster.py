@@ -64,7 +64,7 @@ def test_a_key_expires_on_host_1_and_is_absent_on_host_2(dev: dict[str, Any]) ->
     a, b, store = host(dev, 0), host(dev, 1), l3(dev)
     try:
         w = b.watch("exp/", timeout=10.0)
-        a.put("exp/k", {"v": 1}, ttl=1.5)
+        a.put("exp/k", {"v": 1}, ttl=3.0)
         a.put("exp/perm", {"v": 2})
         deadline = a.get_item("exp/k").expires_at  # type: ignore[union-attr]
         assert deadline is not None
