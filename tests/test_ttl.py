@@ -72,6 +72,15 @@ def test_l1_entry_never_outlives_the_deadline_in_a_tight_loop(kv: kvcomm.Client)
 
 
 
+def test_a_large_array_view_carries_the_deadline(kv: kvcomm.Client) -> None:
+    np = pytest.importorskip("numpy")
+    arr = np.arange(100_000, dtype=np.float64)
+    kv.put("arr", arr, ttl=30)
+    item = kv.get_item("arr")
+    assert item is not None and not item.value.flags.writeable  # (a zero-copy view)
+    assert item.expires_at is not None and item.expires_at > time.time() + 20
+
+
 def test_put_without_ttl_makes_the_key_permanent(kv: kvcomm.Client) -> None:
     kv.put("k", 1, ttl=0.2)
     kv.put("k", 2)

@@ -84,7 +84,7 @@ class Reads(ClusterReads):
         tag = rec[2]
         raw = rec[4]
         if raw is None:  # a large array: a zero-copy view
-            return self._get_view(key, kb, h, default, want_item)
+            return self._get_view(key, kb, h, default, want_item, rec[9] or None)
         value = raw if tag == _BYTES else self._decode(key, tag, rec[3], raw)
         if tag != _NDARRAY and self._l1_on:
             if rec[9]:  # (a deadline: the entry carries it, and no hit outlives it)
@@ -114,7 +114,8 @@ class Reads(ClusterReads):
         finally:
             core.unlock()
 
-    def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool) -> Any:
+    def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool,
+                  deadline: float | None = None) -> Any:
         """A large array: pin its block and hand out a read-only view of shared memory.
 
         The record may have been replaced between the read and the pin (by a small value,
@@ -145,5 +146,5 @@ class Reads(ClusterReads):
             seg.drop_pending()
         if not want_item:
             return arr
-        return Item(key, arr, self._version(r[4], r[5], r[6]), "l2")
+        return Item(key, arr, self._version(r[4], r[5], r[6]), "l2", deadline)
 
