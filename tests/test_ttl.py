@@ -17,6 +17,7 @@ import msgpack
 import pytest
 
 import kvcomm
+from kvcomm._client.sweeper import SLICE
 from kvcomm.core.expiry import ExtCache, check_ttl, deadline_of, expired, with_deadline
 from kvcomm.tiers.l2 import key_hash
 from tests.conftest import SMALL, wait_for
@@ -181,7 +182,7 @@ def test_expire_event_within_the_sweep_interval_and_space_reclaimed(ns: str) -> 
                     break
         assert set(expired_at) == {f"p/{i}" for i in range(n)}
         late = max(expired_at.values()) - deadline  # type: ignore[operator]
-        slices = math.ceil(kv._seg.layout.n_slots / 16384)
+        slices = math.ceil(kv._seg.layout.n_slots / SLICE)
         print(f"expire events: last {late * 1000:.0f} ms after the deadline "
               f"(bound: {slices} slices x 50 ms + scheduling)")
         assert min(expired_at.values()) >= deadline  # type: ignore[operator]
