@@ -121,9 +121,10 @@ replays, for the grace, and then Redis reclaims it. The grace must be at least t
 backlog a partitioned host may replay (the default is a day); a write after the deadline
 without a ttl makes the key permanent again (``SET`` clears the expiry). Each group also
 keeps ``kvx:{t}``: its keys that have a deadline, scored by it, kept by the push script
-with each record; the node daemons drop keys past their deadline from the key indexes
-through it about once a second (:meth:`L3Store.expire_index`, EXPIRE_INDEX_LUA), so scans
-skip them without reading their records. (``kvx`` is named in ARGV, not KEYS, for the
+with each record; the node daemon that stored a record with a deadline drops the keys
+past their deadline from that group's key index through it, about once a second while the
+group has such records (:meth:`L3Store.expire_index`, EXPIRE_INDEX_LUA; an idle daemon
+sends nothing), so scans skip them without reading their records. (``kvx`` is named in ARGV, not KEYS, for the
 reason the hint channel is: a declared key missing during a slot migration would refuse
 every push of the group.)
 
@@ -1149,12 +1150,13 @@ class L3Store:
                 if bound is None or k <= bound]
         return keys, None if bound is None else bound.decode("utf-8", "replace")
 
-    def expire_index(self, now: float, limit: int = 256) -> int:
-        """Drop the keys past their deadline at ``now`` from every group's key index (at
-        most ``limit`` per group): one script call per master per INDEX_BATCH groups.
-        Returns how many were dropped. Raises Unavailable."""
+    def expire_index(self, now: float, groups: Iterable[int] | None = None,
+                     limit: int = 256) -> int:
+        """Drop the keys past their deadline at ``now`` from the key index of ``groups``
+        (None: every group; at most ``limit`` keys per group): one script call per master
+        per INDEX_BATCH groups. Returns how many were dropped. Raises Unavailable."""
         dropped = 0
-        for node, gs in self._by_node_cached(self.groups).values():
+        for node, gs in self._by_node_cached(self.groups if groups is None else groups).values():
             for at in range(0, len(gs), INDEX_BATCH):
                 part = gs[at:at + INDEX_BATCH]
                 names: list[str] = []
