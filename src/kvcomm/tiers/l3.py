@@ -126,7 +126,9 @@ past their deadline from that group's key index through it, about once a second 
 group has such records (:meth:`L3Store.expire_index`, EXPIRE_INDEX_LUA; an idle daemon
 sends nothing), so scans skip them without reading their records. (``kvx`` is named in ARGV, not KEYS, for the
 reason the hint channel is: a declared key missing during a slot migration would refuse
-every push of the group.)
+every push of the group; the script touches it only for a record with a deadline or one
+replacing such a record, and such a push during a migration of its slot may be refused
+and retried until the migration ends.)
 
 Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
 which applies the incoming record atomically against the stored one by the L3 rule,
@@ -433,7 +435,7 @@ local function vv(r)
   for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
   return t
 end
-local function store(bytes, dead, rec)
+local function store(bytes, dead, rec, prev)
   -- (a script is not rolled back on error: the record goes last, once its feed entry and
   -- its index entry are in)
   -- a record past its deadline is a tombstone at its version: out of the key index
@@ -442,10 +444,12 @@ local function store(bytes, dead, rec)
     local t = redis.call('TIME')
     if d <= tonumber(t[1]) + tonumber(t[2]) / 1e6 then dead = true end
   end
+  -- (kvx is touched only by records with a deadline or replacing one: a key named in
+  -- ARGV that is not local during a slot migration fails the push, which is retried)
   if ARGV[7] then
     if d ~= nil and not dead then
       redis.call('ZADD', ARGV[7], d, ARGV[4])
-    else
+    elseif d ~= nil or (prev ~= nil and deadline_of(prev.x) ~= nil) then
       redis.call('ZREM', ARGV[7], ARGV[4])
     end
   end
@@ -504,7 +508,7 @@ for k, v in pairs(a) do
 end
 if a_ge and b_ge then return {'equal', raw} end
 if a_ge then
-  store(ARGV[1], incoming.d, incoming)
+  store(ARGV[1], incoming.d, incoming, stored)
   return {'newer', ARGV[1]}
 end
 if b_ge then return {'older', raw} end
@@ -527,7 +531,7 @@ for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] e
 local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
              dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
-store(packed, win.d, win)
+store(packed, win.d, win, stored)
 return {'merged', packed}
 """
 
