@@ -291,6 +291,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
             lambda m: st.sampled_from([m, oct(m), "0" + oct(m)[2:]])),
         "max_batch_ops": st.integers(1, MAX_COUNT), "max_batch_bytes": _size(1),
         "negative_ttl": _duration(False), "negative_max_entries": st.integers(1, MAX_COUNT),
+        "expiry_sweep": st.floats(0.001, 60, allow_nan=False),
         "bloom_capacity": st.integers(1, MAX_COUNT),
         # (below ~1e-12 a small capacity needs more hash functions than the filter tests)
         "bloom_fpr": st.floats(1e-12, 1, exclude_max=True),
@@ -329,6 +330,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "lease_ttl": st.floats(1, 3600, allow_nan=False),
         "shutdown_flush_timeout": st.floats(0, 3600, allow_nan=False) | st.sampled_from(
             ["0s", "250ms", "5s", "60m"]),
+        "tombstone_grace": st.floats(60, 86400 * 30, allow_nan=False),
         "max_clock_skew": st.sampled_from(["1ms", "500ms", "2s", 0.25]),
     },
     "metrics": {

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from ._client import Client as Client
     from ._client import Event as Event
     from ._client import Item as Item
+    from ._client import Presence as Presence
     from ._client import open as open  # noqa: A004
     from .config import Config as Config
     from .core.versions import Ordering as Ordering
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it, imported on first access
 _LAZY = {
     "ABSENT": "._client", "Batch": "._client", "Client": "._client", "Event": "._client",
-    "Item": "._client", "open": "._client",
+    "Item": "._client", "Presence": "._client", "open": "._client",
     "Config": ".config",
     "Ordering": ".core.versions", "Version": ".core.versions",
 }
@@ -54,7 +55,7 @@ _LAZY = {
 __all__ = [
     "ABSENT", "Batch", "Client", "Config", "ConfigError", "ConflictError", "CorruptRecord",
     "Event", "InvalidArgument", "InvalidKey", "Item", "KVCommError", "KVCommWarning",
-    "Ordering", "SegmentError", "Unavailable", "UnflushedWrites", "UnsupportedValue",
+    "Ordering", "Presence", "SegmentError", "Unavailable", "UnflushedWrites", "UnsupportedValue",
     "ValidationError",
     "ValueTooLarge", "Version", "open",
 ]

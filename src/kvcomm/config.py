@@ -394,6 +394,10 @@ class CacheConfig(_Section):
     max_batch_bytes: Size = Field(default=1 << 20, ge=1, description="bytes per batch")
     negative_ttl: Duration = Field(default=5.0, ge=0, description="how long 'absent' is trusted")
     negative_max_entries: Count = Field(default=100_000, ge=1)
+    expiry_sweep: Duration = Field(
+        default=0.1, gt=0, le=60,
+        description="how often each process sweeps L2 for keys past their deadline (a "
+                    "bounded slice of the slots each time; see README, Expiry)")
     bloom_capacity: Count = Field(default=1_000_000, ge=1, description="keys the Bloom filter holds")
     bloom_fpr: Ratio = Field(default=0.001, gt=0, lt=1, description="its false-positive rate")
     hot_key_sample: Count = Field(default=16, ge=0, le=1 << 20,
@@ -506,6 +510,10 @@ class ClusterConfig(_Section):
         default=5.0, ge=0, le=3600,
         description="how long `kvcomm node` stopped by SIGTERM/SIGINT may spend sending its "
                     "backlog to L3 before it exits (what is left stays dirty in L2)")
+    tombstone_grace: Duration = Field(
+        default=86400.0, ge=60,
+        description="how long L3 keeps an expired key's tombstone (its version) before Redis "
+                    "reclaims it: at least the longest backlog a partitioned host may replay")
     max_clock_skew: Duration = Field(default=0.5, gt=0, le=3600,
                                      description="remote HLC timestamps further ahead are counted")
     timeout: Duration = Field(default=2.0, gt=0)

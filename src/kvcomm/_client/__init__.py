@@ -7,7 +7,7 @@ error never leaves a half-done write behind.
 
 The client is built in layers, one module each; a layer may use the ones below it:
 
-    client.py        Client: open(), stats, keys, close — the facade
+    client.py        Client: open(), stats, keys, presence, close — the facade
     scan.py          Scanning: ordered prefix scans (an ordered key index; L3's in cluster mode)
     watch.py         Watching: the host's change feed as Events
     write.py         Writes: put, delete, update, batch; compare-and-set, validators
@@ -20,6 +20,8 @@ The client is built in layers, one module each; a layer may use the ones below i
     items.py         Item, Event, ABSENT
     batch.py         Batch (kv.batch())
     attach.py        one L2 mapping and one L1 per (process, namespace); views; fork()
+    sweeper.py       the expiry sweep (one thread per process and namespace)
+    presence.py      Presence (kv.presence(): a key kept alive by refreshes)
 
 ``get`` is special: on a live client it is the C getter itself (``kvcomm._l2core.Getter``,
 an instance attribute: no Python frame on an L1 hit); ``Reads.get`` is what it does.
@@ -30,5 +32,6 @@ from __future__ import annotations
 from .batch import Batch
 from .client import Client, open  # noqa: A004
 from .items import ABSENT, Event, Item
+from .presence import Presence
 
-__all__ = ["ABSENT", "Batch", "Client", "Event", "Item", "open"]
+__all__ = ["ABSENT", "Batch", "Client", "Event", "Item", "Presence", "open"]

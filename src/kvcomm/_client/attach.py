@@ -14,6 +14,7 @@ from ..errors import KVCommError, KVCommWarning
 from ..tiers import l2 as l2mod
 from ..tiers.l1 import L1Cache, process_budget
 from ..tiers.l2 import L2Segment, Layout
+from .sweeper import Sweeper
 
 if TYPE_CHECKING:
     from .base import ClientBase
@@ -22,12 +23,13 @@ if TYPE_CHECKING:
 class _Attached:
     """A namespace this process has mapped: its segment, its L1 and how many clients use it."""
 
-    __slots__ = ("seg", "l1", "refs", "index", "lock")
+    __slots__ = ("seg", "l1", "refs", "index", "lock", "sweeper")
 
-    def __init__(self, seg: L2Segment, l1: L1Cache) -> None:
+    def __init__(self, seg: L2Segment, l1: L1Cache, sweep: float) -> None:
         self.seg, self.l1, self.refs = seg, l1, 0
         self.index: Any = None  # the ordered key index, made at the first scan (scan.py)
         self.lock = threading.Lock()
+        self.sweeper = Sweeper(seg, sweep)  # keys past their deadline (sweeper.py)
 
 
 class _Shared:
@@ -49,7 +51,8 @@ class _Shared:
                                      c.max_value_size)
                 seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions,
                                          directory=c.l2_dir, lock_timeout=c.lock_timeout)
-                entry = cls.attached[name] = _Attached(seg, process_budget().cache())
+                entry = cls.attached[name] = _Attached(seg, process_budget().cache(),
+                                                       c.expiry_sweep)
             entry.refs += 1
             return entry
 
@@ -62,6 +65,7 @@ class _Shared:
             if cls.attached.get(entry.seg.name) is entry:
                 del cls.attached[entry.seg.name]
         process_budget().drop(entry.l1)
+        entry.sweeper.stop()
         entry.seg.close()
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from .._l2core import Getter
 from ..config import Config
 from ..core import codec
+from ..core.expiry import ExtCache
 from ..core.negative import NegativeCache
 from ..core.resolve import PrefixTable
 from ..core.versions import Version, decode_others
@@ -116,6 +117,7 @@ class ClientBase:
         self.agent = agent if agent is not None else process_agent(os.getpid(), self._host)
         self.agent_named = agent is not None
         self._ext = with_agent(b"", self.agent)
+        self._extc = ExtCache(self._ext)  # the field of a write with a deadline (core/expiry.py)
         self._observer = None if self._sample_every <= 0 else AgentStats(
             self.agent, self._host, name, c.l2_dir, c.l2_permissions)
         self._report_at = REPORT_PUTS if self._observer is not None else 1 << 62
@@ -297,11 +299,13 @@ class ClientBase:
                                "overwrite or delete it") from None
 
     def _item_of(self, key: str, rec: Record | None) -> Item | None:
-        """The Item of a record read under the lock (None for absent or a tombstone)."""
-        if rec is None or rec.tag == TAG_TOMBSTONE:
+        """The Item of a record read under the lock (None for absent, a tombstone or an
+        expired record)."""
+        if rec is None or rec.tag == TAG_TOMBSTONE or 0 < rec.deadline <= time.time():
             return None
         value = self._decode(key, rec.tag, rec.meta, rec.value or b"")
-        return Item(key, value, self._version(rec.counter, rec.hlc, rec.vvx), "l2")
+        return Item(key, value, self._version(rec.counter, rec.hlc, rec.vvx), "l2",
+                    rec.deadline or None)
 
     def _read_l2(self, kb: bytes, h: int, zc: int) -> Any:
         """The raw L2 record (tombstones too) or None. Repairs a corrupt segment once."""

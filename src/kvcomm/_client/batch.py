@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._l2core import BatchOps
 from ..core.versions import Version
@@ -48,6 +48,19 @@ class Batch(BatchOps):
         self._packed = None
         self._vvxs = []
         self._versions = None
+
+    def put(self, key: str, value: Any, *, ttl: float | None = None) -> None:
+        """Add a put of ``value`` under ``key``; with ``ttl`` (seconds, counted from this
+        call) the key expires, without it the key is permanent (as :meth:`Client.put`).
+        Raises InvalidKey, the value errors and InvalidArgument (a bad ttl, a used batch)
+        at once; the batch is unchanged then."""
+        if ttl is None:
+            BatchOps.put(self, key, value)
+            return
+        ext = self._client._ext_with(ttl, None)
+        BatchOps.put(self, key, value)
+        op = self._ops[-1]
+        self._ops[-1] = (*op[:5], ext)
 
     @property
     def versions(self) -> list[Version | bool]:

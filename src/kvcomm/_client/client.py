@@ -15,6 +15,7 @@ from ..metrics import agent as metrics_agent
 from ..placement.agents import check_agent
 from ..tiers.l1 import process_budget
 from .attach import _Shared
+from .presence import Presence, start_presence
 from .scan import Scanning
 
 
@@ -31,6 +32,23 @@ class Client(Scanning):
                               self._zc, self._l1_on)
         self.get = self._getter  # type: ignore[method-assign]
         self._meter = metrics_agent.attach(self)  # counts flushed into L2 (kvcomm metrics)
+
+    def presence(self, prefix: str, agent_id: str, ttl: float = 2.0,
+                 value: Any = b"") -> Presence:
+        """Keep ``prefix + agent_id`` present while this process lives: it is written with
+        ``ttl`` now and re-written every ``ttl / 3`` by a background thread; stopping the
+        returned handle, or the process dying, lets it lapse within ``ttl``. ``value`` is
+        what the key holds. Returns the :class:`Presence` handle. Raises InvalidKey,
+        InvalidArgument (a ttl that is not finite and at least 0.03 s), and what
+        :meth:`put` raises for the first write (then no thread is started)."""
+        return start_presence(self, prefix, agent_id, ttl, value)
+
+    def present(self, prefix: str) -> list[str]:
+        """The agent ids whose presence under ``prefix`` is live now (whose key has not
+        reached its deadline), in key order; cluster-wide in cluster mode (through
+        :meth:`scan`). Raises what :meth:`scan` raises."""
+        n = len(prefix) if type(prefix) is str else 0
+        return [item.key[n:] for item in self.scan(prefix)]
 
     def stats(self) -> dict[str, Any]:
         """Per-tier hits/misses of this process, entries, bytes used and evictions."""

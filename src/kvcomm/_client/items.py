@@ -40,6 +40,7 @@ class Item:
     value: Any
     version: Version
     tier: str  # "l1" | "l2" | "l3"
+    expires_at: float | None = None  # the key's deadline, epoch seconds; None: never expires
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,7 @@ class Event:
     """A change seen by :meth:`Client.watch`. ``overflow`` has key "" and version None."""
 
     key: str
-    kind: str  # "put" | "delete" | "evict" | "overflow"
+    kind: str  # "put" | "delete" | "expire" | "evict" | "overflow"
     version: Version | None
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .._l2core import approx_size
 from ..core import codec
-from ..errors import InvalidKey, SegmentError
+from ..errors import InvalidKey, KVCommError, SegmentError
 from ..tiers.l2 import TAG_TOMBSTONE
 from .attach import _register_view
 from .base import _BYTES, _NDARRAY
@@ -30,7 +31,7 @@ class Reads(ClusterReads):
             e = self._l1_entries.get(key)
         except TypeError:
             raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
-        if e is not None and self._q[e[1]] == e[2]:
+        if e is not None and self._q[e[1]] == e[2] and (len(e) < 8 or e[7] > time.time()):
             self._l1_hits += 1
             return e[0]
         return self._get_slow(key, default, False)
@@ -44,10 +45,11 @@ class Reads(ClusterReads):
             e = self._l1_entries.get(key)
         except TypeError:
             raise InvalidKey(f"keys are str, got {type(key).__name__}") from None
-        if e is not None and self._q[e[1]] == e[2]:
+        if e is not None and self._q[e[1]] == e[2] and (len(e) < 8 or e[7] > time.time()):
             self._l1_hits += 1
             self._lat_left -= 1  # (the slow path counts itself down in _get_slow)
-            return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1")
+            return Item(key, e[0], self._version(e[4], e[5], e[6]), "l1",
+                        e[7] if len(e) > 7 else None)
         return self._get_slow(key, None, True)  # type: ignore[no-any-return]
 
     def _get_slow(self, key: str, default: Any, want_item: bool, l3: bool = True) -> Any:
@@ -66,7 +68,12 @@ class Reads(ClusterReads):
         kb, h = self._key_hash(key)
         self._getter.sampled(key)
         rec = self._read_l2(kb, h, self._zc)
-        # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size)
+        # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size, deadline)
+        if rec is not None and rec[9] and rec[9] <= time.time():
+            self._expired_seen(key, kb, h, rec)
+            self._l2_misses += 1
+            self.counters["l2_absent"] += 1
+            return None if want_item else default  # expired: a tombstone at its version
         if rec is None or rec[2] == TAG_TOMBSTONE:
             self._l2_misses += 1
             if rec is None and self._cluster and l3:
@@ -77,16 +84,38 @@ class Reads(ClusterReads):
         tag = rec[2]
         raw = rec[4]
         if raw is None:  # a large array: a zero-copy view
-            return self._get_view(key, kb, h, default, want_item)
+            return self._get_view(key, kb, h, default, want_item, rec[9] or None)
         value = raw if tag == _BYTES else self._decode(key, tag, rec[3], raw)
         if tag != _NDARRAY and self._l1_on:
-            self._l1.store(key, (value, rec[0], rec[1], approx_size(value), rec[5], rec[6],
-                                 rec[7]))
+            if rec[9]:  # (a deadline: the entry carries it, and no hit outlives it)
+                self._l1.store(key, (value, rec[0], rec[1], approx_size(value), rec[5],
+                                     rec[6], rec[7], rec[9]))
+            else:
+                self._l1.store(key, (value, rec[0], rec[1], approx_size(value), rec[5],
+                                     rec[6], rec[7]))
         if not want_item:
             return value
-        return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2")
+        return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2", rec[9] or None)
 
-    def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool) -> Any:
+    def _expired_seen(self, key: str, kb: bytes, h: int, rec: Any) -> None:
+        """A read found ``key``'s record past its deadline: reclaim it now (lazily, on
+        access; an ``expire`` event), if it is clean and the writer lock is free — a read
+        never waits for a writer; the sweep (sweeper.py) gets it otherwise."""
+        self._l1.discard(key)
+        if rec[2] == TAG_TOMBSTONE:
+            return
+        seg = self._seg
+        core = seg._core
+        try:
+            if seg._try_lock():
+                core.expire_key(kb, h, time.time())
+        except KVCommError:
+            pass  # (purged, damaged: the next read or write says so)
+        finally:
+            core.unlock()
+
+    def _get_view(self, key: str, kb: bytes, h: int, default: Any, want_item: bool,
+                  deadline: float | None = None) -> Any:
         """A large array: pin its block and hand out a read-only view of shared memory.
 
         The record may have been replaced between the read and the pin (by a small value,
@@ -117,5 +146,5 @@ class Reads(ClusterReads):
             seg.drop_pending()
         if not want_item:
             return arr
-        return Item(key, arr, self._version(r[4], r[5], r[6]), "l2")
+        return Item(key, arr, self._version(r[4], r[5], r[6]), "l2", deadline)
 

@@ -39,9 +39,11 @@ costs only the processes that scan (see bench/bench_scan.py for figures).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..core.expiry import expired
 from ..core.sortedkeys import SortedKeys
 from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey
@@ -289,6 +291,7 @@ class Scanning(Watching):
             return None
         if isinstance(rec3, Exception):
             raise rec3
-        if rec3.tombstone:
+        if rec3.tombstone or expired(rec3.deadline, time.time()):
             return None
-        return Item(key, rec3.decode_value(key), Version(rec3.vector, rec3.hlc), "l3")
+        return Item(key, rec3.decode_value(key), Version(rec3.vector, rec3.hlc), "l3",
+                    rec3.deadline)

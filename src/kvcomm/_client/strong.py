@@ -28,6 +28,13 @@ a stale value and no merge can bring one back.
 * **Version**: ``Version(((STRONG_ACTOR, mod_revision),), 0)``; :func:`revision_of`
   returns the revision. ``STRONG_ACTOR`` ("@etcd") is no valid host id, so a strong
   version is never mistaken for a host's.
+* **Expiry**: a put with a ttl stores its deadline in the value (the tag byte's high bit
+  says a big-endian double follows the header) and attaches the key to an etcd lease:
+  one lease per 1-second bucket of deadlines per process (granted at the bucket's first
+  use, with a TTL reaching the bucket's end), never one per key. Reads compare the
+  deadline with the clock, so the key is absent from its deadline on; etcd deletes it
+  when the lease ends (at most about a second later, or etcd's minimum lease TTL). A
+  later put without a ttl detaches it (lease 0).
 * **Failures**: no majority reachable raises Unavailable within ``2 x cluster.timeout``
   (every operation has that budget; a write whose outcome is unknown says so), and at
   once while the host's node daemon reports etcd unreachable (partition mode, see
@@ -41,7 +48,9 @@ The prefixes are the cluster's: the first daemon (or agent) records them in etcd
 from __future__ import annotations
 
 import json
+import math
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -70,6 +79,8 @@ PREFIXES_KEY = CONFIG_PREFIX + b"strong_prefixes"
 # cache.l3_consistency: whether a key under no strong prefix is strong (the cluster's too)
 DEFAULT_KEY = CONFIG_PREFIX + b"l3_consistency"
 _HEADER = struct.Struct(">BI")  # tag, meta length; then meta, then the payload
+_HAS_DEADLINE = 0x80  # in the tag byte: a deadline (a big-endian double) follows the header
+_DEADLINE = struct.Struct(">d")
 # etcd's --max-request-bytes default (1.5 MiB); the gateway base64-encodes the value
 ETCD_VALUE_LIMIT = 1536 * 1024 - 4096
 
@@ -172,6 +183,8 @@ class StrongStore:
         self._prefixes = tuple(config.cache.strong_prefixes)
         self._unreachable = unreachable  # the daemon's word: etcd majority unreachable
         self._checked = False
+        self._leases: dict[int, int] = {}  # deadline bucket (epoch s) -> its etcd lease
+        self._lease_lock = threading.Lock()
         self.counters = dict.fromkeys(("gets", "puts", "deletes", "retries", "conflicts"), 0)
 
     # ------------------------------------------------------------ classification
@@ -198,9 +211,30 @@ class StrongStore:
 
     # ------------------------------------------------------------ encoding
 
-    def _encode(self, encoded: tuple[int, bytes, bytes | memoryview]) -> bytes:
+    def _lease_for(self, deadline: float) -> int:
+        """The lease of ``deadline``'s bucket (the whole second at or after it), granted
+        at its first use in this process with a TTL reaching the bucket's end: one lease
+        per bucket, not one per key. Raises Unavailable."""
+        bucket = math.ceil(deadline)
+        with self._lease_lock:
+            lease = self._leases.get(bucket)
+            if lease is not None:
+                return lease
+        now = time.time()
+        lease = self.etcd.lease_grant(max(1, math.ceil(bucket - now)), timeout=self.timeout)
+        with self._lease_lock:
+            for b in [b for b in self._leases if b < now]:  # (expired buckets)
+                del self._leases[b]
+            return self._leases.setdefault(bucket, lease)
+
+    def _encode(self, encoded: tuple[int, bytes, bytes | memoryview],
+                deadline: float | None = None) -> bytes:
         tag, meta, payload = encoded
-        data = _HEADER.pack(tag, len(meta)) + meta + bytes(payload)
+        if deadline is None:
+            data = _HEADER.pack(tag, len(meta)) + meta + bytes(payload)
+        else:  # (the tag's high bit: the deadline follows the header)
+            data = _HEADER.pack(tag | _HAS_DEADLINE, len(meta)) + _DEADLINE.pack(deadline) + \
+                meta + bytes(payload)
         if len(data) > ETCD_VALUE_LIMIT:
             raise ValueTooLarge(f"a strong value is stored in etcd, whose request limit "
                                 f"(--max-request-bytes, 1.5 MiB by default) this one "
@@ -215,10 +249,13 @@ class StrongStore:
         concerned."""
         try:
             tag, n = _HEADER.unpack_from(data)
-            if _HEADER.size + n > len(data):
+            at = _HEADER.size
+            if tag & _HAS_DEADLINE:
+                tag, at = tag & ~_HAS_DEADLINE, at + _DEADLINE.size
+            if at + n > len(data):
                 raise ValueError(f"{n} bytes of metadata announced, {len(data)} in all")
-            meta = data[_HEADER.size:_HEADER.size + n]
-            return codec.decode(tag, meta, data[_HEADER.size + n:])
+            meta = data[at:at + n]
+            return codec.decode(tag, meta, data[at + n:])
         except KVCommError:
             raise
         except Exception as exc:  # (struct.error, the codec's ValueError, msgpack's...)
@@ -227,10 +264,24 @@ class StrongStore:
                                 f"are not a KVCOMM value ({type(exc).__name__}: {exc}); "
                                 "overwrite or delete the key") from None
 
+    @staticmethod
+    def _deadline(data: bytes) -> float | None:
+        """The deadline a strong value carries (None: none, or too short to hold one:
+        :meth:`_decode` then says what is wrong)."""
+        if not data or not data[0] & _HAS_DEADLINE or len(data) < _HEADER.size + _DEADLINE.size:
+            return None
+        return float(_DEADLINE.unpack_from(data, _HEADER.size)[0])
+
     def _item(self, key: str, kv: KeyValue | None) -> Item | None:
+        """The Item of an etcd key-value; None when absent or past its deadline (its
+        lease may not have ended yet: the deadline decides, not the lease)."""
         if kv is None:
             return None
-        return Item(key, self._decode(key, kv.value), strong_version(kv.mod_revision), "etcd")
+        d = self._deadline(kv.value)
+        if d is not None and d <= time.time():
+            return None
+        return Item(key, self._decode(key, kv.value), strong_version(kv.mod_revision), "etcd",
+                    d)
 
     # ------------------------------------------------------------ budget
 
@@ -288,10 +339,15 @@ class StrongStore:
             start = r.kvs[-1].key + b"\0"
 
     def put(self, key: str, value: Any, encoded: tuple[int, bytes, bytes | memoryview],
-            expect: Any, validator: Callable[[str, Item | None, Any], None] | None) -> Version:
-        """Write ``value`` (``encoded``) once a majority has it. Raises ConflictError,
+            expect: Any, validator: Callable[[str, Item | None, Any], None] | None,
+            deadline: float | None = None) -> Version:
+        """Write ``value`` (``encoded``) once a majority has it; with ``deadline`` (epoch
+        seconds) the value carries it, and the key is attached to the lease of its
+        deadline's 1-second bucket (see "Expiry" above). Raises ConflictError,
         ValidationError, ValueTooLarge, Unavailable (outcome unknown when it says so)."""
-        version = self._write(key, value, self._encode(encoded), expect, validator)
+        lease = 0 if deadline is None else self._lease_for(deadline)
+        version = self._write(key, value, self._encode(encoded, deadline), expect, validator,
+                              lease)
         assert version is not None  # (a put always returns one)
         return version
 
@@ -301,11 +357,12 @@ class StrongStore:
         return self._write(key, None, None, expect, validator) is not None
 
     def _write(self, key: str, value: Any, data: bytes | None, expect: Any,
-               validator: Callable[[str, Item | None, Any], None] | None) -> Version | None:
+               validator: Callable[[str, Item | None, Any], None] | None,
+               lease: int = 0) -> Version | None:
         deadline = self._begin()
         ek = self._prefix + key.encode()
         want = _expected_revision(key, expect)
-        op = put_op(ek, data) if data is not None else delete_op(ek)
+        op = put_op(ek, data, lease) if data is not None else delete_op(ek)
         for _ in range(_MAX_UPDATE_RETRIES):
             compare: list[Compare] = []
             if validator is not None:
@@ -318,7 +375,7 @@ class StrongStore:
             elif want is not None:
                 compare.append(Compare.mod(ek, "=", want))
             elif data is not None:  # a plain put: no compare, one round trip
-                rev = self.etcd.put(ek, data, timeout=self._left(deadline))
+                rev = self.etcd.put(ek, data, lease=lease, timeout=self._left(deadline))
                 self.counters["puts"] += 1
                 return strong_version(rev)
             r = self.etcd.txn(compare, [op], [get_op(ek)], timeout=self._left(deadline))

@@ -44,8 +44,10 @@ class Watching(Writes):
         coalesces a host's writes; this host's own write already replaced carries what
         L2's feed keeps of it: this host's entry and its HLC.
 
-        Kinds: ``put``, ``delete``, ``evict`` (L2 dropped the key to make room: in embedded
-        mode it is gone, in cluster mode L3 still has it) and ``overflow``. In cluster mode
+        Kinds: ``put``, ``delete``, ``expire`` (the key reached its deadline, seen by this
+        host's sweep or a read of it: see ``put(ttl=)``), ``evict`` (L2 dropped the key to
+        make room: in embedded mode it is gone, in cluster mode L3 still has it) and
+        ``overflow``. In cluster mode
         the watch sees the changes made on every host: the host's node daemon learns the
         prefix and installs every change under it into this host's L2 (so the host holds
         the watched keys); this call returns once the daemon has taken the prefix (at

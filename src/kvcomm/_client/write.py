@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..core.expiry import check_ttl, deadline_of
 from ..core.versions import Version
 from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE, Record
@@ -27,8 +28,14 @@ class Writes(Reads):
     """Writes."""
 
     def put(self, key: str, value: Any, *, consistency: str | None = None,
-            expect: Any = _NO_CHECK) -> Version:
+            expect: Any = _NO_CHECK, ttl: float | None = None,
+            _deadline: float | None = None) -> Version:
         """Store ``value`` under ``key``; returns its Version.
+
+        ``ttl`` (seconds): the key expires that long from now — every read, on every host,
+        then finds it absent, and watchers see an ``expire`` event; None (the default)
+        makes the key permanent, whatever deadline it had (as Redis SET). Raises
+        InvalidArgument for a ttl that is not a finite number above 0.
 
         ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
         ConflictError is raised and nothing changes. ``consistency`` is "eventual" or
@@ -46,14 +53,17 @@ class Writes(Reads):
         self._lat_left -= 1
         if self._lat_left <= 0:  # this put's turn to be timed (metrics)
             return self._timed("put", self.put, key, value, consistency=consistency,  # type: ignore[no-any-return]
-                               expect=expect)
+                               expect=expect, ttl=ttl, _deadline=_deadline)
+        ext = self._ext
+        if ttl is not None or _deadline is not None:
+            ext = self._ext_with(ttl, _deadline)
         if self._strong_on or consistency is not None and self._cluster:
             strong = self._is_strong(key, consistency)
             if strong:
                 validator = self._validators.lookup(key) if self._has_validators else None
                 self._key_hash(key)
                 version: Version = self._strong.put(key, value, self._encode(value), expect,
-                                                    validator)
+                                                    validator, deadline_of(ext))
                 self.counters["puts_strong"] += 1  # (metrics: agent.py)
                 return version
         # the common case inline (a key seen before, a bytes value, no checks): every call
@@ -68,15 +78,15 @@ class Writes(Reads):
         if self._cluster:
             self._negative.invalidate(key)  # this host will hold it: no longer "absent"
         if expect is not _NO_CHECK or self._has_validators:
-            version = self._put_checked(key, kb, h, value, (tag, meta, payload), expect)
+            version = self._put_checked(key, kb, h, value, (tag, meta, payload), expect, ext)
             if consistency is not None or self._default_strong:
                 self._count_consistency(consistency)
             return version
         r = self._core_put(kb, h, tag, meta, payload, time.time_ns() // 1_000_000,
-                           self._dirty_flag, self._max_dirty, self._lock_timeout, self._ext)
+                           self._dirty_flag, self._max_dirty, self._lock_timeout, ext)
         if type(r) is not tuple:  # purged, repair due, no room...: the careful path
             r = self._seg.put_status(r, kb, h, tag, meta, payload, _now_ms(), self._cluster,
-                                     self._max_dirty, self._ext)
+                                     self._max_dirty, ext)
         self._puts += 1
         if consistency is not None or self._default_strong:
             self._count_consistency(consistency)
@@ -91,21 +101,29 @@ class Writes(Reads):
         if consistency == "strong" or (consistency is None and self._default_strong):
             self.counters["puts_strong"] += 1
 
+    def _ext_with(self, ttl: Any, deadline: float | None) -> bytes:
+        """This client's extension field with the deadline of ``ttl`` (from now) or the
+        absolute ``deadline``. Raises InvalidArgument for a bad ttl."""
+        if ttl is not None:
+            deadline = time.time() + check_ttl(ttl, allow_none=False)  # type: ignore[operator]
+        return self._extc.ext(deadline)
+
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
-                     encoded: tuple[int, bytes, bytes | memoryview], expect: Any) -> Version:
+                     encoded: tuple[int, bytes, bytes | memoryview], expect: Any,
+                     ext: bytes) -> Version:
         """put() with expect= and/or a validator: both run under the writer lock."""
         cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
         if cas is None and validator is None:
             counter, hlc, vvx, _, _ = self._seg.put(kb, h, *encoded, _now_ms(), self._cluster,
-                                                    self._max_dirty, self._ext)
+                                                    self._max_dirty, ext)
             self._puts += 1
             return self._version(counter, hlc, vvx)
         if validator is not None and self._cluster:
             self._get_slow(key, None, True)  # bring L3's value into L2 for the validator
         check = self._checker(key, kb, h, cas, validator, value)
         counter, hlc, vvx, _, _ = self._seg.apply(
-            [(kb, h, *encoded, self._ext)], now_ms=_now_ms(), dirty=self._cluster,
+            [(kb, h, *encoded, ext)], now_ms=_now_ms(), dirty=self._cluster,
             max_dirty=self._max_dirty, check=check)[0]
         self._puts += 1
         return self._version(counter, hlc, vvx)
@@ -117,8 +135,9 @@ class Writes(Reads):
         the validator against the value the write replaces."""
         def check() -> None:
             rec = self._seg.read(kb, h)
-            if rec is not None and rec.tag == TAG_TOMBSTONE:
-                rec = None
+            if rec is not None and (rec.tag == TAG_TOMBSTONE or
+                                    0 < rec.deadline <= time.time()):
+                rec = None  # (an expired key is absent: expect=ABSENT succeeds over it)
             if cas is not None:
                 cas(rec)
             if validator is not None:
@@ -183,28 +202,52 @@ class Writes(Reads):
             self.counters["deletes"] += 1
         return counter
 
-    def update(self, key: str, fn: Callable[[Any], Any], *, default: Any = None) -> Any:
+    def update(self, key: str, fn: Callable[[Any], Any], *, default: Any = None,
+               ttl: float | None = None) -> Any:
         """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
 
         ``fn`` may run more than once when other writers race; it must not have side
-        effects. No increment is ever lost, whatever the number of processes. Raises
-        InvalidArgument when ``fn`` is not callable, and what :meth:`put` raises.
+        effects. No increment is ever lost, whatever the number of processes. The key keeps
+        its deadline unless ``ttl`` (seconds from now) is given; an expired key counts as
+        absent. Raises InvalidArgument when ``fn`` is not callable or ``ttl`` is bad, and
+        what :meth:`put` raises.
         """
         if not callable(fn):
             raise InvalidArgument(f"update() needs a callable, got {type(fn).__name__}")
+        check_ttl(ttl)
         self._lat_left -= 1
         if self._lat_left <= 0:  # this update's turn to be timed (metrics)
-            return self._timed("update", self.update, key, fn, default=default)
+            return self._timed("update", self.update, key, fn, default=default, ttl=ttl)
         self.counters["updates"] += 1
         for _ in range(_MAX_UPDATE_RETRIES):
             item = self.get_item(key)
             new = fn(default if item is None else item.value)
             try:
-                self.put(key, new, expect=ABSENT if item is None else item.version)
+                self.put(key, new, expect=ABSENT if item is None else item.version, ttl=ttl,
+                         _deadline=None if ttl is not None or item is None else item.expires_at)
                 return new
             except ConflictError:
                 continue
         raise Unavailable(f"update of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
+
+    def touch(self, key: str, ttl: float | None) -> bool:
+        """Set (or extend, or shorten) ``key``'s deadline to ``ttl`` seconds from now; None
+        makes it permanent. The value stays; the key gets a new version (a touch is a
+        write, and wins over older writes as one). Returns False when the key is absent
+        (or already expired): nothing is written then. Raises InvalidArgument for a bad
+        ttl, and what :meth:`put` raises.
+        """
+        check_ttl(ttl)
+        for _ in range(_MAX_UPDATE_RETRIES):
+            item = self.get_item(key)
+            if item is None:
+                return False
+            try:
+                self.put(key, item.value, expect=item.version, ttl=ttl)
+                return True
+            except ConflictError:
+                continue
+        raise Unavailable(f"touch of {key!r} lost {_MAX_UPDATE_RETRIES} races in a row")
 
     def batch(self) -> Batch:
         """``with kv.batch() as b: b.put(...); b.delete(...)`` — applied whole, or not at all."""

@@ -391,7 +391,8 @@ static PyTypeObject L1Type = {
  * itself, in C because a Python call alone costs what a whole hit does here.
  *
  * * A hit: one lookup in L1 and one load of the entry's L2 slot seq word: equal means L2
- *   still holds the value L1 decoded, which is returned.
+ *   still holds the value L1 decoded, which is returned — unless the key has a deadline
+ *   (an 8th element in its entry) that the clock has passed: no entry outlives its key.
  * * A miss of a key already validated (in ``keys``, the client's key -> (bytes, hash)
  *   memo): one lock-free L2 read; bytes are returned as they are, str and msgpack values
  *   through ``decode(tag, meta, raw)``; the value enters L1.
@@ -520,7 +521,8 @@ getter_miss(Getter *g, PyObject *key)
         PyErr_Clear(); /* (purged, damaged, stuck: the slow path says or repairs it) */
         return NULL;
     }
-    if (f.tag == TAG_TOMBSTONE || f.value == Py_None || f.tag == TAG_NDARRAY) {
+    if (f.tag == TAG_TOMBSTONE || f.value == Py_None || f.tag == TAG_NDARRAY ||
+        (f.deadline > 0 && f.deadline <= real_now())) { /* (expired: the slow path reclaims it) */
         found_clear(&f);
         return NULL;
     }
@@ -538,9 +540,15 @@ getter_miss(Getter *g, PyObject *key)
     }
     if (g->l1_on) {
         Py_ssize_t size = approx(value, 0);
-        PyObject *entry = Py_BuildValue("(OKKnKKO)", value, (unsigned long long)f.word,
-                                        (unsigned long long)f.seq, size, (unsigned long long)f.counter,
-                                        (unsigned long long)f.hlc, f.vvx);
+        /* a key with a deadline gets an 8th element, its deadline: the hit path compares
+         * it with the clock; entries of keys without one stay 7 long and pay nothing */
+        PyObject *entry = f.deadline > 0 ?
+            Py_BuildValue("(OKKnKKOd)", value, (unsigned long long)f.word,
+                          (unsigned long long)f.seq, size, (unsigned long long)f.counter,
+                          (unsigned long long)f.hlc, f.vvx, f.deadline) :
+            Py_BuildValue("(OKKnKKO)", value, (unsigned long long)f.word,
+                          (unsigned long long)f.seq, size, (unsigned long long)f.counter,
+                          (unsigned long long)f.hlc, f.vvx);
         if (!entry || l1_store(g->l1, key, entry, size) < 0) {
             Py_XDECREF(entry);
             found_clear(&f);
@@ -587,7 +595,8 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
             uint64_t seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 2));
             if (PyErr_Occurred())
                 return NULL;
-            if (word < c->size / 8 && LD(W(c, word * 8)) == seq) {
+            if (word < c->size / 8 && LD(W(c, word * 8)) == seq &&
+                (PyTuple_GET_SIZE(e) < 8 || PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(e, 7)) > real_now())) {
                 PyObject *value = PyTuple_GET_ITEM(e, 0);
                 Py_INCREF(value);
                 g->hits++;

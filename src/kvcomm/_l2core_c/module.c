@@ -19,6 +19,8 @@ static PyMethodDef Core_methods[] = {
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL, "lock, put one, unlock"},
     {"apply", (PyCFunction)(void (*)(void))Core_apply, METH_FASTCALL, "apply a batch (lock held)"},
     {"evict_key", (PyCFunction)(void (*)(void))Core_evict_key, METH_FASTCALL, "drop a clean record (lock held)"},
+    {"expire_key", (PyCFunction)(void (*)(void))Core_expire_key, METH_FASTCALL, "reclaim an expired clean record (lock held)"},
+    {"sweep_expired", (PyCFunction)(void (*)(void))Core_sweep_expired, METH_FASTCALL, "the bounded expiry sweep (lock held)"},
     {"mark_clean", (PyCFunction)(void (*)(void))Core_mark_clean, METH_FASTCALL, "clear dirty (lock held)"},
     {"pin", (PyCFunction)(void (*)(void))Core_pin, METH_FASTCALL, "pin a block (lock-free)"},
     {"unpin", (PyCFunction)(void (*)(void))Core_unpin, METH_FASTCALL, "release a pin (lock-free)"},

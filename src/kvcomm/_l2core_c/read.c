@@ -7,6 +7,7 @@
 
 typedef struct {
     uint64_t word, seq, tag, counter, hlc, size, flags, vlen;
+    double deadline; /* the record's expiry (epoch seconds, from its extension field); 0: none */
     PyObject *value; /* NULL when not asked for, Py_None for a large array (pin it) */
     PyObject *meta, *vvx, *ext; /* ext: only with WANT_EXT */
 } Found;
@@ -23,6 +24,123 @@ found_clear(Found *f)
     Py_CLEAR(f->meta);
     Py_CLEAR(f->vvx);
     Py_CLEAR(f->ext);
+}
+
+/* ------------------------------------------------------------------ expiry
+ *
+ * A record's deadline travels in its extension field (kvcomm.core.expiry): the key "e" of
+ * the packed map, epoch seconds as a float or a positive int. ext_deadline() finds it
+ * without allocating (the getter asks on every L2 read); it reads what
+ * kvcomm.core.expiry.deadline_of reads, and anything it cannot read is no deadline, as
+ * there. */
+
+/* skip one msgpack value at *pi; -1 when malformed or truncated */
+static int
+mp_skip(const unsigned char *p, uint64_t n, uint64_t *pi)
+{
+    uint64_t i = *pi, pending = 1;
+    while (pending) {
+        if (i >= n)
+            return -1;
+        unsigned char b = p[i++];
+        uint64_t len = 0, items = 0, lenb = 0;
+        pending--;
+        if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3)
+            ;
+        else if ((b & 0xe0) == 0xa0)
+            len = b & 0x1f;
+        else if ((b & 0xf0) == 0x90)
+            items = b & 0x0f;
+        else if ((b & 0xf0) == 0x80)
+            items = 2 * (uint64_t)(b & 0x0f);
+        else
+            switch (b) {
+            case 0xcc: case 0xd0: len = 1; break;
+            case 0xcd: case 0xd1: len = 2; break;
+            case 0xce: case 0xd2: case 0xca: len = 4; break;
+            case 0xcf: case 0xd3: case 0xcb: len = 8; break;
+            case 0xd9: case 0xc4: lenb = 1; break;
+            case 0xda: case 0xc5: lenb = 2; break;
+            case 0xdb: case 0xc6: lenb = 4; break;
+            case 0xdc: case 0xde: case 0xdd: case 0xdf: {
+                uint64_t w = (b == 0xdc || b == 0xde) ? 2 : 4, c = 0;
+                if (n - i < w)
+                    return -1;
+                for (uint64_t k = 0; k < w; k++)
+                    c = (c << 8) | p[i++];
+                items = (b == 0xde || b == 0xdf) ? 2 * c : c;
+                break;
+            }
+            default: return -1; /* ext types: never in an extension field */
+            }
+        if (lenb) {
+            if (n - i < lenb)
+                return -1;
+            for (uint64_t k = 0; k < lenb; k++)
+                len = (len << 8) | p[i++];
+        }
+        if (n - i < len || items > n)
+            return -1;
+        i += len;
+        pending += items;
+        if (pending > n)
+            return -1;
+    }
+    *pi = i;
+    return 0;
+}
+
+static double
+ext_deadline(const unsigned char *p, uint64_t n)
+{
+    uint64_t i = 1, count;
+    if (n == 0)
+        return 0;
+    if ((p[0] & 0xF0) == 0x80)
+        count = p[0] & 0x0F;
+    else if (p[0] == 0xde && n >= 3) {
+        count = ((uint64_t)p[1] << 8) | p[2];
+        i = 3;
+    } else
+        return 0;
+    for (uint64_t k = 0; k < count; k++) {
+        if (n - i >= 3 && p[i] == 0xa1 && p[i + 1] == 'e') {
+            const unsigned char *v = p + i + 2;
+            uint64_t left = n - i - 2, u = 0;
+            double d = 0;
+            if (v[0] == 0xcb && left >= 9) {
+                for (int j = 1; j <= 8; j++)
+                    u = (u << 8) | v[j];
+                memcpy(&d, &u, 8);
+            } else if (v[0] == 0xca && left >= 5) {
+                uint32_t u4 = ((uint32_t)v[1] << 24) | ((uint32_t)v[2] << 16) | ((uint32_t)v[3] << 8) | v[4];
+                float f4;
+                memcpy(&f4, &u4, 4);
+                d = f4;
+            } else if (v[0] <= 0x7f) {
+                d = v[0];
+            } else if (v[0] >= 0xcc && v[0] <= 0xcf) {
+                uint64_t w = 1ULL << (v[0] - 0xcc);
+                if (left < 1 + w)
+                    return 0;
+                for (uint64_t j = 1; j <= w; j++)
+                    u = (u << 8) | v[j];
+                d = (double)u;
+            }
+            return (d > 0 && d < 1e300) ? d : 0; /* (NaN fails both) */
+        }
+        if (mp_skip(p, n, &i) < 0 || mp_skip(p, n, &i) < 0)
+            return 0;
+    }
+    return 0;
+}
+
+static inline double
+real_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* READ_FOUND (f filled: new references), READ_ABSENT, READ_STUCK (a slot stayed odd: a
@@ -87,6 +205,7 @@ read_into(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t zc, int 
             f->vvx = PyBytes_FromStringAndSize(rec_vvx(c, off, &r), (Py_ssize_t)r.vvlen);
             if (want & WANT_EXT)
                 f->ext = PyBytes_FromStringAndSize(rec_ext(c, off, &r), (Py_ssize_t)r.xlen);
+            f->deadline = r.xlen ? ext_deadline((const unsigned char *)rec_ext(c, off, &r), r.xlen) : 0;
             if (((want & WANT_VALUE) && !f->value) || ((want & WANT_META) && !f->meta) || !f->vvx ||
                 ((want & WANT_EXT) && !f->ext)) {
                 found_clear(f);
@@ -127,7 +246,8 @@ parse_key_h(PyObject *const *args, const char **key, uint64_t *klen, uint64_t *h
 }
 
 /* read(key, h, zero_copy) -> None | tuple | -1
- * tuple: (slot word, seq, tag, meta, value or None, counter, hlc, vvx, size); tag 0 is a
+ * tuple: (slot word, seq, tag, meta, value or None, counter, hlc, vvx, size, deadline);
+ * deadline: the record's expiry in epoch seconds (0.0: none; kvcomm.core.expiry); tag 0 is a
  * tombstone (the key is deleted, L3 not told yet). value is None for an array of zero_copy
  * bytes or more (the caller pins it). -1: a slot stayed odd too long (a writer is stopped or
  * died mid-publish): Python decides. Raises SegmentError on a purged or corrupt segment.  */
@@ -155,9 +275,9 @@ Core_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
     case READ_ERROR:
         return NULL;
     }
-    return Py_BuildValue("(KKKNNKKNK)", (unsigned long long)f.word, (unsigned long long)f.seq,
+    return Py_BuildValue("(KKKNNKKNKd)", (unsigned long long)f.word, (unsigned long long)f.seq,
                          (unsigned long long)f.tag, f.meta, f.value, (unsigned long long)f.counter,
-                         (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.size);
+                         (unsigned long long)f.hlc, f.vvx, (unsigned long long)f.size, f.deadline);
 }
 
 /* version(key, h) -> None | (word, seq, tag, counter, hlc, vvx, flags, ext): a lock-free read

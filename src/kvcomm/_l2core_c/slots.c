@@ -35,9 +35,34 @@ find(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t *found, uint6
     return 0;
 }
 
-/* evict the live, clean, unpinned record in slot so: no L3 write, a local EVICT event */
+/* whether the live record in slot so is past its deadline at now (epoch seconds) */
+static int
+slot_expired(Core *c, uint64_t so, double now)
+{
+    uint64_t off = W(c, so)[SLOT_OFF];
+    Rec r;
+    if (off <= TOMB || !rec_parse(c, off, &r) || !r.xlen)
+        return 0;
+    double d = ext_deadline((const unsigned char *)rec_ext(c, off, &r), r.xlen);
+    return d > 0 && d <= now;
+}
+
+static int drop_slot(Core *c, uint64_t so, int kind);
+
+/* evict the live, clean, unpinned record in slot so: no L3 write, a local EVICT event
+ * (an EXPIRE event when it is past its deadline: its space was the expiry's to reclaim) */
 static int
 evict_slot(Core *c, uint64_t so)
+{
+    if (slot_expired(c, so, real_now()))
+        return drop_slot(c, so, KIND_EXPIRE);
+    *HW(c, H_EVICTIONS) += 1;
+    return drop_slot(c, so, KIND_EVICT);
+}
+
+/* unlink the record in slot so and feed `kind` for it (a local event) */
+static int
+drop_slot(Core *c, uint64_t so, int kind)
 {
     uint64_t *slot = W(c, so);
     uint64_t off = slot[SLOT_OFF];
@@ -52,10 +77,9 @@ evict_slot(Core *c, uint64_t so)
     ST(&slot[SLOT_FLAGS], 0);
     SEQ_ADD(&slot[SLOT_SEQ]);
     *HW(c, H_ENTRIES) -= 1;
-    *HW(c, H_EVICTIONS) += 1;
     if (release_block(c, off) < 0)
         return -1;
-    feed_append(c, KIND_EVICT, keybuf, r.klen, r.counter, r.hlc);
+    feed_append(c, kind, keybuf, r.klen, r.counter, r.hlc);
     return 0;
 }
 
@@ -81,14 +105,15 @@ clock_evict_one(Core *c, const uint64_t *protect, Py_ssize_t nprotect)
 {
     uint64_t n = c->n_slots;
     uint64_t hand = *HW(c, H_CLOCK) % n;
+    double now = real_now();
     for (uint64_t step = 0; step < 2 * n + 1; step++) {
         uint64_t so = slot_off(c, hand);
         hand = (hand + 1) % n;
         if (!evictable(c, so, protect, nprotect))
             continue;
         uint64_t *slot = W(c, so);
-        if (slot[SLOT_REF]) {
-            slot[SLOT_REF] = 0; /* a second chance */
+        if (slot[SLOT_REF] && !slot_expired(c, so, now)) {
+            slot[SLOT_REF] = 0; /* a second chance (none for an expired entry) */
             continue;
         }
         *HW(c, H_CLOCK) = hand;

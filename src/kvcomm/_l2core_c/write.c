@@ -820,6 +820,75 @@ Core_evict_key(Core *c, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* expire_key(key, h, now) -> bool: reclaim the key's record if it is past its deadline at
+ * ``now`` (epoch seconds) and clean (a dirty one reaches L3 first); an EXPIRE event is fed.
+ * False when absent, live, dirty, or a tombstone.   [lock held] */
+static PyObject *
+Core_expire_key(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    NEED_LOCK(c);
+    if (nargs != 3 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "expire_key(key, h, now)");
+        return NULL;
+    }
+    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
+    double now = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t found = 0, reusable = 0;
+    if (find(c, PyBytes_AS_STRING(args[0]), (uint64_t)PyBytes_GET_SIZE(args[0]), h, &found, &reusable) < 0)
+        return NULL;
+    if (!found || (W(c, found)[SLOT_FLAGS] & FLAG_DIRTY) || !slot_expired(c, found, now))
+        Py_RETURN_FALSE;
+    uint64_t prev = *HW(c, H_BUSY);
+    ST(HW(c, H_BUSY), 1);
+    if (drop_slot(c, found, KIND_EXPIRE) < 0)
+        return NULL;
+    ST(HW(c, H_BUSY), prev);
+    Py_RETURN_TRUE;
+}
+
+/* sweep_expired(start, count, now) -> (next, reclaimed, bytes): the bounded sweep. Look
+ * at ``count`` slots from slot ``start`` (wrapping) and reclaim every clean record past
+ * its deadline at ``now`` as expire_key does; ``next`` is where the next sweep starts,
+ * ``bytes`` the record bytes freed.   [lock held] */
+static PyObject *
+Core_sweep_expired(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    NEED_LOCK(c);
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "sweep_expired(start, count, now)");
+        return NULL;
+    }
+    uint64_t start = PyLong_AsUnsignedLongLong(args[0]);
+    uint64_t count = PyLong_AsUnsignedLongLong(args[1]);
+    double now = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t n = c->n_slots, i = start % n, reclaimed = 0, freed = 0;
+    if (count > n)
+        count = n;
+    uint64_t prev = *HW(c, H_BUSY);
+    for (uint64_t k = 0; k < count; k++, i = (i + 1) % n) {
+        uint64_t so = slot_off(c, i);
+        uint64_t *slot = W(c, so);
+        if (slot[SLOT_OFF] <= TOMB || (slot[SLOT_FLAGS] & FLAG_DIRTY) || !slot_expired(c, so, now))
+            continue;
+        Rec r;
+        if (rec_parse(c, slot[SLOT_OFF], &r))
+            freed += r.size;
+        ST(HW(c, H_BUSY), 1);
+        if (drop_slot(c, so, KIND_EXPIRE) < 0)
+            return NULL;
+        ST(HW(c, H_BUSY), prev);
+        reclaimed++;
+    }
+    return Py_BuildValue("(KKK)", (unsigned long long)i, (unsigned long long)reclaimed,
+                         (unsigned long long)freed);
+}
+
 /* mark_clean(key, h, counter, hlc) -> bool: clear the dirty flag if the key still holds the
  * write (counter, hlc), i.e. L3 has it   [lock held] */
 static PyObject *

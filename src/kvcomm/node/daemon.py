@@ -154,6 +154,7 @@ class DaemonStats:
     hinted: int = 0  # groups read because a hint said they changed
     swept: int = 0  # groups read because their counter said so (the sweep, lost hints)
     lost_hints: int = 0  # groups whose hints may have been lost (their counters checked)
+    expired_unindexed: int = 0  # keys past their deadline dropped from L3's key index
     feed_overflows: int = 0
     quarantined: int = 0  # inputs set aside (logged, pushed to kvn:{host}:quarantine)
     step_errors: int = 0  # rounds that failed as a whole (retried with backoff)
@@ -193,6 +194,9 @@ class Daemon:
         self.inb = Inbound(cl.groups, cl.feed_poll, Backoff(rng, base=0.05, cap=2.0, floor=0.01),
                            now, sweep_rate=cl.feed_sweep_rate)
         self.load: dict[int, int] = {}  # group → operations made on it (cumulative)
+        # groups this host stored records with a deadline in: group -> (next check, last
+        # deadline), for dropping expired keys from L3's key index (_note_deadline)
+        self.ttl_groups: dict[int, tuple[float, float]] = {}
         self.load_saved: dict[int, int] = {}  # what L3 holds of it
         self.hot_list: list[str] = []  # the hot keys last saved
         self.hosts = HostActivity(self.host, _ms(now))
@@ -382,6 +386,8 @@ class Daemon:
             g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
             self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
+            if stored and b"\xa1e" in item.record.ext:  # (a deadline, maybe: see expiry)
+                self._note_deadline(g, item.record.deadline)
         answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
         for answer in answers:
             try:  # every answer is carried out: they have left the staged set
@@ -398,6 +404,15 @@ class Daemon:
 
             wait([self._in_flight[1]], timeout=max(0.0, timeout))
             self._push(self.clock())
+
+    def _note_deadline(self, g: int, deadline: float | None) -> None:
+        """This host stored a record with ``deadline`` in group ``g``: the group's key index
+        is to be cleaned once it passes (``ttl_groups``: group -> (next check, last
+        deadline); the I/O driver's _maybe_expire_index does it)."""
+        if deadline is None:
+            return
+        lo, hi = self.ttl_groups.get(g, (deadline, deadline))
+        self.ttl_groups[g] = (min(lo, deadline), max(hi, deadline))
 
     def _shape(self, record: L3Record) -> L3Record:
         return self.hosts.shape(record, _ms(self.clock()))
@@ -1018,6 +1033,7 @@ class NodeDaemon(Daemon):
             self.status_file = status_path(self.kv.name, c.l2_dir)
             self.watched = WatchedPrefixes(self.kv.name, c.l2_dir)
             self.status_written = float("-inf")
+            self._expire_index_at = 0.0  # (the clock's next expire_index)
             if cl.etcd:
                 self.presence = HostPresence(config, self.status,
                                              on_change=self._lease_tick).start()
@@ -1041,6 +1057,33 @@ class NodeDaemon(Daemon):
             self.status_written = float("-inf")  # new watchers wait for the status: now
         super().step()
         self.agents.maybe_publish(self.l3, self.clock())  # (never raises)
+        self._maybe_expire_index()
+
+    def _maybe_expire_index(self) -> None:
+        """About once a second: keys this host stored with a deadline that has passed
+        leave L3's key index (only the groups it stored such records in: an idle daemon
+        sends nothing; a group is checked every second until its last deadline passed).
+        An L3 failure is logged and tried again next time, never raised."""
+        now = self.clock()
+        if now < self._expire_index_at or not self.ttl_groups:
+            return
+        self._expire_index_at = now + 1.0
+        wall = time.time()
+        due = [g for g, (lo, _) in self.ttl_groups.items() if lo <= wall]
+        if not due:
+            return
+        try:
+            assert isinstance(self.l3, L3Store)
+            self.stats.expired_unindexed += self.l3.expire_index(wall, due)
+        except Unavailable as exc:
+            log.warning("dropping expired keys from L3's key index: %s", exc)
+            return
+        for g in due:
+            _, hi = self.ttl_groups[g]
+            if hi <= wall:
+                del self.ttl_groups[g]
+            else:
+                self.ttl_groups[g] = (wall + 1.0, hi)
 
     def after_step(self) -> None:
         """Write the status file for the host's agents and ``kvcomm info`` (every 200 ms

@@ -143,6 +143,12 @@ class Groups:
         """The group's change counter: the sequence number of its latest feed entry."""
         return f"kvs:{{{self.tags[group]}}}"
 
+    def expiry_key(self, group: int) -> str:
+        """The group's expiry index: a sorted set of its keys whose record has a deadline,
+        scored by it (epoch seconds), kept by the push script with each record; keys past
+        their deadline leave the key index through it (tiers/l3.py, "Expiry")."""
+        return f"kvx:{{{self.tags[group]}}}"
+
     def index_key(self, group: int) -> str:
         """The group's key index: a sorted set of its live keys (score 0, ordered by their
         bytes), kept by the push script with each record (see tiers/l3.py)."""

@@ -129,6 +129,28 @@ has no entries: the first daemon of an upgraded cluster backfills them once
 runs it by hand); every host's daemon and agents must run a KVCOMM with the index before
 then, or writes of older ones go unindexed.
 
+Expiry
+------
+A record whose extension field carries a deadline (``x`` key ``"e"``, epoch seconds:
+:mod:`kvcomm.core.expiry`) is, from that deadline on, a tombstone at its version: every
+reader treats it as absent, and the push script merges it by its version like any record
+(a later write wins over it; an older write replayed after it is ``older`` and changes
+nothing). The script stores a record already past its deadline as a tombstone would be
+(out of the key index), and gives the Redis key ``PEXPIREAT deadline +
+cluster.tombstone_grace``: the expired record stays, holding the version that refuses
+replays, for the grace, and then Redis reclaims it. The grace must be at least the longest
+backlog a partitioned host may replay (the default is a day); a write after the deadline
+without a ttl makes the key permanent again (``SET`` clears the expiry). Each group also
+keeps ``kvx:{t}``: its keys that have a deadline, scored by it, kept by the push script
+with each record; the node daemon that stored a record with a deadline drops the keys
+past their deadline from that group's key index through it, about once a second while the
+group has such records (:meth:`L3Store.expire_index`, EXPIRE_INDEX_LUA; an idle daemon
+sends nothing), so scans skip them without reading their records. (``kvx`` is named in ARGV, not KEYS, for the
+reason the hint channel is: a declared key missing during a slot migration would refuse
+every push of the group; the script touches it only for a record with a deadline or one
+replacing such a record, and such a push during a migration of its slot may be refused
+and retried until the migration ends.)
+
 Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
 which applies the incoming record atomically against the stored one by the L3 rule,
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
@@ -156,6 +178,7 @@ import msgpack
 
 from .._extras import require_cluster
 from ..core import codec
+from ..core.expiry import deadline_of
 from ..core.ext import EMPTY_EXT, MAX_EXT
 from ..core.ext import ext_problem as _check_ext
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
@@ -218,6 +241,12 @@ class L3Record(NamedTuple):
     @property
     def version(self) -> Dotted:
         return Dotted(self.vector, self.dot, self.hlc)
+
+    @property
+    def deadline(self) -> float | None:
+        """The record's expiry in epoch seconds, from its extension field (None: never;
+        :mod:`kvcomm.core.expiry`). Past it the record reads as a tombstone."""
+        return deadline_of(self.ext)
 
     @property
     def local_ext(self) -> bytes:
@@ -382,10 +411,21 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # "" for no hint; ARGV[6] "1": hint even if this push stores nothing (the last push of its
 # group in a pipeline speaks for the earlier ones: one hint per group per pipeline, not one
 # per record, so a backlog of thousands does not send every subscriber thousands of hints)
-# ARGV[7] the largest record (bytes) a feed entry carries inline (FEED_INLINE)
+# ARGV[7] the largest record (bytes) a feed entry carries inline (FEED_INLINE; "": every
+# record inline), ARGV[8] cluster.tombstone_grace in ms, ARGV[9] the group's expiry index
+# (kvx, same hash tag; an argument for the same reason: see "Expiry" above)
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
 local hinted = false
+-- the record's deadline (epoch seconds: kvcomm.core.expiry), nil when none
+local function deadline_of(x)
+  if type(x) ~= 'string' or #x == 0 then return nil end
+  local ok, m = pcall(cmsgpack.unpack, x)
+  if not ok or type(m) ~= 'table' then return nil end
+  local d = m.e
+  if type(d) ~= 'number' or not (d > 0 and d < 1e300) then return nil end
+  return d
+end
 local MAX_COUNTER = 9007199254740991  -- 2**53-1: every larger integer is a double >= 2**53
 local function counter_ok(c)
   return type(c) == 'number' and c >= 1 and c <= MAX_COUNTER
@@ -432,10 +472,26 @@ local function note(r, merged)
   return string.format('%d', r.dot[2]) .. ':' .. flags .. ':' .. r.dot[1]
 end
 local INLINE = tonumber(ARGV[7] or '')  -- (none: every record inline, as before)
-local function store(bytes, r, merged)
+local function store(bytes, r, merged, prev)
   -- (a script is not rolled back on error: the record goes last, once its feed entry and
   -- its index entry are in)
-  if r.d then
+  local dead = r.d
+  -- a record past its deadline is a tombstone at its version: out of the key index
+  local d = deadline_of(r.x)
+  if d ~= nil then
+    local t = redis.call('TIME')
+    if d <= tonumber(t[1]) + tonumber(t[2]) / 1e6 then dead = true end
+  end
+  -- (kvx is touched only by records with a deadline or replacing one: a key named in
+  -- ARGV that is not local during a slot migration fails the push, which is retried)
+  if ARGV[9] then
+    if d ~= nil and not dead then
+      redis.call('ZADD', ARGV[9], d, ARGV[4])
+    elseif d ~= nil or (prev ~= nil and deadline_of(prev.x) ~= nil) then
+      redis.call('ZREM', ARGV[9], ARGV[4])
+    end
+  end
+  if dead then
     redis.call('ZREM', KEYS[4], ARGV[4])
     -- the empty member (no key is empty) keeps the index of a group that was ever written
     -- in existence: a push declaring it during a slot migration then finds it where the
@@ -457,6 +513,11 @@ local function store(bytes, r, merged)
                'n', note(r, merged))
   end
   redis.call('SET', KEYS[1], bytes)
+  if d ~= nil and ARGV[8] then
+    -- kept past its deadline as a tombstone for the grace (so that no replayed older
+    -- write comes back), then Redis reclaims it; a later write without one clears this
+    redis.call('PEXPIREAT', KEYS[1], math.floor(d * 1000) + tonumber(ARGV[8]))
+  end
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
   if ARGV[5] and ARGV[5] ~= '' then
@@ -503,7 +564,7 @@ for k, v in pairs(a) do
 end
 if a_ge and b_ge then return done({'equal', raw}) end
 if a_ge then
-  store(ARGV[1], incoming, false)
+  store(ARGV[1], incoming, false, stored)
   return done({'newer', ''})
 end
 if b_ge then return done({'older', raw}) end
@@ -526,7 +587,7 @@ for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] e
 local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
              dot = {win.dot[1], win.dot[2]}, x = win.x}
 local packed = cmsgpack.pack(out)
-store(packed, out, true)
+store(packed, out, true, stored)
 return done({'merged', packed})
 """
 
@@ -567,6 +628,26 @@ for i = 4, #ARGV do
   if type(r) == 'table' and r.err then out[i - 3] = 'ERR ' .. r.err else out[i - 3] = r end
 end
 return out
+"""
+
+# Keys past their deadline leave their groups' key indexes (L3Store.expire_index): ARGV[1]
+# now (epoch seconds), ARGV[2] at most this many keys per group, ARGV[3..] pairs of a
+# group's expiry index (kvx) and key index (kvi), all of one master. The push script keeps
+# each kvx score equal to the key's current deadline, so a due member is an expired key.
+# Returns the keys dropped.
+EXPIRE_INDEX_LUA = r"""#!lua flags=allow-cross-slot-keys
+local n = 0
+for i = 3, #ARGV, 2 do
+  local due = redis.pcall('ZRANGEBYSCORE', ARGV[i], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+  if type(due) == 'table' and not due.err then
+    for _, k in ipairs(due) do
+      redis.call('ZREM', ARGV[i + 1], k)
+      redis.call('ZREM', ARGV[i], k)
+      n = n + 1
+    end
+  end
+end
+return n
 """
 
 # One record's key index entry from the record itself (L3Store.backfill_index), atomically
@@ -703,7 +784,8 @@ class L3Store:
                  tls_key: str | None = None,
                  address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
                  retries: int | None = None,
-                 feed_inline: int | None = FEED_INLINE) -> None:
+                 feed_inline: int | None = FEED_INLINE,
+                 tombstone_grace: float = 86400.0) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode
 
@@ -751,12 +833,14 @@ class L3Store:
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
+        self.tombstone_grace_ms = int(tombstone_grace * 1000)  # (cluster.tombstone_grace)
         self.redirects: dict[str, int] = {"moved": 0, "ask": 0, "tryagain": 0}  # pushes retried
         self._script = self.rc.register_script(PUSH_LUA)
         self._position = self.rc.register_script(POSITION_LUA)
         self._sweep = self.rc.register_script(SWEEP_LUA)
         self._backfill = self.rc.register_script(BACKFILL_LUA)
         self._index = self.rc.register_script(INDEX_LUA)
+        self._expire_index = self.rc.register_script(EXPIRE_INDEX_LUA)
         self._nodes: list[Any] | None = None  # every group's master (_by_node_cached)
         self._nodes_at = 0.0
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
@@ -783,7 +867,8 @@ class L3Store:
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
                    tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
-                   address_remap=cl.remap_address if cl.address_remap else None, **kw)
+                   address_remap=cl.remap_address if cl.address_remap else None,
+                   tombstone_grace=cl.tombstone_grace, **kw)
 
     def decode(self, raw: object, key: str = "") -> L3Record:
         """:func:`read_record` under this store's bound; CorruptRecord names ``key``."""
@@ -1289,6 +1374,32 @@ class L3Store:
         keys = [k.decode("utf-8") for k in heapq.merge(*rows) if bound is None or k <= bound]
         return keys, None if bound is None else bound.decode("utf-8")
 
+    def expire_index(self, now: float, groups: Iterable[int] | None = None,
+                     limit: int = 256) -> int:
+        """Drop the keys past their deadline at ``now`` from the key index of ``groups``
+        (None: every group; at most ``limit`` keys per group): one script call per master
+        per INDEX_BATCH groups. Returns how many were dropped. Raises Unavailable."""
+        dropped = 0
+        for node, gs in self._by_node_cached(self.groups if groups is None else groups).values():
+            for at in range(0, len(gs), INDEX_BATCH):
+                part = gs[at:at + INDEX_BATCH]
+                names: list[str] = []
+                for g in part:
+                    names += [self.groups.expiry_key(g), self.groups.index_key(g)]
+
+                def run(node: Any = node, names: list[str] = names) -> Any:
+                    conn = self.rc.get_redis_connection(node)
+                    self._load(node, conn, self._expire_index)
+                    try:
+                        return conn.evalsha(self._expire_index.sha, 0, repr(now), limit, *names)
+                    except Exception as exc:
+                        if "NOSCRIPT" in str(exc):
+                            self._loaded.discard((node.name, self._expire_index.sha))
+                        raise
+
+                dropped += int(self._call(run))
+        return dropped
+
     def _by_node_cached(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:
         """:meth:`_by_node` from a map of every group's master kept for NODE_MAP_S: a scan
         page would otherwise spend more on G slot lookups than on Redis. A stale entry
@@ -1519,8 +1630,9 @@ class L3Store:
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
                  _wire_key(key), self.groups.hint_channel(g) if hint else "",
                  "1" if hint else "0",
-                 # (None: no ARGV[7], every entry inline, as a daemon before value-less ones)
-                 *([] if self.feed_inline is None else [self.feed_inline])])
+                 # ("": every entry inline, as a daemon before value-less ones)
+                 "" if self.feed_inline is None else self.feed_inline,
+                 self.tombstone_grace_ms, self.groups.expiry_key(g)])
 
     def _result(self, key: str, raw: Any, pushed: L3Record,
                 sent: tuple[bytes, L3Record] | None = None,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import FEED, FEED_KEY_AT, KIND_DELETE, KIND_EVICT, KIND_PUT, KIND_RESYNC
+from .layout import FEED, FEED_KEY_AT, KIND_DELETE, KIND_EVICT, KIND_EXPIRE, KIND_PUT, KIND_RESYNC
 from .segment import _H_FEED_HEAD, SegmentCore
 
 
 @dataclass(slots=True)
 class FeedEvent:
     seq: int
-    kind: int  # KIND_PUT, KIND_DELETE, KIND_EVICT (KIND_RESYNC is reported as an overflow)
+    kind: int  # KIND_PUT, KIND_DELETE, KIND_EVICT, KIND_EXPIRE (KIND_RESYNC: an overflow)
     key: str
     counter: int
     hlc: int
@@ -51,7 +51,7 @@ class Feed(SegmentCore):
             kind = info & 0xFF
             if kind == KIND_RESYNC:
                 return out, seq, True
-            if kind in (KIND_PUT, KIND_DELETE, KIND_EVICT):
+            if kind in (KIND_PUT, KIND_DELETE, KIND_EVICT, KIND_EXPIRE):
                 out.append(FeedEvent(seq, kind, key.decode("utf-8", "surrogateescape"), counter, hlc))
         return out, end, False
 

@@ -136,7 +136,10 @@ KIND_PUT = 1
 KIND_DELETE = 2
 KIND_RESYNC = 3  # a writer died mid-operation and the segment was repaired: re-read
 KIND_EVICT = 4  # L2 dropped a clean entry to make room (a local event; never sent to L3)
-KIND_NAMES = {KIND_PUT: "put", KIND_DELETE: "delete", KIND_RESYNC: "resync", KIND_EVICT: "evict"}
+# a clean entry past its deadline was reclaimed (local; L3 holds the record and its deadline)
+KIND_EXPIRE = 5
+KIND_NAMES = {KIND_PUT: "put", KIND_DELETE: "delete", KIND_RESYNC: "resync", KIND_EVICT: "evict",
+              KIND_EXPIRE: "expire"}
 
 PIN_WORDS = 2  # (block offset or 0, owner token or 0): a hazard entry, see tiers/l2.py
 

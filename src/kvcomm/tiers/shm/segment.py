@@ -80,6 +80,7 @@ class Record(NamedTuple):
     hlc: int
     vvx: bytes
     size: int
+    deadline: float  # the record's expiry, epoch seconds (0.0: none; kvcomm.core.expiry)
 
 
 _new_record = tuple.__new__

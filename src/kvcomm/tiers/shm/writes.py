@@ -142,6 +142,32 @@ class Writes(SegmentCore):
         finally:
             core.unlock()
 
+    def expire(self, key_b: bytes, h: int, now: float) -> bool:
+        """Reclaim ``key_b``'s record if it is past its deadline at ``now`` (epoch seconds)
+        and clean, feeding an ``expire`` event; False when it is absent, live, dirty (it
+        reaches L3 first) or a tombstone. Raises Unavailable (lock held too long),
+        SegmentError (purged)."""
+        core = self._core
+        try:
+            self._lock()
+            return bool(core.expire_key(key_b, h, float(now)))
+        finally:
+            core.unlock()
+
+    def sweep_expired(self, start: int, count: int, now: float) -> tuple[int, int, int] | None:
+        """The bounded expiry sweep: look at ``count`` slots from slot ``start`` and
+        reclaim every clean record past its deadline at ``now`` (an ``expire`` event each).
+        Returns (the slot the next sweep starts at, records reclaimed, bytes freed), or None
+        when the writer lock is busy now (the sweep never waits for writers). Raises
+        SegmentError (purged)."""
+        core = self._core
+        try:
+            if not self._try_lock():
+                return None
+            return core.sweep_expired(start, count, float(now))  # type: ignore[no-any-return]
+        finally:
+            core.unlock()
+
     def evict(self, key_b: bytes, h: int) -> bool:
         """Drop ``key_b``'s record from this host's L2 if it is clean (a local eviction);
         False when it is absent or dirty."""
