@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
 from ..node.watched import register, unregister
-from ..tiers.l2 import KIND_NAMES, key_hash
+from ..tiers.l2 import KIND_NAMES, KIND_PUT, key_hash
 from .items import Event
 from .write import Writes
 
@@ -145,11 +145,12 @@ class Watching(Writes):
                             v = seg.version(kb, key_hash(kb))
                             if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
                                 version = self._version(v[3], v[4], v[5])
-                        if version is None and full and not ev.counter:
-                            # another host's write replaced since: its full version is
-                            # gone, and the change that replaced it follows in this feed
-                            # (or an overflow does): coalesced into it, as the cluster
-                            # already coalesces a window's writes
+                        if (version is None and full and not ev.counter
+                                and ev.kind == KIND_PUT):
+                            # another host's put replaced since: its full version is gone,
+                            # and the change that replaced it (a put, delete, evict or
+                            # expire) follows in this feed, or an overflow does: coalesced
+                            # into it, as the cluster already coalesces a window's writes
                             continue
                         if version is None:  # (this host's write replaced since: what the
                             # feed knows, this host's entry and the HLC)
