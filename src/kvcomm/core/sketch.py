@@ -156,13 +156,13 @@ class TopK:
         words = self.slot // 8
         q = self._q
         table: dict[bytes, int] = {}  # key -> slot
-        free: list[int] = []
+        free: list[int] = []  # empty slots, the last one first (offer takes the first)
         for i in range(self.k):
             if q[i * words]:
                 table[self._key_at(i)] = i
             else:
                 free.append(i)
-        low_i = -1
+        free.reverse()
         for key, est in offers:
             if len(key) > self.max_key or est <= 0:
                 continue
@@ -174,13 +174,12 @@ class TopK:
             if free:
                 i = free.pop()
             else:
-                if low_i < 0 or low_i not in table.values():
-                    low_i = min(table.values(), key=lambda j: q[j * words])
-                if est <= q[low_i * words]:
+                # the victim offer picks: the least estimate, the first slot among equals
+                # (another tie-break would keep other keys than offer does)
+                i = min(table.values(), key=lambda j: (q[j * words], j))
+                if est <= q[i * words]:
                     continue
-                i = low_i
                 del table[self._key_at(i)]
-                low_i = -1
             base = i * self.slot
             self._buf[base + 16 : base + 16 + len(key)] = key
             q[base // 8 + 1] = len(key)
