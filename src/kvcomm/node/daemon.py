@@ -18,9 +18,10 @@ machines what it read, and carries out what they answer.
    where L3 holds another record (newer, merged, a conflict for a resolver) that record
    is merged into L2. The feed position stored in the L2 header is the machine's
    delivered cursor: a daemon killed at any point replays from there. Vectors are
-   pruned, by host activity, before they are pushed. With ``async_push`` (off: see
-   NodeDaemon) a push is sent from a thread and its answers taken in a later round, so
-   that reading the feeds (step 2) goes on meanwhile.
+   pruned, by host activity, before they are pushed. A push is made in the loop and its
+   answers carried out before anything else (a push sent from a thread and answered a
+   round later was tried: test_review7's rebase of a host whose write sequence went
+   backwards then lost a write, for a reason never found, so it was removed).
 2. **L3 → local.** It reads a group's L3 change feed (Redis Streams, one per
    hash-slot group, bounded) after a per-group cursor that lives in L3
    (``kvn:{host}:cursors``, so a restarted daemon — or one whose connection dropped —
@@ -87,7 +88,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Set
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,11 +224,8 @@ class Daemon:
         self.skew = SkewMonitor(max(1, round(cl.max_clock_skew * 1000)))
         self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
-        self.async_push = False  # push from a thread (NodeDaemon): see _push
         self.probe_failed = False  # the last round found Redis silent (partition mode)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
-        self._in_flight: tuple[Push, Future[list[PushResult | CorruptRecord]]] | None = None
-        self._pusher: Any = None
         # how often changes to watched prefixes (node/watched.py: NodeDaemon sets
         # ``watching`` from them) may have been missed (a resync after a gap: the
         # watchers are told to rescan)
@@ -333,37 +330,15 @@ class Daemon:
                 self._guarded(key, "feed", self._apply_or_forget, key, rec)
 
     def _push(self, now: float) -> None:
-        """Push every closed window that is due; stop at the first failure. With
-        ``async_push`` (the real daemon), a push is sent from a thread and its answer
-        taken by a later round: the loop reads the feeds meanwhile, so that a host back
-        from a partition catches up on both sides at once instead of one after the other
-        (a backlog of thousands takes seconds to push)."""
+        """Push every closed window that is due, each answered (and its answers carried
+        out) before the next; stop at the first failure."""
         while True:
-            if self._in_flight is not None:
-                sent, fut = self._in_flight
-                if not fut.done():
-                    return
-                self._in_flight = None
-                try:
-                    answered = fut.result()
-                except Exception as exc:  # Unavailable, or anything a push raised
-                    self._push_failed(sent, exc)
-                    return
-                self._pushed(sent, answered)
             push = self.out.next_push(now, self.port.has_resolver, self._shape)
             if push is None:
                 return
             items = [(i.key, i.record) for i in push.items]
-            if self.async_push:
-                if self._pusher is None:
-                    from concurrent.futures import ThreadPoolExecutor
-
-                    self._pusher = ThreadPoolExecutor(1, thread_name_prefix="kvcomm-push")
-                self._in_flight = (push, self._pusher.submit(self.l3.push_many, items,
-                                                             push.keep_siblings))
-                continue  # (done already? taken at once; else by a later round)
             try:
-                with self._metered("push"):  # (async pushes: counted under "other")
+                with self._metered("push"):
                     results = self.l3.push_many(items, push.keep_siblings)
             except Unavailable as exc:
                 self._push_failed(push, exc)
@@ -396,14 +371,6 @@ class Daemon:
                 # newer local write is pushed in turn, and its answer taken then
                 self.stats.bump("answers_not_taken")
                 log.warning("could not take L3's answer for %r: %s", answer.key, exc)
-
-    def _settle_push(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the push in flight, and take its answer."""
-        if self._in_flight is not None:
-            from concurrent.futures import wait
-
-            wait([self._in_flight[1]], timeout=max(0.0, timeout))
-            self._push(self.clock())
 
     def _note_deadline(self, g: int, deadline: float | None) -> None:
         """This host stored a record with ``deadline`` in group ``g``: the group's key index
@@ -616,8 +583,6 @@ class Daemon:
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 self.inb.read(g, 0)
                 continue
-            if self._in_flight is not None:  # a long catch-up does not hold up the pushes
-                self._push(self.clock())
             readings.append((g, self.inb.examine(g, rows, counters.get(g)), len(rows)))
         # the records of the value-less entries this host wants, in one batch, before any
         # entry is applied or cursor advanced (Unavailable: the poll is made again)
@@ -941,8 +906,7 @@ class Daemon:
             if self.probe_failed:  # (partition mode, Redis silent: probe again soon)
                 stop.wait(0.2)
                 continue
-            # (a push in flight: its answer is taken by the next round, a poll from now)
-            wake = self.out.wake_at() if self._in_flight is None else None
+            wake = self.out.wake_at()
             stop.wait(poll if wake is None else max(0.0, min(poll, wake - self.clock())))
         self.flush(self.config.cluster.shutdown_flush_timeout)
 
@@ -957,8 +921,6 @@ class Daemon:
         t0 = self.clock()
         end = t0 + timeout
         pushed0 = self.stats.pushed
-        self.async_push = False  # (the push in flight, if any, is waited for first)
-        self._settle_push(timeout)
         self.out.backoff.succeeded()
         self.out.retry_at = float("-inf")
         while True:
@@ -987,8 +949,6 @@ class Daemon:
         the key filter and L3."""
         self.keys.set_ready(False)
         self.keys.close()
-        if self._pusher is not None:  # (a push in flight ends within cluster.timeout)
-            self._pusher.shutdown(wait=True)
         self.l3.close()
 
 
@@ -1024,10 +984,6 @@ class NodeDaemon(Daemon):
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
                                     permissions=c.l2_permissions, directory=c.l2_dir)
             super().__init__(config, port, l3, keys, rng=rng)
-            # (off: with pushes answered a round later, test_review7's rebase of a host
-            # whose write sequence went backwards fails: the new write never reaches L3;
-            # not understood yet, see the branch's report)
-            self.async_push = False
             # placement: the host's agent reports, published to L3 (kvn:{host}:agents)
             self.agents = HostPublisher(config, self.kv.name, self.host)
             self.status_file = status_path(self.kv.name, c.l2_dir)
