@@ -86,3 +86,47 @@ def test_after_a_heal_the_key_filter_is_not_trusted_until_the_feeds_are_read() -
         clock.sleep(0.05)
     assert keys.ready and not d.catching_up and d.stats.extra.get("caught_up") == 1
     assert l3.calls.get("feed_seqs", 0) > checked_before
+
+
+def test_in_partition_mode_local_writes_are_staged_as_made_and_pushed_at_the_heal() -> None:
+    """While Redis is silent the daemon still reads the host's L2 feed and stages each
+    write (nothing is pushed, every write stays dirty): the heal's first round only
+    sends them, instead of first reading a backlog of thousands out of L2 (and the L2
+    feed ring, read every round, never overflows into a scan of every dirty key)."""
+    import random
+
+    from kvcomm.node.daemon import Daemon
+
+    from .delivery_fakes import FakeKeys, FakeL2, FakeL3
+    from .test_delivery_sim import Clock
+    from .test_shutdown_flush import _config
+
+    clock = Clock()
+    l3 = FakeL3(random.Random(1))
+    l3.reachable = lambda: not l3.down  # type: ignore[attr-defined]  # (L3Store's probe)
+    l2 = FakeL2("h1", clock=clock)
+    d = Daemon(_config(lease_ttl=2), l2, l3.view(), FakeKeys(),  # type: ignore[arg-type]
+               rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
+    l3.down = True
+    for _ in range(40):  # cut off past the TTL: partition mode
+        d.step()
+        d.decide_partition()
+        clock.sleep(0.1)
+    assert d.reach.partition and d.probe_failed
+    pushes = l3.calls.get("push_many", 0)
+    keys = [f"p/{i}" for i in range(200)]
+    for i in range(0, len(keys), 20):  # more than the feed ring holds (64), between rounds
+        for k in keys[i:i + 20]:
+            l2.put(k, b"v" + k.encode())
+        d.step()
+        clock.sleep(0.2)
+    assert d.probe_failed and l3.calls.get("push_many", 0) == pushes  # nothing sent
+    assert set(d.out.staged) == set(keys) and d.stats.feed_overflows == 0
+    assert all(l2.recs[k].dirty for k in keys) and not l3.records
+    l3.down = False  # healed: the first round sends everything staged
+    clock.sleep(0.1)
+    d.step()
+    assert not d.reach.partition
+    assert {k: l3.records[k].value for k in keys} == {k: b"v" + k.encode() for k in keys}
+    assert not any(l2.recs[k].dirty for k in keys) and not d.out.staged
+    assert not l2.anomalies

@@ -277,8 +277,12 @@ class Daemon:
 
     # ------------------------------------------------------------------ local → L3
 
-    def push_local(self, now: float) -> None:
-        """Read the local feed, push what is due, persist the delivered cursor."""
+    def push_local(self, now: float, push: bool = True) -> None:
+        """Read the local feed, push what is due, persist the delivered cursor. Without
+        ``push`` (partition mode, Redis silent), only read and stage: the host's writes
+        are read from L2 as they are made, not all at once on the heal, which then only
+        sends them (and the skipped changes whose records must be read from L3 wait in
+        ``refetch``)."""
         events, cursor, overflowed = self.port.feed_read(self.out.cursor)
         written = [ev.key for ev in events
                    if ev.kind in (KIND_PUT, KIND_DELETE)]  # evictions stay local
@@ -300,21 +304,24 @@ class Daemon:
             if (skipped := self.skipped.take(key, now)) is not None:
                 due[key] = skipped
         if due:
-            self._refill(due)
-        self._push(now)
+            self._refill(due, fetch=push)
+        if push:
+            self._push(now)
         delivered = self.out.delivered()
         if delivered != self.persisted:  # everything before it is in L3
             self.port.delivered_up_to(delivered)
             self.persisted = delivered
 
-    def _refill(self, due: dict[str, L3Record | FeedNote]) -> None:
+    def _refill(self, due: dict[str, L3Record | FeedNote], fetch: bool = True) -> None:
         """Apply the skipped changes ``due`` over late fills: a record as it is, a note's
-        key read from L3 (all in one batch; when L3 cannot be reached, the notes are
-        kept in ``refetch`` for the next round)."""
+        key read from L3 (all in one batch; when L3 cannot be reached, or not ``fetch``,
+        the notes are kept in ``refetch`` for the next round)."""
         self.stats.bump("refills", len(due))
         notes = [key for key, got in due.items() if isinstance(got, FeedNote)]
         fetched: dict[str, L3Record | None | CorruptRecord] = {}
         try:
+            if notes and not fetch:
+                raise Unavailable("partition mode")
             if notes:
                 with self._metered("fetch"):
                     fetched = self.l3.get_many(notes)
@@ -742,7 +749,10 @@ class Daemon:
         self.probe_failed = self.reach.partition and not self._redis_answers()
         if self.probe_failed:
             self.stats.bump("partition_probes_failed")
-            return  # (the local feed is read once Redis answers: dirty keys stay dirty)
+            # the local feed is read and staged meanwhile (dirty keys stay dirty): the
+            # heal then only pushes, instead of first reading a backlog of thousands
+            self.push_local(now, push=False)
+            return
         self.push_local(now)
         hinted, lost = self.l3.hints()
         self.inb.hinted(hinted)
