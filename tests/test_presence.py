@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvcomm.node.presence import (
     STATUS_FRESH_S,
@@ -130,3 +131,43 @@ def test_in_partition_mode_local_writes_are_staged_as_made_and_pushed_at_the_hea
     assert {k: l3.records[k].value for k in keys} == {k: b"v" + k.encode() for k in keys}
     assert not any(l2.recs[k].dirty for k in keys) and not d.out.staged
     assert not l2.anomalies
+
+
+def test_a_long_round_whose_l3_calls_answer_does_not_enter_partition_mode() -> None:
+    """A heal's catch-up on a loaded host makes rounds longer than the lease TTL; as long
+    as each L3 call answers, the lease thread (which checks while the loop is in a call)
+    must not take the host for cut off. Here every L3 call takes 1.1 s of a 2 s TTL."""
+    import random
+
+    from kvcomm.node.daemon import Daemon
+
+    from .delivery_fakes import FakeKeys, FakeL2, FakeL3
+    from .test_delivery_sim import Clock
+    from .test_shutdown_flush import _config
+
+    clock = Clock()
+    l3 = FakeL3(random.Random(1))
+    l2 = FakeL2("h1", clock=clock)
+    d = Daemon(_config(lease_ttl=2), l2, l3.view(), FakeKeys(),  # type: ignore[arg-type]
+               rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
+    slow = {"calls": 0}
+
+    def slowly(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            clock.sleep(1.1)  # the call takes this long...
+            d.enter_partition_if_due()  # ...and the lease thread checks meanwhile
+            slow["calls"] += 1
+            return out
+        return call
+
+    for name in ("push_many", "feed_many", "feed_seqs", "get_many"):
+        setattr(l3, name, slowly(getattr(l3, name)))
+    d.inb.lost(range(16))  # every group's counter checked in the next poll, as on a heal
+    for i in range(50):
+        l2.put(f"k/{i}", b"v")
+    for _ in range(10):
+        d.step()
+        clock.sleep(0.01)
+    assert slow["calls"] >= 6, slow  # rounds of several calls, each of 1.1 s
+    assert not d.reach.partition and d.reach.entered == 0, d.reach.reason

@@ -609,14 +609,19 @@ class Daemon:
     @contextmanager
     def _metered(self, what: str) -> Iterator[None]:
         """Count the L3 bytes sent and received inside the block under ``what``
-        (``wire_by``: for ``status()``, which reports where a host's L3 traffic goes)."""
+        (``wire_by``: for ``status()``, which reports where a host's L3 traffic goes).
+        A block that returns is an L3 call that worked: Redis answered (partition mode
+        must not be entered by the lease thread while a long round, a heal's catch-up on
+        a loaded host, is still getting answers)."""
         wire = getattr(self.l3, "wire", None)
         if wire is None:  # (the test fakes count nothing)
             yield
+            self.reach.redis_ok(self.clock())
             return
         sent, received = wire.sent, wire.received
         try:
             yield
+            self.reach.redis_ok(self.clock())
         finally:
             row = self.wire_by.setdefault(what, [0, 0])
             row[0] += wire.sent - sent
