@@ -171,3 +171,72 @@ def test_a_long_round_whose_l3_calls_answer_does_not_enter_partition_mode() -> N
         clock.sleep(0.01)
     assert slow["calls"] >= 6, slow  # rounds of several calls, each of 1.1 s
     assert not d.reach.partition and d.reach.entered == 0, d.reach.reason
+
+
+def test_the_catch_up_starts_when_redis_answers_not_when_etcd_does_too() -> None:
+    """Partition mode is left only once Redis and an etcd majority answer, but eventual
+    keys need only Redis: the catch-up (the backlog sent, every group's counter checked,
+    the key filter distrusted until the feeds are read) starts at the first round Redis
+    answers, while etcd is still out; leaving partition mode later does not start it
+    again. Redis silent again (still in partition mode) means another catch-up."""
+    import random
+    from types import SimpleNamespace
+
+    from kvcomm.node.daemon import Daemon
+
+    from .delivery_fakes import FakeKeys, FakeL2, FakeL3
+    from .test_delivery_sim import Clock
+    from .test_shutdown_flush import _config
+
+    clock = Clock()
+    l3 = FakeL3(random.Random(1))
+    l3.reachable = lambda: not l3.down  # type: ignore[attr-defined]  # (L3Store's probe)
+    l2 = FakeL2("h1", clock=clock)
+    keys = FakeKeys()
+    d = Daemon(_config(lease_ttl=2), l2, l3.view(), keys,  # type: ignore[arg-type]
+               rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
+    etcd = SimpleNamespace(etcd_ok_at=clock())  # (the lease thread's view of etcd)
+    d.presence = etcd  # type: ignore[assignment]
+
+    def cut_off() -> None:
+        for _ in range(40):
+            d.step()
+            d.decide_partition()
+            clock.sleep(0.1)
+
+    l3.down = True
+    cut_off()  # Redis and etcd both silent past the TTL
+    assert d.reach.partition and d.probe_failed and keys.ready
+    l2.put("mine", b"1")
+    d.step()
+    l3.down = False  # Redis heals; etcd does not
+    clock.sleep(0.1)
+    d.step()
+    d.decide_partition()
+    assert d.reach.partition and "etcd" in d.reach.reason  # still in partition mode...
+    assert l3.records["mine"].value == b"1"  # ...but the backlog went out
+    for _ in range(20):  # and the catch-up ran (every counter checked, the filter trusted
+        if d.stats.extra.get("caught_up"):  # again once the feeds were read)
+            break
+        d.step()
+        d.decide_partition()
+        clock.sleep(0.05)
+    assert d.reach.partition and keys.ready and d.stats.extra.get("caught_up") == 1
+    l3.down = True  # Redis silent again, still in partition mode, then back
+    for _ in range(3):
+        d.step()
+        clock.sleep(0.2)
+    assert d.probe_failed
+    l3.down = False
+    d.step()
+    for _ in range(20):
+        d.step()
+        d.decide_partition()
+        clock.sleep(0.05)
+    assert keys.ready and d.stats.extra.get("caught_up") == 2
+    etcd.etcd_ok_at = clock()  # etcd answers: partition mode is left, no catch-up again
+    d.step()
+    d.decide_partition()
+    assert not d.reach.partition and not d.catching_up and keys.ready
+    d.step()
+    assert d.stats.extra.get("caught_up") == 2 and keys.ready

@@ -225,6 +225,7 @@ class Daemon:
         self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self.probe_failed = False  # the last round found Redis silent (partition mode)
+        self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
         # how often changes to watched prefixes (node/watched.py: NodeDaemon sets
         # ``watching`` from them) may have been missed (a resync after a gap: the
@@ -754,6 +755,7 @@ class Daemon:
         self.probe_failed = self.reach.partition and not self._redis_answers()
         if self.probe_failed:
             self.stats.bump("partition_probes_failed")
+            self.redis_back = False  # (Redis silent again: caught up again when it answers)
             # the local feed is read and staged meanwhile (dirty keys stay dirty): the
             # heal then only pushes, instead of first reading a backlog of thousands
             self.push_local(now, push=False)
@@ -792,6 +794,8 @@ class Daemon:
             return True
         if probe():
             self.reach.redis_ok(self.clock())
+            if self.probe_failed:  # Redis is back (etcd may not be yet)
+                self._catch_up()
             self.decide_partition()  # (leaving it now: the backlog is pushed this round)
             return True
         return False
@@ -874,6 +878,7 @@ class Daemon:
             self.out.backoff.cap = self.inb.backoff.cap = 0.2
             if hasattr(self.l3, "refresh_every"):
                 self.l3.refresh_every = 10.0
+            self.redis_back = False
         elif change == "leave":
             self.stats.bump("heals")
             log.warning("partition healed: replaying %d waiting writes through L3's merge",
@@ -881,16 +886,26 @@ class Daemon:
             self.out.backoff.cap = self.inb.backoff.cap = 2.0
             if hasattr(self.l3, "refresh_every"):
                 self.l3.refresh_every = 0.5
-            self.out.backoff.succeeded()
-            self.inb.backoff.succeeded()
-            self.out.retry_at = self.inb.retry_at = float("-inf")
-            self.inb.last_poll = float("-inf")
-            # keys made elsewhere while cut off are not in the key filter until the feeds
-            # are read: agents must not trust its "absent" (they ask L3) until then; and
-            # every group's hints may have been lost: check every counter now
-            self.keys.set_ready(False)
-            self.catching_up = True
-            self.inb.lost(range(self.config.cluster.groups))
+            if not self.redis_back:  # (else done when Redis came back, etcd still out)
+                self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Redis answers again after a partition (or the partition is left): the backlog
+        and the feeds are retried at once instead of after the backoff, and every group
+        is read up to its end before the key filter is trusted again. Done as soon as
+        Redis answers, not when partition mode is left (which also waits for etcd): the
+        host's writes and the other hosts' converge meanwhile."""
+        self.redis_back = True
+        self.out.backoff.succeeded()
+        self.inb.backoff.succeeded()
+        self.out.retry_at = self.inb.retry_at = float("-inf")
+        self.inb.last_poll = float("-inf")
+        # keys made elsewhere while cut off are not in the key filter until the feeds
+        # are read: agents must not trust its "absent" (they ask L3) until then; and
+        # every group's hints may have been lost: check every counter now
+        self.keys.set_ready(False)
+        self.catching_up = True
+        self.inb.lost(range(self.config.cluster.groups))
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set, then flush (for at most
