@@ -52,6 +52,39 @@ def test_info_and_purge(ns: str, config: kvcomm.Config) -> None:
     assert run("purge", "--name", ns).returncode == 1
 
 
+def test_info_in_partition_mode_says_so_instead_of_a_dead_daemon(ns: str,
+                                                                 config: kvcomm.Config) -> None:
+    """In partition mode the daemon's loop waits on Redis timeouts and its L2 heartbeat
+    goes stale, while its lease thread keeps the status file fresh: ``kvcomm info`` says
+    partition mode, not "NOT heartbeating" (which it still says once the status is stale
+    too: a dead daemon)."""
+    import time
+
+    from kvcomm.node.presence import status_path, write_status
+    from kvcomm.tiers.shm.layout import H
+
+    with kvcomm.open(ns, config=config) as kv:
+        seg = kv._seg
+        seg.daemon_heartbeat(os.getpid())
+        seg._q[H["DAEMON_BEAT"]] = time.time_ns() // 1_000_000 - 10_000  # 10 s old
+        path = status_path(ns, config.cache.l2_dir)
+        status = {"host": "h", "pid": os.getpid(), "updated": time.time(), "partition": True,
+                  "partition_reason": "Redis unreachable for 3.0s", "backlog": 5,
+                  "feed_lag_s": 3.0}
+        try:
+            write_status(path, status)
+            out = run("info", "--name", ns)
+            assert out.returncode == 0, out.stderr
+            line = next(ln for ln in out.stdout.splitlines() if ln.startswith("node daemon"))
+            assert "PARTITION MODE" in out.stdout and "NOT heartbeating" not in line, out.stdout
+            assert "partition mode" in line, line
+            write_status(path, {**status, "updated": time.time() - 60})  # a dead daemon
+            out = run("info", "--name", ns)
+            assert "NOT heartbeating" in out.stdout and "PARTITION" not in out.stdout, out.stdout
+        finally:
+            os.unlink(path)
+
+
 @pytest.mark.multiprocess
 def test_demo_smoke(tmp_path: Path) -> None:
     plot = tmp_path / "lat.png"

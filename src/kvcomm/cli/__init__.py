@@ -84,6 +84,9 @@ def _info(args: argparse.Namespace) -> int:
               f"feed lag {st.get('feed_lag_s', 0)}s")
     if info["daemon_pid"]:
         state = "alive" if info["daemon_alive"] else "NOT heartbeating"
+        if not info["daemon_alive"] and st is not None and st.get("partition") \
+                and st.get("pid") == info["daemon_pid"]:  # (its lease thread wrote st)
+            state = "alive, in partition mode (its loop waits on Redis timeouts)"
         print(f"node daemon    pid {info['daemon_pid']}, {state}; "
               f"{info['dirty']} writes not yet in L3, {info['set_aside']} set aside")
     return 0
