@@ -240,3 +240,50 @@ def test_the_catch_up_starts_when_redis_answers_not_when_etcd_does_too() -> None
     assert not d.reach.partition and not d.catching_up and keys.ready
     d.step()
     assert d.stats.extra.get("caught_up") == 2 and keys.ready
+
+
+def test_an_agent_without_etcd_is_refused_in_a_cluster_with_strong_keys(tmp_path: Path) -> None:
+    """The contract: an agent whose config disagrees with the cluster's strong prefixes
+    refuses to start. One without ``cluster.etcd`` cannot ask etcd, so it asks its host's
+    daemon (the status file carries the prefixes the daemon runs with): ConfigError
+    when the cluster has strong keys; nothing to refuse when it has none, or when no
+    daemon runs."""
+    import random
+    import time
+    import uuid
+
+    import pytest
+
+    import kvcomm
+    from kvcomm.node.daemon import Daemon
+    from kvcomm.node.presence import status_path, write_status
+
+    from .delivery_fakes import FakeKeys, FakeL2, FakeL3
+    from .test_delivery_sim import Clock
+
+    ns = f"pst-{uuid.uuid4().hex[:10]}"
+
+    def config(**cache: object) -> kvcomm.Config:
+        return kvcomm.Config.from_mapping({
+            "node": {"host_id": "h1", "namespace": ns},
+            "cache": {"l2_size": "4MB", "l2_dir": str(tmp_path), **cache},
+            "cluster": {"redis": ["127.0.0.1:1"], "groups": 16}})
+
+    clock = Clock()
+    daemon = Daemon(config(strong_prefixes=["task/"]), FakeL2("h1", clock=clock),
+                    FakeL3(random.Random(1)).view(), FakeKeys(),  # type: ignore[arg-type]
+                    rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
+    status = daemon.status()
+    assert status["strong_prefixes"] == ["task/"] and status["l3_consistency"] == "eventual"
+    path = status_path(ns, str(tmp_path))
+    kvcomm.open(ns, config=config()).close()  # no daemon: nothing to compare with
+    write_status(path, {**status, "updated": time.time()})
+    with pytest.raises(kvcomm.ConfigError, match="cluster.etcd") as err:
+        kvcomm.open(ns, config=config())
+    assert "task/" in str(err.value)
+    write_status(path, {**status, "strong_prefixes": [], "updated": time.time()})
+    kvcomm.open(ns, config=config()).close()  # a cluster without strong keys
+    write_status(path, {**status, "strong_prefixes": [], "l3_consistency": "strong",
+                        "updated": time.time()})
+    with pytest.raises(kvcomm.ConfigError, match="cluster.etcd"):
+        kvcomm.open(ns, config=config())

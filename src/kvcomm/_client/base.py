@@ -127,6 +127,33 @@ class ClientBase:
         self._status_reader: Any = None  # the node daemon's status file (partition mode)
         if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
             self._open_strong()
+        elif self._cluster:
+            self._check_no_strong_keys()
+
+    def _check_no_strong_keys(self) -> None:
+        """A cluster-mode agent without ``cluster.etcd`` cannot ask etcd which keys the
+        cluster keeps strong, so it asks its host's node daemon: its status file (while
+        fresh) carries the cache.strong_prefixes and cache.l3_consistency it runs with,
+        checked against etcd's when it started. An agent that would treat the cluster's
+        strong keys as eventual ones must not start. Raises ConfigError; the client is
+        then closed. With no daemon running (no fresh status), nothing is checked."""
+        from ..errors import ConfigError
+
+        self._etcd_unreachable()  # (opens the status reader)
+        st = self._status_reader.status()
+        if st is None:
+            return
+        theirs = st.get("strong_prefixes") or []
+        if theirs or st.get("l3_consistency") == "strong":
+            process_budget().unregister(self.config.cache.l1_size)
+            _Shared.release(self._attached)
+            self._closed = self._unusable = True
+            raise ConfigError("cluster.etcd", f"the cluster keeps strong keys in etcd "
+                              f"(cache.strong_prefixes {theirs}, cache.l3_consistency "
+                              f"{st.get('l3_consistency')!r}, says the node daemon of host "
+                              f"{st.get('host')!r}) and this config lists no etcd members: "
+                              "give this agent the host's cluster.etcd and "
+                              "cache.strong_prefixes")
 
     def _open_strong(self) -> None:
         """Open the strong-key store and check this config's prefixes against the

@@ -828,7 +828,10 @@ class Daemon:
                 "lease": p.lease if p else 0, "watch_missed": self.watch_missed,
                 "watch_applied": self._watch_applied(),
                 "clock_skew": {"beyond": self.skew.beyond,
-                               "max_ahead_ms": self.skew.max_ahead_ms}}
+                               "max_ahead_ms": self.skew.max_ahead_ms},
+                # (which keys are strong: agents without cluster.etcd check theirs here)
+                "strong_prefixes": sorted(set(self.config.cache.strong_prefixes)),
+                "l3_consistency": self.config.cache.l3_consistency}
 
     def _watch_applied(self) -> int:
         """The mtime of the watch registrations the daemon applies (node/watched.py)."""
