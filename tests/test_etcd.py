@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import kvcomm
-from kvcomm.devcluster.etcd_cluster import EtcdCluster, etcd_path, member_argv
+from kvcomm.devcluster.etcd_cluster import EtcdCluster, etcd_path, leader_index, member_argv
 from kvcomm.devcluster.procs import running, spawn, stop
 from kvcomm.tiers.etcd import (
     Compare,
@@ -416,6 +416,64 @@ def test_user_and_password(tmp_path: Path) -> None:
         assert c.get("x").value == b"1"  # type: ignore[union-attr]
         assert c.stats.reauths == 2
         c.close()
+
+
+def test_user_and_password_through_two_leader_failovers_with_expired_tokens() -> None:
+    """With user and password, the token is re-fetched wherever a member rejects it:
+    after two leader failovers (each killed leader restarted, which forgets its tokens),
+    with the token expired while the cluster elects, every call either succeeds or
+    raises Unavailable (never ConfigError: an election is not bad credentials), and
+    calls succeed again once a leader is elected."""
+    with EtcdCluster(members=3) as ec:
+        admin = EtcdClient(ec.endpoints, timeout=5.0)
+        for path, body in (("/v3/auth/role/add", {"name": "root"}),
+                           ("/v3/auth/user/add", {"name": "root", "password": "rootpw"}),
+                           ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                           ("/v3/auth/enable", {})):
+            admin.request(path, body, write=True)
+        admin.close()
+        cfg = kvcomm.Config.from_mapping({"cluster": {
+            "etcd": ec.addresses, "etcd_username": "root", "etcd_password": "rootpw",
+            "timeout": 1.0}})
+        c = EtcdClient.from_config(cfg.cluster)
+        try:
+            c.put("x", b"0")
+            unavailable = 0
+
+            def leader() -> int:  # (ec.leader()'s health read needs no credentials)
+                live = [p for i, p in enumerate(ec.client_ports) if ec.alive(i)]
+                got = wait_for(lambda: (j := leader_index(live)) is not None and j + 1, 60,
+                               "an etcd leader")
+                return ec.client_ports.index(live[got - 1])
+
+            for round_ in (1, 2):
+                lead = leader()
+                ec.kill(lead)
+                c._token = "expired.token"  # as after the token's TTL, mid-election
+                n = round_
+
+                def written(n: int = n) -> bool:
+                    nonlocal unavailable
+                    try:
+                        c.put("x", str(n).encode())
+                    except kvcomm.Unavailable:
+                        unavailable += 1
+                        return False
+                    return True
+
+                wait_for(written, 60, f"a write after leader failover {round_}")
+                assert c.get("x").value == str(n).encode()  # type: ignore[union-attr]
+                ec._spawn(lead)  # the old leader comes back (its tokens forgotten)
+                wait_for(lambda: leader_index(ec.client_ports) is not None, 60,
+                         "every member following one leader")
+                c._preferred = ec.endpoints.index(ec.endpoints[lead])  # asked first next
+                c._token = "expired.token"
+                assert c.get("x").value == str(n).encode()  # type: ignore[union-attr]
+            print(f"re-authentications {c.stats.reauths}, failovers {c.stats.failovers}, "
+                  f"Unavailable while electing {unavailable}")
+            assert c.stats.reauths >= 5 and c.stats.failovers >= 2
+        finally:
+            c.close()
 
 
 def _openssl(*args: str) -> None:

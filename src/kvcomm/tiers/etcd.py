@@ -519,7 +519,7 @@ class EtcdClient:
         body = json.dumps(payload, separators=(",", ":")).encode()
         self.stats.calls += 1
         errors: list[str] = []
-        reauthed = False
+        reauthed: set[Endpoint] = set()  # (a rejected token is renewed once per member)
         n = len(self.endpoints)
         i = self._preferred
         tries = 0
@@ -544,11 +544,17 @@ class EtcdClient:
                         "applied (outcome unknown): read the key to find out") from None
                 errors.append(str(exc))
             except _Answer as exc:
-                if exc.code == _UNAUTHENTICATED and not reauthed and self.username:
-                    reauthed = True
-                    self._authenticate(ep, deadline)
-                    continue  # the same member, with a fresh token
-                self._raise_for(exc, ep, write)  # returns only when another member may serve
+                if self.username and ep not in reauthed and (
+                        exc.code == _UNAUTHENTICATED or "user name is empty" in exc.message
+                        or "invalid auth token" in exc.message):
+                    reauthed.add(ep)
+                    try:  # (a restarted member forgot its tokens; the TTL passed...)
+                        self._authenticate(ep, deadline)
+                        continue  # the same member, with a fresh token
+                    except Unavailable as why:  # (electing, say): try another member
+                        errors.append(str(why))
+                else:
+                    self._raise_for(exc, ep, write)  # returns only when another member may serve
                 errors.append(f"{ep[0]}:{ep[1]}: {exc.message}")
             else:
                 if i % n != self._preferred:
@@ -604,9 +610,13 @@ class EtcdClient:
         except (_NotSent, _Lost) as exc:
             raise Unavailable(f"etcd: cannot authenticate at {ep[0]}:{ep[1]}: {exc}") from None
         except _Answer as exc:
-            raise ConfigError("cluster.etcd_username", f"etcd refused user {self.username!r}: "
-                              f"{exc.message}; check cluster.etcd_username and etcd_password"
-                              ) from None
+            if _refused(exc):
+                raise ConfigError("cluster.etcd_username", f"etcd refused user "
+                                  f"{self.username!r}: {exc.message}; check "
+                                  "cluster.etcd_username and etcd_password") from None
+            # an election, a timeout, a member that is stopping: not the credentials
+            raise Unavailable(f"etcd: cannot authenticate at {ep[0]}:{ep[1]}: "
+                              f"{exc.message}") from None
         self._token = str(out.get("token", "")) or None
         self.stats.reauths += 1
 
@@ -827,6 +837,14 @@ class EtcdClient:
 
 class _LeaseNotFound(Unavailable):
     pass
+
+
+def _refused(exc: _Answer) -> bool:
+    """Whether an answer to /v3/auth/authenticate refuses the credentials (rather than
+    saying the member cannot serve now: no leader, a timeout, stopping)."""
+    if any(m in exc.message for m in (*_NOT_APPLIED, *_UNKNOWN)):
+        return False
+    return exc.code not in (_DEADLINE, _UNAVAILABLE)
 
 
 def _revision(out: dict[str, Any]) -> int:
