@@ -167,6 +167,30 @@ def test_partition_both_sides_write_heal_converges_nothing_lost(dc: Path) -> Non
             x.close()
 
 
+def test_an_agents_redis_call_in_a_partition_is_unavailable_within_twice_the_timeout(
+        dc: Path) -> None:
+    """An agent's L3 call from a cut-off host fails with Unavailable (the KVCommError
+    tree, not redis-py's "cannot be connected") after its own timeout and at most one
+    more for the slot-map refresh redis-py starts after it: not one timeout per seed
+    (6 here), not redis-py's 10 retries."""
+    b = _agent(dc, "host-2")
+    try:
+        store = b._l3_store()  # (opened while connected: the agent's own L3 adapter)
+        assert store.get("pt/nothing/here") is None
+        control.partition(str(dc), "host-2")
+        took = []
+        for i in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(kvcomm.Unavailable):
+                store.get(f"pt/cut/{i}")
+            took.append(time.monotonic() - t0)
+        print("an agent's L3 read while cut off took", [f"{t:.2f}s" for t in took])
+        assert max(took) < 2 * TIMEOUT + 1.0, took  # (6 seeds: 3.5 s before the bound)
+    finally:
+        control.heal(str(dc))
+        b.close()
+
+
 def _converge(keys: list[str], acked: dict[str, list[Any]], clients: tuple[kvcomm.Client, ...],
               t0: float, timeout: float,
               status: Callable[[], dict[str, Any]] | None = None) -> list[float]:

@@ -170,6 +170,7 @@ from __future__ import annotations
 import heapq
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, NamedTuple
@@ -785,7 +786,8 @@ class L3Store:
                  address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
                  retries: int | None = None,
                  feed_inline: int | None = FEED_INLINE,
-                 tombstone_grace: float = 86400.0) -> None:
+                 tombstone_grace: float = 86400.0,
+                 bounded_refresh: bool = False) -> None:
         require_cluster()  # a ConfigError naming kvcomm[cluster] when redis-py is missing
         from redis.cluster import ClusterNode
 
@@ -823,6 +825,8 @@ class L3Store:
             from .routing import follow_remap
 
             follow_remap(self.rc, address_remap)
+        if bounded_refresh:
+            _bound_refresh(self.rc.nodes_manager, timeout)
         self.wire = self.rc.wire  # type: ignore[attr-defined]  # commands and bytes to and from Redis (kvcomm metrics)
         self.feed_maxlen = min(feed_maxlen, max(FEED_MIN, feed_total // groups))
         # a push's feed entry carries the record up to this size (None: always)
@@ -864,6 +868,8 @@ class L3Store:
         if daemon:
             kw |= {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
                    "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total}
+        else:  # an agent's call: bounded by about 2 x cluster.timeout (_bound_refresh)
+            kw |= {"retries": 0, "bounded_refresh": True}
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
                    tls_ca=cl.redis_ca, tls_cert=cl.redis_cert, tls_key=cl.redis_key,
@@ -1667,7 +1673,9 @@ class L3Store:
                 raise CorruptRecord(f"{where}{msg.split(' ', 1)[-1]}") from None
             raise Unavailable(f"Redis Cluster refused: {msg}") from None
         except (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError,
-                rex.ClusterError) as exc:
+                rex.ClusterError, rex.RedisClusterException) as exc:
+            # (RedisClusterException: redis-py re-read the slot map after a timeout and
+            # no seed answered: "Redis Cluster cannot be connected")
             self._refresh_topology()
             raise Unavailable(f"Redis Cluster unreachable: {exc}; the write stays in L2") from None
 
@@ -1684,6 +1692,37 @@ class L3Store:
         except Exception:  # the cluster may still be electing: the next call retries
             pass
 
+
+
+def _bound_refresh(nodes_manager: Any, timeout: float) -> None:
+    """Make ``nodes_manager.initialize`` (redis-py re-reads the slot map from every seed
+    after a timeout, inside the failed call: each seed of a cut-off host costs a
+    timeout) return after at most ``timeout`` seconds: it runs in a thread of its own,
+    one at a time; the caller that starts it waits for it that long, one that finds it
+    running does not wait (the refresh goes on, and later calls find its result). An
+    agent's operation then fails within about twice ``cluster.timeout`` (its own call,
+    then this) instead of one timeout per seed."""
+    real = nodes_manager.initialize
+    lock = threading.Lock()
+    running: list[threading.Thread] = []
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            real(*args, **kwargs)
+        except Exception:  # (unreachable: the caller's call already failed; next time)
+            pass
+
+    def initialize(*args: Any, **kwargs: Any) -> None:
+        with lock:
+            if running and running[0].is_alive():
+                return
+            t = threading.Thread(target=run, args=args, kwargs=kwargs, daemon=True,
+                                 name="kvcomm-slot-map")
+            running[:] = [t]
+            t.start()
+        t.join(timeout)
+
+    nodes_manager.initialize = initialize
 
 
 def _raw(r: Any, **kwargs: Any) -> Any:
