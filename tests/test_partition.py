@@ -172,8 +172,10 @@ def test_an_agents_redis_call_in_a_partition_is_unavailable_within_twice_the_tim
     """An agent's L3 call from a cut-off host fails with Unavailable (the KVCommError
     tree, not redis-py's "cannot be connected") after its own timeout and at most one
     more for the slot-map refresh redis-py starts after it: not one timeout per seed
-    (6 here), not redis-py's 10 retries."""
-    b = _agent(dc, "host-2")
+    (6 here), not redis-py's 10 retries. The same for an agent whose first L3 call
+    comes while cut off (opening L3 reads the slot map from every seed): it opens once
+    Redis answers again."""
+    b, fresh = _agent(dc, "host-2"), _agent(dc, "host-2")
     try:
         store = b._l3_store()  # (opened while connected: the agent's own L3 adapter)
         assert store.get("pt/nothing/here") is None
@@ -186,9 +188,21 @@ def test_an_agents_redis_call_in_a_partition_is_unavailable_within_twice_the_tim
             took.append(time.monotonic() - t0)
         print("an agent's L3 read while cut off took", [f"{t:.2f}s" for t in took])
         assert max(took) < 2 * TIMEOUT + 1.0, took  # (6 seeds: 3.5 s before the bound)
+        t0 = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(kvcomm.Unavailable):
+                fresh._l3_store()  # (its open goes on in the background)
+        opening = (time.monotonic() - t0) / 2
+        print(f"opening L3 while cut off: Unavailable after {opening:.2f}s")
+        assert opening < 2 * TIMEOUT + 1.0, opening  # (6 seeds: 3 s each before)
+        control.heal(str(dc))
+        store = wait_for(lambda: fresh._l3_store(), 60, "L3 opened after the heal",
+                         retry_on=(kvcomm.Unavailable,))
+        assert store.get("pt/nothing/here") is None
     finally:
         control.heal(str(dc))
         b.close()
+        fresh.close()
 
 
 def _converge(keys: list[str], acked: dict[str, list[Any]], clients: tuple[kvcomm.Client, ...],

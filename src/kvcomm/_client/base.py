@@ -84,6 +84,7 @@ class ClientBase:
         self._core_put = self._seg._core.put
         self._has_validators = False
         self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
+        self._l3_opening: Any = None  # its open in flight (a Future: cluster_read._open_l3)
         self._kf: Any = None  # the daemon's filter of existing keys
         self._kf_retry = 0.0
         self._negative = NegativeCache(c.negative_ttl, c.negative_max_entries)

@@ -102,6 +102,9 @@ class Client(Scanning):
                 self._observer.close()
         if self._l3 is not None:
             self._l3.close()
+        elif self._l3_opening is not None:  # (still opening: closed once open)
+            self._l3_opening.add_done_callback(
+                lambda f: f.exception() is None and f.result().close())
         self._kf = None  # (dropped, not closed: a get in another thread may be testing it)
         if self._strong is not None:
             self._strong.close()

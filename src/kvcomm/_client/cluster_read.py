@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from ..core.expiry import expired
 from ..core.versions import Version
-from ..errors import ValueTooLarge
+from ..errors import Unavailable, ValueTooLarge
 from .base import _FILL_WITHIN
 from .items import Item
 from .merge import Merging
+
+_OPENING = threading.Lock()  # (a client's L3 open in flight: _open_l3)
 
 
 class ClusterReads(Merging):
@@ -55,19 +58,54 @@ class ClusterReads(Merging):
 
     def _l3_store(self) -> Any:
         """The L3 adapter, opened at its first use. Raises Unavailable, ConfigError
-        (``cluster.groups`` is not the count L3 was initialised with)."""
-        if self._l3 is None:
-            from ..tiers.l3 import L3Store
+        (``cluster.groups`` is not the count L3 was initialised with).
 
-            cl = self.config.cluster
-            l3 = L3Store.from_config(cl, max_value_size=self.config.cache.max_value_size)
+        Opening reads the slot map from the seeds, each costing ``cluster.timeout`` on a
+        cut-off host: it is done in a thread of its own, and a caller waits for it at
+        most 2 x ``cluster.timeout``, then gets Unavailable while the open goes on (a
+        later call takes its result; a failed open is tried again by the next call)."""
+        if self._l3 is None:
+            self._l3 = self._open_l3()
+        return self._l3
+
+    def _open_l3(self) -> Any:
+        from concurrent.futures import Future
+        from concurrent.futures import TimeoutError as Pending
+
+        with _OPENING:
+            fut = self._l3_opening
+            if fut is None:
+                fut = self._l3_opening = Future()
+                threading.Thread(target=self._open_l3_into, args=(fut,), daemon=True,
+                                 name="kvcomm-l3-open").start()
+        wait = 2 * float(self.config.cluster.timeout)
+        try:
+            return fut.result(wait)
+        except Pending:
+            raise Unavailable(f"Redis Cluster did not answer within {wait:g}s (2 x "
+                              "cluster.timeout); still trying in the background: retry "
+                              "later") from None
+        except BaseException:
+            with _OPENING:
+                if self._l3_opening is fut:
+                    self._l3_opening = None  # (the next call tries again)
+            raise
+
+    def _open_l3_into(self, fut: Any) -> None:
+        from ..tiers.l3 import L3Store
+
+        try:
+            l3 = L3Store.from_config(self.config.cluster,
+                                     max_value_size=self.config.cache.max_value_size)
             try:  # (another count than L3's would read every key under the wrong name)
                 l3.check_groups()
             except BaseException:
                 l3.close()
                 raise
-            self._l3 = l3
-        return self._l3
+        except BaseException as exc:
+            fut.set_exception(exc)
+            return
+        fut.set_result(l3)
 
     def _key_filter(self) -> Any:
         """The daemon's filter of existing keys while it is trusted (built, not retired,
