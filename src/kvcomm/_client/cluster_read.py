@@ -95,7 +95,7 @@ class ClusterReads(Merging):
         from ..tiers.l3 import L3Store
 
         try:
-            l3 = L3Store.from_config(self.config.cluster,
+            l3 = L3Store.from_config(self.config.cluster, agent=True,
                                      max_value_size=self.config.cache.max_value_size)
             try:  # (another count than L3's would read every key under the wrong name)
                 l3.check_groups()

@@ -858,17 +858,18 @@ class L3Store:
 
     @classmethod
     def from_config(cls, cluster: Any, *, max_value_size: int = MAX_VALUE_SIZE,
-                    daemon: bool = False) -> L3Store:
+                    daemon: bool = False, agent: bool = False) -> L3Store:
         """The store a host's ``cluster`` config describes: its seeds and every node
         routed through ``cluster.address_remap``, credentials, TLS files, timeout (and,
-        for the node daemon, the feed bound and WAIT settings). Raises Unavailable,
-        ConfigError."""
+        for the node daemon, the feed bound and WAIT settings; for an agent, calls that
+        fail within about 2 x ``cluster.timeout``: no redis-py retries, a bounded
+        slot-map refresh). Raises Unavailable, ConfigError."""
         cl = cluster
         kw: dict[str, Any] = {"feed_inline": cl.feed_inline}
         if daemon:
             kw |= {"feed_maxlen": cl.feed_maxlen, "wait_replicas": cl.wait_replicas,
                    "wait_ms": int(cl.wait_timeout * 1000), "feed_total": cl.feed_total}
-        else:  # an agent's call: bounded by about 2 x cluster.timeout (_bound_refresh)
+        if agent:  # an agent's call: bounded by about 2 x cluster.timeout (_bound_refresh)
             kw |= {"retries": 0, "bounded_refresh": True}
         return cls(cl.seeds(), username=cl.redis_username, password=cl.redis_password,
                    tls=cl.redis_tls, timeout=cl.timeout, max_value_size=max_value_size, groups=cl.groups,
