@@ -55,9 +55,12 @@ machines what it read, and carries out what they answer.
    (:mod:`kvcomm.placement.observe`), for ``kvcomm placement observe``.
 
 In partition mode (node/presence.py) each round starts with one PING of one master
-(:meth:`L3Store.reachable`) and does nothing else until Redis answers, so that the heal
-is seen within one ``cluster.timeout`` instead of after a round of calls that each wait a
-timeout per seed.
+(:meth:`L3Store.reachable`) and, until Redis answers, only reads and stages the host's
+local writes (nothing is sent), so that the heal is seen within one ``cluster.timeout``
+instead of after a round of calls that each wait a timeout per seed, and the heal's
+first round only sends the backlog. The catch-up (the backlog retried at once, every
+group's counter checked, the key filter distrusted until the feeds are read) starts at
+the first round Redis answers, even while partition mode waits for etcd too.
 
 When L3 is unreachable, nothing is dropped: the unsent windows are kept and retried with
 capped exponential backoff with jitter (:mod:`kvcomm.core.backoff`, so that hosts do
