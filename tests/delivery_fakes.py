@@ -406,6 +406,11 @@ class FakeL2:
     def apply_remote(self, key: str, record: L3Record) -> None:
         remote: Value = None if record.tombstone else (record.tag, record.meta, record.value)
         local = self.recs.get(key)
+        lost = vector_get(record.vector, self.host_id)  # (as Client._merge: dots of a lost
+        if (local is not None and local.dirty and lost > self.counter  # L2 never saw a
+                and 0 < vector_get(local.vector, self.host_id) <= lost):  # dirty write)
+            self.rebase(key, record)
+            local = self.recs.get(key)
         self.hlc = max(self.hlc, record.hlc)  # the host's clock absorbs what it saw
         if local is None:
             self._set(key, Rec(remote, record.vector, record.hlc, False))
@@ -455,7 +460,7 @@ class FakeL2:
         the local record written again over both."""
         self.counter = max(self.counter, vector_get(record.vector, self.host_id))
         rec = self.recs.get(key)
-        if rec is None:
+        if rec is None or not rec.dirty:
             return False
         self.hlc = max(self.hlc, record.hlc)
         self._write(key, rec.value, base=merge_vectors(rec.vector, record.vector))
