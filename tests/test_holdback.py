@@ -22,6 +22,12 @@ write. Before the fix the daemon installed it over the dirty write (clean: the w
 lost, and the push that followed was answered 'older' and marked delivered), so the
 acknowledged write never reached L3 and the host served the old value.
 
+Two defences now: the daemon's write mark in L3 (how far the host's pushed dots may go:
+a new L2 moves its unacknowledged writes past it at the daemon's start), and, should the
+mark be lost, L2's merge (a version naming this host's dots past its write sequence
+moves the unacknowledged writes past them first). The tests below that delete the mark
+exercise the second alone.
+
 Run alone with ``.venv/bin/python -m pytest -q tests/test_holdback.py``.
 """
 
@@ -85,6 +91,7 @@ def test_a_replayed_own_record_never_replaces_a_newer_dirty_write(  # type: igno
         end = store.feed_position(g)[0]
         assert mark[0] is not None and end is not None and end > mark[0]
         h.stop()  # (its flush saves its feed cursors: set back below, as a kill leaves them)
+        store.rc.delete(f"kvn:{{{host}}}:wseq")  # no write mark (lost): the merge's net alone
         if path == "resync":
             store.rc.delete(f"kvn:{{{host}}}:cursors")
         else:
@@ -138,6 +145,7 @@ def test_lost_dots_met_on_one_key_do_not_hide_them_on_another(cluster, store) ->
                  "L3 to have both old values")
         h.stop()
         store.rc.delete(f"kvn:{{{host}}}:cursors")  # the restarted daemon starts with a resync
+        store.rc.delete(f"kvn:{{{host}}}:wseq")  # no write mark (lost): the merge's net alone
         h.kv.close()
         l2.purge(h.ns)
         h.kv = kvcomm.open(config=h.config)
@@ -197,3 +205,37 @@ def test_meeting_lost_dots_moves_every_unacknowledged_write_past_them(cluster) -
     finally:
         kv.close()
         l2.purge(cfg.node.namespace)
+
+
+def test_old_dots_below_the_write_sequence_do_not_cover_a_new_write(cluster, store) -> None:  # type: ignore[no-untyped-def]
+    """The new L2's sequence, started below the host's old dots, may pass one of them
+    before the key's old record is met (many writes since the reboot): that dot then
+    looks like one of this life. The daemon's write mark in L3 (how far the host's
+    pushed dots may go) moves the new L2's unacknowledged writes past every old dot at
+    start, before any record of L3 is merged in."""
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    h = Host(cluster, f"hm{seed % 100000}", seed)
+    key = f"hm/{seed}"
+    host = h.config.node.host_id
+    try:
+        h.kv.put(key, "old")
+        wait_for(lambda: _l3_value(store, key) == "old", 30, "L3 to have the old value")
+        old_dot = store.get(key).dot[1]
+        assert store.load_write_mark(host) >= old_dot
+        h.stop()
+        store.rc.delete(f"kvn:{{{host}}}:cursors")  # the restarted daemon starts with a resync
+        h.kv.close()
+        l2.purge(h.ns)
+        h.kv = kvcomm.open(config=h.config)
+        h.kv._seg._q[H["WSEQ"]] = 0  # as if the clock had gone back years
+        h.kv.put(key, "new")  # acknowledged, dirty: its dot is 1
+        h.kv._seg._q[H["WSEQ"]] = old_dot + 10  # as if many writes had been made since
+        h.start()
+        wait_for(lambda: h.kv._seg.dirty_count == 0, 30, "the daemon to settle the new write")
+        h.kv._l1.clear()
+        assert (_l3_value(store, key), h.kv.get(key)) == ("new", "new"), \
+            "an acknowledged write was replaced by an older version of its key"
+        assert h.stats.extra.get("lost_dots_moved", 0) == 1
+    finally:
+        h.close()
