@@ -80,6 +80,7 @@ class FakeL3:
         self.log: dict[int, list[_Op]] = {g: [] for g in range(GROUPS)}  # unreplicated suffix
         self.cursors: dict[str, tuple[dict[int, bytes], dict[int, int]]] = {}
         self.hot: dict[str, list[str]] = {}
+        self.write_marks: dict[str, int] = {}
         self.quarantined: list[tuple[str, str, str]] = []
         self.calls: dict[str, int] = {}
         self.lost = 0  # records reverted by failovers
@@ -228,6 +229,14 @@ class FakeL3:
         self._call("save_cursors")
         old_c, old_s = self.cursors.get(host, ({}, {}))
         self.cursors[host] = ({**old_c, **cursors}, {**old_s, **(seqs or {})})  # (HSET)
+
+    def save_write_mark(self, host: str, mark: int) -> None:
+        self._call("save_write_mark")
+        self.write_marks[host] = mark
+
+    def load_write_mark(self, host: str) -> int:
+        self._call("load_write_mark")
+        return self.write_marks.get(host, 0)
 
     def save_load(self, host: str, ops: Mapping[int, int]) -> None:
         self._call("save_load")
@@ -406,6 +415,11 @@ class FakeL2:
     def apply_remote(self, key: str, record: L3Record) -> None:
         remote: Value = None if record.tombstone else (record.tag, record.meta, record.value)
         local = self.recs.get(key)
+        lost = vector_get(record.vector, self.host_id)  # (as Client._merge: dots of a lost
+        if (local is not None and local.dirty and lost > self.counter  # L2 never saw a
+                and 0 < vector_get(local.vector, self.host_id) <= lost):  # dirty write)
+            self.rebase(key, record)
+            local = self.recs.get(key)
         self.hlc = max(self.hlc, record.hlc)  # the host's clock absorbs what it saw
         if local is None:
             self._set(key, Rec(remote, record.vector, record.hlc, False))
@@ -455,11 +469,27 @@ class FakeL2:
         the local record written again over both."""
         self.counter = max(self.counter, vector_get(record.vector, self.host_id))
         rec = self.recs.get(key)
-        if rec is None:
+        if rec is None or not rec.dirty:
             return False
         self.hlc = max(self.hlc, record.hlc)
         self._write(key, rec.value, base=merge_vectors(rec.vector, record.vector))
         return True
+
+    def past_lost_dots(self, lost: int) -> int:
+        """As ``Client._past_lost_dots``: the sequence past ``lost``, and every dirty
+        record with a dot at most that far given a new dot past it (value, HLC kept)."""
+        if lost <= self.counter:
+            return 0
+        self.counter = lost
+        moved = 0
+        for key, rec in sorted(self.recs.items()):
+            if rec.dirty and vector_get(rec.vector, self.host_id) <= lost:
+                self.counter += 1
+                others = tuple(e for e in rec.vector if e[0] != self.host_id)
+                vector = tuple(sorted((*others, (self.host_id, self.counter))))
+                self._set(key, Rec(rec.value, vector, rec.hlc, True))
+                moved += 1
+        return moved
 
     def hot_keys(self, n: int) -> list[str]:
         return self.held_keys()[:n]

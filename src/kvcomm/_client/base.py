@@ -95,7 +95,8 @@ class ClientBase:
         self.counters = dict.fromkeys(
             ("deletes", "conflicts", "views", "merges", "resolver_failures",
              "l3_reads", "negative_hits", "filter_hits",
-             "l2_absent", "l3_hits", "l3_absent", "puts_strong", "batches", "updates"), 0
+             "l2_absent", "l3_hits", "l3_absent", "puts_strong", "batches", "updates",
+             "lost_dots"), 0
         )
         self._keys: dict[str, tuple[bytes, int]] = {}  # validated keys (the getter reads it)
         self._l1_hits = 0  # (get_item's; get's are counted by the getter)

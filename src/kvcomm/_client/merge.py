@@ -22,7 +22,7 @@ from ..core.versions import (
 )
 from ..errors import ConflictError, InvalidArgument, InvalidKey, KVCommError, Unavailable
 from ..tiers import l2 as l2mod
-from ..tiers.l2 import TAG_TOMBSTONE
+from ..tiers.l2 import TAG_TOMBSTONE, key_hash
 from .base import _HUGE, _MAX_UPDATE_RETRIES, _now_ms
 from .hotkeys import HotKeys
 from .items import _TOMB_ENCODED, _TOMBSTONE, Item
@@ -92,7 +92,22 @@ class Merging(HotKeys):
             self._live()
         kb, h = self._key_hash(key)
         remote_value = _TOMBSTONE if remote_encoded[0] == TAG_TOMBSTONE else value
+        # this host's entry in ``version`` past its write sequence names dots of an earlier
+        # life of its L2 (lost, and its sequence restarted lower: a clock set back), which
+        # by vector order alone cover this life's writes although they never saw them
+        lost = vector_get(version.vector, self._host)
+        if lost <= self._seg.write_sequence:
+            lost = 0
+        elif not self._unseen_write(kb, h, lost):  # (else _restamp below does it)
+            self._past_lost_dots(lost, kb)
         for _ in range(_MAX_UPDATE_RETRIES):
+            if lost and self._unseen_write(kb, h, lost):
+                # an acknowledged write L3 has not taken yet: not older than ``version``
+                # but unseen by it; written again past it first (as the daemon rebases a
+                # write L3 answered 'older' for such dots), so that it is kept, not undone
+                if self._restamp(key, version):
+                    self.counters["lost_dots"] += 1
+                continue  # (False: a local write came meanwhile: look again)
             local = self._local_item(kb, h, key)
             plan = self._merge_plan(key, local, remote_value, remote_encoded, version)
             if plan is None:
@@ -132,15 +147,67 @@ class Merging(HotKeys):
         v = self._seg.version(kb, h)
         return b"" if v is None else v[7]
 
+    def _unseen_write(self, kb: bytes, h: int, lost: int) -> bool:
+        """Whether this host's record of ``kb`` is a write of its own not yet in L3 (dirty)
+        whose dot is at most ``lost``: covered, by counter only, by another version's
+        dots of an earlier life of this host's L2."""
+        rec = self._seg.read(kb, h, 0)
+        return rec is not None and 0 < rec.counter <= lost and self._seg.is_dirty(rec.word)
+
+    def _past_lost_dots(self, lost: int, skip: bytes = b"") -> int:
+        """Raise the host's write sequence past ``lost``, a dot of an earlier life of its
+        L2 that a version from elsewhere names, and give every write of this host not yet
+        in L3 (dirty; but ``skip``'s, which the caller writes again itself) whose dot is at
+        most ``lost`` a new dot past it: value, HLC, extension field and other hosts'
+        entries unchanged. Those writes may be covered, by counter only, by the old dots
+        of other keys' records, which never saw them; once the sequence is raised, those
+        dots no longer stand out as an earlier life's (``lost`` > write sequence), so every
+        such write is moved past them now, not only the key that showed them. Returns how
+        many were. Raises what L2 raises (SegmentError, Unavailable)."""
+        seg = self._seg
+        if lost <= seg.write_sequence:
+            return 0
+        seg.raise_write_sequence(lost)  # (first: a write from now on has a dot past it)
+        moved = 0
+        for kb in seg.dirty_keys():
+            if kb == skip:
+                continue
+            h = key_hash(kb)
+            for _ in range(_MAX_UPDATE_RETRIES):
+                rec = self._read_l2(kb, h, _HUGE)
+                if rec is None or rec[5] > lost or not seg.is_dirty(rec[0]):
+                    break
+                seen = (rec[5], rec[6], rec[7])
+
+                def unchanged(kb: bytes = kb, h: int = h, seen: tuple[int, int, bytes] = seen
+                              ) -> None:
+                    now = seg.read(kb, h, 0)
+                    if now is None or (now.counter, now.hlc, now.vvx) != seen:
+                        raise ConflictError("changed while moving past lost dots")
+
+                op = (kb, h, rec[2], rec[3], rec[4], max(lost, seg.write_sequence) + 1,
+                      rec[6], rec[7], self._local_ext(kb, h))
+                try:
+                    seg.apply([op], now_ms=_now_ms(), dirty=True, check=unchanged)
+                except ConflictError:
+                    continue  # a local write came meanwhile (its dot is past ``lost``)
+                self._l1.discard(kb.decode("utf-8", "surrogateescape"))
+                moved += 1
+                break
+        self.counters["lost_dots"] += moved
+        return moved
+
     def _restamp(self, key: str, other: Version) -> bool:
         """Write this host's record of ``key`` again as a new local write that descends
         from both itself and ``other`` (L3's version, which covers the local dot because
         the host's write sequence restarted). The write sequence is first raised past
-        ``other``'s entry for this host. Returns False when there is nothing to restamp."""
+        ``other``'s entry for this host. Returns False when there is nothing to restamp:
+        no record, a clean one (not a write of this host waiting for L3: ``other`` is
+        merged as it is instead), or one a local write replaced meanwhile."""
         kb, h = self._key_hash(key)
-        self._seg.raise_write_sequence(vector_get(other.vector, self._host))
+        self._past_lost_dots(vector_get(other.vector, self._host), kb)
         rec = self._read_l2(kb, h, _HUGE)
-        if rec is None:
+        if rec is None or not self._seg.is_dirty(rec[0]):
             return False
         seen = self._version(rec[5], rec[6], rec[7])
         merged = merge_vectors(seen.vector, other.vector)

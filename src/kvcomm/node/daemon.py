@@ -18,10 +18,16 @@ machines what it read, and carries out what they answer.
    where L3 holds another record (newer, merged, a conflict for a resolver) that record
    is merged into L2. The feed position stored in the L2 header is the machine's
    delivered cursor: a daemon killed at any point replays from there. Vectors are
-   pruned, by host activity, before they are pushed. A push is made in the loop and its
-   answers carried out before anything else (a push sent from a thread and answered a
-   round later was tried: test_review7's rebase of a host whose write sequence went
-   backwards then lost a write, for a reason never found, so it was removed).
+   pruned, by host activity, before they are pushed. Before a push, the host's *write
+   mark* in L3 (``kvn:{host}:wseq``) is made to cover its dots (a block ahead: one save
+   per WRITE_MARK_BLOCK writes); a daemon that starts on a new L2 (nothing delivered from
+   it yet) first moves that L2's unacknowledged writes past the mark, so that a write
+   sequence restarted lower (a clock set back) never lets an old dot of the host cover a
+   new write. (Should the mark be lost, L2's merge does the same on meeting a version
+   that names this host's dots past its sequence: ``Client._merge``.) A push is made in
+   the loop and its answers carried out before anything else (a push sent from a thread
+   and answered a round later was tried and removed: it widened the window in which the
+   host met its own old records before the push was answered).
 2. **L3 → local.** It reads a group's L3 change feed (Redis Streams, one per
    hash-slot group, bounded) after a per-group cursor that lives in L3
    (``kvn:{host}:cursors``, so a restarted daemon — or one whose connection dropped —
@@ -101,7 +107,7 @@ from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
-from ..core.versions import SkewMonitor, vector_get
+from ..core.versions import MAX_COUNTER, SkewMonitor, vector_get
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
@@ -141,6 +147,7 @@ HOT_KEYS = 64  # hot keys saved and kept in L2 per host
 HOT_EVERY = 2.0  # seconds between saves of the hot keys (and the prewarm that follows)
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
 MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backlog)
+WRITE_MARK_BLOCK = 1 << 20  # dots reserved ahead in L3's write mark (one save per block)
 
 
 @dataclass
@@ -234,6 +241,15 @@ class Daemon:
         # ``watching`` from them) may have been missed (a resync after a gap: the
         # watchers are told to rescan)
         self.watch_missed = 0
+        # how far this host's pushed dots may go, in any life of its L2 (_reserve): a new
+        # L2 (nothing delivered from it yet) whose sequence restarted lower (a clock set
+        # back) moves past it before any record of L3 is merged in, so that no old dot
+        # covers a new write (an L2 that delivered already has moved, or never needed to)
+        self.write_mark = self.l3.load_write_mark(self.host)
+        if port.delivered_cursor == 0:
+            moved = self.port.past_lost_dots(self.write_mark)
+            if moved:
+                self.stats.bump("lost_dots_moved", moved)
         self._fill_key_filter(initial=True)
         self._start_feeds()
         self.held_at_start.clear()
@@ -347,6 +363,11 @@ class Daemon:
             push = self.out.next_push(now, self.port.has_resolver, self._shape)
             if push is None:
                 return
+            try:
+                self._reserve(push)
+            except Unavailable as exc:
+                self._push_failed(push, exc)
+                return
             items = [(i.key, i.record) for i in push.items]
             try:
                 with self._metered("push"):
@@ -355,6 +376,18 @@ class Daemon:
                 self._push_failed(push, exc)
                 return
             self._pushed(push, results)
+
+    def _reserve(self, push: Push) -> None:
+        """Before ``push`` goes out: make L3's write mark cover its dots (and a block
+        more, so that the mark is saved once per WRITE_MARK_BLOCK writes). Dots leave
+        the host only in pushes, so every dot of this host in L3 is at most the mark.
+        Raises Unavailable (the push is not sent)."""
+        top = max((i.record.dot[1] for i in push.items if i.record.dot[0] == self.host),
+                  default=0)
+        if top > self.write_mark:
+            mark = min(top + WRITE_MARK_BLOCK, MAX_COUNTER)
+            self.l3.save_write_mark(self.host, mark)
+            self.write_mark = mark
 
     def _push_failed(self, push: Push, exc: Exception) -> None:
         delay = self.out.push_failed(push, self.clock())

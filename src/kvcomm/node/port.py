@@ -22,12 +22,14 @@ What the daemon needs of L2, and nothing more:
 * merging a record from L3 into L2 (``apply_remote``), with the host's resolvers, and
   dropping a stale copy L2 cannot replace (``forget``);
 * the host's write sequence, and writing a record again past dots of this host that L3
-  has seen and L2 lost (``write_sequence``, ``rebase``);
+  has seen and L2 lost (``write_sequence``, ``rebase``), every unacknowledged write at
+  once past the highest dot an earlier life may have pushed (``past_lost_dots``);
 * the hot keys, the heartbeat, the feed position the daemon has delivered up to.
 
 Of L3: pushing records (the L3 rule, atomically per key), the groups' change feeds,
 counters, positions and hints, reading and scanning keys, and the daemon's own small
-state there (feed cursors, hot keys, per-group load, the quarantine list).
+state there (feed cursors, hot keys, per-group load, the quarantine list, the write
+mark: how far the host's pushed dots may go).
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class HostL2(Protocol):
         host's write sequence restarted (its L2 was lost). Raise the sequence past the
         record's entry for this host and write the local record again as a new write
         descending from both (still dirty: the daemon pushes it). False: nothing to do."""
+
+    def past_lost_dots(self, lost: int) -> int:
+        """Dots of this host up to ``lost`` may be in L3 from an earlier life of its L2:
+        raise the write sequence past ``lost`` and give every dirty record with a dot at
+        most ``lost`` a new dot past it (value and HLC kept). Returns how many moved."""
 
     def hot_keys(self, n: int) -> list[str]:
         """The host's ``n`` most read keys."""
@@ -181,6 +188,12 @@ class L3Port(Protocol):
     def save_load(self, host: str, ops: Mapping[int, int]) -> None:
         """Record ``host``'s cumulative operation count of these groups."""
 
+    def save_write_mark(self, host: str, mark: int) -> None:
+        """Record that ``host`` pushes no dot past ``mark`` until it records a higher one."""
+
+    def load_write_mark(self, host: str) -> int:
+        """The mark ``host`` saved (0: none)."""
+
     def quarantine(self, host: str, key: str, reason: str, when: float) -> None:
         """Record an input the daemon set aside."""
 
@@ -260,6 +273,9 @@ class ClientPort:
 
     def rebase(self, key: str, record: L3Record) -> bool:
         return self.kv._restamp(key, Version(record.vector, record.hlc))
+
+    def past_lost_dots(self, lost: int) -> int:
+        return self.kv._past_lost_dots(lost)
 
     def register_resolver(self, prefix: str, fn: Callable[[str, list[Any]], Any]) -> None:
         self.kv.register_resolver(prefix, fn)

@@ -1522,6 +1522,25 @@ class L3Store:
             return []
         return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
 
+    def save_write_mark(self, host: str, mark: int) -> None:
+        """Record that ``host``'s daemons push no dot with a counter past ``mark`` until
+        they record a higher one (``kvn:{host}:wseq``; one daemon per host writes it).
+        Raises Unavailable."""
+        self._own_key(f"kvn:{{{host}}}:wseq", lambda name: self.rc.set(name, int(mark)))
+
+    def load_write_mark(self, host: str) -> int:
+        """The mark :meth:`save_write_mark` saved; 0 when there is none or it is not ours.
+        Raises Unavailable."""
+        try:
+            raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:wseq"))
+        except CorruptRecord:  # another type under the name: none
+            return 0
+        try:
+            mark = int(raw) if raw else 0
+        except ValueError:  # written by something else
+            return 0
+        return mark if 0 < mark <= MAX_COUNTER else 0
+
     def save_load(self, host: str, ops: Mapping[int, int]) -> None:
         """Record ``host``'s cumulative operation counts of these groups (a hash
         ``kvn:{host}:load``: group → count). Raises Unavailable."""
