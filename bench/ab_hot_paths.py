@@ -6,6 +6,9 @@
 ``--ab OTHER_SRC`` runs both, alternating, ``--runs`` times each in fresh processes, and
 prints each row's medians side by side (this checkout / the other). Rows: a single put of
 1 KiB (100 keys), and L1 hits of 8 and of 100 keys written by another client.
+
+Other benchmarks import :func:`l1_hits_ns`, :func:`run_ab` and :func:`print_ab` from here
+(bench/bench_ttl.py): one A/B harness.
 """
 
 from __future__ import annotations
@@ -17,8 +20,27 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROUNDS = 300
+
+
+def l1_hits_ns(w: Any, kv: Any, keys: list[str], **put_kw: Any) -> float:
+    """Median ns of an L1 hit of ``kv`` over ROUNDS rounds of 1000 reads cycling through
+    ``keys``, which ``w`` (another client) writes first with ``put_kw`` (ttl=...) and
+    ``kv`` reads once (into its L1)."""
+    for k in keys:
+        w.put(k, {"x": 1.0, "y": 2.0}, **put_kw)
+        kv.get(k)
+    batch = keys * (1000 // len(keys))
+    get = kv.get
+    samples = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter_ns()
+        for k in batch:
+            get(k)
+        samples.append((time.perf_counter_ns() - t0) / len(batch))
+    return statistics.median(samples)
 
 
 def measure() -> dict[str, float]:
@@ -41,22 +63,38 @@ def measure() -> dict[str, float]:
                 samples.append((time.perf_counter_ns() - t0) / len(keys))
             out["put 1 KiB"] = statistics.median(samples)
             for n in (8, 100):
-                ks = [f"drone/{i}/state" for i in range(n)]
-                for k in ks:
-                    w.put(k, {"x": 1.0, "y": 2.0})
-                    kv.get(k)
-                batch = ks * (1000 // n)
-                get = kv.get
-                samples = []
-                for _ in range(ROUNDS):
-                    t0 = time.perf_counter_ns()
-                    for k in batch:
-                        get(k)
-                    samples.append((time.perf_counter_ns() - t0) / len(batch))
-                out[f"L1 hit, {n} keys"] = statistics.median(samples)
+                out[f"L1 hit, {n} keys"] = l1_hits_ns(w, kv, [f"drone/{i}/state" for i in range(n)])
     finally:
         purge(ns)
     return out
+
+
+def run_ab(script: str, other_src: str, runs: int) -> dict[str, list[dict[str, float]]]:
+    """``python script --json`` (which prints its rows as a JSON object) in fresh
+    processes, ``runs`` times a side, alternating this checkout's src and ``other_src``
+    (a checkout's ``src`` directory with its C helper built): each side's rows, run by run."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
+    out: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
+    for _ in range(runs):
+        for side, src in (("this", here), ("other", other_src)):
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+            r = subprocess.run([sys.executable, script, "--json"], env=env, check=True,
+                               capture_output=True, text=True)
+            out[side].append(json.loads(r.stdout))
+    return out
+
+
+def print_ab(runs: dict[str, list[dict[str, float]]], width: int = 20) -> None:
+    """Each row's median of the runs' medians, this side against the other (a row only
+    this side has, such as one of a feature the other lacks, alone)."""
+    for name in runs["this"][0]:
+        a = statistics.median(r[name] for r in runs["this"])
+        if name not in runs["other"][0]:
+            print(f"{name:<{width}} this {a:8.1f} ns")
+            continue
+        b = statistics.median(r[name] for r in runs["other"])
+        print(f"{name:<{width}} this {a:8.1f} ns | other {b:8.1f} ns | this/other {a / b:5.3f}"
+              f" ({a - b:+.1f} ns)")
 
 
 def main() -> int:
@@ -73,18 +111,7 @@ def main() -> int:
         for name, ns in measure().items():
             print(f"{name:<20} {ns:8.1f} ns")
         return 0
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-    runs: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
-    for _ in range(args.runs):
-        for side, src in (("this", here), ("other", args.ab)):
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-            r = subprocess.run([sys.executable, __file__, "--json"], env=env, check=True,
-                               capture_output=True, text=True)
-            runs[side].append(json.loads(r.stdout))
-    for name in runs["this"][0]:
-        a = statistics.median(r[name] for r in runs["this"])
-        b = statistics.median(r[name] for r in runs["other"])
-        print(f"{name:<20} this {a:8.1f} ns | other {b:8.1f} ns | this/other {a / b:5.3f}")
+    print_ab(run_ab(__file__, args.ab, args.runs))
     return 0
 
 
