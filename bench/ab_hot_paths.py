@@ -5,7 +5,9 @@
 
 ``--ab OTHER_SRC`` runs both, alternating, ``--runs`` times each in fresh processes, and
 prints each row's medians side by side (this checkout / the other). Rows: a single put of
-1 KiB (100 keys), and L1 hits of 8 and of 100 keys written by another client.
+1 KiB (100 keys; and with a ttl), L1 hits of 8 and of 100 keys written by another client,
+get_item's L1 hit, L2 hits of get and get_item (a client without L1) and a get of an
+absent key (embedded: L2's answer).
 
 Other benchmarks import :func:`l1_hits_ns`, :func:`run_ab` and :func:`print_ab` from here
 (bench/bench_ttl.py): one A/B harness.
@@ -43,12 +45,25 @@ def l1_hits_ns(w: Any, kv: Any, keys: list[str], **put_kw: Any) -> float:
     return statistics.median(samples)
 
 
+def _per_call_ns(fn: Any, args: list[str]) -> float:
+    """Median ns of ``fn(a)`` over ROUNDS rounds of 1000 calls cycling through ``args``."""
+    batch = args * (1000 // len(args))
+    samples = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter_ns()
+        for a in batch:
+            fn(a)
+        samples.append((time.perf_counter_ns() - t0) / len(batch))
+    return statistics.median(samples)
+
+
 def measure() -> dict[str, float]:
     import kvcomm
     from kvcomm.tiers.l2 import purge
 
     ns = f"ab-hot-{os.getpid()}"
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "64MB", "l1_size": "16MB"}})
+    no_l1 = kvcomm.Config.from_mapping({"cache": {"l2_size": "64MB", "l1_size": 0}})
     out: dict[str, float] = {}
     try:
         with kvcomm.open(ns, config=cfg) as w, kvcomm.open(ns, config=cfg) as kv:
@@ -62,8 +77,17 @@ def measure() -> dict[str, float]:
                     put(k, value)
                 samples.append((time.perf_counter_ns() - t0) / len(keys))
             out["put 1 KiB"] = statistics.median(samples)
+            if "ttl" in (kvcomm.Client.put.__kwdefaults__ or {}):  # (a checkout without TTL)
+                out["put 1 KiB, ttl"] = _per_call_ns(lambda k: put(k, value, ttl=3600.0), keys)
             for n in (8, 100):
                 out[f"L1 hit, {n} keys"] = l1_hits_ns(w, kv, [f"drone/{i}/state" for i in range(n)])
+            ks = [f"drone/{i}/state" for i in range(8)]
+            out["get_item, L1 hit"] = _per_call_ns(kv.get_item, ks)
+            with kvcomm.open(ns, config=no_l1) as raw:
+                out["get, L2 hit"] = _per_call_ns(raw.get, ks)
+                out["get_item, L2 hit"] = _per_call_ns(raw.get_item, ks)
+            absent = [f"absent/{i}" for i in range(8)]
+            out["get, miss"] = _per_call_ns(kv.get, absent)
     finally:
         purge(ns)
     return out
