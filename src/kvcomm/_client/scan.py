@@ -196,8 +196,7 @@ class Scanning(Watching):
             return True, False
         if st._default_strong or any(prefix.startswith(p) for p in st._prefixes):
             return False, True  # every key under it is strong (a key's longest prefix wins)
-        return True, st._default_strong or any(p.startswith(prefix) or prefix.startswith(p)
-                                               for p in st._prefixes)
+        return True, self._strong_possible(prefix)
 
     def _scan_cluster(self, index: KeyIndex, prefix: str, after: str,
                       limit: int | None) -> Iterator[Item]:
