@@ -14,6 +14,8 @@ from .base import _BYTES, _NDARRAY
 from .cluster_read import ClusterReads
 from .items import Item
 
+_UNREAD: Any = object()  # (_get_slow: no record handed in, L2 is read)
+
 
 class Reads(ClusterReads):
     """Reads."""
@@ -53,10 +55,10 @@ class Reads(ClusterReads):
         return self._get_slow(key, None, True)  # type: ignore[no-any-return]
 
     def _get_slow(self, key: str, default: Any, want_item: bool, l3: bool = True,
-                  absent: bool = False) -> Any:
+                  rec: Any = _UNREAD) -> Any:
         """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item.
-        ``absent``: the caller (the C getter) has just read L2 and found no record of the
-        key, a read this one need not repeat."""
+        ``rec``: what the caller's L2 read of the key has just returned (``_read_l2``'s
+        record at ``self._zc``, or None: no record), a read this one need not repeat."""
         if self._unusable:
             self._live()
         self._lat_left -= 1
@@ -70,7 +72,8 @@ class Reads(ClusterReads):
             return default if item is None else item.value
         kb, h = self._key_hash(key)
         self._getter.sampled(key)
-        rec = None if absent else self._read_l2(kb, h, self._zc)
+        if rec is _UNREAD:
+            rec = self._read_l2(kb, h, self._zc)
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size, deadline)
         deadline = 0.0 if rec is None else rec[9]
         if deadline and deadline <= time.time():

@@ -48,7 +48,6 @@ from ..core.sortedkeys import SortedKeys
 from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey
 from ..tiers.l2 import FLAG_DIRTY, KIND_PUT, TAG_TOMBSTONE, L2Segment
-from .base import _HUGE
 from .items import Item
 from .watch import Watching
 
@@ -281,9 +280,10 @@ class Scanning(Watching):
         None), else from L3's record read for this page (a tombstone, absent: None)."""
         if key not in recs:
             kb, h = self._key_hash(key)
-            rec = self._read_l2(kb, h, _HUGE)
+            rec = self._read_l2(kb, h, self._zc)
             if rec is not None:  # (a tombstone: deleted here, L3 told soon)
-                return None if rec[2] == TAG_TOMBSTONE else self._get_slow(key, None, True, False)
+                return None if rec[2] == TAG_TOMBSTONE else self._get_slow(key, None, True,
+                                                                           False, rec)
             recs = self._l3_store().get_many([key])  # evicted since: L3 has it
         rec3 = recs.get(key)
         if rec3 is None:

@@ -398,9 +398,9 @@ static PyTypeObject L1Type = {
  *   through ``decode(tag, meta, raw)``; the value enters L1.
  * * Anything else — a key never seen, absent from L2 (cluster mode: L3), a tombstone, a
  *   large array (a view), damage, a decoding error — goes to ``slow(key, default,
- *   False, True, absent)``, the client's Python path, which also raises the errors;
- *   ``absent`` is True when the L2 read here found no record of the key (the slow path
- *   then does not read L2 again: the read took effect here).
+ *   False)``, the client's Python path, which also raises the errors; ``slow(key,
+ *   default, False, True, None)`` when the L2 read here found no record of the key (the
+ *   slow path then does not read L2 again: the read took effect here).
  * One read in ``sample_every`` (at random gaps) is counted for hot keys (getter_sample).
  */
 typedef struct {
@@ -631,8 +631,8 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
         if (PyErr_Occurred())
             return NULL;
     }
-    PyObject *call[5] = {key, dflt, Py_False, Py_True, absent ? Py_True : Py_False};
-    return PyObject_Vectorcall(g->slow, call, 5, NULL);
+    PyObject *call[5] = {key, dflt, Py_False, Py_True, Py_None};
+    return PyObject_Vectorcall(g->slow, call, absent ? 5 : 3, NULL);
 }
 
 static int
