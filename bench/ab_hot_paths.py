@@ -34,23 +34,15 @@ def l1_hits_ns(w: Any, kv: Any, keys: list[str], **put_kw: Any) -> float:
     for k in keys:
         w.put(k, {"x": 1.0, "y": 2.0}, **put_kw)
         kv.get(k)
-    batch = keys * (1000 // len(keys))
-    get = kv.get
-    samples = []
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter_ns()
-        for k in batch:
-            get(k)
-        samples.append((time.perf_counter_ns() - t0) / len(batch))
-    return statistics.median(samples)
+    return _per_call_ns(kv.get, keys, 1000)
 
 
-def _per_call_ns(fn: Any, args: list[str]) -> float:
-    """Median ns of ``fn(a)`` over ROUNDS rounds of about 100 calls cycling through
-    ``args`` (a round of µs calls stays well under the interpreter's 5 ms switch interval:
-    a round the GIL was taken away in, to a background thread of this process, is an
-    outlier the median drops, not most rounds)."""
-    batch = args * max(1, 100 // len(args))
+def _per_call_ns(fn: Any, args: list[str], per_round: int = 100) -> float:
+    """Median ns of ``fn(a)`` over ROUNDS rounds of about ``per_round`` calls cycling
+    through ``args`` (a round of 100 µs calls stays well under the interpreter's 5 ms
+    switch interval: a round the GIL was taken away in, to a background thread of this
+    process, is an outlier the median drops, not most rounds)."""
+    batch = args * max(1, per_round // len(args))
     samples = []
     for _ in range(ROUNDS):
         t0 = time.perf_counter_ns()
