@@ -290,7 +290,8 @@ class Scanning(Watching):
             return None
         if isinstance(rec3, Exception):
             raise rec3
-        if rec3.tombstone or expired(rec3.deadline, time.time()):
+        # (L3Record.deadline unpacks the extension field: once)
+        if rec3.tombstone or expired(deadline := rec3.deadline, time.time()):
             return None
         return Item(key, rec3.decode_value(key), Version(rec3.vector, rec3.hlc), "l3",
-                    rec3.deadline)
+                    deadline)
