@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 
-ROUNDS = 300
+from ab_hot_paths import l1_hits_ns, print_ab, run_ab
 
 
 def measure() -> dict[str, float]:
@@ -45,22 +44,8 @@ def measure() -> dict[str, float]:
             if ttl_ok:
                 rows.append(("L1 hit, 100 keys, ttl", 3600.0))
             for name, ttl in rows:
-                ks = [f"drone/{name[-6:]}/{i}" for i in range(100)]
-                for k in ks:
-                    if ttl is None:
-                        w.put(k, {"x": 1.0, "y": 2.0})
-                    else:
-                        w.put(k, {"x": 1.0, "y": 2.0}, ttl=ttl)
-                    kv.get(k)
-                batch = ks * 10
-                get = kv.get
-                samples = []
-                for _ in range(ROUNDS):
-                    t0 = time.perf_counter_ns()
-                    for k in batch:
-                        get(k)
-                    samples.append((time.perf_counter_ns() - t0) / len(batch))
-                out[name] = statistics.median(samples)
+                keys = [f"drone/{name[-6:]}/{i}" for i in range(100)]
+                out[name] = l1_hits_ns(w, kv, keys, **({} if ttl is None else {"ttl": ttl}))
     finally:
         purge(ns)
     return out
@@ -151,22 +136,7 @@ def main() -> int:
         for name, ns in measure().items():
             print(f"{name:<28} {ns:8.1f} ns")
         return 0
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-    runs: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
-    for _ in range(args.runs):
-        for side, src in (("this", here), ("other", args.ab)):
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-            r = subprocess.run([sys.executable, __file__, "--json"], env=env, check=True,
-                               capture_output=True, text=True)
-            runs[side].append(json.loads(r.stdout))
-    for name in runs["this"][0]:
-        a = statistics.median(r[name] for r in runs["this"])
-        if name in runs["other"][0]:
-            b = statistics.median(r[name] for r in runs["other"])
-            print(f"{name:<28} this {a:7.1f} ns | other {b:7.1f} ns | "
-                  f"{a - b:+6.1f} ns ({(a / b - 1) * 100:+5.1f}%)")
-        else:
-            print(f"{name:<28} this {a:7.1f} ns")
+    print_ab(run_ab(__file__, args.ab, args.runs), width=28)
     return 0
 
 

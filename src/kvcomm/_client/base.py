@@ -216,13 +216,18 @@ class ClientBase:
     def _etcd_unreachable(self) -> str | None:
         """Why the host's node daemon finds etcd's majority out of reach, or None (its
         status file, read at most every 50 ms; see node/presence.py)."""
+        return self._host_status().etcd_unreachable()  # type: ignore[no-any-return]
+
+    def _host_status(self) -> Any:
+        """The reader of the host's node daemon's status file (node/presence.py
+        StatusReader), made at its first use."""
         r = self._status_reader
         if r is None:
             from ..node.presence import StatusReader, status_path
 
             r = self._status_reader = StatusReader(status_path(self.name,
                                                                self.config.cache.l2_dir))
-        return r.etcd_unreachable()  # type: ignore[no-any-return]
+        return r
 
     def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, timed into the latency histogram of ``op`` (tier l2, or
@@ -302,21 +307,6 @@ class ClientBase:
                 f"value is {len(payload)} bytes, over cache.max_value_size={self._max_value}"
             )
         return tag, meta, payload
-
-    def _prepare(self, key: Any, value: Any) -> tuple[bytes, int, int, bytes, bytes | memoryview]:
-        """Everything a write needs, checked before anything is stored:
-        (key bytes, key hash, tag, meta, payload). Raises InvalidKey and the value errors."""
-        # the common case inline (a memoised key, a bytes value): one call per write
-        kh = self._keys.get(key) if type(key) is str else None
-        kb, h = kh if kh is not None else self._key_hash(key)
-        payload: bytes | memoryview
-        if type(value) is bytes and len(value) <= self._max_value:
-            tag, meta, payload = codec.BYTES, b"", value
-        else:
-            tag, meta, payload = self._encode(value)
-        if self._cluster:
-            self._negative.invalidate(key)  # this host will hold it: no longer "absent"
-        return kb, h, tag, meta, payload
 
     def _decode(self, key: str, tag: int, meta: bytes, raw: bytes | memoryview) -> Any:
         try:

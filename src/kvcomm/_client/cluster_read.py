@@ -39,7 +39,8 @@ class ClusterReads(Merging):
             return None if want_item else default
         self.counters["l3_reads"] += 1
         rec = self._l3_store().get(key)
-        if rec is None or rec.tombstone or expired(rec.deadline, time.time()):
+        # (L3Record.deadline unpacks the extension field: once)
+        if rec is None or rec.tombstone or expired(deadline := rec.deadline, time.time()):
             self.counters["l3_absent"] += 1
             self._negative.note_absent(key, now)
             return None if want_item else default
@@ -53,7 +54,7 @@ class ClusterReads(Merging):
             except ValueTooLarge:
                 pass  # this host's L2 can never hold it: served from L3 every time
         if want_item:
-            return Item(key, value, version, "l3", rec.deadline)
+            return Item(key, value, version, "l3", deadline)
         return value
 
     def _l3_store(self) -> Any:

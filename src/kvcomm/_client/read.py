@@ -14,6 +14,8 @@ from .base import _BYTES, _NDARRAY
 from .cluster_read import ClusterReads
 from .items import Item
 
+_UNREAD: Any = object()  # (_get_slow: no record handed in, L2 is read)
+
 
 class Reads(ClusterReads):
     """Reads."""
@@ -52,8 +54,11 @@ class Reads(ClusterReads):
                         e[7] if len(e) > 7 else None)
         return self._get_slow(key, None, True)  # type: ignore[no-any-return]
 
-    def _get_slow(self, key: str, default: Any, want_item: bool, l3: bool = True) -> Any:
-        """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item."""
+    def _get_slow(self, key: str, default: Any, want_item: bool, l3: bool = True,
+                  rec: Any = _UNREAD) -> Any:
+        """L2 (then, in cluster mode and if ``l3``, L3) lookup; the value, or an Item.
+        ``rec``: what the caller's L2 read of the key has just returned (``_read_l2``'s
+        record at ``self._zc``, or None: no record), a read this one need not repeat."""
         if self._unusable:
             self._live()
         self._lat_left -= 1
@@ -67,9 +72,11 @@ class Reads(ClusterReads):
             return default if item is None else item.value
         kb, h = self._key_hash(key)
         self._getter.sampled(key)
-        rec = self._read_l2(kb, h, self._zc)
+        if rec is _UNREAD:
+            rec = self._read_l2(kb, h, self._zc)
         # rec: (word, seq, tag, meta, value, counter, hlc, vvx, size, deadline)
-        if rec is not None and rec[9] and rec[9] <= time.time():
+        deadline = 0.0 if rec is None else rec[9]
+        if deadline and deadline <= time.time():
             self._expired_seen(key, kb, h, rec)
             self._l2_misses += 1
             self.counters["l2_absent"] += 1
@@ -84,18 +91,15 @@ class Reads(ClusterReads):
         tag = rec[2]
         raw = rec[4]
         if raw is None:  # a large array: a zero-copy view
-            return self._get_view(key, kb, h, default, want_item, rec[9] or None)
+            return self._get_view(key, kb, h, default, want_item, deadline or None)
         value = raw if tag == _BYTES else self._decode(key, tag, rec[3], raw)
         if tag != _NDARRAY and self._l1_on:
-            if rec[9]:  # (a deadline: the entry carries it, and no hit outlives it)
-                self._l1.store(key, (value, rec[0], rec[1], approx_size(value), rec[5],
-                                     rec[6], rec[7], rec[9]))
-            else:
-                self._l1.store(key, (value, rec[0], rec[1], approx_size(value), rec[5],
-                                     rec[6], rec[7]))
+            entry = (value, rec[0], rec[1], approx_size(value), rec[5], rec[6], rec[7])
+            # (a deadline: the entry carries it as an 8th element, and no hit outlives it)
+            self._l1.store(key, (*entry, deadline) if deadline else entry)
         if not want_item:
             return value
-        return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2", rec[9] or None)
+        return Item(key, value, self._version(rec[5], rec[6], rec[7]), "l2", deadline or None)
 
     def _expired_seen(self, key: str, kb: bytes, h: int, rec: Any) -> None:
         """A read found ``key``'s record past its deadline: reclaim it now (lazily, on

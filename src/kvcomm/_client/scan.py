@@ -48,7 +48,6 @@ from ..core.sortedkeys import SortedKeys
 from ..core.versions import Version
 from ..errors import InvalidArgument, InvalidKey
 from ..tiers.l2 import FLAG_DIRTY, KIND_PUT, TAG_TOMBSTONE, L2Segment
-from .base import _HUGE
 from .items import Item
 from .watch import Watching
 
@@ -196,8 +195,7 @@ class Scanning(Watching):
             return True, False
         if st._default_strong or any(prefix.startswith(p) for p in st._prefixes):
             return False, True  # every key under it is strong (a key's longest prefix wins)
-        return True, st._default_strong or any(p.startswith(prefix) or prefix.startswith(p)
-                                               for p in st._prefixes)
+        return True, self._strong_possible(prefix)
 
     def _scan_cluster(self, index: KeyIndex, prefix: str, after: str,
                       limit: int | None) -> Iterator[Item]:
@@ -282,16 +280,18 @@ class Scanning(Watching):
         None), else from L3's record read for this page (a tombstone, absent: None)."""
         if key not in recs:
             kb, h = self._key_hash(key)
-            rec = self._read_l2(kb, h, _HUGE)
+            rec = self._read_l2(kb, h, self._zc)
             if rec is not None:  # (a tombstone: deleted here, L3 told soon)
-                return None if rec[2] == TAG_TOMBSTONE else self._get_slow(key, None, True, False)
+                return None if rec[2] == TAG_TOMBSTONE else self._get_slow(key, None, True,
+                                                                           False, rec)
             recs = self._l3_store().get_many([key])  # evicted since: L3 has it
         rec3 = recs.get(key)
         if rec3 is None:
             return None
         if isinstance(rec3, Exception):
             raise rec3
-        if rec3.tombstone or expired(rec3.deadline, time.time()):
+        # (L3Record.deadline unpacks the extension field: once)
+        if rec3.tombstone or expired(deadline := rec3.deadline, time.time()):
             return None
         return Item(key, rec3.decode_value(key), Version(rec3.vector, rec3.hlc), "l3",
-                    rec3.deadline)
+                    deadline)

@@ -180,7 +180,7 @@ class Watching(Writes):
         from .strong import KEY_PREFIX, strong_version
 
         out: list[Event] = []
-        status = self._status_reader_status()
+        status = self._host_status().status()
         if status is not None and int(status.get("watch_missed", 0)) > sub.missed:
             sub.missed = int(status["watch_missed"])
             out.append(Event("", "overflow", None))
@@ -200,12 +200,3 @@ class Watching(Writes):
             except Unavailable:
                 pass  # closed under us (the client is closing)
         return out
-
-    def _status_reader_status(self) -> dict[str, Any] | None:
-        r = self._status_reader
-        if r is None:
-            from ..node.presence import StatusReader, status_path
-
-            r = self._status_reader = StatusReader(status_path(self.name,
-                                                               self.config.cache.l2_dir))
-        return r.status()  # type: ignore[no-any-return]

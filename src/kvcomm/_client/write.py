@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.expiry import check_ttl, deadline_of
+from ..core.expiry import check_ttl
 from ..core.versions import Version
 from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE, Record
@@ -54,16 +54,16 @@ class Writes(Reads):
         if self._lat_left <= 0:  # this put's turn to be timed (metrics)
             return self._timed("put", self.put, key, value, consistency=consistency,  # type: ignore[no-any-return]
                                expect=expect, ttl=ttl, _deadline=_deadline)
-        ext = self._ext
-        if ttl is not None or _deadline is not None:
-            ext = self._ext_with(ttl, _deadline)
+        deadline = _deadline
+        if ttl is not None:
+            deadline = time.time() + check_ttl(ttl, allow_none=False)  # type: ignore[operator]
+        ext = self._ext if deadline is None else self._extc.ext(deadline)
         if self._strong_on or consistency is not None and self._cluster:
-            strong = self._is_strong(key, consistency)
+            strong = self._is_strong(key, consistency)  # (validates the key)
             if strong:
                 validator = self._validators.lookup(key) if self._has_validators else None
-                self._key_hash(key)
                 version: Version = self._strong.put(key, value, self._encode(value), expect,
-                                                    validator, deadline_of(ext))
+                                                    validator, deadline)
                 self.counters["puts_strong"] += 1  # (metrics: agent.py)
                 return version
         # the common case inline (a key seen before, a bytes value, no checks): every call

@@ -398,7 +398,9 @@ static PyTypeObject L1Type = {
  *   through ``decode(tag, meta, raw)``; the value enters L1.
  * * Anything else — a key never seen, absent from L2 (cluster mode: L3), a tombstone, a
  *   large array (a view), damage, a decoding error — goes to ``slow(key, default,
- *   False)``, the client's Python path, which also raises the errors.
+ *   False)``, the client's Python path, which also raises the errors; ``slow(key,
+ *   default, False, True, None)`` when the L2 read here found no record of the key (the
+ *   slow path then does not read L2 again: the read took effect here).
  * One read in ``sample_every`` (at random gaps) is counted for hot keys (getter_sample).
  */
 typedef struct {
@@ -496,9 +498,10 @@ getter_sample(Getter *g, PyObject *key)
     return 0;
 }
 
-/* the L2 path in C; NULL with no error set: take the slow path */
+/* the L2 path in C; NULL with no error set: take the slow path (*absent: L2 has no
+ * record of the key) */
 static PyObject *
-getter_miss(Getter *g, PyObject *key)
+getter_miss(Getter *g, PyObject *key, int *absent)
 {
     Core *c = g->core;
     if (!PyUnicode_CheckExact(key))
@@ -518,6 +521,7 @@ getter_miss(Getter *g, PyObject *key)
     int st = read_into(c, PyBytes_AS_STRING(kb), (uint64_t)PyBytes_GET_SIZE(kb), h, g->zc,
                        WANT_VALUE | WANT_META, &f);
     if (st != READ_FOUND) {
+        *absent = st == READ_ABSENT;
         PyErr_Clear(); /* (purged, damaged, stuck: the slow path says or repairs it) */
         return NULL;
     }
@@ -584,6 +588,7 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
     PyObject *key = args[0];
     Core *c = g->core;
     unsigned long long t0 = 0;
+    int absent = 0;
     if (g->lat_every > 0 && --g->lat_left <= 0) { /* one read in lat_every is timed */
         g->lat_left = g->lat_every;
         t0 = lat_now();
@@ -613,7 +618,7 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
                 return NULL;
             PyErr_Clear(); /* an unhashable key: the slow path says what is wrong */
         }
-        PyObject *value = getter_miss(g, key);
+        PyObject *value = getter_miss(g, key, &absent);
         if (value) {
             if (getter_sample(g, key) < 0) {
                 Py_DECREF(value);
@@ -626,8 +631,8 @@ Getter_vectorcall(Getter *g, PyObject *const *args, size_t nargsf, PyObject *kwn
         if (PyErr_Occurred())
             return NULL;
     }
-    PyObject *call[3] = {key, dflt, Py_False};
-    return PyObject_Vectorcall(g->slow, call, 3, NULL);
+    PyObject *call[5] = {key, dflt, Py_False, Py_True, Py_None};
+    return PyObject_Vectorcall(g->slow, call, absent ? 5 : 3, NULL);
 }
 
 static int

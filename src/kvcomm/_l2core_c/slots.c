@@ -50,11 +50,12 @@ slot_expired(Core *c, uint64_t so, double now)
 static int drop_slot(Core *c, uint64_t so, int kind);
 
 /* evict the live, clean, unpinned record in slot so: no L3 write, a local EVICT event
- * (an EXPIRE event when it is past its deadline: its space was the expiry's to reclaim) */
+ * (an EXPIRE event when it is past its deadline at now, epoch seconds: its space was the
+ * expiry's to reclaim) */
 static int
-evict_slot(Core *c, uint64_t so)
+evict_slot(Core *c, uint64_t so, double now)
 {
-    if (slot_expired(c, so, real_now()))
+    if (slot_expired(c, so, now))
         return drop_slot(c, so, KIND_EXPIRE);
     *HW(c, H_EVICTIONS) += 1;
     return drop_slot(c, so, KIND_EVICT);
@@ -117,7 +118,7 @@ clock_evict_one(Core *c, const uint64_t *protect, Py_ssize_t nprotect)
             continue;
         }
         *HW(c, H_CLOCK) = hand;
-        return evict_slot(c, so) < 0 ? -1 : 1;
+        return evict_slot(c, so, now) < 0 ? -1 : 1;
     }
     *HW(c, H_CLOCK) = hand;
     return 0;
@@ -137,7 +138,7 @@ window_evict_one(Core *c, uint64_t h, const uint64_t *protect, Py_ssize_t nprote
                 W(c, so)[SLOT_REF] = 0;
                 continue;
             }
-            return evict_slot(c, so) < 0 ? -1 : 1;
+            return evict_slot(c, so, real_now()) < 0 ? -1 : 1;
         }
     }
     return 0;

@@ -792,6 +792,36 @@ Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* evict_key and expire_key: the slot of the clean record of key args[0] (hash args[1])
+ * in *found, 0 when absent or dirty (a write not yet in L3 stays); -1: an error is set */
+static int
+find_clean(Core *c, PyObject *const *args, uint64_t *found)
+{
+    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return -1;
+    uint64_t reusable = 0;
+    *found = 0;
+    if (find(c, PyBytes_AS_STRING(args[0]), (uint64_t)PyBytes_GET_SIZE(args[0]), h, found, &reusable) < 0)
+        return -1;
+    if (*found && (W(c, *found)[SLOT_FLAGS] & FLAG_DIRTY))
+        *found = 0;
+    return 0;
+}
+
+/* drop the record in slot so, the segment marked busy meanwhile (a writer dying inside
+ * leaves it to be repaired): an EXPIRE event when expire, else evict_slot's event; True */
+static PyObject *
+drop_busy(Core *c, uint64_t so, int expire)
+{
+    uint64_t prev = *HW(c, H_BUSY);
+    ST(HW(c, H_BUSY), 1);
+    if ((expire ? drop_slot(c, so, KIND_EXPIRE) : evict_slot(c, so, real_now())) < 0)
+        return NULL;
+    ST(HW(c, H_BUSY), prev);
+    Py_RETURN_TRUE;
+}
+
 /* evict_key(key, h) -> bool: drop the key's record from this host's L2 if it is clean (a
  * local event, as CLOCK's evictions: an "evict" feed event, never a delete in L3). False
  * when absent or dirty (a write not yet in L3 stays)   [lock held] */
@@ -804,20 +834,12 @@ Core_evict_key(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "evict_key(key, h)");
         return NULL;
     }
-    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred())
+    uint64_t found;
+    if (find_clean(c, args, &found) < 0)
         return NULL;
-    uint64_t found = 0, reusable = 0;
-    if (find(c, PyBytes_AS_STRING(args[0]), (uint64_t)PyBytes_GET_SIZE(args[0]), h, &found, &reusable) < 0)
-        return NULL;
-    if (!found || (W(c, found)[SLOT_FLAGS] & FLAG_DIRTY))
+    if (!found)
         Py_RETURN_FALSE;
-    uint64_t prev = *HW(c, H_BUSY);
-    ST(HW(c, H_BUSY), 1);
-    if (evict_slot(c, found) < 0)
-        return NULL;
-    ST(HW(c, H_BUSY), prev);
-    Py_RETURN_TRUE;
+    return drop_busy(c, found, 0);
 }
 
 /* expire_key(key, h, now) -> bool: reclaim the key's record if it is past its deadline at
@@ -832,21 +854,15 @@ Core_expire_key(Core *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "expire_key(key, h, now)");
         return NULL;
     }
-    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
     double now = PyFloat_AsDouble(args[2]);
     if (PyErr_Occurred())
         return NULL;
-    uint64_t found = 0, reusable = 0;
-    if (find(c, PyBytes_AS_STRING(args[0]), (uint64_t)PyBytes_GET_SIZE(args[0]), h, &found, &reusable) < 0)
+    uint64_t found;
+    if (find_clean(c, args, &found) < 0)
         return NULL;
-    if (!found || (W(c, found)[SLOT_FLAGS] & FLAG_DIRTY) || !slot_expired(c, found, now))
+    if (!found || !slot_expired(c, found, now))
         Py_RETURN_FALSE;
-    uint64_t prev = *HW(c, H_BUSY);
-    ST(HW(c, H_BUSY), 1);
-    if (drop_slot(c, found, KIND_EXPIRE) < 0)
-        return NULL;
-    ST(HW(c, H_BUSY), prev);
-    Py_RETURN_TRUE;
+    return drop_busy(c, found, 1);
 }
 
 /* sweep_expired(start, count, now) -> (next, reclaimed, bytes): the bounded sweep. Look

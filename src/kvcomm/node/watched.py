@@ -143,7 +143,4 @@ class WatchedPrefixes:
 
     def wants(self, key: str) -> bool:
         """Whether a watcher of this host watches a prefix of ``key``."""
-        for p in self.prefixes:
-            if key.startswith(p):
-                return True
-        return False
+        return key.startswith(self.prefixes)  # (any of them; none: False)

@@ -1214,6 +1214,20 @@ class L3Store:
             conn.script_load(script.script)
             self._loaded.add((node.name, script.sha))
 
+    def _eval_on(self, node: Any, script: Any, *args: Any) -> Any:
+        """``script`` run on master ``node`` with no keys (its names come in ``args``: the
+        caller has grouped them by node), loaded there first if need be. A node that lost
+        its scripts (restarted) raises NOSCRIPT once: the next call loads it again.
+        Raises what redis-py raises (the caller's _call turns it into Unavailable)."""
+        conn = self.rc.get_redis_connection(node)
+        self._load(node, conn, script)
+        try:
+            return conn.evalsha(script.sha, 0, *args)
+        except Exception as exc:
+            if "NOSCRIPT" in str(exc):
+                self._loaded.discard((node.name, script.sha))
+            raise
+
     # ------------------------------------------------------------------ the change feed
 
     def feed(self, group: int, after: bytes = b"0-0", count: int = 1000) -> list[FeedEntry]:
@@ -1273,15 +1287,8 @@ class L3Store:
                 part = gs[at:at + SWEEP_BATCH]
 
                 def run(node: Any = node, part: list[int] = part) -> list[Any]:
-                    conn = self.rc.get_redis_connection(node)
-                    self._load(node, conn, self._sweep)
                     names = [self.groups.seq_key(g) for g in part]
-                    try:
-                        return list(conn.evalsha(self._sweep.sha, 0, *names))
-                    except Exception as exc:
-                        if "NOSCRIPT" in str(exc):
-                            self._loaded.discard((node.name, self._sweep.sha))
-                        raise
+                    return list(self._eval_on(node, self._sweep, *names))
 
                 for g, raw in zip(part, self._call(run), strict=True):
                     if isinstance(raw, bytes) and raw.startswith(b"ERR "):  # not served here
@@ -1350,15 +1357,8 @@ class L3Store:
                 part = gs[at:at + INDEX_BATCH]
 
                 def run(node: Any = node, part: list[int] = part) -> list[Any]:
-                    conn = self.rc.get_redis_connection(node)
-                    self._load(node, conn, self._index)
                     names = [self.groups.index_key(g) for g in part]
-                    try:
-                        return list(conn.evalsha(self._index.sha, 0, lo, hi, limit, *names))
-                    except Exception as exc:
-                        if "NOSCRIPT" in str(exc):
-                            self._loaded.discard((node.name, self._index.sha))
-                        raise
+                    return list(self._eval_on(node, self._index, lo, hi, limit, *names))
 
                 for g, got in zip(part, self._call(run), strict=True):
                     name = self.groups.index_key(g)
@@ -1395,14 +1395,7 @@ class L3Store:
                     names += [self.groups.expiry_key(g), self.groups.index_key(g)]
 
                 def run(node: Any = node, names: list[str] = names) -> Any:
-                    conn = self.rc.get_redis_connection(node)
-                    self._load(node, conn, self._expire_index)
-                    try:
-                        return conn.evalsha(self._expire_index.sha, 0, repr(now), limit, *names)
-                    except Exception as exc:
-                        if "NOSCRIPT" in str(exc):
-                            self._loaded.discard((node.name, self._expire_index.sha))
-                        raise
+                    return self._eval_on(node, self._expire_index, repr(now), limit, *names)
 
                 dropped += int(self._call(run))
         return dropped
