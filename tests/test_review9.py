@@ -472,6 +472,9 @@ def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
                 wait_for(lambda: h.kv.get(k) == "from the future", 20, "the remote write")
                 wait_for(lambda: h.stats.extra.get("clock_skew", 0) >= 1, 10,
                          "the skew to be counted")
+                # counted before it is logged (another thread): wait for the line too
+                wait_for(lambda: any("max_clock_skew" in r.getMessage()
+                                     for r in caplog.records), 10, "the skew to be logged")
             assert h.daemon is not None
             st = h.daemon.status()
             assert st["clock_skew"]["beyond"] >= 1, st
