@@ -9,20 +9,25 @@ Each test reproduces one finding (it failed before its fix) on a real segment:
   accepts; they disagreed on a repeated "e", an "e" key not packed as a fixstr, and a
   deadline packed as a signed integer, so a key could be expired for one reader and live
   for another (the getter served a key whose deadline had passed).
-* F3: the expiry sweep takes no writer lock while no record has a deadline (it took it
-  every ``cache.expiry_sweep`` in every process), and stops taking it once every deadline
-  has been reclaimed.
+* F3 (a known cost, not a fault): the expiry sweep takes no writer lock while no record
+  has a deadline (it took it every ``cache.expiry_sweep`` in every process), and stops
+  taking it once every deadline has been reclaimed; a deadline written by another process
+  wakes it (the hint is in the segment: layout 5). Figures: bench/bench_sweep.py.
 """
 
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
+import textwrap
 import time
 
 import kvcomm
+from kvcomm._client.attach import _Shared
 from kvcomm.core.expiry import deadline_of
 from kvcomm.tiers.l2 import key_hash
-from tests.conftest import SMALL
+from tests.conftest import SMALL, wait_for
 
 _BYTES_TAG = 1
 
@@ -36,6 +41,37 @@ def _held(kv: kvcomm.Client, key: str) -> bool:
     unlike a read, never reclaims an expired one)."""
     kb = key.encode()
     return kv._seg.version(kb, key_hash(kb)) is not None
+
+
+# ---------------------------------------------------------------- F1: eviction order
+
+def test_expired_entries_are_reclaimed_before_any_live_entry_is_evicted(ns: str) -> None:
+    value = b"x" * 60_000
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="60s")) as kv:  # no sweep: eviction alone
+        i = 0
+        while kv.stats()["l2"]["evictions"] < 40:  # the CLOCK hand has gone round
+            kv.put(f"a/{i}", value)
+            i += 1
+        ttl_keys = [f"t/{j}" for j in range(20)]
+        with kv.batch() as b:
+            for k in ttl_keys:
+                b.put(k, value, ttl=0.3)
+        deadline = kv.get_item(ttl_keys[0]).expires_at  # type: ignore[union-attr]
+        assert deadline is not None
+        wait_for(lambda: time.time() > deadline + 0.01, 5, "the deadline")
+        assert all(_held(kv, k) for k in ttl_keys)  # nothing has reclaimed them yet
+        live_evicted_while_expired_held = 0
+        for j in range(len(ttl_keys) + 5):
+            before = kv.stats()["l2"]["evictions"]
+            kv.put(f"b/{j}", value)
+            held = [k for k in ttl_keys if _held(kv, k)]
+            if kv.stats()["l2"]["evictions"] > before and held:
+                live_evicted_while_expired_held += 1
+        assert live_evicted_while_expired_held == 0, (
+            f"{live_evicted_while_expired_held} writes evicted a live entry while expired "
+            "entries still held space")
+        assert not any(_held(kv, k) for k in ttl_keys)  # the writes needed their space
+        assert kv._seg.check() == []  # the expiry hint included
 
 
 # ---------------------------------------------------------------- F2: one reading of "e"
@@ -85,3 +121,57 @@ def test_c_and_python_read_the_same_deadline_from_every_accepted_field(kv: kvcom
         assert (kv.get(kb.decode()) is None) == gone, name
         assert (kv.get_item(kb.decode()) is None) == gone, name
     assert disagree == [], disagree
+
+
+# ---------------------------------------------------------------- F3: an idle sweep
+
+def test_the_sweep_takes_no_lock_while_nothing_can_expire(ns: str) -> None:
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="10ms")) as kv:
+        sw = _Shared.attached[ns].sweeper
+        for i in range(100):
+            kv.put(f"p/{i}", b"v")  # permanent keys only
+        looks0 = sw.looks
+        wait_for(lambda: sw.looks >= looks0 + 30, 30, "30 sweep intervals")
+        assert sw.sweeps == 0, f"{sw.sweeps} sweeps took the writer lock with no deadline"
+        w = kv.watch("t/", timeout=5.0)
+        kv.put("t/1", b"v", ttl=0.2)
+        kinds = []
+        for ev in w:
+            kinds.append((ev.kind, ev.key))
+            if ev.kind != "put":
+                break
+        assert kinds == [("put", "t/1"), ("expire", "t/1")]  # the sweep reclaimed it
+        assert sw.sweeps > 0
+        # once the pass that reclaimed it is over no deadline is left: 30 intervals in a
+        # row then go by without the lock
+        seen = [sw.sweeps, sw.looks]
+
+        def quiet() -> bool:
+            if sw.sweeps != seen[0]:
+                seen[:] = [sw.sweeps, sw.looks]
+            return sw.looks >= seen[1] + 30
+        wait_for(quiet, 30, "30 sweep intervals in a row without the lock")
+        assert kv._seg.check() == []
+
+
+def test_a_deadline_written_by_another_process_wakes_this_process_sweep(ns: str) -> None:
+    """The hint lives in the segment: a key with a deadline written by another process
+    (which exits at once, its own sweeper gone) is reclaimed by this process's sweep."""
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="10ms")) as kv:
+        sw = _Shared.attached[ns].sweeper
+        kv.put("p/keep", b"v")
+        w = kv.watch("t/", timeout=10.0)
+        code = textwrap.dedent(f"""
+            import kvcomm
+            cfg = kvcomm.Config.from_mapping({_cfg(expiry_sweep='60s').model_dump()!r})
+            with kvcomm.open({ns!r}, config=cfg) as kv:
+                kv.put("t/child", b"v", ttl=0.3)
+        """)
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        kinds = []
+        for ev in w:
+            kinds.append((ev.kind, ev.key))
+            if ev.kind != "put":
+                break
+        assert kinds == [("put", "t/child"), ("expire", "t/child")]
+        assert sw.reclaimed == 1 and kv.get("p/keep") == b"v"
