@@ -17,14 +17,22 @@ Each test reproduces one finding (it failed before its fix) on a real segment:
 
 from __future__ import annotations
 
+import math
+import shutil
 import struct
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 
 import kvcomm
+from kvcomm import devcluster
 from kvcomm._client.attach import _Shared
+from kvcomm._client.strong import etcd_key
 from kvcomm.core.expiry import deadline_of
 from kvcomm.tiers.l2 import key_hash
 from tests.conftest import SMALL, wait_for
@@ -175,3 +183,42 @@ def test_a_deadline_written_by_another_process_wakes_this_process_sweep(ns: str)
                 break
         assert kinds == [("put", "t/child"), ("expire", "t/child")]
         assert sw.reclaimed == 1 and kv.get("p/keep") == b"v"
+
+
+# ---------------------------------------------------------------- F4: a lost bucket lease
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if shutil.which("redis-server") is None or shutil.which("etcd") is None:
+        pytest.skip("redis-server and etcd are needed")
+    d = tmp_path_factory.mktemp("devcluster")
+    state = devcluster.up(2, str(d), groups=64, strong_prefixes=["lock/"])
+    yield state
+    devcluster.down(str(d))
+
+
+def test_a_strong_put_with_a_ttl_gets_a_new_lease_when_its_buckets_is_gone(
+        dev: dict[str, Any]) -> None:
+    """A process keeps one etcd lease per 1-second bucket of deadlines. When that lease
+    is gone before the bucket's end (revoked by an operator, an etcd restored from a
+    backup, or this host's wall clock stepped back past it), every later put with a
+    deadline in the bucket failed with Unavailable ("requested lease not found") until the
+    clock passed the bucket."""
+    a = kvcomm.open(config=dev["hosts"][0]["config"])
+    b = kvcomm.open(config=dev["hosts"][1]["config"])
+    try:
+        bucket = math.ceil(time.time() + 30)
+        a.put("lock/x", "1", ttl=bucket - 0.5 - time.time())
+        kv = a._strong.etcd.get(etcd_key("lock/x"))
+        assert kv is not None and kv.lease
+        assert a._strong.etcd.lease_revoke(kv.lease)  # the lease is gone, and its keys
+        assert b.get("lock/x") is None
+        a.put("lock/y", "2", ttl=bucket - 0.4 - time.time())  # the same bucket
+        y = a._strong.etcd.get(etcd_key("lock/y"))
+        assert y is not None and y.lease not in (0, kv.lease)
+        assert b.get("lock/y") == "2"
+        assert a.touch("lock/y", bucket - 0.3 - time.time())  # a touch into it too
+        assert b.get_item("lock/y").expires_at is not None  # type: ignore[union-attr]
+    finally:
+        a.close()
+        b.close()

@@ -34,7 +34,9 @@ a stale value and no merge can bring one back.
   use, with a TTL reaching the bucket's end), never one per key. Reads compare the
   deadline with the clock, so the key is absent from its deadline on; etcd deletes it
   when the lease ends (at most about a second later, or etcd's minimum lease TTL). A
-  later put without a ttl detaches it (lease 0).
+  later put without a ttl detaches it (lease 0). A bucket's lease that etcd no longer has
+  (revoked, or this host's clock stepped back past it) is replaced by a new one at the
+  put that finds it gone (etcd wrote nothing then; review 14).
 * **Failures**: no majority reachable raises Unavailable within ``2 x cluster.timeout``
   (every operation has that budget; a write whose outcome is unknown says so), and at
   once while the host's node daemon reports etcd unreachable (partition mode, see
@@ -66,7 +68,15 @@ from ..errors import (
     Unavailable,
     ValueTooLarge,
 )
-from ..tiers.etcd import Compare, EtcdClient, KeyValue, delete_op, get_op, put_op
+from ..tiers.etcd import (
+    Compare,
+    EtcdClient,
+    KeyValue,
+    _LeaseNotFound,
+    delete_op,
+    get_op,
+    put_op,
+)
 from .base import _MAX_UPDATE_RETRIES, _run_validator
 from .items import ABSENT, Item
 
@@ -211,6 +221,14 @@ class StrongStore:
 
     # ------------------------------------------------------------ encoding
 
+    def _forget_lease(self, deadline: float, lease: int) -> None:
+        """Drop ``lease`` from ``deadline``'s bucket (etcd no longer has it), so that the
+        next :meth:`_lease_for` of that bucket grants a new one."""
+        bucket = math.ceil(deadline)
+        with self._lease_lock:
+            if self._leases.get(bucket) == lease:
+                del self._leases[bucket]
+
     def _lease_for(self, deadline: float) -> int:
         """The lease of ``deadline``'s bucket (the whole second at or after it), granted
         at its first use in this process with a TTL reaching the bucket's end: one lease
@@ -346,8 +364,16 @@ class StrongStore:
         deadline's 1-second bucket (see "Expiry" above). Raises ConflictError,
         ValidationError, ValueTooLarge, Unavailable (outcome unknown when it says so)."""
         lease = 0 if deadline is None else self._lease_for(deadline)
-        version = self._write(key, value, self._encode(encoded, deadline), expect, validator,
-                              lease)
+        data = self._encode(encoded, deadline)
+        try:
+            version = self._write(key, value, data, expect, validator, lease)
+        except _LeaseNotFound:
+            # the bucket's lease ended early (revoked, an etcd restored from a backup, this
+            # host's clock stepped back past it): etcd wrote nothing; a new lease, once
+            assert deadline is not None
+            self._forget_lease(deadline, lease)
+            lease = self._lease_for(deadline)
+            version = self._write(key, value, data, expect, validator, lease)
         assert version is not None  # (a put always returns one)
         return version
 
