@@ -222,3 +222,35 @@ def test_a_strong_put_with_a_ttl_gets_a_new_lease_when_its_buckets_is_gone(
     finally:
         a.close()
         b.close()
+
+
+# ---------------------------------------------------------------- F5: expect=ABSENT, strong
+
+def test_an_expired_strong_key_is_absent_to_expect_absent_and_update(
+        dev: dict[str, Any]) -> None:
+    """A strong key stays in etcd until its bucket's lease ends (up to a second, or etcd's
+    minimum lease TTL, after its deadline) although every read finds it absent from its
+    deadline on; put(expect=ABSENT) raised ConflictError in that window, and update()
+    (which writes with expect=ABSENT over an absent key) lost every race."""
+    a = kvcomm.open(config=dev["hosts"][0]["config"])
+    b = kvcomm.open(config=dev["hosts"][1]["config"])
+    try:
+        a.put("lock/shelf", "robot-1", ttl=0.3)
+        a.put("lock/count", 5, ttl=0.3)
+        d = a.get_item("lock/shelf").expires_at  # type: ignore[union-attr]
+        assert d is not None
+        wait_for(lambda: time.time() > d, 5, "the deadline")
+        assert b.get("lock/shelf") is None
+        # the fault's condition: etcd still holds both (their lease has not ended)
+        assert a._strong.etcd.get(etcd_key("lock/shelf")) is not None
+        assert a._strong.etcd.get(etcd_key("lock/count")) is not None
+        b.put("lock/shelf", "robot-2", expect=kvcomm.ABSENT)  # the claim lapsed: take it
+        assert a.get("lock/shelf") == "robot-2"
+        assert a.get_item("lock/shelf").expires_at is None  # type: ignore[union-attr]
+        assert b.update("lock/count", lambda n: n + 1, default=0) == 1  # absent: from 0
+        assert a.get("lock/count") == 1
+        with pytest.raises(kvcomm.ConflictError):  # a live key still conflicts
+            a.put("lock/shelf", "robot-3", expect=kvcomm.ABSENT)
+    finally:
+        a.close()
+        b.close()

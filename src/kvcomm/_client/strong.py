@@ -36,7 +36,9 @@ a stale value and no merge can bring one back.
   when the lease ends (at most about a second later, or etcd's minimum lease TTL). A
   later put without a ttl detaches it (lease 0). A bucket's lease that etcd no longer has
   (revoked, or this host's clock stepped back past it) is replaced by a new one at the
-  put that finds it gone (etcd wrote nothing then; review 14).
+  put that finds it gone (etcd wrote nothing then; review 14). A key past its deadline
+  that etcd still holds (its lease not ended) is absent to ``expect=ABSENT`` as to reads:
+  the write then replaces exactly that revision.
 * **Failures**: no majority reachable raises Unavailable within ``2 x cluster.timeout``
   (every operation has that budget; a write whose outcome is unknown says so), and at
   once while the host's node daemon reports etcd unreachable (partition mode, see
@@ -389,17 +391,22 @@ class StrongStore:
         ek = self._prefix + key.encode()
         want = _expected_revision(key, expect)
         op = put_op(ek, data, lease) if data is not None else delete_op(ek)
+        over = 0  # expect=ABSENT over this revision: a key past its deadline (review 14)
         for _ in range(_MAX_UPDATE_RETRIES):
             compare: list[Compare] = []
             if validator is not None:
                 kv = self.etcd.get(ek, timeout=self._left(deadline))
-                current = 0 if kv is None else kv.mod_revision
+                # (an expired key is absent, whatever etcd still holds: see below)
+                over = kv.mod_revision if want == 0 and kv is not None and \
+                    self._item(key, kv) is None else 0
+                current = 0 if kv is None or over else kv.mod_revision
                 if want is not None and current != want:
                     self._conflict(key, kv, expect)
+                current = over or current
                 _run_validator(validator, key, self._item(key, kv), value)
                 compare.append(Compare.mod(ek, "=", current))
             elif want is not None:
-                compare.append(Compare.mod(ek, "=", want))
+                compare.append(Compare.mod(ek, "=", over or want))
             elif data is not None:  # a plain put: no compare, one round trip
                 rev = self.etcd.put(ek, data, lease=lease, timeout=self._left(deadline))
                 self.counters["puts"] += 1
@@ -414,6 +421,13 @@ class StrongStore:
                 return strong_version(r.revision)
             found = r.results[0]
             kv = found if isinstance(found, KeyValue) else None
+            if want == 0 and (kv is None or self._item(key, kv) is None):
+                # past its deadline, its lease not ended yet: absent to every read, so
+                # absent to expect=ABSENT too; replace exactly that revision (or, once
+                # etcd has deleted it, none)
+                over = 0 if kv is None else kv.mod_revision
+                self.counters["retries"] += 1
+                continue
             if validator is None or (want is not None and (0 if kv is None else kv.mod_revision) != want):
                 self._conflict(key, kv, expect)
             self.counters["retries"] += 1  # another writer came between the read and the txn
