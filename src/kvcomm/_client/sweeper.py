@@ -14,8 +14,8 @@ clean record past its deadline with an ``expire`` event in the change feed, and 
 pass over a table of N slots takes ``ceil(N / SLICE)`` slices, shared by every process on
 the host; at its end the hint holds the least deadline left, so the sweeps stop until it
 passes. A read of an expired key reclaims it at once (lazily, on access:
-``Expiry._expired_seen``), and a writer that must evict first reclaims every expired clean
-record. A dirty record (cluster mode, not yet in L3) is left until the daemon has
+``Expiry._expired_seen``), and a writer that must evict first sweeps the same pass on
+until it reclaims an expired clean record or the pass ends. A dirty record (cluster mode, not yet in L3) is left until the daemon has
 delivered it: an expiry reaches L3 as the record's own deadline.
 """
 

@@ -135,21 +135,55 @@ expire_range(Core *c, uint64_t from, uint64_t to, double now, const uint64_t *pr
     return (int64_t)least;
 }
 
-/* Before a live entry is evicted: if a clean record may have expired, reclaim every
- * expired one (a whole pass, which sets EXPIRY_NEXT exactly). 1: space was reclaimed,
+/* One slice of the host's expiry pass: slots [cursor, cursor + count) (EXPIRY_CURSOR,
+ * shared by every process), their expired clean records reclaimed (not the `protect`
+ * slots'); at the pass's end EXPIRY_NEXT takes the least deadline it left. Returns 1 when
+ * this slice ended a pass, 0 when not, -1 (corrupt).   [lock held] */
+static int
+sweep_slice(Core *c, uint64_t count, double now, const uint64_t *protect, Py_ssize_t nprotect,
+            uint64_t *reclaimed, uint64_t *freed)
+{
+    uint64_t n = c->n_slots, i = *HW(c, H_EXPIRY_CURSOR);
+    if (i >= n)
+        i = 0;
+    if (i == 0)
+        *HW(c, H_EXPIRY_PASS) = 0; /* a new pass */
+    uint64_t end = count >= n - i ? n : i + count;
+    int64_t least = expire_range(c, i, end, now, protect, nprotect, reclaimed, freed);
+    if (least < 0)
+        return -1;
+    uint64_t ps = *HW(c, H_EXPIRY_PASS);
+    if (least && (!ps || (uint64_t)least < ps))
+        *HW(c, H_EXPIRY_PASS) = (uint64_t)least;
+    *HW(c, H_EXPIRY_CURSOR) = end == n ? 0 : end;
+    if (end == n)
+        ST(HW(c, H_EXPIRY_NEXT), *HW(c, H_EXPIRY_PASS));
+    return end == n;
+}
+
+#define EVICT_SLICE 4096
+
+/* Before a live entry is evicted: while a clean record may have expired, sweep the
+ * host's pass on, a slice at a time, until a slice reclaims something or the pass ends
+ * (then EXPIRY_NEXT is ahead of the clock, or a record expired during the pass). Each
+ * slot is looked at once per pass, whichever writers' evictions and sweeps share it: the
+ * work is amortised over the pass, never a scan per eviction. 1: space was reclaimed,
  * 0: none, -1: corrupt.   [lock held] */
 static int
 expire_before_evicting(Core *c, const uint64_t *protect, Py_ssize_t nprotect)
 {
     double now = real_now();
-    if (!expiry_due(c, now))
-        return 0;
     uint64_t reclaimed = 0, freed = 0;
-    int64_t least = expire_range(c, 0, c->n_slots, now, protect, nprotect, &reclaimed, &freed);
-    if (least < 0)
-        return -1;
-    ST(HW(c, H_EXPIRY_NEXT), (uint64_t)least);
-    return reclaimed > 0;
+    while (expiry_due(c, now)) {
+        int passed = sweep_slice(c, EVICT_SLICE, now, protect, nprotect, &reclaimed, &freed);
+        if (passed < 0)
+            return -1;
+        if (reclaimed)
+            return 1;
+        if (passed)
+            break;
+    }
+    return 0;
 }
 
 /* evict the live, clean, unpinned record in slot so: no L3 write, a local EVICT event

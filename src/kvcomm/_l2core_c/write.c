@@ -870,22 +870,10 @@ Core_sweep_expired(Core *c, PyObject *const *args, Py_ssize_t nargs)
     double now = PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    uint64_t n = c->n_slots, i = *HW(c, H_EXPIRY_CURSOR), reclaimed = 0, freed = 0;
-    if (i >= n)
-        i = 0;
-    if (i == 0)
-        *HW(c, H_EXPIRY_PASS) = 0; /* a new pass */
-    uint64_t end = count >= n - i ? n : i + count;
-    int64_t least = expire_range(c, i, end, now, NULL, 0, &reclaimed, &freed);
-    if (least < 0)
+    uint64_t reclaimed = 0, freed = 0;
+    int passed = sweep_slice(c, count, now, NULL, 0, &reclaimed, &freed);
+    if (passed < 0)
         return NULL;
-    uint64_t ps = *HW(c, H_EXPIRY_PASS);
-    if (least && (!ps || (uint64_t)least < ps))
-        *HW(c, H_EXPIRY_PASS) = (uint64_t)least;
-    int passed = end == n;
-    if (passed)
-        ST(HW(c, H_EXPIRY_NEXT), *HW(c, H_EXPIRY_PASS));
-    *HW(c, H_EXPIRY_CURSOR) = passed ? 0 : end;
     return Py_BuildValue("(KKO)", (unsigned long long)reclaimed, (unsigned long long)freed,
                          passed ? Py_True : Py_False);
 }

@@ -40,8 +40,10 @@ Segment, in file order::
   ``EXPIRY_CURSOR`` (so N processes share one walk instead of each walking all of it),
   keeping in ``EXPIRY_PASS`` the least deadline of the clean records left behind, and at
   the end of a pass stores it into ``EXPIRY_NEXT``. A writer that must evict while
-  ``EXPIRY_NEXT`` has passed first reclaims every expired clean record (one whole pass,
-  which sets ``EXPIRY_NEXT`` exactly). A repair sets ``EXPIRY_NEXT`` to 1 (a pass due).
+  ``EXPIRY_NEXT`` has passed first sweeps the same pass on until a slice reclaims
+  something or the pass ends, so no live entry is evicted while an expired clean one
+  holds space (each slot is looked at once per pass). A repair sets ``EXPIRY_NEXT`` to 1
+  (a pass due).
 
 Rule for the layout version: any change to these tables, to a field's meaning or width,
 or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
