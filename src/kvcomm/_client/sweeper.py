@@ -15,8 +15,9 @@ pass over a table of N slots takes ``ceil(N / SLICE)`` slices, shared by every p
 the host; at its end the hint holds the least deadline left, so the sweeps stop until it
 passes. A read of an expired key reclaims it at once (lazily, on access:
 ``Expiry._expired_seen``), and a writer that must evict first sweeps the same pass on
-until it reclaims an expired clean record or the pass ends. A dirty record (cluster mode, not yet in L3) is left until the daemon has
-delivered it: an expiry reaches L3 as the record's own deadline.
+until it reclaims an expired clean record or the pass ends. A dirty record (cluster mode,
+not yet in L3) is left until the daemon has delivered it: an expiry reaches L3 as the
+record's own deadline.
 """
 
 from __future__ import annotations
