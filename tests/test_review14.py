@@ -256,6 +256,28 @@ def test_an_expired_strong_key_is_absent_to_expect_absent_and_update(
         b.close()
 
 
+# ---------------------------------------------------------------- F6: expect=Version, strong
+
+def test_an_expired_strong_key_is_not_at_its_old_version(dev: dict[str, Any]) -> None:
+    """After its deadline a key is absent: put(expect=its old Version) raises
+    ConflictError, as on an eventual key (tests/test_ttl.py); on a strong key etcd still
+    held it at that revision until the lease ended, and the put succeeded, reviving it
+    (as touch() did for a key that expired between its read and its write)."""
+    a = kvcomm.open(config=dev["hosts"][0]["config"])
+    try:
+        v1 = a.put("lock/v", "robot-1", ttl=0.3)
+        d = a.get_item("lock/v").expires_at  # type: ignore[union-attr]
+        assert d is not None
+        wait_for(lambda: time.time() > d, 5, "the deadline")
+        assert a.get("lock/v") is None
+        assert a._strong.etcd.get(etcd_key("lock/v")) is not None  # still in etcd
+        with pytest.raises(kvcomm.ConflictError):
+            a.put("lock/v", "robot-1-again", expect=v1)
+        assert a.get("lock/v") is None
+    finally:
+        a.close()
+
+
 # ---------------------------------------------------------------- probes (no fault found)
 
 def test_kill_9_of_sweeping_processes_never_wedges_writers(ns: str) -> None:

@@ -405,6 +405,16 @@ class StrongStore:
                 current = over or current
                 _run_validator(validator, key, self._item(key, kv), value)
                 compare.append(Compare.mod(ek, "=", current))
+            elif want:
+                # expect=Version: a key past its deadline is at no version any more, though
+                # etcd holds it until its lease ends; the deadline is in the value, which a
+                # compare cannot read: read it first (review 14; a deadline passing during
+                # the txn's round trip is not seen)
+                kv = self.etcd.get(ek, timeout=self._left(deadline))
+                if kv is None or kv.mod_revision != want or self._item(key, kv) is None:
+                    self._conflict(key, None if kv is None or self._item(key, kv) is None
+                                   else kv, expect)
+                compare.append(Compare.mod(ek, "=", want))
             elif want is not None:
                 compare.append(Compare.mod(ek, "=", over or want))
             elif data is not None:  # a plain put: no compare, one round trip
