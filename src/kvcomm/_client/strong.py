@@ -38,7 +38,9 @@ a stale value and no merge can bring one back.
   (revoked, or this host's clock stepped back past it) is replaced by a new one at the
   put that finds it gone (etcd wrote nothing then; review 14). A key past its deadline
   that etcd still holds (its lease not ended) is absent to ``expect=ABSENT`` as to reads:
-  the write then replaces exactly that revision.
+  the write then replaces exactly that revision; and it is at no version: a write with
+  ``expect=`` a Version reads the key first (one round trip more) and raises
+  ConflictError for an expired one.
 * **Failures**: no majority reachable raises Unavailable within ``2 x cluster.timeout``
   (every operation has that budget; a write whose outcome is unknown says so), and at
   once while the host's node daemon reports etcd unreachable (partition mode, see
