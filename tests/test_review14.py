@@ -278,6 +278,33 @@ def test_an_expired_strong_key_is_not_at_its_old_version(dev: dict[str, Any]) ->
         a.close()
 
 
+def test_an_expired_dirty_record_is_kept_until_clean_then_the_hint_wakes_the_sweep(
+        ns: str) -> None:
+    """A record with a deadline written dirty (cluster mode: not yet in L3) is never
+    reclaimed, by the sweep nor by eviction, until the daemon marks it clean; the mark
+    lowers the expiry hint, so the sweep then reclaims it (with its expire event)."""
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="10ms")) as kv:
+        sw = _Shared.attached[ns].sweeper
+        w = kv.watch("d/", timeout=10.0)
+        kb = b"d/1"
+        h = key_hash(kb)
+        ext = b"\x81\xa1e" + _f64(time.time() + 0.2)
+        counter, hlc, _, _, _ = kv._seg.put(kb, h, _BYTES_TAG, b"", b"v", int(time.time() * 1000),
+                                            True, 0, ext)
+        wait_for(lambda: sw.passes >= 1, 10, "a whole pass after the deadline")
+        assert sw.sweeps >= 2 and sw.reclaimed == 0
+        assert _held(kv, "d/1") and kv.get("d/1") is None  # dirty: kept, but absent
+        assert not kv._seg.expiry_due(time.time())  # nothing clean can expire: no sweeps
+        assert kv._seg.mark_clean(kb, h, counter, hlc)
+        kinds = []
+        for ev in w:
+            kinds.append(ev.kind)
+            if ev.kind == "expire":
+                break
+        assert kinds[-1] == "expire" and not _held(kv, "d/1")
+        assert kv._seg.check() == []
+
+
 # ---------------------------------------------------------------- probes (no fault found)
 
 def test_kill_9_of_sweeping_processes_never_wedges_writers(ns: str) -> None:
