@@ -35,6 +35,7 @@ from kvcomm._client.attach import _Shared
 from kvcomm._client.strong import etcd_key
 from kvcomm.core.expiry import deadline_of
 from kvcomm.tiers.l2 import H, key_hash
+from kvcomm.tiers.l3 import L3Record, L3Store
 from tests.conftest import SMALL, wait_for
 
 _BYTES_TAG = 1
@@ -303,6 +304,30 @@ def test_an_expired_dirty_record_is_kept_until_clean_then_the_hint_wakes_the_swe
                 break
         assert kinds[-1] == "expire" and not _held(kv, "d/1")
         assert kv._seg.check() == []
+
+
+# ---------------------------------------------------------------- F7: a far deadline in L3
+
+def test_a_record_with_a_far_deadline_is_pushed_to_l3_without_error(dev: dict[str, Any]) -> None:
+    """Every reader takes a deadline up to 1e300 s; L3's push script gave such a key
+    ``PEXPIREAT deadline*1000 + grace``, which Lua formats as "1e+15" from 1e14 ms on
+    (about the year 5138): Redis refused it and the script stopped after storing the
+    record, so the push raised CorruptRecord — every time, for a host whose update()
+    carried such a deadline (update keeps the deadline it read), whose write then never
+    left its backlog."""
+    store = L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]],
+                    groups=64)
+    try:
+        for i, d in enumerate((1e12, 1e17, 1e200)):
+            rec = L3Record(hlc=1 << 20, tombstone=False, tag=_BYTES_TAG, meta=b"", value=b"v",
+                           vector=(("far", i + 1),), dot=("far", i + 1),
+                           ext=b"\x81\xa1e" + _f64(d))
+            out = store.push(f"far/{i}", rec)  # raised CorruptRecord
+            assert out.outcome == "new"
+            got = store.get(f"far/{i}")
+            assert got is not None and got.deadline == d and not got.tombstone
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------- probes (no fault found)
