@@ -222,3 +222,43 @@ def test_migrate_from_layout3_carries_values_versions_and_extensions(
         assert kv.get("remote/1") is None  # clean: L3 has it; not carried
         assert kv._seg.dirty_count == 5
         assert kv._seg.check() == []
+
+
+# ---------------------------------------------------------------- layout 4 → 5
+# ``tests/data/segment-layout4.bin.gz`` is a real segment written by KVCOMM's layout 4 (the
+# layout before the expiry hint; commit e07be59) in cluster mode, as host "host-a": five
+# dirty records (drone/1/pos overwritten once, drone/2/pos a msgpack map, shelf/7 a str,
+# arr a numpy array, robot/3 with a deadline about 9.5 years after it was written).
+FIXTURE4 = pathlib.Path(__file__).parent / "data" / "segment-layout4.bin.gz"
+
+
+@pytest.fixture
+def old4(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
+    yield from _old_segment(tmp_path, ns, FIXTURE4)
+
+
+def test_migrate_from_layout4_carries_writes_and_deadlines(
+        old4: tuple[str, pathlib.Path, kvcomm.Config]) -> None:
+    ns, cfg_file, cfg = old4
+    got = mig.unflushed(l2.segment_path(ns, cfg.cache.l2_dir), 0o600)
+    assert got is not None
+    version, host, records = got
+    assert (version, host) == (4, "host-a")
+    before = {r.key.decode(): r for r in records}
+    assert sorted(before) == ["arr", "drone/1/pos", "drone/2/pos", "robot/3", "shelf/7"]
+    with pytest.raises(kvcomm.SegmentError, match=r"layout version 4.*5 writes not yet in L3"):
+        kvcomm.open(ns, config=cfg)
+    out = _cli("migrate", "--name", ns, "--config", str(cfg_file))
+    assert out.returncode == 0, out
+    assert "5 writes carried" in out.stdout and "from layout 4" in out.stdout
+    with _open_local(ns, cfg) as kv:
+        for key, value in {**DIRTY, "robot/3": b"claimed"}.items():
+            item = kv.get_item(key)
+            assert item is not None and item.value == value, key
+            assert vector_get(item.version.vector, "host-a") == before[key].counter
+        assert np.array_equal(kv.get("arr"), np.arange(10, dtype="<i4"))
+        robot = kv.get_item("robot/3")
+        assert robot is not None and robot.expires_at is not None
+        assert robot.expires_at > 2.0e9  # the deadline carried, not dropped
+        assert kv._seg.dirty_count == 5
+        assert kv._seg.check() == []

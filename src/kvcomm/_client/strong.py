@@ -34,7 +34,13 @@ a stale value and no merge can bring one back.
   use, with a TTL reaching the bucket's end), never one per key. Reads compare the
   deadline with the clock, so the key is absent from its deadline on; etcd deletes it
   when the lease ends (at most about a second later, or etcd's minimum lease TTL). A
-  later put without a ttl detaches it (lease 0).
+  later put without a ttl detaches it (lease 0). A bucket's lease that etcd no longer has
+  (revoked, or this host's clock stepped back past it) is replaced by a new one at the
+  put that finds it gone (etcd wrote nothing then; review 14). A key past its deadline
+  that etcd still holds (its lease not ended) is absent to ``expect=ABSENT`` as to reads:
+  the write then replaces exactly that revision; and it is at no version: a write with
+  ``expect=`` a Version reads the key first (one round trip more) and raises
+  ConflictError for an expired one.
 * **Failures**: no majority reachable raises Unavailable within ``2 x cluster.timeout``
   (every operation has that budget; a write whose outcome is unknown says so), and at
   once while the host's node daemon reports etcd unreachable (partition mode, see
@@ -66,7 +72,15 @@ from ..errors import (
     Unavailable,
     ValueTooLarge,
 )
-from ..tiers.etcd import Compare, EtcdClient, KeyValue, delete_op, get_op, put_op
+from ..tiers.etcd import (
+    Compare,
+    EtcdClient,
+    KeyValue,
+    _LeaseNotFound,
+    delete_op,
+    get_op,
+    put_op,
+)
 from .base import _MAX_UPDATE_RETRIES, _run_validator
 from .items import ABSENT, Item
 
@@ -211,6 +225,14 @@ class StrongStore:
 
     # ------------------------------------------------------------ encoding
 
+    def _forget_lease(self, deadline: float, lease: int) -> None:
+        """Drop ``lease`` from ``deadline``'s bucket (etcd no longer has it), so that the
+        next :meth:`_lease_for` of that bucket grants a new one."""
+        bucket = math.ceil(deadline)
+        with self._lease_lock:
+            if self._leases.get(bucket) == lease:
+                del self._leases[bucket]
+
     def _lease_for(self, deadline: float) -> int:
         """The lease of ``deadline``'s bucket (the whole second at or after it), granted
         at its first use in this process with a TTL reaching the bucket's end: one lease
@@ -346,8 +368,16 @@ class StrongStore:
         deadline's 1-second bucket (see "Expiry" above). Raises ConflictError,
         ValidationError, ValueTooLarge, Unavailable (outcome unknown when it says so)."""
         lease = 0 if deadline is None else self._lease_for(deadline)
-        version = self._write(key, value, self._encode(encoded, deadline), expect, validator,
-                              lease)
+        data = self._encode(encoded, deadline)
+        try:
+            version = self._write(key, value, data, expect, validator, lease)
+        except _LeaseNotFound:
+            # the bucket's lease ended early (revoked, an etcd restored from a backup, this
+            # host's clock stepped back past it): etcd wrote nothing; a new lease, once
+            assert deadline is not None
+            self._forget_lease(deadline, lease)
+            lease = self._lease_for(deadline)
+            version = self._write(key, value, data, expect, validator, lease)
         assert version is not None  # (a put always returns one)
         return version
 
@@ -363,17 +393,32 @@ class StrongStore:
         ek = self._prefix + key.encode()
         want = _expected_revision(key, expect)
         op = put_op(ek, data, lease) if data is not None else delete_op(ek)
+        over = 0  # expect=ABSENT over this revision: a key past its deadline (review 14)
         for _ in range(_MAX_UPDATE_RETRIES):
             compare: list[Compare] = []
             if validator is not None:
                 kv = self.etcd.get(ek, timeout=self._left(deadline))
-                current = 0 if kv is None else kv.mod_revision
+                # (an expired key is absent, whatever etcd still holds: see below)
+                over = kv.mod_revision if want == 0 and kv is not None and \
+                    self._item(key, kv) is None else 0
+                current = 0 if kv is None or over else kv.mod_revision
                 if want is not None and current != want:
                     self._conflict(key, kv, expect)
+                current = over or current
                 _run_validator(validator, key, self._item(key, kv), value)
                 compare.append(Compare.mod(ek, "=", current))
-            elif want is not None:
+            elif want:
+                # expect=Version: a key past its deadline is at no version any more, though
+                # etcd holds it until its lease ends; the deadline is in the value, which a
+                # compare cannot read: read it first (review 14; a deadline passing during
+                # the txn's round trip is not seen)
+                kv = self.etcd.get(ek, timeout=self._left(deadline))
+                if kv is None or kv.mod_revision != want or self._item(key, kv) is None:
+                    self._conflict(key, None if kv is None or self._item(key, kv) is None
+                                   else kv, expect)
                 compare.append(Compare.mod(ek, "=", want))
+            elif want is not None:
+                compare.append(Compare.mod(ek, "=", over or want))
             elif data is not None:  # a plain put: no compare, one round trip
                 rev = self.etcd.put(ek, data, lease=lease, timeout=self._left(deadline))
                 self.counters["puts"] += 1
@@ -388,6 +433,13 @@ class StrongStore:
                 return strong_version(r.revision)
             found = r.results[0]
             kv = found if isinstance(found, KeyValue) else None
+            if want == 0 and (kv is None or self._item(key, kv) is None):
+                # past its deadline, its lease not ended yet: absent to every read, so
+                # absent to expect=ABSENT too; replace exactly that revision (or, once
+                # etcd has deleted it, none)
+                over = 0 if kv is None else kv.mod_revision
+                self.counters["retries"] += 1
+                continue
             if validator is None or (want is not None and (0 if kv is None else kv.mod_revision) != want):
                 self._conflict(key, kv, expect)
             self.counters["retries"] += 1  # another writer came between the read and the txn

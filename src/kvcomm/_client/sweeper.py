@@ -2,15 +2,22 @@
 
 Reads never serve an expired key (the getter and every Python read compare the record's
 deadline with the clock), so the sweep is only about space and ``expire`` events: a
-background thread per process and namespace takes the writer lock only if it is free now
-(it never makes a writer wait), looks at a bounded slice of the slot table from where it
-stopped last (``SLICE`` slots, about 0.2 ms), reclaims every clean record
-past its deadline with an ``expire`` event in the change feed, and sleeps
-``cache.expiry_sweep``. A whole table of N slots is swept every
-``ceil(N / SLICE) * expiry_sweep`` seconds at most; every other process on the host sweeps
-too (from its own place), and a read of an expired key reclaims it at once (lazily, on
-access: ``Expiry._expired_seen``). A dirty record (cluster mode, not yet in L3) is left
-until the daemon has delivered it: an expiry reaches L3 as the record's own deadline.
+background thread per process and namespace wakes every ``cache.expiry_sweep`` and first
+reads the segment's expiry hint (one word, no lock: tiers/shm/layout.py "Expiry hint"), a
+lower bound of every clean record's deadline. While that bound is ahead of the clock no
+record can have expired and the thread goes back to sleep: a host where no key has a
+deadline never takes the lock for expiry (review 14: it took it every interval, in every
+process). Otherwise it takes the writer lock only if it is free now (it never makes a
+writer wait), looks at a bounded slice of the slot table (``SLICE`` slots, about 0.2 ms)
+from the host's shared cursor, where the last slice of any process stopped, reclaims every
+clean record past its deadline with an ``expire`` event in the change feed, and sleeps. A
+pass over a table of N slots takes ``ceil(N / SLICE)`` slices, shared by every process on
+the host; at its end the hint holds the least deadline left, so the sweeps stop until it
+passes. A read of an expired key reclaims it at once (lazily, on access:
+``Expiry._expired_seen``), and a writer that must evict first sweeps the same pass on
+until it reclaims an expired clean record or the pass ends. A dirty record (cluster mode,
+not yet in L3) is left until the daemon has delivered it: an expiry reaches L3 as the
+record's own deadline.
 """
 
 from __future__ import annotations
@@ -35,24 +42,31 @@ class Sweeper:
         self.interval = float(interval)
         self.reclaimed = 0  # records reclaimed by this process's sweeps
         self.freed = 0  # their bytes
-        self.sweeps = 0
+        self.looks = 0  # wake-ups (each reads the hint)
+        self.sweeps = 0  # slices swept (each under the writer lock)
+        self.passes = 0  # slices of this process that ended a pass
         self._clock = clock
-        self._cursor = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvcomm-expiry-{seg.name}",
                                         daemon=True)
         self._thread.start()
 
     def sweep_once(self) -> int:
-        """One slice; returns the records reclaimed (0 when the lock was busy). Raises
+        """Read the hint and, if a record may have expired, sweep one slice; returns the
+        records reclaimed (0 when none can have expired or the lock was busy). Raises
         SegmentError (purged)."""
-        r = self.seg.sweep_expired(self._cursor, SLICE, self._clock())  # type: ignore[operator]
+        now = self._clock()  # type: ignore[operator]
+        self.looks += 1
+        if not self.seg.expiry_due(now):
+            return 0
+        r = self.seg.sweep_expired(SLICE, now)
         if r is None:
             return 0
-        self._cursor, n, freed = r
+        n, freed, passed = r
         self.reclaimed += n
         self.freed += freed
         self.sweeps += 1
+        self.passes += passed
         return n
 
     def _run(self) -> None:

@@ -90,10 +90,54 @@ mp_skip(const unsigned char *p, uint64_t n, uint64_t *pi)
     return 0;
 }
 
+/* the number packed at v (left bytes), as a double; 0 when it is not one (nil, a bool, a
+ * string...): msgpack's floats and integers, signed or not */
+static double
+mp_number(const unsigned char *v, uint64_t left)
+{
+    unsigned char b = v[0];
+    uint64_t u = 0, w = 0;
+    if (b <= 0x7f)
+        return b;
+    if (b >= 0xe0)
+        return (double)(int8_t)b;
+    if (b == 0xcb || b == 0xca || (b >= 0xcc && b <= 0xd3))
+        w = b == 0xcb ? 8 : b == 0xca ? 4 : 1ULL << ((b - 0xcc) & 3);
+    else
+        return 0;
+    if (left < 1 + w)
+        return 0;
+    for (uint64_t j = 1; j <= w; j++)
+        u = (u << 8) | v[j];
+    if (b == 0xcb) {
+        double d;
+        memcpy(&d, &u, 8);
+        return d;
+    }
+    if (b == 0xca) {
+        uint32_t u4 = (uint32_t)u;
+        float f4;
+        memcpy(&f4, &u4, 4);
+        return f4;
+    }
+    if (b <= 0xcf)
+        return (double)u;
+    /* int8..int64: sign-extend from w bytes */
+    if (w < 8 && (u >> (8 * w - 1)) & 1)
+        u |= ~0ULL << (8 * w);
+    return (double)(int64_t)u;
+}
+
+/* The deadline in the packed map p[0..n), 0 when none. Read as Python's msgpack (and
+ * Redis's cmsgpack) read it, so that every reader of a field L2 accepts sees the same
+ * deadline (kvcomm.core.expiry.deadline_of; review 14): a fixmap, map16 or map32 header,
+ * the key "e" in any str encoding, the LAST "e" when it repeats, any integer or float
+ * encoding; a malformed field, or bytes after the map, is no deadline. */
 static double
 ext_deadline(const unsigned char *p, uint64_t n)
 {
     uint64_t i = 1, count;
+    double d = 0;
     if (n == 0)
         return 0;
     if ((p[0] & 0xF0) == 0x80)
@@ -101,38 +145,33 @@ ext_deadline(const unsigned char *p, uint64_t n)
     else if (p[0] == 0xde && n >= 3) {
         count = ((uint64_t)p[1] << 8) | p[2];
         i = 3;
+    } else if (p[0] == 0xdf && n >= 5) {
+        count = ((uint64_t)p[1] << 24) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 8) | p[4];
+        i = 5;
     } else
         return 0;
+    if (count > n)
+        return 0;
     for (uint64_t k = 0; k < count; k++) {
-        if (n - i >= 3 && p[i] == 0xa1 && p[i + 1] == 'e') {
-            const unsigned char *v = p + i + 2;
-            uint64_t left = n - i - 2, u = 0;
-            double d = 0;
-            if (v[0] == 0xcb && left >= 9) {
-                for (int j = 1; j <= 8; j++)
-                    u = (u << 8) | v[j];
-                memcpy(&d, &u, 8);
-            } else if (v[0] == 0xca && left >= 5) {
-                uint32_t u4 = ((uint32_t)v[1] << 24) | ((uint32_t)v[2] << 16) | ((uint32_t)v[3] << 8) | v[4];
-                float f4;
-                memcpy(&f4, &u4, 4);
-                d = f4;
-            } else if (v[0] <= 0x7f) {
-                d = v[0];
-            } else if (v[0] >= 0xcc && v[0] <= 0xcf) {
-                uint64_t w = 1ULL << (v[0] - 0xcc);
-                if (left < 1 + w)
-                    return 0;
-                for (uint64_t j = 1; j <= w; j++)
-                    u = (u << 8) | v[j];
-                d = (double)u;
-            }
-            return (d > 0 && d < 1e300) ? d : 0; /* (NaN fails both) */
-        }
-        if (mp_skip(p, n, &i) < 0 || mp_skip(p, n, &i) < 0)
+        uint64_t j = i;
+        if (mp_skip(p, n, &j) < 0 || j >= n)
+            return 0;
+        uint64_t kl = j - i;
+        const unsigned char *key = p + i;
+        int is_e = (kl == 2 && key[0] == 0xa1 && key[1] == 'e') ||
+                   (kl == 3 && key[0] == 0xd9 && key[1] == 1 && key[2] == 'e') ||
+                   (kl == 4 && key[0] == 0xda && key[1] == 0 && key[2] == 1 && key[3] == 'e') ||
+                   (kl == 6 && key[0] == 0xdb && key[1] == 0 && key[2] == 0 && key[3] == 0 &&
+                    key[4] == 1 && key[5] == 'e');
+        if (is_e)
+            d = mp_number(p + j, n - j);
+        i = j;
+        if (mp_skip(p, n, &i) < 0)
             return 0;
     }
-    return 0;
+    if (i != n)
+        return 0;
+    return (d > 0 && d < 1e300) ? d : 0; /* (NaN fails both) */
 }
 
 static inline double

@@ -160,6 +160,10 @@ Core_recover(Core *c, PyObject *Py_UNUSED(ignored))
         *HW(c, H_PIN_HWM) = c->n_pins; /* (a corrupt mark: every entry is scanned) */
     ST(HW(c, H_RELEASED), 0);
     *HW(c, H_RECOVERIES) += 1;
+    /* the expiry hint may be off: a pass is due, from the start */
+    *HW(c, H_EXPIRY_CURSOR) = 0;
+    *HW(c, H_EXPIRY_PASS) = 0;
+    ST(HW(c, H_EXPIRY_NEXT), 1);
     feed_append(c, KIND_RESYNC, "", 0, *HW(c, H_WSEQ), *HW(c, H_HLC));
     ST(HW(c, H_BUSY), 0);
     return PyLong_FromUnsignedLongLong(entries);

@@ -520,8 +520,10 @@ publish(Core *c, Op *op, uint64_t found, uint64_t now_ms, uint64_t flags, int ti
         memmove(p + op->klen, vvx, vvlen);
     if (mlen)
         memcpy(p + op->klen + vvlen, op->meta, mlen);
-    if (xlen)
+    if (xlen) {
         memcpy(p + op->klen + vvlen + mlen, op->ext, xlen);
+        expiry_note(c, ext_deadline((const unsigned char *)op->ext, xlen));
+    }
     if (vlen)
         memcpy(c->base + off + vrel, op->val.buf, vlen);
     /* publish: seq odd, swap, seq even (full barriers around the swap) */
@@ -865,44 +867,31 @@ Core_expire_key(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return drop_busy(c, found, 1);
 }
 
-/* sweep_expired(start, count, now) -> (next, reclaimed, bytes): the bounded sweep. Look
- * at ``count`` slots from slot ``start`` (wrapping) and reclaim every clean record past
- * its deadline at ``now`` as expire_key does; ``next`` is where the next sweep starts,
- * ``bytes`` the record bytes freed.   [lock held] */
+/* sweep_expired(count, now) -> (reclaimed, bytes, passed): one slice of the shared
+ * expiry pass. Look at ``count`` slots from the shared cursor (EXPIRY_CURSOR, where the
+ * last slice of any process stopped) and reclaim every clean record past its deadline at
+ * ``now`` as expire_key does; ``bytes`` is the record bytes freed, ``passed`` whether
+ * this slice ended a pass over the whole table (then EXPIRY_NEXT holds the least deadline
+ * of the clean records left: tiers/shm/layout.py "Expiry hint").   [lock held] */
 static PyObject *
 Core_sweep_expired(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     NEED_VIEW(c);
     NEED_LOCK(c);
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "sweep_expired(start, count, now)");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "sweep_expired(count, now)");
         return NULL;
     }
-    uint64_t start = PyLong_AsUnsignedLongLong(args[0]);
-    uint64_t count = PyLong_AsUnsignedLongLong(args[1]);
-    double now = PyFloat_AsDouble(args[2]);
+    uint64_t count = PyLong_AsUnsignedLongLong(args[0]);
+    double now = PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    uint64_t n = c->n_slots, i = start % n, reclaimed = 0, freed = 0;
-    if (count > n)
-        count = n;
-    uint64_t prev = *HW(c, H_BUSY);
-    for (uint64_t k = 0; k < count; k++, i = (i + 1) % n) {
-        uint64_t so = slot_off(c, i);
-        uint64_t *slot = W(c, so);
-        if (slot[SLOT_OFF] <= TOMB || (slot[SLOT_FLAGS] & FLAG_DIRTY) || !slot_expired(c, so, now))
-            continue;
-        Rec r;
-        if (rec_parse(c, slot[SLOT_OFF], &r))
-            freed += r.size;
-        ST(HW(c, H_BUSY), 1);
-        if (drop_slot(c, so, KIND_EXPIRE) < 0)
-            return NULL;
-        ST(HW(c, H_BUSY), prev);
-        reclaimed++;
-    }
-    return Py_BuildValue("(KKK)", (unsigned long long)i, (unsigned long long)reclaimed,
-                         (unsigned long long)freed);
+    uint64_t reclaimed = 0, freed = 0;
+    int passed = sweep_slice(c, count, now, NULL, 0, &reclaimed, &freed);
+    if (passed < 0)
+        return NULL;
+    return Py_BuildValue("(KKO)", (unsigned long long)reclaimed, (unsigned long long)freed,
+                         passed ? Py_True : Py_False);
 }
 
 /* mark_clean(key, h, counter, hlc) -> bool: clear the dirty flag if the key still holds the
@@ -933,5 +922,7 @@ Core_mark_clean(Core *c, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_FALSE;
     ST(&slot[SLOT_FLAGS], slot[SLOT_FLAGS] & ~(uint64_t)FLAG_DIRTY);
     *HW(c, H_DIRTY) -= 1;
+    if (r.xlen) /* clean now: the sweep's to reclaim at its deadline */
+        expiry_note(c, ext_deadline((const unsigned char *)rec_ext(c, slot[SLOT_OFF], &r), r.xlen));
     Py_RETURN_TRUE;
 }

@@ -10,8 +10,12 @@ against a delete. Reclaiming its space (L2's sweep, L3's script) changes nothing
 can see.
 
 The C kernel reads the same field (``_l2core_c/read.c`` ``ext_deadline``) without
-allocating; both read a float or a positive integer under ``"e"`` and take anything else
-as no deadline. Pure: the clock is always passed in.
+allocating, and L3's push script with Redis's cmsgpack; all three read a field the same
+way (review 14: they once disagreed, and a key was expired for one reader and live for
+another): any map header, the key ``"e"`` in any str encoding, the last ``"e"`` when it
+repeats, any integer or float encoding, and anything else (a malformed field, bytes after
+the map, a value that is not a number above 0 and below 1e300) as no deadline. Pure: the
+clock is always passed in.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def deadline_of(ext: bytes) -> float | None:
     is no deadline (as the C reader decides)."""
     if not ext or len(ext) > _MAX_EXT:
         return None
-    if ext[0] & 0xF0 != 0x80 and ext[0] != 0xDE:
+    if ext[0] & 0xF0 != 0x80 and ext[0] not in (0xDE, 0xDF):
         return None
     try:
         m = msgpack.unpackb(ext, raw=False, strict_map_key=False, max_str_len=_MAX_EXT,

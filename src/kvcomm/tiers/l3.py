@@ -517,7 +517,12 @@ local function store(bytes, r, merged, prev)
   if d ~= nil and ARGV[8] then
     -- kept past its deadline as a tombstone for the grace (so that no replayed older
     -- write comes back), then Redis reclaims it; a later write without one clears this
-    redis.call('PEXPIREAT', KEYS[1], math.floor(d * 1000) + tonumber(ARGV[8]))
+    -- (a deadline past 2**53 ms, some 285,000 years, is given none: Redis refused the
+    -- number, after the record was stored, and the push failed every time: review 14)
+    local at = math.floor(d * 1000) + tonumber(ARGV[8])
+    if at < 9007199254740992 then
+      redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', at))
+    end
   end
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .layout import FLAG_DIRTY, H_FREE, MIN_ORDER, REC, SLOT, SLOT_WORDS, TOMB, H
+from ...core.expiry import deadline_of
+from .layout import FLAG_DIRTY, H_FREE, MIN_ORDER, REC, REC_HEADER, SLOT, SLOT_WORDS, TOMB, H
 from .segment import _H_BUSY, SegmentCore
 
 
@@ -55,6 +56,7 @@ class Checker(SegmentCore):
                 problems.append(f"free list {order} holds {seen} blocks, heap has a different count")
         referenced: dict[int, int] = {}
         entries = dirty = 0
+        least = 0  # the least deadline (ms) of a clean record: the expiry hint's bound
         sbase = lay.slots_off // 8
         for i in range(lay.n_slots):
             w = sbase + i * SLOT_WORDS
@@ -68,6 +70,10 @@ class Checker(SegmentCore):
                     problems.append(f"slot {i} points at {off}, not an allocated block")
                 elif q[(off >> 3) + REC["SIZE"]] > 1 << allocated[off]:
                     problems.append(f"slot {i}'s record is larger than its block")
+                elif not q[w + SLOT["FLAGS"]] & FLAG_DIRTY:
+                    ms = self._deadline_ms(off)
+                    if ms and (not least or ms < least):
+                        least = ms
                 if off in referenced:
                     problems.append(f"block {off} referenced twice")
                 referenced[off] = 0
@@ -92,5 +98,22 @@ class Checker(SegmentCore):
             problems.append(f"dirty counter {q[H['DIRTY']]} != {dirty} dirty slots")
         if q[_H_BUSY]:
             problems.append("BUSY is raised outside a mutation")
+        nxt = q[H["EXPIRY_NEXT"]]
+        if least and not 0 < nxt <= least:
+            problems.append(f"the expiry hint {nxt} is past a clean record's deadline {least} "
+                            "(the sweep would never reclaim it)")
+        if q[H["EXPIRY_CURSOR"]] >= lay.n_slots:
+            problems.append("the expiry sweep's cursor is past the slot table")
         return problems
+
+    def _deadline_ms(self, off: int) -> int:
+        """The deadline of the record at ``off`` in the hint's ms (0: none), read with
+        Python's reader (kvcomm.core.expiry), not the kernel's."""
+        q = self._q
+        info, lens = q[(off >> 3) + REC["INFO"]], q[(off >> 3) + REC["LENS"]]
+        at = off + REC_HEADER + (info & 0xFFFF) + (info >> 32) + (lens & 0xFFFFFFFF)
+        d = deadline_of(bytes(self._buf[at:at + (lens >> 32)]))
+        if d is None:
+            return 0
+        return 1 << 62 if d >= 4e15 else max(1, int(d * 1000.0))
 

@@ -32,6 +32,19 @@ Segment, in file order::
   of :data:`HISTOGRAMS` (a count per bucket of :data:`LATENCY_BOUNDS_NS`, +Inf, the sum in
   ns, the count). ``tiers/shm/counters.py`` reads and adds; ``kvcomm/metrics/`` exports.
 
+* **Expiry hint** (layout 5): ``EXPIRY_NEXT`` is a lower bound of the deadlines of the
+  clean records (ms since the epoch; 0: none has one), so that the expiry sweep
+  (``_client/sweeper.py``) reads one word, without the lock, to know that nothing can have
+  expired. Every write of a record with a deadline, and every ``mark_clean`` of one, lowers
+  it (and ``EXPIRY_PASS``); the sweep walks the slot table in slices from the shared
+  ``EXPIRY_CURSOR`` (so N processes share one walk instead of each walking all of it),
+  keeping in ``EXPIRY_PASS`` the least deadline of the clean records left behind, and at
+  the end of a pass stores it into ``EXPIRY_NEXT``. A writer that must evict while
+  ``EXPIRY_NEXT`` has passed first sweeps the same pass on until a slice reclaims
+  something or the pass ends, so no live entry is evicted while an expired clean one
+  holds space (each slot is looked at once per pass). A repair sets ``EXPIRY_NEXT`` to 1
+  (a pass due).
+
 Rule for the layout version: any change to these tables, to a field's meaning or width,
 or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
 A process meeting another version refuses the segment with SegmentError; it never
@@ -53,7 +66,7 @@ series, or changing :data:`LATENCY_BOUNDS_NS`, bumps it.
 
 from __future__ import annotations
 
-LAYOUT_VERSION = 4  # 4: the metrics region (3: records' extension field)
+LAYOUT_VERSION = 5  # 5: the expiry hint (4: the metrics region; 3: records' extension field)
 MAGIC = int.from_bytes(b"KVCOMM\x00" + bytes([LAYOUT_VERSION]), "little")
 
 HEADER_SIZE = 4096
@@ -90,6 +103,10 @@ HEADER_WORDS = (
     "SET_ASIDE",     # records the daemon could not deliver and set aside
     # ---- layout words added since (written once by the creator)
     "METRICS_OFF",   # the metrics region (METRICS_WORDS words)
+    # ---- mutable state added in layout 5: the expiry hint (see "Expiry hint" above)
+    "EXPIRY_NEXT",   # no clean record is past its deadline before this (ms since the epoch)
+    "EXPIRY_PASS",   # the least deadline (ms) the sweep's current pass has seen or been told
+    "EXPIRY_CURSOR", # the slot the next sweep slice starts at (one cursor for every process)
 )
 H = {name: i for i, name in enumerate(HEADER_WORDS)}
 H_FREE = 64  # MAX_ORDER + 1 words of free-list heads, one per block order

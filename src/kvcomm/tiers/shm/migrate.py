@@ -93,7 +93,7 @@ def _read_v3(mm: Any) -> tuple[str, list[OldRecord]]:
 
 def _read_slots(mm: Any, version: int, *, host_at: int, vv_shift: int,
                 ext: bool) -> tuple[str, list[OldRecord]]:
-    """The dirty records of a layout-2 or -3 segment (their header words up to MAX_KEY,
+    """The dirty records of a layout-2, -3 or -4 segment (their header words up to MAX_KEY,
     slots and record headers are placed alike; the record's info word and the extension
     field differ)."""
     size = len(mm)
@@ -149,7 +149,13 @@ def _read_slots(mm: Any, version: int, *, host_at: int, vv_shift: int,
     return host, out
 
 
-READERS = {2: _read_v2, 3: _read_v3}
+def _read_v4(mm: Any) -> tuple[str, list[OldRecord]]:
+    """Layout 4 (the layout before the expiry hint: slots, records and host id as in
+    layout 3; the metrics region, which holds no writes, added)."""
+    return _read_slots(mm, 4, host_at=1536, vv_shift=32, ext=True)
+
+
+READERS = {2: _read_v2, 3: _read_v3, 4: _read_v4}
 
 
 def layout_version(path: str, permissions: int) -> int | None:

@@ -20,6 +20,8 @@ from .segment import (
     SegmentCore,
 )
 
+_H_EXPIRY_NEXT = H["EXPIRY_NEXT"]
+
 
 class Writes(SegmentCore):
     """Writes under the writer lock."""
@@ -154,17 +156,24 @@ class Writes(SegmentCore):
         finally:
             core.unlock()
 
-    def sweep_expired(self, start: int, count: int, now: float) -> tuple[int, int, int] | None:
-        """The bounded expiry sweep: look at ``count`` slots from slot ``start`` and
-        reclaim every clean record past its deadline at ``now`` (an ``expire`` event each).
-        Returns (the slot the next sweep starts at, records reclaimed, bytes freed), or None
-        when the writer lock is busy now (the sweep never waits for writers). Raises
-        SegmentError (purged)."""
+    def expiry_due(self, now: float) -> bool:
+        """Whether a clean record may be past its deadline at ``now`` (epoch seconds): the
+        segment's expiry hint (tiers/shm/layout.py), read without the lock. False means
+        no record can have expired: a sweep has nothing to do."""
+        nxt = self._q[_H_EXPIRY_NEXT]
+        return bool(nxt) and nxt <= now * 1000.0
+
+    def sweep_expired(self, count: int, now: float) -> tuple[int, int, bool] | None:
+        """One slice of the host's expiry pass: look at ``count`` slots from where the last
+        slice of any process stopped and reclaim every clean record past its deadline at
+        ``now`` (an ``expire`` event each). Returns (records reclaimed, bytes freed, whether
+        the slice ended a pass over the whole table), or None when the writer lock is busy
+        now (the sweep never waits for writers). Raises SegmentError (purged)."""
         core = self._core
         try:
             if not self._try_lock():
                 return None
-            return core.sweep_expired(start, count, float(now))  # type: ignore[no-any-return]
+            return core.sweep_expired(count, float(now))  # type: ignore[no-any-return]
         finally:
             core.unlock()
 
