@@ -273,7 +273,7 @@ window_evict_one(Core *c, uint64_t h, const uint64_t *protect, Py_ssize_t nprote
     for (uint64_t k = 0; k < MAX_PROBE; k++) { /* an expired entry's space first */
         uint64_t so = slot_off(c, base + k);
         if (evictable(c, so, protect, nprotect) && slot_expired(c, so, now))
-            return evict_slot(c, so) < 0 ? -1 : 1;
+            return evict_slot(c, so, now) < 0 ? -1 : 1;
     }
     for (int round = 0; round < 2; round++) {
         for (uint64_t k = 0; k < MAX_PROBE; k++) {
@@ -284,7 +284,7 @@ window_evict_one(Core *c, uint64_t h, const uint64_t *protect, Py_ssize_t nprote
                 W(c, so)[SLOT_REF] = 0;
                 continue;
             }
-            return evict_slot(c, so, real_now()) < 0 ? -1 : 1;
+            return evict_slot(c, so, now) < 0 ? -1 : 1;
         }
     }
     return 0;
