@@ -6,7 +6,6 @@ import random
 import shutil
 import struct
 import tracemalloc
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -35,6 +34,7 @@ from kvcomm.tiers.l3 import (
 )
 
 from .conftest import wait_for
+from .daemon_harness import cluster_fixture, store_fixture  # noqa: F401 (the fixtures)
 from .test_versions import histories
 
 pytestmark = pytest.mark.redis
@@ -255,21 +255,6 @@ def test_a_length_field_never_allocates_what_it_claims(data: bytes) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, f"decoding {data[:12]!r} peaked at {peak} bytes"
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    with RedisCluster() as c:
-        yield c
-
-
-@pytest.fixture
-def store(cluster: RedisCluster) -> Iterator[L3Store]:
-    s = L3Store(cluster.seeds)
-    yield s
-    s.close()
 
 
 @needs_redis
