@@ -148,10 +148,12 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
                  20, "host-2's delete to reach host-1's search")
 
 
+@pytest.mark.slow
 def test_the_three_agent_example_across_hosts(dev: dict[str, Any]) -> None:
     """examples/langgraph_agents.py with its agents on host-1, host-2 and host-1: the
     analyst (host-2) finds the scout's (host-1) memories by search, the writer (host-1)
-    the analyst's."""
+    the analyst's. (`make test-slow`: `make test` runs the example on one host in
+    test_langgraph.py and a search across hosts above.)"""
     example = Path(__file__).resolve().parent.parent / "examples" / "langgraph_agents.py"
     h = [x["config"] for x in dev["hosts"]]
     out = subprocess.run([sys.executable, str(example), "--configs", h[0], h[1], h[0]],
