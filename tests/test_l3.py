@@ -188,9 +188,22 @@ valid_records = st.builds(
     st.booleans(), st.dictionaries(st.text(max_size=4), values, max_size=3))
 
 
-@settings(max_examples=1500)
+@settings(max_examples=500)
 @given(valid_records, st.data())
 def test_mutated_records_only_ever_raise_corrupt_record(data: bytes, draw: st.DataObject) -> None:
+    """500 valid records, each mutated (`make test-slow` runs 1500)."""
+    _mutate_and_decode(data, draw)
+
+
+@pytest.mark.slow
+@settings(max_examples=1500)
+@given(valid_records, st.data())
+def test_1500_mutated_records_only_ever_raise_corrupt_record(data: bytes,
+                                                             draw: st.DataObject) -> None:
+    _mutate_and_decode(data, draw)
+
+
+def _mutate_and_decode(data: bytes, draw: st.DataObject) -> None:
     L3Record.decode(data)  # the unmutated record is valid
     buf = bytearray(data)
     for _ in range(draw.draw(st.integers(1, 4))):
