@@ -21,9 +21,10 @@ help:                   ## this list
 test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# The long runs (pytest marker `slow`, each over ~30 s): the soaks for 30 s, the 15 s
-# jepsen run, two partitions in a row, 300 random corrupted segments, 1500 mutated L3
-# records, LangGraph's example across hosts. `make test` runs a smaller variant of each that crosses the same faults.
+# The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
+# partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, LangGraph's
+# example across hosts. `make test` runs a smaller variant of each that crosses the same
+# faults.
 test-slow: $(STAMP)     ## the long fault runs make test leaves out (marker slow)
 	$(BIN)/python -m pytest -q -m slow
 
