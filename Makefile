@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
+.PHONY: help demo test test-slow fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,18 @@ $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2
 demo: $(STAMP)          ## the swarm demo on the embedded default (no servers)
 	$(BIN)/kvcomm demo
 
-test: $(STAMP)          ## the whole test suite
-	$(BIN)/python -m pytest -q
+help:                   ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 22
+
+test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
+# partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, LangGraph's
+# example across hosts. `make test` runs a smaller variant of each that crosses the same
+# faults.
+test-slow: $(STAMP)     ## the long fault runs make test leaves out (marker slow)
+	$(BIN)/python -m pytest -q -m slow
 
 # The segment fuzzer's long run: 20000 corrupted segments, each opened and used by a fresh
 # process that must work or raise a KVCommError (never a signal, another exception or a

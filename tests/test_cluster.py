@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import shutil
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,8 +13,17 @@ import pytest
 
 import kvcomm
 from kvcomm import devcluster
-from kvcomm.tiers.l3 import L3Store, record_key
+from kvcomm.tiers.l3 import record_key
 
+from ._devcluster import (
+    dev_cluster_fixture,
+    host,
+    kill_daemon,
+    l3,
+    l3_value,
+    l3_values,
+    restart_daemon,
+)
 from .conftest import wait_for
 
 pytestmark = [
@@ -26,35 +33,7 @@ pytestmark = [
 CTX = mp.get_context("fork")
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    d = tmp_path_factory.mktemp("devcluster")
-    state = devcluster.up(3, str(d), resolvers={"set/": "tests.cluster_resolvers:union"})
-    state["dir"] = d
-    yield state
-    devcluster.down(str(d))
-
-
-def host(dev: dict[str, Any], i: int) -> kvcomm.Client:
-    return kvcomm.open(config=dev["hosts"][i]["config"])
-
-
-def l3(dev: dict[str, Any]) -> L3Store:
-    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]])
-
-
-def l3_value(store: L3Store, key: str) -> Any:
-    """The value L3 holds for ``key`` (None when absent)."""
-    rec = store.get(key)
-    return None if rec is None else kvcomm.core.codec.decode(rec.tag, rec.meta, rec.value)
-
-
-def restart_daemon(dev: dict[str, Any], i: int) -> None:
-    dev["hosts"][i]["pid"] = devcluster.restart_daemon(str(dev["dir"]), i)
-
-
-def kill_daemon(dev: dict[str, Any], i: int) -> None:
-    os.kill(dev["hosts"][i]["pid"], signal.SIGKILL)
+dev = dev_cluster_fixture(3, resolvers={"set/": "tests.cluster_resolvers:union"})
 
 
 @pytest.fixture(autouse=True)
@@ -217,7 +196,8 @@ def test_bounded_outbound_queue_while_the_daemon_is_down(dev: dict[str, Any]) ->
             return True
 
         wait_for(accepted, 20, "puts to be accepted again")
-        wait_for(lambda: all(l3_value(store, f"queue/{i}") == i for i in range(written)), 60,
+        queued = [f"queue/{i}" for i in range(written)]
+        wait_for(lambda: l3_values(store, queued) == list(range(written)), 60,
                  "every queued write to reach L3")
     finally:
         store.close()

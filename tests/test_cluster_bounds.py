@@ -8,16 +8,14 @@ import gc
 import os
 import shutil
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import kvcomm
-from kvcomm import devcluster
-from kvcomm.tiers.l3 import L3Store
 
+from ._devcluster import dev_cluster_fixture, host, l3
 from .conftest import wait_for
 
 pytestmark = [
@@ -26,26 +24,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    d = tmp_path_factory.mktemp("devcluster-bounds")
-    state = devcluster.up(2, str(d))
-    state["dir"] = d
-    yield state
-    devcluster.down(str(d))
-
-
-def host(dev: dict[str, Any], i: int, **cache: Any) -> kvcomm.Client:
-    if not cache:
-        return kvcomm.open(config=dev["hosts"][i]["config"])
-    cfg = kvcomm.Config.load(dev["hosts"][i]["config"])
-    merged = cfg.model_dump()
-    merged["cache"].update(cache)
-    return kvcomm.open(config=kvcomm.Config.from_mapping(merged))
-
-
-def l3(dev: dict[str, Any]) -> L3Store:
-    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]])
+dev = dev_cluster_fixture(2, dirname="devcluster-bounds")
 
 
 def test_l2_evictions_never_delete_in_l3(dev: dict[str, Any]) -> None:

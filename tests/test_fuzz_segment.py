@@ -11,7 +11,7 @@ and run: tests/fuzz_segment.py.
 Knobs (environment):
 
 * ``FUZZ_SEED``: seeds the base segment and every case (default: random, printed).
-* ``FUZZ_CASES``: random cases to run (default 300; ``make fuzz`` runs 20000).
+* ``FUZZ_CASES``: random cases to run (default 40; the slow test 300; ``make fuzz`` 20000).
 * ``FUZZ_CASE``: run only this case number (a replay: the failure report prints it).
 * ``FUZZ_JOBS``: cases in flight at once (default 3: a hung case mostly sleeps).
 * ``FUZZ_DEADLINE``: seconds a case may take before it counts as a hang (default 25: one
@@ -96,13 +96,26 @@ def test_harness_tells_every_failure_apart(fuzz: tuple[fz.Base, Any, int], tmp_p
 
 
 def test_corrupted_segments_never_crash(fuzz: tuple[fz.Base, Any, int], tmp_path: Any) -> None:
+    """Every crafted case and FUZZ_CASES random ones (default 40 in `make test`; the slow
+    test below runs 300, `make fuzz` 20000)."""
+    _never_crash(fuzz, tmp_path, _env_int("FUZZ_CASES", 40))
+
+
+@pytest.mark.slow
+def test_300_random_corrupted_segments(fuzz: tuple[fz.Base, Any, int], tmp_path: Any) -> None:
+    """The same with 300 random cases (`make test-slow`; its name leaves it out of `make
+    fuzz`'s ``-k never_crash``)."""
+    _never_crash(fuzz, tmp_path, 300)
+
+
+def _never_crash(fuzz: tuple[fz.Base, Any, int], tmp_path: Any, random_cases: int) -> None:
     base, ctx, seed = fuzz
     a = fz.Anatomy(base.data)
     one = os.environ.get("FUZZ_CASE")
     if one:
         cases = [int(one)]
     else:
-        cases = sorted(fz.crafted_cases(a).values()) + list(range(_env_int("FUZZ_CASES", 300)))
+        cases = sorted(fz.crafted_cases(a).values()) + list(range(random_cases))
     t0 = time.monotonic()
     results = fz.run_cases(base, seed, cases, jobs=_env_int("FUZZ_JOBS", 3),
                            deadline=float(_env_int("FUZZ_DEADLINE", 25)), workdir=str(tmp_path),

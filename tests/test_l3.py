@@ -6,7 +6,6 @@ import random
 import shutil
 import struct
 import tracemalloc
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -35,6 +34,7 @@ from kvcomm.tiers.l3 import (
 )
 
 from .conftest import wait_for
+from .daemon_harness import cluster_fixture, store_fixture  # noqa: F401 (the fixtures)
 from .test_versions import histories
 
 pytestmark = pytest.mark.redis
@@ -188,9 +188,22 @@ valid_records = st.builds(
     st.booleans(), st.dictionaries(st.text(max_size=4), values, max_size=3))
 
 
-@settings(max_examples=1500)
+@settings(max_examples=500)
 @given(valid_records, st.data())
 def test_mutated_records_only_ever_raise_corrupt_record(data: bytes, draw: st.DataObject) -> None:
+    """500 valid records, each mutated (`make test-slow` runs 1500)."""
+    _mutate_and_decode(data, draw)
+
+
+@pytest.mark.slow
+@settings(max_examples=1500)
+@given(valid_records, st.data())
+def test_1500_mutated_records_only_ever_raise_corrupt_record(data: bytes,
+                                                             draw: st.DataObject) -> None:
+    _mutate_and_decode(data, draw)
+
+
+def _mutate_and_decode(data: bytes, draw: st.DataObject) -> None:
     L3Record.decode(data)  # the unmutated record is valid
     buf = bytearray(data)
     for _ in range(draw.draw(st.integers(1, 4))):
@@ -255,21 +268,6 @@ def test_a_length_field_never_allocates_what_it_claims(data: bytes) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, f"decoding {data[:12]!r} peaked at {peak} bytes"
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    with RedisCluster() as c:
-        yield c
-
-
-@pytest.fixture
-def store(cluster: RedisCluster) -> Iterator[L3Store]:
-    s = L3Store(cluster.seeds)
-    yield s
-    s.close()
 
 
 @needs_redis

@@ -12,16 +12,14 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import kvcomm
-from kvcomm import devcluster
-from kvcomm.tiers.l3 import L3Store
 
+from ._devcluster import dev_cluster_fixture, host, l3
 from .conftest import wait_for
 
 pytest.importorskip("langgraph")
@@ -39,16 +37,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    d = tmp_path_factory.mktemp("devcluster")
-    state = devcluster.up(2, str(d), strong_prefixes=["lg/cp/h/"], groups=64)
-    yield state
-    devcluster.down(str(d))
-
-
-def host(dev: dict[str, Any], i: int) -> kvcomm.Client:
-    return kvcomm.open(config=dev["hosts"][i]["config"])
+dev = dev_cluster_fixture(2, strong_prefixes=["lg/cp/h/"], groups=64)
 
 
 def test_a_graph_interrupted_on_host_1_is_resumed_on_host_2(dev: dict[str, Any]) -> None:
@@ -134,8 +123,7 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
         for key, value in facts.items():
             writer.put(("users", "u1", "memories"), key, value)
         writer.put(("users", "u2", "memories"), "other", {"text": "not u1", "score": 99})
-        store = L3Store([(x.rpartition(":")[0], int(x.rpartition(":")[2])) for x in dev["redis"]],
-                        groups=64)
+        store = l3(dev)
         keys = [writer.keys.item(("users", "u1", "memories"), k) for k in facts]
         try:
             wait_for(lambda: all(r is not None and not isinstance(r, Exception)
@@ -160,10 +148,12 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
                  20, "host-2's delete to reach host-1's search")
 
 
+@pytest.mark.slow
 def test_the_three_agent_example_across_hosts(dev: dict[str, Any]) -> None:
     """examples/langgraph_agents.py with its agents on host-1, host-2 and host-1: the
     analyst (host-2) finds the scout's (host-1) memories by search, the writer (host-1)
-    the analyst's."""
+    the analyst's. (`make test-slow`: `make test` runs the example on one host in
+    test_langgraph.py and a search across hosts above.)"""
     example = Path(__file__).resolve().parent.parent / "examples" / "langgraph_agents.py"
     h = [x["config"] for x in dev["hosts"]]
     out = subprocess.run([sys.executable, str(example), "--configs", h[0], h[1], h[0]],

@@ -9,14 +9,12 @@ import os
 import random
 import shutil
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvcomm
-from kvcomm import devcluster
 from kvcomm.metrics import agent
 from kvcomm.metrics.collector import Snapshot, read
 from kvcomm.metrics.exporter import Exporter
@@ -25,6 +23,7 @@ from kvcomm.metrics.snapshot import parse_text, quantile
 from kvcomm.tiers.shm import layout
 from kvcomm.tiers.shm.counters import MetricsRegion
 
+from ._devcluster import dev_cluster_fixture
 from .conftest import SMALL, wait_for
 
 R = "kvcomm_reads_total"
@@ -271,14 +270,7 @@ needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server is not installed")
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    d = tmp_path_factory.mktemp("devcluster")
-    state = devcluster.up(2, str(d))
-    yield state
-    devcluster.down(str(d))
+dev = dev_cluster_fixture(2)
 
 
 def _swarm(config: str, me: int, drones: int, ticks: int, seed: int) -> None:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvcomm import devcluster
 from kvcomm.config import load_config
 from kvcomm.placement.graph import Graph, Plan
 from kvcomm.placement.launcher import Launcher
@@ -21,6 +19,8 @@ from kvcomm.placement.observe import load_snapshots, observe, snapshot_key
 from kvcomm.placement.plan import make_plan
 from kvcomm.tiers.l3 import L3Store
 
+from ._devcluster import dev_cluster_fixture
+from ._devcluster import l3 as _l3
 from .conftest import wait_for
 
 pytestmark = [
@@ -34,17 +34,7 @@ ROLES = "w1=put:s/w1:1024;w2=put:s/w2:100;r1=get:s/w1:4000,get:s/w2:2000;r2=get:
 READS = {("r1", "w1"): (4000, 1024), ("r1", "w2"): (2000, 100), ("r2", "w1"): (3000, 1024)}
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    d = tmp_path_factory.mktemp("placement-dev")
-    state = devcluster.up(2, str(d))
-    state["dir"] = d
-    yield state
-    devcluster.down(str(d))
-
-
-def _l3(dev: dict[str, Any]) -> L3Store:
-    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]])
+dev = dev_cluster_fixture(2, dirname="placement-dev")
 
 
 def _reports(store: L3Store) -> dict[str, list[dict[str, Any]]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import ConfigError, KVCommError, Unavailable
 from kvcomm.tiers.l3 import META_GROUPS, L3Store
 
-from .daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
+from .daemon_harness import cluster_fixture, record, store_fixture  # noqa: F401 (the fixtures)
 
 MODEL = json.loads((Path(kvcomm.__file__).parent / "balance" / "balance_model.json").read_text())
 
@@ -130,13 +129,6 @@ def test_a_feed_total_that_cannot_be_honoured_is_refused() -> None:
 
 
 # ---------------------------------------------------------------- on a real cluster
-
-
-@pytest.fixture(name="store")
-def store_fixture(cluster: RedisCluster) -> Iterator[L3Store]:
-    s = L3Store(cluster.seeds)
-    yield s
-    s.close()
 
 
 def _keys_of_slot(store: L3Store, slot: int, n: int, prefix: str) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import ormsgpack
 import pytest
 
 import kvcomm
-from kvcomm import devcluster
 from kvcomm.tiers.l3 import L3Store
 
 from .conftest import wait_for
@@ -22,7 +20,8 @@ from .conftest import wait_for
 lg = pytest.importorskip("langgraph.checkpoint.serde.jsonplus")
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
-from tests.test_scan_cluster import host, l3  # noqa: E402  (the same 2-host cluster)
+
+from ._devcluster import dev_cluster_fixture, host, l3  # noqa: E402
 
 needs_cluster = [
     pytest.mark.redis,
@@ -94,17 +93,7 @@ def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_saver(kv: kvcomm.Clien
 # ---------------------------------------------------------------- a dev cluster
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    if shutil.which("redis-server") is None or shutil.which("etcd") is None:
-        pytest.skip("redis-server and etcd are needed")
-    d = tmp_path_factory.mktemp("devcluster")
-    state = devcluster.up(2, str(d), strong_prefixes=["lock/"], groups=64, watch_buffer=1024)
-    state["dir"] = d
-    yield state
-    devcluster.down(str(d))
-
-
+dev = dev_cluster_fixture(2, strong_prefixes=["lock/"], groups=64, watch_buffer=1024)
 
 
 def scan_in_thread(kv: kvcomm.Client, prefix: str, **kw: Any) -> list[str] | BaseException:

@@ -9,7 +9,6 @@ member: a fault injected on the wire, as the fault proxy injects a partition.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,62 +17,28 @@ import pytest
 
 import kvcomm
 from kvcomm._client.strong import KEY_PREFIX
-from kvcomm.devcluster.etcd_cluster import EtcdCluster, etcd_path
+from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.etcd import EtcdClient
 
+from ._devcluster import NEEDS_ETCD, StrongHosts, etcd_fixture, strong_hosts_fixture
 from .conftest import wait_for
 
-pytestmark = pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
+pytestmark = NEEDS_ETCD
 
 PREFIXES = ["task/"]
 TIMEOUT = 1.0
 
 
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdCluster]:
-    with EtcdCluster() as ec:
-        yield ec
-
-
-class Hosts:
-    def __init__(self, etcd: EtcdCluster) -> None:
-        self.etcd = etcd
-        self.namespaces: list[str] = []
-        self.clients: list[kvcomm.Client] = []
-
-    def config(self, host: str, ns: str, **cache: Any) -> kvcomm.Config:
-        cache = {"l2_size": "16MB", "watch_buffer": 4096, "strong_prefixes": PREFIXES, **cache}
-        return kvcomm.Config.from_mapping({
-            "node": {"host_id": host, "namespace": ns},
-            "cache": cache,
-            "cluster": {"redis": ["127.0.0.1:1"], "etcd": self.etcd.addresses,
-                        "timeout": TIMEOUT},
-        })
-
-    def open(self, host: str, **cache: Any) -> kvcomm.Client:
-        ns = f"tr9-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.namespaces.append(ns)
-        c = kvcomm.open(ns, config=self.config(host, ns, **cache))
-        self.clients.append(c)
-        return c
-
-
-@pytest.fixture
-def hosts(etcd: EtcdCluster) -> Iterator[Hosts]:
-    h = Hosts(etcd)
-    yield h
-    for c in h.clients:
-        c.close()
-    for ns in h.namespaces:
-        l2.purge(ns)
+etcd = etcd_fixture()
+hosts = strong_hosts_fixture(PREFIXES, TIMEOUT, "tr9")
 
 
 def _key(name: str) -> str:
     return f"task/{uuid.uuid4().hex[:10]}/{name}"
 
 
-def test_l3_consistency_is_the_clusters_too(hosts: Hosts) -> None:
+def test_l3_consistency_is_the_clusters_too(hosts: StrongHosts) -> None:
     """F1: cache.l3_consistency decides whether a key under no strong prefix is strong,
     yet only cache.strong_prefixes was recorded and compared: an agent with
     ``l3_consistency: strong`` started beside agents with ``eventual`` and wrote
@@ -87,7 +52,7 @@ def test_l3_consistency_is_the_clusters_too(hosts: Hosts) -> None:
 
 @pytest.mark.parametrize("raw", [b"", b"\x01", b"\xff\x00\x00\x00\x10abc",
                                  b"\x05\x00\x00\x00\x00garbage", b"\x01\x00\x00\x00\xff"])
-def test_a_strong_value_that_is_no_kvcomm_record_is_corrupt_record(hosts: Hosts,
+def test_a_strong_value_that_is_no_kvcomm_record_is_corrupt_record(hosts: StrongHosts,
                                                                    etcd: EtcdCluster,
                                                                    raw: bytes) -> None:
     """F2: a value under kvc/k/ that KVCOMM did not write (etcdctl, another program, a
@@ -348,7 +313,7 @@ def proxied(etcd: EtcdCluster, tmp_path: Any) -> Iterator[tuple[Any, dict[str, s
 
 
 def test_a_strong_read_cut_off_at_its_first_contact_says_it_is_a_read(
-        hosts: Hosts, proxied: tuple[Any, dict[str, str]]) -> None:
+        hosts: StrongHosts, proxied: tuple[Any, dict[str, str]]) -> None:
     """F6: a client's first strong operation first records or compares the prefixes (an
     etcd transaction), outside the operation's 2 x cluster.timeout budget. Cut off at
     that moment, a *get* raised "after the write was sent; it may or may not have been
@@ -357,8 +322,7 @@ def test_a_strong_read_cut_off_at_its_first_contact_says_it_is_a_read(
     spends the operation's budget and says what it was."""
     ctl, remap = proxied
     hosts.open("host-a")  # the prefixes are recorded: a later check only compares
-    ns = f"tr9-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    hosts.namespaces.append(ns)
+    ns = hosts.new_namespace()
     cfg = hosts.config("host-p", ns)
     cfg = kvcomm.Config.from_mapping({**cfg.model_dump(mode="json"),
                                       "cluster": {**cfg.cluster.model_dump(mode="json"),
@@ -553,7 +517,7 @@ def test_a_completion_and_the_next_invocation_at_one_instant_are_a_valid_history
     assert check(stale[6:] + stale[:6]).verdict == "illegal"
 
 
-def test_merge_remote_refuses_a_strong_key(hosts: Hosts) -> None:
+def test_merge_remote_refuses_a_strong_key(hosts: StrongHosts) -> None:
     """F12: ``merge_remote`` (public: how tests and tools apply another host's version)
     wrote a strong key's value into L2, dirty: the daemon would have published it to
     L3, where strong keys never live (and a strong read, from etcd, never saw it: an

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 import kvcomm
-from kvcomm import devcluster
-from kvcomm.tiers.l3 import META_INDEX, L3Store
+from kvcomm.tiers.l3 import META_INDEX
 
+from ._devcluster import all_live_in_l3, dev_cluster_fixture, host, l3
 from .conftest import wait_for
 
 pytestmark = [
@@ -30,29 +30,8 @@ pytestmark = [
 CTX = mp.get_context("fork")
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    d = tmp_path_factory.mktemp("devcluster")
-    # a small feed ring: the overflow test fills it on purpose
-    state = devcluster.up(2, str(d), strong_prefixes=["lock/"], groups=64, watch_buffer=1024)
-    state["dir"] = d
-    yield state
-    devcluster.down(str(d))
-
-
-def host(dev: dict[str, Any], i: int) -> kvcomm.Client:
-    return kvcomm.open(config=dev["hosts"][i]["config"])
-
-
-def l3(dev: dict[str, Any]) -> L3Store:
-    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]],
-                   groups=64)
-
-
-def in_l3(store: L3Store, keys: list[str]) -> bool:
-    recs = store.get_many(keys)
-    return all(r is not None and not isinstance(r, Exception) and not r.tombstone
-               for r in recs.values())
+# a small feed ring: the overflow test fills it on purpose
+dev = dev_cluster_fixture(2, strong_prefixes=["lock/"], groups=64, watch_buffer=1024)
 
 
 def scan_keys(kv: kvcomm.Client, prefix: str, **kw: Any) -> list[str]:
@@ -78,7 +57,7 @@ def test_host_2_scan_finds_keys_host_1_wrote(dev: dict[str, Any]) -> None:
         for i, k in enumerate(keys):
             a.put(k, {"i": i})
         a.put("drones", 1)  # outside the prefix "drone/"
-        wait_for(lambda: in_l3(store, keys), 20, "host 1's writes to reach L3")
+        wait_for(lambda: all_live_in_l3(store, keys), 20, "host 1's writes to reach L3")
         assert b.keys("drone/") == keys  # host 2 never read one of them
         items = list(b.scan("drone/"))
         assert [i.value["i"] for i in items] == list(range(250))
@@ -98,7 +77,7 @@ def test_deleted_keys_never_appear(dev: dict[str, Any]) -> None:
         keys = [f"del/{i:02d}" for i in range(30)]
         for k in keys:
             a.put(k, 1)
-        wait_for(lambda: in_l3(store, keys), 20, "the puts to reach L3")
+        wait_for(lambda: all_live_in_l3(store, keys), 20, "the puts to reach L3")
         for k in keys[::2]:
             a.delete(k)
         # on the deleting host at once: its tombstones hide L3's records
@@ -124,7 +103,7 @@ def test_writes_not_yet_in_l3_appear(dev: dict[str, Any]) -> None:
     try:
         a.put("dirty/b", "in L3")
         a.put("dirty/d", "in L3, deleted while the daemon is stopped")
-        wait_for(lambda: in_l3(store, ["dirty/b", "dirty/d"]), 20, "the puts to reach L3")
+        wait_for(lambda: all_live_in_l3(store, ["dirty/b", "dirty/d"]), 20, "the puts to reach L3")
         os.kill(pid, signal.SIGSTOP)
         try:
             a.put("dirty/a", "local")
@@ -136,7 +115,7 @@ def test_writes_not_yet_in_l3_appear(dev: dict[str, Any]) -> None:
                 ("dirty/a", "local"), ("dirty/b", "in L3"), ("dirty/c", "local")]
         finally:
             os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: in_l3(store, ["dirty/a", "dirty/c"]), 20, "the writes to reach L3")
+        wait_for(lambda: all_live_in_l3(store, ["dirty/a", "dirty/c"]), 20, "the writes to reach L3")
     finally:
         a.close(), store.close()
 
@@ -149,7 +128,7 @@ def test_strong_keys_come_from_etcd_merged_in_order(dev: dict[str, Any]) -> None
         a.put("lo/x", 1)
         a.put("lock", 2)
         a.put("lockz", 3)
-        wait_for(lambda: in_l3(store, ["lo/x", "lock", "lockz"]), 20, "the puts to reach L3")
+        wait_for(lambda: all_live_in_l3(store, ["lo/x", "lock", "lockz"]), 20, "the puts to reach L3")
         want = ["lo/x", "lock", *[f"lock/{i}" for i in range(5)], "lockz"]
         assert scan_keys(b, "lo") == want
         assert [i.version.vector[0][0] for i in b.scan("lock/")] == ["@etcd"] * 5
@@ -182,7 +161,7 @@ def test_concurrent_writes_never_hide_an_acknowledged_key(dev: dict[str, Any]) -
         stable = [f"cw/{i:03d}s" for i in range(0, 300, 11)]  # never touched by churners
         for k in stable:
             a.put(k, "stable")
-        wait_for(lambda: in_l3(store, stable), 20, "the stable keys to reach L3")
+        wait_for(lambda: all_live_in_l3(store, stable), 20, "the stable keys to reach L3")
         procs = [CTX.Process(target=_churn, args=(h["config"], seed + j, 1500))
                  for j, h in enumerate(dev["hosts"])]
         for p in procs:
@@ -211,7 +190,7 @@ def test_backfill_indexes_records_written_before_the_index(dev: dict[str, Any]) 
         for k in keys:
             a.put(k, 1)
         a.put("old/gone", 1)
-        wait_for(lambda: in_l3(store, [*keys, "old/gone"]), 20, "the puts to reach L3")
+        wait_for(lambda: all_live_in_l3(store, [*keys, "old/gone"]), 20, "the puts to reach L3")
         a.delete("old/gone")
         wait_for(lambda: store.get("old/gone").tombstone, 20, "the delete to reach L3")  # type: ignore[union-attr]
         # as an L3 written before the index existed: no entries, no marker
@@ -231,7 +210,7 @@ def test_the_index_is_in_l3_and_follows_deletes(dev: dict[str, Any]) -> None:
     a, store = host(dev, 0), l3(dev)
     try:
         a.put("ix/1", 1)
-        wait_for(lambda: in_l3(store, ["ix/1"]), 20, "the put to reach L3")
+        wait_for(lambda: all_live_in_l3(store, ["ix/1"]), 20, "the put to reach L3")
         idx = store.groups.index_key(store.groups.of("ix/1"))
         assert store.rc.zscore(idx, "ix/1") == 0
         a.delete("ix/1")
@@ -321,7 +300,7 @@ def test_a_slow_watcher_gets_an_overflow_and_rescans(dev: dict[str, Any]) -> Non
                  "host 2's daemon to install more than a ring of host 1's writes")
         first = next(w)
         assert first.kind == "overflow"  # the watcher fell a whole ring behind
-        wait_for(lambda: in_l3(store, keys[-5:]), 20, "the writes to reach L3")
+        wait_for(lambda: all_live_in_l3(store, keys[-5:]), 20, "the writes to reach L3")
         assert b.keys("ov/") == keys  # the rescan the overflow asks for
         w.close()
     finally:
@@ -357,7 +336,7 @@ def test_a_scan_of_everything_pages_through_the_whole_cluster(dev: dict[str, Any
         for k in mine:
             a.put(k, 1)
         a.put("lock/all", 1)  # strong: merged in
-        wait_for(lambda: in_l3(store, mine), 20, "the puts to reach L3")
+        wait_for(lambda: all_live_in_l3(store, mine), 20, "the puts to reach L3")
         every = [k for p in pages(b, "", 97) for k in p]  # (prefix "": the empty member)
         assert every == sorted(set(every), key=lambda k: k.encode())
         assert {*mine, "lock/all"} <= set(every)

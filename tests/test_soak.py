@@ -462,10 +462,22 @@ def _effects(result: SoakResult, kind: str) -> list[dict[str, Any]]:
 @pytest.mark.redis
 @needs_redis
 def test_soak_with_every_fault_kind(tmp_path: Path) -> None:
-    """Every fault at least once; nothing acknowledged may be lost. On a main without the
-    fixes of issue 7 (items 1, 3, 4) this fails: evicted keys deleted cluster-wide, deletes
-    lost with an overflowed feed, a host stale after a stream trim."""
-    result = _soak(tmp_path, fault_kinds(), 30)
+    """Every fault once, in a row with short gaps; nothing acknowledged may be lost. On a
+    main without the fixes of issue 7 (items 1, 3, 4) this fails: evicted keys deleted
+    cluster-wide, deletes lost with an overflowed feed, a host stale after a stream trim.
+    (`make test-slow` runs the same for 30 s with the soak's own gaps.)"""
+    _assert_every_fault_kind(_soak(tmp_path, fault_kinds(), 5, gap=(0.2, 0.8)))
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@needs_redis
+def test_soak_with_every_fault_kind_for_30_s(tmp_path: Path) -> None:
+    """The same for 30 s with the soak's own gaps between faults."""
+    _assert_every_fault_kind(_soak(tmp_path, fault_kinds(), 30))
+
+
+def _assert_every_fault_kind(result: SoakResult) -> None:
     assert all(e["evictions"] > 0 for e in _effects(result, "l2-evict"))
     assert all(e["trimmed"] > 0 for e in _effects(result, "trim-stream"))
     assert all(e["rejoined"] and e["failover_s"] > 0 for e in _effects(result, "kill-redis-master"))
@@ -474,10 +486,12 @@ def test_soak_with_every_fault_kind(tmp_path: Path) -> None:
     _assert_clean(result)
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 @needs_redis
 def test_soak_with_the_faults_that_no_known_bug_affects(tmp_path: Path) -> None:
     """Paused and killed daemons, killed Redis masters: nothing lost, every host converges.
+    (`make test-slow`: `make test` crosses these faults in test_soak_with_every_fault_kind.)
     Agents do not delete keys other hosts write here: a delete on a host whose L2 does not
     hold the key is a no-op in cluster mode today (see the soak's report to issue 7)."""
     result = _soak(tmp_path, ["kill-daemon", "kill-redis-master", "pause-daemon"], 25,
@@ -511,6 +525,35 @@ def test_check_strong_catches_a_stale_read_in_the_recorded_history(tmp_path: Pat
 @pytest.mark.redis
 @needs_redis
 @pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
+def test_a_jepsen_run_with_one_partition_first_then_every_jepsen_fault(tmp_path: Path) -> None:
+    """`kvcomm jepsen --partitions 1` in short, `make test`'s stand-in for the two slow
+    runs below: the nemesis first partitions a host (both sides keep writing, the heal ->
+    convergence measured and reported), then kills and pauses etcd members and drops
+    connections, with short gaps. The strong history must be linearizable, nothing
+    acknowledged lost, the partition healed and converged."""
+    from kvcomm.faults.soak import JEPSEN_FAULTS
+
+    result = _soak(tmp_path, JEPSEN_FAULTS, 3, workers=1, rate=20, strong_clients=2,
+                   strong_keys=4, cluster_settings={"lease_ttl": 3.0}, shared_deletes=False,
+                   partitions=1, gap=(0.2, 0.8))
+    line = result.convergence_line()
+    print(result.strong_line())
+    print(line)
+    assert result.strong["ops"] > 200 and result.strong["ok"] > 100
+    assert result.strong["verdict"] == "ok", result.strong
+    parts = [i for i in result.injections if i.kind == "partition-host"]
+    assert parts and parts[0].step == 0  # the forced one, before anything else
+    assert all(i.ok and i.healed_at is not None for i in parts)
+    assert all(e["held"] > 0 for e in _effects(result, "partition-host"))  # really cut off
+    assert result.partitions_healed >= 1 and None not in result.partition_convergence
+    assert f"{result.partitions_healed} partitions healed (1 wanted)" in line and "p99" in line
+    assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@needs_redis
+@pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
 def test_a_short_jepsen_run_is_linearizable_and_loses_nothing(tmp_path: Path) -> None:
     """`kvcomm jepsen` in short: 3 hosts x 2 strong clients on 4 strong keys, while the
     nemesis partitions hosts, kills and pauses etcd members and drops connections. The
@@ -532,6 +575,7 @@ def test_a_short_jepsen_run_is_linearizable_and_loses_nothing(tmp_path: Path) ->
     assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 @needs_redis
 @pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")

@@ -8,7 +8,6 @@ L2 namespaces with their own host ids, as in the dev cluster.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -20,21 +19,19 @@ import pytest
 
 import kvcomm
 from kvcomm._client.strong import KEY_PREFIX, PREFIXES_KEY, revision_of
-from kvcomm.devcluster.etcd_cluster import EtcdCluster, etcd_path
+from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.devcluster.procs import running
-from kvcomm.tiers import l2
 from kvcomm.tiers.etcd import EtcdClient
 
-pytestmark = pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
+from ._devcluster import NEEDS_ETCD, StrongHosts, etcd_fixture, strong_hosts_fixture
+
+pytestmark = NEEDS_ETCD
 
 PREFIXES = ["task/", "shelf/"]
 TIMEOUT = 1.5
 
 
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[EtcdCluster]:
-    with EtcdCluster() as ec:
-        yield ec
+etcd = etcd_fixture()
 
 
 @pytest.fixture
@@ -48,45 +45,14 @@ def healthy(etcd: EtcdCluster) -> Iterator[EtcdCluster]:
     etcd.wait_healthy(60)
 
 
-def host_config(etcd: EtcdCluster, host: str, ns: str, **cache: Any) -> kvcomm.Config:
-    cache = {"l2_size": "16MB", "watch_buffer": 4096, "strong_prefixes": PREFIXES, **cache}
-    return kvcomm.Config.from_mapping({
-        "node": {"host_id": host, "namespace": ns},
-        "cache": cache,
-        # nothing listens there: these tests never reach L3
-        "cluster": {"redis": ["127.0.0.1:1"], "etcd": etcd.addresses, "timeout": TIMEOUT},
-    })
-
-
-class Hosts:
-    def __init__(self, etcd: EtcdCluster) -> None:
-        self.etcd = etcd
-        self.namespaces: list[str] = []
-        self.clients: list[kvcomm.Client] = []
-
-    def open(self, host: str, **cache: Any) -> kvcomm.Client:
-        ns = f"ts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.namespaces.append(ns)
-        c = kvcomm.open(ns, config=host_config(self.etcd, host, ns, **cache))
-        self.clients.append(c)
-        return c
-
-
-@pytest.fixture
-def hosts(etcd: EtcdCluster) -> Iterator[Hosts]:
-    h = Hosts(etcd)
-    yield h
-    for c in h.clients:
-        c.close()
-    for ns in h.namespaces:
-        l2.purge(ns)
+hosts = strong_hosts_fixture(PREFIXES, TIMEOUT, "ts")
 
 
 def _key(name: str) -> str:
     return f"task/{uuid.uuid4().hex[:10]}/{name}"
 
 
-def test_a_strong_put_is_read_by_another_host_and_never_cached(hosts: Hosts,
+def test_a_strong_put_is_read_by_another_host_and_never_cached(hosts: StrongHosts,
                                                                etcd: EtcdCluster) -> None:
     a, b = hosts.open("host-a"), hosts.open("host-b")
     k = _key("x")
@@ -112,7 +78,7 @@ def test_a_strong_put_is_read_by_another_host_and_never_cached(hosts: Hosts,
     assert "plain/1" in a._seg.keys()
 
 
-def test_compare_and_set_compares_the_etcd_revision(hosts: Hosts) -> None:
+def test_compare_and_set_compares_the_etcd_revision(hosts: StrongHosts) -> None:
     a, b = hosts.open("host-a"), hosts.open("host-b")
     k = _key("cas")
     v1 = a.put(k, 1, expect=kvcomm.ABSENT)
@@ -134,7 +100,7 @@ def test_compare_and_set_compares_the_etcd_revision(hosts: Hosts) -> None:
         a.put(k, 1, expect=7)
 
 
-def test_update_loses_no_increment_across_hosts(hosts: Hosts) -> None:
+def test_update_loses_no_increment_across_hosts(hosts: StrongHosts) -> None:
     clients = [hosts.open("host-a"), hosts.open("host-b"), hosts.open("host-c")]
     k = _key("ctr")
     per, runs = 15, [0]
@@ -156,7 +122,7 @@ def test_update_loses_no_increment_across_hosts(hosts: Hosts) -> None:
     print(f"{per * len(ts)} increments, fn ran {runs[0]} times (retries on a failed txn)")
 
 
-def test_a_validator_sees_the_value_it_replaces_and_reruns_on_a_race(hosts: Hosts) -> None:
+def test_a_validator_sees_the_value_it_replaces_and_reruns_on_a_race(hosts: StrongHosts) -> None:
     a, b = hosts.open("host-a"), hosts.open("host-b")
     k = _key("val")
     a.put(k, 0)
@@ -180,7 +146,7 @@ def test_a_validator_sees_the_value_it_replaces_and_reruns_on_a_race(hosts: Host
     assert b.get(k) == 11
 
 
-def test_consistency_must_match_the_key_in_cluster_mode(hosts: Hosts, ns: str) -> None:
+def test_consistency_must_match_the_key_in_cluster_mode(hosts: StrongHosts, ns: str) -> None:
     a = hosts.open("host-a")
     with pytest.raises(kvcomm.InvalidArgument, match="cache.strong_prefixes"):
         a.put("plain/x", 1, consistency="strong")
@@ -196,7 +162,7 @@ def test_consistency_must_match_the_key_in_cluster_mode(hosts: Hosts, ns: str) -
         assert e.get("task/x") == 1 and "task/x" in e.keys()
 
 
-def test_a_value_over_the_etcd_limit_is_value_too_large(hosts: Hosts) -> None:
+def test_a_value_over_the_etcd_limit_is_value_too_large(hosts: StrongHosts) -> None:
     a = hosts.open("host-a")
     k = _key("big")
     with pytest.raises(kvcomm.ValueTooLarge, match="etcd"):
@@ -206,7 +172,7 @@ def test_a_value_over_the_etcd_limit_is_value_too_large(hosts: Hosts) -> None:
     assert len(a.get(k)) == 1 << 20
 
 
-def test_a_batch_refuses_strong_keys_and_writes_nothing(hosts: Hosts) -> None:
+def test_a_batch_refuses_strong_keys_and_writes_nothing(hosts: StrongHosts) -> None:
     a = hosts.open("host-a")
     k = _key("b")
     with pytest.raises(kvcomm.InvalidArgument, match="strong key"):
@@ -216,7 +182,7 @@ def test_a_batch_refuses_strong_keys_and_writes_nothing(hosts: Hosts) -> None:
     assert "plain/b" not in a._seg.keys() and a.get(k) is None
 
 
-def test_disagreeing_prefixes_refuse_to_start(hosts: Hosts, etcd: EtcdCluster) -> None:
+def test_disagreeing_prefixes_refuse_to_start(hosts: StrongHosts, etcd: EtcdCluster) -> None:
     hosts.open("host-a")  # records (or agrees with) PREFIXES
     with EtcdClient(etcd.endpoints) as raw:
         assert raw.get(PREFIXES_KEY) is not None
@@ -234,7 +200,7 @@ def test_strong_prefixes_in_cluster_mode_need_etcd(ns: str) -> None:
         kvcomm.open(ns, config=cfg)
 
 
-def test_no_majority_is_unavailable_within_twice_the_timeout(hosts: Hosts,
+def test_no_majority_is_unavailable_within_twice_the_timeout(hosts: StrongHosts,
                                                              healthy: EtcdCluster) -> None:
     seed = random.randrange(1 << 30)
     print("seed", seed)
@@ -268,14 +234,13 @@ def test_no_majority_is_unavailable_within_twice_the_timeout(hosts: Hosts,
 
 
 def test_an_l1_or_l2_copy_from_before_the_prefix_was_declared_is_never_served(
-        hosts: Hosts, etcd: EtcdCluster) -> None:
+        hosts: StrongHosts, etcd: EtcdCluster) -> None:
     """A key written as an eventual key (no strong prefixes yet) sits in the host's L2 and
     in the process's L1; once its prefix is declared, reads of it must come from etcd:
     neither the C getter (L1, or L2 for a memoised key) nor get_item may serve the
     planted copy, on the first read or any later one."""
     k = _key("planted")
-    ns = f"ts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    hosts.namespaces.append(ns)
+    ns = hosts.new_namespace()
     # before: cluster mode, no etcd, no strong prefixes: the key is an eventual one, in
     # this host's L2 (no daemon runs: it stays there, dirty) and, once read, in L1
     old_cfg = kvcomm.Config.from_mapping({
@@ -291,7 +256,7 @@ def test_an_l1_or_l2_copy_from_before_the_prefix_was_declared_is_never_served(
     assert old._read_l2(*old._key_hash(k), 1 << 40) is not None  # the planted L2 record
 
     # after: the prefix declared (the cluster's), the same namespace, the same process
-    new = kvcomm.open(ns, config=host_config(etcd, "host-a", ns))
+    new = kvcomm.open(ns, config=hosts.config("host-a", ns))
     hosts.clients.append(new)
     for _ in range(3):  # etcd has no value: absent, every time (memoised or not)
         assert new.get(k) is None

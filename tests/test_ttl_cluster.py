@@ -15,17 +15,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-import kvcomm
-from kvcomm import devcluster
 from kvcomm._client.strong import etcd_key
 from kvcomm.config import load_config
-from kvcomm.tiers.l3 import L3Store, record_key
+from kvcomm.tiers.l3 import record_key
 
+from ._devcluster import dev_cluster_fixture, host, l3, live_record
 from .conftest import wait_for
 from .test_ttl import _AGENT, _until
 
@@ -37,27 +35,7 @@ pytestmark = [
 GROUPS = 64
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    d = tmp_path_factory.mktemp("devcluster")
-    state = devcluster.up(2, str(d), groups=GROUPS, strong_prefixes=["lock/"])
-    state["dir"] = d
-    yield state
-    devcluster.down(str(d))
-
-
-def host(dev: dict[str, Any], i: int) -> kvcomm.Client:
-    return kvcomm.open(config=dev["hosts"][i]["config"])
-
-
-def l3(dev: dict[str, Any]) -> L3Store:
-    return L3Store([(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in dev["redis"]],
-                   groups=GROUPS)
-
-
-def in_l3(store: L3Store, key: str) -> Any:
-    rec = store.get(key)
-    return rec if rec is not None and not rec.tombstone else None
+dev = dev_cluster_fixture(2, groups=GROUPS, strong_prefixes=["lock/"])
 
 
 def test_a_key_expires_on_host_1_and_is_absent_on_host_2(dev: dict[str, Any]) -> None:
@@ -68,7 +46,7 @@ def test_a_key_expires_on_host_1_and_is_absent_on_host_2(dev: dict[str, Any]) ->
         a.put("exp/perm", {"v": 2})
         deadline = a.get_item("exp/k").expires_at  # type: ignore[union-attr]
         assert deadline is not None
-        rec = wait_for(lambda: in_l3(store, "exp/k"), what="the record in L3")
+        rec = wait_for(lambda: live_record(store, "exp/k"), what="the record in L3")
         assert rec.deadline == pytest.approx(deadline)
         item = wait_for(lambda: b.get_item("exp/k"), what="host 2 reads it")
         assert item.expires_at == pytest.approx(deadline) and time.time() < deadline
@@ -95,7 +73,7 @@ def test_a_write_after_the_deadline_wins_everywhere(dev: dict[str, Any]) -> None
     a, b, store = host(dev, 0), host(dev, 1), l3(dev)
     try:
         a.put("win/k", 1, ttl=4.0)
-        wait_for(lambda: in_l3(store, "win/k"), what="the record in L3")
+        wait_for(lambda: live_record(store, "win/k"), what="the record in L3")
         wait_for(lambda: b.get("win/k") == 1, what="host 2 reads it")
         _until(a.get_item("win/k").expires_at)  # type: ignore[arg-type, union-attr]
         assert b.get("win/k") is None
@@ -112,9 +90,9 @@ def test_an_older_write_replayed_after_the_expiry_does_not_resurrect(dev: dict[s
     a, b, store = host(dev, 0), host(dev, 1), l3(dev)
     try:
         a.put("replay/k", "old")
-        old = wait_for(lambda: in_l3(store, "replay/k"), what="the old write in L3")
+        old = wait_for(lambda: live_record(store, "replay/k"), what="the old write in L3")
         a.put("replay/k", "new", ttl=2.0)
-        rec = wait_for(lambda: (r := in_l3(store, "replay/k")) is not None and r.deadline and r,
+        rec = wait_for(lambda: (r := live_record(store, "replay/k")) is not None and r.deadline and r,
                        what="the write with a deadline in L3")
         g0 = store.groups.of("replay/k")
         score = store.rc.zscore(store.groups.expiry_key(g0), "replay/k")

@@ -39,7 +39,7 @@ from ..clock import write_clock_offset
 from ..config import CacheConfig
 from ..errors import KVCommError, SegmentError, Unavailable
 from ..tiers.l2 import L2Segment, purge
-from .etcd_cluster import EtcdCluster, etcd_path, member_argv
+from .etcd_cluster import EtcdCluster, etcd_path, member_argv, stop_members
 from .etcd_cluster import wait_healthy as wait_etcd_healthy
 from .procs import kill, running, spawn, stop
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
@@ -269,7 +269,7 @@ def down(directory: str) -> bool:
     stop([int(p) for p in state["redis_pids"]])
     etcd = state.get("etcd")
     if etcd:
-        stop([int(p) for p in etcd["pids"]])
+        stop_members([int(p) for p in etcd["pids"]], etcd["client_ports"], timeout=10.0)
         shutil.rmtree(etcd["dir"], ignore_errors=True)
     stop([int(h["proxy"]["pid"]) for h in state["hosts"] if h.get("proxy")])
     for h in state["hosts"]:

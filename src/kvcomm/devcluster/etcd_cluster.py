@@ -106,6 +106,20 @@ def leader_index(ports: Sequence[int], timeout: float = 1.0) -> int | None:
     return None
 
 
+def stop_members(procs: Sequence[subprocess.Popen[bytes] | int], client_ports: Sequence[int],
+                 timeout: float = 5.0) -> None:
+    """End the members ``procs`` (in the order of ``client_ports``): the followers first,
+    then the leader. Stopped together, a leader spends etcd's request timeout (5 s plus two
+    election timeouts) handing its leadership to a follower that is stopping too; with no
+    follower left it has none to try and exits at once. Returns once all are gone (what
+    is still running after ``timeout`` seconds is killed)."""
+    if not procs:
+        return
+    lead = leader_index(client_ports, timeout=1.0)  # None: no leader agreed, stop them all
+    stop_procs([p for i, p in enumerate(procs) if i != lead], timeout=timeout)
+    stop_procs(procs, timeout=timeout)
+
+
 def wait_healthy(ports: Sequence[int], timeout: float = 30.0,
                  alive: Sequence[int] | None = None) -> int:
     """Until every member in ``alive`` (default: all) answers, they follow one leader
@@ -261,8 +275,9 @@ class EtcdCluster(Service):
         return wait_healthy(self.client_ports, timeout, alive=live)
 
     def stop(self) -> None:
-        """End every member and remove the data directory."""
-        stop_procs(self.procs.values(), timeout=5.0)
+        """End every member (:func:`stop_members`) and remove the data directory."""
+        stop_members([self.procs[i] for i in sorted(self.procs)],
+                     [self.client_ports[i] for i in sorted(self.procs)])
         self.procs.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
 
