@@ -276,13 +276,12 @@ def test_an_l1_or_l2_copy_from_before_the_prefix_was_declared_is_never_served(
 
 
 def test_a_planted_l2_copy_is_not_served_after_this_client_puts_the_key(
-        hosts: Hosts, etcd: EtcdCluster) -> None:
+        hosts: StrongHosts) -> None:
     """As above, but the client that reads the key also writes it: a strong put must not
     put the key back in the key memo (the C getter reads L2 for a memoised key), or the
     next get serves the L2 record planted before the prefix was declared."""
     k = _key("planted-put")
-    ns = f"ts-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    hosts.namespaces.append(ns)
+    ns = hosts.new_namespace()
     old = kvcomm.open(ns, config=kvcomm.Config.from_mapping({
         "node": {"host_id": "host-a", "namespace": ns},
         "cache": {"l2_size": "16MB", "watch_buffer": 4096},
@@ -290,7 +289,7 @@ def test_a_planted_l2_copy_is_not_served_after_this_client_puts_the_key(
     hosts.clients.append(old)
     old.put(k, "planted in L2")
     assert old._read_l2(*old._key_hash(k), 1 << 40) is not None  # the planted L2 record
-    new = kvcomm.open(ns, config=host_config(etcd, "host-a", ns))
+    new = kvcomm.open(ns, config=hosts.config("host-a", ns))
     hosts.clients.append(new)
     v = new.put(k, "from etcd")
     assert k not in new._keys
