@@ -237,7 +237,9 @@ FAULTS = ("down", "failover", "trim", "crash", "stop", "pause", "lost_in_failove
           "resyncs", "resync_gap", "resync_rewind", "feed_overflows", "l3_errors",
           "not_durable", "resolved", "hinted", "swept", "lost_hints",
           "hints_lost_silently", "hints_lost_told",
-          "fetched", "echoes", "refills")  # (value-less entries: read, skipped, refilled)
+          "fetched", "echoes", "refills",  # (value-less entries: read, skipped, refilled)
+          "hint_entries",  # (value-less entries applied from their hints, no feed read)
+          "unread_dropped")  # (held keys no agent read since their last change: dropped)
 
 
 def test_hosts_converge_and_lose_nothing_under_faults() -> None:
