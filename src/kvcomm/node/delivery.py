@@ -170,6 +170,15 @@ GAP, REWIND, UNSEQUENCED = "gap", "rewind", "unsequenced"
 NOT_DURABLE, CORRUPT = "not_durable", "corrupt"  # answers that are not L3 outcomes
 
 
+def _read_already(eid: bytes, cursor: bytes) -> bool:
+    """Whether stream id ``eid`` is at or before ``cursor`` (ids ``ms-seq``, ordered as
+    Redis orders them); False when either is not an id."""
+    a, b = eid.split(b"-"), cursor.split(b"-")
+    if len(a) != 2 or len(b) != 2 or not all(x.isdigit() for x in (*a, *b)):
+        return False
+    return (int(a[0]), int(a[1])) <= (int(b[0]), int(b[1]))
+
+
 # ---------------------------------------------------------------- local → L3
 
 
@@ -511,6 +520,9 @@ class Inbound:
             return  # (the read brings it)
         kept = self.noted.get(group)
         last = kept[-1].seq if kept else self.seqs.get(group)
+        if (not kept and entry.seq is not None and last is not None and entry.seq <= last
+                and _read_already(entry.id, self.cursors.get(group, b"0-0"))):
+            return  # the hint of an entry read already (a read overtook it): no news
         if (group in self.pending or entry.seq is None or last is None
                 or entry.seq != last + 1 or (kept is not None and len(kept) >= FEED_COUNT)):
             self.hinted((group,))
