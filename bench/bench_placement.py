@@ -21,6 +21,10 @@ continues the workload where the observed run stopped: the plan only saw the pas
 Every agent runs as its own client (``kvcomm.open(config=host's, agent=name)``); the
 agents of one host share one process (a tick loop over them).
 
+Every host runs with ``cluster.unread_changes: 1`` (``--unread-changes``; the config's
+default is 0): a held key that no agent of the host read since its last remote change
+leaves L2 at the next one instead of being read from L3 again.
+
 Measured over each run (after 2 s of warm-up):
 
 * **same-host share** — of the reads of another agent's key, the share whose writer is
@@ -618,6 +622,10 @@ def main() -> int:
     ap.add_argument("--probe", type=int, default=300, help="writes in each visibility probe (default 300)")
     ap.add_argument("--probe-only", action="store_true", help="only the visibility probe")
     ap.add_argument("--replot", metavar="JSON", help="only plot (--plot) the figures of --json's file")
+    ap.add_argument("--unread-changes", type=int, default=1, metavar="N",
+                    help="every host's cluster.unread_changes: a held key leaves L2 at the Nth "
+                    "remote change in a row no agent of the host read it before (default 1; "
+                    "0: every held key is refreshed at every change, the config's default)")
     args = ap.parse_args()
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), args.plot or "placement.png")
@@ -633,10 +641,12 @@ def main() -> int:
         return 0
     seconds, observe_s = (6.0, 4.0) if args.quick else (args.seconds, args.observe)
     print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
-          f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run", flush=True)
+          f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run; "
+          f"cluster.unread_changes {args.unread_changes}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
         work = Path(d)
-        dev = devcluster.up(3, str(work / "dev"))
+        dev = devcluster.up(3, str(work / "dev"),
+                            cluster_settings={"unread_changes": args.unread_changes})
         try:
             results: dict[str, Any] = {}
             for kind in ("swarm", "warehouse"):

@@ -1,8 +1,8 @@
 """Interest that decays (issue 12, L3 bytes): a host's daemon reads a remote change of a key
 its L2 holds from L3 only if an agent of the host read the key since its last change;
 otherwise the key leaves L2 (its next read, if any, goes to L3 and fills L2 again).
-``cluster.unread_changes`` (1) is how many such changes in a row it takes; 0 keeps
-refreshing every held key. On a real Redis Cluster."""
+``cluster.unread_changes`` is how many such changes in a row it takes; 0 (the default)
+keeps refreshing every held key. On a real Redis Cluster."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def in_l2(h: Host, key: str) -> bool:
 
 def test_a_key_no_agent_read_since_its_last_change_leaves_l2(
         cluster: RedisCluster, store: L3Store, seed: int) -> None:
-    h = Host(cluster, "unread", seed)
+    h = Host(cluster, "unread", seed, cluster_keys={"unread_changes": 1})
     try:
         key = "unread/k"
         push(store, key, f"0{BIG}", 1)
@@ -84,9 +84,9 @@ def test_a_key_no_agent_read_since_its_last_change_leaves_l2(
         h.close()
 
 
-def test_unread_changes_0_keeps_refreshing_every_held_key(
+def test_by_default_every_held_key_is_refreshed(
         cluster: RedisCluster, store: L3Store, seed: int) -> None:
-    h = Host(cluster, "keep-unread", seed, cluster_keys={"unread_changes": 0})
+    h = Host(cluster, "keep-unread", seed)  # (cluster.unread_changes: 0)
     try:
         key = "keep-unread/k"
         push(store, key, f"0{BIG}", 1)

@@ -211,6 +211,7 @@ FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_tot
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
+HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at most
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
 NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
@@ -1367,6 +1368,9 @@ class L3Store:
                 hinted.add(g)
             else:
                 self._hint_entries.append((g, entry))
+        if len(self._hint_entries) > HINT_ENTRIES_MAX:  # (not taken: their streams are read)
+            hinted.update(g for g, _ in self._hint_entries)
+            self._hint_entries.clear()
         return hinted, lost
 
     def hint_entries(self) -> list[tuple[int, FeedEntry]]:
