@@ -973,7 +973,8 @@ class Daemon:
         foreign) ends the loop early, raised."""
         poll = self.config.cluster.feed_poll
         backoff = Backoff(self.rng, base=max(poll, 0.01), cap=2.0)
-        self.port.quiet()  # (this loop's reads and writes of L2 are no agent's: take_reads)
+        if self.unread_changes:  # (this loop's reads and writes of L2 are no agent's:
+            self.port.quiet()  # take_reads; off, CLOCK sees them as before)
         while not stop.is_set():
             try:
                 self.step()
