@@ -21,6 +21,10 @@ continues the workload where the observed run stopped: the plan only saw the pas
 Every agent runs as its own client (``kvcomm.open(config=host's, agent=name)``); the
 agents of one host share one process (a tick loop over them).
 
+Every host runs with ``cluster.unread_changes: 1`` (``--unread-changes``; the config's
+default is 0): a held key that no agent of the host read since its last remote change
+leaves L2 at the next one instead of being read from L3 again.
+
 Measured over each run (after 2 s of warm-up):
 
 * **same-host share** — of the reads of another agent's key, the share whose writer is
@@ -244,7 +248,8 @@ def daemon_bytes(dev: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def hints_sent(dev: dict[str, Any]) -> int:
-    """SPUBLISH calls so far on every master (one hint per change stored)."""
+    """SPUBLISH calls so far on every master (a hint per change stored, or per group of a
+    pipeline: see tiers/l3.py, HINT_EACH)."""
     import redis
 
     n = 0
@@ -257,6 +262,19 @@ def hints_sent(dev: dict[str, Any]) -> int:
         finally:
             r.close()
     return n
+
+
+def changes_stored(dev: dict[str, Any]) -> int:
+    """Changes L3 stored so far: the sum of every group's sequence number (one per change
+    stored; hints are no count of them: a pipeline's pushes of one group may share one)."""
+    from kvcomm.tiers.l3 import L3Store
+
+    cfg = load_config(dev["hosts"][0]["config"])
+    store = L3Store.from_config(cfg.cluster)
+    try:
+        return sum(n or 0 for n in store.feed_seqs(range(cfg.cluster.groups)).values())
+    finally:
+        store.close()
 
 
 def hint_bytes() -> int:
@@ -293,7 +311,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     while time.monotonic() < start_at + WARMUP:
         time.sleep(0.01)
     b0 = redis_bytes(dev)
-    d0, h0 = daemon_bytes(dev), hints_sent(dev)
+    d0, h0, s0 = daemon_bytes(dev), hints_sent(dev), changes_stored(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
         time.sleep(max(0.0, start_at + seconds - observe_last - SLACK - time.monotonic()))
@@ -302,7 +320,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     while time.monotonic() < start_at + seconds:
         time.sleep(0.01)
     b1 = redis_bytes(dev)
-    d1, h1 = daemon_bytes(dev), hints_sent(dev)
+    d1, h1, s1 = daemon_bytes(dev), hints_sent(dev), changes_stored(dev)
     t_b1 = time.monotonic()
     for p in procs:
         p.join(120)
@@ -312,17 +330,21 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
     figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
     # where the bytes go: the daemons' own count by purpose (Redis in = sent, out =
-    # received), the hints every host receives (estimated: calls x hosts x size)
+    # received), the hints every host receives (counted by the daemons; older ones: estimated)
     figures["daemon_bytes_per_s"] = {
         what: [(d1[what][i] - d0.get(what, [0, 0])[i]) / (t_b1 - t_b0) for i in (0, 1)]
         for what in d1}
-    figures["hint_bytes_per_s"] = (h1 - h0) * len(HOSTS) * hint_bytes() / (t_b1 - t_b0)
-    # per change stored in L3 (a hint each): how many writes the window folds into one
+    if "hints" in d1:  # (the daemons count the hint messages they receive)
+        figures["hint_bytes_per_s"] = (d1["hints"][1] - d0.get("hints", [0, 0])[1]) / (t_b1 - t_b0)
+    else:
+        figures["hint_bytes_per_s"] = (h1 - h0) * len(HOSTS) * hint_bytes() / (t_b1 - t_b0)
+    # per change stored in L3 (the groups' counters): how many writes the window folds into one
     # push depends on how far behind a loaded machine's daemons run, and bytes/s follows
     writes = sum(1 for log in logs for t in log["w"][2] if t_b0 * 1e9 <= t < t_b1 * 1e9)
     figures["writes_per_s"] = writes / (t_b1 - t_b0)
-    figures["stores_per_s"] = (h1 - h0) / (t_b1 - t_b0)
-    figures["l3_bytes_per_store"] = (b1[0] - b0[0]) / max(1, h1 - h0)
+    figures["stores_per_s"] = (s1 - s0) / (t_b1 - t_b0)
+    figures["hints_per_s"] = (h1 - h0) / (t_b1 - t_b0)
+    figures["l3_bytes_per_store"] = (b1[0] - b0[0]) / max(1, s1 - s0)
     figures["graph"] = graph
     return figures
 
@@ -515,9 +537,11 @@ def table(results: dict[str, Any]) -> str:
 
 def breakdown(results: dict[str, Any]) -> str:
     """Where the L3 bytes go: bytes per change stored into Redis / out of it, by purpose."""
-    parts = ("push", "feed", "fetch", "sweep", "other")
+    parts = ("push", "feed", "fetch", "sweep", "other")  # (hints: a column of their own)
+    # (the daemons count the hints they receive in their total, and in "other" before they
+    # counted them apart: older figures' "other" holds them, their hint column estimates)
     lines = ["| workload | placement | writes/s | stored/s | L3 total | " + " | ".join(parts)
-             + " | hints (est.) | rest (agents' L3 reads, unattributed) |",
+             + " | hints | rest (agents' L3 reads, unattributed) |",
              "| --- " * (len(parts) + 7) + "|"]
 
     for kind in ("swarm", "warehouse"):
@@ -530,8 +554,8 @@ def breakdown(results: dict[str, Any]) -> str:
 
             d = f.get("daemon_bytes_per_s") or {}
             cells = [f"{kb(d[p][0])} / {kb(d[p][1])}" if p in d else "-" for p in parts]
-            total_d = sum(d.get("total", [0, 0]))
-            rest = f["l3_bytes_per_s"] - total_d - f.get("hint_bytes_per_s", 0.0)
+            total_d = sum(d.get("total", [0, 0]))  # (the hints received: in it)
+            rest = f["l3_bytes_per_s"] - total_d
             lines.append(f"| {kind} | {name} | {f['writes_per_s']:.0f} | {f['stores_per_s']:.0f} | "
                          f"{kb(f['l3_bytes_per_s'])} | "
                          + " | ".join(cells)
@@ -598,6 +622,10 @@ def main() -> int:
     ap.add_argument("--probe", type=int, default=300, help="writes in each visibility probe (default 300)")
     ap.add_argument("--probe-only", action="store_true", help="only the visibility probe")
     ap.add_argument("--replot", metavar="JSON", help="only plot (--plot) the figures of --json's file")
+    ap.add_argument("--unread-changes", type=int, default=1, metavar="N",
+                    help="every host's cluster.unread_changes: a held key leaves L2 at the Nth "
+                    "remote change in a row no agent of the host read it before (default 1; "
+                    "0: every held key is refreshed at every change, the config's default)")
     args = ap.parse_args()
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), args.plot or "placement.png")
@@ -613,10 +641,12 @@ def main() -> int:
         return 0
     seconds, observe_s = (6.0, 4.0) if args.quick else (args.seconds, args.observe)
     print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
-          f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run", flush=True)
+          f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run; "
+          f"cluster.unread_changes {args.unread_changes}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
         work = Path(d)
-        dev = devcluster.up(3, str(work / "dev"))
+        dev = devcluster.up(3, str(work / "dev"),
+                            cluster_settings={"unread_changes": args.unread_changes})
         try:
             results: dict[str, Any] = {}
             for kind in ("swarm", "warehouse"):

@@ -146,7 +146,10 @@ class FakeL3:
         self.log[g].append(_Op(eid, key, before, durable))
         for view in self.subscribers:
             if self.rng.random() >= self.hint_loss_p:
-                view.hinted.add(g)
+                if entry.note is not None:  # as the push script: the hint carries it
+                    view.entries.append((g, entry))
+                else:
+                    view.hinted.add(g)
             elif self.rng.random() < 0.5:
                 self.hints_lost["silently"] += 1  # (only the sweep can find it)
             else:
@@ -244,6 +247,9 @@ class FakeL3:
     def hints(self) -> tuple[set[int], set[int]]:
         return set(), set()
 
+    def hint_entries(self) -> list[tuple[int, FeedEntry]]:
+        return []
+
     def load_hot(self, host: str) -> list[str]:
         self._call("load_hot")
         return list(self.hot.get(host, []))
@@ -268,13 +274,20 @@ class _View:
         self.l3 = l3
         self.hinted: set[int] = set()
         self.lost: set[int] = set()
+        self.entries: list[tuple[int, FeedEntry]] = []  # hints that carry their entry
+        self.taken: list[tuple[int, FeedEntry]] = []
 
     def hints(self) -> tuple[set[int], set[int]]:
         if self not in self.l3.subscribers:
             self.l3.subscribers.append(self)
         hinted, lost = self.hinted, self.lost
         self.hinted, self.lost = set(), set()
+        self.taken, self.entries = self.entries, []
         return hinted, lost
+
+    def hint_entries(self) -> list[tuple[int, FeedEntry]]:
+        out, self.taken = self.taken, []
+        return out
 
     def close(self) -> None:
         if self in self.l3.subscribers:  # (a crashed daemon's connection is gone too)
@@ -324,6 +337,7 @@ class FakeL2:
     writes: list[tuple[str, tuple[str, int]]] = field(default_factory=list)  # (key, dot)
     anomalies: list[str] = field(default_factory=list)
     clock: Callable[[], float] = lambda: 0.0  # seconds; the HLC's physical part comes from it
+    referenced: set[str] = field(default_factory=set)  # agents read or wrote, since take_reads
 
     def now_ms(self) -> int:
         return 1_700_000_000_000 + int(self.clock() * 1000)
@@ -343,6 +357,7 @@ class FakeL2:
         self.hlc = hlc_tick(max(self.hlc, old.hlc if old else 0), self.now_ms())
         rec = Rec(value, vector, self.hlc, dirty=True)
         self.recs[key] = rec
+        self.referenced.add(key)
         self.writes.append((key, (self.host_id, self.counter)))
         self._event(KIND_DELETE if value is None else KIND_PUT, key, rec)
 
@@ -363,6 +378,7 @@ class FakeL2:
     def read(self, key: str, l3: FakeL3) -> None:
         """An agent's read: an L2 miss reads L3 once and fills L2 (Unavailable: nothing)."""
         if key in self.recs:
+            self.referenced.add(key)
             return
         try:
             rec = l3.get(key)
@@ -370,6 +386,7 @@ class FakeL2:
             return
         if rec is not None and not rec.tombstone:
             self.apply_remote(key, rec)
+            self.referenced.add(key)  # (a fill: the agent read it)
 
     def evict(self, rng: random.Random) -> None:
         clean = sorted(k for k, r in self.recs.items() if not r.dirty)
@@ -443,8 +460,9 @@ class FakeL2:
         self._set(key, Rec(res.value, res.vector, res.winner.hlc,
                            dirty=stored != (record.vector, record.hlc)))
 
-    def _set(self, key: str, rec: Rec) -> None:
+    def _set(self, key: str, rec: Rec) -> None:  # (the daemon's: not an agent's read)
         self.recs[key] = rec
+        self.referenced.discard(key)
         self._event(KIND_DELETE if rec.value is None else KIND_PUT, key, rec)
 
     def _resolver(self, key: str) -> Callable[[str, list[Value]], Value] | None:
@@ -463,6 +481,14 @@ class FakeL2:
             return False
         self._event(KIND_EVICT, key, self.recs.pop(key))
         return True
+
+    def quiet(self) -> None:
+        pass  # (applies never count as reads here: _set)
+
+    def take_reads(self, keys: Sequence[str]) -> dict[str, int]:
+        out = {k: -1 if k not in self.recs else int(k in self.referenced) for k in keys}
+        self.referenced.difference_update(keys)
+        return out
 
     def rebase(self, key: str, record: L3Record) -> bool:
         """As ``Client._restamp``: the write sequence past L3's entry for this host, then

@@ -315,7 +315,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "feed_maxlen": st.integers(100, MAX_COUNT), "wait_replicas": st.integers(0, 16),
         "groups": st.sampled_from([16 << i for i in range(11)]),
         "feed_total": st.integers(1_638_400, MAX_COUNT), "feed_sweep_rate": st.integers(1, MAX_COUNT),
-        "feed_inline": st.integers(0, 1 << 20),
+        "feed_inline": st.integers(0, 1 << 20), "unread_changes": st.integers(0, 1 << 20),
         "wait_timeout": _duration(True),
         "resolvers": st.dictionaries(_unicode, st.builds(
             lambda m, f: f"{'.'.join(m)}:{f}", st.lists(_ident, min_size=1, max_size=3), _ident),

@@ -407,6 +407,39 @@ def test_hinted_groups_are_read_and_lost_hints_check_the_counters_at_once() -> N
     assert poll is not None and 3 in poll.check
 
 
+def test_entries_hints_carry_are_taken_only_in_sequence() -> None:
+    inb = inbound(now=10.0)
+    inb.resume({g: b"5-0" for g in range(4)}, {g: 5 for g in range(4)})
+    inb.polled(inb.poll_due(10.0), 10.0)  # type: ignore[arg-type]  # (the start's check)
+    e6, e7, e8 = entries(6, 7, 8, start=6)
+    inb.noted_entry(0, e6)
+    inb.noted_entry(0, e7)  # follows the noted one
+    inb.noted_entry(1, e7)  # a hole: 6 never came (a hint lost): read the stream
+    inb.noted_entry(2, entries(5, start=5)[0])  # read already (a read overtook its hint)
+    inb.noted_entry(3, FeedEntry(b"9-0", "k", b"", 4))  # lower, and new: a rewind, read
+    assert inb.poll_due(10.05) is not None  # (noted entries make a poll due)
+    assert inb.to_read({}) == {1, 3}
+    assert inb.take_noted() == {0: [e6, e7]}  # applied as read, without an XRANGE
+    assert inb.take_noted() == {}
+    inb.noted_entry(0, e8)  # 8 follows 7 only once 7 is applied (advance)
+    assert inb.to_read({}) == {0, 1, 3}
+    for e in (e6, e7):
+        inb.advance(0, e)
+    inb.read(0, 0)
+    inb.noted_entry(0, e8)
+    assert inb.to_read({0: 9}) == {0, 1, 3}  # the counter is past it: read (it brings 8 too)
+    assert inb.take_noted() == {}
+    inb.read(0, 0)
+    inb.noted_entry(0, e8)
+    assert inb.to_read({0: 8}) == {1, 3} and inb.take_noted() == {0: [e8]}
+    inb.advance(0, e8)
+    inb.noted_entry(0, entries(9, start=9)[0])
+    inb.begin_resync({0}, missed=True)  # a resync takes a new position: what was noted goes
+    assert inb.take_noted() == {}
+    inb.noted_entry(0, entries(9, start=9)[0])  # (resyncing: read once it is done)
+    assert 0 in inb.to_read({})
+
+
 def test_polls_keep_their_pace_save_each_second_and_back_off() -> None:
     inb = inbound(now=10.0)
     first = inb.poll_due(10.0)

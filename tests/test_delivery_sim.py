@@ -30,11 +30,12 @@ HOSTS = ("h1", "h2", "h3")
 KEYS = [f"k/{i}" for i in range(10)] + [f"r/{i}" for i in range(3)]  # r/: a resolver's
 
 
-def config(host: str) -> kvcomm.Config:
+def config(host: str, unread_changes: int = 0) -> kvcomm.Config:
     return kvcomm.Config.from_mapping({
         "node": {"host_id": host, "namespace": f"sim-{host}"},
         "cache": {"l2_sync_interval": "10ms", "max_batch_ops": 4},
-        "cluster": {"redis": ["127.0.0.1:1"], "feed_poll": "10ms", "groups": GROUPS},
+        "cluster": {"redis": ["127.0.0.1:1"], "feed_poll": "10ms", "groups": GROUPS,
+                    "unread_changes": unread_changes},
     })
 
 
@@ -65,6 +66,7 @@ class Host:
 
 # feed entries: every one value-less, a mix (the sim's records are 60-80 bytes), all inline
 INLINE = (0, 70, None)
+UNREAD = (0, 1, 2)  # cluster.unread_changes: held keys refreshed always, or dropped unread
 
 
 class Sim:
@@ -73,6 +75,7 @@ class Sim:
         self.rng = random.Random(seed)
         self.clock = Clock()
         self.inline = INLINE[seed % len(INLINE)]
+        self.unread_changes = UNREAD[seed // len(INLINE) % len(UNREAD)]
         self.l3 = FakeL3(random.Random(self.rng.random()), durable_p=0.8, hint_loss_p=0.1,
                          feed_inline=self.inline)
         self.hosts = [Host(h, FakeL2(h, feed_capacity=24, resolvers={"r/": larger},
@@ -87,7 +90,7 @@ class Sim:
     def start(self, h: Host) -> Daemon | None:
         if h.daemon is None:
             try:
-                h.daemon = Daemon(config(h.name), h.l2, self.l3.view(), h.keys,  # type: ignore[arg-type]
+                h.daemon = Daemon(config(h.name, self.unread_changes), h.l2, self.l3.view(), h.keys,  # type: ignore[arg-type]
                                   rng=random.Random(self.rng.random()), clock=self.clock,
                                   sleep=self.clock.sleep, wall=self.clock)
             except kvcomm.Unavailable:
@@ -237,7 +240,9 @@ FAULTS = ("down", "failover", "trim", "crash", "stop", "pause", "lost_in_failove
           "resyncs", "resync_gap", "resync_rewind", "feed_overflows", "l3_errors",
           "not_durable", "resolved", "hinted", "swept", "lost_hints",
           "hints_lost_silently", "hints_lost_told",
-          "fetched", "echoes", "refills")  # (value-less entries: read, skipped, refilled)
+          "fetched", "echoes", "refills",  # (value-less entries: read, skipped, refilled)
+          "hint_entries",  # (value-less entries applied from their hints, no feed read)
+          "unread_dropped")  # (held keys no agent read since their last change: dropped)
 
 
 def test_hosts_converge_and_lose_nothing_under_faults() -> None:
@@ -249,7 +254,8 @@ def test_hosts_converge_and_lose_nothing_under_faults() -> None:
     for seed in seeds + ([] if "DELIVERY_SEED" in os.environ else list(extra)):
         if seed > seeds[-1] and all(totals.get(n, 0) > 0 for n in FAULTS):
             break
-        print(f"seed={seed} feed_inline={INLINE[seed % len(INLINE)]}")
+        print(f"seed={seed} feed_inline={INLINE[seed % len(INLINE)]} "
+              f"unread_changes={UNREAD[seed // len(INLINE) % len(UNREAD)]}")
         sim = Sim(seed)
         sim.run(600)
         for name, n in sim.totals().items():

@@ -317,3 +317,55 @@ def test_the_c_hlc_agrees_with_the_pure_one(steps: list[tuple[bool, int, int]]) 
     finally:
         seg.close()
         l2.purge(name)
+
+
+def test_take_reads_tells_whether_a_key_was_read_since_the_last_take(
+        ns: str, config: kvcomm.Config) -> None:
+    """The node daemon's question before it reads a remote change of a key from L3: did an
+    agent read the key since the last change? (reads through L2 of any process, and
+    writes, set the key's CLOCK reference bit; take_reads reads and clears it; an L1 hit
+    does not, but a changed key misses L1.)"""
+    with kvcomm.open(ns, config=config) as kv, kvcomm.open(ns, config=config) as agent:
+        kv.put("held", "v1")
+        pairs = [(k.encode(), l2.key_hash(k.encode())) for k in ("held", "absent")]
+        assert kv._seg.take_reads(pairs) == [1, -1]  # (written: referenced)
+        assert kv._seg.take_reads(pairs) == [0, -1]  # cleared, and nobody read it since
+        assert agent.get("held") == "v1"  # another process reads it through L2
+        assert kv._seg.take_reads(pairs[:1]) == [1]
+        assert agent.get("held") == "v1"  # an L1 hit: L2 is not asked
+        assert kv._seg.take_reads(pairs[:1]) == [0]
+        kv.put("held", "v2")
+        kv._seg.take_reads(pairs[:1])
+        assert agent.get("held") == "v2"  # changed: L1 misses, L2 answers
+        assert kv._seg.take_reads(pairs[:1]) == [1]
+
+
+def test_a_quiet_thread_s_reads_and_writes_are_no_agent_s_reads(
+        ns: str, config: kvcomm.Config) -> None:
+    """The node daemon's loop is quiet: what it brings into L2 is unread until an agent
+    reads it, and what it changes keeps the bit agents left."""
+    import threading
+
+    with kvcomm.open(ns, config=config) as kv, kvcomm.open(ns, config=config) as agent:
+        pairs = [(k.encode(), l2.key_hash(k.encode())) for k in ("new", "old")]
+        kv.put("old", 1)
+        kv._seg.take_reads(pairs)
+        seen: list[list[int]] = []
+
+        def daemon_loop() -> None:
+            kv._seg.quiet()
+            kv.put("new", 1)  # brought in: unread
+            kv.put("old", 2)  # changed: as agents left it (unread)
+            assert all(kv._seg.read(kb, h, 0) is not None for kb, h in pairs)  # (quiet reads)
+            seen.append(kv._seg.take_reads(pairs))
+            kv.put("old", 3)
+
+        t = threading.Thread(target=daemon_loop)
+        t.start()
+        t.join()
+        assert seen == [[0, 0]]
+        kv._l1.discard("new")  # (a process's clients share L1; the daemon has a process of its own)
+        assert agent.get("new") == 1  # an agent's read (another thread)
+        assert kv._seg.take_reads(pairs) == [1, 0]
+        agent.put("old", 4)  # an agent's write
+        assert kv._seg.take_reads(pairs) == [0, 1]

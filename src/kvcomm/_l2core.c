@@ -84,7 +84,13 @@ typedef struct {
     int guard;         /* this mapping's entry in the truncation guard (guard.c), or -1 */
     long long pending_idx;  /* the last pin, until a view owns it (pins.c), or -1 */
     uint64_t pending_word;
+    int quiet;         /* quiet_thread's reads and writes through this mapping leave CLOCK
+                          reference bits unset (the node daemon's loop: only agents' reads
+                          count; set_quiet) */
+    pthread_t quiet_thread;
 } Core;
+
+#define QUIET(c) ((c)->quiet && pthread_equal((c)->quiet_thread, pthread_self()))
 
 static PyTypeObject CoreType;
 #define CoreType_ref CoreType

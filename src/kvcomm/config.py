@@ -532,6 +532,13 @@ class ClusterConfig(_Section):
                               description="records up to this size ride in their feed entry; "
                               "larger ones are announced by key and version, and only hosts "
                               "that want the key read the record (0: none inline)")
+    unread_changes: Count = Field(default=0, ge=0, le=1 << 20,
+                                  description="a key a host's L2 holds leaves it at the Nth "
+                                  "remote change in a row that no agent of the host read it "
+                                  "before (instead of being read from L3: fewer L3 bytes; its "
+                                  "next read, if any, goes to L3, and fails while L3 is out "
+                                  "of reach); 0: never, every held key is refreshed at every "
+                                  "change")
     feed_sweep_rate: Count = Field(default=1024, ge=1,
                                    description="group counters each daemon reads per second "
                                    "to find changes whose hint was lost")

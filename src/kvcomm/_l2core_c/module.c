@@ -19,6 +19,8 @@ static PyMethodDef Core_methods[] = {
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL, "lock, put one, unlock"},
     {"apply", (PyCFunction)(void (*)(void))Core_apply, METH_FASTCALL, "apply a batch (lock held)"},
     {"evict_key", (PyCFunction)(void (*)(void))Core_evict_key, METH_FASTCALL, "drop a clean record (lock held)"},
+    {"take_ref", (PyCFunction)(void (*)(void))Core_take_ref, METH_FASTCALL, "read and clear the reference bit (lock held)"},
+    {"set_quiet", (PyCFunction)Core_set_quiet, METH_O, "the calling thread's reads and writes leave reference bits unset"},
     {"expire_key", (PyCFunction)(void (*)(void))Core_expire_key, METH_FASTCALL, "reclaim an expired clean record (lock held)"},
     {"sweep_expired", (PyCFunction)(void (*)(void))Core_sweep_expired, METH_FASTCALL, "the bounded expiry sweep (lock held)"},
     {"mark_clean", (PyCFunction)(void (*)(void))Core_mark_clean, METH_FASTCALL, "clear dirty (lock held)"},

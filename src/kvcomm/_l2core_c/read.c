@@ -255,8 +255,8 @@ read_into(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t zc, int 
                 found_clear(f);
                 continue; /* the copy may be torn: take it again */
             }
-            if (!LDR(&slot[SLOT_REF]))
-                ST(&slot[SLOT_REF], 1); /* CLOCK reference bit */
+            if (!LDR(&slot[SLOT_REF]) && !QUIET(c))
+                ST(&slot[SLOT_REF], 1); /* CLOCK reference bit (not the daemon's reads) */
             f->word = so / 8;
             f->seq = s;
             f->tag = r.tag;

@@ -535,7 +535,12 @@ publish(Core *c, Op *op, uint64_t found, uint64_t now_ms, uint64_t flags, int ti
     ST(&slot[SLOT_OFF], off);
     ST(&slot[SLOT_FLAGS], flags & FLAG_DIRTY);
     uint64_t seq = SEQ_ADD(&slot[SLOT_SEQ]);
-    ST(&slot[SLOT_REF], 1);
+    /* (the daemon's writes are no agent's reads: a key it brings in is unread; one it
+       changes keeps what agents did since the daemon last asked: take_ref) */
+    if (!QUIET(c))
+        ST(&slot[SLOT_REF], 1);
+    else if (!found)
+        ST(&slot[SLOT_REF], 0);
     if ((flags & FLAG_DIRTY) && !was_dirty)
         *HW(c, H_DIRTY) += 1;
     else if (!(flags & FLAG_DIRTY) && was_dirty)
@@ -842,6 +847,49 @@ Core_evict_key(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (!found)
         Py_RETURN_FALSE;
     return drop_busy(c, found, 0);
+}
+
+/* take_ref(key, h) -> int: whether the key's record was read since the last take_ref of
+ * it (its CLOCK reference bit: every read through L2 sets it, and so does every write, but
+ * for those of a quiet thread), the bit cleared; -1 when absent. The node daemon's loop is
+ * quiet: it asks at each remote change of a key it holds whether an agent read the key
+ * since the last one (its own writes leave the bit as it was, or unset for a new key).
+ * [lock held] */
+static PyObject *
+Core_take_ref(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    NEED_LOCK(c);
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take_ref(key, h)");
+        return NULL;
+    }
+    uint64_t h = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint64_t found = 0, reusable = 0;
+    if (find(c, PyBytes_AS_STRING(args[0]), (uint64_t)PyBytes_GET_SIZE(args[0]), h, &found, &reusable) < 0)
+        return NULL;
+    if (!found)
+        return PyLong_FromLong(-1);
+    uint64_t *slot = W(c, found);
+    long ref = LDR(&slot[SLOT_REF]) ? 1 : 0;
+    if (ref)
+        ST(&slot[SLOT_REF], 0);
+    return PyLong_FromLong(ref);
+}
+
+/* set_quiet(flag): the calling thread's reads and writes through this mapping leave
+ * reference bits unset (one thread at a time; flag false: none) */
+static PyObject *
+Core_set_quiet(Core *c, PyObject *flag)
+{
+    int q = PyObject_IsTrue(flag);
+    if (q < 0)
+        return NULL;
+    c->quiet_thread = pthread_self();
+    c->quiet = q;
+    Py_RETURN_NONE;
 }
 
 /* expire_key(key, h, now) -> bool: reclaim the key's record if it is past its deadline at

@@ -33,16 +33,21 @@ machines what it read, and carries out what they answer.
    (``kvn:{host}:cursors``, so a restarted daemon — or one whose connection dropped —
    resumes where it was) when the group changed: a hint on the group's sharded pub/sub
    channel says so, or the group's counter does (the sweep reads every counter, a slice
-   at a time; the groups whose hints may have been lost are checked at once). A change
-   to a key this host wants (L2 holds it, or a local watcher asks for it: ``wants``) is
-   merged into L2 (its own writes echo back as no-ops); keys it does not want are left to
-   the read path. Entries of large records are value-less (key and dot,
+   at a time; the groups whose hints may have been lost are checked at once). The hint
+   of a value-less entry carries the entry: one that follows the group's last sequence
+   number is applied without reading the stream at all. A change to a key this host
+   wants (L2 holds it, or a local watcher asks for it: ``wants``) is merged into L2
+   (its own writes echo back as no-ops); keys it does not want are left to the read
+   path. Entries of large records are value-less (key and dot,
    :mod:`kvcomm.tiers.l3`): the records of the wanted keys among them are read from L3
    in one batch per poll, before any entry of the poll is applied — so a host pays for
-   the values of the keys it holds only. A group whose sequence numbers show a
-   gap or a rewind is resynced: its position taken, its keys added to the key filter,
-   its keys that L2 holds re-read from L3. An idle cluster costs each daemon the sweep's
-   few commands a second, whatever the number of groups.
+   the values of the keys it holds only; and of those, only for the keys an agent read
+   since their last changes (a key no agent read leaves L2 instead: interest decays, see
+   ``cluster.unread_changes``; the loop's own reads and writes of L2 are quiet).
+   A group whose sequence numbers show a gap or a rewind is resynced: its position
+   taken, its keys added to the key filter, its keys that L2 holds re-read from L3. An
+   idle cluster costs each daemon the sweep's few commands a second, whatever the
+   number of groups.
 3. **Prewarm.** Every couple of seconds the host's hot keys (the host-wide sketch of
    agents' reads) are saved to L3 and any of them missing from L2 (evicted, say) are
    read back in; a daemon that starts prewarms L2 from the list its predecessor saved.
@@ -217,6 +222,10 @@ class Daemon:
         self.watching: Callable[[str], bool] = _nobody
         self.wire_by: dict[str, list[int]] = {}  # push/feed/fetch/sweep → [sent, received]
         self.max_value_size = c.max_value_size
+        # held keys leave L2 at this many remote changes in a row no agent read before
+        # (0: never): unread[key] counts them (_fetch_wanted)
+        self.unread_changes = cl.unread_changes
+        self.unread: dict[str, int] = {}
         self.rebuild_every = cl.key_filter_rebuild
         self.set_aside_at: dict[str, float] = {}  # key → when last pushed to quarantine
         self.held_at_start: set[str] = set()
@@ -608,20 +617,38 @@ class Daemon:
         Unavailable."""
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
+        counters: dict[int, int | None] = {}
         with self._metered("sweep"):
-            counters = self.l3.feed_seqs(poll.check) if poll.check else {}
+            if poll.check:
+                counters = self.l3.feed_seqs(poll.check)
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
         read = self.inb.to_read(counters)
-        if not read:
+        noted = self.inb.take_noted()  # (entries hints carried, of groups not read now)
+        if not read and not noted:
             return
         self.stats.hinted += len(read - counters.keys())
         self.stats.swept += len(read & counters.keys())
+        try:
+            self._pull(read, noted, counters)
+        except BaseException:  # (Unavailable, say) the noted groups are read next time
+            self.inb.hinted(noted)
+            raise
+
+    def _pull(self, read: set[int], noted: dict[int, list[FeedEntry]],
+              counters: dict[int, int | None]) -> None:
+        """Read the feeds of ``read`` and apply their entries and the ``noted`` ones (by
+        group, entries that hints carried). Raises Unavailable."""
         problems: dict[str, set[int]] = {}
         readings: list[tuple[int, Reading, int]] = []
-        with self._metered("feed"):
-            feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
-                                      count=FEED_COUNT)
+        feeds: dict[int, list[FeedEntry] | CorruptRecord] = {}
+        if read:
+            with self._metered("feed"):
+                feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
+                                          count=FEED_COUNT)
+        for g, entries in noted.items():  # (in sequence, each after the last read: examined)
+            self.stats.bump("hint_entries", len(entries))
+            readings.append((g, Reading(entries, ""), -len(entries)))
         for g, rows in feeds.items():
             if isinstance(rows, CorruptRecord):
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
@@ -636,8 +663,9 @@ class Daemon:
             for entry in reading.entries:
                 self._pull_entry(g, entry, fetched, applied)
                 self.inb.advance(g, entry)
-            self.load[g] = self.load.get(g, 0) + 1  # one XRANGE
-            self.inb.read(g, n)
+            if n >= 0:  # (n < 0: entries a hint carried, no XRANGE)
+                self.load[g] = self.load.get(g, 0) + 1  # one XRANGE
+            self.inb.read(g, max(0, n))
             if reading.problem:
                 problems.setdefault(reading.problem, set()).add(g)
         for why in sorted(problems):
@@ -673,10 +701,31 @@ class Daemon:
     def _fetch_wanted(self, entries: list[FeedEntry]) -> dict[str, L3Record | None | CorruptRecord]:
         """The records, read from L3 in one batch (a pipeline per master), of the keys of
         value-less ``entries`` this host wants and does not hold already (see
-        :func:`~kvcomm.node.delivery.echo`). Raises Unavailable."""
+        :func:`~kvcomm.node.delivery.echo`). A key L2 holds that no agent read before
+        this change nor the ``cluster.unread_changes - 1`` before it is not read: it leaves
+        L2 (clean; a dirty one is read, to merge), and its change is remembered as a
+        skipped one, for a fill. Raises Unavailable."""
         ws = self.port.write_sequence()
-        want = [e.key for e in entries if e.key is not None and e.note is not None
-                and not echo(e.note, self.host, ws) and self.wants(e.key)]
+        named = dict.fromkeys(e.key for e in entries if e.key is not None and e.note is not None
+                              and not echo(e.note, self.host, ws))
+        want = [k for k in named if self.watching(k)]
+        rest = [k for k in named if not self.watching(k)]
+        if not self.unread_changes:
+            want += [k for k in rest if self.port.holds(k)]
+        elif rest:
+            if len(self.unread) > 65_536:  # (keys evicted meanwhile: counting starts again)
+                self.unread.clear()
+            for key, read in self.port.take_reads(rest).items():
+                if read == 1:
+                    want.append(key)
+                    self.unread.pop(key, None)
+                elif read == 0:
+                    n = self.unread.pop(key, 0) + 1
+                    if n >= self.unread_changes and self.port.forget(key):
+                        self.stats.bump("unread_dropped")  # (its next read, if any, goes to L3)
+                    elif self.port.holds(key):  # (dirty, or not unread long enough)
+                        want.append(key)
+                        self.unread[key] = n
         if not want:
             return {}
         with self._metered("fetch"):
@@ -799,6 +848,8 @@ class Daemon:
         self.push_local(now)
         hinted, lost = self.l3.hints()
         self.inb.hinted(hinted)
+        for g, entry in self.l3.hint_entries():  # (after hinted: a read brings them too)
+            self.inb.noted_entry(g, entry)
         self.inb.lost(lost)
         self.stats.lost_hints += len(lost)
         try:
@@ -876,11 +927,14 @@ class Daemon:
     def l3_bytes(self) -> dict[str, list[int]]:
         """Bytes [sent, received] between this daemon and L3 so far, by what they were
         for: push (windows), feed (stream reads), fetch (records of value-less entries),
-        sweep (group counters), other (resyncs, prewarm, cursors, load, reports), total
-        (hint messages arrive on subscriptions of their own, not counted here)."""
+        sweep (group counters), hints (the hint messages received, on subscriptions of
+        their own), other (resyncs, prewarm, cursors, load, reports), total."""
         wire = getattr(self.l3, "wire", None)
         out = {k: list(v) for k, v in dict(self.wire_by).items()}  # (a copy: other threads call)
         if wire is not None:
+            hinted = getattr(self.l3, "hint_stats", None)
+            if isinstance(hinted, dict) and "bytes" in hinted:
+                out["hints"] = [0, int(hinted["bytes"])]
             sent, received = wire.sent, wire.received
             out["other"] = [sent - sum(v[0] for v in out.values()),
                             received - sum(v[1] for v in out.values())]
@@ -953,6 +1007,8 @@ class Daemon:
         foreign) ends the loop early, raised."""
         poll = self.config.cluster.feed_poll
         backoff = Backoff(self.rng, base=max(poll, 0.01), cap=2.0)
+        if self.unread_changes:  # (this loop's reads and writes of L2 are no agent's:
+            self.port.quiet()  # take_reads; off, CLOCK sees them as before)
         while not stop.is_set():
             try:
                 self.step()

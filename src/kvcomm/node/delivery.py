@@ -65,7 +65,14 @@ its cost per second is fixed whatever the number of groups — and at once for g
 whose hints may have been lost (:meth:`Inbound.lost`: a subscription broke, or its slot
 moved), and for every group at the first poll (changes made while no daemon listened
 hinted nobody). Hints make propagation fast; only counters make it lossless: a change
-whose hint is lost is found by the sweep within :attr:`Inbound.sweep_period`.
+whose hint is lost is found by the sweep within :attr:`Inbound.sweep_period`. The hint of
+a value-less entry carries the entry (:meth:`Inbound.noted_entry`): if its sequence
+number is the group's last + 1 (the last read, or the last noted) it is applied at the
+next poll as if read (:meth:`Inbound.take_noted`), and the stream is not read; anything
+else — a hole (a hint lost), a rewind, a group resyncing or due anyway — makes the group
+due, and its stream is read from the cursor as for a plain hint. A counter check that
+does not match the last noted number makes the group due too (the read brings what was
+noted).
 
 Every entry carries the group's sequence number. An entry that is not last + 1 — higher
 (the stream was trimmed past the cursor: a *gap*), lower or equal (the stream went
@@ -99,13 +106,18 @@ Driver's obligations
    then record the reason.
 4. Subscribe to the groups' hints before the first poll; hand every hint to
    :meth:`Inbound.hinted`, and every group whose hints may have been lost to
-   :meth:`Inbound.lost`. When :meth:`Inbound.poll_due` returns a poll: first redo the
+   :meth:`Inbound.lost`, and every entry a hint carried, in arrival order, to
+   :meth:`Inbound.noted_entry` (after :meth:`Inbound.hinted`). When
+   :meth:`Inbound.poll_due` returns a poll: first redo the
    pending resyncs (``Inbound.pending``); read the counters of ``poll.check``; read the
    feeds (FEED_COUNT entries after ``Inbound.cursors``) of the groups
    :meth:`Inbound.to_read` names given those counters; for each group apply the entries
    :meth:`Inbound.examine` returns (with the group's counter, if read) in order, calling
    :meth:`Inbound.advance` after each (applied or set aside), then :meth:`Inbound.read`,
-   then resync the groups it found a problem in. If ``poll.save``, save
+   then resync the groups it found a problem in. The entries :meth:`Inbound.take_noted`
+   returns (after :meth:`Inbound.to_read`) are applied the same way, with no problem to
+   look for; if the poll fails before they are, their groups are handed to
+   :meth:`Inbound.hinted` (read next time). If ``poll.save``, save
    :meth:`Inbound.saveable` and tell :meth:`Inbound.saved`. Report the outcome:
    :meth:`Inbound.polled` or :meth:`Inbound.poll_failed`.
 5. Resync: :meth:`Inbound.begin_resync`; for each group take its position from L3 and
@@ -125,7 +137,11 @@ Driver's obligations
    named by several entries of one poll is read and applied once, at its first entry:
    the record read is at least as new as its last entry's. Apply the record read
    through the same merge as an inline one: it may be newer than the entry, never
-   installed over something newer.
+   installed over something newer. A key L2 holds that no agent read since the daemon
+   last asked (``HostL2.take_reads``: 0) is not read but forgotten (a clean copy; a dirty
+   one is read), its change remembered as skipped — at the ``cluster.unread_changes``th
+   such change in a row: interest decays, so a host stops paying for keys its agents no
+   longer read.
 """
 
 from __future__ import annotations
@@ -152,6 +168,15 @@ RECENT_MAX = 65_536  # skipped remote changes remembered at most
 # why a group is resynced
 GAP, REWIND, UNSEQUENCED = "gap", "rewind", "unsequenced"
 NOT_DURABLE, CORRUPT = "not_durable", "corrupt"  # answers that are not L3 outcomes
+
+
+def _read_already(eid: bytes, cursor: bytes) -> bool:
+    """Whether stream id ``eid`` is at or before ``cursor`` (ids ``ms-seq``, ordered as
+    Redis orders them); False when either is not an id."""
+    a, b = eid.split(b"-"), cursor.split(b"-")
+    if len(a) != 2 or len(b) != 2 or not all(x.isdigit() for x in (*a, *b)):
+        return False
+    return (int(a[0]), int(a[1])) <= (int(b[0]), int(b[1]))
 
 
 # ---------------------------------------------------------------- local → L3
@@ -443,6 +468,9 @@ class Inbound:
         self.seqs: dict[int, int | None] = {}  # group → sequence number of that entry
         self.pending: dict[int, bool] = {}  # group resyncing → its keys still go to the filter
         self.due: set[int] = set()  # groups to read at the next poll (hinted, or more to read)
+        # entries hints carried, each group's following its last sequence number without a
+        # hole: applied at the next poll without reading the group's stream (noted)
+        self.noted: dict[int, list[FeedEntry]] = {}
         self.recheck: set[int] = set(self.groups)  # counters to read at the next poll: all at start
         self.poll, self.backoff, self.state_every = poll, backoff, state_every
         # the sweep: a slice of the groups' counters every sweep_every seconds, in turn
@@ -477,7 +505,36 @@ class Inbound:
 
     def hinted(self, groups: Iterable[int]) -> None:
         """Hints arrived: these groups changed (read them at the next poll)."""
-        self.due.update(g for g in groups if g in self.groups)
+        for g in groups:
+            if g in self.groups:
+                self.due.add(g)
+                self.noted.pop(g, None)  # (the read brings those entries too)
+
+    def noted_entry(self, group: int, entry: FeedEntry) -> None:
+        """A hint carried ``entry`` of ``group``'s feed. If it is the next one (its
+        sequence number is the last read's, or the last noted one's, + 1) it is kept for
+        :meth:`take_noted`, to be applied without reading the stream; otherwise (a hint
+        lost or not carrying its entry, a rewind, a group resyncing or already to be
+        read) the group is read at the next poll, as for a plain hint."""
+        if group not in self.groups or group in self.due:
+            return  # (the read brings it)
+        kept = self.noted.get(group)
+        last = kept[-1].seq if kept else self.seqs.get(group)
+        if (not kept and entry.seq is not None and last is not None and entry.seq <= last
+                and _read_already(entry.id, self.cursors.get(group, b"0-0"))):
+            return  # the hint of an entry read already (a read overtook it): no news
+        if (group in self.pending or entry.seq is None or last is None
+                or entry.seq != last + 1 or (kept is not None and len(kept) >= FEED_COUNT)):
+            self.hinted((group,))
+            return
+        self.noted.setdefault(group, []).append(entry)
+
+    def take_noted(self) -> dict[int, list[FeedEntry]]:
+        """The noted entries of the groups not read at this poll (call after
+        :meth:`to_read`), by group, in sequence: apply each as a read entry, calling
+        :meth:`advance` after each, then :meth:`read` with their count."""
+        out, self.noted = self.noted, {}
+        return out
 
     def lost(self, groups: Iterable[int]) -> None:
         """Hints of these groups may have been lost (a subscription broke or moved):
@@ -489,8 +546,12 @@ class Inbound:
         just now, ``counters``) is not the last sequence number read."""
         out = set(self.due)
         for g, counter in counters.items():
-            if counter is None or counter != self.seqs.get(g):
+            kept = self.noted.get(g)
+            last = kept[-1].seq if kept else self.seqs.get(g)
+            if counter is None or counter != last:
                 out.add(g)
+        for g in out:
+            self.noted.pop(g, None)  # (the read brings those entries too)
         return out
 
     def read(self, group: int, rows: int) -> None:
@@ -532,6 +593,7 @@ class Inbound:
         keys go to the key filter too."""
         for g in groups:
             self.pending[g] = self.pending.get(g, False) or missed
+            self.noted.pop(g, None)  # (noted against the old position)
 
     def positioned(self, group: int, seq: int | None, last_id: bytes) -> bool:
         """The group's position, read atomically from L3. Returns True when the group's
@@ -580,7 +642,7 @@ class Inbound:
             check |= {(self.sweep_next + i) % n for i in range(self.slice)}
             sweep = self.slice
         save = now >= self.state_at
-        if not (check or save or self.due or self.pending):
+        if not (check or save or self.due or self.pending or self.noted):
             return None
         self.last_poll = now
         return Poll(frozenset(check), save, sweep)

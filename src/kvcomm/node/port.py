@@ -85,6 +85,15 @@ class HostL2(Protocol):
     def forget(self, key: str) -> bool:
         """Drop the host's clean copy of ``key`` (a local eviction: its reads go to L3)."""
 
+    def quiet(self) -> None:
+        """From now on, the calling thread's reads and writes of L2 are no agent's reads
+        (see :meth:`take_reads`)."""
+
+    def take_reads(self, keys: Sequence[str]) -> dict[str, int]:
+        """For each key: -1 when L2 does not hold it, else whether an agent read or wrote
+        it (1) or not (0) since the last take_reads of it, which this one clears, or since
+        the daemon last wrote it (the quiet thread's reads and writes do not count)."""
+
     def rebase(self, key: str, record: L3Record) -> bool:
         """L3's ``record`` covers this host's dot with one of its own older ones: the
         host's write sequence restarted (its L2 was lost). Raise the sequence past the
@@ -160,6 +169,10 @@ class L3Port(Protocol):
     def hints(self) -> tuple[set[int], set[int]]:
         """(groups hinted since the last call, groups whose hints may have been lost
         since then); the first call subscribes. Never blocks, never raises."""
+
+    def hint_entries(self) -> list[tuple[int, FeedEntry]]:
+        """The value-less feed entries that hints carried, (group, entry), in the order
+        they arrived, since the last call (collected by :meth:`hints`). Never raises."""
 
     def get(self, key: str) -> L3Record | None:
         """The key's record, or None. Raises CorruptRecord."""
@@ -270,6 +283,13 @@ class ClientPort:
         kb = key.encode("utf-8", "surrogateescape")
         self.kv._l1.discard(key)
         return self.seg.evict(kb, key_hash(kb))
+
+    def quiet(self) -> None:
+        self.seg.quiet()
+
+    def take_reads(self, keys: Sequence[str]) -> dict[str, int]:
+        pairs = [(kb, key_hash(kb)) for kb in (k.encode("utf-8", "surrogateescape") for k in keys)]
+        return dict(zip(keys, self.seg.take_reads(pairs), strict=True))
 
     def rebase(self, key: str, record: L3Record) -> bool:
         return self.kv._restamp(key, Version(record.vector, record.hlc))

@@ -3,10 +3,14 @@ master that serves it, read without blocking.
 
 The push script publishes ``SPUBLISH kvh:{t} <seq>`` for every change it stores
 (:mod:`kvcomm.tiers.l3`), so a daemon reads a group's stream only when told it changed,
-instead of polling every group. Redis Cluster's sharded pub/sub delivers a message only
-to the subscribers of the channel's shard, and a channel lives in its slot: so one
-connection per master, each subscribed to the channels of the slots that master serves
-(``SSUBSCRIBE`` takes channels of one slot at a time: one command per group, once).
+instead of polling every group. The hint of a value-less entry carries the entry itself
+(``<seq> <id> <note> <key>``): a daemon that follows the group's sequence applies it
+without reading the stream (:meth:`Hints.take_entries`).
+
+Redis Cluster's sharded pub/sub delivers a message only to the subscribers of the
+channel's shard, and a channel lives in its slot: so one connection per master, each
+subscribed to the channels of the slots that master serves (``SSUBSCRIBE`` takes
+channels of one slot at a time: one command per group, once).
 
 Hints are not reliable, and are not relied on: :meth:`Hints.poll` returns, besides the
 groups hinted, the groups whose hints *may have been lost* — every group of a
@@ -73,9 +77,13 @@ class Hints:
         self.where: dict[int, str] = {}  # group → node name it is subscribed at
         self.unrouted: set[int] = set(groups)  # groups to subscribe (again)
         self.lost: set[int] = set()  # groups whose hints may have been lost, not yet told
+        # hints that carry their feed entry ("seq id note key"), in arrival order, for the
+        # caller to take (L3Store.hints parses them)
+        self.entries: list[tuple[int, bytes]] = []
         self.routed_at = clock()
         self.retry_at = float("-inf")
-        self.stats = {"hints": 0, "breaks": 0, "moved": 0, "subscribed": 0}
+        # (bytes: of the hint messages received, as RESP sends them)
+        self.stats = {"hints": 0, "breaks": 0, "moved": 0, "subscribed": 0, "bytes": 0}
         self._cls = _pubsub_class()
 
     def poll(self) -> tuple[set[int], set[int]]:
@@ -101,6 +109,12 @@ class Hints:
         lost, self.lost = self.lost, set()
         return hinted, lost
 
+    def take_entries(self) -> list[tuple[int, bytes]]:
+        """The hints that carried a feed entry since the last call, (group, payload), in
+        the order they arrived (a group's hints come in its publishing order)."""
+        out, self.entries = self.entries, []
+        return out
+
     def close(self) -> None:
         for name in list(self.subs):
             self._drop(name)
@@ -119,7 +133,12 @@ class Hints:
                 continue
             if kind == "smessage":
                 self.stats["hints"] += 1
-                hinted.add(g)
+                data = msg.get("data")
+                self.stats["bytes"] += _resp_size(channel, data)
+                if isinstance(data, bytes) and b" " in data:  # it carries its feed entry
+                    self.entries.append((g, data))
+                else:
+                    hinted.add(g)
             elif kind == "sunsubscribe" and g in sub.groups:  # the server's: the slot moved
                 self.stats["moved"] += 1
                 ps.shard_channels.pop(channel, None)
@@ -187,3 +206,9 @@ class Hints:
             self.lost |= failed
             self.retry_at = now + RETRY_EVERY
             self.refresh()
+
+
+def _resp_size(channel: bytes, data: object) -> int:
+    """Bytes of one ``smessage`` push (``*3``, the kind, the channel, the payload)."""
+    n = len(data) if isinstance(data, bytes) else 0
+    return 18 + sum(len(str(x)) + x + 5 for x in (len(channel), n))

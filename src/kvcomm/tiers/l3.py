@@ -105,6 +105,14 @@ hinted. Pub/sub is not reliable, so losing a hint must cost time, never a change
   number of commands a second per host whatever the number of groups) and reads the
   groups whose counter moved. The sweep period bounds how late a lost hint is caught.
 
+The hint of a value-less entry is the entry itself, ``<seq> <id> <note> <key>``
+(:meth:`L3Store.hint_entries`; a plain hint is the sequence number alone): a daemon
+whose last sequence number of the group is ``seq - 1`` applies it without reading the
+stream, so a value-less change costs each host its hint and no XRANGE; any other
+number (a hint lost in between, a rewind) and the daemon reads the stream. In one
+pipeline, each push of a group with at most HINT_EACH pushes there hints its own
+change; a group with more (a backlog) is hinted once, by its last push, as before.
+
 The feeds' memory is bounded in total, not per group: each group's stream keeps
 ``cluster.feed_total / cluster.groups`` entries (at least FEED_MIN, at most
 ``cluster.feed_maxlen``); a reader that falls further behind sees a gap and resyncs.
@@ -172,6 +180,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
@@ -202,6 +211,8 @@ FEED_MAXLEN = 100_000  # events kept per group stream at most (approximate: MAXL
 FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_total, >= 100 x groups)
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
+HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
+HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at most
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
 NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
@@ -409,9 +420,12 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key,
 # ARGV[5] the group's hint channel (an argument, not a key: during a slot migration Redis
 # counts a declared key that does not exist as missing, and would refuse every push), or
-# "" for no hint; ARGV[6] "1": hint even if this push stores nothing (the last push of its
-# group in a pipeline speaks for the earlier ones: one hint per group per pipeline, not one
-# per record, so a backlog of thousands does not send every subscriber thousands of hints)
+# "" for no hint (a stored value-less entry's hint carries the entry: "seq id note key";
+# any other hint is the sequence number); ARGV[6] "1": hint even if this push stores
+# nothing (the last push of its group in a pipeline speaks for the earlier ones: one hint
+# per group per pipeline, not one per record, so a backlog of thousands does not send
+# every subscriber thousands of hints; groups with at most HINT_EACH pushes in the
+# pipeline hint each change instead, "0")
 # ARGV[7] the largest record (bytes) a feed entry carries inline (FEED_INLINE; "": every
 # record inline), ARGV[8] cluster.tombstone_grace in ms, ARGV[9] the group's expiry index
 # (kvx, same hash tag; an argument for the same reason: see "Expiry" above)
@@ -506,12 +520,17 @@ local function store(bytes, r, merged, prev)
     redis.call('DEL', KEYS[3])
     s = redis.call('INCR', KEYS[3])
   end
+  local hint = s  -- (an inline entry's hint: the group's sequence number; readers XRANGE)
   if INLINE == nil or #bytes <= INLINE then  -- the record itself (the format-1 entry)
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
   else  -- value-less: readers GET the record if they want the key ('q', not 's': a
     -- reader that knows only 's' finds no sequence number and resyncs the group)
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'q', s,
-               'n', note(r, merged))
+    local n = note(r, merged)
+    local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'q', s,
+                          'n', n)
+    -- the hint carries the whole entry ("seq id note key"): a reader that follows the
+    -- group's sequence applies it without reading the stream
+    hint = string.format('%d', s) .. ' ' .. id .. ' ' .. n .. ' ' .. ARGV[4]
   end
   redis.call('SET', KEYS[1], bytes)
   if d ~= nil and ARGV[8] then
@@ -527,7 +546,7 @@ local function store(bytes, r, merged, prev)
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
   if ARGV[5] and ARGV[5] ~= '' then
-    redis.pcall('SPUBLISH', ARGV[5], s)
+    redis.pcall('SPUBLISH', ARGV[5], hint)
     hinted = true
   end
 end
@@ -759,6 +778,26 @@ def _entry(eid: Any, fields: Any) -> FeedEntry:
     return FeedEntry(eid, key, rec, seq, "", note)
 
 
+def _hint_entry(data: bytes) -> FeedEntry | None:
+    """The value-less feed entry a hint carries (``seq id note key``: see the push
+    script), or None when ``data`` is not one (never raising: a hint may come from
+    anything that can publish)."""
+    parts = data.split(b" ", 3)
+    if len(parts) != 4:
+        return None
+    raw_seq, eid, raw_note, kb = parts
+    seq, note = _seq(raw_seq), _note(raw_note)
+    if seq is None or note is None or not _valid_id(eid):
+        return None
+    try:
+        key = kb.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not key or "\0" in key:
+        return None
+    return FeedEntry(eid, key, b"", seq, "", note)
+
+
 class PushResult(NamedTuple):
     """L3's answer to one pushed record."""
 
@@ -855,6 +894,7 @@ class L3Store:
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
         self._refreshed = 0.0
         self._hints: Hints | None = None
+        self._hint_entries: list[tuple[int, FeedEntry]] = []  # (hint_entries)
         self._pool: Any = None  # threads that send the masters' pipelines together
         self._ping_turn = 0
         # seconds between slot-map refreshes after a failed call: each one may try every
@@ -1190,10 +1230,15 @@ class L3Store:
         self._load(node, conn, self._script)
         pipe = conn.pipeline(transaction=False)
         last = {self.groups.of(items[i][0]): i for i in idxs}
-        hint = set(last.values())
+        many = Counter(self.groups.of(items[i][0]) for i in idxs)
         for i in idxs:
+            # a group with few pushes here: each change it stores hints its own entry (a
+            # reader need not read the stream); with many (a backlog): the last push hints
+            # the group's change for all of them, as a sequence number (readers XRANGE)
+            each = many[self.groups.of(items[i][0])] <= HINT_EACH
             keys, args = self._args(items[i][0], items[i][1], items[i][0] in keep_siblings,
-                                    hint=i in hint)
+                                    hint=each or i == last[self.groups.of(items[i][0])],
+                                    speak=not each and i == last[self.groups.of(items[i][0])])
             if sent is not None:
                 sent[i] = (args[0], items[i][1])
             if asking:  # (it holds for the next command only)
@@ -1335,7 +1380,23 @@ class L3Store:
         does (trouble is reported as lost hints)."""
         if self._hints is None:
             self._hints = Hints(self.rc, self.groups, self._refresh_topology)
-        return self._hints.poll()
+        hinted, lost = self._hints.poll()
+        for g, data in self._hints.take_entries():
+            entry = _hint_entry(data)
+            if entry is None:  # (not one we can use: read the group's stream instead)
+                hinted.add(g)
+            else:
+                self._hint_entries.append((g, entry))
+        if len(self._hint_entries) > HINT_ENTRIES_MAX:  # (not taken: their streams are read)
+            hinted.update(g for g, _ in self._hint_entries)
+            self._hint_entries.clear()
+        return hinted, lost
+
+    def hint_entries(self) -> list[tuple[int, FeedEntry]]:
+        """The value-less feed entries that hints carried since the last call, (group,
+        entry), in the order they arrived: collected by :meth:`hints`. Never raises."""
+        out, self._hint_entries = self._hint_entries, []
+        return out
 
     @property
     def hint_stats(self) -> dict[str, int]:
@@ -1644,16 +1705,18 @@ class L3Store:
     # ------------------------------------------------------------------ helpers
 
     def _args(self, key: str, record: L3Record, keep_siblings: bool, hint: bool = True,
-              ) -> tuple[list[bytes | str], list[Any]]:
-        """The push script's keys and arguments. ``hint``: this push is the last of its
-        group in its pipeline, and announces the group's change even if it stores nothing
-        itself (the earlier ones of the group send none)."""
+              speak: bool | None = None) -> tuple[list[bytes | str], list[Any]]:
+        """The push script's keys and arguments. ``hint``: a change this push stores is
+        hinted; ``speak`` (default: ``hint``): this push is the last of its group in its
+        pipeline and announces the group's change even if it stores nothing itself (the
+        earlier ones of the group send none)."""
         g = self.groups.of(key)
+        speak = hint if speak is None else speak
         return ([_wire_key(self.groups.record_key(key)), self.groups.feed_key(g),
                  self.groups.seq_key(g), self.groups.index_key(g)],
                 [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
                  _wire_key(key), self.groups.hint_channel(g) if hint else "",
-                 "1" if hint else "0",
+                 "1" if speak else "0",
                  # ("": every entry inline, as a daemon before value-less ones)
                  "" if self.feed_inline is None else self.feed_inline,
                  self.tombstone_grace_ms, self.groups.expiry_key(g)])

@@ -177,6 +177,27 @@ class Writes(SegmentCore):
         finally:
             core.unlock()
 
+    def quiet(self) -> None:
+        """From now on, the calling thread's reads and writes of L2 through this segment
+        (of this process: clients of one namespace share it) leave keys' reference bits
+        as they are, or unset for a key it brings in (the node daemon's loop:
+        :meth:`take_reads` then tells whether an agent read a key). One thread at a time.
+        Never raises."""
+        self._core.set_quiet(True)
+
+    def take_reads(self, keys: list[tuple[bytes, int]]) -> list[int]:
+        """For each (key, hash) of ``keys``: -1 when L2 does not hold it, else 1 if it
+        was read (or written) since the last take_reads of it and 0 if not (its CLOCK
+        reference bit, cleared here; a quiet thread's reads and writes leave it be).
+        One hold of the writer lock for all. Raises Unavailable (lock held too long),
+        SegmentError (purged)."""
+        core = self._core
+        try:
+            self._lock()
+            return [core.take_ref(kb, h) for kb, h in keys]
+        finally:
+            core.unlock()
+
     def evict(self, key_b: bytes, h: int) -> bool:
         """Drop ``key_b``'s record from this host's L2 if it is clean (a local eviction);
         False when it is absent or dirty."""

@@ -1,0 +1,130 @@
+"""Interest that decays (issue 12, L3 bytes): a host's daemon reads a remote change of a key
+its L2 holds from L3 only if an agent of the host read the key since its last change;
+otherwise the key leaves L2 (its next read, if any, goes to L3 and fills L2 again).
+``cluster.unread_changes`` is how many such changes in a row it takes; 0 (the default)
+keeps refreshing every held key. On a real Redis Cluster."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+
+from kvcomm.devcluster.redis_cluster import RedisCluster
+from kvcomm.tiers.l2 import key_hash
+from kvcomm.tiers.l3 import L3Store, group_of
+
+from .conftest import wait_for
+from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401 (fixtures)
+from .test_feed_hints import settled
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
+]
+
+BIG = "x" * 1000  # value-less entries: the record is read from L3 only if wanted
+
+
+@pytest.fixture
+def seed() -> int:
+    s = random.randrange(2**32)
+    print(f"seed={s}")
+    return s
+
+
+def push(store: L3Store, key: str, value: str, counter: int) -> None:
+    out = store.push(key, record(value, "host-a", counter, counter))
+    assert out.outcome in ("new", "newer"), out.outcome
+
+
+def caught_up(h: Host, store: L3Store, key: str) -> None:
+    g = group_of(key)
+    wait_for(lambda: h.daemon is not None and h.daemon.feed_seqs.get(g) == store.feed_seqs([g])[g],
+             10, "the daemon to apply the change")
+
+
+def in_l2(h: Host, key: str) -> bool:
+    """Whether L2 holds ``key``, asked without reading it (a read would count as one)."""
+    kb = key.encode()
+    return bool(h.kv._seg.take_reads([(kb, key_hash(kb))])[0] != -1)
+
+
+def test_a_key_no_agent_read_since_its_last_change_leaves_l2(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    h = Host(cluster, "unread", seed, cluster_keys={"unread_changes": 1})
+    try:
+        key = "unread/k"
+        push(store, key, f"0{BIG}", 1)
+        wait_for(lambda: h.kv.get(key) == f"0{BIG}", 10, "a read: from L3, into L2")
+        caught_up(h, store, key)
+        settled(h)
+        fetched = h.stats.extra.get("fetched", 0)
+        push(store, key, f"1{BIG}", 2)  # read since it came in: refreshed in L2
+        caught_up(h, store, key)
+        assert h.stats.extra.get("fetched", 0) == fetched + 1
+        assert h.stats.extra.get("unread_dropped", 0) == 0
+        assert in_l2(h, key)
+        push(store, key, f"2{BIG}", 3)  # nobody read 1: not read from L3, dropped from L2
+        caught_up(h, store, key)
+        assert h.stats.extra.get("unread_dropped", 0) == 1
+        assert h.stats.extra.get("fetched", 0) == fetched + 1
+        assert not in_l2(h, key)
+        item = h.kv.get_item(key)  # the next read: from L3, the latest, into L2 again
+        assert item is not None and item.value == f"2{BIG}" and item.tier == "l3"
+        settled(h)
+        push(store, key, f"3{BIG}", 4)  # read since: refreshed again
+        caught_up(h, store, key)
+        assert h.stats.extra.get("fetched", 0) == fetched + 2
+        item = h.kv.get_item(key)
+        assert item is not None and item.value == f"3{BIG}" and item.tier in ("l1", "l2")
+        assert h.alive
+    finally:
+        h.close()
+
+
+def test_by_default_every_held_key_is_refreshed(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    h = Host(cluster, "keep-unread", seed)  # (cluster.unread_changes: 0)
+    try:
+        key = "keep-unread/k"
+        push(store, key, f"0{BIG}", 1)
+        wait_for(lambda: h.kv.get(key) == f"0{BIG}", 10, "a read: from L3, into L2")
+        caught_up(h, store, key)
+        settled(h)
+        fetched = h.stats.extra.get("fetched", 0)
+        for i in range(1, 4):  # no reads in between
+            push(store, key, f"{i}{BIG}", i + 1)
+            caught_up(h, store, key)
+        assert h.stats.extra.get("unread_dropped", 0) == 0
+        assert h.stats.extra.get("fetched", 0) >= fetched + 1
+        item = h.kv.get_item(key)
+        assert item is not None and item.value == f"3{BIG}" and item.tier in ("l1", "l2")
+    finally:
+        h.close()
+
+
+def test_unread_changes_2_drops_a_key_at_its_second_unread_change(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    h = Host(cluster, "unread-2", seed, cluster_keys={"unread_changes": 2})
+    try:
+        key = "unread-2/k"
+        push(store, key, f"0{BIG}", 1)
+        wait_for(lambda: h.kv.get(key) == f"0{BIG}", 10, "a read: from L3, into L2")
+        caught_up(h, store, key)
+        settled(h)
+        fetched = h.stats.extra.get("fetched", 0)
+        push(store, key, f"1{BIG}", 2)  # read since it came in: refreshed
+        caught_up(h, store, key)
+        push(store, key, f"2{BIG}", 3)  # unread once: still refreshed
+        caught_up(h, store, key)
+        assert h.stats.extra.get("fetched", 0) == fetched + 2
+        assert in_l2(h, key) and h.stats.extra.get("unread_dropped", 0) == 0
+        push(store, key, f"3{BIG}", 4)  # unread twice in a row: dropped
+        caught_up(h, store, key)
+        assert h.stats.extra.get("unread_dropped", 0) == 1
+        assert not in_l2(h, key)
+        assert h.kv.get(key) == f"3{BIG}"
+    finally:
+        h.close()
