@@ -112,7 +112,7 @@ from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
-from ..core.versions import MAX_COUNTER, SkewMonitor, vector_get
+from ..core.versions import SkewMonitor, vector_get
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
@@ -122,6 +122,7 @@ from ..tiers.l2 import KIND_DELETE, KIND_PUT
 from ..tiers.l3 import (
     PUSH_KEPT,
     PUSH_STORED,
+    WRITE_MARK_MAX,
     FeedEntry,
     FeedNote,
     L3Record,
@@ -394,7 +395,7 @@ class Daemon:
         top = max((i.record.dot[1] for i in push.items if i.record.dot[0] == self.host),
                   default=0)
         if top > self.write_mark:
-            mark = min(top + WRITE_MARK_BLOCK, MAX_COUNTER)
+            mark = min(top + WRITE_MARK_BLOCK, max(top, WRITE_MARK_MAX))
             self.l3.save_write_mark(self.host, mark)
             self.write_mark = mark
 

@@ -213,6 +213,9 @@ FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
 HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at most
+# a write mark past this is junk (load_write_mark): a host would need ~4.5e15 writes to
+# reach it, and a new L2 lifted there would soon have no dot left to give (review 18)
+WRITE_MARK_MAX = MAX_COUNTER >> 1
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
 NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
@@ -1588,7 +1591,9 @@ class L3Store:
         self._own_key(f"kvn:{{{host}}}:wseq", lambda name: self.rc.set(name, int(mark)))
 
     def load_write_mark(self, host: str) -> int:
-        """The mark :meth:`save_write_mark` saved; 0 when there is none or it is not ours.
+        """The mark :meth:`save_write_mark` saved; 0 when there is none or it is not ours
+        (not a decimal integer, or past WRITE_MARK_MAX: a host could never have written
+        that far, and a sequence lifted there would leave it no dots to write with).
         Raises Unavailable."""
         try:
             raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:wseq"))
@@ -1598,7 +1603,12 @@ class L3Store:
             mark = int(raw) if raw else 0
         except ValueError:  # written by something else
             return 0
-        return mark if 0 < mark <= MAX_COUNTER else 0
+        if not 0 < mark <= WRITE_MARK_MAX:
+            if mark:
+                log.warning("ignored %s's write mark in L3 (%d: out of 1..%d)", host, mark,
+                            WRITE_MARK_MAX)
+            return 0
+        return mark
 
     def save_load(self, host: str, ops: Mapping[int, int]) -> None:
         """Record ``host``'s cumulative operation counts of these groups (a hash
