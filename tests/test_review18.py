@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+import kvcomm
 from kvcomm.core.versions import MAX_COUNTER
 
 from .conftest import wait_for
@@ -49,3 +50,26 @@ def test_a_junk_write_mark_never_stops_the_hosts_writes(cluster, store, junk: st
         assert h.alive, h.error
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("how", ["raised", "merged"])
+def test_a_write_with_no_dot_left_is_refused_not_acknowledged(kv, how: str) -> None:  # type: ignore[no-untyped-def]
+    """A host's write sequence lifted to MAX_COUNTER (raise_write_sequence, or a merged
+    version naming this host's dot there: what a junk mark or a hostile record does)
+    leaves no dot for the next write: the put is refused (a KVCommError, nothing
+    written), never acknowledged with a dot past MAX_COUNTER that L3 refuses."""
+    from kvcomm.core.versions import Version
+
+    kv.put("k", "before")
+    if how == "raised":
+        kv._seg.raise_write_sequence(MAX_COUNTER)
+    else:
+        kv.merge_remote("other", "x", Version(((kv._host, MAX_COUNTER),), 1 << 40))
+    assert kv._seg.write_sequence == MAX_COUNTER  # (the fault is in place)
+    with pytest.raises(kvcomm.KVCommError):
+        kv.put("k", "after")
+    with pytest.raises(kvcomm.KVCommError):
+        kv.delete("k")
+    kv._l1.clear()
+    assert kv.get("k") == "before"
+    assert kv._seg.write_sequence == MAX_COUNTER

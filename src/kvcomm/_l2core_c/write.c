@@ -655,6 +655,24 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
         ST(HW(c, H_BUSY), 0); /* nothing changed but evictions, which are complete */
         return single ? PyLong_FromLong(st) : Py_BuildValue("(in)", st, bad);
     }
+    /* the new dots this batch takes must stay within MAX_COUNTER: a write with a dot past
+       it is acknowledged here and then refused by every other reader (L3's push set it
+       aside as malformed: review 18). The sequence gets there only when lifted (a version
+       naming this host's dot near the bound, a junk write mark): refuse, nothing written */
+    uint64_t fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        fresh += ops[i].kind != OP_VPUT || ops[i].x_counter == NEW_DOT;
+    if (fresh && *HW(c, H_WSEQ) > MAX_COUNTER - fresh) {
+        if (give_back_blocks(c, ops, n) < 0)
+            return NULL;
+        ST(HW(c, H_BUSY), 0);
+        PyErr_Format(InvalidArgument, "this host's write sequence (%llu) leaves no dot "
+                     "within 2**53-1 (kvcomm.core.versions.MAX_COUNTER) for this write: "
+                     "refused, nothing written; a version from elsewhere named a dot of this "
+                     "host that far (see kvcomm info, and the host's write mark in L3)",
+                     (unsigned long long)*HW(c, H_WSEQ));
+        return NULL;
+    }
     /* (the answer's containers are made before anything is published: no allocation can
        fail once the batch is applied, but the ints of a list's tuples) */
     PyObject *results = single ? NULL : PyList_New(n);
