@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from typing import Any
 
 import pytest
 
@@ -73,3 +74,52 @@ def test_a_write_with_no_dot_left_is_refused_not_acknowledged(kv, how: str) -> N
     kv._l1.clear()
     assert kv.get("k") == "before"
     assert kv._seg.write_sequence == MAX_COUNTER
+
+
+def _spublish(store: Any, g: int, payload: bytes) -> None:
+    """What anything that can publish on the group's hint channel can send."""
+    channel = store.groups.hint_channel(g)
+    node = store.rc.get_node_from_key(channel)
+    store.rc.get_redis_connection(node).execute_command("SPUBLISH", channel, payload)
+
+
+@needs_redis
+def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None:  # type: ignore[no-untyped-def]
+    """A hint carrying an entry that is not in the stream (the group's next sequence
+    number, an id far ahead: anything that can SPUBLISH on the channel can send it) is
+    followed, so the host's cursor and sequence number jump to it. The real change that
+    then takes that sequence number must still reach the host: the sweep (the group's
+    counter equals the forged number) has to notice that the stream does not end where
+    the host thinks, and the host resyncs."""
+    from kvcomm.tiers.l3 import group_of
+
+    from .daemon_harness import remote_put
+
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    big = "x" * 1000  # value-less entries (over FEED_INLINE)
+    h = Host(cluster, f"fh{seed % 100000}", seed, cluster_keys={"feed_sweep_rate": 2000})
+    key = f"fh/{seed}"
+    g = group_of(key)
+    try:
+        remote_put(store, key, f"0{big}", "host-a", 1)
+        wait_for(lambda: h.kv.get(key) == f"0{big}", 15, "the host to hold the key")
+        wait_for(lambda: h.daemon is not None
+                 and h.daemon.feed_seqs.get(g) == store.feed_seqs([g])[g], 15,
+                 "the daemon to follow the group")
+        assert h.daemon is not None
+        last = h.daemon.feed_seqs[g]
+        assert last is not None
+        forged = f"{last + 1} 99999999999999-0 1::host-z {key}".encode()
+        _spublish(store, g, forged)
+        wait_for(lambda: h.daemon is not None and h.daemon.feed_seqs.get(g) == last + 1, 15,
+                 "the daemon to follow the forged entry")
+        assert h.daemon.inb.cursors.get(g) == b"99999999999999-0"  # (the fault is in place)
+        remote_put(store, key, f"1{big}", "host-a", 2)  # the real change, seq last + 1
+        h.kv._l1.clear()
+        wait_for(lambda: (h.kv._l1.clear(), h.kv.get(key))[1] == f"1{big}", 20,
+                 "the host to serve the real change (it was hidden by the forged hint)")
+        assert h.stats.extra.get("hints_false", 0) >= 1, h.stats  # (found by the sweep)
+        assert h.alive, h.error
+    finally:
+        h.close()

@@ -101,7 +101,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,6 +251,9 @@ class Daemon:
         # ``watching`` from them) may have been missed (a resync after a gap: the
         # watchers are told to rescan)
         self.watch_missed = 0
+        # groups whose position came from hinted entries since the sweep last found their
+        # stream ending there (_verify_hinted)
+        self.hint_placed: set[int] = set()
         # how far this host's pushed dots may go, in any life of its L2 (_reserve): a new
         # L2 (nothing delivered from it yet) whose sequence restarted lower (a clock set
         # back) moves past it before any record of L3 is merged in, so that no old dot
@@ -624,6 +627,7 @@ class Daemon:
                 counters = self.l3.feed_seqs(poll.check)
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
+            self._verify_hinted(counters)
         read = self.inb.to_read(counters)
         noted = self.inb.take_noted()  # (entries hints carried, of groups not read now)
         if not read and not noted:
@@ -635,6 +639,28 @@ class Daemon:
         except BaseException:  # (Unavailable, say) the noted groups are read next time
             self.inb.hinted(noted)
             raise
+
+    def _verify_hinted(self, counters: Mapping[int, int | None]) -> None:
+        """Groups whose position was last taken from hints (their entries applied without
+        reading the stream), now checked and found at the group's counter: the stream must
+        end at that position. A hint is anything that can SPUBLISH on the channel; one
+        carrying an entry the stream does not hold (the next sequence number, an id far
+        ahead) would otherwise hide the real change that takes its number (the counter
+        matches, and the stream is read after the false id): resync the group instead.
+        One position read per such group and sweep. Raises Unavailable."""
+        for g in sorted(self.hint_placed & counters.keys()):
+            counter = counters[g]
+            if counter is None or counter != self.inb.seqs.get(g) or g in self.inb.noted:
+                continue  # (moved on: read, or checked at a later sweep)
+            seq, last_id = self.l3.feed_position(g)
+            if seq != counter:
+                continue  # (a change meanwhile: checked at a later sweep)
+            self.hint_placed.discard(g)
+            if last_id != self.inb.cursors.get(g):
+                self.stats.bump("hints_false")
+                log.warning("group %d: a hinted entry is not in its stream (a forged or "
+                            "garbled hint); resyncing it", g)
+                self._resync({g}, reason="false_hint")
 
     def _pull(self, read: set[int], noted: dict[int, list[FeedEntry]],
               counters: dict[int, int | None]) -> None:
@@ -649,6 +675,7 @@ class Daemon:
                                           count=FEED_COUNT)
         for g, entries in noted.items():  # (in sequence, each after the last read: examined)
             self.stats.bump("hint_entries", len(entries))
+            self.hint_placed.add(g)  # (verified by the group's next sweep: _verify_hinted)
             readings.append((g, Reading(entries, ""), -len(entries)))
         for g, rows in feeds.items():
             if isinstance(rows, CorruptRecord):
