@@ -123,3 +123,80 @@ def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None
         assert h.alive, h.error
     finally:
         h.close()
+
+
+@needs_redis
+@pytest.mark.parametrize("bad", ["huge", "other_group", "invalid"])
+def test_a_hinted_entry_with_a_hostile_key_never_stops_the_daemon(cluster, store, bad: str) -> None:  # type: ignore[no-untyped-def]
+    """A hint carrying an entry whose key no client could write (far over the key size
+    limit, a key of another group, a key with characters keys may not hold) leaves the
+    daemon alive, and the group's real changes still arrive."""
+    from kvcomm.tiers.l3 import group_of
+
+    from .daemon_harness import remote_put
+
+    seed = random.randrange(2**32)
+    print(f"seed={seed} bad={bad}")
+    big = "x" * 1000
+    h = Host(cluster, f"hk{seed % 100000}", seed, cluster_keys={"feed_sweep_rate": 2000})
+    key = f"hk/{seed}"
+    g = group_of(key)
+    try:
+        remote_put(store, key, f"0{big}", "host-a", 1)
+        wait_for(lambda: h.kv.get(key) == f"0{big}", 15, "the host to hold the key")
+        wait_for(lambda: h.daemon is not None
+                 and h.daemon.feed_seqs.get(g) == store.feed_seqs([g])[g], 15,
+                 "the daemon to follow the group")
+        assert h.daemon is not None
+        last = h.daemon.feed_seqs[g]
+        assert last is not None
+        ms = int(h.daemon.inb.cursors[g].split(b"-")[0])
+        hostile = {"huge": "k" * 2_000_000,
+                   "other_group": next(f"o/{i}" for i in range(10**6)
+                                       if group_of(f"o/{i}") != g),
+                   "invalid": "bad\udcffkey"}[bad]
+        payload = f"{last + 1} {ms}-999 1::host-z ".encode() + hostile.encode(
+            "utf-8", "surrogateescape")
+        _spublish(store, g, payload)
+        wait_for(lambda: h.stats.extra.get("hint_entries", 0) >= 1 or not h.alive
+                 or h.daemon is None or h.daemon.feed_seqs.get(g) != last, 15,
+                 "the daemon to take the hostile hint")
+        remote_put(store, key, f"1{big}", "host-a", 2)
+        wait_for(lambda: (h.kv._l1.clear(), h.kv.get(key))[1] == f"1{big}" or not h.alive, 20,
+                 "the host to serve the real change")
+        assert h.alive, h.error
+        assert h.kv.get(key) == f"1{big}"
+    finally:
+        h.close()
+
+
+@needs_redis
+def test_a_key_read_from_l1_only_is_never_served_stale_after_interest_decays(cluster, store) -> None:  # type: ignore[no-untyped-def]
+    """cluster.unread_changes 1: an agent that reads a held key only from its L1 (no L2
+    read sets the reference bit) may see it dropped from L2 at the next remote change;
+    its next read must then bring the new value, never the old L1 copy."""
+    from .daemon_harness import remote_put
+
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    big = "x" * 1000
+    h = Host(cluster, f"ud{seed % 100000}", seed, cluster_keys={"unread_changes": 1})
+    key = f"ud/{seed}"
+    try:
+        remote_put(store, key, f"0{big}", "host-a", 1)
+        wait_for(lambda: h.kv.get(key) == f"0{big}", 15, "the host to hold the key")
+        for _ in range(50):  # (L1 hits)
+            assert h.kv.get(key) == f"0{big}"
+        from kvcomm.tiers.l3 import group_of
+        g = group_of(key)
+        for i in range(1, 4):  # changes the agent does not read: the key leaves L2
+            remote_put(store, key, f"{i}{big}", "host-a", i + 1)
+            wait_for(lambda: h.daemon is not None
+                     and h.daemon.feed_seqs.get(g) == store.feed_seqs([g])[g], 15,
+                     "the daemon to take the change")
+        assert h.kv.get(key) == f"3{big}"
+        # the fault happened: the key left L2 at a change, unread there
+        assert h.stats.extra.get("unread_dropped", 0) >= 1, h.stats
+        assert h.alive, h.error
+    finally:
+        h.close()
