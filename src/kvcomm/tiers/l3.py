@@ -213,8 +213,9 @@ FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
 HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at most
-# a write mark past this is junk (load_write_mark): a host would need ~4.5e15 writes to
-# reach it, and a new L2 lifted there would soon have no dot left to give (review 18)
+# a write mark past this is junk (load_write_mark): a write sequence starts at the clock
+# in µs (~1.8e15 in 2026) and takes one per write, so no host reaches 2**52 before ~2112;
+# and a new L2 lifted to MAX_COUNTER would have no dot left to give (review 18)
 WRITE_MARK_MAX = MAX_COUNTER >> 1
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
@@ -1587,8 +1588,37 @@ class L3Store:
     def save_write_mark(self, host: str, mark: int) -> None:
         """Record that ``host``'s daemons push no dot with a counter past ``mark`` until
         they record a higher one (``kvn:{host}:wseq``; one daemon per host writes it).
-        Raises Unavailable."""
-        self._own_key(f"kvn:{{{host}}}:wseq", lambda name: self.rc.set(name, int(mark)))
+        With ``wait_replicas``, as durable as a push (ROLE and WAIT on the master's
+        connection): the records it covers are kept by a failover, and so must it be, or
+        dots of this host in L3 would pass it. Raises Unavailable (also when fewer
+        replicas than a push waits for took it; the pushes it covers are not sent)."""
+        self._own_key(f"kvn:{{{host}}}:wseq",
+                      lambda name: self._set_replicated(name, int(mark)))
+
+    def _set_replicated(self, name: str, value: int) -> None:
+        """``SET name value``, then (``wait_replicas``) WAIT for the replicas a push
+        waits for. Raises what redis-py raises (the caller's _call translates it),
+        Unavailable (too few replicas took it; it may be on the master)."""
+        if not self.wait_replicas:
+            self.rc.set(name, value)
+            return
+        from redis import exceptions as rex
+
+        node = self.rc.get_node_from_key(name)  # type: ignore[no-untyped-call]
+        pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+        pipe.set(name, value)
+        pipe.execute_command("ROLE")  # type: ignore[no-untyped-call]
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
+        try:
+            _, role, acked = pipe.execute()
+        except rex.ResponseError as exc:
+            if str(exc).startswith(("MOVED", "ASK")):  # (the slot moved: re-read the map)
+                self._refresh_topology(force=True)
+            raise
+        want = self._replicas_to_wait(node, role)
+        if not isinstance(acked, int) or acked < want:
+            raise Unavailable(f"the write mark {name} reached {acked} of {want} replica(s) "
+                              f"within cluster.wait_timeout; the pushes it covers wait")
 
     def load_write_mark(self, host: str) -> int:
         """The mark :meth:`save_write_mark` saved; 0 when there is none or it is not ours
