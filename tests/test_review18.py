@@ -248,3 +248,38 @@ def test_a_push_waits_until_the_write_mark_covering_it_is_replicated(cluster, st
         if paused:
             cluster.resume(replica)
         h.close()
+
+
+@pytest.mark.xfail(strict=True, reason="review18 F5, not fixed: an agent without "
+                   "cluster.etcd checks the cluster's strong prefixes only at open, and "
+                   "only if its daemon's status is fresh then (a daemon starting or "
+                   "restarting: nothing checked); it then writes strong keys into L2 as "
+                   "eventual ones, and the daemon pushes them to L3 as such")
+def test_an_agent_opened_before_its_daemon_never_writes_strong_keys_as_eventual(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The agent opens while no daemon runs (nothing to compare with: it opens); the
+    daemon then starts with cache.strong_prefixes ["task/"]; the agent's put of a key
+    under that prefix must be refused (ConfigError: it has no etcd), not acknowledged
+    as an eventual write."""
+    import time
+    import uuid
+
+    import kvcomm
+    from kvcomm.node.presence import status_path, write_status
+
+    ns = f"r18s-{uuid.uuid4().hex[:10]}"
+    cfg = kvcomm.Config.from_mapping({
+        "node": {"host_id": "h1", "namespace": ns},
+        "cache": {"l2_size": "4MB", "l2_dir": str(tmp_path)},
+        "cluster": {"redis": ["127.0.0.1:1"], "groups": 16}})
+    kv = kvcomm.open(ns, config=cfg)  # no daemon yet: opens
+    try:
+        # the daemon starts (the status it publishes, as Daemon.status() writes it)
+        write_status(status_path(ns, str(tmp_path)),
+                     {"host": "h1", "strong_prefixes": ["task/"], "l3_consistency": "eventual",
+                      "updated": time.time()})
+        with pytest.raises(kvcomm.ConfigError, match="cluster.etcd"):
+            kv.put("task/1", "as eventual")
+    finally:
+        kv.close()
+        from kvcomm.tiers import l2
+        l2.purge(ns, str(tmp_path))
