@@ -126,6 +126,7 @@ class ClientBase:
         self._obs_lock = threading.Lock()  # (the observer's edges, between threads' flushes)
         self._strong: Any = None  # StrongStore: cluster mode with cluster.etcd (_client/strong.py)
         self._strong_on = False  # some keys are strong: every operation asks is_strong
+        self._strong_unknown = False  # (no daemon status seen yet: _check_no_strong_keys)
         self._status_reader: Any = None  # the node daemon's status file (partition mode)
         if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
             self._open_strong()
@@ -138,24 +139,51 @@ class ClientBase:
         fresh) carries the cache.strong_prefixes and cache.l3_consistency it runs with,
         checked against etcd's when it started. An agent that would treat the cluster's
         strong keys as eventual ones must not start. Raises ConfigError; the client is
-        then closed. With no daemon running (no fresh status), nothing is checked."""
-        from ..errors import ConfigError
+        then closed. With no daemon running (no fresh status), every write asks again
+        (:meth:`_recheck_strong`) until one says."""
 
         self._etcd_unreachable()  # (opens the status reader)
         st = self._status_reader.status()
         if st is None:
+            # no daemon yet (starting, restarting): every write asks again until one says
+            # (_is_strong), or strong keys would be written into L2 as eventual ones
+            self._strong_unknown = self._strong_on = True
             return
-        theirs = st.get("strong_prefixes") or []
-        if theirs or st.get("l3_consistency") == "strong":
+        refused = self._strong_refused(st)
+        if refused is not None:
             process_budget().unregister(self.config.cache.l1_size)
             _Shared.release(self._attached)
             self._closed = self._unusable = True
-            raise ConfigError("cluster.etcd", f"the cluster keeps strong keys in etcd "
-                              f"(cache.strong_prefixes {theirs}, cache.l3_consistency "
-                              f"{st.get('l3_consistency')!r}, says the node daemon of host "
-                              f"{st.get('host')!r}) and this config lists no etcd members: "
-                              "give this agent the host's cluster.etcd and "
-                              "cache.strong_prefixes")
+            raise refused
+
+    @staticmethod
+    def _strong_refused(st: dict[str, Any]) -> Exception | None:
+        """The ConfigError for an agent without ``cluster.etcd`` on a host whose daemon's
+        status ``st`` says the cluster keeps strong keys, or None."""
+        from ..errors import ConfigError
+
+        theirs = st.get("strong_prefixes") or []
+        if not (theirs or st.get("l3_consistency") == "strong"):
+            return None
+        return ConfigError("cluster.etcd", f"the cluster keeps strong keys in etcd "
+                           f"(cache.strong_prefixes {theirs}, cache.l3_consistency "
+                           f"{st.get('l3_consistency')!r}, says the node daemon of host "
+                           f"{st.get('host')!r}) and this config lists no etcd members: "
+                           "give this agent the host's cluster.etcd and "
+                           "cache.strong_prefixes")
+
+    def _recheck_strong(self) -> None:
+        """An agent without ``cluster.etcd`` opened while no daemon status was fresh: ask
+        the status again. Fresh and without strong keys: no more asking; with strong
+        keys: ConfigError (each time: nothing is written). Not fresh yet: eventual."""
+        st = self._status_reader.status()
+        if st is None:
+            return
+        refused = self._strong_refused(st)
+        if refused is not None:
+            raise refused
+        self._strong_unknown = False
+        self._strong_on = self._strong is not None
 
     def _open_strong(self) -> None:
         """Open the strong-key store and check this config's prefixes against the
@@ -191,6 +219,8 @@ class ClientBase:
         """Whether ``key`` is strong (cluster mode; see _client/strong.py). Raises
         InvalidKey, and InvalidArgument when ``consistency`` names the other kind."""
         self._key_hash(key)  # (validates the key)
+        if self._strong_unknown:
+            self._recheck_strong()
         strong = self._strong is not None and self._strong_on and self._strong.is_strong(key)
         if strong:  # never served by a cache: see _forget_strong
             self._forget_strong(key)
