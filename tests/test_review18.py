@@ -14,6 +14,7 @@ import pytest
 
 import kvcomm
 from kvcomm.core.versions import MAX_COUNTER
+from kvcomm.tiers.l3 import L3Store
 
 from .conftest import wait_for
 from .daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
@@ -83,6 +84,25 @@ def _spublish(store: Any, g: int, payload: bytes) -> None:
     store.rc.get_redis_connection(node).execute_command("SPUBLISH", channel, payload)
 
 
+def _held_and_followed(h: Host, store: L3Store, key: str, big: str) -> int:
+    """Put ``key`` from another host, wait until ``h`` holds it and its daemon follows the
+    key's group; return the group's last feed sequence number."""
+    from kvcomm.tiers.l3 import group_of
+
+    from .daemon_harness import remote_put
+
+    g = group_of(key)
+    remote_put(store, key, f"0{big}", "host-a", 1)
+    wait_for(lambda: h.kv.get(key) == f"0{big}", 15, "the host to hold the key")
+    wait_for(lambda: h.daemon is not None
+             and h.daemon.feed_seqs.get(g) == store.feed_seqs([g])[g], 15,
+             "the daemon to follow the group")
+    assert h.daemon is not None
+    last = h.daemon.feed_seqs[g]
+    assert last is not None
+    return last
+
+
 @needs_redis
 def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """A hint carrying an entry that is not in the stream (the group's next sequence
@@ -102,14 +122,7 @@ def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None
     key = f"fh/{seed}"
     g = group_of(key)
     try:
-        remote_put(store, key, f"0{big}", "host-a", 1)
-        wait_for(lambda: h.kv.get(key) == f"0{big}", 15, "the host to hold the key")
-        wait_for(lambda: h.daemon is not None
-                 and h.daemon.feed_seqs.get(g) == store.feed_seqs([g])[g], 15,
-                 "the daemon to follow the group")
-        assert h.daemon is not None
-        last = h.daemon.feed_seqs[g]
-        assert last is not None
+        last = _held_and_followed(h, store, key, big)
         forged = f"{last + 1} 99999999999999-0 1::host-z {key}".encode()
         _spublish(store, g, forged)
         wait_for(lambda: h.daemon is not None and h.daemon.feed_seqs.get(g) == last + 1, 15,
@@ -142,14 +155,7 @@ def test_a_hinted_entry_with_a_hostile_key_never_stops_the_daemon(cluster, store
     key = f"hk/{seed}"
     g = group_of(key)
     try:
-        remote_put(store, key, f"0{big}", "host-a", 1)
-        wait_for(lambda: h.kv.get(key) == f"0{big}", 15, "the host to hold the key")
-        wait_for(lambda: h.daemon is not None
-                 and h.daemon.feed_seqs.get(g) == store.feed_seqs([g])[g], 15,
-                 "the daemon to follow the group")
-        assert h.daemon is not None
-        last = h.daemon.feed_seqs[g]
-        assert last is not None
+        last = _held_and_followed(h, store, key, big)
         ms = int(h.daemon.inb.cursors[g].split(b"-")[0])
         hostile = {"huge": "k" * 2_000_000,
                    "other_group": next(f"o/{i}" for i in range(10**6)
