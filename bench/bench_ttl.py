@@ -12,7 +12,8 @@ of keys with one (one clock read more per hit).
 ``--precision``: a writer process puts ``--keys`` keys with deadlines spread over a second;
 this process polls them and records, per key, the delay between its deadline and the first
 read that found it absent, and between the deadline and its ``expire`` event (the sweep);
-p50/p99/max of both, and the L2 bytes before and after the wave. (Cluster figures:
+p50/p99/max of both, and the L2 bytes before and after the wave; then the peer, Redis's
+own expiry of the same wave (``SET ... PXAT``, GET polling, ``expired`` keyspace events). (Cluster figures:
 tests/test_ttl_cluster.py prints the same two delays on a second host.)
 """
 
@@ -117,6 +118,66 @@ def precision(keys: int) -> None:
         purge(ns)
 
 
+def redis_precision(keys: int) -> None:
+    """The peer, same wave: Redis's own expiry (``SET ... PXAT``), read by GET polling over
+    a unix socket and its ``expired`` keyspace events (``notify-keyspace-events Ex``)."""
+    import redis
+
+    from kvcomm.devcluster import RedisServer, redis_server_path
+
+    if not redis_server_path():
+        print("  (redis-server not installed: no peer)")
+        return
+    server = RedisServer().start()
+    try:
+        r = redis.Redis(unix_socket_path=server.unix_socket)
+        r.config_set("notify-keyspace-events", "Ex")
+        events: dict[str, float] = {}
+        sub = r.pubsub()
+        sub.subscribe("__keyevent@0__:expired")
+
+        def watch() -> None:
+            for msg in sub.listen():
+                if msg["type"] == "message":
+                    events.setdefault(msg["data"].decode(), time.time())
+                    if len(events) == keys:
+                        return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        t0 = time.time()
+        deadlines = {}
+        for i in range(keys):
+            k, d = f"wave/{i}", t0 + 0.5 + i / keys
+            r.set(k, b"x" * 256, pxat=int(d * 1000))
+            deadlines[k] = int(d * 1000) / 1000
+        gone: dict[str, float] = {}
+        live = set(deadlines)
+        end = max(deadlines.values()) + 5.0
+        while live and time.time() < end:
+            # (a GET costs ~30 µs here: poll only keys whose deadline is near, or one pass
+            # over 300 keys would be the delay measured; this favours the peer)
+            near = time.time() + 0.002
+            for k in [k for k in live if deadlines[k] <= near]:
+                if r.get(k) is None:
+                    gone[k] = time.time()
+                    live.discard(k)
+            time.sleep(0.0005)
+        watcher.join(timeout=5.0)
+        sub.close()
+        read_ms = [(gone[k] - deadlines[k]) * 1000 for k in gone]
+        ev_ms = [(events[k] - deadlines[k]) * 1000 for k in events]
+        early = [k for k in gone if gone[k] < deadlines[k]]
+        print(f"peer, Redis {keys} keys (SET PXAT, the same deadlines), same run")
+        print(f"  absent on read: p50 {pct(read_ms, 50):.2f} ms  p99 {pct(read_ms, 99):.2f} ms"
+              f"  max {max(read_ms):.2f} ms  (absent before the deadline: {len(early)})")
+        if ev_ms:
+            print(f"  expired event:  p50 {pct(ev_ms, 50):.1f} ms  p99 {pct(ev_ms, 99):.1f} ms"
+                  f"  max {max(ev_ms):.1f} ms  ({len(events)} of {keys} events)")
+    finally:
+        server.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,6 +192,7 @@ def main() -> int:
         return 0
     if args.precision:
         precision(args.keys)
+        redis_precision(args.keys)
         return 0
     if not args.ab:
         for name, ns in measure().items():
