@@ -378,3 +378,31 @@ def test_kill_9_of_sweeping_processes_never_wedges_writers(ns: str) -> None:
         print(f"{kills} kills; owner deaths {q[H['OWNER_DEATHS']]}, repairs {q[H['RECOVERIES']]}")
         assert deaths() >= 1, "no kill landed while the lock was held"
         assert kv._seg.check() == []
+
+
+def test_keys_nobody_reads_get_their_expire_events_within_a_wake_up_or_two(ns: str) -> None:
+    """The sweep finishes its pass in the wake-up that finds a deadline due (a slice at a
+    time, the lock released between slices): one slice per wake-up left a key nobody read
+    for up to ceil(slots / SLICE) wake-ups before its expire event (32 on 131,072 slots),
+    not one interval as the contract says. Counted in wake-ups, not wall time."""
+    from kvcomm._client.sweeper import SLICE
+
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "256MB", "expiry_sweep": "50ms"}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        slots = kv._seg.layout.n_slots
+        assert slots >= 16 * SLICE, slots  # (a pass is many slices)
+        sw = _Shared.attached[ns].sweeper
+        w = kv.watch("nr/", timeout=10.0)
+        keys = [f"nr/{i}" for i in range(64)]  # spread over the table, never read
+        for k in keys:
+            kv.put(k, b"v", ttl=0.3)
+        looks_at: dict[str, int] = {}
+        for ev in w:
+            if ev.kind == "expire":
+                looks_at.setdefault(ev.key, sw.looks)
+                if len(looks_at) == len(keys):
+                    break
+        first_due = min(looks_at.values())
+        spread = max(looks_at.values()) - first_due
+        print(f"{slots} slots; expire events of 64 unread keys spread over {spread} wake-ups")
+        assert spread <= 2, (spread, slots)

@@ -10,15 +10,14 @@ deadline never takes the lock for expiry (review 14: it took it every interval, 
 process). Otherwise it takes the writer lock only if it is free now (it never makes a
 writer wait), looks at a bounded slice of the slot table (``SLICE`` slots, about 0.2 ms)
 from the host's shared cursor, where the last slice of any process stopped, reclaims every
-clean record past its deadline with an ``expire`` event in the change feed, and sleeps. A
-pass over a table of N slots takes ``ceil(N / SLICE)`` slices, shared by every process on
-the host; at its end the hint holds the least deadline left, so the sweeps stop until it
-passes. A read of an expired key reclaims it at once (lazily, on access:
-``Expiry._expired_seen``), and a writer that must evict first sweeps the same pass on
-until it reclaims an expired clean record or the pass ends. A dirty record (cluster mode,
-not yet in L3) is left until the daemon has delivered it: an expiry reaches L3 as the
-record's own deadline.
-"""
+clean record past its deadline with an ``expire`` event in the change feed, releases the
+lock and goes on with the next slice until the pass ends (``ceil(N / SLICE)`` slices over
+N slots, shared by every process on the host) or the lock is busy. At a pass's end the
+hint holds the least deadline left, so the sweeps stop until it passes. A read of an
+expired key reclaims it at once (lazily, on access: ``Expiry._expired_seen``), and a
+writer that must evict first sweeps the same pass on until it reclaims an expired clean
+record or the pass ends. A dirty record (cluster mode, not yet in L3) is left until the
+daemon has delivered it: an expiry reaches L3 as the record's own deadline."""
 
 from __future__ import annotations
 
@@ -52,22 +51,30 @@ class Sweeper:
         self._thread.start()
 
     def sweep_once(self) -> int:
-        """Read the hint and, if a record may have expired, sweep one slice; returns the
+        """Read the hint and, while a record may have expired, sweep slices until the pass
+        ends (the hint then holds the least deadline left) or the lock is busy; returns the
         records reclaimed (0 when none can have expired or the lock was busy). Raises
-        SegmentError (purged)."""
+        SegmentError (purged).
+
+        The whole pass in one wake-up, each slice taking and releasing the lock: one slice
+        per wake-up left a key nobody read for up to ceil(N / SLICE) intervals (3.2 s for
+        131,072 slots) before its ``expire`` event, not one interval."""
         now = self._clock()  # type: ignore[operator]
         self.looks += 1
-        if not self.seg.expiry_due(now):
-            return 0
-        r = self.seg.sweep_expired(SLICE, now)
-        if r is None:
-            return 0
-        n, freed, passed = r
-        self.reclaimed += n
-        self.freed += freed
-        self.sweeps += 1
-        self.passes += passed
-        return n
+        total = 0
+        while self.seg.expiry_due(now):
+            r = self.seg.sweep_expired(SLICE, now)
+            if r is None:
+                break  # (a writer holds the lock: the next wake-up goes on)
+            n, freed, passed = r
+            total += n
+            self.reclaimed += n
+            self.freed += freed
+            self.sweeps += 1
+            self.passes += passed
+            if passed:
+                break
+        return total
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
