@@ -426,6 +426,10 @@ class FakeL2:
     def holds(self, key: str) -> bool:
         return key in self.recs
 
+    def held_vector(self, key: str) -> Vector | None:
+        rec = self.recs.get(key)
+        return None if rec is None else rec.vector
+
     def held_keys(self) -> list[str]:
         return sorted(k for k, r in self.recs.items() if r.value is not None)
 

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from kvcomm.core.versions import Version
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l2 import key_hash
 from kvcomm.tiers.l3 import L3Store, group_of
@@ -126,5 +127,64 @@ def test_unread_changes_2_drops_a_key_at_its_second_unread_change(
         assert h.stats.extra.get("unread_dropped", 0) == 1
         assert not in_l2(h, key)
         assert h.kv.get(key) == f"3{BIG}"
+    finally:
+        h.close()
+
+
+def dropped(h: Host, store: L3Store, key: str) -> int:
+    """Make ``key`` a dropped one: read once (into L2), then two changes no agent reads
+    (``cluster.unread_changes`` 1: the second drops it, its note remembered as skipped).
+    Returns the daemon's ``fetched`` count then."""
+    push(store, key, f"0{BIG}", 1)
+    wait_for(lambda: h.kv.get(key) == f"0{BIG}", 10, "a read: from L3, into L2")
+    caught_up(h, store, key)
+    settled(h)
+    push(store, key, f"1{BIG}", 2)
+    caught_up(h, store, key)
+    push(store, key, f"2{BIG}", 3)
+    caught_up(h, store, key)
+    assert h.stats.extra.get("unread_dropped", 0) == 1 and not in_l2(h, key)
+    return int(h.stats.extra.get("fetched", 0))
+
+
+def test_a_dropped_key_read_again_costs_one_get_not_two(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """The agent's read fills L2 with the latest record; the change the daemon skipped
+    meanwhile is covered by it, so the daemon does not read the key again."""
+    h = Host(cluster, "unread-once", seed, cluster_keys={"unread_changes": 1})
+    try:
+        key = "unread-once/k"
+        fetched = dropped(h, store, key)
+        refills = h.stats.extra.get("refills", 0)
+        covered = h.stats.extra.get("refills_covered", 0)  # (the first read's fill: 1)
+        item = h.kv.get_item(key)  # from L3: the latest, into L2
+        assert item is not None and item.value == f"2{BIG}" and item.tier == "l3"
+        settled(h)  # the fill is in the local feed: the skipped change is due
+        assert h.stats.extra.get("refills", 0) == refills + 1, "the skipped change was not due"
+        assert h.stats.extra.get("refills_covered", 0) == covered + 1, h.stats
+        assert h.stats.extra.get("fetched", 0) == fetched
+        assert h.kv.get(key) == f"2{BIG}"
+    finally:
+        h.close()
+
+
+def test_a_fill_older_than_the_skipped_change_is_still_read_again(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """The race the refill is for: an agent read the key from L3 before a change and
+    filled L2 after the daemon skipped it. The fill does not cover the change: the daemon
+    reads the key and L2 ends with the change."""
+    h = Host(cluster, "unread-late", seed, cluster_keys={"unread_changes": 1})
+    try:
+        key = "unread-late/k"
+        dropped(h, store, key)
+        covered = h.stats.extra.get("refills_covered", 0)
+        refills = h.stats.extra.get("refills", 0)
+        old = record(f"1{BIG}", "host-a", 2, 2)  # what a read before change 3 returned
+        h.kv._merge(key, f"1{BIG}", Version(old.vector, old.hlc),
+                    (old.tag, old.meta, old.value), old.local_ext)  # the agent's late fill
+        settled(h)
+        wait_for(lambda: h.kv.get(key) == f"2{BIG}", 10, "the skipped change over the late fill")
+        assert h.stats.extra.get("refills", 0) == refills + 1, h.stats
+        assert h.stats.extra.get("refills_covered", 0) == covered, h.stats
     finally:
         h.close()

@@ -350,6 +350,10 @@ class Daemon:
         key read from L3 (all in one batch; when L3 cannot be reached, or not ``fetch``,
         the notes are kept in ``refetch`` for the next round)."""
         self.stats.bump("refills", len(due))
+        for key, got in list(due.items()):
+            if isinstance(got, FeedNote) and self._covers_note(key, got):
+                del due[key]  # (the fill is that change, or newer: a second GET for nothing)
+                self.stats.bump("refills_covered")
         notes = [key for key, got in due.items() if isinstance(got, FeedNote)]
         fetched: dict[str, L3Record | None | CorruptRecord] = {}
         try:
@@ -368,6 +372,16 @@ class Daemon:
                 self._set_aside(key, f"feed: {rec}")
             elif rec is not None:
                 self._guarded(key, "feed", self._apply_or_forget, key, rec)
+
+    def _covers_note(self, key: str, note: FeedNote) -> bool:
+        """Whether L2's record of ``key`` already holds the change ``note`` announces, or
+        one that saw it: its vector covers the note's dot. Not for a merge (its vector
+        is news to every host) nor a dot of this host (L2 may have lost it: a dot past the
+        host's write sequence is from an earlier life of L2, see ``echo``)."""
+        if note.merged or note.writer == self.host:
+            return False
+        vector = self.port.held_vector(key)
+        return vector is not None and vector_get(vector, note.writer) >= note.counter
 
     def _push(self, now: float) -> None:
         """Push every closed window that is due, each answered (and its answers carried

@@ -38,7 +38,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..core.versions import Version
+from ..core.versions import Vector, Version
 from ..tiers.l2 import TAG_TOMBSTONE, FeedEvent, key_hash
 
 if TYPE_CHECKING:
@@ -67,6 +67,10 @@ class HostL2(Protocol):
 
     def holds(self, key: str) -> bool:
         """The host's L2 has a record of ``key`` (a tombstone included)."""
+
+    def held_vector(self, key: str) -> Vector | None:
+        """The version vector of the host's record of ``key`` (a tombstone included), or
+        None when L2 does not hold it. Reading it is not an agent's read."""
 
     def held_keys(self) -> list[str]:
         """Every key the host's L2 holds (tombstones excluded)."""
@@ -260,6 +264,11 @@ class ClientPort:
     def holds(self, key: str) -> bool:
         kb = key.encode("utf-8", "surrogateescape")
         return self.seg.read(kb, key_hash(kb), 0) is not None
+
+    def held_vector(self, key: str) -> Vector | None:
+        kb = key.encode("utf-8", "surrogateescape")
+        rec = self.seg.read(kb, key_hash(kb), 0)
+        return None if rec is None else self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
 
     def held_keys(self) -> list[str]:
         return list(self.seg.keys())
