@@ -310,8 +310,10 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     graph = None
     while time.monotonic() < start_at + WARMUP:
         time.sleep(0.01)
-    b0 = redis_bytes(dev)
+    # (the bench's own calls first: changes_stored opens a cluster client, and its setup
+    # and reads are the bench's bytes, not KVCOMM's; b1 is read before theirs at the end)
     d0, h0, s0 = daemon_bytes(dev), hints_sent(dev), changes_stored(dev)
+    b0 = redis_bytes(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
         time.sleep(max(0.0, start_at + seconds - observe_last - SLACK - time.monotonic()))
@@ -640,7 +642,8 @@ def main() -> int:
         print(probe_line(v))
         return 0
     seconds, observe_s = (6.0, 4.0) if args.quick else (args.seconds, args.observe)
-    print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
+    print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus, "
+          f"load average {os.getloadavg()[0]:.1f}; "
           f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run; "
           f"cluster.unread_changes {args.unread_changes}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
@@ -660,6 +663,17 @@ def main() -> int:
     print(breakdown(results))
     v = results["visibility"]
     print(probe_line(v))
+    print("\nPlanned against random, per workload (target: planned at most 0.70x random's "
+          "L3 bytes per change stored):")
+    for kind in ("swarm", "warehouse"):
+        r = results[kind]
+        rnd, pl = r["random"], r["planned"]
+        per_store = pl["l3_bytes_per_store"] / rnd["l3_bytes_per_store"]
+        hits = ", ".join(f"{n} {100 * r[n]['l2_hit_rate']:.2f}%"
+                         for n in ("random", "round-robin", "planned"))
+        print(f"{kind}: L3 bytes per change stored planned/random {per_store:.3f} "
+              f"({pl['l3_bytes_per_store']:.0f} / {rnd['l3_bytes_per_store']:.0f} B), per second "
+              f"{pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s']:.3f}; L2 hit rate {hits}")
     for kind in ("swarm", "warehouse"):
         r = results[kind]
         rnd, pl = r["random"], r["planned"]
