@@ -129,7 +129,8 @@ Driver's obligations
    writer of a value-less entry's note); hand :meth:`Skipped.remember` every feed record
    (or note) of a key the host does not want, and apply what :meth:`Skipped.take`
    returns for every key the local feed names (for a note: the key's record, read from
-   L3).
+   L3, unless L2's record of the key already covers the note's dot: the fill is that
+   change or newer; never for a merge's note or this host's own dot).
 7. Value-less entries (step 4): a key the host wants (L2 holds it, or a local watcher
    asks for it) is read from L3 — every such key of the poll in one batch, before any of
    the poll's entries is applied or any cursor advanced, so a failed read leaves the
