@@ -13,7 +13,8 @@ machines what it read, and carries out what they answer.
 1. **Local → L3.** It reads the host's L2 change feed after the outbound cursor, hands
    the dirty record of every key put or deleted (every dirty key after an overflow) to
    the outbound machine, and pushes each closed write window to L3 in one pipeline of
-   push-script calls per master node (:class:`kvcomm.tiers.l3.L3Store`). L3's answers
+   push-script calls per master node, one call per group of records
+   (:class:`kvcomm.tiers.l3.L3Store`). L3's answers
    are carried out: writes L3 holds are marked delivered (L2 may now evict them);
    where L3 holds another record (newer, merged, a conflict for a resolver) that record
    is merged into L2. The feed position stored in the L2 header is the machine's
@@ -54,8 +55,9 @@ machines what it read, and carries out what they answer.
 4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
-5. **Load.** The Redis commands it causes on each group (a push that stores: the
-   script and the five commands it runs; one that does not: two; a feed read: one) are
+5. **Load.** The Redis commands it causes on each group (a push that stores: the six
+   commands the script runs for it; one that does not: one; each script call, of up to
+   PUSH_BATCH records of the group: one more; a feed read: one) are
    counted and saved to L3 (``kvn:{host}:load``, cumulative) every couple of seconds
    when they changed: ``kvcomm balance`` adds them up over every host into the load of
    each slot, in the unit Redis' INFO counts a node's.
@@ -120,6 +122,8 @@ from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
 from ..tiers.l3 import (
+    PUSH_BATCH,
+    PUSH_CALL,
     PUSH_KEPT,
     PUSH_STORED,
     WRITE_MARK_MAX,
@@ -247,6 +251,8 @@ class Daemon:
         self.probe_failed = False  # the last round found Redis silent (partition mode)
         self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
+        # the heal's timeline (logged): (when Redis answered, stats then, backlog logged)
+        self.healing: tuple[float, int, int, bool] | None = None
         # how often changes to watched prefixes (node/watched.py: NodeDaemon sets
         # ``watching`` from them) may have been missed (a resync after a gap: the
         # watchers are told to rescan)
@@ -414,12 +420,16 @@ class Daemon:
         self.stats.pushed += len(push.items)
         self.reach.redis_ok(self.clock())
         self.stats.bump("window_in", push.window.ops_in + sum(w.ops_in for w in push.more))
+        per_group: dict[int, int] = {}
         for item, res in zip(push.items, results, strict=False):
             g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
             self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
+            per_group[g] = per_group.get(g, 0) + 1
             if stored and b"\xa1e" in item.record.ext:  # (a deadline, maybe: see expiry)
                 self._note_deadline(g, item.record.deadline)
+        for g, n in per_group.items():  # (one script call per group and PUSH_BATCH records)
+            self.load[g] += PUSH_CALL * -(-n // PUSH_BATCH)
         answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
         for answer in answers:
             try:  # every answer is carried out: they have left the staged set
@@ -874,6 +884,9 @@ class Daemon:
             self.push_local(now, push=False)
             return
         self.push_local(now)
+        if self.healing is not None and not self.healing[3] and self.backlog() == 0:
+            self._heal_log("backlog sent")
+            self.healing = (*self.healing[:3], True)
         hinted, lost = self.l3.hints()
         self.inb.hinted(hinted)
         for g, entry in self.l3.hint_entries():  # (after hinted: a read brings them too)
@@ -893,6 +906,9 @@ class Daemon:
                 self.catching_up = False  # the feeds are read up to their ends again
                 self.keys.set_ready(True)
                 self.stats.bump("caught_up")
+                if self.healing is not None:
+                    self._heal_log("caught up with every group's feed")
+                    self.healing = None
             self._maybe_rotate_filter()
             self._maybe_prewarm()
         except Unavailable as exc:
@@ -1027,6 +1043,19 @@ class Daemon:
         self.keys.set_ready(False)
         self.catching_up = True
         self.inb.lost(range(self.config.cluster.groups))
+        self.healing = (self.clock(), self.stats.pushed,
+                        self.stats.pulled + self.stats.skipped_remote, False)
+        log.info("Redis answers again: sending the backlog of %d writes, reading every "
+                 "group's feed", self.backlog())
+
+    def _heal_log(self, what: str) -> None:
+        """One step of a heal's catch-up, in the log with the time since Redis answered
+        again and the records pushed and remote changes read since (the heal's timeline)."""
+        assert self.healing is not None
+        t0, pushed, read, _ = self.healing
+        log.info("heal: %s %.2fs after Redis answered (%d records pushed, %d remote changes "
+                 "read)", what, self.clock() - t0, self.stats.pushed - pushed,
+                 self.stats.pulled + self.stats.skipped_remote - read)
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set, then flush (for at most
