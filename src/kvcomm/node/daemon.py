@@ -158,6 +158,7 @@ HOT_EVERY = 2.0  # seconds between saves of the hot keys (and the prewarm that f
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
 MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backlog)
 WRITE_MARK_BLOCK = 1 << 20  # dots reserved ahead in L3's write mark (one save per block)
+OWN_SENT_MAX = 1 << 17  # own pushes remembered until their echo (Daemon.own_sent)
 
 
 @dataclass
@@ -251,6 +252,9 @@ class Daemon:
         self.probe_failed = False  # the last round found Redis silent (partition mode)
         self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
+        # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
+        # newer): its inline feed entry, when it comes back, is known without decoding it
+        self.own_sent: dict[str, bytes] = {}
         # the heal's timeline (logged): (when Redis answered, stats then, backlog logged)
         self.healing: tuple[float, int, int, bool] | None = None
         # how often changes to watched prefixes (node/watched.py: NodeDaemon sets
@@ -344,8 +348,12 @@ class Daemon:
                 due[key] = skipped
         if due:
             self._refill(due, fetch=push)
-        if push:
-            self._push(now)
+        if push and not self._push(now) and self._healed_meanwhile():
+            # the heal came while the failed call waited (seconds, on a cut connection):
+            # what was written meanwhile is read, and the whole backlog pushed, now,
+            # before this round reads the other hosts' changes
+            self.push_local(self.clock())
+            return
         delivered = self.out.delivered()
         if delivered != self.persisted:  # everything before it is in L3
             self.port.delivered_up_to(delivered)
@@ -375,26 +383,40 @@ class Daemon:
             elif rec is not None:
                 self._guarded(key, "feed", self._apply_or_forget, key, rec)
 
-    def _push(self, now: float) -> None:
+    def _push(self, now: float) -> bool:
         """Push every closed window that is due, each answered (and its answers carried
-        out) before the next; stop at the first failure."""
+        out) before the next; stop at the first failure. Returns False if one failed."""
         while True:
             push = self.out.next_push(now, self.port.has_resolver, self._shape)
             if push is None:
-                return
+                return True
             try:
                 self._reserve(push)
             except Unavailable as exc:
                 self._push_failed(push, exc)
-                return
+                return False
             items = [(i.key, i.record) for i in push.items]
             try:
                 with self._metered("push"):
                     results = self.l3.push_many(items, push.keep_siblings)
             except Unavailable as exc:
                 self._push_failed(push, exc)
-                return
+                return False
             self._pushed(push, results)
+
+    def _healed_meanwhile(self) -> bool:
+        """A push failed in partition mode before the catch-up began: a call that waited on
+        a cut connection (seconds: a timeout, then redis-py's slot-map refresh from every
+        seed) may have ended after the heal. One probe: if Redis answers, the catch-up
+        starts now (the backlog retried at once) and True is returned. At most once per
+        partition (the catch-up, once begun, is not begun again)."""
+        probe = getattr(self.l3, "reachable", None)  # (the test fakes have none)
+        if not self.reach.partition or self.redis_back or probe is None or not probe():
+            return False
+        self.reach.redis_ok(self.clock())
+        self.stats.bump("healed_during_a_call")
+        self._catch_up()
+        return True
 
     def _reserve(self, push: Push) -> None:
         """Before ``push`` goes out: make L3's write mark cover its dots (and a block
@@ -421,11 +443,17 @@ class Daemon:
         self.reach.redis_ok(self.clock())
         self.stats.bump("window_in", push.window.ops_in + sum(w.ops_in for w in push.more))
         per_group: dict[int, int] = {}
+        inline = getattr(self.l3, "feed_inline", None)  # (larger: a value-less entry, see echo)
+        if len(self.own_sent) > OWN_SENT_MAX:  # echoes never read (a resync skipped them)
+            self.own_sent.clear()
         for item, res in zip(push.items, results, strict=False):
             g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
             self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
             per_group[g] = per_group.get(g, 0) + 1
+            if (isinstance(res, PushResult) and res.sent and res.outcome in (NEW, NEWER)
+                    and (inline is None or len(res.sent) <= inline)):
+                self.own_sent[item.key] = res.sent
             if stored and b"\xa1e" in item.record.ext:  # (a deadline, maybe: see expiry)
                 self._note_deadline(g, item.record.deadline)
         for g, n in per_group.items():  # (one script call per group and PUSH_BATCH records)
@@ -788,6 +816,15 @@ class Daemon:
         if entry.note is not None:
             self._pull_note(key, entry.note, fetched, applied)
             return
+        if self.own_sent.get(key) == entry.record:
+            # this daemon's own push, stored by L3 exactly as sent (not a merge), coming
+            # back: L2 holds it (delivered) or a newer write of its own (dirty, never to be
+            # replaced by it), and the key filter has the key since it was staged; nothing
+            # to decode or merge. (A record of an earlier life of the host, the replays the
+            # holdback defences are for, is never in own_sent: it is decoded and merged.)
+            del self.own_sent[key]
+            self.stats.bump("echoes")
+            return
         try:
             rec = read_record(entry.record, key, self.max_value_size)
         except CorruptRecord as exc:
@@ -925,7 +962,10 @@ class Daemon:
             return True
         if probe():
             self.reach.redis_ok(self.clock())
-            if self.probe_failed:  # Redis is back (etcd may not be yet)
+            # Redis is back (etcd may not be yet); or it answers at the first probe of this
+            # partition: the heal came while a round's calls were still waiting on the cut
+            # connections (partition mode was entered by the lease thread meanwhile)
+            if self.probe_failed or not self.redis_back:
                 self._catch_up()
             self.decide_partition()  # (leaving it now: the backlog is pushed this round)
             return True

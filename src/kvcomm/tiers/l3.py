@@ -853,6 +853,9 @@ class PushResult(NamedTuple):
     outcome: str  # one of OUTCOMES
     record: L3Record  # what L3 holds afterwards (for "conflict": what it holds now)
     durable: bool = True  # a replica acknowledged it (WAIT), so a failover keeps it
+    # new, newer: the record's bytes as pushed, which L3 now holds (and its feed entry
+    # carries, when inline): the pusher can tell its own echo without decoding it
+    sent: bytes = b""
 
 
 class L3Store:
@@ -1861,7 +1864,7 @@ class L3Store:
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
         if outcome in (NEW, NEWER) and data == b"":  # L3 holds what was pushed
-            return PushResult(key, outcome, pushed)
+            return PushResult(key, outcome, pushed, sent=b"" if sent is None else sent[0])
         if sent is not None and data == sent[0]:
             return PushResult(key, outcome, sent[1])
         return PushResult(key, outcome, self.decode(data, key))
