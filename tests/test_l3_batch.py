@@ -165,3 +165,46 @@ def test_a_backlog_of_one_group_goes_in_batches_in_order(store: L3Store,
     again = store.push_many(items)
     assert all(isinstance(r, PushResult) and r.outcome == "equal" for r in again)
     assert store.feed_position(g)[0] == seq0 + n
+
+
+def test_a_call_refused_for_a_slot_on_the_move_falls_back_to_one_record_a_call(
+        store: L3Store) -> None:
+    """A slot half migrated (two of the group's records moved to the importing master,
+    its feed, counter and index still on the source): the group's call declares keys on
+    both sides and is refused (TRYAGAIN) as a whole; sent again one record a call, the
+    records still on the source are pushed there, as calls of one record always were,
+    and only the moved ones stay refused until the move ends (Unavailable)."""
+    from kvcomm.balance.migrate import SlotMover
+    from kvcomm.errors import Unavailable
+
+    from .test_review11 import _cleanup, _keys_of_slot
+
+    g = group_of(f"moving/{random.randrange(2**32)}")
+    slot = store.groups.slot(g)
+    keys = _keys_of_slot(store, slot, 6, f"moving/{g}")
+    for i, k in enumerate(keys):
+        assert store.push(k, rec(one("h", 1, i + 1))).outcome == "new"
+    source = store.rc.get_node_from_key(record_key(keys[0]))
+    target = next(n for n in store.rc.get_primaries() if n.name != source.name)
+    src, dst = store.rc.get_redis_connection(source), store.rc.get_redis_connection(target)
+    mover = SlotMover(store)
+    try:
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING",
+                            src.execute_command("CLUSTER", "MYID"))
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING",
+                            dst.execute_command("CLUSTER", "MYID"))
+        moved = keys[:2]
+        src.execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS",
+                            *(record_key(k) for k in moved))
+        tried = store.redirects["tryagain"]
+        with pytest.raises(Unavailable, match="still redirected"):
+            store.push_many([(k, rec(one("h", 2, 10 + i), b"new")) for i, k in enumerate(keys)])
+        assert store.redirects["tryagain"] > tried  # (the fault happened)
+        for k in keys[2:]:  # on the source: pushed, one call each
+            raw = src.get(record_key(k))
+            assert raw is not None and L3Record.decode(raw).value == b"new", k
+        for k in moved:  # moved: the old record, on the target
+            raw = dst.execute_command("ASKING") and dst.get(record_key(k))
+            assert raw is not None and L3Record.decode(raw).value == b"v", k
+    finally:
+        _cleanup(mover, slot)
