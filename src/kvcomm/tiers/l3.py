@@ -172,7 +172,8 @@ by the push as if the key were absent (``new``): that is how "rewrite the key", 
 advice of every CorruptRecord, repairs a key. A record of a *newer* format is not
 replaced (``KVCOMMCORRUPT``: upgrade this host), and an incoming record that is not
 valid is refused (``KVCOMMBAD``). The reply is, per record, ``{outcome, record L3
-holds}``, the record left empty for ``new`` and ``newer``: L3 holds the caller's own record.
+holds}``, the record left empty for ``new``, ``newer`` and an ``equal`` record of the very
+bytes pushed: L3 holds the caller's own record.
 """
 
 from __future__ import annotations
@@ -443,7 +444,8 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # record inline), ARGV[6] cluster.tombstone_grace in ms, ARGV[7] the group's expiry index
 # (kvx, same hash tag; an argument for the same reason: see "Expiry" above),
 # ARGV[8..7+N] the N incoming records.
-# Returns one reply per record, in order: {outcome, record L3 holds}, or an error (a
+# Returns one reply per record, in order: {outcome, record L3 holds} (the record "" when L3
+# holds the very bytes pushed: new, newer, equal), or an error (a
 # malformed record: KVCOMMBAD; a stored record of a newer format: KVCOMMCORRUPT; a Redis
 # error met while storing it, WRONGTYPE say): that record alone; the others are pushed,
 # as N calls of one would have been (and, as those, what was written before an error
@@ -606,7 +608,11 @@ local function push(i)
   for k, v in pairs(a) do
     if b[k] == nil then b_ge = false end
   end
-  if a_ge and b_ge then return {'equal', raw} end
+  if a_ge and b_ge then
+    -- (the very bytes pushed: not sent back, as for new and newer; a replayed backlog)
+    if raw == bytes then return {'equal', ''} end
+    return {'equal', raw}
+  end
   if a_ge then
     store(rkey, key, bytes, incoming, false, stored)
     return {'newer', ''}
@@ -853,8 +859,9 @@ class PushResult(NamedTuple):
     outcome: str  # one of OUTCOMES
     record: L3Record  # what L3 holds afterwards (for "conflict": what it holds now)
     durable: bool = True  # a replica acknowledged it (WAIT), so a failover keeps it
-    # new, newer: the record's bytes as pushed, which L3 now holds (and its feed entry
-    # carries, when inline): the pusher can tell its own echo without decoding it
+    # new, newer (and equal, when L3 held these very bytes): the record's bytes as pushed,
+    # which L3 holds (a new or newer one's feed entry carries them, when inline): the
+    # pusher can tell its own echo without decoding it
     sent: bytes = b""
 
 
@@ -1863,7 +1870,7 @@ class L3Store:
             raise CorruptRecord(f"unexpected push reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
-        if outcome in (NEW, NEWER) and data == b"":  # L3 holds what was pushed
+        if outcome in (NEW, NEWER, EQUAL) and data == b"":  # L3 holds what was pushed
             return PushResult(key, outcome, pushed, sent=b"" if sent is None else sent[0])
         if sent is not None and data == sent[0]:
             return PushResult(key, outcome, sent[1])
