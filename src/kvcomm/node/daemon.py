@@ -921,8 +921,9 @@ class Daemon:
             self.push_local(now, push=False)
             return
         self.push_local(now)
-        if self.healing is not None and not self.healing[3] and self.backlog() == 0:
-            self._heal_log("backlog sent")
+        if (self.healing is not None and not self.healing[3]
+                and self.stats.pushed > self.healing[1] and not self.out.unsent):
+            self._heal_log("backlog sent")  # (every closed window of writes answered)
             self.healing = (*self.healing[:3], True)
         hinted, lost = self.l3.hints()
         self.inb.hinted(hinted)
