@@ -145,6 +145,7 @@ def test_partition_both_sides_write_heal_converges_nothing_lost(dc: Path) -> Non
         heals_before = _status(dc, "host-2").get("partitions", 0)
         control.heal(str(dc))
         t_heal = time.monotonic()
+        print(f"healed at {time.time():.3f} (epoch s)")
 
         # every acknowledged write is its key's final value (or lost to a concurrent one,
         # by last-writer-wins), the same on every host. A sample of keys is probed every

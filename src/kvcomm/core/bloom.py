@@ -67,8 +67,16 @@ class BloomFilter:
         return [(h1 + i * h2) % m for i in range(self.k)]
 
     def add(self, key: bytes) -> None:
+        self.add_at(self._positions(key))
+
+    def positions(self, key: bytes) -> list[int]:
+        """The bits ``key`` sets (for :meth:`add_at` on filters of the same geometry)."""
+        return self._positions(key)
+
+    def add_at(self, positions: list[int]) -> None:
+        """Add the key whose :meth:`positions` (in a filter of this geometry) these are."""
         b = self._b
-        for p in self._positions(key):
+        for p in positions:
             b[p >> 3] |= 1 << (p & 7)
         self.adds += 1
 

@@ -13,7 +13,8 @@ machines what it read, and carries out what they answer.
 1. **Local → L3.** It reads the host's L2 change feed after the outbound cursor, hands
    the dirty record of every key put or deleted (every dirty key after an overflow) to
    the outbound machine, and pushes each closed write window to L3 in one pipeline of
-   push-script calls per master node (:class:`kvcomm.tiers.l3.L3Store`). L3's answers
+   push-script calls per master node, one call per group of records
+   (:class:`kvcomm.tiers.l3.L3Store`). L3's answers
    are carried out: writes L3 holds are marked delivered (L2 may now evict them);
    where L3 holds another record (newer, merged, a conflict for a resolver) that record
    is merged into L2. The feed position stored in the L2 header is the machine's
@@ -54,8 +55,9 @@ machines what it read, and carries out what they answer.
 4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
-5. **Load.** The Redis commands it causes on each group (a push that stores: the
-   script and the five commands it runs; one that does not: two; a feed read: one) are
+5. **Load.** The Redis commands it causes on each group (a push that stores: the six
+   commands the script runs for it; one that does not: one; each script call, of up to
+   PUSH_BATCH records of the group: one more; a feed read: one) are
    counted and saved to L3 (``kvn:{host}:load``, cumulative) every couple of seconds
    when they changed: ``kvcomm balance`` adds them up over every host into the load of
    each slot, in the unit Redis' INFO counts a node's.
@@ -120,6 +122,8 @@ from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
 from ..tiers.l3 import (
+    PUSH_BATCH,
+    PUSH_CALL,
     PUSH_KEPT,
     PUSH_STORED,
     WRITE_MARK_MAX,
@@ -154,6 +158,7 @@ HOT_EVERY = 2.0  # seconds between saves of the hot keys (and the prewarm that f
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
 MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backlog)
 WRITE_MARK_BLOCK = 1 << 20  # dots reserved ahead in L3's write mark (one save per block)
+OWN_SENT_MAX = 1 << 17  # own pushes remembered until their echo (Daemon.own_sent)
 
 
 @dataclass
@@ -247,6 +252,11 @@ class Daemon:
         self.probe_failed = False  # the last round found Redis silent (partition mode)
         self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
+        # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
+        # newer): its inline feed entry, when it comes back, is known without decoding it
+        self.own_sent: dict[str, bytes] = {}
+        # the heal's timeline (logged): (when Redis answered, stats then, backlog logged)
+        self.healing: tuple[float, int, int, bool] | None = None
         # how often changes to watched prefixes (node/watched.py: NodeDaemon sets
         # ``watching`` from them) may have been missed (a resync after a gap: the
         # watchers are told to rescan)
@@ -338,8 +348,12 @@ class Daemon:
                 due[key] = skipped
         if due:
             self._refill(due, fetch=push)
-        if push:
-            self._push(now)
+        if push and not self._push(now) and self._healed_meanwhile():
+            # the heal came while the failed call waited (seconds, on a cut connection):
+            # what was written meanwhile is read, and the whole backlog pushed, now,
+            # before this round reads the other hosts' changes
+            self.push_local(self.clock())
+            return
         delivered = self.out.delivered()
         if delivered != self.persisted:  # everything before it is in L3
             self.port.delivered_up_to(delivered)
@@ -383,26 +397,40 @@ class Daemon:
         vector = self.port.held_vector(key)
         return vector is not None and vector_get(vector, note.writer) >= note.counter
 
-    def _push(self, now: float) -> None:
+    def _push(self, now: float) -> bool:
         """Push every closed window that is due, each answered (and its answers carried
-        out) before the next; stop at the first failure."""
+        out) before the next; stop at the first failure. Returns False if one failed."""
         while True:
             push = self.out.next_push(now, self.port.has_resolver, self._shape)
             if push is None:
-                return
+                return True
             try:
                 self._reserve(push)
             except Unavailable as exc:
                 self._push_failed(push, exc)
-                return
+                return False
             items = [(i.key, i.record) for i in push.items]
             try:
                 with self._metered("push"):
                     results = self.l3.push_many(items, push.keep_siblings)
             except Unavailable as exc:
                 self._push_failed(push, exc)
-                return
+                return False
             self._pushed(push, results)
+
+    def _healed_meanwhile(self) -> bool:
+        """A push failed in partition mode before the catch-up began: a call that waited on
+        a cut connection (seconds: a timeout, then redis-py's slot-map refresh from every
+        seed) may have ended after the heal. One probe: if Redis answers, the catch-up
+        starts now (the backlog retried at once) and True is returned. At most once per
+        partition (the catch-up, once begun, is not begun again)."""
+        probe = getattr(self.l3, "reachable", None)  # (the test fakes have none)
+        if not self.reach.partition or self.redis_back or probe is None or not probe():
+            return False
+        self.reach.redis_ok(self.clock())
+        self.stats.bump("healed_during_a_call")
+        self._catch_up()
+        return True
 
     def _reserve(self, push: Push) -> None:
         """Before ``push`` goes out: make L3's write mark cover its dots (and a block
@@ -428,12 +456,22 @@ class Daemon:
         self.stats.pushed += len(push.items)
         self.reach.redis_ok(self.clock())
         self.stats.bump("window_in", push.window.ops_in + sum(w.ops_in for w in push.more))
+        per_group: dict[int, int] = {}
+        inline = getattr(self.l3, "feed_inline", None)  # (larger: a value-less entry, see echo)
+        if len(self.own_sent) > OWN_SENT_MAX:  # echoes never read (a resync skipped them)
+            self.own_sent.clear()
         for item, res in zip(push.items, results, strict=False):
             g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
             self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
+            per_group[g] = per_group.get(g, 0) + 1
+            if (isinstance(res, PushResult) and res.sent and res.outcome in (NEW, NEWER)
+                    and (inline is None or len(res.sent) <= inline)):
+                self.own_sent[item.key] = res.sent
             if stored and b"\xa1e" in item.record.ext:  # (a deadline, maybe: see expiry)
                 self._note_deadline(g, item.record.deadline)
+        for g, n in per_group.items():  # (one script call per group and PUSH_BATCH records)
+            self.load[g] += PUSH_CALL * -(-n // PUSH_BATCH)
         answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
         for answer in answers:
             try:  # every answer is carried out: they have left the staged set
@@ -792,6 +830,15 @@ class Daemon:
         if entry.note is not None:
             self._pull_note(key, entry.note, fetched, applied)
             return
+        if self.own_sent.get(key) == entry.record:
+            # this daemon's own push, stored by L3 exactly as sent (not a merge), coming
+            # back: L2 holds it (delivered) or a newer write of its own (dirty, never to be
+            # replaced by it), and the key filter has the key since it was staged; nothing
+            # to decode or merge. (A record of an earlier life of the host, the replays the
+            # holdback defences are for, is never in own_sent: it is decoded and merged.)
+            del self.own_sent[key]
+            self.stats.bump("echoes")
+            return
         try:
             rec = read_record(entry.record, key, self.max_value_size)
         except CorruptRecord as exc:
@@ -888,6 +935,10 @@ class Daemon:
             self.push_local(now, push=False)
             return
         self.push_local(now)
+        if (self.healing is not None and not self.healing[3]
+                and self.stats.pushed > self.healing[1] and not self.out.unsent):
+            self._heal_log("backlog sent")  # (every closed window of writes answered)
+            self.healing = (*self.healing[:3], True)
         hinted, lost = self.l3.hints()
         self.inb.hinted(hinted)
         for g, entry in self.l3.hint_entries():  # (after hinted: a read brings them too)
@@ -907,6 +958,9 @@ class Daemon:
                 self.catching_up = False  # the feeds are read up to their ends again
                 self.keys.set_ready(True)
                 self.stats.bump("caught_up")
+                if self.healing is not None:
+                    self._heal_log("caught up with every group's feed")
+                    self.healing = None
             self._maybe_rotate_filter()
             self._maybe_prewarm()
         except Unavailable as exc:
@@ -923,7 +977,10 @@ class Daemon:
             return True
         if probe():
             self.reach.redis_ok(self.clock())
-            if self.probe_failed:  # Redis is back (etcd may not be yet)
+            # Redis is back (etcd may not be yet); or it answers at the first probe of this
+            # partition: the heal came while a round's calls were still waiting on the cut
+            # connections (partition mode was entered by the lease thread meanwhile)
+            if self.probe_failed or not self.redis_back:
                 self._catch_up()
             self.decide_partition()  # (leaving it now: the backlog is pushed this round)
             return True
@@ -1041,6 +1098,19 @@ class Daemon:
         self.keys.set_ready(False)
         self.catching_up = True
         self.inb.lost(range(self.config.cluster.groups))
+        self.healing = (self.clock(), self.stats.pushed,
+                        self.stats.pulled + self.stats.skipped_remote, False)
+        log.info("Redis answers again: sending the backlog of %d writes, reading every "
+                 "group's feed", self.backlog())
+
+    def _heal_log(self, what: str) -> None:
+        """One step of a heal's catch-up, in the log with the time since Redis answered
+        again and the records pushed and remote changes read since (the heal's timeline)."""
+        assert self.healing is not None
+        t0, pushed, read, _ = self.healing
+        log.info("heal: %s %.2fs after Redis answered (%d records pushed, %d remote changes "
+                 "read)", what, self.clock() - t0, self.stats.pushed - pushed,
+                 self.stats.pulled + self.stats.skipped_remote - read)
 
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set, then flush (for at most

@@ -195,8 +195,9 @@ class KeyFilter:
         return kf
 
     def add(self, key: bytes) -> None:
-        self.gens[0].add(key)
-        self.gens[1].add(key)
+        at = self.gens[0].positions(key)  # (the generations share one geometry)
+        self.gens[0].add_at(at)
+        self.gens[1].add_at(at)
 
     def set_ready(self, ready: bool) -> None:
         self._q[H_READY] = int(ready)

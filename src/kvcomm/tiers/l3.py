@@ -111,7 +111,7 @@ whose last sequence number of the group is ``seq - 1`` applies it without readin
 stream, so a value-less change costs each host its hint and no XRANGE; any other
 number (a hint lost in between, a rewind) and the daemon reads the stream. In one
 pipeline, each push of a group with at most HINT_EACH pushes there hints its own
-change; a group with more (a backlog) is hinted once, by its last push, as before.
+change; a group with more (a backlog) is hinted once, by its last script call.
 
 The feeds' memory is bounded in total, not per group: each group's stream keeps
 ``cluster.feed_total / cluster.groups`` entries (at least FEED_MIN, at most
@@ -159,7 +159,9 @@ every push of the group; the script touches it only for a record with a deadline
 replacing such a record, and such a push during a migration of its slot may be refused
 and retried until the migration ends.)
 
-Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script,
+Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script
+(one call for up to PUSH_BATCH records of one group: a backlog of thousands is a few
+calls per group, not one per record; each record is handled as a call of its own would),
 which applies the incoming record atomically against the stored one by the L3 rule,
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
 record comes back, concurrent → last-writer-wins with the merged vector, or ``conflict``
@@ -169,8 +171,9 @@ another program's value, another Redis type, counters past ``MAX_COUNTER``) is r
 by the push as if the key were absent (``new``): that is how "rewrite the key", the
 advice of every CorruptRecord, repairs a key. A record of a *newer* format is not
 replaced (``KVCOMMCORRUPT``: upgrade this host), and an incoming record that is not
-valid is refused (``KVCOMMBAD``). The reply is ``{outcome, record L3 holds}``, the
-record left empty for ``new`` and ``newer``: L3 holds the caller's own record.
+valid is refused (``KVCOMMBAD``). The reply is, per record, ``{outcome, record L3
+holds}``, the record left empty for ``new``, ``newer`` and an ``equal`` record of the very
+bytes pushed: L3 holds the caller's own record.
 """
 
 from __future__ import annotations
@@ -180,7 +183,6 @@ import logging
 import re
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
@@ -212,6 +214,7 @@ FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_tot
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
+PUSH_BATCH = 256  # records of one group one push script call takes at most (~5 ms of Redis)
 HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at most
 # a write mark past this is junk (load_write_mark): a write sequence starts at the clock
 # in µs (~1.8e15 in 2026) and takes one per write, so no host reaches 2**52 before ~2112;
@@ -223,8 +226,9 @@ NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
 META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
 META_INDEX = "kvm:index"  # set once the key index covers every record (backfill_index)
 # Redis commands one push costs (as INFO counts them, a script's own calls included):
-PUSH_STORED = 7  # EVALSHA, GET, ZADD, INCR, XADD, SET, SPUBLISH (a delete: ZREM and ZADD: 8)
-PUSH_KEPT = 2  # EVALSHA, GET (equal, older, conflict: nothing stored)
+PUSH_STORED = 6  # GET, ZADD, INCR, XADD, SET, SPUBLISH (a delete: ZREM and ZADD: 7)
+PUSH_KEPT = 1  # GET (equal, older, conflict: nothing stored)
+PUSH_CALL = 1  # EVALSHA: once per call, for up to PUSH_BATCH records of one group
 OUTCOMES = (NEW, NEWER, OLDER, EQUAL, MERGED, CONFLICT)
 QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
 
@@ -418,24 +422,43 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
     return groups(count).seq_key(group)
 
 
-# The L3 rule (kvcomm.core.resolve.l3_rule) run inside Redis, atomically per key.
-# KEYS[1] record key, KEYS[2] the group's feed stream, KEYS[3] the group's sequence counter,
-# KEYS[4] the group's key index (a sorted set: see "The key index" above)
-# ARGV[1] incoming record, ARGV[2] "lww" | "siblings", ARGV[3] feed MAXLEN, ARGV[4] user key,
-# ARGV[5] the group's hint channel (an argument, not a key: during a slot migration Redis
+# The L3 rule (kvcomm.core.resolve.l3_rule) run inside Redis, atomically per key, for the
+# records of one group in one call (one EVALSHA per group and batch, not per record: a
+# healed host's backlog of thousands costs a few calls, and each record costs its key and
+# its bytes only; everything a group shares is sent once per call).
+# KEYS[1] the group's feed stream, KEYS[2] its sequence counter, KEYS[3] its key index (a
+# sorted set: see "The key index" above), KEYS[4..3+N] the N records' keys (kvc:{t}:k, all
+# of the group; the user key k is the record key past its "kvc:{t}:" prefix, which is one
+# byte longer than the feed key's "kvf:{t}": not sent again)
+# ARGV[1] one character per record, in order: "l" (lww) or "s" (siblings: a concurrent
+# record comes back as a conflict), ARGV[2] feed MAXLEN,
+# ARGV[3] the group's hint channel (an argument, not a key: during a slot migration Redis
 # counts a declared key that does not exist as missing, and would refuse every push), or
 # "" for no hint (a stored value-less entry's hint carries the entry: "seq id note key";
-# any other hint is the sequence number); ARGV[6] "1": hint even if this push stores
-# nothing (the last push of its group in a pipeline speaks for the earlier ones: one hint
-# per group per pipeline, not one per record, so a backlog of thousands does not send
-# every subscriber thousands of hints; groups with at most HINT_EACH pushes in the
-# pipeline hint each change instead, "0")
-# ARGV[7] the largest record (bytes) a feed entry carries inline (FEED_INLINE; "": every
-# record inline), ARGV[8] cluster.tombstone_grace in ms, ARGV[9] the group's expiry index
-# (kvx, same hash tag; an argument for the same reason: see "Expiry" above)
+# any other hint is the sequence number); ARGV[4] "e": each change the call stores hints
+# its own entry (a group with at most HINT_EACH pushes), "l": the call hints the group's
+# change once, at its end, even if it stored nothing (a backlog of thousands does not send
+# every subscriber thousands of hints: the change itself if the call stored exactly one,
+# else the sequence number, and readers XRANGE)
+# ARGV[5] the largest record (bytes) a feed entry carries inline (FEED_INLINE; "": every
+# record inline), ARGV[6] cluster.tombstone_grace in ms, ARGV[7] the group's expiry index
+# (kvx, same hash tag; an argument for the same reason: see "Expiry" above),
+# ARGV[8..7+N] the N incoming records.
+# Returns one reply per record, in order: {outcome, record L3 holds} (the record "" when L3
+# holds the very bytes pushed: new, newer, equal), or an error (a
+# malformed record: KVCOMMBAD; a stored record of a newer format: KVCOMMCORRUPT; a Redis
+# error met while storing it, WRONGTYPE say): that record alone; the others are pushed,
+# as N calls of one would have been (and, as those, what was written before an error
+# stays: a script is not rolled back).
 PUSH_LUA = r"""
 local EMPTY_EXT = '\128'
-local hinted = false
+local FEED, SEQ, INDEX = KEYS[1], KEYS[2], KEYS[3]
+local N = #KEYS - 3
+local FLAGS, MAXLEN, CHANNEL, HINTS = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local GRACE, XKEY = ARGV[6], ARGV[7]
+local INLINE = tonumber(ARGV[5] or '')  -- (none: every record inline, as before)
+local P = #FEED + 2  -- where the user key starts in a record key
+local stored_n, last_hint, last_seq = 0, nil, nil
 -- the record's deadline (epoch seconds: kvcomm.core.expiry), nil when none
 local function deadline_of(x)
   if type(x) ~= 'string' or #x == 0 then return nil end
@@ -490,8 +513,7 @@ local function note(r, merged)
   if merged then flags = flags .. 'm' end
   return string.format('%d', r.dot[2]) .. ':' .. flags .. ':' .. r.dot[1]
 end
-local INLINE = tonumber(ARGV[7] or '')  -- (none: every record inline, as before)
-local function store(bytes, r, merged, prev)
+local function store(rkey, key, bytes, r, merged, prev)
   -- (a script is not rolled back on error: the record goes last, once its feed entry and
   -- its index entry are in)
   local dead = r.d
@@ -503,121 +525,149 @@ local function store(bytes, r, merged, prev)
   end
   -- (kvx is touched only by records with a deadline or replacing one: a key named in
   -- ARGV that is not local during a slot migration fails the push, which is retried)
-  if ARGV[9] then
+  if XKEY then
     if d ~= nil and not dead then
-      redis.call('ZADD', ARGV[9], d, ARGV[4])
+      redis.call('ZADD', XKEY, d, key)
     elseif d ~= nil or (prev ~= nil and deadline_of(prev.x) ~= nil) then
-      redis.call('ZREM', ARGV[9], ARGV[4])
+      redis.call('ZREM', XKEY, key)
     end
   end
   if dead then
-    redis.call('ZREM', KEYS[4], ARGV[4])
+    redis.call('ZREM', INDEX, key)
     -- the empty member (no key is empty) keeps the index of a group that was ever written
     -- in existence: a push declaring it during a slot migration then finds it where the
     -- group's other keys are, instead of retrying (TRYAGAIN) until the migration ends
-    redis.call('ZADD', KEYS[4], 0, '')
+    redis.call('ZADD', INDEX, 0, '')
   else
-    redis.call('ZADD', KEYS[4], 0, ARGV[4])
+    redis.call('ZADD', INDEX, 0, key)
   end
-  local s = redis.pcall('INCR', KEYS[3])
+  local s = redis.pcall('INCR', SEQ)
   if type(s) ~= 'number' then  -- a foreign value: restart the sequence (readers resync)
-    redis.call('DEL', KEYS[3])
-    s = redis.call('INCR', KEYS[3])
+    redis.call('DEL', SEQ)
+    s = redis.call('INCR', SEQ)
   end
   local hint = s  -- (an inline entry's hint: the group's sequence number; readers XRANGE)
   if INLINE == nil or #bytes <= INLINE then  -- the record itself (the format-1 entry)
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'r', bytes, 's', s)
+    redis.call('XADD', FEED, 'MAXLEN', '~', MAXLEN, '*', 'k', key, 'r', bytes, 's', s)
   else  -- value-less: readers GET the record if they want the key ('q', not 's': a
     -- reader that knows only 's' finds no sequence number and resyncs the group)
     local n = note(r, merged)
-    local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'k', ARGV[4], 'q', s,
-                          'n', n)
+    local id = redis.call('XADD', FEED, 'MAXLEN', '~', MAXLEN, '*', 'k', key, 'q', s, 'n', n)
     -- the hint carries the whole entry ("seq id note key"): a reader that follows the
     -- group's sequence applies it without reading the stream
-    hint = string.format('%d', s) .. ' ' .. id .. ' ' .. n .. ' ' .. ARGV[4]
+    hint = string.format('%d', s) .. ' ' .. id .. ' ' .. n .. ' ' .. key
   end
-  redis.call('SET', KEYS[1], bytes)
-  if d ~= nil and ARGV[8] then
+  redis.call('SET', rkey, bytes)
+  if d ~= nil and GRACE then
     -- kept past its deadline as a tombstone for the grace (so that no replayed older
     -- write comes back), then Redis reclaims it; a later write without one clears this
     -- (a deadline past 2**53 ms, some 285,000 years, is given none: Redis refused the
     -- number, after the record was stored, and the push failed every time: review 14)
-    local at = math.floor(d * 1000) + tonumber(ARGV[8])
+    local at = math.floor(d * 1000) + tonumber(GRACE)
     if at < 9007199254740992 then
-      redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', at))
+      redis.call('PEXPIREAT', rkey, string.format('%.0f', at))
     end
   end
+  stored_n, last_hint, last_seq = stored_n + 1, hint, s
   -- the hint: lost hints cost time (the sweep finds the change), never the change itself;
   -- pcall: a server without sharded pub/sub (Redis 6) still stores the record
-  if ARGV[5] and ARGV[5] ~= '' then
-    redis.pcall('SPUBLISH', ARGV[5], hint)
-    hinted = true
+  if HINTS == 'e' and CHANNEL and CHANNEL ~= '' then
+    redis.pcall('SPUBLISH', CHANNEL, hint)
   end
 end
-local function done(reply)
-  if ARGV[6] == '1' and not hinted and ARGV[5] ~= '' then
-    local s = redis.pcall('GET', KEYS[3])
+-- one record (the i-th): its reply
+local function push(i)
+  local rkey, bytes = KEYS[3 + i], ARGV[7 + i]
+  local key = string.sub(rkey, P)
+  local incoming = read(bytes)
+  if incoming == nil then
+    return redis.error_reply('KVCOMMBAD incoming record is malformed')
+  end
+  local raw = redis.pcall('GET', rkey)
+  if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
+  -- (new, newer: L3 holds the caller's own record, which the reply does not send back)
+  if not raw then
+    store(rkey, key, bytes, incoming, false)
+    return {'new', ''}
+  end
+  local stored, why = read(raw)
+  if stored == nil and why == 'newer' then
+    return redis.error_reply('KVCOMMCORRUPT stored record has a newer format than this ' ..
+                             'host reads; upgrade this host')
+  end
+  if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
+    store(rkey, key, bytes, incoming, false)
+    return {'new', ''}
+  end
+  local a, b = vv(incoming), vv(stored)
+  local a_ge, b_ge = true, true
+  for k, v in pairs(b) do
+    local x = a[k] or 0
+    if x < v then a_ge = false elseif x > v then b_ge = false end
+  end
+  for k, v in pairs(a) do
+    if b[k] == nil then b_ge = false end
+  end
+  if a_ge and b_ge then
+    -- (the very bytes pushed: not sent back, as for new and newer; a replayed backlog)
+    if raw == bytes then return {'equal', ''} end
+    return {'equal', raw}
+  end
+  if a_ge then
+    store(rkey, key, bytes, incoming, false, stored)
+    return {'newer', ''}
+  end
+  if b_ge then return {'older', raw} end
+  if string.sub(FLAGS, i, i) == 's' then return {'conflict', raw} end
+  -- concurrent: last writer wins by (hlc, dot actor, dot counter); vectors merged
+  local win = stored
+  if incoming.h > stored.h or (incoming.h == stored.h and (incoming.dot[1] > stored.dot[1]
+     or (incoming.dot[1] == stored.dot[1] and incoming.dot[2] > stored.dot[2]))) then
+    win = incoming
+  end
+  local merged = {}
+  for k, v in pairs(b) do merged[k] = v end
+  for k, v in pairs(a) do if (merged[k] or 0) < v then merged[k] = v end end
+  local actors = {}
+  for k, _ in pairs(merged) do actors[#actors + 1] = k end
+  table.sort(actors)
+  local flat = {}
+  for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] end
+  -- the winner's fields by name, in format 2; its extension copied as the bytes it was
+  local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
+               dot = {win.dot[1], win.dot[2]}, x = win.x}
+  local packed = cmsgpack.pack(out)
+  store(rkey, key, packed, out, true, stored)
+  return {'merged', packed}
+end
+local replies = {}
+for i = 1, N do
+  -- a Redis error while one record is stored (a foreign type under the group's stream,
+  -- say) is that record's reply; the next records are pushed as if called one by one
+  local ok, reply = pcall(push, i)
+  if not ok then
+    if type(reply) == 'table' and reply.err then
+      reply = redis.error_reply(reply.err)
+    else
+      reply = redis.error_reply(tostring(reply))
+    end
+  end
+  replies[i] = reply
+end
+-- one hint for the call ("l"): the change itself when it is the only one, else the
+-- group's sequence number (also when nothing was stored: an earlier call's changes)
+if HINTS == 'l' and CHANNEL and CHANNEL ~= '' then
+  if stored_n == 1 then
+    redis.pcall('SPUBLISH', CHANNEL, last_hint)
+  elseif last_seq ~= nil then
+    redis.pcall('SPUBLISH', CHANNEL, string.format('%d', last_seq))
+  else
+    local s = redis.pcall('GET', SEQ)
     if type(s) ~= 'string' then s = '0' end
-    redis.pcall('SPUBLISH', ARGV[5], s)
+    redis.pcall('SPUBLISH', CHANNEL, s)
   end
-  return reply
 end
-local incoming = read(ARGV[1])
-if incoming == nil then
-  return redis.error_reply('KVCOMMBAD incoming record is malformed')
-end
-local raw = redis.pcall('GET', KEYS[1])
-if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
--- (new, newer: L3 holds the caller's own record, which the reply does not send back)
-if not raw then
-  store(ARGV[1], incoming, false)
-  return done({'new', ''})
-end
-local stored, why = read(raw)
-if stored == nil and why == 'newer' then
-  return redis.error_reply('KVCOMMCORRUPT stored record has a newer format than this ' ..
-                           'host reads; upgrade this host')
-end
-if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
-  store(ARGV[1], incoming, false)
-  return done({'new', ''})
-end
-local a, b = vv(incoming), vv(stored)
-local a_ge, b_ge = true, true
-for k, v in pairs(b) do
-  local x = a[k] or 0
-  if x < v then a_ge = false elseif x > v then b_ge = false end
-end
-for k, v in pairs(a) do
-  if b[k] == nil then b_ge = false end
-end
-if a_ge and b_ge then return done({'equal', raw}) end
-if a_ge then
-  store(ARGV[1], incoming, false, stored)
-  return done({'newer', ''})
-end
-if b_ge then return done({'older', raw}) end
-if ARGV[2] == 'siblings' then return done({'conflict', raw}) end
--- concurrent: last writer wins by (hlc, dot actor, dot counter); vectors merged
-local win = stored
-if incoming.h > stored.h or (incoming.h == stored.h and (incoming.dot[1] > stored.dot[1]
-   or (incoming.dot[1] == stored.dot[1] and incoming.dot[2] > stored.dot[2]))) then
-  win = incoming
-end
-local merged = {}
-for k, v in pairs(b) do merged[k] = v end
-for k, v in pairs(a) do if (merged[k] or 0) < v then merged[k] = v end end
-local actors = {}
-for k, _ in pairs(merged) do actors[#actors + 1] = k end
-table.sort(actors)
-local flat = {}
-for _, k in ipairs(actors) do flat[#flat + 1] = k; flat[#flat + 1] = merged[k] end
--- the winner's fields by name, in format 2; its extension copied as the bytes it was
-local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
-             dot = {win.dot[1], win.dot[2]}, x = win.x}
-local packed = cmsgpack.pack(out)
-store(packed, out, true, stored)
-return done({'merged', packed})
+return replies
 """
 
 # A group's feed position, read atomically: {sequence number, id of the last entry kept
@@ -809,6 +859,10 @@ class PushResult(NamedTuple):
     outcome: str  # one of OUTCOMES
     record: L3Record  # what L3 holds afterwards (for "conflict": what it holds now)
     durable: bool = True  # a replica acknowledged it (WAIT), so a failover keeps it
+    # new, newer (and equal, when L3 held these very bytes): the record's bytes as pushed,
+    # which L3 holds (a new or newer one's feed entry carries them, when inline): the
+    # pusher can tell its own echo without decoding it
+    sent: bytes = b""
 
 
 class L3Store:
@@ -1076,8 +1130,9 @@ class L3Store:
 
     def push_many(self, items: Sequence[tuple[str, L3Record]],
                   keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
-        """Push many records: one pipeline of script calls per master node, then (with
-        ``wait_replicas``) a WAIT on the same connection. The keys in ``keep_siblings``
+        """Push many records: one pipeline of script calls per master node (a call per
+        group and PUSH_BATCH records of it), then (with ``wait_replicas``) a WAIT on the
+        same connection. The keys in ``keep_siblings``
         get ``conflict`` for a concurrent record (as :meth:`push`).
 
         Returns one answer per item, in order. A key whose stored value is foreign, or
@@ -1110,6 +1165,7 @@ class L3Store:
         deadline = time.monotonic() + self.timeout
         waits = 0
         sent: dict[int, tuple[bytes, L3Record]] = {}  # item → (its encoding, its record)
+        alone: set[int] = set()  # items sent in calls of their own (after a TRYAGAIN)
         while route:
             batches: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
             for i, (node, asking) in route.items():
@@ -1118,7 +1174,7 @@ class L3Store:
             busy = ""
             replies = self._pipelines(
                 [(node, idxs, asking) for (_, asking), (node, idxs) in batches.items()],
-                items, keep_siblings, sent)
+                items, keep_siblings, sent, alone)
             for (_, asking), (node, idxs) in batches.items():
                 raws, durable = replies[node.name, asking]
                 for i, raw in zip(idxs, raws, strict=True):
@@ -1141,7 +1197,11 @@ class L3Store:
                     elif isinstance(raw, TryAgainError) or "NOSCRIPT" in str(raw):
                         # a multi-key call in a slot half migrated, or a node that lost
                         # the script (loaded again by _pipeline): again, by the slot map
+                        # (after a TRYAGAIN one record a call, as before calls took many:
+                        # the call of a whole group would wait for all its keys to move)
                         self.redirects["tryagain"] += "NOSCRIPT" not in str(raw)
+                        if "NOSCRIPT" not in str(raw):
+                            alone.add(i)
                         busy = busy or str(raw)
                         route[i] = (self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
                             self.groups.record_key(key))), False)
@@ -1190,7 +1250,7 @@ class L3Store:
 
     def _pipelines(self, jobs: list[tuple[Any, list[int], bool]],
                    items: Sequence[tuple[str, L3Record]], keep_siblings: Set[str],
-                   sent: dict[int, tuple[bytes, L3Record]],
+                   sent: dict[int, tuple[bytes, L3Record]], alone: Set[int] = frozenset(),
                    ) -> dict[tuple[str, bool], tuple[list[Any], bool]]:
         """:meth:`_pipeline` for each (node, item indexes, asking) of ``jobs``, the
         nodes' pipelines in flight together (threads: each master runs its scripts while
@@ -1199,7 +1259,7 @@ class L3Store:
         once every pipeline has returned: what was pushed stays pushed."""
         def one(node: Any, idxs: list[int], asking: bool) -> tuple[list[Any], bool]:
             return self._call(lambda: self._pipeline(node, items, idxs, keep_siblings,  # type: ignore[no-any-return]
-                                                     asking, sent))
+                                                     asking, sent, alone))
 
         if len(jobs) == 1:
             node, idxs, asking = jobs[0]
@@ -1224,30 +1284,45 @@ class L3Store:
     def _pipeline(self, node: Any, items: Sequence[tuple[str, L3Record]], idxs: list[int],
                   keep_siblings: Set[str], asking: bool = False,
                   sent: dict[int, tuple[bytes, L3Record]] | None = None,
+                  alone: Set[int] = frozenset(),
                   ) -> tuple[list[Any], bool]:
-        """The push script for ``items[idxs]`` on ``node`` (each after ASKING if
-        ``asking``), then ROLE and WAIT on the same connection; the last push of each
-        group hints the group's change for all of them. Returns (one reply or exception
-        per item, whether a replica acknowledged them); ``sent`` gets each item's
-        encoding."""
+        """The push script for ``items[idxs]`` on ``node``: one call per group and
+        PUSH_BATCH records of it, in the items' order (each call after ASKING if
+        ``asking``; the items of ``alone`` in calls of their own), then ROLE and WAIT on
+        the same connection. A group with at most HINT_EACH records here hints each change;
+        one with more is hinted once, by its last call. Returns (one reply or exception per
+        item of ``idxs``, in order: a call refused as a whole, MOVED say, gives each of its
+        items that exception; whether a replica acknowledged them); ``sent`` gets each
+        item's encoding."""
         conn = self.rc.get_redis_connection(node)
         self._load(node, conn, self._script)
         pipe = conn.pipeline(transaction=False)
-        last = {self.groups.of(items[i][0]): i for i in idxs}
-        many = Counter(self.groups.of(items[i][0]) for i in idxs)
+        by_group: dict[int, list[int]] = {}
         for i in idxs:
-            # a group with few pushes here: each change it stores hints its own entry (a
-            # reader need not read the stream); with many (a backlog): the last push hints
-            # the group's change for all of them, as a sequence number (readers XRANGE)
-            each = many[self.groups.of(items[i][0])] <= HINT_EACH
-            keys, args = self._args(items[i][0], items[i][1], items[i][0] in keep_siblings,
-                                    hint=each or i == last[self.groups.of(items[i][0])],
-                                    speak=not each and i == last[self.groups.of(items[i][0])])
-            if sent is not None:
-                sent[i] = (args[0], items[i][1])
-            if asking:  # (it holds for the next command only)
-                pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
-            pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+            by_group.setdefault(self.groups.of(items[i][0]), []).append(i)
+        calls: list[list[int]] = []
+        for g, members in by_group.items():
+            each = len(members) <= HINT_EACH
+            batches: list[list[int]] = [[]]
+            for i in members:  # (in order: a key pushed twice is pushed in that order)
+                if i in alone or len(batches[-1]) >= PUSH_BATCH:
+                    batches.append([])
+                batches[-1].append(i)
+                if i in alone:
+                    batches.append([])
+            batches = [b for b in batches if b]
+            for b, batch in enumerate(batches):
+                keys, args = self._batch_args(
+                    g, [(items[i][0], items[i][1], items[i][0] in keep_siblings) for i in batch],
+                    # (a backlog: the group's last call hints for all of them)
+                    hint=each or b == len(batches) - 1, each=each)
+                if sent is not None:
+                    for n, i in enumerate(batch):
+                        sent[i] = (args[7 + n], items[i][1])
+                if asking:  # (it holds for the next command only)
+                    pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
+                pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+                calls.append(batch)
         if self.wait_replicas:
             # wait only for the replicas the master had last time (none: no wait at all)
             want = min(self.wait_replicas, self.connected.get(node.name, self.wait_replicas))
@@ -1260,7 +1335,16 @@ class L3Store:
         if self.wait_replicas:
             acked, role = raws.pop(), raws.pop()
             durable = isinstance(acked, int) and acked >= self._replicas_to_wait(node, role)
-        return (raws[1::2] if asking else raws), durable
+        got: dict[int, Any] = {}
+        for batch, raw in zip(calls, raws[1::2] if asking else raws, strict=True):
+            if isinstance(raw, Exception):  # the call as a whole: each of its records
+                got.update((i, raw) for i in batch)
+            elif not isinstance(raw, list) or len(raw) != len(batch):
+                raise Unavailable(f"Redis Cluster answered a push of {len(batch)} record(s) "
+                                  f"with {raw!r:.200}")
+            else:
+                got.update(zip(batch, raw, strict=True))
+        return [got[i] for i in idxs], durable
 
     def _load(self, node: Any, conn: Any, script: Any) -> None:
         """Load ``script`` on ``node`` once (EVALSHA then finds it)."""
@@ -1746,20 +1830,31 @@ class L3Store:
 
     def _args(self, key: str, record: L3Record, keep_siblings: bool, hint: bool = True,
               speak: bool | None = None) -> tuple[list[bytes | str], list[Any]]:
-        """The push script's keys and arguments. ``hint``: a change this push stores is
-        hinted; ``speak`` (default: ``hint``): this push is the last of its group in its
-        pipeline and announces the group's change even if it stores nothing itself (the
-        earlier ones of the group send none)."""
-        g = self.groups.of(key)
+        """The push script's keys and arguments for one record alone (its reply is a list
+        of one reply). ``hint``: a change this push stores is hinted; ``speak`` (default:
+        ``hint``): the call hints at its end even if it stores nothing (as the last call of
+        a backlog's group does)."""
         speak = hint if speak is None else speak
-        return ([_wire_key(self.groups.record_key(key)), self.groups.feed_key(g),
-                 self.groups.seq_key(g), self.groups.index_key(g)],
-                [record.encode(), "siblings" if keep_siblings else "lww", self.feed_maxlen,
-                 _wire_key(key), self.groups.hint_channel(g) if hint else "",
-                 "1" if speak else "0",
+        return self._batch_args(self.groups.of(key), [(key, record, keep_siblings)],
+                                hint=hint or speak, each=not speak)
+
+    def _batch_args(self, group: int, records: Sequence[tuple[str, L3Record, bool]],
+                    hint: bool = True, each: bool = True,
+                    ) -> tuple[list[bytes | str], list[Any]]:
+        """The push script's keys and arguments for ``records`` (key, record, keep
+        siblings), every key of ``group``, in order (see PUSH_LUA). ``hint``: the call
+        hints its changes on the group's channel (``each``: each change its own entry;
+        else once, at the end of the call, even if it stores nothing). Raises
+        CorruptRecord when a key cannot be sent."""
+        g = self.groups
+        return ([g.feed_key(group), g.seq_key(group), g.index_key(group),
+                 *(_wire_key(g.record_key(k)) for k, _, _ in records)],
+                ["".join("s" if s else "l" for _, _, s in records), self.feed_maxlen,
+                 g.hint_channel(group) if hint else "", "e" if each else "l",
                  # ("": every entry inline, as a daemon before value-less ones)
                  "" if self.feed_inline is None else self.feed_inline,
-                 self.tombstone_grace_ms, self.groups.expiry_key(g)])
+                 self.tombstone_grace_ms, g.expiry_key(group),
+                 *(r.encode() for _, r, _ in records)])
 
     def _result(self, key: str, raw: Any, pushed: L3Record,
                 sent: tuple[bytes, L3Record] | None = None,
@@ -1775,8 +1870,8 @@ class L3Store:
             raise CorruptRecord(f"unexpected push reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
-        if outcome in (NEW, NEWER) and data == b"":  # L3 holds what was pushed
-            return PushResult(key, outcome, pushed)
+        if outcome in (NEW, NEWER, EQUAL) and data == b"":  # L3 holds what was pushed
+            return PushResult(key, outcome, pushed, sent=b"" if sent is None else sent[0])
         if sent is not None and data == sent[0]:
             return PushResult(key, outcome, sent[1])
         return PushResult(key, outcome, self.decode(data, key))

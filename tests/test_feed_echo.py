@@ -1,0 +1,69 @@
+"""A daemon's own pushes come back through the feed (every host reads every entry of the
+groups it reads): an inline entry that holds exactly the bytes this daemon pushed and L3
+stored as sent is its own echo, known without decoding or merging it (issue 9: a healed
+host's backlog of 10,000 came back as 10,000 decodes and no-op merges). Anything else of
+the key (another host's write, a merge) is decoded and merged as before; replays of an
+earlier life of the host are covered by tests/test_holdback.py."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from kvcomm.devcluster.redis_cluster import RedisCluster
+from kvcomm.tiers.l3 import L3Store, group_of
+
+from .conftest import wait_for
+from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401
+
+pytestmark = [pytest.mark.redis,
+              pytest.mark.skipif(shutil.which("redis-server") is None,
+                                 reason="redis-server is not installed")]
+
+
+@pytest.fixture
+def host(cluster: RedisCluster) -> Iterator[Host]:
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    h = Host(cluster, "host-e", seed)
+    yield h
+    h.close()
+
+
+def caught_up(h: Host, store: L3Store, keys: list[str]) -> None:
+    groups = {group_of(k) for k in keys}
+
+    def done() -> bool:
+        d = h.daemon
+        seqs = store.feed_seqs(groups)
+        return d is not None and all(d.feed_seqs.get(g) == seqs[g] for g in groups)
+
+    wait_for(done, 20, "the daemon to read its groups' feeds up to date")
+
+
+def test_own_echoes_are_not_decoded_and_other_writes_still_are(host: Host, store: L3Store) -> None:
+    keys = [f"echo/{i}" for i in range(30)]
+    assert host.daemon is not None
+    pulled, echoes = host.stats.pulled, host.stats.extra.get("echoes", 0)
+    for i, k in enumerate(keys):
+        host.kv.put(k, i)
+    wait_for(lambda: all(store.get(k) is not None for k in keys), 20, "the writes in L3")
+    caught_up(host, store, keys)
+    wait_for(lambda: not any(k in host.daemon.own_sent for k in keys)  # type: ignore[union-attr]
+             , 20, "every echo read")
+    assert host.stats.extra.get("echoes", 0) - echoes >= len(keys)
+    assert host.stats.pulled == pulled  # nothing decoded and merged for them
+    assert [host.kv.get(k) for k in keys] == list(range(len(keys)))
+    # another host's write of the same keys is an entry like any other: merged into L2
+    for i, k in enumerate(keys[:5]):
+        rec = store.get(k)
+        assert rec is not None
+        newer = record(f"theirs-{i}", "host-a", 1, rec.hlc + 1, [*rec.vector, ("host-a", 1)])
+        assert store.push(k, newer).outcome == "newer"
+    for i, k in enumerate(keys[:5]):
+        wait_for(lambda k=k, i=i: host.kv.get(k) == f"theirs-{i}", 20, "the remote write")
+    assert host.stats.pulled >= pulled + 5
+    assert host.alive
