@@ -135,41 +135,73 @@ class ClientBase:
 
     def _check_no_strong_keys(self) -> None:
         """A cluster-mode agent without ``cluster.etcd`` cannot ask etcd which keys the
-        cluster keeps strong, so it asks its host's node daemon: its status file (while
-        fresh) carries the cache.strong_prefixes and cache.l3_consistency it runs with,
-        checked against etcd's when it started. An agent that would treat the cluster's
-        strong keys as eventual ones must not start. Raises ConfigError; the client is
-        then closed. With no daemon running (no fresh status), every write asks again
-        (:meth:`_recheck_strong`) until one says."""
+        cluster keeps strong, so it reads L3's copy of etcd's record (every daemon with
+        ``cluster.etcd`` copies it at start: L3Store.strong_config), through the L3
+        client it opens anyway. An agent that would treat the cluster's strong keys as
+        eventual ones must not start: raises ConfigError (the cluster keeps strong keys;
+        a junk copy in L3), and the client is then closed.
 
-        self._etcd_unreachable()  # (opens the status reader)
-        st = self._status_reader.status()
-        if st is None:
+        When L3 cannot answer (within 2 x cluster.timeout), or holds no copy (no daemon
+        with etcd started since the copy existed), or the host's daemon says it is in
+        partition mode, it asks that daemon instead: its status file (while fresh)
+        carries the cache.strong_prefixes and cache.l3_consistency it runs with. With no
+        daemon status either, every write asks the status again (:meth:`_recheck_strong`)
+        until one says: never written as eventual while nobody has said."""
+        from ..errors import ConfigError, Unavailable
+
+        st = self._host_status().status()
+        found: tuple[list[str], str] | None = None
+        if st is None or not st.get("partition"):  # (cut off: do not wait for L3)
+            try:
+                l3 = self._l3_store()  # type: ignore[attr-defined]
+            except (Unavailable, ConfigError):
+                l3 = None  # (a ConfigError of L3's own, cluster.groups: the first miss's)
+            try:
+                found = None if l3 is None else l3.strong_config()
+            except Unavailable:
+                found = None  # (the status file decides, as below)
+            except ConfigError:
+                self._refuse_open()
+                raise
+        if found is not None:
+            st = {"strong_prefixes": found[0], "l3_consistency": found[1]}
+            source = "says L3's copy of etcd's record, kvm:strong"
+        elif st is None:
             # no daemon yet (starting, restarting): every write asks again until one says
             # (_is_strong), or strong keys would be written into L2 as eventual ones
             self._strong_unknown = self._strong_on = True
             return
-        refused = self._strong_refused(st)
+        else:
+            source = f"says the node daemon of host {st.get('host')!r}"
+        refused = self._strong_refused(st, source)
         if refused is not None:
-            process_budget().unregister(self.config.cache.l1_size)
-            _Shared.release(self._attached)
-            self._closed = self._unusable = True
+            self._refuse_open()
             raise refused
 
+    def _refuse_open(self) -> None:
+        """Release what the constructor took (a refused open leaves nothing behind)."""
+        if self._l3 is not None:
+            self._l3.close()
+            self._l3 = None
+        process_budget().unregister(self.config.cache.l1_size)
+        _Shared.release(self._attached)
+        self._closed = self._unusable = True
+
     @staticmethod
-    def _strong_refused(st: dict[str, Any]) -> Exception | None:
-        """The ConfigError for an agent without ``cluster.etcd`` on a host whose daemon's
-        status ``st`` says the cluster keeps strong keys, or None."""
+    def _strong_refused(st: dict[str, Any], source: str = "") -> Exception | None:
+        """The ConfigError for an agent without ``cluster.etcd`` in a cluster that keeps
+        strong keys, as ``st`` (a daemon's status, or L3's copy) says, or None.
+        ``source`` names who said it."""
         from ..errors import ConfigError
 
         theirs = st.get("strong_prefixes") or []
         if not (theirs or st.get("l3_consistency") == "strong"):
             return None
+        source = source or f"says the node daemon of host {st.get('host')!r}"
         return ConfigError("cluster.etcd", f"the cluster keeps strong keys in etcd "
                            f"(cache.strong_prefixes {theirs}, cache.l3_consistency "
-                           f"{st.get('l3_consistency')!r}, says the node daemon of host "
-                           f"{st.get('host')!r}) and this config lists no etcd members: "
-                           "give this agent the host's cluster.etcd and "
+                           f"{st.get('l3_consistency')!r}, {source}) and this config lists "
+                           "no etcd members: give this agent the host's cluster.etcd and "
                            "cache.strong_prefixes")
 
     def _recheck_strong(self) -> None:

@@ -48,7 +48,13 @@ a stale value and no merge can bring one back.
 
 The prefixes are the cluster's: the first daemon (or agent) records them in etcd under
 ``kvc/config/strong_prefixes``; one whose config disagrees raises ConfigError
-(:func:`check_prefixes`).
+(:func:`check_prefixes`). Every node daemon with ``cluster.etcd`` copies what etcd
+records into L3 (``kvm:strong``) at start; an agent without ``cluster.etcd`` reads that
+copy when it opens and refuses (ConfigError) when the cluster keeps strong keys. Only
+when L3 cannot answer then, holds no copy, or the host is in partition mode does it go by
+its host daemon's status file instead (``_client/base.py`` ``_check_no_strong_keys``):
+the agent must never write a strong key as an eventual one, and the daemon's status is
+the one other witness that does not need etcd.
 """
 
 from __future__ import annotations

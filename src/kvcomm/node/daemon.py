@@ -1189,6 +1189,24 @@ class Daemon:
         self.l3.close()
 
 
+def _copy_strong_config(kv: Client, l3: L3Store) -> None:
+    """Make L3's copy of which keys the cluster keeps strong (L3Store.strong_config, read
+    by agents without cluster.etcd) equal etcd's: once etcd confirmed (or recorded) this
+    host's cache.strong_prefixes and cache.l3_consistency, they are the cluster's. Raises
+    ConfigError when etcd records others (the host must not start). When etcd cannot
+    answer now, L3's copy is left as it is (logged): the next daemon start copies it."""
+    strong = getattr(kv, "_strong", None)
+    if strong is None:
+        return
+    c = kv.config.cache
+    try:
+        strong.check()  # (done at kv's open unless etcd was out of reach then)
+        l3.record_strong_config(c.strong_prefixes, c.l3_consistency)
+    except Unavailable as exc:
+        log.warning("L3's copy of the cluster's strong prefixes not checked against "
+                    "etcd's (%s): agents without cluster.etcd read the copy as it is", exc)
+
+
 class NodeDaemon(Daemon):
     """The daemon of a host, over its real L2 (a client of the host's namespace), its
     key filter and the Redis Cluster named in ``config``.
@@ -1216,6 +1234,8 @@ class NodeDaemon(Daemon):
             l3 = L3Store.from_config(cl, max_value_size=c.max_value_size, daemon=True)
             l3.check_groups(record=True)  # (a ConfigError for another count: not retried)
             _index_l3(l3)
+            if cl.etcd:
+                _copy_strong_config(self.kv, l3)
             for prefix, fn in resolvers.items():  # the operator's own code, named in config
                 port.register_resolver(prefix, fn)  # (agents of the host register theirs)
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,

@@ -179,6 +179,7 @@ bytes pushed: L3 holds the caller's own record.
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import re
 import threading
@@ -225,6 +226,10 @@ INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
 NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
 META_GROUPS = "kvm:groups"  # the group count L3 was initialised with
 META_INDEX = "kvm:index"  # set once the key index covers every record (backfill_index)
+# which keys the cluster keeps strong, copied from etcd (kvc/config/*) by every daemon that
+# checked its config there, for agents without cluster.etcd (L3Store.strong_config)
+META_STRONG = "kvm:strong"
+STRONG_MAX = 65536  # the most bytes of META_STRONG read: more is not a value we wrote
 # Redis commands one push costs (as INFO counts them, a script's own calls included):
 PUSH_STORED = 6  # GET, ZADD, INCR, XADD, SET, SPUBLISH (a delete: ZREM and ZADD: 7)
 PUSH_KEPT = 1  # GET (equal, older, conflict: nothing stored)
@@ -988,6 +993,50 @@ class L3Store:
         return self.groups.of(key)
 
     # ------------------------------------------------------------------ the group count
+
+    def record_strong_config(self, prefixes: Sequence[str], default: str) -> None:
+        """Record which keys the cluster keeps strong (``cache.strong_prefixes`` and
+        ``cache.l3_consistency``) in L3's :data:`META_STRONG`, replacing what is there. Only
+        a daemon whose config etcd just confirmed calls it: etcd holds the cluster's
+        choice, this is its copy for agents without ``cluster.etcd``. Raises Unavailable
+        (nothing written)."""
+        doc = {"strong_prefixes": sorted(set(prefixes)), "l3_consistency": default}
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        self._call(lambda: self.rc.set(META_STRONG, data), META_STRONG)
+
+    def strong_config(self) -> tuple[list[str], str] | None:
+        """The cluster's strong prefixes and ``cache.l3_consistency`` as L3's copy of etcd's
+        records them (:meth:`record_strong_config`), or None when none is recorded (no
+        daemon with ``cluster.etcd`` has started since KVCOMM copied it; an empty value
+        reads the same). Raises ConfigError when :data:`META_STRONG` holds anything else
+        (not JSON, over STRONG_MAX bytes, not a string, wrong types: parsed as JSON data
+        only, never run), Unavailable when L3 cannot be reached."""
+        def bad(what: str) -> ConfigError:
+            return ConfigError("cluster.etcd", f"L3's {META_STRONG} (which keys the cluster "
+                               f"keeps strong, copied from etcd) {what}: it was not written "
+                               "by KVCOMM; give this agent the host's cluster.etcd (it then "
+                               f"asks etcd), or DEL {META_STRONG} and restart a node daemon "
+                               "that has cluster.etcd (it copies etcd's again)")
+
+        try:
+            raw = self._call(lambda: self.rc.getrange(META_STRONG, 0, STRONG_MAX), META_STRONG)
+        except CorruptRecord:  # (WRONGTYPE: a list, a hash... under that name)
+            raise bad("is not a string") from None
+        if not raw:
+            return None
+        if len(raw) > STRONG_MAX:
+            raise bad(f"is over {STRONG_MAX} bytes")
+        try:
+            doc = json.loads(bytes(raw).decode("utf-8"))
+        except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+            raise bad(f"is not JSON ({bytes(raw)[:40]!r})") from None
+        prefixes = doc.get("strong_prefixes") if isinstance(doc, dict) else None
+        default = doc.get("l3_consistency") if isinstance(doc, dict) else None
+        if (not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes)
+                or default not in ("eventual", "strong")):
+            raise bad("is not {\"strong_prefixes\": [str, ...], \"l3_consistency\": "
+                      "\"eventual\" | \"strong\"}")
+        return sorted(set(prefixes)), str(default)
 
     def check_groups(self, record: bool = False) -> int:
         """Check ``cluster.groups`` against the count L3 was initialised with; with
