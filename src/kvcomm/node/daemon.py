@@ -622,20 +622,26 @@ class Daemon:
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
         counters: dict[int, int | None] = {}
+        tails: dict[int, bytes | None] = {}  # (the id of each stream's last entry)
         with self._metered("sweep"):
             if poll.check:
-                counters = self.l3.feed_seqs(poll.check)
+                with_tails = self.inb.tails_for(poll)
+                heads = dict(self.l3.feed_heads(with_tails)) if with_tails else {}
+                if poll.check - with_tails:
+                    heads.update(self.l3.feed_heads(poll.check - with_tails, tails=False))
+                counters = {g: seq for g, (seq, _) in heads.items()}
+                tails = {g: tail for g, (_, tail) in heads.items()}
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
             self._verify_hinted(counters)
-        read = self.inb.to_read(counters)
+        read = self.inb.to_read(counters, tails)
         noted = self.inb.take_noted()  # (entries hints carried, of groups not read now)
         if not read and not noted:
             return
         self.stats.hinted += len(read - counters.keys())
         self.stats.swept += len(read & counters.keys())
         try:
-            self._pull(read, noted, counters)
+            self._pull(read, noted, counters, tails)
         except BaseException:  # (Unavailable, say) the noted groups are read next time
             self.inb.hinted(noted)
             raise
@@ -663,16 +669,20 @@ class Daemon:
                 self._resync({g}, reason="false_hint")
 
     def _pull(self, read: set[int], noted: dict[int, list[FeedEntry]],
-              counters: dict[int, int | None]) -> None:
+              counters: dict[int, int | None],
+              tails: Mapping[int, bytes | None] | None = None) -> None:
         """Read the feeds of ``read`` and apply their entries and the ``noted`` ones (by
         group, entries that hints carried). Raises Unavailable."""
         problems: dict[str, set[int]] = {}
         readings: list[tuple[int, Reading, int]] = []
         feeds: dict[int, list[FeedEntry] | CorruptRecord] = {}
+        checked: dict[int, bool] = {}  # group -> its stream lost the cursor's entry
         if read:
             with self._metered("feed"):
                 feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
-                                          count=FEED_COUNT)
+                                          count=FEED_COUNT, verify=self.inb.verify & read,
+                                          checked=checked)
+            self.inb.verified(g for g, lost in checked.items() if not lost)
         for g, entries in noted.items():  # (in sequence, each after the last read: examined)
             self.stats.bump("hint_entries", len(entries))
             self.hint_placed.add(g)  # (verified by the group's next sweep: _verify_hinted)
@@ -682,7 +692,8 @@ class Daemon:
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 self.inb.read(g, 0)
                 continue
-            readings.append((g, self.inb.examine(g, rows, counters.get(g)), len(rows)))
+            readings.append((g, self.inb.examine(g, rows, counters.get(g), (tails or {}).get(g),
+                                                 lost=checked.get(g, False)), len(rows)))
         # the records of the value-less entries this host wants, in one batch, before any
         # entry is applied or cursor advanced (Unavailable: the poll is made again)
         fetched = self._fetch_wanted([e for _, r, _ in readings for e in r.entries])

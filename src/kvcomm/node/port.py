@@ -155,12 +155,21 @@ class L3Port(Protocol):
         in order: CorruptRecord for a key whose stored value is not a record of ours."""
 
     def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
+                  verify: Set[int] = frozenset(), checked: dict[int, bool] | None = None,
                   ) -> dict[int, list[FeedEntry] | CorruptRecord]:
         """Each group's change-feed entries after its cursor (at most ``count``), or a
-        CorruptRecord for a group whose stream is not ours."""
+        CorruptRecord for a group whose stream is not ours. For each group of ``verify``
+        whose cursor could be checked, ``checked`` gets whether its stream lost the
+        cursor's entry while keeping an older one."""
 
     def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         """Each group's sequence number now (0: no change yet; None: not a number)."""
+
+    def feed_heads(self, groups: Iterable[int], tails: bool = True,
+                   ) -> dict[int, tuple[int | None, bytes | None]]:
+        """Each group's (sequence number, id of its stream's last entry) now, read
+        together: :meth:`feed_seqs` with each stream's tail (None: not asked for, no
+        entry, or not known)."""
 
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         """(sequence number, id of the last entry kept or ``0-0``), read atomically.
