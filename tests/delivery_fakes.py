@@ -426,6 +426,16 @@ class FakeL2:
             return L3Record(rec.hlc, True, 0, b"", b"", rec.vector, dot)
         return L3Record(rec.hlc, False, *rec.value, rec.vector, dot)
 
+    def held_record(self, key: str) -> L3Record | None:
+        rec = self.recs.get(key)
+        counter = 0 if rec is None else vector_get(rec.vector, self.host_id)
+        if rec is None or counter == 0:
+            return None
+        dot = (self.host_id, counter)
+        if rec.value is None:
+            return L3Record(rec.hlc, True, 0, b"", b"", rec.vector, dot)
+        return L3Record(rec.hlc, False, *rec.value, rec.vector, dot)
+
     def mark_delivered(self, key: str, record: L3Record) -> bool:
         rec = self.recs.get(key)
         if (rec is None or not rec.dirty or rec.hlc != record.hlc

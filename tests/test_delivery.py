@@ -78,6 +78,30 @@ def test_a_window_is_pushed_once_closed_and_accepted_writes_are_delivered() -> N
     assert not out.staged and out.delivered() == 5
 
 
+def test_a_repush_goes_out_in_the_windows_and_an_older_or_equal_answer_ends_it() -> None:
+    """A record L3 lost (Daemon._resync) is staged like a write: pushed in a window (in
+    batches of max_ops); a key with a staged write keeps that write; an ``older``
+    answer (a later delete covers it) takes L3's record, an ``equal`` one (another host
+    re-pushed it first) nothing; neither stages it again."""
+    out = outbound(cursor=7, max_ops=2)
+    newer = rec("h", 9)
+    out.read(7, [("staged", newer)], now=0.0)
+    x, y, z = rec("h", 3), rec("h", 4), rec("h", 5)  # (z: another host's re-push was first)
+    assert not out.repush("staged", rec("h", 2), 0.0)  # (its staged write descends from it)
+    assert out.repush("x", x, 0.0) and out.repush("y", y, 0.0) and out.repush("z", z, 0.0)
+    assert out.delivered() == 7  # (nothing of L2's feed waits on a re-push)
+    first = out.next_push(0.0, no_resolver)
+    assert first is not None and [i.key for i in first.items] == ["staged", "x"]
+    out.pushed(first, [ok(newer, NEW, "staged"), ok(x, NEWER, "x")], 0.0, WSEQ)
+    second = out.next_push(0.0, no_resolver)
+    assert second is not None and [i.key for i in second.items] == ["y", "z"]
+    tomb = rec("b", 1, vector={"h": 4}, tomb=True)
+    answers = out.pushed(second, [ok(tomb, OLDER, "y"), ok(z, EQUAL, "z")], 0.0, WSEQ)
+    assert [(a.outcome, a.take) for a in answers] == [(OLDER, tomb), (EQUAL, None)]
+    assert not out.staged and out.next_push(1.0, no_resolver) is None
+    assert out.delivered() == 7
+
+
 def test_windows_waiting_together_go_out_in_one_push_each_key_once() -> None:
     """A backlog (windows closed while L3 was away) is sent MERGE windows per push: the
     keys of the first ``merge`` waiting windows, each once with its latest record; the

@@ -14,7 +14,10 @@ does the same), so X's id is past any id the new master gives: the next change t
 X's sequence number at an id *before* the host's cursor — invisible to a read after
 the cursor, and its counter equal to the host's last number.
 
-A host must still converge: every host's L2 value equals L3's final value.
+A host must still converge: every host's L2 value equals L3's final value. And when X
+was an acknowledged write of a host (its push answered with no replica holding it), the
+failover must not leave it only on the hosts that hold it: the writer's resync pushes
+it again, unless L3 has since taken a record that covers it (a later delete).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import pytest
 
 from kvcomm.devcluster.redis_cluster import RedisCluster, command
-from kvcomm.tiers.l3 import PUSH_LUA, L3Store, feed_key, group_of
+from kvcomm.tiers.l3 import PUSH_LUA, L3Record, L3Store, feed_key, group_of
 
 from .conftest import wait_for
 from .daemon_harness import Host, record, store_fixture  # noqa: F401 (fixtures)
@@ -47,7 +50,7 @@ AHEAD_MS = 3_600_000  # the old master's stream ids run an hour ahead
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisCluster]:
     """A Redis Cluster of this module's own, a shard per test (see _USED)."""
-    with RedisCluster(masters=4) as c:
+    with RedisCluster(masters=7) as c:
         yield c
 
 
@@ -143,6 +146,41 @@ class Scene:
         self.holds(self.key, "v2", "the host to read X (v2)")
         wait_for(lambda: h.daemon is not None and h.daemon.inb.cursors.get(g) == self.x_id
                  and h.daemon.inb.seqs.get(g) == seq0 + 1, 10, "the host to be positioned at X")
+
+    def write_x_here(self, reader: Host) -> None:
+        """v1 (replicated, written by host-a), then X = v2 put by the scene's host itself:
+        its daemon's push runs unreplicated on the master (a master whose replica is
+        disconnected: the push waits for none) and is acknowledged, so X is clean in the
+        host's L2. ``reader``, another host, reads both and holds X too."""
+        h, store, g = self.h, self.store, self.g
+        self.put(self.key, "v1", 1)
+        self.holds(self.key, "v1", "the host to hold v1")
+        wait_for(lambda: reader.kv.get(self.key) == f"v1{self.pad}", 15, "the reader to hold v1")
+        seq0 = store.feed_seqs([g])[g]
+        assert seq0 is not None
+        self.seq0 = seq0
+        self.cluster.wait_replicated()  # (v1 is on the replica: only X is lost)
+        conn = store.rc.get_redis_connection(
+            store.rc.get_node(host="127.0.0.1", port=self.master))
+        ahead = f"{int(time.time() * 1000) + AHEAD_MS}-0"
+        conn.eval(UNREPLICATED + "return redis.call('XSETID', KEYS[1], ARGV[1])", 1,
+                  feed_key(g), ahead)
+        d = h.daemon
+        assert d is not None and isinstance(d.l3, L3Store)
+        script = d.l3._script
+        d.l3._script = d.l3.rc.register_script(UNREPLICATED + PUSH_LUA)
+        try:
+            accepted = d.stats.accepted
+            h.kv.put(self.key, f"v2{self.pad}")
+            wait_for(lambda: d.stats.accepted > accepted and d.port.dirty_count() == 0, 10,
+                     "the host's push of X to be acknowledged (X clean in its L2)")
+        finally:
+            d.l3._script = script
+        self.x_id = store.feed(g, count=100_000)[-1].id
+        assert self.x_id > ahead.encode()
+        wait_for(lambda: reader.kv.get(self.key) == f"v2{self.pad}", 15, "the reader to read X")
+        wait_for(lambda: d.inb.seqs.get(g) == seq0 + 1, 10, "the host to read its X's entry")
+        assert d.port.held_record(self.key) is not None  # (X carries the host's dot)
 
     def fail_over(self) -> None:
         """The replica, which never got X, takes over; asserts that X and its sequence
@@ -288,25 +326,74 @@ def _try(fn: Any) -> Any:
         return None
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known, not fixed: an acknowledged write that a "
-                   "failover lost stays in the L2 of every host that holds it (newer than "
-                   "what L3 went back to) while L3 and new readers have the older value")
-def test_an_acknowledged_write_lost_by_a_failover_leaves_hosts_apart(
+def test_an_acknowledged_write_lost_by_a_failover_is_pushed_again(
         cluster: RedisCluster, store: L3Store, seed: int) -> None:
     """X was acknowledged with no replica holding it (``cluster.wait_replicas`` 0, or a
     master whose replicas were all disconnected: a push then waits for none), and the
-    failover lost it; nothing is written afterwards. The host resyncs the group (its
-    counter went back) and re-reads the key, but L3's record is older than the one it
-    holds: it keeps X's value, L3 holds v1. Nothing re-sends X (its writer marked it
-    delivered), so the two never meet: eventual convergence fails. (A reproduction for
-    the record; it fails by timing out.)"""
+    failover lost it; nothing is written afterwards. The writer host resyncs the group
+    (its counter went back), finds L3's record (v1) older than the X it holds, and
+    pushes X again: L3, a new reader, the writer and another host that held X all end
+    on X. (Without the re-push every host holding X kept it while L3 stayed on v1.)"""
     s = Scene(cluster, store, seed, "acked", value_less=False)
+    reader = Host(cluster, f"fo-acked-reader-{seed % 1000}", seed + 1)
     try:
-        s.read_x()
+        s.write_x_here(reader)
         s.fail_over()
+        assert store.get(s.key).decode_value(s.key) == "v1"  # (X is gone from L3)
         wait_for(lambda: s.h.stats.extra.get("resync_rewind", 0) >= 1, 10,
                  "the host to see the rewind")
-        s.holds(s.key, "v1", "the host to hold L3's value again (v1)")
+        wait_for(lambda: s.h.stats.extra.get("repushed", 0) >= 1, 10, "the host to re-push X")
+        wait_for(lambda: _try(lambda: store.get(s.key).decode_value(s.key)) == "v2", 10,
+                 "L3 to hold X again")
+        assert s.h.kv.get(s.key) == "v2" and reader.kv.get(s.key) == "v2"
+        late = Host(cluster, f"fo-acked-late-{seed % 1000}", seed + 2)
+        try:
+            assert late.kv.get(s.key) == "v2"  # (a new reader, from L3)
+        finally:
+            late.close()
+        assert s.h.alive and reader.alive, (s.h.error, reader.error)
     finally:
+        reader.close()
+        s.close()
+
+
+def test_a_lost_write_deleted_since_is_not_pushed_back(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """As above, but between the failover and the writer's resync (its checks held at a
+    gate) another host, which had read X, deletes the key: its tombstone covers X and
+    is stored over v1 (taking X's sequence number). The writer's resync finds L3's
+    tombstone newer than its X: it takes the delete and pushes nothing; the key stays
+    deleted everywhere."""
+    s = Scene(cluster, store, seed, "deleted", value_less=False)
+    reader = Host(cluster, f"fo-deleted-reader-{seed % 1000}", seed + 1)
+    try:
+        s.write_x_here(reader)
+        d = s.h.daemon
+        assert d is not None
+        x = d.port.held_record(s.key)
+        assert x is not None
+        gate = s.hold_checks()
+        s.fail_over()
+        vector = dict(x.vector)
+        vector["host-b"] = 1
+        tomb = L3Record(x.hlc + 1, True, 0, b"", b"", tuple(sorted(vector.items())),
+                        ("host-b", 1))
+        out = store.push(s.key, tomb)
+        assert out.outcome == "newer", out.outcome  # (over v1: X is gone)
+        gate.set()
+        wait_for(lambda: s.h.stats.extra.get("resync_rewind", 0) >= 1, 10,
+                 "the host to see the rewind")
+        wait_for(lambda: s.h.kv.get(s.key) is None and not d.inb.pending, 10,
+                 "the host to take the delete, its resync done")
+        wait_for(lambda: reader.kv.get(s.key) is None, 10, "the reader to take the delete")
+        assert s.h.stats.extra.get("repushed", 0) == 0, s.h.stats
+        rec = store.get(s.key)
+        assert rec is not None and rec.tombstone, rec  # (not resurrected)
+        # and were X sent again anyway (a host that had not yet read the delete), the
+        # push script's vector compare refuses it: the delete covers it
+        assert store.push(s.key, x).outcome == "older"
+        assert store.get(s.key) == rec
+        assert s.h.alive and reader.alive, (s.h.error, reader.error)
+    finally:
+        reader.close()
         s.close()

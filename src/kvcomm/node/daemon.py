@@ -112,7 +112,7 @@ from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
-from ..core.versions import SkewMonitor, vector_get
+from ..core.versions import Ordering, SkewMonitor, compare_vectors, vector_get
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
@@ -598,9 +598,44 @@ class Daemon:
             if self.inb.positioned(g, seq, last_id):  # the missed entries may have made keys
                 self._scan_into(lambda kb: self._scanned(kb, held), self.l3.scan_group(g))
                 self.inb.scanned(g)
+        rewound = reason == "rewind"
         for key in sorted(held):
-            self._guarded(key, "resync", self._fetch_and_apply, key, True)
+            self._guarded(key, "resync", self._resync_key, key, rewound)
         self.inb.resynced(groups)
+
+    def _resync_key(self, key: str, rewound: bool) -> bool:
+        """Re-read ``key`` from L3 into L2 (a tombstone too); then, when L2 holds a record
+        with this host's dot that L3's does not cover (newer, or concurrent), push that
+        record again (:meth:`Outbound.repush`; counted ``repushed``). L3 lost an
+        acknowledged write — a failover that promoted a replica without it
+        (``cluster.wait_replicas`` 0, or fewer replicas connected than asked): every host
+        holding it merged L3's older record under it and kept it, and nothing else sends
+        it again. The push script decides as for any push (a record L3 holds that covers
+        it — a later delete — answers ``older`` and L2 takes it; ``equal``: another host
+        re-pushed it first), and nothing re-stages a re-push: no loop. A key L3 has no
+        record of is sent again only after a ``rewound`` feed (the lost write may have
+        created it; otherwise an absent key is an expired record Redis reclaimed, or an
+        operator's wipe, not to be undone), and never a record past its deadline.
+        Returns whether L3 had a record. Raises Unavailable and what ``_apply`` raises."""
+        rec = self.l3.get(key)
+        if rec is not None:
+            self._apply_or_forget(key, rec)
+        held = self.port.held_record(key)
+        if held is None:  # (absent, or no dot of this host: its writer re-pushes it)
+            return rec is not None
+        if rec is None:
+            if not rewound or held.tombstone:
+                return False
+        elif compare_vectors(held.vector, rec.vector) in (Ordering.BEFORE, Ordering.EQUAL):
+            return True
+        deadline = held.deadline
+        if deadline is not None and deadline <= self.wall():
+            return rec is not None
+        if self.out.repush(key, held, self.clock()):
+            self.stats.bump("repushed")
+            log.warning("L3 lost a write of %r that this host holds (its record there is %s):"
+                        " pushing it again", key, "gone" if rec is None else "older or concurrent")
+        return rec is not None
 
     def _scanned(self, kb: bytes, held: set[str]) -> None:
         """A key exists in L3: into the key filter; and if L2 holds it, a tombstone

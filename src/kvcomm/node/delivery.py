@@ -269,6 +269,18 @@ class Outbound:
                 self._stage(key, record, since, now)
         self.cursor = cursor
 
+    def repush(self, key: str, record: L3Record, now: float) -> bool:
+        """Send ``record``, a record L2 holds (clean: already acknowledged once) that L3
+        lost, again: staged like a local write, so that it goes out in the normal windows
+        and batches and its answer is carried out like any push's (an ``older`` or
+        ``equal`` answer ends it: nothing re-stages a re-push). A key with a staged record
+        keeps it (that newer write descends from ``record``). Returns whether it was
+        staged."""
+        if key in self.staged:
+            return False
+        self._stage(key, record, self.cursor, now)
+        return True
+
     def delivered(self) -> int:
         """The local feed position before which every write is in L3: the one to persist."""
         return min(self._since) if self._since else self.cursor

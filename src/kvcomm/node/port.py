@@ -62,6 +62,11 @@ class HostL2(Protocol):
     def dirty_record(self, key: str) -> L3Record | None:
         """The key's record as an L3 record if it is dirty, else None."""
 
+    def held_record(self, key: str) -> L3Record | None:
+        """The key's record as an L3 record, dirty or clean, if its vector has an entry of
+        this host (its dot: the record is this host's write or descends from one); else
+        None (absent, or never written here). For a re-push (``Daemon._resync``)."""
+
     def mark_delivered(self, key: str, record: L3Record) -> bool:
         """L3 has ``record``: clear the dirty flag if the key still holds that write."""
 
@@ -242,14 +247,22 @@ class ClientPort:
         return self.seg.dirty_count
 
     def dirty_record(self, key: str) -> L3Record | None:
+        return self._record(key, dirty=True)
+
+    def held_record(self, key: str) -> L3Record | None:
+        return self._record(key, dirty=False)
+
+    def _record(self, key: str, dirty: bool) -> L3Record | None:
         from ..tiers.l3 import EMPTY_EXT, L3Record
 
         kb = key.encode("utf-8", "surrogateescape")
         h = key_hash(kb)
         for _ in range(100):
             rec = self.seg.read(kb, h)
-            if rec is None or not self.seg.is_dirty(rec.word):
+            if rec is None or (dirty and not self.seg.is_dirty(rec.word)):
                 return None  # evicted (clean), or not an agent's write (already in L3)
+            if not dirty and rec.counter == 0:
+                return None  # no entry of this host: no dot of its own to push it under
             ver = self.seg.version(kb, h)  # the extension field, of the same write
             if ver is not None and (ver[3], ver[4]) == (rec.counter, rec.hlc):
                 break
