@@ -429,7 +429,7 @@ class FakeL2:
     def held_record(self, key: str) -> L3Record | None:
         rec = self.recs.get(key)
         counter = 0 if rec is None else vector_get(rec.vector, self.host_id)
-        if rec is None or counter == 0:
+        if rec is None or rec.dirty or counter == 0:
             return None
         dot = (self.host_id, counter)
         if rec.value is None:

@@ -63,9 +63,10 @@ class HostL2(Protocol):
         """The key's record as an L3 record if it is dirty, else None."""
 
     def held_record(self, key: str) -> L3Record | None:
-        """The key's record as an L3 record, dirty or clean, if its vector has an entry of
-        this host (its dot: the record is this host's write or descends from one); else
-        None (absent, or never written here). For a re-push (``Daemon._resync``)."""
+        """The key's clean record (one L3 acknowledged) as an L3 record, if its vector has
+        an entry of this host (its dot: the record is this host's write or descends from
+        one); else None (absent, dirty — the normal push path sends it — or never written
+        here). For a re-push of what L3 lost (``Daemon._resync_key``)."""
 
     def mark_delivered(self, key: str, record: L3Record) -> bool:
         """L3 has ``record``: clear the dirty flag if the key still holds that write."""
@@ -259,8 +260,9 @@ class ClientPort:
         h = key_hash(kb)
         for _ in range(100):
             rec = self.seg.read(kb, h)
-            if rec is None or (dirty and not self.seg.is_dirty(rec.word)):
-                return None  # evicted (clean), or not an agent's write (already in L3)
+            if rec is None or self.seg.is_dirty(rec.word) != dirty:
+                return None  # evicted (clean), or not an agent's write (already in L3);
+                # (held_record: a dirty one is the normal push path's)
             if not dirty and rec.counter == 0:
                 return None  # no entry of this host: no dot of its own to push it under
             ver = self.seg.version(kb, h)  # the extension field, of the same write
