@@ -187,17 +187,28 @@ class FakeL3:
     # --- reads
 
     def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
+                  verify: Set[int] = frozenset(), checked: dict[int, bool] | None = None,
                   ) -> dict[int, list[FeedEntry] | CorruptRecord]:
         self._call("feed_many")
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
         for g, cursor in cursors.items():
             after = _id_num(cursor)
+            if g in verify and checked is not None:
+                at = [e.id for e in self.streams[g] if _id_num(e.id) <= after]
+                checked[g] = bool(at) and at[-1] != cursor  # (lost; an older one kept)
             out[g] = [e for e in self.streams[g] if _id_num(e.id) > after][:count]
         return out
 
     def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         self._call("feed_seqs")
         return {g: self.counters[g] for g in groups}
+
+    def feed_heads(self, groups: Iterable[int], tails: bool = True,
+                   ) -> dict[int, tuple[int | None, bytes | None]]:
+        self._call("feed_heads")
+        return {g: (self.counters[g],
+                    self.streams[g][-1].id if tails and self.streams[g] else None)
+                for g in groups}
 
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         self._call("feed_position")
@@ -410,6 +421,16 @@ class FakeL2:
         counter = vector_get(rec.vector, self.host_id)
         if counter == 0:  # a dirty record must carry this host's entry: it is its dot
             self.anomalies.append(f"dirty {key!r} without an entry of {self.host_id}: {rec}")
+        dot = (self.host_id, counter)
+        if rec.value is None:
+            return L3Record(rec.hlc, True, 0, b"", b"", rec.vector, dot)
+        return L3Record(rec.hlc, False, *rec.value, rec.vector, dot)
+
+    def held_record(self, key: str) -> L3Record | None:
+        rec = self.recs.get(key)
+        counter = 0 if rec is None else vector_get(rec.vector, self.host_id)
+        if rec is None or rec.dirty or counter == 0:
+            return None
         dot = (self.host_id, counter)
         if rec.value is None:
             return L3Record(rec.hlc, True, 0, b"", b"", rec.vector, dot)

@@ -24,6 +24,7 @@ from kvcomm.node.delivery import (
     GAP,
     NOT_DURABLE,
     REWIND,
+    TAIL_EVERY,
     UNSEQUENCED,
     HostActivity,
     Inbound,
@@ -75,6 +76,30 @@ def test_a_window_is_pushed_once_closed_and_accepted_writes_are_delivered() -> N
     assert [(x.key, x.deliver, x.take, x.set_aside) for x in answers] == [
         ("a", True, None, ""), ("b", True, None, "")]
     assert not out.staged and out.delivered() == 5
+
+
+def test_a_repush_goes_out_in_the_windows_and_an_older_or_equal_answer_ends_it() -> None:
+    """A record L3 lost (Daemon._resync) is staged like a write: pushed in a window (in
+    batches of max_ops); a key with a staged write keeps that write; an ``older``
+    answer (a later delete covers it) takes L3's record, an ``equal`` one (another host
+    re-pushed it first) nothing; neither stages it again."""
+    out = outbound(cursor=7, max_ops=2)
+    newer = rec("h", 9)
+    out.read(7, [("staged", newer)], now=0.0)
+    x, y, z = rec("h", 3), rec("h", 4), rec("h", 5)  # (z: another host's re-push was first)
+    assert not out.repush("staged", rec("h", 2), 0.0)  # (its staged write descends from it)
+    assert out.repush("x", x, 0.0) and out.repush("y", y, 0.0) and out.repush("z", z, 0.0)
+    assert out.delivered() == 7  # (nothing of L2's feed waits on a re-push)
+    first = out.next_push(0.0, no_resolver)
+    assert first is not None and [i.key for i in first.items] == ["staged", "x"]
+    out.pushed(first, [ok(newer, NEW, "staged"), ok(x, NEWER, "x")], 0.0, WSEQ)
+    second = out.next_push(0.0, no_resolver)
+    assert second is not None and [i.key for i in second.items] == ["y", "z"]
+    tomb = rec("b", 1, vector={"h": 4}, tomb=True)
+    answers = out.pushed(second, [ok(tomb, OLDER, "y"), ok(z, EQUAL, "z")], 0.0, WSEQ)
+    assert [(a.outcome, a.take) for a in answers] == [(OLDER, tomb), (EQUAL, None)]
+    assert not out.staged and out.next_push(1.0, no_resolver) is None
+    assert out.delivered() == 7
 
 
 def test_windows_waiting_together_go_out_in_one_push_each_key_once() -> None:
@@ -331,6 +356,68 @@ def test_the_group_counter_reveals_what_no_entry_shows() -> None:
     assert inb.examine(0, [], counter=None).problem == ""  # not read, or not a number
     full = entries(*range(4, 4 + FEED_COUNT), start=4)
     assert inb.examine(0, full, counter=10**6).problem == ""  # more to read: not a gap yet
+
+
+def test_a_sequence_number_reissued_before_the_cursor_is_a_rewind() -> None:
+    """A failover lost the entry read under number 3 (id 9-0: the old master's ids ran
+    ahead) and the next change took 3 again at 5-0: the counter is the last number read,
+    nothing follows the cursor; only the stream's tail, read with the counter, differs."""
+    inb = inbound()
+    inb.resume({0: b"9-0", 1: b"9-0"}, {0: 3, 1: 3})
+    assert inb.to_read({0: 3}, {0: b"9-0"}) == set()  # the tail is the cursor: nothing new
+    assert inb.to_read({0: 3}, {0: None}) == set()  # (no tail known: nothing to compare)
+    assert inb.to_read({0: 3}, {0: b"5-0"}) == {0}  # the same number, another entry
+    assert inb.to_read({0: 3}) == set()  # (no tails: as before)
+    assert inb.examine(0, [], counter=3, tail=b"5-0").problem == REWIND
+    assert inb.examine(0, entries(4, start=10), counter=3, tail=b"5-0") == (
+        [], REWIND)  # (nothing after a reissue is applied: the resync re-reads)
+    assert inb.examine(0, [], counter=3, tail=b"9-0").problem == ""
+    assert inb.examine(0, entries(4, start=10), counter=4, tail=b"10-0").problem == ""
+    # the new master's ids then passed the cursor's: the next change (4) lands after it
+    # and follows the last number read; the read finds the cursor's entry gone while an
+    # older one is kept (a trim never does that): the entry at 5-0 (3) was missed
+    assert inb.examine(0, entries(4, start=10)).problem == ""  # (the numbers cannot tell)
+    assert inb.examine(0, entries(4, start=10), lost=True) == ([], REWIND)
+    # a hint of the reissued entry: number 3 at 5-0 (at or before the cursor) is not the
+    # entry read as 3; the group's counter and tail are checked at the next poll
+    inb.polled(inb.poll_due(0.0), 0.0)  # type: ignore[arg-type]  # (the start's check)
+    inb.noted_entry(0, FeedEntry(b"5-0", "k", b"", 3))
+    inb.noted_entry(1, FeedEntry(b"9-0", "k", b"", 3))  # the entry read: no news
+    inb.noted_entry(1, FeedEntry(b"8-0", "k", b"", 2))  # an older one read: no news
+    poll = inb.poll_due(0.05)
+    assert poll is not None and poll.check == frozenset({0})
+    assert inb.take_noted() == {}
+    assert inb.tails_for(poll) == {0}  # (a check out of turn: with its tail)
+
+
+def test_the_sweep_reads_the_tails_in_one_pass_of_every_tail_every() -> None:
+    inb = inbound(now=0.0)  # 4 groups: one slice is a pass
+    inb.resume({g: b"5-0" for g in range(4)}, {g: 5 for g in range(4)})
+    first = inb.poll_due(0.0)
+    assert first is not None and inb.tails_for(first) == frozenset(range(4))  # (the start)
+    inb.polled(first, 0.0)
+    with_tails = []
+    t = 0.0
+    for _ in range(2 * TAIL_EVERY):
+        t += 1.0
+        poll = inb.poll_due(t)
+        assert poll is not None and poll.sweep
+        with_tails.append(inb.tails_for(poll) == poll.check)
+        inb.polled(poll, t)
+    assert with_tails == ([True] + [False] * (TAIL_EVERY - 1)) * 2
+    inb.lost({2})  # out of turn: with its tail, whatever the pass
+    poll = inb.poll_due(t + 0.1)
+    assert poll is not None and not poll.sweep and inb.tails_for(poll) == {2}
+
+
+def test_the_first_read_after_lost_hints_checks_the_cursor_s_entry() -> None:
+    inb = inbound()
+    assert inb.verify == set(range(4))  # (at start: every group's first read)
+    inb.verified({0, 1, 2, 3})
+    inb.lost({1, 99})  # (a failover broke the subscription of group 1's slot)
+    assert inb.verify == {1}
+    inb.verified({1})
+    assert inb.verify == set()
 
 
 def test_a_resync_is_pending_until_complete_and_its_cursor_is_not_saved() -> None:

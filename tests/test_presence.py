@@ -79,14 +79,14 @@ def test_after_a_heal_the_key_filter_is_not_trusted_until_the_feeds_are_read() -
     d.decide_partition()  # ...healed
     assert not d.reach.partition and not keys.ready and d.catching_up
     assert d.inb.recheck == set(range(GROUPS))  # every group's counter checked
-    checked_before = l3.calls.get("feed_seqs", 0)
+    checked_before = l3.calls.get("feed_heads", 0)
     for _ in range(20):
         if keys.ready:
             break
         d.step()
         clock.sleep(0.05)
     assert keys.ready and not d.catching_up and d.stats.extra.get("caught_up") == 1
-    assert l3.calls.get("feed_seqs", 0) > checked_before
+    assert l3.calls.get("feed_heads", 0) > checked_before
 
 
 def test_in_partition_mode_local_writes_are_staged_as_made_and_pushed_at_the_heal() -> None:
@@ -161,7 +161,7 @@ def test_a_long_round_whose_l3_calls_answer_does_not_enter_partition_mode() -> N
             return out
         return call
 
-    for name in ("push_many", "feed_many", "feed_seqs", "get_many"):
+    for name in ("push_many", "feed_many", "feed_heads", "get_many"):
         setattr(l3, name, slowly(getattr(l3, name)))
     d.inb.lost(range(16))  # every group's counter checked in the next poll, as on a heal
     for i in range(50):

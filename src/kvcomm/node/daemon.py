@@ -114,7 +114,7 @@ from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
-from ..core.versions import SkewMonitor, vector_get
+from ..core.versions import Ordering, SkewMonitor, compare_vectors, vector_get
 from ..core.window import WriteWindow
 from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable, ValueTooLarge
 from ..placement.observe import HostPublisher
@@ -650,9 +650,44 @@ class Daemon:
             if self.inb.positioned(g, seq, last_id):  # the missed entries may have made keys
                 self._scan_into(lambda kb: self._scanned(kb, held), self.l3.scan_group(g))
                 self.inb.scanned(g)
+        rewound = reason == "rewind"
         for key in sorted(held):
-            self._guarded(key, "resync", self._fetch_and_apply, key, True)
+            self._guarded(key, "resync", self._resync_key, key, rewound)
         self.inb.resynced(groups)
+
+    def _resync_key(self, key: str, rewound: bool) -> bool:
+        """Re-read ``key`` from L3 into L2 (a tombstone too); then, when L2 holds a record
+        with this host's dot that L3's does not cover (newer, or concurrent), push that
+        record again (:meth:`Outbound.repush`; counted ``repushed``). L3 lost an
+        acknowledged write — a failover that promoted a replica without it
+        (``cluster.wait_replicas`` 0, or fewer replicas connected than asked): every host
+        holding it merged L3's older record under it and kept it, and nothing else sends
+        it again. The push script decides as for any push (a record L3 holds that covers
+        it — a later delete — answers ``older`` and L2 takes it; ``equal``: another host
+        re-pushed it first), and nothing re-stages a re-push: no loop. A key L3 has no
+        record of is sent again only after a ``rewound`` feed (the lost write may have
+        created it; otherwise an absent key is an expired record Redis reclaimed, or an
+        operator's wipe, not to be undone), and never a record past its deadline.
+        Returns whether L3 had a record. Raises Unavailable and what ``_apply`` raises."""
+        rec = self.l3.get(key)
+        if rec is not None:
+            self._apply_or_forget(key, rec)
+        held = self.port.held_record(key)
+        if held is None:  # (absent, or no dot of this host: its writer re-pushes it)
+            return rec is not None
+        if rec is None:
+            if not rewound or held.tombstone:
+                return False
+        elif compare_vectors(held.vector, rec.vector) in (Ordering.BEFORE, Ordering.EQUAL):
+            return True
+        deadline = held.deadline
+        if deadline is not None and deadline <= self.wall():
+            return rec is not None
+        if self.out.repush(key, held, self.clock()):
+            self.stats.bump("repushed")
+            log.warning("L3 lost a write of %r that this host holds (its record there is %s):"
+                        " pushing it again", key, "gone" if rec is None else "older or concurrent")
+        return rec is not None
 
     def _scanned(self, kb: bytes, held: set[str]) -> None:
         """A key exists in L3: into the key filter; and if L2 holds it, a tombstone
@@ -674,20 +709,26 @@ class Daemon:
         if self.inb.pending:  # an earlier resync was interrupted
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
         counters: dict[int, int | None] = {}
+        tails: dict[int, bytes | None] = {}  # (the id of each stream's last entry)
         with self._metered("sweep"):
             if poll.check:
-                counters = self.l3.feed_seqs(poll.check)
+                with_tails = self.inb.tails_for(poll)
+                heads = dict(self.l3.feed_heads(with_tails)) if with_tails else {}
+                if poll.check - with_tails:
+                    heads.update(self.l3.feed_heads(poll.check - with_tails, tails=False))
+                counters = {g: seq for g, (seq, _) in heads.items()}
+                tails = {g: tail for g, (_, tail) in heads.items()}
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
             self._verify_hinted(counters)
-        read = self.inb.to_read(counters)
+        read = self.inb.to_read(counters, tails)
         noted = self.inb.take_noted()  # (entries hints carried, of groups not read now)
         if not read and not noted:
             return
         self.stats.hinted += len(read - counters.keys())
         self.stats.swept += len(read & counters.keys())
         try:
-            self._pull(read, noted, counters)
+            self._pull(read, noted, counters, tails)
         except BaseException:  # (Unavailable, say) the noted groups are read next time
             self.inb.hinted(noted)
             raise
@@ -715,16 +756,20 @@ class Daemon:
                 self._resync({g}, reason="false_hint")
 
     def _pull(self, read: set[int], noted: dict[int, list[FeedEntry]],
-              counters: dict[int, int | None]) -> None:
+              counters: dict[int, int | None],
+              tails: Mapping[int, bytes | None] | None = None) -> None:
         """Read the feeds of ``read`` and apply their entries and the ``noted`` ones (by
         group, entries that hints carried). Raises Unavailable."""
         problems: dict[str, set[int]] = {}
         readings: list[tuple[int, Reading, int]] = []
         feeds: dict[int, list[FeedEntry] | CorruptRecord] = {}
+        checked: dict[int, bool] = {}  # group -> its stream lost the cursor's entry
         if read:
             with self._metered("feed"):
                 feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
-                                          count=FEED_COUNT)
+                                          count=FEED_COUNT, verify=self.inb.verify & read,
+                                          checked=checked)
+            self.inb.verified(g for g, lost in checked.items() if not lost)
         for g, entries in noted.items():  # (in sequence, each after the last read: examined)
             self.stats.bump("hint_entries", len(entries))
             self.hint_placed.add(g)  # (verified by the group's next sweep: _verify_hinted)
@@ -734,7 +779,8 @@ class Daemon:
                 self._guarded(f"feed of group {g}", "feed read", _raise, rows)
                 self.inb.read(g, 0)
                 continue
-            readings.append((g, self.inb.examine(g, rows, counters.get(g)), len(rows)))
+            readings.append((g, self.inb.examine(g, rows, counters.get(g), (tails or {}).get(g),
+                                                 lost=checked.get(g, False)), len(rows)))
         # the records of the value-less entries this host wants, in one batch, before any
         # entry is applied or cursor advanced (Unavailable: the poll is made again)
         fetched = self._fetch_wanted([e for _, r, _ in readings for e in r.entries])

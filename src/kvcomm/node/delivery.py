@@ -79,11 +79,27 @@ Every entry carries the group's sequence number. An entry that is not last + 1 �
 back: a failover lost entries, a *rewind*), or missing (*unsequenced*) — stops that
 group's reading and makes it resync; so does a counter read before a read that reached
 the end of the stream and that the read did not reach (a gap that no entry shows), or
-that went below the last number seen (a rewind). A resync takes the
-group's position atomically, adds the group's keys to the key filter (when entries
-were missed: they may have created keys), and re-reads the group's keys that L2
-holds. Until it completes, the group is *pending*: its old cursor is the one saved, so a
-daemon killed meanwhile resyncs again. Only the cursors that changed since the last
+that went below the last number seen (a rewind), or that equals the last number seen
+while the stream's last entry (its *tail*, read with the counter) is not the cursor: a
+failover lost the entry read under that number and the next change took the number
+again, at an id at or before the cursor (the old master's ids ran ahead), where no read
+after the cursor finds it (a rewind too). A hinted entry with the last number read but
+another id than the cursor's has the group's counter and tail checked at the next poll
+for the same reason. (Tails are read with the counters checked out of turn — a failover
+breaks the hints' subscription of the slots it moves, and those are checked at once —
+and by one sweep pass of every TAIL_EVERY: :meth:`Inbound.tails_for`.) And since the
+entries after such a reissue may land after the cursor and follow the last number read
+(the new master's clock passed the cursor's id between two changes), a read also checks
+that the stream still holds the cursor's entry, or nothing older (trimmed): a stream
+that lost the cursor's entry but kept an older one went back, whatever the numbers of
+the entries read (a rewind). That check costs a command per group read, so it is made
+by the first read of a group after its hints may have been lost (:meth:`Inbound.lost`,
+which a failover causes: the subscription of the slots it moves breaks) and after the
+start, until a read made it (:attr:`Inbound.verify`). A resync takes the group's
+position atomically, adds the group's keys to the key filter (when entries were missed:
+they may have created keys), and re-reads the group's keys that L2 holds. Until it
+completes, the group is *pending*: its old cursor is the one saved, so a daemon killed
+meanwhile resyncs again. Only the cursors that changed since the last
 save are saved. A change to a key the host does not hold is
 not applied, but remembered a while (:class:`Skipped`): an agent that read the key from
 L3 just before may fill L2 with the older record just after, and the driver applies
@@ -109,10 +125,13 @@ Driver's obligations
    :meth:`Inbound.lost`, and every entry a hint carried, in arrival order, to
    :meth:`Inbound.noted_entry` (after :meth:`Inbound.hinted`). When
    :meth:`Inbound.poll_due` returns a poll: first redo the
-   pending resyncs (``Inbound.pending``); read the counters of ``poll.check``; read the
-   feeds (FEED_COUNT entries after ``Inbound.cursors``) of the groups
-   :meth:`Inbound.to_read` names given those counters; for each group apply the entries
-   :meth:`Inbound.examine` returns (with the group's counter, if read) in order, calling
+   pending resyncs (``Inbound.pending``); read the counters of ``poll.check``, those of
+   :meth:`Inbound.tails_for` each with its stream's tail; read the feeds (FEED_COUNT
+   entries after ``Inbound.cursors``, checking the cursors' entries of the groups of
+   ``Inbound.verify``: :meth:`Inbound.verified` those found there) of the groups
+   :meth:`Inbound.to_read` names given those counters and tails; for each
+   group apply the entries :meth:`Inbound.examine` returns (with the group's counter and
+   tail, if read, and whether its cursor's entry was found lost) in order, calling
    :meth:`Inbound.advance` after each (applied or set aside), then :meth:`Inbound.read`,
    then resync the groups it found a problem in. The entries :meth:`Inbound.take_noted`
    returns (after :meth:`Inbound.to_read`) are applied the same way, with no problem to
@@ -163,6 +182,10 @@ STATE_EVERY = 1.0  # seconds between saves of the feed cursors (those that chang
 SWEEP_RATE = 1024.0  # group counters the sweep reads per second (cluster.feed_sweep_rate)
 SWEEP_BATCH = 256  # group counters per sweep slice (one read-only script call per master)
 MIN_SWEEP_EVERY = 0.25  # seconds between sweep slices at least
+# the sweep reads the streams' tails with the counters in one pass over every group of
+# this many (a tail costs some 20 bytes back per written group); the counters checked
+# out of turn (lost hints, the start, a heal, a hint of a reissued number) always do
+TAIL_EVERY = 8
 RECENT_S = 30.0  # how long a skipped remote change can still be applied over a late fill
 RECENT_MAX = 65_536  # skipped remote changes remembered at most
 
@@ -246,6 +269,18 @@ class Outbound:
             if record is not None:
                 self._stage(key, record, since, now)
         self.cursor = cursor
+
+    def repush(self, key: str, record: L3Record, now: float) -> bool:
+        """Send ``record``, a record L2 holds (clean: already acknowledged once) that L3
+        lost, again: staged like a local write, so that it goes out in the normal windows
+        and batches and its answer is carried out like any push's (an ``older`` or
+        ``equal`` answer ends it: nothing re-stages a re-push). A key with a staged record
+        keeps it (that newer write descends from ``record``). Returns whether it was
+        staged."""
+        if key in self.staged:
+            return False
+        self._stage(key, record, self.cursor, now)
+        return True
 
     def delivered(self) -> int:
         """The local feed position before which every write is in L3: the one to persist."""
@@ -473,11 +508,16 @@ class Inbound:
         # hole: applied at the next poll without reading the group's stream (noted)
         self.noted: dict[int, list[FeedEntry]] = {}
         self.recheck: set[int] = set(self.groups)  # counters to read at the next poll: all at start
+        # groups whose next read checks that the stream still holds the cursor's entry
+        # (a failover may have lost it): those whose hints may have been lost — a
+        # failover breaks the subscription of the slots it moves —, all at start
+        self.verify: set[int] = set(self.groups)
         self.poll, self.backoff, self.state_every = poll, backoff, state_every
         # the sweep: a slice of the groups' counters every sweep_every seconds, in turn
         self.slice = max(1, min(groups, sweep_batch))
         self.sweep_every = max(MIN_SWEEP_EVERY, self.slice / sweep_rate)
         self.sweep_next = 0  # the group the next slice starts at
+        self.swept = 0  # groups the sweep's slices covered so far (its passes: TAIL_EVERY)
         self.sweep_at = now + self.sweep_every
         self.last_poll = float("-inf")
         self.retry_at = float("-inf")
@@ -516,13 +556,18 @@ class Inbound:
         sequence number is the last read's, or the last noted one's, + 1) it is kept for
         :meth:`take_noted`, to be applied without reading the stream; otherwise (a hint
         lost or not carrying its entry, a rewind, a group resyncing or already to be
-        read) the group is read at the next poll, as for a plain hint."""
+        read) the group is read at the next poll, as for a plain hint. The last number
+        read at another id, at or before the cursor, is a number a failover reissued:
+        the group's counter and tail are checked at the next poll (:meth:`to_read`)."""
         if group not in self.groups or group in self.due:
             return  # (the read brings it)
         kept = self.noted.get(group)
         last = kept[-1].seq if kept else self.seqs.get(group)
+        cursor = self.cursors.get(group, b"0-0")
         if (not kept and entry.seq is not None and last is not None and entry.seq <= last
-                and _read_already(entry.id, self.cursors.get(group, b"0-0"))):
+                and _read_already(entry.id, cursor)):
+            if entry.seq == last and entry.id != cursor:
+                self.recheck.add(group)  # (not the entry read under that number)
             return  # the hint of an entry read already (a read overtook it): no news
         if (group in self.pending or entry.seq is None or last is None
                 or entry.seq != last + 1 or (kept is not None and len(kept) >= FEED_COUNT)):
@@ -539,17 +584,32 @@ class Inbound:
 
     def lost(self, groups: Iterable[int]) -> None:
         """Hints of these groups may have been lost (a subscription broke or moved):
-        check their counters at the next poll."""
-        self.recheck.update(g for g in groups if g in self.groups)
+        check their counters (with their tails) at the next poll, and their cursors'
+        entries at their next reads (:attr:`verify`)."""
+        mine = {g for g in groups if g in self.groups}
+        self.recheck |= mine
+        self.verify |= mine
 
-    def to_read(self, counters: Mapping[int, int | None]) -> set[int]:
+    def verified(self, groups: Iterable[int]) -> None:
+        """A read found the stream of each of ``groups`` holding its cursor's entry (or
+        nothing at or before it): their next reads need not check it."""
+        self.verify.difference_update(groups)
+
+    def to_read(self, counters: Mapping[int, int | None],
+                tails: Mapping[int, bytes | None] | None = None) -> set[int]:
         """The groups to read at this poll: those due, and those whose counter (read
-        just now, ``counters``) is not the last sequence number read."""
+        just now, ``counters``) is not the last sequence number read, or is but whose
+        tail (the id of the stream's last entry, read with it: ``tails``; None: not
+        known) is not the last entry read (a reissued number: :meth:`examine` says
+        rewind)."""
         out = set(self.due)
         for g, counter in counters.items():
             kept = self.noted.get(g)
             last = kept[-1].seq if kept else self.seqs.get(g)
-            if counter is None or counter != last:
+            at = kept[-1].id if kept else self.cursors.get(g)
+            tail = tails.get(g) if tails else None
+            if (counter is None or counter != last
+                    or (tail is not None and at is not None and tail != at)):
                 out.add(g)
         for g in out:
             self.noted.pop(g, None)  # (the read brings those entries too)
@@ -564,11 +624,22 @@ class Inbound:
             self.due.discard(group)
 
     def examine(self, group: int, rows: Sequence[FeedEntry],
-                counter: int | None = None) -> Reading:
+                counter: int | None = None, tail: bytes | None = None,
+                lost: bool = False) -> Reading:
         """The entries of one read of ``group``'s feed to apply, and whether the group
         must be resynced. ``counter``: the group's counter read *before* the feed (None:
-        not read, or not a number). Changes nothing: :meth:`advance` does."""
+        not read, or not a number); ``tail``: the id of the stream's last entry, read
+        with it (None: not known); ``lost``: the read found the stream without the
+        cursor's entry but with an older one. Changes nothing: :meth:`advance` does."""
         before = last = self.seqs.get(group)
+        cursor = self.cursors.get(group)
+        if lost or (counter is not None and counter == before and tail is not None
+                    and cursor is not None and tail != cursor):
+            # the entry read under the last number is gone (the last number is another
+            # entry's now): a failover lost it, and reissued its number, and maybe more,
+            # at ids at or before the cursor, where this read (after the cursor) misses
+            # them. Nothing read after it is applied: the resync re-reads the held keys
+            return Reading([], REWIND)
         entries: list[FeedEntry] = []
         for entry in rows:
             if entry.seq is None or last is None:
@@ -648,10 +719,22 @@ class Inbound:
         self.last_poll = now
         return Poll(frozenset(check), save, sweep)
 
+    def tails_for(self, poll: Poll) -> frozenset[int]:
+        """The groups of ``poll.check`` whose streams' tails to read with their counters
+        (:meth:`to_read`): those checked out of turn (a failover breaks the subscription
+        of its slots' hints: their counters are checked at once), and the sweep's slice
+        in one pass of every TAIL_EVERY (a reissued number that nothing else showed is
+        found within TAIL_EVERY sweep periods)."""
+        out = poll.check & self.recheck
+        if poll.sweep and (self.swept // len(self.groups)) % TAIL_EVERY == 0:
+            return poll.check
+        return frozenset(out)
+
     def polled(self, poll: Poll, now: float) -> None:
         self.backoff.succeeded()
         self.recheck -= poll.check
         if poll.sweep:
+            self.swept += poll.sweep
             self.sweep_next = (self.sweep_next + self.slice) % len(self.groups)
             self.sweep_at = now + self.sweep_every
         if poll.save:

@@ -62,6 +62,12 @@ class HostL2(Protocol):
     def dirty_record(self, key: str) -> L3Record | None:
         """The key's record as an L3 record if it is dirty, else None."""
 
+    def held_record(self, key: str) -> L3Record | None:
+        """The key's clean record (one L3 acknowledged) as an L3 record, if its vector has
+        an entry of this host (its dot: the record is this host's write or descends from
+        one); else None (absent, dirty — the normal push path sends it — or never written
+        here). For a re-push of what L3 lost (``Daemon._resync_key``)."""
+
     def mark_delivered(self, key: str, record: L3Record) -> bool:
         """L3 has ``record``: clear the dirty flag if the key still holds that write."""
 
@@ -159,12 +165,21 @@ class L3Port(Protocol):
         in order: CorruptRecord for a key whose stored value is not a record of ours."""
 
     def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
+                  verify: Set[int] = frozenset(), checked: dict[int, bool] | None = None,
                   ) -> dict[int, list[FeedEntry] | CorruptRecord]:
         """Each group's change-feed entries after its cursor (at most ``count``), or a
-        CorruptRecord for a group whose stream is not ours."""
+        CorruptRecord for a group whose stream is not ours. For each group of ``verify``
+        whose cursor could be checked, ``checked`` gets whether its stream lost the
+        cursor's entry while keeping an older one."""
 
     def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         """Each group's sequence number now (0: no change yet; None: not a number)."""
+
+    def feed_heads(self, groups: Iterable[int], tails: bool = True,
+                   ) -> dict[int, tuple[int | None, bytes | None]]:
+        """Each group's (sequence number, id of its stream's last entry) now, read
+        together: :meth:`feed_seqs` with each stream's tail (None: not asked for, no
+        entry, or not known)."""
 
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         """(sequence number, id of the last entry kept or ``0-0``), read atomically.
@@ -237,14 +252,23 @@ class ClientPort:
         return self.seg.dirty_count
 
     def dirty_record(self, key: str) -> L3Record | None:
+        return self._record(key, dirty=True)
+
+    def held_record(self, key: str) -> L3Record | None:
+        return self._record(key, dirty=False)
+
+    def _record(self, key: str, dirty: bool) -> L3Record | None:
         from ..tiers.l3 import EMPTY_EXT, L3Record
 
         kb = key.encode("utf-8", "surrogateescape")
         h = key_hash(kb)
         for _ in range(100):
             rec = self.seg.read(kb, h)
-            if rec is None or not self.seg.is_dirty(rec.word):
-                return None  # evicted (clean), or not an agent's write (already in L3)
+            if rec is None or self.seg.is_dirty(rec.word) != dirty:
+                return None  # evicted (clean), or not an agent's write (already in L3);
+                # (held_record: a dirty one is the normal push path's)
+            if not dirty and rec.counter == 0:
+                return None  # no entry of this host: no dot of its own to push it under
             ver = self.seg.version(kb, h)  # the extension field, of the same write
             if ver is not None and (ver[3], ver[4]) == (rec.counter, rec.hlc):
                 break

@@ -88,6 +88,16 @@ the records themselves (:meth:`L3Store.feed_position` then re-reads). A read tha
 returns nothing carries no sequence number, so a reader also compares its last sequence
 number with ``kvs:{g}`` now and then (:meth:`L3Store.feed_seqs`).
 
+A failover can also *reissue* a number: the new master never got entry X (replication is
+asynchronous; a push waits only for the replicas its master has connected), so its
+counter is X's number - 1, and its next entry takes X's number, at an id the new master's
+clock gives — before X's id when the old master's clock (or its stream's last id) ran
+ahead. A reader positioned at X reads after X's id and never sees that entry, and the
+counter equals its last number. So the counter is read together with the id of the
+stream's last entry (:meth:`L3Store.feed_heads`): a counter equal to the reader's last
+number with a last entry that is not the reader's cursor means the number was reissued
+(a rewind: the reader resyncs the group).
+
 Hints, and the sweep
 --------------------
 With a thousand groups or more, reading every group's stream every poll would cost each
@@ -100,7 +110,7 @@ hinted. Pub/sub is not reliable, so losing a hint must cost time, never a change
 * a subscription connection that breaks, or a channel the server unsubscribes (its slot
   moved to another master), makes the daemon check the counters of the groups it served
   at once, and subscribe again where they are now;
-* a slow sweep reads every group's counter (:meth:`L3Store.feed_seqs`: one read-only
+* a slow sweep reads every group's counter (:meth:`L3Store.feed_heads`: one read-only
   script call per master reads up to SWEEP_BATCH counters, so the sweep costs a fixed
   number of commands a second per host whatever the number of groups) and reads the
   groups whose counter moved. The sweep period bounds how late a lost hint is caught.
@@ -687,16 +697,41 @@ return {s, last[1][1]}
 
 # Group counters of many slots of one master in one call: a GET each (redis.pcall: a slot
 # that is not this node's, or is being migrated, answers its error text instead, and the
-# caller reads that counter again through the cluster client). Read-only, and declared
-# cross-slot: Redis 7 lets a script touch keys of several slots of its node that way.
-# ARGV: the counters' key names. Returns, per key, its value, false (absent) or an error text.
+# caller reads that counter again through the cluster client), and the id of the last
+# entry of each group's stream (its *tail*: a reader whose last sequence number is the
+# counter must be positioned there, or the number was reissued: see "Sequence numbers").
+# Read-only, and declared cross-slot: Redis 7 lets a script touch keys of several slots
+# of its node that way. ARGV[1] "1": read the tails too ("0": the counters alone, half the
+# bytes back); then the counters' key names (``kvs:{t}``: the stream is ``kvf:{t}``).
+# Returns, per group, its counter's value, false (absent) or an error text, and (tails)
+# its tail's id or false (no entry, or not a stream).
 SWEEP_LUA = r"""#!lua flags=no-writes,allow-cross-slot-keys
 local out = {}
-for i, k in ipairs(ARGV) do
+local tails = ARGV[1] == '1'
+for i = 2, #ARGV do
+  local k = ARGV[i]
   local r = redis.pcall('GET', k)
-  if type(r) == 'table' and r.err then out[i] = 'ERR ' .. r.err else out[i] = r end
+  if type(r) == 'table' and r.err then r = 'ERR ' .. r.err end
+  out[#out + 1] = r
+  if tails then
+    local t = redis.pcall('XREVRANGE', 'kvf:' .. string.sub(k, 5), '+', '-', 'COUNT', 1)
+    if type(t) == 'table' and not t.err and #t == 1 then t = t[1][1] else t = false end
+    out[#out + 1] = t
+  end
 end
 return out
+"""
+
+# Whether a group's stream lost the entry at a reader's cursor while keeping an older
+# one: 1 then, else 0 (the cursor's entry is there, or nothing at or before it is: trimmed
+# past it, which removes the oldest entries first, never an entry while keeping an older
+# one). Only a failover (or a foreign XDEL) loses an entry that way, and the next entries
+# may then follow the reader's last sequence number while the entries that reissued its
+# numbers lie before its cursor. KEYS[1] the stream, ARGV[1] the cursor. Read-only.
+CURSOR_LUA = r"""#!lua flags=no-writes
+local at = redis.call('XREVRANGE', KEYS[1], ARGV[1], '-', 'COUNT', 1)
+if #at == 1 and at[1][1] ~= ARGV[1] then return 1 end
+return 0
 """
 
 # One page of many groups' key indexes on one master in one call (L3Store.index_range):
@@ -949,12 +984,16 @@ class L3Store:
         self._script = self.rc.register_script(PUSH_LUA)
         self._position = self.rc.register_script(POSITION_LUA)
         self._sweep = self.rc.register_script(SWEEP_LUA)
+        self._cursor = self.rc.register_script(CURSOR_LUA)
         self._backfill = self.rc.register_script(BACKFILL_LUA)
         self._index = self.rc.register_script(INDEX_LUA)
         self._expire_index = self.rc.register_script(EXPIRE_INDEX_LUA)
         self._nodes: list[Any] | None = None  # every group's master (_by_node_cached)
         self._nodes_at = 0.0
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
+        # group -> the node its feed was last read from (feed_many: a read from another
+        # node, a failover's new master say, checks the cursor's entry)
+        self._feed_node: dict[int, str] = {}
         self._refreshed = 0.0
         self._hints: Hints | None = None
         self._hint_entries: list[tuple[int, FeedEntry]] = []  # (hint_entries)
@@ -1433,20 +1472,46 @@ class L3Store:
         return out
 
     def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
+                  verify: Set[int] = frozenset(), checked: dict[int, bool] | None = None,
                   ) -> dict[int, list[FeedEntry] | CorruptRecord]:
         """:meth:`feed` for many groups: one pipeline of XRANGEs per master node.
 
         A group whose stream cannot be read as one (a foreign value under its key) gets
-        a CorruptRecord in place of its entries. Raises Unavailable when the cluster
-        cannot be reached.
+        a CorruptRecord in place of its entries. The XRANGE of each group of ``verify``
+        is followed by a check of its cursor (CURSOR_LUA, one integer back), whose
+        answer goes into ``checked``: True when the stream lost the cursor's entry while
+        keeping an older one — a failover lost what the reader read there, and the
+        entries read now may follow its last sequence number only because the lost
+        numbers were reissued before the cursor —, False when it did not (a group whose
+        check got no answer is left out). With ``checked``, a group read from another
+        node than its last read (a failover's new master, a migrated slot) or read again
+        through the cluster client (its slot moved) is checked too, whether in ``verify``
+        or not. Raises Unavailable when the cluster cannot be reached.
         """
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
         for node, gs in self._by_node(cursors).values():
             def run(node: Any = node, gs: list[int] = gs) -> list[Any]:
-                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+                conn = self.rc.get_redis_connection(node)
+                mine = [g for g in gs if checked is not None and (
+                    g in verify or self._feed_node.get(g) != node.name)]
+                if mine:
+                    self._load(node, conn, self._cursor)
+                pipe = conn.pipeline(transaction=False)
                 for g in gs:
                     pipe.xrange(self.groups.feed_key(g), min=b"(" + cursors[g], count=count)
-                return pipe.execute(raise_on_error=False)
+                for g in mine:  # (after the reads: their replies keep their places)
+                    pipe.evalsha(self._cursor.sha, 1, self.groups.feed_key(g), cursors[g])
+                raws: list[Any] = pipe.execute(raise_on_error=False)
+                answers = raws[len(gs):]
+                if any("NOSCRIPT" in str(r) for r in answers if isinstance(r, Exception)):
+                    self._loaded.discard((node.name, self._cursor.sha))  # (restarted)
+                for g, lost in zip(mine, answers, strict=True):
+                    if lost in (0, 1) and checked is not None:
+                        checked[g] = lost == 1
+                for g, rows in zip(gs, raws, strict=False):
+                    if not isinstance(rows, Exception):
+                        self._feed_node[g] = node.name
+                return raws[:len(gs)]
 
             for g, rows in zip(gs, self._call(run), strict=True):
                 name = self.groups.feed_key(g)
@@ -1456,6 +1521,12 @@ class L3Store:
                             raise CorruptRecord(f"L3 feed of group {g}: {rows}")
                         rows = self._call(lambda g=g, name=name: self.rc.xrange(
                             name, min=b"(" + cursors[g], count=count), name)
+                        self._feed_node.pop(g, None)  # (the next read checks, and notes it)
+                        if checked is not None:  # (a new master's, maybe: checked too)
+                            lost = self._call(lambda g=g, name=name: self._cursor(
+                                keys=[name], args=[cursors[g]]), name)
+                            if lost in (0, 1):
+                                checked[g] = lost == 1
                     out[g] = [_entry(eid, f) for eid, f in rows]
                 except CorruptRecord as exc:
                     out[g] = exc
@@ -1463,28 +1534,43 @@ class L3Store:
 
     def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         """Each group's sequence number now (0: no change yet; None: a foreign value).
+        :meth:`feed_heads` without the tails. Raises Unavailable."""
+        return {g: seq for g, (seq, _) in self.feed_heads(groups, tails=False).items()}
+
+    def feed_heads(self, groups: Iterable[int], tails: bool = True,
+                   ) -> dict[int, tuple[int | None, bytes | None]]:
+        """Each group's (sequence number, tail) now: the counter (0: no change yet; None:
+        a foreign value) and, with ``tails``, the id of the stream's last entry, read
+        together (None: not asked, no entry, not a stream, or the counter had to be read
+        on its own).
 
         One read-only script call per master per SWEEP_BATCH groups (SWEEP_LUA); a
         counter that call cannot read (its slot moved or is moving) is read again through
-        the cluster client, redirects followed. Raises Unavailable.
+        the cluster client, redirects followed, without its tail. Raises Unavailable.
         """
-        out: dict[int, int | None] = {}
+        out: dict[int, tuple[int | None, bytes | None]] = {}
         for node, gs in self._by_node(groups).values():
             for at in range(0, len(gs), SWEEP_BATCH):
                 part = gs[at:at + SWEEP_BATCH]
 
                 def run(node: Any = node, part: list[int] = part) -> list[Any]:
                     names = [self.groups.seq_key(g) for g in part]
-                    return list(self._eval_on(node, self._sweep, *names))
+                    return list(self._eval_on(node, self._sweep, "1" if tails else "0",
+                                              *names))
 
-                for g, raw in zip(part, self._call(run), strict=True):
+                raws = self._call(run)
+                step = 2 if tails else 1
+                for i, g in enumerate(part):
+                    raw, tail = raws[step * i], raws[step * i + 1] if tails else None
                     if isinstance(raw, bytes) and raw.startswith(b"ERR "):  # not served here
                         name = self.groups.seq_key(g)
+                        tail = None  # (not read with it)
                         try:
                             raw = self._call(lambda name=name: self.rc.get(name), name)
                         except CorruptRecord:
                             raw = b"?"
-                    out[g] = 0 if raw is None else _as_seq(raw)
+                    out[g] = (0 if raw is None else _as_seq(raw),
+                              tail if isinstance(tail, bytes) and _valid_id(tail) else None)
         return out
 
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
