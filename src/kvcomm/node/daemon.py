@@ -650,7 +650,9 @@ class Daemon:
             if self.inb.positioned(g, seq, last_id):  # the missed entries may have made keys
                 self._scan_into(lambda kb: self._scanned(kb, held), self.l3.scan_group(g))
                 self.inb.scanned(g)
-        rewound = reason == "rewind"
+        # a hinted entry missing from its stream is, but for a forged hint, the same loss
+        # as a rewind seen first by the hint check (a failover lost the entry it names)
+        rewound = reason in ("rewind", "false_hint")
         for key in sorted(held):
             self._guarded(key, "resync", self._resync_key, key, rewound)
         self.inb.resynced(groups)
@@ -666,8 +668,9 @@ class Daemon:
         it — a later delete — answers ``older`` and L2 takes it; ``equal``: another host
         re-pushed it first), and nothing re-stages a re-push: no loop. A key L3 has no
         record of is sent again only after a ``rewound`` feed (the lost write may have
-        created it; otherwise an absent key is an expired record Redis reclaimed, or an
-        operator's wipe, not to be undone), and never a record past its deadline.
+        created it; a hinted entry missing from its stream counts too); otherwise an absent
+        key is an expired record Redis reclaimed, or an operator's wipe, not to be undone;
+        and never a record past its deadline.
         Returns whether L3 had a record. Raises Unavailable and what ``_apply`` raises."""
         rec = self.l3.get(key)
         if rec is not None:
