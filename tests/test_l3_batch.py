@@ -212,3 +212,23 @@ def test_a_call_refused_for_a_slot_on_the_move_falls_back_to_one_record_a_call(
             assert raw is not None and L3Record.decode(raw).value == b"v", k
     finally:
         _cleanup(mover, slot)
+
+
+def test_large_records_of_one_group_are_not_packed_into_one_call(store: L3Store) -> None:
+    """A call carries at most PUSH_BATCH_BYTES of records (a record larger goes alone):
+    PUSH_BATCH records near cache.max_value_size (64 MiB) in one EVALSHA would be
+    gigabytes Redis holds as arguments and copies into Lua at once (a pipeline of calls of
+    one record each held one record at a time), and seconds of a script no other client
+    is served during. Six records of 0.4 MiB of one group: three calls, each stored."""
+    from kvcomm.tiers.l3 import PUSH_BATCH_BYTES
+
+    size = 4 * PUSH_BATCH_BYTES // 10
+    keys = group_keys(f"bigbatch/{random.randrange(2**32)}", 6)
+    items = [(key, rec(one("h", i + 1, i + 1), bytes([i]) * size))
+             for i, key in enumerate(keys)]
+    calls0 = evalsha_calls(store, keys[0])
+    out = store.push_many(items)
+    assert all(isinstance(r, PushResult) and r.outcome == "new" for r in out), out
+    assert evalsha_calls(store, keys[0]) - calls0 == 3
+    for key, r in items:
+        assert store.get(key) == r

@@ -170,8 +170,9 @@ replacing such a record, and such a push during a migration of its slot may be r
 and retried until the migration ends.)
 
 Pushing a record (:meth:`L3Store.push`, :meth:`L3Store.push_many`) runs the push script
-(one call for up to PUSH_BATCH records of one group: a backlog of thousands is a few
-calls per group, not one per record; each record is handled as a call of its own would),
+(one call for up to PUSH_BATCH records, and PUSH_BATCH_BYTES of them, of one group: a
+backlog of thousands is a few calls per group, not one per record; each record is handled
+as a call of its own would),
 which applies the incoming record atomically against the stored one by the L3 rule,
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
 record comes back, concurrent → last-writer-wins with the merged vector, or ``conflict``
@@ -226,6 +227,10 @@ FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
 PUSH_BATCH = 256  # records of one group one push script call takes at most (~5 ms of Redis)
+# record bytes one push script call takes at most (a record larger goes alone): Redis holds
+# a call's arguments, and the script copies them into Lua, all at once; PUSH_BATCH records
+# near cache.max_value_size would be gigabytes (review 19)
+PUSH_BATCH_BYTES = 1 << 20
 HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at most
 # a write mark past this is junk (load_write_mark): a write sequence starts at the clock
 # in µs (~1.8e15 in 2026) and takes one per write, so no host reaches 2**52 before ~2112;
@@ -1392,10 +1397,16 @@ class L3Store:
         for g, members in by_group.items():
             each = len(members) <= HINT_EACH
             batches: list[list[int]] = [[]]
+            size = 0  # (record bytes in the last batch)
             for i in members:  # (in order: a key pushed twice is pushed in that order)
-                if i in alone or len(batches[-1]) >= PUSH_BATCH:
+                r = items[i][1]  # (its size, near enough: not encoded twice)
+                n = len(r.value) + len(r.meta) + len(r.ext)
+                if (i in alone or len(batches[-1]) >= PUSH_BATCH
+                        or (batches[-1] and size + n > PUSH_BATCH_BYTES)):
                     batches.append([])
+                    size = 0
                 batches[-1].append(i)
+                size += n
                 if i in alone:
                     batches.append([])
             batches = [b for b in batches if b]
