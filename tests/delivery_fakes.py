@@ -451,8 +451,8 @@ class FakeL2:
         rec = self.recs.get(key)
         return None if rec is None else rec.vector
 
-    def held_keys(self) -> list[str]:
-        return sorted(k for k, r in self.recs.items() if r.value is not None)
+    def held_keys(self, tombstones: bool = False) -> list[str]:
+        return sorted(k for k, r in self.recs.items() if tombstones or r.value is not None)
 
     def apply_remote(self, key: str, record: L3Record) -> None:
         remote: Value = None if record.tombstone else (record.tag, record.meta, record.value)

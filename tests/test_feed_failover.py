@@ -399,3 +399,70 @@ def test_a_lost_write_deleted_since_is_not_pushed_back(
     finally:
         reader.close()
         s.close()
+
+
+def _unreplicated_write(h: Host, write: Any) -> None:
+    """``write()`` on host ``h``, its daemon's push run unreplicated on the master (a
+    master whose replica is disconnected: the push waits for none) and acknowledged."""
+    d = h.daemon
+    assert d is not None and isinstance(d.l3, L3Store)
+    script = d.l3._script
+    d.l3._script = d.l3.rc.register_script(UNREPLICATED + PUSH_LUA)
+    try:
+        accepted = d.stats.accepted
+        write()
+        wait_for(lambda: d.stats.accepted > accepted and d.port.dirty_count() == 0, 10,
+                 "the host's push to be acknowledged (clean in its L2)")
+    finally:
+        d.l3._script = script
+
+
+def test_a_lost_delete_of_a_lost_key_is_not_undone_by_the_writers_repush(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """A key created by host A (X, acknowledged), read and deleted by host B (its
+    tombstone acknowledged too), and both pushes lost by the failover: L3 has no record
+    of the key. B's resync (its feed went back) finds no record in L3 and holds only its
+    tombstone; A's (its daemon down meanwhile, restarted) re-pushes X, which L3, having
+    nothing, stores. Unless B's tombstone goes back too, the delete B was told is
+    durable is undone, and B (whose tombstone is newer than X) disagrees with L3 and
+    every other host forever."""
+    s = Scene(cluster, store, seed, "lostdel", value_less=False)
+    b = Host(cluster, f"fo-lostdel-b-{seed % 1000}", seed + 1)
+    try:
+        g = s.g
+        s.put(s.other_key(), "w", 1)  # (a replicated entry: the stream outlives the loss)
+        seq0 = store.feed_seqs([g])[g]
+        assert seq0 is not None
+        s.seq0 = seq0
+        cluster.wait_replicated()
+        _unreplicated_write(s.h, lambda: s.h.kv.put(s.key, "x"))
+        wait_for(lambda: b.kv.get(s.key) == "x", 15, "B to read X")
+        d = s.h.daemon
+        assert d is not None
+        wait_for(lambda: d.inb.seqs.get(g) == seq0 + 1, 10, "A to read its X's entry")
+        s.h.stop()  # (A's L2 keeps X, clean; its position at X is saved)
+        _unreplicated_write(b, lambda: b.kv.delete(s.key))
+        db = b.daemon
+        assert db is not None
+        wait_for(lambda: db.inb.seqs.get(g) == seq0 + 2, 10, "B to read its delete's entry")
+        s.x_id = store.feed(g, count=100_000)[-1].id
+        s.fail_over()
+        assert store.get(s.key) is None  # (X and the delete: both gone)
+        wait_for(lambda: db.stats.extra.get("resync_rewind", 0) >= 1 and not db.inb.pending,
+                 15, "B to see the rewind and resync")
+        s.h.start()
+        wait_for(lambda: s.h.stats.extra.get("resync_rewind", 0) >= 1, 15,
+                 "A to see the rewind")
+        a = s.h.daemon
+        assert a is not None
+        wait_for(lambda: not a.inb.pending and not a.out.staged and not db.out.staged, 15,
+                 "both resyncs and re-pushes answered")
+        rec = _try(lambda: store.get(s.key))
+        assert rec is None or rec.tombstone, rec  # (the delete stands in L3)
+        wait_for(lambda: s.h.kv.get(s.key) is None, 10, "A to take the delete")
+        assert b.kv.get(s.key) is None
+        assert db.stats.extra.get("repushed", 0) >= 1, db.stats  # (B's tombstone went back)
+        assert s.h.alive and b.alive, (s.h.error, b.error)
+    finally:
+        b.close()
+        s.close()

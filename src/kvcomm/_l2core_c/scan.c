@@ -15,7 +15,8 @@ Core_purge_mark(Core *c, PyObject *Py_UNUSED(ignored))
 }
 
 /* scan(mode) -> list of keys (bytes). mode 0: live keys (not tombstones); mode 1: dirty
- * records (tombstones too): what L3 has not acknowledged. Lock-free; concurrent writes may or
+ * records (tombstones too): what L3 has not acknowledged; mode 2: every record (tombstones
+ * too). Lock-free; concurrent writes may or
  * may not show. */
 static PyObject *
 Core_scan(Core *c, PyObject *arg)

@@ -640,7 +640,13 @@ class Daemon:
             self.stats.resyncs += len(groups)
             self.stats.bump(f"resync_{reason}", len(groups))
             log.warning("resyncing group(s) %s of the L3 feed (%s)", sorted(groups), reason)
-        held = {key for key in (*self.port.held_keys(), *held) if self.groups.of(key) in groups}
+        # a hinted entry missing from its stream is, but for a forged hint, the same loss
+        # as a rewind seen first by the hint check (a failover lost the entry it names)
+        rewound = reason in ("rewind", "false_hint")
+        # (after a rewind the tombstones too: a delete of this host L3 lost, the key's
+        # record with it, is found by no scan of L3, and is sent again: _resync_key)
+        held = {key for key in (*self.port.held_keys(tombstones=rewound), *held)
+                if self.groups.of(key) in groups}
         for g in sorted(groups):
             try:
                 seq, last_id = (0, b"0-0") if g in empty else self.l3.feed_position(g)
@@ -650,9 +656,6 @@ class Daemon:
             if self.inb.positioned(g, seq, last_id):  # the missed entries may have made keys
                 self._scan_into(lambda kb: self._scanned(kb, held), self.l3.scan_group(g))
                 self.inb.scanned(g)
-        # a hinted entry missing from its stream is, but for a forged hint, the same loss
-        # as a rewind seen first by the hint check (a failover lost the entry it names)
-        rewound = reason in ("rewind", "false_hint")
         for key in sorted(held):
             self._guarded(key, "resync", self._resync_key, key, rewound)
         self.inb.resynced(groups)
@@ -670,7 +673,10 @@ class Daemon:
         record of is sent again only after a ``rewound`` feed (the lost write may have
         created it; a hinted entry missing from its stream counts too); otherwise an absent
         key is an expired record Redis reclaimed, or an operator's wipe, not to be undone;
-        and never a record past its deadline.
+        and never a record past its deadline. A tombstone is sent again too: the failover
+        may have lost a key's creation and its delete, and the creator's re-push of its
+        record (L3 having none) would undo the delete, which only the deleter can send
+        again (review 19).
         Returns whether L3 had a record. Raises Unavailable and what ``_apply`` raises."""
         rec = self.l3.get(key)
         if rec is not None:
@@ -679,7 +685,7 @@ class Daemon:
         if held is None:  # (absent, or no dot of this host: its writer re-pushes it)
             return rec is not None
         if rec is None:
-            if not rewound or held.tombstone:
+            if not rewound:
                 return False
         elif compare_vectors(held.vector, rec.vector) in (Ordering.BEFORE, Ordering.EQUAL):
             return True

@@ -78,8 +78,8 @@ class HostL2(Protocol):
         """The version vector of the host's record of ``key`` (a tombstone included), or
         None when L2 does not hold it. Reading it is not an agent's read."""
 
-    def held_keys(self) -> list[str]:
-        """Every key the host's L2 holds (tombstones excluded)."""
+    def held_keys(self, tombstones: bool = False) -> list[str]:
+        """Every key the host's L2 holds (tombstones excluded unless ``tombstones``)."""
 
     def apply_remote(self, key: str, record: L3Record) -> None:
         """Merge a record from L3 into L2 (newer replaces, older is kept, concurrent is
@@ -294,8 +294,8 @@ class ClientPort:
         rec = self.seg.read(kb, key_hash(kb), 0)
         return None if rec is None else self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
 
-    def held_keys(self) -> list[str]:
-        return list(self.seg.keys())
+    def held_keys(self, tombstones: bool = False) -> list[str]:
+        return list(self.seg.keys(tombstones))
 
     def apply_remote(self, key: str, record: L3Record) -> None:
         version = Version(record.vector, record.hlc)

@@ -397,9 +397,10 @@ class SegmentCore:
         except IndexError:
             return False
 
-    def keys(self) -> Iterator[str]:
-        """Every live key present now (a scan; concurrent writes may or may not show)."""
-        for kb in self._core.scan(0):
+    def keys(self, tombstones: bool = False) -> Iterator[str]:
+        """Every live key present now, and with ``tombstones`` every deleted one too (a
+        scan; concurrent writes may or may not show)."""
+        for kb in self._core.scan(2 if tombstones else 0):
             yield kb.decode("utf-8", "surrogateescape")
 
     def mark_purged(self) -> None:
