@@ -67,3 +67,31 @@ def test_own_echoes_are_not_decoded_and_other_writes_still_are(host: Host, store
         wait_for(lambda k=k, i=i: host.kv.get(k) == f"theirs-{i}", 20, "the remote write")
     assert host.stats.pulled >= pulled + 5
     assert host.alive
+
+
+def test_own_sent_is_bounded_in_bytes_when_echoes_are_not_read(cluster: RedisCluster) -> None:
+    """With cluster.feed_inline at its largest (1 MiB) a pushed record of up to 1 MiB is
+    remembered until its echo is read; echoes a resync skips (a heal's backlog overflowed
+    the group's stream) are never read, and OWN_SENT_MAX entries of up to 1 MiB were
+    128 GiB. Here the daemon reads no feed at all: 300 writes of 60 KB are pushed, and
+    what own_sent holds stays within OWN_SENT_BYTES (plus one record)."""
+    from kvcomm.node.daemon import OWN_SENT_BYTES
+
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    h = Host(cluster, "host-big", seed, {"feed_inline": 1 << 20}, l2_size="64MB")
+    try:
+        d = h.daemon
+        assert d is not None
+        d.pull_remote = lambda poll: None  # type: ignore[method-assign] (echoes never read)
+        value = "x" * 60_000
+        n = max(300, 2 * OWN_SENT_BYTES // len(value))
+        pushed = d.stats.pushed
+        for i in range(n):
+            h.kv.put(f"bigecho/{seed}/{i}", value)
+        wait_for(lambda: d.stats.pushed - pushed >= n, 60, "every write pushed")
+        held = sum(len(b) for b in d.own_sent.values())
+        assert 0 < held <= OWN_SENT_BYTES + (1 << 20), held
+        assert h.alive, h.error
+    finally:
+        h.close()

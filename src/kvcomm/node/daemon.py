@@ -159,6 +159,7 @@ QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most
 MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backlog)
 WRITE_MARK_BLOCK = 1 << 20  # dots reserved ahead in L3's write mark (one save per block)
 OWN_SENT_MAX = 1 << 17  # own pushes remembered until their echo (Daemon.own_sent)
+OWN_SENT_BYTES = 8 << 20  # and their bytes at most (an entry may be cluster.feed_inline: 1 MiB)
 
 
 @dataclass
@@ -255,6 +256,7 @@ class Daemon:
         # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
         # newer): its inline feed entry, when it comes back, is known without decoding it
         self.own_sent: dict[str, bytes] = {}
+        self.own_sent_bytes = 0  # (the bytes own_sent holds: bounded by OWN_SENT_BYTES)
         # the heal's timeline (logged): (when Redis answered, stats then, backlog logged)
         self.healing: tuple[float, int, int, bool] | None = None
         # how often changes to watched prefixes (node/watched.py: NodeDaemon sets
@@ -458,8 +460,9 @@ class Daemon:
         self.stats.bump("window_in", push.window.ops_in + sum(w.ops_in for w in push.more))
         per_group: dict[int, int] = {}
         inline = getattr(self.l3, "feed_inline", None)  # (larger: a value-less entry, see echo)
-        if len(self.own_sent) > OWN_SENT_MAX:  # echoes never read (a resync skipped them)
-            self.own_sent.clear()
+        if len(self.own_sent) > OWN_SENT_MAX or self.own_sent_bytes > OWN_SENT_BYTES:
+            self.own_sent.clear()  # (echoes never read: a resync skipped them)
+            self.own_sent_bytes = 0
         for item, res in zip(push.items, results, strict=False):
             g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
@@ -467,7 +470,12 @@ class Daemon:
             per_group[g] = per_group.get(g, 0) + 1
             if (isinstance(res, PushResult) and res.sent and res.outcome in (NEW, NEWER)
                     and (inline is None or len(res.sent) <= inline)):
+                if self.own_sent_bytes + len(res.sent) > OWN_SENT_BYTES:
+                    self.own_sent.clear()  # (as above: bytes, not only entries, bounded)
+                    self.own_sent_bytes = 0
+                old = self.own_sent.get(item.key)
                 self.own_sent[item.key] = res.sent
+                self.own_sent_bytes += len(res.sent) - (0 if old is None else len(old))
             if stored and b"\xa1e" in item.record.ext:  # (a deadline, maybe: see expiry)
                 self._note_deadline(g, item.record.deadline)
         for g, n in per_group.items():  # (one script call per group and PUSH_BATCH records)
@@ -891,7 +899,7 @@ class Daemon:
             # replaced by it), and the key filter has the key since it was staged; nothing
             # to decode or merge. (A record of an earlier life of the host, the replays the
             # holdback defences are for, is never in own_sent: it is decoded and merged.)
-            del self.own_sent[key]
+            self.own_sent_bytes -= len(self.own_sent.pop(key))
             self.stats.bump("echoes")
             return
         try:
