@@ -188,3 +188,34 @@ def test_a_fill_older_than_the_skipped_change_is_still_read_again(
         assert h.stats.extra.get("refills_covered", 0) == covered, h.stats
     finally:
         h.close()
+
+
+def test_a_fill_with_a_corrupt_vector_does_not_stop_the_daemon(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """A skipped change is due when the key is filled; the daemon asks whether L2's record
+    covers it (its vector). A record whose stored vector is not one (hostile or broken
+    bytes in the shared segment) is that key's problem: set aside and counted, as every
+    per-key path of the daemon does, not a SegmentError that ends the daemon (which
+    then pushed and read nothing more for the whole host)."""
+    from kvcomm._client.base import _now_ms
+    from kvcomm.core import codec
+
+    h = Host(cluster, "unread-junk", seed, cluster_keys={"unread_changes": 1})
+    try:
+        key = "unread-junk/k"
+        dropped(h, store, key)
+        quarantined = h.stats.quarantined
+        kb = key.encode()
+        tag, meta, payload = codec.encode(f"1{BIG}")
+        # a fill whose vector bytes are no msgpack (0xc1 is never used by msgpack)
+        h.kv._seg.apply([(kb, key_hash(kb), tag, meta, payload, 0, 2, b"\xc1", b"")],
+                        now_ms=_now_ms(), dirty=False)
+        wait_for(lambda: h.stats.quarantined > quarantined or not h.alive, 10,
+                 "the daemon to meet the corrupt vector")
+        assert h.alive, h.error
+        other = "unread-junk/other"  # (and it goes on: a later write is pushed)
+        h.kv.put(other, "after")
+        wait_for(lambda: store.get(other) is not None, 10, "a later write pushed")
+        assert h.alive, h.error
+    finally:
+        h.close()

@@ -367,7 +367,10 @@ class Daemon:
         the notes are kept in ``refetch`` for the next round)."""
         self.stats.bump("refills", len(due))
         for key, got in list(due.items()):
-            if isinstance(got, FeedNote) and self._covers_note(key, got):
+            # (guarded: a record whose stored vector is junk is that key's problem, set
+            # aside, not a SegmentError that would end the daemon)
+            if isinstance(got, FeedNote) and self._guarded(key, "refill", self._covers_note,
+                                                           key, got) is True:
                 del due[key]  # (the fill is that change, or newer: a second GET for nothing)
                 self.stats.bump("refills_covered")
         notes = [key for key, got in due.items() if isinstance(got, FeedNote)]
