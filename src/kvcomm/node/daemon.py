@@ -123,6 +123,7 @@ from ..tiers.keyfilter import KeyFilter
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
 from ..tiers.l3 import (
     PUSH_BATCH,
+    PUSH_BATCH_BYTES,
     PUSH_CALL,
     PUSH_KEPT,
     PUSH_STORED,
@@ -462,6 +463,7 @@ class Daemon:
         self.reach.redis_ok(self.clock())
         self.stats.bump("window_in", push.window.ops_in + sum(w.ops_in for w in push.more))
         per_group: dict[int, int] = {}
+        group_bytes: dict[int, int] = {}  # (a call also takes at most PUSH_BATCH_BYTES)
         inline = getattr(self.l3, "feed_inline", None)  # (larger: a value-less entry, see echo)
         if len(self.own_sent) > OWN_SENT_MAX or self.own_sent_bytes > OWN_SENT_BYTES:
             self.own_sent.clear()  # (echoes never read: a resync skipped them)
@@ -471,6 +473,8 @@ class Daemon:
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
             self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
             per_group[g] = per_group.get(g, 0) + 1
+            r = item.record
+            group_bytes[g] = group_bytes.get(g, 0) + len(r.value) + len(r.meta) + len(r.ext)
             if (isinstance(res, PushResult) and res.sent and res.outcome in (NEW, NEWER)
                     and (inline is None or len(res.sent) <= inline)):
                 if self.own_sent_bytes + len(res.sent) > OWN_SENT_BYTES:
@@ -482,7 +486,8 @@ class Daemon:
             if stored and b"\xa1e" in item.record.ext:  # (a deadline, maybe: see expiry)
                 self._note_deadline(g, item.record.deadline)
         for g, n in per_group.items():  # (one script call per group and PUSH_BATCH records)
-            self.load[g] += PUSH_CALL * -(-n // PUSH_BATCH)
+            self.load[g] += PUSH_CALL * max(-(-n // PUSH_BATCH),
+                                            -(-group_bytes[g] // PUSH_BATCH_BYTES))
         answers = self.out.pushed(push, results, self.clock(), self.port.write_sequence())
         for answer in answers:
             try:  # every answer is carried out: they have left the staged set

@@ -1409,6 +1409,7 @@ class L3Store:
                 size += n
                 if i in alone:
                     batches.append([])
+                    size = 0
             batches = [b for b in batches if b]
             for b, batch in enumerate(batches):
                 keys, args = self._batch_args(
