@@ -232,3 +232,24 @@ def test_large_records_of_one_group_are_not_packed_into_one_call(store: L3Store)
     assert evalsha_calls(store, keys[0]) - calls0 == 3
     for key, r in items:
         assert store.get(key) == r
+
+
+def test_small_records_answered_with_large_stored_ones_take_several_calls(
+        store: L3Store) -> None:
+    """Small records of one group, each older than a large record L3 holds: each reply
+    carries the stored record back (read into Lua, held in the call's reply). A call's
+    replies stop at PUSH_BATCH_BYTES of records; its remaining records are sent again in
+    other calls (a backlog of PUSH_BATCH small writes over keys rewritten with 64 MiB
+    values was one call of 16 GiB of replies). Every reply is still the right one."""
+    from kvcomm.tiers.l3 import PUSH_BATCH_BYTES
+
+    size = 4 * PUSH_BATCH_BYTES // 10
+    keys = group_keys(f"bigreply/{random.randrange(2**32)}", 6)
+    big = {k: rec(one("b", 2, 20 + i), bytes([i]) * size) for i, k in enumerate(keys)}
+    for k, r in big.items():
+        assert store.push(k, r).outcome == "new"
+    calls0 = evalsha_calls(store, keys[0])
+    out = store.push_many([(k, rec(one("b", 1, 1), b"small")) for k in keys])
+    assert [r.outcome for r in out] == ["older"] * len(keys), out  # type: ignore[union-attr]
+    assert [r.record for r in out] == [big[k] for k in keys]  # type: ignore[union-attr]
+    assert evalsha_calls(store, keys[0]) - calls0 == 2  # (3 replies of 0.4 MiB a call)

@@ -463,7 +463,12 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # ARGV[5] the largest record (bytes) a feed entry carries inline (FEED_INLINE; "": every
 # record inline), ARGV[6] cluster.tombstone_grace in ms, ARGV[7] the group's expiry index
 # (kvx, same hash tag; an argument for the same reason: see "Expiry" above),
-# ARGV[8..7+N] the N incoming records.
+# ARGV[8..7+N] the N incoming records, ARGV[8+N] (optional) the record bytes the replies may
+# carry back (stored records L3 keeps: older, conflict, merged...): once the replies hold
+# that many, the call's remaining records are not pushed and each gets a KVCOMMLATER
+# error (the caller sends them again, in another call): PUSH_BATCH small records answered
+# with PUSH_BATCH stored records near cache.max_value_size would be gigabytes read into
+# Lua and sent back at once (review 19).
 # Returns one reply per record, in order: {outcome, record L3 holds} (the record "" when L3
 # holds the very bytes pushed: new, newer, equal), or an error (a
 # malformed record: KVCOMMBAD; a stored record of a newer format: KVCOMMCORRUPT; a Redis
@@ -661,18 +666,28 @@ local function push(i)
   return {'merged', packed}
 end
 local replies = {}
+-- the bytes of records the replies carry back (each read into Lua): past the budget the
+-- call's remaining records are left for another call (their reply says so)
+local BUDGET, out_bytes = tonumber(ARGV[8 + N] or ''), 0
 for i = 1, N do
-  -- a Redis error while one record is stored (a foreign type under the group's stream,
-  -- say) is that record's reply; the next records are pushed as if called one by one
-  local ok, reply = pcall(push, i)
-  if not ok then
-    if type(reply) == 'table' and reply.err then
-      reply = redis.error_reply(reply.err)
-    else
-      reply = redis.error_reply(tostring(reply))
+  if BUDGET ~= nil and out_bytes >= BUDGET then
+    replies[i] = redis.error_reply('KVCOMMLATER the call\'s reply budget is spent: send again')
+  else
+    -- a Redis error while one record is stored (a foreign type under the group's stream,
+    -- say) is that record's reply; the next records are pushed as if called one by one
+    local ok, reply = pcall(push, i)
+    if not ok then
+      if type(reply) == 'table' and reply.err then
+        reply = redis.error_reply(reply.err)
+      else
+        reply = redis.error_reply(tostring(reply))
+      end
     end
+    if type(reply) == 'table' and type(reply[2]) == 'string' then
+      out_bytes = out_bytes + #reply[2]
+    end
+    replies[i] = reply
   end
-  replies[i] = reply
 end
 -- one hint for the call ("l"): the change itself when it is the only one, else the
 -- group's sequence number (also when nothing was stored: an earlier call's changes)
@@ -1287,6 +1302,8 @@ class L3Store:
                     elif isinstance(raw, AskError):
                         self.redirects["ask"] += 1
                         route[i] = (self._node(raw.host, raw.port), True)
+                    elif "KVCOMMLATER" in str(raw):  # (the call's reply budget was spent)
+                        route[i] = (node, asking)
                     elif isinstance(raw, TryAgainError) or "NOSCRIPT" in str(raw):
                         # a multi-key call in a slot half migrated, or a node that lost
                         # the script (loaded again by _pipeline): again, by the slot map
@@ -2001,7 +2018,7 @@ class L3Store:
                  # ("": every entry inline, as a daemon before value-less ones)
                  "" if self.feed_inline is None else self.feed_inline,
                  self.tombstone_grace_ms, g.expiry_key(group),
-                 *(r.encode() for _, r, _ in records)])
+                 *(r.encode() for _, r, _ in records), PUSH_BATCH_BYTES])
 
     def _result(self, key: str, raw: Any, pushed: L3Record,
                 sent: tuple[bytes, L3Record] | None = None,
