@@ -184,7 +184,9 @@ advice of every CorruptRecord, repairs a key. A record of a *newer* format is no
 replaced (``KVCOMMCORRUPT``: upgrade this host), and an incoming record that is not
 valid is refused (``KVCOMMBAD``). The reply is, per record, ``{outcome, record L3
 holds}``, the record left empty for ``new``, ``newer`` and an ``equal`` record of the very
-bytes pushed: L3 holds the caller's own record.
+bytes pushed: L3 holds the caller's own record. A call's replies carry back at most
+PUSH_BATCH_BYTES of stored records; the records after that get ``KVCOMMLATER`` and are
+sent again in another call.
 """
 
 from __future__ import annotations
