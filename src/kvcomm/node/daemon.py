@@ -133,6 +133,7 @@ from ..tiers.l3 import (
     L3Record,
     L3Store,
     PushResult,
+    approx_size,
     read_record,
 )
 from .delivery import (
@@ -473,8 +474,7 @@ class Daemon:
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
             self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
             per_group[g] = per_group.get(g, 0) + 1
-            r = item.record
-            group_bytes[g] = group_bytes.get(g, 0) + len(r.value) + len(r.meta) + len(r.ext)
+            group_bytes[g] = group_bytes.get(g, 0) + approx_size(item.record)
             if (isinstance(res, PushResult) and res.sent and res.outcome in (NEW, NEWER)
                     and (inline is None or len(res.sent) <= inline)):
                 if self.own_sent_bytes + len(res.sent) > OWN_SENT_BYTES:

@@ -1418,8 +1418,7 @@ class L3Store:
             batches: list[list[int]] = [[]]
             size = 0  # (record bytes in the last batch)
             for i in members:  # (in order: a key pushed twice is pushed in that order)
-                r = items[i][1]  # (its size, near enough: not encoded twice)
-                n = len(r.value) + len(r.meta) + len(r.ext)
+                n = approx_size(items[i][1])  # (near enough: not encoded twice)
                 if (i in alone or len(batches[-1]) >= PUSH_BATCH
                         or (batches[-1] and size + n > PUSH_BATCH_BYTES)):
                     batches.append([])
@@ -2120,6 +2119,13 @@ def _utf8(member: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def approx_size(record: L3Record) -> int:
+    """The bytes of ``record``'s value, meta and extension (its size in a push call, near
+    enough; a field of another type, which the push script refuses, counts 0)."""
+    return sum(len(b) for b in (record.value, record.meta, record.ext)
+               if isinstance(b, (bytes, bytearray, memoryview)))
 
 
 def _wire_key(key: str) -> bytes:
