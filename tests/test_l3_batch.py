@@ -253,3 +253,25 @@ def test_small_records_answered_with_large_stored_ones_take_several_calls(
     assert [r.outcome for r in out] == ["older"] * len(keys), out  # type: ignore[union-attr]
     assert [r.record for r in out] == [big[k] for k in keys]  # type: ignore[union-attr]
     assert evalsha_calls(store, keys[0]) - calls0 == 2  # (3 replies of 0.4 MiB a call)
+
+
+def test_calls_whose_reply_budget_is_spent_are_not_cut_by_the_redirect_deadline(
+        store: L3Store) -> None:
+    """The records a call's reply budget left are sent again however long the push has
+    taken: each call answers one record at least, so the rounds end. (Counted against the
+    deadline meant for a slot on the move, a backlog answered with large stored records
+    failed as a whole past ``timeout`` seconds, and was sent again from the start, forever.)
+    ``timeout`` 0: any second round would be past it."""
+    from kvcomm.tiers.l3 import PUSH_BATCH_BYTES
+
+    size = 4 * PUSH_BATCH_BYTES // 10
+    keys = group_keys(f"latedeadline/{random.randrange(2**32)}", 6)
+    for i, k in enumerate(keys):
+        assert store.push(k, rec(one("b", 2, 20 + i), bytes([i]) * size)).outcome == "new"
+    timeout = store.timeout
+    store.timeout = 0
+    try:
+        out = store.push_many([(k, rec(one("b", 1, 1), b"small")) for k in keys])
+    finally:
+        store.timeout = timeout
+    assert [r.outcome for r in out] == ["older"] * len(keys), out  # type: ignore[union-attr]

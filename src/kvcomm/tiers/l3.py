@@ -1282,6 +1282,7 @@ class L3Store:
                 batches.setdefault((node.name, asking), (node, []))[1].append(i)
             route = {}
             busy = ""
+            later: set[int] = set()  # items a call's spent reply budget left (KVCOMMLATER)
             replies = self._pipelines(
                 [(node, idxs, asking) for (_, asking), (node, idxs) in batches.items()],
                 items, keep_siblings, sent, alone)
@@ -1306,6 +1307,7 @@ class L3Store:
                         route[i] = (self._node(raw.host, raw.port), True)
                     elif "KVCOMMLATER" in str(raw):  # (the call's reply budget was spent)
                         route[i] = (node, asking)
+                        later.add(i)
                     elif isinstance(raw, TryAgainError) or "NOSCRIPT" in str(raw):
                         # a multi-key call in a slot half migrated, or a node that lost
                         # the script (loaded again by _pipeline): again, by the slot map
@@ -1320,7 +1322,9 @@ class L3Store:
                     else:
                         raise Unavailable(f"Redis Cluster refused a push: {raw}")
             if route:
-                if time.monotonic() > deadline:
+                # (only redirects count against the deadline: each call answers one record
+                # at least, so the rounds of a spent reply budget end by themselves)
+                if time.monotonic() > deadline and route.keys() - later:
                     raise Unavailable(f"{len(route)} push(es) still redirected after "
                                       f"{self.timeout:g}s ({busy or 'MOVED/ASK'}): a slot "
                                       "is on the move; retried later")
