@@ -29,6 +29,7 @@ older                   yes      yes   L3 holds a write that saw this one
 merged                  yes      yes*  L3 holds the merge of it and a concurrent write
 conflict                no       yes   a resolver's key: L2 settles it (a new write)
 not durable             no       no    no replica has it yet: staged again, re-sent
+stored, short           no       yes*  fewer replicas than asked: held (Unconfirmed)
 corrupt                 yes      no    retrying cannot help: set aside
 L3 unreachable          —        —     the push is retried whole, with backoff
 older / merged, lost    no       —     rebase: the host writes it again (see below)
