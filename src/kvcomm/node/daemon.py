@@ -1101,9 +1101,10 @@ class Daemon:
     # ------------------------------------------------------------------ partition mode
 
     def backlog(self) -> int:
-        """Writes of this host not yet in L3 (dirty L2 entries)."""
+        """Writes of this host not yet in L3 (dirty L2 entries, less those L3 acknowledged
+        with fewer replicas than asked: held dirty until confirmed, see Unconfirmed)."""
         count = getattr(self.port, "dirty_count", None)  # (the test fakes have none)
-        return int(count()) if count is not None else 0
+        return max(0, int(count()) - len(self.out.unconfirmed)) if count is not None else 0
 
     def status(self) -> dict[str, Any]:
         """What the daemon tells its agents (the status file) and the cluster (etcd)."""
