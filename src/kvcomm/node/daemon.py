@@ -698,11 +698,14 @@ class Daemon:
         for key in sorted(held):
             self._guarded(key, "resync", self._resync_key, key, rewound)
         # this host's records of these groups acknowledged by fewer replicas than asked
-        # (kept dirty, so _resync_key passed them): whatever the failover kept, each is
-        # sent again — a new push is answered as any (older or equal ends it; stored, it
-        # is held again under its new entry). A rewind found through one of them is the
-        # only sign of its loss: no reader's position had passed it
-        for unheld in self.out.unconfirmed.drop_groups(groups):
+        # (kept dirty, so _resync_key passed them), after a rewind (or a resync whose
+        # reason is not known: resumed): whatever the failover kept, each is sent again —
+        # a new push is answered as any (older or equal ends it; stored, it is held again
+        # under its new entry). A rewind found through one of them is the only sign of
+        # its loss: no reader's position had passed it. (A gap or a foreign entry loses
+        # nothing: they stay held, their entries' numbers still to be checked.)
+        lost = groups if reason in ("rewind", "false_hint", "") else set()
+        for unheld in self.out.unconfirmed.drop_groups(lost):
             rec = self._guarded(unheld.key, "resync", self.port.dirty_record, unheld.key)
             if isinstance(rec, L3Record) and self.out.repush(unheld.key, rec, self.clock()):
                 self.stats.bump("repushed")
