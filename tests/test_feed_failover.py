@@ -524,9 +524,12 @@ def test_a_short_push_is_confirmed_once_the_replica_is_back(
         cluster: RedisCluster, store: L3Store, seed: int) -> None:
     """X acknowledged short of its replica is held (dirty: never evicted; the delivered
     cursor held back) until the replica is back: the host's probe's WAIT then reaches
-    cluster.wait_replicas, and X is delivered (clean) with nothing pushed again. A push
-    acknowledged by the full count is never held."""
-    s = Scene(cluster, store, seed, "confirm", value_less=False, cluster_keys=SHORT)
+    cluster.wait_replicas, and what is held is delivered (clean) with nothing pushed
+    again. A push acknowledged by the full count is never held. The bound
+    (outbound_max 8: 2 held at most): two more short pushes release X, the oldest —
+    delivered (clean) at once, its loss no longer watched for."""
+    s = Scene(cluster, store, seed, "confirm", value_less=False,
+              cluster_keys={**SHORT, "outbound_max": 8})
     try:
         d = s.h.daemon
         assert d is not None
@@ -548,12 +551,22 @@ def test_a_short_push_is_confirmed_once_the_replica_is_back(
         _put_short(s)
         delivered = d.out.delivered()
         assert delivered <= d.out.unconfirmed.by_key[s.key].since < d.out.cursor
+        assert d.backlog() == 0  # (L3 has it: not a write waiting to be sent)
         resyncs = d.stats.resyncs
+        assert d.out.unconfirmed.limit == 2
+        more = [k for k in (f"{s.key}/{i}" for i in range(10**6)) if group_of(k) == s.g][:2]
+        for n, k in enumerate(more, start=2):
+            s.h.kv.put(k, f"w{n}")
+            wait_for(lambda n=n: d.stats.extra.get("unconfirmed_held", 0) >= n, 10,
+                     f"short push {n} to be held")
+        wait_for(lambda: d.stats.extra.get("unconfirmed_released", 0) == 1
+                 and d.port.dirty_count() == 2, 10, "X, the oldest, to be released")
+        assert list(d.out.unconfirmed.by_key) == more and d.stats.extra["unconfirmed"] == 2
         _mend_replica(s.replica)
         wait_for(lambda: _connected_replicas(s.master) == 1, 15, "the replica to reconnect")
         wait_for(lambda: d.stats.extra.get("unconfirmed") == 0 and d.port.dirty_count() == 0,
                  10, "X to be confirmed and delivered")
-        assert d.stats.extra.get("unconfirmed_confirmed", 0) >= 1, d.stats
+        assert d.stats.extra.get("unconfirmed_confirmed", 0) == 2, d.stats
         assert d.stats.extra.get("repushed", 0) == 0 and d.stats.resyncs == resyncs
         assert d.out.delivered() == d.out.cursor
         assert store_value(store, s.key) == "v2"
