@@ -1473,15 +1473,23 @@ class L3Store:
         ``wait_replicas`` replicas acknowledge it, every earlier write on that master is
         on that many replicas too, and :attr:`confirmed` records it (a host with records
         pushed short, and nothing more to push there, learns when they became durable).
-        Returns whether it was confirmed. Raises Unavailable."""
+        Nothing is written, and nothing waited for, while the master (ROLE) has fewer
+        replicas connected. Returns whether it was confirmed. Raises Unavailable."""
         if not self.wait_replicas:
             return False
         probe = "kvw:" + self.groups.feed_key(group)[4:]
         node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
         call = next(self._calls)
+        conn = self.rc.get_redis_connection(node)
+        role = self._call(lambda: conn.execute_command("ROLE"))  # type: ignore[no-untyped-call]
+        try:  # (too few replicas connected: nothing to wait for, no probe key written)
+            if role[0] not in (b"master", "master") or len(role[2]) < self.wait_replicas:
+                return False
+        except (TypeError, IndexError):
+            return False
 
         def run() -> list[Any]:
-            pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
+            pipe = conn.pipeline(transaction=False)
             pipe.execute_command("SET", probe, b"1", "PX", 10_000)  # type: ignore[no-untyped-call]
             pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
             return pipe.execute(raise_on_error=False)
