@@ -623,3 +623,89 @@ def test_pruning_never_makes_a_newer_write_lose_to_an_older_one(seed: int, hosts
         for stored, incoming in ((old, pruned), (pruned, old)):
             outcome, after = l3_rule(stored, incoming)
             assert after is not None and after.dot == new.dot, (stored, incoming, outcome)
+
+
+# ---------------------------------------------------------------- pushed short of replicas
+
+
+def short(record: L3Record, key: str, seq: int, call: int, outcome: str = NEW,
+          node: str = "m:1") -> PushResult:
+    """L3's answer to a change stored (entry ``seq`` at ``seq``-0) on master ``node`` by
+    pipeline ``call``, acknowledged by fewer replicas than cluster.wait_replicas."""
+    return PushResult(key, outcome, record, True, seq=seq, entry=b"%d-0" % seq, short=True,
+                      node=node, call=call)
+
+
+def _push_one(out: Outbound, key: str, record: L3Record, cursor: int, now: float,
+              answer: PushResult) -> None:
+    out.read(cursor, [(key, record)], now)
+    push = out.next_push(now + 1.0, no_resolver)
+    assert push is not None and [i.key for i in push.items] == [key]
+    out.pushed(push, [answer], now + 1.0, WSEQ)
+
+
+def test_a_short_push_is_held_dirty_until_a_later_full_wait_on_its_master() -> None:
+    """A change acknowledged by fewer replicas than asked is not delivered (L2 keeps it
+    dirty: never evicted) and holds the delivered cursor back (a restarted daemon sends
+    it again); a later pipeline on the same master that cluster.wait_replicas replicas
+    acknowledged confirms it; one on another master, or an earlier one, does not. A
+    full acknowledgement is never held; an answer that stored nothing (equal) neither."""
+    out = outbound(cursor=0)
+    a, b, c = rec("h", 1), rec("h", 2), rec("h", 3)
+    out.read(5, [("a", a)], 0.0)
+    push = out.next_push(1.0, no_resolver)
+    assert push is not None
+    (answer,) = out.pushed(push, [short(a, "a", 7, call=10)], 1.0, WSEQ)
+    assert answer.unconfirmed and not answer.deliver and answer.outcome == NEW
+    assert len(out.unconfirmed) == 1 and out.delivered() == 0  # (a's feed position: 0)
+    assert dict(out.unconfirmed.by_group) == {0: {7: b"7-0"}}
+    _push_one(out, "b", b, 9, 2.0, ok(b, NEW, "b"))  # full: delivered, never held
+    _push_one(out, "c", c, 11, 4.0, ok(c, EQUAL, "c")._replace(short=True))  # nothing stored
+    assert list(out.unconfirmed.by_key) == ["a"] and out.delivered() == 0
+    assert out.unconfirmed.confirm({"m:2": 99, "m:1": 10}) == []  # elsewhere; not later
+    (done,) = out.unconfirmed.confirm({"m:1": 11})
+    assert done.key == "a" and done.record is a and not out.unconfirmed
+    assert out.delivered() == 11 and not out.unconfirmed.by_group
+
+
+def test_held_records_are_bounded_the_oldest_released() -> None:
+    """Past the bound the oldest held record is released (the driver delivers it: clean
+    and evictable, its loss no longer watched for); a key answered again replaces its
+    held record, and a later write of it that is delivered forgets it."""
+    out = Outbound("h", 0, WriteWindow(0.01, 1000),
+                   Backoff(random.Random(0), base=0.05, cap=2.0, floor=0.01),
+                   unconfirmed_max=2)
+    for n, key in enumerate(("a", "b", "c"), start=1):
+        r = rec("h", n)
+        _push_one(out, key, r, n, 2.0 * n, short(r, key, 10 + n, call=n))
+    assert [h.key for h in out.released] == ["a"] and list(out.unconfirmed.by_key) == ["b", "c"]
+    b2 = rec("h", 5)
+    _push_one(out, "b", b2, 8, 20.0, short(b2, "b", 20, call=8))  # (in place of b's)
+    assert list(out.unconfirmed.by_key) == ["c", "b"] and out.unconfirmed.by_key["b"].seq == 20
+    assert dict(out.unconfirmed.by_group) == {0: {13: b"13-0", 20: b"20-0"}}
+    c2 = rec("h", 6)
+    _push_one(out, "c", c2, 9, 30.0, ok(c2, NEWER, "c"))
+    assert list(out.unconfirmed.by_key) == ["b"] and out.delivered() == 3  # (b's, re-read at 3)
+    (gone,) = out.unconfirmed.drop_groups({0})  # (a resync of its group sends it again)
+    assert gone.key == "b" and not out.unconfirmed and out.delivered() == 9
+
+
+def test_a_lost_unread_short_push_is_a_rewind() -> None:
+    """The host pushed entry 4 (at 40-0) short of replicas and read nothing since (its
+    last number: 3). A failover that lost it and kept 3 leaves the counter at 3 and the
+    stream's tail at the cursor — nothing a reader's check sees; the held number shows
+    it. So does another entry under number 4 (a reissue), read or hinted."""
+    inb = inbound()
+    inb.resume({0: b"3-0"}, {0: 3})
+    inb.expected = {0: {4: b"40-0"}}
+    assert inb.to_read({0: 3}, {0: b"3-0"}) == {0}
+    assert inb.examine(0, [], counter=3, tail=b"3-0") == ([], REWIND)
+    assert inb.examine(0, [FeedEntry(b"40-0", "k", b"", 4)], counter=4).problem == ""
+    assert inb.examine(0, [FeedEntry(b"5-0", "j", b"", 4)]) == ([], REWIND)
+    inb.polled(inb.poll_due(0.0), 0.0)  # type: ignore[arg-type]  # (the start's check)
+    inb.noted_entry(0, FeedEntry(b"5-0", "j", b"", 4))  # reissued: read, not taken
+    assert 0 in inb.due and inb.take_noted() == {}
+    inb.expected = {}
+    assert inb.to_read({0: 3}, {0: b"3-0"}) == {0}  # (due from the hint)
+    inb.read(0, 0)
+    assert inb.to_read({0: 3}, {0: b"3-0"}) == set()  # (without the held number: nothing)

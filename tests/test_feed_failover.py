@@ -50,7 +50,7 @@ AHEAD_MS = 3_600_000  # the old master's stream ids run an hour ahead
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisCluster]:
     """A Redis Cluster of this module's own, a shard per test (see _USED)."""
-    with RedisCluster(masters=7) as c:
+    with RedisCluster(masters=8) as c:
         yield c
 
 
@@ -98,7 +98,7 @@ class Scene:
     the sequence number and stream id of X (the entry the failover loses)."""
 
     def __init__(self, cluster: RedisCluster, store: L3Store, seed: int, name: str,
-                 value_less: bool) -> None:
+                 value_less: bool, cluster_keys: dict[str, Any] | None = None) -> None:
         self.cluster, self.store = cluster, store
         self.pad = BIG if value_less else ""
         self.key = next(k for k in (f"fo/{name}/{seed}/{i}" for i in range(10**6))
@@ -108,7 +108,7 @@ class Scene:
         self.master = int(store.rc.get_node_from_key(feed_key(self.g)).port)
         self.replica = _replica_of(self.master)
         _USED.update((self.master, self.replica))
-        self.h = Host(cluster, f"fo-{name}-{seed % 1000}", seed)
+        self.h = Host(cluster, f"fo-{name}-{seed % 1000}", seed, cluster_keys)
         self.seq0 = 0
         self.x_id = b""
 
@@ -465,4 +465,176 @@ def test_a_lost_delete_of_a_lost_key_is_not_undone_by_the_writers_repush(
         assert s.h.alive and b.alive, (s.h.error, b.error)
     finally:
         b.close()
+# ------------------------------------------------------------------ pushed short, lost unread
+#
+# cluster.wait_replicas 1, but the group's master has its replica disconnected (the
+# replica's masterauth is wrong, so it cannot reconnect: ROLE lists none): a push waits
+# for the replicas connected, none (_replicas_to_wait), and is acknowledged with 0 of the
+# 1 asked. The writer holds such a record unconfirmed (dirty in L2, its entry's number
+# remembered) until a WAIT there reaches 1, or a rewind shows it lost.
+
+SHORT = {"wait_replicas": 1, "wait_timeout": "100ms"}
+
+
+def _connected_replicas(port: int) -> int:
+    info = command(port, "INFO", "replication").decode()
+    return next(int(line.split(":")[1]) for line in info.splitlines()
+                if line.startswith("connected_slaves:"))
+
+
+def _cut_replica(s: Scene) -> None:
+    """Disconnect the group's replica from its master, for good (until _mend_replica)."""
+    assert command(s.replica, "CONFIG", "SET", "masterauth", "bogus").startswith(b"+OK")
+    command(s.master, "CLIENT", "KILL", "TYPE", "replica")
+    wait_for(lambda: _connected_replicas(s.master) == 0, 10, "the replica to be cut off")
+
+
+def _mend_replica(port: int) -> None:
+    command(port, "CONFIG", "SET", "masterauth", '""')
+
+
+def _hold_polls(h: Host) -> float:
+    """The host's feed polls stop (a host busy elsewhere): it reads and checks nothing
+    until _resume_polls. Returns the poll interval to restore."""
+    d = h.daemon
+    assert d is not None
+    poll, d.inb.poll = d.inb.poll, float("inf")
+    return poll
+
+
+def _resume_polls(h: Host, poll: float) -> None:
+    assert h.daemon is not None
+    h.daemon.inb.poll = poll
+
+
+def _put_short(s: Scene) -> None:
+    """X = v2, put on the scene's host with the group's replica cut off: acknowledged
+    with 0 replicas of the 1 asked, and held unconfirmed (dirty, not evictable)."""
+    d = s.h.daemon
+    assert d is not None
+    held = d.stats.extra.get("unconfirmed_held", 0)
+    s.h.kv.put(s.key, f"v2{s.pad}")
+    wait_for(lambda: d.stats.extra.get("unconfirmed_held", 0) > held, 10,
+             "the host's push of X to be acknowledged short of its replica")
+    assert _try(lambda: store_value(s.store, s.key)) == "v2"  # (the master has X)
+    assert d.stats.extra["unconfirmed"] == 1 and d.port.dirty_count() == 1, d.stats
+    x = d.out.unconfirmed.by_key[s.key]
+    assert x.seq == s.seq0 + 1 and x.group == s.g and x.node.endswith(f":{s.master}"), x
+
+
+def store_value(store: L3Store, key: str) -> Any:
+    rec = store.get(key)
+    return None if rec is None else rec.decode_value(key)
+
+
+def test_an_acknowledged_write_lost_before_its_entry_was_read_is_pushed_again(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """X, the host's write acknowledged with none of the replicas cluster.wait_replicas
+    asked (its master had none connected), is lost by a failover (the cut-off replica
+    forced to take over) before any host read X's feed entry: every host's position is
+    v1's, which the failover kept — the group's counter equals each host's last number
+    and the stream ends at its cursor. The writer remembered X's entry number, so the
+    counter below it is a rewind: it resyncs and pushes X again. L3, the writer and
+    another host (its reads held too) end on X."""
+    s = Scene(cluster, store, seed, "unread", value_less=False, cluster_keys=SHORT)
+    reader = Host(cluster, f"fo-unread-reader-{seed % 1000}", seed + 1)
+    try:
+        d = s.h.daemon
+        assert d is not None
+        s.put(s.key, "v1", 1)
+        s.holds(s.key, "v1", "the host to hold v1")
+        wait_for(lambda: reader.kv.get(s.key) == "v1", 15, "the reader to hold v1")
+        seq0 = store.feed_seqs([s.g])[s.g]
+        assert seq0 is not None
+        s.seq0 = seq0
+        wait_for(lambda: d.inb.seqs.get(s.g) == seq0, 10, "the host to read v1's entry")
+        cluster.wait_replicated()  # (v1 is on the replica: only X is lost)
+        polls = [(h, _hold_polls(h)) for h in (s.h, reader)]
+        _cut_replica(s)
+        _put_short(s)
+        assert command(s.replica, "CLUSTER", "FAILOVER", "FORCE").startswith(b"+OK")
+        wait_for(lambda: _role(s.replica) == b"master"
+                 and _serving(store, feed_key(s.g)) == s.replica,
+                 30, "the cut-off replica to take the group's slot over")
+        _mend_replica(s.replica)
+        wait_for(lambda: _try(lambda: store.feed_seqs([s.g])[s.g]) == seq0
+                 and _try(lambda: store_value(store, s.key)) == "v1", 10,
+                 "the new master without X (its counter v1's)")
+        # nobody read X: the host's position is v1's, which the new master holds
+        assert d.inb.seqs.get(s.g) == seq0 and reader.daemon is not None
+        assert reader.daemon.inb.seqs.get(s.g) == seq0
+        for h, poll in polls:
+            _resume_polls(h, poll)
+        wait_for(lambda: s.h.stats.extra.get("resync_rewind", 0) >= 1, 15,
+                 "the writer to see the rewind (the counter below X's number)")
+        wait_for(lambda: s.h.stats.extra.get("repushed", 0) >= 1, 10,
+                 "the writer to push X again")
+        wait_for(lambda: _try(lambda: store_value(store, s.key)) == "v2", 10,
+                 "L3 to hold X again")
+        assert s.h.kv.get(s.key) == "v2"
+        wait_for(lambda: reader.kv.get(s.key) == "v2", 15, "the reader to take X")
+        # the re-push is held in turn until its new master's replica (the old master,
+        # resynced from it) acknowledges it: then X is clean (evictable) again
+        wait_for(lambda: s.h.stats.extra.get("unconfirmed") == 0
+                 and d.port.dirty_count() == 0, 15, "the re-pushed X to be confirmed")
+        assert s.h.alive and reader.alive, (s.h.error, reader.error)
+    finally:
+        _mend_replica(s.replica)
+        reader.close()
+        s.close()
+
+
+def test_a_short_push_is_confirmed_once_the_replica_is_back(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """X acknowledged short of its replica is held (dirty: never evicted; the delivered
+    cursor held back) until the replica is back: the host's probe's WAIT then reaches
+    cluster.wait_replicas, and what is held is delivered (clean) with nothing pushed
+    again. A push acknowledged by the full count is never held. The bound
+    (outbound_max 8: 2 held at most): two more short pushes release X, the oldest —
+    delivered (clean) at once, its loss no longer watched for."""
+    s = Scene(cluster, store, seed, "confirm", value_less=False,
+              cluster_keys={**SHORT, "outbound_max": 8})
+    try:
+        d = s.h.daemon
+        assert d is not None
+        s.put(s.key, "v1", 1)
+        s.holds(s.key, "v1", "the host to hold v1")
+        seq0 = store.feed_seqs([s.g])[s.g]
+        assert seq0 is not None
+        s.seq0 = seq0
+        other = s.other_key()  # (the same group and master)
+        s.h.kv.put(other, "full")  # the replica connected: acknowledged by it
+        wait_for(lambda: d.port.dirty_count() == 0 and d.stats.accepted >= 1, 10,
+                 "the full push to be delivered")
+        assert d.stats.extra.get("unconfirmed_held", 0) == 0 and not d.out.unconfirmed
+        cluster.wait_replicated()
+        seq0 = store.feed_seqs([s.g])[s.g]
+        assert seq0 is not None
+        s.seq0 = seq0
+        _cut_replica(s)
+        _put_short(s)
+        delivered = d.out.delivered()
+        assert delivered <= d.out.unconfirmed.by_key[s.key].since < d.out.cursor
+        assert d.backlog() == 0  # (L3 has it: not a write waiting to be sent)
+        resyncs = d.stats.resyncs
+        assert d.out.unconfirmed.limit == 2
+        more = [k for k in (f"{s.key}/{i}" for i in range(10**6)) if group_of(k) == s.g][:2]
+        for n, k in enumerate(more, start=2):
+            s.h.kv.put(k, f"w{n}")
+            wait_for(lambda n=n: d.stats.extra.get("unconfirmed_held", 0) >= n, 10,
+                     f"short push {n} to be held")
+        wait_for(lambda: d.stats.extra.get("unconfirmed_released", 0) == 1
+                 and d.port.dirty_count() == 2, 10, "X, the oldest, to be released")
+        assert list(d.out.unconfirmed.by_key) == more and d.stats.extra["unconfirmed"] == 2
+        _mend_replica(s.replica)
+        wait_for(lambda: _connected_replicas(s.master) == 1, 15, "the replica to reconnect")
+        wait_for(lambda: d.stats.extra.get("unconfirmed") == 0 and d.port.dirty_count() == 0,
+                 10, "X to be confirmed and delivered")
+        assert d.stats.extra.get("unconfirmed_confirmed", 0) == 2, d.stats
+        assert d.stats.extra.get("repushed", 0) == 0 and d.stats.resyncs == resyncs
+        assert d.out.delivered() == d.out.cursor
+        assert store_value(store, s.key) == "v2"
+        assert s.h.alive, s.h.error
+    finally:
+        _mend_replica(s.replica)
         s.close()

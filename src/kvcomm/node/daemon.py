@@ -140,6 +140,7 @@ from .delivery import (
     CORRUPT,
     FEED_COUNT,
     NOT_DURABLE,
+    UNCONFIRMED_MAX,
     Answer,
     HostActivity,
     Inbound,
@@ -158,6 +159,7 @@ log = logging.getLogger("kvcomm.node")
 HOT_KEYS = 64  # hot keys saved and kept in L2 per host
 HOT_EVERY = 2.0  # seconds between saves of the hot keys (and the prewarm that follows)
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
+CONFIRM_EVERY = 1.0  # seconds between probes of the masters holding unconfirmed records
 MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backlog)
 WRITE_MARK_BLOCK = 1 << 20  # dots reserved ahead in L3's write mark (one save per block)
 OWN_SENT_MAX = 1 << 17  # own pushes remembered until their echo (Daemon.own_sent)
@@ -210,13 +212,19 @@ class Daemon:
         c, cl = config.cache, config.cluster
         now = clock()
         self.stats = DaemonStats()
+        self.groups = groups_of(cl.groups)
+        # (records pushed short of cluster.wait_replicas stay dirty until confirmed: a
+        # quarter of the backlog's bound at most, the rest left to new writes)
         self.out = Outbound(self.host, port.delivered_cursor,
                             WriteWindow(c.l2_sync_interval, c.max_batch_ops, c.max_batch_bytes),
-                            Backoff(rng, base=0.05, cap=2.0, floor=0.01), merge=MERGE_WINDOWS)
+                            Backoff(rng, base=0.05, cap=2.0, floor=0.01), merge=MERGE_WINDOWS,
+                            group_of=self.groups.of,
+                            unconfirmed_max=min(UNCONFIRMED_MAX, max(1, cl.outbound_max // 4)))
         self.persisted = self.out.cursor  # the delivered cursor L2 holds
-        self.groups = groups_of(cl.groups)
         self.inb = Inbound(cl.groups, cl.feed_poll, Backoff(rng, base=0.05, cap=2.0, floor=0.01),
                            now, sweep_rate=cl.feed_sweep_rate)
+        self.inb.expected = self.out.unconfirmed.by_group  # (shared: a rewind check's input)
+        self.confirm_at = now  # the next probe of the masters holding unconfirmed records
         self.load: dict[int, int] = {}  # group → operations made on it (cumulative)
         # groups this host stored records with a deadline in: group -> (next check, last
         # deadline), for dropping expired keys from L3's key index (_note_deadline)
@@ -496,6 +504,38 @@ class Daemon:
                 # newer local write is pushed in turn, and its answer taken then
                 self.stats.bump("answers_not_taken")
                 log.warning("could not take L3's answer for %r: %s", answer.key, exc)
+        self._settle_unconfirmed()
+
+    def _settle_unconfirmed(self) -> None:
+        """Deliver (clean in L2) the unconfirmed records a pipeline or probe acknowledged by
+        ``cluster.wait_replicas`` replicas since covers, and those the bound released;
+        publish the count held (stats ``unconfirmed``)."""
+        released, self.out.released = self.out.released, []
+        if released:
+            self.stats.bump("unconfirmed_released", len(released))
+            log.warning("%d record(s) acknowledged by fewer Redis replicas than "
+                        "cluster.wait_replicas are no longer held (over %d held): a failover "
+                        "before any host reads them may lose them", len(released),
+                        self.out.unconfirmed.limit)
+        confirmed = self.out.unconfirmed.confirm(getattr(self.l3, "confirmed", {}))
+        self.stats.bump("unconfirmed_confirmed", len(confirmed))
+        for held in (*released, *confirmed):
+            self._guarded(held.key, "deliver", self.port.mark_delivered, held.key, held.record)
+        self.stats.extra["unconfirmed"] = len(self.out.unconfirmed)
+
+    def _probe_unconfirmed(self, now: float) -> None:
+        """Every CONFIRM_EVERY seconds while records are held unconfirmed: a probe write
+        and WAIT on each master holding some (:meth:`L3Store.confirm_replicated`): an idle
+        host learns when its replicas caught up. Raises Unavailable."""
+        if not len(self.out.unconfirmed) or now < self.confirm_at:
+            return
+        self.confirm_at = now + CONFIRM_EVERY
+        probe = getattr(self.l3, "confirm_replicated", None)  # (the test fakes have none)
+        if probe is None:
+            return
+        for group in self.out.unconfirmed.nodes().values():
+            probe(group)
+        self._settle_unconfirmed()
 
     def _note_deadline(self, g: int, deadline: float | None) -> None:
         """This host stored a record with ``deadline`` in group ``g``: the group's key index
@@ -525,6 +565,8 @@ class Daemon:
             self.stats.bump("resolved")
         elif answer.outcome == NOT_DURABLE:
             self.stats.bump("not_durable")
+        if answer.unconfirmed:  # (kept dirty: Unconfirmed)
+            self.stats.bump("unconfirmed_held")
         if answer.deliver:
             self.port.mark_delivered(answer.key, answer.sent)
         if answer.set_aside:  # retrying cannot help
@@ -674,6 +716,22 @@ class Daemon:
                 self.inb.scanned(g)
         for key in sorted(held):
             self._guarded(key, "resync", self._resync_key, key, rewound)
+        # this host's records of these groups acknowledged by fewer replicas than asked
+        # (kept dirty, so _resync_key passed them), after a rewind (or a resync whose
+        # reason is not known: resumed): whatever the failover kept, each is sent again —
+        # a new push is answered as any (older or equal ends it; stored, it is held again
+        # under its new entry). A rewind found through one of them is the only sign of
+        # its loss: no reader's position had passed it. (A gap or a foreign entry loses
+        # nothing: they stay held, their entries' numbers still to be checked.)
+        lost = groups if reason in ("rewind", "false_hint", "") else set()
+        for unheld in self.out.unconfirmed.drop_groups(lost):
+            rec = self._guarded(unheld.key, "resync", self.port.dirty_record, unheld.key)
+            if isinstance(rec, L3Record) and self.out.repush(unheld.key, rec, self.clock()):
+                self.stats.bump("repushed")
+                log.warning("re-sending %r, acknowledged by fewer Redis replicas than "
+                            "cluster.wait_replicas, after a resync of its group (%s)",
+                            unheld.key, reason or "resumed")
+        self.stats.extra["unconfirmed"] = len(self.out.unconfirmed)
         self.inb.resynced(groups)
 
     def _resync_key(self, key: str, rewound: bool) -> bool:
@@ -1034,6 +1092,7 @@ class Daemon:
                     self.healing = None
             self._maybe_rotate_filter()
             self._maybe_prewarm()
+            self._probe_unconfirmed(now)
         except Unavailable as exc:
             delay = self.inb.poll_failed(self.clock())
             self._l3_failed(self.inb.backoff, "reading the L3 feed", exc, delay)
@@ -1067,9 +1126,10 @@ class Daemon:
     # ------------------------------------------------------------------ partition mode
 
     def backlog(self) -> int:
-        """Writes of this host not yet in L3 (dirty L2 entries)."""
+        """Writes of this host not yet in L3 (dirty L2 entries, less those L3 acknowledged
+        with fewer replicas than asked: held dirty until confirmed, see Unconfirmed)."""
         count = getattr(self.port, "dirty_count", None)  # (the test fakes have none)
-        return int(count()) if count is not None else 0
+        return max(0, int(count()) - len(self.out.unconfirmed)) if count is not None else 0
 
     def status(self) -> dict[str, Any]:
         """What the daemon tells its agents (the status file) and the cluster (etcd)."""

@@ -29,6 +29,7 @@ older                   yes      yes   L3 holds a write that saw this one
 merged                  yes      yes*  L3 holds the merge of it and a concurrent write
 conflict                no       yes   a resolver's key: L2 settles it (a new write)
 not durable             no       no    no replica has it yet: staged again, re-sent
+stored, short           no       yes*  fewer replicas than asked: held (Unconfirmed)
 corrupt                 yes      no    retrying cannot help: set aside
 L3 unreachable          —        —     the push is retried whole, with backoff
 older / merged, lost    no       —     rebase: the host writes it again (see below)
@@ -188,6 +189,7 @@ MIN_SWEEP_EVERY = 0.25  # seconds between sweep slices at least
 TAIL_EVERY = 8
 RECENT_S = 30.0  # how long a skipped remote change can still be applied over a late fill
 RECENT_MAX = 65_536  # skipped remote changes remembered at most
+UNCONFIRMED_MAX = 1024  # records pushed short of cluster.wait_replicas held at most
 
 # why a group is resynced
 GAP, REWIND, UNSEQUENCED = "gap", "rewind", "unsequenced"
@@ -204,6 +206,104 @@ def _read_already(eid: bytes, cursor: bytes) -> bool:
 
 
 # ---------------------------------------------------------------- local → L3
+
+
+class Unheld(NamedTuple):
+    """A record L3 acknowledged with fewer replicas than ``cluster.wait_replicas`` asked
+    (the master had fewer connected: :meth:`kvcomm.tiers.l3.L3Store._replicas_to_wait`)."""
+
+    key: str
+    record: L3Record  # as L2 holds it (kept dirty: what mark_delivered names, once confirmed)
+    since: int  # the outbound cursor before the read that staged it
+    group: int
+    seq: int  # the sequence number of the feed entry the push wrote
+    entry: bytes  # and its stream id
+    node: str  # the master that took it
+    call: int  # the pipeline that wrote it (PushResult.call)
+
+
+class Unconfirmed:
+    """Records L3 acknowledged with fewer replicas than asked, until confirmed.
+
+    Such a write is on the master alone (or on fewer replicas than asked): a failover
+    before any host read its feed entry loses it, and keeps the state before it — the
+    group's counter then equals every reader's last number and the stream ends at
+    their cursors: no rewind check of a reader sees anything. So the writer remembers
+    each (its key, group, and the sequence number and stream id of its entry) and
+    keeps it dirty in L2 (never evicted; its feed position holds back the delivered
+    cursor, so a restarted daemon sends it again), until:
+
+    * **confirmed** (:meth:`confirm`): a later pipeline on the same master that stored a
+      change, or a probe write there, was acknowledged by ``cluster.wait_replicas``
+      replicas — WAIT counts replicas up to the connection's last write, which comes
+      after this one on the master's replication stream. Then it is delivered (clean);
+    * **found lost** (:meth:`Inbound.examine`, :meth:`Inbound.to_read`): the group's
+      counter below its number, or an entry with its number at another id — a rewind:
+      the group is resynced and the resync sends it again (:meth:`drop_groups`);
+    * **superseded**: a later write of the key was answered (it descends from this one);
+    * **released**: more than ``limit`` are held; the oldest is delivered (clean,
+      evictable; its loss is no longer watched for — counted, logged). A host whose
+      masters stay short of replicas for long cannot keep every write dirty: the
+      bound keeps the backlog (``cluster.outbound_max``) free for new writes.
+    """
+
+    def __init__(self, limit: int = UNCONFIRMED_MAX) -> None:
+        self.limit = max(1, limit)
+        self.by_key: dict[str, Unheld] = {}  # oldest first
+        self.by_group: dict[int, dict[int, bytes]] = {}  # group → seq → entry id (Inbound)
+        self._since: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def add(self, held: Unheld) -> list[Unheld]:
+        """Hold ``held`` (in place of an earlier record of its key). Returns those
+        released past the bound, oldest first."""
+        self.drop(held.key)
+        self.by_key[held.key] = held
+        self.by_group.setdefault(held.group, {})[held.seq] = held.entry
+        self._since[held.since] += 1
+        out = []
+        while len(self.by_key) > self.limit:
+            out.append(self._remove(next(iter(self.by_key))))
+        return out
+
+    def drop(self, key: str) -> Unheld | None:
+        """Forget ``key``'s held record (superseded). Returns it, or None."""
+        return self._remove(key) if key in self.by_key else None
+
+    def confirm(self, confirmed: Mapping[str, int]) -> list[Unheld]:
+        """``confirmed``: master → the latest pipeline there that ``wait_replicas``
+        replicas acknowledged after a write. Returns the held records it covers (those
+        written there by an earlier pipeline), forgotten: deliver them."""
+        done = [h for h in self.by_key.values() if h.call < confirmed.get(h.node, 0)]
+        return [self._remove(h.key) for h in done]
+
+    def drop_groups(self, groups: Iterable[int]) -> list[Unheld]:
+        """Forget the held records of ``groups`` (being resynced: the resync sends each
+        again). Returns them."""
+        gs = set(groups)
+        return [self._remove(h.key) for h in list(self.by_key.values()) if h.group in gs]
+
+    def since(self) -> int | None:
+        """The least feed position of a held record (None: none held)."""
+        return min(self._since) if self._since else None
+
+    def nodes(self) -> dict[str, int]:
+        """Master → a group of a record held there (to probe: L3Store.confirm_replicated)."""
+        return {h.node: h.group for h in self.by_key.values()}
+
+    def _remove(self, key: str) -> Unheld:
+        held = self.by_key.pop(key)
+        seqs = self.by_group.get(held.group)
+        if seqs is not None:
+            seqs.pop(held.seq, None)
+            if not seqs:
+                del self.by_group[held.group]
+        self._since[held.since] -= 1
+        if not self._since[held.since]:
+            del self._since[held.since]
+        return held
 
 
 class Staged(NamedTuple):
@@ -238,14 +338,22 @@ class Answer(NamedTuple):
     take: L3Record | None  # L3 holds another record: merge it into L2
     set_aside: str  # why the record is set aside ("" when it is not)
     rebase: bool = False  # L2 lost dots L3 has: write it again past them, else take
+    # acknowledged by fewer replicas than cluster.wait_replicas asked: not delivered (kept
+    # dirty: never evicted) but held in :attr:`Outbound.unconfirmed` until confirmed
+    unconfirmed: bool = False
 
 
 class Outbound:
     """The local feed cursor, the staged records, the write window and the pushes."""
 
     def __init__(self, host: str, cursor: int, window: WriteWindow, backoff: Backoff,
-                 merge: int = 1) -> None:
+                 merge: int = 1, group_of: Callable[[str], int] = lambda key: 0,
+                 unconfirmed_max: int = UNCONFIRMED_MAX) -> None:
         self.host = host
+        self.group_of = group_of
+        # records L3 acknowledged with fewer replicas than asked (see Unconfirmed)
+        self.unconfirmed = Unconfirmed(unconfirmed_max)
+        self.released: list[Unheld] = []  # held records the bound released: deliver them
         # at most this many waiting windows go in one push: a backlog (after a partition,
         # say) is sent in calls of several windows, fewer round trips and one hint per
         # group per call; an idle host has one window waiting at a time, as before
@@ -283,8 +391,12 @@ class Outbound:
         return True
 
     def delivered(self) -> int:
-        """The local feed position before which every write is in L3: the one to persist."""
-        return min(self._since) if self._since else self.cursor
+        """The local feed position before which every write is in L3 (and, with
+        ``cluster.wait_replicas``, on as many replicas: an unconfirmed record holds it
+        back, so that a restarted daemon sends it again): the one to persist."""
+        low = min(self._since) if self._since else self.cursor
+        held = self.unconfirmed.since()
+        return low if held is None else min(low, held)
 
     def next_push(self, now: float, has_resolver: Callable[[str], bool],
                   shape: Callable[[L3Record], L3Record] = lambda r: r) -> Push | None:
@@ -339,7 +451,14 @@ class Outbound:
             staged = self.staged.get(item.key)
             if staged is not None and staged.record is item.staged:
                 self._unstage(item.key)
-            answers.append(self._answer(item, res, now, write_sequence))
+            answer = self._answer(item, res, now, write_sequence)
+            if answer.unconfirmed and isinstance(res, PushResult) and res.seq is not None:
+                self.released += self.unconfirmed.add(Unheld(
+                    item.key, item.staged, item.since, self.group_of(item.key), res.seq,
+                    res.entry, res.node, res.call))
+            elif answer.deliver:  # (this write, or one that saw it, is answered for)
+                self.unconfirmed.drop(item.key)
+            answers.append(answer)
         return answers
 
     def push_failed(self, push: Push, now: float) -> float:
@@ -381,8 +500,14 @@ class Outbound:
                 and vector_get(held.vector, self.host) > write_sequence):
             return Answer(item.key, item.staged, res.outcome, False, held, "", rebase=True)
         same = held.dot == sent.dot and held.hlc == sent.hlc and held.vector == sent.vector
-        return Answer(item.key, item.staged, res.outcome, covers(held.vector, sent.dot),
-                      None if same else held, "")
+        deliver = covers(held.vector, sent.dot)
+        if deliver and res.short and res.seq is not None:  # (a change stored: new, newer,
+            # merged) on fewer replicas than asked: a failover may lose it before any host
+            # reads its entry, which no rewind check of the readers would see
+            return Answer(item.key, item.staged, res.outcome, False, None if same else held,
+                          "", unconfirmed=True)
+        return Answer(item.key, item.staged, res.outcome, deliver, None if same else held, "")
+
 
     def _stage(self, key: str, record: L3Record, since: int, now: float) -> None:
         if key in self.staged:
@@ -523,6 +648,10 @@ class Inbound:
         self.retry_at = float("-inf")
         self.state_at = now + state_every
         self._saved: dict[int, tuple[bytes, int | None]] = {}  # group → what L3 holds of it
+        # group → seq → stream id of the entries this host's unconfirmed pushes wrote
+        # (Unconfirmed.by_group, shared by the driver): a counter below one, or an entry
+        # with its number at another id, is a rewind, whatever this host read
+        self.expected: Mapping[int, Mapping[int, bytes]] = {}
 
     @property
     def sweep_period(self) -> float:
@@ -561,6 +690,10 @@ class Inbound:
         the group's counter and tail are checked at the next poll (:meth:`to_read`)."""
         if group not in self.groups or group in self.due:
             return  # (the read brings it)
+        mine = self.expected.get(group)
+        if mine and entry.seq is not None and mine.get(entry.seq, entry.id) != entry.id:
+            self.hinted((group,))  # (the number of an unconfirmed push: the read examines it)
+            return
         kept = self.noted.get(group)
         last = kept[-1].seq if kept else self.seqs.get(group)
         cursor = self.cursors.get(group, b"0-0")
@@ -608,8 +741,10 @@ class Inbound:
             last = kept[-1].seq if kept else self.seqs.get(g)
             at = kept[-1].id if kept else self.cursors.get(g)
             tail = tails.get(g) if tails else None
+            mine = self.expected.get(g)
             if (counter is None or counter != last
-                    or (tail is not None and at is not None and tail != at)):
+                    or (tail is not None and at is not None and tail != at)
+                    or (mine and counter < max(mine))):
                 out.add(g)
         for g in out:
             self.noted.pop(g, None)  # (the read brings those entries too)
@@ -633,8 +768,12 @@ class Inbound:
         cursor's entry but with an older one. Changes nothing: :meth:`advance` does."""
         before = last = self.seqs.get(group)
         cursor = self.cursors.get(group)
+        mine = self.expected.get(group) or {}
         if lost or (counter is not None and counter == before and tail is not None
-                    and cursor is not None and tail != cursor):
+                    and cursor is not None and tail != cursor) or (
+                mine and counter is not None and counter < max(mine)):
+            # (the last: an unconfirmed push of this host wrote an entry under a number the
+            # counter no longer reaches — a failover lost it before this host read it)
             # the entry read under the last number is gone (the last number is another
             # entry's now): a failover lost it, and reissued its number, and maybe more,
             # at ids at or before the cursor, where this read (after the cursor) misses
@@ -646,6 +785,8 @@ class Inbound:
                 return Reading(entries, UNSEQUENCED)
             if entry.seq != last + 1:
                 return Reading(entries, GAP if entry.seq > last + 1 else REWIND)
+            if entry.seq in mine and mine[entry.seq] != entry.id:
+                return Reading(entries, REWIND)  # (an unconfirmed push's number, reissued)
             entries.append(entry)
             last = entry.seq
         if counter is None or before is None or last is None:

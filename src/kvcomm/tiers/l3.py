@@ -192,6 +192,7 @@ sent again in another call.
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import logging
 import re
@@ -472,7 +473,10 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # with PUSH_BATCH stored records near cache.max_value_size would be gigabytes read into
 # Lua and sent back at once (review 19).
 # Returns one reply per record, in order: {outcome, record L3 holds} (the record "" when L3
-# holds the very bytes pushed: new, newer, equal), or an error (a
+# holds the very bytes pushed: new, newer, equal) — for a change it stored (new, newer,
+# merged) followed by the sequence number and stream id of the feed entry it wrote (the
+# pusher can tell that a failover lost it before anyone read it: node/delivery.py,
+# Unconfirmed) —, or an error (a
 # malformed record: KVCOMMBAD; a stored record of a newer format: KVCOMMCORRUPT; a Redis
 # error met while storing it, WRONGTYPE say): that record alone; the others are pushed,
 # as N calls of one would have been (and, as those, what was written before an error
@@ -574,12 +578,13 @@ local function store(rkey, key, bytes, r, merged, prev)
     s = redis.call('INCR', SEQ)
   end
   local hint = s  -- (an inline entry's hint: the group's sequence number; readers XRANGE)
+  local id
   if INLINE == nil or #bytes <= INLINE then  -- the record itself (the format-1 entry)
-    redis.call('XADD', FEED, 'MAXLEN', '~', MAXLEN, '*', 'k', key, 'r', bytes, 's', s)
+    id = redis.call('XADD', FEED, 'MAXLEN', '~', MAXLEN, '*', 'k', key, 'r', bytes, 's', s)
   else  -- value-less: readers GET the record if they want the key ('q', not 's': a
     -- reader that knows only 's' finds no sequence number and resyncs the group)
     local n = note(r, merged)
-    local id = redis.call('XADD', FEED, 'MAXLEN', '~', MAXLEN, '*', 'k', key, 'q', s, 'n', n)
+    id = redis.call('XADD', FEED, 'MAXLEN', '~', MAXLEN, '*', 'k', key, 'q', s, 'n', n)
     -- the hint carries the whole entry ("seq id note key"): a reader that follows the
     -- group's sequence applies it without reading the stream
     hint = string.format('%d', s) .. ' ' .. id .. ' ' .. n .. ' ' .. key
@@ -601,6 +606,7 @@ local function store(rkey, key, bytes, r, merged, prev)
   if HINTS == 'e' and CHANNEL and CHANNEL ~= '' then
     redis.pcall('SPUBLISH', CHANNEL, hint)
   end
+  return s, id
 end
 -- one record (the i-th): its reply
 local function push(i)
@@ -614,8 +620,8 @@ local function push(i)
   if type(raw) == 'table' then raw = '' end  -- another Redis type under the name (WRONGTYPE)
   -- (new, newer: L3 holds the caller's own record, which the reply does not send back)
   if not raw then
-    store(rkey, key, bytes, incoming, false)
-    return {'new', ''}
+    local s, id = store(rkey, key, bytes, incoming, false)
+    return {'new', '', s, id}
   end
   local stored, why = read(raw)
   if stored == nil and why == 'newer' then
@@ -623,8 +629,8 @@ local function push(i)
                              'host reads; upgrade this host')
   end
   if stored == nil then  -- not a KVCOMM record at all: rewriting the key replaces it
-    store(rkey, key, bytes, incoming, false)
-    return {'new', ''}
+    local s, id = store(rkey, key, bytes, incoming, false)
+    return {'new', '', s, id}
   end
   local a, b = vv(incoming), vv(stored)
   local a_ge, b_ge = true, true
@@ -641,8 +647,8 @@ local function push(i)
     return {'equal', raw}
   end
   if a_ge then
-    store(rkey, key, bytes, incoming, false, stored)
-    return {'newer', ''}
+    local s, id = store(rkey, key, bytes, incoming, false, stored)
+    return {'newer', '', s, id}
   end
   if b_ge then return {'older', raw} end
   if string.sub(FLAGS, i, i) == 's' then return {'conflict', raw} end
@@ -664,8 +670,8 @@ local function push(i)
   local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
                dot = {win.dot[1], win.dot[2]}, x = win.x}
   local packed = cmsgpack.pack(out)
-  store(rkey, key, packed, out, true, stored)
-  return {'merged', packed}
+  local s, id = store(rkey, key, packed, out, true, stored)
+  return {'merged', packed, s, id}
 end
 local replies = {}
 -- the bytes of records the replies carry back (each read into Lua): past the budget the
@@ -818,6 +824,9 @@ _TRANSIENT = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN"
               "NOSCRIPT", "BUSY", "NOREPLICAS", "OOM", "NOPERM", "NOAUTH")
 
 
+_STORED = (b"new", b"newer", b"merged")  # push replies of a change stored (a feed entry)
+
+
 def _key_error(msg: str) -> bool:
     """True when a Redis error concerns the value under one key (a foreign value)."""
     return ("KVCOMMCORRUPT" in msg or "KVCOMMBAD" in msg or "WRONGTYPE" in msg
@@ -925,6 +934,17 @@ class PushResult(NamedTuple):
     # which L3 holds (a new or newer one's feed entry carries them, when inline): the
     # pusher can tell its own echo without decoding it
     sent: bytes = b""
+    # a change stored (new, newer, merged): its feed entry's sequence number and stream id
+    seq: int | None = None
+    entry: bytes = b""
+    # acknowledged (durable) by fewer replicas than cluster.wait_replicas asked: the master
+    # had fewer connected, and the wait was lowered to those (_replicas_to_wait); a
+    # failover may still lose it. ``node`` and ``call`` name the master and the pipeline
+    # that wrote it: a later pipeline there that reaches the target (``L3Store.confirmed``)
+    # covers it, since WAIT counts replicas up to the connection's last write
+    short: bool = False
+    node: str = ""
+    call: int = 0
 
 
 class L3Store:
@@ -999,6 +1019,11 @@ class L3Store:
         self.auth = (username, password)  # (for MIGRATE's AUTH: kvcomm.balance.migrate)
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
+        # master → the latest pipeline (PushResult.call) that stored a change there and
+        # that cluster.wait_replicas replicas acknowledged: every write on that master
+        # before it is on that many replicas (WAIT counts up to the connection's last write)
+        self.confirmed: dict[str, int] = {}
+        self._calls = itertools.count(1)  # (next() is atomic: pipelines run in threads)
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
         self.tombstone_grace_ms = int(tombstone_grace * 1000)  # (cluster.tombstone_grace)
@@ -1287,13 +1312,14 @@ class L3Store:
                 [(node, idxs, asking) for (_, asking), (node, idxs) in batches.items()],
                 items, keep_siblings, sent, alone)
             for (_, asking), (node, idxs) in batches.items():
-                raws, durable = replies[node.name, asking]
+                raws, durable, short, call = replies[node.name, asking]
                 for i, raw in zip(idxs, raws, strict=True):
                     key = items[i][0]
                     if not isinstance(raw, Exception):
                         try:
                             out[i] = self._result(key, raw, items[i][1], sent.get(i)
-                                                  )._replace(durable=durable)
+                                                  )._replace(durable=durable, short=short,
+                                                             node=node.name, call=call)
                         except CorruptRecord as exc:
                             out[i] = exc
                     elif _key_error(str(raw)):
@@ -1367,13 +1393,13 @@ class L3Store:
     def _pipelines(self, jobs: list[tuple[Any, list[int], bool]],
                    items: Sequence[tuple[str, L3Record]], keep_siblings: Set[str],
                    sent: dict[int, tuple[bytes, L3Record]], alone: Set[int] = frozenset(),
-                   ) -> dict[tuple[str, bool], tuple[list[Any], bool]]:
+                   ) -> dict[tuple[str, bool], tuple[list[Any], bool, bool, int]]:
         """:meth:`_pipeline` for each (node, item indexes, asking) of ``jobs``, the
         nodes' pipelines in flight together (threads: each master runs its scripts while
         the others do, instead of one master after another). Returns the replies by
         (node name, asking). Raises what a pipeline raised (Unavailable, CorruptRecord),
         once every pipeline has returned: what was pushed stays pushed."""
-        def one(node: Any, idxs: list[int], asking: bool) -> tuple[list[Any], bool]:
+        def one(node: Any, idxs: list[int], asking: bool) -> tuple[list[Any], bool, bool, int]:
             return self._call(lambda: self._pipeline(node, items, idxs, keep_siblings,  # type: ignore[no-any-return]
                                                      asking, sent, alone))
 
@@ -1386,7 +1412,7 @@ class L3Store:
             self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
         futures = {(node.name, asking): self._pool.submit(one, node, idxs, asking)
                    for node, idxs, asking in jobs}
-        out: dict[tuple[str, bool], tuple[list[Any], bool]] = {}
+        out: dict[tuple[str, bool], tuple[list[Any], bool, bool, int]] = {}
         first: BaseException | None = None
         for name, fut in futures.items():
             try:
@@ -1401,15 +1427,18 @@ class L3Store:
                   keep_siblings: Set[str], asking: bool = False,
                   sent: dict[int, tuple[bytes, L3Record]] | None = None,
                   alone: Set[int] = frozenset(),
-                  ) -> tuple[list[Any], bool]:
+                  ) -> tuple[list[Any], bool, bool, int]:
         """The push script for ``items[idxs]`` on ``node``: one call per group and
         PUSH_BATCH records of it, in the items' order (each call after ASKING if
         ``asking``; the items of ``alone`` in calls of their own), then ROLE and WAIT on
         the same connection. A group with at most HINT_EACH records here hints each change;
         one with more is hinted once, by its last call. Returns (one reply or exception per
         item of ``idxs``, in order: a call refused as a whole, MOVED say, gives each of its
-        items that exception; whether a replica acknowledged them); ``sent`` gets each
-        item's encoding."""
+        items that exception; whether a replica acknowledged them; whether fewer than
+        ``wait_replicas`` did (:attr:`PushResult.short`); this pipeline's number, which
+        :attr:`confirmed` records for ``node`` when it stored a change that
+        ``wait_replicas`` replicas acknowledged); ``sent`` gets each item's encoding."""
+        call = next(self._calls)
         conn = self.rc.get_redis_connection(node)
         self._load(node, conn, self._script)
         pipe = conn.pipeline(transaction=False)
@@ -1453,10 +1482,14 @@ class L3Store:
         raws: list[Any] = pipe.execute(raise_on_error=False)
         if any("NOSCRIPT" in str(r) for r in raws if isinstance(r, Exception)):
             self._loaded.discard((node.name, self._script.sha))  # a restarted node
-        durable = True
+        durable, short = True, False
         if self.wait_replicas:
             acked, role = raws.pop(), raws.pop()
             durable = isinstance(acked, int) and acked >= self._replicas_to_wait(node, role)
+            short = not isinstance(acked, int) or acked < self.wait_replicas
+            if not short and any(isinstance(x, list) and x and x[0] in _STORED
+                                 for r in raws if isinstance(r, list) for x in r):
+                self.confirmed[node.name] = max(call, self.confirmed.get(node.name, 0))
         got: dict[int, Any] = {}
         for batch, raw in zip(calls, raws[1::2] if asking else raws, strict=True):
             if isinstance(raw, Exception):  # the call as a whole: each of its records
@@ -1466,7 +1499,42 @@ class L3Store:
                                   f"with {raw!r:.200}")
             else:
                 got.update(zip(batch, raw, strict=True))
-        return [got[i] for i in idxs], durable
+        return [got[i] for i in idxs], durable, short, call
+
+    def confirm_replicated(self, group: int) -> bool:
+        """With ``wait_replicas``: a probe write on ``group``'s master (``kvw:{t}``, the
+        group's tag, gone after 10 s), then WAIT there on the same connection: when
+        ``wait_replicas`` replicas acknowledge it, every earlier write on that master is
+        on that many replicas too, and :attr:`confirmed` records it (a host with records
+        pushed short, and nothing more to push there, learns when they became durable).
+        Nothing is written, and nothing waited for, while the master (ROLE) has fewer
+        replicas connected. Returns whether it was confirmed. Raises Unavailable."""
+        if not self.wait_replicas:
+            return False
+        probe = "kvw:" + self.groups.feed_key(group)[4:]
+        node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
+        call = next(self._calls)
+        conn = self.rc.get_redis_connection(node)
+        role = self._call(lambda: conn.execute_command("ROLE"))  # type: ignore[no-untyped-call]
+        try:  # (too few replicas connected: nothing to wait for, no probe key written)
+            if role[0] not in (b"master", "master") or len(role[2]) < self.wait_replicas:
+                return False
+        except (TypeError, IndexError):
+            return False
+
+        def run() -> list[Any]:
+            pipe = conn.pipeline(transaction=False)
+            pipe.execute_command("SET", probe, b"1", "PX", 10_000)  # type: ignore[no-untyped-call]
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
+            return pipe.execute(raise_on_error=False)
+
+        stored, acked = self._call(run)
+        if isinstance(stored, Exception) or not isinstance(acked, int):
+            return False  # (moved, say: the node is no longer the group's master)
+        if acked < self.wait_replicas:
+            return False
+        self.confirmed[node.name] = max(call, self.confirmed.get(node.name, 0))
+        return True
 
     def _load(self, node: Any, conn: Any, script: Any) -> None:
         """Load ``script`` on ``node`` once (EVALSHA then finds it)."""
@@ -2039,11 +2107,15 @@ class L3Store:
             raise CorruptRecord(f"unexpected push reply {raw!r:.200} for {key!r}") from None
         if outcome not in OUTCOMES:
             raise CorruptRecord(f"unexpected push outcome {outcome!r} for {key!r}")
+        seq, entry = (_as_seq(raw[2]), _as_id(raw[3])) if len(raw) >= 4 else (None, b"")
+        if seq is None or not _valid_id(entry):  # (a script before entries were returned)
+            seq, entry = None, b""
         if outcome in (NEW, NEWER, EQUAL) and data == b"":  # L3 holds what was pushed
-            return PushResult(key, outcome, pushed, sent=b"" if sent is None else sent[0])
+            return PushResult(key, outcome, pushed, sent=b"" if sent is None else sent[0],
+                              seq=seq, entry=entry)
         if sent is not None and data == sent[0]:
-            return PushResult(key, outcome, sent[1])
-        return PushResult(key, outcome, self.decode(data, key))
+            return PushResult(key, outcome, sent[1], seq=seq, entry=entry)
+        return PushResult(key, outcome, self.decode(data, key), seq=seq, entry=entry)
 
     def _call(self, fn: Any, key: str | None = None) -> Any:
         """Run one Redis call; errors translated (``key`` names the value a key error is about)."""
