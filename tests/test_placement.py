@@ -571,3 +571,14 @@ def test_the_replan_loop_moves_what_each_round_plans_until_the_agents_end(
 def test_bad_replan_loop_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(kvcomm.InvalidArgument, match=match):
         Launcher({"h1": "/c/h1.yaml"}).replan_loop("cfg", ["true"], **kwargs)
+
+
+@pytest.mark.parametrize("flags, match", [(["--replan-every", "0"], "--replan-every"),
+                                          (["--replan-every", "5", "--max-moves", "-1"],
+                                           "--max-moves")])
+def test_launch_refuses_a_bad_replan_before_starting_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], match: str) -> None:
+    # (no dev cluster in tmp_path, no plan file: refused before either is looked at)
+    assert cli_main(["placement", "launch", "--plan", str(tmp_path / "p.json"), "--dir",
+                     str(tmp_path), *flags, "--", "true"]) == 2
+    assert match in capsys.readouterr().err
