@@ -361,7 +361,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
             due += every
             t_r = time.monotonic()
             try:
-                plan = replan_plan(observe(cfg, window), current, HOSTS, max_moves=max_moves,
+                plan = replan_plan(observe(cfg, window, hosts=HOSTS), current, HOSTS, max_moves=max_moves,
                                    balance=1.1)
             except kvcomm.KVCommError as e:
                 rounds.append({"t": t_r - start_at, "moves": 0, "skipped": str(e)})

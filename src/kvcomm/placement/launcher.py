@@ -190,7 +190,8 @@ class Launcher:
                     on_round: Callable[[Round], None] | None = None) -> list[Round]:
         """Re-place the running agents every ``every`` seconds until none runs: observe the
         last ``window`` seconds (default: ``every`` less one second, at least one second)
-        with ``observe(config, window)`` (default: :func:`~kvcomm.placement.observe.observe`),
+        with ``observe(config, window)`` (default: :func:`~kvcomm.placement.observe.observe`
+        of this launcher's hosts),
         :func:`replan` from where they run with at most ``max_moves`` moves, and
         :meth:`move` them. A round whose observation or plan fails (InvalidArgument, e.g.
         a balance the budget cannot restore; Unavailable: L3 down) moves nothing and is
@@ -207,7 +208,10 @@ class Launcher:
         if observe is None:
             from .observe import observe as observe_cluster
 
-            observe = observe_cluster
+            hosts = sorted(self.configs)
+
+            def observe(config: Any, seconds: float) -> Graph:  # (our hosts': no SCAN)
+                return observe_cluster(config, seconds, hosts=hosts)
         rounds: list[Round] = []
         due = clock() + every
         while self.alive():
