@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import InvalidArgument, KVCommError
 from .agents import is_named
-from .graph import Graph, Move, Plan
+from .graph import Agent, Graph, Move, Plan
 
 _FIELD = re.compile(r"\{(agent|host|config)\}")
 
@@ -53,7 +53,8 @@ def replan(graph: Graph, current: Mapping[str, str], hosts: Sequence[str], *, ma
     """The incremental plan for ``graph`` from ``current`` (agent → the host it runs on
     now, as the launcher knows it: it wins over the graph's host, which is where the agent
     did most of its operations over the observed window, so may be the one it just left).
-    At most ``max_moves`` agents move. ``planner`` is ``make_plan`` (the default; a test
+    At most ``max_moves`` agents move; every host's load within the larger of ``balance``
+    and the current :func:`imbalance` times the mean. ``planner`` is ``make_plan`` (the default; a test
     may pass its own). Returns the Plan. Raises what ``make_plan`` raises
     (InvalidArgument: bad arguments, a placement ``max_moves`` cannot balance; ConfigError:
     no networkx)."""
@@ -62,8 +63,26 @@ def replan(graph: Graph, current: Mapping[str, str], hosts: Sequence[str], *, ma
 
         planner = make_plan
     agents = tuple(replace(a, host=current.get(a.id, a.host)) for a in graph.agents)
-    return planner(Graph(agents, graph.edges), hosts, balance=balance, max_moves=max_moves,
+    return planner(Graph(agents, graph.edges), hosts,
+                   balance=max(balance, imbalance(agents, hosts)), max_moves=max_moves,
                    move_cost=move_cost)
+
+
+def imbalance(agents: Sequence[Agent], hosts: Sequence[str]) -> float:
+    """The heaviest of ``hosts``' loads over their mean, the agents where they are (1.0
+    when there is no load). :func:`replan` plans within the larger of this and its
+    ``balance``: loads measured over a few seconds vary (a host's agents slowed by its
+    CPU, an agent just restarted), and a placement a little out of balance that
+    ``max_moves`` moves cannot restore would otherwise stop every re-plan (make_plan
+    refuses it); this way a round never leaves the hosts less balanced than they were."""
+    load = dict.fromkeys(hosts, 0.0)
+    for a in agents:
+        if a.host in load:
+            load[a.host] += a.load
+    total = sum(load.values())
+    if not hosts or total <= 0:
+        return 1.0
+    return max(load.values()) / (total / len(hosts))
 
 
 @dataclass(frozen=True)
