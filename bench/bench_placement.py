@@ -353,6 +353,9 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
         window = max(1.0, every - 1.0)
         current = dict(assignment)
         cfg = load_config(configs["host-1"])
+        from kvcomm.tiers.l3 import L3Store
+
+        store = L3Store.from_config(cfg.cluster)  # (one for every round, as the launcher)
         due = time.monotonic() + every
         # (the launcher's loop, with the bench's agents: a move sets host_of, and the
         # hosts' tick loops close and open the agents at their next tick)
@@ -361,8 +364,8 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
             due += every
             t_r = time.monotonic()
             try:
-                plan = replan_plan(observe(cfg, window, hosts=HOSTS), current, HOSTS, max_moves=max_moves,
-                                   balance=1.1)
+                seen = observe(cfg, window, hosts=HOSTS, store=store)
+                plan = replan_plan(seen, current, HOSTS, max_moves=max_moves, balance=1.1)
             except kvcomm.KVCommError as e:
                 rounds.append({"t": t_r - start_at, "moves": 0, "skipped": str(e)})
                 continue
@@ -375,6 +378,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
             rounds.append({"t": t_r - start_at, "moves": len(plan.moves),
                            "plan_s": time.monotonic() - t_r,
                            "before": plan.before, "predicted": plan.share})
+        store.close()
     while time.monotonic() < start_at + seconds:
         time.sleep(0.01)
     b1 = redis_bytes(dev)

@@ -92,7 +92,7 @@ def test_observe_plan_and_launch_on_a_dev_cluster(dev: dict[str, Any], tmp_path:
         assert {a.id: a.host for a in graph.agents} == start.assignment
         # a launcher that knows its hosts reads their snapshots without a SCAN: the same
         # agents and edges; one host alone: its agents, and the writers they read
-        known = observe(cfg, 0, hosts=["host-1", "host-2"])
+        known = observe(cfg, 0, hosts=["host-1", "host-2"], store=store)  # (left open: used below)
         assert {a.id: a.host for a in known.agents} == start.assignment
         assert {(e.reader, e.writer) for e in known.edges} == set(READS)
         one = observe(cfg, 0, hosts=["host-2"])

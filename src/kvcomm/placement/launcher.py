@@ -224,13 +224,32 @@ class Launcher:
             raise InvalidArgument(f"max_moves must be an integer >= 0, got {max_moves!r}")
         if window is None:
             window = max(1.0, every - 1.0)
+        stores: list[Any] = []  # (one L3 client for every round: opening one costs ~100 kB)
         if observe is None:
             from .observe import observe as observe_cluster
 
             hosts = sorted(self.configs)
 
             def observe(config: Any, seconds: float) -> Graph:  # (our hosts': no SCAN)
-                return observe_cluster(config, seconds, hosts=hosts)
+                if not stores and config.cluster.enabled:
+                    from ..tiers.l3 import L3Store
+
+                    stores.append(L3Store.from_config(config.cluster))
+                return observe_cluster(config, seconds, hosts=hosts,
+                                       store=stores[0] if stores else None)
+        try:
+            return self._rounds(config, command, every, max_moves, window, balance, move_cost,
+                                log_dir, observe, planner, clock, sleep, on_round)
+        finally:
+            for st in stores:
+                st.close()
+
+    def _rounds(self, config: Any, command: Sequence[str], every: float, max_moves: int,
+                window: float, balance: float, move_cost: float,
+                log_dir: str | os.PathLike[str] | None,
+                observe: Callable[[Any, float], Graph], planner: Callable[..., Plan] | None,
+                clock: Callable[[], float], sleep: Callable[[float], None],
+                on_round: Callable[[Round], None] | None) -> list[Round]:
         rounds: list[Round] = []
         due = clock() + every
         while self.alive():

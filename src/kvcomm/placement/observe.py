@@ -114,9 +114,8 @@ def _is_host(host: object) -> bool:
 def load_snapshots(l3: Any, hosts: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Every host's snapshot in L3 (a SCAN of every master: for tools, not hot paths), or
     with ``hosts`` only those hosts' (a GET each: a SCAN reads every key name of the
-    cluster, 100-200 kB a time on a dev cluster's bench, which a launcher re-planning every
-    few seconds would pay each round). Snapshots that are not ours, and hosts with none,
-    are skipped. Raises Unavailable."""
+    cluster, which a launcher re-planning every few seconds would pay each round).
+    Snapshots that are not ours, and hosts with none, are skipped. Raises Unavailable."""
     def names() -> list[bytes]:
         return list(l3.rc.scan_iter(match="kvn:{*}:agents", count=1000))
 
@@ -199,21 +198,25 @@ def _snapshots(config: Config, namespace: str | None, l3: Any,
 
 
 def observe(config: Config, seconds: float, *, namespace: str | None = None,
-            hosts: Sequence[str] | None = None,
+            hosts: Sequence[str] | None = None, store: Any = None,
             sleep: Callable[[float], None] = time.sleep) -> Graph:
     """The whole cluster's communication graph over the next ``seconds`` (0: since each
     agent started). In cluster mode it reads every host's snapshot from L3 (each daemon
     publishes once a second, so the rates cover about ``seconds``), or with ``hosts`` only
     those hosts' (cheaper: no SCAN; what a launcher that knows its hosts passes); in
     embedded mode the table of the namespace ``namespace`` (default ``node.namespace``)
-    on this host. Raises InvalidArgument (``seconds`` < 0, a bad host id), Unavailable
-    (L3 cannot be reached), ConfigError (cluster mode without ``kvcomm[cluster]``)."""
+    on this host. ``store``: an open L3Store (cluster mode) to read with, left open; by
+    default one is opened and closed, and opening one costs about 100 kB of L3 traffic
+    (the cluster client's start-up: measured on the dev cluster), which a launcher that
+    observes every few seconds keeps one store to save. Raises InvalidArgument
+    (``seconds`` < 0, a bad host id), Unavailable (L3 cannot be reached), ConfigError
+    (cluster mode without ``kvcomm[cluster]``)."""
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < 1e6:
         raise InvalidArgument(f"seconds must be a number >= 0, got {seconds!r}")
     if hosts is not None:
         hosts = [check_host(h, "hosts") for h in hosts]
-    l3 = None
-    if config.cluster.enabled:
+    l3 = store if config.cluster.enabled else None
+    if config.cluster.enabled and store is None:
         from ..tiers.l3 import L3Store
 
         cl = config.cluster
@@ -224,7 +227,7 @@ def observe(config: Config, seconds: float, *, namespace: str | None = None,
             sleep(seconds)
         after = _snapshots(config, namespace, l3, hosts)
     finally:
-        if l3 is not None:
+        if l3 is not None and l3 is not store:
             l3.close()
     if not after and l3 is not None:
         raise Unavailable("no host has published its agents to L3: is `kvcomm node` running "
