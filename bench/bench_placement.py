@@ -1,6 +1,7 @@
 """Affinity placement, measured: what putting agents that share state on one host changes.
 
     python bench/bench_placement.py [--quick] [--seconds S] [--json FILE] [--plot FILE.png]
+                                    [--replan-every S] [--max-moves M] [--workloads swarm]
     python bench/bench_placement.py --probe-only             # only the visibility probe
     python bench/bench_placement.py --replot FILE.json --plot FILE.png
 
@@ -17,7 +18,13 @@ machine). Two workloads, each run under three placements of its agents on the ho
 Placements: **random** (a random permutation dealt evenly), **round-robin** (agent i on
 host i mod 3), **planned** (a run under round-robin, ``kvcomm placement observe`` of its
 last seconds, ``kvcomm placement plan --balance 1.1``; then the measured run, which
-continues the workload where the observed run stopped: the plan only saw the past).
+continues the workload where the observed run stopped: the plan only saw the past), and
+**replanned** (the planned start, then every ``--replan-every`` seconds what
+``kvcomm placement launch --replan-every S --max-moves M`` does, ``Launcher.replan_loop``:
+observe the last S - 1 seconds, ``replan`` from where the agents run with at most M moves,
+move them: the old host's process closes the agent's client, the new host's opens one,
+which first reads the agent's own state back; the rounds' and the moves' L3 traffic is
+in the measured bytes; moves per minute are reported).
 Every agent runs as its own client (``kvcomm.open(config=host's, agent=name)``); the
 agents of one host share one process (a tick loop over them).
 
