@@ -54,8 +54,8 @@ def replan(graph: Graph, current: Mapping[str, str], hosts: Sequence[str], *, ma
     now, as the launcher knows it: it wins over the graph's host, which is where the agent
     did most of its operations over the observed window, so may be the one it just left).
     At most ``max_moves`` agents move; every host's load within the larger of ``balance``
-    and the current :func:`imbalance` times the mean. ``planner`` is ``make_plan`` (the default; a test
-    may pass its own). Returns the Plan. Raises what ``make_plan`` raises
+    and the current :func:`imbalance` times the mean. ``planner`` is ``make_plan`` (the
+    default; a test may pass its own). Returns the Plan. Raises what ``make_plan`` raises
     (InvalidArgument: bad arguments, a placement ``max_moves`` cannot balance; ConfigError:
     no networkx)."""
     if planner is None:
@@ -210,8 +210,8 @@ class Launcher:
         """Re-place the running agents every ``every`` seconds until none runs: observe the
         last ``window`` seconds (default: ``every`` less one second, at least one second)
         with ``observe(config, window)`` (default: :func:`~kvcomm.placement.observe.observe`
-        of this launcher's hosts),
-        :func:`replan` from where they run with at most ``max_moves`` moves, and
+        of this launcher's hosts, with one L3 client kept for every round), :func:`replan`
+        from where they run with at most ``max_moves`` moves, and
         :meth:`move` them. A round whose observation or plan fails (InvalidArgument, e.g.
         a balance the budget cannot restore; Unavailable: L3 down) moves nothing and is
         recorded with ``skipped``; the loop goes on. Returns the rounds (each also given to
