@@ -1,6 +1,7 @@
 """Affinity placement, measured: what putting agents that share state on one host changes.
 
     python bench/bench_placement.py [--quick] [--seconds S] [--json FILE] [--plot FILE.png]
+                                    [--replan-every S] [--max-moves M] [--workloads swarm]
     python bench/bench_placement.py --probe-only             # only the visibility probe
     python bench/bench_placement.py --replot FILE.json --plot FILE.png
 
@@ -17,7 +18,13 @@ machine). Two workloads, each run under three placements of its agents on the ho
 Placements: **random** (a random permutation dealt evenly), **round-robin** (agent i on
 host i mod 3), **planned** (a run under round-robin, ``kvcomm placement observe`` of its
 last seconds, ``kvcomm placement plan --balance 1.1``; then the measured run, which
-continues the workload where the observed run stopped: the plan only saw the past).
+continues the workload where the observed run stopped: the plan only saw the past), and
+**replanned** (the planned start, then every ``--replan-every`` seconds what
+``kvcomm placement launch --replan-every S --max-moves M`` does, ``Launcher.replan_loop``:
+observe the last S - 1 seconds, ``replan`` from where the agents run with at most M moves,
+move them: the old host's process closes the agent's client, the new host's opens one,
+which first reads the agent's own state back; the rounds' and the moves' L3 traffic is
+in the measured bytes; moves per minute are reported).
 Every agent runs as its own client (``kvcomm.open(config=host's, agent=name)``); the
 agents of one host share one process (a tick loop over them).
 
@@ -50,6 +57,7 @@ staleness, as above, of every one of the reader's reads (p50 / p99 / max).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing as mp
@@ -67,6 +75,7 @@ from typing import Any
 import kvcomm
 from kvcomm import devcluster
 from kvcomm.config import load_config
+from kvcomm.placement.launcher import replan as replan_plan
 from kvcomm.placement.observe import observe
 from kvcomm.placement.plan import make_plan
 
@@ -76,6 +85,8 @@ RATE = 20.0  # ticks per second
 WARMUP = 2.0  # seconds of each run left out of the figures
 SLACK = 10.0  # seconds the observed run goes on after observe's window (a loaded machine)
 VALUE = 256  # bytes of an agent's state
+NAMES = ("random", "round-robin", "planned", "replanned")
+KINDS = ("swarm", "warehouse")
 _HEAD = struct.Struct("<Q")
 
 
@@ -157,20 +168,28 @@ def workload(kind: str) -> Swarm | Warehouse:
 # ---------------------------------------------------------------- a host's agents
 
 
-def host_worker(kind: str, run: str, config: str, mine: list[int], t_model0: float,
-                start: Any, seconds: float, barrier: Any, out: str) -> None:
-    """The agents ``mine`` of workload ``kind`` on the host of ``config``, as one tick loop:
-    first each writes its key once, then every host meets at ``barrier`` twice (between
-    the two, the parent sets ``start``, monotonic, a moment later: for L3 and the hosts'
-    key filters to know every key), then ``seconds`` of ticks from ``start``. Writes the
-    logs to ``out``."""
+def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: Any,
+                t_model0: float, start: Any, seconds: float, barrier: Any, out: str) -> None:
+    """The agents of workload ``kind`` whose ``host_of`` entry is ``me`` (this host, of
+    ``config``), as one tick loop: first each writes its key once, then every host meets
+    at ``barrier`` twice (between the two, the parent sets ``start``, monotonic, a moment
+    later: for L3 and the hosts' key filters to know every key), then ``seconds`` of
+    ticks from ``start``. When the parent moves agents (``host_of`` changed, ``epoch``
+    raised), at the next tick this host closes the agents it lost and opens those it
+    gained, each of which first reads its own state (a moved agent picks up where it was:
+    its state is in KVCOMM). Writes the logs to ``out``."""
     model = workload(kind)
     names = model.agents
-    clients = {i: kvcomm.open(config=config, agent=names[i]) for i in mine}
+    clients = {i: kvcomm.open(config=config, agent=names[i]) for i in range(model.n)
+               if host_of[i] == me}
     key = [f"{run}/{names[i]}" for i in range(model.n)]
     pad = b"s" * (VALUE - _HEAD.size)
     w_agent, w_seq, w_t = array("q"), array("q"), array("q")
     r_t, r_reader, r_writer, r_seq = array("q"), array("q"), array("q"), array("q")
+    stats: dict[str, Any] = {}
+    instance = dict.fromkeys(clients, 0)
+    seen_epoch = epoch.value
+    moved_in = 0
     for i, kv in clients.items():
         kv.put(key[i], _HEAD.pack(0) + pad)
     barrier.wait(60)
@@ -185,6 +204,18 @@ def host_worker(kind: str, run: str, config: str, mine: list[int], t_model0: flo
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
+            if epoch.value != seen_epoch:  # agents moved: close the lost, open the gained
+                seen_epoch = epoch.value
+                for i in [i for i in clients if host_of[i] != me]:
+                    kv = clients.pop(i)
+                    stats[f"{names[i]}#{me}.{instance[i]}"] = kv.stats()
+                    kv.close()
+                for i in range(model.n):
+                    if host_of[i] == me and i not in clients:
+                        instance[i] = instance.get(i, -1) + 1
+                        clients[i] = kvcomm.open(config=config, agent=names[i])
+                        clients[i].get(key[i])  # (its own state: where it was)
+                        moved_in += 1
             reads = model.tick(t_model0 + k * period)
             for i, kv in clients.items():
                 kv.put(key[i], _HEAD.pack(k + 1) + pad)
@@ -199,7 +230,7 @@ def host_worker(kind: str, run: str, config: str, mine: list[int], t_model0: flo
                     r_reader.append(i)
                     r_writer.append(j)
                     r_seq.append(-1 if v is None else _HEAD.unpack_from(v)[0])
-        stats = {names[i]: kv.stats() for i, kv in clients.items()}
+        stats.update({f"{names[i]}#{me}.{instance[i]}": kv.stats() for i, kv in clients.items()})
     finally:
         for kv in clients.values():
             kv.close()
@@ -207,7 +238,7 @@ def host_worker(kind: str, run: str, config: str, mine: list[int], t_model0: flo
         json.dump({"start": start_at, "end": time.monotonic(),
                    "w": [w_agent.tolist(), w_seq.tolist(), w_t.tolist()],
                    "r": [r_t.tolist(), r_reader.tolist(), r_writer.tolist(), r_seq.tolist()],
-                   "stats": stats}, f)
+                   "stats": stats, "moved_in": moved_in}, f)
 
 
 # ---------------------------------------------------------------- one run
@@ -287,21 +318,24 @@ def hint_bytes() -> int:
 
 
 def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model0: float,
-             seconds: float, work: Path, tag: str, observe_last: float = 0.0) -> dict[str, Any]:
+             seconds: float, work: Path, tag: str, observe_last: float = 0.0,
+             replan: tuple[float, int] | None = None) -> dict[str, Any]:
     """One run of ``kind`` with ``assignment`` (agent → host); its figures, and with
-    ``observe_last`` the graph observed over the run's last seconds."""
+    ``observe_last`` the graph observed over the run's last seconds. With ``replan``
+    (every S seconds, at most M moves), the run is re-placed as the example launcher's
+    ``replan_loop`` does it (observe the last S - 1 seconds, ``replan``, move), from
+    the end of the warm-up on."""
     model = workload(kind)
     configs = {h["host"]: h["config"] for h in dev["hosts"]}
-    by_host: dict[str, list[int]] = {h: [] for h in HOSTS}
-    for i, a in enumerate(model.agents):
-        by_host[assignment[a]].append(i)
+    host_of = CTX.Array("i", [HOSTS.index(assignment[a]) for a in model.agents], lock=False)
+    epoch = CTX.Value("i", 0, lock=False)
     run = f"{tag}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
     barrier = CTX.Barrier(len(HOSTS) + 1)
     start = CTX.Value("d", 0.0)
     procs, outs = [], {h: str(work / f"{run}-{h}.json") for h in HOSTS}
-    for h in HOSTS:
-        p = CTX.Process(target=host_worker, args=(kind, run, configs[h], by_host[h], t_model0,
-                                                  start, seconds, barrier, outs[h]))
+    for me, h in enumerate(HOSTS):
+        p = CTX.Process(target=host_worker, args=(kind, run, configs[h], me, host_of, epoch,
+                                                  t_model0, start, seconds, barrier, outs[h]))
         p.start()
         procs.append(p)
     barrier.wait(60)  # every first write is in L2
@@ -319,6 +353,39 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
         time.sleep(max(0.0, start_at + seconds - observe_last - SLACK - time.monotonic()))
         graph = observe(load_config(configs["host-1"]), observe_last)
         assert graph.edges and time.monotonic() < start_at + seconds, "observed too late"
+    timeline: list[tuple[int, dict[str, str]]] = [(0, dict(assignment))]
+    rounds: list[dict[str, Any]] = []
+    if replan is not None:
+        every, max_moves = replan
+        window = max(1.0, every - 1.0)
+        current = dict(assignment)
+        cfg = load_config(configs["host-1"])
+        from kvcomm.tiers.l3 import L3Store
+
+        store = L3Store.from_config(cfg.cluster)  # (one for every round, as the launcher)
+        due = time.monotonic() + every
+        # (the launcher's loop, with the bench's agents: a move sets host_of, and the
+        # hosts' tick loops close and open the agents at their next tick)
+        while due <= start_at + seconds - 0.5:
+            time.sleep(max(0.0, due - window - time.monotonic()))
+            due += every
+            t_r = time.monotonic()
+            try:
+                seen = observe(cfg, window, hosts=HOSTS, store=store)
+                plan = replan_plan(seen, current, HOSTS, max_moves=max_moves, balance=1.1)
+            except kvcomm.KVCommError as e:
+                rounds.append({"t": t_r - start_at, "moves": 0, "skipped": str(e)})
+                continue
+            for m in plan.moves:
+                current[m.agent] = m.target
+                host_of[model.agents.index(m.agent)] = HOSTS.index(m.target)
+            if plan.moves:
+                epoch.value += 1
+                timeline.append((time.monotonic_ns(), dict(current)))
+            rounds.append({"t": t_r - start_at, "moves": len(plan.moves),
+                           "plan_s": time.monotonic() - t_r,
+                           "before": plan.before, "predicted": plan.share})
+        store.close()
     while time.monotonic() < start_at + seconds:
         time.sleep(0.01)
     b1 = redis_bytes(dev)
@@ -328,7 +395,11 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
         p.join(120)
         assert p.exitcode == 0, f"a host process failed ({p.exitcode})"
     logs = [json.loads(Path(outs[h]).read_text()) for h in HOSTS]
-    figures = analyse(model, assignment, logs, int((start_at + WARMUP) * 1e9))
+    figures = analyse(model, timeline, logs, int((start_at + WARMUP) * 1e9))
+    figures["rounds"] = rounds
+    figures["moves"] = sum(r["moves"] for r in rounds)
+    figures["moves_per_min"] = figures["moves"] / (seconds - WARMUP) * 60
+    figures["moved_in"] = sum(log.get("moved_in", 0) for log in logs)
     figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
     figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
     # where the bytes go: the daemons' own count by purpose (Redis in = sent, out =
@@ -358,9 +429,13 @@ def _pct(xs: Sequence[int], q: float) -> float:
     return float(s[min(len(s) - 1, int(q * len(s)))])
 
 
-def analyse(model: Swarm | Warehouse, assignment: dict[str, str], logs: list[dict[str, Any]],
-            from_ns: int) -> dict[str, Any]:
+def analyse(model: Swarm | Warehouse, timeline: list[tuple[int, dict[str, str]]],
+            logs: list[dict[str, Any]], from_ns: int) -> dict[str, Any]:
+    """The figures of a run's logs from ``from_ns`` on; ``timeline``: (from when, agent →
+    host) in time order, the placements the run had (a read is same-host by the one in
+    force when it began)."""
     names = model.agents
+    starts = [t for t, _ in timeline]
     acked: dict[int, dict[int, int]] = {i: {} for i in range(model.n)}  # writer → seq → t_ack
     for log in logs:
         for a, s, t in zip(*log["w"], strict=True):
@@ -371,6 +446,7 @@ def analyse(model: Swarm | Warehouse, assignment: dict[str, str], logs: list[dic
         for t, r, w, s in zip(*log["r"], strict=True):
             if t < from_ns:
                 continue
+            assignment = timeline[bisect.bisect_right(starts, t) - 1][1]
             cls = "same" if assignment[names[r]] == assignment[names[w]] else "cross"
             reads += 1
             same += cls == "same"
@@ -405,7 +481,7 @@ def placements(model: Swarm | Warehouse, seed: int) -> dict[str, dict[str, str]]
 
 
 def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, work: Path,
-             seed: int) -> dict[str, Any]:
+             seed: int, replan: tuple[float, int]) -> dict[str, Any]:
     model = workload(kind)
     rows: dict[str, Any] = {}
     places = placements(model, seed)
@@ -417,14 +493,17 @@ def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, w
     plan = make_plan(graph, HOSTS, balance=1.1)
     places["planned"] = {a: plan.assignment.get(a, places["round-robin"][a]) for a in model.agents}
     t0 = observed_run  # the measured runs continue the workload from there
-    for name in ("random", "round-robin", "planned"):
+    places["replanned"] = places["planned"]  # (the planned start, re-placed as it runs)
+    for name in NAMES:
         print(f"  {kind}: {name} ...", file=sys.stderr, flush=True)
-        fig = run_once(dev, kind, places[name], t0, seconds, work, f"{kind}-{name}")
+        fig = run_once(dev, kind, places[name], t0, seconds, work, f"{kind}-{name}",
+                       replan=replan if name == "replanned" else None)
         fig.pop("graph")
         rows[name] = fig
     rows["planned"]["predicted_share"] = plan.share
     rows["planned"]["observed_before"] = plan.before
     rows["planned"]["moves_from_round_robin"] = len(plan.moves)
+    rows["replanned"]["replan_every_s"], rows["replanned"]["max_moves"] = replan
     rows["round-robin"]["observed_share"] = obs_run["same_host_share"]
     return rows
 
@@ -521,10 +600,12 @@ def table(results: dict[str, Any]) -> str:
     lines = ["| workload | placement | same-host share | L3 bytes/s (per change stored) "
              "| staleness p50 / p99 (all) | mean, reads that missed a write | same-host pairs p99 "
              "| cross-host pairs p50 / p99 "
-             "| L2 hit rate (L3 reads) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for kind in ("swarm", "warehouse"):
-        for name in ("random", "round-robin", "planned"):
+             "| L2 hit rate (L3 reads) | moves/min |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        if kind not in results:
+            continue
+        for name in [n for n in NAMES if n in results[kind]]:
             f = results[kind][name]
             lines.append(
                 f"| {kind} | {name} | {100 * f['same_host_share']:.0f}% | "
@@ -533,7 +614,8 @@ def table(results: dict[str, Any]) -> str:
                 f"{f['stale_all_mean_us'] / 1000:.1f} ms, {100 * f['stale_all_missed']:.0f}% | "
                 f"{_us(f['stale_same_p99_us'])} | "
                 f"{f['stale_cross_p50_us'] / 1000:.1f} / {f['stale_cross_p99_us'] / 1000:.1f} ms | "
-                f"{100 * f['l2_hit_rate']:.2f}% ({f['l3_reads']}) |")
+                f"{100 * f['l2_hit_rate']:.2f}% ({f['l3_reads']}) | "
+                f"{f.get('moves_per_min', 0.0):.0f} |")
     return "\n".join(lines)
 
 
@@ -546,8 +628,10 @@ def breakdown(results: dict[str, Any]) -> str:
              + " | hints | rest (agents' L3 reads, unattributed) |",
              "| --- " * (len(parts) + 7) + "|"]
 
-    for kind in ("swarm", "warehouse"):
-        for name in ("random", "round-robin", "planned"):
+    for kind in KINDS:
+        if kind not in results:
+            continue
+        for name in [n for n in NAMES if n in results[kind]]:
             f = results[kind][name]
             per = max(1.0, f["stores_per_s"])
 
@@ -588,8 +672,10 @@ def plot(results: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["random", "round-robin", "planned"]
-    colours = ["#bbbbbb", "#8899aa", "#2b7bba"]
+    kinds = [k for k in KINDS if k in results]
+    names = [n for n in NAMES if all(n in results[k] for k in kinds)]
+    colours = ["#bbbbbb", "#8899aa", "#2b7bba", "#e08a2c"][:len(names)]
+    width = 0.8 / len(names)
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     panels = [("same-host share of cross-agent reads (%)",
                lambda f: 100 * f["same_host_share"]),
@@ -597,12 +683,11 @@ def plot(results: dict[str, Any], path: str) -> None:
               ("staleness of cross-agent reads, mean (ms)",
                lambda f: f["stale_all_mean_us"] / 1000),
               ("L2 hit rate of reads (%)", lambda f: 100 * f["l2_hit_rate"])]
-    kinds = ["swarm", "warehouse"]
     for ax, (title, get) in zip(axes, panels, strict=True):
         for j, name in enumerate(names):
-            xs = [k + (j - 1) * 0.27 for k in range(len(kinds))]
+            xs = [k + (j - (len(names) - 1) / 2) * width for k in range(len(kinds))]
             ys = [get(results[kind][name]) for kind in kinds]
-            bars = ax.bar(xs, ys, 0.27, label=name, color=colours[j])
+            bars = ax.bar(xs, ys, width, label=name, color=colours[j])
             fmt = "%.0f" if "share" in title else "%.2f" if "hit" in title else "%.1f"
             ax.bar_label(bars, fmt=fmt, fontsize=7)
         ax.set_xticks(range(len(kinds)), kinds)
@@ -628,7 +713,16 @@ def main() -> int:
                     help="every host's cluster.unread_changes: a held key leaves L2 at the Nth "
                     "remote change in a row no agent of the host read it before (default 1; "
                     "0: every held key is refreshed at every change, the config's default)")
+    ap.add_argument("--replan-every", type=float, default=4.0, metavar="S",
+                    help="the replanned placement re-plans every S seconds (default 4)")
+    ap.add_argument("--max-moves", type=int, default=4, metavar="M",
+                    help="... moving at most M agents a round (default 4)")
+    ap.add_argument("--workloads", default=",".join(KINDS),
+                    help=f"comma-separated, of {', '.join(KINDS)} (default both)")
     args = ap.parse_args()
+    kinds = [k for k in args.workloads.split(",") if k]
+    if not kinds or not set(kinds) <= set(KINDS):
+        ap.error(f"--workloads: some of {', '.join(KINDS)}")
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), args.plot or "placement.png")
         return 0
@@ -645,15 +739,17 @@ def main() -> int:
     print(f"kvcomm {kvcomm.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus, "
           f"load average {os.getloadavg()[0]:.1f}; "
           f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run; "
-          f"cluster.unread_changes {args.unread_changes}", flush=True)
+          f"cluster.unread_changes {args.unread_changes}; replanned: every "
+          f"{args.replan_every:g} s, at most {args.max_moves} moves", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
         work = Path(d)
         dev = devcluster.up(3, str(work / "dev"),
                             cluster_settings={"unread_changes": args.unread_changes})
         try:
             results: dict[str, Any] = {}
-            for kind in ("swarm", "warehouse"):
-                results[kind] = scenario(dev, kind, seconds, observe_s, work, args.seed)
+            for kind in kinds:
+                results[kind] = scenario(dev, kind, seconds, observe_s, work, args.seed,
+                                         (args.replan_every, args.max_moves))
             results["visibility"] = visibility(dev, args.probe if not args.quick else 60)
         finally:
             devcluster.down(str(work / "dev"))
@@ -663,18 +759,28 @@ def main() -> int:
     print(breakdown(results))
     v = results["visibility"]
     print(probe_line(v))
-    print("\nPlanned against random, per workload (target: planned at most 0.70x random's "
-          "L3 bytes per change stored):")
-    for kind in ("swarm", "warehouse"):
+    print("\nPlanned and replanned against random, per workload (target: at most 0.70x "
+          "random's L3 bytes per change stored):")
+    for kind in kinds:
         r = results[kind]
-        rnd, pl = r["random"], r["planned"]
-        per_store = pl["l3_bytes_per_store"] / rnd["l3_bytes_per_store"]
-        hits = ", ".join(f"{n} {100 * r[n]['l2_hit_rate']:.2f}%"
-                         for n in ("random", "round-robin", "planned"))
-        print(f"{kind}: L3 bytes per change stored planned/random {per_store:.3f} "
-              f"({pl['l3_bytes_per_store']:.0f} / {rnd['l3_bytes_per_store']:.0f} B), per second "
-              f"{pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s']:.3f}; L2 hit rate {hits}")
-    for kind in ("swarm", "warehouse"):
+        rnd = r["random"]
+        hits = ", ".join(f"{n} {100 * r[n]['l2_hit_rate']:.2f}%" for n in NAMES)
+        for name in ("planned", "replanned"):
+            pl = r[name]
+            per_store = pl["l3_bytes_per_store"] / rnd["l3_bytes_per_store"]
+            print(f"{kind}: L3 bytes per change stored {name}/random {per_store:.3f} "
+                  f"({pl['l3_bytes_per_store']:.0f} / {rnd['l3_bytes_per_store']:.0f} B), per "
+                  f"second {pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s']:.3f}")
+        rp = r["replanned"]
+        rounds = rp["rounds"]
+        print(f"{kind}: replanned: {rp['moves']} moves in {len(rounds)} rounds "
+              f"({rp['moves_per_min']:.0f} a minute; "
+              f"{sum(1 for x in rounds if x.get('skipped'))} rounds skipped), predicted share "
+              "per round " + ", ".join(f"{100 * (x.get('before') or 0):.0f}→"
+                                        f"{100 * (x.get('predicted') or 0):.0f}%"
+                                        for x in rounds if not x.get("skipped"))
+              + f"; L2 hit rate {hits}")
+    for kind in kinds:
         r = results[kind]
         rnd, pl = r["random"], r["planned"]
         ratio = pl["same_host_share"] / rnd["same_host_share"]
@@ -683,7 +789,9 @@ def main() -> int:
               f"per second, {100 * (pl['l3_bytes_per_store'] / rnd['l3_bytes_per_store'] - 1):+.0f}% "
               f"per change stored ({pl['l3_bytes_per_store']:.0f} vs {rnd['l3_bytes_per_store']:.0f} B); "
               f"plan predicted {100 * (pl['predicted_share'] or 0):.0f}% "
-              f"(observed before: {100 * (pl['observed_before'] or 0):.0f}%)")
+              f"(observed before: {100 * (pl['observed_before'] or 0):.0f}%); replanned "
+              f"{r['replanned']['same_host_share'] / rnd['same_host_share']:.2f}x")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     if args.plot:

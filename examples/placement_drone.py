@@ -6,6 +6,15 @@ Run by the launcher, one process per agent of a plan (README, "Placement")::
     kvcomm placement launch --plan plan.json --dir /tmp/kvc -- \\
         python examples/placement_drone.py --drones 12 --seconds 60
 
+Or re-placed as it runs (every 10 s: observe, plan from where the drones run, move at
+most 2 of them)::
+
+    kvcomm placement launch --plan plan.json --dir /tmp/kvc --replan-every 10 \\
+        --max-moves 2 -- python examples/placement_drone.py --drones 12 --seconds 60
+
+A moved drone starts on its new host and reads its own state back first (it is in
+KVCOMM), so its tick goes on from where it was.
+
 It opens ``kvcomm.open(config=$KVCOMM_CONFIG, agent=$KVCOMM_AGENT)``: the host's config
 the launcher chose, and its own name.
 """
@@ -31,7 +40,8 @@ def main() -> int:
     left, right = (i - 1) % args.drones, (i + 1) % args.drones
     with kvcomm.open(config=os.environ["KVCOMM_CONFIG"], agent=agent) as kv:
         end = time.monotonic() + args.seconds
-        tick = 0
+        mine = kv.get(f"drone/{i}/state")  # (moved: its state is where it left it)
+        tick = mine["tick"] + 1 if isinstance(mine, dict) else 0
         while time.monotonic() < end:
             kv.put(f"drone/{i}/state", {"tick": tick, "pos": [i, tick * 0.1, 30.0]})
             for n in (left, right):

@@ -20,9 +20,10 @@ import kvcomm
 from kvcomm.cli import main as cli_main
 from kvcomm.placement import report
 from kvcomm.placement.agents import agent_of, is_named, with_agent
-from kvcomm.placement.graph import Graph, Plan, load_graph
-from kvcomm.placement.launcher import Launcher
+from kvcomm.placement.graph import Agent, Edge, Graph, Plan, load_graph
+from kvcomm.placement.launcher import Launcher, imbalance, replan
 from kvcomm.placement.observe import graph_from, observe
+from kvcomm.placement.plan import make_plan
 from kvcomm.tiers import l2
 
 from .conftest import SMALL, wait_for
@@ -495,3 +496,107 @@ def test_launch_waits_for_its_agents_and_returns_the_first_failure(tmp_path: Pat
     launcher.start("ok", "h1", [sys.executable, "-c", "pass"])
     launcher.start("bad", "h1", [sys.executable, "-c", "raise SystemExit(3)"])
     assert launcher.wait() == 3 and launcher.exited == {"ok": 0, "bad": 3}
+
+
+# ---------------------------------------------------------------- re-placing as the agents run
+
+
+def _pairs_graph(hosts: dict[str, str | None]) -> Graph:
+    """a and b read each other, c and d read each other; every agent's load is 1."""
+    return Graph(tuple(Agent(a, hosts.get(a), 1.0) for a in "abcd"),
+                 tuple(Edge(r, w, 10.0, 1000.0)
+                       for r, w in (("a", "b"), ("b", "a"), ("c", "d"), ("d", "c"))))
+
+
+def test_replan_plans_from_where_the_agents_run_not_the_graphs_hosts() -> None:
+    # the graph says each pair already shares a host (where each did most of its
+    # operations); the launcher knows they run apart: the plan must start from that
+    stale = _pairs_graph({"a": "h1", "b": "h1", "c": "h2", "d": "h2"})
+    current = {"a": "h1", "b": "h2", "c": "h1", "d": "h2"}
+    plan = replan(stale, current, ["h1", "h2"], max_moves=2, balance=1.0)
+    assert plan.before == 0.0 and plan.share == 1.0 and len(plan.moves) == 2
+    assert {m.source for m in plan.moves} == {"h1", "h2"}  # (a swap: balance 1.0)
+    assert replan(stale, current, ["h1", "h2"], max_moves=0, balance=1.0).moves == ()
+    assert replan(stale, {}, ["h1", "h2"], max_moves=2, balance=1.0).before == 1.0
+
+
+def test_replan_never_stops_at_a_placement_slightly_out_of_balance() -> None:
+    # measured loads vary: here h1 carries 2.3 against h2's 2.0, 1.07x the mean; no plan
+    # meets --balance 1.0 from there, and make_plan refuses; replan plans within 1.07x
+    g = _pairs_graph({})
+    g = Graph(tuple(Agent(a.id, None, 1.3 if a.id == "a" else 1.0) for a in g.agents), g.edges)
+    current = {"a": "h1", "b": "h2", "c": "h1", "d": "h2"}
+    placed = Graph(tuple(Agent(a.id, current[a.id], a.load) for a in g.agents), g.edges)
+    with pytest.raises(kvcomm.InvalidArgument):
+        make_plan(placed, ["h1", "h2"], balance=1.0, max_moves=2)
+    before = imbalance(placed.agents, ["h1", "h2"])
+    assert before == pytest.approx(2.3 / 2.15)
+    plan = replan(g, current, ["h1", "h2"], max_moves=2, balance=1.0)
+    after = Graph(tuple(Agent(a.id, plan.assignment[a.id], a.load) for a in g.agents), g.edges)
+    assert plan.share == 1.0 and imbalance(after.agents, ["h1", "h2"]) <= before + 1e-9
+    assert imbalance((), ["h1"]) == 1.0
+
+
+def test_the_replan_loop_moves_what_each_round_plans_until_the_agents_end(
+        tmp_path: Path) -> None:
+    script, log = tmp_path / "agent.py", tmp_path / "started.jsonl"
+    script.write_text(AGENT)
+    launcher = Launcher({"h1": "/c/h1.yaml", "h2": "/c/h2.yaml"}, stop_timeout=5)
+    cmd = [sys.executable, str(script), str(log)]
+    now = [100.0]
+    waits: list[float] = []
+    calls: list[tuple[float, float]] = []
+
+    def lines(n: int, what: str) -> None:
+        wait_for(lambda: log.exists() and len(log.read_text().splitlines()) == n, 20, what)
+
+    def sleep(s: float) -> None:
+        waits.append(s)
+        now[0] += s
+
+    def fake_observe(config: Any, window: float) -> Graph:
+        calls.append((now[0], window))
+        now[0] += window
+        if len(calls) == 3:
+            raise kvcomm.Unavailable("L3 is down")
+        if len(calls) == 4:
+            lines(6, "the two moved agents to start on their new hosts")
+            launcher.stop_all()  # (the agents end: the loop must too)
+        return _pairs_graph({})  # (no hosts: the launcher's own must be used)
+
+    try:
+        launcher.apply(Plan({"a": "h1", "b": "h2", "c": "h1", "d": "h2"}, (), None, None), cmd)
+        lines(4, "the four agents to start")
+        rounds = launcher.replan_loop("cfg", cmd, every=5, window=3, max_moves=1, balance=1.5,
+                                      observe=fake_observe, clock=lambda: now[0], sleep=sleep)
+        # every round observes the 3 s before it is due, every 5 s
+        assert [c[0] for c in calls] == [102.0, 107.0, 112.0, 117.0] and waits[0] == 2.0
+        assert [len(r.moves) for r in rounds] == [1, 1, 0] and rounds[0].before == 0.0
+        assert rounds[1].share == 1.0 and "L3 is down" in (rounds[2].skipped or "")
+        moved = [m.agent for r in rounds for m in r.moves]
+        started = [json.loads(line)[:2] for line in log.read_text().splitlines()]
+        assert sorted(a for a, _ in started[4:]) == sorted(moved)
+        final = {a: h for a, h in started}
+        assert final["a"] == final["b"] and final["c"] == final["d"]
+    finally:
+        launcher.stop_all()
+
+
+@pytest.mark.parametrize("kwargs, match", [({"every": 0, "max_moves": 1}, "every"),
+                                           ({"every": 5, "window": -1, "max_moves": 1}, "window"),
+                                           ({"every": 5, "max_moves": -1}, "max_moves"),
+                                           ({"every": True, "max_moves": 1}, "every")])
+def test_bad_replan_loop_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(kvcomm.InvalidArgument, match=match):
+        Launcher({"h1": "/c/h1.yaml"}).replan_loop("cfg", ["true"], **kwargs)
+
+
+@pytest.mark.parametrize("flags, match", [(["--replan-every", "0"], "--replan-every"),
+                                          (["--replan-every", "5", "--max-moves", "-1"],
+                                           "--max-moves")])
+def test_launch_refuses_a_bad_replan_before_starting_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], match: str) -> None:
+    # (no dev cluster in tmp_path, no plan file: refused before either is looked at)
+    assert cli_main(["placement", "launch", "--plan", str(tmp_path / "p.json"), "--dir",
+                     str(tmp_path), *flags, "--", "true"]) == 2
+    assert match in capsys.readouterr().err

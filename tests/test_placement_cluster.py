@@ -90,6 +90,14 @@ def test_observe_plan_and_launch_on_a_dev_cluster(dev: dict[str, Any], tmp_path:
         graph = observe(cfg, 0)
         assert Graph.from_json(graph.to_json()) == graph
         assert {a.id: a.host for a in graph.agents} == start.assignment
+        # a launcher that knows its hosts reads their snapshots without a SCAN: the same
+        # agents and edges; one host alone: its agents, and the writers they read
+        known = observe(cfg, 0, hosts=["host-1", "host-2"], store=store)  # (left open: used below)
+        assert {a.id: a.host for a in known.agents} == start.assignment
+        assert {(e.reader, e.writer) for e in known.edges} == set(READS)
+        one = observe(cfg, 0, hosts=["host-2"])
+        assert {a.id for a in one.agents if a.host == "host-2"} == {"w2", "r2"}
+        assert {(e.reader, e.writer) for e in one.edges} == {("r2", "w1")}
         for e in graph.edges:
             r = reports[e.reader][0]
             assert e.reads_per_s == pytest.approx(r["edges"][e.writer][0] / (r["t"] - r["since"]),

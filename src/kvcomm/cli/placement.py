@@ -53,7 +53,10 @@ def _launch(args: argparse.Namespace) -> int:
     (after --) with {agent}, {host} and {config} replaced, and KVCOMM_AGENT, KVCOMM_HOST
     and KVCOMM_CONFIG in its environment, so that it opens
     kvcomm.open(config=..., agent=...). Waits for them all (Ctrl-C or SIGTERM stops them);
-    the exit status is the first non-zero one of theirs."""
+    the exit status is the first non-zero one of theirs. With --replan-every S, every S
+    seconds it observes the cluster, plans again from where the agents run with at most
+    --max-moves moves, and moves those agents (stopped, started on their new host), until
+    they have all ended."""
     from ..placement.graph import load_plan
     from ..placement.launcher import Launcher
 
@@ -63,6 +66,10 @@ def _launch(args: argparse.Namespace) -> int:
     if not command:
         raise InvalidArgument("give the agent's command after --, e.g. "
                               "-- python agent.py --agent {agent} --config {config}")
+    if args.replan_every is not None and not 0 < args.replan_every < 1e6:
+        raise InvalidArgument(f"--replan-every must be seconds > 0, got {args.replan_every:g}")
+    if args.max_moves < 0:
+        raise InvalidArgument(f"--max-moves must be >= 0, got {args.max_moves}")
     launcher = Launcher.for_dev_cluster(args.dir)
     plan = load_plan(args.plan)
 
@@ -77,6 +84,11 @@ def _launch(args: argparse.Namespace) -> int:
         launcher.apply(plan, command, log_dir=args.logs)
         print(f"started {len(launcher.running)} agents: " + ", ".join(
             f"{h}: {n}" for h, n in sorted(launcher.per_host().items())), flush=True)
+        if args.replan_every is not None:
+            cfg = load_config(launcher.configs[sorted(launcher.configs)[0]])
+            launcher.replan_loop(cfg, command, every=args.replan_every,
+                                 max_moves=args.max_moves, balance=args.balance,
+                                 log_dir=args.logs, on_round=_print_round)
         return launcher.wait()
     except KeyboardInterrupt:
         return 130
@@ -91,6 +103,15 @@ def _launch(args: argparse.Namespace) -> int:
         launcher.stop_all()
         if main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _print_round(r: Any) -> None:
+    if r.skipped:
+        print(f"re-plan: skipped ({r.skipped})", flush=True)
+    else:
+        print(f"re-plan: same-host read share {_pct(r.before)} → {_pct(r.share)}; moved "
+              + (", ".join(f"{m.agent} {m.source}→{m.target}" for m in r.moves) or "none"),
+              flush=True)
 
 
 class _Stopped(BaseException):
@@ -166,5 +187,13 @@ def add_placement(sub: Any, command: Any) -> None:
                     help="the dev cluster's directory (kvcomm dev-cluster up --dir)")
     la.add_argument("--logs", metavar="DIR",
                     help="write each agent's output to DIR/AGENT.log (default: inherited)")
+    la.add_argument("--replan-every", type=float, metavar="S",
+                    help="re-place the agents every S seconds as they run (observe, plan from "
+                    "where they run, move; default: never)")
+    la.add_argument("--max-moves", type=int, default=4, metavar="M",
+                    help="with --replan-every: at most M agents move a round (default 4)")
+    la.add_argument("--balance", type=float, default=1.1, metavar="B",
+                    help="with --replan-every: each host's load at most B times the mean "
+                    "(default 1.1)")
     la.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                     help="the agent's command line, with {agent}, {host}, {config}")

@@ -17,6 +17,15 @@ An agent that moves is stopped (SIGTERM, then SIGKILL after ``stop_timeout``) an
 started on its new host: its state is in KVCOMM, so it picks up where it was from any
 host. Unnamed agents of the plan are left alone (no plan moves them). ``kvcomm
 placement launch`` is this, from the command line.
+
+Re-placing a drifting workload: who reads whom changes (a swarm's neighbourhoods drift),
+so a plan made once goes stale. :meth:`Launcher.replan_loop` re-places periodically:
+every ``every`` seconds it observes the last ``window`` seconds (``observe``), plans
+incrementally from where the agents run now with at most ``max_moves`` moves
+(:func:`replan`: ``make_plan(..., max_moves=M)`` on the observed graph with the hosts the
+launcher knows), and moves the agents that plan moves (stop on the old host, start on the
+new). The bench (``bench/bench_placement.py``, "replanned") applies the same rounds to
+its in-process agents.
 """
 
 from __future__ import annotations
@@ -25,14 +34,67 @@ import os
 import re
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, KVCommError
 from .agents import is_named
-from .graph import Plan
+from .graph import Agent, Graph, Move, Plan
 
 _FIELD = re.compile(r"\{(agent|host|config)\}")
+
+
+def replan(graph: Graph, current: Mapping[str, str], hosts: Sequence[str], *, max_moves: int,
+           balance: float = 1.1, move_cost: float = 0.0,
+           planner: Callable[..., Plan] | None = None) -> Plan:
+    """The incremental plan for ``graph`` from ``current`` (agent → the host it runs on
+    now, as the launcher knows it: it wins over the graph's host, which is where the agent
+    did most of its operations over the observed window, so may be the one it just left).
+    At most ``max_moves`` agents move; every host's load within the larger of ``balance``
+    and the current :func:`imbalance` times the mean. ``planner`` is ``make_plan`` (the
+    default; a test may pass its own). Returns the Plan. Raises what ``make_plan`` raises
+    (InvalidArgument: bad arguments, a placement ``max_moves`` cannot balance; ConfigError:
+    no networkx)."""
+    if planner is None:
+        from .plan import make_plan
+
+        planner = make_plan
+    agents = tuple(replace(a, host=current.get(a.id, a.host)) for a in graph.agents)
+    return planner(Graph(agents, graph.edges), hosts,
+                   balance=max(balance, imbalance(agents, hosts)), max_moves=max_moves,
+                   move_cost=move_cost)
+
+
+def imbalance(agents: Sequence[Agent], hosts: Sequence[str]) -> float:
+    """The heaviest of ``hosts``' loads over their mean, the agents where they are (1.0
+    when there is no load). :func:`replan` plans within the larger of this and its
+    ``balance``: loads measured over a few seconds vary (a host's agents slowed by its
+    CPU, an agent just restarted), and a placement a little out of balance that
+    ``max_moves`` moves cannot restore would otherwise stop every re-plan (make_plan
+    refuses it); this way a round never leaves the hosts less balanced than they were."""
+    load = dict.fromkeys(hosts, 0.0)
+    for a in agents:
+        if a.host in load:
+            load[a.host] += a.load
+    total = sum(load.values())
+    if not hosts or total <= 0:
+        return 1.0
+    return max(load.values()) / (total / len(hosts))
+
+
+@dataclass(frozen=True)
+class Round:
+    """One re-planning round of :meth:`Launcher.replan_loop`: when (the clock's), the
+    moves made, the predicted same-host share before and after, or why none was made."""
+
+    at: float
+    moves: tuple[Move, ...]
+    before: float | None
+    share: float | None
+    skipped: str | None = None
 
 
 class Launcher:
@@ -111,6 +173,106 @@ class Launcher:
             self.start(agent, host, command, log_dir)
             changed.append(agent)
         return changed
+
+    def move(self, moves: Sequence[Move], command: Sequence[str],
+             log_dir: str | os.PathLike[str] | None = None) -> list[str]:
+        """Move each agent of ``moves`` that runs (on any host but its target): stop it,
+        start it on the target. An agent that is not running (it ended, or never ran here)
+        is not started: a re-plan moves agents, it does not revive them. Returns the agents
+        moved. Raises InvalidArgument when a target is not a host of this cluster (nothing
+        is moved then)."""
+        unknown = sorted({m.target for m in moves if m.target not in self.configs})
+        if unknown:
+            raise InvalidArgument(f"the plan moves agents to {', '.join(unknown)}, not hosts of "
+                                  f"this cluster ({', '.join(sorted(self.configs))})")
+        moved = []
+        for m in moves:
+            entry = self.running.get(m.agent)
+            if entry is None or entry[0] == m.target or entry[1].poll() is not None:
+                continue
+            self.stop(m.agent)
+            self.start(m.agent, m.target, command, log_dir)
+            moved.append(m.agent)
+        return moved
+
+    def alive(self) -> dict[str, str]:
+        """The agents still running → their hosts."""
+        return {a: h for a, (h, p) in self.running.items() if p.poll() is None}
+
+    def replan_loop(self, config: Any, command: Sequence[str], *, every: float,
+                    max_moves: int, window: float | None = None, balance: float = 1.1,
+                    move_cost: float = 0.0, log_dir: str | os.PathLike[str] | None = None,
+                    observe: Callable[[Any, float], Graph] | None = None,
+                    planner: Callable[..., Plan] | None = None,
+                    clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep,
+                    on_round: Callable[[Round], None] | None = None) -> list[Round]:
+        """Re-place the running agents every ``every`` seconds until none runs: observe the
+        last ``window`` seconds (default: ``every`` less one second, at least one second)
+        with ``observe(config, window)`` (default: :func:`~kvcomm.placement.observe.observe`
+        of this launcher's hosts, with one L3 client kept for every round), :func:`replan`
+        from where they run with at most ``max_moves`` moves, and
+        :meth:`move` them. A round whose observation or plan fails (InvalidArgument, e.g.
+        a balance the budget cannot restore; Unavailable: L3 down) moves nothing and is
+        recorded with ``skipped``; the loop goes on. Returns the rounds (each also given to
+        ``on_round``). Raises InvalidArgument for bad arguments (before any round)."""
+        for name, v in (("every", every), ("window", window)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                                  or not 0 < v < 1e6):
+                raise InvalidArgument(f"{name} must be seconds > 0, got {v!r}")
+        if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 0:
+            raise InvalidArgument(f"max_moves must be an integer >= 0, got {max_moves!r}")
+        if window is None:
+            window = max(1.0, every - 1.0)
+        stores: list[Any] = []  # (one L3 client for every round: opening one costs ~100 kB)
+        if observe is None:
+            from .observe import observe as observe_cluster
+
+            hosts = sorted(self.configs)
+
+            def observe(config: Any, seconds: float) -> Graph:  # (our hosts': no SCAN)
+                if not stores and config.cluster.enabled:
+                    from ..tiers.l3 import L3Store
+
+                    stores.append(L3Store.from_config(config.cluster))
+                return observe_cluster(config, seconds, hosts=hosts,
+                                       store=stores[0] if stores else None)
+        try:
+            return self._rounds(config, command, every, max_moves, window, balance, move_cost,
+                                log_dir, observe, planner, clock, sleep, on_round)
+        finally:
+            for st in stores:
+                st.close()
+
+    def _rounds(self, config: Any, command: Sequence[str], every: float, max_moves: int,
+                window: float, balance: float, move_cost: float,
+                log_dir: str | os.PathLike[str] | None,
+                observe: Callable[[Any, float], Graph], planner: Callable[..., Plan] | None,
+                clock: Callable[[], float], sleep: Callable[[float], None],
+                on_round: Callable[[Round], None] | None) -> list[Round]:
+        rounds: list[Round] = []
+        due = clock() + every
+        while self.alive():
+            wait = due - window - clock()
+            if wait > 0:
+                sleep(wait)
+            due += every
+            try:
+                graph = observe(config, window)
+                current = self.alive()
+                if not current:
+                    break
+                plan = replan(graph, current, list(self.configs), max_moves=max_moves,
+                              balance=balance, move_cost=move_cost, planner=planner)
+                done = set(self.move(plan.moves, command, log_dir))
+                r = Round(clock(), tuple(m for m in plan.moves if m.agent in done),
+                          plan.before, plan.share)
+            except KVCommError as e:
+                r = Round(clock(), (), None, None, skipped=str(e))
+            rounds.append(r)
+            if on_round is not None:
+                on_round(r)
+        return rounds
 
     def per_host(self) -> dict[str, int]:
         """How many agents run on each host."""

@@ -26,7 +26,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -111,14 +111,17 @@ def _is_host(host: object) -> bool:
     return True
 
 
-def load_snapshots(l3: Any) -> list[dict[str, Any]]:
-    """Every host's snapshot in L3 (a SCAN of every master: for tools, not hot paths).
-    Snapshots that are not ours are skipped. Raises Unavailable."""
+def load_snapshots(l3: Any, hosts: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every host's snapshot in L3 (a SCAN of every master: for tools, not hot paths), or
+    with ``hosts`` only those hosts' (a GET each: a SCAN reads every key name of the
+    cluster, which a launcher re-planning every few seconds would pay each round).
+    Snapshots that are not ours, and hosts with none, are skipped. Raises Unavailable."""
     def names() -> list[bytes]:
         return list(l3.rc.scan_iter(match="kvn:{*}:agents", count=1000))
 
     out = []
-    for name in sorted(set(l3._call(names))):
+    found = [snapshot_key(h).encode() for h in hosts] if hosts is not None else l3._call(names)
+    for name in sorted(set(found)):
         try:
             raw = l3._call(lambda name=name: l3.rc.get(name), name.decode("utf-8", "replace"))
         except CorruptRecord:  # another type under the name
@@ -186,36 +189,45 @@ def _sum(a: float, b: float) -> float:
     return min(a + b, sys.float_info.max)
 
 
-def _snapshots(config: Config, namespace: str | None, l3: Any) -> list[dict[str, Any]]:
+def _snapshots(config: Config, namespace: str | None, l3: Any,
+               hosts: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if l3 is not None:
-        return load_snapshots(l3)
+        return load_snapshots(l3, hosts)
     ns = namespace or config.node.namespace
     return [host_snapshot(config.node.host_id, agents_dir(ns, config.cache.l2_dir), time.time())]
 
 
 def observe(config: Config, seconds: float, *, namespace: str | None = None,
+            hosts: Sequence[str] | None = None, store: Any = None,
             sleep: Callable[[float], None] = time.sleep) -> Graph:
     """The whole cluster's communication graph over the next ``seconds`` (0: since each
     agent started). In cluster mode it reads every host's snapshot from L3 (each daemon
-    publishes once a second, so the rates cover about ``seconds``); in embedded mode the
-    table of the namespace ``namespace`` (default ``node.namespace``) on this host.
-    Raises InvalidArgument (``seconds`` < 0), Unavailable (L3 cannot be reached),
-    ConfigError (cluster mode without ``kvcomm[cluster]``)."""
+    publishes once a second, so the rates cover about ``seconds``), or with ``hosts`` only
+    those hosts' (cheaper: no SCAN; what a launcher that knows its hosts passes); in
+    embedded mode the table of the namespace ``namespace`` (default ``node.namespace``)
+    on this host. ``store``: an open L3Store (cluster mode) to read with, left open; by
+    default one is opened and closed, and opening one costs about 100 kB of L3 traffic
+    (the cluster client's start-up: measured on the dev cluster), which a launcher that
+    observes every few seconds keeps one store to save. Raises InvalidArgument
+    (``seconds`` < 0, a bad host id), Unavailable (L3 cannot be reached), ConfigError
+    (cluster mode without ``kvcomm[cluster]``)."""
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < 1e6:
         raise InvalidArgument(f"seconds must be a number >= 0, got {seconds!r}")
-    l3 = None
-    if config.cluster.enabled:
+    if hosts is not None:
+        hosts = [check_host(h, "hosts") for h in hosts]
+    l3 = store if config.cluster.enabled else None
+    if config.cluster.enabled and store is None:
         from ..tiers.l3 import L3Store
 
         cl = config.cluster
         l3 = L3Store.from_config(cl)
     try:
-        before = _snapshots(config, namespace, l3) if seconds > 0 else []
+        before = _snapshots(config, namespace, l3, hosts) if seconds > 0 else []
         if seconds > 0:
             sleep(seconds)
-        after = _snapshots(config, namespace, l3)
+        after = _snapshots(config, namespace, l3, hosts)
     finally:
-        if l3 is not None:
+        if l3 is not None and l3 is not store:
             l3.close()
     if not after and l3 is not None:
         raise Unavailable("no host has published its agents to L3: is `kvcomm node` running "
