@@ -48,7 +48,7 @@ def test_slots_move_back_and_forth_under_a_swarm_and_nothing_is_lost(
     seed = int(os.environ.get("MIGRATE_SEED", random.randrange(2**32)))
     print(f"seed={seed}")
     rng = random.Random(seed)
-    hosts = [Host(cluster, f"mh-{i}", seed=seed + i, cluster_keys={"wait_replicas": 1})
+    hosts = [Host(cluster, f"mh-{i}", seed=seed + i, cluster_keys={"wait_replicas": 1, "wait_timeout": 2.0})
              for i in range(3)]
     try:
         # 4 groups the mover moves, 30 keys each, and 60 keys elsewhere; each key has
