@@ -124,21 +124,30 @@ class Scene:
     def holds(self, key: str, value: str, what: str) -> None:
         wait_for(lambda: self.h.kv.get(key) == f"{value}{self.pad}", 15, what)
 
-    def read_x(self) -> None:
-        """v1 (replicated), then X = v2 on the master alone at an id an hour ahead; the
-        host reads both and is positioned at X."""
-        h, store, g = self.h, self.store, self.g
-        self.put(self.key, "v1", 1)
-        self.holds(self.key, "v1", "the host to hold v1")
+    def ids_ahead(self) -> int:
+        """Once v1 is replicated (only X is to be lost), the master's stream ids for the
+        group set an hour ahead, unreplicated (``self.ahead``). Returns (and keeps as
+        ``seq0``) the group's sequence number at v1."""
+        store, g = self.store, self.g
         seq0 = store.feed_seqs([g])[g]
         assert seq0 is not None
         self.seq0 = seq0
         self.cluster.wait_replicated()  # (v1 is on the replica: only X is lost)
         conn = store.rc.get_redis_connection(
             store.rc.get_node(host="127.0.0.1", port=self.master))
-        ahead = f"{int(time.time() * 1000) + AHEAD_MS}-0"
+        self.ahead = f"{int(time.time() * 1000) + AHEAD_MS}-0"
         conn.eval(UNREPLICATED + "return redis.call('XSETID', KEYS[1], ARGV[1])", 1,
-                  feed_key(g), ahead)
+                  feed_key(g), self.ahead)
+        return seq0
+
+    def read_x(self) -> None:
+        """v1 (replicated), then X = v2 on the master alone at an id an hour ahead; the
+        host reads both and is positioned at X."""
+        h, store, g = self.h, self.store, self.g
+        self.put(self.key, "v1", 1)
+        self.holds(self.key, "v1", "the host to hold v1")
+        seq0 = self.ids_ahead()
+        ahead = self.ahead
         raw = _unreplicated_push(store, self.master, self.key, f"v2{self.pad}", 2)
         assert raw[0][0] in (b"new", b"newer"), raw  # (one reply per record of the call)
         self.x_id = store.feed(g, count=100_000)[-1].id
@@ -156,15 +165,8 @@ class Scene:
         self.put(self.key, "v1", 1)
         self.holds(self.key, "v1", "the host to hold v1")
         wait_for(lambda: reader.kv.get(self.key) == f"v1{self.pad}", 15, "the reader to hold v1")
-        seq0 = store.feed_seqs([g])[g]
-        assert seq0 is not None
-        self.seq0 = seq0
-        self.cluster.wait_replicated()  # (v1 is on the replica: only X is lost)
-        conn = store.rc.get_redis_connection(
-            store.rc.get_node(host="127.0.0.1", port=self.master))
-        ahead = f"{int(time.time() * 1000) + AHEAD_MS}-0"
-        conn.eval(UNREPLICATED + "return redis.call('XSETID', KEYS[1], ARGV[1])", 1,
-                  feed_key(g), ahead)
+        seq0 = self.ids_ahead()
+        ahead = self.ahead
         d = h.daemon
         assert d is not None and isinstance(d.l3, L3Store)
         script = d.l3._script
