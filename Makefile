@@ -19,7 +19,7 @@ help:                   ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 22
 
 test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25
 
 # The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
 # partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, LangGraph's
