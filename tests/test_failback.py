@@ -12,6 +12,11 @@ the master's name (host:port) would deliver X (clean: evictable, its loss no lon
 watched for) while L3 has lost it; tied to the replication history X was written in
 (run_id and master_replid, seen before the push), the probe finds the master in
 another history: a rewind, and X is pushed again.
+
+And when the failover loses nothing (the replica caught up before a clean failover),
+the held record's master, now a replica, has left its history too: probed there (not
+at the group's new master, whose WAITs never covered it), its group is resynced, the
+re-push answered ``equal``, and the record delivered instead of held until the bound.
 """
 
 from __future__ import annotations
@@ -99,6 +104,21 @@ def _serving(store: L3Store, key: str) -> int | None:
     return int(store.rc.get_node_from_key(key).port)
 
 
+_USED: set[int] = set()  # masters and replicas a test failed over (a shard per test)
+
+
+def _shard(store: L3Store, name: str, seed: int) -> tuple[str, int, int]:
+    """A key of a shard no earlier test used: (the key, its group's master, replica)."""
+    for i in range(10**6):
+        key = f"fb/{name}/{seed}/{i}"
+        master = _try(lambda key=key: _serving(store, feed_key(group_of(key))))
+        if master is not None and master not in _USED:
+            replica = _replica_of(master)
+            _USED.update((master, replica))
+            return key, master, replica
+    raise AssertionError("no shard left")
+
+
 def _value(store: L3Store, key: str) -> Any:
     rec = store.get(key)
     return None if rec is None else rec.decode_value(key)
@@ -113,11 +133,8 @@ def test_a_failback_does_not_confirm_the_write_it_lost(
     the probe's WAIT there reaching the target confirms nothing (``unconfirmed_confirmed``
     stays 0), the master's new history is a rewind, and X is pushed again: L3, the
     writer, another host and a new host all end on X."""
-    key = f"fb/{seed}/0"
+    key, a, b = _shard(store, "back", seed)
     g = group_of(key)
-    a = _try(lambda: _serving(store, feed_key(g)))
-    assert a is not None
-    b = _replica_of(a)
     h = Host(cluster, f"fb-{seed % 1000}", seed, SHORT)
     reader = Host(cluster, f"fb-reader-{seed % 1000}", seed + 1, SHORT)
     polls: list[tuple[Host, float]] = []
@@ -208,4 +225,51 @@ def test_a_failback_does_not_confirm_the_write_it_lost(
                 host.daemon.inb.poll = poll
         _try(lambda: command(b, "CONFIG", "SET", "masterauth", '""'))
         reader.close()
+        h.close()
+
+
+def test_a_write_held_on_a_master_that_failed_over_cleanly_is_let_go(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """X, held unconfirmed on master A (its replica B cut off), reaches B once B is back
+    (before any probe confirmed it), and a clean manual failover makes B master: X
+    survives. A's WAITs can no longer confirm X (A is a replica), nor can B's (another
+    node). The probe of A (the node X was written on) sees it left X's history: its
+    group is resynced, X pushed again (``equal``: L3 holds it) and delivered. Nothing
+    confirmed X without a replica; nothing lost it."""
+    key, a, b = _shard(store, "clean", seed)
+    g = group_of(key)
+    h = Host(cluster, f"fbc-{seed % 1000}", seed, SHORT)
+    try:
+        d = h.daemon
+        assert d is not None and isinstance(d.l3, L3Store)
+        assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
+        wait_for(lambda: h.kv.get(key) == "v1", 15, "the host to hold v1")
+        cluster.wait_replicated()
+        d.confirm_at = float("inf")  # (the probe waits until the failover is done)
+        assert command(b, "CONFIG", "SET", "masterauth", "bogus").startswith(b"+OK")
+        command(a, "CLIENT", "KILL", "TYPE", "replica")
+        wait_for(lambda: _info(a)["connected_slaves"] == "0", 10, "B to be cut off")
+        h.kv.put(key, "v2")
+        wait_for(lambda: d.stats.extra.get("unconfirmed_held", 0) >= 1, 10,
+                 "X to be acknowledged short of its replica, and held")
+        x = d.out.unconfirmed.by_key[key]
+        assert x.node == f"127.0.0.1:{a}" and x.history == _history(a), x
+        command(b, "CONFIG", "SET", "masterauth", '""')
+        wait_for(lambda: _info(a)["connected_slaves"] == "1", 15, "B to be back")
+        cluster.wait_replicated()  # (B has X)
+        assert command(b, "CLUSTER", "FAILOVER").startswith(b"+OK")
+        wait_for(lambda: _role(b) == "master" and _try(lambda: _serving(store, feed_key(g))) == b
+                 and _role(a) == "slave", 30, "B to be the group's master, A its replica")
+        assert _value(store, key) == "v2"  # (X survived)
+        assert key in d.out.unconfirmed.by_key  # (still held: nothing confirmed it)
+        d.confirm_at = 0.0
+        wait_for(lambda: not d.out.unconfirmed and d.port.dirty_count() == 0, 15,
+                 "X to be let go (delivered)")
+        assert d.stats.extra.get("unconfirmed_rewound", 0) >= 1, d.stats
+        assert d.stats.extra.get("repushed", 0) >= 1, d.stats
+        assert d.stats.extra.get("unconfirmed_confirmed", 0) == 0, d.stats
+        assert _value(store, key) == "v2" and h.kv.get(key) == "v2"
+        assert h.alive, h.error
+    finally:
+        _try(lambda: command(b, "CONFIG", "SET", "masterauth", '""'))
         h.close()

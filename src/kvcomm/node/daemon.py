@@ -535,8 +535,8 @@ class Daemon:
         probe = getattr(self.l3, "confirm_replicated", None)  # (the test fakes have none)
         if probe is None:
             return
-        for group in self.out.unconfirmed.nodes().values():
-            probe(group)
+        for node, group in self.out.unconfirmed.nodes().items():
+            probe(group, node)
         # a master seen in another replication history than a held record was written in
         # (a failover and back at the same address, a restart) may have lost it: a rewind
         rewound = self.out.unconfirmed.rewound(getattr(self.l3, "histories", {}))

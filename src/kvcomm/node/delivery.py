@@ -313,7 +313,8 @@ class Unconfirmed:
         return min(self._since) if self._since else None
 
     def nodes(self) -> dict[str, int]:
-        """Master → a group of a record held there (to probe: L3Store.confirm_replicated)."""
+        """Master → a group of a record held there (to probe that master:
+        L3Store.confirm_replicated)."""
         return {h.node: h.group for h in self.by_key.values()}
 
     def _remove(self, key: str) -> Unheld:

@@ -1032,7 +1032,8 @@ class L3Store:
         # node → its replication history when last seen (INFO): "<run_id>:<master_replid>"
         # while a master, "" while not one. A master's replid changes whenever its data
         # may stop being a prefix of what it had (promoted, demoted and resynced, full
-        # sync) and run_id on every restart, and neither ever comes back: a node seen
+        # sync) and run_id on every restart (which may reload the replid from the RDB
+        # file: the replid alone would not do), and neither ever comes back: a node seen
         # twice with one history was a master throughout, appending to the same data
         self.histories: dict[str, str] = {}
         self._calls = itertools.count(1)  # (next() is atomic: pipelines run in threads)
@@ -1542,9 +1543,11 @@ class L3Store:
             self.connected[name] = connected
         return history
 
-    def confirm_replicated(self, group: int) -> bool:
-        """With ``wait_replicas``: a probe write on ``group``'s master (``kvw:{t}``, the
-        group's tag, gone after 10 s), then WAIT there and INFO (server, replication), in
+    def confirm_replicated(self, group: int, node_name: str = "") -> bool:
+        """With ``wait_replicas``: a probe write on node ``node_name`` (the master that
+        took the records to confirm; ``group``'s master when empty or not in the slot
+        map) under ``kvw:{t}`` (the group's tag, gone after 10 s: a node that no longer
+        serves the group refuses it), then WAIT there and INFO (server, replication), in
         one pipeline: when ``wait_replicas`` replicas acknowledge it and the master still
         runs the history it ran when it was seen before (:attr:`histories`), every
         earlier write on that master in that history is on that many replicas too, and
@@ -1559,7 +1562,11 @@ class L3Store:
         if not self.wait_replicas:
             return False
         probe = "kvw:" + self.groups.feed_key(group)[4:]
-        node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
+        # (that very node: demoted since, a failover's replica, it shows that its history
+        # was left — which the group's new master would not)
+        node = self.rc.get_node(node_name=node_name) if node_name else None  # type: ignore[no-untyped-call]
+        if node is None:
+            node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
         call = next(self._calls)
         conn = self.rc.get_redis_connection(node)
         before = self.histories.get(node.name, "")
