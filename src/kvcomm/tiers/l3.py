@@ -827,6 +827,13 @@ _TRANSIENT = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN"
 
 
 
+def _noscript(reply: object) -> bool:
+    """True when ``reply`` is Redis's NOSCRIPT error (a node that lost its scripts: a
+    restart). redis-py raises it as NoScriptError, whose text lacks the word."""
+    return isinstance(reply, Exception) and (type(reply).__name__ == "NoScriptError"
+                                             or "NOSCRIPT" in str(reply))
+
+
 def _key_error(msg: str) -> bool:
     """True when a Redis error concerns the value under one key (a foreign value)."""
     return ("KVCOMMCORRUPT" in msg or "KVCOMMBAD" in msg or "WRONGTYPE" in msg
@@ -1348,13 +1355,13 @@ class L3Store:
                     elif "KVCOMMLATER" in str(raw):  # (the call's reply budget was spent)
                         route[i] = (node, asking)
                         later.add(i)
-                    elif isinstance(raw, TryAgainError) or "NOSCRIPT" in str(raw):
+                    elif isinstance(raw, TryAgainError) or _noscript(raw):
                         # a multi-key call in a slot half migrated, or a node that lost
                         # the script (loaded again by _pipeline): again, by the slot map
                         # (after a TRYAGAIN one record a call, as before calls took many:
                         # the call of a whole group would wait for all its keys to move)
-                        self.redirects["tryagain"] += "NOSCRIPT" not in str(raw)
-                        if "NOSCRIPT" not in str(raw):
+                        self.redirects["tryagain"] += not _noscript(raw)
+                        if not _noscript(raw):
                             alone.add(i)
                         busy = busy or str(raw)
                         route[i] = (self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
@@ -1507,7 +1514,7 @@ class L3Store:
         if see:
             self._see(node.name, raws.pop(0), raws.pop(0))
         history = self.histories.get(node.name, "")
-        if any("NOSCRIPT" in str(r) for r in raws if isinstance(r, Exception)):
+        if any(_noscript(r) for r in raws):
             self._loaded.discard((node.name, self._script.sha))  # a restarted node
         durable, short = True, False
         if self.wait_replicas:
@@ -1609,7 +1616,7 @@ class L3Store:
         try:
             return conn.evalsha(script.sha, 0, *args)
         except Exception as exc:
-            if "NOSCRIPT" in str(exc):
+            if _noscript(exc):
                 self._loaded.discard((node.name, script.sha))
             raise
 
@@ -1662,7 +1669,7 @@ class L3Store:
                     pipe.evalsha(self._cursor.sha, 1, self.groups.feed_key(g), cursors[g])
                 raws: list[Any] = pipe.execute(raise_on_error=False)
                 answers = raws[len(gs):]
-                if any("NOSCRIPT" in str(r) for r in answers if isinstance(r, Exception)):
+                if any(_noscript(r) for r in answers):
                     self._loaded.discard((node.name, self._cursor.sha))  # (restarted)
                 for g, lost in zip(mine, answers, strict=True):
                     if lost in (0, 1) and checked is not None:
