@@ -648,8 +648,9 @@ def _push_one(out: Outbound, key: str, record: L3Record, cursor: int, now: float
 def test_a_short_push_is_held_dirty_until_a_later_full_wait_on_its_master() -> None:
     """A change acknowledged by fewer replicas than asked is not delivered (L2 keeps it
     dirty: never evicted) and holds the delivered cursor back (a restarted daemon sends
-    it again); a later pipeline on the same master that cluster.wait_replicas replicas
-    acknowledged confirms it; one on another master, or an earlier one, does not. A
+    it again); a later probe on the same master, in the same replication history, that
+    cluster.wait_replicas replicas acknowledged confirms it; one on another master, or an
+    earlier one, does not. A
     full acknowledgement is never held; an answer that stored nothing (equal) neither."""
     out = outbound(cursor=0)
     a, b, c = rec("h", 1), rec("h", 2), rec("h", 3)

@@ -507,8 +507,9 @@ class Daemon:
         self._settle_unconfirmed()
 
     def _settle_unconfirmed(self) -> None:
-        """Deliver (clean in L2) the unconfirmed records a pipeline or probe acknowledged by
-        ``cluster.wait_replicas`` replicas since covers, and those the bound released;
+        """Deliver (clean in L2) the unconfirmed records a probe acknowledged by
+        ``cluster.wait_replicas`` replicas since covers (on their master, in the
+        replication history they were written in), and those the bound released;
         publish the count held (stats ``unconfirmed``)."""
         released, self.out.released = self.out.released, []
         if released:
