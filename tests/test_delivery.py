@@ -697,6 +697,7 @@ def test_a_wait_in_another_history_of_the_same_master_confirms_nothing() -> None
     assert held.rewound({"m:1": "run1:replid1"}) == {0}  # (c only: its history unknown)
     assert [h.key for h in held.confirm({"m:1": (20, "run1:replid1")})] == ["a"]
     assert held.confirm({"m:1": (99, "")}) == [] and list(held.by_key) == ["c"]
+    assert held.rewound({"m:1": ""}) == {0}  # (c: never confirmable, once m:1 is seen)
     (gone,) = held.drop_groups(held.rewound({"m:1": "run1:replid1"}))
     assert gone.key == "c" and not held
 

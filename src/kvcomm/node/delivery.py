@@ -300,7 +300,7 @@ class Unconfirmed:
         history they were written in (or whose history was not known): each may be lost
         — resync them as after a rewind (:meth:`drop_groups` then sends them again)."""
         return {h.group for h in self.by_key.values()
-                if h.node in histories and histories[h.node] != h.history}
+                if h.node in histories and (histories[h.node] != h.history or not h.history)}
 
     def drop_groups(self, groups: Iterable[int]) -> list[Unheld]:
         """Forget the held records of ``groups`` (being resynced: the resync sends each

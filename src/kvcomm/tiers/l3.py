@@ -1544,7 +1544,10 @@ class L3Store:
         except (KeyError, TypeError, ValueError, AttributeError):
             return ""
         if name not in self.histories and len(self.histories) >= HISTORIES_MAX:
-            del self.histories[next(iter(self.histories))]  # (the oldest seen: bounded)
+            try:  # (the oldest seen: bounded; push pipelines run in threads)
+                del self.histories[next(iter(self.histories))]
+            except (KeyError, RuntimeError, StopIteration):
+                pass
         self.histories[name] = history
         if master:
             self.connected[name] = connected
