@@ -629,11 +629,12 @@ def test_pruning_never_makes_a_newer_write_lose_to_an_older_one(seed: int, hosts
 
 
 def short(record: L3Record, key: str, seq: int, call: int, outcome: str = NEW,
-          node: str = "m:1") -> PushResult:
+          node: str = "m:1", history: str = "run1:replid1") -> PushResult:
     """L3's answer to a change stored (entry ``seq`` at ``seq``-0) on master ``node`` by
-    pipeline ``call``, acknowledged by fewer replicas than cluster.wait_replicas."""
+    pipeline ``call``, in replication ``history``, acknowledged by fewer replicas than
+    cluster.wait_replicas."""
     return PushResult(key, outcome, record, True, seq=seq, entry=b"%d-0" % seq, short=True,
-                      node=node, call=call)
+                      node=node, call=call, history=history)
 
 
 def _push_one(out: Outbound, key: str, record: L3Record, cursor: int, now: float,
@@ -647,8 +648,9 @@ def _push_one(out: Outbound, key: str, record: L3Record, cursor: int, now: float
 def test_a_short_push_is_held_dirty_until_a_later_full_wait_on_its_master() -> None:
     """A change acknowledged by fewer replicas than asked is not delivered (L2 keeps it
     dirty: never evicted) and holds the delivered cursor back (a restarted daemon sends
-    it again); a later pipeline on the same master that cluster.wait_replicas replicas
-    acknowledged confirms it; one on another master, or an earlier one, does not. A
+    it again); a later probe on the same master, in the same replication history, that
+    cluster.wait_replicas replicas acknowledged confirms it; one on another master, or an
+    earlier one, does not. A
     full acknowledgement is never held; an answer that stored nothing (equal) neither."""
     out = outbound(cursor=0)
     a, b, c = rec("h", 1), rec("h", 2), rec("h", 3)
@@ -662,10 +664,42 @@ def test_a_short_push_is_held_dirty_until_a_later_full_wait_on_its_master() -> N
     _push_one(out, "b", b, 9, 2.0, ok(b, NEW, "b"))  # full: delivered, never held
     _push_one(out, "c", c, 11, 4.0, ok(c, EQUAL, "c")._replace(short=True))  # nothing stored
     assert list(out.unconfirmed.by_key) == ["a"] and out.delivered() == 0
-    assert out.unconfirmed.confirm({"m:2": 99, "m:1": 10}) == []  # elsewhere; not later
-    (done,) = out.unconfirmed.confirm({"m:1": 11})
+    assert out.unconfirmed.confirm({"m:2": (99, "run1:replid1"),  # elsewhere; not later
+                                    "m:1": (10, "run1:replid1")}) == []
+    (done,) = out.unconfirmed.confirm({"m:1": (11, "run1:replid1")})
     assert done.key == "a" and done.record is a and not out.unconfirmed
     assert out.delivered() == 11 and not out.unconfirmed.by_group
+
+
+def test_a_wait_in_another_history_of_the_same_master_confirms_nothing() -> None:
+    """A failback: a held write's master (same name) later runs another replication
+    history — it failed over (losing the write), was resynced from the new master and
+    made master again, or restarted. A later WAIT there reaching the target does not
+    confirm the write; the master seen in another history (or as a replica) makes its
+    group a rewind (resynced: the write sent again). The write's own history confirms
+    it, its other held records staying; a write whose history was not known is never
+    confirmed, and is a rewind once its master is seen."""
+    out = outbound(cursor=0)
+    a, b, c = rec("h", 1), rec("h", 2), rec("h", 3)
+    _push_one(out, "a", a, 5, 1.0, short(a, "a", 7, call=10))
+    _push_one(out, "b", b, 6, 2.0, short(b, "b", 8, call=12, history="run1:replid3"))
+    _push_one(out, "c", c, 7, 3.0, short(c, "c", 9, call=13, history=""))
+    held = out.unconfirmed
+    assert len(held) == 3
+    assert held.rewound({}) == set() and held.rewound({"m:2": "run9:x"}) == set()
+    # the failback: m:1 now runs replid3 (a's replid1 was left), WAIT reached the target
+    assert [h.key for h in held.confirm({"m:1": (20, "run1:replid3")})] == ["b"]
+    assert list(held.by_key) == ["a", "c"]
+    assert held.rewound({"m:1": "run1:replid3"}) == {0}  # (a's and c's group)
+    assert held.rewound({"m:1": ""}) == {0}  # (m:1 a replica now: replid1 left for good)
+    # a restart: same replid (reloaded), another run: not the history a was written in
+    assert held.confirm({"m:1": (20, "run2:replid1")}) == []
+    assert held.rewound({"m:1": "run1:replid1"}) == {0}  # (c only: its history unknown)
+    assert [h.key for h in held.confirm({"m:1": (20, "run1:replid1")})] == ["a"]
+    assert held.confirm({"m:1": (99, "")}) == [] and list(held.by_key) == ["c"]
+    assert held.rewound({"m:1": ""}) == {0}  # (c: never confirmable, once m:1 is seen)
+    (gone,) = held.drop_groups(held.rewound({"m:1": "run1:replid1"}))
+    assert gone.key == "c" and not held
 
 
 def test_held_records_are_bounded_the_oldest_released() -> None:

@@ -507,8 +507,9 @@ class Daemon:
         self._settle_unconfirmed()
 
     def _settle_unconfirmed(self) -> None:
-        """Deliver (clean in L2) the unconfirmed records a pipeline or probe acknowledged by
-        ``cluster.wait_replicas`` replicas since covers, and those the bound released;
+        """Deliver (clean in L2) the unconfirmed records a probe acknowledged by
+        ``cluster.wait_replicas`` replicas since covers (on their master, in the
+        replication history they were written in), and those the bound released;
         publish the count held (stats ``unconfirmed``)."""
         released, self.out.released = self.out.released, []
         if released:
@@ -526,15 +527,23 @@ class Daemon:
     def _probe_unconfirmed(self, now: float) -> None:
         """Every CONFIRM_EVERY seconds while records are held unconfirmed: a probe write
         and WAIT on each master holding some (:meth:`L3Store.confirm_replicated`): an idle
-        host learns when its replicas caught up. Raises Unavailable."""
+        host learns when its replicas caught up; and the groups of those whose master
+        left the history they were written in are resynced as after a rewind (which
+        sends them again). Raises Unavailable."""
         if not len(self.out.unconfirmed) or now < self.confirm_at:
             return
         self.confirm_at = now + CONFIRM_EVERY
         probe = getattr(self.l3, "confirm_replicated", None)  # (the test fakes have none)
         if probe is None:
             return
-        for group in self.out.unconfirmed.nodes().values():
-            probe(group)
+        for node, group in self.out.unconfirmed.nodes().items():
+            probe(group, node)
+        # a master seen in another replication history than a held record was written in
+        # (a failover and back at the same address, a restart) may have lost it: a rewind
+        rewound = self.out.unconfirmed.rewound(getattr(self.l3, "histories", {}))
+        if rewound:
+            self.stats.bump("unconfirmed_rewound", len(rewound))
+            self._resync(rewound, reason="rewind")
         self._settle_unconfirmed()
 
     def _note_deadline(self, g: int, deadline: float | None) -> None:

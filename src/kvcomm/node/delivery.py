@@ -220,6 +220,9 @@ class Unheld(NamedTuple):
     entry: bytes  # and its stream id
     node: str  # the master that took it
     call: int  # the pipeline that wrote it (PushResult.call)
+    # the replication history that master ran, seen before the pipeline (PushResult.history;
+    # "" unknown): only a WAIT in that same history confirms it
+    history: str = ""
 
 
 class Unconfirmed:
@@ -233,10 +236,17 @@ class Unconfirmed:
     keeps it dirty in L2 (never evicted; its feed position holds back the delivered
     cursor, so a restarted daemon sends it again), until:
 
-    * **confirmed** (:meth:`confirm`): a later pipeline on the same master that stored a
-      change, or a probe write there, was acknowledged by ``cluster.wait_replicas``
+    * **confirmed** (:meth:`confirm`): a later probe write on the same master, in the
+      same replication history (its run and replication id, seen before the push and
+      again after the probe's WAIT), was acknowledged by ``cluster.wait_replicas``
       replicas — WAIT counts replicas up to the connection's last write, which comes
-      after this one on the master's replication stream. Then it is delivered (clean);
+      after this one on the master's replication stream. Then it is delivered (clean).
+      The master's name alone would not do: after a failback (the write lost by a
+      failover, the old master made master again at the same address, resynced from
+      the new one) or a restart, a WAIT there counts replicas of a history without it;
+    * **its history left** (:meth:`rewound`): its master was seen since in another
+      history (or not as a master): the write may be lost — the driver resyncs its
+      group as after a rewind, which sends it again;
     * **found lost** (:meth:`Inbound.examine`, :meth:`Inbound.to_read`): the group's
       counter below its number, or an entry with its number at another id — a rewind:
       the group is resynced and the resync sends it again (:meth:`drop_groups`);
@@ -272,12 +282,25 @@ class Unconfirmed:
         """Forget ``key``'s held record (superseded). Returns it, or None."""
         return self._remove(key) if key in self.by_key else None
 
-    def confirm(self, confirmed: Mapping[str, int]) -> list[Unheld]:
-        """``confirmed``: master → the latest pipeline there that ``wait_replicas``
-        replicas acknowledged after a write. Returns the held records it covers (those
-        written there by an earlier pipeline), forgotten: deliver them."""
-        done = [h for h in self.by_key.values() if h.call < confirmed.get(h.node, 0)]
+    def confirm(self, confirmed: Mapping[str, tuple[int, str]]) -> list[Unheld]:
+        """``confirmed``: master → (the latest probe there that ``wait_replicas``
+        replicas acknowledged, the replication history the master ran throughout).
+        Returns the held records it covers (written there by an earlier pipeline in
+        that same history), forgotten: deliver them."""
+        done = []
+        for h in self.by_key.values():
+            call, history = confirmed.get(h.node, (0, ""))
+            if h.call < call and h.history and h.history == history:
+                done.append(h)
         return [self._remove(h.key) for h in done]
+
+    def rewound(self, histories: Mapping[str, str]) -> set[int]:
+        """``histories``: node → the replication history it was last seen in ("" not a
+        master). Returns the groups of the held records whose master has left the
+        history they were written in (or whose history was not known): each may be lost
+        — resync them as after a rewind (:meth:`drop_groups` then sends them again)."""
+        return {h.group for h in self.by_key.values()
+                if h.node in histories and (histories[h.node] != h.history or not h.history)}
 
     def drop_groups(self, groups: Iterable[int]) -> list[Unheld]:
         """Forget the held records of ``groups`` (being resynced: the resync sends each
@@ -290,7 +313,8 @@ class Unconfirmed:
         return min(self._since) if self._since else None
 
     def nodes(self) -> dict[str, int]:
-        """Master → a group of a record held there (to probe: L3Store.confirm_replicated)."""
+        """Master → a group of a record held there (to probe that master:
+        L3Store.confirm_replicated)."""
         return {h.node: h.group for h in self.by_key.values()}
 
     def _remove(self, key: str) -> Unheld:
@@ -455,7 +479,7 @@ class Outbound:
             if answer.unconfirmed and isinstance(res, PushResult) and res.seq is not None:
                 self.released += self.unconfirmed.add(Unheld(
                     item.key, item.staged, item.since, self.group_of(item.key), res.seq,
-                    res.entry, res.node, res.call))
+                    res.entry, res.node, res.call, res.history))
             elif answer.deliver:  # (this write, or one that saw it, is answered for)
                 self.unconfirmed.drop(item.key)
             answers.append(answer)

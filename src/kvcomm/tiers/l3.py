@@ -228,6 +228,7 @@ FEED_MAXLEN = 100_000  # events kept per group stream at most (approximate: MAXL
 FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_total, >= 100 x groups)
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
+HISTORIES_MAX = 1024  # nodes whose replication history L3Store.histories keeps at most
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
 PUSH_BATCH = 256  # records of one group one push script call takes at most (~5 ms of Redis)
 # record bytes one push script call takes at most (a record larger goes alone): Redis holds
@@ -824,7 +825,13 @@ _TRANSIENT = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN"
               "NOSCRIPT", "BUSY", "NOREPLICAS", "OOM", "NOPERM", "NOAUTH")
 
 
-_STORED = (b"new", b"newer", b"merged")  # push replies of a change stored (a feed entry)
+
+
+def _noscript(reply: object) -> bool:
+    """True when ``reply`` is Redis's NOSCRIPT error (a node that lost its scripts: a
+    restart). redis-py raises it as NoScriptError, whose text lacks the word."""
+    return isinstance(reply, Exception) and (type(reply).__name__ == "NoScriptError"
+                                             or "NOSCRIPT" in str(reply))
 
 
 def _key_error(msg: str) -> bool:
@@ -940,11 +947,14 @@ class PushResult(NamedTuple):
     # acknowledged (durable) by fewer replicas than cluster.wait_replicas asked: the master
     # had fewer connected, and the wait was lowered to those (_replicas_to_wait); a
     # failover may still lose it. ``node`` and ``call`` name the master and the pipeline
-    # that wrote it: a later pipeline there that reaches the target (``L3Store.confirmed``)
-    # covers it, since WAIT counts replicas up to the connection's last write
+    # that wrote it, ``history`` the replication history that master ran when last seen
+    # before the pipeline (L3Store.histories): a later probe there that reaches the
+    # target in that same history (``L3Store.confirmed``) covers it, since WAIT counts
+    # replicas up to the connection's last write
     short: bool = False
     node: str = ""
     call: int = 0
+    history: str = ""
 
 
 class L3Store:
@@ -1019,10 +1029,20 @@ class L3Store:
         self.auth = (username, password)  # (for MIGRATE's AUTH: kvcomm.balance.migrate)
         self.wait_replicas, self.wait_ms = wait_replicas, wait_ms
         self.degraded: dict[str, int] = {}  # master → writes acknowledged by fewer replicas
-        # master → the latest pipeline (PushResult.call) that stored a change there and
-        # that cluster.wait_replicas replicas acknowledged: every write on that master
-        # before it is on that many replicas (WAIT counts up to the connection's last write)
-        self.confirmed: dict[str, int] = {}
+        # master → (the latest probe (confirm_replicated) there that cluster.wait_replicas
+        # replicas acknowledged, the replication history the master ran after that WAIT):
+        # every write on that master before the probe, in that history, is on that many
+        # replicas (WAIT counts up to the connection's last write). A node name alone is
+        # not enough: a failback (the master fails over, losing a write, then is made
+        # master again at the same address) or a restart keeps the name, not the write
+        self.confirmed: dict[str, tuple[int, str]] = {}
+        # node → its replication history when last seen (INFO): "<run_id>:<master_replid>"
+        # while a master, "" while not one. A master's replid changes whenever its data
+        # may stop being a prefix of what it had (promoted, demoted and resynced, full
+        # sync) and run_id on every restart (which may reload the replid from the RDB
+        # file: the replid alone would not do), and neither ever comes back: a node seen
+        # twice with one history was a master throughout, appending to the same data
+        self.histories: dict[str, str] = {}
         self._calls = itertools.count(1)  # (next() is atomic: pipelines run in threads)
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
@@ -1312,14 +1332,15 @@ class L3Store:
                 [(node, idxs, asking) for (_, asking), (node, idxs) in batches.items()],
                 items, keep_siblings, sent, alone)
             for (_, asking), (node, idxs) in batches.items():
-                raws, durable, short, call = replies[node.name, asking]
+                raws, durable, short, call, history = replies[node.name, asking]
                 for i, raw in zip(idxs, raws, strict=True):
                     key = items[i][0]
                     if not isinstance(raw, Exception):
                         try:
                             out[i] = self._result(key, raw, items[i][1], sent.get(i)
                                                   )._replace(durable=durable, short=short,
-                                                             node=node.name, call=call)
+                                                             node=node.name, call=call,
+                                                             history=history)
                         except CorruptRecord as exc:
                             out[i] = exc
                     elif _key_error(str(raw)):
@@ -1334,13 +1355,13 @@ class L3Store:
                     elif "KVCOMMLATER" in str(raw):  # (the call's reply budget was spent)
                         route[i] = (node, asking)
                         later.add(i)
-                    elif isinstance(raw, TryAgainError) or "NOSCRIPT" in str(raw):
+                    elif isinstance(raw, TryAgainError) or _noscript(raw):
                         # a multi-key call in a slot half migrated, or a node that lost
                         # the script (loaded again by _pipeline): again, by the slot map
                         # (after a TRYAGAIN one record a call, as before calls took many:
                         # the call of a whole group would wait for all its keys to move)
-                        self.redirects["tryagain"] += "NOSCRIPT" not in str(raw)
-                        if "NOSCRIPT" not in str(raw):
+                        self.redirects["tryagain"] += not _noscript(raw)
+                        if not _noscript(raw):
                             alone.add(i)
                         busy = busy or str(raw)
                         route[i] = (self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
@@ -1393,13 +1414,14 @@ class L3Store:
     def _pipelines(self, jobs: list[tuple[Any, list[int], bool]],
                    items: Sequence[tuple[str, L3Record]], keep_siblings: Set[str],
                    sent: dict[int, tuple[bytes, L3Record]], alone: Set[int] = frozenset(),
-                   ) -> dict[tuple[str, bool], tuple[list[Any], bool, bool, int]]:
+                   ) -> dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str]]:
         """:meth:`_pipeline` for each (node, item indexes, asking) of ``jobs``, the
         nodes' pipelines in flight together (threads: each master runs its scripts while
         the others do, instead of one master after another). Returns the replies by
         (node name, asking). Raises what a pipeline raised (Unavailable, CorruptRecord),
         once every pipeline has returned: what was pushed stays pushed."""
-        def one(node: Any, idxs: list[int], asking: bool) -> tuple[list[Any], bool, bool, int]:
+        def one(node: Any, idxs: list[int], asking: bool,
+                ) -> tuple[list[Any], bool, bool, int, str]:
             return self._call(lambda: self._pipeline(node, items, idxs, keep_siblings,  # type: ignore[no-any-return]
                                                      asking, sent, alone))
 
@@ -1412,7 +1434,7 @@ class L3Store:
             self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
         futures = {(node.name, asking): self._pool.submit(one, node, idxs, asking)
                    for node, idxs, asking in jobs}
-        out: dict[tuple[str, bool], tuple[list[Any], bool, bool, int]] = {}
+        out: dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str]] = {}
         first: BaseException | None = None
         for name, fut in futures.items():
             try:
@@ -1427,21 +1449,30 @@ class L3Store:
                   keep_siblings: Set[str], asking: bool = False,
                   sent: dict[int, tuple[bytes, L3Record]] | None = None,
                   alone: Set[int] = frozenset(),
-                  ) -> tuple[list[Any], bool, bool, int]:
+                  ) -> tuple[list[Any], bool, bool, int, str]:
         """The push script for ``items[idxs]`` on ``node``: one call per group and
         PUSH_BATCH records of it, in the items' order (each call after ASKING if
         ``asking``; the items of ``alone`` in calls of their own), then ROLE and WAIT on
         the same connection. A group with at most HINT_EACH records here hints each change;
-        one with more is hinted once, by its last call. Returns (one reply or exception per
-        item of ``idxs``, in order: a call refused as a whole, MOVED say, gives each of its
-        items that exception; whether a replica acknowledged them; whether fewer than
-        ``wait_replicas`` did (:attr:`PushResult.short`); this pipeline's number, which
-        :attr:`confirmed` records for ``node`` when it stored a change that
-        ``wait_replicas`` replicas acknowledged); ``sent`` gets each item's encoding."""
+        one with more is hinted once, by its last call. With ``wait_replicas``, a node
+        not seen as a master before (:attr:`histories`) is seen first, in the same
+        pipeline (INFO: once per node and history, not per push). Returns (one reply or
+        exception per item of ``idxs``, in order: a call refused as a whole, MOVED say,
+        gives each of its items that exception; whether a replica acknowledged them;
+        whether fewer than ``wait_replicas`` did (:attr:`PushResult.short`); this
+        pipeline's number; the history ``node`` ran when last seen before these writes:
+        a probe that sees it still (:meth:`confirm_replicated`) covers them);
+        ``sent`` gets each item's encoding."""
         call = next(self._calls)
         conn = self.rc.get_redis_connection(node)
         self._load(node, conn, self._script)
         pipe = conn.pipeline(transaction=False)
+        # (a node seen as a master keeps its history until a probe sees another: a write
+        # made in a history it left since is then sent again, never confirmed)
+        see = bool(self.wait_replicas) and not self.histories.get(node.name)
+        if see:
+            pipe.execute_command("INFO", "server")  # type: ignore[no-untyped-call]
+            pipe.execute_command("INFO", "replication")  # type: ignore[no-untyped-call]
         by_group: dict[int, list[int]] = {}
         for i in idxs:
             by_group.setdefault(self.groups.of(items[i][0]), []).append(i)
@@ -1480,16 +1511,16 @@ class L3Store:
             pipe.execute_command("ROLE")  # type: ignore[no-untyped-call]
             pipe.execute_command("WAIT", want, self.wait_ms)  # type: ignore[no-untyped-call]
         raws: list[Any] = pipe.execute(raise_on_error=False)
-        if any("NOSCRIPT" in str(r) for r in raws if isinstance(r, Exception)):
+        if see:
+            self._see(node.name, raws.pop(0), raws.pop(0))
+        history = self.histories.get(node.name, "")
+        if any(_noscript(r) for r in raws):
             self._loaded.discard((node.name, self._script.sha))  # a restarted node
         durable, short = True, False
         if self.wait_replicas:
             acked, role = raws.pop(), raws.pop()
             durable = isinstance(acked, int) and acked >= self._replicas_to_wait(node, role)
             short = not isinstance(acked, int) or acked < self.wait_replicas
-            if not short and any(isinstance(x, list) and x and x[0] in _STORED
-                                 for r in raws if isinstance(r, list) for x in r):
-                self.confirmed[node.name] = max(call, self.confirmed.get(node.name, 0))
         got: dict[int, Any] = {}
         for batch, raw in zip(calls, raws[1::2] if asking else raws, strict=True):
             if isinstance(raw, Exception):  # the call as a whole: each of its records
@@ -1499,41 +1530,77 @@ class L3Store:
                                   f"with {raw!r:.200}")
             else:
                 got.update(zip(batch, raw, strict=True))
-        return [got[i] for i in idxs], durable, short, call
+        return [got[i] for i in idxs], durable, short, call, history
 
-    def confirm_replicated(self, group: int) -> bool:
-        """With ``wait_replicas``: a probe write on ``group``'s master (``kvw:{t}``, the
-        group's tag, gone after 10 s), then WAIT there on the same connection: when
-        ``wait_replicas`` replicas acknowledge it, every earlier write on that master is
-        on that many replicas too, and :attr:`confirmed` records it (a host with records
-        pushed short, and nothing more to push there, learns when they became durable).
-        Nothing is written, and nothing waited for, while the master (ROLE) has fewer
-        replicas connected. Returns whether it was confirmed. Raises Unavailable."""
+    def _see(self, name: str, server: Any, repl: Any) -> str:
+        """Note node ``name``'s replication history from its ``INFO server`` and ``INFO
+        replication`` replies (:attr:`histories`; and its replicas connected,
+        :attr:`connected`). Returns it ("" when the node is not a master, or the replies
+        are not INFO's: an error, say — then nothing is noted)."""
+        try:
+            master = str(repl["role"]) == "master"
+            history = f"{server['run_id']}:{repl['master_replid']}" if master else ""
+            connected = int(repl.get("connected_slaves", 0))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return ""
+        if name not in self.histories and len(self.histories) >= HISTORIES_MAX:
+            try:  # (the oldest seen: bounded; push pipelines run in threads)
+                del self.histories[next(iter(self.histories))]
+            except (KeyError, RuntimeError, StopIteration):
+                pass
+        self.histories[name] = history
+        if master:
+            self.connected[name] = connected
+        return history
+
+    def confirm_replicated(self, group: int, node_name: str = "") -> bool:
+        """With ``wait_replicas``: a probe write on node ``node_name`` (the master that
+        took the records to confirm; ``group``'s master when empty or not in the slot
+        map) under ``kvw:{t}`` (the group's tag, gone after 10 s: a node that no longer
+        serves the group refuses it), then WAIT there and INFO (server, replication), in
+        one pipeline: when ``wait_replicas`` replicas acknowledge it and the master still
+        runs the history it ran when it was seen before (:attr:`histories`), every
+        earlier write on that master in that history is on that many replicas too, and
+        :attr:`confirmed` records (this probe's number, the history) (a host with
+        records pushed short, and nothing more to push there, learns when they became
+        durable). The INFO notes the master's history (and its replicas) every time:
+        a master seen in another history than a record was written in (a failover and
+        back, a restart) has left that history, which may have lost the record. Nothing
+        is written, and nothing waited for, while the master was last seen with fewer
+        replicas connected than ``wait_replicas`` (or not as a master): that probe only
+        looks. Returns whether it was confirmed. Raises Unavailable."""
         if not self.wait_replicas:
             return False
         probe = "kvw:" + self.groups.feed_key(group)[4:]
-        node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
+        # (that very node: demoted since, a failover's replica, it shows that its history
+        # was left — which the group's new master would not)
+        node = self.rc.get_node(node_name=node_name) if node_name else None  # type: ignore[no-untyped-call]
+        if node is None:
+            node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
         call = next(self._calls)
         conn = self.rc.get_redis_connection(node)
-        role = self._call(lambda: conn.execute_command("ROLE"))  # type: ignore[no-untyped-call]
-        try:  # (too few replicas connected: nothing to wait for, no probe key written)
-            if role[0] not in (b"master", "master") or len(role[2]) < self.wait_replicas:
-                return False
-        except (TypeError, IndexError):
-            return False
+        before = self.histories.get(node.name, "")
+        write = bool(before) and self.connected.get(node.name, 0) >= self.wait_replicas
 
         def run() -> list[Any]:
             pipe = conn.pipeline(transaction=False)
-            pipe.execute_command("SET", probe, b"1", "PX", 10_000)  # type: ignore[no-untyped-call]
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
+            if write:
+                pipe.execute_command("SET", probe, b"1", "PX", 10_000)  # type: ignore[no-untyped-call]
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)  # type: ignore[no-untyped-call]
+            pipe.execute_command("INFO", "server")  # type: ignore[no-untyped-call]
+            pipe.execute_command("INFO", "replication")  # type: ignore[no-untyped-call]
             return pipe.execute(raise_on_error=False)
 
-        stored, acked = self._call(run)
+        raws = self._call(run)
+        history = self._see(node.name, raws[-2], raws[-1])  # (after the WAIT: seen since)
+        if not write or not history or history != before:
+            return False
+        stored, acked = raws[0], raws[1]
         if isinstance(stored, Exception) or not isinstance(acked, int):
             return False  # (moved, say: the node is no longer the group's master)
         if acked < self.wait_replicas:
             return False
-        self.confirmed[node.name] = max(call, self.confirmed.get(node.name, 0))
+        self.confirmed[node.name] = (call, history)
         return True
 
     def _load(self, node: Any, conn: Any, script: Any) -> None:
@@ -1552,7 +1619,7 @@ class L3Store:
         try:
             return conn.evalsha(script.sha, 0, *args)
         except Exception as exc:
-            if "NOSCRIPT" in str(exc):
+            if _noscript(exc):
                 self._loaded.discard((node.name, script.sha))
             raise
 
@@ -1605,7 +1672,7 @@ class L3Store:
                     pipe.evalsha(self._cursor.sha, 1, self.groups.feed_key(g), cursors[g])
                 raws: list[Any] = pipe.execute(raise_on_error=False)
                 answers = raws[len(gs):]
-                if any("NOSCRIPT" in str(r) for r in answers if isinstance(r, Exception)):
+                if any(_noscript(r) for r in answers):
                     self._loaded.discard((node.name, self._cursor.sha))  # (restarted)
                 for g, lost in zip(mine, answers, strict=True):
                     if lost in (0, 1) and checked is not None:
