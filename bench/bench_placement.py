@@ -75,8 +75,9 @@ from typing import Any
 import kvcomm
 from kvcomm import devcluster
 from kvcomm.config import load_config
+from kvcomm.placement.cost import MOVE_BYTES, horizon, move_cost_reads, persistence
 from kvcomm.placement.launcher import replan as replan_plan
-from kvcomm.placement.observe import observe
+from kvcomm.placement.observe import Observer, observe
 from kvcomm.placement.plan import make_plan
 
 CTX = mp.get_context("fork")
@@ -85,7 +86,8 @@ RATE = 20.0  # ticks per second
 WARMUP = 2.0  # seconds of each run left out of the figures
 SLACK = 10.0  # seconds the observed run goes on after observe's window (a loaded machine)
 VALUE = 256  # bytes of an agent's state
-NAMES = ("random", "round-robin", "planned", "replanned")
+NAMES = ("random", "round-robin", "planned", "replanned", "replanned-free")
+DEFAULT_NAMES = NAMES[:4]  # (replanned-free: --placements; the replanner before moves had a cost)
 KINDS = ("swarm", "warehouse")
 _HEAD = struct.Struct("<Q")
 
@@ -190,6 +192,14 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
     instance = dict.fromkeys(clients, 0)
     seen_epoch = epoch.value
     moved_in = 0
+    # a moved-in client's own L3 traffic (bytes its L3 client sent and received, and
+    # whether it opened one at all: it does at its first L2 miss). (A peek at the
+    # client's private L3 adapter: the bench's diagnosis of what a move costs.)
+    moved_wire: list[tuple[int, int]] = []
+
+    def wire_of(kv: Any) -> tuple[int, int]:
+        l3 = getattr(kv, "_l3", None)
+        return (0, 0) if l3 is None else (1, l3.wire.sent + l3.wire.received)
     for i, kv in clients.items():
         kv.put(key[i], _HEAD.pack(0) + pad)
     barrier.wait(60)
@@ -209,6 +219,8 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                 for i in [i for i in clients if host_of[i] != me]:
                     kv = clients.pop(i)
                     stats[f"{names[i]}#{me}.{instance[i]}"] = kv.stats()
+                    if instance[i] > 0:
+                        moved_wire.append(wire_of(kv))
                     kv.close()
                 for i in range(model.n):
                     if host_of[i] == me and i not in clients:
@@ -231,6 +243,7 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                     r_writer.append(j)
                     r_seq.append(-1 if v is None else _HEAD.unpack_from(v)[0])
         stats.update({f"{names[i]}#{me}.{instance[i]}": kv.stats() for i, kv in clients.items()})
+        moved_wire.extend(wire_of(kv) for i, kv in clients.items() if instance[i] > 0)
     finally:
         for kv in clients.values():
             kv.close()
@@ -238,7 +251,7 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
         json.dump({"start": start_at, "end": time.monotonic(),
                    "w": [w_agent.tolist(), w_seq.tolist(), w_t.tolist()],
                    "r": [r_t.tolist(), r_reader.tolist(), r_writer.tolist(), r_seq.tolist()],
-                   "stats": stats, "moved_in": moved_in}, f)
+                   "stats": stats, "moved_in": moved_in, "moved_wire": moved_wire}, f)
 
 
 # ---------------------------------------------------------------- one run
@@ -319,7 +332,7 @@ def hint_bytes() -> int:
 
 def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model0: float,
              seconds: float, work: Path, tag: str, observe_last: float = 0.0,
-             replan: tuple[float, int] | None = None) -> dict[str, Any]:
+             replan: tuple[float, int, float] | None = None) -> dict[str, Any]:
     """One run of ``kind`` with ``assignment`` (agent → host); its figures, and with
     ``observe_last`` the graph observed over the run's last seconds. With ``replan``
     (every S seconds, at most M moves), the run is re-placed as the example launcher's
@@ -356,26 +369,34 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     timeline: list[tuple[int, dict[str, str]]] = [(0, dict(assignment))]
     rounds: list[dict[str, Any]] = []
     if replan is not None:
-        every, max_moves = replan
+        every, max_moves, move_bytes = replan
         window = max(1.0, every - 1.0)
         current = dict(assignment)
         cfg = load_config(configs["host-1"])
-        from kvcomm.tiers.l3 import L3Store
-
-        store = L3Store.from_config(cfg.cluster)  # (one for every round, as the launcher)
+        # (one store for every round, as the launcher; each round reads every host's
+        # snapshot once: the launcher's Observer, its window the time since the last round)
+        observer = Observer(cfg, hosts=HOSTS)
+        previous = None
         due = time.monotonic() + every
         # (the launcher's loop, with the bench's agents: a move sets host_of, and the
         # hosts' tick loops close and open the agents at their next tick)
         while due <= start_at + seconds - 0.5:
-            time.sleep(max(0.0, due - window - time.monotonic()))
+            lead = 0.0 if observer.last is not None else window
+            time.sleep(max(0.0, due - lead - time.monotonic()))
             due += every
             t_r = time.monotonic()
+            w0 = (observer.store.wire.sent + observer.store.wire.received
+                  if observer.store is not None else 0)
             try:
-                seen = observe(cfg, window, hosts=HOSTS, store=store)
-                plan = replan_plan(seen, current, HOSTS, max_moves=max_moves, balance=1.1)
+                seen = observer.graph(window)
+                lasts = horizon(every, persistence(previous, seen))
+                previous = seen
+                plan = replan_plan(seen, current, HOSTS, max_moves=max_moves, balance=1.1,
+                                   move_bytes=move_bytes, horizon=lasts)
             except kvcomm.KVCommError as e:
                 rounds.append({"t": t_r - start_at, "moves": 0, "skipped": str(e)})
                 continue
+            assert observer.store is not None
             for m in plan.moves:
                 current[m.agent] = m.target
                 host_of[model.agents.index(m.agent)] = HOSTS.index(m.target)
@@ -384,8 +405,12 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
                 timeline.append((time.monotonic_ns(), dict(current)))
             rounds.append({"t": t_r - start_at, "moves": len(plan.moves),
                            "plan_s": time.monotonic() - t_r,
+                           "observe_bytes": observer.store.wire.sent
+                           + observer.store.wire.received - w0,
+                           "horizon_s": lasts,
+                           "move_cost_reads": move_cost_reads(seen, move_bytes, lasts),
                            "before": plan.before, "predicted": plan.share})
-        store.close()
+        observer.close()
     while time.monotonic() < start_at + seconds:
         time.sleep(0.01)
     b1 = redis_bytes(dev)
@@ -400,6 +425,9 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     figures["moves"] = sum(r["moves"] for r in rounds)
     figures["moves_per_min"] = figures["moves"] / (seconds - WARMUP) * 60
     figures["moved_in"] = sum(log.get("moved_in", 0) for log in logs)
+    moved_wire = [w for log in logs for w in log.get("moved_wire", [])]
+    figures["moved_l3_opened"] = sum(o for o, _ in moved_wire)
+    figures["moved_l3_bytes"] = sum(b for _, b in moved_wire)
     figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
     figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
     # where the bytes go: the daemons' own count by purpose (Redis in = sent, out =
@@ -481,7 +509,8 @@ def placements(model: Swarm | Warehouse, seed: int) -> dict[str, dict[str, str]]
 
 
 def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, work: Path,
-             seed: int, replan: tuple[float, int]) -> dict[str, Any]:
+             seed: int, replan: tuple[float, int, float],
+             names: Sequence[str] = DEFAULT_NAMES) -> dict[str, Any]:
     model = workload(kind)
     rows: dict[str, Any] = {}
     places = placements(model, seed)
@@ -493,18 +522,26 @@ def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, w
     plan = make_plan(graph, HOSTS, balance=1.1)
     places["planned"] = {a: plan.assignment.get(a, places["round-robin"][a]) for a in model.agents}
     t0 = observed_run  # the measured runs continue the workload from there
-    places["replanned"] = places["planned"]  # (the planned start, re-placed as it runs)
-    for name in NAMES:
+    # (the planned start, re-placed as it runs; -free: moves cost nothing, as before
+    # the replanner weighed them)
+    places["replanned"] = places["replanned-free"] = places["planned"]
+    free = (replan[0], replan[1], 0.0)
+    for name in [n for n in NAMES if n in names]:
         print(f"  {kind}: {name} ...", file=sys.stderr, flush=True)
         fig = run_once(dev, kind, places[name], t0, seconds, work, f"{kind}-{name}",
-                       replan=replan if name == "replanned" else None)
+                       replan=replan if name == "replanned" else
+                       free if name == "replanned-free" else None)
         fig.pop("graph")
         rows[name] = fig
-    rows["planned"]["predicted_share"] = plan.share
-    rows["planned"]["observed_before"] = plan.before
-    rows["planned"]["moves_from_round_robin"] = len(plan.moves)
-    rows["replanned"]["replan_every_s"], rows["replanned"]["max_moves"] = replan
-    rows["round-robin"]["observed_share"] = obs_run["same_host_share"]
+        if name == "planned":
+            fig["predicted_share"] = plan.share
+            fig["observed_before"] = plan.before
+            fig["moves_from_round_robin"] = len(plan.moves)
+        if name.startswith("replanned"):
+            fig["replan_every_s"], fig["max_moves"], fig["move_bytes"] = \
+                replan if name == "replanned" else free
+        if name == "round-robin":
+            fig["observed_share"] = obs_run["same_host_share"]
     return rows
 
 
@@ -593,6 +630,38 @@ def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
     return res
 
 
+# ---------------------------------------------------------------- what a move costs
+
+
+def move_cost_probe(dev: dict[str, Any]) -> dict[str, Any]:
+    """What a move's pieces cost in L3 bytes, each counted by its own L3 client (the
+    bytes its sockets sent and received, exactly): opening an L3 client (the cluster
+    client's start-up: COMMAND, CLUSTER SLOTS, HELLO), and a moved agent's client on its
+    new host reading its own state back when the host does not hold it (an L2 miss: it
+    opens its L3 client) and when it does (another agent of the host reads it)."""
+    from kvcomm.tiers.l3 import L3Store
+
+    configs = {h["host"]: h["config"] for h in dev["hosts"]}
+    store = L3Store.from_config(load_config(configs["host-1"]).cluster)
+    out: dict[str, Any] = {"l3_client_open": store.wire.sent + store.wire.received}
+    store.close()
+    key, held = f"probe/move/{os.getpid()}", f"probe/held/{os.getpid()}"
+    with kvcomm.open(config=configs["host-1"], agent="mover") as old, \
+            kvcomm.open(config=configs["host-2"], agent="neighbour") as nb:
+        old.put(key, b"m" * VALUE)
+        old.put(held, b"h" * VALUE)
+        end = time.monotonic() + 30
+        while nb.get(held) is None and time.monotonic() < end:  # (host-2 holds it now)
+            time.sleep(0.01)
+        for name, k in (("moved_agent_reads_unheld", key), ("moved_agent_reads_held", held)):
+            with kvcomm.open(config=configs["host-2"], agent="mover") as new:
+                got = new.get(k)
+                l3 = getattr(new, "_l3", None)
+                out[name] = 0 if l3 is None else l3.wire.sent + l3.wire.received
+                out[name + "_found"] = got is not None
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -674,7 +743,7 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     kinds = [k for k in KINDS if k in results]
     names = [n for n in NAMES if all(n in results[k] for k in kinds)]
-    colours = ["#bbbbbb", "#8899aa", "#2b7bba", "#e08a2c"][:len(names)]
+    colours = ["#bbbbbb", "#8899aa", "#2b7bba", "#e08a2c", "#d4b483"][:len(names)]
     width = 0.8 / len(names)
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     panels = [("same-host share of cross-agent reads (%)",
@@ -708,6 +777,8 @@ def main() -> int:
     ap.add_argument("--plot", help="write the plot to this PNG (needs kvcomm[plot])")
     ap.add_argument("--probe", type=int, default=300, help="writes in each visibility probe (default 300)")
     ap.add_argument("--probe-only", action="store_true", help="only the visibility probe")
+    ap.add_argument("--move-cost-only", action="store_true",
+                    help="only measure what a move's pieces cost in L3 bytes")
     ap.add_argument("--replot", metavar="JSON", help="only plot (--plot) the figures of --json's file")
     ap.add_argument("--unread-changes", type=int, default=1, metavar="N",
                     help="every host's cluster.unread_changes: a held key leaves L2 at the Nth "
@@ -717,14 +788,33 @@ def main() -> int:
                     help="the replanned placement re-plans every S seconds (default 4)")
     ap.add_argument("--max-moves", type=int, default=4, metavar="M",
                     help="... moving at most M agents a round (default 4)")
+    ap.add_argument("--move-bytes", type=float, default=MOVE_BYTES, metavar="B",
+                    help="... each move made only when it saves B L3 bytes before the next "
+                    f"round (default {MOVE_BYTES:g}: kvcomm.placement.cost.MOVE_BYTES)")
+    ap.add_argument("--placements", default=",".join(DEFAULT_NAMES),
+                    help=f"comma-separated, of {', '.join(NAMES)} (default "
+                    f"{','.join(DEFAULT_NAMES)}; random is always run: the others are "
+                    "compared with it)")
     ap.add_argument("--workloads", default=",".join(KINDS),
                     help=f"comma-separated, of {', '.join(KINDS)} (default both)")
     args = ap.parse_args()
     kinds = [k for k in args.workloads.split(",") if k]
     if not kinds or not set(kinds) <= set(KINDS):
         ap.error(f"--workloads: some of {', '.join(KINDS)}")
+    names = [n for n in NAMES if n == "random" or n in args.placements.split(",")]
+    if not set(args.placements.split(",")) <= set(NAMES):
+        ap.error(f"--placements: some of {', '.join(NAMES)}")
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), args.plot or "placement.png")
+        return 0
+    if args.move_cost_only:
+        with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
+            dev = devcluster.up(3, str(Path(d) / "dev"),
+                                cluster_settings={"unread_changes": args.unread_changes})
+            try:
+                print(json.dumps(move_cost_probe(dev)))
+            finally:
+                devcluster.down(str(Path(d) / "dev"))
         return 0
     if args.probe_only:
         with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
@@ -740,7 +830,8 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}; "
           f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run; "
           f"cluster.unread_changes {args.unread_changes}; replanned: every "
-          f"{args.replan_every:g} s, at most {args.max_moves} moves", flush=True)
+          f"{args.replan_every:g} s, at most {args.max_moves} moves, a move "
+          f"{args.move_bytes:g} B; placements {','.join(names)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
         work = Path(d)
         dev = devcluster.up(3, str(work / "dev"),
@@ -749,7 +840,8 @@ def main() -> int:
             results: dict[str, Any] = {}
             for kind in kinds:
                 results[kind] = scenario(dev, kind, seconds, observe_s, work, args.seed,
-                                         (args.replan_every, args.max_moves))
+                                         (args.replan_every, args.max_moves,
+                                          args.move_bytes), names)
             results["visibility"] = visibility(dev, args.probe if not args.quick else 60)
         finally:
             devcluster.down(str(work / "dev"))
@@ -764,24 +856,36 @@ def main() -> int:
     for kind in kinds:
         r = results[kind]
         rnd = r["random"]
-        hits = ", ".join(f"{n} {100 * r[n]['l2_hit_rate']:.2f}%" for n in NAMES)
-        for name in ("planned", "replanned"):
+        hits = ", ".join(f"{n} {100 * r[n]['l2_hit_rate']:.2f}%" for n in NAMES if n in r)
+        for name in [n for n in NAMES[2:] if n in r]:
             pl = r[name]
             per_store = pl["l3_bytes_per_store"] / rnd["l3_bytes_per_store"]
             print(f"{kind}: L3 bytes per change stored {name}/random {per_store:.3f} "
                   f"({pl['l3_bytes_per_store']:.0f} / {rnd['l3_bytes_per_store']:.0f} B), per "
                   f"second {pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s']:.3f}")
-        rp = r["replanned"]
-        rounds = rp["rounds"]
-        print(f"{kind}: replanned: {rp['moves']} moves in {len(rounds)} rounds "
-              f"({rp['moves_per_min']:.0f} a minute; "
-              f"{sum(1 for x in rounds if x.get('skipped'))} rounds skipped), predicted share "
-              "per round " + ", ".join(f"{100 * (x.get('before') or 0):.0f}→"
-                                        f"{100 * (x.get('predicted') or 0):.0f}%"
-                                        for x in rounds if not x.get("skipped"))
-              + f"; L2 hit rate {hits}")
+        for name in [n for n in NAMES[3:] if n in r]:
+            rp = r[name]
+            rounds = rp["rounds"]
+            obs = [x["observe_bytes"] for x in rounds if "observe_bytes" in x]
+            print(f"{kind}: {name}: {rp['moves']} moves in {len(rounds)} rounds "
+                  f"({rp['moves_per_min']:.0f} a minute; "
+                  f"{sum(1 for x in rounds if x.get('skipped'))} rounds skipped; observing: "
+                  f"{sum(obs) / max(1, len(obs)):.0f} B a round; a move must win "
+                  + ", ".join(f"{x['move_cost_reads']:.0f} ({x['horizon_s']:.0f} s)"
+                              for x in rounds if "move_cost_reads" in x)
+                  + " reads/s), predicted share per round "
+                  + ", ".join(f"{100 * (x.get('before') or 0):.0f}→"
+                              f"{100 * (x.get('predicted') or 0):.0f}%"
+                              for x in rounds if not x.get("skipped")))
+            print(f"{kind}: {name}: the {rp['moved_in']} moved-in clients: "
+                  f"{rp['moved_l3_opened']} opened an L3 client (at an L2 miss), "
+                  f"{rp['moved_l3_bytes'] / 1000:.0f} kB of their own L3 traffic "
+                  f"({rp['moved_l3_bytes'] / max(1, rp['moved_in']) / 1000:.1f} kB a move)")
+        print(f"{kind}: L2 hit rate {hits}")
     for kind in kinds:
         r = results[kind]
+        if "planned" not in r or "replanned" not in r:
+            continue
         rnd, pl = r["random"], r["planned"]
         ratio = pl["same_host_share"] / rnd["same_host_share"]
         print(f"{kind}: planned/random same-host share {ratio:.2f}x; "
