@@ -1,8 +1,10 @@
 """Affinity placement, measured: what putting agents that share state on one host changes.
 
     python bench/bench_placement.py [--quick] [--seconds S] [--json FILE] [--plot FILE.png]
-                                    [--replan-every S] [--max-moves M] [--workloads swarm]
+                                    [--replan-every S] [--max-moves M] [--move-bytes B]
+                                    [--workloads swarm] [--placements random,planned,...]
     python bench/bench_placement.py --probe-only             # only the visibility probe
+    python bench/bench_placement.py --move-cost-only         # what a move's pieces cost
     python bench/bench_placement.py --replot FILE.json --plot FILE.png
 
 A 3-host dev cluster (a real Redis Cluster and one node daemon per host, on this
@@ -21,10 +23,17 @@ last seconds, ``kvcomm placement plan --balance 1.1``; then the measured run, wh
 continues the workload where the observed run stopped: the plan only saw the past), and
 **replanned** (the planned start, then every ``--replan-every`` seconds what
 ``kvcomm placement launch --replan-every S --max-moves M`` does, ``Launcher.replan_loop``:
-observe the last S - 1 seconds, ``replan`` from where the agents run with at most M moves,
-move them: the old host's process closes the agent's client, the new host's opens one,
-which first reads the agent's own state back; the rounds' and the moves' L3 traffic is
-in the measured bytes; moves per minute are reported).
+observe the time since the previous round (``observe.Observer``: every host's snapshot
+read once a round; the first round the last S - 1 seconds), ``replan`` from where the
+agents run with at most M moves, each of which must save its ``--move-bytes`` (default
+``placement.cost.MOVE_BYTES``) in cross-host reads' L3 bytes over the horizon the
+observed reads' persistence gives (``placement.cost``), move them: the old host's
+process closes the agent's client, the new host's opens one, which first reads the
+agent's own state back; the rounds' and the moves' L3 traffic is in the measured bytes;
+moves per minute, what observing cost a round, the moved clients' own L3 traffic and the
+Redis commands per second it adds to planned's are reported). **replanned-free**
+(``--placements``; not run by default): the same with moves that cost nothing, the
+re-planner before it weighed them.
 Every agent runs as its own client (``kvcomm.open(config=host's, agent=name)``); the
 agents of one host share one process (a tick loop over them).
 
@@ -196,6 +205,10 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
     # whether it opened one at all: it does at its first L2 miss). (A peek at the
     # client's private L3 adapter: the bench's diagnosis of what a move costs.)
     moved_wire: list[tuple[int, int]] = []
+    # every agent's own L3 traffic over the measured window (from the end of the warm-up):
+    # [L3 clients opened, bytes], clients closed since added at their close
+    base: tuple[int, int] | None = None
+    closed = [0, 0]
 
     def wire_of(kv: Any) -> tuple[int, int]:
         l3 = getattr(kv, "_l3", None)
@@ -221,6 +234,8 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                     stats[f"{names[i]}#{me}.{instance[i]}"] = kv.stats()
                     if instance[i] > 0:
                         moved_wire.append(wire_of(kv))
+                    closed[0] += wire_of(kv)[0]
+                    closed[1] += wire_of(kv)[1]
                     kv.close()
                 for i in range(model.n):
                     if host_of[i] == me and i not in clients:
@@ -228,6 +243,9 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                         clients[i] = kvcomm.open(config=config, agent=names[i])
                         clients[i].get(key[i])  # (its own state: where it was)
                         moved_in += 1
+            if k == int(WARMUP * RATE):
+                now = [wire_of(kv) for kv in clients.values()]
+                base = (sum(o for o, _ in now), sum(b for _, b in now))
             reads = model.tick(t_model0 + k * period)
             for i, kv in clients.items():
                 kv.put(key[i], _HEAD.pack(k + 1) + pad)
@@ -244,6 +262,10 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                     r_seq.append(-1 if v is None else _HEAD.unpack_from(v)[0])
         stats.update({f"{names[i]}#{me}.{instance[i]}": kv.stats() for i, kv in clients.items()})
         moved_wire.extend(wire_of(kv) for i, kv in clients.items() if instance[i] > 0)
+        now = [wire_of(kv) for kv in clients.values()]
+        if base is not None:
+            stats["_agents_l3"] = [closed[0] + sum(o for o, _ in now) - base[0],
+                                   closed[1] + sum(b for _, b in now) - base[1]]
     finally:
         for kv in clients.values():
             kv.close()
@@ -308,6 +330,23 @@ def hints_sent(dev: dict[str, Any]) -> int:
     return n
 
 
+def command_calls(dev: dict[str, Any]) -> dict[str, int]:
+    """Calls so far of each Redis command, summed over every node (INFO commandstats)."""
+    import redis
+
+    out: dict[str, int] = {}
+    for addr in dev["redis"]:
+        host, _, port = addr.rpartition(":")
+        r = redis.Redis(host=host, port=int(port))
+        try:
+            for name, st in r.info("commandstats").items():
+                out[name.removeprefix("cmdstat_")] = out.get(name.removeprefix("cmdstat_"), 0) \
+                    + int(st.get("calls", 0))
+        finally:
+            r.close()
+    return out
+
+
 def changes_stored(dev: dict[str, Any]) -> int:
     """Changes L3 stored so far: the sum of every group's sequence number (one per change
     stored; hints are no count of them: a pipeline's pushes of one group may share one)."""
@@ -360,6 +399,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     # (the bench's own calls first: changes_stored opens a cluster client, and its setup
     # and reads are the bench's bytes, not KVCOMM's; b1 is read before theirs at the end)
     d0, h0, s0 = daemon_bytes(dev), hints_sent(dev), changes_stored(dev)
+    c0 = command_calls(dev)
     b0 = redis_bytes(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
@@ -415,6 +455,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
         time.sleep(0.01)
     b1 = redis_bytes(dev)
     d1, h1, s1 = daemon_bytes(dev), hints_sent(dev), changes_stored(dev)
+    c1 = command_calls(dev)
     t_b1 = time.monotonic()
     for p in procs:
         p.join(120)
@@ -428,6 +469,9 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     moved_wire = [w for log in logs for w in log.get("moved_wire", [])]
     figures["moved_l3_opened"] = sum(o for o, _ in moved_wire)
     figures["moved_l3_bytes"] = sum(b for _, b in moved_wire)
+    own = [log["stats"].get("_agents_l3", [0, 0]) for log in logs]
+    figures["agents_l3_opened"] = sum(o for o, _ in own)  # (in the measured window)
+    figures["agents_l3_bytes_per_s"] = sum(b for _, b in own) / (t_b1 - t_b0)
     figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
     figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
     # where the bytes go: the daemons' own count by purpose (Redis in = sent, out =
@@ -447,6 +491,8 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     figures["hints_per_s"] = (h1 - h0) / (t_b1 - t_b0)
     figures["l3_bytes_per_store"] = (b1[0] - b0[0]) / max(1, s1 - s0)
     figures["graph"] = graph
+    figures["calls_per_s"] = {k: (v - c0.get(k, 0)) / (t_b1 - t_b0) for k, v in c1.items()
+                              if v != c0.get(k, 0)}
     return figures
 
 
@@ -482,8 +528,9 @@ def analyse(model: Swarm | Warehouse, timeline: list[tuple[int, dict[str, str]]]
             age = t - nxt if nxt is not None and nxt <= t else 0
             stale["all"].append(age)
             stale[cls].append(age)
-    l3_reads = sum(st["l3"]["reads"] for log in logs for st in log["stats"].values())
-    l2 = [st["l2"] for log in logs for st in log["stats"].values()]
+    clients = [st for log in logs for name, st in log["stats"].items() if name != "_agents_l3"]
+    l3_reads = sum(st["l3"]["reads"] for st in clients)
+    l2 = [st["l2"] for st in clients]
     hits, misses = sum(x["hits"] for x in l2), sum(x["misses"] for x in l2)
     out: dict[str, Any] = {
         "reads": reads, "same_host_share": same / reads if reads else float("nan"),
@@ -881,6 +928,17 @@ def main() -> int:
                   f"{rp['moved_l3_opened']} opened an L3 client (at an L2 miss), "
                   f"{rp['moved_l3_bytes'] / 1000:.0f} kB of their own L3 traffic "
                   f"({rp['moved_l3_bytes'] / max(1, rp['moved_in']) / 1000:.1f} kB a move)")
+        if "planned" in r:  # (the Redis commands the re-planning runs add, per second)
+            base = r["planned"]["calls_per_s"]
+            for name in [n for n in NAMES[3:] if n in r]:
+                diff = {k: v - base.get(k, 0.0) for k, v in r[name]["calls_per_s"].items()}
+                top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:8]
+                print(f"{kind}: {name} - planned, Redis calls per second: "
+                      + ", ".join(f"{k} {v:+.1f}" for k, v in top))
+        print(f"{kind}: the agents' own L3 traffic (their L3 clients' bytes, from the "
+              "warm-up's end), B per change stored: " + ", ".join(
+                  f"{n} {r[n]['agents_l3_bytes_per_s'] / max(1.0, r[n]['stores_per_s']):.0f} "
+                  f"({r[n]['agents_l3_opened']} L3 clients opened)" for n in NAMES if n in r))
         print(f"{kind}: L2 hit rate {hits}")
     for kind in kinds:
         r = results[kind]
