@@ -84,7 +84,7 @@ from typing import Any
 import kvcomm
 from kvcomm import devcluster
 from kvcomm.config import load_config
-from kvcomm.placement.cost import MOVE_BYTES, horizon, move_cost_reads, persistence
+from kvcomm.placement.cost import MOVE_BYTES, Pricing, move_cost_reads
 from kvcomm.placement.launcher import replan as replan_plan
 from kvcomm.placement.observe import Observer, observe
 from kvcomm.placement.plan import make_plan
@@ -416,7 +416,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
         # (one store for every round, as the launcher; each round reads every host's
         # snapshot once: the launcher's Observer, its window the time since the last round)
         observer = Observer(cfg, hosts=HOSTS)
-        previous = None
+        pricing = Pricing(every)
         due = time.monotonic() + every
         # (the launcher's loop, with the bench's agents: a move sets host_of, and the
         # hosts' tick loops close and open the agents at their next tick)
@@ -429,10 +429,11 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
                   if observer.store is not None else 0)
             try:
                 seen = observer.graph(window)
-                lasts = horizon(every, persistence(previous, seen))
-                previous = seen
+                lasts = pricing.horizon(seen, seen.share(
+                    {a.id: current.get(a.id, a.host) for a in seen.agents}))
                 plan = replan_plan(seen, current, HOSTS, max_moves=max_moves, balance=1.1,
                                    move_bytes=move_bytes, horizon=lasts)
+                pricing.planned(plan.before, plan.share, len(plan.moves))
             except kvcomm.KVCommError as e:
                 rounds.append({"t": t_r - start_at, "moves": 0, "skipped": str(e)})
                 continue
@@ -447,7 +448,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
                            "plan_s": time.monotonic() - t_r,
                            "observe_bytes": observer.store.wire.sent
                            + observer.store.wire.received - w0,
-                           "horizon_s": lasts,
+                           "horizon_s": lasts, "realized": pricing.factor,
                            "move_cost_reads": move_cost_reads(seen, move_bytes, lasts),
                            "before": plan.before, "predicted": plan.share})
         observer.close()

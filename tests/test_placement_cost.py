@@ -16,11 +16,14 @@ from kvcomm.placement.cost import (
     FETCH_SHARE,
     MOVE_BYTES,
     READ_OVERHEAD,
+    REALIZED_FLOOR,
+    Pricing,
     bytes_per_read,
     horizon,
     move_cost_reads,
     pays,
     persistence,
+    realized,
 )
 from kvcomm.placement.graph import Agent, Edge, Graph, Plan
 from kvcomm.placement.launcher import Launcher, replan
@@ -122,6 +125,53 @@ def test_a_moves_saving_lasts_a_round_at_least_and_longer_the_more_reads_persist
 def test_bad_horizons_are_refused(args: tuple[float, float]) -> None:
     with pytest.raises(kvcomm.InvalidArgument):
         horizon(*args)
+
+
+def test_realized_is_the_observed_share_of_the_predicted_gain() -> None:
+    assert realized(0.5, 0.7, 0.6) == pytest.approx(0.5)
+    assert realized(0.5, 0.7, 0.9) == 1.0 and realized(0.5, 0.7, 0.3) == 0.0  # (clamped)
+    assert realized(0.5, 0.505, 0.6) is None  # (no gain predicted: nothing to learn)
+    assert realized(None, 0.7, 0.6) is None and realized(0.5, 0.7, None) is None
+
+
+@seed(SEED)
+@settings(max_examples=100, deadline=None)
+@given(every=positive, shares=st.lists(st.tuples(
+    st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.0, max_value=1.0),
+    st.floats(min_value=0.0, max_value=1.0), st.integers(min_value=0, max_value=3)),
+    max_size=8), edges=edge_lists)
+def test_pricing_learns_only_from_rounds_that_moved_and_stays_bounded(
+        every: float, shares: list[tuple[float, float, float, int]],
+        edges: list[tuple[str, str, float, float]]) -> None:
+    g = _graph(edges)
+    p = Pricing(every)
+    learned: list[float] = []
+    pending = None
+    prev: Graph | None = None
+    for before, predicted, now, moved in shares:
+        h = p.horizon(g, now)
+        if pending is not None and (r := realized(*pending, now)) is not None:
+            learned = (learned + [r])[-3:]
+        expect = max(REALIZED_FLOOR, sum(learned) / len(learned)) if learned else 1.0
+        assert p.factor == pytest.approx(expect)
+        assert every * REALIZED_FLOOR * (1 - 1e-12) <= h <= 8 * every * (1 + 1e-12)
+        assert h == pytest.approx(horizon(every, persistence(prev, g)) * expect)
+        prev = g
+        p.planned(before, predicted, moved)
+        pending = (before, predicted) if moved else None
+
+
+def test_pricing_prices_moves_dearer_when_their_gains_do_not_show() -> None:
+    g = _graph([("a", "b", 10.0, 1000.0)])
+    p = Pricing(4.0)
+    assert p.horizon(g, 0.0) == 4.0  # (no previous graph: one round; nothing learned)
+    p.planned(0.2, 0.6, moved=2)  # predicted +0.4 ...
+    assert p.horizon(g, 0.3) == pytest.approx(8 * 4.0 * 0.25)  # ... +0.1 seen: a quarter
+    p.planned(0.3, 0.5, moved=0)  # (no moves: nothing to learn next round)
+    assert p.factor == pytest.approx(0.25)
+    assert p.horizon(g, 0.0) == pytest.approx(8 * 4.0 * 0.25)
+    p.planned(0.3, 0.5, moved=1)
+    assert p.horizon(g, 0.1) == pytest.approx(8 * 4.0 * 0.125)  # (mean of 0.25 and 0.0)
 
 
 def _pairs(hosts: dict[str, str]) -> Graph:

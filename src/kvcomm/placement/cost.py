@@ -1,12 +1,15 @@
 """What a re-planning move costs in L3 bytes, and when it pays for itself.
 
-A move is not free: the agent stops on one host and starts on another, and the new
-process's client opens its own L3 (Redis Cluster) client at its first L2 miss — which
-is at once, since it reads its own state back and its new host holds few of the keys it
-reads. Measured on the 3-host dev cluster (Redis 7.0, redis-py's cluster client; see
-``bench/bench_placement.py``): the cluster client's start-up is about 92 kB (``COMMAND``:
-~90 kB of command table, ``CLUSTER SLOTS``, a ``HELLO`` per node), and the moved agent's
-first reads from L3 on its new host a few kB more; MOVE_BYTES rounds that to 100 kB.
+A move is not free: the agent stops on one host and starts on another, and every
+client opens its own L3 (Redis Cluster) client at its first L2 miss, whose start-up is
+about 92 kB (measured on the 3-host dev cluster, Redis 7.0: 90.2 kB of it the reply to
+redis-py's ``COMMAND``, the rest ``CLUSTER SLOTS`` and a ``HELLO`` per node;
+``bench/bench_placement.py --move-cost-only``). The move itself (a client closed on one
+host, opened on another that holds what it reads) costs next to nothing; the start-up
+comes at the moved agent's first miss, or at its neighbours' (a key their host no
+longer, or does not yet, hold): in a 20-s swarm bench run, the agents of the two
+re-planning placements opened 14 and 15 L3 clients, the one-shot plan's 7. MOVE_BYTES
+rounds one start-up up to 100 kB.
 
 What a move saves: every read per second of another agent's key whose writer is on
 another host costs L3 traffic — the reader's host fetches the changes of the key it
@@ -23,7 +26,13 @@ round, longer when the observed reads persist from round to round (:func:`horizo
 
 So a move pays when ``r x per_read x horizon >= move_bytes``: :func:`move_cost_reads`
 turns that into the planner's unit (``make_plan(move_cost=...)``: reads per second a
-move must win). Pure functions: no clock, no I/O.
+move must win).
+
+The planner's gain is a prediction, and on a drifting workload only part of it shows:
+measured on the swarm bench, a round predicting 53→72% was followed by ~59% observed.
+:class:`Pricing` (what the launcher's loop keeps between rounds) scales the horizon by
+the share of the last rounds' predicted gains that the next round's graph showed
+(:func:`realized`), all from observed traffic. Pure functions: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -114,3 +123,67 @@ def pays(gain_reads: float, per_read: float, horizon: float, move_bytes: float) 
 def _check(name: str, v: float) -> None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
         raise InvalidArgument(f"{name} must be a finite number >= 0, got {v!r}")
+
+
+MIN_PREDICTED_GAIN = 0.01  # a round's predicted share gain below this tells nothing
+REALIZED_FLOOR = 0.1  # the realized share never prices moves at more than 10x the model
+REALIZED_KEEP = 3  # rounds whose realized share is averaged
+
+
+def realized(before: float | None, predicted: float | None, now: float | None) -> float | None:
+    """The share of a round's predicted gain that the next round observed: the same-host
+    share of cross-agent reads went from ``before`` to ``predicted`` in the plan, and is
+    ``now`` on the next round's graph under the placement the moves made; ``(now -
+    before) / (predicted - before)`` within 0..1. None when a share is unknown or the
+    round predicted less than MIN_PREDICTED_GAIN (nothing to learn from)."""
+    if before is None or predicted is None or now is None:
+        return None
+    gain = predicted - before
+    if not gain >= MIN_PREDICTED_GAIN:
+        return None
+    return min(1.0, max(0.0, (now - before) / gain))
+
+
+class Pricing:
+    """What a re-planning loop learns between rounds to price moves, from the observed
+    graphs only: how long reads persist (:func:`persistence` of the previous graph, the
+    :func:`horizon`), and how much of what the planner predicted was then observed
+    (:func:`realized`, the mean of the last REALIZED_KEEP rounds that moved agents, 1.0
+    before any: the model is trusted until measured; at least REALIZED_FLOOR). A move is
+    priced over the horizon times that share (:meth:`horizon`): when the plans' gains
+    show up only in part — the reads drift within the round, readers on one host share
+    what a move saves — moves must win more. ``every``: seconds between rounds."""
+
+    def __init__(self, every: float, max_rounds: float = MAX_HORIZON_ROUNDS) -> None:
+        horizon(every, 0.0, max_rounds)  # (validates)
+        self.every, self.max_rounds = every, max_rounds
+        self.previous: Graph | None = None
+        self.pending: tuple[float | None, float | None] | None = None  # (before, predicted)
+        self.seen: list[float] = []  # the last realized shares
+
+    @property
+    def factor(self) -> float:
+        """The mean realized share of the recent rounds' predictions (1.0: none yet)."""
+        if not self.seen:
+            return 1.0
+        return max(REALIZED_FLOOR, math.fsum(self.seen) / len(self.seen))
+
+    def horizon(self, graph: Graph, now_share: float | None) -> float:
+        """The seconds over which this round prices a move: the :func:`horizon` of the
+        reads' persistence since the previous graph, times :attr:`factor` after
+        learning from ``now_share`` (the same-host share of ``graph``'s reads under the
+        placement the agents have now, the previous round's moves made). Returns it;
+        ``graph`` becomes the previous graph."""
+        if self.pending is not None:
+            r = realized(*self.pending, now_share)
+            if r is not None:
+                self.seen = (self.seen + [r])[-REALIZED_KEEP:]
+            self.pending = None
+        lasts = horizon(self.every, persistence(self.previous, graph), self.max_rounds)
+        self.previous = graph
+        return lasts * self.factor
+
+    def planned(self, before: float | None, predicted: float | None, moved: int) -> None:
+        """Record a round's plan (its shares, and how many agents it moved): a round that
+        moved agents is measured against the next round's graph."""
+        self.pending = (before, predicted) if moved else None

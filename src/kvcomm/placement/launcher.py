@@ -25,9 +25,10 @@ every ``every`` seconds it observes the time since its previous round (an
 plans incrementally from where the agents run now with at most ``max_moves`` moves
 (:func:`replan`: ``make_plan(..., max_moves=M)`` on the observed graph with the hosts the
 launcher knows), and moves the agents that plan moves (stop on the old host, start on the
-new). A move costs L3 traffic (the new process opens its L3 client and reads its state
-back: :mod:`~kvcomm.placement.cost`), so a move is made only when the cross-host reads
-it turns same-host save more bytes than that before the next round. The bench
+new). A move costs L3 traffic (a new client opens its L3 client at its first L2 miss,
+~92 kB: :mod:`~kvcomm.placement.cost`), so a move is made only when the cross-host reads
+it turns same-host save more bytes than that for as long as they last (at least until
+the next round; longer as far as the observed reads persist). The bench
 (``bench/bench_placement.py``, "replanned") applies the same rounds to its in-process
 agents.
 """
@@ -63,9 +64,11 @@ def replan(graph: Graph, current: Mapping[str, str], hosts: Sequence[str], *, ma
     and the current :func:`imbalance` times the mean. ``planner`` is ``make_plan`` (the
     default; a test may pass its own). ``move_bytes`` > 0: what a move costs in L3 bytes
     (:data:`~kvcomm.placement.cost.MOVE_BYTES` measured): a move is made only when the
-    reads it turns same-host save that over ``horizon`` seconds (the time until the next
-    round), i.e. ``move_cost`` is raised to :func:`~kvcomm.placement.cost.move_cost_reads`
-    of the graph. Returns the Plan. Raises what ``make_plan`` raises (InvalidArgument:
+    reads it turns same-host save that over ``horizon`` seconds (how long the saving
+    lasts: the launcher's loop gives :func:`~kvcomm.placement.cost.horizon`), i.e.
+    ``move_cost`` is raised to :func:`~kvcomm.placement.cost.move_cost_reads` of the
+    graph. The defaults (``move_bytes`` 0) make moves free, as ``make_plan``'s.
+    Returns the Plan. Raises what ``make_plan`` raises (InvalidArgument:
     bad arguments, a placement ``max_moves`` cannot balance; ConfigError: no networkx),
     and InvalidArgument for a bad ``move_bytes`` or ``horizon``."""
     from .cost import move_cost_reads
@@ -229,8 +232,10 @@ class Launcher:
         :data:`~kvcomm.placement.cost.MOVE_BYTES`: a move's L3 bytes, weighed against
         the bytes of the cross-host reads it saves over
         :func:`~kvcomm.placement.cost.horizon`: until the next round, longer as far as
-        the observed reads persisted from the previous round; 0: moves are free), and
-        :meth:`move` them.
+        the observed reads persisted from the previous round, shorter as far as the
+        last rounds' predicted gains were not observed after their moves,
+        :class:`~kvcomm.placement.cost.Pricing`; 0: moves are free), and :meth:`move`
+        them.
 
         Observing: by default (``observe`` None) an
         :class:`~kvcomm.placement.observe.Observer` of this launcher's hosts (one L3
@@ -280,11 +285,11 @@ class Launcher:
                 planner: Callable[..., Plan] | None,
                 clock: Callable[[], float], sleep: Callable[[float], None],
                 on_round: Callable[[Round], None] | None) -> list[Round]:
-        from .cost import horizon, persistence
+        from .cost import Pricing
 
         rounds: list[Round] = []
         due = clock() + every
-        previous: Graph | None = None
+        pricing = Pricing(every)
         while self.alive():
             # (an observer with a read from the previous round observes since then)
             lead = 0.0 if observer is not None and observer.last is not None else window
@@ -301,14 +306,15 @@ class Launcher:
                 current = self.alive()
                 if not current:
                     break
-                # (a move's saving lasts as long as the reads it serves: longer when
-                # they persisted since the last round)
-                lasts = horizon(every, persistence(previous, graph))
-                previous = graph
+                # (a move's saving lasts as long as the reads it serves, and is what the
+                # last rounds' plans turned out to be worth: cost.Pricing)
+                lasts = pricing.horizon(graph, graph.share(
+                    {a.id: current.get(a.id, a.host) for a in graph.agents}))
                 plan = replan(graph, current, list(self.configs), max_moves=max_moves,
                               balance=balance, move_cost=move_cost, planner=planner,
                               move_bytes=move_bytes, horizon=lasts)
                 done = set(self.move(plan.moves, command, log_dir))
+                pricing.planned(plan.before, plan.share, len(done))
                 r = Round(clock(), tuple(m for m in plan.moves if m.agent in done),
                           plan.before, plan.share)
             except KVCommError as e:
