@@ -27,7 +27,8 @@ observe the time since the previous round (``observe.Observer``: every host's sn
 read once a round; the first round the last S - 1 seconds), ``replan`` from where the
 agents run with at most M moves, each of which must save its ``--move-bytes`` (default
 ``placement.cost.MOVE_BYTES``) in cross-host reads' L3 bytes over the horizon the
-observed reads' persistence gives (``placement.cost``), move them: the old host's
+observed reads' persistence and the last plans' realized gains give
+(``placement.cost.Pricing``), move them: the old host's
 process closes the agent's client, the new host's opens one, which first reads the
 agent's own state back; the rounds' and the moves' L3 traffic is in the measured bytes;
 moves per minute, what observing cost a round, the moved clients' own L3 traffic and the

@@ -261,3 +261,49 @@ def test_the_observer_reads_each_snapshot_once_a_round(ns: str) -> None:
                 == [("r", "w")]  # (since the start, the reads are there)
         finally:
             obs.close()
+
+
+def test_the_replan_loops_observer_reads_every_snapshot_once_a_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the launcher's default observing (no observe given): the first round reads before
+    # and after its window, every later round once, its graph since the previous read
+    from kvcomm.placement import observe as observe_mod
+
+    cfg = kvcomm.Config.from_mapping({"cache": SMALL["cache"]})  # (embedded: no L3)
+    now = [0.0]
+    reads: list[float] = []
+    waits: list[float] = []
+
+    def snapshots(config: Any, namespace: Any, l3: Any, hosts: Any = None) -> list[Any]:
+        reads.append(now[0])
+        t = now[0]
+        return [{"f": 1, "host": "h1", "t": t, "reports": [
+            {"agent": a, "host": "h1", "id": f"{a}.1", "pid": 1, "since": -100.0, "t": t,
+             "ops": int(10 * (t + 100)), "edges": {b: [int(10 * (t + 100)), 0]},
+             "dropped": 0, "unknown": 0} for a, b in (("a", "b"), ("b", "a"))]}]
+
+    def sleep(s: float) -> None:
+        waits.append(s)
+        now[0] += s
+
+    monkeypatch.setattr(observe_mod, "_snapshots", snapshots)
+    launcher = Launcher({"h1": "/c/h1.yaml", "h2": "/c/h2.yaml"})
+    left = [3]
+    launcher.alive = lambda: {"a": "h1", "b": "h2"} if left[0] > 0 else {}  # type: ignore[method-assign]
+    graphs: list[Graph] = []
+
+    def planner(graph: Graph, hosts: list[str], **kw: Any) -> Plan:
+        graphs.append(graph)
+        return Plan({a.id: a.host or "h1" for a in graph.agents}, (), None, None)
+
+    def on_round(r: Any) -> None:
+        left[0] -= 1
+
+    rounds = launcher.replan_loop(cfg, ["true"], every=4, window=3, max_moves=1,
+                                  planner=planner, clock=lambda: now[0], sleep=sleep,
+                                  on_round=on_round)
+    assert len(rounds) == 3 and not any(r.skipped for r in rounds)
+    assert reads == [1.0, 4.0, 8.0, 12.0]  # (1 + 3 s window; then once every 4 s)
+    assert waits == [1.0, 3.0, 4.0, 4.0]
+    # each graph's rates are over its own window: 10 reads/s whatever its length
+    assert [[e.reads_per_s for e in g.edges] for g in graphs] == [[10.0, 10.0]] * 3
