@@ -1,8 +1,10 @@
 """Affinity placement, measured: what putting agents that share state on one host changes.
 
     python bench/bench_placement.py [--quick] [--seconds S] [--json FILE] [--plot FILE.png]
-                                    [--replan-every S] [--max-moves M] [--workloads swarm]
+                                    [--replan-every S] [--max-moves M] [--move-bytes B]
+                                    [--workloads swarm] [--placements random,planned,...]
     python bench/bench_placement.py --probe-only             # only the visibility probe
+    python bench/bench_placement.py --move-cost-only         # what a move's pieces cost
     python bench/bench_placement.py --replot FILE.json --plot FILE.png
 
 A 3-host dev cluster (a real Redis Cluster and one node daemon per host, on this
@@ -21,10 +23,18 @@ last seconds, ``kvcomm placement plan --balance 1.1``; then the measured run, wh
 continues the workload where the observed run stopped: the plan only saw the past), and
 **replanned** (the planned start, then every ``--replan-every`` seconds what
 ``kvcomm placement launch --replan-every S --max-moves M`` does, ``Launcher.replan_loop``:
-observe the last S - 1 seconds, ``replan`` from where the agents run with at most M moves,
-move them: the old host's process closes the agent's client, the new host's opens one,
-which first reads the agent's own state back; the rounds' and the moves' L3 traffic is
-in the measured bytes; moves per minute are reported).
+observe the time since the previous round (``observe.Observer``: every host's snapshot
+read once a round; the first round the last S - 1 seconds), ``replan`` from where the
+agents run with at most M moves, each of which must save its ``--move-bytes`` (default
+``placement.cost.MOVE_BYTES``) in cross-host reads' L3 bytes over the horizon the
+observed reads' persistence and the last plans' realized gains give
+(``placement.cost.Pricing``), move them: the old host's
+process closes the agent's client, the new host's opens one, which first reads the
+agent's own state back; the rounds' and the moves' L3 traffic is in the measured bytes;
+moves per minute, what observing cost a round, the moved clients' own L3 traffic and the
+Redis commands per second it adds to planned's are reported). **replanned-free**
+(``--placements``; not run by default): the same with moves that cost nothing, the
+re-planner before it weighed them.
 Every agent runs as its own client (``kvcomm.open(config=host's, agent=name)``); the
 agents of one host share one process (a tick loop over them).
 
@@ -75,8 +85,9 @@ from typing import Any
 import kvcomm
 from kvcomm import devcluster
 from kvcomm.config import load_config
+from kvcomm.placement.cost import MOVE_BYTES, Pricing, move_cost_reads
 from kvcomm.placement.launcher import replan as replan_plan
-from kvcomm.placement.observe import observe
+from kvcomm.placement.observe import Observer, observe
 from kvcomm.placement.plan import make_plan
 
 CTX = mp.get_context("fork")
@@ -85,7 +96,8 @@ RATE = 20.0  # ticks per second
 WARMUP = 2.0  # seconds of each run left out of the figures
 SLACK = 10.0  # seconds the observed run goes on after observe's window (a loaded machine)
 VALUE = 256  # bytes of an agent's state
-NAMES = ("random", "round-robin", "planned", "replanned")
+NAMES = ("random", "round-robin", "planned", "replanned", "replanned-free")
+DEFAULT_NAMES = NAMES[:4]  # (replanned-free: --placements; the replanner before moves had a cost)
 KINDS = ("swarm", "warehouse")
 _HEAD = struct.Struct("<Q")
 
@@ -190,6 +202,18 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
     instance = dict.fromkeys(clients, 0)
     seen_epoch = epoch.value
     moved_in = 0
+    # a moved-in client's own L3 traffic (bytes its L3 client sent and received, and
+    # whether it opened one at all: it does at its first L2 miss). (A peek at the
+    # client's private L3 adapter: the bench's diagnosis of what a move costs.)
+    moved_wire: list[tuple[int, int]] = []
+    # every agent's own L3 traffic over the measured window (from the end of the warm-up):
+    # [L3 clients opened, bytes], clients closed since added at their close
+    base: tuple[int, int] | None = None
+    closed = [0, 0]
+
+    def wire_of(kv: Any) -> tuple[int, int]:
+        l3 = getattr(kv, "_l3", None)
+        return (0, 0) if l3 is None else (1, l3.wire.sent + l3.wire.received)
     for i, kv in clients.items():
         kv.put(key[i], _HEAD.pack(0) + pad)
     barrier.wait(60)
@@ -209,6 +233,10 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                 for i in [i for i in clients if host_of[i] != me]:
                     kv = clients.pop(i)
                     stats[f"{names[i]}#{me}.{instance[i]}"] = kv.stats()
+                    if instance[i] > 0:
+                        moved_wire.append(wire_of(kv))
+                    closed[0] += wire_of(kv)[0]
+                    closed[1] += wire_of(kv)[1]
                     kv.close()
                 for i in range(model.n):
                     if host_of[i] == me and i not in clients:
@@ -216,6 +244,9 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                         clients[i] = kvcomm.open(config=config, agent=names[i])
                         clients[i].get(key[i])  # (its own state: where it was)
                         moved_in += 1
+            if k == int(WARMUP * RATE):
+                now = [wire_of(kv) for kv in clients.values()]
+                base = (sum(o for o, _ in now), sum(b for _, b in now))
             reads = model.tick(t_model0 + k * period)
             for i, kv in clients.items():
                 kv.put(key[i], _HEAD.pack(k + 1) + pad)
@@ -231,6 +262,11 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
                     r_writer.append(j)
                     r_seq.append(-1 if v is None else _HEAD.unpack_from(v)[0])
         stats.update({f"{names[i]}#{me}.{instance[i]}": kv.stats() for i, kv in clients.items()})
+        moved_wire.extend(wire_of(kv) for i, kv in clients.items() if instance[i] > 0)
+        now = [wire_of(kv) for kv in clients.values()]
+        if base is not None:
+            stats["_agents_l3"] = [closed[0] + sum(o for o, _ in now) - base[0],
+                                   closed[1] + sum(b for _, b in now) - base[1]]
     finally:
         for kv in clients.values():
             kv.close()
@@ -238,7 +274,7 @@ def host_worker(kind: str, run: str, config: str, me: int, host_of: Any, epoch: 
         json.dump({"start": start_at, "end": time.monotonic(),
                    "w": [w_agent.tolist(), w_seq.tolist(), w_t.tolist()],
                    "r": [r_t.tolist(), r_reader.tolist(), r_writer.tolist(), r_seq.tolist()],
-                   "stats": stats, "moved_in": moved_in}, f)
+                   "stats": stats, "moved_in": moved_in, "moved_wire": moved_wire}, f)
 
 
 # ---------------------------------------------------------------- one run
@@ -295,6 +331,23 @@ def hints_sent(dev: dict[str, Any]) -> int:
     return n
 
 
+def command_calls(dev: dict[str, Any]) -> dict[str, int]:
+    """Calls so far of each Redis command, summed over every node (INFO commandstats)."""
+    import redis
+
+    out: dict[str, int] = {}
+    for addr in dev["redis"]:
+        host, _, port = addr.rpartition(":")
+        r = redis.Redis(host=host, port=int(port))
+        try:
+            for name, st in r.info("commandstats").items():
+                out[name.removeprefix("cmdstat_")] = out.get(name.removeprefix("cmdstat_"), 0) \
+                    + int(st.get("calls", 0))
+        finally:
+            r.close()
+    return out
+
+
 def changes_stored(dev: dict[str, Any]) -> int:
     """Changes L3 stored so far: the sum of every group's sequence number (one per change
     stored; hints are no count of them: a pipeline's pushes of one group may share one)."""
@@ -319,7 +372,7 @@ def hint_bytes() -> int:
 
 def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model0: float,
              seconds: float, work: Path, tag: str, observe_last: float = 0.0,
-             replan: tuple[float, int] | None = None) -> dict[str, Any]:
+             replan: tuple[float, int, float] | None = None) -> dict[str, Any]:
     """One run of ``kind`` with ``assignment`` (agent → host); its figures, and with
     ``observe_last`` the graph observed over the run's last seconds. With ``replan``
     (every S seconds, at most M moves), the run is re-placed as the example launcher's
@@ -347,6 +400,7 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     # (the bench's own calls first: changes_stored opens a cluster client, and its setup
     # and reads are the bench's bytes, not KVCOMM's; b1 is read before theirs at the end)
     d0, h0, s0 = daemon_bytes(dev), hints_sent(dev), changes_stored(dev)
+    c0 = command_calls(dev)
     b0 = redis_bytes(dev)
     t_b0 = time.monotonic()
     if observe_last:  # (ending well before the agents stop: reports go when they close)
@@ -356,26 +410,35 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     timeline: list[tuple[int, dict[str, str]]] = [(0, dict(assignment))]
     rounds: list[dict[str, Any]] = []
     if replan is not None:
-        every, max_moves = replan
+        every, max_moves, move_bytes = replan
         window = max(1.0, every - 1.0)
         current = dict(assignment)
         cfg = load_config(configs["host-1"])
-        from kvcomm.tiers.l3 import L3Store
-
-        store = L3Store.from_config(cfg.cluster)  # (one for every round, as the launcher)
+        # (one store for every round, as the launcher; each round reads every host's
+        # snapshot once: the launcher's Observer, its window the time since the last round)
+        observer = Observer(cfg, hosts=HOSTS)
+        pricing = Pricing(every)
         due = time.monotonic() + every
         # (the launcher's loop, with the bench's agents: a move sets host_of, and the
         # hosts' tick loops close and open the agents at their next tick)
         while due <= start_at + seconds - 0.5:
-            time.sleep(max(0.0, due - window - time.monotonic()))
+            lead = 0.0 if observer.last is not None else window
+            time.sleep(max(0.0, due - lead - time.monotonic()))
             due += every
             t_r = time.monotonic()
+            w0 = (observer.store.wire.sent + observer.store.wire.received
+                  if observer.store is not None else 0)
             try:
-                seen = observe(cfg, window, hosts=HOSTS, store=store)
-                plan = replan_plan(seen, current, HOSTS, max_moves=max_moves, balance=1.1)
+                seen = observer.graph(window)
+                lasts = pricing.horizon(seen, seen.share(
+                    {a.id: current.get(a.id, a.host) for a in seen.agents}))
+                plan = replan_plan(seen, current, HOSTS, max_moves=max_moves, balance=1.1,
+                                   move_bytes=move_bytes, horizon=lasts)
+                pricing.planned(plan.before, plan.share, len(plan.moves))
             except kvcomm.KVCommError as e:
                 rounds.append({"t": t_r - start_at, "moves": 0, "skipped": str(e)})
                 continue
+            assert observer.store is not None
             for m in plan.moves:
                 current[m.agent] = m.target
                 host_of[model.agents.index(m.agent)] = HOSTS.index(m.target)
@@ -384,12 +447,17 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
                 timeline.append((time.monotonic_ns(), dict(current)))
             rounds.append({"t": t_r - start_at, "moves": len(plan.moves),
                            "plan_s": time.monotonic() - t_r,
+                           "observe_bytes": observer.store.wire.sent
+                           + observer.store.wire.received - w0,
+                           "horizon_s": lasts, "realized": pricing.factor,
+                           "move_cost_reads": move_cost_reads(seen, move_bytes, lasts),
                            "before": plan.before, "predicted": plan.share})
-        store.close()
+        observer.close()
     while time.monotonic() < start_at + seconds:
         time.sleep(0.01)
     b1 = redis_bytes(dev)
     d1, h1, s1 = daemon_bytes(dev), hints_sent(dev), changes_stored(dev)
+    c1 = command_calls(dev)
     t_b1 = time.monotonic()
     for p in procs:
         p.join(120)
@@ -400,6 +468,12 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     figures["moves"] = sum(r["moves"] for r in rounds)
     figures["moves_per_min"] = figures["moves"] / (seconds - WARMUP) * 60
     figures["moved_in"] = sum(log.get("moved_in", 0) for log in logs)
+    moved_wire = [w for log in logs for w in log.get("moved_wire", [])]
+    figures["moved_l3_opened"] = sum(o for o, _ in moved_wire)
+    figures["moved_l3_bytes"] = sum(b for _, b in moved_wire)
+    own = [log["stats"].get("_agents_l3", [0, 0]) for log in logs]
+    figures["agents_l3_opened"] = sum(o for o, _ in own)  # (in the measured window)
+    figures["agents_l3_bytes_per_s"] = sum(b for _, b in own) / (t_b1 - t_b0)
     figures["l3_bytes_per_s"] = (b1[0] - b0[0]) / (t_b1 - t_b0)
     figures["repl_bytes_per_s"] = (b1[1] - b0[1]) / (t_b1 - t_b0)
     # where the bytes go: the daemons' own count by purpose (Redis in = sent, out =
@@ -419,6 +493,8 @@ def run_once(dev: dict[str, Any], kind: str, assignment: dict[str, str], t_model
     figures["hints_per_s"] = (h1 - h0) / (t_b1 - t_b0)
     figures["l3_bytes_per_store"] = (b1[0] - b0[0]) / max(1, s1 - s0)
     figures["graph"] = graph
+    figures["calls_per_s"] = {k: (v - c0.get(k, 0)) / (t_b1 - t_b0) for k, v in c1.items()
+                              if v != c0.get(k, 0)}
     return figures
 
 
@@ -454,8 +530,9 @@ def analyse(model: Swarm | Warehouse, timeline: list[tuple[int, dict[str, str]]]
             age = t - nxt if nxt is not None and nxt <= t else 0
             stale["all"].append(age)
             stale[cls].append(age)
-    l3_reads = sum(st["l3"]["reads"] for log in logs for st in log["stats"].values())
-    l2 = [st["l2"] for log in logs for st in log["stats"].values()]
+    clients = [st for log in logs for name, st in log["stats"].items() if name != "_agents_l3"]
+    l3_reads = sum(st["l3"]["reads"] for st in clients)
+    l2 = [st["l2"] for st in clients]
     hits, misses = sum(x["hits"] for x in l2), sum(x["misses"] for x in l2)
     out: dict[str, Any] = {
         "reads": reads, "same_host_share": same / reads if reads else float("nan"),
@@ -481,7 +558,8 @@ def placements(model: Swarm | Warehouse, seed: int) -> dict[str, dict[str, str]]
 
 
 def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, work: Path,
-             seed: int, replan: tuple[float, int]) -> dict[str, Any]:
+             seed: int, replan: tuple[float, int, float],
+             names: Sequence[str] = DEFAULT_NAMES) -> dict[str, Any]:
     model = workload(kind)
     rows: dict[str, Any] = {}
     places = placements(model, seed)
@@ -493,18 +571,26 @@ def scenario(dev: dict[str, Any], kind: str, seconds: float, observe_s: float, w
     plan = make_plan(graph, HOSTS, balance=1.1)
     places["planned"] = {a: plan.assignment.get(a, places["round-robin"][a]) for a in model.agents}
     t0 = observed_run  # the measured runs continue the workload from there
-    places["replanned"] = places["planned"]  # (the planned start, re-placed as it runs)
-    for name in NAMES:
+    # (the planned start, re-placed as it runs; -free: moves cost nothing, as before
+    # the replanner weighed them)
+    places["replanned"] = places["replanned-free"] = places["planned"]
+    free = (replan[0], replan[1], 0.0)
+    for name in [n for n in NAMES if n in names]:
         print(f"  {kind}: {name} ...", file=sys.stderr, flush=True)
         fig = run_once(dev, kind, places[name], t0, seconds, work, f"{kind}-{name}",
-                       replan=replan if name == "replanned" else None)
+                       replan=replan if name == "replanned" else
+                       free if name == "replanned-free" else None)
         fig.pop("graph")
         rows[name] = fig
-    rows["planned"]["predicted_share"] = plan.share
-    rows["planned"]["observed_before"] = plan.before
-    rows["planned"]["moves_from_round_robin"] = len(plan.moves)
-    rows["replanned"]["replan_every_s"], rows["replanned"]["max_moves"] = replan
-    rows["round-robin"]["observed_share"] = obs_run["same_host_share"]
+        if name == "planned":
+            fig["predicted_share"] = plan.share
+            fig["observed_before"] = plan.before
+            fig["moves_from_round_robin"] = len(plan.moves)
+        if name.startswith("replanned"):
+            fig["replan_every_s"], fig["max_moves"], fig["move_bytes"] = \
+                replan if name == "replanned" else free
+        if name == "round-robin":
+            fig["observed_share"] = obs_run["same_host_share"]
     return rows
 
 
@@ -593,6 +679,38 @@ def visibility(dev: dict[str, Any], n: int) -> dict[str, Any]:
     return res
 
 
+# ---------------------------------------------------------------- what a move costs
+
+
+def move_cost_probe(dev: dict[str, Any]) -> dict[str, Any]:
+    """What a move's pieces cost in L3 bytes, each counted by its own L3 client (the
+    bytes its sockets sent and received, exactly): opening an L3 client (the cluster
+    client's start-up: COMMAND, CLUSTER SLOTS, HELLO), and a moved agent's client on its
+    new host reading its own state back when the host does not hold it (an L2 miss: it
+    opens its L3 client) and when it does (another agent of the host reads it)."""
+    from kvcomm.tiers.l3 import L3Store
+
+    configs = {h["host"]: h["config"] for h in dev["hosts"]}
+    store = L3Store.from_config(load_config(configs["host-1"]).cluster)
+    out: dict[str, Any] = {"l3_client_open": store.wire.sent + store.wire.received}
+    store.close()
+    key, held = f"probe/move/{os.getpid()}", f"probe/held/{os.getpid()}"
+    with kvcomm.open(config=configs["host-1"], agent="mover") as old, \
+            kvcomm.open(config=configs["host-2"], agent="neighbour") as nb:
+        old.put(key, b"m" * VALUE)
+        old.put(held, b"h" * VALUE)
+        end = time.monotonic() + 30
+        while nb.get(held) is None and time.monotonic() < end:  # (host-2 holds it now)
+            time.sleep(0.01)
+        for name, k in (("moved_agent_reads_unheld", key), ("moved_agent_reads_held", held)):
+            with kvcomm.open(config=configs["host-2"], agent="mover") as new:
+                got = new.get(k)
+                l3 = getattr(new, "_l3", None)
+                out[name] = 0 if l3 is None else l3.wire.sent + l3.wire.received
+                out[name + "_found"] = got is not None
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -674,7 +792,7 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     kinds = [k for k in KINDS if k in results]
     names = [n for n in NAMES if all(n in results[k] for k in kinds)]
-    colours = ["#bbbbbb", "#8899aa", "#2b7bba", "#e08a2c"][:len(names)]
+    colours = ["#bbbbbb", "#8899aa", "#2b7bba", "#e08a2c", "#d4b483"][:len(names)]
     width = 0.8 / len(names)
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     panels = [("same-host share of cross-agent reads (%)",
@@ -708,6 +826,8 @@ def main() -> int:
     ap.add_argument("--plot", help="write the plot to this PNG (needs kvcomm[plot])")
     ap.add_argument("--probe", type=int, default=300, help="writes in each visibility probe (default 300)")
     ap.add_argument("--probe-only", action="store_true", help="only the visibility probe")
+    ap.add_argument("--move-cost-only", action="store_true",
+                    help="only measure what a move's pieces cost in L3 bytes")
     ap.add_argument("--replot", metavar="JSON", help="only plot (--plot) the figures of --json's file")
     ap.add_argument("--unread-changes", type=int, default=1, metavar="N",
                     help="every host's cluster.unread_changes: a held key leaves L2 at the Nth "
@@ -717,14 +837,33 @@ def main() -> int:
                     help="the replanned placement re-plans every S seconds (default 4)")
     ap.add_argument("--max-moves", type=int, default=4, metavar="M",
                     help="... moving at most M agents a round (default 4)")
+    ap.add_argument("--move-bytes", type=float, default=MOVE_BYTES, metavar="B",
+                    help="... each move made only when it saves B L3 bytes before the next "
+                    f"round (default {MOVE_BYTES:g}: kvcomm.placement.cost.MOVE_BYTES)")
+    ap.add_argument("--placements", default=",".join(DEFAULT_NAMES),
+                    help=f"comma-separated, of {', '.join(NAMES)} (default "
+                    f"{','.join(DEFAULT_NAMES)}; random is always run: the others are "
+                    "compared with it)")
     ap.add_argument("--workloads", default=",".join(KINDS),
                     help=f"comma-separated, of {', '.join(KINDS)} (default both)")
     args = ap.parse_args()
     kinds = [k for k in args.workloads.split(",") if k]
     if not kinds or not set(kinds) <= set(KINDS):
         ap.error(f"--workloads: some of {', '.join(KINDS)}")
+    names = [n for n in NAMES if n == "random" or n in args.placements.split(",")]
+    if not set(args.placements.split(",")) <= set(NAMES):
+        ap.error(f"--placements: some of {', '.join(NAMES)}")
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), args.plot or "placement.png")
+        return 0
+    if args.move_cost_only:
+        with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
+            dev = devcluster.up(3, str(Path(d) / "dev"),
+                                cluster_settings={"unread_changes": args.unread_changes})
+            try:
+                print(json.dumps(move_cost_probe(dev)))
+            finally:
+                devcluster.down(str(Path(d) / "dev"))
         return 0
     if args.probe_only:
         with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
@@ -740,7 +879,8 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.1f}; "
           f"3 hosts, {RATE:.0f} ticks/s, {seconds:.0f} s measured per run; "
           f"cluster.unread_changes {args.unread_changes}; replanned: every "
-          f"{args.replan_every:g} s, at most {args.max_moves} moves", flush=True)
+          f"{args.replan_every:g} s, at most {args.max_moves} moves, a move "
+          f"{args.move_bytes:g} B; placements {','.join(names)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvcomm-placement-") as d:
         work = Path(d)
         dev = devcluster.up(3, str(work / "dev"),
@@ -749,7 +889,8 @@ def main() -> int:
             results: dict[str, Any] = {}
             for kind in kinds:
                 results[kind] = scenario(dev, kind, seconds, observe_s, work, args.seed,
-                                         (args.replan_every, args.max_moves))
+                                         (args.replan_every, args.max_moves,
+                                          args.move_bytes), names)
             results["visibility"] = visibility(dev, args.probe if not args.quick else 60)
         finally:
             devcluster.down(str(work / "dev"))
@@ -764,24 +905,47 @@ def main() -> int:
     for kind in kinds:
         r = results[kind]
         rnd = r["random"]
-        hits = ", ".join(f"{n} {100 * r[n]['l2_hit_rate']:.2f}%" for n in NAMES)
-        for name in ("planned", "replanned"):
+        hits = ", ".join(f"{n} {100 * r[n]['l2_hit_rate']:.2f}%" for n in NAMES if n in r)
+        for name in [n for n in NAMES[2:] if n in r]:
             pl = r[name]
             per_store = pl["l3_bytes_per_store"] / rnd["l3_bytes_per_store"]
             print(f"{kind}: L3 bytes per change stored {name}/random {per_store:.3f} "
                   f"({pl['l3_bytes_per_store']:.0f} / {rnd['l3_bytes_per_store']:.0f} B), per "
                   f"second {pl['l3_bytes_per_s'] / rnd['l3_bytes_per_s']:.3f}")
-        rp = r["replanned"]
-        rounds = rp["rounds"]
-        print(f"{kind}: replanned: {rp['moves']} moves in {len(rounds)} rounds "
-              f"({rp['moves_per_min']:.0f} a minute; "
-              f"{sum(1 for x in rounds if x.get('skipped'))} rounds skipped), predicted share "
-              "per round " + ", ".join(f"{100 * (x.get('before') or 0):.0f}→"
-                                        f"{100 * (x.get('predicted') or 0):.0f}%"
-                                        for x in rounds if not x.get("skipped"))
-              + f"; L2 hit rate {hits}")
+        for name in [n for n in NAMES[3:] if n in r]:
+            rp = r[name]
+            rounds = rp["rounds"]
+            obs = [x["observe_bytes"] for x in rounds if "observe_bytes" in x]
+            print(f"{kind}: {name}: {rp['moves']} moves in {len(rounds)} rounds "
+                  f"({rp['moves_per_min']:.0f} a minute; "
+                  f"{sum(1 for x in rounds if x.get('skipped'))} rounds skipped; observing: "
+                  f"{sum(obs) / max(1, len(obs)):.0f} B a round; a move must win "
+                  + ", ".join(f"{x['move_cost_reads']:.0f} ({x['horizon_s']:.0f} s)"
+                              for x in rounds if "move_cost_reads" in x)
+                  + " reads/s), predicted share per round "
+                  + ", ".join(f"{100 * (x.get('before') or 0):.0f}→"
+                              f"{100 * (x.get('predicted') or 0):.0f}%"
+                              for x in rounds if not x.get("skipped")))
+            print(f"{kind}: {name}: the {rp['moved_in']} moved-in clients: "
+                  f"{rp['moved_l3_opened']} opened an L3 client (at an L2 miss), "
+                  f"{rp['moved_l3_bytes'] / 1000:.0f} kB of their own L3 traffic "
+                  f"({rp['moved_l3_bytes'] / max(1, rp['moved_in']) / 1000:.1f} kB a move)")
+        if "planned" in r:  # (the Redis commands the re-planning runs add, per second)
+            base = r["planned"]["calls_per_s"]
+            for name in [n for n in NAMES[3:] if n in r]:
+                diff = {k: v - base.get(k, 0.0) for k, v in r[name]["calls_per_s"].items()}
+                top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:8]
+                print(f"{kind}: {name} - planned, Redis calls per second: "
+                      + ", ".join(f"{k} {v:+.1f}" for k, v in top))
+        print(f"{kind}: the agents' own L3 traffic (their L3 clients' bytes, from the "
+              "warm-up's end), B per change stored: " + ", ".join(
+                  f"{n} {r[n]['agents_l3_bytes_per_s'] / max(1.0, r[n]['stores_per_s']):.0f} "
+                  f"({r[n]['agents_l3_opened']} L3 clients opened)" for n in NAMES if n in r))
+        print(f"{kind}: L2 hit rate {hits}")
     for kind in kinds:
         r = results[kind]
+        if "planned" not in r or "replanned" not in r:
+            continue
         rnd, pl = r["random"], r["planned"]
         ratio = pl["same_host_share"] / rnd["same_host_share"]
         print(f"{kind}: planned/random same-host share {ratio:.2f}x; "

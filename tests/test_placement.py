@@ -567,8 +567,10 @@ def test_the_replan_loop_moves_what_each_round_plans_until_the_agents_end(
     try:
         launcher.apply(Plan({"a": "h1", "b": "h2", "c": "h1", "d": "h2"}, (), None, None), cmd)
         lines(4, "the four agents to start")
+        # (moves free: whether a move pays for its L3 bytes is test_placement_cost's)
         rounds = launcher.replan_loop("cfg", cmd, every=5, window=3, max_moves=1, balance=1.5,
-                                      observe=fake_observe, clock=lambda: now[0], sleep=sleep)
+                                      observe=fake_observe, clock=lambda: now[0], sleep=sleep,
+                                      move_bytes=0)
         # every round observes the 3 s before it is due, every 5 s
         assert [c[0] for c in calls] == [102.0, 107.0, 112.0, 117.0] and waits[0] == 2.0
         assert [len(r.moves) for r in rounds] == [1, 1, 0] and rounds[0].before == 0.0

@@ -17,6 +17,8 @@ Modules
 * :mod:`~kvcomm.placement.plan`: ``kvcomm placement plan``: hosts for agents (needs
   ``pip install 'kvcomm[placement]'``, networkx).
 * :mod:`~kvcomm.placement.launcher`: starts agents on a dev cluster's hosts by a plan.
+* :mod:`~kvcomm.placement.cost`: what a re-planning move costs in L3 bytes, and when it
+  pays for itself (the launcher's re-planning loop weighs each move with it).
 
 Importing this package loads none of them.
 """

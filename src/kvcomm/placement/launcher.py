@@ -20,16 +20,22 @@ placement launch`` is this, from the command line.
 
 Re-placing a drifting workload: who reads whom changes (a swarm's neighbourhoods drift),
 so a plan made once goes stale. :meth:`Launcher.replan_loop` re-places periodically:
-every ``every`` seconds it observes the last ``window`` seconds (``observe``), plans
-incrementally from where the agents run now with at most ``max_moves`` moves
+every ``every`` seconds it observes the time since its previous round (an
+:class:`~kvcomm.placement.observe.Observer`: every host's snapshot read once a round),
+plans incrementally from where the agents run now with at most ``max_moves`` moves
 (:func:`replan`: ``make_plan(..., max_moves=M)`` on the observed graph with the hosts the
 launcher knows), and moves the agents that plan moves (stop on the old host, start on the
-new). The bench (``bench/bench_placement.py``, "replanned") applies the same rounds to
-its in-process agents.
+new). A move costs L3 traffic (a new client opens its L3 client at its first L2 miss,
+~92 kB: :mod:`~kvcomm.placement.cost`), so a move is made only when the cross-host reads
+it turns same-host save more bytes than that for as long as they last (at least until
+the next round; longer as far as the observed reads persist). The bench
+(``bench/bench_placement.py``, "replanned") applies the same rounds to its in-process
+agents.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -49,23 +55,35 @@ _FIELD = re.compile(r"\{(agent|host|config)\}")
 
 def replan(graph: Graph, current: Mapping[str, str], hosts: Sequence[str], *, max_moves: int,
            balance: float = 1.1, move_cost: float = 0.0,
-           planner: Callable[..., Plan] | None = None) -> Plan:
+           planner: Callable[..., Plan] | None = None, move_bytes: float = 0.0,
+           horizon: float = 4.0) -> Plan:
     """The incremental plan for ``graph`` from ``current`` (agent → the host it runs on
     now, as the launcher knows it: it wins over the graph's host, which is where the agent
     did most of its operations over the observed window, so may be the one it just left).
     At most ``max_moves`` agents move; every host's load within the larger of ``balance``
     and the current :func:`imbalance` times the mean. ``planner`` is ``make_plan`` (the
-    default; a test may pass its own). Returns the Plan. Raises what ``make_plan`` raises
-    (InvalidArgument: bad arguments, a placement ``max_moves`` cannot balance; ConfigError:
-    no networkx)."""
+    default; a test may pass its own). ``move_bytes`` > 0: what a move costs in L3 bytes
+    (:data:`~kvcomm.placement.cost.MOVE_BYTES` measured): a move is made only when the
+    reads it turns same-host save that over ``horizon`` seconds (how long the saving
+    lasts: the launcher's loop gives :func:`~kvcomm.placement.cost.horizon`), i.e.
+    ``move_cost`` is raised to :func:`~kvcomm.placement.cost.move_cost_reads` of the
+    graph. The defaults (``move_bytes`` 0) make moves free, as ``make_plan``'s.
+    Returns the Plan. Raises what ``make_plan`` raises (InvalidArgument:
+    bad arguments, a placement ``max_moves`` cannot balance; ConfigError: no networkx),
+    and InvalidArgument for a bad ``move_bytes`` or ``horizon``."""
+    from .cost import move_cost_reads
+
     if planner is None:
         from .plan import make_plan
 
         planner = make_plan
     agents = tuple(replace(a, host=current.get(a.id, a.host)) for a in graph.agents)
+    by_bytes = move_cost_reads(graph, move_bytes, horizon)
+    if math.isinf(by_bytes):  # (reads that cost nothing: no move can pay)
+        max_moves, by_bytes = 0, 0.0
     return planner(Graph(agents, graph.edges), hosts,
                    balance=max(balance, imbalance(agents, hosts)), max_moves=max_moves,
-                   move_cost=move_cost)
+                   move_cost=max(move_cost, by_bytes))
 
 
 def imbalance(agents: Sequence[Agent], hosts: Sequence[str]) -> float:
@@ -206,65 +224,97 @@ class Launcher:
                     planner: Callable[..., Plan] | None = None,
                     clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep,
-                    on_round: Callable[[Round], None] | None = None) -> list[Round]:
-        """Re-place the running agents every ``every`` seconds until none runs: observe the
-        last ``window`` seconds (default: ``every`` less one second, at least one second)
-        with ``observe(config, window)`` (default: :func:`~kvcomm.placement.observe.observe`
-        of this launcher's hosts, with one L3 client kept for every round), :func:`replan`
-        from where they run with at most ``max_moves`` moves, and
-        :meth:`move` them. A round whose observation or plan fails (InvalidArgument, e.g.
-        a balance the budget cannot restore; Unavailable: L3 down) moves nothing and is
-        recorded with ``skipped``; the loop goes on. Returns the rounds (each also given to
+                    on_round: Callable[[Round], None] | None = None,
+                    move_bytes: float | None = None) -> list[Round]:
+        """Re-place the running agents every ``every`` seconds until none runs: observe,
+        :func:`replan` from where they run with at most ``max_moves`` moves, each of which
+        must pay for itself (``move_bytes``, default
+        :data:`~kvcomm.placement.cost.MOVE_BYTES`: a move's L3 bytes, weighed against
+        the bytes of the cross-host reads it saves over
+        :func:`~kvcomm.placement.cost.horizon`: until the next round, longer as far as
+        the observed reads persisted from the previous round, shorter as far as the
+        last rounds' predicted gains were not observed after their moves,
+        :class:`~kvcomm.placement.cost.Pricing`; 0: moves are free), and :meth:`move`
+        them.
+
+        Observing: by default (``observe`` None) an
+        :class:`~kvcomm.placement.observe.Observer` of this launcher's hosts (one L3
+        client kept for every round) reads every host's snapshot once a round, so a
+        round's graph covers the ``every`` seconds since the previous round's read (the
+        first round's: the last ``window`` seconds). A given ``observe(config, window)``
+        is called each round for the last ``window`` seconds (default: ``every`` less
+        one second, at least one second).
+
+        A round whose observation or plan fails (InvalidArgument, e.g. a balance the
+        budget cannot restore; Unavailable: L3 down) moves nothing and is recorded with
+        ``skipped``; the loop goes on. Returns the rounds (each also given to
         ``on_round``). Raises InvalidArgument for bad arguments (before any round)."""
+        from .cost import MOVE_BYTES
+
         for name, v in (("every", every), ("window", window)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
                                   or not 0 < v < 1e6):
                 raise InvalidArgument(f"{name} must be seconds > 0, got {v!r}")
         if isinstance(max_moves, bool) or not isinstance(max_moves, int) or max_moves < 0:
             raise InvalidArgument(f"max_moves must be an integer >= 0, got {max_moves!r}")
+        if move_bytes is None:
+            move_bytes = MOVE_BYTES
+        if isinstance(move_bytes, bool) or not isinstance(move_bytes, int | float) \
+                or not 0 <= move_bytes < math.inf:
+            raise InvalidArgument(f"move_bytes must be a finite number >= 0, got {move_bytes!r}")
         if window is None:
             window = max(1.0, every - 1.0)
-        stores: list[Any] = []  # (one L3 client for every round: opening one costs ~100 kB)
+        observer = None
         if observe is None:
-            from .observe import observe as observe_cluster
+            from .observe import Observer
 
-            hosts = sorted(self.configs)
-
-            def observe(config: Any, seconds: float) -> Graph:  # (our hosts': no SCAN)
-                if not stores and config.cluster.enabled:
-                    from ..tiers.l3 import L3Store
-
-                    stores.append(L3Store.from_config(config.cluster))
-                return observe_cluster(config, seconds, hosts=hosts,
-                                       store=stores[0] if stores else None)
+            # (our hosts': no SCAN; one store for every round: opening one costs ~100 kB)
+            observer = Observer(config, hosts=sorted(self.configs))
         try:
             return self._rounds(config, command, every, max_moves, window, balance, move_cost,
-                                log_dir, observe, planner, clock, sleep, on_round)
+                                float(move_bytes), log_dir, observe, observer, planner, clock,
+                                sleep, on_round)
         finally:
-            for st in stores:
-                st.close()
+            if observer is not None:
+                observer.close()
 
     def _rounds(self, config: Any, command: Sequence[str], every: float, max_moves: int,
-                window: float, balance: float, move_cost: float,
+                window: float, balance: float, move_cost: float, move_bytes: float,
                 log_dir: str | os.PathLike[str] | None,
-                observe: Callable[[Any, float], Graph], planner: Callable[..., Plan] | None,
+                observe: Callable[[Any, float], Graph] | None, observer: Any,
+                planner: Callable[..., Plan] | None,
                 clock: Callable[[], float], sleep: Callable[[float], None],
                 on_round: Callable[[Round], None] | None) -> list[Round]:
+        from .cost import Pricing
+
         rounds: list[Round] = []
         due = clock() + every
+        pricing = Pricing(every)
         while self.alive():
-            wait = due - window - clock()
+            # (an observer with a read from the previous round observes since then)
+            lead = 0.0 if observer is not None and observer.last is not None else window
+            wait = due - lead - clock()
             if wait > 0:
                 sleep(wait)
             due += every
             try:
-                graph = observe(config, window)
+                if observer is not None:
+                    graph = observer.graph(window, sleep)
+                else:
+                    assert observe is not None
+                    graph = observe(config, window)
                 current = self.alive()
                 if not current:
                     break
+                # (a move's saving lasts as long as the reads it serves, and is what the
+                # last rounds' plans turned out to be worth: cost.Pricing)
+                lasts = pricing.horizon(graph, graph.share(
+                    {a.id: current.get(a.id, a.host) for a in graph.agents}))
                 plan = replan(graph, current, list(self.configs), max_moves=max_moves,
-                              balance=balance, move_cost=move_cost, planner=planner)
+                              balance=balance, move_cost=move_cost, planner=planner,
+                              move_bytes=move_bytes, horizon=lasts)
                 done = set(self.move(plan.moves, command, log_dir))
+                pricing.planned(plan.before, plan.share, len(done))
                 r = Round(clock(), tuple(m for m in plan.moves if m.agent in done),
                           plan.before, plan.share)
             except KVCommError as e:

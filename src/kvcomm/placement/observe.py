@@ -233,3 +233,61 @@ def observe(config: Config, seconds: float, *, namespace: str | None = None,
         raise Unavailable("no host has published its agents to L3: is `kvcomm node` running "
                           "on the hosts, and are the agents reading (hot_key_sample > 0)?")
     return graph_from(before, after)
+
+
+class Observer:
+    """Observing again and again, every host's snapshot read once a time: what a
+    re-planning launcher does each round. :func:`observe` reads every snapshot twice
+    (before and after its window), so a round every S seconds of an S - 1 s window read
+    each twice; here each read is the next one's "before": half the L3 reads, and the
+    window is the whole time between two rounds (no traffic left unobserved).
+
+    ``config``, ``namespace``, ``hosts``: as :func:`observe`. ``store``: an open L3Store
+    to read with (left open); by default one is opened at the first read and kept until
+    :meth:`close` (opening one costs about 100 kB of L3 traffic)."""
+
+    def __init__(self, config: Config, *, namespace: str | None = None,
+                 hosts: Sequence[str] | None = None, store: Any = None) -> None:
+        self.config, self.namespace = config, namespace
+        self.hosts = [check_host(h, "hosts") for h in hosts] if hosts is not None else None
+        self.store, self._own = store, False
+        self.last: list[dict[str, Any]] | None = None  # the previous read's snapshots
+        self.reads = 0  # reads of every host's snapshot so far
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every host's snapshot now (kept as the next graph's "before"). Raises
+        Unavailable (L3 cannot be reached), ConfigError (no ``kvcomm[cluster]``)."""
+        l3 = None
+        if self.config.cluster.enabled:
+            if self.store is None:
+                from ..tiers.l3 import L3Store
+
+                self.store, self._own = L3Store.from_config(self.config.cluster), True
+            l3 = self.store
+        snaps = _snapshots(self.config, self.namespace, l3, self.hosts)
+        self.reads += 1
+        if not snaps and l3 is not None:
+            raise Unavailable("no host has published its agents to L3: is `kvcomm node` "
+                              "running on the hosts, and are the agents reading "
+                              "(hot_key_sample > 0)?")
+        self.last = snaps
+        return snaps
+
+    def graph(self, window: float = 1.0,
+              sleep: Callable[[float], None] = time.sleep) -> Graph:
+        """The graph of the rates since the previous read; with none yet (the first
+        call, or the previous read failed), of the next ``window`` seconds, as
+        :func:`observe`. Raises what :meth:`read` raises (the previous read is then
+        forgotten: the next call observes its window again)."""
+        before = self.last
+        self.last = None
+        if before is None:
+            before = self.read()
+            sleep(window)
+        return graph_from(before, self.read())
+
+    def close(self) -> None:
+        """Close the store this observer opened (not one it was given)."""
+        if self._own and self.store is not None:
+            self.store.close()
+            self.store, self._own = None, False
