@@ -14,6 +14,7 @@ import pytest
 from kvcomm.core.expiry import with_deadline
 from kvcomm.core.versions import Dotted
 from kvcomm.devcluster.redis_cluster import RedisCluster
+from kvcomm.metrics import wire
 from kvcomm.tiers.l3 import (
     EMPTY_EXT,
     PUSH_BATCH,
@@ -275,3 +276,46 @@ def test_calls_whose_reply_budget_is_spent_are_not_cut_by_the_redirect_deadline(
     finally:
         store.timeout = timeout
     assert [r.outcome for r in out] == ["older"] * len(keys), out  # type: ignore[union-attr]
+
+
+def test_a_process_reads_the_command_table_once_per_cluster(cluster: RedisCluster) -> None:
+    """redis-py reads COMMAND (~90 kB from Redis 7) at every cluster client's start: an
+    agent moved to another host's process paid it again (measured: 91.7 kB of a 93 kB
+    start-up). The table is kept once per process and cluster: a second client's start
+    costs a few kB, and it still finds the keys of the commands it sends."""
+    wire._TABLES.clear()
+    first = L3Store(cluster.seeds)
+    try:
+        first.push("ct/a", rec(one("h1", 1, 1)))
+        first_in = first.rc.wire.received
+    finally:
+        first.close()
+    second = L3Store(cluster.seeds)
+    try:
+        second.push("ct/b", rec(one("h2", 1, 2)))
+        second_in = second.rc.wire.received
+        got = second.get("ct/a")
+        assert got is not None and got.value == b"v"
+        assert second.rc.get("kvcomm-no-such-key") is None  # (a keyed command: its slot found)
+    finally:
+        second.close()
+    print(f"received at start: first client {first_in} B, second {second_in} B")
+    assert first_in > 50_000  # the table read: the fault this guards against is real
+    assert second_in < first_in - 50_000
+    assert len(wire._TABLES) == 1
+
+
+def test_the_command_tables_kept_are_bounded() -> None:
+    """At most COMMAND_TABLES clusters' tables, the least recently used forgotten."""
+    wire._TABLES.clear()
+    reads = []
+    for i in range(wire.COMMAND_TABLES + 3):
+        wire._command_table(frozenset({f"127.0.0.1:{i}"}), lambda i=i: reads.append(i) or {"GET": i})
+    assert len(wire._TABLES) == wire.COMMAND_TABLES
+    table = wire._command_table(frozenset({"127.0.0.1:0"}), lambda: {"GET": "again"})
+    assert table == {"GET": "again"}  # (forgotten: read again)
+    kept = wire._command_table(frozenset({f"127.0.0.1:{wire.COMMAND_TABLES + 2}"}), lambda: {})
+    assert kept == {"GET": wire.COMMAND_TABLES + 2}
+    kept.pop("GET")  # a copy: the parser renames entries of what it is given
+    assert wire._command_table(frozenset({f"127.0.0.1:{wire.COMMAND_TABLES + 2}"}), dict) == \
+        {"GET": wire.COMMAND_TABLES + 2}

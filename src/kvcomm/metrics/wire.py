@@ -6,10 +6,19 @@ counts into the client's :class:`WireCounts` — the bytes its socket sends and 
 and the replies it reads (one per command). The counts are plain integers of this
 process; the metrics flusher adds them to the host's L2 (``kvcomm_l3_commands_total``,
 ``kvcomm_l3_bytes_total``).
+
+It also keeps redis-py's command table (the reply to ``COMMAND``, which ``RedisCluster``
+reads at every client's start to find a command's keys) once per process and cluster:
+from Redis 7 that reply is ~90 kB, nearly all of a client's start-up (an agent's first L2
+miss opens its L3 client; an agent moved to another host's process opens another), and
+the table depends only on the servers' version. Bounded: :data:`COMMAND_TABLES` clusters,
+the oldest forgotten first.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -80,6 +89,28 @@ def _counting(cls: type) -> type:
 
 
 _CLUSTER: Any = None
+COMMAND_TABLES = 8  # clusters whose command table a process keeps
+_TABLES: OrderedDict[frozenset[str], dict[str, Any]] = OrderedDict()
+_TABLES_LOCK = threading.Lock()
+
+
+def _command_table(nodes: frozenset[str], read: Any) -> dict[str, Any]:
+    """A copy of the command table of the cluster of ``nodes`` (its nodes' names), read
+    with ``read()`` the first time. A copy: redis-py's parser renames entries of the dict
+    it is given (never the entries themselves)."""
+    with _TABLES_LOCK:
+        table = _TABLES.get(nodes)
+        if table is not None:
+            _TABLES.move_to_end(nodes)
+    if table is None:
+        table = read()
+        if not isinstance(table, dict) or not nodes:
+            return table  # type: ignore[no-any-return]
+        with _TABLES_LOCK:
+            _TABLES[nodes] = table
+            while len(_TABLES) > COMMAND_TABLES:
+                _TABLES.popitem(last=False)
+    return dict(table)
 
 
 def counting_cluster() -> type[RedisCluster]:
@@ -103,6 +134,14 @@ def counting_cluster() -> type[RedisCluster]:
                 if type(connection) not in _COUNTING:
                     connection.__class__ = _counting(type(connection))
                 super().on_connect(connection)  # type: ignore[no-untyped-call]
+
+            def command(self, **kwargs: Any) -> Any:
+                # (the table redis-py reads at start and when it meets an unknown command:
+                # once per process and cluster, see the module's docstring)
+                if kwargs:
+                    return super().command(**kwargs)
+                nodes = frozenset(getattr(self.nodes_manager, "nodes_cache", None) or ())
+                return _command_table(nodes, super().command)
 
         _CLUSTER = CountingRedisCluster
     return _CLUSTER  # type: ignore[no-any-return]
