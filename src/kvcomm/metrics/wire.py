@@ -95,7 +95,7 @@ _TABLES_LOCK = threading.Lock()
 
 
 def _command_table(nodes: frozenset[str], read: Any) -> dict[str, Any]:
-    """A copy of the command table of the cluster of ``nodes`` (its nodes' names), read
+    """A copy of the command table of the cluster of ``nodes`` (its seeds' names), read
     with ``read()`` the first time. A copy: redis-py's parser renames entries of the dict
     it is given (never the entries themselves)."""
     with _TABLES_LOCK:
@@ -123,6 +123,11 @@ def counting_cluster() -> type[RedisCluster]:
         class CountingRedisCluster(RedisCluster):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 self.wire = WireCounts()
+                # the cluster, for its command table: the seeds it was given (the nodes it
+                # then found vary with replicas joining and failovers)
+                self.kvcomm_seeds = frozenset(
+                    f"{getattr(n, 'host', '')}:{getattr(n, 'port', '')}"
+                    for n in kwargs.get("startup_nodes") or ())
                 super().__init__(*args, **kwargs)
 
             def on_connect(self, connection: Any) -> None:
@@ -140,8 +145,7 @@ def counting_cluster() -> type[RedisCluster]:
                 # once per process and cluster, see the module's docstring)
                 if kwargs:
                     return super().command(**kwargs)
-                nodes = frozenset(getattr(self.nodes_manager, "nodes_cache", None) or ())
-                return _command_table(nodes, super().command)
+                return _command_table(self.kvcomm_seeds, super().command)
 
         _CLUSTER = CountingRedisCluster
     return _CLUSTER  # type: ignore[no-any-return]
