@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 import kvcomm
 from kvcomm.placement.cost import (
     FETCH_SHARE,
-    MOVE_BYTES,
     READ_OVERHEAD,
     REALIZED_FLOOR,
     Pricing,
@@ -226,16 +225,17 @@ def test_the_replan_loop_makes_no_move_that_does_not_pay() -> None:
     def on_round(r: Any) -> None:
         rounds_left[0] -= 1
 
+    cost = 100_000.0  # (a move's bytes before a process shared redis-py's command table)
     rounds = launcher.replan_loop("cfg", ["true"], every=5, max_moves=2, balance=1.0,
                                   observe=fake_observe, planner=planner, clock=lambda: now[0],
-                                  sleep=sleep, on_round=on_round)
-    # default MOVE_BYTES: 100 kB a move against 20 reads/s of 68.6 B: never pays
+                                  sleep=sleep, on_round=on_round, move_bytes=cost)
+    # 100 kB a move against 20 reads/s of 68.6 B: never pays
     assert [len(r.moves) for r in rounds] == [0, 0, 0] and len(planned) == 3
     per = bytes_per_read(_pairs({}))
     # the first round knows no persistence (one round's horizon); then the same reads
     # persisted: the horizon grows to 8 rounds, the threshold falls, still above 20
-    assert planned[0]["move_cost"] == pytest.approx(MOVE_BYTES / (5 * per))
-    assert planned[1]["move_cost"] == pytest.approx(MOVE_BYTES / (40 * per))
+    assert planned[0]["move_cost"] == pytest.approx(cost / (5 * per))
+    assert planned[1]["move_cost"] == pytest.approx(cost / (40 * per))
     assert planned[1]["move_cost"] > 20
     with pytest.raises(kvcomm.InvalidArgument, match="move_bytes"):
         launcher.replan_loop("cfg", ["true"], every=5, max_moves=1, move_bytes=-1)

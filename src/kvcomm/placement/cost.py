@@ -1,15 +1,17 @@
 """What a re-planning move costs in L3 bytes, and when it pays for itself.
 
 A move is not free: the agent stops on one host and starts on another, and every
-client opens its own L3 (Redis Cluster) client at its first L2 miss, whose start-up is
+client opens its own L3 (Redis Cluster) client at its first L2 miss. That start-up was
 about 92 kB (measured on the 3-host dev cluster, Redis 7.0: 90.2 kB of it the reply to
-redis-py's ``COMMAND``, the rest ``CLUSTER SLOTS`` and a ``HELLO`` per node;
-``bench/bench_placement.py --move-cost-only``). The move itself (a client closed on one
-host, opened on another that holds what it reads) costs next to nothing; the start-up
-comes at the moved agent's first miss, or at its neighbours' (a key their host no
-longer, or does not yet, hold): in a 20-s swarm bench run, the agents of the two
-re-planning placements opened 14 and 15 L3 clients, the one-shot plan's 7. MOVE_BYTES
-rounds one start-up up to 100 kB.
+redis-py's ``COMMAND``); a process now reads that table once per cluster
+(:mod:`kvcomm.metrics.wire`), so a moved agent's client, opened in a host process that
+already has one, starts with ~1.5 kB. The move itself (a client closed on one host,
+opened on another that holds what it reads) costs next to nothing; a moved agent that
+reads a key its new host does not hold yet pays its client's start and the read: 2.1 kB
+for one key (``bench/bench_placement.py --move-cost-only``: ``moved_agent_reads_unheld``;
+it was 93.4 kB before the table was shared). MOVE_BYTES rounds that up to 4 kB: the
+start, the first reads of the few keys an agent reads (a swarm drone: 4), and its
+neighbours' first reads of its key where their host did not hold it.
 
 What a move saves: every read per second of another agent's key whose writer is on
 another host costs L3 traffic — the reader's host fetches the changes of the key it
@@ -42,7 +44,7 @@ import math
 from ..errors import InvalidArgument
 from .graph import Graph
 
-MOVE_BYTES = 100_000.0  # L3 bytes one move costs (measured: see the module's docstring)
+MOVE_BYTES = 4_000.0  # L3 bytes one move costs (measured: see the module's docstring)
 READ_OVERHEAD = 96.0  # L3 bytes a fetched record costs beyond its value's bytes
 FETCH_SHARE = 0.35  # fetched bytes per cross-host read over (value + READ_OVERHEAD): measured
 MAX_HORIZON_ROUNDS = 8.0  # a move's saving counted over at most this many rounds
