@@ -1043,6 +1043,10 @@ class L3Store:
         # file: the replid alone would not do), and neither ever comes back: a node seen
         # twice with one history was a master throughout, appending to the same data
         self.histories: dict[str, str] = {}
+        # (node, group) pairs whose probe the node refused with MOVED since the daemon
+        # last took them: the group's slot moved off the master that took its held
+        # records (a migration), so no WAIT there could ever confirm them
+        self.unserved: set[tuple[str, int]] = set()
         self._calls = itertools.count(1)  # (next() is atomic: pipelines run in threads)
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
@@ -1543,15 +1547,19 @@ class L3Store:
             connected = int(repl.get("connected_slaves", 0))
         except (KeyError, TypeError, ValueError, AttributeError):
             return ""
+        self._note(name, history)
+        if master:
+            self.connected[name] = connected
+        return history
+
+    def _note(self, name: str, history: str) -> None:
+        """:attr:`histories`: node ``name`` seen in ``history`` ("" not a master)."""
         if name not in self.histories and len(self.histories) >= HISTORIES_MAX:
             try:  # (the oldest seen: bounded; push pipelines run in threads)
                 del self.histories[next(iter(self.histories))]
             except (KeyError, RuntimeError, StopIteration):
                 pass
         self.histories[name] = history
-        if master:
-            self.connected[name] = connected
-        return history
 
     def confirm_replicated(self, group: int, node_name: str = "") -> bool:
         """With ``wait_replicas``: a probe write on node ``node_name`` (the master that
@@ -1571,6 +1579,8 @@ class L3Store:
         looks. Returns whether it was confirmed. Raises Unavailable."""
         if not self.wait_replicas:
             return False
+        from redis.exceptions import MovedError
+
         probe = "kvw:" + self.groups.feed_key(group)[4:]
         # (that very node: demoted since, a failover's replica, it shows that its history
         # was left — which the group's new master would not)
@@ -1596,6 +1606,13 @@ class L3Store:
         if not write or not history or history != before:
             return False
         stored, acked = raws[0], raws[1]
+        if isinstance(stored, MovedError):  # (an AskError too: ASK is not one)
+            # the group's slot left this master (a migration; ASK, a migration under
+            # way, is waited out): its records here are to be sent again, to the slot's
+            # master now
+            self.unserved.add((node.name, group))
+            self._refresh_topology()
+            return False
         if isinstance(stored, Exception) or not isinstance(acked, int):
             return False  # (moved, say: the node is no longer the group's master)
         if acked < self.wait_replicas:
