@@ -5,8 +5,9 @@ Cluster with replicas (a small one of this module's own).
 * The group's slot moved by a migration while X is held on master A: A keeps its
   history, but the probe key of the group (``kvw:{t}``) is no longer A's to take
   (MOVED): nothing could ever confirm X there, nor show a history left.
-* A dies and never comes back (its replica took over): A leaves the slot map, the
-  probe by name finds no node, and A's last seen history is X's own.
+* A dies and never comes back (its replica took over): the probe by name finds no
+  node, or one that cannot be reached (every second: Unavailable, which also failed
+  the round's feed poll), and A's last seen history is X's own.
 
 Before: X stayed held (dirty, unevictable, holding the delivered cursor back) until
 the bound released it. Now its group is resynced as after a rewind: X pushed again
@@ -90,6 +91,40 @@ def test_a_write_held_on_a_master_whose_slot_moved_is_let_go(
                  "X to be let go (delivered)")
         assert d.stats.extra.get("unconfirmed_rewound", 0) >= 1, d.stats
         assert d.stats.extra.get("unconfirmed_confirmed", 0) == 0, d.stats
+        assert _value(store, key) == "v2" and h.kv.get(key) == "v2"
+        assert h.alive, h.error
+    finally:
+        _try(lambda: command(b, "CONFIG", "SET", "masterauth", '""'))
+        h.close()
+
+
+def test_a_write_held_on_a_master_that_died_for_good_is_let_go(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """X held on A, then on A's replica B too; A is killed and never restarted: B
+    takes over (X survives). A cannot be reached (redis-py may keep it in its slot map,
+    or drop it); its last seen history is X's. Asserted: the fault (B serves the
+    group in the writer's slot map), then X's group resynced, X delivered, L3 and the
+    host on X."""
+    key, a, b = _shard(store, "dead", seed)
+    g = group_of(key)
+    h = Host(cluster, f"fbd-{seed % 1000}", seed, SHORT)
+    try:
+        d = h.daemon
+        assert d is not None and isinstance(d.l3, L3Store)
+        _hold(cluster, h, store, key, a, b)
+        cluster.kill(a)
+        wait_for(lambda: _try(lambda: _serving(store, feed_key(g))) == b, 30,
+                 "B to take the group's slot over")
+        assert _value(store, key) == "v2"  # (X survived)
+        rc = d.l3.rc
+        wait_for(lambda: (rc.nodes_manager.initialize(),  # (as its next failed call would)
+                          _try(lambda: int(rc.get_node_from_key(feed_key(g)).port)) == b)[1],
+                 15, "the writer's slot map to show B serving the group")
+        assert key in d.out.unconfirmed.by_key
+        d.confirm_at = 0.0
+        wait_for(lambda: not d.out.unconfirmed and d.port.dirty_count() == 0, 15,
+                 "X to be let go (delivered)")
+        assert d.stats.extra.get("unconfirmed_rewound", 0) >= 1, d.stats
         assert _value(store, key) == "v2" and h.kv.get(key) == "v2"
         assert h.alive, h.error
     finally:

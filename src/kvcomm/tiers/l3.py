@@ -1585,6 +1585,12 @@ class L3Store:
         # (that very node: demoted since, a failover's replica, it shows that its history
         # was left — which the group's new master would not)
         node = self.rc.get_node(node_name=node_name) if node_name else None  # type: ignore[no-untyped-call]
+        if node is None and node_name:
+            # gone from the slot map (dead for good, readdressed, or serving no slot):
+            # not seen as a master, so the records it took are sent again — else
+            # nothing would ever confirm them, or show a history left
+            self._note(node_name, "")
+            return False
         if node is None:
             node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
         call = next(self._calls)
@@ -1601,7 +1607,21 @@ class L3Store:
             pipe.execute_command("INFO", "replication")  # type: ignore[no-untyped-call]
             return pipe.execute(raise_on_error=False)
 
-        raws = self._call(run)
+        try:
+            raws = self._call(run)
+        except Unavailable:
+            # a master that cannot be reached, and that the slot map (re-read by _call)
+            # no longer has serving the group: failed over, dead for good maybe — it
+            # left the history (redis-py may keep it in its slot map: the probe would
+            # fail every second, and the records it took stay held)
+            try:
+                serving = self.rc.get_node_from_key(probe).name  # type: ignore[no-untyped-call]
+            except Exception:
+                serving = node.name
+            if not node_name or serving == node.name:
+                raise
+            self._note(node.name, "")
+            return False
         history = self._see(node.name, raws[-2], raws[-1])  # (after the WAIT: seen since)
         if not write or not history or history != before:
             return False
