@@ -16,6 +16,7 @@ the bound released it. Now its group is resynced as after a rewind: X pushed aga
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 
@@ -130,3 +131,30 @@ def test_a_write_held_on_a_master_that_died_for_good_is_let_go(
     finally:
         _try(lambda: command(b, "CONFIG", "SET", "masterauth", '""'))
         h.close()
+
+
+def test_a_master_that_refuses_info_is_not_asked_on_every_push(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """With ``wait_replicas``, a push pipeline asks a master not seen yet for its
+    replication history (INFO server and replication). A master that refuses INFO (an
+    ACL without it; ``-@dangerous`` would take ROLE too) was asked again in every push
+    pipeline: two more commands per push, for good. Asserted: the refusal happened
+    (INFO's rejected calls on that node), at most once for a dozen pushes; the pushes
+    themselves went through."""
+    key = f"fb/noinfo/{seed}"
+    port = int(store.rc.get_node_from_key(feed_key(group_of(key))).port)
+    s = L3Store(cluster.seeds, wait_replicas=1)
+    try:
+        assert command(port, "CONFIG", "RESETSTAT").startswith(b"+OK")
+        assert command(port, "ACL", "SETUSER", "default", "-info").startswith(b"+OK")
+        for n in range(1, 13):
+            assert s.push(key, record(f"v{n}", "host-a", n, n)).outcome in ("new", "newer")
+        assert not s.histories
+    finally:
+        command(port, "ACL", "SETUSER", "default", "+info")
+        s.close()
+    stats = command(port, "INFO", "commandstats").decode()
+    rejected = re.search(r"cmdstat_info:.*rejected_calls=(\d+)", stats)
+    assert rejected is not None, stats
+    assert 1 <= int(rejected.group(1)) <= 2, stats  # (the first pipeline's two)
+    assert _value(store, key) == "v12"

@@ -229,6 +229,7 @@ FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_tot
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HISTORIES_MAX = 1024  # nodes whose replication history L3Store.histories keeps at most
+UNSEEN_RETRY = 60.0  # seconds before a node whose INFO was refused or odd is asked again
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
 PUSH_BATCH = 256  # records of one group one push script call takes at most (~5 ms of Redis)
 # record bytes one push script call takes at most (a record larger goes alone): Redis holds
@@ -1043,6 +1044,11 @@ class L3Store:
         # file: the replid alone would not do), and neither ever comes back: a node seen
         # twice with one history was a master throughout, appending to the same data
         self.histories: dict[str, str] = {}
+        # node → monotonic time before which its INFO is not asked again: it was refused
+        # (an ACL without INFO, a proxy) or not INFO's — else every push pipeline there
+        # would send it again, forever; its history stays unknown (what it took short
+        # of its replicas is held until the bound: never confirmable)
+        self._unseen: dict[str, float] = {}
         # (node, group) pairs whose probe the node refused with MOVED since the daemon
         # last took them: the group's slot moved off the master that took its held
         # records (a migration), so no WAIT there could ever confirm them
@@ -1473,7 +1479,8 @@ class L3Store:
         pipe = conn.pipeline(transaction=False)
         # (a node seen as a master keeps its history until a probe sees another: a write
         # made in a history it left since is then sent again, never confirmed)
-        see = bool(self.wait_replicas) and not self.histories.get(node.name)
+        see = (bool(self.wait_replicas) and not self.histories.get(node.name)
+               and self._unseen.get(node.name, 0.0) <= time.monotonic())
         if see:
             pipe.execute_command("INFO", "server")  # type: ignore[no-untyped-call]
             pipe.execute_command("INFO", "replication")  # type: ignore[no-untyped-call]
@@ -1546,7 +1553,16 @@ class L3Store:
             history = f"{server['run_id']}:{repl['master_replid']}" if master else ""
             connected = int(repl.get("connected_slaves", 0))
         except (KeyError, TypeError, ValueError, AttributeError):
+            if name not in self._unseen:
+                log.warning("Redis node %s answered INFO with %.200r: its replication history "
+                            "cannot be seen, so writes it acknowledges short of "
+                            "cluster.wait_replicas are never confirmed (held until the bound); "
+                            "asked again in %gs", name, repl, UNSEEN_RETRY)
+            if len(self._unseen) >= HISTORIES_MAX:
+                self._unseen.clear()
+            self._unseen[name] = time.monotonic() + UNSEEN_RETRY
             return ""
+        self._unseen.pop(name, None)
         self._note(name, history)
         if master:
             self.connected[name] = connected
@@ -1596,6 +1612,8 @@ class L3Store:
         call = next(self._calls)
         conn = self.rc.get_redis_connection(node)
         before = self.histories.get(node.name, "")
+        if not before and self._unseen.get(node.name, 0.0) > time.monotonic():
+            return False  # (its INFO was refused just now: asked again later)
         write = bool(before) and self.connected.get(node.name, 0) >= self.wait_replicas
 
         def run() -> list[Any]:
