@@ -687,6 +687,9 @@ def test_a_wait_in_another_history_of_the_same_master_confirms_nothing() -> None
     held = out.unconfirmed
     assert len(held) == 3
     assert held.rewound({}) == set() and held.rewound({"m:2": "run9:x"}) == set()
+    # the group's slot moved off m:1 (a migration: its history unchanged)
+    assert held.rewound({}, {("m:1", 0)}) == {0} and held.rewound({}, {("m:2", 0)}) == set()
+    assert held.rewound({}, {("m:1", 5)}) == set()  # (another group moved off m:1)
     # the failback: m:1 now runs replid3 (a's replid1 was left), WAIT reached the target
     assert [h.key for h in held.confirm({"m:1": (20, "run1:replid3")})] == ["b"]
     assert list(held.by_key) == ["a", "c"]

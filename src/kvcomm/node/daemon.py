@@ -540,7 +540,11 @@ class Daemon:
             probe(group, node)
         # a master seen in another replication history than a held record was written in
         # (a failover and back at the same address, a restart) may have lost it: a rewind
-        rewound = self.out.unconfirmed.rewound(getattr(self.l3, "histories", {}))
+        # (and a group whose slot moved off the master that took its held records)
+        unserved: set[tuple[str, int]] = getattr(self.l3, "unserved", set())
+        taken = set(unserved)
+        unserved.clear()
+        rewound = self.out.unconfirmed.rewound(getattr(self.l3, "histories", {}), taken)
         if rewound:
             self.stats.bump("unconfirmed_rewound", len(rewound))
             self._resync(rewound, reason="rewind")

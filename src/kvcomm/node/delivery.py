@@ -168,7 +168,7 @@ Driver's obligations
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import NamedTuple
 
 from ..core.backoff import Backoff
@@ -294,13 +294,17 @@ class Unconfirmed:
                 done.append(h)
         return [self._remove(h.key) for h in done]
 
-    def rewound(self, histories: Mapping[str, str]) -> set[int]:
+    def rewound(self, histories: Mapping[str, str],
+                unserved: Set[tuple[str, int]] = frozenset()) -> set[int]:
         """``histories``: node → the replication history it was last seen in ("" not a
-        master). Returns the groups of the held records whose master has left the
-        history they were written in (or whose history was not known): each may be lost
-        — resync them as after a rewind (:meth:`drop_groups` then sends them again)."""
+        master); ``unserved``: (node, group) pairs where the node no longer serves the
+        group (its slot moved: no WAIT there can confirm what it took). Returns the
+        groups of the held records whose master has left the history they were written
+        in (or whose history was not known), or their group: each may be lost — resync
+        them as after a rewind (:meth:`drop_groups` then sends them again)."""
         return {h.group for h in self.by_key.values()
-                if h.node in histories and (histories[h.node] != h.history or not h.history)}
+                if h.node in histories and (histories[h.node] != h.history or not h.history)
+                or (h.node, h.group) in unserved}
 
     def drop_groups(self, groups: Iterable[int]) -> list[Unheld]:
         """Forget the held records of ``groups`` (being resynced: the resync sends each

@@ -229,6 +229,7 @@ FEED_TOTAL = 1_638_400  # events kept over all groups' streams (cluster.feed_tot
 FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HISTORIES_MAX = 1024  # nodes whose replication history L3Store.histories keeps at most
+UNSEEN_RETRY = 60.0  # seconds before a node whose INFO was refused or odd is asked again
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
 PUSH_BATCH = 256  # records of one group one push script call takes at most (~5 ms of Redis)
 # record bytes one push script call takes at most (a record larger goes alone): Redis holds
@@ -1043,6 +1044,15 @@ class L3Store:
         # file: the replid alone would not do), and neither ever comes back: a node seen
         # twice with one history was a master throughout, appending to the same data
         self.histories: dict[str, str] = {}
+        # node → monotonic time before which its INFO is not asked again: it was refused
+        # (an ACL without INFO, a proxy) or not INFO's — else every push pipeline there
+        # would send it again, forever; its history stays unknown (what it took short
+        # of its replicas is held until the bound: never confirmable)
+        self._unseen: dict[str, float] = {}
+        # (node, group) pairs whose probe the node refused with MOVED since the daemon
+        # last took them: the group's slot moved off the master that took its held
+        # records (a migration), so no WAIT there could ever confirm them
+        self.unserved: set[tuple[str, int]] = set()
         self._calls = itertools.count(1)  # (next() is atomic: pipelines run in threads)
         self.connected: dict[str, int] = {}  # master → replicas it had at the last write
         self.max_value_size = max_value_size
@@ -1469,7 +1479,8 @@ class L3Store:
         pipe = conn.pipeline(transaction=False)
         # (a node seen as a master keeps its history until a probe sees another: a write
         # made in a history it left since is then sent again, never confirmed)
-        see = bool(self.wait_replicas) and not self.histories.get(node.name)
+        see = (bool(self.wait_replicas) and not self.histories.get(node.name)
+               and self._unseen.get(node.name, 0.0) <= time.monotonic())
         if see:
             pipe.execute_command("INFO", "server")  # type: ignore[no-untyped-call]
             pipe.execute_command("INFO", "replication")  # type: ignore[no-untyped-call]
@@ -1542,16 +1553,29 @@ class L3Store:
             history = f"{server['run_id']}:{repl['master_replid']}" if master else ""
             connected = int(repl.get("connected_slaves", 0))
         except (KeyError, TypeError, ValueError, AttributeError):
+            if name not in self._unseen:
+                log.warning("Redis node %s answered INFO with %.200r: its replication history "
+                            "cannot be seen, so writes it acknowledges short of "
+                            "cluster.wait_replicas are never confirmed (held until the bound); "
+                            "asked again in %gs", name, repl, UNSEEN_RETRY)
+            if len(self._unseen) >= HISTORIES_MAX:
+                self._unseen.clear()
+            self._unseen[name] = time.monotonic() + UNSEEN_RETRY
             return ""
+        self._unseen.pop(name, None)
+        self._note(name, history)
+        if master:
+            self.connected[name] = connected
+        return history
+
+    def _note(self, name: str, history: str) -> None:
+        """:attr:`histories`: node ``name`` seen in ``history`` ("" not a master)."""
         if name not in self.histories and len(self.histories) >= HISTORIES_MAX:
             try:  # (the oldest seen: bounded; push pipelines run in threads)
                 del self.histories[next(iter(self.histories))]
             except (KeyError, RuntimeError, StopIteration):
                 pass
         self.histories[name] = history
-        if master:
-            self.connected[name] = connected
-        return history
 
     def confirm_replicated(self, group: int, node_name: str = "") -> bool:
         """With ``wait_replicas``: a probe write on node ``node_name`` (the master that
@@ -1571,15 +1595,25 @@ class L3Store:
         looks. Returns whether it was confirmed. Raises Unavailable."""
         if not self.wait_replicas:
             return False
+        from redis.exceptions import MovedError
+
         probe = "kvw:" + self.groups.feed_key(group)[4:]
         # (that very node: demoted since, a failover's replica, it shows that its history
         # was left — which the group's new master would not)
         node = self.rc.get_node(node_name=node_name) if node_name else None  # type: ignore[no-untyped-call]
+        if node is None and node_name:
+            # gone from the slot map (dead for good, readdressed, or serving no slot):
+            # not seen as a master, so the records it took are sent again — else
+            # nothing would ever confirm them, or show a history left
+            self._note(node_name, "")
+            return False
         if node is None:
             node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
         call = next(self._calls)
         conn = self.rc.get_redis_connection(node)
         before = self.histories.get(node.name, "")
+        if not before and self._unseen.get(node.name, 0.0) > time.monotonic():
+            return False  # (its INFO was refused just now: asked again later)
         write = bool(before) and self.connected.get(node.name, 0) >= self.wait_replicas
 
         def run() -> list[Any]:
@@ -1591,11 +1625,32 @@ class L3Store:
             pipe.execute_command("INFO", "replication")  # type: ignore[no-untyped-call]
             return pipe.execute(raise_on_error=False)
 
-        raws = self._call(run)
+        try:
+            raws = self._call(run)
+        except Unavailable:
+            # a master that cannot be reached, and that the slot map (re-read by _call)
+            # no longer has serving the group: failed over, dead for good maybe — it
+            # left the history (redis-py may keep it in its slot map: the probe would
+            # fail every second, and the records it took stay held)
+            try:
+                serving = self.rc.get_node_from_key(probe).name  # type: ignore[no-untyped-call]
+            except Exception:
+                serving = node.name
+            if not node_name or serving == node.name:
+                raise
+            self._note(node.name, "")
+            return False
         history = self._see(node.name, raws[-2], raws[-1])  # (after the WAIT: seen since)
         if not write or not history or history != before:
             return False
         stored, acked = raws[0], raws[1]
+        if isinstance(stored, MovedError):  # (an AskError too: ASK is not one)
+            # the group's slot left this master (a migration; ASK, a migration under
+            # way, is waited out): its records here are to be sent again, to the slot's
+            # master now
+            self.unserved.add((node.name, group))
+            self._refresh_topology()
+            return False
         if isinstance(stored, Exception) or not isinstance(acked, int):
             return False  # (moved, say: the node is no longer the group's master)
         if acked < self.wait_replicas:

@@ -1,0 +1,160 @@
+"""Held unconfirmed writes whose master stops serving them without a replication
+history change the probe could see (review of the #9 follow-up). On a real Redis
+Cluster with replicas (a small one of this module's own).
+
+* The group's slot moved by a migration while X is held on master A: A keeps its
+  history, but the probe key of the group (``kvw:{t}``) is no longer A's to take
+  (MOVED): nothing could ever confirm X there, nor show a history left.
+* A dies and never comes back (its replica took over): the probe by name finds no
+  node, or one that cannot be reached (every second: Unavailable, which also failed
+  the round's feed poll), and A's last seen history is X's own.
+
+Before: X stayed held (dirty, unevictable, holding the delivered cursor back) until
+the bound released it. Now its group is resynced as after a rewind: X pushed again
+(to the group's master now), acknowledged, delivered.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from kvcomm.balance.migrate import SlotMover
+from kvcomm.devcluster.redis_cluster import RedisCluster, command
+from kvcomm.tiers.l3 import L3Store, feed_key, group_of
+
+from .conftest import wait_for
+from .daemon_harness import Host, record
+from .test_failback import SHORT, _info, _serving, _shard, _try, _value
+from .test_failback import seed as seed  # noqa: F401  (the fixture)
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    with RedisCluster(masters=3) as c:
+        yield c
+
+
+@pytest.fixture
+def store(cluster: RedisCluster) -> Iterator[L3Store]:
+    s = L3Store(cluster.seeds)
+    yield s
+    s.close()
+
+
+def _hold(cluster: RedisCluster, h: Host, store: L3Store, key: str, a: int, b: int) -> None:
+    """v1 on L3 and the host; then X (v2) pushed with A's replica B cut off: held."""
+    d = h.daemon
+    assert d is not None and isinstance(d.l3, L3Store)
+    assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
+    wait_for(lambda: h.kv.get(key) == "v1", 15, "the host to hold v1")
+    cluster.wait_replicated()
+    d.confirm_at = float("inf")  # (the probe waits until the fault is done)
+    assert command(b, "CONFIG", "SET", "masterauth", "bogus").startswith(b"+OK")
+    command(a, "CLIENT", "KILL", "TYPE", "replica")
+    wait_for(lambda: _info(a)["connected_slaves"] == "0", 10, "B to be cut off")
+    h.kv.put(key, "v2")
+    wait_for(lambda: d.stats.extra.get("unconfirmed_held", 0) >= 1, 10,
+             "X to be acknowledged short of its replica, and held")
+    assert d.out.unconfirmed.by_key[key].node == f"127.0.0.1:{a}"
+    assert command(b, "CONFIG", "SET", "masterauth", '""').startswith(b"+OK")
+    wait_for(lambda: _info(a)["connected_slaves"] == "1", 15, "B to be back")
+    cluster.wait_replicated()  # (B has X)
+
+
+def test_a_write_held_on_a_master_whose_slot_moved_is_let_go(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """X held on A; the group's slot moved to master C (SlotMover: X moves with it).
+    A runs the same history, so no history check lets X go, and A refuses the
+    group's probe key (MOVED). Asserted: the move (C serves the group, X there), then
+    X's group resynced (``unconfirmed_rewound``), X delivered, L3 and the host on X."""
+    key, a, b = _shard(store, "moved", seed)
+    g = group_of(key)
+    h = Host(cluster, f"fbm-{seed % 1000}", seed, SHORT)
+    try:
+        d = h.daemon
+        assert d is not None and isinstance(d.l3, L3Store)
+        _hold(cluster, h, store, key, a, b)
+        c = next(p for p in cluster.master_ports() if p != a)
+        SlotMover(store).move(store.rc.keyslot(feed_key(g)), f"127.0.0.1:{c}")
+        assert _serving(store, feed_key(g)) == c and _value(store, key) == "v2"
+        assert key in d.out.unconfirmed.by_key and d.port.dirty_count() == 1
+        d.confirm_at = 0.0
+        wait_for(lambda: not d.out.unconfirmed and d.port.dirty_count() == 0, 15,
+                 "X to be let go (delivered)")
+        assert d.stats.extra.get("unconfirmed_rewound", 0) >= 1, d.stats
+        assert d.stats.extra.get("unconfirmed_confirmed", 0) == 0, d.stats
+        assert _value(store, key) == "v2" and h.kv.get(key) == "v2"
+        assert h.alive, h.error
+    finally:
+        _try(lambda: command(b, "CONFIG", "SET", "masterauth", '""'))
+        h.close()
+
+
+def test_a_write_held_on_a_master_that_died_for_good_is_let_go(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """X held on A, then on A's replica B too; A is killed and never restarted: B
+    takes over (X survives). A cannot be reached (redis-py may keep it in its slot map,
+    or drop it); its last seen history is X's. Asserted: the fault (B serves the
+    group in the writer's slot map), then X's group resynced, X delivered, L3 and the
+    host on X."""
+    key, a, b = _shard(store, "dead", seed)
+    g = group_of(key)
+    h = Host(cluster, f"fbd-{seed % 1000}", seed, SHORT)
+    try:
+        d = h.daemon
+        assert d is not None and isinstance(d.l3, L3Store)
+        _hold(cluster, h, store, key, a, b)
+        cluster.kill(a)
+        wait_for(lambda: _try(lambda: _serving(store, feed_key(g))) == b, 30,
+                 "B to take the group's slot over")
+        assert _value(store, key) == "v2"  # (X survived)
+        rc = d.l3.rc
+        wait_for(lambda: (rc.nodes_manager.initialize(),  # (as its next failed call would)
+                          _try(lambda: int(rc.get_node_from_key(feed_key(g)).port)) == b)[1],
+                 15, "the writer's slot map to show B serving the group")
+        assert key in d.out.unconfirmed.by_key
+        d.confirm_at = 0.0
+        wait_for(lambda: not d.out.unconfirmed and d.port.dirty_count() == 0, 15,
+                 "X to be let go (delivered)")
+        assert d.stats.extra.get("unconfirmed_rewound", 0) >= 1, d.stats
+        assert _value(store, key) == "v2" and h.kv.get(key) == "v2"
+        assert h.alive, h.error
+    finally:
+        _try(lambda: command(b, "CONFIG", "SET", "masterauth", '""'))
+        h.close()
+
+
+def test_a_master_that_refuses_info_is_not_asked_on_every_push(
+        cluster: RedisCluster, store: L3Store, seed: int) -> None:
+    """With ``wait_replicas``, a push pipeline asks a master not seen yet for its
+    replication history (INFO server and replication). A master that refuses INFO (an
+    ACL without it; ``-@dangerous`` would take ROLE too) was asked again in every push
+    pipeline: two more commands per push, for good. Asserted: the refusal happened
+    (INFO's rejected calls on that node), at most once for a dozen pushes; the pushes
+    themselves went through."""
+    key = f"fb/noinfo/{seed}"
+    port = int(store.rc.get_node_from_key(feed_key(group_of(key))).port)
+    s = L3Store(cluster.seeds, wait_replicas=1)
+    try:
+        assert command(port, "CONFIG", "RESETSTAT").startswith(b"+OK")
+        assert command(port, "ACL", "SETUSER", "default", "-info").startswith(b"+OK")
+        for n in range(1, 13):
+            assert s.push(key, record(f"v{n}", "host-a", n, n)).outcome in ("new", "newer")
+        assert not s.histories
+    finally:
+        command(port, "ACL", "SETUSER", "default", "+info")
+        s.close()
+    stats = command(port, "INFO", "commandstats").decode()
+    rejected = re.search(r"cmdstat_info:.*rejected_calls=(\d+)", stats)
+    assert rejected is not None, stats
+    assert 1 <= int(rejected.group(1)) <= 2, stats  # (the first pipeline's two)
+    assert _value(store, key) == "v12"
