@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from kvcomm.devcluster.redis_cluster import RedisCluster, command
+from kvcomm.node.delivery import Unheld
 from kvcomm.tiers.l3 import L3Store, feed_key, group_of
 
 from .conftest import wait_for
@@ -122,6 +123,29 @@ def _shard(store: L3Store, name: str, seed: int) -> tuple[str, int, int]:
 def _value(store: L3Store, key: str) -> Any:
     rec = store.get(key)
     return None if rec is None else rec.decode_value(key)
+
+
+def _hold(cluster: RedisCluster, h: Host, store: L3Store, key: str, a: int, b: int) -> Unheld:
+    """v1 on L3 and the host; then X (v2) pushed with A's replica B cut off: held; then B
+back and caught up. Returns X as held."""
+    d = h.daemon
+    assert d is not None and isinstance(d.l3, L3Store)
+    assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
+    wait_for(lambda: h.kv.get(key) == "v1", 15, "the host to hold v1")
+    cluster.wait_replicated()
+    d.confirm_at = float("inf")  # (the probe waits until the fault is done)
+    assert command(b, "CONFIG", "SET", "masterauth", "bogus").startswith(b"+OK")
+    command(a, "CLIENT", "KILL", "TYPE", "replica")
+    wait_for(lambda: _info(a)["connected_slaves"] == "0", 10, "B to be cut off")
+    h.kv.put(key, "v2")
+    wait_for(lambda: d.stats.extra.get("unconfirmed_held", 0) >= 1, 10,
+             "X to be acknowledged short of its replica, and held")
+    x = d.out.unconfirmed.by_key[key]
+    assert x.node == f"127.0.0.1:{a}"
+    assert command(b, "CONFIG", "SET", "masterauth", '""').startswith(b"+OK")
+    wait_for(lambda: _info(a)["connected_slaves"] == "1", 15, "B to be back")
+    cluster.wait_replicated()  # (B has X)
+    return x
 
 
 def test_a_failback_does_not_confirm_the_write_it_lost(
@@ -241,22 +265,9 @@ def test_a_write_held_on_a_master_that_failed_over_cleanly_is_let_go(
     h = Host(cluster, f"fbc-{seed % 1000}", seed, SHORT)
     try:
         d = h.daemon
-        assert d is not None and isinstance(d.l3, L3Store)
-        assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
-        wait_for(lambda: h.kv.get(key) == "v1", 15, "the host to hold v1")
-        cluster.wait_replicated()
-        d.confirm_at = float("inf")  # (the probe waits until the failover is done)
-        assert command(b, "CONFIG", "SET", "masterauth", "bogus").startswith(b"+OK")
-        command(a, "CLIENT", "KILL", "TYPE", "replica")
-        wait_for(lambda: _info(a)["connected_slaves"] == "0", 10, "B to be cut off")
-        h.kv.put(key, "v2")
-        wait_for(lambda: d.stats.extra.get("unconfirmed_held", 0) >= 1, 10,
-                 "X to be acknowledged short of its replica, and held")
-        x = d.out.unconfirmed.by_key[key]
-        assert x.node == f"127.0.0.1:{a}" and x.history == _history(a), x
-        command(b, "CONFIG", "SET", "masterauth", '""')
-        wait_for(lambda: _info(a)["connected_slaves"] == "1", 15, "B to be back")
-        cluster.wait_replicated()  # (B has X)
+        assert d is not None
+        x = _hold(cluster, h, store, key, a, b)
+        assert x.history == _history(a), x
         assert command(b, "CLUSTER", "FAILOVER").startswith(b"+OK")
         wait_for(lambda: _role(b) == "master" and _try(lambda: _serving(store, feed_key(g))) == b
                  and _role(a) == "slave", 30, "B to be the group's master, A its replica")

@@ -28,7 +28,7 @@ from kvcomm.tiers.l3 import L3Store, feed_key, group_of
 
 from .conftest import wait_for
 from .daemon_harness import Host, record
-from .test_failback import SHORT, _info, _serving, _shard, _try, _value
+from .test_failback import SHORT, _hold, _serving, _shard, _try, _value
 from .test_failback import seed as seed  # noqa: F401  (the fixture)
 
 pytestmark = [
@@ -48,26 +48,6 @@ def store(cluster: RedisCluster) -> Iterator[L3Store]:
     s = L3Store(cluster.seeds)
     yield s
     s.close()
-
-
-def _hold(cluster: RedisCluster, h: Host, store: L3Store, key: str, a: int, b: int) -> None:
-    """v1 on L3 and the host; then X (v2) pushed with A's replica B cut off: held."""
-    d = h.daemon
-    assert d is not None and isinstance(d.l3, L3Store)
-    assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
-    wait_for(lambda: h.kv.get(key) == "v1", 15, "the host to hold v1")
-    cluster.wait_replicated()
-    d.confirm_at = float("inf")  # (the probe waits until the fault is done)
-    assert command(b, "CONFIG", "SET", "masterauth", "bogus").startswith(b"+OK")
-    command(a, "CLIENT", "KILL", "TYPE", "replica")
-    wait_for(lambda: _info(a)["connected_slaves"] == "0", 10, "B to be cut off")
-    h.kv.put(key, "v2")
-    wait_for(lambda: d.stats.extra.get("unconfirmed_held", 0) >= 1, 10,
-             "X to be acknowledged short of its replica, and held")
-    assert d.out.unconfirmed.by_key[key].node == f"127.0.0.1:{a}"
-    assert command(b, "CONFIG", "SET", "masterauth", '""').startswith(b"+OK")
-    wait_for(lambda: _info(a)["connected_slaves"] == "1", 15, "B to be back")
-    cluster.wait_replicated()  # (B has X)
 
 
 def test_a_write_held_on_a_master_whose_slot_moved_is_let_go(
