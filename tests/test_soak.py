@@ -403,7 +403,7 @@ def test_a_heal_that_fails_is_recorded_and_stops_the_nemesis(toy_faults: list[st
 
 
 def test_the_built_in_faults_are_registered() -> None:
-    assert set(fault_kinds()) >= {"pause-daemon", "kill-daemon", "kill-redis-master",
+    assert set(fault_kinds()) >= {"pause-daemon", "kill-daemon", "kill-redis-master", "pause-redis-master",
                                   "trim-stream", "feed-overflow", "l2-evict"}
 
 
@@ -481,6 +481,8 @@ def _assert_every_fault_kind(result: SoakResult) -> None:
     assert all(e["evictions"] > 0 for e in _effects(result, "l2-evict"))
     assert all(e["trimmed"] > 0 for e in _effects(result, "trim-stream"))
     assert all(e["rejoined"] and e["failover_s"] > 0 for e in _effects(result, "kill-redis-master"))
+    hung = _effects(result, "pause-redis-master")
+    assert hung and all(e["probe"] and "failed_over" in e for e in hung)
     assert all(e["restarted_pid"] != e["killed_pid"] for e in _effects(result, "kill-daemon"))
     assert all(e["overflowed"] or e["refused"] for e in _effects(result, "feed-overflow"))
     _assert_clean(result)

@@ -7,6 +7,10 @@
 ``kill-redis-master``  SIGKILL the Redis master serving a group; at heal, wait for its
                        replica to take over, then start the killed node again from its
                        directory: having lost its data, it rejoins as a replica.
+``pause-redis-master`` SIGSTOP the Redis master serving a group (hung: connections stay
+                       open, nothing answers; held past the node timeout, its replica
+                       takes over) and write a probe key of that group on a host; at
+                       heal, SIGCONT and wait until the cluster is whole again.
 ``trim-stream``        XTRIM a group's change feed to nothing (MAXLEN 0) while a host's
                        daemon has not read a change of a key it holds (its daemon is
                        paused across the change and the trim).
@@ -161,6 +165,42 @@ class KillRedisMaster(DevFault):
         self.effect["rejoined"] = True
         return (f"a replica took over {took:.1f}s after the kill; port {port} restarted "
                 f"(pid {pid}) and in sync as a replica")
+
+
+@register
+class PauseRedisMaster(DevFault):
+    name = "pause-redis-master"
+    summary = "SIGSTOP a Redis master (hung) and write to its group; SIGCONT at heal"
+    requires = frozenset({"redis"})
+    hold = (0.5, 4.0)
+
+    def inject(self, rng: random.Random) -> str:
+        group = rng.randrange(GROUPS)
+        port = self.target.master_of_group(group)
+        host = self._host(rng)
+        self.paused_at = time.monotonic()
+        self.paused: int | None = self.target.pause_redis(port)
+        self.effect.update(group=group, port=port)
+        # a write the stopped master must take once it answers (or its successor)
+        key = key_in_group(f"soak/n/pm{int(self.paused_at * 1000) % 10**9}-", group)
+        self._put(host, key)
+        self.effect["probe"] = key
+        return (f"SIGSTOP the Redis master on port {port} (pid {self.paused}, serves group "
+                f"{group}); wrote {key} on {self.target.host_ids[host]}")
+
+    def heal(self) -> str:
+        pid = getattr(self, "paused", None)
+        if pid is None:
+            return ""
+        self.paused = None
+        held = time.monotonic() - self.paused_at
+        self.target.resume_redis(pid)
+        port = self.effect["port"]
+        still = any(n["port"] == port and "master" in n["flags"]
+                    for n in self.target.cluster_nodes())
+        self.effect.update(held_s=round(held, 2), failed_over=not still)
+        return (f"SIGCONT after {held:.1f}s; " + ("still the master" if still else
+                "its replica had taken over: it rejoined as a replica") + "; cluster whole")
 
 
 def key_in_group(prefix: str, group: int) -> str:

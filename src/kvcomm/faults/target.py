@@ -216,6 +216,19 @@ class DevClusterTarget:
                    interval=0.1, retry_on=(OSError, Unavailable))
         return time.monotonic() - start
 
+    def pause_redis(self, port: int) -> int:
+        """SIGSTOP the Redis node on ``port`` (hung: its connections stay open, nothing
+        answers); returns its pid."""
+        pid = self.redis_pid(port)
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def resume_redis(self, pid: int, timeout: float = 60.0) -> None:
+        """SIGCONT a node :meth:`pause_redis` stopped, then wait until the cluster is
+        whole (failed over meanwhile, it rejoins as its successor's replica)."""
+        os.kill(pid, signal.SIGCONT)
+        control.wait_redis_whole(str(self.dir), timeout)
+
     def restart_redis(self, port: int, timeout: float = 60.0) -> int:
         """Start the killed node ``port`` again from its directory (its nodes.conf makes it
         rejoin; having lost its data, it comes back as a replica of the node that took

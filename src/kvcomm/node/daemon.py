@@ -133,6 +133,7 @@ from ..tiers.l3 import (
     L3Record,
     L3Store,
     PushResult,
+    Unreached,
     approx_size,
     read_record,
 )
@@ -141,6 +142,7 @@ from .delivery import (
     FEED_COUNT,
     NOT_DURABLE,
     UNCONFIRMED_MAX,
+    UNREACHED,
     Answer,
     HostActivity,
     Inbound,
@@ -161,6 +163,7 @@ HOT_EVERY = 2.0  # seconds between saves of the hot keys (and the prewarm that f
 QUARANTINE_QUIET = 60.0  # the same key is pushed to the quarantine list at most this often
 CONFIRM_EVERY = 1.0  # seconds between probes of the masters holding unconfirmed records
 MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backlog)
+UNREACHED_RETRY = 0.05  # seconds before a push none of whose masters answered is tried again
 WRITE_MARK_BLOCK = 1 << 20  # dots reserved ahead in L3's write mark (one save per block)
 OWN_SENT_MAX = 1 << 17  # own pushes remembered until their echo (Daemon.own_sent)
 OWN_SENT_BYTES = 8 << 20  # and their bytes at most (an entry may be cluster.feed_inline: 1 MiB)
@@ -261,6 +264,9 @@ class Daemon:
         self.last_flush: dict[str, Any] | None = None
         self.feed_counters: dict[int, int | None] = {}  # groups' counters at the last check
         self.probe_failed = False  # the last round found Redis silent (partition mode)
+        # this poll's checks whose master was down, and whether a call reached nothing
+        self.unanswered: set[int] = set()
+        self.poll_skipped = False
         self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
         # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
@@ -428,10 +434,22 @@ class Daemon:
             try:
                 with self._metered("push"):
                     results = self.l3.push_many(items, push.keep_siblings)
+            except Unreached as exc:  # every item's master is down (L3Store.down)
+                self._unreached(push, exc)
+                return False
             except Unavailable as exc:
                 self._push_failed(push, exc)
                 return False
             self._pushed(push, results)
+
+    def _unreached(self, push: Push, exc: Unreached) -> None:
+        """No item of ``push`` was sent: their masters are down (the others answer, or
+        the whole cluster is cut off: then partition mode comes, as no call is answered).
+        They are staged again, to go with the next window, no sooner than UNREACHED_RETRY
+        from now (an idle wait: nothing is sent to a master taken for down)."""
+        self.out.pushed(push, [exc] * len(push.items), self.clock(), self.port.write_sequence())
+        self.stats.bump("unreached", len(push.items))
+        self.out.retry_at = self.clock() + UNREACHED_RETRY
 
     def _healed_meanwhile(self) -> bool:
         """A push failed in partition mode before the catch-up began: a call that waited on
@@ -465,7 +483,7 @@ class Daemon:
             log.warning("a push failed (%s: %s); retried", type(exc).__name__, exc)
         self._l3_failed(self.out.backoff, "sending to L3", exc, delay)
 
-    def _pushed(self, push: Push, results: list[PushResult | CorruptRecord]) -> None:
+    def _pushed(self, push: Push, results: list[PushResult | CorruptRecord | Unreached]) -> None:
         """Carry out L3's answers to ``push``."""
         self.stats.windows += 1 + len(push.more)
         self.stats.pushed += len(push.items)
@@ -478,6 +496,8 @@ class Daemon:
             self.own_sent.clear()  # (echoes never read: a resync skipped them)
             self.own_sent_bytes = 0
         for item, res in zip(push.items, results, strict=False):
+            if isinstance(res, Unreached):  # (not sent)
+                continue
             g = self.groups.of(item.key)  # (counted in Redis commands, as INFO counts)
             stored = isinstance(res, PushResult) and res.outcome in (NEW, NEWER, MERGED)
             self.load[g] = self.load.get(g, 0) + (PUSH_STORED if stored else PUSH_KEPT)
@@ -578,6 +598,8 @@ class Daemon:
             self.stats.bump("resolved")
         elif answer.outcome == NOT_DURABLE:
             self.stats.bump("not_durable")
+        elif answer.outcome == UNREACHED:  # (its master is down: staged again)
+            self.stats.bump("unreached")
         if answer.unconfirmed:  # (kept dirty: Unconfirmed)
             self.stats.bump("unconfirmed_held")
         if answer.deliver:
@@ -664,12 +686,15 @@ class Daemon:
             return
         self.hot_saved = self.clock()
         hot = self.port.hot_keys(HOT_KEYS)
-        if hot and hot != self.hot_list:  # (unchanged: L3 has it; an idle host sends nothing)
-            self.l3.save_hot(self.host, hot)
-            self.hot_list = hot
-        if hot:
-            self.stats.bump("prewarmed", self._prewarm(hot))
-        self._save_load()
+        try:
+            if hot and hot != self.hot_list:  # (unchanged: L3 has it; an idle host sends nothing)
+                self.l3.save_hot(self.host, hot)
+                self.hot_list = hot
+            if hot:
+                self.stats.bump("prewarmed", self._prewarm(hot))
+            self._save_load()
+        except Unreached:  # (a master down: the host's own keys', or a hot key's; next time)
+            self.stats.bump("unreached_saves")
 
     def _save_load(self) -> None:
         """Save the per-group operation counts that changed (for ``kvcomm balance``).
@@ -806,14 +831,22 @@ class Daemon:
             self._resync(set(self.inb.pending), reason="")  # (keeps whether to scan)
         counters: dict[int, int | None] = {}
         tails: dict[int, bytes | None] = {}  # (the id of each stream's last entry)
-        with self._metered("sweep"):
-            if poll.check:
-                with_tails = self.inb.tails_for(poll)
-                heads = dict(self.l3.feed_heads(with_tails)) if with_tails else {}
-                if poll.check - with_tails:
-                    heads.update(self.l3.feed_heads(poll.check - with_tails, tails=False))
-                counters = {g: seq for g, (seq, _) in heads.items()}
-                tails = {g: tail for g, (_, tail) in heads.items()}
+        heads: dict[int, tuple[int | None, bytes | None]] = {}
+        try:
+            with self._metered("sweep"):
+                if poll.check:
+                    with_tails = self.inb.tails_for(poll)
+                    heads = dict(self.l3.feed_heads(with_tails)) if with_tails else {}
+                    if poll.check - with_tails:
+                        heads.update(self.l3.feed_heads(poll.check - with_tails, tails=False))
+        except Unreached:  # (only masters taken for down: the reads of the others go on)
+            self.stats.bump("unreached_sweeps")
+            self.poll_skipped = True
+        counters = {g: seq for g, (seq, _) in heads.items()}
+        tails = {g: tail for g, (_, tail) in heads.items()}
+        # groups whose master is down are checked again once it answers (Inbound.recheck,
+        # put back after the poll: see step)
+        self.unanswered = set(poll.check - heads.keys())
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
             self._verify_hinted(counters)
@@ -861,11 +894,17 @@ class Daemon:
         feeds: dict[int, list[FeedEntry] | CorruptRecord] = {}
         checked: dict[int, bool] = {}  # group -> its stream lost the cursor's entry
         if read:
-            with self._metered("feed"):
-                feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
-                                          count=FEED_COUNT, verify=self.inb.verify & read,
-                                          checked=checked)
+            try:
+                with self._metered("feed"):
+                    feeds = self.l3.feed_many({g: self.inb.cursors.get(g, b"0-0") for g in read},
+                                              count=FEED_COUNT, verify=self.inb.verify & read,
+                                              checked=checked)
+            except Unreached:  # (every group's master is down: read when it answers)
+                self.stats.bump("unreached_reads")
+                self.poll_skipped = True
             self.inb.verified(g for g, lost in checked.items() if not lost)
+            # (a group of a master taken for down stays due: read once it answers)
+            self.inb.hinted(read - feeds.keys())
         for g, entries in noted.items():  # (in sequence, each after the last read: examined)
             self.stats.bump("hint_entries", len(entries))
             self.hint_placed.add(g)  # (verified by the group's next sweep: _verify_hinted)
@@ -1090,12 +1129,19 @@ class Daemon:
         try:
             poll = self.inb.poll_due(now)
             if poll is not None:
+                self.unanswered, self.poll_skipped = set(), False
                 self.pull_remote(poll)
                 if poll.save:
-                    self._save_state()
-                self.reach.redis_ok(self.clock())
+                    try:
+                        self._save_state()
+                    except Unreached:  # (the host's own keys' master is down: next time)
+                        self.stats.bump("unreached_saves")
+                        self.poll_skipped = True
+                if not self.poll_skipped:  # (a call that reached nothing is no answer: the
+                    self.reach.redis_ok(self.clock())  # metered blocks count those that were)
                 self.last_pull = self.clock()
                 self.inb.polled(poll, now)
+                self.inb.recheck |= self.unanswered
             if self.catching_up and not (self.inb.due or self.inb.recheck or self.inb.pending):
                 self.catching_up = False  # the feeds are read up to their ends again
                 self.keys.set_ready(True)

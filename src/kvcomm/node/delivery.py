@@ -31,6 +31,8 @@ conflict                no       yes   a resolver's key: L2 settles it (a new wr
 not durable             no       no    no replica has it yet: staged again, re-sent
 stored, short           no       yes*  fewer replicas than asked: held (Unconfirmed)
 corrupt                 yes      no    retrying cannot help: set aside
+unreached               no       no    its master is down (L3Store.down): not sent;
+                                       staged again, the others' answers taken
 L3 unreachable          —        —     the push is retried whole, with backoff
 older / merged, lost    no       —     rebase: the host writes it again (see below)
 ======================  =======  ====  ============================================
@@ -176,7 +178,7 @@ from ..core.resolve import MERGED, OLDER
 from ..core.versions import covers, prune, vector_get
 from ..core.window import ClosedWindow, WriteWindow
 from ..errors import CorruptRecord
-from ..tiers.l3 import FeedEntry, FeedNote, L3Record, PushResult
+from ..tiers.l3 import FeedEntry, FeedNote, L3Record, PushResult, Unreached
 
 FEED_COUNT = 500  # entries read per group per poll
 STATE_EVERY = 1.0  # seconds between saves of the feed cursors (those that changed)
@@ -194,6 +196,7 @@ UNCONFIRMED_MAX = 1024  # records pushed short of cluster.wait_replicas held at 
 # why a group is resynced
 GAP, REWIND, UNSEQUENCED = "gap", "rewind", "unsequenced"
 NOT_DURABLE, CORRUPT = "not_durable", "corrupt"  # answers that are not L3 outcomes
+UNREACHED = "unreached"  # not sent: its master is down (L3Store.down); sent again later
 
 
 def _read_already(eid: bytes, cursor: bytes) -> bool:
@@ -463,7 +466,8 @@ class Outbound:
         self.in_flight = Push(items, keep, window, tuple(more))
         return self.in_flight
 
-    def pushed(self, push: Push, results: Sequence[PushResult | CorruptRecord], now: float,
+    def pushed(self, push: Push, results: Sequence[PushResult | CorruptRecord | Unreached],
+               now: float,
                write_sequence: int) -> list[Answer]:
         """L3 answered ``push`` (one result per item, in order); ``write_sequence``: the
         counter of the host's newest dot, read after the push. Returns what to do about
@@ -515,14 +519,16 @@ class Outbound:
                              self.retry_at if self.unsent else None) if t is not None]
         return min(times) if times else None
 
-    def _answer(self, item: PushItem, res: PushResult | CorruptRecord, now: float,
+    def _answer(self, item: PushItem, res: PushResult | CorruptRecord | Unreached, now: float,
                 write_sequence: int) -> Answer:
         if isinstance(res, CorruptRecord):
             return Answer(item.key, item.staged, CORRUPT, True, None, str(res))
-        if not res.durable:  # no replica has it yet: send again next window
+        if isinstance(res, Unreached) or not res.durable:
+            # not sent (its master is down), or no replica has it yet: send again next window
             if item.key not in self.staged:  # (a newer staged write descends from it anyway)
                 self._stage(item.key, item.staged, item.since, now)
-            return Answer(item.key, item.staged, NOT_DURABLE, False, None, "")
+            return Answer(item.key, item.staged,
+                          UNREACHED if isinstance(res, Unreached) else NOT_DURABLE, False, None, "")
         held, sent = res.record, item.record
         if (res.outcome in (OLDER, MERGED) and sent.dot[0] == self.host and held.dot != sent.dot
                 and vector_get(held.vector, self.host) > write_sequence):

@@ -44,7 +44,7 @@ from ..tiers.l2 import TAG_TOMBSTONE, FeedEvent, key_hash
 if TYPE_CHECKING:
     from .._client import Client
     from ..errors import CorruptRecord
-    from ..tiers.l3 import FeedEntry, L3Record, PushResult
+    from ..tiers.l3 import FeedEntry, L3Record, PushResult, Unreached
 
 
 class HostL2(Protocol):
@@ -159,10 +159,12 @@ class L3Port(Protocol):
     the cluster cannot be reached (nothing changed, or the change is idempotent)."""
 
     def push_many(self, items: Sequence[tuple[str, L3Record]],
-                  keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
+                  keep_siblings: Set[str] = frozenset(),
+                  ) -> list[PushResult | CorruptRecord | Unreached]:
         """Push records by the L3 rule, atomically per key; the keys of ``keep_siblings``
         get ``conflict`` for a concurrent record instead of a merge. One answer per item,
-        in order: CorruptRecord for a key whose stored value is not a record of ours."""
+        in order: CorruptRecord for a key whose stored value is not a record of ours,
+        Unreached for one whose master is down (not sent: send it again later)."""
 
     def feed_many(self, cursors: Mapping[int, bytes], count: int = 500,
                   verify: Set[int] = frozenset(), checked: dict[int, bool] | None = None,

@@ -77,7 +77,8 @@ class HostPublisher:
         try:
             snap = host_snapshot(self.host, self.table, self.wall())
             data = msgpack.packb(snap)
-            l3._call(lambda: l3.rc.set(snapshot_key(self.host), data, ex=SNAPSHOT_TTL))
+            # (on the master of the host's own keys; not waited for while it is down)
+            l3._own_key(snapshot_key(self.host), lambda name: l3.rc.set(name, data, ex=SNAPSHOT_TTL))
         except (KVCommError, OSError) as exc:
             self.failures += 1
             if self.failures & (self.failures - 1) == 0:  # the 1st, 2nd, 4th... in a row

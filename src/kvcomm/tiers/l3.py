@@ -230,6 +230,7 @@ FEED_MIN = 100  # events kept per group stream at least, however many groups
 FEED_INLINE = 128  # records up to this size (bytes) ride in their feed entry; larger: value-less
 HISTORIES_MAX = 1024  # nodes whose replication history L3Store.histories keeps at most
 UNSEEN_RETRY = 60.0  # seconds before a node whose INFO was refused or odd is asked again
+DOWN_PING_EVERY = 0.2  # seconds between PINGs of a master taken for down (L3Store.down)
 HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own entry
 PUSH_BATCH = 256  # records of one group one push script call takes at most (~5 ms of Redis)
 # record bytes one push script call takes at most (a record larger goes alone): Redis holds
@@ -931,6 +932,14 @@ def _hint_entry(data: bytes) -> FeedEntry | None:
     return FeedEntry(eid, key, b"", seq, "", note)
 
 
+class Unreached(Unavailable):
+    """Not sent: the master that serves it did not answer lately (a timeout, a refused
+    connection) and is skipped until it answers a PING (:attr:`L3Store.down`), so that
+    one hung master does not hold up the work of the others. In :meth:`L3Store.push_many`'s
+    answers, in the place of a record not pushed (send it again later); raised by a
+    call that reached nothing."""
+
+
 class PushResult(NamedTuple):
     """L3's answer to one pushed record."""
 
@@ -1075,6 +1084,15 @@ class L3Store:
         self._hints: Hints | None = None
         self._hint_entries: list[tuple[int, FeedEntry]] = []  # (hint_entries)
         self._pool: Any = None  # threads that send the masters' pipelines together
+        # master (node name) → when it stopped answering: a master whose pipeline timed
+        # out or whose connection was refused is skipped by push_many, feed_many and
+        # feed_heads (Unreached: the other masters' work goes on, where one hung master
+        # would otherwise hold every push and poll a timeout each) until a PING of it,
+        # in a thread of its own every DOWN_PING_EVERY seconds, is answered
+        self.down: dict[str, float] = {}
+        self._down_lock = threading.Lock()
+        self._pinger: threading.Thread | None = None
+        self._closed = False
         self._ping_turn = 0
         # seconds between slot-map refreshes after a failed call: each one may try every
         # seed for cluster.timeout; the daemon spaces them out in partition mode
@@ -1244,8 +1262,13 @@ class L3Store:
             return False
 
     def get(self, key: str) -> L3Record | None:
-        """The record of ``key``, or None. Raises Unavailable, CorruptRecord."""
-        raw = self._call(lambda: self.rc.get(_wire_key(self.groups.record_key(key))), key)
+        """The record of ``key``, or None. Raises Unavailable, CorruptRecord; Unreached
+        at once while its master is :attr:`down`."""
+        name = _wire_key(self.groups.record_key(key))
+        node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
+        if node.name in self.down:
+            raise Unreached(f"Redis master {node.name} (of {key!r}) is down; read again later")
+        raw = self._call(lambda: self.rc.get(name), key, node=node)
         return None if raw is None else self.decode(raw, key)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
@@ -1272,7 +1295,7 @@ class L3Store:
                     pipe.get(name)
                 return pipe.execute(raise_on_error=False)
 
-            for (key, name), raw in zip(names, self._call(run), strict=True):
+            for (key, name), raw in zip(names, self._call(run, node=node), strict=True):
                 try:
                     if isinstance(raw, Exception):  # moved, or a foreign type: one GET
                         if _key_error(str(raw)) and not str(raw).startswith(_TRANSIENT):
@@ -1289,12 +1312,13 @@ class L3Store:
         last-writer-wins); as :meth:`push_many`. Raises Unavailable, CorruptRecord (the
         stored value is foreign, or the key cannot be sent); nothing is stored then."""
         out = self.push_many([(key, record)], {key} if keep_siblings else frozenset())[0]
-        if isinstance(out, CorruptRecord):
+        if isinstance(out, (CorruptRecord, Unreached)):
             raise out
         return out
 
     def push_many(self, items: Sequence[tuple[str, L3Record]],
-                  keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
+                  keep_siblings: Set[str] = frozenset(),
+                  ) -> list[PushResult | CorruptRecord | Unreached]:
         """Push many records: one pipeline of script calls per master node (a call per
         group and PUSH_BATCH records of it), then (with ``wait_replicas``) a WAIT on the
         same connection. The keys in ``keep_siblings``
@@ -1309,10 +1333,15 @@ class L3Store:
         never stores anything twice. Raises Unavailable when the cluster cannot be
         reached, or a slot stayed on the move past the timeout; what was pushed before
         stays pushed, and pushing it again is harmless.
+
+        A master taken for down (:attr:`down`: it timed out or refused the connection,
+        now or before, and has not answered a PING since) is not waited for: its items
+        get an Unreached in their place, the others are pushed. Raises Unreached when no
+        item reached a master.
         """
         from redis.exceptions import AskError, MovedError, TryAgainError
 
-        out: list[PushResult | CorruptRecord | None] = [None] * len(items)
+        out: list[PushResult | CorruptRecord | Unreached | None] = [None] * len(items)
         route: dict[int, tuple[Any, bool]] = {}  # item → (node, send ASKING first)
         at: dict[int, Any] = {}  # group → its master (every key of a group shares a slot)
         for i, (key, _) in enumerate(items):
@@ -1334,6 +1363,9 @@ class L3Store:
         while route:
             batches: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
             for i, (node, asking) in route.items():
+                if node.name in self.down:  # (not waited for: see down)
+                    out[i] = Unreached(f"Redis master {node.name} is down; sent again later")
+                    continue
                 batches.setdefault((node.name, asking), (node, []))[1].append(i)
             route = {}
             busy = ""
@@ -1342,7 +1374,12 @@ class L3Store:
                 [(node, idxs, asking) for (_, asking), (node, idxs) in batches.items()],
                 items, keep_siblings, sent, alone)
             for (_, asking), (node, idxs) in batches.items():
-                raws, durable, short, call, history = replies[node.name, asking]
+                reply = replies[node.name, asking]
+                if isinstance(reply, Unreached):  # (that master timed out: now down)
+                    for i in idxs:
+                        out[i] = reply
+                    continue
+                raws, durable, short, call, history = reply
                 for i, raw in zip(idxs, raws, strict=True):
                     key = items[i][0]
                     if not isinstance(raw, Exception):
@@ -1388,6 +1425,8 @@ class L3Store:
                 if busy:  # TRYAGAIN: the migration of a batch of keys is under way
                     waits += 1
                     time.sleep(min(0.1, 0.002 * 2 ** min(waits, 6)))
+        if out and all(isinstance(o, Unreached) for o in out):
+            raise out[0]  # type: ignore[misc]
         return out  # type: ignore[return-value]
 
     def _node(self, host: str, port: int) -> Any:
@@ -1424,16 +1463,23 @@ class L3Store:
     def _pipelines(self, jobs: list[tuple[Any, list[int], bool]],
                    items: Sequence[tuple[str, L3Record]], keep_siblings: Set[str],
                    sent: dict[int, tuple[bytes, L3Record]], alone: Set[int] = frozenset(),
-                   ) -> dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str]]:
+                   ) -> dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str] | Unreached]:
         """:meth:`_pipeline` for each (node, item indexes, asking) of ``jobs``, the
         nodes' pipelines in flight together (threads: each master runs its scripts while
         the others do, instead of one master after another). Returns the replies by
-        (node name, asking). Raises what a pipeline raised (Unavailable, CorruptRecord),
-        once every pipeline has returned: what was pushed stays pushed."""
+        (node name, asking); an Unreached for a master that timed out or refused the
+        connection (now :attr:`down`). Raises what another pipeline raised (Unavailable,
+        CorruptRecord), once every pipeline has returned: what was pushed stays pushed."""
         def one(node: Any, idxs: list[int], asking: bool,
-                ) -> tuple[list[Any], bool, bool, int, str]:
-            return self._call(lambda: self._pipeline(node, items, idxs, keep_siblings,  # type: ignore[no-any-return]
-                                                     asking, sent, alone))
+                ) -> tuple[list[Any], bool, bool, int, str] | Unreached:
+            try:
+                return self._call(lambda: self._pipeline(node, items, idxs, keep_siblings,  # type: ignore[no-any-return]
+                                                         asking, sent, alone), node=node)
+            except Unavailable as exc:
+                if node.name in self.down:
+                    return Unreached(f"Redis master {node.name} did not answer ({exc}); "
+                                     "sent again later")
+                raise
 
         if len(jobs) == 1:
             node, idxs, asking = jobs[0]
@@ -1444,7 +1490,7 @@ class L3Store:
             self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
         futures = {(node.name, asking): self._pool.submit(one, node, idxs, asking)
                    for node, idxs, asking in jobs}
-        out: dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str]] = {}
+        out: dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str] | Unreached] = {}
         first: BaseException | None = None
         for name, fut in futures.items():
             try:
@@ -1609,6 +1655,8 @@ class L3Store:
             return False
         if node is None:
             node = self._call(lambda: self.rc.get_node_from_key(probe))  # type: ignore[no-untyped-call]
+        if node.name in self.down:
+            return False  # (not waited for: probed again once it answers a PING)
         call = next(self._calls)
         conn = self.rc.get_redis_connection(node)
         before = self.histories.get(node.name, "")
@@ -1626,7 +1674,7 @@ class L3Store:
             return pipe.execute(raise_on_error=False)
 
         try:
-            raws = self._call(run)
+            raws = self._call(run, node=node)
         except Unavailable:
             # a master that cannot be reached, and that the slot map (re-read by _call)
             # no longer has serving the group: failed over, dead for good maybe — it
@@ -1711,9 +1759,17 @@ class L3Store:
         node than its last read (a failover's new master, a migrated slot) or read again
         through the cluster client (its slot moved) is checked too, whether in ``verify``
         or not. Raises Unavailable when the cluster cannot be reached.
+
+        The groups of a master taken for down (:attr:`down`), or that times out now, are
+        left out (read them later); raises Unreached when no master answered.
         """
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
+        skipped = answered = 0
         for node, gs in self._by_node(cursors).values():
+            if node.name in self.down:
+                skipped += 1
+                continue
+
             def run(node: Any = node, gs: list[int] = gs) -> list[Any]:
                 conn = self.rc.get_redis_connection(node)
                 mine = [g for g in gs if checked is not None and (
@@ -1737,7 +1793,12 @@ class L3Store:
                         self._feed_node[g] = node.name
                 return raws[:len(gs)]
 
-            for g, rows in zip(gs, self._call(run), strict=True):
+            replies = self._down_or_raise(run, node)
+            if replies is None:
+                skipped += 1
+                continue
+            answered += 1
+            for g, rows in zip(gs, replies, strict=True):
                 name = self.groups.feed_key(g)
                 try:
                     if isinstance(rows, Exception):  # the slot moved: one call, redirects followed
@@ -1754,7 +1815,20 @@ class L3Store:
                     out[g] = [_entry(eid, f) for eid, f in rows]
                 except CorruptRecord as exc:
                     out[g] = exc
+        if skipped and not answered:
+            raise Unreached(f"the Redis master(s) of {len(cursors)} feed(s) are down; "
+                            "read again later")
         return out
+
+    def _down_or_raise(self, run: Callable[[], Any], node: Any) -> Any:
+        """``run()`` on master ``node``: its answer, or None when it timed out or refused
+        the connection (it is then :attr:`down`). Raises Unavailable for other errors."""
+        try:
+            return self._call(run, node=node)
+        except Unavailable:
+            if node.name in self.down:
+                return None
+            raise
 
     def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         """Each group's sequence number now (0: no change yet; None: a foreign value).
@@ -1771,10 +1845,16 @@ class L3Store:
         One read-only script call per master per SWEEP_BATCH groups (SWEEP_LUA); a
         counter that call cannot read (its slot moved or is moving) is read again through
         the cluster client, redirects followed, without its tail. Raises Unavailable.
+        The groups of a master :attr:`down` (or that times out now) are left out;
+        raises Unreached when no master answered.
         """
         out: dict[int, tuple[int | None, bytes | None]] = {}
+        skipped = answered = 0
         for node, gs in self._by_node(groups).values():
             for at in range(0, len(gs), SWEEP_BATCH):
+                if node.name in self.down:
+                    skipped += 1
+                    break
                 part = gs[at:at + SWEEP_BATCH]
 
                 def run(node: Any = node, part: list[int] = part) -> list[Any]:
@@ -1782,7 +1862,11 @@ class L3Store:
                     return list(self._eval_on(node, self._sweep, "1" if tails else "0",
                                               *names))
 
-                raws = self._call(run)
+                raws = self._down_or_raise(run, node)
+                if raws is None:
+                    skipped += 1
+                    break
+                answered += 1
                 step = 2 if tails else 1
                 for i, g in enumerate(part):
                     raw, tail = raws[step * i], raws[step * i + 1] if tails else None
@@ -1795,6 +1879,8 @@ class L3Store:
                             raw = b"?"
                     out[g] = (0 if raw is None else _as_seq(raw),
                               tail if isinstance(tail, bytes) and _valid_id(tail) else None)
+        if skipped and not answered:
+            raise Unreached("the Redis masters of the groups to sweep are down; swept later")
         return out
 
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
@@ -2013,7 +2099,7 @@ class L3Store:
 
     def save_hot(self, host: str, keys: list[str]) -> None:
         """This host's hot-key list, for the next daemon run to prewarm L2 with."""
-        self._call(lambda: self.rc.set(f"kvn:{{{host}}}:hot", msgpack.packb(keys)))
+        self._own_key(f"kvn:{{{host}}}:hot", lambda name: self.rc.set(name, msgpack.packb(keys)))
 
     def load_hot(self, host: str) -> list[str]:
         """The hot-key list :meth:`save_hot` saved; [] when there is none or it is not
@@ -2170,6 +2256,7 @@ class L3Store:
         return out
 
     def close(self) -> None:
+        self._closed = True  # (the pinger, if any, ends at its next turn)
         if self._hints is not None:
             self._hints.close()
         if self._pool is not None:
@@ -2178,9 +2265,13 @@ class L3Store:
 
     def _own_key(self, name: str, write: Any) -> None:
         """``write(name)`` to a key of KVCOMM's own (``kvn:``); if something else left a
-        value of another type there, replace it. Raises Unavailable, CorruptRecord."""
+        value of another type there, replace it. Raises Unavailable, CorruptRecord;
+        Unreached at once when the key's master is :attr:`down`."""
+        node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
+        if node.name in self.down:
+            raise Unreached(f"Redis master {node.name} (of {name}) is down; written later")
         try:
-            self._call(lambda: write(name), name)
+            self._call(lambda: write(name), name, node=node)
         except CorruptRecord:
             self._call(lambda: self.rc.delete(name))
             self._call(lambda: write(name), name)
@@ -2239,8 +2330,10 @@ class L3Store:
             return PushResult(key, outcome, sent[1], seq=seq, entry=entry)
         return PushResult(key, outcome, self.decode(data, key), seq=seq, entry=entry)
 
-    def _call(self, fn: Any, key: str | None = None) -> Any:
-        """Run one Redis call; errors translated (``key`` names the value a key error is about)."""
+    def _call(self, fn: Any, key: str | None = None, node: Any = None) -> Any:
+        """Run one Redis call; errors translated (``key`` names the value a key error is
+        about; ``node``: the master the call went to, taken for down (:attr:`down`) if
+        it timed out or refused the connection)."""
         from redis import exceptions as rex
 
         try:
@@ -2255,8 +2348,53 @@ class L3Store:
                 rex.ClusterError, rex.RedisClusterException) as exc:
             # (RedisClusterException: redis-py re-read the slot map after a timeout and
             # no seed answered: "Redis Cluster cannot be connected")
+            if node is not None and isinstance(exc, (rex.ConnectionError, rex.TimeoutError)):
+                self._went_down(node, exc)
             self._refresh_topology()
             raise Unavailable(f"Redis Cluster unreachable: {exc}; the write stays in L2") from None
+
+    # ------------------------------------------------------------------ masters down
+
+    def _went_down(self, node: Any, why: object) -> None:
+        """Take master ``node`` for down (:attr:`down`) and make sure the pinger runs."""
+        with self._down_lock:
+            if node.name in self.down or self._closed:
+                return
+            self.down[node.name] = time.monotonic()
+            log.warning("Redis master %s did not answer (%s): skipped until it answers a "
+                        "PING; the other masters' pushes and feeds go on", node.name, why)
+            if self._pinger is None:
+                self._pinger = threading.Thread(target=self._ping_down, daemon=True,
+                                                name="kvcomm-down")
+                self._pinger.start()
+
+    def _ping_down(self) -> None:
+        """The pinger: PING every master taken for down, each DOWN_PING_EVERY seconds,
+        and let those that answer (or that left the slot map) be used again; re-read the
+        slot map while one is still down. Ends when none is down (or on close)."""
+        while not self._closed:
+            with self._down_lock:
+                if not self.down:
+                    self._pinger = None
+                    return
+                names = list(self.down)
+            for name in names:
+                node = self.rc.get_node(node_name=name)  # type: ignore[no-untyped-call]
+                try:  # (gone from the slot map: nothing routes there any more)
+                    back = node is None or bool(self.rc.get_redis_connection(node).ping())
+                except Exception:
+                    back = False
+                if back:
+                    with self._down_lock:
+                        since = self.down.pop(name, None)
+                    if since is not None:
+                        log.warning("Redis master %s answers again (after %.1fs)", name,
+                                    time.monotonic() - since)
+            if self.down:  # (a master dead for good: the slot map names its successor;
+                self._refresh_topology()  # the calls that skip it make no call to learn it)
+            time.sleep(DOWN_PING_EVERY)
+        with self._down_lock:
+            self._pinger = None
 
     def _refresh_topology(self, force: bool = False) -> None:
         """Re-read the slot map (after a failover our per-node pipelines would keep
