@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -22,6 +23,14 @@ settings.register_profile("kvcomm", deadline=None, print_blob=True)
 settings.load_profile("kvcomm")
 
 SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
+
+
+@pytest.fixture
+def seed() -> int:
+    """A random seed for a randomised test, printed (pytest shows it when the test fails)."""
+    s = random.randrange(2**32)
+    print(f"seed={s}")
+    return s
 
 
 @pytest.fixture

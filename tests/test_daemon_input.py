@@ -6,7 +6,6 @@ into Redis, as a foreign program (or an attacker) would."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -41,13 +40,6 @@ local s = redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[1], '*', 'k', ARGV[1], 'r', ARGV[2], 's', s)
 return s
 """
-
-
-@pytest.fixture
-def seed() -> int:
-    s = random.randrange(2**32)
-    print(f"seed={s}")
-    return s
 
 
 def inject_entry(store: L3Store, group: int, key: bytes, rec: bytes) -> None:

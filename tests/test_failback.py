@@ -21,7 +21,6 @@ re-push answered ``equal``, and the record delivered instead of held until the b
 
 from __future__ import annotations
 
-import random
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -56,13 +55,6 @@ def store(cluster: RedisCluster) -> Iterator[L3Store]:
     s = L3Store(cluster.seeds)
     yield s
     s.close()
-
-
-@pytest.fixture
-def seed() -> int:
-    s = random.randrange(2**32)
-    print(f"seed={s}")
-    return s
 
 
 def _info(port: int) -> dict[str, str]:

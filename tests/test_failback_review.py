@@ -29,7 +29,6 @@ from kvcomm.tiers.l3 import L3Store, feed_key, group_of
 from .conftest import wait_for
 from .daemon_harness import Host, record
 from .test_failback import SHORT, _hold, _serving, _shard, _try, _value
-from .test_failback import seed as seed  # noqa: F401  (the fixture)
 
 pytestmark = [
     pytest.mark.redis,

@@ -22,7 +22,6 @@ it again, unless L3 has since taken a record that covers it (a later delete).
 
 from __future__ import annotations
 
-import random
 import shutil
 import threading
 import time
@@ -52,13 +51,6 @@ def cluster() -> Iterator[RedisCluster]:
     """A Redis Cluster of this module's own, a shard per test (see _USED)."""
     with RedisCluster(masters=10) as c:
         yield c
-
-
-@pytest.fixture
-def seed() -> int:
-    s = random.randrange(2**32)
-    print(f"seed={s}")
-    return s
 
 
 def _replica_of(master: int) -> int:

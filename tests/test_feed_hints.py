@@ -7,7 +7,6 @@ hint costs a read, never a change. On a real Redis Cluster."""
 
 from __future__ import annotations
 
-import random
 import shutil
 from typing import Any
 
@@ -27,13 +26,6 @@ pytestmark = [
 
 BIG = "x" * 1000  # a record far over FEED_INLINE: its entry is value-less
 NO_SWEEP = {"feed_sweep_rate": 1}  # a sweep slice every 256 s: only hints (and gaps) find changes
-
-
-@pytest.fixture
-def seed() -> int:
-    s = random.randrange(2**32)
-    print(f"seed={s}")
-    return s
 
 
 def feed_bytes(h: Host) -> int:

@@ -6,7 +6,6 @@ keeps refreshing every held key. On a real Redis Cluster."""
 
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
@@ -26,13 +25,6 @@ pytestmark = [
 ]
 
 BIG = "x" * 1000  # value-less entries: the record is read from L3 only if wanted
-
-
-@pytest.fixture
-def seed() -> int:
-    s = random.randrange(2**32)
-    print(f"seed={s}")
-    return s
 
 
 def push(store: L3Store, key: str, value: str, counter: int) -> None:

@@ -39,13 +39,6 @@ pytestmark = [
 BIG = "x" * 1000  # a value whose record is far over FEED_INLINE
 
 
-@pytest.fixture
-def seed() -> int:
-    s = random.randrange(2**32)
-    print(f"seed={s}")
-    return s
-
-
 def raw_entries(store: L3Store, key: str, after: bytes = b"0-0") -> list[dict[bytes, bytes]]:
     """The fields of the feed entries of ``key`` after ``after``, as Redis holds them."""
     rows = store.rc.xrange(feed_key(group_of(key)), min=b"(" + after)

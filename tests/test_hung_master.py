@@ -12,7 +12,6 @@ partition mode after its lease TTL.
 
 from __future__ import annotations
 
-import random
 import shutil
 from collections.abc import Iterator
 
@@ -37,13 +36,6 @@ HUNG_NODE_TIMEOUT_MS = 120_000  # no failover while a test holds its master stop
 def cluster() -> Iterator[RedisCluster]:
     with RedisCluster(masters=3, replicas=0, node_timeout_ms=HUNG_NODE_TIMEOUT_MS) as c:
         yield c
-
-
-@pytest.fixture
-def seed() -> int:
-    s = random.randrange(2**32)
-    print(f"seed={s}")
-    return s
 
 
 def _master_port(store: L3Store, key: str) -> int:
