@@ -15,6 +15,8 @@ import kvcomm
 from kvcomm._wait import wait_until
 from kvcomm.tiers import l2
 
+from .daemon_harness import SharedRedisCluster
+
 T = TypeVar("T")
 
 # CI machines are shared and noisy: no per-example deadline; a failure prints the blob
@@ -50,6 +52,17 @@ def kv(ns: str, config: kvcomm.Config) -> Iterator[kvcomm.Client]:
     client = kvcomm.open(ns, config=config)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def shared_redis_cluster() -> Iterator[SharedRedisCluster]:
+    """The Redis Cluster that modules taking ``daemon_harness.shared_cluster_fixture``
+    share (started on first use, stopped at the session's end)."""
+    shared = SharedRedisCluster()
+    try:
+        yield shared
+    finally:
+        shared.stop()
 
 
 def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "condition", *,

@@ -20,7 +20,7 @@ import kvcomm
 from kvcomm.tiers import l2
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 
 
 def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
