@@ -11,14 +11,16 @@ import random
 import shutil
 import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 
 import kvcomm
 from kvcomm.core import codec
-from kvcomm.devcluster.redis_cluster import RedisCluster
+from kvcomm.devcluster.redis_cluster import RedisCluster, cluster_ok
 from kvcomm.node.daemon import NodeDaemon
 from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store
@@ -31,6 +33,62 @@ def cluster_fixture() -> Iterator[RedisCluster]:
         pytest.skip("redis-server is not installed")
     with RedisCluster() as c:
         yield c
+
+
+@pytest.fixture(scope="module", name="cluster")
+def shared_cluster_fixture(shared_redis_cluster: SharedRedisCluster) -> RedisCluster:
+    """The suite's one shared Redis Cluster, emptied for this module (see
+    :class:`SharedRedisCluster`): for modules that only read and write keys. A module
+    that kills, pauses or partitions a node, moves a slot or changes a node's config
+    takes :func:`cluster_fixture` (a cluster of its own) instead."""
+    return shared_redis_cluster.take()
+
+
+class SharedRedisCluster:
+    """One Redis Cluster (3 masters, 3 replicas, as :func:`cluster_fixture`'s) that the
+    modules taking :func:`shared_cluster_fixture` use in turn, so that they pay its start
+    (~7 s on 2 cores) once. Each module gets it empty: :meth:`take` runs FLUSHALL on every
+    master and waits for the replicas to apply it, so no key, feed stream, cursor, write
+    mark or group count of an earlier module is left (what a fresh cluster would hold).
+    A module that finds it broken (a node down, a slot unserved) gets a fresh one."""
+
+    def __init__(self) -> None:
+        self.cluster: RedisCluster | None = None
+
+    def _whole(self) -> bool:
+        c = self.cluster
+        if c is None or any(p.poll() is not None for p in c.procs.values()):
+            return False
+        try:
+            return (all(cluster_ok(p) for p in c.ports)
+                    and len(c.master_ports()) == c.masters)
+        except OSError:
+            return False
+
+    def take(self) -> RedisCluster:
+        """The cluster, whole and empty (a fresh one when the last module broke it)."""
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed")
+        if self.cluster is not None and not self._whole():
+            warnings.warn("the shared Redis Cluster was broken by the previous module that "
+                          "used it: starting a fresh one", stacklevel=1)
+            self.stop()
+        if self.cluster is None:
+            self.cluster = RedisCluster().start()
+        c = self.cluster
+        for port in c.master_ports():
+            # one connection: WAIT counts the replicas that applied this client's FLUSHALL
+            # (and asks them at once, where wait_replicated waits for their 1 s ACKs)
+            with redis.Redis(host="127.0.0.1", port=port, socket_timeout=30) as r:
+                r.flushall()
+                acked = r.wait(c.replicas, 20_000)
+            assert acked >= c.replicas, f"the replicas of {port} did not apply FLUSHALL"
+        return c
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
 
 @pytest.fixture(name="store")

@@ -15,7 +15,7 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import GROUPS, PUSH_LUA, L3Record, L3Store, feed_key, group_of, seq_key
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, record, remote_put, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import Host, record, remote_put, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.redis,

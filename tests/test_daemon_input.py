@@ -28,7 +28,7 @@ from kvcomm.tiers.l2 import key_hash
 from kvcomm.tiers.l3 import L3Record, L3Store, feed_key, group_of, record_key, seq_key
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, host_config, record, remote_put, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import Host, host_config, record, remote_put, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.redis,

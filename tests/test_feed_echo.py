@@ -17,7 +17,7 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import L3Store, group_of
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401
+from .daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.redis,
               pytest.mark.skipif(shutil.which("redis-server") is None,

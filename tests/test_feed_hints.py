@@ -16,7 +16,7 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import PUSH_LUA, FeedNote, L3Store, feed_key, group_of, seq_key
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from .test_daemon_feed import same_group_keys
 
 pytestmark = [

@@ -16,7 +16,7 @@ from kvcomm.tiers.l2 import key_hash
 from kvcomm.tiers.l3 import L3Store, group_of
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from .test_feed_hints import settled
 
 pytestmark = [

@@ -29,7 +29,7 @@ from kvcomm.tiers.l3 import (
 )
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.redis,

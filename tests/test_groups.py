@@ -18,7 +18,7 @@ from kvcomm.tiers.groups import LEGACY_GROUPS, SLOTS, Groups, groups, key_slot, 
 from kvcomm.tiers.l3 import FEED_MIN, META_GROUPS, L3Store
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, record  # noqa: F401 (the fixture)
+from .daemon_harness import Host, record, shared_cluster_fixture  # noqa: F401 (the fixture)
 
 
 @pytest.mark.parametrize("count", [32, 1024, 16384])

@@ -46,7 +46,7 @@ from kvcomm.tiers.groups import groups as groups_of
 from kvcomm.tiers.shm.layout import H
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed")

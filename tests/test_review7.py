@@ -31,7 +31,7 @@ from kvcomm.tiers import l2
 from kvcomm.tiers.l2 import SLOT, SLOT_WORDS, key_hash
 
 from .conftest import wait_for
-from .daemon_harness import cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from .daemon_harness import shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 
 CTX = mp.get_context("fork")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,7 +23,7 @@ from kvcomm.tiers import l2
 from kvcomm.tiers.shm import migrate as mig
 
 from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, record, store_fixture  # noqa: F401
+from .daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
 from .test_migrate import _old_segment
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "segment-layout2.bin.gz"

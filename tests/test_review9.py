@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from kvcomm.tiers.etcd import EtcdClient
 
 from ._devcluster import NEEDS_ETCD, StrongHosts, etcd_fixture, strong_hosts_fixture
 from .conftest import wait_for
+from .daemon_harness import SharedRedisCluster
 
 pytestmark = NEEDS_ETCD
 
@@ -274,13 +276,13 @@ def test_cluster_status_survives_hostile_records(etcd: EtcdCluster) -> None:
             e.delete(MEMBERS_PREFIX + b"h-" + tag.encode(), prefix=True)
 
 
-def test_the_published_status_names_the_namespace() -> None:
+def test_the_published_status_names_the_namespace(
+        shared_redis_cluster: SharedRedisCluster) -> None:
     """F5: ``cluster status --json`` printed ``"namespace": null`` for every host: the
     daemon never published its namespace, which the listing then read."""
     import random
     import shutil
 
-    from kvcomm.devcluster.redis_cluster import RedisCluster
     from kvcomm.node.daemon import NodeDaemon
 
     from .daemon_harness import host_config
@@ -288,7 +290,7 @@ def test_the_published_status_names_the_namespace() -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     ns = f"tr9-{uuid.uuid4().hex[:8]}"
-    with RedisCluster() as rc:
+    with nullcontext(shared_redis_cluster.take()) as rc:  # (no fault: the shared one)
         d = NodeDaemon(host_config(rc, "host-ns", ns), rng=random.Random(1))
         try:
             st = d.status()
@@ -402,7 +404,7 @@ def test_a_write_a_stopping_member_gave_up_on_is_of_unknown_outcome(
 
 
 def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, shared_redis_cluster: SharedRedisCluster) -> None:
     """F9: ``cluster.max_clock_skew`` was a setting and versions.SkewMonitor a class, but
     nothing used either: a host whose clock ran an hour ahead had its writes merged
     with their timestamps adopted, winning last-writer-wins over every later write of
@@ -414,14 +416,13 @@ def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
     import time
 
     from kvcomm.core.versions import LOGICAL_BITS
-    from kvcomm.devcluster.redis_cluster import RedisCluster
     from kvcomm.tiers.l3 import L3Store
 
     from .daemon_harness import Host, record
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    with RedisCluster() as rc:
+    with nullcontext(shared_redis_cluster.take()) as rc:  # (no fault: the shared one)
         h = Host(rc, "host-1", 7)
         store = L3Store(rc.seeds)
         try:

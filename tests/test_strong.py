@@ -217,16 +217,19 @@ def test_no_majority_is_unavailable_within_twice_the_timeout(hosts: StrongHosts,
            "cas": lambda: a.put(k, 3, expect=v), "delete": lambda: a.delete(k),
            "update": lambda: a.update(k, lambda x: x + 1),
            "validated": lambda: a.put("task/val/1", 1)}
+    bound = 2 * TIMEOUT + 0.5
     times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(2):
-        for name, op in ops.items():
-            t0 = time.monotonic()
+    for name, op in ops.items():
+        for _ in range(2):  # a machine stall can stretch one call, not both: a second
+            t0 = time.monotonic()  # try only when the first one was over the bound
             with pytest.raises(kvcomm.Unavailable):
                 op()
             times[name].append(time.monotonic() - t0)
+            if times[name][-1] < bound:
+                break
     print("Unavailable after (s):", {n: [round(t, 2) for t in ts] for n, ts in times.items()})
-    for name, ts in times.items():  # a machine stall can stretch one call, not both
-        assert min(ts) < 2 * TIMEOUT + 0.5, (name, ts)
+    for name, ts in times.items():
+        assert min(ts) < bound, (name, ts)
     for i in victims:
         healthy._spawn(i)
     healthy.wait_healthy(60)
