@@ -27,65 +27,6 @@ settings.load_profile("kvcomm")
 SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
 
 
-def _replicas_sync_at_once_at_start() -> None:
-    """A Redis Cluster the suite starts in this process (``RedisCluster.start``, which
-    ``devcluster.up`` calls too) starts its nodes with ``repl-diskless-sync-delay 0``:
-    Redis 7's default (5 s) makes each master wait 5 s for more replicas before the full
-    sync that ``start`` waits for, so every cluster start cost 5 s more. Once started,
-    every node is set back to the default, so what the tests see of replication
-    afterwards (failovers, a killed node's rejoin, a failback) is unchanged: with the
-    delay at 0 throughout, test_failback's failback test times out. Clusters started by
-    a ``kvcomm`` subprocess (test_cli, test_partition, test_devcluster_faults) keep the
-    default from their start."""
-    from kvcomm.devcluster import redis_cluster
-
-    cls = redis_cluster.RedisCluster
-    if getattr(cls.start, "sync_at_once", False):
-        return
-    base_argv, base_start = redis_cluster.node_argv, cls.start
-    starting: list[bool] = []  # (non-empty while a start runs: its nodes get the flag)
-
-    def node_argv(port: int, node_dir: str,
-                  node_timeout_ms: int = redis_cluster.NODE_TIMEOUT_MS) -> list[str]:
-        argv = base_argv(port, node_dir, node_timeout_ms)
-        return [*argv, "--repl-diskless-sync-delay", "0"] if starting else argv
-
-    def start(self: redis_cluster.RedisCluster, timeout: float = 60.0,
-              attempts: int = 3) -> redis_cluster.RedisCluster:
-        starting.append(True)
-        try:
-            base_start(self, timeout, attempts)
-        finally:
-            starting.clear()
-        # the 5 s hid that start returns before gossip has told every node which nodes
-        # are replicas (a node's CLUSTER NODES still lists them as masters: test_review11's
-        # slot mover then met "masters" redis-py did not know): wait until every node
-        # lists them all in their roles
-        def roles_agree() -> bool:
-            for port in self.ports:
-                lines = redis_cluster.command(port, "CLUSTER", "NODES").decode().splitlines()
-                flags = [line.split()[2].split(",") for line in lines if len(line.split()) >= 8]
-                if (len(flags) != len(self.ports) or any(
-                        f in fl for fl in flags for f in ("handshake", "noaddr", "fail", "fail?"))
-                        or sum("master" in fl for fl in flags) != self.masters):
-                    return False
-            return True
-
-        wait_until(roles_agree, timeout, "every node to know every node's role", interval=0.05,
-                   retry_on=(OSError,))
-        for port in self.ports:  # (the default again, for everything after the start)
-            reply = redis_cluster.command(port, "CONFIG", "SET", "repl-diskless-sync-delay", "5")
-            assert reply.startswith(b"+OK"), (port, reply)
-        return self
-
-    start.sync_at_once = True  # type: ignore[attr-defined]
-    redis_cluster.node_argv = node_argv
-    cls.start = start  # type: ignore[method-assign]
-
-
-_replicas_sync_at_once_at_start()
-
-
 @pytest.fixture
 def seed() -> int:
     """A random seed for a randomised test, printed (pytest shows it when the test fails)."""

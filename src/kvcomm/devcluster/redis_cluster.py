@@ -83,14 +83,17 @@ def command(port: int, *args: str, timeout: float = 1.0) -> bytes:
 
 
 NODE_TIMEOUT_MS = 2000
+SYNC_DELAY_S = 5  # Redis 7's repl-diskless-sync-delay, which a cluster runs with once started
 
 
-def node_argv(port: int, node_dir: str, node_timeout_ms: int = NODE_TIMEOUT_MS) -> list[str]:
+def node_argv(port: int, node_dir: str, node_timeout_ms: int = NODE_TIMEOUT_MS,
+              sync_delay_s: int = SYNC_DELAY_S) -> list[str]:
     """The command line of one cluster node (also how a killed node is started again: the
     same port and directory, so its ``nodes.conf`` makes it rejoin the cluster)."""
     return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir,
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(node_timeout_ms), "--save", "",
+            "--repl-diskless-sync-delay", str(sync_delay_s),
             "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]
 
 
@@ -243,10 +246,10 @@ class RedisCluster(Service):
     def seeds(self) -> list[tuple[str, int]]:
         return [("127.0.0.1", p) for p in self.ports]
 
-    def _start_node(self, port: int) -> None:
+    def _start_node(self, port: int, sync_delay_s: int = SYNC_DELAY_S) -> None:
         node_dir = os.path.join(self.dir, str(port))
         os.makedirs(node_dir, exist_ok=True)
-        self.procs[port] = spawn(node_argv(port, node_dir, self.node_timeout_ms),
+        self.procs[port] = spawn(node_argv(port, node_dir, self.node_timeout_ms, sync_delay_s),
                                  detached=self.detached)
 
     @property
@@ -254,10 +257,16 @@ class RedisCluster(Service):
         return [p.pid for p in self.procs.values()]
 
     def start(self, timeout: float = 60.0, attempts: int = 3) -> RedisCluster:
+        """Start the nodes, create the cluster, and wait until every node sees it ok, every
+        replica has made its first sync and every node lists every node in its role.
+        The nodes start with ``repl-diskless-sync-delay`` 0 (Redis 7 waits 5 s for more
+        replicas before a full sync, which every start waited for) and run with the
+        default once started: later syncs (a failover, a killed node's rejoin) are
+        Redis's own. Raises Unavailable (the nodes started are stopped)."""
         deadline = time.monotonic() + timeout
         for attempt in range(attempts):
             for port in self.ports:
-                self._start_node(port)
+                self._start_node(port, sync_delay_s=0)
             if self._all_answer(deadline):
                 break
             # a node could not bind (a port race): stop them all, try other ports
@@ -281,7 +290,27 @@ class RedisCluster(Service):
         for port in self.master_ports():
             self._wait(partial(_replicas_online, port, self.replicas), deadline,
                        f"the replicas of {port} to sync")
+        # (gossip may not yet have told every node which nodes are replicas: a client that
+        # reads CLUSTER NODES from one of those would take a replica for a master)
+        self._wait(self._roles_agree, deadline, "every node to know every node's role")
+        for port in self.ports:
+            reply = command(port, "CONFIG", "SET", "repl-diskless-sync-delay", str(SYNC_DELAY_S))
+            if not reply.startswith(b"+OK"):
+                self.stop()
+                raise Unavailable(f"Redis node {port} refused CONFIG SET: {reply[:200]!r}")
         return self
+
+    def _roles_agree(self) -> bool:
+        """Every node lists every node, none in handshake or failing, ``masters`` of
+        them as masters."""
+        for port in self.ports:
+            lines = command(port, "CLUSTER", "NODES").decode(errors="replace").splitlines()
+            flags = [line.split()[2].split(",") for line in lines if len(line.split()) >= 8]
+            if (len(flags) != len(self.ports)
+                    or any(f in fl for fl in flags for f in ("handshake", "noaddr", "fail", "fail?"))
+                    or sum("master" in fl for fl in flags) != self.masters):
+                return False
+        return True
 
     def _wait(self, cond: Callable[[], bool], deadline: float, what: str) -> None:
         """:func:`wait_until` ``deadline``; stops the whole cluster when it times out."""
