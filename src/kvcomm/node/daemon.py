@@ -1475,13 +1475,21 @@ class NodeDaemon(Daemon):
         due = [g for g, (lo, _) in self.ttl_groups.items() if lo <= wall]
         if not due:
             return
+        skipped: set[int] = set()  # (groups of a master taken for down: done once it answers)
         try:
             assert isinstance(self.l3, L3Store)
-            self.stats.expired_unindexed += self.l3.expire_index(wall, due)
+            self.stats.expired_unindexed += self.l3.expire_index(wall, due, skipped=skipped)
+        except Unreached:  # (every such group's master is down: not waited for, not logged)
+            self.stats.bump("unreached_index")
+            return
         except Unavailable as exc:
             log.warning("dropping expired keys from L3's key index: %s", exc)
             return
+        if skipped:
+            self.stats.bump("unreached_index")
         for g in due:
+            if g in skipped:
+                continue
             _, hi = self.ttl_groups[g]
             if hi <= wall:
                 del self.ttl_groups[g]

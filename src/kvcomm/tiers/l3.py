@@ -1276,7 +1276,9 @@ class L3Store:
         (by the client's slot map); a GET redirected (its slot moved) is sent again
         through the cluster client, redirects followed. A key whose value is foreign or
         that cannot be sent gets a CorruptRecord in its place. Raises Unavailable; a
-        read changes nothing, so the caller may simply read again."""
+        read changes nothing, so the caller may simply read again. Raises Unreached at
+        once, nothing read, when a key's master is :attr:`down` (a daemon's refetch of
+        skipped changes would otherwise wait a timeout on it every round)."""
         out: dict[str, L3Record | None | CorruptRecord] = {}
         by_node: dict[str, tuple[Any, list[tuple[str, bytes]]]] = {}
         for key in dict.fromkeys(keys):
@@ -1287,6 +1289,9 @@ class L3Store:
                 continue
             node = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
                 self.groups.record_key(key)))
+            if node.name in self.down:  # (as get: not waited for; the caller reads again)
+                raise Unreached(f"Redis master {node.name} (of {key!r}) is down; read "
+                                "again later")
             by_node.setdefault(node.name, (node, []))[1].append((key, name))
         for node, names in by_node.values():
             def run(node: Any = node, names: list[tuple[str, bytes]] = names) -> list[Any]:
@@ -1981,11 +1986,15 @@ class L3Store:
         return keys, None if bound is None else bound.decode("utf-8")
 
     def expire_index(self, now: float, groups: Iterable[int] | None = None,
-                     limit: int = 256) -> int:
+                     limit: int = 256, skipped: set[int] | None = None) -> int:
         """Drop the keys past their deadline at ``now`` from the key index of ``groups``
         (None: every group; at most ``limit`` keys per group): one script call per master
-        per INDEX_BATCH groups. Returns how many were dropped. Raises Unavailable."""
-        dropped = 0
+        per INDEX_BATCH groups. Returns how many were dropped. Raises Unavailable.
+
+        The groups of a master :attr:`down` (or that times out now) are left out and
+        added to ``skipped`` (do them later); raises Unreached when no master answered
+        (the node daemon does this once a second: it must not wait on a hung master)."""
+        dropped = answered = missed = 0
         for node, gs in self._by_node_cached(self.groups if groups is None else groups).values():
             for at in range(0, len(gs), INDEX_BATCH):
                 part = gs[at:at + INDEX_BATCH]
@@ -1996,7 +2005,17 @@ class L3Store:
                 def run(node: Any = node, names: list[str] = names) -> Any:
                     return self._eval_on(node, self._expire_index, repr(now), limit, *names)
 
-                dropped += int(self._call(run))
+                got = None if node.name in self.down else self._down_or_raise(run, node)
+                if got is None:
+                    missed += 1
+                    if skipped is not None:
+                        skipped.update(gs[at:])
+                    break
+                answered += 1
+                dropped += int(got)
+        if missed and not answered:
+            raise Unreached("the Redis master(s) of the key index groups to expire are "
+                            "down; expired later")
         return dropped
 
     def _by_node_cached(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:

@@ -1,0 +1,128 @@
+"""Review 21: one hung Redis master (SIGSTOP, no failover) against the calls that
+commit 00e9202 (``L3Store.down``) left waiting on it.
+
+Each finding: a call of the node daemon's loop that still went to a master taken for
+down, so that every round of the host waited a timeout on it again (the stall that
+``L3Store.down`` exists to end), or that left work undone for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvcomm.devcluster.redis_cluster import RedisCluster
+from kvcomm.tiers.l3 import L3Store, Unreached, feed_key, group_of
+
+from .conftest import wait_for
+from .daemon_harness import Host, record
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
+]
+
+HUNG_NODE_TIMEOUT_MS = 120_000  # no failover while a test holds its master stopped
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    with RedisCluster(masters=3, replicas=0, node_timeout_ms=HUNG_NODE_TIMEOUT_MS) as c:
+        yield c
+
+
+def _master_port(store: L3Store, key: str) -> int:
+    return int(store.rc.get_node_from_key(key).port)
+
+
+def _split(store: L3Store, keys: list[str], victim: int) -> tuple[list[str], list[str]]:
+    port = {k: _master_port(store, feed_key(group_of(k))) for k in keys}
+    return [k for k in keys if port[k] == victim], [k for k in keys if port[k] != victim]
+
+
+def _take_down(store: L3Store, key: str) -> None:
+    """A push of ``key`` (whose master is stopped) times out: its master is now down."""
+    with pytest.raises(Unreached):
+        store.push(key, record("x", "h", 1, 1))
+    assert store.down
+
+
+def test_get_many_and_expire_index_do_not_wait_for_a_master_taken_for_down(
+        cluster: RedisCluster, seed: int) -> None:
+    """With a master taken for down, ``get_many`` (the daemon's refetch of skipped
+    changes, its reads of value-less entries) raises Unreached at once instead of
+    waiting a timeout on it — every round of a daemon with a refetch pending would —
+    and ``expire_index`` (once a second in the daemon, for the groups it stored
+    records with a deadline in) does the other masters' groups, names the skipped ones,
+    and raises Unreached only when it reached none."""
+    store = L3Store(cluster.seeds, timeout=1.0)
+    try:
+        keys = [f"r21/{seed}/{i}" for i in range(40)]
+        victim = _master_port(store, feed_key(group_of(keys[0])))
+        hung, healthy = _split(store, keys, victim)
+        assert hung and healthy
+        cluster.pause(victim)
+        try:
+            _take_down(store, hung[0])
+            name = f"127.0.0.1:{victim}"
+            assert name in store.down
+            with pytest.raises(Unreached):  # (was: a timeout, then a plain Unavailable)
+                store.get_many(hung[:1] + healthy[:1])
+            assert store.get_many(healthy) == {k: None for k in healthy}
+            skipped: set[int] = set()
+            groups = {group_of(k) for k in keys}
+            assert store.expire_index(time.time(), groups, skipped=skipped) == 0
+            assert skipped == {group_of(k) for k in hung}
+            with pytest.raises(Unreached):
+                store.expire_index(time.time(), {group_of(k) for k in hung})
+            assert name in store.down  # (none of it waited for the master: still down)
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: not store.down, 15, "the resumed master to answer a PING")
+        assert store.expire_index(time.time(), {group_of(k) for k in keys}) == 0
+    finally:
+        store.close()
+
+
+def test_the_daemons_index_expiry_skips_a_hung_master_and_does_it_once_it_answers(
+        cluster: RedisCluster, seed: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A host stored a key with a TTL in a group of the master then stopped: its
+    daemon's once-a-second expiry of the key index used to go to that master every
+    time (a timeout each second: the whole host's rounds held, a warning each time).
+    Now the group is skipped while the master is down (counted ``unreached_index``,
+    nothing logged) and kept: once the master answers, the expired key leaves the
+    index."""
+    a = Host(cluster, f"r21-a-{seed % 1000}", seed)
+    try:
+        da = a.daemon
+        assert da is not None and isinstance(da.l3, L3Store)
+        store = da.l3
+        keys = [f"r21t/{seed}/{i}" for i in range(40)]
+        victim = _master_port(store, feed_key(group_of(keys[0])))
+        hung, healthy = _split(store, keys, victim)
+        assert hung and healthy
+        a.kv.put(hung[0], "short", ttl=1.0)
+        wait_for(lambda: group_of(hung[0]) in da.ttl_groups, 10, "the TTL key to be pushed")
+        before = da.stats.expired_unindexed
+        caplog.set_level(logging.WARNING, logger="kvcomm")
+        cluster.pause(victim)
+        try:
+            a.kv.put(hung[1], "v")  # (its push times out: the master is taken for down)
+            wait_for(lambda: f"127.0.0.1:{victim}" in store.down, 20, "the master taken for down")
+            wait_for(lambda: da.stats.extra.get("unreached_index", 0) > 0, 20,
+                     "the expiry to skip the hung master's group")
+            assert group_of(hung[0]) in da.ttl_groups  # (kept: done once it answers)
+            assert da.stats.expired_unindexed == before
+            assert not [r for r in caplog.records
+                        if "dropping expired keys" in r.getMessage()], "waited on the hung master"
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: da.stats.expired_unindexed > before, 20,
+                 "the expired key to leave the index once the master answers")
+        assert a.alive, a.error
+    finally:
+        a.close()
