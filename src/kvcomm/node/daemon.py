@@ -267,6 +267,7 @@ class Daemon:
         # this poll's checks whose master was down, and whether a call reached nothing
         self.unanswered: set[int] = set()
         self.poll_skipped = False
+        self.ups_seen = 0  # L3Store.ups when the parked writes were last sent again
         self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
         # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
@@ -420,7 +421,14 @@ class Daemon:
 
     def _push(self, now: float) -> bool:
         """Push every closed window that is due, each answered (and its answers carried
-        out) before the next; stop at the first failure. Returns False if one failed."""
+        out) before the next; stop at the first failure. Returns False if one failed.
+        The writes parked for a master taken for down (Outbound.parked) go again once a
+        master leaves L3Store.down (or none is down)."""
+        if self.out.parked:
+            ups = getattr(self.l3, "ups", 0)
+            if ups != self.ups_seen or not getattr(self.l3, "down", None):
+                self.ups_seen = ups
+                self.stats.bump("unparked", self.out.unpark(now))
         while True:
             push = self.out.next_push(now, self.port.has_resolver, self._shape)
             if push is None:

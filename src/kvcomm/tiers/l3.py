@@ -1090,6 +1090,7 @@ class L3Store:
         # would otherwise hold every push and poll a timeout each) until a PING of it,
         # in a thread of its own every DOWN_PING_EVERY seconds, is answered
         self.down: dict[str, float] = {}
+        self.ups = 0  # masters let out of down so far (the daemon then sends what it parked)
         self._down_lock = threading.Lock()
         self._pinger: threading.Thread | None = None
         self._closed = False
@@ -2406,6 +2407,7 @@ class L3Store:
                 if back:
                     with self._down_lock:
                         since = self.down.pop(name, None)
+                        self.ups += 1
                     if since is not None:
                         log.warning("Redis master %s answers again (after %.1fs)", name,
                                     time.monotonic() - since)
