@@ -201,3 +201,47 @@ def test_outbound_parks_unreached_writes_until_unpark() -> None:
     assert push is not None and {i.key for i in push.items} == {"a", "b"}
     assert {i.record.dot for i in push.items} == {("h", 1), ("h", 3)}
     assert out.delivered() == 0  # (still not answered)
+
+
+@pytest.fixture(scope="module")
+def replicated() -> Iterator[RedisCluster]:
+    """3 masters with a replica each and the default (2 s) node timeout: a master
+    stopped longer is failed over."""
+    with RedisCluster(masters=3, replicas=1) as c:
+        yield c
+
+
+def test_a_master_failed_over_while_down_is_let_go_and_its_successor_used(
+        replicated: RedisCluster, seed: int) -> None:
+    """A master stopped past the node timeout is failed over: the pinger, which re-reads
+    the slot map while one is down, must let it go (it left the map) rather than PING
+    it for ever while its keys stay Unreached; the records it did not take are pushed to
+    its successor. (And it rejoins as a replica after SIGCONT.)"""
+    c = replicated
+    store = L3Store(c.seeds, timeout=1.0)
+    try:
+        keys = [f"r21f/{seed}/{i}" for i in range(40)]
+        victim = _master_port(store, feed_key(group_of(keys[0])))
+        hung, healthy = _split(store, keys, victim)
+        assert hung and healthy
+        c.pause(victim)
+        try:
+            out = store.push_many([(k, record("v1", "h", 1, 1)) for k in keys])
+            assert all(isinstance(o, Unreached) for k, o in zip(keys, out, strict=True)
+                       if k in hung)
+            name = f"127.0.0.1:{victim}"
+            assert name in store.down
+            wait_for(lambda: name not in store.down, 30,
+                     "the stopped master, failed over, to be let go")
+            assert _master_port(store, feed_key(group_of(hung[0]))) != victim  # (the successor)
+            assert store.ups >= 1
+            out = store.push_many([(k, record("v1", "h", 1, 1)) for k in keys])
+            got = dict(zip(keys, out, strict=True))
+            assert all(got[k].outcome == "new" for k in hung)  # (never taken before)
+            assert all(got[k].outcome == "equal" for k in healthy)
+        finally:
+            c.resume(victim)
+        c.wait_restored()
+        assert all(store.get(k).decode_value(k) == "v1" for k in keys)
+    finally:
+        store.close()
