@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvcomm.devcluster.redis_cluster import RedisCluster
+from kvcomm.errors import Unavailable
 from kvcomm.node.delivery import UNREACHED
 from kvcomm.tiers.l3 import L3Store, Unreached, feed_key, group_of
 
@@ -244,4 +245,56 @@ def test_a_master_failed_over_while_down_is_let_go_and_its_successor_used(
         c.wait_restored()
         assert all(store.get(k).decode_value(k) == "v1" for k in keys)
     finally:
+        store.close()
+
+
+@pytest.mark.parametrize("call", ["save_cursors", "get"])
+def test_the_first_own_key_write_or_get_to_a_hung_master_waits_one_timeout(
+        cluster: RedisCluster, seed: int, call: str) -> None:
+    """The daemon's client keeps redis-py's retries (6147892), and its own-key writes
+    (cursors, hot keys, load counts, the write mark, the agents' snapshot) and ``get``
+    went through the cluster client routed by key: redis-py retried each timeout three
+    times, re-reading the slot map before each (measured: 11 s at a 1 s timeout, where
+    a push pipeline takes one), the daemon's whole loop held meanwhile, before the
+    master was taken for down: a new host's first push (its write mark) stalled past
+    the lease TTL. Now they name their node (no retry): one timeout, one slot-map
+    re-read by redis-py (counted here), then the master is down."""
+    store = L3Store(cluster.seeds, timeout=1.0)  # (redis-py's retries, as the daemon's)
+    nm = store.rc.nodes_manager
+    real = nm.initialize
+    reads: list[int] = []
+
+    def initialize(*args: object, **kwargs: object) -> object:
+        reads.append(1)
+        return real(*args, **kwargs)
+
+    try:
+        host = f"r21o-{seed}"
+        key = f"r21o/{seed}/k"
+        name = f"kvn:{{{host}}}:cursors" if call == "save_cursors" else feed_key(group_of(key))
+        victim = _master_port(store, name)
+        nm.initialize = initialize
+        cluster.pause(victim)
+        try:
+            with pytest.raises(Unavailable) as got:
+                if call == "save_cursors":
+                    store.save_cursors(host, {0: b"1-1"}, {0: 1})
+                else:
+                    store.get(key)
+            assert not isinstance(got.value, Unreached)  # (the call that found it hung)
+            assert f"127.0.0.1:{victim}" in store.down
+            assert len(reads) <= 2, f"{len(reads)} slot-map reads: retried"
+            with pytest.raises(Unreached):
+                store.save_cursors(host, {0: b"1-1"}, {0: 1}) if call == "save_cursors" \
+                    else store.get(key)
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: not store.down, 15, "the resumed master to answer a PING")
+        if call == "save_cursors":
+            store.save_cursors(host, {0: b"1-1"}, {0: 1})
+            assert store.load_cursors(host) == ({0: b"1-1"}, {0: 1})
+        else:
+            assert store.get(key) is None
+    finally:
+        nm.initialize = real
         store.close()

@@ -1269,7 +1269,7 @@ class L3Store:
         node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
         if node.name in self.down:
             raise Unreached(f"Redis master {node.name} (of {key!r}) is down; read again later")
-        raw = self._call(lambda: self.rc.get(name), key, node=node)
+        raw = self._call(lambda: self._on(node, "GET", name), key, node=node)
         return None if raw is None else self.decode(raw, key)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
@@ -2119,7 +2119,9 @@ class L3Store:
 
     def save_hot(self, host: str, keys: list[str]) -> None:
         """This host's hot-key list, for the next daemon run to prewarm L2 with."""
-        self._own_key(f"kvn:{{{host}}}:hot", lambda name: self.rc.set(name, msgpack.packb(keys)))
+        packed = msgpack.packb(keys)
+        self._own_key(f"kvn:{{{host}}}:hot",
+                      lambda name, node: self._on(node, "SET", name, packed))
 
     def load_hot(self, host: str) -> list[str]:
         """The hot-key list :meth:`save_hot` saved; [] when there is none or it is not
@@ -2142,18 +2144,17 @@ class L3Store:
         dots of this host in L3 would pass it. Raises Unavailable (also when fewer
         replicas than a push waits for took it; the pushes it covers are not sent)."""
         self._own_key(f"kvn:{{{host}}}:wseq",
-                      lambda name: self._set_replicated(name, int(mark)))
+                      lambda name, node: self._set_replicated(name, int(mark), node))
 
-    def _set_replicated(self, name: str, value: int) -> None:
+    def _set_replicated(self, name: str, value: int, node: Any) -> None:
         """``SET name value``, then (``wait_replicas``) WAIT for the replicas a push
         waits for. Raises what redis-py raises (the caller's _call translates it),
         Unavailable (too few replicas took it; it may be on the master)."""
         if not self.wait_replicas:
-            self.rc.set(name, value)
+            self._on(node, "SET", name, value)
             return
         from redis import exceptions as rex
 
-        node = self.rc.get_node_from_key(name)  # type: ignore[no-untyped-call]
         pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
         pipe.set(name, value)
         pipe.execute_command("ROLE")  # type: ignore[no-untyped-call]
@@ -2194,7 +2195,8 @@ class L3Store:
         ``kvn:{host}:load``: group → count). Raises Unavailable."""
         if ops:
             mapping: dict[Any, Any] = {str(g): n for g, n in ops.items()}
-            self._own_key(f"kvn:{{{host}}}:load", lambda name: self.rc.hset(name, mapping=mapping))
+            self._own_key(f"kvn:{{{host}}}:load", lambda name, node: self._on(
+                node, "HSET", name, *itertools.chain.from_iterable(mapping.items())))
 
     def load_counts(self, host: str) -> dict[int, int]:
         """What :meth:`save_load` recorded for ``host`` ({} when nothing, or not ours).
@@ -2247,8 +2249,8 @@ class L3Store:
         mapping: dict[Any, Any] = {str(g): c for g, c in cursors.items()}
         mapping.update({f"s{g}": s for g, s in (seqs or {}).items()})
         if mapping:
-            self._own_key(f"kvn:{{{host}}}:cursors",
-                          lambda name: self.rc.hset(name, mapping=mapping))
+            self._own_key(f"kvn:{{{host}}}:cursors", lambda name, node: self._on(
+                node, "HSET", name, *itertools.chain.from_iterable(mapping.items())))
 
     def quarantine(self, host: str, key: str, reason: str, when: float,
                    keep: int = QUARANTINE_MAX) -> None:
@@ -2256,11 +2258,9 @@ class L3Store:
         list ``kvn:{host}:quarantine`` (newest first, ``keep`` kept). Raises Unavailable."""
         entry = msgpack.packb([_printable(key)[:1000], _printable(reason)[:1000], when])
 
-        def run(name: str) -> None:
-            pipe = self.rc.pipeline()  # type: ignore[no-untyped-call]
-            pipe.lpush(name, entry)
-            pipe.ltrim(name, 0, keep - 1)
-            pipe.execute()
+        def run(name: str, node: Any) -> None:
+            self._on(node, "LPUSH", name, entry)
+            self._on(node, "LTRIM", name, 0, keep - 1)
 
         self._own_key(f"kvn:{{{host}}}:quarantine", run)
 
@@ -2284,17 +2284,27 @@ class L3Store:
         self.rc.close()
 
     def _own_key(self, name: str, write: Any) -> None:
-        """``write(name)`` to a key of KVCOMM's own (``kvn:``); if something else left a
-        value of another type there, replace it. Raises Unavailable, CorruptRecord;
-        Unreached at once when the key's master is :attr:`down`."""
+        """``write(name, node)`` to a key of KVCOMM's own (``kvn:``) on its master
+        ``node`` (with :meth:`_on`); if something else left a value of another type
+        there, replace it. Raises Unavailable, CorruptRecord; Unreached at once when the
+        key's master is :attr:`down`."""
         node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
         if node.name in self.down:
             raise Unreached(f"Redis master {node.name} (of {name}) is down; written later")
         try:
-            self._call(lambda: write(name), name, node=node)
+            self._call(lambda: write(name, node), name, node=node)
         except CorruptRecord:
-            self._call(lambda: self.rc.delete(name))
-            self._call(lambda: write(name), name)
+            self._call(lambda: self._on(node, "DEL", name), node=node)
+            self._call(lambda: write(name, node), name, node=node)
+
+    def _on(self, node: Any, *args: Any) -> Any:
+        """One command for master ``node`` through the cluster client (a MOVED
+        followed), without redis-py's retries: a command with its target node named is
+        not retried, where one routed by key is retried after each timeout, re-reading
+        the slot map each time (with the daemon's client, five timeouts and more before
+        a hung master is taken for down: every round of the host held meanwhile).
+        Raises what redis-py raises (the caller's _call translates it)."""
+        return self.rc.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ helpers
 
