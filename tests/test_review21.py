@@ -248,6 +248,41 @@ def test_a_master_failed_over_while_down_is_let_go_and_its_successor_used(
         store.close()
 
 
+def test_the_pinger_survives_an_error_and_a_dead_one_is_replaced(
+        cluster: RedisCluster, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinger is the only way out of ``down``: if an unexpected error (here redis-py's
+    node lookup raising once) ended its thread, ``_pinger`` stayed set to the dead
+    thread, no new one was ever started, and the master's keys stayed Unreached (and
+    a daemon's writes for it parked) for good, though it answered again. Now a round's
+    error is logged and the pinger goes on; and a dead pinger is replaced when a
+    master is next taken for down."""
+    store = L3Store(cluster.seeds, timeout=1.0)
+    try:
+        keys = [f"r21g/{seed}/{i}" for i in range(40)]
+        victim = _master_port(store, feed_key(group_of(keys[0])))
+        hung, _ = _split(store, keys, victim)
+        real = store.rc.get_node
+        failed: list[int] = []
+
+        def get_node(*args: object, **kwargs: object) -> object:
+            if kwargs.get("node_name") and not failed:
+                failed.append(1)
+                raise RuntimeError("a bug in the node lookup")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(store.rc, "get_node", get_node)
+        cluster.pause(victim)
+        try:
+            _take_down(store, hung[0])
+            wait_for(lambda: bool(failed), 10, "the pinger to hit the error")
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: not store.down, 15, "the resumed master to be let out of down")
+        assert store.push(hung[0], record("v", "h", 2, 2)).outcome == "new"
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("call", ["save_cursors", "get"])
 def test_the_first_own_key_write_or_get_to_a_hung_master_waits_one_timeout(
         cluster: RedisCluster, seed: int, call: str) -> None:

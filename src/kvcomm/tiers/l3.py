@@ -2393,7 +2393,7 @@ class L3Store:
             self.down[node.name] = time.monotonic()
             log.warning("Redis master %s did not answer (%s): skipped until it answers a "
                         "PING; the other masters' pushes and feeds go on", node.name, why)
-            if self._pinger is None:
+            if self._pinger is None or not self._pinger.is_alive():  # (a dead one: replaced)
                 self._pinger = threading.Thread(target=self._ping_down, daemon=True,
                                                 name="kvcomm-down")
                 self._pinger.start()
@@ -2408,24 +2408,33 @@ class L3Store:
                     self._pinger = None
                     return
                 names = list(self.down)
-            for name in names:
-                node = self.rc.get_node(node_name=name)  # type: ignore[no-untyped-call]
-                try:  # (gone from the slot map: nothing routes there any more)
-                    back = node is None or bool(self.rc.get_redis_connection(node).ping())
-                except Exception:
-                    back = False
-                if back:
-                    with self._down_lock:
-                        since = self.down.pop(name, None)
-                        self.ups += 1
-                    if since is not None:
-                        log.warning("Redis master %s answers again (after %.1fs)", name,
-                                    time.monotonic() - since)
-            if self.down:  # (a master dead for good: the slot map names its successor;
-                self._refresh_topology()  # the calls that skip it make no call to learn it)
+            try:  # (the only way out of down: an error must not end the thread)
+                self._ping_round(names)
+            except Exception:
+                log.exception("pinging the Redis masters taken for down failed; "
+                              "pinged again in %gs", DOWN_PING_EVERY)
             time.sleep(DOWN_PING_EVERY)
         with self._down_lock:
             self._pinger = None
+
+    def _ping_round(self, names: list[str]) -> None:
+        """One round of the pinger: PING each master of ``names``; let go of those that
+        answer or left the slot map; re-read the slot map if one is still down."""
+        for name in names:
+            node = self.rc.get_node(node_name=name)  # type: ignore[no-untyped-call]
+            try:  # (gone from the slot map: nothing routes there any more)
+                back = node is None or bool(self.rc.get_redis_connection(node).ping())
+            except Exception:
+                back = False
+            if back:
+                with self._down_lock:
+                    since = self.down.pop(name, None)
+                    self.ups += 1
+                if since is not None:
+                    log.warning("Redis master %s answers again (after %.1fs)", name,
+                                time.monotonic() - since)
+        if self.down:  # (a master dead for good: the slot map names its successor;
+            self._refresh_topology()  # the calls that skip it make no call to learn it)
 
     def _refresh_topology(self, force: bool = False) -> None:
         """Re-read the slot map (after a failover our per-node pipelines would keep
