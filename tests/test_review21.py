@@ -248,6 +248,49 @@ def test_a_master_failed_over_while_down_is_let_go_and_its_successor_used(
         store.close()
 
 
+def test_an_idle_host_stays_out_of_partition_mode_while_one_master_hangs(
+        cluster: RedisCluster, seed: int) -> None:
+    """An idle host's only Redis calls are its polls: the sweep's slice of group
+    counters, and the groups left unanswered (``recheck``: those of the hung master),
+    checked at every poll. A poll that checks only the hung master's groups reaches
+    nothing (Unreached) and does not count as Redis answering; so between two sweep
+    slices (``slice / feed_sweep_rate`` seconds: 2 s here) nothing did, and once that
+    exceeds the lease TTL (1 s here; or many slices in a row on the hung master, with
+    16384 groups) the host entered partition mode although two masters of three
+    answered. Now a poll that reached nothing while some master is not taken for
+    down PINGs one of those (at most every TTL / 2)."""
+    a = Host(cluster, f"r21-i-{seed % 1000}", seed,
+             cluster_keys={"lease_ttl": 1, "feed_sweep_rate": 128})
+    try:
+        da = a.daemon
+        assert da is not None and isinstance(da.l3, L3Store)
+        store = da.l3
+        keys = [f"r21i/{seed}/{i}" for i in range(40)]
+        victim = _master_port(store, feed_key(group_of(keys[0])))
+        hung, _ = _split(store, keys, victim)
+        wait_for(lambda: da.inb.swept >= 2 * da.inb.slice, 20, "the sweep to be running")
+        assert not da.reach.entered
+        cluster.pause(victim)
+        try:
+            a.kv.put(hung[0], "v")  # (its push times out: the master is taken for down)
+            wait_for(lambda: f"127.0.0.1:{victim}" in store.down, 20, "the master taken for down")
+            mine = {group_of(k) for k in hung}
+            wait_for(lambda: bool(mine & da.inb.recheck), 30,
+                     "a sweep to leave the hung master's groups unanswered (rechecked)")
+            swept = da.inb.swept
+            wait_for(lambda: da.inb.swept >= swept + 2 * da.inb.slice, 30,
+                     "two more sweep slices (4 s) with the master down")
+            assert f"127.0.0.1:{victim}" in store.down  # (it hung throughout)
+            assert not da.reach.entered, da.reach.reason
+            assert da.stats.extra.get("live_master_probes", 0) > 0  # (what kept it out)
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: a.kv.get(hung[0]) == "v" and not store.down, 20, "the master back")
+        assert a.alive, a.error
+    finally:
+        a.close()
+
+
 def test_the_pinger_survives_an_error_and_a_dead_one_is_replaced(
         cluster: RedisCluster, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pinger is the only way out of ``down``: if an unexpected error (here redis-py's

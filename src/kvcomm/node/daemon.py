@@ -1147,6 +1147,8 @@ class Daemon:
                         self.poll_skipped = True
                 if not self.poll_skipped:  # (a call that reached nothing is no answer: the
                     self.reach.redis_ok(self.clock())  # metered blocks count those that were)
+                elif self._live_master_answers():
+                    self.reach.redis_ok(self.clock())
                 self.last_pull = self.clock()
                 self.inb.polled(poll, now)
                 self.inb.recheck |= self.unanswered
@@ -1163,6 +1165,20 @@ class Daemon:
         except Unavailable as exc:
             delay = self.inb.poll_failed(self.clock())
             self._l3_failed(self.inb.backoff, "reading the L3 feed", exc, delay)
+
+    def _live_master_answers(self) -> bool:
+        """A poll reached nothing: its calls all went to masters taken for down
+        (L3Store.down), those of an idle host's sweep-free polls say (the unanswered
+        groups it rechecks). Whether a master not taken for down answers a PING, asked
+        at most every lease TTL / 2 (else nothing would tell Redis answering from a host
+        cut off, and an idle host would enter partition mode over one hung master)."""
+        probe = getattr(self.l3, "live_master_answers", None)  # (the test fakes have none)
+        if probe is None or self.clock() - self.reach.redis_ok_at < self.reach.ttl / 2:
+            return False
+        if probe():
+            self.stats.bump("live_master_probes")
+            return True
+        return False
 
     def _redis_answers(self) -> bool:
         """In partition mode, one cheap probe before a round: a round's calls would each

@@ -1262,6 +1262,24 @@ class L3Store:
         except Exception:  # unreachable, refused, no slot map: not reachable now
             return False
 
+    def live_master_answers(self) -> bool:
+        """Whether a master not taken for :attr:`down` (the next in turn) answers a PING
+        within the timeout: the daemon's evidence that Redis answers when its calls of a
+        round all went to masters taken for down (skipped). False when every master is
+        down, or the one asked does not answer (it is then taken for down). Never
+        raises."""
+        try:
+            masters = [m for m in self.rc.get_primaries()  # type: ignore[no-untyped-call]
+                       if m.name not in self.down]
+            if not masters:
+                return False
+            node = masters[self._ping_turn % len(masters)]
+            self._ping_turn += 1
+            return bool(self._call(lambda: self.rc.get_redis_connection(node).ping(),
+                                   node=node))
+        except Exception:  # unreachable, refused, no slot map: not reachable now
+            return False
+
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord; Unreached
         at once while its master is :attr:`down`."""
