@@ -376,3 +376,47 @@ def test_the_first_own_key_write_or_get_to_a_hung_master_waits_one_timeout(
     finally:
         nm.initialize = real
         store.close()
+
+
+def test_a_group_pending_resync_on_a_hung_master_does_not_fail_every_poll(
+        cluster: RedisCluster, seed: int) -> None:
+    """A group left pending resync (a gap or rewind found, a resync interrupted) is
+    resynced first at every poll, by feed_position through the cluster client: on a
+    hung master, redis-py's retries (five timeouts and more), then Unavailable, and the
+    poll failed — no group read at all, every poll, for as long as it hung. Now the
+    groups of a master taken for down stay pending (``unreached_resyncs``) while the
+    others are resynced and the poll goes on; feed_position raises Unreached at once
+    for them. The daemon is stepped by hand here (its thread stopped): deterministic."""
+    a = Host(cluster, f"r21r-{seed % 1000}", seed)
+    try:
+        da = a.daemon
+        assert da is not None and isinstance(da.l3, L3Store)
+        store = da.l3
+        own = _master_port(store, f"kvn:{{{a.config.node.host_id}}}:cursors")
+        victim = next(p for p in cluster.master_ports() if p != own)
+        keys = [f"r21r/{seed}/{i}" for i in range(40)]
+        hung, healthy = _split(store, keys, victim)
+        assert hung and healthy
+        a.stop(close=False)  # (the loop's thread ended: steps below are the test's)
+        gv, gh = group_of(hung[0]), group_of(healthy[0])
+        cluster.pause(victim)
+        try:
+            a.kv.put(hung[0], "v")
+            wait_for(lambda: (da.step(), f"127.0.0.1:{victim}" in store.down)[1], 20,
+                     "the master taken for down (a push timed out)")
+            with pytest.raises(Unreached):
+                store.feed_position(gv)
+            errors = da.stats.l3_errors
+            da.inb.begin_resync({gv, gh}, missed=False)
+            da.inb.last_poll = float("-inf")  # (a poll now)
+            da.step()
+            assert da.stats.l3_errors == errors  # (the poll did not fail)
+            assert gv in da.inb.pending and gh not in da.inb.pending
+            assert da.stats.extra.get("unreached_resyncs", 0) > 0
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: (da.step(), gv not in da.inb.pending)[1], 20,
+                 "the pending group resynced once its master answers")
+    finally:
+        a.stop_event.set()
+        a.close()

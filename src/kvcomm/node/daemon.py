@@ -739,6 +739,12 @@ class Daemon:
         saved) and are resynced again on the next round.
         """
         self.inb.begin_resync(groups, missed=bool(reason))
+        # (those of a master taken for down stay pending: resynced once it answers, by
+        # the next poll's; else every poll would fail on them for as long as it hangs)
+        down: Set[int] = getattr(self.l3, "down_groups", lambda gs: set())(groups)
+        if down:
+            self.stats.bump("unreached_resyncs", len(down))
+            groups = groups - down
         if reason:
             self.watch_missed += 1  # (a watched key of these groups may have changed unseen)
             self.stats.resyncs += len(groups)

@@ -1907,11 +1907,32 @@ class L3Store:
             raise Unreached("the Redis masters of the groups to sweep are down; swept later")
         return out
 
+    def down_groups(self, groups: Iterable[int]) -> set[int]:
+        """The groups of ``groups`` whose master is taken for :attr:`down` (by the slot
+        map). Raises Unavailable (no slot map)."""
+        if not self.down:
+            return set()
+        return {g for node, gs in self._by_node(groups).values() if node.name in self.down
+                for g in gs}
+
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         """(sequence number, id of the last entry kept or ``0-0``) of one group, read
-        atomically: resuming from there misses no later change. Raises Unavailable."""
+        atomically: resuming from there misses no later change. Raises Unavailable;
+        Unreached at once when the group's master is :attr:`down`."""
+        from redis import exceptions as rex
+
         fk, sk = self.groups.feed_key(group), self.groups.seq_key(group)
-        raw = self._call(lambda: self._position(keys=[fk, sk]), fk)
+        node = self._call(lambda: self.rc.get_node_from_key(fk))  # type: ignore[no-untyped-call]
+        if node.name in self.down:
+            raise Unreached(f"Redis master {node.name} (of group {group}) is down; read later")
+
+        def run() -> Any:
+            try:  # (on its master: one timeout, no redis-py retry, if it hangs)
+                return self._position(keys=[fk, sk], client=self.rc.get_redis_connection(node))
+            except (rex.MovedError, rex.AskError):  # (its slot moved: redirects followed)
+                return self._position(keys=[fk, sk])
+
+        raw = self._call(run, fk, node=node)
         seq = raw[0] if type(raw[0]) is int and raw[0] >= 0 else None
         return seq, _as_id(raw[1])
 
