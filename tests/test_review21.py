@@ -274,7 +274,8 @@ def test_an_idle_host_stays_out_of_partition_mode_while_one_master_hangs(
         try:
             a.kv.put(hung[0], "v")  # (its push times out: the master is taken for down)
             wait_for(lambda: f"127.0.0.1:{victim}" in store.down, 20, "the master taken for down")
-            mine = {group_of(k) for k in hung}
+            mine = store.down_groups(range(len(store.groups)))  # (every group of it)
+            assert mine
             wait_for(lambda: bool(mine & da.inb.recheck), 30,
                      "a sweep to leave the hung master's groups unanswered (rechecked)")
             swept = da.inb.swept
@@ -420,3 +421,38 @@ def test_a_group_pending_resync_on_a_hung_master_does_not_fail_every_poll(
     finally:
         a.stop_event.set()
         a.close()
+
+
+def test_hint_subscriptions_skip_a_master_taken_for_down(
+        cluster: RedisCluster, seed: int) -> None:
+    """Hints.poll subscribes the groups not yet subscribed (all at the first call; those
+    of a broken subscription later), one SSUBSCRIBE each: on a hung master each group
+    waited a connection timeout with redis-py's retries (seconds each, hundreds of
+    groups: the daemon's loop held for minutes; test_review21's idle-host test hung on
+    it). Now a master taken for down is not subscribed at (its groups are reported
+    lost: their counters are checked, and they are subscribed once it answers), and
+    after one failure the node's other groups wait for the next try."""
+    store = L3Store(cluster.seeds, timeout=0.5, groups=16)
+    try:
+        keys = [f"r21h/{seed}/{i}" for i in range(40)]
+        victim = _master_port(store, feed_key(group_of(keys[0], 16), 16))
+        name = f"127.0.0.1:{victim}"
+        mine = {g for g in range(16) if _master_port(store, feed_key(g, 16)) == victim}
+        assert mine and len(mine) < 16
+        cluster.pause(victim)
+        try:
+            with pytest.raises(Unreached):
+                store.push(next(k for k in keys if group_of(k, 16) in mine), record("x", "h", 1, 1))
+            assert name in store.down
+            _, lost = store.hints()  # (the first call: every group subscribed)
+            assert mine <= lost
+            assert store._hints is not None and name not in store._hints.subs
+            assert store._hints.stats["subscribed"] == 16 - len(mine)
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: not store.down, 15, "the resumed master to answer a PING")
+        wait_for(lambda: (store.hints(), store._hints is not None
+                          and store._hints.stats["subscribed"] == 16)[1], 15,
+                 "its groups subscribed once it answers")
+    finally:
+        store.close()

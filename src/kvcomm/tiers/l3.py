@@ -1957,7 +1957,7 @@ class L3Store:
         (:class:`kvcomm.tiers.hints.Hints`). Never blocks; never raises for what Redis
         does (trouble is reported as lost hints)."""
         if self._hints is None:
-            self._hints = Hints(self.rc, self.groups, self._refresh_topology)
+            self._hints = Hints(self.rc, self.groups, self._refresh_topology, down=self.down)
         hinted, lost = self._hints.poll()
         for g, data in self._hints.take_entries():
             entry = _hint_entry(data)
