@@ -1287,7 +1287,7 @@ class L3Store:
         node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
         if node.name in self.down:
             raise Unreached(f"Redis master {node.name} (of {key!r}) is down; read again later")
-        raw = self._call(lambda: self._on(node, "GET", name), key, node=node)
+        raw = self._call(lambda: self.rc.get(name), key, node=node)
         return None if raw is None else self.decode(raw, key)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
@@ -2342,8 +2342,18 @@ class L3Store:
         not retried, where one routed by key is retried after each timeout, re-reading
         the slot map each time (with the daemon's client, five timeouts and more before
         a hung master is taken for down: every round of the host held meanwhile).
-        Raises what redis-py raises (the caller's _call translates it)."""
-        return self.rc.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
+        Raises what redis-py raises (the caller's _call translates it). A connection
+        error (not a timeout) is tried once more, on a new connection: a pooled one a
+        restarted master closed fails at once, where redis-py's retry used to reconnect;
+        a master that refuses fails the second try as fast."""
+        from redis import exceptions as rex
+
+        try:
+            return self.rc.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
+        except rex.TimeoutError:
+            raise
+        except rex.ConnectionError:
+            return self.rc.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ helpers
 
