@@ -267,6 +267,7 @@ class Daemon:
         # this poll's checks whose master was down, and whether a call reached nothing
         self.unanswered: set[int] = set()
         self.poll_skipped = False
+        self.ups_seen = 0  # L3Store.ups when the parked writes were last sent again
         self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
         # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
@@ -420,7 +421,14 @@ class Daemon:
 
     def _push(self, now: float) -> bool:
         """Push every closed window that is due, each answered (and its answers carried
-        out) before the next; stop at the first failure. Returns False if one failed."""
+        out) before the next; stop at the first failure. Returns False if one failed.
+        The writes parked for a master taken for down (Outbound.parked) go again once a
+        master leaves L3Store.down (or none is down)."""
+        if self.out.parked:
+            ups = getattr(self.l3, "ups", 0)
+            if ups != self.ups_seen or not getattr(self.l3, "down", None):
+                self.ups_seen = ups
+                self.stats.bump("unparked", self.out.unpark(now))
         while True:
             push = self.out.next_push(now, self.port.has_resolver, self._shape)
             if push is None:
@@ -731,6 +739,12 @@ class Daemon:
         saved) and are resynced again on the next round.
         """
         self.inb.begin_resync(groups, missed=bool(reason))
+        # (those of a master taken for down stay pending: resynced once it answers, by
+        # the next poll's; else every poll would fail on them for as long as it hangs)
+        down: Set[int] = getattr(self.l3, "down_groups", lambda gs: set())(groups)
+        if down:
+            self.stats.bump("unreached_resyncs", len(down))
+            groups = groups - down
         if reason:
             self.watch_missed += 1  # (a watched key of these groups may have changed unseen)
             self.stats.resyncs += len(groups)
@@ -1139,6 +1153,8 @@ class Daemon:
                         self.poll_skipped = True
                 if not self.poll_skipped:  # (a call that reached nothing is no answer: the
                     self.reach.redis_ok(self.clock())  # metered blocks count those that were)
+                elif self._live_master_answers():
+                    self.reach.redis_ok(self.clock())
                 self.last_pull = self.clock()
                 self.inb.polled(poll, now)
                 self.inb.recheck |= self.unanswered
@@ -1155,6 +1171,20 @@ class Daemon:
         except Unavailable as exc:
             delay = self.inb.poll_failed(self.clock())
             self._l3_failed(self.inb.backoff, "reading the L3 feed", exc, delay)
+
+    def _live_master_answers(self) -> bool:
+        """A poll reached nothing: its calls all went to masters taken for down
+        (L3Store.down), those of an idle host's sweep-free polls say (the unanswered
+        groups it rechecks). Whether a master not taken for down answers a PING, asked
+        at most every lease TTL / 2 (else nothing would tell Redis answering from a host
+        cut off, and an idle host would enter partition mode over one hung master)."""
+        probe = getattr(self.l3, "live_master_answers", None)  # (the test fakes have none)
+        if probe is None or self.clock() - self.reach.redis_ok_at < self.reach.ttl / 2:
+            return False
+        if probe():
+            self.stats.bump("live_master_probes")
+            return True
+        return False
 
     def _redis_answers(self) -> bool:
         """In partition mode, one cheap probe before a round: a round's calls would each
@@ -1475,13 +1505,21 @@ class NodeDaemon(Daemon):
         due = [g for g, (lo, _) in self.ttl_groups.items() if lo <= wall]
         if not due:
             return
+        skipped: set[int] = set()  # (groups of a master taken for down: done once it answers)
         try:
             assert isinstance(self.l3, L3Store)
-            self.stats.expired_unindexed += self.l3.expire_index(wall, due)
+            self.stats.expired_unindexed += self.l3.expire_index(wall, due, skipped=skipped)
+        except Unreached:  # (every such group's master is down: not waited for, not logged)
+            self.stats.bump("unreached_index")
+            return
         except Unavailable as exc:
             log.warning("dropping expired keys from L3's key index: %s", exc)
             return
+        if skipped:
+            self.stats.bump("unreached_index")
         for g in due:
+            if g in skipped:
+                continue
             _, hi = self.ttl_groups[g]
             if hi <= wall:
                 del self.ttl_groups[g]

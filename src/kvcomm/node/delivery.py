@@ -397,6 +397,10 @@ class Outbound:
         self.in_flight: Push | None = None
         self.retry_at = float("-inf")
         self._since: Counter[int] = Counter()  # since → staged records with it
+        # staged keys whose master was down (answered Unreached): in no window, so that
+        # a backlog for a hung master is not re-sent every round, until :meth:`unpark`
+        # (the driver calls it once a master taken for down answers again)
+        self.parked: set[str] = set()
 
     def read(self, cursor: int, records: Iterable[tuple[str, L3Record | None]],
              now: float) -> None:
@@ -447,7 +451,8 @@ class Outbound:
         while self.unsent:
             window = self.unsent[0]
             items = [PushItem(w.key, shape(s.record), s.record, s.since)
-                     for w in window.writes if (s := self.staged.get(w.key)) is not None]
+                     for w in window.writes if (s := self.staged.get(w.key)) is not None
+                     and w.key not in self.parked]
             if items:
                 break
             self.unsent.popleft()  # each of its keys went out with an earlier push
@@ -458,7 +463,8 @@ class Outbound:
             seen = {i.key for i in items}  # (a key in two windows: its latest record, once)
             for later in list(self.unsent)[1:self.merge]:
                 for w in later.writes:
-                    if w.key not in seen and (s := self.staged.get(w.key)) is not None:
+                    if (w.key not in seen and (s := self.staged.get(w.key)) is not None
+                            and w.key not in self.parked):
                         items.append(PushItem(w.key, shape(s.record), s.record, s.since))
                         seen.add(w.key)
                 more.append(later)
@@ -524,9 +530,11 @@ class Outbound:
         if isinstance(res, CorruptRecord):
             return Answer(item.key, item.staged, CORRUPT, True, None, str(res))
         if isinstance(res, Unreached) or not res.durable:
-            # not sent (its master is down), or no replica has it yet: send again next window
+            # not sent (its master is down: parked until one answers again), or no
+            # replica has it yet: send again next window
             if item.key not in self.staged:  # (a newer staged write descends from it anyway)
-                self._stage(item.key, item.staged, item.since, now)
+                self._stage(item.key, item.staged, item.since, now,
+                            park=isinstance(res, Unreached))
             return Answer(item.key, item.staged,
                           UNREACHED if isinstance(res, Unreached) else NOT_DURABLE, False, None, "")
         held, sent = res.record, item.record
@@ -543,17 +551,37 @@ class Outbound:
         return Answer(item.key, item.staged, res.outcome, deliver, None if same else held, "")
 
 
-    def _stage(self, key: str, record: L3Record, since: int, now: float) -> None:
+    def unpark(self, now: float) -> int:
+        """A master taken for down answers again: the parked keys go into the write
+        window again (those still staged), to be pushed. Returns how many."""
+        n = 0
+        for key in self.parked:
+            s = self.staged.get(key)
+            if s is not None:
+                self._window(key, s.record, now)
+                n += 1
+        self.parked.clear()
+        return n
+
+    def _stage(self, key: str, record: L3Record, since: int, now: float,
+               park: bool = False) -> None:
         if key in self.staged:
             self._unstage(key)
         self.staged[key] = Staged(record, since)
         self._since[since] += 1
+        if park:
+            self.parked.add(key)
+        else:
+            self._window(key, record, now)
+
+    def _window(self, key: str, record: L3Record, now: float) -> None:
         size_hint = None if record.tombstone else record.value
         closed = self.window.add(key, size_hint, record.vector, record.hlc, now)
         if closed is not None:
             self.unsent.append(closed)
 
     def _unstage(self, key: str) -> None:
+        self.parked.discard(key)
         since = self.staged.pop(key).since
         self._since[since] -= 1
         if not self._since[since]:

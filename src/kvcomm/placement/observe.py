@@ -78,7 +78,8 @@ class HostPublisher:
             snap = host_snapshot(self.host, self.table, self.wall())
             data = msgpack.packb(snap)
             # (on the master of the host's own keys; not waited for while it is down)
-            l3._own_key(snapshot_key(self.host), lambda name: l3.rc.set(name, data, ex=SNAPSHOT_TTL))
+            l3._own_key(snapshot_key(self.host), lambda name, node: l3._on(
+                node, "SET", name, data, "EX", SNAPSHOT_TTL))
         except (KVCommError, OSError) as exc:
             self.failures += 1
             if self.failures & (self.failures - 1) == 0:  # the 1st, 2nd, 4th... in a row

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from .groups import Groups
@@ -71,8 +71,12 @@ class Hints:
     caller). Never raises for what Redis does: trouble becomes lost hints."""
 
     def __init__(self, rc: Any, groups: Groups, refresh: Callable[[], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 down: Container[str] = frozenset()) -> None:
         self.rc, self.groups, self.refresh, self.clock = rc, groups, refresh, clock
+        # masters taken for down (L3Store.down): not subscribed at (each group's attempt
+        # would wait a connection timeout, redis-py's retries included, on a hung one)
+        self.down = down
         self.subs: dict[str, _Sub] = {}  # node name → its subscription
         self.where: dict[int, str] = {}  # group → node name it is subscribed at
         self.unrouted: set[int] = set(groups)  # groups to subscribe (again)
@@ -186,9 +190,14 @@ class Hints:
     def _subscribe(self, now: float) -> None:
         todo, self.unrouted = self.unrouted, set()
         failed: set[int] = set()
+        skip: set[str] = set()  # (nodes that failed this round: their other groups wait too)
         for g in sorted(todo):
+            node = None
             try:
                 node = self._owner(g)
+                if node.name in self.down or node.name in skip:
+                    failed.add(g)
+                    continue
                 sub = self.subs.get(node.name)
                 if sub is None:
                     pool = self.rc.get_redis_connection(node).connection_pool
@@ -196,6 +205,8 @@ class Hints:
                 sub.ps.ssubscribe(self.groups.hint_channel(g))
             except Exception as exc:  # no owner known, or the node is unreachable: retry
                 log.debug("could not subscribe to group %d's hints: %s", g, exc)
+                if node is not None:
+                    skip.add(node.name)
                 failed.add(g)
                 continue
             sub.groups.add(g)

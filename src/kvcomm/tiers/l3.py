@@ -1090,6 +1090,7 @@ class L3Store:
         # would otherwise hold every push and poll a timeout each) until a PING of it,
         # in a thread of its own every DOWN_PING_EVERY seconds, is answered
         self.down: dict[str, float] = {}
+        self.ups = 0  # masters let out of down so far (the daemon then sends what it parked)
         self._down_lock = threading.Lock()
         self._pinger: threading.Thread | None = None
         self._closed = False
@@ -1261,6 +1262,24 @@ class L3Store:
         except Exception:  # unreachable, refused, no slot map: not reachable now
             return False
 
+    def live_master_answers(self) -> bool:
+        """Whether a master not taken for :attr:`down` (the next in turn) answers a PING
+        within the timeout: the daemon's evidence that Redis answers when its calls of a
+        round all went to masters taken for down (skipped). False when every master is
+        down, or the one asked does not answer (it is then taken for down). Never
+        raises."""
+        try:
+            masters = [m for m in self.rc.get_primaries()  # type: ignore[no-untyped-call]
+                       if m.name not in self.down]
+            if not masters:
+                return False
+            node = masters[self._ping_turn % len(masters)]
+            self._ping_turn += 1
+            return bool(self._call(lambda: self.rc.get_redis_connection(node).ping(),
+                                   node=node))
+        except Exception:  # unreachable, refused, no slot map: not reachable now
+            return False
+
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord; Unreached
         at once while its master is :attr:`down`."""
@@ -1276,7 +1295,9 @@ class L3Store:
         (by the client's slot map); a GET redirected (its slot moved) is sent again
         through the cluster client, redirects followed. A key whose value is foreign or
         that cannot be sent gets a CorruptRecord in its place. Raises Unavailable; a
-        read changes nothing, so the caller may simply read again."""
+        read changes nothing, so the caller may simply read again. Raises Unreached at
+        once, nothing read, when a key's master is :attr:`down` (a daemon's refetch of
+        skipped changes would otherwise wait a timeout on it every round)."""
         out: dict[str, L3Record | None | CorruptRecord] = {}
         by_node: dict[str, tuple[Any, list[tuple[str, bytes]]]] = {}
         for key in dict.fromkeys(keys):
@@ -1287,6 +1308,9 @@ class L3Store:
                 continue
             node = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
                 self.groups.record_key(key)))
+            if node.name in self.down:  # (as get: not waited for; the caller reads again)
+                raise Unreached(f"Redis master {node.name} (of {key!r}) is down; read "
+                                "again later")
             by_node.setdefault(node.name, (node, []))[1].append((key, name))
         for node, names in by_node.values():
             def run(node: Any = node, names: list[tuple[str, bytes]] = names) -> list[Any]:
@@ -1883,11 +1907,32 @@ class L3Store:
             raise Unreached("the Redis masters of the groups to sweep are down; swept later")
         return out
 
+    def down_groups(self, groups: Iterable[int]) -> set[int]:
+        """The groups of ``groups`` whose master is taken for :attr:`down` (by the slot
+        map). Raises Unavailable (no slot map)."""
+        if not self.down:
+            return set()
+        return {g for node, gs in self._by_node(groups).values() if node.name in self.down
+                for g in gs}
+
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         """(sequence number, id of the last entry kept or ``0-0``) of one group, read
-        atomically: resuming from there misses no later change. Raises Unavailable."""
+        atomically: resuming from there misses no later change. Raises Unavailable;
+        Unreached at once when the group's master is :attr:`down`."""
+        from redis import exceptions as rex
+
         fk, sk = self.groups.feed_key(group), self.groups.seq_key(group)
-        raw = self._call(lambda: self._position(keys=[fk, sk]), fk)
+        node = self._call(lambda: self.rc.get_node_from_key(fk))  # type: ignore[no-untyped-call]
+        if node.name in self.down:
+            raise Unreached(f"Redis master {node.name} (of group {group}) is down; read later")
+
+        def run() -> Any:
+            try:  # (on its master: one timeout, no redis-py retry, if it hangs)
+                return self._position(keys=[fk, sk], client=self.rc.get_redis_connection(node))
+            except (rex.MovedError, rex.AskError):  # (its slot moved: redirects followed)
+                return self._position(keys=[fk, sk])
+
+        raw = self._call(run, fk, node=node)
         seq = raw[0] if type(raw[0]) is int and raw[0] >= 0 else None
         return seq, _as_id(raw[1])
 
@@ -1912,7 +1957,7 @@ class L3Store:
         (:class:`kvcomm.tiers.hints.Hints`). Never blocks; never raises for what Redis
         does (trouble is reported as lost hints)."""
         if self._hints is None:
-            self._hints = Hints(self.rc, self.groups, self._refresh_topology)
+            self._hints = Hints(self.rc, self.groups, self._refresh_topology, down=self.down)
         hinted, lost = self._hints.poll()
         for g, data in self._hints.take_entries():
             entry = _hint_entry(data)
@@ -1981,11 +2026,15 @@ class L3Store:
         return keys, None if bound is None else bound.decode("utf-8")
 
     def expire_index(self, now: float, groups: Iterable[int] | None = None,
-                     limit: int = 256) -> int:
+                     limit: int = 256, skipped: set[int] | None = None) -> int:
         """Drop the keys past their deadline at ``now`` from the key index of ``groups``
         (None: every group; at most ``limit`` keys per group): one script call per master
-        per INDEX_BATCH groups. Returns how many were dropped. Raises Unavailable."""
-        dropped = 0
+        per INDEX_BATCH groups. Returns how many were dropped. Raises Unavailable.
+
+        The groups of a master :attr:`down` (or that times out now) are left out and
+        added to ``skipped`` (do them later); raises Unreached when no master answered
+        (the node daemon does this once a second: it must not wait on a hung master)."""
+        dropped = answered = missed = 0
         for node, gs in self._by_node_cached(self.groups if groups is None else groups).values():
             for at in range(0, len(gs), INDEX_BATCH):
                 part = gs[at:at + INDEX_BATCH]
@@ -1996,7 +2045,17 @@ class L3Store:
                 def run(node: Any = node, names: list[str] = names) -> Any:
                     return self._eval_on(node, self._expire_index, repr(now), limit, *names)
 
-                dropped += int(self._call(run))
+                got = None if node.name in self.down else self._down_or_raise(run, node)
+                if got is None:
+                    missed += 1
+                    if skipped is not None:
+                        skipped.update(gs[at:])
+                    break
+                answered += 1
+                dropped += int(got)
+        if missed and not answered:
+            raise Unreached("the Redis master(s) of the key index groups to expire are "
+                            "down; expired later")
         return dropped
 
     def _by_node_cached(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:
@@ -2099,7 +2158,9 @@ class L3Store:
 
     def save_hot(self, host: str, keys: list[str]) -> None:
         """This host's hot-key list, for the next daemon run to prewarm L2 with."""
-        self._own_key(f"kvn:{{{host}}}:hot", lambda name: self.rc.set(name, msgpack.packb(keys)))
+        packed = msgpack.packb(keys)
+        self._own_key(f"kvn:{{{host}}}:hot",
+                      lambda name, node: self._on(node, "SET", name, packed))
 
     def load_hot(self, host: str) -> list[str]:
         """The hot-key list :meth:`save_hot` saved; [] when there is none or it is not
@@ -2122,18 +2183,17 @@ class L3Store:
         dots of this host in L3 would pass it. Raises Unavailable (also when fewer
         replicas than a push waits for took it; the pushes it covers are not sent)."""
         self._own_key(f"kvn:{{{host}}}:wseq",
-                      lambda name: self._set_replicated(name, int(mark)))
+                      lambda name, node: self._set_replicated(name, int(mark), node))
 
-    def _set_replicated(self, name: str, value: int) -> None:
+    def _set_replicated(self, name: str, value: int, node: Any) -> None:
         """``SET name value``, then (``wait_replicas``) WAIT for the replicas a push
         waits for. Raises what redis-py raises (the caller's _call translates it),
         Unavailable (too few replicas took it; it may be on the master)."""
         if not self.wait_replicas:
-            self.rc.set(name, value)
+            self._on(node, "SET", name, value)
             return
         from redis import exceptions as rex
 
-        node = self.rc.get_node_from_key(name)  # type: ignore[no-untyped-call]
         pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
         pipe.set(name, value)
         pipe.execute_command("ROLE")  # type: ignore[no-untyped-call]
@@ -2174,7 +2234,8 @@ class L3Store:
         ``kvn:{host}:load``: group → count). Raises Unavailable."""
         if ops:
             mapping: dict[Any, Any] = {str(g): n for g, n in ops.items()}
-            self._own_key(f"kvn:{{{host}}}:load", lambda name: self.rc.hset(name, mapping=mapping))
+            self._own_key(f"kvn:{{{host}}}:load", lambda name, node: self._on(
+                node, "HSET", name, *itertools.chain.from_iterable(mapping.items())))
 
     def load_counts(self, host: str) -> dict[int, int]:
         """What :meth:`save_load` recorded for ``host`` ({} when nothing, or not ours).
@@ -2227,8 +2288,8 @@ class L3Store:
         mapping: dict[Any, Any] = {str(g): c for g, c in cursors.items()}
         mapping.update({f"s{g}": s for g, s in (seqs or {}).items()})
         if mapping:
-            self._own_key(f"kvn:{{{host}}}:cursors",
-                          lambda name: self.rc.hset(name, mapping=mapping))
+            self._own_key(f"kvn:{{{host}}}:cursors", lambda name, node: self._on(
+                node, "HSET", name, *itertools.chain.from_iterable(mapping.items())))
 
     def quarantine(self, host: str, key: str, reason: str, when: float,
                    keep: int = QUARANTINE_MAX) -> None:
@@ -2236,11 +2297,9 @@ class L3Store:
         list ``kvn:{host}:quarantine`` (newest first, ``keep`` kept). Raises Unavailable."""
         entry = msgpack.packb([_printable(key)[:1000], _printable(reason)[:1000], when])
 
-        def run(name: str) -> None:
-            pipe = self.rc.pipeline()  # type: ignore[no-untyped-call]
-            pipe.lpush(name, entry)
-            pipe.ltrim(name, 0, keep - 1)
-            pipe.execute()
+        def run(name: str, node: Any) -> None:
+            self._on(node, "LPUSH", name, entry)
+            self._on(node, "LTRIM", name, 0, keep - 1)
 
         self._own_key(f"kvn:{{{host}}}:quarantine", run)
 
@@ -2264,17 +2323,37 @@ class L3Store:
         self.rc.close()
 
     def _own_key(self, name: str, write: Any) -> None:
-        """``write(name)`` to a key of KVCOMM's own (``kvn:``); if something else left a
-        value of another type there, replace it. Raises Unavailable, CorruptRecord;
-        Unreached at once when the key's master is :attr:`down`."""
+        """``write(name, node)`` to a key of KVCOMM's own (``kvn:``) on its master
+        ``node`` (with :meth:`_on`); if something else left a value of another type
+        there, replace it. Raises Unavailable, CorruptRecord; Unreached at once when the
+        key's master is :attr:`down`."""
         node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
         if node.name in self.down:
             raise Unreached(f"Redis master {node.name} (of {name}) is down; written later")
         try:
-            self._call(lambda: write(name), name, node=node)
+            self._call(lambda: write(name, node), name, node=node)
         except CorruptRecord:
-            self._call(lambda: self.rc.delete(name))
-            self._call(lambda: write(name), name)
+            self._call(lambda: self._on(node, "DEL", name), node=node)
+            self._call(lambda: write(name, node), name, node=node)
+
+    def _on(self, node: Any, *args: Any) -> Any:
+        """One command for master ``node`` through the cluster client (a MOVED
+        followed), without redis-py's retries: a command with its target node named is
+        not retried, where one routed by key is retried after each timeout, re-reading
+        the slot map each time (with the daemon's client, five timeouts and more before
+        a hung master is taken for down: every round of the host held meanwhile).
+        Raises what redis-py raises (the caller's _call translates it). A connection
+        error (not a timeout) is tried once more, on a new connection: a pooled one a
+        restarted master closed fails at once, where redis-py's retry used to reconnect;
+        a master that refuses fails the second try as fast."""
+        from redis import exceptions as rex
+
+        try:
+            return self.rc.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
+        except rex.TimeoutError:
+            raise
+        except rex.ConnectionError:
+            return self.rc.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ helpers
 
@@ -2363,7 +2442,7 @@ class L3Store:
             self.down[node.name] = time.monotonic()
             log.warning("Redis master %s did not answer (%s): skipped until it answers a "
                         "PING; the other masters' pushes and feeds go on", node.name, why)
-            if self._pinger is None:
+            if self._pinger is None or not self._pinger.is_alive():  # (a dead one: replaced)
                 self._pinger = threading.Thread(target=self._ping_down, daemon=True,
                                                 name="kvcomm-down")
                 self._pinger.start()
@@ -2378,23 +2457,33 @@ class L3Store:
                     self._pinger = None
                     return
                 names = list(self.down)
-            for name in names:
-                node = self.rc.get_node(node_name=name)  # type: ignore[no-untyped-call]
-                try:  # (gone from the slot map: nothing routes there any more)
-                    back = node is None or bool(self.rc.get_redis_connection(node).ping())
-                except Exception:
-                    back = False
-                if back:
-                    with self._down_lock:
-                        since = self.down.pop(name, None)
-                    if since is not None:
-                        log.warning("Redis master %s answers again (after %.1fs)", name,
-                                    time.monotonic() - since)
-            if self.down:  # (a master dead for good: the slot map names its successor;
-                self._refresh_topology()  # the calls that skip it make no call to learn it)
+            try:  # (the only way out of down: an error must not end the thread)
+                self._ping_round(names)
+            except Exception:
+                log.exception("pinging the Redis masters taken for down failed; "
+                              "pinged again in %gs", DOWN_PING_EVERY)
             time.sleep(DOWN_PING_EVERY)
         with self._down_lock:
             self._pinger = None
+
+    def _ping_round(self, names: list[str]) -> None:
+        """One round of the pinger: PING each master of ``names``; let go of those that
+        answer or left the slot map; re-read the slot map if one is still down."""
+        for name in names:
+            node = self.rc.get_node(node_name=name)  # type: ignore[no-untyped-call]
+            try:  # (gone from the slot map: nothing routes there any more)
+                back = node is None or bool(self.rc.get_redis_connection(node).ping())
+            except Exception:
+                back = False
+            if back:
+                with self._down_lock:
+                    since = self.down.pop(name, None)
+                    self.ups += 1
+                if since is not None:
+                    log.warning("Redis master %s answers again (after %.1fs)", name,
+                                time.monotonic() - since)
+        if self.down:  # (a master dead for good: the slot map names its successor;
+            self._refresh_topology()  # the calls that skip it make no call to learn it)
 
     def _refresh_topology(self, force: bool = False) -> None:
         """Re-read the slot map (after a failover our per-node pipelines would keep
