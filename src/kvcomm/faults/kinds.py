@@ -64,6 +64,13 @@ class DevFault(Fault):
         self.pid = None
         return "daemon resumed"
 
+    def _group_master(self, rng: random.Random) -> tuple[int, int]:
+        """A random group and the port of the master serving it now (in the effect)."""
+        group = rng.randrange(GROUPS)
+        port = self.target.master_of_group(group)
+        self.effect.update(group=group, port=port)
+        return group, port
+
     def _host(self, rng: random.Random) -> int:
         i = rng.randrange(self.target.hosts)
         self.effect["host"] = self.target.host_ids[i]
@@ -144,12 +151,10 @@ class KillRedisMaster(DevFault):
     hold = (0.5, 3.0)
 
     def inject(self, rng: random.Random) -> str:
-        group = rng.randrange(GROUPS)
-        port = self.target.master_of_group(group)
+        group, port = self._group_master(rng)
         self.killed_at = time.monotonic()
         pid = self.target.kill_redis(port)
         self.port: int | None = port
-        self.effect.update(group=group, port=port)
         return f"SIGKILL the Redis master on port {port} (pid {pid}, serves group {group})"
 
     def heal(self) -> str:
@@ -175,12 +180,10 @@ class PauseRedisMaster(DevFault):
     hold = (0.5, 4.0)
 
     def inject(self, rng: random.Random) -> str:
-        group = rng.randrange(GROUPS)
-        port = self.target.master_of_group(group)
+        group, port = self._group_master(rng)
         host = self._host(rng)
         self.paused_at = time.monotonic()
         self.paused: int | None = self.target.pause_redis(port)
-        self.effect.update(group=group, port=port)
         # a write the stopped master must take once it answers (or its successor)
         key = key_in_group(f"soak/n/pm{int(self.paused_at * 1000) % 10**9}-", group)
         self._put(host, key)
