@@ -271,7 +271,14 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
             time.sleep(0.1)
         assert devcluster.daemon_alive(ns)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0  # a signal: the one way out
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:  # (its threads' stacks: SIGUSR1, faulthandler)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            raise AssertionError("the daemon did not exit 30 s after SIGTERM; the end of its "
+                                 "log:\n" + log.read_text()[-6000:]) from None
+        assert rc == 0  # a signal: the one way out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -96,6 +96,7 @@ cluster settings or resolvers), or when its own L2 segment or key filter cannot 
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import random
@@ -1618,6 +1619,8 @@ def main(config: Config, name: str | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # `kill -USR1 <pid>`: every thread's stack to stderr (a daemon that seems stuck)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     rng = random.Random()  # seeded by the OS: hosts that boot together wait differently
     backoff = Backoff(rng, base=0.1, cap=5.0, floor=0.05)
     while True:  # a host may boot before its cluster: agents write into L2 meanwhile
