@@ -1284,9 +1284,7 @@ class L3Store:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord; Unreached
         at once while its master is :attr:`down`."""
         name = _wire_key(self.groups.record_key(key))
-        node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
-        if node.name in self.down:
-            raise Unreached(f"Redis master {node.name} (of {key!r}) is down; read again later")
+        node = self._master_up(name, f"{key!r}")
         raw = self._call(lambda: self.rc.get(name), key, node=node)
         return None if raw is None else self.decode(raw, key)
 
@@ -1306,11 +1304,7 @@ class L3Store:
             except CorruptRecord as exc:
                 out[key] = exc
                 continue
-            node = self._call(lambda key=key: self.rc.get_node_from_key(  # type: ignore[no-untyped-call]
-                self.groups.record_key(key)))
-            if node.name in self.down:  # (as get: not waited for; the caller reads again)
-                raise Unreached(f"Redis master {node.name} (of {key!r}) is down; read "
-                                "again later")
+            node = self._master_up(name, f"{key!r}")  # (as get: the caller reads again)
             by_node.setdefault(node.name, (node, []))[1].append((key, name))
         for node, names in by_node.values():
             def run(node: Any = node, names: list[tuple[str, bytes]] = names) -> list[Any]:
@@ -1496,14 +1490,11 @@ class L3Store:
         CorruptRecord), once every pipeline has returned: what was pushed stays pushed."""
         def one(node: Any, idxs: list[int], asking: bool,
                 ) -> tuple[list[Any], bool, bool, int, str] | Unreached:
-            try:
-                return self._call(lambda: self._pipeline(node, items, idxs, keep_siblings,  # type: ignore[no-any-return]
-                                                         asking, sent, alone), node=node)
-            except Unavailable as exc:
-                if node.name in self.down:
-                    return Unreached(f"Redis master {node.name} did not answer ({exc}); "
-                                     "sent again later")
-                raise
+            reply = self._down_or_raise(lambda: self._pipeline(
+                node, items, idxs, keep_siblings, asking, sent, alone), node)
+            if reply is None:
+                return Unreached(f"Redis master {node.name} did not answer; sent again later")
+            return reply  # type: ignore[no-any-return]
 
         if len(jobs) == 1:
             node, idxs, asking = jobs[0]
@@ -1844,6 +1835,15 @@ class L3Store:
                             "read again later")
         return out
 
+    def _master_up(self, name: str | bytes, what: str) -> Any:
+        """The master serving key ``name`` (the client's slot map). Raises Unreached at
+        once when it is :attr:`down` (``what``: the message's name for what is not
+        served), Unavailable when there is no slot map."""
+        node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
+        if node.name in self.down:
+            raise Unreached(f"Redis master {node.name} (of {what}) is down; tried again later")
+        return node
+
     def _down_or_raise(self, run: Callable[[], Any], node: Any) -> Any:
         """``run()`` on master ``node``: its answer, or None when it timed out or refused
         the connection (it is then :attr:`down`). Raises Unavailable for other errors."""
@@ -1922,9 +1922,7 @@ class L3Store:
         from redis import exceptions as rex
 
         fk, sk = self.groups.feed_key(group), self.groups.seq_key(group)
-        node = self._call(lambda: self.rc.get_node_from_key(fk))  # type: ignore[no-untyped-call]
-        if node.name in self.down:
-            raise Unreached(f"Redis master {node.name} (of group {group}) is down; read later")
+        node = self._master_up(fk, f"group {group}")
 
         def run() -> Any:
             try:  # (on its master: one timeout, no redis-py retry, if it hangs)
@@ -2327,9 +2325,7 @@ class L3Store:
         ``node`` (with :meth:`_on`); if something else left a value of another type
         there, replace it. Raises Unavailable, CorruptRecord; Unreached at once when the
         key's master is :attr:`down`."""
-        node = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
-        if node.name in self.down:
-            raise Unreached(f"Redis master {node.name} (of {name}) is down; written later")
+        node = self._master_up(name, name)
         try:
             self._call(lambda: write(name, node), name, node=node)
         except CorruptRecord:
