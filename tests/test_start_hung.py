@@ -174,6 +174,7 @@ def test_the_filter_is_not_rotated_without_a_hung_masters_keys(
         host, victim = _pick(store, cluster, seed)
         keys = [f"sr/{seed}/{i}" for i in range(60)]
         hung = [k for k in keys if _port(store, feed_key(group_of(k))) == victim]
+        live = next(k for k in keys if k not in hung)
         assert hung
         for k in keys:
             remote_put(store, k, f"v-{k}", "writer", 1)
@@ -184,6 +185,8 @@ def test_the_filter_is_not_rotated_without_a_hung_masters_keys(
         assert reader is not None
         wait_for(lambda: d.stats.extra.get("key_filter_rotations", 0) >= 2, 30,
                  "the filter to rotate (before the hang)")
+        wait_for(lambda: b.kv.get(live) == f"v-{live}", 30, "the host to hold a live key",
+                 retry_on=(Unavailable,))
         cluster.pause(victim)
         try:
             wait_for(lambda: f"127.0.0.1:{victim}" in d.l3.down, 30,
@@ -192,7 +195,12 @@ def test_the_filter_is_not_rotated_without_a_hung_masters_keys(
             # (three periods without a rotation: one would have cleared each generation)
             wait_for(lambda: d.clock() - d.filter_built > 3 * d.rebuild_every, 30,
                      "three rotation periods to pass while the master is down")
+            # the loop goes on meanwhile (it pulls a change of the live key: the round
+            # that did would have rotated the filter, overdue), and rotates nothing
+            remote_put(store, live, "v2", "writer", 2)
+            wait_for(lambda: b.kv.get(live) == "v2", 30, "the host to pull a live change")
             assert d.stats.extra.get("key_filter_rotations", 0) == rotations
+            assert d.clock() - d.filter_built > 3 * d.rebuild_every
             assert all(reader.may_exist(k.encode()) for k in keys)
             assert b.alive
         finally:
