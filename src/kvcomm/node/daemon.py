@@ -55,6 +55,9 @@ machines what it read, and carries out what they answer.
 4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
+   A master that does not answer the start's scan (it hangs) is left out, and the
+   filter distrusted as during a heal's catch-up until its groups are scanned, once it
+   answers (``unscanned``); no rotation is made while a master is taken for down.
 5. **Load.** The Redis commands it causes on each group (a push that stores: the six
    commands the script runs for it; one that does not: one; each script call, of up to
    PUSH_BATCH records of the group: one more; a feed read: one) are
