@@ -1220,7 +1220,7 @@ class L3Store:
         return count
 
     def _get_meta(self, name: str) -> Any:
-        """GET ``name`` on its master, without redis-py's retries: a hung master costs
+        """GET ``name`` (a key of KVCOMM's own) on its master, without redis-py's retries: a hung master costs
         one timeout (and is taken for :attr:`down`), not one per retry. Raises
         Unavailable, CorruptRecord; Unreached at once while its master is down."""
         node = self._master_up(name, name)
@@ -2247,8 +2247,8 @@ class L3Store:
         (not a decimal integer, or past WRITE_MARK_MAX: a host could never have written
         that far, and a sequence lifted there would leave it no dots to write with).
         Raises Unavailable."""
-        try:
-            raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:wseq"))
+        try:  # (a start's first call to the host's own keys' master: one timeout if it hangs)
+            raw = self._get_meta(f"kvn:{{{host}}}:wseq")
         except CorruptRecord:  # another type under the name: none
             return 0
         try:
