@@ -1220,9 +1220,10 @@ class L3Store:
         return count
 
     def _get_meta(self, name: str) -> Any:
-        """GET ``name`` (a key of KVCOMM's own) on its master, without redis-py's retries: a hung master costs
-        one timeout (and is taken for :attr:`down`), not one per retry. Raises
-        Unavailable, CorruptRecord; Unreached at once while its master is down."""
+        """GET ``name`` (a key of KVCOMM's own) on its master, without redis-py's
+        retries: a hung master costs one timeout (and is taken for :attr:`down`), not
+        one per retry. Raises Unavailable, CorruptRecord; Unreached at once while its
+        master is down."""
         node = self._master_up(name, name)
         return self._call(lambda: self._on(node, "GET", name), name, node=node)
 
