@@ -17,17 +17,25 @@ those (README: "One hung master is not a partition", its limits).
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 
+import kvcomm
+from kvcomm import devcluster
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import Unavailable
 from kvcomm.node.daemon import Daemon
+from kvcomm.tiers import l2
 from kvcomm.tiers.keyfilter import KeyFilter
 from kvcomm.tiers.l3 import META_GROUPS, L3Store, feed_key, group_of
 
@@ -280,4 +288,69 @@ def test_the_filter_is_not_rotated_without_a_hung_masters_keys(
     finally:
         if b is not None:
             b.close()
+        store.close()
+
+
+@pytest.mark.redis
+@needs_redis
+def test_a_kvcomm_node_process_starts_while_a_master_hangs(
+        cluster: RedisCluster, seed: int, tmp_path: Path) -> None:
+    """``kvcomm node`` as a process of its own, started while a master is stopped: it
+    comes up (its L2 heartbeat: the start completed; its log says the filter lacks the
+    hung master's groups), an agent reads a live master's key and gets Unavailable, not
+    None, for a key of the stopped one; after SIGCONT the filter is trusted, every key
+    reads back, and SIGTERM ends the process cleanly."""
+    store = L3Store(cluster.seeds)
+    ns = f"sh-proc-{os.getpid()}-{seed % 1000}"
+    proc: subprocess.Popen[bytes] | None = None
+    kv: kvcomm.Client | None = None
+    try:
+        store.check_groups(record=True)
+        host, victim = _pick(store, cluster, seed)
+        keys = [f"sp/{seed}/{i}" for i in range(60)]
+        port = {k: _port(store, feed_key(group_of(k))) for k in keys}
+        hung = [k for k in keys if port[k] == victim]
+        live = [k for k in keys if port[k] != victim]
+        assert hung and live
+        for k in keys:
+            remote_put(store, k, f"v-{k}", "writer", 1)
+        cfg_path, log = tmp_path / "host.yaml", tmp_path / "daemon.log"
+        cfg_path.write_text(yaml.safe_dump({
+            "node": {"host_id": host, "namespace": ns},
+            "cache": {"l2_size": "16MB", "l2_sync_interval": "10ms", "negative_ttl": 0},
+            "cluster": {"redis": [f"127.0.0.1:{p}" for p in cluster.ports],
+                        "feed_poll": "10ms", "wait_replicas": 0, "timeout": TIMEOUT}}))
+        cluster.pause(victim)
+        try:
+            t0 = time.monotonic()
+            proc = devcluster.spawn_daemon(cfg_path, log, detached=False)
+            wait_for(lambda: devcluster.daemon_alive(ns) or proc.poll() is not None, 60,
+                     "the daemon process to start")
+            assert proc.poll() is None, log.read_text()[-3000:]
+            print(f"kvcomm node up {time.monotonic() - t0:.2f}s after its spawn, master "
+                  f"{victim} stopped")
+            assert "the key filter lacks the keys of" in log.read_text()  # the fault
+            kv = kvcomm.open(config=str(cfg_path))
+            reader = KeyFilter.open_reader(ns)
+            assert reader is not None and not reader.ready
+            wait_for(lambda: all(kv.get(k) == f"v-{k}" for k in live), 30,
+                     "the agent to read the live masters' keys", retry_on=(Unavailable,))
+            with pytest.raises(Unavailable):
+                kv.get(hung[0])
+        finally:
+            cluster.resume(victim)
+        wait_for(lambda: reader.ready, 60, "the key filter to be trusted again")
+        assert all(reader.may_exist(k.encode()) for k in keys)
+        wait_for(lambda: all(kv.get(k) == f"v-{k}" for k in keys), 30,
+                 "every key readable on the host", retry_on=(Unavailable,))
+        reader.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if kv is not None:
+            kv.close()
+        l2.purge(ns)
         store.close()
