@@ -1190,7 +1190,7 @@ class L3Store:
         reached. Nothing is written then.
         """
         count = len(self.groups)
-        raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
+        raw = self._get_meta(META_GROUPS)
         if raw is None:
             if count != LEGACY_GROUPS and record and self._legacy_data():
                 raise ConfigError(
@@ -1211,7 +1211,7 @@ class L3Store:
                     "cluster.groups to the count the data was written with on every host, "
                     f"then SET {META_GROUPS} <count> in the Redis Cluster")
             self._call(lambda: self.rc.set(META_GROUPS, count, nx=True), META_GROUPS)
-            raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
+            raw = self._get_meta(META_GROUPS)
         stored = _as_seq(raw)
         if stored is None:
             raise ConfigError("cluster.groups", f"L3's {META_GROUPS} holds {raw!r:.40}, not a "
@@ -1223,6 +1223,14 @@ class L3Store:
                 f"{count}: set cluster.groups: {stored} (the count of an L3 cannot change "
                 "while it holds data)")
         return count
+
+    def _get_meta(self, name: str) -> Any:
+        """GET ``name`` (a key of KVCOMM's own) on its master, without redis-py's
+        retries: a hung master costs one timeout (and is taken for :attr:`down`), not
+        one per retry. Raises Unavailable, CorruptRecord; Unreached at once while its
+        master is down."""
+        node = self._master_up(name, name)
+        return self._call(lambda: self._on(node, "GET", name), name, node=node)
 
     def _foreign_record(self, sample: int = 64) -> bytes | None:
         """The name of a record (of the first ``sample`` a SCAN finds) whose hash tag is
@@ -2082,7 +2090,9 @@ class L3Store:
     def index_ready(self) -> bool:
         """Whether the key index covers data written before it existed (``kvm:index``
         set by :meth:`backfill_index`). Raises Unavailable."""
-        return bool(self._call(lambda: self.rc.exists(META_INDEX), META_INDEX))
+        node = self._master_up(META_INDEX, META_INDEX)  # (one timeout if it hangs)
+        return bool(self._call(lambda: self._on(node, "EXISTS", META_INDEX), META_INDEX,
+                               node=node))
 
     def backfill_index(self, batch: int = 500) -> int:
         """Index every record L3 holds (once, after an upgrade; see "The key index"):
@@ -2119,15 +2129,41 @@ class L3Store:
 
     # ------------------------------------------------------------------ scans
 
-    def scan_keys(self) -> Iterator[bytes]:
-        """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths)."""
-        def run() -> list[bytes]:
-            return list(self.rc.scan_iter(match="kvc:{*", count=1000))
+    def scan_keys(self, skipped: set[int] | None = None) -> Iterator[bytes]:
+        """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot
+        paths). Raises Unavailable.
 
-        for raw in self._call(run):
-            _, sep, key = raw.partition(b"}:")
-            if sep and key:  # (a foreign name under our prefix is no key of ours)
-                yield key
+        With ``skipped``, a master taken for :attr:`down`, or that times out or refuses
+        the connection during its scan (it is then taken for down), is left out (a hung
+        master would otherwise fail the whole scan), and the groups it serves (by the
+        slot map) are added to ``skipped``: their keys may be missing (read them with
+        :meth:`scan_group` once it answers). Keys of such a master found before it
+        failed are yielded all the same."""
+        if skipped is None:
+            def run() -> list[bytes]:
+                return list(self.rc.scan_iter(match="kvc:{*", count=1000))
+
+            yield from _record_names(self._call(run))
+            return
+        by_node = self._by_node(self.groups)
+        primaries = self._call(lambda: self.rc.get_primaries())  # type: ignore[no-untyped-call]
+        masters = {m.name: m for m in primaries}
+        masters.update((name, node) for name, (node, _) in by_node.items())
+        for name, node in masters.items():
+            groups = by_node.get(name, (node, []))[1]
+            if name in self.down:
+                skipped.update(groups)
+                continue
+
+            def scan(node: Any = node) -> list[bytes]:
+                conn = self.rc.get_redis_connection(node)
+                return list(conn.scan_iter(match="kvc:{*", count=1000))
+
+            raws = self._down_or_raise(scan, node)
+            if raws is None:
+                skipped.update(groups)
+                continue
+            yield from _record_names(raws)
 
     def slot_keys(self, slot: int) -> list[bytes]:
         """Every key Redis holds in ``slot`` (on the master serving it: CLUSTER
@@ -2219,8 +2255,8 @@ class L3Store:
         (not a decimal integer, or past WRITE_MARK_MAX: a host could never have written
         that far, and a sequence lifted there would leave it no dots to write with).
         Raises Unavailable."""
-        try:
-            raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:wseq"))
+        try:  # (a start's first call to the host's own keys' master: one timeout if it hangs)
+            raw = self._get_meta(f"kvn:{{{host}}}:wseq")
         except CorruptRecord:  # another type under the name: none
             return 0
         try:
@@ -2532,6 +2568,14 @@ def _bound_refresh(nodes_manager: Any, timeout: float) -> None:
         t.join(timeout)
 
     nodes_manager.initialize = initialize
+
+
+def _record_names(raws: Iterable[bytes]) -> Iterator[bytes]:
+    """The keys of the record names ``raws`` (``kvc:{tag}:key``)."""
+    for raw in raws:
+        _, sep, key = raw.partition(b"}:")
+        if sep and key:  # (a foreign name under our prefix is no key of ours)
+            yield key
 
 
 def _raw(r: Any, **kwargs: Any) -> Any:
