@@ -154,6 +154,7 @@ def counting_cluster() -> type[RedisCluster]:
                     for n in kwargs.get("startup_nodes") or ())
                 super().__init__(*args, **kwargs)
                 self.commands_parser.initialize = self._kvcomm_reinitialize  # type: ignore[method-assign]
+                self.commands_parser.get_keys = self._kvcomm_get_keys  # type: ignore[method-assign]
 
             def on_connect(self, connection: Any) -> None:
                 # before the handshake: the reply parser takes the socket in on_connect
@@ -179,6 +180,18 @@ def counting_cluster() -> type[RedisCluster]:
                 seeds = self.kvcomm_seeds
                 type(parser).initialize(parser, _Reader(  # type: ignore[no-untyped-call]
                     lambda: _command_table(seeds, node.command)))
+
+            def _kvcomm_get_keys(self, node: Any, *args: Any) -> Any:
+                # redis-py, meeting a name its table lacks, reads the table again but goes
+                # on with a two-word name (MEMORY USAGE, OBJECT ENCODING) unsplit: it finds
+                # no key and raises "No way to dispatch". The whole table before it looks
+                parser = self.commands_parser
+                if len(args) >= 2 and isinstance(args[0], str):
+                    name = args[0].lower()
+                    words = name.split()
+                    if name not in parser.commands and words and words[0] not in parser.commands:
+                        parser.initialize(node)  # type: ignore[no-untyped-call]
+                return type(parser).get_keys(parser, node, *args)  # type: ignore[no-untyped-call]
 
             def _kvcomm_keyed(self) -> Any:
                 try:
