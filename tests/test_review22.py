@@ -49,3 +49,33 @@ def test_a_container_command_missing_from_the_part_table_is_routed_on_first_use(
         assert other.rc.object("encoding", keys[0]) in (b"raw", b"embstr")
     finally:
         other.close()
+
+
+def test_the_first_command_the_part_table_lacks_is_sent_while_the_default_node_is_down(
+        cluster: RedisCluster) -> None:
+    """redis-py reads the table it lacks from its *default node* (the first seed), before
+    its retry loop: with that master paused, the first command the part table has no
+    entry for (STRLEN here) raised a timeout, where a client that started with the whole
+    table sends it to its key's master, which is up. The whole table now comes from
+    another master when the default node does not answer."""
+    wire._TABLES.clear()
+    store = L3Store(cluster.seeds, timeout=0.3)
+    try:
+        rc = store.rc
+        default = rc.get_default_node()
+        key = next(k for k in (f"rev22/down/{i}" for i in range(100))
+                   if rc.get_node_from_key(k).name != default.name)
+        rc.set(key, b"abc")
+        assert "strlen" not in rc.commands_parser.commands
+        cluster.pause(default.port)
+        try:
+            with pytest.raises(Exception):  # noqa: B017,PT011 (the fault is real: it is down)
+                default.redis_connection.ping()
+            assert rc.strlen(key) == 3
+        finally:
+            cluster.resume(default.port)
+        assert next(iter(wire._TABLES.values()))[1]  # (the whole table, from another master)
+    finally:
+        store.close()
+        wire._TABLES.clear()
+    cluster.wait_healthy()

@@ -142,7 +142,9 @@ def counting_cluster() -> type[RedisCluster]:
     global _CLUSTER
     if _CLUSTER is None:
         from redis.cluster import RedisCluster
+        from redis.exceptions import ConnectionError as Unanswered
         from redis.exceptions import RedisError
+        from redis.exceptions import TimeoutError as TimedOut
 
         class CountingRedisCluster(RedisCluster):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -179,7 +181,25 @@ def counting_cluster() -> type[RedisCluster]:
                 parser = self.commands_parser
                 seeds = self.kvcomm_seeds
                 type(parser).initialize(parser, _Reader(  # type: ignore[no-untyped-call]
-                    lambda: _command_table(seeds, node.command)))
+                    lambda: _command_table(seeds, lambda: self._kvcomm_whole(node))))
+
+            def _kvcomm_whole(self, node: Any) -> Any:
+                # ``node`` (redis-py's default node) first, then the other masters: redis-py
+                # asks outside its retries, and a client that started with the whole table
+                # would send the command to its key's master, up while the default is down
+                try:
+                    return node.command()
+                except (Unanswered, TimedOut) as exc:
+                    last = exc
+                for other in self.get_primaries():  # type: ignore[no-untyped-call]
+                    conn = other.redis_connection
+                    if conn is None or conn is node:
+                        continue
+                    try:
+                        return conn.command()
+                    except (Unanswered, TimedOut) as exc:
+                        last = exc
+                raise last
 
             def _kvcomm_get_keys(self, node: Any, *args: Any) -> Any:
                 # redis-py, meeting a name its table lacks, reads the table again but goes
