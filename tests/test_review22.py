@@ -79,3 +79,24 @@ def test_the_first_command_the_part_table_lacks_is_sent_while_the_default_node_i
         store.close()
         wire._TABLES.clear()
     cluster.wait_healthy()
+
+
+def test_a_part_table_read_while_the_whole_was_kept_does_not_replace_it() -> None:
+    """A client starting (its part table, COMMAND INFO, read outside the lock) while
+    another client of the process reads the whole table: the part, stored last, replaced
+    the whole, and the process's next command the part lacks read the ~90 kB again."""
+    wire._TABLES.clear()
+    cluster = frozenset({"127.0.0.1:race"})
+    whole = {"get": 1, "strlen": 1, "memory": 1}
+
+    def part_read_while_the_whole_is_read() -> dict[str, int]:
+        assert wire._command_table(cluster, lambda: dict(whole)) == whole  # (another client)
+        return {"get": 1}
+
+    try:
+        wire._command_table(cluster, part_read_while_the_whole_is_read, whole=False)
+        reads = []
+        got = wire._command_table(cluster, lambda: reads.append(1) or dict(whole))
+        assert got == whole and reads == []  # the whole table kept: not read again
+    finally:
+        wire._TABLES.clear()

@@ -120,7 +120,11 @@ def _command_table(nodes: frozenset[str], read: Any, whole: bool = True) -> dict
     if not isinstance(table, dict) or not nodes:
         return table  # type: ignore[no-any-return]
     with _TABLES_LOCK:
-        _TABLES[nodes] = (table, whole)
+        kept = _TABLES.get(nodes)
+        if kept is None or whole or not kept[1]:
+            # (read outside the lock: another client may have kept the whole meanwhile,
+            # which a part never replaces)
+            _TABLES[nodes] = (table, whole)
         _TABLES.move_to_end(nodes)
         while len(_TABLES) > COMMAND_TABLES:
             _TABLES.popitem(last=False)
