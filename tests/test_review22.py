@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from redis.exceptions import AskError
 
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.metrics import wire
 from kvcomm.tiers.l3 import L3Store
 
-from .daemon_harness import cluster_fixture  # noqa: F401 (the fixture)
+from .daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.redis
 
@@ -100,3 +101,43 @@ def test_a_part_table_read_while_the_whole_was_kept_does_not_replace_it() -> Non
         assert got == whole and reads == []  # the whole table kept: not read again
     finally:
         wire._TABLES.clear()
+
+
+def test_a_sweep_mid_migration_reads_a_moved_counter_through_ask(cluster: RedisCluster) -> None:
+    """A group's slot MIGRATING, its counter and stream already moved to the target (a
+    migration's last batch), the slot map still naming the source: the script's GET there
+    fails (``E``) and the counter is read again, the ASK redirect followed; the legacy
+    16-group tags ("0".."15") are what the script is given."""
+    store = L3Store(cluster.seeds, groups=16)
+    try:
+        assert store.groups.tags[3] == "3"
+        g = 3
+        keys = [k for k in (f"rev22/mig/{i}" for i in range(400)) if store.groups.of(k) == g][:2]
+        for i, k in enumerate(keys):
+            store.push(k, record(f"v{i}", "h", 1, 1 + i))
+        others = [x for x in range(16) if x != g]
+        want = store.feed_heads(range(16))
+        assert want[g][0] == 2 and want[g][1] is not None
+        slot = store.groups.slot(g)
+        src = store.rc.get_node_from_key(store.groups.seq_key(g))
+        dst = next(n for n in store.rc.get_primaries() if n.name != src.name)
+        s, d = store.rc.get_redis_connection(src), store.rc.get_redis_connection(dst)
+        d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", s.execute_command("CLUSTER MYID"))
+        s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", d.execute_command("CLUSTER MYID"))
+        s.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS",
+                          store.groups.seq_key(g), store.groups.feed_key(g))
+        with pytest.raises(AskError):  # (moved: the source sends its readers on)
+            s.get(store.groups.seq_key(g))
+        got = store.feed_heads(range(16))
+        assert got[g][0] == want[g][0]
+        assert {x: got[x] for x in others} == {x: want[x] for x in others}
+        # (finish the migration: the slot's other keys, then its owner everywhere)
+        rest = s.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
+        if rest:
+            s.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *rest)
+        dst_id = d.execute_command("CLUSTER MYID")
+        for n in store.rc.get_primaries():
+            store.rc.get_redis_connection(n).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        assert store.feed_heads(range(16))[g][0] == want[g][0]
+    finally:
+        store.close()
