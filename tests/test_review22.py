@@ -141,3 +141,13 @@ def test_a_sweep_mid_migration_reads_a_moved_counter_through_ask(cluster: RedisC
         assert store.feed_heads(range(16))[g][0] == want[g][0]
     finally:
         store.close()
+
+
+def test_the_clients_command_method_still_answers_the_whole_table(fresh: L3Store) -> None:
+    """``rc.command()`` is redis-py's public COMMAND ("details about all Redis commands"):
+    only the client's start may take the part table; a tool calling it got 11 entries."""
+    assert not next(iter(wire._TABLES.values()))[1]  # (the client started with the part)
+    table = fresh.rc.command()
+    assert "strlen" in table and len(table) > 100, sorted(table)
+    assert next(iter(wire._TABLES.values()))[1]  # (kept whole for the process's clients)
+    assert fresh.rc.strlen("rev22/none") == 0

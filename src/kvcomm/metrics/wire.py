@@ -158,7 +158,9 @@ def counting_cluster() -> type[RedisCluster]:
                 self.kvcomm_seeds = frozenset(
                     f"{getattr(n, 'host', '')}:{getattr(n, 'port', '')}"
                     for n in kwargs.get("startup_nodes") or ())
+                self.kvcomm_starting = True  # (command(): the part table, for the parser)
                 super().__init__(*args, **kwargs)
+                self.kvcomm_starting = False
                 self.commands_parser.initialize = self._kvcomm_reinitialize  # type: ignore[method-assign]
                 self.commands_parser.get_keys = self._kvcomm_get_keys  # type: ignore[method-assign]
 
@@ -174,10 +176,14 @@ def counting_cluster() -> type[RedisCluster]:
 
             def command(self, **kwargs: Any) -> Any:
                 # the table redis-py reads at start: KEYED_COMMANDS' entries, or the whole
-                # table when the process has it (see the module's docstring)
+                # table when the process has it (see the module's docstring); called
+                # after the start (redis-py's public COMMAND, "all Redis commands"): the
+                # whole table
                 if kwargs:
                     return super().command(**kwargs)
-                return _command_table(self.kvcomm_seeds, self._kvcomm_keyed, whole=False)
+                if getattr(self, "kvcomm_starting", False):
+                    return _command_table(self.kvcomm_seeds, self._kvcomm_keyed, whole=False)
+                return _command_table(self.kvcomm_seeds, super().command)
 
             def _kvcomm_reinitialize(self, node: Any) -> None:
                 # what redis-py does on meeting a command its table has no entry for (it
