@@ -103,12 +103,16 @@ KEYED_COMMANDS = ("get", "set", "del", "exists", "mget", "getrange", "hgetall", 
 # cluster (its seeds' names) → (its command table, whether it is the whole table)
 _TABLES: OrderedDict[frozenset[str], tuple[dict[str, Any], bool]] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
+# one read of a cluster's table at a time (a client's threads meeting a command the part
+# lacks together would each read the ~90 kB): striped by cluster, so a bounded set
+_READING = tuple(threading.RLock() for _ in range(16))
 
 
 def _command_table(nodes: frozenset[str], read: Any, whole: bool = True) -> dict[str, Any]:
     """A copy of the command table of the cluster of ``nodes`` (its seeds' names): the one
     kept, or else ``read()``'s, kept from then on; ``whole``: ``read`` reads the whole
-    table, and one that was not whole is not enough. A copy: redis-py's parser renames
+    table, and one that was not whole is not enough. One read of a cluster's table at a
+    time: the callers waiting take what it kept. A copy: redis-py's parser renames
     entries of the dict it is given (never the entries themselves)."""
     with _TABLES_LOCK:
         kept = _TABLES.get(nodes)
@@ -116,18 +120,22 @@ def _command_table(nodes: frozenset[str], read: Any, whole: bool = True) -> dict
             _TABLES.move_to_end(nodes)
     if kept is not None and (kept[1] or not whole):
         return dict(kept[0])
-    table = read()
-    if not isinstance(table, dict) or not nodes:
-        return table  # type: ignore[no-any-return]
-    with _TABLES_LOCK:
-        kept = _TABLES.get(nodes)
-        if kept is None or whole or not kept[1]:
-            # (read outside the lock: another client may have kept the whole meanwhile,
-            # which a part never replaces)
-            _TABLES[nodes] = (table, whole)
-        _TABLES.move_to_end(nodes)
-        while len(_TABLES) > COMMAND_TABLES:
-            _TABLES.popitem(last=False)
+    with _READING[hash(nodes) % len(_READING)]:
+        with _TABLES_LOCK:
+            kept = _TABLES.get(nodes)
+        if kept is not None and (kept[1] or not whole):  # (read meanwhile)
+            return dict(kept[0])
+        table = read()
+        if not isinstance(table, dict) or not nodes:
+            return table  # type: ignore[no-any-return]
+        with _TABLES_LOCK:
+            kept = _TABLES.get(nodes)
+            if kept is None or whole or not kept[1]:
+                # (a part never replaces the whole, kept by a read nested in this one)
+                _TABLES[nodes] = (table, whole)
+            _TABLES.move_to_end(nodes)
+            while len(_TABLES) > COMMAND_TABLES:
+                _TABLES.popitem(last=False)
     return dict(table)
 
 
