@@ -3,12 +3,13 @@ answer (SWEEP_LUA), on a Redis Cluster of this module's own (a test pauses a mas
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from redis.exceptions import AskError
+from redis.exceptions import AskError, ResponseError
 
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.metrics import wire
@@ -177,3 +178,42 @@ def test_threads_meeting_a_command_the_part_lacks_read_the_whole_table_once(
     print(f"16 threads' first STRLEN: {received} B received")
     assert next(iter(wire._TABLES.values()))[1]
     assert received < 2 * 90_000  # the whole table once (~90 kB), and 16 small replies
+
+
+def test_a_sweep_of_16384_groups_matches_each_counter_and_tail_read_alone(
+        cluster: RedisCluster) -> None:
+    """Every group of the largest count (one a slot), random hostile counters among them
+    (separators, signs, spaces, 19 and 20 digits, other types): the one-string answer
+    gives each group what reading its counter and its stream's last id alone gives."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rnd = random.Random(seed)
+    store = L3Store(cluster.seeds, groups=16384)
+    try:
+        n = store.groups.count
+        picked = rnd.sample(range(n), 200)
+        values: list[bytes | None] = [b"7", b"0", b"9" * 19, b"9" * 20, b"-5", b"+5", b" 5",
+                                      b"5 ", b"1,2", b"3 4-0", b"", b"E", b"?", b"\xff", None]
+        for g in picked:
+            v = rnd.choice(values)
+            if v is None:
+                store.rc.hset(store.groups.seq_key(g), "x", "y")
+            else:
+                store.rc.set(store.groups.seq_key(g), v)
+            if rnd.random() < 0.5:
+                store.rc.xadd(store.groups.feed_key(g), {"k": "v"})
+        heads = store.feed_heads(range(n))
+        assert len(heads) == n
+        for g in picked:
+            try:
+                raw = store.rc.get(store.groups.seq_key(g))
+            except ResponseError:  # another type: foreign, read again alone (no tail)
+                assert heads[g] == (None, None), g
+                continue
+            want = 0 if raw is None else (int(raw) if raw.isdigit() and len(raw) < 20
+                                          else None)
+            last = store.rc.xrevrange(store.groups.feed_key(g), count=1)
+            assert heads[g] == (want, last[0][0] if last else None), (g, raw)
+        assert all(heads[g] == (0, None) for g in set(range(n)) - set(picked))
+    finally:
+        store.close()
