@@ -15,7 +15,11 @@ is a new process and opens another). redis-py needs an entry only for the comman
 routes by their keys, and reads the whole table again when it meets a command it has no
 entry for; so a client starts with ``COMMAND INFO`` of :data:`KEYED_COMMANDS` (the ones
 KVCOMM sends that way, ~6 kB), and the first unknown command (a tool's, a user's) reads
-the whole table, once, for every later client of the process too. The table depends
+the whole table, once, for every later client of the process too (before redis-py looks
+up the command: it would go on with a two-word name unsplit; from redis-py's default
+node, or another master when that one does not answer; one read at a time, the
+threads waiting take it). ``command()`` called after the start answers the whole
+table, as redis-py's does. The table depends
 only on the servers' version. Bounded: :data:`COMMAND_TABLES` clusters, the oldest
 forgotten first.
 """
