@@ -15,7 +15,11 @@ is a new process and opens another). redis-py needs an entry only for the comman
 routes by their keys, and reads the whole table again when it meets a command it has no
 entry for; so a client starts with ``COMMAND INFO`` of :data:`KEYED_COMMANDS` (the ones
 KVCOMM sends that way, ~6 kB), and the first unknown command (a tool's, a user's) reads
-the whole table, once, for every later client of the process too. The table depends
+the whole table, once, for every later client of the process too (before redis-py looks
+up the command: it would go on with a two-word name unsplit; from redis-py's default
+node, or another master when that one does not answer; one read at a time, the
+threads waiting take it). ``command()`` called after the start answers the whole
+table, as redis-py's does. The table depends
 only on the servers' version. Bounded: :data:`COMMAND_TABLES` clusters, the oldest
 forgotten first.
 """
@@ -103,12 +107,16 @@ KEYED_COMMANDS = ("get", "set", "del", "exists", "mget", "getrange", "hgetall", 
 # cluster (its seeds' names) → (its command table, whether it is the whole table)
 _TABLES: OrderedDict[frozenset[str], tuple[dict[str, Any], bool]] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
+# one read of a cluster's table at a time (a client's threads meeting a command the part
+# lacks together would each read the ~90 kB): striped by cluster, so a bounded set
+_READING = tuple(threading.RLock() for _ in range(16))
 
 
 def _command_table(nodes: frozenset[str], read: Any, whole: bool = True) -> dict[str, Any]:
     """A copy of the command table of the cluster of ``nodes`` (its seeds' names): the one
     kept, or else ``read()``'s, kept from then on; ``whole``: ``read`` reads the whole
-    table, and one that was not whole is not enough. A copy: redis-py's parser renames
+    table, and one that was not whole is not enough. One read of a cluster's table at a
+    time: the callers waiting take what it kept. A copy: redis-py's parser renames
     entries of the dict it is given (never the entries themselves)."""
     with _TABLES_LOCK:
         kept = _TABLES.get(nodes)
@@ -116,14 +124,22 @@ def _command_table(nodes: frozenset[str], read: Any, whole: bool = True) -> dict
             _TABLES.move_to_end(nodes)
     if kept is not None and (kept[1] or not whole):
         return dict(kept[0])
-    table = read()
-    if not isinstance(table, dict) or not nodes:
-        return table  # type: ignore[no-any-return]
-    with _TABLES_LOCK:
-        _TABLES[nodes] = (table, whole)
-        _TABLES.move_to_end(nodes)
-        while len(_TABLES) > COMMAND_TABLES:
-            _TABLES.popitem(last=False)
+    with _READING[hash(nodes) % len(_READING)]:
+        with _TABLES_LOCK:
+            kept = _TABLES.get(nodes)
+        if kept is not None and (kept[1] or not whole):  # (read meanwhile)
+            return dict(kept[0])
+        table = read()
+        if not isinstance(table, dict) or not nodes:
+            return table  # type: ignore[no-any-return]
+        with _TABLES_LOCK:
+            kept = _TABLES.get(nodes)
+            if kept is None or whole or not kept[1]:
+                # (a part never replaces the whole, kept by a read nested in this one)
+                _TABLES[nodes] = (table, whole)
+            _TABLES.move_to_end(nodes)
+            while len(_TABLES) > COMMAND_TABLES:
+                _TABLES.popitem(last=False)
     return dict(table)
 
 
@@ -142,7 +158,9 @@ def counting_cluster() -> type[RedisCluster]:
     global _CLUSTER
     if _CLUSTER is None:
         from redis.cluster import RedisCluster
+        from redis.exceptions import ConnectionError as Unanswered
         from redis.exceptions import RedisError
+        from redis.exceptions import TimeoutError as TimedOut
 
         class CountingRedisCluster(RedisCluster):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -152,8 +170,11 @@ def counting_cluster() -> type[RedisCluster]:
                 self.kvcomm_seeds = frozenset(
                     f"{getattr(n, 'host', '')}:{getattr(n, 'port', '')}"
                     for n in kwargs.get("startup_nodes") or ())
+                self.kvcomm_starting = True  # (command(): the part table, for the parser)
                 super().__init__(*args, **kwargs)
+                self.kvcomm_starting = False
                 self.commands_parser.initialize = self._kvcomm_reinitialize  # type: ignore[method-assign]
+                self.commands_parser.get_keys = self._kvcomm_get_keys  # type: ignore[method-assign]
 
             def on_connect(self, connection: Any) -> None:
                 # before the handshake: the reply parser takes the socket in on_connect
@@ -167,10 +188,14 @@ def counting_cluster() -> type[RedisCluster]:
 
             def command(self, **kwargs: Any) -> Any:
                 # the table redis-py reads at start: KEYED_COMMANDS' entries, or the whole
-                # table when the process has it (see the module's docstring)
+                # table when the process has it (see the module's docstring); called
+                # after the start (redis-py's public COMMAND, "all Redis commands"): the
+                # whole table
                 if kwargs:
                     return super().command(**kwargs)
-                return _command_table(self.kvcomm_seeds, self._kvcomm_keyed, whole=False)
+                if getattr(self, "kvcomm_starting", False):
+                    return _command_table(self.kvcomm_seeds, self._kvcomm_keyed, whole=False)
+                return _command_table(self.kvcomm_seeds, super().command)
 
             def _kvcomm_reinitialize(self, node: Any) -> None:
                 # what redis-py does on meeting a command its table has no entry for (it
@@ -178,7 +203,37 @@ def counting_cluster() -> type[RedisCluster]:
                 parser = self.commands_parser
                 seeds = self.kvcomm_seeds
                 type(parser).initialize(parser, _Reader(  # type: ignore[no-untyped-call]
-                    lambda: _command_table(seeds, node.command)))
+                    lambda: _command_table(seeds, lambda: self._kvcomm_whole(node))))
+
+            def _kvcomm_whole(self, node: Any) -> Any:
+                # ``node`` (redis-py's default node) first, then the other masters: redis-py
+                # asks outside its retries, and a client that started with the whole table
+                # would send the command to its key's master, up while the default is down
+                try:
+                    return node.command()
+                except (Unanswered, TimedOut) as exc:
+                    last = exc
+                for other in self.get_primaries():  # type: ignore[no-untyped-call]
+                    conn = other.redis_connection
+                    if conn is None or conn is node:
+                        continue
+                    try:
+                        return conn.command()
+                    except (Unanswered, TimedOut) as exc:
+                        last = exc
+                raise last
+
+            def _kvcomm_get_keys(self, node: Any, *args: Any) -> Any:
+                # redis-py, meeting a name its table lacks, reads the table again but goes
+                # on with a two-word name (MEMORY USAGE, OBJECT ENCODING) unsplit: it finds
+                # no key and raises "No way to dispatch". The whole table before it looks
+                parser = self.commands_parser
+                if len(args) >= 2 and isinstance(args[0], str):
+                    name = args[0].lower()
+                    words = name.split()
+                    if name not in parser.commands and words and words[0] not in parser.commands:
+                        parser.initialize(node)  # type: ignore[no-untyped-call]
+                return type(parser).get_keys(parser, node, *args)  # type: ignore[no-untyped-call]
 
             def _kvcomm_keyed(self) -> Any:
                 try:
