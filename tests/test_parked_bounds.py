@@ -13,8 +13,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +31,8 @@ from kvcomm.devcluster.procs import stop
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.faults.proxy import ProxyControl, start_proxy
 from kvcomm.node.daemon import NodeDaemon
+from kvcomm.node.presence import STATUS_FRESH_S, read_status, status_path, write_status
+from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Store, feed_key, group_of
 
 from .conftest import wait_for
@@ -71,6 +78,46 @@ def _l3_values(cluster: RedisCluster, keys: list[str]) -> dict[str, object]:
         return out
     finally:
         check.close()
+
+
+@pytest.mark.parametrize("status, says", [
+    (None, "is `kvcomm node` running"),
+    ({"partition": True, "partition_reason": "Redis unreachable for 7.0s"},
+     "partition mode (Redis unreachable for 7.0s)"),
+    ({"masters_down": ["10.0.0.7:6379"], "parked": 3},
+     "Redis master(s) 10.0.0.7:6379 not answering"),
+    ({"masters_down": []}, "the node daemon is sending them"),
+    ({"masters_down": ["10.0.0.7:6379"], "stale": True}, "is `kvcomm node` running"),
+])
+def test_a_write_refused_at_outbound_max_says_what_holds_the_writes_back(
+        ns: str, status: dict[str, object] | None, says: str) -> None:
+    """The Unavailable of a write refused at ``cluster.outbound_max`` says what the host's
+    node daemon last reported (its status file, while fresh): no daemon, partition
+    mode, masters down (a partial cut or a hung master), or only a slow L3. No Redis:
+    puts never call L3; the status file is written as the daemon writes it."""
+    cfg = kvcomm.Config.from_mapping({
+        "node": {"host_id": "refused", "namespace": ns},
+        "cache": {"l2_size": "4MB"},
+        "cluster": {"redis": ["127.0.0.1:1"], "outbound_max": 2}})
+    kv = kvcomm.open(config=cfg)
+    try:
+        if status is not None:
+            stale = bool(status.pop("stale", False))
+            updated = time.time() - (STATUS_FRESH_S + 1 if stale else 0)
+            write_status(status_path(ns, cfg.cache.l2_dir), {**status, "updated": updated})
+        kv.put("k1", 1)
+        kv.put("k2", 2)
+        kv.put("k2", 3)  # (a key already waiting adds nothing)
+        with pytest.raises(kvcomm.Unavailable, match="cluster.outbound_max") as exc:
+            kv.put("k3", 3)
+        print(exc.value)
+        assert says in str(exc.value) and "Nothing was written" in str(exc.value)
+        assert kv.get("k2") == 3
+    finally:
+        kv.close()
+        with contextlib.suppress(OSError):
+            os.unlink(status_path(ns, cfg.cache.l2_dir))
+        l2.purge(ns)
 
 
 def test_outbound_max_reached_with_writes_parked_for_a_stopped_master(
@@ -144,6 +191,8 @@ def test_outbound_max_reached_with_writes_parked_for_a_stopped_master(
             msg = errors[-1]
             print("refused:", msg)
             assert "cluster.outbound_max" in msg and "Nothing was written" in msg, msg
+            # (the daemon's status file names the master the writes wait for)
+            assert f"Redis master(s) 127.0.0.1:{victim} not answering" in msg, msg
             assert da.backlog() == BOUND
             wait_for(lambda: len(da.out.parked) == BOUND, 20, "every waiting write parked")
             # any key is refused now (the bound is the host's)...
@@ -155,6 +204,9 @@ def test_outbound_max_reached_with_writes_parked_for_a_stopped_master(
             st = da.status()
             print("A's status while parked at the bound:", st)
             assert st["partition"] is False and st["backlog"] == BOUND
+            assert st["masters_down"] == [f"127.0.0.1:{victim}"] and st["parked"] > 0, st
+            published = read_status(da.status_file)
+            assert published is not None and published["masters_down"] == st["masters_down"]
             assert not da.reach.partition and not _daemon(b).reach.partition
             # nothing of the stopped master's keys crossed (the fault held)
             assert all(b.kv.get(k) is None for k in hung)
@@ -166,6 +218,11 @@ def test_outbound_max_reached_with_writes_parked_for_a_stopped_master(
         # (the newer write of first[0] may still be in the open window at SIGCONT: not parked)
         assert da.stats.extra.get("unparked", 0) >= BOUND - 1
         assert da.stats.extra.get("unreached", 0) >= BOUND
+        wait_for(lambda: da.status()["masters_down"] == [] and da.status()["parked"] == 0, 10,
+                 "A's status to show no master down")
+        a.kv.put(hung[-1], "after")  # (room again)
+        acked[hung[-1]] = "after"
+        wait_for(lambda: b.kv.get(hung[-1]) == "after", 20, "B to see a write after the bound")
         l3 = _l3_values(cluster, sorted(set(acked) | set(refused)))
         assert {k: l3[k] for k in acked} == acked
         for k, v in refused.items():  # a refused write is nowhere
@@ -217,7 +274,7 @@ def cut_proxies(cluster: RedisCluster, tmp_path: Path, seed: int
 
 
 def test_a_host_cut_off_from_two_of_three_masters(
-        cluster: RedisCluster, seed: int,
+        cluster: RedisCluster, seed: int, tmp_path: Path,
         cut_proxies: tuple[ProxyControl, dict[str, str], list[int], int]) -> None:
     """Host A reaches 2 of the 3 masters (the one of its own keys among them) through a
     fault proxy that goes blackhole; B is untouched. For 2 lease TTLs and more, round
@@ -284,9 +341,23 @@ def test_a_host_cut_off_from_two_of_three_masters(
         assert all(b.kv.get(k) == "v0" for k in a_dark)
         assert all(a.kv.get(k) == "v0" for k in b_dark)
         assert da.reach.entered == 0 and db.reach.entered == 0  # (never, not just not now)
+        # the operator sees the partial cut: A's status names the masters (as they announce
+        # themselves, not A's proxy ports) and the writes parked for them; B's names none
+        st = da.status()
+        assert st["masters_down"] == sorted(f"127.0.0.1:{p}" for p in cut), st
+        assert st["parked"] > 0 and st["partition"] is False, st
+        assert db.status()["masters_down"] == []
+        cfg = tmp_path / "a.yaml"  # (JSON is YAML)
+        cfg.write_text(json.dumps(a.config.model_dump(mode="json")))
+        info = subprocess.run([sys.executable, "-m", "kvcomm", "info", "--config", str(cfg)],
+                              capture_output=True, text=True, timeout=60)
+        print(info.stdout)
+        line = next((ln for ln in info.stdout.splitlines() if ln.startswith("masters down")), "")
+        assert all(f"127.0.0.1:{p}" in line for p in cut) and "parked" in line, info.stdout
         ctl.set("pass")
         t_heal = time.monotonic()
         wait_for(lambda: not da.l3.down, 20, "A to use both masters again")
+        assert da.status()["masters_down"] == []
         wait_for(lambda: da.backlog() == 0, 30, "A's parked writes to reach L3")
 
         def settled() -> bool:

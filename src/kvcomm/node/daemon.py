@@ -1221,6 +1221,18 @@ class Daemon:
         count = getattr(self.port, "dirty_count", None)  # (the test fakes have none)
         return max(0, int(count()) - len(self.out.unconfirmed)) if count is not None else 0
 
+    def masters_down(self) -> list[str]:
+        """The Redis masters this daemon takes for down (L3Store.down: a call timed out
+        or was refused, no PING answered since), as they announce themselves (``host:port``
+        before ``cluster.address_remap``), sorted: a partial cut, which is not partition
+        mode (another master answers) but parks the writes of those masters' keys."""
+        down = getattr(self.l3, "down", None)  # (the test fakes have none)
+        if not down:
+            return []
+        announced = {reached: name for name, reached in
+                     self.config.cluster.address_remap.items()}
+        return sorted(announced.get(n, n) for n in list(down))  # (list: the pinger edits it)
+
     def status(self) -> dict[str, Any]:
         """What the daemon tells its agents (the status file) and the cluster (etcd)."""
         now = self.clock()
@@ -1229,6 +1241,7 @@ class Daemon:
                 "pid": os.getpid(), "updated": self.wall(),
                 "partition": self.reach.partition, "partition_reason": self.reach.reason,
                 "partitions": self.reach.entered, "backlog": self.backlog(),
+                "masters_down": self.masters_down(), "parked": len(self.out.parked),
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
                 "etcd_unreachable": bool(p and p.etcd_unreachable),
                 "etcd_down_s": round(p.etcd_down_s(), 3) if p else 0.0,
