@@ -1293,6 +1293,14 @@ class Daemon:
 
     def _decide_partition(self) -> None:
         now = self.clock()
+        if (not self.reach.partition and now - self.reach.redis_ok_at > self.reach.ttl
+                and getattr(self.l3, "down", None) and self._live_master_answers()):
+            # a partial cut (some masters taken for down, another answers a PING now) is
+            # no partition: the loop's first call to each master that stopped answering
+            # waits a timeout, one master after the other, and no call of those answered,
+            # so a few of them in a row outlast the lease TTL
+            now = self.clock()
+            self.reach.redis_ok(now)
         change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
         if change == "enter":
             self.stats.bump("partitions")

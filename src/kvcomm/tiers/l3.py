@@ -1780,6 +1780,8 @@ class L3Store:
         """
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
         skipped = answered = 0
+        jobs: list[tuple[Any, Callable[[], Any]]] = []
+        by_node: list[list[int]] = []
         for node, gs in self._by_node(cursors).values():
             if node.name in self.down:
                 skipped += 1
@@ -1808,7 +1810,9 @@ class L3Store:
                         self._feed_node[g] = node.name
                 return raws[:len(gs)]
 
-            replies = self._down_or_raise(run, node)
+            jobs.append((node, run))
+            by_node.append(gs)
+        for gs, replies in zip(by_node, self._on_masters(jobs), strict=True):
             if replies is None:
                 skipped += 1
                 continue
@@ -1844,6 +1848,33 @@ class L3Store:
             raise Unreached(f"Redis master {node.name} (of {what}) is down; tried again later")
         return node
 
+    def _on_masters(self, jobs: Sequence[tuple[Any, Callable[[], Any]]]) -> list[Any]:
+        """Each ``(node, run)`` of ``jobs`` as :meth:`_down_or_raise` (its answer, or None
+        when its master is down or timed out now), the masters' calls at the same time
+        (the push pipelines' threads): a call that reaches several masters that stopped
+        answering waits one timeout for all of them, not one each in turn — the daemon's
+        loop must come back within the lease TTL, or a host cut off from some masters
+        would enter partition mode. Answers in the order of ``jobs``; raises the first
+        error (Unavailable) once every call has returned."""
+        if len(jobs) <= 1:
+            return [self._down_or_raise(run, node) for node, run in jobs]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
+        futures = [self._pool.submit(self._down_or_raise, run, node) for node, run in jobs]
+        out: list[Any] = []
+        first: BaseException | None = None
+        for fut in futures:
+            try:
+                out.append(fut.result())
+            except BaseException as exc:  # (every call is waited for first)
+                first = first or exc
+                out.append(None)
+        if first is not None:
+            raise first
+        return out
+
     def _down_or_raise(self, run: Callable[[], Any], node: Any) -> Any:
         """``run()`` on master ``node``: its answer, or None when it timed out or refused
         the connection (it is then :attr:`down`). Raises Unavailable for other errors."""
@@ -1874,23 +1905,28 @@ class L3Store:
         """
         out: dict[int, tuple[int | None, bytes | None]] = {}
         skipped = answered = 0
+        jobs: list[tuple[Any, Callable[[], Any]]] = []
         for node, gs in self._by_node(groups).values():
-            for at in range(0, len(gs), SWEEP_BATCH):
-                if node.name in self.down:
-                    skipped += 1
-                    break
-                part = gs[at:at + SWEEP_BATCH]
+            if node.name in self.down:
+                skipped += 1
+                continue
 
-                def run(node: Any = node, part: list[int] = part) -> list[Any]:
-                    names = [self.groups.seq_key(g) for g in part]
-                    return list(self._eval_on(node, self._sweep, "1" if tails else "0",
-                                              *names))
+            def run(node: Any = node, gs: list[int] = gs) -> list[tuple[list[int], list[Any]]]:
+                # (a master's slices in turn; one that times out leaves the rest out:
+                # _down_or_raise answers None for the master)
+                names = [self.groups.seq_key(g) for g in gs]
+                return [(gs[at:at + SWEEP_BATCH],
+                         list(self._eval_on(node, self._sweep, "1" if tails else "0",
+                                            *names[at:at + SWEEP_BATCH])))
+                        for at in range(0, len(gs), SWEEP_BATCH)]
 
-                raws = self._down_or_raise(run, node)
-                if raws is None:
-                    skipped += 1
-                    break
-                answered += 1
+            jobs.append((node, run))
+        for slices in self._on_masters(jobs):
+            if slices is None:
+                skipped += 1
+                continue
+            answered += 1
+            for part, raws in slices:
                 step = 2 if tails else 1
                 for i, g in enumerate(part):
                     raw, tail = raws[step * i], raws[step * i + 1] if tails else None
@@ -2424,8 +2460,13 @@ class L3Store:
             # (RedisClusterException: redis-py re-read the slot map after a timeout and
             # no seed answered: "Redis Cluster cannot be connected")
             if node is not None and isinstance(exc, (rex.ConnectionError, rex.TimeoutError)):
+                # (no slot-map refresh here: the pinger re-reads the map while the master
+                # is down, in its own thread. Here it would hold the caller — the daemon's
+                # loop — a timeout per seed that does not answer: a host cut off from some
+                # masters waited seconds per failed call, and entered partition mode)
                 self._went_down(node, exc)
-            self._refresh_topology()
+            else:
+                self._refresh_topology()
             raise Unavailable(f"Redis Cluster unreachable: {exc}; the write stays in L2") from None
 
     # ------------------------------------------------------------------ masters down
