@@ -26,8 +26,9 @@ continues the workload where the observed run stopped: the plan only saw the pas
 observe the time since the previous round (``observe.Observer``: every host's snapshot
 read once a round; the first round the last S - 1 seconds), ``replan`` from where the
 agents run with at most M moves, each of which must save its ``--move-bytes`` (default
-``placement.cost.MOVE_BYTES``) in cross-host reads' L3 bytes over the horizon the
-observed reads' persistence and the last plans' realized gains give
+``placement.cost.MOVE_BYTES_IN_PROCESS``: this bench moves agents between host processes)
+in cross-host reads' L3 bytes over the horizon the observed reads' persistence and the
+last plans' realized gains give
 (``placement.cost.Pricing``), move them: the old host's
 process closes the agent's client, the new host's opens one, which first reads the
 agent's own state back; the rounds' and the moves' L3 traffic is in the measured bytes;
@@ -74,6 +75,7 @@ import multiprocessing as mp
 import os
 import random
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,7 +87,7 @@ from typing import Any
 import kvcomm
 from kvcomm import devcluster
 from kvcomm.config import load_config
-from kvcomm.placement.cost import MOVE_BYTES, Pricing, move_cost_reads
+from kvcomm.placement.cost import MOVE_BYTES_IN_PROCESS, Pricing, move_cost_reads
 from kvcomm.placement.launcher import replan as replan_plan
 from kvcomm.placement.observe import Observer, observe
 from kvcomm.placement.plan import make_plan
@@ -708,7 +710,43 @@ def move_cost_probe(dev: dict[str, Any]) -> dict[str, Any]:
                 l3 = getattr(new, "_l3", None)
                 out[name] = 0 if l3 is None else l3.wire.sent + l3.wire.received
                 out[name + "_found"] = got is not None
+        # what `kvcomm placement launch` does: the moved agent is a new process (its L3
+        # client's start-up is not shared with a host process that already has one)
+        fresh = f"probe/process/{os.getpid()}"
+        old.put(fresh, b"p" * VALUE)
+        wait_for_l3(configs["host-1"], fresh)
+        child = subprocess.run(
+            [sys.executable, "-c", _MOVED_PROCESS, configs["host-2"], fresh],
+            capture_output=True, text=True, timeout=60, check=True)
+        moved = json.loads(child.stdout)
+        out["moved_process_reads_unheld"] = moved["bytes"]
+        out["moved_process_reads_unheld_found"] = moved["found"]
     return out
+
+
+# a moved agent's new process: open a client on its new host, read one key the host does
+# not hold (an L2 miss: the client opens its L3 client), print that client's L3 bytes
+_MOVED_PROCESS = """
+import json, sys
+import kvcomm
+with kvcomm.open(config=sys.argv[1], agent="mover-process") as kv:
+    got = kv.get(sys.argv[2])
+    l3 = getattr(kv, "_l3", None)
+    print(json.dumps({"bytes": 0 if l3 is None else l3.wire.sent + l3.wire.received,
+                      "found": got is not None}))
+"""
+
+
+def wait_for_l3(config: str, key: str, timeout: float = 30.0) -> None:
+    """Until ``key`` is in L3 (its write window pushed)."""
+    from kvcomm._wait import wait_until
+    from kvcomm.tiers.l3 import L3Store
+
+    store = L3Store.from_config(load_config(config).cluster)
+    try:
+        wait_until(lambda: store.get(key) is not None, timeout, f"{key} to reach L3")
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------- report
@@ -837,9 +875,11 @@ def main() -> int:
                     help="the replanned placement re-plans every S seconds (default 4)")
     ap.add_argument("--max-moves", type=int, default=4, metavar="M",
                     help="... moving at most M agents a round (default 4)")
-    ap.add_argument("--move-bytes", type=float, default=MOVE_BYTES, metavar="B",
+    ap.add_argument("--move-bytes", type=float, default=MOVE_BYTES_IN_PROCESS, metavar="B",
                     help="... each move made only when it saves B L3 bytes before the next "
-                    f"round (default {MOVE_BYTES:g}: kvcomm.placement.cost.MOVE_BYTES)")
+                    f"round (default {MOVE_BYTES_IN_PROCESS:g}: "
+                         "kvcomm.placement.cost.MOVE_BYTES_IN_PROCESS, this bench's moves "
+                         "being between host processes)")
     ap.add_argument("--placements", default=",".join(DEFAULT_NAMES),
                     help=f"comma-separated, of {', '.join(NAMES)} (default "
                     f"{','.join(DEFAULT_NAMES)}; random is always run: the others are "

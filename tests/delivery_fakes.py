@@ -223,7 +223,7 @@ class FakeL3:
         self._call("get_many")
         return {key: self.records.get(key) for key in keys}
 
-    def scan_keys(self) -> Iterable[bytes]:
+    def scan_keys(self, skipped: set[int] | None = None) -> Iterable[bytes]:
         self._call("scan_keys")
         return [k.encode() for k in self.records]
 

@@ -463,6 +463,38 @@ def test_a_foreign_sequence_counter_restarts_the_sequence(store: L3Store) -> Non
     assert store.feed_seqs([g]) == {g: 1}
 
 
+def test_the_sweep_reads_foreign_counters_as_foreign_whatever_they_hold(store: L3Store) -> None:
+    """The sweep's one-string answer (SWEEP_LUA: a field per group, split on commas and a
+    space) carries nothing of a counter's value but digits: a foreign value holding the
+    separators, a counter too long to be one, or another type read as foreign (None),
+    and the groups after them keep their own answers (a smuggled separator would shift
+    them). The sweep names the groups by their tags, a few bytes each on the wire."""
+    keys = [f"sweep/hostile/{i}" for i in range(6)]
+    gs = sorted({group_of(k) for k in keys})
+    assert len(gs) >= 5
+    for i, k in enumerate(keys):
+        store.push(k, rec(Dotted((("a", 10 + i),), ("a", 10 + i), 1)))
+    good = store.feed_heads(gs)
+    assert all(seq is not None and seq > 0 and tail is not None for seq, tail in good.values())
+    hostile = {gs[0]: b"1,2 3-4,5", gs[1]: b"9" * 20, gs[2]: b"7 1-1,8 2-2"}
+    for g, v in hostile.items():
+        store.rc.set(seq_key(g), v)
+    store.rc.delete(seq_key(gs[3]))
+    store.rc.hset(seq_key(gs[3]), "x", "y")  # another type: GET fails in the script
+    heads = store.feed_heads(gs)
+    assert {g: heads[g][0] for g in gs[:4]} == dict.fromkeys(gs[:4], None), heads
+    for g in gs[4:]:
+        assert heads[g] == good[g]  # untouched by the fields before them
+    for g in gs[:3]:
+        assert heads[g][1] == good[g][1]  # (the tail is the stream's own)
+    assert store.feed_heads(gs, tails=False)[gs[4]] == (good[gs[4]][0], None)
+    before = store.wire.sent
+    store.feed_heads(range(store.groups.count))
+    sent = store.wire.sent - before
+    print(f"a sweep of all {store.groups.count} groups sent {sent} B")
+    assert sent < 8 * store.groups.count  # (the key names took ~22 B a group)
+
+
 @needs_redis
 def test_feed_entries_that_are_not_ours_are_reported_not_raised(store: L3Store) -> None:
     g = group_of("seq/k")

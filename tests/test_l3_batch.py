@@ -278,16 +278,25 @@ def test_calls_whose_reply_budget_is_spent_are_not_cut_by_the_redirect_deadline(
     assert [r.outcome for r in out] == ["older"] * len(keys), out  # type: ignore[union-attr]
 
 
-def test_a_process_reads_the_command_table_once_per_cluster(cluster: RedisCluster) -> None:
+def test_a_client_starts_with_the_keyed_commands_table_and_a_process_reads_the_whole_once(
+        cluster: RedisCluster) -> None:
     """redis-py reads COMMAND (~90 kB from Redis 7) at every cluster client's start: an
     agent moved to another host's process paid it again (measured: 91.7 kB of a 93 kB
-    start-up). The table is kept once per process and cluster: a second client's start
-    costs a few kB, and it still finds the keys of the commands it sends."""
+    start-up). A client now starts with the entries of the commands KVCOMM routes by key
+    (COMMAND INFO: a few kB); the first command it has no entry for reads the whole table,
+    kept for the process's later clients. Every command still finds its keys' slot."""
     wire._TABLES.clear()
     first = L3Store(cluster.seeds)
     try:
         first.push("ct/a", rec(one("h1", 1, 1)))
         first_in = first.rc.wire.received
+        assert first.rc.get("kvcomm-no-such-key") is None  # (a keyed command: its slot found)
+        assert first.rc.wire.received - first_in < 5_000  # (an entry it started with)
+        before = first.rc.wire.received
+        assert first.rc.strlen("ct/none") == 0  # no entry: the whole table, then routed
+        unknown_in = first.rc.wire.received - before
+        assert first.rc.strlen("ct/other") == 0
+        again_in = first.rc.wire.received - before - unknown_in
     finally:
         first.close()
     second = L3Store(cluster.seeds)
@@ -296,13 +305,33 @@ def test_a_process_reads_the_command_table_once_per_cluster(cluster: RedisCluste
         second_in = second.rc.wire.received
         got = second.get("ct/a")
         assert got is not None and got.value == b"v"
-        assert second.rc.get("kvcomm-no-such-key") is None  # (a keyed command: its slot found)
+        assert second.rc.strlen("ct/none") == 0  # (the whole table kept: no read)
+        second_after = second.rc.wire.received
     finally:
         second.close()
-    print(f"received at start: first client {first_in} B, second {second_in} B")
-    assert first_in > 50_000  # the table read: the fault this guards against is real
-    assert second_in < first_in - 50_000
-    assert len(wire._TABLES) == 1
+    print(f"received at start: first client {first_in} B, the first unknown command "
+          f"{unknown_in} B, the next {again_in} B; a second client {second_in} B, "
+          f"{second_after} B after a get and a strlen")
+    assert first_in < 20_000  # (the whole table is ~90 kB)
+    assert unknown_in > 50_000  # the whole table was read: the fallback is real
+    assert again_in < 1_000
+    assert second_after < 20_000
+    assert len(wire._TABLES) == 1 and next(iter(wire._TABLES.values()))[1]  # (whole)
+
+
+def test_a_client_without_command_info_reads_the_whole_table(cluster: RedisCluster,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that does not know one of KEYED_COMMANDS (a nil entry in COMMAND INFO's
+    reply) gives the client the whole table at start: nothing is left unroutable."""
+    wire._TABLES.clear()
+    monkeypatch.setattr(wire, "KEYED_COMMANDS", (*wire.KEYED_COMMANDS, "kvcomm-no-such-command"))
+    store = L3Store(cluster.seeds)
+    try:
+        assert store.rc.wire.received > 50_000
+        assert store.rc.get("kvcomm-no-such-key") is None
+    finally:
+        store.close()
+        wire._TABLES.clear()
 
 
 def test_the_command_tables_kept_are_bounded() -> None:
@@ -319,3 +348,9 @@ def test_the_command_tables_kept_are_bounded() -> None:
     kept.pop("GET")  # a copy: the parser renames entries of what it is given
     assert wire._command_table(frozenset({f"127.0.0.1:{wire.COMMAND_TABLES + 2}"}), dict) == \
         {"GET": wire.COMMAND_TABLES + 2}
+    # a part of the table (whole=False) does for a start, never for a command it lacks
+    part = frozenset({"127.0.0.1:part"})
+    assert wire._command_table(part, lambda: {"get": 1}, whole=False) == {"get": 1}
+    assert wire._command_table(part, lambda: {"get": 2}, whole=False) == {"get": 1}
+    assert wire._command_table(part, lambda: {"get": 3, "strlen": 3}) == {"get": 3, "strlen": 3}
+    assert wire._command_table(part, lambda: {}, whole=False) == {"get": 3, "strlen": 3}

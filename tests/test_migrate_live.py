@@ -189,6 +189,37 @@ def test_a_failed_batch_is_sent_again_and_keys_on_both_sides_keep_the_source_s(
         assert store.get(k).decode_value(k) == want, k  # type: ignore[union-attr]
 
 
+def test_a_sweep_on_a_stale_slot_map_reads_a_moved_group_again_where_it_now_lives(
+        cluster: RedisCluster, store: L3Store) -> None:
+    """The sweep's script runs on the master the client's slot map names; for a group
+    whose slot moved since, that master answers an error for it (``E`` in the script's
+    answer), and the counter is read again through the cluster client (MOVED followed):
+    the sweep still gives the group's counter, and the other groups of the call theirs."""
+    g = 41
+    keys = keys_in_group(store, g, 3, "stale")
+    for i, k in enumerate(keys):
+        store.push(k, record(f"v{i}", "h", 1, 1 + i))
+    stale = L3Store(cluster.seeds)  # (its slot map read now, before the move)
+    try:
+        neighbours = [x for x in range(len(store.groups))
+                      if x != g and store._by_node([x]).keys() == store._by_node([g]).keys()][:5]
+        want = store.feed_heads([g, *neighbours])
+        assert want[g][0] == 3
+        mover = SlotMover(store)
+        slot = store.groups.slot(g)
+        src = mover.owner(slot).name
+        target = next(n.name for n in mover.masters() if n.name != src)
+        mover.move(slot, target)
+        assert stale._by_node([g]).keys() == {src}  # (stale: the script goes to src)
+        got = stale.feed_heads([g, *neighbours])
+        assert got[g][0] == want[g][0]
+        assert got[g][1] is None  # (read again alone: no tail)
+        assert {x: got[x] for x in neighbours} == {x: want[x] for x in neighbours}
+        mover.move(slot, src)  # (back: the module's other tests expect nothing moved)
+    finally:
+        stale.close()
+
+
 def test_parse_nodes_reads_slot_ranges_and_open_migrations() -> None:
     text = ("a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5 7 [8->-b2]\n"
             "b2 127.0.0.1:7001@17001 master - 0 0 2 connected 9 [8-<-a1]\n"

@@ -8,11 +8,16 @@ process; the metrics flusher adds them to the host's L2 (``kvcomm_l3_commands_to
 ``kvcomm_l3_bytes_total``).
 
 It also keeps redis-py's command table (the reply to ``COMMAND``, which ``RedisCluster``
-reads at every client's start to find a command's keys) once per process and cluster:
-from Redis 7 that reply is ~90 kB, nearly all of a client's start-up (an agent's first L2
-miss opens its L3 client; an agent moved to another host's process opens another), and
-the table depends only on the servers' version. Bounded: :data:`COMMAND_TABLES` clusters,
-the oldest forgotten first.
+reads at every client's start to find a command's keys) small and once per process and
+cluster. From Redis 7 the whole table is ~90 kB, nearly all of a client's start-up (an
+agent's first L2 miss opens its L3 client; an agent that a launcher moves to another host
+is a new process and opens another). redis-py needs an entry only for the commands it
+routes by their keys, and reads the whole table again when it meets a command it has no
+entry for; so a client starts with ``COMMAND INFO`` of :data:`KEYED_COMMANDS` (the ones
+KVCOMM sends that way, ~6 kB), and the first unknown command (a tool's, a user's) reads
+the whole table, once, for every later client of the process too. The table depends
+only on the servers' version. Bounded: :data:`COMMAND_TABLES` clusters, the oldest
+forgotten first.
 """
 
 from __future__ import annotations
@@ -90,27 +95,45 @@ def _counting(cls: type) -> type:
 
 _CLUSTER: Any = None
 COMMAND_TABLES = 8  # clusters whose command table a process keeps
-_TABLES: OrderedDict[frozenset[str], dict[str, Any]] = OrderedDict()
+# The commands KVCOMM sends through the cluster client's routing by key (EVAL and EVALSHA
+# excepted: redis-py reads their keys itself; everything else goes to a named node): the
+# entries a client starts with. Containers (XINFO) bring their subcommands' entries.
+KEYED_COMMANDS = ("get", "set", "del", "exists", "mget", "getrange", "hgetall", "lrange",
+                  "zrangebylex", "xrange", "xinfo")
+# cluster (its seeds' names) → (its command table, whether it is the whole table)
+_TABLES: OrderedDict[frozenset[str], tuple[dict[str, Any], bool]] = OrderedDict()
 _TABLES_LOCK = threading.Lock()
 
 
-def _command_table(nodes: frozenset[str], read: Any) -> dict[str, Any]:
-    """A copy of the command table of the cluster of ``nodes`` (its seeds' names), read
-    with ``read()`` the first time. A copy: redis-py's parser renames entries of the dict
-    it is given (never the entries themselves)."""
+def _command_table(nodes: frozenset[str], read: Any, whole: bool = True) -> dict[str, Any]:
+    """A copy of the command table of the cluster of ``nodes`` (its seeds' names): the one
+    kept, or else ``read()``'s, kept from then on; ``whole``: ``read`` reads the whole
+    table, and one that was not whole is not enough. A copy: redis-py's parser renames
+    entries of the dict it is given (never the entries themselves)."""
     with _TABLES_LOCK:
-        table = _TABLES.get(nodes)
-        if table is not None:
+        kept = _TABLES.get(nodes)
+        if kept is not None:
             _TABLES.move_to_end(nodes)
-    if table is None:
-        table = read()
-        if not isinstance(table, dict) or not nodes:
-            return table  # type: ignore[no-any-return]
-        with _TABLES_LOCK:
-            _TABLES[nodes] = table
-            while len(_TABLES) > COMMAND_TABLES:
-                _TABLES.popitem(last=False)
+    if kept is not None and (kept[1] or not whole):
+        return dict(kept[0])
+    table = read()
+    if not isinstance(table, dict) or not nodes:
+        return table  # type: ignore[no-any-return]
+    with _TABLES_LOCK:
+        _TABLES[nodes] = (table, whole)
+        _TABLES.move_to_end(nodes)
+        while len(_TABLES) > COMMAND_TABLES:
+            _TABLES.popitem(last=False)
     return dict(table)
+
+
+class _Reader:
+    """What redis-py's command parser reads its table from: ``command()``."""
+
+    __slots__ = ("command",)
+
+    def __init__(self, command: Any) -> None:
+        self.command = command
 
 
 def counting_cluster() -> type[RedisCluster]:
@@ -119,6 +142,7 @@ def counting_cluster() -> type[RedisCluster]:
     global _CLUSTER
     if _CLUSTER is None:
         from redis.cluster import RedisCluster
+        from redis.exceptions import RedisError
 
         class CountingRedisCluster(RedisCluster):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -129,6 +153,7 @@ def counting_cluster() -> type[RedisCluster]:
                     f"{getattr(n, 'host', '')}:{getattr(n, 'port', '')}"
                     for n in kwargs.get("startup_nodes") or ())
                 super().__init__(*args, **kwargs)
+                self.commands_parser.initialize = self._kvcomm_reinitialize  # type: ignore[method-assign]
 
             def on_connect(self, connection: Any) -> None:
                 # before the handshake: the reply parser takes the socket in on_connect
@@ -141,11 +166,30 @@ def counting_cluster() -> type[RedisCluster]:
                 super().on_connect(connection)  # type: ignore[no-untyped-call]
 
             def command(self, **kwargs: Any) -> Any:
-                # (the table redis-py reads at start and when it meets an unknown command:
-                # once per process and cluster, see the module's docstring)
+                # the table redis-py reads at start: KEYED_COMMANDS' entries, or the whole
+                # table when the process has it (see the module's docstring)
                 if kwargs:
                     return super().command(**kwargs)
-                return _command_table(self.kvcomm_seeds, super().command)
+                return _command_table(self.kvcomm_seeds, self._kvcomm_keyed, whole=False)
+
+            def _kvcomm_reinitialize(self, node: Any) -> None:
+                # what redis-py does on meeting a command its table has no entry for (it
+                # reads COMMAND with ``node``, a node's client): the whole table, kept
+                parser = self.commands_parser
+                seeds = self.kvcomm_seeds
+                type(parser).initialize(parser, _Reader(  # type: ignore[no-untyped-call]
+                    lambda: _command_table(seeds, node.command)))
+
+            def _kvcomm_keyed(self) -> Any:
+                try:
+                    # (parsed as COMMAND's reply: the same entries, for these names only)
+                    table = self.execute_command(  # type: ignore[no-untyped-call]
+                        "COMMAND", "INFO", *KEYED_COMMANDS)
+                except (RedisError, TypeError, IndexError):
+                    table = None  # (no COMMAND INFO, or a name unknown there: a nil entry)
+                if not isinstance(table, dict) or len(table) != len(KEYED_COMMANDS):
+                    return super().command()
+                return table
 
         _CLUSTER = CountingRedisCluster
     return _CLUSTER  # type: ignore[no-any-return]

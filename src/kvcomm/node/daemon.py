@@ -55,6 +55,9 @@ machines what it read, and carries out what they answer.
 4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
    scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
    deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
+   A master that does not answer the start's scan (it hangs) is left out, and the
+   filter distrusted as during a heal's catch-up until its groups are scanned, once it
+   answers (``unscanned``); no rotation is made while a master is taken for down.
 5. **Load.** The Redis commands it causes on each group (a push that stores: the six
    commands the script runs for it; one that does not: one; each script call, of up to
    PUSH_BATCH records of the group: one more; a feed read: one) are
@@ -271,6 +274,11 @@ class Daemon:
         self.ups_seen = 0  # L3Store.ups when the parked writes were last sent again
         self.redis_back = False  # this partition's catch-up was started (see _catch_up)
         self.catching_up = False  # healed, the feeds not yet read up to their ends
+        # groups whose keys the key filter may lack: their master did not answer the
+        # start's scan (it hangs); scanned once it answers (_scan_unscanned), the filter
+        # distrusted until then (the catch-up's: see step)
+        self.unscanned: set[int] = set()
+        self.unscanned_ups = -1  # L3Store.ups at the last try of those scans
         # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
         # newer): its inline feed entry, when it comes back, is known without decoding it
         self.own_sent: dict[str, bytes] = {}
@@ -644,17 +652,52 @@ class Daemon:
 
     def _fill_key_filter(self, initial: bool = False) -> None:
         """Initial fill (both generations) or a rotation (the older one, refilled)."""
+        skipped: set[int] = set()  # (groups of masters that did not answer: not scanned)
         if initial:  # (and note the keys L2 holds, tombstones too, for the start's resync)
             self.keys.set_ready(False)
             self._scan_into(lambda kb: self._scanned(kb, self.held_at_start),
-                            self.l3.scan_keys())
-            self.keys.set_ready(True)
+                            self.l3.scan_keys(skipped))
+            if skipped:
+                # a hung master must not keep the host from starting, nor its keys be
+                # answered "absent": agents ask L3 (which answers Unreached for them)
+                # until they are scanned and every feed is read
+                self.unscanned = skipped
+                self.stats.bump("unscanned_at_start", len(skipped))
+                log.warning("the key filter lacks the keys of %d group(s) whose Redis master "
+                            "did not answer: agents read L3 until it answers and they are "
+                            "scanned", len(skipped))
+                self._distrust_filter()
+            else:
+                self.keys.set_ready(True)
         else:
             target = self.keys.begin_rotation()
-            self._scan_into(target.add, self.l3.scan_keys())
+            self._scan_into(target.add, self.l3.scan_keys(skipped))
+            if skipped:  # (a master hung meanwhile: the current generation keeps answering;
+                self.stats.bump("key_filter_rotations_put_off")  # tried again once it answers)
+                return
             self.keys.end_rotation()
             self.stats.bump("key_filter_rotations")
         self.filter_built = self.clock()
+
+    def _scan_unscanned(self) -> None:
+        """Scan into the key filter the groups the start's scan left out (their master
+        did not answer), those whose master answers now: tried at start and after each
+        master the pinger let go of (L3Store.ups). Raises Unavailable; the groups not
+        scanned yet stay :attr:`unscanned`."""
+        ups = getattr(self.l3, "ups", 0)
+        if ups == self.unscanned_ups:
+            return
+        self.unscanned_ups = ups
+        down: Set[int] = getattr(self.l3, "down_groups", lambda gs: set())(self.unscanned)
+        try:
+            for g in sorted(self.unscanned - down):
+                self._scan_into(self.keys.add, self.l3.scan_group(g))
+                self.unscanned.discard(g)
+        except Unavailable:
+            self.unscanned_ups = -1  # (tried again next round, not at the next ups only)
+            raise
+        if not self.unscanned:
+            log.info("the key filter holds the keys of every group again")
 
     def _scan_into(self, add: Any, keys: Iterable[bytes]) -> None:
         for n, kb in enumerate(keys):
@@ -667,6 +710,8 @@ class Daemon:
     def _maybe_rotate_filter(self) -> None:
         if (self.clock() - self.filter_built > self.rebuild_every
                 or self.keys.adds_since_rotation >= self.config.cache.bloom_capacity):
+            if self.unscanned or getattr(self.l3, "down", None):
+                return  # (a scan now would leave a hung master's keys out: once it answers)
             self._fill_key_filter()
 
     # ------------------------------------------------------------------ prewarm
@@ -679,7 +724,10 @@ class Daemon:
         for key in keys:
             if self.port.holds(key):
                 continue
-            n += bool(self._guarded(key, "prewarm", self._fetch_and_apply, key, False))
+            try:
+                n += bool(self._guarded(key, "prewarm", self._fetch_and_apply, key, False))
+            except Unreached:  # (its master is taken for down: the others' keys come in)
+                self.stats.bump("unreached_prewarm")
         return n
 
     def _fetch_and_apply(self, key: str, tombstones: bool) -> bool:
@@ -724,7 +772,11 @@ class Daemon:
         self.inb.lost(self.l3.hints()[1])  # subscribed before any position is taken
         fresh = self.inb.resume(*self.l3.load_cursors(self.host))
         if fresh:
-            empty = {g for g, n in self.l3.feed_seqs(fresh).items() if n == 0}
+            try:  # (those of a master taken for down are left out: resynced once it answers)
+                seqs = self.l3.feed_seqs(fresh)
+            except Unreached:  # (every one of them is on such a master)
+                seqs = {}
+            empty = {g for g, n in seqs.items() if n == 0}
             self._resync(fresh, reason="", held=self.held_at_start, empty=empty)
 
     def _resync(self, groups: set[int], reason: str, held: Iterable[str] = (),
@@ -1159,7 +1211,10 @@ class Daemon:
                 self.last_pull = self.clock()
                 self.inb.polled(poll, now)
                 self.inb.recheck |= self.unanswered
-            if self.catching_up and not (self.inb.due or self.inb.recheck or self.inb.pending):
+            if self.unscanned:
+                self._scan_unscanned()
+            if self.catching_up and not (self.inb.due or self.inb.recheck or self.inb.pending
+                                         or self.unscanned):
                 self.catching_up = False  # the feeds are read up to their ends again
                 self.keys.set_ready(True)
                 self.stats.bump("caught_up")
@@ -1335,15 +1390,21 @@ class Daemon:
         self.out.retry_at = self.inb.retry_at = float("-inf")
         self.inb.last_poll = float("-inf")
         # keys made elsewhere while cut off are not in the key filter until the feeds
-        # are read: agents must not trust its "absent" (they ask L3) until then; and
-        # every group's hints may have been lost: check every counter now
-        self.keys.set_ready(False)
-        self.catching_up = True
-        self.inb.lost(range(self.config.cluster.groups))
+        # are read: agents must not trust its "absent" (they ask L3) until then
+        self._distrust_filter()
         self.healing = (self.clock(), self.stats.pushed,
                         self.stats.pulled + self.stats.skipped_remote, False)
         log.info("Redis answers again: sending the backlog of %d writes, reading every "
                  "group's feed", self.backlog())
+
+    def _distrust_filter(self) -> None:
+        """Agents stop taking the key filter's "absent" for an answer (they read L3)
+        until the catch-up ends (:meth:`step`: every group's feed read up to its end and
+        no group :attr:`unscanned`); every group's hints may have been lost: every
+        counter is checked now."""
+        self.keys.set_ready(False)
+        self.catching_up = True
+        self.inb.lost(range(self.config.cluster.groups))
 
     def _heal_log(self, what: str) -> None:
         """One step of a heal's catch-up, in the log with the time since Redis answered

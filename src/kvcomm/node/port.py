@@ -202,8 +202,9 @@ class L3Port(Protocol):
         """Each key's record, or None, or a CorruptRecord for a key whose value is not a
         record of ours; read in one batch."""
 
-    def scan_keys(self) -> Iterable[bytes]:
-        """Every key L3 holds."""
+    def scan_keys(self, skipped: set[int] | None = None) -> Iterable[bytes]:
+        """Every key L3 holds. With ``skipped``: the masters that do not answer are
+        left out, and the groups they serve added to ``skipped``."""
 
     def scan_group(self, group: int) -> Iterable[bytes]:
         """Every key of one group."""

@@ -3,15 +3,20 @@
 A move is not free: the agent stops on one host and starts on another, and every
 client opens its own L3 (Redis Cluster) client at its first L2 miss. That start-up was
 about 92 kB (measured on the 3-host dev cluster, Redis 7.0: 90.2 kB of it the reply to
-redis-py's ``COMMAND``); a process now reads that table once per cluster
-(:mod:`kvcomm.metrics.wire`), so a moved agent's client, opened in a host process that
-already has one, starts with ~1.5 kB. The move itself (a client closed on one host,
-opened on another that holds what it reads) costs next to nothing; a moved agent that
-reads a key its new host does not hold yet pays its client's start and the read: 2.1 kB
-for one key (``bench/bench_placement.py --move-cost-only``: ``moved_agent_reads_unheld``;
-it was 93.4 kB before the table was shared). MOVE_BYTES rounds that up to 4 kB: the
-start, the first reads of the few keys an agent reads (a swarm drone: 4), and its
-neighbours' first reads of its key where their host did not hold it.
+redis-py's ``COMMAND``, the whole command table). A client now starts with the entries
+of the few commands KVCOMM routes by key (:mod:`kvcomm.metrics.wire`: 6.2 kB in all), and
+a process keeps its table once per cluster. ``bench/bench_placement.py
+--move-cost-only`` measures a move's pieces:
+
+- what ``kvcomm placement launch`` does, a new process on the new host reading one key
+  that host does not hold: 7.2 kB (``moved_process_reads_unheld``; 93.4 kB before);
+- a client moved into a host process that already has an L3 client, reading one such
+  key: 2.6 kB (``moved_agent_reads_unheld``); reading a key the host holds: 0.
+
+:data:`MOVE_BYTES` (the launcher's, new processes) rounds the first up to 8 kB and
+:data:`MOVE_BYTES_IN_PROCESS` (the bench's moves) the second to 4 kB: the start, the
+first reads of the few keys an agent reads (a swarm drone: 4), and its neighbours'
+first reads of its key where their host did not hold it.
 
 What a move saves: every read per second of another agent's key whose writer is on
 another host costs L3 traffic — the reader's host fetches the changes of the key it
@@ -44,7 +49,8 @@ import math
 from ..errors import InvalidArgument
 from .graph import Graph
 
-MOVE_BYTES = 4_000.0  # L3 bytes one move costs (measured: see the module's docstring)
+MOVE_BYTES = 8_000.0  # L3 bytes one move of the launcher's costs (a new process: measured)
+MOVE_BYTES_IN_PROCESS = 4_000.0  # the same, into a host process that has an L3 client
 READ_OVERHEAD = 96.0  # L3 bytes a fetched record costs beyond its value's bytes
 FETCH_SHARE = 0.35  # fetched bytes per cross-host read over (value + READ_OVERHEAD): measured
 MAX_HORIZON_ROUNDS = 8.0  # a move's saving counted over at most this many rounds

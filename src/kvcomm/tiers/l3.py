@@ -727,30 +727,35 @@ return {s, last[1][1]}
 """
 
 # Group counters of many slots of one master in one call: a GET each (redis.pcall: a slot
-# that is not this node's, or is being migrated, answers its error text instead, and the
-# caller reads that counter again through the cluster client), and the id of the last
-# entry of each group's stream (its *tail*: a reader whose last sequence number is the
-# counter must be positioned there, or the number was reissued: see "Sequence numbers").
-# Read-only, and declared cross-slot: Redis 7 lets a script touch keys of several slots
-# of its node that way. ARGV[1] "1": read the tails too ("0": the counters alone, half the
-# bytes back); then the counters' key names (``kvs:{t}``: the stream is ``kvf:{t}``).
-# Returns, per group, its counter's value, false (absent) or an error text, and (tails)
-# its tail's id or false (no entry, or not a stream).
+# that is not this node's, or is being migrated, answers an error instead, and the caller
+# reads that counter again through the cluster client), and the id of the last entry of
+# each group's stream (its *tail*: a reader whose last sequence number is the counter must
+# be positioned there, or the number was reissued: see "Sequence numbers"). Read-only, and
+# declared cross-slot: Redis 7 lets a script touch keys of several slots of its node that
+# way. ARGV[1] "1": read the tails too ("0": the counters alone); ARGV[2] the groups' hash
+# tags, space-separated (the counter is ``kvs:{t}``, the stream ``kvf:{t}``): ~4 bytes a
+# group on the wire, where the key names as arguments took ~22 — the sweep reads every
+# group's counter every second, from every host. Returns one string, a field per group
+# separated by commas: "" (no counter), the counter's digits, "?" (a foreign value), or
+# "E" (an error: read again), then, with tails, a space and the tail's id when the group
+# has one. Nothing of a value but digits goes into it (no separator can be smuggled).
 SWEEP_LUA = r"""#!lua flags=no-writes,allow-cross-slot-keys
 local out = {}
 local tails = ARGV[1] == '1'
-for i = 2, #ARGV do
-  local k = ARGV[i]
-  local r = redis.pcall('GET', k)
-  if type(r) == 'table' and r.err then r = 'ERR ' .. r.err end
-  out[#out + 1] = r
-  if tails then
-    local t = redis.pcall('XREVRANGE', 'kvf:' .. string.sub(k, 5), '+', '-', 'COUNT', 1)
-    if type(t) == 'table' and not t.err and #t == 1 then t = t[1][1] else t = false end
-    out[#out + 1] = t
+for t in string.gmatch(ARGV[2], '%S+') do
+  local r = redis.pcall('GET', 'kvs:{' .. t .. '}')
+  local f
+  if type(r) == 'table' then f = 'E'
+  elseif not r then f = ''
+  elseif #r < 20 and string.match(r, '^%d+$') then f = r
+  else f = '?' end
+  if tails and f ~= 'E' then
+    local x = redis.pcall('XREVRANGE', 'kvf:{' .. t .. '}', '+', '-', 'COUNT', 1)
+    if type(x) == 'table' and not x.err and #x == 1 then f = f .. ' ' .. x[1][1] end
   end
+  out[#out + 1] = f
 end
-return out
+return table.concat(out, ',')
 """
 
 # Whether a group's stream lost the entry at a reader's cursor while keeping an older
@@ -1185,7 +1190,7 @@ class L3Store:
         reached. Nothing is written then.
         """
         count = len(self.groups)
-        raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
+        raw = self._get_meta(META_GROUPS)
         if raw is None:
             if count != LEGACY_GROUPS and record and self._legacy_data():
                 raise ConfigError(
@@ -1206,7 +1211,7 @@ class L3Store:
                     "cluster.groups to the count the data was written with on every host, "
                     f"then SET {META_GROUPS} <count> in the Redis Cluster")
             self._call(lambda: self.rc.set(META_GROUPS, count, nx=True), META_GROUPS)
-            raw = self._call(lambda: self.rc.get(META_GROUPS), META_GROUPS)
+            raw = self._get_meta(META_GROUPS)
         stored = _as_seq(raw)
         if stored is None:
             raise ConfigError("cluster.groups", f"L3's {META_GROUPS} holds {raw!r:.40}, not a "
@@ -1218,6 +1223,14 @@ class L3Store:
                 f"{count}: set cluster.groups: {stored} (the count of an L3 cannot change "
                 "while it holds data)")
         return count
+
+    def _get_meta(self, name: str) -> Any:
+        """GET ``name`` (a key of KVCOMM's own) on its master, without redis-py's
+        retries: a hung master costs one timeout (and is taken for :attr:`down`), not
+        one per retry. Raises Unavailable, CorruptRecord; Unreached at once while its
+        master is down."""
+        node = self._master_up(name, name)
+        return self._call(lambda: self._on(node, "GET", name), name, node=node)
 
     def _foreign_record(self, sample: int = 64) -> bytes | None:
         """The name of a record (of the first ``sample`` a SCAN finds) whose hash tag is
@@ -1911,14 +1924,13 @@ class L3Store:
                 skipped += 1
                 continue
 
-            def run(node: Any = node, gs: list[int] = gs) -> list[tuple[list[int], list[Any]]]:
+            def run(node: Any = node, gs: list[int] = gs) -> list[tuple[list[int], Any]]:
                 # (a master's slices in turn; one that times out leaves the rest out:
                 # _down_or_raise answers None for the master)
-                names = [self.groups.seq_key(g) for g in gs]
-                return [(gs[at:at + SWEEP_BATCH],
-                         list(self._eval_on(node, self._sweep, "1" if tails else "0",
-                                            *names[at:at + SWEEP_BATCH])))
-                        for at in range(0, len(gs), SWEEP_BATCH)]
+                parts = [gs[at:at + SWEEP_BATCH] for at in range(0, len(gs), SWEEP_BATCH)]
+                return [(part, self._eval_on(node, self._sweep, "1" if tails else "0",
+                                             " ".join(self.groups.tags[g] for g in part)))
+                        for part in parts]
 
             jobs.append((node, run))
         for slices in self._on_masters(jobs):
@@ -1926,19 +1938,22 @@ class L3Store:
                 skipped += 1
                 continue
             answered += 1
-            for part, raws in slices:
-                step = 2 if tails else 1
-                for i, g in enumerate(part):
-                    raw, tail = raws[step * i], raws[step * i + 1] if tails else None
-                    if isinstance(raw, bytes) and raw.startswith(b"ERR "):  # not served here
+            for part, reply in slices:
+                fields = reply.split(b",") if isinstance(reply, bytes) else []
+                if len(fields) != len(part):  # (not SWEEP_LUA's answer: read each again)
+                    fields = [b"E"] * len(part)
+                for g, f in zip(part, fields, strict=True):
+                    raw, _, tail = f.partition(b" ")
+                    if raw == b"E":  # not served here (its slot moved, or is moving)
                         name = self.groups.seq_key(g)
-                        tail = None  # (not read with it)
                         try:
-                            raw = self._call(lambda name=name: self.rc.get(name), name)
+                            got = self._call(lambda name=name: self.rc.get(name), name)
                         except CorruptRecord:
-                            raw = b"?"
-                    out[g] = (0 if raw is None else _as_seq(raw),
-                              tail if isinstance(tail, bytes) and _valid_id(tail) else None)
+                            got = b"?"
+                        out[g] = (0 if got is None else _as_seq(got), None)  # (no tail read)
+                        continue
+                    out[g] = (0 if raw == b"" else _as_seq(raw),
+                              tail if tails and _valid_id(tail) else None)
         if skipped and not answered:
             raise Unreached("the Redis masters of the groups to sweep are down; swept later")
         return out
@@ -2111,7 +2126,9 @@ class L3Store:
     def index_ready(self) -> bool:
         """Whether the key index covers data written before it existed (``kvm:index``
         set by :meth:`backfill_index`). Raises Unavailable."""
-        return bool(self._call(lambda: self.rc.exists(META_INDEX), META_INDEX))
+        node = self._master_up(META_INDEX, META_INDEX)  # (one timeout if it hangs)
+        return bool(self._call(lambda: self._on(node, "EXISTS", META_INDEX), META_INDEX,
+                               node=node))
 
     def backfill_index(self, batch: int = 500) -> int:
         """Index every record L3 holds (once, after an upgrade; see "The key index"):
@@ -2148,15 +2165,41 @@ class L3Store:
 
     # ------------------------------------------------------------------ scans
 
-    def scan_keys(self) -> Iterator[bytes]:
-        """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths)."""
-        def run() -> list[bytes]:
-            return list(self.rc.scan_iter(match="kvc:{*", count=1000))
+    def scan_keys(self, skipped: set[int] | None = None) -> Iterator[bytes]:
+        """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot
+        paths). Raises Unavailable.
 
-        for raw in self._call(run):
-            _, sep, key = raw.partition(b"}:")
-            if sep and key:  # (a foreign name under our prefix is no key of ours)
-                yield key
+        With ``skipped``, a master taken for :attr:`down`, or that times out or refuses
+        the connection during its scan (it is then taken for down), is left out (a hung
+        master would otherwise fail the whole scan), and the groups it serves (by the
+        slot map) are added to ``skipped``: their keys may be missing (read them with
+        :meth:`scan_group` once it answers). Keys of such a master found before it
+        failed are yielded all the same."""
+        if skipped is None:
+            def run() -> list[bytes]:
+                return list(self.rc.scan_iter(match="kvc:{*", count=1000))
+
+            yield from _record_names(self._call(run))
+            return
+        by_node = self._by_node(self.groups)
+        primaries = self._call(lambda: self.rc.get_primaries())  # type: ignore[no-untyped-call]
+        masters = {m.name: m for m in primaries}
+        masters.update((name, node) for name, (node, _) in by_node.items())
+        for name, node in masters.items():
+            groups = by_node.get(name, (node, []))[1]
+            if name in self.down:
+                skipped.update(groups)
+                continue
+
+            def scan(node: Any = node) -> list[bytes]:
+                conn = self.rc.get_redis_connection(node)
+                return list(conn.scan_iter(match="kvc:{*", count=1000))
+
+            raws = self._down_or_raise(scan, node)
+            if raws is None:
+                skipped.update(groups)
+                continue
+            yield from _record_names(raws)
 
     def slot_keys(self, slot: int) -> list[bytes]:
         """Every key Redis holds in ``slot`` (on the master serving it: CLUSTER
@@ -2248,8 +2291,8 @@ class L3Store:
         (not a decimal integer, or past WRITE_MARK_MAX: a host could never have written
         that far, and a sequence lifted there would leave it no dots to write with).
         Raises Unavailable."""
-        try:
-            raw = self._call(lambda: self.rc.get(f"kvn:{{{host}}}:wseq"))
+        try:  # (a start's first call to the host's own keys' master: one timeout if it hangs)
+            raw = self._get_meta(f"kvn:{{{host}}}:wseq")
         except CorruptRecord:  # another type under the name: none
             return 0
         try:
@@ -2566,6 +2609,14 @@ def _bound_refresh(nodes_manager: Any, timeout: float) -> None:
         t.join(timeout)
 
     nodes_manager.initialize = initialize
+
+
+def _record_names(raws: Iterable[bytes]) -> Iterator[bytes]:
+    """The keys of the record names ``raws`` (``kvc:{tag}:key``)."""
+    for raw in raws:
+        _, sep, key = raw.partition(b"}:")
+        if sep and key:  # (a foreign name under our prefix is no key of ours)
+            yield key
 
 
 def _raw(r: Any, **kwargs: Any) -> Any:
