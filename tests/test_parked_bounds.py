@@ -473,3 +473,21 @@ def test_partition_mode_is_decided_by_a_live_master_while_some_are_down(
         for p in paused:
             cluster.resume(p)
         a.close()
+
+
+def test_a_slot_map_refresh_leaves_the_hint_subscriptions_alone(cluster: RedisCluster) -> None:
+    """A slot-map refresh (the pinger's, twice a second while a master is down; the one
+    after a failed call) must not reset the hint subscriptions: redis-py resets the
+    connections of the seed it read the map from, and each refresh broke that master's
+    subscription (its groups counted lost, checked and subscribed again)."""
+    store = L3Store(cluster.seeds, groups=16)
+    try:
+        store.hints()  # (the first call subscribes every group)
+        assert store._hints is not None and len(store._hints.where) == 16
+        for _ in range(4):
+            store._refresh_topology(force=True)
+            hinted, lost = store.hints()
+            assert not lost, lost
+        assert store._hints.stats["breaks"] == 0 and store._hints.stats["subscribed"] == 16
+    finally:
+        store.close()

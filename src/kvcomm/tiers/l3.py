@@ -2568,15 +2568,36 @@ class L3Store:
     def _refresh_topology(self, force: bool = False) -> None:
         """Re-read the slot map (after a failover our per-node pipelines would keep
         dialling the dead master: redis-py only refreshes on its own command path); at
-        most twice a second unless ``force``."""
+        most twice a second unless ``force``; while a master is :attr:`down`, only in the
+        pinger's thread (unless ``force``)."""
         now = time.monotonic()
         if now - self._refreshed < self.refresh_every and not force:
             return
+        if self.down and not force and threading.current_thread() is not self._pinger:
+            # (the pinger re-reads the map while a master is down: here it would hold the
+            # caller, the daemon's loop say, a timeout per seed that does not answer)
+            return
         self._refreshed = now
         try:
-            self.rc.nodes_manager.initialize()
+            self.rc.nodes_manager.initialize(**_keep_pools(self.rc.nodes_manager))
         except Exception:  # the cluster may still be electing: the next call retries
             pass
+
+
+def _keep_pools(nodes_manager: Any) -> dict[str, Any]:
+    """The keyword that keeps a slot-map refresh from resetting the connections of the
+    seed it read the map from (redis-py >= 5.1 resets them by default): they hold the
+    hint subscriptions of that master, which each refresh broke (their groups counted
+    lost and subscribed again; while a master is down the pinger refreshes twice a
+    second). Empty for a redis-py without it."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(nodes_manager).initialize).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"disconnect_startup_nodes_pools": False} \
+        if "disconnect_startup_nodes_pools" in params else {}
 
 
 
