@@ -24,7 +24,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -44,12 +44,13 @@ from .daemon_harness import Host, record, remote_put
 from .delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3, _View
 from .delivery_fakes import group_of as fake_group
 from .test_delivery_sim import Clock
+from .test_hung_master import _master_port as _port
+from .test_hung_master import cluster as cluster  # noqa: F401 (the fixture: 3 masters, no failover)
 from .test_shutdown_flush import _config
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server is not installed")
 
-HUNG_NODE_TIMEOUT_MS = 120_000  # no failover while a test holds its master stopped
 TIMEOUT = 1.0  # cluster.timeout of the test's hosts
 
 
@@ -109,16 +110,6 @@ def test_the_filter_is_trusted_only_once_the_groups_a_start_missed_are_scanned()
     d.step()
     assert keys.ready and not d.unscanned and not d.catching_up
     assert {k.encode() for k in l3.records} <= keys.keys
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    with RedisCluster(masters=3, replicas=0, node_timeout_ms=HUNG_NODE_TIMEOUT_MS) as c:
-        yield c
-
-
-def _port(store: L3Store, name: str) -> int:
-    return int(store.rc.get_node_from_key(name).port)
 
 
 def _pick(store: L3Store, cluster: RedisCluster, seed: int) -> tuple[str, int]:
