@@ -2133,35 +2133,27 @@ class L3Store:
         """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot
         paths). Raises Unavailable.
 
-        With ``skipped``, a master taken for :attr:`down`, or that times out or refuses
-        the connection during its scan (it is then taken for down), is left out (a hung
-        master would otherwise fail the whole scan), and the groups it serves (by the
-        slot map) are added to ``skipped``: their keys may be missing (read them with
-        :meth:`scan_group` once it answers). Keys of such a master found before it
-        failed are yielded all the same."""
-        if skipped is None:
-            def run() -> list[bytes]:
-                return list(self.rc.scan_iter(match="kvc:{*", count=1000))
-
-            yield from _record_names(self._call(run))
-            return
+        One master at a time. A master taken for :attr:`down`, or that times out or
+        refuses the connection during its scan (it is then taken for down), raises
+        Unreached; with ``skipped``, it is left out instead (a hung master would
+        otherwise fail the whole scan), and the groups it serves (by the slot map) are
+        added to ``skipped``: their keys may be missing (read them with
+        :meth:`scan_group` once it answers)."""
         by_node = self._by_node(self.groups)
         primaries = self._call(lambda: self.rc.get_primaries())  # type: ignore[no-untyped-call]
         masters = {m.name: m for m in primaries}
         masters.update((name, node) for name, (node, _) in by_node.items())
         for name, node in masters.items():
-            groups = by_node.get(name, (node, []))[1]
-            if name in self.down:
-                skipped.update(groups)
-                continue
-
             def scan(node: Any = node) -> list[bytes]:
                 conn = self.rc.get_redis_connection(node)
                 return list(conn.scan_iter(match="kvc:{*", count=1000))
 
-            raws = self._down_or_raise(scan, node)
+            raws = None if name in self.down else self._down_or_raise(scan, node)
             if raws is None:
-                skipped.update(groups)
+                if skipped is None:
+                    raise Unreached(f"Redis master {name} did not answer the scan of "
+                                    "KVCOMM's keys; scan again once it answers")
+                skipped.update(by_node.get(name, (node, []))[1])
                 continue
             yield from _record_names(raws)
 
