@@ -428,12 +428,16 @@ def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
         try:
             k = f"skew/{uuid.uuid4().hex[:6]}"
             h.kv.put(k, "local")  # held here: the remote write is merged into L2
+            # the remote write must follow host-1's (dominate its vector): wait for
+            # host-1's push, whose counter starts at the clock, not at 1 (CI once
+            # pushed [host-1: 1] after it landed and got "merged")
+            local = wait_for(lambda: store.get(k), 20, "host-1's push of the key")
             ahead_ms = 3_600_000
             hlc = (time.time_ns() // 1_000_000 + ahead_ms) << LOGICAL_BITS
             with caplog.at_level("WARNING", logger="kvcomm.node"):
                 out = store.push(k, record("from the future", "host-9", 1, hlc,
-                                           vector=[("host-9", 1), ("host-1", 1)]))
-                assert out.outcome in ("new", "newer"), out.outcome
+                                           vector=[("host-9", 1), *local.vector]))
+                assert out.outcome == "newer", out.outcome
                 wait_for(lambda: h.kv.get(k) == "from the future", 20, "the remote write")
                 wait_for(lambda: h.stats.extra.get("clock_skew", 0) >= 1, 10,
                          "the skew to be counted")
