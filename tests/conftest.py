@@ -29,8 +29,10 @@ SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
 
 @pytest.fixture
 def seed() -> int:
-    """A random seed for a randomised test, printed (pytest shows it when the test fails)."""
-    s = random.randrange(2**32)
+    """A random seed for a randomised test, printed (pytest shows it when the test fails);
+    ``KVCOMM_TEST_SEED=N`` runs it again with seed N."""
+    s = int(os.environ["KVCOMM_TEST_SEED"]) if os.environ.get("KVCOMM_TEST_SEED") \
+        else random.randrange(2**32)
     print(f"seed={s}")
     return s
 

@@ -278,9 +278,12 @@ def test_an_idle_host_stays_out_of_partition_mode_while_one_master_hangs(
             swept = da.inb.swept
             wait_for(lambda: da.inb.swept >= swept + 2 * da.inb.slice, 30,
                      "two more sweep slices (4 s) with the master down")
+            # what kept it out: a poll that reached nothing probed a live master (a
+            # loaded machine's polls may reach a live master for a while: wait for one)
+            wait_for(lambda: da.stats.extra.get("live_master_probes", 0) > 0, 30,
+                     "a poll that reached nothing to probe a live master")
             assert f"127.0.0.1:{victim}" in store.down  # (it hung throughout)
             assert not da.reach.entered, da.reach.reason
-            assert da.stats.extra.get("live_master_probes", 0) > 0  # (what kept it out)
         finally:
             cluster.resume(victim)
         wait_for(lambda: a.kv.get(hung[0]) == "v" and not store.down, 20, "the master back")
