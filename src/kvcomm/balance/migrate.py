@@ -73,6 +73,10 @@ log = logging.getLogger("kvcomm.balance")
 BATCH = 100  # keys per MIGRATE
 MIGRATE_TIMEOUT_MS = 5000  # MIGRATE's own timeout for one batch
 RETRIES = 20  # failed batches (IOERR, timeout) tolerated in one move before giving up
+# how long a settle waits for an importer to hear of a failover's promotion (gossip: a
+# node timeout and a few pings on a loaded machine) before it leaves the slot to the
+# next cycle
+PROMOTION_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -245,7 +249,7 @@ class SlotMover:
             # failover of the source it still names the failed node, so its whole
             # cluster state fails (CLUSTERDOWN for every slot it serves). Tell it.
             for name in sorted(importers - {owner}):
-                self._cmd(name, "CLUSTER SETSLOT", slot, "NODE", views[owner].id)
+                self._tell_owner(name, slot, views[owner])
         holders = sorted(n for n in views if n != owner and self._count(n, slot) > 0)
         done: list[MoveResult] = []
         for name in holders:  # keys out of sight there: they get the rest of the slot
@@ -262,6 +266,24 @@ class SlotMover:
                             slot, name, "importing" if slot in v.importing else "migrating")
                 self._cmd(name, "CLUSTER SETSLOT", slot, "STABLE")
         return done
+
+    def _tell_owner(self, name: str, slot: int, owner: NodeInfo) -> None:
+        """``CLUSTER SETSLOT slot NODE <owner>`` on the importer ``name``. Right after a
+        failover the importer may not have heard yet that the promoted replica is a
+        master (gossip): it answers "not a master". Then wait for it to hear (at most
+        PROMOTION_WAIT_S, its view polled) and tell it again, rather than leave the
+        slot's keys out of sight until the balancer's next cycle. Raises Unavailable."""
+        deadline = self.clock() + PROMOTION_WAIT_S
+        while True:
+            try:
+                self._cmd(name, "CLUSTER SETSLOT", slot, "NODE", owner.id)
+                return
+            except Unavailable as exc:
+                if "not a master" not in str(exc) or self.clock() >= deadline:
+                    raise
+                log.info("slot %d: %s does not know %s for a master yet (a failover's "
+                         "gossip); told again shortly", slot, name, owner.name)
+                self.sleep(0.1)
 
     def recover(self) -> list[MoveResult]:
         """Settle every move left open (see the module's doc): no slot is left importing
