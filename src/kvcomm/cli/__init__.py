@@ -82,6 +82,9 @@ def _info(args: argparse.Namespace) -> int:
         etcd = ", etcd unreachable: strong keys fail at once" if st.get("etcd_unreachable") else ""
         print(f"cluster        {mode}; {lease}{etcd}; backlog {st.get('backlog', 0)}, "
               f"feed lag {st.get('feed_lag_s', 0)}s")
+        if st.get("masters_down"):  # (a partial cut: not partition mode, writes wait)
+            print(f"masters down   {', '.join(map(str, st['masters_down']))} (not answering; "
+                  f"{st.get('parked', 0)} writes of their keys parked until they answer)")
     if info["daemon_pid"]:
         state = "alive" if info["daemon_alive"] else "NOT heartbeating"
         if not info["daemon_alive"] and st is not None and st.get("partition") \
@@ -281,10 +284,12 @@ def _cluster(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"hosts": hosts}, indent=2))
                 return 0
-            print(f"{'host':<16} {'lease':<18} {'partition':<9} {'backlog':>8} {'feed lag':>9}")
+            print(f"{'host':<16} {'lease':<18} {'partition':<9} {'backlog':>8} {'feed lag':>9} "
+                  "masters down")
             for h in hosts:
                 print(f"{h['host']:<16} {h['lease']:<18} {'yes' if h['partition'] else 'no':<9} "
-                      f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s")
+                      f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s "
+                      f"{', '.join(h['masters_down']) or '-'}")
             return 0
         found = remove_host(etcd, args.host, force=args.force)
     l3_keys = 0
@@ -484,11 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
     st = actions.add_parser("status", help="list the hosts, their leases, partition mode, "
                             "backlog and feed lag",
                             description="Every host etcd knows: its lease (live, expired, "
-                            "stopped), partition mode, outbound backlog and feed lag, as each "
+                            "stopped), partition mode, outbound backlog, feed lag and the Redis "
+                            "masters it cannot reach (a partial cut), as each "
                             "daemon last published them; a table, or JSON with --json.")
     st.add_argument("--json", action="store_true",
                     help='as JSON: {"hosts": [{"host", "lease", "partition", "backlog", '
-                    '"feed_lag_s"}]}')
+                    '"feed_lag_s", "masters_down"}]}')
     rm = actions.add_parser("remove-host", help="retire a host that will not come back",
                             description="Retire a host that will not come back: revoke its "
                             "lease, delete its etcd records, its feed cursors, hot keys and "

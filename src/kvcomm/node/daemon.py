@@ -1276,6 +1276,18 @@ class Daemon:
         count = getattr(self.port, "dirty_count", None)  # (the test fakes have none)
         return max(0, int(count()) - len(self.out.unconfirmed)) if count is not None else 0
 
+    def masters_down(self) -> list[str]:
+        """The Redis masters this daemon takes for down (L3Store.down: a call timed out
+        or was refused, no PING answered since), as they announce themselves (``host:port``
+        before ``cluster.address_remap``), sorted: a partial cut, which is not partition
+        mode (another master answers) but parks the writes of those masters' keys."""
+        down = getattr(self.l3, "down", None)  # (the test fakes have none)
+        if not down:
+            return []
+        announced = {reached: name for name, reached in
+                     self.config.cluster.address_remap.items()}
+        return sorted(announced.get(n, n) for n in list(down))  # (list: the pinger edits it)
+
     def status(self) -> dict[str, Any]:
         """What the daemon tells its agents (the status file) and the cluster (etcd)."""
         now = self.clock()
@@ -1284,6 +1296,7 @@ class Daemon:
                 "pid": os.getpid(), "updated": self.wall(),
                 "partition": self.reach.partition, "partition_reason": self.reach.reason,
                 "partitions": self.reach.entered, "backlog": self.backlog(),
+                "masters_down": self.masters_down(), "parked": len(self.out.parked),
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
                 "etcd_unreachable": bool(p and p.etcd_unreachable),
                 "etcd_down_s": round(p.etcd_down_s(), 3) if p else 0.0,
@@ -1335,6 +1348,14 @@ class Daemon:
 
     def _decide_partition(self) -> None:
         now = self.clock()
+        if (not self.reach.partition and now - self.reach.redis_ok_at > self.reach.ttl
+                and getattr(self.l3, "down", None) and self._live_master_answers()):
+            # a partial cut (some masters taken for down, another answers a PING now) is
+            # no partition: the loop's first call to each master that stopped answering
+            # waits a timeout, one master after the other, and no call of those answered,
+            # so a few of them in a row outlast the lease TTL
+            now = self.clock()
+            self.reach.redis_ok(now)
         change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
         if change == "enter":
             self.stats.bump("partitions")

@@ -268,7 +268,7 @@ class HostPresence:
 
 def cluster_status(etcd: EtcdClient) -> list[dict[str, Any]]:
     """Every host etcd knows of: ``{"host", "lease", "partition", "backlog",
-    "feed_lag_s"}`` plus what its daemon published (``lease``: "live" with its TTL left,
+    "feed_lag_s", "masters_down"}`` plus what its daemon published (``lease``: "live" with its TTL left,
     "expired", or "stopped"). Raises Unavailable."""
     # (what hosts publish is read defensively: one host's odd record must not hide the
     # others; a name that is not UTF-8 is shown with its bytes escaped)
@@ -291,9 +291,16 @@ def cluster_status(etcd: EtcdClient) -> list[dict[str, Any]]:
         out.append({"host": host, "lease": lease, "partition": bool(s.get("partition")),
                     "backlog": int(_number(s.get("backlog"))),
                     "feed_lag_s": round(_number(s.get("feed_lag_s")), 3),
+                    "masters_down": _names(s.get("masters_down")),
                     "namespace": s.get("namespace"), "pid": s.get("pid"),
                     "updated": s.get("updated")})
     return out
+
+
+def _names(v: Any) -> list[str]:
+    """A published list of names (the masters a host takes for down), [] when it is not
+    a list; its entries as strings."""
+    return [str(x) for x in v] if isinstance(v, list) else []
 
 
 def _name(key: bytes, prefix: bytes) -> str:

@@ -1793,6 +1793,8 @@ class L3Store:
         """
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
         skipped = answered = 0
+        jobs: list[tuple[Any, Callable[[], Any]]] = []
+        by_node: list[list[int]] = []
         for node, gs in self._by_node(cursors).values():
             if node.name in self.down:
                 skipped += 1
@@ -1821,7 +1823,9 @@ class L3Store:
                         self._feed_node[g] = node.name
                 return raws[:len(gs)]
 
-            replies = self._down_or_raise(run, node)
+            jobs.append((node, run))
+            by_node.append(gs)
+        for gs, replies in zip(by_node, self._on_masters(jobs), strict=True):
             if replies is None:
                 skipped += 1
                 continue
@@ -1857,6 +1861,33 @@ class L3Store:
             raise Unreached(f"Redis master {node.name} (of {what}) is down; tried again later")
         return node
 
+    def _on_masters(self, jobs: Sequence[tuple[Any, Callable[[], Any]]]) -> list[Any]:
+        """Each ``(node, run)`` of ``jobs`` as :meth:`_down_or_raise` (its answer, or None
+        when its master is down or timed out now), the masters' calls at the same time
+        (the push pipelines' threads): a call that reaches several masters that stopped
+        answering waits one timeout for all of them, not one each in turn — the daemon's
+        loop must come back within the lease TTL, or a host cut off from some masters
+        would enter partition mode. Answers in the order of ``jobs``; raises the first
+        error (Unavailable) once every call has returned."""
+        if len(jobs) <= 1:
+            return [self._down_or_raise(run, node) for node, run in jobs]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
+        futures = [self._pool.submit(self._down_or_raise, run, node) for node, run in jobs]
+        out: list[Any] = []
+        first: BaseException | None = None
+        for fut in futures:
+            try:
+                out.append(fut.result())
+            except BaseException as exc:  # (every call is waited for first)
+                first = first or exc
+                out.append(None)
+        if first is not None:
+            raise first
+        return out
+
     def _down_or_raise(self, run: Callable[[], Any], node: Any) -> Any:
         """``run()`` on master ``node``: its answer, or None when it timed out or refused
         the connection (it is then :attr:`down`). Raises Unavailable for other errors."""
@@ -1887,22 +1918,27 @@ class L3Store:
         """
         out: dict[int, tuple[int | None, bytes | None]] = {}
         skipped = answered = 0
+        jobs: list[tuple[Any, Callable[[], Any]]] = []
         for node, gs in self._by_node(groups).values():
-            for at in range(0, len(gs), SWEEP_BATCH):
-                if node.name in self.down:
-                    skipped += 1
-                    break
-                part = gs[at:at + SWEEP_BATCH]
+            if node.name in self.down:
+                skipped += 1
+                continue
 
-                def run(node: Any = node, part: list[int] = part) -> Any:
-                    tags = " ".join(self.groups.tags[g] for g in part)
-                    return self._eval_on(node, self._sweep, "1" if tails else "0", tags)
+            def run(node: Any = node, gs: list[int] = gs) -> list[tuple[list[int], Any]]:
+                # (a master's slices in turn; one that times out leaves the rest out:
+                # _down_or_raise answers None for the master)
+                parts = [gs[at:at + SWEEP_BATCH] for at in range(0, len(gs), SWEEP_BATCH)]
+                return [(part, self._eval_on(node, self._sweep, "1" if tails else "0",
+                                             " ".join(self.groups.tags[g] for g in part)))
+                        for part in parts]
 
-                reply = self._down_or_raise(run, node)
-                if reply is None:
-                    skipped += 1
-                    break
-                answered += 1
+            jobs.append((node, run))
+        for slices in self._on_masters(jobs):
+            if slices is None:
+                skipped += 1
+                continue
+            answered += 1
+            for part, reply in slices:
                 fields = reply.split(b",") if isinstance(reply, bytes) else []
                 if len(fields) != len(part):  # (not SWEEP_LUA's answer: read each again)
                     fields = [b"E"] * len(part)
@@ -2459,8 +2495,13 @@ class L3Store:
             # (RedisClusterException: redis-py re-read the slot map after a timeout and
             # no seed answered: "Redis Cluster cannot be connected")
             if node is not None and isinstance(exc, (rex.ConnectionError, rex.TimeoutError)):
+                # (no slot-map refresh here: the pinger re-reads the map while the master
+                # is down, in its own thread. Here it would hold the caller — the daemon's
+                # loop — a timeout per seed that does not answer: a host cut off from some
+                # masters waited seconds per failed call, and entered partition mode)
                 self._went_down(node, exc)
-            self._refresh_topology()
+            else:
+                self._refresh_topology()
             raise Unavailable(f"Redis Cluster unreachable: {exc}; the write stays in L2") from None
 
     # ------------------------------------------------------------------ masters down
@@ -2519,15 +2560,36 @@ class L3Store:
     def _refresh_topology(self, force: bool = False) -> None:
         """Re-read the slot map (after a failover our per-node pipelines would keep
         dialling the dead master: redis-py only refreshes on its own command path); at
-        most twice a second unless ``force``."""
+        most twice a second unless ``force``; while a master is :attr:`down`, only in the
+        pinger's thread (unless ``force``)."""
         now = time.monotonic()
         if now - self._refreshed < self.refresh_every and not force:
             return
+        if self.down and not force and threading.current_thread() is not self._pinger:
+            # (the pinger re-reads the map while a master is down: here it would hold the
+            # caller, the daemon's loop say, a timeout per seed that does not answer)
+            return
         self._refreshed = now
         try:
-            self.rc.nodes_manager.initialize()
+            self.rc.nodes_manager.initialize(**_keep_pools(self.rc.nodes_manager))
         except Exception:  # the cluster may still be electing: the next call retries
             pass
+
+
+def _keep_pools(nodes_manager: Any) -> dict[str, Any]:
+    """The keyword that keeps a slot-map refresh from resetting the connections of the
+    seed it read the map from (redis-py >= 5.1 resets them by default): they hold the
+    hint subscriptions of that master, which each refresh broke (their groups counted
+    lost and subscribed again; while a master is down the pinger refreshes twice a
+    second). Empty for a redis-py without it."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(nodes_manager).initialize).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"disconnect_startup_nodes_pools": False} \
+        if "disconnect_startup_nodes_pools" in params else {}
 
 
 

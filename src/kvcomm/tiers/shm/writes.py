@@ -3,6 +3,7 @@ and what a refused write means."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -112,8 +113,7 @@ class Writes(SegmentCore):
         if status == ST_DIRTY_FULL:
             raise Unavailable(
                 f"{self._q[H['DIRTY']]} writes on this host are waiting for L3 (bound "
-                f"{max_dirty}, cluster.outbound_max); is `kvcomm node` running for namespace "
-                f"{self.name!r} and the cluster up? Nothing was written")
+                f"{max_dirty}, cluster.outbound_max); {self._held_back()}. Nothing was written")
         if status == ST_SLOT_FULL:
             # (what can hold a window's slots: writes waiting for L3 only where there are
             # any, which embedded mode never has, pins, and the batch's own new keys)
@@ -134,6 +134,33 @@ class Writes(SegmentCore):
                 "zero-copy views and the rest cannot be evicted (unflushed or pinned); release "
                 "views or raise cache.l2_size. Nothing was written")
         raise SegmentError(f"L2 of {self.name!r} refused a write (status {status}); purge it")
+
+    def _held_back(self) -> str:
+        """What holds this host's writes back from L3, as the host's node daemon last told
+        (its status file), with what to do: for the message of a write refused at
+        ``cluster.outbound_max``. Never raises."""
+        from ...node.presence import STATUS_FRESH_S, read_status, status_path
+
+        st = read_status(status_path(self.name, self.directory))
+        try:
+            fresh = st is not None and time.time() - float(st.get("updated", 0)) <= STATUS_FRESH_S
+        except (TypeError, ValueError):
+            fresh = False
+        if st is None or not fresh:
+            return (f"is `kvcomm node` running for namespace {self.name!r} and the cluster up? "
+                    "Start it, or retry once it has sent them")
+        if st.get("partition"):
+            return (f"the node daemon is in partition mode ({st.get('partition_reason')}): they "
+                    "are sent once Redis answers again; retry then, or raise "
+                    "cluster.outbound_max for a longer outage")
+        down = st.get("masters_down")
+        if isinstance(down, list) and down:
+            return (f"the node daemon finds Redis master(s) {', '.join(map(str, down))} not "
+                    "answering: the writes of their keys wait (parked; the other masters' writes "
+                    "go on) until those answer or fail over; retry then, or raise "
+                    "cluster.outbound_max to outlast such a hang")
+        return ("the node daemon is sending them (L3 slower than this host writes?); retry "
+                "shortly, or raise cluster.outbound_max")
 
     def mark_clean(self, key_b: bytes, h: int, counter: int, hlc: int) -> bool:
         """Clear the dirty flag if the key still holds the write (counter, hlc)."""
