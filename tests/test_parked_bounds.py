@@ -491,3 +491,39 @@ def test_a_slot_map_refresh_leaves_the_hint_subscriptions_alone(cluster: RedisCl
         assert store._hints.stats["breaks"] == 0 and store._hints.stats["subscribed"] == 16
     finally:
         store.close()
+
+
+def test_a_start_up_read_through_a_stale_slot_map_asks_the_successor(
+        cluster: RedisCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A balancer (or daemon) starting right after a failover read its slot map from a
+    node whose gossip lagged: it named the dead master for ``kvm:groups``, and the start
+    failed with Unavailable (CI: test_review11's failover test, with this branch's
+    partial-cut changes). A start-up meta read refused by its master now re-reads the map
+    and asks the master the map names then, once. (The stale map is made by hand: the
+    slot of ``kvm:groups`` pointed at a port nothing listens on.)"""
+    import socket
+
+    from redis.cluster import PRIMARY, ClusterNode
+
+    from kvcomm.tiers.l3 import META_GROUPS
+
+    store = L3Store(cluster.seeds)
+    try:
+        store.check_groups()  # (written if new: the real count)
+        with socket.socket() as s:  # a port nothing listens on: connections are refused
+            s.bind(("127.0.0.1", 0))
+            dead = s.getsockname()[1]
+        nm = store.rc.nodes_manager
+        slot = store.rc.keyslot(META_GROUPS)
+        ghost = ClusterNode("127.0.0.1", dead, PRIMARY)
+        nm.nodes_cache[ghost.name] = ghost
+        nm.slots_cache[slot] = [ghost]
+        assert store.rc.get_node_from_key(META_GROUPS).name == ghost.name  # (the stale map)
+        assert store.check_groups() == len(store.groups)  # asked the successor
+        # the fault happened: the stale master refused (taken for down; the pinger lets
+        # it go once the map no longer names it)
+        assert any(ghost.name in r.getMessage() and "did not answer" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert store.rc.get_node_from_key(META_GROUPS).name != ghost.name  # map read again
+    finally:
+        store.close()

@@ -315,7 +315,10 @@ def test_the_partition_gauges_of_a_real_daemon_during_a_partition_and_after_heal
                        "host-2's metrics to show partition mode and no live lease")
         print("host-2 during the partition:", cut)
         assert cut["kvcomm_partitions_total"] == before + 1, (before, cut)
-        assert _status(dc, "host-2").get("partition")  # the fault happened, by its own word
+        # the fault happened, by its own word (the status file is written every second
+        # at least by the lease thread, which may not have written since it entered)
+        wait_for(lambda: _status(dc, "host-2").get("partition"), 10,
+                 "host-2's status file to say partition")
         other = _scrape(dc, "host-1")
         assert (other["kvcomm_partition_mode"], other["kvcomm_lease_live"]) == (0, 1), other
     finally:

@@ -259,6 +259,7 @@ class Daemon:
         # (decide_partition runs in the loop, and from the lease thread while the loop is
         # stuck in Redis calls: a cut-off host's calls time out one after the other)
         self.reach_lock = threading.Lock()
+        self.status_lock = threading.Lock()  # (write_status: the loop's and the lease thread's)
         self.presence: HostPresence | None = None
         self.last_pull = now  # the last feed read that succeeded (feed lag)
         # remote timestamps beyond cluster.max_clock_skew: counted and logged, not
@@ -1628,8 +1629,12 @@ class NodeDaemon(Daemon):
         """Write the status file now (also from the lease thread, when etcd's
         reachability changes). Never raises."""
         try:
-            write_status(self.status_file, {**self.status(), "l3_bytes": self.l3_bytes()},
-                         self.config.cache.l2_permissions)
+            # (one writer at a time, the snapshot taken inside: the loop's status, taken
+            # before the lease thread entered partition mode, written after the lease
+            # thread's, would say "connected" until the loop's next round)
+            with self.status_lock:
+                write_status(self.status_file, {**self.status(), "l3_bytes": self.l3_bytes()},
+                             self.config.cache.l2_permissions)
         except OSError as exc:
             log.warning("cannot write %s: %s", self.status_file, exc)
 

@@ -58,6 +58,18 @@ def _pubsub_class() -> type[Any]:
     return _PubSub
 
 
+def _own_pool(pool: Any) -> Any:
+    """A pool of its own for one master's subscription, dialling as ``pool`` (the node's,
+    which redis-py resets at each slot-map refresh read from that node: redis-py >= 5.1
+    marks its connections for reconnection, and a subscription's connection, reconnected,
+    had lost every group's hints; while a master is down the map is re-read twice a
+    second)."""
+    from redis import ConnectionPool
+
+    return ConnectionPool(connection_class=pool.connection_class, max_connections=1,
+                          **pool.connection_kwargs)
+
+
 class _Sub:
     def __init__(self, node: Any, ps: Any) -> None:
         self.node, self.ps = node, ps
@@ -165,6 +177,7 @@ class Hints:
             self._unroute(sub, g)
         try:
             sub.ps.close()
+            sub.ps.connection_pool.disconnect()
         except Exception:  # closing a broken connection: nothing left to release
             pass
 
@@ -200,8 +213,8 @@ class Hints:
                     continue
                 sub = self.subs.get(node.name)
                 if sub is None:
-                    pool = self.rc.get_redis_connection(node).connection_pool
-                    sub = self.subs[node.name] = _Sub(node, self._cls(pool))
+                    sub = self.subs[node.name] = _Sub(node, self._cls(_own_pool(
+                        self.rc.get_redis_connection(node).connection_pool)))
                 sub.ps.ssubscribe(self.groups.hint_channel(g))
             except Exception as exc:  # no owner known, or the node is unreachable: retry
                 log.debug("could not subscribe to group %d's hints: %s", g, exc)

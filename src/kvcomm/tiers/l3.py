@@ -1229,8 +1229,32 @@ class L3Store:
         retries: a hung master costs one timeout (and is taken for :attr:`down`), not
         one per retry. Raises Unavailable, CorruptRecord; Unreached at once while its
         master is down."""
+        from redis import exceptions as rex
+
+        refused: list[str] = []
+
+        def get(node: Any) -> Any:
+            try:
+                return self._on(node, "GET", name)
+            except rex.ConnectionError:  # (refused: not a TimeoutError, which costs one)
+                refused.append(node.name)
+                raise
+
         node = self._master_up(name, name)
-        return self._call(lambda: self._on(node, "GET", name), name, node=node)
+        try:
+            return self._call(lambda: get(node), name, node=node)
+        except Unavailable:
+            if not refused:
+                raise
+            # a master that refuses the connection was failed over, and this client's
+            # slot map (read from a node whose gossip lags) still names it: read the map
+            # again and ask the successor, once (a balancer or daemon starting right
+            # after a failover)
+            self._refresh_topology(force=True)
+            again = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
+            if again.name == node.name or again.name in self.down:
+                raise
+            return self._call(lambda: get(again), name, node=again)
 
     def _foreign_record(self, sample: int = 64) -> bytes | None:
         """The name of a record (of the first ``sample`` a SCAN finds) whose hash tag is
@@ -2571,26 +2595,9 @@ class L3Store:
             return
         self._refreshed = now
         try:
-            self.rc.nodes_manager.initialize(**_keep_pools(self.rc.nodes_manager))
+            self.rc.nodes_manager.initialize()
         except Exception:  # the cluster may still be electing: the next call retries
             pass
-
-
-def _keep_pools(nodes_manager: Any) -> dict[str, Any]:
-    """The keyword that keeps a slot-map refresh from resetting the connections of the
-    seed it read the map from (redis-py >= 5.1 resets them by default): they hold the
-    hint subscriptions of that master, which each refresh broke (their groups counted
-    lost and subscribed again; while a master is down the pinger refreshes twice a
-    second). Empty for a redis-py without it."""
-    import inspect
-
-    try:
-        params = inspect.signature(type(nodes_manager).initialize).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"disconnect_startup_nodes_pools": False} \
-        if "disconnect_startup_nodes_pools" in params else {}
-
 
 
 def _bound_refresh(nodes_manager: Any, timeout: float) -> None:
