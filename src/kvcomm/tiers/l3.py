@@ -1249,12 +1249,17 @@ class L3Store:
             # a master that refuses the connection was failed over, and this client's
             # slot map (read from a node whose gossip lags) still names it: read the map
             # again and ask the successor, once (a balancer or daemon starting right
-            # after a failover)
-            self._refresh_topology(force=True)
-            again = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
-            if again.name == node.name or again.name in self.down:
-                raise
-            return self._call(lambda: get(again), name, node=again)
+            # after a failover). Within one timeout: the pinger's refresh may be the one
+            # running (ours then returns at once), or the map read from a lagging node
+            deadline = time.monotonic() + self.timeout
+            while True:
+                self._refresh_topology(force=True)
+                again = self._call(lambda: self.rc.get_node_from_key(name))  # type: ignore[no-untyped-call]
+                if again.name != node.name and again.name not in self.down:
+                    return self._call(lambda n=again: get(n), name, node=again)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
 
     def _foreign_record(self, sample: int = 64) -> bytes | None:
         """The name of a record (of the first ``sample`` a SCAN finds) whose hash tag is
