@@ -37,25 +37,16 @@ from kvcomm.tiers.l3 import L3Store, feed_key, group_of
 
 from .conftest import wait_for
 from .daemon_harness import Host
+from .test_hung_master import _master_port
+from .test_hung_master import cluster as cluster  # noqa: F401 (the fixture: 3 masters, no failover)
 
 pytestmark = [
     pytest.mark.redis,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
 ]
 
-HUNG_NODE_TIMEOUT_MS = 120_000  # no failover while a test holds its masters stopped
 TIMEOUT = 1.0  # cluster.timeout: how long the first call to a stopped master waits
 BOUND = 16  # cluster.outbound_max of the writing host
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    with RedisCluster(masters=3, replicas=0, node_timeout_ms=HUNG_NODE_TIMEOUT_MS) as c:
-        yield c
-
-
-def _master_port(store: L3Store, key: str) -> int:
-    return int(store.rc.get_node_from_key(key).port)
 
 
 def _key_master(store: L3Store, key: str) -> int:
