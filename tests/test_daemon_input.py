@@ -231,7 +231,9 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
     proc = _spawn(cfg_path, log)
     kv = None
     try:
-        wait_for(lambda: devcluster.daemon_alive(ns), 30, "the daemon to start")
+        wait_for(lambda: devcluster.daemon_alive(ns, proc.pid) or proc.poll() is not None, 30,
+                 "the daemon to start")
+        assert proc.poll() is None, log.read_text()[-3000:]
         kv = kvcomm.open(config=str(cfg_path))
         for k in ("p/foreign", "p/huge", "p/ok"):
             remote_put(store, k, "v1", "host-a", 1)
@@ -260,7 +262,11 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
         proc.wait()
         store.rc.delete(f"kvn:{{{host_id}}}:quarantine")
         proc = _spawn(cfg_path, log)
-        wait_for(lambda: devcluster.daemon_alive(ns), 30, "the daemon to start again")
+        # the new process's own beat: the killed one's last beat stays fresh for 2 s, and
+        # a wait on any beat returned at once, leaving the restart to the next 10 s wait
+        wait_for(lambda: devcluster.daemon_alive(ns, proc.pid) or proc.poll() is not None, 30,
+                 "the daemon to start again")
+        assert proc.poll() is None, log.read_text()[-3000:]
         wait_for(lambda: "p/hot-junk" in set_aside_keys(store, host_id), 10,
                  "the restarted daemon to meet the corrupt hot key again")
         remote_put(store, "p/ok", "v3", "host-a", 3)
@@ -269,7 +275,7 @@ def test_a_restarted_daemon_process_meets_the_same_bad_input_and_stays_up(
         while time.monotonic() < end:
             assert proc.poll() is None, log.read_text()[-2000:]
             time.sleep(0.1)
-        assert devcluster.daemon_alive(ns)
+        assert devcluster.daemon_alive(ns, proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
             rc = proc.wait(30)
