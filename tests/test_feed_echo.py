@@ -89,7 +89,12 @@ def test_own_sent_is_bounded_in_bytes_when_echoes_are_not_read(cluster: RedisClu
         pushed = d.stats.pushed
         for i in range(n):
             h.kv.put(f"bigecho/{seed}/{i}", value)
-        wait_for(lambda: d.stats.pushed - pushed >= n, 60, "every write pushed")
+        # pushed counts a push before its answers are taken (own_sent filled, cleared at
+        # the bound, the writes delivered): read own_sent once the daemon is done with them
+        # (the loop, another thread, would change it under the sum, or be between a clear
+        # at the bound and the next entry)
+        wait_for(lambda: d.stats.pushed - pushed >= n and d.port.dirty_count() == 0, 60,
+                 "every write pushed and delivered")
         held = sum(len(b) for b in d.own_sent.values())
         assert 0 < held <= OWN_SENT_BYTES + (1 << 20), held
         assert h.alive, h.error
