@@ -498,7 +498,7 @@ def test_review7_l3_fill_racing_the_feed_serves_a_stale_value_forever(cluster, s
         assert h.kv.get("race/k") == "v1"  # fine: v1 was current when it was read
         h.kv._l3.get = real_get
         assert _l3_value(store, "race/k") == "v2"
-        wait_for(lambda: h.kv.get("race/k") == "v2", 5, "the host to serve v2, which L3 has "
+        wait_for(lambda: h.kv.get("race/k") == "v2", 20, "the host to serve v2, which L3 has "
                  "(it serves v1 forever?)")
     finally:
         h.close()
