@@ -376,6 +376,10 @@ def test_a_host_cut_off_from_two_of_three_masters(
         last[fresh_live] = {"only-in-l3"}
         wait_for(lambda: _l3_values(cluster, [fresh_live])[fresh_live] == "only-in-l3", 20,
                  "B's write of a fresh key of the live master to reach L3")
+        # (as for fresh_dark: until A's daemon has read the key's feed entry, A's filter
+        # rightly answers "absent", and the read below would be None, not L3's value)
+        wait_for(lambda: da.keys.may_exist(fresh_live.encode()), 20,
+                 "A's key filter to learn of B's new key of the live master")
         took = []
         for _ in range(3):
             t0 = time.monotonic()
