@@ -332,8 +332,13 @@ def test_an_acknowledged_write_lost_by_a_failover_is_pushed_again(
     reader = Host(cluster, f"fo-acked-reader-{seed % 1000}", seed + 1)
     try:
         s.write_x_here(reader)
+        # the writer's polls held until the loss is asserted: running, it saw the rewind
+        # and re-pushed X some 40 ms after the new master served the group (measured),
+        # a margin a loaded machine loses (then the counter never read v1's, nor L3 v1)
+        poll = _hold_polls(s.h)
         s.fail_over()
         assert store.get(s.key).decode_value(s.key) == "v1"  # (X is gone from L3)
+        _resume_polls(s.h, poll)
         wait_for(lambda: s.h.stats.extra.get("resync_rewind", 0) >= 1, 10,
                  "the host to see the rewind")
         wait_for(lambda: s.h.stats.extra.get("repushed", 0) >= 1, 10, "the host to re-push X")
@@ -440,8 +445,10 @@ def test_a_lost_delete_of_a_lost_key_is_not_undone_by_the_writers_repush(
         assert db is not None
         wait_for(lambda: db.inb.seqs.get(g) == seq0 + 2, 10, "B to read its delete's entry")
         s.x_id = store.feed(g, count=100_000)[-1].id
+        poll = _hold_polls(b)  # (B's re-push of its tombstone waits for the fault's check)
         s.fail_over()
         assert store.get(s.key) is None  # (X and the delete: both gone)
+        _resume_polls(b, poll)
         wait_for(lambda: db.stats.extra.get("resync_rewind", 0) >= 1 and not db.inb.pending,
                  15, "B to see the rewind and resync")
         s.h.start()
