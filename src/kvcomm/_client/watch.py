@@ -82,12 +82,10 @@ class Watching(Writes):
         return gen
 
     def _daemon_status(self) -> dict[str, Any] | None:
-        from ..node.presence import STATUS_FRESH_S, read_status, status_path
+        from ..node.presence import read_status, status_fresh, status_path
 
         s = read_status(status_path(self.name, self.config.cache.l2_dir))
-        if s is None or time.time() - float(s.get("updated", 0)) > STATUS_FRESH_S:
-            return None
-        return s
+        return s if status_fresh(s) else None
 
     def _subscribe(self, prefix: str) -> _Subscription:
         """Register ``prefix`` with the host's node daemon and wait (at most _ACK_WAIT_S)
