@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 
@@ -145,6 +146,98 @@ def test_a_host_cut_off_from_a_master_not_yet_down_stays_out_of_partition_mode(
                 da.reach.reason, sorted(da.l3.down))
         print(f"stopped {first}, {second}; {live} answers; down: {sorted(da.l3.down)}")
         assert f"127.0.0.1:{live}" not in da.l3.down
+    finally:
+        for p in paused:
+            cluster3.resume(p)
+        a.close()
+
+
+def _cut_host(cluster3: RedisCluster, seed: int, name: str) -> tuple[Host, list[int]]:
+    """A host (cluster.timeout 2 s) that takes one stopped master for down, its loop
+    stopped, then every master stopped (a full cut: two not yet taken for down), its
+    clock of Redis answers set back past the lease TTL. Returns it and the masters
+    stopped (for the clean-up)."""
+    a = Host(cluster3, f"{name}-{seed % 1000}", seed, {"timeout": 2.0, "lease_ttl": 1.0})
+    paused: list[int] = []
+    try:
+        da = a.daemon
+        assert da is not None and isinstance(da.l3, L3Store)
+        first, second, third = _three(da.l3, seed)
+        key = next(k for k in (f"{name}/{seed}/{i}" for i in range(200))
+                   if int(da.l3.rc.get_node_from_key(feed_key(group_of(k))).port) == first)
+        cluster3.pause(first)
+        paused.append(first)
+        a.kv.put(key, 1)
+        wait_for(lambda: f"127.0.0.1:{first}" in da.l3.down, 20, "A to take the master for down")
+        a.stop(close=False)  # (the loop: decided by hand)
+        for p in (second, third):
+            cluster3.pause(p)
+            paused.append(p)
+        assert len(da.l3.down) == 1, da.l3.down
+        with da.reach_lock:
+            da.reach.redis_ok_at = da.clock() - 3 * da.reach.ttl
+    except BaseException:
+        for p in paused:
+            cluster3.resume(p)
+        a.close()
+        raise
+    return a, paused
+
+
+def test_the_lease_threads_tick_never_waits_on_a_redis_ping(
+        cluster3: RedisCluster, seed: int) -> None:
+    """The lease thread (which renews the etcd lease and writes the status file) decides
+    partition mode when it is overdue; with masters taken for down it asks a live master
+    first. Every master stopped, two not yet taken for down: each tick returns at once
+    (the PING runs in a thread of its own; before, the tick waited its timeout, 2 s —
+    a lease renewal and the status file late by as much), and once the PING timed out a
+    tick enters partition mode."""
+    a, paused = _cut_host(cluster3, seed, "lt")
+    try:
+        da = a.daemon
+        assert da is not None
+        ticks: list[float] = []
+
+        def tick() -> bool:
+            t0 = time.monotonic()
+            da.enter_partition_if_due()
+            ticks.append(time.monotonic() - t0)
+            return da.reach.partition
+
+        wait_for(tick, 15, "a tick to enter partition mode")
+        print(f"{len(ticks)} ticks, the longest {max(ticks):.2f}s; {da.reach.reason}; "
+              f"down {sorted(da.l3.down)}")
+        assert max(ticks) < 0.6, ticks
+        assert da.reach.entered == 1 and len(da.l3.down) == 3, da.l3.down
+    finally:
+        for p in paused:
+            cluster3.resume(p)
+        a.close()
+
+
+def test_the_lease_threads_tick_does_not_wait_for_the_loops_ping(
+        cluster3: RedisCluster, seed: int) -> None:
+    """The loop decides partition mode under the reach lock, PINGing the masters not
+    taken for down (a timeout, 2 s, when none answers). A lease-thread tick meanwhile
+    returns at once, leaving the decision to the loop (before, it waited for the lock:
+    the lease renewal and the status file late by a timeout)."""
+    a, paused = _cut_host(cluster3, seed, "lw")
+    try:
+        da = a.daemon
+        assert da is not None
+        loop = threading.Thread(target=da.decide_partition, daemon=True)
+        loop.start()
+        wait_for(lambda: da.reach_lock.locked() or not loop.is_alive(), 10,
+                 "the loop to decide partition mode")
+        t0 = time.monotonic()
+        da.enter_partition_if_due()
+        took = time.monotonic() - t0
+        contended = loop.is_alive()
+        loop.join(30)
+        print(f"the tick took {took:.2f}s while the loop PINGed; {da.reach.reason}")
+        assert took < 0.6, took
+        assert contended, "the loop's PING returned before the tick: no contention"
+        assert da.reach.partition and da.reach.entered == 1
     finally:
         for p in paused:
             cluster3.resume(p)
