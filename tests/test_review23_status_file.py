@@ -152,3 +152,16 @@ def test_a_status_file_naming_thousands_of_masters_makes_a_bounded_message(
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("masters down"))
     assert "and 4992 more" in line and len(line) < 1000, line
 
+
+
+def test_a_watch_takes_no_number_of_the_status_file_that_is_not_one(
+        full: tuple[kvcomm.Client, str]) -> None:
+    """A fresh status whose ``watch_applied`` and ``watch_missed`` are not integers (the
+    file is another process's): ``watch`` starts (nothing applied: it does not wait for
+    the daemon) instead of raising ValueError or TypeError."""
+    kv, path = full
+    write_status(path, {"updated": time.time(), "watch_applied": "soon",
+                        "watch_missed": [1]})
+    t0 = time.monotonic()
+    events = list(kv.watch("w/", timeout=0.05))
+    assert events == [] and time.monotonic() - t0 < 2.0
