@@ -5,7 +5,12 @@
 2. Whether a live master answers (the PING that keeps a host cut off from some masters
    out of partition mode) asked one master not taken for down, the next in turn: one
    the host is cut off from too, not yet taken for down, said no, and the host entered
-   partition mode while another master answered.
+   partition mode while another master answered. And the lease thread (etcd lease,
+   status file) waited on that PING, or on the loop's, a timeout or two.
+3. A feed read of several masters noted each group as read where it was before the call
+   returned: when another master's part failed (Unavailable), the caller discarded the
+   read with its cursor checks, and the next read of a group whose node had changed (a
+   failover's loss to detect) was not checked again.
 """
 
 from __future__ import annotations
@@ -242,3 +247,63 @@ def test_the_lease_threads_tick_does_not_wait_for_the_loops_ping(
         for p in paused:
             cluster3.resume(p)
         a.close()
+
+
+def test_a_feed_read_that_fails_on_one_master_leaves_the_others_checks_to_do(
+        cluster3: RedisCluster) -> None:
+    """A feed read with checks (``checked``) of two masters' groups, one master busy (a
+    script that runs on: BUSY, an Unavailable that is no master down). The caller gets
+    Unavailable and discards what it read, the other master's cursor checks included;
+    so the next read of that master's group checks it again (it was noted as read
+    there: the check of a group whose node changed — a failover's loss — was lost)."""
+    import redis
+
+    from kvcomm.errors import Unavailable
+
+    store = L3Store(cluster3.seeds, timeout=2.0)
+    busy_port = 0
+    try:
+        masters = sorted({int(n.port) for n in store.rc.get_primaries()})
+        owner = {g: int(store.rc.get_node_from_key(store.groups.feed_key(g)).port)
+                 for g in store.groups}
+        g1 = next(g for g in store.groups if owner[g] == masters[0])
+        g2 = next(g for g in store.groups if owner[g] == masters[1])
+        busy_port = masters[1]
+        busy = redis.Redis(port=busy_port)
+        busy.config_set("busy-reply-threshold", 50)
+        spin = threading.Thread(target=lambda: _quietly(
+            lambda: redis.Redis(port=busy_port).eval("while true do end", 0)), daemon=True)
+        spin.start()
+
+        def is_busy() -> bool:
+            try:
+                redis.Redis(port=busy_port, socket_timeout=1).ping()
+            except redis.exceptions.ResponseError as exc:
+                return "BUSY" in str(exc)
+            return False
+
+        wait_for(is_busy, 10, "the master to run a script that does not end")
+        first: dict[int, bool] = {}
+        with pytest.raises(Unavailable, match="BUSY"):
+            store.feed_many({g1: b"0-0", g2: b"0-0"}, checked=first)
+        assert g1 in first  # (the fault: its check was made, then discarded with the read)
+        redis.Redis(port=busy_port).script_kill()
+        spin.join(10)
+        busy_port = 0
+        again: dict[int, bool] = {}
+        store.feed_many({g1: b"0-0"}, checked=again)
+        assert again.get(g1) is False, again  # checked again (nothing lost there)
+        later: dict[int, bool] = {}
+        store.feed_many({g1: b"0-0"}, checked=later)
+        assert g1 not in later  # (read there and returned: not checked again)
+    finally:
+        if busy_port:
+            _quietly(lambda: redis.Redis(port=busy_port).script_kill())
+        store.close()
+
+
+def _quietly(fn: object) -> None:
+    try:
+        fn()  # type: ignore[operator]
+    except Exception:  # (the script killed, or none running)
+        pass

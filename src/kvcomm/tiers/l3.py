@@ -1872,18 +1872,21 @@ class L3Store:
                 for g, lost in zip(mine, answers, strict=True):
                     if lost in (0, 1) and checked is not None:
                         checked[g] = lost == 1
-                for g, rows in zip(gs, raws, strict=False):
-                    if not isinstance(rows, Exception):
-                        self._feed_node[g] = node.name
                 return raws[:len(gs)]
 
             jobs.append((node, run))
             by_node.append(gs)
-        for gs, replies in zip(by_node, self._on_masters(jobs), strict=True):
+        # (where each group was read, noted only once the read is returned: a read that
+        # ends in Unavailable — another master's error — is discarded with its checks, and
+        # the next read of a group that changed node must check again)
+        read_at: dict[int, str] = {}
+        for (node, _), gs, replies in zip(jobs, by_node, self._on_masters(jobs), strict=True):
             if replies is None:
                 skipped += 1
                 continue
             answered += 1
+            read_at.update((g, node.name) for g, rows in zip(gs, replies, strict=False)
+                           if not isinstance(rows, Exception))
             for g, rows in zip(gs, replies, strict=True):
                 name = self.groups.feed_key(g)
                 try:
@@ -1904,6 +1907,7 @@ class L3Store:
         if skipped and not answered:
             raise Unreached(f"the Redis master(s) of {len(cursors)} feed(s) are down; "
                             "read again later")
+        self._feed_node.update(read_at)
         return out
 
     def _master_up(self, name: str | bytes, what: str) -> Any:
