@@ -82,12 +82,10 @@ class Watching(Writes):
         return gen
 
     def _daemon_status(self) -> dict[str, Any] | None:
-        from ..node.presence import STATUS_FRESH_S, read_status, status_path
+        from ..node.presence import read_status, status_fresh, status_path
 
         s = read_status(status_path(self.name, self.config.cache.l2_dir))
-        if s is None or time.time() - float(s.get("updated", 0)) > STATUS_FRESH_S:
-            return None
-        return s
+        return s if status_fresh(s) else None
 
     def _subscribe(self, prefix: str) -> _Subscription:
         """Register ``prefix`` with the host's node daemon and wait (at most _ACK_WAIT_S)
@@ -98,13 +96,15 @@ class Watching(Writes):
         except OSError as exc:
             raise SegmentError(f"cannot register the watch of {prefix!r} with the node daemon "
                                f"in {c.l2_dir} ({exc.strerror}); check that directory") from None
+        # (numbers read from the status file, another process's: anything else is no answer)
         status = self._daemon_status()
+        applied = _number(status.get("watch_applied")) if status is not None else None
         deadline = time.monotonic() + _ACK_WAIT_S
-        while (status is not None and "watch_applied" in status
-               and int(status["watch_applied"]) < mtime and time.monotonic() < deadline):
+        while applied is not None and applied < mtime and time.monotonic() < deadline:
             time.sleep(0.005)
             status = self._daemon_status()
-        missed = int(status.get("watch_missed", 0)) if status is not None else 0
+            applied = _number(status.get("watch_applied")) if status is not None else None
+        missed = (_number(status.get("watch_missed")) or 0) if status is not None else 0
         etcd_watch, key = None, b""
         if self._strong is not None and self._strong_on and self._strong_possible(prefix):
             from .strong import KEY_PREFIX
@@ -181,8 +181,9 @@ class Watching(Writes):
 
         out: list[Event] = []
         status = self._host_status().status()
-        if status is not None and int(status.get("watch_missed", 0)) > sub.missed:
-            sub.missed = int(status["watch_missed"])
+        missed = _number(status.get("watch_missed")) if status is not None else None
+        if missed is not None and missed > sub.missed:
+            sub.missed = missed
             out.append(Event("", "overflow", None))
         w = sub.etcd_watch
         if w is not None:
@@ -200,3 +201,8 @@ class Watching(Writes):
             except Unavailable:
                 pass  # closed under us (the client is closing)
         return out
+
+
+def _number(v: Any) -> int | None:
+    """``v`` if it is an integer (not a bool), else None: a number of the status file."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else None

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,10 +56,10 @@ def _info(args: argparse.Namespace) -> int:
         info = seg.info()
     finally:
         seg.close()
-    from ..node.presence import STATUS_FRESH_S, read_status, status_path
+    from ..node.presence import masters_down_text, read_status, status_fresh, status_path
 
     st = read_status(status_path(info["name"], c.l2_dir))
-    if st is not None and time.time() - float(st.get("updated", 0)) > STATUS_FRESH_S:
+    if not status_fresh(st):
         st = None  # (a daemon that died says nothing)
     info["node"] = st
     if args.json:
@@ -78,13 +77,15 @@ def _info(args: argparse.Namespace) -> int:
     if st is not None:
         mode = f"PARTITION MODE ({st.get('partition_reason')})" if st.get("partition") \
             else "connected"
-        lease = f"lease {st['lease']:x}" if st.get("lease") else "no etcd lease"
+        held = st.get("lease")  # (an int: the file is another process's, it may say anything)
+        lease = f"lease {held:x}" if isinstance(held, int) and held > 0 else "no etcd lease"
         etcd = ", etcd unreachable: strong keys fail at once" if st.get("etcd_unreachable") else ""
         print(f"cluster        {mode}; {lease}{etcd}; backlog {st.get('backlog', 0)}, "
               f"feed lag {st.get('feed_lag_s', 0)}s")
-        if st.get("masters_down"):  # (a partial cut: not partition mode, writes wait)
-            print(f"masters down   {', '.join(map(str, st['masters_down']))} (not answering; "
-                  f"{st.get('parked', 0)} writes of their keys parked until they answer)")
+        down = masters_down_text(st)
+        if down:  # (a partial cut: not partition mode, writes wait)
+            print(f"masters down   {down} (not answering; {st.get('parked', 0)} writes of "
+                  "their keys parked until they answer)")
     if info["daemon_pid"]:
         state = "alive" if info["daemon_alive"] else "NOT heartbeating"
         if not info["daemon_alive"] and st is not None and st.get("partition") \

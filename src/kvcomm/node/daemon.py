@@ -108,6 +108,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Set
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,6 +172,10 @@ MERGE_WINDOWS = 8  # closed windows waiting together go out in one push (a backl
 UNREACHED_RETRY = 0.05  # seconds before a push none of whose masters answered is tried again
 WRITE_MARK_BLOCK = 1 << 20  # dots reserved ahead in L3's write mark (one save per block)
 OWN_SENT_MAX = 1 << 17  # own pushes remembered until their echo (Daemon.own_sent)
+# how long the lease thread waits for the reach lock or a live master's PING at a tick:
+# it renews the etcd lease and writes the status file, so it never waits on Redis (a
+# PING that does not answer within this is looked at again at the next tick)
+LEASE_WAIT_S = 0.2
 OWN_SENT_BYTES = 8 << 20  # and their bytes at most (an entry may be cluster.feed_inline: 1 MiB)
 
 
@@ -260,6 +266,9 @@ class Daemon:
         # stuck in Redis calls: a cut-off host's calls time out one after the other)
         self.reach_lock = threading.Lock()
         self.status_lock = threading.Lock()  # (write_status: the loop's and the lease thread's)
+        # the lease thread's PING of a live master (enter_partition_if_due), running in a
+        # thread of its own: (whether one answered, when it returned)
+        self._live_probe: Future[tuple[bool, float]] | None = None
         self.presence: HostPresence | None = None
         self.last_pull = now  # the last feed read that succeeded (feed lag)
         # remote timestamps beyond cluster.max_clock_skew: counted and logged, not
@@ -1243,6 +1252,36 @@ class Daemon:
             return True
         return False
 
+    def _probe_live(self, wait: float) -> bool | None:
+        """:meth:`_live_master_answers` for the lease thread: run in a thread of its own,
+        waited for ``wait`` seconds at most; None while it runs (the next call looks
+        again). An answer older than half the lease TTL is not used: asked again."""
+        fut = self._live_probe
+        if fut is not None and fut.done():
+            self._live_probe = None
+            answered, at = fut.result()
+            if self.clock() - at <= self.reach.ttl / 2:
+                return answered
+            fut = None
+        if fut is None:
+            fut = self._live_probe = Future()
+
+            def probe(fut: Future[tuple[bool, float]] = fut) -> None:
+                try:
+                    answered = self._live_master_answers()
+                except Exception:  # (it never raises; a bug must not leave the probe out)
+                    log.exception("asking whether a live Redis master answers failed")
+                    answered = False
+                fut.set_result((answered, self.clock()))
+
+            threading.Thread(target=probe, daemon=True, name="kvcomm-live-probe").start()
+        try:
+            answered, _ = fut.result(timeout=wait)
+        except FutureTimeout:
+            return None
+        self._live_probe = None
+        return answered
+
     def _redis_answers(self) -> bool:
         """In partition mode, one cheap probe before a round: a round's calls would each
         wait a timeout per seed (redis-py re-reads the slot map from every seed after a
@@ -1342,21 +1381,33 @@ class Daemon:
         so that a loop stuck in Redis calls that time out one after the other (a
         cut-off host's redis-py tries every seed node in turn) does not delay partition
         mode by far more than the lease TTL."""
-        with self.reach_lock:
+        # (never waiting on Redis: this thread renews the etcd lease and writes the status
+        # file. The loop holds the lock while it PINGs a live master: it decides then)
+        if not self.reach_lock.acquire(timeout=LEASE_WAIT_S):
+            return
+        try:
             if self.reach.overdue(self.clock(),
                                   self.presence.etcd_ok_at if self.presence else None):
-                self._decide_partition()
+                self._decide_partition(wait=LEASE_WAIT_S)
+        finally:
+            self.reach_lock.release()
 
-    def _decide_partition(self) -> None:
+    def _decide_partition(self, wait: float | None = None) -> None:
+        """``wait``: from the lease thread, how long a live master's PING is waited for
+        (it runs in a thread of its own; undecided meanwhile); None: until it returns."""
         now = self.clock()
         if (not self.reach.partition and now - self.reach.redis_ok_at > self.reach.ttl
-                and getattr(self.l3, "down", None) and self._live_master_answers()):
+                and getattr(self.l3, "down", None)):
             # a partial cut (some masters taken for down, another answers a PING now) is
             # no partition: the loop's first call to each master that stopped answering
             # waits a timeout, one master after the other, and no call of those answered,
             # so a few of them in a row outlast the lease TTL
-            now = self.clock()
-            self.reach.redis_ok(now)
+            answered = self._live_master_answers() if wait is None else self._probe_live(wait)
+            if answered is None:  # (its PING is still out: decided at a later tick)
+                return
+            if answered:
+                now = self.clock()
+                self.reach.redis_ok(now)
         change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
         if change == "enter":
             self.stats.bump("partitions")

@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,8 @@ log = logging.getLogger("kvcomm.node")
 HOSTS_PREFIX = b"kvc/hosts/"
 MEMBERS_PREFIX = b"kvc/members/"
 STATUS_FRESH_S = 3.0  # an agent trusts the status file this long after it was written
+# a status file larger than this is no daemon's (a few KB: its strong prefixes the most)
+STATUS_MAX_BYTES = 1 << 20
 PROBE_WHILE_DOWN = 0.2  # seconds between probes while etcd does not answer
 
 
@@ -76,13 +79,65 @@ def write_status(path: str, status: dict[str, Any], permissions: int = 0o600) ->
 
 
 def read_status(path: str) -> dict[str, Any] | None:
-    """The status file's content, or None when absent or unreadable."""
+    """The status file's content, or None when absent or unreadable. Only a regular file
+    of at most STATUS_MAX_BYTES is read, opened without blocking: what is at the path may
+    be anything another process put there (a FIFO would hold the reader — a write refused
+    at cluster.outbound_max reads it for its message — until something writes into it)."""
     try:
-        with open(path, "rb") as f:
-            out = json.loads(f.read())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > STATUS_MAX_BYTES:
+            return None
+        chunks: list[bytes] = []
+        left = STATUS_MAX_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:  # (it grew past the bound while read)
+            return None
+        out = json.loads(b"".join(chunks))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
     return out if isinstance(out, dict) else None
+
+
+def status_fresh(status: dict[str, Any] | None, wall: float | None = None) -> bool:
+    """Whether ``status`` (a status file's content) was written within STATUS_FRESH_S of
+    ``wall`` (default: now). False for a missing, non-numeric, non-finite or far-future
+    ``updated`` (the file is advisory: what another process wrote there must not raise,
+    nor make a dead daemon's word fresh for ever). Never raises."""
+    if status is None:
+        return False
+    now = time.time() if wall is None else wall
+    updated = status.get("updated", 0)
+    if isinstance(updated, bool) or not isinstance(updated, (int, float)):
+        return False
+    try:
+        age = now - float(updated)
+    except (OverflowError, ValueError):
+        return False
+    return math.isfinite(age) and -STATUS_FRESH_S <= age <= STATUS_FRESH_S
+
+
+def masters_down_text(status: dict[str, Any], most: int = 8) -> str:
+    """The Redis masters a status file names as down (``masters_down``), for a message:
+    at most ``most`` of them (then how many more), each cut to 64 printable characters;
+    "" when it names none or is not a list (the file is advisory: another process may
+    have written anything there). Never raises."""
+    down = status.get("masters_down")
+    if not isinstance(down, list) or not down:
+        return ""
+    names = ["".join(c if c.isprintable() else "?" for c in str(x)[:64]) for x in down[:most]]
+    more = f" and {len(down) - most} more" if len(down) > most else ""
+    return ", ".join(names) + more
 
 
 class StatusReader:
@@ -101,9 +156,7 @@ class StatusReader:
             self._next = now + 0.05
             self._status = read_status(self.path)
         s = self._status
-        if s is None or self.wall() - float(s.get("updated", 0)) > STATUS_FRESH_S:
-            return None
-        return s
+        return s if status_fresh(s, self.wall()) else None
 
     def etcd_unreachable(self) -> str | None:
         s = self.status()

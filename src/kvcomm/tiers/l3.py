@@ -242,6 +242,10 @@ HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at mos
 # in µs (~1.8e15 in 2026) and takes one per write, so no host reaches 2**52 before ~2112;
 # and a new L2 lifted to MAX_COUNTER would have no dot left to give (review 18)
 WRITE_MARK_MAX = MAX_COUNTER >> 1
+# threads that call the masters at the same time (pushes, feed reads, sweeps): one per
+# master, so that a call reaching many masters that stopped answering waits one timeout
+# for all of them, not one per 8 (threads are started as calls need them, kept while idle)
+MASTER_THREADS = 64
 SWEEP_BATCH = 256  # group counters one sweep call reads (~0.7 ms of one master's time)
 INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
 NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
@@ -1305,22 +1309,47 @@ class L3Store:
             return False
 
     def live_master_answers(self) -> bool:
-        """Whether a master not taken for :attr:`down` (the next in turn) answers a PING
-        within the timeout: the daemon's evidence that Redis answers when its calls of a
-        round all went to masters taken for down (skipped). False when every master is
-        down, or the one asked does not answer (it is then taken for down). Never
-        raises."""
+        """Whether a master not taken for :attr:`down` answers a PING within the timeout:
+        the daemon's evidence that Redis answers when its calls of a round all went to
+        masters taken for down (skipped). Every such master is asked at the same time, and
+        the first answer decides: a host cut off from some masters may not have taken
+        them all for down yet (its loop still waits on one of them), and asking only one
+        of them — the next in turn — found one that does not answer and put the host in
+        partition mode, another master answering. False when every master is down or
+        none answers (those that do not are then taken for down). Never raises."""
         try:
             masters = [m for m in self.rc.get_primaries()  # type: ignore[no-untyped-call]
                        if m.name not in self.down]
-            if not masters:
-                return False
-            node = masters[self._ping_turn % len(masters)]
-            self._ping_turn += 1
-            return bool(self._call(lambda: self.rc.get_redis_connection(node).ping(),
-                                   node=node))
-        except Exception:  # unreachable, refused, no slot map: not reachable now
+        except Exception:  # no slot map: not reachable now
             return False
+
+        def ping(node: Any) -> bool:
+            try:
+                return bool(self._call(lambda: self.rc.get_redis_connection(node).ping(),
+                                       node=node))
+            except Exception:  # unreachable, refused: not this one
+                return False
+
+        if len(masters) <= 1:
+            return bool(masters) and ping(masters[0])
+        from concurrent.futures import as_completed
+
+        try:
+            futures = [self._threads().submit(ping, m) for m in masters]
+        except RuntimeError:  # (closed)
+            return False
+        # (the PINGs still out when one answered go on: those that time out are down)
+        return any(fut.result() for fut in as_completed(futures))
+
+    def _threads(self) -> Any:
+        """The threads that call the masters at the same time (MASTER_THREADS)."""
+        with self._down_lock:  # (the loop's and the lease thread's first calls: one pool)
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=MASTER_THREADS,
+                                                thread_name_prefix="kvcomm-push")
+            return self._pool
 
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord; Unreached
@@ -1541,11 +1570,7 @@ class L3Store:
         if len(jobs) == 1:
             node, idxs, asking = jobs[0]
             return {(node.name, asking): one(node, idxs, asking)}
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
-        futures = {(node.name, asking): self._pool.submit(one, node, idxs, asking)
+        futures = {(node.name, asking): self._threads().submit(one, node, idxs, asking)
                    for node, idxs, asking in jobs}
         out: dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str] | Unreached] = {}
         first: BaseException | None = None
@@ -1847,18 +1872,21 @@ class L3Store:
                 for g, lost in zip(mine, answers, strict=True):
                     if lost in (0, 1) and checked is not None:
                         checked[g] = lost == 1
-                for g, rows in zip(gs, raws, strict=False):
-                    if not isinstance(rows, Exception):
-                        self._feed_node[g] = node.name
                 return raws[:len(gs)]
 
             jobs.append((node, run))
             by_node.append(gs)
-        for gs, replies in zip(by_node, self._on_masters(jobs), strict=True):
+        # (where each group was read, noted only once the read is returned: a read that
+        # ends in Unavailable — another master's error — is discarded with its checks, and
+        # the next read of a group that changed node must check again)
+        read_at: dict[int, str] = {}
+        for (node, _), gs, replies in zip(jobs, by_node, self._on_masters(jobs), strict=True):
             if replies is None:
                 skipped += 1
                 continue
             answered += 1
+            read_at.update((g, node.name) for g, rows in zip(gs, replies, strict=False)
+                           if not isinstance(rows, Exception))
             for g, rows in zip(gs, replies, strict=True):
                 name = self.groups.feed_key(g)
                 try:
@@ -1879,6 +1907,7 @@ class L3Store:
         if skipped and not answered:
             raise Unreached(f"the Redis master(s) of {len(cursors)} feed(s) are down; "
                             "read again later")
+        self._feed_node.update(read_at)
         return out
 
     def _master_up(self, name: str | bytes, what: str) -> Any:
@@ -1900,11 +1929,7 @@ class L3Store:
         error (Unavailable) once every call has returned."""
         if len(jobs) <= 1:
             return [self._down_or_raise(run, node) for node, run in jobs]
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcomm-push")
-        futures = [self._pool.submit(self._down_or_raise, run, node) for node, run in jobs]
+        futures = [self._threads().submit(self._down_or_raise, run, node) for node, run in jobs]
         out: list[Any] = []
         first: BaseException | None = None
         for fut in futures:

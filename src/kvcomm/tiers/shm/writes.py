@@ -3,7 +3,6 @@ and what a refused write means."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,11 +86,14 @@ class Writes(SegmentCore):
                     if attempt or not self._q[_H_BUSY] or self._q[_H_STATE] != STATE_OK:
                         raise
                     self._recover()  # corruption found before anything was published
-            if type(r) is tuple and type(r[0]) is int:  # (status, index): nothing written
-                self._raise_status(r[0], r[1], ops, dirty, max_dirty)
-            return r
+            if not (type(r) is tuple and type(r[0]) is int):
+                return r
         finally:
             core.unlock()
+        # (status, index): nothing written. Raised outside the writer lock: a refusal at
+        # cluster.outbound_max reads the node daemon's status file for its message
+        self._raise_status(r[0], r[1], ops, dirty, max_dirty)
+        raise AssertionError("unreachable")
 
     def _raise_status(self, status: int, index: int, ops: list[tuple[Any, ...]], dirty: bool,
                       max_dirty: int) -> None:
@@ -138,24 +140,22 @@ class Writes(SegmentCore):
     def _held_back(self) -> str:
         """What holds this host's writes back from L3, as the host's node daemon last told
         (its status file), with what to do: for the message of a write refused at
-        ``cluster.outbound_max``. Never raises."""
-        from ...node.presence import STATUS_FRESH_S, read_status, status_path
+        ``cluster.outbound_max``. Never raises; bounded (the file is another process's)."""
+        from ...node.presence import masters_down_text, read_status, status_fresh, status_path
 
         st = read_status(status_path(self.name, self.directory))
-        try:
-            fresh = st is not None and time.time() - float(st.get("updated", 0)) <= STATUS_FRESH_S
-        except (TypeError, ValueError):
-            fresh = False
-        if st is None or not fresh:
+        if st is None or not status_fresh(st):
             return (f"is `kvcomm node` running for namespace {self.name!r} and the cluster up? "
                     "Start it, or retry once it has sent them")
         if st.get("partition"):
-            return (f"the node daemon is in partition mode ({st.get('partition_reason')}): they "
+            reason = "".join(c if c.isprintable() else "?"
+                             for c in str(st.get("partition_reason"))[:200])
+            return (f"the node daemon is in partition mode ({reason}): they "
                     "are sent once Redis answers again; retry then, or raise "
                     "cluster.outbound_max for a longer outage")
-        down = st.get("masters_down")
-        if isinstance(down, list) and down:
-            return (f"the node daemon finds Redis master(s) {', '.join(map(str, down))} not "
+        down = masters_down_text(st)
+        if down:
+            return (f"the node daemon finds Redis master(s) {down} not "
                     "answering: the writes of their keys wait (parked; the other masters' writes "
                     "go on) until those answer or fail over; retry then, or raise "
                     "cluster.outbound_max to outlast such a hang")
