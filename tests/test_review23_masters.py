@@ -122,25 +122,44 @@ def test_a_live_master_is_found_while_a_cut_master_is_not_yet_taken_for_down(
         store.close()
 
 
+def _one_down(cluster3: RedisCluster, seed: int, name: str, timeout: float,
+              ) -> tuple[Host, tuple[int, int, int], list[int]]:
+    """A host (``cluster.timeout`` ``timeout``, lease TTL 1 s) that took the first of the
+    masters (_three) for down, stopped, its loop stopped then (partition mode is decided
+    by hand). Returns it, the three masters' ports and the masters stopped (for the
+    clean-up)."""
+    a = Host(cluster3, f"{name}-{seed % 1000}", seed, {"timeout": timeout, "lease_ttl": 1.0})
+    paused: list[int] = []
+    try:
+        da = a.daemon
+        assert da is not None and isinstance(da.l3, L3Store)
+        three = _three(da.l3, seed)
+        key = next(k for k in (f"{name}/{seed}/{i}" for i in range(200))
+                   if int(da.l3.rc.get_node_from_key(feed_key(group_of(k))).port) == three[0])
+        cluster3.pause(three[0])
+        paused.append(three[0])
+        a.kv.put(key, 1)
+        wait_for(lambda: f"127.0.0.1:{three[0]}" in da.l3.down, 20,
+                 "A to take the master for down")
+        a.stop(close=False)  # (the loop, not the daemon: decided by hand)
+    except BaseException:
+        for p in paused:
+            cluster3.resume(p)
+        a.close()
+        raise
+    return a, three, paused
+
+
 def test_a_host_cut_off_from_a_master_not_yet_down_stays_out_of_partition_mode(
         cluster3: RedisCluster, seed: int) -> None:
     """A daemon that takes one stopped master for down and has not called a second
     stopped one yet, whose loop heard no answer for a lease TTL: partition mode is
     decided by a live master (the third answers), however often it is decided — not by
     whichever master not taken for down came next in turn."""
-    a = Host(cluster3, f"lm-a-{seed % 1000}", seed, {"timeout": 1.0, "lease_ttl": 1.0})
-    paused: list[int] = []
+    a, (first, second, live), paused = _one_down(cluster3, seed, "lm-a", 1.0)
     try:
         da = a.daemon
         assert da is not None and isinstance(da.l3, L3Store)
-        first, second, live = _three(da.l3, seed)
-        key = next(k for k in (f"lm/{seed}/{i}" for i in range(200))
-                   if int(da.l3.rc.get_node_from_key(feed_key(group_of(k))).port) == first)
-        cluster3.pause(first)
-        paused.append(first)
-        a.kv.put(key, 1)
-        wait_for(lambda: f"127.0.0.1:{first}" in da.l3.down, 20, "A to take the master for down")
-        a.stop(close=False)  # (the loop, not the daemon: decided by hand below)
         cluster3.pause(second)
         paused.append(second)
         for _ in range(2):
@@ -162,19 +181,10 @@ def _cut_host(cluster3: RedisCluster, seed: int, name: str) -> tuple[Host, list[
     stopped, then every master stopped (a full cut: two not yet taken for down), its
     clock of Redis answers set back past the lease TTL. Returns it and the masters
     stopped (for the clean-up)."""
-    a = Host(cluster3, f"{name}-{seed % 1000}", seed, {"timeout": 2.0, "lease_ttl": 1.0})
-    paused: list[int] = []
+    a, (_, second, third), paused = _one_down(cluster3, seed, name, 2.0)
     try:
         da = a.daemon
         assert da is not None and isinstance(da.l3, L3Store)
-        first, second, third = _three(da.l3, seed)
-        key = next(k for k in (f"{name}/{seed}/{i}" for i in range(200))
-                   if int(da.l3.rc.get_node_from_key(feed_key(group_of(k))).port) == first)
-        cluster3.pause(first)
-        paused.append(first)
-        a.kv.put(key, 1)
-        wait_for(lambda: f"127.0.0.1:{first}" in da.l3.down, 20, "A to take the master for down")
-        a.stop(close=False)  # (the loop: decided by hand)
         for p in (second, third):
             cluster3.pause(p)
             paused.append(p)
@@ -212,7 +222,7 @@ def test_the_lease_threads_tick_never_waits_on_a_redis_ping(
         wait_for(tick, 15, "a tick to enter partition mode")
         print(f"{len(ticks)} ticks, the longest {max(ticks):.2f}s; {da.reach.reason}; "
               f"down {sorted(da.l3.down)}")
-        assert max(ticks) < 0.6, ticks
+        assert max(ticks) < 1.2, ticks  # (a tick that waited the PING: 2 s and more)
         assert da.reach.entered == 1 and len(da.l3.down) == 3, da.l3.down
     finally:
         for p in paused:
@@ -240,7 +250,7 @@ def test_the_lease_threads_tick_does_not_wait_for_the_loops_ping(
         contended = loop.is_alive()
         loop.join(30)
         print(f"the tick took {took:.2f}s while the loop PINGed; {da.reach.reason}")
-        assert took < 0.6, took
+        assert took < 1.2, took  # (a tick that waited for the loop's PING: 2 s and more)
         assert contended, "the loop's PING returned before the tick: no contention"
         assert da.reach.partition and da.reach.entered == 1
     finally:
