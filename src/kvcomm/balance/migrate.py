@@ -59,6 +59,7 @@ next move of the slot or the next :meth:`SlotMover.recover`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -274,15 +275,17 @@ class SlotMover:
         PROMOTION_WAIT_S, its view polled) and tell it again, rather than leave the
         slot's keys out of sight until the balancer's next cycle. Raises Unavailable."""
         deadline = self.clock() + PROMOTION_WAIT_S
-        while True:
+        for attempt in itertools.count():
             try:
                 self._cmd(name, "CLUSTER SETSLOT", slot, "NODE", owner.id)
                 return
             except Unavailable as exc:
                 if "not a master" not in str(exc) or self.clock() >= deadline:
                     raise
-                log.info("slot %d: %s does not know %s for a master yet (a failover's "
-                         "gossip); told again shortly", slot, name, owner.name)
+                if not attempt:  # (once: it is told again every 0.1 s)
+                    log.info("slot %d: %s does not know %s for a master yet (a failover's "
+                             "gossip); told again for up to %gs", slot, name, owner.name,
+                             PROMOTION_WAIT_S)
                 self.sleep(0.1)
 
     def recover(self) -> list[MoveResult]:

@@ -273,7 +273,7 @@ def _cluster(args: argparse.Namespace) -> int:
     feed cursors, hot keys and quarantine list in L3. Its backlog lives in its own L2:
     run its daemon once (it flushes on SIGTERM) before removing it if it can still run.
     A host whose lease is live is refused (its daemon runs) unless --force."""
-    from ..node.presence import cluster_status, remove_host
+    from ..node.presence import cluster_status, masters_down_text, remove_host
     from ..tiers.etcd import EtcdClient
 
     cfg = load_config(args.config)
@@ -290,7 +290,7 @@ def _cluster(args: argparse.Namespace) -> int:
             for h in hosts:
                 print(f"{h['host']:<16} {h['lease']:<18} {'yes' if h['partition'] else 'no':<9} "
                       f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s "
-                      f"{', '.join(h['masters_down']) or '-'}")
+                      f"{masters_down_text(h) or '-'}")
             return 0
         found = remove_host(etcd, args.host, force=args.force)
     l3_keys = 0

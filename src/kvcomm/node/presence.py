@@ -68,9 +68,14 @@ def status_path(namespace: str, directory: str) -> str:
 
 
 def write_status(path: str, status: dict[str, Any], permissions: int = 0o600) -> None:
-    """Replace the status file atomically. Raises OSError."""
+    """Replace the status file atomically. Raises OSError (also when another user left a
+    file or a link at the temporary name: it is never followed, nor written through)."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, permissions)
+    try:  # (a leftover of a killed daemon with our pid, or a link planted there)
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, permissions)
     try:
         os.write(fd, json.dumps(status, separators=(",", ":")).encode())
     finally:
@@ -353,7 +358,8 @@ def cluster_status(etcd: EtcdClient) -> list[dict[str, Any]]:
 def _names(v: Any) -> list[str]:
     """A published list of names (the masters a host takes for down), [] when it is not
     a list; its entries as strings."""
-    return [str(x) for x in v] if isinstance(v, list) else []
+    # (bounded: what another host published; 64 names of 200 characters at most)
+    return [str(x)[:200] for x in v[:64]] if isinstance(v, list) else []
 
 
 def _name(key: bytes, prefix: bytes) -> str:

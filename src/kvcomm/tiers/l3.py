@@ -1240,8 +1240,9 @@ class L3Store:
         def get(node: Any) -> Any:
             try:
                 return self._on(node, "GET", name)
-            except rex.ConnectionError:  # (refused: not a TimeoutError, which costs one)
-                refused.append(node.name)
+            except rex.ConnectionError as exc:  # (not a TimeoutError, which costs one)
+                if _refused(exc):  # (not AUTH, nor the server's client limit)
+                    refused.append(node.name)
                 raise
 
         node = self._master_up(name, name)
@@ -2628,6 +2629,20 @@ class L3Store:
             self.rc.nodes_manager.initialize()
         except Exception:  # the cluster may still be electing: the next call retries
             pass
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether redis-py's ``exc`` came of a refused connection (the OSError it was raised
+    from: nothing listens there, a dead or failed-over master), not of an AUTH error or
+    the server's client limit, which a new slot map does not mend."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # (a chain of causes, bounded)
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _bound_refresh(nodes_manager: Any, timeout: float) -> None:
