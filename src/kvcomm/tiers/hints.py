@@ -175,11 +175,11 @@ class Hints:
         sub = self.subs.pop(name)
         for g in list(sub.groups):
             self._unroute(sub, g)
-        try:
-            sub.ps.close()
-            sub.ps.connection_pool.disconnect()
-        except Exception:  # closing a broken connection: nothing left to release
-            pass
+        for release in (sub.ps.close, sub.ps.connection_pool.disconnect):  # (its own pool)
+            try:
+                release()
+            except Exception:  # closing a broken connection: nothing left to release
+                pass
 
     def _owner(self, g: int) -> Any:
         return self.rc.nodes_manager.get_node_from_slot(self.groups.slot(g))

@@ -191,6 +191,7 @@ sent again in another call.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import json
@@ -1103,7 +1104,7 @@ class L3Store:
         self._down_lock = threading.Lock()
         self._pinger: threading.Thread | None = None
         self._closed = False
-        self._ping_turn = 0
+        self._ping_turn = 0  # (reachable: the masters in turn)
         # seconds between slot-map refreshes after a failed call: each one may try every
         # seed for cluster.timeout; the daemon spaces them out in partition mode
         self.refresh_every = 0.5
@@ -1560,29 +1561,13 @@ class L3Store:
         (node name, asking); an Unreached for a master that timed out or refused the
         connection (now :attr:`down`). Raises what another pipeline raised (Unavailable,
         CorruptRecord), once every pipeline has returned: what was pushed stays pushed."""
-        def one(node: Any, idxs: list[int], asking: bool,
-                ) -> tuple[list[Any], bool, bool, int, str] | Unreached:
-            reply = self._down_or_raise(lambda: self._pipeline(
-                node, items, idxs, keep_siblings, asking, sent, alone), node)
-            if reply is None:
-                return Unreached(f"Redis master {node.name} did not answer; sent again later")
-            return reply  # type: ignore[no-any-return]
-
-        if len(jobs) == 1:
-            node, idxs, asking = jobs[0]
-            return {(node.name, asking): one(node, idxs, asking)}
-        futures = {(node.name, asking): self._threads().submit(one, node, idxs, asking)
-                   for node, idxs, asking in jobs}
-        out: dict[tuple[str, bool], tuple[list[Any], bool, bool, int, str] | Unreached] = {}
-        first: BaseException | None = None
-        for name, fut in futures.items():
-            try:
-                out[name] = fut.result()
-            except BaseException as exc:  # (every pipeline is waited for first)
-                first = first or exc
-        if first is not None:
-            raise first
-        return out
+        replies = self._on_masters([
+            (node, functools.partial(self._pipeline, node, items, idxs, keep_siblings,
+                                     asking, sent, alone))
+            for node, idxs, asking in jobs])
+        return {(node.name, asking): reply if reply is not None else Unreached(
+                    f"Redis master {node.name} did not answer; sent again later")
+                for (node, _, asking), reply in zip(jobs, replies, strict=True)}
 
     def _pipeline(self, node: Any, items: Sequence[tuple[str, L3Record]], idxs: list[int],
                   keep_siblings: Set[str], asking: bool = False,
@@ -2550,13 +2535,9 @@ class L3Store:
             # (RedisClusterException: redis-py re-read the slot map after a timeout and
             # no seed answered: "Redis Cluster cannot be connected")
             if node is not None and isinstance(exc, (rex.ConnectionError, rex.TimeoutError)):
-                # (no slot-map refresh here: the pinger re-reads the map while the master
-                # is down, in its own thread. Here it would hold the caller — the daemon's
-                # loop — a timeout per seed that does not answer: a host cut off from some
-                # masters waited seconds per failed call, and entered partition mode)
                 self._went_down(node, exc)
-            else:
-                self._refresh_topology()
+            # (a master now down: no refresh here but in the pinger, see _refresh_topology)
+            self._refresh_topology()
             raise Unavailable(f"Redis Cluster unreachable: {exc}; the write stays in L2") from None
 
     # ------------------------------------------------------------------ masters down
