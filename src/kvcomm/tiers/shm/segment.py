@@ -28,6 +28,7 @@ from .layout import (
     LAYOUT_VERSION,
     MAGIC,
     MIN_ORDER,
+    RESV_PAGE,
     SLOT,
     STATE_OK,
     H,
@@ -118,7 +119,7 @@ class SegmentCore:
             if created:
                 _unlink_quietly(self.path)
             raise
-        os.close(fd)
+        self._fd = fd  # (until the Core has its own duplicate: see _bind_layout)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
         self._ro = self._buf.toreadonly()
@@ -135,6 +136,8 @@ class SegmentCore:
             if created:
                 _unlink_quietly(self.path)
             raise
+        finally:
+            os.close(fd)
         hb = bytes(self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + min(64, self._buf[HOST_ID_AT])])
         self.host_id = hb.decode("utf-8", "replace")
         self.created = created
@@ -152,11 +155,14 @@ class SegmentCore:
             else:
                 try:
                     os.fchmod(fd, permissions & 0o777)  # exactly, whatever the umask
-                    os.posix_fallocate(fd, 0, layout.total)  # memory reserved now, not on SIGBUS
+                    os.ftruncate(fd, layout.total)  # sparse: the slots and heap as they fill
+                    for off, n in layout.up_front():  # the rest reserved now, not on SIGBUS
+                        os.posix_fallocate(fd, off, n)
                 except OSError as exc:
                     os.close(fd)
                     _unlink_quietly(self.path)
-                    raise SegmentError(self._no_room(layout.total, exc)) from None
+                    raise SegmentError(self._no_room(sum(n for _, n in layout.up_front()),
+                                                     exc)) from None
                 return fd, True
         try:
             fd = os.open(self.path, flags)
@@ -244,10 +250,36 @@ class SegmentCore:
         # node daemon also rebases a write L3 finds covered by the host's own older dots.
         q[H["WSEQ"]] = time.time_ns() // 1000
         self.layout = lay
+        self._mark_reserved(lay)
         self._bind_layout()
         self._core.init_lock()
         self._core.init_heap()
         self._atom.store(H["MAGIC"] * 8, MAGIC)  # last: attachers wait for it
+
+    def _mark_reserved(self, lay: Layout) -> None:
+        """Set the reservation map's bits of what the creator reserved (layout.py,
+        "Reservation map"); writers reserve the rest as they first use it."""
+        q, base = self._q, lay.resv_off // 8
+        for off, n in lay.up_front():
+            first, end = off // RESV_PAGE, (off + n + RESV_PAGE - 1) // RESV_PAGE
+            for w in range(first >> 6, (end + 63) >> 6):
+                lo, hi = max(first, w << 6), min(end, (w + 1) << 6)
+                if lo < hi:
+                    q[base + w] |= ((1 << (hi - lo)) - 1) << (lo & 63)
+
+    def page_reserved(self, off: int) -> bool:
+        """Whether byte ``off``'s page is reserved: one that is not must not be read (a
+        read through the mapping would allocate it; a slot there was never written)."""
+        p = off // RESV_PAGE
+        return bool(self._q[(self.layout.resv_off >> 3) + (p >> 6)] >> (p & 63) & 1)
+
+    def reserved_bytes(self) -> int:
+        """Bytes of memory the segment's file holds (its allocated blocks, ``st_blocks``):
+        what the namespace has used so far, never more than its size."""
+        try:
+            return os.stat(self.path).st_blocks * 512
+        except OSError:  # (purged under us): what the reservation map counts
+            return int(self._core.reserved()) if self._core is not None else 0
 
     def _bind_layout(self) -> None:
         lay = self.layout
@@ -259,7 +291,7 @@ class SegmentCore:
         self.topk = TopK(lay.topk, lay.max_key,
                          buffer=self._buf[lay.hot_off + sk : lay.hot_off + sk
                                           + TopK.size_for(lay.topk, lay.max_key)])
-        self._core = _l2core.Core(self._mm)
+        self._core = _l2core.Core(self._mm, self._fd)
         self._atom = self._core  # the same object gives the atomics on any header word
 
     def _lock(self, timeout: float | None = None) -> None:
