@@ -380,8 +380,8 @@ class CacheConfig(_Section):
     l2_keys: Count = Field(
         default=0, ge=0, le=1 << 31,
         description="keys L2 holds before its slot table (not its bytes) makes it evict: "
-                    "slots for 1.5 per key (0: a slot per 256 bytes of l2_size, so about "
-                    "l2_size / 384 keys; see README, Configuration)")
+                    "slots for 1.75 per key (0: a slot per 256 bytes of l2_size, so about "
+                    "l2_size / 400 keys of small records; see README, Configuration)")
     l2_dir: str = Field(default="/dev/shm", min_length=1,
                         description="directory (a tmpfs) that holds the L2 segments")
     lock_timeout: Duration = Field(default=10.0, gt=0, le=3600,

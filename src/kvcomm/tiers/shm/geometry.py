@@ -25,7 +25,7 @@ from .layout import (
 SKETCH_DEPTH = 4
 HOT_TOPK = 64  # hot keys kept in the top-k
 SLOT_SHARE = 256  # by default, a slot per this many bytes of cache.l2_size
-KEYS_LOAD = 1.5  # with cache.l2_keys: at least this many slots per key (probe windows stay short)
+KEYS_LOAD = 1.75  # with cache.l2_keys: slots per key (windows fill from about 65% in use)
 
 
 def _order_for(nbytes: int) -> int:
