@@ -203,13 +203,14 @@ kidx_swap(KeyIndex *ki, Op *ops, Py_ssize_t i)
     }
 }
 
-/* heap bytes that are free or that CLOCK could free (entries outside the batch) */
+/* heap bytes that are free or that CLOCK could free (entries outside the batch), counted
+ * until there are `need` (the walk of a large slot table stops as soon as it may) */
 static uint64_t
-reclaimable_bytes(Core *c, const uint64_t *protect, Py_ssize_t nprotect)
+reclaimable_bytes(Core *c, const uint64_t *protect, Py_ssize_t nprotect, uint64_t need)
 {
     uint64_t used = *HW(c, H_USED), total = c->data_end - c->data_off;
     uint64_t bytes = used < total ? total - used : 0;
-    for (uint64_t i = 0; i < c->n_slots; i++) {
+    for (uint64_t i = 0; i < c->n_slots && bytes < need; i++) {
         uint64_t so = slot_off(c, i);
         if (!evictable(c, so, protect, nprotect))
             continue;
@@ -377,7 +378,7 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
                     goto out;
                 if (!checked_room) {
                     checked_room = 1;
-                    if (reclaimable_bytes(c, protect, nprotect) < need_bytes) {
+                    if (reclaimable_bytes(c, protect, nprotect, need_bytes) < need_bytes) {
                         *bad = i;
                         status = ST_FULL;
                         goto out;

@@ -88,8 +88,9 @@ class Layout:
         data_budget = remaining * 64 // 65
         want_top = _order_for(max(max_value + REC_HEADER + 1024, 1 << 24))
         top_order = min(want_top, max(MIN_ORDER, data_budget.bit_length() - 1))
-        # smaller tiles waste less of the budget; keep >= 7/8 of it, blocks >= 1 MiB
-        while top_order > 20 and (data_budget >> top_order << top_order) < data_budget * 7 // 8:
+        # smaller tiles waste less of the budget, larger ones hold larger values: keep >= 3/4
+        # of it, blocks >= 1 MiB
+        while top_order > 20 and (data_budget >> top_order << top_order) < data_budget * 3 // 4:
             top_order -= 1
         if data_budget < (1 << 16):
             raise SegmentError(
