@@ -15,6 +15,8 @@ import pytest
 import kvcomm
 from kvcomm.tiers import l2
 
+from .conftest import mount_tmpfs
+
 
 def _reserved(path: str) -> int:
     """Bytes of memory the file holds: its allocated blocks."""
@@ -24,14 +26,7 @@ def _reserved(path: str) -> int:
 @pytest.fixture
 def shm64(tmp_path: pathlib.Path) -> Iterator[str]:
     """A 64 MB tmpfs: Docker's default /dev/shm."""
-    d = tmp_path / "shm"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)],
-                       capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
-    yield str(d)
-    subprocess.run(["umount", "-l", str(d)], check=False)
+    yield from mount_tmpfs(tmp_path, "64m")
 
 
 def test_a_default_namespace_reserves_what_it_holds_not_its_size(ns: str) -> None:

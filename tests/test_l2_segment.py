@@ -7,7 +7,6 @@ import os
 import pathlib
 import random
 import stat
-import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +15,8 @@ from hypothesis import strategies as st
 
 import kvcomm
 from kvcomm.tiers import l2
+
+from .conftest import mount_tmpfs
 
 
 def test_segment_is_owner_only(kv: kvcomm.Client) -> None:
@@ -203,14 +204,7 @@ def test_permissions_are_exact_whatever_the_umask(ns: str) -> None:
 
 @pytest.fixture
 def small_tmpfs(tmp_path: pathlib.Path) -> Iterator[str]:
-    d = tmp_path / "shm"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(d)],
-                       capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
-    yield str(d)
-    subprocess.run(["umount", "-l", str(d)], check=False)
+    yield from mount_tmpfs(tmp_path, "6m")
 
 
 def test_a_full_tmpfs_is_an_error_not_a_sigbus(ns: str, small_tmpfs: str) -> None:
@@ -232,6 +226,10 @@ def test_a_full_tmpfs_is_an_error_not_a_sigbus(ns: str, small_tmpfs: str) -> Non
         assert i > 5
         assert kv.get(f"f{i}") is None  # the write that found no room wrote nothing
         assert kv.get("k") == b"x" * 100_000
+        # readers never touch a page that is not reserved (a read would allocate it: with
+        # the tmpfs full, a SIGBUS): absent keys probe slots all over the table
+        assert all(kv.get(f"absent/{j}") is None for j in range(2000))
+        assert sorted(kv._seg.keys()) == sorted(["k", *(f"f{j}" for j in range(i))])
         assert [kv.get(f"f{j}") for j in range(i)] == [bytes([j]) * 100_000 for j in range(i)]
         assert kv._seg.check() == []
         kv.delete("f0")  # room freed is room used again

@@ -54,7 +54,10 @@ reserve(Core *c, uint64_t off, uint64_t len, uint64_t chunk, uint64_t lo, uint64
         b = c->size;
     if (!c->has_fd || a >= b)
         return resv_failed(c, b > a ? b - a : 0, 0);
-    int err = posix_fallocate(c->fd, (off_t)a, (off_t)(b - a));
+    int err;
+    do /* (a signal interrupts a large one: the pages it got stay, the rest is asked again) */
+        err = posix_fallocate(c->fd, (off_t)a, (off_t)(b - a));
+    while (err == EINTR);
     if (err)
         return resv_failed(c, b - a, err);
     resv_mark(c, a / RESV_PAGE, (b + RESV_PAGE - 1) / RESV_PAGE);
