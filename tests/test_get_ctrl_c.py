@@ -60,7 +60,7 @@ def test_ctrl_c_inside_get_always_reaches_the_caller(ns: str, seed: int) -> None
             assert os.read(r, 1) == b"r"
             time.sleep(rng.uniform(0.0, 3 * per_get))
             os.kill(p.pid, signal.SIGINT)
-            wait_for(lambda: p.exitcode is not None, timeout=10,
+            wait_for(lambda p=p: p.exitcode is not None, timeout=10,  # type: ignore[misc]
                      what="the reader to stop on its KeyboardInterrupt (swallowed?)")
             assert p.exitcode in where, f"the reader ended with {p.exitcode}"
             where[p.exitcode] += 1
