@@ -78,7 +78,7 @@ from typing import Any
 from ..errors import KVCommError, KVCommWarning, SegmentError, UnflushedWrites
 from .shm.checker import Checker
 from .shm.feed import Feed, FeedEvent
-from .shm.files import SHM_DIR, check_owner, pid_alive, segment_path
+from .shm.files import SHM_DIR, check_owner, pid_alive, remove_dead_temps, segment_path
 from .shm.geometry import Layout
 from .shm.hotkeys import HotKeys
 from .shm.layout import (
@@ -182,6 +182,7 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     OSError when the file cannot be removed (the caller says what to do).
     """
     path = segment_path(name, directory)
+    remove_dead_temps(path)  # (creators killed while creating it)
     if not os.path.lexists(path):
         from ..placement.report import remove_table
         from .keyfilter import remove
