@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.expiry import check_ttl
-from ..core.versions import Version
+from ..core.versions import Version, vector_get
 from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE, Record
 from .base import (
@@ -20,11 +20,11 @@ from .base import (
     _run_validator,
 )
 from .batch import Batch
+from .cas import ClusterWrites
 from .items import _NO_CHECK, ABSENT, Item
-from .read import Reads
 
 
-class Writes(Reads):
+class Writes(ClusterWrites):
     """Writes."""
 
     def put(self, key: str, value: Any, *, consistency: str | None = None,
@@ -111,9 +111,13 @@ class Writes(Reads):
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
                      encoded: tuple[int, bytes, bytes | memoryview], expect: Any,
                      ext: bytes) -> Version:
-        """put() with expect= and/or a validator: both run under the writer lock."""
-        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        """put() with expect= and/or a validator: both run under the writer lock (in
+        cluster mode, expect= is decided on L3: _client/cas.py; the validator first)."""
         validator = self._validators.lookup(key) if self._validators else None
+        if self._cluster and expect is not _NO_CHECK:
+            self._validate_now(key, kb, h, validator, value)
+            return self._cas_write(key, kb, h, encoded, expect, ext, value)
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         if cas is None and validator is None:
             counter, hlc, vvx, _, _ = self._seg.put(kb, h, *encoded, _now_ms(), self._cluster,
                                                     self._max_dirty, ext)
@@ -127,6 +131,15 @@ class Writes(Reads):
             max_dirty=self._max_dirty, check=check)[0]
         self._puts += 1
         return self._version(counter, hlc, vvx)
+
+    def _validate_now(self, key: str, kb: bytes, h: int,
+                      validator: Callable[[str, Item | None, Any], None] | None,
+                      new_value: Any) -> None:
+        """Run ``validator`` (if any) under the writer lock against the host's record of
+        ``key``, L3's brought in first (before a conditional write decided on L3)."""
+        if validator is not None:
+            self._get_slow(key, None, True)
+            self._seg.locked(self._checker(key, kb, h, None, validator, new_value))
 
     def _checker(self, key: str, kb: bytes, h: int, cas: Callable[[Record | None], None] | None,
                  validator: Callable[[str, Item | None, Any], None] | None,
@@ -186,8 +199,13 @@ class Writes(Reads):
             validator = self._validators.lookup(key) if self._has_validators else None
             return int(self._strong.delete(key, expect, validator))
         kb, h = self._key_hash(key)
-        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
+        if self._cluster and expect is not _NO_CHECK:  # (decided on L3: _client/cas.py)
+            self._validate_now(key, kb, h, validator, None)
+            self._l1.discard(key)
+            version = self._cas_write(key, kb, h, None, expect, b"", None)
+            return 0 if expect is ABSENT else vector_get(version.vector, self._host)
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         if self._cluster and self._get_slow(key, None, True) is None:
             local = self._read_l2(kb, h, _HUGE)
             if local is None and cas is None and validator is None:
