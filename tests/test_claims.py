@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import pytest
 
 import kvcomm
 from kvcomm import ABSENT, ConflictError
+from kvcomm.tiers.l2 import key_hash
 
 from ._devcluster import dev_cluster_fixture, host, l3, live_record
 from .conftest import wait_for
@@ -138,19 +140,42 @@ def test_a_claim_made_before_on_another_host_is_refused(dev: dict[str, Any]) -> 
 
 def test_a_conditional_write_over_this_host_s_unpushed_write(dev: dict[str, Any]) -> None:
     """A conditional write that expects this host's own write not yet in L3 is granted (no
-    false conflict), and one that expects an older version than that write is refused
-    at once."""
+    false conflict: as if that write had been pushed first), one that expects an older
+    version than that write is refused at once; likewise a claim over the host's own
+    delete not yet in L3. Host 1's daemon is stopped meanwhile, so its writes wait."""
     a, b = host(dev, 0), host(dev, 1)
+    pid = dev["hosts"][0]["pid"]
+    k = f"own/{os.getpid()}"
+    kb = k.encode()
+
+    def waiting() -> bool:  # (host 1's record of k is a write not yet in L3)
+        rec = a._seg.read(kb, key_hash(kb))
+        return rec is not None and a._seg.is_dirty(rec.word)
+
     try:
-        k = f"own/{os.getpid()}"
-        for i in range(20):  # (each put's version expected at once: rarely in L3 by then)
-            v = a.put(k, i) if i == 0 else a.put(k, i, expect=v)
-        old = a.put(k, "plain")
-        v = a.put(k, "next", expect=old)
+        first = a.put(k, "first", expect=ABSENT)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            old = a.put(k, "plain")
+            assert waiting()
+            v = a.put(k, "next", expect=old)
+            assert not waiting()  # (L3 has it: stored clean)
+            with pytest.raises(ConflictError):
+                a.put(k, "stale", expect=old)
+            a.put(k, "plain again")
+            with pytest.raises(ConflictError, match="not yet in L3"):
+                a.put(k, "stale", expect=v)  # (refused at once: the host's write is newer)
+            a.delete(k)
+            assert waiting()
+            with pytest.raises(ConflictError):
+                a.put(k, "stale", expect=first)
+            mine = a.put(k, "claimed again", expect=ABSENT)  # (over the host's own delete)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: b.get(k) == "claimed again", 20, "host 2 to read the last write")
+        assert b.get_item(k).version == mine  # type: ignore[union-attr]
         with pytest.raises(ConflictError):
-            a.put(k, "stale", expect=old)
-        wait_for(lambda: b.get(k) == "next", 20, "host 2 to read the last write")
-        assert b.get_item(k).version == v  # type: ignore[union-attr]
+            b.put(k, "late", expect=ABSENT)
     finally:
         a.close()
         b.close()

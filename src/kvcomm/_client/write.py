@@ -38,7 +38,10 @@ class Writes(ClusterWrites):
         InvalidArgument for a ttl that is not a finite number above 0.
 
         ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
-        ConflictError is raised and nothing changes. ``consistency`` is "eventual" or
+        ConflictError is raised and nothing changes. In cluster mode an eventual key's
+        ``expect`` is decided on the key's L3 master against the cluster's latest version
+        (one round trip: two hosts never both win; _client/cas.py), and raises Unavailable
+        at once in partition mode. ``consistency`` is "eventual" or
         "strong" (both linearizable on one host). A validator registered for the key's
         prefix runs under the host's writer lock, against the value this put replaces.
         Raises InvalidKey, UnsupportedValue, ValueTooLarge, ConflictError,
@@ -185,7 +188,9 @@ class Writes(ClusterWrites):
 
         In cluster mode the delete is a tombstone kept in L2 (dirty, never evicted) until
         L3 has it, so it is as durable as a put; a key this host does not hold is looked up
-        in L3 first, so that the delete covers the version the cluster has.
+        in L3 first, so that the delete covers the version the cluster has. With
+        ``expect``, decided on L3 as :meth:`put`'s (with ABSENT it deletes nothing and
+        returns False, or raises ConflictError).
         """
         return self._delete(key, expect) > 0
 
@@ -225,7 +230,10 @@ class Writes(ClusterWrites):
         """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
 
         ``fn`` may run more than once when other writers race; it must not have side
-        effects. No increment is ever lost, whatever the number of processes. The key keeps
+        effects. No increment is ever lost, whatever the number of processes — and, in
+        cluster mode, of hosts: each attempt is a conditional write decided on the key's
+        L3 master (one round trip; a conflict brings L3's value in for the next attempt),
+        and in partition mode it raises Unavailable at once, nothing written. The key keeps
         its deadline unless ``ttl`` (seconds from now) is given; an expired key counts as
         absent. Raises InvalidArgument when ``fn`` is not callable or ``ttl`` is bad, and
         what :meth:`put` raises.
@@ -252,8 +260,10 @@ class Writes(ClusterWrites):
         """Set (or extend, or shorten) ``key``'s deadline to ``ttl`` seconds from now; None
         makes it permanent. The value stays; the key gets a new version (a touch is a
         write, and wins over older writes as one). Returns False when the key is absent
-        (or already expired): nothing is written then. Raises InvalidArgument for a bad
-        ttl, and what :meth:`put` raises.
+        (or already expired): nothing is written then. A conditional write of the value
+        read (in cluster mode decided on L3, as ``put(..., expect=)``: it never brings back
+        a value another host replaced; Unavailable in partition mode). Raises
+        InvalidArgument for a bad ttl, and what :meth:`put` raises.
         """
         check_ttl(ttl)
         for _ in range(_MAX_UPDATE_RETRIES):
