@@ -111,8 +111,7 @@ class ClusterWrites(Reads):
                 f"a conditional write of {key!r} (expect=, update, touch) is decided on the "
                 f"key's Redis master, and this host is in partition mode ({why}): it is not "
                 "decided on the host's copy, which may be stale. Nothing was written; retry "
-                "once Redis answers again, write without expect= (last-writer-wins), or use "
-                "kv.incr for a counter")
+                "once Redis answers again, or write without expect= (last-writer-wins)")
         return self._l3_store()
 
     def _cas_check(self, key: str, before: Any, local: Version | None, expect: Any) -> Any:
