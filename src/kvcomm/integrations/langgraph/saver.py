@@ -32,8 +32,10 @@ a read of one returns the one value ever written, or nothing yet. Only the head 
 * **Cluster mode without etcd** (heads eventual): a thread resumed on the host that last
   ran it is always fresh (a host's L2 is linearizable). On another host the head is
   last-writer-wins and arrives with the change feeds (tens of milliseconds normally):
-  a resume there within that window may start from the checkpoint before, and two
-  hosts running one thread at once may fork it. Use etcd for threads that move.
+  a resume there within that window may start from the checkpoint before. Moving the
+  head is a conditional write decided on its Redis master (one round trip): it only
+  moves forward, whichever hosts move it; in partition mode it raises Unavailable.
+  Use etcd for threads that move.
 * **Embedded mode**: one host, every read fresh.
 
 What else to know
