@@ -35,7 +35,8 @@ class Writes(Reads):
         ``ttl`` (seconds): the key expires that long from now — every read, on every host,
         then finds it absent, and watchers see an ``expire`` event; None (the default)
         makes the key permanent, whatever deadline it had (as Redis SET). Raises
-        InvalidArgument for a ttl that is not a finite number above 0.
+        InvalidArgument for a ttl that is not a finite number above 0 and at most ten
+        years (``kvcomm.core.expiry.MAX_TTL``; NumPy numbers are numbers).
 
         ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
         ConflictError is raised and nothing changes. ``consistency`` is "eventual" or

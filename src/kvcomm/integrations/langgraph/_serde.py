@@ -65,9 +65,17 @@ class NoPickleSerializer(SerializerProtocol):
         self.inner = inner
 
     def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
-        """``inner.dumps_typed(obj)``. Raises UnsupportedValue when it would be a pickle
-        (nothing is stored), and what the inner serializer raises."""
-        type_, data = self.inner.dumps_typed(obj)
+        """``inner.dumps_typed(obj)``. Raises UnsupportedValue when it would be a pickle or
+        the inner serializer cannot serialize it (its TypeError); nothing is stored."""
+        try:
+            type_, data = self.inner.dumps_typed(obj)
+        except UnsupportedValue:
+            raise
+        except TypeError as exc:  # (JsonPlusSerializer: "Type is not msgpack serializable")
+            raise UnsupportedValue(
+                f"{type(obj).__name__} cannot be serialized without pickle ({exc}); KVCOMM "
+                "never stores pickles: use msgpack-serializable values, or name your class "
+                "in JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
         if type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")
