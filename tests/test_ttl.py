@@ -420,3 +420,57 @@ def test_the_readmes_ttl_example_runs(kv: kvcomm.Client) -> None:
     code = section[section.index("```python") + 9:section.index("```", section.index("```python") + 9)]
     exec(compile(code, "README.md (TTL)", "exec"), {"kv": kv, "state": {"x": 1}})
     assert kv.get("count") == 1 and kv.get("claim/shelf-4") == "robot-1"
+
+
+# ---------------------------------------------------------------- writes over an expired key
+
+
+def _events(w: Any, want: int) -> list[tuple[str, str]]:
+    got = []
+    for ev in w:
+        got.append((ev.key, ev.kind))
+        if len(got) >= want:
+            break
+    return got
+
+
+def test_a_write_over_an_expired_key_records_its_expiry_first(ns: str) -> None:
+    """An expired key nobody read, re-put before the sweep reached it, gave watchers
+    ``put, put`` and no ``expire``; a delete of it returned True with a ``delete`` event,
+    though from its deadline on the key is absent everywhere. Now: ``expire, put`` for a
+    put (single, checked, batched); False and ``expire`` alone for a delete."""
+    cfg = kvcomm.Config.from_mapping({**SMALL, "cache": {**SMALL["cache"], "expiry_sweep": "60s"}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        n = 200
+        with kv.batch() as b:
+            for i in range(n):
+                b.put(f"k/{i}", i, ttl=0.2)
+        last = kv.get_item(f"k/{n - 1}").expires_at
+        w = kv.watch("k/", timeout=5.0)
+        _until(last)  # type: ignore[arg-type]
+        assert kv.stats()["l2"]["entries"] == n  # (the sweep sleeps 60 s: nothing reclaimed)
+        put, checked, batched, deleted, batch_deleted = (range(0, 40), range(40, 80),
+                                                         range(80, 120), range(120, 160),
+                                                         range(160, 200))
+        for i in put:
+            kv.put(f"k/{i}", -i)
+        for i in checked:
+            kv.put(f"k/{i}", -i, expect=kvcomm.ABSENT)
+        with kv.batch() as b:
+            for i in batched:
+                b.put(f"k/{i}", -i)
+        assert not any(kv.delete(f"k/{i}") for i in deleted)
+        with kv.batch() as b:
+            for i in batch_deleted:
+                b.delete(f"k/{i}")
+        assert b.versions == [False] * len(batch_deleted)
+        events = _events(w, 2 * 120 + 80)
+        by_key: dict[str, list[str]] = {}
+        for key, kind in events:
+            by_key.setdefault(key, []).append(kind)
+        for i in range(n):
+            want = ["expire"] if i >= 120 else ["expire", "put"]
+            assert by_key.get(f"k/{i}") == want, (i, by_key.get(f"k/{i}"))
+        assert kv.stats()["l2"]["entries"] == 120
+        assert all(kv.get(f"k/{i}") == -i for i in range(120))
+        assert kv.get_item("k/0").expires_at is None
