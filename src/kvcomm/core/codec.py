@@ -88,7 +88,7 @@ def _number(value: Any) -> bool | int | float:
     if _np is not None and isinstance(value, _np.bool_ | _np.integer | _np.floating):
         n = value.item()
         if type(n) in (bool, int, float):
-            return n  # type: ignore[no-any-return]
+            return n
     raise UnsupportedValue(
         f"cannot store a numpy {type(value).__name__}: numpy bool, int and float scalars are "
         "stored as Python numbers; convert this one yourself (or store an array)")

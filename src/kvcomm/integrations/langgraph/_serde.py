@@ -35,7 +35,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
-from ...errors import ConfigError, CorruptRecord, UnsupportedValue
+from ...errors import ConfigError, CorruptRecord, KVCommError, UnsupportedValue
 
 _PICKLE_TYPES = frozenset({"pickle", "pickle5"})
 
@@ -82,11 +82,26 @@ class NoPickleSerializer(SerializerProtocol):
         return type_, data
 
     def loads_typed(self, data: tuple[str, bytes]) -> Any:
-        """``inner.loads_typed(data)``. Raises CorruptRecord for a pickle (never loaded)."""
+        """``inner.loads_typed(data)``. Raises CorruptRecord for a pickle (never loaded)
+        and for anything else the inner serializer cannot read (what it raises, a
+        RecursionError from deeply nested JSON included): what is read is untrusted."""
+        if type(data[0]) is not str or type(data[1]) is not bytes:
+            raise CorruptRecord(f"a LangGraph record in KVCOMM holds a serialized value of "
+                                f"types ({type(data[0]).__name__}, {type(data[1]).__name__}), "
+                                "not (str, bytes); it was not written by KVCommSaver/"
+                                "KVCommStore: delete it")
         if data[0] in _PICKLE_TYPES:
             raise CorruptRecord("a LangGraph record in KVCOMM is a pickle, which KVCOMM never "
                                 "loads; it was not written by KVCommSaver/KVCommStore: delete it")
-        return self.inner.loads_typed(data)
+        try:
+            return self.inner.loads_typed(data)
+        except KVCommError:
+            raise
+        except Exception as exc:  # (json, ormsgpack and LangGraph's hooks raise many types)
+            raise CorruptRecord(
+                f"a LangGraph record in KVCOMM of serialized type {data[0][:40]!r} cannot be "
+                f"read ({type(exc).__name__}: {str(exc)[:200]}); it was not written by "
+                "KVCommSaver/KVCommStore (or by another serializer): delete it") from None
 
 
 def no_pickle(serde: Any | None) -> NoPickleSerializer:
