@@ -169,7 +169,9 @@ class Writes(Reads):
         return check
 
     def delete(self, key: str, *, expect: Any = _NO_CHECK) -> bool:
-        """Remove ``key``. True when something was deleted. Raises as :meth:`put`.
+        """Remove ``key``. True when something was deleted; False for an absent key, an
+        expired one included (its ``expire`` event is fed then, not a ``delete``). Raises
+        as :meth:`put`.
 
         In cluster mode the delete is a tombstone kept in L2 (dirty, never evicted) until
         L3 has it, so it is as durable as a put; a key this host does not hold is looked up
@@ -191,8 +193,11 @@ class Writes(Reads):
         validator = self._validators.lookup(key) if self._validators else None
         if self._cluster and self._get_slow(key, None, True) is None:
             local = self._read_l2(kb, h, _HUGE)
-            if local is None and cas is None and validator is None:
-                return 0  # absent here and in L3: nothing to delete, nothing to tell L3
+            if (local is None or 0 < local[9] <= time.time()) and cas is None \
+                    and validator is None:
+                # absent here and in L3, or expired (its deadline reaches L3 with it, and
+                # the sweep feeds its expire event): nothing to delete, nothing to tell L3
+                return 0
         check = None if cas is None and validator is None else \
             self._checker(key, kb, h, cas, validator, None)
         counter: int = self._seg.apply([(kb, h)], now_ms=_now_ms(), dirty=self._cluster,
