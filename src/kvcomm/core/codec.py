@@ -127,6 +127,14 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         _reject(value)
         value = _number(value)  # (_reject returns only for a NumPy scalar)
     try:
+        return PACKED, b"", msgpack.packb(value, use_bin_type=True)
+    except TypeError:  # (a NumPy scalar nested: _check_tree let it through; the slow path)
+        pass
+    except UnicodeEncodeError as exc:
+        raise _surrogate(exc) from None
+    except (OverflowError, ValueError) as exc:
+        raise UnsupportedValue(f"cannot encode value: {exc}") from None
+    try:
         return PACKED, b"", msgpack.packb(value, use_bin_type=True, default=_number)
     except UnicodeEncodeError as exc:
         raise _surrogate(exc) from None
