@@ -151,7 +151,7 @@ def test_value_larger_than_l2_can_hold(kv: kvcomm.Client) -> None:
     kv.put("k", b"small")
     with pytest.raises(kvcomm.ValueTooLarge, match="raise cache.l2_size"):
         kv.put("k", b"x" * (15 << 20))
-    with pytest.raises(kvcomm.ValueTooLarge, match="raise cache.l2_size"), kv.batch() as b:
+    with pytest.raises(kvcomm.ValueTooLarge, match="cache.l2_size"), kv.batch() as b:
         b.put("k", b"x" * (15 << 20))
     assert kv.get("k") == b"small"
 
@@ -159,7 +159,7 @@ def test_value_larger_than_l2_can_hold(kv: kvcomm.Client) -> None:
 def test_the_default_max_value_size_fits_the_default_l2(ns: str) -> None:
     """cache.max_value_size (64 MB) once allowed what the default 256 MB L2 could never
     hold (32 MiB records): a value of the default limit is stored; one byte more names
-    cache.max_value_size; a smaller L2 names cache.l2_size."""
+    cache.max_value_size (and a value a smaller L2 cannot hold, cache.l2_size: above)."""
     defaults = kvcomm.Config()
     limit = defaults.cache.max_value_size
     with kvcomm.open(ns, config=defaults) as kv:

@@ -30,7 +30,6 @@ from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
 from ..tiers.shm.counters import Histogram
-from ..tiers.shm.layout import REC_HEADER
 from .attach import _CLIENTS, _Shared
 from .items import Item
 
@@ -71,10 +70,7 @@ class ClientBase:
         process_budget().register(c.l1_size)
         self._l1_entries = self._l1.entries if self._l1_on else {}
         self._max_key = min(c.max_key_bytes, self._seg.layout.max_key)
-        # the largest value a put takes: cache.max_value_size, or less where this segment's
-        # largest record cannot hold it (room left for the header, key, versions and field)
-        l2_max = self._seg._max_record - REC_HEADER - self._seg.layout.max_key - 8192
-        self._max_value = min(c.max_value_size, max(l2_max, 1))
+        self._max_value = c.max_value_size  # (L2 refuses what its largest block cannot hold)
         self._zc = self.config.network.zero_copy_threshold
         self._default_consistency = c.l3_consistency
         self._validators: PrefixTable[Callable[[str, Item | None, Any], None]] = PrefixTable()
@@ -374,17 +370,10 @@ class ClientBase:
 
     def _too_large(self, size: int) -> None:
         """Raise ValueTooLarge for a value of ``size`` bytes, naming the setting to change."""
-        limit = self.config.cache.max_value_size
-        if size > limit:
-            raise ValueTooLarge(
-                f"value is {size} bytes, over cache.max_value_size={limit}: store less, or "
-                "raise cache.max_value_size in every host's config (and cache.l2_size with it: "
-                "L2 holds values up to about l2_size/8)")
         raise ValueTooLarge(
-            f"value is {size} bytes, over the {self._max_value} bytes L2 of {self.name!r} can "
-            f"hold (its largest record is {self._seg._max_record} bytes; cache.l2_size="
-            f"{self._seg.layout.total}): raise cache.l2_size (a new namespace, or `kvcomm purge` "
-            "this one) or store less")
+            f"value is {size} bytes, over cache.max_value_size={self._max_value}: store less, "
+            "or raise cache.max_value_size in every host's config (and cache.l2_size with it: "
+            "L2 holds values up to about l2_size/8)")
 
     def _decode(self, key: str, tag: int, meta: bytes, raw: bytes | memoryview) -> Any:
         try:
