@@ -44,9 +44,9 @@ def check_ttl(ttl: Any, *, allow_none: bool = True) -> float | None:
     """
     if ttl is None and allow_none:
         return None
-    if type(ttl) not in (int, float) and (
-            isinstance(ttl, bool) or not isinstance(ttl, numbers.Real)
-            or type(ttl).__module__ == "numpy" and type(ttl).__name__ == "bool_"):
+    if type(ttl) not in (int, float) and (isinstance(ttl, bool)
+                                          or not isinstance(ttl, numbers.Real)):
+        # (NumPy's ints and floats are numbers.Real, its bool is not)
         raise InvalidArgument(
             f"ttl is seconds as an int or float (such as 2.5; at most {MAX_TTL:.0f} s, ten "
             f"years), or None for a key that never expires; got {type(ttl).__name__}: {_short(ttl)}")
