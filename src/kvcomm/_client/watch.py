@@ -13,7 +13,7 @@ from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
 from ..node.watched import register, unregister
 from ..tiers.l2 import KIND_NAMES, KIND_PUT, key_hash
 from .items import Event
-from .write import Writes
+from .counting import Counting
 
 _ACK_WAIT_S = 5.0  # how long watch() waits for the node daemon to take its prefix
 
@@ -33,7 +33,7 @@ class _Subscription:
             self.etcd_watch = None
 
 
-class Watching(Writes):
+class Watching(Counting):
     """Watching."""
 
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:

@@ -19,6 +19,7 @@ from .base import (
     _now_ms,
     _run_validator,
 )
+from . import counters
 from .batch import Batch
 from .items import _NO_CHECK, ABSENT, Item
 from .read import Reads
@@ -194,9 +195,13 @@ class Writes(Reads):
                 return 0  # absent here and in L3: nothing to delete, nothing to tell L3
         check = None if cas is None and validator is None else \
             self._checker(key, kb, h, cas, validator, None)
-        counter: int = self._seg.apply([(kb, h)], now_ms=_now_ms(), dirty=self._cluster,
-                                       max_dirty=self._max_dirty, tombstones=self._cluster,
-                                       check=check)[0]
+        ops: list[tuple[Any, ...]] = [(kb, h)]
+        now_ms = _now_ms()
+        if self._cluster:  # a counter's tombstone keeps what it saw: _client/counters.py
+            check = counters.delete_check(self._seg, kb, h, ops, now_ms, check)
+        r = self._seg.apply(ops, now_ms=now_ms, dirty=self._cluster, max_dirty=self._max_dirty,
+                            tombstones=self._cluster, check=check)[0]
+        counter: int = r if type(r) is int else r[0]
         self._l1.discard(key)
         if counter:
             self.counters["deletes"] += 1
