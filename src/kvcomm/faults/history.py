@@ -39,6 +39,7 @@ from ..errors import KVCommError
 
 OK, FAIL, INFO = "ok", "fail", "info"
 PUT, DELETE, GET = "put", "delete", "get"
+INCR = "incr"  # kv.incr: ``value`` is the delta (as a str), a counter key's only write
 
 
 def value_id(value: Any) -> str | None:
@@ -51,6 +52,8 @@ def value_id(value: Any) -> str | None:
         return None
     if isinstance(value, str):
         return value.split("|", 1)[0]
+    if type(value) is int:  # a counter's value (kv.incr): "=<n>", never a written id
+        return f"={value}"
     return f"<{type(value).__name__}>"
 
 
@@ -61,9 +64,10 @@ class Op:
     process: str
     host: str
     seq: int
-    kind: str  # PUT | DELETE | GET
+    kind: str  # PUT | DELETE | GET | INCR
     key: str
-    value: str | None  # put: the value id written; get: the value id read (None: absent)
+    value: str | None  # put: the value id written; get: the value id read (None: absent);
+    # incr: the delta
     outcome: str  # OK | FAIL | INFO
     start: float
     end: float
@@ -210,6 +214,21 @@ class Recorder:
             raise
         self._record(GET, key, value_id(v), OK, start)
         return True, v
+
+    def incr(self, key: str, delta: int) -> int | None:
+        """The value an acknowledged ``kv.incr`` returned; None when it raised (recorded
+        as unknown: it may have counted)."""
+        start = time.time()
+        try:
+            n = self.client.incr(key, delta)
+        except KVCommError as exc:
+            self._record(INCR, key, str(delta), INFO, start, error=_err(exc))
+            return None
+        except BaseException as exc:
+            self._record(INCR, key, str(delta), INFO, start, error=_err(exc))
+            raise
+        self._record(INCR, key, str(delta), OK, start)
+        return n
 
     def batch(self, ops: Sequence[tuple[str, str, str | None]]) -> bool:
         """Apply ``(PUT, key, value)`` / ``(DELETE, key, None)`` in one ``kv.batch()``.
