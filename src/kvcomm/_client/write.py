@@ -10,6 +10,7 @@ from ..core.expiry import check_ttl
 from ..core.versions import Version
 from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE, Record
+from . import counters
 from .base import (
     _BYTES,
     _CONSISTENCY,
@@ -19,7 +20,6 @@ from .base import (
     _now_ms,
     _run_validator,
 )
-from . import counters
 from .batch import Batch
 from .items import _NO_CHECK, ABSENT, Item
 from .read import Reads

@@ -15,9 +15,9 @@ What a run does
    * **shared keys** ``soak/s/<n>``: every process on every host puts (and now and then
      deletes) them: the final value must be a written one, identical everywhere, and
      last-writer-wins must not have dropped an acknowledged write;
-   * **counter keys** ``soak/c/<n>``: every process on every host ``incr``\ s them by
-     small deltas (negative ones too): the final value must be, on every host and in L3,
-     the sum of every acknowledged increment (any unknown one may count or not);
+   * **counter keys** ``soak/c/<n>``: every process on every host increments them
+     (``kv.incr``) by small deltas, negative ones too: the final value must be, on every
+     host and in L3, the sum of every acknowledged increment (an unknown one may count);
    * reads of all of them, checked for phantoms (a value never written) and, for a
      process's own keys, for read-your-writes on its host.
 3. Meanwhile the :class:`~kvcomm.faults.nemesis.Nemesis` injects faults drawn from the
@@ -257,8 +257,8 @@ def key_class(key: str) -> str:
     parts = key.split("/")
     if len(parts) > 2 and parts[1] == "n":
         return f"{parts[2]} probes"
-    return {"o": "owned keys", "s": "shared keys", "c": "counter keys"}.get(parts[1] if len(parts) > 1 else "",
-                                                      "other keys")
+    kinds = {"o": "owned keys", "s": "shared keys", "c": "counter keys"}
+    return kinds.get(parts[1] if len(parts) > 1 else "", "other keys")
 
 
 # ---------------------------------------------------------------------- the workload
