@@ -46,8 +46,8 @@ class Counting(Writes):
         delete ever comes back.
 
         TTL: an increment keeps the key's deadline (set by ``put(..., ttl=)`` or
-        ``touch``); once it passes, the counter is absent and the next increment counts
-        from 0. Use :meth:`update` instead for a conditional read-modify-write of any
+        ``touch``, which are puts: resets); once it passes, the counter is absent and the
+        next increment counts from 0. Use :meth:`update` instead for a conditional read-modify-write of any
         value. Raises InvalidKey, InvalidArgument, Unavailable (L2 full of unflushed
         writes: ``cluster.outbound_max``), SegmentError; nothing is counted then.
         """

@@ -211,6 +211,9 @@ class Writes(Reads):
                ttl: float | None = None) -> Any:
         """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
 
+        To count (exactly across hosts too, and on through a partition), use :meth:`incr`;
+        ``update`` is for a conditional read-modify-write of any value.
+
         ``fn`` may run more than once when other writers race; it must not have side
         effects. No increment is ever lost, whatever the number of processes. The key keeps
         its deadline unless ``ttl`` (seconds from now) is given; an expired key counts as
