@@ -141,8 +141,8 @@ def _count(ns: str, n: int) -> None:
 
 
 def test_increments_from_several_processes_sum_exactly(ns: str, kv: kvcomm.Client) -> None:
-    procs, n = 4, 500
-    ctx = mp.get_context("spawn")
+    procs, n = 3, 400
+    ctx = mp.get_context("fork")  # (each child opens its own client)
     ps = [ctx.Process(target=_count, args=(ns, n)) for _ in range(procs)]
     for p in ps:
         p.start()
