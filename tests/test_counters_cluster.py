@@ -1,4 +1,5 @@
-"""kv.incr across hosts, on a real dev cluster (3 hosts behind fault proxies): increments
+"""kv.incr across hosts, on a real dev cluster (3 hosts behind fault proxies, strong prefix
+``task/``: test_partition's, and its heal after each test): increments
 from several hosts at once, through a partition and its heal, a delete and a put racing
 increments of a cut-off host, a daemon killed and restarted, strong keys.
 
@@ -22,9 +23,12 @@ import kvcomm
 from kvcomm.devcluster import control
 from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.devcluster.procs import running
-from kvcomm.node.presence import read_status, status_path
 
+from . import test_partition
 from .conftest import wait_for
+
+# test_partition's dev cluster (module-scoped: one of this module's own) and its heal
+dc, whole, _status = test_partition.dc, test_partition.whole, test_partition._status
 
 pytestmark = [
     pytest.mark.redis,
@@ -35,27 +39,6 @@ pytestmark = [
 HOSTS = ("host-1", "host-2", "host-3")
 
 
-@pytest.fixture(scope="module")
-def dc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    d = tmp_path_factory.mktemp("cdc")
-    control.up(3, str(d), strong_prefixes=["cs/"], proxies=True,
-               cluster_settings={"timeout": 0.5, "lease_ttl": 2.0})
-    try:
-        yield d
-    finally:
-        control.heal(str(d))
-        control.down(str(d))
-
-
-@pytest.fixture(autouse=True)
-def whole(dc: Path) -> Iterator[None]:
-    yield
-    control.heal(str(dc))
-    for i, h in enumerate(control.load_state(dc)["hosts"]):
-        if not control.daemon_alive(h["namespace"], int(h["pid"])):
-            control.restart_daemon(str(dc), i)
-
-
 @pytest.fixture
 def agents(dc: Path) -> Iterator[dict[str, kvcomm.Client]]:
     """One agent per host, opened with the host's config as a user gets it."""
@@ -63,11 +46,6 @@ def agents(dc: Path) -> Iterator[dict[str, kvcomm.Client]]:
     yield out
     for kv in out.values():
         kv.close()
-
-
-def _status(dc: Path, host: str) -> dict[str, object]:
-    ns = next(h["namespace"] for h in control.load_state(dc)["hosts"] if h["host"] == host)
-    return read_status(status_path(ns, "/dev/shm")) or {}
 
 
 def _everywhere(agents: dict[str, kvcomm.Client], key: str, want: int | None,
@@ -217,7 +195,7 @@ def test_increments_waiting_in_l2_survive_a_daemon_kill_and_restart(
 
 def test_strong_counters_are_one_etcd_transaction_each(agents: dict[str, kvcomm.Client],
                                                          seed: int) -> None:
-    key = f"cs/{seed}/n"
+    key = f"task/{seed}/n"
     n = 30
 
     def run(kv: kvcomm.Client) -> None:
@@ -231,9 +209,9 @@ def test_strong_counters_are_one_etcd_transaction_each(agents: dict[str, kvcomm.
         t.join()
     for kv in agents.values():
         assert kv.get(key) == 3 * n
-    agents["host-1"].put(f"cs/{seed}/s", "x")
+    agents["host-1"].put(f"task/{seed}/s", "x")
     with pytest.raises(kvcomm.InvalidArgument, match="not an int"):
-        agents["host-2"].incr(f"cs/{seed}/s")
+        agents["host-2"].incr(f"task/{seed}/s")
 
 
 @pytest.mark.slow
