@@ -23,6 +23,8 @@ def states(draw: st.DrawFn) -> counter.State:
     for a in draw(st.lists(_actor, max_size=5, unique=True)):
         p, n = draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6))
         out[a] = [p, n, draw(st.integers(0, p)), draw(st.integers(0, n))]
+    if draw(st.booleans()):  # a generation: a put this counter adopted
+        out[counter.GEN] = [draw(st.integers(0, 2)), draw(st.integers(0, 2)), 7, 0]
     return out
 
 
@@ -74,6 +76,21 @@ def test_reset_removes_what_it_saw_and_keeps_what_it_did_not(
     other = counter.add(a, "h2~5", unseen)  # made concurrently on another host
     assert counter.value(counter.merge(deleted, other)) == unseen
     assert counter.value(counter.merge(other, deleted)) == unseen
+
+
+def test_a_counter_that_adopted_a_put_wins_over_counters_that_never_saw_it() -> None:
+    """Increments concurrent with a put (made where the put had not arrived) never bring
+    back what the put replaced, even once the put's value has been incremented."""
+    before = counter.add({}, "h2~1", 10)  # the counter the put replaced
+    cut_off = counter.add(before, "h2~1", 3)  # host-2 counts on, never sees the put
+    adopted = counter.add(counter.adopt(100, (("h1", 7),), 5 << 16), "h1~9", 1)
+    assert counter.value(adopted) == 101
+    assert counter.merge(adopted, cut_off) == counter.merge(cut_off, adopted) == adopted
+    # a delete of the adopted counter keeps its generation: it beats the old one too
+    assert counter.value(counter.merge(counter.reset(adopted), cut_off)) == 0
+    # two hosts adopting the same put count it once
+    other = counter.add(counter.adopt(100, (("h1", 7),), 5 << 16), "h3~2", 5)
+    assert counter.value(counter.merge(adopted, other)) == 106
 
 
 def test_malformed_states_are_refused() -> None:

@@ -117,7 +117,8 @@ def test_a_delete_removes_the_increments_it_saw_and_keeps_concurrent_ones(
         dc: Path, agents: dict[str, kvcomm.Client], seed: int) -> None:
     """Observed-remove: host-1 deletes a counter at 10 while host-2, cut off, counts 3 more
     it never saw; after the heal the key holds those 3 (and host-1's 2 after its delete):
-    the 10 never come back. A put racing increments the same way wins over them."""
+    the 10 never come back. A put racing increments the same way wins over them, and
+    over everything before it, also once its value has been incremented."""
     key, put = f"c/{seed}/del", f"c/{seed}/put"
     a, b = agents["host-1"], agents["host-2"]
     a.incr(key, 6)
@@ -133,9 +134,10 @@ def test_a_delete_removes_the_increments_it_saw_and_keeps_concurrent_ones(
     assert a.delete(key) and a.get(key) is None
     assert a.incr(key, 2) == 2
     a.put(put, 100)
+    assert a.incr(put) == 101  # (a new generation: the put's, which host-2 never saw)
     control.heal(str(dc))
     _everywhere(agents, key, 3 + 2)
-    _everywhere(agents, put, 100)
+    _everywhere(agents, put, 101)
     # deleted again, with nothing concurrent: absent everywhere, and counting starts at 0
     assert b.delete(key)
     _everywhere(agents, key, None)

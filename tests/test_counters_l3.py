@@ -25,6 +25,8 @@ def _state(rng: random.Random) -> counter.State:
     for a in rng.sample(["h1~1", "h2~7", "h3~3", "=00ff", "h1~2"], rng.randint(0, 4)):
         p, n = rng.randint(0, 2**40), rng.randint(0, 1000)
         out[a] = [p, n, rng.randint(0, p), rng.randint(0, n)]
+    if rng.random() < 0.3:  # a generation (a put the counter adopted)
+        out[counter.GEN] = [rng.randint(0, 2), rng.randint(0, 2**32 - 1), 5, 0]
     return out
 
 

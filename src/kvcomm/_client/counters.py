@@ -68,8 +68,7 @@ def start_of(key: str, rec: Record | None, version: Any, now: float
         raise InvalidArgument(
             f"incr: {key!r} holds {_what(rec, old)}, not an int (at most 2**53-1 in "
             "magnitude): incr counts only ints; delete the key, or put an int, first")
-    return counter.adopt(old, counter.adopted_actor(version.vector, version.hlc)), \
-        rec.deadline or None
+    return counter.adopt(old, version.vector, version.hlc), rec.deadline or None
 
 
 def _what(rec: Record, old: Any) -> str:

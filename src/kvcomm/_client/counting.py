@@ -42,8 +42,9 @@ class Counting(Writes):
         on every host; an increment it has not seen (made concurrently on another host)
         survives it, and the key reappears holding just those (observed-remove). A ``put``
         of a plain value replaces the counter and wins over concurrent increments it has
-        not seen (a reset). Either way no increment made before an acknowledged put or
-        delete ever comes back.
+        not seen (a reset; incrementing its int starts a new generation, which wins whole
+        over counters that never saw the put). Either way no increment made before an
+        acknowledged put or delete ever comes back.
 
         TTL: an increment keeps the key's deadline (set by ``put(..., ttl=)`` or
         ``touch``, which are puts: resets); once it passes, the counter is absent and the

@@ -10,8 +10,9 @@ A counter's state maps **actors** to four non-negative integers ``[p, n, bp, bn]
 * ``bp`` / ``bn``: the **baseline**, the part of ``p`` / ``n`` that a delete (or an expiry)
   of the key has seen, and that no longer counts.
 
-The value is ``sum(p - n) - sum(bp - bn)``. Two states merge by taking, actor by actor,
-the greatest of each of the four numbers (:func:`merge`): commutative, associative and
+The value is ``sum(p - n) - sum(bp - bn)``. Two states of the same **generation** (see
+below) merge by taking, actor by actor, the greatest of each of the four numbers; of two
+generations the later one wins whole (:func:`merge`): commutative, associative and
 idempotent, so every host and L3's push script (``kvcomm.tiers.l3.PUSH_LUA``, the same
 rule in Lua) reach the same state whatever order the states arrive in, and a state
 merged twice counts nothing twice. A state is **live** when some actor counts more than
@@ -34,8 +35,14 @@ did not see (made concurrently on another host), only that increment counts — 
 reappears holding it —, while every increment the delete saw stays gone. An increment
 after the delete on the same host starts from the tombstone's state (so from 0). A put
 of a plain value is a reset too, but a coarser one: it carries no state, so a plain
-record concurrent with a counter wins over it (:func:`plain_wins`), increments the put
-never saw included (both L2's merge and L3's script apply it).
+record concurrent with a counter wins over it, increments the put never saw included
+(both L2's merge and L3's script apply that rule). The counter that then adopts the put
+value starts a new **generation**, named after that put (its HLC, then a hash of its
+version: :func:`generation`, the entry :data:`GEN`): merged with a counter of an older
+generation — one that never saw the put, still out there (a host cut off) — the newer
+generation wins whole, so the increments the put replaced never come back, and those
+made concurrently with it stay lost with them. A counter never reset by a put is of
+generation 0; a delete keeps the generation it saw.
 
 Bounds: every number is at most :data:`MAX_COUNT` (2**53 - 1, where Lua's doubles stop
 counting exactly); a state has at most :data:`MAX_ACTORS` entries.
@@ -55,6 +62,10 @@ MAX_COUNT = (1 << 53) - 1
 MAX_ACTORS = 4096
 #: the meta bytes of an L2/L3 tombstone that carries a counter's state (a deleted counter)
 TOMBSTONE_META = b"c"
+#: the entry that holds a state's generation: [hlc >> 32, hlc & 0xffffffff, tie-break, 0]
+#: of the put it adopted (absent: generation 0); "" is no actor's name
+GEN = ""
+_NO_GEN = [0, 0, 0, 0]
 _SEP = "~"  # host ids are [A-Za-z0-9_.:-]: never this
 
 State = dict[str, list[int]]  # actor -> [p, n, bp, bn]
@@ -84,7 +95,7 @@ def decode(data: bytes | memoryview) -> State:
         if type(a) is not str or type(e) is not list or len(e) != 4 or not all(
                 type(x) is int and 0 <= x <= MAX_COUNT for x in e):
             raise ValueError("malformed counter state entry")
-        if e[2] > e[0] or e[3] > e[1]:
+        if a != GEN and (e[2] > e[0] or e[3] > e[1]):
             raise ValueError("malformed counter state entry: a baseline over its count")
         out[a] = e
     return out
@@ -92,17 +103,21 @@ def decode(data: bytes | memoryview) -> State:
 
 def value(state: Mapping[str, list[int]]) -> int:
     """The counter's value."""
-    return sum(p - n - bp + bn for p, n, bp, bn in state.values())
+    return sum(p - n - bp + bn for a, (p, n, bp, bn) in state.items() if a != GEN)
 
 
 def live(state: Mapping[str, list[int]]) -> bool:
     """Whether some actor counts more than its baseline (False: a deleted counter)."""
-    return any(p != bp or n != bn for p, n, bp, bn in state.values())
+    return any(p != bp or n != bn for a, (p, n, bp, bn) in state.items() if a != GEN)
 
 
 def merge(a: Mapping[str, list[int]], b: Mapping[str, list[int]]) -> State:
-    """Actor by actor, the greatest of each number (commutative, associative, idempotent).
-    Raises ValueError when the result has more than MAX_ACTORS entries."""
+    """The later generation whole; of one generation, actor by actor, the greatest of each
+    number (commutative, associative, idempotent). Raises ValueError when the result has
+    more than MAX_ACTORS entries."""
+    ga, gb = a.get(GEN, _NO_GEN)[:3], b.get(GEN, _NO_GEN)[:3]
+    if ga != gb:
+        return {k: list(v) for k, v in (a if ga > gb else b).items()}
     out: State = {k: list(v) for k, v in a.items()}
     for k, v in b.items():
         mine = out.get(k)
@@ -115,7 +130,7 @@ def merge(a: Mapping[str, list[int]], b: Mapping[str, list[int]]) -> State:
 def reset(state: Mapping[str, list[int]]) -> State:
     """The state with every baseline raised to its count: value 0, not live (a delete, an
     expiry, or the start of a counter over a deleted one)."""
-    return {k: [p, n, p, n] for k, (p, n, _, _) in state.items()}
+    return {k: list(e) if k == GEN else [e[0], e[1], e[0], e[1]] for k, e in state.items()}
 
 
 def own_actor(state: Mapping[str, list[int]], host: str) -> str | None:
@@ -138,11 +153,21 @@ def new_actor(host: str, epoch: int) -> str:
     return f"{host}{_SEP}{epoch:x}"
 
 
+def _version_hash(vector: Any, hlc: int) -> str:
+    return hashlib.blake2b(repr((tuple(map(tuple, vector)), hlc)).encode(),
+                           digest_size=8).hexdigest()
+
+
 def adopted_actor(vector: Any, hlc: int) -> str:
     """The entry of a plain int adopted as the counter's start: named after the write that
     stored it (its version), so that every host adopting that write names it alike."""
-    h = hashlib.blake2b(repr((tuple(map(tuple, vector)), hlc)).encode(), digest_size=8)
-    return "=" + h.hexdigest()
+    return "=" + _version_hash(vector, hlc)
+
+
+def generation(vector: Any, hlc: int) -> list[int]:
+    """The generation a counter that adopts the plain write of this version starts: its
+    HLC, then 48 bits of a hash of the version (the same on every host)."""
+    return [hlc >> 32, hlc & 0xFFFFFFFF, int(_version_hash(vector, hlc)[:12], 16), 0]
 
 
 def add(state: Mapping[str, list[int]], actor: str, delta: int) -> State:
@@ -163,7 +188,8 @@ def add(state: Mapping[str, list[int]], actor: str, delta: int) -> State:
     return out
 
 
-def adopt(n: int, actor: str) -> State:
-    """A state holding the plain int ``n`` under ``actor`` (:func:`adopted_actor`)."""
-    return add({}, actor, n)
+def adopt(n: int, vector: Any, hlc: int) -> State:
+    """A state holding the plain int ``n`` of the write of version (``vector``, ``hlc``):
+    the generation of that write, ``n`` under its entry (:func:`adopted_actor`)."""
+    return add({GEN: generation(vector, hlc)}, adopted_actor(vector, hlc), n)
 

@@ -178,8 +178,8 @@ which applies the incoming record atomically against the stored one by the L3 ru
 record comes back, concurrent → last-writer-wins with the merged vector, or ``conflict``
 for an application resolver to settle; two concurrent counters of ``kv.incr`` — records of
 tag 5, or tombstones of meta ``c`` carrying a deleted counter's state — merge their states
-by maximum per actor, :mod:`kvcomm.core.counter`, and a plain record wins over a concurrent
-counter), and appends every change to the group's stream,
+as :func:`kvcomm.core.counter.merge` does, by generation then maximum per actor, and a
+plain record wins over a concurrent counter), and appends every change to the group's stream,
 bounded by ``MAXLEN ~``. A stored value that is not a KVCOMM record at all (garbage,
 another program's value, another Redis type, counters past ``MAX_COUNTER``) is replaced
 by the push as if the key were absent (``new``): that is how "rewrite the key", the
@@ -557,8 +557,14 @@ local function counter_of(r)
   end
   return st
 end
--- two states merged: actor by actor, the greatest of each number
+-- two states merged: the later generation (the entry '': the put a counter adopted)
+-- whole; of one generation, actor by actor, the greatest of each number
+local NO_GEN = {0, 0, 0, 0}
 local function merge_counters(a, b)
+  local ga, gb = a[''] or NO_GEN, b[''] or NO_GEN
+  for j = 1, 3 do
+    if ga[j] > gb[j] then return a elseif ga[j] < gb[j] then return b end
+  end
   local out = {}
   for k, e in pairs(a) do out[k] = {e[1], e[2], e[3], e[4]} end
   for k, e in pairs(b) do
@@ -572,8 +578,8 @@ local function merge_counters(a, b)
   return out
 end
 local function counter_live(st)
-  for _, e in pairs(st) do
-    if e[1] ~= e[3] or e[2] ~= e[4] then return true end
+  for k, e in pairs(st) do
+    if k ~= '' and (e[1] ~= e[3] or e[2] ~= e[4]) then return true end
   end
   return false
 end
