@@ -281,3 +281,48 @@ def test_two_rotations_forget_a_deleted_key_and_keep_the_rest(fname: str) -> Non
         assert kf.may_exist(b"kept") and not kf.may_exist(b"deleted")
     finally:
         kf.close()
+
+
+def test_the_ring_says_which_keys_were_learned_since_a_stamp(fname: str) -> None:
+    w = KeyFilter.create(fname, 1000, 0.01)
+    r = KeyFilter.open_reader(fname)
+    try:
+        assert r is not None
+        w.add(b"old")
+        stamp = r.learned
+        assert r.learned_since(b"old", stamp) is False  # (nothing learned since)
+        w.add(b"a")
+        w.add(b"b")
+        assert r.learned == (stamp + 2) % (1 << 64)
+        assert r.learned_since(b"a", stamp) and r.learned_since(b"b", stamp)
+        assert r.learned_since(b"old", stamp) is False and not r.learned_since(b"c", stamp)
+        assert r.learned_since(b"b", stamp + 1) and not r.learned_since(b"a", stamp + 1)
+        # a stamp the ring no longer covers, or another file's: unknown (the filter judges)
+        for i in range(keyfilter.RING):
+            w.add(b"x%d" % i)
+        assert r.learned_since(b"a", stamp) is None
+        assert r.learned_since(b"x5", r.learned - keyfilter.RING) is True
+        other = KeyFilter.create(fname + "2", 1000, 0.01)
+        try:
+            assert other.learned_since(b"a", stamp) is None
+        finally:
+            other.close()
+            keyfilter.remove(fname + "2")
+    finally:
+        w.close()
+        if r is not None:
+            r.close()
+
+
+def test_the_ring_wraps_around_its_end(fname: str) -> None:
+    w = KeyFilter.create(fname, 1000, 0.01)
+    try:
+        w._q[keyfilter.H_LEARNED] = 5 * keyfilter.RING - 2  # two slots before the end
+        stamp = w.learned
+        for k in (b"p", b"q", b"r", b"s"):
+            w.add(k)
+        assert all(w.learned_since(k, stamp) for k in (b"p", b"q", b"r", b"s"))
+        assert not w.learned_since(b"t", stamp)
+        assert w.learned_since(b"p", stamp + 1) is False and w.learned_since(b"s", stamp + 3)
+    finally:
+        w.close()

@@ -1335,6 +1335,8 @@ class Daemon:
         return {"host": self.host, "namespace": getattr(self.port, "namespace", None),
                 "pid": os.getpid(), "updated": self.wall(),
                 "partition": self.reach.partition, "partition_reason": self.reach.reason,
+                # (agents refuse L3 reads at once then: _client/cluster_read.py)
+                "redis_unreachable": self.reach.partition and self.reach.redis_cut(now),
                 "partitions": self.reach.entered, "backlog": self.backlog(),
                 "masters_down": self.masters_down(), "parked": len(self.out.parked),
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),

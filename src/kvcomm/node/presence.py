@@ -186,6 +186,10 @@ class Reachability:
     def redis_ok(self, now: float) -> None:
         self.redis_ok_at = now
 
+    def redis_cut(self, now: float) -> bool:
+        """Redis has not answered for longer than the TTL."""
+        return now - self.redis_ok_at > self.ttl
+
     def overdue(self, now: float, etcd_ok_at: float | None) -> bool:
         """True when partition mode is due and not yet entered (:meth:`update` would
         return "enter"); changes nothing."""
