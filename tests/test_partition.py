@@ -26,6 +26,7 @@ from kvcomm.devcluster import control
 from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.devcluster.procs import running
 from kvcomm.node.presence import read_status, status_path
+from kvcomm.tiers.keyfilter import KeyFilter
 
 from .conftest import wait_for
 
@@ -204,6 +205,48 @@ def test_an_agents_redis_call_in_a_partition_is_unavailable_within_twice_the_tim
         control.heal(str(dc))
         b.close()
         fresh.close()
+
+
+def test_in_partition_mode_what_the_host_does_not_hold_is_unavailable_at_once(dc: Path) -> None:
+    """On a cut-off host in partition mode, a read, a delete or a scan that needs L3 raises
+    Unavailable at once (its daemon says Redis is out of reach), without an L3 call; what
+    the host holds stays readable. Agents with the shipped defaults."""
+    a = kvcomm.open(config=str(dc / "host-1.yaml"))
+    b = kvcomm.open(config=str(dc / "host-2.yaml"))
+    run = f"pu/{random.randrange(1 << 30)}"
+    held, other = f"{run}/held", f"{run}/other"
+    try:
+        a.put(held, 1)
+        a.put(other, 2)
+        assert wait_for(lambda: b.get(held) == 1, 30, "host-2 holds a key")
+        kf = KeyFilter.open_reader(next(h["namespace"] for h in control.load_state(dc)["hosts"]
+                                        if h["host"] == "host-2"))
+        assert kf is not None
+        wait_for(lambda: kf.may_exist(other.encode()), 30, "host-2's filter knows the other key")
+        kf.close()
+        control.partition(str(dc), "host-2")
+        wait_for(lambda: (st := _status(dc, "host-2")).get("partition")
+                 and st.get("redis_unreachable"), 30, "host-2 in partition mode, Redis cut off")
+        reads = b.counters["l3_reads"]
+        t0 = time.monotonic()
+        with pytest.raises(kvcomm.Unavailable, match="partition mode"):
+            b.get(other)
+        with pytest.raises(kvcomm.Unavailable, match="partition mode"):
+            b.delete(other)
+        with pytest.raises(kvcomm.Unavailable, match="partition mode"):
+            list(b.scan(f"{run}/"))
+        took = time.monotonic() - t0
+        print(f"a read, a delete and a scan refused in {took:.3f}s (2 x cluster.timeout: "
+              f"{2 * TIMEOUT:g}s each)")
+        assert b.counters["l3_reads"] == reads  # (no L3 call was tried)
+        assert b.get(held) == 1  # (what the host holds: served)
+        control.heal(str(dc))
+        wait_for(lambda: b.get(other) == 2, 60, "the read after the heal",
+                 retry_on=(kvcomm.Unavailable,))
+    finally:
+        control.heal(str(dc))
+        a.close()
+        b.close()
 
 
 def _converge(keys: list[str], acked: dict[str, list[Any]], clients: tuple[kvcomm.Client, ...],

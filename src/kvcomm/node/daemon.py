@@ -1389,7 +1389,7 @@ class Daemon:
             return
         try:
             if self.reach.overdue(self.clock(),
-                                  self.presence.etcd_ok_at if self.presence else None):
+                                  self.presence.etcd_seen_at if self.presence else None):
                 self._decide_partition(wait=LEASE_WAIT_S)
         finally:
             self.reach_lock.release()
@@ -1410,7 +1410,7 @@ class Daemon:
             if answered:
                 now = self.clock()
                 self.reach.redis_ok(now)
-        change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
+        change = self.reach.update(now, self.presence.etcd_seen_at if self.presence else None)
         if change == "enter":
             self.stats.bump("partitions")
             log.warning("partition mode: %s; agents keep writing eventual keys into L2 (at "
