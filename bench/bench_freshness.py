@@ -39,6 +39,7 @@ from kvcomm.node.presence import read_status, status_path
 
 CTX = mp.get_context("spawn")
 SAMPLE = 500  # keys per host and partition, half of them never held there
+DEBUG = False  # (per probe pass: keys read, left, the slowest read)
 
 
 def freshness(cfgs: list[str], samples: int, run: str) -> dict[str, list[float]]:
@@ -72,30 +73,46 @@ def freshness(cfgs: list[str], samples: int, run: str) -> dict[str, list[float]]
     return out
 
 
-def _probe(cfg: str, keys: list[str], want: dict[str, Any], ready: Any, start: Any,
-           t_heal: Any, out: Any) -> None:
+def _probe(cfg: str, keys: list[str], want: dict[str, Any], warm: list[str], ready: Any,
+           start: Any, t_heal: Any, out: Any) -> None:
     """A host's probe (a process of its own): says ``ready`` once open; once ``start`` is
     set, re-reads ``keys`` until each reads ``want``; puts the seconds after ``t_heal``
     (a shared wall time) at which the last one did, or None after 60 s."""
     kv = kvcomm.open(config=cfg)
     try:
+        for k in warm:  # (an agent that has been running has its L3 connections open)
+            try:
+                kv.get(k)
+            except kvcomm.Unavailable:
+                pass  # (the cut-off host: it opens L3 in the background)
         ready.put(1)
         start.wait()
         pending = list(keys)
         deadline = time.time() + 60
+        passes = 0
         while pending and time.time() < deadline:
+            passes += 1
             left = []
+            t_pass = time.time()
+            slow = (0.0, "")
             for k in pending:
+                t_get = time.time()
                 try:
                     ok = kv.get(k) == want[k]
                 except kvcomm.Unavailable:
                     ok = False
+                if time.time() - t_get > slow[0]:
+                    slow = (time.time() - t_get, k)
                 if not ok:
                     left.append(k)
+            if DEBUG:
+                print(f"    {cfg[-11:]} pass {passes} at {t_pass - t_heal.value:.2f}s: "
+                      f"{len(pending)} read in {time.time() - t_pass:.2f}s, {len(left)} left, "
+                      f"slowest {slow[0]:.3f}s {slow[1]}", flush=True)
             pending = left
             if pending:
                 time.sleep(0.005)
-        out.put(None if pending else time.time() - t_heal.value)
+        out.put((None if pending else time.time() - t_heal.value, passes))
     finally:
         kv.close()
 
@@ -118,10 +135,12 @@ def heal_round(d: str, state: dict[str, Any], n: int, rnd: str, rng: random.Rand
             for k in keys[: n // 2]:
                 kvs[side].put(k, "before")
         samples: list[list[str]] = []
+        warm: list[list[str]] = []
         for h in range(3):
             held = rng.sample(before, min(SAMPLE // 2, len(before)))
             never = rng.sample(new, min(SAMPLE // 2, len(new)))
             samples.append(held + never)
+            warm.append([k for k in before if k not in set(held)][:2])
             deadline = time.monotonic() + 60
             for k in held:
                 while kvs[h].get(k) != "before":
@@ -146,7 +165,8 @@ def heal_round(d: str, state: dict[str, Any], n: int, rnd: str, rng: random.Rand
                     pass
         ready, start, t_heal, out = CTX.Queue(), CTX.Event(), CTX.Value("d", 0.0), CTX.Queue()
         procs = [CTX.Process(target=_probe,
-                             args=(cfgs[h], samples[h], want, ready, start, t_heal, out))
+                             args=(cfgs[h], samples[h], want, warm[h], ready, start, t_heal,
+                                   out))
                  for h in range(3)]
         for p in procs:
             p.start()
@@ -155,13 +175,22 @@ def heal_round(d: str, state: dict[str, Any], n: int, rnd: str, rng: random.Rand
         control.heal(d)
         t_heal.value = time.time()
         start.set()
-        times = [out.get(timeout=120) for _ in procs]
+        left = None
+        while out.qsize() < len(procs) and time.time() - t_heal.value < 120:
+            if left is None and not _status(ns2).get("partition"):
+                left = time.time() - t_heal.value
+            time.sleep(0.01)
+        got = [out.get(timeout=120) for _ in procs]
+        times = [t for t, _ in got]
+        print("  (probe passes: " + ", ".join(str(n) for _, n in got) + ")")
         for p in procs:
             p.join()
         if any(t is None for t in times):
             raise SystemExit(f"a host did not read every sampled key within 60 s: {times}")
         while _status(ns2).get("partition"):  # (the next round starts from a healed host)
             time.sleep(0.05)
+        print(f"  (host 2 left partition mode after {left if left is not None else -1:.2f}s;"
+              f" hosts done after " + ", ".join(f"{t:.2f}s" for t in times) + ")")
         return max(times)
     finally:
         for kv in kvs:
