@@ -8,6 +8,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -326,3 +327,44 @@ def test_the_ring_wraps_around_its_end(fname: str) -> None:
         assert w.learned_since(b"p", stamp + 1) is False and w.learned_since(b"s", stamp + 3)
     finally:
         w.close()
+
+
+def test_a_negative_note_the_ring_no_longer_covers_is_judged_by_the_filter(fname: str) -> None:
+    """ClusterReads._still_absent past the ring: the key in the filter now and not when
+    noted was learned (read again); one the filter matched already when noted (deleted,
+    a false positive) keeps its note; one it still does not match keeps it, restamped;
+    with the filter untrusted, the note holds, unstamped, until it is trusted again."""
+    from types import SimpleNamespace
+
+    from kvcomm._client.cluster_read import ClusterReads
+
+    w = KeyFilter.create(fname, 200_000, 0.001)  # (room for the ring's keys: no false match)
+    r = KeyFilter.open_reader(fname)
+    try:
+        assert r is not None
+        w.set_ready(True)
+        w.add(b"deleted")  # (in the filter before the notes)
+        trusted: list[Any] = [r]
+        reader = SimpleNamespace(_kf=r, _key_filter=lambda: trusted[0])
+        stamp = r.learned
+        notes = {k: [0.0, stamp, k == "deleted"] for k in ("new", "deleted", "never")}
+        for i in range(keyfilter.RING + 1):  # the ring no longer reaches back to the notes
+            w.add(b"other%d" % i)
+        w.add(b"new")
+        assert r.learned_since(b"new", stamp) is None
+        trusted[0] = None  # untrusted: every note holds, none restamped
+        assert all(ClusterReads._still_absent(reader, k, n)  # type: ignore[arg-type]
+                   for k, n in notes.items())
+        assert all(n[1] == stamp for n in notes.values())
+        trusted[0] = r
+        assert not ClusterReads._still_absent(reader, "new", notes["new"])  # type: ignore[arg-type]
+        assert ClusterReads._still_absent(reader, "deleted", notes["deleted"])  # type: ignore[arg-type]
+        assert ClusterReads._still_absent(reader, "never", notes["never"])  # type: ignore[arg-type]
+        assert notes["never"][1] == notes["deleted"][1] == r.learned  # (restamped)
+        w.add(b"deleted")  # learned again since the new stamp: the ring says so
+        assert not ClusterReads._still_absent(reader, "deleted", notes["deleted"])  # type: ignore[arg-type]
+        assert ClusterReads._still_absent(reader, "never", notes["never"])  # type: ignore[arg-type]
+    finally:
+        w.close()
+        if r is not None:
+            r.close()

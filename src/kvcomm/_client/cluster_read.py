@@ -33,14 +33,14 @@ class ClusterReads(Merging):
         """
         now = time.monotonic()
         note = self._negative.entry(key, now)
-        kf = self._key_filter()
         if note is not None:
-            if self._still_absent(key, note, kf):
+            if self._still_absent(key, note):
                 self._negative.hit()
                 self.counters["negative_hits"] += 1
                 return None if want_item else default
             self._negative.invalidate(key)
             self.counters["negative_rechecks"] += 1
+        kf = self._key_filter()
         m = self._kf  # (the mapping, trusted or not: its count stamps a note)
         stamp = 0 if m is None else m.learned  # (read before the answer it stamps)
         if kf is not None and not kf.may_exist(key.encode("utf-8", "surrogatepass")):
@@ -69,12 +69,12 @@ class ClusterReads(Merging):
             return Item(key, value, version, "l3", deadline)
         return value
 
-    def _still_absent(self, key: str, note: list[Any], kf: Any) -> bool:
+    def _still_absent(self, key: str, note: list[Any]) -> bool:
         """Whether a live negative note of ``key`` (``[until, stamp, matched]``) still
         answers "absent": no key the host's daemon learned since the note's ``stamp`` is
         this one (the filter's ring of learned keys: no round trip). Where the ring no
-        longer reaches back to the stamp, the filter judges, while trusted (``kf``): the
-        key in it now and not when noted, it was learned since. A key it matched already
+        longer reaches back to the stamp, the filter judges, while trusted: the key in it
+        now and not when noted, it was learned since. A key it matched already
         when noted (one deleted since the filter's last rotation, or a false positive)
         keeps its note for ``negative_ttl``: a loop reading a key that stays absent costs
         at most one L3 read per ``negative_ttl``. The note is restamped when it holds."""
@@ -87,6 +87,7 @@ class ClusterReads(Merging):
         if seen:
             return False
         if seen is None:  # (too far back for the ring)
+            kf = self._key_filter()
             if kf is None:
                 return True  # (an untrusted filter: judged once it is trusted again)
             if kf.may_exist(kb):

@@ -26,7 +26,7 @@ again, at once, so no process on the host answers "absent" from its cache for a 
 daemon has learned of. The count starts at a random 62-bit value, so that a stamp taken
 from another file (a restarted daemon's) reads as too old for the ring. A stamp the ring
 no longer covers (more than :data:`RING` keys learned since) is judged by the filter
-instead (:meth:`NegativeGuard <kvcomm._client.cluster_read.ClusterReads._still_absent>`).
+instead (:meth:`kvcomm._client.cluster_read.ClusterReads._still_absent`).
 
 When to trust it
 ----------------
