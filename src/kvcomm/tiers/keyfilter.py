@@ -214,15 +214,16 @@ class KeyFilter:
         return kf
 
     def add(self, key: bytes) -> None:
-        """Add ``key`` to both generations, and to the ring of keys learned (then the
-        count: a reader that sees the count sees the ring's entry)."""
-        at = self.gens[0].positions(key)  # (the generations share one geometry)
-        self.gens[0].add_at(at)
-        self.gens[1].add_at(at)
+        """Add ``key`` to the ring of keys learned, then bump the count (a reader that
+        sees the count sees the ring's entry), then to both generations: whoever finds
+        the key in the filter finds it learned too."""
         q = self._q
         n = q[H_LEARNED]
         self._ring[n % RING] = int.from_bytes(xxh3_64_digest(key), "little")
         q[H_LEARNED] = (n + 1) & _MASK
+        at = self.gens[0].positions(key)  # (the generations share one geometry)
+        self.gens[0].add_at(at)
+        self.gens[1].add_at(at)
 
     def set_ready(self, ready: bool) -> None:
         self._q[H_READY] = int(ready)
