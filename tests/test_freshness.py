@@ -29,6 +29,7 @@ pytestmark = [
 ]
 
 TTL = float(CacheConfig().negative_ttl)  # the shipped default, which these agents use
+KEYS = 20
 
 dev = dev_cluster_fixture(2, groups=64)
 
@@ -64,14 +65,14 @@ def test_a_key_read_absent_just_before_another_host_creates_it_shows_at_once(
     kf = _filter_of(dev, 1)
     run = uuid.uuid4().hex[:8]
     try:
-        for i in range(5):
+        for i in range(KEYS):
             key = f"fresh/{run}/{i}"
             _noted_absent(b, key)
             a.put(key, i)
             wait_for(lambda k=key: kf.may_exist(k.encode()), 10,  # type: ignore[misc]
                      "host 2's daemon learned of the key")
             assert b.get(key) == i, f"host 2 answers 'absent' for {key}, which its daemon knows"
-        assert b.counters["negative_rechecks"] == 5  # each note dropped: the daemon learned it
+        assert b.counters["negative_rechecks"] == KEYS  # each note dropped: the daemon learned it
     finally:
         kf.close()
         a.close()
