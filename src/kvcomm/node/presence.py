@@ -21,9 +21,9 @@ last moment etcd is known or presumed reachable, from which partition mode count
 TTL (counting from the last renewal, up to ``ttl / 3`` earlier, entered it up to a
 third of the TTL early). After a failed renewal it probes every 200 ms instead of every
 ``ttl / 3``, so that a heal is seen quickly. ``etcd_unreachable`` is set from the first
-failed probe (no member answered within ``cluster.timeout``: the evidence a strong operation would get, after
-the same wait) to the first successful one; agents on the host read it from the status
-file and fail strong operations at once meanwhile.
+failed probe (no member answered within ``cluster.timeout``: the evidence a strong
+operation would get, after the same wait) to the first successful one; agents on the
+host read it from the status file and fail strong operations at once meanwhile.
 
 **Partition mode** (:class:`Reachability`, pure): the daemon is in partition mode while
 Redis (any successful L3 round) or an etcd majority (``etcd_seen_at``) has been out of
