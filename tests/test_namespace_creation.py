@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import statistics
 import time
 import uuid
 
@@ -70,7 +71,7 @@ def _open_duration() -> float:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_a_creator_killed_while_creating_leaves_a_usable_namespace(sig: int, seed: int) -> None:
     rng = random.Random(seed)
-    window = _open_duration()
+    window = statistics.median(_open_duration() for _ in range(3))  # (one may be an outlier)
     rounds, mid, temps_left = 12, 0, 0
     for i in range(rounds):
         ns = f"t-{uuid.uuid4().hex[:10]}"
