@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..errors import (
     InvalidArgument,
     InvalidKey,
     KVCommError,
+    KVCommWarning,
     SegmentError,
     ValidationError,
     ValueTooLarge,
@@ -42,6 +44,8 @@ _KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
 # change of a key not held here over a fill for 30 s (node/daemon.py RECENT_S)
 _FILL_WITHIN = 10.0
 _HUGE = 1 << 62  # a zero-copy threshold no value reaches: always a copy
+_NEVER = float("inf")
+DAEMON_CHECK_S = 1.0  # a cluster-mode write asks whether the node daemon beats this often
 
 
 def _now_ms() -> int:
@@ -54,7 +58,8 @@ class ClientBase:
     _getter: Getter  # made by Client.__init__ (it calls later layers)
 
     def __init__(self, name: str = "default", config: Config | None = None,
-                 agent: str | None = None) -> None:
+                 agent: str | None = None, wait_daemon: bool = True,
+                 _config_file: str | None = None) -> None:
         if agent is not None:
             check_agent(agent)  # (before anything is opened)
         self.config = config or Config()
@@ -128,10 +133,75 @@ class ClientBase:
         self._strong_on = False  # some keys are strong: every operation asks is_strong
         self._strong_unknown = False  # (no daemon status seen yet: _check_no_strong_keys)
         self._status_reader: Any = None  # the node daemon's status file (partition mode)
+        # cluster mode: open() waits for the host's node daemon (cluster.daemon_wait), and
+        # a write finds out, at most every DAEMON_CHECK_S, whether it still heartbeats
+        # (one KVCommWarning when it stopped). wait_daemon=False: a tool, or the daemon's
+        # own client, that works without one: neither
+        self._daemon_watch = self._cluster and wait_daemon
+        self._daemon_check_at = 0.0 if self._daemon_watch else _NEVER
+        if self._daemon_watch:
+            self._await_daemon(cluster.daemon_wait, _config_file)
         if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
             self._open_strong()
         elif self._cluster:
             self._check_no_strong_keys()
+
+    def _daemon_beats(self) -> bool:
+        """Whether the host's node daemon of this namespace is alive: it heartbeats in L2
+        (every round of its loop), or its status file is fresh (its lease thread writes
+        it while the loop waits on Redis timeouts, in partition mode)."""
+        return self._seg.daemon_alive() or self._host_status().status() is not None
+
+    def _daemon_silence(self) -> str:
+        """When the daemon last heartbeat, for a message ("" when none ever did)."""
+        beat_ms = self._seg.daemon_last_beat_ms()
+        if not beat_ms:
+            return ""
+        ago = max(0.0, time.time() - beat_ms / 1000)
+        at = time.strftime("%H:%M:%S", time.localtime(beat_ms / 1000))
+        return f"; its daemon (pid {self._seg.daemon_pid}) last heartbeat at {at}, {ago:.1f}s ago"
+
+    def _await_daemon(self, wait: float, config_file: str | None) -> None:
+        """Wait up to ``wait`` seconds for the host's node daemon to heartbeat. Raises
+        Unavailable naming the command that starts it (the client is then closed)."""
+        from .._wait import wait_until
+        from ..errors import Unavailable
+
+        try:
+            wait_until(self._daemon_beats, wait, "the node daemon", interval=0.02)
+        except Unavailable:
+            name = "" if self.name == self.config.node.namespace else f" --name {self.name}"
+            msg = (f"no node daemon heartbeats for namespace {self.name!r} on host "
+                   f"{self._host!r} (waited {wait:g}s, cluster.daemon_wait"
+                   f"{self._daemon_silence()}): without it this host's writes never reach "
+                   f"L3 and no other host sees them. Start it: `kvcomm node --config "
+                   f"{config_file or 'FILE'}{name}` (a tool that works without one opens "
+                   "with kvcomm.open(..., wait_daemon=False))")
+            self._refuse_open()
+            raise Unavailable(msg) from None
+        except BaseException:
+            self._refuse_open()
+            raise
+
+    def _check_daemon(self) -> None:
+        """From a write in cluster mode, at most every DAEMON_CHECK_S: when the host's
+        daemon no longer heartbeats, one KVCommWarning (per namespace and process, until
+        a daemon beats again) says that writes now wait in L2."""
+        self._daemon_check_at = time.monotonic() + DAEMON_CHECK_S
+        att = self._attached
+        if self._daemon_beats():
+            att.daemon_warned = False
+            return
+        if att.daemon_warned:
+            return
+        att.daemon_warned = True
+        warnings.warn(
+            f"the node daemon of namespace {self.name!r} on host {self._host!r} does not "
+            f"heartbeat{self._daemon_silence()}: writes are still acknowledged into L2 "
+            f"({self._seg.dirty_count} now waiting for L3; at cluster.outbound_max "
+            f"{self._max_dirty} put raises Unavailable) and reach the other hosts once a "
+            "daemon runs again: start it with `kvcomm node --config FILE`",
+            KVCommWarning, stacklevel=4)
 
     def _check_no_strong_keys(self) -> None:
         """A cluster-mode agent without ``cluster.etcd`` cannot ask etcd which keys the

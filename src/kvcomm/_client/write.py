@@ -23,6 +23,8 @@ from .batch import Batch
 from .items import _NO_CHECK, ABSENT, Item
 from .read import Reads
 
+_monotonic = time.monotonic
+
 
 class Writes(Reads):
     """Writes."""
@@ -77,6 +79,8 @@ class Writes(Reads):
             tag, meta, payload = self._encode(value)
         if self._cluster:
             self._negative.invalidate(key)  # this host will hold it: no longer "absent"
+            if _monotonic() >= self._daemon_check_at:  # (once a second: is the daemon alive?)
+                self._check_daemon()
         if expect is not _NO_CHECK or self._has_validators:
             version = self._put_checked(key, kb, h, value, (tag, meta, payload), expect, ext)
             if consistency is not None or self._default_strong:
@@ -188,6 +192,8 @@ class Writes(Reads):
         kb, h = self._key_hash(key)
         cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
+        if self._cluster and _monotonic() >= self._daemon_check_at:
+            self._check_daemon()
         if self._cluster and self._get_slow(key, None, True) is None:
             local = self._read_l2(kb, h, _HUGE)
             if local is None and cas is None and validator is None:
