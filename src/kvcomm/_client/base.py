@@ -153,13 +153,13 @@ class ClientBase:
         return self._seg.daemon_alive() or self._host_status().status() is not None
 
     def _daemon_silence(self) -> str:
-        """When the daemon last heartbeat, for a message ("" when none ever did)."""
+        """When the last daemon heartbeat, for a message."""
         beat_ms = self._seg.daemon_last_beat_ms()
         if not beat_ms:
-            return ""
+            return "none has run on this namespace"
         ago = max(0.0, time.time() - beat_ms / 1000)
-        at = time.strftime("%H:%M:%S", time.localtime(beat_ms / 1000))
-        return f"; its daemon (pid {self._seg.daemon_pid}) last heartbeat at {at}, {ago:.1f}s ago"
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(beat_ms / 1000))
+        return f"the last one, pid {self._seg.daemon_pid}, last heartbeat at {at}, {ago:.1f}s ago"
 
     def _await_daemon(self, wait: float, config_file: str | None) -> None:
         """Wait up to ``wait`` seconds for the host's node daemon to heartbeat. Raises
@@ -167,12 +167,22 @@ class ClientBase:
         from .._wait import wait_until
         from ..errors import Unavailable
 
+        if os.environ.get("KVCOMM_PROBE_LOG"):  # TEMPORARY instrumentation
+            if not self._daemon_beats():
+                import traceback
+                fr = [f"{f.filename.split('/work/wt/daemon/')[-1]}:{f.lineno}:{f.name}"
+                      for f in traceback.extract_stack() if "/tests/" in f.filename
+                      or "/bench/" in f.filename or "/examples/" in f.filename
+                      or ("/src/kvcomm/" in f.filename and "_client" not in f.filename)]
+                with open(os.environ["KVCOMM_PROBE_LOG"], "a") as fh:
+                    fh.write(" <- ".join(reversed(fr)) + "\n")
+            return
         try:
             wait_until(self._daemon_beats, wait, "the node daemon", interval=0.02)
         except Unavailable:
             name = "" if self.name == self.config.node.namespace else f" --name {self.name}"
             msg = (f"no node daemon heartbeats for namespace {self.name!r} on host "
-                   f"{self._host!r} (waited {wait:g}s, cluster.daemon_wait"
+                   f"{self._host!r} (waited {wait:g}s, cluster.daemon_wait; "
                    f"{self._daemon_silence()}): without it this host's writes never reach "
                    f"L3 and no other host sees them. Start it: `kvcomm node --config "
                    f"{config_file or 'FILE'}{name}` (a tool that works without one opens "
@@ -197,7 +207,7 @@ class ClientBase:
         att.daemon_warned = True
         warnings.warn(
             f"the node daemon of namespace {self.name!r} on host {self._host!r} does not "
-            f"heartbeat{self._daemon_silence()}: writes are still acknowledged into L2 "
+            f"heartbeat ({self._daemon_silence()}): writes are still acknowledged into L2 "
             f"({self._seg.dirty_count} now waiting for L3; at cluster.outbound_max "
             f"{self._max_dirty} put raises Unavailable) and reach the other hosts once a "
             "daemon runs again: start it with `kvcomm node --config FILE`",
