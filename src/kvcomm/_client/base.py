@@ -139,11 +139,14 @@ class ClientBase:
         # own client, that works without one: neither
         self._daemon_watch = self._cluster and wait_daemon
         self._daemon_check_at = 0.0 if self._daemon_watch else _NEVER
-        if self._daemon_watch:
-            self._await_daemon(cluster.daemon_wait, _config_file)
+        self._daemon_command = self._daemon_cmd(_config_file)
         if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
-            self._open_strong()
+            self._open_strong()  # (a ConfigError comes before any wait)
+            if self._daemon_watch:
+                self._await_daemon(cluster.daemon_wait)
         elif self._cluster:
+            if self._daemon_watch:  # (first: the daemon's status then says which keys are strong)
+                self._await_daemon(cluster.daemon_wait)
             self._check_no_strong_keys()
 
     def _daemon_beats(self) -> bool:
@@ -161,32 +164,26 @@ class ClientBase:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(beat_ms / 1000))
         return f"the last one, pid {self._seg.daemon_pid}, last heartbeat at {at}, {ago:.1f}s ago"
 
-    def _await_daemon(self, wait: float, config_file: str | None) -> None:
+    def _daemon_cmd(self, config_file: str | None) -> str:
+        """The command that starts this namespace's node daemon, for a message."""
+        name = "" if self.name == self.config.node.namespace else f" --name {self.name}"
+        return f"kvcomm node --config {config_file or 'FILE'}{name}"
+
+    def _await_daemon(self, wait: float) -> None:
         """Wait up to ``wait`` seconds for the host's node daemon to heartbeat. Raises
         Unavailable naming the command that starts it (the client is then closed)."""
         from .._wait import wait_until
         from ..errors import Unavailable
 
-        if os.environ.get("KVCOMM_PROBE_LOG"):  # TEMPORARY instrumentation
-            if not self._daemon_beats():
-                import traceback
-                fr = [f"{f.filename.split('/work/wt/daemon/')[-1]}:{f.lineno}:{f.name}"
-                      for f in traceback.extract_stack() if "/tests/" in f.filename
-                      or "/bench/" in f.filename or "/examples/" in f.filename
-                      or ("/src/kvcomm/" in f.filename and "_client" not in f.filename)]
-                with open(os.environ["KVCOMM_PROBE_LOG"], "a") as fh:
-                    fh.write(" <- ".join(reversed(fr)) + "\n")
-            return
         try:
             wait_until(self._daemon_beats, wait, "the node daemon", interval=0.02)
         except Unavailable:
-            name = "" if self.name == self.config.node.namespace else f" --name {self.name}"
             msg = (f"no node daemon heartbeats for namespace {self.name!r} on host "
                    f"{self._host!r} (waited {wait:g}s, cluster.daemon_wait; "
                    f"{self._daemon_silence()}): without it this host's writes never reach "
-                   f"L3 and no other host sees them. Start it: `kvcomm node --config "
-                   f"{config_file or 'FILE'}{name}` (a tool that works without one opens "
-                   "with kvcomm.open(..., wait_daemon=False))")
+                   f"L3 and no other host sees them. Start it: `{self._daemon_command}` "
+                   "(a tool that works without one opens with kvcomm.open(..., "
+                   "wait_daemon=False))")
             self._refuse_open()
             raise Unavailable(msg) from None
         except BaseException:
@@ -208,9 +205,9 @@ class ClientBase:
         warnings.warn(
             f"the node daemon of namespace {self.name!r} on host {self._host!r} does not "
             f"heartbeat ({self._daemon_silence()}): writes are still acknowledged into L2 "
-            f"({self._seg.dirty_count} now waiting for L3; at cluster.outbound_max "
-            f"{self._max_dirty} put raises Unavailable) and reach the other hosts once a "
-            "daemon runs again: start it with `kvcomm node --config FILE`",
+            f"and wait there for L3 ({self._seg.dirty_count} so far; at "
+            f"cluster.outbound_max, {self._max_dirty}, put raises Unavailable), and reach "
+            f"the other hosts once a daemon runs again: start it with `{self._daemon_command}`",
             KVCommWarning, stacklevel=4)
 
     def _check_no_strong_keys(self) -> None:
@@ -263,6 +260,9 @@ class ClientBase:
         if self._l3 is not None:
             self._l3.close()
             self._l3 = None
+        if self._strong is not None:
+            self._strong.close()
+            self._strong = None
         process_budget().unregister(self.config.cache.l1_size)
         _Shared.release(self._attached)
         self._closed = self._unusable = True

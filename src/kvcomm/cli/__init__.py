@@ -300,7 +300,7 @@ def _cluster(args: argparse.Namespace) -> int:
         if args.action == "status":
             hosts = cluster_status(etcd)
             for h in hosts:
-                _known_backlog(h, cfg)
+                _known_backlog(h, cfg, args.config)
             if args.json:
                 print(json.dumps({"hosts": hosts}, indent=2))
                 return 0
@@ -333,7 +333,7 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def _known_backlog(h: dict[str, Any], cfg: Any) -> None:
+def _known_backlog(h: dict[str, Any], cfg: Any, config_file: str) -> None:
     """Add to ``h`` (a host of ``cluster_status``) what is known of its daemon and its
     backlog, and since when: ``daemon`` ("running": its lease is live and, on this host,
     it heartbeats; "gone": its lease was revoked or expired, or its heartbeat stopped),
@@ -367,7 +367,7 @@ def _known_backlog(h: dict[str, Any], cfg: Any) -> None:
         f"({max(0.0, now - since):.0f}s ago)")
     if local is not None:
         h["note"] = (f"no node daemon {when}: {h['backlog']} writes waiting for L3 in this "
-                     "host's L2 (start it: kvcomm node --config FILE)")
+                     f"host's L2 (start it: kvcomm node --config {config_file})")
     else:
         h["note"] = (f"no node daemon {when}: backlog {h['backlog']} is its last report "
                      "to etcd; writes made on the host since are not counted (kvcomm info "
