@@ -208,7 +208,7 @@ class ClientBase:
             f"and wait there for L3 ({self._seg.dirty_count} so far; at "
             f"cluster.outbound_max, {self._max_dirty}, put raises Unavailable), and reach "
             f"the other hosts once a daemon runs again: start it with `{self._daemon_command}`",
-            KVCommWarning, stacklevel=4)
+            KVCommWarning, stacklevel=3)  # (the caller of put, delete)
 
     def _check_no_strong_keys(self) -> None:
         """A cluster-mode agent without ``cluster.etcd`` cannot ask etcd which keys the
