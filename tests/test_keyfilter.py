@@ -20,6 +20,8 @@ from kvcomm.core.bloom import BloomFilter
 from kvcomm.tiers import keyfilter
 from kvcomm.tiers.keyfilter import STALE_MS, KeyFilter, filter_path
 
+from .conftest import wait_for
+
 CTX = mp.get_context("fork")
 
 
@@ -93,8 +95,16 @@ def _reader(name: str, conn: object, capacity: int) -> None:
             seen_retired = True
             break
     r.close()
-    new = KeyFilter.open_reader(name)
-    conn.send((seen_retired, None if new is None else new.capacity))  # type: ignore[attr-defined]
+
+    def placed() -> KeyFilter | None:  # (the old file is retired just before the new one
+        f = KeyFilter.open_reader(name)  # is renamed into place: reopen until it is there)
+        if f is not None and f.retired:
+            f.close()
+            return None
+        return f
+
+    new = wait_for(placed, what="the new filter in place")
+    conn.send((seen_retired, new.capacity))  # type: ignore[attr-defined]
 
 
 def test_resizing_never_sigbuses_a_reader_and_the_reader_picks_up_the_new_file(fname: str) -> None:
@@ -167,15 +177,44 @@ def test_a_symlink_is_refused(fname: str, tmp_path: object) -> None:
         os.unlink(filter_path(fname))
 
 
+def _temps(fname: str) -> list[str]:
+    """The filter's temporary files (whatever their naming)."""
+    base = os.path.basename(filter_path(fname))
+    return [n for n in os.listdir(os.path.dirname(filter_path(fname)))
+            if base + "." in n and n.endswith(".tmp")]
+
+
 def test_stale_temporary_files_are_cleaned_up(fname: str) -> None:
-    dead = CTX.Process(target=lambda: None)
-    dead.start()
-    dead.join()
-    stale = f"{filter_path(fname)}.{dead.pid}.deadbeef.tmp"
+    # a daemon killed while building a filter: its temporary file is locked no more (the
+    # pid in its name, this live one's, changes nothing: pids are no proof across PID
+    # namespaces)
+    path = filter_path(fname)
+    stale = os.path.join(os.path.dirname(path),
+                         f".{os.path.basename(path)}.{os.getpid()}.deadbeef.tmp")
     open(stale, "wb").close()
     w = KeyFilter.create(fname, 100, 0.01)
     w.close()
     assert not os.path.exists(stale)
+    assert not _temps(fname)
+
+
+def test_an_interrupted_create_leaves_nothing(fname: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the daemon builds its filter (here: as the mapping is wrapped) leaves
+    no temporary file behind, and the next daemon's filter works."""
+    def interrupted(*a: object, **k: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(KeyFilter, "__init__", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            KeyFilter.create(fname, 100, 0.01)
+    assert not os.path.exists(filter_path(fname))
+    assert not _temps(fname)
+    w = KeyFilter.create(fname, 100, 0.01)
+    w.close()
+    r = KeyFilter.open_reader(fname)
+    assert r is not None
+    r.close()
 
 
 def test_a_closed_daemon_filter_is_untrusted_at_once(fname: str) -> None:

@@ -206,6 +206,41 @@ def test_an_agents_redis_call_in_a_partition_is_unavailable_within_twice_the_tim
         fresh.close()
 
 
+def test_conditional_writes_are_refused_at_once_in_partition_mode(dc: Path) -> None:
+    """In partition mode a conditional write (expect=, update, touch) of an eventual key
+    raises Unavailable at once, nothing written: it is decided on the key's Redis
+    master, never on the host's copy; plain puts go on into L2. After the heal it is
+    decided on L3 again, over the host's writes of the partition (no false conflict)."""
+    b = _agent(dc, "host-2")
+    try:
+        k = f"pcas/{os.getpid()}"
+        def partitioned() -> bool:  # (as the agent sees its daemon's status)
+            return bool((b._host_status().status() or {}).get("partition"))
+
+        wait_for(lambda: not partitioned(), 60, "host-2 out of partition mode (an earlier test's)")
+        v = b.put(k, 0, expect=kvcomm.ABSENT)
+        control.partition(str(dc), "host-2")
+        wait_for(partitioned, 30, "host-2 in partition mode")
+        attempts: list[Callable[[], Any]] = [
+            lambda: b.put(k, 1, expect=v), lambda: b.update(k, lambda n: n + 1),
+            lambda: b.delete(k, expect=v), lambda: b.put(f"{k}/new", 1, expect=kvcomm.ABSENT),
+            lambda: b.touch(k, 60)]
+        for attempt in attempts:
+            t0 = time.monotonic()
+            with pytest.raises(kvcomm.Unavailable, match="partition mode"):
+                attempt()
+            assert time.monotonic() - t0 < TIMEOUT  # (at once: not after a timeout)
+        assert b.get(k) == 0 and b.get(f"{k}/new") is None  # nothing written
+        b.put(k, 5)  # a plain put: into L2, as ever
+        assert b.get(k) == 5
+        control.heal(str(dc))
+        wait_for(lambda: not partitioned(), 60, "the heal")
+        assert b.update(k, lambda n: n + 1) == 6
+    finally:
+        control.heal(str(dc))
+        b.close()
+
+
 def _converge(keys: list[str], acked: dict[str, list[Any]], clients: tuple[kvcomm.Client, ...],
               t0: float, timeout: float,
               status: Callable[[], dict[str, Any]] | None = None) -> list[float]:

@@ -80,7 +80,7 @@ entry_size(PyObject *e)
         return 0;
     Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 3));
     if (n < 0) {
-        PyErr_Clear();
+        PyErr_Clear(); /* (an int too large: no Python code ran, so no signal's exception) */
         return 0;
     }
     return n;
@@ -498,6 +498,19 @@ getter_sample(Getter *g, PyObject *key)
     return 0;
 }
 
+/* Clear the error set when it is an Exception: what the fast path leaves to the slow
+ * one, which says what is wrong (or repairs it). 0 then; -1 when it is a KeyboardInterrupt,
+ * SystemExit or other BaseException, left set: a signal always reaches the caller, even
+ * from inside the decoder's Python code. */
+static int
+clear_exception(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
 /* the L2 path in C; NULL with no error set: take the slow path (*absent: L2 has no
  * record of the key) */
 static PyObject *
@@ -508,13 +521,14 @@ getter_miss(Getter *g, PyObject *key, int *absent)
         return NULL;
     PyObject *kh = PyDict_GetItemWithError(g->keys, key);
     if (!kh || !PyTuple_Check(kh) || PyTuple_GET_SIZE(kh) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(kh, 0))) {
-        PyErr_Clear();
+        if (PyErr_Occurred())
+            clear_exception();
         return NULL;
     }
     PyObject *kb = PyTuple_GET_ITEM(kh, 0);
     uint64_t h = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(kh, 1));
     if (PyErr_Occurred()) {
-        PyErr_Clear();
+        clear_exception();
         return NULL;
     }
     Found f;
@@ -522,7 +536,8 @@ getter_miss(Getter *g, PyObject *key, int *absent)
                        WANT_VALUE | WANT_META, &f);
     if (st != READ_FOUND) {
         *absent = st == READ_ABSENT;
-        PyErr_Clear(); /* (purged, damaged, stuck: the slow path says or repairs it) */
+        if (st == READ_ERROR)
+            clear_exception(); /* (purged, damaged: the slow path says or repairs it) */
         return NULL;
     }
     if (f.tag == TAG_TOMBSTONE || f.value == Py_None || f.tag == TAG_NDARRAY ||
@@ -537,7 +552,7 @@ getter_miss(Getter *g, PyObject *key, int *absent)
     } else {
         value = PyObject_CallFunction(g->decode, "KOO", (unsigned long long)f.tag, f.meta, f.value);
         if (!value) {
-            PyErr_Clear();
+            clear_exception(); /* (a Ctrl-C inside the decoder stays set: raised) */
             found_clear(&f);
             return NULL;
         }

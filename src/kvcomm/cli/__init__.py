@@ -8,7 +8,7 @@ the README's "Commands" section).
     kvcomm purge --name NS [--config FILE] [--force]
     kvcomm migrate [--name NS] [--config FILE]     an older-layout segment's unflushed writes
     kvcomm migrate --l3-index --config FILE        index L3's older records for kv.scan
-    kvcomm config --show [--config FILE]
+    kvcomm config [--show] [--config FILE]
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR
     kvcomm dev-cluster partition --dir DIR --host H [--mode M] | heal --dir DIR
@@ -71,7 +71,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"segment        {info['size_bytes'] / 2**20:.1f} MiB, data heap {data / 2**20:.1f} MiB")
     print(f"in use         {used / 2**20:.2f} MiB ({100 * used / data:.1f}%), "
           f"{info['entries']} entries in {info['slots']} slots")
-    print(f"writes         {info['writes']}  evictions {info['evictions']}  "
+    print(f"evictions      {info['evictions']}  "
           f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
     print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
@@ -629,8 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement(sub, _command)  # kvcomm placement observe | plan | launch
 
     c = _command(sub, "config", _config, "print the effective config")
-    c.add_argument("--show", action="store_true", required=True,
-                   help="print it (the one action; required)")
+    c.add_argument("--show", action="store_true",
+                   help="print it (the one action, also without --show)")
     c.add_argument("--config", metavar="FILE",
                    help="a kvcomm YAML config (default: built-in defaults)")
     return p

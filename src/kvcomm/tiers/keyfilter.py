@@ -27,8 +27,10 @@ Rebuilding without SIGBUS
 A file is never truncated or resized in place (a reader mapped at the old size would
 die of SIGBUS touching the lost pages). A daemon that starts builds a new file under a
 temporary name (``O_CREAT|O_EXCL``, mode ``cache.l2_permissions``, space reserved with
-``posix_fallocate``), marks the old file ``retired`` in its header, then ``rename()``s
-the new one into place. Readers still mapping the old inode keep valid memory, see
+``posix_fallocate``, locked while it is built: see :func:`kvcomm.tiers.shm.files.create_temp`),
+marks the old file ``retired`` in its header, then ``rename()``s the new one into place.
+A daemon killed or interrupted meanwhile leaves no file at the path; the next one (or a
+purge) removes its temporary file. Readers still mapping the old inode keep valid memory, see
 ``retired`` (or a stale heartbeat) and reopen the path.
 
 Ownership
@@ -41,10 +43,8 @@ local user could otherwise make this host's agents answer "absent" for keys that
 from __future__ import annotations
 
 import errno
-import glob
 import mmap
 import os
-import secrets
 import stat
 import struct
 import time
@@ -54,7 +54,8 @@ from xxhash import xxh3_128_digest
 from .._l2core import bloom_has
 from ..core.bloom import MAX_HASHES, BloomFilter, optimal_params
 from ..errors import InvalidArgument, SegmentError
-from .l2 import SHM_DIR, pid_alive, segment_path
+from .l2 import SHM_DIR, segment_path
+from .shm.files import _unlink_quietly, create_temp, remove_dead_temps
 
 MAGIC = int.from_bytes(b"KVCKEYS2", "little")
 LAYOUT = 2
@@ -101,19 +102,6 @@ def _check_file(fd: int, path: str, permissions: int | None) -> os.stat_result:
     return st
 
 
-def _remove_stale_temps(path: str, any_pid: bool = False) -> None:
-    """Remove temporary files of ``path`` left by daemons that died while building one."""
-    for tmp in glob.glob(glob.escape(path) + ".*.tmp"):
-        pid = tmp[len(path) + 1:].split(".", 1)[0]
-        if not pid.isdigit() or (not any_pid and pid_alive(int(pid))):
-            continue
-        try:
-            if os.lstat(tmp).st_uid == os.geteuid():
-                os.unlink(tmp)
-        except OSError:
-            pass
-
-
 class KeyFilter:
     """A mapped filter file: :meth:`create` (the daemon) or :meth:`open_reader` (agents)."""
 
@@ -155,12 +143,13 @@ class KeyFilter:
                                   f"hash functions, more than {MAX_HASHES}: raise "
                                   "cache.bloom_fpr or cache.bloom_capacity")
         size = cls.size_for(capacity, fpr)
-        _remove_stale_temps(path)
-        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     permissions)
+        remove_dead_temps(path)
         try:
-            os.fchmod(fd, permissions)  # exactly: the umask may have narrowed it
+            tmp, fd = create_temp(path, permissions)
+        except OSError as exc:
+            raise SegmentError(f"cannot create the key filter {path}: {exc.strerror}") from None
+        kf: KeyFilter | None = None
+        try:  # (until it is renamed into place, its fd stays open: the lock says it is ours)
             try:
                 os.posix_fallocate(fd, 0, size)  # no sparse file: a full /dev/shm fails here
             except OSError as exc:
@@ -169,29 +158,28 @@ class KeyFilter:
                     f"cannot reserve {size} bytes for the key filter {path}: {exc.strerror}; "
                     f"{free} bytes free in {directory}. Lower cache.bloom_capacity or free "
                     "space there") from None
-            mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        kf = cls(path, mm, capacity, fpr)
-        q = kf._q
-        q[H_READY] = 0
-        q[H_RETIRED] = 0
-        q[H_CURRENT] = 0
-        q[H_CAP] = capacity
-        q[H_FPR] = _float_bits(fpr)
-        q[H_LAYOUT] = LAYOUT
-        q[H_BEAT] = _now_ms()
-        q[H_MAGIC] = MAGIC
-        try:
+            kf = cls(path, mmap.mmap(fd, size), capacity, fpr)
+            q = kf._q
+            q[H_READY] = 0
+            q[H_RETIRED] = 0
+            q[H_CURRENT] = 0
+            q[H_CAP] = capacity
+            q[H_FPR] = _float_bits(fpr)
+            q[H_LAYOUT] = LAYOUT
+            q[H_BEAT] = _now_ms()
+            q[H_MAGIC] = MAGIC
             _retire(path)
             os.rename(tmp, path)
-        except BaseException:
-            kf.close()
-            os.unlink(tmp)
+        except BaseException:  # (KeyboardInterrupt too: nothing is left behind)
+            try:
+                if kf is not None:
+                    kf.close()
+            finally:
+                os.close(fd)
+                _unlink_quietly(tmp)
             raise
+        os.close(fd)
+        assert kf is not None
         return kf
 
     def add(self, key: bytes) -> None:
@@ -353,4 +341,4 @@ def remove(namespace: str, directory: str = SHM_DIR) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-    _remove_stale_temps(path)
+    remove_dead_temps(path)

@@ -78,7 +78,7 @@ from typing import Any
 from ..errors import KVCommError, KVCommWarning, SegmentError, UnflushedWrites
 from .shm.checker import Checker
 from .shm.feed import Feed, FeedEvent
-from .shm.files import SHM_DIR, check_owner, pid_alive, segment_path
+from .shm.files import SHM_DIR, check_owner, pid_alive, remove_dead_temps, segment_path
 from .shm.geometry import Layout
 from .shm.hotkeys import HotKeys
 from .shm.layout import (
@@ -134,7 +134,7 @@ class L2Segment(Writes, Pins, Feed, HotKeys, Checker, SyncState):
             "recoveries": q[H["RECOVERIES"]],
             "owner_deaths": q[H["OWNER_DEATHS"]],
             "pinned_deferred_blocks": q[_H_DEFERRED],
-            "writes": q[H["WSEQ"]],
+            "write_seq": q[H["WSEQ"]],  # (the host's write sequence: clock-seeded, not a count)
             "feed_events": q[_H_FEED_HEAD],
             "feed_capacity": lay.feed_n,
             "daemon_pid": q[H["DAEMON_PID"]],
@@ -183,6 +183,7 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     OSError when the file cannot be removed (the caller says what to do).
     """
     path = segment_path(name, directory)
+    remove_dead_temps(path)  # (creators killed while creating it)
     if not os.path.lexists(path):
         from ..placement.report import remove_table
         from .keyfilter import remove

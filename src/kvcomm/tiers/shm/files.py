@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import re
+import secrets
 import stat
 
 from ...errors import SegmentError
@@ -62,3 +64,70 @@ def _unlink_quietly(path: str) -> None:
     except OSError:
         pass
 
+
+
+# A file built under a temporary name (a segment, a key filter) is linked or renamed into
+# place only once whole. Its builder holds an flock on it meanwhile: a temporary file
+# nobody holds locked is a dead builder's (whatever its pid or PID namespace), and
+# whoever builds the same file next removes it. The name begins with "." so that it can
+# never be a namespace's own file (those begin with "kvcomm.").
+_TEMP_RE = r"\.{base}\.\d+\.[0-9a-f]{{8}}\.tmp"
+
+
+def create_temp(path: str, permissions: int) -> tuple[str, int]:
+    """A new, empty file beside ``path`` under a temporary name, of mode exactly
+    ``permissions``, locked by this process (see :func:`remove_dead_temps`) until its fd is
+    closed. Returns ``(temporary path, fd)``. Raises OSError."""
+    directory, base = os.path.split(path)
+    while True:
+        tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     permissions & 0o777)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # a cleaner may have taken it for a dead builder's before the lock: then its
+            # name is gone (or names another file), and this one starts again
+            st, here = os.fstat(fd), os.stat(tmp, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+                os.fchmod(fd, permissions & 0o777)  # exactly, whatever the umask
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+
+
+def remove_dead_temps(path: str) -> None:
+    """Remove the temporary files of ``path`` (:func:`create_temp`) whose builders are
+    gone: killed, or interrupted before they could remove them. Files of other users,
+    and those still locked by their builder, are left alone."""
+    directory, base = os.path.split(path)
+    pattern = re.compile(_TEMP_RE.format(base=re.escape(base)))
+    try:
+        names = [n for n in os.listdir(directory or ".") if pattern.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        tmp = os.path.join(directory, name)
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its builder is at work
+            here = os.stat(tmp, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+                os.unlink(tmp)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)

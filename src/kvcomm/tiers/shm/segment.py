@@ -19,7 +19,14 @@ from ...core.ext import l2_ext_problem
 from ...core.sketch import CountMinSketch, TopK
 from ...core.versions import MAX_COUNTER
 from ...errors import InvalidArgument, SegmentError, Unavailable, WriteUnderLock
-from .files import SHM_DIR, _unlink_quietly, check_owner, segment_path
+from .files import (
+    SHM_DIR,
+    _unlink_quietly,
+    check_owner,
+    create_temp,
+    remove_dead_temps,
+    segment_path,
+)
 from .geometry import SKETCH_DEPTH, Layout
 from .layout import (
     FLAG_DIRTY,
@@ -104,63 +111,83 @@ class SegmentCore:
         self._next_dead_sweep = 0.0
         self._core: Any = None
         self._atom: Any = None
-        fd, created = self._open_file(create_layout, permissions)
+        fd, tmp = self._open_file(create_layout, permissions)
+        while tmp is not None:
+            assert create_layout is not None
+            if self._create(fd, tmp, create_layout, host_id):
+                break
+            # another creator's segment went into place first: attach to that one
+            fd, tmp = self._open_file(create_layout, permissions)
+        created = tmp is not None
+        if not created:
+            self._attach(fd, attach_timeout)
+        hb = bytes(self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + min(64, self._buf[HOST_ID_AT])])
+        self.host_id = hb.decode("utf-8", "replace")
+        self.created = created
+        _LIVE.add(self)
+
+    def _attach(self, fd: int, attach_timeout: float) -> None:
+        """Map the existing segment open at ``fd`` (closed here) and read its layout."""
         try:
-            size = create_layout.total if created and create_layout else os.fstat(fd).st_size
+            size = os.fstat(fd).st_size
             if size < HEADER_SIZE:
                 size = self._wait_for_size(fd, attach_timeout)
             if size % 4096:
                 raise SegmentError(f"{self.path} is {size} bytes, not a whole number of pages: "
                                    "not a KVCOMM segment (foreign or truncated); not touching it")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        finally:
             os.close(fd)
-            if created:
-                _unlink_quietly(self.path)
-            raise
-        os.close(fd)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
         self._ro = self._buf.toreadonly()
         try:
-            if created:
-                assert create_layout is not None
-                self._initialise(create_layout, host_id)
-            else:
-                self._wait_for_magic(attach_timeout)
-                self.layout = Layout.from_header(self._q, size)
-                self._bind_layout()
+            self._wait_for_magic(attach_timeout)
+            self.layout = Layout.from_header(self._q, size)
+            self._bind_layout()
         except BaseException:
             self.close()
-            if created:
-                _unlink_quietly(self.path)
             raise
-        hb = bytes(self._buf[HOST_ID_AT + 1 : HOST_ID_AT + 1 + min(64, self._buf[HOST_ID_AT])])
-        self.host_id = hb.decode("utf-8", "replace")
-        self.created = created
-        _LIVE.add(self)
 
-    def _open_file(self, layout: Layout | None, permissions: int) -> tuple[int, bool]:
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        if layout is not None:
+    def _create(self, fd: int, tmp: str, lay: Layout, host_id: str) -> bool:
+        """Build the segment in the temporary file ``tmp`` (open at ``fd``, locked, sized:
+        :meth:`_new_file`) and link it into place once whole, so that a creator killed or
+        interrupted at any instruction never leaves a half-made segment at the path (only
+        its temporary file, which the next creator removes). link(2), unlike rename(2),
+        never replaces: of creators racing, exactly one installs its segment. Returns
+        False when another's went in first (this one is dropped). Closes ``fd`` and
+        removes ``tmp`` in every case."""
+        installed = False
+        try:
+            self._mm = mmap.mmap(fd, lay.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._buf = memoryview(self._mm)
+            self._q = self._buf.cast("Q")
+            self._ro = self._buf.toreadonly()
+            self._initialise(lay, host_id)
             try:
-                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, permissions & 0o777)
+                os.link(tmp, self.path, follow_symlinks=False)
+                installed = True
             except FileExistsError:
                 pass
             except OSError as exc:
                 raise SegmentError(f"cannot create {self.path}: {exc.strerror}") from None
-            else:
-                try:
-                    os.fchmod(fd, permissions & 0o777)  # exactly, whatever the umask
-                    os.posix_fallocate(fd, 0, layout.total)  # memory reserved now, not on SIGBUS
-                except OSError as exc:
-                    os.close(fd)
-                    _unlink_quietly(self.path)
-                    raise SegmentError(self._no_room(layout.total, exc)) from None
-                return fd, True
+        finally:
+            try:
+                if not installed:
+                    self.close()
+            finally:
+                os.close(fd)  # (the lock on it goes with it)
+                _unlink_quietly(tmp)
+        return installed
+
+    def _open_file(self, layout: Layout | None, permissions: int) -> tuple[int, str | None]:
+        """``(fd, None)``: the segment's file, open. When there is none and ``layout`` is
+        given: ``(fd, temporary path)``, a new file to build it in (:meth:`_new_file`)."""
         try:
-            fd = os.open(self.path, flags)
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
+            if layout is not None:
+                return self._new_file(layout, permissions)
             raise SegmentError(f"no L2 segment for namespace {self.name!r}") from None
         except OSError as exc:
             raise SegmentError(f"cannot open {self.path}: {exc.strerror}") from None
@@ -172,7 +199,25 @@ class SegmentCore:
         except BaseException:
             os.close(fd)
             raise
-        return fd, False
+        return fd, None
+
+    def _new_file(self, layout: Layout, permissions: int) -> tuple[int, str]:
+        """A new file of the segment's size under a temporary name, locked while this
+        process builds the segment in it; the temporary files of dead creators go."""
+        remove_dead_temps(self.path)
+        try:
+            tmp, fd = create_temp(self.path, permissions)
+        except OSError as exc:
+            raise SegmentError(f"cannot create {self.path}: {exc.strerror}") from None
+        try:
+            os.posix_fallocate(fd, 0, layout.total)  # memory reserved now, not on SIGBUS
+        except BaseException as exc:  # (KeyboardInterrupt too: nothing is left behind)
+            os.close(fd)
+            _unlink_quietly(tmp)
+            if isinstance(exc, OSError):
+                raise SegmentError(self._no_room(layout.total, exc)) from None
+            raise
+        return fd, tmp
 
     def _no_room(self, size: int, exc: OSError) -> str:
         try:
