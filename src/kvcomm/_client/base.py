@@ -140,6 +140,9 @@ class ClientBase:
         self._daemon_watch = self._cluster and wait_daemon
         self._daemon_check_at = 0.0 if self._daemon_watch else _NEVER
         self._daemon_command = self._daemon_cmd(_config_file)
+        # a beat this old still counts: a round of a loop cut off from Redis (and without
+        # etcd, whose lease thread keeps the status file fresh) may wait 2 x cluster.timeout
+        self._beat_within_ms = int(max(2.0, 2 * cluster.timeout + 1.0) * 1000)
         if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
             self._open_strong()  # (a ConfigError comes before any wait)
             if self._daemon_watch:
@@ -151,9 +154,11 @@ class ClientBase:
 
     def _daemon_beats(self) -> bool:
         """Whether the host's node daemon of this namespace is alive: it heartbeats in L2
-        (every round of its loop), or its status file is fresh (its lease thread writes
-        it while the loop waits on Redis timeouts, in partition mode)."""
-        return self._seg.daemon_alive() or self._host_status().status() is not None
+        (every round of its loop; within 2 x cluster.timeout + 1 s, at least 2 s), or its
+        status file is fresh (its lease thread writes it while the loop waits on Redis
+        timeouts, in partition mode)."""
+        return (self._seg.daemon_alive(self._beat_within_ms)
+                or self._host_status().status() is not None)
 
     def _daemon_silence(self) -> str:
         """When the last daemon heartbeat, for a message."""
