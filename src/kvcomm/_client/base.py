@@ -99,7 +99,7 @@ class ClientBase:
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
             ("deletes", "conflicts", "views", "merges", "resolver_failures",
-             "l3_reads", "negative_hits", "filter_hits",
+             "l3_reads", "negative_hits", "filter_hits", "negative_rechecks",
              "l2_absent", "l3_hits", "l3_absent", "puts_strong", "batches", "updates",
              "lost_dots"), 0
         )
