@@ -167,7 +167,7 @@ def test_a_daemon_that_stops_beating_is_warned_of_once_and_again_after_a_restart
                 kv.put(f"more/{i}", i)
             with kv.batch() as b:
                 b.put("batched", 1)
-            kv._daemon_check_at = 0.0  # (the next write checks again: still one warning)
+            kv._daemon_check_ms = 0  # (the next write checks again: still one warning)
             kv.put("again", 1)
             said = _daemon_warnings(caught)
             assert len(said) == 1, said
@@ -177,10 +177,10 @@ def test_a_daemon_that_stops_beating_is_warned_of_once_and_again_after_a_restart
             assert kv.get("more/49") == 49 and kv._seg.dirty_count >= n + 52
             # a daemon beats again: the next death is said again
             with _beating(tool._seg) as stop:
-                kv._daemon_check_at = 0.0
+                kv._daemon_check_ms = 0
                 kv.put("beating", 1)
                 _silence(tool._seg, stop)
-            kv._daemon_check_at = 0.0
+            kv._daemon_check_ms = 0
             kv.put("dead again", 1)
             assert len(_daemon_warnings(caught)) == 2, _daemon_warnings(caught)
         kv.close()

@@ -44,8 +44,8 @@ _KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
 # change of a key not held here over a fill for 30 s (node/daemon.py RECENT_S)
 _FILL_WITHIN = 10.0
 _HUGE = 1 << 62  # a zero-copy threshold no value reaches: always a copy
-_NEVER = float("inf")
-DAEMON_CHECK_S = 1.0  # a cluster-mode write asks whether the node daemon beats this often
+_NEVER = 1 << 62  # (ms: never reached)
+DAEMON_CHECK_MS = 1000  # a cluster-mode write asks whether the node daemon beats this often
 
 
 def _now_ms() -> int:
@@ -134,11 +134,13 @@ class ClientBase:
         self._strong_unknown = False  # (no daemon status seen yet: _check_no_strong_keys)
         self._status_reader: Any = None  # the node daemon's status file (partition mode)
         # cluster mode: open() waits for the host's node daemon (cluster.daemon_wait), and
-        # a write finds out, at most every DAEMON_CHECK_S, whether it still heartbeats
+        # a write finds out, at most every DAEMON_CHECK_MS, whether it still heartbeats
         # (one KVCommWarning when it stopped). wait_daemon=False: a tool, or the daemon's
         # own client, that works without one: neither
         self._daemon_watch = self._cluster and wait_daemon
-        self._daemon_check_at = 0.0 if self._daemon_watch else _NEVER
+        # (wall-clock ms, which put reads anyway: a clock set back delays the next look
+        # by as much)
+        self._daemon_check_ms = 0 if self._daemon_watch else _NEVER
         self._daemon_command = self._daemon_cmd(_config_file)
         # a beat this old still counts: a round of a loop cut off from Redis (and without
         # etcd, whose lease thread keeps the status file fresh) may wait 2 x cluster.timeout
@@ -195,11 +197,11 @@ class ClientBase:
             self._refuse_open()
             raise
 
-    def _check_daemon(self) -> None:
-        """From a write in cluster mode, at most every DAEMON_CHECK_S: when the host's
+    def _check_daemon(self, now_ms: int = 0) -> None:
+        """From a write in cluster mode, at most every DAEMON_CHECK_MS: when the host's
         daemon no longer heartbeats, one KVCommWarning (per namespace and process, until
         a daemon beats again) says that writes now wait in L2."""
-        self._daemon_check_at = time.monotonic() + DAEMON_CHECK_S
+        self._daemon_check_ms = (now_ms or _now_ms()) + DAEMON_CHECK_MS
         att = self._attached
         if self._daemon_beats():
             att.daemon_warned = False
