@@ -440,3 +440,11 @@ def test_stdout_carries_only_protocol_messages(ns: str) -> None:
     assert rest == "" and all(r["jsonrpc"] == "2.0" for r in replies)
     by_id = {r["id"]: r for r in replies}
     assert by_id[3]["result"]["isError"] and by_id[4]["result"]["isError"]
+
+
+def test_the_task_board_example_runs(ns: str) -> None:
+    example = Path(__file__).parent.parent / "examples" / "mcp_task_board.py"
+    r = subprocess.run([sys.executable, str(example), "--name", ns, "--tasks", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "board: 3 of 3 tasks done" in r.stdout
