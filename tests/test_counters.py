@@ -170,3 +170,18 @@ def test_increments_from_several_processes_sum_exactly(ns: str, kv: kvcomm.Clien
         assert p.exitcode == 0
     assert kv.get("shared") == (procs + 1) * n
     assert kv.get("down") == -procs * n
+
+
+def test_counting_after_a_plain_delete_starts_a_generation_of_its_own() -> None:
+    """A plain tombstone (a batch's delete, say) won over the counters it did not see: an
+    increment after it counts in a generation named after it, which wins whole over those
+    counters when they arrive, so what the delete removed never comes back."""
+    from kvcomm._client import counters
+    from kvcomm.core.versions import Version
+    from kvcomm.tiers.l2 import TAG_TOMBSTONE, Record
+
+    tomb = Record(0, 0, TAG_TOMBSTONE, b"", b"", 9, 5 << 16, b"", 0, 0.0)
+    state, deadline = counters.start_of("k", tomb, Version((("h1", 9),), 5 << 16), 0.0)
+    after = counters.add("k", state, "h1", 10, 2)
+    concurrent = counter.add({}, "h2~1", 10)  # counted before the delete, elsewhere
+    assert counter.value(counter.merge(after, concurrent)) == 2 and deadline is None

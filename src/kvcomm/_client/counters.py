@@ -42,7 +42,8 @@ def start_of(key: str, rec: Record | None, version: Any, now: float
     the writer lock; ``version`` its Version, or None when ``rec`` is None): the state and
     the deadline to keep (None: none). Absent, deleted or expired: nothing counts (an
     expired or deleted counter's state with every baseline raised, so that its increments
-    never come back); a plain int: adopted. Raises InvalidArgument for any other value (the
+    never come back; after a plain tombstone, a new generation: core/counter.py); a plain
+    int: adopted (a new generation too). Raises InvalidArgument for any other value (the
     record is unchanged), SegmentError for a stored state that does not decode."""
     if rec is None:
         return {}, None
@@ -57,7 +58,9 @@ def start_of(key: str, rec: Record | None, version: Any, now: float
             return counter.reset(state), None
         return state, rec.deadline or None
     if rec.tag == TAG_TOMBSTONE or expired:
-        return {}, None
+        # a plain delete (or a plain value's expiry) won over every counter it did not see:
+        # what counts from here is a generation of its own, which wins whole over theirs
+        return {counter.GEN: counter.generation(version.vector, version.hlc)}, None
     old: Any = None
     if rec.value is not None and rec.tag == codec.PACKED:
         try:

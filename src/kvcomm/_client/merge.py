@@ -265,7 +265,6 @@ class Merging(HotKeys):
             encoded = remote_encoded
         return encoded, Version(res.vector, res.winner.hlc), False
 
-
     def _counter_plan(self, key: str, local: Item, remote_encoded: tuple[int, bytes,
                       bytes | memoryview], remote: Version,
                       ) -> tuple[tuple[int, bytes, bytes | memoryview], Version, bool] | None:
