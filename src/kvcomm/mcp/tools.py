@@ -58,7 +58,7 @@ class ToolRefused(Exception):
 # ------------------------------------------------------------------ values
 
 
-def value_from_json(v: Any, depth: int = 0) -> Any:
+def value_from_json(v: Any) -> Any:
     """A JSON value as KVCOMM stores it (the ``$bytes`` / ``$float`` forms decoded).
     Raises ToolRefused."""
     t = type(v)
@@ -76,9 +76,9 @@ def value_from_json(v: Any, depth: int = 0) -> Any:
                 if x not in _FLOATS:
                     raise ToolRefused('{"$float": ...} holds "NaN", "Infinity" or "-Infinity"')
                 return _FLOATS[x]
-        return {k: value_from_json(x, depth + 1) for k, x in v.items()}
+        return {k: value_from_json(x) for k, x in v.items()}
     if t is list:
-        return [value_from_json(x, depth + 1) for x in v]
+        return [value_from_json(x) for x in v]
     return v
 
 
@@ -163,18 +163,19 @@ class KVTools:
     def _key(self, key: Any) -> str:
         if type(key) is not str or not key:
             raise ToolRefused(f"key must be a non-empty string, got {key!r}")
-        if self.prefixes and not key.startswith(self.prefixes):
-            raise ToolRefused(f"key {key!r} is outside what this server serves: keys must start "
-                              f"with one of {list(self.prefixes)}")
-        return key
+        return self._inside("key", key)
 
     def _prefix(self, prefix: Any) -> str:
         if type(prefix) is not str:
             raise ToolRefused(f"prefix must be a string ('' means every key), got {prefix!r}")
-        if self.prefixes and not prefix.startswith(self.prefixes):
-            raise ToolRefused(f"prefix {prefix!r} is outside what this server serves: use one "
-                              f"that starts with one of {list(self.prefixes)}")
-        return prefix
+        return self._inside("prefix", prefix)
+
+    def _inside(self, what: str, s: str) -> str:
+        """``s`` (a key or a prefix) when it lies inside the allow-list; else ToolRefused."""
+        if self.prefixes and not s.startswith(self.prefixes):
+            raise ToolRefused(f"{what} {s!r} is outside what this server serves: it must start "
+                              f"with one of {list(self.prefixes)}")
+        return s
 
     def _writable(self, tool: str) -> None:
         if self.read_only:
@@ -326,3 +327,5 @@ def call(tools: KVTools, name: str, args: dict[str, Any]) -> dict[str, Any]:
         return getattr(tools, name)(**args)  # type: ignore[no-any-return]
     except KVCommError as exc:
         raise ToolRefused(f"{type(exc).__name__}: {exc}") from None
+    except RecursionError:  # (a JSON value nested thousands deep)
+        raise ToolRefused("the value nests too deeply: flatten it") from None
