@@ -12,7 +12,6 @@ import math
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -366,17 +365,20 @@ def test_a_watch_returns_another_process_put_and_resumes_at_its_cursor(ns: str,
     async def main() -> None:
         async with stdio("--name", ns) as c:
             got: dict[str, Any] = {}
+            start = (await c.ok("kv_watch", prefix="board/", timeout=0))["cursor"]
 
             async def watch() -> None:
-                got.update(await c.ok("kv_watch", prefix="board/", timeout=30))
+                got.update(await c.ok("kv_watch", prefix="board/", timeout=30, cursor=start))
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
-                # the watch is waiting: other calls of the same session are served meanwhile
-                t0 = time.monotonic()
+                await anyio.sleep(0.2)  # (the watch's request first: then the get below
+                # shows the loop free while it waits; the cursor makes the put's event
+                # certain whichever the server takes first)
+                # the watch is waiting (it can end only with the put below, or its 30 s):
+                # other calls of the same session are served meanwhile
                 assert (await c.ok("kv_get", key="board/none"))["found"] is False
                 assert not got
-                assert time.monotonic() - t0 < 25
                 await anyio.to_thread.run_sync(_put_from_another_process, ns, "board/t1")
             assert [(e["key"], e["kind"]) for e in got["events"]] == [("board/t1", "put")]
             assert got["events"][0]["version"] == (await c.ok("kv_get", key="board/t1"))["version"]
