@@ -325,6 +325,22 @@ def test_a_missing_sdk_names_the_extra(ns: str, monkeypatch: pytest.MonkeyPatch,
     assert "pip install 'kvcomm[mcp]'" in capsys.readouterr().err
 
 
+def test_bad_command_lines_say_what_to_pass(ns: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcomm.cli import main
+
+    assert main(["mcp"]) == 2
+    assert "--name NS" in capsys.readouterr().err
+    assert main(["mcp", "--name", ns, "--prefix", ""]) == 2
+    assert "non-empty key prefix" in capsys.readouterr().err
+    assert main(["mcp", "--name", ns, "--token-file", "x"]) == 2
+    assert "--transport http" in capsys.readouterr().err
+    (tmp_path / "empty").write_text("\n")
+    assert main(["mcp", "--name", ns, "--transport", "http", "--host", "0.0.0.0",
+                 "--token-file", str(tmp_path / "empty")]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
 def test_two_servers_incrementing_one_counter_at_once_is_exact(
         ns: str, kv: kvcomm.Client, http_server: tuple[str, str]) -> None:
     url, token = http_server
