@@ -29,6 +29,7 @@ import base64
 import binascii
 import json
 import math
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -157,6 +158,7 @@ class KVTools:
         self.prefixes = tuple(prefixes)
         self.read_only = read_only
         self._subs: OrderedDict[str, Any] = OrderedDict()  # cluster mode: watched prefixes
+        self._subs_lock = threading.Lock()  # (watches run in several worker threads)
 
     # -------------------------------------------------------------- checks
 
@@ -283,14 +285,15 @@ class KVTools:
         """Cluster mode: ``prefix`` registered with the host's node daemon (so that other
         hosts' changes under it reach this host's feed), kept while the server runs; the
         least recently watched of more than MAX_WATCHED_PREFIXES is dropped."""
-        sub = self._subs.get(prefix)
-        if sub is None:
-            sub = self.kv._subscribe(prefix)
-            self._subs[prefix] = sub
-            while len(self._subs) > MAX_WATCHED_PREFIXES:
-                self._subs.popitem(last=False)[1].close()
-        self._subs.move_to_end(prefix)
-        return sub
+        with self._subs_lock:
+            sub = self._subs.get(prefix)
+            if sub is None:
+                sub = self.kv._subscribe(prefix)
+                self._subs[prefix] = sub
+                while len(self._subs) > MAX_WATCHED_PREFIXES:
+                    self._subs.popitem(last=False)[1].close()
+            self._subs.move_to_end(prefix)
+            return sub
 
     def kv_incr(self, key: str, delta: int = 1) -> dict[str, Any]:
         self._writable("kv_incr")
@@ -316,8 +319,9 @@ class KVTools:
 
     def close(self) -> None:
         """Drop the watched prefixes' registrations (cluster mode)."""
-        while self._subs:
-            self._subs.popitem()[1].close()
+        with self._subs_lock:
+            while self._subs:
+                self._subs.popitem()[1].close()
 
 
 def call(tools: KVTools, name: str, args: dict[str, Any]) -> dict[str, Any]:
