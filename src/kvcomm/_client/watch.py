@@ -125,37 +125,16 @@ class Watching(Counting):
         seg = self._seg
         last_event = time.monotonic()
         idle = 0.0001
-        full = self._cluster  # (embedded: the feed's own entry is the whole version)
         try:
             while not self._closed:
                 if seg.purged:
                     raise SegmentError(f"namespace {self.name!r} was purged while watched; "
                                        "open it again and watch anew")
-                events, cursor, overflowed = seg.feed_read(cursor)
-                got = False
+                events, cursor, overflowed = self._feed_events(prefix, cursor)
+                got = overflowed or bool(events)
                 if overflowed:
-                    got = True
                     yield Event("", "overflow", None)
-                for ev in events:
-                    if ev.key.startswith(prefix):
-                        got = True
-                        version = None
-                        if full:
-                            kb = ev.key.encode("utf-8", "surrogateescape")
-                            v = seg.version(kb, key_hash(kb))
-                            if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
-                                version = self._version(v[3], v[4], v[5])
-                        if (version is None and full and not ev.counter
-                                and ev.kind == KIND_PUT):
-                            # another host's put replaced since: its full version is gone,
-                            # and the change that replaced it (a put, delete, evict or
-                            # expire) follows in this feed, or an overflow does: coalesced
-                            # into it, as the cluster already coalesces a window's writes
-                            continue
-                        if version is None:  # (this host's write replaced since: what the
-                            # feed knows, this host's entry and the HLC)
-                            version = self._version(ev.counter, ev.hlc, b"")
-                        yield Event(ev.key, KIND_NAMES[ev.kind], version)
+                yield from events
                 if sub is not None:
                     for e in self._cluster_events(sub):
                         got = True
@@ -172,6 +151,37 @@ class Watching(Counting):
         finally:
             if sub is not None:
                 sub.close()
+
+    def _feed_events(self, prefix: str, cursor: int,
+                     limit: int = 1 << 30) -> tuple[list[Event], int, bool]:
+        """The changes under ``prefix`` in the host's feed after sequence number
+        ``cursor`` (at most ``limit`` feed entries looked at): ``(events, the cursor after
+        them, overflowed)``; overflowed: entries after ``cursor`` were overwritten unread
+        (the cursor then is the feed's head). What :meth:`watch` reads, one page at a time."""
+        seg = self._seg
+        full = self._cluster  # (embedded: the feed's own entry is the whole version)
+        events, cursor, overflowed = seg.feed_read(cursor, limit)
+        out: list[Event] = []
+        for ev in events:
+            if ev.key.startswith(prefix):
+                version = None
+                if full:
+                    kb = ev.key.encode("utf-8", "surrogateescape")
+                    v = seg.version(kb, key_hash(kb))
+                    if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
+                        version = self._version(v[3], v[4], v[5])
+                if (version is None and full and not ev.counter
+                        and ev.kind == KIND_PUT):
+                    # another host's put replaced since: its full version is gone,
+                    # and the change that replaced it (a put, delete, evict or
+                    # expire) follows in this feed, or an overflow does: coalesced
+                    # into it, as the cluster already coalesces a window's writes
+                    continue
+                if version is None:  # (this host's write replaced since: what the
+                    # feed knows, this host's entry and the HLC)
+                    version = self._version(ev.counter, ev.hlc, b"")
+                out.append(Event(ev.key, KIND_NAMES[ev.kind], version))
+        return out, cursor, overflowed
 
     def _cluster_events(self, sub: _Subscription) -> list[Event]:
         """An overflow when the daemon may have missed changes since the last look; the
