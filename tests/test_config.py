@@ -287,6 +287,7 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "l3_consistency": st.sampled_from(["eventual", "strong"]),
         "max_key_bytes": st.integers(1, 4096), "max_value_size": _size(1),
         "watch_buffer": st.integers(16, 1 << 22), "max_views": st.integers(0, 1 << 16),
+        "l2_keys": st.integers(0, 1 << 31),
         "l2_permissions": st.integers(0, 0o777).map(lambda m: m | 0o600).flatmap(
             lambda m: st.sampled_from([m, oct(m), "0" + oct(m)[2:]])),
         "max_batch_ops": st.integers(1, MAX_COUNT), "max_batch_bytes": _size(1),

@@ -7,7 +7,6 @@ import os
 import pathlib
 import random
 import stat
-import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +15,8 @@ from hypothesis import strategies as st
 
 import kvcomm
 from kvcomm.tiers import l2
+
+from .conftest import mount_tmpfs
 
 
 def test_segment_is_owner_only(kv: kvcomm.Client) -> None:
@@ -203,28 +204,37 @@ def test_permissions_are_exact_whatever_the_umask(ns: str) -> None:
 
 @pytest.fixture
 def small_tmpfs(tmp_path: pathlib.Path) -> Iterator[str]:
-    d = tmp_path / "shm"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(d)],
-                       capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
-    yield str(d)
-    subprocess.run(["umount", "-l", str(d)], check=False)
+    yield from mount_tmpfs(tmp_path, "6m")
 
 
 def test_a_full_tmpfs_is_an_error_not_a_sigbus(ns: str, small_tmpfs: str) -> None:
-    """Item 11: creation reserves the memory; without room it says so and leaves no file."""
-    big = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "l2_dir": small_tmpfs}})
+    """Creation reserves what any process may read at once (all but the slots and the
+    heap): without room for that it says so and leaves no file. The slots and the heap are
+    reserved as writes first use them: a write that finds the tmpfs full is a SegmentError
+    naming it, and changes nothing; never a SIGBUS."""
+    huge = kvcomm.Config.from_mapping({"cache": {"l2_size": "512MB", "l2_dir": small_tmpfs}})
     with pytest.raises(kvcomm.SegmentError, match="cannot reserve .* MiB are free"):
-        kvcomm.open(ns, config=big)
+        kvcomm.open(ns, config=huge)
     assert os.listdir(small_tmpfs) == []
-    small = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB", "l2_dir": small_tmpfs}})
-    with kvcomm.open(ns, config=small) as kv:
-        kv.put("k", b"x" * 100_000)  # every page was reserved at creation
-        with pytest.raises(kvcomm.SegmentError, match="cannot reserve"):
-            kvcomm.open(ns + "-2", config=big)
+    big = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "l2_dir": small_tmpfs,
+                                                "l1_size": 0}})
+    with kvcomm.open(ns, config=big) as kv:  # 16 MB in a 6 MB tmpfs: it fits until it fills
+        kv.put("k", b"x" * 100_000)
+        with pytest.raises(kvcomm.SegmentError, match=f"cannot reserve .*{small_tmpfs}.* is full"):
+            for i in range(100):  # 10 MB
+                kv.put(f"f{i}", bytes([i]) * 100_000)
+        assert i > 5
+        assert kv.get(f"f{i}") is None  # the write that found no room wrote nothing
         assert kv.get("k") == b"x" * 100_000
+        # readers never touch a page that is not reserved (a read would allocate it: with
+        # the tmpfs full, a SIGBUS): absent keys probe slots all over the table
+        assert all(kv.get(f"absent/{j}") is None for j in range(2000))
+        assert sorted(kv._seg.keys()) == sorted(["k", *(f"f{j}" for j in range(i))])
+        assert [kv.get(f"f{j}") for j in range(i)] == [bytes([j]) * 100_000 for j in range(i)]
+        assert kv._seg.check() == []
+        kv.delete("f0")  # room freed is room used again
+        kv.put("again", b"z" * 90_000)
+        assert kv.get("again") == b"z" * 90_000
     assert l2.purge(ns, small_tmpfs)
 
 

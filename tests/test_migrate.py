@@ -224,33 +224,40 @@ def test_migrate_from_layout3_carries_values_versions_and_extensions(
         assert kv._seg.check() == []
 
 
-# ---------------------------------------------------------------- layout 4 → 5
+# ---------------------------------------------------------------- layouts 4 and 5 → now
 # ``tests/data/segment-layout4.bin.gz`` is a real segment written by KVCOMM's layout 4 (the
 # layout before the expiry hint; commit e07be59) in cluster mode, as host "host-a": five
 # dirty records (drone/1/pos overwritten once, drone/2/pos a msgpack map, shelf/7 a str,
 # arr a numpy array, robot/3 with a deadline about 9.5 years after it was written).
-FIXTURE4 = pathlib.Path(__file__).parent / "data" / "segment-layout4.bin.gz"
+# ``tests/data/segment-layout5.bin.gz`` holds the same records written by layout 5 (the
+# layout before the reservation map; commit db0892c).
+FIXTURES = {v: pathlib.Path(__file__).parent / "data" / f"segment-layout{v}.bin.gz"
+            for v in (4, 5)}
 
 
-@pytest.fixture
-def old4(tmp_path: pathlib.Path, ns: str) -> Iterator[tuple[str, pathlib.Path, kvcomm.Config]]:
-    yield from _old_segment(tmp_path, ns, FIXTURE4)
+@pytest.fixture(params=sorted(FIXTURES))
+def old45(request: pytest.FixtureRequest, tmp_path: pathlib.Path, ns: str
+          ) -> Iterator[tuple[int, str, pathlib.Path, kvcomm.Config]]:
+    for ns_, cfg_file, cfg in _old_segment(tmp_path, ns, FIXTURES[request.param]):
+        yield request.param, ns_, cfg_file, cfg
 
 
-def test_migrate_from_layout4_carries_writes_and_deadlines(
-        old4: tuple[str, pathlib.Path, kvcomm.Config]) -> None:
-    ns, cfg_file, cfg = old4
-    got = mig.unflushed(l2.segment_path(ns, cfg.cache.l2_dir), 0o600)
+def test_migrate_carries_writes_and_deadlines(
+        old45: tuple[int, str, pathlib.Path, kvcomm.Config]) -> None:
+    layout, ns, cfg_file, cfg = old45
+    path = l2.segment_path(ns, cfg.cache.l2_dir)
+    got = mig.unflushed(path, 0o600)
     assert got is not None
     version, host, records = got
-    assert (version, host) == (4, "host-a")
+    assert (version, host) == (layout, "host-a")
     before = {r.key.decode(): r for r in records}
     assert sorted(before) == ["arr", "drone/1/pos", "drone/2/pos", "robot/3", "shelf/7"]
-    with pytest.raises(kvcomm.SegmentError, match=r"layout version 4.*5 writes not yet in L3"):
+    with pytest.raises(kvcomm.SegmentError,
+                       match=rf"layout version {layout}.*5 writes not yet in L3"):
         kvcomm.open(ns, config=cfg)
     out = _cli("migrate", "--name", ns, "--config", str(cfg_file))
     assert out.returncode == 0, out
-    assert "5 writes carried" in out.stdout and "from layout 4" in out.stdout
+    assert "5 writes carried" in out.stdout and f"from layout {layout}" in out.stdout
     with _open_local(ns, cfg) as kv:
         for key, value in {**DIRTY, "robot/3": b"claimed"}.items():
             item = kv.get_item(key)
@@ -262,3 +269,4 @@ def test_migrate_from_layout4_carries_writes_and_deadlines(
         assert robot.expires_at > 2.0e9  # the deadline carried, not dropped
         assert kv._seg.dirty_count == 5
         assert kv._seg.check() == []
+        assert os.stat(path).st_blocks * 512 < os.stat(path).st_size  # the new one: sparse

@@ -36,6 +36,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -88,6 +89,9 @@ typedef struct {
                           reference bits unset (the node daemon's loop: only agents' reads
                           count; set_quiet) */
     pthread_t quiet_thread;
+    uint64_t resv_off, resv_pages; /* the reservation map (reserve.c) and the pages it covers */
+    int fd, has_fd;    /* the segment file (a duplicate this Core owns), to reserve memory */
+    int no_room;       /* the last reservation failed (reserve.c): an error, not damage */
 } Core;
 
 #define QUIET(c) ((c)->quiet && pthread_equal((c)->quiet_thread, pthread_self()))
@@ -117,6 +121,7 @@ _Static_assert(sizeof(pthread_mutex_t) <= MUTEX_SPACE, "pthread_mutex_t does not
 #include "_l2core_c/guard.c"
 #include "_l2core_c/procs.c"
 #include "_l2core_c/segment.c"
+#include "_l2core_c/reserve.c"
 #include "_l2core_c/lock.c"
 #include "_l2core_c/read.c"
 #include "_l2core_c/heap.c"

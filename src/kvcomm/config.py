@@ -377,6 +377,11 @@ class CacheConfig(_Section):
     l1_size: Size = Field(default=256 << 20, ge=0,
                           description="decoded values a process keeps in L1, bytes (0: no L1)")
     l2_size: Size = Field(default=256 << 20, ge=1 << 20, description="L2 segment size per host")
+    l2_keys: Count = Field(
+        default=0, ge=0, le=1 << 31,
+        description="keys L2 holds before its slot table (not its bytes) makes it evict: "
+                    "slots for 1.75 per key (0: a slot per 256 bytes of l2_size, so about "
+                    "l2_size / 400 keys of small records; see README, Configuration)")
     l2_dir: str = Field(default="/dev/shm", min_length=1,
                         description="directory (a tmpfs) that holds the L2 segments")
     lock_timeout: Duration = Field(default=10.0, gt=0, le=3600,

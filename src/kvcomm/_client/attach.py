@@ -49,7 +49,7 @@ class _Shared:
             if entry is None:
                 c = config.cache
                 layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
-                                     c.max_value_size)
+                                     c.max_value_size, c.l2_keys)
                 seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions,
                                          directory=c.l2_dir, lock_timeout=c.lock_timeout)
                 entry = cls.attached[name] = _Attached(seg, process_budget().cache(),

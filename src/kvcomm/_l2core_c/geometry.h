@@ -1,6 +1,16 @@
 /* ------------------------------------------------------------------ geometry */
 
 static inline uint64_t slot_off(Core *c, uint64_t i) { return c->slots_off + (i & c->mask) * SLOT_WORDS * 8; }
+/* whether the page holding byte off is reserved (the reservation map, layout.py): a page
+ * whose bit is clear is never read through the mapping (a read would allocate it) */
+static inline int page_reserved(Core *c, uint64_t off) {
+    uint64_t p = off / RESV_PAGE;
+    return p < c->resv_pages && (LD(W(c, c->resv_off + (p >> 6) * 8)) >> (p & 63)) & 1;
+}
+/* whether slot so may be read: a slot on a page never reserved was never written (EMPTY) */
+static inline int slot_present(Core *c, uint64_t so) {
+    return page_reserved(c, so) && page_reserved(c, so + SLOT_WORDS * 8 - 1);
+}
 static inline uint64_t slot_index(Core *c, uint64_t so) { return (so - c->slots_off) / (SLOT_WORDS * 8); }
 static inline int block_ok(Core *c, uint64_t off) {
     return off >= c->data_off && off < c->data_end && ((off - c->data_off) & 63) == 0;

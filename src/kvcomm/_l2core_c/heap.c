@@ -10,6 +10,8 @@ free_head_ok(Core *c, uint64_t off, uint64_t order)
 static int
 push_free(Core *c, uint64_t off, uint64_t order)
 {
+    if (reserve_heap(c, off, 24) < 0) /* (the links' page: reserved already but at init) */
+        return -1;
     uint64_t *hd = HW(c, H_FREE + order);
     uint64_t head = *hd;
     if (!free_head_ok(c, head, order))
@@ -43,7 +45,9 @@ unlink_free(Core *c, uint64_t off, uint64_t order)
     return 0;
 }
 
-/* a block of 2**order bytes; 0 when none is free; (uint64_t)-1 on corruption */
+/* a block of 2**order bytes; 0 when none is free; (uint64_t)-1 on corruption, or when the
+ * memory for the links of the halves it splits off cannot be reserved (reserve.c: nothing
+ * changed then). The caller reserves the pages of what it writes into the block. */
 static uint64_t
 heap_alloc(Core *c, uint64_t order)
 {
@@ -53,7 +57,11 @@ heap_alloc(Core *c, uint64_t order)
     if (j > c->top_order)
         return 0;
     uint64_t off = *HW(c, H_FREE + j);
-    if (!free_head_ok(c, off, j) || unlink_free(c, off, j) < 0) {
+    int head_ok = free_head_ok(c, off, j);
+    for (uint64_t k = j; head_ok && k > order; k--)
+        if (reserve_heap(c, off + (1ULL << (k - 1)), 24) < 0)
+            return (uint64_t)-1;
+    if (!head_ok || unlink_free(c, off, j) < 0) {
         if (!PyErr_Occurred())
             set_corrupt(c, "free-list head");
         return (uint64_t)-1;

@@ -35,6 +35,7 @@ static PyMethodDef Core_methods[] = {
     {"purge_mark", (PyCFunction)Core_purge_mark, METH_NOARGS, "mark purged (lock held)"},
     {"scan", (PyCFunction)Core_scan, METH_O, "keys: 0 live, 1 dirty"},
     {"recover", (PyCFunction)Core_recover, METH_NOARGS, "repair after a death (lock held)"},
+    {"reserved", (PyCFunction)Core_reserved, METH_NOARGS, "bytes of the file reserved (the map)"},
     {"release", (PyCFunction)Core_release, METH_NOARGS, "drop the buffer export"},
     {NULL, NULL, 0, NULL},
 };
@@ -48,7 +49,7 @@ static PyTypeObject CoreType = {
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,
-    .tp_doc = "Core(mmap): the L2 operations over one mapped segment (layout read from its header)",
+    .tp_doc = "Core(mmap[, fd]): the L2 operations over one mapped segment (layout read from its header; fd: its file, through which writers reserve memory as they first use a page)",
 };
 
 static PyObject *

@@ -89,6 +89,8 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
         uint64_t i = h & c->mask;
         int odd = 0;
         for (uint64_t probe = 0; probe < MAX_PROBE; probe++, i = (i + 1) & c->mask) {
+            if (!slot_present(c, slot_off(c, i)))
+                break; /* (never written: EMPTY) */
             uint64_t *slot = W(c, slot_off(c, i));
             uint64_t seq = LD(&slot[SLOT_SEQ]);
             if (seq & 1) {

@@ -197,6 +197,8 @@ read_into(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t zc, int 
     for (uint64_t probe = 0; probe < MAX_PROBE; probe++, i = (i + 1) & c->mask) {
         uint64_t so = slot_off(c, i);
         uint64_t *slot = W(c, so);
+        if (!slot_present(c, so))
+            return READ_ABSENT; /* (never written: EMPTY) */
         int spins = 0;
         for (;;) {
             uint64_t s = LD(&slot[SLOT_SEQ]);

@@ -21,7 +21,7 @@ static uint64_t
 plausible(Core *c, Units *u, uint64_t off)
 {
     Rec r;
-    if (!rec_parse(c, off, &r))
+    if (!block_ok(c, off) || !page_reserved(c, off) || !rec_parse(c, off, &r))
         return 0;
     uint64_t order = order_for(r.size);
     if (!aligned_block(c, off, order))
@@ -59,6 +59,8 @@ Core_recover(Core *c, PyObject *Py_UNUSED(ignored))
     }
     uint64_t entries = 0, dirty = 0, deferred = 0, used = 0;
     for (uint64_t i = 0; i < c->n_slots; i++) {
+        if (!slot_present(c, slot_off(c, i)))
+            continue; /* never written: EMPTY */
         uint64_t *slot = W(c, slot_off(c, i));
         if (slot[SLOT_SEQ] & 1)
             SEQ_ADD(&slot[SLOT_SEQ]);
@@ -139,6 +141,11 @@ Core_recover(Core *c, PyObject *Py_UNUSED(ignored))
                    ((pos & ((1ULL << (order - MIN_ORDER)) - 1)) || pos + (1ULL << (order - MIN_ORDER)) > end))
                 order--;
             uint64_t off = c->data_off + (pos << MIN_ORDER);
+            if (reserve_heap(c, off, 24) < 0) { /* (BUSY stays raised: tried again) */
+                free(u.start);
+                free(u.cover);
+                return NULL;
+            }
             uint64_t *blk = W(c, off);
             uint64_t head = *HW(c, H_FREE + order);
             blk[1] = head;

@@ -10,7 +10,8 @@ Core_purge_mark(Core *c, PyObject *Py_UNUSED(ignored))
     NEED_VIEW(c);
     __atomic_store_n(HW(c, H_STATE), STATE_PURGED, __ATOMIC_SEQ_CST);
     for (uint64_t i = 0; i < c->n_slots; i++)
-        __atomic_add_fetch(&W(c, slot_off(c, i))[SLOT_SEQ], 2, __ATOMIC_SEQ_CST);
+        if (slot_present(c, slot_off(c, i))) /* (a slot never written has no L1 entry) */
+            __atomic_add_fetch(&W(c, slot_off(c, i))[SLOT_SEQ], 2, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
 }
 
@@ -29,6 +30,8 @@ Core_scan(Core *c, PyObject *arg)
     if (!out)
         return NULL;
     for (uint64_t i = 0; i < c->n_slots; i++) {
+        if (!slot_present(c, slot_off(c, i)))
+            continue;
         uint64_t *slot = W(c, slot_off(c, i));
         uint64_t s = LD(&slot[SLOT_SEQ]);
         uint64_t off = LD(&slot[SLOT_OFF]), fl = LD(&slot[SLOT_FLAGS]);

@@ -4,8 +4,21 @@ static int
 Core_init(Core *self, PyObject *args, PyObject *kwds)
 {
     PyObject *obj;
-    if (!PyArg_ParseTuple(args, "O", &obj))
+    int fd = -1;
+    if (!PyArg_ParseTuple(args, "O|i", &obj, &fd))
         return -1;
+    if (self->has_fd) {
+        close(self->fd);
+        self->has_fd = 0;
+    }
+    if (fd >= 0) { /* the Core's own duplicate: writers reserve memory through it */
+        self->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+        if (self->fd < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        self->has_fd = 1;
+    }
     if (self->has_view) {
         guard_remove(self->guard);
         PyBuffer_Release(&self->view);
@@ -46,6 +59,8 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
     self->max_key = h[H_MAX_KEY];
     self->procs_off = h[H_PROCS_OFF];
     self->n_procs = h[H_NPROCS];
+    self->resv_off = h[H_RESV_OFF];
+    self->resv_pages = self->size / RESV_PAGE;
     self->mutex = (pthread_mutex_t *)(self->base + MUTEX_AT);
     uint64_t sz = self->size;
     /* each quantity is bounded before it is multiplied, so no product wraps */
@@ -69,7 +84,9 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
              self->n_pins * 8 <= sz - self->defer_off &&
              self->n_procs >= 1 && self->n_procs < (1ULL << TOKEN_SLOT_BITS) - 1 &&
              self->procs_off % 64 == 0 && self->procs_off >= self->defer_off + self->n_pins * 8 &&
-             self->procs_off <= sz && self->n_procs * PROC_BYTES <= sz - self->procs_off;
+             self->procs_off <= sz && self->n_procs * PROC_BYTES <= sz - self->procs_off &&
+             self->resv_off % 8 == 0 && self->resv_off <= sz &&
+             (self->resv_pages + 63) / 64 * 8 <= sz - self->resv_off;
     if (!ok) {
         PyErr_SetString(SegmentError, "L2 layout does not fit its mapping (corrupt header); purge it");
         return -1;
@@ -86,6 +103,10 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
 static void
 Core_dealloc(Core *self)
 {
+    if (self->has_fd) {
+        close(self->fd);
+        self->has_fd = 0;
+    }
     if (self->has_view && !self->held && !self->active) {
         if (self->token)
             release_token(self);
@@ -106,6 +127,10 @@ Core_release(Core *self, PyObject *Py_UNUSED(ignored))
     }
     if (self->token)
         release_token(self);
+    if (self->has_fd) {
+        close(self->fd);
+        self->has_fd = 0;
+    }
     if (self->has_view) {
         guard_remove(self->guard);
         self->guard = -1;

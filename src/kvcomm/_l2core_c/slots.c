@@ -10,7 +10,7 @@ find(Core *c, const char *key, uint64_t klen, uint64_t h, uint64_t *found, uint6
     for (uint64_t probe = 0; probe < MAX_PROBE; probe++, i = (i + 1) & c->mask) {
         uint64_t so = slot_off(c, i);
         uint64_t *slot = W(c, so);
-        uint64_t off = slot[SLOT_OFF];
+        uint64_t off = slot_present(c, so) ? slot[SLOT_OFF] : EMPTY;
         if (off == EMPTY) {
             *reusable = free ? free : so;
             return 0;
@@ -95,6 +95,8 @@ static double
 clean_deadline(Core *c, uint64_t so, uint64_t *size)
 {
     uint64_t *slot = W(c, so);
+    if (!slot_present(c, so))
+        return 0;
     uint64_t off = slot[SLOT_OFF];
     Rec r;
     if (off <= TOMB || (slot[SLOT_FLAGS] & FLAG_DIRTY) || !rec_parse(c, off, &r) || !r.xlen)
@@ -226,6 +228,8 @@ static int
 evictable(Core *c, uint64_t so, const uint64_t *protect, Py_ssize_t nprotect)
 {
     uint64_t *slot = W(c, so);
+    if (!slot_present(c, so))
+        return 0;
     uint64_t off = slot[SLOT_OFF];
     if (off <= TOMB || (slot[SLOT_FLAGS] & FLAG_DIRTY))
         return 0;

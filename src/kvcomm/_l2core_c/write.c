@@ -205,13 +205,14 @@ kidx_swap(KeyIndex *ki, Op *ops, Py_ssize_t i)
     }
 }
 
-/* heap bytes that are free or that CLOCK could free (entries outside the batch) */
+/* heap bytes that are free or that CLOCK could free (entries outside the batch), counted
+ * until there are `need` (the walk of a large slot table stops as soon as it may) */
 static uint64_t
-reclaimable_bytes(Core *c, const uint64_t *protect, Py_ssize_t nprotect)
+reclaimable_bytes(Core *c, const uint64_t *protect, Py_ssize_t nprotect, uint64_t need)
 {
     uint64_t used = *HW(c, H_USED), total = c->data_end - c->data_off;
     uint64_t bytes = used < total ? total - used : 0;
-    for (uint64_t i = 0; i < c->n_slots; i++) {
+    for (uint64_t i = 0; i < c->n_slots && bytes < need; i++) {
         uint64_t so = slot_off(c, i);
         if (!evictable(c, so, protect, nprotect))
             continue;
@@ -319,7 +320,7 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
                 uint64_t base = op->h & c->mask;
                 for (uint64_t k = 0; k < MAX_PROBE && !op->slot; k++) {
                     uint64_t so = slot_off(c, base + k);
-                    if (W(c, so)[SLOT_OFF] > TOMB)
+                    if (slot_present(c, so) && W(c, so)[SLOT_OFF] > TOMB)
                         continue;
                     int taken = 0;
                     for (Py_ssize_t q = 0; q < nclaims && !taken; q++)
@@ -340,6 +341,8 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
                     break;
                 }
                 claims[nclaims++] = op->slot;
+                if (reserve_slot(c, op->slot) < 0)
+                    goto out;
             }
             op->vvlen = op->kind == OP_VPUT ? op->x_vvlen : prev_vvlen;
             if (op->writes_record) {
@@ -395,7 +398,7 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
                     goto out;
                 if (!checked_room) {
                     checked_room = 1;
-                    if (reclaimable_bytes(c, protect, nprotect) < need_bytes) {
+                    if (reclaimable_bytes(c, protect, nprotect, need_bytes) < need_bytes) {
                         *bad = i;
                         status = ST_FULL;
                         goto out;
@@ -413,6 +416,10 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
                 break;
             }
             op->block = off;
+            if (reserve_heap(c, off, op->size) < 0) {
+                give_back_blocks(c, ops, i + 1);
+                goto out;
+            }
         }
         if (full)
             continue;
@@ -452,7 +459,8 @@ unlink_record(Core *c, uint64_t found, Op *op, uint64_t now_ms, int tidy)
        tombstones back into empty slots so that misses stay short (not inside a larger
        batch, whose later ops were planned on these slots' probe chains) */
     uint64_t i = slot_index(c, found);
-    if (tidy && W(c, slot_off(c, i + 1))[SLOT_OFF] == EMPTY) {
+    uint64_t next = slot_off(c, i + 1);
+    if (tidy && (!slot_present(c, next) || W(c, next)[SLOT_OFF] == EMPTY)) {
         for (uint64_t k = 0; k < MAX_PROBE && W(c, slot_off(c, i))[SLOT_OFF] == TOMB; k++) {
             uint64_t *s = W(c, slot_off(c, i));
             SEQ_ADD(&s[SLOT_SEQ]);
@@ -677,9 +685,13 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
     if (LD(HW(c, H_RELEASED)) && sweep_deferred(c) < 0)
         return NULL;
     Py_ssize_t bad = 0;
+    c->no_room = 0;
     int st = plan_batch(c, ops, n, tombstones, flags & FLAG_DIRTY, max_dirty, &bad);
-    if (st < 0)
+    if (st < 0) {
+        if (c->no_room) /* a full tmpfs: the plan changed nothing but complete evictions */
+            ST(HW(c, H_BUSY), 0);
         return NULL;
+    }
     if (st > 0) {
         ST(HW(c, H_BUSY), 0); /* nothing changed but evictions, which are complete */
         return single ? PyLong_FromLong(st) : Py_BuildValue("(in)", st, bad);

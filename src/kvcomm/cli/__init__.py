@@ -73,6 +73,8 @@ def _info(args: argparse.Namespace) -> int:
     print(f"segment        {info['size_bytes'] / 2**20:.1f} MiB, data heap {data / 2**20:.1f} MiB")
     print(f"in use         {used / 2**20:.2f} MiB ({100 * used / data:.1f}%), "
           f"{info['entries']} entries in {info['slots']} slots")
+    print(f"memory         {info['reserved_bytes'] / 2**20:.2f} MiB reserved of "
+          f"{info['size_bytes'] / 2**20:.1f} MiB (reserved as it fills; held until purged)")
     print(f"evictions      {info['evictions']}  "
           f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")

@@ -127,6 +127,7 @@ class L2Segment(Writes, Pins, Feed, HotKeys, Checker, SyncState):
             "size_bytes": lay.total,
             "data_bytes": lay.data_size,
             "used_bytes": q[H["USED"]],
+            "reserved_bytes": self.reserved_bytes(),
             "entries": q[H["ENTRIES"]],
             "dirty": q[H["DIRTY"]],
             "slots": lay.n_slots,

@@ -57,9 +57,14 @@ class Checker(SegmentCore):
         referenced: dict[int, int] = {}
         entries = dirty = 0
         least = 0  # the least deadline (ms) of a clean record: the expiry hint's bound
+        for o in (*allocated, *free):
+            if not self.page_reserved(o):
+                problems.append(f"block {o} is in use but its page was never reserved")
         sbase = lay.slots_off // 8
         for i in range(lay.n_slots):
             w = sbase + i * SLOT_WORDS
+            if not (self.page_reserved(w * 8) and self.page_reserved(w * 8 + SLOT_WORDS * 8 - 1)):
+                continue  # never written: EMPTY (and not to be read: layout.py)
             if q[w + SLOT["SEQ"]] & 1:
                 problems.append(f"slot {i} left odd")
             off = q[w + SLOT["OFF"]]

@@ -16,6 +16,7 @@ from .layout import (
     PIN_WORDS,
     PROC_BYTES,
     REC_HEADER,
+    RESV_PAGE,
     SLOT_WORDS,
     TOKEN_SLOT_BITS,
     H,
@@ -23,6 +24,8 @@ from .layout import (
 
 SKETCH_DEPTH = 4
 HOT_TOPK = 64  # hot keys kept in the top-k
+SLOT_SHARE = 256  # by default, a slot per this many bytes of cache.l2_size
+KEYS_LOAD = 1.75  # with cache.l2_keys: slots per key (windows fill from about 65% in use)
 
 
 def _order_for(nbytes: int) -> int:
@@ -53,19 +56,27 @@ class Layout:
     procs_off: int = 0
     n_procs: int = 0
     metrics_off: int = 0
+    resv_off: int = 0
 
     _WORDS = ("TOTAL", "NSLOTS", "SLOTS_OFF", "META_OFF", "DATA_OFF", "DATA_SIZE", "TOP_ORDER",
               "FEED_OFF", "FEED_N", "FEED_ESZ", "PINS_OFF", "NPINS", "DEFER_OFF", "MAX_KEY",
-              "HOT_OFF", "SKETCH_WIDTH", "TOPK", "PROCS_OFF", "NPROCS", "METRICS_OFF")
+              "HOT_OFF", "SKETCH_WIDTH", "TOPK", "PROCS_OFF", "NPROCS", "METRICS_OFF", "RESV_OFF")
 
     @staticmethod
-    def plan(l2_size: int, max_key: int, feed_n: int, n_pins: int, max_value: int) -> Layout:
-        """Carve ``l2_size`` bytes. Raises SegmentError when it is too small to be useful."""
+    def plan(l2_size: int, max_key: int, feed_n: int, n_pins: int, max_value: int,
+             keys: int = 0) -> Layout:
+        """Carve ``l2_size`` bytes, with a slot table for ``keys`` keys (0: a slot per
+        ``SLOT_SHARE`` bytes). Raises SegmentError when it is too small to be useful."""
         if not 1 <= max_key <= MAX_KEY:
             raise SegmentError(f"cache.max_key_bytes={max_key} is outside 1..{MAX_KEY}")
+        want = int(keys * KEYS_LOAD) if keys else l2_size // SLOT_SHARE
         n_slots = 1024
-        while n_slots * 2048 < l2_size:
+        while n_slots < want:
             n_slots *= 2
+        if n_slots * SLOT_WORDS * 8 > l2_size // 2 or n_slots > 1 << 32:
+            raise SegmentError(f"cache.l2_keys={keys} needs {n_slots} slots "
+                               f"({n_slots * SLOT_WORDS * 8 >> 20} MiB), over half of "
+                               f"cache.l2_size={l2_size}: lower it or raise cache.l2_size")
         feed_esz = (FEED_KEY_AT + max_key + 63) // 64 * 64
         feed_n = max(16, min(feed_n, l2_size // 8 // feed_esz))  # the feed takes <= 1/8
         n_pins = max(n_pins, 1)
@@ -77,8 +88,9 @@ class Layout:
         data_budget = remaining * 64 // 65
         want_top = _order_for(max(max_value + REC_HEADER + 1024, 1 << 24))
         top_order = min(want_top, max(MIN_ORDER, data_budget.bit_length() - 1))
-        # smaller tiles waste less of the budget; keep >= 7/8 of it, blocks >= 1 MiB
-        while top_order > 20 and (data_budget >> top_order << top_order) < data_budget * 7 // 8:
+        # smaller tiles waste less of the budget, larger ones hold larger values: keep >= 3/4
+        # of it, blocks >= 1 MiB
+        while top_order > 20 and (data_budget >> top_order << top_order) < data_budget * 3 // 4:
             top_order -= 1
         if data_budget < (1 << 16):
             raise SegmentError(
@@ -97,10 +109,17 @@ class Layout:
         hot_budget = max(l2_size // 1000, 32 << 10)  # the sketch's share: 0.1% (32 KiB floor)
         width = max(64, (hot_budget - TopK.size_for(topk, max_key) - 16) // (4 * SKETCH_DEPTH))
         metrics_off = _metrics_off(hot_off, width, topk, max_key)
-        total = (metrics_off + METRICS_WORDS * 8 + 4095) // 4096 * 4096
+        resv_off = metrics_off + METRICS_WORDS * 8
+        total = _total(resv_off)
         return Layout(total, n_slots, slots_off, meta_off, data_off, data_size, top_order,
                       feed_off, feed_n, feed_esz, pins_off, n_pins, defer_off, max_key,
-                      hot_off, width, topk, procs_off, n_procs, metrics_off)
+                      hot_off, width, topk, procs_off, n_procs, metrics_off, resv_off)
+
+    def up_front(self) -> list[tuple[int, int]]:
+        """The ``(offset, length)`` ranges the creator reserves at once: every region but
+        the slots and the heap (which writers reserve as they first use them)."""
+        return [(0, self.slots_off), (self.meta_off, self.data_off - self.meta_off),
+                (self.feed_off, self.total - self.feed_off)]
 
     def header_words(self) -> dict[int, int]:
         return {H[w]: getattr(self, f) for w, f in zip(self._WORDS, _FIELDS, strict=True)}
@@ -130,7 +149,8 @@ class Layout:
             and 64 <= lay.sketch_width < (1 << 28) and 1 <= lay.topk <= 4096
             and lay.metrics_off == _metrics_off(lay.hot_off, lay.sketch_width, lay.topk,
                                                 lay.max_key)
-            and lay.metrics_off + METRICS_WORDS * 8 <= lay.total
+            and lay.resv_off == lay.metrics_off + METRICS_WORDS * 8
+            and lay.total == _total(lay.resv_off)
         )
         if not ok:
             raise SegmentError("L2 segment header is inconsistent (corrupt); purge the namespace")
@@ -139,7 +159,18 @@ class Layout:
 
 _FIELDS = ("total", "n_slots", "slots_off", "meta_off", "data_off", "data_size", "top_order",
            "feed_off", "feed_n", "feed_esz", "pins_off", "n_pins", "defer_off", "max_key",
-           "hot_off", "sketch_width", "topk", "procs_off", "n_procs", "metrics_off")
+           "hot_off", "sketch_width", "topk", "procs_off", "n_procs", "metrics_off", "resv_off")
+
+
+def _total(resv_off: int) -> int:
+    """The file's size: the reservation map (a bit per page of the whole file, itself
+    included, in 64-bit words) at ``resv_off``, then whole pages."""
+    pages = (resv_off + RESV_PAGE - 1) // RESV_PAGE
+    while True:
+        total = (resv_off + (pages + 63) // 64 * 8 + RESV_PAGE - 1) // RESV_PAGE * RESV_PAGE
+        if total // RESV_PAGE <= pages:
+            return total
+        pages = total // RESV_PAGE
 
 
 def _metrics_off(hot_off: int, width: int, topk: int, max_key: int) -> int:

@@ -8,7 +8,7 @@ standard library: the build runs it before ``kvcomm`` is importable.
 Segment, in file order::
 
     header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
-                   | processes | hot keys (count-min sketch + top-k) | metrics
+                   | processes | hot keys (count-min sketch + top-k) | metrics | reservation map
 
 * **Header**: 64-bit words indexed by ``H_*`` (layout words written once by the creator,
   then mutable state), the free-list heads (one word per block order, from ``H_FREE``),
@@ -31,6 +31,17 @@ Segment, in file order::
   gauges the daemon stores), then from ``HIST_AT`` one block of ``HIST_WORDS`` per series
   of :data:`HISTOGRAMS` (a count per bucket of :data:`LATENCY_BOUNDS_NS`, +Inf, the sum in
   ns, the count). ``tiers/shm/counters.py`` reads and adds; ``kvcomm/metrics/`` exports.
+
+* **Reservation map** (layout 6): one bit per ``RESV_PAGE`` bytes of the file, set once
+  that page's memory is reserved (``fallocate``). The file is sparse: the creator reserves
+  every region but the slots and the heap, and a writer, under the lock, reserves a slot's
+  page before it first writes the slot (a new key) and a heap block's pages before it puts
+  a record (or a free-list link) there, heap pages ``RESV_HEAP_CHUNK`` at a time. So the
+  memory a namespace holds follows what it has held (never given back until the purge),
+  and a full tmpfs is a SegmentError from the write that needed the room, never a SIGBUS.
+  Reading a page of a tmpfs file through a mapping allocates it too, so nothing ever reads
+  a page whose bit is clear: a slot on such a page was never written (EMPTY), and the
+  lock-free readers, scans and sweeps take it as such (``slot_present`` in the C kernel).
 
 * **Expiry hint** (layout 5): ``EXPIRY_NEXT`` is a lower bound of the deadlines of the
   clean records (ms since the epoch; 0: none has one), so that the expiry sweep
@@ -66,14 +77,17 @@ series, or changing :data:`LATENCY_BOUNDS_NS`, bumps it.
 
 from __future__ import annotations
 
-LAYOUT_VERSION = 5  # 5: the expiry hint (4: the metrics region; 3: records' extension field)
+LAYOUT_VERSION = 6  # 6: the reservation map (5: the expiry hint; 4: the metrics region; 3:
+# records' extension field)
 MAGIC = int.from_bytes(b"KVCOMM\x00" + bytes([LAYOUT_VERSION]), "little")
 
 HEADER_SIZE = 4096
 MIN_ORDER = 6  # the smallest heap block is 64 bytes
 MAX_ORDER = 47
-MAX_PROBE = 32  # slots probed from a key's home slot
+MAX_PROBE = 64  # slots probed from a key's home slot (32 before layout 6: windows filled)
 MAX_KEY = 4096  # the largest cache.max_key_bytes a segment can be made with
+RESV_PAGE = 4096  # bytes of the file per bit of the reservation map
+RESV_HEAP_CHUNK = 1 << 16  # the heap is reserved this much at a time (fewer fallocate calls)
 
 # Header words. The first group is written once by the creator; the rest is state.
 HEADER_WORDS = (
@@ -107,6 +121,8 @@ HEADER_WORDS = (
     "EXPIRY_NEXT",   # no clean record is past its deadline before this (ms since the epoch)
     "EXPIRY_PASS",   # the least deadline (ms) the sweep's current pass has seen or been told
     "EXPIRY_CURSOR", # the slot the next sweep slice starts at (one cursor for every process)
+    # ---- layout words added in layout 6 (written once by the creator)
+    "RESV_OFF",      # the reservation map (a bit per RESV_PAGE of the file; see above)
 )
 H = {name: i for i, name in enumerate(HEADER_WORDS)}
 H_FREE = 64  # MAX_ORDER + 1 words of free-list heads, one per block order
@@ -225,7 +241,8 @@ def c_header() -> str:
     for name, value in (("LAYOUT_VERSION", LAYOUT_VERSION), ("MAGIC", MAGIC),
                         ("HEADER_SIZE", HEADER_SIZE), ("MIN_ORDER", MIN_ORDER),
                         ("MAX_ORDER", MAX_ORDER), ("MAX_PROBE", MAX_PROBE),
-                        ("MAX_KEY", MAX_KEY), ("H_FREE", H_FREE), ("MUTEX_AT", MUTEX_AT),
+                        ("MAX_KEY", MAX_KEY), ("RESV_PAGE", RESV_PAGE),
+                        ("RESV_HEAP_CHUNK", RESV_HEAP_CHUNK), ("H_FREE", H_FREE), ("MUTEX_AT", MUTEX_AT),
                         ("MUTEX_SPACE", MUTEX_SPACE), ("HOST_ID_AT", HOST_ID_AT),
                         ("STATE_OK", STATE_OK), ("STATE_PURGED", STATE_PURGED),
                         ("SLOT_WORDS", SLOT_WORDS), ("EMPTY", EMPTY), ("TOMB", TOMB),

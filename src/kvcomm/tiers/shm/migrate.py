@@ -155,7 +155,13 @@ def _read_v4(mm: Any) -> tuple[str, list[OldRecord]]:
     return _read_slots(mm, 4, host_at=1536, vv_shift=32, ext=True)
 
 
-READERS = {2: _read_v2, 3: _read_v3, 4: _read_v4}
+def _read_v5(mm: Any) -> tuple[str, list[OldRecord]]:
+    """Layout 5 (the layout before the reservation map: slots, records and host id as in
+    layout 4; the expiry hint's header words added, and the file fully reserved)."""
+    return _read_slots(mm, 5, host_at=1536, vv_shift=32, ext=True)
+
+
+READERS = {2: _read_v2, 3: _read_v3, 4: _read_v4, 5: _read_v5}
 
 
 def layout_version(path: str, permissions: int) -> int | None:
@@ -265,7 +271,7 @@ def migrate(name: str, config: Any) -> Migrated:
     got = unflushed(aside, c.l2_permissions)
     records = [] if got is None else got[2]
     layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
-                         c.max_value_size)
+                         c.max_value_size, c.l2_keys)
     seg = open_segment(name, layout, config.node.host_id, c.l2_permissions,
                        directory=c.l2_dir, lock_timeout=c.lock_timeout)
     carried = superseded = 0

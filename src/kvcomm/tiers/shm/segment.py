@@ -35,6 +35,7 @@ from .layout import (
     LAYOUT_VERSION,
     MAGIC,
     MIN_ORDER,
+    RESV_PAGE,
     SLOT,
     STATE_OK,
     H,
@@ -136,18 +137,18 @@ class SegmentCore:
                 raise SegmentError(f"{self.path} is {size} bytes, not a whole number of pages: "
                                    "not a KVCOMM segment (foreign or truncated); not touching it")
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._buf = memoryview(self._mm)
+            self._q = self._buf.cast("Q")
+            self._ro = self._buf.toreadonly()
+            try:
+                self._wait_for_magic(attach_timeout)
+                self.layout = Layout.from_header(self._q, size)
+                self._bind_layout(fd)
+            except BaseException:
+                self.close()
+                raise
         finally:
-            os.close(fd)
-        self._buf = memoryview(self._mm)
-        self._q = self._buf.cast("Q")
-        self._ro = self._buf.toreadonly()
-        try:
-            self._wait_for_magic(attach_timeout)
-            self.layout = Layout.from_header(self._q, size)
-            self._bind_layout()
-        except BaseException:
-            self.close()
-            raise
+            os.close(fd)  # (the Core keeps a duplicate: writers reserve memory through it)
 
     def _create(self, fd: int, tmp: str, lay: Layout, host_id: str) -> bool:
         """Build the segment in the temporary file ``tmp`` (open at ``fd``, locked, sized:
@@ -163,7 +164,7 @@ class SegmentCore:
             self._buf = memoryview(self._mm)
             self._q = self._buf.cast("Q")
             self._ro = self._buf.toreadonly()
-            self._initialise(lay, host_id)
+            self._initialise(lay, host_id, fd)
             try:
                 os.link(tmp, self.path, follow_symlinks=False)
                 installed = True
@@ -210,12 +211,15 @@ class SegmentCore:
         except OSError as exc:
             raise SegmentError(f"cannot create {self.path}: {exc.strerror}") from None
         try:
-            os.posix_fallocate(fd, 0, layout.total)  # memory reserved now, not on SIGBUS
+            os.ftruncate(fd, layout.total)  # sparse: the slots and heap as they fill
+            for off, n in layout.up_front():  # the rest reserved now, not on SIGBUS
+                os.posix_fallocate(fd, off, n)
         except BaseException as exc:  # (KeyboardInterrupt too: nothing is left behind)
             os.close(fd)
             _unlink_quietly(tmp)
             if isinstance(exc, OSError):
-                raise SegmentError(self._no_room(layout.total, exc)) from None
+                raise SegmentError(self._no_room(sum(n for _, n in layout.up_front()),
+                                                 exc)) from None
             raise
         return fd, tmp
 
@@ -275,7 +279,7 @@ class SegmentCore:
                            "segment (the node daemon then delivers them)")
         return head + f"stop its users and run `kvcomm purge --name {self.name}`"
 
-    def _initialise(self, lay: Layout, host_id: str) -> None:
+    def _initialise(self, lay: Layout, host_id: str, fd: int) -> None:
         q = self._q
         q[H["LAYOUT"]] = LAYOUT_VERSION
         for w, v in lay.header_words().items():
@@ -289,12 +293,40 @@ class SegmentCore:
         # node daemon also rebases a write L3 finds covered by the host's own older dots.
         q[H["WSEQ"]] = time.time_ns() // 1000
         self.layout = lay
-        self._bind_layout()
+        self._mark_reserved(lay)
+        self._bind_layout(fd)
         self._core.init_lock()
         self._core.init_heap()
         self._atom.store(H["MAGIC"] * 8, MAGIC)  # last: attachers wait for it
 
-    def _bind_layout(self) -> None:
+    def _mark_reserved(self, lay: Layout) -> None:
+        """Set the reservation map's bits of what the creator reserved (layout.py,
+        "Reservation map"); writers reserve the rest as they first use it."""
+        q, base = self._q, lay.resv_off // 8
+        for off, n in lay.up_front():
+            first, end = off // RESV_PAGE, (off + n + RESV_PAGE - 1) // RESV_PAGE
+            for w in range(first >> 6, (end + 63) >> 6):
+                lo, hi = max(first, w << 6), min(end, (w + 1) << 6)
+                if lo < hi:
+                    q[base + w] |= ((1 << (hi - lo)) - 1) << (lo & 63)
+
+    def page_reserved(self, off: int) -> bool:
+        """Whether byte ``off``'s page is reserved: one that is not must not be read (a
+        read through the mapping would allocate it; a slot there was never written)."""
+        p = off // RESV_PAGE
+        return bool(self._q[(self.layout.resv_off >> 3) + (p >> 6)] >> (p & 63) & 1)
+
+    def reserved_bytes(self) -> int:
+        """Bytes of memory the segment's file holds (its allocated blocks, ``st_blocks``):
+        what the namespace has used so far, never more than its size."""
+        try:
+            return os.stat(self.path).st_blocks * 512
+        except OSError:  # (purged under us): what the reservation map counts
+            return int(self._core.reserved()) if self._core is not None else 0
+
+    def _bind_layout(self, fd: int) -> None:
+        """Bind the layout's regions and the C kernel (which keeps its own duplicate of
+        ``fd``, the segment's file: writers reserve memory through it)."""
         lay = self.layout
         self._meta = self._buf[lay.meta_off : lay.meta_off + (lay.data_size >> MIN_ORDER)]
         self._max_record = 1 << lay.top_order
@@ -304,7 +336,7 @@ class SegmentCore:
         self.topk = TopK(lay.topk, lay.max_key,
                          buffer=self._buf[lay.hot_off + sk : lay.hot_off + sk
                                           + TopK.size_for(lay.topk, lay.max_key)])
-        self._core = _l2core.Core(self._mm)
+        self._core = _l2core.Core(self._mm, fd)
         self._atom = self._core  # the same object gives the atomics on any header word
 
     def _lock(self, timeout: float | None = None) -> None:
