@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+from .._threads import start_quiet
 from ..core.expiry import expired
 from ..core.versions import Version
 from ..errors import Unavailable, ValueTooLarge
@@ -132,8 +133,8 @@ class ClusterReads(Merging):
             fut = self._l3_opening
             if fut is None:
                 fut = self._l3_opening = Future()
-                threading.Thread(target=self._open_l3_into, args=(fut,), daemon=True,
-                                 name="kvcomm-l3-open").start()
+                start_quiet(threading.Thread(target=self._open_l3_into, args=(fut,),
+                                             daemon=True, name="kvcomm-l3-open"))
         wait = 2 * float(self.config.cluster.timeout)
         try:
             return fut.result(wait)

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .._threads import start_quiet
 from ..core.expiry import check_ttl
 from ..errors import InvalidArgument, InvalidKey, KVCommError
 
@@ -46,7 +47,7 @@ class Presence:
         self.refreshes = 1
         self._thread = threading.Thread(target=self._run, name=f"kvcomm-presence-{self.key}",
                                         daemon=True)
-        self._thread.start()
+        start_quiet(self._thread)
 
     def _run(self) -> None:
         nxt = time.monotonic() + self.interval

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from .._threads import start_quiet
 from ..errors import KVCommError
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Sweeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvcomm-expiry-{seg.name}",
                                         daemon=True)
-        self._thread.start()
+        start_quiet(self._thread)
 
     def sweep_once(self) -> int:
         """Read the hint and, while a record may have expired, sweep slices until the pass

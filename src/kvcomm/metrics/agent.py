@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
+from .._threads import start_quiet
 from ..tiers.shm.counters import MetricsRegion, deltas, hist_word, series_word
 from ..tiers.shm.layout import HIST_WORDS, LATENCY_BOUNDS_NS
 
@@ -199,7 +200,7 @@ def attach(client: Client) -> Meter:
         if _STATE.interval and (_STATE.thread is None or not _STATE.thread.is_alive()):
             _STATE.thread = threading.Thread(target=_flusher, name="kvcomm-metrics",
                                              daemon=True)
-            _STATE.thread.start()
+            start_quiet(_STATE.thread)
     return meter
 
 

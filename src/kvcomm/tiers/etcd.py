@@ -100,6 +100,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._threads import start_quiet
 from ..errors import ConfigError, InvalidArgument, KVCommError, Unavailable, ValueTooLarge
 
 if TYPE_CHECKING:
@@ -944,7 +945,7 @@ class Watch:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="kvcomm-etcd-watch", daemon=True)
-        self._thread.start()
+        start_quiet(self._thread)
 
     def next(self, timeout: float | None = None) -> list[Event]:
         """The next batch of events, or [] after ``timeout`` seconds without any (None:
@@ -1131,7 +1132,7 @@ class KeepAlive:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcomm-etcd-keepalive",
                                         daemon=True)
-        self._thread.start()
+        start_quiet(self._thread)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

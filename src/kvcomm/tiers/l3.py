@@ -208,6 +208,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from .._extras import require_cluster
+from .._threads import start_quiet
 from ..core import codec
 from ..core.expiry import deadline_of
 from ..core.ext import EMPTY_EXT, MAX_EXT
@@ -2784,7 +2785,7 @@ class L3Store:
             if self._pinger is None or not self._pinger.is_alive():  # (a dead one: replaced)
                 self._pinger = threading.Thread(target=self._ping_down, daemon=True,
                                                 name="kvcomm-down")
-                self._pinger.start()
+                start_quiet(self._pinger)
 
     def _ping_down(self) -> None:
         """The pinger: PING every master taken for down, each DOWN_PING_EVERY seconds,
@@ -2882,7 +2883,7 @@ def _bound_refresh(nodes_manager: Any, timeout: float) -> None:
             t = threading.Thread(target=run, args=args, kwargs=kwargs, daemon=True,
                                  name="kvcomm-slot-map")
             running[:] = [t]
-            t.start()
+            start_quiet(t)
         t.join(timeout)
 
     nodes_manager.initialize = initialize
