@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core import codec, counter
-from ..errors import InvalidArgument, SegmentError
+from ..errors import CorruptRecord, InvalidArgument
 from ..tiers import l2 as l2mod
 from ..tiers.l2 import TAG_TOMBSTONE, Record
 
@@ -44,15 +44,17 @@ def start_of(key: str, rec: Record | None, version: Any, now: float
     expired or deleted counter's state with every baseline raised, so that its increments
     never come back; after a plain tombstone, a new generation: core/counter.py); a plain
     int: adopted (a new generation too). Raises InvalidArgument for any other value (the
-    record is unchanged), SegmentError for a stored state that does not decode."""
+    record is unchanged), CorruptRecord for a stored state that does not decode (no host
+    writes one: it came from L3, planted or damaged; a put of the key repairs it)."""
     if rec is None:
         return {}, None
     expired = 0 < rec.deadline <= now
     try:
         state = None if rec.value is None else state_of((rec.tag, rec.meta, rec.value))
     except ValueError as exc:
-        raise SegmentError(f"the counter state of {key!r} cannot be decoded ({exc}); "
-                           "delete the key") from None
+        raise CorruptRecord(f"the counter state of {key!r} cannot be decoded ({exc}): "
+                            "not written by a KVCOMM host; put a value under the key"
+                            ) from None
     if state is not None:
         if expired or rec.tag == TAG_TOMBSTONE:
             return counter.reset(state), None
