@@ -145,6 +145,28 @@ def test_a_delete_removes_the_increments_it_saw_and_keeps_concurrent_ones(
     _everywhere(agents, key, 1)
 
 
+def test_a_conditional_delete_keeps_the_concurrent_increments_a_plain_one_keeps(
+        dc: Path, agents: dict[str, kvcomm.Client], seed: int) -> None:
+    """delete(key, expect=version) of a counter is a delete of a counter: it removes the
+    increments it saw and keeps those it did not (host-2's, counted while cut off), as a
+    plain delete does, and the increments counted after it on the deleting host."""
+    key = f"c/{seed}/cas-del"
+    a, b = agents["host-1"], agents["host-2"]
+    a.incr(key, 6)
+    b.incr(key, 4)
+    _everywhere(agents, key, 10)
+    _cut(dc, "host-2")
+    for _ in range(3):
+        b.incr(key)  # acknowledged on host-2, never seen by host-1's delete
+    item = a.get_item(key)
+    assert item is not None and item.value == 10
+    assert a.delete(key, expect=item.version)
+    assert a.get(key) is None
+    assert a.incr(key, 2) == 2  # counted after the delete
+    control.heal(str(dc))
+    _everywhere(agents, key, 3 + 2)
+
+
 def test_a_racing_delete_never_brings_back_what_it_saw(
         agents: dict[str, kvcomm.Client], seed: int) -> None:
     """Increments on host-2 and host-3 while host-1 deletes, all connected: whatever the
