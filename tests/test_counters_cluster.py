@@ -167,6 +167,28 @@ def test_a_conditional_delete_keeps_the_concurrent_increments_a_plain_one_keeps(
     _everywhere(agents, key, 3 + 2)
 
 
+def test_increments_after_a_put_that_reached_l3_alone_survive_a_heal(
+        dc: Path, agents: dict[str, kvcomm.Client], seed: int) -> None:
+    """host-1 puts 100 over a counter and, once L3 (and host-3) hold the put, increments
+    it; host-2, cut off, counted on the old counter meanwhile. The put wins over
+    host-2's increments (it never saw them), but host-1's increment came after the put
+    (it adopted it: a new generation) and is acknowledged: after the heal every host
+    reads 101, whatever order host-2 meets the put and the increment in."""
+    key = f"c/{seed}/put-then-incr"
+    a, b, c = (agents[h] for h in HOSTS)
+    a.incr(key, 10)
+    _everywhere(agents, key, 10)
+    _cut(dc, "host-2")
+    for _ in range(3):
+        b.incr(key)
+    a.put(key, 100)
+    wait_for(lambda: c.get(key) == 100, 20, "the put in L3 (host-3 reads it)")
+    assert a.incr(key) == 101
+    wait_for(lambda: c.get(key) == 101, 20, "the increment in L3 (host-3 reads it)")
+    control.heal(str(dc))
+    _everywhere(agents, key, 101)
+
+
 def test_a_racing_delete_never_brings_back_what_it_saw(
         agents: dict[str, kvcomm.Client], seed: int) -> None:
     """Increments on host-2 and host-3 while host-1 deletes, all connected: whatever the

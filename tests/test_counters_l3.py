@@ -146,3 +146,34 @@ def test_a_malformed_deleted_counter_pulled_into_l2_reads_as_corrupt(
         assert h.alive
     finally:
         h.close()
+
+
+def test_a_counter_that_adopted_a_put_at_or_after_a_plain_record_wins_over_it(
+        store: L3Store, seed: int) -> None:
+    """A plain record (a merged copy of a put, concurrent with the counter in name only)
+    against a counter whose generation is a put stamped at or after it: the counter wins,
+    in L3's script and in L2's rule alike, whatever the order; an older generation (or
+    none) loses to it."""
+    from kvcomm._client import counters
+
+    hlc = (7 << 32) | 5000
+    plain = L3Record(hlc, False, *codec.encode(100), (("h2", 1),), ("h2", 1))
+    for gen_hlc, counter_wins in ((hlc, True), (hlc + 1, True), (hlc - 1, False)):
+        state = {counter.GEN: [gen_hlc >> 32, gen_hlc & 0xFFFFFFFF, 9, 0],
+                 "=ab": [100, 0, 0, 0], "h1~1": [1, 0, 0, 0]}
+        c = _record(state, "h1", hlc + 10)
+        want = c if counter_wins else plain
+        for first, second in ((c, plain), (plain, c)):
+            key = f"cl3/{seed}/adopted/{gen_hlc}/{first is c}"
+            store.push(key, first)
+            store.push(key, second)
+            held = store.get(key)
+            assert held is not None and (held.tag, held.value) == (want.tag, want.value), \
+                (gen_hlc, first is c)
+        enc_c = (c.tag, c.meta, c.value)
+        enc_p = (plain.tag, plain.meta, plain.value)
+        side = "local" if counter_wins else "remote"
+        assert counters.merge_plan(enc_c, enc_p, c.hlc, plain.hlc) == (side, enc_c if
+                                                                        counter_wins else enc_p)
+        assert counters.merge_plan(enc_p, enc_c, plain.hlc, c.hlc)[0] == (
+            "remote" if counter_wins else "local")
