@@ -189,6 +189,34 @@ def test_increments_after_a_put_that_reached_l3_alone_survive_a_heal(
     _everywhere(agents, key, 101)
 
 
+def test_a_deleted_counter_learned_from_a_refused_claim_keeps_its_state(
+        dc: Path, agents: dict[str, kvcomm.Client], seed: int) -> None:
+    """host-2 (its daemon down: nothing pulled) makes a conditional put that L3 refuses
+    because host-1 deleted the counter; the deleted counter L3 sends back is stored in
+    host-2's L2 with its state, so host-2's next increment counts from it (generation 0)
+    and host-3's increments made after the delete are not superseded."""
+    key = f"c/{seed}/learned-delete"
+    h2 = control.load_state(dc)["hosts"][1]
+    a, b, c = (agents[h] for h in HOSTS)
+    a.incr(key, 10)
+    _everywhere(agents, key, 10)
+    item = b.get_item(key)
+    assert item is not None
+    os.kill(int(h2["pid"]), signal.SIGKILL)
+    wait_for(lambda: not running(int(h2["pid"])), 30, "host-2's daemon gone")
+    try:
+        assert a.delete(key)
+        wait_for(lambda: c.get(key) is None, 20, "host-3 reads the delete")
+        with pytest.raises(kvcomm.ConflictError):
+            b.put(key, "x", expect=item.version)
+        assert b.get(key) is None  # (L3's deleted counter, now in host-2's L2)
+        assert c.incr(key, 5) == 5
+        assert b.incr(key) in (1, 6)
+    finally:
+        control.restart_daemon(str(dc), 1)
+    _everywhere(agents, key, 6)
+
+
 def test_a_racing_delete_never_brings_back_what_it_saw(
         agents: dict[str, kvcomm.Client], seed: int) -> None:
     """Increments on host-2 and host-3 while host-1 deletes, all connected: whatever the
