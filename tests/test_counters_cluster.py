@@ -145,6 +145,78 @@ def test_a_delete_removes_the_increments_it_saw_and_keeps_concurrent_ones(
     _everywhere(agents, key, 1)
 
 
+def test_a_conditional_delete_keeps_the_concurrent_increments_a_plain_one_keeps(
+        dc: Path, agents: dict[str, kvcomm.Client], seed: int) -> None:
+    """delete(key, expect=version) of a counter is a delete of a counter: it removes the
+    increments it saw and keeps those it did not (host-2's, counted while cut off), as a
+    plain delete does, and the increments counted after it on the deleting host."""
+    key = f"c/{seed}/cas-del"
+    a, b = agents["host-1"], agents["host-2"]
+    a.incr(key, 6)
+    b.incr(key, 4)
+    _everywhere(agents, key, 10)
+    _cut(dc, "host-2")
+    for _ in range(3):
+        b.incr(key)  # acknowledged on host-2, never seen by host-1's delete
+    item = a.get_item(key)
+    assert item is not None and item.value == 10
+    assert a.delete(key, expect=item.version)
+    assert a.get(key) is None
+    assert a.incr(key, 2) == 2  # counted after the delete
+    control.heal(str(dc))
+    _everywhere(agents, key, 3 + 2)
+
+
+def test_increments_after_a_put_that_reached_l3_alone_survive_a_heal(
+        dc: Path, agents: dict[str, kvcomm.Client], seed: int) -> None:
+    """host-1 puts 100 over a counter and, once L3 (and host-3) hold the put, increments
+    it; host-2, cut off, counted on the old counter meanwhile. The put wins over
+    host-2's increments (it never saw them), but host-1's increment came after the put
+    (it adopted it: a new generation) and is acknowledged: after the heal every host
+    reads 101, whatever order host-2 meets the put and the increment in."""
+    key = f"c/{seed}/put-then-incr"
+    a, b, c = (agents[h] for h in HOSTS)
+    a.incr(key, 10)
+    _everywhere(agents, key, 10)
+    _cut(dc, "host-2")
+    for _ in range(3):
+        b.incr(key)
+    a.put(key, 100)
+    wait_for(lambda: c.get(key) == 100, 20, "the put in L3 (host-3 reads it)")
+    assert a.incr(key) == 101
+    wait_for(lambda: c.get(key) == 101, 20, "the increment in L3 (host-3 reads it)")
+    control.heal(str(dc))
+    _everywhere(agents, key, 101)
+
+
+def test_a_deleted_counter_learned_from_a_refused_claim_keeps_its_state(
+        dc: Path, agents: dict[str, kvcomm.Client], seed: int) -> None:
+    """host-2 (its daemon down: nothing pulled) makes a conditional put that L3 refuses
+    because host-1 deleted the counter; the deleted counter L3 sends back is stored in
+    host-2's L2 with its state, so host-2's next increment counts from it (generation 0)
+    and host-3's increments made after the delete are not superseded."""
+    key = f"c/{seed}/learned-delete"
+    h2 = control.load_state(dc)["hosts"][1]
+    a, b, c = (agents[h] for h in HOSTS)
+    a.incr(key, 10)
+    _everywhere(agents, key, 10)
+    item = b.get_item(key)
+    assert item is not None
+    os.kill(int(h2["pid"]), signal.SIGKILL)
+    wait_for(lambda: not running(int(h2["pid"])), 30, "host-2's daemon gone")
+    try:
+        assert a.delete(key)
+        wait_for(lambda: c.get(key) is None, 20, "host-3 reads the delete")
+        with pytest.raises(kvcomm.ConflictError):
+            b.put(key, "x", expect=item.version)
+        assert b.get(key) is None  # (L3's deleted counter, now in host-2's L2)
+        assert c.incr(key, 5) == 5
+        assert b.incr(key) in (1, 6)
+    finally:
+        control.restart_daemon(str(dc), 1)
+    _everywhere(agents, key, 6)
+
+
 def test_a_racing_delete_never_brings_back_what_it_saw(
         agents: dict[str, kvcomm.Client], seed: int) -> None:
     """Increments on host-2 and host-3 while host-1 deletes, all connected: whatever the

@@ -19,7 +19,7 @@ from kvcomm.config import CacheConfig
 from kvcomm.tiers.keyfilter import KeyFilter
 from kvcomm.tiers.l3 import group_of
 
-from ._devcluster import dev_cluster_fixture, host, l3, live_record
+from ._devcluster import dev_cluster_fixture, host, l3, live_record, restart_daemon
 from .conftest import wait_for
 
 pytestmark = [
@@ -141,3 +141,29 @@ def test_a_key_that_stays_absent_costs_one_l3_read_per_negative_ttl(dev: dict[st
         a.close()
         b.close()
         store.close()
+
+
+def test_a_note_made_before_a_daemon_restart_yields_to_what_the_new_daemon_learns(
+        dev: dict[str, Any]) -> None:
+    """A restarted daemon puts a new filter file in place (the old one retired): an
+    agent's note stamped with the old file's count must not answer "absent" for a key the
+    new daemon has learned. (The agent's negative_ttl is long here so that the restart's
+    own duration cannot expire the note: the promise does not depend on the TTL.)"""
+    a, b = host(dev, 0), host(dev, 1, negative_ttl=120.0)
+    key = f"restart/{uuid.uuid4().hex[:8]}"
+    kf: KeyFilter | None = None
+    try:
+        _noted_absent(b, key)
+        old = b._kf
+        restart_daemon(dev, 1)
+        wait_for(lambda: old is not None and old.retired, 10, "the old filter file retired")
+        a.put(key, 1)
+        kf = _filter_of(dev, 1)
+        wait_for(lambda: kf.ready and kf.may_exist(key.encode()), 20,  # type: ignore[union-attr]
+                 "host 2's new daemon learned of the key")
+        assert b.get(key) == 1, "host 2 answers 'absent' for a key its new daemon knows"
+    finally:
+        if kf is not None:
+            kf.close()
+        a.close()
+        b.close()

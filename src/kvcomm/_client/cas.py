@@ -28,6 +28,11 @@ it replaced, everywhere. Before a dot past the host's write mark in L3 leaves th
 the mark is raised (as the daemon does before its pushes): a host whose L2 is lost never
 restarts its sequence below a dot of its in L3.
 
+A conditional delete of a live counter (the host's copy at the expected version) writes
+a tombstone that carries the counter's state, every baseline raised, as a plain delete
+does (:mod:`kvcomm._client.counters`): increments it did not see survive it. A deleted
+counter's tombstone that L3 sends back (a conflict) keeps its state in L2 likewise.
+
 Partition mode (the host's daemon says so): Unavailable at once, nothing written — a
 decision on the host's copy could grant what another host already holds. A Redis failover
 can still undo a write the master acknowledged before its replicas had it, as for any
@@ -40,13 +45,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..core import codec, counter
 from ..core.expiry import deadline_of
 from ..core.versions import Version, encode_others, merge_vectors, vector_get, with_dot
 from ..errors import ConflictError, CorruptRecord, InvalidArgument, Unavailable, ValueTooLarge
 from ..tiers.l2 import FLAG_DIRTY, TAG_TOMBSTONE
 from ..tiers.l3 import EMPTY_EXT, L3Record
 from .base import _now_ms
-from .items import _TOMB_ENCODED, ABSENT
+from .items import ABSENT
 from .read import Reads
 
 _STALE_TRIES = 8  # pushes again after "stale" (L3 held a dead record newer in part than ours)
@@ -84,7 +90,8 @@ class ClusterWrites(Reads):
             self._cas_mark(l3, dot)
             vector = with_dot(basis, self._host, dot)
             if encoded is None:
-                record = L3Record(hlc, True, 0, b"", b"", vector, (self._host, dot))
+                meta, state = self._cas_counter_tombstone(kb, h, before, local, expect)
+                record = L3Record(hlc, True, 0, meta, state, vector, (self._host, dot))
             else:
                 record = L3Record(hlc, False, encoded[0], bytes(encoded[1]), bytes(encoded[2]),
                                   vector, (self._host, dot), ext or EMPTY_EXT)
@@ -113,6 +120,25 @@ class ClusterWrites(Reads):
                 "decided on the host's copy, which may be stale. Nothing was written; retry "
                 "once Redis answers again, or write without expect= (last-writer-wins)")
         return self._l3_store()
+
+    def _cas_counter_tombstone(self, kb: bytes, h: int, before: Any, local: Version | None,
+                               expect: Any) -> tuple[bytes, bytes]:
+        """The (meta, payload) of a conditional delete's tombstone: when it deletes the
+        live counter this host holds at the expected version, the counter's state with
+        every baseline raised (as a plain delete's: _client/counters.py delete_check), so
+        that increments it did not see survive it; else a plain tombstone's."""
+        if before is None or before[2] != codec.COUNTER or local != expect:
+            return b"", b""
+        rec = self._seg.read(kb, h)
+        if (rec is None or rec.tag != codec.COUNTER or rec.value is None
+                or (rec.counter, rec.hlc, rec.vvx) != tuple(before[3:6])
+                or 0 < rec.deadline <= time.time()):
+            return b"", b""
+        try:
+            state = counter.decode(rec.value)
+        except ValueError:
+            return b"", b""  # (a corrupt state: deleted as any record)
+        return counter.TOMBSTONE_META, counter.encode(counter.reset(state))
 
     def _cas_check(self, key: str, before: Any, local: Version | None, expect: Any) -> Any:
         """The vector L3's record must be at most (CAS_LUA's ``check``). A write of this
@@ -149,7 +175,8 @@ class ClusterWrites(Reads):
         hold, or L3 cannot decode, is left to the read path)."""
         try:
             value = None if rec.tombstone else rec.decode_value(key)
-            enc = _TOMB_ENCODED if rec.tombstone else (rec.tag, rec.meta, rec.value)
+            enc = (TAG_TOMBSTONE, rec.meta, rec.value) if rec.tombstone else (
+                rec.tag, rec.meta, rec.value)  # (a deleted counter's tombstone keeps its state)
             self._merge(key, value, Version(rec.vector, rec.hlc), enc, rec.local_ext)
         except (ValueTooLarge, CorruptRecord):
             pass
@@ -160,7 +187,8 @@ class ClusterWrites(Reads):
         (dirty when not ``durable``: the daemon pushes it again and waits for replicas);
         if a local write replaced that record meanwhile, merged as any version from L3."""
         seen = None if before is None else tuple(before[3:6])
-        enc = _TOMB_ENCODED if record.tombstone else (record.tag, record.meta, record.value)
+        enc = (TAG_TOMBSTONE, record.meta, record.value) if record.tombstone else (
+            record.tag, record.meta, record.value)
         ext = record.local_ext
 
         def unchanged() -> None:

@@ -78,8 +78,16 @@ class ClusterReads(Merging):
         now and not when noted, it was learned since. A key it matched already
         when noted (one deleted since the filter's last rotation, or a false positive)
         keeps its note for ``negative_ttl``: a loop reading a key that stays absent costs
-        at most one L3 read per ``negative_ttl``. The note is restamped when it holds."""
+        at most one L3 read per ``negative_ttl``. The note is restamped when it holds. A
+        filter file the daemon retired (a restarted daemon put a new one in place) no
+        longer counts: the new file is opened and judges the note (its stamp is of
+        another file: too old for the ring)."""
         m = self._kf
+        if m is not None and m.retired:  # a restarted daemon's new file counts from now on
+            self._key_filter()  # (reopened at most once a second)
+            m = self._kf
+            if m is None or m.retired:
+                return True  # (no new file yet: judged once it is there)
         if m is None or m.learned == note[1]:  # (no filter, or nothing learned since)
             return True
         n = m.learned

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core import codec, counter
-from ..errors import InvalidArgument, SegmentError
+from ..errors import CorruptRecord, InvalidArgument
 from ..tiers import l2 as l2mod
 from ..tiers.l2 import TAG_TOMBSTONE, Record
 
@@ -44,15 +44,17 @@ def start_of(key: str, rec: Record | None, version: Any, now: float
     expired or deleted counter's state with every baseline raised, so that its increments
     never come back; after a plain tombstone, a new generation: core/counter.py); a plain
     int: adopted (a new generation too). Raises InvalidArgument for any other value (the
-    record is unchanged), SegmentError for a stored state that does not decode."""
+    record is unchanged), CorruptRecord for a stored state that does not decode (no host
+    writes one: it came from L3, planted or damaged; a put of the key repairs it)."""
     if rec is None:
         return {}, None
     expired = 0 < rec.deadline <= now
     try:
         state = None if rec.value is None else state_of((rec.tag, rec.meta, rec.value))
     except ValueError as exc:
-        raise SegmentError(f"the counter state of {key!r} cannot be decoded ({exc}); "
-                           "delete the key") from None
+        raise CorruptRecord(f"the counter state of {key!r} cannot be decoded ({exc}): "
+                            "not written by a KVCOMM host; put a value under the key"
+                            ) from None
     if state is not None:
         if expired or rec.tag == TAG_TOMBSTONE:
             return counter.reset(state), None
@@ -119,11 +121,23 @@ def delete_check(seg: Any, kb: bytes, h: int, ops: list[tuple[Any, ...]], now_ms
     return run
 
 
-def merge_plan(local: Encoded, remote: Encoded) -> tuple[str, Encoded] | None:
+def adopted_since(state: counter.State, hlc: int) -> bool:
+    """Whether the counter ``state`` adopted a put (its generation) stamped at or after
+    ``hlc``: it has seen the plain write of that HLC, or one that wins over it by
+    last-writer-wins (the rule L3's push script applies too: ``adopted_since``)."""
+    g = state.get(counter.GEN)
+    return g is not None and (g[0], g[1]) >= (hlc >> 32, hlc & 0xFFFFFFFF)
+
+
+def merge_plan(local: Encoded, remote: Encoded, local_hlc: int | None = None,
+               remote_hlc: int | None = None) -> tuple[str, Encoded] | None:
     """Two concurrent versions of a key, either of them a counter (or a deleted one): what
     to keep, as (``"new"``, the merged state) when both are counters (a new value: the
-    caller stores it as a new local write), else the plain side, whatever the clocks (a
-    plain put or delete resets the counter): (``"local"`` or ``"remote"``, its encoding).
+    caller stores it as a new local write), else the plain side (a plain put or delete
+    resets the counter) — unless the counter adopted a put stamped at or after the plain
+    record's HLC (``local_hlc``/``remote_hlc``): then it was counted after that record
+    (a merged copy of it, with the cut-off host's entries, is concurrent with it in name
+    only) and wins: (``"local"`` or ``"remote"``, its encoding).
     None when neither is a counter (the ordinary rule decides). A malformed state counts
     as a plain value."""
     try:
@@ -141,4 +155,9 @@ def merge_plan(local: Encoded, remote: Encoded) -> tuple[str, Encoded] | None:
             return "new", encoded_state(counter.merge(a, b))
         except ValueError:  # (over MAX_ACTORS: the larger state is kept whole)
             return ("local", local) if len(a) >= len(b) else ("remote", remote)
-    return ("local", local) if a is None else ("remote", remote)
+    if a is None:
+        assert b is not None
+        won = remote_hlc is not None and local_hlc is not None and adopted_since(b, local_hlc)
+        return ("remote", remote) if won else ("local", local)
+    won = local_hlc is not None and remote_hlc is not None and adopted_since(a, remote_hlc)
+    return ("local", local) if won else ("remote", remote)

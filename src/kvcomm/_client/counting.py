@@ -8,7 +8,7 @@ from typing import Any
 
 from ..core import codec, counter
 from ..core.versions import Version
-from ..errors import InvalidArgument, Unavailable
+from ..errors import CorruptRecord, InvalidArgument, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE
 from . import counters
 from .base import _now_ms
@@ -50,7 +50,9 @@ class Counting(Writes):
         ``touch``, which are puts: resets); once it passes, the counter is absent and the
         next increment counts from 0. Use :meth:`update` instead for a conditional read-modify-write of any
         value. Raises InvalidKey, InvalidArgument, Unavailable (L2 full of unflushed
-        writes: ``cluster.outbound_max``), SegmentError; nothing is counted then.
+        writes: ``cluster.outbound_max``), CorruptRecord (the key's
+        record, from L3, holds a state no host writes: put a value under the key),
+        SegmentError; nothing is counted then.
         """
         if type(delta) is not int or not -counter.MAX_COUNT <= delta <= counter.MAX_COUNT:
             raise InvalidArgument(f"incr's delta is an int of at most 2**53-1 in magnitude, "
@@ -102,6 +104,13 @@ class Counting(Writes):
         if rec is None:
             return
         version = Version(rec.vector, rec.hlc)
+        if rec.tombstone and rec.meta == counter.TOMBSTONE_META:
+            try:  # (a live record's state is checked by decode_value below)
+                counter.decode(rec.value)
+            except ValueError as exc:
+                raise CorruptRecord(f"L3's deleted counter {key!r} carries a state that cannot "
+                                    f"be decoded ({exc}); put a value (an int to count from) "
+                                    "under the key") from None
         if rec.tombstone:
             self._merge(key, None, version, (TAG_TOMBSTONE, rec.meta, rec.value), rec.local_ext)
         else:

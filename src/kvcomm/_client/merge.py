@@ -270,12 +270,14 @@ class Merging(HotKeys):
                       ) -> tuple[tuple[int, bytes, bytes | memoryview], Version, bool] | None:
         """:meth:`_merge_plan` for concurrent versions one of which is a counter (or a
         deleted one: _client/counters.py): two counters merge into a new local write; a
-        plain record wins over a counter. None when neither is a counter."""
+        plain record wins over a counter that did not adopt a put stamped at or after it.
+        None when neither is a counter."""
         kb, h = self._key_hash(key)
         rec = self._read_l2(kb, h, _HUGE)
         if rec is None or rec[4] is None:
             return None  # (gone meanwhile: the caller's check sees it and merges again)
-        plan = counters.merge_plan((rec[2], rec[3], rec[4]), remote_encoded)
+        plan = counters.merge_plan((rec[2], rec[3], rec[4]), remote_encoded,
+                                   local.version.hlc, remote.hlc)
         if plan is None:
             return None
         side, encoded = plan

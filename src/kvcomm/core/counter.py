@@ -36,7 +36,10 @@ reappears holding it —, while every increment the delete saw stays gone. An in
 after the delete on the same host starts from the tombstone's state (so from 0). A put
 of a plain value is a reset too, but a coarser one: it carries no state, so a plain
 record concurrent with a counter wins over it, increments the put never saw included
-(both L2's merge and L3's script apply that rule). The counter that then adopts the put
+(both L2's merge and L3's script apply that rule) — but not over a counter that adopted
+a put stamped at or after it (:func:`kvcomm._client.counters.adopted_since`): that
+counter was counted after the record (a copy of it merged with a cut-off host's entries
+is concurrent with it in name only), and it wins. The counter that then adopts the put
 value starts a new **generation**, named after that put (its HLC, then a hash of its
 version: :func:`generation`, the entry :data:`GEN`): merged with a counter of an older
 generation — one that never saw the put, still out there (a host cut off) — the newer

@@ -179,7 +179,8 @@ record comes back, concurrent → last-writer-wins with the merged vector, or ``
 for an application resolver to settle; two concurrent counters of ``kv.incr`` — records of
 tag 5, or tombstones of meta ``c`` carrying a deleted counter's state — merge their states
 as :func:`kvcomm.core.counter.merge` does, by generation then maximum per actor, and a
-plain record wins over a concurrent counter), and appends every change to the group's stream,
+plain record wins over a concurrent counter unless the counter adopted a put stamped at or
+after it), and appends every change to the group's stream,
 bounded by ``MAXLEN ~``. A stored value that is not a KVCOMM record at all (garbage,
 another program's value, another Redis type, counters past ``MAX_COUNTER``) is replaced
 by the push as if the key were absent (``new``): that is how "rewrite the key", the
@@ -579,6 +580,16 @@ local function merge_counters(a, b)
   end
   return out
 end
+-- whether a counter adopted a put (its generation) stamped at or after the HLC h (a
+-- record's 16 hex digits): it was counted after that plain record (kvcomm._client.counters
+-- .adopted_since), and wins over it
+local function adopted_since(st, h)
+  local g = st['']
+  if g == nil then return false end
+  local hi, lo = tonumber(string.sub(h, 1, 8), 16), tonumber(string.sub(h, 9, 16), 16)
+  if hi == nil or lo == nil then return false end
+  return g[1] > hi or (g[1] == hi and g[2] >= lo)
+end
 local function counter_live(st)
   for k, e in pairs(st) do
     if k ~= '' and (e[1] ~= e[3] or e[2] ~= e[4]) then return true end
@@ -721,9 +732,11 @@ local function push(i)
   if cs ~= nil and ci ~= nil then
     counted = merge_counters(cs, ci)
   elseif cs ~= nil then
-    win = incoming  -- a plain record (a put, a delete without a state) resets a counter
+    -- a plain record (a put, a delete without a state) resets a counter, unless the
+    -- counter adopted a put stamped at or after it
+    if adopted_since(cs, incoming.h) then win = stored else win = incoming end
   elseif ci ~= nil then
-    win = stored
+    if adopted_since(ci, stored.h) then win = incoming else win = stored end
   end
   local merged = {}
   for k, v in pairs(b) do merged[k] = v end
