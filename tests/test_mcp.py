@@ -466,3 +466,86 @@ def test_the_task_board_example_runs(ns: str) -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "board: 3 of 3 tasks done" in r.stdout
+
+
+def test_many_pending_watches_hold_up_no_other_watch(ns: str, kv: kvcomm.Client) -> None:
+    """More watches than a thread pool would hold wait at once; a watch whose change is
+    already in the feed still returns while they all wait."""
+    n = 40
+
+    async def main() -> None:
+        async with stdio("--name", ns) as c:
+            start = (await c.ok("kv_watch", prefix="ready/", timeout=0))["cursor"]
+            kv.put("ready/1", 1)
+            ended: list[int] = []
+
+            async def idle_watch(i: int) -> None:
+                await c.ok("kv_watch", prefix=f"quiet{i}/", timeout=20)
+                ended.append(i)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(idle_watch, i)
+                await anyio.sleep(0.5)  # (their requests first; ended then shows they wait)
+                w = await c.ok("kv_watch", prefix="ready/", timeout=5, cursor=start)
+                assert [e["key"] for e in w["events"]] == ["ready/1"]
+                assert not ended  # (it did not wait for a pending watch to end)
+                assert (await c.ok("kv_get", key="ready/1"))["value"] == 1
+                tg.cancel_scope.cancel()
+    _run(main)
+
+
+def test_hostile_arguments_get_error_results_that_say_what_to_pass(ns: str,
+                                                                   kv: kvcomm.Client) -> None:
+    async def main() -> None:
+        async with stdio("--name", ns) as c:
+            for bad in ([], {}, 1, None):
+                msg = await c.err("kv_put", key="f", value={"$float": bad})
+                assert '"NaN", "Infinity" or "-Infinity"' in msg
+            for cursor in ("f\u00b2", "f" + "1" * 5000, "f1e3"):
+                assert "cursor" in await c.err("kv_watch", prefix="", timeout=0, cursor=cursor)
+            assert kv.get("f") is None
+            # a namespace purged under the server: a watch says so (not "no changes")
+            w = await c.ok("kv_watch", prefix="", timeout=0)
+            r = subprocess.run([sys.executable, "-m", "kvcomm", "purge", "--name", ns, "--force"],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            assert "purged" in await c.err("kv_watch", prefix="", timeout=1, cursor=w["cursor"])
+            assert "purged" in await c.err("kv_get", key="a")
+    _run(main)
+
+
+def test_any_loopback_address_keeps_dns_rebinding_protection(ns: str) -> None:
+    """Bound to a loopback address without a token, a request naming a foreign host (a
+    web page reaching the port by DNS rebinding) is refused, whichever loopback address."""
+    import httpx2
+
+    port = _free_port()
+    p = subprocess.Popen(_cmd("--name", ns, "--transport", "http", "--host", "127.0.0.2",
+                              "--port", str(port)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.2:{port}/mcp"
+
+    def listening() -> bool:
+        assert p.poll() is None, p.communicate()
+        try:
+            socket.create_connection(("127.0.0.2", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                       "clientInfo": {"name": "t", "version": "0"}}}
+    hdr = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    try:
+        wait_for(listening, 30, "the HTTP server listening")
+        assert httpx2.post(url, json=body, headers=hdr).status_code == 200
+        for foreign in ({"Host": "evil.example:80"},
+                        {"Host": f"127.0.0.2:{port}", "Origin": "http://evil.example"}):
+            # (421 for a foreign Host, 403 for a foreign Origin)
+            assert httpx2.post(url, json=body, headers={**hdr, **foreign}).status_code in (403, 421)
+    finally:
+        p.terminate()
+        out, _ = p.communicate(timeout=30)
+        assert out == b""
