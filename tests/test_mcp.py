@@ -580,3 +580,31 @@ def test_an_unparseable_request_gets_a_reply(ns: str) -> None:
     finally:
         p.stdin.close()
         p.wait(timeout=30)
+
+
+def test_a_scan_page_of_large_values_is_bounded_in_bytes(ns: str, kv: kvcomm.Client) -> None:
+    """Python agents may store values far over kv_put's bound: a kv_scan page stops at
+    4 MiB of JSON (one item at least) and its cursor pages on through all."""
+
+    big = b"\x07" * (5 << 18)  # (1.25 MiB: 1.7 MiB as base64, over kv_put's bound)
+    for i in range(5):
+        kv.put(f"big/{i}", big)
+
+    async def main() -> None:
+        async with stdio("--name", ns) as c:
+            keys: list[str] = []
+            after = None
+            pages = 0
+            while True:
+                page = await c.ok("kv_scan", prefix="big/", limit=10,
+                                  **({"after": after} if after else {}))
+                assert len(page["items"]) == 1 or len(json.dumps(page)) <= (4 << 20) + 4096
+                assert all(base64.b64decode(i["value"]["$bytes"]) == big for i in page["items"])
+                keys += [i["key"] for i in page["items"]]
+                pages += 1
+                after = page["cursor"]
+                if after is None:
+                    break
+            assert keys == [f"big/{i}" for i in range(5)]
+            assert pages >= 3  # (2 items a page: 5 in one page would be 8.5 MiB)
+    _run(main)

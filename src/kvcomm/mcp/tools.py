@@ -41,6 +41,9 @@ from ..errors import ConflictError, KVCommError
 MAX_VALUE_BYTES = 1 << 20
 #: The most items a kv_scan page holds, and events a kv_watch call returns.
 MAX_PAGE = 1000
+#: The most a kv_scan page holds, as JSON text (one item at least, whatever its size: a
+#: Python agent may store values up to cache.max_value_size).
+MAX_PAGE_BYTES = 4 << 20
 #: The longest a kv_watch call waits, in seconds.
 MAX_WATCH_S = 60.0
 #: The longest ttl of kv_announce, in seconds (an announcement is renewed by calling again).
@@ -255,13 +258,19 @@ class KVTools:
         limit = min(limit, MAX_PAGE)
         if after is not None and type(after) is not str:
             raise ToolRefused(f"after must be a key string (the previous page's cursor), got {after!r}")
-        items = list(self.kv.scan(prefix, limit=limit + 1, after=after or None))
-        more = len(items) > limit
-        items = items[:limit]
-        return {"items": [{"key": i.key, "value": value_to_json(i.value),
-                           "version": version_str(i.version), "expires_at": i.expires_at}
-                          for i in items],
-                "cursor": items[-1].key if more else None}
+        out: list[dict[str, Any]] = []
+        size = 0
+        more = False
+        for i in self.kv.scan(prefix, limit=limit + 1, after=after or None):
+            value = value_to_json(i.value)
+            n = len(json.dumps(value, separators=(",", ":"))) + len(i.key)
+            if len(out) == limit or (out and size + n > MAX_PAGE_BYTES):
+                more = True  # (a page of at most limit items and MAX_PAGE_BYTES, one at least)
+                break
+            size += n
+            out.append({"key": i.key, "value": value, "version": version_str(i.version),
+                        "expires_at": i.expires_at})
+        return {"items": out, "cursor": out[-1]["key"] if more else None}
 
     def kv_watch(self, prefix: str, timeout: float = 10.0,
                  cursor: str | None = None) -> dict[str, Any]:
