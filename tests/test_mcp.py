@@ -82,6 +82,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_listening(p: subprocess.Popen[bytes], host: str, port: int) -> None:
+    """Until ``kvcomm mcp --transport http`` (process ``p``) accepts connections."""
+
+    def listening() -> bool:
+        assert p.poll() is None, p.communicate()
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    wait_for(listening, 30, "the HTTP server listening")
+
+
 @pytest.fixture
 def http_server(ns: str, kv: kvcomm.Client, tmp_path: Path) -> Iterator[tuple[str, str]]:
     """``kvcomm mcp --transport http`` on a free loopback port with a token file, serving
@@ -93,16 +107,8 @@ def http_server(ns: str, kv: kvcomm.Client, tmp_path: Path) -> Iterator[tuple[st
                               "--token-file", str(tmp_path / "token")),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    def listening() -> bool:
-        assert p.poll() is None, p.communicate()
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
     try:
-        wait_for(listening, 30, "the HTTP server listening")
+        _wait_listening(p, "127.0.0.1", port)
         yield f"http://127.0.0.1:{port}/mcp", token
     finally:
         p.terminate()
@@ -526,20 +532,12 @@ def test_any_loopback_address_keeps_dns_rebinding_protection(ns: str) -> None:
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     url = f"http://127.0.0.2:{port}/mcp"
 
-    def listening() -> bool:
-        assert p.poll() is None, p.communicate()
-        try:
-            socket.create_connection(("127.0.0.2", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
     body = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
             "params": {"protocolVersion": "2025-06-18", "capabilities": {},
                        "clientInfo": {"name": "t", "version": "0"}}}
     hdr = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
     try:
-        wait_for(listening, 30, "the HTTP server listening")
+        _wait_listening(p, "127.0.0.2", port)
         assert httpx2.post(url, json=body, headers=hdr).status_code == 200
         for foreign in ({"Host": "evil.example:80"},
                         {"Host": f"127.0.0.2:{port}", "Origin": "http://evil.example"}):
