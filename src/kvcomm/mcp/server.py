@@ -1,10 +1,12 @@
 """``kvcomm mcp``: the tools of :mod:`kvcomm.mcp.tools` served over MCP (the official
 Python SDK, ``mcp`` 2.x: ``pip install 'kvcomm[mcp]'``), on stdio or streamable HTTP.
 
-Calls that may wait run in worker threads, so the event loop keeps serving other requests:
-``kv_watch`` always (a dedicated pool of :data:`WATCHERS` threads: long watches never
-starve short calls), and in cluster mode every tool (an L2 miss reaches Redis). In the
-embedded mode get/put/scan are L1/L2 operations of microseconds and run inline.
+In cluster mode every call runs in a worker thread (an L2 miss reaches Redis), so the event
+loop keeps serving other requests; in the embedded mode get/put/scan are L1/L2 operations
+of microseconds and run inline. A ``kv_watch`` holds no thread while it waits: it looks at
+the feed (a step of microseconds, in a worker thread in cluster mode) and sleeps on the
+event loop between looks, so any number of pending watches (up to :data:`MAX_WATCHES`)
+never holds up another call or another watch.
 
 Nothing but protocol messages goes to stdout: logs (the SDK's, uvicorn's, ours) go to
 stderr.
@@ -25,8 +27,11 @@ from .tools import MAX_ANNOUNCE_TTL_S, MAX_PAGE, MAX_VALUE_BYTES, MAX_WATCH_S, K
 
 log = logging.getLogger("kvcomm.mcp")
 
-#: Worker threads kv_watch calls may hold at once (beyond: they queue).
-WATCHERS = 32
+#: kv_watch calls pending at once (beyond: refused, the message says to retry).
+MAX_WATCHES = 1024
+#: Pending watches that look at the feed at full rate (at most every 5 ms); beyond, each
+#: looks proportionally less often, so that the looks stay bounded.
+_FULL_RATE_WATCHES = 32
 
 INSTRUCTIONS = (
     "KVCOMM: a key-value namespace shared with other agents (Python processes on this host, "
@@ -107,13 +112,12 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
     from mcp.server.mcpserver.exceptions import ToolError
 
     server = MCPServer("kvcomm", instructions=INSTRUCTIONS, log_level="WARNING")
-    watchers = anyio.CapacityLimiter(WATCHERS)
+    pending = [0]  # kv_watch calls in progress (the event loop's thread only)
 
-    async def run(name: str, args: dict[str, Any], thread: bool,
-                  limiter: anyio.CapacityLimiter | None = None) -> dict[str, Any]:
+    async def run(name: str, args: dict[str, Any], thread: bool) -> Any:
         try:
             if thread:
-                return await anyio.to_thread.run_sync(call, tools, name, args, limiter=limiter)
+                return await anyio.to_thread.run_sync(call, tools, name, args)
             return call(tools, name, args)
         except ToolRefused as exc:
             raise ToolError(str(exc)) from None
@@ -152,8 +156,21 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
                            description="the cursor a previous kv_watch returned: the changes since "
                                        "then (none missed); omit to wait for changes from now")] = None
                        ) -> dict[str, Any]:
-        return await run("kv_watch", {"prefix": prefix, "timeout": timeout, "cursor": cursor},
-                         True, watchers)
+        if pending[0] >= MAX_WATCHES:
+            raise ToolError(f"{MAX_WATCHES} kv_watch calls are already waiting on this server: "
+                            "retry in a few seconds, or watch one wider prefix instead of many")
+        pending[0] += 1
+        try:
+            w = await run("watch_start", {"prefix": prefix, "timeout": timeout, "cursor": cursor},
+                          threaded)
+            while True:
+                step = await run("watch_step", {"w": w}, threaded)
+                if type(step) is dict:
+                    return step
+                # (many pending watches: each looks less often, the looks stay bounded)
+                await anyio.sleep(step * max(1.0, pending[0] / _FULL_RATE_WATCHES))
+        finally:
+            pending[0] -= 1
 
     async def kv_incr(key: Key, delta: Annotated[int, Field(
             description="the amount to add (negative subtracts)")] = 1) -> dict[str, Any]:
@@ -212,11 +229,18 @@ def serve(kv: Any, *, prefixes: list[str], read_only: bool, transport: str, host
             anyio.run(server.run_stdio_async)
             return 0
         import uvicorn
+        from mcp.server.transport_security import TransportSecuritySettings
 
-        security = None
-        if not _loopback(host):
-            from mcp.server.transport_security import TransportSecuritySettings
-
+        if _loopback(host):
+            # DNS-rebinding protection on every loopback address (the SDK turns it on by
+            # itself only for 127.0.0.1, localhost and ::1): a web page must not reach a
+            # server bound to 127.0.0.2 either
+            named = [f"[{host}]" if ":" in host else host, "127.0.0.1", "localhost", "[::1]"]
+            security = TransportSecuritySettings(
+                enable_dns_rebinding_protection=True,
+                allowed_hosts=[f"{h}:*" for h in named],
+                allowed_origins=[f"http://{h}:*" for h in named])
+        else:
             # (bound beyond loopback, clients name the host as they reach it: the token,
             # not the Host header, is what keeps strangers out)
             security = TransportSecuritySettings(enable_dns_rebinding_protection=False)

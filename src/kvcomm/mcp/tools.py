@@ -41,6 +41,9 @@ from ..errors import ConflictError, KVCommError
 MAX_VALUE_BYTES = 1 << 20
 #: The most items a kv_scan page holds, and events a kv_watch call returns.
 MAX_PAGE = 1000
+#: The most a kv_scan page holds, as JSON text (one item at least, whatever its size: a
+#: Python agent may store values up to cache.max_value_size).
+MAX_PAGE_BYTES = 4 << 20
 #: The longest a kv_watch call waits, in seconds.
 MAX_WATCH_S = 60.0
 #: The longest ttl of kv_announce, in seconds (an announcement is renewed by calling again).
@@ -74,7 +77,7 @@ def value_from_json(v: Any) -> Any:
                 except (binascii.Error, ValueError):
                     raise ToolRefused('{"$bytes": ...} holds a string that is not valid base64') from None
             if k == "$float":
-                if x not in _FLOATS:
+                if type(x) is not str or x not in _FLOATS:
                     raise ToolRefused('{"$float": ...} holds "NaN", "Infinity" or "-Infinity"')
                 return _FLOATS[x]
         return {k: value_from_json(x) for k, x in v.items()}
@@ -138,10 +141,22 @@ def version_of(s: Any) -> Version:
 
 
 def _cursor_of(s: str) -> int:
-    if not s.startswith("f") or not s[1:].isdigit():
+    if (not s.startswith("f") or not s[1:].isascii() or not s[1:].isdigit()
+            or len(s) > 21):
         raise ToolRefused(f"cursor {s!r} is not a watch cursor this server gave out: pass the "
                           "cursor of the previous kv_watch, or none to start from now")
     return int(s[1:])
+
+
+class Watch:
+    """A kv_watch call in progress (see :meth:`KVTools.watch_start`)."""
+
+    __slots__ = ("prefix", "sub", "at", "deadline", "overflow", "idle")
+
+    def __init__(self, prefix: str, sub: Any, at: int, deadline: float) -> None:
+        self.prefix, self.sub, self.at, self.deadline = prefix, sub, at, deadline
+        self.overflow = False
+        self.idle = 0.0001
 
 
 class KVTools:
@@ -243,16 +258,33 @@ class KVTools:
         limit = min(limit, MAX_PAGE)
         if after is not None and type(after) is not str:
             raise ToolRefused(f"after must be a key string (the previous page's cursor), got {after!r}")
-        items = list(self.kv.scan(prefix, limit=limit + 1, after=after or None))
-        more = len(items) > limit
-        items = items[:limit]
-        return {"items": [{"key": i.key, "value": value_to_json(i.value),
-                           "version": version_str(i.version), "expires_at": i.expires_at}
-                          for i in items],
-                "cursor": items[-1].key if more else None}
+        out: list[dict[str, Any]] = []
+        size = 0
+        more = False
+        for i in self.kv.scan(prefix, limit=limit + 1, after=after or None):
+            value = value_to_json(i.value)
+            n = len(json.dumps(value, separators=(",", ":"))) + len(i.key)
+            if len(out) == limit or (out and size + n > MAX_PAGE_BYTES):
+                more = True  # (a page of at most limit items and MAX_PAGE_BYTES, one at least)
+                break
+            size += n
+            out.append({"key": i.key, "value": value, "version": version_str(i.version),
+                        "expires_at": i.expires_at})
+        return {"items": out, "cursor": out[-1]["key"] if more else None}
 
     def kv_watch(self, prefix: str, timeout: float = 10.0,
                  cursor: str | None = None) -> dict[str, Any]:
+        w = self.watch_start(prefix, timeout, cursor)
+        while True:
+            step = self.watch_step(w)
+            if type(step) is dict:
+                return step
+            time.sleep(step)
+
+    def watch_start(self, prefix: str, timeout: float = 10.0,
+                    cursor: str | None = None) -> Watch:
+        """A kv_watch call's state (arguments checked; in cluster mode the prefix
+        registered, which may wait for the node daemon): :meth:`watch_step` polls it."""
         prefix = self._prefix(prefix)
         if type(timeout) not in (int, float) or not 0 <= timeout <= MAX_WATCH_S:
             raise ToolRefused(f"timeout is a number of seconds from 0 to {MAX_WATCH_S:g}, got {timeout!r}")
@@ -260,26 +292,35 @@ class KVTools:
         kv._live()
         sub = self._subscription(prefix) if kv._cluster else None
         at = kv._seg.feed_head() if cursor is None else _cursor_of(cursor)
-        deadline = time.monotonic() + timeout
-        idle = 0.0001
-        overflow = False
-        while True:
-            events, at, overflowed = kv._feed_events(prefix, at, MAX_PAGE)
-            overflow = overflow or overflowed
-            out = [{"key": e.key, "kind": e.kind, "version": version_str(e.version)}
-                   for e in events]
-            if sub is not None:
-                for e in kv._cluster_events(sub):
-                    if e.kind == "overflow":
-                        overflow = True
-                    else:
-                        out.append({"key": e.key, "kind": e.kind, "version": version_str(e.version)})
-            if out or overflow or time.monotonic() >= deadline:
-                return {"events": out, "cursor": f"f{at}", "overflow": overflow}
-            if at < kv._seg.feed_head():
-                continue  # (a page of other prefixes' changes: read on at once)
-            time.sleep(idle)
-            idle = min(idle * 2, 0.005)
+        return Watch(prefix, sub, at, time.monotonic() + timeout)
+
+    def watch_step(self, w: Watch) -> dict[str, Any] | float:
+        """One look at the feed (never waits): kv_watch's result when there are changes,
+        an overflow or the deadline passed; else the seconds to wait before the next look
+        (0: read on at once)."""
+        kv = self.kv
+        kv._live()
+        if kv._seg.purged:
+            raise ToolRefused(f"namespace {kv.name!r} was purged while watched: nothing will "
+                              "change in it; restart this server (kvcomm mcp) to serve the "
+                              "namespace anew")
+        events, w.at, overflowed = kv._feed_events(w.prefix, w.at, MAX_PAGE)
+        w.overflow = w.overflow or overflowed
+        out = [{"key": e.key, "kind": e.kind, "version": version_str(e.version)}
+               for e in events]
+        if w.sub is not None:
+            for e in kv._cluster_events(w.sub):
+                if e.kind == "overflow":
+                    w.overflow = True
+                else:
+                    out.append({"key": e.key, "kind": e.kind, "version": version_str(e.version)})
+        if out or w.overflow or time.monotonic() >= w.deadline:
+            return {"events": out, "cursor": f"f{w.at}", "overflow": w.overflow}
+        if w.at < kv._seg.feed_head():
+            return 0.0  # (a page of other prefixes' changes: read on at once)
+        idle = w.idle
+        w.idle = min(idle * 2, 0.005)
+        return min(idle, max(0.0, w.deadline - time.monotonic()))
 
     def _subscription(self, prefix: str) -> Any:
         """Cluster mode: ``prefix`` registered with the host's node daemon (so that other
