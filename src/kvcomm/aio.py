@@ -147,6 +147,7 @@ class AsyncClient:
     def __init__(self, client: Client) -> None:
         self._kv = client
         self._inflight: set[Future[Any]] = set()  # calls running in the pool
+        self.off_loop = 0  # calls that ran in the pool (they would have waited on the loop)
         self._bell: _FeedBell | None = None
 
     @property
@@ -181,6 +182,7 @@ class AsyncClient:
         """``fn(*args, **kwargs)`` in the pool, awaited. Cancelled, the call still runs
         to its end (or never starts, if queued): aclose() waits for it."""
         cf = _executor().submit(fn, *args, **kwargs)
+        self.off_loop += 1
         self._inflight.add(cf)
         cf.add_done_callback(self._inflight.discard)
         return await asyncio.wrap_future(cf)
