@@ -10,6 +10,7 @@ from ..core.expiry import check_ttl
 from ..core.versions import Version
 from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE, Record
+from . import counters
 from .base import (
     _BYTES,
     _CONSISTENCY,
@@ -194,9 +195,13 @@ class Writes(Reads):
                 return 0  # absent here and in L3: nothing to delete, nothing to tell L3
         check = None if cas is None and validator is None else \
             self._checker(key, kb, h, cas, validator, None)
-        counter: int = self._seg.apply([(kb, h)], now_ms=_now_ms(), dirty=self._cluster,
-                                       max_dirty=self._max_dirty, tombstones=self._cluster,
-                                       check=check)[0]
+        ops: list[tuple[Any, ...]] = [(kb, h)]
+        now_ms = _now_ms()
+        if self._cluster:  # a counter's tombstone keeps what it saw: _client/counters.py
+            check = counters.delete_check(self._seg, kb, h, ops, now_ms, check)
+        r = self._seg.apply(ops, now_ms=now_ms, dirty=self._cluster, max_dirty=self._max_dirty,
+                            tombstones=self._cluster, check=check)[0]
+        counter: int = r if type(r) is int else r[0]
         self._l1.discard(key)
         if counter:
             self.counters["deletes"] += 1
@@ -205,6 +210,9 @@ class Writes(Reads):
     def update(self, key: str, fn: Callable[[Any], Any], *, default: Any = None,
                ttl: float | None = None) -> Any:
         """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
+
+        To count (exactly across hosts too, and on through a partition), use :meth:`incr`;
+        ``update`` is for a conditional read-modify-write of any value.
 
         ``fn`` may run more than once when other writers race; it must not have side
         effects. No increment is ever lost, whatever the number of processes. The key keeps

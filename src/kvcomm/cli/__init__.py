@@ -323,7 +323,7 @@ def _soak(args: argparse.Namespace) -> int:
         "seed": args.seed, "directory": args.dir, "workers": args.workers, "rate": args.rate,
         "faults": [f for f in args.faults.split(",") if f] if args.faults else None,
         "shared_deletes": not args.no_shared_deletes, "strict_reads": args.strict_reads,
-        "converge_timeout": args.converge_timeout}
+        "converge_timeout": args.converge_timeout, "counter_keys": args.counter_keys}
     if args.quiet:
         opts["log"] = lambda line: None
     return soak.main(opts, as_json=args.json)
@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="operations per second per agent (default 50)")
     sk.add_argument("--no-shared-deletes", action="store_true",
                     help="agents never delete keys other hosts write")
+    sk.add_argument("--counter-keys", type=int, default=8, metavar="N",
+                    help="counters every agent kv.incr's (default 8; 0: none); the final "
+                    "value must be the sum of the acknowledged increments")
     sk.add_argument("--strict-reads", action="store_true",
                     help="a stale read of an agent's own key fails the run too")
     sk.add_argument("--converge-timeout", type=float, default=60.0, metavar="S",

@@ -12,6 +12,8 @@ PACKED  None, bool, int, float, list,       msgpack (tuples come back as lists;
         tuple, dict with str keys, nested   dict keys must be str)
 NDARRAY numpy.ndarray of a numeric dtype    raw C-order data; meta = msgpack
                                             [dtype.str, shape]
+COUNTER a counter kv.incr keeps (read as    its state: :mod:`kvcomm.core.counter`
+        its int)                            (per-actor counts, merged by maximum)
 ======  ==================================  ====================================
 
 Small values are not compressed: ``FACTS.md`` measured 1 KiB of drone state shrinking
@@ -25,11 +27,13 @@ from typing import Any
 import msgpack
 
 from ..errors import UnsupportedValue
+from . import counter
 
 BYTES = 1
 STR = 2
 PACKED = 3
 NDARRAY = 4
+COUNTER = 5  # written only by kv.incr (core/counter.py); decodes to its int
 
 _NUMERIC_KINDS = frozenset("biufc")
 _MAX_DEPTH = 64
@@ -122,6 +126,8 @@ def decode(tag: int, meta: bytes, payload: bytes | memoryview) -> Any:
             return msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except (TypeError, ValueError, msgpack.UnpackException) as e:  # e.g. an unhashable map key
             raise ValueError(f"malformed packed value: {e}") from None
+    if tag == COUNTER:
+        return counter.value(counter.decode(payload))
     if tag == NDARRAY:
         arr = array_view(meta, payload)
         out = arr.copy()
