@@ -57,8 +57,8 @@ def aconfig() -> kvcomm.Config:
 def test_every_public_sync_method_has_an_awaited_face_with_its_signature() -> None:
     sync = {n: f for n, f in inspect.getmembers(kvcomm.Client, inspect.isfunction)
             if not n.startswith("_")}
-    assert {"put", "get", "get_item", "delete", "update", "touch", "batch", "scan", "watch",
-            "presence", "present", "close"} <= set(sync)
+    assert {"put", "get", "get_item", "delete", "update", "incr", "touch", "batch", "scan",
+            "watch", "presence", "present", "close"} <= set(sync)
     for name, fn in sync.items():
         face = getattr(AsyncClient, name, None)
         assert face is not None, f"kvcomm.aio has no face for Client.{name}"
@@ -89,6 +89,8 @@ def test_the_contract_as_users_call_it_in_both_open_styles(ns: str,
             assert await kv.update("n", lambda v: v + 1, default=10) == 11
             assert await kv.update("n", lambda v: v * 2, default=0, ttl=30) == 22
             assert await kv.touch("k", 60) is True and await kv.touch("absent", 1) is False
+            assert await kv.incr("ctr") == 1 and await kv.incr("ctr", delta=-3) == -2
+            assert await kv.get("ctr") == -2
             got = await kv.get_item("k")
             assert got is not None and got.expires_at is not None
             with pytest.raises(kvcomm.ConflictError):
@@ -329,7 +331,10 @@ def test_cancelled_at_random_points_no_lock_held_no_half_write(ns: str, aconfig:
             else:
                 k = f"c/{w % 4}"
                 incr_tried[k] = incr_tried.get(k, 0) + 1
-                await kv.update(k, lambda v: v + 1, default=0)
+                if i % 2:
+                    await kv.update(k, lambda v: v + 1, default=0)
+                else:
+                    await kv.incr(k)
                 incr_acked[k] = incr_acked.get(k, 0) + 1
             await asyncio.sleep(0)
 
