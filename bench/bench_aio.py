@@ -117,28 +117,24 @@ async def drive(get: Callable[[str], Awaitable[Any]], put: Callable[[str, bytes]
     return sum(counts) / elapsed, ticker
 
 
-def _writer_kvcomm(ns: str, keys: list[str], stop: Any, count: Any) -> None:
-    kv = kvcomm.open(ns)
+def _writer(target: str | int, keys: list[str], stop: Any, count: Any) -> None:
+    """The second process: puts of the same keys as fast as it can, into namespace
+    ``target`` (KVCOMM) or the redis-server on port ``target``."""
+    if isinstance(target, str):
+        kv = kvcomm.open(target)
+        put, close = kv.put, kv.close
+    else:
+        import redis
+
+        c = redis.Redis("127.0.0.1", target)
+        put, close = c.set, c.close
     r = random.Random(7)
     n = 0
     while not stop.is_set():
-        kv.put(keys[r.randrange(len(keys))], VALUE)
+        put(keys[r.randrange(len(keys))], VALUE)
         n += 1
     count.value = n
-    kv.close()
-
-
-def _writer_redis(port: int, keys: list[str], stop: Any, count: Any) -> None:
-    import redis
-
-    c = redis.Redis("127.0.0.1", port)
-    r = random.Random(7)
-    n = 0
-    while not stop.is_set():
-        c.set(keys[r.randrange(len(keys))], VALUE)
-        n += 1
-    count.value = n
-    c.close()
+    close()
 
 
 def with_writer(target: Callable[..., None], args: tuple[Any, ...],
@@ -179,7 +175,7 @@ def embedded(args: argparse.Namespace) -> None:
                 off_loop = kv.off_loop
                 return out
 
-        ops, lag, w = with_writer(_writer_kvcomm, (ns, keys), lambda: asyncio.run(run_aio()))
+        ops, lag, w = with_writer(_writer, (ns, keys), lambda: asyncio.run(run_aio()))
         rows.append(("kvcomm.aio", ops, lag, w))
         print(f"(kvcomm.aio: {off_loop} calls met the held writer lock and ran in the pool)")
 
@@ -189,7 +185,7 @@ def embedded(args: argparse.Namespace) -> None:
         async def to_thread_put(k: str, v: bytes) -> Any:
             return await asyncio.to_thread(sync.put, k, v)
 
-        ops, lag, w = with_writer(_writer_kvcomm, (ns, keys), lambda: asyncio.run(
+        ops, lag, w = with_writer(_writer, (ns, keys), lambda: asyncio.run(
             drive(to_thread_get, to_thread_put, keys, args.coros, args.seconds)))
         rows.append(("sync client, asyncio.to_thread", ops, lag, w))
         sync.close()
@@ -206,7 +202,7 @@ def embedded(args: argparse.Namespace) -> None:
             finally:
                 await r.aclose()
 
-        ops, lag, w = with_writer(_writer_redis, (server.port, keys),
+        ops, lag, w = with_writer(_writer, (server.port, keys),
                                   lambda: asyncio.run(run_redis()))
         rows.append(("redis.asyncio (local redis-server, TCP)", ops, lag, w))
     finally:

@@ -114,6 +114,22 @@ def _executor() -> ThreadPoolExecutor:
     return pool
 
 
+_WOULD_WAIT: Any = object()  # (_inline: the call would have waited; nothing was done)
+
+
+def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` on this (the loop's) thread, with the inline budget set:
+    its result, or _WOULD_WAIT when it stopped at a held lock or the network (WouldBlock,
+    raised before it did anything)."""
+    prev = set_inline_wait(INLINE_LOCK_WAIT)
+    try:
+        return fn(*args, **kwargs)
+    except WouldBlock:
+        return _WOULD_WAIT
+    finally:
+        set_inline_wait(prev)
+
+
 def _public(cls: type) -> dict[str, Callable[..., Any]]:
     """The public methods of ``cls`` (what the async face must cover)."""
     return {n: f for n, f in inspect.getmembers(cls, inspect.isfunction)
@@ -126,14 +142,10 @@ def _awaited(name: str, sync_fn: Callable[..., Any]) -> Callable[..., Awaitable[
 
     async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self._kv, name)
-        prev = set_inline_wait(INLINE_LOCK_WAIT)
-        try:
-            return fn(*args, **kwargs)
-        except WouldBlock:
-            pass
-        finally:
-            set_inline_wait(prev)
-        return await self._off_loop(fn, args, kwargs)
+        out = _inline(fn, args, kwargs)
+        if out is _WOULD_WAIT:
+            out = await self._off_loop(fn, args, kwargs)
+        return out
 
     functools.update_wrapper(method, sync_fn)  # name, docstring; signature via __wrapped__
     method.__doc__ = f"Awaited :meth:`kvcomm.Client.{name}`.\n\n{sync_fn.__doc__ or ''}"
@@ -168,14 +180,10 @@ class AsyncClient:
     async def _attempt(self, fn: Callable[..., Any], args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` inline, or in the pool if it would wait."""
-        prev = set_inline_wait(INLINE_LOCK_WAIT)
-        try:
-            return fn(*args, **kwargs)
-        except WouldBlock:
-            pass
-        finally:
-            set_inline_wait(prev)
-        return await self._off_loop(fn, args, kwargs)
+        out = _inline(fn, args, kwargs)
+        if out is _WOULD_WAIT:
+            out = await self._off_loop(fn, args, kwargs)
+        return out
 
     async def _off_loop(self, fn: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:
