@@ -1,6 +1,6 @@
 """kvcomm.aio under asyncio load, against redis.asyncio and the sync client in to_thread.
 
-    python bench/bench_aio.py [--seconds 3] [--coros 200] [--keys 10000] [--cluster]
+    python bench/bench_aio.py [--seconds 3] [--rounds 3] [--coros 200] [--keys 10000] [--cluster]
 
 **Embedded** (the default config): ``--coros`` coroutines on one event loop, each doing
 gets and puts in turn (half and half) of 1 KiB values over ``--keys`` keys, yielding once
@@ -12,7 +12,8 @@ a second process writes the same keys as fast as it can. Three faces, same run:
   port; the second process writes to it);
 * the sync client through ``asyncio.to_thread`` (the default executor).
 
-Printed: operations per second, the ratio to redis.asyncio, and the loop's worst lag (a
+Printed (medians of ``--rounds`` rounds, the faces interleaved): operations per second,
+the ratio to redis.asyncio, and the loop's worst lag (a
 1 ms ticker: how late its longest tick came), and the same ticker's on a loop with
 nothing to do (the machine's own noise floor). Every run starts with ``gc.freeze()``, so
 that a full collection does not rescan the objects the imports and the setup made (one
@@ -36,6 +37,7 @@ import gc
 import multiprocessing
 import os
 import random
+import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -160,24 +162,23 @@ def embedded(args: argparse.Namespace) -> None:
 
     keys = [f"k/{i:05d}" for i in range(args.keys)]
     ns = f"bench-aio-{uuid.uuid4().hex[:8]}"
-    rows: list[tuple[str, float, Ticker, float]] = []
+    faces = ["kvcomm.aio", "sync client, asyncio.to_thread",
+             "redis.asyncio (local redis-server, TCP)"]
+    runs: dict[str, list[tuple[float, Ticker, float]]] = {f: [] for f in faces}
+    idles: list[Ticker] = []
+    off_loop = 0
+    server = RedisServer().start()
+    sync = kvcomm.open(ns)
     try:
-        sync = kvcomm.open(ns)
         for k in keys:
             sync.put(k, VALUE)
-
-        off_loop = 0
 
         async def run_aio() -> tuple[float, Ticker]:
             nonlocal off_loop
             async with kvcomm.aio.open(ns) as kv:
                 out = await drive(kv.get, kv.put, keys, args.coros, args.seconds)
-                off_loop = kv.off_loop
+                off_loop += kv.off_loop
                 return out
-
-        ops, lag, w = with_writer(_writer, (ns, keys), lambda: asyncio.run(run_aio()))
-        rows.append(("kvcomm.aio", ops, lag, w))
-        print(f"(kvcomm.aio: {off_loop} calls met the held writer lock and ran in the pool)")
 
         async def to_thread_get(k: str) -> Any:
             return await asyncio.to_thread(sync.get, k)
@@ -185,15 +186,6 @@ def embedded(args: argparse.Namespace) -> None:
         async def to_thread_put(k: str, v: bytes) -> Any:
             return await asyncio.to_thread(sync.put, k, v)
 
-        ops, lag, w = with_writer(_writer, (ns, keys), lambda: asyncio.run(
-            drive(to_thread_get, to_thread_put, keys, args.coros, args.seconds)))
-        rows.append(("sync client, asyncio.to_thread", ops, lag, w))
-        sync.close()
-    finally:
-        l2.purge(ns)
-
-    server = RedisServer().start()
-    try:
         async def run_redis() -> tuple[float, Ticker]:
             r = aredis.Redis(host="127.0.0.1", port=server.port, max_connections=args.coros + 8)
             await r.mset({k: VALUE for k in keys})
@@ -202,23 +194,39 @@ def embedded(args: argparse.Namespace) -> None:
             finally:
                 await r.aclose()
 
-        ops, lag, w = with_writer(_writer, (server.port, keys),
-                                  lambda: asyncio.run(run_redis()))
-        rows.append(("redis.asyncio (local redis-server, TCP)", ops, lag, w))
+        for rnd in range(args.rounds):  # (the faces interleaved: the machine's noise spread)
+            runs[faces[0]].append(with_writer(_writer, (ns, keys), lambda: asyncio.run(run_aio())))
+            runs[faces[1]].append(with_writer(_writer, (ns, keys), lambda: asyncio.run(
+                drive(to_thread_get, to_thread_put, keys, args.coros, args.seconds))))
+            runs[faces[2]].append(with_writer(_writer, (server.port, keys),
+                                              lambda: asyncio.run(run_redis())))
+            idles.append(asyncio.run(idle_loop(args.seconds)))
+            print(f"round {rnd + 1}: " + ", ".join(f"{f.split()[0]} {runs[f][-1][0]:,.0f} ops/s"
+                                                   for f in faces))
     finally:
+        sync.close()
+        l2.purge(ns)
         server.stop()
 
-    idle = asyncio.run(idle_loop(args.seconds))
-    redis_ops = rows[-1][1]
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    redis_ops = med([r[0] for r in runs[faces[2]]])
     heading(f"embedded: {args.coros} coroutines, half get / half put, 1 KiB values, "
-            f"{args.keys} keys, sleep(0) between ops, a second process writing the same keys")
+            f"{args.keys} keys, sleep(0) between ops, a second process writing the same keys "
+            f"(median of {args.rounds} rounds of {args.seconds:g} s)")
     print(f"{'face':42} {'ops/s':>10} {'x redis':>8} {'worst lag':>10} {'p99 lag':>8} "
           f"{'writer ops/s':>13}")
-    for name, ops, t, w in rows:
-        print(f"{name:42} {ops:>10,.0f} {ops / redis_ops:>7.1f}x {t.worst * 1000:>8.1f}ms "
-              f"{t.p99 * 1000:>6.1f}ms {w:>13,.0f}")
+    for f in faces:
+        ops = med([r[0] for r in runs[f]])
+        print(f"{f:42} {ops:>10,.0f} {ops / redis_ops:>7.1f}x "
+              f"{med([r[1].worst for r in runs[f]]) * 1000:>8.1f}ms "
+              f"{med([r[1].p99 for r in runs[f]]) * 1000:>6.1f}ms "
+              f"{med([r[2] for r in runs[f]]):>13,.0f}")
     print(f"{'(the loop alone, no work: the noise floor)':42} {'':>10} {'':>8} "
-          f"{idle.worst * 1000:>8.1f}ms {idle.p99 * 1000:>6.1f}ms")
+          f"{med([t.worst for t in idles]) * 1000:>8.1f}ms "
+          f"{med([t.p99 for t in idles]) * 1000:>6.1f}ms")
+    print(f"(kvcomm.aio: {off_loop} calls met the held writer lock and ran in the pool)")
 
 
 async def idle_loop(seconds: float) -> Ticker:
@@ -311,6 +319,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--coros", type=int, default=200)
     ap.add_argument("--keys", type=int, default=10_000)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the three faces, interleaved")
     ap.add_argument("--cluster", action="store_true", help="the cluster-mode lag run too")
     args = ap.parse_args()
     embedded(args)
