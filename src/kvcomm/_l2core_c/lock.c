@@ -85,7 +85,15 @@ take_lock_or_not(Core *c, double timeout, int quiet)
     if (rc == EBUSY && inline_wait >= 0) {
         /* an event loop's thread: wait at most inline_wait here (holds take microseconds),
          * then WouldBlock, nothing held or written: the caller reruns the call in a thread */
-        if (inline_wait > 0)
+        /* a holder keeps the lock a microsecond or two: try again a few µs before sleeping
+         * (a futex sleep and wake-up on a busy host costs more than the hold) */
+        for (int spin = 0; spin < 256 && rc == EBUSY; spin++) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            rc = pthread_mutex_trylock(c->mutex);
+        }
+        if (rc == EBUSY && inline_wait > 0)
             rc = lock_until(c, mono_now() + inline_wait);
         if (rc == EBUSY || rc == ETIMEDOUT) {
             PyErr_SetString(WouldBlock, "the L2 writer lock is held by another thread or "
