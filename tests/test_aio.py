@@ -263,6 +263,39 @@ def test_a_watch_is_woken_by_another_processes_put(ns: str, aconfig: kvcomm.Conf
     run(main)
 
 
+def test_an_idle_watch_leaves_the_loop_asleep(ns: str, aconfig: kvcomm.Config) -> None:
+    """While a watch waits 0.5 s for an event that does not come, the loop is woken a few
+    times (its timeout), not every millisecond; then a put wakes it."""
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            loop = asyncio.get_running_loop()
+            selector = loop._selector  # type: ignore[attr-defined]
+            wakeups = 0
+            select = selector.select
+
+            def counting(timeout: float | None = None) -> Any:
+                nonlocal wakeups
+                wakeups += 1
+                return select(timeout)
+
+            selector.select = counting
+            try:
+                assert [e async for e in kv.watch("idle/", timeout=0.5)] == []
+                idle_wakeups = wakeups
+                w = kv.watch("idle/", timeout=20)
+                nxt = asyncio.ensure_future(w.__anext__())
+                await asyncio.sleep(0.05)
+                await kv.put("idle/1", 1)
+                assert (await nxt).key == "idle/1"
+                await w.aclose()  # type: ignore[attr-defined]
+            finally:
+                selector.select = select
+            assert idle_wakeups < 20, f"the loop was woken {idle_wakeups} times in 0.5 s"
+
+    run(main)
+
+
 def test_a_watch_sees_the_same_events_as_the_sync_watch(ns: str, aconfig: kvcomm.Config) -> None:
     async def main() -> None:
         async with kvcomm.aio.open(ns, config=aconfig) as kv:
