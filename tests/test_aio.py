@@ -221,6 +221,11 @@ def test_a_held_writer_lock_never_stalls_the_loop(ns: str, aconfig: kvcomm.Confi
                 waited = time.monotonic() - t0
                 async with kv.batch() as b:  # (free again: applied inline)
                     b.put("k2", 2)
+                updates0, off0 = kv.sync.counters["updates"], kv.off_loop
+                lock_holder(0.1)
+                assert await kv.update("n", lambda n: n + 1, default=0) == 1
+                assert kv.off_loop == off0 + 1  # (it met the lock: ran again in the pool)
+                assert kv.sync.counters["updates"] == updates0 + 1  # (counted once)
             assert waited >= 0.2, "the put did not meet the held lock"
             assert (await kv.get_item("k")).version == v  # type: ignore[union-attr]
             assert await kv.get("k2") == 2

@@ -56,10 +56,13 @@ def test_l3_reads_and_strong_keys_never_run_on_the_loop(dev: dict[str, Any]) -> 
         async def main() -> None:
             loop_thread = threading.get_ident()
             reads0 = sync_b.counters["l3_reads"]
+            misses0 = sync_b.stats()["l2"]["misses"]
             with Ticker() as ticker:
                 got = await asyncio.gather(*(b.get(k) for k in keys))
                 assert got == [{"i": i} for i in range(100)]
                 assert sync_b.counters["l3_reads"] - reads0 == 100  # (host 1 held none)
+                # counted once each, though each read stopped on the loop and ran again
+                assert sync_b.stats()["l2"]["misses"] - misses0 == 100
                 assert len(l3_threads) == 100 and loop_thread not in l3_threads
                 # strong keys: every operation asks etcd, off the loop
                 v = await b.put("lock/aio", {"owner": "b"})
