@@ -126,6 +126,23 @@ def test_the_contract_as_users_call_it_in_both_open_styles(ns: str,
     run(main)
 
 
+def test_the_first_scan_builds_the_key_index_off_the_loop(ns: str,
+                                                           aconfig: kvcomm.Config) -> None:
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            async with kv.batch() as b:
+                for i in range(600):
+                    b.put(f"s/{i:04d}", i)
+            off0 = kv.off_loop
+            first = [i.value async for i in kv.scan("s/")]  # (the index is made: O(keys))
+            assert first == list(range(600)) and kv.off_loop == off0 + 1
+            await kv.put("s/0600", 600)
+            again = [i.key async for i in kv.scan("s/", after="s/0597")]  # (kept in step)
+            assert again == ["s/0598", "s/0599", "s/0600"] and kv.off_loop == off0 + 1
+
+    run(main)
+
+
 def test_errors_are_the_sync_clients(ns: str, aconfig: kvcomm.Config) -> None:
     sync = kvcomm.open(ns, config=aconfig)
 

@@ -58,7 +58,8 @@ as the sync watch sleeps) while a watch waits, and wakes the loop only when the 
 moved, so an idle watch costs the loop nothing. (Cluster mode: the etcd watch and the
 daemon's missed-change count are looked at every 5 ms as well.) A scan's pages are read
 inline in embedded mode (the loop gets a turn every 256 items) and in the pool in
-cluster mode (L3 index reads).
+cluster mode (L3 index reads); the process's first scan of a namespace builds its key
+index (a walk of every slot) in the pool.
 
 Cancellation
 ------------
@@ -84,6 +85,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._client import Client, Event, Item, Presence
 from ._client import open as _open_sync
+from ._client.scan import check_scan_args
 from ._client.watch import WatchFeed
 from ._l2core import WouldBlock, set_inline_wait
 from .config import Config
@@ -206,12 +208,24 @@ class AsyncClient:
     def scan(self, prefix: str = "", *, limit: int | None = None,
              after: str | None = None) -> AsyncIterator[Item]:
         """``async for item in kv.scan(prefix, limit=, after=)``: :meth:`kvcomm.Client.scan`
-        (same contract, same errors; bad arguments raise here, at the call)."""
-        it = self._kv.scan(prefix, limit=limit, after=after)  # (checks; lock-free index sync)
-        return self._scan(it)
+        (same contract, same errors; bad arguments raise here, at the call). The process's
+        first scan of a namespace builds its key index (a walk of every slot) in the pool,
+        at the first iteration."""
+        kv = self._kv
+        check_scan_args(prefix, limit, after)
+        kv._live()
+        index = kv._attached.index
+        if index is None or not index.built:
+            return self._scan(None, (prefix, limit, after))
+        return self._scan(kv.scan(prefix, limit=limit, after=after), None)  # (lock-free sync)
 
-    async def _scan(self, it: Iterator[Item]) -> AsyncIterator[Item]:
+    async def _scan(self, it: Iterator[Item] | None,
+                    start: tuple[str, int | None, str | None] | None) -> AsyncIterator[Item]:
         off = self._kv._cluster  # (cluster mode: pages come from L3)
+        if it is None:
+            assert start is not None
+            prefix, limit, after = start
+            it = await self._off_loop(self._kv.scan, (prefix,), {"limit": limit, "after": after})
         while True:
             chunk = (await self._off_loop(_take, (it, _SCAN_CHUNK), {}) if off
                      else _take(it, _SCAN_CHUNK))
