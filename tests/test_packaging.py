@@ -27,7 +27,8 @@ SRC = ROOT / "src" / "kvcomm"
 BASE = {"msgpack", "xxhash", "pydantic", "yaml"}  # the modules of the four dependencies
 OPTIONAL = {"redis", "hiredis", "rich", "matplotlib", "numpy", "prometheus_client", "locust",
             "gevent",
-            "networkx", "langgraph", "langchain_core"}
+            "networkx", "langgraph", "langchain_core",
+            "mcp", "anyio", "uvicorn"}  # (kvcomm[mcp]: the SDK, and what it installs)
 # Locust loads these itself (kvcomm loadtest runs it): they may import locust when they load
 LOCUSTFILES = {"kvcomm/loadtest/locustfile.py", "kvcomm/loadtest/users.py"}
 # An integration is imported only by its users, after its package's __init__ has called

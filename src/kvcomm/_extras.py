@@ -19,6 +19,8 @@ extra          installs                needed for
 ``placement``  networkx                ``kvcomm placement plan`` (the partitioner)
 ``langgraph``  langgraph,              ``kvcomm.integrations.langgraph`` (a LangGraph
                langgraph-checkpoint    checkpointer and store)
+``mcp``        mcp (the official MCP   ``kvcomm mcp`` (an MCP server)
+               Python SDK, 2.x)
 ``all``        all of the above
 ``dev``        all, plus test tools    the test suite, linters, benchmarks' peers
 =============  ======================  ==============================================
@@ -47,6 +49,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "loadtest": ("locust",),
     "placement": ("networkx",),
     "langgraph": ("langgraph",),
+    "mcp": ("mcp",),
 }
 
 

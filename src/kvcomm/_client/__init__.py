@@ -12,6 +12,7 @@ The client is built in layers, one module each; a layer may use the ones below i
     watch.py         Watching: the host's change feed as Events
     counting.py      Counting: incr (a counter CRDT in cluster mode)
     write.py         Writes: put, delete, update, batch; compare-and-set, validators
+    cas.py           ClusterWrites: conditional writes in cluster mode, decided on L3
     read.py          Reads: get, get_item; L1, L2, zero-copy views
     cluster_read.py  ClusterReads: an L2 miss in cluster mode (negative cache, key filter, L3)
     merge.py         Merging: a version from elsewhere into L2 (the daemon's one port)

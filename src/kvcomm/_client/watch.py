@@ -46,33 +46,12 @@ class WatchFeed:
         """The events since the last step (an ``overflow`` first if the feed overflowed),
         lock-free; in cluster mode the daemon's missed-change count and the etcd watch's
         events after them. Raises SegmentError (the namespace was purged)."""
-        c, prefix = self.client, self.prefix
-        seg = c._seg
-        if seg.purged:
+        c = self.client
+        if c._seg.purged:
             raise SegmentError(f"namespace {c.name!r} was purged while watched; "
                                "open it again and watch anew")
-        events, self.cursor, overflowed = seg.feed_read(self.cursor)
-        out = [Event("", "overflow", None)] if overflowed else []
-        full = c._cluster  # (embedded: the feed's own entry is the whole version)
-        for ev in events:
-            if not ev.key.startswith(prefix):
-                continue
-            version = None
-            if full:
-                kb = ev.key.encode("utf-8", "surrogateescape")
-                v = seg.version(kb, key_hash(kb))
-                if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
-                    version = c._version(v[3], v[4], v[5])
-            if version is None and full and not ev.counter and ev.kind == KIND_PUT:
-                # another host's put replaced since: its full version is gone, and the
-                # change that replaced it (a put, delete, evict or expire) follows in this
-                # feed, or an overflow does: coalesced into it, as the cluster already
-                # coalesces a window's writes
-                continue
-            if version is None:  # (this host's write replaced since: what the feed
-                # knows, this host's entry and the HLC)
-                version = c._version(ev.counter, ev.hlc, b"")
-            out.append(Event(ev.key, KIND_NAMES[ev.kind], version))
+        events, self.cursor, overflowed = c._feed_events(self.prefix, self.cursor)
+        out = [Event("", "overflow", None), *events] if overflowed else events
         if self.sub is not None:
             out.extend(c._cluster_events(self.sub))
         return out
@@ -197,6 +176,37 @@ class Watching(Counting):
                 idle = min(idle * 2, 0.005)
         finally:
             feed.close()
+
+    def _feed_events(self, prefix: str, cursor: int,
+                     limit: int = 1 << 30) -> tuple[list[Event], int, bool]:
+        """The changes under ``prefix`` in the host's feed after sequence number
+        ``cursor`` (at most ``limit`` feed entries looked at): ``(events, the cursor after
+        them, overflowed)``; overflowed: entries after ``cursor`` were overwritten unread
+        (the cursor then is the feed's head). What :meth:`watch` reads, one page at a time."""
+        seg = self._seg
+        full = self._cluster  # (embedded: the feed's own entry is the whole version)
+        events, cursor, overflowed = seg.feed_read(cursor, limit)
+        out: list[Event] = []
+        for ev in events:
+            if ev.key.startswith(prefix):
+                version = None
+                if full:
+                    kb = ev.key.encode("utf-8", "surrogateescape")
+                    v = seg.version(kb, key_hash(kb))
+                    if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
+                        version = self._version(v[3], v[4], v[5])
+                if (version is None and full and not ev.counter
+                        and ev.kind == KIND_PUT):
+                    # another host's put replaced since: its full version is gone,
+                    # and the change that replaced it (a put, delete, evict or
+                    # expire) follows in this feed, or an overflow does: coalesced
+                    # into it, as the cluster already coalesces a window's writes
+                    continue
+                if version is None:  # (this host's write replaced since: what the
+                    # feed knows, this host's entry and the HLC)
+                    version = self._version(ev.counter, ev.hlc, b"")
+                out.append(Event(ev.key, KIND_NAMES[ev.kind], version))
+        return out, cursor, overflowed
 
     def _cluster_events(self, sub: _Subscription) -> list[Event]:
         """An overflow when the daemon may have missed changes since the last look; the

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._l2core import WouldBlock
 from ..core.expiry import check_ttl
-from ..core.versions import Version
+from ..core.versions import Version, vector_get
 from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE, Record
 from . import counters
@@ -22,11 +22,11 @@ from .base import (
     _run_validator,
 )
 from .batch import Batch
+from .cas import ClusterWrites
 from .items import _NO_CHECK, ABSENT, Item
-from .read import Reads
 
 
-class Writes(Reads):
+class Writes(ClusterWrites):
     """Writes."""
 
     def put(self, key: str, value: Any, *, consistency: str | None = None,
@@ -37,10 +37,14 @@ class Writes(Reads):
         ``ttl`` (seconds): the key expires that long from now — every read, on every host,
         then finds it absent, and watchers see an ``expire`` event; None (the default)
         makes the key permanent, whatever deadline it had (as Redis SET). Raises
-        InvalidArgument for a ttl that is not a finite number above 0.
+        InvalidArgument for a ttl that is not a finite number above 0 and at most ten
+        years (``kvcomm.core.expiry.MAX_TTL``; NumPy numbers are numbers).
 
         ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
-        ConflictError is raised and nothing changes. ``consistency`` is "eventual" or
+        ConflictError is raised and nothing changes. In cluster mode an eventual key's
+        ``expect`` is decided on the key's L3 master against the cluster's latest version
+        (one round trip: two hosts never both win; _client/cas.py), and raises Unavailable
+        at once in partition mode. ``consistency`` is "eventual" or
         "strong" (both linearizable on one host). A validator registered for the key's
         prefix runs under the host's writer lock, against the value this put replaces.
         Raises InvalidKey, UnsupportedValue, ValueTooLarge, ConflictError,
@@ -113,9 +117,13 @@ class Writes(Reads):
     def _put_checked(self, key: str, kb: bytes, h: int, value: Any,
                      encoded: tuple[int, bytes, bytes | memoryview], expect: Any,
                      ext: bytes) -> Version:
-        """put() with expect= and/or a validator: both run under the writer lock."""
-        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
+        """put() with expect= and/or a validator: both run under the writer lock (in
+        cluster mode, expect= is decided on L3: _client/cas.py; the validator first)."""
         validator = self._validators.lookup(key) if self._validators else None
+        if self._cluster and expect is not _NO_CHECK:
+            self._validate_now(key, kb, h, validator, value)
+            return self._cas_write(key, kb, h, encoded, expect, ext, value)
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         if cas is None and validator is None:
             counter, hlc, vvx, _, _ = self._seg.put(kb, h, *encoded, _now_ms(), self._cluster,
                                                     self._max_dirty, ext)
@@ -129,6 +137,15 @@ class Writes(Reads):
             max_dirty=self._max_dirty, check=check)[0]
         self._puts += 1
         return self._version(counter, hlc, vvx)
+
+    def _validate_now(self, key: str, kb: bytes, h: int,
+                      validator: Callable[[str, Item | None, Any], None] | None,
+                      new_value: Any) -> None:
+        """Run ``validator`` (if any) under the writer lock against the host's record of
+        ``key``, L3's brought in first (before a conditional write decided on L3)."""
+        if validator is not None:
+            self._get_slow(key, None, True)
+            self._seg.locked(self._checker(key, kb, h, None, validator, new_value))
 
     def _checker(self, key: str, kb: bytes, h: int, cas: Callable[[Record | None], None] | None,
                  validator: Callable[[str, Item | None, Any], None] | None,
@@ -170,11 +187,15 @@ class Writes(Reads):
         return check
 
     def delete(self, key: str, *, expect: Any = _NO_CHECK) -> bool:
-        """Remove ``key``. True when something was deleted. Raises as :meth:`put`.
+        """Remove ``key``. True when something was deleted; False for an absent key, an
+        expired one included (its ``expire`` event is fed then, not a ``delete``). Raises
+        as :meth:`put`.
 
         In cluster mode the delete is a tombstone kept in L2 (dirty, never evicted) until
         L3 has it, so it is as durable as a put; a key this host does not hold is looked up
-        in L3 first, so that the delete covers the version the cluster has.
+        in L3 first, so that the delete covers the version the cluster has. With
+        ``expect``, decided on L3 as :meth:`put`'s (with ABSENT it deletes nothing and
+        returns False, or raises ConflictError).
         """
         return self._delete(key, expect) > 0
 
@@ -188,12 +209,20 @@ class Writes(Reads):
             validator = self._validators.lookup(key) if self._has_validators else None
             return int(self._strong.delete(key, expect, validator))
         kb, h = self._key_hash(key)
-        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         validator = self._validators.lookup(key) if self._validators else None
+        if self._cluster and expect is not _NO_CHECK:  # (decided on L3: _client/cas.py)
+            self._validate_now(key, kb, h, validator, None)
+            self._l1.discard(key)
+            version = self._cas_write(key, kb, h, None, expect, b"", None)
+            return 0 if expect is ABSENT else vector_get(version.vector, self._host)
+        cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         if self._cluster and self._get_slow(key, None, True) is None:
             local = self._read_l2(kb, h, _HUGE)
-            if local is None and cas is None and validator is None:
-                return 0  # absent here and in L3: nothing to delete, nothing to tell L3
+            if (local is None or 0 < local[9] <= time.time()) and cas is None \
+                    and validator is None:
+                # absent here and in L3, or expired (its deadline reaches L3 with it, and
+                # the sweep feeds its expire event): nothing to delete, nothing to tell L3
+                return 0
         check = None if cas is None and validator is None else \
             self._checker(key, kb, h, cas, validator, None)
         ops: list[tuple[Any, ...]] = [(kb, h)]
@@ -216,7 +245,10 @@ class Writes(Reads):
         ``update`` is for a conditional read-modify-write of any value.
 
         ``fn`` may run more than once when other writers race; it must not have side
-        effects. No increment is ever lost, whatever the number of processes. The key keeps
+        effects. No increment is ever lost, whatever the number of processes — and, in
+        cluster mode, of hosts: each attempt is a conditional write decided on the key's
+        L3 master (one round trip; a conflict brings L3's value in for the next attempt),
+        and in partition mode it raises Unavailable at once, nothing written. The key keeps
         its deadline unless ``ttl`` (seconds from now) is given; an expired key counts as
         absent. Raises InvalidArgument when ``fn`` is not callable or ``ttl`` is bad, and
         what :meth:`put` raises.
@@ -248,8 +280,10 @@ class Writes(Reads):
         """Set (or extend, or shorten) ``key``'s deadline to ``ttl`` seconds from now; None
         makes it permanent. The value stays; the key gets a new version (a touch is a
         write, and wins over older writes as one). Returns False when the key is absent
-        (or already expired): nothing is written then. Raises InvalidArgument for a bad
-        ttl, and what :meth:`put` raises.
+        (or already expired): nothing is written then. A conditional write of the value
+        read (in cluster mode decided on L3, as ``put(..., expect=)``: it never brings back
+        a value another host replaced; Unavailable in partition mode). Raises
+        InvalidArgument for a bad ttl, and what :meth:`put` raises.
         """
         check_ttl(ttl)
         for _ in range(_MAX_UPDATE_RETRIES):

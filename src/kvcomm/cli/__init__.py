@@ -8,7 +8,7 @@ the README's "Commands" section).
     kvcomm purge --name NS [--config FILE] [--force]
     kvcomm migrate [--name NS] [--config FILE]     an older-layout segment's unflushed writes
     kvcomm migrate --l3-index --config FILE        index L3's older records for kv.scan
-    kvcomm config --show [--config FILE]
+    kvcomm config [--show] [--config FILE]
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR
     kvcomm dev-cluster partition --dir DIR --host H [--mode M] | heal --dir DIR
@@ -24,6 +24,8 @@ the README's "Commands" section).
                    [--dry-run]                     load-aware slot balancing of L3
     kvcomm balance simulate|train ...               the slot-balancing simulator
     kvcomm placement observe|plan|launch ...      affinity placement (cli/placement.py)
+    kvcomm mcp --name NS | --config FILE [--transport stdio|http] [--host 127.0.0.1 --port P]
+               [--token-file F] [--prefix P ...] [--read-only]   an MCP server (kvcomm.mcp)
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"segment        {info['size_bytes'] / 2**20:.1f} MiB, data heap {data / 2**20:.1f} MiB")
     print(f"in use         {used / 2**20:.2f} MiB ({100 * used / data:.1f}%), "
           f"{info['entries']} entries in {info['slots']} slots")
-    print(f"writes         {info['writes']}  evictions {info['evictions']}  "
+    print(f"evictions      {info['evictions']}  "
           f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
     print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
@@ -360,6 +362,41 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _mcp(args: argparse.Namespace) -> int:
+    """Serve the namespace to MCP clients (Claude and other LLM runtimes, tools in any
+    language): the tools kv_get, kv_put, kv_delete, kv_scan, kv_watch, kv_incr, kv_present
+    and kv_announce, over stdio (the default: the client starts this command) or
+    streamable HTTP (at http://HOST:PORT/mcp). HTTP binds loopback by default; any other
+    address needs --token-file (clients send 'Authorization: Bearer <token>'). Logs go to
+    stderr, never stdout. Needs pip install 'kvcomm[mcp]'."""
+    from .._extras import require
+
+    require("mcp", extra="mcp", purpose="kvcomm mcp")
+    from ..mcp.server import check_http_binding, serve
+
+    if not args.name and not args.config:
+        raise InvalidArgument("kvcomm mcp needs --name NS (the namespace to serve) or --config "
+                              "FILE (a host config: its node.namespace)")
+    token = None
+    if args.transport == "http":
+        token = check_http_binding(args.host, args.token_file)
+    elif args.token_file:
+        raise InvalidArgument("--token-file is for --transport http (stdio needs none: only the "
+                              "process that started the server can talk to it)")
+    for p in args.prefix or ():
+        if not p:
+            raise InvalidArgument("--prefix takes a non-empty key prefix such as 'tasks/' (no "
+                                  "--prefix at all serves every key)")
+    from .._client import open as kv_open
+
+    kv = kv_open(args.name, config=args.config, agent=None)
+    try:
+        return serve(kv, prefixes=args.prefix or [], read_only=args.read_only,
+                     transport=args.transport, host=args.host, port=args.port, token=token)
+    finally:
+        kv.close()
+
+
 def _command(sub: Any, name: str, run: Callable[[argparse.Namespace], int],
              summary: str) -> argparse.ArgumentParser:
     """The subcommand ``name``: ``summary`` in ``kvcomm --help``, and ``run``'s docstring
@@ -545,9 +582,28 @@ def build_parser() -> argparse.ArgumentParser:
     register_balance_tools(sub)  # kvcomm balance [simulate|train] (kvcomm.balance.cli)
     add_placement(sub, _command)  # kvcomm placement observe | plan | launch
 
+    m = _command(sub, "mcp", _mcp, "serve the namespace to MCP clients (LLM agents, any language)")
+    m.add_argument("--name", metavar="NS", help="the namespace (default: node.namespace of --config)")
+    m.add_argument("--config", metavar="FILE",
+                   help="a kvcomm YAML config (a host config in cluster mode)")
+    m.add_argument("--transport", choices=["stdio", "http"], default="stdio",
+                   help="stdio (default: the MCP client starts this command) or http "
+                   "(streamable HTTP at http://HOST:PORT/mcp)")
+    m.add_argument("--host", default="127.0.0.1",
+                   help="http: the address to bind (default 127.0.0.1; any other needs --token-file)")
+    m.add_argument("--port", type=int, default=8765, metavar="P", help="http: the port (default 8765)")
+    m.add_argument("--token-file", metavar="F",
+                   help="http: a file holding the bearer token every request must carry "
+                   "(Authorization: Bearer <token>)")
+    m.add_argument("--prefix", action="append", metavar="P",
+                   help="serve only keys starting with P (repeatable; keys stay absolute; "
+                   "default: every key)")
+    m.add_argument("--read-only", action="store_true",
+                   help="serve the read tools only (kv_get, kv_scan, kv_watch, kv_present)")
+
     c = _command(sub, "config", _config, "print the effective config")
-    c.add_argument("--show", action="store_true", required=True,
-                   help="print it (the one action; required)")
+    c.add_argument("--show", action="store_true",
+                   help="print it (the one action, also without --show)")
     c.add_argument("--config", metavar="FILE",
                    help="a kvcomm YAML config (default: built-in defaults)")
     return p

@@ -219,7 +219,8 @@ from .groups import DEFAULT_GROUPS, LEGACY_GROUPS, Groups, groups
 from .groups import groups as _groups
 from .hints import Hints
 
-__all__ = ["CorruptRecord", "FeedEntry", "FeedNote", "L3Record", "L3Store", "PushResult", "GROUPS",
+__all__ = ["CasResult", "CorruptRecord", "FeedEntry", "FeedNote", "L3Record", "L3Store",
+           "PushResult", "GROUPS",
            "DEFAULT_GROUPS", "EMPTY_EXT", "FORMAT", "Groups", "group_of", "groups", "read_record",
            "record_key", "feed_key", "seq_key"]
 
@@ -786,6 +787,86 @@ end
 return replies
 """
 
+# A conditional write (L3Store.push_if): the expectation checked against the record L3
+# holds, then, if it holds, the push script itself (PUSH_LUA, appended whole: one record,
+# pushed as push() pushes it), all in one atomic call on the key's master. The call's
+# keys and arguments are those of a push of the one record (L3Store._args) followed by
+# three more, taken off ARGV before the push script runs: the expectation "a" (the key
+# absent: no record, a tombstone, or past its deadline) or "v" (a version), then two
+# msgpack arrays of flattened vectors [actor, counter, ...]: ``check`` and ``basis``.
+# Passes when L3 holds no record (nothing to contradict: a write of this host not yet
+# pushed, or one a failover lost); with "a" when the record is dead or its vector is
+# at most ``check`` (the host's own delete not yet in L3 covers it; [] otherwise); with
+# "v" when the record's vector is at most ``check`` (the expected version, or one it
+# descends from: the host's own write not yet in L3 being the expected one, pushing it
+# first would have been "newer"), unless it is the expected version itself and dead.
+# The pushed record's vector is ``basis`` (which covers ``check``) plus a new dot, so a
+# record that passes is older than it and the push stores it ("new" or "newer"); only a
+# dead record "a" passes over may be newer than ``basis`` in part: then "stale" comes
+# back, with that record, and the caller pushes again with its vector merged in.
+# Returns a list of one reply, as the push script does: {"conflict", the record L3 holds
+# ("" none)}, {"stale", that record}, or the push script's own reply.
+CAS_LUA = r"""
+local CAS_MODE, CAS_CHECK, CAS_BASIS = ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
+for _ = 1, 3 do ARGV[#ARGV] = nil end
+local function cas_vv(flat)
+  if type(flat) ~= 'table' or #flat % 2 ~= 0 then return nil end
+  local t = {}
+  for i = 1, #flat, 2 do
+    if type(flat[i]) ~= 'string' or type(flat[i + 1]) ~= 'number' then return nil end
+    t[flat[i]] = flat[i + 1]
+  end
+  return t
+end
+local function cas_le(a, b)
+  for k, v in pairs(a) do if (b[k] or 0) < v then return false end end
+  return true
+end
+local cas_ok1, cas_check = pcall(cmsgpack.unpack, CAS_CHECK or '')
+local cas_ok2, cas_basis = pcall(cmsgpack.unpack, CAS_BASIS or '')
+cas_check, cas_basis = cas_vv(cas_check), cas_vv(cas_basis)
+if not (cas_ok1 and cas_ok2) or cas_check == nil or cas_basis == nil
+   or (CAS_MODE ~= 'a' and CAS_MODE ~= 'v') then
+  return {redis.error_reply('KVCOMMBAD the expectation of a conditional write is malformed')}
+end
+local cas_raw = redis.pcall('GET', KEYS[#KEYS])
+local cas_s, cas_dead = nil, false
+if type(cas_raw) == 'string' then
+  local ok, r = pcall(cmsgpack.unpack, cas_raw)
+  if ok and type(r) == 'table' then
+    if r.f == nil and r[1] == 1 and #r == 9 then
+      r = {f = 1, vv = r[7], d = r[3], x = ''}
+    elseif type(r.f) == 'number' and r.f > 2 then
+      return {redis.error_reply('KVCOMMCORRUPT stored record has a newer format than this ' ..
+                                'host reads; upgrade this host')}
+    end
+    if r.f == 1 or r.f == 2 then cas_s = cas_vv(r.vv) end
+    if cas_s ~= nil then
+      cas_dead = r.d == true
+      if not cas_dead and type(r.x) == 'string' and #r.x > 0 then
+        local okx, m = pcall(cmsgpack.unpack, r.x)
+        if okx and type(m) == 'table' and type(m.e) == 'number' and m.e > 0 and m.e < 1e300 then
+          local t = redis.call('TIME')
+          if m.e <= tonumber(t[1]) + tonumber(t[2]) / 1e6 then cas_dead = true end
+        end
+      end
+    end
+  end
+else
+  cas_raw = ''  -- (none; or another Redis type, which the push replaces as it would)
+end
+if cas_s ~= nil then
+  local pass
+  if CAS_MODE == 'a' then
+    pass = cas_dead or cas_le(cas_s, cas_check)
+  else
+    pass = cas_le(cas_s, cas_check) and not (cas_dead and cas_le(cas_check, cas_s))
+  end
+  if not pass then return {{'conflict', cas_raw}} end
+  if not cas_le(cas_s, cas_basis) then return {{'stale', cas_raw}} end
+end
+""" + PUSH_LUA
+
 # A group's feed position, read atomically: {sequence number, id of the last entry kept
 # or "0-0"}. A reader that resumes from there misses nothing and re-reads nothing.
 # KEYS[1] the group's feed stream, KEYS[2] its sequence counter
@@ -1042,6 +1123,14 @@ class PushResult(NamedTuple):
     history: str = ""
 
 
+class CasResult(NamedTuple):
+    """L3's answer to a conditional write (:meth:`L3Store.push_if`)."""
+
+    outcome: str  # "won" (stored), "conflict" (refused), "stale" (push again: see CAS_LUA)
+    record: L3Record | None  # won: the record pushed; else what L3 holds (None: nothing)
+    durable: bool = True  # won: cluster.wait_replicas replicas (those connected) took it
+
+
 class L3Store:
     """The cluster tier over redis-py's RedisCluster (MOVED/ASK and failover are its own).
 
@@ -1149,6 +1238,7 @@ class L3Store:
         self._backfill = self.rc.register_script(BACKFILL_LUA)
         self._index = self.rc.register_script(INDEX_LUA)
         self._expire_index = self.rc.register_script(EXPIRE_INDEX_LUA)
+        self._cas = self.rc.register_script(CAS_LUA)  # (push_if)
         self._nodes: list[Any] | None = None  # every group's master (_by_node_cached)
         self._nodes_at = 0.0
         self._loaded: set[tuple[str, bytes]] = set()  # (node, script sha) known loaded
@@ -1471,6 +1561,82 @@ class L3Store:
         if isinstance(out, (CorruptRecord, Unreached)):
             raise out
         return out
+
+    def push_if(self, key: str, record: L3Record, absent: bool, check: Vector,
+                basis: Vector, wait_replicas: int = 0, wait_ms: int = 100) -> CasResult:
+        """Push ``record`` if L3's record of ``key`` meets the expectation, in one atomic
+        call on the key's master (CAS_LUA): ``absent`` (no record, a tombstone, past its
+        deadline; or, with ``check``, a vector at most ``check``) or a record whose vector
+        is at most ``check`` (not itself when dead); ``record``'s vector is ``basis``
+        plus a new dot. With ``wait_replicas``, WAIT on the same connection for that many
+        replicas (those the master has connected, if fewer: :meth:`_replicas_to_wait`),
+        up to ``wait_ms``; ``durable`` says whether they took it. A redirect (MOVED, ASK)
+        is followed within ``timeout``. Raises Unavailable (nothing decided, or not known
+        to be: a timeout may leave the write stored), Unreached (the master is
+        :attr:`down`: nothing sent), CorruptRecord (the key cannot be sent, or L3's record
+        has a newer format)."""
+        from redis.exceptions import AskError, MovedError
+
+        keys, args = self._args(key, record, False)
+        args += ["a" if absent else "v", _packed_vector(check), _packed_vector(basis)]
+        node = self._master_up(keys[-1], f"{key!r}")
+        asking = False
+        deadline = time.monotonic() + self.timeout
+        while True:
+            def run(node: Any = node, asking: bool = asking) -> list[Any]:
+                conn = self.rc.get_redis_connection(node)
+                self._load(node, conn, self._cas)
+                pipe = conn.pipeline(transaction=False)
+                if asking:
+                    pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
+                pipe.evalsha(self._cas.sha, len(keys), *keys, *args)
+                if wait_replicas:
+                    pipe.execute_command("ROLE")  # type: ignore[no-untyped-call]
+                    pipe.execute_command("WAIT", wait_replicas, wait_ms)  # type: ignore[no-untyped-call]
+                return pipe.execute(raise_on_error=False)
+
+            raws = self._call(run, key, node=node)
+            reply = raws[1 if asking else 0]
+            if isinstance(reply, MovedError):  # (a MovedError is an AskError: first)
+                self.redirects["moved"] += 1
+                self.rc.nodes_manager.move_slot(reply)
+                node, asking = self._node(reply.host, reply.port), False
+            elif isinstance(reply, AskError):
+                self.redirects["ask"] += 1
+                node, asking = self._node(reply.host, reply.port), True
+            elif _noscript(reply):
+                self._loaded.discard((node.name, self._cas.sha))
+            elif isinstance(reply, Exception) or not isinstance(reply, list) or len(reply) != 1:
+                return self._cas_refused(key, reply)
+            else:
+                break
+            if time.monotonic() > deadline:
+                raise Unavailable(f"a conditional write of {key!r} was still redirected after "
+                                  f"{self.timeout:g}s: a slot is on the move; retry")
+        one = reply[0]
+        if isinstance(one, Exception):
+            return self._cas_refused(key, one)
+        try:
+            outcome, data = one[0].decode(), one[1]
+        except Exception:
+            raise CorruptRecord(f"unexpected conditional write reply {one!r:.200} for "
+                                f"{key!r}") from None
+        if outcome in ("conflict", "stale"):
+            return CasResult(outcome, self.decode(data, key) if data else None)
+        if outcome not in (NEW, NEWER):  # (the script's check makes the record newer)
+            return CasResult("conflict", self._result(key, one, record).record)
+        durable = True
+        if wait_replicas:
+            role, acked = raws[-2], raws[-1]
+            durable = isinstance(acked, int) and acked >= self._replicas_to_wait(node, role)
+        return CasResult("won", record, durable)
+
+    def _cas_refused(self, key: str, reply: object) -> CasResult:
+        """Raise what an error reply to a conditional write means."""
+        msg = str(reply)
+        if _key_error(msg) and not msg.startswith(_TRANSIENT):
+            raise CorruptRecord(f"L3 value of {key!r}: {msg.split(' ', 1)[-1]}")
+        raise Unavailable(f"Redis Cluster refused a conditional write of {key!r}: {msg:.200}")
 
     def push_many(self, items: Sequence[tuple[str, L3Record]],
                   keep_siblings: Set[str] = frozenset(),
@@ -2750,6 +2916,14 @@ def approx_size(record: L3Record) -> int:
     enough; a field of another type, which the push script refuses, counts 0)."""
     return sum(len(b) for b in (record.value, record.meta, record.ext)
                if isinstance(b, (bytes, bytearray, memoryview)))
+
+
+def _packed_vector(v: Vector) -> bytes:
+    """A vector as CAS_LUA reads it: a msgpack array [actor, counter, ...]."""
+    flat: list[object] = []
+    for actor, counter in v:
+        flat += [actor, counter]
+    return msgpack.packb(flat, use_bin_type=False)  # type: ignore[no-any-return]
 
 
 def _wire_key(key: str) -> bytes:

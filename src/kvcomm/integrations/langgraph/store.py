@@ -120,19 +120,25 @@ class KVCommStore(BaseStore):
         return await asyncio.get_running_loop().run_in_executor(None, self.batch, ops)
 
     # ---------------------------------------------------------------- operations
-    def _item(self, namespace: tuple[str, ...], key: str, raw: list[Any],
+    def _item(self, namespace: tuple[str, ...], key: str, raw: Any,
               cls: type[Item] = Item) -> Any:
+        """The Item (or SearchItem) of the stored record ``raw``, which is untrusted (anyone
+        with the namespace can write under the store's keys): CorruptRecord naming the
+        item for anything but ``[type, bytes, created_ms, updated_ms]`` holding a dict."""
         try:
+            if not _is_record(raw):
+                raise ValueError(f"not [type, bytes, created_ms, updated_ms]: {str(raw)[:120]}")
             t, b, created, updated = raw
             value = self.serde.loads_typed((t, b))
-            _dt(created), _dt(updated)
+            if type(value) is not dict:
+                raise TypeError(f"its value is a {type(value).__name__}, not a dict")
         except KVCommError:
             raise
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
-                NotImplementedError) as exc:
+                NotImplementedError, RecursionError) as exc:
             raise CorruptRecord(f"store item {key!r} of namespace {namespace!r} in KVCOMM is "
-                                f"not one KVCommStore wrote ({type(exc).__name__}: {exc}); "
-                                "delete it") from None
+                                f"not one KVCommStore wrote ({type(exc).__name__}: "
+                                f"{str(exc)[:200]}); delete it") from None
         if cls is SearchItem:
             return SearchItem(namespace, key, value, _dt(created), _dt(updated))
         return Item(value=value, key=key, namespace=namespace, created_at=_dt(created),
@@ -146,8 +152,10 @@ class KVCommStore(BaseStore):
         t, b = self.serde.dumps_typed(dict(value))
         now = _ms_now()
 
-        def write(old: list[Any] | None) -> list[Any]:
-            return [t, b, now if old is None else old[2], now]
+        def write(old: Any) -> list[Any]:
+            # (a put replaces the item whole: one that is not a KVCommStore record is
+            # replaced too, its created_at then now)
+            return [t, b, old[2] if _is_record(old) else now, now]
 
         self.kv.update(self.keys.item(namespace, key), write)
 
@@ -184,6 +192,17 @@ class KVCommStore(BaseStore):
             if all(_does_match(c, namespace) for c in op.match_conditions or ()):
                 seen.add(namespace if op.max_depth is None else namespace[:op.max_depth])
         return sorted(seen)[op.offset:op.offset + op.limit]
+
+
+_MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: what a datetime can hold
+
+
+def _is_record(raw: Any) -> bool:
+    """Whether ``raw`` has the shape of a KVCommStore record: [type, bytes, created_ms,
+    updated_ms], times as ints a datetime can hold."""
+    return (type(raw) is list and len(raw) == 4 and type(raw[0]) is str
+            and type(raw[1]) is bytes and all(type(ms) is int and 0 <= ms <= _MAX_MS
+                                              for ms in raw[2:]))
 
 
 def _does_match(cond: MatchCondition, namespace: tuple[str, ...]) -> bool:
@@ -223,6 +242,9 @@ def _apply_operator(value: Any, operator: str, op_value: Any) -> bool:
     if operator == "$ne":
         return bool(value != op_value)
     if operator in ("$gt", "$gte", "$lt", "$lte"):
-        a, b = float(value), float(op_value)
+        try:
+            a, b = float(value), float(op_value)
+        except (TypeError, ValueError, OverflowError):  # (not a number: no match)
+            return False
         return {"$gt": a > b, "$gte": a >= b, "$lt": a < b, "$lte": a <= b}[operator]
     raise InvalidArgument(f"unsupported filter operator {operator!r} (use $eq $ne $gt $gte $lt $lte)")

@@ -36,6 +36,25 @@ class SyncState(SegmentCore):
 
         self.locked(raise_)
 
+    def take_dot(self, now_ms: int, hlc_floor: int = 0) -> tuple[int, int]:
+        """A new dot of this host (the write sequence's next counter) and an HLC timestamp
+        past both the host's clock and ``hlc_floor``, taken under the lock for a write that
+        is decided elsewhere first and stored here after (a conditional write decided on
+        L3: _client/cas.py). A dot taken and never written leaves a gap in the sequence,
+        as a key's vector never names every dot of its host anyway. Raises Unavailable
+        (the lock held too long), SegmentError (purged)."""
+        q = self._q
+        ws, hc = H["WSEQ"], H["HLC"]
+
+        def take() -> tuple[int, int]:
+            counter = int(q[ws]) + 1
+            q[ws] = counter
+            hlc = max(now_ms << 16, int(q[hc]) + 1, hlc_floor + 1)
+            q[hc] = hlc
+            return counter, hlc
+
+        return self.locked(take)  # type: ignore[no-any-return]
+
     @property
     def dirty_count(self) -> int:
         return int(self._q[H["DIRTY"]])
