@@ -63,11 +63,15 @@ index (a walk of every slot) in the pool.
 
 Cancellation
 ------------
-Inline work has no await, so a task is cancelled only where it awaits the pool: the call
-in the thread then runs to its end (or never starts, if still queued), as the sync call
-it is: a write is applied whole or not at all, every lock is released by the sync code's
-own ``finally``, and a write that returned stays. Only its result is lost to the
-cancelled task. ``aclose()`` waits for such calls before it closes the client.
+Inline work has no await, so a task is cancelled only where it awaits the pool. A call
+still queued there never runs; one already running cannot be stopped mid-call, so the
+cancellation waits for it to end (at most ``cache.lock_timeout``, or 2 x
+``cluster.timeout`` for the network) and then reaches the task: the call was the sync
+call it is, a write applied whole or not at all, every lock released by the sync code's
+own ``finally``, and once the cancelled task has ended none of its writes is still in
+flight to land over a later one. Only the call's result is lost to the task (a write it
+made may or may not have been applied: read to know). ``aclose()`` waits for the calls
+still running.
 """
 
 from __future__ import annotations
@@ -189,13 +193,25 @@ class AsyncClient:
 
     async def _off_loop(self, fn: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:
-        """``fn(*args, **kwargs)`` in the pool, awaited. Cancelled, the call still runs
-        to its end (or never starts, if queued): aclose() waits for it."""
+        """``fn(*args, **kwargs)`` in the pool, awaited. Cancelled while the call is still
+        queued, it never runs; once it runs, the cancellation waits for it to end (a
+        thread cannot be stopped mid-call), then reaches the task: when a cancelled task
+        has ended, none of its calls is still running."""
         cf = _executor().submit(fn, *args, **kwargs)
         self.off_loop += 1
         self._inflight.add(cf)
         cf.add_done_callback(self._inflight.discard)
-        return await asyncio.wrap_future(cf)
+        fut = asyncio.wrap_future(cf)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not cf.cancel():  # (running: let it end first)
+                while not fut.done():
+                    try:
+                        await asyncio.wait([fut])
+                    except asyncio.CancelledError:
+                        continue
+            raise
 
     # ------------------------------------------------- methods with a face of their own
 
