@@ -168,7 +168,7 @@ def cluster(keys: list[str], match: int, groups: int, rounds: int,
                 "l2_size": "64MB", "strong_prefixes": ["s"]},
             "cluster": {"redis": [f"{h}:{p}" for h, p in rc.seeds], "etcd": ec.addresses,
                         "groups": groups, "timeout": 30}})
-        kv = kvcomm.open(ns, config=cfg)
+        kv = kvcomm.open(ns, config=cfg, wait_daemon=False)  # (reads L3 and etcd only: no daemon)
         etcd = EtcdClient(ec.endpoints, timeout=30)
         try:
             def scan() -> list[str]:

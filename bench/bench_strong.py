@@ -43,7 +43,7 @@ def _config(ec: EtcdCluster, ns: str) -> kvcomm.Config:
 
 
 def _hammer(cfg: kvcomm.Config, ns: str, stop: Any, done: Any) -> None:
-    kv = kvcomm.open(ns, config=cfg)
+    kv = kvcomm.open(ns, config=cfg, wait_daemon=False)  # (strong keys only: no daemon)
     n = 0
     while not stop.is_set():
         kv.put(f"task/hammer/{os.getpid()}", n)
@@ -88,7 +88,7 @@ def main() -> None:
     ns = f"bench-strong-{uuid.uuid4().hex[:8]}"
     with EtcdCluster() as ec:
         cfg = _config(ec, ns)
-        kv = kvcomm.open(ns, config=cfg)
+        kv = kvcomm.open(ns, config=cfg, wait_daemon=False)  # (strong keys only: no daemon)
         raw = EtcdClient(ec.endpoints)
         try:
             samples: dict[str, list[float]] = {k: [] for k in (

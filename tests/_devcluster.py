@@ -169,7 +169,7 @@ class StrongHosts:
     def open(self, host: str, **cache: Any) -> kvcomm.Client:
         """A new agent of ``host`` in a namespace of its own (closed by :meth:`close`)."""
         ns = self.new_namespace()
-        c = kvcomm.open(ns, config=self.config(host, ns, **cache))
+        c = kvcomm.open(ns, config=self.config(host, ns, **cache), wait_daemon=False)  # (none)
         self.clients.append(c)
         return c
 

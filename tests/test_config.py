@@ -331,6 +331,8 @@ _VALID: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "shutdown_flush_timeout": st.floats(0, 3600, allow_nan=False) | st.sampled_from(
             ["0s", "250ms", "5s", "60m"]),
         "tombstone_grace": st.floats(60, 86400 * 30, allow_nan=False),
+        "daemon_wait": st.floats(0, 3600, allow_nan=False) | st.sampled_from(
+            ["0s", "300ms", "5s", "60m"]),
         "max_clock_skew": st.sampled_from(["1ms", "500ms", "2s", 0.25]),
     },
     "metrics": {

@@ -100,7 +100,7 @@ def test_a_replayed_own_record_never_replaces_a_newer_dirty_write(  # type: igno
         # the reboot: L2 lost, and the new L2's write sequence below the dots L3 has
         h.kv.close()
         l2.purge(h.ns)
-        h.kv = kvcomm.open(config=h.config)
+        h.kv = kvcomm.open(config=h.config, wait_daemon=False)  # (before its daemon)
         h.kv._seg._q[H["WSEQ"]] = 0  # as if the clock had gone back years
         if path == "refill":
             h.start()
@@ -149,7 +149,7 @@ def test_lost_dots_met_on_one_key_do_not_hide_them_on_another(cluster, store) ->
         store.rc.delete(f"kvn:{{{host}}}:wseq")  # no write mark (lost): the merge's net alone
         h.kv.close()
         l2.purge(h.ns)
-        h.kv = kvcomm.open(config=h.config)
+        h.kv = kvcomm.open(config=h.config, wait_daemon=False)  # (before its daemon)
         h.kv._seg._q[H["WSEQ"]] = 0  # as if the clock had gone back years
         h.kv.put(b, "b-new")  # acknowledged, dirty
         h.kv.put(a, "a-new")
@@ -177,7 +177,7 @@ def test_meeting_lost_dots_moves_every_unacknowledged_write_past_them(cluster) -
     print(f"seed={seed}")
     host = f"hu{seed % 100000}"
     cfg = host_config(cluster, host, f"hu-{seed}")
-    kv = kvcomm.open(config=cfg)
+    kv = kvcomm.open(config=cfg, wait_daemon=False)  # (no daemon)
     try:
         kv._seg._q[H["WSEQ"]] = 0  # a new L2 below the host's old dots
         for k in ("a", "b", "c"):
@@ -228,7 +228,7 @@ def test_old_dots_below_the_write_sequence_do_not_cover_a_new_write(cluster, sto
         store.rc.delete(f"kvn:{{{host}}}:cursors")  # the restarted daemon starts with a resync
         h.kv.close()
         l2.purge(h.ns)
-        h.kv = kvcomm.open(config=h.config)
+        h.kv = kvcomm.open(config=h.config, wait_daemon=False)  # (before its daemon)
         h.kv._seg._q[H["WSEQ"]] = 0  # as if the clock had gone back years
         h.kv.put(key, "new")  # acknowledged, dirty: its dot is 1
         h.kv._seg._q[H["WSEQ"]] = old_dot + 10  # as if many writes had been made since

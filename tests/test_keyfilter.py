@@ -236,7 +236,7 @@ def _cluster_client(ns: str) -> kvcomm.Client:
     return kvcomm.open(ns, config=kvcomm.Config.from_mapping({
         "node": {"namespace": ns}, "cache": {"l2_size": "4MB", "watch_buffer": 1024,
                                              "negative_ttl": 0},
-        "cluster": {"redis": ["127.0.0.1:1"], "timeout": 0.2}}))
+        "cluster": {"redis": ["127.0.0.1:1"], "timeout": 0.2}}), wait_daemon=False)
 
 
 def test_an_agent_trusts_the_filter_only_while_the_daemon_beats(ns: str) -> None:

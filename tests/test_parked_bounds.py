@@ -90,7 +90,7 @@ def test_a_write_refused_at_outbound_max_says_what_holds_the_writes_back(
         "node": {"host_id": "refused", "namespace": ns},
         "cache": {"l2_size": "4MB"},
         "cluster": {"redis": ["127.0.0.1:1"], "outbound_max": 2}})
-    kv = kvcomm.open(config=cfg)
+    kv = kvcomm.open(config=cfg, wait_daemon=False)  # (the status file plays the daemon)
     try:
         if status is not None:
             stale = bool(status.pop("stale", False))

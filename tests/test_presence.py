@@ -276,7 +276,7 @@ def test_an_agent_without_etcd_is_refused_in_a_cluster_with_strong_keys(tmp_path
     status = daemon.status()
     assert status["strong_prefixes"] == ["task/"] and status["l3_consistency"] == "eventual"
     path = status_path(ns, str(tmp_path))
-    kvcomm.open(ns, config=config()).close()  # no daemon: nothing to compare with
+    kvcomm.open(ns, config=config(), wait_daemon=False).close()  # no daemon: nothing to compare with
     write_status(path, {**status, "updated": time.time()})
     with pytest.raises(kvcomm.ConfigError, match="cluster.etcd") as err:
         kvcomm.open(ns, config=config())

@@ -272,7 +272,7 @@ def test_an_agent_opened_before_its_daemon_never_writes_strong_keys_as_eventual(
         "node": {"host_id": "h1", "namespace": ns},
         "cache": {"l2_size": "4MB", "l2_dir": str(tmp_path)},
         "cluster": {"redis": ["127.0.0.1:1"], "groups": 16}})
-    kv = kvcomm.open(ns, config=cfg)  # no daemon yet: opens
+    kv = kvcomm.open(ns, config=cfg, wait_daemon=False)  # no daemon yet: opens (it may)
     try:
         # the daemon starts (the status it publishes, as Daemon.status() writes it)
         write_status(status_path(ns, str(tmp_path)),
@@ -295,7 +295,7 @@ def test_an_agent_opened_before_its_daemon_never_writes_strong_keys_as_eventual(
         "node": {"host_id": "h1", "namespace": ns2},
         "cache": {"l2_size": "4MB", "l2_dir": str(tmp_path)},
         "cluster": {"redis": ["127.0.0.1:1"], "groups": 16}})
-    kv = kvcomm.open(ns2, config=cfg2)
+    kv = kvcomm.open(ns2, config=cfg2, wait_daemon=False)
     try:
         kv.put("task/1", "eventual")  # (no daemon yet: eventual)
         write_status(status_path(ns2, str(tmp_path)),

@@ -40,7 +40,7 @@ def full(ns: str) -> Iterator[tuple[kvcomm.Client, str]]:
         "node": {"host_id": "adversary", "namespace": ns},
         "cache": {"l2_size": "4MB", "lock_timeout": 2.0},
         "cluster": {"redis": ["127.0.0.1:1"], "outbound_max": 2}})
-    kv = kvcomm.open(config=cfg)
+    kv = kvcomm.open(config=cfg, wait_daemon=False)
     path = status_path(ns, cfg.cache.l2_dir)
     try:
         kv.put("k1", 1)

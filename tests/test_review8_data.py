@@ -104,7 +104,7 @@ def test_purge_without_force_refuses_a_segment_made_with_wider_permissions(
            "cluster": {"redis": ["127.0.0.1:1"]}, "node": {"host_id": "host-a"}}
     cfg_file = tmp_path / "host.yaml"
     cfg_file.write_text(yaml.safe_dump(raw))
-    with kvcomm.open(ns, config=str(cfg_file)) as kv:
+    with kvcomm.open(ns, config=str(cfg_file), wait_daemon=False) as kv:  # (no daemon)
         kv.put("k", b"acknowledged, not yet in L3")
         assert kv._seg.dirty_count == 1
     out = subprocess.run([sys.executable, "-m", "kvcomm", "purge", "--name", ns, "--config",
@@ -346,7 +346,7 @@ def test_a_key_filter_closed_by_another_thread_does_not_raise_valueerror(
     w = KeyFilter.create(ns, 1000, 0.01, directory=str(tmp_path))
     w.set_ready(True)
     w.beat()
-    with kvcomm.open(ns, config=kvcomm.Config.from_mapping(raw)) as kv:
+    with kvcomm.open(ns, config=kvcomm.Config.from_mapping(raw), wait_daemon=False) as kv:
         kf = kv._key_filter()  # thread A, in _get_l3
         assert kf is not None
         w.set_ready(False)  # the daemon restarts (or stops beating)

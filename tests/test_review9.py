@@ -331,7 +331,7 @@ def test_a_strong_read_cut_off_at_its_first_contact_says_it_is_a_read(
                                                   "address_remap": remap}})
     ctl.set("blackhole")
     assert ctl.status()["mode"] == "blackhole"
-    c = kvcomm.open(ns, config=cfg)  # cannot check now: the first strong operation will
+    c = kvcomm.open(ns, config=cfg, wait_daemon=False)  # cannot check now: the first strong operation will
     hosts.clients.append(c)
     try:
         with pytest.raises(kvcomm.Unavailable) as err:

@@ -250,7 +250,7 @@ def test_an_l1_or_l2_copy_from_before_the_prefix_was_declared_is_never_served(
         "node": {"host_id": "host-a", "namespace": ns},
         "cache": {"l2_size": "16MB", "watch_buffer": 4096},
         "cluster": {"redis": ["127.0.0.1:1"], "timeout": TIMEOUT}})
-    old = kvcomm.open(ns, config=old_cfg)
+    old = kvcomm.open(ns, config=old_cfg, wait_daemon=False)  # (no daemon)
     hosts.clients.append(old)
     old.put(k, "planted in L2")
     assert old.get(k) == "planted in L2" and old.get(k) == "planted in L2"
@@ -259,7 +259,7 @@ def test_an_l1_or_l2_copy_from_before_the_prefix_was_declared_is_never_served(
     assert old._read_l2(*old._key_hash(k), 1 << 40) is not None  # the planted L2 record
 
     # after: the prefix declared (the cluster's), the same namespace, the same process
-    new = kvcomm.open(ns, config=hosts.config("host-a", ns))
+    new = kvcomm.open(ns, config=hosts.config("host-a", ns), wait_daemon=False)
     hosts.clients.append(new)
     for _ in range(3):  # etcd has no value: absent, every time (memoised or not)
         assert new.get(k) is None
@@ -285,14 +285,14 @@ def test_a_planted_l2_copy_is_not_served_after_this_client_puts_the_key(
     next get serves the L2 record planted before the prefix was declared."""
     k = _key("planted-put")
     ns = hosts.new_namespace()
-    old = kvcomm.open(ns, config=kvcomm.Config.from_mapping({
+    old = kvcomm.open(ns, wait_daemon=False, config=kvcomm.Config.from_mapping({
         "node": {"host_id": "host-a", "namespace": ns},
         "cache": {"l2_size": "16MB", "watch_buffer": 4096},
         "cluster": {"redis": ["127.0.0.1:1"], "timeout": TIMEOUT}}))
     hosts.clients.append(old)
     old.put(k, "planted in L2")
     assert old._read_l2(*old._key_hash(k), 1 << 40) is not None  # the planted L2 record
-    new = kvcomm.open(ns, config=hosts.config("host-a", ns))
+    new = kvcomm.open(ns, config=hosts.config("host-a", ns), wait_daemon=False)
     hosts.clients.append(new)
     v = new.put(k, "from etcd")
     assert k not in new._keys

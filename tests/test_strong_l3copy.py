@@ -62,7 +62,7 @@ def no_etcd(dev: DevState, tmp_path: Any) -> Iterator[Any]:
                               "l2_dir": str(tmp_path), **cache})
         cfg = kvcomm.Config.from_mapping(data)
         assert not os.path.exists(status_path(ns, str(tmp_path)))  # no daemon's word
-        kv = kvcomm.open(ns, config=cfg)
+        kv = kvcomm.open(ns, config=cfg, wait_daemon=False)
         opened.append(kv)
         return kv
 

@@ -521,6 +521,11 @@ class ClusterConfig(_Section):
     max_clock_skew: Duration = Field(default=0.5, gt=0, le=3600,
                                      description="remote HLC timestamps further ahead are counted")
     timeout: Duration = Field(default=2.0, gt=0)
+    daemon_wait: Duration = Field(
+        default=5.0, ge=0, le=3600,
+        description="how long kvcomm.open() waits for the host's node daemon (`kvcomm node`) "
+                    "to heartbeat before it raises Unavailable (open(..., wait_daemon=False) "
+                    "does not wait)")
     outbound_max: Count = Field(default=8192, ge=1,
                                 description="writes waiting for L3 before put raises Unavailable")
     feed_poll: Duration = Field(default=0.02, gt=0, description="how often remote changes are read")

@@ -23,10 +23,11 @@ if TYPE_CHECKING:
 class _Attached:
     """A namespace this process has mapped: its segment, its L1 and how many clients use it."""
 
-    __slots__ = ("seg", "l1", "refs", "index", "lock", "sweeper")
+    __slots__ = ("seg", "l1", "refs", "index", "lock", "sweeper", "daemon_warned")
 
     def __init__(self, seg: L2Segment, l1: L1Cache, sweep: float) -> None:
         self.seg, self.l1, self.refs = seg, l1, 0
+        self.daemon_warned = False  # "the node daemon does not heartbeat" was said (base.py)
         self.index: Any = None  # the ordered key index, made at the first scan (scan.py)
         self.lock = threading.Lock()
         self.sweeper = Sweeper(seg, sweep)  # keys past their deadline (sweeper.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..errors import (
     InvalidArgument,
     InvalidKey,
     KVCommError,
+    KVCommWarning,
     SegmentError,
     ValidationError,
     ValueTooLarge,
@@ -42,6 +44,8 @@ _KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
 # change of a key not held here over a fill for 30 s (node/daemon.py RECENT_S)
 _FILL_WITHIN = 10.0
 _HUGE = 1 << 62  # a zero-copy threshold no value reaches: always a copy
+_NEVER = 1 << 62  # (ms: never reached)
+DAEMON_CHECK_MS = 1000  # a cluster-mode write asks whether the node daemon beats this often
 
 
 def _now_ms() -> int:
@@ -63,7 +67,8 @@ class ClientBase:
     _getter: Getter  # made by Client.__init__ (it calls later layers)
 
     def __init__(self, name: str = "default", config: Config | None = None,
-                 agent: str | None = None) -> None:
+                 agent: str | None = None, wait_daemon: bool = True,
+                 _config_file: str | None = None) -> None:
         if agent is not None:
             check_agent(agent)  # (before anything is opened)
         self.config = config or Config()
@@ -137,10 +142,89 @@ class ClientBase:
         self._strong_on = False  # some keys are strong: every operation asks is_strong
         self._strong_unknown = False  # (no daemon status seen yet: _check_no_strong_keys)
         self._status_reader: Any = None  # the node daemon's status file (partition mode)
+        # cluster mode: open() waits for the host's node daemon (cluster.daemon_wait), and
+        # a write finds out, at most every DAEMON_CHECK_MS, whether it still heartbeats
+        # (one KVCommWarning when it stopped). wait_daemon=False: a tool, or the daemon's
+        # own client, that works without one: neither
+        self._daemon_watch = self._cluster and wait_daemon
+        # (wall-clock ms, which put reads anyway: a clock set back delays the next look
+        # by as much)
+        self._daemon_check_ms = 0 if self._daemon_watch else _NEVER
+        self._daemon_command = self._daemon_cmd(_config_file)
+        # a beat this old still counts: a round of a loop cut off from Redis (and without
+        # etcd, whose lease thread keeps the status file fresh) may wait 2 x cluster.timeout
+        self._beat_within_ms = int(max(2.0, 2 * cluster.timeout + 1.0) * 1000)
         if self._cluster and (cluster.etcd or c.strong_prefixes or c.l3_consistency == "strong"):
-            self._open_strong()
+            self._open_strong()  # (a ConfigError comes before any wait)
+            if self._daemon_watch:
+                self._await_daemon(cluster.daemon_wait)
         elif self._cluster:
+            if self._daemon_watch:  # (first: the daemon's status then says which keys are strong)
+                self._await_daemon(cluster.daemon_wait)
             self._check_no_strong_keys()
+
+    def _daemon_beats(self) -> bool:
+        """Whether the host's node daemon of this namespace is alive: it heartbeats in L2
+        (every round of its loop; within 2 x cluster.timeout + 1 s, at least 2 s), or its
+        status file is fresh (its lease thread writes it while the loop waits on Redis
+        timeouts, in partition mode)."""
+        return (self._seg.daemon_alive(self._beat_within_ms)
+                or self._host_status().status() is not None)
+
+    def _daemon_silence(self) -> str:
+        """When the last daemon heartbeat, for a message."""
+        beat_ms = self._seg.daemon_last_beat_ms()
+        if not beat_ms:
+            return "none has run on this namespace"
+        ago = max(0.0, time.time() - beat_ms / 1000)
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(beat_ms / 1000))
+        return f"the last one, pid {self._seg.daemon_pid}, last heartbeat at {at}, {ago:.1f}s ago"
+
+    def _daemon_cmd(self, config_file: str | None) -> str:
+        """The command that starts this namespace's node daemon, for a message."""
+        name = "" if self.name == self.config.node.namespace else f" --name {self.name}"
+        return f"kvcomm node --config {config_file or 'FILE'}{name}"
+
+    def _await_daemon(self, wait: float) -> None:
+        """Wait up to ``wait`` seconds for the host's node daemon to heartbeat. Raises
+        Unavailable naming the command that starts it (the client is then closed)."""
+        from .._wait import wait_until
+        from ..errors import Unavailable
+
+        try:
+            wait_until(self._daemon_beats, wait, "the node daemon", interval=0.02)
+        except Unavailable:
+            msg = (f"no node daemon heartbeats for namespace {self.name!r} on host "
+                   f"{self._host!r} (waited {wait:g}s, cluster.daemon_wait; "
+                   f"{self._daemon_silence()}): without it this host's writes never reach "
+                   f"L3 and no other host sees them. Start it: `{self._daemon_command}` "
+                   "(a tool that works without one opens with kvcomm.open(..., "
+                   "wait_daemon=False))")
+            self._refuse_open()
+            raise Unavailable(msg) from None
+        except BaseException:
+            self._refuse_open()
+            raise
+
+    def _check_daemon(self, now_ms: int = 0) -> None:
+        """From a write in cluster mode, at most every DAEMON_CHECK_MS: when the host's
+        daemon no longer heartbeats, one KVCommWarning (per namespace and process, until
+        a daemon beats again) says that writes now wait in L2."""
+        self._daemon_check_ms = (now_ms or _now_ms()) + DAEMON_CHECK_MS
+        att = self._attached
+        if self._daemon_beats():
+            att.daemon_warned = False
+            return
+        if att.daemon_warned:
+            return
+        att.daemon_warned = True
+        warnings.warn(
+            f"the node daemon of namespace {self.name!r} on host {self._host!r} does not "
+            f"heartbeat ({self._daemon_silence()}): writes are still acknowledged into L2 "
+            f"and wait there for L3 ({self._seg.dirty_count} so far; at "
+            f"cluster.outbound_max, {self._max_dirty}, put raises Unavailable), and reach "
+            f"the other hosts once a daemon runs again: start it with `{self._daemon_command}`",
+            KVCommWarning, stacklevel=3)  # (the caller of put, delete)
 
     def _check_no_strong_keys(self) -> None:
         """A cluster-mode agent without ``cluster.etcd`` cannot ask etcd which keys the
@@ -192,6 +276,9 @@ class ClientBase:
         if self._l3 is not None:
             self._l3.close()
             self._l3 = None
+        if self._strong is not None:
+            self._strong.close()
+            self._strong = None
         process_budget().unregister(self.config.cache.l1_size)
         _Shared.release(self._attached)
         self._closed = self._unusable = True

@@ -130,6 +130,8 @@ class Batch(BatchOps):
                         ops[i] = (op[0], op[1], False)
             for key in self._keys:
                 c._negative.invalidate(key)  # this host holds them now: not "absent"
+            if _now_ms() >= c._daemon_check_ms:
+                c._check_daemon()
         # compact results: no tuple per op (a batch's versions are built only if asked)
         packed, self._vvxs = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
                                           max_dirty=c._max_dirty, tombstones=c._cluster,

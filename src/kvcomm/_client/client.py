@@ -23,8 +23,9 @@ class Client(Scanning):
     """An agent's handle on KVCOMM. Thread-safe. Use :func:`kvcomm.open` to make one."""
 
     def __init__(self, name: str = "default", config: Config | None = None,
-                 agent: str | None = None) -> None:
-        super().__init__(name, config, agent)
+                 agent: str | None = None, wait_daemon: bool = True,
+                 _config_file: str | None = None) -> None:
+        super().__init__(name, config, agent, wait_daemon, _config_file)
         # kv.get is the C getter itself (an instance attribute: no Python frame on a hit);
         # Reads.get (read.py) is what it does, and what a closed client falls back to
         self._getter = Getter(self._l1, self._seg._core, self._keys, codec.decode,
@@ -143,7 +144,7 @@ class Client(Scanning):
 
 def open(name: str | None = None, *,  # noqa: A001
          config: Config | str | os.PathLike[str] | None = None,
-         agent: str | None = None) -> Client:
+         agent: str | None = None, wait_daemon: bool = True) -> Client:
     """Open namespace ``name`` on this host (creating its L2 segment if needed).
 
     ``name`` defaults to the config's ``node.namespace`` ("default"). ``config`` is a
@@ -151,8 +152,19 @@ def open(name: str | None = None, *,  # noqa: A001
     client works in cluster mode (a node daemon syncs the host with L3). ``agent`` names
     the agent using the client (1-64 letters, digits, ``_.:-``, e.g. ``"drone-7"``): its
     writes carry the name, and placement (``kvcomm placement``) observes and may move
-    it; without one, the agent is ``PID@HOST``, observed but never moved. Raises
-    InvalidArgument (a bad agent name), ConfigError, SegmentError; nothing is opened then.
+    it; without one, the agent is ``PID@HOST``, observed but never moved.
+
+    In cluster mode, ``open`` waits up to ``cluster.daemon_wait`` seconds for the host's
+    node daemon (``kvcomm node``) to heartbeat, and raises Unavailable (naming the
+    command that starts it) when none does: without it, this host's writes would never
+    reach the other hosts. Writes made while a daemon that was running has stopped are
+    still acknowledged into L2 (at most ``cluster.outbound_max`` waiting; one
+    KVCommWarning says so) and reach L3 once a daemon runs again.
+    ``wait_daemon=False`` neither waits nor warns: for tools that work without a daemon
+    (and the daemon's own client).
+
+    Raises InvalidArgument (a bad agent name), ConfigError, SegmentError, Unavailable (no
+    node daemon); nothing is opened then.
     """
     if agent is not None:
         check_agent(agent)
@@ -163,5 +175,6 @@ def open(name: str | None = None, *,  # noqa: A001
         name = cfg.node.namespace
     if type(name) is not str:
         raise SegmentError(f"namespace must be a str, got {type(name).__name__}")
-    return Client(name, cfg, agent)
+    path = None if config is None or isinstance(config, Config) else os.fspath(config)
+    return Client(name, cfg, agent, wait_daemon, _config_file=path)
 

@@ -62,6 +62,8 @@ class Counting(Writes):
         kb, h = self._key_hash(key)
         if self._cluster:
             self._negative.invalidate(key)  # this host will hold it: no longer "absent"
+            if _now_ms() >= self._daemon_check_ms:  # (is the node daemon alive?)
+                self._check_daemon()
             if self._seg.read(kb, h, 0) is None:
                 self._fill_counter(key)
         seg, host = self._seg, self._host

@@ -25,6 +25,8 @@ from .batch import Batch
 from .cas import ClusterWrites
 from .items import _NO_CHECK, ABSENT, Item
 
+_time_ns = time.time_ns
+
 
 class Writes(ClusterWrites):
     """Writes."""
@@ -81,14 +83,17 @@ class Writes(ClusterWrites):
             tag, meta, payload = _BYTES, b"", value
         else:
             tag, meta, payload = self._encode(value)
+        now_ms = _time_ns() // 1_000_000
         if self._cluster:
             self._negative.invalidate(key)  # this host will hold it: no longer "absent"
+            if now_ms >= self._daemon_check_ms:  # (once a second: is the daemon alive?)
+                self._check_daemon(now_ms)
         if expect is not _NO_CHECK or self._has_validators:
             version = self._put_checked(key, kb, h, value, (tag, meta, payload), expect, ext)
             if consistency is not None or self._default_strong:
                 self._count_consistency(consistency)
             return version
-        r = self._core_put(kb, h, tag, meta, payload, time.time_ns() // 1_000_000,
+        r = self._core_put(kb, h, tag, meta, payload, now_ms,
                            self._dirty_flag, self._max_dirty, self._lock_timeout, ext)
         if type(r) is not tuple:  # purged, repair due, no room...: the careful path
             r = self._seg.put_status(r, kb, h, tag, meta, payload, _now_ms(), self._cluster,
@@ -210,6 +215,8 @@ class Writes(ClusterWrites):
             return int(self._strong.delete(key, expect, validator))
         kb, h = self._key_hash(key)
         validator = self._validators.lookup(key) if self._validators else None
+        if self._cluster and _now_ms() >= self._daemon_check_ms:
+            self._check_daemon()
         if self._cluster and expect is not _NO_CHECK:  # (decided on L3: _client/cas.py)
             self._validate_now(key, kb, h, validator, None)
             self._l1.discard(key)

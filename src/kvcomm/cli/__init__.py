@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -95,7 +96,23 @@ def _info(args: argparse.Namespace) -> int:
             state = "alive, in partition mode (its loop waits on Redis timeouts)"
         print(f"node daemon    pid {info['daemon_pid']}, {state}; "
               f"{info['dirty']} writes not yet in L3, {info['set_aside']} set aside")
+    if not info["daemon_alive"] and st is None and (
+            cfg.cluster.enabled or info["daemon_pid"] or info["dirty"]):
+        # (cluster mode with no daemon: writes are acknowledged into L2 and wait there)
+        print(f"no node daemon: {info['dirty']} writes waiting for L3"
+              f"{_since_beat(info['daemon_beat_ms'])}; start it: kvcomm node --config "
+              f"{args.config or 'FILE'}")
     return 0
+
+
+def _since_beat(beat_ms: int) -> str:
+    """" (its last heartbeat at HH:MM:SS, N s ago)", or "" when no daemon ever beat."""
+    if not beat_ms:
+        return " (none has run on this namespace)"
+    import time
+
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(beat_ms / 1000))
+    return f" (the last daemon's last heartbeat: {at}, {time.time() - beat_ms / 1000:.0f}s ago)"
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -284,15 +301,20 @@ def _cluster(args: argparse.Namespace) -> int:
     with EtcdClient.from_config(cfg.cluster) as etcd:
         if args.action == "status":
             hosts = cluster_status(etcd)
+            for h in hosts:
+                _known_backlog(h, cfg, args.config)
             if args.json:
                 print(json.dumps({"hosts": hosts}, indent=2))
                 return 0
             print(f"{'host':<16} {'lease':<18} {'partition':<9} {'backlog':>8} {'feed lag':>9} "
                   "masters down")
             for h in hosts:
+                backlog = h["backlog"] if h["backlog_known"] else f"{h['backlog']}?"
                 print(f"{h['host']:<16} {h['lease']:<18} {'yes' if h['partition'] else 'no':<9} "
-                      f"{h['backlog']:>8} {h['feed_lag_s']:>8.2f}s "
+                      f"{backlog:>8} {h['feed_lag_s']:>8.2f}s "
                       f"{masters_down_text(h) or '-'}")
+                if h["daemon"] != "running":
+                    print(f"{'':<16} {h['note']}")
             return 0
         found = remove_host(etcd, args.host, force=args.force)
     l3_keys = 0
@@ -311,6 +333,70 @@ def _cluster(args: argparse.Namespace) -> int:
           f"{found['keys_deleted']} etcd records and {l3_keys} L3 records deleted; its "
           f"last published backlog was {last.get('backlog', 'unknown')} writes")
     return 0
+
+
+def _known_backlog(h: dict[str, Any], cfg: Any, config_file: str) -> None:
+    """Add to ``h`` (a host of ``cluster_status``) what is known of its daemon and its
+    backlog, and since when: ``daemon`` ("running": its lease is live and, on this host,
+    it heartbeats; "gone": its lease was revoked or expired, or its heartbeat stopped),
+    ``daemon_gone_since`` (epoch s: its last report in etcd, or its last heartbeat in
+    this host's L2), ``backlog_known`` (False: the backlog is the last one its daemon
+    published, and writes made since are not counted), ``note`` (for the table).
+
+    On the host itself (the config's ``node.host_id``), the host's L2 says more than
+    etcd: ``backlog`` is then its count of writes waiting for L3 (``backlog_source``
+    "l2"), whatever the daemon last published."""
+    import time
+
+    now = time.time()
+    updated = h.get("updated")
+    reported = float(updated) if isinstance(updated, (int, float)) and not isinstance(
+        updated, bool) and math.isfinite(updated) else None
+    live = h["lease"].startswith("live")
+    h.update(daemon="running" if live else "gone", backlog_known=live,
+             backlog_source="etcd", daemon_gone_since=None if live else reported, note="")
+    local = _local_l2(cfg) if h["host"] == cfg.node.host_id else None
+    if local is not None:
+        h.update(backlog=local["dirty"], backlog_known=True, backlog_source="l2")
+        if not local["daemon_alive"] and not local["status_fresh"]:
+            beat = local["daemon_beat_ms"] / 1000 or None
+            h.update(daemon="gone", daemon_gone_since=beat or reported)
+    if h["daemon"] == "running":
+        return
+    since = h["daemon_gone_since"]
+    when = "at an unknown time" if since is None else (
+        f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))} "
+        f"({max(0.0, now - since):.0f}s ago)")
+    if local is not None:
+        h["note"] = (f"no node daemon {when}: {h['backlog']} writes waiting for L3 in this "
+                     f"host's L2 (start it: kvcomm node --config {config_file})")
+    else:
+        h["note"] = (f"no node daemon {when}: backlog {h['backlog']} is its last report "
+                     "to etcd; writes made on the host since are not counted (kvcomm info "
+                     "there says)")
+
+
+def _local_l2(cfg: Any) -> dict[str, Any] | None:
+    """This host's L2 segment of the config's namespace: its ``info()`` and whether its
+    daemon's status file is fresh (``status_fresh``: its lease thread writes it while
+    the loop waits on Redis, in partition mode), or None when there is no segment (or
+    it cannot be read)."""
+    from ..node.presence import read_status, status_fresh, status_path
+    from ..tiers.l2 import L2Segment
+
+    c = cfg.cache
+    try:
+        seg = L2Segment(cfg.node.namespace, create_layout=None, host_id="", directory=c.l2_dir,
+                        permissions=c.l2_permissions, lock_timeout=c.lock_timeout,
+                        attach_timeout=0)
+    except (KVCommError, OSError):
+        return None
+    try:
+        info = seg.info()
+    finally:
+        seg.close()
+    info["status_fresh"] = status_fresh(read_status(status_path(info["name"], c.l2_dir)))
+    return info
 
 
 def _soak(args: argparse.Namespace) -> int:

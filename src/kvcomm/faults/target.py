@@ -74,7 +74,7 @@ class DevClusterTarget:
     def client(self, i: int) -> Client:
         """A client of host ``i`` in this process (opened once)."""
         if i not in self._clients:
-            self._clients[i] = kv_open(config=self.configs[i])
+            self._clients[i] = kv_open(config=self.configs[i], wait_daemon=False)  # (a tool)
         return self._clients[i]
 
     def probe_client(self, i: int) -> Client:
@@ -85,7 +85,7 @@ class DevClusterTarget:
 
             data = Config.load(self.configs[i]).model_dump()
             data["cache"]["negative_ttl"] = 0
-            self._probe_clients[i] = kv_open(config=Config.from_mapping(data))
+            self._probe_clients[i] = kv_open(config=Config.from_mapping(data), wait_daemon=False)
         return self._probe_clients[i]
 
     def segment(self, i: int) -> L2Segment:

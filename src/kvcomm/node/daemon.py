@@ -1581,7 +1581,7 @@ class NodeDaemon(Daemon):
         config.cluster.seeds()  # validate before touching the host's L2
         # jitter must differ between hosts: an unseeded Random draws its seed from the OS
         rng = rng if rng is not None else random.Random()
-        self.kv: Client = kv_open(name, config=config)
+        self.kv: Client = kv_open(name, config=config, wait_daemon=False)  # (it is the daemon)
         l3: L3Store | None = None
         keys: KeyFilter | None = None
         try:

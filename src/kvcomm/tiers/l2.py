@@ -139,6 +139,7 @@ class L2Segment(Writes, Pins, Feed, HotKeys, Checker, SyncState):
             "feed_capacity": lay.feed_n,
             "daemon_pid": q[H["DAEMON_PID"]],
             "daemon_alive": self.daemon_alive(),
+            "daemon_beat_ms": q[H["DAEMON_BEAT"]],  # its last heartbeat (0: never)
             "sync_backlog": q[H["DIRTY"]],
             "set_aside": q[H["SET_ASIDE"]],
             "max_record_bytes": self._max_record,

@@ -71,6 +71,15 @@ class SyncState(SegmentCore):
         self._q[H["DAEMON_PID"]] = pid
         self._atom.store(H["DAEMON_BEAT"] * 8, time.time_ns() // 1_000_000)
 
+    def daemon_last_beat_ms(self) -> int:
+        """When the node daemon last heartbeat (ms since the epoch; 0: never)."""
+        return int(self._q[H["DAEMON_BEAT"]])
+
+    @property
+    def daemon_pid(self) -> int:
+        """The pid of the last node daemon that heartbeat here (0: none ever did)."""
+        return int(self._q[H["DAEMON_PID"]])
+
     def daemon_alive(self, within_ms: int = 2000) -> bool:
         beat = self._q[H["DAEMON_BEAT"]]
         return bool(beat) and time.time_ns() // 1_000_000 - beat < within_ms
