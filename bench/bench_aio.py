@@ -22,7 +22,7 @@ the face). Targets: ≥ 10x redis.asyncio, worst lag ≤ 20 ms.
 
 **Cluster** (``--cluster``): a 3-master Redis Cluster (no replicas) holds 100 keys this
 host does not (written into L3 as another host's daemon would); an agent in cluster mode
-(no daemon) awaits all 100 at once (``asyncio.gather``), 20 rounds on fresh keys: the
+(no daemon: ``wait_daemon=False``) awaits all 100 at once (``asyncio.gather``), 20 rounds on fresh keys: the
 worst lag of the ticker while the awaits go to L3 (target ≤ 50 ms), beside the same reads
 done by the sync client inline on the loop (what an async agent calling the sync client
 directly would do).
@@ -268,7 +268,7 @@ def cluster(args: argparse.Namespace) -> None:
 
     try:
         async def aio_rounds() -> tuple[float, Ticker]:
-            async with kvcomm.aio.open(config=cfg) as kv:
+            async with kvcomm.aio.open(config=cfg, wait_daemon=False) as kv:
                 await kv.get(fresh_keys()[0])  # (L3 opened)
                 batches = [fresh_keys() for _ in range(rounds)]
                 ticker = Ticker()
@@ -282,7 +282,7 @@ def cluster(args: argparse.Namespace) -> None:
                 return rounds * per / (time.perf_counter() - t0), ticker
 
         async def inline_rounds() -> tuple[float, Ticker]:
-            kv = kvcomm.open(config=cfg)
+            kv = kvcomm.open(config=cfg, wait_daemon=False)
             kv.get(fresh_keys()[0])
             batches = [fresh_keys() for _ in range(rounds)]
             ticker = Ticker()

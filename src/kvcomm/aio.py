@@ -469,9 +469,9 @@ class _Opening:
     """What :func:`open` returns: awaited, the client; as ``async with``, the client,
     closed at the block's end."""
 
-    def __init__(self, name: str | None, config: Any, agent: str | None) -> None:
+    def __init__(self, name: str | None, kwargs: dict[str, Any]) -> None:
         self._args = (name,)
-        self._kwargs = {"config": config, "agent": agent}
+        self._kwargs = kwargs
         self._client: AsyncClient | None = None
 
     async def _open(self) -> AsyncClient:
@@ -503,8 +503,9 @@ def _close_made(f: Future[Client]) -> None:
 
 def open(name: str | None = None, *,  # noqa: A001
          config: Config | str | os.PathLike[str] | None = None,
-         agent: str | None = None) -> _Opening:
+         agent: str | None = None, wait_daemon: bool = True) -> _Opening:
     """``async with kvcomm.aio.open(...) as kv`` or ``kv = await kvcomm.aio.open(...)``:
     an :class:`AsyncClient` over :func:`kvcomm.open` with the same arguments (opened in
-    the pool: the loop never waits for it). Raises what :func:`kvcomm.open` raises."""
-    return _Opening(name, config, agent)
+    the pool: the loop never waits for it, nor for the node daemon in cluster mode).
+    Raises what :func:`kvcomm.open` raises."""
+    return _Opening(name, {"config": config, "agent": agent, "wait_daemon": wait_daemon})
