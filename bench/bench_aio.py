@@ -119,7 +119,7 @@ async def drive(get: Callable[[str], Awaitable[Any]], put: Callable[[str, bytes]
     return sum(counts) / elapsed, ticker
 
 
-def _writer(target: str | int, keys: list[str], stop: Any, count: Any) -> None:
+def _writer(target: str | int, keys: list[str], ready: Any, stop: Any, count: Any) -> None:
     """The second process: puts of the same keys as fast as it can, into namespace
     ``target`` (KVCOMM) or the redis-server on port ``target``."""
     if isinstance(target, str):
@@ -132,6 +132,8 @@ def _writer(target: str | int, keys: list[str], stop: Any, count: Any) -> None:
         put, close = c.set, c.close
     r = random.Random(7)
     n = 0
+    put(keys[0], VALUE)
+    ready.set()
     while not stop.is_set():
         put(keys[r.randrange(len(keys))], VALUE)
         n += 1
@@ -144,15 +146,16 @@ def with_writer(target: Callable[..., None], args: tuple[Any, ...],
     """``run()`` while a second process runs ``target(*args, stop, count)``; adds the
     writer's ops/s."""
     ctx = multiprocessing.get_context("spawn")
-    stop, count = ctx.Event(), ctx.Value("q", 0)
-    p = ctx.Process(target=target, args=(*args, stop, count))
+    ready, stop, count = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+    p = ctx.Process(target=target, args=(*args, ready, stop, count))
     p.start()
-    time.sleep(1.0)  # (the writer is importing and opening)
+    if not ready.wait(120):  # (the writer is importing and opening)
+        raise RuntimeError("the second process did not start writing")
     t0 = time.perf_counter()
     ops, lag = run()
     stop.set()
     p.join(30)
-    return ops, lag, count.value / (time.perf_counter() - t0 + 1.0)
+    return ops, lag, count.value / (time.perf_counter() - t0)
 
 
 def embedded(args: argparse.Namespace) -> None:
