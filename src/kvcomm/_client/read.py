@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .._l2core import approx_size
+from .._l2core import WouldBlock, approx_size
 from ..core import codec
 from ..errors import InvalidKey, KVCommError, SegmentError
 from ..tiers.l2 import TAG_TOMBSTONE
@@ -84,7 +84,11 @@ class Reads(ClusterReads):
         if rec is None or rec[2] == TAG_TOMBSTONE:
             self._l2_misses += 1
             if rec is None and self._cluster and l3:
-                return self._get_l3(key, default, want_item)
+                try:
+                    return self._get_l3(key, default, want_item)
+                except WouldBlock:  # (kvcomm.aio runs the read again, off its loop)
+                    self._l2_misses -= 1
+                    raise
             self.counters["l2_absent"] += 1
             return None if want_item else default  # a tombstone: deleted here, L3 told soon
         self._l2_hits += 1

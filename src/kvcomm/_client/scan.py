@@ -93,6 +93,11 @@ class KeyIndex:
         self._cursor = head
         self.rebuilds += 1
 
+    @property
+    def built(self) -> bool:
+        """Whether the index was made (its first sync walks every slot: O(keys))."""
+        return self._keys is not None
+
     def range(self, prefix: str, after: str, limit: int) -> list[str]:
         """At most ``limit`` indexed keys under ``prefix`` after ``after``, in order."""
         with self._lock:

@@ -33,6 +33,35 @@ class _Subscription:
             self.etcd_watch = None
 
 
+class WatchFeed:
+    """One watch's position in the host's feed and its cluster ties: :meth:`step` returns
+    the events under the prefix since the last step. Both faces drive it (the sync
+    iterator, kvcomm.aio's async one): the rule of what a watcher sees is written once."""
+
+    def __init__(self, client: Watching, prefix: str, cursor: int,
+                 sub: _Subscription | None) -> None:
+        self.client, self.prefix, self.cursor, self.sub = client, prefix, cursor, sub
+
+    def step(self) -> list[Event]:
+        """The events since the last step (an ``overflow`` first if the feed overflowed),
+        lock-free; in cluster mode the daemon's missed-change count and the etcd watch's
+        events after them. Raises SegmentError (the namespace was purged)."""
+        c = self.client
+        if c._seg.purged:
+            raise SegmentError(f"namespace {c.name!r} was purged while watched; "
+                               "open it again and watch anew")
+        events, self.cursor, overflowed = c._feed_events(self.prefix, self.cursor)
+        out = [Event("", "overflow", None), *events] if overflowed else events
+        if self.sub is not None:
+            out.extend(c._cluster_events(self.sub))
+        return out
+
+    def close(self) -> None:
+        """Unregister from the node daemon and close the etcd watch (cluster mode)."""
+        if self.sub is not None:
+            self.sub.close()
+
+
 class Watching(Counting):
     """Watching."""
 
@@ -63,6 +92,16 @@ class Watching(Counting):
         InvalidKey, InvalidArgument; SegmentError (cluster mode) when the prefix cannot
         be registered with the daemon.
         """
+        feed = self._watch_start(prefix, timeout)
+        gen = self._watch(feed, timeout)
+        if feed.sub is not None:  # (a watch dropped unstarted runs no finally: unregister then)
+            weakref.finalize(gen, feed.close)
+        return gen
+
+    def _watch_start(self, prefix: Any, timeout: Any, subscribe: bool = True) -> WatchFeed:
+        """Check watch()'s arguments and start a watch from now (in cluster mode, with
+        ``subscribe``: waits for the node daemon to take the prefix, see
+        :meth:`_subscribe`; kvcomm.aio subscribes off its loop). Raises as watch()."""
         if type(prefix) is not str:
             raise InvalidKey("a watch prefix is a str ('' watches every key)")
         try:
@@ -75,11 +114,8 @@ class Watching(Counting):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self._live()
         cursor = self._seg.feed_head()  # "from now": cursor taken here
-        sub = self._subscribe(prefix) if self._cluster else None
-        gen = self._watch(prefix, timeout, cursor, sub)
-        if sub is not None:  # (a watch dropped unstarted runs no finally: unregister then)
-            weakref.finalize(gen, sub.close)
-        return gen
+        sub = self._subscribe(prefix) if self._cluster and subscribe else None
+        return WatchFeed(self, prefix, cursor, sub)
 
     def _daemon_status(self) -> dict[str, Any] | None:
         from ..node.presence import read_status, status_fresh, status_path
@@ -120,37 +156,26 @@ class Watching(Counting):
         return bool(st._default_strong or any(p.startswith(prefix) or prefix.startswith(p)
                                               for p in st._prefixes))
 
-    def _watch(self, prefix: str, timeout: float | None, cursor: int,
-               sub: _Subscription | None = None) -> Iterator[Event]:
-        seg = self._seg
+    def _watch(self, feed: WatchFeed, timeout: float | None) -> Iterator[Event]:
+        """The sync face of a watch: rounds of :meth:`WatchFeed.step`, sleeping between
+        empty ones (0.1 ms, doubling up to 5 ms). kvcomm.aio drives the same steps and
+        awaits the feed's bell instead."""
         last_event = time.monotonic()
         idle = 0.0001
         try:
             while not self._closed:
-                if seg.purged:
-                    raise SegmentError(f"namespace {self.name!r} was purged while watched; "
-                                       "open it again and watch anew")
-                events, cursor, overflowed = self._feed_events(prefix, cursor)
-                got = overflowed or bool(events)
-                if overflowed:
-                    yield Event("", "overflow", None)
-                yield from events
-                if sub is not None:
-                    for e in self._cluster_events(sub):
-                        got = True
-                        yield e
-                now = time.monotonic()
-                if got:
-                    last_event = now
+                events = feed.step()
+                if events:
+                    yield from events
+                    last_event = time.monotonic()
                     idle = 0.0001
                     continue
-                if timeout is not None and now - last_event >= timeout:
+                if timeout is not None and time.monotonic() - last_event >= timeout:
                     return
                 time.sleep(idle)
                 idle = min(idle * 2, 0.005)
         finally:
-            if sub is not None:
-                sub.close()
+            feed.close()
 
     def _feed_events(self, prefix: str, cursor: int,
                      limit: int = 1 << 30) -> tuple[list[Event], int, bool]:

@@ -49,6 +49,20 @@ mono_now(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* pthread_mutex_clocklock until monotonic time ``until``, the GIL released meanwhile */
+static int
+lock_until(Core *c, double until)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)until;
+    ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pthread_mutex_clocklock(c->mutex, CLOCK_MONOTONIC, &ts);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
 /* Take the writer lock within timeout seconds. 0: taken; -1: a Python error is set and the
  * lock is NOT held (timeout → Unavailable, a signal's exception, a corrupt mutex). The GIL
  * is released while waiting, so the holder (maybe a thread of this process) can go on.
@@ -68,17 +82,30 @@ take_lock_or_not(Core *c, double timeout, int quiet)
     int rc = pthread_mutex_trylock(c->mutex);
     if (rc == EBUSY && quiet)
         return -2;
+    if (rc == EBUSY && inline_wait >= 0) {
+        /* an event loop's thread: wait at most inline_wait here (holds take microseconds),
+         * then WouldBlock, nothing held or written: the caller reruns the call in a thread */
+        /* a holder keeps the lock a microsecond or two: try again a few µs before sleeping
+         * (a futex sleep and wake-up on a busy host costs more than the hold) */
+        for (int spin = 0; spin < 256 && rc == EBUSY; spin++) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            rc = pthread_mutex_trylock(c->mutex);
+        }
+        if (rc == EBUSY && inline_wait > 0)
+            rc = lock_until(c, mono_now() + inline_wait);
+        if (rc == EBUSY || rc == ETIMEDOUT) {
+            PyErr_SetString(WouldBlock, "the L2 writer lock is held by another thread or "
+                                        "process (this call runs again off the event loop)");
+            return -1;
+        }
+    }
     if (rc == EBUSY) {
         double deadline = mono_now() + (timeout > 0 ? timeout : 0);
         for (;;) {
             double now = mono_now();
-            double until = now + 0.05 < deadline ? now + 0.05 : deadline;
-            struct timespec ts;
-            ts.tv_sec = (time_t)until;
-            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-            Py_BEGIN_ALLOW_THREADS
-            rc = pthread_mutex_clocklock(c->mutex, CLOCK_MONOTONIC, &ts);
-            Py_END_ALLOW_THREADS
+            rc = lock_until(c, now + 0.05 < deadline ? now + 0.05 : deadline);
             if (rc != ETIMEDOUT)
                 break;
             if (PyErr_CheckSignals() < 0)
