@@ -61,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import functools
+import math
 import random
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -96,9 +97,28 @@ from ._serde import NoPickleSerializer, no_pickle
 
 R = TypeVar("R")
 
+_ANY: Any = object()  # (a head move from any parent: forward only)
+_MAX_HEADS = 65536  # (the remembered heads, one per thread and namespace: bounded)
+
 
 class _NotHead(Exception):
     """put_writes: the checkpoint is no longer the head (the head is left alone)."""
+
+
+class _Moved(Exception):
+    """put: the head is not the checkpoint this run resumed from (another writer moved it)."""
+
+    def __init__(self, head: str | None) -> None:
+        self.head = head
+
+
+# The configurable key a head read by get_tuple carries (its checkpoint id; None for a
+# checkpoint read by its explicit id). LangGraph merges get_tuple's config into the
+# config of the run's every put; a put that carries a non-None one is the continuation
+# of a run that resumed from the thread's latest checkpoint: it moves the head by a
+# compare-and-set against its parent, never forking the thread. ("__" keys are kept out
+# of checkpoint metadata by LangGraph.)
+RESUMED_HEAD = "__kvcomm_resumed_head__"
 
 
 # what reading a record of another shape than KVCommSaver's raises (a planted one)
@@ -133,14 +153,22 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     serde: NoPickleSerializer
 
     def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
-                 wait_timeout: float = 10.0) -> None:
+                 wait_timeout: float = 10.0, ttl: float | None = None,
+                 refresh_on_read: bool = True) -> None:
         if not isinstance(kv, Client):
             raise InvalidArgument(f"KVCommSaver needs an open kvcomm client (kvcomm.open()), "
                                   f"got {type(kv).__name__}")
         if not wait_timeout > 0:
             raise InvalidArgument(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
+                                or not math.isfinite(ttl) or ttl <= 0):
+            raise InvalidArgument(f"ttl is a thread's lifetime in SECONDS (a finite number > 0; "
+                                  f"langgraph-checkpoint-redis counts minutes: multiply by 60), "
+                                  f"or None to keep threads until deleted; got {ttl!r}")
         super().__init__(serde=no_pickle(serde))
         self.kv = kv
+        self.ttl: float | None = None if ttl is None else float(ttl)
+        self.refresh_on_read = bool(refresh_on_read)
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
         self.wait_timeout = float(wait_timeout)
         # cluster mode: reads of records a head names that had to wait for them, and
@@ -200,28 +228,65 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
             new_versions: ChannelVersions) -> RunnableConfig:
         """Store ``checkpoint`` (its new channel values, then the checkpoint, then the
-        head); returns the config naming it."""
+        head); returns the config naming it.
+
+        A put continuing a run that resumed from the thread's latest checkpoint (its
+        config carries what :meth:`get_tuple` read as the head) moves the head only if
+        the head is still its parent: when another writer moved it meanwhile, the
+        checkpoint's records are deleted again and ``kvcomm.ConflictError`` is raised
+        (run again from the thread's latest checkpoint to retry). Any other put (a run
+        from an explicit past ``checkpoint_id``: a fork, as LangGraph intends) moves the
+        head forward to it only when it is newer."""
         thread_id, ns = self._ids(config)
-        parent = config["configurable"].get("checkpoint_id")
+        conf = config["configurable"]
+        parent = conf.get("checkpoint_id")
         c: dict[str, Any] = dict(checkpoint)
         values: dict[str, Any] = c.pop("channel_values")
         md = get_checkpoint_metadata(config, metadata)
         cid = checkpoint["id"]
-        k = self.keys
+        k, ttl = self.keys, self.ttl
+        written: builtins.list[str] = []
         with self.kv.batch() as b:
             for channel, version in new_versions.items():
-                b.put(k.blob(thread_id, ns, channel, version),
-                      self._dumps(values[channel]) if channel in values else ["empty", b""])
-            b.put(k.checkpoint(thread_id, ns, cid),
-                  [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")])
-        self._advance_head(thread_id, ns, cid)
+                key = k.blob(thread_id, ns, channel, version)
+                b.put(key, self._dumps(values[channel]) if channel in values else ["empty", b""],
+                      ttl=ttl)
+                written.append(key)
+            if ttl is not None:  # (the values it shares with its ancestors live as long as it)
+                for channel, version in checkpoint["channel_versions"].items():
+                    if channel not in new_versions:
+                        b.put(k.blob(thread_id, ns, channel, version),
+                              self._dumps(values[channel]) if channel in values
+                              else ["empty", b""], ttl=ttl)
+            key = k.checkpoint(thread_id, ns, cid)
+            b.put(key, [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")], ttl=ttl)
+            written.append(key)
+        try:
+            self._advance_head(thread_id, ns, cid,
+                               parent if conf.get(RESUMED_HEAD) is not None else _ANY)
+        except _Moved as moved:
+            self._delete_keys(written)  # (this checkpoint is in no chain: gone again)
+            raise ConflictError(
+                f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: its "
+                f"latest checkpoint is {moved.head!r}, this run resumed from {parent!r}; another "
+                "writer resumed the thread at the same time and won. Nothing of this step was "
+                "kept: run again from the thread's latest checkpoint (without checkpoint_id) to "
+                "retry, or fork from the old one explicitly (with its checkpoint_id)") from None
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
 
-    def _advance_head(self, thread_id: str, ns: str, cid: str) -> None:
+    def _advance_head(self, thread_id: str, ns: str, cid: str, parent: Any) -> None:
+        """Move the head to ``cid``: only forward (``parent`` is ``_ANY``), or only from
+        ``parent`` (_Moved otherwise)."""
         def forward(old: dict[str, Any] | None) -> dict[str, Any]:
-            if old is not None and old["id"] is not None and old["id"] >= cid:
-                return old
+            at = None if old is None else old["id"]
+            if parent is not _ANY:
+                if at == cid:
+                    return old  # type: ignore[return-value]  # (already there)
+                if at != parent:
+                    raise _Moved(at)
+            elif at is not None and at >= cid:
+                return old  # type: ignore[return-value]
             pending = {} if old is None else old.get("p", {})
             head = {"id": cid, "w": pending.get(cid, [])}
             later = {c: w for c, w in pending.items() if c > cid}
@@ -234,8 +299,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]]) -> None:
         """``kv.update(key, fn)``, starting from the head this saver last saw (no read
         when it is still current); ``fn`` returning its argument itself writes nothing.
-        ``fn`` may run more than once; what it raises propagates and nothing is written.
-        Raises what ``kv.put`` raises (Unavailable...)."""
+        ``fn`` may run more than once; what it raises on the head read now propagates
+        and nothing is written (on a remembered head: the head is read again first).
+        The head is written with the saver's ttl. Raises what ``kv.put`` raises
+        (Unavailable...)."""
         cached = self._heads.get(key)
         for _ in range(10_000):
             if cached is None:
@@ -243,14 +310,22 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 expect, old = (ABSENT, None) if item is None else (item.version, item.value)
             else:
                 expect, old = cached
-            new = fn(old)
+            try:
+                new = fn(old)
+            except (_Moved, _NotHead):
+                if cached is None:
+                    raise
+                cached = None  # (judged on what this saver last saw: read the head now)
+                continue
             if new is old and old is not None:
                 if cached is None:
                     return  # (unchanged: an older checkpoint put again moves nothing)
                 cached = None  # (judged on what this saver last saw: read the head now)
                 continue
             try:
-                self._heads[key] = (self.kv.put(key, new, expect=expect), new)
+                self._heads[key] = (self.kv.put(key, new, expect=expect, ttl=self.ttl), new)
+                if len(self._heads) > _MAX_HEADS:
+                    self._heads.pop(next(iter(self._heads)))
                 return
             except ConflictError:
                 self._heads.pop(key, None)
@@ -271,7 +346,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 key = self.keys.write(thread_id, ns, cid, task_id, i)
                 if i >= 0 and self.kv.get(key) is not None:
                     continue
-                b.put(key, [task_id, channel, *self._dumps(value), task_path])
+                b.put(key, [task_id, channel, *self._dumps(value), task_path], ttl=self.ttl)
                 slots.append([task_id, i])
         if slots and self._cluster:
             self._note_writes(thread_id, ns, cid, slots)
@@ -317,10 +392,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         k = self.keys
         cid = get_checkpoint_id(config)
         referenced: list[list[Any]] | None = None
+        head_item = None
         if cid:
             body = self.kv.get(k.checkpoint(thread_id, ns, cid))
         else:
-            head = self.kv.get(k.head(thread_id, ns))
+            head_item = self.kv.get_item(k.head(thread_id, ns))
+            head = None if head_item is None else head_item.value
             if head is None or head["id"] is None:  # (None: writes came before any checkpoint)
                 return None
             cid = head["id"]
@@ -336,7 +413,28 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         else:  # (each write with its index, which its key ends with)
             writes = [[*item.value, int(item.key.rsplit("/", 1)[1])]
                       for item in scan(self.kv, k.write_prefix(thread_id, ns, cid))]
-        return self._tuple(thread_id, ns, cid, body, writes, referenced is not None)
+        raw: dict[str, Any] | None = {} if self.ttl is not None and self.refresh_on_read else None
+        tup = self._tuple(thread_id, ns, cid, body, writes, referenced is not None, raw)
+        # (a run resuming from it moves the head from it, or not at all: see put)
+        tup.config["configurable"][RESUMED_HEAD] = None if head_item is None else cid
+        if self.ttl is not None and self.refresh_on_read:
+            self._refresh(thread_id, ns, cid, body, raw or {}, writes, head_item)
+        return tup
+
+    def _refresh(self, thread_id: str, ns: str, cid: str, body: list[Any],
+                 blobs: dict[str, Any], writes: list[Any], head_item: Any) -> None:
+        """Give the checkpoint read (its record, values, writes, and the head when read)
+        the saver's ttl again, from now. Its records are immutable: they are put again
+        as read; the head is touched (a conditional write: never a head moved meanwhile)."""
+        k, ttl = self.keys, self.ttl
+        with self.kv.batch() as b:
+            b.put(k.checkpoint(thread_id, ns, cid), body, ttl=ttl)
+            for key, blob in blobs.items():
+                b.put(key, blob, ttl=ttl)
+            for w in writes:
+                b.put(k.write(thread_id, ns, cid, w[0], w[-1]), w[:-1], ttl=ttl)
+        if head_item is not None:
+            self.kv.touch(k.head(thread_id, ns), ttl)
 
     def _referenced_writes(self, thread_id: str, ns: str, cid: str,
                            referenced: list[list[Any]]) -> list[Any]:
@@ -350,7 +448,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return out
 
     def _tuple(self, thread_id: str, ns: str, cid: str, body: list[Any], writes: list[Any],
-               wait: bool) -> CheckpointTuple:
+               wait: bool, blobs: dict[str, Any] | None = None) -> CheckpointTuple:
+        """The tuple of checkpoint ``cid`` (``body``: its record); ``blobs``, when given,
+        gets the raw records of its channel values, by key."""
         cp_t, cp_b, md_t, md_b, parent, _run = body
         checkpoint: dict[str, Any] = self._loads(cp_t, cp_b)
         values: dict[str, Any] = {}
@@ -359,6 +459,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             blob = (get_referenced(self.kv, key, self.wait_timeout,
                                    f"channel {channel!r} of checkpoint {cid!r}", self.counters)
                     if wait and self._cluster else self.kv.get(key))
+            if blobs is not None and blob is not None:
+                blobs[key] = blob
             if blob is not None and blob[0] != "empty":
                 values[channel] = self._loads(blob[0], blob[1])
         checkpoint["channel_values"] = values
