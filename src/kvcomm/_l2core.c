@@ -98,6 +98,11 @@ static PyObject *SegmentError;    /* kvcomm.errors.SegmentError, set at import *
 static PyObject *Unavailable;     /* kvcomm.errors.Unavailable */
 static PyObject *InvalidArgument; /* kvcomm.errors.InvalidArgument */
 static PyObject *WriteUnderLock;  /* kvcomm.errors.WriteUnderLock (an InvalidArgument) */
+static PyObject *WouldBlock;      /* kvcomm._l2core.WouldBlock (a BaseException: see lock.c) */
+/* The calling thread's inline budget (seconds) for a contended writer lock; negative: none
+ * (wait up to the caller's timeout). Set by kvcomm.aio around calls run on the event loop:
+ * a lock still held after it raises WouldBlock before anything is written. */
+static _Thread_local double inline_wait = -1.0;
 static PyObject *ExtCheck;        /* kvcomm.core.ext.l2_ext_problem, set at import (NULL: none) */
 static PyObject *ExtOk;           /* the last field ExtCheck passed: bytes are immutable, so the
                                      same object (a client's packed agent id) passes again unasked */

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._l2core import Getter
+from .._l2core import Getter, WouldBlock, inline_wait
 from ..config import Config
 from ..core import codec
 from ..core.expiry import ExtCache
@@ -46,6 +46,15 @@ _HUGE = 1 << 62  # a zero-copy threshold no value reaches: always a copy
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _network(where: str) -> None:
+    """Called just before a call leaves the host (``where``: "L3", "etcd"), with nothing
+    done yet. On an event loop's thread (kvcomm.aio's inline attempt: an inline budget is
+    set, see ``_l2core.set_inline_wait``) raise WouldBlock: the call runs again, whole, in
+    a thread. Elsewhere nothing."""
+    if inline_wait() >= 0:
+        raise WouldBlock(f"{where} is a network round trip")
 
 
 class ClientBase:
@@ -256,6 +265,7 @@ class ClientBase:
         strong = self._strong is not None and self._strong_on and self._strong.is_strong(key)
         if strong:  # never served by a cache: see _forget_strong
             self._forget_strong(key)
+            _network("etcd")  # (every operation of a strong key asks etcd next)
         if consistency is not None and self._cluster and (consistency == "strong") != strong:
             raise InvalidArgument(
                 f"{key!r} is {'a strong' if strong else 'an eventual'} key in cluster mode, "

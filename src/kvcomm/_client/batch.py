@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._l2core import BatchOps
+from .._l2core import BatchOps, WouldBlock
 from ..core.versions import Version
 from ..errors import InvalidArgument
 from .base import _now_ms, _run_validator
@@ -80,11 +80,22 @@ class Batch(BatchOps):
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         self._seal()  # no op may be added from here on (a validator adding one is refused)
+        self._finish(exc_type is None)
+
+    def _finish(self, apply: bool) -> None:
+        """Apply the sealed batch (if ``apply``), then use it up. WouldBlock (kvcomm.aio's
+        attempt on the event loop's thread met a held lock or the network) leaves it sealed
+        and unused, nothing written: kvcomm.aio calls this again in a thread."""
+        done = True
         try:
-            if exc_type is None and len(self):
+            if apply and len(self):
                 self._apply()
+        except WouldBlock:
+            done = False
+            raise
         finally:
-            self._done()
+            if done:
+                self._done()
 
     def _apply(self) -> None:
         c = self._client

@@ -9,7 +9,7 @@ from typing import Any
 from ..core.expiry import expired
 from ..core.versions import Version
 from ..errors import Unavailable, ValueTooLarge
-from .base import _FILL_WITHIN
+from .base import _FILL_WITHIN, _network
 from .items import Item
 from .merge import Merging
 
@@ -37,8 +37,9 @@ class ClusterReads(Merging):
             self.counters["filter_hits"] += 1
             self._negative.note_absent(key, now)
             return None if want_item else default
+        l3 = self._l3_store()  # (first: on an event loop's thread, WouldBlock)
         self.counters["l3_reads"] += 1
-        rec = self._l3_store().get(key)
+        rec = l3.get(key)
         # (L3Record.deadline unpacks the extension field: once)
         if rec is None or rec.tombstone or expired(deadline := rec.deadline, time.time()):
             self.counters["l3_absent"] += 1
@@ -59,12 +60,14 @@ class ClusterReads(Merging):
 
     def _l3_store(self) -> Any:
         """The L3 adapter, opened at its first use. Raises Unavailable, ConfigError
-        (``cluster.groups`` is not the count L3 was initialised with).
+        (``cluster.groups`` is not the count L3 was initialised with); WouldBlock on an
+        event loop's thread (kvcomm.aio: every use of L3 is a round trip).
 
         Opening reads the slot map from the seeds, each costing ``cluster.timeout`` on a
         cut-off host: it is done in a thread of its own, and a caller waits for it at
         most 2 x ``cluster.timeout``, then gets Unavailable while the open goes on (a
         later call takes its result; a failed open is tried again by the next call)."""
+        _network("L3")
         if self._l3 is None:
             self._l3 = self._open_l3()
         return self._l3

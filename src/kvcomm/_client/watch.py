@@ -33,6 +33,56 @@ class _Subscription:
             self.etcd_watch = None
 
 
+class WatchFeed:
+    """One watch's position in the host's feed and its cluster ties: :meth:`step` returns
+    the events under the prefix since the last step. Both faces drive it (the sync
+    iterator, kvcomm.aio's async one): the rule of what a watcher sees is written once."""
+
+    def __init__(self, client: Watching, prefix: str, cursor: int,
+                 sub: _Subscription | None) -> None:
+        self.client, self.prefix, self.cursor, self.sub = client, prefix, cursor, sub
+
+    def step(self) -> list[Event]:
+        """The events since the last step (an ``overflow`` first if the feed overflowed),
+        lock-free; in cluster mode the daemon's missed-change count and the etcd watch's
+        events after them. Raises SegmentError (the namespace was purged)."""
+        c, prefix = self.client, self.prefix
+        seg = c._seg
+        if seg.purged:
+            raise SegmentError(f"namespace {c.name!r} was purged while watched; "
+                               "open it again and watch anew")
+        events, self.cursor, overflowed = seg.feed_read(self.cursor)
+        out = [Event("", "overflow", None)] if overflowed else []
+        full = c._cluster  # (embedded: the feed's own entry is the whole version)
+        for ev in events:
+            if not ev.key.startswith(prefix):
+                continue
+            version = None
+            if full:
+                kb = ev.key.encode("utf-8", "surrogateescape")
+                v = seg.version(kb, key_hash(kb))
+                if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
+                    version = c._version(v[3], v[4], v[5])
+            if version is None and full and not ev.counter and ev.kind == KIND_PUT:
+                # another host's put replaced since: its full version is gone, and the
+                # change that replaced it (a put, delete, evict or expire) follows in this
+                # feed, or an overflow does: coalesced into it, as the cluster already
+                # coalesces a window's writes
+                continue
+            if version is None:  # (this host's write replaced since: what the feed
+                # knows, this host's entry and the HLC)
+                version = c._version(ev.counter, ev.hlc, b"")
+            out.append(Event(ev.key, KIND_NAMES[ev.kind], version))
+        if self.sub is not None:
+            out.extend(c._cluster_events(self.sub))
+        return out
+
+    def close(self) -> None:
+        """Unregister from the node daemon and close the etcd watch (cluster mode)."""
+        if self.sub is not None:
+            self.sub.close()
+
+
 class Watching(Writes):
     """Watching."""
 
@@ -63,6 +113,16 @@ class Watching(Writes):
         InvalidKey, InvalidArgument; SegmentError (cluster mode) when the prefix cannot
         be registered with the daemon.
         """
+        feed = self._watch_start(prefix, timeout)
+        gen = self._watch(feed, timeout)
+        if feed.sub is not None:  # (a watch dropped unstarted runs no finally: unregister then)
+            weakref.finalize(gen, feed.close)
+        return gen
+
+    def _watch_start(self, prefix: Any, timeout: Any, subscribe: bool = True) -> WatchFeed:
+        """Check watch()'s arguments and start a watch from now (in cluster mode, with
+        ``subscribe``: waits for the node daemon to take the prefix, see
+        :meth:`_subscribe`; kvcomm.aio subscribes off its loop). Raises as watch()."""
         if type(prefix) is not str:
             raise InvalidKey("a watch prefix is a str ('' watches every key)")
         try:
@@ -75,11 +135,8 @@ class Watching(Writes):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         self._live()
         cursor = self._seg.feed_head()  # "from now": cursor taken here
-        sub = self._subscribe(prefix) if self._cluster else None
-        gen = self._watch(prefix, timeout, cursor, sub)
-        if sub is not None:  # (a watch dropped unstarted runs no finally: unregister then)
-            weakref.finalize(gen, sub.close)
-        return gen
+        sub = self._subscribe(prefix) if self._cluster and subscribe else None
+        return WatchFeed(self, prefix, cursor, sub)
 
     def _daemon_status(self) -> dict[str, Any] | None:
         from ..node.presence import read_status, status_fresh, status_path
@@ -120,58 +177,26 @@ class Watching(Writes):
         return bool(st._default_strong or any(p.startswith(prefix) or prefix.startswith(p)
                                               for p in st._prefixes))
 
-    def _watch(self, prefix: str, timeout: float | None, cursor: int,
-               sub: _Subscription | None = None) -> Iterator[Event]:
-        seg = self._seg
+    def _watch(self, feed: WatchFeed, timeout: float | None) -> Iterator[Event]:
+        """The sync face of a watch: rounds of :meth:`WatchFeed.step`, sleeping between
+        empty ones (0.1 ms, doubling up to 5 ms). kvcomm.aio drives the same steps and
+        awaits the feed's bell instead."""
         last_event = time.monotonic()
         idle = 0.0001
-        full = self._cluster  # (embedded: the feed's own entry is the whole version)
         try:
             while not self._closed:
-                if seg.purged:
-                    raise SegmentError(f"namespace {self.name!r} was purged while watched; "
-                                       "open it again and watch anew")
-                events, cursor, overflowed = seg.feed_read(cursor)
-                got = False
-                if overflowed:
-                    got = True
-                    yield Event("", "overflow", None)
-                for ev in events:
-                    if ev.key.startswith(prefix):
-                        got = True
-                        version = None
-                        if full:
-                            kb = ev.key.encode("utf-8", "surrogateescape")
-                            v = seg.version(kb, key_hash(kb))
-                            if v is not None and v[3] == ev.counter and v[4] == ev.hlc:
-                                version = self._version(v[3], v[4], v[5])
-                        if (version is None and full and not ev.counter
-                                and ev.kind == KIND_PUT):
-                            # another host's put replaced since: its full version is gone,
-                            # and the change that replaced it (a put, delete, evict or
-                            # expire) follows in this feed, or an overflow does: coalesced
-                            # into it, as the cluster already coalesces a window's writes
-                            continue
-                        if version is None:  # (this host's write replaced since: what the
-                            # feed knows, this host's entry and the HLC)
-                            version = self._version(ev.counter, ev.hlc, b"")
-                        yield Event(ev.key, KIND_NAMES[ev.kind], version)
-                if sub is not None:
-                    for e in self._cluster_events(sub):
-                        got = True
-                        yield e
-                now = time.monotonic()
-                if got:
-                    last_event = now
+                events = feed.step()
+                if events:
+                    yield from events
+                    last_event = time.monotonic()
                     idle = 0.0001
                     continue
-                if timeout is not None and now - last_event >= timeout:
+                if timeout is not None and time.monotonic() - last_event >= timeout:
                     return
                 time.sleep(idle)
                 idle = min(idle * 2, 0.005)
         finally:
-            if sub is not None:
-                sub.close()
+            feed.close()
 
     def _cluster_events(self, sub: _Subscription) -> list[Event]:
         """An overflow when the daemon may have missed changes since the last look; the

@@ -68,6 +68,24 @@ take_lock_or_not(Core *c, double timeout, int quiet)
     int rc = pthread_mutex_trylock(c->mutex);
     if (rc == EBUSY && quiet)
         return -2;
+    if (rc == EBUSY && inline_wait >= 0) {
+        /* an event loop's thread: wait at most inline_wait here (holds take microseconds),
+         * then WouldBlock, nothing held or written: the caller reruns the call in a thread */
+        if (inline_wait > 0) {
+            double until = mono_now() + inline_wait;
+            struct timespec ts;
+            ts.tv_sec = (time_t)until;
+            ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+            Py_BEGIN_ALLOW_THREADS
+            rc = pthread_mutex_clocklock(c->mutex, CLOCK_MONOTONIC, &ts);
+            Py_END_ALLOW_THREADS
+        }
+        if (rc == EBUSY || rc == ETIMEDOUT) {
+            PyErr_SetString(WouldBlock, "the L2 writer lock is held by another thread or "
+                                        "process (this call runs again off the event loop)");
+            return -1;
+        }
+    }
     if (rc == EBUSY) {
         double deadline = mono_now() + (timeout > 0 ? timeout : 0);
         for (;;) {

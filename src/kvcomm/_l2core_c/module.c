@@ -83,7 +83,33 @@ set_ext_check(PyObject *mod, PyObject *fn)
     Py_RETURN_NONE;
 }
 
+/* set_inline_wait(seconds) -> the previous value: the calling thread's inline budget for a
+ * contended writer lock (negative: none, wait up to the caller's timeout); see lock.c */
+static PyObject *
+set_inline_wait(PyObject *mod, PyObject *arg)
+{
+    double w = PyFloat_AsDouble(arg);
+    if (w == -1.0 && PyErr_Occurred())
+        return NULL;
+    double prev = inline_wait;
+    inline_wait = w;
+    return PyFloat_FromDouble(prev);
+}
+
+/* inline_wait() -> the calling thread's inline budget (negative: none): Python's network
+ * paths raise WouldBlock when it is set (base.py _network) */
+static PyObject *
+get_inline_wait(PyObject *mod, PyObject *Py_UNUSED(ignored))
+{
+    return PyFloat_FromDouble(inline_wait);
+}
+
 static PyMethodDef module_methods[] = {
+    {"inline_wait", get_inline_wait, METH_NOARGS,
+     "inline_wait() -> this thread's inline budget for a held writer lock (negative: none)"},
+    {"set_inline_wait", set_inline_wait, METH_O,
+     "set_inline_wait(seconds) -> previous: this thread's inline budget for a held writer "
+     "lock, after which it raises WouldBlock (negative: none)"},
     {"set_errors", (PyCFunction)(void (*)(void))set_errors, METH_FASTCALL,
      "the exception classes to raise: SegmentError, Unavailable, InvalidArgument, "
      "WriteUnderLock"},
@@ -128,6 +154,16 @@ PyInit__l2core(void)
     Py_INCREF(Unavailable);
     Py_INCREF(InvalidArgument);
     Py_INCREF(WriteUnderLock);
+    WouldBlock = PyErr_NewExceptionWithDoc(
+        "kvcomm._l2core.WouldBlock",
+        "A call on an event loop's thread would wait (a held writer lock, the network): "
+        "nothing was done; kvcomm.aio runs it again in a thread. A BaseException, so that no "
+        "`except Exception` on the way takes it for the call's own failure.",
+        PyExc_BaseException, NULL);
+    if (!WouldBlock || PyModule_AddObject(m, "WouldBlock", Py_NewRef(WouldBlock)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "MAX_COUNTER", (long)MAX_COUNTER) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -1,0 +1,319 @@
+"""kvcomm.aio under asyncio load, against redis.asyncio and the sync client in to_thread.
+
+    python bench/bench_aio.py [--seconds 3] [--coros 200] [--keys 10000] [--cluster]
+
+**Embedded** (the default config): ``--coros`` coroutines on one event loop, each doing
+gets and puts in turn (half and half) of 1 KiB values over ``--keys`` keys, yielding once
+between operations (``await asyncio.sleep(0)``, standing for the agent's own work), while
+a second process writes the same keys as fast as it can. Three faces, same run:
+
+* ``kvcomm.aio``: ``await kv.get(k)`` / ``await kv.put(k, v)``;
+* ``redis.asyncio`` against a local ``redis-server`` (TCP loopback, started here on a free
+  port; the second process writes to it);
+* the sync client through ``asyncio.to_thread`` (the default executor).
+
+Printed: operations per second, the ratio to redis.asyncio, and the loop's worst lag (a
+1 ms ticker: how late its longest tick came). Targets: ≥ 10x redis.asyncio, worst lag
+≤ 20 ms.
+
+**Cluster** (``--cluster``): a 3-master Redis Cluster (no replicas) holds 100 keys this
+host does not (written into L3 as another host's daemon would); an agent in cluster mode
+(no daemon) awaits all 100 at once (``asyncio.gather``), 20 rounds on fresh keys: the
+worst lag of the ticker while the awaits go to L3 (target ≤ 50 ms), beside the same reads
+done by the sync client inline on the loop (what an async agent calling the sync client
+directly would do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import multiprocessing
+import os
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from _timing import heading
+
+import kvcomm
+import kvcomm.aio
+from kvcomm.tiers import l2
+
+print = functools.partial(print, flush=True)  # noqa: A001  (progress shows in a log)
+
+VALUE = os.urandom(1024)
+
+
+class Ticker:
+    """A 1 ms ticker: ``worst`` is the longest a tick came late (the loop's worst lag)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def worst(self) -> float:
+        return max(self.lags, default=0.0)
+
+    @property
+    def p99(self) -> float:
+        s = sorted(self.lags)
+        return s[int(len(s) * 0.99)] if s else 0.0
+
+    async def _run(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lags.append(time.perf_counter() - t - 0.001)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        assert self.task is not None
+        self.task.cancel()
+
+
+async def drive(get: Callable[[str], Awaitable[Any]], put: Callable[[str, bytes], Awaitable[Any]],
+                keys: list[str], coros: int, seconds: float) -> tuple[float, Ticker]:
+    """(ops/s, the ticker) of ``coros`` coroutines for ``seconds``."""
+    stop = False
+    counts = [0] * coros
+
+    async def worker(i: int) -> None:
+        r = random.Random(i)
+        n = 0
+        while not stop:
+            k = keys[r.randrange(len(keys))]
+            if n & 1:
+                await put(k, VALUE)
+            else:
+                await get(k)
+            n += 1
+            await asyncio.sleep(0)
+        counts[i] = n
+
+    ticker = Ticker()
+    ticker.start()
+    await asyncio.sleep(0.05)
+    tasks = [asyncio.create_task(worker(i)) for i in range(coros)]
+    t0 = time.perf_counter()
+    await asyncio.sleep(seconds)
+    stop = True
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    ticker.stop()
+    return sum(counts) / elapsed, ticker
+
+
+def _writer_kvcomm(ns: str, keys: list[str], stop: Any, count: Any) -> None:
+    kv = kvcomm.open(ns)
+    r = random.Random(7)
+    n = 0
+    while not stop.is_set():
+        kv.put(keys[r.randrange(len(keys))], VALUE)
+        n += 1
+    count.value = n
+    kv.close()
+
+
+def _writer_redis(port: int, keys: list[str], stop: Any, count: Any) -> None:
+    import redis
+
+    c = redis.Redis("127.0.0.1", port)
+    r = random.Random(7)
+    n = 0
+    while not stop.is_set():
+        c.set(keys[r.randrange(len(keys))], VALUE)
+        n += 1
+    count.value = n
+    c.close()
+
+
+def with_writer(target: Callable[..., None], args: tuple[Any, ...],
+                run: Callable[[], tuple[float, Ticker]]) -> tuple[float, Ticker, float]:
+    """``run()`` while a second process runs ``target(*args, stop, count)``; adds the
+    writer's ops/s."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, count = ctx.Event(), ctx.Value("q", 0)
+    p = ctx.Process(target=target, args=(*args, stop, count))
+    p.start()
+    time.sleep(1.0)  # (the writer is importing and opening)
+    t0 = time.perf_counter()
+    ops, lag = run()
+    stop.set()
+    p.join(30)
+    return ops, lag, count.value / (time.perf_counter() - t0 + 1.0)
+
+
+def embedded(args: argparse.Namespace) -> None:
+    import redis.asyncio as aredis
+
+    from kvcomm.devcluster.redis_server import RedisServer
+
+    keys = [f"k/{i:05d}" for i in range(args.keys)]
+    ns = f"bench-aio-{uuid.uuid4().hex[:8]}"
+    rows: list[tuple[str, float, Ticker, float]] = []
+    try:
+        sync = kvcomm.open(ns)
+        for k in keys:
+            sync.put(k, VALUE)
+
+        off_loop = 0
+
+        async def run_aio() -> tuple[float, Ticker]:
+            nonlocal off_loop
+            async with kvcomm.aio.open(ns) as kv:
+                out = await drive(kv.get, kv.put, keys, args.coros, args.seconds)
+                off_loop = kv.off_loop
+                return out
+
+        ops, lag, w = with_writer(_writer_kvcomm, (ns, keys), lambda: asyncio.run(run_aio()))
+        rows.append(("kvcomm.aio", ops, lag, w))
+        print(f"(kvcomm.aio: {off_loop} calls met the held writer lock and ran in the pool)")
+
+        async def to_thread_get(k: str) -> Any:
+            return await asyncio.to_thread(sync.get, k)
+
+        async def to_thread_put(k: str, v: bytes) -> Any:
+            return await asyncio.to_thread(sync.put, k, v)
+
+        ops, lag, w = with_writer(_writer_kvcomm, (ns, keys), lambda: asyncio.run(
+            drive(to_thread_get, to_thread_put, keys, args.coros, args.seconds)))
+        rows.append(("sync client, asyncio.to_thread", ops, lag, w))
+        sync.close()
+    finally:
+        l2.purge(ns)
+
+    server = RedisServer().start()
+    try:
+        async def run_redis() -> tuple[float, Ticker]:
+            r = aredis.Redis(host="127.0.0.1", port=server.port, max_connections=args.coros + 8)
+            await r.mset({k: VALUE for k in keys})
+            try:
+                return await drive(r.get, r.set, keys, args.coros, args.seconds)
+            finally:
+                await r.aclose()
+
+        ops, lag, w = with_writer(_writer_redis, (server.port, keys),
+                                  lambda: asyncio.run(run_redis()))
+        rows.append(("redis.asyncio (local redis-server, TCP)", ops, lag, w))
+    finally:
+        server.stop()
+
+    idle = asyncio.run(idle_loop(args.seconds))
+    redis_ops = rows[-1][1]
+    heading(f"embedded: {args.coros} coroutines, half get / half put, 1 KiB values, "
+            f"{args.keys} keys, sleep(0) between ops, a second process writing the same keys")
+    print(f"{'face':42} {'ops/s':>10} {'x redis':>8} {'worst lag':>10} {'p99 lag':>8} "
+          f"{'writer ops/s':>13}")
+    for name, ops, t, w in rows:
+        print(f"{name:42} {ops:>10,.0f} {ops / redis_ops:>7.1f}x {t.worst * 1000:>8.1f}ms "
+              f"{t.p99 * 1000:>6.1f}ms {w:>13,.0f}")
+    print(f"{'(the loop alone, no work: the noise floor)':42} {'':>10} {'':>8} "
+          f"{idle.worst * 1000:>8.1f}ms {idle.p99 * 1000:>6.1f}ms")
+
+
+async def idle_loop(seconds: float) -> Ticker:
+    """The ticker on a loop with nothing else to do: the machine's own lag."""
+    ticker = Ticker()
+    ticker.start()
+    await asyncio.sleep(seconds)
+    ticker.stop()
+    return ticker
+
+
+def cluster(args: argparse.Namespace) -> None:
+    from kvcomm.core import codec
+    from kvcomm.devcluster.redis_cluster import RedisCluster
+    from kvcomm.tiers.l3 import L3Record, L3Store
+
+    rc = RedisCluster(masters=3, replicas=0).start()
+    ns = f"bench-aioc-{uuid.uuid4().hex[:8]}"
+    cfg = kvcomm.Config.from_mapping({
+        "node": {"host_id": "bench-a", "namespace": ns},
+        "cache": {"negative_ttl": 0},
+        "cluster": {"redis": [f"127.0.0.1:{p}" for p in rc.ports], "wait_replicas": 0},
+    })
+    store = L3Store(rc.seeds)
+    tag, meta, payload = codec.encode(VALUE)
+    rounds, per = 20, 100
+    n = 0
+
+    def fresh_keys() -> list[str]:
+        nonlocal n
+        out = []
+        for _ in range(per):
+            n += 1
+            k = f"l3only/{n}"
+            store.push(k, L3Record(n, False, tag, bytes(meta), bytes(payload),
+                                   (("bench-b", n),), ("bench-b", n)))
+            out.append(k)
+        return out
+
+    try:
+        async def aio_rounds() -> tuple[float, Ticker]:
+            async with kvcomm.aio.open(config=cfg) as kv:
+                await kv.get(fresh_keys()[0])  # (L3 opened)
+                batches = [fresh_keys() for _ in range(rounds)]
+                ticker = Ticker()
+                ticker.start()
+                await asyncio.sleep(0.01)
+                t0 = time.perf_counter()
+                for keys in batches:
+                    got = await asyncio.gather(*(kv.get(k) for k in keys))
+                    assert all(g == VALUE for g in got)
+                ticker.stop()
+                return rounds * per / (time.perf_counter() - t0), ticker
+
+        async def inline_rounds() -> tuple[float, Ticker]:
+            kv = kvcomm.open(config=cfg)
+            kv.get(fresh_keys()[0])
+            batches = [fresh_keys() for _ in range(rounds)]
+            ticker = Ticker()
+            ticker.start()
+            await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+
+            async def one(k: str) -> Any:
+                return kv.get(k)
+
+            for keys in batches:
+                got = await asyncio.gather(*(one(k) for k in keys))
+                assert all(g == VALUE for g in got)
+            ticker.stop()
+            kv.close()
+            return rounds * per / (time.perf_counter() - t0), ticker
+
+        a_ops, a_lag = asyncio.run(aio_rounds())
+        s_ops, s_lag = asyncio.run(inline_rounds())
+    finally:
+        store.close()
+        rc.stop()
+        l2.purge(ns)
+    heading(f"cluster: {per} concurrent awaits of keys only L3 holds (3 masters), "
+            f"{rounds} rounds")
+    print(f"{'face':42} {'reads/s':>10} {'worst lag':>10} {'p99 lag':>8}")
+    for name, ops, t in (("kvcomm.aio (L3 reads in the pool)", a_ops, a_lag),
+                         ("sync client inline on the loop", s_ops, s_lag)):
+        print(f"{name:42} {ops:>10,.0f} {t.worst * 1000:>8.1f}ms {t.p99 * 1000:>6.1f}ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--coros", type=int, default=200)
+    ap.add_argument("--keys", type=int, default=10_000)
+    ap.add_argument("--cluster", action="store_true", help="the cluster-mode lag run too")
+    args = ap.parse_args()
+    embedded(args)
+    if args.cluster:
+        cluster(args)
+
+
+if __name__ == "__main__":
+    main()

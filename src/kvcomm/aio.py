@@ -1,0 +1,472 @@
+"""kvcomm.aio: the asyncio face of the client — one client, two faces.
+
+::
+
+    import kvcomm.aio
+    async with kvcomm.aio.open(name="agents") as kv:     # the arguments of kvcomm.open
+        await kv.put("drone/7/pos", b"...", ttl=5)
+        pos = await kv.get("drone/7/pos")
+        async with kv.batch() as b:
+            b.put("a", 1); b.delete("b")
+        async for item in kv.scan("drone/"): ...
+        async for event in kv.watch("drone/", timeout=1.0): ...
+        p = await kv.presence("alive/", "drone-7"); await p.stop()
+
+``kv = await kvcomm.aio.open(...)`` works too (then ``await kv.aclose()``).
+
+Every public method of :class:`kvcomm.Client` is here under the same name with the same
+signature, awaited (``scan`` and ``watch`` are async iterators, ``batch`` an async context
+manager); ``kv.sync`` is the sync client underneath. Semantics, errors and guarantees are
+the sync client's: the calls below *are* the sync client's calls.
+
+Why the async face is built on the sync code, and not the other way round
+-------------------------------------------------------------------------
+redis-py keeps a hand-written ``asyncio/client.py`` beside ``client.py``: two copies that
+drift. httpcore writes async code and generates the sync copy (``unasync``), which fits a
+library whose every call is I/O. KVCOMM's common calls are not I/O: an L1 hit or an L2
+read is a few shared-memory loads (microseconds, no syscall), a put one locked store. Made
+async, they would pay an await per layer for nothing; run in a thread (``to_thread``),
+they would pay a thread hop (~50 µs) for a 2 µs operation. So the sync client stays the
+one implementation, and this face runs each call **inline on the event loop's thread**,
+which the loop can afford, *unless the call would wait*. The sync client knows where it
+would wait, and says so at exactly those points, before it has done anything:
+
+* **the host's writer lock** (every L2 write, and a read that repairs): another process
+  may hold it up to ``cache.lock_timeout``. On the loop's thread the C kernel waits at
+  most 200 µs for it (holds take microseconds), then raises ``WouldBlock`` with nothing
+  held or written (``_l2core.set_inline_wait``, a per-thread budget read only on the
+  contended path: the uncontended put is unchanged);
+* **the network** (cluster mode): L3 (``ClusterReads._l3_store``: an L2 miss, a cluster
+  scan, a delete of a key not held here) and etcd (``ClientBase._is_strong``: every
+  operation of a strong key) call ``_client.base._network`` first, which raises
+  ``WouldBlock`` on the loop's thread.
+
+On ``WouldBlock`` the whole call runs again in a bounded thread pool (32 threads, shared
+by the process's async clients) and the coroutine awaits it: the loop never waits for a
+lock or a round trip, and the call that reaches etcd or L3 is the sync client's own (one
+etcd client, one L3 client, one code path). The alternative, redis-py's asyncio client for
+L3 plus an async etcd transport, would be a second implementation of every network path
+(retries, topology refresh, partition mode, the strong-key transactions) to keep in step
+with the first: the pool costs one thread hop on calls that already cost a round trip.
+A call re-run in the pool repeats only what it did before its waiting point: key checks,
+encoding, a local read (``update`` and ``touch`` may call ``fn`` again, which they
+already may when writers race). A batch is sealed first and its apply re-run, whole.
+
+A watch reads the host's feed lock-free on the loop; between events it awaits a *bell*:
+one thread per async client looks at the feed's head word (0.1 ms, backing off to 5 ms,
+as the sync watch sleeps) while a watch waits, and wakes the loop only when the head
+moved, so an idle watch costs the loop nothing. (Cluster mode: the etcd watch and the
+daemon's missed-change count are looked at every 5 ms as well.) A scan's pages are read
+inline in embedded mode (the loop gets a turn every 256 items) and in the pool in
+cluster mode (L3 index reads).
+
+Cancellation
+------------
+Inline work has no await, so a task is cancelled only where it awaits the pool: the call
+in the thread then runs to its end (or never starts, if still queued), as the sync call
+it is: a write is applied whole or not at all, every lock is released by the sync code's
+own ``finally``, and a write that returned stays. Only its result is lost to the
+cancelled task. ``aclose()`` waits for such calls before it closes the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+from ._client import Client, Event, Item, Presence
+from ._client import open as _open_sync
+from ._client.watch import WatchFeed
+from ._l2core import WouldBlock, set_inline_wait
+from .config import Config
+
+__all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
+
+INLINE_LOCK_WAIT = 0.0002  # s: the longest a call on the loop waits for a held writer lock
+POOL_SIZE = 32  # threads for calls that must wait (the network, a held lock), per process
+_SCAN_CHUNK = 256  # items of a scan read per step (inline, or per thread hop)
+_BELL_IDLE_MAX = 0.005  # s: the bell's longest pause between two looks at the feed head
+_CLUSTER_POLL = 0.005  # s: a cluster-mode watch's look at its etcd watch and daemon status
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The process's pool for calls that wait (made at first use; anew in a forked child)."""
+    global _pool, _pool_pid
+    pool = _pool
+    if pool is None or _pool_pid != os.getpid():
+        with _pool_lock:
+            if _pool is None or _pool_pid != os.getpid():
+                _pool = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="kvcomm-aio")
+                _pool_pid = os.getpid()
+            pool = _pool
+    return pool
+
+
+def _public(cls: type) -> dict[str, Callable[..., Any]]:
+    """The public methods of ``cls`` (what the async face must cover)."""
+    return {n: f for n, f in inspect.getmembers(cls, inspect.isfunction)
+            if not n.startswith("_")}
+
+
+def _awaited(name: str, sync_fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """The async face of sync method ``name``: inline on the loop, or, if it would wait
+    (WouldBlock, raised before anything was done), again in the pool."""
+
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        fn = getattr(self._kv, name)
+        prev = set_inline_wait(INLINE_LOCK_WAIT)
+        try:
+            return fn(*args, **kwargs)
+        except WouldBlock:
+            pass
+        finally:
+            set_inline_wait(prev)
+        return await self._off_loop(fn, args, kwargs)
+
+    functools.update_wrapper(method, sync_fn)  # name, docstring; signature via __wrapped__
+    method.__doc__ = f"Awaited :meth:`kvcomm.Client.{name}`.\n\n{sync_fn.__doc__ or ''}"
+    return method
+
+
+class AsyncClient:
+    """The asyncio face of a :class:`kvcomm.Client` (see :mod:`kvcomm.aio`). Make one with
+    :func:`kvcomm.aio.open`. Use it from one event loop at a time."""
+
+    def __init__(self, client: Client) -> None:
+        self._kv = client
+        self._inflight: set[Future[Any]] = set()  # calls running in the pool
+        self.off_loop = 0  # calls that ran in the pool (they would have waited on the loop)
+        self._bell: _FeedBell | None = None
+
+    @property
+    def sync(self) -> Client:
+        """The sync client underneath (the same state: use it from threads)."""
+        return self._kv
+
+    @property
+    def name(self) -> str:
+        return self._kv.name
+
+    @property
+    def config(self) -> Config:
+        return self._kv.config
+
+    # ---------------------------------------------------------------- the machinery
+
+    async def _attempt(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` inline, or in the pool if it would wait."""
+        prev = set_inline_wait(INLINE_LOCK_WAIT)
+        try:
+            return fn(*args, **kwargs)
+        except WouldBlock:
+            pass
+        finally:
+            set_inline_wait(prev)
+        return await self._off_loop(fn, args, kwargs)
+
+    async def _off_loop(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` in the pool, awaited. Cancelled, the call still runs
+        to its end (or never starts, if queued): aclose() waits for it."""
+        cf = _executor().submit(fn, *args, **kwargs)
+        self.off_loop += 1
+        self._inflight.add(cf)
+        cf.add_done_callback(self._inflight.discard)
+        return await asyncio.wrap_future(cf)
+
+    # ------------------------------------------------- methods with a face of their own
+
+    def batch(self) -> AsyncBatch:
+        """``async with kv.batch() as b: b.put(...); b.delete(...)`` — applied whole, or not
+        at all, when the block exits (see :class:`kvcomm.Batch`). ``b.put`` and
+        ``b.delete`` only collect (no I/O): they are not awaited."""
+        return AsyncBatch(self, self._kv.batch())
+
+    def scan(self, prefix: str = "", *, limit: int | None = None,
+             after: str | None = None) -> AsyncIterator[Item]:
+        """``async for item in kv.scan(prefix, limit=, after=)``: :meth:`kvcomm.Client.scan`
+        (same contract, same errors; bad arguments raise here, at the call)."""
+        it = self._kv.scan(prefix, limit=limit, after=after)  # (checks; lock-free index sync)
+        return self._scan(it)
+
+    async def _scan(self, it: Iterator[Item]) -> AsyncIterator[Item]:
+        off = self._kv._cluster  # (cluster mode: pages come from L3)
+        while True:
+            chunk = (await self._off_loop(_take, (it, _SCAN_CHUNK), {}) if off
+                     else _take(it, _SCAN_CHUNK))
+            for item in chunk:
+                yield item
+            if len(chunk) < _SCAN_CHUNK:
+                return
+            if not off:
+                await asyncio.sleep(0)  # (a long scan lets the loop's other tasks run)
+
+    def watch(self, prefix: str = "", *, timeout: float | None = None) -> AsyncIterator[Event]:
+        """``async for event in kv.watch(prefix, timeout=)``: :meth:`kvcomm.Client.watch`
+        (same events, same overflow rule; changes from this call on; bad arguments raise
+        here). Between events the loop is woken only when the host's feed moves."""
+        feed = self._kv._watch_start(prefix, timeout, subscribe=False)
+        return self._watch(feed, timeout)
+
+    async def _watch(self, feed: WatchFeed, timeout: float | None) -> AsyncIterator[Event]:
+        kv = self._kv
+        seg = kv._seg
+        try:
+            if kv._cluster:  # (waits for the node daemon to take the prefix: off the loop)
+                feed.sub = await self._off_loop(kv._subscribe, (feed.prefix,), {})
+            if self._bell is None:
+                self._bell = _FeedBell(seg)
+            bell = self._bell
+            last = time.monotonic()
+            while not kv._closed:
+                head = seg.feed_head()  # (before the step: a write after it rings the bell)
+                events = feed.step()
+                if events:
+                    for e in events:
+                        yield e
+                    last = time.monotonic()
+                    continue
+                wait = None if timeout is None else last + timeout - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return
+                if feed.sub is not None:
+                    wait = _CLUSTER_POLL if wait is None else min(wait, _CLUSTER_POLL)
+                await bell.wait(head, wait)
+        finally:
+            feed.close()
+
+    async def presence(self, prefix: str, agent_id: str, ttl: float = 2.0,
+                       value: Any = b"") -> AsyncPresence:
+        """Awaited :meth:`kvcomm.Client.presence`: returns an :class:`AsyncPresence`
+        (its refreshes run in the sync handle's thread, never on the loop)."""
+        handle = await self._attempt(self._kv.presence, (prefix, agent_id, ttl, value), {})
+        return AsyncPresence(self, handle)
+
+    async def close(self) -> None:
+        """Close the client: waits for its calls still running in the pool (cancelled ones
+        included), then :meth:`kvcomm.Client.close` (off the loop: it may wait for the
+        writer lock). Idempotent."""
+        pending = list(self._inflight)
+        if pending:
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+        if self._bell is not None:
+            self._bell.stop()
+        if not self._kv._closed:
+            await asyncio.wrap_future(_executor().submit(self._kv.close))
+
+    aclose = close
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<kvcomm.aio.AsyncClient of {self._kv!r}>"
+
+    if TYPE_CHECKING:  # the generated faces (below): each a sync method's name, awaited
+        def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]: ...
+
+
+# every other public method of the sync client: the same name and signature, awaited
+_OWN_FACES = {"batch", "scan", "watch", "presence", "close"}
+for _name, _fn in _public(Client).items():
+    if _name not in _OWN_FACES:
+        setattr(AsyncClient, _name, _awaited(_name, _fn))
+del _name, _fn
+
+
+def _take(it: Iterator[Item], n: int) -> list[Item]:
+    return list(islice(it, n))
+
+
+class AsyncBatch:
+    """``async with kv.batch() as b`` (see :class:`kvcomm.Batch`): ``b.put`` and
+    ``b.delete`` collect at once (and raise at once for bad input); the block's exit
+    applies the batch whole, or not at all, on the loop or (a held lock, the network) in
+    the pool."""
+
+    def __init__(self, client: AsyncClient, batch: Any) -> None:
+        self._client = client
+        self.sync = batch
+        self.put = batch.put
+        self.delete = batch.delete
+
+    @property
+    def versions(self) -> list[Any]:
+        """Per operation, once applied: a put's Version, whether a delete deleted."""
+        return self.sync.versions  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        return len(self.sync)
+
+    async def __aenter__(self) -> AsyncBatch:
+        self.sync.__enter__()
+        return self
+
+    async def __aexit__(self, exc_type: object, *rest: object) -> None:
+        b = self.sync
+        b._seal()
+        await self._client._attempt(b._finish, (exc_type is None,), {})
+
+
+class AsyncPresence:
+    """The handle of :meth:`AsyncClient.presence`: the sync :class:`kvcomm.Presence`
+    (``key``, ``ttl``, ``refreshes``, ``failures``, ``alive``... read through) with
+    ``await stop()``."""
+
+    def __init__(self, client: AsyncClient, handle: Presence) -> None:
+        self._client = client
+        self.sync = handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sync, name)
+
+    async def stop(self, *, remove: bool = False) -> None:
+        """:meth:`kvcomm.Presence.stop`, off the loop (it waits for the refresh thread)."""
+        await self._client._off_loop(self.sync.stop, (), {"remove": remove})
+
+    async def __aenter__(self) -> AsyncPresence:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def __repr__(self) -> str:
+        return f"<kvcomm.aio.AsyncPresence of {self.sync!r}>"
+
+
+class _FeedBell:
+    """Wakes the watches of one async client when the host's feed head moves: a thread
+    looks at the head word while some watch waits (0.1 ms, doubling up to 5 ms while
+    nothing moves) and ends 1 s after the last one stopped waiting."""
+
+    def __init__(self, seg: Any) -> None:
+        self._seg = seg
+        self._lock = threading.Lock()
+        self._waiters: dict[asyncio.Future[None], tuple[asyncio.AbstractEventLoop, int]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    async def wait(self, head: int, timeout: float | None) -> None:
+        """Return once the feed head is no longer ``head`` (or after ``timeout`` s)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._waiters[fut] = (loop, head)
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="kvcomm-aio-bell")
+                self._thread.start()
+        timer = loop.call_later(timeout, _wake, fut) if timeout is not None else None
+        try:
+            await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with self._lock:
+                self._waiters.pop(fut, None)
+
+    def _run(self) -> None:
+        idle = 0.0001
+        quiet_since = time.monotonic()
+        while True:
+            with self._lock:
+                waiting = list(self._waiters.items())
+                now = time.monotonic()
+                if self._stopped or (not waiting and now - quiet_since > 1.0):
+                    self._thread = None
+                    ring = waiting if self._stopped else []
+                    break
+            if waiting:
+                quiet_since = now
+            try:
+                head = self._seg.feed_head()
+            except Exception:  # (the segment was closed under the watch: wake everyone)
+                head = -1
+            rang = False
+            for fut, (loop, h0) in waiting:
+                if head != h0:
+                    rang = True
+                    with self._lock:
+                        self._waiters.pop(fut, None)
+                    _ring(loop, fut)
+            idle = 0.0001 if rang else min(idle * 2, _BELL_IDLE_MAX)
+            time.sleep(idle)
+        for fut, (loop, _) in ring:
+            _ring(loop, fut)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _ring(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    try:
+        loop.call_soon_threadsafe(_wake, fut)
+    except RuntimeError:
+        pass  # (that loop is closed)
+
+
+class _Opening:
+    """What :func:`open` returns: awaited, the client; as ``async with``, the client,
+    closed at the block's end."""
+
+    def __init__(self, name: str | None, config: Any, agent: str | None) -> None:
+        self._args = (name,)
+        self._kwargs = {"config": config, "agent": agent}
+        self._client: AsyncClient | None = None
+
+    async def _open(self) -> AsyncClient:
+        # in the pool: opening maps the segment and, in cluster mode, asks L3 and etcd
+        cf = _executor().submit(_open_sync, *self._args, **self._kwargs)
+        try:
+            kv = await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:  # (an open still under way: closed once made)
+            cf.add_done_callback(_close_made)
+            raise
+        return AsyncClient(kv)
+
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> AsyncClient:
+        self._client = await self._open()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def _close_made(f: Future[Client]) -> None:
+    if not f.cancelled() and f.exception() is None:
+        f.result().close()
+
+
+def open(name: str | None = None, *,  # noqa: A001
+         config: Config | str | os.PathLike[str] | None = None,
+         agent: str | None = None) -> _Opening:
+    """``async with kvcomm.aio.open(...) as kv`` or ``kv = await kvcomm.aio.open(...)``:
+    an :class:`AsyncClient` over :func:`kvcomm.open` with the same arguments (opened in
+    the pool: the loop never waits for it). Raises what :func:`kvcomm.open` raises."""
+    return _Opening(name, config, agent)
