@@ -134,6 +134,35 @@ def test_two_hosts_resuming_one_thread_at_once_never_fork_it(dev: dict[str, Any]
         check_one_chain(saver, outs)
 
 
+def test_an_async_agent_on_host_2_resumes_host_1s_thread_over_kvcomm_aio(
+        dev: dict[str, Any]) -> None:
+    """KVCommSaver and KVCommStore on ``kvcomm.aio`` clients, a graph of async nodes: host-1
+    runs it to its interrupt, host-2 resumes it (``ainvoke``); the calls that reach etcd or
+    L3 left the loop for the aio client's pool (counted), the others ran on it."""
+    import asyncio
+
+    import kvcomm.aio
+
+    from .test_langgraph import async_graph
+
+    cfg: Any = {"configurable": {"thread_id": "aio/7"}}
+
+    async def run() -> tuple[Any, int]:
+        async with kvcomm.aio.open(config=dev["hosts"][0]["config"]) as a, \
+                kvcomm.aio.open(config=dev["hosts"][1]["config"]) as b:
+            one = async_graph().compile(checkpointer=KVCommSaver(a), store=KVCommStore(a))
+            out = await one.ainvoke({"steps": [], "answer": ""}, cfg)
+            assert out["__interrupt__"][0].value == {"question": "go ahead?"}
+            two = async_graph().compile(checkpointer=KVCommSaver(b), store=KVCommStore(b))
+            done = await two.ainvoke(Command(resume="yes"), cfg)
+            final = await one.aget_state(cfg)
+            assert final.values["steps"] == done["steps"]
+            return done, b.off_loop
+
+    done, off_loop = asyncio.run(run())
+    assert done["steps"] == ["plan", "ask", "act:yes"] and off_loop > 0
+
+
 def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, Any]) -> None:
     with host(dev, 0) as a, host(dev, 1) as b:
         writer, reader = KVCommStore(a), KVCommStore(b)

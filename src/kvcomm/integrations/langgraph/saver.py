@@ -51,18 +51,46 @@ What else to know
   Maintenance (copy, prune, deletes) of a thread is not meant to race a run of it.
 * Values go through LangGraph's serializer protocol (``JsonPlusSerializer`` by default,
   ``serde=`` to choose), never pickle (``_serde.py``).
-* The async methods run the sync ones in the event loop's default thread executor: a
-  KVCOMM call is a shared-memory operation (microseconds) or, on a miss in cluster
-  mode, one round trip.
+* Async: on a ``kvcomm.aio`` client (``KVCommSaver(await kvcomm.aio.open(...))``) the
+  async methods are native: inline on the event loop, and only a call that would wait
+  (L3, etcd, a held writer lock) runs in the aio client's pool (``_kv.run_async``). On
+  a sync client they run the sync ones in the loop's default thread executor.
+
+Two writers never fork a thread by accident
+-------------------------------------------
+``get_tuple`` of a thread's latest checkpoint marks the config it returns (a
+``"__kvcomm_resumed_head__"`` configurable key, which LangGraph keeps out of metadata);
+LangGraph carries it into every ``put`` of the run. Such a put moves the head by a
+compare-and-set against its parent: when another writer resumed the same head and moved
+it first, the put deletes the records it wrote and raises ``kvcomm.ConflictError`` (the
+loser runs again from the new head). This holds on one host (L2) and across hosts: a
+strong head's compare-and-set is an etcd transaction, an eventual head's is decided on
+its Redis master (Unavailable in partition mode). A run from an explicit
+``checkpoint_id`` (time travel) is not marked and forks, as LangGraph intends; so does a
+direct ``put`` with a config that does not carry the mark (the head then only moves
+forward). Two runs *starting* a new thread at once are not told (there is no head to
+compare against; the later id wins).
+
+Retention
+---------
+``ttl`` (seconds, KVCOMM's unit; langgraph-checkpoint-redis's ``ttl`` counts minutes)
+gives every record a put writes (checkpoint, channel values, writes, head) that lifetime
+(KVCOMM's own TTL: expired keys are gone on every host, no sweeper); a put also gives the
+values its checkpoint shares with older ones the same lifetime, so the latest checkpoint
+is always whole. ``refresh_on_read`` (True by default, langgraph-checkpoint-redis's
+name) makes ``get_tuple`` give the checkpoint it returns, with its values and writes and
+the head, its whole ttl again: a thread lives ``ttl`` after its last write or read;
+older checkpoints expire ``ttl`` after they were written. ``prune`` and
+``delete_thread`` remain for explicit clean-up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import functools
 import math
 import random
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -82,6 +110,7 @@ from langgraph.checkpoint.base import (
 )
 
 from ..._client import ABSENT, Client
+from ...aio import AsyncClient
 from ...core.versions import Version
 from ...errors import (
     ConflictError,
@@ -92,7 +121,7 @@ from ...errors import (
     Unavailable,
 )
 from ._keys import DEFAULT_ROOT, Keys
-from ._kv import get_referenced, scan
+from ._kv import get_referenced, run_async, scan, sync_and_aio
 from ._serde import NoPickleSerializer, no_pickle
 
 R = TypeVar("R")
@@ -142,7 +171,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     stored record names, is refused (ConfigError; see ``_serde.py``). ``root`` is the
     key prefix of everything the saver writes (default ``"lg/"``; heads under
     ``root + "cp/h/"``). ``wait_timeout`` is how long, in cluster mode, a read waits for
-    a record the thread's head names.
+    a record the thread's head names. ``ttl`` (seconds, or None: kept until deleted) and
+    ``refresh_on_read``: see Retention in the module docstring. ``kv`` may be a
+    ``kvcomm.aio`` client: the async methods are then native.
 
     Methods raise what the client raises (kvcomm.KVCommError: InvalidKey for an id too
     long for ``cache.max_key_bytes``, Unavailable...) and LangGraph's serializer errors;
@@ -152,12 +183,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     serde: NoPickleSerializer
 
-    def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
-                 wait_timeout: float = 10.0, ttl: float | None = None,
+    def __init__(self, kv: Client | AsyncClient, *, serde: Any | None = None,
+                 root: str = DEFAULT_ROOT, wait_timeout: float = 10.0, ttl: float | None = None,
                  refresh_on_read: bool = True) -> None:
-        if not isinstance(kv, Client):
-            raise InvalidArgument(f"KVCommSaver needs an open kvcomm client (kvcomm.open()), "
-                                  f"got {type(kv).__name__}")
+        kv, self.aio = sync_and_aio(kv, "KVCommSaver")
         if not wait_timeout > 0:
             raise InvalidArgument(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
@@ -246,7 +275,14 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         cid = checkpoint["id"]
         k, ttl = self.keys, self.ttl
         written: builtins.list[str] = []
+        start = time.time()
         with self.kv.batch() as b:
+            # (a batch put's ttl counts from its call: the checkpoint first, its values after,
+            # so that they outlive it; the head after the batch with what is left of the ttl
+            # from the start, so that it never outlives them)
+            key = k.checkpoint(thread_id, ns, cid)
+            b.put(key, [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")], ttl=ttl)
+            written.append(key)
             for channel, version in new_versions.items():
                 key = k.blob(thread_id, ns, channel, version)
                 b.put(key, self._dumps(values[channel]) if channel in values else ["empty", b""],
@@ -258,12 +294,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                         b.put(k.blob(thread_id, ns, channel, version),
                               self._dumps(values[channel]) if channel in values
                               else ["empty", b""], ttl=ttl)
-            key = k.checkpoint(thread_id, ns, cid)
-            b.put(key, [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")], ttl=ttl)
-            written.append(key)
         try:
             self._advance_head(thread_id, ns, cid,
-                               parent if conf.get(RESUMED_HEAD) is not None else _ANY)
+                               parent if conf.get(RESUMED_HEAD) is not None else _ANY,
+                               self._left(start))
         except _Moved as moved:
             self._delete_keys(written)  # (this checkpoint is in no chain: gone again)
             raise ConflictError(
@@ -275,9 +309,14 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
 
-    def _advance_head(self, thread_id: str, ns: str, cid: str, parent: Any) -> None:
-        """Move the head to ``cid``: only forward (``parent`` is ``_ANY``), or only from
-        ``parent`` (_Moved otherwise)."""
+    def _left(self, start: float) -> float | None:
+        """The saver's ttl less the time since ``start`` (None without a ttl)."""
+        return None if self.ttl is None else max(self.ttl - (time.time() - start), 0.001)
+
+    def _advance_head(self, thread_id: str, ns: str, cid: str, parent: Any,
+                      ttl: float | None) -> None:
+        """Move the head to ``cid`` (with ``ttl``): only forward (``parent`` is ``_ANY``),
+        or only from ``parent`` (_Moved otherwise)."""
         def forward(old: dict[str, Any] | None) -> dict[str, Any]:
             at = None if old is None else old["id"]
             if parent is not _ANY:
@@ -294,14 +333,15 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 head["p"] = later
             return head
 
-        self._update_head(self.keys.head(thread_id, ns), forward)
+        self._update_head(self.keys.head(thread_id, ns), forward, ttl)
 
-    def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]]) -> None:
+    def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]],
+                     ttl: float | None) -> None:
         """``kv.update(key, fn)``, starting from the head this saver last saw (no read
         when it is still current); ``fn`` returning its argument itself writes nothing.
         ``fn`` may run more than once; what it raises on the head read now propagates
         and nothing is written (on a remembered head: the head is read again first).
-        The head is written with the saver's ttl. Raises what ``kv.put`` raises
+        The head is written with ``ttl``. Raises what ``kv.put`` raises
         (Unavailable...)."""
         cached = self._heads.get(key)
         for _ in range(10_000):
@@ -323,7 +363,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 cached = None  # (judged on what this saver last saw: read the head now)
                 continue
             try:
-                self._heads[key] = (self.kv.put(key, new, expect=expect, ttl=self.ttl), new)
+                self._heads[key] = (self.kv.put(key, new, expect=expect, ttl=ttl), new)
                 if len(self._heads) > _MAX_HEADS:
                     self._heads.pop(next(iter(self._heads)))
                 return
@@ -344,10 +384,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             for idx, (channel, value) in enumerate(writes):
                 i = WRITES_IDX_MAP.get(channel, idx)
                 key = self.keys.write(thread_id, ns, cid, task_id, i)
+                slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
                 if i >= 0 and self.kv.get(key) is not None:
                     continue
                 b.put(key, [task_id, channel, *self._dumps(value), task_path], ttl=self.ttl)
-                slots.append([task_id, i])
         if slots and self._cluster:
             self._note_writes(thread_id, ns, cid, slots)
 
@@ -369,7 +409,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             return head
 
         try:
-            self._update_head(self.keys.head(thread_id, ns), add)
+            key = self.keys.head(thread_id, ns)
+            if self.ttl is None:
+                self._update_head(key, add, None)
+            else:  # (kv.update keeps the head's deadline: it never outlives its checkpoint)
+                self._heads.pop(key, None)
+                self.kv.update(key, add)
         except _NotHead:
             pass  # an older checkpoint's writes: readers of it scan for them
 
@@ -427,14 +472,15 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         the saver's ttl again, from now. Its records are immutable: they are put again
         as read; the head is touched (a conditional write: never a head moved meanwhile)."""
         k, ttl = self.keys, self.ttl
-        with self.kv.batch() as b:
+        start = time.time()
+        with self.kv.batch() as b:  # (the checkpoint first, the head last: see put)
             b.put(k.checkpoint(thread_id, ns, cid), body, ttl=ttl)
             for key, blob in blobs.items():
                 b.put(key, blob, ttl=ttl)
             for w in writes:
                 b.put(k.write(thread_id, ns, cid, w[0], w[-1]), w[:-1], ttl=ttl)
         if head_item is not None:
-            self.kv.touch(k.head(thread_id, ns), ttl)
+            self.kv.touch(k.head(thread_id, ns), self._left(start))
 
     def _referenced_writes(self, thread_id: str, ns: str, cid: str,
                            referenced: list[list[Any]]) -> list[Any]:
@@ -664,17 +710,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     # ---------------------------------------------------------------- async
     async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        return await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(fn, *args, **kwargs))
+        return await run_async(self.aio, fn, args, kwargs)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        """:meth:`get_tuple` in the default thread executor."""
+        """:meth:`get_tuple`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         return await self._run(self.get_tuple, config)
 
     async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
                     before: RunnableConfig | None = None, limit: int | None = None
                     ) -> AsyncIterator[CheckpointTuple]:
-        """:meth:`list`, run whole in the default thread executor, then yielded."""
+        """:meth:`list`, run whole as :meth:`aget_tuple` runs, then yielded."""
         items = await self._run(lambda: list(self.list(config, filter=filter, before=before,
                                                         limit=limit)))
         for item in items:
@@ -682,28 +727,28 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
                    metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
-        """:meth:`put` in the default thread executor."""
+        """:meth:`put`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         return await self._run(self.put, config, checkpoint, metadata, new_versions)
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
                           task_id: str, task_path: str = "") -> None:
-        """:meth:`put_writes` in the default thread executor."""
+        """:meth:`put_writes`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.put_writes, config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
-        """:meth:`delete_thread` in the default thread executor."""
+        """:meth:`delete_thread`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.delete_thread, thread_id)
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
-        """:meth:`delete_for_runs` in the default thread executor."""
+        """:meth:`delete_for_runs`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.delete_for_runs, run_ids)
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """:meth:`copy_thread` in the default thread executor."""
+        """:meth:`copy_thread`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.copy_thread, source_thread_id, target_thread_id)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """:meth:`prune` in the default thread executor."""
+        """:meth:`prune`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.prune, thread_ids, strategy=strategy)
 
 

@@ -34,12 +34,13 @@ times. So:
   by default) gives each item it returns its whole ttl again, from now (``kv.touch``: a
   conditional write, never bringing back an item replaced or deleted meanwhile). Each item
   keeps its own ttl (in its record) for that.
-* The async methods run the sync ones in the event loop's default thread executor.
+* Async: on a ``kvcomm.aio`` client ``abatch`` (every async method) is native: inline on
+  the event loop, only a call that would wait running in the aio client's pool
+  (``_kv.run_async``); on a sync client, in the loop's default thread executor.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Iterable
@@ -62,6 +63,7 @@ from langgraph.store.base import (
 )
 
 from ..._client import ABSENT, Client
+from ...aio import AsyncClient
 from ...errors import (
     ConfigError,
     ConflictError,
@@ -71,7 +73,7 @@ from ...errors import (
     Unavailable,
 )
 from ._keys import DEFAULT_ROOT, Keys
-from ._kv import scan
+from ._kv import run_async, scan, sync_and_aio
 from ._serde import no_pickle
 
 
@@ -97,15 +99,14 @@ class KVCommStore(BaseStore):
     in order; one that raises leaves the earlier ones applied.
     """
 
-    __slots__ = ("kv", "keys", "serde", "ttl_config")
+    __slots__ = ("kv", "keys", "serde", "ttl_config", "aio")
 
     supports_ttl: bool = True
 
-    def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
-                 index: Any | None = None, ttl: TTLConfig | None = None) -> None:
-        if not isinstance(kv, Client):
-            raise InvalidArgument(f"KVCommStore needs an open kvcomm client (kvcomm.open()), "
-                                  f"got {type(kv).__name__}")
+    def __init__(self, kv: Client | AsyncClient, *, serde: Any | None = None,
+                 root: str = DEFAULT_ROOT, index: Any | None = None,
+                 ttl: TTLConfig | None = None) -> None:
+        kv, aio = sync_and_aio(kv, "KVCommStore")
         if index is not None:
             raise ConfigError("", "KVCommStore does not provide semantic (vector) search: make it "
                                   "without index= (search by namespace prefix and filter works)")
@@ -119,6 +120,7 @@ class KVCommStore(BaseStore):
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
         self.serde = no_pickle(serde)
         self.ttl_config = ttl
+        self.aio = aio
 
     # ---------------------------------------------------------------- batch
     def batch(self, ops: Iterable[Op]) -> list[Result]:
@@ -143,9 +145,8 @@ class KVCommStore(BaseStore):
         return results
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        """:meth:`batch` in the event loop's default thread executor."""
-        ops = list(ops)
-        return await asyncio.get_running_loop().run_in_executor(None, self.batch, ops)
+        """:meth:`batch`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
+        return await run_async(self.aio, self.batch, (list(ops),), {})
 
     # ---------------------------------------------------------------- operations
     def _item(self, namespace: tuple[str, ...], key: str, raw: list[Any],
