@@ -81,6 +81,11 @@ def build_graph() -> StateGraph[State]:
     def act(s: State) -> dict[str, Any]:
         return {"steps": [f"act:{s['answer']}"]}
 
+    return wire(plan, ask, act)
+
+
+def wire(plan: Any, ask: Any, act: Any) -> StateGraph[State]:
+    """plan -> ask (an interrupt) -> act."""
     g = StateGraph(State)
     g.add_node("plan", plan)
     g.add_node("ask", ask)
@@ -623,15 +628,7 @@ def async_graph() -> StateGraph[State]:
     async def act(s: State) -> dict[str, Any]:
         return {"steps": [f"act:{s['answer']}"]}
 
-    g = StateGraph(State)
-    g.add_node("plan", plan)
-    g.add_node("ask", ask)
-    g.add_node("act", act)
-    g.add_edge(START, "plan")
-    g.add_edge("plan", "ask")
-    g.add_edge("ask", "act")
-    g.add_edge("act", END)
-    return g
+    return wire(plan, ask, act)
 
 
 def test_an_aio_client_makes_the_async_methods_native(ns: str, config: kvcomm.Config) -> None:
