@@ -22,7 +22,8 @@ test: $(STAMP)          ## the test suite, less the long fault runs (make test-s
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25
 
 # The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
-# partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, LangGraph's
+# partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, 1500 hostile
+# LangGraph records, LangGraph's
 # example across hosts. `make test` runs a smaller variant of each that crosses the same
 # faults.
 test-slow: $(STAMP)     ## the long fault runs make test leaves out (marker slow)

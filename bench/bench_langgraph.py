@@ -255,6 +255,7 @@ async def amain(args: argparse.Namespace) -> None:
                         results[name].append(await abench_saver(make(), args.n, args.graphs,
                                                                 args.concurrency))
                     print(f"round {r + 1}/{args.rounds} done", flush=True)
+                off_loop = akv.off_loop
             finally:
                 l2.purge(ns)
     keys = ("put", "get_tuple", "graphs/s")
@@ -268,6 +269,7 @@ async def amain(args: argparse.Namespace) -> None:
     heading("ratios: graph throughput KVCommSaver/peer; put and get_tuple time peer/KVCommSaver "
             "(above 1: KVCommSaver faster)")
     ours = med["KVCommSaver (aio)"]
+    print(f"(KVCommSaver's calls that left the event loop for the aio client's pool: {off_loop})")
     for peer in ("InMemorySaver", "AsyncSqliteSaver", "AsyncPostgresSaver"):
         p = med[peer]
         print(f"vs {peer:<19} graph {ours['graphs/s'] / p['graphs/s']:6.2f}x   put "

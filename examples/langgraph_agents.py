@@ -1,6 +1,7 @@
 """Three LLM-free LangGraph agents, three processes, one shared memory: KVCommStore.
 
     python examples/langgraph_agents.py                    # embedded: one host's L2
+    kvcomm dev-cluster up --hosts 3 --dir /tmp/kvc --strong lg/cp/h/   # (the saver's heads)
     python examples/langgraph_agents.py --configs /tmp/kvc/host-1.yaml \\
         /tmp/kvc/host-2.yaml /tmp/kvc/host-3.yaml          # one agent per dev-cluster host
 

@@ -149,9 +149,25 @@ def test_value_too_large(ns: str) -> None:
 
 def test_value_larger_than_l2_can_hold(kv: kvcomm.Client) -> None:
     kv.put("k", b"small")
-    with pytest.raises(kvcomm.ValueTooLarge, match="never fit"):
+    with pytest.raises(kvcomm.ValueTooLarge, match="raise cache.l2_size"):
         kv.put("k", b"x" * (15 << 20))
+    with pytest.raises(kvcomm.ValueTooLarge, match="cache.l2_size"), kv.batch() as b:
+        b.put("k", b"x" * (15 << 20))
     assert kv.get("k") == b"small"
+
+
+def test_the_default_max_value_size_fits_the_default_l2(ns: str) -> None:
+    """cache.max_value_size (64 MB) once allowed what the default 256 MB L2 could never
+    hold (32 MiB records): a value of the default limit is stored; one byte more names
+    cache.max_value_size (and a value a smaller L2 cannot hold, cache.l2_size: above)."""
+    defaults = kvcomm.Config()
+    limit = defaults.cache.max_value_size
+    with kvcomm.open(ns, config=defaults) as kv:
+        kv.put("big", b"x" * limit)
+        assert len(kv.get("big")) == limit
+        with pytest.raises(kvcomm.ValueTooLarge, match="raise cache.max_value_size"):
+            kv.put("big", b"y" * (limit + 1))
+        assert kv.get("big")[:1] == b"x"
 
 
 def test_bad_consistency_and_expect(kv: kvcomm.Client) -> None:
@@ -303,3 +319,34 @@ def test_l1_is_bounded_in_bytes(ns: str) -> None:
         s = kv.stats()["l1"]
         assert s["bytes"] <= 10 * 1024 and s["evictions"] > 0
         assert kv.get("k0") == b"x" * 500  # evicted from L1, still served by L2
+
+
+def test_numpy_scalars_are_stored_as_python_numbers(kv: kvcomm.Client) -> None:
+    np = pytest.importorskip("numpy")
+    kv.put("f", np.float64(2.5))
+    kv.put("i", np.int64(-7))
+    kv.put("b", np.bool_(True))
+    kv.put("nested", {"xs": [np.float32(0.5), np.uint8(3)], "ok": np.bool_(False)})
+    with kv.batch() as b:
+        b.put("bf", np.float64(1.25))
+    for key, want, typ in (("f", 2.5, float), ("i", -7, int), ("b", True, bool), ("bf", 1.25, float)):
+        got = kv.get(key)
+        assert got == want and type(got) is typ
+    assert kv.get("nested") == {"xs": [0.5, 3], "ok": False}
+    kv.put("k", "before")
+    for bad in (np.complex128(1j), np.datetime64("2020-01-01"), {"a": [np.complex64(1)]}):
+        with pytest.raises(kvcomm.UnsupportedValue, match="numpy"):
+            kv.put("k", bad)
+    assert kv.get("k") == "before"
+
+
+@pytest.mark.parametrize("value", ["x\ud800", {"a": "x\ud800"}, ["ok", {"b": "\udfff"}]])
+def test_a_lone_surrogate_is_refused_at_any_depth(kv: kvcomm.Client, value: object) -> None:
+    """One rule for a str with a lone surrogate (not UTF-8 text): refused at the top level
+    as nested (the top level once stored it), in put and in a batch, nothing written."""
+    kv.put("k", "before")
+    with pytest.raises(kvcomm.UnsupportedValue, match="lone surrogate"):
+        kv.put("k", value)
+    with pytest.raises(kvcomm.UnsupportedValue, match="lone surrogate"), kv.batch() as b:
+        b.put("k", value)
+    assert kv.get("k") == "before"

@@ -25,7 +25,7 @@ def test_a_failed_batch_changes_nothing(kv: kvcomm.Client) -> None:
             b.put("c", huge)
     assert kv.get("a") == "old" and kv.get("b") == "keep" and kv.get("c") is None
     after = kv._seg.info()
-    assert after["writes"] == before["writes"] and after["feed_events"] == before["feed_events"]
+    assert after["write_seq"] == before["write_seq"] and after["feed_events"] == before["feed_events"]
     assert kv._seg.check() == []
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,26 @@ def test_config_show_defaults_and_file(tmp_path: Path) -> None:
     f.write_text("cache:\n  l1_size: lots\n")
     bad = run("config", "--show", "--config", str(f))
     assert bad.returncode == 2 and "cache.l1_size" in bad.stderr
+
+
+def test_config_without_a_flag_shows_the_config() -> None:
+    out = run("config")
+    assert out.returncode == 0, out.stderr
+    assert kvcomm.Config.from_mapping(yaml.safe_load(out.stdout)) == kvcomm.Config()
+
+
+def test_info_shows_no_write_sequence_as_a_count(ns: str, config: kvcomm.Config) -> None:
+    """After 50 writes ``kvcomm info`` printed "writes 1796159397065591" (the host's
+    clock-seeded write sequence): every figure it prints is now a real amount."""
+    with kvcomm.open(ns, config=config) as kv:
+        for i in range(50):
+            kv.put(f"k{i}", i)
+        out = run("info", "--name", ns)
+        assert out.returncode == 0, out.stderr
+        figures = [int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", out.stdout)]
+        assert 50 in figures and max(figures) < 1 << 40, out.stdout
+        info = json.loads(run("info", "--name", ns, "--json").stdout)
+        assert "writes" not in info and info["write_seq"] > 0
 
 
 def test_info_and_purge(ns: str, config: kvcomm.Config) -> None:

@@ -8,6 +8,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -320,3 +321,89 @@ def test_two_rotations_forget_a_deleted_key_and_keep_the_rest(fname: str) -> Non
         assert kf.may_exist(b"kept") and not kf.may_exist(b"deleted")
     finally:
         kf.close()
+
+
+def test_the_ring_says_which_keys_were_learned_since_a_stamp(fname: str) -> None:
+    w = KeyFilter.create(fname, 1000, 0.01)
+    r = KeyFilter.open_reader(fname)
+    try:
+        assert r is not None
+        w.add(b"old")
+        stamp = r.learned
+        assert r.learned_since(b"old", stamp) is False  # (nothing learned since)
+        w.add(b"a")
+        w.add(b"b")
+        assert r.learned == (stamp + 2) % (1 << 64)
+        assert r.learned_since(b"a", stamp) and r.learned_since(b"b", stamp)
+        assert r.learned_since(b"old", stamp) is False and not r.learned_since(b"c", stamp)
+        assert r.learned_since(b"b", stamp + 1) and not r.learned_since(b"a", stamp + 1)
+        # a stamp the ring no longer covers, or another file's: unknown (the filter judges)
+        for i in range(keyfilter.RING):
+            w.add(b"x%d" % i)
+        assert r.learned_since(b"a", stamp) is None
+        assert r.learned_since(b"x5", r.learned - keyfilter.RING) is True
+        other = KeyFilter.create(fname + "2", 1000, 0.01)
+        try:
+            assert other.learned_since(b"a", stamp) is None
+        finally:
+            other.close()
+            keyfilter.remove(fname + "2")
+    finally:
+        w.close()
+        if r is not None:
+            r.close()
+
+
+def test_the_ring_wraps_around_its_end(fname: str) -> None:
+    w = KeyFilter.create(fname, 1000, 0.01)
+    try:
+        w._q[keyfilter.H_LEARNED] = 5 * keyfilter.RING - 2  # two slots before the end
+        stamp = w.learned
+        for k in (b"p", b"q", b"r", b"s"):
+            w.add(k)
+        assert all(w.learned_since(k, stamp) for k in (b"p", b"q", b"r", b"s"))
+        assert not w.learned_since(b"t", stamp)
+        assert w.learned_since(b"p", stamp + 1) is False and w.learned_since(b"s", stamp + 3)
+    finally:
+        w.close()
+
+
+def test_a_negative_note_the_ring_no_longer_covers_is_judged_by_the_filter(fname: str) -> None:
+    """ClusterReads._still_absent past the ring: the key in the filter now and not when
+    noted was learned (read again); one the filter matched already when noted (deleted,
+    a false positive) keeps its note; one it still does not match keeps it, restamped;
+    with the filter untrusted, the note holds, unstamped, until it is trusted again."""
+    from types import SimpleNamespace
+
+    from kvcomm._client.cluster_read import ClusterReads
+
+    w = KeyFilter.create(fname, 200_000, 0.001)  # (room for the ring's keys: no false match)
+    r = KeyFilter.open_reader(fname)
+    try:
+        assert r is not None
+        w.set_ready(True)
+        w.add(b"deleted")  # (in the filter before the notes)
+        trusted: list[Any] = [r]
+        reader = SimpleNamespace(_kf=r, _key_filter=lambda: trusted[0])
+        stamp = r.learned
+        notes = {k: [0.0, stamp, k == "deleted"] for k in ("new", "deleted", "never")}
+        for i in range(keyfilter.RING + 1):  # the ring no longer reaches back to the notes
+            w.add(b"other%d" % i)
+        w.add(b"new")
+        assert r.learned_since(b"new", stamp) is None
+        trusted[0] = None  # untrusted: every note holds, none restamped
+        assert all(ClusterReads._still_absent(reader, k, n)  # type: ignore[arg-type]
+                   for k, n in notes.items())
+        assert all(n[1] == stamp for n in notes.values())
+        trusted[0] = r
+        assert not ClusterReads._still_absent(reader, "new", notes["new"])  # type: ignore[arg-type]
+        assert ClusterReads._still_absent(reader, "deleted", notes["deleted"])  # type: ignore[arg-type]
+        assert ClusterReads._still_absent(reader, "never", notes["never"])  # type: ignore[arg-type]
+        assert notes["never"][1] == notes["deleted"][1] == r.learned  # (restamped)
+        w.add(b"deleted")  # learned again since the new stamp: the ring says so
+        assert not ClusterReads._still_absent(reader, "deleted", notes["deleted"])  # type: ignore[arg-type]
+        assert ClusterReads._still_absent(reader, "never", notes["never"])  # type: ignore[arg-type]
+    finally:
+        w.close()
+        if r is not None:
+            r.close()

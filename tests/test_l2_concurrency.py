@@ -136,10 +136,10 @@ def test_sigkill_mid_write_never_wedges_or_corrupts(ns: str, config: kvcomm.Conf
                                                  or kv._seg.info()["recoveries"] < 1)):
             procs = [CTX.Process(target=_chaos_writer, args=(ns, config, seed + rounds * 10 + i))
                      for i in range(2)]
-            writes = kv._seg.info()["writes"]
+            writes = kv._seg.info()["write_seq"]
             for p in procs:
                 p.start()
-            wait_for(lambda w=writes: kv._seg.info()["writes"] > w + 20, 10, "writers to start")
+            wait_for(lambda w=writes: kv._seg.info()["write_seq"] > w + 20, 10, "writers to start")
             time.sleep(rng.uniform(0.0, 0.02))  # let them run into the middle of writes
             for p in procs:
                 os.kill(p.pid, signal.SIGKILL)

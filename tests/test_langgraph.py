@@ -171,6 +171,28 @@ def test_a_serializer_that_pickles_is_refused(kv: kvcomm.Client) -> None:
         saver.serde.dumps_typed(_Opaque())
 
 
+def test_a_state_value_only_pickle_could_store_is_unsupportedvalue(kv: kvcomm.Client) -> None:
+    """The README promises UnsupportedValue; LangGraph's serializer raised its own
+    ``TypeError: Type is not msgpack serializable``. Nothing is stored."""
+    saver, store = KVCommSaver(kv), KVCommStore(kv)
+    with pytest.raises(kvcomm.UnsupportedValue, match="pickle"):
+        saver.serde.dumps_typed(_Opaque())
+
+    class State(TypedDict):
+        x: Any
+
+    g = StateGraph(State)
+    g.add_node("n", lambda s: {"x": _Opaque()})
+    g.add_edge(START, "n")
+    g.add_edge("n", END)
+    graph = g.compile(checkpointer=saver)
+    with pytest.raises(kvcomm.UnsupportedValue, match="pickle"):
+        graph.invoke({"x": 1}, {"configurable": {"thread_id": "t-opaque"}})
+    with pytest.raises(kvcomm.UnsupportedValue, match="pickle"):
+        store.put(("ns",), "k", {"v": _Opaque()})
+    assert store.get(("ns",), "k") is None
+
+
 def test_a_pickle_planted_in_kvcomm_is_never_loaded(kv: kvcomm.Client,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     store = KVCommStore(kv)

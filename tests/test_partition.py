@@ -26,6 +26,7 @@ from kvcomm.devcluster import control
 from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.devcluster.procs import running
 from kvcomm.node.presence import read_status, status_path
+from kvcomm.tiers.keyfilter import KeyFilter
 
 from .conftest import wait_for
 
@@ -68,12 +69,10 @@ def whole(dc: Path) -> Iterator[None]:
 
 
 def _agent(dc: Path, host: str) -> kvcomm.Client:
-    """An agent of ``host`` that never trusts "absent" for long (negative_ttl 0): the
-    probes below must see a key the moment L3 has it."""
-    cfg = kvcomm.Config.load(dc / f"{host}.yaml")
-    data = cfg.model_dump()
-    data["cache"]["negative_ttl"] = 0
-    return kvcomm.open(config=kvcomm.Config.from_mapping(data))
+    """An agent of ``host`` with the host's config as it is (``negative_ttl`` as shipped):
+    the heal is measured as users see it; a cached "absent" is never older than what the
+    host's daemon knows (tests/test_freshness.py)."""
+    return kvcomm.open(config=str(dc / f"{host}.yaml"))
 
 
 def _status(dc: Path, host: str) -> dict[str, Any]:
@@ -230,14 +229,58 @@ def test_conditional_writes_are_refused_at_once_in_partition_mode(dc: Path) -> N
             with pytest.raises(kvcomm.Unavailable, match="partition mode"):
                 attempt()
             assert time.monotonic() - t0 < TIMEOUT  # (at once: not after a timeout)
-        assert b.get(k) == 0 and b.get(f"{k}/new") is None  # nothing written
+        assert b.get(k) == 0  # nothing written (the claimed key: checked after the heal,
+        # as in partition mode a key the host does not hold is Unavailable at once)
         b.put(k, 5)  # a plain put: into L2, as ever
         assert b.get(k) == 5
         control.heal(str(dc))
         wait_for(lambda: not partitioned(), 60, "the heal")
         assert b.update(k, lambda n: n + 1) == 6
+        assert b.get(f"{k}/new") is None
     finally:
         control.heal(str(dc))
+        b.close()
+
+
+def test_in_partition_mode_what_the_host_does_not_hold_is_unavailable_at_once(dc: Path) -> None:
+    """On a cut-off host in partition mode, a read, a delete or a scan that needs L3 raises
+    Unavailable at once (its daemon says Redis is out of reach), without an L3 call; what
+    the host holds stays readable. Agents with the shipped defaults."""
+    a = kvcomm.open(config=str(dc / "host-1.yaml"))
+    b = kvcomm.open(config=str(dc / "host-2.yaml"))
+    run = f"pu/{random.randrange(1 << 30)}"
+    held, other = f"{run}/held", f"{run}/other"
+    try:
+        a.put(held, 1)
+        a.put(other, 2)
+        assert wait_for(lambda: b.get(held) == 1, 30, "host-2 holds a key")
+        kf = KeyFilter.open_reader(next(h["namespace"] for h in control.load_state(dc)["hosts"]
+                                        if h["host"] == "host-2"))
+        assert kf is not None
+        wait_for(lambda: kf.may_exist(other.encode()), 30, "host-2's filter knows the other key")
+        kf.close()
+        control.partition(str(dc), "host-2")
+        wait_for(lambda: (st := _status(dc, "host-2")).get("partition")
+                 and st.get("redis_unreachable"), 30, "host-2 in partition mode, Redis cut off")
+        reads = b.counters["l3_reads"]
+        t0 = time.monotonic()
+        with pytest.raises(kvcomm.Unavailable, match="partition mode"):
+            b.get(other)
+        with pytest.raises(kvcomm.Unavailable, match="partition mode"):
+            b.delete(other)
+        with pytest.raises(kvcomm.Unavailable, match="partition mode"):
+            list(b.scan(f"{run}/"))
+        took = time.monotonic() - t0
+        print(f"a read, a delete and a scan refused in {took:.3f}s (2 x cluster.timeout: "
+              f"{2 * TIMEOUT:g}s each)")
+        assert b.counters["l3_reads"] == reads  # (no L3 call was tried)
+        assert b.get(held) == 1  # (what the host holds: served)
+        control.heal(str(dc))
+        wait_for(lambda: b.get(other) == 2, 60, "the read after the heal",
+                 retry_on=(kvcomm.Unavailable,))
+    finally:
+        control.heal(str(dc))
+        a.close()
         b.close()
 
 

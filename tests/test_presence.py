@@ -195,7 +195,7 @@ def test_the_catch_up_starts_when_redis_answers_not_when_etcd_does_too() -> None
     keys = FakeKeys()
     d = Daemon(_config(lease_ttl=2), l2, l3.view(), keys,  # type: ignore[arg-type]
                rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
-    etcd = SimpleNamespace(etcd_ok_at=clock())  # (the lease thread's view of etcd)
+    etcd = SimpleNamespace(etcd_seen_at=clock())  # (the lease thread's view of etcd)
     d.presence = etcd  # type: ignore[assignment]
 
     def cut_off() -> None:
@@ -234,7 +234,7 @@ def test_the_catch_up_starts_when_redis_answers_not_when_etcd_does_too() -> None
         d.decide_partition()
         clock.sleep(0.05)
     assert keys.ready and d.stats.extra.get("caught_up") == 2
-    etcd.etcd_ok_at = clock()  # etcd answers: partition mode is left, no catch-up again
+    etcd.etcd_seen_at = clock()  # etcd answers: partition mode is left, no catch-up again
     d.step()
     d.decide_partition()
     assert not d.reach.partition and not d.catching_up and keys.ready
@@ -287,3 +287,59 @@ def test_an_agent_without_etcd_is_refused_in_a_cluster_with_strong_keys(tmp_path
                         "updated": time.time()})
     with pytest.raises(kvcomm.ConfigError, match="cluster.etcd"):
         kvcomm.open(ns, config=config())
+
+
+def test_partition_mode_counts_the_ttl_from_the_first_call_etcd_did_not_answer() -> None:
+    """etcd goes silent just before a renewal, ttl / 3 after the last one: partition mode
+    comes a full TTL after the first call it did not answer, not a TTL after that last
+    renewal (up to a third of the TTL early)."""
+    from kvcomm.errors import Unavailable
+    from kvcomm.node.presence import HostPresence
+
+    from .test_delivery_sim import Clock
+    from .test_shutdown_flush import _config
+
+    class Etcd:
+        up = True
+
+        def _call(self) -> None:
+            if not self.up:
+                raise Unavailable("no etcd member answered")
+
+        def lease_grant(self, ttl: int) -> int:
+            self._call()
+            return 7
+
+        def lease_keepalive(self, lease: int) -> int:
+            self._call()
+            return 6
+
+        def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
+            self._call()
+
+    clock = Clock()
+    p = HostPresence(_config(etcd=["127.0.0.1:1"], lease_ttl=6), lambda: {}, clock=clock)
+    p.etcd.close()
+    p.etcd = etcd = Etcd()  # type: ignore[assignment]
+    reach = Reachability(6.0, clock())
+    assert p.try_beat() and p.etcd_seen_at == p.etcd_ok_at == clock()
+    clock.sleep(2.0)
+    assert p.try_beat()  # the last renewal: t = 2
+    clock.sleep(1.9)
+    etcd.up = False  # t = 3.9: etcd goes silent
+    clock.sleep(0.1)
+    t_first = clock()
+    assert not p.try_beat() and p.etcd_unreachable
+    assert p.etcd_ok_at == t_first - 2.0 and p.etcd_seen_at == t_first
+    while clock() < t_first + 6.0:  # probes every 200 ms, none answered
+        clock.sleep(0.2)
+        reach.redis_ok(clock())
+        assert not p.try_beat()
+        assert p.etcd_seen_at == t_first  # (the first unanswered call's start, kept)
+        if clock() <= t_first + 6.0:
+            assert reach.update(clock(), p.etcd_seen_at) is None, clock() - t_first
+    assert reach.update(clock() + 0.01, p.etcd_seen_at) == "enter"
+    etcd.up = True
+    clock.sleep(0.2)
+    assert p.try_beat() and not p.etcd_unreachable and p.etcd_seen_at == p.etcd_ok_at == clock()
+    assert reach.update(clock(), p.etcd_seen_at) == "leave"

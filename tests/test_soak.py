@@ -20,7 +20,17 @@ from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.errors import InvalidArgument
 from kvcomm.faults import FAULTS, Fault, Nemesis, Observed, Op, check, fault_kinds, plan, register
 from kvcomm.faults.checker import ABSENT
-from kvcomm.faults.history import DELETE, GET, INFO, OK, PUT, HistoryWriter, load_history
+from kvcomm.faults.history import (
+    DELETE,
+    GET,
+    INCR,
+    INFO,
+    OK,
+    PUT,
+    HistoryWriter,
+    load_history,
+    value_id,
+)
 from kvcomm.faults.soak import SoakOptions, SoakResult, run_soak
 
 # ---------------------------------------------------------------------- the checker
@@ -220,6 +230,37 @@ def test_checker_leaves_keys_with_unknown_operations_alone() -> None:
     h._op("host-1/w0", "cas", "k", "b", 2.0, OK)
     v = check(h.ops, everywhere(Observed(True, "b", None)))
     assert v.anomalies == [] and v.unchecked == ["k"]
+
+
+def test_checker_requires_a_counter_to_hold_the_sum_of_its_acknowledged_increments() -> None:
+    h = H()
+    for t, (p, d) in enumerate([("host-1/w0", 1), ("host-2/w0", 5), ("host-2/w1", -2),
+                                ("host-1/w1", 3)]):
+        h._op(p, INCR, "c", str(d), float(t), OK)
+    h.get("host-1/w0", "c", "=4", 9.0)  # (reads of a counter are not judged)
+
+    def at(n: int) -> dict[str, dict[str, Observed]]:
+        return everywhere(Observed(True, value_id(n), Version((("host-1", 1),), 5)), "c")
+
+    assert check(h.ops, at(7)).ok
+    for wrong in (6, 8, 2):  # one lost, one counted twice, a host's only
+        v = check(h.ops, at(wrong))
+        assert kinds(v) == {"miscounted"} and v.lost_keys == ["c"], wrong
+    split = at(7)
+    split["host-2"] = {"c": Observed(True, value_id(6), Version((("host-1", 1),), 5))}
+    v = check(h.ops, split)
+    assert kinds(v) == {"miscounted", "divergent"} and [a.place for a in v.of("miscounted")] == \
+        ["host-2"]
+    assert kinds(check(h.ops, everywhere(ABSENT, "c"))) == {"miscounted"}
+    # an increment of unknown outcome may count or not, nothing else
+    h._op("host-1/w0", INCR, "c", "10", 10.0, INFO)
+    h._op("host-2/w0", INCR, "c", "-1", 11.0, INFO)
+    for ok_value in (6, 7, 16, 17):
+        assert check(h.ops, at(ok_value)).ok, ok_value
+    for bad_value in (5, 18):
+        assert not check(h.ops, at(bad_value)).ok, bad_value
+    h.put("host-1/w0", "c", "x", 12.0)  # a put among increments: not judged here
+    assert check(h.ops, at(99)).unchecked == ["c"]
 
 
 def test_history_round_trips_and_survives_a_cut_last_line(tmp_path: Path) -> None:
@@ -453,6 +494,8 @@ def _soak(tmp_path: Path, faults: list[str], seconds: float, **kw: Any) -> SoakR
 def _assert_clean(result: SoakResult) -> None:
     assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])
     assert result.ops["ok"] > 1000 and result.converged
+    assert result.ops.get("incr", 0) > 50  # counters were counted (and checked: ok above)
+    assert "miscounted keys 0" in result.line()
 
 
 def _effects(result: SoakResult, kind: str) -> list[dict[str, Any]]:

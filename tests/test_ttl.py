@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -18,7 +19,7 @@ import pytest
 
 import kvcomm
 from kvcomm._client.sweeper import SLICE
-from kvcomm.core.expiry import ExtCache, check_ttl, deadline_of, expired, with_deadline
+from kvcomm.core.expiry import MAX_TTL, ExtCache, check_ttl, deadline_of, expired, with_deadline
 from kvcomm.tiers.l2 import key_hash
 from tests.conftest import SMALL, wait_for
 
@@ -373,3 +374,103 @@ def test_presence_of_a_killed_process_lapses_within_ttl_and_a_refresh(
         # lists it (checked once at that instant, not waited for)
         _until(killed + ttl + ttl / 3)
         assert kv.present("alive/") == [] and kv.get("alive/drone-9") is None
+
+
+# ---------------------------------------------------------------- ttl arguments
+
+
+@pytest.mark.parametrize("bad", [10**400, -(10**400), 10**9, MAX_TTL + 1])
+def test_a_ttl_past_the_limit_is_invalidargument_everywhere(kv: kvcomm.Client, bad: Any) -> None:
+    """An int past float's range raised OverflowError from put, update, touch and
+    batch.put; every one says InvalidArgument, names the ten-year bound, writes nothing."""
+    kv.put("t", 1)
+    v = kv.get_item("t").version
+    for call in (lambda: kv.put("t", 2, ttl=bad), lambda: kv.update("t", lambda n: n + 1, ttl=bad),
+                 lambda: kv.touch("t", bad)):
+        with pytest.raises(kvcomm.InvalidArgument, match="315360000 s"):
+            call()
+    with pytest.raises(kvcomm.InvalidArgument, match="315360000 s"), kv.batch() as b:
+        b.put("t", 3, ttl=bad)
+    item = kv.get_item("t")
+    assert item.value == 1 and item.version == v and item.expires_at is None
+
+
+def test_numpy_numbers_are_ttls(kv: kvcomm.Client) -> None:
+    np = pytest.importorskip("numpy")
+    for i, ttl in enumerate([np.float64(30.0), np.int64(30), np.float32(30.0), np.uint16(30)]):
+        t0 = time.time()
+        kv.put(f"n{i}", i, ttl=ttl)
+        assert t0 + 29 < kv.get_item(f"n{i}").expires_at < time.time() + 31
+        assert kv.touch(f"n{i}", ttl)
+        kv.update(f"n{i}", lambda n: n + 1, ttl=ttl)
+        with kv.batch() as b:
+            b.put(f"m{i}", i, ttl=ttl)
+        assert kv.get_item(f"m{i}").expires_at is not None
+    for bad in (np.bool_(True), np.float64("nan"), np.float64(-1.0), np.int64(10**9)):
+        with pytest.raises(kvcomm.InvalidArgument, match="ttl"):
+            kv.put("x", 1, ttl=bad)
+    assert kv.get("x") is None
+
+
+def test_the_readmes_ttl_example_runs(kv: kvcomm.Client) -> None:
+    """The code of the README's TTL section, as written (its update() on a new key raised
+    TypeError)."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    section = text[text.index("## Keys that expire (TTL)"):]
+    code = section[section.index("```python") + 9:section.index("```", section.index("```python") + 9)]
+    exec(compile(code, "README.md (TTL)", "exec"), {"kv": kv, "state": {"x": 1}})
+    assert kv.get("count") == 1 and kv.get("claim/shelf-4") == "robot-1"
+
+
+# ---------------------------------------------------------------- writes over an expired key
+
+
+def _events(w: Any, want: int) -> list[tuple[str, str]]:
+    got = []
+    for ev in w:
+        got.append((ev.key, ev.kind))
+        if len(got) >= want:
+            break
+    return got
+
+
+def test_a_write_over_an_expired_key_records_its_expiry_first(ns: str) -> None:
+    """An expired key nobody read, re-put before the sweep reached it, gave watchers
+    ``put, put`` and no ``expire``; a delete of it returned True with a ``delete`` event,
+    though from its deadline on the key is absent everywhere. Now: ``expire, put`` for a
+    put (single, checked, batched); False and ``expire`` alone for a delete."""
+    cfg = kvcomm.Config.from_mapping({**SMALL, "cache": {**SMALL["cache"], "expiry_sweep": "60s"}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        n = 200
+        with kv.batch() as b:
+            for i in range(n):
+                b.put(f"k/{i}", i, ttl=0.2)
+        last = kv.get_item(f"k/{n - 1}").expires_at
+        w = kv.watch("k/", timeout=5.0)
+        _until(last)  # type: ignore[arg-type]
+        assert kv.stats()["l2"]["entries"] == n  # (the sweep sleeps 60 s: nothing reclaimed)
+        put, checked, batched, deleted, batch_deleted = (range(0, 40), range(40, 80),
+                                                         range(80, 120), range(120, 160),
+                                                         range(160, 200))
+        for i in put:
+            kv.put(f"k/{i}", -i)
+        for i in checked:
+            kv.put(f"k/{i}", -i, expect=kvcomm.ABSENT)
+        with kv.batch() as b:
+            for i in batched:
+                b.put(f"k/{i}", -i)
+        assert not any(kv.delete(f"k/{i}") for i in deleted)
+        with kv.batch() as b:
+            for i in batch_deleted:
+                b.delete(f"k/{i}")
+        assert b.versions == [False] * len(batch_deleted)
+        events = _events(w, 2 * 120 + 80)
+        by_key: dict[str, list[str]] = {}
+        for key, kind in events:
+            by_key.setdefault(key, []).append(kind)
+        for i in range(n):
+            want = ["expire"] if i >= 120 else ["expire", "put"]
+            assert by_key.get(f"k/{i}") == want, (i, by_key.get(f"k/{i}"))
+        assert kv.stats()["l2"]["entries"] == 120
+        assert all(kv.get(f"k/{i}") == -i for i in range(120))
+        assert kv.get_item("k/0").expires_at is None

@@ -86,6 +86,27 @@ def test_a_write_after_the_deadline_wins_everywhere(dev: dict[str, Any]) -> None
         store.close()
 
 
+def test_a_delete_of_an_expired_key_answers_as_for_an_absent_one(dev: dict[str, Any]) -> None:
+    """delete() of an expired key nobody read returned True and wrote a tombstone (a
+    ``delete`` event): from its deadline on the key is absent everywhere, so False, and
+    nothing is written (L3 keeps the record with its deadline)."""
+    a, store = host(dev, 0), l3(dev)
+    a.put("exp/del", 1, ttl=1.0)
+    deadline = a.get_item("exp/del").expires_at  # type: ignore[union-attr]
+    rec = wait_for(lambda: live_record(store, "exp/del"), what="the record in L3")
+    w = a.watch("exp/del", timeout=1.0)
+    _until(deadline)  # type: ignore[arg-type]
+    kb, h = a._key_hash("exp/del")
+    before = a._read_l2(kb, h, 1 << 40)
+    assert a.delete("exp/del") is False
+    local = a._read_l2(kb, h, 1 << 40)  # (reclaimed as expired, or as it was: no tombstone)
+    assert before is not None and (local is None or local[2] != 0 and local[5] == before[5])
+    kinds = [e.kind for e in w]
+    assert "delete" not in kinds, kinds
+    after = store.get("exp/del")
+    assert after is not None and not after.tombstone and after.version == rec.version
+
+
 def test_an_older_write_replayed_after_the_expiry_does_not_resurrect(dev: dict[str, Any]) -> None:
     a, b, store = host(dev, 0), host(dev, 1), l3(dev)
     try:

@@ -384,7 +384,11 @@ class CacheConfig(_Section):
     l2_sync_interval: Duration = Field(default=0.05, gt=0)
     l3_consistency: Literal["eventual", "strong"] = "eventual"
     max_key_bytes: Count = Field(default=250, ge=1, le=4096)
-    max_value_size: Size = Field(default=64 << 20, ge=1)
+    max_value_size: Size = Field(
+        default=16 << 20, ge=1,
+        description="the largest value a put takes (encoded bytes); L2 itself holds values "
+                    "up to about l2_size/8 (the default 256MB: 32 MiB less a few KiB) and "
+                    "refuses larger ones (ValueTooLarge naming cache.l2_size)")
     watch_buffer: Count = Field(
         default=16384, ge=16, le=1 << 22, description="change-feed events (at most 1/8 of l2_size)"
     )

@@ -10,6 +10,7 @@ The client is built in layers, one module each; a layer may use the ones below i
     client.py        Client: open(), stats, keys, presence, close — the facade
     scan.py          Scanning: ordered prefix scans (an ordered key index; L3's in cluster mode)
     watch.py         Watching: the host's change feed as Events
+    counting.py      Counting: incr (a counter CRDT in cluster mode)
     write.py         Writes: put, delete, update, batch; compare-and-set, validators
     cas.py           ClusterWrites: conditional writes in cluster mode, decided on L3
     read.py          Reads: get, get_item; L1, L2, zero-copy views
@@ -19,6 +20,7 @@ The client is built in layers, one module each; a layer may use the ones below i
     base.py          ClientBase: the state, keys, versions, codec, the raw L2 read
   beside them:
     items.py         Item, Event, ABSENT
+    counters.py      counters in L2 records: an incr's start, a counter's delete and merge
     batch.py         Batch (kv.batch())
     attach.py        one L2 mapping and one L1 per (process, namespace); views; fork()
     sweeper.py       the expiry sweep (one thread per process and namespace)

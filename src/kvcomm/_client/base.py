@@ -79,7 +79,7 @@ class ClientBase:
         process_budget().register(c.l1_size)
         self._l1_entries = self._l1.entries if self._l1_on else {}
         self._max_key = min(c.max_key_bytes, self._seg.layout.max_key)
-        self._max_value = c.max_value_size
+        self._max_value = c.max_value_size  # (L2 refuses what its largest block cannot hold)
         self._zc = self.config.network.zero_copy_threshold
         self._default_consistency = c.l3_consistency
         self._validators: PrefixTable[Callable[[str, Item | None, Any], None]] = PrefixTable()
@@ -103,7 +103,7 @@ class ClientBase:
         _CLIENTS.add(self)
         self.counters = dict.fromkeys(
             ("deletes", "conflicts", "views", "merges", "resolver_failures",
-             "l3_reads", "negative_hits", "filter_hits",
+             "l3_reads", "negative_hits", "filter_hits", "negative_rechecks",
              "l2_absent", "l3_hits", "l3_absent", "puts_strong", "batches", "updates",
              "lost_dots"), 0
         )
@@ -375,10 +375,15 @@ class ClientBase:
         """(tag, meta, payload) of a value. Raises UnsupportedValue, ValueTooLarge."""
         tag, meta, payload = codec.encode(value)
         if len(payload) > self._max_value:
-            raise ValueTooLarge(
-                f"value is {len(payload)} bytes, over cache.max_value_size={self._max_value}"
-            )
+            self._too_large(len(payload))
         return tag, meta, payload
+
+    def _too_large(self, size: int) -> None:
+        """Raise ValueTooLarge for a value of ``size`` bytes, naming the setting to change."""
+        raise ValueTooLarge(
+            f"value is {size} bytes, over cache.max_value_size={self._max_value}: store less, "
+            "or raise cache.max_value_size in every host's config (and cache.l2_size with it: "
+            "L2 holds values up to about l2_size/8)")
 
     def _decode(self, key: str, tag: int, meta: bytes, raw: bytes | memoryview) -> Any:
         try:

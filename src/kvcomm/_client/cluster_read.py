@@ -24,26 +24,38 @@ class ClusterReads(Merging):
 
         A key L3 does not have is remembered as absent for ``cache.negative_ttl``; so is
         one the host's key filter rules out, while the filter is trusted (its daemon's
-        heartbeat is fresh). Raises Unavailable (L3 unreachable), CorruptRecord (the
-        L3 value of this key is not a valid KVCOMM record; nothing is written to L2) and
-        ConfigError (``cluster.groups`` is not the count L3 was initialised with).
+        heartbeat is fresh). A note is never older than what the host knows: one the
+        daemon has learned of the key since (:meth:`_still_absent`) is dropped and L3
+        asked. Raises Unavailable (L3 unreachable; at once when the host's daemon is in
+        partition mode, Redis out of its reach), CorruptRecord (the L3 value of this key
+        is not a valid KVCOMM record; nothing is written to L2) and ConfigError
+        (``cluster.groups`` is not the count L3 was initialised with).
         """
         now = time.monotonic()
-        if self._negative.is_absent(key, now):
-            self.counters["negative_hits"] += 1
-            return None if want_item else default
+        note = self._negative.entry(key, now)
+        if note is not None:
+            if self._still_absent(key, note):
+                self._negative.hit()
+                self.counters["negative_hits"] += 1
+                return None if want_item else default
+            self._negative.invalidate(key)
+            self.counters["negative_rechecks"] += 1
         kf = self._key_filter()
+        m = self._kf  # (the mapping, trusted or not: its count stamps a note)
+        stamp = 0 if m is None else m.learned  # (read before the answer it stamps)
         if kf is not None and not kf.may_exist(key.encode("utf-8", "surrogatepass")):
             self.counters["filter_hits"] += 1
-            self._negative.note_absent(key, now)
+            self._negative.note_absent(key, now, stamp, False)
             return None if want_item else default
+        self._l3_reachable(f"{key!r} is not on this host and")
         l3 = self._l3_store()  # (first: on an event loop's thread, WouldBlock)
         self.counters["l3_reads"] += 1
         rec = l3.get(key)
         # (L3Record.deadline unpacks the extension field: once)
         if rec is None or rec.tombstone or expired(deadline := rec.deadline, time.time()):
             self.counters["l3_absent"] += 1
-            self._negative.note_absent(key, now)
+            matched = m is None or m.may_exist(key.encode("utf-8", "surrogatepass"))
+            self._negative.note_absent(key, now, stamp, matched)
             return None if want_item else default
         value = rec.decode_value(key)
         self.counters["l3_hits"] += 1
@@ -57,6 +69,49 @@ class ClusterReads(Merging):
         if want_item:
             return Item(key, value, version, "l3", deadline)
         return value
+
+    def _still_absent(self, key: str, note: list[Any]) -> bool:
+        """Whether a live negative note of ``key`` (``[until, stamp, matched]``) still
+        answers "absent": no key the host's daemon learned since the note's ``stamp`` is
+        this one (the filter's ring of learned keys: no round trip). Where the ring no
+        longer reaches back to the stamp, the filter judges, while trusted: the key in it
+        now and not when noted, it was learned since. A key it matched already
+        when noted (one deleted since the filter's last rotation, or a false positive)
+        keeps its note for ``negative_ttl``: a loop reading a key that stays absent costs
+        at most one L3 read per ``negative_ttl``. The note is restamped when it holds."""
+        m = self._kf
+        if m is None or m.learned == note[1]:  # (no filter, or nothing learned since)
+            return True
+        n = m.learned
+        kb = key.encode("utf-8", "surrogatepass")
+        seen = m.learned_since(kb, note[1])
+        if seen:
+            return False
+        if seen is None:  # (too far back for the ring)
+            kf = self._key_filter()
+            if kf is None:
+                return True  # (an untrusted filter: judged once it is trusted again)
+            if kf.may_exist(kb):
+                if not note[2]:
+                    return False
+            else:
+                note[2] = False
+        note[1] = n
+        return True
+
+    def _l3_reachable(self, what: str) -> None:
+        """Raise Unavailable at once, rather than after 2 x ``cluster.timeout``, when the
+        host's node daemon says it is in partition mode with Redis out of its reach (its
+        status file, fresh): an operation that needs L3 cannot be answered. Partition
+        mode for want of etcd alone leaves L3 reads alone. ``what`` begins the message
+        ("... L3 is out of reach")."""
+        st = self._host_status().status()
+        if st is not None and st.get("partition") and st.get("redis_unreachable"):
+            raise Unavailable(
+                f"{what} L3 is out of reach: the node daemon of host {st.get('host')!r} is "
+                f"in partition mode ({st.get('partition_reason') or 'Redis unreachable'}); "
+                "the eventual keys this host holds stay readable and writable; retry once "
+                "the partition heals")
 
     def _l3_store(self) -> Any:
         """The L3 adapter, opened at its first use. Raises Unavailable, ConfigError

@@ -23,6 +23,7 @@ from ..core.versions import (
 from ..errors import ConflictError, InvalidArgument, InvalidKey, KVCommError, Unavailable
 from ..tiers import l2 as l2mod
 from ..tiers.l2 import TAG_TOMBSTONE, key_hash
+from . import counters
 from .base import _HUGE, _MAX_UPDATE_RETRIES, _now_ms
 from .hotkeys import HotKeys
 from .items import _TOMB_ENCODED, _TOMBSTONE, Item
@@ -240,6 +241,9 @@ class Merging(HotKeys):
             return None
         if order is Ordering.AFTER:
             return remote_encoded, remote, False
+        counted = self._counter_plan(key, local, remote_encoded, remote)
+        if counted is not None:
+            return counted
         sibs = [Sibling(local.value, _dotted(local.version, remote)),
                 Sibling(value, _dotted(remote, local.version))]
         deletes = local.value is _TOMBSTONE or value is _TOMBSTONE
@@ -261,6 +265,25 @@ class Merging(HotKeys):
             encoded = remote_encoded
         return encoded, Version(res.vector, res.winner.hlc), False
 
+    def _counter_plan(self, key: str, local: Item, remote_encoded: tuple[int, bytes,
+                      bytes | memoryview], remote: Version,
+                      ) -> tuple[tuple[int, bytes, bytes | memoryview], Version, bool] | None:
+        """:meth:`_merge_plan` for concurrent versions one of which is a counter (or a
+        deleted one: _client/counters.py): two counters merge into a new local write; a
+        plain record wins over a counter. None when neither is a counter."""
+        kb, h = self._key_hash(key)
+        rec = self._read_l2(kb, h, _HUGE)
+        if rec is None or rec[4] is None:
+            return None  # (gone meanwhile: the caller's check sees it and merges again)
+        plan = counters.merge_plan((rec[2], rec[3], rec[4]), remote_encoded)
+        if plan is None:
+            return None
+        side, encoded = plan
+        vector = merge_vectors(local.version.vector, remote.vector)
+        if side == "new":
+            return encoded, Version(vector, max(local.version.hlc, remote.hlc)), True
+        hlc = local.version.hlc if side == "local" else remote.hlc
+        return encoded, Version(vector, hlc), False
 
 
 def _dotted(v: Version, other: Version) -> Dotted:

@@ -211,6 +211,8 @@ class Scanning(Watching):
         put over this host's delete) is never served. Nothing read is put in L2.
         """
         eventual, strong = self._strong_kinds(prefix)
+        if eventual:
+            self._l3_reachable(f"a scan of {prefix!r} reads L3, and")  # (at once)
         l3 = self._l3_store() if eventual else None
         st = self._strong
         left = limit if limit is not None else -1

@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..core import codec
+from ..core import codec, counter
 from ..core.versions import Version
 from ..errors import (
     ConfigError,
@@ -450,6 +450,40 @@ class StrongStore:
                 self._conflict(key, kv, expect)
             self.counters["retries"] += 1  # another writer came between the read and the txn
         raise Unavailable(f"a write of strong key {key!r} lost {_MAX_UPDATE_RETRIES} races")
+
+    def incr(self, key: str, delta: int) -> int:
+        """Add ``delta`` to the int under ``key`` (absent, or past its deadline: 0) in one
+        etcd transaction that commits only if the key's ``mod_revision`` is still the one
+        read (its failure branch reads the key again for the next try); the key keeps its
+        deadline and lease. Returns the new value. Raises InvalidArgument (the key holds
+        something else than an int; a value past 2**53-1), Unavailable, CorruptRecord."""
+        deadline = self._begin()
+        ek = self._prefix + key.encode()
+        kv = self.etcd.get(ek, timeout=self._left(deadline))
+        for _ in range(_MAX_UPDATE_RETRIES):
+            item = self._item(key, kv)
+            old = 0 if item is None else item.value
+            if type(old) is not int:
+                raise InvalidArgument(f"incr: strong key {key!r} holds a {type(old).__name__}, "
+                                      "not an int: incr counts only ints; delete the key, or "
+                                      "put an int, first")
+            new = old + delta
+            if not -counter.MAX_COUNT <= new <= counter.MAX_COUNT:
+                raise InvalidArgument(f"incr of {key!r}: the value would pass 2**53-1 in "
+                                      "magnitude")
+            keep = None if item is None else item.expires_at
+            data = self._encode(codec.encode(new), keep)
+            lease = 0 if item is None or kv is None else kv.lease
+            compare = [Compare.mod(ek, "=", 0 if kv is None else kv.mod_revision)]
+            r = self.etcd.txn(compare, [put_op(ek, data, lease)], [get_op(ek)],
+                              timeout=self._left(deadline))
+            if r.succeeded:
+                self.counters["puts"] += 1
+                return new
+            found = r.results[0]
+            kv = found if isinstance(found, KeyValue) else None
+            self.counters["retries"] += 1  # another writer came between the read and the txn
+        raise Unavailable(f"an incr of strong key {key!r} lost {_MAX_UPDATE_RETRIES} races")
 
     def _conflict(self, key: str, kv: KeyValue | None, expect: Any) -> None:
         self.counters["conflicts"] += 1

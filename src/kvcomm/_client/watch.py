@@ -12,8 +12,8 @@ from typing import Any
 from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
 from ..node.watched import register, unregister
 from ..tiers.l2 import KIND_NAMES, KIND_PUT, key_hash
+from .counting import Counting
 from .items import Event
-from .write import Writes
 
 _ACK_WAIT_S = 5.0  # how long watch() waits for the node daemon to take its prefix
 
@@ -83,7 +83,7 @@ class WatchFeed:
             self.sub.close()
 
 
-class Watching(Writes):
+class Watching(Counting):
     """Watching."""
 
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> Iterator[Event]:

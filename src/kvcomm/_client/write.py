@@ -10,6 +10,7 @@ from ..core.expiry import check_ttl
 from ..core.versions import Version, vector_get
 from ..errors import ConflictError, InvalidArgument, InvalidKey, Unavailable
 from ..tiers.l2 import TAG_TOMBSTONE, Record
+from . import counters
 from .base import (
     _BYTES,
     _CONSISTENCY,
@@ -35,7 +36,8 @@ class Writes(ClusterWrites):
         ``ttl`` (seconds): the key expires that long from now — every read, on every host,
         then finds it absent, and watchers see an ``expire`` event; None (the default)
         makes the key permanent, whatever deadline it had (as Redis SET). Raises
-        InvalidArgument for a ttl that is not a finite number above 0.
+        InvalidArgument for a ttl that is not a finite number above 0 and at most ten
+        years (``kvcomm.core.expiry.MAX_TTL``; NumPy numbers are numbers).
 
         ``expect`` is a Version from an earlier get_item/put, or ABSENT; on mismatch
         ConflictError is raised and nothing changes. In cluster mode an eventual key's
@@ -184,7 +186,9 @@ class Writes(ClusterWrites):
         return check
 
     def delete(self, key: str, *, expect: Any = _NO_CHECK) -> bool:
-        """Remove ``key``. True when something was deleted. Raises as :meth:`put`.
+        """Remove ``key``. True when something was deleted; False for an absent key, an
+        expired one included (its ``expire`` event is fed then, not a ``delete``). Raises
+        as :meth:`put`.
 
         In cluster mode the delete is a tombstone kept in L2 (dirty, never evicted) until
         L3 has it, so it is as durable as a put; a key this host does not hold is looked up
@@ -213,13 +217,20 @@ class Writes(ClusterWrites):
         cas = None if expect is _NO_CHECK else self._expect_fn(key, expect)
         if self._cluster and self._get_slow(key, None, True) is None:
             local = self._read_l2(kb, h, _HUGE)
-            if local is None and cas is None and validator is None:
-                return 0  # absent here and in L3: nothing to delete, nothing to tell L3
+            if (local is None or 0 < local[9] <= time.time()) and cas is None \
+                    and validator is None:
+                # absent here and in L3, or expired (its deadline reaches L3 with it, and
+                # the sweep feeds its expire event): nothing to delete, nothing to tell L3
+                return 0
         check = None if cas is None and validator is None else \
             self._checker(key, kb, h, cas, validator, None)
-        counter: int = self._seg.apply([(kb, h)], now_ms=_now_ms(), dirty=self._cluster,
-                                       max_dirty=self._max_dirty, tombstones=self._cluster,
-                                       check=check)[0]
+        ops: list[tuple[Any, ...]] = [(kb, h)]
+        now_ms = _now_ms()
+        if self._cluster:  # a counter's tombstone keeps what it saw: _client/counters.py
+            check = counters.delete_check(self._seg, kb, h, ops, now_ms, check)
+        r = self._seg.apply(ops, now_ms=now_ms, dirty=self._cluster, max_dirty=self._max_dirty,
+                            tombstones=self._cluster, check=check)[0]
+        counter: int = r if type(r) is int else r[0]
         self._l1.discard(key)
         if counter:
             self.counters["deletes"] += 1
@@ -228,6 +239,9 @@ class Writes(ClusterWrites):
     def update(self, key: str, fn: Callable[[Any], Any], *, default: Any = None,
                ttl: float | None = None) -> Any:
         """Atomic read-modify-write: stores and returns ``fn(old value or default)``.
+
+        To count (exactly across hosts too, and on through a partition), use :meth:`incr`;
+        ``update`` is for a conditional read-modify-write of any value.
 
         ``fn`` may run more than once when other writers race; it must not have side
         effects. No increment is ever lost, whatever the number of processes — and, in

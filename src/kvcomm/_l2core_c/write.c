@@ -35,6 +35,8 @@ typedef struct {
     /* the result */
     uint64_t counter, hlc, so, seq;
     int existed;         /* the key had a live value (not a tombstone) before this op */
+    int expired;         /* ...that was past its deadline: its EXPIRE event comes first */
+    uint64_t exp_counter, exp_hlc; /* (that record's version, for the event) */
     PyObject *vvx_obj;
 } Op;
 
@@ -233,6 +235,15 @@ give_back_blocks(Core *c, Op *ops, Py_ssize_t n)
     return rc;
 }
 
+/* whether record r at off is past its deadline now (the clock is read only for a record
+ * that has one) */
+static int
+expired_now(Core *c, uint64_t off, Rec *r)
+{
+    double d = ext_deadline((const unsigned char *)rec_ext(c, off, r), r->xlen);
+    return d > 0 && d <= real_now();
+}
+
 /* The plan: where each op goes, how big its record is, and whether the whole batch can be
  * applied. Changes nothing except evictions (local cache decisions, each complete), which
  * it makes only when the batch can then fit. Returns 0 (ready: every block allocated), a
@@ -265,6 +276,7 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
         for (Py_ssize_t i = 0; i < n && !evicted; i++) {
             Op *op = &ops[i];
             op->prev = n == 1 ? 0 : kidx_swap(&ki, ops, i);
+            op->expired = 0;
             op->writes_record = op->kind != OP_DEL || tombstones;
             op->block = 0;
             uint64_t prev_vvlen = 0;
@@ -289,6 +301,14 @@ plan_batch(Core *c, Op *ops, Py_ssize_t n, int tombstones, uint64_t dirty_flag, 
                     prev_vvlen = r.vvlen;
                     prev_dirty = (W(c, op->found)[SLOT_FLAGS] & FLAG_DIRTY) != 0;
                     op->existed = r.tag != TAG_TOMBSTONE;
+                    /* an expired record is absent: the write records its expiry first (an
+                       EXPIRE event, as a read or the sweep would), a delete finds nothing */
+                    op->expired = op->existed && r.xlen && expired_now(c, W(c, op->found)[SLOT_OFF], &r);
+                    if (op->expired) {
+                        op->existed = 0;
+                        op->exp_counter = r.counter;
+                        op->exp_hlc = r.hlc;
+                    }
                     protect[nprotect++] = op->found;
                 }
             }
@@ -455,8 +475,17 @@ unlink_record(Core *c, uint64_t found, Op *op, uint64_t now_ms, int tidy)
 static int
 publish(Core *c, Op *op, uint64_t found, uint64_t now_ms, uint64_t flags, int tidy)
 {
-    if (!op->writes_record)
-        return found ? unlink_record(c, found, op, now_ms, tidy) : 0;
+    if (!op->writes_record) {
+        if (!found)
+            return 0;
+        if (!op->expired)
+            return unlink_record(c, found, op, now_ms, tidy);
+        if (W(c, found)[SLOT_FLAGS] & FLAG_DIRTY) /* (reclaimed as expired, not deleted) */
+            *HW(c, H_DIRTY) -= 1;
+        return drop_slot(c, found, KIND_EXPIRE);
+    }
+    if (op->expired)
+        feed_append(c, KIND_EXPIRE, op->key, op->klen, op->exp_counter, op->exp_hlc);
     /* a key not in place takes the slot its plan claimed: the first free one of its
        window that no earlier op of the batch claimed (another key's op must not take it) */
     uint64_t so = found ? found : op->slot;

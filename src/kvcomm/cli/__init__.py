@@ -8,7 +8,7 @@ the README's "Commands" section).
     kvcomm purge --name NS [--config FILE] [--force]
     kvcomm migrate [--name NS] [--config FILE]     an older-layout segment's unflushed writes
     kvcomm migrate --l3-index --config FILE        index L3's older records for kv.scan
-    kvcomm config --show [--config FILE]
+    kvcomm config [--show] [--config FILE]
     kvcomm node --config FILE [--name NS]          the host daemon (cluster mode)
     kvcomm dev-cluster up --dir DIR [--hosts N] [--strong PREFIX]... [--proxies] | down --dir DIR
     kvcomm dev-cluster partition --dir DIR --host H [--mode M] | heal --dir DIR
@@ -70,7 +70,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"segment        {info['size_bytes'] / 2**20:.1f} MiB, data heap {data / 2**20:.1f} MiB")
     print(f"in use         {used / 2**20:.2f} MiB ({100 * used / data:.1f}%), "
           f"{info['entries']} entries in {info['slots']} slots")
-    print(f"writes         {info['writes']}  evictions {info['evictions']}  "
+    print(f"evictions      {info['evictions']}  "
           f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
     print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
     print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
@@ -323,7 +323,7 @@ def _soak(args: argparse.Namespace) -> int:
         "seed": args.seed, "directory": args.dir, "workers": args.workers, "rate": args.rate,
         "faults": [f for f in args.faults.split(",") if f] if args.faults else None,
         "shared_deletes": not args.no_shared_deletes, "strict_reads": args.strict_reads,
-        "converge_timeout": args.converge_timeout}
+        "converge_timeout": args.converge_timeout, "counter_keys": args.counter_keys}
     if args.quiet:
         opts["log"] = lambda line: None
     return soak.main(opts, as_json=args.json)
@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="operations per second per agent (default 50)")
     sk.add_argument("--no-shared-deletes", action="store_true",
                     help="agents never delete keys other hosts write")
+    sk.add_argument("--counter-keys", type=int, default=8, metavar="N",
+                    help="counters every agent kv.incr's (default 8; 0: none); the final "
+                    "value must be the sum of the acknowledged increments")
     sk.add_argument("--strict-reads", action="store_true",
                     help="a stale read of an agent's own key fails the run too")
     sk.add_argument("--converge-timeout", type=float, default=60.0, metavar="S",
@@ -543,8 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement(sub, _command)  # kvcomm placement observe | plan | launch
 
     c = _command(sub, "config", _config, "print the effective config")
-    c.add_argument("--show", action="store_true", required=True,
-                   help="print it (the one action; required)")
+    c.add_argument("--show", action="store_true",
+                   help="print it (the one action, also without --show)")
     c.add_argument("--config", metavar="FILE",
                    help="a kvcomm YAML config (default: built-in defaults)")
     return p

@@ -9,9 +9,12 @@ tag     values                              payload
 BYTES   bytes, bytearray, memoryview        the bytes (comes back as ``bytes``)
 STR     str                                 UTF-8
 PACKED  None, bool, int, float, list,       msgpack (tuples come back as lists;
-        tuple, dict with str keys, nested   dict keys must be str)
+        tuple, dict with str keys, nested;  dict keys must be str; NumPy scalars
+        NumPy bool/int/float scalars        come back as bool, int, float)
 NDARRAY numpy.ndarray of a numeric dtype    raw C-order data; meta = msgpack
                                             [dtype.str, shape]
+COUNTER a counter kv.incr keeps (read as    its state: :mod:`kvcomm.core.counter`
+        its int)                            (per-actor counts, merged by maximum)
 ======  ==================================  ====================================
 
 Small values are not compressed: ``FACTS.md`` measured 1 KiB of drone state shrinking
@@ -25,11 +28,13 @@ from typing import Any
 import msgpack
 
 from ..errors import UnsupportedValue
+from . import counter
 
 BYTES = 1
 STR = 2
 PACKED = 3
 NDARRAY = 4
+COUNTER = 5  # written only by kv.incr (core/counter.py); decodes to its int
 
 _NUMERIC_KINDS = frozenset("biufc")
 _MAX_DEPTH = 64
@@ -67,6 +72,11 @@ _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 
 
 def _reject(value: Any) -> None:
+    """Raise UnsupportedValue for ``value``, unless it is a NumPy bool, int or float
+    scalar: those are stored as the Python number (``_number``, msgpack's ``default``)."""
+    if _np is not None and isinstance(value, _np.generic):
+        _number(value)
+        return
     if _np is not None and isinstance(value, _np.ndarray):
         raise UnsupportedValue("numpy arrays can only be stored as the whole value, not nested")
     raise UnsupportedValue(
@@ -75,13 +85,40 @@ def _reject(value: Any) -> None:
     )
 
 
+def _number(value: Any) -> bool | int | float:
+    """A NumPy bool, int or float scalar as the Python number (``np.float64`` -> float,
+    ``np.int64`` -> int, ``np.bool_`` -> bool); UnsupportedValue for any other NumPy
+    scalar (complex, long double, datetime, str...)."""
+    if _np is not None and isinstance(value, _np.bool_ | _np.integer | _np.floating):
+        n = value.item()
+        if type(n) in (bool, int, float):
+            return n
+    raise UnsupportedValue(
+        f"cannot store a numpy {type(value).__name__}: numpy bool, int and float scalars are "
+        "stored as Python numbers; convert this one yourself (or store an array)")
+
+
+def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:
+    return UnsupportedValue(
+        f"a str holds a lone surrogate ({exc.object[exc.start:exc.end]!r} at {exc.start}), "
+        "which is not text in UTF-8, at the top level or nested alike: store it as bytes "
+        "(s.encode('utf-8', 'surrogatepass')) or fix the text")
+
+
 def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
-    """Return ``(tag, meta, payload)``. Raises UnsupportedValue; never mutates ``value``."""
+    """Return ``(tag, meta, payload)``. Raises UnsupportedValue; never mutates ``value``.
+
+    NumPy bool, int and float scalars are stored as the Python number (they come back as
+    ``bool``, ``int``, ``float``). A str with a lone surrogate is refused wherever it is
+    (UTF-8 cannot hold it: every other reader, L3 and MCP included, would choke)."""
     t = type(value)
     if t is bytes:
         return BYTES, b"", value
     if t is str:
-        return STR, b"", value.encode("utf-8", "surrogatepass")
+        try:
+            return STR, b"", value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _surrogate(exc) from None
     if t is bytearray:
         return BYTES, b"", bytes(value)
     if t is memoryview:
@@ -92,8 +129,19 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         _check_tree(value)
     elif t not in _SCALARS:
         _reject(value)
+        value = _number(value)  # (_reject returns only for a NumPy scalar)
     try:
         return PACKED, b"", msgpack.packb(value, use_bin_type=True)
+    except TypeError:  # (a NumPy scalar nested: _check_tree let it through; the slow path)
+        pass
+    except UnicodeEncodeError as exc:
+        raise _surrogate(exc) from None
+    except (OverflowError, ValueError) as exc:
+        raise UnsupportedValue(f"cannot encode value: {exc}") from None
+    try:
+        return PACKED, b"", msgpack.packb(value, use_bin_type=True, default=_number)
+    except UnicodeEncodeError as exc:
+        raise _surrogate(exc) from None
     except (OverflowError, ValueError, TypeError) as exc:
         raise UnsupportedValue(f"cannot encode value: {exc}") from None
 
@@ -122,6 +170,8 @@ def decode(tag: int, meta: bytes, payload: bytes | memoryview) -> Any:
             return msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except (TypeError, ValueError, msgpack.UnpackException) as e:  # e.g. an unhashable map key
             raise ValueError(f"malformed packed value: {e}") from None
+    if tag == COUNTER:
+        return counter.value(counter.decode(payload))
     if tag == NDARRAY:
         arr = array_view(meta, payload)
         out = arr.copy()

@@ -21,6 +21,7 @@ clock is always passed in.
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from typing import Any
 
@@ -37,21 +38,33 @@ _MAX_EXT = 4096
 def check_ttl(ttl: Any, *, allow_none: bool = True) -> float | None:
     """``ttl`` as float seconds (None stays None when ``allow_none``).
 
-    Raises InvalidArgument (nothing is written) unless ``ttl`` is an int or float, finite,
-    above 0 and at most ten years.
+    Raises InvalidArgument (nothing is written) unless ``ttl`` is a real number (an int or
+    float, NumPy's included; not a bool), finite, above 0 and at most ten years
+    (``MAX_TTL``, 315,360,000 s).
     """
     if ttl is None and allow_none:
         return None
-    if type(ttl) not in (int, float):
+    if type(ttl) not in (int, float) and (isinstance(ttl, bool)
+                                          or not isinstance(ttl, numbers.Real)):
+        # (NumPy's ints and floats are numbers.Real, its bool is not)
         raise InvalidArgument(
-            f"ttl is seconds as an int or float (such as 2.5), or None for a key that never "
-            f"expires; got {type(ttl).__name__}: {ttl!r}")
-    t = float(ttl)
+            f"ttl is seconds as an int or float (such as 2.5; at most {MAX_TTL:.0f} s, ten "
+            f"years), or None for a key that never expires; got {type(ttl).__name__}: {_short(ttl)}")
+    try:
+        t = float(ttl)
+    except (OverflowError, ValueError, TypeError):  # (an int past float's range: 10**400)
+        t = math.inf
     if not math.isfinite(t) or t <= 0 or t > MAX_TTL:
         raise InvalidArgument(
-            f"ttl must be finite, above 0 and at most {MAX_TTL:.0f} s (ten years); got {ttl!r}: "
+            f"ttl must be finite, above 0 and at most {MAX_TTL:.0f} s (ten years); got "
+            f"{_short(ttl)}: "
             "to remove a key now use delete(), for a key that never expires pass ttl=None")
     return t
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 40 else r[:30] + f"... ({len(r)} characters)"
 
 
 def deadline_of(ext: bytes) -> float | None:

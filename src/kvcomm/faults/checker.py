@@ -39,6 +39,12 @@ With one process writing a key (the soak's *owned* keys) the first rule alone sa
 F must be exactly that process's last acknowledged operation, or an unknown one after
 it: that is the sharpest possible check, and it needs no clock.
 
+Counters (``kv.incr``): a key whose writes are all increments must hold, at every place,
+the sum of its acknowledged increments, plus any of those whose outcome is unknown (its
+value then lies between the sum with every unknown negative one and the sum with every
+unknown positive one; with none unknown, exactly the sum): ``miscounted`` otherwise (an
+increment lost, or counted twice). Reads of a counter are not judged.
+
 A key with an operation of a kind this checker does not know (a compare-and-set, say,
 which a linearizability checker judges) is not judged here: it is counted in
 ``Verdict.unchecked`` rather than risk a false verdict.
@@ -57,9 +63,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..core.versions import Ordering, Version, compare_vectors, vector_get
-from .history import DELETE, FAIL, GET, OK, PUT, Op
+from .history import DELETE, FAIL, GET, INCR, OK, PUT, Op
 
-LOSS_KINDS = ("lost-write", "undone-delete", "phantom", "dominated", "version-regressed")
+LOSS_KINDS = ("lost-write", "undone-delete", "phantom", "dominated", "version-regressed",
+              "miscounted")
 READ_KINDS = ("phantom-read", "stale-read")
 
 
@@ -265,11 +272,21 @@ def check(history: Iterable[Op], final: Mapping[str, Mapping[str, Observed]], *,
     out = verdict.anomalies
     for key in sorted(keys):
         ops = by_key.get(key, [])
+        seen = [(p, final[p].get(key, ABSENT)) for p in places]
+        if any(o.kind == INCR for o in ops):
+            if any(o.kind not in (INCR, GET) for o in ops):
+                verdict.unchecked.append(key)
+                continue
+            for place, f in seen:
+                _check_counter(key, ops, place, f, out)
+            if seen and not all(f.same(seen[0][1]) for _, f in seen[1:]):
+                states = ", ".join(f"{p}: {_show(f)}" for p, f in seen)
+                out.append(Anomaly("divergent", key, "*", states))
+            continue
         if any(o.kind not in (PUT, DELETE, GET) for o in ops):
             verdict.unchecked.append(key)
             continue
         kh = _Key(key, ops, realtime_margin)
-        seen = [(p, final[p].get(key, ABSENT)) for p in places]
         for place, f in seen:
             kh.check_final(place, f, out)
         if seen and not all(f.same(seen[0][1]) for _, f in seen[1:]):
@@ -277,6 +294,37 @@ def check(history: Iterable[Op], final: Mapping[str, Mapping[str, Observed]], *,
             out.append(Anomaly("divergent", key, "*", states))
         kh.check_reads(out)
     return verdict
+
+
+def counter_bounds(ops: Iterable[Op]) -> tuple[int, int]:
+    """The least and the greatest value a counter may hold after ``ops`` (its increments:
+    every acknowledged one counts, an unknown one may)."""
+    low = high = 0
+    for o in ops:
+        if o.kind != INCR or o.outcome == FAIL:
+            continue
+        d = int(o.value or 0)
+        if o.outcome == OK:
+            low, high = low + d, high + d
+        elif d < 0:
+            low += d
+        else:
+            high += d
+    return low, high
+
+
+def _check_counter(key: str, ops: list[Op], place: str, f: Observed,
+                   out: list[Anomaly]) -> None:
+    low, high = counter_bounds(ops)
+    acked = sum(1 for o in ops if o.kind == INCR and o.outcome == OK)
+    if not acked and not f.present:
+        return  # (nothing acknowledged: never counted is allowed)
+    got = f.value[1:] if f.present and f.value and f.value.startswith("=") else None
+    want = f"{low}" if low == high else f"{low}..{high}"
+    if got is None or not got.lstrip("-").isdigit() or not low <= int(got) <= high:
+        out.append(Anomaly("miscounted", key, place,
+                           f"holds {_show(f)}; its {acked} acknowledged increments "
+                           f"(and unknown ones) sum to {want}"))
 
 
 def _show(f: Observed) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -39,6 +39,7 @@ from ..errors import KVCommError
 
 OK, FAIL, INFO = "ok", "fail", "info"
 PUT, DELETE, GET = "put", "delete", "get"
+INCR = "incr"  # kv.incr: ``value`` is the delta (as a str), a counter key's only write
 
 
 def value_id(value: Any) -> str | None:
@@ -51,6 +52,8 @@ def value_id(value: Any) -> str | None:
         return None
     if isinstance(value, str):
         return value.split("|", 1)[0]
+    if type(value) is int:  # a counter's value (kv.incr): "=<n>", never a written id
+        return f"={value}"
     return f"<{type(value).__name__}>"
 
 
@@ -61,9 +64,10 @@ class Op:
     process: str
     host: str
     seq: int
-    kind: str  # PUT | DELETE | GET
+    kind: str  # PUT | DELETE | GET | INCR
     key: str
-    value: str | None  # put: the value id written; get: the value id read (None: absent)
+    value: str | None  # put: the value id written; get: the value id read (None: absent);
+    # incr: the delta
     outcome: str  # OK | FAIL | INFO
     start: float
     end: float
@@ -169,47 +173,49 @@ class Recorder:
         self.sink.write(Op(self.process, self.host, self.seq, kind, key, value, outcome, start,
                            time.time(), version, deleted, error))
 
-    def put(self, key: str, value: str) -> Version | None:
-        """The Version of an acknowledged put; None when it raised (recorded as unknown)."""
+    def _call(self, kind: str, key: str, value: str | None, fn: Callable[[], Any]
+              ) -> tuple[bool, Any, float]:
+        """Run ``fn``: (True, its result, start) when it returned; (False, None, start)
+        when it raised a KVCommError, recorded as unknown. Any other exception is
+        recorded as unknown too, then re-raised (a bug: the caller counts it)."""
         start = time.time()
         try:
-            v = self.client.put(key, value)
+            return True, fn(), start
         except KVCommError as exc:
-            self._record(PUT, key, value_id(value), INFO, start, error=_err(exc))
-            return None
+            self._record(kind, key, value, INFO, start, error=_err(exc))
+            return False, None, start
         except BaseException as exc:
-            self._record(PUT, key, value_id(value), INFO, start, error=_err(exc))
+            self._record(kind, key, value, INFO, start, error=_err(exc))
             raise
-        self._record(PUT, key, value_id(value), OK, start, version=v)
-        return v
+
+    def put(self, key: str, value: str) -> Version | None:
+        """The Version of an acknowledged put; None when it raised (recorded as unknown)."""
+        ok, v, start = self._call(PUT, key, value_id(value), lambda: self.client.put(key, value))
+        if ok:
+            self._record(PUT, key, value_id(value), OK, start, version=v)
+        return v  # type: ignore[no-any-return]
 
     def delete(self, key: str) -> bool | None:
         """What an acknowledged delete returned; None when it raised."""
-        start = time.time()
-        try:
-            r = self.client.delete(key)
-        except KVCommError as exc:
-            self._record(DELETE, key, None, INFO, start, error=_err(exc))
-            return None
-        except BaseException as exc:
-            self._record(DELETE, key, None, INFO, start, error=_err(exc))
-            raise
-        self._record(DELETE, key, None, OK, start, deleted=r)
-        return r
+        ok, r, start = self._call(DELETE, key, None, lambda: self.client.delete(key))
+        if ok:
+            self._record(DELETE, key, None, OK, start, deleted=r)
+        return r  # type: ignore[no-any-return]
 
     def get(self, key: str) -> tuple[bool, Any]:
         """(True, value or None) when the read answered; (False, None) when it raised."""
-        start = time.time()
-        try:
-            v = self.client.get(key)
-        except KVCommError as exc:
-            self._record(GET, key, None, INFO, start, error=_err(exc))
-            return False, None
-        except BaseException as exc:
-            self._record(GET, key, None, INFO, start, error=_err(exc))
-            raise
-        self._record(GET, key, value_id(v), OK, start)
-        return True, v
+        ok, v, start = self._call(GET, key, None, lambda: self.client.get(key))
+        if ok:
+            self._record(GET, key, value_id(v), OK, start)
+        return ok, v
+
+    def incr(self, key: str, delta: int) -> int | None:
+        """The value an acknowledged ``kv.incr`` returned; None when it raised (recorded
+        as unknown: it may have counted)."""
+        ok, n, start = self._call(INCR, key, str(delta), lambda: self.client.incr(key, delta))
+        if ok:
+            self._record(INCR, key, str(delta), OK, start)
+        return n  # type: ignore[no-any-return]
 
     def batch(self, ops: Sequence[tuple[str, str, str | None]]) -> bool:
         """Apply ``(PUT, key, value)`` / ``(DELETE, key, None)`` in one ``kv.batch()``.

@@ -15,6 +15,9 @@ What a run does
    * **shared keys** ``soak/s/<n>``: every process on every host puts (and now and then
      deletes) them: the final value must be a written one, identical everywhere, and
      last-writer-wins must not have dropped an acknowledged write;
+   * **counter keys** ``soak/c/<n>``: every process on every host increments them
+     (``kv.incr``) by small deltas, negative ones too: the final value must be, on every
+     host and in L3, the sum of every acknowledged increment (an unknown one may count);
    * reads of all of them, checked for phantoms (a value never written) and, for a
      process's own keys, for read-your-writes on its host.
 3. Meanwhile the :class:`~kvcomm.faults.nemesis.Nemesis` injects faults drawn from the
@@ -77,6 +80,7 @@ class SoakOptions:
     rate: float = 50.0  # operations per second per worker
     owned_keys: int = 32  # per worker
     shared_keys: int = 48
+    counter_keys: int = 8  # kv.incr'd by every process (0: none)
     l2_size: str = "8MB"
     watch_buffer: int = 256
     converge_timeout: float = 60.0
@@ -113,8 +117,8 @@ class SoakOptions:
         if self.partitions and self.hosts < 2:
             raise InvalidArgument("--partitions needs at least 2 hosts (a partitioned host "
                                   "and one that is not)")
-        if self.owned_keys < 1 or self.shared_keys < 1:
-            raise InvalidArgument("owned_keys and shared_keys must be >= 1")
+        if self.owned_keys < 1 or self.shared_keys < 1 or self.counter_keys < 0:
+            raise InvalidArgument("owned_keys and shared_keys must be >= 1, counter_keys >= 0")
         if self.faults is not None:
             known = fault_kinds()
             bad = [f for f in self.faults if f not in known]
@@ -194,7 +198,8 @@ class SoakResult:
                f"{self.workload_seconds:.0f}s: {self.ops.get('total', 0):,} operations "
                f"({self.ops.get('ok', 0):,} acknowledged, {self.ops.get('info', 0):,} unknown); "
                f"{faults} faults ({kinds}); converged {conv}; "
-               f"phantom reads {phantom}, stale own reads {stale}; lost = {self.lost}")
+               f"phantom reads {phantom}, stale own reads {stale}; "
+               f"{self.counter_line()}lost = {self.lost}")
         if self.errors:
             out += f"; {len(self.errors)} errors"
         if self.strong:
@@ -204,6 +209,14 @@ class SoakResult:
         if not self.ok and self.directory:
             out += f"; details in {self.directory}/report.json"
         return out
+
+    def counter_line(self) -> str:
+        """``kv.incr``'s figures: increments, counter keys, how many ended miscounted."""
+        n = self.ops.get("incr", 0)
+        if not n:
+            return ""
+        bad = len({a.key for a in self.verdict.of("miscounted")})
+        return f"counters: {n:,} increments, miscounted keys {bad}; "
 
     def summary(self) -> list[str]:
         """The anomalies grouped by kind and class of key, one example each."""
@@ -244,8 +257,8 @@ def key_class(key: str) -> str:
     parts = key.split("/")
     if len(parts) > 2 and parts[1] == "n":
         return f"{parts[2]} probes"
-    return {"o": "owned keys", "s": "shared keys"}.get(parts[1] if len(parts) > 1 else "",
-                                                      "other keys")
+    kinds = {"o": "owned keys", "s": "shared keys", "c": "counter keys"}
+    return kinds.get(parts[1] if len(parts) > 1 else "", "other keys")
 
 
 # ---------------------------------------------------------------------- the workload
@@ -259,6 +272,10 @@ class Workload:
     shared_keys: int
     rate: float
     shared_deletes: bool = True
+    counter_keys: int = 0
+
+    def counters(self) -> list[str]:
+        return [f"{PREFIX}c/{n}" for n in range(self.counter_keys)]
 
     def owned(self, host: str, w: int) -> list[str]:
         return [f"{PREFIX}o/{host}/w{w}/{n}" for n in range(self.owned_keys)]
@@ -282,6 +299,7 @@ def _worker(config: str, host: str, index: int, seed: str, wl: Workload, history
     kv = kv_open(config=config)
     rec = Recorder(kv, process, host, sink)
     owned, shared, everyone = wl.owned(host, index), wl.shared(), wl.everyone()
+    counters = wl.counters()
     interval = 1.0 / wl.rate
     while time.monotonic() < start_at and not stop.is_set():
         time.sleep(0.01)
@@ -305,6 +323,8 @@ def _worker(config: str, host: str, index: int, seed: str, wl: Workload, history
                         rec.delete(rng.choice(shared))
                     else:
                         rec.put(rng.choice(shared), rec.new_value())
+                elif r < 0.66 and counters:
+                    rec.incr(rng.choice(counters), rng.choice((1, 1, 1, 2, 5, -1, -3)))
                 elif r < 0.75:
                     rec.get(rng.choice(owned))
                 elif r < 0.87:
@@ -623,7 +643,8 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     result.replay = (f"kvcomm soak --hosts {opts.hosts} --seconds {opts.seconds:g} --seed {seed} "
                      f"--faults {','.join(sorted(kinds))} --workers {opts.workers} "
                      f"--rate {opts.rate:g}" + ("" if opts.shared_deletes
-                                                 else " --no-shared-deletes"))
+                                                 else " --no-shared-deletes")
+                     + ("" if opts.counter_keys == 8 else f" --counter-keys {opts.counter_keys}"))
     if opts.strong_clients:
         result.replay = result.replay.replace("kvcomm soak", "kvcomm jepsen", 1) + \
             f" --clients {opts.strong_clients} --strong-keys {opts.strong_keys}"
@@ -646,7 +667,7 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     try:
         target = DevClusterTarget(cluster_dir, history_dir)
         wl = Workload(target.host_ids, opts.workers, opts.owned_keys, opts.shared_keys,
-                      opts.rate, opts.shared_deletes)
+                      opts.rate, opts.shared_deletes, opts.counter_keys)
         start_at = time.monotonic() + 1.0
         for i, host in enumerate(target.host_ids):
             for w in range(opts.workers):

@@ -1335,6 +1335,8 @@ class Daemon:
         return {"host": self.host, "namespace": getattr(self.port, "namespace", None),
                 "pid": os.getpid(), "updated": self.wall(),
                 "partition": self.reach.partition, "partition_reason": self.reach.reason,
+                # (agents refuse L3 reads at once then: _client/cluster_read.py)
+                "redis_unreachable": self.reach.partition and self.reach.redis_cut(now),
                 "partitions": self.reach.entered, "backlog": self.backlog(),
                 "masters_down": self.masters_down(), "parked": len(self.out.parked),
                 "feed_lag_s": round(max(0.0, now - self.last_pull), 3),
@@ -1387,7 +1389,7 @@ class Daemon:
             return
         try:
             if self.reach.overdue(self.clock(),
-                                  self.presence.etcd_ok_at if self.presence else None):
+                                  self.presence.etcd_seen_at if self.presence else None):
                 self._decide_partition(wait=LEASE_WAIT_S)
         finally:
             self.reach_lock.release()
@@ -1408,7 +1410,7 @@ class Daemon:
             if answered:
                 now = self.clock()
                 self.reach.redis_ok(now)
-        change = self.reach.update(now, self.presence.etcd_ok_at if self.presence else None)
+        change = self.reach.update(now, self.presence.etcd_seen_at if self.presence else None)
         if change == "enter":
             self.stats.bump("partitions")
             log.warning("partition mode: %s; agents keep writing eventual keys into L2 (at "

@@ -280,8 +280,8 @@ class ClientPort:
         ext = ver[7] or EMPTY_EXT
         vector = self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
         dot = (self.host_id, rec.counter)
-        if rec.tag == TAG_TOMBSTONE:
-            return L3Record(rec.hlc, True, 0, b"", b"", vector, dot, ext)
+        if rec.tag == TAG_TOMBSTONE:  # (a deleted counter's carries its state: meta, value)
+            return L3Record(rec.hlc, True, 0, rec.meta, rec.value or b"", vector, dot, ext)
         return L3Record(rec.hlc, False, rec.tag, rec.meta, rec.value or b"", vector, dot, ext)
 
     def mark_delivered(self, key: str, record: L3Record) -> bool:
@@ -303,7 +303,8 @@ class ClientPort:
     def apply_remote(self, key: str, record: L3Record) -> None:
         version = Version(record.vector, record.hlc)
         if record.tombstone:  # kept as a clean tombstone; deletes merge last-writer-wins
-            self.kv._merge(key, None, version, (TAG_TOMBSTONE, b"", b""), record.local_ext)
+            self.kv._merge(key, None, version, (TAG_TOMBSTONE, record.meta, record.value),
+                           record.local_ext)
             return
         value = record.decode_value(key)
         self.kv._merge(key, value, version, (record.tag, record.meta, record.value),

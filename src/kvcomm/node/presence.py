@@ -15,15 +15,18 @@ still listed, as ``expired``, until ``kvcomm cluster remove-host`` retires it. A
 that etcd reports expired (the host was cut off longer than the TTL) is replaced by a
 new one as soon as etcd answers again.
 
-**Reachability.** The thread records when etcd last answered (``etcd_ok_at``). After a
-failed renewal it probes every 200 ms instead of every ``ttl / 3``, so that a heal is
-seen quickly. ``etcd_unreachable`` is set from the first failed probe (no member
-answered within ``cluster.timeout``: the evidence a strong operation would get, after
-the same wait) to the first successful one; agents on the host read it from the status
-file and fail strong operations at once meanwhile.
+**Reachability.** The thread records when etcd last answered (``etcd_ok_at``) and, once
+a call goes unanswered, when that first unanswered call began: ``etcd_seen_at``, the
+last moment etcd is known or presumed reachable, from which partition mode counts the
+TTL (counting from the last renewal, up to ``ttl / 3`` earlier, entered it up to a
+third of the TTL early). After a failed renewal it probes every 200 ms instead of every
+``ttl / 3``, so that a heal is seen quickly. ``etcd_unreachable`` is set from the first
+failed probe (no member answered within ``cluster.timeout``: the evidence a strong
+operation would get, after the same wait) to the first successful one; agents on the
+host read it from the status file and fail strong operations at once meanwhile.
 
 **Partition mode** (:class:`Reachability`, pure): the daemon is in partition mode while
-Redis (any successful L3 round) or an etcd majority (``etcd_ok_at``) has been out of
+Redis (any successful L3 round) or an etcd majority (``etcd_seen_at``) has been out of
 reach for longer than the lease TTL. Entering it changes nothing in what agents may do
 with eventual keys (they write into L2; dirty entries are never evicted; ``put`` raises
 Unavailable past ``cluster.outbound_max``); leaving it makes the daemon retry at once
@@ -186,6 +189,10 @@ class Reachability:
     def redis_ok(self, now: float) -> None:
         self.redis_ok_at = now
 
+    def redis_cut(self, now: float) -> bool:
+        """Redis has not answered for longer than the TTL."""
+        return now - self.redis_ok_at > self.ttl
+
     def overdue(self, now: float, etcd_ok_at: float | None) -> bool:
         """True when partition mode is due and not yet entered (:meth:`update` would
         return "enter"); changes nothing."""
@@ -234,7 +241,8 @@ class HostPresence:
         self.on_change = on_change
         self.clock = clock
         self.lease = 0
-        self.etcd_ok_at = clock()
+        self.etcd_ok_at = clock()  # etcd's last answer
+        self.etcd_seen_at = self.etcd_ok_at  # ...or the start of the first call unanswered since
         self.etcd_unreachable = False
         self.renewals = 0
         self.grants = 0
@@ -262,19 +270,28 @@ class HostPresence:
         while True:
             ok = True
             if self.clock() >= next_beat:  # every ttl / 3 (every 200 ms while etcd is down)
-                try:
-                    self.beat()
-                except KVCommError as exc:
-                    ok = False
-                    self.failures += 1
-                    if not self.etcd_unreachable:
-                        log.warning("etcd does not answer (%s): strong keys fail at once "
-                                    "until it does", exc)
-                        self.etcd_unreachable = True
+                ok = self.try_beat()
                 next_beat = self.clock() + (self.interval if ok else PROBE_WHILE_DOWN)
             self._changed()  # (the status file: at least every second)
             if self._stop.wait(max(0.0, min(next_beat - self.clock(), 1.0))):
                 return
+
+    def try_beat(self) -> bool:
+        """:meth:`beat`; False when etcd did not answer (counted, logged once, and the
+        start of the first unanswered call since its last answer kept in
+        ``etcd_seen_at``). Never raises a KVCommError."""
+        started = self.clock()
+        try:
+            self.beat()
+        except KVCommError as exc:
+            self.failures += 1
+            if not self.etcd_unreachable:
+                log.warning("etcd does not answer (%s): strong keys fail at once until it "
+                            "does", exc)
+                self.etcd_unreachable = True
+                self.etcd_seen_at = max(self.etcd_ok_at, started)
+            return False
+        return True
 
     def beat(self) -> None:
         """Renew the lease (or take a new one) and publish the status. Raises
@@ -294,7 +311,7 @@ class HostPresence:
             self.grants += 1
         self.etcd.put(self.key, body, lease=self.lease)
         self.etcd.put(self.member_key, body)
-        self.etcd_ok_at = self.clock()
+        self.etcd_ok_at = self.etcd_seen_at = self.clock()
         if self.etcd_unreachable:
             log.info("etcd answers again")
             self.etcd_unreachable = False

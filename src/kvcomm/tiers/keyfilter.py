@@ -8,11 +8,25 @@ age out while the other generation keeps answering for the keys that exist. Agen
 read it lock-free on an L2 miss: "not in the filter" means the key does not exist in
 the cluster (up to the feed's delay), so the read never leaves the host.
 
-File ``/dev/shm/kvcomm.<namespace>.keys``: a 64-byte header of eight little-endian
-64-bit words — magic, layout version, capacity, false-positive rate (the float's bits,
-so a reader derives exactly the writer's geometry), ``current`` (0/1), ``ready``,
-``beat`` (the daemon's heartbeat, wall-clock ms) and ``retired`` — then the two
-generations' bits.
+File ``/dev/shm/kvcomm.<namespace>.keys``: a 128-byte header of little-endian 64-bit
+words — magic, layout version, capacity, false-positive rate (the float's bits, so a
+reader derives exactly the writer's geometry), ``current`` (0/1), ``ready``, ``beat``
+(the daemon's heartbeat, wall-clock ms), ``retired`` and ``learned`` — then the ring of
+learned keys (:data:`RING` words), then the two generations' bits.
+
+The keys learned
+----------------
+Every :meth:`KeyFilter.add` (a key seen in a feed, a local write, a scan; not a
+rotation's refill, which only re-adds keys) also writes the key's 64-bit digest into the
+ring, at ``learned % RING``, then bumps ``learned``: the host-wide count of keys learned.
+An agent that noted a key "absent" (:mod:`kvcomm.core.negative`) stamps the note with
+``learned``; a later read of the note first looks at the ring's entries since its stamp
+(:meth:`KeyFilter.learned_since`): a key the daemon learned of since is asked of L3
+again, at once, so no process on the host answers "absent" from its cache for a key its
+daemon has learned of. The count starts at a random 62-bit value, so that a stamp taken
+from another file (a restarted daemon's) reads as too old for the ring. A stamp the ring
+no longer covers (more than :data:`RING` keys learned since) is judged by the filter
+instead (:meth:`kvcomm._client.cluster_read.ClusterReads._still_absent`).
 
 When to trust it
 ----------------
@@ -45,11 +59,12 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import secrets
 import stat
 import struct
 import time
 
-from xxhash import xxh3_128_digest
+from xxhash import xxh3_64_digest, xxh3_128_digest
 
 from .._l2core import bloom_has
 from ..core.bloom import MAX_HASHES, BloomFilter, optimal_params
@@ -58,9 +73,11 @@ from .l2 import SHM_DIR, segment_path
 from .shm.files import _unlink_quietly, create_temp, remove_dead_temps
 
 MAGIC = int.from_bytes(b"KVCKEYS2", "little")
-LAYOUT = 2
-_HDR = 64
-H_MAGIC, H_LAYOUT, H_CAP, H_FPR, H_CURRENT, H_READY, H_BEAT, H_RETIRED = range(8)
+LAYOUT = 3
+_HDR = 128
+H_MAGIC, H_LAYOUT, H_CAP, H_FPR, H_CURRENT, H_READY, H_BEAT, H_RETIRED, H_LEARNED = range(9)
+RING = 1 << 16  # the learned keys' digests kept (8 bytes each): 512 KiB
+_RING_BYTES = RING * 8
 STALE_MS = 2000  # a heartbeat older than this: the daemon is gone, trust the filter no more
 _OLD_MAGICS = (MAGIC, int.from_bytes(b"KVCKEYS1", "little"))
 
@@ -111,18 +128,20 @@ class KeyFilter:
         gen_bytes = optimal_params(capacity, fpr)[0] // 8
         self._q = memoryview(mm)[:_HDR].cast("Q")
         view = memoryview(mm)
+        self._ring = view[_HDR:_HDR + _RING_BYTES].cast("Q")
+        at = _HDR + _RING_BYTES
         self.gens = [BloomFilter(capacity, fpr,
-                                 buffer=view[_HDR + i * gen_bytes:_HDR + (i + 1) * gen_bytes])
+                                 buffer=view[at + i * gen_bytes:at + (i + 1) * gen_bytes])
                      for i in range(2)]
         # the agents' test runs in C over both generations at once (same positions)
-        self._both = view[_HDR:_HDR + 2 * gen_bytes]
+        self._both = view[at:at + 2 * gen_bytes]
         self._bits, self._k = self.gens[0].bits, self.gens[0].k
         view.release()
 
     @staticmethod
     def size_for(capacity: int, fpr: float) -> int:
         """The file size of a filter of ``capacity`` keys at rate ``fpr``."""
-        return _HDR + 2 * (optimal_params(capacity, fpr)[0] // 8)
+        return _HDR + _RING_BYTES + 2 * (optimal_params(capacity, fpr)[0] // 8)
 
     # ------------------------------------------------------------------ the daemon's side
 
@@ -167,6 +186,7 @@ class KeyFilter:
             q[H_FPR] = _float_bits(fpr)
             q[H_LAYOUT] = LAYOUT
             q[H_BEAT] = _now_ms()
+            q[H_LEARNED] = secrets.randbits(62)  # (a stamp from another file: too old to check)
             q[H_MAGIC] = MAGIC
             _retire(path)
             os.rename(tmp, path)
@@ -183,6 +203,13 @@ class KeyFilter:
         return kf
 
     def add(self, key: bytes) -> None:
+        """Add ``key`` to the ring of keys learned, then bump the count (a reader that
+        sees the count sees the ring's entry), then to both generations: whoever finds
+        the key in the filter finds it learned too."""
+        q = self._q
+        n = q[H_LEARNED]
+        self._ring[n % RING] = int.from_bytes(xxh3_64_digest(key), "little")
+        q[H_LEARNED] = (n + 1) & _MASK
         at = self.gens[0].positions(key)  # (the generations share one geometry)
         self.gens[0].add_at(at)
         self.gens[1].add_at(at)
@@ -280,16 +307,58 @@ class KeyFilter:
         """:meth:`trusted` now: the check an agent makes before answering "absent"."""
         return self.trusted()
 
+    @property
+    def learned(self) -> int:
+        """The host-wide count of keys the daemon learned (a stamp for
+        :meth:`learned_since`)."""
+        return self._q[H_LEARNED]
+
+    def learned_since(self, key: bytes, stamp: int) -> bool | None:
+        """Whether the daemon learned of ``key`` after the count was ``stamp``: True,
+        False, or None when the ring no longer covers ``stamp`` (more than RING keys
+        learned since, or a stamp of another file). No round trip: a search of the ring's
+        entries since ``stamp`` (an equal 64-bit digest of another key: True, a needless
+        L3 read)."""
+        q = self._q
+        n = q[H_LEARNED]
+        span = (n - stamp) & _MASK
+        if span == 0:
+            return False
+        if span > RING:
+            return None
+        want = xxh3_64_digest(key)
+        mm = self._mm
+        lo, hi = stamp % RING, n % RING
+        found = (_find(mm, want, lo, hi) if lo < hi else
+                 _find(mm, want, lo, RING) or _find(mm, want, 0, hi))
+        if (q[H_LEARNED] - stamp) & _MASK > RING:  # (the daemon wrote over what was read)
+            return None
+        return found
+
     def may_exist(self, key: bytes) -> bool:
         """False only for keys the cluster does not hold (modulo the feed's delay)."""
         return bloom_has(self._both, self._bits, self._k, 2, xxh3_128_digest(key))
 
     def close(self) -> None:
         self._both.release()
+        self._ring.release()
         for g in self.gens:
             g._b.release()
         self._q.release()
         self._mm.close()
+
+
+_MASK = (1 << 64) - 1
+
+
+def _find(mm: mmap.mmap, digest: bytes, lo: int, hi: int) -> bool:
+    """Whether ring slots [lo, hi) hold ``digest`` (at a slot's start)."""
+    start, end = _HDR + 8 * lo, _HDR + 8 * hi
+    while (at := mm.find(digest, start, end)) >= 0:
+        if (at - _HDR) % 8 == 0:
+            return True
+        start = at + 1
+    return False
 
 
 def _retire(path: str) -> None:

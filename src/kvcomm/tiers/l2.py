@@ -134,7 +134,7 @@ class L2Segment(Writes, Pins, Feed, HotKeys, Checker, SyncState):
             "recoveries": q[H["RECOVERIES"]],
             "owner_deaths": q[H["OWNER_DEATHS"]],
             "pinned_deferred_blocks": q[_H_DEFERRED],
-            "writes": q[H["WSEQ"]],
+            "write_seq": q[H["WSEQ"]],  # (the host's write sequence: clock-seeded, not a count)
             "feed_events": q[_H_FEED_HEAD],
             "feed_capacity": lay.feed_n,
             "daemon_pid": q[H["DAEMON_PID"]],

@@ -176,7 +176,10 @@ as a call of its own would),
 which applies the incoming record atomically against the stored one by the L3 rule,
 :func:`kvcomm.core.resolve.l3_rule` (newer replaces, older is refused and the stored
 record comes back, concurrent → last-writer-wins with the merged vector, or ``conflict``
-for an application resolver to settle), and appends every change to the group's stream,
+for an application resolver to settle; two concurrent counters of ``kv.incr`` — records of
+tag 5, or tombstones of meta ``c`` carrying a deleted counter's state — merge their states
+as :func:`kvcomm.core.counter.merge` does, by generation then maximum per actor, and a
+plain record wins over a concurrent counter), and appends every change to the group's stream,
 bounded by ``MAXLEN ~``. A stored value that is not a KVCOMM record at all (garbage,
 another program's value, another Redis type, counters past ``MAX_COUNTER``) is replaced
 by the push as if the key were absent (``new``): that is how "rewrite the key", the
@@ -539,6 +542,48 @@ local function read(raw)
   end
   return r
 end
+-- a counter's state (kvcomm.core.counter: actor -> {p, n, bp, bn}) from a live counter
+-- (tag COUNTER) or a deleted one (a tombstone of meta 'c'); nil for any other record, or
+-- a state that is not one (the record then merges as a plain one)
+local COUNTER = 5
+local function counter_of(r)
+  if not ((r.t == COUNTER and not r.d) or (r.d and r.m == 'c')) then return nil end
+  local ok, st = pcall(cmsgpack.unpack, r.v)
+  if not ok or type(st) ~= 'table' then return nil end
+  for k, e in pairs(st) do
+    if type(k) ~= 'string' or type(e) ~= 'table' or #e ~= 4 then return nil end
+    for j = 1, 4 do
+      if type(e[j]) ~= 'number' or e[j] < 0 or e[j] > MAX_COUNTER then return nil end
+    end
+  end
+  return st
+end
+-- two states merged: the later generation (the entry '': the put a counter adopted)
+-- whole; of one generation, actor by actor, the greatest of each number
+local NO_GEN = {0, 0, 0, 0}
+local function merge_counters(a, b)
+  local ga, gb = a[''] or NO_GEN, b[''] or NO_GEN
+  for j = 1, 3 do
+    if ga[j] > gb[j] then return a elseif ga[j] < gb[j] then return b end
+  end
+  local out = {}
+  for k, e in pairs(a) do out[k] = {e[1], e[2], e[3], e[4]} end
+  for k, e in pairs(b) do
+    local o = out[k]
+    if o == nil then
+      out[k] = {e[1], e[2], e[3], e[4]}
+    else
+      for j = 1, 4 do if e[j] > o[j] then o[j] = e[j] end end
+    end
+  end
+  return out
+end
+local function counter_live(st)
+  for k, e in pairs(st) do
+    if k ~= '' and (e[1] ~= e[3] or e[2] ~= e[4]) then return true end
+  end
+  return false
+end
 local function vv(r)
   local t = {}
   local f = r.vv
@@ -660,12 +705,24 @@ local function push(i)
     return {'newer', '', s, id}
   end
   if b_ge then return {'older', raw} end
-  if string.sub(FLAGS, i, i) == 's' then return {'conflict', raw} end
+  -- concurrent counters (kvcomm.core.counter) merge here, before any resolver
+  local cs, ci = counter_of(stored), counter_of(incoming)
+  if (cs == nil and ci == nil) and string.sub(FLAGS, i, i) == 's' then
+    return {'conflict', raw}
+  end
   -- concurrent: last writer wins by (hlc, dot actor, dot counter); vectors merged
   local win = stored
   if incoming.h > stored.h or (incoming.h == stored.h and (incoming.dot[1] > stored.dot[1]
      or (incoming.dot[1] == stored.dot[1] and incoming.dot[2] > stored.dot[2]))) then
     win = incoming
+  end
+  local counted = nil
+  if cs ~= nil and ci ~= nil then
+    counted = merge_counters(cs, ci)
+  elseif cs ~= nil then
+    win = incoming  -- a plain record (a put, a delete without a state) resets a counter
+  elseif ci ~= nil then
+    win = stored
   end
   local merged = {}
   for k, v in pairs(b) do merged[k] = v end
@@ -678,6 +735,14 @@ local function push(i)
   -- the winner's fields by name, in format 2; its extension copied as the bytes it was
   local out = {f = 2, h = win.h, d = win.d, t = win.t, m = win.m, v = win.v, vv = flat,
                dot = {win.dot[1], win.dot[2]}, x = win.x}
+  if counted ~= nil then  -- the merged state: a counter, or a deleted one if nothing counts
+    out.v = cmsgpack.pack(counted)
+    if counter_live(counted) then
+      out.d, out.t, out.m = false, COUNTER, ''
+    else
+      out.d, out.t, out.m = true, 0, 'c'
+    end
+  end
   local packed = cmsgpack.pack(out)
   local s, id = store(rkey, key, packed, out, true, stored)
   return {'merged', packed, s, id}

@@ -35,7 +35,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
-from ...errors import ConfigError, CorruptRecord, UnsupportedValue
+from ...errors import ConfigError, CorruptRecord, KVCommError, UnsupportedValue
 
 _PICKLE_TYPES = frozenset({"pickle", "pickle5"})
 
@@ -65,20 +65,43 @@ class NoPickleSerializer(SerializerProtocol):
         self.inner = inner
 
     def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
-        """``inner.dumps_typed(obj)``. Raises UnsupportedValue when it would be a pickle
-        (nothing is stored), and what the inner serializer raises."""
-        type_, data = self.inner.dumps_typed(obj)
+        """``inner.dumps_typed(obj)``. Raises UnsupportedValue when it would be a pickle or
+        the inner serializer cannot serialize it (its TypeError); nothing is stored."""
+        try:
+            type_, data = self.inner.dumps_typed(obj)
+        except UnsupportedValue:
+            raise
+        except TypeError as exc:  # (JsonPlusSerializer: "Type is not msgpack serializable")
+            raise UnsupportedValue(
+                f"{type(obj).__name__} cannot be serialized without pickle ({exc}); KVCOMM "
+                "never stores pickles: use msgpack-serializable values, or name your class "
+                "in JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
         if type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")
         return type_, data
 
     def loads_typed(self, data: tuple[str, bytes]) -> Any:
-        """``inner.loads_typed(data)``. Raises CorruptRecord for a pickle (never loaded)."""
+        """``inner.loads_typed(data)``. Raises CorruptRecord for a pickle (never loaded)
+        and for anything else the inner serializer cannot read (what it raises, a
+        RecursionError from deeply nested JSON included): what is read is untrusted."""
+        if type(data[0]) is not str or type(data[1]) is not bytes:
+            raise CorruptRecord(f"a LangGraph record in KVCOMM holds a serialized value of "
+                                f"types ({type(data[0]).__name__}, {type(data[1]).__name__}), "
+                                "not (str, bytes); it was not written by KVCommSaver/"
+                                "KVCommStore: delete it")
         if data[0] in _PICKLE_TYPES:
             raise CorruptRecord("a LangGraph record in KVCOMM is a pickle, which KVCOMM never "
                                 "loads; it was not written by KVCommSaver/KVCommStore: delete it")
-        return self.inner.loads_typed(data)
+        try:
+            return self.inner.loads_typed(data)
+        except KVCommError:
+            raise
+        except Exception as exc:  # (json, ormsgpack and LangGraph's hooks raise many types)
+            raise CorruptRecord(
+                f"a LangGraph record in KVCOMM of serialized type {data[0][:40]!r} cannot be "
+                f"read ({type(exc).__name__}: {str(exc)[:200]}); it was not written by "
+                "KVCommSaver/KVCommStore (or by another serializer): delete it") from None
 
 
 def no_pickle(serde: Any | None) -> NoPickleSerializer:

@@ -93,7 +93,7 @@ import random
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -111,6 +111,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ...aio import AsyncClient
+from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
     ConflictError,
@@ -152,13 +153,62 @@ RESUMED_HEAD = "__kvcomm_resumed_head__"
 
 # what reading a record of another shape than KVCommSaver's raises (a planted one)
 _SHAPE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError,
-                 NotImplementedError)
+                 NotImplementedError, RecursionError, OverflowError)
 
 
 def _corrupt(what: str, exc: BaseException) -> CorruptRecord:
     return CorruptRecord(f"a record of {what} in KVCOMM is not one KVCommSaver wrote "
-                         f"({type(exc).__name__}: {exc}); delete the thread (delete_thread) "
-                         "or the record")
+                         f"({type(exc).__name__}: {str(exc)[:200]}); delete the thread "
+                         "(delete_thread) or the record")
+
+
+class _Reading:
+    """``with _Reading(what):`` a block that reads records (untrusted: anyone with the
+    namespace can write under the saver's keys); what a record of another shape makes it
+    raise becomes CorruptRecord naming ``what``. KVCommErrors pass as they are."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, t: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
+        if exc is not None and isinstance(exc, _SHAPE_ERRORS) and not isinstance(exc, KVCommError):
+            raise _corrupt(self.what, exc) from None
+        return False
+
+
+def _slots_ok(w: Any) -> bool:
+    return type(w) is list and all(type(x) is list and len(x) == 2 and type(x[0]) is str
+                                   and type(x[1]) is int for x in w)
+
+
+def _head_of(value: Any, key: str) -> dict[str, Any] | None:
+    """``value``, the head stored under ``key`` (None: absent), checked: a dict with ``id``
+    (a str, or None) and ``w`` (a list of [task, index]), and perhaps ``p`` (checkpoint id
+    -> such a list). Raises CorruptRecord otherwise."""
+    if value is None:
+        return None
+    if (type(value) is dict and (value.get("id") is None or type(value.get("id")) is str)
+            and "id" in value and _slots_ok(value.get("w"))
+            and ("p" not in value or type(value["p"]) is dict
+                 and all(type(c) is str and _slots_ok(w) for c, w in value["p"].items()))):
+        return value
+    raise CorruptRecord(f"the thread head {key!r} in KVCOMM is not one KVCommSaver wrote "
+                        f"({str(value)[:120]}); delete the thread (delete_thread) or that key")
+
+
+def _record(value: Any, n: int, key: str) -> list[Any]:
+    """``value``, a record of ``n`` fields under ``key`` (a checkpoint: 6, a write: 5, a
+    channel value: 2), checked for its shape; CorruptRecord otherwise."""
+    if type(value) is list and len(value) == n and (n != 5 or (
+            type(value[0]) is str and type(value[1]) is str and type(value[4]) is str)):
+        return value
+    raise CorruptRecord(f"the record {key!r} in KVCOMM is not one KVCommSaver wrote "
+                        f"({str(value)[:120]}); delete the thread (delete_thread) or that key")
 
 
 class KVCommSaver(BaseCheckpointSaver[str]):
@@ -190,8 +240,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if not wait_timeout > 0:
             raise InvalidArgument(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
-                                or not math.isfinite(ttl) or ttl <= 0):
-            raise InvalidArgument(f"ttl is a thread's lifetime in SECONDS (a finite number > 0; "
+                                or not math.isfinite(ttl) or not 0 < ttl <= MAX_TTL):
+            raise InvalidArgument(f"ttl is a thread's lifetime in SECONDS (a number > 0, at most "
+                                  f"ten years; "
                                   f"langgraph-checkpoint-redis counts minutes: multiply by 60), "
                                   f"or None to keep threads until deleted; got {ttl!r}")
         super().__init__(serde=no_pickle(serde))
@@ -295,9 +346,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                               self._dumps(values[channel]) if channel in values
                               else ["empty", b""], ttl=ttl)
         try:
-            self._advance_head(thread_id, ns, cid,
-                               parent if conf.get(RESUMED_HEAD) is not None else _ANY,
-                               self._left(start))
+            with _Reading(f"thread {thread_id!r}"):
+                self._advance_head(thread_id, ns, cid,
+                                   parent if conf.get(RESUMED_HEAD) is not None else _ANY,
+                                   self._left(start))
         except _Moved as moved:
             self._delete_keys(written)  # (this checkpoint is in no chain: gone again)
             raise ConflictError(
@@ -347,7 +399,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         for _ in range(10_000):
             if cached is None:
                 item = self.kv.get_item(key)
-                expect, old = (ABSENT, None) if item is None else (item.version, item.value)
+                expect, old = (ABSENT, None) if item is None else (item.version,
+                                                                     _head_of(item.value, key))
             else:
                 expect, old = cached
             try:
@@ -389,7 +442,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     continue
                 b.put(key, [task_id, channel, *self._dumps(value), task_path], ttl=self.ttl)
         if slots and self._cluster:
-            self._note_writes(thread_id, ns, cid, slots)
+            with _Reading(f"thread {thread_id!r}"):
+                self._note_writes(thread_id, ns, cid, slots)
 
     def _note_writes(self, thread_id: str, ns: str, cid: str, slots: list[list[Any]]) -> None:
         """Cluster mode: list the writes of checkpoint ``cid`` in the head, so that a read
@@ -414,7 +468,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 self._update_head(key, add, None)
             else:  # (kv.update keeps the head's deadline: it never outlives its checkpoint)
                 self._heads.pop(key, None)
-                self.kv.update(key, add)
+                self.kv.update(key, lambda v: add(_head_of(v, key)))
         except _NotHead:
             pass  # an older checkpoint's writes: readers of it scan for them
 
@@ -439,24 +493,27 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         referenced: list[list[Any]] | None = None
         head_item = None
         if cid:
-            body = self.kv.get(k.checkpoint(thread_id, ns, cid))
+            key = k.checkpoint(thread_id, ns, cid)
+            body = self.kv.get(key)
         else:
             head_item = self.kv.get_item(k.head(thread_id, ns))
-            head = None if head_item is None else head_item.value
+            head = None if head_item is None else _head_of(head_item.value, k.head(thread_id, ns))
             if head is None or head["id"] is None:  # (None: writes came before any checkpoint)
                 return None
             cid = head["id"]
             referenced = head["w"]
-            body = get_referenced(self.kv, k.checkpoint(thread_id, ns, cid), self.wait_timeout,
+            key = k.checkpoint(thread_id, ns, cid)
+            body = get_referenced(self.kv, key, self.wait_timeout,
                                   f"checkpoint {cid!r} of thread {thread_id!r}", self.counters)
         if body is None:
             return None
+        body = _record(body, 6, key)
         if referenced is not None and self._cluster:
             # the head lists every write of its checkpoint (put_writes adds them while it is
             # the head): read those, no scan (a cluster scan costs a read of every group)
             writes = self._referenced_writes(thread_id, ns, cid, referenced)
         else:  # (each write with its index, which its key ends with)
-            writes = [[*item.value, int(item.key.rsplit("/", 1)[1])]
+            writes = [[*_record(item.value, 5, item.key), int(item.key.rsplit("/", 1)[1])]
                       for item in scan(self.kv, k.write_prefix(thread_id, ns, cid))]
         raw: dict[str, Any] | None = {} if self.ttl is not None and self.refresh_on_read else None
         tup = self._tuple(thread_id, ns, cid, body, writes, referenced is not None, raw)
@@ -486,11 +543,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                            referenced: list[list[Any]]) -> list[Any]:
         out = []
         for task_id, idx in referenced:
-            w = get_referenced(self.kv, self.keys.write(thread_id, ns, cid, task_id, idx),
-                               self.wait_timeout, f"a pending write of checkpoint {cid!r}",
-                               self.counters)
+            key = self.keys.write(thread_id, ns, cid, task_id, idx)
+            w = get_referenced(self.kv, key, self.wait_timeout,
+                               f"a pending write of checkpoint {cid!r}", self.counters)
             if w is not None:
-                out.append([*w, idx])
+                out.append([*_record(w, 5, key), idx])
         return out
 
     def _tuple(self, thread_id: str, ns: str, cid: str, body: list[Any], writes: list[Any],
@@ -499,16 +556,24 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         gets the raw records of its channel values, by key."""
         cp_t, cp_b, md_t, md_b, parent, _run = body
         checkpoint: dict[str, Any] = self._loads(cp_t, cp_b)
+        metadata = self._loads(md_t, md_b)
+        if (type(checkpoint) is not dict or type(checkpoint.get("channel_versions")) is not dict
+                or type(metadata) is not dict or not (parent is None or type(parent) is str)):
+            raise CorruptRecord(f"checkpoint {cid!r} of thread {thread_id!r} in KVCOMM is not "
+                                "one KVCommSaver wrote (its checkpoint, metadata or parent "
+                                "have other types); delete the thread (delete_thread)")
         values: dict[str, Any] = {}
         for channel, version in checkpoint["channel_versions"].items():
             key = self.keys.blob(thread_id, ns, channel, version)
             blob = (get_referenced(self.kv, key, self.wait_timeout,
                                    f"channel {channel!r} of checkpoint {cid!r}", self.counters)
                     if wait and self._cluster else self.kv.get(key))
-            if blobs is not None and blob is not None:
-                blobs[key] = blob
-            if blob is not None and blob[0] != "empty":
-                values[channel] = self._loads(blob[0], blob[1])
+            if blob is not None:
+                blob = _record(blob, 2, key)
+                if blobs is not None:
+                    blobs[key] = blob
+                if blob[0] != "empty":
+                    values[channel] = self._loads(blob[0], blob[1])
         checkpoint["channel_values"] = values
         ordered = sorted(writes, key=lambda w: writes_sort_key(w[4], w[0], w[5]))
         pending: list[PendingWrite] = [(w[0], w[1], self._loads(w[2], w[3])) for w in ordered]
@@ -516,7 +581,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             config={"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                      "checkpoint_id": cid}},
             checkpoint=checkpoint,  # type: ignore[arg-type]
-            metadata=self._loads(md_t, md_b),
+            metadata=metadata,  # type: ignore[arg-type]
             parent_config=({"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                              "checkpoint_id": parent}} if parent else None),
             pending_writes=pending)
@@ -559,12 +624,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         groups: dict[tuple[str, str], list[tuple[str, list[Any]]]] = {}
         for item in scan(self.kv, k.checkpoints + suffix):
             t, n, c = Keys.split(item.key, k.checkpoints)
-            groups.setdefault((t, n), []).append((c, item.value))
+            groups.setdefault((t, n), []).append((c, _record(item.value, 6, item.key)))
         writes: dict[tuple[str, str, str], list[Any]] = {}
         if groups:
             for item in scan(self.kv, k.writes + suffix):
                 t, n, c, _task, idx = Keys.split(item.key, k.writes)
-                writes.setdefault((t, n, c), []).append([*item.value, int(idx)])
+                writes.setdefault((t, n, c), []).append([*_record(item.value, 5, item.key),
+                                                         int(idx)])
         left = limit
         for (t, n), entries in groups.items():
             for c, body in sorted(entries, key=lambda e: e[0], reverse=True):
@@ -574,6 +640,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     continue
                 if filter:
                     md = self._loads(body[2], body[3])
+                    if type(md) is not dict:
+                        raise CorruptRecord(f"the metadata of checkpoint {c!r} of thread {t!r} "
+                                            "in KVCOMM is not a dict; delete the thread")
                     if not all(md.get(fk) == fv for fk, fv in filter.items()):
                         continue
                 if left is not None:
@@ -613,7 +682,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, value and write of ``source_thread_id`` to
-        ``target_thread_id`` (records first, then the heads)."""
+        ``target_thread_id`` (records first, then the heads). Raises CorruptRecord for a
+        head of the source that is not one KVCommSaver wrote (its records are copied)."""
+        with _Reading(f"thread {source_thread_id!r}"):
+            self._copy_thread(source_thread_id, target_thread_id)
+
+    def _copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         k = self.keys
         for prefix in (k.blobs, k.checkpoints, k.writes):
             src, dst = k.thread(prefix, source_thread_id), k.thread(prefix, target_thread_id)
@@ -626,8 +700,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         src = k.thread(k.heads, source_thread_id)
         for item in list(scan(self.kv, src)):
             (ns,) = Keys.split(item.key, src)
-            if item.value["id"] is not None:
-                self._set_head(target_thread_id, ns, item.value["id"], item.value["w"])
+            head = _head_of(item.value, item.key)
+            if head is not None and head["id"] is not None:
+                self._set_head(target_thread_id, ns, head["id"], head["w"])
 
     def _set_head(self, thread_id: str, ns: str, cid: str | None, slots: builtins.list[Any]) -> None:
         key = self.keys.head(thread_id, ns)
@@ -645,7 +720,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         by_ns: dict[str, builtins.list[tuple[str, builtins.list[Any]]]] = {}
         for item in scan(self.kv, k.thread(k.checkpoints, thread_id)):
             _t, ns, c = Keys.split(item.key, k.checkpoints)
-            by_ns.setdefault(ns, []).append((c, item.value))
+            by_ns.setdefault(ns, []).append((c, _record(item.value, 6, item.key)))
         if not by_ns:
             return
         doomed: builtins.list[str] = []
@@ -655,12 +730,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 continue
             kept = [(c, body) for c, body in entries if not drop(ns, c, body)]
             latest = max((c for c, _body in kept), default=None)
-            head = self.kv.get(k.head(thread_id, ns))
+            head = _head_of(self.kv.get(k.head(thread_id, ns)), k.head(thread_id, ns))
             if head is not None and head["id"] == latest:
                 slots = head["w"]
             else:  # (the head moves back: it lists the writes of its new checkpoint)
                 slots = [] if latest is None else [
-                    [i.value[0], int(i.key.rsplit("/", 1)[1])]
+                    [_record(i.value, 5, i.key)[0], int(i.key.rsplit("/", 1)[1])]
                     for i in scan(self.kv, k.write_prefix(thread_id, ns, latest))]
             self._set_head(thread_id, ns, latest, slots)  # (first: never a head on a gone id)
             for c, _body in gone:
@@ -669,6 +744,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             named: set[str] = set()
             for _c, body in kept:
                 cp = self._loads(body[0], body[1])
+                if type(cp) is not dict or type(cp.get("channel_versions")) is not dict:
+                    raise CorruptRecord(f"a checkpoint of thread {thread_id!r} in KVCOMM is not "
+                                        "one KVCommSaver wrote; delete the thread")
                 named.update(k.blob(thread_id, ns, ch, v)
                              for ch, v in cp["channel_versions"].items())
             doomed.extend(i.key for i in scan(self.kv, k.ns(k.blobs, thread_id, ns))
@@ -684,13 +762,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             return
         k = self.keys
         threads = []
-        for item in scan(self.kv, k.checkpoints):
-            if item.value[5] in runs:
-                t = Keys.split(item.key, k.checkpoints)[0]
-                if t not in threads:
-                    threads.append(t)
+        with _Reading("a checkpoint"):
+            for item in scan(self.kv, k.checkpoints):
+                run = _record(item.value, 6, item.key)[5]
+                if type(run) is str and run in runs:
+                    t = Keys.split(item.key, k.checkpoints)[0]
+                    if t not in threads:
+                        threads.append(t)
         for t in threads:
-            self._rewrite(t, lambda _ns, _c, body: body[5] in runs)
+            with _Reading(f"thread {t!r}"):
+                self._rewrite(t, lambda _ns, _c, body: type(body[5]) is str and body[5] in runs)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """``keep_latest``: keep only the latest checkpoint of each namespace of each
@@ -702,11 +783,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             if strategy == "delete":
                 self.delete_thread(t)
                 continue
-            latest: dict[str, str] = {}
-            for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, t)):
-                _t, ns, c = Keys.split(item.key, self.keys.checkpoints)
-                latest[ns] = max(c, latest.get(ns, c))
-            self._rewrite(t, functools.partial(_not_latest, latest))
+            with _Reading(f"thread {t!r}"):
+                latest: dict[str, str] = {}
+                for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, t)):
+                    _t, ns, c = Keys.split(item.key, self.keys.checkpoints)
+                    latest[ns] = max(c, latest.get(ns, c))
+                self._rewrite(t, functools.partial(_not_latest, latest))
 
     # ---------------------------------------------------------------- async
     async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:

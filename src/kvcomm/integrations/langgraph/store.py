@@ -64,6 +64,7 @@ from langgraph.store.base import (
 
 from ..._client import ABSENT, Client
 from ...aio import AsyncClient
+from ...core.expiry import MAX_TTL
 from ...errors import (
     ConfigError,
     ConflictError,
@@ -149,19 +150,26 @@ class KVCommStore(BaseStore):
         return await run_async(self.aio, self.batch, (list(ops),), {})
 
     # ---------------------------------------------------------------- operations
-    def _item(self, namespace: tuple[str, ...], key: str, raw: list[Any],
+    def _item(self, namespace: tuple[str, ...], key: str, raw: Any,
               cls: type[Item] = Item) -> Any:
+        """The Item (or SearchItem) of the stored record ``raw``, which is untrusted (anyone
+        with the namespace can write under the store's keys): CorruptRecord naming the
+        item for anything but ``[type, bytes, created_ms, updated_ms]`` holding a dict."""
         try:
+            if not _is_record(raw):
+                raise ValueError(f"not [type, bytes, created_ms, updated_ms(, ttl_minutes)]: "
+                                 f"{str(raw)[:120]}")
             t, b, created, updated = raw[:4]
             value = self.serde.loads_typed((t, b))
-            _dt(created), _dt(updated)
+            if type(value) is not dict:
+                raise TypeError(f"its value is a {type(value).__name__}, not a dict")
         except KVCommError:
             raise
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
-                NotImplementedError) as exc:
+                NotImplementedError, RecursionError) as exc:
             raise CorruptRecord(f"store item {key!r} of namespace {namespace!r} in KVCOMM is "
-                                f"not one KVCommStore wrote ({type(exc).__name__}: {exc}); "
-                                "delete it") from None
+                                f"not one KVCommStore wrote ({type(exc).__name__}: "
+                                f"{str(exc)[:200]}); delete it") from None
         if cls is SearchItem:
             return SearchItem(namespace, key, value, _dt(created), _dt(updated))
         return Item(value=value, key=key, namespace=namespace, created_at=_dt(created),
@@ -191,7 +199,10 @@ class KVCommStore(BaseStore):
         for _ in range(10_000):
             now = _ms_now()
             old = self.kv.get_item(k)
-            record = [t, b, now if old is None else old.value[2], now]
+            # (a put replaces the item whole: one that is not a KVCommStore record is
+            # replaced too, its created_at then now)
+            record = [t, b, old.value[2] if old is not None and _is_record(old.value) else now,
+                      now]
             if ttl is not None:
                 record.append(ttl)
             try:
@@ -240,14 +251,30 @@ class KVCommStore(BaseStore):
 
 
 def _minutes(ttl: Any, what: str) -> float | None:
-    """``ttl`` (LangGraph's minutes) checked: None, or a finite number > 0."""
+    """``ttl`` (LangGraph's minutes) checked: None, or a number > 0 and at most KVCOMM's
+    ten years."""
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) \
-            or ttl <= 0:
-        raise InvalidArgument(f"{what} is in MINUTES (LangGraph's store contract): a finite "
-                              f"number > 0, or None for no expiry; got {ttl!r}")
+            or not 0 < ttl <= MAX_TTL / 60:
+        raise InvalidArgument(f"{what} is in MINUTES (LangGraph's store contract): a number > 0 "
+                              f"and at most {MAX_TTL / 60:.0f} (ten years), or None for no "
+                              f"expiry; got {ttl!r}")
     return float(ttl)
+
+
+_MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: what a datetime can hold
+
+
+def _is_record(raw: Any) -> bool:
+    """Whether ``raw`` has the shape of a KVCommStore record: [type, bytes, created_ms,
+    updated_ms] and perhaps its ttl in minutes (a number > 0), times as ints a datetime
+    can hold."""
+    return (type(raw) is list and len(raw) in (4, 5) and type(raw[0]) is str
+            and type(raw[1]) is bytes and all(type(ms) is int and 0 <= ms <= _MAX_MS
+                                              for ms in raw[2:4])
+            and (len(raw) == 4 or (type(raw[4]) in (int, float)
+                                   and 0 < raw[4] <= MAX_TTL / 60)))
 
 
 def _does_match(cond: MatchCondition, namespace: tuple[str, ...]) -> bool:
@@ -287,6 +314,9 @@ def _apply_operator(value: Any, operator: str, op_value: Any) -> bool:
     if operator == "$ne":
         return bool(value != op_value)
     if operator in ("$gt", "$gte", "$lt", "$lte"):
-        a, b = float(value), float(op_value)
+        try:
+            a, b = float(value), float(op_value)
+        except (TypeError, ValueError, OverflowError):  # (not a number: no match)
+            return False
         return {"$gt": a > b, "$gte": a >= b, "$lt": a < b, "$lte": a <= b}[operator]
     raise InvalidArgument(f"unsupported filter operator {operator!r} (use $eq $ne $gt $gte $lt $lte)")
