@@ -427,7 +427,7 @@ def test_an_expired_thread_is_gone_and_a_new_run_starts_afresh(kv: kvcomm.Client
 
 
 def test_a_saver_ttl_is_seconds_and_checked(kv: kvcomm.Client) -> None:
-    for bad in (0, -1, float("inf"), float("nan"), "60", True):
+    for bad in (0, -1, float("inf"), float("nan"), "60", True, 10**12):
         with pytest.raises(kvcomm.InvalidArgument, match="SECONDS"):
             KVCommSaver(kv, ttl=bad)  # type: ignore[arg-type]
 
@@ -467,8 +467,9 @@ def test_store_ttl_is_langgraphs_minutes_refreshed_on_get_and_search(kv: kvcomm.
     wait_until(lambda: time.time() > t1 + 0.05, 5, "the clock to move")
     dflt.get(("d",), "x")
     assert kv.get_item(dflt.keys.item(("d",), "x")).expires_at == e
-    with pytest.raises(kvcomm.InvalidArgument, match="MINUTES"):
-        store.put(("m",), "b", {"v": 1}, ttl=-1)
+    for bad in (-1, 10**9, float("nan")):  # (10**9 minutes: over KVCOMM's ten years)
+        with pytest.raises(kvcomm.InvalidArgument, match="MINUTES"):
+            store.put(("m",), "b", {"v": 1}, ttl=bad)
     assert store.get(("m",), "b") is None
 
 

@@ -130,7 +130,10 @@ def test_two_hosts_resuming_one_thread_at_once_never_fork_it(dev: dict[str, Any]
                                "barrier/hosts")
         # 3 checkpoints a run (input, input applied, after the node): host-2's reach host-1
         # (and the loser's refused ones, deleted on host-2, are gone here too)
-        wait_for(lambda: len(list(saver.list(cfg))) == 9, 20, "one chain of three runs on host-1")
+        wait_for(lambda: len(list(saver.list(cfg))) == 9, 60, lambda: (
+            f"one chain of three runs on host-1 (writers: {outs}; host-1 lists "
+            + repr([(h.checkpoint["id"], h.metadata.get("source"), h.parent_config)
+                    for h in saver.list(cfg)]) + ")"))
         check_one_chain(saver, outs)
 
 
