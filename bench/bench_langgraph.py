@@ -30,7 +30,8 @@ PostgreSQL 15 that the benchmark starts itself: ``initdb`` and ``pg_ctl`` from
 run as root, stopped at the end). Per saver: ``aput`` and ``aget_tuple`` p50 (as above,
 each awaited on its own), and the throughput of a 20-step graph of an async node under
 ``--concurrency`` concurrent threads (``asyncio.gather`` of that many ``ainvoke``, each a
-new thread; graphs per second over ``--graphs`` such waves). Ratios: KVCommSaver's
+new thread; graphs per second over ``--graphs`` such waves, of wall time and of the
+process's CPU time). Ratios: KVCommSaver's
 throughput over each peer's (above 1: faster), and the peer's put/get_tuple time over
 KVCommSaver's (above 1: KVCommSaver faster).
 """
@@ -187,14 +188,18 @@ async def abench_saver(saver: BaseCheckpointSaver[Any], n: int, waves: int,
     await asyncio.gather(*(  # (a wave untimed: the graph's first runs warm LangGraph's caches)
         g.ainvoke({"n": 0}, {"configurable": {"thread_id": f"w-{uuid.uuid4().hex}"}})
         for _ in range(concurrency)))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(waves):
         outs = await asyncio.gather(*(
             g.ainvoke({"n": 0}, {"configurable": {"thread_id": f"g-{uuid.uuid4().hex}"}})
             for _ in range(concurrency)))
         assert all(o["n"] == 20 for o in outs)
-    rate = waves * concurrency / (time.perf_counter() - t0)
-    return {"put": put_ns / 1e3, "get_tuple": get_ns / 1e3, "graphs/s": rate}
+    graphs = waves * concurrency
+    return {"put": put_ns / 1e3, "get_tuple": get_ns / 1e3,
+            "graphs/s": graphs / (time.perf_counter() - t0),
+            # (per second of this process's CPU: what the load of other processes on a
+            # shared machine does not skew; a server's CPU, PostgreSQL's, is not counted)
+            "graphs/cpu-s": graphs / (time.process_time() - c0)}
 
 
 def free_port() -> int:
@@ -258,21 +263,23 @@ async def amain(args: argparse.Namespace) -> None:
                 off_loop = akv.off_loop
             finally:
                 l2.purge(ns)
-    keys = ("put", "get_tuple", "graphs/s")
+    keys = ("put", "get_tuple", "graphs/s", "graphs/cpu-s")
     med = {name: {m: statistics.median(x[m] for x in rs) for m in keys}
            for name, rs in results.items()}
     heading(f"LangGraph async checkpointers: p50 over {args.rounds} rounds (n={args.n} aputs and "
             f"aget_tuples; {args.graphs} waves of {args.concurrency} concurrent 20-step graphs)")
-    print(f"{'saver':<22}{'aput µs':>10}{'aget_tuple µs':>15}{'graphs/s':>11}")
+    print(f"{'saver':<22}{'aput µs':>10}{'aget_tuple µs':>15}{'graphs/s':>11}{'graphs/cpu-s':>14}")
     for name, m in med.items():
-        print(f"{name:<22}{m['put']:>10.1f}{m['get_tuple']:>15.1f}{m['graphs/s']:>11.1f}")
+        print(f"{name:<22}{m['put']:>10.1f}{m['get_tuple']:>15.1f}{m['graphs/s']:>11.1f}"
+              f"{m['graphs/cpu-s']:>14.1f}")
     heading("ratios: graph throughput KVCommSaver/peer; put and get_tuple time peer/KVCommSaver "
             "(above 1: KVCommSaver faster)")
     ours = med["KVCommSaver (aio)"]
     print(f"(KVCommSaver's calls that left the event loop for the aio client's pool: {off_loop})")
     for peer in ("InMemorySaver", "AsyncSqliteSaver", "AsyncPostgresSaver"):
         p = med[peer]
-        print(f"vs {peer:<19} graph {ours['graphs/s'] / p['graphs/s']:6.2f}x   put "
+        print(f"vs {peer:<19} graph {ours['graphs/s'] / p['graphs/s']:6.2f}x (per CPU-s "
+              f"{ours['graphs/cpu-s'] / p['graphs/cpu-s']:5.2f}x)   put "
               f"{p['put'] / ours['put']:7.2f}x   get_tuple {p['get_tuple'] / ours['get_tuple']:7.2f}x")
 
 
