@@ -1,7 +1,8 @@
 """LangGraph checkpointers in one run: KVCommSaver against LangGraph's InMemorySaver and
-SqliteSaver.
+SqliteSaver; with ``--async``, the async savers.
 
     python bench/bench_langgraph.py [--n 2000] [--rounds 5] [--graphs 20] [--cluster]
+    python bench/bench_langgraph.py --async [--n 500] [--rounds 3] [--concurrency 50]
 
 For each saver, interleaved in ``--rounds`` rounds (a noisy neighbour hits all alike):
 
@@ -20,15 +21,34 @@ host sees the threads). With ``--cluster``, also ``KVCommSaver`` on a one-host d
 cluster (Redis Cluster + etcd + a node daemon) with strong heads
 (``cache.strong_prefixes: ["lg/cp/h/"]``): each put then also moves the head in etcd.
 Ratios are KVCommSaver's time over each peer's (below 1: faster).
+
+``--async``: ``KVCommSaver`` over ``kvcomm.aio`` (embedded) beside ``InMemorySaver``'s
+async methods, ``AsyncSqliteSaver`` (aiosqlite, a file in a temporary directory) and
+``AsyncPostgresSaver`` (langgraph-checkpoint-postgres, a connection pool of 20, on a real
+PostgreSQL 15 that the benchmark starts itself: ``initdb`` and ``pg_ctl`` from
+``--pg-bin``, in a temporary directory, on a free port, run as the ``postgres`` user when
+run as root, stopped at the end). Per saver: ``aput`` and ``aget_tuple`` p50 (as above,
+each awaited on its own), and the throughput of a 20-step graph of an async node under
+``--concurrency`` concurrent threads (``asyncio.gather`` of that many ``ainvoke``, each a
+new thread; graphs per second over ``--graphs`` such waves, of wall time and of the
+process's CPU time). Ratios: KVCommSaver's
+throughput over each peer's (above 1: faster), and the peer's put/get_tuple time over
+KVCommSaver's (above 1: KVCommSaver faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import os
+import shutil
+import socket
 import sqlite3
 import statistics
+import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -128,6 +148,141 @@ def savers(tmp: str, cluster: bool) -> Iterator[dict[str, Callable[[], BaseCheck
         yield out
 
 
+# ---------------------------------------------------------------- the async savers
+
+
+def async_graph(saver: BaseCheckpointSaver[Any]) -> Any:
+    async def step(s: Loop) -> dict[str, Any]:
+        return {"n": s["n"] + 1}
+
+    g = StateGraph(Loop)
+    g.add_node("step", step)
+    g.add_edge(START, "step")
+    g.add_conditional_edges("step", lambda s: END if s["n"] >= 20 else "step")
+    return g.compile(checkpointer=saver)
+
+
+async def abench_saver(saver: BaseCheckpointSaver[Any], n: int, waves: int,
+                       concurrency: int) -> dict[str, float]:
+    thread = f"bench-{uuid.uuid4().hex[:8]}"
+    cfg: dict[str, Any] = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    made = iter(checkpoints(saver, n))
+    samples = []
+    for _ in range(n):
+        cp, versions = next(made)
+        t0 = time.perf_counter_ns()
+        cfg = await saver.aput(cfg, cp, {"source": "loop", "step": 1, "parents": {}}, versions)
+        samples.append(time.perf_counter_ns() - t0)
+    put_ns = statistics.median(samples)
+    await saver.aput_writes(cfg, [("a", "w1"), ("b", "w2")], "task-1")
+    latest: dict[str, Any] = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    tup = await saver.aget_tuple(latest)
+    assert tup is not None and len(tup.pending_writes or []) == 2
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        await saver.aget_tuple(latest)
+        samples.append(time.perf_counter_ns() - t0)
+    get_ns = statistics.median(samples)
+    g = async_graph(saver)
+    await asyncio.gather(*(  # (a wave untimed: the graph's first runs warm LangGraph's caches)
+        g.ainvoke({"n": 0}, {"configurable": {"thread_id": f"w-{uuid.uuid4().hex}"}})
+        for _ in range(concurrency)))
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(waves):
+        outs = await asyncio.gather(*(
+            g.ainvoke({"n": 0}, {"configurable": {"thread_id": f"g-{uuid.uuid4().hex}"}})
+            for _ in range(concurrency)))
+        assert all(o["n"] == 20 for o in outs)
+    graphs = waves * concurrency
+    return {"put": put_ns / 1e3, "get_tuple": get_ns / 1e3,
+            "graphs/s": graphs / (time.perf_counter() - t0),
+            # (per second of this process's CPU: what the load of other processes on a
+            # shared machine does not skew; a server's CPU, PostgreSQL's, is not counted)
+            "graphs/cpu-s": graphs / (time.process_time() - c0)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def postgres(tmp: str, bin_dir: str) -> Iterator[str]:
+    """A PostgreSQL server of its own (``initdb`` in ``tmp``, a free port); its URI."""
+    d = os.path.join(tmp, "pg")
+    os.makedirs(d)
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # (PostgreSQL refuses to run as root)
+        shutil.chown(tmp, "postgres")
+        shutil.chown(d, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    run = functools.partial(subprocess.run, check=True, capture_output=True)
+    run([*as_user, os.path.join(bin_dir, "initdb"), "-D", d, "-A", "trust", "-U", "postgres",
+         "--no-sync"])
+    run([*as_user, os.path.join(bin_dir, "pg_ctl"), "-D", d, "-w", "-l", os.path.join(d, "log"),
+         "-o", f"-p {port} -k {d} -c listen_addresses=127.0.0.1 -c fsync=on", "start"])
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        run([*as_user, os.path.join(bin_dir, "pg_ctl"), "-D", d, "-m", "fast", "stop"])
+
+
+async def amain(args: argparse.Namespace) -> None:
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+    from psycopg.rows import dict_row
+    from psycopg_pool import AsyncConnectionPool
+
+    import kvcomm.aio
+
+    with tempfile.TemporaryDirectory() as tmp, postgres(tmp, args.pg_bin) as uri:
+        ns = f"bench-lg-aio-{os.getpid()}"
+        async with kvcomm.aio.open(ns, config=kvcomm.Config.from_mapping(
+                {"cache": {"l2_size": "256MB"}})) as akv, \
+                AsyncSqliteSaver.from_conn_string(os.path.join(tmp, "cp.sqlite")) as sqlite, \
+                AsyncConnectionPool(uri, min_size=4, max_size=20, open=False, kwargs={
+                    "autocommit": True, "prepare_threshold": 0, "row_factory": dict_row}) as pool:
+            try:
+                pg = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
+                await pg.setup()
+                makers: dict[str, Callable[[], BaseCheckpointSaver[Any]]] = {
+                    "InMemorySaver": InMemorySaver,
+                    "AsyncSqliteSaver": lambda: sqlite,
+                    "AsyncPostgresSaver": lambda: pg,
+                    "KVCommSaver (aio)": lambda: KVCommSaver(akv),
+                }
+                results: dict[str, list[dict[str, float]]] = {name: [] for name in makers}
+                for r in range(args.rounds):
+                    for name, make in makers.items():
+                        results[name].append(await abench_saver(make(), args.n, args.graphs,
+                                                                args.concurrency))
+                    print(f"round {r + 1}/{args.rounds} done", flush=True)
+                off_loop = akv.off_loop
+            finally:
+                l2.purge(ns)
+    keys = ("put", "get_tuple", "graphs/s", "graphs/cpu-s")
+    med = {name: {m: statistics.median(x[m] for x in rs) for m in keys}
+           for name, rs in results.items()}
+    heading(f"LangGraph async checkpointers: p50 over {args.rounds} rounds (n={args.n} aputs and "
+            f"aget_tuples; {args.graphs} waves of {args.concurrency} concurrent 20-step graphs)")
+    print(f"{'saver':<22}{'aput µs':>10}{'aget_tuple µs':>15}{'graphs/s':>11}{'graphs/cpu-s':>14}")
+    for name, m in med.items():
+        print(f"{name:<22}{m['put']:>10.1f}{m['get_tuple']:>15.1f}{m['graphs/s']:>11.1f}"
+              f"{m['graphs/cpu-s']:>14.1f}")
+    heading("ratios: graph throughput KVCommSaver/peer; put and get_tuple time peer/KVCommSaver "
+            "(above 1: KVCommSaver faster)")
+    ours = med["KVCommSaver (aio)"]
+    print(f"(KVCommSaver's calls that left the event loop for the aio client's pool: {off_loop})")
+    for peer in ("InMemorySaver", "AsyncSqliteSaver", "AsyncPostgresSaver"):
+        p = med[peer]
+        print(f"vs {peer:<19} graph {ours['graphs/s'] / p['graphs/s']:6.2f}x (per CPU-s "
+              f"{ours['graphs/cpu-s'] / p['graphs/cpu-s']:5.2f}x)   put "
+              f"{p['put'] / ours['put']:7.2f}x   get_tuple {p['get_tuple'] / ours['get_tuple']:7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000, help="puts and reads per round")
@@ -135,7 +290,16 @@ def main() -> None:
     ap.add_argument("--graphs", type=int, default=20, help="20-step graph runs per round")
     ap.add_argument("--cluster", action="store_true",
                     help="also KVCommSaver on a one-host dev cluster (needs redis-server, etcd)")
+    ap.add_argument("--async", dest="aio", action="store_true",
+                    help="the async savers (KVCommSaver over kvcomm.aio, AsyncSqliteSaver, "
+                         "AsyncPostgresSaver on a PostgreSQL started here)")
+    ap.add_argument("--concurrency", type=int, default=50, help="--async: concurrent graphs")
+    ap.add_argument("--pg-bin", default="/usr/lib/postgresql/15/bin",
+                    help="--async: the folder of PostgreSQL's initdb and pg_ctl")
     args = ap.parse_args()
+    if args.aio:
+        asyncio.run(amain(args))
+        return
     with tempfile.TemporaryDirectory() as tmp, savers(tmp, args.cluster) as makers:
         results: dict[str, list[dict[str, float]]] = {name: [] for name in makers}
         for r in range(args.rounds):

@@ -6,11 +6,14 @@ test_langgraph_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import multiprocessing as mp
 import operator
 import pickle
 import random
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -20,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcomm
+from kvcomm._wait import wait_until
 
 pytest.importorskip("langgraph.checkpoint.conformance")
 
@@ -77,6 +81,11 @@ def build_graph() -> StateGraph[State]:
     def act(s: State) -> dict[str, Any]:
         return {"steps": [f"act:{s['answer']}"]}
 
+    return wire(plan, ask, act)
+
+
+def wire(plan: Any, ask: Any, act: Any) -> StateGraph[State]:
+    """plan -> ask (an interrupt) -> act."""
     g = StateGraph(State)
     g.add_node("plan", plan)
     g.add_node("ask", ask)
@@ -349,3 +358,364 @@ def test_heads_only_move_forward_whoever_moved_them_last(ns: str, config: kvcomm
         assert len(list(sa.list(cfg))) == 6
         # (the stale remembered heads were refused: each saver's client counted conflicts)
         assert a.counters["conflicts"] >= 2 and b.counters["conflicts"] >= 1
+
+
+# ---------------------------------------------------------------- retention (ttl)
+
+
+def _thread_keys(kv: kvcomm.Client, saver: KVCommSaver, thread_id: str) -> dict[str, Any]:
+    k = saver.keys
+    return {i.key: kv.get_item(i.key) for p in (k.heads, k.checkpoints, k.blobs, k.writes)
+            for i in kv.scan(k.thread(p, thread_id))}
+
+
+def test_a_saver_ttl_gives_every_record_of_a_thread_its_lifetime(kv: kvcomm.Client) -> None:
+    """``ttl`` (seconds): the head, checkpoints, values and writes of a thread expire that
+    long after they were written; a channel value the latest checkpoint shares with its
+    ancestors lives as long as it. Without ttl nothing expires."""
+    cfg: Any = {"configurable": {"thread_id": "ttl-1"}}
+    saver = KVCommSaver(kv, ttl=600)
+    before = time.time()
+    build_graph().compile(checkpointer=saver).invoke({"steps": [], "answer": ""}, cfg)
+    got = _thread_keys(kv, saver, "ttl-1")
+    assert len(got) >= 8
+    for key, item in got.items():
+        assert item.expires_at is not None and before + 599 < item.expires_at <= time.time() + 600, key
+    latest = saver.get_tuple(cfg)
+    assert latest is not None
+    cp_expiry = got[saver.keys.checkpoint("ttl-1", "", latest.checkpoint["id"])].expires_at
+    for ch, v in latest.checkpoint["channel_versions"].items():  # (some written steps before)
+        assert got[saver.keys.blob("ttl-1", "", ch, v)].expires_at >= cp_expiry, ch
+    assert got[saver.keys.head("ttl-1", "")].expires_at <= cp_expiry + 1e-3  # (never outlives it)
+    plain = KVCommSaver(kv, root="plain/")
+    build_graph().compile(checkpointer=plain).invoke({"steps": [], "answer": ""}, cfg)
+    assert all(i.expires_at is None for i in _thread_keys(kv, plain, "ttl-1").values())
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_reading_a_thread_refreshes_its_ttl_when_asked(kv: kvcomm.Client, refresh: bool) -> None:
+    """``refresh_on_read`` (langgraph-checkpoint-redis's name; default True): get_tuple
+    gives the checkpoint it returns (head, record, values, writes) its whole ttl again."""
+    cfg: Any = {"configurable": {"thread_id": "ttl-2"}}
+    saver = KVCommSaver(kv, ttl=600, refresh_on_read=refresh)
+    build_graph().compile(checkpointer=saver).invoke({"steps": [], "answer": ""}, cfg)
+    latest = saver.get_tuple(cfg)
+    assert latest is not None and latest.pending_writes  # (the interrupt's writes)
+    cid = latest.checkpoint["id"]
+    k = saver.keys
+    mine = [k.head("ttl-2", ""), k.checkpoint("ttl-2", "", cid),
+            *(k.blob("ttl-2", "", ch, v) for ch, v in latest.checkpoint["channel_versions"].items()),
+            *(i.key for i in kv.scan(k.write_prefix("ttl-2", "", cid)))]
+    first = {key: kv.get_item(key).expires_at for key in mine}
+    t0 = time.time()
+    wait_until(lambda: time.time() > t0 + 0.05, 5, "the clock to move")
+    assert saver.get_tuple(cfg) is not None
+    again = {key: kv.get_item(key).expires_at for key in mine}
+    for key in mine:
+        assert (again[key] > first[key] + 0.04) if refresh else again[key] == first[key], key
+
+
+def test_an_expired_thread_is_gone_and_a_new_run_starts_afresh(kv: kvcomm.Client) -> None:
+    cfg: Any = {"configurable": {"thread_id": "ttl-3"}}
+    saver = KVCommSaver(kv, ttl=0.5)
+    graph = build_graph().compile(checkpointer=saver)
+    graph.invoke({"steps": [], "answer": ""}, cfg)
+    assert saver.get_tuple(cfg) is not None  # (a read: its ttl starts again)
+    wait_until(lambda: not _thread_keys(kv, saver, "ttl-3"), 20, "the thread to expire")
+    assert saver.get_tuple(cfg) is None
+    assert graph.invoke({"steps": [], "answer": ""}, cfg)["steps"] == ["plan"]
+
+
+def test_a_saver_ttl_is_seconds_and_checked(kv: kvcomm.Client) -> None:
+    for bad in (0, -1, float("inf"), float("nan"), "60", True, 10**12):
+        with pytest.raises(kvcomm.InvalidArgument, match="SECONDS"):
+            KVCommSaver(kv, ttl=bad)  # type: ignore[arg-type]
+
+
+def test_store_ttl_is_langgraphs_minutes_refreshed_on_get_and_search(kv: kvcomm.Client) -> None:
+    """LangGraph's store contract: ``put(..., ttl=)`` in minutes; ``TTLConfig``'s
+    default_ttl and refresh_on_read; ``refresh_ttl`` per get and search; ttl=None keeps
+    the item until deleted (whatever deadline it had)."""
+    store = KVCommStore(kv)
+    assert store.supports_ttl
+    key = store.keys.item(("m",), "a")
+    store.put(("m",), "a", {"v": 1}, ttl=2)  # 2 minutes
+    e1 = kv.get_item(key).expires_at
+    assert e1 is not None and time.time() + 119 < e1 <= time.time() + 120
+    t0 = time.time()
+    wait_until(lambda: time.time() > t0 + 0.05, 5, "the clock to move")
+    assert store.get(("m",), "a", refresh_ttl=False).value == {"v": 1}
+    assert kv.get_item(key).expires_at == e1
+    assert store.get(("m",), "a").value == {"v": 1}  # (refreshed by default)
+    e2 = kv.get_item(key).expires_at
+    assert e2 > e1 + 0.04
+    wait_until(lambda: time.time() > t0 + 0.1, 5, "the clock to move")
+    assert [i.key for i in store.search(("m",))] == ["a"]
+    assert kv.get_item(key).expires_at > e2 + 0.04
+    store.put(("m",), "a", {"v": 2}, ttl=None)
+    assert kv.get_item(key).expires_at is None
+    created = store.get(("m",), "a")
+    store.put(("m",), "a", {"v": 3})  # (no ttl: permanent; created_at kept)
+    assert kv.get_item(key).expires_at is None
+    assert store.get(("m",), "a").created_at == created.created_at
+
+    dflt = KVCommStore(kv, ttl={"default_ttl": 1, "refresh_on_read": False})
+    dflt.put(("d",), "x", {"v": 1})
+    e = kv.get_item(dflt.keys.item(("d",), "x")).expires_at
+    assert e is not None and time.time() + 59 < e <= time.time() + 60
+    t1 = time.time()
+    wait_until(lambda: time.time() > t1 + 0.05, 5, "the clock to move")
+    dflt.get(("d",), "x")
+    assert kv.get_item(dflt.keys.item(("d",), "x")).expires_at == e
+    for bad in (-1, 10**9, float("nan")):  # (10**9 minutes: over KVCOMM's ten years)
+        with pytest.raises(kvcomm.InvalidArgument, match="MINUTES"):
+            store.put(("m",), "b", {"v": 1}, ttl=bad)
+    assert store.get(("m",), "b") is None
+
+
+def test_an_expired_store_item_is_gone(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv)
+    store.put(("m",), "short", {"v": 1}, ttl=0.01)  # 0.6 s
+    store.put(("m",), "long", {"v": 2})
+    assert store.get(("m",), "short", refresh_ttl=False) is not None
+    wait_until(lambda: store.get(("m",), "short", refresh_ttl=False) is None, 20,
+               "the item to expire")
+    assert [i.key for i in store.search(("m",))] == ["long"]
+
+
+# ---------------------------------------------------------------- two writers never fork a thread
+
+
+class Log(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+
+def log_graph() -> StateGraph[Log]:
+    g = StateGraph(Log)
+    g.add_node("work", lambda s: {"log": ["work"]})
+    g.add_edge(START, "work")
+    g.add_edge("work", END)
+    return g
+
+
+def resume_worker(open_kw: dict[str, Any], who: str, barrier: str, out: Any) -> None:
+    """A process resuming thread 'shared' with input ``[who]``: it reads the thread's head,
+    waits until the other process has read it too (``barrier``), then runs; on
+    ConflictError it reports and runs again (the retry LangGraph users write)."""
+    if "config" in open_kw and isinstance(open_kw["config"], dict):
+        open_kw = {**open_kw, "config": kvcomm.Config.from_mapping(open_kw["config"])}
+    with kvcomm.open(**open_kw) as kv:
+        class Met(KVCommSaver):
+            met = False
+
+            def get_tuple(self, config: Any) -> Any:
+                tup = super().get_tuple(config)
+                if not Met.met:
+                    Met.met = True
+                    kv.update(barrier, lambda n: n + 1, default=0)
+                    wait_until(lambda: (kv.get(barrier) or 0) >= 2, 60, "the other writer")
+                return tup
+
+        graph = log_graph().compile(checkpointer=Met(kv))
+        cfg = {"configurable": {"thread_id": "shared"}}
+        result = []
+        for _ in range(5):
+            try:
+                graph.invoke({"log": [who]}, cfg)
+                result.append("ok")
+                break
+            except kvcomm.ConflictError as exc:
+                result.append(f"conflict: {exc}")
+        out.put((who, result))
+
+
+def check_one_chain(saver: KVCommSaver, outs: list[tuple[str, list[str]]]) -> None:
+    """A writer was told (ConflictError: both read the same head, one move was refused)
+    and retried until it ran (while the winner's run goes on, a retry may read its
+    intermediate head and be told again); the thread is one chain (each checkpoint the
+    parent of the next, none with two children) holding each run once."""
+    results = dict(outs)
+    assert all(r[-1] == "ok" and all(x.startswith("conflict: thread 'shared'") for x in r[:-1])
+               for r in results.values()), results
+    assert sum(len(r) - 1 for r in results.values()) >= 1, results  # (someone was told)
+    cfg: Any = {"configurable": {"thread_id": "shared", "checkpoint_ns": ""}}
+    history = list(saver.list(cfg))
+    parents = [h.parent_config["configurable"]["checkpoint_id"] if h.parent_config else None
+               for h in history]
+    assert len(set(parents)) == len(parents), parents  # (no checkpoint has two children)
+    for newer, older in zip(history, history[1:], strict=False):
+        assert newer.parent_config["configurable"]["checkpoint_id"] == older.checkpoint["id"]
+    log = history[0].checkpoint["channel_values"]["log"]
+    assert log[:2] == ["seed", "work"] and log[3::2] == ["work", "work"], log
+    assert sorted(log[2::2]) == ["A", "B"], log  # (each run once)
+
+
+def run_two_writers(opens: list[dict[str, Any]], barrier: str) -> list[tuple[str, list[str]]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=resume_worker, args=(o, w, barrier, out))
+             for o, w in zip(opens, ["A", "B"], strict=True)]
+    for p in procs:
+        p.start()
+    got: list[tuple[str, list[str]]] = []
+
+    def both() -> bool:
+        while not out.empty():
+            got.append(out.get())
+        if len(got) < len(procs):  # (a worker that died fails the wait at once)
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a writer process failed: exit codes {dead}"
+        return len(got) == len(procs)
+
+    try:
+        wait_until(both, 120, "both writers", error=AssertionError)
+    finally:
+        for p in procs:
+            p.join(30)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return got
+
+
+def test_two_processes_resuming_one_thread_at_once_never_fork_it(ns: str,
+                                                                 config: kvcomm.Config) -> None:
+    """langgraph #8796: two processes resumed one thread at the same moment (both read the
+    same latest checkpoint); the loser's head move is refused (a compare-and-set against
+    the checkpoint it resumed from) and nothing of it is kept; it retries on the new head."""
+    with kvcomm.open(ns, config=config) as kv:
+        saver = KVCommSaver(kv)
+        cfg: Any = {"configurable": {"thread_id": "shared"}}
+        log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
+        outs = run_two_writers([{"name": ns, "config": config.model_dump()}] * 2, "barrier/1")
+        check_one_chain(saver, outs)
+
+
+def test_a_run_from_an_explicit_past_checkpoint_still_forks(kv: kvcomm.Client) -> None:
+    """LangGraph's time travel: invoking with a past checkpoint_id branches from it (no
+    ConflictError); the head moves to the branch, the old branch stays listed."""
+    saver = KVCommSaver(kv)
+    graph = log_graph().compile(checkpointer=saver)
+    cfg: Any = {"configurable": {"thread_id": "tt"}}
+    graph.invoke({"log": ["one"]}, cfg)
+    graph.invoke({"log": ["two"]}, cfg)
+    past = [h for h in saver.list(cfg) if h.checkpoint["channel_values"].get("log") == ["one", "work"]
+            and h.metadata["source"] == "loop"]  # (run 1's last checkpoint)
+    assert len(past) == 1
+    forked = graph.invoke({"log": ["three"]}, past[0].config)
+    assert forked["log"] == ["one", "work", "three", "work"]
+    assert graph.get_state(cfg).values["log"] == ["one", "work", "three", "work"]
+    children = [h for h in saver.list(cfg) if h.parent_config
+                and h.parent_config["configurable"]["checkpoint_id"] == past[0].checkpoint["id"]]
+    assert len(children) == 2  # (the old branch and the fork)
+    # a snapshot's config (get_state: read as the head) used explicitly later forks too
+    snap = graph.get_state(cfg)
+    graph.invoke({"log": ["four"]}, cfg)
+    assert graph.invoke({"log": ["five"]}, snap.config)["log"][-2:] == ["five", "work"]
+
+
+# ---------------------------------------------------------------- async-native (kvcomm.aio)
+
+
+def test_kvcommsaver_on_an_aio_client_passes_the_conformance_suite(
+        ns: str, config: kvcomm.Config, capsys: pytest.CaptureFixture[str]) -> None:
+    """The conformance suite (it calls the async methods) on ``KVCommSaver(aio client)``."""
+    import kvcomm.aio
+
+    @checkpointer_test(name="KVCommSaver(kvcomm.aio)")
+    async def factory() -> AsyncIterator[KVCommSaver]:
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            yield KVCommSaver(akv)
+
+    report = asyncio.run(validate(factory))
+    report.print_report()
+    printed = capsys.readouterr().out
+    for cap in BASE_CAPABILITIES | EXTENDED_CAPABILITIES:
+        result = report.results[cap.value]
+        assert result.detected and result.passed is True, (cap.value, result.failures, printed)
+        assert result.tests_passed > 0 and result.tests_failed == 0
+    assert report.conformance_level() == "FULL"
+
+
+class _NoExecutor(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, *a: Any, **k: Any) -> Any:
+        raise AssertionError("the loop's default executor was used")
+
+
+def async_graph() -> StateGraph[State]:
+    """build_graph's graph with async nodes (an agent written async end to end)."""
+    async def plan(s: State) -> dict[str, Any]:
+        return {"steps": ["plan"]}
+
+    async def ask(s: State) -> dict[str, Any]:
+        return {"steps": ["ask"], "answer": interrupt({"question": "go ahead?"})}
+
+    async def act(s: State) -> dict[str, Any]:
+        return {"steps": [f"act:{s['answer']}"]}
+
+    return wire(plan, ask, act)
+
+
+def test_an_aio_client_makes_the_async_methods_native(ns: str, config: kvcomm.Config) -> None:
+    """On a ``kvcomm.aio`` client the saver's and the store's async methods run on the
+    loop: no executor (the loop's default one refuses work here), and, on one host, not
+    one call had to leave the loop for the aio client's pool either."""
+    import kvcomm.aio
+
+    async def run() -> tuple[Any, ...]:
+        asyncio.get_running_loop().set_default_executor(_NoExecutor(1))
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            saver, store = KVCommSaver(akv, ttl=600), KVCommStore(akv)
+            graph = async_graph().compile(checkpointer=saver, store=store)
+            cfg: Any = {"configurable": {"thread_id": "aio-1"}}
+            await graph.ainvoke({"steps": [], "answer": ""}, cfg)
+            done = await graph.ainvoke(Command(resume="ok"), cfg)
+            history = [t async for t in saver.alist(cfg)]
+            await store.aput(("m",), "k", {"v": 1}, ttl=1)
+            got = await store.aget(("m",), "k")
+            found = await store.asearch(("m",))
+            await saver.adelete_thread("aio-1")
+            gone = await saver.aget_tuple(cfg)
+            return done, history, got, found, gone, akv.off_loop
+
+    done, history, got, found, gone, off_loop = asyncio.run(run())
+    assert done["steps"] == ["plan", "ask", "act:ok"] and len(history) >= 4
+    assert got.value == {"v": 1} and [i.key for i in found] == ["k"] and gone is None
+    assert off_loop == 0
+
+
+def test_two_async_writers_on_one_thread_never_fork_it(ns: str, config: kvcomm.Config) -> None:
+    """The fork rule with ``ainvoke`` on aio clients: two tasks resume one thread from the
+    same head; one is told (ConflictError) and retries; one chain."""
+    import kvcomm.aio
+
+    async def run() -> list[tuple[str, list[str]]]:
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            seed_saver = KVCommSaver(akv)
+            cfg: Any = {"configurable": {"thread_id": "shared"}}
+            await log_graph().compile(checkpointer=seed_saver).ainvoke({"log": ["seed"]}, cfg)
+            both = asyncio.Barrier(2)
+
+            class Met(KVCommSaver):
+                async def aget_tuple(self, config: Any) -> Any:
+                    tup = await super().aget_tuple(config)
+                    if not getattr(self, "met", False):
+                        self.met = True
+                        await both.wait()
+                    return tup
+
+            async def writer(who: str) -> tuple[str, list[str]]:
+                graph = log_graph().compile(checkpointer=Met(akv))
+                result = []
+                for _ in range(5):
+                    try:
+                        await graph.ainvoke({"log": [who]}, cfg)
+                        result.append("ok")
+                        break
+                    except kvcomm.ConflictError as exc:
+                        result.append(f"conflict: {exc}")
+                return who, result
+
+            return list(await asyncio.gather(writer("A"), writer("B")))
+
+    outs = asyncio.run(run())
+    with kvcomm.open(ns, config=config) as kv:
+        check_one_chain(KVCommSaver(kv), outs)

@@ -28,7 +28,7 @@ from langgraph.types import Command  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
 
-from .test_langgraph import build_graph  # noqa: E402
+from .test_langgraph import build_graph, check_one_chain, log_graph, run_two_writers  # noqa: E402
 
 pytestmark = [
     pytest.mark.redis,
@@ -114,6 +114,56 @@ def test_a_resume_waits_for_records_not_yet_in_l3_and_never_reads_an_older_threa
         assert impatient.counters["wait_timeouts"] == 1
         assert wait_for(lambda: impatient.get_tuple(cfg2), 20, "the records after the daemon resumed",
                         retry_on=(kvcomm.Unavailable,))
+
+
+def test_two_hosts_resuming_one_thread_at_once_never_fork_it(dev: dict[str, Any]) -> None:
+    """langgraph #8796 across hosts: a process on host-1 and one on host-2 resume one
+    thread from the same latest checkpoint; the strong head's compare-and-set (etcd)
+    refuses the loser's move, which is told (ConflictError), retries, and the thread is
+    one chain holding both runs."""
+    with host(dev, 0) as a:
+        saver = KVCommSaver(a)
+        cfg: Any = {"configurable": {"thread_id": "shared"}}
+        log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
+        assert a.get_item(saver.keys.head("shared", "")).tier == "etcd"  # the head is strong
+        outs = run_two_writers([{"config": dev["hosts"][i]["config"]} for i in (0, 1)],
+                               "barrier/hosts")
+        # 3 checkpoints a run (input, input applied, after the node): host-2's reach host-1
+        # (and the loser's refused ones, deleted on host-2, are gone here too)
+        wait_for(lambda: len(list(saver.list(cfg))) == 9, 60, lambda: (
+            f"one chain of three runs on host-1 (writers: {outs}; host-1 lists "
+            + repr([(h.checkpoint["id"], h.metadata.get("source"), h.parent_config)
+                    for h in saver.list(cfg)]) + ")"))
+        check_one_chain(saver, outs)
+
+
+def test_an_async_agent_on_host_2_resumes_host_1s_thread_over_kvcomm_aio(
+        dev: dict[str, Any]) -> None:
+    """KVCommSaver and KVCommStore on ``kvcomm.aio`` clients, a graph of async nodes: host-1
+    runs it to its interrupt, host-2 resumes it (``ainvoke``); the calls that reach etcd or
+    L3 left the loop for the aio client's pool (counted), the others ran on it."""
+    import asyncio
+
+    import kvcomm.aio
+
+    from .test_langgraph import async_graph
+
+    cfg: Any = {"configurable": {"thread_id": "aio/7"}}
+
+    async def run() -> tuple[Any, int]:
+        async with kvcomm.aio.open(config=dev["hosts"][0]["config"]) as a, \
+                kvcomm.aio.open(config=dev["hosts"][1]["config"]) as b:
+            one = async_graph().compile(checkpointer=KVCommSaver(a), store=KVCommStore(a))
+            out = await one.ainvoke({"steps": [], "answer": ""}, cfg)
+            assert out["__interrupt__"][0].value == {"question": "go ahead?"}
+            two = async_graph().compile(checkpointer=KVCommSaver(b), store=KVCommStore(b))
+            done = await two.ainvoke(Command(resume="yes"), cfg)
+            final = await one.aget_state(cfg)
+            assert final.values["steps"] == done["steps"]
+            return done, b.off_loop
+
+    done, off_loop = asyncio.run(run())
+    assert done["steps"] == ["plan", "ask", "act:yes"] and off_loop > 0
 
 
 def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, Any]) -> None:

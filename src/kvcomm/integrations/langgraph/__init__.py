@@ -13,6 +13,9 @@ Both take an open client::
     kv = kvcomm.open("agents")
     graph = builder.compile(checkpointer=KVCommSaver(kv), store=KVCommStore(kv))
 
+Both also take a ``kvcomm.aio`` client (``await kvcomm.aio.open(...)``): their async
+methods are then native (on the event loop; see ``_kv.run_async``).
+
 Importing this module without LangGraph installed raises ConfigError naming the extra.
 """
 

@@ -3,12 +3,17 @@ and reads of records that must exist (referenced by a thread's head) on another 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import asyncio
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ..._client import Client, Item
 from ..._wait import wait_until
-from ...errors import Unavailable
+from ...aio import AsyncClient
+from ...errors import InvalidArgument, Unavailable
+
+R = TypeVar("R")
 
 _ABSENT: Any = object()
 
@@ -52,3 +57,34 @@ def get_referenced(kv: Client, key: str, timeout: float, what: str,
             counters["wait_timeouts"] += 1
         raise
     return found[0]
+
+
+def sync_and_aio(kv: Any, who: str) -> tuple[Client, AsyncClient | None]:
+    """(the sync client, the ``kvcomm.aio`` client or None) of what ``who`` was given.
+    Raises InvalidArgument for anything but an open client of either face."""
+    if isinstance(kv, AsyncClient):
+        return kv.sync, kv
+    if isinstance(kv, Client):
+        return kv, None
+    raise InvalidArgument(f"{who} needs an open kvcomm client (kvcomm.open() or "
+                          f"kvcomm.aio.open()), got {type(kv).__name__}")
+
+
+async def run_async(aio: AsyncClient | None, fn: Callable[..., R], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> R:
+    """An async method of the saver or the store: its sync method ``fn``, one
+    implementation for both faces, run as ``kvcomm.aio`` runs the client's own methods.
+
+    On a ``kvcomm.aio`` client: **inline on the event loop** (an L1/L2 operation takes
+    microseconds; no thread hop, no executor). The first client call in it that would wait
+    (a round trip to L3 or etcd, another process holding the host's writer lock) raises
+    WouldBlock before doing anything, and ``fn`` runs again, whole, in the aio client's
+    pool, awaited: the loop never waits. Running ``fn`` again is safe: what it may have
+    written before is immutable records put again with the same values, deletes, and
+    compare-and-sets judged afresh (each method of the saver and the store is written so).
+    On a sync client: ``fn`` in the loop's default thread executor (it may block).
+    """
+    if aio is not None:
+        return await aio._attempt(fn, args, kwargs)  # type: ignore[no-any-return]
+    return await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(fn, *args, **kwargs))

@@ -51,17 +51,46 @@ What else to know
   Maintenance (copy, prune, deletes) of a thread is not meant to race a run of it.
 * Values go through LangGraph's serializer protocol (``JsonPlusSerializer`` by default,
   ``serde=`` to choose), never pickle (``_serde.py``).
-* The async methods run the sync ones in the event loop's default thread executor: a
-  KVCOMM call is a shared-memory operation (microseconds) or, on a miss in cluster
-  mode, one round trip.
+* Async: on a ``kvcomm.aio`` client (``KVCommSaver(await kvcomm.aio.open(...))``) the
+  async methods are native: inline on the event loop, and only a call that would wait
+  (L3, etcd, a held writer lock) runs in the aio client's pool (``_kv.run_async``). On
+  a sync client they run the sync ones in the loop's default thread executor.
+
+Two writers never fork a thread by accident
+-------------------------------------------
+``get_tuple`` of a thread's latest checkpoint marks the config it returns (a
+``"__kvcomm_resumed_head__"`` configurable key, which LangGraph keeps out of metadata);
+LangGraph carries it into every ``put`` of the run. Such a put moves the head by a
+compare-and-set against its parent: when another writer resumed the same head and moved
+it first, the put deletes the records it wrote and raises ``kvcomm.ConflictError`` (the
+loser runs again from the new head). This holds on one host (L2) and across hosts: a
+strong head's compare-and-set is an etcd transaction, an eventual head's is decided on
+its Redis master (Unavailable in partition mode). A run from an explicit
+``checkpoint_id`` (time travel) is not marked and forks, as LangGraph intends; so does a
+direct ``put`` with a config that does not carry the mark (the head then only moves
+forward). Two runs *starting* a new thread at once are not told (there is no head to
+compare against; the later id wins).
+
+Retention
+---------
+``ttl`` (seconds, KVCOMM's unit; langgraph-checkpoint-redis's ``ttl`` counts minutes)
+gives every record a put writes (checkpoint, channel values, writes, head) that lifetime
+(KVCOMM's own TTL: expired keys are gone on every host, no sweeper); a put also gives the
+values its checkpoint shares with older ones the same lifetime, so the latest checkpoint
+is always whole. ``refresh_on_read`` (True by default, langgraph-checkpoint-redis's
+name) makes ``get_tuple`` give the checkpoint it returns, with its values and writes and
+the head, its whole ttl again: a thread lives ``ttl`` after its last write or read;
+older checkpoints expire ``ttl`` after they were written. ``prune`` and
+``delete_thread`` remain for explicit clean-up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import functools
+import math
 import random
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
@@ -81,6 +110,8 @@ from langgraph.checkpoint.base import (
 )
 
 from ..._client import ABSENT, Client
+from ...aio import AsyncClient
+from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
     ConflictError,
@@ -91,14 +122,33 @@ from ...errors import (
     Unavailable,
 )
 from ._keys import DEFAULT_ROOT, Keys
-from ._kv import get_referenced, scan
+from ._kv import get_referenced, run_async, scan, sync_and_aio
 from ._serde import NoPickleSerializer, no_pickle
 
 R = TypeVar("R")
 
+_ANY: Any = object()  # (a head move from any parent: forward only)
+_MAX_HEADS = 65536  # (the remembered heads, one per thread and namespace: bounded)
+
 
 class _NotHead(Exception):
     """put_writes: the checkpoint is no longer the head (the head is left alone)."""
+
+
+class _Moved(Exception):
+    """put: the head is not the checkpoint this run resumed from (another writer moved it)."""
+
+    def __init__(self, head: str | None) -> None:
+        self.head = head
+
+
+# The configurable key a head read by get_tuple carries (its checkpoint id; None for a
+# checkpoint read by its explicit id). LangGraph merges get_tuple's config into the
+# config of the run's every put; a put that carries a non-None one is the continuation
+# of a run that resumed from the thread's latest checkpoint: it moves the head by a
+# compare-and-set against its parent, never forking the thread. ("__" keys are kept out
+# of checkpoint metadata by LangGraph.)
+RESUMED_HEAD = "__kvcomm_resumed_head__"
 
 
 # what reading a record of another shape than KVCommSaver's raises (a planted one)
@@ -171,7 +221,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     stored record names, is refused (ConfigError; see ``_serde.py``). ``root`` is the
     key prefix of everything the saver writes (default ``"lg/"``; heads under
     ``root + "cp/h/"``). ``wait_timeout`` is how long, in cluster mode, a read waits for
-    a record the thread's head names.
+    a record the thread's head names. ``ttl`` (seconds, or None: kept until deleted) and
+    ``refresh_on_read``: see Retention in the module docstring. ``kv`` may be a
+    ``kvcomm.aio`` client: the async methods are then native.
 
     Methods raise what the client raises (kvcomm.KVCommError: InvalidKey for an id too
     long for ``cache.max_key_bytes``, Unavailable...) and LangGraph's serializer errors;
@@ -181,15 +233,22 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     serde: NoPickleSerializer
 
-    def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
-                 wait_timeout: float = 10.0) -> None:
-        if not isinstance(kv, Client):
-            raise InvalidArgument(f"KVCommSaver needs an open kvcomm client (kvcomm.open()), "
-                                  f"got {type(kv).__name__}")
+    def __init__(self, kv: Client | AsyncClient, *, serde: Any | None = None,
+                 root: str = DEFAULT_ROOT, wait_timeout: float = 10.0, ttl: float | None = None,
+                 refresh_on_read: bool = True) -> None:
+        kv, self.aio = sync_and_aio(kv, "KVCommSaver")
         if not wait_timeout > 0:
             raise InvalidArgument(f"wait_timeout must be > 0 seconds, got {wait_timeout!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float)
+                                or not math.isfinite(ttl) or not 0 < ttl <= MAX_TTL):
+            raise InvalidArgument(f"ttl is a thread's lifetime in SECONDS (a number > 0, at most "
+                                  f"ten years; "
+                                  f"langgraph-checkpoint-redis counts minutes: multiply by 60), "
+                                  f"or None to keep threads until deleted; got {ttl!r}")
         super().__init__(serde=no_pickle(serde))
         self.kv = kv
+        self.ttl: float | None = None if ttl is None else float(ttl)
+        self.refresh_on_read = bool(refresh_on_read)
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
         self.wait_timeout = float(wait_timeout)
         # cluster mode: reads of records a head names that had to wait for them, and
@@ -249,29 +308,76 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
             new_versions: ChannelVersions) -> RunnableConfig:
         """Store ``checkpoint`` (its new channel values, then the checkpoint, then the
-        head); returns the config naming it."""
+        head); returns the config naming it.
+
+        A put continuing a run that resumed from the thread's latest checkpoint (its
+        config carries what :meth:`get_tuple` read as the head) moves the head only if
+        the head is still its parent: when another writer moved it meanwhile, the
+        checkpoint's records are deleted again and ``kvcomm.ConflictError`` is raised
+        (run again from the thread's latest checkpoint to retry). Any other put (a run
+        from an explicit past ``checkpoint_id``: a fork, as LangGraph intends) moves the
+        head forward to it only when it is newer."""
         thread_id, ns = self._ids(config)
-        parent = config["configurable"].get("checkpoint_id")
+        conf = config["configurable"]
+        parent = conf.get("checkpoint_id")
         c: dict[str, Any] = dict(checkpoint)
         values: dict[str, Any] = c.pop("channel_values")
         md = get_checkpoint_metadata(config, metadata)
         cid = checkpoint["id"]
-        k = self.keys
+        k, ttl = self.keys, self.ttl
+        written: builtins.list[str] = []
+        start = time.time()
         with self.kv.batch() as b:
+            # (a batch put's ttl counts from its call: the checkpoint first, its values after,
+            # so that they outlive it; the head after the batch with what is left of the ttl
+            # from the start, so that it never outlives them)
+            key = k.checkpoint(thread_id, ns, cid)
+            b.put(key, [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")], ttl=ttl)
+            written.append(key)
             for channel, version in new_versions.items():
-                b.put(k.blob(thread_id, ns, channel, version),
-                      self._dumps(values[channel]) if channel in values else ["empty", b""])
-            b.put(k.checkpoint(thread_id, ns, cid),
-                  [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")])
-        with _Reading(f"thread {thread_id!r}"):
-            self._advance_head(thread_id, ns, cid)
+                key = k.blob(thread_id, ns, channel, version)
+                b.put(key, self._dumps(values[channel]) if channel in values else ["empty", b""],
+                      ttl=ttl)
+                written.append(key)
+            if ttl is not None:  # (the values it shares with its ancestors live as long as it)
+                for channel, version in checkpoint["channel_versions"].items():
+                    if channel not in new_versions:
+                        b.put(k.blob(thread_id, ns, channel, version),
+                              self._dumps(values[channel]) if channel in values
+                              else ["empty", b""], ttl=ttl)
+        try:
+            with _Reading(f"thread {thread_id!r}"):
+                self._advance_head(thread_id, ns, cid,
+                                   parent if conf.get(RESUMED_HEAD) is not None else _ANY,
+                                   self._left(start))
+        except _Moved as moved:
+            self._delete_keys(written)  # (this checkpoint is in no chain: gone again)
+            raise ConflictError(
+                f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: its "
+                f"latest checkpoint is {moved.head!r}, this run resumed from {parent!r}; another "
+                "writer resumed the thread at the same time and won. Nothing of this step was "
+                "kept: run again from the thread's latest checkpoint (without checkpoint_id) to "
+                "retry, or fork from the old one explicitly (with its checkpoint_id)") from None
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
 
-    def _advance_head(self, thread_id: str, ns: str, cid: str) -> None:
+    def _left(self, start: float) -> float | None:
+        """The saver's ttl less the time since ``start`` (None without a ttl)."""
+        return None if self.ttl is None else max(self.ttl - (time.time() - start), 0.001)
+
+    def _advance_head(self, thread_id: str, ns: str, cid: str, parent: Any,
+                      ttl: float | None) -> None:
+        """Move the head to ``cid`` (with ``ttl``): only forward (``parent`` is ``_ANY``),
+        or only from ``parent`` (_Moved otherwise)."""
         def forward(old: dict[str, Any] | None) -> dict[str, Any]:
-            if old is not None and old["id"] is not None and old["id"] >= cid:
-                return old
+            at = None if old is None else old["id"]
+            if parent is not _ANY:
+                if at == cid:
+                    return old  # type: ignore[return-value]  # (already there)
+                if at != parent:
+                    raise _Moved(at)
+            elif at is not None and at >= cid:
+                return old  # type: ignore[return-value]
             pending = {} if old is None else old.get("p", {})
             head = {"id": cid, "w": pending.get(cid, [])}
             later = {c: w for c, w in pending.items() if c > cid}
@@ -279,13 +385,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 head["p"] = later
             return head
 
-        self._update_head(self.keys.head(thread_id, ns), forward)
+        self._update_head(self.keys.head(thread_id, ns), forward, ttl)
 
-    def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]]) -> None:
+    def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]],
+                     ttl: float | None) -> None:
         """``kv.update(key, fn)``, starting from the head this saver last saw (no read
         when it is still current); ``fn`` returning its argument itself writes nothing.
-        ``fn`` may run more than once; what it raises propagates and nothing is written.
-        Raises what ``kv.put`` raises (Unavailable...)."""
+        ``fn`` may run more than once; what it raises on the head read now propagates
+        and nothing is written (on a remembered head: the head is read again first).
+        The head is written with ``ttl``. Raises what ``kv.put`` raises
+        (Unavailable...)."""
         cached = self._heads.get(key)
         for _ in range(10_000):
             if cached is None:
@@ -294,14 +403,22 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                                                                      _head_of(item.value, key))
             else:
                 expect, old = cached
-            new = fn(old)
+            try:
+                new = fn(old)
+            except (_Moved, _NotHead):
+                if cached is None:
+                    raise
+                cached = None  # (judged on what this saver last saw: read the head now)
+                continue
             if new is old and old is not None:
                 if cached is None:
                     return  # (unchanged: an older checkpoint put again moves nothing)
                 cached = None  # (judged on what this saver last saw: read the head now)
                 continue
             try:
-                self._heads[key] = (self.kv.put(key, new, expect=expect), new)
+                self._heads[key] = (self.kv.put(key, new, expect=expect, ttl=ttl), new)
+                if len(self._heads) > _MAX_HEADS:
+                    self._heads.pop(next(iter(self._heads)))
                 return
             except ConflictError:
                 self._heads.pop(key, None)
@@ -320,10 +437,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             for idx, (channel, value) in enumerate(writes):
                 i = WRITES_IDX_MAP.get(channel, idx)
                 key = self.keys.write(thread_id, ns, cid, task_id, i)
+                slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
                 if i >= 0 and self.kv.get(key) is not None:
                     continue
-                b.put(key, [task_id, channel, *self._dumps(value), task_path])
-                slots.append([task_id, i])
+                b.put(key, [task_id, channel, *self._dumps(value), task_path], ttl=self.ttl)
         if slots and self._cluster:
             with _Reading(f"thread {thread_id!r}"):
                 self._note_writes(thread_id, ns, cid, slots)
@@ -346,7 +463,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             return head
 
         try:
-            self._update_head(self.keys.head(thread_id, ns), add)
+            key = self.keys.head(thread_id, ns)
+            if self.ttl is None:
+                self._update_head(key, add, None)
+            else:  # (kv.update keeps the head's deadline: it never outlives its checkpoint)
+                self._heads.pop(key, None)
+                self.kv.update(key, lambda v: add(_head_of(v, key)))
         except _NotHead:
             pass  # an older checkpoint's writes: readers of it scan for them
 
@@ -369,11 +491,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         k = self.keys
         cid = get_checkpoint_id(config)
         referenced: list[list[Any]] | None = None
+        head_item = None
         if cid:
             key = k.checkpoint(thread_id, ns, cid)
             body = self.kv.get(key)
         else:
-            head = _head_of(self.kv.get(k.head(thread_id, ns)), k.head(thread_id, ns))
+            head_item = self.kv.get_item(k.head(thread_id, ns))
+            head = None if head_item is None else _head_of(head_item.value, k.head(thread_id, ns))
             if head is None or head["id"] is None:  # (None: writes came before any checkpoint)
                 return None
             cid = head["id"]
@@ -391,7 +515,29 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         else:  # (each write with its index, which its key ends with)
             writes = [[*_record(item.value, 5, item.key), int(item.key.rsplit("/", 1)[1])]
                       for item in scan(self.kv, k.write_prefix(thread_id, ns, cid))]
-        return self._tuple(thread_id, ns, cid, body, writes, referenced is not None)
+        raw: dict[str, Any] | None = {} if self.ttl is not None and self.refresh_on_read else None
+        tup = self._tuple(thread_id, ns, cid, body, writes, referenced is not None, raw)
+        # (a run resuming from it moves the head from it, or not at all: see put)
+        tup.config["configurable"][RESUMED_HEAD] = None if head_item is None else cid
+        if self.ttl is not None and self.refresh_on_read:
+            self._refresh(thread_id, ns, cid, body, raw or {}, writes, head_item)
+        return tup
+
+    def _refresh(self, thread_id: str, ns: str, cid: str, body: list[Any],
+                 blobs: dict[str, Any], writes: list[Any], head_item: Any) -> None:
+        """Give the checkpoint read (its record, values, writes, and the head when read)
+        the saver's ttl again, from now. Its records are immutable: they are put again
+        as read; the head is touched (a conditional write: never a head moved meanwhile)."""
+        k, ttl = self.keys, self.ttl
+        start = time.time()
+        with self.kv.batch() as b:  # (the checkpoint first, the head last: see put)
+            b.put(k.checkpoint(thread_id, ns, cid), body, ttl=ttl)
+            for key, blob in blobs.items():
+                b.put(key, blob, ttl=ttl)
+            for w in writes:
+                b.put(k.write(thread_id, ns, cid, w[0], w[-1]), w[:-1], ttl=ttl)
+        if head_item is not None:
+            self.kv.touch(k.head(thread_id, ns), self._left(start))
 
     def _referenced_writes(self, thread_id: str, ns: str, cid: str,
                            referenced: list[list[Any]]) -> list[Any]:
@@ -405,7 +551,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return out
 
     def _tuple(self, thread_id: str, ns: str, cid: str, body: list[Any], writes: list[Any],
-               wait: bool) -> CheckpointTuple:
+               wait: bool, blobs: dict[str, Any] | None = None) -> CheckpointTuple:
+        """The tuple of checkpoint ``cid`` (``body``: its record); ``blobs``, when given,
+        gets the raw records of its channel values, by key."""
         cp_t, cp_b, md_t, md_b, parent, _run = body
         checkpoint: dict[str, Any] = self._loads(cp_t, cp_b)
         metadata = self._loads(md_t, md_b)
@@ -422,6 +570,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     if wait and self._cluster else self.kv.get(key))
             if blob is not None:
                 blob = _record(blob, 2, key)
+                if blobs is not None:
+                    blobs[key] = blob
                 if blob[0] != "empty":
                     values[channel] = self._loads(blob[0], blob[1])
         checkpoint["channel_values"] = values
@@ -642,17 +792,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     # ---------------------------------------------------------------- async
     async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        return await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(fn, *args, **kwargs))
+        return await run_async(self.aio, fn, args, kwargs)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        """:meth:`get_tuple` in the default thread executor."""
+        """:meth:`get_tuple`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         return await self._run(self.get_tuple, config)
 
     async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
                     before: RunnableConfig | None = None, limit: int | None = None
                     ) -> AsyncIterator[CheckpointTuple]:
-        """:meth:`list`, run whole in the default thread executor, then yielded."""
+        """:meth:`list`, run whole as :meth:`aget_tuple` runs, then yielded."""
         items = await self._run(lambda: list(self.list(config, filter=filter, before=before,
                                                         limit=limit)))
         for item in items:
@@ -660,28 +809,28 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
                    metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
-        """:meth:`put` in the default thread executor."""
+        """:meth:`put`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         return await self._run(self.put, config, checkpoint, metadata, new_versions)
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
                           task_id: str, task_path: str = "") -> None:
-        """:meth:`put_writes` in the default thread executor."""
+        """:meth:`put_writes`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.put_writes, config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
-        """:meth:`delete_thread` in the default thread executor."""
+        """:meth:`delete_thread`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.delete_thread, thread_id)
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
-        """:meth:`delete_for_runs` in the default thread executor."""
+        """:meth:`delete_for_runs`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.delete_for_runs, run_ids)
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """:meth:`copy_thread` in the default thread executor."""
+        """:meth:`copy_thread`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.copy_thread, source_thread_id, target_thread_id)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """:meth:`prune` in the default thread executor."""
+        """:meth:`prune`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.prune, thread_ids, strategy=strategy)
 
 

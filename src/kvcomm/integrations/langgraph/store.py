@@ -22,14 +22,26 @@ times. So:
   gone), sorted, with ``prefix``/``suffix`` (``*`` wildcards), ``max_depth`` and paging.
   It reads every item key under the prefix: it is a tool for exploring, not a hot path.
 * Semantic (vector) search is not provided: a store made with ``index=`` raises
-  ConfigError, and ``search(query=...)`` raises InvalidArgument (nothing is read). TTLs
-  are not supported either (``supports_ttl`` is False: LangGraph refuses ``ttl=``).
-* The async methods run the sync ones in the event loop's default thread executor.
+  ConfigError, and ``search(query=...)`` raises InvalidArgument (nothing is read).
+* **TTL** (``supports_ttl`` is True), LangGraph's store contract: ``put(..., ttl=)`` is in
+  **minutes** (``BaseStore.put``: "Time to live in minutes"; ``KVCommSaver``'s ``ttl``
+  is in seconds, KVCOMM's unit), ``None`` keeps the item until deleted, and
+  ``KVCommStore(kv, ttl={"default_ttl": minutes, "refresh_on_read": True})`` (LangGraph's
+  ``TTLConfig``) gives the default. The item becomes a KVCOMM key with that ttl: it is
+  gone for every reader on every host once it expires (no sweeper: ``sweep_interval_minutes``
+  is accepted and unused; expired items are never returned, as ``omit_expired``). A
+  ``get`` or ``search`` with ``refresh_ttl`` (by default ``refresh_on_read``, itself True
+  by default) gives each item it returns its whole ttl again, from now (``kv.touch``: a
+  conditional write, never bringing back an item replaced or deleted meanwhile). Each item
+  keeps its own ttl (in its record) for that.
+* Async: on a ``kvcomm.aio`` client ``abatch`` (every async method) is native: inline on
+  the event loop, only a call that would wait running in the aio client's pool
+  (``_kv.run_async``); on a sync client, in the loop's default thread executor.
 """
 
 from __future__ import annotations
 
-import asyncio
+import math
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -46,13 +58,23 @@ from langgraph.store.base import (
     Result,
     SearchItem,
     SearchOp,
+    TTLConfig,
     validate_op_namespace,
 )
 
-from ..._client import Client
-from ...errors import ConfigError, CorruptRecord, InvalidArgument, KVCommError
+from ..._client import ABSENT, Client
+from ...aio import AsyncClient
+from ...core.expiry import MAX_TTL
+from ...errors import (
+    ConfigError,
+    ConflictError,
+    CorruptRecord,
+    InvalidArgument,
+    KVCommError,
+    Unavailable,
+)
 from ._keys import DEFAULT_ROOT, Keys
-from ._kv import scan
+from ._kv import run_async, scan, sync_and_aio
 from ._serde import no_pickle
 
 
@@ -78,19 +100,28 @@ class KVCommStore(BaseStore):
     in order; one that raises leaves the earlier ones applied.
     """
 
-    __slots__ = ("kv", "keys", "serde")
+    __slots__ = ("kv", "keys", "serde", "ttl_config", "aio")
 
-    def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
-                 index: Any | None = None) -> None:
-        if not isinstance(kv, Client):
-            raise InvalidArgument(f"KVCommStore needs an open kvcomm client (kvcomm.open()), "
-                                  f"got {type(kv).__name__}")
+    supports_ttl: bool = True
+
+    def __init__(self, kv: Client | AsyncClient, *, serde: Any | None = None,
+                 root: str = DEFAULT_ROOT, index: Any | None = None,
+                 ttl: TTLConfig | None = None) -> None:
+        kv, aio = sync_and_aio(kv, "KVCommStore")
         if index is not None:
             raise ConfigError("", "KVCommStore does not provide semantic (vector) search: make it "
                                   "without index= (search by namespace prefix and filter works)")
+        if ttl is not None:
+            if not isinstance(ttl, dict):
+                raise InvalidArgument(f"ttl is LangGraph's TTLConfig, a dict such as "
+                                      f"{{'default_ttl': 60, 'refresh_on_read': True}} (minutes), "
+                                      f"got {ttl!r}")
+            _minutes(ttl.get("default_ttl"), "ttl['default_ttl']")
         self.kv = kv
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
         self.serde = no_pickle(serde)
+        self.ttl_config = ttl
+        self.aio = aio
 
     # ---------------------------------------------------------------- batch
     def batch(self, ops: Iterable[Op]) -> list[Result]:
@@ -99,12 +130,12 @@ class KVCommStore(BaseStore):
         for op in ops:
             validate_op_namespace(op)
             if isinstance(op, GetOp):
-                results.append(self._get(op.namespace, op.key))
+                results.append(self._get(op.namespace, op.key, op.refresh_ttl))
             elif isinstance(op, PutOp):
                 if op.value is None:
                     self.kv.delete(self.keys.item(op.namespace, op.key))
                 else:
-                    self._put(op.namespace, op.key, op.value)
+                    self._put(op.namespace, op.key, op.value, _minutes(op.ttl, "ttl"))
                 results.append(None)
             elif isinstance(op, SearchOp):
                 results.append(self._search(op))
@@ -115,9 +146,8 @@ class KVCommStore(BaseStore):
         return results
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        """:meth:`batch` in the event loop's default thread executor."""
-        ops = list(ops)
-        return await asyncio.get_running_loop().run_in_executor(None, self.batch, ops)
+        """:meth:`batch`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
+        return await run_async(self.aio, self.batch, (list(ops),), {})
 
     # ---------------------------------------------------------------- operations
     def _item(self, namespace: tuple[str, ...], key: str, raw: Any,
@@ -127,8 +157,9 @@ class KVCommStore(BaseStore):
         item for anything but ``[type, bytes, created_ms, updated_ms]`` holding a dict."""
         try:
             if not _is_record(raw):
-                raise ValueError(f"not [type, bytes, created_ms, updated_ms]: {str(raw)[:120]}")
-            t, b, created, updated = raw
+                raise ValueError(f"not [type, bytes, created_ms, updated_ms(, ttl_minutes)]: "
+                                 f"{str(raw)[:120]}")
+            t, b, created, updated = raw[:4]
             value = self.serde.loads_typed((t, b))
             if type(value) is not dict:
                 raise TypeError(f"its value is a {type(value).__name__}, not a dict")
@@ -144,20 +175,43 @@ class KVCommStore(BaseStore):
         return Item(value=value, key=key, namespace=namespace, created_at=_dt(created),
                     updated_at=_dt(updated))
 
-    def _get(self, namespace: tuple[str, ...], key: str) -> Item | None:
-        raw = self.kv.get(self.keys.item(namespace, key))
-        return None if raw is None else self._item(namespace, key, raw)
+    def _get(self, namespace: tuple[str, ...], key: str, refresh: bool = False) -> Item | None:
+        k = self.keys.item(namespace, key)
+        raw = self.kv.get(k)
+        if raw is None:
+            return None
+        item = self._item(namespace, key, raw)
+        if refresh:
+            self._refresh(k, raw)
+        return item  # type: ignore[no-any-return]
 
-    def _put(self, namespace: tuple[str, ...], key: str, value: Any) -> None:
+    def _refresh(self, key: str, raw: list[Any]) -> None:
+        """The item's own ttl (minutes, its record's 5th field) again, from now."""
+        if len(raw) > 4 and raw[4]:
+            self.kv.touch(key, raw[4] * 60.0)
+
+    def _put(self, namespace: tuple[str, ...], key: str, value: Any,
+             ttl: float | None = None) -> None:
+        """Store the item (keeping its created time) with ``ttl`` minutes to live, or
+        none (None: until deleted, whatever deadline it had)."""
         t, b = self.serde.dumps_typed(dict(value))
-        now = _ms_now()
-
-        def write(old: Any) -> list[Any]:
+        k = self.keys.item(namespace, key)
+        for _ in range(10_000):
+            now = _ms_now()
+            old = self.kv.get_item(k)
             # (a put replaces the item whole: one that is not a KVCommStore record is
             # replaced too, its created_at then now)
-            return [t, b, old[2] if _is_record(old) else now, now]
-
-        self.kv.update(self.keys.item(namespace, key), write)
+            record = [t, b, old.value[2] if old is not None and _is_record(old.value) else now,
+                      now]
+            if ttl is not None:
+                record.append(ttl)
+            try:
+                self.kv.put(k, record, expect=ABSENT if old is None else old.version,
+                            ttl=None if ttl is None else ttl * 60.0)
+                return
+            except ConflictError:
+                continue  # (another writer put it meanwhile: keep its created time)
+        raise Unavailable(f"put of store item {key!r} lost 10000 races in a row")
 
     def _search(self, op: SearchOp) -> list[SearchItem]:
         if op.query:
@@ -177,6 +231,8 @@ class KVCommStore(BaseStore):
                 skip -= 1
                 continue
             out.append(item)
+            if op.refresh_ttl:
+                self._refresh(entry.key, entry.value)
             if len(out) >= op.limit:
                 break
         return out
@@ -194,15 +250,31 @@ class KVCommStore(BaseStore):
         return sorted(seen)[op.offset:op.offset + op.limit]
 
 
+def _minutes(ttl: Any, what: str) -> float | None:
+    """``ttl`` (LangGraph's minutes) checked: None, or a number > 0 and at most KVCOMM's
+    ten years."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) \
+            or not 0 < ttl <= MAX_TTL / 60:
+        raise InvalidArgument(f"{what} is in MINUTES (LangGraph's store contract): a number > 0 "
+                              f"and at most {MAX_TTL / 60:.0f} (ten years), or None for no "
+                              f"expiry; got {ttl!r}")
+    return float(ttl)
+
+
 _MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: what a datetime can hold
 
 
 def _is_record(raw: Any) -> bool:
     """Whether ``raw`` has the shape of a KVCommStore record: [type, bytes, created_ms,
-    updated_ms], times as ints a datetime can hold."""
-    return (type(raw) is list and len(raw) == 4 and type(raw[0]) is str
+    updated_ms] and perhaps its ttl in minutes (a number > 0), times as ints a datetime
+    can hold."""
+    return (type(raw) is list and len(raw) in (4, 5) and type(raw[0]) is str
             and type(raw[1]) is bytes and all(type(ms) is int and 0 <= ms <= _MAX_MS
-                                              for ms in raw[2:]))
+                                              for ms in raw[2:4])
+            and (len(raw) == 4 or (type(raw[4]) in (int, float)
+                                   and 0 < raw[4] <= MAX_TTL / 60)))
 
 
 def _does_match(cond: MatchCondition, namespace: tuple[str, ...]) -> bool:
