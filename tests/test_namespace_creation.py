@@ -44,7 +44,8 @@ def _creator(ns: str, w: int) -> None:
     kv = kvcomm.open(ns, config=cfg)
     os.write(w, b"o")
     kv.put("by-creator", 1)
-    time.sleep(60)
+    for _ in range(600):  # (short sleeps: a signal the kernel handed to another thread
+        time.sleep(0.1)   # is raised here within 0.1 s; one long sleep would not wake)
 
 
 def _open_duration() -> float:

@@ -112,7 +112,14 @@ my_token(Core *c)
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 64 * 1024);
+    /* the thread starts with every signal blocked (it inherits this mask): between its
+       start and its own pthread_sigmask, a Ctrl-C handed to it would leave the main
+       thread asleep in a blocking call, the handler's flag set but no call interrupted */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
     int rc = pthread_create(&th, &attr, sleeper_main, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
     if (rc != 0) {
         free(s);
