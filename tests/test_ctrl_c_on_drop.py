@@ -1,5 +1,5 @@
-"""Ctrl-C reaches the caller in a program that opens and drops namespaces in a loop
-(``with kvcomm.open(...) as kv:`` per request).
+"""Ctrl-C reaches the caller in a program that drops kvcomm's objects in a loop: clients
+(``with kvcomm.open(...) as kv:`` per request), segments, zero-copy array views.
 
 Python drops an exception raised inside a weakref callback or a ``__del__`` ("Exception
 ignored in ..."): a KeyboardInterrupt whose handler runs there is lost and the program
@@ -18,6 +18,7 @@ import random
 import signal
 import time
 
+import numpy as np
 import pytest
 
 import kvcomm
@@ -50,10 +51,18 @@ def _segments(ns: str, cfg: kvcomm.Config, i: int) -> None:
     assert seg.host_id  # (then dropped, never closed: the registry lets it go)
 
 
+def _views(ns: str, cfg: kvcomm.Config, i: int) -> None:
+    with kvcomm.open(ns, config=cfg) as kv:
+        for _ in range(100):
+            arr = kv.get("arr")  # a read-only view of shared memory (16 KiB)
+            assert arr[1] == 1.0
+            del arr  # (its pin is released by a weakref callback)
+
+
 def _looper(ns: str, w: int, what: str) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = _config()
-    step = {"clients": _clients, "segments": _segments}[what]
+    step = {"clients": _clients, "segments": _segments, "views": _views}[what]
     held = kvcomm.open(ns, config=cfg)  # (another client of the process keeps L2 mapped)
     try:
         os.write(w, b"r")
@@ -67,13 +76,21 @@ def _looper(ns: str, w: int, what: str) -> None:
         held.close()
 
 
-@pytest.mark.parametrize("what", ["clients", "segments"])
+@pytest.mark.parametrize("what", [
+    "clients", "segments",
+    pytest.param("views", marks=pytest.mark.xfail(strict=True, reason=(
+        "a view's pin is released by a Python weakref callback (_client/attach.py "
+        "_register_view.unpin): a SIGINT whose handler runs there is dropped (about 1 "
+        "in 10 rounds; 60 rounds miss it about 0.2% of runs), and the pin with it "
+        "until the process ends. Needs a C callback that unpins and unregisters"))),
+])
 def test_ctrl_c_reaches_a_loop_that_opens_and_drops(what: str, ns: str, seed: int) -> None:
     rng = random.Random(seed)
     with kvcomm.open(ns, config=_config()) as kv:
         kv.put("k", 0)  # (the namespace exists: the loop only attaches)
+        kv.put("arr", np.arange(2048, dtype=np.float64))
     stopped = 0
-    for _ in range(ROUNDS):
+    for _ in range(ROUNDS if what != "views" else 60):
         r, w = os.pipe()
         p = CTX.Process(target=_looper, args=(ns, w, what))
         try:
@@ -91,5 +108,5 @@ def test_ctrl_c_reaches_a_loop_that_opens_and_drops(what: str, ns: str, seed: in
             p.join(10)
             os.close(r)
             os.close(w)
-    print(f"{ROUNDS} SIGINTs into a loop of {what} opened and dropped: {stopped} reached "
+    print(f"{stopped} SIGINTs into a loop of {what} opened and dropped: all reached "
           "the caller")
