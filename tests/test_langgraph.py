@@ -193,6 +193,18 @@ def test_a_state_value_only_pickle_could_store_is_unsupportedvalue(kv: kvcomm.Cl
     assert store.get(("ns",), "k") is None
 
 
+def test_a_numpy_scalar_in_a_state_says_to_store_the_python_number(kv: kvcomm.Client) -> None:
+    """kv.put stores np.float64(2.5) as 2.5; LangGraph's serializer refuses it (it would
+    pickle it): the error says what to store instead, and nothing is stored."""
+    np = pytest.importorskip("numpy")
+    store = KVCommStore(kv)
+    with pytest.raises(kvcomm.UnsupportedValue, match=r"\.item\(\)"):
+        store.put(("ns",), "np", {"v": np.float64(2.5)})
+    assert store.get(("ns",), "np") is None
+    store.put(("ns",), "np", {"v": np.float64(2.5).item()})
+    assert store.get(("ns",), "np").value == {"v": 2.5}  # type: ignore[union-attr]
+
+
 def test_a_pickle_planted_in_kvcomm_is_never_loaded(kv: kvcomm.Client,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     store = KVCommStore(kv)

@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _USER_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
-def start_quiet(thread: threading.Thread) -> None:
-    """Start ``thread`` with SIGINT, SIGTERM and SIGHUP blocked in it (a new thread
-    inherits its starter's mask; the starter's own mask is restored at once, and a signal
-    that arrived meanwhile is delivered then)."""
+@contextmanager
+def user_signals_blocked() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP blocked in this thread for the block: a thread started
+    inside it inherits the mask (the old one is restored on leaving, and a signal that
+    arrived meanwhile is delivered then)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _USER_SIGNALS)
     try:
-        thread.start()
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def start_quiet(thread: threading.Thread) -> None:
+    """Start ``thread`` with SIGINT, SIGTERM and SIGHUP blocked in it."""
+    with user_signals_blocked():
+        thread.start()

@@ -9,6 +9,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from .._weak import WeakRegistry
 from ..config import Config
 from ..errors import KVCommError, KVCommWarning
 from ..tiers import l2 as l2mod
@@ -70,7 +71,7 @@ class _Shared:
         entry.seg.close()
 
 
-_CLIENTS: weakref.WeakSet[ClientBase] = weakref.WeakSet()
+_CLIENTS: WeakRegistry[ClientBase] = WeakRegistry()  # (never a WeakSet: _weak.py)
 
 
 _VIEWS: dict[int, tuple[Any, L2Segment, tuple[int, int]]] = {}

@@ -33,6 +33,8 @@ class Client(Scanning):
                               self._zc, self._l1_on)
         self.get = self._getter  # type: ignore[method-assign]
         self._meter = metrics_agent.attach(self)  # counts flushed into L2 (kvcomm metrics)
+        if type(self) is Client:
+            self.__class__ = _OpenClient  # (close() makes it a Client again: no __del__)
 
     def presence(self, prefix: str, agent_id: str, ttl: float = 2.0,
                  value: Any = b"") -> Presence:
@@ -99,6 +101,8 @@ class Client(Scanning):
                 pass  # e.g. the namespace was purged: its counts no longer matter
             metrics_agent.detach(self._meter)
         self._closed = self._unusable = True
+        if type(self) is _OpenClient:
+            self.__class__ = Client
         if self._observer is not None and not self._forked:  # (a forked child's is the parent's)
             with self._obs_lock:  # (after a report another thread has under way)
                 self._observer.close()
@@ -117,6 +121,22 @@ class Client(Scanning):
             process_budget().unregister(self.config.cache.l1_size)
             _Shared.release(self._attached)
 
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<kvcomm.Client name={self.name!r} host={self._host!r}{' closed' if self._closed else ''}>"
+
+
+class _OpenClient(Client):
+    """A Client until it is closed. Only an open client has a ``__del__``: Python runs a
+    pending signal's handler inside ``__del__`` and drops what it raises ("Exception
+    ignored in ..."), so a Ctrl-C landing as a closed client goes (``with kvcomm.open()
+    as kv:`` in a loop) would be lost; a closed client has nothing left to do there."""
+
     def __del__(self) -> None:
         # a client dropped without close(): its counts live in it and its getter, so they
         # are flushed now or never (a weakref.finalize could not reach them: the client
@@ -131,15 +151,6 @@ class Client(Scanning):
             metrics_agent.detach(meter, self)
         except Exception:  # (at interpreter exit the modules may be half torn down)
             pass
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<kvcomm.Client name={self.name!r} host={self._host!r}{' closed' if self._closed else ''}>"
 
 
 def open(name: str | None = None, *,  # noqa: A001

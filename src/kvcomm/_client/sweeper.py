@@ -21,11 +21,13 @@ daemon has delivered it: an expiry reaches L3 as the record's own deadline."""
 
 from __future__ import annotations
 
+import _thread
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from .._threads import start_quiet
+from .._threads import user_signals_blocked
 from ..errors import KVCommError
 
 if TYPE_CHECKING:
@@ -47,9 +49,15 @@ class Sweeper:
         self.passes = 0  # slices of this process that ended a pass
         self._clock = clock
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvcomm-expiry-{seg.name}",
-                                        daemon=True)
-        start_quiet(self._thread)
+        # A bare thread, not a threading.Thread: a Thread object freed in the main thread
+        # (after close() waited for it) runs threading's WeakSet callback there, and
+        # Python drops a KeyboardInterrupt raised in it (tests/test_ctrl_c_on_drop.py).
+        # ``_done`` is held while it runs: stop() waits on it.
+        self._done = _thread.allocate_lock()
+        self._done.acquire()
+        self._pid = os.getpid()
+        with user_signals_blocked():  # (the user's signals are the main thread's)
+            self._ident = _thread.start_new_thread(self._main, ())
 
     def sweep_once(self) -> int:
         """Read the hint and, while a record may have expired, sweep slices until the pass
@@ -77,6 +85,12 @@ class Sweeper:
                 break
         return total
 
+    def _main(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._done.release()
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
@@ -89,5 +103,7 @@ class Sweeper:
     def stop(self) -> None:
         """Stop the thread and wait for it (at most one slice)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+        if os.getpid() == self._pid and _thread.get_ident() != self._ident:
+            # (in a forked child the thread is the parent's: nothing to wait for)
+            if self._done.acquire(timeout=5.0):
+                self._done.release()

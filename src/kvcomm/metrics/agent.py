@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from .._threads import start_quiet
+from .._weak import WeakRegistry
 from ..tiers.shm.counters import MetricsRegion, deltas, hist_word, series_word
 from ..tiers.shm.layout import HIST_WORDS, LATENCY_BOUNDS_NS
 
@@ -172,7 +173,7 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.meters: weakref.WeakSet[Meter] = weakref.WeakSet()
+        self.meters: WeakRegistry[Meter] = WeakRegistry()  # (never a WeakSet: _weak.py)
         self.errors_before: dict[int, int] = {}
         self.interval = 0.0
         self.wake = threading.Event()

@@ -74,8 +74,10 @@ class NoPickleSerializer(SerializerProtocol):
         except TypeError as exc:  # (JsonPlusSerializer: "Type is not msgpack serializable")
             raise UnsupportedValue(
                 f"{type(obj).__name__} cannot be serialized without pickle ({exc}); KVCOMM "
-                "never stores pickles: use msgpack-serializable values, or name your class "
-                "in JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
+                "never stores pickles: use msgpack-serializable values (a NumPy scalar such "
+                "as np.float64(2.5): its .item(), the Python number; kv.put converts those, "
+                "LangGraph's serializer does not), or name your class in "
+                "JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
         if type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")

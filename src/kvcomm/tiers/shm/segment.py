@@ -8,13 +8,13 @@ import os
 import platform
 import stat
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import xxhash
 
 from ... import _l2core
+from ..._weak import WeakRegistry
 from ...core.ext import l2_ext_problem
 from ...core.sketch import CountMinSketch, TopK
 from ...core.versions import MAX_COUNTER
@@ -515,7 +515,7 @@ class SegmentCore:
             self._core.forked()
 
 
-_LIVE: weakref.WeakSet[SegmentCore] = weakref.WeakSet()
+_LIVE: WeakRegistry[SegmentCore] = WeakRegistry()  # (never a WeakSet: _weak.py)
 
 
 def _after_fork_in_child() -> None:
