@@ -21,10 +21,18 @@ times. So:
   one item (as LangGraph's SQL stores do: a namespace whose items were all deleted is
   gone), sorted, with ``prefix``/``suffix`` (``*`` wildcards), ``max_depth`` and paging.
   It reads every item key under the prefix: it is a tool for exploring, not a hot path.
-* Semantic (vector) search is not provided: a store made with ``index=`` raises
-  ConfigError, and ``search(query=...)`` raises InvalidArgument (nothing is read). TTLs
-  are not supported either (``supports_ttl`` is False: LangGraph refuses ``ttl=``).
-* The async methods run the sync ones in the event loop's default thread executor.
+* Semantic search (``index=``, LangGraph's ``IndexConfig``; ``_semantic.py``): a put
+  embeds the item's fields and keeps the vectors in the item's record (a fifth element),
+  and in the host's shared-memory matrix (:mod:`kvcomm.tiers.vectors`);
+  ``search(query=...)`` embeds the query, multiplies the matrix by it in one pass, and
+  checks each candidate against its record; scores are cosines, max-pooled over an
+  item's vectors, best first, items without vectors after them (``InMemoryStore``'s
+  rules). In cluster mode (and on a host whose index is full) a search scores the
+  records of the namespace prefix instead (``kv.scan``: every host's items). Without
+  ``index=``, ``search(query=...)`` raises InvalidArgument. TTLs are not supported
+  (``supports_ttl`` is False: LangGraph refuses ``ttl=``).
+* The async methods run the sync ones in the event loop's default thread executor
+  (embedding through the embeddings' async methods, in the loop).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from ..._client import Client
 from ...errors import ConfigError, CorruptRecord, InvalidArgument, KVCommError
 from ._keys import DEFAULT_ROOT, Keys
 from ._kv import scan
+from ._semantic import DEFAULT_CAPACITY, SemanticIndex, bad_vectors
 from ._serde import no_pickle
 
 
@@ -70,7 +79,10 @@ class KVCommStore(BaseStore):
     ``kv`` is an open client (never closed by the store), ``serde`` a LangGraph
     serializer for the items' values (one that pickles is refused: ConfigError),
     ``root`` the key prefix (default ``"lg/"``; items under ``root + "st/"``). ``index``
-    is accepted only as None: vector search is not provided (ConfigError otherwise).
+    is LangGraph's ``IndexConfig`` (``dims``, ``embed``: a sync or async callable or a
+    LangChain ``Embeddings``, ``fields``) for semantic search (needs numpy:
+    ``kvcomm[numpy]``); ``index_capacity`` bounds the vectors of the host's index
+    (default 100,000: beyond it searches read the records; see the README).
 
     Operations raise LangGraph's InvalidNamespaceError for a bad namespace label, and
     what the client raises (kvcomm.KVCommError: InvalidKey when a namespace and key do
@@ -78,46 +90,97 @@ class KVCommStore(BaseStore):
     in order; one that raises leaves the earlier ones applied.
     """
 
-    __slots__ = ("kv", "keys", "serde")
+    __slots__ = ("kv", "keys", "serde", "_sem")
 
     def __init__(self, kv: Client, *, serde: Any | None = None, root: str = DEFAULT_ROOT,
-                 index: Any | None = None) -> None:
+                 index: Any | None = None, index_capacity: int = DEFAULT_CAPACITY) -> None:
         if not isinstance(kv, Client):
             raise InvalidArgument(f"KVCommStore needs an open kvcomm client (kvcomm.open()), "
                                   f"got {type(kv).__name__}")
-        if index is not None:
-            raise ConfigError("", "KVCommStore does not provide semantic (vector) search: make it "
-                                  "without index= (search by namespace prefix and filter works)")
         self.kv = kv
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
         self.serde = no_pickle(serde)
+        self._sem = None if index is None else SemanticIndex(kv, self.keys, index, index_capacity)
 
     # ---------------------------------------------------------------- batch
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops`` in order; their results in the same order."""
+        ops = list(ops)
+        if self._sem is None:
+            return self._batch(ops, None)
+        texts, queries = self._to_embed(ops)
+        emb = self._sem.embeddings
+        docs = emb.embed_documents([t for _i, _p, t in texts]) if texts else []
+        return self._batch(ops, self._embedded(texts, docs, {q: emb.embed_query(q)
+                                                               for q in queries}))
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """:meth:`batch` in the event loop's default thread executor (the embeddings'
+        async methods called in the loop)."""
+        ops = list(ops)
+        prepared = None
+        if self._sem is not None:
+            texts, queries = self._to_embed(ops)
+            emb = self._sem.embeddings
+            docs = await emb.aembed_documents([t for _i, _p, t in texts]) if texts else []
+            qv = list(await asyncio.gather(*(emb.aembed_query(q) for q in queries)))
+            prepared = self._embedded(texts, docs, dict(zip(queries, qv, strict=True)))
+        return await asyncio.get_running_loop().run_in_executor(None, self._batch, ops, prepared)
+
+    def _to_embed(self, ops: list[Op]) -> tuple[list[tuple[int, str, str]], list[str]]:
+        """The texts of ``ops``' puts to embed ``(op's position, path, text)``, and their
+        searches' queries."""
+        assert self._sem is not None
+        texts: list[tuple[int, str, str]] = []
+        queries: list[str] = []
+        for i, op in enumerate(ops):
+            if isinstance(op, PutOp) and op.value is not None:
+                texts.extend((i, p, t) for p, t in self._sem.texts(op.value, op.index))
+            elif isinstance(op, SearchOp) and op.query and op.query not in queries:
+                queries.append(op.query)
+        return texts, queries
+
+    def _embedded(self, texts: list[tuple[int, str, str]], docs: list[Any],
+                  queries: dict[str, Any]) -> dict[Any, Any]:
+        """``{op position: (paths, unit rows)}`` and ``{query: unit vector}`` in one dict."""
+        sem = self._sem
+        assert sem is not None
+        if len(docs) != len(texts):
+            raise ConfigError("", f"the embedding function returned {len(docs)} vectors for "
+                                  f"{len(texts)} texts")
+        sem.check_dims(docs)
+        rows = sem.unit(docs)
+        out: dict[Any, Any] = {}
+        for j, (i, path, _t) in enumerate(texts):
+            out.setdefault(i, ([], []))
+            out[i][0].append(path)
+            out[i][1].append(j)
+        for i, (paths, js) in list(out.items()):
+            out[i] = (paths, rows[js])
+        for q, v in queries.items():
+            out[q] = sem.query_vector(v)
+        return out
+
+    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
         results: list[Result] = []
-        for op in ops:
+        for i, op in enumerate(ops):
             validate_op_namespace(op)
             if isinstance(op, GetOp):
                 results.append(self._get(op.namespace, op.key))
             elif isinstance(op, PutOp):
                 if op.value is None:
-                    self.kv.delete(self.keys.item(op.namespace, op.key))
+                    self._delete(op.namespace, op.key)
                 else:
-                    self._put(op.namespace, op.key, op.value)
+                    self._put(op.namespace, op.key, op.value,
+                              None if prepared is None else prepared.get(i))
                 results.append(None)
             elif isinstance(op, SearchOp):
-                results.append(self._search(op))
+                results.append(self._search(op, prepared))
             elif isinstance(op, ListNamespacesOp):
                 results.append(self._list_namespaces(op))
             else:
                 raise InvalidArgument(f"unknown LangGraph store operation {type(op).__name__}")
         return results
-
-    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        """:meth:`batch` in the event loop's default thread executor."""
-        ops = list(ops)
-        return await asyncio.get_running_loop().run_in_executor(None, self.batch, ops)
 
     # ---------------------------------------------------------------- operations
     def _item(self, namespace: tuple[str, ...], key: str, raw: Any,
@@ -128,7 +191,7 @@ class KVCommStore(BaseStore):
         try:
             if not _is_record(raw):
                 raise ValueError(f"not [type, bytes, created_ms, updated_ms]: {str(raw)[:120]}")
-            t, b, created, updated = raw
+            t, b, created, updated = raw[:4]
             value = self.serde.loads_typed((t, b))
             if type(value) is not dict:
                 raise TypeError(f"its value is a {type(value).__name__}, not a dict")
@@ -148,21 +211,48 @@ class KVCommStore(BaseStore):
         raw = self.kv.get(self.keys.item(namespace, key))
         return None if raw is None else self._item(namespace, key, raw)
 
-    def _put(self, namespace: tuple[str, ...], key: str, value: Any) -> None:
+    def _put(self, namespace: tuple[str, ...], key: str, value: Any,
+             vectors: tuple[list[str], Any] | None = None) -> None:
         t, b = self.serde.dumps_typed(dict(value))
         now = _ms_now()
+        part = None if vectors is None else self._sem.record_part(*vectors)  # type: ignore[union-attr]
 
         def write(old: Any) -> list[Any]:
-            # (a put replaces the item whole: one that is not a KVCommStore record is
-            # replaced too, its created_at then now)
-            return [t, b, old[2] if _is_record(old) else now, now]
+            # (a put replaces the item whole, its vectors too: one that is not a
+            # KVCommStore record is replaced too, its created_at then now)
+            rec = [t, b, old[2] if _is_record(old) else now, now]
+            return rec if part is None else [*rec, part]
 
-        self.kv.update(self.keys.item(namespace, key), write)
+        item_key = self.keys.item(namespace, key)
+        if self._sem is None:
+            self.kv.update(item_key, write)
+            return
 
-    def _search(self, op: SearchOp) -> list[SearchItem]:
+        def change() -> int:
+            self.kv.update(item_key, write)
+            return 0 if part is None else int(part[1])
+
+        self._sem.write(item_key, None if vectors is None else vectors[1], change)
+
+    def _delete(self, namespace: tuple[str, ...], key: str) -> None:
+        item_key = self.keys.item(namespace, key)
+        if self._sem is None:
+            self.kv.delete(item_key)
+            return
+
+        def change() -> int:
+            self.kv.delete(item_key)
+            return 0
+
+        self._sem.write(item_key, None, change)
+
+    def _search(self, op: SearchOp, prepared: dict[Any, Any] | None = None) -> list[SearchItem]:
         if op.query:
-            raise InvalidArgument("KVCommStore has no semantic search: search without query= "
-                                  "(by namespace prefix, filter, limit and offset)")
+            if self._sem is None or prepared is None:
+                raise InvalidArgument("this KVCommStore has no semantic search (make it with "
+                                      "index=...): search without query= (by namespace prefix, "
+                                      "filter, limit and offset)")
+            return self._semantic_search(op, prepared[op.query])
         out: list[SearchItem] = []
         skip = op.offset
         if op.limit <= 0:
@@ -179,6 +269,91 @@ class KVCommStore(BaseStore):
             out.append(item)
             if len(out) >= op.limit:
                 break
+        return out
+
+    def _matches(self, op: SearchOp, item: SearchItem) -> bool:
+        return not op.filter or all(_compare_values(item.value.get(fk), fv)
+                                    for fk, fv in op.filter.items())
+
+    def _vectors(self, item: SearchItem, raw: Any) -> Any:
+        assert self._sem is not None
+        try:
+            return self._sem.vectors_of(raw)
+        except ValueError as exc:
+            raise bad_vectors(item.namespace, item.key, exc) from None
+
+    def _semantic_search(self, op: SearchOp, q: Any) -> list[SearchItem]:
+        """The best items under ``op``'s prefix for the unit query vector ``q`` (see the
+        module docstring)."""
+        sem = self._sem
+        assert sem is not None
+        if op.limit <= 0:
+            return []
+        need = op.offset + op.limit
+        prefix = self.keys.store_prefix(op.namespace_prefix)
+        cands = sem.candidates(q, prefix.encode())
+        if cands is None:
+            return self._scan_search(op, q)
+        kept: list[tuple[float, SearchItem]] = []
+        seen: set[bytes] = set()
+        for _s, key_b, stamp in cands:
+            if key_b in seen:
+                continue
+            seen.add(key_b)
+            key = key_b.decode()
+            raw = self.kv.get(key)
+            if raw is None:
+                continue  # (deleted meanwhile)
+            item = self._item(*self.keys.parse_item(key), raw, SearchItem)
+            got = self._vectors(item, raw)
+            if got is None or got[0] != stamp:
+                # a row the record no longer has (written meanwhile, or not through this
+                # host's index): mend it and read the records this once
+                sem.repair(key)
+                return self._scan_search(op, q)
+            if self._matches(op, item):
+                kept.append((sem.score(got[1], q), item))
+                if len(kept) >= need:
+                    break
+        kept.sort(key=lambda si: -si[0])
+        return self._with_scores(op, kept[op.offset:need], prefix, None)
+
+    def _scan_search(self, op: SearchOp, q: Any) -> list[SearchItem]:
+        """Semantic search over the records under ``op``'s prefix (cluster mode, a full
+        index, a stale row)."""
+        sem = self._sem
+        assert sem is not None
+        prefix = self.keys.store_prefix(op.namespace_prefix)
+        scored: list[tuple[float, SearchItem]] = []
+        scoreless: list[SearchItem] = []
+        for entry in scan(self.kv, prefix):
+            item = self._item(*self.keys.parse_item(entry.key), entry.value, SearchItem)
+            if not self._matches(op, item):
+                continue
+            got = self._vectors(item, entry.value)
+            if got is None:
+                scoreless.append(item)
+            else:
+                scored.append((sem.score(got[1], q), item))
+        scored.sort(key=lambda si: -si[0])
+        return self._with_scores(op, scored[op.offset:op.offset + op.limit], prefix, scoreless)
+
+    def _with_scores(self, op: SearchOp, kept: list[tuple[float, SearchItem]], prefix: str,
+                     scoreless: list[SearchItem] | None) -> list[SearchItem]:
+        """``kept`` with their scores, then (InMemoryStore's rule) items without vectors
+        to fill ``op.limit``, in key order."""
+        out = [SearchItem(i.namespace, i.key, i.value, i.created_at, i.updated_at, s)
+               for s, i in kept]
+        if len(out) < op.limit:
+            if scoreless is None:
+                scoreless = []
+                for entry in scan(self.kv, prefix):
+                    item = self._item(*self.keys.parse_item(entry.key), entry.value, SearchItem)
+                    if self._matches(op, item) and self._vectors(item, entry.value) is None:
+                        scoreless.append(item)
+                        if len(out) + len(scoreless) >= op.limit:
+                            break
+            out.extend(scoreless[:op.limit - len(out)])
         return out
 
     def _list_namespaces(self, op: ListNamespacesOp) -> list[tuple[str, ...]]:
@@ -199,10 +374,10 @@ _MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: what a datetime can hold
 
 def _is_record(raw: Any) -> bool:
     """Whether ``raw`` has the shape of a KVCommStore record: [type, bytes, created_ms,
-    updated_ms], times as ints a datetime can hold."""
-    return (type(raw) is list and len(raw) == 4 and type(raw[0]) is str
+    updated_ms] (and its vectors, when indexed), times as ints a datetime can hold."""
+    return (type(raw) is list and len(raw) in (4, 5) and type(raw[0]) is str
             and type(raw[1]) is bytes and all(type(ms) is int and 0 <= ms <= _MAX_MS
-                                              for ms in raw[2:]))
+                                              for ms in raw[2:4]))
 
 
 def _does_match(cond: MatchCondition, namespace: tuple[str, ...]) -> bool:

@@ -1,0 +1,238 @@
+"""KVCommStore's semantic search (index=, search(query=...)): LangGraph's contract, checked
+against LangGraph's own InMemoryStore, and the host's shared-memory index."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import random
+from typing import Any
+
+import pytest
+
+import kvcomm
+from kvcomm.tiers import l2
+
+pytest.importorskip("langgraph.store.memory")
+np = pytest.importorskip("numpy")
+
+from langgraph.store.memory import InMemoryStore  # noqa: E402
+from xxhash import xxh3_64_intdigest  # noqa: E402
+
+from kvcomm.integrations.langgraph import KVCommStore  # noqa: E402
+from kvcomm.tiers.vectors import H_INTENT  # noqa: E402
+
+DIMS = 16
+WORDS = ["apple", "pear", "rust", "python", "cloud", "river", "stone", "tiger", "violet",
+         "amber", "piano", "quartz", "maple", "delta", "orbit", "ember"]
+
+
+def fake_embed(texts: list[str], dims: int = DIMS) -> list[list[float]]:
+    """A deterministic embedding: each word a seeded random vector, a text their sum (texts
+    sharing words are near), so scores vary and rarely tie."""
+    out = []
+    for text in texts:
+        v = np.zeros(dims)
+        for w in text.split():
+            v += np.random.default_rng(xxh3_64_intdigest(w.encode())).standard_normal(dims)
+        out.append(v.tolist())
+    return out
+
+
+def index_config(**kw: Any) -> dict[str, Any]:
+    return {"dims": DIMS, "embed": fake_embed, "fields": ["text", "extra"], **kw}
+
+
+def vector_files(kv: kvcomm.Client) -> list[str]:
+    return glob.glob(os.path.join(kv.config.cache.l2_dir, f"kvcomm.{kv.name}.vec.*"))
+
+
+NAMESPACES = [("a",), ("a", "b"), ("ab",), ("b", "x"), ("a", "b", "c")]
+PREFIXES = [(), ("a",), ("a", "b"), ("ab",), ("b",), ("zz",)]
+
+
+def _value(rng: random.Random) -> dict[str, Any]:
+    v: dict[str, Any] = {"text": " ".join(rng.choices(WORDS, k=rng.randint(1, 4))),
+                         "n": rng.randint(0, 9), "color": rng.choice(["red", "blue"])}
+    if rng.random() < 0.4:
+        v["extra"] = " ".join(rng.choices(WORDS, k=rng.randint(1, 3)))
+    if rng.random() < 0.1:
+        del v["text"]
+    return v
+
+
+def _check(got: list[Any], ref_full: list[Any], ref: list[Any], what: str) -> None:
+    """``got`` agrees with InMemoryStore's ``ref`` (same search) and ``ref_full`` (the same
+    search without limit/offset): equal scores in the same order (float32 tolerance), each
+    item scored as the reference scores it, the unscored fill drawn from its unscored items."""
+    ref_score = {(i.namespace, i.key): i.score for i in ref_full}
+    assert len(got) == len(ref), (what, got, ref)
+    gs = [i.score for i in got if i.score is not None]
+    rs = [i.score for i in ref if i.score is not None]
+    assert gs == pytest.approx(rs, abs=1e-5), what
+    assert gs == sorted(gs, reverse=True), what
+    for i in got:
+        k = (i.namespace, i.key)
+        assert k in ref_score, (what, k)
+        if i.score is None:
+            assert ref_score[k] is None, (what, k)
+        else:
+            assert ref_score[k] == pytest.approx(i.score, abs=1e-5), (what, k)
+
+
+def test_search_agrees_with_inmemorystore(kv: kvcomm.Client, seed: int) -> None:
+    rng = random.Random(seed)
+    store = KVCommStore(kv, index=index_config())
+    ref = InMemoryStore(index=index_config())
+    live: set[tuple[tuple[str, ...], str]] = set()
+    for step in range(300):
+        roll = rng.random()
+        ns, key = rng.choice(NAMESPACES), f"k{rng.randrange(25)}"
+        if roll < 0.55:
+            value = _value(rng)
+            index: Any = rng.choice([None, None, False, ["extra"], ["text", "extra"]])
+            # (InMemoryStore keeps an item's old vectors when a new put has none for a path;
+            # KVCommStore's put replaces them: the reference deletes first)
+            ref.delete(ns, key)
+            ref.put(ns, key, value, index=index)
+            store.put(ns, key, value, index=index)
+            live.add((ns, key))
+        elif roll < 0.7:
+            ref.delete(ns, key)
+            store.delete(ns, key)
+            live.discard((ns, key))
+        else:
+            prefix = rng.choice(PREFIXES)
+            query = " ".join(rng.choices(WORDS, k=rng.randint(1, 3)))
+            filt = rng.choice([None, None, {"color": "red"}, {"n": {"$gt": 4}}])
+            limit, offset = rng.choice([1, 3, 10, 50]), rng.choice([0, 0, 1, 4])
+            what = f"step {step}: search({prefix}, query={query!r}, filter={filt}, " \
+                   f"limit={limit}, offset={offset})"
+            got = store.search(prefix, query=query, filter=filt, limit=limit, offset=offset)
+            want = ref.search(prefix, query=query, filter=filt, limit=limit, offset=offset)
+            full = ref.search(prefix, query=query, filter=filt, limit=1000)
+            _check(got, full, want, what)
+            for i in got:
+                assert i.namespace[:len(prefix)] == prefix, what
+    assert vector_files(kv), "the index lives in a shared-memory file"
+
+
+def test_namespace_scoping_is_exact(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv, index=index_config())
+    store.put(("tenant", "a"), "m", {"text": "apple pear"})
+    store.put(("tenant", "ab"), "m", {"text": "apple pear"})
+    store.put(("tenant",), "m", {"text": "apple pear"})
+    got = store.search(("tenant", "a"), query="apple pear", limit=10)
+    assert [(i.namespace, i.key) for i in got] == [(("tenant", "a"), "m")]
+    assert got[0].score == pytest.approx(1.0, abs=1e-5)
+    assert len(store.search(("tenant",), query="apple", limit=10)) == 3
+    assert store.search(("other",), query="apple", limit=10) == []
+
+
+def test_query_and_filter_together(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv, index=index_config())
+    store.put(("m",), "1", {"text": "rust stone", "kind": "fact"})
+    store.put(("m",), "2", {"text": "rust", "kind": "chat"})
+    store.put(("m",), "3", {"text": "python", "kind": "fact"})
+    got = store.search(("m",), query="rust", filter={"kind": "fact"}, limit=2)
+    assert [i.key for i in got] == ["1", "3"] and got[0].score > got[1].score
+
+
+def test_async_embedding_and_asearch(kv: kvcomm.Client) -> None:
+    calls = []
+
+    async def aembed(texts: list[str]) -> list[list[float]]:
+        calls.append(len(texts))
+        return fake_embed(texts)
+
+    store = KVCommStore(kv, index={"dims": DIMS, "embed": aembed, "fields": ["text"]})
+
+    async def main() -> list[Any]:
+        await store.aput(("u",), "1", {"text": "maple river"})
+        await store.aput(("u",), "2", {"text": "orbit ember"})
+        return await store.asearch(("u",), query="river maple", limit=1)
+
+    got = asyncio.run(main())
+    assert [i.key for i in got] == ["1"] and got[0].score == pytest.approx(1.0, abs=1e-5)
+    assert calls, "the async embedding function was called"
+
+
+def test_the_vector_travels_in_the_record(kv: kvcomm.Client, ns: str) -> None:
+    store = KVCommStore(kv, index=index_config())
+    store.put(("m",), "1", {"text": "tiger"})
+    raw = kv.get(store.keys.item(("m",), "1"))
+    assert len(raw) == 5 and raw[4][2][0][0] == "text"
+    v = np.frombuffer(raw[4][2][0][1], dtype="<f4")
+    want = np.asarray(fake_embed(["tiger"])[0])
+    assert np.allclose(v, want / np.linalg.norm(want), atol=1e-6)
+    # a plain get still reads it as an item
+    got = store.get(("m",), "1")
+    assert got is not None and got.value == {"text": "tiger"}
+    # put with index=False: no vectors, and the item comes last, unscored
+    store.put(("m",), "2", {"text": "tiger"}, index=False)
+    assert len(kv.get(store.keys.item(("m",), "2"))) == 4
+    res = store.search(("m",), query="tiger", limit=5)
+    assert [(i.key, i.score is None) for i in res] == [("1", False), ("2", True)]
+
+
+def test_a_writer_killed_mid_update_is_detected_and_repaired(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv, index=index_config())
+    store.put(("m",), "1", {"text": "apple"})
+    store.put(("m",), "2", {"text": "violet"})
+    sem = store._sem
+    assert sem is not None and sem.file is not None
+    f = sem.file
+    key = store.keys.item(("m",), "1")
+    # a writer that named its item, rewrote the record (new text, new stamp), then died
+    # before its rows: the rows still say "apple" under the old stamp
+    f.begin(key.encode())
+    rows = sem.unit(fake_embed(["violet"]))
+    part = sem.record_part(["text"], rows)
+    old = kv.get(key)
+    kv.put(key, [*old[:4], part])
+    assert int(f.hdr[H_INTENT]) == len(key)
+    got = store.search(("m",), query="violet", limit=2)
+    # the stale row is detected: both items are "violet" now, the record says
+    assert [i.score for i in got] == pytest.approx([1.0, 1.0], abs=1e-5)
+    stamp = part[1]
+    assert [int(f.stamps[r]) for r in f.rows_of(key.encode())] == [stamp], "row repaired"
+    # the next writer clears the dead writer's intent
+    store.put(("m",), "3", {"text": "amber"})
+    assert int(f.hdr[H_INTENT]) == 0
+
+
+def test_a_full_index_warns_and_searches_the_records(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv, index=index_config(), index_capacity=3)
+    ref = InMemoryStore(index=index_config())
+    with pytest.warns(kvcomm.KVCommWarning, match="full"):
+        for i, w in enumerate(WORDS[:6]):
+            store.put(("m",), str(i), {"text": w})
+            ref.put(("m",), str(i), {"text": w})
+    assert store._sem is not None and store._sem.file is not None and store._sem.file.overflow
+    got = store.search(("m",), query="rust apple", limit=4)
+    want = ref.search(("m",), query="rust apple", limit=4)
+    assert [(i.key, round(i.score, 5)) for i in got] == [(i.key, round(i.score, 5)) for i in want]
+
+
+def test_purge_removes_the_vector_index(ns: str, config: kvcomm.Config) -> None:
+    kv = kvcomm.open(ns, config=config)
+    try:
+        KVCommStore(kv, index=index_config()).put(("m",), "1", {"text": "apple"})
+        files = vector_files(kv)
+        assert len(files) == 1 and os.stat(files[0]).st_mode & 0o777 == 0o600
+    finally:
+        kv.close()
+    l2.purge(ns)
+    assert not os.path.exists(files[0])
+
+
+def test_bad_index_configurations(kv: kvcomm.Client) -> None:
+    with pytest.raises(kvcomm.ConfigError, match="IndexConfig"):
+        KVCommStore(kv, index={"embed": fake_embed})
+    with pytest.raises(kvcomm.ConfigError, match="dims"):
+        KVCommStore(kv, index={"dims": 0, "embed": fake_embed})
+    store = KVCommStore(kv, index={"dims": DIMS + 1, "embed": fake_embed})
+    with pytest.raises(kvcomm.ConfigError, match="dimensions"):
+        store.put(("m",), "1", {"text": "apple"})
+    assert store.get(("m",), "1") is None, "nothing written"
