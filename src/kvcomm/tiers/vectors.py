@@ -12,7 +12,10 @@ removes it with the namespace. Layout (little-endian):
 * the intent area (key bytes): the key of the item whose record and rows a writer is
   changing;
 * the row table: per row a 64-bit ``stamp`` (0: free), the key's 64-bit hash, its length,
-  and its bytes;
+  the next row of the same key (-1: none), and the key's bytes; the stack of free rows;
+  and the table of keys (open addressing on the key's hash, linear probing, ``2 *
+  capacity`` slots or more: a key's first row, -1 empty, -2 deleted), so that a writer
+  finds an item's rows and a free row in O(1), whatever the index holds;
 * the matrix: ``capacity`` rows of ``dims`` float32, each a unit vector (or zero).
 
 The items' records are the truth; a row is a copy of one of an item's vectors, tagged
@@ -21,7 +24,9 @@ stale one. Writers serialize on an ``flock`` of the file (and a thread lock): a 
 names its item in the intent area, changes the record, then the item's rows (a row's
 stamp is zeroed before it is rewritten and set last), then clears the intent. A writer
 killed in between leaves the intent set; the next writer to take the lock rebuilds that
-item's rows from its record (:meth:`VectorFile.lock`'s ``repair``). Readers take no
+item's rows from its record (:meth:`VectorFile.lock`'s ``repair``), after rebuilding
+the free stack and the key table from the row table (what a killed writer may have left
+half-changed; a row's stamp, set last, says whether the row is whole). Readers take no
 lock: they read the matrix in one pass and check every row they keep against the item's
 record.
 """
@@ -44,9 +49,11 @@ from ..errors import SegmentError
 from .shm.files import SHM_DIR, _unlink_quietly, check_owner, create_temp, remove_dead_temps, segment_path
 
 MAGIC = int.from_bytes(b"KVCVEC01", "little")
-LAYOUT = 1
+LAYOUT = 2
 _HDR = 256
-H_MAGIC, H_LAYOUT, H_DIMS, H_CAP, H_KEYB, H_HIGH, H_OVERFLOW, H_INTENT = range(8)
+(H_MAGIC, H_LAYOUT, H_DIMS, H_CAP, H_KEYB, H_HIGH, H_OVERFLOW, H_INTENT, H_NFREE, H_USED,
+ H_TOMBS) = range(11)
+_EMPTY, _TOMB = -1, -2
 _ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -78,15 +85,24 @@ def _align(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
 
+def _table_size(capacity: int) -> int:
+    return max(8, 1 << (2 * capacity - 1).bit_length())
+
+
 def _geometry(dims: int, capacity: int, key_bytes: int) -> tuple[int, ...]:
-    """Offsets of the intent area, stamps, hashes, lengths, keys, matrix; and the size."""
+    """Offsets of the intent area, stamps, hashes, lengths, next rows, free stack, key
+    table, keys, matrix; and the size."""
     intent = _HDR
     stamps = _align(intent + key_bytes)
     hashes = stamps + 8 * capacity
     lens = hashes + 8 * capacity
-    keys = _align(lens + 4 * capacity)
+    nxt = lens + 4 * capacity
+    free = nxt + 4 * capacity
+    slots = free + 4 * capacity
+    keys = _align(slots + 4 * _table_size(capacity))
     matrix = _align(keys + key_bytes * capacity)
-    return intent, stamps, hashes, lens, keys, matrix, matrix + 4 * dims * capacity
+    return (intent, stamps, hashes, lens, nxt, free, slots, keys, matrix,
+            matrix + 4 * dims * capacity)
 
 
 class VectorFile:
@@ -98,8 +114,22 @@ class VectorFile:
         self.hdr = hdr
         self.dims, self.capacity, self.key_bytes = (int(hdr[H_DIMS]), int(hdr[H_CAP]),
                                                     int(hdr[H_KEYB]))
-        it, st, ha, ln, ks, mx, _size = _geometry(self.dims, self.capacity, self.key_bytes)
+        it, st, ha, ln, nx, fr, sl, ks, mx, _size = _geometry(self.dims, self.capacity,
+                                                              self.key_bytes)
         cap, kb = self.capacity, self.key_bytes
+        self._tsize = _table_size(cap)
+        view = memoryview(mm)
+        # (the writers' structures, walked item by item: memoryviews index faster than numpy)
+        self._hq = view[:_HDR].cast("Q")
+        self._st = view[st:st + 8 * cap].cast("Q")
+        self._ha = view[ha:ha + 8 * cap].cast("Q")
+        self._ln = view[ln:ln + 4 * cap].cast("I")
+        self._nx = view[nx:nx + 4 * cap].cast("i")
+        self._fr = view[fr:fr + 4 * cap].cast("i")
+        self._sl = view[sl:sl + 4 * self._tsize].cast("i")
+        self._slots_np = np.frombuffer(mm, dtype="<i4", count=self._tsize, offset=sl)
+        self._ks = ks
+        view.release()
         self.intent = np.frombuffer(mm, dtype="u1", count=kb, offset=it)
         self.stamps = np.frombuffer(mm, dtype="<u8", count=cap, offset=st)
         self.hashes = np.frombuffer(mm, dtype="<u8", count=cap, offset=ha)
@@ -171,6 +201,11 @@ class VectorFile:
             with mmap.mmap(fd, _HDR) as mm:
                 hdr = np.frombuffer(mm, dtype="<u8", count=_HDR // 8)
                 hdr[H_DIMS], hdr[H_CAP], hdr[H_KEYB] = dims, capacity, key_bytes
+                slots = _geometry(dims, capacity, key_bytes)[6]
+                mm2 = mmap.mmap(fd, slots + 4 * _table_size(capacity))
+                np.frombuffer(mm2, dtype="<i4", count=_table_size(capacity),
+                              offset=slots)[:] = _EMPTY
+                mm2.close()
                 hdr[H_LAYOUT] = LAYOUT
                 hdr[H_MAGIC] = MAGIC
                 del hdr
@@ -183,7 +218,9 @@ class VectorFile:
             _unlink_quietly(tmp)
 
     def close(self) -> None:
-        for name in ("hdr", "intent", "stamps", "hashes", "lens", "keys", "matrix"):
+        for name in ("_hq", "_st", "_ha", "_ln", "_nx", "_fr", "_sl"):
+            getattr(self, name).release()
+        for name in ("hdr", "intent", "stamps", "hashes", "lens", "keys", "matrix", "_slots_np"):
             setattr(self, name, None)
         try:
             self._mm.close()
@@ -194,15 +231,17 @@ class VectorFile:
     # ------------------------------------------------------------------ writers
     @contextmanager
     def lock(self, repair: Callable[[bytes], None]) -> Iterator[None]:
-        """Hold the writers' lock; first, an intent a dead writer left is repaired:
-        ``repair(key)`` rebuilds that key's rows from its record."""
+        """Hold the writers' lock; first, an intent a dead writer left is repaired: the
+        free stack and key table rebuilt from the rows, then ``repair(key)`` rebuilds that
+        key's rows from its record (with :meth:`set_rows`)."""
         with self._tlock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                n = int(self.hdr[H_INTENT])
+                n = int(self._hq[H_INTENT])
                 if n:
+                    self.rebuild()
                     repair(self.intent[:n].tobytes())
-                    self.hdr[H_INTENT] = 0
+                    self._hq[H_INTENT] = 0
                 yield
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -210,53 +249,108 @@ class VectorFile:
     def begin(self, key: bytes) -> None:
         """Name ``key`` as the item being changed (under the lock)."""
         self.intent[:len(key)] = memoryview(key)
-        self.hdr[H_INTENT] = len(key)
+        self._hq[H_INTENT] = len(key)
 
     def end(self) -> None:
-        self.hdr[H_INTENT] = 0
-
-    def rows_of(self, key: bytes) -> Any:
-        high = int(self.hdr[H_HIGH])
-        h = xxh3_64_intdigest(key)
-        rows = self._np.flatnonzero((self.hashes[:high] == h) & (self.stamps[:high] != 0))
-        return [int(r) for r in rows if self.key_at(int(r)) == key]
+        self._hq[H_INTENT] = 0
 
     def key_at(self, row: int) -> bytes:
-        return self.keys[row, :int(self.lens[row])].tobytes()
+        at = self._ks + row * self.key_bytes
+        return self._mm[at:at + self._ln[row]]
 
-    def room_for(self, key: bytes, n: int) -> bool:
-        """Whether ``n`` vectors of ``key`` fit (its current rows freed first)."""
-        high = int(self.hdr[H_HIGH])
-        free = self.capacity - high + int(self._np.count_nonzero(self.stamps[:high] == 0))
-        return n <= free + len(self.rows_of(key))
+    def _find(self, key: bytes, h: int) -> tuple[int, int, int]:
+        """``(slot, first row, slot to insert at)`` of ``key`` (slot and row -1: absent)."""
+        sl, ha, mask = self._sl, self._ha, self._tsize - 1
+        i, tomb = h & mask, -1
+        while True:
+            r = sl[i]
+            if r == _EMPTY:
+                return -1, -1, (i if tomb < 0 else tomb)
+            if r == _TOMB:
+                if tomb < 0:
+                    tomb = i
+            elif ha[r] == h and self.key_at(r) == key:
+                return i, r, i
+            i = (i + 1) & mask
+
+    def rows_of(self, key: bytes) -> list[int]:
+        r = self._find(key, xxh3_64_intdigest(key))[1]
+        out = []
+        while r >= 0:
+            out.append(r)
+            r = self._nx[r]
+        return out
 
     def set_rows(self, key: bytes, stamp: int, vectors: Any) -> bool:
         """Replace ``key``'s rows by ``vectors`` (unit float32 rows) tagged ``stamp`` (under
-        the lock). False (and the index marked overflowed, its rows of ``key`` gone) when
-        they do not fit."""
-        np = self._np
-        for r in self.rows_of(key):
-            self.stamps[r] = 0
-        if vectors is None or len(vectors) == 0:
-            return True
-        if not self.room_for(key, len(vectors)):
-            self.hdr[H_OVERFLOW] = 1
-            return False
-        high = int(self.hdr[H_HIGH])
-        free = [int(r) for r in np.flatnonzero(self.stamps[:high] == 0)[:len(vectors)]]
-        while len(free) < len(vectors):
-            free.append(high)
-            high += 1
+        the lock, ``key`` named by :meth:`begin`). False (and the index marked
+        overflowed, its rows of ``key`` gone) when they do not fit."""
+        hq, st, nx, fr, sl = self._hq, self._st, self._nx, self._fr, self._sl
         h = xxh3_64_intdigest(key)
-        for r, v in zip(free, vectors, strict=True):
-            self.hashes[r] = h
-            self.lens[r] = len(key)
-            self.keys[r, :len(key)] = memoryview(key)
-            self.matrix[r] = v
-        self.hdr[H_HIGH] = max(high, int(self.hdr[H_HIGH]))
-        for r in free:
-            self.stamps[r] = stamp
+        slot, r, at = self._find(key, h)
+        while r >= 0:  # free the old rows
+            st[r] = 0
+            fr[hq[H_NFREE]] = r
+            hq[H_NFREE] += 1
+            r = nx[r]
+        n = 0 if vectors is None else len(vectors)
+        fits = n <= hq[H_NFREE] + self.capacity - hq[H_HIGH]
+        if not fits:
+            hq[H_OVERFLOW] = 1
+        if n == 0 or not fits:
+            if slot >= 0:
+                sl[slot] = _TOMB
+                hq[H_TOMBS] += 1
+            return fits
+        rows = []
+        for _ in range(n):
+            if hq[H_NFREE]:
+                hq[H_NFREE] -= 1
+                rows.append(fr[hq[H_NFREE]])
+            else:
+                rows.append(hq[H_HIGH])
+                hq[H_HIGH] += 1
+        ks, kb = self._ks, self.key_bytes
+        for j, r in enumerate(rows):
+            self._ha[r] = h
+            self._ln[r] = len(key)
+            self._mm[ks + r * kb:ks + r * kb + len(key)] = key
+            self.matrix[r] = vectors[j]
+            nx[r] = rows[j + 1] if j + 1 < n else -1
+            st[r] = stamp
+        if slot < 0:
+            if sl[at] == _TOMB:
+                hq[H_TOMBS] -= 1
+            else:
+                hq[H_USED] += 1
+        sl[at] = rows[0]
+        if 4 * hq[H_USED] > 3 * self._tsize or 4 * hq[H_TOMBS] > self._tsize:
+            self.rebuild()
         return True
+
+    def rebuild(self) -> None:
+        """The free stack and the key table again from the rows (their stamps, keys and
+        hashes): after a writer died, or when deleted slots pile up (under the lock)."""
+        np, hq = self._np, self._hq
+        high = int(hq[H_HIGH])
+        stamps = self.stamps[:high]
+        free = np.flatnonzero(stamps == 0).astype("<i4")
+        np.frombuffer(self._fr, dtype="<i4")[:len(free)] = free
+        hq[H_NFREE] = len(free)
+        self._slots_np[:] = _EMPTY
+        hq[H_USED] = hq[H_TOMBS] = 0
+        heads: dict[bytes, int] = {}
+        nx, sl, mask = self._nx, self._sl, self._tsize - 1
+        for r in map(int, np.flatnonzero(stamps != 0)):
+            key = self.key_at(r)
+            nx[r] = heads.get(key, -1)
+            heads[key] = r
+        for r in heads.values():
+            i = self._ha[r] & mask
+            while sl[i] != _EMPTY:
+                i = (i + 1) & mask
+            sl[i] = r
+        hq[H_USED] = len(heads)
 
     # ------------------------------------------------------------------ readers
     @property

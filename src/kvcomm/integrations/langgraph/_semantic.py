@@ -11,7 +11,7 @@ hosts, in cluster mode); the host's matrix holds copies tagged with the stamp.
 from __future__ import annotations
 
 import json
-import secrets
+import random
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -75,14 +75,11 @@ class SemanticIndex:
     def unit(self, vectors: Any) -> Any:
         """``vectors`` (a list of lists) as unit float32 rows (a zero vector stays zero)."""
         np = self.np
-        m = np.asarray(vectors, dtype=np.float64).reshape(-1, self.dims) if len(vectors) else \
-            np.zeros((0, self.dims))
-        if m.shape[1] != self.dims:
-            raise ConfigError("", f"the embedding function returned vectors of {m.shape[1]} "
-                                  f"dimensions; index['dims'] is {self.dims}")
-        norms = np.linalg.norm(m, axis=1, keepdims=True)
+        m = np.array(vectors, dtype="<f4").reshape(-1, self.dims)
+        norms = np.sqrt(np.einsum("ij,ij->i", m, m))
         norms[norms == 0] = 1.0
-        return (m / norms).astype("<f4")
+        m /= norms[:, None]
+        return m
 
     def check_dims(self, vectors: list[Any]) -> None:
         for v in vectors:
@@ -92,7 +89,7 @@ class SemanticIndex:
 
     def record_part(self, paths: list[str], vectors: Any) -> list[Any]:
         """The record's fifth element for ``vectors`` (unit rows) of ``paths``."""
-        stamp = secrets.randbits(63) | 1  # (0 marks a free row)
+        stamp = random.getrandbits(63) | 1  # (0 marks a free row; tells puts apart, no secret)
         return [self.id, stamp, [[p, v.tobytes()] for p, v in zip(paths, vectors, strict=True)]]
 
     def vectors_of(self, raw: Any) -> tuple[int, Any] | None:
@@ -165,8 +162,11 @@ class SemanticIndex:
         """Rebuild the host's rows of ``key`` from its record (a search found them stale)."""
         f = self.file
         if f is not None:
+            key_b = key.encode()
             with f.lock(self._repair):
-                self._repair(key.encode())
+                f.begin(key_b)
+                self._repair(key_b)
+                f.end()
 
     def _overflowed(self) -> None:
         if not self._warned:
