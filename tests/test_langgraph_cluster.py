@@ -148,6 +148,50 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
                  20, "host-2's delete to reach host-1's search")
 
 
+def test_a_semantic_search_on_host_2_finds_host_1s_memories_by_their_vectors(
+        dev: dict[str, Any]) -> None:
+    from langgraph.store.memory import InMemoryStore
+
+    from .test_store_search import fake_embed, index_config
+
+    embedded_on_b: list[str] = []
+
+    def embed_b(texts: list[str]) -> list[list[float]]:
+        embedded_on_b.extend(texts)
+        return fake_embed(texts)
+
+    with host(dev, 0) as a, host(dev, 1) as b:
+        writer = KVCommStore(a, index=index_config())
+        reader = KVCommStore(b, index=index_config(embed=embed_b))
+        ref = InMemoryStore(index=index_config())
+        facts = {"m1": {"text": "apple pear"}, "m2": {"text": "rust stone"},
+                 "m3": {"text": "river stone cloud"}, "m4": {"text": "apple", "extra": "tiger"}}
+        for key, value in facts.items():
+            writer.put(("vusers", "u1", "memories"), key, value)
+            ref.put(("vusers", "u1", "memories"), key, value)
+        writer.put(("vusers", "u2", "memories"), "other", {"text": "stone stone"})
+        store = l3(dev)
+        keys = [writer.keys.item(("vusers", "u1", "memories"), k) for k in facts]
+        keys.append(writer.keys.item(("vusers", "u2", "memories"), "other"))
+        try:
+            wait_for(lambda: all(r is not None and not isinstance(r, Exception)
+                                 for r in store.get_many(keys).values()),
+                     20, "host-1's memories to reach L3")
+        finally:
+            store.close()
+        got = reader.search(("vusers", "u1"), query="stone", limit=10)
+        want = ref.search(("vusers", "u1"), query="stone", limit=10)
+        assert [i.key for i in got] == [i.key for i in want]
+        assert [i.score for i in got] == pytest.approx([i.score for i in want], abs=1e-5)
+        assert embedded_on_b == ["stone"], "host-2 embedded the query only: the vectors came " \
+                                           "with the items"
+        assert [i.key for i in reader.search(("vusers", "u2"), query="apple")] == ["other"]
+        # a re-put on host-2 is what host-1's search scores, once in L3
+        reader.put(("vusers", "u1", "memories"), "m1", {"text": "stone"})
+        wait_for(lambda: writer.search(("vusers", "u1"), query="stone", limit=1)[0].key == "m1",
+                 20, "host-2's re-put to reach host-1's search")
+
+
 @pytest.mark.slow
 def test_the_three_agent_example_across_hosts(dev: dict[str, Any]) -> None:
     """examples/langgraph_agents.py with its agents on host-1, host-2 and host-1: the
