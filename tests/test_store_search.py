@@ -236,3 +236,50 @@ def test_bad_index_configurations(kv: kvcomm.Client) -> None:
     with pytest.raises(kvcomm.ConfigError, match="dimensions"):
         store.put(("m",), "1", {"text": "apple"})
     assert store.get(("m",), "1") is None, "nothing written"
+
+
+_DIE_MID_PUT = r"""
+import json, os, sys
+import kvcomm
+from kvcomm.integrations.langgraph import KVCommStore
+sys.path.insert(0, sys.argv[3])
+from tests.test_store_search import index_config
+kv = kvcomm.open(sys.argv[1], config=kvcomm.Config.from_mapping(json.loads(sys.argv[2])))
+store = KVCommStore(kv, index=index_config())
+sem = store._sem
+real = sem.file.set_rows
+def die(*args):
+    os._exit(3)  # killed after its record is written, before its rows
+sem.file.set_rows = die
+store.put(("m",), "1", {"text": "violet"})
+"""
+
+
+def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer(
+        kv: kvcomm.Client, ns: str) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import SMALL
+
+    store = KVCommStore(kv, index=index_config())
+    store.put(("m",), "1", {"text": "apple"})
+    store.put(("m",), "2", {"text": "violet"})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _DIE_MID_PUT, ns, json.dumps(SMALL), root],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr.decode()[-2000:]
+    sem = store._sem
+    assert sem is not None and sem.file is not None
+    f = sem.file
+    key = store.keys.item(("m",), "1").encode()
+    assert int(f.hdr[H_INTENT]) == len(key), "the dead writer left its item named"
+    raw = kv.get(key.decode())
+    assert [int(f.stamps[r]) for r in f.rows_of(key)] != [raw[4][1]], "its rows are stale"
+    store.put(("m",), "3", {"text": "amber"})  # the next writer repairs
+    assert int(f.hdr[H_INTENT]) == 0
+    assert [int(f.stamps[r]) for r in f.rows_of(key)] == [raw[4][1]]
+    got = store.search(("m",), query="violet", limit=2)
+    assert sorted(i.key for i in got) == ["1", "2"]
+    assert [i.score for i in got] == pytest.approx([1.0, 1.0], abs=1e-5)

@@ -121,7 +121,7 @@ class SemanticIndex:
         if self._file is None and not self.cluster:
             c = self.kv.config.cache
             self._file = VectorFile.open(self.np, self.kv.name, self.id, self.dims, self.capacity,
-                                         c.max_key_bytes * 4, c.l2_permissions, c.l2_dir)
+                                         c.max_key_bytes, c.l2_permissions, c.l2_dir)
         return self._file
 
     def close(self) -> None:
@@ -133,7 +133,7 @@ class SemanticIndex:
         """Rebuild the rows of ``key_b`` from its record (a writer died mid-change)."""
         f = self._file
         assert f is not None
-        raw = self.kv.get(key_b.decode())
+        raw = self.kv.get(key_b.decode("utf-8", "surrogatepass"))
         try:
             got = self.vectors_of(raw)
         except ValueError:
@@ -150,7 +150,7 @@ class SemanticIndex:
         if f is None:
             change()
             return
-        key_b = key.encode()
+        key_b = key.encode("utf-8", "surrogatepass")
         with f.lock(self._repair):
             f.begin(key_b)
             stamp = change()
@@ -162,7 +162,7 @@ class SemanticIndex:
         """Rebuild the host's rows of ``key`` from its record (a search found them stale)."""
         f = self.file
         if f is not None:
-            key_b = key.encode()
+            key_b = key.encode("utf-8", "surrogatepass")
             with f.lock(self._repair):
                 f.begin(key_b)
                 self._repair(key_b)

@@ -291,7 +291,7 @@ class KVCommStore(BaseStore):
             return []
         need = op.offset + op.limit
         prefix = self.keys.store_prefix(op.namespace_prefix)
-        cands = sem.candidates(q, prefix.encode())
+        cands = sem.candidates(q, prefix.encode("utf-8", "surrogatepass"))
         if cands is None:
             return self._scan_search(op, q)
         kept: list[tuple[float, SearchItem]] = []
@@ -300,7 +300,7 @@ class KVCommStore(BaseStore):
             if key_b in seen:
                 continue
             seen.add(key_b)
-            key = key_b.decode()
+            key = key_b.decode("utf-8", "surrogatepass")
             raw = self.kv.get(key)
             if raw is None:
                 continue  # (deleted meanwhile)
