@@ -283,3 +283,18 @@ def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer
     got = store.search(("m",), query="violet", limit=2)
     assert sorted(i.key for i in got) == ["1", "2"]
     assert [i.score for i in got] == pytest.approx([1.0, 1.0], abs=1e-5)
+
+
+def test_items_of_equal_score_are_all_found_however_many(kv: kvcomm.Client) -> None:
+    """Many rows of one score (the same text) and a small namespace among a large one:
+    the candidate rows are walked in rounds, none skipped at a round's edge."""
+    store = KVCommStore(kv, index=index_config())
+    for i in range(150):
+        store.put(("big",), f"{i:03}", {"text": "apple"})
+    for i in range(70):
+        store.put(("t",), f"{i:03}", {"text": "apple"})
+    store.put(("t",), "zz", {"text": "apple pear"})
+    got = store.search(("t",), query="apple", limit=100)
+    assert len(got) == 71 and {i.key for i in got} == {f"{i:03}" for i in range(70)} | {"zz"}
+    assert got[-1].key == "zz" and got[0].score == pytest.approx(1.0, abs=1e-5)
+    assert len(store.search(("big",), query="apple", limit=200)) == 150

@@ -190,18 +190,18 @@ class SemanticIndex:
     def _walk(self, f: VectorFile, q: Any, prefix: bytes) -> Any:
         np = self.np
         scores, stamps = f.scores(q)
+        neg = -scores
         n = len(scores)
-        order: Any = ()
-        done = 0
-        chunk = 64
+        done, k = 0, 64
         while done < n:
-            k = min(n, max(chunk, done * 4))
+            # the rows scoring at least the k-th best, by (score desc, row): each round's
+            # list extends the last one's, ties included, so no row is skipped
             if k < n:
-                part = np.argpartition(-scores, k - 1)[:k]
-                order = part[np.argsort(-scores[part], kind="stable")]
+                sel = np.flatnonzero(neg <= np.partition(neg, k - 1)[k - 1])
             else:
-                order = np.argsort(-scores, kind="stable")
-            for r in order[done:k]:
+                sel = np.arange(n)
+            order = sel[np.lexsort((sel, neg[sel]))]
+            for r in order[done:]:
                 r = int(r)
                 s = float(scores[r])
                 if s == -np.inf:
@@ -209,7 +209,7 @@ class SemanticIndex:
                 key = f.key_at(r)
                 if key.startswith(prefix):
                     yield s, key, int(stamps[r])
-            done = k
+            done, k = len(order), k * 4
 
     def score(self, rows: Any, q: Any) -> float:
         """The item's score: the best cosine of its vectors (InMemoryStore's max pooling)."""
