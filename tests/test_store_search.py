@@ -298,3 +298,12 @@ def test_items_of_equal_score_are_all_found_however_many(kv: kvcomm.Client) -> N
     assert len(got) == 71 and {i.key for i in got} == {f"{i:03}" for i in range(70)} | {"zz"}
     assert got[-1].key == "zz" and got[0].score == pytest.approx(1.0, abs=1e-5)
     assert len(store.search(("big",), query="apple", limit=200)) == 150
+
+
+def test_without_numpy_the_error_says_what_to_install(kv: kvcomm.Client,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # (import numpy now fails)
+    with pytest.raises(kvcomm.ConfigError, match=r"kvcomm\[numpy\]"):
+        KVCommStore(kv, index=index_config())
