@@ -69,8 +69,18 @@ class State(TypedDict):
     notes: list[str]
 
 
-def learner(config: str | None, user: str) -> None:
+def run_node(kv: kvcomm.Client, node: Any, user: str) -> dict[str, Any]:
+    """Run a graph of the one node ``node``, its store a KVCommStore with the index."""
     from langgraph.graph import END, START, StateGraph
+
+    g = StateGraph(State)
+    g.add_node(node.__name__, node)
+    g.add_edge(START, node.__name__)
+    g.add_edge(node.__name__, END)
+    return g.compile(store=KVCommStore(kv, index=INDEX)).invoke({"user": user, "notes": []})
+
+
+def learner(config: str | None, user: str) -> None:
     from langgraph.store.base import BaseStore
 
     def remember(state: State, *, store: BaseStore) -> dict[str, Any]:
@@ -80,18 +90,13 @@ def learner(config: str | None, user: str) -> None:
 
     kv = kvcomm.open(config=config)
     try:
-        g = StateGraph(State)
-        g.add_node("remember", remember)
-        g.add_edge(START, "remember")
-        g.add_edge("remember", END)
-        g.compile(store=KVCommStore(kv, index=INDEX)).invoke({"user": user, "notes": []})
+        run_node(kv, remember, user)
         print(f"[learner] stored {len(MEMORIES)} memories")
     finally:
         kv.close()
 
 
 def recaller(config: str | None, user: str, out: Any) -> None:
-    from langgraph.graph import END, START, StateGraph
     from langgraph.store.base import BaseStore
 
     def recall(state: State, *, store: BaseStore) -> dict[str, Any]:
@@ -107,11 +112,7 @@ def recaller(config: str | None, user: str, out: Any) -> None:
 
     kv = kvcomm.open(config=config)
     try:
-        g = StateGraph(State)
-        g.add_node("recall", recall)
-        g.add_edge(START, "recall")
-        g.add_edge("recall", END)
-        res = g.compile(store=KVCommStore(kv, index=INDEX)).invoke({"user": user, "notes": []})
+        res = run_node(kv, recall, user)
         out.put(res["notes"])
     finally:
         kv.close()

@@ -116,6 +116,16 @@ def test_a_resume_waits_for_records_not_yet_in_l3_and_never_reads_an_older_threa
                         retry_on=(kvcomm.Unavailable,))
 
 
+def _wait_in_l3(dev: dict[str, Any], keys: list[str]) -> None:
+    store = l3(dev)
+    try:
+        wait_for(lambda: all(r is not None and not isinstance(r, Exception)
+                             for r in store.get_many(keys).values()),
+                 20, "host-1's memories to reach L3")
+    finally:
+        store.close()
+
+
 def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, Any]) -> None:
     with host(dev, 0) as a, host(dev, 1) as b:
         writer, reader = KVCommStore(a), KVCommStore(b)
@@ -123,14 +133,8 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
         for key, value in facts.items():
             writer.put(("users", "u1", "memories"), key, value)
         writer.put(("users", "u2", "memories"), "other", {"text": "not u1", "score": 99})
-        store = l3(dev)
         keys = [writer.keys.item(("users", "u1", "memories"), k) for k in facts]
-        try:
-            wait_for(lambda: all(r is not None and not isinstance(r, Exception)
-                                 for r in store.get_many(keys).values()),
-                     20, "host-1's memories to reach L3")
-        finally:
-            store.close()
+        _wait_in_l3(dev, keys)
         # acknowledged by L3 before the search began: every one is found on host-2, which
         # never read any of them
         found = reader.search(("users", "u1"), limit=100)
@@ -170,15 +174,8 @@ def test_a_semantic_search_on_host_2_finds_host_1s_memories_by_their_vectors(
             writer.put(("vusers", "u1", "memories"), key, value)
             ref.put(("vusers", "u1", "memories"), key, value)
         writer.put(("vusers", "u2", "memories"), "other", {"text": "stone stone"})
-        store = l3(dev)
         keys = [writer.keys.item(("vusers", "u1", "memories"), k) for k in facts]
-        keys.append(writer.keys.item(("vusers", "u2", "memories"), "other"))
-        try:
-            wait_for(lambda: all(r is not None and not isinstance(r, Exception)
-                                 for r in store.get_many(keys).values()),
-                     20, "host-1's memories to reach L3")
-        finally:
-            store.close()
+        _wait_in_l3(dev, [*keys, writer.keys.item(("vusers", "u2", "memories"), "other")])
         got = reader.search(("vusers", "u1"), query="stone", limit=10)
         want = ref.search(("vusers", "u1"), query="stone", limit=10)
         assert [i.key for i in got] == [i.key for i in want]
