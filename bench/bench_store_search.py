@@ -49,6 +49,21 @@ def pcts(fn: Any, n: int) -> tuple[float, float]:
     return ts[len(ts) // 2] / 1e6, ts[int(len(ts) * 0.99)] / 1e6
 
 
+def interleaved(fns: list[Any], n: int) -> list[tuple[float, float]]:
+    """``pcts`` of each of ``fns``, called in turn ``n`` times each."""
+    ts: list[list[int]] = [[] for _ in fns]
+    for _ in range(n):
+        for f, t in zip(fns, ts, strict=True):
+            t0 = time.perf_counter_ns()
+            f()
+            t.append(time.perf_counter_ns() - t0)
+    out = []
+    for t in ts:
+        t.sort()
+        out.append((t[len(t) // 2] / 1e6, t[int(len(t) * 0.99)] / 1e6))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=10_000)
@@ -77,17 +92,15 @@ def main() -> None:
         mem = InMemoryStore(index=index)
         ns = ("user", "1", "memories")
         i = iter(range(10**9))
-        put_plain = pcts(lambda: plain.put(ns, str(next(i) % a.n),
-                                           {"text": texts[next(i) % a.n]}), 2000)
         for k, t in enumerate(texts):
             store.put(ns, str(k), {"text": t})
+            plain.put(ns, str(k), {"text": t})
             mem.put(ns, str(k), {"text": t})
-        put_index = pcts(lambda: store.put(ns, str(next(i) % a.n),
-                                           {"text": texts[next(i) % a.n]}), 2000)
+        put_plain, put_index = interleaved(
+            [lambda: plain.put(ns, str(next(i) % a.n), {"text": texts[next(i) % a.n]}),
+             lambda: store.put(ns, str(next(i) % a.n), {"text": texts[next(i) % a.n]})], 2000)
         qi = iter(range(10**9))
         q = lambda: queries[next(qi) % len(queries)]  # noqa: E731
-        s_kv = pcts(lambda: store.search(("user", "1"), query=q(), limit=10), a.queries)
-        s_mem = pcts(lambda: mem.search(("user", "1"), query=q(), limit=10), a.queries // 4)
         m = np.asarray([table[t] for t in texts], dtype=np.float32)
         m /= np.linalg.norm(m, axis=1, keepdims=True)
         qs = [np.asarray(table[x], dtype=np.float32) for x in queries]
@@ -97,7 +110,10 @@ def main() -> None:
             top = np.argpartition(-s, 10)[:10]
             return top[np.argsort(-s[top])]
 
-        s_np = pcts(floor, a.queries)
+        # (KVCommStore and the floor interleaved, call by call: the same load on both)
+        s_kv, s_np = interleaved([lambda: store.search(("user", "1"), query=q(), limit=10),
+                                  floor], a.queries)
+        s_mem = pcts(lambda: mem.search(("user", "1"), query=q(), limit=10), a.queries // 4)
         print(f"n={a.n} dims={a.dims}, ms (p50 / p99)")
         print("| operation | p50 ms | p99 ms |")
         print("|---|---|---|")
