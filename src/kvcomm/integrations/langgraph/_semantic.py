@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from langgraph.store.base import get_text_at_path, tokenize_path
@@ -55,7 +55,7 @@ class SemanticIndex:
         self._warned = False
 
     # ------------------------------------------------------------------ embedding
-    def texts(self, value: dict[str, Any], index: Any) -> list[tuple[str, str]]:
+    def texts(self, value: Mapping[str, Any], index: Any) -> list[tuple[str, str]]:
         """The ``(path, text)`` pairs of ``value`` to embed (``index`` a put's ``index=``:
         None for the store's fields, False for none, or a list of fields), as
         ``InMemoryStore`` extracts them."""
