@@ -56,7 +56,9 @@ def _value(rng: random.Random) -> dict[str, Any]:
     v: dict[str, Any] = {"text": " ".join(rng.choices(WORDS, k=rng.randint(1, 4))),
                          "n": rng.randint(0, 9), "color": rng.choice(["red", "blue"])}
     if rng.random() < 0.4:
-        v["extra"] = " ".join(rng.choices(WORDS, k=rng.randint(1, 3)))
+        # (never the same string as "text": InMemoryStore fails on a put whose two fields
+        # hold one text, ValueError "Number of embeddings (1) does not match...")
+        v["extra"] = "also " + " ".join(rng.choices(WORDS, k=rng.randint(1, 3)))
     if rng.random() < 0.1:
         del v["text"]
     return v
@@ -176,7 +178,7 @@ def test_the_vector_travels_in_the_record(kv: kvcomm.Client, ns: str) -> None:
     assert [(i.key, i.score is None) for i in res] == [("1", False), ("2", True)]
 
 
-def test_a_writer_killed_mid_update_is_detected_and_repaired(kv: kvcomm.Client) -> None:
+def test_a_stale_row_is_detected_and_repaired(kv: kvcomm.Client) -> None:
     store = KVCommStore(kv, index=index_config())
     store.put(("m",), "1", {"text": "apple"})
     store.put(("m",), "2", {"text": "violet"})
@@ -184,22 +186,15 @@ def test_a_writer_killed_mid_update_is_detected_and_repaired(kv: kvcomm.Client) 
     assert sem is not None and sem.file is not None
     f = sem.file
     key = store.keys.item(("m",), "1")
-    # a writer that named its item, rewrote the record (new text, new stamp), then died
-    # before its rows: the rows still say "apple" under the old stamp
-    f.begin(key.encode())
-    rows = sem.unit(fake_embed(["violet"]))
-    part = sem.record_part(["text"], rows)
-    old = kv.get(key)
-    kv.put(key, [*old[:4], part])
-    assert int(f.hdr[H_INTENT]) == len(key)
+    # the record rewritten behind the index's back (new vector, new stamp): the host's row
+    # still says "apple" under the old stamp
+    part = sem.record_part(["text"], sem.unit(fake_embed(["violet"])))
+    kv.put(key, [*kv.get(key)[:4], part])
+    assert int(f.hdr[H_INTENT]) == 0
     got = store.search(("m",), query="violet", limit=2)
     # the stale row is detected: both items are "violet" now, the record says
     assert [i.score for i in got] == pytest.approx([1.0, 1.0], abs=1e-5)
-    stamp = part[1]
-    assert [int(f.stamps[r]) for r in f.rows_of(key.encode())] == [stamp], "row repaired"
-    # the next writer clears the dead writer's intent
-    store.put(("m",), "3", {"text": "amber"})
-    assert int(f.hdr[H_INTENT]) == 0
+    assert [int(f.stamps[r]) for r in f.rows_of(key.encode())] == [part[1]], "row repaired"
 
 
 def test_a_full_index_warns_and_searches_the_records(kv: kvcomm.Client) -> None:
@@ -256,7 +251,7 @@ store.put(("m",), "1", {"text": "violet"})
 
 
 def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer(
-        kv: kvcomm.Client, ns: str) -> None:
+        kv: kvcomm.Client, ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
     import subprocess
     import sys
@@ -277,6 +272,14 @@ def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer
     assert int(f.hdr[H_INTENT]) == len(key), "the dead writer left its item named"
     raw = kv.get(key.decode())
     assert [int(f.stamps[r]) for r in f.rows_of(key)] != [raw[4][1]], "its rows are stale"
+    # a search meanwhile scores the named item from its record, without a scan of records
+    scanned = []
+    real_scan = KVCommStore._scan_search
+    monkeypatch.setattr(KVCommStore, "_scan_search",
+                        lambda *a: scanned.append(1) or real_scan(*a))
+    got = store.search(("m",), query="violet", limit=1)
+    assert [i.score for i in got] == pytest.approx([1.0], abs=1e-5) and not scanned
+    monkeypatch.undo()
     store.put(("m",), "3", {"text": "amber"})  # the next writer repairs
     assert int(f.hdr[H_INTENT]) == 0
     assert [int(f.stamps[r]) for r in f.rows_of(key)] == [raw[4][1]]

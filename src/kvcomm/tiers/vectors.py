@@ -254,6 +254,12 @@ class VectorFile:
     def end(self) -> None:
         self._hq[H_INTENT] = 0
 
+    def intent_key(self) -> bytes | None:
+        """The key a writer named (:meth:`begin`), None when none (read without the lock:
+        a key torn by a writer's next intent names no item)."""
+        n = int(self._hq[H_INTENT])
+        return bytes(self.intent[:n]) if 0 < n <= self.key_bytes else None
+
     def key_at(self, row: int) -> bytes:
         at = self._ks + row * self.key_bytes
         return self._mm[at:at + self._ln[row]]

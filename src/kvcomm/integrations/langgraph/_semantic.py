@@ -22,7 +22,7 @@ from xxhash import xxh3_64_hexdigest
 
 from ..._client import Client
 from ..._extras import require
-from ...errors import ConfigError, CorruptRecord, KVCommWarning
+from ...errors import ConfigError, CorruptRecord, KVCommError, KVCommWarning
 from ...tiers.vectors import VectorFile
 from ._keys import Keys
 
@@ -181,13 +181,34 @@ class SemanticIndex:
     def candidates(self, q: Any, prefix: bytes) -> Any:
         """Rows in descending score: yields ``(row score, key bytes, row stamp)`` of rows
         whose key is under ``prefix``; None when the matrix cannot answer (cluster mode,
-        overflowed)."""
+        overflowed). The item a writer named in the file (one changing it now, or one that
+        died before its rows) comes from its record, in its place by score."""
         f = self.file
         if f is None or f.overflow:
             return None
-        return self._walk(f, q, prefix)
+        named = f.intent_key()
+        walk = self._walk(f, q, prefix, named)
+        if named is None or not named.startswith(prefix):
+            return walk
+        try:
+            got = self.vectors_of(self.kv.get(named.decode("utf-8", "surrogatepass")))
+        except (ValueError, UnicodeDecodeError, KVCommError):
+            got = None
+        if got is None:
+            return walk
+        return self._merge(walk, (self.score(got[1], q), named, got[0]))
 
-    def _walk(self, f: VectorFile, q: Any, prefix: bytes) -> Any:
+    @staticmethod
+    def _merge(walk: Any, one: tuple[float, bytes, int]) -> Any:
+        for c in walk:
+            if one is not None and c[0] < one[0]:
+                yield one
+                one = None  # type: ignore[assignment]
+            yield c
+        if one is not None:
+            yield one
+
+    def _walk(self, f: VectorFile, q: Any, prefix: bytes, skip: bytes | None) -> Any:
         np = self.np
         scores, stamps = f.scores(q)
         neg = -scores
@@ -207,7 +228,7 @@ class SemanticIndex:
                 if s == -np.inf:
                     return
                 key = f.key_at(r)
-                if key.startswith(prefix):
+                if key.startswith(prefix) and key != skip:
                     yield s, key, int(stamps[r])
             done, k = len(order), k * 4
 
