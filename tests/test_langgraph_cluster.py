@@ -166,6 +166,16 @@ def test_an_async_agent_on_host_2_resumes_host_1s_thread_over_kvcomm_aio(
     assert done["steps"] == ["plan", "ask", "act:yes"] and off_loop > 0
 
 
+def _wait_in_l3(dev: dict[str, Any], keys: list[str]) -> None:
+    store = l3(dev)
+    try:
+        wait_for(lambda: all(r is not None and not isinstance(r, Exception)
+                             for r in store.get_many(keys).values()),
+                 20, "host-1's memories to reach L3")
+    finally:
+        store.close()
+
+
 def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, Any]) -> None:
     with host(dev, 0) as a, host(dev, 1) as b:
         writer, reader = KVCommStore(a), KVCommStore(b)
@@ -173,14 +183,8 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
         for key, value in facts.items():
             writer.put(("users", "u1", "memories"), key, value)
         writer.put(("users", "u2", "memories"), "other", {"text": "not u1", "score": 99})
-        store = l3(dev)
         keys = [writer.keys.item(("users", "u1", "memories"), k) for k in facts]
-        try:
-            wait_for(lambda: all(r is not None and not isinstance(r, Exception)
-                                 for r in store.get_many(keys).values()),
-                     20, "host-1's memories to reach L3")
-        finally:
-            store.close()
+        _wait_in_l3(dev, keys)
         # acknowledged by L3 before the search began: every one is found on host-2, which
         # never read any of them
         found = reader.search(("users", "u1"), limit=100)
@@ -196,6 +200,43 @@ def test_memories_put_on_host_1_are_found_by_a_search_on_host_2(dev: dict[str, A
         reader.delete(("users", "u1", "memories"), "fact-0")
         wait_for(lambda: "fact-0" not in {i.key for i in writer.search(("users", "u1"), limit=100)},
                  20, "host-2's delete to reach host-1's search")
+
+
+def test_a_semantic_search_on_host_2_finds_host_1s_memories_by_their_vectors(
+        dev: dict[str, Any]) -> None:
+    from langgraph.store.memory import InMemoryStore
+
+    from .test_store_search import fake_embed, index_config
+
+    embedded_on_b: list[str] = []
+
+    def embed_b(texts: list[str]) -> list[list[float]]:
+        embedded_on_b.extend(texts)
+        return fake_embed(texts)
+
+    with host(dev, 0) as a, host(dev, 1) as b:
+        writer = KVCommStore(a, index=index_config())
+        reader = KVCommStore(b, index=index_config(embed=embed_b))
+        ref = InMemoryStore(index=index_config())
+        facts = {"m1": {"text": "apple pear"}, "m2": {"text": "rust stone"},
+                 "m3": {"text": "river stone cloud"}, "m4": {"text": "apple", "extra": "tiger"}}
+        for key, value in facts.items():
+            writer.put(("vusers", "u1", "memories"), key, value)
+            ref.put(("vusers", "u1", "memories"), key, value)
+        writer.put(("vusers", "u2", "memories"), "other", {"text": "stone stone"})
+        keys = [writer.keys.item(("vusers", "u1", "memories"), k) for k in facts]
+        _wait_in_l3(dev, [*keys, writer.keys.item(("vusers", "u2", "memories"), "other")])
+        got = reader.search(("vusers", "u1"), query="stone", limit=10)
+        want = ref.search(("vusers", "u1"), query="stone", limit=10)
+        assert [i.key for i in got] == [i.key for i in want]
+        assert [i.score for i in got] == pytest.approx([i.score for i in want], abs=1e-5)
+        assert embedded_on_b == ["stone"], "host-2 embedded the query only: the vectors came " \
+                                           "with the items"
+        assert [i.key for i in reader.search(("vusers", "u2"), query="apple")] == ["other"]
+        # a re-put on host-2 is what host-1's search scores, once in L3
+        reader.put(("vusers", "u1", "memories"), "m1", {"text": "stone"})
+        wait_for(lambda: writer.search(("vusers", "u1"), query="stone", limit=1)[0].key == "m1",
+                 20, "host-2's re-put to reach host-1's search")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ extra          installs                needed for
                                        ``soak``, the demo's Redis baselines
 ``demo``       rich                    ``kvcomm demo``'s terminal output
 ``plot``       matplotlib              ``kvcomm demo --plot``
-``numpy``      numpy                   storing numpy arrays as values
+``numpy``      numpy                   storing numpy arrays as values, KVCommStore(index=)
 ``metrics``    prometheus-client,      ``kvcomm metrics`` (the exporter), ``kvcomm top``
                rich
 ``loadtest``   locust                  ``kvcomm loadtest``

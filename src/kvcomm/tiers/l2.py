@@ -192,6 +192,7 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
         remove(name, directory)
         remove_table(name, directory)
         _remove_watches(name, directory)
+        _remove_vectors(name, directory)
         return False
     try:
         # any mode (cache.l2_permissions may be wider than the default; the file is being
@@ -219,7 +220,14 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
     remove_table(name, directory)  # and so do the agents' placement reports
     _remove_watches(name, directory)  # and the watchers' registrations
+    _remove_vectors(name, directory)  # and the LangGraph store's vector indexes
     return True
+
+
+def _remove_vectors(name: str, directory: str) -> None:
+    from .vectors import remove_all
+
+    remove_all(name, directory)
 
 
 def _remove_watches(name: str, directory: str) -> None:

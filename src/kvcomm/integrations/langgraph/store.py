@@ -21,8 +21,15 @@ times. So:
   one item (as LangGraph's SQL stores do: a namespace whose items were all deleted is
   gone), sorted, with ``prefix``/``suffix`` (``*`` wildcards), ``max_depth`` and paging.
   It reads every item key under the prefix: it is a tool for exploring, not a hot path.
-* Semantic (vector) search is not provided: a store made with ``index=`` raises
-  ConfigError, and ``search(query=...)`` raises InvalidArgument (nothing is read).
+* Semantic search (``index=``, LangGraph's ``IndexConfig``; ``_semantic.py``): a put
+  embeds the item's fields and keeps the vectors in the item's record (its sixth element),
+  and in the host's shared-memory matrix (:mod:`kvcomm.tiers.vectors`);
+  ``search(query=...)`` embeds the query, multiplies the matrix by it in one pass, and
+  checks each candidate against its record; scores are cosines, max-pooled over an
+  item's vectors, best first, items without vectors after them (``InMemoryStore``'s
+  rules). In cluster mode (and on a host whose index is full) a search scores the
+  records of the namespace prefix instead (``kv.scan``: every host's items). Without
+  ``index=``, ``search(query=...)`` raises InvalidArgument.
 * **TTL** (``supports_ttl`` is True), LangGraph's store contract: ``put(..., ttl=)`` is in
   **minutes** (``BaseStore.put``: "Time to live in minutes"; ``KVCommSaver``'s ``ttl``
   is in seconds, KVCOMM's unit), ``None`` keeps the item until deleted, and
@@ -34,13 +41,19 @@ times. So:
   by default) gives each item it returns its whole ttl again, from now (``kv.touch``: a
   conditional write, never bringing back an item replaced or deleted meanwhile). Each item
   keeps its own ttl (in its record) for that.
-* Async: on a ``kvcomm.aio`` client ``abatch`` (every async method) is native: inline on
-  the event loop, only a call that would wait running in the aio client's pool
+* Async: ``abatch`` (every async method) first embeds through the embeddings' async
+  methods, in the loop; then, on a ``kvcomm.aio`` client, it is native: inline on the
+  event loop, only a call that would wait running in the aio client's pool
   (``_kv.run_async``); on a sync client, in the loop's default thread executor.
+* The record: ``[type, bytes, created_ms, updated_ms]``, then ``ttl_minutes`` when the
+  item has a ttl, and, when it has vectors, ``[..., ttl_minutes or None, vectors]``
+  (6 elements). A ttl is a number, vectors a list: records of either older 5-element
+  layout (ttl only, or vectors only) are read too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Iterable
@@ -75,6 +88,7 @@ from ...errors import (
 )
 from ._keys import DEFAULT_ROOT, Keys
 from ._kv import run_async, scan, sync_and_aio
+from ._semantic import DEFAULT_CAPACITY, SemanticIndex, bad_vectors
 from ._serde import no_pickle
 
 
@@ -92,7 +106,10 @@ class KVCommStore(BaseStore):
     ``kv`` is an open client (never closed by the store), ``serde`` a LangGraph
     serializer for the items' values (one that pickles is refused: ConfigError),
     ``root`` the key prefix (default ``"lg/"``; items under ``root + "st/"``). ``index``
-    is accepted only as None: vector search is not provided (ConfigError otherwise).
+    is LangGraph's ``IndexConfig`` (``dims``, ``embed``: a sync or async callable or a
+    LangChain ``Embeddings``, ``fields``) for semantic search (needs numpy:
+    ``kvcomm[numpy]``); ``index_capacity`` bounds the vectors of the host's index
+    (default 100,000: beyond it searches read the records; see the README).
 
     Operations raise LangGraph's InvalidNamespaceError for a bad namespace label, and
     what the client raises (kvcomm.KVCommError: InvalidKey when a namespace and key do
@@ -100,17 +117,14 @@ class KVCommStore(BaseStore):
     in order; one that raises leaves the earlier ones applied.
     """
 
-    __slots__ = ("kv", "keys", "serde", "ttl_config", "aio")
+    __slots__ = ("kv", "keys", "serde", "ttl_config", "aio", "_sem")
 
     supports_ttl: bool = True
 
     def __init__(self, kv: Client | AsyncClient, *, serde: Any | None = None,
                  root: str = DEFAULT_ROOT, index: Any | None = None,
-                 ttl: TTLConfig | None = None) -> None:
+                 index_capacity: int = DEFAULT_CAPACITY, ttl: TTLConfig | None = None) -> None:
         kv, aio = sync_and_aio(kv, "KVCommStore")
-        if index is not None:
-            raise ConfigError("", "KVCommStore does not provide semantic (vector) search: make it "
-                                  "without index= (search by namespace prefix and filter works)")
         if ttl is not None:
             if not isinstance(ttl, dict):
                 raise InvalidArgument(f"ttl is LangGraph's TTLConfig, a dict such as "
@@ -122,32 +136,88 @@ class KVCommStore(BaseStore):
         self.serde = no_pickle(serde)
         self.ttl_config = ttl
         self.aio = aio
+        self._sem = None if index is None else SemanticIndex(kv, self.keys, index, index_capacity)
 
     # ---------------------------------------------------------------- batch
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops`` in order; their results in the same order."""
+        ops = list(ops)
+        if self._sem is None:
+            return self._batch(ops, None)
+        texts, queries = self._to_embed(ops)
+        emb = self._sem.embeddings
+        docs = emb.embed_documents([t for _i, _p, t in texts]) if texts else []
+        return self._batch(ops, self._embedded(texts, docs, {q: emb.embed_query(q)
+                                                               for q in queries}))
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """:meth:`batch`: the embeddings' async methods called in the loop, the rest native
+        on a ``kvcomm.aio`` client, in the loop's default executor on a sync one
+        (``_kv.run_async``)."""
+        ops = list(ops)
+        prepared = None
+        if self._sem is not None:
+            texts, queries = self._to_embed(ops)
+            emb = self._sem.embeddings
+            docs = await emb.aembed_documents([t for _i, _p, t in texts]) if texts else []
+            qv = list(await asyncio.gather(*(emb.aembed_query(q) for q in queries)))
+            prepared = self._embedded(texts, docs, dict(zip(queries, qv, strict=True)))
+        return await run_async(self.aio, self._batch, (ops, prepared), {})
+
+    def _to_embed(self, ops: list[Op]) -> tuple[list[tuple[int, str, str]], list[str]]:
+        """The texts of ``ops``' puts to embed ``(op's position, path, text)``, and their
+        searches' queries."""
+        assert self._sem is not None
+        texts: list[tuple[int, str, str]] = []
+        queries: list[str] = []
+        for i, op in enumerate(ops):
+            if isinstance(op, PutOp) and op.value is not None:
+                texts.extend((i, p, t) for p, t in self._sem.texts(op.value, op.index))
+            elif isinstance(op, SearchOp) and op.query and op.query not in queries:
+                queries.append(op.query)
+        return texts, queries
+
+    def _embedded(self, texts: list[tuple[int, str, str]], docs: list[Any],
+                  queries: dict[str, Any]) -> dict[Any, Any]:
+        """``{op position: (paths, unit rows)}`` and ``{query: unit vector}`` in one dict."""
+        sem = self._sem
+        assert sem is not None
+        if len(docs) != len(texts):
+            raise ConfigError("", f"the embedding function returned {len(docs)} vectors for "
+                                  f"{len(texts)} texts")
+        sem.check_dims(docs)
+        rows = sem.unit(docs)
+        out: dict[Any, Any] = {}
+        for j, (i, path, _t) in enumerate(texts):
+            out.setdefault(i, ([], []))
+            out[i][0].append(path)
+            out[i][1].append(j)
+        for i, (paths, js) in list(out.items()):
+            out[i] = (paths, rows[js])
+        for q, v in queries.items():
+            out[q] = sem.query_vector(v)
+        return out
+
+    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
         results: list[Result] = []
-        for op in ops:
+        for i, op in enumerate(ops):
             validate_op_namespace(op)
             if isinstance(op, GetOp):
                 results.append(self._get(op.namespace, op.key, op.refresh_ttl))
             elif isinstance(op, PutOp):
                 if op.value is None:
-                    self.kv.delete(self.keys.item(op.namespace, op.key))
+                    self._delete(op.namespace, op.key)
                 else:
-                    self._put(op.namespace, op.key, op.value, _minutes(op.ttl, "ttl"))
+                    self._put(op.namespace, op.key, op.value, _minutes(op.ttl, "ttl"),
+                              None if prepared is None else prepared.get(i))
                 results.append(None)
             elif isinstance(op, SearchOp):
-                results.append(self._search(op))
+                results.append(self._search(op, prepared))
             elif isinstance(op, ListNamespacesOp):
                 results.append(self._list_namespaces(op))
             else:
                 raise InvalidArgument(f"unknown LangGraph store operation {type(op).__name__}")
         return results
-
-    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        """:meth:`batch`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        return await run_async(self.aio, self.batch, (list(ops),), {})
 
     # ---------------------------------------------------------------- operations
     def _item(self, namespace: tuple[str, ...], key: str, raw: Any,
@@ -157,8 +227,8 @@ class KVCommStore(BaseStore):
         item for anything but ``[type, bytes, created_ms, updated_ms]`` holding a dict."""
         try:
             if not _is_record(raw):
-                raise ValueError(f"not [type, bytes, created_ms, updated_ms(, ttl_minutes)]: "
-                                 f"{str(raw)[:120]}")
+                raise ValueError(f"not [type, bytes, created_ms, updated_ms(, ttl_minutes)"
+                                 f"(, vectors)]: {str(raw)[:120]}")
             t, b, created, updated = raw[:4]
             value = self.serde.loads_typed((t, b))
             if type(value) is not dict:
@@ -186,37 +256,70 @@ class KVCommStore(BaseStore):
         return item  # type: ignore[no-any-return]
 
     def _refresh(self, key: str, raw: list[Any]) -> None:
-        """The item's own ttl (minutes, its record's 5th field) again, from now."""
-        if len(raw) > 4 and raw[4]:
-            self.kv.touch(key, raw[4] * 60.0)
+        """The item's own ttl (minutes, in its record) again, from now."""
+        ttl = _ttl_of(raw)
+        if ttl:
+            self.kv.touch(key, ttl * 60.0)
 
     def _put(self, namespace: tuple[str, ...], key: str, value: Any,
-             ttl: float | None = None) -> None:
+             ttl: float | None = None, vectors: tuple[list[str], Any] | None = None) -> None:
         """Store the item (keeping its created time) with ``ttl`` minutes to live, or
-        none (None: until deleted, whatever deadline it had)."""
+        none (None: until deleted, whatever deadline it had), and its ``vectors`` (paths,
+        unit rows) in its record and the host's index."""
         t, b = self.serde.dumps_typed(dict(value))
+        part = None if vectors is None else self._sem.record_part(*vectors)  # type: ignore[union-attr]
         k = self.keys.item(namespace, key)
-        for _ in range(10_000):
-            now = _ms_now()
-            old = self.kv.get_item(k)
-            # (a put replaces the item whole: one that is not a KVCommStore record is
-            # replaced too, its created_at then now)
-            record = [t, b, old.value[2] if old is not None and _is_record(old.value) else now,
-                      now]
-            if ttl is not None:
-                record.append(ttl)
-            try:
-                self.kv.put(k, record, expect=ABSENT if old is None else old.version,
-                            ttl=None if ttl is None else ttl * 60.0)
-                return
-            except ConflictError:
-                continue  # (another writer put it meanwhile: keep its created time)
-        raise Unavailable(f"put of store item {key!r} lost 10000 races in a row")
 
-    def _search(self, op: SearchOp) -> list[SearchItem]:
+        def change() -> int:
+            for _ in range(10_000):
+                now = _ms_now()
+                old = self.kv.get_item(k)
+                # (a put replaces the item whole, its vectors too: one that is not a
+                # KVCommStore record is replaced too, its created_at then now)
+                record: list[Any] = [t, b, old.value[2] if old is not None
+                                     and _is_record(old.value) else now, now]
+                if part is not None:
+                    record += [ttl, part]
+                elif ttl is not None:
+                    record.append(ttl)
+                try:
+                    self.kv.put(k, record, expect=ABSENT if old is None else old.version,
+                                ttl=None if ttl is None else ttl * 60.0)
+                    return 0 if part is None else int(part[1])
+                except ConflictError:
+                    continue  # (another writer put it meanwhile: keep its created time)
+            raise Unavailable(f"put of store item {key!r} lost 10000 races in a row")
+
+        if self._sem is None:
+            change()
+        else:
+            self._sem.write(k, None if vectors is None else vectors[1], change)
+
+    def _delete(self, namespace: tuple[str, ...], key: str) -> None:
+        item_key = self.keys.item(namespace, key)
+        if self._sem is None:
+            self.kv.delete(item_key)
+            return
+
+        def change() -> int:
+            self.kv.delete(item_key)
+            return 0
+
+        self._sem.write(item_key, None, change)
+
+    def _search(self, op: SearchOp, prepared: dict[Any, Any] | None = None) -> list[SearchItem]:
         if op.query:
-            raise InvalidArgument("KVCommStore has no semantic search: search without query= "
-                                  "(by namespace prefix, filter, limit and offset)")
+            if self._sem is None or prepared is None:
+                raise InvalidArgument("this KVCommStore has no semantic search (make it with "
+                                      "index=...): search without query= (by namespace prefix, "
+                                      "filter, limit and offset)")
+            raws: dict[str, Any] = {}
+            found = self._semantic_search(op, prepared[op.query], raws)
+            if op.refresh_ttl:
+                for it in found:
+                    k = self.keys.item(it.namespace, it.key)
+                    self._refresh(k, raws[k])
+            return found
         out: list[SearchItem] = []
         skip = op.offset
         if op.limit <= 0:
@@ -235,6 +338,96 @@ class KVCommStore(BaseStore):
                 self._refresh(entry.key, entry.value)
             if len(out) >= op.limit:
                 break
+        return out
+
+    def _matches(self, op: SearchOp, item: SearchItem) -> bool:
+        return not op.filter or all(_compare_values(item.value.get(fk), fv)
+                                    for fk, fv in op.filter.items())
+
+    def _vectors(self, item: SearchItem, raw: Any) -> Any:
+        assert self._sem is not None
+        try:
+            return self._sem.vectors_of(raw)
+        except ValueError as exc:
+            raise bad_vectors(item.namespace, item.key, exc) from None
+
+    def _semantic_search(self, op: SearchOp, q: Any, raws: dict[str, Any]) -> list[SearchItem]:
+        """The best items under ``op``'s prefix for the unit query vector ``q`` (see the
+        module docstring); ``raws`` gets the records read, by KVCOMM key."""
+        sem = self._sem
+        assert sem is not None
+        if op.limit <= 0:
+            return []
+        need = op.offset + op.limit
+        prefix = self.keys.store_prefix(op.namespace_prefix)
+        cands = sem.candidates(q, prefix.encode("utf-8", "surrogatepass"))
+        if cands is None:
+            return self._scan_search(op, q, raws)
+        kept: list[tuple[float, SearchItem]] = []
+        seen: set[bytes] = set()
+        for _s, key_b, stamp in cands:
+            if key_b in seen:
+                continue
+            seen.add(key_b)
+            key = key_b.decode("utf-8", "surrogatepass")
+            raw = self.kv.get(key)
+            if raw is None:
+                continue  # (deleted meanwhile)
+            item = self._item(*self.keys.parse_item(key), raw, SearchItem)
+            raws[key] = raw
+            got = self._vectors(item, raw)
+            if got is None or got[0] != stamp:
+                # a row the record no longer has (written meanwhile, or not through this
+                # host's index): mend it and read the records this once
+                sem.repair(key)
+                return self._scan_search(op, q, raws)
+            if self._matches(op, item):
+                kept.append((sem.score(got[1], q), item))
+                if len(kept) >= need:
+                    break
+        kept.sort(key=lambda si: -si[0])
+        return self._with_scores(op, kept[op.offset:need], prefix, None, raws)
+
+    def _scan_search(self, op: SearchOp, q: Any, raws: dict[str, Any]) -> list[SearchItem]:
+        """Semantic search over the records under ``op``'s prefix (cluster mode, a full
+        index, a stale row)."""
+        sem = self._sem
+        assert sem is not None
+        prefix = self.keys.store_prefix(op.namespace_prefix)
+        scored: list[tuple[float, SearchItem]] = []
+        scoreless: list[SearchItem] = []
+        for entry in scan(self.kv, prefix):
+            item = self._item(*self.keys.parse_item(entry.key), entry.value, SearchItem)
+            if not self._matches(op, item):
+                continue
+            raws[entry.key] = entry.value
+            got = self._vectors(item, entry.value)
+            if got is None:
+                scoreless.append(item)
+            else:
+                scored.append((sem.score(got[1], q), item))
+        scored.sort(key=lambda si: -si[0])
+        return self._with_scores(op, scored[op.offset:op.offset + op.limit], prefix, scoreless,
+                                 raws)
+
+    def _with_scores(self, op: SearchOp, kept: list[tuple[float, SearchItem]], prefix: str,
+                     scoreless: list[SearchItem] | None,
+                     raws: dict[str, Any]) -> list[SearchItem]:
+        """``kept`` with their scores, then (InMemoryStore's rule) items without vectors
+        to fill ``op.limit``, in key order."""
+        out = [SearchItem(i.namespace, i.key, i.value, i.created_at, i.updated_at, s)
+               for s, i in kept]
+        if len(out) < op.limit:
+            if scoreless is None:
+                scoreless = []
+                for entry in scan(self.kv, prefix):
+                    item = self._item(*self.keys.parse_item(entry.key), entry.value, SearchItem)
+                    if self._matches(op, item) and self._vectors(item, entry.value) is None:
+                        raws[entry.key] = entry.value
+                        scoreless.append(item)
+                        if len(out) + len(scoreless) >= op.limit:
+                            break
+            out.extend(scoreless[:op.limit - len(out)])
         return out
 
     def _list_namespaces(self, op: ListNamespacesOp) -> list[tuple[str, ...]]:
@@ -268,13 +461,27 @@ _MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: what a datetime can hold
 
 def _is_record(raw: Any) -> bool:
     """Whether ``raw`` has the shape of a KVCommStore record: [type, bytes, created_ms,
-    updated_ms] and perhaps its ttl in minutes (a number > 0), times as ints a datetime
-    can hold."""
-    return (type(raw) is list and len(raw) in (4, 5) and type(raw[0]) is str
+    updated_ms], then its ttl in minutes (a number > 0; None before vectors), then its
+    vectors (a list): lengths 4, 5 (ttl, or vectors: the older layouts) or 6, times as
+    ints a datetime can hold."""
+    if not (type(raw) is list and 4 <= len(raw) <= 6 and type(raw[0]) is str
             and type(raw[1]) is bytes and all(type(ms) is int and 0 <= ms <= _MAX_MS
-                                              for ms in raw[2:4])
-            and (len(raw) == 4 or (type(raw[4]) in (int, float)
-                                   and 0 < raw[4] <= MAX_TTL / 60)))
+                                              for ms in raw[2:4])):
+        return False
+    if len(raw) == 4:
+        return True
+    if len(raw) == 5:
+        return _is_ttl(raw[4]) or type(raw[4]) is list
+    return (raw[4] is None or _is_ttl(raw[4])) and type(raw[5]) is list
+
+
+def _is_ttl(x: Any) -> bool:
+    return type(x) in (int, float) and 0 < x <= MAX_TTL / 60
+
+
+def _ttl_of(raw: list[Any]) -> float | None:
+    """The ttl in minutes a (checked) record keeps, or None."""
+    return raw[4] if len(raw) > 4 and type(raw[4]) is not list else None
 
 
 def _does_match(cond: MatchCondition, namespace: tuple[str, ...]) -> bool:

@@ -1,0 +1,374 @@
+"""A host's vector index: one float32 matrix per index in shared memory, every process mapping it.
+
+File ``<cache.l2_dir>/kvcomm.<namespace>.vec.<index id>`` (16 hex digits), beside the L2
+segment, of mode ``cache.l2_permissions``, made whole under a temporary name and linked
+into place (:func:`kvcomm.tiers.shm.files.create_temp`), never resized; ``kvcomm purge``
+removes it with the namespace. Layout (little-endian):
+
+* a 256-byte header of 64-bit words: magic, layout, dims, capacity, key bytes, ``high``
+  (rows ever used: a search reads rows ``[0, high)``), ``overflow`` (a put found no free
+  row: the index no longer holds every vector), ``intent`` (the length of the key in the
+  intent area, 0 when none);
+* the intent area (key bytes): the key of the item whose record and rows a writer is
+  changing;
+* the row table: per row a 64-bit ``stamp`` (0: free), the key's 64-bit hash, its length,
+  the next row of the same key (-1: none), and the key's bytes; the stack of free rows;
+  and the table of keys (open addressing on the key's hash, linear probing, ``2 *
+  capacity`` slots or more: a key's first row, -1 empty, -2 deleted), so that a writer
+  finds an item's rows and a free row in O(1), whatever the index holds;
+* the matrix: ``capacity`` rows of ``dims`` float32, each a unit vector (or zero).
+
+The items' records are the truth; a row is a copy of one of an item's vectors, tagged
+with the stamp the item's record carries, so that a reader can tell a current row from a
+stale one. Writers serialize on an ``flock`` of the file (and a thread lock): a writer
+names its item in the intent area, changes the record, then the item's rows (a row's
+stamp is zeroed before it is rewritten and set last), then clears the intent. A writer
+killed in between leaves the intent set; the next writer to take the lock rebuilds that
+item's rows from its record (:meth:`VectorFile.lock`'s ``repair``), after rebuilding
+the free stack and the key table from the row table (what a killed writer may have left
+half-changed; a row's stamp, set last, says whether the row is whole). Readers take no
+lock: they read the matrix in one pass and check every row they keep against the item's
+record.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from xxhash import xxh3_64_intdigest
+
+from ..errors import SegmentError
+from .shm.files import SHM_DIR, _unlink_quietly, check_owner, create_temp, remove_dead_temps, segment_path
+
+MAGIC = int.from_bytes(b"KVCVEC01", "little")
+LAYOUT = 2
+_HDR = 256
+(H_MAGIC, H_LAYOUT, H_DIMS, H_CAP, H_KEYB, H_HIGH, H_OVERFLOW, H_INTENT, H_NFREE, H_USED,
+ H_TOMBS) = range(11)
+_EMPTY, _TOMB = -1, -2
+_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def vector_path(namespace: str, index_id: str, directory: str = SHM_DIR) -> str:
+    segment_path(namespace)  # validates the name
+    if not _ID_RE.match(index_id):
+        raise ValueError(f"bad index id {index_id!r}")
+    return os.path.join(directory, f"kvcomm.{namespace}.vec.{index_id}")
+
+
+def remove_all(namespace: str, directory: str = SHM_DIR) -> None:
+    """Remove namespace ``namespace``'s vector files (and dead builders' temporary ones)."""
+    pattern = re.compile(rf"kvcomm\.{re.escape(namespace)}\.vec\.[0-9a-f]{{16}}")
+    try:
+        names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid == os.geteuid():
+                os.unlink(path)
+        except OSError:
+            pass
+        remove_dead_temps(path)
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
+def _table_size(capacity: int) -> int:
+    return max(8, 1 << (2 * capacity - 1).bit_length())
+
+
+def _geometry(dims: int, capacity: int, key_bytes: int) -> tuple[int, ...]:
+    """Offsets of the intent area, stamps, hashes, lengths, next rows, free stack, key
+    table, keys, matrix; and the size."""
+    intent = _HDR
+    stamps = _align(intent + key_bytes)
+    hashes = stamps + 8 * capacity
+    lens = hashes + 8 * capacity
+    nxt = lens + 4 * capacity
+    free = nxt + 4 * capacity
+    slots = free + 4 * capacity
+    keys = _align(slots + 4 * _table_size(capacity))
+    matrix = _align(keys + key_bytes * capacity)
+    return (intent, stamps, hashes, lens, nxt, free, slots, keys, matrix,
+            matrix + 4 * dims * capacity)
+
+
+class VectorFile:
+    """A mapped vector file: :meth:`open` (creating it when missing)."""
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, np: Any) -> None:
+        self.path, self._fd, self._mm, self._np = path, fd, mm, np
+        hdr = np.frombuffer(mm, dtype="<u8", count=_HDR // 8)
+        self.hdr = hdr
+        self.dims, self.capacity, self.key_bytes = (int(hdr[H_DIMS]), int(hdr[H_CAP]),
+                                                    int(hdr[H_KEYB]))
+        it, st, ha, ln, nx, fr, sl, ks, mx, _size = _geometry(self.dims, self.capacity,
+                                                              self.key_bytes)
+        cap, kb = self.capacity, self.key_bytes
+        self._tsize = _table_size(cap)
+        view = memoryview(mm)
+        # (the writers' structures, walked item by item: memoryviews index faster than numpy)
+        self._hq = view[:_HDR].cast("Q")
+        self._st = view[st:st + 8 * cap].cast("Q")
+        self._ha = view[ha:ha + 8 * cap].cast("Q")
+        self._ln = view[ln:ln + 4 * cap].cast("I")
+        self._nx = view[nx:nx + 4 * cap].cast("i")
+        self._fr = view[fr:fr + 4 * cap].cast("i")
+        self._sl = view[sl:sl + 4 * self._tsize].cast("i")
+        self._slots_np = np.frombuffer(mm, dtype="<i4", count=self._tsize, offset=sl)
+        self._ks = ks
+        view.release()
+        self.intent = np.frombuffer(mm, dtype="u1", count=kb, offset=it)
+        self.stamps = np.frombuffer(mm, dtype="<u8", count=cap, offset=st)
+        self.hashes = np.frombuffer(mm, dtype="<u8", count=cap, offset=ha)
+        self.lens = np.frombuffer(mm, dtype="<u4", count=cap, offset=ln)
+        self.keys = np.frombuffer(mm, dtype="u1", count=cap * kb, offset=ks).reshape(cap, kb)
+        self.matrix = np.frombuffer(mm, dtype="<f4", count=cap * self.dims,
+                                    offset=mx).reshape(cap, self.dims)
+        self._tlock = threading.Lock()
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, np: Any, namespace: str, index_id: str, dims: int, capacity: int,
+             key_bytes: int, permissions: int = 0o600, directory: str = SHM_DIR) -> VectorFile:
+        """The index file (made when missing, of ``capacity`` rows; an existing one keeps
+        its own capacity). Raises SegmentError for a file another user owns or could read,
+        one of other dimensions, or no room in ``directory``."""
+        path = vector_path(namespace, index_id, directory)
+        key_bytes = _align(key_bytes, 8)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                cls._create(np, path, dims, capacity, key_bytes, permissions)
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise SegmentError(f"{path} is a symbolic link; remove it (KVCOMM never "
+                                       "makes one)") from None
+                raise SegmentError(f"cannot open the vector index {path}: {exc.strerror}") from None
+            try:
+                st = os.fstat(fd)
+                check_owner(path, st, permissions)
+                if st.st_size < _HDR:
+                    raise SegmentError(f"{path} is not a KVCOMM vector index (too short); "
+                                       f"remove it (rm {path})")
+                mm = mmap.mmap(fd, st.st_size)
+                vf = cls(path, fd, mm, np)
+                if int(vf.hdr[H_MAGIC]) != MAGIC or int(vf.hdr[H_LAYOUT]) != LAYOUT \
+                        or _geometry(vf.dims, vf.capacity, vf.key_bytes)[-1] > st.st_size:
+                    raise SegmentError(f"{path} is not a KVCOMM vector index of this version; "
+                                       f"remove it (rm {path}) or purge the namespace")
+                if vf.dims != dims or vf.key_bytes < key_bytes:
+                    raise SegmentError(
+                        f"the vector index {path} holds {vf.dims}-dimension vectors of keys up "
+                        f"to {vf.key_bytes} bytes; this store needs {dims} and {key_bytes}. "
+                        "Use another root for another embedding model, or purge the namespace")
+                return vf
+            except BaseException:
+                os.close(fd)
+                raise
+        raise SegmentError(f"cannot open the vector index {path}: it keeps disappearing")
+
+    @staticmethod
+    def _create(np: Any, path: str, dims: int, capacity: int, key_bytes: int,
+                permissions: int) -> None:
+        size = _geometry(dims, capacity, key_bytes)[-1]
+        remove_dead_temps(path)
+        try:
+            tmp, fd = create_temp(path, permissions)
+        except OSError as exc:
+            raise SegmentError(f"cannot create the vector index {path}: {exc.strerror}") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise SegmentError(f"cannot reserve {size} bytes for the vector index {path}: "
+                                   f"{exc.strerror}; lower the store's index capacity or free "
+                                   f"space in {os.path.dirname(path)}") from None
+            with mmap.mmap(fd, _HDR) as mm:
+                hdr = np.frombuffer(mm, dtype="<u8", count=_HDR // 8)
+                hdr[H_DIMS], hdr[H_CAP], hdr[H_KEYB] = dims, capacity, key_bytes
+                slots = _geometry(dims, capacity, key_bytes)[6]
+                mm2 = mmap.mmap(fd, slots + 4 * _table_size(capacity))
+                np.frombuffer(mm2, dtype="<i4", count=_table_size(capacity),
+                              offset=slots)[:] = _EMPTY
+                mm2.close()
+                hdr[H_LAYOUT] = LAYOUT
+                hdr[H_MAGIC] = MAGIC
+                del hdr
+            try:
+                os.link(tmp, path)  # (never over another creator's file)
+            except FileExistsError:
+                pass
+        finally:
+            os.close(fd)
+            _unlink_quietly(tmp)
+
+    def close(self) -> None:
+        for name in ("_hq", "_st", "_ha", "_ln", "_nx", "_fr", "_sl"):
+            getattr(self, name).release()
+        for name in ("hdr", "intent", "stamps", "hashes", "lens", "keys", "matrix", "_slots_np"):
+            setattr(self, name, None)
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # (a search still holds a view: the mapping goes with it)
+        os.close(self._fd)
+
+    # ------------------------------------------------------------------ writers
+    @contextmanager
+    def lock(self, repair: Callable[[bytes], None]) -> Iterator[None]:
+        """Hold the writers' lock; first, an intent a dead writer left is repaired: the
+        free stack and key table rebuilt from the rows, then ``repair(key)`` rebuilds that
+        key's rows from its record (with :meth:`set_rows`)."""
+        with self._tlock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                n = int(self._hq[H_INTENT])
+                if n:
+                    self.rebuild()
+                    repair(self.intent[:n].tobytes())
+                    self._hq[H_INTENT] = 0
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def begin(self, key: bytes) -> None:
+        """Name ``key`` as the item being changed (under the lock)."""
+        self.intent[:len(key)] = memoryview(key)
+        self._hq[H_INTENT] = len(key)
+
+    def end(self) -> None:
+        self._hq[H_INTENT] = 0
+
+    def intent_key(self) -> bytes | None:
+        """The key a writer named (:meth:`begin`), None when none (read without the lock:
+        a key torn by a writer's next intent names no item)."""
+        n = int(self._hq[H_INTENT])
+        return bytes(self.intent[:n]) if 0 < n <= self.key_bytes else None
+
+    def key_at(self, row: int) -> bytes:
+        at = self._ks + row * self.key_bytes
+        return self._mm[at:at + self._ln[row]]
+
+    def _find(self, key: bytes, h: int) -> tuple[int, int, int]:
+        """``(slot, first row, slot to insert at)`` of ``key`` (slot and row -1: absent)."""
+        sl, ha, mask = self._sl, self._ha, self._tsize - 1
+        i, tomb = h & mask, -1
+        while True:
+            r = sl[i]
+            if r == _EMPTY:
+                return -1, -1, (i if tomb < 0 else tomb)
+            if r == _TOMB:
+                if tomb < 0:
+                    tomb = i
+            elif ha[r] == h and self.key_at(r) == key:
+                return i, r, i
+            i = (i + 1) & mask
+
+    def rows_of(self, key: bytes) -> list[int]:
+        r = self._find(key, xxh3_64_intdigest(key))[1]
+        out = []
+        while r >= 0:
+            out.append(r)
+            r = self._nx[r]
+        return out
+
+    def set_rows(self, key: bytes, stamp: int, vectors: Any) -> bool:
+        """Replace ``key``'s rows by ``vectors`` (unit float32 rows) tagged ``stamp`` (under
+        the lock, ``key`` named by :meth:`begin`). False (and the index marked
+        overflowed, its rows of ``key`` gone) when they do not fit."""
+        hq, st, nx, fr, sl = self._hq, self._st, self._nx, self._fr, self._sl
+        h = xxh3_64_intdigest(key)
+        slot, r, at = self._find(key, h)
+        while r >= 0:  # free the old rows
+            st[r] = 0
+            fr[hq[H_NFREE]] = r
+            hq[H_NFREE] += 1
+            r = nx[r]
+        n = 0 if vectors is None else len(vectors)
+        fits = n <= hq[H_NFREE] + self.capacity - hq[H_HIGH]
+        if not fits:
+            hq[H_OVERFLOW] = 1
+        if n == 0 or not fits:
+            if slot >= 0:
+                sl[slot] = _TOMB
+                hq[H_TOMBS] += 1
+            return fits
+        rows = []
+        for _ in range(n):
+            if hq[H_NFREE]:
+                hq[H_NFREE] -= 1
+                rows.append(fr[hq[H_NFREE]])
+            else:
+                rows.append(hq[H_HIGH])
+                hq[H_HIGH] += 1
+        ks, kb = self._ks, self.key_bytes
+        for j, r in enumerate(rows):
+            self._ha[r] = h
+            self._ln[r] = len(key)
+            self._mm[ks + r * kb:ks + r * kb + len(key)] = key
+            self.matrix[r] = vectors[j]
+            nx[r] = rows[j + 1] if j + 1 < n else -1
+            st[r] = stamp
+        if slot < 0:
+            if sl[at] == _TOMB:
+                hq[H_TOMBS] -= 1
+            else:
+                hq[H_USED] += 1
+        sl[at] = rows[0]
+        if 4 * hq[H_USED] > 3 * self._tsize or 4 * hq[H_TOMBS] > self._tsize:
+            self.rebuild()
+        return True
+
+    def rebuild(self) -> None:
+        """The free stack and the key table again from the rows (their stamps, keys and
+        hashes): after a writer died, or when deleted slots pile up (under the lock)."""
+        np, hq = self._np, self._hq
+        high = int(hq[H_HIGH])
+        stamps = self.stamps[:high]
+        free = np.flatnonzero(stamps == 0).astype("<i4")
+        np.frombuffer(self._fr, dtype="<i4")[:len(free)] = free
+        hq[H_NFREE] = len(free)
+        self._slots_np[:] = _EMPTY
+        hq[H_USED] = hq[H_TOMBS] = 0
+        heads: dict[bytes, int] = {}
+        nx, sl, mask = self._nx, self._sl, self._tsize - 1
+        for r in map(int, np.flatnonzero(stamps != 0)):
+            key = self.key_at(r)
+            nx[r] = heads.get(key, -1)
+            heads[key] = r
+        for r in heads.values():
+            i = self._ha[r] & mask
+            while sl[i] != _EMPTY:
+                i = (i + 1) & mask
+            sl[i] = r
+        hq[H_USED] = len(heads)
+
+    # ------------------------------------------------------------------ readers
+    @property
+    def overflow(self) -> bool:
+        return bool(self.hdr[H_OVERFLOW])
+
+    def scores(self, q: Any) -> tuple[Any, Any]:
+        """``(scores, stamps)`` of rows ``[0, high)``: the matrix times the unit vector
+        ``q``, free rows at -inf; the stamps as read (copied) before the product."""
+        np = self._np
+        high = int(self.hdr[H_HIGH])
+        stamps = self.stamps[:high].copy()
+        s = self.matrix[:high] @ q
+        s[stamps == 0] = -np.inf
+        return s, stamps
