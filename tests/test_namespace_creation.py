@@ -9,6 +9,7 @@ of real processes' creation (the seed is printed).
 
 from __future__ import annotations
 
+import gc
 import glob
 import multiprocessing as mp
 import os
@@ -39,6 +40,11 @@ def _temps(name: str) -> list[str]:
 def _creator(ns: str, w: int) -> None:
     """Create ``ns`` (writes b"r" just before, b"o" once open), then wait to be killed."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # (objects the forked pytest process left, freed here by a collection, would run
+    # their weakref callbacks or __del__ in this process: Python drops a KeyboardInterrupt
+    # raised inside one, which is not what this test is about: tests/test_ctrl_c_on_drop.py)
+    gc.collect()
+    gc.freeze()
     cfg = kvcomm.Config.from_mapping(CFG)
     os.write(w, b"r")
     kv = kvcomm.open(ns, config=cfg)

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from ... import _l2core
+from ..._threads import user_signals_blocked
 from ..._weak import WeakRegistry
 from ...core.ext import l2_ext_problem
 from ...core.sketch import CountMinSketch, TopK
@@ -112,13 +113,17 @@ class SegmentCore:
         self._next_dead_sweep = 0.0
         self._core: Any = None
         self._atom: Any = None
-        fd, tmp = self._open_file(create_layout, permissions)
-        while tmp is not None:
-            assert create_layout is not None
-            if self._create(fd, tmp, create_layout, host_id):
-                break
-            # another creator's segment went into place first: attach to that one
+        # (the user's signals wait while a segment is created: a Ctrl-C then comes once it
+        # is whole and linked, or gone, never between two steps; KVCOMM's own threads
+        # block them too, so the kernel keeps them pending for this one)
+        with user_signals_blocked():
             fd, tmp = self._open_file(create_layout, permissions)
+            while tmp is not None:
+                assert create_layout is not None
+                if self._create(fd, tmp, create_layout, host_id):
+                    break
+                # another creator's segment went into place first: attach to that one
+                fd, tmp = self._open_file(create_layout, permissions)
         created = tmp is not None
         if not created:
             self._attach(fd, attach_timeout)
