@@ -36,7 +36,7 @@ a stale value and no merge can bring one back.
   when the lease ends (at most about a second later, or etcd's minimum lease TTL). A
   later put without a ttl detaches it (lease 0). A bucket's lease that etcd no longer has
   (revoked, or this host's clock stepped back past it) is replaced by a new one at the
-  put that finds it gone (etcd wrote nothing then; review 14). A key past its deadline
+  put that finds it gone (etcd wrote nothing then). A key past its deadline
   that etcd still holds (its lease not ended) is absent to ``expect=ABSENT`` as to reads:
   the write then replaces exactly that revision; and it is at no version: a write with
   ``expect=`` a Version reads the key first (one round trip more) and raises
@@ -399,7 +399,7 @@ class StrongStore:
         ek = self._prefix + key.encode()
         want = _expected_revision(key, expect)
         op = put_op(ek, data, lease) if data is not None else delete_op(ek)
-        over = 0  # expect=ABSENT over this revision: a key past its deadline (review 14)
+        over = 0  # expect=ABSENT over this revision: a key past its deadline
         for _ in range(_MAX_UPDATE_RETRIES):
             compare: list[Compare] = []
             if validator is not None:
@@ -416,7 +416,7 @@ class StrongStore:
             elif want:
                 # expect=Version: a key past its deadline is at no version any more, though
                 # etcd holds it until its lease ends; the deadline is in the value, which a
-                # compare cannot read: read it first (review 14; a deadline passing during
+                # compare cannot read: read it first (a deadline passing during
                 # the txn's round trip is not seen)
                 kv = self.etcd.get(ek, timeout=self._left(deadline))
                 if kv is None or kv.mod_revision != want or self._item(key, kv) is None:

@@ -6,8 +6,8 @@ background thread per process and namespace wakes every ``cache.expiry_sweep`` a
 reads the segment's expiry hint (one word, no lock: tiers/shm/layout.py "Expiry hint"), a
 lower bound of every clean record's deadline. While that bound is ahead of the clock no
 record can have expired and the thread goes back to sleep: a host where no key has a
-deadline never takes the lock for expiry (review 14: it took it every interval, in every
-process). Otherwise it takes the writer lock only if it is free now (it never makes a
+deadline never takes the lock for expiry (taking it every interval, in every process,
+cost every writer). Otherwise it takes the writer lock only if it is free now (it never makes a
 writer wait), looks at a bounded slice of the slot table (``SLICE`` slots, about 0.2 ms)
 from the host's shared cursor, where the last slice of any process stopped, reclaims every
 clean record past its deadline with an ``expire`` event in the change feed, releases the

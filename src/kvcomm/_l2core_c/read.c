@@ -130,7 +130,7 @@ mp_number(const unsigned char *v, uint64_t left)
 
 /* The deadline in the packed map p[0..n), 0 when none. Read as Python's msgpack (and
  * Redis's cmsgpack) read it, so that every reader of a field L2 accepts sees the same
- * deadline (kvcomm.core.expiry.deadline_of; review 14): a fixmap, map16 or map32 header,
+ * deadline (kvcomm.core.expiry.deadline_of): a fixmap, map16 or map32 header,
  * the key "e" in any str encoding, the LAST "e" when it repeats, any integer or float
  * encoding; a malformed field, or bytes after the map, is no deadline. */
 static double

@@ -698,7 +698,7 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
     }
     /* the new dots this batch takes must stay within MAX_COUNTER: a write with a dot past
        it is acknowledged here and then refused by every other reader (L3's push set it
-       aside as malformed: review 18). The sequence gets there only when lifted (a version
+       aside as malformed). The sequence gets there only when lifted (a version
        naming this host's dot near the bound, a junk write mark): refuse, nothing written */
     uint64_t fresh = 0;
     for (Py_ssize_t i = 0; i < n; i++)

@@ -11,7 +11,7 @@ can see.
 
 The C kernel reads the same field (``_l2core_c/read.c`` ``ext_deadline``) without
 allocating, and L3's push script with Redis's cmsgpack; all three read a field the same
-way (review 14: they once disagreed, and a key was expired for one reader and live for
+way (readers that disagreed would find a key expired for one and live for
 another): any map header, the key ``"e"`` in any str encoding, the last ``"e"`` when it
 repeats, any integer or float encoding, and anything else (a malformed field, bytes after
 the map, a value that is not a number above 0 and below 1e300) as no deadline. Pure: the

@@ -865,7 +865,7 @@ class Daemon:
         and never a record past its deadline. A tombstone is sent again too: the failover
         may have lost a key's creation and its delete, and the creator's re-push of its
         record (L3 having none) would undo the delete, which only the deleter can send
-        again (review 19).
+        again.
         Returns whether L3 had a record. Raises Unavailable and what ``_apply`` raises."""
         rec = self.l3.get(key)
         if rec is not None:

@@ -242,12 +242,12 @@ HINT_EACH = 4  # a group's pushes in one pipeline up to which each hints its own
 PUSH_BATCH = 256  # records of one group one push script call takes at most (~5 ms of Redis)
 # record bytes one push script call takes at most (a record larger goes alone): Redis holds
 # a call's arguments, and the script copies them into Lua, all at once; PUSH_BATCH records
-# near cache.max_value_size would be gigabytes (review 19)
+# near cache.max_value_size would be gigabytes
 PUSH_BATCH_BYTES = 1 << 20
 HINT_ENTRIES_MAX = 100_000  # entries hints carried kept for hint_entries at most
 # a write mark past this is junk (load_write_mark): a write sequence starts at the clock
 # in µs (~1.8e15 in 2026) and takes one per write, so no host reaches 2**52 before ~2112;
-# and a new L2 lifted to MAX_COUNTER would have no dot left to give (review 18)
+# and a new L2 lifted to MAX_COUNTER would have no dot left to give
 WRITE_MARK_MAX = MAX_COUNTER >> 1
 # threads that call the masters at the same time (pushes, feed reads, sweeps): one per
 # master, so that a call reaching many masters that stopped answering waits one timeout
@@ -485,7 +485,7 @@ def seq_key(group: int, count: int = DEFAULT_GROUPS) -> str:
 # that many, the call's remaining records are not pushed and each gets a KVCOMMLATER
 # error (the caller sends them again, in another call): PUSH_BATCH small records answered
 # with PUSH_BATCH stored records near cache.max_value_size would be gigabytes read into
-# Lua and sent back at once (review 19).
+# Lua and sent back at once.
 # Returns one reply per record, in order: {outcome, record L3 holds} (the record "" when L3
 # holds the very bytes pushed: new, newer, equal) — for a change it stored (new, newer,
 # merged) followed by the sequence number and stream id of the feed entry it wrote (the
@@ -660,7 +660,7 @@ local function store(rkey, key, bytes, r, merged, prev)
     -- kept past its deadline as a tombstone for the grace (so that no replayed older
     -- write comes back), then Redis reclaims it; a later write without one clears this
     -- (a deadline past 2**53 ms, some 285,000 years, is given none: Redis refused the
-    -- number, after the record was stored, and the push failed every time: review 14)
+    -- number, after the record was stored, and the push failed every time)
     local at = math.floor(d * 1000) + tonumber(GRACE)
     if at < 9007199254740992 then
       redis.call('PEXPIREAT', rkey, string.format('%.0f', at))
