@@ -327,7 +327,7 @@ def test_a_slow_watcher_of_strong_keys_is_told_to_rescan_and_holds_bounded_memor
         n = buffer + 200
         for i in range(n):
             a.put(f"lock/f7/{i:05d}", i)
-        sub_watch = w.gi_frame.f_locals["sub"].etcd_watch  # type: ignore[attr-defined]
+        sub_watch = w.gi_frame.f_locals["feed"].sub.etcd_watch  # type: ignore[attr-defined]
 
         def queued() -> int:
             return sum(len(x) for x in list(sub_watch._queue.queue) if isinstance(x, list))

@@ -135,8 +135,9 @@ def test_a_validator_raising_invalid_argument_itself_still_rejects_as_validation
 def test_an_oversized_batch_in_embedded_mode_does_not_blame_l3(ns: str) -> None:
     """F (message): a batch of more new keys than a probe window can take, in embedded
     mode, says 'full of writes not yet in L3; retry after the node daemon syncs' —
-    there is no L3 and no daemon."""
-    with kvcomm.open(ns) as kv:
+    there is no L3 and no daemon. (A 16 MB namespace: the default one's slot table, sized
+    for small keys, takes a 200,000-key batch whole.)"""
+    with kvcomm.open(ns, config=kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB"}})) as kv:
         with pytest.raises(kvcomm.Unavailable) as ei:
             with kv.batch() as b:
                 for i in range(200_000):
