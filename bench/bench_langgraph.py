@@ -43,7 +43,6 @@ import asyncio
 import functools
 import os
 import shutil
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -63,6 +62,7 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
 import kvcomm
+from kvcomm.devcluster.redis_server import free_port  # (below the ephemeral range)
 from kvcomm.integrations.langgraph import KVCommSaver
 from kvcomm.tiers import l2
 
@@ -200,12 +200,6 @@ async def abench_saver(saver: BaseCheckpointSaver[Any], n: int, waves: int,
             # (per second of this process's CPU: what the load of other processes on a
             # shared machine does not skew; a server's CPU, PostgreSQL's, is not counted)
             "graphs/cpu-s": graphs / (time.process_time() - c0)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

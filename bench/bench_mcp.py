@@ -30,6 +30,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 import kvcomm
+from kvcomm.devcluster.redis_server import free_port  # (below the ephemeral range)
 
 VALUE = {"title": "summarise the report", "state": "open", "owner": None, "n": 7}
 
@@ -86,12 +87,6 @@ def bench_python(ns: str, n: int) -> dict[str, dict[str, float]]:
         return out
     finally:
         kv.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def bench_http(ns: str, n: int) -> dict[str, dict[str, float]]:

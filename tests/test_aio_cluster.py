@@ -44,8 +44,12 @@ def test_l3_reads_and_strong_keys_never_run_on_the_loop(dev: dict[str, Any]) -> 
     try:
         for i, k in enumerate(keys):
             a.put(k, {"i": i})
-        wait_for(lambda: all_live_in_l3(store, keys), 30, "host 1's writes to reach L3")
+        wait_for(lambda: all_live_in_l3(store, keys), 30, "host 0's writes to reach L3")
         sync_b = host(dev, 1)
+        # (until host 1's daemon has learned them, its key filter rightly says "absent")
+        wait_for(lambda: (kf := sync_b._key_filter()) is not None
+                 and all(kf.may_exist(k.encode()) for k in keys), 30,
+                 "host 1's key filter to learn host 0's keys")
         b = AsyncClient(sync_b)
         l3_threads: list[int] = []
         etcd_threads: list[int] = []

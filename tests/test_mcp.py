@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import kvcomm
+from kvcomm.devcluster.redis_server import free_port
 
 from .conftest import SMALL, wait_for
 
@@ -77,9 +78,7 @@ async def http(url: str, token: str | None = None) -> AsyncIterator[Conn]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # (below the ephemeral range: see its docstring)
 
 
 def _wait_listening(p: subprocess.Popen[bytes], host: str, port: int) -> None:

@@ -10,7 +10,6 @@ import gc
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import pytest
 
 import kvcomm
 from kvcomm import errors
+from kvcomm.devcluster.redis_server import free_port
 from kvcomm.metrics import agent
 from kvcomm.metrics.collector import Snapshot, read
 from kvcomm.metrics.exporter import Exporter
@@ -45,9 +45,7 @@ def _snap(kv: kvcomm.Client) -> Snapshot:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # (below the ephemeral range: see its docstring)
 
 
 # ------------------------------------------------------------------ exact counters

@@ -33,7 +33,7 @@ from typing import Any
 from .._wait import wait_until
 from ..errors import KVCommError, Unavailable
 from ..tiers.etcd import EtcdClient
-from .procs import Service, spawn
+from .procs import Service, all_stopped, spawn
 from .procs import kill as kill_proc
 from .procs import stop as stop_procs
 from .redis_cluster import free_cluster_port
@@ -256,8 +256,11 @@ class EtcdCluster(Service):
         """SIGKILL member ``i`` (a crash; its data stays for :meth:`restart`)."""
         kill_proc(self.procs[i])
 
-    def pause(self, i: int) -> None:
+    def pause(self, i: int, timeout: float = 10.0) -> None:
+        """SIGSTOP member ``i`` and return once every one of its threads has stopped."""
         self.procs[i].send_signal(signal.SIGSTOP)
+        pid = self.procs[i].pid
+        wait_until(lambda: all_stopped(pid), timeout, f"etcd member {self.names[i]} to stop")
 
     def resume(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGCONT)

@@ -49,6 +49,25 @@ def proc_state(pid: int) -> str:
     return data[data.rfind(b")") + 2: data.rfind(b")") + 3].decode()
 
 
+def all_stopped(pid: int) -> bool:
+    """True once every thread of ``pid`` is stopped (state T): a SIGSTOP is delivered to
+    each thread of a multithreaded process (etcd's) on its way back to user space, so
+    for a moment after ``kill`` some may still answer."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    states = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # (a thread that exited)
+        states.append(data[data.rfind(b")") + 2: data.rfind(b")") + 3])
+    return bool(states) and all(st in (b"T", b"t") for st in states)
+
+
 def running(pid: int) -> bool:
     """True while ``pid`` exists and has not exited (a zombie has exited); reaps it when
     it is our child and has exited."""

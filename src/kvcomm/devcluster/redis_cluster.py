@@ -31,17 +31,13 @@ from ..errors import Unavailable
 from .procs import Service, spawn
 from .procs import kill as kill_proc
 from .procs import stop as stop_procs
+from .redis_server import ephemeral_low
 
 
 def _port_range() -> tuple[int, int]:
     """Ports whose bus port (+10000) stays below the kernel's ephemeral range, so that no
     outgoing connection can take either between our check and redis-server's bind."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    hi = low - 10001
+    hi = ephemeral_low() - 10001
     return (10000, hi) if hi > 12000 else (20000, 55535)
 
 

@@ -7,6 +7,7 @@ unix socket). It is the Debian ``redis-server`` binary, never a mock.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -17,11 +18,32 @@ from ..errors import Unavailable
 from .procs import Service, spawn, stop
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take theirs
+    from there), 32768 where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
+    ephemeral range: a port the kernel hands out (a bind to 0) may be taken by an
+    outgoing connection before the server meant to listen on it binds it."""
+    rng = rng or random.Random()
+    hi = ephemeral_low()
+    lo = 10000 if hi > 12000 else 1024
+    for _ in range(1000):
+        port = rng.randrange(lo, hi)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return port
+    raise Unavailable(f"no free TCP port on 127.0.0.1 in {lo}-{hi - 1}")
 
 
 def redis_server_path() -> str | None:
