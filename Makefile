@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: help demo test test-slow fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
+.PHONY: help demo docs docs-serve test test-slow fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,16 @@ $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2
 
 demo: $(STAMP)          ## the swarm demo on the embedded default (no servers)
 	$(BIN)/kvcomm demo
+
+# The documentation site (mkdocs.yml, pages in docs/): built strictly into site/, so a broken
+# link, a missing page or a docstring mkdocstrings cannot read fails the build. The
+# configuration and command-line references are generated at build time from the pydantic
+# model and the argparse parser (docs/hooks/reference.py). About 10 s.
+docs: $(STAMP)          ## the documentation site, built strictly into site/
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)    ## the documentation site on http://127.0.0.1:8000, rebuilt on change
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 help:                   ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 22
@@ -96,4 +106,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/kvcomm/*.so
+	rm -rf $(VENV) build site src/*.egg-info src/kvcomm/*.so
