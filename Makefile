@@ -72,11 +72,11 @@ partitions: $(STAMP)    ## 20 partitions in a row: healed/converged, heal -> con
 bench-groups: $(STAMP)  ## what cluster.groups costs: commands/s per host idle and under the swarm, propagation (16/1024/16384; needs redis-server)
 	$(BIN)/python bench/group_cost.py --idle 10 --settle 15 --samples 30 --swarm 5
 
-# Slot balancing (README: "Slot balancing"). balance-walkthrough: a dev cluster with a hot
+# Slot balancing (docs/balancing.md). balance-walkthrough: a dev cluster with a hot
 # master, `kvcomm balance --once`, each master's load and p99 before and after, nothing
 # lost. balance-train fits the learned policy and tunes the threshold policy on training
 # seeds and writes the shipped model (a few minutes on 2 free cores); balance-eval compares both policies on 20
-# held-out seeds per workload, prints the README's table and draws docs/balance-sim.png.
+# held-out seeds per workload, prints the table in docs/balancing.md and draws docs/balance-sim.png.
 BALANCE_SEED ?= 1
 balance-train: $(STAMP) ## retrain the shipped balancing model (BALANCE_SEED=1)
 	$(BIN)/kvcomm balance train --seed $(BALANCE_SEED) --out src/kvcomm/balance/balance_model.json
@@ -84,7 +84,7 @@ balance-train: $(STAMP) ## retrain the shipped balancing model (BALANCE_SEED=1)
 balance-eval: $(STAMP)  ## learned vs threshold on held-out seeds: table + docs/balance-sim.png
 	$(BIN)/python bench/balance_eval.py --seeds 20
 
-balance-walkthrough: $(STAMP) ## the README's balancing walkthrough on a dev cluster (needs redis-server)
+balance-walkthrough: $(STAMP) ## the balancing walkthrough of docs/balancing.md on a dev cluster (needs redis-server)
 	$(BIN)/python bench/balance_walkthrough.py --window 10
 
 # `pip install kvcomm` with no extra, in a fresh venv: exactly the four base dependencies

@@ -1,5 +1,5 @@
 """The slot-balancing evaluation: the learned policy against the tuned threshold policy on
-held-out seeds, every workload; prints the README's table and draws docs/balance-sim.png.
+held-out seeds, every workload; prints the table in docs/balancing.md and draws docs/balance-sim.png.
 
     .venv/bin/python bench/balance_eval.py [--seeds 20] [--model FILE] [--workers 2]
                                            [--plot docs/balance-sim.png] [--json FILE]
@@ -135,7 +135,7 @@ def _fmt(m: str, v: tuple[float, float]) -> str:
 
 
 def table(a: dict[str, Any]) -> str:
-    """The README's markdown table and verdict lines."""
+    """The markdown table of docs/balancing.md and verdict lines."""
     lines = ["| workload | policy | slots moved | GiB moved | p99 (ms) | SLO violation (s) "
              "| peak node load |", "|---|---|---:|---:|---:|---:|---:|"]
     for w in WORKLOADS:

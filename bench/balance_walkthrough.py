@@ -1,4 +1,4 @@
-"""The README's balancing walkthrough, end to end: a dev cluster whose hot groups all
+"""The balancing walkthrough of docs/balancing.md, end to end: a dev cluster whose hot groups all
 sit on one Redis master, ``kvcomm balance --once`` moving some of them away, and each
 master's load and command latency before and after.
 

@@ -16,7 +16,7 @@ Printed: writes made, lag p50 / p99 / max, writes that B did not see within 3 s,
 either host entered partition mode, the ratio of the hung phase's p50 to the healthy
 one's. Before ``L3Store.down`` (one hung master is skipped, not waited for), the hung
 phase made a write every ~3 s (each waited the cap) and both hosts entered partition
-mode; see the README, "Partition mode".
+mode; see docs/strong-keys.md, "Partition mode".
 """
 
 from __future__ import annotations

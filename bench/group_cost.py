@@ -1,6 +1,6 @@
 """What the number of hash-slot groups (``cluster.groups``) costs: Redis commands per
 second per host on an idle dev cluster, and cross-host propagation, for 16, 1,024 and
-16,384 groups (README: "The group-count cost table").
+16,384 groups (docs/balancing.md: the group-count cost table).
 
     .venv/bin/python bench/group_cost.py [--groups 16,1024,16384] [--hosts 3]
                                          [--idle 20] [--settle 20] [--samples 40]

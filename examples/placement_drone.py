@@ -1,7 +1,7 @@
 """A drone for the placement example: it writes its state and reads its two neighbours'
 on a ring (drone-i reads drone-(i-1) and drone-(i+1)), at --rate Hz, for --seconds.
 
-Run by the launcher, one process per agent of a plan (README, "Placement")::
+Run by the launcher, one process per agent of a plan (docs/placement.md)::
 
     kvcomm placement launch --plan plan.json --dir /tmp/kvc -- \\
         python examples/placement_drone.py --drones 12 --seconds 60

@@ -4,7 +4,8 @@
 
 A page asks for one with a marker line of its own, ``<!-- generated: config -->`` or
 ``<!-- generated: cli -->``; mkdocs calls ``on_page_markdown`` for every page (``hooks:``
-in mkdocs.yml) and the marker is replaced by the tables. A marker that cannot be filled
+in mkdocs.yml) and the marker is replaced by the tables. ``on_page_content`` drops the
+Sphinx roles the API page's docstrings carry. A marker that cannot be filled
 raises, so ``mkdocs build --strict`` fails rather than publish a page without them.
 """
 
@@ -17,10 +18,17 @@ from typing import Any
 import yaml
 
 MARKER = re.compile(r"^<!-- generated: (config|cli) -->$", re.MULTILINE)
+# a Sphinx role left before a code span by a docstring (":class:`Config`"): the API page
+# reads docstrings as markdown, where the role would show as text
+ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj|const):(?=<code>)")
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
     return MARKER.sub(lambda m: _GENERATORS[m.group(1)](), markdown)
+
+
+def on_page_content(html: str, **_: Any) -> str:
+    return ROLE.sub("", html)
 
 
 def _cell(text: Any) -> str:
