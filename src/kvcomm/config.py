@@ -381,7 +381,7 @@ class CacheConfig(_Section):
         default=0, ge=0, le=1 << 31,
         description="keys L2 holds before its slot table (not its bytes) makes it evict: "
                     "slots for 1.75 per key (0: a slot per 256 bytes of l2_size, so about "
-                    "l2_size / 400 keys of small records; see README, Configuration)")
+                    "l2_size / 400 keys of small records; see docs/configuration.md)")
     l2_dir: str = Field(default="/dev/shm", min_length=1,
                         description="directory (a tmpfs) that holds the L2 segments")
     lock_timeout: Duration = Field(default=10.0, gt=0, le=3600,
@@ -406,7 +406,7 @@ class CacheConfig(_Section):
     expiry_sweep: Duration = Field(
         default=0.1, gt=0, le=60,
         description="how often each process sweeps L2 for keys past their deadline (a "
-                    "bounded slice of the slots each time; see README, Expiry)")
+                    "bounded slice of the slots each time; see docs/ttl-presence.md)")
     bloom_capacity: Count = Field(default=1_000_000, ge=1, description="keys the Bloom filter holds")
     bloom_fpr: Ratio = Field(default=0.001, gt=0, lt=1, description="its false-positive rate")
     hot_key_sample: Count = Field(default=16, ge=0, le=1 << 20,

@@ -62,7 +62,7 @@ class InvalidKey(KVCommError, ValueError):
 
 
 class UnsupportedValue(KVCommError, TypeError):
-    """The value's type cannot be stored; see the README's list of value types."""
+    """The value's type cannot be stored; see docs/getting-started.md, "A first program"."""
 
 
 class ValueTooLarge(KVCommError, ValueError):

@@ -14,7 +14,7 @@ a stale value and no merge can bring one back.
   that ConflictError can say what it found.
 * **get / get_item** are quorum range reads (``serializable=false``: etcd's ReadIndex
   confirms the leader with a majority before answering), so a read never returns a value
-  older than one whose write had returned anywhere. Measured in the README's bench
+  older than one whose write had returned anywhere. Measured in docs/benchmarks.md
   (``bench/bench_strong.py``): one HTTP round trip, about the price of a put. Caching in
   L1/L2 behind an etcd watch with a revision fence would make hits cheaper, but a
   watch lags the commit it reports, and a fence needs a quorum round trip anyway: the

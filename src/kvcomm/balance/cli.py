@@ -1,5 +1,5 @@
 """``kvcomm balance``: the live balancer, the simulator and the training of the policies
-from the command line (README: "Slot balancing").
+from the command line (docs/balancing.md).
 
     kvcomm balance --config FILE [--policy threshold|learned] [--window 30s] [--once]
                    [--dry-run]

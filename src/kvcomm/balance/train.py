@@ -50,7 +50,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 EVAL_SEED_BASE = 10**6  # held-out seeds: EVAL_SEED_BASE + i; training: seed * 1000 + i
-DEFAULT_PRICE = 0.5  # ms x s of latency cost one slot move is worth (see the README)
+DEFAULT_PRICE = 0.5  # ms x s of latency cost one slot move is worth (see docs/balancing.md)
 
 
 @dataclass(frozen=True)

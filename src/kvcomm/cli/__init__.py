@@ -1,5 +1,5 @@
 """``kvcomm``: thin commands over the public API (``kvcomm --help``; every option is in
-the README's "Commands" section).
+docs/cli.md).
 
     kvcomm demo [--agents N] [--seconds S] [--rate HZ] [--neighbours K]
                 [--baseline auto|redis|manager|none] [--plot FILE.png] [--cluster]
@@ -496,7 +496,7 @@ def _command(sub: Any, name: str, run: Callable[[argparse.Namespace], int],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command; each option has its help (README: "Commands")."""
+    """The parser of every command; each option has its help (docs/cli.md)."""
     p = argparse.ArgumentParser(
         prog="kvcomm", description="KVCOMM: shared memory for agents. "
         "Run `kvcomm COMMAND --help` for the options of a command.")
@@ -592,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--seed", type=int, metavar="N",
                     help="replay the run of this seed (default: a random seed, printed)")
     sk.add_argument("--faults", metavar="KIND,...",
-                    help="comma-separated fault kinds (default: all; README: Commands)")
+                    help="comma-separated fault kinds (default: all; docs/cli.md)")
     sk.add_argument("--dir", metavar="DIR",
                     help="keep the cluster's logs, histories and report here (default: a "
                     "temporary directory, removed after a clean run)")

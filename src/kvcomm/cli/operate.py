@@ -92,7 +92,7 @@ def _loadtest(args: argparse.Namespace) -> int:
     --baseline redis, the same scenario against Redis directly; prints Locust's summary
     and the exact figures side by side. Exit status 0 only with no failure. Needs pip
     install 'kvcomm[loadtest]' (and kvcomm[cluster] plus redis-server for the baseline).
-    For Locust's web UI, run the shipped locustfile yourself (README: Operating KVCOMM)."""
+    For Locust's web UI, run the shipped locustfile yourself (docs/operations.md)."""
     from .. import loadtest
 
     if args.users < 1 or args.seconds <= 0:

@@ -1,5 +1,5 @@
 """``kvcomm placement observe | plan | launch``: affinity placement from the command line
-(:mod:`kvcomm.placement` has the theory; the README's "Placement" section the usage)."""
+(:mod:`kvcomm.placement` has the theory; docs/placement.md the usage)."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ class KVCommStore(BaseStore):
     is LangGraph's ``IndexConfig`` (``dims``, ``embed``: a sync or async callable or a
     LangChain ``Embeddings``, ``fields``) for semantic search (needs numpy:
     ``kvcomm[numpy]``); ``index_capacity`` bounds the vectors of the host's index
-    (default 100,000: beyond it searches read the records; see the README).
+    (default 100,000: beyond it searches read the records; see docs/integrations/langgraph.md).
 
     Operations raise LangGraph's InvalidNamespaceError for a bad namespace label, and
     what the client raises (kvcomm.KVCommError: InvalidKey when a namespace and key do
