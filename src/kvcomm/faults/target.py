@@ -78,14 +78,15 @@ class DevClusterTarget:
         return self._clients[i]
 
     def probe_client(self, i: int) -> Client:
-        """A client of host ``i`` that never trusts "absent" (``cache.negative_ttl`` 0):
-        for probes that must see a key as soon as the host can."""
+        """A client of host ``i`` with the host's own configuration, as its agents have it
+        (``cache.negative_ttl`` included: a cached "absent" is never older than what the
+        host knows), that does not wait for the host's daemon: probes measure how soon a
+        key is seen as a user would see it."""
         if i not in self._probe_clients:
             from ..config import Config
 
-            data = Config.load(self.configs[i]).model_dump()
-            data["cache"]["negative_ttl"] = 0
-            self._probe_clients[i] = kv_open(config=Config.from_mapping(data), wait_daemon=False)
+            self._probe_clients[i] = kv_open(config=Config.load(self.configs[i]),
+                                             wait_daemon=False)
         return self._probe_clients[i]
 
     def segment(self, i: int) -> L2Segment:
