@@ -100,7 +100,8 @@ def test_a_delete_of_an_expired_key_answers_as_for_an_absent_one(dev: dict[str, 
     before = a._read_l2(kb, h, 1 << 40)
     assert a.delete("exp/del") is False
     local = a._read_l2(kb, h, 1 << 40)  # (reclaimed as expired, or as it was: no tombstone)
-    assert before is not None and (local is None or local[2] != 0 and local[5] == before[5])
+    # (the sweeper may have reclaimed it before the delete, on a loaded machine: before None)
+    assert local is None or before is not None and local[2] != 0 and local[5] == before[5]
     kinds = [e.kind for e in w]
     assert "delete" not in kinds, kinds
     after = store.get("exp/del")
