@@ -24,9 +24,10 @@ from ..errors import ConflictError, InvalidArgument, InvalidKey, KVCommError, Un
 from ..tiers import l2 as l2mod
 from ..tiers.l2 import TAG_TOMBSTONE, key_hash
 from . import counters
-from .base import _HUGE, _MAX_UPDATE_RETRIES, _now_ms
+from .base import _HUGE, _now_ms
 from .hotkeys import HotKeys
 from .items import _TOMB_ENCODED, _TOMBSTONE, Item
+from .validators import _MAX_UPDATE_RETRIES
 
 
 class Merging(HotKeys):

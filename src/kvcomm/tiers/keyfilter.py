@@ -69,8 +69,7 @@ from xxhash import xxh3_64_digest, xxh3_128_digest
 from .._l2core import bloom_has
 from ..core.bloom import MAX_HASHES, BloomFilter, optimal_params
 from ..errors import InvalidArgument, SegmentError
-from .l2 import SHM_DIR, segment_path
-from .shm.files import _unlink_quietly, create_temp, remove_dead_temps
+from .shm.files import SHM_DIR, _unlink_quietly, create_temp, remove_dead_temps, segment_path
 
 MAGIC = int.from_bytes(b"KVCKEYS2", "little")
 LAYOUT = 3

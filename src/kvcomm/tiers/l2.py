@@ -94,6 +94,7 @@ from .shm.layout import (
     TAG_TOMBSTONE,
     H,
 )
+from .shm.oldlayout import unflushed
 from .shm.pins import Pins
 from .shm.segment import _H_DEFERRED, _H_FEED_HEAD, DEFAULT_LOCK_TIMEOUT, NEW_DOT, Record, key_hash
 from .shm.sync import SyncState
@@ -215,7 +216,7 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
         if seg is not None:
             seg.close()
     from ..placement.report import remove_table
-    from .keyfilter import remove  # (keyfilter builds on this module)
+    from .keyfilter import remove
 
     remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
     remove_table(name, directory)  # and so do the agents' placement reports
@@ -240,8 +241,6 @@ def _remove_watches(name: str, directory: str) -> None:
 
 def _refuse_unflushed(name: str, path: str, seg: L2Segment | None) -> None:
     """Raise UnflushedWrites when the segment at ``path`` holds writes not yet in L3."""
-    from .shm.migrate import unflushed
-
     if seg is not None:
         # The header's counter and the slots' flags must agree that writes wait: a corrupt
         # counter alone (or one flag bit) is no unflushed write, and must not make a
