@@ -379,7 +379,8 @@ class ClientBase:
         StatusReader), made at its first use."""
         r = self._status_reader
         if r is None:
-            from ..node.presence import StatusReader, status_path
+            from ..node.presence import StatusReader
+            from ..tiers.shm.files import status_path
 
             r = self._status_reader = StatusReader(status_path(self.name,
                                                                self.config.cache.l2_dir))

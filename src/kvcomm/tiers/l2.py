@@ -78,7 +78,7 @@ from typing import Any
 from ..errors import KVCommError, KVCommWarning, SegmentError, UnflushedWrites
 from .shm.checker import Checker
 from .shm.feed import Feed, FeedEvent
-from .shm.files import SHM_DIR, check_owner, pid_alive, remove_dead_temps, segment_path
+from .shm.files import SHM_DIR, check_owner, pid_alive, remove_dead_temps, segment_path, watch_dir
 from .shm.geometry import Layout
 from .shm.hotkeys import HotKeys
 from .shm.layout import (
@@ -233,8 +233,6 @@ def _remove_vectors(name: str, directory: str) -> None:
 
 def _remove_watches(name: str, directory: str) -> None:
     import shutil
-
-    from ..node.watched import watch_dir
 
     shutil.rmtree(watch_dir(name, directory), ignore_errors=True)
 
