@@ -54,7 +54,7 @@ Where each part lives (a class per noun, combined here into :class:`L2Segment`):
 
     shm/layout.py    every field of the segment, named once (generates the C header)
     shm/geometry.py  Layout: a config's sizes as regions; the header check on attach
-    shm/files.py     the file: name, path, owner and mode checks
+    shm/files.py     the namespace's files: names, paths (every one), owner and mode checks
     shm/segment.py   SegmentCore: open/create, the writer lock, lock-free reads, repair
     shm/writes.py    Writes: put, all-or-nothing batches, what a refused write means
     shm/pins.py      Pins: zero-copy views keep their block
@@ -62,6 +62,8 @@ Where each part lives (a class per noun, combined here into :class:`L2Segment`):
     shm/hotkeys.py   HotKeys: the host's Count-Min Sketch and top-k
     shm/sync.py      SyncState: the node daemon's words (dirty keys, cursor, heartbeat)
     shm/checker.py   Checker: every invariant, walked independently of the C kernel
+    shm/oldlayout.py an older layout's unflushed writes (refusals name them; migrate)
+    shm/migrate.py   kvcomm migrate: those writes carried into a new segment
     _l2core_c/*.c    the C kernel, one file per noun (lock, read, heap, slots, write, ...)
 
 Memory ordering: stores and loads through ``memoryview.cast("Q")`` are single aligned

@@ -270,7 +270,7 @@ class SegmentCore:
 
     def _other_layout(self, layout: int) -> str:
         """What to do with a segment of another layout: never a purge that drops writes
-        L3 has not got (see tiers/shm/migrate.py)."""
+        L3 has not got (see tiers/shm/oldlayout.py)."""
         head = f"{self.path} has layout version {layout}, this kvcomm uses {LAYOUT_VERSION}; "
         try:
             old = unflushed(self.path, 0o7777)  # (its owner was checked when it was opened)
