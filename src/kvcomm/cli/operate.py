@@ -52,7 +52,7 @@ def _top(args: argparse.Namespace) -> int:
     'kvcomm[metrics]'."""
     from .._extras import require
     from ..metrics.snapshot import View
-    from .top import cluster_frame, cluster_source, host_frame, local_source, run
+    from . import top
 
     require("rich", extra="metrics", purpose="kvcomm top")
     cfg = load_config(args.config)
@@ -64,24 +64,24 @@ def _top(args: argparse.Namespace) -> int:
             raise ConfigError("cluster.redis", "kvcomm top --cluster needs the config of a "
                               "cluster host (cluster.redis set)")
         require("prometheus_client", extra="metrics", purpose="kvcomm top --cluster")
-        snap, close = cluster_source(cfg)
+        snap, close = top.cluster_source(cfg)
 
         def render_cluster(new: Any, old: Any, dt: float) -> Any:
             before = {h: s for h, _, s in old} if old else {}
-            return cluster_frame([(h, st, None if s is None else View(s, before.get(h), dt))
+            return top.cluster_frame([(h, st, None if s is None else View(s, before.get(h), dt))
                                       for h, st, s in new])
 
         render: Callable[[Any, Any, float], Any] = render_cluster
     else:
-        snap, close = local_source(args.name or cfg.node.namespace, cfg)
+        snap, close = top.local_source(args.name or cfg.node.namespace, cfg)
 
         def render_host(new: Any, old: Any, dt: float) -> Any:
-            return host_frame(View(new, old, dt),
+            return top.host_frame(View(new, old, dt),
                                   f"{new.host} · {new.namespace} · every {args.interval:g}s")
 
         render = render_host
     try:
-        return run(snap, render, args.interval, args.once)
+        return top.run(snap, render, args.interval, args.once)
     finally:
         close()
 
