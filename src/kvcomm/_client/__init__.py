@@ -15,7 +15,8 @@ The client is built in layers, one module each; a layer may use the ones below i
     cas.py           ClusterWrites: conditional writes in cluster mode, decided on L3
     read.py          Reads: get, get_item; L1, L2, zero-copy views
     cluster_read.py  ClusterReads: an L2 miss in cluster mode (negative cache, key filter, L3)
-    merge.py         Merging: a version from elsewhere into L2 (the daemon's one port)
+    merge.py         Merging: a version from elsewhere into L2; RemoteMerges, the node
+                     daemon's face over it (node/port.py)
     hotkeys.py       HotKeys: sampled reads into the host's sketch
     base.py          ClientBase: the state, keys, versions, codec, the raw L2 read
   beside them:
@@ -25,6 +26,7 @@ The client is built in layers, one module each; a layer may use the ones below i
     attach.py        one L2 mapping and one L1 per (process, namespace); views; fork()
     sweeper.py       the expiry sweep (one thread per process and namespace)
     presence.py      Presence (kv.presence(): a key kept alive by refreshes)
+    validators.py    a validator's run and the read-modify-write retry bound (every write path)
 
 ``get`` is special: on a live client it is the C getter itself (``kvcomm._l2core.Getter``,
 an instance attribute: no Python frame on an L1 hit); ``Reads.get`` is what it does.

@@ -22,9 +22,7 @@ from ..errors import (
     KVCommError,
     KVCommWarning,
     SegmentError,
-    ValidationError,
     ValueTooLarge,
-    WriteUnderLock,
 )
 from ..placement.agents import check_agent, process_agent, with_agent
 from ..placement.report import REPORT_PUTS, AgentStats
@@ -38,7 +36,6 @@ from .items import Item
 _new_version = tuple.__new__  # skips NamedTuple's Python-level __new__
 _BYTES, _NDARRAY = codec.BYTES, codec.NDARRAY
 _CONSISTENCY = (None, "eventual", "strong")
-_MAX_UPDATE_RETRIES = 100_000
 _KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
 # An L3 read fills L2 only if it took less than this: the node daemon applies a remote
 # change of a key not held here over a fill for 30 s (node/daemon.py RECENT_S)
@@ -382,7 +379,8 @@ class ClientBase:
         StatusReader), made at its first use."""
         r = self._status_reader
         if r is None:
-            from ..node.presence import StatusReader, status_path
+            from ..node.presence import StatusReader
+            from ..tiers.shm.files import status_path
 
             r = self._status_reader = StatusReader(status_path(self.name,
                                                                self.config.cache.l2_dir))
@@ -499,16 +497,3 @@ class ClientBase:
         if type(rec) is int:  # a slot stayed odd: a slow, stopped or dead writer
             return self._seg.read(kb, h, zc)
         return rec
-
-
-def _run_validator(fn: Callable[[str, Item | None, Any], None], key: str, old: Item | None,
-                   new_value: Any) -> None:
-    """Run a validator: whatever it raises rejects the write as ValidationError, except a
-    write it attempted (WriteUnderLock, an InvalidArgument: a bug of the validator, which
-    register_validator documents as such, not its verdict)."""
-    try:
-        fn(key, old, new_value)
-    except (ValidationError, WriteUnderLock):
-        raise
-    except Exception as exc:
-        raise ValidationError(f"write to {key!r} rejected by validator: {exc}") from exc

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 from .._l2core import BatchOps, WouldBlock
 from ..core.versions import Version
 from ..errors import InvalidArgument
-from .base import _now_ms, _run_validator
+from .base import _now_ms
 from .items import Item
+from .validators import _run_validator
 
 if TYPE_CHECKING:
     from .write import Writes

@@ -16,6 +16,7 @@ from ..placement.agents import check_agent
 from ..tiers.l1 import process_budget
 from .attach import _Shared
 from .presence import Presence, start_presence
+from .read import Reads
 from .scan import Scanning
 
 
@@ -31,6 +32,7 @@ class Client(Scanning):
         self._getter = Getter(self._l1, self._seg._core, self._keys, codec.decode,
                               self._get_slow, self._flush_hot, self._sample_every,
                               self._zc, self._l1_on)
+        self._getter.__wrapped__ = Reads.get.__get__(self)  # help(kv.get), inspect.signature
         self.get = self._getter  # type: ignore[method-assign]
         self._meter = metrics_agent.attach(self)  # counts flushed into L2 (kvcomm metrics)
         if type(self) is Client:

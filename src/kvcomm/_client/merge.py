@@ -24,9 +24,10 @@ from ..errors import ConflictError, InvalidArgument, InvalidKey, KVCommError, Un
 from ..tiers import l2 as l2mod
 from ..tiers.l2 import TAG_TOMBSTONE, key_hash
 from . import counters
-from .base import _HUGE, _MAX_UPDATE_RETRIES, _now_ms
+from .base import _HUGE, _now_ms
 from .hotkeys import HotKeys
 from .items import _TOMB_ENCODED, _TOMBSTONE, Item
+from .validators import _MAX_UPDATE_RETRIES
 
 
 class Merging(HotKeys):
@@ -300,3 +301,50 @@ def _storable(value: Any) -> bool:
         return False
     return True
 
+
+
+class RemoteMerges:
+    """The node daemon's way into this host's L2 through its own client (node/port.py's
+    ClientPort): versions from elsewhere merged in, this host's records restamped, and
+    what else the daemon asks of the client, without reaching into its private state.
+    Every method raises what the client's write path raises (SegmentError, Unavailable
+    when a key keeps changing); a failed merge leaves L2 as it was."""
+
+    def __init__(self, kv: Merging) -> None:
+        self._kv = kv
+        self.segment = kv._seg  # the host's L2 segment (the daemon reads its feed, flags)
+
+    def version_of(self, counter: int, hlc: int, vvx: bytes) -> Version:
+        """The Version of an L2 record of this host: its own entry ``counter``, the other
+        hosts' entries (``vvx``, encoded) and its ``hlc``. Raises CorruptRecord (a bad
+        ``vvx``)."""
+        return self._kv._version(counter, hlc, vvx)
+
+    def apply(self, key: str, value: Any, version: Version,
+              encoded: tuple[int, bytes, bytes | memoryview], ext: bytes = b"") -> Version:
+        """Merge ``version`` of ``key`` (from L3: ``value`` decoded, ``encoded`` its tag,
+        meta and bytes, ``ext`` its extension field) into L2 by the vector order, then a
+        resolver or last-writer-wins; returns the version L2 holds then (see
+        :meth:`kvcomm.Client.merge_remote`). A tombstone's tag keeps a clean tombstone."""
+        return self._kv._merge(key, value, version, encoded, ext)
+
+    def restamp(self, key: str, other: Version) -> bool:
+        """Write this host's record of ``key`` again as a new local write descending from
+        itself and ``other`` (L3's version, which covers the local dot after the host's
+        write sequence restarted). False when there is nothing to restamp."""
+        return self._kv._restamp(key, other)
+
+    def past_lost_dots(self, lost: int) -> int:
+        """Raise the host's write sequence past ``lost`` (a dot of an earlier life of its
+        L2) and give its writes not yet in L3 at or below it new dots; returns how many
+        were given new dots."""
+        return self._kv._past_lost_dots(lost)
+
+    def has_resolver(self, key: str) -> bool:
+        """Whether an application resolver is registered for ``key``'s prefix."""
+        resolvers = self._kv._resolvers
+        return bool(resolvers) and resolvers.lookup(key) is not None
+
+    def forget_cached(self, key: str) -> None:
+        """Drop this process's L1 copy of ``key`` (before L2 evicts it)."""
+        self._kv._l1.discard(key)

@@ -87,8 +87,8 @@ from ..tiers.etcd import (
     get_op,
     put_op,
 )
-from .base import _MAX_UPDATE_RETRIES, _run_validator
 from .items import ABSENT, Item
+from .validators import _MAX_UPDATE_RETRIES, _run_validator
 
 if TYPE_CHECKING:
     from ..config import Config

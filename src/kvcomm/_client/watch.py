@@ -118,7 +118,8 @@ class Watching(Counting):
         return WatchFeed(self, prefix, cursor, sub)
 
     def _daemon_status(self) -> dict[str, Any] | None:
-        from ..node.presence import read_status, status_fresh, status_path
+        from ..node.presence import read_status, status_fresh
+        from ..tiers.shm.files import status_path
 
         s = read_status(status_path(self.name, self.config.cache.l2_dir))
         return s if status_fresh(s) else None

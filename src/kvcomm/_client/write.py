@@ -16,14 +16,13 @@ from .base import (
     _BYTES,
     _CONSISTENCY,
     _HUGE,
-    _MAX_UPDATE_RETRIES,
     _new_version,
     _now_ms,
-    _run_validator,
 )
 from .batch import Batch
 from .cas import ClusterWrites
 from .items import _NO_CHECK, ABSENT, Item
+from .validators import _MAX_UPDATE_RETRIES, _run_validator
 
 _time_ns = time.time_ns
 

@@ -321,9 +321,14 @@ static PyMemberDef BatchOps_members[] = {
 
 static PyMethodDef BatchOps_methods[] = {
     {"put", (PyCFunction)(void (*)(void))BatchOps_put, METH_FASTCALL | METH_KEYWORDS,
-     "put(key, value): add a put (raises InvalidKey, UnsupportedValue, ValueTooLarge at once)"},
+     "put($self, /, key, value)\n--\n\n"
+     "Add a put of ``value`` under ``key``. Raises InvalidKey, UnsupportedValue, "
+     "ValueTooLarge and InvalidArgument (a used batch) at once; the batch is unchanged then."},
     {"delete", (PyCFunction)(void (*)(void))BatchOps_delete, METH_FASTCALL | METH_KEYWORDS,
-     "delete(key): add a delete (raises InvalidKey)"},
+     "delete($self, /, key)\n--\n\n"
+     "Add a delete of ``key`` (applied with the batch: :attr:`versions` says whether it "
+     "deleted something). Raises InvalidKey and InvalidArgument (a used batch) at once; "
+     "the batch is unchanged then."},
     {"_seal", (PyCFunction)BatchOps_seal, METH_NOARGS, "the block ended: no more ops"},
     {"_check", (PyCFunction)BatchOps_check, METH_NOARGS, "raise if no op may be added now"},
     {"_done", (PyCFunction)BatchOps_done, METH_NOARGS, "applied or discarded: used up"},

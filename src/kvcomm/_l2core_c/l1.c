@@ -422,6 +422,7 @@ typedef struct {
     long long lat_every, lat_left;
     unsigned long long lat_bounds[LAT_BUCKETS - 1];
     unsigned long long lat[2][LAT_BUCKETS + 2];
+    PyObject *wrapped; /* what help() and inspect show: the Python method this stands in for */
 } Getter;
 
 static inline unsigned long long
@@ -704,6 +705,7 @@ Getter_traverse(Getter *g, visitproc visit, void *arg)
     Py_VISIT(g->slow);
     Py_VISIT(g->flush);
     Py_VISIT(g->hot);
+    Py_VISIT(g->wrapped);
     return 0;
 }
 
@@ -717,6 +719,7 @@ Getter_clear(Getter *g)
     Py_CLEAR(g->slow);
     Py_CLEAR(g->flush);
     Py_CLEAR(g->hot);
+    Py_CLEAR(g->wrapped);
     return 0;
 }
 
@@ -817,8 +820,52 @@ Getter_get_latency(Getter *g, void *closure)
     return out;
 }
 
+/* The getter explains itself as the method it stands in for (``__wrapped__``, set by the
+ * client to its ``Reads.get``): ``inspect.signature`` follows ``__wrapped__``, and
+ * ``__doc__``, ``__name__`` and ``__qualname__`` are the method's; without one, the type's.
+ * Attribute lookups only: the call (Getter_vectorcall) never reads them. */
+static PyObject *
+Getter_get_wrapped(Getter *g, void *closure)
+{
+    if (!g->wrapped) {
+        PyErr_SetString(PyExc_AttributeError, "__wrapped__");
+        return NULL;
+    }
+    return Py_NewRef(g->wrapped);
+}
+
+static int
+Getter_set_wrapped(Getter *g, PyObject *value, void *closure)
+{
+    Py_XSETREF(g->wrapped, Py_XNewRef(value));
+    return 0;
+}
+
+static PyObject *
+Getter_get_wrapped_attr(Getter *g, void *name)
+{
+    if (g->wrapped)
+        return PyObject_GetAttrString(g->wrapped, (const char *)name);
+    if (strcmp((const char *)name, "__doc__") == 0)
+        return PyUnicode_FromString(Py_TYPE(g)->tp_doc);
+    return PyUnicode_FromString("Getter");
+}
+
+/* A non-data descriptor that binds to nothing (``type(kv).x = kv.get`` would still be the
+ * getter): it lets inspect and pydoc treat the getter as a method, as a C method is. */
+static PyObject *
+Getter_descr_get(PyObject *g, PyObject *obj, PyObject *type)
+{
+    return Py_NewRef(g);
+}
+
 static PyGetSetDef Getter_getset[] = {
     {"latency", (getter)Getter_get_latency, NULL, "sampled L1/L2 hit latency (cumulative)", NULL},
+    {"__wrapped__", (getter)Getter_get_wrapped, (setter)Getter_set_wrapped,
+     "the Python method this getter stands in for (signature and documentation)", NULL},
+    {"__doc__", (getter)Getter_get_wrapped_attr, NULL, NULL, "__doc__"},
+    {"__name__", (getter)Getter_get_wrapped_attr, NULL, NULL, "__name__"},
+    {"__qualname__", (getter)Getter_get_wrapped_attr, NULL, NULL, "__qualname__"},
     {NULL},
 };
 
@@ -860,6 +907,7 @@ static PyTypeObject GetterType = {
     .tp_members = Getter_members,
     .tp_methods = Getter_methods,
     .tp_getset = Getter_getset,
+    .tp_descr_get = Getter_descr_get,
     .tp_doc = "kv.get: Getter(l1, core, keys, decode, slow, flush, sample_every, zero_copy, l1_on)",
 };
 

@@ -59,7 +59,8 @@ def _info(args: argparse.Namespace) -> int:
         info = seg.info()
     finally:
         seg.close()
-    from ..node.presence import masters_down_text, read_status, status_fresh, status_path
+    from ..node.presence import masters_down_text, read_status, status_fresh
+    from ..tiers.shm.files import status_path
 
     st = read_status(status_path(info["name"], c.l2_dir))
     if not status_fresh(st):
@@ -383,8 +384,9 @@ def _local_l2(cfg: Any) -> dict[str, Any] | None:
     daemon's status file is fresh (``status_fresh``: its lease thread writes it while
     the loop waits on Redis, in partition mode), or None when there is no segment (or
     it cannot be read)."""
-    from ..node.presence import read_status, status_fresh, status_path
+    from ..node.presence import read_status, status_fresh
     from ..tiers.l2 import L2Segment
+    from ..tiers.shm.files import status_path
 
     c = cfg.cache
     try:

@@ -65,6 +65,8 @@ MAX_COUNTER = (1 << 53) - 1
 
 
 class Ordering(enum.Enum):
+    """How two versions of a key are ordered causally (:meth:`Version.compare`)."""
+
     BEFORE = "before"
     AFTER = "after"
     EQUAL = "equal"
@@ -256,6 +258,8 @@ class Version(NamedTuple):
     hlc: int
 
     def compare(self, other: Version) -> Ordering:
+        """The causal order of this version against ``other`` (of the same key): BEFORE,
+        AFTER, EQUAL or CONCURRENT (an :class:`Ordering`). Raises nothing."""
         return compare_vectors(self.vector, other.vector)
 
     def __lt__(self, other: object) -> bool:

@@ -2,8 +2,9 @@
 
 Modules
 -------
-* :mod:`~kvcomm.faults.nemesis`: the :class:`~kvcomm.faults.nemesis.Fault` interface and
-  registry, the seeded schedule, the :class:`~kvcomm.faults.nemesis.Nemesis` that runs it
+* :mod:`~kvcomm.faults.fault`: the :class:`~kvcomm.faults.fault.Fault` interface and
+  registry.
+* :mod:`~kvcomm.faults.nemesis`: the seeded schedule, the :class:`~kvcomm.faults.nemesis.Nemesis` that runs it
   and records every injection.
 * :mod:`~kvcomm.faults.kinds`: the built-in faults (pause, kill and restart a node
   daemon; kill a Redis master and bring it back as a replica; trim a change-feed
@@ -21,16 +22,17 @@ Modules
   undone, no phantom, every place in the same state.
 * :mod:`~kvcomm.faults.soak`: the whole run behind ``kvcomm soak``.
 
-Adding a fault: derive from :class:`~kvcomm.faults.nemesis.Fault`, give it a ``name``,
+Adding a fault: derive from :class:`~kvcomm.faults.fault.Fault`, give it a ``name``,
 what it ``requires`` of the target and how long it is held, implement ``inject(rng)``
 (choose only with ``rng``, return what was done) and ``heal()``, decorate it with
-:func:`~kvcomm.faults.nemesis.register`, and import its module before the nemesis
+:func:`~kvcomm.faults.fault.register`, and import its module before the nemesis
 starts. ``kvcomm soak --faults NAME`` then runs it; nothing in the runner changes.
 """
 
 from .checker import Anomaly, Observed, Verdict, check
+from .fault import FAULTS, Fault, register
 from .history import Op, Recorder, load_history
-from .nemesis import FAULTS, Fault, Injection, Nemesis, fault_kinds, plan, register
+from .nemesis import Injection, Nemesis, fault_kinds, plan
 
 __all__ = ["FAULTS", "Anomaly", "Fault", "Injection", "Nemesis", "Observed", "Op", "Recorder",
            "Verdict", "check", "fault_kinds", "load_history", "plan", "register"]

@@ -45,8 +45,8 @@ from .._wait import wait_until
 from ..errors import Unavailable
 from ..tiers.l2 import key_hash
 from ..tiers.l3 import GROUPS, feed_key, group_of
+from .fault import Fault, register
 from .history import DELETE, PUT, value_id
-from .nemesis import Fault, register
 from .target import DevClusterTarget
 
 

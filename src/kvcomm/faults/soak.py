@@ -62,8 +62,9 @@ from ..errors import InvalidArgument, KVCommError
 from ..tiers.l2 import TAG_TOMBSTONE, key_hash
 from ..tiers.l3 import CorruptRecord, L3Record, record_key
 from .checker import ABSENT, Observed, Verdict, check
+from .fault import FAULTS
 from .history import DELETE, GET, INFO, OK, PUT, HistoryWriter, Recorder, load_history, value_id
-from .nemesis import FAULTS, Injection, Nemesis, fault_kinds
+from .nemesis import Injection, Nemesis, fault_kinds
 from .target import DevClusterTarget
 
 PREFIX = "soak/"

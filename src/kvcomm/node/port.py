@@ -38,6 +38,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._client.merge import RemoteMerges
 from ..core.versions import Vector, Version
 from ..tiers.l2 import TAG_TOMBSTONE, FeedEvent, key_hash
 
@@ -240,7 +241,8 @@ class ClientPort:
 
     def __init__(self, kv: Client) -> None:
         self.kv = kv
-        self.seg = kv._seg
+        self.merges = RemoteMerges(kv)  # the client's face for the daemon
+        self.seg = self.merges.segment
         self.host_id = self.seg.host_id
         self.namespace = kv.name
 
@@ -278,7 +280,7 @@ class ClientPort:
         else:  # rewritten under us a hundred times: the next feed event names it again
             return None
         ext = ver[7] or EMPTY_EXT
-        vector = self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
+        vector = self.merges.version_of(rec.counter, rec.hlc, rec.vvx).vector
         dot = (self.host_id, rec.counter)
         if rec.tag == TAG_TOMBSTONE:  # (a deleted counter's carries its state: meta, value)
             return L3Record(rec.hlc, True, 0, rec.meta, rec.value or b"", vector, dot, ext)
@@ -295,7 +297,7 @@ class ClientPort:
     def held_vector(self, key: str) -> Vector | None:
         kb = key.encode("utf-8", "surrogateescape")
         rec = self.seg.read(kb, key_hash(kb), 0)
-        return None if rec is None else self.kv._version(rec.counter, rec.hlc, rec.vvx).vector
+        return None if rec is None else self.merges.version_of(rec.counter, rec.hlc, rec.vvx).vector
 
     def held_keys(self, tombstones: bool = False) -> list[str]:
         return list(self.seg.keys(tombstones))
@@ -303,22 +305,22 @@ class ClientPort:
     def apply_remote(self, key: str, record: L3Record) -> None:
         version = Version(record.vector, record.hlc)
         if record.tombstone:  # kept as a clean tombstone; deletes merge last-writer-wins
-            self.kv._merge(key, None, version, (TAG_TOMBSTONE, record.meta, record.value),
-                           record.local_ext)
+            self.merges.apply(key, None, version, (TAG_TOMBSTONE, record.meta, record.value),
+                              record.local_ext)
             return
         value = record.decode_value(key)
-        self.kv._merge(key, value, version, (record.tag, record.meta, record.value),
-                       record.local_ext)
+        self.merges.apply(key, value, version, (record.tag, record.meta, record.value),
+                          record.local_ext)
 
     def has_resolver(self, key: str) -> bool:
-        return bool(self.kv._resolvers) and self.kv._resolvers.lookup(key) is not None
+        return self.merges.has_resolver(key)
 
     def write_sequence(self) -> int:
         return self.seg.write_sequence
 
     def forget(self, key: str) -> bool:
         kb = key.encode("utf-8", "surrogateescape")
-        self.kv._l1.discard(key)
+        self.merges.forget_cached(key)
         return self.seg.evict(kb, key_hash(kb))
 
     def quiet(self) -> None:
@@ -329,10 +331,10 @@ class ClientPort:
         return dict(zip(keys, self.seg.take_reads(pairs), strict=True))
 
     def rebase(self, key: str, record: L3Record) -> bool:
-        return self.kv._restamp(key, Version(record.vector, record.hlc))
+        return self.merges.restamp(key, Version(record.vector, record.hlc))
 
     def past_lost_dots(self, lost: int) -> int:
-        return self.kv._past_lost_dots(lost)
+        return self.merges.past_lost_dots(lost)
 
     def register_resolver(self, prefix: str, fn: Callable[[str, list[Any]], Any]) -> None:
         self.kv.register_resolver(prefix, fn)

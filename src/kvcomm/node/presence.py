@@ -54,6 +54,7 @@ from typing import Any
 from ..config import Config
 from ..errors import InvalidArgument, KVCommError
 from ..tiers.etcd import EtcdClient, KeyValue
+from ..tiers.shm.files import status_path as status_path  # (the daemon's and tests' import)
 
 log = logging.getLogger("kvcomm.node")
 
@@ -63,11 +64,6 @@ STATUS_FRESH_S = 3.0  # an agent trusts the status file this long after it was w
 # a status file larger than this is no daemon's (a few KB: its strong prefixes the most)
 STATUS_MAX_BYTES = 1 << 20
 PROBE_WHILE_DOWN = 0.2  # seconds between probes while etcd does not answer
-
-
-def status_path(namespace: str, directory: str) -> str:
-    """Where the node daemon of ``namespace`` writes its status for the host's agents."""
-    return os.path.join(directory, f"kvcomm.{namespace}.node.json")
 
 
 def write_status(path: str, status: dict[str, Any], permissions: int = 0o600) -> None:

@@ -33,14 +33,9 @@ import stat
 import uuid
 
 from ..errors import SegmentError
-from ..tiers.shm.files import pid_alive
+from ..tiers.shm.files import pid_alive, watch_dir
 
 PRUNE_EVERY_S = 5.0
-
-
-def watch_dir(namespace: str, directory: str) -> str:
-    """The directory where the watchers of ``namespace`` register their prefixes."""
-    return os.path.join(directory, f"kvcomm.{namespace}.watch")
 
 
 def register(namespace: str, directory: str, prefix: str, permissions: int) -> tuple[str, int]:

@@ -33,9 +33,10 @@ import msgpack
 
 from ..config import Config
 from ..errors import CorruptRecord, InvalidArgument, KVCommError, Unavailable
+from ..tiers.shm.files import agents_dir
 from .agents import host_of_unnamed
 from .graph import Agent, Edge, Graph, check_host
-from .report import _valid, agents_dir, read_reports
+from .report import _valid, read_reports
 
 log = logging.getLogger("kvcomm.placement")
 FORMAT = 1

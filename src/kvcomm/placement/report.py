@@ -56,7 +56,7 @@ from typing import Any
 import msgpack
 
 from ..errors import KVCommError, KVCommWarning, SegmentError
-from ..tiers.shm.files import SHM_DIR, pid_alive, segment_path
+from ..tiers.shm.files import SHM_DIR, agents_dir, pid_alive
 from .agents import agent_of, is_agent_id
 
 FORMAT = 1
@@ -71,12 +71,6 @@ MAX_NAMES_BYTES = 256 << 10  # ... and their bytes (a field may be 4 KiB: MAX_EX
 MAX_REPORT_BYTES = 1 << 20  # a larger file is not a report of ours
 GONE_AFTER = 10.0  # seconds a dead process's report stays (the daemon publishes it once more)
 TMP_AFTER = 60.0  # seconds after which a left-over temporary file is removed
-
-
-def agents_dir(namespace: str, directory: str = SHM_DIR) -> str:
-    """The host's table of agent reports for ``namespace``. Raises SegmentError on a bad
-    namespace."""
-    return segment_path(namespace, directory) + ".agents"
 
 
 def _dir_mode(permissions: int) -> int:

@@ -69,8 +69,7 @@ from xxhash import xxh3_64_digest, xxh3_128_digest
 from .._l2core import bloom_has
 from ..core.bloom import MAX_HASHES, BloomFilter, optimal_params
 from ..errors import InvalidArgument, SegmentError
-from .l2 import SHM_DIR, segment_path
-from .shm.files import _unlink_quietly, create_temp, remove_dead_temps
+from .shm.files import SHM_DIR, _unlink_quietly, create_temp, filter_path, remove_dead_temps
 
 MAGIC = int.from_bytes(b"KVCKEYS2", "little")
 LAYOUT = 3
@@ -80,11 +79,6 @@ RING = 1 << 16  # the learned keys' digests kept (8 bytes each): 512 KiB
 _RING_BYTES = RING * 8
 STALE_MS = 2000  # a heartbeat older than this: the daemon is gone, trust the filter no more
 _OLD_MAGICS = (MAGIC, int.from_bytes(b"KVCKEYS1", "little"))
-
-
-def filter_path(namespace: str, directory: str = SHM_DIR) -> str:
-    segment_path(namespace)  # validates the name
-    return os.path.join(directory, f"kvcomm.{namespace}.keys")
 
 
 def _now_ms() -> int:

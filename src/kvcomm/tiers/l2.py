@@ -54,7 +54,7 @@ Where each part lives (a class per noun, combined here into :class:`L2Segment`):
 
     shm/layout.py    every field of the segment, named once (generates the C header)
     shm/geometry.py  Layout: a config's sizes as regions; the header check on attach
-    shm/files.py     the file: name, path, owner and mode checks
+    shm/files.py     the namespace's files: names, paths (every one), owner and mode checks
     shm/segment.py   SegmentCore: open/create, the writer lock, lock-free reads, repair
     shm/writes.py    Writes: put, all-or-nothing batches, what a refused write means
     shm/pins.py      Pins: zero-copy views keep their block
@@ -62,6 +62,8 @@ Where each part lives (a class per noun, combined here into :class:`L2Segment`):
     shm/hotkeys.py   HotKeys: the host's Count-Min Sketch and top-k
     shm/sync.py      SyncState: the node daemon's words (dirty keys, cursor, heartbeat)
     shm/checker.py   Checker: every invariant, walked independently of the C kernel
+    shm/oldlayout.py an older layout's unflushed writes (refusals name them; migrate)
+    shm/migrate.py   kvcomm migrate: those writes carried into a new segment
     _l2core_c/*.c    the C kernel, one file per noun (lock, read, heap, slots, write, ...)
 
 Memory ordering: stores and loads through ``memoryview.cast("Q")`` are single aligned
@@ -78,7 +80,7 @@ from typing import Any
 from ..errors import KVCommError, KVCommWarning, SegmentError, UnflushedWrites
 from .shm.checker import Checker
 from .shm.feed import Feed, FeedEvent
-from .shm.files import SHM_DIR, check_owner, pid_alive, remove_dead_temps, segment_path
+from .shm.files import SHM_DIR, check_owner, pid_alive, remove_dead_temps, segment_path, watch_dir
 from .shm.geometry import Layout
 from .shm.hotkeys import HotKeys
 from .shm.layout import (
@@ -94,6 +96,7 @@ from .shm.layout import (
     TAG_TOMBSTONE,
     H,
 )
+from .shm.oldlayout import unflushed
 from .shm.pins import Pins
 from .shm.segment import _H_DEFERRED, _H_FEED_HEAD, DEFAULT_LOCK_TIMEOUT, NEW_DOT, Record, key_hash
 from .shm.sync import SyncState
@@ -215,7 +218,7 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
         if seg is not None:
             seg.close()
     from ..placement.report import remove_table
-    from .keyfilter import remove  # (keyfilter builds on this module)
+    from .keyfilter import remove
 
     remove(name, directory)  # the daemon's filter of existing keys goes with the namespace
     remove_table(name, directory)  # and so do the agents' placement reports
@@ -233,15 +236,11 @@ def _remove_vectors(name: str, directory: str) -> None:
 def _remove_watches(name: str, directory: str) -> None:
     import shutil
 
-    from ..node.watched import watch_dir
-
     shutil.rmtree(watch_dir(name, directory), ignore_errors=True)
 
 
 def _refuse_unflushed(name: str, path: str, seg: L2Segment | None) -> None:
     """Raise UnflushedWrites when the segment at ``path`` holds writes not yet in L3."""
-    from .shm.migrate import unflushed
-
     if seg is not None:
         # The header's counter and the slots' flags must agree that writes wait: a corrupt
         # counter alone (or one flag bit) is no unflushed write, and must not make a

@@ -37,7 +37,6 @@ import errno
 import fcntl
 import mmap
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,7 +45,15 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from ..errors import SegmentError
-from .shm.files import SHM_DIR, _unlink_quietly, check_owner, create_temp, remove_dead_temps, segment_path
+from .shm.files import (
+    SHM_DIR,
+    _unlink_quietly,
+    check_owner,
+    create_temp,
+    remove_dead_temps,
+    vector_path,
+    vector_paths_re,
+)
 
 MAGIC = int.from_bytes(b"KVCVEC01", "little")
 LAYOUT = 2
@@ -54,19 +61,11 @@ _HDR = 256
 (H_MAGIC, H_LAYOUT, H_DIMS, H_CAP, H_KEYB, H_HIGH, H_OVERFLOW, H_INTENT, H_NFREE, H_USED,
  H_TOMBS) = range(11)
 _EMPTY, _TOMB = -1, -2
-_ID_RE = re.compile(r"^[0-9a-f]{16}$")
-
-
-def vector_path(namespace: str, index_id: str, directory: str = SHM_DIR) -> str:
-    segment_path(namespace)  # validates the name
-    if not _ID_RE.match(index_id):
-        raise ValueError(f"bad index id {index_id!r}")
-    return os.path.join(directory, f"kvcomm.{namespace}.vec.{index_id}")
 
 
 def remove_all(namespace: str, directory: str = SHM_DIR) -> None:
     """Remove namespace ``namespace``'s vector files (and dead builders' temporary ones)."""
-    pattern = re.compile(rf"kvcomm\.{re.escape(namespace)}\.vec\.[0-9a-f]{{16}}")
+    pattern = vector_paths_re(namespace)
     try:
         names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
     except OSError:

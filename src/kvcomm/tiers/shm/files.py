@@ -1,4 +1,21 @@
-"""The segment's file: its name and path, who may own it, creating and attaching it."""
+"""A namespace's files: their names and paths, who may own them, creating and attaching
+the segment.
+
+Every file of namespace ``NS`` lies in ``cache.l2_dir`` (``/dev/shm`` by default), named
+here and nowhere else:
+
+=============================  ==========================================================
+``kvcomm.NS``                  the L2 segment (tiers/l2.py, tiers/shm/)
+``kvcomm.NS.keys``             the node daemon's filter of existing keys (tiers/keyfilter.py)
+``kvcomm.NS.node.json``        the node daemon's status for the host's agents (node/presence.py)
+``kvcomm.NS.watch/``           the watchers' registered prefixes (node/watched.py)
+``kvcomm.NS.agents/``          the agents' placement reports (placement/report.py)
+``kvcomm.NS.vec.ID``           a LangGraph store's vector index (tiers/vectors.py)
+=============================  ==========================================================
+
+:func:`kvcomm.tiers.l2.purge` removes them with the namespace (the status file excepted:
+the daemon that wrote it owns it).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +30,7 @@ from ...errors import SegmentError
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_VECTOR_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 def segment_path(name: str, directory: str = SHM_DIR) -> str:
@@ -22,6 +40,43 @@ def segment_path(name: str, directory: str = SHM_DIR) -> str:
             f"namespace {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
         )
     return os.path.join(directory, f"kvcomm.{name}")
+
+
+def filter_path(namespace: str, directory: str = SHM_DIR) -> str:
+    """The node daemon's filter of the keys that exist (tiers/keyfilter.py). Raises
+    SegmentError on a bad name."""
+    segment_path(namespace)  # validates the name
+    return os.path.join(directory, f"kvcomm.{namespace}.keys")
+
+
+def status_path(namespace: str, directory: str) -> str:
+    """Where the node daemon of ``namespace`` writes its status for the host's agents."""
+    return os.path.join(directory, f"kvcomm.{namespace}.node.json")
+
+
+def watch_dir(namespace: str, directory: str) -> str:
+    """The directory where the watchers of ``namespace`` register their prefixes."""
+    return os.path.join(directory, f"kvcomm.{namespace}.watch")
+
+
+def agents_dir(namespace: str, directory: str = SHM_DIR) -> str:
+    """The host's table of agent reports for ``namespace``. Raises SegmentError on a bad
+    namespace."""
+    return segment_path(namespace, directory) + ".agents"
+
+
+def vector_path(namespace: str, index_id: str, directory: str = SHM_DIR) -> str:
+    """The vector index ``index_id`` (16 hex digits) of ``namespace`` (tiers/vectors.py).
+    Raises SegmentError on a bad namespace, ValueError on a bad index id."""
+    segment_path(namespace)  # validates the name
+    if not _VECTOR_ID_RE.match(index_id):
+        raise ValueError(f"bad index id {index_id!r}")
+    return os.path.join(directory, f"kvcomm.{namespace}.vec.{index_id}")
+
+
+def vector_paths_re(namespace: str) -> re.Pattern[str]:
+    """Matches the names (not paths) of ``namespace``'s vector index files."""
+    return re.compile(rf"kvcomm\.{re.escape(namespace)}\.vec\.[0-9a-f]{{16}}")
 
 
 def pid_alive(pid: int) -> bool:

@@ -60,7 +60,7 @@ Rule for the layout version: any change to these tables, to a field's meaning or
 or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
 A process meeting another version refuses the segment with SegmentError; it never
 misreads it. A bump ships a reader of the previous version's unflushed records
-(``tiers/shm/migrate.py``), so that ``kvcomm migrate`` carries them into a new segment:
+(``tiers/shm/oldlayout.py``), so that ``kvcomm migrate`` carries them into a new segment:
 writes not yet in L3 are never dropped by an upgrade. The header words up to ``STATE``
 keep their places across versions, so any version can tell what a segment is.
 

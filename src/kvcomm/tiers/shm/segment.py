@@ -41,6 +41,7 @@ from .layout import (
     STATE_OK,
     H,
 )
+from .oldlayout import unflushed
 
 _l2core.set_errors(SegmentError, Unavailable, InvalidArgument, WriteUnderLock)  # what C raises
 _l2core.set_ext_check(l2_ext_problem)  # the one rule for a record's extension field
@@ -269,9 +270,7 @@ class SegmentCore:
 
     def _other_layout(self, layout: int) -> str:
         """What to do with a segment of another layout: never a purge that drops writes
-        L3 has not got (see tiers/shm/migrate.py)."""
-        from .migrate import unflushed
-
+        L3 has not got (see tiers/shm/oldlayout.py)."""
         head = f"{self.path} has layout version {layout}, this kvcomm uses {LAYOUT_VERSION}; "
         try:
             old = unflushed(self.path, 0o7777)  # (its owner was checked when it was opened)

@@ -141,7 +141,8 @@ class Writes(SegmentCore):
         """What holds this host's writes back from L3, as the host's node daemon last told
         (its status file), with what to do: for the message of a write refused at
         ``cluster.outbound_max``. Never raises; bounded (the file is another process's)."""
-        from ...node.presence import masters_down_text, read_status, status_fresh, status_path
+        from ...node.presence import masters_down_text, read_status, status_fresh
+        from .files import status_path
 
         st = read_status(status_path(self.name, self.directory))
         if st is None or not status_fresh(st):
