@@ -4,8 +4,8 @@ without Redis or shared memory. Deterministic: time and randomness are passed in
 * :class:`FakeL3` — :class:`kvcomm.node.port.L3Port`: records under the pure L3 rule
   (:func:`kvcomm.core.resolve.l3_rule`, which the Lua script is tested to agree with),
   one stream per group with sequence numbers, hints to every subscriber (each daemon
-  gets its own :meth:`FakeL3.view`), and the faults the daemon must survive: down,
-  writes not acknowledged by a replica, a failover that loses the unreplicated suffix
+  gets its own :meth:`FakeL3.view`), and the faults the daemon must survive: cut off
+  (``cut``), writes not acknowledged by a replica, a failover that loses the unreplicated suffix
   of a group (records reverted, entries and counter rewound), a trimmed stream, hints
   lost silently or with notice (``hint_loss_p``).
 * :class:`FakeL2` — :class:`kvcomm.node.port.HostL2`: one host's records with dirty
@@ -37,6 +37,7 @@ from kvcomm.core.versions import (
     with_dot,
 )
 from kvcomm.errors import CorruptRecord, Unavailable
+from kvcomm.metrics.wire import WireCounts
 from kvcomm.tiers.groups import groups as groups_of
 from kvcomm.tiers.l2 import KIND_DELETE, KIND_EVICT, KIND_PUT, FeedEvent
 from kvcomm.tiers.l3 import FEED_INLINE, FeedEntry, FeedNote, L3Record, PushResult
@@ -62,7 +63,10 @@ class _Op:
 
 
 class FakeL3:
-    """The cluster, in memory. ``down``: every call raises Unavailable."""
+    """The cluster, in memory. ``cut``: every call raises Unavailable (the host is cut
+    off from every master: :meth:`reachable` says so too). ``down``, ``ups`` and the
+    replication confirmation's state are L3Store's (:class:`kvcomm.node.port.L3Port`):
+    no master is taken for down, no write is acknowledged short of its replicas."""
 
     def __init__(self, rng: random.Random, durable_p: float = 1.0,
                  hint_loss_p: float = 0.0, feed_inline: int | None = FEED_INLINE) -> None:
@@ -72,7 +76,16 @@ class FakeL3:
         self.hint_loss_p = hint_loss_p  # a hint lost: half of them silently, half told
         self.subscribers: list[_View] = []
         self.hints_lost = {"silently": 0, "told": 0}
-        self.down = False
+        self.cut = False
+        # L3Store's failure detector: master → when it stopped answering (none here)
+        self.down: dict[str, float] = {}
+        self.ups = 0
+        # replication confirmation (cluster.wait_replicas): nothing is pushed short here
+        self.confirmed: dict[str, tuple[int, str]] = {}
+        self.histories: dict[str, str] = {}
+        self.unserved: set[tuple[str, int]] = set()
+        self.wire = WireCounts()  # (no bytes: nothing goes over a wire)
+        self.refresh_every = 0.5
         self.records: dict[str, L3Record] = {}
         self.streams: dict[int, list[FeedEntry]] = {g: [] for g in range(GROUPS)}
         self.counters: dict[int, int] = dict.fromkeys(range(GROUPS), 0)
@@ -87,8 +100,8 @@ class FakeL3:
 
     def _call(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
-        if self.down:
-            raise Unavailable("the fake cluster is down")
+        if self.cut:
+            raise Unavailable("the fake cluster is cut off")
 
     # --- writes
 
@@ -155,6 +168,25 @@ class FakeL3:
             else:
                 self.hints_lost["told"] += 1  # (a broken subscription: checked at once)
                 view.lost.add(g)
+
+    # --- the failure detector
+
+    @property
+    def hint_stats(self) -> dict[str, int]:
+        return {}
+
+    def reachable(self) -> bool:
+        return not self.cut
+
+    def live_master_answers(self) -> bool:
+        return not self.cut
+
+    def down_groups(self, groups: Iterable[int]) -> set[int]:
+        return set()
+
+    def confirm_replicated(self, group: int, node_name: str = "") -> bool:
+        self._call("confirm_replicated")
+        return False
 
     def view(self) -> _View:
         """The cluster as one daemon sees it: its own hint subscription."""
@@ -499,6 +531,9 @@ class FakeL2:
 
     def write_sequence(self) -> int:
         return self.counter
+
+    def dirty_count(self) -> int:
+        return sum(r.dirty for r in self.recs.values())
 
     def forget(self, key: str) -> bool:
         rec = self.recs.get(key)

@@ -117,7 +117,7 @@ class Sim:
         rng, l3, clock = self.rng, self.l3, self.clock
         clock.t += rng.uniform(0, 0.006)
         if clock.t >= self.down_until:
-            l3.down = False
+            l3.cut = False
         h = rng.choice(self.hosts)
         key = rng.choice(KEYS)
         r = rng.random()
@@ -134,7 +134,7 @@ class Sim:
             if clock.t >= h.paused_until:
                 self.step(h)
         elif r < 0.895:
-            l3.down = True
+            l3.cut = True
             self.down_until = clock.t + rng.uniform(0.01, 0.3)
             self.fault("down")
         elif r < 0.915:
@@ -179,7 +179,7 @@ class Sim:
         return ""
 
     def heal(self) -> None:
-        self.l3.down = False
+        self.l3.cut = False
         self.down_until = 0.0
         self.l3.durable_p = 1.0
         for h in self.hosts:

@@ -366,11 +366,7 @@ class Daemon:
         A block that returns is an L3 call that worked: Redis answered (partition mode
         must not be entered by the lease thread while a long round, a heal's catch-up on
         a loaded host, is still getting answers)."""
-        wire = getattr(self.l3, "wire", None)
-        if wire is None:  # (the test fakes count nothing)
-            yield
-            self.partition.reach.redis_ok(self.clock())
-            return
+        wire = self.l3.wire
         sent, received = wire.sent, wire.received
         try:
             yield
@@ -392,15 +388,14 @@ class Daemon:
     def backlog(self) -> int:
         """Writes of this host not yet in L3 (dirty L2 entries, less those L3 acknowledged
         with fewer replicas than asked: held dirty until confirmed, see Unconfirmed)."""
-        count = getattr(self.port, "dirty_count", None)  # (the test fakes have none)
-        return max(0, int(count()) - len(self.pusher.out.unconfirmed)) if count is not None else 0
+        return max(0, self.port.dirty_count() - len(self.pusher.out.unconfirmed))
 
     def masters_down(self) -> list[str]:
         """The Redis masters this daemon takes for down (L3Store.down: a call timed out
         or was refused, no PING answered since), as they announce themselves (``host:port``
         before ``cluster.address_remap``), sorted: a partial cut, which is not partition
         mode (another master answers) but parks the writes of those masters' keys."""
-        down = getattr(self.l3, "down", None)  # (the test fakes have none)
+        down = self.l3.down
         if not down:
             return []
         announced = {reached: name for name, reached in
@@ -410,13 +405,13 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         """What the daemon tells its agents (the status file) and the cluster (etcd)."""
         now = self.clock()
-        p = self.presence
-        return {"host": self.host, "namespace": getattr(self.port, "namespace", None),
+        p, reach = self.presence, self.partition.reach
+        return {"host": self.host, "namespace": self.port.namespace,
                 "pid": os.getpid(), "updated": self.wall(),
-                "partition": self.partition.reach.partition, "partition_reason": self.partition.reach.reason,
+                "partition": reach.partition, "partition_reason": reach.reason,
                 # (agents refuse L3 reads at once then: _client/cluster_read.py)
-                "redis_unreachable": self.partition.reach.partition and self.partition.reach.redis_cut(now),
-                "partitions": self.partition.reach.entered, "backlog": self.backlog(),
+                "redis_unreachable": reach.partition and reach.redis_cut(now),
+                "partitions": reach.entered, "backlog": self.backlog(),
                 "masters_down": self.masters_down(), "parked": len(self.pusher.out.parked),
                 "feed_lag_s": round(max(0.0, now - self.puller.last_pull), 3),
                 "etcd_unreachable": bool(p and p.etcd_unreachable),
@@ -438,16 +433,15 @@ class Daemon:
         for: push (windows), feed (stream reads), fetch (records of value-less entries),
         sweep (group counters), hints (the hint messages received, on subscriptions of
         their own), other (resyncs, prewarm, cursors, load, reports), total."""
-        wire = getattr(self.l3, "wire", None)
+        wire = self.l3.wire
         out = {k: list(v) for k, v in dict(self.wire_by).items()}  # (a copy: other threads call)
-        if wire is not None:
-            hinted = getattr(self.l3, "hint_stats", None)
-            if isinstance(hinted, dict) and "bytes" in hinted:
-                out["hints"] = [0, int(hinted["bytes"])]
-            sent, received = wire.sent, wire.received
-            out["other"] = [sent - sum(v[0] for v in out.values()),
-                            received - sum(v[1] for v in out.values())]
-            out["total"] = [sent, received]
+        hinted = self.l3.hint_stats
+        if "bytes" in hinted:
+            out["hints"] = [0, int(hinted["bytes"])]
+        sent, received = wire.sent, wire.received
+        out["other"] = [sent - sum(v[0] for v in out.values()),
+                        received - sum(v[1] for v in out.values())]
+        out["total"] = [sent, received]
         return out
 
     def run(self, stop: threading.Event) -> None:

@@ -10,7 +10,7 @@ is taken for down.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import Unavailable
@@ -73,11 +73,11 @@ class KeyFilterKeeper:
         did not answer), those whose master answers now: tried at start and after each
         master the pinger let go of (L3Store.ups). Raises Unavailable; the groups not
         scanned yet stay :attr:`unscanned`."""
-        ups = getattr(self.l3, "ups", 0)
+        ups = self.l3.ups
         if ups == self.unscanned_ups:
             return
         self.unscanned_ups = ups
-        down: Set[int] = getattr(self.l3, "down_groups", lambda gs: set())(self.unscanned)
+        down = self.l3.down_groups(self.unscanned)
         try:
             for g in sorted(self.unscanned - down):
                 self.scan_into(self.keys.add, self.l3.scan_group(g))
@@ -115,7 +115,7 @@ class KeyFilterKeeper:
     def maybe_rotate(self) -> None:
         if (self.clock() - self.filter_built > self.rebuild_every
                 or self.keys.adds_since_rotation >= self.config.cache.bloom_capacity):
-            if self.unscanned or getattr(self.l3, "down", None):
+            if self.unscanned or self.l3.down:
                 return  # (a scan now would leave a hung master's keys out: once it answers)
             self.fill()
 

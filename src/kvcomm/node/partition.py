@@ -80,10 +80,7 @@ class PartitionMode:
         wait a timeout per seed (redis-py re-reads the slot map from every seed after a
         timeout), holding the loop for seconds; a probe waits one timeout, so the heal
         is noticed within one (the loop waits at most 200 ms between rounds here)."""
-        probe = getattr(self.l3, "reachable", None)  # (the test fakes have none)
-        if probe is None:
-            return True
-        if probe():
+        if self.l3.reachable():
             self.reach.redis_ok(self.clock())
             # Redis is back (etcd may not be yet); or it answers at the first probe of this
             # partition: the heal came while a round's calls were still waiting on the cut
@@ -100,8 +97,7 @@ class PartitionMode:
         seed) may have ended after the heal. One probe: if Redis answers, the catch-up
         starts now (the backlog retried at once) and True is returned. At most once per
         partition (the catch-up, once begun, is not begun again)."""
-        probe = getattr(self.l3, "reachable", None)  # (the test fakes have none)
-        if not self.reach.partition or self.redis_back or probe is None or not probe():
+        if not self.reach.partition or self.redis_back or not self.l3.reachable():
             return False
         self.reach.redis_ok(self.clock())
         self.stats.bump("healed_during_a_call")
@@ -114,10 +110,9 @@ class PartitionMode:
         groups it rechecks). Whether a master not taken for down answers a PING, asked
         at most every lease TTL / 2 (else nothing would tell Redis answering from a host
         cut off, and an idle host would enter partition mode over one hung master)."""
-        probe = getattr(self.l3, "live_master_answers", None)  # (the test fakes have none)
-        if probe is None or self.clock() - self.reach.redis_ok_at < self.reach.ttl / 2:
+        if self.clock() - self.reach.redis_ok_at < self.reach.ttl / 2:
             return False
-        if probe():
+        if self.l3.live_master_answers():
             self.stats.bump("live_master_probes")
             return True
         return False
@@ -180,7 +175,7 @@ class PartitionMode:
         (it runs in a thread of its own; undecided meanwhile); None: until it returns."""
         now = self.clock()
         if (not self.reach.partition and now - self.reach.redis_ok_at > self.reach.ttl
-                and getattr(self.l3, "down", None)):
+                and self.l3.down):
             # a partial cut (some masters taken for down, another answers a PING now) is
             # no partition: the loop's first call to each master that stopped answering
             # waits a timeout, one master after the other, and no call of those answered,
@@ -200,16 +195,14 @@ class PartitionMode:
             # probe often: the heal is found within ~200 ms, not after a 2 s backoff; and
             # do not spend each probe re-reading the slot map from every unreachable seed
             self.out.backoff.cap = self.inb.backoff.cap = 0.2
-            if hasattr(self.l3, "refresh_every"):
-                self.l3.refresh_every = 10.0
+            self.l3.refresh_every = 10.0
             self.redis_back = False
         elif change == "leave":
             self.stats.bump("heals")
             log.warning("partition healed: replaying %d waiting writes through L3's merge",
                         self.d.backlog())
             self.out.backoff.cap = self.inb.backoff.cap = 2.0
-            if hasattr(self.l3, "refresh_every"):
-                self.l3.refresh_every = 0.5
+            self.l3.refresh_every = 0.5
             if not self.redis_back:  # (else done when Redis came back, etcd still out)
                 self.catch_up()
 

@@ -110,7 +110,7 @@ class Puller:
         self.inb.begin_resync(groups, missed=bool(reason))
         # (those of a master taken for down stay pending: resynced once it answers, by
         # the next poll's; else every poll would fail on them for as long as it hangs)
-        down: Set[int] = getattr(self.l3, "down_groups", lambda gs: set())(groups)
+        down = self.l3.down_groups(groups)
         if down:
             self.stats.bump("unreached_resyncs", len(down))
             groups = groups - down

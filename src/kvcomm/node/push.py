@@ -115,8 +115,8 @@ class Pusher:
         The writes parked for a master taken for down (Outbound.parked) go again once a
         master leaves L3Store.down (or none is down)."""
         if self.out.parked:
-            ups = getattr(self.l3, "ups", 0)
-            if ups != self.ups_seen or not getattr(self.l3, "down", None):
+            ups = self.l3.ups
+            if ups != self.ups_seen or not self.l3.down:
                 self.ups_seen = ups
                 self.stats.bump("unparked", self.out.unpark(now))
         while True:
@@ -175,7 +175,7 @@ class Pusher:
         self.stats.bump("window_in", push.window.ops_in + sum(w.ops_in for w in push.more))
         per_group: dict[int, int] = {}
         group_bytes: dict[int, int] = {}  # (a call also takes at most PUSH_BATCH_BYTES)
-        inline = getattr(self.l3, "feed_inline", None)  # (larger: a value-less entry, see echo)
+        inline = self.l3.feed_inline  # (larger: a value-less entry, see echo)
         if len(self.own_sent) > OWN_SENT_MAX or self.own_sent_bytes > OWN_SENT_BYTES:
             self.own_sent.clear()  # (echoes never read: a resync skipped them)
             self.own_sent_bytes = 0
@@ -222,7 +222,7 @@ class Pusher:
                         "cluster.wait_replicas are no longer held (over %d held): a failover "
                         "before any host reads them may lose them", len(released),
                         self.out.unconfirmed.limit)
-        confirmed = self.out.unconfirmed.confirm(getattr(self.l3, "confirmed", {}))
+        confirmed = self.out.unconfirmed.confirm(self.l3.confirmed)
         self.stats.bump("unconfirmed_confirmed", len(confirmed))
         for held in (*released, *confirmed):
             self.q.guarded(held.key, "deliver", self.port.mark_delivered, held.key, held.record)
@@ -237,18 +237,15 @@ class Pusher:
         if not len(self.out.unconfirmed) or now < self.confirm_at:
             return
         self.confirm_at = now + CONFIRM_EVERY
-        probe = getattr(self.l3, "confirm_replicated", None)  # (the test fakes have none)
-        if probe is None:
-            return
         for node, group in self.out.unconfirmed.nodes().items():
-            probe(group, node)
+            self.l3.confirm_replicated(group, node)
         # a master seen in another replication history than a held record was written in
         # (a failover and back at the same address, a restart) may have lost it: a rewind
         # (and a group whose slot moved off the master that took its held records)
-        unserved: set[tuple[str, int]] = getattr(self.l3, "unserved", set())
+        unserved = self.l3.unserved
         taken = set(unserved)
         unserved.clear()
-        rewound = self.out.unconfirmed.rewound(getattr(self.l3, "histories", {}), taken)
+        rewound = self.out.unconfirmed.rewound(self.l3.histories, taken)
         if rewound:
             self.stats.bump("unconfirmed_rewound", len(rewound))
             self.d.puller.resync(rewound, reason="rewind")
