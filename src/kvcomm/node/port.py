@@ -67,7 +67,7 @@ class HostL2(Protocol):
         """The key's clean record (one L3 acknowledged) as an L3 record, if its vector has
         an entry of this host (its dot: the record is this host's write or descends from
         one); else None (absent, dirty — the normal push path sends it — or never written
-        here). For a re-push of what L3 lost (``Daemon._resync_key``)."""
+        here). For a re-push of what L3 lost (``Puller._resync_key``, node/pull.py)."""
 
     def dirty_count(self) -> int:
         """Writes of the host not yet in L3 (dirty records, tombstones included)."""
