@@ -468,7 +468,8 @@ class Daemon:
                     log.exception("a daemon round failed; retrying")
                 self.decide_partition()
                 self.after_step()
-                stop.wait(min(backoff.failed(), 0.2) if self.partition.reach.partition else backoff.failed())
+                partitioned = self.partition.reach.partition
+                stop.wait(min(backoff.failed(), 0.2) if partitioned else backoff.failed())
                 continue
             self.decide_partition()
             self.after_step()
@@ -489,22 +490,22 @@ class Daemon:
         sends them), time taken."""
         t0 = self.clock()
         end = t0 + timeout
-        pushed0 = self.stats.pushed
-        self.pusher.out.backoff.succeeded()
-        self.pusher.out.retry_at = float("-inf")
+        pushed0, out = self.stats.pushed, self.pusher.out
+        out.backoff.succeeded()
+        out.retry_at = float("-inf")
         while True:
             try:
                 self.pusher.push_local(self.clock())
             except Unavailable:
                 pass
-            self.pusher.out.flush(self.clock())
-            if self.pusher.out.waiting:
+            out.flush(self.clock())
+            if out.waiting:
                 self.pusher.push(self.clock())
-            if not self.pusher.out.waiting and not self.backlog() or self.clock() >= end:
+            if not out.waiting and not self.backlog() or self.clock() >= end:
                 break
             # failed: wait as the backoff says, within the timeout (or for the feed)
-            self.sleep(max(0.01, min(self.pusher.out.retry_at, end) - self.clock())
-                       if self.pusher.out.waiting else 0.01)
+            self.sleep(max(0.01, min(out.retry_at, end) - self.clock())
+                       if out.waiting else 0.01)
         try:
             self.puller.save_state()
         except Unavailable:

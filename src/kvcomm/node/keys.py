@@ -36,7 +36,7 @@ class KeyFilterKeeper:
         self.held_at_start: set[str] = set()
         # groups whose keys the key filter may lack: their master did not answer the
         # start's scan (it hangs); scanned once it answers (scan_unscanned), the filter
-        # distrusted until then (the catch-up's: see Daemon.step)
+        # distrusted until then (the catch-up's: PartitionMode.caught_up)
         self.unscanned: set[int] = set()
         self.unscanned_ups = -1  # L3Store.ups at the last try of those scans
 

@@ -118,7 +118,7 @@ class PartitionMode:
         return False
 
     def _probe_live(self, wait: float) -> bool | None:
-        """:meth:`_live_master_answers` for the lease thread: run in a thread of its own,
+        """:meth:`live_master_answers` for the lease thread: run in a thread of its own,
         waited for ``wait`` seconds at most; None while it runs (the next call looks
         again). An answer older than half the lease TTL is not used: asked again."""
         fut = self._live_probe
@@ -227,8 +227,8 @@ class PartitionMode:
 
     def distrust_filter(self) -> None:
         """Agents stop taking the key filter's "absent" for an answer (they read L3)
-        until the catch-up ends (:meth:`step`: every group's feed read up to its end and
-        no group :attr:`unscanned`); every group's hints may have been lost: every
+        until the catch-up ends (:meth:`caught_up`: every group's feed read up to its
+        end and no group unscanned); every group's hints may have been lost: every
         counter is checked now."""
         self.keys.set_ready(False)
         self.catching_up = True

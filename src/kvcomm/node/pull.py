@@ -238,7 +238,7 @@ class Puller:
         counters = {g: seq for g, (seq, _) in heads.items()}
         tails = {g: tail for g, (_, tail) in heads.items()}
         # groups whose master is down are checked again once it answers (Inbound.recheck,
-        # put back after the poll: see step)
+        # put back after the poll: see poll)
         self.unanswered = set(poll.check - heads.keys())
         if counters:
             self.feed_counters.update(counters)  # (the cluster feed's lag, for metrics)
