@@ -247,6 +247,11 @@ class Daemon:
         return self.partition.reach
 
     @property
+    def reach_lock(self) -> threading.Lock:
+        """Held while partition mode is decided (the loop's and the lease thread's)."""
+        return self.partition.reach_lock
+
+    @property
     def probe_failed(self) -> bool:
         """The last round found Redis silent (partition mode)."""
         return self.partition.probe_failed
