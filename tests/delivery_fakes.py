@@ -4,10 +4,15 @@ without Redis or shared memory. Deterministic: time and randomness are passed in
 * :class:`FakeL3` — :class:`kvcomm.node.port.L3Port`: records under the pure L3 rule
   (:func:`kvcomm.core.resolve.l3_rule`, which the Lua script is tested to agree with),
   one stream per group with sequence numbers, hints to every subscriber (each daemon
-  gets its own :meth:`FakeL3.view`), and the faults the daemon must survive: down,
-  writes not acknowledged by a replica, a failover that loses the unreplicated suffix
-  of a group (records reverted, entries and counter rewound), a trimmed stream, hints
-  lost silently or with notice (``hint_loss_p``).
+  gets its own :meth:`FakeL3.view`), and the faults the daemon must survive: cut off
+  (``cut``), writes not acknowledged by a replica, a failover that loses the
+  unreplicated suffix of a group (records reverted, entries and counter rewound, its
+  master's replication history changed), a trimmed stream, hints lost silently or
+  with notice (``hint_loss_p``); a master taken for down (:meth:`FakeL3.hang`: the
+  calls of its groups answer Unreached, as L3Store's failure detector has them,
+  until :meth:`FakeL3.answer`); and writes stored on fewer replicas than
+  ``cluster.wait_replicas`` asks (``short_p``: held by their pusher until
+  :meth:`FakeL3.confirm_replicated` confirms them).
 * :class:`FakeL2` — :class:`kvcomm.node.port.HostL2`: one host's records with dirty
   flags, its write counter and HLC, and a bounded change feed (it overflows). Merging a
   remote record follows ``Client._merge_plan``: newer replaces, older is kept,
@@ -37,9 +42,10 @@ from kvcomm.core.versions import (
     with_dot,
 )
 from kvcomm.errors import CorruptRecord, Unavailable
+from kvcomm.metrics.wire import WireCounts
 from kvcomm.tiers.groups import groups as groups_of
 from kvcomm.tiers.l2 import KIND_DELETE, KIND_EVICT, KIND_PUT, FeedEvent
-from kvcomm.tiers.l3 import FEED_INLINE, FeedEntry, FeedNote, L3Record, PushResult
+from kvcomm.tiers.l3 import FEED_INLINE, FeedEntry, FeedNote, L3Record, PushResult, Unreached
 
 GROUPS = 16  # the simulated cluster's cluster.groups (every group is one slot)
 
@@ -62,17 +68,37 @@ class _Op:
 
 
 class FakeL3:
-    """The cluster, in memory. ``down``: every call raises Unavailable."""
+    """The cluster, in memory. ``cut``: every call raises Unavailable (the host is cut
+    off from every master: :meth:`reachable` says so too). ``down``, ``ups`` and the
+    replication confirmation's state are L3Store's (:class:`kvcomm.node.port.L3Port`):
+    group ``g`` is served by master ``masters[g % len(masters)]``."""
 
     def __init__(self, rng: random.Random, durable_p: float = 1.0,
-                 hint_loss_p: float = 0.0, feed_inline: int | None = FEED_INLINE) -> None:
+                 hint_loss_p: float = 0.0, feed_inline: int | None = FEED_INLINE,
+                 masters: int = 3, short_p: float = 0.0) -> None:
         self.rng = rng
+        self.masters = [f"10.0.0.{i}:7000" for i in range(masters)]
+        # a stored push acknowledged by fewer replicas than cluster.wait_replicas asks
+        # (yet by one: durable), which a failover before a later confirmation loses
+        self.short_p = short_p
         self.feed_inline = feed_inline  # records up to this size ride in their entry (None: all)
         self.durable_p = durable_p
         self.hint_loss_p = hint_loss_p  # a hint lost: half of them silently, half told
         self.subscribers: list[_View] = []
         self.hints_lost = {"silently": 0, "told": 0}
-        self.down = False
+        self.cut = False
+        # L3Store's failure detector: master → when it stopped answering (hang)
+        self.down: dict[str, float] = {}
+        self.ups = 0  # masters let out of down so far (answer)
+        # replication confirmation (cluster.wait_replicas): master → (the latest probe
+        # its replicas acknowledged, its history then); master → its replication
+        # history (a failover starts a new one)
+        self.confirmed: dict[str, tuple[int, str]] = {}
+        self.histories: dict[str, str] = {m: f"{m}#0" for m in self.masters}
+        self.unserved: set[tuple[str, int]] = set()
+        self.pipelines = 0  # push pipelines and probes so far (PushResult.call)
+        self.wire = WireCounts()  # (no bytes: nothing goes over a wire)
+        self.refresh_every = 0.5
         self.records: dict[str, L3Record] = {}
         self.streams: dict[int, list[FeedEntry]] = {g: [] for g in range(GROUPS)}
         self.counters: dict[int, int] = dict.fromkeys(range(GROUPS), 0)
@@ -87,20 +113,49 @@ class FakeL3:
 
     def _call(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
-        if self.down:
-            raise Unavailable("the fake cluster is down")
+        if self.cut:
+            raise Unavailable("the fake cluster is cut off")
+
+    def master_of(self, g: int) -> str:
+        return self.masters[g % len(self.masters)]
+
+    def _reach(self, g: int) -> None:
+        """Raise Unreached at once when group ``g``'s master is taken for down."""
+        if self.master_of(g) in self.down:
+            raise Unreached(f"the master of group {g} is taken for down")
+
+    def _own(self, host: str) -> None:
+        """The host's own keys (``kvn:{host}:...``): Unreached while their master is down."""
+        self._reach(group_of(f"kvn:{{{host}}}"))
+
+    def _answered(self, groups: Iterable[int]) -> list[int]:
+        """The groups of ``groups`` whose master is not down; Unreached when there were
+        some and none is left (no master answered)."""
+        gs = list(groups)
+        up = [g for g in gs if self.master_of(g) not in self.down]
+        if gs and not up:
+            raise Unreached("every master asked is taken for down")
+        return up
 
     # --- writes
 
     def push_many(self, items: Sequence[tuple[str, L3Record]],
-                  keep_siblings: Set[str] = frozenset()) -> list[PushResult | CorruptRecord]:
+                  keep_siblings: Set[str] = frozenset(),
+                  ) -> list[PushResult | CorruptRecord | Unreached]:
         self._call("push_many")
+        self._answered(group_of(key) for key, _ in items)
         durable = self.rng.random() < self.durable_p
-        out: list[PushResult | CorruptRecord] = []
+        self.pipelines += 1
+        out: list[PushResult | CorruptRecord | Unreached] = []
         touched = set()
         for key, record in items:
-            out.append(self._push(key, record, key in keep_siblings, durable))
-            touched.add(group_of(key))
+            if self.master_of(group_of(key)) in self.down:  # (not sent: pushed again later)
+                out.append(Unreached(f"the master of {key!r} is taken for down"))
+                continue
+            short = durable and self.short_p > 0 and self.rng.random() < self.short_p
+            out.append(self._push(key, record, key in keep_siblings, durable, short))
+            if not short:
+                touched.add(group_of(key))
         if durable:  # a replica caught up with everything before (WAIT)
             for g in touched:
                 self.log[g].clear()
@@ -108,11 +163,12 @@ class FakeL3:
 
     def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
         res = self.push_many([(key, record)], {key} if keep_siblings else frozenset())[0]
-        if isinstance(res, CorruptRecord):
+        if isinstance(res, (CorruptRecord, Unreached)):
             raise res
         return res
 
-    def _push(self, key: str, incoming: L3Record, siblings: bool, durable: bool) -> PushResult:
+    def _push(self, key: str, incoming: L3Record, siblings: bool, durable: bool,
+              short: bool = False) -> PushResult:
         stored = self.records.get(key)
         outcome, after = l3_rule(None if stored is None else stored.version, incoming.version,
                                  keep_siblings=siblings)
@@ -126,7 +182,12 @@ class FakeL3:
             winner = incoming if (incoming.dot, incoming.hlc) == (after.dot, after.hlc) else stored
             held = winner._replace(vector=after.vector)
         if held is not stored:
-            self._store(key, held, stored, durable, merged=outcome == MERGED)
+            self._store(key, held, stored, durable and not short, merged=outcome == MERGED)
+            if short:  # (stored on fewer replicas than asked: its pusher holds it)
+                g, m = group_of(key), self.master_of(group_of(key))
+                return PushResult(key, outcome, held, durable, seq=self.counters[g],
+                                  entry=self.streams[g][-1].id, short=True, node=m,
+                                  call=self.pipelines, history=self.histories[m])
         return PushResult(key, outcome, held, durable)
 
     def _store(self, key: str, record: L3Record, before: L3Record | None, durable: bool,
@@ -156,6 +217,35 @@ class FakeL3:
                 self.hints_lost["told"] += 1  # (a broken subscription: checked at once)
                 view.lost.add(g)
 
+    # --- the failure detector
+
+    @property
+    def hint_stats(self) -> dict[str, int]:
+        return {}
+
+    def reachable(self) -> bool:
+        return not self.cut
+
+    def live_master_answers(self) -> bool:
+        return not self.cut and len(self.down) < len(self.masters)
+
+    def down_groups(self, groups: Iterable[int]) -> set[int]:
+        return {g for g in groups if self.master_of(g) in self.down}
+
+    def confirm_replicated(self, group: int, node_name: str = "") -> bool:
+        """A probe and WAIT on ``node_name`` (``group``'s master when empty): with
+        probability ``durable_p`` its replicas caught up with everything it took."""
+        self._call("confirm_replicated")
+        m = node_name or self.master_of(group)
+        if m in self.down or self.rng.random() >= self.durable_p:
+            return False
+        for g in range(GROUPS):
+            if self.master_of(g) == m:
+                self.log[g].clear()  # (now on a replica: a failover keeps it)
+        self.pipelines += 1
+        self.confirmed[m] = (self.pipelines, self.histories[m])
+        return True
+
     def view(self) -> _View:
         """The cluster as one daemon sees it: its own hint subscription."""
         return _View(self)
@@ -178,7 +268,18 @@ class FakeL3:
             lost += 1
         self.log[g].clear()
         self.lost += lost
+        m = self.master_of(g)  # (a replica took over: another replication history)
+        self.histories[m] = f"{m}#{self.pipelines}-{g}"
         return lost
+
+    def hang(self, master: str, now: float = 0.0) -> None:
+        """``master`` stops answering: taken for down (its groups' calls: Unreached)."""
+        self.down.setdefault(master, now)
+
+    def answer(self, master: str) -> None:
+        """``master`` answers a PING again: let out of down (``ups``)."""
+        if self.down.pop(master, None) is not None:
+            self.ups += 1
 
     def trim(self, g: int, keep: int) -> None:
         """XTRIM: keep only the newest ``keep`` entries of the group's stream."""
@@ -190,8 +291,11 @@ class FakeL3:
                   verify: Set[int] = frozenset(), checked: dict[int, bool] | None = None,
                   ) -> dict[int, list[FeedEntry] | CorruptRecord]:
         self._call("feed_many")
+        up = set(self._answered(cursors))  # (a group of a master down is left out)
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
         for g, cursor in cursors.items():
+            if g not in up:
+                continue
             after = _id_num(cursor)
             if g in verify and checked is not None:
                 at = [e.id for e in self.streams[g] if _id_num(e.id) <= after]
@@ -201,59 +305,75 @@ class FakeL3:
 
     def feed_seqs(self, groups: Iterable[int]) -> dict[int, int | None]:
         self._call("feed_seqs")
-        return {g: self.counters[g] for g in groups}
+        return {g: self.counters[g] for g in self._answered(groups)}
 
     def feed_heads(self, groups: Iterable[int], tails: bool = True,
                    ) -> dict[int, tuple[int | None, bytes | None]]:
         self._call("feed_heads")
         return {g: (self.counters[g],
                     self.streams[g][-1].id if tails and self.streams[g] else None)
-                for g in groups}
+                for g in self._answered(groups)}
 
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         self._call("feed_position")
+        self._reach(group)
         stream = self.streams[group]
         return self.counters[group], (stream[-1].id if stream else b"0-0")
 
     def get(self, key: str) -> L3Record | None:
         self._call("get")
+        self._reach(group_of(key))
         return self.records.get(key)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
         self._call("get_many")
+        keys = list(keys)
+        for key in keys:  # (nothing read when one key's master is down)
+            self._reach(group_of(key))
         return {key: self.records.get(key) for key in keys}
 
     def scan_keys(self, skipped: set[int] | None = None) -> Iterable[bytes]:
         self._call("scan_keys")
-        return [k.encode() for k in self.records]
+        down = {g for g in range(GROUPS) if self.master_of(g) in self.down}
+        if down and skipped is None:
+            raise Unreached("a master is taken for down")
+        if skipped is not None:
+            skipped.update(down)
+        return [k.encode() for k in self.records if group_of(k) not in down]
 
     def scan_group(self, group: int) -> Iterable[bytes]:
         self._call("scan_group")
+        self._reach(group)
         return [k.encode() for k in self.records if group_of(k) == group]
 
     # --- the daemon's own state
 
     def load_cursors(self, host: str) -> tuple[dict[int, bytes], dict[int, int]]:
         self._call("load_cursors")
+        self._own(host)
         cursors, seqs = self.cursors.get(host, ({}, {}))
         return dict(cursors), dict(seqs)
 
     def save_cursors(self, host: str, cursors: dict[int, bytes],
                      seqs: dict[int, int] | None = None) -> None:
         self._call("save_cursors")
+        self._own(host)
         old_c, old_s = self.cursors.get(host, ({}, {}))
         self.cursors[host] = ({**old_c, **cursors}, {**old_s, **(seqs or {})})  # (HSET)
 
     def save_write_mark(self, host: str, mark: int) -> None:
         self._call("save_write_mark")
+        self._own(host)
         self.write_marks[host] = mark
 
     def load_write_mark(self, host: str) -> int:
         self._call("load_write_mark")
+        self._own(host)
         return self.write_marks.get(host, 0)
 
     def save_load(self, host: str, ops: Mapping[int, int]) -> None:
         self._call("save_load")
+        self._own(host)
 
     def hints(self) -> tuple[set[int], set[int]]:
         return set(), set()
@@ -263,14 +383,17 @@ class FakeL3:
 
     def load_hot(self, host: str) -> list[str]:
         self._call("load_hot")
+        self._own(host)
         return list(self.hot.get(host, []))
 
     def save_hot(self, host: str, keys: list[str]) -> None:
         self._call("save_hot")
+        self._own(host)
         self.hot[host] = list(keys)
 
     def quarantine(self, host: str, key: str, reason: str, when: float) -> None:
         self._call("quarantine")
+        self._own(host)
         self.quarantined.append((host, key, reason))
 
     def close(self) -> None:
@@ -499,6 +622,9 @@ class FakeL2:
 
     def write_sequence(self) -> int:
         return self.counter
+
+    def dirty_count(self) -> int:
+        return sum(r.dirty for r in self.recs.values())
 
     def forget(self, key: str) -> bool:
         rec = self.recs.get(key)

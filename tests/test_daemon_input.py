@@ -177,14 +177,14 @@ def test_an_unexpected_exception_from_one_record_stops_nothing(
             remote_put(store, k, "v1", "host-a", 1)
             hold(h, k, "v1")
         assert h.daemon is not None
-        real = h.daemon._apply
+        real = h.daemon.puller.apply
 
         def flaky(key: str, rec: L3Record) -> bool:
             if key == "bug/a":
                 raise RuntimeError("a bug")
             return real(key, rec)
 
-        monkeypatch.setattr(h.daemon, "_apply", flaky)
+        monkeypatch.setattr(h.daemon.puller, "apply", flaky)
         remote_put(store, "bug/a", "v2", "host-a", 2)
         remote_put(store, "bug/b", "v2", "host-a", 2)
         wait_for(lambda: h.kv.get("bug/b") == "v2", 10, "the other key to sync")

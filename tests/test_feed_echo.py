@@ -75,7 +75,7 @@ def test_own_sent_is_bounded_in_bytes_when_echoes_are_not_read(cluster: RedisClu
     the group's stream) are never read, and OWN_SENT_MAX entries of up to 1 MiB were
     128 GiB. Here the daemon reads no feed at all: 300 writes of 60 KB are pushed, and
     what own_sent holds stays within OWN_SENT_BYTES (plus one record)."""
-    from kvcomm.node.daemon import OWN_SENT_BYTES
+    from kvcomm.node.push import OWN_SENT_BYTES
 
     seed = random.randrange(2**32)
     print(f"seed={seed}")
@@ -83,7 +83,7 @@ def test_own_sent_is_bounded_in_bytes_when_echoes_are_not_read(cluster: RedisClu
     try:
         d = h.daemon
         assert d is not None
-        d.pull_remote = lambda poll: None  # type: ignore[method-assign] (echoes never read)
+        d.puller.pull_remote = lambda poll: None  # type: ignore[method-assign] (echoes never read)
         value = "x" * 60_000
         n = max(300, 2 * OWN_SENT_BYTES // len(value))
         pushed = d.stats.pushed

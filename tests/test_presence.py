@@ -67,16 +67,16 @@ def test_after_a_heal_the_key_filter_is_not_trusted_until_the_feeds_are_read() -
     d = Daemon(_config(lease_ttl=2), FakeL2("h1", clock=clock), l3.view(), keys,  # type: ignore[arg-type]
                rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
     assert keys.ready
-    l3.down = True
+    l3.cut = True
     for _ in range(40):  # cut off past the TTL: partition mode
         d.step()
         d.decide_partition()
         clock.sleep(0.1)
     assert d.reach.partition and keys.ready  # (while cut off, nothing changes for agents)
-    l3.down = False
+    l3.cut = False
     clock.sleep(0.1)
-    d.step()  # Redis answers (a round succeeds)...
-    d.decide_partition()  # ...healed
+    # the next round's probe: Redis answers, healed (the round would then read the feeds)
+    assert d.partition.redis_answers()
     assert not d.reach.partition and not keys.ready and d.catching_up
     assert d.inb.recheck == set(range(GROUPS))  # every group's counter checked
     checked_before = l3.calls.get("feed_heads", 0)
@@ -104,11 +104,10 @@ def test_in_partition_mode_local_writes_are_staged_as_made_and_pushed_at_the_hea
 
     clock = Clock()
     l3 = FakeL3(random.Random(1))
-    l3.reachable = lambda: not l3.down  # type: ignore[attr-defined]  # (L3Store's probe)
     l2 = FakeL2("h1", clock=clock)
     d = Daemon(_config(lease_ttl=2), l2, l3.view(), FakeKeys(),  # type: ignore[arg-type]
                rng=random.Random(2), clock=clock, sleep=clock.sleep, wall=clock)
-    l3.down = True
+    l3.cut = True
     for _ in range(40):  # cut off past the TTL: partition mode
         d.step()
         d.decide_partition()
@@ -124,7 +123,7 @@ def test_in_partition_mode_local_writes_are_staged_as_made_and_pushed_at_the_hea
     assert d.probe_failed and l3.calls.get("push_many", 0) == pushes  # nothing sent
     assert set(d.out.staged) == set(keys) and d.stats.feed_overflows == 0
     assert all(l2.recs[k].dirty for k in keys) and not l3.records
-    l3.down = False  # healed: the first round sends everything staged
+    l3.cut = False  # healed: the first round sends everything staged
     clock.sleep(0.1)
     d.step()
     assert not d.reach.partition
@@ -190,7 +189,6 @@ def test_the_catch_up_starts_when_redis_answers_not_when_etcd_does_too() -> None
 
     clock = Clock()
     l3 = FakeL3(random.Random(1))
-    l3.reachable = lambda: not l3.down  # type: ignore[attr-defined]  # (L3Store's probe)
     l2 = FakeL2("h1", clock=clock)
     keys = FakeKeys()
     d = Daemon(_config(lease_ttl=2), l2, l3.view(), keys,  # type: ignore[arg-type]
@@ -204,12 +202,12 @@ def test_the_catch_up_starts_when_redis_answers_not_when_etcd_does_too() -> None
             d.decide_partition()
             clock.sleep(0.1)
 
-    l3.down = True
+    l3.cut = True
     cut_off()  # Redis and etcd both silent past the TTL
     assert d.reach.partition and d.probe_failed and keys.ready
     l2.put("mine", b"1")
     d.step()
-    l3.down = False  # Redis heals; etcd does not
+    l3.cut = False  # Redis heals; etcd does not
     clock.sleep(0.1)
     d.step()
     d.decide_partition()
@@ -222,12 +220,12 @@ def test_the_catch_up_starts_when_redis_answers_not_when_etcd_does_too() -> None
         d.decide_partition()
         clock.sleep(0.05)
     assert d.reach.partition and keys.ready and d.stats.extra.get("caught_up") == 1
-    l3.down = True  # Redis silent again, still in partition mode, then back
+    l3.cut = True  # Redis silent again, still in partition mode, then back
     for _ in range(3):
         d.step()
         clock.sleep(0.2)
     assert d.probe_failed
-    l3.down = False
+    l3.cut = False
     d.step()
     for _ in range(20):
         d.step()

@@ -50,7 +50,7 @@ def test_a_stopped_daemon_gives_up_flushing_after_the_configured_timeout(timeout
     d, l2, l3, clock = _daemon(_config(shutdown_flush_timeout=timeout))
     for i in range(6):
         l2.put(f"k/{i}", b"v%d" % i)
-    l3.down = True  # nothing can be sent: the flush waits out its bound, then stops
+    l3.cut = True  # nothing can be sent: the flush waits out its bound, then stops
     stop = threading.Event()
     stop.set()
     t0 = clock()

@@ -217,7 +217,7 @@ class ClusterWrites(Reads):
         round trip the first time, and when the daemon's block ahead is used up."""
         if dot <= self._cas_marked:
             return
-        from ..node.daemon import WRITE_MARK_BLOCK
+        from ..node.push import WRITE_MARK_BLOCK
 
         mark = l3.load_write_mark(self._host)
         if dot > mark:

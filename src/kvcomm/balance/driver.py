@@ -86,7 +86,7 @@ class Balancer:
                               "nodes (host:port list) of the cluster to balance")
         if not window > 0:
             raise InvalidArgument(f"--window must be more than 0 seconds, got {window}")
-        from ..node.daemon import HOT_EVERY
+        from ..node.prewarm import HOT_EVERY
 
         if window < 2 * HOT_EVERY:  # (a window sees 0 or 1 save of each host's counts)
             log.warning("a --window of %gs is short: the daemons save their per-group counts "

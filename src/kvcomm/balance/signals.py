@@ -16,7 +16,7 @@ Two :func:`sample`\\ s a window apart make one view (:func:`view_between`):
   ``kvn:{host}:load``, cumulative); summed over the hosts and taken per second over
   the window, that is the slot's load, in the unit of the nodes' loads (a group lies
   in one slot: :mod:`kvcomm.tiers.groups`). The daemons save their counts every couple
-  of seconds (``node.daemon.HOT_EVERY``): a window needs a few of those periods, or
+  of seconds (``node.prewarm.HOT_EVERY``): a window needs a few of those periods, or
   it sees partial counts or none. The hosts' hot keys
   (``kvn:{host}:hot``, from their read sketches) are not load on Redis — agents' reads
   are served by L1 and L2 — but they say which keys a slot holds that agents care

@@ -45,6 +45,7 @@ from ..tiers.l2 import TAG_TOMBSTONE, FeedEvent, key_hash
 if TYPE_CHECKING:
     from .._client import Client
     from ..errors import CorruptRecord
+    from ..metrics.wire import WireCounts
     from ..tiers.l3 import FeedEntry, L3Record, PushResult, Unreached
 
 
@@ -67,7 +68,10 @@ class HostL2(Protocol):
         """The key's clean record (one L3 acknowledged) as an L3 record, if its vector has
         an entry of this host (its dot: the record is this host's write or descends from
         one); else None (absent, dirty — the normal push path sends it — or never written
-        here). For a re-push of what L3 lost (``Daemon._resync_key``)."""
+        here). For a re-push of what L3 lost (``Puller._resync_key``, node/pull.py)."""
+
+    def dirty_count(self) -> int:
+        """Writes of the host not yet in L3 (dirty records, tombstones included)."""
 
     def mark_delivered(self, key: str, record: L3Record) -> bool:
         """L3 has ``record``: clear the dirty flag if the key still holds that write."""
@@ -157,7 +161,54 @@ class HostKeys(Protocol):
 
 class L3Port(Protocol):
     """What the node daemon needs of the cluster. Every method raises Unavailable when
-    the cluster cannot be reached (nothing changed, or the change is idempotent)."""
+    the cluster cannot be reached (nothing changed, or the change is idempotent).
+
+    The failure detector's state is read as it is: :attr:`down` (master → when it
+    stopped answering: a call timed out or was refused, no PING answered since; its
+    keys' calls are skipped, answered Unreached) and :attr:`ups` (masters let out of it
+    so far). So is replication confirmation's: :attr:`confirmed`, :attr:`histories`,
+    :attr:`unserved` (see :meth:`confirm_replicated`)."""
+
+    down: dict[str, float]
+    ups: int
+    # a push's feed entry carries the record up to this size (None: always); larger
+    # ones are value-less (their readers fetch the record)
+    feed_inline: int | None
+    # master → (the latest probe there that cluster.wait_replicas replicas acknowledged,
+    # the replication history the master ran after that WAIT)
+    confirmed: dict[str, tuple[int, str]]
+    # node → its replication history when last seen ("" while not a master)
+    histories: dict[str, str]
+    # (node, group) pairs whose probe the node refused (the group's slot moved off it)
+    # since the daemon last took them (it clears the set)
+    unserved: set[tuple[str, int]]
+    wire: WireCounts  # commands and bytes to and from Redis
+    # seconds between slot-map refreshes after a failed call (the daemon spaces them out
+    # in partition mode)
+    refresh_every: float
+
+    @property
+    def hint_stats(self) -> dict[str, int]:
+        """Counts of the hint subscriptions (``bytes``: the hint messages received)."""
+
+    def reachable(self) -> bool:
+        """Whether one master answers a PING within the timeout (no retry, no slot-map
+        refresh: a host cut off learns it in one timeout). Never raises."""
+
+    def live_master_answers(self) -> bool:
+        """Whether a master not taken for :attr:`down` answers a PING within the timeout
+        (False when every master is down or none answers). Never raises."""
+
+    def down_groups(self, groups: Iterable[int]) -> set[int]:
+        """The groups of ``groups`` whose master is taken for :attr:`down`. Raises
+        Unavailable (no slot map)."""
+
+    def confirm_replicated(self, group: int, node_name: str = "") -> bool:
+        """With cluster.wait_replicas: a probe write and WAIT on node ``node_name`` (the
+        master that took the records to confirm; ``group``'s master when empty), noting
+        in :attr:`confirmed` what the replicas acknowledged and in :attr:`histories`
+        the master's replication history (a node that refuses the probe: into
+        :attr:`unserved`). Returns whether it was confirmed. Raises Unavailable."""
 
     def push_many(self, items: Sequence[tuple[str, L3Record]],
                   keep_siblings: Set[str] = frozenset(),
