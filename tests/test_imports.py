@@ -21,12 +21,7 @@ import kvcomm
 SRC = pathlib.Path(kvcomm.__file__).parent
 
 # (importer, imported): edges allowed for now, each with why and what removes it
-KNOWN: dict[tuple[str, str], str] = {
-    ("kvcomm._client.cas", "kvcomm.node.daemon"):
-        "cas reads the write mark's block (WRITE_MARK_BLOCK) from the daemon, which opens "
-        "clients; the daemon's split moves it to node/push.py (no client import): import it "
-        "from there once that lands",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, pathlib.Path]:
