@@ -28,8 +28,13 @@ docs-serve: $(STAMP)    ## the documentation site on http://127.0.0.1:8000, rebu
 help:                   ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 22
 
-test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow)
-	$(BIN)/python -m pytest -q -m "not slow" --durations=25
+# TEST_WORKERS pytest-xdist workers, a test file whole on one worker (its module fixtures,
+# a dev cluster say, are made once): most of the suite's wall time is waiting on servers
+# and deadlines, so two workers on 2 cores about halve it. TEST_WORKERS=0 runs it in one
+# process. Every test makes its own namespaces, servers and ports: none shares state.
+TEST_WORKERS ?= 2
+test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow); TEST_WORKERS=2
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
 # partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, 1500 hostile
