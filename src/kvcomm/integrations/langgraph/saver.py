@@ -712,47 +712,6 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         else:
             self.kv.put(key, {"id": cid, "w": list(slots)})
 
-    def _rewrite(self, thread_id: str, drop: Callable[[str, str, builtins.list[Any]], bool]) -> None:
-        """Delete the checkpoints of ``thread_id`` that ``drop(ns, id, body)`` selects,
-        with their writes, then the values no remaining checkpoint names; then point
-        each namespace's head at its latest remaining checkpoint."""
-        k = self.keys
-        by_ns: dict[str, builtins.list[tuple[str, builtins.list[Any]]]] = {}
-        for item in scan(self.kv, k.thread(k.checkpoints, thread_id)):
-            _t, ns, c = Keys.split(item.key, k.checkpoints)
-            by_ns.setdefault(ns, []).append((c, _record(item.value, 6, item.key)))
-        if not by_ns:
-            return
-        doomed: builtins.list[str] = []
-        for ns, entries in by_ns.items():
-            gone = [(c, body) for c, body in entries if drop(ns, c, body)]
-            if not gone:
-                continue
-            kept = [(c, body) for c, body in entries if not drop(ns, c, body)]
-            latest = max((c for c, _body in kept), default=None)
-            head = _head_of(self.kv.get(k.head(thread_id, ns)), k.head(thread_id, ns))
-            if head is not None and head["id"] == latest:
-                slots = head["w"]
-            else:  # (the head moves back: it lists the writes of its new checkpoint)
-                slots = [] if latest is None else [
-                    [_record(i.value, 5, i.key)[0], int(i.key.rsplit("/", 1)[1])]
-                    for i in scan(self.kv, k.write_prefix(thread_id, ns, latest))]
-            self._set_head(thread_id, ns, latest, slots)  # (first: never a head on a gone id)
-            for c, _body in gone:
-                doomed.append(k.checkpoint(thread_id, ns, c))
-                doomed.extend(i.key for i in scan(self.kv, k.write_prefix(thread_id, ns, c)))
-            named: set[str] = set()
-            for _c, body in kept:
-                cp = self._loads(body[0], body[1])
-                if type(cp) is not dict or type(cp.get("channel_versions")) is not dict:
-                    raise CorruptRecord(f"a checkpoint of thread {thread_id!r} in KVCOMM is not "
-                                        "one KVCommSaver wrote; delete the thread")
-                named.update(k.blob(thread_id, ns, ch, v)
-                             for ch, v in cp["channel_versions"].items())
-            doomed.extend(i.key for i in scan(self.kv, k.ns(k.blobs, thread_id, ns))
-                          if i.key not in named)
-        self._delete_keys(doomed)
-
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) whose metadata's run id is in
         ``run_ids``, in every thread; heads move back to the latest remaining checkpoint.
@@ -771,7 +730,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                         threads.append(t)
         for t in threads:
             with _Reading(f"thread {t!r}"):
-                self._rewrite(t, lambda _ns, _c, body: type(body[5]) is str and body[5] in runs)
+                _rewrite(self, t, lambda _ns, _c, body: type(body[5]) is str and body[5] in runs)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """``keep_latest``: keep only the latest checkpoint of each namespace of each
@@ -788,7 +747,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, t)):
                     _t, ns, c = Keys.split(item.key, self.keys.checkpoints)
                     latest[ns] = max(c, latest.get(ns, c))
-                self._rewrite(t, functools.partial(_not_latest, latest))
+                _rewrite(self, t, functools.partial(_not_latest, latest))
 
     # ---------------------------------------------------------------- async
     async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
@@ -841,3 +800,46 @@ def _not_latest(latest: dict[str, str], ns: str, cid: str, _body: builtins.list[
 def _merged(have: builtins.list[Any], slots: builtins.list[builtins.list[Any]]) -> builtins.list[Any]:
     seen = {tuple(x) for x in have}
     return have + [x for x in slots if tuple(x) not in seen]
+
+
+def _rewrite(saver: KVCommSaver, thread_id: str,
+             drop: Callable[[str, str, builtins.list[Any]], bool]) -> None:
+    """Delete the checkpoints of ``thread_id`` that ``drop(ns, id, body)`` selects,
+    with their writes, then the values no remaining checkpoint names; then point
+    each namespace's head at its latest remaining checkpoint."""
+    k = saver.keys
+    by_ns: dict[str, builtins.list[tuple[str, builtins.list[Any]]]] = {}
+    for item in scan(saver.kv, k.thread(k.checkpoints, thread_id)):
+        _t, ns, c = Keys.split(item.key, k.checkpoints)
+        by_ns.setdefault(ns, []).append((c, _record(item.value, 6, item.key)))
+    if not by_ns:
+        return
+    doomed: builtins.list[str] = []
+    for ns, entries in by_ns.items():
+        gone = [(c, body) for c, body in entries if drop(ns, c, body)]
+        if not gone:
+            continue
+        kept = [(c, body) for c, body in entries if not drop(ns, c, body)]
+        latest = max((c for c, _body in kept), default=None)
+        head = _head_of(saver.kv.get(k.head(thread_id, ns)), k.head(thread_id, ns))
+        if head is not None and head["id"] == latest:
+            slots = head["w"]
+        else:  # (the head moves back: it lists the writes of its new checkpoint)
+            slots = [] if latest is None else [
+                [_record(i.value, 5, i.key)[0], int(i.key.rsplit("/", 1)[1])]
+                for i in scan(saver.kv, k.write_prefix(thread_id, ns, latest))]
+        saver._set_head(thread_id, ns, latest, slots)  # (first: never a head on a gone id)
+        for c, _body in gone:
+            doomed.append(k.checkpoint(thread_id, ns, c))
+            doomed.extend(i.key for i in scan(saver.kv, k.write_prefix(thread_id, ns, c)))
+        named: set[str] = set()
+        for _c, body in kept:
+            cp = saver._loads(body[0], body[1])
+            if type(cp) is not dict or type(cp.get("channel_versions")) is not dict:
+                raise CorruptRecord(f"a checkpoint of thread {thread_id!r} in KVCOMM is not "
+                                    "one KVCommSaver wrote; delete the thread")
+            named.update(k.blob(thread_id, ns, ch, v)
+                         for ch, v in cp["channel_versions"].items())
+        doomed.extend(i.key for i in scan(saver.kv, k.ns(k.blobs, thread_id, ns))
+                      if i.key not in named)
+    saver._delete_keys(doomed)
