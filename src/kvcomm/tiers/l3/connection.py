@@ -228,7 +228,7 @@ class Connection:
         not retried, where one routed by key is retried after each timeout, re-reading
         the slot map each time (with the daemon's client, five timeouts and more before
         a hung master is taken for down: every round of the host held meanwhile).
-        Raises what redis-py raises (the caller's _call translates it). A connection
+        Raises what redis-py raises (the caller's call translates it). A connection
         error (not a timeout) is tried once more, on a new connection: a pooled one a
         restarted master closed fails at once, where redis-py's retry used to reconnect;
         a master that refuses fails the second try as fast."""
@@ -251,7 +251,7 @@ class Connection:
         return node
 
     def on_masters(self, jobs: Sequence[tuple[Any, Callable[[], Any]]]) -> list[Any]:
-        """Each ``(node, run)`` of ``jobs`` as :meth:`_down_or_raise` (its answer, or None
+        """Each ``(node, run)`` of ``jobs`` as :meth:`down_or_raise` (its answer, or None
         when its master is down or timed out now), the masters' calls at the same time
         (the push pipelines' threads): a call that reaches several masters that stopped
         answering waits one timeout for all of them, not one each in turn — the daemon's
@@ -293,7 +293,7 @@ class Connection:
         """``script`` run on master ``node`` with no keys (its names come in ``args``: the
         caller has grouped them by node), loaded there first if need be. A node that lost
         its scripts (restarted) raises NOSCRIPT once: the next call loads it again.
-        Raises what redis-py raises (the caller's _call turns it into Unavailable)."""
+        Raises what redis-py raises (the caller's call turns it into Unavailable)."""
         conn = self.rc.get_redis_connection(node)
         self.load(node, conn, script)
         try:
@@ -363,7 +363,7 @@ class Connection:
 
     def own_key(self, name: str, write: Any) -> None:
         """``write(name, node)`` to a key of KVCOMM's own (``kvn:``) on its master
-        ``node`` (with :meth:`_on`); if something else left a value of another type
+        ``node`` (with :meth:`on`); if something else left a value of another type
         there, replace it. Raises Unavailable, CorruptRecord; Unreached at once when the
         key's master is :attr:`down`."""
         node = self.master_up(name, name)

@@ -64,7 +64,7 @@ class FeedReader:
         through the cluster client (its slot moved) is checked too, whether in ``verify``
         or not. Raises Unavailable when the cluster cannot be reached.
 
-        The groups of a master taken for down (:attr:`down`), or that times out now, are
+        The groups of a master taken for down (:attr:`Connection.down`), or that times out now, are
         left out (read them later); raises Unreached when no master answered.
         """
         out: dict[int, list[FeedEntry] | CorruptRecord] = {}
@@ -142,7 +142,7 @@ class FeedReader:
         One read-only script call per master per SWEEP_BATCH groups (SWEEP_LUA); a
         counter that call cannot read (its slot moved or is moving) is read again through
         the cluster client, redirects followed, without its tail. Raises Unavailable.
-        The groups of a master :attr:`down` (or that times out now) are left out;
+        The groups of a master :attr:`Connection.down` (or that times out now) are left out;
         raises Unreached when no master answered.
         """
         out: dict[int, tuple[int | None, bytes | None]] = {}
@@ -188,7 +188,7 @@ class FeedReader:
         return out
 
     def down_groups(self, groups: Iterable[int]) -> set[int]:
-        """The groups of ``groups`` whose master is taken for :attr:`down` (by the slot
+        """The groups of ``groups`` whose master is taken for :attr:`Connection.down` (by the slot
         map). Raises Unavailable (no slot map)."""
         if not self.conn.down:
             return set()
@@ -198,7 +198,7 @@ class FeedReader:
     def feed_position(self, group: int) -> tuple[int | None, bytes]:
         """(sequence number, id of the last entry kept or ``0-0``) of one group, read
         atomically: resuming from there misses no later change. Raises Unavailable;
-        Unreached at once when the group's master is :attr:`down`."""
+        Unreached at once when the group's master is :attr:`Connection.down`."""
         from redis import exceptions as rex
 
         fk, sk = self.conn.groups.feed_key(group), self.conn.groups.seq_key(group)

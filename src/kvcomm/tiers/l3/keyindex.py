@@ -84,7 +84,7 @@ class KeyIndex:
         (None: every group; at most ``limit`` keys per group): one script call per master
         per INDEX_BATCH groups. Returns how many were dropped. Raises Unavailable.
 
-        The groups of a master :attr:`down` (or that times out now) are left out and
+        The groups of a master :attr:`Connection.down` (or that times out now) are left out and
         added to ``skipped`` (do them later); raises Unreached when no master answered
         (the node daemon does this once a second: it must not wait on a hung master)."""
         dropped = answered = missed = 0
@@ -112,7 +112,7 @@ class KeyIndex:
         return dropped
 
     def _by_node_cached(self, groups: Iterable[int]) -> dict[str, tuple[Any, list[int]]]:
-        """:meth:`_by_node` from a map of every group's master kept for NODE_MAP_S: a scan
+        """:meth:`Connection.by_node` from a map of every group's master kept for NODE_MAP_S: a scan
         page would otherwise spend more on G slot lookups than on Redis. A stale entry
         costs a redirect (the caller reads that group again through the cluster client)."""
         now = time.monotonic()
@@ -173,7 +173,7 @@ class KeyIndex:
         """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot
         paths). Raises Unavailable.
 
-        One master at a time. A master taken for :attr:`down`, or that times out or
+        One master at a time. A master taken for :attr:`Connection.down`, or that times out or
         refuses the connection during its scan (it is then taken for down), raises
         Unreached; with ``skipped``, it is left out instead (a hung master would
         otherwise fail the whole scan), and the groups it serves (by the slot map) are

@@ -91,23 +91,13 @@ class Pusher:
         self._script = conn.rc.register_script(PUSH_LUA)
         self._cas = conn.rc.register_script(CAS_LUA)  # (push_if)
 
-    def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
-        """Push one record into L3: the L3 rule, applied atomically (``keep_siblings``:
-        a concurrent record comes back as ``conflict`` instead of being merged
-        last-writer-wins); as :meth:`push_many`. Raises Unavailable, CorruptRecord (the
-        stored value is foreign, or the key cannot be sent); nothing is stored then."""
-        out = self.push_many([(key, record)], {key} if keep_siblings else frozenset())[0]
-        if isinstance(out, (CorruptRecord, Unreached)):
-            raise out
-        return out
-
     def push_many(self, items: Sequence[tuple[str, L3Record]],
                   keep_siblings: Set[str] = frozenset(),
                   ) -> list[PushResult | CorruptRecord | Unreached]:
         """Push many records: one pipeline of script calls per master node (a call per
         group and PUSH_BATCH records of it), then (with ``wait_replicas``) a WAIT on the
         same connection. The keys in ``keep_siblings``
-        get ``conflict`` for a concurrent record (as :meth:`push`).
+        get ``conflict`` for a concurrent record (as :meth:`L3Store.push`).
 
         Returns one answer per item, in order. A key whose stored value is foreign, or
         that cannot be sent (not strict UTF-8), yields a CorruptRecord in its place; the
@@ -119,7 +109,7 @@ class Pusher:
         reached, or a slot stayed on the move past the timeout; what was pushed before
         stays pushed, and pushing it again is harmless.
 
-        A master taken for down (:attr:`down`: it timed out or refused the connection,
+        A master taken for down (:attr:`Connection.down`: it timed out or refused the connection,
         now or before, and has not answered a PING since) is not waited for: its items
         get an Unreached in their place, the others are pushed. Raises Unreached when no
         item reached a master.
@@ -222,7 +212,7 @@ class Pusher:
         nodes' pipelines in flight together (threads: each master runs its scripts while
         the others do, instead of one master after another). Returns the replies by
         (node name, asking); an Unreached for a master that timed out or refused the
-        connection (now :attr:`down`). Raises what another pipeline raised (Unavailable,
+        connection (now :attr:`Connection.down`). Raises what another pipeline raised (Unavailable,
         CorruptRecord), once every pipeline has returned: what was pushed stays pushed."""
         replies = self.conn.on_masters([
             (node, functools.partial(self._pipeline, node, items, idxs, keep_siblings,
@@ -242,13 +232,13 @@ class Pusher:
         ``asking``; the items of ``alone`` in calls of their own), then ROLE and WAIT on
         the same connection. A group with at most HINT_EACH records here hints each change;
         one with more is hinted once, by its last call. With ``wait_replicas``, a node
-        not seen as a master before (:attr:`histories`) is seen first, in the same
+        not seen as a master before (:attr:`Replication.histories`) is seen first, in the same
         pipeline (INFO: once per node and history, not per push). Returns (one reply or
         exception per item of ``idxs``, in order: a call refused as a whole, MOVED say,
         gives each of its items that exception; whether a replica acknowledged them;
         whether fewer than ``wait_replicas`` did (:attr:`PushResult.short`); this
         pipeline's number; the history ``node`` ran when last seen before these writes:
-        a probe that sees it still (:meth:`confirm_replicated`) covers them);
+        a probe that sees it still (:meth:`Replication.confirm_replicated`) covers them);
         ``sent`` gets each item's encoding."""
         call = next(self.repl.calls)
         conn = self.conn.rc.get_redis_connection(node)
@@ -327,11 +317,11 @@ class Pusher:
         deadline; or, with ``check``, a vector at most ``check``) or a record whose vector
         is at most ``check`` (not itself when dead); ``record``'s vector is ``basis``
         plus a new dot. With ``wait_replicas``, WAIT on the same connection for that many
-        replicas (those the master has connected, if fewer: :meth:`_replicas_to_wait`),
+        replicas (those the master has connected, if fewer: :meth:`Replication.replicas_to_wait`),
         up to ``wait_ms``; ``durable`` says whether they took it. A redirect (MOVED, ASK)
         is followed within ``timeout``. Raises Unavailable (nothing decided, or not known
         to be: a timeout may leave the write stored), Unreached (the master is
-        :attr:`down`: nothing sent), CorruptRecord (the key cannot be sent, or L3's record
+        :attr:`Connection.down`: nothing sent), CorruptRecord (the key cannot be sent, or L3's record
         has a newer format)."""
         from redis.exceptions import AskError, MovedError
 

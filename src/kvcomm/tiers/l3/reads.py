@@ -18,7 +18,7 @@ class RecordReads:
 
     def get(self, key: str) -> L3Record | None:
         """The record of ``key``, or None. Raises Unavailable, CorruptRecord; Unreached
-        at once while its master is :attr:`down`."""
+        at once while its master is :attr:`Connection.down`."""
         name = _wire_key(self.conn.groups.record_key(key))
         node = self.conn.master_up(name, f"{key!r}")
         raw = self.conn.call(lambda: self.conn.rc.get(name), key, node=node)
@@ -30,7 +30,7 @@ class RecordReads:
         through the cluster client, redirects followed. A key whose value is foreign or
         that cannot be sent gets a CorruptRecord in its place. Raises Unavailable; a
         read changes nothing, so the caller may simply read again. Raises Unreached at
-        once, nothing read, when a key's master is :attr:`down` (a daemon's refetch of
+        once, nothing read, when a key's master is :attr:`Connection.down` (a daemon's refetch of
         skipped changes would otherwise wait a timeout on it every round)."""
         out: dict[str, L3Record | None | CorruptRecord] = {}
         by_node: dict[str, tuple[Any, list[tuple[str, bytes]]]] = {}

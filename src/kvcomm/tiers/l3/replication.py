@@ -168,7 +168,7 @@ class Replication:
         try:
             raws = self.conn.call(run, node=node)
         except Unavailable:
-            # a master that cannot be reached, and that the slot map (re-read by _call)
+            # a master that cannot be reached, and that the slot map (re-read by call)
             # no longer has serving the group: failed over, dead for good maybe — it
             # left the history (redis-py may keep it in its slot map: the probe would
             # fail every second, and the records it took stay held)
@@ -200,7 +200,7 @@ class Replication:
 
     def set_replicated(self, name: str, value: int, node: Any) -> None:
         """``SET name value``, then (``wait_replicas``) WAIT for the replicas a push
-        waits for. Raises what redis-py raises (the caller's _call translates it),
+        waits for. Raises what redis-py raises (the caller's call translates it),
         Unavailable (too few replicas took it; it may be on the master)."""
         if not self.wait_replicas:
             self.conn.on(node, "SET", name, value)

@@ -18,6 +18,7 @@ a face calls its part. ``from_config`` chooses the settings each kind of caller 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any
 
@@ -36,22 +37,14 @@ from .records import MAX_VALUE_SIZE, L3Record, read_record
 from .replication import Replication
 
 
-class _Via:
-    """An attribute of a face that is a part's own: read (and set) there."""
+def _via(part: str, name: str) -> Any:
+    """An attribute of a face that is a part's own: read (and set) there. (A property
+    over attrgetter: read at C speed.)"""
+    def put(face: Any, value: Any) -> None:
+        setattr(getattr(face, part), name, value)
 
-    def __init__(self, part: str, name: str = "") -> None:
-        self.part, self.name = part, name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(getattr(obj, self.part), self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(getattr(obj, self.part), self.name, value)
+    return property(operator.attrgetter(f"{part}.{name}"), put,
+                    doc=f"The store's ``{name}`` (its part ``{part}`` holds it).")
 
 
 def _settings(cluster: Any, max_value_size: int, daemon: bool, agent: bool) -> dict[str, Any]:
@@ -117,11 +110,14 @@ class _L3Base:
         self._hostkeys = HostKeys(self._conn, self._repl)
         self._meta = ClusterMeta(self._conn)
 
-    groups = _Via("_conn")  # the group layout (cluster.groups)
-    rc = _Via("_conn")  # redis-py's RedisCluster
-    wire = _Via("_conn")  # commands and bytes to and from Redis (kvcomm metrics)
-    timeout = _Via("_conn")  # cluster.timeout, seconds
-    max_value_size = _Via("_conn")  # cache.max_value_size: the bound of a record read back
+    groups = _via("_conn", "groups")  # the group layout (cluster.groups)
+    rc = _via("_conn", "rc")  # redis-py's RedisCluster
+    wire = _via("_conn", "wire")  # commands and bytes to and from Redis (kvcomm metrics)
+    timeout = _via("_conn", "timeout")  # cluster.timeout, seconds
+    # masters taken for down, and those let out of it so far (Connection.down, .ups)
+    down = _via("_conn", "down")
+    ups = _via("_conn", "ups")
+    max_value_size = _via("_conn", "max_value_size")  # cache.max_value_size: the bound of a record read back
 
     def decode(self, raw: object, key: str = "") -> L3Record:
         """:func:`read_record` under this store's bound; CorruptRecord names ``key``."""
@@ -139,7 +135,8 @@ class _L3Base:
         return self._reads.get(key)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, L3Record | None | CorruptRecord]:
-        """The records of ``keys`` (None. (See :meth:`RecordReads.get_many`.)"""
+        """The records of ``keys`` (None: absent; a CorruptRecord for a foreign value): one
+        pipeline of GETs per master. (See :meth:`RecordReads.get_many`.)"""
         return self._reads.get_many(keys)
 
     def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
@@ -155,7 +152,8 @@ class _L3Base:
     def push_many(self, items: Sequence[tuple[str, L3Record]],
                   keep_siblings: Set[str] = frozenset(),
                   ) -> list[PushResult | CorruptRecord | Unreached]:
-        """Push many records. (See :meth:`Pusher.push_many`.)"""
+        """Push many records: one pipeline of script calls per master, an answer per item, in
+        order. (See :meth:`Pusher.push_many`.)"""
         return self._pushes.push_many(items, keep_siblings)
 
     def check_groups(self, record: bool = False) -> int:
@@ -164,12 +162,13 @@ class _L3Base:
         return self._meta.check_groups(record)
 
     def load_write_mark(self, host: str) -> int:
-        """The mark :meth:`save_write_mark` saved. (See :meth:`HostKeys.load_write_mark`.)"""
+        """The mark :meth:`save_write_mark` saved; 0 when there is none or it is not ours. (See
+        :meth:`HostKeys.load_write_mark`.)"""
         return self._hostkeys.load_write_mark(host)
 
     def save_write_mark(self, host: str, mark: int) -> None:
-        """Record that ``host``'s daemons push no dot with a counter past ``mark`` until they
-        record a higher one (``kvn:{host}:wseq``. (See :meth:`HostKeys.save_write_mark`.)"""
+        """Record that ``host``'s daemons push no dot with a counter past ``mark``
+        (``kvn:{host}:wseq``), as durable as a push. (See :meth:`HostKeys.save_write_mark`.)"""
         return self._hostkeys.save_write_mark(host, mark)
 
 
@@ -198,8 +197,10 @@ class AgentL3(_L3Base):
 
     def strong_config(self) -> tuple[list[str], str] | None:
         """The cluster's strong prefixes and ``cache.l3_consistency`` as L3's copy of etcd's
-        records them (:meth:`record_strong_config`), or None when none is recorded (no
-        daemon with ``cluster.etcd`` has started since KVCOMM copied it. (See
+        records them, or None when none is recorded. (See The cluster's strong prefixes and
+        ``cache.l3_consistency`` as L3's copy of etcd's records them
+        (:meth:`record_strong_config`), or None when none is recorded (no daemon with
+        ``cluster.etcd`` has started since KVCOMM copied it. (See
         :meth:`ClusterMeta.strong_config`.)"""
         return self._meta.strong_config()
 
@@ -215,17 +216,14 @@ class DaemonL3(_L3Base):
         its ``cluster`` config. Raises Unavailable, ConfigError."""
         return cls(**_settings(cluster, max_value_size, daemon=True, agent=False))
 
-    # masters taken for down, and those let out of it so far (Connection.down, .ups)
-    down = _Via("_conn")
-    ups = _Via("_conn")
-    refresh_every = _Via("_conn")  # seconds between slot-map refreshes after a failure
+    refresh_every = _via("_conn", "refresh_every")  # seconds between slot-map refreshes after a failure
     # what the replicas took (Replication)
-    confirmed = _Via("_repl")
-    histories = _Via("_repl")
-    unserved = _Via("_repl")
-    degraded = _Via("_repl")
-    connected = _Via("_repl")
-    feed_inline = _Via("_pushes")  # cluster.feed_inline (None: every entry inline)
+    confirmed = _via("_repl", "confirmed")
+    histories = _via("_repl", "histories")
+    unserved = _via("_repl", "unserved")
+    degraded = _via("_repl", "degraded")
+    connected = _via("_repl", "connected")
+    feed_inline = _via("_pushes", "feed_inline")  # cluster.feed_inline (None: every entry inline)
 
     def reachable(self) -> bool:
         """Whether one master of the slot map answers a PING within the timeout (the masters in
@@ -238,7 +236,8 @@ class DaemonL3(_L3Base):
         return self._conn.live_master_answers()
 
     def confirm_replicated(self, group: int, node_name: str = "") -> bool:
-        """With ``wait_replicas``. (See :meth:`Replication.confirm_replicated`.)"""
+        """With ``wait_replicas``: a probe write and WAIT on the master that took the records
+        to confirm; whether it confirmed them. (See :meth:`Replication.confirm_replicated`.)"""
         return self._repl.confirm_replicated(group, node_name)
 
     # ------------------------------------------------------------------ the change feed
@@ -288,8 +287,8 @@ class DaemonL3(_L3Base):
 
     def expire_index(self, now: float, groups: Iterable[int] | None = None,
                      limit: int = 256, skipped: set[int] | None = None) -> int:
-        """Drop the keys past their deadline at ``now`` from the key index of ``groups`` (None.
-        (See :meth:`KeyIndex.expire_index`.)"""
+        """Drop the keys past their deadline at ``now`` from the key index of ``groups`` (None:
+        every group); how many were dropped. (See :meth:`KeyIndex.expire_index`.)"""
         return self._keyindex.expire_index(now, groups, limit, skipped)
 
     def index_ready(self) -> bool:
@@ -298,12 +297,14 @@ class DaemonL3(_L3Base):
         return self._keyindex.index_ready()
 
     def backfill_index(self, batch: int = 500) -> int:
-        """Index every record L3 holds (once, after an upgrade. (See
+        """Index every record L3 holds (once, after an upgrade); the keys looked at. (See Index
+        every record L3 holds (once, after an upgrade. (See
         :meth:`KeyIndex.backfill_index`.)"""
         return self._keyindex.backfill_index(batch)
 
     def scan_keys(self, skipped: set[int] | None = None) -> Iterator[bytes]:
-        """Every KVCOMM key L3 holds, from every master (a SCAN. (See
+        """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths).
+        (See Every KVCOMM key L3 holds, from every master (a SCAN. (See
         :meth:`KeyIndex.scan_keys`.)"""
         return self._keyindex.scan_keys(skipped)
 
@@ -327,11 +328,13 @@ class DaemonL3(_L3Base):
 
     def save_cursors(self, host: str, cursors: dict[int, bytes],
                      seqs: dict[int, int] | None = None) -> None:
-        """(See :meth:`HostKeys.save_cursors`.)"""
+        """Save this host's feed cursors and last sequence numbers, by group. (See
+        :meth:`HostKeys.save_cursors`.)"""
         return self._hostkeys.save_cursors(host, cursors, seqs)
 
     def load_hot(self, host: str) -> list[str]:
-        """The hot-key list :meth:`save_hot` saved. (See :meth:`HostKeys.load_hot`.)"""
+        """The hot-key list :meth:`save_hot` saved; [] when there is none or it is not ours.
+        (See :meth:`HostKeys.load_hot`.)"""
         return self._hostkeys.load_hot(host)
 
     def save_hot(self, host: str, keys: list[str]) -> None:
@@ -341,12 +344,13 @@ class DaemonL3(_L3Base):
 
     def save_load(self, host: str, ops: Mapping[int, int]) -> None:
         """Record ``host``'s cumulative operation counts of these groups (a hash
-        ``kvn:{host}:load``. (See :meth:`HostKeys.save_load`.)"""
+        ``kvn:{host}:load``). (See :meth:`HostKeys.save_load`.)"""
         return self._hostkeys.save_load(host, ops)
 
     def quarantine(self, host: str, key: str, reason: str, when: float,
                    keep: int = QUARANTINE_MAX) -> None:
-        """Set an input aside. (See :meth:`HostKeys.quarantine`.)"""
+        """Set an input aside on the host's capped list ``kvn:{host}:quarantine``. (See
+        :meth:`HostKeys.quarantine`.)"""
         return self._hostkeys.quarantine(host, key, reason, when, keep)
 
 
@@ -365,15 +369,15 @@ class L3Store(AgentL3, DaemonL3):
         slot-map refresh). Raises Unavailable, ConfigError."""
         return cls(**_settings(cluster, max_value_size, daemon, agent))
 
-    auth = _Via("_conn")  # (username, password): for MIGRATE's AUTH (kvcomm.balance.migrate)
-    feed_maxlen = _Via("_pushes")
-    tombstone_grace_ms = _Via("_pushes")
-    redirects = _Via("_pushes")  # pushes retried: moved, ask, tryagain
-    wait_replicas = _Via("_repl")
-    wait_ms = _Via("_repl")
-    _script = _Via("_pushes")  # the push script (a test may replace it)
-    _cas = _Via("_pushes")
-    _hints = _Via("_feeds")
+    auth = _via("_conn", "auth")  # (username, password): for MIGRATE's AUTH (kvcomm.balance.migrate)
+    feed_maxlen = _via("_pushes", "feed_maxlen")
+    tombstone_grace_ms = _via("_pushes", "tombstone_grace_ms")
+    redirects = _via("_pushes", "redirects")  # pushes retried: moved, ask, tryagain
+    wait_replicas = _via("_repl", "wait_replicas")
+    wait_ms = _via("_repl", "wait_ms")
+    _script = _via("_pushes", "_script")  # the push script (a test may replace it)
+    _cas = _via("_pushes", "_cas")
+    _hints = _via("_feeds", "_hints")
 
     def feed(self, group: int, after: bytes = b"0-0", count: int = 1000) -> list[FeedEntry]:
         """Change-feed entries of one group after stream id ``after``. (See
@@ -381,12 +385,13 @@ class L3Store(AgentL3, DaemonL3):
         return self._feeds.feed(group, after, count)
 
     def feed_bounds(self, group: int) -> tuple[bytes | None, bytes]:
-        """(first id still kept, or None when trimmed empty. (See
-        :meth:`FeedReader.feed_bounds`.)"""
+        """(first id still kept, or None when trimmed empty; last id ever added). (See (first
+        id still kept, or None when trimmed empty. (See :meth:`FeedReader.feed_bounds`.)"""
         return self._feeds.feed_bounds(group)
 
     def slot_keys(self, slot: int) -> list[bytes]:
-        """Every key Redis holds in ``slot`` (on the master serving it. (See
+        """Every key Redis holds in ``slot`` (on the master serving it: CLUSTER GETKEYSINSLOT).
+        (See Every key Redis holds in ``slot`` (on the master serving it. (See
         :meth:`KeyIndex.slot_keys`.)"""
         return self._keyindex.slot_keys(slot)
 
@@ -419,11 +424,11 @@ class L3Store(AgentL3, DaemonL3):
     def _on(self, node: Any, *args: Any) -> Any:
         """One command for master ``node`` through the cluster client (a MOVED followed),
         without redis-py's retries. (See :meth:`Connection.on`.)"""
-        return self._conn.on(node)
+        return self._conn.on(node, *args)
 
     def _own_key(self, name: str, write: Any) -> None:
         """``write(name, node)`` to a key of KVCOMM's own (``kvn:``) on its master ``node``
-        (with :meth:`_on`). (See :meth:`Connection.own_key`.)"""
+        (with :meth:`Connection.on`). (See :meth:`Connection.own_key`.)"""
         return self._conn.own_key(name, write)
 
     def _master_up(self, name: str | bytes, what: str) -> Any:
@@ -442,8 +447,8 @@ class L3Store(AgentL3, DaemonL3):
         return self._conn.by_node(groups)
 
     def _refresh_topology(self, force: bool = False) -> None:
-        """Re-read the slot map (after a failover our per-node pipelines would keep dialling
-        the dead master. (See :meth:`Connection.refresh_topology`.)"""
+        """Re-read the slot map (at most twice a second unless ``force``). (See
+        :meth:`Connection.refresh_topology`.)"""
         return self._conn.refresh_topology(force)
 
     def _args(self, key: str, record: L3Record, keep_siblings: bool, hint: bool = True,
