@@ -23,9 +23,8 @@ def _load(name: str) -> str:
 # its bytes only; everything a group shares is sent once per call).
 # KEYS[1] the group's feed stream, KEYS[2] its sequence counter, KEYS[3] its key index (a
 # sorted set: see "The key index" in the package docstring), KEYS[4..3+N] the N records'
-# keys (kvc:{t}:k, all
-# of the group; the user key k is the record key past its "kvc:{t}:" prefix, which is one
-# byte longer than the feed key's "kvf:{t}": not sent again)
+# keys (kvc:{t}:k, all of the group; the user key k is the record key past its "kvc:{t}:"
+# prefix, which is one byte longer than the feed key's "kvf:{t}": not sent again)
 # ARGV[1] one character per record, in order: "l" (lww) or "s" (siblings: a concurrent
 # record comes back as a conflict), ARGV[2] feed MAXLEN,
 # ARGV[3] the group's hint channel (an argument, not a key: during a slot migration Redis
@@ -87,15 +86,15 @@ POSITION_LUA = _load("position")
 # reads that counter again through the cluster client), and the id of the last entry of
 # each group's stream (its *tail*: a reader whose last sequence number is the counter must
 # be positioned there, or the number was reissued: see "Sequence numbers" in the package
-# docstring). Read-only, and
-# declared cross-slot: Redis 7 lets a script touch keys of several slots of its node that
-# way. ARGV[1] "1": read the tails too ("0": the counters alone); ARGV[2] the groups' hash
-# tags, space-separated (the counter is ``kvs:{t}``, the stream ``kvf:{t}``): ~4 bytes a
-# group on the wire, where the key names as arguments took ~22 — the sweep reads every
-# group's counter every second, from every host. Returns one string, a field per group
-# separated by commas: "" (no counter), the counter's digits, "?" (a foreign value), or
-# "E" (an error: read again), then, with tails, a space and the tail's id when the group
-# has one. Nothing of a value but digits goes into it (no separator can be smuggled).
+# docstring). Read-only, and declared cross-slot: Redis 7 lets a script touch keys of
+# several slots of its node that way. ARGV[1] "1": read the tails too ("0": the counters
+# alone); ARGV[2] the groups' hash tags, space-separated (the counter is ``kvs:{t}``, the
+# stream ``kvf:{t}``): ~4 bytes a group on the wire, where the key names as arguments took
+# ~22 — the sweep reads every group's counter every second, from every host. Returns one
+# string, a field per group separated by commas: "" (no counter), the counter's digits,
+# "?" (a foreign value), or "E" (an error: read again), then, with tails, a space and the
+# tail's id when the group has one. Nothing of a value but digits goes into it (no
+# separator can be smuggled).
 SWEEP_LUA = _load("sweep")
 
 # Whether a group's stream lost the entry at a reader's cursor while keeping an older
