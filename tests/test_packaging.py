@@ -348,6 +348,23 @@ def test_the_shipped_package_holds_no_test_fixtures() -> None:
     assert dc.__doc__ and all(getattr(dc, n).__doc__ for n in dc.__all__)
 
 
+def test_the_l3_lua_scripts_are_package_data() -> None:
+    """The L3 scripts are files (``kvcomm/tiers/l3/lua/*.lua``, read at import): pyproject's
+    package data must name each, or a wheel would ship a ``kvcomm.tiers.l3`` that cannot
+    be imported."""
+    import fnmatch
+
+    import kvcomm.tiers.l3.scripts as scripts
+
+    globs = _pyproject()["tool"]["setuptools"]["package-data"]["kvcomm"]
+    files = sorted((SRC / "tiers" / "l3" / "lua").glob("*.lua"))
+    assert len(files) == 8
+    for f in files:
+        rel = f.relative_to(SRC).as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not package data"
+    assert all(getattr(scripts, n).strip() for n in dir(scripts) if n.endswith("_LUA"))
+
+
 def _commands(parser: argparse.ArgumentParser | None = None,
               prefix: str = "") -> dict[str, argparse.ArgumentParser]:
     """Every command by its name, subcommands too ("placement plan")."""

@@ -160,10 +160,10 @@ class ClusterReads(Merging):
             raise
 
     def _open_l3_into(self, fut: Any) -> None:
-        from ..tiers.l3 import L3Store
+        from ..tiers.l3 import AgentL3
 
         try:
-            l3 = L3Store.from_config(self.config.cluster, agent=True,
+            l3 = AgentL3.from_config(self.config.cluster,
                                      max_value_size=self.config.cache.max_value_size)
             try:  # (another count than L3's would read every key under the wrong name)
                 l3.check_groups()

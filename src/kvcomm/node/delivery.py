@@ -178,7 +178,10 @@ from ..core.resolve import MERGED, OLDER
 from ..core.versions import covers, prune, vector_get
 from ..core.window import ClosedWindow, WriteWindow
 from ..errors import CorruptRecord
-from ..tiers.l3 import FeedEntry, FeedNote, L3Record, PushResult, Unreached
+from ..tiers.l3.connection import Unreached
+from ..tiers.l3.feed import FeedEntry, FeedNote
+from ..tiers.l3.push import PushResult
+from ..tiers.l3.records import L3Record
 
 FEED_COUNT = 500  # entries read per group per poll
 STATE_EVERY = 1.0  # seconds between saves of the feed cursors (those that changed)
