@@ -216,7 +216,7 @@ def _read_already(eid: bytes, cursor: bytes) -> bool:
 
 class Unheld(NamedTuple):
     """A record L3 acknowledged with fewer replicas than ``cluster.wait_replicas`` asked
-    (the master had fewer connected: :meth:`kvcomm.tiers.l3.L3Store._replicas_to_wait`)."""
+    (the master had fewer connected: :meth:`kvcomm.tiers.l3.replication.Replication.replicas_to_wait`)."""
 
     key: str
     record: L3Record  # as L2 holds it (kept dirty: what mark_delivered names, once confirmed)

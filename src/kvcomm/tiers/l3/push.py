@@ -52,7 +52,7 @@ class PushResult(NamedTuple):
     seq: int | None = None
     entry: bytes = b""
     # acknowledged (durable) by fewer replicas than cluster.wait_replicas asked: the master
-    # had fewer connected, and the wait was lowered to those (_replicas_to_wait); a
+    # had fewer connected, and the wait was lowered to those (Replication.replicas_to_wait); a
     # failover may still lose it. ``node`` and ``call`` name the master and the pipeline
     # that wrote it, ``history`` the replication history that master ran when last seen
     # before the pipeline (L3Store.histories): a later probe there that reaches the
