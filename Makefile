@@ -34,10 +34,10 @@ test-slow: $(STAMP)     ## the long fault runs make test leaves out (marker slow
 # hang). FUZZ_SEED replays a run, FUZZ_CASE one case; the report lands in
 # /tmp/kvcomm-fuzz-<seed>.txt, with C frames (gdb) for each kind of crash. Takes about
 # 40 minutes on 2 cores (longer while cases hang: each costs its 25 s deadline).
-# See tests/test_fuzz_segment.py for every knob.
+# See tests/l2/test_fuzz_segment.py for every knob.
 FUZZ_CASES ?= 20000
 fuzz: $(STAMP)          ## the segment fuzzer's long run (FUZZ_CASES=20000, FUZZ_SEED=...)
-	FUZZ_CASES=$(FUZZ_CASES) FUZZ_GDB=1 $(BIN)/python -m pytest -q -s tests/test_fuzz_segment.py -k never_crash
+	FUZZ_CASES=$(FUZZ_CASES) FUZZ_GDB=1 $(BIN)/python -m pytest -q -s tests/l2/test_fuzz_segment.py -k never_crash
 
 bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, UltraDict, rbloom, pyprobables); metrics' cost
 	$(BIN)/python -m pip install -q UltraDict atomics rbloom pyprobables

@@ -25,10 +25,9 @@ import pytest
 from kvcomm.balance.migrate import SlotMover
 from kvcomm.devcluster.redis_cluster import RedisCluster, command
 from kvcomm.tiers.l3 import L3Store, feed_key, group_of
-
-from .conftest import wait_for
-from .daemon_harness import Host, record
-from .test_failback import SHORT, _hold, _serving, _shard, _try, _value
+from tests.cluster.test_failback import SHORT, _hold, _serving, _shard, _try, _value
+from tests.support.daemon_harness import Host, record
+from tests.support.helpers import wait_for
 
 pytestmark = [
     pytest.mark.redis,

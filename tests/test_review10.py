@@ -29,8 +29,7 @@ from kvcomm.metrics import agent
 from kvcomm.metrics.collector import Snapshot, read
 from kvcomm.metrics.exporter import Exporter
 from kvcomm.tiers import l2
-
-from .conftest import SMALL, wait_for
+from tests.support.helpers import SMALL, wait_for
 
 
 def _cfg(metrics: dict[str, Any] | None = None, cache: dict[str, Any] | None = None
@@ -380,7 +379,7 @@ def test_a_bad_metrics_host_is_reported_as_the_host(ns: str) -> None:
 
 
 def test_the_segment_fuzzer_covers_the_metrics_region_and_its_readers() -> None:
-    """F: layout 4 added the metrics region to every segment, but tests/fuzz_segment.py
+    """F: layout 4 added the metrics region to every segment, but tests/support/fuzz_segment.py
     neither mutates it on purpose (no mutation kind aims at it: only ``anywhere`` and
     ``byte_flips`` can land there by chance) nor reads it: its child script never scrapes
     (collector.read / the exporter) nor draws ``kvcomm top``, so nothing checks that a
@@ -388,7 +387,7 @@ def test_the_segment_fuzzer_covers_the_metrics_region_and_its_readers() -> None:
     quick fuzz of my own, 150 cases of corrupt metrics/hot-key/header words through
     read(), top's frame and Exporter.text(), found no crash: this is coverage that would
     keep it so.)"""
-    from . import fuzz_segment
+    from tests.support import fuzz_segment
 
     kinds = " ".join(fuzz_segment.KINDS)
     assert "metric" in kinds, f"no mutation kind aims at the metrics region: {kinds}"

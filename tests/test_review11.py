@@ -19,8 +19,7 @@ from kvcomm.balance.policy import FEATURES, LearnedPolicy, make_policy, threshol
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import ConfigError, KVCommError, Unavailable
 from kvcomm.tiers.l3 import META_GROUPS, L3Store
-
-from .daemon_harness import cluster_fixture, record, store_fixture  # noqa: F401 (the fixtures)
+from tests.support.daemon_harness import cluster_fixture, record, store_fixture  # noqa: F401 (the fixtures)
 
 MODEL = json.loads((Path(kvcomm.__file__).parent / "balance" / "balance_model.json").read_text())
 
@@ -317,8 +316,7 @@ def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
     settle it: the target told the owner, the move finished from the new owner."""
     from kvcomm.balance.driver import Balancer, load_policy
     from kvcomm.devcluster.redis_cluster import cluster_ok, command
-
-    from .conftest import wait_for
+    from tests.support.helpers import wait_for
 
     with RedisCluster() as c:
         # (acknowledged: the replica has them; a loaded machine gets 10 s to say so)
@@ -374,9 +372,8 @@ def test_a_change_whose_hint_subscription_was_killed_is_still_seen(cluster: Redi
     right before another host's write: the holder still sees the change (the broken
     subscriptions count as lost hints, their groups' counters are read)."""
     from kvcomm.devcluster.redis_cluster import command
-
-    from .conftest import wait_for
-    from .daemon_harness import Host
+    from tests.support.daemon_harness import Host
+    from tests.support.helpers import wait_for
 
     h1 = Host(cluster, "r11-hint-1", seed=1)
     h2 = Host(cluster, "r11-hint-2", seed=2)

@@ -21,8 +21,7 @@ from kvcomm.placement.agents import with_agent
 from kvcomm.placement.graph import Graph, Plan
 from kvcomm.placement.launcher import Launcher
 from kvcomm.placement.observe import _decode_snapshot, graph_from, host_snapshot
-
-from .conftest import SMALL, wait_for
+from tests.support.helpers import SMALL, wait_for
 
 
 def _cfg(**cache: Any) -> kvcomm.Config:

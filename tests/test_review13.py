@@ -14,14 +14,12 @@ import pytest
 
 import kvcomm
 from kvcomm.tiers.l3 import L3Store
-
-from .conftest import wait_for
+from tests.support.helpers import wait_for
 
 lg = pytest.importorskip("langgraph.checkpoint.serde.jsonplus")
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
-
-from ._devcluster import dev_cluster_fixture, host, l3  # noqa: E402
+from tests.support.devcluster import dev_cluster_fixture, host, l3  # noqa: E402
 
 needs_cluster = [
     pytest.mark.redis,

@@ -36,7 +36,7 @@ from kvcomm._client.strong import etcd_key
 from kvcomm.core.expiry import deadline_of
 from kvcomm.tiers.l2 import H, key_hash
 from kvcomm.tiers.l3 import L3Record, L3Store
-from tests.conftest import SMALL, wait_for
+from tests.support.helpers import SMALL, wait_for
 
 _BYTES_TAG = 1
 
@@ -261,7 +261,7 @@ def test_an_expired_strong_key_is_absent_to_expect_absent_and_update(
 
 def test_an_expired_strong_key_is_not_at_its_old_version(dev: dict[str, Any]) -> None:
     """After its deadline a key is absent: put(expect=its old Version) raises
-    ConflictError, as on an eventual key (tests/test_ttl.py); on a strong key etcd still
+    ConflictError, as on an eventual key (tests/embedded/test_ttl.py); on a strong key etcd still
     held it at that revision until the lease ended, and the put succeeded, reviving it
     (as touch() did for a key that expired between its read and its write)."""
     a = kvcomm.open(config=dev["hosts"][0]["config"])

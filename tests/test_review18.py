@@ -15,9 +15,8 @@ import pytest
 import kvcomm
 from kvcomm.core.versions import MAX_COUNTER
 from kvcomm.tiers.l3 import L3Store
-
-from .conftest import wait_for
-from .daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.helpers import wait_for
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server is not installed")
@@ -88,8 +87,7 @@ def _held_and_followed(h: Host, store: L3Store, key: str, big: str) -> int:
     """Put ``key`` from another host, wait until ``h`` holds it and its daemon follows the
     key's group; return the group's last feed sequence number."""
     from kvcomm.tiers.l3 import group_of
-
-    from .daemon_harness import remote_put
+    from tests.support.daemon_harness import remote_put
 
     g = group_of(key)
     remote_put(store, key, f"0{big}", "host-a", 1)
@@ -112,8 +110,7 @@ def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None
     counter equals the forged number) has to notice that the stream does not end where
     the host thinks, and the host resyncs."""
     from kvcomm.tiers.l3 import group_of
-
-    from .daemon_harness import remote_put
+    from tests.support.daemon_harness import remote_put
 
     seed = random.randrange(2**32)
     print(f"seed={seed}")
@@ -145,8 +142,7 @@ def test_a_hinted_entry_with_a_hostile_key_never_stops_the_daemon(cluster, store
     limit, a key of another group, a key with characters keys may not hold) leaves the
     daemon alive, and the group's real changes still arrive."""
     from kvcomm.tiers.l3 import group_of
-
-    from .daemon_harness import remote_put
+    from tests.support.daemon_harness import remote_put
 
     seed = random.randrange(2**32)
     print(f"seed={seed} bad={bad}")
@@ -182,7 +178,7 @@ def test_a_key_read_from_l1_only_is_never_served_stale_after_interest_decays(clu
     """cluster.unread_changes 1: an agent that reads a held key only from its L1 (no L2
     read sets the reference bit) may see it dropped from L2 at the next remote change;
     its next read must then bring the new value, never the old L1 copy."""
-    from .daemon_harness import remote_put
+    from tests.support.daemon_harness import remote_put
 
     seed = random.randrange(2**32)
     print(f"seed={seed}")

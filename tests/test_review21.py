@@ -20,12 +20,11 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import Unavailable
 from kvcomm.node.delivery import UNREACHED
 from kvcomm.tiers.l3 import L3Store, Unreached, feed_key, group_of
-
-from .conftest import wait_for
-from .daemon_harness import Host, record
-from .test_delivery import WSEQ, outbound, rec
-from .test_hung_master import _master_port
-from .test_hung_master import cluster as cluster  # noqa: F401 (the fixture: 3 masters, no failover)
+from tests.cluster.test_delivery import WSEQ, outbound, rec
+from tests.cluster.test_hung_master import _master_port
+from tests.cluster.test_hung_master import cluster as cluster  # noqa: F401 (the fixture: 3 masters, no failover)
+from tests.support.daemon_harness import Host, record
+from tests.support.helpers import wait_for
 
 pytestmark = [
     pytest.mark.redis,

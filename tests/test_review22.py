@@ -14,8 +14,7 @@ from redis.exceptions import AskError, ResponseError
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.metrics import wire
 from kvcomm.tiers.l3 import L3Store
-
-from .daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
+from tests.support.daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.redis
 

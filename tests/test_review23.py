@@ -10,8 +10,7 @@ import pytest
 from kvcomm.balance import migrate
 from kvcomm.balance.migrate import NodeInfo, SlotMover
 from kvcomm.errors import Unavailable
-
-from .test_delivery_sim import Clock
+from tests.sim.test_delivery_sim import Clock
 
 
 def _owner() -> NodeInfo:

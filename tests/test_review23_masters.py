@@ -25,9 +25,8 @@ import pytest
 
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import L3Store, feed_key, group_of
-
-from .conftest import wait_for
-from .daemon_harness import Host
+from tests.support.daemon_harness import Host
+from tests.support.helpers import wait_for
 
 pytestmark = [
     pytest.mark.redis,

@@ -23,8 +23,7 @@ import pytest
 import kvcomm
 from kvcomm.node.presence import StatusReader, read_status, status_path, write_status
 from kvcomm.tiers import l2
-
-from .conftest import wait_for
+from tests.support.helpers import wait_for
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

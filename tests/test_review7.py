@@ -29,9 +29,8 @@ import pytest
 import kvcomm
 from kvcomm.tiers import l2
 from kvcomm.tiers.l2 import SLOT, SLOT_WORDS, key_hash
-
-from .conftest import wait_for
-from .daemon_harness import shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.daemon_harness import shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.helpers import wait_for
 
 CTX = mp.get_context("fork")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,7 +222,7 @@ def test_review7_purge_while_a_stopped_process_holds_the_lock(name: str) -> None
 
 
 # ---------------------------------------------------------------------------------------
-# Cluster mode (real Redis Cluster, in-process daemons: tests/daemon_harness.py)
+# Cluster mode (real Redis Cluster, in-process daemons: tests/support/daemon_harness.py)
 # ---------------------------------------------------------------------------------------
 
 _redis = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -247,7 +246,7 @@ def test_review7_writes_after_a_host_lost_its_l2_are_undone(cluster, store) -> N
     record back into L2 (daemon.py _handle_result -> _apply), and the write is undone on
     the host and never reaches the cluster. The README promises only that writes not yet
     in L3 *at the crash* are lost."""
-    from .daemon_harness import Host
+    from tests.support.daemon_harness import Host
 
     seed = random.randrange(2**32)
     print(f"seed={seed}")
@@ -283,11 +282,10 @@ def test_a_host_whose_write_sequence_went_backwards_is_rebased(cluster, store) -
     answer (``rebased``), or — when the restarted daemon meets one of the host's own
     pre-reboot records first (it replays its feed entries the old daemon had not read
     yet, which is likely under load) — L2's merge (``lost_dots``). Until both did, the
-    second way undid the write (tests/test_holdback.py forces it), and this test timed
+    second way undid the write (tests/cluster/test_holdback.py forces it), and this test timed
     out under load waiting for the write in L3."""
     from kvcomm.tiers.shm.layout import H
-
-    from .daemon_harness import Host
+    from tests.support.daemon_harness import Host
 
     seed = random.randrange(2**32)
     print(f"seed={seed}")
@@ -325,9 +323,9 @@ def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(c
     host keeps answering the old value from L2 forever, with no error, although L3 and
     every other host moved on ('Then other hosts converge'). Expected: the stale copy is
     dropped (the read then goes to L3 and raises ValueTooLarge), or the read raises.
-    (tests/test_daemon_input.py asserts the current behaviour: 'the host keeps what it
+    (tests/cluster/test_daemon_input.py asserts the current behaviour: 'the host keeps what it
     had'.)"""
-    from .daemon_harness import Host, record
+    from tests.support.daemon_harness import Host, record
 
     def hold(h: Host, key: str, value: object) -> None:
         wait_for(lambda: h.kv.get(key) == value, 10, f"the host to hold {key}")
@@ -440,7 +438,7 @@ def test_review7_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type:
     namespace name but not an l2_dir (two dev clusters, two containers sharing the
     host's /dev/shm) use and rename each other's filter, so agents answer 'absent' for
     keys of the other cluster; `kvcomm purge --name X` (any l2_dir) deletes it."""
-    from .daemon_harness import Host
+    from tests.support.daemon_harness import Host
 
     d = tmp_path / "shm"
     d.mkdir()
@@ -472,7 +470,7 @@ def test_review7_l3_fill_racing_the_feed_serves_a_stale_value_forever(cluster, s
     sequence numbers have no gap). The window is the agent's GET round trip plus the fill:
     milliseconds on a loaded host, and the daemon polls every 20 ms. The hook below only
     widens that window in the agent (no mock of the product's logic)."""
-    from .daemon_harness import Host, remote_put
+    from tests.support.daemon_harness import Host, remote_put
 
     seed = random.randrange(2**32)
     print(f"seed={seed}")

@@ -18,9 +18,8 @@ import yaml
 
 import kvcomm
 from kvcomm.tiers import l2
-
-from .conftest import wait_for
-from .daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.helpers import wait_for
 
 
 def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -21,12 +21,12 @@ import kvcomm
 from kvcomm.core.versions import Version, vector_get
 from kvcomm.tiers import l2
 from kvcomm.tiers.shm import migrate as mig
+from tests.l2.test_migrate import _old_segment
+from tests.support import DATA
+from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
+from tests.support.helpers import wait_for
 
-from .conftest import wait_for
-from .daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
-from .test_migrate import _old_segment
-
-FIXTURE = pathlib.Path(__file__).parent / "data" / "segment-layout2.bin.gz"
+FIXTURE = DATA / "segment-layout2.bin.gz"
 
 
 # ----------------------------------------------------------------------------- migration and purge
@@ -129,7 +129,7 @@ def test_migrate_after_a_crash_keeps_writes_the_daemon_prewarmed_over(
     import uuid
 
     from kvcomm.node.daemon import NodeDaemon
-    from tests.daemon_harness import host_config
+    from tests.support.daemon_harness import host_config
 
     ns = f"td-{uuid.uuid4().hex[:10]}"
     path = l2.segment_path(ns)
@@ -173,7 +173,7 @@ def test_purge_trusts_a_corrupt_dirty_count(tmp_path: pathlib.Path, ns: str) -> 
     """F (flaky suite + wrong refusal): `kvcomm purge` decides "writes not yet in L3" from
     the header's DIRTY counter alone. An embedded-mode segment (never any dirty record)
     whose counter is corrupt is refused: this is what made
-    tests/test_fuzz_segment.py::test_cli_purge_removes_any_corrupted_segment fail in the
+    tests/l2/test_fuzz_segment.py::test_cli_purge_removes_any_corrupted_segment fail in the
     reviewer's full-suite run (FUZZ_SEED=339990849, random case 4: H_DIRTY 0 -> 65); every
     run draws a new seed, so the suite fails now and then."""
     raw = {"cache": {"l2_size": "16MB", "l2_dir": str(tmp_path)}}
@@ -212,7 +212,7 @@ def test_an_l3_record_with_a_huge_counter_does_not_wrap_the_hosts_write_sequence
     from kvcomm.core.versions import MAX_COUNTER
     from kvcomm.tiers.l3 import record_key
     from kvcomm.tiers.shm.segment import key_hash
-    from tests.daemon_harness import remote_put
+    from tests.support.daemon_harness import remote_put
 
     h1 = Host(cluster, "host-1", seed=1)  # type: ignore[arg-type]
     h2 = Host(cluster, "host-2", seed=2)  # type: ignore[arg-type]

@@ -21,10 +21,9 @@ from kvcomm._client.strong import KEY_PREFIX
 from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.etcd import EtcdClient
-
-from ._devcluster import NEEDS_ETCD, StrongHosts, etcd_fixture, strong_hosts_fixture
-from .conftest import wait_for
-from .daemon_harness import SharedRedisCluster
+from tests.support.daemon_harness import SharedRedisCluster
+from tests.support.devcluster import NEEDS_ETCD, StrongHosts, etcd_fixture, strong_hosts_fixture
+from tests.support.helpers import wait_for
 
 pytestmark = NEEDS_ETCD
 
@@ -284,8 +283,7 @@ def test_the_published_status_names_the_namespace(
     import shutil
 
     from kvcomm.node.daemon import NodeDaemon
-
-    from .daemon_harness import host_config
+    from tests.support.daemon_harness import host_config
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
@@ -417,8 +415,7 @@ def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
 
     from kvcomm.core.versions import LOGICAL_BITS
     from kvcomm.tiers.l3 import L3Store
-
-    from .daemon_harness import Host, record
+    from tests.support.daemon_harness import Host, record
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
