@@ -39,6 +39,13 @@ def ns() -> Iterator[str]:
 
 
 @pytest.fixture
+def name() -> Iterator[str]:
+    n = f"r7-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield n
+    l2.purge(n)
+
+
+@pytest.fixture
 def config() -> kvcomm.Config:
     return kvcomm.Config.from_mapping(SMALL)
 

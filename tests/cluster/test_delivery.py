@@ -25,6 +25,7 @@ from kvcomm.node.delivery import (
     NOT_DURABLE,
     REWIND,
     TAIL_EVERY,
+    UNREACHED,
     UNSEQUENCED,
     HostActivity,
     Inbound,
@@ -32,7 +33,7 @@ from kvcomm.node.delivery import (
     Poll,
     Skipped,
 )
-from kvcomm.tiers.l3 import FeedEntry, L3Record, PushResult
+from kvcomm.tiers.l3 import FeedEntry, L3Record, PushResult, Unreached
 
 
 def rec(actor: str, counter: int, hlc: int = 0, vector: dict[str, int] | None = None,
@@ -746,3 +747,29 @@ def test_a_lost_unread_short_push_is_a_rewind() -> None:
     assert inb.to_read({0: 3}, {0: b"3-0"}) == {0}  # (due from the hint)
     inb.read(0, 0)
     assert inb.to_read({0: 3}, {0: b"3-0"}) == set()  # (without the held number: nothing)
+
+
+def test_outbound_parks_unreached_writes_until_unpark() -> None:
+    """Outbound alone: a write answered Unreached stays staged (the delivered cursor
+    held: it is dirty) but in no window, so no push takes it again, until ``unpark``;
+    a newer write of a parked key is windowed at once (and no longer parked).
+    (found in review 21: one hung Redis master)"""
+    out = outbound()
+    out.read(1, [("a", rec("h", 1)), ("b", rec("h", 2))], 0.0)
+    push = out.next_push(1.0, lambda k: False)
+    assert push is not None and {i.key for i in push.items} == {"a", "b"}
+    answers = out.pushed(push, [Unreached("down")] * 2, 1.0, WSEQ)
+    assert [a.outcome for a in answers] == [UNREACHED] * 2
+    assert not any(a.deliver for a in answers)
+    assert out.parked == {"a", "b"} and out.delivered() == 0
+    assert out.next_push(5.0, lambda k: False) is None  # (parked: nothing to send)
+    out.read(2, [("b", rec("h", 3))], 5.0)  # a newer write of b: sent, not parked
+    assert out.parked == {"a"}
+    push = out.next_push(6.0, lambda k: False)
+    assert push is not None and [i.key for i in push.items] == ["b"]
+    out.pushed(push, [Unreached("down")], 6.0, WSEQ)
+    assert out.unpark(7.0) == 2 and not out.parked
+    push = out.next_push(8.0, lambda k: False)
+    assert push is not None and {i.key for i in push.items} == {"a", "b"}
+    assert {i.record.dot for i in push.items} == {("h", 1), ("h", 3)}
+    assert out.delivered() == 0  # (still not answered)

@@ -18,12 +18,13 @@ from kvcomm.core import codec
 from kvcomm.core.resolve import l3_rule
 from kvcomm.core.versions import Dotted
 from kvcomm.devcluster.redis_cluster import RedisCluster
-from kvcomm.errors import Unavailable
+from kvcomm.errors import ConfigError, Unavailable
 from kvcomm.tiers.l3 import (
     EMPTY_EXT,
     FIELDS,
     FORMAT,
     MAX_COUNTER,
+    META_GROUPS,
     CorruptRecord,
     L3Record,
     L3Store,
@@ -33,7 +34,7 @@ from kvcomm.tiers.l3 import (
     seq_key,
 )
 from tests.core.test_versions import histories
-from tests.support.daemon_harness import cluster_fixture, store_fixture  # noqa: F401 (the fixtures)
+from tests.support.daemon_harness import cluster_fixture, record, store_fixture  # noqa: F401 (the fixtures)  # noqa: F401 (the fixtures)
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.redis
@@ -598,3 +599,80 @@ def test_a_master_without_replicas_does_not_hold_writes_back(cluster: RedisClust
         assert isinstance(store.rc, redis.cluster.RedisCluster)
     finally:
         store.close()
+
+
+def test_a_count_recorded_then_lost_does_not_let_another_count_in(cluster: RedisCluster) -> None:
+    """F: check_groups guards against a second count only through kvm:groups (and data
+    of the 16-group layout): if kvm:groups is lost (its master failed over before the
+    unacknowledged SET replicated, a FLUSH of one master) a host configured with another
+    count records its own and starts: every key then hashes to another group and slot,
+    and the data written under the first count is invisible. Data of another count must
+    be refused like the legacy layout's.
+    (found in review 11: slot balancing)"""
+    a = L3Store(cluster.seeds, groups=1024)
+    b = L3Store(cluster.seeds, groups=2048)
+    try:
+        a.rc.delete(META_GROUPS)
+        assert a.check_groups(record=True) == 1024
+        k = next(f"review11/count/{i}" for i in range(100) if a.groups.of(f"review11/count/{i}"))
+        a.push(k, record("v", "h1", 1, 1))
+        assert b.get(k) is None  # what a host of the other count would see: nothing
+        a.rc.delete(META_GROUPS)  # lost
+        with pytest.raises(ConfigError, match="cluster.groups"):
+            b.check_groups(record=True)
+    finally:
+        a.rc.delete(META_GROUPS)
+        a.close()
+        b.close()
+
+
+def test_a_change_whose_hint_subscription_was_killed_is_still_seen(cluster: RedisCluster) -> None:
+    """(Held.) Every hint subscription killed on every master (CLIENT KILL TYPE pubsub)
+    right before another host's write: the holder still sees the change (the broken
+    subscriptions count as lost hints, their groups' counters are read).
+    (found in review 11: slot balancing)"""
+    from kvcomm.devcluster.redis_cluster import command
+    from tests.support.daemon_harness import Host
+    from tests.support.helpers import wait_for
+
+    h1 = Host(cluster, "r11-hint-1", seed=1)
+    h2 = Host(cluster, "r11-hint-2", seed=2)
+    try:
+        h2.kv.put("review11/hint/k", {"n": 0})
+        wait_for(lambda: h1.kv.get("review11/hint/k") == {"n": 0}, 30, "h1 to read the key")
+        assert h1.daemon is not None
+        wait_for(lambda: h1.daemon.l3.hint_stats.get("subscribed", 0) >= 1024, 30,  # type: ignore[union-attr]
+                 "h1 to subscribe every group")
+        killed = sum(int(command(p, "CLIENT", "KILL", "TYPE", "pubsub").strip(b":\r\n") or 0)
+                     for p in cluster.master_ports())
+        assert killed >= 2  # the fault happened (both hosts' subscriptions)
+        h2.kv.put("review11/hint/k", {"n": 1})
+        wait_for(lambda: h1.kv.get("review11/hint/k") == {"n": 1}, 60, "h1 to see the change")
+        assert h1.stats.lost_hints > 0
+    finally:
+        h1.close()
+        h2.close()
+
+
+def test_only_a_refused_connection_sends_a_start_up_read_to_the_successor() -> None:
+    """(Review.) redis-py raises AUTH failures and the server's client limit as
+    ConnectionError too; a new slot map mends neither, so only a refused connection (a
+    dead or failed-over master: redis-py's error raised from ConnectionRefusedError)
+    re-reads the map. Real: redis-py dialling a port nothing listens on.
+    (found in review 23: faults the whole suite's order found)"""
+    import socket
+
+    import redis
+    from redis import exceptions as rex
+
+    from kvcomm.tiers.l3 import _refused
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(rex.ConnectionError) as refused:
+        redis.Redis(port=port, socket_connect_timeout=1, retry_on_error=[]).ping()
+    assert _refused(refused.value)
+    assert not _refused(rex.AuthenticationError("invalid username-password pair"))
+    assert not _refused(rex.ConnectionError("max number of clients reached"))
+    assert not _refused(rex.TimeoutError("Timeout connecting to server"))

@@ -180,7 +180,7 @@ def test_a_call_refused_for_a_slot_on_the_move_falls_back_to_one_record_a_call(
     and only the moved ones stay refused until the move ends (Unavailable)."""
     from kvcomm.balance.migrate import SlotMover
     from kvcomm.errors import Unavailable
-    from tests.test_review11 import _cleanup, _keys_of_slot
+    from tests.tools.test_migrate_interrupted import _cleanup, _keys_of_slot
 
     g = group_of(f"moving/{random.randrange(2**32)}")
     slot = store.groups.slot(g)

@@ -11,13 +11,14 @@ import os
 import random
 import shutil
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import kvcomm
-from kvcomm.tiers.l3 import META_INDEX
+from kvcomm.tiers.l3 import META_INDEX, L3Store
 from tests.support.devcluster import all_live_in_l3, dev_cluster_fixture, host, l3
 from tests.support.helpers import wait_for
 
@@ -363,3 +364,206 @@ def test_a_watch_dropped_unstarted_unregisters(dev: dict[str, Any]) -> None:
         assert set(os.listdir(d)) - before == set()
     finally:
         b.close()
+
+
+def scan_in_thread(kv: kvcomm.Client, prefix: str, **kw: Any) -> list[str] | BaseException:
+    """``[key...]`` of ``kv.scan(prefix, **kw)`` or what it raised, run in a thread so
+    that a scan that never ends fails the test instead of hanging it."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append([i.key for i in kv.scan(prefix, **kw)])
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_for(lambda: out, 60, f"the scan of {prefix!r} to end")
+    return out[0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.redis
+def test_hostile_index_members_are_skipped_and_the_scan_ends(dev: dict[str, Any]) -> None:
+    """F2: members planted in a group's key index (kvi:{t}) by a non-KVCOMM client: 600
+    that are not UTF-8 made ``scan`` loop for ever (the page bound, decoded with
+    "replace", sorted below the member it came from, so every round re-read the same
+    page); one holding NUL or one of 1 MB made it raise InvalidKey, so no scan of the
+    prefix could ever list the live keys. Members that cannot be keys are not live keys:
+    they are skipped, and every live key still appears, in order.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    b, store = host(dev, 1), l3(dev)
+    try:
+        live = [f"hx/{i:02d}" for i in range(5)] + ["hx/\u00e9", "hx/\U0001f600"]
+        for k in live:
+            b.put(k, 1)
+        wait_for(lambda: all(r is not None for r in store.get_many(live).values()), 30,
+                 "the keys in L3")
+        idx = store.groups.index_key(store.groups.of("hx/00"))
+        junk: dict[bytes, int] = {}
+        for lead in (b"\xf0", b"\xfe"):
+            junk.update({b"hx/" + lead + bytes([1 + i // 200, 1 + i % 200]): 0 for i in range(300)})
+        junk[b"hx/\x00nul"] = 0
+        junk[b"hx/" + b"y" * (1 << 20)] = 0
+        store.rc.zadd(idx, junk)  # type: ignore[arg-type]
+        got = scan_in_thread(b, "hx/")
+        assert got == sorted(live, key=lambda k: k.encode()), got
+        paged: list[str] = []
+        after = None
+        while True:
+            page = scan_in_thread(b, "hx/", limit=2, after=after)
+            assert isinstance(page, list), page
+            if not page:
+                break
+            paged += page
+            after = page[-1]
+        assert paged == sorted(live, key=lambda k: k.encode())
+    finally:
+        b.close()
+        store.close()
+
+
+@pytest.mark.redis
+def test_foreign_strong_records_in_etcd_raise_kvcomm_errors(dev: dict[str, Any]) -> None:
+    """F4: a value under a strong key in etcd that KVCOMM did not write (4 bytes) made
+    ``get`` and every ``scan`` over it raise struct.error (no KVCommError: callers
+    catching KVCommError crashed), and a key there that is not UTF-8 made ``scan`` raise
+    UnicodeDecodeError. The value raises CorruptRecord; the key, no key, is skipped.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    from kvcomm.tiers.etcd import EtcdClient
+
+    eps = [("127.0.0.1", p) for p in dev["etcd"]["client_ports"]]
+    b = host(dev, 1)
+    try:
+        b.put("lock/f4/ok", "v")
+        with EtcdClient(eps) as raw:
+            raw.put(b"kvc/k/lock/f4/\xff\xfe", b"junk-not-a-record")
+        assert [(i.key, i.value) for i in b.scan("lock/f4/")] == [("lock/f4/ok", "v")]
+        with EtcdClient(eps) as raw:
+            raw.put(b"kvc/k/lock/f4/bad", b"junk")
+        with pytest.raises(kvcomm.CorruptRecord):
+            b.get("lock/f4/bad")
+        with pytest.raises(kvcomm.CorruptRecord):
+            list(b.scan("lock/f4/"))
+    finally:
+        b.close()
+
+
+@pytest.mark.redis
+def test_a_late_watch_event_never_names_a_writer_that_did_not_write(dev: dict[str, Any]) -> None:
+    """F5: a watcher on host 2 that read host 1's put after the key had changed again got
+    Version((("host-2", 0),), hlc): a version saying host 2 wrote it, at counter 0. When
+    the full version is gone the event carries what is known (its HLC, and this host's
+    entry only when this host wrote it), never an invented entry.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    a, b = host(dev, 0), host(dev, 1)
+    try:
+        w = b.watch("f5/", timeout=5)
+        a.put("f5/k", 1)
+        wait_for(lambda: b.get("f5/k") == 1, 30, "host 2 to hold f5/k")
+        a.put("f5/k", 2)
+        wait_for(lambda: b.get("f5/k") == 2, 30, "host 2 to hold the second put")
+        events = []
+        for e in w:  # read only now: the first put's full version is gone from L2
+            events.append(e)
+            if e.kind == "put" and len([x for x in events if x.kind == "put"]) == 2:
+                break
+        host2 = dev["hosts"][1]["name"] if "name" in dev["hosts"][1] else "host-2"
+        puts = [e for e in events if e.kind == "put"]
+        # (the first put, replaced before it was read, may be coalesced into the second)
+        assert 1 <= len(puts) <= 2, events
+        for e in puts:
+            assert e.version is not None
+            assert all(h != host2 for h, _ in e.version.vector), e
+        assert puts[-1].version.vector and puts[-1].version.vector[0][0] != host2
+    finally:
+        a.close(), b.close()
+
+
+def _l3_state(store: L3Store, key: str) -> str:
+    r = store.get_many([key])[key]
+    return "absent" if r is None else "error" if isinstance(r, Exception) else (
+        "tombstone" if r.tombstone else "live")
+
+
+def _dirty(kv: kvcomm.Client, key: str) -> bool:
+    from kvcomm.tiers.l2 import FLAG_DIRTY, key_hash
+
+    kb = key.encode()
+    v = kv._seg.version(kb, key_hash(kb))
+    return v is not None and bool(v[6] & FLAG_DIRTY)
+
+
+@pytest.mark.redis
+def test_a_scan_never_serves_l2s_stale_view_of_what_l3_acknowledged(dev: dict[str, Any]) -> None:
+    """F6: in cluster mode a scan served every key this host's L2 holds from L2, so until
+    the host's daemon applied other hosts' changes (here: stopped; in life, the feed's
+    lag) a key another host deleted, acknowledged by L3 before the scan began, still
+    appeared ("deleted keys never appear" broken), and a key this host had deleted and
+    another host put again (acknowledged) was missing ("always appears" broken). L2 now
+    serves only this host's writes not yet in L3, and keys L3's index lists; others are
+    read from L3.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    a, b, store = host(dev, 0), host(dev, 1), l3(dev)
+    pid = int(dev["hosts"][1]["pid"])
+    stopped = False
+    try:
+        a.put("f6/gone", 1)
+        a.put("f6/stay", 1)
+        b.put("f6/back", 1)
+        wait_for(lambda: all(_l3_state(store, k) == "live" for k in ("f6/gone", "f6/stay", "f6/back")),
+                 30, "the puts in L3")
+        wait_for(lambda: b.get("f6/gone") == 1 and b.get("f6/stay") == 1, 30, "host 2 to hold them")
+        b.delete("f6/back")
+        wait_for(lambda: _l3_state(store, "f6/back") == "tombstone" and not _dirty(b, "f6/back"),
+                 30, "host 2's delete in L3")
+        os.kill(pid, 19)  # SIGSTOP: host 2's daemon applies nothing from now on
+        stopped = True
+        a.delete("f6/gone")
+        a.put("f6/back", 2)
+        wait_for(lambda: _l3_state(store, "f6/gone") == "tombstone"
+                 and _l3_state(store, "f6/back") == "live", 30, "host 1's changes in L3")
+        got = [(i.key, i.value) for i in b.scan("f6/")]
+        assert got == [("f6/back", 2), ("f6/stay", 1)], got
+    finally:
+        if stopped:
+            os.kill(pid, 18)  # SIGCONT
+        a.close(), b.close(), store.close()
+
+
+@pytest.mark.redis
+def test_a_slow_watcher_of_strong_keys_is_told_to_rescan_and_holds_bounded_memory(
+        dev: dict[str, Any]) -> None:
+    """F7: the strong keys of a cluster watch come from an etcd watch whose reader thread
+    queued every event without bound: a watcher that does not read (a slow one, or one
+    whose generator sits unstarted) held every strong change of the prefix in memory for
+    ever and was never told to rescan, unlike L2's feed (``cache.watch_buffer``). The
+    queue now holds at most ``cache.watch_buffer`` events; past it the watcher gets one
+    ``overflow`` event and the changes after it.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    a, b = host(dev, 0), host(dev, 1)
+    try:
+        buffer = b.config.cache.watch_buffer
+        w = b.watch("lock/f7/", timeout=10)
+        n = buffer + 200
+        for i in range(n):
+            a.put(f"lock/f7/{i:05d}", i)
+        sub_watch = w.gi_frame.f_locals["feed"].sub.etcd_watch  # type: ignore[attr-defined]
+
+        def queued() -> int:
+            return sum(len(x) for x in list(sub_watch._queue.queue) if isinstance(x, list))
+
+        a.put("lock/f7/last", "end")
+        wait_for(lambda: any(isinstance(x, list) and x[-1].kv.key.endswith(b"/last")
+                             for x in list(sub_watch._queue.queue)), 30,
+                 "the etcd watch to queue the last put")
+        assert queued() <= buffer, f"{queued()} events queued for a watcher that reads none"
+        kinds = []
+        for e in w:
+            kinds.append((e.kind, e.key))
+            if e.key == "lock/f7/last":
+                break
+        assert ("overflow", "") in kinds, kinds[:5]
+        assert len(kinds) <= buffer + 2, len(kinds)
+    finally:
+        a.close(), b.close()

@@ -141,3 +141,59 @@ def test_a_junk_copy_in_l3_is_a_clear_config_error(no_etcd: Any, store: L3Store,
     with pytest.raises(kvcomm.ConfigError, match=r"kvm:strong.*DEL kvm:strong"):
         no_etcd()
     assert not os.path.exists("/tmp/kvcomm-pwned")
+
+
+def test_an_agent_opened_before_its_daemon_never_writes_strong_keys_as_eventual(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The agent opens while no daemon runs (nothing to compare with: it opens); the
+    daemon then starts with cache.strong_prefixes ["task/"]; the agent's put of a key
+    under that prefix must be refused (ConfigError: it has no etcd), not acknowledged
+    as an eventual write.
+    (found in review 18: write mark, hinted entries, unread changes)"""
+    import time
+    import uuid
+
+    import kvcomm
+    from kvcomm.node.presence import status_path, write_status
+
+    ns = f"r18s-{uuid.uuid4().hex[:10]}"
+    cfg = kvcomm.Config.from_mapping({
+        "node": {"host_id": "h1", "namespace": ns},
+        "cache": {"l2_size": "4MB", "l2_dir": str(tmp_path)},
+        "cluster": {"redis": ["127.0.0.1:1"], "groups": 16}})
+    kv = kvcomm.open(ns, config=cfg, wait_daemon=False)  # no daemon yet: opens (it may)
+    try:
+        # the daemon starts (the status it publishes, as Daemon.status() writes it)
+        write_status(status_path(ns, str(tmp_path)),
+                     {"host": "h1", "strong_prefixes": ["task/"], "l3_consistency": "eventual",
+                      "updated": time.time()})
+        # (the agent reads the status file at most every 50 ms)
+        wait_for(lambda: kv._status_reader.status() is not None, 10, "the status to be read")
+        with pytest.raises(kvcomm.ConfigError, match="cluster.etcd"):
+            kv.put("task/1", "as eventual")
+        with pytest.raises(kvcomm.ConfigError, match="cluster.etcd"):
+            kv.delete("task/1")
+        assert kv._seg.dirty_count == 0  # nothing was written
+    finally:
+        kv.close()
+        from kvcomm.tiers import l2
+        l2.purge(ns, str(tmp_path))
+    # a daemon without strong keys: the agent's writes go on, and it stops asking
+    ns2 = f"r18s-{uuid.uuid4().hex[:10]}"
+    cfg2 = kvcomm.Config.from_mapping({
+        "node": {"host_id": "h1", "namespace": ns2},
+        "cache": {"l2_size": "4MB", "l2_dir": str(tmp_path)},
+        "cluster": {"redis": ["127.0.0.1:1"], "groups": 16}})
+    kv = kvcomm.open(ns2, config=cfg2, wait_daemon=False)
+    try:
+        kv.put("task/1", "eventual")  # (no daemon yet: eventual)
+        write_status(status_path(ns2, str(tmp_path)),
+                     {"host": "h1", "strong_prefixes": [], "l3_consistency": "eventual",
+                      "updated": time.time()})
+        wait_for(lambda: kv._status_reader.status() is not None, 10, "the status to be read")
+        kv.put("task/2", "eventual")
+        assert not kv._strong_on and not kv._strong_unknown
+        assert kv.get("task/2") == "eventual"
+    finally:
+        kv.close()
+        from kvcomm.tiers import l2
+        l2.purge(ns2, str(tmp_path))

@@ -26,6 +26,7 @@ from kvcomm.config import (
     parse_duration,
     parse_size,
 )
+from kvcomm.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -579,3 +580,14 @@ def test_etcd_and_strong_keys_are_validated(data: dict[str, object], key: str, m
     with pytest.raises(kvcomm.ConfigError, match=re.escape(match)) as info:
         kvcomm.Config.from_mapping(data)
     assert info.value.key == key
+
+
+def test_a_feed_total_that_cannot_be_honoured_is_refused() -> None:
+    """F: cluster.feed_total is documented as the bound on all groups' streams together,
+    but each stream keeps at least FEED_MIN (100) entries: feed_total 100,000 with 16,384
+    groups keeps 1.6 million entries (16x the bound) silently. A config whose bound
+    cannot hold must say so.
+    (found in review 11: slot balancing)"""
+    with pytest.raises(ConfigError, match="feed_total"):
+        kvcomm.Config.from_mapping({"cluster": {"redis": ["127.0.0.1:7000"], "groups": 16384,
+                                                "feed_total": 100_000}})

@@ -350,3 +350,18 @@ def test_a_lone_surrogate_is_refused_at_any_depth(kv: kvcomm.Client, value: obje
     with pytest.raises(kvcomm.UnsupportedValue, match="lone surrogate"), kv.batch() as b:
         b.put("k", value)
     assert kv.get("k") == "before"
+
+
+def _cfg(**cache: object) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 256, **cache}})
+
+
+def test_review7_keys_with_a_non_str_prefix(name: str) -> None:
+    """F13 (wrong error). keys(5) leaks TypeError from str.startswith
+    (_client/client.py Client.keys); every other entry point raises InvalidKey for a non-str
+    prefix (watch, register_validator).
+    (found in review 7: embedded and cluster mode on real processes)"""
+    with kvcomm.open(name, config=_cfg()) as kv:
+        kv.put("a", 1)
+        with pytest.raises(kvcomm.KVCommError):
+            kv.keys(5)  # type: ignore[arg-type]

@@ -199,3 +199,18 @@ def test_sorted_keys_is_a_sorted_set(ops: list[tuple[bool, str]], prefix: str, a
                                                  if k.startswith(prefix) and k > after][:limit]
     finally:
         sk.BLOCK = old
+
+
+def test_prefixes_and_afters_that_are_not_utf8_are_refused_as_arguments(kv: kvcomm.Client) -> None:
+    """F9: a prefix (or ``after``) holding a lone surrogate made ``watch`` raise
+    UnicodeEncodeError (no KVCommError; in cluster mode after leaving a half-made
+    registration file) and a cluster ``scan`` raise CorruptRecord ("rename it", about a
+    key that is only an argument). Both refuse it up front: InvalidKey for a prefix,
+    InvalidArgument for ``after``.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    with pytest.raises(kvcomm.InvalidKey, match="UTF-8"):
+        kv.scan("a\ud800")
+    with pytest.raises(kvcomm.InvalidArgument, match="UTF-8"):
+        kv.scan("a", after="a\ud800")
+    with pytest.raises(kvcomm.InvalidKey, match="UTF-8"):
+        kv.watch("a\ud800")

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import struct
 import subprocess
 import sys
 import textwrap
@@ -18,9 +19,10 @@ import msgpack
 import pytest
 
 import kvcomm
+from kvcomm._client.attach import _Shared
 from kvcomm._client.sweeper import SLICE
 from kvcomm.core.expiry import MAX_TTL, ExtCache, check_ttl, deadline_of, expired, with_deadline
-from kvcomm.tiers.l2 import key_hash
+from kvcomm.tiers.l2 import H, key_hash
 from tests.support.helpers import SMALL, wait_for
 
 
@@ -474,3 +476,263 @@ def test_a_write_over_an_expired_key_records_its_expiry_first(ns: str) -> None:
         assert kv.stats()["l2"]["entries"] == 120
         assert all(kv.get(f"k/{i}") == -i for i in range(120))
         assert kv.get_item("k/0").expires_at is None
+
+
+_BYTES_TAG = 1
+
+
+def _cfg(**cache: object) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({**SMALL, "cache": {**SMALL["cache"], **cache}})
+
+
+def _held(kv: kvcomm.Client, key: str) -> bool:
+    """Whether this host's L2 physically holds ``key``'s record (a lock-free look that,
+    unlike a read, never reclaims an expired one)."""
+    kb = key.encode()
+    return kv._seg.version(kb, key_hash(kb)) is not None
+
+
+# ---------------------------------------------------------------- F1: eviction order
+
+def test_expired_entries_are_reclaimed_before_any_live_entry_is_evicted(ns: str) -> None:
+    """(found in review 14: per-key TTL and presence)"""
+    value = b"x" * 60_000
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="60s")) as kv:  # no sweep: eviction alone
+        i = 0
+        while kv.stats()["l2"]["evictions"] < 40:  # the CLOCK hand has gone round
+            kv.put(f"a/{i}", value)
+            i += 1
+        ttl_keys = [f"t/{j}" for j in range(20)]
+        with kv.batch() as b:
+            for k in ttl_keys:
+                b.put(k, value, ttl=0.3)
+        deadline = kv.get_item(ttl_keys[0]).expires_at  # type: ignore[union-attr]
+        assert deadline is not None
+        wait_for(lambda: time.time() > deadline + 0.01, 5, "the deadline")
+        assert all(_held(kv, k) for k in ttl_keys)  # nothing has reclaimed them yet
+        live_evicted_while_expired_held = 0
+        for j in range(len(ttl_keys) + 5):
+            before = kv.stats()["l2"]["evictions"]
+            kv.put(f"b/{j}", value)
+            held = [k for k in ttl_keys if _held(kv, k)]
+            if kv.stats()["l2"]["evictions"] > before and held:
+                live_evicted_while_expired_held += 1
+        assert live_evicted_while_expired_held == 0, (
+            f"{live_evicted_while_expired_held} writes evicted a live entry while expired "
+            "entries still held space")
+        assert not any(_held(kv, k) for k in ttl_keys)  # the writes needed their space
+        assert kv._seg.check() == []  # the expiry hint included
+
+
+# ---------------------------------------------------------------- F2: one reading of "e"
+
+_PAST, _FUTURE = 1000.0, time.time() + 3600.0
+
+
+def _f64(x: float) -> bytes:
+    return b"\xcb" + struct.pack(">d", x)
+
+
+HOSTILE = {  # fields kvcomm.core.ext accepts (string keys), read differently before F2
+    "repeated e (the last is live)": b"\x82\xa1e" + _f64(_PAST) + b"\xa1e" + _f64(_FUTURE),
+    "repeated e (the last is past)": b"\x82\xa1e" + _f64(_FUTURE) + b"\xa1e" + _f64(_PAST),
+    "e as a str8": b"\x81\xd9\x01e" + _f64(_PAST),
+    "e as a str16": b"\x81\xda\x00\x01e" + _f64(_PAST),
+    "deadline as an int32": b"\x81\xa1e\xd2" + struct.pack(">i", 1000),
+    "deadline as an int64": b"\x81\xa1e\xd3" + struct.pack(">q", 1000),
+    "negative int16": b"\x81\xa1e\xd1" + struct.pack(">h", -5),
+    "e then a string e": b"\x82\xa1e" + _f64(_PAST) + b"\xa1e\xa1x",
+    "a map16 header": b"\xde\x00\x01\xa1e" + _f64(_PAST),
+    "a map32 header": b"\xdf\x00\x00\x00\x01\xa1e" + _f64(_PAST),
+    "float32": b"\x81\xa1e\xca" + struct.pack(">f", 1000.0),
+    "uint64 max": b"\x81\xa1e\xcf" + b"\xff" * 8,
+    "nan": b"\x81\xa1e" + _f64(float("nan")),
+    "inf": b"\x81\xa1e" + _f64(float("inf")),
+    "huge": b"\x81\xa1e" + _f64(1e308),
+    "bool": b"\x81\xa1e\xc3",
+    "nested e": b"\x81\xa1a\x81\xa1e" + _f64(_PAST),
+}
+
+
+def test_c_and_python_read_the_same_deadline_from_every_accepted_field(kv: kvcomm.Client) -> None:
+    """(found in review 14: per-key TTL and presence)"""
+    disagree = []
+    for name, ext in HOSTILE.items():
+        kb = f"h/{name}".encode()
+        h = key_hash(kb)
+        kv._seg.apply([(kb, h, _BYTES_TAG, b"", b"v", ext)], now_ms=int(time.time() * 1000))
+        rec = kv._seg.read(kb, h)
+        assert rec is not None
+        c_reads = rec.deadline or None
+        py_reads = deadline_of(ext)
+        if c_reads != py_reads:
+            disagree.append((name, c_reads, py_reads))
+        gone = py_reads is not None and py_reads <= time.time()
+        # every read path answers as the deadline Python (and L3) reads says
+        assert (kv.get(kb.decode()) is None) == gone, name
+        assert (kv.get_item(kb.decode()) is None) == gone, name
+    assert disagree == [], disagree
+
+
+# ---------------------------------------------------------------- F3: an idle sweep
+
+def test_the_sweep_takes_no_lock_while_nothing_can_expire(ns: str) -> None:
+    """(found in review 14: per-key TTL and presence)"""
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="10ms")) as kv:
+        sw = _Shared.attached[ns].sweeper
+        for i in range(100):
+            kv.put(f"p/{i}", b"v")  # permanent keys only
+        looks0 = sw.looks
+        wait_for(lambda: sw.looks >= looks0 + 30, 30, "30 sweep intervals")
+        assert sw.sweeps == 0, f"{sw.sweeps} sweeps took the writer lock with no deadline"
+        w = kv.watch("t/", timeout=5.0)
+        kv.put("t/1", b"v", ttl=0.2)
+        kinds = []
+        for ev in w:
+            kinds.append((ev.kind, ev.key))
+            if ev.kind != "put":
+                break
+        assert kinds == [("put", "t/1"), ("expire", "t/1")]  # the sweep reclaimed it
+        assert sw.sweeps > 0
+        # once the pass that reclaimed it is over no deadline is left: 30 intervals in a
+        # row then go by without the lock
+        seen = [sw.sweeps, sw.looks]
+
+        def quiet() -> bool:
+            if sw.sweeps != seen[0]:
+                seen[:] = [sw.sweeps, sw.looks]
+            return sw.looks >= seen[1] + 30
+        wait_for(quiet, 30, "30 sweep intervals in a row without the lock")
+        assert kv._seg.check() == []
+
+
+def test_a_deadline_written_by_another_process_wakes_this_process_sweep(ns: str) -> None:
+    """The hint lives in the segment: a key with a deadline written by another process
+    (which exits at once, its own sweeper gone) is reclaimed by this process's sweep.
+    (found in review 14: per-key TTL and presence)"""
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="10ms")) as kv:
+        sw = _Shared.attached[ns].sweeper
+        kv.put("p/keep", b"v")
+        w = kv.watch("t/", timeout=10.0)
+        code = textwrap.dedent(f"""
+            import kvcomm
+            cfg = kvcomm.Config.from_mapping({_cfg(expiry_sweep='60s').model_dump()!r})
+            with kvcomm.open({ns!r}, config=cfg) as kv:
+                kv.put("t/child", b"v", ttl=0.3)
+        """)
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        kinds = []
+        for ev in w:
+            kinds.append((ev.kind, ev.key))
+            if ev.kind != "put":
+                break
+        assert kinds == [("put", "t/child"), ("expire", "t/child")]
+        assert sw.reclaimed == 1 and kv.get("p/keep") == b"v"
+
+
+def test_an_expired_dirty_record_is_kept_until_clean_then_the_hint_wakes_the_sweep(
+        ns: str) -> None:
+    """A record with a deadline written dirty (cluster mode: not yet in L3) is never
+    reclaimed, by the sweep nor by eviction, until the daemon marks it clean; the mark
+    lowers the expiry hint, so the sweep then reclaims it (with its expire event).
+    (found in review 14: per-key TTL and presence)"""
+    with kvcomm.open(ns, config=_cfg(expiry_sweep="10ms")) as kv:
+        sw = _Shared.attached[ns].sweeper
+        w = kv.watch("d/", timeout=10.0)
+        kb = b"d/1"
+        h = key_hash(kb)
+        ext = b"\x81\xa1e" + _f64(time.time() + 0.2)
+        counter, hlc, _, _, _ = kv._seg.put(kb, h, _BYTES_TAG, b"", b"v", int(time.time() * 1000),
+                                            True, 0, ext)
+        wait_for(lambda: sw.passes >= 1, 10, "a whole pass after the deadline")
+        assert sw.sweeps >= 2 and sw.reclaimed == 0
+        assert _held(kv, "d/1") and kv.get("d/1") is None  # dirty: kept, but absent
+        assert not kv._seg.expiry_due(time.time())  # nothing clean can expire: no sweeps
+        assert kv._seg.mark_clean(kb, h, counter, hlc)
+        kinds = []
+        for ev in w:
+            kinds.append(ev.kind)
+            if ev.kind == "expire":
+                break
+        assert kinds[-1] == "expire" and not _held(kv, "d/1")
+        assert kv._seg.check() == []
+
+
+# ---------------------------------------------------------------- probes (no fault found)
+
+def test_kill_9_of_sweeping_processes_never_wedges_writers(ns: str) -> None:
+    """Processes sweeping (and evicting over) thousands of expired entries are killed with
+    SIGKILL at random moments, several times; every write after each kill completes, the
+    segment checks clean, and at least one kill landed while the writer lock was held (a
+    repair or an owner death counted).
+    (found in review 14: per-key TTL and presence)"""
+    import random
+    import signal
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rnd = random.Random(seed)
+    cfg = _cfg(expiry_sweep="1ms", lock_timeout="2s")
+    child = textwrap.dedent(f"""
+        import kvcomm
+        from kvcomm._client.attach import _Shared
+        cfg = kvcomm.Config.from_mapping({cfg.model_dump()!r})
+        kv = kvcomm.open({ns!r}, config=cfg)
+        sw = _Shared.attached[{ns!r}].sweeper
+        print("ready", flush=True)
+        i = 0
+        while True:
+            with kv.batch() as b:
+                for j in range(200):
+                    b.put(f"t/{{i}}-{{j}}", b"x" * 2000, ttl=0.001)
+            i += 1
+            sw.sweep_once()
+    """)
+    with kvcomm.open(ns, config=cfg) as kv:
+        q = kv._seg._q
+
+        def deaths() -> int:
+            return int(q[H["OWNER_DEATHS"]] + q[H["RECOVERIES"]])
+
+        kills = 0
+        while deaths() == 0 and kills < 60:  # until a kill lands under the lock
+            p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            time.sleep(rnd.uniform(0.05, 0.4))  # (where the kill lands: the point of it)
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            kills += 1
+            kv.put(f"after/{kills}", kills, ttl=60)  # never wedged: within lock_timeout
+            assert kv.get(f"after/{kills}") == kills
+        print(f"{kills} kills; owner deaths {q[H['OWNER_DEATHS']]}, repairs {q[H['RECOVERIES']]}")
+        assert deaths() >= 1, "no kill landed while the lock was held"
+        assert kv._seg.check() == []
+
+
+def test_keys_nobody_reads_get_their_expire_events_within_a_wake_up_or_two(ns: str) -> None:
+    """The sweep finishes its pass in the wake-up that finds a deadline due (a slice at a
+    time, the lock released between slices): one slice per wake-up left a key nobody read
+    for up to ceil(slots / SLICE) wake-ups before its expire event (32 on 131,072 slots),
+    not one interval as the contract says. Counted in wake-ups, not wall time.
+    (found in review 14: per-key TTL and presence)"""
+    from kvcomm._client.sweeper import SLICE
+
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "256MB", "expiry_sweep": "50ms"}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        slots = kv._seg.layout.n_slots
+        assert slots >= 16 * SLICE, slots  # (a pass is many slices)
+        sw = _Shared.attached[ns].sweeper
+        w = kv.watch("nr/", timeout=10.0)
+        keys = [f"nr/{i}" for i in range(64)]  # spread over the table, never read
+        for k in keys:
+            kv.put(k, b"v", ttl=0.3)
+        looks_at: dict[str, int] = {}
+        for ev in w:
+            if ev.kind == "expire":
+                looks_at.setdefault(ev.key, sw.looks)
+                if len(looks_at) == len(keys):
+                    break
+        first_due = min(looks_at.values())
+        spread = max(looks_at.values()) - first_due
+        print(f"{slots} slots; expire events of 64 unread keys spread over {spread} wake-ups")
+        assert spread <= 2, (spread, slots)

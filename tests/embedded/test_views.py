@@ -239,3 +239,25 @@ def test_an_exception_between_pin_and_view_leaks_no_pin(kv: kvcomm.Client) -> No
     kv.put("a", BIG * 2)  # the old block: not named by any pin, so freed at once
     assert kv._seg.info()["pinned_deferred_blocks"] == 0
     assert kv._seg.check() == []
+
+
+def _cfg(**cache: object) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 256, **cache}})
+
+
+# ---------------------------------------------------------------------------------------
+# F4. Empty multi-dimensional numpy arrays leak TypeError.
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (2, 0, 2)])
+def test_review7_empty_multidimensional_array(name: str, shape: tuple[int, ...]) -> None:
+    """np.zeros((0, 3)) (e.g. 'no detections this frame') is a numeric array: it must be
+    stored, or refused with a KVCommError. codec.encode (core/codec.py:109,
+    memoryview(arr).cast('B')) raises TypeError 'cannot cast view with zeros in shape'.
+    (found in review 7: embedded and cluster mode on real processes)"""
+    with kvcomm.open(name, config=_cfg()) as kv:
+        try:
+            kv.put("empty", np.zeros(shape))
+        except kvcomm.KVCommError:
+            return
+        assert kv.get("empty").shape == shape

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import threading
 import time
+from pathlib import Path
+
+import pytest
 
 import kvcomm
+from tests.support.helpers import wait_for
 
 
 def test_events_in_order_with_versions(kv: kvcomm.Client) -> None:
@@ -129,3 +134,59 @@ def test_last_event_per_key_matches_current_version(ns: str, config: kvcomm.Conf
                 assert ev is None or ev.kind == "delete"
             else:
                 assert ev is not None and ev.kind == "put" and ev.version == item.version
+
+
+# ---------------------------------------------------------------- watch registrations
+
+
+def test_a_planted_watch_directory_is_refused(tmp_path: Path) -> None:
+    """F3: ``kvcomm.NS.watch`` lives in /dev/shm, which every user can write: one another
+    user created first (or one with a wider mode) was used as it was, so that user could
+    delete a watcher's registration (the watch then silently misses other hosts'
+    changes) or plant prefixes for the daemon. It is refused (SegmentError) as the
+    segment and the placement table are.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    from kvcomm.node.watched import register, watch_dir
+
+    d = watch_dir("ns", str(tmp_path))
+    os.mkdir(d, 0o777)
+    os.chmod(d, 0o777)
+    with pytest.raises(kvcomm.SegmentError, match="remove it"):
+        register("ns", str(tmp_path), "p/", 0o600)
+    os.chmod(d, 0o700)
+    os.chown(d, 12345, 12345) if os.geteuid() == 0 else None
+    if os.geteuid() == 0:
+        with pytest.raises(kvcomm.SegmentError, match="remove it"):
+            register("ns", str(tmp_path), "p/", 0o600)
+    os.rmdir(d)
+    os.symlink(str(tmp_path), d)
+    with pytest.raises(kvcomm.SegmentError, match="remove it"):
+        register("ns", str(tmp_path), "p/", 0o600)
+
+
+def test_the_daemon_never_blocks_on_or_follows_planted_registrations(tmp_path: Path) -> None:
+    """F3: the daemon read every ``PID-ID`` file with open(), following symlinks and
+    waiting on FIFOs: a FIFO planted under a live pid's name blocked the node daemon's
+    loop for ever (no more syncing for the whole host), and a symlink made it read any
+    file as a prefix. Only regular files of this user are read, without waiting.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    from kvcomm.node.watched import WatchedPrefixes, register, watch_dir
+
+    path, _ = register("ns", str(tmp_path), "good/", 0o600)
+    d = watch_dir("ns", str(tmp_path))
+    os.mkfifo(os.path.join(d, f"{os.getpid()}-fifo"))
+    target = tmp_path / "secret"
+    target.write_text("planted/")
+    os.symlink(str(target), os.path.join(d, f"{os.getpid()}-link"))
+    wp = WatchedPrefixes("ns", str(tmp_path))
+    done: list[bool] = []
+    t = threading.Thread(target=lambda: done.append(wp.poll(0.0)), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: done, 30, "the daemon's poll of the registrations to return")
+    finally:
+        if not done:  # unblock the thread: open the FIFO's other end
+            fd = os.open(os.path.join(d, f"{os.getpid()}-fifo"), os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+    assert wp.prefixes == ("good/",)
+    os.unlink(path)

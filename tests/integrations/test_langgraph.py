@@ -27,6 +27,7 @@ from kvcomm._wait import wait_until
 
 pytest.importorskip("langgraph.checkpoint.conformance")
 
+import ormsgpack
 from langgraph.checkpoint.conformance import checkpointer_test, validate  # noqa: E402
 from langgraph.checkpoint.conformance.capabilities import (  # noqa: E402
     BASE_CAPABILITIES,
@@ -729,3 +730,99 @@ def test_two_async_writers_on_one_thread_never_fork_it(ns: str, config: kvcomm.C
     outs = asyncio.run(run())
     with kvcomm.open(ns, config=config) as kv:
         check_one_chain(KVCommSaver(kv), outs)
+
+
+lg = pytest.importorskip("langgraph.checkpoint.serde.jsonplus")
+
+
+def _constructor_call(module: str, name: str, arg: Any) -> bytes:
+    """msgpack bytes that LangGraph's default JsonPlusSerializer turns into a call of
+    ``module.name(arg)`` when it loads them (its EXT_CONSTRUCTOR_SINGLE_ARG ext type)."""
+    return ormsgpack.packb(ormsgpack.Ext(0, ormsgpack.packb([module, name, arg])))
+
+
+def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_store(kv: kvcomm.Client,
+                                                               tmp_path: Path) -> None:
+    """F1: LangGraph's default JsonPlusSerializer imports any module and calls any
+    function a msgpack ext record names (``os.system``...). A record planted under a
+    KVCommStore key by any process that can write the namespace ran code in every reader:
+    the same hazard as a pickle, which KVCOMM refuses. Now nothing is called (the record
+    loads as its raw fields, LangGraph's strict mode), and a serializer that would call
+    anything is refused.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    marker = tmp_path / "pwned"
+    store = KVCommStore(kv)
+    store.put(("mem",), "k", {"x": 1})
+    key = store.keys.item(("mem",), "k")
+    raw = kv.get(key)
+    kv.put(key, ["msgpack", _constructor_call("os", "system", f"touch {marker}"), raw[2], raw[3]])
+    try:
+        store.get(("mem",), "k")
+    except kvcomm.KVCommError:
+        pass
+    assert not marker.exists(), "a record read from KVCOMM ran os.system"
+    with pytest.raises(kvcomm.ConfigError, match="any function"):
+        KVCommStore(kv, serde=lg.JsonPlusSerializer(allowed_msgpack_modules=True))
+    with pytest.raises(kvcomm.ConfigError, match="any function"):
+        KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_json_modules=True))
+    KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_msgpack_modules=[("uuid", "UUID")]))
+
+
+def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_saver(kv: kvcomm.Client,
+                                                               tmp_path: Path) -> None:
+    """F1: the same through KVCommSaver: a checkpoint whose channel value is a crafted
+    constructor call ran it on get_tuple.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    marker = tmp_path / "pwned"
+    saver = KVCommSaver(kv)
+    cfg = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    cp = empty_checkpoint()
+    cp["channel_values"] = {"c": 1}
+    cp["channel_versions"] = {"c": "1"}
+    saver.put(cfg, cp, {}, {"c": "1"})
+    blobs = [i.key for i in kv.scan(saver.keys.blobs)]
+    planted = 0
+    for k in blobs:
+        v = kv.get(k)
+        if isinstance(v, list) and v and v[0] == "msgpack":
+            kv.put(k, ["msgpack", _constructor_call("os", "system", f"touch {marker}")])
+            planted += 1
+    assert planted, f"no msgpack record found to plant into among {blobs}"
+    try:
+        saver.get_tuple(cfg)
+    except kvcomm.KVCommError:
+        pass
+    assert not marker.exists(), "a record read from KVCOMM ran os.system"
+
+
+@pytest.mark.parametrize("planted", [5, "x", ["msgpack"], [1, 2, 3, 4, 5, 6]])
+def test_malformed_records_under_langgraph_keys_raise_corrupt_record(kv: kvcomm.Client,
+                                                                      planted: Any) -> None:
+    """F8: a value of another shape under a KVCommSaver or KVCommStore key (written by
+    another program, or an older layout) made get_tuple, list, get and search raise
+    TypeError, ValueError or NotImplementedError: not KVCommError, so callers handling
+    KVCOMM's errors crashed. They raise CorruptRecord naming what to delete.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    saver, store = KVCommSaver(kv), KVCommStore(kv)
+    cfg = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    cp = empty_checkpoint()
+    saver.put(cfg, cp, {}, {})
+    kv.put(saver.keys.checkpoint("t", "", cp["id"]), planted)
+    with pytest.raises(kvcomm.CorruptRecord):
+        saver.get_tuple(cfg)
+    with pytest.raises(kvcomm.CorruptRecord):
+        list(saver.list(cfg))
+    store.put(("m",), "k", {"a": 1})
+    kv.put(store.keys.item(("m",), "k"), planted)
+    with pytest.raises(kvcomm.CorruptRecord):
+        store.get(("m",), "k")
+    with pytest.raises(kvcomm.CorruptRecord):
+        store.search(("m",))
+    if not isinstance(planted, list):
+        kv.put(saver.keys.head("t", ""), planted)
+        with pytest.raises(kvcomm.CorruptRecord):
+            saver.get_tuple(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pathlib
 import stat
 import uuid
 from collections.abc import Iterator
@@ -18,8 +19,9 @@ from xxhash import xxh3_128_digest
 import kvcomm
 from kvcomm._l2core import bloom_has
 from kvcomm.core.bloom import BloomFilter
-from kvcomm.tiers import keyfilter
+from kvcomm.tiers import keyfilter, l2
 from kvcomm.tiers.keyfilter import STALE_MS, KeyFilter, filter_path
+from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
 from tests.support.helpers import wait_for
 
 CTX = mp.get_context("fork")
@@ -406,3 +408,81 @@ def test_a_negative_note_the_ring_no_longer_covers_is_judged_by_the_filter(fname
         w.close()
         if r is not None:
             r.close()
+
+
+def test_a_small_bloom_fpr_does_not_break_every_cluster_miss(cluster: object) -> None:
+    """F (crash with a non-KVCommError on every L2 miss): cache.bloom_fpr is valid for any
+    0 < fpr < 1, but below ~5e-20 the filter's hash count k exceeds 64 and the C
+    membership test (bloom_has) raises ValueError for every key the negative cache does
+    not answer: kv.get of a missing key raises ValueError in every agent of the host.
+
+    Fixed by refusing such a rate in the config (ConfigError naming cache.bloom_fpr); a
+    rate just inside the bound (k = 63) answers a cluster miss.
+    (found in review 8: data)"""
+    from kvcomm.core.bloom import MAX_HASHES, optimal_params
+
+    with pytest.raises(kvcomm.ConfigError, match="cache.bloom_fpr"):
+        Host(cluster, "host-1", seed=1, bloom_fpr=1e-20, bloom_capacity=1000)  # type: ignore[arg-type]
+    assert optimal_params(1000, 1e-19)[1] == MAX_HASHES - 1
+    h1 = Host(cluster, "host-1", seed=1, bloom_fpr=1e-19, bloom_capacity=1000)  # type: ignore[arg-type]
+    try:
+        h1.kv.put("present", b"1")
+        wait_for(lambda: h1.kv._key_filter() is not None, 20, "the key filter is trusted")
+        assert h1.kv.get("absent/1") is None
+        assert h1.kv.stats()["l3"]["filter_hits"] >= 1  # the filter answered it
+    finally:
+        h1.close()
+
+
+def test_keyfilter_reader_refuses_a_hash_count_bloom_has_cannot_use(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same, without a cluster: a filter file whose header (capacity, fpr) gives k > 64.
+    KeyFilter.create refuses such a geometry (InvalidArgument); a file made by a daemon
+    that allowed it (MAX_HASHES raised here) is refused by the reader with SegmentError,
+    not a ValueError at every membership test.
+    (found in review 8: data)"""
+    from kvcomm.tiers import keyfilter
+    from kvcomm.tiers.keyfilter import KeyFilter
+
+    with pytest.raises(kvcomm.InvalidArgument):
+        KeyFilter.create("bf", 1000, 1e-20, directory=str(tmp_path))
+    monkeypatch.setattr(keyfilter, "MAX_HASHES", 128)  # another KVCOMM's daemon
+    w = KeyFilter.create("bf", 1000, 1e-20, directory=str(tmp_path))
+    monkeypatch.undo()
+    w.set_ready(True)
+    w.beat()
+    try:
+        with pytest.raises(kvcomm.SegmentError, match="hash functions"):
+            KeyFilter.open_reader("bf", directory=str(tmp_path))
+    finally:
+        w.close()
+
+
+def test_a_key_filter_closed_by_another_thread_does_not_raise_valueerror(
+        tmp_path: pathlib.Path, ns: str) -> None:
+    """F (non-KVCommError, threads): ClusterReads._get_l3 takes kf = self._key_filter()
+    and then calls kf.may_exist(). Another thread sharing the client that calls
+    _key_filter() in between, when the filter just became untrusted (heartbeat stale,
+    retired by a restarted daemon), closes that same KeyFilter; the first thread's
+    may_exist then raises ValueError ("operation forbidden on released memoryview").
+    The interleaving is replayed here step by step.
+    (found in review 8: data)"""
+    from kvcomm.tiers.keyfilter import KeyFilter
+
+    raw = {"cache": {"l2_size": "16MB", "l2_dir": str(tmp_path)},
+           "cluster": {"redis": ["127.0.0.1:1"]}, "node": {"host_id": "host-a"}}
+    w = KeyFilter.create(ns, 1000, 0.01, directory=str(tmp_path))
+    w.set_ready(True)
+    w.beat()
+    with kvcomm.open(ns, config=kvcomm.Config.from_mapping(raw), wait_daemon=False) as kv:
+        kf = kv._key_filter()  # thread A, in _get_l3
+        assert kf is not None
+        w.set_ready(False)  # the daemon restarts (or stops beating)
+        kv._kf_retry = 0.0
+        kv._key_filter()  # thread B, in its own _get_l3: closes kf
+        try:
+            kf.may_exist(b"absent")  # thread A continues
+        except kvcomm.KVCommError:
+            pass
+    w.close()
+    l2.purge(ns, str(tmp_path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -17,8 +18,10 @@ import sys
 import time
 
 import pytest
+import yaml
 
 import kvcomm
+from kvcomm.tiers import l2
 from kvcomm.tiers.l2 import SLOT
 from kvcomm.tiers.shm.layout import MUTEX_AT
 from tests.support.helpers import wait_for
@@ -292,3 +295,49 @@ def test_a_validator_may_ask_for_hot_keys(kv: kvcomm.Client) -> None:
     kv.register_validator("h/", lambda key, old, new: seen.append(kv.hot_keys(3)))
     kv.put("h/1", 1)
     assert len(seen) == 1 and isinstance(seen[0], list)
+
+
+# ----------------------------------------------------------------------------- reads
+
+
+def test_reads_stay_available_while_a_stopped_process_holds_the_writer_lock(
+        tmp_path: pathlib.Path) -> None:
+    """F (hang, then a read raises): README: a process stopped with SIGSTOP makes other
+    *writers* wait cache.lock_timeout; "other slots stay readable". But kv.get flushes the
+    sampled hot-key counts into the host sketch under the writer lock (Client._flush_hot,
+    called by the C getter every 256 samples or second): a reader blocks for
+    lock_timeout and then kv.get raises Unavailable ("Nothing was written").
+    (found in review 8: kv.batch())"""
+    cfg = tmp_path / "e.yaml"
+    cfg.write_text(yaml.safe_dump({"cache": {"l2_size": "16MB", "l2_dir": str(tmp_path),
+                                             "lock_timeout": "3s"}}))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import kvcomm, time\n"
+        f"kv = kvcomm.open('hk', config={str(cfg)!r})\n"
+        "[kv.put(f'k{i}', b'v') for i in range(100)]\n"
+        "def v(key, old, new):\n    print('inlock', flush=True); time.sleep(1000)\n"
+        "kv.register_validator('v/', v)\nkv.put('v/x', b'1')\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "inlock"
+        holder.send_signal(signal.SIGSTOP)
+        with kvcomm.open("hk", config=str(cfg)) as kv:
+            # reads until the getter has tried a flush (due at least once a second), which
+            # found the lock busy and kept its counts for later; then reads go on
+            t0 = time.monotonic()
+            while not kv._hot_pending:
+                assert time.monotonic() - t0 < 10.0, "no flush was tried in 10 s of reads"
+                for i in range(100):
+                    kv.get(f"k{i}")
+            t1 = time.monotonic()
+            while time.monotonic() - t1 < 1.5:  # (another flush, also kept)
+                for i in range(100):
+                    kv.get(f"k{i}")
+            assert kv._hot_pending, "the flush was tried and kept its counts for later"
+            # the lock is still held: a read does not wait, a write does
+            with pytest.raises(kvcomm.Unavailable):
+                kv.put("k0", b"w")
+    finally:
+        holder.kill()
+        holder.wait()
+        l2.purge("hk", str(tmp_path))

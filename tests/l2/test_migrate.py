@@ -22,10 +22,12 @@ import pytest
 import yaml
 
 import kvcomm
-from kvcomm.core.versions import vector_get
+from kvcomm.core.versions import Version, vector_get
 from kvcomm.tiers import l2
 from kvcomm.tiers.shm import migrate as mig
 from tests.support import DATA
+from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
+from tests.support.helpers import wait_for
 
 FIXTURE = DATA / "segment-layout2.bin.gz"
 DIRTY = {"drone/1/pos": b"\x01\x03", "drone/2/pos": {"x": 1.5, "y": [1, 2]},
@@ -271,3 +273,105 @@ def test_migrate_carries_writes_and_deadlines(
         assert kv._seg.dirty_count == 5
         assert kv._seg.check() == []
         assert os.stat(path).st_blocks * 512 < os.stat(path).st_size  # the new one: sparse
+
+
+def test_migrate_does_not_drop_an_unflushed_write_for_an_older_clean_copy(
+        old: tuple[str, pathlib.Path, kvcomm.Config]) -> None:
+    """F (acknowledged write lost): migrate skips an old dirty record whenever the new
+    segment holds the key at all ("a write made after the upgrade: newer"). But the new
+    segment also fills with L3's *older* copies: an agent's L2-miss read, the daemon's
+    prewarm of hot keys, a pulled change — clean records. Here the new segment holds a
+    clean, causally older copy of drone/1/pos (host-a's previous write, as L3 has it);
+    migrate counts the dirty newer write "superseded", drops it, and the new segment keeps
+    the old value, clean: the daemon never pushes the acknowledged write.
+    (found in review 8: data)"""
+    ns, _, cfg = old
+    path = l2.segment_path(ns, cfg.cache.l2_dir)
+    recs = {r.key.decode(): r for r in mig.unflushed(path, 0o600)[2]}  # type: ignore[index]
+    dirty = recs["drone/1/pos"]
+    os.rename(path, mig.aside_path(path, 2))  # migrate died after its rename (or is running)
+    with _open_local(ns, cfg) as kv:  # an agent / the daemon fills the key from L3
+        older = Version((("host-a", dirty.counter - 1),), dirty.hlc - 1)
+        kv.merge_remote("drone/1/pos", b"previous value, already in L3", older)
+    done = mig.migrate(ns, cfg)
+    with _open_local(ns, cfg) as kv:
+        item = kv.get_item("drone/1/pos")
+        assert item is not None
+        assert item.value == b"\x01\x03", (done, item)  # the acknowledged write
+        assert vector_get(item.version.vector, "host-a") >= dirty.counter
+
+
+@pytest.mark.parametrize("remote_is_later", [False, True])
+def test_migrate_merges_a_concurrent_clean_copy_last_writer_wins(
+        old: tuple[str, pathlib.Path, kvcomm.Config], remote_is_later: bool) -> None:
+    """(Added with the fix.) The new segment holds a clean copy from L3 that is
+    *concurrent* with the old unflushed write (another host's write that never saw it):
+    migrate merges the two as L3 would, last-writer-wins by HLC with the merged vector,
+    dirty either way (L3 must learn that the old write was seen), never dropping the old
+    dot from the vector.
+    (found in review 8: data)"""
+    ns, _, cfg = old
+    path = l2.segment_path(ns, cfg.cache.l2_dir)
+    dirty = {r.key.decode(): r for r in mig.unflushed(path, 0o600)[2]}["drone/1/pos"]  # type: ignore[index]
+    os.rename(path, mig.aside_path(path, 2))
+    hlc = dirty.hlc + (1 if remote_is_later else -1)
+    with _open_local(ns, cfg) as kv:
+        kv.merge_remote("drone/1/pos", b"host-b's write", Version((("host-b", 5),), hlc))
+    done = mig.migrate(ns, cfg)
+    assert done.carried == 4 and done.superseded == 0, done
+    with _open_local(ns, cfg) as kv:
+        item = kv.get_item("drone/1/pos")
+        assert item is not None
+        assert item.value == (b"host-b's write" if remote_is_later else b"\x01\x03")
+        assert vector_get(item.version.vector, "host-a") == dirty.counter
+        assert vector_get(item.version.vector, "host-b") == 5
+        assert kv._seg.dirty_count == 4
+        assert kv._seg.check() == []
+
+
+def test_migrate_after_a_crash_keeps_writes_the_daemon_prewarmed_over(
+        cluster: object, store: object) -> None:
+    """F (acknowledged write lost, real cluster): the same loss, end to end. host-a had
+    written drone/1/pos twice: the first write reached L3 (and the hot-key list the daemon
+    saves), the second was still dirty when host-a was upgraded. `kvcomm migrate` died
+    right after renaming the old segment aside (nothing else knows the aside file: open,
+    info, the daemon all carry on). The node daemon restarts on the fresh segment and
+    prewarms its hot keys from L3 — the *first* write, clean. Rerunning migrate then
+    counts the second write "superseded" and deletes the aside file: L3 and every host
+    keep the first write for ever.
+    (found in review 8: data)"""
+    import random
+    import threading
+    import uuid
+
+    from kvcomm.node.daemon import NodeDaemon
+    from tests.support.daemon_harness import host_config
+
+    ns = f"td-{uuid.uuid4().hex[:10]}"
+    path = l2.segment_path(ns)
+    old_path = mig.aside_path(path, 2)
+    with open(old_path, "wb") as f:
+        f.write(gzip.decompress(FIXTURE.read_bytes()))
+    os.chmod(old_path, 0o600)
+    dirty = {r.key.decode(): r for r in mig.unflushed(old_path, 0o600)[2]}["drone/1/pos"]  # type: ignore[index]
+    first = record(b"first write", "host-a", dirty.counter - 1, dirty.hlc - 1)
+    assert store.push("drone/1/pos", first).outcome == "new"  # type: ignore[attr-defined]
+    store.save_hot("host-a", ["drone/1/pos"])  # type: ignore[attr-defined]
+    cfg = host_config(cluster, "host-a", ns)  # type: ignore[arg-type]
+    daemon = NodeDaemon(cfg, rng=random.Random(1))
+    stop = threading.Event()
+    t = threading.Thread(target=daemon.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: daemon.stats.extra.get("prewarmed", 0) >= 1, 20, "the prewarm")
+        done = mig.migrate(ns, cfg)
+        wait_for(lambda: daemon.kv._seg.dirty_count == 0, 20, "delivery")
+        rec = store.get("drone/1/pos")  # type: ignore[attr-defined]
+        assert rec is not None and rec.value == b"\x01\x03", (done, rec)
+    finally:
+        stop.set()
+        t.join(30)
+        daemon.close()
+        l2.purge(ns)
+        if os.path.exists(old_path):
+            os.unlink(old_path)

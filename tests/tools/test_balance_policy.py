@@ -4,17 +4,26 @@ load, nodes' loads that slots do not fully explain. Pure, driven by scripts of v
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+import kvcomm
 from kvcomm.balance.driver import load_policy
 from kvcomm.balance.model import ClusterView, Move, NodeView, SlotArray
 from kvcomm.balance.policy import (
+    FEATURES,
     LearnedPolicy,
     ThresholdParams,
     ThresholdPolicy,
+    make_policy,
     threshold_params,
 )
-from kvcomm.errors import ConfigError, InvalidArgument
+from kvcomm.errors import ConfigError, InvalidArgument, KVCommError
 
 
 def view(t: float, loads: dict[str, dict[int, float]], cap: float = 10_000,
@@ -118,3 +127,106 @@ def test_a_slot_array_is_a_read_only_mapping_checked_in_bulk() -> None:
         SlotArray([0] * 16385)
     with pytest.raises(KeyError):
         arr[3]
+
+
+MODEL = json.loads((Path(kvcomm.__file__).parent / "balance" / "balance_model.json").read_text())
+
+
+# ---------------------------------------------------------------- hostile model files
+
+
+def _write(tmp_path: Path, data: Any, raw: str | None = None) -> str:
+    p = tmp_path / "model.json"
+    p.write_text(raw if raw is not None else json.dumps(data))
+    return str(p)
+
+
+def test_a_deeply_nested_model_file_is_a_kvcomm_error(tmp_path: Path) -> None:
+    """F: a model file of 100,000 nested arrays made json.loads raise RecursionError, a
+    traceback out of `kvcomm balance --model` instead of a KVCommError saying what to do.
+    (found in review 11: slot balancing)"""
+    path = _write(tmp_path, None, "[" * 100_000)
+    with pytest.raises(KVCommError, match="balancing model"):
+        threshold_params(path)
+    with pytest.raises(KVCommError, match="balancing model"):
+        LearnedPolicy.load(path)
+
+
+@pytest.mark.parametrize("weight", ["x", [1], {"a": 1}, None, True])
+def test_a_learned_model_with_weights_of_the_wrong_type_is_a_kvcomm_error(weight: object) -> None:
+    """F: a weight that is a string or a list escaped LearnedPolicy.load as a raw
+    ValueError/TypeError (a bool was taken as 1.0): a malformed model must be a
+    KVCommError (the driver turns those into ConfigError for --policy).
+    (found in review 11: slot balancing)"""
+    with pytest.raises(KVCommError, match="learned model"):
+        LearnedPolicy.load({**MODEL, "weights": {f: weight for f in FEATURES}})
+
+
+@pytest.mark.parametrize("gate", [float("nan"), "nan", -1.0, float("inf"), True])
+def test_a_learned_model_with_a_gate_that_is_not_a_number_in_range_is_refused(gate: object) -> None:
+    """F: a gate of NaN (or the string "nan", or a bool) was accepted: every comparison
+    with NaN is false, so a hostile or corrupt model silently changes when the balancer
+    moves slots. The gate is a utilisation: a finite number >= 0.
+    (found in review 11: slot balancing)"""
+    with pytest.raises(KVCommError):
+        LearnedPolicy.load({**MODEL, "gate": gate})
+
+
+@pytest.mark.parametrize("fmt", ["kvcomm-balance-learned/99", None, 7])
+def test_a_learned_model_of_another_format_is_refused(fmt: object) -> None:
+    """F: the model file carries "format": "kvcomm-balance-learned/1", but nothing reads it:
+    a model of a later format (other features, other units behind the same names) or of
+    none at all was loaded and used to move slots. Another format must be refused, saying
+    to retrain or upgrade.
+    (found in review 11: slot balancing)"""
+    with pytest.raises(KVCommError, match="format"):
+        LearnedPolicy.load({**MODEL, "format": fmt})
+
+
+@pytest.mark.parametrize("knob,value", [("k", "x"), ("k", True), ("max_moves", 1.5),
+                                        ("grace_s", float("inf")), ("monitor_s", "30"),
+                                        ("drain", None)])
+def test_threshold_knobs_of_the_wrong_type_are_a_kvcomm_error(
+        tmp_path: Path, knob: str, value: object) -> None:
+    """F: threshold knobs are validated by comparison only: a string raised a raw
+    TypeError from validate(), and max_moves 1.5, k True, grace_s inf were accepted.
+    (found in review 11: slot balancing)"""
+    path = _write(tmp_path, {"threshold": {**MODEL["threshold"], knob: value}})
+    with pytest.raises(KVCommError):
+        threshold_params(path)
+    with pytest.raises(KVCommError):
+        make_policy("threshold", **{knob: value})
+
+
+def test_the_threshold_policy_can_act_on_two_masters() -> None:
+    """F: with n masters the largest z-score one can reach is sqrt(n - 1) (population
+    std), so with 2 masters "mean + 1.25 std" (the shipped k) is never exceeded: a master
+    at 95% next to one at 5% was never balanced, live or in `simulate --nodes 2` (0
+    migrations on every workload). k must be capped at what n masters can reach.
+    (found in review 11: slot balancing)"""
+    from kvcomm.balance.model import ClusterView, NodeView
+
+    nodes = (NodeView("a", 100.0, 95.0), NodeView("b", 100.0, 5.0))
+    load = {s: 9.5 for s in range(10)} | {100 + s: 1.0 for s in range(5)}
+    owner = {s: "a" for s in range(10)} | {100 + s: "b" for s in range(5)}
+    view = ClusterView(nodes, load, {}, owner, 0.0)
+    moves = make_policy("threshold", monitor_s=0.0, grace_s=0.0).decide(view)
+    assert moves and all(m.source == "a" and m.target == "b" for m in moves)
+
+
+@pytest.mark.parametrize("opt,value", [("--slo-ms", "inf"), ("--minutes", "0.0001")])
+def test_simulate_prints_strict_consistent_json_or_refuses(opt: str, value: str) -> None:
+    """F: `simulate --slo-ms inf --json` printed `"slo_ms": Infinity`, which is not JSON
+    (a strict parser, jq, JavaScript refuse the whole line); `--minutes 0.0001` (less than
+    one 1 s tick) reported "seconds": 0.006 with "slo_violation_s": 1.0, more violation
+    than time. Either is refused (a clear error), or the JSON is strict and consistent.
+    (found in review 11: slot balancing)"""
+    out = subprocess.run([sys.executable, "-m", "kvcomm", "balance", "simulate", "--policy",
+                          "threshold", "--workload", "flash", "--seed", "1", "--minutes", "0.05",
+                          opt, value, "--json"], capture_output=True, text=True, timeout=300)
+    if out.returncode == 0:
+        res = json.loads(out.stdout.strip().splitlines()[-1],
+                         parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+        assert res["slo_violation_s"] <= res["seconds"], res
+    else:
+        assert opt.lstrip("-").replace("-", "_") in out.stderr and "Traceback" not in out.stderr

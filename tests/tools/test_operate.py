@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import kvcomm
+from kvcomm.metrics.collector import Snapshot
 from kvcomm.metrics.snapshot import parse_text
 from kvcomm.tiers.l2 import purge
 from tests.support.helpers import SMALL, wait_for
@@ -123,3 +124,37 @@ def test_the_redis_baseline_runs_side_by_side(tmp_path: Path) -> None:
     assert "redis ops/s" in out.stdout
     for name in ("swarm-latency.png", "swarm-timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ kvcomm top
+
+
+def _reads(l1_hit: int, l1_miss: int) -> Snapshot:
+    R = "kvcomm_reads_total"
+    return Snapshot(values={R: {(("tier", "l1"), ("result", "hit")): l1_hit,
+                                (("tier", "l1"), ("result", "miss")): l1_miss}},
+                    host="h", namespace="n")
+
+
+def test_top_shows_the_hit_rate_of_the_interval_not_since_the_segment_was_made() -> None:
+    """F: ``kvcomm top`` shows reads/s over the last interval next to a hit rate computed
+    from the cumulative counters (since the segment was created): a host that served a
+    million L1 hits yesterday and now misses every read shows "reads/s 100, hit 99.99%".
+    README presents the frame as "rates over one interval"; p50/p99 are per interval
+    (histo_delta), the hit rate is not, so a collapse of the hit rate, the first thing an
+    operator looks for, does not show (the --cluster view's L1/L2 hit columns alike).
+    (found in review 10: metrics, kvcomm top, load tests)"""
+    import io
+
+    from rich.console import Console
+
+    from kvcomm.cli import top
+    from kvcomm.metrics.snapshot import View
+
+    old = _reads(1_000_000, 0)
+    new = _reads(1_000_000, 100)  # this interval: 100 reads, every one an L1 miss
+    out = io.StringIO()
+    Console(file=out, width=100).print(top.host_frame(View(new, old, 1.0), "t"))
+    l1_row = next(ln for ln in out.getvalue().splitlines() if "L1" in ln)
+    cells = [c.strip() for c in l1_row.replace("│", "|").split("|") if c.strip()]
+    assert cells[:3] == ["L1", "100", "0.0%"], f"the L1 row of an interval of misses: {l1_row!r}"

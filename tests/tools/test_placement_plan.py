@@ -5,7 +5,9 @@ by the simple bound (list scheduling)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcomm
+from kvcomm.cli import main as cli_main
 from kvcomm.placement.graph import Agent, Edge, Graph, Plan
 from kvcomm.placement.plan import make_plan
 
@@ -188,3 +191,203 @@ def test_loads_that_cannot_balance_are_refused_with_what_to_do() -> None:
     gone = Graph((Agent("a", "old", 1.0), Agent("b", "old", 1.0)), ())
     with pytest.raises(kvcomm.InvalidArgument, match="at least 2"):
         make_plan(gone, ["h1", "h2"], max_moves=1)
+
+
+def _graph(**edits: Any) -> dict[str, Any]:
+    return {"agents": [{"id": "a", "host": "h1", "load": 1}, {"id": "b", "host": "h2", "load": 1}],
+            "edges": [{"reader": "a", "writer": "b", "reads_per_s": 1, "bytes_per_s": 1}]}
+
+
+# ---------------------------------------------------------------- the graph and plan contracts
+
+
+def _huge_load() -> dict[str, Any]:
+    g = _graph()
+    g["agents"][0]["load"] = 10 ** 400  # (json.loads reads such an integer as an int)
+    return g
+
+
+def _list_reader() -> dict[str, Any]:
+    g = _graph()
+    g["edges"][0]["reader"] = ["a"]
+    return g
+
+
+def _dict_writer() -> dict[str, Any]:
+    g = _graph()
+    g["edges"][0]["writer"] = {"id": "b"}
+    return g
+
+
+@pytest.mark.parametrize("make", [_huge_load, _list_reader, _dict_writer])
+def test_a_graph_with_a_huge_integer_or_an_unhashable_id_is_refused(make: Any) -> None:
+    """F: Graph.from_json raised OverflowError (an integer beyond a float, which JSON
+    allows) and TypeError (a list or object as an edge's reader/writer) instead of
+    InvalidArgument: `kvcomm placement plan` died with a traceback on a hostile graph
+    instead of exit status 2 and a message naming the place.
+    (found in review 12: affinity placement)"""
+    with pytest.raises(kvcomm.InvalidArgument):
+        Graph.from_json(make())
+
+
+def test_a_plan_with_an_unhashable_agent_in_moves_is_refused() -> None:
+    """F: Plan.from_json raised TypeError for a move whose agent is a list: the launcher
+    (`kvcomm placement launch --plan`) died with a traceback on a corrupt plan.
+    (found in review 12: affinity placement)"""
+    with pytest.raises(kvcomm.InvalidArgument):
+        Plan.from_json({"assignment": {"a": "h1"}, "moves": [{"agent": ["a"], "to": "h1"}],
+                        "predicted": {}})
+
+
+def test_the_cli_plan_of_a_huge_integer_graph_exits_2(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """F: the same, from the command line: a traceback instead of exit status 2.
+    (found in review 12: affinity placement)"""
+    gfile = tmp_path / "g.json"
+    gfile.write_text(json.dumps(_huge_load()))
+    assert cli_main(["placement", "plan", "--graph", str(gfile), "--hosts", "h1,h2",
+                     "--out", str(tmp_path / "p.json")]) == 2
+    assert "agents[0].load" in capsys.readouterr().err
+
+
+def test_huge_but_finite_rates_give_a_plan_the_launcher_accepts() -> None:
+    """F: rates near the float limit (1e308, valid by the contract: finite, >= 0) overflow
+    in the sums: the plan's predicted share was NaN (written to plan.json as `NaN`, which
+    is not JSON, and refused by load_plan/the launcher), and loads that overflow to inf
+    made every host "within balance" (both agents of load 1e308 on one host).
+    (found in review 12: affinity placement)"""
+    from kvcomm.placement.plan import make_plan
+
+    g = _graph()
+    g["edges"][0]["reads_per_s"] = 1e308
+    g["edges"].append({"reader": "b", "writer": "a", "reads_per_s": 1e308, "bytes_per_s": 0})
+    plan = make_plan(Graph.from_json(g), ["h1", "h2"], balance=2)
+    back = Plan.from_json(json.loads(json.dumps(plan.to_json(), allow_nan=False)))
+    assert back.share == 1.0 and back.before == 0.0
+    g = _graph()
+    g["agents"][0]["load"] = g["agents"][1]["load"] = 1e308
+    plan = make_plan(Graph.from_json(g), ["h1", "h2"], balance=1.5)
+    assert sorted(plan.assignment.values()) == ["h1", "h2"]  # 2e308 on one host breaks 1.5x
+
+
+def test_planning_work_outside_the_partitioner_grows_linearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """F: the guided re-placement tried each pending community with a full balance check
+    (every movable agent's host looked at) per trial: trials grow with the communities
+    and each costs O(agents), so that work grew quadratically (1000 agents on a ring:
+    383k agent checks, 2000: 1.57M, 4000: 5.1M), on the way to the issue's 100k agents.
+    Counted here as agents looked at by balance checks, not as time.
+    (found in review 12: affinity placement)"""
+    from kvcomm.placement import plan as P
+
+    n = 2000
+    agents = [{"id": f"d{i}", "host": f"h{i % 3 + 1}", "load": 1.0 + (i * 7919 % 100) / 100}
+              for i in range(n)]
+    edges = [{"reader": f"d{i}", "writer": f"d{(i + j) % n}", "reads_per_s": 1.0, "bytes_per_s": 1.0}
+             for i in range(n) for j in (1, 2)]
+    g = Graph.from_json({"agents": agents, "edges": edges})
+    looked = [0]
+    real = P._Problem.balanced
+
+    def balanced(self: Any, s: Any) -> bool:
+        looked[0] += len(self.movable)
+        return bool(real(self, s))
+
+    monkeypatch.setattr(P._Problem, "balanced", balanced)
+    plan = P.make_plan(g, ["h1", "h2", "h3"])
+    assert plan.share is not None and plan.share > 0.9
+    assert looked[0] <= 20 * n, f"{looked[0]} agents looked at by balance checks for {n} agents"
+
+
+def test_the_partitioner_never_runs_on_more_than_a_few_thousand_nodes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """F: networkx's Louvain grows faster than quadratically on the sparse graphs agents
+    make (a ring of drones: 1,000 agents 0.5 s of CPU, 2,000 2.0 s, 4,000 10.8 s, 6,000
+    41 s): a plan for the issue's 100k agents would take hours. Louvain should only ever
+    see a coarsened graph of a bounded size (counted here as the nodes it is given).
+    (found in review 12: affinity placement)"""
+    import networkx as nx
+
+    from kvcomm.placement import plan as P
+
+    n = 6000
+    agents = [{"id": f"d{i}", "host": f"h{i % 3 + 1}", "load": 1.0 + (i * 7919 % 100) / 100}
+              for i in range(n)]
+    edges = [{"reader": f"d{i}", "writer": f"d{(i + j) % n}", "reads_per_s": 1.0, "bytes_per_s": 1.0}
+             for i in range(n) for j in (1, 2)]
+    g = Graph.from_json({"agents": agents, "edges": edges})
+    sizes: list[int] = []
+    real = nx.community.louvain_communities
+
+    def louvain(h: Any, *a: Any, **kw: Any) -> Any:
+        sizes.append(h.number_of_nodes())
+        if h.number_of_nodes() > 2000:
+            raise AssertionError(f"Louvain given {h.number_of_nodes()} nodes")
+        return real(h, *a, **kw)
+
+    monkeypatch.setattr(nx.community, "louvain_communities", louvain)
+    plan = P.make_plan(g, ["h1", "h2", "h3"])
+    assert sizes and max(sizes) <= 2000
+    assert plan.share is not None and plan.share > 0.95  # (the ring still cut in 3 places or so)
+
+
+def test_a_deeply_nested_graph_file_is_refused(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """F: load_json caught OSError and ValueError, but json raises RecursionError on a
+    deeply nested document ("[" * 200000): `kvcomm placement plan` (and launch, for a
+    plan) died with a traceback instead of exit status 2 saying the file is not a graph.
+    (found in review 12: affinity placement)"""
+    gfile = tmp_path / "g.json"
+    gfile.write_text("[" * 200_000 + "]" * 200_000)
+    assert cli_main(["placement", "plan", "--graph", str(gfile), "--hosts", "h1",
+                     "--out", str(tmp_path / "p.json")]) == 2
+    assert "g.json" in capsys.readouterr().err
+
+
+def test_writing_the_output_never_follows_a_planted_temporary_name(tmp_path: Path) -> None:
+    """F: write_json wrote to OUT.tmp with open("w"), which follows a symlink: anyone who
+    can create OUT.tmp beside the output (a shared directory such as /tmp) makes
+    `kvcomm placement observe/plan --out` overwrite the file it points to with JSON.
+    (found in review 12: affinity placement)"""
+    from kvcomm.placement.graph import write_json
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "graph.json"
+    os.symlink(victim, str(out) + ".tmp")
+    write_json(out, {"agents": [], "edges": []})
+    assert victim.read_text() == "precious"
+    assert json.loads(out.read_text()) == {"agents": [], "edges": []}
+
+
+def test_refinement_stops_when_its_rounds_gain_crumbs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """F: refinement ran passes of O(agents x hosts) "until none helps" (up to 1000
+    rounds): on a graph without communities (random reads) every round finds a few
+    crumbs, so 10,000 agents took 324 passes and 77 s of CPU, on the way to the issue's
+    100k. Rounds worth less than a small share of all reads should end it (counted here
+    as passes, not time). Seed 1.
+    (found in review 12: affinity placement)"""
+    import random
+
+    from kvcomm.placement import plan as P
+
+    n, rng = 3000, random.Random(1)
+    agents = [{"id": f"d{i}", "host": f"h{i % 3 + 1}", "load": rng.random()} for i in range(n)]
+    pairs: set[tuple[int, int]] = set()
+    while len(pairs) < 5 * n:
+        a, b = rng.randrange(n), rng.randrange(n)
+        if a != b:
+            pairs.add((a, b))
+    edges = [{"reader": f"d{a}", "writer": f"d{b}", "reads_per_s": rng.random(), "bytes_per_s": 1.0}
+             for a, b in sorted(pairs)]
+    g = Graph.from_json({"agents": agents, "edges": edges})
+    passes = [0]
+    real = P._Problem._moves_pass
+
+    def counted(self: Any, s: Any, budget: float) -> bool:
+        passes[0] += 1
+        return bool(real(self, s, budget))
+
+    monkeypatch.setattr(P._Problem, "_moves_pass", counted)
+    plan = P.make_plan(g, ["h1", "h2", "h3"])
+    assert plan.share is not None and plan.before is not None and plan.share > plan.before + 0.2
+    assert passes[0] <= 60, f"{passes[0]} refinement passes"

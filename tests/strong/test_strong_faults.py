@@ -1,11 +1,6 @@
-"""Review of issue 9 (strong keys on etcd, leases, partition mode): what broke, and stays fixed.
-
-Every test runs on a real 3-member etcd cluster (``EtcdCluster``) of its own module. The
-agents are in cluster mode with no Redis answering (``cluster.redis`` points nowhere):
-strong operations need etcd alone. Where a test needs etcd to answer with bytes no real
-member sends (malformed JSON, garbage base64), a hostile HTTP server stands in for a
-member: a fault injected on the wire, as the fault proxy injects a partition.
-"""
+"""Strong keys, host leases and partition mode against what etcd, its gateway and other
+programs may answer: foreign records, hostile answers, cuts, compactions, members that
+stop, live hosts removed, clocks far ahead."""
 
 from __future__ import annotations
 
@@ -22,16 +17,18 @@ from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.etcd import EtcdClient
 from tests.support.daemon_harness import SharedRedisCluster
-from tests.support.devcluster import NEEDS_ETCD, StrongHosts, etcd_fixture, strong_hosts_fixture
+from tests.support.devcluster import StrongHosts, etcd_fixture, strong_hosts_fixture
 from tests.support.helpers import wait_for
 
-pytestmark = NEEDS_ETCD
-
 PREFIXES = ["task/"]
+
+
 TIMEOUT = 1.0
 
 
 etcd = etcd_fixture()
+
+
 hosts = strong_hosts_fixture(PREFIXES, TIMEOUT, "tr9")
 
 
@@ -44,7 +41,8 @@ def test_l3_consistency_is_the_clusters_too(hosts: StrongHosts) -> None:
     yet only cache.strong_prefixes was recorded and compared: an agent with
     ``l3_consistency: strong`` started beside agents with ``eventual`` and wrote
     ``plain/x`` to etcd, where the other agents (reading L3) never saw it, and the other
-    way round: acknowledged writes invisible to the rest of the cluster."""
+    way round: acknowledged writes invisible to the rest of the cluster.
+    (found in review 9: strong keys, leases, partition mode)"""
     hosts.open("host-a")  # records the cluster's rule: task/ strong, others eventual
     with pytest.raises(kvcomm.ConfigError, match="cache.l3_consistency"):
         hosts.open("host-b", l3_consistency="strong")
@@ -58,7 +56,8 @@ def test_a_strong_value_that_is_no_kvcomm_record_is_corrupt_record(hosts: Strong
                                                                    raw: bytes) -> None:
     """F2: a value under kvc/k/ that KVCOMM did not write (etcdctl, another program, a
     future version) crashed get/get_item with struct.error or a bare ValueError from
-    the codec, outside the KVCommError tree."""
+    the codec, outside the KVCommError tree.
+    (found in review 9: strong keys, leases, partition mode)"""
     a = hosts.open("host-a")
     k = _key("bad")
     with EtcdClient(etcd.endpoints) as e:
@@ -155,7 +154,8 @@ def test_hostile_gateway_answers_raise_kvcomm_errors(hostile: HostileMember, bod
     JSON but not the object etcd sends (a list, a number, base64 that is not base64, a
     revision that is not a number) crashed every call with AttributeError, TypeError,
     ValueError or binascii.Error, outside the KVCommError tree. Every one is now
-    Unavailable, and for a write it says the outcome is unknown."""
+    Unavailable, and for a write it says the outcome is unknown.
+    (found in review 9: strong keys, leases, partition mode)"""
     from kvcomm.tiers.etcd import Compare, get_op, put_op
 
     hostile.body = body
@@ -182,7 +182,8 @@ def test_hostile_gateway_answers_raise_kvcomm_errors(hostile: HostileMember, bod
 
 def test_an_error_answer_with_a_code_that_is_no_number_is_unavailable(
         hostile: HostileMember) -> None:
-    """F3: an error answer whose "code" is not a number crashed with ValueError."""
+    """F3: an error answer whose "code" is not a number crashed with ValueError.
+    (found in review 9: strong keys, leases, partition mode)"""
     hostile.status, hostile.body = 500, b'{"code": "x", "error": "y", "message": "z"}'
     with EtcdClient([hostile.endpoint], timeout=0.5) as c, pytest.raises(kvcomm.Unavailable):
         c.get(b"k")
@@ -197,7 +198,8 @@ def test_a_hostile_watch_stream_does_not_kill_the_watch(hostile: HostileMember,
     """F3: a watch message that is JSON of the wrong shape raised AttributeError or
     TypeError in the reader thread, which the thread did not catch: it died, and the
     watch's consumer waited for ever on a watch that would never deliver again, with
-    nothing said. The message is now a broken stream: the reader resumes elsewhere."""
+    nothing said. The message is now a broken stream: the reader resumes elsewhere.
+    (found in review 9: strong keys, leases, partition mode)"""
     hostile.lines = [line]
     with EtcdClient([hostile.endpoint], timeout=0.5) as c:
         w = c.watch(b"k")
@@ -225,7 +227,8 @@ def test_remove_host_refuses_a_live_host(etcd: EtcdCluster) -> None:
     lease and deleted its records, said it was retired, and the daemon re-registered at
     its next beat (a new lease, the same records): the host was not retired, and in L3
     its feed cursors were deleted under a running daemon. A live lease now refuses the
-    removal (nothing changed) unless forced."""
+    removal (nothing changed) unless forced.
+    (found in review 9: strong keys, leases, partition mode)"""
     from kvcomm.node.presence import HOSTS_PREFIX, cluster_status, remove_host
 
     host = f"live-{uuid.uuid4().hex[:6]}"
@@ -253,7 +256,8 @@ def test_cluster_status_survives_hostile_records(etcd: EtcdCluster) -> None:
     """F5: ``cluster status`` decoded what other hosts published without checking it: a
     record that is JSON but not an object, or a backlog that is not a number, or a host
     name that is not UTF-8, crashed the whole listing (AttributeError, ValueError,
-    UnicodeDecodeError) for every host."""
+    UnicodeDecodeError) for every host.
+    (found in review 9: strong keys, leases, partition mode)"""
     from kvcomm.node.presence import MEMBERS_PREFIX, cluster_status
 
     tag = uuid.uuid4().hex[:6]
@@ -278,7 +282,8 @@ def test_cluster_status_survives_hostile_records(etcd: EtcdCluster) -> None:
 def test_the_published_status_names_the_namespace(
         shared_redis_cluster: SharedRedisCluster) -> None:
     """F5: ``cluster status --json`` printed ``"namespace": null`` for every host: the
-    daemon never published its namespace, which the listing then read."""
+    daemon never published its namespace, which the listing then read.
+    (found in review 9: strong keys, leases, partition mode)"""
     import random
     import shutil
 
@@ -319,7 +324,8 @@ def test_a_strong_read_cut_off_at_its_first_contact_says_it_is_a_read(
     that moment, a *get* raised "after the write was sent; it may or may not have been
     applied (outcome unknown)", as if the reader had written something; and a check
     that answered late left the operation a whole new 2 x timeout budget. The check now
-    spends the operation's budget and says what it was."""
+    spends the operation's budget and says what it was.
+    (found in review 9: strong keys, leases, partition mode)"""
     ctl, remap = proxied
     hosts.open("host-a")  # the prefixes are recorded: a later check only compares
     ns = hosts.new_namespace()
@@ -347,7 +353,8 @@ def test_an_idle_watch_resumes_after_a_compaction(etcd: EtcdCluster) -> None:
     the progress notifications that say "nothing for you up to revision R" (what they
     are for). A watch on a quiet key, idle while the cluster moved on and compacted,
     then dropped (a member restarted), raised WatchCompacted — re-read everything —
-    although it had missed nothing. It now resumes from the last notified revision."""
+    although it had missed nothing. It now resumes from the last notified revision.
+    (found in review 9: strong keys, leases, partition mode)"""
     tag = uuid.uuid4().hex[:8]
     watched = f"r9w/{tag}/".encode()
     with EtcdClient(etcd.endpoints) as c:
@@ -381,7 +388,8 @@ def test_a_write_a_stopping_member_gave_up_on_is_of_unknown_outcome(
     write may be committed. Sent again, a compare-and-set that had succeeded then found
     its own write and reported ConflictError; a put was applied twice. It is now
     outcome unknown, and not repeated ("request cancelled", a proposal whose context
-    ended, already was: kept here beside it)."""
+    ended, already was: kept here beside it).
+    (found in review 9: strong keys, leases, partition mode)"""
     from kvcomm.tiers.etcd import Compare, get_op, put_op
 
     hostile.status = 503
@@ -409,7 +417,8 @@ def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
     the other hosts for that hour, and nothing said so. The issue: "the HLC refuses,
     or logs and counts, remote timestamps beyond cluster.max_clock_skew". The daemon
     now counts them (stats, status) and logs (the 1st, 2nd, 4th... in a row); the write
-    itself is merged: it was acknowledged on its host."""
+    itself is merged: it was acknowledged on its host.
+    (found in review 9: strong keys, leases, partition mode)"""
     import shutil
     import time
 
@@ -460,7 +469,8 @@ def test_partition_mode_is_entered_about_one_lease_ttl_after_the_cut(tmp_path: A
     6 s) a partitioned host entered partition mode 28 s after the cut, its status file
     and ``kvcomm info`` saying "connected" meanwhile. The lease thread, which runs every
     second whatever Redis does, now enters it when due. Measured here by the daemon's
-    own account: the reason it logs says how long Redis and etcd had been unreachable."""
+    own account: the reason it logs says how long Redis and etcd had been unreachable.
+    (found in review 9: strong keys, leases, partition mode)"""
     import re
     import shutil
 
@@ -491,39 +501,12 @@ def test_partition_mode_is_entered_about_one_lease_ttl_after_the_cut(tmp_path: A
         control.down(d)
 
 
-def test_a_completion_and_the_next_invocation_at_one_instant_are_a_valid_history() -> None:
-    """F11: with times, events were ordered with invocations first at equal times (so
-    that operations of different processes touching at one instant overlap). But a
-    process that completes an operation and invokes its next one within the clock's
-    resolution (the same CLOCK_MONOTONIC reading, which ``kvcomm jepsen`` records) then
-    seemed to invoke while its operation was in flight: the whole history was refused
-    as malformed (InvalidArgument), and the jepsen run ended without a verdict. And
-    once paired, the search let one process's operations that touch at an instant
-    overlap, so a later put could be ordered before an earlier one of the same process:
-    the stale read below (put a; put b; another process reads a after put b returned)
-    was judged linearizable."""
-    from kvcomm.faults.linearizability import Event, check
-
-    events = [Event(1, "invoke", "put", "k", "a", time=1.0), Event(1, "ok", "put", "k", None, time=2.0),
-              Event(1, "invoke", "get", "k", None, time=2.0), Event(1, "ok", "get", "k", "a", time=2.0),
-              Event(1, "invoke", "put", "k", "b", time=2.0), Event(1, "ok", "put", "k", None, time=3.0),
-              Event(2, "invoke", "get", "k", None, time=3.0), Event(2, "ok", "get", "k", "b", time=4.0)]
-    # given times, the order of the processes' events in the list does not matter (one
-    # process's events at one instant keep their list order: nothing else tells them apart)
-    for history in (events, events[6:] + events[:6]):
-        assert check(history).verdict == "ok"
-    # ...and it is still checked: a stale read in the same shape is caught
-    stale = events[:-2] + [Event(2, "invoke", "get", "k", None, time=3.5),
-                           Event(2, "ok", "get", "k", "a", time=4.0)]
-    assert check(stale).verdict == "illegal"
-    assert check(stale[6:] + stale[:6]).verdict == "illegal"
-
-
 def test_merge_remote_refuses_a_strong_key(hosts: StrongHosts) -> None:
     """F12: ``merge_remote`` (public: how tests and tools apply another host's version)
     wrote a strong key's value into L2, dirty: the daemon would have published it to
     L3, where strong keys never live (and a strong read, from etcd, never saw it: an
-    accepted write that no read returns). It now refuses, as batch() does."""
+    accepted write that no read returns). It now refuses, as batch() does.
+    (found in review 9: strong keys, leases, partition mode)"""
     a = hosts.open("host-a")
     k = _key("m")
     with pytest.raises(kvcomm.InvalidArgument, match="strong"):

@@ -1,11 +1,10 @@
-"""Review of the L3 client's small command table (metrics/wire.py) and the sweep's one-string
-answer (SWEEP_LUA), on a Redis Cluster of this module's own (a test pauses a master)."""
+"""The L3 client's small command table (metrics/wire.py) and the sweep's one-string reads
+of every group's counter and tail, on a real Redis Cluster."""
 
 from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,25 +15,14 @@ from kvcomm.metrics import wire
 from kvcomm.tiers.l3 import L3Store
 from tests.support.daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.redis
-
-
-@pytest.fixture(name="fresh")
-def fresh_fixture(cluster: RedisCluster) -> Iterator[L3Store]:
-    """A client of a process that has read no command table yet (the part only)."""
-    wire._TABLES.clear()
-    s = L3Store(cluster.seeds)
-    yield s
-    s.close()
-    wire._TABLES.clear()
-
 
 def test_a_container_command_missing_from_the_part_table_is_routed_on_first_use(
         cluster: RedisCluster, fresh: L3Store) -> None:
     """MEMORY USAGE and OBJECT ENCODING are named by two words; redis-py, meeting a
     command it has no entry for, reads the whole table but goes on with the name unsplit:
     it finds no key and raised "No way to dispatch this command" on the first use in a
-    process (a plain RedisCluster, which starts with the whole table, routes it)."""
+    process (a plain RedisCluster, which starts with the whole table, routes it).
+    (found in review 22: the L3 client's command table, sweeps)"""
     assert not next(iter(wire._TABLES.values()))[1]  # (the client started with the part)
     rc = fresh.rc
     keys = [f"rev22/container/{i}" for i in range(8)]
@@ -60,7 +48,8 @@ def test_the_first_command_the_part_table_lacks_is_sent_while_the_default_node_i
     its retry loop: with that master paused, the first command the part table has no
     entry for (STRLEN here) raised a timeout, where a client that started with the whole
     table sends it to its key's master, which is up. The whole table now comes from
-    another master when the default node does not answer."""
+    another master when the default node does not answer.
+    (found in review 22: the L3 client's command table, sweeps)"""
     wire._TABLES.clear()
     store = L3Store(cluster.seeds, timeout=0.3)
     try:
@@ -87,7 +76,8 @@ def test_the_first_command_the_part_table_lacks_is_sent_while_the_default_node_i
 def test_a_part_table_read_while_the_whole_was_kept_does_not_replace_it() -> None:
     """A client starting (its part table, COMMAND INFO, read outside the lock) while
     another client of the process reads the whole table: the part, stored last, replaced
-    the whole, and the process's next command the part lacks read the ~90 kB again."""
+    the whole, and the process's next command the part lacks read the ~90 kB again.
+    (found in review 22: the L3 client's command table, sweeps)"""
     wire._TABLES.clear()
     cluster = frozenset({"127.0.0.1:race"})
     whole = {"get": 1, "strlen": 1, "memory": 1}
@@ -109,7 +99,8 @@ def test_a_sweep_mid_migration_reads_a_moved_counter_through_ask(cluster: RedisC
     """A group's slot MIGRATING, its counter and stream already moved to the target (a
     migration's last batch), the slot map still naming the source: the script's GET there
     fails (``E``) and the counter is read again, the ASK redirect followed; the legacy
-    16-group tags ("0".."15") are what the script is given."""
+    16-group tags ("0".."15") are what the script is given.
+    (found in review 22: the L3 client's command table, sweeps)"""
     store = L3Store(cluster.seeds, groups=16)
     try:
         assert store.groups.tags[3] == "3"
@@ -147,7 +138,8 @@ def test_a_sweep_mid_migration_reads_a_moved_counter_through_ask(cluster: RedisC
 
 def test_the_clients_command_method_still_answers_the_whole_table(fresh: L3Store) -> None:
     """``rc.command()`` is redis-py's public COMMAND ("details about all Redis commands"):
-    only the client's start may take the part table; a tool calling it got 11 entries."""
+    only the client's start may take the part table; a tool calling it got 11 entries.
+    (found in review 22: the L3 client's command table, sweeps)"""
     assert not next(iter(wire._TABLES.values()))[1]  # (the client started with the part)
     table = fresh.rc.command()
     assert "strlen" in table and len(table) > 100, sorted(table)
@@ -159,7 +151,8 @@ def test_threads_meeting_a_command_the_part_lacks_read_the_whole_table_once(
         fresh: L3Store) -> None:
     """Sixteen threads of one client (a thread pool's pipelines, say) sending, together,
     their first command the part table lacks: each read the ~90 kB table (measured: 733
-    kB received), where the module promises once per process and cluster."""
+    kB received), where the module promises once per process and cluster.
+    (found in review 22: the L3 client's command table, sweeps)"""
     rc = fresh.rc
     keys = [f"rev22/threads/{i}" for i in range(16)]
     for k in keys:
@@ -183,7 +176,8 @@ def test_a_sweep_of_16384_groups_matches_each_counter_and_tail_read_alone(
         cluster: RedisCluster) -> None:
     """Every group of the largest count (one a slot), random hostile counters among them
     (separators, signs, spaces, 19 and 20 digits, other types): the one-string answer
-    gives each group what reading its counter and its stream's last id alone gives."""
+    gives each group what reading its counter and its stream's last id alone gives.
+    (found in review 22: the L3 client's command table, sweeps)"""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rnd = random.Random(seed)
