@@ -14,6 +14,7 @@ import kvcomm
 from kvcomm.tiers import l2
 from tests.support.daemon_harness import SharedRedisCluster
 from tests.support.helpers import SMALL
+from tests.support.servers import missing, started_by, starts
 
 # CI machines are shared and noisy: no per-example deadline; a failure prints the blob
 # that replays it exactly (@reproduce_failure), as randomised tests here print their seed
@@ -57,7 +58,26 @@ def kv(ns: str, config: kvcomm.Config) -> Iterator[kvcomm.Client]:
     client.close()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers by fixture use, and one skip for a missing server: a test using a fixture
+    that starts Redis or etcd (``tests.support.servers.starts``), directly or through
+    another fixture, is marked ``redis`` or ``etcd``; a test marked so (by a fixture or by
+    its own decorator) is skipped where that server's binary is missing."""
+    absent = missing()
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in info.name2fixturedefs.values() if info is not None else ():
+            for d in defs:
+                for marker in started_by(d.func):
+                    if item.get_closest_marker(marker) is None:
+                        item.add_marker(marker)
+        for marker, why in absent.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
 @pytest.fixture(scope="session")
+@starts("redis")
 def shared_redis_cluster() -> Iterator[SharedRedisCluster]:
     """The Redis Cluster that modules taking ``daemon_harness.shared_cluster_fixture``
     share (started on first use, stopped at the session's end)."""

@@ -4,7 +4,6 @@ the key's L3 master, so two hosts never both win (_client/cas.py)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -18,11 +17,6 @@ from kvcomm import ABSENT, ConflictError
 from kvcomm.tiers.l2 import key_hash
 from tests.support.devcluster import dev_cluster_fixture, host, l3, live_record
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 dev = dev_cluster_fixture(3)
 

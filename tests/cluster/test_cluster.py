@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,10 +24,6 @@ from tests.support.devcluster import (
 )
 from tests.support.helpers import wait_for
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 CTX = mp.get_context("fork")
 
 

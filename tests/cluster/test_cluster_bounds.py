@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import signal
 from typing import Any
 
 import numpy as np
-import pytest
 
 import kvcomm
 from tests.support.devcluster import dev_cluster_fixture, host, l3
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
-
 
 dev = dev_cluster_fixture(2, dirname="devcluster-bounds")
 

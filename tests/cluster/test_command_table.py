@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,6 +15,17 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.metrics import wire
 from kvcomm.tiers.l3 import L3Store
 from tests.support.daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
+
+
+@pytest.fixture(name="fresh")
+def fresh_fixture(cluster: RedisCluster) -> Iterator[L3Store]:
+    """A client of a process that has read no command table yet (the part only)."""
+    wire._TABLES.clear()
+    s = L3Store(cluster.seeds)
+    yield s
+    s.close()
+    wire._TABLES.clear()
+
 
 
 def test_a_container_command_missing_from_the_part_table_is_routed_on_first_use(

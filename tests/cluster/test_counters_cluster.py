@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ import pytest
 
 import kvcomm
 from kvcomm.devcluster import control
-from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.devcluster.procs import running
 from tests.cluster import test_partition
 from tests.support.helpers import wait_for
@@ -29,11 +27,6 @@ from tests.support.helpers import wait_for
 # test_partition's dev cluster (module-scoped: one of this module's own) and its heal
 dc, whole, _status = test_partition.dc, test_partition.whole, test_partition._status
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None or etcd_path() is None,
-                       reason="needs redis-server and etcd"),
-]
 
 HOSTS = ("host-1", "host-2", "host-3")
 

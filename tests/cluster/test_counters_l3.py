@@ -5,7 +5,6 @@ kept in its tombstone, a plain record winning over a counter."""
 from __future__ import annotations
 
 import random
-import shutil
 from typing import Any
 
 import pytest
@@ -15,11 +14,6 @@ from kvcomm.core import codec, counter
 from kvcomm.tiers.l3 import L3Record, L3Store
 from tests.support.daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 
 def _state(rng: random.Random) -> counter.State:

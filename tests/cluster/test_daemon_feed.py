@@ -4,7 +4,6 @@ failover) on every read, resyncs that group, and serves the new values."""
 from __future__ import annotations
 
 import random
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -15,11 +14,6 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import GROUPS, PUSH_LUA, L3Record, L3Store, feed_key, group_of, seq_key
 from tests.support.daemon_harness import Host, record, remote_put, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ into Redis, as a foreign program (or an attacker) would."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,11 +34,6 @@ from tests.support.daemon_harness import (  # noqa: F401 (fixtures)
     store_fixture,
 )
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 INJECT_LUA = r"""
 local s = redis.call('INCR', KEYS[2])

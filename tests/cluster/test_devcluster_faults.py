@@ -10,7 +10,6 @@ all. Each test heals what it broke.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -22,16 +21,10 @@ import pytest
 
 import kvcomm
 from kvcomm.devcluster import control
-from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.devcluster.procs import running
 from kvcomm.tiers.etcd import EtcdClient
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None or etcd_path() is None,
-                       reason="needs redis-server and etcd"),
-]
+from tests.support.servers import starts
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,6 +33,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
+@starts("redis", "etcd")
 def dc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("dc")
     out = _cli("up", "--hosts", "2", "--dir", str(d), "--proxies", "--strong", "task/",
@@ -244,6 +238,8 @@ def test_the_fault_kinds_through_the_target(dc: Path) -> None:
         target.close()
 
 
+@pytest.mark.redis
+@pytest.mark.etcd
 def test_down_stops_etcd_and_the_proxies(tmp_path: Path) -> None:
     d = tmp_path / "dc2"
     state = control.up(1, str(d), proxies=True, strong_prefixes=["x/"])

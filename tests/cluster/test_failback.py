@@ -22,7 +22,6 @@ re-push answered ``equal``, and the record delivered instead of held until the b
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,11 +33,7 @@ from kvcomm.node.delivery import Unheld
 from kvcomm.tiers.l3 import L3Store, feed_key, group_of
 from tests.support.daemon_harness import Host, record
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
+from tests.support.servers import starts
 
 # (lease_ttl: the hosts' polls are held for seconds below, which would otherwise count
 # as Redis silent, and partition mode's heal reads every group's counter at once)
@@ -46,6 +41,7 @@ SHORT = {"wait_replicas": 1, "wait_timeout": "100ms", "lease_ttl": "120s"}
 
 
 @pytest.fixture(scope="module")
+@starts("redis")
 def cluster() -> Iterator[RedisCluster]:
     with RedisCluster(masters=3) as c:
         yield c

@@ -8,7 +8,6 @@ earlier life of the host are covered by tests/cluster/test_holdback.py."""
 from __future__ import annotations
 
 import random
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -17,10 +16,6 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import L3Store, group_of
 from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
 from tests.support.helpers import wait_for
-
-pytestmark = [pytest.mark.redis,
-              pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")]
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ it again, unless L3 has since taken a record that covers it (a later delete).
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -34,11 +33,7 @@ from kvcomm.devcluster.redis_cluster import RedisCluster, command
 from kvcomm.tiers.l3 import PUSH_LUA, L3Record, L3Store, feed_key, group_of
 from tests.support.daemon_harness import Host, record, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
+from tests.support.servers import starts
 
 BIG = "x" * 1000  # over FEED_INLINE: a value-less entry, whose hint carries the entry
 UNREPLICATED = "redis.set_repl(redis.REPL_NONE)\n"  # the script's effects stay on the master
@@ -46,6 +41,7 @@ AHEAD_MS = 3_600_000  # the old master's stream ids run an hour ahead
 
 
 @pytest.fixture(scope="module")
+@starts("redis")
 def cluster() -> Iterator[RedisCluster]:
     """A Redis Cluster of this module's own, a shard per test (see _USED)."""
     with RedisCluster(masters=10) as c:

@@ -7,7 +7,6 @@ hint costs a read, never a change. On a real Redis Cluster."""
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import pytest
@@ -17,11 +16,6 @@ from kvcomm.tiers.l3 import PUSH_LUA, FeedNote, L3Store, feed_key, group_of, seq
 from tests.cluster.test_daemon_feed import same_group_keys
 from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 BIG = "x" * 1000  # a record far over FEED_INLINE: its entry is value-less
 NO_SWEEP = {"feed_sweep_rate": 1}  # a sweep slice every 256 s: only hints (and gaps) find changes

@@ -6,10 +6,6 @@ keeps refreshing every held key. On a real Redis Cluster."""
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
-
 from kvcomm.core.versions import Version
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l2 import key_hash
@@ -17,11 +13,6 @@ from kvcomm.tiers.l3 import L3Store, group_of
 from tests.cluster.test_feed_hints import settled
 from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 BIG = "x" * 1000  # value-less entries: the record is read from L3 only if wanted
 

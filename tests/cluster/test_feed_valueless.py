@@ -7,7 +7,6 @@ new ones (a mixed cluster during an upgrade)."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 
@@ -29,11 +28,6 @@ from kvcomm.tiers.l3 import (
 )
 from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 BIG = "x" * 1000  # a value whose record is far over FEED_INLINE
 

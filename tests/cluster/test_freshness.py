@@ -7,12 +7,9 @@ read per ``negative_ttl``."""
 
 from __future__ import annotations
 
-import shutil
 import time
 import uuid
 from typing import Any
-
-import pytest
 
 import kvcomm
 from kvcomm.config import CacheConfig
@@ -20,12 +17,6 @@ from kvcomm.tiers.keyfilter import KeyFilter
 from kvcomm.tiers.l3 import group_of
 from tests.support.devcluster import dev_cluster_fixture, host, l3, live_record, restart_daemon
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
-]
 
 TTL = float(CacheConfig().negative_ttl)  # the shipped default, which these agents use
 KEYS = 20

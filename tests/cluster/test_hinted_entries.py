@@ -4,7 +4,6 @@ the daemon; a key read from L1 only is never served stale once interest decays."
 from __future__ import annotations
 
 import random
-import shutil
 from typing import Any
 
 import pytest
@@ -12,9 +11,6 @@ import pytest
 from kvcomm.tiers.l3 import L3Store
 from tests.support.daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")
 
 
 def _spublish(store: Any, g: int, payload: bytes) -> None:
@@ -42,7 +38,7 @@ def _held_and_followed(h: Host, store: L3Store, key: str, big: str) -> int:
     return last
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """A hint carrying an entry that is not in the stream (the group's next sequence
     number, an id far ahead: anything that can SPUBLISH on the channel can send it) is
@@ -77,7 +73,7 @@ def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None
         h.close()
 
 
-@needs_redis
+@pytest.mark.redis
 @pytest.mark.parametrize("bad", ["huge", "other_group", "invalid"])
 def test_a_hinted_entry_with_a_hostile_key_never_stops_the_daemon(cluster, store, bad: str) -> None:  # type: ignore[no-untyped-def]
     """A hint carrying an entry whose key no client could write (far over the key size
@@ -116,7 +112,7 @@ def test_a_hinted_entry_with_a_hostile_key_never_stops_the_daemon(cluster, store
         h.close()
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_key_read_from_l1_only_is_never_served_stale_after_interest_decays(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """cluster.unread_changes 1: an agent that reads a held key only from its L1 (no L2
     read sets the reference bit) may see it dropped from L2 at the next remote change;

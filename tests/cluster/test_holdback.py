@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import time
 from typing import Any
 
@@ -46,11 +45,8 @@ from kvcomm.core import codec
 from kvcomm.tiers import l2
 from kvcomm.tiers.groups import groups as groups_of
 from kvcomm.tiers.shm.layout import H
-from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)  # noqa: F401 (fixtures)  # noqa: F401
+from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server is not installed")
 
 
 def _l3_value(store: Any, key: str) -> object:
@@ -246,11 +242,8 @@ def test_old_dots_below_the_write_sequence_do_not_cover_a_new_write(cluster, sto
 # Cluster mode (real Redis Cluster, in-process daemons: tests/support/daemon_harness.py)
 # ---------------------------------------------------------------------------------------
 
-_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                            reason="redis-server is not installed")
 
-
-@_redis
+@pytest.mark.redis
 def test_review7_writes_after_a_host_lost_its_l2_are_undone(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """F6 (data loss). The host's write counter (the dot of every local write) lives only
     in the L2 header (H_WSEQ). When the host's L2 is lost — a reboot, /dev/shm gone, or
@@ -286,7 +279,7 @@ def test_review7_writes_after_a_host_lost_its_l2_are_undone(cluster, store) -> N
         h.close()
 
 
-@_redis
+@pytest.mark.redis
 def test_a_host_whose_write_sequence_went_backwards_is_rebased(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """The safety net under the time-based write sequence: a host's new L2 whose sequence
     starts below the dots L3 has from it (a clock set back before the reboot) — the daemon
@@ -331,7 +324,7 @@ def test_a_host_whose_write_sequence_went_backwards_is_rebased(cluster, store) -
         h.close()
 
 
-@_redis
+@pytest.mark.redis
 def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """F7 (stale forever). Hosts may have different cache.l2_size. A key held by a host
     with a 2 MB L2 is rewritten elsewhere with a 1.5 MB value: applying it raises
@@ -372,7 +365,7 @@ def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(c
 # F10. The key filter ignores cache.l2_dir: it always lives in /dev/shm.
 # ---------------------------------------------------------------------------------------
 
-@_redis
+@pytest.mark.redis
 def test_review7_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """cache.l2_dir is 'where segments live (a tmpfs; Docker's is 64MB: --shm-size)'.
     The daemon's key filter is always /dev/shm/kvcomm.<namespace>.keys
@@ -403,7 +396,7 @@ def test_review7_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type:
 #      feed entry leaves the host serving the old value forever.
 # ---------------------------------------------------------------------------------------
 
-@_redis
+@pytest.mark.redis
 def test_review7_l3_fill_racing_the_feed_serves_a_stale_value_forever(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """An agent misses L2 and GETs key k from L3 (v1). Before it writes v1 into L2
     (_client/cluster_read.py _get_l3 -> _merge), another host writes v2; this host's daemon reads the

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -27,16 +26,13 @@ from kvcomm.node.daemon import NodeDaemon
 from kvcomm.tiers.l3 import L3Store, Unreached, feed_key, group_of
 from tests.support.daemon_harness import Host, record
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
+from tests.support.servers import starts
 
 HUNG_NODE_TIMEOUT_MS = 120_000  # no failover while a test holds its master stopped
 
 
 @pytest.fixture(scope="module")
+@starts("redis")
 def cluster() -> Iterator[RedisCluster]:
     with RedisCluster(masters=3, replicas=0, node_timeout_ms=HUNG_NODE_TIMEOUT_MS) as c:
         yield c
@@ -309,6 +305,7 @@ def test_writes_held_for_a_hung_master_are_not_resent_every_round(
 
 
 @pytest.fixture(scope="module")
+@starts("redis")
 def replicated() -> Iterator[RedisCluster]:
     """3 masters with a replica each and the default (2 s) node timeout: a master
     stopped longer is failed over."""
@@ -576,6 +573,7 @@ def test_hint_subscriptions_skip_a_master_taken_for_down(
         store.close()
 
 
+@pytest.mark.redis
 def test_a_sweep_reaching_more_hung_masters_than_eight_waits_one_timeout() -> None:
     """A sweep (``feed_heads``) of every group of a 10-master cluster, 9 of them stopped
     (SIGSTOP): the masters are called at the same time, one thread each, so the sweep
@@ -618,6 +616,7 @@ def test_a_sweep_reaching_more_hung_masters_than_eight_waits_one_timeout() -> No
 
 
 @pytest.fixture(scope="module")
+@starts("redis")
 def cluster3() -> Iterator[RedisCluster]:
     with RedisCluster(masters=3, replicas=0, node_timeout_ms=HUNG_NODE_TIMEOUT_MS) as c:
         yield c

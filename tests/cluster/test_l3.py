@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import shutil
 import struct
 import tracemalloc
 from typing import Any
@@ -34,12 +33,8 @@ from kvcomm.tiers.l3 import (
     seq_key,
 )
 from tests.core.test_versions import histories
-from tests.support.daemon_harness import cluster_fixture, record, store_fixture  # noqa: F401 (the fixtures)  # noqa: F401 (the fixtures)
+from tests.support.daemon_harness import cluster_fixture, record, store_fixture  # noqa: F401 (the fixtures)
 from tests.support.helpers import wait_for
-
-pytestmark = pytest.mark.redis
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")
 
 
 def rec(v: Dotted, value: bytes = b"v", tomb: bool = False) -> L3Record:
@@ -270,7 +265,7 @@ def test_a_length_field_never_allocates_what_it_claims(data: bytes) -> None:
     assert peak < 4 << 20, f"decoding {data[:12]!r} peaked at {peak} bytes"
 
 
-@needs_redis
+@pytest.mark.redis
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(histories, st.data())
 def test_lua_push_agrees_with_the_pure_rule(store: L3Store, writes: list[Dotted],
@@ -292,7 +287,7 @@ def test_lua_push_agrees_with_the_pure_rule(store: L3Store, writes: list[Dotted]
     assert held is not None and held.version == expected_version
 
 
-@needs_redis
+@pytest.mark.redis
 def test_the_push_script_carries_the_extension_through_a_merge(store: L3Store) -> None:
     """A merge (concurrent writes) is the one path where the script packs a record
     itself: the winner's extension must come out byte for byte, though cmsgpack would
@@ -310,7 +305,7 @@ def test_the_push_script_carries_the_extension_through_a_merge(store: L3Store) -
     assert raw[b"f"] == 2 and raw[b"x"] == ext
 
 
-@needs_redis
+@pytest.mark.redis
 def test_the_push_script_reads_format_1_records_by_name(store: L3Store) -> None:
     """A format-1 record stored before the upgrade is merged like any other; the
     result is written in format 2."""
@@ -328,7 +323,7 @@ def test_the_push_script_reads_format_1_records_by_name(store: L3Store) -> None:
     assert newer.outcome == "newer"
 
 
-@needs_redis
+@pytest.mark.redis
 def test_records_the_script_cannot_read_are_refused(store: L3Store) -> None:
     key = "ext/bad"
     good = rec(Dotted((("a", 1),), ("a", 1), 1))
@@ -342,7 +337,7 @@ def test_records_the_script_cannot_read_are_refused(store: L3Store) -> None:
     assert store.rc.get(record_key(key)) is None
 
 
-@needs_redis
+@pytest.mark.redis
 def test_every_accepted_change_is_in_the_group_feed(store: L3Store) -> None:
     key = "feed/k"
     g = group_of(key)
@@ -357,7 +352,7 @@ def test_every_accepted_change_is_in_the_group_feed(store: L3Store) -> None:
     assert [L3Record.decode(r[2]).dot for r in rows] == [("a", 1), ("a", 2)]
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_foreign_value_is_an_error_for_reads_and_replaced_by_a_push(store: L3Store) -> None:
     """A value that is not a KVCOMM record makes reads of that key (only) raise
     CorruptRecord, whose advice is "remove or rewrite the key": a push rewrites it (as if
@@ -376,7 +371,7 @@ def test_a_foreign_value_is_an_error_for_reads_and_replaced_by_a_push(store: L3S
     assert store.get("foreign/2") == good
 
 
-@needs_redis
+@pytest.mark.redis
 def test_counters_are_bounded_alike_by_the_reader_and_the_push_script(store: L3Store) -> None:
     """Counters run 1..2**53-1 (MAX_COUNTER), in Python and in Lua alike: past it Lua's
     doubles are inexact, and a host's write sequence raised there could reach the L2
@@ -400,7 +395,7 @@ def test_counters_are_bounded_alike_by_the_reader_and_the_push_script(store: L3S
     assert store.push("bound/3", at).outcome == "new"
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_record_of_a_newer_format_is_not_replaced(store: L3Store) -> None:
     """A record of a format this host cannot read is refused by a push, not replaced: a
     host that was not upgraded fails loudly for that key (see "When to bump FORMAT")."""
@@ -412,7 +407,7 @@ def test_a_record_of_a_newer_format_is_not_replaced(store: L3Store) -> None:
     assert store.rc.get(record_key("newer/1")) == newer  # untouched
 
 
-@needs_redis
+@pytest.mark.redis
 def test_pipelined_pushes_span_every_master(store: L3Store, cluster: RedisCluster) -> None:
     seed = random.randrange(2**32)
     print(f"seed={seed}")
@@ -431,7 +426,7 @@ def test_unreachable_cluster_is_unavailable() -> None:
         L3Store([("127.0.0.1", 1)], timeout=0.2)
 
 
-@needs_redis
+@pytest.mark.redis
 def test_every_change_carries_the_next_sequence_number_of_its_group(store: L3Store) -> None:
     key = "seq/k"
     g = group_of(key)
@@ -447,7 +442,7 @@ def test_every_change_carries_the_next_sequence_number_of_its_group(store: L3Sto
     assert store.feed_position(g) == (start_seq + 5, rows[-1].id)
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_foreign_sequence_counter_restarts_the_sequence(store: L3Store) -> None:
     key = "seq/foreign"
     g = group_of(key)
@@ -495,7 +490,7 @@ def test_the_sweep_reads_foreign_counters_as_foreign_whatever_they_hold(store: L
     assert sent < 8 * store.groups.count  # (the key names took ~22 B a group)
 
 
-@needs_redis
+@pytest.mark.redis
 def test_feed_entries_that_are_not_ours_are_reported_not_raised(store: L3Store) -> None:
     g = group_of("seq/k")
     _, last = store.feed_position(g)
@@ -509,7 +504,7 @@ def test_feed_entries_that_are_not_ours_are_reported_not_raised(store: L3Store) 
     assert rows[2].seq is None and "field" in rows[2].problem
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_value_of_another_type_is_an_error_for_reads_and_replaced_by_a_push(
         store: L3Store) -> None:
     store.rc.hset(record_key("typed/1"), "f", "v")
@@ -523,7 +518,7 @@ def test_a_value_of_another_type_is_an_error_for_reads_and_replaced_by_a_push(
     assert store.get("typed/1") == good
 
 
-@needs_redis
+@pytest.mark.redis
 def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
     store = L3Store(cluster.seeds)
     victim = None
@@ -549,7 +544,7 @@ def test_master_failover_keeps_replicated_writes(cluster: RedisCluster) -> None:
             cluster.wait_restored(60)
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_killed_node_rejoins_and_the_cluster_is_whole_again(cluster: RedisCluster) -> None:
     from kvcomm.devcluster.redis_cluster import cluster_whole
 
@@ -566,7 +561,7 @@ def test_a_killed_node_rejoins_and_the_cluster_is_whole_again(cluster: RedisClus
     assert len(cluster.master_ports()) == cluster.masters
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_master_without_replicas_does_not_hold_writes_back(cluster: RedisCluster) -> None:
     """cluster.wait_replicas=1, but the master's only replica is down (a lost node, or
     the time a promoted master has none): a write must still count as delivered once

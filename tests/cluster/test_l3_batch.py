@@ -6,7 +6,6 @@ whatever the other records of the call do."""
 from __future__ import annotations
 
 import random
-import shutil
 import time
 
 import pytest
@@ -26,10 +25,6 @@ from kvcomm.tiers.l3 import (
     record_key,
 )
 from tests.support.daemon_harness import cluster_fixture, store_fixture  # noqa: F401 (the fixtures)
-
-pytestmark = [pytest.mark.redis,
-              pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")]
 
 
 def rec(v: Dotted, value: bytes = b"v", tomb: bool = False, ext: bytes = EMPTY_EXT) -> L3Record:

@@ -14,8 +14,6 @@ from kvcomm.errors import CorruptRecord
 from kvcomm.tiers.l3 import EMPTY_EXT, L3Record, L3Store
 from tests.support.daemon_harness import shared_cluster_fixture, store_fixture  # noqa: F401 (the fixtures)
 
-pytestmark = pytest.mark.redis
-
 
 def _rec(vector: Vector, dot: tuple[str, int], hlc: int, value: bytes = b"v",
          tomb: bool = False, ext: bytes = EMPTY_EXT) -> L3Record:

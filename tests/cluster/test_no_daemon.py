@@ -39,8 +39,6 @@ from kvcomm.metrics import collector
 from kvcomm.tiers import l2
 from kvcomm.tiers.shm.layout import H
 from tests.support.devcluster import (
-    NEEDS_ETCD,
-    NEEDS_REDIS,
     dev_cluster_fixture,
     host,
     kill_daemon,
@@ -233,8 +231,8 @@ def daemons_back(dev: dict[str, Any]) -> Iterator[None]:
             restart_daemon(dev, i)
 
 
-@NEEDS_REDIS
-@NEEDS_ETCD
+@pytest.mark.redis
+@pytest.mark.etcd
 def test_a_killed_daemons_writes_wait_in_l2_and_arrive_after_a_restart(
         dev: dict[str, Any], daemons_back: None) -> None:
     a, b = host(dev, 0), host(dev, 1)
@@ -284,8 +282,8 @@ def test_a_killed_daemons_writes_wait_in_l2_and_arrive_after_a_restart(
         store.close()
 
 
-@NEEDS_REDIS
-@NEEDS_ETCD
+@pytest.mark.redis
+@pytest.mark.etcd
 def test_cluster_status_of_a_stopped_daemon_says_what_is_known_and_since_when(
         dev: dict[str, Any], daemons_back: None) -> None:
     """A daemon stopped by SIGTERM published "stopped, backlog 0"; 100 writes made on its

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -38,11 +37,6 @@ from tests.cluster.test_hung_master import _master_port
 from tests.cluster.test_hung_master import cluster as cluster  # noqa: F401 (the fixture: 3 masters, no failover)
 from tests.support.daemon_harness import Host
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 
 TIMEOUT = 1.0  # cluster.timeout: how long the first call to a stopped master waits
 BOUND = 16  # cluster.outbound_max of the writing host

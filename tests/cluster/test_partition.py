@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,17 +22,11 @@ import pytest
 
 import kvcomm
 from kvcomm.devcluster import control
-from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.devcluster.procs import running
 from kvcomm.node.presence import read_status, status_path
 from kvcomm.tiers.keyfilter import KeyFilter
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None or etcd_path() is None,
-                       reason="needs redis-server and etcd"),
-]
+from tests.support.servers import starts
 
 TTL = 2.0
 TIMEOUT = 0.5
@@ -46,6 +39,7 @@ def _kvcomm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
+@starts("redis", "etcd")
 def dc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("pdc")
     control.up(3, str(d), strong_prefixes=["task/"], proxies=True,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -22,11 +21,6 @@ from kvcomm.tiers.l3 import META_INDEX, L3Store
 from tests.support.devcluster import all_live_in_l3, dev_cluster_fixture, host, l3
 from tests.support.helpers import wait_for
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
-]
 CTX = mp.get_context("fork")
 
 

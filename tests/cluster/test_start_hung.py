@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import threading
@@ -46,9 +45,6 @@ from tests.support.daemon_harness import Host, record, remote_put
 from tests.support.delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3, _View
 from tests.support.delivery_fakes import group_of as fake_group
 from tests.support.helpers import wait_for
-
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")
 
 TIMEOUT = 1.0  # cluster.timeout of the test's hosts
 
@@ -166,7 +162,6 @@ def _start(cluster: RedisCluster, host: str, seed: int,
 
 
 @pytest.mark.redis
-@needs_redis
 def test_a_daemon_starts_while_a_master_hangs_and_its_filter_never_says_absent(
         cluster: RedisCluster, seed: int) -> None:
     """Keys on every master; one master stopped; a new host's daemon starts (asserted
@@ -235,7 +230,6 @@ def test_a_daemon_starts_while_a_master_hangs_and_its_filter_never_says_absent(
 
 
 @pytest.mark.redis
-@needs_redis
 def test_the_filter_is_not_rotated_without_a_hung_masters_keys(
         cluster: RedisCluster, seed: int) -> None:
     """A running daemon whose filter rotates every 0.5 s: while a master hangs no
@@ -287,7 +281,6 @@ def test_the_filter_is_not_rotated_without_a_hung_masters_keys(
 
 
 @pytest.mark.redis
-@needs_redis
 def test_a_kvcomm_node_process_starts_while_a_master_hangs(
         cluster: RedisCluster, seed: int, tmp_path: Path) -> None:
     """``kvcomm node`` as a process of its own, started while a master is stopped: it

@@ -9,7 +9,6 @@ one refresh."""
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -26,11 +25,6 @@ from tests.embedded.test_ttl import _AGENT, _until
 from tests.support.devcluster import dev_cluster_fixture, host, l3, live_record
 from tests.support.helpers import wait_for
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
-]
 GROUPS = 64
 
 

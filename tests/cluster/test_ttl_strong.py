@@ -4,7 +4,6 @@ deadlines pushed to L3, on a dev cluster of two hosts."""
 from __future__ import annotations
 
 import math
-import shutil
 import struct
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from kvcomm import devcluster
 from kvcomm._client.strong import etcd_key
 from kvcomm.tiers.l3 import L3Record, L3Store
 from tests.support.helpers import wait_for
+from tests.support.servers import starts
 
 _BYTES_TAG = 1
 
@@ -28,9 +28,8 @@ def _f64(x: float) -> bytes:
 # ---------------------------------------------------------------- F4: a lost bucket lease
 
 @pytest.fixture(scope="module")
+@starts("redis", "etcd")
 def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    if shutil.which("redis-server") is None or shutil.which("etcd") is None:
-        pytest.skip("redis-server and etcd are needed")
     d = tmp_path_factory.mktemp("devcluster")
     state = devcluster.up(2, str(d), groups=64, strong_prefixes=["lock/"])
     yield state

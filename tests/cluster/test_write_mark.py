@@ -5,7 +5,6 @@ replica."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 
@@ -14,11 +13,8 @@ from kvcomm.core.versions import MAX_COUNTER
 from tests.support.daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
 
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")
 
-
-@needs_redis
+@pytest.mark.redis
 @pytest.mark.parametrize("junk", [str(MAX_COUNTER), str(MAX_COUNTER - 5), "9" * 30, "-7",
                                   "abc", "1e9"])
 def test_a_junk_write_mark_never_stops_the_hosts_writes(cluster, store, junk: str) -> None:  # type: ignore[no-untyped-def]
@@ -74,7 +70,7 @@ def test_a_write_with_no_dot_left_is_refused_not_acknowledged(kv, how: str) -> N
     assert kv._seg.write_sequence == MAX_COUNTER
 
 
-@needs_redis
+@pytest.mark.redis
 def test_a_push_waits_until_the_write_mark_covering_it_is_replicated(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """cluster.wait_replicas 1: a push is durable only once a replica has it, so a
     failover keeps it; the write mark that covers its dots must be as durable (a failover

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
@@ -111,7 +110,6 @@ def test_spawn_appends_output_to_a_log(tmp_path: Path) -> None:
 
 
 @pytest.mark.redis
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_redis_server_starts_answers_and_leaves_nothing_behind() -> None:
     with RedisServer() as server:
         assert server.proc is not None

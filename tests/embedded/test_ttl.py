@@ -75,7 +75,6 @@ def test_l1_entry_never_outlives_the_deadline_in_a_tight_loop(kv: kvcomm.Client)
             assert after >= deadline, "absent before its deadline"
 
 
-
 def test_a_large_array_view_carries_the_deadline(kv: kvcomm.Client) -> None:
     np = pytest.importorskip("numpy")
     arr = np.arange(100_000, dtype=np.float64)

@@ -5,23 +5,14 @@ cluster watch work through the async face."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 from kvcomm.aio import AsyncClient
 from tests.integrations.test_aio import Ticker
 from tests.support.devcluster import all_live_in_l3, dev_cluster_fixture, host, l3
 from tests.support.helpers import wait_for
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
-]
 
 dev = dev_cluster_fixture(2, strong_prefixes=["lock/"], groups=64)
 

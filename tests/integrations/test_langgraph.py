@@ -334,7 +334,6 @@ def test_the_async_store_methods(kv: kvcomm.Client) -> None:
     assert namespaces == [("m", "a"), ("m", "b")]
 
 
-
 # ---------------------------------------------------------------- the README's example
 
 

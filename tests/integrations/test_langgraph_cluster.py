@@ -7,7 +7,6 @@ host-2 agent's search. The saver's heads are strong (``cache.strong_prefixes:
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,13 +26,6 @@ from langgraph.types import Command  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
 from tests.integrations.test_langgraph import build_graph, check_one_chain, log_graph, run_two_writers  # noqa: E402
-
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed"),
-]
-
 
 dev = dev_cluster_fixture(2, strong_prefixes=["lg/cp/h/"], groups=64)
 

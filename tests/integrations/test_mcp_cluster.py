@@ -4,7 +4,6 @@ namespace: puts, scans, counters and watches cross the hosts both ways."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,21 +11,16 @@ import pytest
 
 import kvcomm
 from kvcomm.devcluster import control
-from kvcomm.devcluster.etcd_cluster import etcd_path
 from tests.integrations.test_mcp import _run, stdio
 from tests.support.helpers import wait_for
+from tests.support.servers import starts
 
 pytest.importorskip("mcp")
 anyio = pytest.importorskip("anyio")
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None or etcd_path() is None,
-                       reason="needs redis-server and etcd"),
-]
-
 
 @pytest.fixture(scope="module")
+@starts("redis", "etcd")
 def dc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("mcpdc")
     control.up(2, str(d))

@@ -32,11 +32,11 @@ from kvcomm.tiers.etcd import (
     put_op,
 )
 from tests.support.helpers import wait_for
-
-pytestmark = pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
+from tests.support.servers import starts
 
 
 @pytest.fixture(scope="module")
+@starts("etcd")
 def cluster() -> Iterator[EtcdCluster]:
     with EtcdCluster() as ec:
         yield ec
@@ -389,6 +389,7 @@ def test_revoking_a_lease_deletes_its_keys(client: EtcdClient) -> None:
 # ---------------------------------------------------------------- auth and TLS
 
 
+@pytest.mark.etcd
 def test_user_and_password(tmp_path: Path) -> None:
     with EtcdCluster(members=1) as one:
         admin = EtcdClient(one.endpoints)
@@ -417,6 +418,7 @@ def test_user_and_password(tmp_path: Path) -> None:
         c.close()
 
 
+@pytest.mark.etcd
 def test_user_and_password_through_two_leader_failovers_with_expired_tokens() -> None:
     """With user and password, the token is re-fetched wherever a member rejects it:
     after two leader failovers (each killed leader restarted, which forgets its tokens),
@@ -479,6 +481,7 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
+@pytest.mark.etcd
 def test_tls_with_ca_certificate_and_key(tmp_path: Path) -> None:
     if not etcd_path() or subprocess.run(["which", "openssl"], capture_output=True).returncode:
         pytest.skip("needs openssl")

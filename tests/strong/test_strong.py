@@ -22,9 +22,7 @@ from kvcomm._client.strong import KEY_PREFIX, PREFIXES_KEY, revision_of
 from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.devcluster.procs import running
 from kvcomm.tiers.etcd import EtcdClient
-from tests.support.devcluster import NEEDS_ETCD, StrongHosts, etcd_fixture, strong_hosts_fixture
-
-pytestmark = NEEDS_ETCD
+from tests.support.devcluster import StrongHosts, etcd_fixture, strong_hosts_fixture
 
 PREFIXES = ["task/", "shelf/"]
 TIMEOUT = 1.5

@@ -462,6 +462,8 @@ def test_a_remote_write_from_a_clock_far_ahead_is_counted_and_logged(
             h.close()
 
 
+@pytest.mark.redis
+@pytest.mark.etcd
 def test_partition_mode_is_entered_about_one_lease_ttl_after_the_cut(tmp_path: Any) -> None:
     """F10: partition mode was decided only by the daemon's loop, between rounds; cut
     off, the loop sits in Redis calls that time out one after the other (redis-py tries

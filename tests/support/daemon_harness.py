@@ -8,7 +8,6 @@ made by pushing records straight into L3 (:func:`remote_put`), the way its daemo
 from __future__ import annotations
 
 import random
-import shutil
 import threading
 import uuid
 import warnings
@@ -24,13 +23,13 @@ from kvcomm.devcluster.redis_cluster import RedisCluster, cluster_ok
 from kvcomm.node.daemon import NodeDaemon
 from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store
+from tests.support.servers import starts
 
 
 @pytest.fixture(scope="module", name="cluster")
+@starts("redis")
 def cluster_fixture() -> Iterator[RedisCluster]:
     """A Redis Cluster of the test module's own: faults injected there stay there."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
     with RedisCluster() as c:
         yield c
 
@@ -67,8 +66,6 @@ class SharedRedisCluster:
 
     def take(self) -> RedisCluster:
         """The cluster, whole and empty (a fresh one when the last module broke it)."""
-        if shutil.which("redis-server") is None:
-            pytest.skip("redis-server is not installed")
         if self.cluster is not None and not self._whole():
             warnings.warn("the shared Redis Cluster was broken by the previous module that "
                           "used it: starting a fresh one", stacklevel=1)

@@ -13,7 +13,6 @@ test that kills something restores it itself (see test_cluster.py's ``whole_clus
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,14 +22,10 @@ import pytest
 
 import kvcomm
 from kvcomm import devcluster
-from kvcomm.devcluster.etcd_cluster import EtcdCluster, etcd_path
+from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store
-
-NEEDS_REDIS = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")
-NEEDS_ETCD = pytest.mark.skipif(etcd_path() is None,
-                                reason="needs etcd (apt-get install etcd-server)")
+from tests.support.servers import starts
 
 DevState = dict[str, Any]
 
@@ -40,13 +35,13 @@ def dev_cluster_fixture(hosts: int, *, dirname: str = "devcluster",
     """A module-scoped fixture: a dev cluster of ``hosts`` hosts started with
     ``devcluster.up(hosts, dir, **up)``, stopped after the module's last test. Its value is
     the cluster's state (see :func:`kvcomm.devcluster.load_state`) plus ``dir`` (the
-    directory) and ``groups`` (``cluster.groups``, None for the default). Skips when
-    redis-server or etcd is missing. Use as ``dev = dev_cluster_fixture(2, ...)``."""
+    directory) and ``groups`` (``cluster.groups``, None for the default). Its tests are
+    marked ``redis`` and ``etcd`` (skipped where either is missing). Use as
+    ``dev = dev_cluster_fixture(2, ...)``."""
 
     @pytest.fixture(scope="module")
+    @starts("redis", "etcd")
     def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevState]:
-        if shutil.which("redis-server") is None or etcd_path() is None:
-            pytest.skip("a dev cluster needs redis-server and etcd")
         d = tmp_path_factory.mktemp(dirname)
         state = devcluster.up(hosts, str(d), **up)
         state["dir"] = d
@@ -127,6 +122,7 @@ def etcd_fixture() -> Callable[..., Iterator[EtcdCluster]]:
     ``etcd = etcd_fixture()``."""
 
     @pytest.fixture(scope="module")
+    @starts("etcd")
     def etcd() -> Iterator[EtcdCluster]:
         with EtcdCluster() as ec:
             yield ec

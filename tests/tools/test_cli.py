@@ -121,8 +121,6 @@ def test_demo_rejects_bad_arguments() -> None:
 
 
 @pytest.mark.redis
-@pytest.mark.skipif(__import__("shutil").which("redis-server") is None,
-                    reason="redis-server is not installed")
 def test_dev_cluster_up_and_down_as_a_user_runs_it(tmp_path: Path) -> None:
     d = tmp_path / "dc"
     up = run("dev-cluster", "up", "--hosts", "2", "--dir", str(d))

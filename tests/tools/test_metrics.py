@@ -8,7 +8,6 @@ import gc
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -275,9 +274,6 @@ def test_the_grafana_dashboard_asks_only_for_exported_families() -> None:
 
 # ---------------------------------------------------------------- a dev cluster
 
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")
-
 
 dev = dev_cluster_fixture(2)
 
@@ -296,7 +292,6 @@ def _scrape(url: str) -> str:
         return r.read().decode()  # type: ignore[no-any-return]
 
 
-@needs_redis
 @pytest.mark.redis
 def test_a_dev_cluster_under_a_workload_exposes_every_family(dev: dict[str, Any]) -> None:
     seed = random.randrange(1 << 30)
@@ -376,7 +371,6 @@ def test_a_dev_cluster_under_a_workload_exposes_every_family(dev: dict[str, Any]
                          for h in hosts), 30, "the outbound backlog to drain")
 
 
-@needs_redis
 @pytest.mark.redis
 def test_l3_wire_counts_every_command(dev: dict[str, Any]) -> None:
     from kvcomm.tiers.l3 import L3Store
@@ -397,7 +391,6 @@ def test_l3_wire_counts_every_command(dev: dict[str, Any]) -> None:
         store.close()
 
 
-@needs_redis
 @pytest.mark.redis
 def test_the_registry_lists_every_host_with_its_metrics_address(dev: dict[str, Any]) -> None:
     from kvcomm.metrics.registry import L3Registry
@@ -412,7 +405,6 @@ def test_the_registry_lists_every_host_with_its_metrics_address(dev: dict[str, A
     assert entries == {h["host"]: h["metrics"] for h in dev["hosts"]}
 
 
-@needs_redis
 @pytest.mark.redis
 def test_top_cluster_once_shows_every_host(dev: dict[str, Any]) -> None:
     import subprocess

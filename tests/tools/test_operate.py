@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -112,7 +111,6 @@ def test_every_scenario_runs_headless_with_no_failure(tmp_path: Path, ns: str) -
         assert ops.get(name, {}).get("count", 0) > 0, name
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 @pytest.mark.redis
 def test_the_redis_baseline_runs_side_by_side(tmp_path: Path) -> None:
     out = kvcomm_cli("loadtest", "--scenario", "swarm", "--users", "4", "--seconds", "1",

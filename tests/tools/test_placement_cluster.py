@@ -5,7 +5,6 @@ them together, and the launcher moves them there."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,6 @@ from tests.support.devcluster import dev_cluster_fixture
 from tests.support.devcluster import l3 as _l3
 from tests.support.helpers import wait_for
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
 ROOT = Path(__file__).resolve().parent.parent
 # what each agent does: w1, w2 write once; r1 reads w1's key (same host) and w2's (the other
 # host: through L3, whose record carries w2's id); r2 reads w1's key from the other host

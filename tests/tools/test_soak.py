@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import subprocess
 import sys
 import threading
@@ -16,7 +15,6 @@ from typing import Any
 import pytest
 
 from kvcomm.core.versions import Version
-from kvcomm.devcluster.etcd_cluster import etcd_path
 from kvcomm.errors import InvalidArgument
 from kvcomm.faults import FAULTS, Fault, Nemesis, Observed, Op, check, fault_kinds, plan, register
 from kvcomm.faults.checker import ABSENT
@@ -472,9 +470,6 @@ def test_the_one_line() -> None:
 
 # ---------------------------------------------------------------------- real runs
 
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")
-
 
 def _soak(tmp_path: Path, faults: list[str], seconds: float, **kw: Any) -> SoakResult:
     seed = random.randrange(2**32)
@@ -503,7 +498,6 @@ def _effects(result: SoakResult, kind: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.redis
-@needs_redis
 def test_soak_with_every_fault_kind(tmp_path: Path) -> None:
     """Every fault once, in a row with short gaps; nothing acknowledged may be lost. On a
     main without the fixes of issue 7 (items 1, 3, 4) this fails: evicted keys deleted
@@ -514,7 +508,6 @@ def test_soak_with_every_fault_kind(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.redis
-@needs_redis
 def test_soak_with_every_fault_kind_for_30_s(tmp_path: Path) -> None:
     """The same for 30 s with the soak's own gaps between faults."""
     _assert_every_fault_kind(_soak(tmp_path, fault_kinds(), 30))
@@ -533,7 +526,6 @@ def _assert_every_fault_kind(result: SoakResult) -> None:
 
 @pytest.mark.slow
 @pytest.mark.redis
-@needs_redis
 def test_soak_with_the_faults_that_no_known_bug_affects(tmp_path: Path) -> None:
     """Paused and killed daemons, killed Redis masters: nothing lost, every host converges.
     (`make test-slow`: `make test` crosses these faults in test_soak_with_every_fault_kind.)
@@ -567,9 +559,8 @@ def test_check_strong_catches_a_stale_read_in_the_recorded_history(tmp_path: Pat
     assert bad["verdict"] == "illegal" and "NOT linearizable" in bad["bad"][0]
 
 
+@pytest.mark.etcd
 @pytest.mark.redis
-@needs_redis
-@pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
 def test_a_jepsen_run_with_one_partition_first_then_every_jepsen_fault(tmp_path: Path) -> None:
     """`kvcomm jepsen --partitions 1` in short, `make test`'s stand-in for the two slow
     runs below: the nemesis first partitions a host (both sides keep writing, the heal ->
@@ -595,10 +586,9 @@ def test_a_jepsen_run_with_one_partition_first_then_every_jepsen_fault(tmp_path:
     assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])
 
 
+@pytest.mark.etcd
 @pytest.mark.slow
 @pytest.mark.redis
-@needs_redis
-@pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
 def test_a_short_jepsen_run_is_linearizable_and_loses_nothing(tmp_path: Path) -> None:
     """`kvcomm jepsen` in short: 3 hosts x 2 strong clients on 4 strong keys, while the
     nemesis partitions hosts, kills and pauses etcd members and drops connections. The
@@ -620,10 +610,9 @@ def test_a_short_jepsen_run_is_linearizable_and_loses_nothing(tmp_path: Path) ->
     assert result.ok, "\n".join([result.line(), *result.summary(), *result.errors])
 
 
+@pytest.mark.etcd
 @pytest.mark.slow
 @pytest.mark.redis
-@needs_redis
-@pytest.mark.skipif(etcd_path() is None, reason="needs etcd (apt-get install etcd-server)")
 def test_partitions_in_a_row_are_all_healed_and_measured(tmp_path: Path) -> None:
     """`kvcomm jepsen --partitions 2` in short (`make partitions` runs 20): the nemesis
     partitions hosts twice in a row before anything else, both sides keep writing, every
