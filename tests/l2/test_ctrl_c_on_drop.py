@@ -25,6 +25,7 @@ import pytest
 import kvcomm
 from kvcomm.tiers import l2
 from kvcomm.tiers.shm.geometry import Layout
+from tests.support.children import reap
 from tests.support.helpers import wait_for
 
 # slow: `make test-slow`, or run alone. Forked from the suite's long-lived pytest process,
@@ -114,10 +115,6 @@ def test_ctrl_c_reaches_a_loop_that_opens_and_drops(what: str, ns: str, seed: in
             assert p.exitcode == STOPPED, f"the loop ended with {p.exitcode}"
             stopped += 1
         finally:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-            os.close(r)
-            os.close(w)
+            reap(p, r, w)
     print(f"{stopped} SIGINTs into a loop of {what} opened and dropped: all reached "
           "the caller")

@@ -18,6 +18,7 @@ import traceback
 import pytest
 
 import kvcomm
+from tests.support.children import reap
 from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -64,11 +65,7 @@ def test_ctrl_c_inside_get_always_reaches_the_caller(ns: str, seed: int) -> None
             assert p.exitcode in where, f"the reader ended with {p.exitcode}"
             where[p.exitcode] += 1
         finally:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-            os.close(r)
-            os.close(w)
+            reap(p, r, w)
     print(f"{rounds} SIGINTs (a get takes {per_get * 1000:.1f} ms): {where[IN_DECODE]} "
           f"raised inside the decoder, {where[ELSEWHERE]} elsewhere; none swallowed")
     assert where[IN_DECODE] >= rounds // 4, "too few signals landed inside the decoder"
