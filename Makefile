@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: help demo test test-slow fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
+.PHONY: help demo test test-fast test-slow fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ help:                   ## this list
 
 test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow)
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25
+
+# The inner loop: every test that starts no server (markers redis and etcd, given by the
+# fixtures that start one: tests/conftest.py) and is not slow: the pure structures
+# (tests/core), the embedded client, L2, the simulations, the tools' offline parts.
+test-fast: $(STAMP)     ## the tests that need no Redis or etcd server (not slow): under 2 minutes
+	$(BIN)/python -m pytest -q -m "not slow and not redis and not etcd" --durations=15
 
 # The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
 # partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, 1500 hostile

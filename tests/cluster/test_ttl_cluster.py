@@ -22,6 +22,7 @@ from kvcomm._client.strong import etcd_key
 from kvcomm.config import load_config
 from kvcomm.tiers.l3 import record_key
 from tests.embedded.test_ttl import _AGENT, _until
+from tests.support import ROOT
 from tests.support.devcluster import dev_cluster_fixture, host, l3, live_record
 from tests.support.helpers import wait_for
 
@@ -142,7 +143,7 @@ def test_killed_agent_is_unlisted_on_every_host_within_ttl_and_a_refresh(
     ns = dev["hosts"][0]["namespace"]
     agent = subprocess.Popen([sys.executable, "-c", _AGENT, ns, cfg, "rover-3", str(ttl)],
                              stdout=subprocess.PIPE, text=True,
-                             cwd=os.path.dirname(os.path.dirname(__file__)))
+                             cwd=str(ROOT))
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == "up"
         wait_for(lambda: a.present("alive/") == ["rover-3"], what="host 1 lists it")

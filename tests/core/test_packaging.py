@@ -21,8 +21,8 @@ import pytest
 import kvcomm
 from kvcomm import _extras
 from kvcomm.cli import build_parser
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "kvcomm"
 BASE = {"msgpack", "xxhash", "pydantic", "yaml"}  # the modules of the four dependencies
 OPTIONAL = {"redis", "hiredis", "rich", "matplotlib", "numpy", "prometheus_client", "locust",

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,6 +22,7 @@ from kvcomm._client.attach import _Shared
 from kvcomm._client.sweeper import SLICE
 from kvcomm.core.expiry import MAX_TTL, ExtCache, check_ttl, deadline_of, expired, with_deadline
 from kvcomm.tiers.l2 import H, key_hash
+from tests.support import ROOT
 from tests.support.helpers import SMALL, wait_for
 
 
@@ -224,7 +224,7 @@ def test_crossing_the_deadline_in_another_process(ns: str, config: kvcomm.Config
         w = kv.watch("shared/", timeout=5.0)
         out = subprocess.run([sys.executable, "-c", _WRITER, ns, json.dumps(SMALL), "3.0"],
                              check=True, capture_output=True, text=True, timeout=60,
-                             cwd=os.path.dirname(os.path.dirname(__file__)))
+                             cwd=str(ROOT))
         deadline = json.loads(out.stdout)
         got = kv.get("shared/k")
         assert time.time() < deadline and got == {"from": "writer"}
@@ -328,7 +328,7 @@ def spawn_agent(ns: str, config: str, agent: str, ttl: float) -> subprocess.Pope
     presence is written."""
     p = subprocess.Popen([sys.executable, "-c", _AGENT, ns, config, agent, str(ttl)],
                          stdout=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+                         cwd=str(ROOT))
     assert p.stdout is not None and p.stdout.readline().strip() == "up"
     return p
 
@@ -416,7 +416,7 @@ def test_numpy_numbers_are_ttls(kv: kvcomm.Client) -> None:
 def test_the_readmes_ttl_example_runs(kv: kvcomm.Client) -> None:
     """The code of the README's TTL section, as written (its update() on a new key raised
     TypeError)."""
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     section = text[text.index("## Keys that expire (TTL)"):]
     code = section[section.index("```python") + 9:section.index("```", section.index("```python") + 9)]
     exec(compile(code, "README.md (TTL)", "exec"), {"kv": kv, "state": {"x": 1}})

@@ -40,6 +40,7 @@ from langgraph.types import Command, interrupt  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
 from kvcomm.integrations.langgraph._keys import Keys, esc, unesc  # noqa: E402
+from tests.support import ROOT
 
 # ---------------------------------------------------------------- the conformance suite
 
@@ -339,7 +340,7 @@ def test_the_async_store_methods(kv: kvcomm.Client) -> None:
 
 def test_the_three_agent_example_runs(ns: str) -> None:
     """examples/langgraph_agents.py: three processes share memories through the store."""
-    example = Path(__file__).resolve().parent.parent / "examples" / "langgraph_agents.py"
+    example = ROOT / "examples" / "langgraph_agents.py"
     out = subprocess.run([sys.executable, str(example), "--namespace", ns],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

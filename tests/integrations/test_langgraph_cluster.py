@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from langgraph.types import Command  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
 from tests.integrations.test_langgraph import build_graph, check_one_chain, log_graph, run_two_writers  # noqa: E402
+from tests.support import ROOT
 
 dev = dev_cluster_fixture(2, strong_prefixes=["lg/cp/h/"], groups=64)
 
@@ -234,7 +234,7 @@ def test_the_three_agent_example_across_hosts(dev: dict[str, Any]) -> None:
     analyst (host-2) finds the scout's (host-1) memories by search, the writer (host-1)
     the analyst's. (`make test-slow`: `make test` runs the example on one host in
     test_langgraph.py and a search across hosts above.)"""
-    example = Path(__file__).resolve().parent.parent / "examples" / "langgraph_agents.py"
+    example = ROOT / "examples" / "langgraph_agents.py"
     h = [x["config"] for x in dev["hosts"]]
     out = subprocess.run([sys.executable, str(example), "--configs", h[0], h[1], h[0]],
                          capture_output=True, text=True, timeout=300)

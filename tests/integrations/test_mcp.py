@@ -21,6 +21,7 @@ import pytest
 
 import kvcomm
 from kvcomm.devcluster.redis_server import free_port
+from tests.support import ROOT
 from tests.support.helpers import SMALL, wait_for
 
 mcp = pytest.importorskip("mcp")
@@ -465,7 +466,7 @@ def test_stdout_carries_only_protocol_messages(ns: str) -> None:
 
 
 def test_the_task_board_example_runs(ns: str) -> None:
-    example = Path(__file__).parent.parent / "examples" / "mcp_task_board.py"
+    example = ROOT / "examples" / "mcp_task_board.py"
     r = subprocess.run([sys.executable, str(example), "--name", ns, "--tasks", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -24,6 +24,7 @@ from xxhash import xxh3_64_intdigest  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommStore  # noqa: E402
 from kvcomm.tiers.vectors import H_INTENT  # noqa: E402
+from tests.support import ROOT  # noqa: E402
 
 DIMS = 16
 WORDS = ["apple", "pear", "rust", "python", "cloud", "river", "stone", "tiger", "violet",
@@ -263,7 +264,7 @@ def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer
     store = KVCommStore(kv, index=index_config())
     store.put(("m",), "1", {"text": "apple"})
     store.put(("m",), "2", {"text": "violet"})
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     proc = subprocess.run([sys.executable, "-c", _DIE_MID_PUT, ns, json.dumps(SMALL), root],
                           capture_output=True, timeout=60)
     assert proc.returncode == 3, proc.stderr.decode()[-2000:]

@@ -17,13 +17,14 @@ import pytest
 
 import kvcomm
 from kvcomm.tiers import l2
+from tests.support import ROOT
 from tests.support.daemon_harness import shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
 
 CTX = mp.get_context("fork")
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(ROOT)
 
 
 def _cfg(**cache: object) -> kvcomm.Config:

@@ -4,3 +4,4 @@ cluster's scaffolding, fakes, worker processes, fuzzers, and data files (``DATA`
 import pathlib
 
 DATA = pathlib.Path(__file__).parent / "data"
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository

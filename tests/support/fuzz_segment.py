@@ -72,6 +72,7 @@ from kvcomm.core.sketch import CountMinSketch, TopK
 from kvcomm.tiers import l2 as _l2
 from kvcomm.tiers.shm import geometry as _geometry
 from kvcomm.tiers.shm import layout as _layout
+from tests.support import ROOT
 
 
 class _Names:
@@ -1377,7 +1378,7 @@ def gdb_backtrace(seed: int, case: int, timeout: float = 120.0) -> str:
     gdb = shutil.which("gdb")
     if gdb is None:
         return ""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     ns = f"fuzzgdb-{os.getpid()}-{case}"
     try:
         p = subprocess.run([gdb, "-q", "-batch", "-ex", "run", "-ex", "bt 12", "--args",

@@ -31,6 +31,7 @@ from kvcomm.metrics.snapshot import parse_text, quantile
 from kvcomm.tiers import l2
 from kvcomm.tiers.shm import layout
 from kvcomm.tiers.shm.counters import MetricsRegion
+from tests.support import ROOT
 from tests.support.devcluster import dev_cluster_fixture
 from tests.support.helpers import SMALL, wait_for
 
@@ -261,9 +262,8 @@ def test_hot_keys_cut_to_one_label_give_one_series(ns: str) -> None:
 def test_the_grafana_dashboard_asks_only_for_exported_families() -> None:
     import json
     import re
-    from pathlib import Path
 
-    board = Path(__file__).resolve().parents[1] / "contrib" / "grafana-kvcomm.json"
+    board = ROOT / "contrib" / "grafana-kvcomm.json"
     exprs = [t["expr"] for p in json.loads(board.read_text())["panels"]
              for t in p.get("targets", [])]
     used = {re.sub(r"_(bucket|sum|count)$", "", m)

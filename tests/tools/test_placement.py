@@ -29,8 +29,6 @@ from kvcomm.placement.plan import make_plan
 from kvcomm.tiers import l2
 from tests.support.helpers import SMALL, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _cfg(**cache: Any) -> kvcomm.Config:
     return kvcomm.Config.from_mapping({"cache": {**SMALL["cache"], **cache}})

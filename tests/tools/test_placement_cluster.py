@@ -17,11 +17,11 @@ from kvcomm.placement.launcher import Launcher
 from kvcomm.placement.observe import load_snapshots, observe, snapshot_key
 from kvcomm.placement.plan import make_plan
 from kvcomm.tiers.l3 import L3Store
+from tests.support import ROOT
 from tests.support.devcluster import dev_cluster_fixture
 from tests.support.devcluster import l3 as _l3
 from tests.support.helpers import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
 # what each agent does: w1, w2 write once; r1 reads w1's key (same host) and w2's (the other
 # host: through L3, whose record carries w2's id); r2 reads w1's key from the other host
 ROLES = "w1=put:s/w1:1024;w2=put:s/w2:100;r1=get:s/w1:4000,get:s/w2:2000;r2=get:s/w1:3000"
