@@ -540,7 +540,7 @@ def test_hint_subscriptions_skip_a_master_taken_for_down(
     """Hints.poll subscribes the groups not yet subscribed (all at the first call; those
     of a broken subscription later), one SSUBSCRIBE each: on a hung master each group
     waited a connection timeout with redis-py's retries (seconds each, hundreds of
-    groups: the daemon's loop held for minutes; test_review21's idle-host test hung on
+    groups: the daemon's loop held for minutes; the idle-host test of this file hung on
     it). Now a master taken for down is not subscribed at (its groups are reported
     lost: their counters are checked, and they are subscribed once it answers), and
     after one failure the node's other groups wait for the next try.

@@ -485,7 +485,7 @@ def test_a_start_up_read_through_a_stale_slot_map_asks_the_successor(
         cluster: RedisCluster, caplog: pytest.LogCaptureFixture) -> None:
     """A balancer (or daemon) starting right after a failover read its slot map from a
     node whose gossip lagged: it named the dead master for ``kvm:groups``, and the start
-    failed with Unavailable (CI: test_review11's failover test, with this branch's
+    failed with Unavailable (CI: test_migrate_interrupted's failover test, with this branch's
     partial-cut changes). A start-up meta read refused by its master now re-reads the map
     and asks the master the map names then, once. (The stale map is made by hand: the
     slot of ``kvm:groups`` pointed at a port nothing listens on.)"""

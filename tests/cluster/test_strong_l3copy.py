@@ -110,7 +110,8 @@ def test_an_agent_without_etcd_opens_on_an_eventual_only_cluster(
 
 def test_no_copy_in_l3_falls_back_to_the_daemons_status(no_etcd: Any, store: L3Store) -> None:
     """No copy (a cluster whose daemons predate it): the agent opens, and asks the
-    daemon's status before every write, as before (test_review18 covers the asking)."""
+    daemon's status before every write, as before (the agent opened before its daemon,
+    below, covers the asking)."""
     store.rc.delete(META_STRONG)
     assert store.strong_config() is None
     kv = no_etcd()

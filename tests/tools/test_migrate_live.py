@@ -240,7 +240,7 @@ def _owner() -> NodeInfo:
 @pytest.mark.parametrize("answers_after", [1, 5])
 def test_an_importer_that_has_not_heard_of_the_promotion_is_told_again(
         monkeypatch: pytest.MonkeyPatch, answers_after: int) -> None:
-    """test_review11's failover test failed in the suite: right after the source failed
+    """The failover test of test_migrate_interrupted failed in the suite: right after the source failed
     over, the importer did not yet know the promoted replica for a master (gossip) and
     answered "Target node is not a master"; the settle gave up until the balancer's next
     cycle, its keys out of sight meanwhile. The settle now waits for the importer to
