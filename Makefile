@@ -21,11 +21,12 @@ help:                   ## this list
 test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow)
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25
 
-# The inner loop: every test that starts no server (markers redis and etcd, given by the
-# fixtures that start one: tests/conftest.py) and is not slow: the pure structures
-# (tests/core), the embedded client, L2, the simulations, the tools' offline parts.
-test-fast: $(STAMP)     ## the tests that need no Redis or etcd server (not slow): under 2 minutes
-	$(BIN)/python -m pytest -q -m "not slow and not redis and not etcd" --durations=15
+# The inner loop: the tests that start no server (markers redis and etcd, which the
+# fixtures that start one give: tests/conftest.py) and no swarm of processes on one L2
+# (marker multiprocess): the pure structures, the embedded client, the simulations, the
+# tools' offline parts, the integrations on one host. `make test` runs them all.
+test-fast: $(STAMP)     ## the tests that need no server and fork no process swarm: under 2 minutes
+	$(BIN)/python -m pytest -q -m "not slow and not redis and not etcd and not multiprocess" --durations=10
 
 # The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
 # partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, 1500 hostile

@@ -169,6 +169,7 @@ def test_a_target_that_does_not_answer_is_unavailable_not_a_raw_redis_error(
         store.close()
 
 
+@pytest.mark.redis
 def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
     """F: (severe) the source master of a move failing over mid-move (its replica
     promoted: the MIGRATING state is not replicated) leaves the keys already moved on the
