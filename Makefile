@@ -24,8 +24,9 @@ test: $(STAMP)          ## the test suite, less the long fault runs (make test-s
 # The inner loop: the tests that start no server (markers redis and etcd, which the
 # fixtures that start one give: tests/conftest.py) and no swarm of processes on one L2
 # (marker multiprocess): the pure structures, the embedded client, the simulations, the
-# tools' offline parts, the integrations on one host. `make test` runs them all.
-test-fast: $(STAMP)     ## the tests that need no server and fork no process swarm: under 2 minutes
+# tools' offline parts, the integrations on one host. `make test` runs them all. About
+# 1,080 tests: 227 s on 2 shared cores (163 s of CPU).
+test-fast: $(STAMP)     ## the tests that need no server and fork no process swarm (the inner loop)
 	$(BIN)/python -m pytest -q -m "not slow and not redis and not etcd and not multiprocess" --durations=10
 
 # The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
