@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: help demo docs docs-serve test test-slow fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
+.PHONY: help demo docs docs-serve test test-fast test-slow fuzz bench bench-cluster bench-groups soak partitions balance-train balance-eval balance-walkthrough lint check-minimal clean
 
 $(STAMP): pyproject.toml setup.py src/kvcomm/_l2core.c $(wildcard src/kvcomm/_l2core_c/*) src/kvcomm/tiers/shm/layout.py
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ TEST_WORKERS ?= 2
 test: $(STAMP)          ## the test suite, less the long fault runs (make test-slow); TEST_WORKERS=2
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=25
 
+# The inner loop: the tests that start no server (markers redis and etcd, which the
+# fixtures that start one give: tests/conftest.py) and no swarm of processes on one L2
+# (marker multiprocess): the pure structures, the embedded client, the simulations, the
+# tools' offline parts, the integrations on one host. `make test` runs them all. About
+# 1,080 tests, 163 s of CPU: in TEST_WORKERS workers, as make test.
+test-fast: $(STAMP)     ## the tests that need no server and fork no process swarm (the inner loop)
+	$(BIN)/python -m pytest -q -m "not slow and not redis and not etcd and not multiprocess" -n $(TEST_WORKERS) --dist loadfile --durations=10
+
 # The long runs (pytest marker `slow`): the soaks for 30 s, the 15 s jepsen run, two
 # partitions in a row, 300 random corrupted segments, 1500 mutated L3 records, 1500 hostile
 # LangGraph records, LangGraph's
@@ -49,10 +57,10 @@ test-slow: $(STAMP)     ## the long fault runs make test leaves out (marker slow
 # hang). FUZZ_SEED replays a run, FUZZ_CASE one case; the report lands in
 # /tmp/kvcomm-fuzz-<seed>.txt, with C frames (gdb) for each kind of crash. Takes about
 # 40 minutes on 2 cores (longer while cases hang: each costs its 25 s deadline).
-# See tests/test_fuzz_segment.py for every knob.
+# See tests/l2/test_fuzz_segment.py for every knob.
 FUZZ_CASES ?= 20000
 fuzz: $(STAMP)          ## the segment fuzzer's long run (FUZZ_CASES=20000, FUZZ_SEED=...)
-	FUZZ_CASES=$(FUZZ_CASES) FUZZ_GDB=1 $(BIN)/python -m pytest -q -s tests/test_fuzz_segment.py -k never_crash
+	FUZZ_CASES=$(FUZZ_CASES) FUZZ_GDB=1 $(BIN)/python -m pytest -q -s tests/l2/test_fuzz_segment.py -k never_crash
 
 bench: $(STAMP)         ## benchmarks against peers (Redis, manager, LMDB, UltraDict, rbloom, pyprobables); metrics' cost
 	$(BIN)/python -m pip install -q UltraDict atomics rbloom pyprobables

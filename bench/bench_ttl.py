@@ -14,7 +14,7 @@ this process polls them and records, per key, the delay between its deadline and
 read that found it absent, and between the deadline and its ``expire`` event (the sweep);
 p50/p99/max of both, and the L2 bytes before and after the wave; then the peer, Redis's
 own expiry of the same wave (``SET ... PXAT``, GET polling, ``expired`` keyspace events). (Cluster figures:
-tests/test_ttl_cluster.py prints the same two delays on a second host.)
+tests/cluster/test_ttl_cluster.py prints the same two delays on a second host.)
 """
 
 from __future__ import annotations

@@ -5,26 +5,21 @@ from __future__ import annotations
 import os
 import random
 import uuid
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
 
 import kvcomm
-from kvcomm._wait import wait_until
 from kvcomm.tiers import l2
-
-from .daemon_harness import SharedRedisCluster
-
-T = TypeVar("T")
+from tests.support.daemon_harness import SharedRedisCluster
+from tests.support.helpers import SMALL
+from tests.support.servers import missing, started_by, starts
 
 # CI machines are shared and noisy: no per-example deadline; a failure prints the blob
 # that replays it exactly (@reproduce_failure), as randomised tests here print their seed
 settings.register_profile("kvcomm", deadline=None, print_blob=True)
 settings.load_profile("kvcomm")
-
-SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
 
 
 @pytest.fixture
@@ -45,6 +40,13 @@ def ns() -> Iterator[str]:
 
 
 @pytest.fixture
+def name() -> Iterator[str]:
+    n = f"r7-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield n
+    l2.purge(n)
+
+
+@pytest.fixture
 def config() -> kvcomm.Config:
     return kvcomm.Config.from_mapping(SMALL)
 
@@ -56,7 +58,26 @@ def kv(ns: str, config: kvcomm.Config) -> Iterator[kvcomm.Client]:
     client.close()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers by fixture use, and one skip for a missing server: a test using a fixture
+    that starts Redis or etcd (``tests.support.servers.starts``), directly or through
+    another fixture, is marked ``redis`` or ``etcd``; a test marked so (by a fixture or by
+    its own decorator) is skipped where that server's binary is missing."""
+    absent = missing()
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in info.name2fixturedefs.values() if info is not None else ():
+            for d in defs:
+                for marker in started_by(d.func):
+                    if item.get_closest_marker(marker) is None:
+                        item.add_marker(marker)
+        for marker, why in absent.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
 @pytest.fixture(scope="session")
+@starts("redis")
 def shared_redis_cluster() -> Iterator[SharedRedisCluster]:
     """The Redis Cluster that modules taking ``daemon_harness.shared_cluster_fixture``
     share (started on first use, stopped at the session's end)."""
@@ -65,27 +86,3 @@ def shared_redis_cluster() -> Iterator[SharedRedisCluster]:
         yield shared
     finally:
         shared.stop()
-
-
-def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "condition", *,
-             retry_on: tuple[type[BaseException], ...] = ()) -> T:
-    """:func:`kvcomm._wait.wait_until` for tests: polls ``cond`` (every 2 ms) until it
-    returns a true value, which it returns; fails the test (AssertionError) after
-    ``timeout`` seconds. No sleeping-and-hoping."""
-    return wait_until(cond, timeout, what, interval=0.002, retry_on=retry_on, error=AssertionError)
-
-
-def mount_tmpfs(tmp_path: os.PathLike[str], size: str) -> Iterator[str]:
-    """A tmpfs of ``size`` (``6m``) at ``tmp_path/shm``, unmounted afterwards (the test is
-    skipped where mount is not allowed): a small /dev/shm stand-in, for cache.l2_dir."""
-    import pathlib
-    import subprocess
-
-    d = pathlib.Path(tmp_path) / "shm"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
-                       capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
-    yield str(d)
-    subprocess.run(["umount", "-l", str(d)], check=False)

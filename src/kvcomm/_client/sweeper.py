@@ -51,7 +51,7 @@ class Sweeper:
         self._stop = threading.Event()
         # A bare thread, not a threading.Thread: a Thread object freed in the main thread
         # (after close() waited for it) runs threading's WeakSet callback there, and
-        # Python drops a KeyboardInterrupt raised in it (tests/test_ctrl_c_on_drop.py).
+        # Python drops a KeyboardInterrupt raised in it (tests/l2/test_ctrl_c_on_drop.py).
         # ``_done`` is held while it runs: stop() waits on it.
         self._done = _thread.allocate_lock()
         self._done.acquire()

@@ -12,7 +12,7 @@ Every write is stamped by the host that makes it with:
   backwards on a host (:func:`hlc_tick`); last-writer-wins ties are broken by it, then by
   host id. The L2 kernel keeps each host's HLC in the segment header and stamps writes
   by the same rules in C (``hlc_next`` in ``_l2core_c/feed.c``: :func:`hlc_tick`; a
-  versioned put with a fresh dot: :func:`hlc_receive`); ``tests/test_hlc.py`` holds the
+  versioned put with a fresh dot: :func:`hlc_receive`); ``tests/core/test_hlc.py`` holds the
   two to each other. Remote timestamps further ahead than ``cluster.max_clock_skew``
   are refused (:func:`hlc_receive` with ``max_skew_ms``) or, where a write must not be
   dropped, counted (:class:`SkewMonitor`). The physical time comes from the caller

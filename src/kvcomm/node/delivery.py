@@ -4,7 +4,8 @@ Nothing here reads a clock, sleeps, draws randomness of its own or touches L2 or
 the driver (:mod:`kvcomm.node.daemon`) does the I/O, passes the time in (``now``,
 seconds, monotonic), and carries out what these machines answer. So every decision —
 what to send, what to persist, when to resync, how long to back off — can be driven by
-a test from a script of events (``tests/test_delivery*.py``), without Redis.
+a test from a script of events (``tests/cluster/test_delivery.py``,
+``tests/sim/test_delivery_sim.py``), without Redis.
 
 Theory
 ------

@@ -2,7 +2,7 @@
 
 The daemon never touches the client's, the segment's or the Redis client's internals;
 it goes through three ports, each implemented by the real thing and, in tests of the
-delivery logic (``tests/test_delivery_sim.py``), by fakes in memory:
+delivery logic (``tests/sim/test_delivery_sim.py``), by fakes in memory:
 
 * :class:`HostL2` — its host's L2, implemented by :class:`ClientPort` over a
   :class:`kvcomm.Client`;

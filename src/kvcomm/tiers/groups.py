@@ -21,7 +21,7 @@ a slot balancer can move any sixteen-thousandth of the data on its own). A tag f
 16,384 — found without a search over strings: CRC16 with a zero initial value is linear,
 so ``crc(p + ab) = crc(p + "\\0\\0") xor crc(ab)``, and one table of the 3,844
 two-character suffixes answers every prefix. The tags are a data format: this rule must
-never change (``tests/test_groups.py`` pins some of them).
+never change (``tests/core/test_groups.py`` pins some of them).
 
 N = 16 is the layout KVCOMM used before ``cluster.groups`` existed: tags ``{0}`` …
 ``{15}``, wherever Redis hashes them; a cluster initialised by such a version keeps

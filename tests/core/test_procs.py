@@ -1,0 +1,121 @@
+"""The shared waiting loop (kvcomm._wait) and process helpers (kvcomm.devcluster.procs)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcomm import Unavailable
+from kvcomm._wait import wait_until
+from kvcomm.devcluster import RedisServer
+from kvcomm.devcluster.procs import kill, proc_state, running, spawn, stop, wait_gone
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+def test_wait_until_returns_the_first_true_value() -> None:
+    clock = FakeClock()
+    answers = iter([None, 0, [], "ready"])
+    got = wait_until(lambda: next(answers), 10, "it", interval=0.5, clock=clock, sleep=clock.sleep)
+    assert got == "ready" and clock.sleeps == [0.5, 0.5, 0.5]
+
+
+def test_wait_until_gives_up_after_the_timeout_saying_what_it_waited_for() -> None:
+    clock = FakeClock()
+    calls = []
+    with pytest.raises(Unavailable, match=r"timed out after 2s waiting for the server"):
+        wait_until(lambda: calls.append(1), 2, "the server", interval=0.5, clock=clock,
+                   sleep=clock.sleep)
+    assert len(calls) == 6  # at 0, 0.5, ..., 2.5: one poll past the deadline, then no more
+    with pytest.raises(AssertionError, match=r"waiting for x \(still 3 behind\)"):
+        wait_until(lambda: False, 1, lambda: "x (still 3 behind)", error=AssertionError,
+                   clock=clock, sleep=clock.sleep)
+
+
+def test_wait_until_polls_once_even_with_no_time_left() -> None:
+    clock = FakeClock()
+    assert wait_until(lambda: 7, 0, "it", clock=clock, sleep=clock.sleep) == 7
+    assert clock.sleeps == []
+
+
+def test_wait_until_retries_only_the_exceptions_it_is_told_to() -> None:
+    clock = FakeClock()
+    answers = iter([ConnectionRefusedError(), ConnectionRefusedError(), True])
+
+    def cond() -> bool:
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    assert wait_until(cond, 10, "it", retry_on=(OSError,), clock=clock, sleep=clock.sleep)
+    with pytest.raises(ValueError):  # not retried: the wait ends at once
+        wait_until(lambda: int("x"), 10, "it", retry_on=(OSError,), clock=clock,
+                   sleep=clock.sleep)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _child(code: str) -> subprocess.Popen[bytes]:
+    """A Python child that runs ``code``, then says "ready" and sleeps."""
+    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('ready', flush=True)\n"
+                             "import time\nwhile True: time.sleep(1)\n"],
+                            stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    return proc
+
+
+def test_stop_ends_a_stopped_process_and_one_that_ignores_sigterm() -> None:
+    stubborn = _child("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    polite = _child("")
+    polite.send_signal(signal.SIGSTOP)
+    wait_until(lambda: proc_state(polite.pid) in ("T", "t"), 10, "the child to stop")
+    stop([stubborn, polite.pid], timeout=1.0)
+    assert stubborn.poll() == -signal.SIGKILL  # SIGTERM ignored: killed after the timeout
+    assert not running(polite.pid)  # continued, then ended by SIGTERM, and reaped here
+    assert proc_state(polite.pid) == ""
+
+
+def test_running_and_wait_gone_see_exit_through_zombies() -> None:
+    proc = _child("")
+    assert running(proc.pid) and proc_state(proc.pid) in ("S", "R")
+    assert kill(proc.pid)
+    assert not running(proc.pid) and wait_gone(proc.pid, 0)
+    assert proc_state(proc.pid) == ""  # reaped: no zombie left behind
+
+
+def test_spawn_appends_output_to_a_log(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("before\n")
+    proc = spawn([sys.executable, "-c", "print('hello')"], log, detached=True)
+    assert proc.wait(30) == 0
+    assert log.read_text() == "before\nhello\n"
+
+
+@pytest.mark.redis
+def test_redis_server_starts_answers_and_leaves_nothing_behind() -> None:
+    with RedisServer() as server:
+        assert server.proc is not None
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(16).startswith(b"+PONG")
+        pid, directory = server.proc.pid, server.dir
+    assert server.proc.poll() is not None and proc_state(pid) == ""
+    assert not Path(directory).exists()

@@ -1,0 +1,452 @@
+"""Batches are all or nothing; validators run under the lock of the write they vet."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvcomm
+from kvcomm.tiers.l2 import SLOT, SLOT_WORDS, key_hash
+from tests.support.daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.helpers import wait_for
+
+CTX = mp.get_context("fork")
+
+
+def test_a_failed_batch_changes_nothing(kv: kvcomm.Client) -> None:
+    """Item 2: put a, delete b, then a put larger than the whole L2."""
+    kv.put("a", "old")
+    kv.put("b", "keep")
+    before = kv._seg.info()
+    huge = b"x" * (kv._seg.layout.data_size + 1)
+    with pytest.raises(kvcomm.ValueTooLarge):
+        with kv.batch() as b:
+            b.put("a", "new")
+            b.delete("b")
+            b.put("c", huge)
+    assert kv.get("a") == "old" and kv.get("b") == "keep" and kv.get("c") is None
+    after = kv._seg.info()
+    assert after["write_seq"] == before["write_seq"] and after["feed_events"] == before["feed_events"]
+    assert kv._seg.check() == []
+
+
+def test_a_batch_too_large_in_total_changes_nothing(ns: str) -> None:
+    """Each value fits, the batch does not: refused before anything is evicted or written."""
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB"}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        for i in range(20):
+            kv.put(f"keep/{i}", b"k" * 1000)
+        chunk = b"z" * (kv._seg.layout.data_size // 4)
+        evictions = kv._seg.info()["evictions"]
+        with pytest.raises((kvcomm.ValueTooLarge, kvcomm.Unavailable)):
+            with kv.batch() as b:
+                for i in range(6):
+                    b.put(f"big/{i}", chunk)
+        assert all(kv.get(f"big/{i}") is None for i in range(6))
+        assert all(kv.get(f"keep/{i}") == b"k" * 1000 for i in range(20))
+        assert kv._seg.info()["evictions"] == evictions
+        assert kv._seg.check() == []
+
+
+def test_a_batch_that_fits_after_evictions_is_applied_whole(ns: str) -> None:
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB"}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        for i in range(200):
+            kv.put(f"old/{i}", b"o" * 10_000)
+        with kv.batch() as b:
+            for i in range(100):
+                b.put(f"new/{i}", b"n" * 10_000)
+        assert all(kv.get(f"new/{i}") == b"n" * 10_000 for i in range(100))
+        assert kv._seg.info()["evictions"] > 0
+        assert kv._seg.check() == []
+
+
+def test_same_key_several_times_in_one_batch(kv: kvcomm.Client) -> None:
+    kv.put("k", 0)
+    with kv.batch() as b:
+        b.put("k", 1)
+        b.delete("k")
+        b.put("k", 2)
+        b.put("n", 1)
+        b.delete("n")
+        b.delete("never")
+    assert kv.get("k") == 2 and kv.get("n") is None
+    assert b.versions[1] is True and b.versions[4] is True and b.versions[5] is False
+    assert kv._seg.check() == []
+
+
+def test_batch_validators_run_at_apply_time_under_the_lock(kv: kvcomm.Client) -> None:
+    """Item 19: a validator sees the value its write replaces when the batch is applied,
+    not when ``b.put`` was called; deletes are vetted too."""
+    seen: list[tuple[str, object, object]] = []
+
+    def vet(key: str, old: kvcomm.Item | None, new: object) -> None:
+        seen.append((key, None if old is None else old.value, new))
+        assert kv._seg.holds_lock()
+        if new == "forbidden":
+            raise ValueError("no")
+
+    kv.register_validator("v/", vet)
+    kv.put("v/1", "a")
+    seen.clear()
+    with kv.batch() as b:
+        b.put("v/1", "b")
+        kv.put("v/1", "changed meanwhile")  # after b.put, before the batch applies
+        b.put("v/1", "c")
+        b.delete("v/1")
+    assert seen == [("v/1", "a", "changed meanwhile"),  # the plain put, vetted at once
+                    ("v/1", "changed meanwhile", "b"), ("v/1", "b", "c"), ("v/1", "c", None)]
+    assert kv.get("v/1") is None
+    kv.put("v/2", "x")
+    with pytest.raises(kvcomm.ValidationError):
+        with kv.batch() as b:
+            b.put("v/3", "ok")
+            b.put("v/2", "forbidden")
+    assert kv.get("v/3") is None and kv.get("v/2") == "x"
+
+
+def test_delete_validator_sees_the_value_it_deletes(kv: kvcomm.Client) -> None:
+    olds: list[object] = []
+    kv.register_validator("d/", lambda k, old, new: olds.append(old.value if old else None))
+    kv.put("d/1", 1)
+    assert kv.delete("d/1") is True
+    assert kv.delete("d/1") is False
+    assert olds == [None, 1, None]  # the put (nothing replaced), the delete, the no-op delete
+
+
+def _batcher(ns: str, cfg: kvcomm.Config, seed: int, rounds: int) -> None:
+    rng = random.Random(seed)
+    with kvcomm.open(ns, config=cfg) as kv:
+        for r in range(rounds):
+            tag = f"{seed}-{r}"
+            with kv.batch() as b:
+                for i in range(10):
+                    b.put(f"g/{i}", tag)
+            if rng.random() < 0.3:
+                with pytest.raises(kvcomm.ValueTooLarge):
+                    with kv.batch() as b:
+                        for i in range(10):
+                            b.put(f"g/{i}", "never")
+                        b.put("g/huge", b"x" * (kv._seg.layout.data_size + 1))
+
+
+@pytest.mark.multiprocess
+def test_readers_never_see_a_failed_batch(ns: str, config: kvcomm.Config) -> None:
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    procs = [CTX.Process(target=_batcher, args=(ns, config, seed + i, 150)) for i in range(2)]
+    for p in procs:
+        p.start()
+    with kvcomm.open(ns, config=config) as kv:
+        while any(p.is_alive() for p in procs):
+            for i in range(10):
+                assert kv.get(f"g/{i}") != "never"
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    with kvcomm.open(ns, config=config) as kv:
+        values = {kv.get(f"g/{i}") for i in range(10)}
+        assert "never" not in values
+        assert kv._seg.check() == []
+
+
+def _cfg(**cache: object) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 256, **cache}})
+
+
+# ---------------------------------------------------------------------------------------
+# F2. A batch that raises ("Nothing was written") was partly applied.
+# ---------------------------------------------------------------------------------------
+
+def test_review7_failed_batch_delete_then_reput_is_partly_applied(name: str) -> None:
+    """Embedded mode, batch [delete k, put k, put y]. The plan lets `put k` reuse k's slot
+    and claims for new key y the only free slot F of y's probe window; at publish time
+    (_l2core.c publish, planned=0 for n > 1) `put k` re-probes and takes F (the first
+    free slot in k's window), so y finds no slot: set_corrupt('a planned slot was taken')
+    mid-publish. l2.py apply() then recovers and retries the whole batch, which now
+    fails with ST_SLOT_FULL (y's window is full of pinned views) and raises Unavailable
+    '... Nothing was written' — yet k already holds the batch's new value.
+    (found in review 7: embedded and cluster mode on real processes)"""
+    kv = kvcomm.open(name, config=_cfg(l2_size="2MB", watch_buffer=64, l1_size=0))
+    try:
+        n = kv._seg.layout.n_slots
+        mask = n - 1
+
+        def home(k: str) -> int:
+            return key_hash(k.encode()) & mask  # (always odd: key_hash sets bit 0)
+
+        y_home = n - 21  # y's window: slots n-21 .. n-1, 0 .. 10
+        fillers = list(itertools.islice(
+            (f"f{i}" for i in itertools.count() if home(f"f{i}") == y_home), 32))
+        k_key = next(f"k{i}" for i in itertools.count() if home(f"k{i}") == 1)
+        y_key = next(f"y{i}" for i in itertools.count() if home(f"y{i}") == y_home)
+        arr = np.arange(4096, dtype=np.uint8)
+        for k in fillers:  # fill y's whole window, in order
+            kv.put(k, arr)
+        kv.put(k_key, "old")  # k's window 1..32: slots 1..10 are taken, k lands in 11
+        views = [kv.get(k) for k in fillers]  # pinned: never evictable
+        slot_word = kv._seg.layout.slots_off // 8 + 5 * SLOT_WORDS
+        victim = fillers[26]  # the filler in slot 5
+        assert kv._q[slot_word + SLOT["HASH"]] == key_hash(victim.encode())
+        del views[26]
+        kv.delete(victim)  # slot 5 becomes a tombstone (slot 6 is used)
+        recoveries = kv._seg.info()["recoveries"]
+        try:
+            with kv.batch() as b:
+                b.delete(k_key)
+                b.put(k_key, "NEW")
+                b.put(y_key, "y")
+        except kvcomm.KVCommError as exc:  # all or nothing: then nothing
+            print("batch raised:", type(exc).__name__, exc)
+            assert kv.get(y_key) is None
+            assert kv.get(k_key) == "old", "the batch raised, yet its put of k was applied"
+        else:  # (the batch fits: y takes the slot the delete of the filler freed)
+            assert kv.get(k_key) == "NEW" and kv.get(y_key) == "y"
+        assert kv._seg.info()["recoveries"] == recoveries  # no spurious repair
+        assert kv._seg.check() == []
+        del views
+    finally:
+        kv.close()
+
+
+# ---------------------------------------------------------------------------------------
+# F3. A validator that only READS a large array is reported as a write.
+# ---------------------------------------------------------------------------------------
+
+def test_review7_validator_may_read_a_large_array(name: str) -> None:
+    """register_validator: 'It may read from KVCOMM but not write'. Reading an array of
+    zero_copy_threshold bytes or more takes a pin, which takes the writer lock
+    (l2.py L2Segment.pin -> _lock -> take_lock), so the read raises InvalidArgument
+    ('called to write from inside a validator') and the put is rejected.
+    (found in review 7: embedded and cluster mode on real processes)"""
+    with kvcomm.open(name, config=_cfg()) as kv:
+        kv.put("map/grid", np.zeros(1 << 14, dtype=np.uint8))
+
+        def cell_free(key: str, old: object, new: object) -> None:
+            if kv.get("map/grid")[int(new)] != 0:
+                raise ValueError("occupied")
+
+        kv.register_validator("shelf/", cell_free)
+        kv.put("shelf/A1", 3)
+        assert kv.get("shelf/A1") == 3
+
+
+def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- batches
+
+def test_batchops_without_init_does_not_segfault() -> None:
+    """F: kvcomm.Batch (public) created without __init__ (a subclass that forgets
+    super().__init__, or Batch.__new__) segfaults on put(): BatchOps fields are NULL.
+    (found in review 8: kv.batch())"""
+    out = _run("import kvcomm\n"
+               "b = kvcomm.Batch.__new__(kvcomm.Batch)\n"
+               "for call in (lambda: b.put('k', b'v'), lambda: b.delete('k'), lambda: len(b),\n"
+               "             lambda: b.__enter__(), lambda: b.__exit__(None, None, None)):\n"
+               "    try:\n        call()\n    except kvcomm.KVCommError as e:\n"
+               "        print(type(e).__name__)\n")
+    assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+    # put, delete, __enter__ and __exit__ say how to make a batch; len() is 0
+    assert out.stdout.split() == ["InvalidArgument"] * 4, out.stdout
+
+
+def test_a_batch_used_after_its_block_raises(kv: kvcomm.Client) -> None:
+    """F: b.put() after the with-block is accepted silently and never applied; entering
+    the same batch again replays its old ops over newer writes.
+    (found in review 8: kv.batch())"""
+    b = kv.batch()
+    with b:
+        b.put("a", b"1")
+    kv.put("a", b"2")
+    with pytest.raises(kvcomm.KVCommError):
+        b.put("z", b"late")  # silently accepted today, never stored
+    with pytest.raises(kvcomm.KVCommError):
+        b.delete("a")
+    assert b.versions[0] is not False and len(b.versions) == 1  # the results stay readable
+
+
+def test_a_batch_abandoned_by_an_exception_is_closed_too(kv: kvcomm.Client) -> None:
+    """(The same rule when the block raised: the batch was discarded, not kept for later.)
+    (found in review 8: kv.batch())"""
+    b = kv.batch()
+    with pytest.raises(RuntimeError):
+        with b:
+            b.put("a", b"1")
+            raise RuntimeError("the agent's own error")
+    with pytest.raises(kvcomm.InvalidArgument):
+        b.put("a", b"2")
+    assert kv.get("a") is None and b.versions == []
+
+
+def test_reentering_a_batch_does_not_replay_old_writes(kv: kvcomm.Client) -> None:
+    """F: the second `with b:` applies the first block's ops again: the newer "2" is
+    overwritten by the batch's stale "1".
+    (found in review 8: kv.batch())"""
+    b = kv.batch()
+    with b:
+        b.put("a", b"1")
+    kv.put("a", b"2")
+    try:
+        with b:
+            pass
+    except kvcomm.KVCommError:
+        pass
+    assert kv.get("a") == b"2"
+
+
+def test_a_validator_cannot_write_through_the_batch(kv: kvcomm.Client) -> None:
+    """F: validators "may read, not write" (kv.put inside one is refused), but a validator
+    that calls b.put() on the batch being validated adds writes that are then applied
+    (and one that keeps adding, e.g. b.delete(key) in a delete's validator, never ends).
+    (found in review 8: kv.batch())"""
+    holder: dict[str, kvcomm.Batch] = {}
+
+    def v(key: str, old: object, new: object) -> None:
+        b = holder["b"]
+        if len(b) < 3:
+            b.put(f"v/x{len(b)}", b"from-validator")
+
+    kv.register_validator("v/", v)
+    with pytest.raises(kvcomm.KVCommError):
+        with kv.batch() as b:
+            holder["b"] = b
+            b.put("v/a", b"1")
+    assert kv.get("v/x1") is None
+    assert kv.get("v/a") is None  # the batch raised: nothing of it was written
+
+
+def test_validator_writing_raises_invalid_argument_as_documented(kv: kvcomm.Client) -> None:
+    """F (docs/error type): register_validator says a write from a validator raises
+    InvalidArgument; it raises ValidationError.
+    (found in review 8: kv.batch())"""
+    kv.register_validator("w/", lambda k, o, n: kv.put("w/other", b"x"))
+    with pytest.raises(kvcomm.InvalidArgument):
+        kv.put("w/a", b"1")
+    holder: dict[str, kvcomm.Batch] = {}
+    kv.register_validator("b/", lambda k, o, n: holder["b"].delete("b/other"))
+    with pytest.raises(kvcomm.InvalidArgument):
+        with kv.batch() as b:
+            holder["b"] = b
+            b.put("b/a", b"1")
+    assert kv.get("w/a") is None and kv.get("b/a") is None and len(b) == 1
+
+
+def test_a_validator_raising_invalid_argument_itself_still_rejects_as_validation_error(
+        kv: kvcomm.Client) -> None:
+    """(The other side of the line: only a *write* from the validator is InvalidArgument;
+    a validator's own exception, whatever its type, is its verdict: ValidationError.)
+    (found in review 8: kv.batch())"""
+    def v(key: str, old: object, new: object) -> None:
+        raise kvcomm.InvalidArgument("the validator's own verdict")
+
+    kv.register_validator("x/", v)
+    with pytest.raises(kvcomm.ValidationError):
+        kv.put("x/a", b"1")
+
+
+def test_an_oversized_batch_in_embedded_mode_does_not_blame_l3(ns: str) -> None:
+    """F (message): a batch of more new keys than a probe window can take, in embedded
+    mode, says 'full of writes not yet in L3; retry after the node daemon syncs' —
+    there is no L3 and no daemon. (A 16 MB namespace: the default one's slot table, sized
+    for small keys, takes a 200,000-key batch whole.)
+    (found in review 8: kv.batch())"""
+    with kvcomm.open(ns, config=kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB"}})) as kv:
+        with pytest.raises(kvcomm.Unavailable) as ei:
+            with kv.batch() as b:
+                for i in range(200_000):
+                    b.put(f"h/{i}", b"x")
+        assert "L3" not in str(ei.value) and "daemon" not in str(ei.value), str(ei.value)
+        assert "split the batch" in str(ei.value), str(ei.value)
+
+
+def test_batch_put_still_takes_keyword_arguments(kv: kvcomm.Client) -> None:
+    """F (API regression): Batch.put(key, value) was a Python method; BatchOps.put is
+    METH_FASTCALL without keywords: b.put(key="a", value=b"v") raises TypeError.
+    (found in review 8: kv.batch())"""
+    with kv.batch() as b:
+        b.put(key="a", value=b"v")  # type: ignore[call-arg]
+        b.put("b", value=b"w")  # type: ignore[call-arg]
+        b.delete(key="c")  # type: ignore[call-arg]
+    assert kv.get("a") == b"v" and kv.get("b") == b"w"
+    with kv.batch() as b:
+        for bad in ({"key": "a"}, {"key": "a", "value": b"v", "other": 1},
+                    {"value": b"v", "k": "a"}):
+            with pytest.raises(TypeError):
+                b.put(**bad)
+        with pytest.raises(TypeError):
+            b.put("a", b"v", key="a")  # type: ignore[misc]
+
+
+def test_batch_put_on_a_closed_client_raises_at_once(ns: str) -> None:
+    """F (regression, minor): the Python Batch.put checked c._live(); BatchOps.put does not,
+    so puts into a batch of a closed (or forked-away) client are accepted and the error
+    only comes at the end of the block.
+    (found in review 8: kv.batch())"""
+    kv = kvcomm.open(ns)
+    b = kv.batch()
+    kv.close()
+    with pytest.raises(kvcomm.SegmentError):
+        b.put("k", b"v")
+    with pytest.raises(kvcomm.SegmentError):
+        b.delete("k")
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+def test_a_batch_delete_of_an_absent_key_writes_nothing_in_cluster_mode(
+        cluster: object, store: object) -> None:
+    """F (minor): kv.delete of a key absent here and in L3 writes nothing ("nothing to tell
+    L3"); the same delete in a batch writes a dirty tombstone that the daemon pushes to L3
+    (and that counts against cluster.outbound_max).
+    (found in review 8: kv.batch())"""
+    h1 = Host(cluster, "host-1", seed=1)  # type: ignore[arg-type]
+    try:
+        assert h1.kv.delete("never/1") is False
+        with h1.kv.batch() as b:
+            b.delete("never/2")
+        assert b.versions == [False]
+        wait_for(lambda: h1.kv._seg.dirty_count == 0, 20, "the daemon settled")
+        assert store.get("never/1") is None  # type: ignore[attr-defined]
+        assert store.get("never/2") is None  # type: ignore[attr-defined]
+    finally:
+        h1.close()
+
+
+def test_a_batch_delete_still_covers_what_the_host_or_l3_holds(
+        cluster: object, store: object) -> None:
+    """(The other side: a batch delete of a key held here, written earlier in the batch,
+    or only in L3, leaves a tombstone that reaches L3, as kv.delete does.)
+    (found in review 8: kv.batch())"""
+    h1 = Host(cluster, "host-1", seed=1)  # type: ignore[arg-type]
+    h2 = Host(cluster, "host-2", seed=2)  # type: ignore[arg-type]
+    try:
+        h1.kv.put("here", b"1")
+        h2.kv.put("elsewhere", b"1")
+        wait_for(lambda: store.get("here") is not None  # type: ignore[attr-defined]
+                 and store.get("elsewhere") is not None, 20, "both writes in L3")  # type: ignore[attr-defined]
+        # (until host-1's key filter has host-2's key, host-1 rightly answers "absent")
+        wait_for(lambda: (kf := h1.kv._key_filter()) is not None and kf.may_exist(b"elsewhere"),
+                 20, "host-1's key filter has the key")
+        with h1.kv.batch() as b:
+            b.delete("here")
+            b.delete("elsewhere")
+            b.put("new", b"1")
+            b.delete("new")
+        assert b.versions[:2] == [True, True] and b.versions[3] is True, b.versions
+        for key in ("here", "elsewhere", "new"):
+            wait_for(lambda k=key: (r := store.get(k)) is not None  # type: ignore[attr-defined, misc]
+                     and r.tombstone, 20, f"the tombstone of {key} in L3")
+        wait_for(lambda: h2.kv.get("elsewhere") is None, 20, "host-2 sees the delete")
+    finally:
+        h1.close()
+        h2.close()

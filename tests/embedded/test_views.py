@@ -1,0 +1,263 @@
+"""Zero-copy numpy views: read-only, stable under overwrite/delete, reclaimed when dropped."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import kvcomm
+from tests.support.helpers import wait_for
+
+BIG = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
+
+
+def test_large_array_is_a_read_only_view(kv: kvcomm.Client) -> None:
+    kv.put("a", BIG)
+    got = kv.get("a")
+    assert isinstance(got, np.ndarray) and np.array_equal(got, BIG)
+    assert not got.flags.writeable and not got.flags.owndata
+    with pytest.raises(ValueError):
+        got[0] = 1.0
+    with pytest.raises(ValueError):
+        got.flags.writeable = True
+
+
+def test_small_array_is_a_private_copy(kv: kvcomm.Client) -> None:
+    small = np.arange(10, dtype=np.int32)
+    kv.put("s", small)
+    got = kv.get("s")
+    assert np.array_equal(got, small) and got.flags.writeable
+
+
+def test_view_never_changes_under_its_holder(kv: kvcomm.Client) -> None:
+    kv.put("a", BIG)
+    view = kv.get("a")
+    kv.put("a", BIG * 2)
+    kv.put("a", BIG * 3)
+    assert np.array_equal(view, BIG)
+    kv.delete("a")
+    for i in range(50):  # churn the heap where the old block was
+        kv.put(f"fill{i}", np.full(1 << 14, i, dtype=np.float64))
+    assert np.array_equal(view, BIG)
+    assert kv.get("a") is None
+
+
+def test_space_reclaimed_once_views_go(kv: kvcomm.Client) -> None:
+    kv.put("a", BIG)
+    used_one = kv._seg.info()["used_bytes"]
+    view = kv.get("a")
+    kv.put("a", BIG + 1)
+    assert kv._seg.info()["pinned_deferred_blocks"] == 1
+    assert kv._seg.info()["used_bytes"] >= 2 * used_one
+    del view
+    gc.collect()
+    kv.put("other", 1)  # the next write sweeps released pins
+    info = kv._seg.info()
+    assert info["pinned_deferred_blocks"] == 0
+    assert info["used_bytes"] < 2 * used_one
+    assert kv._seg.check() == []
+
+
+def _hold_view(ns: str, cfg: kvcomm.Config, ready: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
+    kv = kvcomm.open(ns, config=cfg)
+    view = kv.get("a")
+    assert view is not None
+    ready.set()
+    signal.pause()
+
+
+def test_space_reclaimed_when_holder_dies(ns: str, config: kvcomm.Config) -> None:
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", BIG)
+        ready = ctx.Event()
+        p = ctx.Process(target=_hold_view, args=(ns, config, ready))
+        p.start()
+        assert ready.wait(10)
+        kv.put("a", BIG + 1)
+        assert kv._seg.info()["pinned_deferred_blocks"] == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+
+        def reclaimed() -> bool:
+            kv.put("tick", 1)  # writers sweep dead holders' pins (at most once a second)
+            return kv._seg.info()["pinned_deferred_blocks"] == 0
+
+        wait_for(reclaimed, 5, "dead holder's pin to be swept")
+        assert kv._seg.check() == []
+
+
+def test_pin_table_full_falls_back_to_read_only_copy(ns: str) -> None:
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "max_views": 1}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        kv.put("a", BIG)
+        v1 = kv.get("a")
+        v2 = kv.get("a")
+        assert not v1.flags.owndata and v2.flags.owndata and not v2.flags.writeable
+        assert np.array_equal(v1, v2)
+
+
+def test_close_with_live_views_keeps_them_valid(ns: str, config: kvcomm.Config) -> None:
+    kv = kvcomm.open(ns, config=config)
+    kv.put("a", BIG)
+    view = kv.get("a")
+    kv.close()
+    assert np.array_equal(view, BIG)
+
+
+def test_a_view_overwritten_by_a_non_array_while_it_is_read(kv: kvcomm.Client) -> None:
+    """Item 7: the record changes between the lock-free read (an array: pin it) and the
+    pin; what is pinned is checked again."""
+    seg = kv._seg
+    real_pin = seg.pin
+    swaps = [b"not an array", 7, {"a": 1}, None]
+
+    def pin_after_overwrite(kb: bytes, h: int):  # type: ignore[no-untyped-def]
+        value = swaps.pop(0) if swaps else BIG
+        if value is None:
+            kv.delete("race")
+        else:
+            kv.put("race", value)
+        return real_pin(kb, h)
+
+    seg.pin = pin_after_overwrite  # type: ignore[method-assign]
+    try:
+        for expect in (b"not an array", 7, {"a": 1}, None):
+            kv.put("race", BIG)
+            kv._l1.clear()
+            assert kv.get("race") == expect
+    finally:
+        del seg.pin
+    assert kv._seg.check() == []
+
+
+def _child_drops_inherited_view(ns: str, cfg: kvcomm.Config, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import kvcomm._client.attach as client_mod
+
+    views = [ref() for ref, _, _ in client_mod._VIEWS.values()]
+    out.put(len([v for v in views if v is not None]))
+    del views
+    for key in list(client_mod._VIEWS):
+        client_mod._VIEWS.pop(key)
+    gc.collect()  # the child's copies go
+    out.put("dropped")
+
+
+def test_a_forked_child_dropping_a_view_does_not_unpin_the_parents(ns: str, config: kvcomm.Config) -> None:
+    """Item 17: the child gets pins of its own; dropping its copy leaves the parent's."""
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", BIG)
+        view = kv.get("a")
+        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+        p = ctx.Process(target=_child_drops_inherited_view, args=(ns, config, out))
+        p.start()
+        assert out.get(timeout=20) >= 1
+        assert out.get(timeout=20) == "dropped"
+        p.join(10)
+        kv.put("a", BIG * 5)  # replaces the block: the parent's pin must still park it
+        for i in range(40):
+            kv.put(f"churn{i}", np.full(1 << 14, i, dtype=np.float64))
+        assert np.array_equal(view, BIG)
+        assert kv._seg.check() == []
+
+
+def _child_keeps_inherited_view(ns: str, cfg: kvcomm.Config, go: mp.Event, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import kvcomm._client.attach as client_mod
+
+    views = [ref() for ref, _, _ in client_mod._VIEWS.values()]
+    view = next(v for v in views if v is not None)
+    out.put("ready")
+    go.wait(30)
+    out.put(bool(np.array_equal(view, BIG)))
+
+
+def test_a_forked_child_keeps_a_valid_view_after_the_parent_drops_it(ns: str, config: kvcomm.Config) -> None:
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", BIG)
+        view = kv.get("a")
+        go = ctx.Event()
+        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+        p = ctx.Process(target=_child_keeps_inherited_view, args=(ns, config, go, out))
+        p.start()
+        assert out.get(timeout=20) == "ready"
+        del view
+        gc.collect()
+        kv.put("a", BIG * 7)  # the parent's pin is gone; the child's must keep the block
+        for i in range(40):
+            kv.put(f"churn{i}", np.full(1 << 14, i, dtype=np.float64))
+        go.set()
+        assert out.get(timeout=20) is True
+        p.join(10)
+
+
+def test_a_stale_release_never_withdraws_a_later_pin(kv: kvcomm.Client) -> None:
+    """A finalizer that runs twice (or a release after an exception and again from the
+    view) aims at an entry the same process may have reused for a later view of the same
+    block: each pin carries a generation, and only its own release withdraws it."""
+    import kvcomm._client.attach as client_mod
+
+    kv.put("a", BIG)
+    v1 = kv.get("a")
+    (_, _, pin1), = [e for e in client_mod._VIEWS.values() if e[0]() is v1]
+    del v1
+    gc.collect()
+    v2 = kv.get("a")
+    (_, _, pin2), = [e for e in client_mod._VIEWS.values() if e[0]() is v2]
+    assert pin2[0] == pin1[0] and pin2[1] != pin1[1]  # the same entry, a new generation
+    kv._seg.unpin(*pin1)  # the stale release
+    kv.put("a", BIG * 3)
+    for i in range(50):
+        kv.put(f"churn{i}", np.full(1 << 14, i, dtype=np.float64))
+    assert np.array_equal(v2, BIG)
+    assert kv._seg.check() == []
+
+
+def test_an_exception_between_pin_and_view_leaks_no_pin(kv: kvcomm.Client) -> None:
+    """KeyboardInterrupt (or any error) after the kernel pinned the block and before a view
+    owns the pin: the pin is released, the block is freed once replaced."""
+    import kvcomm.core.codec as codec_mod
+
+    kv.put("a", BIG)
+    real = codec_mod.array_view
+
+    def interrupted(meta: bytes, buf: object) -> object:
+        raise KeyboardInterrupt
+
+    codec_mod.array_view = interrupted  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kv.get("a")
+    finally:
+        codec_mod.array_view = real  # type: ignore[assignment]
+    kv.put("a", BIG * 2)  # the old block: not named by any pin, so freed at once
+    assert kv._seg.info()["pinned_deferred_blocks"] == 0
+    assert kv._seg.check() == []
+
+
+def _cfg(**cache: object) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 256, **cache}})
+
+
+# ---------------------------------------------------------------------------------------
+# F4. Empty multi-dimensional numpy arrays leak TypeError.
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (2, 0, 2)])
+def test_review7_empty_multidimensional_array(name: str, shape: tuple[int, ...]) -> None:
+    """np.zeros((0, 3)) (e.g. 'no detections this frame') is a numeric array: it must be
+    stored, or refused with a KVCommError. codec.encode (core/codec.py:109,
+    memoryview(arr).cast('B')) raises TypeError 'cannot cast view with zeros in shape'.
+    (found in review 7: embedded and cluster mode on real processes)"""
+    with kvcomm.open(name, config=_cfg()) as kv:
+        try:
+            kv.put("empty", np.zeros(shape))
+        except kvcomm.KVCommError:
+            return
+        assert kv.get("empty").shape == shape

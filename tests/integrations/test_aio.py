@@ -1,0 +1,458 @@
+"""kvcomm.aio: the asyncio face, as users call it (embedded), its loop never waiting for a
+held writer lock, a watch woken by another process, cancellation at random points."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+
+import kvcomm
+import kvcomm.aio
+from kvcomm.aio import AsyncClient
+from tests.support.helpers import SMALL
+
+
+def run(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(coro_fn())  # type: ignore[arg-type]
+
+
+class Ticker:
+    """A 1 ms ticker on the running loop: its worst lag is how long the loop was stalled."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.ticks = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.worst = max(self.worst, time.perf_counter() - t - 0.001)
+            self.ticks += 1
+
+    def __enter__(self) -> Ticker:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+@pytest.fixture
+def aconfig() -> kvcomm.Config:
+    return kvcomm.Config.from_mapping(SMALL)
+
+
+def test_every_public_sync_method_has_an_awaited_face_with_its_signature() -> None:
+    sync = {n: f for n, f in inspect.getmembers(kvcomm.Client, inspect.isfunction)
+            if not n.startswith("_")}
+    assert {"put", "get", "get_item", "delete", "update", "incr", "touch", "batch", "scan",
+            "watch", "presence", "present", "close"} <= set(sync)
+    for name, fn in sync.items():
+        face = getattr(AsyncClient, name, None)
+        assert face is not None, f"kvcomm.aio has no face for Client.{name}"
+        want = list(inspect.signature(fn).parameters.values())
+        got = list(inspect.signature(face).parameters.values())
+        assert got == want, f"{name}: {got} != {want}"
+        if name in ("batch", "scan", "watch"):  # (an async context manager, async iterators)
+            assert not inspect.iscoroutinefunction(face), name
+        else:
+            assert inspect.iscoroutinefunction(face), f"{name} is not awaited"
+    open_params = inspect.signature(kvcomm.aio.open).parameters
+    assert list(open_params) == list(inspect.signature(kvcomm.open).parameters)
+
+
+def test_the_contract_as_users_call_it_in_both_open_styles(ns: str,
+                                                           aconfig: kvcomm.Config) -> None:
+    async def main() -> None:
+        async with kvcomm.aio.open(name=ns, config=aconfig) as kv:
+            assert kv.name == ns and isinstance(kv.sync, kvcomm.Client)
+            v1 = await kv.put("k", {"a": 1}, ttl=None, expect=kvcomm.ABSENT)
+            assert await kv.get("k") == {"a": 1} and await kv.get("nope", default=7) == 7
+            item = await kv.get_item("k")
+            assert item is not None and item.version == v1 and item.value == {"a": 1}
+            with pytest.raises(kvcomm.ConflictError):
+                await kv.put("k", 2, expect=kvcomm.ABSENT)
+            v2 = await kv.put("k", 2, expect=v1)
+            assert v2 > v1
+            assert await kv.update("n", lambda v: v + 1, default=10) == 11
+            assert await kv.update("n", lambda v: v * 2, default=0, ttl=30) == 22
+            assert await kv.touch("k", 60) is True and await kv.touch("absent", 1) is False
+            assert await kv.incr("ctr") == 1 and await kv.incr("ctr", delta=-3) == -2
+            assert await kv.get("ctr") == -2
+            got = await kv.get_item("k")
+            assert got is not None and got.expires_at is not None
+            with pytest.raises(kvcomm.ConflictError):
+                await kv.delete("k", expect=kvcomm.ABSENT)
+            assert await kv.delete("k") is True and await kv.get("k") is None
+            async with kv.batch() as b:
+                b.put("b/1", 1)
+                b.put("b/2", 2, ttl=30)
+                b.delete("n")
+            assert len(b.versions) == 3 and b.versions[2] is True
+            assert [i.key async for i in kv.scan("b/")] == ["b/1", "b/2"]
+            page = [i.key async for i in kv.scan("b/", limit=1, after="b/1")]
+            assert page == ["b/2"]
+            assert await kv.keys("b/") == ["b/1", "b/2"]
+            p = await kv.presence("alive/", "a1", ttl=0.3)
+            assert p.key == "alive/a1" and p.alive
+            assert await kv.present("alive/") == ["a1"]
+            await p.stop(remove=True)
+            assert await kv.present("alive/") == []
+            stats = await kv.stats()
+            assert stats["ops"]["puts"] >= 4
+            assert isinstance(await kv.hot_keys(3), list)
+        with pytest.raises(kvcomm.SegmentError):
+            await kv.get("b/1")  # closed by the block
+        kv2 = await kvcomm.aio.open(ns, config=aconfig)
+        try:
+            assert await kv2.get("b/1") == 1
+            assert await kv2.delete("b/1") is True and await kv2.delete("b/1") is False
+        finally:
+            await kv2.aclose()
+        await kv2.aclose()  # idempotent
+
+    run(main)
+
+
+def test_the_first_scan_builds_the_key_index_off_the_loop(ns: str,
+                                                           aconfig: kvcomm.Config) -> None:
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            async with kv.batch() as b:
+                for i in range(600):
+                    b.put(f"s/{i:04d}", i)
+            off0 = kv.off_loop
+            first = [i.value async for i in kv.scan("s/")]  # (the index is made: O(keys))
+            assert first == list(range(600)) and kv.off_loop == off0 + 1
+            await kv.put("s/0600", 600)
+            again = [i.key async for i in kv.scan("s/", after="s/0597")]  # (kept in step)
+            assert again == ["s/0598", "s/0599", "s/0600"] and kv.off_loop == off0 + 1
+
+    run(main)
+
+
+def test_errors_are_the_sync_clients(ns: str, aconfig: kvcomm.Config) -> None:
+    sync = kvcomm.open(ns, config=aconfig)
+
+    def reject(key: str, old: kvcomm.Item | None, new: Any) -> None:
+        if new == "bad":
+            raise ValueError("no")
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            await kv.register_validator("v/", reject)
+            calls: list[tuple[Callable[[], Any], Callable[[], Awaitable[Any]]]] = [
+                (lambda: sync.put("", 1), lambda: kv.put("", 1)),
+                (lambda: sync.get(3), lambda: kv.get(3)),
+                (lambda: sync.put("x", 1, ttl=-1), lambda: kv.put("x", 1, ttl=-1)),
+                (lambda: sync.put("x", object()), lambda: kv.put("x", object())),
+                (lambda: sync.update("x", 5), lambda: kv.update("x", 5)),
+                (lambda: sync.put("x", 1, expect=3), lambda: kv.put("x", 1, expect=3)),
+                (lambda: sync.presence("a/", "", ttl=1), lambda: kv.presence("a/", "", ttl=1)),
+            ]
+            for s, a in calls:
+                with pytest.raises(kvcomm.KVCommError) as want:
+                    s()
+                with pytest.raises(kvcomm.KVCommError) as got:
+                    await a()
+                assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+            with pytest.raises(kvcomm.ValidationError):
+                await kv.put("v/1", "bad")
+            with pytest.raises(kvcomm.ValidationError):
+                async with kv.batch() as b:
+                    b.put("v/2", "ok")
+                    b.put("v/3", "bad")
+            assert await kv.get("v/2") is None  # all or nothing
+            with pytest.raises(KeyError):
+                async with kv.batch() as b:
+                    b.put("v/4", 1)
+                    raise KeyError("abandoned")
+            assert await kv.get("v/4") is None
+            with pytest.raises(kvcomm.InvalidArgument):
+                b.put("v/5", 1)  # a batch is used once
+            # bad arguments of the iterators raise at the call, as the sync ones do
+            with pytest.raises(kvcomm.InvalidKey):
+                kv.scan(5)  # type: ignore[arg-type]
+            with pytest.raises(kvcomm.InvalidArgument):
+                kv.scan("", limit=0)
+            with pytest.raises(kvcomm.InvalidArgument):
+                kv.watch("", timeout=-1)
+
+    try:
+        run(main)
+    finally:
+        sync.close()
+
+
+@pytest.fixture
+def lock_holder(ns: str, aconfig: kvcomm.Config) -> Iterator[Callable[[float], threading.Event]]:
+    """``hold(seconds)``: another thread takes the host's L2 writer lock of ``ns`` and keeps
+    it that long; returns the Event set once it holds it."""
+    other = kvcomm.open(ns, config=aconfig)
+    threads: list[threading.Thread] = []
+
+    def hold(seconds: float) -> threading.Event:
+        held = threading.Event()
+
+        def keep() -> None:
+            held.set()
+            time.sleep(seconds)
+
+        t = threading.Thread(target=other._seg.locked, args=(keep,), daemon=True)
+        t.start()
+        threads.append(t)
+        assert held.wait(10)
+        return held
+
+    yield hold
+    for t in threads:
+        t.join(10)
+    other.close()
+
+
+def test_a_held_writer_lock_never_stalls_the_loop(ns: str, aconfig: kvcomm.Config,
+                                                   lock_holder: Any) -> None:
+    """Another writer holds the lock for 0.3 s: the put waits for it off the loop (and is
+    then applied), while a 1 ms ticker keeps ticking."""
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            await kv.put("warm", 1)
+            with Ticker() as ticker:
+                await asyncio.sleep(0.02)
+                lock_holder(0.3)
+                t0, ticks0 = time.monotonic(), ticker.ticks
+                v = await kv.put("k", b"v")
+                waited, ticked = time.monotonic() - t0, ticker.ticks - ticks0
+                async with kv.batch() as b:  # (free again: applied inline)
+                    b.put("k2", 2)
+                updates0, off0 = kv.sync.counters["updates"], kv.off_loop
+                lock_holder(0.1)
+                assert await kv.update("n", lambda n: n + 1, default=0) == 1
+                assert kv.off_loop == off0 + 1  # (it met the lock: ran again in the pool)
+                assert kv.sync.counters["updates"] == updates0 + 1  # (counted once)
+            assert waited >= 0.2, "the put did not meet the held lock"
+            assert (await kv.get_item("k")).version == v  # type: ignore[union-attr]
+            assert await kv.get("k2") == 2
+            print(f"worst lag {ticker.worst * 1000:.1f} ms; {ticked} ticks while the put waited")
+            assert ticked >= 5  # the loop ran while the put waited (inline: not once)
+
+    run(main)
+
+
+def test_a_cancellation_waits_for_the_write_under_way(ns: str, aconfig: kvcomm.Config,
+                                                      lock_holder: Any) -> None:
+    """A put waiting in the pool for a held lock is cancelled: the task ends once the put
+    did (so no write of a cancelled task lands later, over a newer one)."""
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            lock_holder(0.3)
+            task = asyncio.create_task(kv.put("d", 1))
+            while kv.off_loop == 0:  # (until the put met the lock and went to the pool)
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert kv.sync.get("d") == 1  # applied before the cancellation reached it
+            assert not kv._inflight
+
+    run(main)
+
+
+def _put_later(ns: str, cfg: dict[str, Any], delay: float) -> None:
+    kv = kvcomm.open(ns, config=kvcomm.Config.from_mapping(cfg))
+    time.sleep(delay)
+    kv.put("w/from-other", {"pid": 1})
+    kv.put("elsewhere", 1)
+    kv.close()
+
+
+def test_a_watch_is_woken_by_another_processes_put(ns: str, aconfig: kvcomm.Config) -> None:
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            watch = kv.watch("w/", timeout=20)
+            proc = multiprocessing.get_context("spawn").Process(
+                target=_put_later, args=(ns, SMALL, 0.3))
+            proc.start()
+            try:
+                with Ticker() as ticker:
+                    t0 = time.monotonic()
+                    ev = await watch.__anext__()
+                    assert ev.key == "w/from-other" and ev.kind == "put"
+                    assert ev.version == (await kv.get_item("w/from-other")).version  # type: ignore[union-attr]
+                    assert time.monotonic() - t0 < 19  # woken, not timed out
+                print(f"worst lag {ticker.worst * 1000:.1f} ms")
+                await watch.aclose()  # type: ignore[attr-defined]
+            finally:
+                proc.join(30)
+            assert proc.exitcode == 0
+            # an idle watch ends at its timeout, as the sync one
+            assert [e async for e in kv.watch("w/", timeout=0.05)] == []
+
+    run(main)
+
+
+def test_an_idle_watch_leaves_the_loop_asleep(ns: str, aconfig: kvcomm.Config) -> None:
+    """While a watch waits 0.5 s for an event that does not come, the loop is woken a few
+    times (its timeout), not every millisecond; then a put wakes it."""
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            loop = asyncio.get_running_loop()
+            selector = loop._selector  # type: ignore[attr-defined]
+            wakeups = 0
+            select = selector.select
+
+            def counting(timeout: float | None = None) -> Any:
+                nonlocal wakeups
+                wakeups += 1
+                return select(timeout)
+
+            selector.select = counting
+            try:
+                assert [e async for e in kv.watch("idle/", timeout=0.5)] == []
+                idle_wakeups = wakeups
+                w = kv.watch("idle/", timeout=20)
+                nxt = asyncio.ensure_future(w.__anext__())
+                await asyncio.sleep(0.05)
+                await kv.put("idle/1", 1)
+                assert (await nxt).key == "idle/1"
+                await w.aclose()  # type: ignore[attr-defined]
+            finally:
+                selector.select = select
+            assert idle_wakeups < 20, f"the loop was woken {idle_wakeups} times in 0.5 s"
+
+    run(main)
+
+
+def test_a_watch_sees_the_same_events_as_the_sync_watch(ns: str, aconfig: kvcomm.Config) -> None:
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            sync_watch = kv.sync.watch("e/", timeout=0.3)
+            aw = kv.watch("e/", timeout=0.3)
+            await kv.put("e/1", 1)
+            await kv.put("e/2", 2, ttl=30)
+            await kv.delete("e/1")
+            await kv.put("other", 1)
+            got = [e async for e in aw]
+            want = await asyncio.to_thread(list, sync_watch)
+            assert got == want and [e.kind for e in got] == ["put", "put", "delete"]
+
+    run(main)
+
+
+def test_a_watch_that_falls_a_feed_behind_gets_one_overflow(ns: str) -> None:
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 64}})
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=cfg) as kv:
+            aw = kv.watch("", timeout=0.2)
+            for i in range(200):
+                await kv.put(f"o/{i}", i)
+            events = [e async for e in aw]
+            assert events[0].kind == "overflow"
+            assert sum(e.kind == "overflow" for e in events) == 1
+
+    run(main)
+
+
+def test_cancelled_at_random_points_no_lock_held_no_half_write(ns: str, aconfig: kvcomm.Config,
+                                                               seed: int) -> None:
+    """Workers write under load (another thread takes the writer lock now and then, so
+    calls wait in the pool, where cancellation can strike) and are cancelled at random,
+    each restarted where it stopped. After: the lock is free, every batch is whole, every
+    acknowledged write is there (no write of a cancelled task landed over a later one),
+    and every counter holds at least its acknowledged increments and at most its
+    attempts."""
+    rng = random.Random(seed)
+    other = kvcomm.open(ns, config=aconfig)
+    stop = threading.Event()
+
+    def interfere() -> None:
+        r = random.Random(seed + 1)
+        while not stop.is_set():
+            other._seg.locked(lambda: time.sleep(r.uniform(0.0005, 0.004)))
+            time.sleep(r.uniform(0.0005, 0.003))
+
+    acked: dict[str, int] = {}  # key -> last acknowledged value (each key has one writer)
+    seq: dict[int, int] = {}  # worker -> its last operation's number (across restarts)
+    incr_acked: dict[str, int] = {}
+    incr_tried: dict[str, int] = {}
+    cancelled = 0
+    off_loop = 0
+
+    async def worker(kv: AsyncClient, w: int) -> None:
+        while True:
+            i = seq[w] = seq.get(w, 0) + 1
+            op = i % 3
+            if op == 0:
+                await kv.put(f"p/{w}", i)
+                acked[f"p/{w}"] = i
+            elif op == 1:
+                async with kv.batch() as b:
+                    b.put(f"b/{w}/x", i)
+                    b.put(f"b/{w}/y", i)
+            else:
+                k = f"c/{w % 4}"
+                incr_tried[k] = incr_tried.get(k, 0) + 1
+                if i % 2:
+                    await kv.update(k, lambda v: v + 1, default=0)
+                else:
+                    await kv.incr(k)
+                incr_acked[k] = incr_acked.get(k, 0) + 1
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        nonlocal cancelled, off_loop
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            tasks = {w: asyncio.create_task(worker(kv, w)) for w in range(24)}
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                await asyncio.sleep(rng.uniform(0, 0.004))
+                w = rng.randrange(24)
+                tasks[w].cancel()
+                try:
+                    await tasks[w]
+                except asyncio.CancelledError:
+                    cancelled += 1
+                tasks[w] = asyncio.create_task(worker(kv, w))
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            off_loop = kv.off_loop
+        # (the block's close waited for every call still running in the pool)
+
+    t = threading.Thread(target=interfere, daemon=True)
+    t.start()
+    try:
+        run(main)
+    finally:
+        stop.set()
+        t.join(10)
+    kv = other
+    try:
+        print(f"cancelled {cancelled} tasks; {off_loop} calls waited in the pool")
+        assert cancelled > 50 and off_loop > 20  # (the lock was met: awaits to cancel at)
+        assert kv._seg.lock_owner() == 0
+        kv.put("after", 1)  # the lock can be taken
+        for w in range(24):
+            assert kv.get(f"b/{w}/x") == kv.get(f"b/{w}/y"), f"batch {w} half written"
+        for k, v in acked.items():
+            assert kv.get(k) >= v, f"{k}: acknowledged {v}, holds {kv.get(k)}"
+        for k, n in incr_acked.items():
+            assert n <= kv.get(k, 0) <= incr_tried[k], (k, n, kv.get(k), incr_tried[k])
+        assert sum(incr_acked.values()) > 50
+    finally:
+        other.close()

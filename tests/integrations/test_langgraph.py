@@ -1,0 +1,828 @@
+"""kvcomm.integrations.langgraph on one host (embedded mode): KVCommSaver against
+LangGraph's own conformance suite, KVCommStore against LangGraph's InMemoryStore on random
+operations, the key escaping, and the refusal of pickles. The cross-host checks are in
+test_langgraph_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing as mp
+import operator
+import pickle
+import random
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcomm
+from kvcomm._wait import wait_until
+
+pytest.importorskip("langgraph.checkpoint.conformance")
+
+import ormsgpack
+from langgraph.checkpoint.conformance import checkpointer_test, validate  # noqa: E402
+from langgraph.checkpoint.conformance.capabilities import (  # noqa: E402
+    BASE_CAPABILITIES,
+    EXTENDED_CAPABILITIES,
+)
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer  # noqa: E402
+from langgraph.graph import END, START, StateGraph  # noqa: E402
+from langgraph.store.memory import InMemoryStore  # noqa: E402
+from langgraph.types import Command, interrupt  # noqa: E402
+
+from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
+from kvcomm.integrations.langgraph._keys import Keys, esc, unesc  # noqa: E402
+from tests.support import ROOT
+
+# ---------------------------------------------------------------- the conformance suite
+
+
+def test_kvcommsaver_passes_langgraphs_conformance_suite(kv: kvcomm.Client,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Every base and extended capability of langgraph-checkpoint-conformance passes."""
+    @checkpointer_test(name="KVCommSaver")
+    async def factory() -> AsyncIterator[KVCommSaver]:
+        yield KVCommSaver(kv)
+
+    report = asyncio.run(validate(factory))
+    report.print_report()
+    printed = capsys.readouterr().out
+    with capsys.disabled():
+        print(printed)  # the report, in the test's output for the record
+    for cap in BASE_CAPABILITIES | EXTENDED_CAPABILITIES:
+        result = report.results[cap.value]
+        assert result.detected and result.passed is True, (cap.value, result.failures, printed)
+        assert result.tests_passed > 0 and result.tests_failed == 0
+    assert report.conformance_level() == "FULL"
+
+
+# ---------------------------------------------------------------- a graph, stopped and resumed
+
+
+class State(TypedDict):
+    steps: Annotated[list[str], operator.add]
+    answer: str
+
+
+def build_graph() -> StateGraph[State]:
+    def plan(s: State) -> dict[str, Any]:
+        return {"steps": ["plan"]}
+
+    def ask(s: State) -> dict[str, Any]:
+        answer = interrupt({"question": "go ahead?"})
+        return {"steps": ["ask"], "answer": answer}
+
+    def act(s: State) -> dict[str, Any]:
+        return {"steps": [f"act:{s['answer']}"]}
+
+    return wire(plan, ask, act)
+
+
+def wire(plan: Any, ask: Any, act: Any) -> StateGraph[State]:
+    """plan -> ask (an interrupt) -> act."""
+    g = StateGraph(State)
+    g.add_node("plan", plan)
+    g.add_node("ask", ask)
+    g.add_node("act", act)
+    g.add_edge(START, "plan")
+    g.add_edge("plan", "ask")
+    g.add_edge("ask", "act")
+    g.add_edge("act", END)
+    return g
+
+
+def test_a_graph_stopped_at_an_interrupt_resumes_from_another_client(ns: str,
+                                                                       config: kvcomm.Config) -> None:
+    """Two clients (as two processes of a host): one runs to the interrupt, the other,
+    with only the thread id, resumes and finishes; the history is listed by both."""
+    cfg = {"configurable": {"thread_id": "chat/7 %="}}  # (an id that needs escaping)
+    with kvcomm.open(ns, config=config) as a, kvcomm.open(ns, config=config) as b:
+        first = build_graph().compile(checkpointer=KVCommSaver(a))
+        out = first.invoke({"steps": [], "answer": ""}, cfg)
+        assert out["__interrupt__"][0].value == {"question": "go ahead?"}
+        second = build_graph().compile(checkpointer=KVCommSaver(b))
+        assert second.get_state(cfg).next == ("ask",)
+        done = second.invoke(Command(resume="yes"), cfg)
+        assert done["steps"] == ["plan", "ask", "act:yes"] and done["answer"] == "yes"
+        assert first.get_state(cfg).values["steps"] == ["plan", "ask", "act:yes"]
+        history = list(KVCommSaver(a).list(cfg))
+        assert len(history) >= 4 and [h.checkpoint["id"] for h in history] == sorted(
+            (h.checkpoint["id"] for h in history), reverse=True)
+
+
+def test_the_async_methods_run_a_graph(kv: kvcomm.Client) -> None:
+    cfg = {"configurable": {"thread_id": "async-1"}}
+    graph = build_graph().compile(checkpointer=KVCommSaver(kv))
+
+    async def run() -> dict[str, Any]:
+        await graph.ainvoke({"steps": [], "answer": ""}, cfg)
+        return await graph.ainvoke(Command(resume="ok"), cfg)
+
+    assert asyncio.run(run())["steps"] == ["plan", "ask", "act:ok"]
+
+
+def test_a_thread_id_too_long_for_a_key_says_what_to_do(kv: kvcomm.Client) -> None:
+    graph = build_graph().compile(checkpointer=KVCommSaver(kv))
+    with pytest.raises(kvcomm.InvalidKey, match="max_key_bytes"):
+        graph.invoke({"steps": [], "answer": ""}, {"configurable": {"thread_id": "t" * 300}})
+
+
+# ---------------------------------------------------------------- keys
+
+
+_IDS = st.text(alphabet=st.sampled_from("ab/%=é\x01 .:"), max_size=6)
+
+
+@given(_IDS, _IDS, _IDS, _IDS)
+def test_escaped_ids_are_injective_and_keep_prefixes_apart(a: str, b: str, c: str, d: str) -> None:
+    assert unesc(esc(a)) == a and "/" not in esc(a) and "=" not in esc(a)
+    k = Keys("lg/", 4096)
+    # (thread, ns) pairs map to distinct keys; a thread's prefix holds only its own keys
+    assert (k.head(a, b) == k.head(c, d)) == ((a, b) == (c, d))
+    assert k.checkpoint(a, b, "x").startswith(k.thread(k.checkpoints, c)) == (a == c)
+    if a and c:
+        ns1, ns2 = (a,), (a, c)
+        assert k.parse_item(k.item(ns2, b)) == (ns2, b)
+        assert k.item(ns2, b).startswith(k.store_prefix(ns1))
+        assert not k.item((a + c,), b).startswith(k.store_prefix(ns1))
+
+
+# ---------------------------------------------------------------- never pickle
+
+
+class _Opaque:
+    pass
+
+
+def test_a_serializer_that_pickles_is_refused(kv: kvcomm.Client) -> None:
+    with pytest.raises(kvcomm.ConfigError, match="pickle"):
+        KVCommSaver(kv, serde=JsonPlusSerializer(pickle_fallback=True))
+    with pytest.raises(kvcomm.ConfigError, match="pickle"):
+        KVCommStore(kv, serde=pickle)  # an untyped dumps/loads object
+    saver = KVCommSaver(kv)
+    assert saver.serde.inner.pickle_fallback is False  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match="serializ|Type is not"):  # (msgpack's own error)
+        saver.serde.dumps_typed(_Opaque())
+
+
+def test_a_state_value_only_pickle_could_store_is_unsupportedvalue(kv: kvcomm.Client) -> None:
+    """The README promises UnsupportedValue; LangGraph's serializer raised its own
+    ``TypeError: Type is not msgpack serializable``. Nothing is stored."""
+    saver, store = KVCommSaver(kv), KVCommStore(kv)
+    with pytest.raises(kvcomm.UnsupportedValue, match="pickle"):
+        saver.serde.dumps_typed(_Opaque())
+
+    class State(TypedDict):
+        x: Any
+
+    g = StateGraph(State)
+    g.add_node("n", lambda s: {"x": _Opaque()})
+    g.add_edge(START, "n")
+    g.add_edge("n", END)
+    graph = g.compile(checkpointer=saver)
+    with pytest.raises(kvcomm.UnsupportedValue, match="pickle"):
+        graph.invoke({"x": 1}, {"configurable": {"thread_id": "t-opaque"}})
+    with pytest.raises(kvcomm.UnsupportedValue, match="pickle"):
+        store.put(("ns",), "k", {"v": _Opaque()})
+    assert store.get(("ns",), "k") is None
+
+
+def test_a_numpy_scalar_in_a_state_says_to_store_the_python_number(kv: kvcomm.Client) -> None:
+    """kv.put stores np.float64(2.5) as 2.5; LangGraph's serializer refuses it (it would
+    pickle it): the error says what to store instead, and nothing is stored."""
+    np = pytest.importorskip("numpy")
+    store = KVCommStore(kv)
+    with pytest.raises(kvcomm.UnsupportedValue, match=r"\.item\(\)"):
+        store.put(("ns",), "np", {"v": np.float64(2.5)})
+    assert store.get(("ns",), "np") is None
+    store.put(("ns",), "np", {"v": np.float64(2.5).item()})
+    assert store.get(("ns",), "np").value == {"v": 2.5}  # type: ignore[union-attr]
+
+
+def test_a_pickle_planted_in_kvcomm_is_never_loaded(kv: kvcomm.Client,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    store = KVCommStore(kv)
+    store.put(("mem",), "k", {"x": 1})
+    key = store.keys.item(("mem",), "k")
+    raw = kv.get(key)
+    kv.put(key, ["pickle", pickle.dumps({"x": 2}), raw[2], raw[3]])
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("pickle.loads was called")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    with pytest.raises(kvcomm.CorruptRecord, match="pickle"):
+        store.get(("mem",), "k")
+
+
+# ---------------------------------------------------------------- the store against InMemoryStore
+
+
+_LABELS = ["a", "b", "ab", "x/y", "%", "=", "é", "a b"]
+_KEYS = ["k1", "k2", "k/3", "=", "%2F", "ü"]
+
+
+def _value(r: random.Random) -> dict[str, Any]:
+    return {"n": r.randrange(5), "tag": r.choice(["red", "blue"]),
+            "nested": {"k": r.randrange(3), "l": [r.randrange(2)]}}
+
+
+def _namespace(r: random.Random, min_len: int = 1) -> tuple[str, ...]:
+    return tuple(r.choice(_LABELS) for _ in range(r.randint(min_len, 3)))
+
+
+def _filter(r: random.Random) -> dict[str, Any] | None:
+    return r.choice([None, {"n": r.randrange(5)}, {"tag": "red"},
+                     {"n": {"$gt": r.randrange(4)}}, {"n": {"$lte": 2, "$ne": 1}},
+                     {"nested": {"k": r.randrange(3)}}, {"nested": {"l": [1]}}])
+
+
+def _same(a: Any, b: Any) -> bool:
+    return (a is None and b is None) or (
+        a is not None and b is not None and (a.namespace, a.key, a.value) == (b.namespace, b.key, b.value)
+        and a.created_at <= a.updated_at)
+
+
+@settings(max_examples=25)
+@given(st.integers(0, 2**32 - 1))
+def test_kvcommstore_gives_inmemorystores_results(seed: int) -> None:
+    """The same random operations on KVCommStore and LangGraph's InMemoryStore give the
+    same results. Two documented differences are taken out of the reference: search
+    results come in key order (InMemoryStore: insertion order), so the reference's full
+    result is sorted by KVCOMM key before paging; and a namespace lists while it holds an
+    item (InMemoryStore also keeps namespaces emptied by deletes or touched by a get)."""
+    print(f"seed={seed}")
+    r = random.Random(seed)
+    from kvcomm.tiers import l2
+
+    name = f"test-lgstore-{seed}-{r.randrange(1 << 30)}"
+    try:
+        with kvcomm.open(name, config=kvcomm.Config.from_mapping(
+                {"cache": {"l2_size": "16MB", "watch_buffer": 4096}})) as kv:
+            ours, ref = KVCommStore(kv), InMemoryStore()
+            for step in range(60):
+                op = r.choice(["put", "put", "put", "delete", "get", "search", "search", "list"])
+                where = f"seed={seed} step={step} op={op}"
+                if op == "put":
+                    ns, key, val = _namespace(r), r.choice(_KEYS), _value(r)
+                    ours.put(ns, key, val)
+                    ref.put(ns, key, val)
+                elif op == "delete":
+                    ns, key = _namespace(r), r.choice(_KEYS)
+                    ours.delete(ns, key)
+                    ref.delete(ns, key)
+                elif op == "get":
+                    ns, key = _namespace(r), r.choice(_KEYS)
+                    assert _same(ours.get(ns, key), ref.get(ns, key)), where
+                elif op == "search":
+                    prefix = _namespace(r, 0)
+                    flt, limit, offset = _filter(r), r.choice([1, 2, 5, 100]), r.choice([0, 0, 1, 3])
+                    got = ours.search(prefix, filter=flt, limit=limit, offset=offset)
+                    full = sorted(ref.search(prefix, filter=flt, limit=10**6),
+                                  key=lambda i: ours.keys.item(i.namespace, i.key).encode())
+                    want = full[offset:offset + limit]
+                    assert len(got) == len(want), (where, got, want)
+                    assert all(_same(g, w) for g, w in zip(got, want, strict=True)), where
+                else:
+                    for gone in [n for n, items in ref._data.items() if not items]:
+                        del ref._data[gone]  # (the reference's empty namespaces: see above)
+                    kw: dict[str, Any] = {"limit": r.choice([2, 100]), "offset": r.choice([0, 1])}
+                    if r.random() < 0.5:
+                        kw["prefix"] = _namespace(r)[: r.randint(1, 2)]
+                    if r.random() < 0.3:
+                        kw["suffix"] = (r.choice(_LABELS + ["*"]),)
+                    if r.random() < 0.4:
+                        kw["max_depth"] = r.randint(1, 2)
+                    assert ours.list_namespaces(**kw) == ref.list_namespaces(**kw), (where, kw)
+    finally:
+        l2.purge(name)
+
+
+def test_a_put_keeps_created_at_and_moves_updated_at(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv)
+    store.put(("u", "1"), "prefs", {"theme": "dark"})
+    first = store.get(("u", "1"), "prefs")
+    store.put(("u", "1"), "prefs", {"theme": "light"})
+    second = store.get(("u", "1"), "prefs")
+    assert first is not None and second is not None and second.value == {"theme": "light"}
+    assert second.created_at == first.created_at and second.updated_at >= first.updated_at
+
+
+def test_a_query_without_an_index_is_refused_clearly(kv: kvcomm.Client) -> None:
+    with pytest.raises(kvcomm.InvalidArgument, match="semantic"):
+        KVCommStore(kv).search(("docs",), query="python")
+
+
+def test_the_async_store_methods(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv)
+
+    async def run() -> list[Any]:
+        await store.aput(("m", "a"), "x", {"v": 1})
+        await store.aput(("m", "b"), "y", {"v": 2})
+        return [await store.aget(("m", "a"), "x"), await store.asearch(("m",), filter={"v": 2}),
+                await store.alist_namespaces(prefix=("m",))]
+
+    got, found, namespaces = asyncio.run(run())
+    assert got.value == {"v": 1} and [i.key for i in found] == ["y"]
+    assert namespaces == [("m", "a"), ("m", "b")]
+
+
+# ---------------------------------------------------------------- the README's example
+
+
+def test_the_three_agent_example_runs(ns: str) -> None:
+    """examples/langgraph_agents.py: three processes share memories through the store."""
+    example = ROOT / "examples" / "langgraph_agents.py"
+    out = subprocess.run([sys.executable, str(example), "--namespace", ns],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "report: 12 observations, mean 21.86 C, 1 over 30 C: obs-02" in out.stdout, out.stdout
+    for role in ("scout", "analyst", "writer"):
+        assert f"[{role}] done" in out.stdout
+
+
+def test_heads_only_move_forward_whoever_moved_them_last(ns: str, config: kvcomm.Config) -> None:
+    """Two savers (two processes of a host) put checkpoints of one thread in turns: each
+    saver's remembered head goes stale, its compare-and-set fails and it reads again;
+    the head is always the greatest id put, an older put never moves it back."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    with kvcomm.open(ns, config=config) as a, kvcomm.open(ns, config=config) as b:
+        sa, sb = KVCommSaver(a), KVCommSaver(b)
+        cps = [empty_checkpoint() for _ in range(6)]
+        assert [c["id"] for c in cps] == sorted(c["id"] for c in cps)
+        cfg: Any = {"configurable": {"thread_id": "shared", "checkpoint_ns": ""}}
+        for i, cp in enumerate(cps[1:], start=1):
+            (sa if i % 2 else sb).put(cfg, cp, {"step": i}, {})
+            assert a.get(sa.keys.head("shared", ""))["id"] == cp["id"]
+            assert sb.get_tuple(cfg).checkpoint["id"] == cp["id"]  # type: ignore[union-attr]
+        sa.put(cfg, cps[0], {"step": 0}, {})  # an older checkpoint (a replay, a copy)
+        assert sb.get_tuple(cfg).checkpoint["id"] == cps[-1]["id"]  # type: ignore[union-attr]
+        assert len(list(sa.list(cfg))) == 6
+        # (the stale remembered heads were refused: each saver's client counted conflicts)
+        assert a.counters["conflicts"] >= 2 and b.counters["conflicts"] >= 1
+
+
+# ---------------------------------------------------------------- retention (ttl)
+
+
+def _thread_keys(kv: kvcomm.Client, saver: KVCommSaver, thread_id: str) -> dict[str, Any]:
+    k = saver.keys
+    return {i.key: kv.get_item(i.key) for p in (k.heads, k.checkpoints, k.blobs, k.writes)
+            for i in kv.scan(k.thread(p, thread_id))}
+
+
+def test_a_saver_ttl_gives_every_record_of_a_thread_its_lifetime(kv: kvcomm.Client) -> None:
+    """``ttl`` (seconds): the head, checkpoints, values and writes of a thread expire that
+    long after they were written; a channel value the latest checkpoint shares with its
+    ancestors lives as long as it. Without ttl nothing expires."""
+    cfg: Any = {"configurable": {"thread_id": "ttl-1"}}
+    saver = KVCommSaver(kv, ttl=600)
+    before = time.time()
+    build_graph().compile(checkpointer=saver).invoke({"steps": [], "answer": ""}, cfg)
+    got = _thread_keys(kv, saver, "ttl-1")
+    assert len(got) >= 8
+    for key, item in got.items():
+        assert item.expires_at is not None and before + 599 < item.expires_at <= time.time() + 600, key
+    latest = saver.get_tuple(cfg)
+    assert latest is not None
+    cp_expiry = got[saver.keys.checkpoint("ttl-1", "", latest.checkpoint["id"])].expires_at
+    for ch, v in latest.checkpoint["channel_versions"].items():  # (some written steps before)
+        assert got[saver.keys.blob("ttl-1", "", ch, v)].expires_at >= cp_expiry, ch
+    assert got[saver.keys.head("ttl-1", "")].expires_at <= cp_expiry + 1e-3  # (never outlives it)
+    plain = KVCommSaver(kv, root="plain/")
+    build_graph().compile(checkpointer=plain).invoke({"steps": [], "answer": ""}, cfg)
+    assert all(i.expires_at is None for i in _thread_keys(kv, plain, "ttl-1").values())
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_reading_a_thread_refreshes_its_ttl_when_asked(kv: kvcomm.Client, refresh: bool) -> None:
+    """``refresh_on_read`` (langgraph-checkpoint-redis's name; default True): get_tuple
+    gives the checkpoint it returns (head, record, values, writes) its whole ttl again."""
+    cfg: Any = {"configurable": {"thread_id": "ttl-2"}}
+    saver = KVCommSaver(kv, ttl=600, refresh_on_read=refresh)
+    build_graph().compile(checkpointer=saver).invoke({"steps": [], "answer": ""}, cfg)
+    latest = saver.get_tuple(cfg)
+    assert latest is not None and latest.pending_writes  # (the interrupt's writes)
+    cid = latest.checkpoint["id"]
+    k = saver.keys
+    mine = [k.head("ttl-2", ""), k.checkpoint("ttl-2", "", cid),
+            *(k.blob("ttl-2", "", ch, v) for ch, v in latest.checkpoint["channel_versions"].items()),
+            *(i.key for i in kv.scan(k.write_prefix("ttl-2", "", cid)))]
+    first = {key: kv.get_item(key).expires_at for key in mine}
+    t0 = time.time()
+    wait_until(lambda: time.time() > t0 + 0.05, 5, "the clock to move")
+    assert saver.get_tuple(cfg) is not None
+    again = {key: kv.get_item(key).expires_at for key in mine}
+    for key in mine:
+        assert (again[key] > first[key] + 0.04) if refresh else again[key] == first[key], key
+
+
+def test_an_expired_thread_is_gone_and_a_new_run_starts_afresh(kv: kvcomm.Client) -> None:
+    cfg: Any = {"configurable": {"thread_id": "ttl-3"}}
+    saver = KVCommSaver(kv, ttl=0.5)
+    graph = build_graph().compile(checkpointer=saver)
+    graph.invoke({"steps": [], "answer": ""}, cfg)
+    assert saver.get_tuple(cfg) is not None  # (a read: its ttl starts again)
+    wait_until(lambda: not _thread_keys(kv, saver, "ttl-3"), 20, "the thread to expire")
+    assert saver.get_tuple(cfg) is None
+    assert graph.invoke({"steps": [], "answer": ""}, cfg)["steps"] == ["plan"]
+
+
+def test_a_saver_ttl_is_seconds_and_checked(kv: kvcomm.Client) -> None:
+    for bad in (0, -1, float("inf"), float("nan"), "60", True, 10**12):
+        with pytest.raises(kvcomm.InvalidArgument, match="SECONDS"):
+            KVCommSaver(kv, ttl=bad)  # type: ignore[arg-type]
+
+
+def test_store_ttl_is_langgraphs_minutes_refreshed_on_get_and_search(kv: kvcomm.Client) -> None:
+    """LangGraph's store contract: ``put(..., ttl=)`` in minutes; ``TTLConfig``'s
+    default_ttl and refresh_on_read; ``refresh_ttl`` per get and search; ttl=None keeps
+    the item until deleted (whatever deadline it had)."""
+    store = KVCommStore(kv)
+    assert store.supports_ttl
+    key = store.keys.item(("m",), "a")
+    store.put(("m",), "a", {"v": 1}, ttl=2)  # 2 minutes
+    e1 = kv.get_item(key).expires_at
+    assert e1 is not None and time.time() + 119 < e1 <= time.time() + 120
+    t0 = time.time()
+    wait_until(lambda: time.time() > t0 + 0.05, 5, "the clock to move")
+    assert store.get(("m",), "a", refresh_ttl=False).value == {"v": 1}
+    assert kv.get_item(key).expires_at == e1
+    assert store.get(("m",), "a").value == {"v": 1}  # (refreshed by default)
+    e2 = kv.get_item(key).expires_at
+    assert e2 > e1 + 0.04
+    wait_until(lambda: time.time() > t0 + 0.1, 5, "the clock to move")
+    assert [i.key for i in store.search(("m",))] == ["a"]
+    assert kv.get_item(key).expires_at > e2 + 0.04
+    store.put(("m",), "a", {"v": 2}, ttl=None)
+    assert kv.get_item(key).expires_at is None
+    created = store.get(("m",), "a")
+    store.put(("m",), "a", {"v": 3})  # (no ttl: permanent; created_at kept)
+    assert kv.get_item(key).expires_at is None
+    assert store.get(("m",), "a").created_at == created.created_at
+
+    dflt = KVCommStore(kv, ttl={"default_ttl": 1, "refresh_on_read": False})
+    dflt.put(("d",), "x", {"v": 1})
+    e = kv.get_item(dflt.keys.item(("d",), "x")).expires_at
+    assert e is not None and time.time() + 59 < e <= time.time() + 60
+    t1 = time.time()
+    wait_until(lambda: time.time() > t1 + 0.05, 5, "the clock to move")
+    dflt.get(("d",), "x")
+    assert kv.get_item(dflt.keys.item(("d",), "x")).expires_at == e
+    for bad in (-1, 10**9, float("nan")):  # (10**9 minutes: over KVCOMM's ten years)
+        with pytest.raises(kvcomm.InvalidArgument, match="MINUTES"):
+            store.put(("m",), "b", {"v": 1}, ttl=bad)
+    assert store.get(("m",), "b") is None
+
+
+def test_an_expired_store_item_is_gone(kv: kvcomm.Client) -> None:
+    store = KVCommStore(kv)
+    store.put(("m",), "short", {"v": 1}, ttl=0.01)  # 0.6 s
+    store.put(("m",), "long", {"v": 2})
+    assert store.get(("m",), "short", refresh_ttl=False) is not None
+    wait_until(lambda: store.get(("m",), "short", refresh_ttl=False) is None, 20,
+               "the item to expire")
+    assert [i.key for i in store.search(("m",))] == ["long"]
+
+
+# ---------------------------------------------------------------- two writers never fork a thread
+
+
+class Log(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+
+def log_graph() -> StateGraph[Log]:
+    g = StateGraph(Log)
+    g.add_node("work", lambda s: {"log": ["work"]})
+    g.add_edge(START, "work")
+    g.add_edge("work", END)
+    return g
+
+
+def resume_worker(open_kw: dict[str, Any], who: str, barrier: str, out: Any) -> None:
+    """A process resuming thread 'shared' with input ``[who]``: it reads the thread's head,
+    waits until the other process has read it too (``barrier``), then runs; on
+    ConflictError it reports and runs again (the retry LangGraph users write)."""
+    if "config" in open_kw and isinstance(open_kw["config"], dict):
+        open_kw = {**open_kw, "config": kvcomm.Config.from_mapping(open_kw["config"])}
+    with kvcomm.open(**open_kw) as kv:
+        class Met(KVCommSaver):
+            met = False
+
+            def get_tuple(self, config: Any) -> Any:
+                tup = super().get_tuple(config)
+                if not Met.met:
+                    Met.met = True
+                    kv.update(barrier, lambda n: n + 1, default=0)
+                    wait_until(lambda: (kv.get(barrier) or 0) >= 2, 60, "the other writer")
+                return tup
+
+        graph = log_graph().compile(checkpointer=Met(kv))
+        cfg = {"configurable": {"thread_id": "shared"}}
+        result = []
+        for _ in range(5):
+            try:
+                graph.invoke({"log": [who]}, cfg)
+                result.append("ok")
+                break
+            except kvcomm.ConflictError as exc:
+                result.append(f"conflict: {exc}")
+        out.put((who, result))
+
+
+def check_one_chain(saver: KVCommSaver, outs: list[tuple[str, list[str]]]) -> None:
+    """A writer was told (ConflictError: both read the same head, one move was refused)
+    and retried until it ran (while the winner's run goes on, a retry may read its
+    intermediate head and be told again); the thread is one chain (each checkpoint the
+    parent of the next, none with two children) holding each run once."""
+    results = dict(outs)
+    assert all(r[-1] == "ok" and all(x.startswith("conflict: thread 'shared'") for x in r[:-1])
+               for r in results.values()), results
+    assert sum(len(r) - 1 for r in results.values()) >= 1, results  # (someone was told)
+    cfg: Any = {"configurable": {"thread_id": "shared", "checkpoint_ns": ""}}
+    history = list(saver.list(cfg))
+    parents = [h.parent_config["configurable"]["checkpoint_id"] if h.parent_config else None
+               for h in history]
+    assert len(set(parents)) == len(parents), parents  # (no checkpoint has two children)
+    for newer, older in zip(history, history[1:], strict=False):
+        assert newer.parent_config["configurable"]["checkpoint_id"] == older.checkpoint["id"]
+    log = history[0].checkpoint["channel_values"]["log"]
+    assert log[:2] == ["seed", "work"] and log[3::2] == ["work", "work"], log
+    assert sorted(log[2::2]) == ["A", "B"], log  # (each run once)
+
+
+def run_two_writers(opens: list[dict[str, Any]], barrier: str) -> list[tuple[str, list[str]]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=resume_worker, args=(o, w, barrier, out))
+             for o, w in zip(opens, ["A", "B"], strict=True)]
+    for p in procs:
+        p.start()
+    got: list[tuple[str, list[str]]] = []
+
+    def both() -> bool:
+        while not out.empty():
+            got.append(out.get())
+        if len(got) < len(procs):  # (a worker that died fails the wait at once)
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a writer process failed: exit codes {dead}"
+        return len(got) == len(procs)
+
+    try:
+        wait_until(both, 120, "both writers", error=AssertionError)
+    finally:
+        for p in procs:
+            p.join(30)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return got
+
+
+def test_two_processes_resuming_one_thread_at_once_never_fork_it(ns: str,
+                                                                 config: kvcomm.Config) -> None:
+    """langgraph #8796: two processes resumed one thread at the same moment (both read the
+    same latest checkpoint); the loser's head move is refused (a compare-and-set against
+    the checkpoint it resumed from) and nothing of it is kept; it retries on the new head."""
+    with kvcomm.open(ns, config=config) as kv:
+        saver = KVCommSaver(kv)
+        cfg: Any = {"configurable": {"thread_id": "shared"}}
+        log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
+        outs = run_two_writers([{"name": ns, "config": config.model_dump()}] * 2, "barrier/1")
+        check_one_chain(saver, outs)
+
+
+def test_a_run_from_an_explicit_past_checkpoint_still_forks(kv: kvcomm.Client) -> None:
+    """LangGraph's time travel: invoking with a past checkpoint_id branches from it (no
+    ConflictError); the head moves to the branch, the old branch stays listed."""
+    saver = KVCommSaver(kv)
+    graph = log_graph().compile(checkpointer=saver)
+    cfg: Any = {"configurable": {"thread_id": "tt"}}
+    graph.invoke({"log": ["one"]}, cfg)
+    graph.invoke({"log": ["two"]}, cfg)
+    past = [h for h in saver.list(cfg) if h.checkpoint["channel_values"].get("log") == ["one", "work"]
+            and h.metadata["source"] == "loop"]  # (run 1's last checkpoint)
+    assert len(past) == 1
+    forked = graph.invoke({"log": ["three"]}, past[0].config)
+    assert forked["log"] == ["one", "work", "three", "work"]
+    assert graph.get_state(cfg).values["log"] == ["one", "work", "three", "work"]
+    children = [h for h in saver.list(cfg) if h.parent_config
+                and h.parent_config["configurable"]["checkpoint_id"] == past[0].checkpoint["id"]]
+    assert len(children) == 2  # (the old branch and the fork)
+    # a snapshot's config (get_state: read as the head) used explicitly later forks too
+    snap = graph.get_state(cfg)
+    graph.invoke({"log": ["four"]}, cfg)
+    assert graph.invoke({"log": ["five"]}, snap.config)["log"][-2:] == ["five", "work"]
+
+
+# ---------------------------------------------------------------- async-native (kvcomm.aio)
+
+
+def test_kvcommsaver_on_an_aio_client_passes_the_conformance_suite(
+        ns: str, config: kvcomm.Config, capsys: pytest.CaptureFixture[str]) -> None:
+    """The conformance suite (it calls the async methods) on ``KVCommSaver(aio client)``."""
+    import kvcomm.aio
+
+    @checkpointer_test(name="KVCommSaver(kvcomm.aio)")
+    async def factory() -> AsyncIterator[KVCommSaver]:
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            yield KVCommSaver(akv)
+
+    report = asyncio.run(validate(factory))
+    report.print_report()
+    printed = capsys.readouterr().out
+    for cap in BASE_CAPABILITIES | EXTENDED_CAPABILITIES:
+        result = report.results[cap.value]
+        assert result.detected and result.passed is True, (cap.value, result.failures, printed)
+        assert result.tests_passed > 0 and result.tests_failed == 0
+    assert report.conformance_level() == "FULL"
+
+
+class _NoExecutor(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, *a: Any, **k: Any) -> Any:
+        raise AssertionError("the loop's default executor was used")
+
+
+def async_graph() -> StateGraph[State]:
+    """build_graph's graph with async nodes (an agent written async end to end)."""
+    async def plan(s: State) -> dict[str, Any]:
+        return {"steps": ["plan"]}
+
+    async def ask(s: State) -> dict[str, Any]:
+        return {"steps": ["ask"], "answer": interrupt({"question": "go ahead?"})}
+
+    async def act(s: State) -> dict[str, Any]:
+        return {"steps": [f"act:{s['answer']}"]}
+
+    return wire(plan, ask, act)
+
+
+def test_an_aio_client_makes_the_async_methods_native(ns: str, config: kvcomm.Config) -> None:
+    """On a ``kvcomm.aio`` client the saver's and the store's async methods run on the
+    loop: no executor (the loop's default one refuses work here), and, on one host, not
+    one call had to leave the loop for the aio client's pool either."""
+    import kvcomm.aio
+
+    async def run() -> tuple[Any, ...]:
+        asyncio.get_running_loop().set_default_executor(_NoExecutor(1))
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            saver, store = KVCommSaver(akv, ttl=600), KVCommStore(akv)
+            graph = async_graph().compile(checkpointer=saver, store=store)
+            cfg: Any = {"configurable": {"thread_id": "aio-1"}}
+            await graph.ainvoke({"steps": [], "answer": ""}, cfg)
+            done = await graph.ainvoke(Command(resume="ok"), cfg)
+            history = [t async for t in saver.alist(cfg)]
+            await store.aput(("m",), "k", {"v": 1}, ttl=1)
+            got = await store.aget(("m",), "k")
+            found = await store.asearch(("m",))
+            await saver.adelete_thread("aio-1")
+            gone = await saver.aget_tuple(cfg)
+            return done, history, got, found, gone, akv.off_loop
+
+    done, history, got, found, gone, off_loop = asyncio.run(run())
+    assert done["steps"] == ["plan", "ask", "act:ok"] and len(history) >= 4
+    assert got.value == {"v": 1} and [i.key for i in found] == ["k"] and gone is None
+    assert off_loop == 0
+
+
+def test_two_async_writers_on_one_thread_never_fork_it(ns: str, config: kvcomm.Config) -> None:
+    """The fork rule with ``ainvoke`` on aio clients: two tasks resume one thread from the
+    same head; one is told (ConflictError) and retries; one chain."""
+    import kvcomm.aio
+
+    async def run() -> list[tuple[str, list[str]]]:
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            seed_saver = KVCommSaver(akv)
+            cfg: Any = {"configurable": {"thread_id": "shared"}}
+            await log_graph().compile(checkpointer=seed_saver).ainvoke({"log": ["seed"]}, cfg)
+            both = asyncio.Barrier(2)
+
+            class Met(KVCommSaver):
+                async def aget_tuple(self, config: Any) -> Any:
+                    tup = await super().aget_tuple(config)
+                    if not getattr(self, "met", False):
+                        self.met = True
+                        await both.wait()
+                    return tup
+
+            async def writer(who: str) -> tuple[str, list[str]]:
+                graph = log_graph().compile(checkpointer=Met(akv))
+                result = []
+                for _ in range(5):
+                    try:
+                        await graph.ainvoke({"log": [who]}, cfg)
+                        result.append("ok")
+                        break
+                    except kvcomm.ConflictError as exc:
+                        result.append(f"conflict: {exc}")
+                return who, result
+
+            return list(await asyncio.gather(writer("A"), writer("B")))
+
+    outs = asyncio.run(run())
+    with kvcomm.open(ns, config=config) as kv:
+        check_one_chain(KVCommSaver(kv), outs)
+
+
+lg = pytest.importorskip("langgraph.checkpoint.serde.jsonplus")
+
+
+def _constructor_call(module: str, name: str, arg: Any) -> bytes:
+    """msgpack bytes that LangGraph's default JsonPlusSerializer turns into a call of
+    ``module.name(arg)`` when it loads them (its EXT_CONSTRUCTOR_SINGLE_ARG ext type)."""
+    return ormsgpack.packb(ormsgpack.Ext(0, ormsgpack.packb([module, name, arg])))
+
+
+def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_store(kv: kvcomm.Client,
+                                                               tmp_path: Path) -> None:
+    """F1: LangGraph's default JsonPlusSerializer imports any module and calls any
+    function a msgpack ext record names (``os.system``...). A record planted under a
+    KVCommStore key by any process that can write the namespace ran code in every reader:
+    the same hazard as a pickle, which KVCOMM refuses. Now nothing is called (the record
+    loads as its raw fields, LangGraph's strict mode), and a serializer that would call
+    anything is refused.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    marker = tmp_path / "pwned"
+    store = KVCommStore(kv)
+    store.put(("mem",), "k", {"x": 1})
+    key = store.keys.item(("mem",), "k")
+    raw = kv.get(key)
+    kv.put(key, ["msgpack", _constructor_call("os", "system", f"touch {marker}"), raw[2], raw[3]])
+    try:
+        store.get(("mem",), "k")
+    except kvcomm.KVCommError:
+        pass
+    assert not marker.exists(), "a record read from KVCOMM ran os.system"
+    with pytest.raises(kvcomm.ConfigError, match="any function"):
+        KVCommStore(kv, serde=lg.JsonPlusSerializer(allowed_msgpack_modules=True))
+    with pytest.raises(kvcomm.ConfigError, match="any function"):
+        KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_json_modules=True))
+    KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_msgpack_modules=[("uuid", "UUID")]))
+
+
+def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_saver(kv: kvcomm.Client,
+                                                               tmp_path: Path) -> None:
+    """F1: the same through KVCommSaver: a checkpoint whose channel value is a crafted
+    constructor call ran it on get_tuple.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    marker = tmp_path / "pwned"
+    saver = KVCommSaver(kv)
+    cfg = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    cp = empty_checkpoint()
+    cp["channel_values"] = {"c": 1}
+    cp["channel_versions"] = {"c": "1"}
+    saver.put(cfg, cp, {}, {"c": "1"})
+    blobs = [i.key for i in kv.scan(saver.keys.blobs)]
+    planted = 0
+    for k in blobs:
+        v = kv.get(k)
+        if isinstance(v, list) and v and v[0] == "msgpack":
+            kv.put(k, ["msgpack", _constructor_call("os", "system", f"touch {marker}")])
+            planted += 1
+    assert planted, f"no msgpack record found to plant into among {blobs}"
+    try:
+        saver.get_tuple(cfg)
+    except kvcomm.KVCommError:
+        pass
+    assert not marker.exists(), "a record read from KVCOMM ran os.system"
+
+
+@pytest.mark.parametrize("planted", [5, "x", ["msgpack"], [1, 2, 3, 4, 5, 6]])
+def test_malformed_records_under_langgraph_keys_raise_corrupt_record(kv: kvcomm.Client,
+                                                                      planted: Any) -> None:
+    """F8: a value of another shape under a KVCommSaver or KVCommStore key (written by
+    another program, or an older layout) made get_tuple, list, get and search raise
+    TypeError, ValueError or NotImplementedError: not KVCommError, so callers handling
+    KVCOMM's errors crashed. They raise CorruptRecord naming what to delete.
+    (found in review 13: kv.scan, cluster-wide kv.watch, LangGraph)"""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    saver, store = KVCommSaver(kv), KVCommStore(kv)
+    cfg = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    cp = empty_checkpoint()
+    saver.put(cfg, cp, {}, {})
+    kv.put(saver.keys.checkpoint("t", "", cp["id"]), planted)
+    with pytest.raises(kvcomm.CorruptRecord):
+        saver.get_tuple(cfg)
+    with pytest.raises(kvcomm.CorruptRecord):
+        list(saver.list(cfg))
+    store.put(("m",), "k", {"a": 1})
+    kv.put(store.keys.item(("m",), "k"), planted)
+    with pytest.raises(kvcomm.CorruptRecord):
+        store.get(("m",), "k")
+    with pytest.raises(kvcomm.CorruptRecord):
+        store.search(("m",))
+    if not isinstance(planted, list):
+        kv.put(saver.keys.head("t", ""), planted)
+        with pytest.raises(kvcomm.CorruptRecord):
+            saver.get_tuple(cfg)

@@ -1,0 +1,40 @@
+"""What tests share besides fixtures: the small L2 config, waiting on a condition with a
+deadline, a tmpfs to stand in for a small /dev/shm."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+
+from kvcomm._wait import wait_until
+
+T = TypeVar("T")
+
+SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
+
+
+def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "condition", *,
+             retry_on: tuple[type[BaseException], ...] = ()) -> T:
+    """:func:`kvcomm._wait.wait_until` for tests: polls ``cond`` (every 2 ms) until it
+    returns a true value, which it returns; fails the test (AssertionError) after
+    ``timeout`` seconds. No sleeping-and-hoping."""
+    return wait_until(cond, timeout, what, interval=0.002, retry_on=retry_on, error=AssertionError)
+
+
+def mount_tmpfs(tmp_path: os.PathLike[str], size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` (``6m``) at ``tmp_path/shm``, unmounted afterwards (the test is
+    skipped where mount is not allowed): a small /dev/shm stand-in, for cache.l2_dir."""
+    import pathlib
+    import subprocess
+
+    d = pathlib.Path(tmp_path) / "shm"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
+    yield str(d)
+    subprocess.run(["umount", "-l", str(d)], check=False)

@@ -1,0 +1,296 @@
+"""The kvcomm command as a user runs it: info, purge, config --show, demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvcomm
+from tests.support.helpers import wait_for
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvcomm", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_config_show_defaults_and_file(tmp_path: Path) -> None:
+    out = run("config", "--show")
+    assert out.returncode == 0
+    data = yaml.safe_load(out.stdout)
+    # units as the config takes them (issue 8), and what is printed loads back
+    assert data["cache"]["l2_sync_interval"] == "50ms" and data["network"]["zero_copy_threshold"] == "4KB"
+    assert kvcomm.Config.from_mapping(data) == kvcomm.Config()
+    f = tmp_path / "k.yaml"
+    f.write_text("cache:\n  l1_size: 1GB\n")
+    assert yaml.safe_load(run("config", "--show", "--config", str(f)).stdout)["cache"]["l1_size"] == "1GB"
+    f.write_text("cache:\n  l1_size: lots\n")
+    bad = run("config", "--show", "--config", str(f))
+    assert bad.returncode == 2 and "cache.l1_size" in bad.stderr
+
+
+def test_config_without_a_flag_shows_the_config() -> None:
+    out = run("config")
+    assert out.returncode == 0, out.stderr
+    assert kvcomm.Config.from_mapping(yaml.safe_load(out.stdout)) == kvcomm.Config()
+
+
+def test_info_shows_no_write_sequence_as_a_count(ns: str, config: kvcomm.Config) -> None:
+    """After 50 writes ``kvcomm info`` printed "writes 1796159397065591" (the host's
+    clock-seeded write sequence): every figure it prints is now a real amount."""
+    with kvcomm.open(ns, config=config) as kv:
+        for i in range(50):
+            kv.put(f"k{i}", i)
+        out = run("info", "--name", ns)
+        assert out.returncode == 0, out.stderr
+        figures = [int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", out.stdout)]
+        assert 50 in figures and max(figures) < 1 << 40, out.stdout
+        info = json.loads(run("info", "--name", ns, "--json").stdout)
+        assert "writes" not in info and info["write_seq"] > 0
+
+
+def test_info_and_purge(ns: str, config: kvcomm.Config) -> None:
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", b"x" * 1000)
+        out = run("info", "--name", ns, "--json")
+        assert out.returncode == 0, out.stderr
+        info = json.loads(out.stdout)
+        assert info["entries"] == 1 and info["used_bytes"] > 0
+        assert "entries" in run("info", "--name", ns).stdout
+    assert run("purge", "--name", ns).returncode == 0
+    missing = run("info", "--name", ns)
+    assert missing.returncode == 2 and "no L2 segment" in missing.stderr
+    assert run("purge", "--name", ns).returncode == 1
+
+
+def test_info_in_partition_mode_says_so_instead_of_a_dead_daemon(ns: str,
+                                                                 config: kvcomm.Config) -> None:
+    """In partition mode the daemon's loop waits on Redis timeouts and its L2 heartbeat
+    goes stale, while its lease thread keeps the status file fresh: ``kvcomm info`` says
+    partition mode, not "NOT heartbeating" (which it still says once the status is stale
+    too: a dead daemon)."""
+    import time
+
+    from kvcomm.node.presence import status_path, write_status
+    from kvcomm.tiers.shm.layout import H
+
+    with kvcomm.open(ns, config=config) as kv:
+        seg = kv._seg
+        seg.daemon_heartbeat(os.getpid())
+        seg._q[H["DAEMON_BEAT"]] = time.time_ns() // 1_000_000 - 10_000  # 10 s old
+        path = status_path(ns, config.cache.l2_dir)
+        status = {"host": "h", "pid": os.getpid(), "updated": time.time(), "partition": True,
+                  "partition_reason": "Redis unreachable for 3.0s", "backlog": 5,
+                  "feed_lag_s": 3.0}
+        try:
+            write_status(path, status)
+            out = run("info", "--name", ns)
+            assert out.returncode == 0, out.stderr
+            line = next(ln for ln in out.stdout.splitlines() if ln.startswith("node daemon"))
+            assert "PARTITION MODE" in out.stdout and "NOT heartbeating" not in line, out.stdout
+            assert "partition mode" in line, line
+            write_status(path, {**status, "updated": time.time() - 60})  # a dead daemon
+            out = run("info", "--name", ns)
+            assert "NOT heartbeating" in out.stdout and "PARTITION" not in out.stdout, out.stdout
+        finally:
+            os.unlink(path)
+
+
+@pytest.mark.multiprocess
+def test_demo_smoke(tmp_path: Path) -> None:
+    plot = tmp_path / "lat.png"
+    out = run("demo", "--agents", "3", "--seconds", "1", "--rate", "20", "--baseline", "manager",
+              "--name", f"demo-test-{tmp_path.name}", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    assert "get latency p50" in out.stdout and "3/3" in out.stdout
+    assert plot.stat().st_size > 1000
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    out = run("demo", "--agents", "1")
+    assert out.returncode == 2
+
+
+@pytest.mark.redis
+def test_dev_cluster_up_and_down_as_a_user_runs_it(tmp_path: Path) -> None:
+    d = tmp_path / "dc"
+    up = run("dev-cluster", "up", "--hosts", "2", "--dir", str(d))
+    assert up.returncode == 0, up.stderr
+    try:
+        assert (d / "host-1.yaml").exists() and (d / "host-2.yaml").exists()
+        assert run("dev-cluster", "up", "--hosts", "2", "--dir", str(d)).returncode == 2
+        code = (
+            "import kvcomm, time, sys\n"
+            f"a = kvcomm.open(config={str(d / 'host-1.yaml')!r})\n"
+            f"b = kvcomm.open(config={str(d / 'host-2.yaml')!r})\n"
+            "a.put('drone/1/state', {'pos': [1, 2]})\n"
+            "deadline = time.monotonic() + 10\n"
+            "while b.get('drone/1/state') is None and time.monotonic() < deadline:\n"
+            "    time.sleep(0.02)\n"
+            "sys.exit(0 if b.get('drone/1/state') == {'pos': [1, 2]} else 1)\n"
+        )
+        agent = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=60)
+        assert agent.returncode == 0, agent.stderr
+    finally:
+        down = run("dev-cluster", "down", "--dir", str(d))
+    assert down.returncode == 0, down.stderr
+    namespaces = [yaml.safe_load((d / f"host-{i}.yaml").read_text())["node"]["namespace"]
+                  for i in (1, 2)]
+    assert not any(Path(f"/dev/shm/kvcomm.{ns}").exists() for ns in namespaces)
+    assert run("dev-cluster", "down", "--dir", str(d)).returncode == 1
+
+
+def test_node_refuses_a_config_without_a_cluster(tmp_path: Path) -> None:
+    f = tmp_path / "h.yaml"
+    f.write_text("node:\n  host_id: h1\n")
+    out = run("node", "--config", str(f))
+    assert out.returncode == 2 and "cluster.redis" in out.stderr
+    f.write_text("cluster:\n  redis: ['no-port']\n")
+    out = run("node", "--config", str(f))
+    assert out.returncode == 2 and "host:port" in out.stderr
+
+
+def test_node_waits_for_an_unreachable_cluster_until_stopped(tmp_path: Path, ns: str) -> None:
+    import signal
+
+    f = tmp_path / "h.yaml"
+    f.write_text(f"node:\n  namespace: {ns}\ncluster:\n  redis: ['127.0.0.1:1']\n  timeout: 100ms\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "node", "--config", str(f)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_for(lambda: any("retrying" in x for x in lines) or proc.poll() is not None, 20,
+                 "the daemon to report that it is waiting")
+        assert proc.poll() is None, "".join(lines)  # still running, not exited
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+
+
+def test_config_show_hides_the_password_and_loads_back(tmp_path: Path) -> None:
+    f = tmp_path / "k.yaml"
+    f.write_text("cache:\n  l2_permissions: 0o640\n  l1_size: 1536KB\n  negative_ttl: 500us\n"
+                 "cluster:\n  redis: ['10.0.0.5:7000']\n  redis_password: hunter2-secret\n"
+                 "  feed_poll: 0.0125\n")
+    out = run("config", "--show", "--config", str(f))
+    assert out.returncode == 0, out.stderr
+    assert "hunter2-secret" not in out.stdout + out.stderr
+    assert "  # redis_password: (set; hidden)\n" in out.stdout
+    for line in ("l2_permissions: 0o640", "l1_size: 1536KB", "negative_ttl: 500us",
+                 "feed_poll: 12500us", "l2_size: 256MB", "key_filter_rebuild: 10m"):
+        assert f"  {line}\n" in out.stdout, line
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(out.stdout)
+    expected = kvcomm.Config.load(f)
+    expected = expected.model_copy(
+        update={"cluster": expected.cluster.model_copy(update={"redis_password": None})})
+    assert kvcomm.Config.load(shown) == expected
+    again = run("config", "--show", "--config", str(shown))  # a fixpoint from then on
+    assert again.returncode == 0 and again.stdout == out.stdout.replace(
+        "  # redis_password: (set; hidden)\n", "  redis_password: null\n")
+
+
+def _no_traceback(out: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("kvcomm: "), out.stderr
+
+
+def test_purge_of_a_directory_says_what_to_do(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    (path / "sub").mkdir(parents=True)
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode == 2
+        _no_traceback(out)
+        assert "is a directory" in out.stderr and f"rm -r {path}" in out.stderr
+        assert path.is_dir()  # a directory is not ours to remove
+    finally:
+        shutil.rmtree(path)
+
+
+def test_purge_of_an_invalid_name_is_a_message() -> None:
+    out = run("purge", "--name", "../etc")
+    assert out.returncode == 2
+    _no_traceback(out)
+    assert "invalid" in out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the command as another user")
+def test_purge_of_another_users_segment_says_whose_it_is(ns: str, config: kvcomm.Config) -> None:
+    kvcomm.open(ns, config=config).close()
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    assert path.stat().st_uid == 0
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-m", "kvcomm", "purge", "--name", ns],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    _no_traceback(out)
+    assert "permission denied" in out.stderr and "user root (uid 0)" in out.stderr
+    assert path.exists()
+    assert run("purge", "--name", ns).returncode == 0  # its owner can
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("size", [8192, 4096, 100, 0])
+def test_purge_removes_a_corrupt_or_foreign_segment(ns: str, size: int) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes((bytes(range(256)) * (size // 256 + 1))[:size])
+    out = run("purge", "--name", ns)
+    assert out.returncode == 0, out.stderr
+    assert not path.exists()
+    missing = run("purge", "--name", ns)
+    assert missing.returncode == 1 and "no segment" in missing.stderr
+
+
+def test_purge_of_an_unreadable_segment_never_prints_a_traceback(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes(bytes(range(256)) * 16 + b"xyz")  # not a whole number of 8-byte words
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode in (0, 2), out.stderr
+        if out.returncode == 2:
+            _no_traceback(out)
+            assert f"rm {path}" in out.stderr
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_purge_removes_a_segment_of_odd_size(ns: str) -> None:
+    path = Path(f"/dev/shm/kvcomm.{ns}")
+    path.write_bytes(bytes(range(256)) * 16 + b"xyz")
+    try:
+        out = run("purge", "--name", ns)
+        assert out.returncode == 0, out.stderr
+        assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the command as another user")
+def test_a_failed_purge_leaves_the_segment_working(ns: str) -> None:
+    """A purge that cannot remove the file (another user's, in sticky /dev/shm) must not
+    mark it purged either: its users would fail while new ones reopened the old data."""
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB", "l2_permissions": 0o666}})
+    with kvcomm.open(ns, config=cfg) as kv:
+        kv.put("k", 1)
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              sys.executable, "-m", "kvcomm", "purge", "--name", ns],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        kv.put("k", 2)  # still a working segment
+        assert kv.get("k") == 2
