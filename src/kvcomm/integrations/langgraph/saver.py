@@ -213,7 +213,7 @@ def _record(value: Any, n: int, key: str) -> list[Any]:
 
 class KVCommSaver(BaseCheckpointSaver[str]):
     """A LangGraph checkpointer storing threads in KVCOMM (see the module docstring for
-    the key layout and what holds across hosts).
+    the key layout; what holds across hosts: docs/design/langgraph-saver.md).
 
     ``kv`` is an open client (``kvcomm.open(...)``), which the saver uses and never
     closes. ``serde`` is a LangGraph serializer (default ``JsonPlusSerializer(
