@@ -19,59 +19,16 @@ signature, awaited (``scan`` and ``watch`` are async iterators, ``batch`` an asy
 manager); ``kv.sync`` is the sync client underneath. Semantics, errors and guarantees are
 the sync client's: the calls below *are* the sync client's calls.
 
-Why the async face is built on the sync code, and not the other way round
--------------------------------------------------------------------------
-redis-py keeps a hand-written ``asyncio/client.py`` beside ``client.py``: two copies that
-drift. httpcore writes async code and generates the sync copy (``unasync``), which fits a
-library whose every call is I/O. KVCOMM's common calls are not I/O: an L1 hit or an L2
-read is a few shared-memory loads (microseconds, no syscall), a put one locked store. Made
-async, they would pay an await per layer for nothing; run in a thread (``to_thread``),
-they would pay a thread hop (~50 µs) for a 2 µs operation. So the sync client stays the
-one implementation, and this face runs each call **inline on the event loop's thread**,
-which the loop can afford, *unless the call would wait*. The sync client knows where it
-would wait, and says so at exactly those points, before it has done anything:
+Each call runs **inline on the event loop's thread** unless it would wait: the writer
+lock held past 200 µs (``_l2core.set_inline_wait``) or the network (L3, etcd:
+``_client.base._network``) raise ``WouldBlock`` before anything is done, and the whole
+call runs again in a bounded thread pool (32 threads, shared by the process's async
+clients), awaited. A watch waits on a *bell* thread that wakes the loop only when the
+feed's head moved. A cancelled call still running in the pool is waited for, then the
+cancellation reaches the task (a write it made may or may not have been applied).
 
-* **the host's writer lock** (every L2 write, and a read that repairs): another process
-  may hold it up to ``cache.lock_timeout``. On the loop's thread the C kernel waits at
-  most 200 µs for it (holds take microseconds), then raises ``WouldBlock`` with nothing
-  held or written (``_l2core.set_inline_wait``, a per-thread budget read only on the
-  contended path: the uncontended put is unchanged);
-* **the network** (cluster mode): L3 (``ClusterReads._l3_store``: an L2 miss, a cluster
-  scan, a delete of a key not held here) and etcd (``ClientBase._is_strong``: every
-  operation of a strong key) call ``_client.base._network`` first, which raises
-  ``WouldBlock`` on the loop's thread.
-
-On ``WouldBlock`` the whole call runs again in a bounded thread pool (32 threads, shared
-by the process's async clients) and the coroutine awaits it: the loop never waits for a
-lock or a round trip, and the call that reaches etcd or L3 is the sync client's own (one
-etcd client, one L3 client, one code path). The alternative, redis-py's asyncio client for
-L3 plus an async etcd transport, would be a second implementation of every network path
-(retries, topology refresh, partition mode, the strong-key transactions) to keep in step
-with the first: the pool costs one thread hop on calls that already cost a round trip.
-A call re-run in the pool repeats only what it did before its waiting point: key checks,
-encoding, a local read (``update`` and ``touch`` may call ``fn`` again, which they
-already may when writers race). A batch is sealed first and its apply re-run, whole.
-
-A watch reads the host's feed lock-free on the loop; between events it awaits a *bell*:
-one thread per async client looks at the feed's head word (0.1 ms, backing off to 5 ms,
-as the sync watch sleeps) while a watch waits, and wakes the loop only when the head
-moved, so an idle watch costs the loop nothing. (Cluster mode: the etcd watch and the
-daemon's missed-change count are looked at every 5 ms as well.) A scan's pages are read
-inline in embedded mode (the loop gets a turn every 256 items) and in the pool in
-cluster mode (L3 index reads); the process's first scan of a namespace builds its key
-index (a walk of every slot) in the pool.
-
-Cancellation
-------------
-Inline work has no await, so a task is cancelled only where it awaits the pool. A call
-still queued there never runs; one already running cannot be stopped mid-call, so the
-cancellation waits for it to end (at most ``cache.lock_timeout``, or 2 x
-``cluster.timeout`` for the network) and then reaches the task: the call was the sync
-call it is, a write applied whole or not at all, every lock released by the sync code's
-own ``finally``, and once the cancelled task has ended none of its writes is still in
-flight to land over a later one. Only the call's result is lost to the task (a write it
-made may or may not have been applied: read to know). ``aclose()`` waits for the calls
-still running.
+Design (why the async face is built on the sync code, where a call would wait, the bell,
+scans, cancellation): docs/design/aio.md.
 """
 
 from __future__ import annotations

@@ -1,100 +1,30 @@
 """``kvcomm node``: the host daemon that keeps one host's L2 in sync with the cluster (L3).
 
-Theory of operation
--------------------
-Agents only ever touch L2 (and, on an L2 miss, read L3 once). The daemon does the rest,
-in one loop. Its decisions — what to push and when, what L3's answers mean, which
-cursor may be persisted, when a group's feed must be resynced, how long to back off —
-are made by the state machines of :mod:`kvcomm.node.delivery`, which hold the whole
-theory of delivery and do no I/O. This module is their *driver*: it reaches L2, the
-key filter and L3 through the three ports of :mod:`kvcomm.node.port`, hands the
-machines what it read, and carries out what they answer.
+Agents only ever touch L2 (and, on an L2 miss, read L3 once); the daemon does the rest,
+in one loop. :class:`Daemon` is that loop, composing parts that own their state:
+:class:`~kvcomm.node.push.Pusher` (local → L3), :class:`~kvcomm.node.pull.Puller`
+(L3 → local), :class:`~kvcomm.node.keys.KeyFilterKeeper` (the host's key filter),
+:mod:`kvcomm.node.prewarm` (hot keys, load), :class:`~kvcomm.node.partition.PartitionMode`
+(partition mode and heal) and :mod:`kvcomm.node.quarantine` (bad input set aside).
+The decisions are the state machines of :mod:`kvcomm.node.delivery` (no I/O); the
+daemon reaches L2, the key filter and L3 through the ports of :mod:`kvcomm.node.port`.
+:class:`NodeDaemon` adds the host's presence and placement reports.
 
-1. **Local → L3.** It reads the host's L2 change feed after the outbound cursor, hands
-   the dirty record of every key put or deleted (every dirty key after an overflow) to
-   the outbound machine, and pushes each closed write window to L3 in one pipeline of
-   push-script calls per master node, one call per group of records
-   (:class:`kvcomm.tiers.l3.L3Store`). L3's answers
-   are carried out: writes L3 holds are marked delivered (L2 may now evict them);
-   where L3 holds another record (newer, merged, a conflict for a resolver) that record
-   is merged into L2. The feed position stored in the L2 header is the machine's
-   delivered cursor: a daemon killed at any point replays from there. Vectors are
-   pruned, by host activity, before they are pushed. Before a push, the host's *write
-   mark* in L3 (``kvn:{host}:wseq``) is made to cover its dots (a block ahead: one save
-   per WRITE_MARK_BLOCK writes); a daemon that starts on a new L2 (nothing delivered from
-   it yet) first moves that L2's unacknowledged writes past the mark, so that a write
-   sequence restarted lower (a clock set back) never lets an old dot of the host cover a
-   new write. (Should the mark be lost, L2's merge does the same on meeting a version
-   that names this host's dots past its sequence: ``Client._merge``.) A push is made in
-   the loop and its answers carried out before anything else (a push sent from a thread
-   and answered a round later was tried and removed: it widened the window in which the
-   host met its own old records before the push was answered).
-2. **L3 → local.** It reads a group's L3 change feed (Redis Streams, one per
-   hash-slot group, bounded) after a per-group cursor that lives in L3
-   (``kvn:{host}:cursors``, so a restarted daemon — or one whose connection dropped —
-   resumes where it was) when the group changed: a hint on the group's sharded pub/sub
-   channel says so, or the group's counter does (the sweep reads every counter, a slice
-   at a time; the groups whose hints may have been lost are checked at once). The hint
-   of a value-less entry carries the entry: one that follows the group's last sequence
-   number is applied without reading the stream at all. A change to a key this host
-   wants (L2 holds it, or a local watcher asks for it: ``wants``) is merged into L2
-   (its own writes echo back as no-ops); keys it does not want are left to the read
-   path. Entries of large records are value-less (key and dot,
-   :mod:`kvcomm.tiers.l3`): the records of the wanted keys among them are read from L3
-   in one batch per poll, before any entry of the poll is applied — so a host pays for
-   the values of the keys it holds only; and of those, only for the keys an agent read
-   since their last changes (a key no agent read leaves L2 instead: interest decays, see
-   ``cluster.unread_changes``; the loop's own reads and writes of L2 are quiet).
-   A group whose sequence numbers show a gap or a rewind is resynced: its position
-   taken, its keys added to the key filter, its keys that L2 holds re-read from L3. An
-   idle cluster costs each daemon the sweep's few commands a second, whatever the
-   number of groups.
-3. **Prewarm.** Every couple of seconds the host's hot keys (the host-wide sketch of
-   agents' reads) are saved to L3 and any of them missing from L2 (evicted, say) are
-   read back in; a daemon that starts prewarms L2 from the list its predecessor saved.
-4. **The host's filter of existing keys** (:mod:`kvcomm.tiers.keyfilter`): built from a
-   scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
-   deleted keys age out. Agents ask it before an L3 read: absent keys stay on the host.
-   A master that does not answer the start's scan (it hangs) is left out, and the
-   filter distrusted as during a heal's catch-up until its groups are scanned, once it
-   answers (``unscanned``); no rotation is made while a master is taken for down.
-5. **Load.** The Redis commands it causes on each group (a push that stores: the six
-   commands the script runs for it; one that does not: one; each script call, of up to
-   PUSH_BATCH records of the group: one more; a feed read: one) are
-   counted and saved to L3 (``kvn:{host}:load``, cumulative) every couple of seconds
-   when they changed: ``kvcomm balance`` adds them up over every host into the load of
-   each slot, in the unit Redis' INFO counts a node's.
-6. **Heartbeat** in the L2 header and in the key filter's header, so agents and tools
-   can see the daemon is alive (agents trust the filter only while it beats).
-6. **Placement** (:class:`NodeDaemon` only): once a second, the host's agent reports
-   (who read whose keys, sampled) are published to L3 as ``kvn:{host}:agents``
-   (:mod:`kvcomm.placement.observe`), for ``kvcomm placement observe``.
+Rules a reader of this loop must keep:
 
-In partition mode (node/presence.py) each round starts with one PING of one master
-(:meth:`L3Store.reachable`) and, until Redis answers, only reads and stages the host's
-local writes (nothing is sent), so that the heal is seen within one ``cluster.timeout``
-instead of after a round of calls that each wait a timeout per seed, and the heal's
-first round only sends the backlog. The catch-up (the backlog retried at once, every
-group's counter checked, the key filter distrusted until the feeds are read) starts at
-the first round Redis answers, even while partition mode waits for etcd too.
+* a push is made in the loop and its answers carried out before anything else;
+* the feed position persisted is the outbound machine's delivered cursor, never later
+  (a daemon killed at any point replays from there);
+* when L3 is unreachable nothing is dropped: unsent windows are retried with capped
+  exponential backoff with jitter, and ``put`` raises ``Unavailable`` once
+  ``cluster.outbound_max`` writes wait;
+* input never kills the daemon: a record that fails is logged, counted, set aside and
+  skipped. The process exits only on SIGTERM/SIGINT, a ConfigError, or a SegmentError
+  of its own L2 segment or key filter.
 
-When L3 is unreachable, nothing is dropped: the unsent windows are kept and retried with
-capped exponential backoff with jitter (:mod:`kvcomm.core.backoff`, so that hosts do
-not retry in lockstep after an outage), agents keep writing into L2, and once
-``cluster.outbound_max`` writes are waiting, ``put`` raises ``Unavailable`` instead of
-losing them.
-
-Input never kills the daemon
-----------------------------
-Everything the daemon reads from L3 may have been written by something else. A record
-that fails — it does not decode (CorruptRecord), L2 cannot take it (ValueTooLarge or
-any KVCommError), its key cannot be sent to Redis, or anything unexpected happens while
-handling that one record — is logged, counted (``stats.quarantined``), pushed to the
-capped L3 list ``kvn:{host}:quarantine`` ("set aside") when L3 is reachable, and
-skipped; the loop goes on. A round that fails as a whole is retried with backoff. The
-process exits only on SIGTERM/SIGINT, on a configuration error (ConfigError: bad
-cluster settings or resolvers), or when its own L2 segment or key filter cannot be used
-(SegmentError: purged, foreign, or another user's).
+Design (the theory of operation, numbered 1–7: push, pull, prewarm, the key filter,
+load, heartbeat, placement; partition mode; input never kills the daemon):
+docs/design/daemon.md.
 """
 
 from __future__ import annotations

@@ -1,171 +1,31 @@
 """The node daemon's delivery logic, as state machines without I/O.
 
 Nothing here reads a clock, sleeps, draws randomness of its own or touches L2 or L3:
-the driver (:mod:`kvcomm.node.daemon`) does the I/O, passes the time in (``now``,
-seconds, monotonic), and carries out what these machines answer. So every decision —
-what to send, what to persist, when to resync, how long to back off — can be driven by
-a test from a script of events (``tests/cluster/test_delivery.py``,
+the driver (:mod:`kvcomm.node.daemon` and its parts, :mod:`kvcomm.node.push` and
+:mod:`kvcomm.node.pull`) does the I/O, passes the time in (``now``, seconds, monotonic),
+and carries out what these machines answer. So every decision — what to send, what to
+persist, when to resync, how long to back off — can be driven by a test from a script of
+events (``tests/cluster/test_delivery.py``,
 ``tests/sim/test_delivery_sim.py``), without Redis.
 
-Theory
-------
-**Local → L3 (Outbound), at least once.** Agents write into L2; each write is flagged
-*dirty* there until L3 has it, and appears in L2's change feed. The driver reads the feed
-after the outbound cursor and hands over the dirty record of every key it names
-(:meth:`Outbound.read`); each record is *staged* together with the cursor *before* that
-read (its ``since``: a replay of the feed from there names the key again). Staged
-records enter the write window (:mod:`kvcomm.core.window`); a closed window is pushed
-whole, one push at a time, each key with its latest staged record. L3's answer to each
-record decides two things, by one rule:
+* :class:`Outbound` (local → L3, at least once): stages the dirty records the driver
+  reads from L2's feed, closes write windows, turns each L3 answer into an
+  :class:`Answer` (deliver: clear the dirty flag; take: merge L3's record into L2;
+  rebase; set aside), and says which feed position may be persisted
+  (:meth:`Outbound.delivered`: never past an unanswered write). :class:`Unconfirmed`
+  holds the writes fewer replicas took than asked.
+* :class:`Inbound` (L3 → local): which groups' feeds are due (hints, the sweep of
+  counters), checks each entry's sequence number (a gap or a rewind makes the group
+  resync), paces the polls.
+* :class:`HostActivity` (when each host's dot was last seen: the age that prunes vectors),
+  :class:`Skipped` (changes to keys the host does not hold, remembered a while),
+  :func:`echo`.
 
-* **deliver** (clear the dirty flag) iff the record L3 holds afterwards covers the
-  write's dot — it is this write, or descends from it (newer, merged, refused as older);
-* **take** (merge L3's record into L2) iff L3 holds anything but exactly what was sent.
+The driver's obligations (what it must call, in which order) are listed in the design
+page; a driver that skips one loses the guarantee.
 
-======================  =======  ====  ============================================
-L3's answer             deliver  take  why
-======================  =======  ====  ============================================
-new / newer / equal     yes      no    L3 holds this write
-older                   yes      yes   L3 holds a write that saw this one
-merged                  yes      yes*  L3 holds the merge of it and a concurrent write
-conflict                no       yes   a resolver's key: L2 settles it (a new write)
-not durable             no       no    no replica has it yet: staged again, re-sent
-stored, short           no       yes*  fewer replicas than asked: held (Unconfirmed)
-corrupt                 yes      no    retrying cannot help: set aside
-unreached               no       no    its master is down (L3Store.down): not sent;
-                                       staged again, the others' answers taken
-L3 unreachable          —        —     the push is retried whole, with backoff
-older / merged, lost    no       —     rebase: the host writes it again (see below)
-======================  =======  ====  ============================================
-
-(* not when this write won and its vector is unchanged.) *Lost*: L3's record covers
-the write's dot only through dots of this host past its write sequence — the host's
-L2 was lost and its sequence restarted, so those dots name older writes of an earlier
-life. The write is new, not older: the driver rebases it (L2 writes it again past
-every dot L3 has seen of this host; it is pushed in turn), or takes L3's record when
-there is nothing to rebase. A record leaves the staged
-set only once answered, so :meth:`Outbound.delivered` — the least ``since`` of what is
-staged, or the cursor when nothing is — is a feed position before which every write is
-in L3. Persisting that position, and never a later one, makes delivery at-least-once
-across a crash at any point; L3's rule makes the replay harmless (an equal record is a
-no-op, an older one is refused). If the feed ring overwrote events past the cursor, the
-driver hands over every dirty key instead (a rescan).
-
-**Bounded vectors.** Before a record is pushed its vector is pruned
-(:func:`kvcomm.core.versions.prune`) with host activity as the age: :class:`HostActivity`
-remembers when the daemon last saw each host's dot in the feeds; a host it has never
-seen counts as seen when the daemon started. The host's own entry and the writer's
-(the dot's) are always kept, which is the safety condition: the pruned vector still
-exceeds every earlier version at the dot, so it can look *concurrent* with an older
-version but never *older*; last-writer-wins then picks it, since a write's HLC exceeds
-those of the writes it saw. No acknowledged write loses to an older one.
-
-**L3 → local (Inbound).** A group's feed is read after its cursor when the group is
-*due*: a hint said it changed (the push script publishes one per change on the group's
-sharded channel), or its counter, read by a check, is not the last sequence number
-read. Counters are checked by the *sweep* — a slice of ``sweep_batch`` groups every
-``sweep_batch / sweep_rate`` seconds (at least MIN_SWEEP_EVERY), every group in turn, so
-its cost per second is fixed whatever the number of groups — and at once for groups
-whose hints may have been lost (:meth:`Inbound.lost`: a subscription broke, or its slot
-moved), and for every group at the first poll (changes made while no daemon listened
-hinted nobody). Hints make propagation fast; only counters make it lossless: a change
-whose hint is lost is found by the sweep within :attr:`Inbound.sweep_period`. The hint of
-a value-less entry carries the entry (:meth:`Inbound.noted_entry`): if its sequence
-number is the group's last + 1 (the last read, or the last noted) it is applied at the
-next poll as if read (:meth:`Inbound.take_noted`), and the stream is not read; anything
-else — a hole (a hint lost), a rewind, a group resyncing or due anyway — makes the group
-due, and its stream is read from the cursor as for a plain hint. A counter check that
-does not match the last noted number makes the group due too (the read brings what was
-noted).
-
-Every entry carries the group's sequence number. An entry that is not last + 1 — higher
-(the stream was trimmed past the cursor: a *gap*), lower or equal (the stream went
-back: a failover lost entries, a *rewind*), or missing (*unsequenced*) — stops that
-group's reading and makes it resync; so does a counter read before a read that reached
-the end of the stream and that the read did not reach (a gap that no entry shows), or
-that went below the last number seen (a rewind), or that equals the last number seen
-while the stream's last entry (its *tail*, read with the counter) is not the cursor: a
-failover lost the entry read under that number and the next change took the number
-again, at an id at or before the cursor (the old master's ids ran ahead), where no read
-after the cursor finds it (a rewind too). A hinted entry with the last number read but
-another id than the cursor's has the group's counter and tail checked at the next poll
-for the same reason. (Tails are read with the counters checked out of turn — a failover
-breaks the hints' subscription of the slots it moves, and those are checked at once —
-and by one sweep pass of every TAIL_EVERY: :meth:`Inbound.tails_for`.) And since the
-entries after such a reissue may land after the cursor and follow the last number read
-(the new master's clock passed the cursor's id between two changes), a read also checks
-that the stream still holds the cursor's entry, or nothing older (trimmed): a stream
-that lost the cursor's entry but kept an older one went back, whatever the numbers of
-the entries read (a rewind). That check costs a command per group read, so it is made
-by the first read of a group after its hints may have been lost (:meth:`Inbound.lost`,
-which a failover causes: the subscription of the slots it moves breaks) and after the
-start, until a read made it (:attr:`Inbound.verify`). A resync takes the group's
-position atomically, adds the group's keys to the key filter (when entries were missed:
-they may have created keys), and re-reads the group's keys that L2 holds. Until it
-completes, the group is *pending*: its old cursor is the one saved, so a daemon killed
-meanwhile resyncs again. Only the cursors that changed since the last
-save are saved. A change to a key the host does not hold is
-not applied, but remembered a while (:class:`Skipped`): an agent that read the key from
-L3 just before may fill L2 with the older record just after, and the driver applies
-the remembered change over that fill when the local feed shows it.
-
-Driver's obligations
---------------------
-1. Read L2's feed after ``Outbound.cursor``; for every put and delete (evictions are
-   local, never sent) — or, when the feed overflowed, for every dirty key — read the
-   key's dirty record (None when clean) and hand them all, with the new cursor, to
-   :meth:`Outbound.read` in one call.
-2. Persist :meth:`Outbound.delivered` as the host's delivered cursor, never a later
-   position: only once L3 acknowledged everything before it.
-3. Push what :meth:`Outbound.next_push` returns, in one call, the keys of
-   ``keep_siblings`` keeping concurrent versions apart. Then exactly one of
-   :meth:`Outbound.pushed` (with one answer per item, in order) or
-   :meth:`Outbound.push_failed` (L3 unreachable), passing the host's write sequence
-   read after the push. Carry out every :class:`Answer` in order: deliver (mark
-   delivered) before take (merge into L2); rebase, else take; set aside = deliver,
-   then record the reason.
-4. Subscribe to the groups' hints before the first poll; hand every hint to
-   :meth:`Inbound.hinted`, and every group whose hints may have been lost to
-   :meth:`Inbound.lost`, and every entry a hint carried, in arrival order, to
-   :meth:`Inbound.noted_entry` (after :meth:`Inbound.hinted`). When
-   :meth:`Inbound.poll_due` returns a poll: first redo the
-   pending resyncs (``Inbound.pending``); read the counters of ``poll.check``, those of
-   :meth:`Inbound.tails_for` each with its stream's tail; read the feeds (FEED_COUNT
-   entries after ``Inbound.cursors``, checking the cursors' entries of the groups of
-   ``Inbound.verify``: :meth:`Inbound.verified` those found there) of the groups
-   :meth:`Inbound.to_read` names given those counters and tails; for each
-   group apply the entries :meth:`Inbound.examine` returns (with the group's counter and
-   tail, if read, and whether its cursor's entry was found lost) in order, calling
-   :meth:`Inbound.advance` after each (applied or set aside), then :meth:`Inbound.read`,
-   then resync the groups it found a problem in. The entries :meth:`Inbound.take_noted`
-   returns (after :meth:`Inbound.to_read`) are applied the same way, with no problem to
-   look for; if the poll fails before they are, their groups are handed to
-   :meth:`Inbound.hinted` (read next time). If ``poll.save``, save
-   :meth:`Inbound.saveable` and tell :meth:`Inbound.saved`. Report the outcome:
-   :meth:`Inbound.polled` or :meth:`Inbound.poll_failed`.
-5. Resync: :meth:`Inbound.begin_resync`; for each group take its position from L3 and
-   hand it to :meth:`Inbound.positioned` — when that returns True, add the group's keys
-   in L3 to the key filter and call :meth:`Inbound.scanned` —; then re-read from L3 every
-   key of those groups that L2 holds; then :meth:`Inbound.resynced`. An exception midway
-   leaves the groups pending: redo them (step 4).
-6. Tell :meth:`HostActivity.saw` the dot of every record read from the feeds (the
-   writer of a value-less entry's note); hand :meth:`Skipped.remember` every feed record
-   (or note) of a key the host does not want, and apply what :meth:`Skipped.take`
-   returns for every key the local feed names (for a note: the key's record, read from
-   L3, unless L2's record of the key already covers the note's dot: the fill is that
-   change or newer; never for a merge's note or this host's own dot).
-7. Value-less entries (step 4): a key the host wants (L2 holds it, or a local watcher
-   asks for it) is read from L3 — every such key of the poll in one batch, before any of
-   the poll's entries is applied or any cursor advanced, so a failed read leaves the
-   poll to be made again — unless :func:`echo` says L2 holds the record already. A key
-   named by several entries of one poll is read and applied once, at its first entry:
-   the record read is at least as new as its last entry's. Apply the record read
-   through the same merge as an inline one: it may be newer than the entry, never
-   installed over something newer. A key L2 holds that no agent read since the daemon
-   last asked (``HostL2.take_reads``: 0) is not read but forgotten (a clean copy; a dirty
-   one is read), its change remembered as skipped — at the ``cluster.unread_changes``th
-   such change in a row: interest decays, so a host stops paying for keys its agents no
-   longer read.
+Design (the answer table, lost writes and rebases, bounded vectors, sequence numbers,
+rewinds and tails, resyncs, the driver's obligations): docs/design/delivery.md.
 """
 
 from __future__ import annotations

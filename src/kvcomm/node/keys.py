@@ -1,5 +1,5 @@
 """The node daemon's upkeep of the host's filter of existing keys
-(:mod:`kvcomm.tiers.keyfilter`; :mod:`kvcomm.node.daemon`, theory of operation, 4): built
+(:mod:`kvcomm.tiers.keyfilter`; docs/design/daemon.md, theory of operation, 4): built
 from a scan of L3 at start, fed with every key seen in the feeds, rotated now and then so
 deleted keys age out. A master that does not answer the start's scan (it hangs) is left
 out, and the filter distrusted as during a heal's catch-up until its groups are scanned,

@@ -1,5 +1,5 @@
 """The node daemon's partition mode and heal (:mod:`kvcomm.node.presence` holds the
-state machine, :class:`~kvcomm.node.presence.Reachability`; :mod:`kvcomm.node.daemon`
+state machine, :class:`~kvcomm.node.presence.Reachability`; docs/design/daemon.md
 tells the theory). In partition mode each round starts with one PING of one master
 (:meth:`L3Store.reachable`) and, until Redis answers, only reads and stages the host's
 local writes; the catch-up (the backlog retried at once, every group's counter checked,

@@ -1,4 +1,4 @@
-"""The node daemon's prewarm and load saves (:mod:`kvcomm.node.daemon`, theory of
+"""The node daemon's prewarm and load saves (docs/design/daemon.md, theory of
 operation, 3 and 5): every couple of seconds the host's hot keys (the host-wide sketch of
 agents' reads) are saved to L3 and any of them missing from L2 read back in, and the
 per-group operation counts that changed are saved (``kvn:{host}:load``, for

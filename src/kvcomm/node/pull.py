@@ -1,5 +1,5 @@
 """The node daemon's L3 → local path: the groups' change feeds read and what this host
-wants of them merged into L2 (:mod:`kvcomm.node.daemon`, theory of operation, 2). The
+wants of them merged into L2 (docs/design/daemon.md, theory of operation, 2). The
 decisions are :class:`kvcomm.node.delivery.Inbound`'s; this part drives it: hints, the
 sweep of counters, feed reads, the records of value-less entries, resyncs, and the
 saved cursors.

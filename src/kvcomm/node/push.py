@@ -1,5 +1,5 @@
 """The node daemon's local → L3 path: the host's writes read from L2's change feed and
-pushed to L3, and L3's answers carried out (:mod:`kvcomm.node.daemon`, theory of
+pushed to L3, and L3's answers carried out (docs/design/daemon.md, theory of
 operation, 1). The decisions are :class:`kvcomm.node.delivery.Outbound`'s; this part
 drives it: it reads L2, reserves the host's write mark, sends each push, counts its
 load, and applies what L3 answered.

@@ -1,85 +1,29 @@
 """etcd v3 for strong keys and host leases: a synchronous client over etcd's JSON gateway.
 
-Which client, and why
----------------------
-The agents and the node daemon are synchronous Python that forks (``multiprocessing``).
-Three candidates were measured on this project's 2-core machine against a 3-member etcd
-3.4 on loopback (a put then a get of the same key, 500 times each, after a warm-up;
-p50 / p99 in milliseconds, ``/tmp/etcd_cands.py`` in the report of issue 9's
-foundation)::
-
-    candidate                         put p50  put p99  get p50  get p99
-    aetcd 1.0 (grpc.aio), own loop      1.08     3.28     0.92     2.08
-    aetcd, loop in a thread (sync use)  1.48     2.99     1.18     2.90
-    etcd3gw 2.7 (requests, gateway)     1.86    10.83     1.74     7.64
-    urllib3 2.x on the JSON gateway     1.73     3.36     1.53     3.40
-    http.client on the JSON gateway     1.30     4.27     1.18     4.96
-
 Plain ``http.client`` on etcd's own JSON gateway (``/v3/kv/range``, ``/v3/kv/txn``,
-``/v3/watch``...) is as fast as aetcd driven from synchronous code, and it needs **no
-dependency at all** (no extra to install, nothing for ``import kvcomm`` to load): the
-gateway is part of every etcd v3 server. aetcd would bring grpcio and protobuf (grpc's
-event loop does not survive ``fork``, which the soak and agents do) and leaves
-multi-endpoint failover, keepalive loops and watch resume to us anyway; etcd3gw talks to
-one endpoint, through requests, and is the slowest. So this module speaks the gateway
-itself, and owns failover, deadlines, keepalives and watch resume.
+``/v3/watch``...): as fast as aetcd driven from synchronous code, and no dependency at
+all. So this module speaks the gateway itself, and owns failover, deadlines, keepalives
+and watch resume.
 
-Theory of operation
--------------------
-**Endpoints and failover.** The client knows the members' addresses (``cluster.etcd``,
-each routed through ``cluster.address_remap``) and remembers the last one that answered.
-A call tries that one first, then the next, until one answers or the call's deadline
-(``timeout``, ``cluster.timeout`` by default) passes; then it raises
-:class:`~kvcomm.errors.Unavailable`. Whether a failed attempt may be repeated on another
-member depends on what is known of it:
+What a caller must know:
 
-* not sent (connection refused, connect timed out, a pooled connection found closed
-  before use): any call moves on to the next member;
-* sent, then no answer (a timeout, a connection lost mid-call, etcd's "request timed out",
-  "leader changed", or "server stopped": a member stopping while its proposal waited for
-  the commit, which raft may still make): a **read** (range, lease time-to-live, keepalive) moves on; a
-  **write** (put, delete, txn, lease grant and revoke) raises Unavailable saying its
-  outcome is unknown — it may have been committed — because repeating it could apply it
-  twice (a compare-and-set that succeeded would then report failure);
-* etcd answered "no leader" or "too many requests": nothing was applied; any call moves
-  on (every request carries gRPC's ``hasleader`` metadata, so a member cut off from its
-  leader says so at once rather than waiting).
+* :class:`EtcdClient` tries the member that last answered, then the next, until one
+  answers or the call's deadline (``timeout``, ``cluster.timeout`` by default) passes:
+  then :class:`~kvcomm.errors.Unavailable`. A **write** sent without an answer is never
+  repeated: it raises Unavailable saying its outcome is unknown (it may have committed).
+* A write returns only once a majority committed it; reads are linearizable unless
+  ``serializable=True``.
+* Errors: Unavailable, :class:`~kvcomm.errors.ValueTooLarge`,
+  :class:`~kvcomm.errors.ConfigError` (auth, TLS), :class:`~kvcomm.errors.InvalidArgument`;
+  :class:`WatchCompacted` (an Unavailable): a watch cannot resume, re-read what it watches.
+* :meth:`EtcdClient.watch` delivers every event once, in revision order, across failovers;
+  :meth:`EtcdClient.lease_grant`, :meth:`~EtcdClient.lease_keepalive`,
+  :meth:`~EtcdClient.lease_revoke` and :class:`KeepAlive` (renews every ``ttl / 3``).
+* Connections are HTTP/1.1 keep-alive, one per member per thread, dropped in a child
+  after ``fork``. The client is thread-safe.
 
-A call never succeeds silently: a write returns only once a majority committed it (etcd's
-own rule), and reads are linearizable (etcd's ReadIndex) unless ``serializable=True``.
-
-**Deadlines.** Every attempt gets what is left of the call's deadline as its socket
-timeout, so a call returns or raises within ``timeout`` plus one connection attempt's
-scheduling slack, whatever the members do (killed, paused, partitioned).
-
-**Errors** are translated here: Unavailable (no member answered in time, no majority,
-outcome unknown), :class:`~kvcomm.errors.ValueTooLarge` (over etcd's request limit,
-``--max-request-bytes``, 1.5 MiB by default, or the gateway's 2 MiB),
-:class:`~kvcomm.errors.ConfigError` (wrong user or password, a user without permission,
-TLS files that cannot be read or a certificate that fails verification),
-:class:`~kvcomm.errors.InvalidArgument` (a bad argument to this client).
-:class:`WatchCompacted` (an Unavailable) says that a watch cannot resume because etcd
-compacted the revisions it would need: the caller re-reads what it watches.
-
-**Auth and TLS** come from the config: with ``etcd_username`` the client authenticates
-(``/v3/auth/authenticate``) and sends the token; an expired token is renewed once per
-call. With ``etcd_tls`` the endpoints are HTTPS, verified against ``etcd_ca`` (else the
-system's CAs), presenting ``etcd_cert``/``etcd_key`` when set.
-
-**Watches** (:meth:`EtcdClient.watch`) run one reader thread each. The stream delivers
-events in revision order; when it drops (a member killed or restarted, a partition, an
-idle stream past ``idle`` seconds) the reader opens it again on the next member from
-``last_revision + 1``, and drops any event at or below ``last_revision``, so the
-consumer sees every event once, in order, across failovers (``resumes`` counts them).
-``last_revision`` also follows etcd's progress notifications (no event for this watch up
-to revision R), so an idle watch resumes past a compaction it had nothing to see in.
-
-**Leases**: :meth:`EtcdClient.lease_grant`, :meth:`~EtcdClient.lease_keepalive`,
-:meth:`~EtcdClient.lease_revoke`, and :class:`KeepAlive`, a thread that renews a lease
-every ``ttl / 3`` seconds and says when it has (probably) expired.
-
-Connections are HTTP/1.1 keep-alive, one per member per thread, and dropped in a child
-after ``fork`` (never shared with the parent). The client is thread-safe.
+Design (the candidates measured, and why; endpoints and failover, deadlines, errors,
+auth and TLS, watches, leases): docs/design/etcd.md.
 """
 
 from __future__ import annotations

@@ -1,54 +1,12 @@
 """L2: one shared-memory segment per namespace per host, mapped by every agent process.
 
-Theory of operation
--------------------
 The segment is a file in ``cache.l2_dir`` (``/dev/shm``; owner-only by default) whose
-layout is defined once, in :mod:`kvcomm.tiers.shm.layout`::
-
-    header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
-                   | hot keys (count-min sketch + top-k, 0.1% of the segment)
-
-* **Slots** form an open-addressing hash table (linear probing, at most ``MAX_PROBE``
-  slots from a key's home). A slot points at an immutable record block.
-* **Records are copy-on-write.** A writer builds the new record in a fresh block, then
-  publishes it by bumping the slot's ``seq`` to odd, storing the block, and bumping ``seq``
-  back to even; only then is the old block freed. So a slot changes in a few word stores
-  and a reader never waits on a value copy (rewriting a slot in place starves readers).
-* **Readers take no lock.** They read ``seq`` (retry while odd), the block, copy what they
-  need, and re-read ``seq``: unchanged means the copy is exactly the record that was
-  published, because a block is freed only after its slot's ``seq`` moved. Every field
-  they read is checked before use, so a corrupt segment raises SegmentError.
-* **Writers take one lock**: a process-shared, robust pthread mutex in the header (C
-  kernel ``kvcomm._l2core``). Its holder may die at any instruction: the kernel hands the
-  lock to the next taker, who sees ``EOWNERDEAD``. No pid is compared, so pid reuse,
-  zombies and PID namespaces (containers sharing ``/dev/shm``) change nothing. Python
-  code that runs under the lock (validators, compare-and-set checks) is written as
-  ``try: lock … finally: unlock``, and ``unlock`` knows in C whether this thread holds
-  the lock, so no exception — ``KeyboardInterrupt`` included, at any bytecode — can leave
-  it held.
-* **BUSY** is raised by every mutation before it changes anything and lowered after.
-  A writer that takes the lock and finds it raised (the previous holder died, or found
-  corruption, mid-mutation) first **recovers**: slots made even, implausible references
-  dropped, the heap's free lists rebuilt from what slots and parked blocks reference, pins
-  recounted, watchers told to resync. A kill at any instruction loses at most the write in
-  flight (never acknowledged); nothing else.
-* **Batches are all or nothing.** A batch is planned under the lock — sizes checked, a slot
-  claimed for every new key, every block allocated (evicting clean entries only if the
-  batch can then fit) — before its first record is published.
-* **Deletes in cluster mode are tombstones**: a record with no value, flagged dirty like
-  any write not yet in L3, so a delete is as durable as a put until L3 has it. Readers
-  treat a tombstone as absent.
-* **Zero-copy views** pin their block: under the lock the reader records ``(block, pid)``
-  in the pin table and counts the pin on the block. A writer that replaces a pinned block
-  parks it instead of freeing it; the view's finalizer marks its pin released (lock-free,
-  and only the pinning process can), and the next writer's sweep frees the block. Pins of
-  dead processes are swept too. A forked child re-pins the views it inherits.
-* **Change feed**: a ring of fixed-size events (put, delete, evict, resync) appended under
-  the lock. Watchers and the node daemon read it with their own cursors; a reader that
-  falls a whole ring behind learns that it overflowed.
-* **Eviction** (CLOCK) drops clean, unpinned entries when space or a probe window runs
-  out. It is a local event (an ``evict`` feed event), never a delete: in cluster mode the
-  key stays in L3.
+layout is defined once, in :mod:`kvcomm.tiers.shm.layout`. Slots form an open-addressing
+hash table pointing at immutable (copy-on-write) record blocks; **readers take no lock**
+(a seqlock per slot), **writers take one** robust process-shared mutex, and a writer that
+finds the previous holder died mid-mutation (BUSY raised) recovers first. Batches are all
+or nothing; deletes in cluster mode are tombstones; zero-copy views pin their block;
+eviction (CLOCK) drops clean, unpinned entries and is never a delete.
 
 Where each part lives (a class per noun, combined here into :class:`L2Segment`)::
 
@@ -69,6 +27,10 @@ Where each part lives (a class per noun, combined here into :class:`L2Segment`):
 Memory ordering: stores and loads through ``memoryview.cast("Q")`` are single aligned
 8-byte moves, which x86-64 keeps in program order (TSO); everything that needs more goes
 through the C kernel's atomics. On other architectures this module refuses to load.
+
+Design (the theory of operation: slots, copy-on-write records, lock-free readers, the
+writer lock and its recovery, batches, tombstones, pins, the feed, eviction):
+docs/design/l2.md.
 """
 
 from __future__ import annotations

@@ -7,81 +7,22 @@ Keys (``_keys.py`` has the layout and the escaping)::
     lg/cp/b/T/N/CH/VER        the value of channel CH at version VER
     lg/cp/w/T/N/C/TASK/IDX    a pending write of checkpoint C
 
-Why a resume on another host never sees a stale thread
-------------------------------------------------------
-Every record except the head is **immutable**: a checkpoint id, a channel version and a
-(task, index) are written once (LangGraph makes new ids and versions for every change), so
-a read of one returns the one value ever written, or nothing yet. Only the head changes.
-``put`` writes the checkpoint's new channel values and the checkpoint (one ``kv.batch``),
-*then* moves the head forward (``kv.update``: never backwards, ids are time-ordered).
+Every record except the head is immutable (written once); ``put`` writes the checkpoint's
+new channel values and the checkpoint (one ``kv.batch``), *then* moves the head forward
+(``kv.update``). In cluster mode list the heads' prefix (``lg/cp/h/``) in every host's
+``cache.strong_prefixes``: the head is then linearizable, and a read of a record it names
+waits for it (up to ``wait_timeout``) rather than serve an older checkpoint. A
+``get_tuple`` of the latest checkpoint marks the config it returns, so a put of two
+writers that resumed the same head raises ``kvcomm.ConflictError`` for the loser.
 
-* **Cluster mode with etcd**: list the heads' prefix in every host's
-  ``cache.strong_prefixes``::
+Retention: ``ttl`` (seconds; langgraph-checkpoint-redis's counts minutes) gives every
+record a put writes that lifetime; ``refresh_on_read`` (True by default) makes
+``get_tuple`` give the checkpoint it returns, with its values, writes and head, its whole
+ttl again. Values go through LangGraph's serializer protocol, never pickle (``_serde.py``).
 
-      cache:
-        strong_prefixes: ["lg/cp/h/"]   # KVCommSaver's heads (root "lg/")
-
-  The head is then linearizable (etcd): a ``get_tuple`` anywhere after a ``put`` returned
-  reads that checkpoint's id or a newer one. Its records are eventual and may not have
-  reached the reading host yet: a read of a record the head names waits for it (a miss
-  is retried, asking L3 again, up to ``wait_timeout``, 10 s), then raises
-  ``kvcomm.Unavailable`` — never an older checkpoint. The head also lists the pending
-  writes of its checkpoint (``put_writes`` adds them), so an ``interrupt``'s writes are
-  waited for in the same way. ``KVCommSaver`` warns once when it runs in cluster mode
-  with heads that are not strong.
-* **Cluster mode without etcd** (heads eventual): a thread resumed on the host that last
-  ran it is always fresh (a host's L2 is linearizable). On another host the head is
-  last-writer-wins and arrives with the change feeds (tens of milliseconds normally):
-  a resume there within that window may start from the checkpoint before. Moving the
-  head is a conditional write decided on its Redis master (one round trip): it only
-  moves forward, whichever hosts move it; in partition mode it raises Unavailable.
-  Use etcd for threads that move.
-* **Embedded mode**: one host, every read fresh.
-
-What else to know
------------------
-* ``list``, ``get_tuple`` of an explicit ``checkpoint_id``, ``copy_thread``, ``prune``
-  and ``delete_for_runs`` read with ``kv.scan`` (cluster-wide, eventual keys acknowledged
-  by L3): on another host they may miss records of the last moments.
-* ``delete_for_runs`` reads every checkpoint's run id (a scan of all checkpoints);
-  ``prune`` and ``delete_for_runs`` then delete the channel values no remaining
-  checkpoint of the thread names. ``prune(strategy="keep_latest")`` keeps the latest
-  checkpoint of each namespace and drops its ancestors: a graph using LangGraph's beta
-  ``DeltaChannel`` must not be pruned so (its values are rebuilt from ancestors).
-  Maintenance (copy, prune, deletes) of a thread is not meant to race a run of it.
-* Values go through LangGraph's serializer protocol (``JsonPlusSerializer`` by default,
-  ``serde=`` to choose), never pickle (``_serde.py``).
-* Async: on a ``kvcomm.aio`` client (``KVCommSaver(await kvcomm.aio.open(...))``) the
-  async methods are native: inline on the event loop, and only a call that would wait
-  (L3, etcd, a held writer lock) runs in the aio client's pool (``_kv.run_async``). On
-  a sync client they run the sync ones in the loop's default thread executor.
-
-Two writers never fork a thread by accident
--------------------------------------------
-``get_tuple`` of a thread's latest checkpoint marks the config it returns (a
-``"__kvcomm_resumed_head__"`` configurable key, which LangGraph keeps out of metadata);
-LangGraph carries it into every ``put`` of the run. Such a put moves the head by a
-compare-and-set against its parent: when another writer resumed the same head and moved
-it first, the put deletes the records it wrote and raises ``kvcomm.ConflictError`` (the
-loser runs again from the new head). This holds on one host (L2) and across hosts: a
-strong head's compare-and-set is an etcd transaction, an eventual head's is decided on
-its Redis master (Unavailable in partition mode). A run from an explicit
-``checkpoint_id`` (time travel) is not marked and forks, as LangGraph intends; so does a
-direct ``put`` with a config that does not carry the mark (the head then only moves
-forward). Two runs *starting* a new thread at once are not told (there is no head to
-compare against; the later id wins).
-
-Retention
----------
-``ttl`` (seconds, KVCOMM's unit; langgraph-checkpoint-redis's ``ttl`` counts minutes)
-gives every record a put writes (checkpoint, channel values, writes, head) that lifetime
-(KVCOMM's own TTL: expired keys are gone on every host, no sweeper); a put also gives the
-values its checkpoint shares with older ones the same lifetime, so the latest checkpoint
-is always whole. ``refresh_on_read`` (True by default, langgraph-checkpoint-redis's
-name) makes ``get_tuple`` give the checkpoint it returns, with its values and writes and
-the head, its whole ttl again: a thread lives ``ttl`` after its last write or read;
-older checkpoints expire ``ttl`` after they were written. ``prune`` and
-``delete_thread`` remain for explicit clean-up.
+Design (why a resume on another host never sees a stale thread, with and without etcd;
+what list, prune and delete_for_runs read; async; two writers; retention):
+docs/design/langgraph-saver.md.
 """
 
 from __future__ import annotations
@@ -213,7 +154,7 @@ def _record(value: Any, n: int, key: str) -> list[Any]:
 
 class KVCommSaver(BaseCheckpointSaver[str]):
     """A LangGraph checkpointer storing threads in KVCOMM (see the module docstring for
-    the key layout and what holds across hosts).
+    the key layout; what holds across hosts: docs/design/langgraph-saver.md).
 
     ``kv`` is an open client (``kvcomm.open(...)``), which the saver uses and never
     closes. ``serde`` is a LangGraph serializer (default ``JsonPlusSerializer(

@@ -10,69 +10,21 @@ Segment, in file order::
     header (4 KiB) | slots | block meta | data (buddy heap) | change feed | pins | deferred
                    | processes | hot keys (count-min sketch + top-k) | metrics | reservation map
 
-* **Header**: 64-bit words indexed by ``H_*`` (layout words written once by the creator,
-  then mutable state), the free-list heads (one word per block order, from ``H_FREE``),
-  the writer lock (a process-shared robust pthread mutex at ``MUTEX_AT``) and the host id
-  (a length byte and up to 64 bytes at ``HOST_ID_AT``).
-* **Slot**: ``SLOT_*`` words; an open-addressing hash table with linear probing.
-* **Record**: a block of the buddy heap: ``REC_*`` header words, then the key, the
-  encoded version vector of other hosts (``vvx``), the codec's meta, the extension
-  field, padding, and the value (64-byte aligned for arrays).
-* **Feed event**: ``FEED_*`` words, then the key bytes at ``FEED_KEY_AT``.
-* **Pin entry**: ``PIN_WORDS`` words: the block a zero-copy view holds (or 0) and the
-  owner token of the process holding it (or 0).
-* **Process entry**: ``PROC_BYTES`` bytes: a robust mutex (at ``PROC_MUTEX_AT``) that a
-  sleeping thread of a live process holds, then ``PROC_*`` words. A process's owner token
-  is its entry's index + 1 and the entry's generation (``token_of``): it is alive while
-  the mutex is held and the generation unchanged — whatever its pid, zombie or PID
-  namespace.
-* **Metrics**: ``METRICS_WORDS`` 64-bit words at ``METRICS_OFF``: one word per series of
-  :data:`METRIC_SERIES` (counters that agents and the node daemon add to atomically, and
-  gauges the daemon stores), then from ``HIST_AT`` one block of ``HIST_WORDS`` per series
-  of :data:`HISTOGRAMS` (a count per bucket of :data:`LATENCY_BOUNDS_NS`, +Inf, the sum in
-  ns, the count). ``tiers/shm/counters.py`` reads and adds; ``kvcomm/metrics/`` exports.
-
-* **Reservation map** (layout 6): one bit per ``RESV_PAGE`` bytes of the file, set once
-  that page's memory is reserved (``fallocate``). The file is sparse: the creator reserves
-  every region but the slots and the heap, and a writer, under the lock, reserves a slot's
-  page before it first writes the slot (a new key) and a heap block's pages before it puts
-  a record (or a free-list link) there, heap pages ``RESV_HEAP_CHUNK`` at a time. So the
-  memory a namespace holds follows what it has held (never given back until the purge),
-  and a full tmpfs is a SegmentError from the write that needed the room, never a SIGBUS.
-  Reading a page of a tmpfs file through a mapping allocates it too, so nothing ever reads
-  a page whose bit is clear: a slot on such a page was never written (EMPTY), and the
-  lock-free readers, scans and sweeps take it as such (``slot_present`` in the C kernel).
-
-* **Expiry hint** (layout 5): ``EXPIRY_NEXT`` is a lower bound of the deadlines of the
-  clean records (ms since the epoch; 0: none has one), so that the expiry sweep
-  (``_client/sweeper.py``) reads one word, without the lock, to know that nothing can have
-  expired. Every write of a record with a deadline, and every ``mark_clean`` of one, lowers
-  it (and ``EXPIRY_PASS``); the sweep walks the slot table in slices from the shared
-  ``EXPIRY_CURSOR`` (so N processes share one walk instead of each walking all of it),
-  keeping in ``EXPIRY_PASS`` the least deadline of the clean records left behind, and at
-  the end of a pass stores it into ``EXPIRY_NEXT``. A writer that must evict while
-  ``EXPIRY_NEXT`` has passed first sweeps the same pass on until a slice reclaims
-  something or the pass ends, so no live entry is evicted while an expired clean one
-  holds space (each slot is looked at once per pass). A repair sets ``EXPIRY_NEXT`` to 1
-  (a pass due).
-
 Rule for the layout version: any change to these tables, to a field's meaning or width,
 or to the order of the regions bumps :data:`LAYOUT_VERSION` (and with it :data:`MAGIC`).
 A process meeting another version refuses the segment with SegmentError; it never
 misreads it. A bump ships a reader of the previous version's unflushed records
-(``tiers/shm/oldlayout.py``), so that ``kvcomm migrate`` carries them into a new segment:
-writes not yet in L3 are never dropped by an upgrade. The header words up to ``STATE``
-keep their places across versions, so any version can tell what a segment is.
+(``tiers/shm/oldlayout.py``), so that ``kvcomm migrate`` carries them into a new segment.
+The header words up to ``STATE`` keep their places across versions.
 
-What needs no bump: the **extension field** of a record (``REC_LENS`` high half gives its
-length; it follows the meta) holds one encoded msgpack map. New features add keys to it
-(an agent id, an expiry); L2 checks it is one (kvcomm.core.ext), stores it byte for byte,
-and a reader ignores keys it does
-not know, so records written by a newer KVCOMM stay readable by an older one. Nor does
-**appending** a series to :data:`METRIC_SERIES` or :data:`HISTOGRAMS` (within the region's
-fixed size): an older KVCOMM never touches the new word (it reads zero in a segment that
-an older KVCOMM made), and no existing word moves. Removing, reordering or re-meaning a
-series, or changing :data:`LATENCY_BOUNDS_NS`, bumps it.
+What needs no bump: a new key in a record's **extension field** (one msgpack map, stored
+byte for byte; readers ignore keys they do not know), and **appending** a series to
+:data:`METRIC_SERIES` or :data:`HISTOGRAMS` (within the region's fixed size). Removing,
+reordering or re-meaning a series, or changing :data:`LATENCY_BOUNDS_NS`, bumps it.
+
+Design (each region's fields: header, slot, record, feed event, pin and process entries,
+metrics, the reservation map, the expiry hint; the version rule in full):
+docs/design/l2.md#the-layout.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The mapped segment's core: open or create it, the writer lock, lock-free reads and
-repair. See :mod:`kvcomm.tiers.l2` for the theory of operation."""
+repair. The theory of operation: docs/design/l2.md."""
 
 from __future__ import annotations
 
