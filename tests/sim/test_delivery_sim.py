@@ -385,3 +385,17 @@ def test_a_master_taken_for_down_parks_its_writes_and_the_others_go_on() -> None
     _rounds(d, clock, 10)
     assert set(l3.records) == set(keys) and not any(r.dirty for r in l2.recs.values())
     assert d.stats.extra.get("unparked", 0) >= len(on_hung) and not d.masters_down()
+
+
+def test_the_feed_lag_metric_reads_the_pull_parts_counters() -> None:
+    """``kvcomm_feed_lag_events{feed="cluster"}`` over a real Daemon (the fakes): the
+    entries of a group's feed past what the daemon read. (Found by a fresh reader after
+    the daemon's split: the metric read a daemon attribute that had moved into the pull
+    part, and said 0 whatever the lag.)"""
+    from kvcomm.metrics.node import cluster_lag
+
+    d, _l2, clock = _one_host(FakeL3(random.Random(1)))
+    _rounds(d, clock, 50)
+    assert cluster_lag(d) == 0
+    d.puller.feed_counters[0] = (d.inb.seqs.get(0) or 0) + 7  # 7 entries not read yet
+    assert cluster_lag(d) == 7

@@ -37,7 +37,7 @@ def daemon_counts(daemon: Any) -> dict[int, int]:
 def cluster_lag(daemon: Any) -> int:
     """Cluster feed entries the daemon has not read yet, as of its last check of the
     groups' counters (0 before the first)."""
-    counters = getattr(daemon, "feed_counters", {}) or {}
+    counters = daemon.feed_counters or {}
     seqs = daemon.inb.seqs
     return sum(max(0, c - (seqs.get(g) or 0)) for g, c in counters.items() if c is not None)
 

@@ -172,6 +172,12 @@ class Daemon:
         return self.puller.inb.seqs
 
     @property
+    def feed_counters(self) -> dict[int, int | None]:
+        """Each group's feed counter as last checked (what ``kvcomm_feed_lag_events``
+        measures the reads against)."""
+        return self.puller.feed_counters
+
+    @property
     def reach(self) -> Reachability:
         """Whether Redis and etcd answer (:class:`kvcomm.node.presence.Reachability`)."""
         return self.partition.reach
