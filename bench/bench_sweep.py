@@ -4,7 +4,7 @@
 
 Opens one namespace (``--l2`` bytes, ``cache.expiry_sweep`` 100 ms, the default) in
 ``--procs`` fresh processes of this checkout (or of ``OTHER_SRC``, a ``src`` directory with
-its C helper built: a checkout before review 14's expiry hint), in three states, and
+its C helper built: a checkout before the expiry hint), in three states, and
 prints, summed over the processes, the time the sweep held the writer lock per second of
 wall time (each call of ``sweep_expired`` timed, the lock's taking and release included)
 and the slices swept:

@@ -208,7 +208,7 @@ def test_a_foreign_value_in_l3_does_not_stop_the_daemon(dev: dict[str, Any]) -> 
         c.put("foreign/x", 1)
         c.put("foreign/y", 2)
         wait_for(lambda: store.get("foreign/y") is not None, 10, "the other key to sync")
-        # the put rewrites the foreign value (review 8: an acknowledged write is not set
+        # the put rewrites the foreign value (an acknowledged write is not set
         # aside because what it replaces is not a KVCOMM record)
         wait_for(lambda: store.rc.get(record_key("foreign/x")) != b"not ours", 10,
                  "foreign/x rewritten")

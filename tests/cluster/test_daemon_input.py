@@ -119,7 +119,7 @@ def test_a_value_of_another_type_in_l3_does_not_stall_the_host_s_writes(
         for i in range(50):  # and the window does not stay stuck on typed/x
             h.kv.put(f"typed/more/{i}", i)
         wait_for(lambda: store.get("typed/more/49") is not None, 10, "later writes to reach L3")
-        # the write replaces the foreign value (review 8: "rewrite the key" must work,
+        # the write replaces the foreign value ("rewrite the key" must work,
         # and an acknowledged write must not be set aside for a value that is not a record)
         wait_for(lambda: store.rc.type(record_key("typed/x")) == b"string", 10,
                  "typed/x rewritten")

@@ -244,7 +244,7 @@ def test_old_dots_below_the_write_sequence_do_not_cover_a_new_write(cluster, sto
 
 
 @pytest.mark.redis
-def test_review7_writes_after_a_host_lost_its_l2_are_undone(cluster, store) -> None:  # type: ignore[no-untyped-def]
+def test_writes_after_a_host_lost_its_l2_are_kept(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """F6 (data loss). The host's write counter (the dot of every local write) lives only
     in the L2 header (H_WSEQ). When the host's L2 is lost — a reboot, /dev/shm gone, or
     `kvcomm purge` — it restarts at 1 while L3 still holds the host's old dots. A new,
@@ -325,7 +325,7 @@ def test_a_host_whose_write_sequence_went_backwards_is_rebased(cluster, store) -
 
 
 @pytest.mark.redis
-def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(cluster, store) -> None:  # type: ignore[no-untyped-def]
+def test_a_host_whose_l2_cannot_hold_a_remote_value_does_not_serve_the_old_one(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """F7 (stale forever). Hosts may have different cache.l2_size. A key held by a host
     with a 2 MB L2 is rewritten elsewhere with a 1.5 MB value: applying it raises
     ValueTooLarge, the daemon sets it aside (daemon.py _pull_entry -> _guarded) and the
@@ -366,7 +366,7 @@ def test_review7_a_host_whose_l2_cannot_hold_a_remote_value_serves_the_old_one(c
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.redis
-def test_review7_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """cache.l2_dir is 'where segments live (a tmpfs; Docker's is 64MB: --shm-size)'.
     The daemon's key filter is always /dev/shm/kvcomm.<namespace>.keys
     (tiers/keyfilter.py filter_path uses SHM_DIR): two deployments that share a
@@ -397,7 +397,7 @@ def test_review7_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type:
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.redis
-def test_review7_l3_fill_racing_the_feed_serves_a_stale_value_forever(cluster, store) -> None:  # type: ignore[no-untyped-def]
+def test_an_l3_fill_racing_the_feed_never_leaves_a_stale_value(cluster, store) -> None:  # type: ignore[no-untyped-def]
     """An agent misses L2 and GETs key k from L3 (v1). Before it writes v1 into L2
     (_client/cluster_read.py _get_l3 -> _merge), another host writes v2; this host's daemon reads the
     feed entry for v2, finds k not held here and skips it (daemon.py _pull_entry:

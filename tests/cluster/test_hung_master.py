@@ -273,8 +273,7 @@ def test_writes_held_for_a_hung_master_are_not_resent_every_round(
         hung, healthy = _split(store, keys, victim)
         assert len(hung) > 100 and len(healthy) > 10
         # (a first write before the hang: the host's write mark is saved — with its own
-        # keys on the hung master, a new host's first push would wait for it: see the
-        # review's report)
+        # keys on the hung master, a new host's first push would wait for it)
         a.kv.put(healthy[-1], "warm")
         wait_for(lambda: b.kv.get(healthy[-1]) == "warm", 20, "B to see A's first write")
         cluster.pause(victim)

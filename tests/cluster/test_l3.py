@@ -609,7 +609,7 @@ def test_a_count_recorded_then_lost_does_not_let_another_count_in(cluster: Redis
     try:
         a.rc.delete(META_GROUPS)
         assert a.check_groups(record=True) == 1024
-        k = next(f"review11/count/{i}" for i in range(100) if a.groups.of(f"review11/count/{i}"))
+        k = next(f"moves/count/{i}" for i in range(100) if a.groups.of(f"moves/count/{i}"))
         a.push(k, record("v", "h1", 1, 1))
         assert b.get(k) is None  # what a host of the other count would see: nothing
         a.rc.delete(META_GROUPS)  # lost
@@ -633,16 +633,16 @@ def test_a_change_whose_hint_subscription_was_killed_is_still_seen(cluster: Redi
     h1 = Host(cluster, "r11-hint-1", seed=1)
     h2 = Host(cluster, "r11-hint-2", seed=2)
     try:
-        h2.kv.put("review11/hint/k", {"n": 0})
-        wait_for(lambda: h1.kv.get("review11/hint/k") == {"n": 0}, 30, "h1 to read the key")
+        h2.kv.put("moves/hint/k", {"n": 0})
+        wait_for(lambda: h1.kv.get("moves/hint/k") == {"n": 0}, 30, "h1 to read the key")
         assert h1.daemon is not None
         wait_for(lambda: h1.daemon.l3.hint_stats.get("subscribed", 0) >= 1024, 30,  # type: ignore[union-attr]
                  "h1 to subscribe every group")
         killed = sum(int(command(p, "CLIENT", "KILL", "TYPE", "pubsub").strip(b":\r\n") or 0)
                      for p in cluster.master_ports())
         assert killed >= 2  # the fault happened (both hosts' subscriptions)
-        h2.kv.put("review11/hint/k", {"n": 1})
-        wait_for(lambda: h1.kv.get("review11/hint/k") == {"n": 1}, 60, "h1 to see the change")
+        h2.kv.put("moves/hint/k", {"n": 1})
+        wait_for(lambda: h1.kv.get("moves/hint/k") == {"n": 1}, 60, "h1 to see the change")
         assert h1.stats.lost_hints > 0
     finally:
         h1.close()

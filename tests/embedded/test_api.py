@@ -356,7 +356,7 @@ def _cfg(**cache: object) -> kvcomm.Config:
     return kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 256, **cache}})
 
 
-def test_review7_keys_with_a_non_str_prefix(name: str) -> None:
+def test_keys_with_a_non_str_prefix(name: str) -> None:
     """F13 (wrong error). keys(5) leaks TypeError from str.startswith
     (_client/client.py Client.keys); every other entry point raises InvalidKey for a non-str
     prefix (watch, register_validator).

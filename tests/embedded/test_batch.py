@@ -164,7 +164,7 @@ def _cfg(**cache: object) -> kvcomm.Config:
 # F2. A batch that raises ("Nothing was written") was partly applied.
 # ---------------------------------------------------------------------------------------
 
-def test_review7_failed_batch_delete_then_reput_is_partly_applied(name: str) -> None:
+def test_a_batch_deleting_and_reputting_a_key_is_applied_whole_or_not_at_all(name: str) -> None:
     """Embedded mode, batch [delete k, put k, put y]. The plan lets `put k` reuse k's slot
     and claims for new key y the only free slot F of y's probe window; at publish time
     (_l2core.c publish, planned=0 for n > 1) `put k` re-probes and takes F (the first
@@ -219,7 +219,7 @@ def test_review7_failed_batch_delete_then_reput_is_partly_applied(name: str) -> 
 # F3. A validator that only READS a large array is reported as a write.
 # ---------------------------------------------------------------------------------------
 
-def test_review7_validator_may_read_a_large_array(name: str) -> None:
+def test_validator_may_read_a_large_array(name: str) -> None:
     """register_validator: 'It may read from KVCOMM but not write'. Reading an array of
     zero_copy_threshold bytes or more takes a pin, which takes the writer lock
     (l2.py L2Segment.pin -> _lock -> take_lock), so the read raises InvalidArgument

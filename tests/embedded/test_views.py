@@ -250,7 +250,7 @@ def _cfg(**cache: object) -> kvcomm.Config:
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(0, 3), (3, 0), (2, 0, 2)])
-def test_review7_empty_multidimensional_array(name: str, shape: tuple[int, ...]) -> None:
+def test_empty_multidimensional_array(name: str, shape: tuple[int, ...]) -> None:
     """np.zeros((0, 3)) (e.g. 'no detections this frame') is a numeric array: it must be
     stored, or refused with a KVCommError. codec.encode (core/codec.py:109,
     memoryview(arr).cast('B')) raises TypeError 'cannot cast view with zeros in shape'.

@@ -253,7 +253,7 @@ def test_a_validator_that_writes_gets_a_clear_error(kv: kvcomm.Client) -> None:
 
     kv.register_validator("s/", sneaky)
     # (register_validator: a write from a validator raises InvalidArgument, not the
-    # ValidationError of a verdict; review 8)
+    # ValidationError of a verdict)
     with pytest.raises(kvcomm.InvalidArgument, match="validator"):
         kv.put("s/1", 1)
     assert kv.get("s/1") is None and kv.get("elsewhere") is None

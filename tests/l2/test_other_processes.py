@@ -48,7 +48,7 @@ _PIDNS_WRITER = textwrap.dedent("""
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
                     reason="needs unshare(1) and root for a PID namespace")
-def test_review7_view_changes_when_a_writer_runs_in_another_pid_namespace(name: str) -> None:
+def test_view_changes_when_a_writer_runs_in_another_pid_namespace(name: str) -> None:
     """README: 'the view never changes under its holder' and the lock section says
     processes in another PID namespace sharing /dev/shm are fine. But pins are owned by
     pid (l2.py _sweep_released / pid_alive, _l2core.c Core_sweep): a writer in another
@@ -86,7 +86,7 @@ def _hold_lock_then_stop(name: str, ready: mp.synchronize.Event) -> None:  # typ
     time.sleep(60)
 
 
-def test_review7_purge_while_a_stopped_process_holds_the_lock(name: str) -> None:
+def test_purge_while_a_stopped_process_holds_the_lock(name: str) -> None:
     """README: `kvcomm purge` 'marks the segment purged once its file is gone: every
     reader, L1 hits included, then gets SegmentError'. l2.purge unlinks the file, then
     mark_purged takes the lock with a 1 s timeout; Unavailable is swallowed (l2.py purge,
@@ -119,7 +119,7 @@ def test_review7_purge_while_a_stopped_process_holds_the_lock(name: str) -> None
 # F8. A watcher of a purged namespace never learns it: it waits on the old ring forever.
 # ---------------------------------------------------------------------------------------
 
-def test_review7_watch_notices_a_purge(name: str) -> None:
+def test_watch_notices_a_purge(name: str) -> None:
     """Issue item 5: 'Every read path ... notices a purged or replaced segment: it returns
     the new segment's data or raises SegmentError.' Client._watch (_client/watch.py) loops on
     seg.feed_read, which never looks at the header's STATE: after `kvcomm purge` and new
@@ -180,7 +180,7 @@ _TRUNC = textwrap.dedent("""
 """)
 
 
-def test_review7_truncated_segment_never_kills_the_reader(name: str) -> None:
+def test_truncated_segment_never_kills_the_reader(name: str) -> None:
     """README: a corrupt segment is 'repaired by the next writer, or SegmentError: never
     a crash of the reading process'. A file shrunk under the mapping (truncate, a
     cleanup script) makes the first read fault: the process dies of SIGBUS. Nothing
@@ -197,7 +197,7 @@ def test_review7_truncated_segment_never_kills_the_reader(name: str) -> None:
 #      wait cache.lock_timeout and fail, although README says other slots stay readable.
 # ---------------------------------------------------------------------------------------
 
-def test_review7_arrays_stay_readable_while_a_writer_is_stopped(name: str) -> None:
+def test_arrays_stay_readable_while_a_writer_is_stopped(name: str) -> None:
     """README, embedded mode: 'a process stopped with SIGSTOP (other writers get
     Unavailable after cache.lock_timeout, other slots stay readable; nothing is lost)'.
     A zero-copy read pins its block under the writer lock (l2.py L2Segment.pin), so with

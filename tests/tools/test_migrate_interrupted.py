@@ -70,7 +70,7 @@ def test_a_move_resumed_to_another_target_loses_no_key(cluster: RedisCluster,
     slot = store.groups.slot(5)
     src = mover.owner(slot).name
     b, c = [n for n in names if n != src][:2]
-    keys = _keys_of_slot(store, slot, 12, "review11/resume")
+    keys = _keys_of_slot(store, slot, 12, "moves/resume")
     for i, k in enumerate(keys):
         store.push(k, record(i, "h1", 1, i + 1))
     try:
@@ -99,13 +99,13 @@ def test_a_new_balancer_closes_a_move_left_open(cluster: RedisCluster, store: L3
     slot = store.groups.slot(9)
     src = mover.owner(slot).name
     target = next(n.name for n in mover.masters() if n.name != src)
-    keys = _keys_of_slot(store, slot, 12, "review11/open")
+    keys = _keys_of_slot(store, slot, 12, "moves/open")
     for i, k in enumerate(keys):
         store.push(k, record(i, "h1", 1, i + 1))
     try:
         _interrupt(store, slot, target)
         assert _open_migrations(mover)  # the fault happened
-        new = _keys_of_slot(store, slot, 14, "review11/open")[-1]
+        new = _keys_of_slot(store, slot, 14, "moves/open")[-1]
         with pytest.raises(Unavailable, match="still redirected"):  # the group's writes are wedged
             store.push(new, record("n", "h1", 1, 99))
         cfg = kvcomm.Config.from_mapping({"node": {"host_id": "bal", "namespace": "r11"},
@@ -190,7 +190,7 @@ def test_keys_moved_before_the_source_failed_over_are_found_again() -> None:
         slot = store.groups.slot(21)
         src = mover.owner(slot).name
         target = next(n.name for n in mover.masters() if n.name != src)
-        keys = _keys_of_slot(store, slot, 12, "review11/failover")
+        keys = _keys_of_slot(store, slot, 12, "moves/failover")
         for i, k in enumerate(keys):
             assert store.push(k, record(i, "h1", 1, i + 1)).durable
         _interrupt(store, slot, target)
