@@ -80,7 +80,7 @@ def test_a_window_is_pushed_once_closed_and_accepted_writes_are_delivered() -> N
 
 
 def test_a_repush_goes_out_in_the_windows_and_an_older_or_equal_answer_ends_it() -> None:
-    """A record L3 lost (Daemon._resync) is staged like a write: pushed in a window (in
+    """A record L3 lost (Puller.resync) is staged like a write: pushed in a window (in
     batches of max_ops); a key with a staged write keeps that write; an ``older``
     answer (a later delete covers it) takes L3's record, an ``equal`` one (another host
     re-pushed it first) nothing; neither stages it again."""

@@ -468,7 +468,7 @@ def test_a_lost_delete_of_a_lost_key_is_not_undone_by_the_writers_repush(
 #
 # cluster.wait_replicas 1, but the group's master has its replica disconnected (the
 # replica's masterauth is wrong, so it cannot reconnect: ROLE lists none): a push waits
-# for the replicas connected, none (_replicas_to_wait), and is acknowledged with 0 of the
+# for the replicas connected, none (Replication.replicas_to_wait), and is acknowledged with 0 of the
 # 1 asked. The writer holds such a record unconfirmed (dirty in L2, its entry's number
 # remembered) until a WAIT there reaches 1, or a rewind shows it lost.
 
