@@ -29,7 +29,16 @@ class _Absent:
 ABSENT = _Absent()
 
 
-_NO_CHECK: Any = object()
+class _NoCheck:
+    """``expect=``'s default: no expectation (a plain write)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<no expectation>"
+
+
+_NO_CHECK: Any = _NoCheck()
 
 
 @dataclass(frozen=True, slots=True)
