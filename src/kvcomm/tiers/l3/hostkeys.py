@@ -30,7 +30,7 @@ WRITE_MARK_MAX = MAX_COUNTER >> 1
 QUARANTINE_MAX = 1000  # entries kept in a host's quarantine list (kvn:{host}:quarantine)
 
 
-class HostKeys:
+class HostRecords:
     """Saves and loads hosts' own keys through ``conn``; the write mark is as durable as a
     push (``repl``: WAIT for the replicas a push waits for)."""
 

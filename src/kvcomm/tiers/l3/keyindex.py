@@ -2,7 +2,7 @@
 ``kvi:{t}`` of its live keys, kept by the push script with the record; a page of a scan
 reads every group's index, one read-only script call (INDEX_LUA) per master and up to
 INDEX_BATCH groups, and merges the sorted answers. Keys past their deadline leave it
-through ``kvx:{t}`` (:meth:`KeyIndex.expire_index`). See "The key index" and "Expiry" in
+through ``kvx:{t}`` (:meth:`ClusterKeyIndex.expire_index`). See "The key index" and "Expiry" in
 :mod:`kvcomm.tiers.l3`'s docstring for the costs and the upgrade (backfill).
 """
 
@@ -23,7 +23,7 @@ INDEX_BATCH = 512  # group indexes one call of a scan reads on one master
 NODE_MAP_S = 1.0  # how long a scan trusts its map of the groups' masters
 
 
-class KeyIndex:
+class ClusterKeyIndex:
     """Pages through the groups' key indexes, drops expired keys from them, backfills
     them, and lists every key (scans). Keeps a map of every group's master for
     NODE_MAP_S (a page would otherwise spend more on slot lookups than on Redis)."""

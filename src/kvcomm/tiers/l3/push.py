@@ -1,6 +1,6 @@
 """Pushes: records into L3 by the push script (PUSH_LUA), one call per group and up to
 PUSH_BATCH records (PUSH_BATCH_BYTES of them), one pipeline per master, then ROLE and WAIT
-on the same connection; and the conditional write (CAS_LUA, :meth:`Pusher.push_if`).
+on the same connection; and the conditional write (CAS_LUA, :meth:`L3Pushes.push_if`).
 
 A push is idempotent (a repeated record is ``equal``), so a redirected or retried push
 never stores anything twice. The theory (the L3 rule, feed entries, hints, the key index
@@ -72,7 +72,7 @@ class CasResult(NamedTuple):
     durable: bool = True  # won: cluster.wait_replicas replicas (those connected) took it
 
 
-class Pusher:
+class L3Pushes:
     """Pushes records into L3 (the push script) and makes conditional writes. ``feed_maxlen``
     is each group's stream bound (``feed_total / groups``, within FEED_MIN..``feed_maxlen``);
     a push's feed entry carries its record when that is at most ``feed_inline`` bytes,

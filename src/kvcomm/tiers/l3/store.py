@@ -28,10 +28,10 @@ from ..groups import DEFAULT_GROUPS
 from .connection import Connection, Unreached
 from .feed import FEED_INLINE, FEED_MAXLEN, FEED_TOTAL, FeedEntry
 from .feeds import FeedReader
-from .hostkeys import QUARANTINE_MAX, HostKeys
-from .keyindex import KeyIndex
+from .hostkeys import QUARANTINE_MAX, HostRecords
+from .keyindex import ClusterKeyIndex
 from .meta import ClusterMeta
-from .push import CasResult, Pusher, PushResult
+from .push import CasResult, L3Pushes, PushResult
 from .reads import RecordReads
 from .records import MAX_VALUE_SIZE, L3Record, read_record
 from .replication import Replication
@@ -101,13 +101,13 @@ class _L3Base:
             tls_key=tls_key, address_remap=address_remap, retries=retries,
             bounded_refresh=bounded_refresh)
         self._repl = Replication(self._conn, wait_replicas, wait_ms)
-        self._pushes = Pusher(self._conn, self._repl, feed_maxlen=feed_maxlen,
+        self._pushes = L3Pushes(self._conn, self._repl, feed_maxlen=feed_maxlen,
                               feed_total=feed_total, feed_inline=feed_inline,
                               tombstone_grace=tombstone_grace)
         self._reads = RecordReads(self._conn)
         self._feeds = FeedReader(self._conn)
-        self._keyindex = KeyIndex(self._conn)
-        self._hostkeys = HostKeys(self._conn, self._repl)
+        self._keyindex = ClusterKeyIndex(self._conn)
+        self._hostkeys = HostRecords(self._conn, self._repl)
         self._meta = ClusterMeta(self._conn)
 
     groups = _via("_conn", "groups")  # the group layout (cluster.groups)
@@ -153,7 +153,7 @@ class _L3Base:
                   keep_siblings: Set[str] = frozenset(),
                   ) -> list[PushResult | CorruptRecord | Unreached]:
         """Push many records: one pipeline of script calls per master, an answer per item, in
-        order. (See :meth:`Pusher.push_many`.)"""
+        order. (See :meth:`L3Pushes.push_many`.)"""
         return self._pushes.push_many(items, keep_siblings)
 
     def check_groups(self, record: bool = False) -> int:
@@ -163,12 +163,12 @@ class _L3Base:
 
     def load_write_mark(self, host: str) -> int:
         """The mark :meth:`save_write_mark` saved; 0 when there is none or it is not ours. (See
-        :meth:`HostKeys.load_write_mark`.)"""
+        :meth:`HostRecords.load_write_mark`.)"""
         return self._hostkeys.load_write_mark(host)
 
     def save_write_mark(self, host: str, mark: int) -> None:
         """Record that ``host``'s daemons push no dot with a counter past ``mark``
-        (``kvn:{host}:wseq``), as durable as a push. (See :meth:`HostKeys.save_write_mark`.)"""
+        (``kvn:{host}:wseq``), as durable as a push. (See :meth:`HostRecords.save_write_mark`.)"""
         return self._hostkeys.save_write_mark(host, mark)
 
 
@@ -186,13 +186,13 @@ class AgentL3(_L3Base):
     def push_if(self, key: str, record: L3Record, absent: bool, check: Vector,
                 basis: Vector, wait_replicas: int = 0, wait_ms: int = 100) -> CasResult:
         """Push ``record`` if L3's record of ``key`` meets the expectation, in one atomic call
-        on the key's master (CAS_LUA). (See :meth:`Pusher.push_if`.)"""
+        on the key's master (CAS_LUA). (See :meth:`L3Pushes.push_if`.)"""
         return self._pushes.push_if(key, record, absent, check, basis, wait_replicas, wait_ms)
 
     def index_range(self, prefix: str, after: str, limit: int,
                     groups: Iterable[int] | None = None) -> tuple[list[str], str | None]:
         """Indexed keys under ``prefix`` after ``after``, in key order, from every group (or
-        ``groups``). (See :meth:`KeyIndex.index_range`.)"""
+        ``groups``). (See :meth:`ClusterKeyIndex.index_range`.)"""
         return self._keyindex.index_range(prefix, after, limit, groups)
 
     def strong_config(self) -> tuple[list[str], str] | None:
@@ -288,29 +288,29 @@ class DaemonL3(_L3Base):
     def expire_index(self, now: float, groups: Iterable[int] | None = None,
                      limit: int = 256, skipped: set[int] | None = None) -> int:
         """Drop the keys past their deadline at ``now`` from the key index of ``groups`` (None:
-        every group); how many were dropped. (See :meth:`KeyIndex.expire_index`.)"""
+        every group); how many were dropped. (See :meth:`ClusterKeyIndex.expire_index`.)"""
         return self._keyindex.expire_index(now, groups, limit, skipped)
 
     def index_ready(self) -> bool:
         """Whether the key index covers data written before it existed (``kvm:index`` set by
-        :meth:`backfill_index`). (See :meth:`KeyIndex.index_ready`.)"""
+        :meth:`backfill_index`). (See :meth:`ClusterKeyIndex.index_ready`.)"""
         return self._keyindex.index_ready()
 
     def backfill_index(self, batch: int = 500) -> int:
         """Index every record L3 holds (once, after an upgrade); the keys looked at. (See Index
         every record L3 holds (once, after an upgrade. (See
-        :meth:`KeyIndex.backfill_index`.)"""
+        :meth:`ClusterKeyIndex.backfill_index`.)"""
         return self._keyindex.backfill_index(batch)
 
     def scan_keys(self, skipped: set[int] | None = None) -> Iterator[bytes]:
         """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths).
         (See Every KVCOMM key L3 holds, from every master (a SCAN. (See
-        :meth:`KeyIndex.scan_keys`.)"""
+        :meth:`ClusterKeyIndex.scan_keys`.)"""
         return self._keyindex.scan_keys(skipped)
 
     def scan_group(self, group: int) -> Iterator[bytes]:
         """Every KVCOMM key of one group (the keys of its slot with its record prefix). (See
-        :meth:`KeyIndex.scan_group`.)"""
+        :meth:`ClusterKeyIndex.scan_group`.)"""
         return self._keyindex.scan_group(group)
 
     def record_strong_config(self, prefixes: Sequence[str], default: str) -> None:
@@ -323,34 +323,34 @@ class DaemonL3(_L3Base):
 
     def load_cursors(self, host: str) -> tuple[dict[int, bytes], dict[int, int]]:
         """The feed cursors and last sequence numbers this host saved, by group. (See
-        :meth:`HostKeys.load_cursors`.)"""
+        :meth:`HostRecords.load_cursors`.)"""
         return self._hostkeys.load_cursors(host)
 
     def save_cursors(self, host: str, cursors: dict[int, bytes],
                      seqs: dict[int, int] | None = None) -> None:
         """Save this host's feed cursors and last sequence numbers, by group. (See
-        :meth:`HostKeys.save_cursors`.)"""
+        :meth:`HostRecords.save_cursors`.)"""
         return self._hostkeys.save_cursors(host, cursors, seqs)
 
     def load_hot(self, host: str) -> list[str]:
         """The hot-key list :meth:`save_hot` saved; [] when there is none or it is not ours.
-        (See :meth:`HostKeys.load_hot`.)"""
+        (See :meth:`HostRecords.load_hot`.)"""
         return self._hostkeys.load_hot(host)
 
     def save_hot(self, host: str, keys: list[str]) -> None:
         """This host's hot-key list, for the next daemon run to prewarm L2 with. (See
-        :meth:`HostKeys.save_hot`.)"""
+        :meth:`HostRecords.save_hot`.)"""
         return self._hostkeys.save_hot(host, keys)
 
     def save_load(self, host: str, ops: Mapping[int, int]) -> None:
         """Record ``host``'s cumulative operation counts of these groups (a hash
-        ``kvn:{host}:load``). (See :meth:`HostKeys.save_load`.)"""
+        ``kvn:{host}:load``). (See :meth:`HostRecords.save_load`.)"""
         return self._hostkeys.save_load(host, ops)
 
     def quarantine(self, host: str, key: str, reason: str, when: float,
                    keep: int = QUARANTINE_MAX) -> None:
         """Set an input aside on the host's capped list ``kvn:{host}:quarantine``. (See
-        :meth:`HostKeys.quarantine`.)"""
+        :meth:`HostRecords.quarantine`.)"""
         return self._hostkeys.quarantine(host, key, reason, when, keep)
 
 
@@ -392,27 +392,27 @@ class L3Store(AgentL3, DaemonL3):
     def slot_keys(self, slot: int) -> list[bytes]:
         """Every key Redis holds in ``slot`` (on the master serving it: CLUSTER GETKEYSINSLOT).
         (See Every key Redis holds in ``slot`` (on the master serving it. (See
-        :meth:`KeyIndex.slot_keys`.)"""
+        :meth:`ClusterKeyIndex.slot_keys`.)"""
         return self._keyindex.slot_keys(slot)
 
     def forget_host(self, host: str) -> int:
         """Delete a retired host's keys of KVCOMM's own (feed cursors, hot keys, quarantine
-        list). (See :meth:`HostKeys.forget_host`.)"""
+        list). (See :meth:`HostRecords.forget_host`.)"""
         return self._hostkeys.forget_host(host)
 
     def hosts(self) -> list[str]:
         """The hosts whose daemons left state in L3 (their ``kvn:{host}:cursors``), by a SCAN
-        of every master. (See :meth:`HostKeys.hosts`.)"""
+        of every master. (See :meth:`HostRecords.hosts`.)"""
         return self._hostkeys.hosts()
 
     def load_counts(self, host: str) -> dict[int, int]:
         """What :meth:`save_load` recorded for ``host`` ({} when nothing, or not ours). (See
-        :meth:`HostKeys.load_counts`.)"""
+        :meth:`HostRecords.load_counts`.)"""
         return self._hostkeys.load_counts(host)
 
     def quarantined(self, host: str) -> list[tuple[str, str, float]]:
         """What :meth:`quarantine` set aside for ``host``, newest first. (See
-        :meth:`HostKeys.quarantined`.)"""
+        :meth:`HostRecords.quarantined`.)"""
         return self._hostkeys.quarantined(host)
 
     # ------------------------------------------------------------------ internals
@@ -454,5 +454,5 @@ class L3Store(AgentL3, DaemonL3):
     def _args(self, key: str, record: L3Record, keep_siblings: bool, hint: bool = True,
               speak: bool | None = None) -> tuple[list[bytes | str], list[Any]]:
         """The push script's keys and arguments for one record alone (its reply is a list of
-        one reply). (See :meth:`Pusher.args`.)"""
+        one reply). (See :meth:`L3Pushes.args`.)"""
         return self._pushes.args(key, record, keep_siblings, hint, speak)
