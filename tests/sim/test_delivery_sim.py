@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import kvcomm
 from kvcomm.core.versions import covers
 from kvcomm.node.daemon import Daemon
+from tests.support import ROOT
 from tests.support.delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3, Value, group_of
 
 HOSTS = ("h1", "h2", "h3")
@@ -65,13 +68,16 @@ class Host:
     stats: dict[str, int] = field(default_factory=dict)  # of daemons gone (crashed, stopped)
 
 
-# A daemon that starts while a master is taken for down defers the resync of that
-# master's groups (a new host's, or one whose cursors were not saved); the deferred
-# resync re-reads the live keys L2 holds but not its tombstones, and takes the group's
-# position as it is then: a change another host made meanwhile to a key this host holds
-# deleted is never read (seed 2769318152 with PYTHONHASHSEED=0: h3 keeps its tombstone
-# of r/1 under h2's later write). Until the daemon re-reads those tombstones too, no
-# daemon starts here while a master is down.
+# A daemon started while a master is down puts off the resync of that master's groups
+# (a new host's, or one whose cursors were not saved). The deferred resync re-read the
+# live keys L2 holds but not its tombstones, and took the group's position as it was
+# then: a change another host made meanwhile to a key this host holds deleted was never
+# read (seed 2769318152 with PYTHONHASHSEED=0; fixed: a resync with no known reason
+# re-reads the tombstones too: the test
+# test_a_daemon_started_while_a_master_hangs_reads_what_changed_under_its_tombstones).
+# Still off in the random script: one seed in ~1,500 with it on loses a write
+# (seed 10389, PYTHONHASHSEED=0: h2's write of k/0, on the old code as well), not yet
+# diagnosed.
 START_WHILE_HUNG = False
 # Writes stored on fewer replicas than cluster.wait_replicas asks (FakeL3.short_p: held
 # dirty until a probe confirms them, sent again after a failover changed their master's
@@ -399,3 +405,18 @@ def test_the_feed_lag_metric_reads_the_pull_parts_counters() -> None:
     assert cluster_lag(d) == 0
     d.puller.feed_counters[0] = (d.inb.seqs.get(0) or 0) + 7  # 7 entries not read yet
     assert cluster_lag(d) == 7
+
+
+def test_a_daemon_started_while_a_master_hangs_reads_what_changed_under_its_tombstones(
+        ) -> None:
+    """A daemon that starts while a master hangs resyncs that master's groups once it
+    answers; a key this host holds deleted, which another host wrote meanwhile, is read
+    then (before, the deferred resync skipped L2's tombstones and the write was never
+    read: h3 kept its tombstone of r/1 under h2's later write). The recorded seed, in a
+    fresh interpreter: the run depends on PYTHONHASHSEED (set ordering)."""
+    code = ("import tests.sim.test_delivery_sim as m; m.START_WHILE_HUNG = True; "
+            "m.Sim(2769318152).run(600)")
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -123,8 +123,13 @@ class Puller:
         # as a rewind seen first by the hint check (a failover lost the entry it names)
         rewound = reason in ("rewind", "false_hint")
         # (after a rewind the tombstones too: a delete of this host L3 lost, the key's
-        # record with it, is found by no scan of L3, and is sent again: _resync_key)
-        held = {key for key in (*self.port.held_keys(tombstones=rewound), *held)
+        # record with it, is found by no scan of L3, and is sent again: _resync_key.
+        # And at a start or a resumed resync (no reason): a group put off at the start
+        # (its master was down, its keys not scanned) would otherwise take its position
+        # later and never read another host's write, made meanwhile, to a key whose
+        # tombstone L2 holds)
+        tombstones = rewound or not reason
+        held = {key for key in (*self.port.held_keys(tombstones=tombstones), *held)
                 if self.groups.of(key) in groups}
         for g in sorted(groups):
             try:
