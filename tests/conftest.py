@@ -74,13 +74,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, why in absent.items():
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(pytest.mark.skip(reason=why))
-    # the folders whose files wait longest first, the many quick ones last: make test's
-    # workers (a file whole on each) then end together, not on the soak alone
-    items.sort(key=lambda item: _FOLDER_ORDER.get(item.path.parent.name, len(_FOLDER_ORDER)))
-
-
-_FOLDER_ORDER = {name: i for i, name in enumerate(
-    ("tools", "strong", "cluster", "integrations", "l2", "sim", "embedded", "core"))}
 
 
 @pytest.fixture(scope="session")
