@@ -177,9 +177,14 @@ ext_deadline(const unsigned char *p, uint64_t n)
 static inline double
 real_now(void)
 {
+    /* rounded as Python's time.time() rounds the same reading (nanoseconds, then / 1e9):
+     * sec + nsec * 1e-9 may land one step below it, and a read that Python timed at the
+     * deadline would be served */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    if (ts.tv_nsec == 0)
+        return (double)ts.tv_sec;
+    return (double)((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9;
 }
 
 /* READ_FOUND (f filled: new references), READ_ABSENT, READ_STUCK (a slot stayed odd: a
