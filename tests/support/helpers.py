@@ -16,11 +16,13 @@ T = TypeVar("T")
 SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
 
 
-def wait_for(cond: Callable[[], T], timeout: float = 10.0, what: str = "condition", *,
+def wait_for(cond: Callable[[], T], timeout: float = 10.0,
+             what: str | Callable[[], str] = "condition", *,
              retry_on: tuple[type[BaseException], ...] = ()) -> T:
     """:func:`kvcomm._wait.wait_until` for tests: polls ``cond`` (every 2 ms) until it
     returns a true value, which it returns; fails the test (AssertionError) after
-    ``timeout`` seconds. No sleeping-and-hoping."""
+    ``timeout`` seconds (``what`` may be a callable: the message, made then). No
+    sleeping-and-hoping."""
     return wait_until(cond, timeout, what, interval=0.002, retry_on=retry_on, error=AssertionError)
 
 

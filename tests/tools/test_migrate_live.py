@@ -124,7 +124,19 @@ def test_slots_move_back_and_forth_under_a_swarm_and_nothing_is_lost(
                         return False
             return True
 
-        wait_for(converged, 90, "every host and L3 to hold every key's last write")
+        def differences() -> str:  # (what the timeout reports: where it stopped)
+            out = []
+            for k in keys:
+                rec = store.get(k)
+                got = None if rec is None else rec.decode_value(k)
+                if got != {"w": owner[k], "n": last[k]}:
+                    out.append(f"L3 {k!r}: {got}")
+                out += [f"{h.daemon.host if h.daemon else '?'} {k!r}: {h.kv.get(k)}"
+                        for h in hosts if h.kv.get(k) != {"w": owner[k], "n": last[k]}]
+            return (f"every host and L3 to hold every key's last write; {len(out)} "
+                    f"differ, first: {out[:6]}")
+
+        wait_for(converged, 90, differences)
         lost = [k for k in keys if store.get(k).decode_value(k)["n"] != last[k]]  # type: ignore[union-attr]
         redirects = {r: sum(h.daemon.l3.redirects[r] for h in hosts)  # type: ignore[union-attr]
                      for r in ("moved", "ask", "tryagain")}
