@@ -77,9 +77,6 @@ async def http(url: str, token: str | None = None) -> AsyncIterator[Conn]:
         yield Conn(s)
 
 
-def _free_port() -> int:
-    return free_port()  # (below the ephemeral range: see its docstring)
-
 
 def _wait_listening(p: subprocess.Popen[bytes], host: str, port: int) -> None:
     """Until ``kvcomm mcp --transport http`` (process ``p``) accepts connections."""
@@ -101,7 +98,7 @@ def http_server(ns: str, kv: kvcomm.Client, tmp_path: Path) -> Iterator[tuple[st
     the namespace ``kv`` opened: (its URL, the token)."""
     token = "s3cret-" + ns
     (tmp_path / "token").write_text(token + "\n")
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen(_cmd("--name", ns, "--transport", "http", "--port", str(port),
                               "--token-file", str(tmp_path / "token")),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -315,7 +312,7 @@ def test_http_needs_the_token_and_serves_every_tool(http_server: tuple[str, str]
 
 def test_http_refuses_an_address_beyond_loopback_without_a_token(ns: str) -> None:
     r = subprocess.run(_cmd("--name", ns, "--transport", "http", "--host", "0.0.0.0",
-                            "--port", str(_free_port())),
+                            "--port", str(free_port())),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert "--token-file" in r.stderr and "refusing" in r.stderr
@@ -525,7 +522,7 @@ def test_any_loopback_address_keeps_dns_rebinding_protection(ns: str) -> None:
     web page reaching the port by DNS rebinding) is refused, whichever loopback address."""
     import httpx2
 
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen(_cmd("--name", ns, "--transport", "http", "--host", "127.0.0.2",
                               "--port", str(port)),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -448,9 +448,6 @@ def _metered_cfg(metrics: dict[str, Any] | None = None, cache: dict[str, Any] | 
                                        "metrics": {"flush_interval": "60m", **(metrics or {})}})
 
 
-def _free_port() -> int:
-    return free_port()  # (below the ephemeral range: see its docstring)
-
 
 # ------------------------------------------------------------------ exact counters
 
@@ -660,7 +657,7 @@ def test_kvcomm_metrics_serves_a_namespace_recreated_after_a_purge(ns: str, tmp_
     # (adapted: the agents make the namespace first; ``kvcomm metrics`` no longer creates
     # one, see test_kvcomm_metrics_of_a_namespace_that_does_not_exist_says_so)
     kvcomm.open(ns, config=kvcomm.Config.from_mapping(SMALL)).close()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "metrics", "--name", ns,
                              "--port", str(port), "--config", str(cfg_file)],
@@ -726,7 +723,7 @@ def fake_daemon(ns: str) -> Iterator[Any]:
     made: list[Any] = []
 
     def make(host: str) -> Any:
-        cfg = _metered_cfg(metrics={"port": _free_port(), "host": host})
+        cfg = _metered_cfg(metrics={"port": free_port(), "host": host})
         kv = kvcomm.open(ns, config=cfg)
         d = types.SimpleNamespace(kv=kv, config=cfg, stats=stats, l3=_FakeStore(),
                                   host="host-1", inb=types.SimpleNamespace(seqs={}),
@@ -781,7 +778,7 @@ def test_a_bad_metrics_host_is_reported_as_the_host(ns: str) -> None:
     kv = kvcomm.open(ns, config=_metered_cfg())
     try:
         with pytest.raises(kvcomm.ConfigError) as info:
-            Exporter(kv._seg, kv.config, port=_free_port(), host="bogus.invalid")
+            Exporter(kv._seg, kv.config, port=free_port(), host="bogus.invalid")
         assert info.value.key == "metrics.host", str(info.value)
         assert "free port" not in str(info.value)
     finally:
@@ -868,7 +865,7 @@ def test_kvcomm_metrics_of_a_namespace_that_does_not_exist_says_so(ns: str, tmp_
     (found in review 10: metrics, kvcomm top, load tests)"""
     cfg_file = tmp_path / "kvcomm.yaml"
     cfg_file.write_text("cache:\n  l2_size: 16MB\n  watch_buffer: 4096\n")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "metrics", "--name", ns,
                              "--port", str(port), "--config", str(cfg_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
