@@ -28,7 +28,7 @@ import pytest
 
 from kvcomm.devcluster.redis_cluster import RedisCluster, command
 from kvcomm.node.delivery import Unheld
-from kvcomm.tiers.l3 import L3Store, feed_key, group_of
+from kvcomm.tiers.l3 import DaemonL3, L3Store, feed_key, group_of
 from tests.support.daemon_harness import Host, record
 from tests.support.helpers import wait_for
 from tests.support.servers import starts
@@ -121,7 +121,7 @@ def _hold(cluster: RedisCluster, h: Host, store: L3Store, key: str, a: int, b: i
     """v1 on L3 and the host; then X (v2) pushed with A's replica B cut off: held; then B
 back and caught up. Returns X as held."""
     d = h.daemon
-    assert d is not None and isinstance(d.l3, L3Store)
+    assert d is not None and isinstance(d.l3, DaemonL3)
     assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
     wait_for(lambda: h.kv.get(key) == "v1", 15, "the host to hold v1")
     cluster.wait_replicated()
@@ -156,7 +156,7 @@ def test_a_failback_does_not_confirm_the_write_it_lost(
     polls: list[tuple[Host, float]] = []
     try:
         d, dr = h.daemon, reader.daemon
-        assert d is not None and dr is not None and isinstance(d.l3, L3Store)
+        assert d is not None and dr is not None and isinstance(d.l3, DaemonL3)
         assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
         wait_for(lambda: h.kv.get(key) == "v1" and reader.kv.get(key) == "v1", 15,
                  "both hosts to hold v1")
@@ -293,7 +293,7 @@ def test_a_restarted_master_does_not_confirm_the_write_it_lost(
     poll = 0.0
     try:
         d = h.daemon
-        assert d is not None and isinstance(d.l3, L3Store)
+        assert d is not None and isinstance(d.l3, DaemonL3)
         assert store.push(key, record("v1", "host-a", 1, 1)).outcome == "new"
         wait_for(lambda: h.kv.get(key) == "v1", 15, "the host to hold v1")
         seq0 = store.feed_seqs([g])[g]

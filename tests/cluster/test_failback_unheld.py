@@ -25,7 +25,7 @@ import pytest
 
 from kvcomm.balance.migrate import SlotMover
 from kvcomm.devcluster.redis_cluster import RedisCluster, command
-from kvcomm.tiers.l3 import L3Store, feed_key, group_of
+from kvcomm.tiers.l3 import DaemonL3, L3Store, feed_key, group_of
 from tests.cluster.test_failback import SHORT, _hold, _serving, _shard, _try, _value
 from tests.support.daemon_harness import Host, record
 from tests.support.helpers import wait_for
@@ -58,7 +58,7 @@ def test_a_write_held_on_a_master_whose_slot_moved_is_let_go(
     h = Host(cluster, f"fbm-{seed % 1000}", seed, SHORT)
     try:
         d = h.daemon
-        assert d is not None and isinstance(d.l3, L3Store)
+        assert d is not None and isinstance(d.l3, DaemonL3)
         _hold(cluster, h, store, key, a, b)
         c = next(p for p in cluster.master_ports() if p != a)
         SlotMover(store).move(store.rc.keyslot(feed_key(g)), f"127.0.0.1:{c}")
@@ -89,7 +89,7 @@ def test_a_write_held_on_a_master_that_died_for_good_is_let_go(
     h = Host(cluster, f"fbd-{seed % 1000}", seed, SHORT)
     try:
         d = h.daemon
-        assert d is not None and isinstance(d.l3, L3Store)
+        assert d is not None and isinstance(d.l3, DaemonL3)
         _hold(cluster, h, store, key, a, b)
         cluster.kill(a)
         wait_for(lambda: _try(lambda: _serving(store, feed_key(g))) == b, 30,

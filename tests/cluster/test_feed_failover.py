@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvcomm.devcluster.redis_cluster import RedisCluster, command
-from kvcomm.tiers.l3 import PUSH_LUA, L3Record, L3Store, feed_key, group_of
+from kvcomm.tiers.l3 import PUSH_LUA, DaemonL3, L3Record, L3Store, feed_key, group_of
 from tests.support.daemon_harness import Host, record, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
 from tests.support.servers import starts
@@ -155,16 +155,16 @@ class Scene:
         seq0 = self.ids_ahead()
         ahead = self.ahead
         d = h.daemon
-        assert d is not None and isinstance(d.l3, L3Store)
-        script = d.l3._script
-        d.l3._script = d.l3.rc.register_script(UNREPLICATED + PUSH_LUA)
+        assert d is not None and isinstance(d.l3, DaemonL3)
+        script = d.l3._pushes._script
+        d.l3._pushes._script = d.l3.rc.register_script(UNREPLICATED + PUSH_LUA)
         try:
             accepted = d.stats.accepted
             h.kv.put(self.key, f"v2{self.pad}")
             wait_for(lambda: d.stats.accepted > accepted and d.port.dirty_count() == 0, 10,
                      "the host's push of X to be acknowledged (X clean in its L2)")
         finally:
-            d.l3._script = script
+            d.l3._pushes._script = script
         self.x_id = store.feed(g, count=100_000)[-1].id
         assert self.x_id > ahead.encode()
         wait_for(lambda: reader.kv.get(self.key) == f"v2{self.pad}", 15, "the reader to read X")
@@ -399,16 +399,16 @@ def _unreplicated_write(h: Host, write: Any) -> None:
     """``write()`` on host ``h``, its daemon's push run unreplicated on the master (a
     master whose replica is disconnected: the push waits for none) and acknowledged."""
     d = h.daemon
-    assert d is not None and isinstance(d.l3, L3Store)
-    script = d.l3._script
-    d.l3._script = d.l3.rc.register_script(UNREPLICATED + PUSH_LUA)
+    assert d is not None and isinstance(d.l3, DaemonL3)
+    script = d.l3._pushes._script
+    d.l3._pushes._script = d.l3.rc.register_script(UNREPLICATED + PUSH_LUA)
     try:
         accepted = d.stats.accepted
         write()
         wait_for(lambda: d.stats.accepted > accepted and d.port.dirty_count() == 0, 10,
                  "the host's push to be acknowledged (clean in its L2)")
     finally:
-        d.l3._script = script
+        d.l3._pushes._script = script
 
 
 def test_a_lost_delete_of_a_lost_key_is_not_undone_by_the_writers_repush(

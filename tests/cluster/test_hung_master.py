@@ -23,7 +23,7 @@ import pytest
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import Unavailable
 from kvcomm.node.daemon import NodeDaemon
-from kvcomm.tiers.l3 import L3Store, Unreached, feed_key, group_of
+from kvcomm.tiers.l3 import DaemonL3, L3Store, Unreached, feed_key, group_of
 from tests.support.daemon_harness import Host, record
 from tests.support.helpers import wait_for
 from tests.support.servers import starts
@@ -110,7 +110,7 @@ def test_hosts_keep_exchanging_writes_while_one_master_hangs(
     b = Host(cluster, f"hm-b-{seed % 1000}", seed + 1)
     try:
         da, db = _l2_daemon(a), _l2_daemon(b)
-        assert isinstance(da.l3, L3Store)
+        assert isinstance(da.l3, DaemonL3)
         store = da.l3
         victim = _master_port(store, f"kvn:{{{a.config.node.host_id}}}:cursors")
         keys = [f"hmh/{seed}/{i}" for i in range(45)]
@@ -212,7 +212,7 @@ def test_the_daemons_index_expiry_skips_a_hung_master_and_does_it_once_it_answer
     a = Host(cluster, f"r21-a-{seed % 1000}", seed)
     try:
         da = a.daemon
-        assert da is not None and isinstance(da.l3, L3Store)
+        assert da is not None and isinstance(da.l3, DaemonL3)
         store = da.l3
         keys = [f"r21t/{seed}/{i}" for i in range(40)]
         victim = _master_port(store, feed_key(group_of(keys[0])))
@@ -266,7 +266,7 @@ def test_writes_held_for_a_hung_master_are_not_resent_every_round(
     b = Host(cluster, f"r21-pb-{seed % 1000}", seed + 1)
     try:
         da = a.daemon
-        assert da is not None and isinstance(da.l3, L3Store)
+        assert da is not None and isinstance(da.l3, DaemonL3)
         store = da.l3
         keys = [f"r21p/{seed}/{i}" for i in range(900)]
         victim = _master_port(store, feed_key(group_of(keys[0])))
@@ -365,7 +365,7 @@ def test_an_idle_host_stays_out_of_partition_mode_while_one_master_hangs(
              cluster_keys={"lease_ttl": 1, "feed_sweep_rate": 128})
     try:
         da = a.daemon
-        assert da is not None and isinstance(da.l3, L3Store)
+        assert da is not None and isinstance(da.l3, DaemonL3)
         store = da.l3
         keys = [f"r21i/{seed}/{i}" for i in range(40)]
         victim = _master_port(store, feed_key(group_of(keys[0])))
@@ -502,7 +502,7 @@ def test_a_group_pending_resync_on_a_hung_master_does_not_fail_every_poll(
     a = Host(cluster, f"r21r-{seed % 1000}", seed)
     try:
         da = a.daemon
-        assert da is not None and isinstance(da.l3, L3Store)
+        assert da is not None and isinstance(da.l3, DaemonL3)
         store = da.l3
         own = _master_port(store, f"kvn:{{{a.config.node.host_id}}}:cursors")
         victim = next(p for p in cluster.master_ports() if p != own)
@@ -670,7 +670,7 @@ def _one_down(cluster3: RedisCluster, seed: int, name: str, timeout: float,
     paused: list[int] = []
     try:
         da = a.daemon
-        assert da is not None and isinstance(da.l3, L3Store)
+        assert da is not None and isinstance(da.l3, DaemonL3)
         three = _three(da.l3, seed)
         key = next(k for k in (f"{name}/{seed}/{i}" for i in range(200))
                    if int(da.l3.rc.get_node_from_key(feed_key(group_of(k))).port) == three[0])
@@ -698,7 +698,7 @@ def test_a_host_cut_off_from_a_master_not_yet_down_stays_out_of_partition_mode(
     a, (first, second, live), paused = _one_down(cluster3, seed, "lm-a", 1.0)
     try:
         da = a.daemon
-        assert da is not None and isinstance(da.l3, L3Store)
+        assert da is not None and isinstance(da.l3, DaemonL3)
         cluster3.pause(second)
         paused.append(second)
         for _ in range(2):
@@ -723,7 +723,7 @@ def _cut_host(cluster3: RedisCluster, seed: int, name: str) -> tuple[Host, list[
     a, (_, second, third), paused = _one_down(cluster3, seed, name, 2.0)
     try:
         da = a.daemon
-        assert da is not None and isinstance(da.l3, L3Store)
+        assert da is not None and isinstance(da.l3, DaemonL3)
         for p in (second, third):
             cluster3.pause(p)
             paused.append(p)

@@ -32,7 +32,7 @@ from kvcomm.faults.proxy import ProxyControl, start_proxy
 from kvcomm.node.daemon import NodeDaemon
 from kvcomm.node.presence import STATUS_FRESH_S, read_status, status_path, write_status
 from kvcomm.tiers import l2
-from kvcomm.tiers.l3 import L3Store, feed_key, group_of
+from kvcomm.tiers.l3 import DaemonL3, L3Store, feed_key, group_of
 from tests.cluster.test_hung_master import _master_port
 from tests.cluster.test_hung_master import cluster as cluster  # noqa: F401 (the fixture: 3 masters, no failover)
 from tests.support.daemon_harness import Host
@@ -117,7 +117,7 @@ def test_outbound_max_reached_with_writes_parked_for_a_stopped_master(
     b = Host(cluster, f"pb-b-{seed % 1000}", seed + 1, {"timeout": TIMEOUT})
     try:
         da = _daemon(a)
-        assert isinstance(da.l3, L3Store)
+        assert isinstance(da.l3, DaemonL3)
         store = da.l3
         own = _master_port(store, f"kvn:{{{a.config.node.host_id}}}:cursors")
         victim = rng.choice([p for p in sorted({int(n.port) for n in store.rc.get_primaries()})
@@ -295,7 +295,7 @@ def test_a_host_cut_off_from_two_of_three_masters(
     b = Host(cluster, f"pc-b-{seed % 1000}", seed + 1, common)
     try:
         da, db = _daemon(a), _daemon(b)
-        assert isinstance(db.l3, L3Store) and isinstance(da.l3, L3Store)
+        assert isinstance(db.l3, DaemonL3) and isinstance(da.l3, DaemonL3)
         keys = [f"pc/{seed}/{i}" for i in range(150)]
         rng.shuffle(keys)
         port = {k: _key_master(db.l3, k) for k in keys}  # (B's view: the real ports)
@@ -430,7 +430,7 @@ def test_partition_mode_is_decided_by_a_live_master_while_some_are_down(
     paused: list[int] = []
     try:
         da = _daemon(a)
-        assert isinstance(da.l3, L3Store)
+        assert isinstance(da.l3, DaemonL3)
         masters = sorted({int(n.port) for n in da.l3.rc.get_primaries()})
         victim = rng.choice(masters)
         key = next(k for k in (f"pp/{seed}/{i}" for i in range(100))

@@ -36,7 +36,7 @@ from kvcomm.errors import Unavailable
 from kvcomm.node.daemon import Daemon
 from kvcomm.tiers import l2
 from kvcomm.tiers.keyfilter import KeyFilter
-from kvcomm.tiers.l3 import META_GROUPS, L3Store, feed_key, group_of
+from kvcomm.tiers.l3 import META_GROUPS, DaemonL3, L3Store, feed_key, group_of
 from tests.cluster.test_hung_master import _master_port as _port
 from tests.cluster.test_hung_master import cluster as cluster  # noqa: F401 (the fixture: 3 masters, no failover)
 from tests.cluster.test_shutdown_flush import _config
@@ -180,7 +180,7 @@ def test_a_daemon_starts_while_a_master_hangs_and_its_filter_never_says_absent(
             print(f"start with master {victim} stopped: {took:.2f}s (cluster.timeout "
                   f"{TIMEOUT:g}s)")
             d = b.daemon
-            assert d is not None and isinstance(d.l3, L3Store)
+            assert d is not None and isinstance(d.l3, DaemonL3)
             # the fault happened: the scan left the victim's groups out
             assert d.stats.extra.get("unscanned_at_start", 0) > 0
             assert {group_of(k) for k in hung} <= d.unscanned
@@ -244,7 +244,7 @@ def test_the_filter_is_not_rotated_without_a_hung_masters_keys(
         live = lives[0]
         b, _ = _start(cluster, host, seed, key_filter_rebuild=0.5)
         d = b.daemon
-        assert d is not None and isinstance(d.l3, L3Store)
+        assert d is not None and isinstance(d.l3, DaemonL3)
         reader = KeyFilter.open_reader(b.ns, directory=b.config.cache.l2_dir)
         assert reader is not None
         wait_for(lambda: d.stats.extra.get("key_filter_rotations", 0) >= 2, 30,

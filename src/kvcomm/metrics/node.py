@@ -68,7 +68,7 @@ def attach_daemon(daemon: Any) -> Exporter | None:
         return None
     exporter = Exporter(daemon.kv._seg, config)
     log.info("metrics at %s", exporter.url)
-    publish(daemon.l3, daemon.host, advertised(config.metrics.advertise, exporter.host),
+    publish(daemon.store, daemon.host, advertised(config.metrics.advertise, exporter.host),
             exporter.port)
     return exporter
 

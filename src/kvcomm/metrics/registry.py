@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import KVCommError
+
+if TYPE_CHECKING:
+    from ..tiers.l3 import DaemonL3
 
 log = logging.getLogger("kvcomm.metrics")
 
@@ -41,12 +44,12 @@ def metrics_url(addr: str, port: int) -> str:
     return f"http://{host}:{port}/metrics"
 
 
-def publish(store: Any, host: str, addr: str, port: int) -> None:
-    """Record ``host``'s metrics address in L3 (``store``: an L3Store). Logged, never
+def publish(store: DaemonL3, host: str, addr: str, port: int) -> None:
+    """Record ``host``'s metrics address in L3 (``store``: the daemon's). Logged, never
     raised: metrics must not stop a daemon."""
     url = metrics_url(addr, port)
     try:
-        store._call(lambda: store.rc.set(_key(host), url.encode()))
+        store.set_own(_key(host), url.encode())
     except KVCommError as exc:
         log.warning("could not publish the metrics address in L3: %s", exc)
 

@@ -52,7 +52,7 @@ from ..errors import ConfigError, CorruptRecord, SegmentError, Unavailable
 from ..placement.observe import HostPublisher
 from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
-from ..tiers.l3 import L3Store, Unreached
+from ..tiers.l3 import DaemonL3, Unreached
 from .delivery import UNCONFIRMED_MAX, HostActivity, Inbound, Outbound
 from .keys import KeyFilterKeeper
 from .partition import PartitionMode
@@ -332,7 +332,7 @@ class Daemon:
         return max(0, self.port.dirty_count() - len(self.pusher.out.unconfirmed))
 
     def masters_down(self) -> list[str]:
-        """The Redis masters this daemon takes for down (L3Store.down: a call timed out
+        """The Redis masters this daemon takes for down (DaemonL3.down: a call timed out
         or was refused, no PING answered since), as they announce themselves (``host:port``
         before ``cluster.address_remap``), sorted: a partial cut, which is not partition
         mode (another master answers) but parks the writes of those masters' keys."""
@@ -463,8 +463,8 @@ class Daemon:
         self.l3.close()
 
 
-def _copy_strong_config(kv: Client, l3: L3Store) -> None:
-    """Make L3's copy of which keys the cluster keeps strong (L3Store.strong_config, read
+def _copy_strong_config(kv: Client, l3: DaemonL3) -> None:
+    """Make L3's copy of which keys the cluster keeps strong (DaemonL3.strong_config, read
     by agents without cluster.etcd) equal etcd's: once etcd confirmed (or recorded) this
     host's cache.strong_prefixes and cache.l3_consistency, they are the cluster's. Raises
     ConfigError when etcd records others (the host must not start). When etcd cannot
@@ -499,13 +499,13 @@ class NodeDaemon(Daemon):
         # jitter must differ between hosts: an unseeded Random draws its seed from the OS
         rng = rng if rng is not None else random.Random()
         self.kv: Client = kv_open(name, config=config, wait_daemon=False)  # (it is the daemon)
-        l3: L3Store | None = None
+        l3: DaemonL3 | None = None
         keys: KeyFilter | None = None
         try:
             port = ClientPort(self.kv)  # the one way to the host's L2
             cl, c = config.cluster, config.cache
             resolvers = {prefix: _import(path) for prefix, path in cl.resolvers.items()}
-            l3 = L3Store.from_config(cl, max_value_size=c.max_value_size, daemon=True)
+            l3 = DaemonL3.from_config(cl, max_value_size=c.max_value_size)
             l3.check_groups(record=True)  # (a ConfigError for another count: not retried)
             _index_l3(l3)
             if cl.etcd:
@@ -515,6 +515,7 @@ class NodeDaemon(Daemon):
             keys = KeyFilter.create(self.kv.name, c.bloom_capacity, c.bloom_fpr,
                                     permissions=c.l2_permissions, directory=c.l2_dir)
             super().__init__(config, port, l3, keys, rng=rng)
+            self.store = l3  # (self.l3, typed as the daemon's face of L3, not the port)
             # placement: the host's agent reports, published to L3 (kvn:{host}:agents)
             self.agents = HostPublisher(config, self.kv.name, self.host)
             self.status_file = status_path(self.kv.name, c.l2_dir)
@@ -543,7 +544,7 @@ class NodeDaemon(Daemon):
         if self.watched.applied != applied:
             self.status_written = float("-inf")  # new watchers wait for the status: now
         super().step()
-        self.agents.maybe_publish(self.l3, self.clock())  # (never raises)
+        self.agents.maybe_publish(self.store, self.clock())  # (never raises)
         self._maybe_expire_index()
 
     def _maybe_expire_index(self) -> None:
@@ -561,8 +562,7 @@ class NodeDaemon(Daemon):
             return
         skipped: set[int] = set()  # (groups of a master taken for down: done once it answers)
         try:
-            assert isinstance(self.l3, L3Store)
-            self.stats.expired_unindexed += self.l3.expire_index(wall, due, skipped=skipped)
+            self.stats.expired_unindexed += self.store.expire_index(wall, due, skipped=skipped)
         except Unreached:  # (every such group's master is down: not waited for, not logged)
             self.stats.bump("unreached_index")
             return
@@ -625,7 +625,7 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
-def _index_l3(l3: L3Store) -> None:
+def _index_l3(l3: DaemonL3) -> None:
     """Backfill L3's key index once per cluster (records written before it existed; see
     tiers/l3.py, "The key index"). A failure is logged, not fatal: the next daemon start
     (or ``kvcomm migrate --l3-index``) does it; until then scans may miss those records."""

@@ -60,7 +60,7 @@ UNCONFIRMED_MAX = 1024  # records pushed short of cluster.wait_replicas held at 
 # why a group is resynced
 GAP, REWIND, UNSEQUENCED = "gap", "rewind", "unsequenced"
 NOT_DURABLE, CORRUPT = "not_durable", "corrupt"  # answers that are not L3 outcomes
-UNREACHED = "unreached"  # not sent: its master is down (L3Store.down); sent again later
+UNREACHED = "unreached"  # not sent: its master is down (DaemonL3.down); sent again later
 
 
 def _read_already(eid: bytes, cursor: bytes) -> bool:
@@ -185,7 +185,7 @@ class Unconfirmed:
 
     def nodes(self) -> dict[str, int]:
         """Master → a group of a record held there (to probe that master:
-        L3Store.confirm_replicated)."""
+        DaemonL3.confirm_replicated)."""
         return {h.node: h.group for h in self.by_key.values()}
 
     def _remove(self, key: str) -> Unheld:

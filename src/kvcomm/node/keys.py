@@ -38,7 +38,7 @@ class KeyFilterKeeper:
         # start's scan (it hangs); scanned once it answers (scan_unscanned), the filter
         # distrusted until then (the catch-up's: PartitionMode.caught_up)
         self.unscanned: set[int] = set()
-        self.unscanned_ups = -1  # L3Store.ups at the last try of those scans
+        self.unscanned_ups = -1  # DaemonL3.ups at the last try of those scans
 
     def fill(self, initial: bool = False) -> None:
         """Initial fill (both generations) or a rotation (the older one, refilled)."""
@@ -71,7 +71,7 @@ class KeyFilterKeeper:
     def scan_unscanned(self) -> None:
         """Scan into the key filter the groups the start's scan left out (their master
         did not answer), those whose master answers now: tried at start and after each
-        master the pinger let go of (L3Store.ups). Raises Unavailable; the groups not
+        master the pinger let go of (DaemonL3.ups). Raises Unavailable; the groups not
         scanned yet stay :attr:`unscanned`."""
         ups = self.l3.ups
         if ups == self.unscanned_ups:

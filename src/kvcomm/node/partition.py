@@ -1,7 +1,7 @@
 """The node daemon's partition mode and heal (:mod:`kvcomm.node.presence` holds the
 state machine, :class:`~kvcomm.node.presence.Reachability`; docs/design/daemon.md
 tells the theory). In partition mode each round starts with one PING of one master
-(:meth:`L3Store.reachable`) and, until Redis answers, only reads and stages the host's
+(:meth:`DaemonL3.reachable`) and, until Redis answers, only reads and stages the host's
 local writes; the catch-up (the backlog retried at once, every group's counter checked,
 the key filter distrusted until the feeds are read) starts at the first round Redis
 answers, even while partition mode waits for etcd too.
@@ -106,7 +106,7 @@ class PartitionMode:
 
     def live_master_answers(self) -> bool:
         """A poll reached nothing: its calls all went to masters taken for down
-        (L3Store.down), those of an idle host's sweep-free polls say (the unanswered
+        (DaemonL3.down), those of an idle host's sweep-free polls say (the unanswered
         groups it rechecks). Whether a master not taken for down answers a PING, asked
         at most every lease TTL / 2 (else nothing would tell Redis answering from a host
         cut off, and an idle host would enter partition mode over one hung master)."""

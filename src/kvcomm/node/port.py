@@ -8,7 +8,7 @@ delivery logic (``tests/sim/test_delivery_sim.py``), by fakes in memory:
   :class:`kvcomm.Client`;
 * :class:`HostKeys` — the host's filter of existing keys,
   :class:`kvcomm.tiers.keyfilter.KeyFilter`;
-* :class:`L3Port` — the cluster, :class:`kvcomm.tiers.l3.L3Store`.
+* :class:`L3Port` — the cluster, :class:`kvcomm.tiers.l3.DaemonL3`.
 
 What the daemon needs of L2, and nothing more:
 

@@ -59,7 +59,7 @@ class Pusher:
         # groups this host stored records with a deadline in: group -> (next check, last
         # deadline), for dropping expired keys from L3's key index (_note_deadline)
         self.ttl_groups: dict[int, tuple[float, float]] = {}
-        self.ups_seen = 0  # L3Store.ups when the parked writes were last sent again
+        self.ups_seen = 0  # DaemonL3.ups when the parked writes were last sent again
         # key -> the bytes of this daemon's last push of it that L3 stored as sent (new,
         # newer): its inline feed entry, when it comes back, is known without decoding it
         self.own_sent: dict[str, bytes] = {}
@@ -113,7 +113,7 @@ class Pusher:
         """Push every closed window that is due, each answered (and its answers carried
         out) before the next; stop at the first failure. Returns False if one failed.
         The writes parked for a master taken for down (Outbound.parked) go again once a
-        master leaves L3Store.down (or none is down)."""
+        master leaves DaemonL3.down (or none is down)."""
         if self.out.parked:
             ups = self.l3.ups
             if ups != self.ups_seen or not self.l3.down:
@@ -132,7 +132,7 @@ class Pusher:
             try:
                 with self.d.metered("push"):
                     results = self.l3.push_many(items, push.keep_siblings)
-            except Unreached as exc:  # every item's master is down (L3Store.down)
+            except Unreached as exc:  # every item's master is down (DaemonL3.down)
                 self._unreached(push, exc)
                 return False
             except Unavailable as exc:
@@ -230,7 +230,7 @@ class Pusher:
 
     def probe_unconfirmed(self, now: float) -> None:
         """Every CONFIRM_EVERY seconds while records are held unconfirmed: a probe write
-        and WAIT on each master holding some (:meth:`L3Store.confirm_replicated`): an idle
+        and WAIT on each master holding some (:meth:`DaemonL3.confirm_replicated`): an idle
         host learns when its replicas caught up; and the groups of those whose master
         left the history they were written in are resynced as after a rewind (which
         sends them again). Raises Unavailable."""

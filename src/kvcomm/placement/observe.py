@@ -27,7 +27,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -37,6 +37,9 @@ from ..tiers.shm.files import agents_dir
 from .agents import host_of_unnamed
 from .graph import Agent, Edge, Graph, check_host
 from .report import _valid, read_reports
+
+if TYPE_CHECKING:
+    from ..tiers.l3 import DaemonL3
 
 log = logging.getLogger("kvcomm.placement")
 FORMAT = 1
@@ -68,7 +71,7 @@ class HostPublisher:
         self.published = 0
         self.failures = 0
 
-    def maybe_publish(self, l3: Any, now: float) -> bool:
+    def maybe_publish(self, l3: DaemonL3, now: float) -> bool:
         """Publish the host's snapshot if ``PUBLISH_EVERY`` has passed since the last one
         (``now``: the daemon's monotonic clock). Returns whether it did. Never raises: a
         failure (L3 unreachable, say) is counted and logged, and tried again next time."""
@@ -79,8 +82,7 @@ class HostPublisher:
             snap = host_snapshot(self.host, self.table, self.wall())
             data = msgpack.packb(snap)
             # (on the master of the host's own keys; not waited for while it is down)
-            l3._own_key(snapshot_key(self.host), lambda name, node: l3._on(
-                node, "SET", name, data, "EX", SNAPSHOT_TTL))
+            l3.set_own(snapshot_key(self.host), data, SNAPSHOT_TTL)
         except (KVCommError, OSError) as exc:
             self.failures += 1
             if self.failures & (self.failures - 1) == 0:  # the 1st, 2nd, 4th... in a row

@@ -197,10 +197,8 @@ class AgentL3(_L3Base):
 
     def strong_config(self) -> tuple[list[str], str] | None:
         """The cluster's strong prefixes and ``cache.l3_consistency`` as L3's copy of etcd's
-        records them, or None when none is recorded. (See The cluster's strong prefixes and
-        ``cache.l3_consistency`` as L3's copy of etcd's records them
-        (:meth:`record_strong_config`), or None when none is recorded (no daemon with
-        ``cluster.etcd`` has started since KVCOMM copied it. (See
+        records them (:meth:`record_strong_config`), or None when none is recorded (no
+        daemon with ``cluster.etcd`` has started since KVCOMM copied it). (See
         :meth:`ClusterMeta.strong_config`.)"""
         return self._meta.strong_config()
 
@@ -216,6 +214,14 @@ class DaemonL3(_L3Base):
         its ``cluster`` config. Raises Unavailable, ConfigError."""
         return cls(**_settings(cluster, max_value_size, daemon=True, agent=False))
 
+    def set_own(self, name: str, data: bytes, ttl: int | None = None) -> None:
+        """Set ``name``, a key of KVCOMM's own (``kvn:``: a host's placement snapshot or
+        metrics address), to ``data`` (expiring in ``ttl`` seconds, if given) on its
+        master. Raises Unavailable; Unreached at once when its master is down. (See
+        :meth:`Connection.own_key`.)"""
+        conn, expiry = self._conn, ("EX", ttl) if ttl is not None else ()
+        conn.own_key(name, lambda key, node: conn.on(node, "SET", key, data, *expiry))
+
     refresh_every = _via("_conn", "refresh_every")  # seconds between slot-map refreshes after a failure
     # what the replicas took (Replication)
     confirmed = _via("_repl", "confirmed")
@@ -223,6 +229,7 @@ class DaemonL3(_L3Base):
     unserved = _via("_repl", "unserved")
     degraded = _via("_repl", "degraded")
     connected = _via("_repl", "connected")
+    redirects = _via("_pushes", "redirects")  # pushes retried: moved, ask, tryagain
     feed_inline = _via("_pushes", "feed_inline")  # cluster.feed_inline (None: every entry inline)
 
     def reachable(self) -> bool:
@@ -297,15 +304,13 @@ class DaemonL3(_L3Base):
         return self._keyindex.index_ready()
 
     def backfill_index(self, batch: int = 500) -> int:
-        """Index every record L3 holds (once, after an upgrade); the keys looked at. (See Index
-        every record L3 holds (once, after an upgrade. (See
+        """Index every record L3 holds (once, after an upgrade); the keys looked at. (See
         :meth:`ClusterKeyIndex.backfill_index`.)"""
         return self._keyindex.backfill_index(batch)
 
     def scan_keys(self, skipped: set[int] | None = None) -> Iterator[bytes]:
         """Every KVCOMM key L3 holds, from every master (a SCAN: for rebuilds, not hot paths).
-        (See Every KVCOMM key L3 holds, from every master (a SCAN. (See
-        :meth:`ClusterKeyIndex.scan_keys`.)"""
+        (See :meth:`ClusterKeyIndex.scan_keys`.)"""
         return self._keyindex.scan_keys(skipped)
 
     def scan_group(self, group: int) -> Iterator[bytes]:
@@ -372,7 +377,6 @@ class L3Store(AgentL3, DaemonL3):
     auth = _via("_conn", "auth")  # (username, password): for MIGRATE's AUTH (kvcomm.balance.migrate)
     feed_maxlen = _via("_pushes", "feed_maxlen")
     tombstone_grace_ms = _via("_pushes", "tombstone_grace_ms")
-    redirects = _via("_pushes", "redirects")  # pushes retried: moved, ask, tryagain
     wait_replicas = _via("_repl", "wait_replicas")
     wait_ms = _via("_repl", "wait_ms")
     _script = _via("_pushes", "_script")  # the push script (a test may replace it)
@@ -385,14 +389,13 @@ class L3Store(AgentL3, DaemonL3):
         return self._feeds.feed(group, after, count)
 
     def feed_bounds(self, group: int) -> tuple[bytes | None, bytes]:
-        """(first id still kept, or None when trimmed empty; last id ever added). (See (first
-        id still kept, or None when trimmed empty. (See :meth:`FeedReader.feed_bounds`.)"""
+        """(first id still kept, or None when trimmed empty; last id ever added). (See
+        :meth:`FeedReader.feed_bounds`.)"""
         return self._feeds.feed_bounds(group)
 
     def slot_keys(self, slot: int) -> list[bytes]:
         """Every key Redis holds in ``slot`` (on the master serving it: CLUSTER GETKEYSINSLOT).
-        (See Every key Redis holds in ``slot`` (on the master serving it. (See
-        :meth:`ClusterKeyIndex.slot_keys`.)"""
+        (See :meth:`ClusterKeyIndex.slot_keys`.)"""
         return self._keyindex.slot_keys(slot)
 
     def forget_host(self, host: str) -> int:
