@@ -101,9 +101,12 @@ def _writer(ns: str, cfg: kvcomm.Config, wid: int, seed: int, n: int) -> None:
                 kv.put(k, [wid, i])
 
 
-def test_last_event_per_key_matches_current_version(ns: str, config: kvcomm.Config) -> None:
+def test_last_event_per_key_matches_current_version(ns: str) -> None:
     seed = random.randrange(2**32)
     print(f"seed={seed}")
+    # a feed that holds all 6,000 events: the consumer may fall any way behind (a loaded
+    # CI machine: it overflowed a 4,096-event feed once) and still read every one
+    config = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 8192}})
     ctx = mp.get_context("fork")
     with kvcomm.open(ns, config=config) as kv:
         last: dict[str, kvcomm.Event] = {}
