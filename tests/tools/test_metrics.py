@@ -706,14 +706,13 @@ def test_kvcomm_metrics_serves_a_namespace_recreated_after_a_purge(ns: str, tmp_
 
 
 class _FakeStore:
-    """What metrics.registry.publish uses of an L3Store: _call and rc.set."""
+    """What metrics.registry.publish uses of the daemon's DaemonL3: set_own."""
 
     def __init__(self) -> None:
         self.set: dict[str, bytes] = {}
-        self.rc = types.SimpleNamespace(set=lambda k, v: self.set.__setitem__(k, v))
 
-    def _call(self, fn: Any) -> Any:
-        return fn()
+    def set_own(self, name: str, data: bytes, ttl: int | None = None) -> None:
+        self.set[name] = data
 
 
 @pytest.fixture
@@ -725,7 +724,8 @@ def fake_daemon(ns: str) -> Iterator[Any]:
     def make(host: str) -> Any:
         cfg = _metered_cfg(metrics={"port": free_port(), "host": host})
         kv = kvcomm.open(ns, config=cfg)
-        d = types.SimpleNamespace(kv=kv, config=cfg, stats=stats, l3=_FakeStore(),
+        l3 = _FakeStore()
+        d = types.SimpleNamespace(kv=kv, config=cfg, stats=stats, l3=l3, store=l3,
                                   host="host-1", inb=types.SimpleNamespace(seqs={}),
                                   feed_counters={})
         made.append(d)
