@@ -104,7 +104,7 @@ class Client(Scanning):
             metrics_agent.detach(self._meter)
         self._closed = self._unusable = True
         if type(self) is _OpenClient:
-            self.__class__ = Client
+            self.__class__ = Client  # type: ignore[assignment]  # (closed: the plain class again)
         if self._observer is not None and not self._forked:  # (a forked child's is the parent's)
             with self._obs_lock:  # (after a report another thread has under way)
                 self._observer.close()

@@ -122,13 +122,17 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
         except ToolRefused as exc:
             raise ToolError(str(exc)) from None
 
+    async def result(name: str, args: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = await run(name, args, threaded)  # (a tool's result: a dict)
+        return out
+
     def add(fn: Callable[..., Awaitable[dict[str, Any]]], description: str, write: bool) -> None:
         if write and tools.read_only:
             return  # (--read-only: write tools are not listed at all)
         server.add_tool(fn, name=fn.__name__, description=description)
 
     async def kv_get(key: Key) -> dict[str, Any]:
-        return await run("kv_get", {"key": key}, threaded)
+        return await result("kv_get", {"key": key})
 
     async def kv_put(key: Key,
                      value: Annotated[Any, Field(description="any JSON value; bytes as "
@@ -136,18 +140,18 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
                      ttl: Annotated[float | None, Field(
                          description="seconds until the key expires (omit: never)")] = None,
                      expect_version: VersionArg = None) -> dict[str, Any]:
-        return await run("kv_put", {"key": key, "value": value, "ttl": ttl,
-                                    "expect_version": expect_version}, threaded)
+        return await result("kv_put", {"key": key, "value": value, "ttl": ttl,
+                                       "expect_version": expect_version})
 
     async def kv_delete(key: Key, expect_version: VersionArg = None) -> dict[str, Any]:
-        return await run("kv_delete", {"key": key, "expect_version": expect_version}, threaded)
+        return await result("kv_delete", {"key": key, "expect_version": expect_version})
 
     async def kv_scan(prefix: Prefix,
                       limit: Annotated[int, Field(description=f"items per page, at most {MAX_PAGE}")] = 100,
                       after: Annotated[str | None, Field(
                           description="the cursor of the previous page (omit for the first)")] = None
                       ) -> dict[str, Any]:
-        return await run("kv_scan", {"prefix": prefix, "limit": limit, "after": after}, threaded)
+        return await result("kv_scan", {"prefix": prefix, "limit": limit, "after": after})
 
     async def kv_watch(prefix: Prefix,
                        timeout: Annotated[float, Field(
@@ -165,7 +169,7 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
                           threaded)
             while True:
                 step = await run("watch_step", {"w": w}, threaded)
-                if type(step) is dict:
+                if isinstance(step, dict):
                     return step
                 # (many pending watches: each looks less often, the looks stay bounded)
                 await anyio.sleep(step * max(1.0, pending[0] / _FULL_RATE_WATCHES))
@@ -174,10 +178,10 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
 
     async def kv_incr(key: Key, delta: Annotated[int, Field(
             description="the amount to add (negative subtracts)")] = 1) -> dict[str, Any]:
-        return await run("kv_incr", {"key": key, "delta": delta}, threaded)
+        return await result("kv_incr", {"key": key, "delta": delta})
 
     async def kv_present(prefix: Prefix) -> dict[str, Any]:
-        return await run("kv_present", {"prefix": prefix}, threaded)
+        return await result("kv_present", {"prefix": prefix})
 
     async def kv_announce(prefix: Prefix,
                           agent_id: Annotated[str, Field(description="your agent id, e.g. 'planner'")],
@@ -185,8 +189,7 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
                               description=f"seconds the announcement lasts (0.03 to "
                                           f"{MAX_ANNOUNCE_TTL_S:g}); announce again before it ends "
                                           "to stay present")]) -> dict[str, Any]:
-        return await run("kv_announce", {"prefix": prefix, "agent_id": agent_id, "ttl": ttl},
-                         threaded)
+        return await result("kv_announce", {"prefix": prefix, "agent_id": agent_id, "ttl": ttl})
 
     add(kv_get, "Read one key. Returns {found, value, version, expires_at}: value is the JSON "
         "value (null when not found), version an opaque string to pass as expect_version, "

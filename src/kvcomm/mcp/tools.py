@@ -277,7 +277,7 @@ class KVTools:
         w = self.watch_start(prefix, timeout, cursor)
         while True:
             step = self.watch_step(w)
-            if type(step) is dict:
+            if isinstance(step, dict):
                 return step
             time.sleep(step)
 
