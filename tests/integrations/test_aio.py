@@ -260,7 +260,11 @@ def test_a_cancellation_waits_for_the_write_under_way(ns: str, aconfig: kvcomm.C
         async with kvcomm.aio.open(ns, config=aconfig) as kv:
             lock_holder(0.3)
             task = asyncio.create_task(kv.put("d", 1))
-            while kv.off_loop == 0:  # (until the put met the lock and went to the pool)
+            # until the put met the lock and runs in the pool (one cancelled while still
+            # queued there never runs: on a loaded machine the pool's thread can be late)
+            deadline = time.monotonic() + 10
+            while not any(f.running() for f in kv._inflight):
+                assert time.monotonic() < deadline, "the put never ran in the pool"
                 await asyncio.sleep(0.001)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
