@@ -153,8 +153,11 @@ class FakeL3:
                 out.append(Unreached(f"the master of {key!r} is taken for down"))
                 continue
             short = durable and self.short_p > 0 and self.rng.random() < self.short_p
-            out.append(self._push(key, record, key in keep_siblings, durable, short))
-            if not short:
+            res = self._push(key, record, key in keep_siblings, durable, short)
+            out.append(res)
+            # (a result that does not say short — nothing stored, or stored in full — is
+            # a WAIT the replicas asked acknowledged: everything before it is kept)
+            if not res.short:
                 touched.add(group_of(key))
         if durable:  # a replica caught up with everything before (WAIT)
             for g in touched:

@@ -277,16 +277,19 @@ class Outbound:
                 self._stage(key, record, since, now)
         self.cursor = cursor
 
-    def repush(self, key: str, record: L3Record, now: float) -> bool:
+    def repush(self, key: str, record: L3Record, now: float, since: int | None = None
+               ) -> bool:
         """Send ``record``, a record L2 holds (clean: already acknowledged once) that L3
         lost, again: staged like a local write, so that it goes out in the normal windows
         and batches and its answer is carried out like any push's (an ``older`` or
         ``equal`` answer ends it: nothing re-stages a re-push). A key with a staged record
-        keeps it (that newer write descends from ``record``). Returns whether it was
-        staged."""
+        keeps it (that newer write descends from ``record``). ``since``: the feed position
+        to hold the delivered cursor at until it is answered (a dirty record's, held
+        unconfirmed: else a daemon killed meanwhile would not read its write again);
+        None: the cursor. Returns whether it was staged."""
         if key in self.staged:
             return False
-        self._stage(key, record, self.cursor, now)
+        self._stage(key, record, self.cursor if since is None else since, now)
         return True
 
     def delivered(self) -> int:

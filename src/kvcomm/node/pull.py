@@ -79,6 +79,11 @@ class Puller:
         # groups whose position came from hinted entries since the sweep last found their
         # stream ending there (_verify_hinted)
         self.hint_placed: set[int] = set()
+        # key -> the latest record read from L3 that covers a write of this host L2 holds
+        # dirty (its push not answered durable yet): not merged until that write is
+        # delivered (see apply), then merged (release)
+        self.held_back: dict[str, L3Record] = {}
+        self.held_back_max = max(1, cl.outbound_max)
 
     def start_feeds(self) -> None:
         """Subscribe to the groups' hints, then resume every group's feed from the saved
@@ -153,7 +158,8 @@ class Puller:
         lost = groups if reason in ("rewind", "false_hint", "") else set()
         for unheld in self.out.unconfirmed.drop_groups(lost):
             rec = self.q.guarded(unheld.key, "resync", self.port.dirty_record, unheld.key)
-            if isinstance(rec, L3Record) and self.out.repush(unheld.key, rec, self.clock()):
+            if isinstance(rec, L3Record) and self.out.repush(unheld.key, rec, self.clock(),
+                                                             since=unheld.since):
                 self.stats.bump("repushed")
                 log.warning("re-sending %r, acknowledged by fewer Redis replicas than "
                             "cluster.wait_replicas, after a resync of its group (%s)",
@@ -483,12 +489,26 @@ class Puller:
             for key in notes:
                 self.refetch[key] = due.pop(key)
         for key, got in due.items():
+            if isinstance(got, L3Record) and self.q.guarded(key, "refill", self._lost_since,
+                                                            key, got) is True:
+                self.stats.bump("refills_lost")
+                continue
             rec = got if isinstance(got, L3Record) else fetched.get(key)
             if isinstance(rec, CorruptRecord):
                 self.stats.corrupt += 1
                 self.q.set_aside(key, f"feed: {rec}")
             elif rec is not None:
                 self.q.guarded(key, "feed", self.apply_or_forget, key, rec)
+
+    def _lost_since(self, key: str, record: L3Record) -> bool:
+        """Whether the skipped ``record`` is concurrent with the clean record L2 holds of
+        ``key`` (a fill): L3 held one, then the other, and each descends from every record
+        L3 held before it: a failover took ``record`` from L3 in between. Not applied
+        (L2 would hold what L3 lost); its writer sends it again."""
+        if self.port.dirty_record(key) is not None:
+            return False
+        vector = self.port.held_vector(key)
+        return vector is not None and compare_vectors(record.vector, vector) is Ordering.CONCURRENT
 
     def _covers_note(self, key: str, note: FeedNote) -> bool:
         """Whether L2's record of ``key`` already holds the change ``note`` announces, or
@@ -504,11 +524,65 @@ class Puller:
         """Write an L3 record into L2 (clean), unless L2 already holds something newer.
         Returns True.
 
+        A record that covers a write of this host L2 holds dirty is held back instead
+        (:attr:`held_back`) until that write is delivered (:meth:`release`): merged now, it
+        would make the write clean — evictable, and left out of a restarted daemon's
+        replay — on the strength of a record no durable answer vouched for (the write's
+        own push answered not durable, or short of cluster.wait_replicas: the record read
+        is that push's, or a merge of it, which a failover may still lose, and with the
+        write gone from L2 nothing would send it again). The write's pending push is
+        answered in turn, and its answer brings L3's record.
+
+        A clean record of L2 with no write of this host in it that is concurrent with
+        L3's holds writes a failover took from L3 (L3's record descends from every one it
+        held): it is replaced, not merged. Their writers send them again (see
+        :meth:`_resync_key`); a merge would be a record to publish with no dot of this
+        host to publish it under.
+
         Raises CorruptRecord (the value does not decode), ValueTooLarge or another
         KVCommError (L2 cannot take it): the caller sets the record aside.
         """
+        local = self.port.held_vector(key)
+        if local is not None:
+            mine = vector_get(local, self.host)
+            if mine == 0:
+                if (compare_vectors(record.vector, local) is Ordering.CONCURRENT
+                        and self.port.forget(key)):
+                    self.stats.bump("replaced_lost")
+            elif vector_get(record.vector, self.host) >= mine and self._hold_back(key, record):
+                return True
         self.port.apply_remote(key, record)
         return True
+
+    def _hold_back(self, key: str, record: L3Record) -> bool:
+        """Whether ``record`` covers the dot of the dirty record L2 holds of ``key`` (then
+        kept in :attr:`held_back`, the newer of it and what was kept). Dots of this host
+        past its write sequence are an earlier life's (L2's merge rebases the write)."""
+        dirty = self.port.dirty_record(key)
+        if dirty is None:
+            return False
+        own = vector_get(record.vector, self.host)
+        if not 0 < dirty.dot[1] <= own <= self.port.write_sequence():
+            return False
+        kept = self.held_back.pop(key, None)
+        if kept is not None and compare_vectors(record.vector, kept.vector) is Ordering.BEFORE:
+            record = kept
+        self.held_back[key] = record
+        if kept is None:
+            self.stats.bump("held_back")
+        while len(self.held_back) > self.held_back_max:  # (bounded by the backlog anyway:
+            # past it, the oldest is merged as before, its write made clean)
+            old = next(iter(self.held_back))
+            self.q.guarded(old, "feed", self.port.apply_remote, old, self.held_back.pop(old))
+        return True
+
+    def release(self, key: str) -> None:
+        """A push of ``key`` was answered (its write delivered, or written again): merge
+        the record held back for it, if any (held back again if it still covers a dirty
+        write). Raises what :meth:`apply` raises."""
+        record = self.held_back.pop(key, None)
+        if record is not None:
+            self.apply_or_forget(key, record)
 
     def apply_or_forget(self, key: str, record: L3Record) -> bool:
         """:meth:`_apply`; if this host's L2 can never hold ``record``, drop the host's

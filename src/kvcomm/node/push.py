@@ -225,7 +225,7 @@ class Pusher:
         confirmed = self.out.unconfirmed.confirm(self.l3.confirmed)
         self.stats.bump("unconfirmed_confirmed", len(confirmed))
         for held in (*released, *confirmed):
-            self.q.guarded(held.key, "deliver", self.port.mark_delivered, held.key, held.record)
+            self.q.guarded(held.key, "deliver", self._deliver, held.key, held.record)
         self.stats.extra["unconfirmed"] = len(self.out.unconfirmed)
 
     def probe_unconfirmed(self, now: float) -> None:
@@ -268,6 +268,12 @@ class Pusher:
         lo, hi = self.ttl_groups.get(g, (deadline, deadline))
         self.ttl_groups[g] = (min(lo, deadline), max(hi, deadline))
 
+    def _deliver(self, key: str, record: L3Record) -> None:
+        """Mark ``record`` delivered; then merge what L3 sent of the key meanwhile (held
+        back while the write was dirty: Puller.apply)."""
+        self.port.mark_delivered(key, record)
+        self.d.puller.release(key)
+
     def _shape(self, record: L3Record) -> L3Record:
         return self.hosts.shape(record, _ms(self.clock()))
 
@@ -278,6 +284,7 @@ class Pusher:
             self.stats.bump("rebased")  # write is new, not older: written again past L3's
             if not self.port.rebase(answer.key, answer.take):
                 self.d.puller.apply(answer.key, answer.take)
+            self.d.puller.release(answer.key)
             return
         if answer.outcome in (NEW, NEWER, EQUAL):
             self.stats.accepted += 1
@@ -299,4 +306,6 @@ class Pusher:
             self.q.set_aside(answer.key, f"push to L3: CorruptRecord: {answer.set_aside}")
         elif answer.take is not None:
             self.d.puller.apply(answer.key, answer.take)
+        if answer.deliver:
+            self.d.puller.release(answer.key)
 
