@@ -98,6 +98,20 @@ def _number(value: Any) -> bool | int | float:
         "stored as Python numbers; convert this one yourself (or store an array)")
 
 
+class Packed:
+    """A value with its msgpack encoding, made by a caller that encodes faster than
+    :func:`encode` can check (``ormsgpack`` over plain str/bytes/None fields: the LangGraph
+    saver's records). Stored as the PACKED payload ``payload``, byte for byte: the caller
+    vouches that it is msgpack of ``value`` (what a reader gets back), which this module's
+    checks would accept. Private to KVCOMM's own integrations."""
+
+    __slots__ = ("payload", "value")
+
+    def __init__(self, value: Any, payload: bytes) -> None:
+        self.value = value
+        self.payload = payload
+
+
 def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:
     return UnsupportedValue(
         f"a str holds a lone surrogate ({exc.object[exc.start:exc.end]!r} at {exc.start}), "
@@ -123,6 +137,8 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         return BYTES, b"", bytes(value)
     if t is memoryview:
         return BYTES, b"", value.tobytes()
+    if t is Packed:
+        return PACKED, b"", value.payload
     if _np is not None and isinstance(value, _np.ndarray):
         return _encode_array(value)
     if t in (dict, list, tuple):

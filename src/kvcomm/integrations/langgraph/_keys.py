@@ -64,6 +64,8 @@ def unesc(component: str) -> str:
 
 def version_component(version: str | int | float) -> str:
     """A channel version as a key component; the type is kept (``1`` and ``"1"`` differ)."""
+    if type(version) is str:  # (LangGraph's own: the common case first)
+        return "s" + _esc(version)
     if isinstance(version, bool) or not isinstance(version, str | int | float):
         raise InvalidKey(f"a channel version is a str, int or float, got {version!r}")
     tag = "s" if isinstance(version, str) else "i" if isinstance(version, int) else "f"
@@ -86,7 +88,7 @@ class Keys:
         self.store = root + "st/"
 
     def fit(self, key: str, what: str) -> str:
-        n = len(key.encode("utf-8", "surrogatepass"))
+        n = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
         if n > self.max:
             raise InvalidKey(
                 f"the KVCOMM key of {what} is {n} bytes, over cache.max_key_bytes={self.max}: "
