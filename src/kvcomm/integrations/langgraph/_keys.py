@@ -123,9 +123,17 @@ class Keys:
 
     def write(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
               idx: int) -> str:
-        return self.fit(self.write_prefix(thread_id, checkpoint_ns, checkpoint_id)
-                         + esc(task_id) + "/" + str(idx),
-                         f"a write of task {task_id!r} in thread {thread_id!r}")
+        return self.task_write(self.task_prefix(thread_id, checkpoint_ns, checkpoint_id,
+                                                task_id), idx, task_id, thread_id)
+
+    def task_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str,
+                    task_id: str) -> str:
+        """The prefix of the writes of one task (:meth:`task_write` completes it)."""
+        return self.write_prefix(thread_id, checkpoint_ns, checkpoint_id) + esc(task_id) + "/"
+
+    def task_write(self, prefix: str, idx: int, task_id: str, thread_id: str) -> str:
+        """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
+        return self.fit(prefix + str(idx), f"a write of task {task_id!r} in thread {thread_id!r}")
 
     @staticmethod
     def split(key: str, prefix: str) -> list[str]:

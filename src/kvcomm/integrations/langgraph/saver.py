@@ -382,10 +382,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         thread_id, ns = self._ids(config)
         cid = config["configurable"]["checkpoint_id"]
         slots: list[list[Any]] = []
+        prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
         with self.kv.batch() as b:
             for idx, (channel, value) in enumerate(writes):
                 i = WRITES_IDX_MAP.get(channel, idx)
-                key = self.keys.write(thread_id, ns, cid, task_id, i)
+                key = self.keys.task_write(prefix, i, task_id, thread_id)
                 slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
                 if i >= 0 and self.kv.get(key) is not None:
                     continue
