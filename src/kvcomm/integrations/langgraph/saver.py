@@ -8,8 +8,9 @@ Keys (``_keys.py`` has the layout and the escaping)::
     lg/cp/w/T/N/C/TASK/IDX    a pending write of checkpoint C
 
 Every record except the head is immutable (written once); ``put`` writes the checkpoint's
-new channel values and the checkpoint (one ``kv.batch``), *then* moves the head forward
-(``kv.update``). In cluster mode list the heads' prefix (``lg/cp/h/``) in every host's
+new channel values and the checkpoint, then moves the head forward: in embedded mode in
+one ``kv.batch`` (the head last, its compare-and-set judged under the writer lock), in
+cluster mode the records' batch *then* the head's conditional write. In cluster mode list the heads' prefix (``lg/cp/h/``) in every host's
 ``cache.strong_prefixes``: the head is then linearizable, and a read of a record it names
 waits for it (up to ``wait_timeout``) rather than serve an older checkpoint. A
 ``get_tuple`` of the latest checkpoint marks the config it returns, so a put of two
@@ -250,13 +251,14 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     # ---------------------------------------------------------------- put
     def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
             new_versions: ChannelVersions) -> RunnableConfig:
-        """Store ``checkpoint`` (its new channel values, then the checkpoint, then the
+        """Store ``checkpoint`` (the checkpoint and its new channel values, then the
         head); returns the config naming it.
 
         A put continuing a run that resumed from the thread's latest checkpoint (its
         config carries what :meth:`get_tuple` read as the head) moves the head only if
-        the head is still its parent: when another writer moved it meanwhile, the
-        checkpoint's records are deleted again and ``kvcomm.ConflictError`` is raised
+        the head is still its parent: when another writer moved it meanwhile, nothing of
+        the checkpoint is kept (embedded: not written; cluster mode: its records deleted
+        again) and ``kvcomm.ConflictError`` is raised
         (run again from the thread's latest checkpoint to retry). Any other put (a run
         from an explicit past ``checkpoint_id``: a fork, as LangGraph intends) moves the
         head forward to it only when it is newer."""
