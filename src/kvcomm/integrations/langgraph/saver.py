@@ -10,11 +10,12 @@ Keys (``_keys.py`` has the layout and the escaping)::
 Every record except the head is immutable (written once); ``put`` writes the checkpoint's
 new channel values and the checkpoint, then moves the head forward: in embedded mode in
 one ``kv.batch`` (the head last, its compare-and-set judged under the writer lock), in
-cluster mode the records' batch *then* the head's conditional write. In cluster mode list the heads' prefix (``lg/cp/h/``) in every host's
-``cache.strong_prefixes``: the head is then linearizable, and a read of a record it names
-waits for it (up to ``wait_timeout``) rather than serve an older checkpoint. A
-``get_tuple`` of the latest checkpoint marks the config it returns, so a put of two
-writers that resumed the same head raises ``kvcomm.ConflictError`` for the loser.
+cluster mode the records' batch *then* the head's conditional write. In cluster mode list
+the heads' prefix (``lg/cp/h/``) in every host's ``cache.strong_prefixes``: the head is
+then linearizable, and a read of a record it names waits for it (up to ``wait_timeout``)
+rather than serve an older checkpoint. A ``get_tuple`` of the latest checkpoint marks
+the config it returns, so a put of two writers that resumed the same head raises
+``kvcomm.ConflictError`` for the loser.
 
 Retention: ``ttl`` (seconds; langgraph-checkpoint-redis's counts minutes) gives every
 record a put writes that lifetime; ``refresh_on_read`` (True by default) makes
@@ -325,8 +326,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         is judged under the writer lock (one lock hold; a lost race writes nothing); in
         cluster mode in a batch of their own, then the head (strong: in etcd; eventual:
         decided on L3). Records and head get the saver's ttl counted from before the
-        records (the head never outlives them); without ``records`` the head keeps its
-        deadline when there is a ttl (kv.update's rule). Raises what ``kv.put`` raises
+        records (the head never outlives them); without ``records`` the head is written
+        without a deadline (put_writes calls it so only when the saver has no ttl; with
+        one it uses kv.update, which keeps the head's deadline). Raises what ``kv.put`` raises
         (Unavailable...); a put whose head move raised may have written the records."""
         cached = self._heads.get(key)
         start = time.time()
@@ -363,8 +365,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     if not unchanged:
                         version = b._version_at(len(b) - 1)  # type: ignore[assignment]
                 elif not unchanged:
-                    version = self.kv.put(key, new, expect=expect, ttl=self.ttl if records is None
-                                          else self._left(start))
+                    version = self.kv.put(key, new, expect=expect,
+                                          ttl=None if records is None else self._left(start))
             except ConflictError:
                 self._heads.pop(key, None)
                 cached = None
