@@ -151,3 +151,18 @@ def test_a_packed_value_is_stored_as_its_payload(value: Any) -> None:
     tag, meta, out = codec.encode(codec.Packed(value, payload))
     assert (tag, meta, out) == (codec.PACKED, b"", payload)
     assert codec.decode(tag, meta, bytes(out)) == value
+
+
+def test_a_thread_keeps_no_packer_buffer_after_a_large_value() -> None:
+    """The per-thread Packer's buffer grows to the largest value it packed: after a value
+    over 64 KiB (or a refused one) the thread drops it, so what a thread keeps is bounded."""
+    codec.encode([1, 2])
+    assert hasattr(codec._local, "packer")
+    big = [b"x" * (1 << 17)]
+    assert roundtrip(big) == big
+    assert not hasattr(codec._local, "packer")
+    codec.encode([1, 2])
+    with pytest.raises(UnsupportedValue):
+        codec.encode(["\ud800"])
+    assert not hasattr(codec._local, "packer")
+    assert roundtrip([1, 2]) == [1, 2]

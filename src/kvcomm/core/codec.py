@@ -100,17 +100,27 @@ def _number(value: Any) -> bool | int | float:
 
 
 _local = threading.local()
+_KEEP_PACKER = 1 << 16  # bytes: a thread's Packer is dropped after a larger value (its buffer)
 
 
-def _packer() -> msgpack.Packer:
-    """This thread's msgpack Packer (``msgpack.packb`` makes one per call: most of the time
-    it takes for a small value). A Packer is not shared between threads; after an
-    exception it starts its next value afresh (msgpack resets its buffer)."""
+def _packb(value: Any) -> bytes:
+    """``msgpack.packb(value, use_bin_type=True)`` with this thread's Packer (packb makes
+    one per call: most of the time it takes for a small value). A Packer keeps a buffer
+    as large as the largest value it packed: after one over 64 KiB, or a refused value,
+    the thread makes a fresh one next time (bounded memory; nothing of a failed value
+    left in front of the next)."""
     try:
-        return _local.packer  # type: ignore[no-any-return]
+        packer = _local.packer
     except AttributeError:
-        _local.packer = msgpack.Packer(use_bin_type=True)
-        return _local.packer  # type: ignore[no-any-return]
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    try:
+        out: bytes = packer.pack(value)
+    except BaseException:
+        del _local.packer
+        raise
+    if len(out) > _KEEP_PACKER:
+        del _local.packer
+    return out
 
 
 class Packed:
@@ -162,7 +172,7 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         _reject(value)
         value = _number(value)  # (_reject returns only for a NumPy scalar)
     try:
-        return PACKED, b"", _packer().pack(value)
+        return PACKED, b"", _packb(value)
     except TypeError:  # (a NumPy scalar nested: _check_tree let it through; the slow path)
         pass
     except UnicodeEncodeError as exc:
