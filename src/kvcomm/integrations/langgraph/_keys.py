@@ -87,9 +87,13 @@ class Keys:
         self.writes = root + "cp/w/"
         self.store = root + "st/"
 
-    def fit(self, key: str, what: str) -> str:
+    def fit(self, key: str, what: str, *args: object) -> str:
+        """``key``, checked against ``max_key_bytes``: InvalidKey naming ``what`` (formatted
+        with ``args``, only then: a key is built at every step) when it is longer."""
         n = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
         if n > self.max:
+            if args:
+                what = what.format(*args)
             raise InvalidKey(
                 f"the KVCOMM key of {what} is {n} bytes, over cache.max_key_bytes={self.max}: "
                 "use shorter ids (thread ids, namespaces, store keys) or raise "
@@ -106,17 +110,17 @@ class Keys:
 
     def head(self, thread_id: str, checkpoint_ns: str) -> str:
         return self.fit(self.ns(self.heads, thread_id, checkpoint_ns),
-                         f"the head of thread {thread_id!r}")
+                        "the head of thread {!r}", thread_id)
 
     def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
         return self.fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + esc(checkpoint_id),
-                         f"checkpoint {checkpoint_id!r} of thread {thread_id!r}")
+                        "checkpoint {!r} of thread {!r}", checkpoint_id, thread_id)
 
     def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
              version: str | int | float) -> str:
         return self.fit(self.ns(self.blobs, thread_id, checkpoint_ns) + esc(channel) + "/"
-                         + version_component(version),
-                         f"channel {channel!r} of thread {thread_id!r}")
+                        + version_component(version),
+                        "channel {!r} of thread {!r}", channel, thread_id)
 
     def write_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
         return self.ns(self.writes, thread_id, checkpoint_ns) + esc(checkpoint_id) + "/"
@@ -133,7 +137,8 @@ class Keys:
 
     def task_write(self, prefix: str, idx: int, task_id: str, thread_id: str) -> str:
         """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
-        return self.fit(prefix + str(idx), f"a write of task {task_id!r} in thread {thread_id!r}")
+        return self.fit(prefix + str(idx), "a write of task {!r} in thread {!r}", task_id,
+                        thread_id)
 
     @staticmethod
     def split(key: str, prefix: str) -> list[str]:

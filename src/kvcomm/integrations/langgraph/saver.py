@@ -284,7 +284,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                          if ch not in new_versions]
         for channel, version in channels:
             records.append((k.fit(blobs + esc(channel) + "/" + version_component(version),
-                                  f"channel {channel!r} of thread {thread_id!r}"),
+                                  "channel {!r} of thread {!r}", channel, thread_id),
                             _pack([*dumps(values[channel])]) if channel in values else _EMPTY))
 
         def put_records(b: Any) -> None:
