@@ -105,21 +105,17 @@ _KEEP_PACKER = 1 << 16  # bytes: a thread's Packer is dropped after a larger val
 
 def _packb(value: Any) -> bytes:
     """``msgpack.packb(value, use_bin_type=True)`` with this thread's Packer (packb makes
-    one per call: most of the time it takes for a small value). A Packer keeps a buffer
-    as large as the largest value it packed: after one over 64 KiB, or a refused value,
-    the thread makes a fresh one next time (bounded memory; nothing of a failed value
-    left in front of the next)."""
-    try:
-        packer = _local.packer
-    except AttributeError:
-        packer = _local.packer = msgpack.Packer(use_bin_type=True)
-    try:
-        out: bytes = packer.pack(value)
-    except BaseException:
-        del _local.packer
-        raise
-    if len(out) > _KEEP_PACKER:
-        del _local.packer
+    one per call: most of the time it takes for a small value). The Packer is taken out
+    while it packs (a nested call, from a finalizer the collector runs mid-pack, makes its
+    own) and put back only after a value of at most 64 KiB: a Packer keeps a buffer as
+    large as the largest value it packed (bounded memory), and after a refused value
+    nothing of it may stay in front of the next."""
+    packer = _local.__dict__.pop("packer", None)
+    if packer is None:
+        packer = msgpack.Packer(use_bin_type=True)
+    out: bytes = packer.pack(value)
+    if len(out) <= _KEEP_PACKER:
+        _local.packer = packer
     return out
 
 
