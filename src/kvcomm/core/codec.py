@@ -103,8 +103,9 @@ _local = threading.local()
 _KEEP_PACKER = 1 << 16  # bytes: a thread's Packer is dropped after a larger value (its buffer)
 
 
-def _packb(value: Any) -> bytes:
-    """``msgpack.packb(value, use_bin_type=True)`` with this thread's Packer (packb makes
+def packb(value: Any) -> bytes:
+    """``msgpack.packb(value, use_bin_type=True)`` (no checks: :func:`encode` checks
+    first; raises what msgpack raises), with this thread's Packer (packb makes
     one per call: most of the time it takes for a small value). The Packer is taken out
     while it packs (a nested call, from a finalizer the collector runs mid-pack, makes its
     own) and put back only after a value of at most 64 KiB: a Packer keeps a buffer as
@@ -121,7 +122,7 @@ def _packb(value: Any) -> bytes:
 
 class Packed:
     """A value with its msgpack encoding, made by a caller that encodes faster than
-    :func:`encode` can check (``ormsgpack`` over plain str/bytes/None fields: the LangGraph
+    :func:`encode` can check (:func:`packb` over plain str/bytes/None fields: the LangGraph
     saver's records). Stored as the PACKED payload ``payload``, byte for byte: the caller
     vouches that it is msgpack of ``value`` (what a reader gets back), which this module's
     checks would accept. Private to KVCOMM's own integrations."""
@@ -168,7 +169,7 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         _reject(value)
         value = _number(value)  # (_reject returns only for a NumPy scalar)
     try:
-        return PACKED, b"", _packb(value)
+        return PACKED, b"", packb(value)
     except TypeError:  # (a NumPy scalar nested: _check_tree let it through; the slow path)
         pass
     except UnicodeEncodeError as exc:

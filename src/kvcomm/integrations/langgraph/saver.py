@@ -38,7 +38,6 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
-import ormsgpack
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -55,7 +54,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ...aio import AsyncClient
-from ...core.codec import Packed
+from ...core.codec import Packed, packb
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
@@ -752,16 +751,15 @@ _PLAIN = (str, bytes, type(None))
 
 
 def _pack(record: builtins.list[Any]) -> Any:
-    """``record`` (a list of fields) as the client stores it, encoded here by ormsgpack
-    (which LangGraph's serializer uses): the same msgpack bytes as the client's codec
-    makes, without its per-value checks, which fields of plain str, bytes and None never
-    fail (a str ormsgpack refuses, a lone surrogate, and any other field type: the record
-    as it is, for the codec to store or refuse)."""
+    """``record`` (a list of fields) as the client stores it, encoded here: the same
+    msgpack bytes as the client's codec makes, without its per-value checks, which fields
+    of plain str, bytes and None never fail (a str msgpack refuses, a lone surrogate, and
+    any other field type: the record as it is, for the codec to store or refuse)."""
     for x in record:
         if type(x) not in _PLAIN:
             return record
     try:
-        return Packed(record, ormsgpack.packb(record))
+        return Packed(record, packb(record))
     except (TypeError, ValueError):
         return record
 
