@@ -104,3 +104,65 @@ def test_corrupt_bytes_raise_value_error_only(tag: int, meta: bytes, payload: by
     # the L2 read path turns ValueError into CorruptRecord; anything else would escape
     with pytest.raises(ValueError):
         codec.decode(tag, meta, payload)
+
+
+@given(st.lists(trees, min_size=1, max_size=4))
+def test_a_refused_value_leaves_the_next_encoding_whole(values: list[Any]) -> None:
+    """The codec reuses one msgpack Packer per thread: a value refused halfway through
+    (a lone surrogate deep in a list, an int over 64 bits) must not leave its bytes in
+    front of the next value's."""
+    for value in values:
+        for bad in (["ok" * 50, {"k": "\ud800"}], [b"x" * 300, 2**70]):
+            with pytest.raises(UnsupportedValue):
+                codec.encode(bad)
+            assert roundtrip(value) == value
+            tag, _meta, payload = codec.encode(value)
+            if tag == codec.PACKED:
+                assert payload == msgpack.packb(value, use_bin_type=True)
+
+
+def test_threads_encoding_at_once_each_get_their_own_bytes() -> None:
+    """One Packer per thread: 8 threads encoding different values at once."""
+    import threading
+
+    errors: list[str] = []
+
+    def work(n: int) -> None:
+        value = [n, "x" * n, {"n": [n] * (n % 7)}]
+        want = msgpack.packb(value, use_bin_type=True)
+        for _ in range(2000):
+            if codec.encode(value)[2] != want:
+                errors.append(f"thread {n} got another value's bytes")
+                return
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@given(trees)
+def test_a_packed_value_is_stored_as_its_payload(value: Any) -> None:
+    """codec.Packed (an integration's own msgpack of a value): its payload, byte for byte,
+    under the PACKED tag; it reads back as the value."""
+    payload = msgpack.packb(value, use_bin_type=True)
+    tag, meta, out = codec.encode(codec.Packed(value, payload))
+    assert (tag, meta, out) == (codec.PACKED, b"", payload)
+    assert codec.decode(tag, meta, bytes(out)) == value
+
+
+def test_a_thread_keeps_no_packer_buffer_after_a_large_value() -> None:
+    """The per-thread Packer's buffer grows to the largest value it packed: after a value
+    over 64 KiB (or a refused one) the thread drops it, so what a thread keeps is bounded."""
+    codec.encode([1, 2])
+    assert hasattr(codec._local, "packer")
+    big = [b"x" * (1 << 17)]
+    assert roundtrip(big) == big
+    assert not hasattr(codec._local, "packer")
+    codec.encode([1, 2])
+    with pytest.raises(UnsupportedValue):
+        codec.encode(["\ud800"])
+    assert not hasattr(codec._local, "packer")
+    assert roundtrip([1, 2]) == [1, 2]

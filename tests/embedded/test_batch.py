@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvcomm
+from kvcomm.core.codec import Packed
 from kvcomm.tiers.l2 import SLOT, SLOT_WORDS, key_hash
 from tests.support.daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
 from tests.support.helpers import wait_for
@@ -79,6 +80,33 @@ def test_same_key_several_times_in_one_batch(kv: kvcomm.Client) -> None:
     assert kv.get("k") == 2 and kv.get("n") is None
     assert b.versions[1] is True and b.versions[4] is True and b.versions[5] is False
     assert kv._seg.check() == []
+
+
+def test_a_batch_compare_and_set_applies_all_or_nothing(kv: kvcomm.Client) -> None:
+    """Batch._expect (the LangGraph saver's head move): the batch applies only if the key
+    is at the expected Version (or absent, for ABSENT) under the writer lock; otherwise
+    ConflictError and nothing of the batch is written. A validator still runs."""
+    with kv.batch() as b:
+        b.put("rec/1", [1])
+        b.put("head", {"id": 1})
+        b._expect("head", kvcomm.ABSENT)
+    v1 = b._version_at(1)
+    assert v1 == kv.get_item("head").version and kv.get("rec/1") == [1]
+    kv.put("head", {"id": "other"})  # (another writer moves it)
+    with pytest.raises(kvcomm.ConflictError):
+        with kv.batch() as b:
+            b.put("rec/2", [2])
+            b.put("head", {"id": 2})
+            b._expect("head", v1)
+    assert kv.get("rec/2") is None and kv.get("head") == {"id": "other"}
+    seen: list[object] = []
+    kv.register_validator("rec/", lambda key, old, new: seen.append(new))
+    with kv.batch() as b:
+        b.put("rec/3", Packed([3], b"\x91\x03"))
+        b.put("head", {"id": 3})
+        b._expect("head", kv.get_item("head").version)
+    assert kv.get("rec/3") == [3] and kv.get("head") == {"id": 3}
+    assert seen == [[3]]  # (a Packed value's validator sees the value)
 
 
 def test_batch_validators_run_at_apply_time_under_the_lock(kv: kvcomm.Client) -> None:

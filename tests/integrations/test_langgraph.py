@@ -600,6 +600,46 @@ def test_two_processes_resuming_one_thread_at_once_never_fork_it(ns: str,
         check_one_chain(saver, outs)
 
 
+def test_the_loser_of_a_head_race_leaves_nothing_of_its_step(kv: kvcomm.Client) -> None:
+    """Two savers (two head caches) resume one thread from the same head; the first put
+    wins; the second, judged once on the head it read and once on a head it remembers
+    writing, raises ConflictError, and neither its checkpoint nor its new value is in
+    KVCOMM (embedded: the head's compare-and-set is in the batch that writes them)."""
+    from langgraph.checkpoint.base import create_checkpoint, empty_checkpoint
+
+    a, b = KVCommSaver(kv), KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": "race", "checkpoint_ns": ""}}
+    base = empty_checkpoint()
+    base["channel_values"], base["channel_versions"] = {"c": 0}, {"c": a.get_next_version(None, None)}
+    a.put(cfg, base, {"step": 0}, dict(base["channel_versions"]))
+
+    def step(saver: KVCommSaver, n: int) -> tuple[Any, dict[str, Any]]:
+        tup = saver.get_tuple(cfg)
+        assert tup is not None
+        cp = create_checkpoint(tup.checkpoint, None, n)
+        version = saver.get_next_version(tup.checkpoint["channel_versions"]["c"], None)
+        cp["channel_values"], cp["channel_versions"] = {"c": n}, {"c": version}
+        return tup.config, {"cp": cp, "versions": {"c": version}}
+
+    for round_ in (1, 2):  # (round 2: the loser's cache holds the head it wrote in round 1)
+        (ca, sa), (cb, sb) = step(a, 10 * round_), step(b, 10 * round_ + 1)
+        loser, winner = (a, b) if round_ == 1 else (b, a)
+        lcfg, lstep = (ca, sa) if loser is a else (cb, sb)
+        wcfg, wstep = (cb, sb) if loser is a else (ca, sa)
+        winner.put(wcfg, wstep["cp"], {"step": round_}, wstep["versions"])
+        with pytest.raises(kvcomm.ConflictError, match="moved on"):
+            loser.put(lcfg, lstep["cp"], {"step": round_}, lstep["versions"])
+        lost = lstep["cp"]["id"]
+        assert kv.get(loser.keys.checkpoint("race", "", lost)) is None
+        assert kv.get(loser.keys.blob("race", "", "c", lstep["versions"]["c"])) is None
+        latest = a.get_tuple(cfg)
+        assert latest is not None and latest.checkpoint["id"] == wstep["cp"]["id"]
+        # the winner's cache is current: its next step moves the head without a conflict
+        nxt = create_checkpoint(latest.checkpoint, None, 99)
+        winner.put(latest.config, nxt, {"step": 99}, {})
+        assert [h.checkpoint["id"] for h in a.list(cfg, limit=1)] == [nxt["id"]]
+
+
 def test_a_run_from_an_explicit_past_checkpoint_still_forks(kv: kvcomm.Client) -> None:
     """LangGraph's time travel: invoking with a past checkpoint_id branches from it (no
     ConflictError); the head moves to the branch, the old branch stays listed."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._l2core import BatchOps, WouldBlock
+from ..core.codec import Packed
 from ..core.versions import Version
 from ..errors import InvalidArgument
 from .base import _now_ms
@@ -37,6 +39,7 @@ class Batch(BatchOps):
     _packed: memoryview | None  # per op, two u64: a put's counter and hlc, a delete's counter
     _vvxs: list[bytes | None]
     _versions: list[Version | bool] | None
+    _expects: list[tuple[str, Any]] | None  # (key, Version or ABSENT) checked under the lock
 
     def __init__(self, client: Writes) -> None:
         # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
@@ -49,6 +52,20 @@ class Batch(BatchOps):
         self._packed = None
         self._vvxs = []
         self._versions = None
+        self._expects = None
+
+    def _expect(self, key: str, expect: Any) -> None:
+        """Apply the batch only if ``key`` is at Version ``expect`` (or ABSENT) when it is
+        applied, judged under the writer lock with the validators: ConflictError otherwise,
+        nothing of the batch written. Embedded mode only (in cluster mode a compare-and-set
+        is decided on L3: kv.put(..., expect=)); the LangGraph saver moves a thread's head
+        so, in the batch that writes the checkpoint: one lock hold per step."""
+        if self._client._cluster:
+            raise InvalidArgument("a batch's compare-and-set is for embedded mode; in cluster "
+                                  "mode use kv.put(key, value, expect=)")
+        if self._expects is None:
+            self._expects = []
+        self._expects.append((key, expect))
 
     def put(self, key: str, value: Any, *, ttl: float | None = None) -> None:
         """Add a put of ``value`` under ``key``; with ``ttl`` (seconds, counted from this
@@ -62,6 +79,14 @@ class Batch(BatchOps):
         BatchOps.put(self, key, value)
         op = self._ops[-1]
         self._ops[-1] = (*op[:5], ext)
+
+    def _version_at(self, i: int) -> Version | bool:
+        """``versions[i]`` without building the others (once applied)."""
+        if self._versions is not None:
+            return self._versions[i]
+        c, w, vvx = self._client, self._packed, self._vvxs[i]
+        assert w is not None
+        return w[2 * i] > 0 if vvx is None else c._version(w[2 * i], w[2 * i + 1], vvx)
 
     @property
     def versions(self) -> list[Version | bool]:
@@ -120,6 +145,8 @@ class Batch(BatchOps):
                     if c._validators.lookup(k) is not None:
                         c._get_slow(k, None, True)
             check = self._validate
+        if self._expects is not None:
+            check = self._guard(check)
         if c._cluster:
             if self._deletes:
                 # deletes of keys this host does not hold cover L3's version (L2 holds it
@@ -151,12 +178,31 @@ class Batch(BatchOps):
                     c._l1.discard(key)
                     c.counters["deletes"] += int(w[2 * i] > 0)
 
+    def _guard(self, validate: Callable[[], None] | None) -> Callable[[], None]:
+        """What runs under the writer lock: each compare-and-set of :meth:`_expect`, then
+        the validators (``validate``)."""
+        c = self._client
+        checks = []
+        for key, expect in self._expects or ():
+            kb, h = c._key_hash(key)
+            checks.append(c._checker(key, kb, h, c._expect_fn(key, expect), None, None))
+        if validate is not None:
+            checks.append(validate)
+
+        def check() -> None:
+            for fn in checks:
+                fn()
+
+        return check
+
     def _validate(self) -> None:
         """Under the writer lock: every validator, in order, against the state the batch's
         earlier operations leave."""
         c = self._client
         pending: dict[str, Item | None] = {}
         for key, op, value in zip(self._keys, self._ops, self._values, strict=True):
+            if type(value) is Packed:  # (encoded by its caller: the validator sees the value)
+                value = value.value
             if key in pending:
                 old = pending[key]
             else:

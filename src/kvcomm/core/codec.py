@@ -23,6 +23,7 @@ by 30% for more time than the copy it saves.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
@@ -98,6 +99,41 @@ def _number(value: Any) -> bool | int | float:
         "stored as Python numbers; convert this one yourself (or store an array)")
 
 
+_local = threading.local()
+_KEEP_PACKER = 1 << 16  # bytes: a thread's Packer is dropped after a larger value (its buffer)
+
+
+def packb(value: Any) -> bytes:
+    """``msgpack.packb(value, use_bin_type=True)`` (no checks: :func:`encode` checks
+    first; raises what msgpack raises), with this thread's Packer (packb makes
+    one per call: most of the time it takes for a small value). The Packer is taken out
+    while it packs (a nested call, from a finalizer the collector runs mid-pack, makes its
+    own) and put back only after a value of at most 64 KiB: a Packer keeps a buffer as
+    large as the largest value it packed (bounded memory), and after a refused value
+    nothing of it may stay in front of the next."""
+    packer = _local.__dict__.pop("packer", None)
+    if packer is None:
+        packer = msgpack.Packer(use_bin_type=True)
+    out: bytes = packer.pack(value)
+    if len(out) <= _KEEP_PACKER:
+        _local.packer = packer
+    return out
+
+
+class Packed:
+    """A value with its msgpack encoding, made by a caller that encodes faster than
+    :func:`encode` can check (:func:`packb` over plain str/bytes/None fields: the LangGraph
+    saver's records). Stored as the PACKED payload ``payload``, byte for byte: the caller
+    vouches that it is msgpack of ``value`` (what a reader gets back), which this module's
+    checks would accept. Private to KVCOMM's own integrations."""
+
+    __slots__ = ("payload", "value")
+
+    def __init__(self, value: Any, payload: bytes) -> None:
+        self.value = value
+        self.payload = payload
+
+
 def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:
     return UnsupportedValue(
         f"a str holds a lone surrogate ({exc.object[exc.start:exc.end]!r} at {exc.start}), "
@@ -123,6 +159,8 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         return BYTES, b"", bytes(value)
     if t is memoryview:
         return BYTES, b"", value.tobytes()
+    if t is Packed:
+        return PACKED, b"", value.payload
     if _np is not None and isinstance(value, _np.ndarray):
         return _encode_array(value)
     if t in (dict, list, tuple):
@@ -131,7 +169,7 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         _reject(value)
         value = _number(value)  # (_reject returns only for a NumPy scalar)
     try:
-        return PACKED, b"", msgpack.packb(value, use_bin_type=True)
+        return PACKED, b"", packb(value)
     except TypeError:  # (a NumPy scalar nested: _check_tree let it through; the slow path)
         pass
     except UnicodeEncodeError as exc:

@@ -64,6 +64,8 @@ def unesc(component: str) -> str:
 
 def version_component(version: str | int | float) -> str:
     """A channel version as a key component; the type is kept (``1`` and ``"1"`` differ)."""
+    if type(version) is str:  # (LangGraph's own: the common case first)
+        return "s" + _esc(version)
     if isinstance(version, bool) or not isinstance(version, str | int | float):
         raise InvalidKey(f"a channel version is a str, int or float, got {version!r}")
     tag = "s" if isinstance(version, str) else "i" if isinstance(version, int) else "f"
@@ -85,9 +87,13 @@ class Keys:
         self.writes = root + "cp/w/"
         self.store = root + "st/"
 
-    def fit(self, key: str, what: str) -> str:
-        n = len(key.encode("utf-8", "surrogatepass"))
+    def fit(self, key: str, what: str, *args: object) -> str:
+        """``key``, checked against ``max_key_bytes``: InvalidKey naming ``what`` (formatted
+        with ``args``, only then: a key is built at every step) when it is longer."""
+        n = len(key) if key.isascii() else len(key.encode("utf-8", "surrogatepass"))
         if n > self.max:
+            if args:
+                what = what.format(*args)
             raise InvalidKey(
                 f"the KVCOMM key of {what} is {n} bytes, over cache.max_key_bytes={self.max}: "
                 "use shorter ids (thread ids, namespaces, store keys) or raise "
@@ -104,26 +110,35 @@ class Keys:
 
     def head(self, thread_id: str, checkpoint_ns: str) -> str:
         return self.fit(self.ns(self.heads, thread_id, checkpoint_ns),
-                         f"the head of thread {thread_id!r}")
+                        "the head of thread {!r}", thread_id)
 
     def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
         return self.fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + esc(checkpoint_id),
-                         f"checkpoint {checkpoint_id!r} of thread {thread_id!r}")
+                        "checkpoint {!r} of thread {!r}", checkpoint_id, thread_id)
 
     def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
              version: str | int | float) -> str:
         return self.fit(self.ns(self.blobs, thread_id, checkpoint_ns) + esc(channel) + "/"
-                         + version_component(version),
-                         f"channel {channel!r} of thread {thread_id!r}")
+                        + version_component(version),
+                        "channel {!r} of thread {!r}", channel, thread_id)
 
     def write_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
         return self.ns(self.writes, thread_id, checkpoint_ns) + esc(checkpoint_id) + "/"
 
     def write(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
               idx: int) -> str:
-        return self.fit(self.write_prefix(thread_id, checkpoint_ns, checkpoint_id)
-                         + esc(task_id) + "/" + str(idx),
-                         f"a write of task {task_id!r} in thread {thread_id!r}")
+        return self.task_write(self.task_prefix(thread_id, checkpoint_ns, checkpoint_id,
+                                                task_id), idx, task_id, thread_id)
+
+    def task_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str,
+                    task_id: str) -> str:
+        """The prefix of the writes of one task (:meth:`task_write` completes it)."""
+        return self.write_prefix(thread_id, checkpoint_ns, checkpoint_id) + esc(task_id) + "/"
+
+    def task_write(self, prefix: str, idx: int, task_id: str, thread_id: str) -> str:
+        """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
+        return self.fit(prefix + str(idx), "a write of task {!r} in thread {!r}", task_id,
+                        thread_id)
 
     @staticmethod
     def split(key: str, prefix: str) -> list[str]:

@@ -8,12 +8,14 @@ Keys (``_keys.py`` has the layout and the escaping)::
     lg/cp/w/T/N/C/TASK/IDX    a pending write of checkpoint C
 
 Every record except the head is immutable (written once); ``put`` writes the checkpoint's
-new channel values and the checkpoint (one ``kv.batch``), *then* moves the head forward
-(``kv.update``). In cluster mode list the heads' prefix (``lg/cp/h/``) in every host's
-``cache.strong_prefixes``: the head is then linearizable, and a read of a record it names
-waits for it (up to ``wait_timeout``) rather than serve an older checkpoint. A
-``get_tuple`` of the latest checkpoint marks the config it returns, so a put of two
-writers that resumed the same head raises ``kvcomm.ConflictError`` for the loser.
+new channel values and the checkpoint, then moves the head forward: in embedded mode in
+one ``kv.batch`` (the head last, its compare-and-set judged under the writer lock), in
+cluster mode the records' batch *then* the head's conditional write. In cluster mode list
+the heads' prefix (``lg/cp/h/``) in every host's ``cache.strong_prefixes``: the head is
+then linearizable, and a read of a record it names waits for it (up to ``wait_timeout``)
+rather than serve an older checkpoint. A ``get_tuple`` of the latest checkpoint marks
+the config it returns, so a put of two writers that resumed the same head raises
+``kvcomm.ConflictError`` for the loser.
 
 Retention: ``ttl`` (seconds; langgraph-checkpoint-redis's counts minutes) gives every
 record a put writes that lifetime; ``refresh_on_read`` (True by default) makes
@@ -52,6 +54,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ...aio import AsyncClient
+from ...core.codec import Packed, packb
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
@@ -62,7 +65,7 @@ from ...errors import (
     KVCommWarning,
     Unavailable,
 )
-from ._keys import DEFAULT_ROOT, Keys
+from ._keys import DEFAULT_ROOT, Keys, esc, version_component
 from ._kv import get_referenced, run_async, scan, sync_and_aio
 from ._serde import NoPickleSerializer, no_pickle
 
@@ -248,13 +251,14 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     # ---------------------------------------------------------------- put
     def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
             new_versions: ChannelVersions) -> RunnableConfig:
-        """Store ``checkpoint`` (its new channel values, then the checkpoint, then the
+        """Store ``checkpoint`` (the checkpoint and its new channel values, then the
         head); returns the config naming it.
 
         A put continuing a run that resumed from the thread's latest checkpoint (its
         config carries what :meth:`get_tuple` read as the head) moves the head only if
-        the head is still its parent: when another writer moved it meanwhile, the
-        checkpoint's records are deleted again and ``kvcomm.ConflictError`` is raised
+        the head is still its parent: when another writer moved it meanwhile, nothing of
+        the checkpoint is kept (embedded: not written; cluster mode: its records deleted
+        again) and ``kvcomm.ConflictError`` is raised
         (run again from the thread's latest checkpoint to retry). Any other put (a run
         from an explicit past ``checkpoint_id``: a fork, as LangGraph intends) moves the
         head forward to it only when it is newer."""
@@ -266,33 +270,36 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         md = get_checkpoint_metadata(config, metadata)
         cid = checkpoint["id"]
         k, ttl = self.keys, self.ttl
-        written: builtins.list[str] = []
-        start = time.time()
-        with self.kv.batch() as b:
-            # (a batch put's ttl counts from its call: the checkpoint first, its values after,
-            # so that they outlive it; the head after the batch with what is left of the ttl
-            # from the start, so that it never outlives them)
-            key = k.checkpoint(thread_id, ns, cid)
-            b.put(key, [*self._dumps(c), *self._dumps(md), parent, md.get("run_id")], ttl=ttl)
-            written.append(key)
-            for channel, version in new_versions.items():
-                key = k.blob(thread_id, ns, channel, version)
-                b.put(key, self._dumps(values[channel]) if channel in values else ["empty", b""],
-                      ttl=ttl)
-                written.append(key)
-            if ttl is not None:  # (the values it shares with its ancestors live as long as it)
-                for channel, version in checkpoint["channel_versions"].items():
-                    if channel not in new_versions:
-                        b.put(k.blob(thread_id, ns, channel, version),
-                              self._dumps(values[channel]) if channel in values
-                              else ["empty", b""], ttl=ttl)
+        dumps = self.serde.dumps_typed
+        # (each record encoded once, kept for a retry of the head's compare-and-set)
+        records: builtins.list[tuple[str, Any]] = [
+            (k.checkpoint(thread_id, ns, cid), _pack([*dumps(c), *dumps(md), parent,
+                                                      md.get("run_id")]))]
+        own = 1 + len(new_versions)  # (the checkpoint and its new values: its own records)
+        blobs = k.ns(k.blobs, thread_id, ns)
+        channels = builtins.list(new_versions.items())
+        if ttl is not None:  # (the values it shares with its ancestors live as long as it)
+            channels += [(ch, v) for ch, v in checkpoint["channel_versions"].items()
+                         if ch not in new_versions]
+        for channel, version in channels:
+            records.append((k.fit(blobs + esc(channel) + "/" + version_component(version),
+                                  "channel {!r} of thread {!r}", channel, thread_id),
+                            _pack([*dumps(values[channel])]) if channel in values else _EMPTY))
+
+        def put_records(b: Any) -> None:
+            # (a batch put's ttl counts from its call: the checkpoint first, its values
+            # after, so that they outlive it; the head last, with the ttl from before them)
+            for key, record in records:
+                b.put(key, record, ttl=ttl)
+
         try:
             with _Reading(f"thread {thread_id!r}"):
-                self._advance_head(thread_id, ns, cid,
-                                   parent if conf.get(RESUMED_HEAD) is not None else _ANY,
-                                   self._left(start))
+                self._update_head(k.head(thread_id, ns), functools.partial(
+                    _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
+                    put_records)
         except _Moved as moved:
-            self._delete_keys(written)  # (this checkpoint is in no chain: gone again)
+            if self._cluster:  # (written before the head's compare-and-set: gone again)
+                self._delete_keys(key for key, _record in records[:own])
             raise ConflictError(
                 f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: its "
                 f"latest checkpoint is {moved.head!r}, this run resumed from {parent!r}; another "
@@ -306,37 +313,27 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         """The saver's ttl less the time since ``start`` (None without a ttl)."""
         return None if self.ttl is None else max(self.ttl - (time.time() - start), 0.001)
 
-    def _advance_head(self, thread_id: str, ns: str, cid: str, parent: Any,
-                      ttl: float | None) -> None:
-        """Move the head to ``cid`` (with ``ttl``): only forward (``parent`` is ``_ANY``),
-        or only from ``parent`` (_Moved otherwise)."""
-        def forward(old: dict[str, Any] | None) -> dict[str, Any]:
-            at = None if old is None else old["id"]
-            if parent is not _ANY:
-                if at == cid:
-                    return old  # type: ignore[return-value]  # (already there)
-                if at != parent:
-                    raise _Moved(at)
-            elif at is not None and at >= cid:
-                return old  # type: ignore[return-value]
-            pending = {} if old is None else old.get("p", {})
-            head = {"id": cid, "w": pending.get(cid, [])}
-            later = {c: w for c, w in pending.items() if c > cid}
-            if later:
-                head["p"] = later
-            return head
-
-        self._update_head(self.keys.head(thread_id, ns), forward, ttl)
-
     def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]],
-                     ttl: float | None) -> None:
+                     records: Callable[[Any], None] | None = None) -> None:
         """``kv.update(key, fn)``, starting from the head this saver last saw (no read
-        when it is still current); ``fn`` returning its argument itself writes nothing.
+        when it is still current); ``fn`` returning its argument itself writes no head.
         ``fn`` may run more than once; what it raises on the head read now propagates
         and nothing is written (on a remembered head: the head is read again first).
-        The head is written with ``ttl``. Raises what ``kv.put`` raises
-        (Unavailable...)."""
+
+        ``records(batch)`` (put: the checkpoint's records) puts records the head will
+        name, before it: in embedded mode in one batch with the head, whose compare-and-set
+        is judged under the writer lock (one lock hold; a lost race writes nothing); in
+        cluster mode in a batch of their own, then the head (strong: in etcd; eventual:
+        decided on L3). Records and head get the saver's ttl counted from before the
+        records (the head never outlives them); without ``records`` the head is written
+        without a deadline (put_writes calls it so only when the saver has no ttl; with
+        one it uses kv.update, which keeps the head's deadline). Raises what ``kv.put`` raises
+        (Unavailable...); a put whose head move raised may have written the records."""
         cached = self._heads.get(key)
+        start = time.time()
+        if records is not None and self._cluster:
+            with self.kv.batch() as b:
+                records(b)
         for _ in range(10_000):
             if cached is None:
                 item = self.kv.get_item(key)
@@ -351,19 +348,33 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     raise
                 cached = None  # (judged on what this saver last saw: read the head now)
                 continue
-            if new is old and old is not None:
-                if cached is None:
-                    return  # (unchanged: an older checkpoint put again moves nothing)
+            unchanged = new is old and old is not None
+            if unchanged and cached is not None:
                 cached = None  # (judged on what this saver last saw: read the head now)
                 continue
+            version: Version | None = None
             try:
-                self._heads[key] = (self.kv.put(key, new, expect=expect, ttl=ttl), new)
-                if len(self._heads) > _MAX_HEADS:
-                    self._heads.pop(next(iter(self._heads)))
-                return
+                if records is not None and not self._cluster:
+                    start = time.time()
+                    with self.kv.batch() as b:
+                        records(b)
+                        if not unchanged:
+                            b.put(key, new, ttl=self._left(start))
+                            b._expect(key, expect)
+                    if not unchanged:
+                        version = b._version_at(len(b) - 1)  # type: ignore[assignment]
+                elif not unchanged:
+                    version = self.kv.put(key, new, expect=expect,
+                                          ttl=None if records is None else self._left(start))
             except ConflictError:
                 self._heads.pop(key, None)
                 cached = None
+                continue
+            if version is not None:
+                self._heads[key] = (version, new)
+                if len(self._heads) > _MAX_HEADS:
+                    self._heads.pop(next(iter(self._heads)))
+            return
         raise Unavailable(f"the head {key!r} lost 10000 compare-and-sets in a row")
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
@@ -374,14 +385,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         thread_id, ns = self._ids(config)
         cid = config["configurable"]["checkpoint_id"]
         slots: list[list[Any]] = []
+        prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
         with self.kv.batch() as b:
             for idx, (channel, value) in enumerate(writes):
                 i = WRITES_IDX_MAP.get(channel, idx)
-                key = self.keys.write(thread_id, ns, cid, task_id, i)
+                key = self.keys.task_write(prefix, i, task_id, thread_id)
                 slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
                 if i >= 0 and self.kv.get(key) is not None:
                     continue
-                b.put(key, [task_id, channel, *self._dumps(value), task_path], ttl=self.ttl)
+                b.put(key, _pack([task_id, channel, *self._dumps(value), task_path]),
+                      ttl=self.ttl)
         if slots and self._cluster:
             with _Reading(f"thread {thread_id!r}"):
                 self._note_writes(thread_id, ns, cid, slots)
@@ -406,7 +419,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         try:
             key = self.keys.head(thread_id, ns)
             if self.ttl is None:
-                self._update_head(key, add, None)
+                self._update_head(key, add)
             else:  # (kv.update keeps the head's deadline: it never outlives its checkpoint)
                 self._heads.pop(key, None)
                 self.kv.update(key, lambda v: add(_head_of(v, key)))
@@ -732,6 +745,45 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """:meth:`prune`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.prune, thread_ids, strategy=strategy)
+
+
+_PLAIN = (str, bytes, type(None))
+
+
+def _pack(record: builtins.list[Any]) -> Any:
+    """``record`` (a list of fields) as the client stores it, encoded here: the same
+    msgpack bytes as the client's codec makes, without its per-value checks, which fields
+    of plain str, bytes and None never fail (a str msgpack refuses, a lone surrogate, and
+    any other field type: the record as it is, for the codec to store or refuse)."""
+    for x in record:
+        if type(x) not in _PLAIN:
+            return record
+    try:
+        return Packed(record, packb(record))
+    except (TypeError, ValueError):
+        return record
+
+
+_EMPTY = _pack(["empty", b""])
+
+
+def _forward(cid: str, parent: Any, old: dict[str, Any] | None) -> dict[str, Any]:
+    """The head moved to checkpoint ``cid`` from ``old``: only forward (``parent`` is
+    ``_ANY``), or only from ``parent`` (_Moved otherwise); ``old`` itself when it stays."""
+    at = None if old is None else old["id"]
+    if parent is not _ANY:
+        if at == cid:
+            return old  # type: ignore[return-value]  # (already there)
+        if at != parent:
+            raise _Moved(at)
+    elif at is not None and at >= cid:
+        return old  # type: ignore[return-value]
+    pending = {} if old is None else old.get("p", {})
+    head = {"id": cid, "w": pending.get(cid, [])}
+    later = {c: w for c, w in pending.items() if c > cid}
+    if later:
+        head["p"] = later
+    return head
 
 
 def _not_latest(latest: dict[str, str], ns: str, cid: str, _body: builtins.list[Any]) -> bool:
