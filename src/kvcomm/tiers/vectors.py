@@ -24,7 +24,7 @@ stale one. Writers serialize on an ``flock`` of the file (and a thread lock): a 
 names its item in the intent area, changes the record, then the item's rows (a row's
 stamp is zeroed before it is rewritten and set last), then clears the intent. A writer
 killed in between leaves the intent set; the next writer to take the lock rebuilds that
-item's rows from its record (:meth:`VectorFile.lock`'s ``repair``), after rebuilding
+item's rows from its record (:meth:`VectorFile.acquire`'s ``repair``), after rebuilding
 the free stack and the key table from the row table (what a killed writer may have left
 half-changed; a row's stamp, set last, says whether the row is whole). Readers take no
 lock: they read the matrix in one pass and check every row they keep against the item's
@@ -38,8 +38,7 @@ import fcntl
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from xxhash import xxh3_64_intdigest
@@ -127,7 +126,7 @@ class VectorFile:
         self._fr = view[fr:fr + 4 * cap].cast("i")
         self._sl = view[sl:sl + 4 * self._tsize].cast("i")
         self._slots_np = np.frombuffer(mm, dtype="<i4", count=self._tsize, offset=sl)
-        self._ks = ks
+        self._ks, self._it, self._mx = ks, it, mx
         view.release()
         self.intent = np.frombuffer(mm, dtype="u1", count=kb, offset=it)
         self.stamps = np.frombuffer(mm, dtype="<u8", count=cap, offset=st)
@@ -228,26 +227,36 @@ class VectorFile:
         os.close(self._fd)
 
     # ------------------------------------------------------------------ writers
-    @contextmanager
-    def lock(self, repair: Callable[[bytes], None]) -> Iterator[None]:
-        """Hold the writers' lock; first, an intent a dead writer left is repaired: the
-        free stack and key table rebuilt from the rows, then ``repair(key)`` rebuilds that
-        key's rows from its record (with :meth:`set_rows`)."""
-        with self._tlock:
+    def acquire(self, repair: Callable[[bytes], None]) -> None:
+        """Take the writers' lock (:meth:`release` it in a ``finally``); first, an intent
+        a dead writer left is repaired: the free stack and key table rebuilt from the
+        rows, then ``repair(key)`` rebuilds that key's rows from its record (with
+        :meth:`set_rows`). What ``repair`` raises is raised, the lock released, the
+        intent kept for the next writer. (Two calls, not a context manager: an indexed
+        put takes the lock once, and a generator's frames were a tenth of its time.)"""
+        self._tlock.acquire()
+        try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                n = int(self._hq[H_INTENT])
-                if n:
-                    self.rebuild()
-                    repair(self.intent[:n].tobytes())
-                    self._hq[H_INTENT] = 0
-                yield
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._tlock.release()
+            raise
+        try:
+            n = self._hq[H_INTENT]
+            if n:
+                self.rebuild()
+                repair(self.intent[:n].tobytes())
+                self._hq[H_INTENT] = 0
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._tlock.release()
 
     def begin(self, key: bytes) -> None:
         """Name ``key`` as the item being changed (under the lock)."""
-        self.intent[:len(key)] = memoryview(key)
+        self._mm[self._it:self._it + len(key)] = key
         self._hq[H_INTENT] = len(key)
 
     def end(self) -> None:
@@ -287,18 +296,27 @@ class VectorFile:
         return out
 
     def set_rows(self, key: bytes, stamp: int, vectors: Any) -> bool:
-        """Replace ``key``'s rows by ``vectors`` (unit float32 rows) tagged ``stamp`` (under
-        the lock, ``key`` named by :meth:`begin`). False (and the index marked
-        overflowed, its rows of ``key`` gone) when they do not fit."""
+        """Replace ``key``'s rows by ``vectors`` (unit float32 rows: a C-ordered array's
+        rows, or each row's little-endian bytes) tagged ``stamp`` (under the lock, ``key``
+        named by :meth:`begin`). False (and the index marked overflowed, its rows of
+        ``key`` gone) when they do not fit."""
         hq, st, nx, fr, sl = self._hq, self._st, self._nx, self._fr, self._sl
         h = xxh3_64_intdigest(key)
         slot, r, at = self._find(key, h)
+        n = 0 if vectors is None else len(vectors)
+        mm, rb = self._mm, 4 * self.dims
+        if r >= 0 and n == 1 and nx[r] < 0:
+            # (the common re-put: one row before and after, rewritten in place; what
+            # freeing it and taking the top of the free stack, the same row, would do)
+            st[r] = 0
+            mm[self._mx + r * rb:self._mx + (r + 1) * rb] = vectors[0]
+            st[r] = stamp
+            return True
         while r >= 0:  # free the old rows
             st[r] = 0
             fr[hq[H_NFREE]] = r
             hq[H_NFREE] += 1
             r = nx[r]
-        n = 0 if vectors is None else len(vectors)
         fits = n <= hq[H_NFREE] + self.capacity - hq[H_HIGH]
         if not fits:
             hq[H_OVERFLOW] = 1
@@ -315,12 +333,12 @@ class VectorFile:
             else:
                 rows.append(hq[H_HIGH])
                 hq[H_HIGH] += 1
-        ks, kb = self._ks, self.key_bytes
+        ks, kb, mx = self._ks, self.key_bytes, self._mx
         for j, r in enumerate(rows):
             self._ha[r] = h
             self._ln[r] = len(key)
-            self._mm[ks + r * kb:ks + r * kb + len(key)] = key
-            self.matrix[r] = vectors[j]
+            mm[ks + r * kb:ks + r * kb + len(key)] = key
+            mm[mx + r * rb:mx + (r + 1) * rb] = vectors[j]
             nx[r] = rows[j + 1] if j + 1 < n else -1
             st[r] = stamp
         if slot < 0:

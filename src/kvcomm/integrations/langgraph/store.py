@@ -172,28 +172,29 @@ class KVCommStore(BaseStore):
         queries: list[str] = []
         for i, op in enumerate(ops):
             if isinstance(op, PutOp) and op.value is not None:
-                texts.extend((i, p, t) for p, t in self._sem.texts(op.value, op.index))
+                for p, t in self._sem.texts(op.value, op.index):
+                    texts.append((i, p, t))
             elif isinstance(op, SearchOp) and op.query and op.query not in queries:
                 queries.append(op.query)
         return texts, queries
 
     def _embedded(self, texts: list[tuple[int, str, str]], docs: list[Any],
                   queries: dict[str, Any]) -> dict[Any, Any]:
-        """``{op position: (paths, unit rows)}`` and ``{query: unit vector}`` in one dict."""
+        """``{op position: (paths, unit rows' bytes)}`` and ``{query: unit vector}`` in one
+        dict."""
         sem = self._sem
         assert sem is not None
         if len(docs) != len(texts):
             raise ConfigError("", f"the embedding function returned {len(docs)} vectors for "
                                   f"{len(texts)} texts")
-        sem.check_dims(docs)
-        rows = sem.unit(docs)
         out: dict[Any, Any] = {}
-        for j, (i, path, _t) in enumerate(texts):
-            out.setdefault(i, ([], []))
-            out[i][0].append(path)
-            out[i][1].append(j)
-        for i, (paths, js) in list(out.items()):
-            out[i] = (paths, rows[js])
+        for (i, path, _t), blob in zip(texts, sem.blobs(docs), strict=True):
+            got = out.get(i)
+            if got is None:
+                out[i] = ([path], [blob])
+            else:
+                got[0].append(path)
+                got[1].append(blob)
         for q, v in queries.items():
             out[q] = sem.query_vector(v)
         return out
@@ -262,10 +263,11 @@ class KVCommStore(BaseStore):
             self.kv.touch(key, ttl * 60.0)
 
     def _put(self, namespace: tuple[str, ...], key: str, value: Any,
-             ttl: float | None = None, vectors: tuple[list[str], Any] | None = None) -> None:
+             ttl: float | None = None,
+             vectors: tuple[list[str], list[bytes]] | None = None) -> None:
         """Store the item (keeping its created time) with ``ttl`` minutes to live, or
         none (None: until deleted, whatever deadline it had), and its ``vectors`` (paths,
-        unit rows) in its record and the host's index."""
+        unit rows' bytes) in its record and the host's index."""
         t, b = self.serde.dumps_typed(dict(value))
         part = None if vectors is None else self._sem.record_part(*vectors)  # type: ignore[union-attr]
         k = self.keys.item(namespace, key)
