@@ -129,9 +129,7 @@ class SemanticIndex:
         """The record's vectors part (its sixth element) for ``blobs`` (unit rows'
         bytes: :meth:`blobs`) of ``paths``."""
         stamp = random.getrandbits(63) | 1  # (0 marks a free row; tells puts apart, no secret)
-        if len(paths) != len(blobs):
-            raise ValueError(f"{len(paths)} paths, {len(blobs)} vectors")
-        return [self.id, stamp, [[p, b] for p, b in zip(paths, blobs)]]
+        return [self.id, stamp, [[p, b] for p, b in zip(paths, blobs, strict=True)]]
 
     def vectors_of(self, raw: Any) -> tuple[int, Any] | None:
         """``(stamp, unit rows)`` of a record's vectors part of this index, or None (no
