@@ -146,9 +146,9 @@ class KVCommStore(BaseStore):
             return self._batch(ops, None)
         texts, queries = self._to_embed(ops)
         emb = self._sem.embeddings
-        docs = emb.embed_documents([t for _i, _p, t in texts]) if texts else []
-        return self._batch(ops, self._embedded(texts, docs, {q: emb.embed_query(q)
-                                                               for q in queries}))
+        docs = emb.embed_documents([t[2] for t in texts]) if texts else []
+        qv = {q: emb.embed_query(q) for q in queries} if queries else {}
+        return self._batch(ops, self._embedded(texts, docs, qv))
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
         """:meth:`batch`: the embeddings' async methods called in the loop, the rest native
@@ -195,8 +195,9 @@ class KVCommStore(BaseStore):
             else:
                 got[0].append(path)
                 got[1].append(blob)
-        for q, v in queries.items():
-            out[q] = sem.query_vector(v)
+        if queries:
+            for q, v in queries.items():
+                out[q] = sem.query_vector(v)
         return out
 
     def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
@@ -272,7 +273,7 @@ class KVCommStore(BaseStore):
         part = None if vectors is None else self._sem.record_part(*vectors)  # type: ignore[union-attr]
         k = self.keys.item(namespace, key)
 
-        def change() -> int:
+        def change() -> tuple[int, Any]:
             for _ in range(10_000):
                 now = _ms_now()
                 old = self.kv.get_item(k)
@@ -287,7 +288,7 @@ class KVCommStore(BaseStore):
                 try:
                     self.kv.put(k, record, expect=ABSENT if old is None else old.version,
                                 ttl=None if ttl is None else ttl * 60.0)
-                    return 0 if part is None else int(part[1])
+                    return (0, None) if part is None else (part[1], vectors[1])  # type: ignore[index]
                 except ConflictError:
                     continue  # (another writer put it meanwhile: keep its created time)
             raise Unavailable(f"put of store item {key!r} lost 10000 races in a row")
@@ -295,7 +296,7 @@ class KVCommStore(BaseStore):
         if self._sem is None:
             change()
         else:
-            self._sem.write(k, None if vectors is None else vectors[1], change)
+            self._sem.write(k, change)
 
     def _delete(self, namespace: tuple[str, ...], key: str) -> None:
         item_key = self.keys.item(namespace, key)
@@ -303,11 +304,11 @@ class KVCommStore(BaseStore):
             self.kv.delete(item_key)
             return
 
-        def change() -> int:
+        def change() -> tuple[int, Any]:
             self.kv.delete(item_key)
-            return 0
+            return 0, None
 
-        self._sem.write(item_key, None, change)
+        self._sem.write(item_key, change)
 
     def _search(self, op: SearchOp, prepared: dict[Any, Any] | None = None) -> list[SearchItem]:
         if op.query:
