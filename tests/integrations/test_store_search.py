@@ -191,7 +191,7 @@ def test_a_stale_row_is_detected_and_repaired(kv: kvcomm.Client) -> None:
     key = store.keys.item(("m",), "1")
     # the record rewritten behind the index's back (new vector, new stamp): the host's row
     # still says "apple" under the old stamp
-    part = sem.record_part(["text"], sem.unit(fake_embed(["violet"])))
+    part = sem.record_part(["text"], sem.blobs(fake_embed(["violet"])))
     kv.put(key, [*kv.get(key)[:4], part])
     assert int(f.hdr[H_INTENT]) == 0
     got = store.search(("m",), query="violet", limit=2)

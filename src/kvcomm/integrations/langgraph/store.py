@@ -146,9 +146,9 @@ class KVCommStore(BaseStore):
             return self._batch(ops, None)
         texts, queries = self._to_embed(ops)
         emb = self._sem.embeddings
-        docs = emb.embed_documents([t for _i, _p, t in texts]) if texts else []
-        return self._batch(ops, self._embedded(texts, docs, {q: emb.embed_query(q)
-                                                               for q in queries}))
+        docs = emb.embed_documents([t[2] for t in texts]) if texts else []
+        qv = {q: emb.embed_query(q) for q in queries} if queries else {}
+        return self._batch(ops, self._embedded(texts, docs, qv))
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
         """:meth:`batch`: the embeddings' async methods called in the loop, the rest native
@@ -172,30 +172,32 @@ class KVCommStore(BaseStore):
         queries: list[str] = []
         for i, op in enumerate(ops):
             if isinstance(op, PutOp) and op.value is not None:
-                texts.extend((i, p, t) for p, t in self._sem.texts(op.value, op.index))
+                for p, t in self._sem.texts(op.value, op.index):
+                    texts.append((i, p, t))
             elif isinstance(op, SearchOp) and op.query and op.query not in queries:
                 queries.append(op.query)
         return texts, queries
 
     def _embedded(self, texts: list[tuple[int, str, str]], docs: list[Any],
                   queries: dict[str, Any]) -> dict[Any, Any]:
-        """``{op position: (paths, unit rows)}`` and ``{query: unit vector}`` in one dict."""
+        """``{op position: (paths, unit rows' bytes)}`` and ``{query: unit vector}`` in one
+        dict."""
         sem = self._sem
         assert sem is not None
         if len(docs) != len(texts):
             raise ConfigError("", f"the embedding function returned {len(docs)} vectors for "
                                   f"{len(texts)} texts")
-        sem.check_dims(docs)
-        rows = sem.unit(docs)
         out: dict[Any, Any] = {}
-        for j, (i, path, _t) in enumerate(texts):
-            out.setdefault(i, ([], []))
-            out[i][0].append(path)
-            out[i][1].append(j)
-        for i, (paths, js) in list(out.items()):
-            out[i] = (paths, rows[js])
-        for q, v in queries.items():
-            out[q] = sem.query_vector(v)
+        for (i, path, _t), blob in zip(texts, sem.blobs(docs), strict=True):
+            got = out.get(i)
+            if got is None:
+                out[i] = ([path], [blob])
+            else:
+                got[0].append(path)
+                got[1].append(blob)
+        if queries:
+            for q, v in queries.items():
+                out[q] = sem.query_vector(v)
         return out
 
     def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
@@ -262,15 +264,16 @@ class KVCommStore(BaseStore):
             self.kv.touch(key, ttl * 60.0)
 
     def _put(self, namespace: tuple[str, ...], key: str, value: Any,
-             ttl: float | None = None, vectors: tuple[list[str], Any] | None = None) -> None:
+             ttl: float | None = None,
+             vectors: tuple[list[str], list[bytes]] | None = None) -> None:
         """Store the item (keeping its created time) with ``ttl`` minutes to live, or
         none (None: until deleted, whatever deadline it had), and its ``vectors`` (paths,
-        unit rows) in its record and the host's index."""
+        unit rows' bytes) in its record and the host's index."""
         t, b = self.serde.dumps_typed(dict(value))
         part = None if vectors is None else self._sem.record_part(*vectors)  # type: ignore[union-attr]
         k = self.keys.item(namespace, key)
 
-        def change() -> int:
+        def change() -> tuple[int, Any]:
             for _ in range(10_000):
                 now = _ms_now()
                 old = self.kv.get_item(k)
@@ -285,7 +288,7 @@ class KVCommStore(BaseStore):
                 try:
                     self.kv.put(k, record, expect=ABSENT if old is None else old.version,
                                 ttl=None if ttl is None else ttl * 60.0)
-                    return 0 if part is None else int(part[1])
+                    return (0, None) if part is None else (part[1], vectors[1])  # type: ignore[index]
                 except ConflictError:
                     continue  # (another writer put it meanwhile: keep its created time)
             raise Unavailable(f"put of store item {key!r} lost 10000 races in a row")
@@ -293,7 +296,7 @@ class KVCommStore(BaseStore):
         if self._sem is None:
             change()
         else:
-            self._sem.write(k, None if vectors is None else vectors[1], change)
+            self._sem.write(k, change)
 
     def _delete(self, namespace: tuple[str, ...], key: str) -> None:
         item_key = self.keys.item(namespace, key)
@@ -301,11 +304,11 @@ class KVCommStore(BaseStore):
             self.kv.delete(item_key)
             return
 
-        def change() -> int:
+        def change() -> tuple[int, Any]:
             self.kv.delete(item_key)
-            return 0
+            return 0, None
 
-        self._sem.write(item_key, None, change)
+        self._sem.write(item_key, change)
 
     def _search(self, op: SearchOp, prepared: dict[Any, Any] | None = None) -> list[SearchItem]:
         if op.query:
