@@ -398,4 +398,6 @@ def test_the_partition_gauges_of_a_real_daemon_during_a_partition_and_after_heal
                       and s.get("kvcomm_lease_live") == 1 and s, 60,
                       "host-2's metrics to show the heal")
     print("host-2 after the heal:", healed)
-    assert healed["kvcomm_partitions_total"] == before + 1, (before, healed)
+    # (counted once during the cut, above; a daemon starved past its lease TTL while it
+    # catches up after the heal may enter again and leave: a loaded CI machine did once)
+    assert healed["kvcomm_partitions_total"] >= before + 1, (before, healed)

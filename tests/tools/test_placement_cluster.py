@@ -82,6 +82,7 @@ def test_observe_plan_and_launch_on_a_dev_cluster(dev: dict[str, Any], tmp_path:
             assert nbytes == pytest.approx(reads * size, rel=0.01)
         assert {(r, w) for r, rs in reports.items() for w in rs[0]["edges"]} == set(READS)
         graph = observe(cfg, 0)
+        later = _reports(store)  # (the reports observe read are between these and those)
         assert Graph.from_json(graph.to_json()) == graph
         assert {a.id: a.host for a in graph.agents} == start.assignment
         # a launcher that knows its hosts reads their snapshots without a SCAN: the same
@@ -93,9 +94,12 @@ def test_observe_plan_and_launch_on_a_dev_cluster(dev: dict[str, Any], tmp_path:
         assert {a.id for a in one.agents if a.host == "host-2"} == {"w2", "r2"}
         assert {(e.reader, e.writer) for e in one.edges} == {("r2", "w1")}
         for e in graph.edges:
-            r = reports[e.reader][0]
-            assert e.reads_per_s == pytest.approx(r["edges"][e.writer][0] / (r["t"] - r["since"]),
-                                                  rel=0.01)
+            # the agents are done reading and still report: a rate since each started only
+            # falls as their reports go on, so observe's lies between the reports read
+            # before it and after it (a loaded CI machine: 1.5 s between the two once)
+            rates = [r["edges"][e.writer][0] / (r["t"] - r["since"])
+                     for r in (reports[e.reader][0], later[e.reader][0])]
+            assert min(rates) * 0.99 <= e.reads_per_s <= max(rates) * 1.01, (e, rates)
         assert graph.share(graph.hosts()) == pytest.approx(4000 / 9000, abs=0.1)
         # the plan puts them together, and the launcher moves only the agents that move
         plan = make_plan(graph, ["host-1", "host-2"], balance=2.0)
