@@ -143,14 +143,28 @@ def test_threads_encoding_at_once_each_get_their_own_bytes() -> None:
     assert not errors, errors
 
 
-@given(trees)
+@given(st.lists(st.one_of(st.text(), st.binary(), st.none()), max_size=8))
 def test_a_packed_value_is_stored_as_its_payload(value: Any) -> None:
-    """codec.Packed (an integration's own msgpack of a value): its payload, byte for byte,
-    under the PACKED tag; it reads back as the value."""
-    payload = msgpack.packb(value, use_bin_type=True)
-    tag, meta, out = codec.encode(codec.Packed(value, payload))
-    assert (tag, meta, out) == (codec.PACKED, b"", payload)
+    """codec.Packed (a list of plain fields, encoded once by an integration): stored as
+    encode would store the list, under the PACKED tag; it reads back as the value."""
+    try:
+        packed = codec.Packed(value)
+    except UnicodeEncodeError:  # (a lone surrogate: refused, as encode refuses it)
+        return
+    tag, meta, out = codec.encode(packed)
+    assert (tag, meta, bytes(out)) == (codec.PACKED, b"", msgpack.packb(value, use_bin_type=True))
+    assert codec.encode(value)[2] == out
     assert codec.decode(tag, meta, bytes(out)) == value
+
+
+def test_a_packed_value_takes_no_payload_and_only_plain_fields() -> None:
+    """Its payload is made from its fields, never given (a given one could be anything a
+    validator never saw, or undecodable), and only a list of str/bytes/None is one."""
+    with pytest.raises(TypeError):
+        codec.Packed(["x"], b"\xc1")  # type: ignore[call-arg]
+    for bad in (("x",), [1], [["x"]], {"x": 1}, "x"):
+        with pytest.raises(TypeError):
+            codec.Packed(bad)  # type: ignore[arg-type]
 
 
 def test_a_thread_keeps_no_packer_buffer_after_a_large_value() -> None:
@@ -166,3 +180,34 @@ def test_a_thread_keeps_no_packer_buffer_after_a_large_value() -> None:
         codec.encode(["\ud800"])
     assert not hasattr(codec._local, "packer")
     assert roundtrip([1, 2]) == [1, 2]
+
+
+def test_a_threads_packer_keeps_a_small_buffer() -> None:
+    """msgpack's Packer reserves 256 KiB up front unless told otherwise: kept per thread,
+    1,000 agent threads that ever encoded a value would keep 250 MiB. packb's Packer
+    starts small and grows as a value needs (found by the adversary's review)."""
+    import threading
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        done = threading.Event()
+        ready = threading.Barrier(33)
+
+        def work() -> None:
+            codec.packb({"a": 1})
+            ready.wait()
+            done.wait()
+
+        ts = [threading.Thread(target=work) for _ in range(32)]
+        for t in ts:
+            t.start()
+        ready.wait()
+        per_thread = (tracemalloc.get_traced_memory()[0] - base) / 32
+        done.set()
+        for t in ts:
+            t.join()
+    finally:
+        tracemalloc.stop()
+    assert per_thread <= 16_384, f"{per_thread / 1024:.0f} KiB per thread"

@@ -113,25 +113,32 @@ def packb(value: Any) -> bytes:
     nothing of it may stay in front of the next."""
     packer = _local.__dict__.pop("packer", None)
     if packer is None:
-        packer = msgpack.Packer(use_bin_type=True)
+        packer = msgpack.Packer(use_bin_type=True, buf_size=4096)  # (it grows as needed;
+        # msgpack's default reserves 256 KiB up front, kept per thread)
     out: bytes = packer.pack(value)
     if len(out) <= _KEEP_PACKER:
         _local.packer = packer
     return out
 
 
+_PLAIN = (str, bytes, type(None))
+
+
 class Packed:
-    """A value with its msgpack encoding, made by a caller that encodes faster than
-    :func:`encode` can check (:func:`packb` over plain str/bytes/None fields: the LangGraph
-    saver's records). Stored as the PACKED payload ``payload``, byte for byte: the caller
-    vouches that it is msgpack of ``value`` (what a reader gets back), which this module's
-    checks would accept. Private to KVCOMM's own integrations."""
+    """A list of plain fields (str, bytes, None) with its msgpack encoding, made once by
+    its caller (the LangGraph saver's records, re-sent on a retry): stored as the PACKED
+    payload byte for byte, as :func:`encode` would store the list. The payload is always
+    made here from the fields, never given: what is stored is what a validator sees
+    (``value``), and it always decodes. Raises TypeError (not a list of plain fields),
+    UnicodeEncodeError (a lone surrogate). Private to KVCOMM's own integrations."""
 
     __slots__ = ("payload", "value")
 
-    def __init__(self, value: Any, payload: bytes) -> None:
-        self.value = value
-        self.payload = payload
+    def __init__(self, fields: list[str | bytes | None]) -> None:
+        if type(fields) is not list or any(type(x) not in _PLAIN for x in fields):
+            raise TypeError("Packed holds a list of str, bytes and None fields")
+        self.value = fields
+        self.payload = packb(fields)
 
 
 def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:

@@ -54,7 +54,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ...aio import AsyncClient
-from ...core.codec import Packed, packb
+from ...core.codec import Packed
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
@@ -747,19 +747,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         await self._run(self.prune, thread_ids, strategy=strategy)
 
 
-_PLAIN = (str, bytes, type(None))
-
-
 def _pack(record: builtins.list[Any]) -> Any:
     """``record`` (a list of fields) as the client stores it, encoded here: the same
     msgpack bytes as the client's codec makes, without its per-value checks, which fields
     of plain str, bytes and None never fail (a str msgpack refuses, a lone surrogate, and
     any other field type: the record as it is, for the codec to store or refuse)."""
-    for x in record:
-        if type(x) not in _PLAIN:
-            return record
     try:
-        return Packed(record, packb(record))
+        return Packed(record)
     except (TypeError, ValueError):
         return record
 
