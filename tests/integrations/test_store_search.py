@@ -396,3 +396,27 @@ def test_abatch_with_an_index_is_native_on_an_aio_client(ns: str, config: kvcomm
     found, raw, off_loop = asyncio.run(run())
     assert [i.key for i in found] == ["1"] and found[0].score == pytest.approx(1.0, abs=1e-5)
     assert raw[4] == 1.0 and len(raw) == 6 and off_loop == 0
+
+
+@pytest.mark.parametrize("stamp", [-1, 0, 2**63, 2**64 - 1])  # (msgpack stores no more)
+def test_a_record_with_a_stamp_out_of_range_is_refused_and_poisons_nothing(
+        kv: kvcomm.Client, stamp: int) -> None:
+    """A record's vectors part whose stamp is not one record_part draws (1 .. 2**63 - 1)
+    is a malformed record (CorruptRecord to the search that meets it), not a row to
+    repair: before, the repair raised under the vector file's intent, which then named
+    the key for every later writer, and no indexed put of any item succeeded on the host
+    again (found by the adversary's review)."""
+    store = KVCommStore(kv, index=index_config())
+    store.put(("m",), "1", {"text": "apple"})
+    store.put(("m",), "2", {"text": "violet"})
+    sem = store._sem
+    assert sem is not None and sem.file is not None
+    key = store.keys.item(("m",), "1")
+    part = sem.record_part(["text"], sem.blobs(fake_embed(["violet"])))
+    part[1] = stamp
+    kv.put(key, [*kv.get(key)[:4], part])  # a hostile (or buggy) writer
+    with pytest.raises(kvcomm.CorruptRecord):
+        store.search(("m",), query="violet", limit=2)
+    assert int(sem.file.hdr[H_INTENT]) == 0
+    store.put(("m",), "3", {"text": "amber"})  # an unrelated item: indexed as ever
+    assert [i.key for i in store.search(("m",), query="amber", limit=1)] == ["3"]

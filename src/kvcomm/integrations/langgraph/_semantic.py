@@ -143,7 +143,9 @@ class SemanticIndex:
         if type(part) is not list or len(part) != 3 or part[0] != self.id:
             return None
         stamp, pairs = part[1], part[2]
-        if type(stamp) is not int or type(pairs) is not list:
+        # (a stamp is what record_part draws: 1 .. 2**63-1; any other would poison the
+        # vector file's repair: its stamps are unsigned 64-bit, 0 a free row)
+        if type(stamp) is not int or not 0 < stamp < 1 << 63 or type(pairs) is not list:
             raise ValueError("its vectors are not [index id, stamp, [[path, bytes]...]]")
         if not pairs:
             return None
