@@ -24,6 +24,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+import pytest
+
 import kvcomm
 from kvcomm.core.versions import covers
 from kvcomm.node.daemon import Daemon
@@ -612,3 +614,34 @@ def test_a_skipped_change_l3_lost_is_not_applied_over_a_later_fill() -> None:
     _rounds(d, clock, 20)
     assert d.stats.extra.get("refills_lost") == 1
     assert not l2.anomalies and _holds_l3s(l2, l3, key)
+
+
+@pytest.mark.parametrize("inline", [None, 0], ids=["inline_entries", "value_less_entries"])
+def test_a_late_fill_of_a_record_l3_lost_does_not_shadow_l3s_current_record(
+        inline: int | None) -> None:
+    """The reverse of test_a_skipped_change_l3_lost_is_not_applied_over_a_later_fill:
+    here the *fill* is the record a failover took from L3, and the skipped change is L3's
+    current record. An agent's L2 miss reads F (h2's write) from L3; before its fill lands
+    a failover loses F and h3 writes R (durable); the daemon reads R's entry while the key
+    is not held (skipped); then the fill lands. R is concurrent with the fill: the refill
+    reads L3 again and applies what it holds (R), where it had dropped R and kept F, which
+    L3 no longer has (found by the adversary's review; inline and value-less entries)."""
+    key = "k/0"
+    l3 = FakeL3(random.Random(1), durable_p=0.0, feed_inline=inline)
+    d, l2, clock = _one_host(l3)
+    _rounds(d, clock, 3)
+    h2 = FakeL2("h2")
+    h2.put(key, b"F")
+    assert not l3.push(key, h2.dirty_record(key)).durable  # type: ignore[arg-type]
+    fill = l3.get(key)  # the agent's read of L3 (its fill not yet in L2)
+    assert fill is not None
+    assert l3.failover(group_of(key)) == 1 and key not in l3.records  # F lost
+    _theirs(l3, key)  # R: L3's record now, durable
+    _rounds(d, clock, 5)  # R's entry read while the key is not held: skipped
+    assert d.stats.skipped_remote >= 1 and not l2.holds(key)
+    l2.apply_remote(key, fill)  # the late fill lands (FakeL2.read's install)
+    l2.referenced.add(key)
+    _rounds(d, clock, 40)
+    refills_lost = d.stats.extra.get("refills_lost", 0)
+    assert _holds_l3s(l2, l3, key), (
+        f"h1 holds {l2.recs[key]} (refills_lost={refills_lost}), L3 holds {l3.records[key]}")

@@ -470,6 +470,7 @@ class Puller:
         key read from L3 (all in one batch; when L3 cannot be reached, or not ``fetch``,
         the notes are kept in ``refetch`` for the next round)."""
         self.stats.bump("refills", len(due))
+        reread: set[str] = set()  # skipped records concurrent with the fill: L3 says which
         for key, got in list(due.items()):
             # (guarded: a record whose stored vector is junk is that key's problem, set
             # aside, not a SegmentError that would end the daemon)
@@ -477,7 +478,11 @@ class Puller:
                                                            key, got) is True:
                 del due[key]  # (the fill is that change, or newer: a second GET for nothing)
                 self.stats.bump("refills_covered")
-        notes = [key for key, got in due.items() if isinstance(got, FeedNote)]
+            elif isinstance(got, L3Record) and self.q.guarded(key, "refill", self._lost_since,
+                                                              key, got) is True:
+                reread.add(key)
+                self.stats.bump("refills_lost")
+        notes = [key for key, got in due.items() if isinstance(got, FeedNote) or key in reread]
         fetched: dict[str, L3Record | None | CorruptRecord] = {}
         try:
             if notes and not fetch:
@@ -489,11 +494,7 @@ class Puller:
             for key in notes:
                 self.refetch[key] = due.pop(key)
         for key, got in due.items():
-            if isinstance(got, L3Record) and self.q.guarded(key, "refill", self._lost_since,
-                                                            key, got) is True:
-                self.stats.bump("refills_lost")
-                continue
-            rec = got if isinstance(got, L3Record) else fetched.get(key)
+            rec = got if isinstance(got, L3Record) and key not in reread else fetched.get(key)
             if isinstance(rec, CorruptRecord):
                 self.stats.corrupt += 1
                 self.q.set_aside(key, f"feed: {rec}")
@@ -502,9 +503,12 @@ class Puller:
 
     def _lost_since(self, key: str, record: L3Record) -> bool:
         """Whether the skipped ``record`` is concurrent with the clean record L2 holds of
-        ``key`` (a fill): L3 held one, then the other, and each descends from every record
-        L3 held before it: a failover took ``record`` from L3 in between. Not applied
-        (L2 would hold what L3 lost); its writer sends it again."""
+        ``key`` (a fill): L3 held both, and each descends from every record L3 held before
+        it, so a failover took one of them from L3 between the two. Not merged (L2 would
+        hold what L3 lost, under no dot of this host): :meth:`refill` reads L3's record
+        now and applies that (a clean copy of what L3 lost is replaced: :meth:`apply`).
+        Which one was lost depends on the order: the skipped change (its writer sends it
+        again), or a fill read before the failover that landed after it."""
         if self.port.dirty_record(key) is not None:
             return False
         vector = self.port.held_vector(key)
