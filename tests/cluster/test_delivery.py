@@ -499,6 +499,7 @@ def test_entries_hints_carry_are_taken_only_in_sequence() -> None:
     inb = inbound(now=10.0)
     inb.resume({g: b"5-0" for g in range(4)}, {g: 5 for g in range(4)})
     inb.polled(inb.poll_due(10.0), 10.0)  # type: ignore[arg-type]  # (the start's check)
+    inb.verified(range(4))  # (reads found each cursor's entry: see the test below)
     e6, e7, e8 = entries(6, 7, 8, start=6)
     inb.noted_entry(0, e6)
     inb.noted_entry(0, e7)  # follows the noted one
@@ -773,3 +774,23 @@ def test_outbound_parks_unreached_writes_until_unpark() -> None:
     assert push is not None and {i.key for i in push.items} == {"a", "b"}
     assert {i.record.dot for i in push.items} == {("h", 1), ("h", 3)}
     assert out.delivered() == 0  # (still not answered)
+
+
+def test_entries_hints_carry_for_a_group_whose_hints_were_lost_are_read() -> None:
+    """A group whose hints were told lost (or not read since the start) is read, not
+    taken from the entries hints bring, until a read finds its cursor's entry: those
+    entries may follow a sequence number L3 reissued after a failover, where the entry
+    the host applied under it is gone and the write L3 reissued it for was never read
+    (the simulation's seed 213642, found by the adversary's review)."""
+    inb = inbound(now=10.0)
+    inb.resume({g: b"5-0" for g in range(4)}, {g: 5 for g in range(4)})
+    inb.polled(inb.poll_due(10.0), 10.0)  # type: ignore[arg-type]  # (the start's check)
+    (e6,) = entries(6, start=6)
+    inb.noted_entry(0, e6)
+    assert inb.to_read({0: 6}) == {0}  # not verified since the start: read
+    inb.verified({1, 2, 3})
+    inb.noted_entry(2, e6)
+    assert inb.to_read({2: 6}) == set() and inb.take_noted() == {2: [e6]}  # verified: taken
+    inb.lost({1})
+    inb.noted_entry(1, e6)
+    assert inb.to_read({1: 6}) == {1}  # the counter agrees, but its hints were lost: read

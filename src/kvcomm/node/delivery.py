@@ -671,7 +671,7 @@ class Inbound:
             at = kept[-1].id if kept else self.cursors.get(g)
             tail = tails.get(g) if tails else None
             mine = self.expected.get(g)
-            if (counter is None or counter != last or g in self.verify
+            if (counter is None or counter != last or (kept and g in self.verify)
                     or (tail is not None and at is not None and tail != at)
                     or (mine and counter < max(mine))):
                 out.add(g)
