@@ -92,10 +92,8 @@ class Batch(BatchOps):
     def versions(self) -> list[Version | bool]:
         """Per operation, once applied: a put's Version, whether a delete deleted."""
         if self._versions is None:
-            c, w = self._client, self._packed
-            self._versions = [] if w is None else [
-                w[2 * i] > 0 if vvx is None else c._version(w[2 * i], w[2 * i + 1], vvx)
-                for i, vvx in enumerate(self._vvxs)]
+            self._versions = [] if self._packed is None else [
+                self._version_at(i) for i in range(len(self._vvxs))]
         return self._versions
 
     def __enter__(self) -> Batch:
