@@ -98,6 +98,10 @@ def test_malformed_payloads_raise_value_error() -> None:
         # a map whose key is a list: msgpack raises TypeError (unhashable)
         (codec.PACKED, b"", b"\x81\x92\x01\x02\x03"),
         (codec.PACKED, b"", b"\xc1"),
+        # msgpack extension types, which encode never writes: someone else's bytes
+        (codec.PACKED, b"", msgpack.packb(msgpack.ExtType(5, b"abc"))),
+        (codec.PACKED, b"", msgpack.packb({"a": [1, msgpack.ExtType(7, b"")]})),
+        (codec.PACKED, b"", b"\xd4\xff\x00"),  # a timestamp extension of a bad length
     ],
 )
 def test_corrupt_bytes_raise_value_error_only(tag: int, meta: bytes, payload: bytes) -> None:
@@ -211,3 +215,19 @@ def test_a_threads_packer_keeps_a_small_buffer() -> None:
     finally:
         tracemalloc.stop()
     assert per_thread <= 16_384, f"{per_thread / 1024:.0f} KiB per thread"
+
+
+def test_a_planted_extension_type_reads_as_an_error_and_a_timestamp_as_its_nanoseconds(
+        ) -> None:
+    """A value of the L2 or L3 is decoded by the codec; encode refuses msgpack's extension
+    types (ExtType, Timestamp), so one read back was written by someone else: refused
+    (ValueError: the read path's CorruptRecord/SegmentError), never handed to the caller
+    as an object kv.put would refuse. msgpack decodes its timestamp extension itself,
+    before any hook: it comes back as its integer nanoseconds, a value kv.put takes."""
+    for value in (msgpack.ExtType(5, b"abc"), msgpack.Timestamp(1, 0)):
+        with pytest.raises(UnsupportedValue):
+            codec.encode(value)
+    with pytest.raises(ValueError, match="extension type 5"):
+        codec.decode(codec.PACKED, b"", msgpack.packb([1, msgpack.ExtType(5, b"abc")]))
+    got = codec.decode(codec.PACKED, b"", msgpack.packb([1, msgpack.Timestamp(2, 5)]))
+    assert got == [1, 2_000_000_005] and type(got[1]) is int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import kvcomm
@@ -365,3 +367,26 @@ def test_keys_with_a_non_str_prefix(name: str) -> None:
         kv.put("a", 1)
         with pytest.raises(kvcomm.KVCommError):
             kv.keys(5)  # type: ignore[arg-type]
+
+
+def test_a_msgpack_extension_planted_in_l2_is_refused_on_every_read(
+        ns: str, config: kvcomm.Config) -> None:
+    """A value kv.put could never have written (a msgpack ExtType: put refuses it) planted
+    in the host's L2 by another program: every read of it raises the error of an
+    undecodable stored value (SegmentError, which says to overwrite or delete it), never
+    hands an ExtType to the caller; the key can be overwritten."""
+    import msgpack
+
+    from kvcomm.core import codec
+
+    with kvcomm.open(ns, config=config) as kv:
+        kb, h = kv._key_hash("planted")
+        kv._seg.put(kb, h, codec.PACKED, b"", msgpack.packb([1, msgpack.ExtType(5, b"x")]),
+                    int(time.time() * 1000), False, 0)
+        with kvcomm.open(ns, config=config) as other:
+            for read in (lambda: other.get("planted"), lambda: other.get_item("planted"),
+                         lambda: list(other.scan("plan"))):
+                with pytest.raises(kvcomm.SegmentError, match="extension type 5"):
+                    read()
+            other.put("planted", [1, 2])
+            assert kv.get("planted") == [1, 2]

@@ -204,6 +204,10 @@ def _encode_array(arr: Any) -> tuple[int, bytes, memoryview]:
     return NDARRAY, meta, memoryview(arr).cast("B")
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code}, which KVCOMM never writes")
+
+
 def decode(tag: int, meta: bytes, payload: bytes | memoryview) -> Any:
     """Decode a copied payload. Raises ValueError on anything malformed."""
     if tag == BYTES:
@@ -212,7 +216,12 @@ def decode(tag: int, meta: bytes, payload: bytes | memoryview) -> Any:
         return bytes(payload).decode("utf-8", "surrogatepass")
     if tag == PACKED:
         try:
-            return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            # (msgpack's extension types: encode never writes one, so one read is someone
+            # else's bytes: refused (_no_ext), not handed on as an ExtType; the timestamp
+            # extension, which msgpack decodes itself before any hook, comes back as its
+            # integer nanoseconds, a type kv.put takes, not a msgpack.Timestamp)
+            return msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=_no_ext,
+                                   timestamp=2)
         except (TypeError, ValueError, msgpack.UnpackException) as e:  # e.g. an unhashable map key
             raise ValueError(f"malformed packed value: {e}") from None
     if tag == COUNTER:
