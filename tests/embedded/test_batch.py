@@ -107,6 +107,8 @@ def test_a_batch_compare_and_set_applies_all_or_nothing(kv: kvcomm.Client) -> No
         b._expect("head", kv.get_item("head").version)
     assert kv.get("rec/3") == ["3"] and kv.get("head") == {"id": 3}
     assert seen == [["3"]]  # (a Packed value's validator sees the value)
+    kv.put("rec/4", Packed(["4", None]))  # (and kv.put's: the list it stores)
+    assert seen == [["3"], ["4", None]] and kv.get("rec/4") == ["4", None]
 
 
 def test_batch_validators_run_at_apply_time_under_the_lock(kv: kvcomm.Client) -> None:
