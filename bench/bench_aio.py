@@ -312,7 +312,7 @@ def cluster(args: argparse.Namespace) -> None:
     heading(f"cluster: {per} concurrent awaits of keys only L3 holds (3 masters), "
             f"{rounds} rounds")
     print(f"{'face':42} {'reads/s':>10} {'worst lag':>10} {'p99 lag':>8}")
-    for name, ops, t in (("kvcomm.aio (L3 reads in the pool)", a_ops, a_lag),
+    for name, ops, t in (("kvcomm.aio (L3 reads gathered, in the pool)", a_ops, a_lag),
                          ("sync client inline on the loop", s_ops, s_lag)):
         print(f"{name:42} {ops:>10,.0f} {t.worst * 1000:>8.1f}ms {t.p99 * 1000:>6.1f}ms")
 

@@ -23,7 +23,10 @@ Each call runs **inline on the event loop's thread** unless it would wait: the w
 lock held past 200 µs (``_l2core.set_inline_wait``) or the network (L3, etcd:
 ``_client.base._network``) raise ``WouldBlock`` before anything is done, and the whole
 call runs again in a bounded thread pool (32 threads, shared by the process's async
-clients), awaited. A watch waits on a *bell* thread that wakes the loop only when the
+clients), awaited. Reads of keys only L3 holds, awaited at once by many coroutines, are
+gathered: the reads met in one pass of the loop go to L3 as one pipeline per master, in
+one thread (a round trip per key, each in a thread of its own, would take the pool and
+the interpreter's lock from the loop). A watch waits on a *bell* thread that wakes the loop only when the
 feed's head moved. A cancelled call still running in the pool is waited for, then the
 cancellation reaches the task (a write it made may or may not have been applied).
 
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._client import Client, Event, Item, Presence
 from ._client import open as _open_sync
+from ._client.cluster_read import L3Read
 from ._client.scan import check_scan_args
 from ._client.watch import WatchFeed
 from ._l2core import WouldBlock, set_inline_wait
@@ -56,6 +60,7 @@ __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
 INLINE_LOCK_WAIT = 0.0002  # s: the longest a call on the loop waits for a held writer lock
 POOL_SIZE = 32  # threads for calls that must wait (the network, a held lock), per process
 _SCAN_CHUNK = 256  # items of a scan read per step (inline, or per thread hop)
+_L3_READS = 256  # keys of L3 reads gathered into one thread's pipelined read, at most
 _BELL_IDLE_MAX = 0.005  # s: the bell's longest pause between two looks at the feed head
 _CLUSTER_POLL = 0.005  # s: a cluster-mode watch's look at its etcd watch and daemon status
 
@@ -87,6 +92,8 @@ def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     prev = set_inline_wait(INLINE_LOCK_WAIT)
     try:
         return fn(*args, **kwargs)
+    except L3Read as read:  # (a read for L3: kvcomm.aio may gather it with others)
+        return read
     except WouldBlock:
         return _WOULD_WAIT
     finally:
@@ -106,6 +113,14 @@ def _awaited(name: str, sync_fn: Callable[..., Any]) -> Callable[..., Awaitable[
     async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self._kv, name)
         out = _inline(fn, args, kwargs)
+        if out.__class__ is L3Read:
+            if name in _GATHERED and out.key == (args[0] if args else kwargs.get("key")):
+                item = await self._read_l3(out.key)
+                if name == "get_item":
+                    return item
+                return (args[1] if len(args) > 1 else kwargs.get("default")) if item is None \
+                    else item.value
+            out = _WOULD_WAIT
         if out is _WOULD_WAIT:
             out = await self._off_loop(fn, args, kwargs)
         return out
@@ -113,6 +128,9 @@ def _awaited(name: str, sync_fn: Callable[..., Any]) -> Callable[..., Awaitable[
     functools.update_wrapper(method, sync_fn)  # name, docstring; signature via __wrapped__
     method.__doc__ = f"Awaited :meth:`kvcomm.Client.{name}`.\n\n{sync_fn.__doc__ or ''}"
     return method
+
+
+_GATHERED = frozenset({"get", "get_item"})  # (their answer is the L3 read's: _read_l3)
 
 
 class AsyncClient:
@@ -124,6 +142,9 @@ class AsyncClient:
         self._inflight: set[Future[Any]] = set()  # calls running in the pool
         self.off_loop = 0  # calls that ran in the pool (they would have waited on the loop)
         self._bell: _FeedBell | None = None
+        # L3 reads awaited, not yet sent (_read_l3): one per awaiting coroutine, so bounded
+        # by the caller's own concurrency; sent _L3_READS at a time
+        self._l3_waiting: list[tuple[str, asyncio.Future[Any]]] = []
 
     @property
     def sync(self) -> Client:
@@ -144,9 +165,37 @@ class AsyncClient:
                        kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` inline, or in the pool if it would wait."""
         out = _inline(fn, args, kwargs)
-        if out is _WOULD_WAIT:
+        if out is _WOULD_WAIT or out.__class__ is L3Read:
             out = await self._off_loop(fn, args, kwargs)
         return out
+
+    def _read_l3(self, key: str) -> asyncio.Future[Any]:
+        """The Item (or None) of ``key``, an L2 miss for L3 (:class:`L3Read`), read with
+        the other L3 reads awaited in this pass of the loop: one
+        ``Client._get_l3_many`` in the pool for up to _L3_READS keys, one pipeline of
+        GETs per master. A read changes nothing the caller sees: cancelled, its answer is
+        dropped (the pipeline goes on; :meth:`close` waits for it)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self._l3_waiting:
+            loop.call_soon(self._send_l3_reads, loop)
+        self._l3_waiting.append((key, fut))
+        return fut
+
+    def _send_l3_reads(self, loop: asyncio.AbstractEventLoop) -> None:
+        reads = self._l3_waiting[:_L3_READS]
+        del self._l3_waiting[:_L3_READS]
+        if self._l3_waiting:
+            loop.call_soon(self._send_l3_reads, loop)
+        reads = [(key, fut) for key, fut in reads if not fut.done()]  # (cancelled: dropped)
+        if not reads:
+            return
+        cf = _executor().submit(self._kv._get_l3_many, [(key, None, True) for key, _f in reads])
+        self.off_loop += 1
+        self._inflight.add(cf)
+        cf.add_done_callback(self._inflight.discard)
+        asyncio.wrap_future(cf, loop=loop).add_done_callback(
+            functools.partial(_answer_l3_reads, reads))
 
     async def _off_loop(self, fn: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:
@@ -283,6 +332,25 @@ for _name, _fn in _public(Client).items():
     if _name not in _OWN_FACES:
         setattr(AsyncClient, _name, _awaited(_name, _fn))
 del _name, _fn
+
+
+def _answer_l3_reads(reads: list[tuple[str, asyncio.Future[Any]]],
+                     done: asyncio.Future[list[Any]]) -> None:
+    """Hand each awaiting read its answer from ``Client._get_l3_many`` (an exception in
+    an answer's place is that read's own), or the exception the whole read raised."""
+    exc = None if done.cancelled() else done.exception()
+    answers: list[Any] = [] if exc is not None or done.cancelled() else done.result()
+    for i, (_key, fut) in enumerate(reads):
+        if fut.done():
+            continue
+        if done.cancelled():
+            fut.cancel()
+        elif exc is not None:
+            fut.set_exception(exc)
+        elif isinstance(answers[i], BaseException):
+            fut.set_exception(answers[i])
+        else:
+            fut.set_result(answers[i])
 
 
 def _take(it: Iterator[Item], n: int) -> list[Item]:

@@ -6,15 +6,28 @@ import threading
 import time
 from typing import Any
 
+from .._l2core import WouldBlock
 from .._threads import start_quiet
 from ..core.expiry import expired
 from ..core.versions import Version
-from ..errors import Unavailable, ValueTooLarge
+from ..errors import KVCommError, Unavailable, ValueTooLarge
 from .base import _FILL_WITHIN, _network
 from .items import Item
 from .merge import Merging
 
 _OPENING = threading.Lock()  # (a client's L3 open in flight: _open_l3)
+_ASK: Any = object()  # (_get_l3_many: a read L3 answers)
+
+
+class L3Read(WouldBlock):
+    """An L2 miss of ``key`` in cluster mode, met on an event loop's thread (kvcomm.aio's
+    inline attempt): the read is for L3, nothing was read. kvcomm.aio gathers such reads
+    into one :meth:`ClusterReads._get_l3_many` in a thread; anywhere else it is the
+    WouldBlock it is (the whole call runs again in a thread)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"{key!r} is read from L3, a network round trip")
+        self.key = key
 
 
 class ClusterReads(Merging):
@@ -30,15 +43,83 @@ class ClusterReads(Merging):
         asked. Raises Unavailable (L3 unreachable; at once when the host's daemon is in
         partition mode, Redis out of its reach), CorruptRecord (the L3 value of this key
         is not a valid KVCOMM record; nothing is written to L2) and ConfigError
-        (``cluster.groups`` is not the count L3 was initialised with).
+        (``cluster.groups`` is not the count L3 was initialised with); on an event loop's
+        thread (kvcomm.aio's inline attempt) L3Read, nothing read: the read is for L3.
         """
         now = time.monotonic()
+        ask = self._l3_ask(key, now)
+        if ask is None:
+            return None if want_item else default
+        self._l3_reachable(f"{key!r} is not on this host and")
+        try:
+            l3 = self._l3_store()  # (before counting)
+        except WouldBlock:
+            raise L3Read(key) from None
+        self.counters["l3_reads"] += 1
+        return self._l3_answer(key, l3.get(key), now, ask, default, want_item)
+
+    def _get_l3_many(self, reads: list[tuple[str, Any, bool]]) -> list[Any]:
+        """kvcomm.aio's reads of keys this host does not hold (``(key, default,
+        want_item)``, each one whose inline attempt raised L3Read), in a thread: one
+        pipeline of GETs per master for all of them, not a round trip each. Per read, what
+        :meth:`_get_l3` returns, or the exception it raises (returned in its place:
+        CorruptRecord for that key alone). A master out of reach fails only its own keys:
+        the reads are then asked one by one. Raises what opening L3 raises."""
+        now = time.monotonic()
+        asks: dict[str, Any] = {}
+        out: list[Any] = []
+        for key, default, want_item in reads:
+            self._l2_misses += 1  # (the inline attempt took its miss back)
+            try:
+                ask = asks[key] if key in asks else self._l3_ask(key, now)
+            except KVCommError as exc:
+                out.append(exc)
+                continue
+            if ask is None:
+                out.append(None if want_item else default)
+            else:
+                asks[key] = ask
+                out.append(_ASK)
+        if not asks:
+            return out
+        try:
+            self._l3_reachable("these keys are not on this host and")
+        except Unavailable as exc:
+            return [exc if o is _ASK else o for o in out]
+        l3 = self._l3_store()
+        self.counters["l3_reads"] += len(asks)
+        try:
+            recs: dict[str, Any] = l3.get_many(asks)
+        except Unavailable:  # (a master out of reach: each key asked alone, its own answer)
+            recs = {}
+            for key in asks:
+                try:
+                    recs[key] = l3.get(key)
+                except KVCommError as exc:
+                    recs[key] = exc
+        for i, (key, default, want_item) in enumerate(reads):
+            if out[i] is not _ASK:
+                continue
+            rec = recs.get(key)
+            if isinstance(rec, BaseException):
+                out[i] = rec
+                continue
+            try:
+                out[i] = self._l3_answer(key, rec, now, asks[key], default, want_item)
+            except KVCommError as exc:
+                out[i] = exc
+        return out
+
+    def _l3_ask(self, key: str, now: float) -> tuple[int, Any] | None:
+        """Whether ``key`` (an L2 miss) is for L3: None when the negative cache or the
+        host's key filter answers "absent" (counted), else what :meth:`_l3_answer` needs
+        of the filter as it was before the read."""
         note = self._negative.entry(key, now)
         if note is not None:
             if self._still_absent(key, note):
                 self._negative.hit()
                 self.counters["negative_hits"] += 1
-                return None if want_item else default
+                return None
             self._negative.invalidate(key)
             self.counters["negative_rechecks"] += 1
         kf = self._key_filter()
@@ -47,11 +128,14 @@ class ClusterReads(Merging):
         if kf is not None and not kf.may_exist(key.encode("utf-8", "surrogatepass")):
             self.counters["filter_hits"] += 1
             self._negative.note_absent(key, now, stamp, False)
-            return None if want_item else default
-        self._l3_reachable(f"{key!r} is not on this host and")
-        l3 = self._l3_store()  # (before counting: on an event loop's thread, WouldBlock)
-        self.counters["l3_reads"] += 1
-        rec = l3.get(key)
+            return None
+        return stamp, m
+
+    def _l3_answer(self, key: str, rec: Any, now: float, ask: tuple[int, Any], default: Any,
+                   want_item: bool) -> Any:
+        """What a read of ``key`` returns given L3's record ``rec`` (None: absent), read
+        after ``now`` and :meth:`_l3_ask`: absent remembered, or the value filled into L2."""
+        stamp, m = ask
         # (L3Record.deadline unpacks the extension field: once)
         if rec is None or rec.tombstone or expired(deadline := rec.deadline, time.time()):
             self.counters["l3_absent"] += 1
