@@ -115,7 +115,7 @@ def _awaited(name: str, sync_fn: Callable[..., Any]) -> Callable[..., Awaitable[
         out = _inline(fn, args, kwargs)
         if out.__class__ is L3Read:
             if name in _GATHERED and out.key == (args[0] if args else kwargs.get("key")):
-                item = await self._read_l3(out.key)
+                item = await self._read_l3(out.key, out.timed)
                 if name == "get_item":
                     return item
                 return (args[1] if len(args) > 1 else kwargs.get("default")) if item is None \
@@ -143,8 +143,10 @@ class AsyncClient:
         self.off_loop = 0  # calls that ran in the pool (they would have waited on the loop)
         self._bell: _FeedBell | None = None
         # L3 reads awaited, not yet sent (_read_l3): one per awaiting coroutine, so bounded
-        # by the caller's own concurrency; sent _L3_READS at a time
-        self._l3_waiting: list[tuple[str, asyncio.Future[Any]]] = []
+        # by the caller's own concurrency; sent _L3_READS at a time, by the loop they
+        # were awaited on (_l3_loop)
+        self._l3_waiting: list[tuple[str, bool, asyncio.Future[Any]]] = []
+        self._l3_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def sync(self) -> Client:
@@ -169,7 +171,7 @@ class AsyncClient:
             out = await self._off_loop(fn, args, kwargs)
         return out
 
-    def _read_l3(self, key: str) -> asyncio.Future[Any]:
+    def _read_l3(self, key: str, timed: bool = False) -> asyncio.Future[Any]:
         """The Item (or None) of ``key``, an L2 miss for L3 (:class:`L3Read`), read with
         the other L3 reads awaited in this pass of the loop: one
         ``Client._get_l3_many`` in the pool for up to _L3_READS keys, one pipeline of
@@ -177,20 +179,27 @@ class AsyncClient:
         dropped (the pipeline goes on; :meth:`close` waits for it)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if loop is not self._l3_loop:  # (reads left by a loop that stopped before sending
+            # them: their coroutines went with it, nobody awaits them)
+            self._l3_waiting.clear()
+            self._l3_loop = loop
         if not self._l3_waiting:
             loop.call_soon(self._send_l3_reads, loop)
-        self._l3_waiting.append((key, fut))
+        self._l3_waiting.append((key, timed, fut))
         return fut
 
     def _send_l3_reads(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._l3_loop:
+            return  # (another loop took the client over: its reads are its own)
         reads = self._l3_waiting[:_L3_READS]
         del self._l3_waiting[:_L3_READS]
         if self._l3_waiting:
             loop.call_soon(self._send_l3_reads, loop)
-        reads = [(key, fut) for key, fut in reads if not fut.done()]  # (cancelled: dropped)
+        reads = [r for r in reads if not r[2].done()]  # (cancelled: dropped)
         if not reads:
             return
-        cf = _executor().submit(self._kv._get_l3_many, [(key, None, True) for key, _f in reads])
+        cf = _executor().submit(self._kv._get_l3_many,
+                                [(key, None, True, timed) for key, timed, _f in reads])
         self.off_loop += 1
         self._inflight.add(cf)
         cf.add_done_callback(self._inflight.discard)
@@ -303,6 +312,9 @@ class AsyncClient:
         """Close the client: waits for its calls still running in the pool (cancelled ones
         included), then :meth:`kvcomm.Client.close` (off the loop: it may wait for the
         writer lock). Idempotent."""
+        loop = asyncio.get_running_loop()
+        while self._l3_waiting and self._l3_loop is loop:  # (awaited before close: sent now,
+            self._send_l3_reads(loop)  # and waited for below, not run on the closed client)
         pending = list(self._inflight)
         if pending:
             await asyncio.wait([asyncio.wrap_future(f) for f in pending])
@@ -334,13 +346,13 @@ for _name, _fn in _public(Client).items():
 del _name, _fn
 
 
-def _answer_l3_reads(reads: list[tuple[str, asyncio.Future[Any]]],
+def _answer_l3_reads(reads: list[tuple[str, bool, asyncio.Future[Any]]],
                      done: asyncio.Future[list[Any]]) -> None:
     """Hand each awaiting read its answer from ``Client._get_l3_many`` (an exception in
     an answer's place is that read's own), or the exception the whole read raised."""
     exc = None if done.cancelled() else done.exception()
     answers: list[Any] = [] if exc is not None or done.cancelled() else done.result()
-    for i, (_key, fut) in enumerate(reads):
+    for i, (_key, _timed, fut) in enumerate(reads):
         if fut.done():
             continue
         if done.cancelled():

@@ -28,6 +28,7 @@ class L3Read(WouldBlock):
     def __init__(self, key: str) -> None:
         super().__init__(f"{key!r} is read from L3, a network round trip")
         self.key = key
+        self.timed = False  # (the read's turn to be timed, metrics: _get_slow sets it)
 
 
 class ClusterReads(Merging):
@@ -58,17 +59,18 @@ class ClusterReads(Merging):
         self.counters["l3_reads"] += 1
         return self._l3_answer(key, l3.get(key), now, ask, default, want_item)
 
-    def _get_l3_many(self, reads: list[tuple[str, Any, bool]]) -> list[Any]:
+    def _get_l3_many(self, reads: list[tuple[str, Any, bool, bool]]) -> list[Any]:
         """kvcomm.aio's reads of keys this host does not hold (``(key, default,
-        want_item)``, each one whose inline attempt raised L3Read), in a thread: one
-        pipeline of GETs per master for all of them, not a round trip each. Per read, what
+        want_item, timed)``, each one whose inline attempt raised L3Read; ``timed``: its
+        turn to be timed, metrics), in a thread: one pipeline of GETs per master for all
+        of them, not a round trip each (a key asked twice is read once). Per read, what
         :meth:`_get_l3` returns, or the exception it raises (returned in its place:
         CorruptRecord for that key alone). A master out of reach fails only its own keys:
         the reads are then asked one by one. Raises what opening L3 raises."""
-        now = time.monotonic()
+        now, t0 = time.monotonic(), time.perf_counter_ns()
         asks: dict[str, Any] = {}
         out: list[Any] = []
-        for key, default, want_item in reads:
+        for key, default, want_item, _timed in reads:
             self._l2_misses += 1  # (the inline attempt took its miss back)
             try:
                 ask = asks[key] if key in asks else self._l3_ask(key, now)
@@ -81,7 +83,7 @@ class ClusterReads(Merging):
                 asks[key] = ask
                 out.append(_ASK)
         if not asks:
-            return out
+            return self._timed_many(reads, out, t0)
         try:
             self._l3_reachable("these keys are not on this host and")
         except Unavailable as exc:
@@ -97,17 +99,33 @@ class ClusterReads(Merging):
                     recs[key] = l3.get(key)
                 except KVCommError as exc:
                     recs[key] = exc
-        for i, (key, default, want_item) in enumerate(reads):
+        items: dict[str, Any] = {}  # (each key's answer made once: one L3 read, one count)
+        for i, (key, default, want_item, _timed) in enumerate(reads):
             if out[i] is not _ASK:
                 continue
-            rec = recs.get(key)
-            if isinstance(rec, BaseException):
-                out[i] = rec
-                continue
-            try:
-                out[i] = self._l3_answer(key, rec, now, asks[key], default, want_item)
-            except KVCommError as exc:
-                out[i] = exc
+            if key not in items:
+                rec = recs.get(key)
+                if isinstance(rec, BaseException):
+                    items[key] = rec
+                else:
+                    try:
+                        items[key] = self._l3_answer(key, rec, now, asks[key], None, True)
+                    except KVCommError as exc:
+                        items[key] = exc
+            item = items[key]
+            out[i] = item if want_item or isinstance(item, BaseException) else \
+                default if item is None else item.value
+        return self._timed_many(reads, out, t0)
+
+    def _timed_many(self, reads: list[tuple[str, Any, bool, bool]], out: list[Any],
+                    t0: int) -> list[Any]:
+        """``out``, the latency of :meth:`_get_l3_many` since ``t0`` noted for each of its
+        reads whose turn it was to be timed (tier ``l3``, or ``absent``)."""
+        ns = time.perf_counter_ns() - t0
+        for (_key, _default, _want_item, timed), o in zip(reads, out, strict=True):
+            if timed and not isinstance(o, BaseException):
+                self._note_latency("get", "absent" if o is None else getattr(o, "tier", "l3"),
+                                   ns)
         return out
 
     def _l3_ask(self, key: str, now: float) -> tuple[int, Any] | None:

@@ -11,7 +11,7 @@ from ..errors import InvalidKey, KVCommError, SegmentError
 from ..tiers.l2 import TAG_TOMBSTONE
 from .attach import _register_view
 from .base import _BYTES, _NDARRAY
-from .cluster_read import ClusterReads
+from .cluster_read import ClusterReads, L3Read
 from .items import Item
 
 _UNREAD: Any = object()  # (_get_slow: no record handed in, L2 is read)
@@ -63,7 +63,11 @@ class Reads(ClusterReads):
             self._live()
         self._lat_left -= 1
         if self._lat_left <= 0:  # this read's turn to be timed (metrics): as an Item (its tier)
-            item = self._timed("get", self._get_slow, key, None, True, l3)
+            try:
+                item = self._timed("get", self._get_slow, key, None, True, l3)
+            except L3Read as read:  # (kvcomm.aio's gathered read times it: _get_l3_many)
+                read.timed = True
+                raise
             return item if want_item else default if item is None else item.value
         if self._strong_on and self._is_strong(key, None):
             item = self._strong.get_item(key)
