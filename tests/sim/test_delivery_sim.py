@@ -97,6 +97,11 @@ SHORT_P = 0.15
 # feed entries: every one value-less, a mix (the sim's records are 60-80 bytes), all inline
 INLINE = (0, 70, None)
 UNREAD = (0, 1, 2)  # cluster.unread_changes: held keys refreshed always, or dropped unread
+# Puller.held_back_max: as cluster.outbound_max sets it (None: the default), or 2, crossed
+# often (more of the sim's keys are held back at once: the oldest dropped, read again once
+# delivered). Set on the puller alone: outbound_max 2 would also release held-short writes
+# from Unconfirmed, which gives up watching for their loss by design.
+HELD_BACK = (None, 2)
 
 
 class Sim:
@@ -106,6 +111,7 @@ class Sim:
         self.clock = Clock()
         self.inline = INLINE[seed % len(INLINE)]
         self.unread_changes = UNREAD[seed // len(INLINE) % len(UNREAD)]
+        self.held_back = HELD_BACK[seed // (len(INLINE) * len(UNREAD)) % len(HELD_BACK)]
         self.l3 = FakeL3(random.Random(self.rng.random()), durable_p=0.8, hint_loss_p=0.1,
                          feed_inline=self.inline, short_p=SHORT_P)
         self.hung_until: dict[str, float] = {}  # master taken for down → when it answers
@@ -128,6 +134,8 @@ class Sim:
                                   sleep=self.clock.sleep, wall=self.clock)
             except kvcomm.Unavailable:
                 return None  # L3 down at start: the CLI waits and retries too
+            if self.held_back is not None:
+                h.daemon.puller.held_back_max = self.held_back
         return h.daemon
 
     def retire(self, h: Host) -> None:
@@ -303,9 +311,9 @@ def test_hosts_converge_and_lose_nothing_under_faults() -> None:
     for seed in seeds + ([] if "DELIVERY_SEED" in os.environ else list(extra)):
         if seed > seeds[-1] and all(totals.get(n, 0) > 0 for n in FAULTS):
             break
-        print(f"seed={seed} feed_inline={INLINE[seed % len(INLINE)]} "
-              f"unread_changes={UNREAD[seed // len(INLINE) % len(UNREAD)]}")
         sim = Sim(seed)
+        print(f"seed={seed} feed_inline={sim.inline} unread_changes={sim.unread_changes} "
+              f"held_back_max={sim.held_back or 'default'}")
         sim.run(600)
         for name, n in sim.totals().items():
             totals[name] = totals.get(name, 0) + n
@@ -645,3 +653,51 @@ def test_a_late_fill_of_a_record_l3_lost_does_not_shadow_l3s_current_record(
     refills_lost = d.stats.extra.get("refills_lost", 0)
     assert _holds_l3s(l2, l3, key), (
         f"h1 holds {l2.recs[key]} (refills_lost={refills_lost}), L3 holds {l3.records[key]}")
+
+
+@pytest.mark.parametrize("dropped_max", [None, 1], ids=["remembered", "remembered_keys_full"])
+def test_held_records_past_the_bound_are_dropped_and_read_again_once_delivered(
+        dropped_max: int | None) -> None:
+    """More records held back than Puller.held_back_max (2 here, as cluster.outbound_max
+    2 sets it): each a merge of this host's write, answered short (kept dirty until a
+    probe confirms it), with another host's write. Past the bound the oldest held record
+    was merged, which made its write clean before any durable answer (the loss the
+    hold-back closes); it is dropped instead, its key remembered, and read from L3 again
+    once the write is delivered: no write is made clean early, and the other host's
+    writes reach this host all the same. With the remembered keys full (dropped_max 1)
+    the oldest is read again at once: held back again while its write is dirty."""
+    l3 = FakeL3(random.Random(1), short_p=1.0)
+    keys = [f"k/{i}" for i in range(5)]
+    for key in keys:
+        _theirs(l3, key)
+    theirs = {key: l3.records[key].dot for key in keys}
+    d, l2, clock = _one_host(l3)
+    d.confirm_at = float("inf")  # (no probe: every write stays held short)
+    d.puller.held_back_max = 2
+    if dropped_max is not None:
+        d.puller.dropped_max = dropped_max
+    dots = {}
+    for key in keys:
+        l2.put(key, b"mine")
+        dots[key] = l2.writes[-1][1]
+    for _ in range(20):
+        _rounds(d, clock, 1)
+        for key in keys:  # no held write made clean before its push was answered
+            assert l2.recs[key].dirty, (key, l2.recs[key], d.puller.held_back.keys())
+        assert len(d.puller.held_back) <= 2 and len(d.puller.dropped) <= d.puller.dropped_max
+    for key in keys:
+        assert key in d.out.unconfirmed.by_key and covers(l3.records[key].vector, theirs[key])
+    extra = d.stats.extra
+    assert extra.get("held_back", 0) >= len(keys) and extra.get("held_back_dropped", 0) >= 3
+    if dropped_max is not None:
+        assert extra.get("held_back_reread", 0) >= 1  # (read again while still dirty)
+    l3.short_p = 0.0
+    d.confirm_at = 0.0
+    _rounds(d, clock, 40)
+    assert extra.get("unconfirmed_confirmed", 0) >= 1 and not d.out.unconfirmed
+    for key in keys:  # nothing lost: this host holds L3's merge of both writes
+        assert covers(l3.records[key].vector, dots[key]) and _holds_l3s(l2, l3, key), \
+            (key, l2.recs[key], l3.records[key])
+        assert covers(l2.recs[key].vector, theirs[key])
+    assert not d.puller.held_back and not d.puller.dropped and not d.puller.refetch
+    assert not l2.anomalies
