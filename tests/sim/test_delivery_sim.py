@@ -29,6 +29,7 @@ import pytest
 import kvcomm
 from kvcomm.core.versions import covers
 from kvcomm.node.daemon import Daemon
+from kvcomm.node.pull import REREAD
 from tests.support import ROOT
 from tests.support.delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3, Value, group_of
 
@@ -299,7 +300,8 @@ FAULTS = ("down", "failover", "trim", "crash", "stop", "pause", "lost_in_failove
           "hint_entries",  # (value-less entries applied from their hints, no feed read)
           "unread_dropped",  # (held keys no agent read since their last change: dropped)
           "hang", "unreached", "unparked", "unreached_sweeps",  # (a master taken for down)
-          "held_back")  # (records read over a write not answered durable: merged once delivered)
+          "held_back",  # (records read over a write not answered durable: merged once delivered)
+          "held_back_dropped")  # (past held_back_max 2: dropped, read again once delivered)
 
 
 def test_hosts_converge_and_lose_nothing_under_faults() -> None:
@@ -665,7 +667,7 @@ def test_held_records_past_the_bound_are_dropped_and_read_again_once_delivered(
     hold-back closes); it is dropped instead, its key remembered, and read from L3 again
     once the write is delivered: no write is made clean early, and the other host's
     writes reach this host all the same. With the remembered keys full (dropped_max 1)
-    the oldest is read again at once: held back again while its write is dirty."""
+    the oldest is read again at the next round: held back again while its write is dirty."""
     l3 = FakeL3(random.Random(1), short_p=1.0)
     keys = [f"k/{i}" for i in range(5)]
     for key in keys:
@@ -690,14 +692,48 @@ def test_held_records_past_the_bound_are_dropped_and_read_again_once_delivered(
     extra = d.stats.extra
     assert extra.get("held_back", 0) >= len(keys) and extra.get("held_back_dropped", 0) >= 3
     if dropped_max is not None:
-        assert extra.get("held_back_reread", 0) >= 1  # (read again while still dirty)
+        assert extra.get("held_back_early", 0) >= 1  # (read again while still dirty)
     l3.short_p = 0.0
     d.confirm_at = 0.0
     _rounds(d, clock, 40)
     assert extra.get("unconfirmed_confirmed", 0) >= 1 and not d.out.unconfirmed
+    assert extra.get("held_back_reread", 0) >= 1  # (dropped keys read at their delivery)
     for key in keys:  # nothing lost: this host holds L3's merge of both writes
         assert covers(l3.records[key].vector, dots[key]) and _holds_l3s(l2, l3, key), \
             (key, l2.recs[key], l3.records[key])
         assert covers(l2.recs[key].vector, theirs[key])
     assert not d.puller.held_back and not d.puller.dropped and not d.puller.refetch
     assert not l2.anomalies
+
+
+def test_a_dropped_key_delivered_while_l3_is_down_is_read_at_a_later_round() -> None:
+    """A write whose held record was dropped past the bound is delivered (as a probe's
+    confirmation does) while L3 cannot be read: the key is read again at a later round
+    (Puller.refetch) instead, and the host then holds L3's merge of both hosts' writes."""
+    l3 = FakeL3(random.Random(1), short_p=1.0)
+    keys = [f"k/{i}" for i in range(3)]
+    for key in keys:
+        _theirs(l3, key)
+    d, l2, clock = _one_host(l3)
+    d.confirm_at = float("inf")
+    d.puller.held_back_max = 1
+    for key in keys:
+        l2.put(key, b"mine")
+    _rounds(d, clock, 5)
+    assert len(d.puller.dropped) >= 2 and all(l2.recs[k].dirty for k in keys)
+    key = next(k for k in d.puller.dropped if k not in d.puller.held_back)
+    record = l2.dirty_record(key)
+    assert record is not None
+    l3.cut = True
+    d.pusher._deliver(key, record)  # (its confirmation, L3 unreadable right after)
+    l3.cut = False
+    assert not l2.recs[key].dirty and d.puller.refetch.get(key) is REREAD
+    assert key not in d.puller.dropped and not _holds_l3s(l2, l3, key)
+    _rounds(d, clock, 2)
+    assert _holds_l3s(l2, l3, key) and key not in d.puller.refetch
+    l3.short_p = 0.0
+    d.confirm_at = 0.0
+    _rounds(d, clock, 40)
+    for key in keys:
+        assert _holds_l3s(l2, l3, key), (key, l2.recs[key], l3.records[key])
+    assert not d.puller.held_back and not d.puller.dropped and not l2.anomalies

@@ -585,8 +585,8 @@ class Puller:
         so no other host's write in it is lost to this host. A held record that no longer
         covers a dirty write (its write was delivered, or superseded, and no release came)
         is merged, as release would. Past :attr:`dropped_max` remembered keys the oldest
-        is read again at once (:attr:`refetch`, counted ``held_back_reread``): what L3
-        answers is applied through :meth:`apply` like any record, so it is held back
+        is read again at the next round (:attr:`refetch`, counted ``held_back_early``):
+        what L3 answers is applied through :meth:`apply` like any record, so it is held back
         again while its write is still dirty, and merged once it is not — a read too
         early, never a write made clean or missed."""
         if not self._covers_dirty(key, record):
@@ -609,7 +609,8 @@ class Puller:
             while len(self.dropped) > self.dropped_max:
                 first = next(iter(self.dropped))
                 del self.dropped[first]
-                self._reread(first)
+                self.stats.bump("held_back_early")
+                self._reread_later(first)
         return True
 
     def _covers_dirty(self, key: str, record: L3Record) -> bool:
@@ -636,18 +637,31 @@ class Puller:
         """A push of ``key`` was answered (its write delivered, or written again): merge
         the record held back for it, if any (held back again if it still covers a dirty
         write); a key whose held record was dropped past the bound is read from L3 again
-        (:attr:`refetch`: at the next round's refill). Raises what :meth:`apply` raises."""
+        now, and what L3 holds applied (when L3 cannot be read: :attr:`refetch`, at the
+        next round's refill). Raises what :meth:`apply` raises."""
         if key in self.dropped:
             del self.dropped[key]
-            self._reread(key)
+            self.stats.bump("held_back_reread")
+            try:  # (now, not at the next round: a daemon killed meanwhile would leave
+                # the write clean without what L3 merged into it, the feed read past it)
+                self.q.guarded(key, "feed", self._read_again, key)
+            except Unavailable:
+                self._reread_later(key)
         record = self.held_back.pop(key, None)
         if record is not None:
             self.apply_or_forget(key, record)
 
-    def _reread(self, key: str) -> None:
-        """Have ``key`` read from L3 again and what L3 holds applied (:meth:`refill`, with
-        the skipped changes; kept for the next round while L3 cannot be read)."""
-        self.stats.bump("held_back_reread")
+    def _read_again(self, key: str) -> bool:
+        """Read ``key`` from L3 and apply what L3 holds. Raises Unavailable, CorruptRecord
+        and what :meth:`apply` raises."""
+        record = self.l3.get(key)
+        if record is not None:
+            self.apply_or_forget(key, record)
+        return True
+
+    def _reread_later(self, key: str) -> None:
+        """Have ``key`` read from L3 again and what L3 holds applied at the next round
+        (:meth:`refill`, with the skipped changes; kept while L3 cannot be read)."""
         self.refetch[key] = REREAD
 
     def apply_or_forget(self, key: str, record: L3Record) -> bool:
