@@ -29,6 +29,7 @@ import pytest
 import kvcomm
 from kvcomm.core.versions import covers
 from kvcomm.node.daemon import Daemon
+from kvcomm.node.pull import REREAD
 from tests.support import ROOT
 from tests.support.delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3, Value, group_of
 
@@ -97,6 +98,15 @@ SHORT_P = 0.15
 # feed entries: every one value-less, a mix (the sim's records are 60-80 bytes), all inline
 INLINE = (0, 70, None)
 UNREAD = (0, 1, 2)  # cluster.unread_changes: held keys refreshed always, or dropped unread
+# (Puller.held_back_max, Puller.dropped_max): as cluster.outbound_max sets them (None:
+# the defaults), or a bound of 2, crossed often (more of the sim's keys are held back at
+# once: the oldest dropped, read again once delivered), with its remembered keys at most 1
+# in a quarter of the seeds (the oldest then read again early, while still dirty). Set on
+# the puller alone: outbound_max 2 would also release held-short writes from Unconfirmed,
+# which gives up watching for their loss by design. (The recorded seeds below keep the
+# defaults.)
+HELD_BACK: tuple[tuple[int | None, int | None], ...] = (
+    (None, None), (2, None), (None, None), (2, 1))
 
 
 class Sim:
@@ -106,6 +116,7 @@ class Sim:
         self.clock = Clock()
         self.inline = INLINE[seed % len(INLINE)]
         self.unread_changes = UNREAD[seed // len(INLINE) % len(UNREAD)]
+        self.held_back = HELD_BACK[seed // (len(INLINE) * len(UNREAD)) % len(HELD_BACK)]
         self.l3 = FakeL3(random.Random(self.rng.random()), durable_p=0.8, hint_loss_p=0.1,
                          feed_inline=self.inline, short_p=SHORT_P)
         self.hung_until: dict[str, float] = {}  # master taken for down → when it answers
@@ -128,6 +139,11 @@ class Sim:
                                   sleep=self.clock.sleep, wall=self.clock)
             except kvcomm.Unavailable:
                 return None  # L3 down at start: the CLI waits and retries too
+            held_back_max, dropped_max = self.held_back
+            if held_back_max is not None:
+                h.daemon.puller.held_back_max = held_back_max
+            if dropped_max is not None:
+                h.daemon.puller.dropped_max = dropped_max
         return h.daemon
 
     def retire(self, h: Host) -> None:
@@ -291,7 +307,8 @@ FAULTS = ("down", "failover", "trim", "crash", "stop", "pause", "lost_in_failove
           "hint_entries",  # (value-less entries applied from their hints, no feed read)
           "unread_dropped",  # (held keys no agent read since their last change: dropped)
           "hang", "unreached", "unparked", "unreached_sweeps",  # (a master taken for down)
-          "held_back")  # (records read over a write not answered durable: merged once delivered)
+          "held_back",  # (records read over a write not answered durable: merged once delivered)
+          "held_back_dropped")  # (past held_back_max 2: dropped, read again once delivered)
 
 
 def test_hosts_converge_and_lose_nothing_under_faults() -> None:
@@ -303,9 +320,9 @@ def test_hosts_converge_and_lose_nothing_under_faults() -> None:
     for seed in seeds + ([] if "DELIVERY_SEED" in os.environ else list(extra)):
         if seed > seeds[-1] and all(totals.get(n, 0) > 0 for n in FAULTS):
             break
-        print(f"seed={seed} feed_inline={INLINE[seed % len(INLINE)]} "
-              f"unread_changes={UNREAD[seed // len(INLINE) % len(UNREAD)]}")
         sim = Sim(seed)
+        print(f"seed={seed} feed_inline={sim.inline} unread_changes={sim.unread_changes} "
+              f"held_back_max, dropped_max={sim.held_back}")
         sim.run(600)
         for name, n in sim.totals().items():
             totals[name] = totals.get(name, 0) + n
@@ -645,3 +662,85 @@ def test_a_late_fill_of_a_record_l3_lost_does_not_shadow_l3s_current_record(
     refills_lost = d.stats.extra.get("refills_lost", 0)
     assert _holds_l3s(l2, l3, key), (
         f"h1 holds {l2.recs[key]} (refills_lost={refills_lost}), L3 holds {l3.records[key]}")
+
+
+@pytest.mark.parametrize("dropped_max", [None, 1], ids=["remembered", "remembered_keys_full"])
+def test_held_records_past_the_bound_are_dropped_and_read_again_once_delivered(
+        dropped_max: int | None) -> None:
+    """More records held back than Puller.held_back_max (2 here, as cluster.outbound_max
+    2 sets it): each a merge of this host's write, answered short (kept dirty until a
+    probe confirms it), with another host's write. Past the bound the oldest held record
+    was merged, which made its write clean before any durable answer (the loss the
+    hold-back closes); it is dropped instead, its key remembered, and read from L3 again
+    once the write is delivered: no write is made clean early, and the other host's
+    writes reach this host all the same. With the remembered keys full (dropped_max 1)
+    the oldest is read again at the next round: held back again while its write is dirty."""
+    l3 = FakeL3(random.Random(1), short_p=1.0)
+    keys = [f"k/{i}" for i in range(5)]
+    for key in keys:
+        _theirs(l3, key)
+    theirs = {key: l3.records[key].dot for key in keys}
+    d, l2, clock = _one_host(l3)
+    d.confirm_at = float("inf")  # (no probe: every write stays held short)
+    d.puller.held_back_max = 2
+    if dropped_max is not None:
+        d.puller.dropped_max = dropped_max
+    dots = {}
+    for key in keys:
+        l2.put(key, b"mine")
+        dots[key] = l2.writes[-1][1]
+    for _ in range(20):
+        _rounds(d, clock, 1)
+        for key in keys:  # no held write made clean before its push was answered
+            assert l2.recs[key].dirty, (key, l2.recs[key], d.puller.held_back.keys())
+        assert len(d.puller.held_back) <= 2 and len(d.puller.dropped) <= d.puller.dropped_max
+    for key in keys:
+        assert key in d.out.unconfirmed.by_key and covers(l3.records[key].vector, theirs[key])
+    extra = d.stats.extra
+    assert extra.get("held_back", 0) >= len(keys) and extra.get("held_back_dropped", 0) >= 3
+    if dropped_max is not None:
+        assert extra.get("held_back_early", 0) >= 1  # (read again while still dirty)
+    l3.short_p = 0.0
+    d.confirm_at = 0.0
+    _rounds(d, clock, 40)
+    assert extra.get("unconfirmed_confirmed", 0) >= 1 and not d.out.unconfirmed
+    assert extra.get("held_back_reread", 0) >= 1  # (dropped keys read at their delivery)
+    for key in keys:  # nothing lost: this host holds L3's merge of both writes
+        assert covers(l3.records[key].vector, dots[key]) and _holds_l3s(l2, l3, key), \
+            (key, l2.recs[key], l3.records[key])
+        assert covers(l2.recs[key].vector, theirs[key])
+    assert not d.puller.held_back and not d.puller.dropped and not d.puller.refetch
+    assert not l2.anomalies
+
+
+def test_a_dropped_key_delivered_while_l3_is_down_is_read_at_a_later_round() -> None:
+    """A write whose held record was dropped past the bound is delivered (as a probe's
+    confirmation does) while L3 cannot be read: the key is read again at a later round
+    (Puller.refetch) instead, and the host then holds L3's merge of both hosts' writes."""
+    l3 = FakeL3(random.Random(1), short_p=1.0)
+    keys = [f"k/{i}" for i in range(3)]
+    for key in keys:
+        _theirs(l3, key)
+    d, l2, clock = _one_host(l3)
+    d.confirm_at = float("inf")
+    d.puller.held_back_max = 1
+    for key in keys:
+        l2.put(key, b"mine")
+    _rounds(d, clock, 5)
+    assert len(d.puller.dropped) >= 2 and all(l2.recs[k].dirty for k in keys)
+    key = next(k for k in d.puller.dropped if k not in d.puller.held_back)
+    record = l2.dirty_record(key)
+    assert record is not None
+    l3.cut = True
+    d.pusher._deliver(key, record)  # (its confirmation, L3 unreadable right after)
+    l3.cut = False
+    assert not l2.recs[key].dirty and d.puller.refetch.get(key) is REREAD
+    assert key not in d.puller.dropped and not _holds_l3s(l2, l3, key)
+    _rounds(d, clock, 2)
+    assert _holds_l3s(l2, l3, key) and key not in d.puller.refetch
+    l3.short_p = 0.0
+    d.confirm_at = 0.0
+    _rounds(d, clock, 40)
+    for key in keys:
+        assert _holds_l3s(l2, l3, key), (key, l2.recs[key], l3.records[key])
+    assert not d.puller.held_back and not d.puller.dropped and not l2.anomalies

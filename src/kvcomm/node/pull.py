@@ -36,6 +36,14 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
+# keys whose held-back record was dropped past Puller.held_back_max, remembered at most
+# (each to be read from L3 again once its write is delivered: Puller.release)
+DROPPED_MAX = 65_536
+# what Puller.refetch holds for a key to read from L3 again whatever L2 holds (refill: a
+# merged note is never taken as covered, and its record is read)
+REREAD = FeedNote("", 0, False, True)
+
+
 class Puller:
     """Other hosts' changes into L2: owns the inbound machine (:attr:`inb`), the
     skipped changes and those to read again, the unread counts, the clock-skew monitor
@@ -81,9 +89,13 @@ class Puller:
         self.hint_placed: set[int] = set()
         # key -> the latest record read from L3 that covers a write of this host L2 holds
         # dirty (its push not answered durable yet): not merged until that write is
-        # delivered (see apply), then merged (release)
+        # delivered (see apply), then merged (release). Past held_back_max the oldest is
+        # dropped, its key kept in ``dropped`` (oldest first; at most dropped_max): read
+        # from L3 again once the write is delivered (_hold_back)
         self.held_back: dict[str, L3Record] = {}
         self.held_back_max = max(1, cl.outbound_max)
+        self.dropped: dict[str, None] = {}
+        self.dropped_max = max(DROPPED_MAX, self.held_back_max)
 
     def start_feeds(self) -> None:
         """Subscribe to the groups' hints, then resume every group's feed from the saved
@@ -472,6 +484,9 @@ class Puller:
         self.stats.bump("refills", len(due))
         reread: set[str] = set()  # skipped records concurrent with the fill: L3 says which
         for key, got in list(due.items()):
+            if got is REREAD and not self.wants(key):
+                del due[key]  # (left L2 since: its next read goes to L3)
+                continue
             # (guarded: a record whose stored vector is junk is that key's problem, set
             # aside, not a SegmentError that would end the daemon)
             if isinstance(got, FeedNote) and self.q.guarded(key, "refill", self._covers_note,
@@ -560,13 +575,21 @@ class Puller:
 
     def _hold_back(self, key: str, record: L3Record) -> bool:
         """Whether ``record`` covers the dot of the dirty record L2 holds of ``key`` (then
-        kept in :attr:`held_back`, the newer of it and what was kept). Dots of this host
-        past its write sequence are an earlier life's (L2's merge rebases the write)."""
-        dirty = self.port.dirty_record(key)
-        if dirty is None:
-            return False
-        own = vector_get(record.vector, self.host)
-        if not 0 < dirty.dot[1] <= own <= self.port.write_sequence():
+        kept in :attr:`held_back`, the newer of it and what was kept).
+
+        Past :attr:`held_back_max` (records can be large) the oldest held record is
+        dropped, not merged (merged, it would make its write clean: the loss the hold-back
+        is for), counted ``held_back_dropped``, and its key remembered in :attr:`dropped`:
+        once the write is delivered, :meth:`release` has the key read from L3 again, and
+        what L3 holds then (the dropped record or one that descends from it) is applied,
+        so no other host's write in it is lost to this host. A held record that no longer
+        covers a dirty write (its write was delivered, or superseded, and no release came)
+        is merged, as release would. Past :attr:`dropped_max` remembered keys the oldest
+        is read again at the next round (:attr:`refetch`, counted ``held_back_early``):
+        what L3 answers is applied through :meth:`apply` like any record, so it is held back
+        again while its write is still dirty, and merged once it is not — a read too
+        early, never a write made clean or missed."""
+        if not self._covers_dirty(key, record):
             return False
         kept = self.held_back.pop(key, None)
         if kept is not None and compare_vectors(record.vector, kept.vector) is Ordering.BEFORE:
@@ -574,19 +597,72 @@ class Puller:
         self.held_back[key] = record
         if kept is None:
             self.stats.bump("held_back")
-        while len(self.held_back) > self.held_back_max:  # (bounded by the backlog anyway:
-            # past it, the oldest is merged as before, its write made clean)
+        while len(self.held_back) > self.held_back_max:
             old = next(iter(self.held_back))
-            self.q.guarded(old, "feed", self.port.apply_remote, old, self.held_back.pop(old))
+            rec = self.held_back.pop(old)
+            if self._stale(old, rec):
+                self.q.guarded(old, "feed", self.apply_or_forget, old, rec)
+                continue
+            self.stats.bump("held_back_dropped")
+            self.dropped.pop(old, None)
+            self.dropped[old] = None
+            while len(self.dropped) > self.dropped_max:
+                first = next(iter(self.dropped))
+                del self.dropped[first]
+                self.stats.bump("held_back_early")
+                self._reread_later(first)
         return True
+
+    def _covers_dirty(self, key: str, record: L3Record) -> bool:
+        """Whether ``record`` covers the dot of the dirty record L2 holds of ``key``. Dots
+        of this host past its write sequence are an earlier life's (L2's merge rebases
+        the write)."""
+        dirty = self.port.dirty_record(key)
+        if dirty is None:
+            return False
+        own = vector_get(record.vector, self.host)
+        return 0 < dirty.dot[1] <= own <= self.port.write_sequence()
+
+    def _stale(self, key: str, record: L3Record) -> bool:
+        """Whether the held ``record`` no longer covers a dirty write of ``key`` (False
+        when L2 cannot say: a junk record, set aside elsewhere). Raises Unavailable."""
+        try:
+            return not self._covers_dirty(key, record)
+        except Unavailable:
+            raise
+        except Exception:  # (kept as a dropped one: read again, never merged unknown)
+            return False
 
     def release(self, key: str) -> None:
         """A push of ``key`` was answered (its write delivered, or written again): merge
         the record held back for it, if any (held back again if it still covers a dirty
-        write). Raises what :meth:`apply` raises."""
+        write); a key whose held record was dropped past the bound is read from L3 again
+        now, and what L3 holds applied (when L3 cannot be read: :attr:`refetch`, at the
+        next round's refill). Raises what :meth:`apply` raises."""
+        if key in self.dropped:
+            del self.dropped[key]
+            self.stats.bump("held_back_reread")
+            try:  # (now, not at the next round: a daemon killed meanwhile would leave
+                # the write clean without what L3 merged into it, the feed read past it)
+                self.q.guarded(key, "feed", self._read_again, key)
+            except Unavailable:
+                self._reread_later(key)
         record = self.held_back.pop(key, None)
         if record is not None:
             self.apply_or_forget(key, record)
+
+    def _read_again(self, key: str) -> bool:
+        """Read ``key`` from L3 and apply what L3 holds. Raises Unavailable, CorruptRecord
+        and what :meth:`apply` raises."""
+        record = self.l3.get(key)
+        if record is not None:
+            self.apply_or_forget(key, record)
+        return True
+
+    def _reread_later(self, key: str) -> None:
+        """Have ``key`` read from L3 again and what L3 holds applied at the next round
+        (:meth:`refill`, with the skipped changes; kept while L3 cannot be read)."""
+        self.refetch[key] = REREAD
 
     def apply_or_forget(self, key: str, record: L3Record) -> bool:
         """:meth:`_apply`; if this host's L2 can never hold ``record``, drop the host's
