@@ -23,12 +23,14 @@ import random
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 import kvcomm
 from kvcomm.core.versions import covers
 from kvcomm.node.daemon import Daemon
+from kvcomm.node.delivery import Answer
 from kvcomm.node.pull import REREAD
 from tests.support import ROOT
 from tests.support.delivery_fakes import GROUPS, FakeKeys, FakeL2, FakeL3, Value, group_of
@@ -744,3 +746,38 @@ def test_a_dropped_key_delivered_while_l3_is_down_is_read_at_a_later_round() -> 
     for key in keys:
         assert _holds_l3s(l2, l3, key), (key, l2.recs[key], l3.records[key])
     assert not d.puller.held_back and not d.puller.dropped and not l2.anomalies
+
+
+def test_a_delivered_write_releases_what_was_held_back_even_when_taking_the_answer_fails(
+        ) -> None:
+    """A push answered delivered with L3's record to take: when taking it raises (L2
+    refuses it; the key is set aside), the write is delivered all the same, so what was
+    held back for it is merged now (Puller.release), not left waiting for an answer that
+    has come and gone; the error still reaches the caller."""
+    l3 = FakeL3(random.Random(1), short_p=1.0)
+    key = "k/0"
+    _theirs(l3, key)
+    d, l2, clock = _one_host(l3)
+    d.confirm_at = float("inf")
+    l2.put(key, b"mine")
+    _rounds(d, clock, 5)
+    assert key in d.puller.held_back and l2.recs[key].dirty
+    record = l2.dirty_record(key)
+    assert record is not None
+    take = d.puller.held_back[key]
+    released: list[str] = []
+    release = d.puller.release
+
+    def note_release(k: str) -> None:
+        released.append(k)
+        release(k)
+
+    def refuse(k: str, r: Any) -> bool:
+        raise kvcomm.ValueTooLarge("L2 cannot take it (the test)")
+
+    d.puller.release = note_release  # type: ignore[method-assign]
+    d.puller.apply = refuse  # type: ignore[method-assign]
+    answer = Answer(key, record, "merged", True, take, "")
+    with pytest.raises(kvcomm.ValueTooLarge):
+        d.pusher._carry_out(answer)
+    assert released == [key] and key not in d.puller.held_back

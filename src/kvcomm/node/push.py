@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..core.resolve import CONFLICT, EQUAL, MERGED, NEW, NEWER, OLDER
-from ..errors import CorruptRecord, Unavailable
+from ..errors import CorruptRecord, KVCommError, Unavailable
 from ..tiers.l2 import KIND_DELETE, KIND_PUT
 from ..tiers.l3 import (
     PUSH_BATCH,
@@ -282,8 +282,12 @@ class Pusher:
         the record aside)."""
         if answer.rebase and answer.take is not None:  # this host's L2 was lost: the
             self.stats.bump("rebased")  # write is new, not older: written again past L3's
-            if not self.port.rebase(answer.key, answer.take):
-                self.d.puller.apply(answer.key, answer.take)
+            try:
+                if not self.port.rebase(answer.key, answer.take):
+                    self.d.puller.apply(answer.key, answer.take)
+            except BaseException:
+                self._release_quietly(answer.key)
+                raise
             self.d.puller.release(answer.key)
             return
         if answer.outcome in (NEW, NEWER, EQUAL):
@@ -300,12 +304,27 @@ class Pusher:
             self.stats.bump("unconfirmed_held")
         if answer.deliver:
             self.port.mark_delivered(answer.key, answer.sent)
-        if answer.set_aside:  # retrying cannot help
-            if answer.outcome == CORRUPT:
-                self.stats.corrupt += 1
-            self.q.set_aside(answer.key, f"push to L3: CorruptRecord: {answer.set_aside}")
-        elif answer.take is not None:
-            self.d.puller.apply(answer.key, answer.take)
+        try:
+            if answer.set_aside:  # retrying cannot help
+                if answer.outcome == CORRUPT:
+                    self.stats.corrupt += 1
+                self.q.set_aside(answer.key, f"push to L3: CorruptRecord: {answer.set_aside}")
+            elif answer.take is not None:
+                self.d.puller.apply(answer.key, answer.take)
+        except BaseException:
+            if answer.deliver:  # (delivered all the same: what was held back for the
+                self._release_quietly(answer.key)  # write is due; the first error stands)
+            raise
         if answer.deliver:
             self.d.puller.release(answer.key)
+
+    def _release_quietly(self, key: str) -> None:
+        """Puller.release after an error that the caller raises (sets the key aside):
+        the write was delivered, so what was held back for it is merged (or read again)
+        now, not left waiting for an answer that has come; an error of the release itself
+        is left to the first's (the key is set aside once)."""
+        try:
+            self.d.puller.release(key)
+        except KVCommError:
+            pass
 
