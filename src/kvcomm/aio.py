@@ -196,15 +196,35 @@ class AsyncClient:
         if self._l3_waiting:
             loop.call_soon(self._send_l3_reads, loop)
         reads = [r for r in reads if not r[2].done()]  # (cancelled: dropped)
-        if not reads:
-            return
-        cf = _executor().submit(self._kv._get_l3_many,
-                                [(key, None, True, timed) for key, timed, _f in reads])
-        self.off_loop += 1
-        self._inflight.add(cf)
-        cf.add_done_callback(self._inflight.discard)
-        asyncio.wrap_future(cf, loop=loop).add_done_callback(
-            functools.partial(_answer_l3_reads, reads))
+        for part in self._by_master(reads):  # (a master that hangs holds up its own keys)
+            try:
+                cf = _executor().submit(self._kv._get_l3_many,
+                                        [(key, None, True, timed) for key, timed, _f in part])
+            except BaseException as exc:  # (the pool refuses: the interpreter shuts down)
+                for _key, _timed, fut in part:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            self.off_loop += 1
+            self._inflight.add(cf)
+            cf.add_done_callback(self._inflight.discard)
+            asyncio.wrap_future(cf, loop=loop).add_done_callback(
+                functools.partial(_answer_l3_reads, part))
+
+    def _by_master(self, reads: list[Any]) -> list[list[Any]]:
+        """``reads`` split by the Redis master serving each key (the L3 client's slot map,
+        no round trip), one pool call each, the masters read at the same time; whole
+        while L3 is not open yet (its first read opens it) or a key's slot is not mapped."""
+        l3 = self._kv._l3
+        if l3 is None or len(reads) <= 1:
+            return [reads] if reads else []
+        parts: dict[str, list[Any]] = {}
+        try:
+            for r in reads:
+                parts.setdefault(l3.master_of(r[0]), []).append(r)
+        except Exception:  # (a slot map without this slot: the read finds out, whole)
+            return [reads]
+        return list(parts.values())
 
     async def _off_loop(self, fn: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Any:

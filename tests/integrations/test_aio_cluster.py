@@ -44,7 +44,7 @@ def test_l3_reads_and_strong_keys_never_run_on_the_loop(dev: dict[str, Any]) -> 
         l3_threads: list[int] = []
         etcd_threads: list[int] = []
         record_threads(sync_b._l3_store(), "get", l3_threads)
-        record_threads(sync_b._l3_store(), "get_many", l3_threads)
+        record_threads(sync_b._l3_store(), "get_each", l3_threads)
         record_threads(sync_b._strong, "get_item", etcd_threads)
         record_threads(sync_b._strong, "put", etcd_threads)
 
@@ -58,8 +58,8 @@ def test_l3_reads_and_strong_keys_never_run_on_the_loop(dev: dict[str, Any]) -> 
                 assert sync_b.counters["l3_reads"] - reads0 == 100  # (host 1 held none)
                 # counted once each, though each read stopped on the loop and ran again
                 assert sync_b.stats()["l2"]["misses"] - misses0 == 100
-                # (the 100 reads awaited at once: one pipelined read, in the pool)
-                assert len(l3_threads) == 1 and loop_thread not in l3_threads
+                # (the 100 reads awaited at once: one pipelined read per master, in the pool)
+                assert 1 <= len(l3_threads) <= 3 and loop_thread not in l3_threads
                 # strong keys: every operation asks etcd, off the loop
                 v = await b.put("lock/aio", {"owner": "b"})
                 item = await b.get_item("lock/aio")

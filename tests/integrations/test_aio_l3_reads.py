@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from kvcomm.core import codec
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store
+from kvcomm.tiers.l3.records import _wire_key
 from tests.support.daemon_harness import (  # noqa: F401 (fixtures)
     host_config,
     remote_put,
@@ -44,7 +46,7 @@ def agent(cluster: RedisCluster) -> Iterator[kvcomm.Client]:
 
 def _calls(l3: Any, into: dict[str, list[int]]) -> None:
     """Note the thread of every ``get`` and ``get_many`` of ``l3`` (and its keys' count)."""
-    for name in ("get", "get_many"):
+    for name in ("get", "get_many", "get_each"):
         fn = getattr(l3, name)
 
         def wrapped(keys: Any, fn: Any = fn, name: str = name) -> Any:
@@ -85,14 +87,19 @@ def test_reads_awaited_at_once_go_to_l3_in_one_pipelined_read_each_answered_as_i
         assert got[n + 1] == {"i": 7}
         assert got[n + 2:n + 22] == ["none"] * 20 and got[n + 22] is None
         assert isinstance(got[-1], kvcomm.CorruptRecord), got[-1]  # (its own error alone)
-        # 323 reads awaited at once: two pipelined reads (256 keys at most each), in the
-        # pool; no round trip of its own per key
-        assert b.off_loop - sent0 == 2
-        assert len(calls["get_many"]) == 2 and "get" not in calls, calls
-        # (each key once per read: held[7], asked in the first read, is asked again in
-        # the second with its two repeats, which fall after the first 256)
-        assert calls["get_many_keys"] == [_L3_READS, n + 1 + 20 + 1 - _L3_READS]
-        assert loop_thread not in calls["get_many"]
+        # 323 reads awaited at once: sent 256 at most at a time (two passes), each pass
+        # split by the master serving its keys: one pipelined read per master and pass,
+        # in the pool; no round trip of its own per key
+        l3 = agent._l3_store()
+        masters = {l3.master_of(k) for k in [*held, *absent, corrupt]}
+        assert len(masters) > 1
+        assert b.off_loop - sent0 == len(calls["get_each"]) <= 2 * len(masters)
+        assert "get" not in calls and "get_many" not in calls, calls
+        assert loop_thread not in calls["get_each"]
+        # (each key once per pass: held[7], read in the first, is read again in the
+        # second with its two repeats, which fall after the first 256)
+        assert sum(calls["get_each_keys"]) == n + 1 + 20 + 1
+        assert max(calls["get_each_keys"]) <= _L3_READS
         assert agent.counters["l3_reads"] - reads0 == n + 1 + 20 + 1
         # L3's values are in L2 now: read on the loop, no L3 read
         calls.clear()
@@ -128,35 +135,36 @@ def test_a_cancelled_read_is_dropped_and_the_others_answered(
     assert unhandled == []
 
 
-def test_when_the_pipelined_read_fails_each_key_is_asked_alone(
+def test_a_master_taken_for_down_fails_only_its_own_keys_reads(
         agent: kvcomm.Client, store: L3Store) -> None:
-    """A master out of reach fails a whole pipelined read (``get_many`` raises
-    Unavailable at once): then each key is asked alone, so a read whose master answers
-    still gets its value, and one that cannot gets its own error."""
+    """A master taken for down (Connection.down: its calls refused at once) answers for
+    its own keys alone: their reads raise Unreached, the other masters' keys are read and
+    answered in the same gathered read (L3Store.get_each)."""
     run = uuid.uuid4().hex[:6]
-    keys = [f"u/{run}/{i}" for i in range(6)]
+    keys = [f"u/{run}/{i}" for i in range(30)]
     for i, k in enumerate(keys):
         remote_put(store, k, i, "h-other", i + 1)
     l3 = agent._l3_store()
-    get = l3.get
-
-    def no_pipeline(_keys: Any) -> Any:
-        raise kvcomm.Unavailable("a master is taken for down (the test)")
-
-    def get_or_fail(key: str) -> Any:
-        if key == keys[3]:
-            raise kvcomm.Unavailable(f"{key!r}'s master is down (the test)")
-        return get(key)
-
-    l3.get_many, l3.get = no_pipeline, get_or_fail
+    conn = l3._conn
+    master = {k: conn.rc.get_node_from_key(_wire_key(conn.groups.record_key(k))).name
+              for k in keys}
+    down = master[keys[0]]
+    assert len(set(master.values())) > 1  # (the keys span the masters)
+    conn.down[down] = time.monotonic()
     b = AsyncClient(agent)
 
     async def main() -> list[Any]:
         return await asyncio.gather(*(b.get(k) for k in keys), return_exceptions=True)
 
-    got = asyncio.run(main())
-    assert [g for i, g in enumerate(got) if i != 3] == [0, 1, 2, 4, 5]
-    assert isinstance(got[3], kvcomm.Unavailable) and "the test" in str(got[3])
+    try:
+        got = asyncio.run(main())
+    finally:
+        conn.down.pop(down, None)
+    for i, (k, g) in enumerate(zip(keys, got, strict=True)):
+        if master[k] == down:
+            assert isinstance(g, kvcomm.Unavailable) and "down" in str(g), (k, g)
+        else:
+            assert g == i, (k, g)
 
 
 def test_a_read_for_l3_inside_another_call_runs_that_call_in_the_pool(

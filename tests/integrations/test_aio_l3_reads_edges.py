@@ -1,6 +1,6 @@
 """kvcomm.aio's gathered L3 reads at their edges: a read left queued by a loop that
 stopped, a read queued when the client is closed, the latency sample of a gathered read,
-the counts of a key asked twice, a local write while a read is in flight.
+the counts of a key asked twice, a hung master, a pool that refuses the read.
 
 The agent runs without a daemon (``wait_daemon=False``): no key filter, every L2 miss asks
 L3. Another host's writes are pushed into L3 as its daemon would (``remote_put``)."""
@@ -88,7 +88,7 @@ def test_a_get_awaited_before_aclose_is_answered_not_run_on_the_closed_client(
     many, real_close = kv._get_l3_many, kv.close
 
     def after_close(reads: Any) -> Any:
-        closed.wait(10.0)  # (close, submitted first, ends first; bounded if it is not)
+        closed.wait(5.0)  # (close, submitted first, ends first; bounded if it waits for us)
         ran_after_close.append(kv._closed)
         return many(reads)
 
@@ -185,3 +185,78 @@ def test_a_sampled_gathered_read_is_timed_as_an_l3_read(
     finally:
         kv.close()
         l2.purge(ns)
+
+
+def _master_port(l3: Any, key: str) -> int:
+    conn = l3._conn
+    node = conn.rc.get_node_from_key(conn.groups.record_key(key).encode())
+    return int(node.port)
+
+
+def test_a_hung_master_does_not_hold_back_reads_of_keys_on_the_others(
+        cluster: RedisCluster, store: L3Store) -> None:
+    """One master stops answering (CLIENT PAUSE) while reads of keys on two masters are
+    awaited at once: the read of a key whose master answers is answered before the read
+    of the hung master's key fails (its cluster.timeout) — as when each L3 read was a pool
+    call of its own — not held back until the pipeline to the hung master times out."""
+    import redis
+
+    ns = f"aio-adv-{uuid.uuid4().hex[:8]}"
+    kv = kvcomm.open(config=host_config(cluster, "h-aio", ns, cluster_keys={"timeout": "0.5s"}),
+                     wait_daemon=False)
+    try:
+        l3 = kv._l3_store()
+        run = uuid.uuid4().hex[:6]
+        keys = [f"hm/{run}/{i}" for i in range(40)]
+        for k in keys:
+            remote_put(store, k, k, "h-other", 1)
+        ports = {k: _master_port(l3, k) for k in keys}
+        hung_port = ports[keys[0]]
+        healthy = next(k for k in keys if ports[k] != hung_port)
+        b = AsyncClient(kv)
+
+        async def main() -> tuple[bool, Any, Any]:
+            with redis.Redis(port=hung_port, socket_timeout=5) as r:
+                r.execute_command("CLIENT", "PAUSE", "3000", "ALL")
+            try:
+                t_hung = asyncio.create_task(b.get(keys[0]))
+                t_ok = asyncio.create_task(b.get(healthy))
+                await asyncio.wait_for(asyncio.wait([t_ok]), 30)
+                hung_pending = not t_hung.done()
+                got = await asyncio.gather(t_ok, t_hung, return_exceptions=True)
+            finally:
+                with redis.Redis(port=hung_port, socket_timeout=5) as r:
+                    r.execute_command("CLIENT", "UNPAUSE")
+            return hung_pending, got[0], got[1]
+
+        hung_pending, ok, hung = asyncio.run(main())
+        assert ok == healthy, ok
+        assert isinstance(hung, kvcomm.Unavailable), hung
+        assert hung_pending, "the healthy key's read waited for the hung master's timeout"
+    finally:
+        kv.close()
+        l2.purge(ns)
+
+
+
+def test_a_gathered_read_the_pool_refuses_fails_its_get_not_hangs_it(
+        agent: kvcomm.Client, store: L3Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool refuses new calls (it is shut down: at interpreter exit, concurrent.futures
+    refuses every submit): a get whose L3 read cannot be sent raises, as a call sent to
+    the pool on its own did (its submit raised into the caller), instead of waiting
+    forever for an answer no one will give."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = f"pr/{uuid.uuid4().hex[:6]}"
+    remote_put(store, key, 1, "h-other", 1)
+    b = AsyncClient(agent)
+    refused = ThreadPoolExecutor(1)
+    refused.shutdown()
+    monkeypatch.setattr(kvcomm.aio, "_executor", lambda: refused)
+
+    async def main() -> Any:
+        return (await asyncio.gather(asyncio.wait_for(b.get(key), 5.0),
+                                     return_exceptions=True))[0]
+
+    got = asyncio.run(main())
+    assert isinstance(got, RuntimeError) and "shutdown" in str(got), repr(got)

@@ -65,8 +65,10 @@ class ClusterReads(Merging):
         turn to be timed, metrics), in a thread: one pipeline of GETs per master for all
         of them, not a round trip each (a key asked twice is read once). Per read, what
         :meth:`_get_l3` returns, or the exception it raises (returned in its place:
-        CorruptRecord for that key alone). A master out of reach fails only its own keys:
-        the reads are then asked one by one. Raises what opening L3 raises."""
+        CorruptRecord for that key alone). The masters are read at the same time; one
+        down, hung or failing fails only its own keys (L3Store.get_each). Raises what
+        opening L3 raises; SegmentError on a closed client."""
+        self._live()  # (a closed client reads nothing)
         now, t0 = time.monotonic(), time.perf_counter_ns()
         asks: dict[str, Any] = {}
         out: list[Any] = []
@@ -90,15 +92,8 @@ class ClusterReads(Merging):
             return [exc if o is _ASK else o for o in out]
         l3 = self._l3_store()
         self.counters["l3_reads"] += len(asks)
-        try:
-            recs: dict[str, Any] = l3.get_many(asks)
-        except Unavailable:  # (a master out of reach: each key asked alone, its own answer)
-            recs = {}
-            for key in asks:
-                try:
-                    recs[key] = l3.get(key)
-                except KVCommError as exc:
-                    recs[key] = exc
+        # (the masters read at the same time; one down or hung fails its own keys alone)
+        recs: dict[str, Any] = l3.get_each(asks)
         items: dict[str, Any] = {}  # (each key's answer made once: one L3 read, one count)
         for i, (key, default, want_item, _timed) in enumerate(reads):
             if out[i] is not _ASK:

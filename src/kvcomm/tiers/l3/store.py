@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any
 
 from ...core.versions import Vector
-from ...errors import CorruptRecord
+from ...errors import CorruptRecord, KVCommError
 from ..groups import DEFAULT_GROUPS
 from .connection import Connection, Unreached
 from .feed import FEED_INLINE, FEED_MAXLEN, FEED_TOTAL, FeedEntry
@@ -33,7 +33,7 @@ from .keyindex import ClusterKeyIndex
 from .meta import ClusterMeta
 from .push import CasResult, L3Pushes, PushResult
 from .reads import RecordReads
-from .records import MAX_VALUE_SIZE, L3Record, read_record
+from .records import MAX_VALUE_SIZE, L3Record, _wire_key, read_record
 from .replication import Replication
 
 
@@ -138,6 +138,17 @@ class _L3Base:
         """The records of ``keys`` (None: absent; a CorruptRecord for a foreign value): one
         pipeline of GETs per master. (See :meth:`RecordReads.get_many`.)"""
         return self._reads.get_many(keys)
+
+    def master_of(self, key: str) -> str:
+        """The name of the master serving ``key`` by the client's slot map (no round trip).
+        Raises what the slot map raises when the key's slot is not covered."""
+        name = _wire_key(self._conn.groups.record_key(key))
+        return self._conn.rc.get_node_from_key(name).name  # type: ignore[no-untyped-call,no-any-return]
+
+    def get_each(self, keys: Iterable[str]) -> dict[str, L3Record | None | KVCommError]:
+        """The records of ``keys``, each key with its own answer or error, the masters
+        read at the same time. (See :meth:`RecordReads.get_each`.)"""
+        return self._reads.get_each(keys)
 
     def push(self, key: str, record: L3Record, keep_siblings: bool = False) -> PushResult:
         """Push one record into L3: the L3 rule, applied atomically (``keep_siblings``:
