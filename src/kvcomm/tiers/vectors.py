@@ -116,6 +116,7 @@ class VectorFile:
                                                               self.key_bytes)
         cap, kb = self.capacity, self.key_bytes
         self._tsize = _table_size(cap)
+        self._rb = 4 * self.dims  # (a row's bytes)
         view = memoryview(mm)
         # (the writers' structures, walked item by item: memoryviews index faster than numpy)
         self._hq = view[:_HDR].cast("Q")
@@ -296,11 +297,19 @@ class VectorFile:
         rows, or each row's little-endian bytes) tagged ``stamp`` (under the lock, ``key``
         named by :meth:`update`). False (and the index marked overflowed, its rows of
         ``key`` gone) when they do not fit."""
-        hq, st, nx, fr, sl = self._hq, self._st, self._nx, self._fr, self._sl
         h = xxh3_64_intdigest(key)
-        slot, r, at = self._find(key, h)
         n = 0 if vectors is None else len(vectors)
-        mm, rb = self._mm, 4 * self.dims
+        hq, st, nx, fr, sl = self._hq, self._st, self._nx, self._fr, self._sl
+        mm, rb = self._mm, self._rb
+        # (_find's first probe inline: the key is most often in the slot of its hash)
+        slot = h & (self._tsize - 1)
+        r = sl[slot]
+        if r >= 0 and self._ha[r] == h \
+                and mm[self._ks + r * self.key_bytes:self._ks + r * self.key_bytes
+                       + self._ln[r]] == key:  # (key_at)
+            at = slot
+        else:
+            slot, r, at = self._find(key, h)
         if r >= 0 and n == 1 and nx[r] < 0:
             # (the common re-put: one row before and after, rewritten in place; what
             # freeing it and taking the top of the free stack, the same row, would do)
