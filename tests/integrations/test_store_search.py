@@ -23,7 +23,8 @@ from langgraph.store.memory import InMemoryStore  # noqa: E402
 from xxhash import xxh3_64_intdigest  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommStore  # noqa: E402
-from kvcomm.tiers.vectors import H_INTENT  # noqa: E402
+from kvcomm.tiers import vectors  # noqa: E402
+from kvcomm.tiers.vectors import H_INTENT, H_LAYOUT, LAYOUT_FLOCK, MUTEX_AT  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 
 DIMS = 16
@@ -253,8 +254,46 @@ store.put(("m",), "1", {"text": "violet"})
 """
 
 
+def _made_by_layout_2(store: KVCommStore) -> None:
+    """The store's vector file made as the version before the mutex made it (layout 2:
+    the header's mutex bytes zero; its writers flock the file)."""
+    sem = store._sem
+    assert sem is not None and sem._file is None
+    c = store.kv.config.cache
+    f = vectors.VectorFile.open(sem.np, store.kv.name, sem.id, sem.dims, sem.capacity,
+                                c.max_key_bytes, c.l2_permissions, c.l2_dir)
+    f._mm[MUTEX_AT:MUTEX_AT + 64] = bytes(64)
+    f.hdr[H_LAYOUT] = LAYOUT_FLOCK
+    f.close()
+
+
+def test_a_vector_file_of_layout_2_is_used_under_its_flock(
+        kv: kvcomm.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file an older version made is read and written as it is: this version's writers
+    flock it too (they exclude the older version's writers), once per put."""
+    import fcntl
+
+    store = KVCommStore(kv, index=index_config())
+    _made_by_layout_2(store)
+    calls: list[int] = []
+    real = fcntl.flock
+    monkeypatch.setattr(vectors.fcntl, "flock", lambda fd, op: calls.append(op) or real(fd, op))
+    store.put(("m",), "1", {"text": "apple"})
+    store.put(("m",), "2", {"text": "violet"})
+    store.put(("m",), "1", {"text": "violet"})
+    assert store._sem is not None and store._sem.file is not None
+    assert not store._sem.file._mutex
+    assert calls == [fcntl.LOCK_EX, fcntl.LOCK_UN] * 3
+    got = store.search(("m",), query="violet", limit=2)
+    assert sorted(i.key for i in got) == ["1", "2"]
+    assert [i.score for i in got] == pytest.approx([1.0, 1.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", [vectors.LAYOUT, LAYOUT_FLOCK])
 def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer(
-        kv: kvcomm.Client, ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        kv: kvcomm.Client, ns: str, monkeypatch: pytest.MonkeyPatch, layout: int) -> None:
+    """The writer dies holding the lock: the file's mutex (handed on) or, layout 2, its
+    flock (released by the kernel)."""
     import json
     import subprocess
     import sys
@@ -262,6 +301,8 @@ def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer
     from tests.support.helpers import SMALL
 
     store = KVCommStore(kv, index=index_config())
+    if layout == LAYOUT_FLOCK:
+        _made_by_layout_2(store)
     store.put(("m",), "1", {"text": "apple"})
     store.put(("m",), "2", {"text": "violet"})
     root = str(ROOT)
@@ -271,6 +312,7 @@ def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer
     sem = store._sem
     assert sem is not None and sem.file is not None
     f = sem.file
+    assert f._mutex == (layout != LAYOUT_FLOCK) and int(f.hdr[H_LAYOUT]) == layout
     key = store.keys.item(("m",), "1").encode()
     assert int(f.hdr[H_INTENT]) == len(key), "the dead writer left its item named"
     raw = kv.get(key.decode())

@@ -145,10 +145,10 @@ class KVCommStore(BaseStore):
         sem = self._sem
         if sem is None:
             return self._batch(ops, None)
-        if len(ops) == 1 and type(ops[0]) is PutOp and ops[0].value is not None:
+        op = ops[0] if len(ops) == 1 else None
+        if type(op) is PutOp and op.value is not None:
             # (put()'s one op, the common call: its texts embedded and made rows without
             # the tables a batch of many needs; what _batch does with them)
-            op = ops[0]
             pairs = sem.texts(op.value, op.index)
             vectors = None
             if pairs:
