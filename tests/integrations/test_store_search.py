@@ -462,3 +462,46 @@ def test_a_record_with_a_stamp_out_of_range_is_refused_and_poisons_nothing(
     assert int(sem.file.hdr[H_INTENT]) == 0
     store.put(("m",), "3", {"text": "amber"})  # an unrelated item: indexed as ever
     assert [i.key for i in store.search(("m",), query="amber", limit=1)] == ["3"]
+
+
+def test_blobs_are_unit_rows_as_numpy_makes_them(kv: kvcomm.Client) -> None:
+    """blobs (the C pass for a list of floats, struct and NumPy for anything else) agree
+    with unit() (NumPy's float32 rows) within float32 rounding, whatever the numbers:
+    zero, tiny, huge, inf and nan vectors, ints, bools, NumPy scalars, tuples, arrays."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvcomm import _l2core
+
+    store = KVCommStore(kv, index=index_config())
+    sem = store._sem
+    assert sem is not None
+    special = st.sampled_from([0.0, -0.0, 1e-45, 1e-30, 1e-20, 1e19, 1e20, 3.4e38, 3.5e38,
+                               1e300, float("inf"), -float("inf"), float("nan")])
+    number = st.one_of(st.floats(-1e6, 1e6), st.floats(allow_nan=True, allow_infinity=True),
+                       special, st.integers(-1000, 1000), st.booleans())
+    vector = st.one_of(st.lists(number, min_size=DIMS, max_size=DIMS),
+                       st.lists(st.floats(-1e6, 1e6), min_size=DIMS, max_size=DIMS),
+                       st.lists(special, min_size=DIMS, max_size=DIMS))
+    shape = st.sampled_from(["list", "tuple", "array", "np-scalars"])
+
+    @settings(max_examples=400, deadline=None)
+    @given(vector, shape)
+    def check(v: list[Any], how: str) -> None:
+        given_v: Any = {"list": v, "tuple": tuple(v),
+                        "array": np.asarray(v, dtype=np.float64),
+                        "np-scalars": [np.float64(x) for x in v]}[how]
+        with np.errstate(all="ignore"):
+            want = sem.unit([v])[0]
+            got = np.frombuffer(sem.blobs([given_v])[0], dtype="<f4")
+        assert got.shape == want.shape
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True), (v, got, want)
+        fast = _l2core.unit_f32(given_v, DIMS)
+        if fast is not None:  # (the C pass: a unit row, of finite numbers)
+            row = np.frombuffer(fast, dtype="<f4")
+            assert np.isfinite(row).all() and abs(float(np.linalg.norm(row)) - 1) < 1e-5
+
+    check()
+    assert _l2core.unit_f32([1.0] * (DIMS - 1), DIMS) is None, "not of dims numbers"
+    with pytest.raises(kvcomm.ConfigError, match="dimensions"):
+        sem.blobs([[1.0] * (DIMS + 1)])

@@ -125,6 +125,8 @@ static PyMethodDef module_methods[] = {
      "mutex_lock(buffer, offset) -> bool: take it (True: its last holder died holding it)"},
     {"mutex_unlock", (PyCFunction)(void (*)(void))mutex_unlock, METH_FASTCALL,
      "mutex_unlock(buffer, offset): release it"},
+    {"unit_f32", (PyCFunction)(void (*)(void))unit_f32, METH_FASTCALL,
+     "unit_f32(vector, dims) -> bytes | None: a list of floats as a unit float32 row"},
     {NULL, NULL, 0, NULL},
 };
 
