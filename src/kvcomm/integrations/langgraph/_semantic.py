@@ -25,8 +25,8 @@ from langgraph.store.base.embed import ensure_embeddings
 from xxhash import xxh3_64_hexdigest
 
 from ..._client import Client
-from ..._l2core import unit_f32
 from ..._extras import require
+from ..._l2core import unit_f32
 from ...errors import ConfigError, CorruptRecord, KVCommError, KVCommWarning
 from ...tiers.vectors import VectorFile
 from ._keys import Keys
