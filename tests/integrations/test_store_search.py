@@ -505,3 +505,55 @@ def test_blobs_are_unit_rows_as_numpy_makes_them(kv: kvcomm.Client) -> None:
     assert _l2core.unit_f32([1.0] * (DIMS - 1), DIMS) is None, "not of dims numbers"
     with pytest.raises(kvcomm.ConfigError, match="dimensions"):
         sem.blobs([[1.0] * (DIMS + 1)])
+
+
+def _putter(ns: str, cfg: dict[str, Any], seed: int, n: int) -> None:
+    kv = kvcomm.open(ns, config=kvcomm.Config.from_mapping(cfg))
+    try:
+        store = KVCommStore(kv, index=index_config())
+        rng = random.Random(seed)
+        for _ in range(n):
+            k = str(rng.randrange(40))
+            if rng.random() < 0.1:
+                store.delete(("m",), k)
+            else:
+                store.put(("m",), k, {"text": " ".join(rng.choices(WORDS, k=2)),
+                                      **({"extra": "also " + rng.choice(WORDS)}
+                                         if rng.random() < 0.3 else {})})
+    finally:
+        kv.close()
+    os._exit(0)
+
+
+@pytest.mark.multiprocess
+def test_writers_of_several_processes_keep_the_rows_in_step(
+        kv: kvcomm.Client, ns: str, seed: int) -> None:
+    """Three processes put and delete the same 40 items at once (one and two vectors each):
+    the file's mutex serializes them, and every item's rows end as its record says."""
+    import multiprocessing as mp
+
+    from tests.support.helpers import SMALL
+
+    store = KVCommStore(kv, index=index_config())
+    store.put(("m",), "0", {"text": "apple"})  # (the file made, by this version)
+    assert store._sem is not None and store._sem.file is not None
+    f = store._sem.file
+    assert f._mutex
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_putter, args=(ns, SMALL, seed + i, 300)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert int(f.hdr[H_INTENT]) == 0
+    for i in range(40):
+        key = store.keys.item(("m",), str(i))
+        raw = kv.get(key)
+        rows = f.rows_of(key.encode())
+        if raw is None or len(raw) < 6:
+            assert rows == [], (i, rows)
+            continue
+        assert [int(f.stamps[r]) for r in rows] == [raw[5][1]] * len(raw[5][2]), i
+        want = np.frombuffer(b"".join(b for _p, b in raw[5][2]), dtype="<f4")
+        assert np.array_equal(np.concatenate([f.matrix[r] for r in rows]), want), i
