@@ -23,7 +23,8 @@ from langgraph.store.memory import InMemoryStore  # noqa: E402
 from xxhash import xxh3_64_intdigest  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommStore  # noqa: E402
-from kvcomm.tiers.vectors import H_INTENT  # noqa: E402
+from kvcomm.tiers import vectors  # noqa: E402
+from kvcomm.tiers.vectors import H_INTENT, H_LAYOUT, LAYOUT_FLOCK, MUTEX_AT  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 
 DIMS = 16
@@ -253,8 +254,46 @@ store.put(("m",), "1", {"text": "violet"})
 """
 
 
+def _made_by_layout_2(store: KVCommStore) -> None:
+    """The store's vector file made as the version before the mutex made it (layout 2:
+    the header's mutex bytes zero; its writers flock the file)."""
+    sem = store._sem
+    assert sem is not None and sem._file is None
+    c = store.kv.config.cache
+    f = vectors.VectorFile.open(sem.np, store.kv.name, sem.id, sem.dims, sem.capacity,
+                                c.max_key_bytes, c.l2_permissions, c.l2_dir)
+    f._mm[MUTEX_AT:MUTEX_AT + 64] = bytes(64)
+    f.hdr[H_LAYOUT] = LAYOUT_FLOCK
+    f.close()
+
+
+def test_a_vector_file_of_layout_2_is_used_under_its_flock(
+        kv: kvcomm.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file an older version made is read and written as it is: this version's writers
+    flock it too (they exclude the older version's writers), once per put."""
+    import fcntl
+
+    store = KVCommStore(kv, index=index_config())
+    _made_by_layout_2(store)
+    calls: list[int] = []
+    real = fcntl.flock
+    monkeypatch.setattr(vectors.fcntl, "flock", lambda fd, op: calls.append(op) or real(fd, op))
+    store.put(("m",), "1", {"text": "apple"})
+    store.put(("m",), "2", {"text": "violet"})
+    store.put(("m",), "1", {"text": "violet"})
+    assert store._sem is not None and store._sem.file is not None
+    assert not store._sem.file._mutex
+    assert calls == [fcntl.LOCK_EX, fcntl.LOCK_UN] * 3
+    got = store.search(("m",), query="violet", limit=2)
+    assert sorted(i.key for i in got) == ["1", "2"]
+    assert [i.score for i in got] == pytest.approx([1.0, 1.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", [vectors.LAYOUT, LAYOUT_FLOCK])
 def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer(
-        kv: kvcomm.Client, ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        kv: kvcomm.Client, ns: str, monkeypatch: pytest.MonkeyPatch, layout: int) -> None:
+    """The writer dies holding the lock: the file's mutex (handed on) or, layout 2, its
+    flock (released by the kernel)."""
     import json
     import subprocess
     import sys
@@ -262,6 +301,8 @@ def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer
     from tests.support.helpers import SMALL
 
     store = KVCommStore(kv, index=index_config())
+    if layout == LAYOUT_FLOCK:
+        _made_by_layout_2(store)
     store.put(("m",), "1", {"text": "apple"})
     store.put(("m",), "2", {"text": "violet"})
     root = str(ROOT)
@@ -271,6 +312,7 @@ def test_a_process_killed_between_record_and_rows_is_repaired_by_the_next_writer
     sem = store._sem
     assert sem is not None and sem.file is not None
     f = sem.file
+    assert f._mutex == (layout != LAYOUT_FLOCK) and int(f.hdr[H_LAYOUT]) == layout
     key = store.keys.item(("m",), "1").encode()
     assert int(f.hdr[H_INTENT]) == len(key), "the dead writer left its item named"
     raw = kv.get(key.decode())
@@ -420,3 +462,98 @@ def test_a_record_with_a_stamp_out_of_range_is_refused_and_poisons_nothing(
     assert int(sem.file.hdr[H_INTENT]) == 0
     store.put(("m",), "3", {"text": "amber"})  # an unrelated item: indexed as ever
     assert [i.key for i in store.search(("m",), query="amber", limit=1)] == ["3"]
+
+
+def test_blobs_are_unit_rows_as_numpy_makes_them(kv: kvcomm.Client) -> None:
+    """blobs (the C pass for a list of floats, struct and NumPy for anything else) agree
+    with unit() (NumPy's float32 rows) within float32 rounding, whatever the numbers:
+    zero, tiny, huge, inf and nan vectors, ints, bools, NumPy scalars, tuples, arrays."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvcomm import _l2core
+
+    store = KVCommStore(kv, index=index_config())
+    sem = store._sem
+    assert sem is not None
+    special = st.sampled_from([0.0, -0.0, 1e-45, 1e-30, 1e-20, 1e19, 1e20, 3.4e38, 3.5e38,
+                               1e300, float("inf"), -float("inf"), float("nan")])
+    number = st.one_of(st.floats(-1e6, 1e6), st.floats(allow_nan=True, allow_infinity=True),
+                       special, st.integers(-1000, 1000), st.booleans())
+    vector = st.one_of(st.lists(number, min_size=DIMS, max_size=DIMS),
+                       st.lists(st.floats(-1e6, 1e6), min_size=DIMS, max_size=DIMS),
+                       st.lists(special, min_size=DIMS, max_size=DIMS))
+    shape = st.sampled_from(["list", "tuple", "array", "np-scalars"])
+
+    @settings(max_examples=400, deadline=None)
+    @given(vector, shape)
+    def check(v: list[Any], how: str) -> None:
+        given_v: Any = {"list": v, "tuple": tuple(v),
+                        "array": np.asarray(v, dtype=np.float64),
+                        "np-scalars": [np.float64(x) for x in v]}[how]
+        with np.errstate(all="ignore"):
+            want = sem.unit([v])[0]
+            got = np.frombuffer(sem.blobs([given_v])[0], dtype="<f4")
+        assert got.shape == want.shape
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True), (v, got, want)
+        fast = _l2core.unit_f32(given_v, DIMS)
+        if fast is not None:  # (the C pass: a unit row, of finite numbers)
+            row = np.frombuffer(fast, dtype="<f4")
+            assert np.isfinite(row).all() and abs(float(np.linalg.norm(row)) - 1) < 1e-5
+
+    check()
+    assert _l2core.unit_f32([1.0] * (DIMS - 1), DIMS) is None, "not of dims numbers"
+    with pytest.raises(kvcomm.ConfigError, match="dimensions"):
+        sem.blobs([[1.0] * (DIMS + 1)])
+
+
+def _putter(ns: str, cfg: dict[str, Any], seed: int, n: int) -> None:
+    kv = kvcomm.open(ns, config=kvcomm.Config.from_mapping(cfg))
+    try:
+        store = KVCommStore(kv, index=index_config())
+        rng = random.Random(seed)
+        for _ in range(n):
+            k = str(rng.randrange(40))
+            if rng.random() < 0.1:
+                store.delete(("m",), k)
+            else:
+                store.put(("m",), k, {"text": " ".join(rng.choices(WORDS, k=2)),
+                                      **({"extra": "also " + rng.choice(WORDS)}
+                                         if rng.random() < 0.3 else {})})
+    finally:
+        kv.close()
+    os._exit(0)
+
+
+@pytest.mark.multiprocess
+def test_writers_of_several_processes_keep_the_rows_in_step(
+        kv: kvcomm.Client, ns: str, seed: int) -> None:
+    """Three processes put and delete the same 40 items at once (one and two vectors each):
+    the file's mutex serializes them, and every item's rows end as its record says."""
+    import multiprocessing as mp
+
+    from tests.support.helpers import SMALL
+
+    store = KVCommStore(kv, index=index_config())
+    store.put(("m",), "0", {"text": "apple"})  # (the file made, by this version)
+    assert store._sem is not None and store._sem.file is not None
+    f = store._sem.file
+    assert f._mutex
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_putter, args=(ns, SMALL, seed + i, 300)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert int(f.hdr[H_INTENT]) == 0
+    for i in range(40):
+        key = store.keys.item(("m",), str(i))
+        raw = kv.get(key)
+        rows = f.rows_of(key.encode())
+        if raw is None or len(raw) < 6:
+            assert rows == [], (i, rows)
+            continue
+        assert [int(f.stamps[r]) for r in rows] == [raw[5][1]] * len(raw[5][2]), i
+        want = np.frombuffer(b"".join(b for _p, b in raw[5][2]), dtype="<f4")
+        assert np.array_equal(np.concatenate([f.matrix[r] for r in rows]), want), i

@@ -119,6 +119,14 @@ static PyMethodDef module_methods[] = {
     {"approx_size", approx_size, METH_O, "approximate bytes held by a decoded value"},
     {"bloom_has", (PyCFunction)(void (*)(void))bloom_has, METH_FASTCALL,
      "bloom_has(buffer, bits, k, gens, digest) -> bool: the key filter's membership test"},
+    {"mutex_init", (PyCFunction)(void (*)(void))mutex_init, METH_FASTCALL,
+     "mutex_init(buffer, offset): a robust process-shared mutex there (a file's creator)"},
+    {"mutex_lock", (PyCFunction)(void (*)(void))mutex_lock, METH_FASTCALL,
+     "mutex_lock(buffer, offset) -> bool: take it (True: its last holder died holding it)"},
+    {"mutex_unlock", (PyCFunction)(void (*)(void))mutex_unlock, METH_FASTCALL,
+     "mutex_unlock(buffer, offset): release it"},
+    {"unit_f32", (PyCFunction)(void (*)(void))unit_f32, METH_FASTCALL,
+     "unit_f32(vector, dims) -> bytes | None: a list of floats as a unit float32 row"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,7 +8,7 @@ removes it with the namespace. Layout (little-endian):
 * a 256-byte header of 64-bit words: magic, layout, dims, capacity, key bytes, ``high``
   (rows ever used: a search reads rows ``[0, high)``), ``overflow`` (a put found no free
   row: the index no longer holds every vector), ``intent`` (the length of the key in the
-  intent area, 0 when none);
+  intent area, 0 when none); and at byte 128 (``MUTEX_AT``, layout 3) the writers' mutex;
 * the intent area (key bytes): the key of the item whose record and rows a writer is
   changing;
 * the row table: per row a 64-bit ``stamp`` (0: free), the key's 64-bit hash, its length,
@@ -20,7 +20,13 @@ removes it with the namespace. Layout (little-endian):
 
 The items' records are the truth; a row is a copy of one of an item's vectors, tagged
 with the stamp the item's record carries, so that a reader can tell a current row from a
-stale one. Writers serialize on an ``flock`` of the file (and a thread lock): a writer
+stale one. Writers serialize on the file's mutex (a process-shared robust pthread mutex,
+``_l2core.mutex_lock``: two atomic instructions uncontended, where the flock it replaced
+was two system calls, a twentieth of an indexed put; a holder that dies hands it to the
+next taker) and a thread lock. A file of layout 2 (made by a version before the mutex)
+is read and written as it is, its writers serializing on an ``flock`` of the file as
+that version's do (the kernel releases a dead holder's), so that both versions' writers
+exclude each other; a version before this one refuses a file of layout 3. A writer
 names its item in the intent area, changes the record, then the item's rows (a row's
 stamp is zeroed before it is rewritten and set last), then clears the intent. A writer
 killed in between leaves the intent set; the next writer to take the lock rebuilds that
@@ -43,6 +49,7 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
+from .._l2core import mutex_init, mutex_lock, mutex_unlock
 from ..errors import SegmentError
 from .shm.files import (
     SHM_DIR,
@@ -55,10 +62,12 @@ from .shm.files import (
 )
 
 MAGIC = int.from_bytes(b"KVCVEC01", "little")
-LAYOUT = 2
+LAYOUT = 3  # (what this version makes)
+LAYOUT_FLOCK = 2  # (the layout before the mutex: read and written, under the flock)
 _HDR = 256
 (H_MAGIC, H_LAYOUT, H_DIMS, H_CAP, H_KEYB, H_HIGH, H_OVERFLOW, H_INTENT, H_NFREE, H_USED,
  H_TOMBS) = range(11)
+MUTEX_AT = 128  # (the writers' mutex, layout 3: header bytes 128..191)
 _EMPTY, _TOMB = -1, -2
 
 
@@ -116,6 +125,7 @@ class VectorFile:
                                                               self.key_bytes)
         cap, kb = self.capacity, self.key_bytes
         self._tsize = _table_size(cap)
+        self._rb = 4 * self.dims  # (a row's bytes)
         view = memoryview(mm)
         # (the writers' structures, walked item by item: memoryviews index faster than numpy)
         self._hq = view[:_HDR].cast("Q")
@@ -136,6 +146,9 @@ class VectorFile:
         self.matrix = np.frombuffer(mm, dtype="<f4", count=cap * self.dims,
                                     offset=mx).reshape(cap, self.dims)
         self._tlock = threading.Lock()
+        # (a file an older version made has no mutex: its writers, this version's too,
+        # serialize on an flock of the file)
+        self._mutex = int(hdr[H_LAYOUT]) != LAYOUT_FLOCK
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -165,7 +178,8 @@ class VectorFile:
                                        f"remove it (rm {path})")
                 mm = mmap.mmap(fd, st.st_size)
                 vf = cls(path, fd, mm, np)
-                if int(vf.hdr[H_MAGIC]) != MAGIC or int(vf.hdr[H_LAYOUT]) != LAYOUT \
+                if int(vf.hdr[H_MAGIC]) != MAGIC \
+                        or int(vf.hdr[H_LAYOUT]) not in (LAYOUT, LAYOUT_FLOCK) \
                         or _geometry(vf.dims, vf.capacity, vf.key_bytes)[-1] > st.st_size:
                     raise SegmentError(f"{path} is not a KVCOMM vector index of this version; "
                                        f"remove it (rm {path}) or purge the namespace")
@@ -199,6 +213,7 @@ class VectorFile:
             with mmap.mmap(fd, _HDR) as mm:
                 hdr = np.frombuffer(mm, dtype="<u8", count=_HDR // 8)
                 hdr[H_DIMS], hdr[H_CAP], hdr[H_KEYB] = dims, capacity, key_bytes
+                mutex_init(mm, MUTEX_AT)
                 slots = _geometry(dims, capacity, key_bytes)[6]
                 mm2 = mmap.mmap(fd, slots + 4 * _table_size(capacity))
                 np.frombuffer(mm2, dtype="<i4", count=_table_size(capacity),
@@ -216,15 +231,17 @@ class VectorFile:
             _unlink_quietly(tmp)
 
     def close(self) -> None:
-        for name in ("_hq", "_st", "_ha", "_ln", "_nx", "_fr", "_sl"):
-            getattr(self, name).release()
-        for name in ("hdr", "intent", "stamps", "hashes", "lens", "keys", "matrix", "_slots_np"):
-            setattr(self, name, None)
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # (a search still holds a view: the mapping goes with it)
-        os.close(self._fd)
+        with self._tlock:  # (no writer of this process holds the mutex of the mapping)
+            for name in ("_hq", "_st", "_ha", "_ln", "_nx", "_fr", "_sl"):
+                getattr(self, name).release()
+            for name in ("hdr", "intent", "stamps", "hashes", "lens", "keys", "matrix",
+                         "_slots_np"):
+                setattr(self, name, None)
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # (a search still holds a view: the mapping goes with it)
+            os.close(self._fd)
 
     # ------------------------------------------------------------------ writers
     def update(self, key: bytes, change: Callable[[], tuple[int, Any]],
@@ -238,24 +255,34 @@ class VectorFile:
         intent. Returns :meth:`set_rows`'s answer (False: the index overflowed). What
         ``change`` or ``repair`` raises is raised with the intent left set and the lock
         released: the next writer repairs. (One call, not a context manager and four
-        calls: those were a tenth of an indexed put's time.)"""
-        hq = self._hq
+        calls: those were a tenth of an indexed put's time.) The writers' lock is the
+        file's mutex (its holder dying hands it on: the intent it left says what to
+        repair), or for a file of layout 2 an flock of it (released by the kernel when
+        its holder dies)."""
+        hq, mm = self._hq, self._mm
         with self._tlock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if self._mutex:
+                mutex_lock(mm, MUTEX_AT)
+            else:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 n = hq[H_INTENT]
                 if n:
                     self.rebuild()
                     repair(self.intent[:n].tobytes())
                     hq[H_INTENT] = 0
-                self._mm[self._it:self._it + len(key)] = key
-                hq[H_INTENT] = len(key)
+                n = len(key)
+                mm[self._it:self._it + n] = key
+                hq[H_INTENT] = n
                 stamp, rows = change()
                 fits = self.set_rows(key, stamp, rows if stamp else None)
                 hq[H_INTENT] = 0
                 return fits
             finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                if self._mutex:
+                    mutex_unlock(mm, MUTEX_AT)
+                else:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def intent_key(self) -> bytes | None:
         """The key a writer named (:meth:`update`), None when none (read without the lock:
@@ -296,11 +323,19 @@ class VectorFile:
         rows, or each row's little-endian bytes) tagged ``stamp`` (under the lock, ``key``
         named by :meth:`update`). False (and the index marked overflowed, its rows of
         ``key`` gone) when they do not fit."""
-        hq, st, nx, fr, sl = self._hq, self._st, self._nx, self._fr, self._sl
         h = xxh3_64_intdigest(key)
-        slot, r, at = self._find(key, h)
         n = 0 if vectors is None else len(vectors)
-        mm, rb = self._mm, 4 * self.dims
+        hq, st, nx, fr, sl = self._hq, self._st, self._nx, self._fr, self._sl
+        mm, rb = self._mm, self._rb
+        # (_find's first probe inline: the key is most often in the slot of its hash)
+        slot = h & (self._tsize - 1)
+        r = sl[slot]
+        if r >= 0 and self._ha[r] == h \
+                and mm[self._ks + r * self.key_bytes:self._ks + r * self.key_bytes
+                       + self._ln[r]] == key:  # (key_at)
+            at = slot
+        else:
+            slot, r, at = self._find(key, h)
         if r >= 0 and n == 1 and nx[r] < 0:
             # (the common re-put: one row before and after, rewritten in place; what
             # freeing it and taking the top of the free stack, the same row, would do)

@@ -26,6 +26,7 @@ from xxhash import xxh3_64_hexdigest
 
 from ..._client import Client
 from ..._extras import require
+from ..._l2core import unit_f32
 from ...errors import ConfigError, CorruptRecord, KVCommError, KVCommWarning
 from ...tiers.vectors import VectorFile
 from ._keys import Keys
@@ -97,12 +98,19 @@ class SemanticIndex:
 
     def blobs(self, vectors: list[Any]) -> list[bytes]:
         """``vectors`` as unit float32 rows, each its little-endian bytes (what a record
-        and the host's matrix hold): :meth:`unit`'s rows, without its NumPy conversion of
-        a list of Python floats (``struct`` packs them in a third of the time), which was
-        most of an indexed put's time. Raises ConfigError for a vector not of ``dims``
-        numbers (:meth:`check_dims`)."""
+        and the host's matrix hold): :meth:`unit`'s rows (within float32 rounding),
+        without its NumPy conversion of a list of Python floats, which was most of an
+        indexed put's time: a list of ``dims`` floats in one pass in C
+        (``_l2core.unit_f32``), anything else (other numbers, a zero, nan or huge vector)
+        packed by ``struct`` and divided by NumPy. Raises ConfigError for a vector not of
+        ``dims`` numbers (:meth:`check_dims`)."""
         pack, frombuffer, f4, out = self._pack.pack, self.np.frombuffer, self._f4, []
+        dims = self.dims
         for v in vectors:
+            b = unit_f32(v, dims)
+            if b is not None:
+                out.append(b)
+                continue
             try:
                 row = frombuffer(pack(*v), f4)
             except (TypeError, OverflowError, struct.error):

@@ -142,10 +142,24 @@ class KVCommStore(BaseStore):
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops`` in order; their results in the same order."""
         ops = list(ops)
-        if self._sem is None:
+        sem = self._sem
+        if sem is None:
             return self._batch(ops, None)
+        op = ops[0] if len(ops) == 1 else None
+        if type(op) is PutOp and op.value is not None:
+            # (put()'s one op, the common call: its texts embedded and made rows without
+            # the tables a batch of many needs; what _batch does with them)
+            pairs = sem.texts(op.value, op.index)
+            vectors = None
+            if pairs:
+                docs = sem.embeddings.embed_documents([t for _p, t in pairs])
+                _check_count(docs, pairs)
+                vectors = ([p for p, _t in pairs], sem.blobs(docs))
+            validate_op_namespace(op)
+            self._put(op.namespace, op.key, op.value, _minutes(op.ttl, "ttl"), vectors)
+            return [None]
         texts, queries = self._to_embed(ops)
-        emb = self._sem.embeddings
+        emb = sem.embeddings
         docs = emb.embed_documents([t[2] for t in texts]) if texts else []
         qv = {q: emb.embed_query(q) for q in queries} if queries else {}
         return self._batch(ops, self._embedded(texts, docs, qv))
@@ -184,9 +198,7 @@ class KVCommStore(BaseStore):
         dict."""
         sem = self._sem
         assert sem is not None
-        if len(docs) != len(texts):
-            raise ConfigError("", f"the embedding function returned {len(docs)} vectors for "
-                                  f"{len(texts)} texts")
+        _check_count(docs, texts)
         out: dict[Any, Any] = {}
         for (i, path, _t), blob in zip(texts, sem.blobs(docs), strict=True):
             got = out.get(i)
@@ -444,6 +456,13 @@ class KVCommStore(BaseStore):
             if all(_does_match(c, namespace) for c in op.match_conditions or ()):
                 seen.add(namespace if op.max_depth is None else namespace[:op.max_depth])
         return sorted(seen)[op.offset:op.offset + op.limit]
+
+
+def _check_count(docs: list[Any], texts: list[Any]) -> None:
+    """ConfigError unless the embedding function returned one vector per text."""
+    if len(docs) != len(texts):
+        raise ConfigError("", f"the embedding function returned {len(docs)} vectors for "
+                              f"{len(texts)} texts")
 
 
 def _minutes(ttl: Any, what: str) -> float | None:

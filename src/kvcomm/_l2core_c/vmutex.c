@@ -1,0 +1,134 @@
+/* ------------------------------------------------------------------ a mutex in a mapped file
+ *
+ * The writers' lock of a vector index file (tiers/vectors.py, layout 3 and later): a
+ * process-shared, robust, error-checking pthread mutex at an offset of a writable buffer
+ * (the file's mapping), as the L2 writer lock is (lock.c), for writers that take it once
+ * per write: uncontended, taking and releasing it are two atomic instructions, where an
+ * flock is two system calls. A holder that dies hands it to the next taker with
+ * EOWNERDEAD (mutex_lock answers True: the caller repairs what the dead holder left).
+ *
+ *   mutex_init(buffer, offset)           the creator's, before the file is published
+ *   mutex_lock(buffer, offset) -> bool   True: the last holder died holding it
+ *   mutex_unlock(buffer, offset)
+ *
+ * mutex_lock waits with the GIL released, in slices of 50 ms between which Python's
+ * signal handlers run (a KeyboardInterrupt while waiting raises, nothing held). The
+ * buffer must stay mapped while the mutex is held (its owner unmaps it only under its
+ * own thread lock, which every holder holds).
+ */
+#define VMUTEX_SPACE 64
+_Static_assert(sizeof(pthread_mutex_t) <= VMUTEX_SPACE, "pthread_mutex_t over 64 bytes");
+
+/* the mutex at args[1] of buffer args[0] (view filled, to release), or NULL (error set) */
+static pthread_mutex_t *
+vmutex_at(PyObject *const *args, Py_ssize_t nargs, Py_buffer *view, const char *name)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s(buffer, offset)", name);
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
+    if (off == -1 && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(args[0], view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (off < 0 || off % 8 || view->len < VMUTEX_SPACE || off > view->len - VMUTEX_SPACE) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s: offset %zd is not 8-aligned within the buffer "
+                     "with %d bytes after it", name, off, VMUTEX_SPACE);
+        return NULL;
+    }
+    return (pthread_mutex_t *)((char *)view->buf + off);
+}
+
+static PyObject *
+mutex_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_buffer view;
+    pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_init");
+    if (!m)
+        return NULL;
+    pthread_mutexattr_t attr;
+    int rc = pthread_mutexattr_init(&attr);
+    if (!rc) rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    if (!rc) rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+    if (!rc) {
+        memset(m, 0, VMUTEX_SPACE);
+        rc = pthread_mutex_init(m, &attr);
+    }
+    pthread_mutexattr_destroy(&attr);
+    PyBuffer_Release(&view);
+    if (rc) {
+        PyErr_Format(SegmentError, "cannot initialise a file's writer lock (error %d: %s)", rc,
+                     strerror(rc));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_buffer view;
+    pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_lock");
+    if (!m)
+        return NULL;
+    int rc = pthread_mutex_trylock(m);
+    while (rc == EBUSY || rc == ETIMEDOUT) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += 50000000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec += 1;
+            ts.tv_nsec -= 1000000000;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        rc = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
+        Py_END_ALLOW_THREADS
+        if (rc == ETIMEDOUT && PyErr_CheckSignals() < 0) {
+            PyBuffer_Release(&view);
+            return NULL; /* nothing held */
+        }
+    }
+    int died = 0;
+    if (rc == EOWNERDEAD) {
+        if (pthread_mutex_consistent(m) != 0) {
+            pthread_mutex_unlock(m);
+            PyBuffer_Release(&view);
+            PyErr_SetString(SegmentError, "a file's writer lock cannot be recovered; purge the "
+                                          "namespace");
+            return NULL;
+        }
+        died = 1;
+        rc = 0;
+    }
+    PyBuffer_Release(&view);
+    if (rc) {
+        PyErr_Format(SegmentError, "a file's writer lock is unusable (error %d: %s)%s", rc,
+                     strerror(rc), rc == EDEADLK ? " (this thread holds it already)"
+                                                 : "; purge the namespace");
+        return NULL;
+    }
+    return PyBool_FromLong(died);
+}
+
+static PyObject *
+mutex_unlock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_buffer view;
+    pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_unlock");
+    if (!m)
+        return NULL;
+    int rc = pthread_mutex_unlock(m);
+    PyBuffer_Release(&view);
+    if (rc) {
+        PyErr_Format(SegmentError, "cannot release a file's writer lock (error %d: %s)", rc,
+                     strerror(rc));
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
