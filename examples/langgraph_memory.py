@@ -1,7 +1,7 @@
 """An agent that stores memories in one process and recalls them by meaning in another.
 
-    python examples/langgraph_memory.py                  # embedded: one host's L2
-    python examples/langgraph_memory.py --config /tmp/kvc/host-2.yaml   # a dev-cluster host
+    .venv/bin/python examples/langgraph_memory.py        # embedded: one host's L2
+    .venv/bin/python examples/langgraph_memory.py --config /tmp/kvc/host-2.yaml   # a dev-cluster host
 
 * a **learner** process (a LangGraph graph with one node) puts what a user told it as
   memories in ``("memories", user)``: ``KVCommStore(kv, index=...)`` embeds each one and
@@ -15,6 +15,14 @@ words mapped onto shared concepts ("bike" and "cycling" are near; "tea" and "cof
 near). Put a real model in its place (``"embed": init_embeddings("openai:text-embedding-3-
 small")``, ``"dims": 1536``): nothing else changes. The parent exits 0 when every
 question recalled the memory it should (1 otherwise).
+
+Embedded, it uses its own namespace (``--namespace``, default ``lg-memory-example``), a
+small index (``INDEX_CAPACITY`` vectors: the host's index file is reserved in full when it
+is made, about 1.3 MB here against 132 MB at the default 100,000) and purges the namespace
+(its segment and its index file, which would otherwise stay in /dev/shm) when it ends;
+``--keep`` leaves them for ``kvcomm info --name lg-memory-example``. With ``--config`` the
+namespace is the config's and is left alone (a cluster host's index is not kept in
+/dev/shm: a search scores the records).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any, TypedDict
 
 import kvcomm
 from kvcomm.integrations.langgraph import KVCommStore
+from kvcomm.tiers.l2 import purge
 
 DIMS = 256
 CONCEPTS = {"bike": "cycling", "bicycle": "cycling", "cycling": "cycling", "ride": "cycling",
@@ -62,6 +71,7 @@ def embed(texts: list[str]) -> list[list[float]]:
 
 
 INDEX = {"dims": DIMS, "embed": embed, "fields": ["text"]}
+INDEX_CAPACITY = 1_000  # vectors in the host's index file (reserved in full when made)
 
 
 class State(TypedDict):
@@ -77,10 +87,11 @@ def run_node(kv: kvcomm.Client, node: Any, user: str) -> dict[str, Any]:
     g.add_node(node.__name__, node)
     g.add_edge(START, node.__name__)
     g.add_edge(node.__name__, END)
-    return g.compile(store=KVCommStore(kv, index=INDEX)).invoke({"user": user, "notes": []})
+    store = KVCommStore(kv, index=INDEX, index_capacity=INDEX_CAPACITY)
+    return g.compile(store=store).invoke({"user": user, "notes": []})
 
 
-def learner(config: str | None, user: str) -> None:
+def learner(namespace: str | None, config: str | None, user: str) -> None:
     from langgraph.store.base import BaseStore
 
     def remember(state: State, *, store: BaseStore) -> dict[str, Any]:
@@ -88,7 +99,7 @@ def learner(config: str | None, user: str) -> None:
             store.put(("memories", state["user"]), key, value)
         return {"notes": list(MEMORIES)}
 
-    kv = kvcomm.open(config=config)
+    kv = kvcomm.open(namespace, config=config)
     try:
         run_node(kv, remember, user)
         print(f"[learner] stored {len(MEMORIES)} memories")
@@ -96,7 +107,7 @@ def learner(config: str | None, user: str) -> None:
         kv.close()
 
 
-def recaller(config: str | None, user: str, out: Any) -> None:
+def recaller(namespace: str | None, config: str | None, user: str, out: Any) -> None:
     from langgraph.store.base import BaseStore
 
     def recall(state: State, *, store: BaseStore) -> dict[str, Any]:
@@ -110,7 +121,7 @@ def recaller(config: str | None, user: str, out: Any) -> None:
                       f"(score {hits[0].score:.2f})")
         return {"notes": notes}
 
-    kv = kvcomm.open(config=config)
+    kv = kvcomm.open(namespace, config=config)
     try:
         res = run_node(kv, recall, user)
         out.put(res["notes"])
@@ -121,17 +132,26 @@ def recaller(config: str | None, user: str, out: Any) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="a kvcomm config (a dev-cluster host's)")
+    ap.add_argument("--namespace", default="lg-memory-example",
+                    help="the L2 namespace in embedded mode (default lg-memory-example)")
+    ap.add_argument("--keep", action="store_true",
+                    help="leave the namespace in /dev/shm at the end (embedded mode)")
     a = ap.parse_args()
+    namespace = None if a.config else a.namespace
     user = f"user-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
-    p = ctx.Process(target=learner, args=(a.config, user))
-    p.start()
-    p.join()
-    out = ctx.Queue()
-    r = ctx.Process(target=recaller, args=(a.config, user, out))
-    r.start()
-    got = out.get(timeout=120)
-    r.join()
+    try:
+        p = ctx.Process(target=learner, args=(namespace, a.config, user))
+        p.start()
+        p.join()
+        out = ctx.Queue()
+        r = ctx.Process(target=recaller, args=(namespace, a.config, user, out))
+        r.start()
+        got = out.get(timeout=120)
+        r.join()
+    finally:
+        if namespace is not None and not a.keep:
+            purge(namespace, kvcomm.Config().cache.l2_dir)  # the segment and the index file
     want = [w for _q, _f, w in QUESTIONS]
     print("recalled", got, "expected", want)
     return 0 if got == want and p.exitcode == 0 and r.exitcode == 0 else 1

@@ -5,6 +5,9 @@ The map is one fenced block: an entry line names a module (`name.py`), a package
 lines indented further continue the entry's description. Every entry must exist, and
 every module and package under src/kvcomm must be an entry of its own or be named (by
 its stem, as a word) in its package's description.
+
+Every test file the documentation names (`tests/....py`, optionally `::test_name`, in
+README.md and docs/) exists and holds that test, and no blank "(`tests/`)" is left.
 """
 
 from __future__ import annotations
@@ -100,3 +103,28 @@ def test_every_module_is_in_the_map():
         elif mod.is_dir():
             visit(mod, entries[mod.relative_to(SRC)])
     assert not unlisted, f"src/kvcomm modules the module map does not name: {unlisted}"
+
+
+TEST_REF = re.compile(r"tests/[\w./-]+?\.py(?:::(\w+))?")
+
+
+def _doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_every_test_the_docs_name_exists():
+    missing = []
+    for doc in _doc_files():
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            where = f"{doc.relative_to(ROOT)}:{n}"
+            if "(`tests/`)" in line:
+                missing.append(f"{where}: a blank (`tests/`) reference")
+            for m in TEST_REF.finditer(line):
+                path = ROOT / m.group(0).split("::")[0]
+                if not path.is_file():
+                    missing.append(f"{where}: {m.group(0)} (no such file)")
+                elif m.group(1) and not re.search(
+                    rf"^(?:async )?def {m.group(1)}\(", path.read_text(), re.M
+                ):
+                    missing.append(f"{where}: {m.group(0)} (no such test)")
+    assert not missing, "the docs name tests that do not exist:\n" + "\n".join(missing)
