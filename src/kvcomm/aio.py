@@ -54,6 +54,7 @@ from ._client.scan import check_scan_args
 from ._client.watch import WatchFeed
 from ._l2core import WouldBlock, set_inline_wait
 from .config import Config
+from .errors import InvalidArgument
 
 __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
 
@@ -551,6 +552,15 @@ class _Opening:
     async def __aexit__(self, *exc: object) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+    def __getattr__(self, name: str) -> Any:
+        # (a client's method on what open() returned: the open was not awaited)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise InvalidArgument(
+            f"kvcomm.aio.open() was not awaited, so there is no client to call .{name} on: "
+            "write `kv = await kvcomm.aio.open(...)` (then `await kv.aclose()`) or "
+            "`async with kvcomm.aio.open(...) as kv:`")
 
 
 def _close_made(f: Future[Client]) -> None:

@@ -460,3 +460,11 @@ def test_cancelled_at_random_points_no_lock_held_no_half_write(ns: str, aconfig:
         assert sum(incr_acked.values()) > 50
     finally:
         other.close()
+
+
+def test_a_client_method_on_an_open_not_awaited_says_to_await_it(ns: str) -> None:
+    opening = kvcomm.aio.open(ns)
+    with pytest.raises(kvcomm.InvalidArgument, match="was not awaited"):
+        opening.get("k")  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        opening._private  # type: ignore[attr-defined]  # noqa: B018

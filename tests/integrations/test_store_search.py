@@ -19,6 +19,7 @@ from kvcomm.tiers import l2
 pytest.importorskip("langgraph.store.memory")
 np = pytest.importorskip("numpy")
 
+from langgraph.store.base import PutOp  # noqa: E402
 from langgraph.store.memory import InMemoryStore  # noqa: E402
 from xxhash import xxh3_64_intdigest  # noqa: E402
 
@@ -557,3 +558,34 @@ def test_writers_of_several_processes_keep_the_rows_in_step(
         assert [int(f.stamps[r]) for r in rows] == [raw[5][1]] * len(raw[5][2]), i
         want = np.frombuffer(b"".join(b for _p, b in raw[5][2]), dtype="<f4")
         assert np.array_equal(np.concatenate([f.matrix[r] for r in rows]), want), i
+
+
+def test_a_users_first_mistakes_get_clear_errors_and_store_nothing(kv: kvcomm.Client) -> None:
+    """A value that is not a dict, a namespace given as a str, an embedding function that
+    returns None or a vector holding NaN or a number beyond float32: each raises a
+    kvcomm error that says what to do, and nothing is stored (no record, no row)."""
+    bad_vector: list[float] = [0.1] * DIMS
+
+    def embed(texts: list[str]) -> Any:
+        if texts == ["none"]:
+            return None
+        return [bad_vector for _t in texts] if texts[0].startswith("bad") else fake_embed(texts)
+
+    store = KVCommStore(kv, index={"dims": DIMS, "embed": embed, "fields": ["text"]})
+    ns = ("user", "1")
+    with pytest.raises(kvcomm.InvalidArgument, match="value is a dict"):
+        store.put(ns, "a", "just text")  # type: ignore[arg-type]
+    with pytest.raises(kvcomm.InvalidArgument, match="tuple of str labels"):
+        store.put("mem", "a", {"text": "x"})  # type: ignore[arg-type]
+    with pytest.raises(kvcomm.ConfigError, match="returned a NoneType"):
+        store.put(ns, "a", {"text": "none"})
+    for poison in (float("nan"), float("inf"), 1e39):
+        bad_vector = [0.1] * (DIMS - 1) + [poison]
+        with pytest.raises(kvcomm.ConfigError, match="NaN or a number beyond float32"):
+            store.put(ns, "a", {"text": "bad"})
+        with pytest.raises(kvcomm.ConfigError, match="NaN or a number beyond float32"):
+            store.batch([PutOp(ns, "b", {"text": "bad"}), PutOp(ns, "c", {"text": "ok"})])
+    assert store.get(ns, "a") is None and store.get(ns, "b") is None
+    assert store.get(ns, "c") is None and store.search(("user",), query="ok") == []
+    store.put(ns, "a", {"text": "fine"})
+    assert [i.key for i in store.search(("user",), query="fine")] == ["a"]

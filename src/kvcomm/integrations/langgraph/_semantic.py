@@ -96,14 +96,16 @@ class SemanticIndex:
                 out[path] = texts[0]
         return list(out.items())
 
-    def blobs(self, vectors: list[Any]) -> list[bytes]:
+    def blobs(self, vectors: list[Any], finite: bool = False) -> list[bytes]:
         """``vectors`` as unit float32 rows, each its little-endian bytes (what a record
         and the host's matrix hold): :meth:`unit`'s rows (within float32 rounding),
         without its NumPy conversion of a list of Python floats, which was most of an
         indexed put's time: a list of ``dims`` floats in one pass in C
         (``_l2core.unit_f32``), anything else (other numbers, a zero, nan or huge vector)
         packed by ``struct`` and divided by NumPy. Raises ConfigError for a vector not of
-        ``dims`` numbers (:meth:`check_dims`)."""
+        ``dims`` numbers (:meth:`check_dims`); with ``finite`` (a store's put) also for
+        a vector holding NaN or a number beyond float32 (it would score NaN against every
+        query)."""
         pack, frombuffer, f4, out = self._pack.pack, self.np.frombuffer, self._f4, []
         dims = self.dims
         for v in vectors:
@@ -116,12 +118,23 @@ class SemanticIndex:
             except (TypeError, OverflowError, struct.error):
                 # (not dims plain numbers: NumPy's conversion, as before)
                 self.check_dims([v])
+                if finite:
+                    self._check_finite(self.np.asarray(v, dtype="<f4"))
                 out.append(self.unit([v]).tobytes())
                 continue
+            if finite:
+                self._check_finite(row)
             n = math.sqrt(row.dot(row))
             # (a zero vector, or one beyond float32 (inf), or nan: as unit() leaves them)
             out.append((row / n).tobytes() if 0.0 < n < math.inf else self.unit([v]).tobytes())
         return out
+
+    def _check_finite(self, row: Any) -> None:
+        if not self.np.isfinite(row).all():
+            raise ConfigError("", "the embedding function returned a vector holding NaN or "
+                                  "a number beyond float32 (about 3.4e38): it would score NaN "
+                                  "against every query; nothing was stored. Fix the embedding "
+                                  "(or its input text)")
 
     def unit(self, vectors: Any) -> Any:
         """``vectors`` (a list of lists) as unit float32 rows (a zero vector stays zero)."""

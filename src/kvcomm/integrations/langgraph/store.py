@@ -56,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -149,13 +149,14 @@ class KVCommStore(BaseStore):
         if type(op) is PutOp and op.value is not None:
             # (put()'s one op, the common call: its texts embedded and made rows without
             # the tables a batch of many needs; what _batch does with them)
+            _check_value(op.value)
             pairs = sem.texts(op.value, op.index)
             vectors = None
             if pairs:
                 docs = sem.embeddings.embed_documents([t for _p, t in pairs])
                 _check_count(docs, pairs)
-                vectors = ([p for p, _t in pairs], sem.blobs(docs))
-            validate_op_namespace(op)
+                vectors = ([p for p, _t in pairs], sem.blobs(docs, finite=True))
+            _validate(op)
             self._put(op.namespace, op.key, op.value, _minutes(op.ttl, "ttl"), vectors)
             return [None]
         texts, queries = self._to_embed(ops)
@@ -186,6 +187,7 @@ class KVCommStore(BaseStore):
         queries: list[str] = []
         for i, op in enumerate(ops):
             if isinstance(op, PutOp) and op.value is not None:
+                _check_value(op.value)
                 for p, t in self._sem.texts(op.value, op.index):
                     texts.append((i, p, t))
             elif isinstance(op, SearchOp) and op.query and op.query not in queries:
@@ -200,7 +202,7 @@ class KVCommStore(BaseStore):
         assert sem is not None
         _check_count(docs, texts)
         out: dict[Any, Any] = {}
-        for (i, path, _t), blob in zip(texts, sem.blobs(docs), strict=True):
+        for (i, path, _t), blob in zip(texts, sem.blobs(docs, finite=True), strict=True):
             got = out.get(i)
             if got is None:
                 out[i] = ([path], [blob])
@@ -215,7 +217,7 @@ class KVCommStore(BaseStore):
     def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
         results: list[Result] = []
         for i, op in enumerate(ops):
-            validate_op_namespace(op)
+            _validate(op)
             if isinstance(op, GetOp):
                 results.append(self._get(op.namespace, op.key, op.refresh_ttl))
             elif isinstance(op, PutOp):
@@ -281,6 +283,7 @@ class KVCommStore(BaseStore):
         """Store the item (keeping its created time) with ``ttl`` minutes to live, or
         none (None: until deleted, whatever deadline it had), and its ``vectors`` (paths,
         unit rows' bytes) in its record and the host's index."""
+        _check_value(value)
         t, b = self.serde.dumps_typed(dict(value))
         part = None if vectors is None else self._sem.record_part(*vectors)  # type: ignore[union-attr]
         k = self.keys.item(namespace, key)
@@ -458,8 +461,33 @@ class KVCommStore(BaseStore):
         return sorted(seen)[op.offset:op.offset + op.limit]
 
 
+def _check_value(value: Any) -> None:
+    """InvalidArgument unless ``value`` (a put's) is a dict (a mapping), as LangGraph's
+    stores take it."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"a store item's value is a dict, got a {type(value).__name__}"
+                              f" ({str(value)[:60]!r}): wrap it, e.g. {{'value': ...}}")
+
+
+def _validate(op: Op) -> None:
+    """LangGraph's namespace checks, and a namespace that is a tuple of labels (a str
+    would be taken as the tuple of its characters, an item no search finds)."""
+    ns = getattr(op, "namespace", None)
+    if ns is None:
+        ns = getattr(op, "namespace_prefix", ())
+    if type(ns) is not tuple:
+        raise InvalidArgument(f"a namespace is a tuple of str labels, got the "
+                              f"{type(ns).__name__} {ns!r}: write ({ns!r},) for one label")
+    validate_op_namespace(op)
+
+
 def _check_count(docs: list[Any], texts: list[Any]) -> None:
     """ConfigError unless the embedding function returned one vector per text."""
+    try:
+        len(docs)
+    except TypeError:
+        raise ConfigError("", f"the embedding function returned a {type(docs).__name__}, not "
+                              f"a list of {len(texts)} vectors (one per text)") from None
     if len(docs) != len(texts):
         raise ConfigError("", f"the embedding function returned {len(docs)} vectors for "
                               f"{len(texts)} texts")
