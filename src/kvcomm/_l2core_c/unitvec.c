@@ -8,13 +8,13 @@
  *
  * None, nothing computed, for whatever the caller's general path decides instead: not a
  * list or tuple of ``dims`` floats, an element not a float32 number (nan, beyond
- * float32), a vector whose float32 sum of squares would overflow or fall below float32's
- * normal range (zero included: NumPy's float32 dot makes inf or 0 of it there, and the
- * caller's path says what such a vector becomes), or a big-endian machine.
+ * float32), a zero vector (the caller's path says what it becomes), or a big-endian
+ * machine.
  *
- * The rounding is NumPy's float32 path's: each element rounded to float32 first, then
- * divided (in float32) by the norm rounded to float32; the sum of squares is in double
- * (NumPy's float32 dot sums in float32: they differ in the last bits of the norm).
+ * Each element is rounded to float32 first; the sum of squares, the norm and the
+ * division are in double (a float32 vector's norm may overflow float32, or its squares
+ * fall below it: 1e19 or 1e-22 in every element), the quotient rounded to float32, as
+ * the caller's general path (SemanticIndex.unit, norms in float64) makes it.
  */
 #include <float.h>
 #include <math.h>
@@ -59,11 +59,11 @@ unit_f32(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         row[i] = f;
         ss += (double)f * (double)f;
     }
-    if (!(ss >= FLT_MIN && ss <= FLT_MAX))
+    if (!(ss > 0.0)) /* (zero: the caller's path says what a zero vector becomes) */
         goto general;
-    float n = (float)sqrt(ss);
+    double n = sqrt(ss); /* (in double: a float32 vector's norm may overflow float32) */
     for (Py_ssize_t i = 0; i < dims; i++)
-        row[i] = row[i] / n;
+        row[i] = (float)((double)row[i] / n);
     return out;
 general:
     Py_DECREF(out);

@@ -1,7 +1,7 @@
 /* ------------------------------------------------------------------ a mutex in a mapped file
  *
  * The writers' lock of a vector index file (tiers/vectors.py, layout 3 and later): a
- * process-shared, robust, error-checking pthread mutex at an offset of a writable buffer
+ * process-shared, robust pthread mutex at an offset of a writable buffer
  * (the file's mapping), as the L2 writer lock is (lock.c), for writers that take it once
  * per write: uncontended, taking and releasing it are two atomic instructions, where an
  * flock is two system calls. A holder that dies hands it to the next taker with
@@ -53,7 +53,11 @@ mutex_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int rc = pthread_mutexattr_init(&attr);
     if (!rc) rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
     if (!rc) rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+    /* NORMAL, not ERRORCHECK: an error-checking mutex compares its owner's thread id with
+     * the caller's, and a writer in another PID namespace (a container sharing /dev/shm)
+     * may have the holder's number: it would be told EDEADLK instead of waiting. A thread
+     * of this process never takes it twice: VectorFile's thread lock is held around it. */
+    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_NORMAL);
     if (!rc) {
         memset(m, 0, VMUTEX_SPACE);
         rc = pthread_mutex_init(m, &attr);

@@ -44,6 +44,7 @@ import fcntl
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ from xxhash import xxh3_64_intdigest
 
 from .._l2core import mutex_init, mutex_lock, mutex_unlock
 from ..errors import SegmentError
+from .shm import segment as _segment  # noqa: F401 (the C kernel's errors are SegmentError once it is loaded)
 from .shm.files import (
     SHM_DIR,
     _unlink_quietly,
@@ -68,6 +70,17 @@ _HDR = 256
 (H_MAGIC, H_LAYOUT, H_DIMS, H_CAP, H_KEYB, H_HIGH, H_OVERFLOW, H_INTENT, H_NFREE, H_USED,
  H_TOMBS) = range(11)
 MUTEX_AT = 128  # (the writers' mutex, layout 3: header bytes 128..191)
+_OPEN: weakref.WeakSet[VectorFile] = weakref.WeakSet()  # (this process's open files)
+
+
+def _after_fork() -> None:
+    """In a forked child: each open file's thread lock anew (another thread of the parent
+    may have held it at the fork; that thread does not exist here)."""
+    for vf in list(_OPEN):
+        vf._tlock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 _EMPTY, _TOMB = -1, -2
 
 
@@ -146,6 +159,8 @@ class VectorFile:
         self.matrix = np.frombuffer(mm, dtype="<f4", count=cap * self.dims,
                                     offset=mx).reshape(cap, self.dims)
         self._tlock = threading.Lock()
+        self._closed = False
+        _OPEN.add(self)  # (a forked child gets a fresh _tlock: _after_fork)
         # (a file an older version made has no mutex: its writers, this version's too,
         # serialize on an flock of the file)
         self._mutex = int(hdr[H_LAYOUT]) != LAYOUT_FLOCK
@@ -231,7 +246,12 @@ class VectorFile:
             _unlink_quietly(tmp)
 
     def close(self) -> None:
+        """Unmap and close the file (idempotent; later writes raise SegmentError)."""
         with self._tlock:  # (no writer of this process holds the mutex of the mapping)
+            if self._closed:
+                return
+            self._closed = True
+            _OPEN.discard(self)
             for name in ("_hq", "_st", "_ha", "_ln", "_nx", "_fr", "_sl"):
                 getattr(self, name).release()
             for name in ("hdr", "intent", "stamps", "hashes", "lens", "keys", "matrix",
@@ -259,8 +279,11 @@ class VectorFile:
         file's mutex (its holder dying hands it on: the intent it left says what to
         repair), or for a file of layout 2 an flock of it (released by the kernel when
         its holder dies)."""
-        hq, mm = self._hq, self._mm
         with self._tlock:
+            if self._closed:
+                raise SegmentError("this vector index is closed (its store's client was "
+                                   "closed); open the store again")
+            hq, mm = self._hq, self._mm
             if self._mutex:
                 mutex_lock(mm, MUTEX_AT)
             else:
@@ -299,7 +322,7 @@ class VectorFile:
         sl, ha, mask, mm, ks, kb = self._sl, self._ha, self._tsize - 1, self._mm, self._ks, \
             self.key_bytes
         i, tomb = h & mask, -1
-        while True:
+        for _ in range(mask + 1):  # (a table with no empty slot: corrupt, see below)
             r = sl[i]
             if r == _EMPTY:
                 return -1, -1, (i if tomb < 0 else tomb)
@@ -309,6 +332,10 @@ class VectorFile:
             elif ha[r] == h and mm[ks + r * kb:ks + r * kb + self._ln[r]] == key:  # (key_at)
                 return i, r, i
             i = (i + 1) & mask
+        if tomb >= 0:  # (every slot taken or deleted: insert at the first deleted one)
+            return -1, -1, tomb
+        raise SegmentError(f"the vector index {self.path} is corrupt (its key table has no "
+                           "empty slot); purge the namespace or remove the file")
 
     def rows_of(self, key: bytes) -> list[int]:
         r = self._find(key, xxh3_64_intdigest(key))[1]
@@ -414,6 +441,9 @@ class VectorFile:
     def scores(self, q: Any) -> tuple[Any, Any]:
         """``(scores, stamps)`` of rows ``[0, high)``: the matrix times the unit vector
         ``q``, free rows at -inf; the stamps as read (copied) before the product."""
+        if self._closed:
+            raise SegmentError("this vector index is closed (its store's client was closed); "
+                               "open the store again")
         np = self._np
         high = int(self.hdr[H_HIGH])
         stamps = self.stamps[:high].copy()

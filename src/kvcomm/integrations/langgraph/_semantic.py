@@ -124,9 +124,11 @@ class SemanticIndex:
                 continue
             if finite:
                 self._check_finite(row)
-            n = math.sqrt(row.dot(row))
+            r64 = row.astype("<f8")
+            n = math.sqrt(r64.dot(r64))
             # (a zero vector, or one beyond float32 (inf), or nan: as unit() leaves them)
-            out.append((row / n).tobytes() if 0.0 < n < math.inf else self.unit([v]).tobytes())
+            out.append((r64 / n).astype(f4).tobytes() if 0.0 < n < math.inf
+                       else self.unit([v]).tobytes())
         return out
 
     def _check_finite(self, row: Any) -> None:
@@ -140,10 +142,12 @@ class SemanticIndex:
         """``vectors`` (a list of lists) as unit float32 rows (a zero vector stays zero)."""
         np = self.np
         m = np.array(vectors, dtype="<f4").reshape(-1, self.dims)
-        norms = np.sqrt(np.einsum("ij,ij->i", m, m))
+        # (norms in float64: a float32 vector's may overflow float32, or its squares fall
+        # below it, 1e19 or 1e-22 in every element; InMemoryStore scores in float64)
+        m64 = m.astype("<f8")
+        norms = np.sqrt(np.einsum("ij,ij->i", m64, m64))
         norms[norms == 0] = 1.0
-        m /= norms[:, None]
-        return m
+        return (m64 / norms[:, None]).astype("<f4")
 
     def check_dims(self, vectors: list[Any]) -> None:
         for v in vectors:

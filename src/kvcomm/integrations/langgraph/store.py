@@ -150,13 +150,13 @@ class KVCommStore(BaseStore):
             # (put()'s one op, the common call: its texts embedded and made rows without
             # the tables a batch of many needs; what _batch does with them)
             _check_value(op.value)
+            _validate(op)  # (before the embedding call, which may cost money)
             pairs = sem.texts(op.value, op.index)
             vectors = None
             if pairs:
                 docs = sem.embeddings.embed_documents([t for _p, t in pairs])
                 _check_count(docs, pairs)
                 vectors = ([p for p, _t in pairs], sem.blobs(docs, finite=True))
-            _validate(op)
             self._put(op.namespace, op.key, op.value, _minutes(op.ttl, "ttl"), vectors)
             return [None]
         texts, queries = self._to_embed(ops)
@@ -188,6 +188,7 @@ class KVCommStore(BaseStore):
         for i, op in enumerate(ops):
             if isinstance(op, PutOp) and op.value is not None:
                 _check_value(op.value)
+                _validate(op)  # (before the embedding call, which may cost money)
                 for p, t in self._sem.texts(op.value, op.index):
                     texts.append((i, p, t))
             elif isinstance(op, SearchOp) and op.query and op.query not in queries:
@@ -475,9 +476,11 @@ def _validate(op: Op) -> None:
     ns = getattr(op, "namespace", None)
     if ns is None:
         ns = getattr(op, "namespace_prefix", ())
-    if type(ns) is not tuple:
+    if not isinstance(ns, tuple):
+        advice = f"({ns!r},) for one label" if isinstance(ns, str) else \
+            f"{tuple(ns)!r}" if isinstance(ns, list) else "a tuple of str labels"
         raise InvalidArgument(f"a namespace is a tuple of str labels, got the "
-                              f"{type(ns).__name__} {ns!r}: write ({ns!r},) for one label")
+                              f"{type(ns).__name__} {ns!r}: write {advice}")
     validate_op_namespace(op)
 
 
