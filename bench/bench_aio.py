@@ -249,10 +249,9 @@ def cluster(args: argparse.Namespace) -> None:
 
     rc = RedisCluster(masters=3, replicas=0).start()
     ns = f"bench-aioc-{uuid.uuid4().hex[:8]}"
-    cfg = kvcomm.Config.from_mapping({
+    cfg = kvcomm.Config.from_mapping({  # (the shipped defaults but the cluster's address)
         "node": {"host_id": "bench-a", "namespace": ns},
-        "cache": {"negative_ttl": 0},
-        "cluster": {"redis": [f"127.0.0.1:{p}" for p in rc.ports], "wait_replicas": 0},
+        "cluster": {"redis": [f"127.0.0.1:{p}" for p in rc.ports]},
     })
     store = L3Store(rc.seeds)
     tag, meta, payload = codec.encode(VALUE)
@@ -271,57 +270,41 @@ def cluster(args: argparse.Namespace) -> None:
         return out
 
     try:
+        async def timed(get: Callable[[str], Awaitable[Any]]) -> tuple[float, Ticker]:
+            """``rounds`` gathers of ``per`` awaits of ``get`` on fresh keys: reads/s, lag."""
+            await get(fresh_keys()[0])  # (L3 opened)
+            batches = [fresh_keys() for _ in range(rounds)]
+            ticker = Ticker()
+            ticker.start()
+            await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            for keys in batches:
+                got = await asyncio.gather(*(get(k) for k in keys))
+                assert all(g == VALUE for g in got)
+            ticker.stop()
+            return rounds * per / (time.perf_counter() - t0), ticker
+
         async def aio_rounds() -> tuple[float, Ticker]:
             async with kvcomm.aio.open(config=cfg, wait_daemon=False) as kv:
-                await kv.get(fresh_keys()[0])  # (L3 opened)
-                batches = [fresh_keys() for _ in range(rounds)]
-                ticker = Ticker()
-                ticker.start()
-                await asyncio.sleep(0.01)
-                t0 = time.perf_counter()
-                for keys in batches:
-                    got = await asyncio.gather(*(kv.get(k) for k in keys))
-                    assert all(g == VALUE for g in got)
-                ticker.stop()
-                return rounds * per / (time.perf_counter() - t0), ticker
+                return await timed(kv.get)
 
-        async def inline_rounds() -> tuple[float, Ticker]:
+        async def sync_rounds(face: str) -> tuple[float, Ticker]:
             kv = kvcomm.open(config=cfg, wait_daemon=False)
-            kv.get(fresh_keys()[0])
-            batches = [fresh_keys() for _ in range(rounds)]
-            ticker = Ticker()
-            ticker.start()
-            await asyncio.sleep(0.01)
-            t0 = time.perf_counter()
 
-            async def one(k: str) -> Any:
+            async def inline(k: str) -> Any:  # (the sync call on the loop itself)
                 return kv.get(k)
 
-            for keys in batches:
-                got = await asyncio.gather(*(one(k) for k in keys))
-                assert all(g == VALUE for g in got)
-            ticker.stop()
-            kv.close()
-            return rounds * per / (time.perf_counter() - t0), ticker
+            async def to_thread(k: str) -> Any:
+                return await asyncio.to_thread(kv.get, k)
 
-        async def to_thread_rounds() -> tuple[float, Ticker]:
-            kv = kvcomm.open(config=cfg, wait_daemon=False)
-            kv.get(fresh_keys()[0])
-            batches = [fresh_keys() for _ in range(rounds)]
-            ticker = Ticker()
-            ticker.start()
-            await asyncio.sleep(0.01)
-            t0 = time.perf_counter()
-            for keys in batches:
-                got = await asyncio.gather(*(asyncio.to_thread(kv.get, k) for k in keys))
-                assert all(g == VALUE for g in got)
-            ticker.stop()
-            kv.close()
-            return rounds * per / (time.perf_counter() - t0), ticker
+            try:
+                return await timed(inline if face == "inline" else to_thread)
+            finally:
+                kv.close()
 
         a_ops, a_lag = asyncio.run(aio_rounds())
-        t_ops, t_lag = asyncio.run(to_thread_rounds())
-        s_ops, s_lag = asyncio.run(inline_rounds())
+        t_ops, t_lag = asyncio.run(sync_rounds("to_thread"))
+        s_ops, s_lag = asyncio.run(sync_rounds("inline"))
     finally:
         store.close()
         rc.stop()
