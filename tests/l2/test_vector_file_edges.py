@@ -11,6 +11,7 @@ import struct
 import tempfile
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,21 @@ def _lock_stuck(path: str, q: mp.Queue) -> None:  # type: ignore[type-arg]
     os._exit(0)
 
 
+def _answer_within(target: Any, args: tuple[Any, ...], seconds: float, what: str) -> str:
+    """What a child running ``target(*args, queue)`` put on its queue, failing the test
+    (the child killed) when it is still running after ``seconds``."""
+    q: mp.Queue = CTX.Queue()  # type: ignore[type-arg]
+    p = CTX.Process(target=target, args=(*args, q))
+    p.start()
+    p.join(seconds)
+    alive = p.is_alive()
+    if alive:
+        p.kill()
+        p.join()
+    assert not alive, f"{what} after {seconds:g} s"
+    return q.get(timeout=5)  # type: ignore[no-any-return]
+
+
 @pytest.mark.xfail(strict=True, reason="not fixed yet: a mutex whose owner word names a thread "
                    "that no longer exists, without the owner-died mark (a header copied or "
                    "restored while held), is waited on forever, silently; the fix: after a few "
@@ -112,16 +128,8 @@ def test_a_mutex_held_by_a_vanished_thread_is_reported_not_waited_on_forever() -
         with mmap.mmap(fd, 4096) as mm:
             _l2core.mutex_init(mm, 128)
             mm[128:132] = struct.pack("<I", 4_000_000)  # (a TID above pid_max's default)
-        q: mp.Queue = CTX.Queue()  # type: ignore[type-arg]
-        p = CTX.Process(target=_lock_stuck, args=(path, q))
-        p.start()
-        p.join(15)
-        alive = p.is_alive()
-        if alive:
-            p.kill()
-            p.join()
-        assert not alive, "mutex_lock still waiting after 15 s"
-        assert q.get(timeout=5).startswith("SegmentError")
+        answer = _answer_within(_lock_stuck, (path,), 15, "mutex_lock still waiting")
+        assert answer.startswith("SegmentError")
     finally:
         os.close(fd)
         os.unlink(path)
@@ -212,13 +220,5 @@ def _write_once(vf: VectorFile, q: mp.Queue) -> None:  # type: ignore[type-arg]
 def test_a_key_table_without_an_empty_slot_is_repaired_or_refused(vf: VectorFile) -> None:
     assert vf.update(b"z", lambda: (5, [ROW]), lambda _k: None)
     vf._slots_np[:] = vf.rows_of(b"z")[0]  # (every slot: row 0, key b"z")
-    q: mp.Queue = CTX.Queue()  # type: ignore[type-arg]
-    p = CTX.Process(target=_write_once, args=(vf, q))
-    p.start()
-    p.join(15)
-    alive = p.is_alive()
-    if alive:
-        p.kill()
-        p.join()
-    assert not alive, "the write still probing after 15 s"
-    assert q.get(timeout=5) in ("ok", "SegmentError")
+    answer = _answer_within(_write_once, (vf,), 15, "the write still probing")
+    assert answer in ("ok", "SegmentError")
