@@ -6,8 +6,8 @@
  * recover). This file does, fast and without being interruptible by Python signals, every
  * operation that reads or changes the shared structures:
  *
- *   - the writer lock: a process-shared, robust, error-checking pthread mutex in the
- *     header. A holder that dies (SIGKILL, at any instruction) hands the lock to the next
+ *   - the writer lock: a process-shared, robust pthread mutex in the header. A holder
+ *     that dies (SIGKILL, at any instruction) hands the lock to the next
  *     taker with EOWNERDEAD; no pid is ever compared, so pid reuse, zombies and PID
  *     namespaces do not matter;
  *   - the lock-free seqlock read, and the locked writes: a whole batch is planned, checked

@@ -199,6 +199,103 @@ def test_a_holder_in_another_pid_namespace_that_dies(ns: str) -> None:
         assert kv._seg.check() == []
 
 
+_HOLDER = """
+import sys, threading, kvcomm
+kv = kvcomm.open(sys.argv[1])
+kv._seg._core.lock(5.0)
+print("held", threading.get_native_id(), flush=True)
+sys.stdin.readline()  # (until the test says so)
+kv._seg._core.unlock()
+kv.close()
+"""
+
+_WAITER = """
+import sys, threading, kvcomm
+cfg = kvcomm.Config.from_mapping({"cache": {"lock_timeout": "0.3s"}})
+kv = kvcomm.open(sys.argv[1], config=cfg)
+try:
+    kv.put("w", 1)
+    print("first wrote", threading.get_native_id(), flush=True)
+except kvcomm.KVCommError as exc:
+    print("first", type(exc).__name__, threading.get_native_id(), flush=True)
+sys.stdin.readline()
+kv.put("w", 2)
+print("second wrote", flush=True)
+kv.close()
+"""
+
+
+def _in_pid_namespace(script: str, ns: str) -> subprocess.Popen[str]:
+    # (a shell is the namespace's pid 1, python its pid 2: the same thread id in each)
+    return subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", '"$0" -c "$1" "$2"',
+                             sys.executable, script, ns], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root and unshare(1)")
+def test_a_writer_with_the_holders_thread_id_in_another_pid_namespace_waits(ns: str) -> None:
+    """Two containers sharing /dev/shm: the holder and the writer are each pid 2 in their
+    own PID namespace, so their thread ids are equal. The writer must wait for the lock
+    (Unavailable after its lock_timeout), not be told it holds it already (an
+    error-checking mutex compares thread ids: it said EDEADLK, WriteUnderLock), and write
+    once the holder lets go."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
+    with kvcomm.open(ns) as kv:
+        kv.put("w", 0)
+        holder = _in_pid_namespace(_HOLDER, ns)
+        waiter: subprocess.Popen[str] | None = None
+        try:
+            assert holder.stdout is not None and holder.stdin is not None
+            held = holder.stdout.readline().split()
+            assert held[:1] == ["held"], holder.stderr.read() if holder.stderr else held
+            waiter = _in_pid_namespace(_WAITER, ns)
+            assert waiter.stdout is not None and waiter.stdin is not None
+            first = waiter.stdout.readline().split()
+            assert first[1:] == ["Unavailable", held[1]], first  # the same thread id, waited
+            assert kv.get("w") == 0
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+            assert holder.wait(20) == 0
+            waiter.stdin.write("go\n")
+            waiter.stdin.flush()
+            assert waiter.stdout.readline().split() == ["second", "wrote"]
+            assert waiter.wait(20) == 0
+            kv._l1.clear()
+            assert kv.get("w") == 2
+        finally:
+            for p in (holder, waiter):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+
+
+def test_a_thread_holding_the_lock_through_another_mapping_is_told_not_left_waiting(
+        ns: str) -> None:
+    """One thread, two mappings of one segment (clients share one per process; a tool may
+    map it again with L2Segment): the lock is NORMAL (see the test above), so a thread that
+    holds it through one mapping and writes through the other would wait on itself until
+    lock_timeout. It is told at once (WriteUnderLock, an InvalidArgument)."""
+    cfg = _config("5s")
+    with kvcomm.open(ns, config=cfg) as kv:
+        kv.put("k", 1)
+        other = l2.open_segment(ns, kv._seg.layout, "tool", 0o600)
+        assert other._core is not kv._seg._core
+        try:
+            other._core.lock(5.0)
+            t0 = time.monotonic()
+            with pytest.raises(kvcomm.InvalidArgument, match="already holds"):
+                kv.put("k", 2)
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            other._core.unlock()
+            other.close()
+        kv.put("k", 3)  # released: the next write goes through
+        assert kv.get("k") == 3 and kv._seg.check() == []
+
+
 def _stop_mid_publish(ns: str, cfg: kvcomm.Config, ready: mp.Event) -> None:  # type: ignore[type-arg]
     kv = kvcomm.open(ns, config=cfg)
     seg = kv._seg

@@ -1,4 +1,32 @@
-/* ------------------------------------------------------------------ the writer lock */
+/* ------------------------------------------------------------------ the writer lock
+ *
+ * A process-shared, robust pthread mutex of type NORMAL. Not ERRORCHECK (segments made
+ * before 2026-12 have that type, kept in the segment): an error-checking mutex compares
+ * the thread id in its lock word with the caller's, and a writer in another PID namespace
+ * (a container sharing /dev/shm) may have the holder's number: it was told EDEADLK
+ * (WriteUnderLock) instead of waiting. Re-entry is caught before the mutex: by the Core
+ * (c->held), and, for another Core of the same segment in this thread (a validator
+ * writing through a second client), by l2_locks_held below.
+ */
+
+/* L2 writer locks this thread holds, through any Core: a thread that holds one and finds
+ * another held under its own thread id is writing from under a lock (a validator), which
+ * would wait on itself with a NORMAL mutex */
+static __thread int l2_locks_held;
+
+static inline int
+held_under_my_tid(Core *c)
+{
+#ifdef __GLIBC__
+    if (l2_locks_held > 0) {
+        unsigned lw = (unsigned)__atomic_load_n(&c->mutex->__data.__lock, __ATOMIC_RELAXED);
+        return (lw & 0x3fffffffU) == (unsigned)gettid(); /* FUTEX_TID_MASK */
+    }
+#else
+    (void)c;
+#endif
+    return 0;
+}
 
 static PyObject *
 Core_init_lock(Core *c, PyObject *Py_UNUSED(ignored))
@@ -9,7 +37,7 @@ Core_init_lock(Core *c, PyObject *Py_UNUSED(ignored))
     int rc = pthread_mutexattr_init(&attr);
     if (!rc) rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
     if (!rc) rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_NORMAL);
     if (!rc) {
         memset(c->mutex, 0, MUTEX_SPACE);
         rc = pthread_mutex_init(c->mutex, &attr);
@@ -80,6 +108,8 @@ take_lock_or_not(Core *c, double timeout, int quiet)
         return -1;
     }
     int rc = pthread_mutex_trylock(c->mutex);
+    if (rc == EBUSY && held_under_my_tid(c))
+        rc = EDEADLK; /* (this thread holds it through another Core: it would wait on itself) */
     if (rc == EBUSY && quiet)
         return -2;
     if (rc == EBUSY && inline_wait >= 0) {
@@ -137,7 +167,9 @@ take_lock_or_not(Core *c, double timeout, int quiet)
         rc = 0;
     }
     if (rc == EDEADLK) {
-        PyErr_SetString(WriteUnderLock, "this thread already holds the L2 writer lock (re-entrant write)");
+        PyErr_SetString(WriteUnderLock, "this thread already holds the L2 writer lock, through "
+                                        "another client of this namespace (a write from inside a "
+                                        "validator?); validators may read, not write");
         return -1;
     }
     if (rc != 0) {
@@ -147,6 +179,7 @@ take_lock_or_not(Core *c, double timeout, int quiet)
     }
     c->holder = self;
     c->held = 1;
+    l2_locks_held++;
     return 0;
 }
 
@@ -161,6 +194,7 @@ drop_lock(Core *c)
 {
     if (c->held && pthread_equal(c->holder, pthread_self())) {
         c->held = 0;
+        l2_locks_held--;
         pthread_mutex_unlock(c->mutex);
     }
 }
