@@ -161,6 +161,34 @@ def test_a_packed_value_is_stored_as_its_payload(value: Any) -> None:
     assert codec.decode(tag, meta, bytes(out)) == value
 
 
+_EDGES = (0, 1, 15, 16, 31, 32, 255, 256, 65535, 65536)  # msgpack's length formats change here
+
+
+@given(st.lists(st.one_of(
+    st.none(),
+    st.builds(lambda n, c: c * n, st.sampled_from(_EDGES), st.sampled_from(["a", "é", "\U0001f600"])),
+    st.builds(lambda n: b"\xc1" * n, st.sampled_from(_EDGES)),
+    st.text(), st.binary()), max_size=20), st.sampled_from([0, 1, 16, 65536]))
+def test_pack_plain_is_msgpacks_bytes(fields: list[Any], more: int) -> None:
+    """Packed's encoder in C (_l2core.pack_plain) makes msgpack's bytes exactly, for every
+    length format of the array, str and bin (lengths at each format's edges)."""
+    from kvcomm._l2core import pack_plain
+    fields = fields + [None] * more  # (arrays of 16 and 65,536+ fields: array16, array32)
+    try:
+        want = msgpack.packb(fields, use_bin_type=True)
+    except UnicodeEncodeError:
+        assert pack_plain(fields) is None  # (a lone surrogate: the Python path refuses it)
+        return
+    assert pack_plain(fields) == want
+
+
+def test_pack_plain_takes_only_a_list_of_plain_fields() -> None:
+    from kvcomm._l2core import pack_plain
+    for bad in (("x",), [1], [True], [["x"]], [bytearray(b"x")], ["\ud800"], "x", None,
+                [type("S", (str,), {})("x")]):
+        assert pack_plain(bad) is None, bad
+
+
 def test_a_packed_value_takes_no_payload_and_only_plain_fields() -> None:
     """Its payload is made from its fields, never given (a given one could be anything a
     validator never saw, or undecodable), and only a list of str/bytes/None is one."""

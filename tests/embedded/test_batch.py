@@ -111,6 +111,18 @@ def test_a_batch_compare_and_set_applies_all_or_nothing(kv: kvcomm.Client) -> No
     assert seen == [["3"], ["4", None]] and kv.get("rec/4") == ["4", None]
 
 
+def test_a_packed_value_over_max_value_size_is_refused_at_its_put(kv: kvcomm.Client) -> None:
+    """A Packed is stored as its payload straight from the batch's C put; one over
+    cache.max_value_size takes the Python path and is refused there, the batch unchanged."""
+    big = Packed([b"x" * (kv.config.cache.max_value_size + 1)])
+    with kv.batch() as b:
+        b.put("small", Packed(["s", None]))
+        with pytest.raises(kvcomm.ValueTooLarge):
+            b.put("big", big)
+        assert len(b) == 1
+    assert kv.get("small") == ["s", None] and kv.get("big") is None
+
+
 def test_batch_validators_run_at_apply_time_under_the_lock(kv: kvcomm.Client) -> None:
     """Item 19: a validator sees the value its write replaces when the batch is applied,
     not when ``b.put`` was called; deletes are vetted too."""

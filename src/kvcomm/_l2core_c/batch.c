@@ -220,7 +220,21 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *kwn
     }
     PyObject *op;
     PyObject *value = args[1];
-    if (PyBytes_CheckExact(value) && PyBytes_GET_SIZE(value) <= b->max_value) {
+    PyObject *payload = NULL; /* a Packed value's bytes (set_packed) */
+    if (PackedType && Py_IS_TYPE(value, (PyTypeObject *)PackedType)) {
+        payload = PyObject_GetAttr(value, PayloadName);
+        if (!payload) {
+            Py_DECREF(kh);
+            return NULL;
+        }
+        if (!PyBytes_CheckExact(payload) || PyBytes_GET_SIZE(payload) > b->max_value)
+            Py_CLEAR(payload); /* (encode says what is wrong) */
+    }
+    if (payload) {
+        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          PackedTag, EmptyBytes, payload, b->ext);
+        Py_DECREF(payload);
+    } else if (PyBytes_CheckExact(value) && PyBytes_GET_SIZE(value) <= b->max_value) {
         op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
                           BytesTag, EmptyBytes, value, b->ext);
     } else {

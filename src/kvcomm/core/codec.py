@@ -28,6 +28,7 @@ from typing import Any
 
 import msgpack
 
+from .._l2core import pack_plain, set_packed
 from ..errors import UnsupportedValue
 from . import counter
 
@@ -135,10 +136,16 @@ class Packed:
     __slots__ = ("payload", "value")
 
     def __init__(self, fields: list[str | bytes | None]) -> None:
-        if type(fields) is not list or any(type(x) not in _PLAIN for x in fields):
-            raise TypeError("Packed holds a list of str, bytes and None fields")
+        payload = pack_plain(fields)  # (in C: msgpack's bytes, or None: the checks below)
+        if payload is None:
+            if type(fields) is not list or any(type(x) not in _PLAIN for x in fields):
+                raise TypeError("Packed holds a list of str, bytes and None fields")
+            payload = packb(fields)  # (raises UnicodeEncodeError for a lone surrogate)
         self.value = fields
-        self.payload = packb(fields)
+        self.payload = payload
+
+
+set_packed(Packed, PACKED)  # (kv.batch() stores a Packed as its payload, in C)
 
 
 def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:
