@@ -390,17 +390,41 @@ def _take(it: Iterator[Item], n: int) -> list[Item]:
     return list(islice(it, n))
 
 
+class _Collected:
+    """What ``AsyncBatch.put``/``delete`` return: the op is collected at once, so there is
+    nothing to wait for, and ``await b.put(...)`` (the async face invites it) works too."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+    def __repr__(self) -> str:
+        return "<collected: applied when the batch's block ends>"
+
+
+_COLLECTED = _Collected()
+
+
 class AsyncBatch:
     """``async with kv.batch() as b`` (see :class:`kvcomm.Batch`): ``b.put`` and
-    ``b.delete`` collect at once (and raise at once for bad input); the block's exit
-    applies the batch whole, or not at all, on the loop or (a held lock, the network) in
-    the pool."""
+    ``b.delete`` collect at once (and raise at once for bad input), awaited or not; the
+    block's exit applies the batch whole, or not at all, on the loop or (a held lock, the
+    network) in the pool."""
 
     def __init__(self, client: AsyncClient, batch: Any) -> None:
         self._client = client
         self.sync = batch
-        self.put = batch.put
-        self.delete = batch.delete
+
+    def put(self, key: str, value: Any, *, ttl: float | None = None) -> _Collected:
+        """:meth:`kvcomm.Batch.put`: collected now (``await`` it or not)."""
+        self.sync.put(key, value, ttl=ttl)
+        return _COLLECTED
+
+    def delete(self, key: str) -> _Collected:
+        """:meth:`kvcomm.Batch.delete`: collected now (``await`` it or not)."""
+        self.sync.delete(key)
+        return _COLLECTED
 
     @property
     def versions(self) -> list[Any]:

@@ -97,8 +97,11 @@ def test_the_contract_as_users_call_it_in_both_open_styles(ns: str,
             assert await kv.delete("k") is True and await kv.get("k") is None
             async with kv.batch() as b:
                 b.put("b/1", 1)
-                b.put("b/2", 2, ttl=30)
-                b.delete("n")
+                await b.put("b/2", 2, ttl=30)  # (awaited or not: collected at once)
+                await b.delete("n")
+                with pytest.raises(kvcomm.InvalidKey):
+                    await b.put("", 0)
+                assert len(b) == 3
             assert len(b.versions) == 3 and b.versions[2] is True
             assert [i.key async for i in kv.scan("b/")] == ["b/1", "b/2"]
             page = [i.key async for i in kv.scan("b/", limit=1, after="b/1")]
