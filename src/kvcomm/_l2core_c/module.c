@@ -122,7 +122,8 @@ static PyMethodDef module_methods[] = {
     {"mutex_init", (PyCFunction)(void (*)(void))mutex_init, METH_FASTCALL,
      "mutex_init(buffer, offset): a robust process-shared mutex there (a file's creator)"},
     {"mutex_lock", (PyCFunction)(void (*)(void))mutex_lock, METH_FASTCALL,
-     "mutex_lock(buffer, offset) -> bool: take it (True: its last holder died holding it)"},
+     "mutex_lock(buffer, offset[, timeout]) -> bool: take it (True: its last holder died "
+     "holding it); Unavailable after timeout seconds"},
     {"mutex_unlock", (PyCFunction)(void (*)(void))mutex_unlock, METH_FASTCALL,
      "mutex_unlock(buffer, offset): release it"},
     {"pack_plain", pack_plain, METH_O,

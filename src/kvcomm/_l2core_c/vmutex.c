@@ -8,11 +8,15 @@
  * EOWNERDEAD (mutex_lock answers True: the caller repairs what the dead holder left).
  *
  *   mutex_init(buffer, offset)           the creator's, before the file is published
- *   mutex_lock(buffer, offset) -> bool   True: the last holder died holding it
+ *   mutex_lock(buffer, offset[, timeout]) -> bool   True: the last holder died holding it
  *   mutex_unlock(buffer, offset)
  *
  * mutex_lock waits with the GIL released, in slices of 50 ms between which Python's
- * signal handlers run (a KeyboardInterrupt while waiting raises, nothing held). The
+ * signal handlers run (a KeyboardInterrupt while waiting raises, nothing held); with a
+ * timeout (seconds), at most that long, then Unavailable, nothing held: a holder that
+ * never lets go (stopped by SIGSTOP or a debugger, or a lock word naming a thread that
+ * is gone without the owner-died mark: a file copied or restored while held) is
+ * reported, not waited on forever. No thread id is compared (see mutex_init). The
  * buffer must stay mapped while the mutex is held (its owner unmaps it only under its
  * own thread lock, which every holder holds).
  */
@@ -24,7 +28,8 @@ static pthread_mutex_t *
 vmutex_at(PyObject *const *args, Py_ssize_t nargs, Py_buffer *view, const char *name)
 {
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "%s(buffer, offset)", name);
+        PyErr_Format(PyExc_TypeError, "%s(buffer, offset%s)", name,
+                     strcmp(name, "mutex_lock") ? "" : "[, timeout]");
         return NULL;
     }
     Py_ssize_t off = PyLong_AsSsize_t(args[1]);
@@ -77,11 +82,38 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     Py_buffer view;
+    double timeout = -1.0; /* (none: wait until it is free) */
+    if (nargs == 3) {
+        timeout = PyFloat_AsDouble(args[2]);
+        if (timeout == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (!(timeout >= 0)) {
+            PyErr_SetString(PyExc_ValueError, "mutex_lock: timeout must be >= 0 seconds");
+            return NULL;
+        }
+        nargs = 2;
+    }
     pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_lock");
     if (!m)
         return NULL;
+    double deadline = timeout < 0 ? 0 : mono_now() + timeout;
     int rc = pthread_mutex_trylock(m);
     while (rc == EBUSY || rc == ETIMEDOUT) {
+        if (timeout >= 0 && mono_now() >= deadline) {
+            unsigned owner = 0;
+#ifdef __GLIBC__
+            owner = (unsigned)__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffffU;
+#endif
+            PyBuffer_Release(&view);
+            char secs[32];
+            PyOS_snprintf(secs, sizeof(secs), "%.1f", timeout); /* (PyErr_Format has no %f) */
+            PyErr_Format(Unavailable, "a vector index's writer lock has been held for over "
+                         "%ss (by thread %lu, in its PID namespace): is a process stopped "
+                         "(SIGSTOP, a debugger) while writing, or was the file copied while "
+                         "held? Nothing was written; retry, or purge the namespace",
+                         secs, (unsigned long)owner);
+            return NULL;
+        }
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         ts.tv_nsec += 50000000;

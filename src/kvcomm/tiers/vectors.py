@@ -70,6 +70,10 @@ _HDR = 256
 (H_MAGIC, H_LAYOUT, H_DIMS, H_CAP, H_KEYB, H_HIGH, H_OVERFLOW, H_INTENT, H_NFREE, H_USED,
  H_TOMBS) = range(11)
 MUTEX_AT = 128  # (the writers' mutex, layout 3: header bytes 128..191)
+# s: the longest a writer waits for the file's mutex (holds take microseconds; a rebuild
+# after a dead writer, about a second), then Unavailable: a holder that never lets go
+# (stopped, or a copied file's lock word) is reported, not waited on forever
+MUTEX_TIMEOUT = 30.0
 _OPEN: weakref.WeakSet[VectorFile] = weakref.WeakSet()  # (this process's open files)
 
 
@@ -285,7 +289,7 @@ class VectorFile:
                                    "closed); open the store again")
             hq, mm = self._hq, self._mm
             if self._mutex:
-                mutex_lock(mm, MUTEX_AT)
+                mutex_lock(mm, MUTEX_AT, MUTEX_TIMEOUT)
             else:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
