@@ -123,6 +123,68 @@ def test_a_packed_value_over_max_value_size_is_refused_at_its_put(kv: kvcomm.Cli
     assert kv.get("small") == ["s", None] and kv.get("big") is None
 
 
+def test_put_records_is_all_or_nothing_and_stores_what_put_would(kv: kvcomm.Client) -> None:
+    """Batch._put_records (the LangGraph saver's records, one C call): each list of plain
+    fields stored as Packed stores it; another list through the codec; whatever one
+    record's key or fields get wrong, none of the call's puts is in the batch."""
+    seen: list[object] = []
+    kv.register_validator("r/v", lambda key, old, new: seen.append(new))
+    with kv.batch() as b:
+        b.put("first", 1)
+        for keys, records, error in (
+                (["r/a", "", "r/b"], [["a"], ["x"], ["b"]], kvcomm.InvalidKey),
+                (["r/a", "r/\x00"], [["a"], ["x"]], kvcomm.InvalidKey),
+                (["r/a", "r/b"], [["a"], ["\ud800"]], kvcomm.UnsupportedValue),
+                (["r/a", "r/b"], [["a"], [b"x" * (kv.config.cache.max_value_size + 1)]],
+                 kvcomm.ValueTooLarge)):
+            with pytest.raises(error):
+                b._put_records(keys, records)
+            assert len(b) == 1 and b._keys == ["first"]
+        with pytest.raises(kvcomm.InvalidArgument):
+            b._put_records(["r/a"], [["a"]], ttl=-1)
+        b._put_records(["r/a", "r/n", "r/v"], [["a", b"b", None], ["n", 1, 2.5], ["v"]])
+        b._put_records(["r/t"], [["t"]], ttl=60)
+    assert kv.get("r/a") == ["a", b"b", None] and kv.get("r/n") == ["n", 1, 2.5]
+    assert kv.get("r/v") == ["v"] and seen == [["v"]]  # (a validator sees the list)
+    item = kv.get_item("r/t")
+    assert item is not None and item.expires_at is not None
+    raw = kv._seg.read(*kv._key_hash("r/a"))
+    assert raw is not None and raw.value == Packed(["a", b"b", None]).payload
+
+
+def test_a_batchs_new_keys_are_checked_and_hashed_as_the_client_does(kv: kvcomm.Client) -> None:
+    """New keys are validated and hashed in the batch's C kernel (no call back into
+    Python): the same bytes and hash as segment.key_hash, the same refusals as the
+    client's _key, over random keys (the seed printed), and the key memo stays bounded."""
+    from kvcomm._l2core import KEY_MEMO
+
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    alphabet = "ab/é\x00\ud800\U0001f600 "
+    max_key = kv._max_key
+    b = kv.batch()  # (never applied: its puts only collect)
+    for _ in range(3000):
+        n = rng.choice([0, 1, 5, max_key // 4, max_key // 4 + 1, max_key, max_key + 1])
+        key = "".join(rng.choice(alphabet) for _ in range(n))
+        try:
+            kb = key.encode("utf-8")
+            ok = 0 < len(kb) <= max_key and b"\x00" not in kb
+        except UnicodeEncodeError:
+            ok = False
+        kv._keys.clear()  # (a new key each time: the kernel's own path)
+        if ok:
+            b._put_packed([key], [["v"]])
+            assert b._ops[-1][:2] == (kb, key_hash(kb)) and kv._keys[key] == b._ops[-1][:2]
+        else:
+            with pytest.raises(kvcomm.InvalidKey):
+                b._put_packed([key], [["v"]])
+    kv._keys.clear()
+    many = [f"m/{i}" for i in range(KEY_MEMO + 10)]
+    b._put_packed(many, [["v"]] * len(many))
+    assert len(kv._keys) <= KEY_MEMO and len(b) >= len(many)
+
+
 def test_batch_validators_run_at_apply_time_under_the_lock(kv: kvcomm.Client) -> None:
     """Item 19: a validator sees the value its write replaces when the batch is applied,
     not when ``b.put`` was called; deletes are vetted too."""

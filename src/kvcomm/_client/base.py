@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._l2core import Getter, WouldBlock, inline_wait
+from .._l2core import KEY_MEMO, Getter, WouldBlock, inline_wait
 from ..config import Config
 from ..core import codec
 from ..core.expiry import ExtCache
@@ -36,7 +36,8 @@ from .items import Item
 _new_version = tuple.__new__  # skips NamedTuple's Python-level __new__
 _BYTES, _NDARRAY = codec.BYTES, codec.NDARRAY
 _CONSISTENCY = (None, "eventual", "strong")
-_KEY_MEMO = 65536  # validated keys remembered per client (cleared when full)
+_KEY_MEMO = KEY_MEMO  # validated keys remembered per client (cleared when full; 65536: the
+# batch's C kernel memoises new keys as _key_hash does)
 # An L3 read fills L2 only if it took less than this: the node daemon applies a remote
 # change of a key not held here over a fill for 30 s (node/daemon.py RECENT_S)
 _FILL_WITHIN = 10.0

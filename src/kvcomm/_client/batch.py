@@ -47,7 +47,7 @@ class Batch(BatchOps):
         # the client) tells them the client is still usable; every put carries the
         # writer's agent id
         super().__init__(client._keys, client._key_hash, client._encode, client._max_value,
-                         client._getter, client._live, client._ext)
+                         client._getter, client._live, client._ext, client._max_key)
         self._client = client
         self._packed = None
         self._vvxs = []
@@ -79,6 +79,16 @@ class Batch(BatchOps):
         BatchOps.put(self, key, value)
         op = self._ops[-1]
         self._ops[-1] = (*op[:5], ext)
+
+    def _put_records(self, keys: list[str], records: list[list[Any]],
+                     ttl: float | None = None) -> None:
+        """A put of each record (a list of str, bytes and None fields) under its key, stored
+        as :class:`~kvcomm.core.codec.Packed` stores it, in one call of the C kernel
+        (KVCOMM's LangGraph saver: a checkpoint's records); with ``ttl``, one deadline for
+        all, counted from this call. All or nothing: what raises (InvalidKey, the value
+        errors, a bad ttl) leaves the batch as it was."""
+        self._put_packed(keys, records, None if ttl is None else
+                         self._client._ext_with(ttl, None))
 
     def _version_at(self, i: int) -> Version | bool:
         """``versions[i]`` without building the others (once applied)."""

@@ -25,6 +25,7 @@ typedef struct {
     Getter *getter;
     PyObject *live;
     Py_ssize_t max_value;
+    Py_ssize_t max_key; /* the client's key bound (bytes); 0: every new key goes to key_hash */
     Py_ssize_t deletes; /* how many of the ops are deletes */
     int state;
 } BatchOps;
@@ -35,14 +36,21 @@ static int
 BatchOps_init(BatchOps *b, PyObject *args, PyObject *kwds)
 {
     PyObject *memo, *key_hash, *encode, *getter, *live, *ext = NULL;
-    Py_ssize_t max_value;
+    Py_ssize_t max_value, max_key = 0;
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "BatchOps() takes no keyword arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!OOnO!O|O!", &PyDict_Type, &memo, &key_hash, &encode,
-                          &max_value, &GetterType, &getter, &live, &PyBytes_Type, &ext))
+    if (!PyArg_ParseTuple(args, "O!OOnO!O|On", &PyDict_Type, &memo, &key_hash, &encode,
+                          &max_value, &GetterType, &getter, &live, &ext, &max_key))
         return -1;
+    if (ext == Py_None)
+        ext = NULL;
+    if (ext && !PyBytes_Check(ext)) {
+        PyErr_SetString(PyExc_TypeError, "BatchOps: ext must be bytes or None");
+        return -1;
+    }
+    b->max_key = max_key;
     Py_XINCREF(ext);
     Py_XSETREF(b->ext, ext);
     Py_INCREF(memo);
@@ -133,6 +141,45 @@ batch_refuse(BatchOps *b)
 
 #define BATCH_USABLE(b) ((b)->state == BATCH_OPEN && (b)->getter->core)
 
+/* (bytes, hash) of a key valid as _client/base.py _key says, computed here and memoised
+ * as _key_hash does (the memo cleared when it holds KEY_MEMO keys); NULL without an error
+ * set for a key that is not (the caller asks key_hash, which raises InvalidKey). */
+static PyObject *
+fast_key(BatchOps *b, PyObject *key)
+{
+    Py_ssize_t n;
+    const char *u = PyUnicode_AsUTF8AndSize(key, &n);
+    if (!u) {
+        PyErr_Clear(); /* (a lone surrogate: key_hash says so) */
+        return NULL;
+    }
+    if (n == 0 || n > b->max_key || memchr(u, 0, (size_t)n))
+        return NULL;
+    PyObject *kb = PyBytes_FromStringAndSize(u, n);
+    if (!kb)
+        return NULL;
+    PyObject *hv = PyObject_CallOneArg(KeyHasher, kb); /* xxh3_64_intdigest, in C */
+    unsigned long long h = hv ? PyLong_AsUnsignedLongLong(hv) : 0;
+    Py_XDECREF(hv);
+    if (!hv || (h == (unsigned long long)-1 && PyErr_Occurred())) {
+        Py_DECREF(kb);
+        return NULL; /* (an error set: the caller returns it) */
+    }
+    PyObject *hh = PyLong_FromUnsignedLongLong(h | 1); /* (never 0: segment.key_hash) */
+    PyObject *kh = hh ? PyTuple_Pack(2, kb, hh) : NULL;
+    Py_DECREF(kb);
+    Py_XDECREF(hh);
+    if (!kh)
+        return NULL;
+    if (PyDict_GET_SIZE(b->memo) >= KEY_MEMO)
+        PyDict_Clear(b->memo);
+    if (PyDict_SetItem(b->memo, key, kh) < 0) {
+        Py_DECREF(kh);
+        return NULL;
+    }
+    return kh;
+}
+
 /* (bytes, hash) of a valid key, new reference */
 static PyObject *
 batch_key(BatchOps *b, PyObject *key)
@@ -145,6 +192,11 @@ batch_key(BatchOps *b, PyObject *key)
         }
         if (PyErr_Occurred())
             return NULL;
+        if (KeyHasher && b->max_key > 0) {
+            kh = fast_key(b, key);
+            if (kh || PyErr_Occurred())
+                return kh;
+        }
     }
     return PyObject_CallOneArg(b->key_hash, key); /* validates (InvalidKey) and memoises */
 }
@@ -287,6 +339,78 @@ BatchOps_delete(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *
     Py_RETURN_NONE;
 }
 
+/* _put_packed(keys, records[, ext]): a put of each record (a list of str, bytes and None
+ * fields: the LangGraph saver's) under its key, each stored as codec.Packed stores it:
+ * the msgpack of the list (pack_plain) under the PACKED tag; a validator sees the list.
+ * ``ext`` (bytes; None: the batch's own) is every put's extension field (a ttl's
+ * deadline). A record pack_plain does not take goes through ``encode``. All or nothing:
+ * what raises (InvalidKey, UnsupportedValue, ValueTooLarge, a used batch) leaves the batch
+ * as it was. */
+static PyObject *
+BatchOps_put_packed(BatchOps *b, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 2 || nargs > 3 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
+        (nargs == 3 && args[2] != Py_None && !PyBytes_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError, "_put_packed(keys: list, records: list of the same "
+                                         "length[, ext: bytes | None])");
+        return NULL;
+    }
+    if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
+        return NULL;
+    PyObject *keys = args[0], *records = args[1];
+    PyObject *ext = nargs == 3 && args[2] != Py_None ? args[2] : b->ext;
+    Py_ssize_t start = PyList_GET_SIZE(b->ops);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i), *fields = PyList_GET_ITEM(records, i);
+        PyObject *kh = batch_key(b, key);
+        if (!kh)
+            goto fail;
+        if (!PyTuple_Check(kh) || PyTuple_GET_SIZE(kh) != 2) {
+            Py_DECREF(kh);
+            PyErr_SetString(PyExc_TypeError, "key_hash must return (bytes, hash)");
+            goto fail;
+        }
+        PyObject *op = NULL;
+        PyObject *payload = pack_plain(NULL, fields);
+        if (payload == Py_None || (payload && PyBytes_GET_SIZE(payload) > b->max_value)) {
+            Py_CLEAR(payload);
+            PyObject *enc = PyObject_CallOneArg(b->encode, fields); /* raises what is wrong */
+            if (enc && PyTuple_Check(enc) && PyTuple_GET_SIZE(enc) == 3)
+                op = PyTuple_Pack(ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                                  PyTuple_GET_ITEM(enc, 0), PyTuple_GET_ITEM(enc, 1),
+                                  PyTuple_GET_ITEM(enc, 2), ext);
+            else if (enc)
+                PyErr_SetString(PyExc_TypeError, "encode must return (tag, meta, payload)");
+            Py_XDECREF(enc);
+        } else if (payload) {
+            op = PyTuple_Pack(ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                              PackedTag ? PackedTag : BytesTag, EmptyBytes, payload, ext);
+            Py_DECREF(payload);
+        }
+        Py_DECREF(kh);
+        if (!op)
+            goto fail;
+        int rc = batch_add(b, op, key, fields);
+        Py_DECREF(op);
+        if (rc < 0)
+            goto fail;
+    }
+    Py_RETURN_NONE;
+fail:
+    /* (the batch as it was: ops, keys and values cut back to their length before) */
+    {
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        PyObject *lists[3] = {b->ops, b->keys, b->values};
+        for (int j = 0; j < 3; j++)
+            if (PyList_GET_SIZE(lists[j]) > start)
+                PyList_SetSlice(lists[j], start, PyList_GET_SIZE(lists[j]), NULL);
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
+    return NULL;
+}
+
 /* _seal(): the with-block ended: OPEN -> APPLYING (no more ops: a validator adding one is
  * refused). Raises InvalidArgument for a batch never initialised or already ended
  * (WriteUnderLock while it is being applied). */
@@ -343,6 +467,9 @@ static PyMethodDef BatchOps_methods[] = {
      "Add a delete of ``key`` (applied with the batch: :attr:`versions` says whether it "
      "deleted something). Raises InvalidKey and InvalidArgument (a used batch) at once; "
      "the batch is unchanged then."},
+    {"_put_packed", (PyCFunction)(void (*)(void))BatchOps_put_packed, METH_FASTCALL,
+     "_put_packed(keys, records[, ext]): a put of each list of plain fields, stored as "
+     "codec.Packed is; all or nothing"},
     {"_seal", (PyCFunction)BatchOps_seal, METH_NOARGS, "the block ended: no more ops"},
     {"_check", (PyCFunction)BatchOps_check, METH_NOARGS, "raise if no op may be added now"},
     {"_done", (PyCFunction)BatchOps_done, METH_NOARGS, "applied or discarded: used up"},
@@ -366,6 +493,7 @@ static PyTypeObject BatchOpsType = {
     .tp_members = BatchOps_members,
     .tp_methods = BatchOps_methods,
     .tp_as_sequence = &BatchOps_as_sequence,
-    .tp_doc = "BatchOps(keys, key_hash, encode, max_value, getter, live[, ext]): kv.batch()'s "
+    .tp_doc = "BatchOps(keys, key_hash, encode, max_value, getter, live[, ext[, max_key]]): "
+              "kv.batch()'s "
               "collecting half",
 };

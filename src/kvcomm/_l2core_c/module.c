@@ -128,6 +128,8 @@ static PyMethodDef module_methods[] = {
      "mutex_unlock(buffer, offset): release it"},
     {"pack_plain", pack_plain, METH_O,
      "pack_plain(fields) -> bytes | None: msgpack of a list of str, bytes and None fields"},
+    {"set_key_hasher", set_key_hasher, METH_O,
+     "set_key_hasher(fn): fn(key_bytes) -> int, the hash BatchOps gives a new key (| 1)"},
     {"set_packed", (PyCFunction)(void (*)(void))set_packed, METH_FASTCALL,
      "set_packed(cls, tag): BatchOps.put stores cls's instances as their payload under tag"},
     {"unit_f32", (PyCFunction)(void (*)(void))unit_f32, METH_FASTCALL,
@@ -178,7 +180,8 @@ PyInit__l2core(void)
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "MAX_COUNTER", (long)MAX_COUNTER) < 0) {
+    if (PyModule_AddIntConstant(m, "KEY_MEMO", KEY_MEMO) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_COUNTER", (long)MAX_COUNTER) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -13,6 +13,21 @@
  */
 
 static PyObject *PackedType, *PackedTag, *PayloadName;
+static PyObject *KeyHasher; /* xxhash.xxh3_64_intdigest (set_key_hasher): BatchOps's new keys */
+#define KEY_MEMO 65536     /* keys a client's memo holds before it is cleared (base.py) */
+
+static PyObject *
+set_key_hasher(PyObject *self, PyObject *fn)
+{
+    (void)self;
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_key_hasher(fn)");
+        return NULL;
+    }
+    Py_INCREF(fn);
+    Py_XSETREF(KeyHasher, fn);
+    Py_RETURN_NONE;
+}
 
 static inline char *
 put_len(char *p, unsigned char small_base, int small_bits, unsigned char b8, unsigned char b16,

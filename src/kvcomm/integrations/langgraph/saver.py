@@ -54,7 +54,6 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ...aio import AsyncClient
-from ...core.codec import Packed
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
@@ -271,10 +270,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         cid = checkpoint["id"]
         k, ttl = self.keys, self.ttl
         dumps = self.serde.dumps_typed
-        # (each record encoded once, kept for a retry of the head's compare-and-set)
-        records: builtins.list[tuple[str, Any]] = [
-            (k.checkpoint(thread_id, ns, cid), _pack([*dumps(c), *dumps(md), parent,
-                                                      md.get("run_id")]))]
+        # (each record a list of plain fields, stored as codec.Packed stores it; kept for a
+        # retry of the head's compare-and-set)
+        keys = [k.checkpoint(thread_id, ns, cid)]
+        records: builtins.list[builtins.list[Any]] = [
+            [*dumps(c), *dumps(md), parent, md.get("run_id")]]
         own = 1 + len(new_versions)  # (the checkpoint and its new values: its own records)
         blobs = k.ns(k.blobs, thread_id, ns)
         channels = builtins.list(new_versions.items())
@@ -282,15 +282,14 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             channels += [(ch, v) for ch, v in checkpoint["channel_versions"].items()
                          if ch not in new_versions]
         for channel, version in channels:
-            records.append((k.fit(blobs + esc(channel) + "/" + version_component(version),
-                                  "channel {!r} of thread {!r}", channel, thread_id),
-                            _pack([*dumps(values[channel])]) if channel in values else _EMPTY))
+            keys.append(k.fit(blobs + esc(channel) + "/" + version_component(version),
+                              "channel {!r} of thread {!r}", channel, thread_id))
+            records.append([*dumps(values[channel])] if channel in values else ["empty", b""])
 
         def put_records(b: Any) -> None:
-            # (a batch put's ttl counts from its call: the checkpoint first, its values
-            # after, so that they outlive it; the head last, with the ttl from before them)
-            for key, record in records:
-                b.put(key, record, ttl=ttl)
+            # (one deadline for the checkpoint and its values, counted from this call; the
+            # head, after them, with the ttl from before them: it never outlives them)
+            b._put_records(keys, records, ttl)
 
         try:
             with _Reading(f"thread {thread_id!r}"):
@@ -299,7 +298,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     put_records)
         except _Moved as moved:
             if self._cluster:  # (written before the head's compare-and-set: gone again)
-                self._delete_keys(key for key, _record in records[:own])
+                self._delete_keys(keys[:own])
             raise ConflictError(
                 f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: its "
                 f"latest checkpoint is {moved.head!r}, this run resumed from {parent!r}; another "
@@ -386,15 +385,19 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         cid = config["configurable"]["checkpoint_id"]
         slots: list[list[Any]] = []
         prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
-        with self.kv.batch() as b:
-            for idx, (channel, value) in enumerate(writes):
-                i = WRITES_IDX_MAP.get(channel, idx)
-                key = self.keys.task_write(prefix, i, task_id, thread_id)
-                slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
-                if i >= 0 and self.kv.get(key) is not None:
-                    continue
-                b.put(key, _pack([task_id, channel, *self._dumps(value), task_path]),
-                      ttl=self.ttl)
+        keys: list[str] = []
+        records: list[list[Any]] = []
+        for idx, (channel, value) in enumerate(writes):
+            i = WRITES_IDX_MAP.get(channel, idx)
+            key = self.keys.task_write(prefix, i, task_id, thread_id)
+            slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
+            if i >= 0 and self.kv.get(key) is not None:
+                continue
+            keys.append(key)
+            records.append([task_id, channel, *self._dumps(value), task_path])
+        if keys:
+            with self.kv.batch() as b:
+                b._put_records(keys, records, self.ttl)
         if slots and self._cluster:
             with _Reading(f"thread {thread_id!r}"):
                 self._note_writes(thread_id, ns, cid, slots)
@@ -745,20 +748,6 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """:meth:`prune`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.prune, thread_ids, strategy=strategy)
-
-
-def _pack(record: builtins.list[Any]) -> Any:
-    """``record`` (a list of fields) as the client stores it, encoded here: the same
-    msgpack bytes as the client's codec makes, without its per-value checks, which fields
-    of plain str, bytes and None never fail (a str msgpack refuses, a lone surrogate, and
-    any other field type: the record as it is, for the codec to store or refuse)."""
-    try:
-        return Packed(record)
-    except (TypeError, ValueError):
-        return record
-
-
-_EMPTY = _pack(["empty", b""])
 
 
 def _forward(cid: str, parent: Any, old: dict[str, Any] | None) -> dict[str, Any]:

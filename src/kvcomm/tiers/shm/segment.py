@@ -45,6 +45,7 @@ from .oldlayout import unflushed
 
 _l2core.set_errors(SegmentError, Unavailable, InvalidArgument, WriteUnderLock)  # what C raises
 _l2core.set_ext_check(l2_ext_problem)  # the one rule for a record's extension field
+_l2core.set_key_hasher(xxhash.xxh3_64_intdigest)  # (key_hash below, for kv.batch()'s new keys)
 if _l2core.MAX_COUNTER != MAX_COUNTER:  # a stale build of the kernel
     raise ImportError("kvcomm._l2core was built from other sources; rebuild it (pip install -e .)")
 
