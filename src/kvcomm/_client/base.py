@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._l2core import KEY_MEMO, Getter, WouldBlock, inline_wait
+from .._l2core import KEY_MEMO, Getter, WouldBlock, inline_wait, key_of
 from ..config import Config
 from ..core import codec
 from ..core.expiry import ExtCache
@@ -412,7 +412,10 @@ class ClientBase:
         """(UTF-8 bytes, stable hash) of a valid key, memoised: agents reuse their keys."""
         kh = self._keys.get(key) if type(key) is str else None
         if kh is None:
-            kb = self._key(key)
+            kh = key_of(self._keys, key, self._max_key)  # (in C: checked, hashed, memoised)
+            if kh is not None:
+                return kh
+            kb = self._key(key)  # (InvalidKey for a key the C check did not take)
             kh = (kb, key_hash(kb))
             if len(self._keys) >= _KEY_MEMO:
                 self._keys.clear()

@@ -142,10 +142,11 @@ batch_refuse(BatchOps *b)
 #define BATCH_USABLE(b) ((b)->state == BATCH_OPEN && (b)->getter->core)
 
 /* (bytes, hash) of a key valid as _client/base.py _key says, computed here and memoised
+ * in ``memo``
  * as _key_hash does (the memo cleared when it holds KEY_MEMO keys); NULL without an error
  * set for a key that is not (the caller asks key_hash, which raises InvalidKey). */
 static PyObject *
-fast_key(BatchOps *b, PyObject *key)
+key_in_memo(PyObject *memo, Py_ssize_t max_key, PyObject *key)
 {
     Py_ssize_t n;
     const char *u = PyUnicode_AsUTF8AndSize(key, &n);
@@ -153,7 +154,7 @@ fast_key(BatchOps *b, PyObject *key)
         PyErr_Clear(); /* (a lone surrogate: key_hash says so) */
         return NULL;
     }
-    if (n == 0 || n > b->max_key || memchr(u, 0, (size_t)n))
+    if (n == 0 || n > max_key || memchr(u, 0, (size_t)n))
         return NULL;
     PyObject *kb = PyBytes_FromStringAndSize(u, n);
     if (!kb)
@@ -171,13 +172,34 @@ fast_key(BatchOps *b, PyObject *key)
     Py_XDECREF(hh);
     if (!kh)
         return NULL;
-    if (PyDict_GET_SIZE(b->memo) >= KEY_MEMO)
-        PyDict_Clear(b->memo);
-    if (PyDict_SetItem(b->memo, key, kh) < 0) {
+    if (PyDict_GET_SIZE(memo) >= KEY_MEMO)
+        PyDict_Clear(memo);
+    if (PyDict_SetItem(memo, key, kh) < 0) {
         Py_DECREF(kh);
         return NULL;
     }
     return kh;
+}
+
+/* key_of(memo, key, max_key) -> (bytes, hash) | None: key_in_memo for the client's
+ * _key_hash (None: not a str it takes, or the hasher unset: the Python path decides) */
+static PyObject *
+key_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3 || !PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "key_of(memo: dict, key, max_key: int)");
+        return NULL;
+    }
+    Py_ssize_t max_key = PyLong_AsSsize_t(args[2]);
+    if (max_key == -1 && PyErr_Occurred())
+        return NULL;
+    if (!KeyHasher || !PyUnicode_CheckExact(args[1]))
+        Py_RETURN_NONE;
+    PyObject *kh = key_in_memo(args[0], max_key, args[1]);
+    if (kh || PyErr_Occurred())
+        return kh;
+    Py_RETURN_NONE;
 }
 
 /* (bytes, hash) of a valid key, new reference */
@@ -193,7 +215,7 @@ batch_key(BatchOps *b, PyObject *key)
         if (PyErr_Occurred())
             return NULL;
         if (KeyHasher && b->max_key > 0) {
-            kh = fast_key(b, key);
+            kh = key_in_memo(b->memo, b->max_key, key);
             if (kh || PyErr_Occurred())
                 return kh;
         }

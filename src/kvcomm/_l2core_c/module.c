@@ -128,6 +128,9 @@ static PyMethodDef module_methods[] = {
      "mutex_unlock(buffer, offset): release it"},
     {"pack_plain", pack_plain, METH_O,
      "pack_plain(fields) -> bytes | None: msgpack of a list of str, bytes and None fields"},
+    {"key_of", (PyCFunction)(void (*)(void))key_of, METH_FASTCALL,
+     "key_of(memo, key, max_key) -> (bytes, hash) | None: a new key checked, hashed and "
+     "memoised as the client's _key_hash does (None: the Python path decides)"},
     {"set_key_hasher", set_key_hasher, METH_O,
      "set_key_hasher(fn): fn(key_bytes) -> int, the hash BatchOps gives a new key (| 1)"},
     {"set_packed", (PyCFunction)(void (*)(void))set_packed, METH_FASTCALL,

@@ -28,7 +28,6 @@ from typing import Any
 
 import msgpack
 
-from .._l2core import pack_plain, set_packed
 from ..errors import UnsupportedValue
 from . import counter
 
@@ -100,6 +99,12 @@ def _number(value: Any) -> bool | int | float:
         "stored as Python numbers; convert this one yourself (or store an array)")
 
 
+try:  # (Packed's msgpack in C; the core also runs without the C kernel: the Python path)
+    from .._l2core import pack_plain
+except ImportError:  # pragma: no cover
+    def pack_plain(fields: Any) -> bytes | None:
+        return None
+
 _local = threading.local()
 _KEEP_PACKER = 1 << 16  # bytes: a thread's Packer is dropped after a larger value (its buffer)
 
@@ -144,8 +149,6 @@ class Packed:
         self.value = fields
         self.payload = payload
 
-
-set_packed(Packed, PACKED)  # (kv.batch() stores a Packed as its payload, in C)
 
 
 def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:

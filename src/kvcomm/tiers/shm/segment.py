@@ -16,6 +16,7 @@ import xxhash
 from ... import _l2core
 from ..._threads import user_signals_blocked
 from ..._weak import WeakRegistry
+from ...core.codec import PACKED, Packed
 from ...core.ext import l2_ext_problem
 from ...core.sketch import CountMinSketch, TopK
 from ...core.versions import MAX_COUNTER
@@ -46,6 +47,7 @@ from .oldlayout import unflushed
 _l2core.set_errors(SegmentError, Unavailable, InvalidArgument, WriteUnderLock)  # what C raises
 _l2core.set_ext_check(l2_ext_problem)  # the one rule for a record's extension field
 _l2core.set_key_hasher(xxhash.xxh3_64_intdigest)  # (key_hash below, for kv.batch()'s new keys)
+_l2core.set_packed(Packed, PACKED)  # (kv.batch() stores a Packed as its payload, in C)
 if _l2core.MAX_COUNTER != MAX_COUNTER:  # a stale build of the kernel
     raise ImportError("kvcomm._l2core was built from other sources; rebuild it (pip install -e .)")
 
