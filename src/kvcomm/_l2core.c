@@ -41,6 +41,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +92,8 @@ typedef struct {
     pthread_t quiet_thread;
     uint64_t resv_off, resv_pages; /* the reservation map (reserve.c) and the pages it covers */
     int fd, has_fd;    /* the segment file (a duplicate this Core owns), to reserve memory */
+    uint64_t seg_dev, seg_ino; /* which segment (its file; without one, the mapping): the
+                                  writer locks a thread holds are named so (lock.c) */
     int no_room;       /* the last reservation failed (reserve.c): an error, not damage */
 } Core;
 

@@ -128,3 +128,50 @@ def test_scores_agree_with_inmemorystore_for_an_embedding_of_any_float32_scale(
     want = [(i.key, i.score) for i in ref.search(("s",), query="river maple")]
     assert [k for k, _s in got] == [k for k, _s in want]
     assert [s for _k, s in got] == pytest.approx([s for _k, s in want], abs=1e-5)
+
+
+_NESTED = """
+import sys, kvcomm
+from kvcomm.integrations.langgraph import KVCommStore
+from kvcomm.tiers import l2
+kv = kvcomm.open(sys.argv[1])
+store = KVCommStore(kv, index={"dims": 4, "embed": lambda texts: [[float(len(t)), 1.0, 0.5,
+                                                                   0.25] for t in texts],
+                               "fields": ["text"]})
+told = []
+def validator(key, old, new):
+    if not told:
+        try:
+            store.put(("other",), "n", {"text": "nested"})
+        except kvcomm.KVCommError as exc:
+            told.append(type(exc).__name__)
+            raise
+kv.register_validator("", validator)
+try:
+    store.put(("a",), "k", {"text": "hello"})
+    print("stored")
+except kvcomm.KVCommError as exc:
+    print("outer", type(exc).__name__)
+kv.unregister_validator("") if hasattr(kv, "unregister_validator") else None
+print("told", *told)
+print("found", store.get(("a",), "k") is not None, store.get(("other",), "n") is not None)
+kv.close()
+l2.purge(sys.argv[1])
+"""
+
+
+def test_a_validator_writing_to_an_indexed_store_is_told_not_left_waiting(ns: str) -> None:
+    """An indexed put runs a validator (under the host's writer lock) that puts into the
+    indexed store: a write from under the write; it waited forever on the vector index's
+    thread lock. It is told (WriteUnderLock), and neither item is stored. (In a child
+    process, with a deadline: a regression hangs the child, not the suite.)"""
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _NESTED, ns], capture_output=True,
+                             text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the nested indexed put waited on itself")
+    assert out.stdout.split("\n")[:3] == ["outer WriteUnderLock", "told WriteUnderLock",
+                                          "found False False"], (out.stdout, out.stderr[-2000:])

@@ -24,7 +24,7 @@ import kvcomm
 from kvcomm.tiers import l2
 from kvcomm.tiers.l2 import SLOT
 from kvcomm.tiers.shm.layout import MUTEX_AT
-from tests.support.helpers import wait_for
+from tests.support.helpers import proc_state, process_in, wait_for
 
 pytestmark = pytest.mark.multiprocess
 CTX = mp.get_context("fork")
@@ -225,10 +225,12 @@ kv.close()
 """
 
 
-def _in_pid_namespace(script: str, ns: str) -> subprocess.Popen[str]:
-    # (a shell is the namespace's pid 1, python its pid 2: the same thread id in each)
-    return subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", '"$0" -c "$1" "$2"',
-                             sys.executable, script, ns], stdin=subprocess.PIPE,
+def _in_pid_namespace(script: str, ns: str, *args: str) -> subprocess.Popen[str]:
+    # (a shell is the namespace's pid 1, python its pid 2: the same thread id in each;
+    # --kill-child: a SIGKILL of unshare kills the namespace, as a container's)
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+                             '"$0" -c "$1" "$2" "$3"; true', sys.executable, script, ns,
+                             *(args or ("-",))], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -267,6 +269,115 @@ def test_a_writer_with_the_holders_thread_id_in_another_pid_namespace_waits(ns: 
             assert kv.get("w") == 2
         finally:
             for p in (holder, waiter):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+
+
+_WAITS = """
+import os, sys, threading, time, kvcomm
+kv = kvcomm.open(sys.argv[1])
+ready = threading.Event()
+if sys.argv[2] == "exit":  # (the process ends while its main thread waits: os._exit)
+    threading.Thread(target=lambda: (ready.wait(), time.sleep(0.2), os._exit(0)),
+                     daemon=True).start()
+print("waiting", threading.get_native_id(), flush=True)
+ready.set()
+kv._seg._core.lock(600.0)
+print("got it", flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root and unshare(1)")
+@pytest.mark.parametrize("death", ["sigkill", "exit"])
+def test_a_waiter_with_the_holders_thread_id_that_dies_frees_nothing(ns: str, death: str) -> None:
+    """Two containers: the holder and a waiter are each pid 2 of their PID namespace, so
+    their thread ids are equal. The waiter dies while it waits (its container killed, or
+    its process ending). Asleep in the robust mutex, glibc names the mutex as the
+    waiter's pending lock, and the kernel, comparing the lock word with the dying
+    thread's id, takes the live holder for dead: a second writer gets the lock while the
+    holder still has it. The waiter must poll instead: the lock stays the holder's."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
+    with kvcomm.open(ns) as kv:
+        kv.put("w", 0)
+        before = kv._seg.info()["owner_deaths"]
+        holder = _in_pid_namespace(_HOLDER, ns)
+        waiter: subprocess.Popen[str] | None = None
+        try:
+            assert holder.stdout is not None and holder.stdin is not None
+            held = holder.stdout.readline().split()
+            assert held[:1] == ["held"], held
+            waiter = _in_pid_namespace(_WAITS, ns, death)
+            assert waiter.stdout is not None
+            assert waiter.stdout.readline().split() == ["waiting", held[1]]
+            py = process_in(waiter.pid, b"kvcomm")
+            wait_for(lambda: proc_state(py) in (b"S", b"Z", b""), 10, "the waiter to wait")
+            if death == "sigkill":
+                waiter.kill()  # (unshare --kill-child: its namespace goes with it)
+            waiter.wait(20)
+            wait_for(lambda: not os.path.exists(f"/proc/{py}"), 10, "the waiter to be gone")
+            got = kv._seg._core.try_lock()  # the live holder still holds it
+            if got != -1:
+                kv._seg._core.unlock()
+            assert got == -1, "the lock was handed on while its holder lives"
+            assert kv._seg.info()["owner_deaths"] == before
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+            assert holder.wait(20) == 0
+            kv.put("w", 1)  # released by its holder: the next writer goes on
+            assert kv._seg.info()["owner_deaths"] == before
+        finally:
+            for p in (holder, waiter):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+
+
+_VALIDATOR_WRITES_Y = """
+import sys, threading, kvcomm
+cfg = kvcomm.Config.from_mapping({"cache": {"lock_timeout": "0.3s"}})
+kx = kvcomm.open(sys.argv[1] + "-x", config=cfg)
+ky = kvcomm.open(sys.argv[1], config=cfg)
+kx.register_validator("v/", lambda key, old, new: ky.put("from-validator", 1))
+try:
+    kx.put("v/1", 1)
+    print("wrote", threading.get_native_id(), flush=True)
+except kvcomm.KVCommError as exc:
+    cause = exc.__cause__
+    print(type(exc).__name__, type(cause).__name__ if cause else "-",
+          threading.get_native_id(), flush=True)
+kx.close()
+ky.close()
+kvcomm.tiers.l2.purge(sys.argv[1] + "-x")
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs root and unshare(1)")
+def test_a_validator_writing_another_namespace_held_by_the_same_thread_id_elsewhere_waits(
+        ns: str) -> None:
+    """A validator of namespace X writes to namespace Y (allowed: it may wait), whose lock
+    a thread with its id holds in another container: it waits (Unavailable after Y's
+    lock_timeout, as a refused validation), not told it writes from under its own lock."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
+    with kvcomm.open(ns) as kv:
+        kv.put("y", 0)
+        holder = _in_pid_namespace(_HOLDER, ns)
+        other: subprocess.Popen[str] | None = None
+        try:
+            assert holder.stdout is not None
+            held = holder.stdout.readline().split()
+            assert held[:1] == ["held"], held
+            other = _in_pid_namespace(_VALIDATOR_WRITES_Y, ns)
+            out, err = other.communicate(timeout=60)
+            assert out.split() == ["ValidationError", "Unavailable", held[1]], (out, err)
+        finally:
+            for p in (holder, other):
                 if p is not None and p.poll() is None:
                     p.kill()
                     p.wait(10)
@@ -319,7 +430,7 @@ def test_a_stopped_writer_makes_readers_and_writers_fail_in_bounded_time(ns: str
         p.start()
         try:
             assert ready.wait(20)
-            wait_for(lambda: _state(p.pid) == b"T", 10, "the writer to stop")
+            wait_for(lambda: proc_state(p.pid) == b"T", 10, "the writer to stop")
             kv._l1.clear()
             t0 = time.monotonic()
             with pytest.raises(kvcomm.Unavailable, match="stopped"):
@@ -336,12 +447,6 @@ def test_a_stopped_writer_makes_readers_and_writers_fail_in_bounded_time(ns: str
         kv.put("other", 3)
         assert kv._seg.info()["recoveries"] >= 1
         assert kv._seg.check() == []
-
-
-def _state(pid: int) -> bytes:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    return data[data.rfind(b")") + 2 : data.rfind(b")") + 3]
 
 
 def test_a_validator_that_writes_gets_a_clear_error(kv: kvcomm.Client) -> None:

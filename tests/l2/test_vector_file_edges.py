@@ -179,6 +179,55 @@ def _unshare_works() -> bool:
                           timeout=30).returncode == 0
 
 
+def test_a_waiter_with_the_holders_thread_id_that_is_killed_frees_nothing() -> None:
+    """Two containers, each python its namespace's pid 1: the same thread id. The
+    second waits for the file's mutex; its container is killed while it waits. Were it
+    asleep in the mutex, the kernel would take the live holder for dead (the lock word
+    names the dying thread's id) and hand the mutex on: it polls instead, so the mutex
+    stays the holder's."""
+    import subprocess
+    import sys
+
+    from tests.support.helpers import proc_state, process_in, wait_for
+    if not _unshare_works():
+        pytest.skip("unshare -Urpf (user and PID namespaces) is not permitted here")
+    path = f"/dev/shm/kvcomm-test-adv3-pidkill-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        os.ftruncate(fd, 4096)
+        with mmap.mmap(fd, 4096) as mm:
+            _l2core.mutex_init(mm, 128)
+            for _ in range(2):
+                procs.append(subprocess.Popen(
+                    ["unshare", "-Urpf", "--kill-child", sys.executable, "-c", _NS_PROC, path],
+                    text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+                assert procs[-1].stdout is not None
+                assert procs[-1].stdout.readline().strip() == "trying"
+            holder, waiter = procs
+            assert holder.stdout is not None and holder.stdin is not None
+            assert holder.stdout.readline().strip() == "got False"
+            py = process_in(waiter.pid, b"mutex_lock")
+            wait_for(lambda: proc_state(py) == b"S", 10, "the waiter to wait")
+            waiter.kill()  # (--kill-child: the namespace goes with it)
+            waiter.wait(20)
+            wait_for(lambda: proc_state(py) == b"", 10, "the waiter to be gone")
+            with pytest.raises(kvcomm.Unavailable):
+                _l2core.mutex_lock(mm, 128, 0.3)  # still the live holder's
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert holder.wait(20) == 0
+            assert _l2core.mutex_lock(mm, 128, 5.0) is False  # released, not "died"
+            _l2core.mutex_unlock(mm, 128)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        os.close(fd)
+        os.unlink(path)
+
+
 def test_writers_in_two_pid_namespaces_exclude_each_other_without_error() -> None:
     import select
     import subprocess

@@ -40,3 +40,36 @@ def mount_tmpfs(tmp_path: os.PathLike[str], size: str) -> Iterator[str]:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode()[:200]}")
     yield str(d)
     subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def proc_state(pid: int) -> bytes:
+    """The state letter of process ``pid`` (``b"S"`` asleep, ``b"T"`` stopped...), or
+    ``b""`` when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return b""
+    return data[data.rfind(b")") + 2 : data.rfind(b")") + 3]
+
+
+def process_in(root: int, marker: bytes) -> int:
+    """The pid of the Python (this interpreter's executable) under ``root`` (itself or a
+    descendant, in this PID namespace's numbers) whose command line holds ``marker``:
+    the program that a wrapper (``unshare``, a shell) started."""
+    import sys
+
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            if cmd.split(b"\0")[0] == sys.executable.encode() and marker in cmd:
+                return pid
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    raise AssertionError(f"no process with {marker!r} in its command line under {root}")

@@ -1,31 +1,51 @@
 /* ------------------------------------------------------------------ the writer lock
  *
- * A process-shared, robust pthread mutex of type NORMAL. Not ERRORCHECK (segments made
- * before 2026-12 have that type, kept in the segment): an error-checking mutex compares
- * the thread id in its lock word with the caller's, and a writer in another PID namespace
- * (a container sharing /dev/shm) may have the holder's number: it was told EDEADLK
- * (WriteUnderLock) instead of waiting. Re-entry is caught before the mutex: by the Core
- * (c->held), and, for another Core of the same segment in this thread (a validator
- * writing through a second client), by l2_locks_held below.
+ * A process-shared, robust, error-checking pthread mutex. Its lock word holds the
+ * holder's thread id as the holder's PID namespace numbers it, and two processes in
+ * different namespaces (containers sharing /dev/shm) may have the same ids: each main
+ * thread is pid 1 or 2 of its namespace. glibc then tells a writer EDEADLK ("you hold it
+ * already") while another container's thread holds it. This kernel knows which
+ * segments this thread holds (held_here): for any other, EDEADLK means such a holder,
+ * and the writer waits by polling with trylock, never asleep in the mutex. Asleep in it,
+ * glibc would name the mutex in the thread's robust list as pending, and were the
+ * thread killed while asleep, the kernel, comparing the lock word with the dying
+ * thread's id, would take the live holder for dead and hand the lock to a second writer.
+ * (A NORMAL mutex would sleep there; that is why it is not one.)
  */
 
-/* L2 writer locks this thread holds, through any Core: a thread that holds one and finds
- * another held under its own thread id is writing from under a lock (a validator), which
- * would wait on itself with a NORMAL mutex */
-static __thread int l2_locks_held;
+/* The segments whose writer lock this thread holds (their file's device and inode: two
+ * mappings of one segment in a process are one segment) */
+#define HELD_MAX 8
+static __thread uint64_t held_dev[HELD_MAX], held_ino[HELD_MAX];
+static __thread int held_n;
 
-static inline int
-held_under_my_tid(Core *c)
+static int
+held_here(Core *c)
 {
-#ifdef __GLIBC__
-    if (l2_locks_held > 0) {
-        unsigned lw = (unsigned)__atomic_load_n(&c->mutex->__data.__lock, __ATOMIC_RELAXED);
-        return (lw & 0x3fffffffU) == (unsigned)gettid(); /* FUTEX_TID_MASK */
-    }
-#else
-    (void)c;
-#endif
+    for (int i = 0; i < held_n; i++)
+        if (held_dev[i] == c->seg_dev && held_ino[i] == c->seg_ino)
+            return 1;
     return 0;
+}
+
+static void
+note_held(Core *c, int taken)
+{
+    if (taken) {
+        if (held_n < HELD_MAX) {
+            held_dev[held_n] = c->seg_dev;
+            held_ino[held_n] = c->seg_ino;
+            held_n++;
+        }
+        return;
+    }
+    for (int i = 0; i < held_n; i++)
+        if (held_dev[i] == c->seg_dev && held_ino[i] == c->seg_ino) {
+            held_n--;
+            held_dev[i] = held_dev[held_n];
+            held_ino[i] = held_ino[held_n];
+            return;
+        }
 }
 
 static PyObject *
@@ -37,7 +57,7 @@ Core_init_lock(Core *c, PyObject *Py_UNUSED(ignored))
     int rc = pthread_mutexattr_init(&attr);
     if (!rc) rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
     if (!rc) rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_NORMAL);
+    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
     if (!rc) {
         memset(c->mutex, 0, MUTEX_SPACE);
         rc = pthread_mutex_init(c->mutex, &attr);
@@ -91,6 +111,50 @@ lock_until(Core *c, double until)
     return rc;
 }
 
+/* pthread_mutex_trylock, EDEADLK read as EBUSY (and *other set) when this thread does
+ * not hold this segment: a holder elsewhere with this thread's id (see the top) */
+static int
+try_once(Core *c, int *other)
+{
+    int rc = pthread_mutex_trylock(c->mutex);
+    *other = rc == EDEADLK && !held_here(c);
+    return *other ? EBUSY : rc;
+}
+
+/* Wait for the lock until monotonic time ``until``: asleep in the mutex, or, while a
+ * holder has this thread's id (*other), polling with trylock every 50 µs to 1 ms, never
+ * asleep in it (see the top). ETIMEDOUT at ``until``; the GIL released while waiting. */
+static int
+wait_for_lock(Core *c, double until, int *other)
+{
+    if (!*other) {
+        int rc = lock_until(c, until);
+        if (rc != EDEADLK || held_here(c))
+            return rc;
+        *other = 1; /* (the holder now has this thread's id) */
+    }
+    double pause = 50e-6;
+    for (;;) {
+        double left = until - mono_now();
+        if (left <= 0)
+            return ETIMEDOUT;
+        double nap = pause < left ? pause : left;
+        struct timespec ts;
+        ts.tv_sec = (time_t)nap;
+        ts.tv_nsec = (long)((nap - (double)ts.tv_sec) * 1e9);
+        Py_BEGIN_ALLOW_THREADS
+        nanosleep(&ts, NULL);
+        Py_END_ALLOW_THREADS
+        if (pause < 1e-3)
+            pause *= 2;
+        int rc = try_once(c, other);
+        if (rc != EBUSY)
+            return rc;
+        if (!*other) /* (another holder now: asleep in the mutex is safe again) */
+            return wait_for_lock(c, until, other);
+    }
+}
+
 /* Take the writer lock within timeout seconds. 0: taken; -1: a Python error is set and the
  * lock is NOT held (timeout → Unavailable, a signal's exception, a corrupt mutex). The GIL
  * is released while waiting, so the holder (maybe a thread of this process) can go on.
@@ -107,9 +171,8 @@ take_lock_or_not(Core *c, double timeout, int quiet)
                         "that runs under the L2 writer lock); validators may read, not write");
         return -1;
     }
-    int rc = pthread_mutex_trylock(c->mutex);
-    if (rc == EBUSY && held_under_my_tid(c))
-        rc = EDEADLK; /* (this thread holds it through another Core: it would wait on itself) */
+    int other = 0;
+    int rc = try_once(c, &other);
     if (rc == EBUSY && quiet)
         return -2;
     if (rc == EBUSY && inline_wait >= 0) {
@@ -121,10 +184,10 @@ take_lock_or_not(Core *c, double timeout, int quiet)
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
-            rc = pthread_mutex_trylock(c->mutex);
+            rc = try_once(c, &other);
         }
         if (rc == EBUSY && inline_wait > 0)
-            rc = lock_until(c, mono_now() + inline_wait);
+            rc = wait_for_lock(c, mono_now() + inline_wait, &other);
         if (rc == EBUSY || rc == ETIMEDOUT) {
             PyErr_SetString(WouldBlock, "the L2 writer lock is held by another thread or "
                                         "process (this call runs again off the event loop)");
@@ -135,7 +198,7 @@ take_lock_or_not(Core *c, double timeout, int quiet)
         double deadline = mono_now() + (timeout > 0 ? timeout : 0);
         for (;;) {
             double now = mono_now();
-            rc = lock_until(c, now + 0.05 < deadline ? now + 0.05 : deadline);
+            rc = wait_for_lock(c, now + 0.05 < deadline ? now + 0.05 : deadline, &other);
             if (rc != ETIMEDOUT)
                 break;
             if (PyErr_CheckSignals() < 0)
@@ -148,9 +211,10 @@ take_lock_or_not(Core *c, double timeout, int quiet)
                 char secs[32];
                 PyOS_snprintf(secs, sizeof(secs), "%.1f", timeout);
                 PyErr_Format(Unavailable,
-                             "the L2 writer lock has been held for over %ss (by thread %ld); "
-                             "is a process stopped (SIGSTOP, a debugger) while writing? Nothing was "
-                             "written; retry, or raise cache.lock_timeout",
+                             "the L2 writer lock has been held for over %ss (by thread %ld, "
+                             "in its PID namespace); is a process stopped (SIGSTOP, a "
+                             "debugger) while writing? Nothing was written; retry, or raise "
+                             "cache.lock_timeout",
                              secs, owner);
                 return -1;
             }
@@ -166,10 +230,10 @@ take_lock_or_not(Core *c, double timeout, int quiet)
         __atomic_add_fetch(HW(c, H_OWNER_DEATHS), 1, __ATOMIC_SEQ_CST);
         rc = 0;
     }
-    if (rc == EDEADLK) {
+    if (rc == EDEADLK) { /* (held_here: this thread holds it through another mapping) */
         PyErr_SetString(WriteUnderLock, "this thread already holds the L2 writer lock, through "
-                                        "another client of this namespace (a write from inside a "
-                                        "validator?); validators may read, not write");
+                                        "another mapping of this namespace (a write from inside "
+                                        "a validator?); validators may read, not write");
         return -1;
     }
     if (rc != 0) {
@@ -179,7 +243,7 @@ take_lock_or_not(Core *c, double timeout, int quiet)
     }
     c->holder = self;
     c->held = 1;
-    l2_locks_held++;
+    note_held(c, 1);
     return 0;
 }
 
@@ -194,7 +258,7 @@ drop_lock(Core *c)
 {
     if (c->held && pthread_equal(c->holder, pthread_self())) {
         c->held = 0;
-        l2_locks_held--;
+        note_held(c, 0);
         pthread_mutex_unlock(c->mutex);
     }
 }

@@ -31,6 +31,14 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
     self->base = self->view.buf;
     self->size = (uint64_t)self->view.len;
     self->guard = guard_add((uintptr_t)self->base, (size_t)self->size);
+    struct stat st;
+    if (self->has_fd && fstat(self->fd, &st) == 0) {
+        self->seg_dev = (uint64_t)st.st_dev;
+        self->seg_ino = (uint64_t)st.st_ino;
+    } else {
+        self->seg_dev = 0;
+        self->seg_ino = (uint64_t)(uintptr_t)self->base;
+    }
     self->held = 0;
     self->pid = (uint64_t)getpid();
     self->n_owned = 0;

@@ -60,8 +60,9 @@ mutex_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!rc) rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
     /* NORMAL, not ERRORCHECK: an error-checking mutex compares its owner's thread id with
      * the caller's, and a writer in another PID namespace (a container sharing /dev/shm)
-     * may have the holder's number: it would be told EDEADLK instead of waiting. A thread
-     * of this process never takes it twice: VectorFile's thread lock is held around it. */
+     * may have the holder's number: it would be told EDEADLK instead of waiting. Such a
+     * writer polls (mutex_lock): never asleep in the mutex. A thread of this process
+     * never takes it twice: VectorFile's thread lock is held around it. */
     if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_NORMAL);
     if (!rc) {
         memset(m, 0, VMUTEX_SPACE);
@@ -97,13 +98,14 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!m)
         return NULL;
     double deadline = timeout < 0 ? 0 : mono_now() + timeout;
+    double pause = 50e-6;
     int rc = pthread_mutex_trylock(m);
-    while (rc == EBUSY || rc == ETIMEDOUT) {
-        if (timeout >= 0 && mono_now() >= deadline) {
-            unsigned owner = 0;
+    while (rc == EBUSY || rc == ETIMEDOUT || rc == EDEADLK) {
+        unsigned owner = 0;
 #ifdef __GLIBC__
-            owner = (unsigned)__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffffU;
+        owner = (unsigned)__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffffU;
 #endif
+        if (timeout >= 0 && mono_now() >= deadline) {
             PyBuffer_Release(&view);
             char secs[32];
             PyOS_snprintf(secs, sizeof(secs), "%.1f", timeout); /* (PyErr_Format has no %f) */
@@ -114,17 +116,31 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          secs, (unsigned long)owner);
             return NULL;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_nsec += 50000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec += 1;
-            ts.tv_nsec -= 1000000000;
+        if (rc == EDEADLK || (owner && owner == (unsigned)gettid())) {
+            /* its holder has this thread's id, in another PID namespace (this thread never
+               takes it twice): poll, never asleep in the mutex, where a death would make
+               the kernel take the live holder for dead (lock.c, at the top) */
+            struct timespec nap = {0, (long)(pause * 1e9)};
+            Py_BEGIN_ALLOW_THREADS
+            nanosleep(&nap, NULL);
+            Py_END_ALLOW_THREADS
+            if (pause < 1e-3)
+                pause *= 2;
+            rc = pthread_mutex_trylock(m);
+        } else {
+            pause = 50e-6;
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            ts.tv_nsec += 50000000;
+            if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec += 1;
+                ts.tv_nsec -= 1000000000;
+            }
+            Py_BEGIN_ALLOW_THREADS
+            rc = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
+            Py_END_ALLOW_THREADS
         }
-        Py_BEGIN_ALLOW_THREADS
-        rc = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
-        Py_END_ALLOW_THREADS
-        if (rc == ETIMEDOUT && PyErr_CheckSignals() < 0) {
+        if (rc != 0 && rc != EOWNERDEAD && PyErr_CheckSignals() < 0) {
             PyBuffer_Release(&view);
             return NULL; /* nothing held */
         }

@@ -51,7 +51,7 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 from .._l2core import mutex_init, mutex_lock, mutex_unlock
-from ..errors import SegmentError
+from ..errors import SegmentError, WriteUnderLock
 from .shm import segment as _segment  # noqa: F401 (the C kernel's errors are SegmentError once it is loaded)
 from .shm.files import (
     SHM_DIR,
@@ -82,6 +82,7 @@ def _after_fork() -> None:
     may have held it at the fork; that thread does not exist here)."""
     for vf in list(_OPEN):
         vf._tlock = threading.Lock()
+        vf._writer = 0
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -163,6 +164,7 @@ class VectorFile:
         self.matrix = np.frombuffer(mm, dtype="<f4", count=cap * self.dims,
                                     offset=mx).reshape(cap, self.dims)
         self._tlock = threading.Lock()
+        self._writer = 0  # (the thread in update: its own nested write is refused, not waited)
         self._closed = False
         _OPEN.add(self)  # (a forked child gets a fresh _tlock: _after_fork)
         # (a file an older version made has no mutex: its writers, this version's too,
@@ -251,6 +253,9 @@ class VectorFile:
 
     def close(self) -> None:
         """Unmap and close the file (idempotent; later writes raise SegmentError)."""
+        if self._writer == threading.get_ident():
+            raise WriteUnderLock("a vector index closed from inside a write of it (a "
+                                 "validator closing the store's client?); close it after")
         with self._tlock:  # (no writer of this process holds the mutex of the mapping)
             if self._closed:
                 return
@@ -282,7 +287,13 @@ class VectorFile:
         calls: those were a tenth of an indexed put's time.) The writers' lock is the
         file's mutex (its holder dying hands it on: the intent it left says what to
         repair), or for a file of layout 2 an flock of it (released by the kernel when
-        its holder dies)."""
+        its holder dies). A write from inside another (a validator writing to the store)
+        raises WriteUnderLock: it would wait on itself."""
+        me = threading.get_ident()
+        if self._writer == me:
+            raise WriteUnderLock("a write into a vector index from inside a write of it (a "
+                                 "validator writing to the store?); validators may read, "
+                                 "not write")
         with self._tlock:
             if self._closed:
                 raise SegmentError("this vector index is closed (its store's client was "
@@ -292,6 +303,7 @@ class VectorFile:
                 mutex_lock(mm, MUTEX_AT, MUTEX_TIMEOUT)
             else:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._writer = me
             try:
                 n = hq[H_INTENT]
                 if n:
@@ -306,6 +318,7 @@ class VectorFile:
                 hq[H_INTENT] = 0
                 return fits
             finally:
+                self._writer = 0
                 if self._mutex:
                     mutex_unlock(mm, MUTEX_AT)
                 else:
