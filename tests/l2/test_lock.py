@@ -234,44 +234,73 @@ def _in_pid_namespace(script: str, ns: str, *args: str) -> subprocess.Popen[str]
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
-                    reason="needs root and unshare(1)")
+class _Containers:
+    """Processes in PID namespaces of their own (containers sharing /dev/shm; each python
+    is its namespace's pid 2, so their thread ids are equal), on namespace ``ns``; every
+    one still running is killed when the with-block ends. Skips the test where no PID
+    namespace can be made."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def __enter__(self) -> _Containers:
+        probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+    def start(self, script: str, *args: str) -> subprocess.Popen[str]:
+        self.procs.append(_in_pid_namespace(script, self.ns, *args))
+        return self.procs[-1]
+
+    def holder(self) -> tuple[subprocess.Popen[str], str]:
+        """A process that holds the writer lock until told: (it, its thread id)."""
+        p = self.start(_HOLDER)
+        assert p.stdout is not None
+        held = p.stdout.readline().split()
+        assert held[:1] == ["held"], p.stderr.read() if p.stderr else held
+        return p, held[1]
+
+    @staticmethod
+    def tell(p: subprocess.Popen[str]) -> None:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+
+_NEEDS_UNSHARE = pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                                    reason="needs root and unshare(1)")
+
+
+@_NEEDS_UNSHARE
 def test_a_writer_with_the_holders_thread_id_in_another_pid_namespace_waits(ns: str) -> None:
     """Two containers sharing /dev/shm: the holder and the writer are each pid 2 in their
     own PID namespace, so their thread ids are equal. The writer must wait for the lock
     (Unavailable after its lock_timeout), not be told it holds it already (an
     error-checking mutex compares thread ids: it said EDEADLK, WriteUnderLock), and write
     once the holder lets go."""
-    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
-    with kvcomm.open(ns) as kv:
+    with kvcomm.open(ns) as kv, _Containers(ns) as box:
         kv.put("w", 0)
-        holder = _in_pid_namespace(_HOLDER, ns)
-        waiter: subprocess.Popen[str] | None = None
-        try:
-            assert holder.stdout is not None and holder.stdin is not None
-            held = holder.stdout.readline().split()
-            assert held[:1] == ["held"], holder.stderr.read() if holder.stderr else held
-            waiter = _in_pid_namespace(_WAITER, ns)
-            assert waiter.stdout is not None and waiter.stdin is not None
-            first = waiter.stdout.readline().split()
-            assert first[1:] == ["Unavailable", held[1]], first  # the same thread id, waited
-            assert kv.get("w") == 0
-            holder.stdin.write("go\n")
-            holder.stdin.flush()
-            assert holder.wait(20) == 0
-            waiter.stdin.write("go\n")
-            waiter.stdin.flush()
-            assert waiter.stdout.readline().split() == ["second", "wrote"]
-            assert waiter.wait(20) == 0
-            kv._l1.clear()
-            assert kv.get("w") == 2
-        finally:
-            for p in (holder, waiter):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait(10)
+        holder, tid = box.holder()
+        waiter = box.start(_WAITER)
+        assert waiter.stdout is not None
+        first = waiter.stdout.readline().split()
+        assert first[1:] == ["Unavailable", tid], first  # the same thread id, waited
+        assert kv.get("w") == 0
+        box.tell(holder)
+        assert holder.wait(20) == 0
+        box.tell(waiter)
+        assert waiter.stdout.readline().split() == ["second", "wrote"]
+        assert waiter.wait(20) == 0
+        kv._l1.clear()
+        assert kv.get("w") == 2
 
 
 _WAITS = """
@@ -288,8 +317,7 @@ print("got it", flush=True)
 """
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
-                    reason="needs root and unshare(1)")
+@_NEEDS_UNSHARE
 @pytest.mark.parametrize("death", ["sigkill", "exit"])
 def test_a_waiter_with_the_holders_thread_id_that_dies_frees_nothing(ns: str, death: str) -> None:
     """Two containers: the holder and a waiter are each pid 2 of their PID namespace, so
@@ -298,42 +326,28 @@ def test_a_waiter_with_the_holders_thread_id_that_dies_frees_nothing(ns: str, de
     waiter's pending lock, and the kernel, comparing the lock word with the dying
     thread's id, takes the live holder for dead: a second writer gets the lock while the
     holder still has it. The waiter must poll instead: the lock stays the holder's."""
-    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
-    with kvcomm.open(ns) as kv:
+    with kvcomm.open(ns) as kv, _Containers(ns) as box:
         kv.put("w", 0)
         before = kv._seg.info()["owner_deaths"]
-        holder = _in_pid_namespace(_HOLDER, ns)
-        waiter: subprocess.Popen[str] | None = None
-        try:
-            assert holder.stdout is not None and holder.stdin is not None
-            held = holder.stdout.readline().split()
-            assert held[:1] == ["held"], held
-            waiter = _in_pid_namespace(_WAITS, ns, death)
-            assert waiter.stdout is not None
-            assert waiter.stdout.readline().split() == ["waiting", held[1]]
-            py = process_in(waiter.pid, b"kvcomm")
-            wait_for(lambda: proc_state(py) in (b"S", b"Z", b""), 10, "the waiter to wait")
-            if death == "sigkill":
-                waiter.kill()  # (unshare --kill-child: its namespace goes with it)
-            waiter.wait(20)
-            wait_for(lambda: not os.path.exists(f"/proc/{py}"), 10, "the waiter to be gone")
-            got = kv._seg._core.try_lock()  # the live holder still holds it
-            if got != -1:
-                kv._seg._core.unlock()
-            assert got == -1, "the lock was handed on while its holder lives"
-            assert kv._seg.info()["owner_deaths"] == before
-            holder.stdin.write("go\n")
-            holder.stdin.flush()
-            assert holder.wait(20) == 0
-            kv.put("w", 1)  # released by its holder: the next writer goes on
-            assert kv._seg.info()["owner_deaths"] == before
-        finally:
-            for p in (holder, waiter):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait(10)
+        holder, tid = box.holder()
+        waiter = box.start(_WAITS, death)
+        assert waiter.stdout is not None
+        assert waiter.stdout.readline().split() == ["waiting", tid]
+        py = process_in(waiter.pid, b"kvcomm")
+        wait_for(lambda: proc_state(py) in (b"S", b""), 10, "the waiter to wait")
+        if death == "sigkill":
+            waiter.kill()  # (unshare --kill-child: its namespace goes with it)
+        waiter.wait(20)
+        wait_for(lambda: proc_state(py) == b"", 10, "the waiter to be gone")
+        got = kv._seg._core.try_lock()  # the live holder still holds it
+        if got != -1:
+            kv._seg._core.unlock()
+        assert got == -1, "the lock was handed on while its holder lives"
+        assert kv._seg.info()["owner_deaths"] == before
+        box.tell(holder)
+        assert holder.wait(20) == 0
+        kv.put("w", 1)  # released by its holder: the next writer goes on
+        assert kv._seg.info()["owner_deaths"] == before
 
 
 _VALIDATOR_WRITES_Y = """
@@ -355,40 +369,26 @@ kvcomm.tiers.l2.purge(sys.argv[1] + "-x")
 """
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
-                    reason="needs root and unshare(1)")
+@_NEEDS_UNSHARE
 def test_a_validator_writing_another_namespace_held_by_the_same_thread_id_elsewhere_waits(
         ns: str) -> None:
     """A validator of namespace X writes to namespace Y (allowed: it may wait), whose lock
     a thread with its id holds in another container: it waits (Unavailable after Y's
     lock_timeout, as a refused validation), not told it writes from under its own lock."""
-    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
-    with kvcomm.open(ns) as kv:
+    with kvcomm.open(ns) as kv, _Containers(ns) as box:
         kv.put("y", 0)
-        holder = _in_pid_namespace(_HOLDER, ns)
-        other: subprocess.Popen[str] | None = None
-        try:
-            assert holder.stdout is not None
-            held = holder.stdout.readline().split()
-            assert held[:1] == ["held"], held
-            other = _in_pid_namespace(_VALIDATOR_WRITES_Y, ns)
-            out, err = other.communicate(timeout=60)
-            assert out.split() == ["ValidationError", "Unavailable", held[1]], (out, err)
-        finally:
-            for p in (holder, other):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait(10)
+        _holder, tid = box.holder()
+        out, err = box.start(_VALIDATOR_WRITES_Y).communicate(timeout=60)
+        assert out.split() == ["ValidationError", "Unavailable", tid], (out, err)
 
 
 def test_a_thread_holding_the_lock_through_another_mapping_is_told_not_left_waiting(
         ns: str) -> None:
     """One thread, two mappings of one segment (clients share one per process; a tool may
-    map it again with L2Segment): the lock is NORMAL (see the test above), so a thread that
-    holds it through one mapping and writes through the other would wait on itself until
-    lock_timeout. It is told at once (WriteUnderLock, an InvalidArgument)."""
+    map it again with L2Segment): EDEADLK from a segment this thread holds (named by its
+    file, not its mapping) is a write from under its own lock, not a holder elsewhere
+    with its thread id (the tests above): it is told at once (WriteUnderLock, an
+    InvalidArgument), not left polling until lock_timeout."""
     cfg = _config("5s")
     with kvcomm.open(ns, config=cfg) as kv:
         kv.put("k", 1)

@@ -7,11 +7,15 @@ from __future__ import annotations
 import mmap
 import multiprocessing as mp
 import os
+import select
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -20,6 +24,7 @@ import kvcomm
 from kvcomm import _l2core
 from kvcomm.tiers.shm import segment  # noqa: F401  (C raises kvcomm's errors once imported)
 from kvcomm.tiers.vectors import VectorFile
+from tests.support.helpers import proc_state, process_in, wait_for
 
 np = pytest.importorskip("numpy")
 pytestmark = pytest.mark.multiprocess
@@ -179,34 +184,55 @@ def _unshare_works() -> bool:
                           timeout=30).returncode == 0
 
 
+@contextmanager
+def _mutex_file(tag: str) -> Iterator[tuple[str, mmap.mmap]]:
+    """A file of /dev/shm with a fresh writers' mutex at byte 128: (its path, a mapping);
+    removed after."""
+    path = f"/dev/shm/kvcomm-test-adv3-{tag}-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        with mmap.mmap(fd, 4096) as mm:
+            _l2core.mutex_init(mm, 128)
+            yield path, mm
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _in_namespaces(path: str, procs: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    """_NS_PROC on ``path`` as its own user and PID namespace's pid 1 (--kill-child: a
+    SIGKILL of unshare kills the namespace), told "trying" before it takes the mutex."""
+    if not _unshare_works():
+        pytest.skip("unshare -Urpf (user and PID namespaces) is not permitted here")
+    procs.append(subprocess.Popen(
+        ["unshare", "-Urpf", "--kill-child", sys.executable, "-c", _NS_PROC, path],
+        text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+    assert procs[-1].stdout is not None
+    assert procs[-1].stdout.readline().strip() == "trying"
+    return procs[-1]
+
+
+def _end(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 def test_a_waiter_with_the_holders_thread_id_that_is_killed_frees_nothing() -> None:
     """Two containers, each python its namespace's pid 1: the same thread id. The
     second waits for the file's mutex; its container is killed while it waits. Were it
     asleep in the mutex, the kernel would take the live holder for dead (the lock word
     names the dying thread's id) and hand the mutex on: it polls instead, so the mutex
     stays the holder's."""
-    import subprocess
-    import sys
-
-    from tests.support.helpers import proc_state, process_in, wait_for
-    if not _unshare_works():
-        pytest.skip("unshare -Urpf (user and PID namespaces) is not permitted here")
-    path = f"/dev/shm/kvcomm-test-adv3-pidkill-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     procs: list[subprocess.Popen[str]] = []
-    try:
-        os.ftruncate(fd, 4096)
-        with mmap.mmap(fd, 4096) as mm:
-            _l2core.mutex_init(mm, 128)
-            for _ in range(2):
-                procs.append(subprocess.Popen(
-                    ["unshare", "-Urpf", "--kill-child", sys.executable, "-c", _NS_PROC, path],
-                    text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
-                assert procs[-1].stdout is not None
-                assert procs[-1].stdout.readline().strip() == "trying"
-            holder, waiter = procs
+    with _mutex_file("pidkill") as (path, mm):
+        try:
+            holder = _in_namespaces(path, procs)
             assert holder.stdout is not None and holder.stdin is not None
             assert holder.stdout.readline().strip() == "got False"
+            waiter = _in_namespaces(path, procs)
             py = process_in(waiter.pid, b"mutex_lock")
             wait_for(lambda: proc_state(py) == b"S", 10, "the waiter to wait")
             waiter.kill()  # (--kill-child: the namespace goes with it)
@@ -219,59 +245,32 @@ def test_a_waiter_with_the_holders_thread_id_that_is_killed_frees_nothing() -> N
             assert holder.wait(20) == 0
             assert _l2core.mutex_lock(mm, 128, 5.0) is False  # released, not "died"
             _l2core.mutex_unlock(mm, 128)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        os.close(fd)
-        os.unlink(path)
+        finally:
+            _end(procs)
 
 
 def test_writers_in_two_pid_namespaces_exclude_each_other_without_error() -> None:
-    import select
-    import subprocess
-    import sys
-    if not _unshare_works():
-        pytest.skip("unshare -Urpf (user and PID namespaces) is not permitted here")
-    path = f"/dev/shm/kvcomm-test-adv3-pidns-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     procs: list[subprocess.Popen[str]] = []
-    try:
-        os.ftruncate(fd, 4096)
-        with mmap.mmap(fd, 4096) as mm:
-            _l2core.mutex_init(mm, 128)
-        for _ in range(2):
-            procs.append(subprocess.Popen(
-                ["unshare", "-Urpf", sys.executable, "-c", _NS_PROC, path], text=True,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.getcwd()))
-            assert procs[-1].stdout is not None
-            assert procs[-1].stdout.readline().strip() == "trying"
-            if len(procs) == 1:
-                assert procs[0].stdout is not None
-                assert procs[0].stdout.readline().strip() == "got False"
-        assert procs[0].stdin is not None and procs[1].stdout is not None
-        # (the second waits while the first holds: it answers nothing until released; an
-        # answer now is its error)
-        ready, _w, _x = select.select([procs[1].stdout], [], [], 2.0)
-        assert not ready, procs[1].stdout.readline()
-        procs[0].stdin.write("\n")
-        procs[0].stdin.flush()
-        assert procs[1].stdout.readline().strip() == "got False"
-    finally:
-        for p in procs:
-            if p.stdin:
-                try:
-                    p.stdin.write("\n")
-                    p.stdin.close()
-                except OSError:
-                    pass
-            try:
-                p.wait(30)
-            except Exception:
-                p.kill()
-        os.close(fd)
-        os.unlink(path)
+    with _mutex_file("pidns") as (path, _mm):
+        try:
+            first = _in_namespaces(path, procs)
+            assert first.stdout is not None and first.stdin is not None
+            assert first.stdout.readline().strip() == "got False"
+            second = _in_namespaces(path, procs)
+            assert second.stdout is not None
+            # (the second waits while the first holds: it answers nothing until released;
+            # an answer now is its error)
+            ready, _w, _x = select.select([second.stdout], [], [], 2.0)
+            assert not ready, second.stdout.readline()
+            first.stdin.write("\n")
+            first.stdin.flush()
+            assert second.stdout.readline().strip() == "got False"
+            assert second.stdin is not None
+            second.stdin.write("\n")
+            second.stdin.flush()
+            assert first.wait(30) == 0 and second.wait(30) == 0
+        finally:
+            _end(procs)
 
 
 def _write_once(vf: VectorFile, q: mp.Queue) -> None:  # type: ignore[type-arg]
