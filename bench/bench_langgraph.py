@@ -3,6 +3,7 @@ SqliteSaver; with ``--async``, the async savers.
 
     python bench/bench_langgraph.py [--n 2000] [--rounds 5] [--graphs 20] [--cluster]
     python bench/bench_langgraph.py --async [--n 500] [--rounds 3] [--concurrency 50]
+    python bench/bench_langgraph.py --graph-only [--n 300] [--rounds 15] [--graphs 2]
 
 For each saver, interleaved in ``--rounds`` rounds (a noisy neighbour hits all alike):
 
@@ -34,12 +35,20 @@ new thread; graphs per second over ``--graphs`` such waves, of wall time and of 
 process's CPU time). Ratios: KVCommSaver's
 throughput over each peer's (above 1: faster), and the peer's put/get_tuple time over
 KVCommSaver's (above 1: KVCommSaver faster).
+
+``--graph-only``: the graph target alone, steadier. First a graph step's cost to each
+sync saver (the calls a 20-step graph made, recorded once, replayed ``--n`` times on new
+threads, interleaved: min and median µs per step). Then KVCommSaver (over
+``kvcomm.aio``) and InMemorySaver in ``--rounds`` interleaved pairs of ``--graphs`` waves
+of ``--concurrency`` concurrent 20-step graphs: the median of the pairs' ratios of graphs
+per CPU-second.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import functools
 import os
 import shutil
@@ -277,6 +286,96 @@ async def amain(args: argparse.Namespace) -> None:
               f"{p['put'] / ours['put']:7.2f}x   get_tuple {p['get_tuple'] / ours['get_tuple']:7.2f}x")
 
 
+# ---------------------------------------------------------------- the graph target alone
+
+
+async def graph_pairs(pairs: int, waves: int, concurrency: int) -> list[float]:
+    """KVCommSaver's graph throughput over InMemorySaver's, per CPU-second, in ``pairs``
+    interleaved pairs of ``waves`` waves each (one process, one loop): a noisy neighbour
+    hits both sides of a pair alike."""
+    import kvcomm.aio
+
+    ns = f"bench-lg-pairs-{os.getpid()}"
+    async with kvcomm.aio.open(ns, config=kvcomm.Config.from_mapping(
+            {"cache": {"l2_size": "256MB"}})) as akv:
+        try:
+            graphs = {"mem": async_graph(InMemorySaver()), "kv": async_graph(KVCommSaver(akv))}
+
+            async def rate(g: Any) -> float:
+                c0 = time.process_time()
+                for _ in range(waves):
+                    outs = await asyncio.gather(*(g.ainvoke(
+                        {"n": 0}, {"configurable": {"thread_id": f"g-{uuid.uuid4().hex}"}})
+                        for _ in range(concurrency)))
+                    assert all(o["n"] == 20 for o in outs)
+                return waves * concurrency / (time.process_time() - c0)
+
+            for g in graphs.values():  # (untimed: LangGraph's caches warmed)
+                await rate(g)
+            ratios = []
+            for _ in range(pairs):
+                mem = await rate(graphs["mem"])
+                ratios.append(await rate(graphs["kv"]) / mem)
+            return ratios
+        finally:
+            l2.purge(ns)
+
+
+def step_costs(reps: int) -> dict[str, list[float]]:
+    """µs per graph step (a put and a task's writes) of each sync saver, replaying the
+    calls a 20-step graph made (recorded once from InMemorySaver) on a new thread id per
+    replay: the saver's own CPU, without LangGraph's."""
+    calls: list[tuple[str, Any]] = []
+
+    class Recording(InMemorySaver):
+        def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+            calls.append(("put", copy.deepcopy((config, checkpoint, metadata, new_versions))))
+            return super().put(config, checkpoint, metadata, new_versions)
+
+        def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
+            calls.append(("writes", copy.deepcopy((config, writes, task_id, task_path))))
+            super().put_writes(config, writes, task_id, task_path)
+
+    graph(Recording()).invoke({"n": 0}, {"configurable": {"thread_id": "recorded"}})
+    steps = sum(kind == "put" for kind, _a in calls)
+
+    def on_thread(args: Any, thread: str) -> Any:
+        cfg = args[0]
+        return ({**cfg, "configurable": {**cfg["configurable"], "thread_id": thread}},
+                *args[1:])
+
+    ns = f"bench-lg-steps-{os.getpid()}"
+    out: dict[str, list[float]] = {"InMemorySaver": [], "KVCommSaver": []}
+    with kvcomm.open(ns, config=kvcomm.Config.from_mapping(
+            {"cache": {"l2_size": "256MB"}})) as kv:
+        try:
+            made = {"InMemorySaver": InMemorySaver(), "KVCommSaver": KVCommSaver(kv)}
+            for rep in range(reps):
+                for name, saver in made.items():  # (interleaved)
+                    replay = [(kind, on_thread(a, f"{name}-{rep}")) for kind, a in calls]
+                    t0 = time.perf_counter_ns()
+                    for kind, a in replay:
+                        (saver.put if kind == "put" else saver.put_writes)(*a)
+                    out[name].append((time.perf_counter_ns() - t0) / steps / 1e3)
+        finally:
+            l2.purge(ns)
+    return out
+
+
+def graph_only(args: argparse.Namespace) -> None:
+    costs = step_costs(args.n)
+    heading(f"a graph step's cost to each saver (a put and a task's writes, replayed {args.n} "
+            "times; µs)")
+    for name, xs in costs.items():
+        print(f"{name:<16} min {min(xs):6.1f}   median {statistics.median(xs):6.1f}")
+    ratios = asyncio.run(graph_pairs(args.rounds, args.graphs, args.concurrency))
+    heading(f"graph throughput per CPU-second, KVCommSaver (aio) / InMemorySaver: "
+            f"{args.rounds} interleaved pairs of {args.graphs} waves of {args.concurrency} "
+            "concurrent 20-step graphs (target >= 0.9)")
+    print(f"median {statistics.median(ratios):.3f}   pairs "
+          + " ".join(f"{r:.2f}" for r in sorted(ratios)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000, help="puts and reads per round")
@@ -290,7 +389,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=50, help="--async: concurrent graphs")
     ap.add_argument("--pg-bin", default="/usr/lib/postgresql/15/bin",
                     help="--async: the folder of PostgreSQL's initdb and pg_ctl")
+    ap.add_argument("--graph-only", action="store_true",
+                    help="only #26's graph target: a step's cost to each sync saver (--n "
+                         "replays), then --rounds interleaved pairs of --graphs waves")
     args = ap.parse_args()
+    if args.graph_only:
+        graph_only(args)
+        return
     if args.aio:
         asyncio.run(amain(args))
         return
