@@ -81,8 +81,9 @@ def _reject(value: Any) -> None:
     if _np is not None and isinstance(value, _np.ndarray):
         raise UnsupportedValue("numpy arrays can only be stored as the whole value, not nested")
     raise UnsupportedValue(
-        f"cannot store a {type(value).__name__}: use bytes, str, int, float, bool, None, "
-        "lists, dicts with str keys, or a numeric numpy array (values are never pickled)"
+        f"cannot store a value of type {type(value).__name__}: use bytes, str, int, float, "
+        "bool, None, lists, dicts with str keys, or a numeric numpy array (values are never "
+        "pickled)"
     )
 
 
