@@ -22,7 +22,8 @@ setup(
         Extension(
             "kvcomm._l2core",
             sources=["src/kvcomm/_l2core.c"],
-            depends=["src/kvcomm/_l2layout.h", *(str(p) for p in (HERE / "src" / "kvcomm" / "_l2core_c").glob("*"))],
+            depends=["src/kvcomm/_l2layout.h",
+                     *sorted(str(p.relative_to(HERE)) for p in (HERE / "src" / "kvcomm" / "_l2core_c").glob("*"))],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-missing-braces"],
             libraries=["pthread"],
         ),

@@ -135,14 +135,16 @@ import sys, kvcomm
 from kvcomm.integrations.langgraph import KVCommStore
 from kvcomm.tiers import l2
 kv = kvcomm.open(sys.argv[1])
-store = KVCommStore(kv, index={"dims": 4, "embed": lambda texts: [[float(len(t)), 1.0, 0.5,
-                                                                   0.25] for t in texts],
-                               "fields": ["text"]})
+def index():
+    return {"dims": 4, "embed": lambda texts: [[float(len(t)), 1.0, 0.5, 0.25] for t in texts],
+            "fields": ["text"]}
+store = KVCommStore(kv, index=index())
+inner = store if sys.argv[2] == "same" else KVCommStore(kv, index=index())  # (its own VectorFile)
 told = []
 def validator(key, old, new):
     if not told:
         try:
-            store.put(("other",), "n", {"text": "nested"})
+            inner.put(("other",), "n", {"text": "nested"})
         except kvcomm.KVCommError as exc:
             told.append(type(exc).__name__)
             raise
@@ -160,17 +162,20 @@ l2.purge(sys.argv[1])
 """
 
 
-def test_a_validator_writing_to_an_indexed_store_is_told_not_left_waiting(ns: str) -> None:
+@pytest.mark.parametrize("through", ["same", "second"])
+def test_a_validator_writing_to_an_indexed_store_is_told_not_left_waiting(
+        ns: str, through: str) -> None:
     """An indexed put runs a validator (under the host's writer lock) that puts into the
-    indexed store: a write from under the write; it waited forever on the vector index's
-    thread lock. It is told (WriteUnderLock), and neither item is stored. (In a child
-    process, with a deadline: a regression hangs the child, not the suite.)"""
+    indexed store, or into a second store on the same index (a VectorFile of its own):
+    a write from under the write; it waited forever on the vector index's thread lock, or
+    30 s on its mutex. It is told (WriteUnderLock), and neither item is stored. (In a
+    child process, with a deadline: a regression hangs the child, not the suite.)"""
     import subprocess
     import sys
 
     try:
-        out = subprocess.run([sys.executable, "-c", _NESTED, ns], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", _NESTED, ns, through], capture_output=True,
+                             text=True, timeout=20)
     except subprocess.TimeoutExpired:
         pytest.fail("the nested indexed put waited on itself")
     assert out.stdout.split("\n")[:3] == ["outer WriteUnderLock", "told WriteUnderLock",

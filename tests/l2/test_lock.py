@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pathlib
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -350,6 +351,97 @@ def test_a_waiter_with_the_holders_thread_id_that_dies_frees_nothing(ns: str, de
         assert kv._seg.info()["owner_deaths"] == before
 
 
+_SLEEPS = """
+import sys, threading, kvcomm
+kv = kvcomm.open(sys.argv[1])
+print("waiting", threading.get_native_id(), flush=True)
+kv._seg._core.lock(600.0)
+kv._seg._core.unlock()
+"""
+
+_SPINS = """
+import sys, threading, kvcomm
+kv = kvcomm.open(sys.argv[1])
+c = kv._seg._core
+print("spinning", flush=True)
+while c.try_lock() == -1:
+    pass
+print("held", threading.get_native_id(), flush=True)
+sys.stdin.readline()
+print("released" if c.unlock() else "not released", flush=True)
+"""
+
+
+def _syscall(pid: int) -> str:
+    """The number of the system call ``pid`` is in ("202": futex), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+@_NEEDS_UNSHARE
+def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_lock_then_killed_frees_nothing(
+        ns: str) -> None:
+    """W (a container's pid 2) waits, asleep, while this process holds the lock, with
+    three sleepers of this namespace queued; this process lets go, the wake-up goes to
+    one sleeper, and H2, another container's thread with W's id, takes the lock; W, still
+    asleep, is killed. Asleep inside pthread_mutex_lock, W named the mutex as its pending
+    robust lock, and the kernel took H2 for dead: a second writer got the lock while H2
+    held it (owner_deaths counted). W sleeps on the lock word instead. (Up to 5 tries for
+    the moment the test needs, seen at least once.)"""
+    seen = 0
+    with kvcomm.open(ns, config=_config("0.5s")) as kv, _Containers(ns) as box:
+        kv.put("x", 0)
+        core = kv._seg._core
+        for _ in range(5):
+            core.lock(5.0)
+            sleepers = [subprocess.Popen([sys.executable, "-c", _SLEEPS, ns], text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                        for _ in range(3)]
+            try:
+                for p in sleepers:
+                    assert p.stdout is not None and p.stdout.readline().startswith("waiting")
+                    wait_for(lambda p=p: _syscall(p.pid) == "202", 10, "a sleeper to sleep")
+                w = box.start(_SLEEPS)
+                assert w.stdout is not None
+                tid = w.stdout.readline().split()[1]
+                py = process_in(w.pid, b"kvcomm")
+                wait_for(lambda py=py: _syscall(py) == "202", 10, "W to sleep")
+                h2 = box.start(_SPINS)
+                assert h2.stdout is not None and h2.stdout.readline().strip() == "spinning"
+                core.unlock()
+                ready, _w, _x = select.select([h2.stdout], [], [], 5.0)
+                if not ready:  # (W took it first and let go: not the moment)
+                    continue
+                assert h2.stdout.readline().split() == ["held", tid]
+                deadline = time.monotonic() + 2  # (W, woken for nothing, goes back to sleep)
+                while _syscall(py) != "202" and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if _syscall(py) != "202":
+                    continue
+                seen += 1
+                before = kv._seg.info()["owner_deaths"]
+                w.kill()  # (unshare --kill-child: W's container goes)
+                w.wait(20)
+                wait_for(lambda py=py: proc_state(py) == b"", 10, "W to be gone")
+                with pytest.raises(kvcomm.Unavailable):
+                    kv.put("x", 1)  # H2 still holds it: nobody else may write
+                assert kv._seg.info()["owner_deaths"] == before
+                box.tell(h2)
+                assert h2.stdout.readline().strip() == "released"
+            finally:
+                for p in [*sleepers, *box.procs]:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait(10)
+                box.procs.clear()
+                core.unlock()
+        assert seen, "W was never asleep when the lock changed hands"
+        kv.put("x", 2)  # (every holder gone)
+
+
 _VALIDATOR_WRITES_Y = """
 import sys, threading, kvcomm
 cfg = kvcomm.Config.from_mapping({"cache": {"lock_timeout": "0.3s"}})
@@ -380,6 +472,33 @@ def test_a_validator_writing_another_namespace_held_by_the_same_thread_id_elsewh
         _holder, tid = box.holder()
         out, err = box.start(_VALIDATOR_WRITES_Y).communicate(timeout=60)
         assert out.split() == ["ValidationError", "Unavailable", tid], (out, err)
+
+
+def test_a_ninth_segment_held_through_another_mapping_is_told_too(ns: str) -> None:
+    """The kernel names at most 8 held segments per thread; past them, an EDEADLK is taken
+    for a re-entry (WriteUnderLock at once), not for a holder elsewhere (polled until
+    lock_timeout)."""
+    names = [f"{ns}-{i}" for i in range(9)]
+    cfg = _config("2s")
+    kvs = [kvcomm.open(n, config=cfg) for n in names]
+    others = []
+    try:
+        for kv in kvs:
+            kv.put("k", 0)
+            others.append(l2.open_segment(kv.name, kv._seg.layout, "tool", 0o600))
+            others[-1]._core.lock(1.0)
+        for kv in (kvs[0], kvs[8]):
+            t0 = time.monotonic()
+            with pytest.raises(kvcomm.InvalidArgument, match="already holds"):
+                kv.put("k", 1)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        for o in others:
+            o._core.unlock()
+            o.close()
+        for kv in kvs:
+            kv.close()
+            l2.purge(kv.name)
 
 
 def test_a_thread_holding_the_lock_through_another_mapping_is_told_not_left_waiting(

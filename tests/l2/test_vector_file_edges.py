@@ -8,6 +8,7 @@ import mmap
 import multiprocessing as mp
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 
 import kvcomm
 from kvcomm import _l2core
+from kvcomm.tiers import vectors
 from kvcomm.tiers.shm import segment  # noqa: F401  (C raises kvcomm's errors once imported)
 from kvcomm.tiers.vectors import VectorFile
 from tests.support.helpers import proc_state, process_in, wait_for
@@ -247,6 +249,135 @@ def test_a_waiter_with_the_holders_thread_id_that_is_killed_frees_nothing() -> N
             _l2core.mutex_unlock(mm, 128)
         finally:
             _end(procs)
+
+
+_SPINS = """
+import mmap, os, sys, threading
+from kvcomm.tiers.shm import segment
+from kvcomm import _l2core
+mm = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), 4096)
+print("trying", flush=True)
+while True:
+    try:
+        _l2core.mutex_lock(mm, 128, 0.0)
+        break
+    except Exception:
+        pass
+print("got", threading.get_native_id(), flush=True)
+sys.stdin.readline()
+_l2core.mutex_unlock(mm, 128)
+"""
+
+
+_TAKES = """
+import mmap, os, sys
+from kvcomm.tiers.shm import segment
+from kvcomm import _l2core
+mm = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), 4096)
+_l2core.mutex_lock(mm, 128, 600.0)
+_l2core.mutex_unlock(mm, 128)
+"""
+
+
+def _syscall(pid: int) -> str:
+    """The number of the system call ``pid`` is in ("202": futex), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_mutex_then_killed_frees_nothing(
+        ) -> None:
+    """W waits while this process holds the mutex; H2, another container's thread with
+    W's id, takes it when this process lets go; W, still asleep, is killed. Asleep inside
+    pthread_mutex_lock, W named the mutex as its pending robust lock, and the kernel took
+    H2 for dead: the next taker got it with EOWNERDEAD while H2 held it. W sleeps on the
+    lock word instead: H2 keeps it. (Up to 5 tries for the moment the test needs: W
+    asleep in futex(2) once H2 holds; the moment seen at least once.)"""
+    seen = 0
+    for _ in range(10):
+        procs: list[subprocess.Popen[str]] = []
+        with _mutex_file("asleep") as (path, mm):
+            try:
+                assert _l2core.mutex_lock(mm, 128, 5.0) is False  # (this process holds)
+                for _ in range(2):  # (asleep first: the wake-up at the release goes to one)
+                    procs.append(subprocess.Popen([sys.executable, "-c", _TAKES, path],
+                                                  text=True, stdout=subprocess.PIPE))
+                    wait_for(lambda p=procs[-1]: _syscall(p.pid) == "202", 10, "a sleeper")
+                waiter = _in_namespaces(path, procs)
+                py = process_in(waiter.pid, b"mutex_lock")
+                wait_for(lambda py=py: _syscall(py) == "202", 10, "the waiter to sleep")
+                procs.append(subprocess.Popen(
+                    ["unshare", "-Urpf", "--kill-child", sys.executable, "-c", _SPINS, path],
+                    text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+                h2 = procs[-1]
+                assert h2.stdout is not None and h2.stdin is not None
+                assert h2.stdout.readline().strip() == "trying"
+                _l2core.mutex_unlock(mm, 128)
+                assert waiter.stdout is not None
+                first, _w, _x = select.select([h2.stdout, waiter.stdout], [], [], 20)
+                if waiter.stdout in first:
+                    continue  # (W took it: not the moment)
+                assert h2.stdout.readline().split()[:1] == ["got"]
+                deadline = time.monotonic() + 2  # (W, woken for nothing, goes back to sleep)
+                while _syscall(py) != "202" and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if _syscall(py) != "202":
+                    continue
+                seen += 1
+                waiter.kill()
+                waiter.wait(20)
+                wait_for(lambda py=py: proc_state(py) == b"", 10, "the waiter to be gone")
+                with pytest.raises(kvcomm.Unavailable):
+                    _l2core.mutex_lock(mm, 128, 0.3)  # H2 still holds it
+                h2.stdin.write("\n")
+                h2.stdin.flush()
+                assert h2.wait(20) == 0
+                assert _l2core.mutex_lock(mm, 128, 5.0) is False  # released, not "died"
+                _l2core.mutex_unlock(mm, 128)
+            finally:
+                _end(procs)
+    assert seen, "the waiter was never asleep when the mutex changed hands"
+
+
+def test_a_ctrl_c_while_a_write_waits_for_the_mutex_leaves_it_free(vf: VectorFile) -> None:
+    """A KeyboardInterrupt while a write waits for the file's mutex leaves it free. (One
+    that CPython raised just after the wait took the mutex left it held by a live thread:
+    every writer of the index got Unavailable after 30 s, until the process ended; the
+    mutex is now taken inside the write's try and released in its finally only if this
+    thread holds it, mutex_release.) Tries until the interrupt lands while the write
+    waits (at most 20 times)."""
+    for _ in range(20):
+        ready = CTX.Event()
+        holder = CTX.Process(target=_hold_for, args=(vf.path, 0.03, ready))
+        holder.start()
+        assert ready.wait(10)
+        timer = threading.Timer(0.01, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            vf.update(b"k", lambda: (0, None), lambda _k: None)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        timer.join()
+        holder.join(10)
+        assert _l2core.mutex_lock(vf._mm, vectors.MUTEX_AT, 2.0) is False  # free again
+        _l2core.mutex_release(vf._mm, vectors.MUTEX_AT)
+        if interrupted:
+            return
+    pytest.fail("the interrupt never landed while the write waited")
+
+
+def _hold_for(path: str, seconds: float, ready: Any) -> None:
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, os.fstat(fd).st_size)
+    _l2core.mutex_lock(mm, vectors.MUTEX_AT, 5.0)
+    ready.set()
+    time.sleep(seconds)  # (the holder's own hold: what the write waits behind)
+    _l2core.mutex_unlock(mm, vectors.MUTEX_AT)
+    os._exit(0)
 
 
 def test_writers_in_two_pid_namespaces_exclude_each_other_without_error() -> None:

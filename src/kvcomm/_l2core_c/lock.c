@@ -1,27 +1,77 @@
 /* ------------------------------------------------------------------ the writer lock
  *
- * A process-shared, robust, error-checking pthread mutex. Its lock word holds the
- * holder's thread id as the holder's PID namespace numbers it, and two processes in
- * different namespaces (containers sharing /dev/shm) may have the same ids: each main
- * thread is pid 1 or 2 of its namespace. glibc then tells a writer EDEADLK ("you hold it
- * already") while another container's thread holds it. This kernel knows which
- * segments this thread holds (held_here): for any other, EDEADLK means such a holder,
- * and the writer waits by polling with trylock, never asleep in the mutex. Asleep in it,
- * glibc would name the mutex in the thread's robust list as pending, and were the
- * thread killed while asleep, the kernel, comparing the lock word with the dying
- * thread's id, would take the live holder for dead and hand the lock to a second writer.
- * (A NORMAL mutex would sleep there; that is why it is not one.)
+ * A process-shared, robust, error-checking pthread mutex, taken with trylock only: a
+ * writer that finds it held sleeps on its lock word with a plain FUTEX_WAIT (sleep_on),
+ * never inside pthread_mutex_lock. Why: a thread asleep inside a robust mutex's lock
+ * names the mutex in its robust list as its pending lock, and if its process ends then
+ * (killed, or exiting while another of its threads waits), the kernel compares the lock
+ * word's thread id with the dying thread's own. Thread ids are numbered per PID
+ * namespace, and two containers sharing /dev/shm have colliding ones (each main thread is
+ * pid 1 or 2 of its namespace): the kernel then took a live holder in the other container
+ * for dead and handed the lock to a second writer. For the same reason glibc tells a
+ * writer EDEADLK ("you hold it already") while another container's thread with its id
+ * holds the lock: this kernel knows which segments this thread holds (held_here), and
+ * reads EDEADLK on any other as "held".
  */
+
+#ifdef __GLIBC__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#define WORD_WAITERS 0x80000000U     /* FUTEX_WAITERS */
+#define WORD_OWNER_DIED 0x40000000U  /* FUTEX_OWNER_DIED */
+#endif
+
+/* Sleep at most ``secs`` until the mutex's holder lets go (or dies), on its lock word
+ * (see the top); returns at once when the word shows it free or its holder dead: the
+ * caller's trylock decides. The caller releases the GIL around it. */
+static void
+sleep_on(pthread_mutex_t *m, double secs)
+{
+#ifdef __GLIBC__
+    int *w = &m->__data.__lock;
+    unsigned v = (unsigned)__atomic_load_n(w, __ATOMIC_ACQUIRE);
+    if (v == 0 || (v & WORD_OWNER_DIED))
+        return;
+    if (!(v & WORD_WAITERS)) { /* (so that the holder's unlock wakes a sleeper: glibc's way) */
+        int want = (int)(v | WORD_WAITERS), seen = (int)v;
+        if (!__atomic_compare_exchange_n(w, &seen, want, 0, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+            return; /* (it changed: look again) */
+        v |= WORD_WAITERS;
+    }
+    struct timespec ts;
+    ts.tv_sec = (time_t)secs;
+    ts.tv_nsec = (long)((secs - (double)ts.tv_sec) * 1e9);
+    syscall(SYS_futex, w, FUTEX_WAIT, (int)v, &ts, NULL, 0);
+#else
+    struct timespec ts = {0, secs < 1e-3 ? (long)(secs * 1e9) : 1000000L};
+    (void)m;
+    nanosleep(&ts, NULL);
+#endif
+}
+
+/* After a trylock that followed a sleep took the mutex: mark the word as having waiters,
+ * so that this holder's unlock wakes the next sleeper (glibc's lock does the same) */
+static void
+keep_waking(pthread_mutex_t *m)
+{
+#ifdef __GLIBC__
+    __atomic_fetch_or(&m->__data.__lock, (int)WORD_WAITERS, __ATOMIC_SEQ_CST);
+#else
+    (void)m;
+#endif
+}
 
 /* The segments whose writer lock this thread holds (their file's device and inode: two
  * mappings of one segment in a process are one segment) */
 #define HELD_MAX 8
 static __thread uint64_t held_dev[HELD_MAX], held_ino[HELD_MAX];
-static __thread int held_n;
+static __thread int held_n, held_over; /* (held_over: taken beyond HELD_MAX, not named) */
 
 static int
 held_here(Core *c)
 {
+    if (held_over)
+        return 1; /* (unknown: a re-entry is likelier than a holder elsewhere with our id) */
     for (int i = 0; i < held_n; i++)
         if (held_dev[i] == c->seg_dev && held_ino[i] == c->seg_ino)
             return 1;
@@ -36,6 +86,8 @@ note_held(Core *c, int taken)
             held_dev[held_n] = c->seg_dev;
             held_ino[held_n] = c->seg_ino;
             held_n++;
+        } else {
+            held_over++;
         }
         return;
     }
@@ -46,6 +98,8 @@ note_held(Core *c, int taken)
             held_ino[i] = held_ino[held_n];
             return;
         }
+    if (held_over)
+        held_over--;
 }
 
 static PyObject *
@@ -97,20 +151,6 @@ mono_now(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* pthread_mutex_clocklock until monotonic time ``until``, the GIL released meanwhile */
-static int
-lock_until(Core *c, double until)
-{
-    struct timespec ts;
-    ts.tv_sec = (time_t)until;
-    ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = pthread_mutex_clocklock(c->mutex, CLOCK_MONOTONIC, &ts);
-    Py_END_ALLOW_THREADS
-    return rc;
-}
-
 /* pthread_mutex_trylock, EDEADLK read as EBUSY (and *other set) when this thread does
  * not hold this segment: a holder elsewhere with this thread's id (see the top) */
 static int
@@ -121,37 +161,25 @@ try_once(Core *c, int *other)
     return *other ? EBUSY : rc;
 }
 
-/* Wait for the lock until monotonic time ``until``: asleep in the mutex, or, while a
- * holder has this thread's id (*other), polling with trylock every 50 µs to 1 ms, never
- * asleep in it (see the top). ETIMEDOUT at ``until``; the GIL released while waiting. */
+/* Wait for the lock until monotonic time ``until``: asleep on its lock word (sleep_on,
+ * never inside the mutex: see the top), taking it with trylock when it lets go. ETIMEDOUT
+ * at ``until``; the GIL released while asleep. */
 static int
 wait_for_lock(Core *c, double until, int *other)
 {
-    if (!*other) {
-        int rc = lock_until(c, until);
-        if (rc != EDEADLK || held_here(c))
-            return rc;
-        *other = 1; /* (the holder now has this thread's id) */
-    }
-    double pause = 50e-6;
     for (;;) {
         double left = until - mono_now();
         if (left <= 0)
             return ETIMEDOUT;
-        double nap = pause < left ? pause : left;
-        struct timespec ts;
-        ts.tv_sec = (time_t)nap;
-        ts.tv_nsec = (long)((nap - (double)ts.tv_sec) * 1e9);
         Py_BEGIN_ALLOW_THREADS
-        nanosleep(&ts, NULL);
+        sleep_on(c->mutex, left);
         Py_END_ALLOW_THREADS
-        if (pause < 1e-3)
-            pause *= 2;
         int rc = try_once(c, other);
-        if (rc != EBUSY)
+        if (rc != EBUSY) {
+            if (rc == 0 || rc == EOWNERDEAD)
+                keep_waking(c->mutex);
             return rc;
-        if (!*other) /* (another holder now: asleep in the mutex is safe again) */
-            return wait_for_lock(c, until, other);
+        }
     }
 }
 

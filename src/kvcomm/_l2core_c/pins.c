@@ -311,7 +311,7 @@ Core_forked(Core *c, PyObject *Py_UNUSED(ignored))
     c->n_owned = 0;
     c->active = 0;
     c->held = 0;
-    held_n = 0; /* (the parent's locks are not the child's) */
+    held_n = held_over = 0; /* (the parent's locks are not the child's) */
     c->pending_idx = -1;
     Py_RETURN_NONE;
 }

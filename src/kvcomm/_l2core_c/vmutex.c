@@ -9,7 +9,15 @@
  *
  *   mutex_init(buffer, offset)           the creator's, before the file is published
  *   mutex_lock(buffer, offset[, timeout]) -> bool   True: the last holder died holding it
- *   mutex_unlock(buffer, offset)
+ *   mutex_unlock(buffer, offset)         SegmentError unless this thread holds it
+ *   mutex_release(buffer, offset) -> bool   unlock if this thread holds it (for finally:
+ *                                        a KeyboardInterrupt right after mutex_lock
+ *                                        returned leaves no lock held)
+ *
+ * It is taken with trylock only; a writer that finds it held sleeps on its lock word
+ * (lock.c's sleep_on), never inside pthread_mutex_lock, for the reason lock.c gives at
+ * its top. This thread's holds are kept here (vheld), by address: unlock never releases
+ * a hold of another container's thread that has this thread's id.
  *
  * mutex_lock waits with the GIL released, in slices of 50 ms between which Python's
  * signal handlers run (a KeyboardInterrupt while waiting raises, nothing held); with a
@@ -22,6 +30,19 @@
  */
 #define VMUTEX_SPACE 64
 _Static_assert(sizeof(pthread_mutex_t) <= VMUTEX_SPACE, "pthread_mutex_t over 64 bytes");
+
+#define VHELD_MAX 8
+static __thread pthread_mutex_t *vheld[VHELD_MAX]; /* the file mutexes this thread holds */
+static __thread int vheld_n;
+
+static int
+vheld_index(pthread_mutex_t *m)
+{
+    for (int i = 0; i < vheld_n; i++)
+        if (vheld[i] == m)
+            return i;
+    return -1;
+}
 
 /* the mutex at args[1] of buffer args[0] (view filled, to release), or NULL (error set) */
 static pthread_mutex_t *
@@ -97,15 +118,26 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_lock");
     if (!m)
         return NULL;
+    if (vheld_index(m) >= 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(WriteUnderLock, "this thread holds this vector index's writer lock "
+                                        "already (a write from inside a write of it?)");
+        return NULL;
+    }
+    if (vheld_n >= VHELD_MAX) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(SegmentError, "this thread holds 8 vector index locks already");
+        return NULL;
+    }
     double deadline = timeout < 0 ? 0 : mono_now() + timeout;
-    double pause = 50e-6;
-    int rc = pthread_mutex_trylock(m);
-    while (rc == EBUSY || rc == ETIMEDOUT || rc == EDEADLK) {
-        unsigned owner = 0;
+    int rc = pthread_mutex_trylock(m), slept = 0;
+    while (rc == EBUSY || rc == EDEADLK) {
+        double now = mono_now();
+        if (timeout >= 0 && now >= deadline) {
+            unsigned owner = 0;
 #ifdef __GLIBC__
-        owner = (unsigned)__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffffU;
+            owner = (unsigned)__atomic_load_n(&m->__data.__lock, __ATOMIC_RELAXED) & 0x3fffffffU;
 #endif
-        if (timeout >= 0 && mono_now() >= deadline) {
             PyBuffer_Release(&view);
             char secs[32];
             PyOS_snprintf(secs, sizeof(secs), "%.1f", timeout); /* (PyErr_Format has no %f) */
@@ -116,35 +148,21 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          secs, (unsigned long)owner);
             return NULL;
         }
-        if (rc == EDEADLK || (owner && owner == (unsigned)gettid())) {
-            /* its holder has this thread's id, in another PID namespace (this thread never
-               takes it twice): poll, never asleep in the mutex, where a death would make
-               the kernel take the live holder for dead (lock.c, at the top) */
-            struct timespec nap = {0, (long)(pause * 1e9)};
-            Py_BEGIN_ALLOW_THREADS
-            nanosleep(&nap, NULL);
-            Py_END_ALLOW_THREADS
-            if (pause < 1e-3)
-                pause *= 2;
-            rc = pthread_mutex_trylock(m);
-        } else {
-            pause = 50e-6;
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            ts.tv_nsec += 50000000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec += 1;
-                ts.tv_nsec -= 1000000000;
-            }
-            Py_BEGIN_ALLOW_THREADS
-            rc = pthread_mutex_clocklock(m, CLOCK_MONOTONIC, &ts);
-            Py_END_ALLOW_THREADS
-        }
-        if (rc != 0 && rc != EOWNERDEAD && PyErr_CheckSignals() < 0) {
+        double nap = 0.05;
+        if (timeout >= 0 && deadline - now < nap)
+            nap = deadline - now;
+        Py_BEGIN_ALLOW_THREADS
+        sleep_on(m, nap);
+        Py_END_ALLOW_THREADS
+        slept = 1;
+        rc = pthread_mutex_trylock(m);
+        if ((rc == EBUSY || rc == EDEADLK) && PyErr_CheckSignals() < 0) {
             PyBuffer_Release(&view);
             return NULL; /* nothing held */
         }
     }
+    if (slept && (rc == 0 || rc == EOWNERDEAD))
+        keep_waking(m);
     int died = 0;
     if (rc == EOWNERDEAD) {
         if (pthread_mutex_consistent(m) != 0) {
@@ -159,12 +177,53 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyBuffer_Release(&view);
     if (rc) {
-        PyErr_Format(SegmentError, "a file's writer lock is unusable (error %d: %s)%s", rc,
-                     strerror(rc), rc == EDEADLK ? " (this thread holds it already)"
-                                                 : "; purge the namespace");
+        PyErr_Format(SegmentError, "a file's writer lock is unusable (error %d: %s); purge "
+                     "the namespace", rc, strerror(rc));
         return NULL;
     }
+    vheld[vheld_n++] = m;
     return PyBool_FromLong(died);
+}
+
+/* unlock the mutex if this thread holds it: 1 unlocked, 0 not held, -1 error set */
+static int
+vmutex_drop(pthread_mutex_t *m)
+{
+    int i = vheld_index(m);
+    if (i < 0)
+        return 0;
+    vheld[i] = vheld[--vheld_n];
+    int rc = pthread_mutex_unlock(m);
+    if (rc) {
+        PyErr_Format(SegmentError, "cannot release a file's writer lock (error %d: %s)", rc,
+                     strerror(rc));
+        return -1;
+    }
+    return 1;
+}
+
+/* mutex_forget(): in a child after fork: the forking thread's holds are not the child's */
+static PyObject *
+mutex_forget(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    (void)self;
+    vheld_n = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mutex_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_buffer view;
+    pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_release");
+    if (!m)
+        return NULL;
+    int rc = vmutex_drop(m);
+    PyBuffer_Release(&view);
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(rc);
 }
 
 static PyObject *
@@ -175,11 +234,13 @@ mutex_unlock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_unlock");
     if (!m)
         return NULL;
-    int rc = pthread_mutex_unlock(m);
+    int rc = vmutex_drop(m);
     PyBuffer_Release(&view);
-    if (rc) {
-        PyErr_Format(SegmentError, "cannot release a file's writer lock (error %d: %s)", rc,
-                     strerror(rc));
+    if (rc < 0)
+        return NULL;
+    if (rc == 0) {
+        PyErr_SetString(SegmentError, "cannot release a file's writer lock: this thread does "
+                                      "not hold it (error 1: Operation not permitted)");
         return NULL;
     }
     Py_RETURN_NONE;

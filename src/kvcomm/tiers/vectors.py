@@ -50,7 +50,7 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from .._l2core import mutex_init, mutex_lock, mutex_unlock
+from .._l2core import mutex_forget, mutex_init, mutex_lock, mutex_release
 from ..errors import SegmentError, WriteUnderLock
 from .shm import segment as _segment  # noqa: F401 (the C kernel's errors are SegmentError once it is loaded)
 from .shm.files import (
@@ -82,7 +82,21 @@ def _after_fork() -> None:
     may have held it at the fork; that thread does not exist here)."""
     for vf in list(_OPEN):
         vf._tlock = threading.Lock()
-        vf._writer = 0
+    _HELD.__dict__.clear()  # (the forking thread's writes are not the child's)
+    mutex_forget()
+
+
+_HELD = threading.local()  # .files: the vector files (device, inode) this thread writes
+
+
+def _held() -> set[tuple[int, int]]:
+    """The vector files this thread is writing (VectorFile.update): a write into one of
+    them from inside (a validator writing to a store on the same index, through any
+    VectorFile of it) is refused, not left waiting on itself."""
+    files: set[tuple[int, int]] | None = getattr(_HELD, "files", None)
+    if files is None:
+        files = _HELD.files = set()
+    return files
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -164,7 +178,8 @@ class VectorFile:
         self.matrix = np.frombuffer(mm, dtype="<f4", count=cap * self.dims,
                                     offset=mx).reshape(cap, self.dims)
         self._tlock = threading.Lock()
-        self._writer = 0  # (the thread in update: its own nested write is refused, not waited)
+        fst = os.fstat(fd)
+        self._ident = (fst.st_dev, fst.st_ino)  # (the file, however many times it is mapped)
         self._closed = False
         _OPEN.add(self)  # (a forked child gets a fresh _tlock: _after_fork)
         # (a file an older version made has no mutex: its writers, this version's too,
@@ -253,7 +268,7 @@ class VectorFile:
 
     def close(self) -> None:
         """Unmap and close the file (idempotent; later writes raise SegmentError)."""
-        if self._writer == threading.get_ident():
+        if self._ident in _held():
             raise WriteUnderLock("a vector index closed from inside a write of it (a "
                                  "validator closing the store's client?); close it after")
         with self._tlock:  # (no writer of this process holds the mutex of the mapping)
@@ -289,8 +304,8 @@ class VectorFile:
         repair), or for a file of layout 2 an flock of it (released by the kernel when
         its holder dies). A write from inside another (a validator writing to the store)
         raises WriteUnderLock: it would wait on itself."""
-        me = threading.get_ident()
-        if self._writer == me:
+        held = _held()
+        if self._ident in held:
             raise WriteUnderLock("a write into a vector index from inside a write of it (a "
                                  "validator writing to the store?); validators may read, "
                                  "not write")
@@ -299,12 +314,12 @@ class VectorFile:
                 raise SegmentError("this vector index is closed (its store's client was "
                                    "closed); open the store again")
             hq, mm = self._hq, self._mm
-            if self._mutex:
-                mutex_lock(mm, MUTEX_AT, MUTEX_TIMEOUT)
-            else:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
-            self._writer = me
-            try:
+            held.add(self._ident)
+            try:  # (the lock taken inside: a KeyboardInterrupt just after leaves none held)
+                if self._mutex:
+                    mutex_lock(mm, MUTEX_AT, MUTEX_TIMEOUT)
+                else:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX)
                 n = hq[H_INTENT]
                 if n:
                     self.rebuild()
@@ -318,9 +333,9 @@ class VectorFile:
                 hq[H_INTENT] = 0
                 return fits
             finally:
-                self._writer = 0
+                held.discard(self._ident)
                 if self._mutex:
-                    mutex_unlock(mm, MUTEX_AT)
+                    mutex_release(mm, MUTEX_AT)  # (only if this thread holds it)
                 else:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
 
