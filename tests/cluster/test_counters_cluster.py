@@ -196,6 +196,10 @@ def test_a_deleted_counter_learned_from_a_refused_claim_keeps_its_state(
     assert item is not None
     os.kill(int(h2["pid"]), signal.SIGKILL)
     wait_for(lambda: not running(int(h2["pid"])), 30, "host-2's daemon gone")
+    # (host-2's agent trusts its dead daemon's last status for STATUS_FRESH_S: one written
+    # while a loaded loopback looked like a partition would refuse the put below)
+    wait_for(lambda: not (b._host_status().status() or {}).get("partition"), 10,
+             "host-2's last status no longer says partition")
     try:
         assert a.delete(key)
         wait_for(lambda: c.get(key) is None, 20, "host-3 reads the delete")
