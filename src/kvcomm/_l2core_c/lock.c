@@ -151,12 +151,37 @@ mono_now(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* pthread_mutex_trylock, EDEADLK read as EBUSY (and *other set) when this thread does
- * not hold this segment: a holder elsewhere with this thread's id (see the top) */
+/* pthread_mutex_trylock, called only on a word that shows no live holder: glibc's robust
+ * trylock names the mutex as this thread's pending operation in its robust list while it
+ * tries, and a process killed in that window while a thread with its id in another
+ * container holds the lock would have the kernel take that holder for dead (see the top).
+ * Looking first leaves that window only to a race with another taker. */
+static int
+trylock_free(pthread_mutex_t *m)
+{
+#ifdef __GLIBC__
+    unsigned v = (unsigned)__atomic_load_n(&m->__data.__lock, __ATOMIC_ACQUIRE);
+    if ((v & FUTEX_TID_MASK) && !(v & WORD_OWNER_DIED))
+        return EBUSY;
+#endif
+    return pthread_mutex_trylock(m);
+}
+
+/* Try the writer lock once: EBUSY when held, EDEADLK when this thread holds it (through
+ * another mapping), as glibc would say; EDEADLK read as EBUSY (and *other set) when this
+ * thread does not hold this segment: a holder elsewhere with this thread's id (see the
+ * top). */
 static int
 try_once(Core *c, int *other)
 {
-    int rc = pthread_mutex_trylock(c->mutex);
+    int rc = trylock_free(c->mutex);
+#ifdef __GLIBC__
+    if (rc == EBUSY && held_here(c)) { /* (rare: what trylock would have said) */
+        unsigned v = (unsigned)__atomic_load_n(&c->mutex->__data.__lock, __ATOMIC_ACQUIRE);
+        if ((v & FUTEX_TID_MASK) == (unsigned)syscall(SYS_gettid))
+            rc = EDEADLK;
+    }
+#endif
     *other = rc == EDEADLK && !held_here(c);
     return *other ? EBUSY : rc;
 }

@@ -14,9 +14,9 @@
  *                                        a KeyboardInterrupt right after mutex_lock
  *                                        returned leaves no lock held)
  *
- * It is taken with trylock only; a writer that finds it held sleeps on its lock word
- * (lock.c's sleep_on), never inside pthread_mutex_lock, for the reason lock.c gives at
- * its top. This thread's holds are kept here (vheld), by address: unlock never releases
+ * It is taken with trylock only, on a word that shows no live holder (lock.c's
+ * trylock_free); a writer that finds it held sleeps on its lock word (lock.c's sleep_on),
+ * never inside pthread_mutex_lock, for the reason lock.c gives at its top. This thread's holds are kept here (vheld), by address: unlock never releases
  * a hold of another container's thread that has this thread's id.
  *
  * mutex_lock waits with the GIL released, in slices of 50 ms between which Python's
@@ -130,7 +130,7 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     double deadline = timeout < 0 ? 0 : mono_now() + timeout;
-    int rc = pthread_mutex_trylock(m), slept = 0;
+    int rc = trylock_free(m), slept = 0;
     while (rc == EBUSY || rc == EDEADLK) {
         double now = mono_now();
         if (timeout >= 0 && now >= deadline) {
@@ -155,7 +155,7 @@ mutex_lock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         sleep_on(m, nap);
         Py_END_ALLOW_THREADS
         slept = 1;
-        rc = pthread_mutex_trylock(m);
+        rc = trylock_free(m);
         if ((rc == EBUSY || rc == EDEADLK) && PyErr_CheckSignals() < 0) {
             PyBuffer_Release(&view);
             return NULL; /* nothing held */
