@@ -77,6 +77,54 @@ def test_base_segment_has_everything_worth_corrupting(fuzz: tuple[fz.Base, Any, 
     assert len(sizes) >= 5, f"want records of several sizes, got blocks of {sorted(sizes)}"
 
 
+def test_the_base_keeps_both_deferred_blocks_however_late_its_snapshot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded machine: the base's snapshot comes over a second after the dead child's
+    last sweep (H_DEAD_CHECK_MS has passed), and the metrics flusher thread's round comes
+    then. A writer-lock taker of this process (a read's hot-key flush, as kv.keys()
+    makes; the flusher thread) sweeps the dead child's pin and frees its deferred block:
+    before the snapshot (one parked block) or during it, from the flusher (a torn copy:
+    the header counting 2 parked blocks, the table holding 1, a block that nothing
+    references, so a clean case's check() finds a problem: FUZZ_SEED=1222714837 in CI)."""
+    import multiprocessing.context as mpc
+
+    from kvcomm.metrics import agent
+
+    start, join = mpc.ForkServerProcess.start, mpc.ForkServerProcess.join
+    pinners: dict[int, str] = {}  # the dead pinner's process -> its namespace
+
+    def start_pinner(self: Any) -> None:
+        target, args = self._target, self._args  # (start() deletes them)
+        start(self)
+        if target is fz._dead_pinner:
+            pinners[id(self)] = args[0]
+
+    def late_join(self: Any, timeout: float | None = None) -> None:
+        join(self, timeout)
+        if id(self) not in pinners:
+            return
+        seg = l2.L2Segment(pinners.pop(id(self)), create_layout=None, host_id="")
+        try:
+            seg._q[fz.l2.H_DEAD_CHECK_MS] = 0  # the next lock taker looks for dead pins
+        finally:
+            seg.close()
+        for meter in list(agent._STATE.meters):  # the flusher thread's round comes now
+            meter.due = 0.0
+        agent.flush_all(due_only=True)
+
+    monkeypatch.setattr(mpc.ForkServerProcess, "start", start_pinner)
+    monkeypatch.setattr(mpc.ForkServerProcess, "join", late_join)
+    base, views = fz.build_base(1222714837, f"fuzzlate-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                fz.forkserver_context())
+    try:
+        a = fz.Anatomy(base.data)
+        parked = (base.info["pinned_deferred_blocks"], a.q[fz.l2.H_DEFERRED], len(a.deferred))
+        assert parked == (2, 2, 2), "(info, header, table): the dead child's block was swept"
+        assert not pinners, "the dead pinner was never joined (late_join missed it)"
+    finally:
+        views.clear()
+
+
 def test_harness_tells_every_failure_apart(fuzz: tuple[fz.Base, Any, int], tmp_path: Any) -> None:
     """The fuzzer can fail: a clean copy passes every step, and a planted crash, exception
     and hang are each classified as such (so a passing run means something)."""

@@ -212,7 +212,9 @@ def build_base(seed: int, ns: str, ctx: Any) -> tuple[Base, list[Any]]:
     import numpy as np
 
     rng = random.Random(seed)
-    cfg = kvcomm.Config.from_mapping(CONFIG)
+    # (no periodic metrics flush: the flusher thread hands the sampled reads to the hot
+    # keys under the writer lock, which may sweep the dead child's pin: see below)
+    cfg = kvcomm.Config.from_mapping({**CONFIG, "metrics": {"flush_interval": 0}})
     pool = ([f"k/{i}" for i in range(260)] + [f"ключ/{i}" for i in range(20)]
             + ["m" * 64, "é" * 32])  # the longest keys: 64 bytes of UTF-8
     kv = kvcomm.open(ns, config=cfg)
@@ -251,15 +253,29 @@ def build_base(seed: int, ns: str, ctx: Any) -> tuple[Base, list[Any]]:
         p.join(60)
         if p.exitcode != 0:
             raise RuntimeError(f"the dead-pinner child exited with {p.exitcode}")
-        # nothing writes from here on: a write would sweep the dead child's pin
-        keys = sorted(kv.keys())
+        # Nothing of this process takes the writer lock from here on, a read included:
+        # every taker (a write, a read's hot-key flush as kv.keys() makes, the metrics
+        # flusher thread) sweeps the pins of dead processes once H_DEAD_CHECK_MS has passed
+        # (a second after the last sweep: soon, on a loaded machine) and frees the dead
+        # child's deferred block, before the snapshot or, from another thread, during it (a
+        # torn copy: a header counting 2 parked blocks, a table holding 1, and a block
+        # nothing references). So the keys come from the lock-free scan.
         seg = l2.L2Segment(ns, create_layout=None, host_id="")
         try:
+            keys = sorted(seg.keys())
             info = seg.info()
         finally:
             seg.close()
         with open(l2.segment_path(ns), "rb") as f:
             data = f.read()
+        q = memoryview(data).cast("Q")
+        lay = l2.Layout.from_header(q, len(data))
+        parked = sum(1 for i in range(lay.n_pins) if q[(lay.defer_off >> 3) + i])
+        if not parked == q[l2.H_DEFERRED] == info["pinned_deferred_blocks"] >= 2:
+            raise RuntimeError(
+                f"the base lost a deferred block while it was read (a sweep): {parked} in "
+                f"the table, the header says {q[l2.H_DEFERRED]}, before the copy "
+                f"{info['pinned_deferred_blocks']}")
     finally:
         kv.close()
         l2.purge(ns)
