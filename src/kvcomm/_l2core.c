@@ -64,6 +64,7 @@
 #define ST_DIRTY_FULL 5 /* too many writes wait for L3 (cluster.outbound_max) */
 #define ST_LOOK 6       /* lock taken and released: Python must look first (state, busy, pins) */
 #define ST_FULL 7       /* no space can be made: pinned or unflushed data fills L2 */
+#define ST_CONFLICT 8   /* a batch's compare-and-set (expects) failed: nothing written */
 
 typedef struct {
     PyObject_HEAD

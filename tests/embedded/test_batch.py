@@ -111,6 +111,94 @@ def test_a_batch_compare_and_set_applies_all_or_nothing(kv: kvcomm.Client) -> No
     assert seen == [["3"], ["4", None]] and kv.get("rec/4") == ["4", None]
 
 
+def test_a_batch_compare_and_set_is_judged_in_the_kernel_as_python_judges_it(
+        kv: kvcomm.Client) -> None:
+    """Without validators the C kernel judges a batch's expects under the writer lock:
+    ABSENT holds over a missing, deleted or expired key and fails over a live one; a
+    Version holds only at that exact write. Each refusal is a ConflictError naming the
+    version the key is at, counted, and nothing of the batch is written. A Version of
+    another shape (other hosts' entries) is judged in Python, with the same answer."""
+    def attempt(key: str, expect: object) -> bool:
+        kv.put("side", None)
+        try:
+            with kv.batch() as b:
+                b.put("side", key)
+                b._expect(key, expect)
+        except kvcomm.ConflictError:
+            assert kv.get("side") != key  # (nothing of the batch written)
+            return False
+        return kv.get("side") == key
+
+    v = kv.put("live", 1)
+    kv.put("gone", 1)
+    kv.delete("gone")
+    kv.put("expired", 1, ttl=0.01)
+    wait_for(lambda: kv.get("expired") is None, 5, "the key to expire")
+    conflicts = kv.counters["conflicts"]
+    assert not attempt("live", kvcomm.ABSENT)
+    assert [attempt(k, kvcomm.ABSENT) for k in ("missing", "gone", "expired")] == [True] * 3
+    assert attempt("live", v)
+    assert not attempt("live", v._replace(hlc=v.hlc + 1))
+    (host, counter), = v.vector
+    assert not attempt("live", kvcomm.Version(((host, counter + 1),), v.hlc))
+    assert not attempt("missing2", v)
+    other = kvcomm.Version(((host, counter), ("another-host", 3)), v.hlc)
+    assert not attempt("live", other)  # (judged by Python: not of this host alone)
+    assert kv.counters["conflicts"] == conflicts + 5
+    with pytest.raises(kvcomm.ConflictError, match="is at v"):
+        with kv.batch() as b:
+            b.put("side", 0)
+            b._expect("live", v._replace(hlc=v.hlc + 1))
+    v2 = kv.put("live", 2)
+    assert not attempt("live", v) and attempt("live", v2)
+
+
+def test_a_kernel_refusal_python_would_accept_is_judged_again_in_python(
+        kv: kvcomm.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's judgement of a Version compares the record's fields; should it ever
+    refuse a write that Python's Version comparison accepts (the key changed back, or
+    the record's vector written in another form), the batch is judged again in Python
+    under the lock and applied: a compare-and-set never fails for nothing."""
+    from kvcomm._client.batch import Batch
+
+    v = kv.put("head", 1)
+    real = Batch._kernel_expects
+
+    def off_by_one(self: Batch) -> object:
+        out = real(self)
+        return [(kb, h, counter + 1, hlc) for kb, h, counter, hlc in out]  # (always refused)
+
+    monkeypatch.setattr(Batch, "_kernel_expects", off_by_one)
+    with kv.batch() as b:
+        b.put("rec", "r")
+        b._expect("head", v)
+    assert kv.get("rec") == "r"
+    kv.put("head", 2)
+    with pytest.raises(kvcomm.ConflictError):
+        with kv.batch() as b:
+            b.put("rec", "s")
+            b._expect("head", v)
+    assert kv.get("rec") == "r"
+
+
+def test_a_malformed_expect_leaves_the_segment_usable(kv: kvcomm.Client) -> None:
+    """The kernel's expects are checked: a malformed one is a TypeError under the lock,
+    nothing written, and the next write goes through (no repair left pending)."""
+    seg = kv._seg
+    kb, h = kv._key_hash("k")
+    op = (kb, h, 1, b"", b"v")
+    for bad in ([("k", h)], [(kb,)], [(kb, h, 1)], [(kb, -1)], ["x"]):
+        try:
+            seg._lock()
+            with pytest.raises((TypeError, OverflowError)):
+                seg._core.apply([op], 0, 0, 0, False, True, bad)
+        finally:
+            seg._core.unlock()
+    assert kv.get("k") is None
+    kv.put("k", 1)
+    assert kv.get("k") == 1 and not kv._seg.check()
+
+
 def test_a_packed_value_over_max_value_size_is_refused_at_its_put(kv: kvcomm.Client) -> None:
     """A Packed is stored as its payload straight from the batch's C put; one over
     cache.max_value_size takes the Python path and is refused there, the batch unchanged."""

@@ -10,8 +10,9 @@ from .._l2core import BatchOps, WouldBlock
 from ..core.codec import Packed
 from ..core.versions import Version
 from ..errors import InvalidArgument
+from ..tiers.shm.writes import ExpectFailed
 from .base import _now_ms
-from .items import Item
+from .items import ABSENT, Item
 from .validators import _run_validator
 
 if TYPE_CHECKING:
@@ -153,8 +154,11 @@ class Batch(BatchOps):
                     if c._validators.lookup(k) is not None:
                         c._get_slow(k, None, True)
             check = self._validate
-        if self._expects is not None:
-            check = self._guard(check)
+        expects = None
+        if self._expects is not None:  # (judged by the kernel when it can: _kernel_expects)
+            expects = self._kernel_expects() if check is None else None
+            if expects is None:
+                check = self._guard(check)
         if c._cluster:
             if self._deletes:
                 # deletes of keys this host does not hold cover L3's version (L2 holds it
@@ -169,9 +173,17 @@ class Batch(BatchOps):
             if _now_ms() >= c._daemon_check_ms:
                 c._check_daemon()
         # compact results: no tuple per op (a batch's versions are built only if asked)
-        packed, self._vvxs = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
-                                          max_dirty=c._max_dirty, tombstones=c._cluster,
-                                          check=check, compact=True)
+        try:
+            packed, self._vvxs = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
+                                              max_dirty=c._max_dirty, tombstones=c._cluster,
+                                              check=check, compact=True, expects=expects)
+        except ExpectFailed as failed:
+            self._conflict(failed.index)
+            # (the key changed back since, or the kernel's judgement is stricter than
+            # Python's (a version vector written in another form): Python's, under the lock)
+            packed, self._vvxs = c._seg.apply(self._ops, now_ms=_now_ms(), dirty=c._cluster,
+                                              max_dirty=c._max_dirty, tombstones=c._cluster,
+                                              check=self._guard(None), compact=True)
         w = self._packed = memoryview(packed).cast("Q")
         puts = len(self._vvxs) - self._deletes
         c._puts += puts
@@ -185,6 +197,41 @@ class Batch(BatchOps):
                 if vvx is None:
                     c._l1.discard(key)
                     c.counters["deletes"] += int(w[2 * i] > 0)
+
+    def _kernel_expects(self) -> list[tuple[Any, ...]] | None:
+        """The compare-and-sets of :meth:`_expect` as the C kernel judges them, under the
+        writer lock without calling back into Python: ``(key_b, h)`` for ABSENT,
+        ``(key_b, h, counter, hlc)`` for a Version of this host alone (every Version in
+        embedded mode). None when one is of another form: :meth:`_guard` judges them."""
+        c = self._client
+        out: list[tuple[Any, ...]] = []
+        for key, expect in self._expects or ():
+            kb, h = c._key_hash(key)
+            if expect is ABSENT:
+                out.append((kb, h))
+                continue
+            if type(expect) is not Version:
+                return None  # (_guard raises InvalidArgument, or judges a subclass)
+            vec, hlc = expect
+            if not (type(vec) is tuple and len(vec) == 1 and type(vec[0]) is tuple
+                    and len(vec[0]) == 2 and vec[0][0] == c._host):
+                return None
+            counter = vec[0][1]
+            if not (type(counter) is int and type(hlc) is int
+                    and 0 <= counter < 1 << 64 and 0 <= hlc < 1 << 64):
+                return None
+            out.append((kb, h, counter, hlc))
+        return out
+
+    def _conflict(self, index: int) -> None:
+        """The kernel found ``self._expects[index]`` failed: raise its ConflictError as
+        :meth:`_guard`'s check would (counted, naming the version the key is at now).
+        Returns when Python's check holds now (see _apply)."""
+        c = self._client
+        assert self._expects is not None
+        key, expect = self._expects[index]
+        kb, h = c._key_hash(key)
+        c._checker(key, kb, h, c._expect_fn(key, expect), None, None)()
 
     def _guard(self, validate: Callable[[], None] | None) -> Callable[[], None]:
         """What runs under the writer lock: each compare-and-set of :meth:`_expect`, then

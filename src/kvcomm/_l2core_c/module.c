@@ -221,7 +221,8 @@ PyInit__l2core(void)
         PyModule_AddIntConstant(m, "ST_CORRUPT", ST_CORRUPT) < 0 ||
         PyModule_AddIntConstant(m, "ST_DIRTY_FULL", ST_DIRTY_FULL) < 0 ||
         PyModule_AddIntConstant(m, "ST_LOOK", ST_LOOK) < 0 ||
-        PyModule_AddIntConstant(m, "ST_FULL", ST_FULL) < 0) {
+        PyModule_AddIntConstant(m, "ST_FULL", ST_FULL) < 0 ||
+        PyModule_AddIntConstant(m, "ST_CONFLICT", ST_CONFLICT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -664,13 +664,60 @@ make_vvx_objects(Core *c, Op *ops, Py_ssize_t n)
 
 enum { RESULTS_LIST = 0, RESULTS_SINGLE = 1, RESULTS_COMPACT = 2 };
 
+/* A batch's compare-and-set, judged in apply before anything changes: each expect is
+ * (key, h) for "absent" (no record, a tombstone, or past its deadline) or (key, h,
+ * counter, hlc) for "a live record of this host's dot ``counter`` at ``hlc`` and no other
+ * host's entries" (the Version ((host, counter),), hlc) in embedded mode). Returns 0 when
+ * all hold, 1 with *bad the index of the first that does not, -1 on an error (a malformed
+ * expect: TypeError; corruption: BUSY raised). */
+static int
+check_expects(Core *c, PyObject *expects, Py_ssize_t *bad)
+{
+    Py_ssize_t n = PyList_GET_SIZE(expects);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(expects, i);
+        Py_ssize_t k = PyTuple_Check(e) ? PyTuple_GET_SIZE(e) : 0;
+        if ((k != 2 && k != 4) || !PyBytes_Check(PyTuple_GET_ITEM(e, 0))) {
+            PyErr_SetString(PyExc_TypeError, "an expect is (key: bytes, h) or (key, h, counter, hlc)");
+            return -1;
+        }
+        PyObject *kb = PyTuple_GET_ITEM(e, 0);
+        uint64_t h = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 1));
+        uint64_t want_counter = 0, want_hlc = 0;
+        if (k == 4) {
+            want_counter = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 2));
+            want_hlc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 3));
+        }
+        if (PyErr_Occurred())
+            return -1;
+        uint64_t found = 0, reusable = 0;
+        if (find(c, PyBytes_AS_STRING(kb), (uint64_t)PyBytes_GET_SIZE(kb), h, &found,
+                 &reusable) < 0)
+            return -1;
+        int live = 0;
+        Rec r = {0};
+        if (found) {
+            uint64_t off = W(c, found)[SLOT_OFF];
+            rec_parse(c, off, &r); /* find checked it */
+            live = r.tag != TAG_TOMBSTONE && !(r.xlen && expired_now(c, off, &r));
+        }
+        int holds = k == 2 ? !live
+                           : live && r.counter == want_counter && r.hlc == want_hlc && r.vvlen == 0;
+        if (!holds) {
+            *bad = i;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* Apply n parsed ops under the lock, all or nothing. Returns the results (RESULTS_LIST: a
  * list; RESULTS_SINGLE: the one op's result alone; RESULTS_COMPACT: (packed, vvxs), see
  * Core_apply), a status (an int for a single op, else (status, index)), or NULL with an
  * error (nothing published; BUSY raised if corruption was found). */
 static PyObject *
 apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint64_t max_dirty,
-          int tombstones, int mode)
+          int tombstones, int mode, PyObject *expects)
 {
     int single = mode == RESULTS_SINGLE;
     if (LDR(HW(c, H_STATE)) != STATE_OK) {
@@ -685,6 +732,17 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
     if (LD(HW(c, H_RELEASED)) && sweep_deferred(c) < 0)
         return NULL;
     Py_ssize_t bad = 0;
+    if (expects) {
+        int failed = check_expects(c, expects, &bad);
+        if (failed) {
+            if (failed < 0 && !PyErr_ExceptionMatches(SegmentError))
+                ST(HW(c, H_BUSY), 0); /* (a malformed expect: nothing looked at is wrong) */
+            if (failed < 0)
+                return NULL;
+            ST(HW(c, H_BUSY), 0);
+            return single ? PyLong_FromLong(ST_CONFLICT) : Py_BuildValue("(in)", ST_CONFLICT, bad);
+        }
+    }
     c->no_room = 0;
     int st = plan_batch(c, ops, n, tombstones, flags & FLAG_DIRTY, max_dirty, &bad);
     if (st < 0) {
@@ -777,12 +835,14 @@ Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     NEED_VIEW(c);
     NEED_LOCK(c);
-    if ((nargs != 5 && nargs != 6) || !PyList_Check(args[0])) {
+    if (nargs < 5 || nargs > 7 || !PyList_Check(args[0]) ||
+        (nargs == 7 && args[6] != Py_None && !PyList_Check(args[6]))) {
         PyErr_SetString(PyExc_TypeError, "apply(ops: list, now_ms, flags, max_dirty, tombstones"
-                                         "[, compact])");
+                                         "[, compact[, expects: list | None]])");
         return NULL;
     }
-    int compact = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+    PyObject *expects = nargs == 7 && args[6] != Py_None ? args[6] : NULL;
+    int compact = nargs >= 6 ? PyObject_IsTrue(args[5]) : 0;
     if (compact < 0)
         return NULL;
     uint64_t now_ms = PyLong_AsUnsignedLongLong(args[1]);
@@ -808,7 +868,7 @@ Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
             goto done;
     }
     out = apply_ops(c, ops, n, now_ms, flags, max_dirty, tombstones,
-                    compact ? RESULTS_COMPACT : RESULTS_LIST);
+                    compact ? RESULTS_COMPACT : RESULTS_LIST, expects);
 done:
     release_ops(ops, parsed);
     if (ops != local)
@@ -851,7 +911,7 @@ Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = NULL;
     if (take_lock(c, timeout) == 0) {
         out = needs_look(c, now_ms) ? PyLong_FromLong(ST_LOOK)
-                            : apply_ops(c, &op, 1, now_ms, flags, max_dirty, 0, RESULTS_SINGLE);
+                            : apply_ops(c, &op, 1, now_ms, flags, max_dirty, 0, RESULTS_SINGLE, NULL);
         drop_lock(c);
     }
     release_ops(&op, 1);

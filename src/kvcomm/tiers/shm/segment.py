@@ -59,6 +59,7 @@ ST_TOO_LARGE = _l2core.ST_TOO_LARGE
 ST_DIRTY_FULL = _l2core.ST_DIRTY_FULL
 ST_LOOK = _l2core.ST_LOOK
 ST_FULL = _l2core.ST_FULL
+ST_CONFLICT = _l2core.ST_CONFLICT  # (a batch's expects: writes.ExpectFailed)
 
 DEFAULT_LOCK_TIMEOUT = 10.0
 

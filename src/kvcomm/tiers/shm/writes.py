@@ -12,6 +12,7 @@ from .segment import (
     _H_BUSY,
     _H_DEFERRED,
     _H_STATE,
+    ST_CONFLICT,
     ST_DIRTY_FULL,
     ST_FULL,
     ST_LOOK,
@@ -21,6 +22,15 @@ from .segment import (
 )
 
 _H_EXPIRY_NEXT = H["EXPIRY_NEXT"]
+
+
+class ExpectFailed(Exception):
+    """:meth:`Writes.apply`'s ``expects[index]`` did not hold: nothing was written (the
+    caller raises the ConflictError, naming the key)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
 
 
 class Writes(SegmentCore):
@@ -53,7 +63,8 @@ class Writes(SegmentCore):
 
     def apply(self, ops: list[tuple[Any, ...]], *, now_ms: int, dirty: bool = False,
               max_dirty: int = 0, tombstones: bool = False,
-              check: Callable[[], None] | None = None, compact: bool = False) -> Any:
+              check: Callable[[], None] | None = None, compact: bool = False,
+              expects: list[tuple[Any, ...]] | None = None) -> Any:
         """Apply ``ops`` under one lock, all or nothing.
 
         Ops: ``(key_b, h)`` delete, ``(key_b, h, tag, meta, value)`` put, or
@@ -63,7 +74,10 @@ class Writes(SegmentCore):
         :meth:`version`). A given version's counter is at most MAX_COUNTER (or NEW_DOT).
         ``tombstones``: deletes leave dirty tombstones (cluster mode). ``check`` runs under
         the lock before anything changes (validators, compare-and-set) and may raise to
-        abort. Returns per op ``(counter, hlc, vvx, word,
+        abort. ``expects``, a compare-and-set judged by the kernel after ``check``:
+        ``(key_b, h)`` for absent, ``(key_b, h, counter, hlc)`` for this host's Version
+        ``((host, counter),), hlc)``; the first that fails raises :class:`ExpectFailed`
+        (its index), nothing changed. Returns per op ``(counter, hlc, vvx, word,
         seq)`` for a put, the delete's counter (0: nothing to delete) for a delete; with
         ``compact``, ``(packed, vvxs)`` instead: two native u64 per op in ``packed`` (a put's
         counter and hlc, a delete's counter and 0) and each put's vvx (None for a delete).
@@ -80,7 +94,7 @@ class Writes(SegmentCore):
                 check()
             for attempt in range(2):
                 try:
-                    r = core.apply(ops, now_ms, flags, max_dirty, tombstones, compact)
+                    r = core.apply(ops, now_ms, flags, max_dirty, tombstones, compact, expects)
                     break
                 except SegmentError:
                     if attempt or not self._q[_H_BUSY] or self._q[_H_STATE] != STATE_OK:
@@ -92,6 +106,8 @@ class Writes(SegmentCore):
             core.unlock()
         # (status, index): nothing written. Raised outside the writer lock: a refusal at
         # cluster.outbound_max reads the node daemon's status file for its message
+        if r[0] == ST_CONFLICT:
+            raise ExpectFailed(r[1])
         self._raise_status(r[0], r[1], ops, dirty, max_dirty)
         raise AssertionError("unreachable")
 
