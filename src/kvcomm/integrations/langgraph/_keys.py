@@ -41,6 +41,7 @@ _ESCAPE = re.compile(r"[%/=\x00-\x1f\x7f]")
 _UNESCAPE = re.compile(r"%([0-9A-F]{2})")
 
 DEFAULT_ROOT = "lg/"
+_TN_MEMO = 4096  # (thread id, namespace) pairs whose escaped form a Keys keeps
 
 
 def esc(component: str) -> str:
@@ -55,6 +56,22 @@ def esc(component: str) -> str:
 @functools.lru_cache(maxsize=65536)  # (a run escapes the same few ids at every step)
 def _esc(component: str) -> str:
     return _ESCAPE.sub(lambda m: f"%{ord(m.group()):02X}", component)
+
+
+def _esc_once(component: str) -> str:
+    """:func:`esc` of an id seen once (a checkpoint or task id: new at every step), not
+    memoised; the common id, printable without ``%``, ``/`` or ``=``, is itself."""
+    if component.isprintable() and "%" not in component and "/" not in component \
+            and "=" not in component:
+        return component
+    return _ESCAPE.sub(lambda m: f"%{ord(m.group()):02X}", component)
+
+
+def _esc_id(component: str) -> str:
+    """:func:`esc` of a checkpoint or task id (new at every step: not memoised)."""
+    if type(component) is not str:
+        return esc(component)  # (raises InvalidKey)
+    return _esc_once(component)
 
 
 def unesc(component: str) -> str:
@@ -86,6 +103,20 @@ class Keys:
         self.blobs = root + "cp/b/"
         self.writes = root + "cp/w/"
         self.store = root + "st/"
+        self._tn: dict[tuple[str, str], str] = {}  # (thread id, namespace) -> "T/N/"
+
+    def _thread_ns(self, thread_id: str, checkpoint_ns: str) -> str:
+        """``esc(thread_id)/esc(checkpoint_ns)/``, memoised (a run builds its keys at every
+        step); at most _TN_MEMO entries, then forgotten all at once."""
+        if type(thread_id) is str and type(checkpoint_ns) is str:
+            tn = self._tn.get((thread_id, checkpoint_ns))
+            if tn is None:
+                if len(self._tn) >= _TN_MEMO:
+                    self._tn.clear()
+                tn = self._tn[thread_id, checkpoint_ns] = (
+                    _esc(thread_id) + "/" + _esc(checkpoint_ns) + "/")
+            return tn
+        return esc(thread_id) + "/" + esc(checkpoint_ns) + "/"  # (raises InvalidKey)
 
     def fit(self, key: str, what: str, *args: object) -> str:
         """``key``, checked against ``max_key_bytes``: InvalidKey naming ``what`` (formatted
@@ -106,14 +137,14 @@ class Keys:
         return prefix + esc(thread_id) + "/"
 
     def ns(self, prefix: str, thread_id: str, checkpoint_ns: str) -> str:
-        return prefix + esc(thread_id) + "/" + esc(checkpoint_ns) + "/"
+        return prefix + self._thread_ns(thread_id, checkpoint_ns)
 
     def head(self, thread_id: str, checkpoint_ns: str) -> str:
         return self.fit(self.ns(self.heads, thread_id, checkpoint_ns),
                         "the head of thread {!r}", thread_id)
 
     def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
-        return self.fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + esc(checkpoint_id),
+        return self.fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + _esc_id(checkpoint_id),
                         "checkpoint {!r} of thread {!r}", checkpoint_id, thread_id)
 
     def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
@@ -123,7 +154,7 @@ class Keys:
                         "channel {!r} of thread {!r}", channel, thread_id)
 
     def write_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
-        return self.ns(self.writes, thread_id, checkpoint_ns) + esc(checkpoint_id) + "/"
+        return self.ns(self.writes, thread_id, checkpoint_ns) + _esc_id(checkpoint_id) + "/"
 
     def write(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
               idx: int) -> str:
@@ -133,7 +164,7 @@ class Keys:
     def task_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str,
                     task_id: str) -> str:
         """The prefix of the writes of one task (:meth:`task_write` completes it)."""
-        return self.write_prefix(thread_id, checkpoint_ns, checkpoint_id) + esc(task_id) + "/"
+        return self.write_prefix(thread_id, checkpoint_ns, checkpoint_id) + _esc_id(task_id) + "/"
 
     def task_write(self, prefix: str, idx: int, task_id: str, thread_id: str) -> str:
         """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
