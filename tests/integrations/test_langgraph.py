@@ -40,6 +40,7 @@ from langgraph.types import Command, interrupt  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore  # noqa: E402
 from kvcomm.integrations.langgraph._keys import Keys, esc, unesc  # noqa: E402
+from kvcomm.integrations.langgraph.saver import _inline  # noqa: E402
 from tests.support import ROOT
 
 # ---------------------------------------------------------------- the conformance suite
@@ -374,6 +375,15 @@ def test_heads_only_move_forward_whoever_moved_them_last(ns: str, config: kvcomm
 # ---------------------------------------------------------------- retention (ttl)
 
 
+def _blob_keys(saver: KVCommSaver, thread_id: str, tup: Any) -> list[str]:
+    """The keys of the values of checkpoint ``tup`` kept in records of their own (the
+    small ones are in the checkpoint's record)."""
+    values = tup.checkpoint["channel_values"]
+    return [saver.keys.blob(thread_id, "", ch, v)
+            for ch, v in tup.checkpoint["channel_versions"].items()
+            if ch not in values or not _inline(values[ch])]
+
+
 def _thread_keys(kv: kvcomm.Client, saver: KVCommSaver, thread_id: str) -> dict[str, Any]:
     k = saver.keys
     return {i.key: kv.get_item(i.key) for p in (k.heads, k.checkpoints, k.blobs, k.writes)
@@ -395,8 +405,10 @@ def test_a_saver_ttl_gives_every_record_of_a_thread_its_lifetime(kv: kvcomm.Clie
     latest = saver.get_tuple(cfg)
     assert latest is not None
     cp_expiry = got[saver.keys.checkpoint("ttl-1", "", latest.checkpoint["id"])].expires_at
-    for ch, v in latest.checkpoint["channel_versions"].items():  # (some written steps before)
-        assert got[saver.keys.blob("ttl-1", "", ch, v)].expires_at >= cp_expiry, ch
+    blobs = _blob_keys(saver, "ttl-1", latest)
+    assert blobs  # ("steps", a list: a record of its own)
+    for key in blobs:  # (some written steps before)
+        assert got[key].expires_at >= cp_expiry, key
     assert got[saver.keys.head("ttl-1", "")].expires_at <= cp_expiry + 1e-3  # (never outlives it)
     plain = KVCommSaver(kv, root="plain/")
     build_graph().compile(checkpointer=plain).invoke({"steps": [], "answer": ""}, cfg)
@@ -415,7 +427,7 @@ def test_reading_a_thread_refreshes_its_ttl_when_asked(kv: kvcomm.Client, refres
     cid = latest.checkpoint["id"]
     k = saver.keys
     mine = [k.head("ttl-2", ""), k.checkpoint("ttl-2", "", cid),
-            *(k.blob("ttl-2", "", ch, v) for ch, v in latest.checkpoint["channel_versions"].items()),
+            *_blob_keys(saver, "ttl-2", latest),
             *(i.key for i in kv.scan(k.write_prefix("ttl-2", "", cid)))]
     first = {key: kv.get_item(key).expires_at for key in mine}
     t0 = time.time()
@@ -808,6 +820,59 @@ def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_store(kv: kvcomm.Clien
     KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_msgpack_modules=[("uuid", "UUID")]))
 
 
+def test_a_tasks_writes_stored_already_are_kept_and_special_ones_replaced(
+        kv: kvcomm.Client) -> None:
+    """put_writes of a task run again (a resumed run): its regular writes stored already
+    are kept, new ones stored, special ones (an error, an interrupt) replaced, as
+    LangGraph's savers do. In embedded mode a first run's writes go in one batch that
+    expects them absent; a run again finds them there and stores only the others."""
+    from langgraph.checkpoint.base import WRITES_IDX_MAP, empty_checkpoint
+
+    (ERROR,) = [c for c in WRITES_IDX_MAP if c.endswith("error__")]
+    saver = KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": "rw", "checkpoint_ns": ""}}
+    cp = empty_checkpoint()
+    cfg = saver.put(cfg, cp, {}, {})
+    saver.put_writes(cfg, [("a", 1), (ERROR, "first")], "task")
+    saver.put_writes(cfg, [("a", 2), ("b", 3), (ERROR, "second")], "task")
+    got = saver.get_tuple(cfg)
+    assert got is not None
+    assert sorted((c, v) for _t, c, v in got.pending_writes or []) == sorted([
+        ("a", 1), ("b", 3), (ERROR, "second")])
+
+
+def test_small_values_live_in_their_checkpoints_record_and_older_records_still_read(
+        kv: kvcomm.Client) -> None:
+    """A channel value that is None, a bool, an int, a float or a str of at most 256
+    characters is kept in the record of each checkpoint that has it (a step writes one
+    record, not one per channel, as LangGraph's Postgres saver keeps primitives in its
+    row); a longer str, or a list, in a record of its own. A checkpoint as the saver wrote
+    it before (six fields, every value a record of its own) reads the same."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    saver = KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": "inl", "checkpoint_ns": ""}}
+    values = {"i": 7, "f": 1.5, "b": True, "n": None, "s": "x" * 256, "big": "y" * 257,
+              "l": [1]}
+    versions = {ch: "1" for ch in values}
+    cp = empty_checkpoint()
+    cp["channel_values"] = dict(values)
+    cp["channel_versions"] = dict(versions)
+    saver.put(cfg, cp, {}, versions)  # type: ignore[arg-type]
+    own = sorted(unesc(i.key.rsplit("/", 2)[1]) for i in kv.scan(saver.keys.blobs + "inl/"))
+    assert own == ["big", "l"]
+    got = saver.get_tuple(cfg)
+    assert got is not None and got.checkpoint["channel_values"] == values
+    ck = saver.keys.checkpoint("inl", "", cp["id"])
+    record = kv.get(ck)
+    assert len(record) == 6 + 3 * 5
+    for i in range(6, len(record), 3):
+        kv.put(saver.keys.blob("inl", "", record[i], "1"), [record[i + 1], record[i + 2]])
+    kv.put(ck, record[:6])
+    older = saver.get_tuple(cfg)
+    assert older is not None and older.checkpoint["channel_values"] == values
+
+
 def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_saver(kv: kvcomm.Client,
                                                                tmp_path: Path) -> None:
     """F1: the same through KVCommSaver: a checkpoint whose channel value is a crafted
@@ -819,17 +884,25 @@ def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_saver(kv: kvcomm.Clien
     from langgraph.checkpoint.base import empty_checkpoint
 
     cp = empty_checkpoint()
-    cp["channel_values"] = {"c": 1}
-    cp["channel_versions"] = {"c": "1"}
-    saver.put(cfg, cp, {}, {"c": "1"})
+    cp["channel_values"] = {"c": 1, "d": [1]}  # (1: in the checkpoint's record; [1]: a blob)
+    cp["channel_versions"] = {"c": "1", "d": "1"}
+    saver.put(cfg, cp, {}, {"c": "1", "d": "1"})
+    crafted = _constructor_call("os", "system", f"touch {marker}")
     blobs = [i.key for i in kv.scan(saver.keys.blobs)]
     planted = 0
     for k in blobs:
         v = kv.get(k)
         if isinstance(v, list) and v and v[0] == "msgpack":
-            kv.put(k, ["msgpack", _constructor_call("os", "system", f"touch {marker}")])
+            kv.put(k, ["msgpack", crafted])
             planted += 1
     assert planted, f"no msgpack record found to plant into among {blobs}"
+    ck = saver.keys.checkpoint("t", "", cp["id"])
+    record = kv.get(ck)
+    inlined = [i for i in range(6, len(record), 3) if record[i + 1] == "msgpack"]
+    assert inlined, f"no value inlined in the checkpoint's record {record}"
+    for i in inlined:
+        record[i + 2] = crafted
+    kv.put(ck, record)
     try:
         saver.get_tuple(cfg)
     except kvcomm.KVCommError:

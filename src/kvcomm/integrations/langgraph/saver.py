@@ -3,8 +3,10 @@
 Keys (``_keys.py`` has the layout and the escaping)::
 
     lg/cp/h/T/N/              head of (thread T, checkpoint namespace N): latest id
-    lg/cp/c/T/N/C             checkpoint C: checkpoint (without values), metadata, parent
-    lg/cp/b/T/N/CH/VER        the value of channel CH at version VER
+    lg/cp/c/T/N/C             checkpoint C: checkpoint (without values), metadata, parent,
+                              run id, and its small values (None, bool, int, float, a str of
+                              at most 256 characters: _inline), channel by channel
+    lg/cp/b/T/N/CH/VER        the value of channel CH at version VER (one not inlined)
     lg/cp/w/T/N/C/TASK/IDX    a pending write of checkpoint C
 
 Every record except the head is immutable (written once); ``put`` writes the checkpoint's
@@ -144,11 +146,25 @@ def _head_of(value: Any, key: str) -> dict[str, Any] | None:
                         f"({str(value)[:120]}); delete the thread (delete_thread) or that key")
 
 
+def _inline(value: Any) -> bool:
+    """Whether a channel value is kept in the record of every checkpoint that has it (as
+    LangGraph's Postgres saver keeps primitives in its checkpoint row), not in a record of
+    its own: a step then writes one record, not one per changed channel. A function of the
+    value alone, so that a version's value is inlined by every checkpoint or by none."""
+    t = type(value)
+    return t is int or t is float or t is bool or value is None or (t is str and len(value) <= 256)
+
+
 def _record(value: Any, n: int, key: str) -> list[Any]:
-    """``value``, a record of ``n`` fields under ``key`` (a checkpoint: 6, a write: 5, a
-    channel value: 2), checked for its shape; CorruptRecord otherwise."""
-    if type(value) is list and len(value) == n and (n != 5 or (
-            type(value[0]) is str and type(value[1]) is str and type(value[4]) is str)):
+    """``value``, a record of ``n`` fields under ``key`` (a checkpoint: 6, then its inlined
+    values as (channel, type, bytes) triples; a write: 5; a channel value: 2), checked for
+    its shape; CorruptRecord otherwise."""
+    if type(value) is list and (len(value) == n or n == 6 and len(value) > n and (
+            (len(value) - n) % 3 == 0 and all(
+                type(value[i]) is str and type(value[i + 1]) is str
+                and type(value[i + 2]) is bytes for i in range(n, len(value), 3)))) and (
+            n != 5 or (type(value[0]) is str and type(value[1]) is str
+                       and type(value[4]) is str)):
         return value
     raise CorruptRecord(f"the record {key!r} in KVCOMM is not one KVCommSaver wrote "
                         f"({str(value)[:120]}); delete the thread (delete_thread) or that key")
@@ -273,18 +289,24 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # (each record a list of plain fields, stored as codec.Packed stores it; kept for a
         # retry of the head's compare-and-set)
         keys = [k.checkpoint(thread_id, ns, cid)]
-        records: builtins.list[builtins.list[Any]] = [
-            [*dumps(c), *dumps(md), parent, md.get("run_id")]]
-        own = 1 + len(new_versions)  # (the checkpoint and its new values: its own records)
+        record = [*dumps(c), *dumps(md), parent, md.get("run_id")]
+        for channel, value in values.items():
+            if _inline(value):
+                record += (channel, *dumps(value))
+        records: builtins.list[builtins.list[Any]] = [record]
         blobs = k.ns(k.blobs, thread_id, ns)
         channels = builtins.list(new_versions.items())
         if ttl is not None:  # (the values it shares with its ancestors live as long as it)
             channels += [(ch, v) for ch, v in checkpoint["channel_versions"].items()
                          if ch not in new_versions]
-        for channel, version in channels:
+        own = 1  # (the checkpoint and its new values' records: keys[:own], its own)
+        for n, (channel, version) in enumerate(channels):
+            if channel in values and _inline(values[channel]):
+                continue  # (in the checkpoint's record)
             keys.append(k.fit(blobs + esc(channel) + "/" + version_component(version),
                               "channel {!r} of thread {!r}", channel, thread_id))
             records.append([*dumps(values[channel])] if channel in values else ["empty", b""])
+            own += n < len(new_versions)
 
         def put_records(b: Any) -> None:
             # (one deadline for the checkpoint and its values, counted from this call; the
@@ -387,20 +409,43 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
         keys: list[str] = []
         records: list[list[Any]] = []
+        regular: list[int] = []  # (indices in keys of the writes kept when stored already)
         for idx, (channel, value) in enumerate(writes):
             i = WRITES_IDX_MAP.get(channel, idx)
             key = self.keys.task_write(prefix, i, task_id, thread_id)
             slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
-            if i >= 0 and self.kv.get(key) is not None:
-                continue
+            if i >= 0:
+                regular.append(len(keys))
             keys.append(key)
             records.append([task_id, channel, *self._dumps(value), task_path])
         if keys:
-            with self.kv.batch() as b:
-                b._put_records(keys, records, self.ttl)
+            self._put_new_writes(keys, records, regular)
         if slots and self._cluster:
             with _Reading(f"thread {thread_id!r}"):
                 self._note_writes(thread_id, ns, cid, slots)
+
+    def _put_new_writes(self, keys: list[str], records: list[list[Any]],
+                        regular: list[int]) -> None:
+        """Put the records of a task's writes; those at ``regular`` (indices) only where
+        their key is not stored yet. Embedded mode: in one batch that expects them absent
+        (judged by the C kernel under the writer lock), and only when one is there, again
+        without those stored. Cluster mode: each looked up first (L3 holds them)."""
+        if regular and not self._cluster:
+            try:
+                with self.kv.batch() as b:
+                    b._put_records(keys, records, self.ttl)
+                    for j in regular:
+                        b._expect(keys[j], ABSENT)
+                return
+            except ConflictError:
+                pass  # (a task run again: its writes stored already are kept, below)
+        stored = {j for j in regular if self.kv.get(keys[j]) is not None}
+        if stored:
+            keep = [j for j in range(len(keys)) if j not in stored]
+            keys, records = [keys[j] for j in keep], [records[j] for j in keep]
+        if keys:
+            with self.kv.batch() as b:
+                b._put_records(keys, records, self.ttl)
 
     def _note_writes(self, thread_id: str, ns: str, cid: str, slots: list[list[Any]]) -> None:
         """Cluster mode: list the writes of checkpoint ``cid`` in the head, so that a read
@@ -511,7 +556,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                wait: bool, blobs: dict[str, Any] | None = None) -> CheckpointTuple:
         """The tuple of checkpoint ``cid`` (``body``: its record); ``blobs``, when given,
         gets the raw records of its channel values, by key."""
-        cp_t, cp_b, md_t, md_b, parent, _run = body
+        cp_t, cp_b, md_t, md_b, parent, _run = body[:6]
+        inlined = {body[i]: (body[i + 1], body[i + 2]) for i in range(6, len(body), 3)}
         checkpoint: dict[str, Any] = self._loads(cp_t, cp_b)
         metadata = self._loads(md_t, md_b)
         if (type(checkpoint) is not dict or type(checkpoint.get("channel_versions")) is not dict
@@ -521,6 +567,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                                 "have other types); delete the thread (delete_thread)")
         values: dict[str, Any] = {}
         for channel, version in checkpoint["channel_versions"].items():
+            if channel in inlined:
+                values[channel] = self._loads(*inlined[channel])
+                continue
             key = self.keys.blob(thread_id, ns, channel, version)
             blob = (get_referenced(self.kv, key, self.wait_timeout,
                                    f"channel {channel!r} of checkpoint {cid!r}", self.counters)
