@@ -33,6 +33,7 @@ from langgraph.checkpoint.conformance.capabilities import (  # noqa: E402
     BASE_CAPABILITIES,
     EXTENDED_CAPABILITIES,
 )
+from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer  # noqa: E402
 from langgraph.graph import END, START, StateGraph  # noqa: E402
 from langgraph.store.memory import InMemoryStore  # noqa: E402
@@ -818,6 +819,63 @@ def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_store(kv: kvcomm.Clien
     with pytest.raises(kvcomm.ConfigError, match="any function"):
         KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_json_modules=True))
     KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_msgpack_modules=[("uuid", "UUID")]))
+
+
+def _sparse_chain(saver: Any) -> tuple[Any, Any]:
+    """Checkpoint 1 holds a=1 (small: in its record) and L=[1] (a record of its own);
+    checkpoint 2 names both at the same versions but passes only its new channel's value,
+    as a caller of put may (LangGraph itself passes every value)."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    def cp(values: dict[str, Any], versions: dict[str, str]) -> Any:
+        c = empty_checkpoint()
+        c["channel_values"] = dict(values)
+        c["channel_versions"] = dict(versions)
+        return c
+
+    cfg: Any = {"configurable": {"thread_id": "sparse", "checkpoint_ns": ""}}
+    va = saver.get_next_version(None, None)
+    vb = saver.get_next_version(va, None)
+    r1 = saver.put(cfg, cp({"a": 1, "L": [1]}, {"a": va, "L": va}), {}, {"a": va, "L": va})
+    r2 = saver.put(r1, cp({"b": 2}, {"a": va, "L": va, "b": vb}), {}, {"b": vb})
+    return r1, r2
+
+
+@pytest.mark.parametrize("ttl", [None, 600])
+def test_a_checkpoint_put_without_its_unchanged_values_reads_them_from_its_ancestors(
+        kv: kvcomm.Client, ttl: float | None) -> None:
+    """A put naming channels at their old versions without their values reads them as
+    InMemorySaver does: a small one carried on from the parent's record, a large one from
+    its own record. With a ttl, nothing of the ancestor is overwritten (its values were
+    once re-put as "empty") and the value's record lives as long as the new checkpoint."""
+    mem = InMemorySaver()
+    _m1, m2 = _sparse_chain(mem)
+    want = mem.get_tuple(m2).checkpoint["channel_values"]  # type: ignore[union-attr]
+    assert want == {"a": 1, "L": [1], "b": 2}
+    saver = KVCommSaver(kv, ttl=ttl, refresh_on_read=False)
+    r1, r2 = _sparse_chain(saver)
+    got = saver.get_tuple(r2)
+    assert got is not None and got.checkpoint["channel_values"] == want
+    first = saver.get_tuple(r1)
+    assert first is not None and first.checkpoint["channel_values"] == {"a": 1, "L": [1]}
+    if ttl is not None:
+        (blob,) = _blob_keys(saver, "sparse", first)
+        cp2 = kv.get_item(saver.keys.checkpoint("sparse", "", r2["configurable"]["checkpoint_id"]))
+        assert kv.get_item(blob).expires_at >= cp2.expires_at - 1e-3
+
+
+def test_a_task_run_again_is_no_conflict(kv: kvcomm.Client) -> None:
+    """put_writes of a task run again keeps its stored writes without counting a
+    conflict in kvcomm_conflicts_total (nothing failed)."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    saver = KVCommSaver(kv)
+    cfg = saver.put({"configurable": {"thread_id": "again", "checkpoint_ns": ""}},
+                    empty_checkpoint(), {}, {})
+    saver.put_writes(cfg, [("a", 1)], "task")
+    before = kv.counters["conflicts"]
+    saver.put_writes(cfg, [("a", 1)], "task")
+    assert kv.counters["conflicts"] == before
 
 
 def test_a_tasks_writes_stored_already_are_kept_and_special_ones_replaced(

@@ -40,7 +40,8 @@ class Batch(BatchOps):
     _packed: memoryview | None  # per op, two u64: a put's counter and hlc, a delete's counter
     _vvxs: list[bytes | None]
     _versions: list[Version | bool] | None
-    _expects: list[tuple[str, Any]] | None  # (key, Version or ABSENT) checked under the lock
+    _expects: list[tuple[str, Any, bool]] | None  # (key, Version or ABSENT, counted) checked
+    # under the lock
 
     def __init__(self, client: Writes) -> None:
         # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
@@ -55,18 +56,20 @@ class Batch(BatchOps):
         self._versions = None
         self._expects = None
 
-    def _expect(self, key: str, expect: Any) -> None:
+    def _expect(self, key: str, expect: Any, count: bool = True) -> None:
         """Apply the batch only if ``key`` is at Version ``expect`` (or ABSENT) when it is
         applied, judged under the writer lock with the validators: ConflictError otherwise,
         nothing of the batch written. Embedded mode only (in cluster mode a compare-and-set
         is decided on L3: kv.put(..., expect=)); the LangGraph saver moves a thread's head
-        so, in the batch that writes the checkpoint: one lock hold per step."""
+        so, in the batch that writes the checkpoint: one lock hold per step. ``count``
+        False: a refusal is not counted in ``counters["conflicts"]`` (the saver's check
+        that a task's writes are new: a task run again is no conflict)."""
         if self._client._cluster:
             raise InvalidArgument("a batch's compare-and-set is for embedded mode; in cluster "
                                   "mode use kv.put(key, value, expect=)")
         if self._expects is None:
             self._expects = []
-        self._expects.append((key, expect))
+        self._expects.append((key, expect, count))
 
     def put(self, key: str, value: Any, *, ttl: float | None = None) -> None:
         """Add a put of ``value`` under ``key``; with ``ttl`` (seconds, counted from this
@@ -205,7 +208,7 @@ class Batch(BatchOps):
         embedded mode). None when one is of another form: :meth:`_guard` judges them."""
         c = self._client
         out: list[tuple[Any, ...]] = []
-        for key, expect in self._expects or ():
+        for key, expect, _count in self._expects or ():
             kb, h = c._key_hash(key)
             if expect is ABSENT:
                 out.append((kb, h))
@@ -229,18 +232,18 @@ class Batch(BatchOps):
         Returns when Python's check holds now (see _apply)."""
         c = self._client
         assert self._expects is not None
-        key, expect = self._expects[index]
+        key, expect, count = self._expects[index]
         kb, h = c._key_hash(key)
-        c._checker(key, kb, h, c._expect_fn(key, expect), None, None)()
+        c._checker(key, kb, h, c._expect_fn(key, expect, count), None, None)()
 
     def _guard(self, validate: Callable[[], None] | None) -> Callable[[], None]:
         """What runs under the writer lock: each compare-and-set of :meth:`_expect`, then
         the validators (``validate``)."""
         c = self._client
         checks = []
-        for key, expect in self._expects or ():
+        for key, expect, count in self._expects or ():
             kb, h = c._key_hash(key)
-            checks.append(c._checker(key, kb, h, c._expect_fn(key, expect), None, None))
+            checks.append(c._checker(key, kb, h, c._expect_fn(key, expect, count), None, None))
         if validate is not None:
             checks.append(validate)
 

@@ -168,7 +168,8 @@ class Writes(ClusterWrites):
 
         return check
 
-    def _expect_fn(self, key: str, expect: Any) -> Callable[[Record | None], None]:
+    def _expect_fn(self, key: str, expect: Any,
+                   count: bool = True) -> Callable[[Record | None], None]:
         if expect is not ABSENT and not isinstance(expect, Version):
             raise InvalidArgument(
                 f"expect= takes a kvcomm.Version or kvcomm.ABSENT, got {type(expect).__name__}"
@@ -177,12 +178,12 @@ class Writes(ClusterWrites):
         def check(rec: Record | None) -> None:
             if expect is ABSENT:
                 if rec is not None:
-                    self.counters["conflicts"] += 1
+                    self.counters["conflicts"] += count
                     raise ConflictError(f"{key!r} exists; expected it absent")
                 return
             current = None if rec is None else self._version(rec.counter, rec.hlc, rec.vvx)
             if current != expect:
-                self.counters["conflicts"] += 1
+                self.counters["conflicts"] += count
                 raise ConflictError(
                     f"{key!r} is at {current if current else 'absent'}, expected {expect}; "
                     "re-read it and retry"

@@ -684,10 +684,10 @@ check_expects(Core *c, PyObject *expects, Py_ssize_t *bad)
         PyObject *kb = PyTuple_GET_ITEM(e, 0);
         uint64_t h = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 1));
         uint64_t want_counter = 0, want_hlc = 0;
-        if (k == 4) {
+        if (k == 4 && !PyErr_Occurred())
             want_counter = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 2));
+        if (k == 4 && !PyErr_Occurred())
             want_hlc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(e, 3));
-        }
         if (PyErr_Occurred())
             return -1;
         uint64_t found = 0, reusable = 0;

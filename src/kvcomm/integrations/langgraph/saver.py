@@ -293,12 +293,19 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         for channel, value in values.items():
             if _inline(value):
                 record += (channel, *dumps(value))
+        versions = checkpoint["channel_versions"]
+        # (channels it names at an older version without their values: LangGraph passes
+        # every value, a caller of put may not; their values are its ancestors')
+        inherited = [ch for ch in versions if ch not in values and ch not in new_versions]
+        if inherited and parent is not None:
+            with _Reading(f"thread {thread_id!r}"):
+                record += self._inlined_by(thread_id, ns, parent, inherited, versions)
         records: builtins.list[builtins.list[Any]] = [record]
         blobs = k.ns(k.blobs, thread_id, ns)
         channels = builtins.list(new_versions.items())
         if ttl is not None:  # (the values it shares with its ancestors live as long as it)
-            channels += [(ch, v) for ch, v in checkpoint["channel_versions"].items()
-                         if ch not in new_versions]
+            channels += [(ch, v) for ch, v in versions.items()
+                         if ch not in new_versions and ch in values]
         own = 1  # (the checkpoint and its new values' records: keys[:own], its own)
         for n, (channel, version) in enumerate(channels):
             if channel in values and _inline(values[channel]):
@@ -313,6 +320,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             # head, after them, with the ttl from before them: it never outlives them)
             b._put_records(keys, records, ttl)
 
+        start = time.time()
         try:
             with _Reading(f"thread {thread_id!r}"):
                 self._update_head(k.head(thread_id, ns), functools.partial(
@@ -327,8 +335,32 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 "writer resumed the thread at the same time and won. Nothing of this step was "
                 "kept: run again from the thread's latest checkpoint (without checkpoint_id) to "
                 "retry, or fork from the old one explicitly (with its checkpoint_id)") from None
+        if ttl is not None:  # (values only its ancestors' records hold live as long as it)
+            inlined = set(record[6::3])
+            for ch in inherited:
+                if ch not in inlined:
+                    self.kv.touch(k.blob(thread_id, ns, ch, versions[ch]), self._left(start))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
+
+    def _inlined_by(self, thread_id: str, ns: str, parent: str, channels: builtins.list[str],
+                    versions: dict[str, Any]) -> builtins.list[Any]:
+        """The (channel, type, bytes) fields of ``channels`` at ``versions`` that the
+        record of checkpoint ``parent`` holds: a checkpoint put without the values of
+        channels it shares with its parent carries them on, as the parent does (a small
+        value is in the record of every checkpoint that has it: _inline). [] when the
+        parent is gone or holds none of them (then they have records of their own)."""
+        key = self.keys.checkpoint(thread_id, ns, parent)
+        body = self.kv.get(key)
+        if body is None or len(_record(body, 6, key)) == 6:
+            return []
+        theirs = self._loads(body[0], body[1])["channel_versions"]
+        out: builtins.list[Any] = []
+        for i in range(6, len(body), 3):
+            ch = body[i]
+            if ch in channels and theirs.get(ch) == versions[ch]:
+                out += body[i:i + 3]
+        return out
 
     def _left(self, start: float) -> float | None:
         """The saver's ttl less the time since ``start`` (None without a ttl)."""
@@ -435,7 +467,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 with self.kv.batch() as b:
                     b._put_records(keys, records, self.ttl)
                     for j in regular:
-                        b._expect(keys[j], ABSENT)
+                        b._expect(keys[j], ABSENT, count=False)
                 return
             except ConflictError:
                 pass  # (a task run again: its writes stored already are kept, below)
