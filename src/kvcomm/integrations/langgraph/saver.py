@@ -217,6 +217,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # is moved by one compare-and-set on it (a strong head: one etcd round trip, not
         # a read and a write); when another writer moved it meanwhile, read it again
         self._heads: dict[str, tuple[Version, Any]] = {}
+        # per (thread, namespace), the last checkpoint this saver put: its id, record, and
+        # its channel versions when the record holds small values (else None), so that a
+        # put after it need not read it back (_inlined_by); as bounded as _heads
+        self._last: dict[tuple[str, str], tuple[str, list[Any], dict[str, Any] | None]] = {}
         self._cluster = kv.config.cluster.enabled
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
                 and kv.config.cache.l3_consistency != "strong":
@@ -335,6 +339,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 "writer resumed the thread at the same time and won. Nothing of this step was "
                 "kept: run again from the thread's latest checkpoint (without checkpoint_id) to "
                 "retry, or fork from the old one explicitly (with its checkpoint_id)") from None
+        self._last[thread_id, ns] = (cid, record, dict(versions) if len(record) > 6 else None)
+        if len(self._last) > _MAX_HEADS:
+            self._last.pop(next(iter(self._last)))
         if ttl is not None:  # (values only its ancestors' records hold live as long as it)
             inlined = set(record[6::3])
             for ch in inherited:
@@ -349,12 +356,20 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         record of checkpoint ``parent`` holds: a checkpoint put without the values of
         channels it shares with its parent carries them on, as the parent does (a small
         value is in the record of every checkpoint that has it: _inline). [] when the
-        parent is gone or holds none of them (then they have records of their own)."""
-        key = self.keys.checkpoint(thread_id, ns, parent)
-        body = self.kv.get(key)
-        if body is None or len(_record(body, 6, key)) == 6:
-            return []
-        theirs = self._loads(body[0], body[1])["channel_versions"]
+        parent is gone or holds none of them (then they have records of their own).
+        LangGraph passes every value but the empty channels': the parent is then the last
+        checkpoint this saver put, known without a read."""
+        last = self._last.get((thread_id, ns))
+        if last is not None and last[0] == parent:
+            _cid, body, theirs = last
+            if theirs is None:
+                return []
+        else:
+            key = self.keys.checkpoint(thread_id, ns, parent)
+            body = self.kv.get(key)
+            if body is None or len(_record(body, 6, key)) == 6:
+                return []
+            theirs = self._loads(body[0], body[1])["channel_versions"]
         out: builtins.list[Any] = []
         for i in range(6, len(body), 3):
             ch = body[i]
