@@ -119,6 +119,63 @@ def test_open_without_a_daemon_raises_unavailable_naming_the_command(
         l2.purge(f"{ns}-b")
 
 
+def test_an_agent_beside_a_daemon_that_cannot_start_is_told_it_runs_and_why(
+        ns: str, tmp_path: Path) -> None:
+    """A node daemon started before its cluster is up (or with a wrong cluster.redis)
+    runs and retries: an agent that waits for it is told that it runs but cannot reach
+    L3, its pid and why, not that none runs ("start it": it is started). Its word is
+    no started daemon's to anything that reads the status file. Stopped before it
+    started, it leaves no word behind."""
+    from kvcomm.node.presence import read_status, starting_status, status_fresh, status_path
+
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(_mapping(ns, daemon_wait="500ms")))
+    status = status_path(ns, kvcomm.Config.from_mapping(_mapping(ns)).cache.l2_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "node", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: starting_status(status) is not None, 60,
+                 "the daemon's word that it cannot start yet")
+        assert not status_fresh(read_status(status))
+        with pytest.raises(kvcomm.Unavailable) as err:
+            kvcomm.open(config=path)
+        msg = str(err.value)
+        print(msg)
+        assert "runs but has not started" in msg and f"pid {proc.pid} " in msg, msg
+        assert "cannot reach L3" in msg and "cluster.redis" in msg, msg
+        assert "Start it" not in msg, msg
+    finally:
+        proc.terminate()
+        _out, err_text = proc.communicate(timeout=30)
+        l2.purge(ns)
+    assert proc.returncode == 0, err_text
+    assert "cannot start yet" in err_text, err_text
+    assert read_status(status) is None  # (stopped before it started: no word left)
+
+
+@pytest.mark.parametrize("since", [10**400, float("nan"), True, "x", None, -1.0])
+def test_a_starting_word_with_junk_is_read_without_raising(ns: str, since: Any) -> None:
+    """The status file is advisory: whatever another process wrote as a starting daemon's
+    word makes a message, never an exception, and never a started daemon's status."""
+    from kvcomm.node.presence import StatusReader, status_path, write_status
+
+    kv = kvcomm.open(ns, config=_config(ns), wait_daemon=False)
+    try:
+        path = status_path(ns, kv.config.cache.l2_dir)
+        with open(path, "w") as f:  # (json writes NaN and a 400-digit int as they are)
+            json.dump({"starting": "why\x00" * 200, "since": since, "pid": [1],
+                       "updated": time.time()}, f)
+        said = kv._daemon_starting()
+        assert "cannot reach L3" in said and len(said) < 600, said
+        assert StatusReader(path).status() is None and not kv._daemon_beats()
+        write_status(path, {"partition": True, "updated": time.time()})
+        assert kv._daemon_starting() == "" and StatusReader(path).status() is not None
+    finally:
+        kv.close()
+        os.unlink(path)
+        l2.purge(ns)
+
+
 def test_wait_daemon_false_opens_and_open_waits_for_a_daemon_that_starts(ns: str) -> None:
     cfg = _config(ns, daemon_wait=60)
     with warnings.catch_warnings(record=True) as caught:

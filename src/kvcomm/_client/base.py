@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import threading
 import time
@@ -178,6 +180,24 @@ class ClientBase:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(beat_ms / 1000))
         return f"the last one, pid {self._seg.daemon_pid}, last heartbeat at {at}, {ago:.1f}s ago"
 
+    def _daemon_starting(self) -> str:
+        """What a node daemon of this namespace that cannot start yet says (its pid, why,
+        since when), for a message; "" when none says so lately."""
+        from ..node.presence import starting_status
+        from ..tiers.shm.files import status_path
+
+        st = starting_status(status_path(self.name, self.config.cache.l2_dir))
+        if st is None:
+            return ""
+        why = "".join(c if c.isprintable() else "?" for c in str(st.get("starting"))[:300])
+        since = st.get("since")
+        ago = ""
+        if isinstance(since, (int, float)) and not isinstance(since, bool):
+            with contextlib.suppress(OverflowError, ValueError):  # (the file is advisory)
+                if math.isfinite(since):
+                    ago = f" for {max(0.0, time.time() - float(since)):.0f}s"
+        return f"pid {st.get('pid')!s:.12} cannot reach L3{ago}, and retries ({why})"
+
     def _daemon_cmd(self, config_file: str | None) -> str:
         """The command that starts this namespace's node daemon, for a message."""
         name = "" if self.name == self.config.node.namespace else f" --name {self.name}"
@@ -192,12 +212,20 @@ class ClientBase:
         try:
             wait_until(self._daemon_beats, wait, "the node daemon", interval=0.02)
         except Unavailable:
-            msg = (f"no node daemon heartbeats for namespace {self.name!r} on host "
-                   f"{self._host!r} (waited {wait:g}s, cluster.daemon_wait; "
-                   f"{self._daemon_silence()}): without it this host's writes never reach "
-                   f"L3 and no other host sees them. Start it: `{self._daemon_command}` "
-                   "(a tool that works without one opens with kvcomm.open(..., "
-                   "wait_daemon=False))")
+            starting = self._daemon_starting()
+            if starting:
+                msg = (f"the node daemon of namespace {self.name!r} on host {self._host!r} "
+                       f"runs but has not started (waited {wait:g}s, cluster.daemon_wait): "
+                       f"{starting}. Check cluster.redis and that the cluster is up; it "
+                       "starts by itself once it can reach it (a tool that works without "
+                       "it opens with kvcomm.open(..., wait_daemon=False))")
+            else:
+                msg = (f"no node daemon heartbeats for namespace {self.name!r} on host "
+                       f"{self._host!r} (waited {wait:g}s, cluster.daemon_wait; "
+                       f"{self._daemon_silence()}): without it this host's writes never "
+                       f"reach L3 and no other host sees them. Start it: "
+                       f"`{self._daemon_command}` (a tool that works without one opens "
+                       "with kvcomm.open(..., wait_daemon=False))")
             self._refuse_open()
             raise Unavailable(msg) from None
         except BaseException:

@@ -29,6 +29,7 @@ docs/design/daemon.md.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -53,11 +54,12 @@ from ..placement.observe import HostPublisher
 from ..tiers.groups import groups as groups_of
 from ..tiers.keyfilter import KeyFilter
 from ..tiers.l3 import DaemonL3, Unreached
+from ..tiers.shm.files import segment_path
 from .delivery import UNCONFIRMED_MAX, HostActivity, Inbound, Outbound
 from .keys import KeyFilterKeeper
 from .partition import PartitionMode
 from .port import ClientPort, HostKeys, HostL2, L3Port
-from .presence import HostPresence, Reachability, status_path, write_status
+from .presence import HostPresence, Reachability, read_status, status_path, write_status
 from .prewarm import Prewarm
 from .pull import Puller, nobody
 from .push import Pusher
@@ -654,6 +656,39 @@ def _import(path: str) -> Any:
     return fn
 
 
+def _wait_starting(config: Config, name: str | None, stop: threading.Event, delay: float,
+                   since: float, why: str) -> bool:
+    """Wait ``delay`` seconds before the next try to start (True: stopped meanwhile),
+    saying so in the status file every second: the agents that wait for this daemon then
+    say that it runs but cannot start, and why, not that none runs (presence.py
+    starting_status; the word of a daemon starting is no started daemon's to them)."""
+    ns = name if name is not None else config.node.namespace
+    try:
+        segment_path(ns)  # (validates the name: the file lies in cache.l2_dir)
+        path = status_path(ns, config.cache.l2_dir)
+    except SegmentError:
+        path = ""  # (a bad name: NodeDaemon says so)
+    end = time.monotonic() + delay
+    while True:
+        if path:
+            try:
+                write_status(path, {"starting": why[:500], "since": since, "pid": os.getpid(),
+                                    "namespace": ns, "updated": time.time()},
+                             config.cache.l2_permissions)
+            except OSError as exc:
+                log.warning("cannot write %s: %s", path, exc)
+                path = ""
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        if stop.wait(min(left, 1.0)):
+            st = read_status(path) if path else None
+            if st is not None and st.get("pid") == os.getpid():
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # (stopped before it started: it says nothing more)
+            return True
+
+
 def main(config: Config, name: str | None = None) -> int:
     """Run until SIGTERM/SIGINT. Returns the exit status.
 
@@ -672,6 +707,7 @@ def main(config: Config, name: str | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     rng = random.Random()  # seeded by the OS: hosts that boot together wait differently
     backoff = Backoff(rng, base=0.1, cap=5.0, floor=0.05)
+    since = time.time()
     while True:  # a host may boot before its cluster: agents write into L2 meanwhile
         try:
             daemon = NodeDaemon(config, name, rng=rng)
@@ -679,7 +715,7 @@ def main(config: Config, name: str | None = None) -> int:
         except Unavailable as exc:
             delay = backoff.failed()
             log.warning("cannot start yet (%s); retrying in %.1fs", exc, delay)
-            if stop.wait(delay):
+            if _wait_starting(config, name, stop, delay, since, str(exc)):
                 return 0
     log.info("host %s, namespace %s, %d seed nodes; %d hot keys prewarmed", daemon.host,
              daemon.kv.name, len(config.cluster.redis), daemon.stats.extra.get("prewarmed", 0))

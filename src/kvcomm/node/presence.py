@@ -114,12 +114,27 @@ def read_status(path: str) -> dict[str, Any] | None:
 
 
 def status_fresh(status: dict[str, Any] | None, wall: float | None = None) -> bool:
-    """Whether ``status`` (a status file's content) was written within STATUS_FRESH_S of
-    ``wall`` (default: now). False for a missing, non-numeric, non-finite or far-future
-    ``updated`` (the file is advisory: what another process wrote there must not raise,
-    nor make a dead daemon's word fresh for ever). Never raises."""
-    if status is None:
+    """Whether ``status`` (a status file's content) is a started daemon's, written within
+    STATUS_FRESH_S of ``wall`` (default: now). False for a missing, non-numeric,
+    non-finite or far-future ``updated`` (the file is advisory: what another process
+    wrote there must not raise, nor make a dead daemon's word fresh for ever), and for the
+    word of a daemon still starting (:func:`starting_status`). Never raises."""
+    if status is None or status.get("starting"):
         return False
+    return _written_lately(status, wall)
+
+
+def starting_status(path: str, wall: float | None = None) -> dict[str, Any] | None:
+    """The status file at ``path`` when a daemon that cannot start yet wrote it lately
+    (``starting``: why, ``since``: when it first failed, ``pid``; node/daemon.py main),
+    else None: for the messages of agents that wait for a daemon. Never raises."""
+    status = read_status(path)
+    if status is None or not status.get("starting") or not _written_lately(status, wall):
+        return None
+    return status
+
+
+def _written_lately(status: dict[str, Any], wall: float | None) -> bool:
     now = time.time() if wall is None else wall
     updated = status.get("updated", 0)
     if isinstance(updated, bool) or not isinstance(updated, (int, float)):
