@@ -144,6 +144,10 @@ def test_an_agent_beside_a_daemon_that_cannot_start_is_told_it_runs_and_why(
         assert "runs but has not started" in msg and f"pid {proc.pid} " in msg, msg
         assert "cannot reach L3" in msg and "cluster.redis" in msg, msg
         assert "Start it" not in msg, msg
+        out = _kvcomm("info", "--config", str(path))  # (the operator's view: the same)
+        assert out.returncode == 0, out.stderr
+        assert f"node daemon    pid {proc.pid}, not started: it cannot reach L3" in out.stdout \
+            and "no node daemon" not in out.stdout, out.stdout
     finally:
         proc.terminate()
         _out, err_text = proc.communicate(timeout=30)
