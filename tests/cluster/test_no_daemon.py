@@ -15,6 +15,7 @@ is nowhere (they never reach L3).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -155,6 +156,41 @@ def test_an_agent_beside_a_daemon_that_cannot_start_is_told_it_runs_and_why(
     assert proc.returncode == 0, err_text
     assert "cannot start yet" in err_text, err_text
     assert read_status(status) is None  # (stopped before it started: no word left)
+
+
+def test_a_daemon_that_cannot_start_never_talks_over_a_started_one(
+        ns: str, tmp_path: Path) -> None:
+    """Two daemons of one namespace on one host, one started (its status written by the
+    test, fresh, in partition mode) and one that cannot start: the starting one never
+    replaces the started one's status (the agents would lose its partition mode), nor
+    removes it when stopped."""
+    from kvcomm.node.presence import read_status, starting_status, status_path, write_status
+
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(_mapping(ns)))
+    status = status_path(ns, kvcomm.Config.from_mapping(_mapping(ns)).cache.l2_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "node", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = {"pid": os.getpid(), "partition": True, "partition_reason": "the test's"}
+    try:
+        wait_for(lambda: starting_status(status) is not None, 60,
+                 "the daemon's word that it cannot start yet")
+        write_status(status, {**started, "updated": time.time()})
+        time.sleep(1.2)  # (a write of its word under way when ours landed: done by now)
+        for _ in range(12):  # (its word, every second, would land within these 2.4 s)
+            write_status(status, {**started, "updated": time.time()})
+            time.sleep(0.2)
+            st = read_status(status)
+            assert st is not None and st.get("partition") and "starting" not in st, st
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        st = read_status(status)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(status)
+        l2.purge(ns)
+    assert proc.returncode == 0
+    assert st is not None and st.get("pid") == os.getpid(), st  # (not its to remove)
 
 
 @pytest.mark.parametrize("since", [10**400, float("nan"), True, "x", None, -1.0])

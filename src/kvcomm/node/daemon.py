@@ -59,7 +59,14 @@ from .delivery import UNCONFIRMED_MAX, HostActivity, Inbound, Outbound
 from .keys import KeyFilterKeeper
 from .partition import PartitionMode
 from .port import ClientPort, HostKeys, HostL2, L3Port
-from .presence import HostPresence, Reachability, read_status, status_path, write_status
+from .presence import (
+    HostPresence,
+    Reachability,
+    read_status,
+    status_fresh,
+    status_path,
+    write_status,
+)
 from .prewarm import Prewarm
 from .pull import Puller, nobody
 from .push import Pusher
@@ -670,7 +677,9 @@ def _wait_starting(config: Config, name: str | None, stop: threading.Event, dela
         path = ""  # (a bad name: NodeDaemon says so)
     end = time.monotonic() + delay
     while True:
-        if path:
+        if path and status_fresh(read_status(path)):
+            pass  # (a started daemon of this namespace speaks for it: never talk over it)
+        elif path:
             try:
                 write_status(path, {"starting": why[:500], "since": since, "pid": os.getpid(),
                                     "namespace": ns, "updated": time.time()},
