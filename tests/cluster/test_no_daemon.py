@@ -135,8 +135,8 @@ def test_an_agent_beside_a_daemon_that_cannot_start_is_told_it_runs_and_why(
     proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "node", "--config", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: starting_status(status) is not None, 60,
-                 "the daemon's word that it cannot start yet")
+        wait_for(lambda: "cannot reach L3" in str((starting_status(status) or {}).get(
+            "starting")), 60, "the daemon's word that it cannot start yet, and why")
         assert not status_fresh(read_status(status))
         with pytest.raises(kvcomm.Unavailable) as err:
             kvcomm.open(config=path)
@@ -147,7 +147,8 @@ def test_an_agent_beside_a_daemon_that_cannot_start_is_told_it_runs_and_why(
         assert "Start it" not in msg, msg
         out = _kvcomm("info", "--config", str(path))  # (the operator's view: the same)
         assert out.returncode == 0, out.stderr
-        assert f"node daemon    pid {proc.pid}, not started: it cannot reach L3" in out.stdout \
+        assert f"node daemon    runs, not started: pid {proc.pid} has been starting" \
+            in out.stdout and "cannot reach L3" in out.stdout \
             and "no node daemon" not in out.stdout, out.stdout
     finally:
         proc.terminate()
@@ -193,6 +194,36 @@ def test_a_daemon_that_cannot_start_never_talks_over_a_started_one(
     assert st is not None and st.get("pid") == os.getpid(), st  # (not its to remove)
 
 
+def test_a_daemons_word_is_said_while_its_first_try_to_start_still_waits(ns: str) -> None:
+    """One try to start may wait cluster.timeout on every seed (a cluster that does not
+    answer): the word is said from a thread from the start, kept fresh every second, and
+    removed when the daemon stops before it started (kept when it started: its own
+    status replaces it)."""
+    from kvcomm.node.daemon import _StartingWord
+    from kvcomm.node.presence import STATUS_FRESH_S, read_status, starting_status, status_path
+
+    cfg = _config(ns)
+    status = status_path(ns, cfg.cache.l2_dir)
+    word = _StartingWord(cfg, None)
+    try:
+        wait_for(lambda: starting_status(status) is not None, 10, "the word")
+        first = starting_status(status)
+        assert first is not None and "first try" in first["starting"], first
+        t0 = time.time()  # (a try that outlasts the word's freshness: it stays fresh)
+        wait_for(lambda: time.time() > t0 + STATUS_FRESH_S + 0.5, 10, "the clock to move")
+        assert starting_status(status) is not None
+    finally:
+        word.close(started=False)
+    assert read_status(status) is None
+    word = _StartingWord(cfg, None)
+    wait_for(lambda: starting_status(status) is not None, 10, "the word")
+    word.close(started=True)
+    try:
+        assert read_status(status) is not None  # (the started daemon's status replaces it)
+    finally:
+        os.unlink(status)
+
+
 @pytest.mark.parametrize("since", [10**400, float("nan"), True, "x", None, -1.0])
 def test_a_starting_word_with_junk_is_read_without_raising(ns: str, since: Any) -> None:
     """The status file is advisory: whatever another process wrote as a starting daemon's
@@ -206,7 +237,8 @@ def test_a_starting_word_with_junk_is_read_without_raising(ns: str, since: Any) 
             json.dump({"starting": "why\x00" * 200, "since": since, "pid": [1],
                        "updated": time.time()}, f)
         said = kv._daemon_starting()
-        assert "cannot reach L3" in said and len(said) < 600, said
+        assert "pid unknown has been starting" in said and len(said) < 600, said
+        assert all(c.isprintable() for c in said), said
         assert StatusReader(path).status() is None and not kv._daemon_beats()
         write_status(path, {"partition": True, "updated": time.time()})
         assert kv._daemon_starting() == "" and StatusReader(path).status() is not None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 import threading
 import time
@@ -183,20 +181,11 @@ class ClientBase:
     def _daemon_starting(self) -> str:
         """What a node daemon of this namespace that cannot start yet says (its pid, why,
         since when), for a message; "" when none says so lately."""
-        from ..node.presence import starting_status
+        from ..node.presence import starting_status, starting_text
         from ..tiers.shm.files import status_path
 
         st = starting_status(status_path(self.name, self.config.cache.l2_dir))
-        if st is None:
-            return ""
-        why = "".join(c if c.isprintable() else "?" for c in str(st.get("starting"))[:300])
-        since = st.get("since")
-        ago = ""
-        if isinstance(since, (int, float)) and not isinstance(since, bool):
-            with contextlib.suppress(OverflowError, ValueError):  # (the file is advisory)
-                if math.isfinite(since):
-                    ago = f" for {max(0.0, time.time() - float(since)):.0f}s"
-        return f"pid {st.get('pid')!s:.12} cannot reach L3{ago}, and retries ({why})"
+        return "" if st is None else starting_text(st)
 
     def _daemon_cmd(self, config_file: str | None) -> str:
         """The command that starts this namespace's node daemon, for a message."""

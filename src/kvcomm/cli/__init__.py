@@ -59,7 +59,13 @@ def _info(args: argparse.Namespace) -> int:
         info = seg.info()
     finally:
         seg.close()
-    from ..node.presence import masters_down_text, read_status, starting_status, status_fresh
+    from ..node.presence import (
+        masters_down_text,
+        read_status,
+        starting_status,
+        starting_text,
+        status_fresh,
+    )
     from ..tiers.shm.files import status_path
 
     st = read_status(status_path(info["name"], c.l2_dir))
@@ -101,9 +107,8 @@ def _info(args: argparse.Namespace) -> int:
               f"{info['dirty']} writes not yet in L3, {info['set_aside']} set aside")
     starting = starting_status(status_path(info["name"], c.l2_dir))
     if not info["daemon_alive"] and st is None and starting is not None:
-        why = "".join(ch if ch.isprintable() else "?" for ch in str(starting.get("starting"))[:300])
-        print(f"node daemon    pid {str(starting.get('pid'))[:12]}, not started: it cannot "
-              f"reach L3 and retries ({why}); {info['dirty']} writes waiting for L3")
+        print(f"node daemon    runs, not started: {starting_text(starting)}; "
+              f"{info['dirty']} writes waiting for L3")
     elif not info["daemon_alive"] and st is None and (
             cfg.cluster.enabled or info["daemon_pid"] or info["dirty"]):
         # (cluster mode with no daemon: writes are acknowledged into L2 and wait there)

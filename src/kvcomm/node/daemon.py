@@ -663,39 +663,52 @@ def _import(path: str) -> Any:
     return fn
 
 
-def _wait_starting(config: Config, name: str | None, stop: threading.Event, delay: float,
-                   since: float, why: str) -> bool:
-    """Wait ``delay`` seconds before the next try to start (True: stopped meanwhile),
-    saying so in the status file every second: the agents that wait for this daemon then
-    say that it runs but cannot start, and why, not that none runs (presence.py
-    starting_status; the word of a daemon starting is no started daemon's to them)."""
-    ns = name if name is not None else config.node.namespace
-    try:
-        segment_path(ns)  # (validates the name: the file lies in cache.l2_dir)
-        path = status_path(ns, config.cache.l2_dir)
-    except SegmentError:
-        path = ""  # (a bad name: NodeDaemon says so)
-    end = time.monotonic() + delay
-    while True:
-        if path and status_fresh(read_status(path)):
-            pass  # (a started daemon of this namespace speaks for it: never talk over it)
-        elif path:
-            try:
-                write_status(path, {"starting": why[:500], "since": since, "pid": os.getpid(),
-                                    "namespace": ns, "updated": time.time()},
-                             config.cache.l2_permissions)
-            except OSError as exc:
-                log.warning("cannot write %s: %s", path, exc)
-                path = ""
-        left = end - time.monotonic()
-        if left <= 0:
-            return False
-        if stop.wait(min(left, 1.0)):
-            st = read_status(path) if path else None
-            if st is not None and st.get("pid") == os.getpid():
-                with contextlib.suppress(OSError):
-                    os.unlink(path)  # (stopped before it started: it says nothing more)
-            return True
+class _StartingWord:
+    """A daemon's word, while it cannot start yet, in the namespace's status file:
+    ``{"starting": why, "since", "pid", ...}``, rewritten every second from a thread (one
+    try to start may wait cluster.timeout on every seed), so that the agents waiting for
+    it say that it runs but has not started, and why, not that none runs (presence.py
+    starting_status; to every reader the word is no started daemon's status). Never
+    written over a started daemon's fresh status (two daemons of a namespace on a host:
+    the agents would lose the started one's partition mode); removed by :meth:`close`
+    when this daemon stops before it started. Never raises."""
+
+    def __init__(self, config: Config, name: str | None) -> None:
+        self.ns = name if name is not None else config.node.namespace
+        self.permissions = config.cache.l2_permissions
+        try:
+            segment_path(self.ns)  # (validates the name: the file lies in cache.l2_dir)
+            self.path = status_path(self.ns, config.cache.l2_dir)
+        except SegmentError:
+            self.path = ""  # (a bad name: NodeDaemon says so)
+        self.why = "its first try to reach L3 is under way"
+        self.since = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvcomm-node-starting",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self.path and not self._stop.is_set():
+            if not status_fresh(read_status(self.path)):  # (else a started daemon speaks)
+                try:
+                    write_status(self.path, {"starting": self.why[:500], "since": self.since,
+                                             "pid": os.getpid(), "namespace": self.ns,
+                                             "updated": time.time()}, self.permissions)
+                except OSError as exc:
+                    log.warning("cannot write %s: %s", self.path, exc)
+                    return
+            self._stop.wait(1.0)
+
+    def close(self, started: bool) -> None:
+        """Stop saying it; unless the daemon ``started`` (its own status replaces the word),
+        remove the word if it is still this daemon's."""
+        self._stop.set()
+        self._thread.join(5)
+        st = read_status(self.path) if self.path and not started else None
+        if st is not None and st.get("starting") and st.get("pid") == os.getpid():
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 def main(config: Config, name: str | None = None) -> int:
@@ -716,16 +729,23 @@ def main(config: Config, name: str | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     rng = random.Random()  # seeded by the OS: hosts that boot together wait differently
     backoff = Backoff(rng, base=0.1, cap=5.0, floor=0.05)
-    since = time.time()
-    while True:  # a host may boot before its cluster: agents write into L2 meanwhile
-        try:
-            daemon = NodeDaemon(config, name, rng=rng)
-            break
-        except Unavailable as exc:
-            delay = backoff.failed()
-            log.warning("cannot start yet (%s); retrying in %.1fs", exc, delay)
-            if _wait_starting(config, name, stop, delay, since, str(exc)):
-                return 0
+    word = _StartingWord(config, name)
+    try:
+        while True:  # a host may boot before its cluster: agents write into L2 meanwhile
+            try:
+                daemon = NodeDaemon(config, name, rng=rng)
+                break
+            except Unavailable as exc:
+                delay = backoff.failed()
+                log.warning("cannot start yet (%s); retrying in %.1fs", exc, delay)
+                word.why = f"it cannot reach L3 and retries: {exc}"
+                if stop.wait(delay):
+                    word.close(started=False)
+                    return 0
+    except BaseException:
+        word.close(started=False)
+        raise
+    word.close(started=True)
     log.info("host %s, namespace %s, %d seed nodes; %d hot keys prewarmed", daemon.host,
              daemon.kv.name, len(config.cluster.redis), daemon.stats.extra.get("prewarmed", 0))
     from ..metrics.node import attach_daemon

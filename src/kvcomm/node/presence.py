@@ -134,6 +134,24 @@ def starting_status(path: str, wall: float | None = None) -> dict[str, Any] | No
     return status
 
 
+def starting_text(status: dict[str, Any]) -> str:
+    """A starting daemon's word (:func:`starting_status`) for a message: its pid, for how
+    long, why; printable and bounded whatever the file holds. Never raises."""
+    pid = status.get("pid")
+    who = f"pid {pid}" if type(pid) is int else "pid unknown"
+    why = "".join(c if c.isprintable() else "?"
+                  for c in str(status.get("starting"))[:300]).rstrip(".")
+    since = status.get("since")
+    ago = ""
+    if isinstance(since, (int, float)) and not isinstance(since, bool):
+        try:
+            if math.isfinite(since):
+                ago = f" for {max(0.0, time.time() - float(since)):.0f}s"
+        except (OverflowError, ValueError):
+            pass
+    return f"{who} has been starting{ago}: {why}"
+
+
 def _written_lately(status: dict[str, Any], wall: float | None) -> bool:
     now = time.time() if wall is None else wall
     updated = status.get("updated", 0)

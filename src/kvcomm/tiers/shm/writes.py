@@ -157,10 +157,22 @@ class Writes(SegmentCore):
         """What holds this host's writes back from L3, as the host's node daemon last told
         (its status file), with what to do: for the message of a write refused at
         ``cluster.outbound_max``. Never raises; bounded (the file is another process's)."""
-        from ...node.presence import masters_down_text, read_status, status_fresh
+        from ...node.presence import (
+            masters_down_text,
+            read_status,
+            starting_status,
+            starting_text,
+            status_fresh,
+        )
         from .files import status_path
 
-        st = read_status(status_path(self.name, self.directory))
+        path = status_path(self.name, self.directory)
+        word = starting_status(path)
+        if word is not None:
+            return (f"the node daemon runs but has not started ({starting_text(word)}): they "
+                    "are sent once it reaches L3; check cluster.redis and that the cluster "
+                    "is up")
+        st = read_status(path)
         if st is None or not status_fresh(st):
             return (f"is `kvcomm node` running for namespace {self.name!r} and the cluster up? "
                     "Start it, or retry once it has sent them")
