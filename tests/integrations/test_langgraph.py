@@ -28,6 +28,7 @@ from kvcomm._wait import wait_until
 pytest.importorskip("langgraph.checkpoint.conformance")
 
 import ormsgpack
+from langgraph.channels.delta import DeltaChannel  # noqa: E402
 from langgraph.checkpoint.conformance import checkpointer_test, validate  # noqa: E402
 from langgraph.checkpoint.conformance.capabilities import (  # noqa: E402
     BASE_CAPABILITIES,
@@ -876,6 +877,48 @@ def test_a_task_run_again_is_no_conflict(kv: kvcomm.Client) -> None:
     before = kv.counters["conflicts"]
     saver.put_writes(cfg, [("a", 1)], "task")
     assert kv.counters["conflicts"] == before
+
+
+def _extend(state: Any, writes: Any) -> list[Any]:
+    out = list(state or [])
+    for w in writes:
+        out.extend(w)
+    return out
+
+
+class _DeltaState(TypedDict):  # (at module level: LangGraph resolves its annotations here)
+    items: Annotated[list[Any], DeltaChannel(_extend, list, snapshot_frequency=2)]
+    n: int
+
+
+def test_prune_keep_latest_refuses_threads_with_a_delta_channel(kv: kvcomm.Client) -> None:
+    """A DeltaChannel's value is rebuilt from the checkpoints before the latest: keeping
+    only the latest would empty it (it did: ``items: []``). prune(keep_latest) refuses
+    such threads as LangGraph's Postgres saver does (NotImplementedError; here also a
+    kvcomm.InvalidArgument), pruning nothing of any thread named; other threads prune."""
+    g = StateGraph(_DeltaState)
+    g.add_node("a", lambda s: {"items": [s["n"]], "n": s["n"] + 1})
+    g.add_node("b", lambda s: {"n": s["n"] + 1})
+    g.add_edge(START, "a")
+    g.add_edge("a", "b")
+    g.add_edge("b", END)
+    saver = KVCommSaver(kv)
+    app = g.compile(checkpointer=saver)
+    delta: Any = {"configurable": {"thread_id": "delta"}}
+    for i in range(4):
+        app.invoke({"items": [], "n": 10 * i} if i == 0 else {"n": 10 * i}, delta)
+    want = app.get_state(delta).values
+    assert want["items"] == [0, 10, 20, 30]
+    plain: Any = {"configurable": {"thread_id": "plain"}}
+    build_graph().compile(checkpointer=saver).invoke({"steps": [], "answer": ""}, plain)
+    before = len(list(saver.list(plain)))
+    with pytest.raises(NotImplementedError, match="DeltaChannel: delta") as err:
+        saver.prune(["plain", "delta"])
+    assert isinstance(err.value, kvcomm.InvalidArgument)
+    assert len(list(saver.list(plain))) == before > 1  # (nothing pruned)
+    assert app.get_state(delta).values == want
+    saver.prune(["plain"])
+    assert len(list(saver.list(plain))) == 1
 
 
 def test_a_tasks_writes_stored_already_are_kept_and_special_ones_replaced(

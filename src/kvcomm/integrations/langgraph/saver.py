@@ -76,6 +76,11 @@ _ANY: Any = object()  # (a head move from any parent: forward only)
 _MAX_HEADS = 65536  # (the remembered heads, one per thread and namespace: bounded)
 
 
+class _DeltaThreads(InvalidArgument, NotImplementedError):
+    """prune(keep_latest) of threads that use a DeltaChannel (LangGraph's savers raise
+    NotImplementedError there; KVCOMM's errors are KVCommErrors: both)."""
+
+
 class _NotHead(Exception):
     """put_writes: the checkpoint is no longer the head (the head is left alone)."""
 
@@ -788,9 +793,20 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """``keep_latest``: keep only the latest checkpoint of each namespace of each
         thread (with its writes and values); ``delete``: delete the threads. Raises
-        InvalidArgument for another strategy (nothing deleted)."""
+        InvalidArgument for another strategy, and for ``keep_latest`` of threads that use
+        a LangGraph ``DeltaChannel`` (whose latest value is rebuilt from the checkpoints
+        before it: LangGraph's Postgres saver refuses them too; the error is also a
+        NotImplementedError, as its); nothing deleted then."""
         if strategy not in ("keep_latest", "delete"):
             raise InvalidArgument(f"prune strategy is 'keep_latest' or 'delete', got {strategy!r}")
+        if strategy == "keep_latest":
+            delta = sorted(t for t in thread_ids if self._uses_delta_channels(t))
+            if delta:
+                raise _DeltaThreads(
+                    "keep_latest can't prune threads that use a DeltaChannel: "
+                    f"{', '.join(delta)} (their values are rebuilt from the checkpoints "
+                    "before the latest); nothing was pruned: prune the others, or delete "
+                    "these (strategy='delete')")
         for t in thread_ids:
             if strategy == "delete":
                 self.delete_thread(t)
@@ -801,6 +817,18 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     _t, ns, c = Keys.split(item.key, self.keys.checkpoints)
                     latest[ns] = max(c, latest.get(ns, c))
                 _rewrite(self, t, functools.partial(_not_latest, latest))
+
+    def _uses_delta_channels(self, thread_id: str) -> bool:
+        """Whether a checkpoint of ``thread_id`` was written by a graph with a
+        ``DeltaChannel`` (its metadata counts deltas, as LangGraph writes it)."""
+        with _Reading(f"thread {thread_id!r}"):
+            for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, thread_id)):
+                body = _record(item.value, 6, item.key)
+                md = self._loads(body[2], body[3])
+                if type(md) is dict and ("counters_since_delta_snapshot" in md
+                                         or "delta_writes_versioned" in md):
+                    return True
+        return False
 
     # ---------------------------------------------------------------- async
     async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
