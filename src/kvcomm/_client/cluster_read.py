@@ -182,7 +182,11 @@ class ClusterReads(Merging):
         another file: too old for the ring)."""
         m = self._kf
         if m is not None and m.retired:  # a restarted daemon's new file counts from now on
-            self._key_filter()  # (reopened at most once a second)
+            # (reopened now, not within _key_filter's second: a retired file says its
+            # successor is in place, and an agent whose last reopen was under a second ago
+            # answered "absent" for a key the new daemon knew; once per retired mapping)
+            self._kf_retry = 0.0
+            self._key_filter()
             m = self._kf
             if m is None or m.retired:
                 return True  # (no new file yet: judged once it is there)
