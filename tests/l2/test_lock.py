@@ -25,7 +25,7 @@ import kvcomm
 from kvcomm.tiers import l2
 from kvcomm.tiers.l2 import SLOT
 from kvcomm.tiers.shm.layout import MUTEX_AT
-from tests.support.helpers import proc_state, process_in, wait_for
+from tests.support.helpers import proc_state, proc_syscall, process_in, wait_for
 
 pytestmark = pytest.mark.multiprocess
 CTX = mp.get_context("fork")
@@ -372,15 +372,6 @@ print("released" if c.unlock() else "not released", flush=True)
 """
 
 
-def _syscall(pid: int) -> str:
-    """The number of the system call ``pid`` is in ("202": futex), or "gone"."""
-    try:
-        with open(f"/proc/{pid}/syscall") as f:
-            return f.read().split()[0]
-    except (OSError, IndexError):
-        return "gone"
-
-
 @_NEEDS_UNSHARE
 def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_lock_then_killed_frees_nothing(
         ns: str) -> None:
@@ -403,12 +394,12 @@ def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_lock_then_killed_fr
             try:
                 for p in sleepers:
                     assert p.stdout is not None and p.stdout.readline().startswith("waiting")
-                    wait_for(lambda p=p: _syscall(p.pid) == "202", 10, "a sleeper to sleep")
+                    wait_for(lambda p=p: proc_syscall(p.pid) == "202", 10, "a sleeper to sleep")
                 w = box.start(_SLEEPS)
                 assert w.stdout is not None
                 tid = w.stdout.readline().split()[1]
                 py = process_in(w.pid, b"kvcomm")
-                wait_for(lambda py=py: _syscall(py) == "202", 10, "W to sleep")
+                wait_for(lambda py=py: proc_syscall(py) == "202", 10, "W to sleep")
                 h2 = box.start(_SPINS)
                 assert h2.stdout is not None and h2.stdout.readline().strip() == "spinning"
                 core.unlock()
@@ -417,9 +408,9 @@ def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_lock_then_killed_fr
                     continue
                 assert h2.stdout.readline().split() == ["held", tid]
                 deadline = time.monotonic() + 2  # (W, woken for nothing, goes back to sleep)
-                while _syscall(py) != "202" and time.monotonic() < deadline:
+                while proc_syscall(py) != "202" and time.monotonic() < deadline:
                     time.sleep(0.001)
-                if _syscall(py) != "202":
+                if proc_syscall(py) != "202":
                     continue
                 seen += 1
                 before = kv._seg.info()["owner_deaths"]

@@ -26,7 +26,7 @@ from kvcomm import _l2core
 from kvcomm.tiers import vectors
 from kvcomm.tiers.shm import segment  # noqa: F401  (C raises kvcomm's errors once imported)
 from kvcomm.tiers.vectors import VectorFile
-from tests.support.helpers import proc_state, process_in, wait_for
+from tests.support.helpers import proc_state, proc_syscall, process_in, wait_for
 
 np = pytest.importorskip("numpy")
 pytestmark = pytest.mark.multiprocess
@@ -279,15 +279,6 @@ _l2core.mutex_unlock(mm, 128)
 """
 
 
-def _syscall(pid: int) -> str:
-    """The number of the system call ``pid`` is in ("202": futex), or "gone"."""
-    try:
-        with open(f"/proc/{pid}/syscall") as f:
-            return f.read().split()[0]
-    except (OSError, IndexError):
-        return "gone"
-
-
 def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_mutex_then_killed_frees_nothing(
         ) -> None:
     """W waits while this process holds the mutex; H2, another container's thread with
@@ -305,10 +296,10 @@ def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_mutex_then_killed_f
                 for _ in range(2):  # (asleep first: the wake-up at the release goes to one)
                     procs.append(subprocess.Popen([sys.executable, "-c", _TAKES, path],
                                                   text=True, stdout=subprocess.PIPE))
-                    wait_for(lambda p=procs[-1]: _syscall(p.pid) == "202", 10, "a sleeper")
+                    wait_for(lambda p=procs[-1]: proc_syscall(p.pid) == "202", 10, "a sleeper")
                 waiter = _in_namespaces(path, procs)
                 py = process_in(waiter.pid, b"mutex_lock")
-                wait_for(lambda py=py: _syscall(py) == "202", 10, "the waiter to sleep")
+                wait_for(lambda py=py: proc_syscall(py) == "202", 10, "the waiter to sleep")
                 procs.append(subprocess.Popen(
                     ["unshare", "-Urpf", "--kill-child", sys.executable, "-c", _SPINS, path],
                     text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
@@ -322,9 +313,9 @@ def test_a_waiter_asleep_when_a_thread_with_its_id_takes_the_mutex_then_killed_f
                     continue  # (W took it: not the moment)
                 assert h2.stdout.readline().split()[:1] == ["got"]
                 deadline = time.monotonic() + 2  # (W, woken for nothing, goes back to sleep)
-                while _syscall(py) != "202" and time.monotonic() < deadline:
+                while proc_syscall(py) != "202" and time.monotonic() < deadline:
                     time.sleep(0.001)
-                if _syscall(py) != "202":
+                if proc_syscall(py) != "202":
                     continue
                 seen += 1
                 waiter.kill()

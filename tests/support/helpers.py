@@ -53,6 +53,16 @@ def proc_state(pid: int) -> bytes:
     return data[data.rfind(b")") + 2 : data.rfind(b")") + 3]
 
 
+def proc_syscall(pid: int) -> str:
+    """The number of the system call process ``pid`` is in ("202": futex, on x86-64), or
+    "gone"."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
 def process_in(root: int, marker: bytes) -> int:
     """The pid of the Python (this interpreter's executable) under ``root`` (itself or a
     descendant, in this PID namespace's numbers) whose command line holds ``marker``:

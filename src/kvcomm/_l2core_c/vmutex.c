@@ -16,8 +16,9 @@
  *
  * It is taken with trylock only, on a word that shows no live holder (lock.c's
  * trylock_free); a writer that finds it held sleeps on its lock word (lock.c's sleep_on),
- * never inside pthread_mutex_lock, for the reason lock.c gives at its top. This thread's holds are kept here (vheld), by address: unlock never releases
- * a hold of another container's thread that has this thread's id.
+ * never inside pthread_mutex_lock, for the reason lock.c gives at its top. This
+ * thread's holds are kept here (vheld), by address: unlock never releases a hold of
+ * another container's thread that has this thread's id.
  *
  * mutex_lock waits with the GIL released, in slices of 50 ms between which Python's
  * signal handlers run (a KeyboardInterrupt while waiting raises, nothing held); with a
@@ -211,31 +212,32 @@ mutex_forget(PyObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* release the mutex at args if this thread holds it: 1 released, 0 not held, -1 error set */
+static int
+vmutex_release_at(PyObject *const *args, Py_ssize_t nargs, const char *name)
+{
+    Py_buffer view;
+    pthread_mutex_t *m = vmutex_at(args, nargs, &view, name);
+    if (!m)
+        return -1;
+    int rc = vmutex_drop(m);
+    PyBuffer_Release(&view);
+    return rc;
+}
+
 static PyObject *
 mutex_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    Py_buffer view;
-    pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_release");
-    if (!m)
-        return NULL;
-    int rc = vmutex_drop(m);
-    PyBuffer_Release(&view);
-    if (rc < 0)
-        return NULL;
-    return PyBool_FromLong(rc);
+    int rc = vmutex_release_at(args, nargs, "mutex_release");
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
 }
 
 static PyObject *
 mutex_unlock(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    Py_buffer view;
-    pthread_mutex_t *m = vmutex_at(args, nargs, &view, "mutex_unlock");
-    if (!m)
-        return NULL;
-    int rc = vmutex_drop(m);
-    PyBuffer_Release(&view);
+    int rc = vmutex_release_at(args, nargs, "mutex_unlock");
     if (rc < 0)
         return NULL;
     if (rc == 0) {

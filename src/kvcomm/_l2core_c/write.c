@@ -734,11 +734,12 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
     Py_ssize_t bad = 0;
     if (expects) {
         int failed = check_expects(c, expects, &bad);
+        if (failed < 0) { /* corruption keeps BUSY raised; a malformed expect changed nothing */
+            if (!PyErr_ExceptionMatches(SegmentError))
+                ST(HW(c, H_BUSY), 0);
+            return NULL;
+        }
         if (failed) {
-            if (failed < 0 && !PyErr_ExceptionMatches(SegmentError))
-                ST(HW(c, H_BUSY), 0); /* (a malformed expect: nothing looked at is wrong) */
-            if (failed < 0)
-                return NULL;
             ST(HW(c, H_BUSY), 0);
             return single ? PyLong_FromLong(ST_CONFLICT) : Py_BuildValue("(in)", ST_CONFLICT, bad);
         }
