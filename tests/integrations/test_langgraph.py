@@ -822,10 +822,11 @@ def test_crafted_msgpack_in_kvcomm_never_runs_code_in_the_store(kv: kvcomm.Clien
     KVCommSaver(kv, serde=lg.JsonPlusSerializer(allowed_msgpack_modules=[("uuid", "UUID")]))
 
 
-def _sparse_chain(saver: Any) -> tuple[Any, Any]:
+def _sparse_chain(saver: Any, second: Any = None) -> tuple[Any, Any]:
     """Checkpoint 1 holds a=1 (small: in its record) and L=[1] (a record of its own);
     checkpoint 2 names both at the same versions but passes only its new channel's value,
-    as a caller of put may (LangGraph itself passes every value)."""
+    as a caller of put may (LangGraph itself passes every value); ``second`` (default:
+    ``saver``) puts checkpoint 2."""
     from langgraph.checkpoint.base import empty_checkpoint
 
     def cp(values: dict[str, Any], versions: dict[str, str]) -> Any:
@@ -838,7 +839,7 @@ def _sparse_chain(saver: Any) -> tuple[Any, Any]:
     va = saver.get_next_version(None, None)
     vb = saver.get_next_version(va, None)
     r1 = saver.put(cfg, cp({"a": 1, "L": [1]}, {"a": va, "L": va}), {}, {"a": va, "L": va})
-    r2 = saver.put(r1, cp({"b": 2}, {"a": va, "L": va, "b": vb}), {}, {"b": vb})
+    r2 = (second or saver).put(r1, cp({"b": 2}, {"a": va, "L": va, "b": vb}), {}, {"b": vb})
     return r1, r2
 
 
@@ -863,6 +864,17 @@ def test_a_checkpoint_put_without_its_unchanged_values_reads_them_from_its_ances
         (blob,) = _blob_keys(saver, "sparse", first)
         cp2 = kv.get_item(saver.keys.checkpoint("sparse", "", r2["configurable"]["checkpoint_id"]))
         assert kv.get_item(blob).expires_at >= cp2.expires_at - 1e-3
+
+
+def test_a_child_put_by_another_saver_reads_its_parents_small_values_back(
+        kv: kvcomm.Client) -> None:
+    """The parent was put by another saver (another process, or this one's memory of its
+    last put trimmed): the child's put reads the parent's record from KVCOMM to carry its
+    small values on."""
+    first, second = KVCommSaver(kv), KVCommSaver(kv)
+    _r1, r2 = _sparse_chain(first, second)
+    got = second.get_tuple(r2)
+    assert got is not None and got.checkpoint["channel_values"] == {"a": 1, "L": [1], "b": 2}
 
 
 def test_a_task_run_again_is_no_conflict(kv: kvcomm.Client) -> None:

@@ -53,25 +53,22 @@ def esc(component: str) -> str:
     return _esc(component)
 
 
-@functools.lru_cache(maxsize=65536)  # (a run escapes the same few ids at every step)
-def _esc(component: str) -> str:
+def _escaped(component: str) -> str:
     return _ESCAPE.sub(lambda m: f"%{ord(m.group()):02X}", component)
 
 
-def _esc_once(component: str) -> str:
-    """:func:`esc` of an id seen once (a checkpoint or task id: new at every step), not
-    memoised; the common id, printable without ``%``, ``/`` or ``=``, is itself."""
-    if component.isprintable() and "%" not in component and "/" not in component \
-            and "=" not in component:
-        return component
-    return _ESCAPE.sub(lambda m: f"%{ord(m.group()):02X}", component)
+_esc = functools.lru_cache(maxsize=65536)(_escaped)  # (a run escapes the same ids each step)
 
 
 def _esc_id(component: str) -> str:
-    """:func:`esc` of a checkpoint or task id (new at every step: not memoised)."""
+    """:func:`esc` of a checkpoint or task id (new at every step: not memoised); the common
+    id, printable without ``%``, ``/`` or ``=``, is itself."""
     if type(component) is not str:
         return esc(component)  # (raises InvalidKey)
-    return _esc_once(component)
+    if component.isprintable() and "%" not in component and "/" not in component \
+            and "=" not in component:
+        return component
+    return _escaped(component)
 
 
 def unesc(component: str) -> str:

@@ -160,16 +160,21 @@ def _inline(value: Any) -> bool:
     return t is int or t is float or t is bool or value is None or (t is str and len(value) <= 256)
 
 
+def _shaped(value: list[Any], n: int) -> bool:
+    if n == 6:  # (a checkpoint: six fields, then (channel, type, bytes) triples)
+        return len(value) >= 6 and (len(value) - 6) % 3 == 0 and all(
+            type(value[i]) is str and type(value[i + 1]) is str and type(value[i + 2]) is bytes
+            for i in range(6, len(value), 3))
+    if len(value) != n:
+        return False
+    return n != 5 or (type(value[0]) is str and type(value[1]) is str and type(value[4]) is str)
+
+
 def _record(value: Any, n: int, key: str) -> list[Any]:
     """``value``, a record of ``n`` fields under ``key`` (a checkpoint: 6, then its inlined
     values as (channel, type, bytes) triples; a write: 5; a channel value: 2), checked for
     its shape; CorruptRecord otherwise."""
-    if type(value) is list and (len(value) == n or n == 6 and len(value) > n and (
-            (len(value) - n) % 3 == 0 and all(
-                type(value[i]) is str and type(value[i + 1]) is str
-                and type(value[i + 2]) is bytes for i in range(n, len(value), 3)))) and (
-            n != 5 or (type(value[0]) is str and type(value[1]) is str
-                       and type(value[4]) is str)):
+    if type(value) is list and _shaped(value, n):
         return value
     raise CorruptRecord(f"the record {key!r} in KVCOMM is not one KVCommSaver wrote "
                         f"({str(value)[:120]}); delete the thread (delete_thread) or that key")
@@ -222,10 +227,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # is moved by one compare-and-set on it (a strong head: one etcd round trip, not
         # a read and a write); when another writer moved it meanwhile, read it again
         self._heads: dict[str, tuple[Version, Any]] = {}
-        # per (thread, namespace), the last checkpoint this saver put: its id, record, and
-        # its channel versions when the record holds small values (else None), so that a
-        # put after it need not read it back (_inlined_by); as bounded as _heads
-        self._last: dict[tuple[str, str], tuple[str, list[Any], dict[str, Any] | None]] = {}
+        # per (thread, namespace), the last checkpoint this saver put (its id and record),
+        # so that a put after it need not read it back (_inlined_by); as bounded as _heads
+        self._last: dict[tuple[str, str], tuple[str, list[Any]]] = {}
         self._cluster = kv.config.cluster.enabled
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
                 and kv.config.cache.l3_consistency != "strong":
@@ -344,7 +348,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 "writer resumed the thread at the same time and won. Nothing of this step was "
                 "kept: run again from the thread's latest checkpoint (without checkpoint_id) to "
                 "retry, or fork from the old one explicitly (with its checkpoint_id)") from None
-        self._last[thread_id, ns] = (cid, record, dict(versions) if len(record) > 6 else None)
+        self._last[thread_id, ns] = (cid, record)
         if len(self._last) > _MAX_HEADS:
             self._last.pop(next(iter(self._last)))
         if ttl is not None:  # (values only its ancestors' records hold live as long as it)
@@ -365,22 +369,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         LangGraph passes every value but the empty channels': the parent is then the last
         checkpoint this saver put, known without a read."""
         last = self._last.get((thread_id, ns))
-        if last is not None and last[0] == parent:
-            _cid, body, theirs = last
-            if theirs is None:
-                return []
-        else:
-            key = self.keys.checkpoint(thread_id, ns, parent)
-            body = self.kv.get(key)
-            if body is None or len(_record(body, 6, key)) == 6:
-                return []
-            theirs = self._loads(body[0], body[1])["channel_versions"]
-        out: builtins.list[Any] = []
-        for i in range(6, len(body), 3):
-            ch = body[i]
-            if ch in channels and theirs.get(ch) == versions[ch]:
-                out += body[i:i + 3]
-        return out
+        key = self.keys.checkpoint(thread_id, ns, parent)
+        body = last[1] if last is not None and last[0] == parent else self.kv.get(key)
+        if body is None:
+            return []
+        found = [i for i in range(6, len(_record(body, 6, key)), 3) if body[i] in channels]
+        if not found:  # (LangGraph's own puts: only empty channels come without values)
+            return []
+        theirs = self._loads(body[0], body[1])["channel_versions"]
+        return [x for i in found if theirs.get(body[i]) == versions[body[i]]
+                for x in body[i:i + 3]]
 
     def _left(self, start: float) -> float | None:
         """The saver's ttl less the time since ``start`` (None without a ttl)."""
