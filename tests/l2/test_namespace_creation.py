@@ -3,14 +3,16 @@ racing make exactly one segment.
 
 The segment is built under a temporary name and linked into place once whole: a creator
 killed (SIGKILL) or interrupted (SIGINT) while creating leaves the next ``open()`` a
-namespace it can use, never a half-made file to purge. The kills land at random points
-of real processes' creation (the seed is printed).
+namespace it can use, never a half-made file to purge. The kills land in real processes'
+creation: at a step chosen at random (the creator waits there), or after a random time
+(the seed is printed).
 """
 
 from __future__ import annotations
 
 import gc
 import glob
+import mmap
 import multiprocessing as mp
 import os
 import random
@@ -23,6 +25,7 @@ import pytest
 
 import kvcomm
 from kvcomm.tiers import l2
+from kvcomm.tiers.shm import segment
 from kvcomm.tiers.shm.files import create_temp, remove_dead_temps
 from tests.support.helpers import wait_for
 
@@ -36,8 +39,54 @@ def _temps(name: str) -> list[str]:
     return glob.glob(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.*.tmp"))
 
 
-def _creator(ns: str, w: int) -> None:
-    """Create ``ns`` (writes b"r" just before, b"o" once open), then wait to be killed."""
+# The steps of a creation, by where they are looked up: a creator told to pause at one
+# (before or after it) writes b"p" there and waits to be killed, so that a kill lands
+# inside the creation however loaded the machine (the timed kills may all miss it)
+STEPS = [
+    (segment, "create_temp"),
+    (os, "ftruncate"),
+    (os, "posix_fallocate"),
+    (mmap, "mmap"),
+    (segment.SegmentCore, "_initialise"),
+    (os, "link"),
+]
+
+
+def _pause_at(step: int, after: bool, w: int) -> None:
+    owner, name = STEPS[step]
+    real = getattr(owner, name)
+
+    def paused(*args: object, **kwargs: object) -> object:
+        if not after:
+            _wait_for_the_signal(w)
+        out = real(*args, **kwargs)
+        if after:
+            _wait_for_the_signal(w)
+        return out
+
+    setattr(owner, name, paused)
+
+
+def _wait_for_the_signal(w: int) -> None:
+    """Wait at a step of the creation until killed, or until a SIGINT is pending: the
+    user's signals are blocked while a segment is created, and one comes once it is done
+    (src/kvcomm/tiers/shm/segment.py), so the creation goes on to deliver it."""
+    os.write(w, b"p")
+    deadline = time.monotonic() + 60
+    while signal.SIGINT not in signal.sigpending() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _wait_to_be_killed(w: int, word: bytes) -> None:
+    os.write(w, word)
+    for _ in range(600):  # (short sleeps: a signal the kernel handed to another thread
+        time.sleep(0.1)   # is raised here within 0.1 s; one long sleep would not wake)
+    os._exit(3)
+
+
+def _creator(ns: str, w: int, pause: tuple[int, bool] | None = None) -> None:
+    """Create ``ns`` (writes b"r" just before, b"o" once open), then wait to be killed;
+    with ``pause``, wait at that step of the creation instead (writes b"p" there)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # (objects the forked pytest process left, freed here by a collection, would run
     # their weakref callbacks or __del__ in this process: Python drops a KeyboardInterrupt
@@ -45,12 +94,13 @@ def _creator(ns: str, w: int) -> None:
     gc.collect()
     gc.freeze()
     cfg = kvcomm.Config.from_mapping(CFG)
+    if pause is not None:
+        _pause_at(pause[0], pause[1], w)
     os.write(w, b"r")
     kv = kvcomm.open(ns, config=cfg)
     os.write(w, b"o")
     kv.put("by-creator", 1)
-    for _ in range(600):  # (short sleeps: a signal the kernel handed to another thread
-        time.sleep(0.1)   # is raised here within 0.1 s; one long sleep would not wake)
+    _wait_to_be_killed(w, b"")
 
 
 def _open_duration() -> float:
@@ -78,15 +128,24 @@ def _open_duration() -> float:
 def test_a_creator_killed_while_creating_leaves_a_usable_namespace(sig: int, seed: int) -> None:
     rng = random.Random(seed)
     window = statistics.median(_open_duration() for _ in range(3))  # (one may be an outlier)
-    rounds, mid, temps_left = 12, 0, 0
+    rounds, mid, paused, temps_left = 12, 0, 0, 0
     for i in range(rounds):
         ns = f"t-{uuid.uuid4().hex[:10]}"
+        # every other creator pauses at a step of its creation, chosen at random, and is
+        # killed there; the others are killed after a random time, wherever they are
+        pause = (rng.randrange(len(STEPS)), rng.random() < 0.5) if i % 2 == 0 else None
         r, w = os.pipe()
         try:
-            p = CTX.Process(target=_creator, args=(ns, w))
+            p = CTX.Process(target=_creator, args=(ns, w, pause))
             p.start()
-            assert os.read(r, 1) == b"r"
-            time.sleep(rng.uniform(0.0, window))
+            got = os.read(r, 1)
+            assert got == b"r"
+            if pause is None:
+                time.sleep(rng.uniform(0.0, window))
+            else:
+                while b"p" not in got:  # (its open never returns: it waits there)
+                    got += os.read(r, 8)
+                paused += 1
             os.kill(p.pid, sig)
             p.join(10)
             assert p.exitcode is not None, "the creator outlived its signal"
@@ -113,8 +172,9 @@ def test_a_creator_killed_while_creating_leaves_a_usable_namespace(sig: int, see
             l2.purge(ns)
         assert not _temps(ns), "a temporary file outlived the purge"
     print(f"{signal.Signals(sig).name}: window {window * 1000:.0f} ms, {mid} of {rounds} "
-          f"creators killed before their open returned, {temps_left} left a temporary file")
-    assert mid >= rounds // 3, "the signals did not land while creating"
+          f"creators killed before their open returned ({paused} paused at a step), "
+          f"{temps_left} left a temporary file")
+    assert paused == rounds // 2 and mid >= paused, "the signals did not land while creating"
     if sig == signal.SIGINT:
         assert temps_left == 0, "an interrupted creator left its temporary file"
 
