@@ -63,6 +63,7 @@ class ClientBase:
     """What every layer stands on: the state of a client (made here) and its primitives."""
 
     _getter: Getter  # made by Client.__init__ (it calls later layers)
+    _batch_ops: tuple[Any, ...]  # made by Client.__init__: BatchOps's arguments (Batch)
 
     def __init__(self, name: str = "default", config: Config | None = None,
                  agent: str | None = None, wait_daemon: bool = True,

@@ -37,24 +37,21 @@ class Batch(BatchOps):
     client they raise SegmentError at once.
     """
 
-    _packed: memoryview | None  # per op, two u64: a put's counter and hlc, a delete's counter
-    _vvxs: list[bytes | None]
-    _versions: list[Version | bool] | None
-    _expects: list[tuple[str, Any, bool]] | None  # (key, Version or ABSENT, counted) checked
-    # under the lock
+    # (class-level defaults: a batch sets them only when it uses them)
+    _packed: memoryview | None = None  # per op, two u64: a put's counter and hlc, a delete's
+    # counter
+    _vvxs: tuple[()] | list[bytes | None] = ()
+    _versions: list[Version | bool] | None = None
+    _expects: list[tuple[str, Any, bool]] | None = None  # (key, Version or ABSENT, counted)
+    # checked under the lock
 
     def __init__(self, client: Writes) -> None:
         # put() and delete() are the kernel's (BatchOps, in C): they validate and encode at
         # once, through the client's key memo and encoder; the client's getter (closed with
         # the client) tells them the client is still usable; every put carries the
-        # writer's agent id
-        super().__init__(client._keys, client._key_hash, client._encode, client._max_value,
-                         client._getter, client._live, client._ext, client._max_key)
+        # writer's agent id (client._batch_ops: those arguments, made once)
+        super().__init__(*client._batch_ops)
         self._client = client
-        self._packed = None
-        self._vvxs = []
-        self._versions = None
-        self._expects = None
 
     def _expect(self, key: str, expect: Any, count: bool = True) -> None:
         """Apply the batch only if ``key`` is at Version ``expect`` (or ABSENT) when it is

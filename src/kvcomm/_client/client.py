@@ -34,6 +34,8 @@ class Client(Scanning):
                               self._zc, self._l1_on)
         self._getter.__wrapped__ = Reads.get.__get__(self)  # help(kv.get), inspect.signature
         self.get = self._getter  # type: ignore[method-assign]
+        self._batch_ops = (self._keys, self._key_hash, self._encode, self._max_value,
+                           self._getter, self._live, self._ext, self._max_key)  # (Batch)
         self._meter = metrics_agent.attach(self)  # counts flushed into L2 (kvcomm metrics)
         if type(self) is Client:
             self.__class__ = _OpenClient  # (close() makes it a Client again: no __del__)

@@ -150,6 +150,15 @@ class Packed:
         self.value = fields
         self.payload = payload
 
+    @classmethod
+    def built(cls, value: dict[str, Any] | list[Any]) -> Packed:
+        """``value`` packed as :func:`encode` would pack it, without its checks: for a
+        value KVCOMM's own code built of str, int, None, and dicts and lists of them (the
+        LangGraph saver's thread head, written at every step), never a caller's."""
+        self = cls.__new__(cls)
+        self.value = value  # type: ignore[assignment]
+        self.payload = packb(value)
+        return self
 
 
 def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:

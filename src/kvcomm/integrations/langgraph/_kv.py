@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from ..._client import Client, Item
@@ -70,8 +70,8 @@ def sync_and_aio(kv: Any, who: str) -> tuple[Client, AsyncClient | None]:
                           f"kvcomm.aio.open()), got {type(kv).__name__}")
 
 
-async def run_async(aio: AsyncClient | None, fn: Callable[..., R], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> R:
+def run_async(aio: AsyncClient | None, fn: Callable[..., R], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Awaitable[R]:
     """An async method of the saver or the store: its sync method ``fn``, one
     implementation for both faces, run as ``kvcomm.aio`` runs the client's own methods.
 
@@ -83,8 +83,9 @@ async def run_async(aio: AsyncClient | None, fn: Callable[..., R], args: tuple[A
     written before is immutable records put again with the same values, deletes, and
     compare-and-sets judged afresh (each method of the saver and the store is written so).
     On a sync client: ``fn`` in the loop's default thread executor (it may block).
+    What it returns is awaited by the caller: no coroutine of its own (one per step
+    of a graph).
     """
     if aio is not None:
-        return await aio._attempt(fn, args, kwargs)  # type: ignore[no-any-return]
-    return await asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(fn, *args, **kwargs))
+        return aio._attempt(fn, args, kwargs)
+    return asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))

@@ -37,7 +37,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -56,6 +56,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ...aio import AsyncClient
+from ...core.codec import Packed
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
@@ -115,19 +116,21 @@ def _corrupt(what: str, exc: BaseException) -> CorruptRecord:
 class _Reading:
     """``with _Reading(what):`` a block that reads records (untrusted: anyone with the
     namespace can write under the saver's keys); what a record of another shape makes it
-    raise becomes CorruptRecord naming ``what``. KVCommErrors pass as they are."""
+    raise becomes CorruptRecord naming ``what`` (``_Reading(thread=t)``: "thread t", made
+    only then). KVCommErrors pass as they are."""
 
-    __slots__ = ("what",)
+    __slots__ = ("thread", "what")
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str = "", *, thread: str = "") -> None:
         self.what = what
+        self.thread = thread
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, t: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is not None and isinstance(exc, _SHAPE_ERRORS) and not isinstance(exc, KVCommError):
-            raise _corrupt(self.what, exc) from None
+            raise _corrupt(self.what or f"thread {self.thread!r}", exc) from None
         return False
 
 
@@ -311,10 +314,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # every value, a caller of put may not; their values are its ancestors')
         inherited = [ch for ch in versions if ch not in values and ch not in new_versions]
         if inherited and parent is not None:
-            with _Reading(f"thread {thread_id!r}"):
+            with _Reading(thread=thread_id):
                 record += self._inlined_by(thread_id, ns, parent, inherited, versions)
         records: builtins.list[builtins.list[Any]] = [record]
-        blobs = k.ns(k.blobs, thread_id, ns)
+        blobs = ""  # (the channels' key prefix, made when one needs a record of its own)
         channels = builtins.list(new_versions.items())
         if ttl is not None:  # (the values it shares with its ancestors live as long as it)
             channels += [(ch, v) for ch, v in versions.items()
@@ -323,6 +326,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         for n, (channel, version) in enumerate(channels):
             if channel in values and _inline(values[channel]):
                 continue  # (in the checkpoint's record)
+            blobs = blobs or k.ns(k.blobs, thread_id, ns)
             keys.append(k.fit(blobs + esc(channel) + "/" + version_component(version),
                               "channel {!r} of thread {!r}", channel, thread_id))
             records.append([*dumps(values[channel])] if channel in values else ["empty", b""])
@@ -335,7 +339,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
         start = time.time()
         try:
-            with _Reading(f"thread {thread_id!r}"):
+            with _Reading(thread=thread_id):
                 self._update_head(k.head(thread_id, ns), functools.partial(
                     _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
                     put_records)
@@ -369,11 +373,15 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         LangGraph passes every value but the empty channels': the parent is then the last
         checkpoint this saver put, known without a read."""
         last = self._last.get((thread_id, ns))
-        key = self.keys.checkpoint(thread_id, ns, parent)
-        body = last[1] if last is not None and last[0] == parent else self.kv.get(key)
-        if body is None:
-            return []
-        found = [i for i in range(6, len(_record(body, 6, key)), 3) if body[i] in channels]
+        if last is not None and last[0] == parent:
+            body = last[1]  # (a record this saver built: no check)
+        else:
+            key = self.keys.checkpoint(thread_id, ns, parent)
+            body = self.kv.get(key)
+            if body is None:
+                return []
+            _record(body, 6, key)
+        found = [i for i in range(6, len(body), 3) if body[i] in channels]
         if not found:  # (LangGraph's own puts: only empty channels come without values)
             return []
         theirs = self._loads(body[0], body[1])["channel_versions"]
@@ -430,7 +438,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     with self.kv.batch() as b:
                         records(b)
                         if not unchanged:
-                            b.put(key, new, ttl=self._left(start))
+                            b.put(key, Packed.built(new), ttl=self._left(start))
                             b._expect(key, expect)
                     if not unchanged:
                         version = b._version_at(len(b) - 1)  # type: ignore[assignment]
@@ -471,7 +479,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if keys:
             self._put_new_writes(keys, records, regular)
         if slots and self._cluster:
-            with _Reading(f"thread {thread_id!r}"):
+            with _Reading(thread=thread_id):
                 self._note_writes(thread_id, ns, cid, slots)
 
     def _put_new_writes(self, keys: list[str], records: list[list[Any]],
@@ -740,7 +748,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         """Copy every checkpoint, value and write of ``source_thread_id`` to
         ``target_thread_id`` (records first, then the heads). Raises CorruptRecord for a
         head of the source that is not one KVCommSaver wrote (its records are copied)."""
-        with _Reading(f"thread {source_thread_id!r}"):
+        with _Reading(thread=source_thread_id):
             self._copy_thread(source_thread_id, target_thread_id)
 
     def _copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
@@ -785,7 +793,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     if t not in threads:
                         threads.append(t)
         for t in threads:
-            with _Reading(f"thread {t!r}"):
+            with _Reading(thread=t):
                 _rewrite(self, t, lambda _ns, _c, body: type(body[5]) is str and body[5] in runs)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -809,7 +817,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             if strategy == "delete":
                 self.delete_thread(t)
                 continue
-            with _Reading(f"thread {t!r}"):
+            with _Reading(thread=t):
                 latest: dict[str, str] = {}
                 for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, t)):
                     _t, ns, c = Keys.split(item.key, self.keys.checkpoints)
@@ -819,7 +827,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def _uses_delta_channels(self, thread_id: str) -> bool:
         """Whether a checkpoint of ``thread_id`` was written by a graph with a
         ``DeltaChannel`` (its metadata counts deltas, as LangGraph writes it)."""
-        with _Reading(f"thread {thread_id!r}"):
+        with _Reading(thread=thread_id):
             for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, thread_id)):
                 body = _record(item.value, 6, item.key)
                 md = self._loads(body[2], body[3])
@@ -829,8 +837,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return False
 
     # ---------------------------------------------------------------- async
-    async def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        return await run_async(self.aio, fn, args, kwargs)
+    def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> Awaitable[R]:
+        return run_async(self.aio, fn, args, kwargs)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """:meth:`get_tuple`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
