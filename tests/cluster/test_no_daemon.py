@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -157,6 +158,42 @@ def test_an_agent_beside_a_daemon_that_cannot_start_is_told_it_runs_and_why(
     assert proc.returncode == 0, err_text
     assert "cannot start yet" in err_text, err_text
     assert read_status(status) is None  # (stopped before it started: no word left)
+
+
+def test_a_daemon_stopped_during_a_try_to_start_exits_at_once(ns: str, tmp_path: Path) -> None:
+    """A cluster that does not answer (a seed that takes connections and never replies)
+    makes one try to start last cluster.timeout on each seed; SIGTERM in the middle of
+    it ends the daemon at once, not when the try gives up."""
+    from kvcomm.node.presence import starting_status, status_path
+
+    mute = socket.socket()  # (listens and never accepts: a connection waits for a reply)
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(64)
+    timeout = 20.0  # (one try: at least this long)
+    mapping = _mapping(ns)
+    mapping["cluster"].update(redis=[f"127.0.0.1:{mute.getsockname()[1]}"], timeout=timeout)
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(mapping))
+    status = status_path(ns, kvcomm.Config.from_mapping(mapping).cache.l2_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "kvcomm", "node", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: "first try" in str((starting_status(status) or {}).get("starting")),
+                 60, "the daemon's word that its first try goes on")
+        t0 = time.monotonic()
+        proc.terminate()
+        _out, err_text = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+        mute.close()
+        l2.purge(ns)
+    print(f"stopped {took:.2f} s after SIGTERM, in a try of at least {timeout:g} s")
+    assert proc.returncode == 0, err_text
+    assert "cannot start yet" not in err_text, err_text  # (still in its first try)
+    assert took < timeout / 2, f"the daemon took {took:.1f} s to stop: it finished its try"
 
 
 def test_a_daemon_that_cannot_start_never_talks_over_a_started_one(

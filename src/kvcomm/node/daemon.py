@@ -45,6 +45,7 @@ from typing import Any
 
 from .._client import Client
 from .._client import open as kv_open
+from .._threads import start_quiet
 from ..clock import clock_for
 from ..config import Config
 from ..core.backoff import Backoff
@@ -711,6 +712,32 @@ class _StartingWord:
                 os.unlink(self.path)
 
 
+def _try_to_start(config: Config, name: str | None, rng: random.Random,
+                  stop: threading.Event) -> NodeDaemon | None:
+    """One try to start the daemon (what NodeDaemon raises propagates), made in a thread
+    so that SIGTERM/SIGINT (``stop``) ends the wait at once: a cluster that does not
+    answer makes one try wait ``cluster.timeout`` on every seed (16 s seen). None when
+    stopped first: the try is left to its thread (a daemon thread; the process exits,
+    and a daemon it still makes is never used)."""
+    out: list[Any] = []
+
+    def attempt() -> None:
+        try:
+            out.append(NodeDaemon(config, name, rng=rng))
+        except BaseException as exc:  # (re-raised in the main thread)
+            out.append(exc)
+
+    t = threading.Thread(target=attempt, name="kvcomm-node-start", daemon=True)
+    start_quiet(t)  # (the user's signals stay the main thread's)
+    while t.is_alive():
+        if stop.wait(0.05):
+            return None
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    daemon: NodeDaemon = out[0]
+    return daemon
+
+
 def main(config: Config, name: str | None = None) -> int:
     """Run until SIGTERM/SIGINT. Returns the exit status.
 
@@ -733,7 +760,10 @@ def main(config: Config, name: str | None = None) -> int:
     try:
         while True:  # a host may boot before its cluster: agents write into L2 meanwhile
             try:
-                daemon = NodeDaemon(config, name, rng=rng)
+                daemon = _try_to_start(config, name, rng, stop)
+                if daemon is None:  # (stopped during the try)
+                    word.close(started=False)
+                    return 0
                 break
             except Unavailable as exc:
                 delay = backoff.failed()
