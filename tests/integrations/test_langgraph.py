@@ -198,6 +198,26 @@ def test_a_state_value_only_pickle_could_store_is_unsupportedvalue(kv: kvcomm.Cl
     assert store.get(("ns",), "k") is None
 
 
+def test_a_serializer_giving_other_than_str_and_bytes_is_refused_at_once(
+        kv: kvcomm.Client) -> None:
+    """A custom serde whose dumps_typed gives text, not bytes, is refused at the put that
+    would store it (UnsupportedValue naming the serde), not found unreadable later."""
+
+    class TextSerde(JsonPlusSerializer):
+        def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+            t, b = super().dumps_typed(obj)
+            return t, b.hex()  # type: ignore[return-value]
+
+    saver = KVCommSaver(kv, serde=TextSerde(allowed_msgpack_modules=None))
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    cp = empty_checkpoint()
+    config = {"configurable": {"thread_id": "t-text", "checkpoint_ns": ""}}
+    with pytest.raises(kvcomm.UnsupportedValue, match=r"\(str, bytes\)"):
+        saver.put(config, cp, {}, {})  # type: ignore[arg-type]
+    assert saver.get_tuple(config) is None  # (nothing stored)
+
+
 def test_a_numpy_scalar_in_a_state_says_to_store_the_python_number(kv: kvcomm.Client) -> None:
     """kv.put stores np.float64(2.5) as 2.5; LangGraph's serializer refuses it (it would
     pickle it): the error says what to store instead, and nothing is stored."""

@@ -16,10 +16,12 @@ import mmap
 import multiprocessing as mp
 import os
 import random
+import select
 import signal
 import statistics
 import time
 import uuid
+from typing import Any
 
 import pytest
 
@@ -125,39 +127,68 @@ def _open_duration() -> float:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def _read_until(r: int, word: bytes, p: Any, timeout: float = 60.0) -> bytes:
+    """What the creator wrote to the pipe ``r`` until ``word``: fails when it exits first
+    (the parent holds no write end: end of file) or says nothing for ``timeout``."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while word not in got:
+        ready, _, _ = select.select([r], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            pytest.fail(f"the creator said {got!r}, not {word!r}, within {timeout:g} s")
+        more = os.read(r, 8)
+        if not more:
+            p.join(10)
+            pytest.fail(f"the creator exited ({p.exitcode}) having said {got!r}, not {word!r}")
+        got += more
+    return got
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_a_creator_killed_while_creating_leaves_a_usable_namespace(sig: int, seed: int) -> None:
     rng = random.Random(seed)
     window = statistics.median(_open_duration() for _ in range(3))  # (one may be an outlier)
-    rounds, mid, paused, temps_left = 12, 0, 0, 0
-    for i in range(rounds):
+    # every step, before and after it, in a random order: the creator waits there and is
+    # killed there; between them, creators killed after a random time, wherever they are
+    pauses: list[tuple[int, bool] | None] = [(i, after) for i in range(len(STEPS))
+                                             for after in (False, True)]
+    rng.shuffle(pauses)
+    pauses[3::3] = [None] * len(pauses[3::3])  # (a third of the rounds: timed kills)
+    pauses += [(i, after) for i in range(len(STEPS)) for after in (False, True)
+               if (i, after) not in pauses]  # (every step still met once)
+    mid = temps_left = 0
+    link = next(i for i, (_o, name) in enumerate(STEPS) if name == "link")
+    for i, pause in enumerate(pauses):
         ns = f"t-{uuid.uuid4().hex[:10]}"
-        # every other creator pauses at a step of its creation, chosen at random, and is
-        # killed there; the others are killed after a random time, wherever they are
-        pause = (rng.randrange(len(STEPS)), rng.random() < 0.5) if i % 2 == 0 else None
         r, w = os.pipe()
+        p = CTX.Process(target=_creator, args=(ns, w, pause))
         try:
-            p = CTX.Process(target=_creator, args=(ns, w, pause))
             p.start()
-            got = os.read(r, 1)
-            assert got == b"r"
+            os.close(w)  # (the creator's copy only: its exit is an end of file)
+            w = -1
+            got = _read_until(r, b"r", p)
             if pause is None:
                 time.sleep(rng.uniform(0.0, window))
             else:
-                while b"p" not in got:  # (its open never returns: it waits there)
-                    got += os.read(r, 8)
-                paused += 1
+                got += _read_until(r, b"p", p)  # (its open never returns: it waits there)
             os.kill(p.pid, sig)
             p.join(10)
             assert p.exitcode is not None, "the creator outlived its signal"
             assert p.exitcode != 0
-            os.close(w)
-            w = -1
-            opened = b"o" in os.read(r, 8)
+            opened = b"o" in got + os.read(r, 8)
         finally:
             if w >= 0:
                 os.close(w)
             os.close(r)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
         try:
+            if pause is not None:
+                # a SIGKILL before the segment was linked leaves no segment; a SIGINT waits
+                # for the whole creation (the user's signals are blocked meanwhile)
+                linked = sig == signal.SIGINT or pause > (link, False)
+                assert os.path.exists(l2.segment_path(ns)) == linked, (STEPS[pause[0]][1], pause)
             if not opened:
                 mid += 1
                 temps_left += bool(_temps(ns))  # (a SIGKILL's; a SIGINT removes its own)
@@ -171,10 +202,9 @@ def test_a_creator_killed_while_creating_leaves_a_usable_namespace(sig: int, see
         finally:
             l2.purge(ns)
         assert not _temps(ns), "a temporary file outlived the purge"
-    print(f"{signal.Signals(sig).name}: window {window * 1000:.0f} ms, {mid} of {rounds} "
-          f"creators killed before their open returned ({paused} paused at a step), "
-          f"{temps_left} left a temporary file")
-    assert paused == rounds // 2 and mid >= paused, "the signals did not land while creating"
+    print(f"{signal.Signals(sig).name}: window {window * 1000:.0f} ms, {mid} of {len(pauses)} "
+          f"creators killed before their open returned ({sum(x is not None for x in pauses)} "
+          f"paused at a step), {temps_left} left a temporary file")
     if sig == signal.SIGINT:
         assert temps_left == 0, "an interrupted creator left its temporary file"
 
