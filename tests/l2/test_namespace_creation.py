@@ -127,10 +127,10 @@ def _open_duration() -> float:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
-def _read_until(r: int, word: bytes, p: Any, timeout: float = 60.0) -> bytes:
-    """What the creator wrote to the pipe ``r`` until ``word``: fails when it exits first
-    (the parent holds no write end: end of file) or says nothing for ``timeout``."""
-    got = b""
+def _read_until(r: int, word: bytes, p: Any, got: bytes = b"", timeout: float = 60.0) -> bytes:
+    """``got`` and what the creator wrote to the pipe ``r`` after it, until ``word`` is
+    in it (a read may bring more than one word): fails when the creator exits first (the
+    parent holds no write end: end of file) or says nothing for ``timeout``."""
     deadline = time.monotonic() + timeout
     while word not in got:
         ready, _, _ = select.select([r], [], [], max(deadline - time.monotonic(), 0))
@@ -170,7 +170,7 @@ def test_a_creator_killed_while_creating_leaves_a_usable_namespace(sig: int, see
             if pause is None:
                 time.sleep(rng.uniform(0.0, window))
             else:
-                got += _read_until(r, b"p", p)  # (its open never returns: it waits there)
+                got = _read_until(r, b"p", p, got)  # (its open never returns: it waits there)
             os.kill(p.pid, sig)
             p.join(10)
             assert p.exitcode is not None, "the creator outlived its signal"
