@@ -717,20 +717,32 @@ def _try_to_start(config: Config, name: str | None, rng: random.Random,
     """One try to start the daemon (what NodeDaemon raises propagates), made in a thread
     so that SIGTERM/SIGINT (``stop``) ends the wait at once: a cluster that does not
     answer makes one try wait ``cluster.timeout`` on every seed (16 s seen). None when
-    stopped first: the try is left to its thread (a daemon thread; the process exits,
-    and a daemon it still makes is never used)."""
+    stopped first: the try is left to its thread (a daemon thread), which closes the
+    daemon it still makes (its etcd lease revoked, not left to expire)."""
     out: list[Any] = []
+    handoff = threading.Lock()  # (the daemon made goes to the main thread or is closed)
 
     def attempt() -> None:
         try:
-            out.append(NodeDaemon(config, name, rng=rng))
+            made = NodeDaemon(config, name, rng=rng)
         except BaseException as exc:  # (re-raised in the main thread)
             out.append(exc)
+            return
+        with handoff:
+            if not stop.is_set():
+                out.append(made)
+                return
+        made.close()
 
     t = threading.Thread(target=attempt, name="kvcomm-node-start", daemon=True)
     start_quiet(t)  # (the user's signals stay the main thread's)
     while t.is_alive():
         if stop.wait(0.05):
+            # (a daemon the try made before the stop is closed here, one made after it there)
+            with handoff:
+                made = next((d for d in out if isinstance(d, NodeDaemon)), None)
+            if made is not None:
+                made.close()
             return None
     if isinstance(out[0], BaseException):
         raise out[0]
