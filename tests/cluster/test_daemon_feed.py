@@ -12,7 +12,14 @@ from kvcomm.core import codec
 from kvcomm.core.versions import vector_get, with_dot
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import GROUPS, PUSH_LUA, L3Record, L3Store, feed_key, group_of, seq_key
-from tests.support.daemon_harness import Host, record, remote_put, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
+from tests.support.daemon_harness import (  # noqa: F401 (fixtures)
+    Host,
+    atomically,
+    record,
+    remote_put,
+    shared_cluster_fixture,
+    store_fixture,
+)
 from tests.support.helpers import wait_for
 
 
@@ -36,22 +43,6 @@ def same_group_keys(prefix: str, n: int) -> list[str]:
             keys.append(k)
         i += 1
     return keys
-
-
-def atomically(store: L3Store, group: int, merges: list[tuple[str, object, int]],
-               trim_to: int) -> None:
-    """Merge records and trim the group's stream to ``trim_to`` entries in one
-    MULTI/EXEC on the group's master: no daemon read can fall in between."""
-    node = store.rc.get_node_from_key(feed_key(group))
-    conn = store.rc.get_redis_connection(node)
-    sha = conn.script_load(PUSH_LUA)
-    pipe = conn.pipeline(transaction=True)
-    for key, value, counter in merges:
-        keys, args = store._args(key, record(value, "host-a", counter, counter), False)
-        pipe.evalsha(sha, len(keys), *keys, *args)
-    pipe.xtrim(feed_key(group), maxlen=trim_to, approximate=False)
-    out = pipe.execute()
-    assert all(r[0][0] in (b"new", b"newer") for r in out[:-1]), out
 
 
 def hold(host: Host, store: L3Store, key: str, value: object) -> int:

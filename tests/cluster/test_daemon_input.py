@@ -27,6 +27,7 @@ from kvcomm.tiers.l2 import key_hash
 from kvcomm.tiers.l3 import L3Record, L3Store, feed_key, group_of, record_key, seq_key
 from tests.support.daemon_harness import (  # noqa: F401 (fixtures)
     Host,
+    atomically,
     host_config,
     record,
     remote_put,
@@ -156,11 +157,16 @@ def test_a_resync_that_meets_a_corrupt_key_sets_it_aside(
         for k in keys:
             remote_put(store, k, "v1", "host-a", 1)
             hold(h, k, "v1")
-        store.rc.set(record_key(keys[0]), b"junk")
-        remote_put(store, keys[1], "v2", "host-a", 2)
-        store.rc.xtrim(feed_key(g), maxlen=0, approximate=False)  # force a resync of g
+        assert h.daemon is not None
+        wait_for(lambda: h.daemon.feed_seqs[g] == store.feed_seqs([g])[g], 10,
+                 "the daemon to read the group's feed up to date")
+        before = h.stats.resyncs
+        # junk in keys[0]'s place and v2 of keys[1], with the feed emptied in the same
+        # transaction: only a resync of g can bring v2 (ci5: with three separate commands,
+        # a loaded machine's daemon pulled v2 from the feed before the trim)
+        atomically(store, g, [(keys[1], "v2", 2)], trim_to=0, raw={record_key(keys[0]): b"junk"})
         wait_for(lambda: h.kv.get(keys[1]) == "v2", 10, "the resync to bring v2")
-        assert h.stats.resyncs >= 1
+        assert h.stats.resyncs > before
         wait_for(lambda: keys[0] in set_aside_keys(store, "in-resync"), 10, "the bad key set aside")
         assert h.alive
     finally:

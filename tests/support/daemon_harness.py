@@ -22,7 +22,7 @@ from kvcomm.core import codec
 from kvcomm.devcluster.redis_cluster import RedisCluster, cluster_ok
 from kvcomm.node.daemon import NodeDaemon
 from kvcomm.tiers import l2
-from kvcomm.tiers.l3 import L3Record, L3Store
+from kvcomm.tiers.l3 import PUSH_LUA, L3Record, L3Store, feed_key
 from tests.support.servers import starts
 
 
@@ -168,3 +168,24 @@ def remote_put(store: L3Store, key: str, value: Any, actor: str, counter: int) -
     """What another host's daemon does for a put: push a newer record into L3."""
     out = store.push(key, record(value, actor, counter, counter))
     assert out.outcome in ("new", "newer"), out.outcome
+
+
+def atomically(store: L3Store, group: int, merges: list[tuple[str, object, int]],
+               trim_to: int, raw: dict[str, bytes] | None = None) -> None:
+    """Merge records (``(key, value, counter)``, written as host-a's), set the ``raw``
+    Redis keys (bytes no KVCOMM writer made; they must hash to the group's slot) and trim
+    the group's stream to ``trim_to`` entries, in one MULTI/EXEC on the group's master: no
+    daemon read can fall in between, so what the trimmed entries carried can only reach
+    a host by a resync."""
+    node = store.rc.get_node_from_key(feed_key(group))
+    conn = store.rc.get_redis_connection(node)
+    sha = conn.script_load(PUSH_LUA)
+    pipe = conn.pipeline(transaction=True)
+    for name, data in (raw or {}).items():
+        pipe.set(name, data)
+    for key, value, counter in merges:
+        keys, args = store._args(key, record(value, "host-a", counter, counter), False)
+        pipe.evalsha(sha, len(keys), *keys, *args)
+    pipe.xtrim(feed_key(group), maxlen=trim_to, approximate=False)
+    out = pipe.execute()[len(raw or {}):]
+    assert all(r[0][0] in (b"new", b"newer") for r in out[:-1]), out
