@@ -9,6 +9,7 @@ import random
 import stat
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -78,6 +79,37 @@ def test_purge_while_open(ns: str, config: kvcomm.Config) -> None:
     assert l2.purge(ns) is False
     with kvcomm.open(ns, config=config) as kv2:
         assert kv2.get("k") is None
+
+
+def test_a_client_closed_after_a_purge_leaves_no_file_of_the_namespace(
+        ns: str, config: kvcomm.Config) -> None:
+    """Its last report of what it read (placement) is not written once the namespace is
+    purged: before, close made the agents' directory again, left behind for good."""
+    from kvcomm.placement.report import agents_dir
+
+    kv = kvcomm.open(ns, config=config, agent="a1")
+    for i in range(50):
+        kv.put(f"k{i}", i)
+        kv.get(f"k{i}")
+    assert l2.purge(ns) is True
+    assert not os.path.lexists(agents_dir(ns, config.cache.l2_dir))
+    for written in (True, False):  # (a report written before the purge, or none yet)
+        kv._observer._next = 0.0  # (a report due, as after REPORT_EVERY seconds)
+        kv._observer._written = written
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                kv._flush_hot(wait=True)  # (its report first; then the counts: purged)
+            except kvcomm.SegmentError:
+                pass
+        assert not [w for w in seen if "cannot report" in str(w.message)], seen
+        assert not os.path.lexists(agents_dir(ns, config.cache.l2_dir))
+    kv._observer._next = 0.0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kv.close()
+    assert not [w for w in seen if "cannot report" in str(w.message)], seen
+    assert not os.path.lexists(agents_dir(ns, config.cache.l2_dir))
 
 
 def test_full_segment_evicts_clean_entries(ns: str) -> None:

@@ -33,8 +33,8 @@ class HotKeys(ClientBase):
             with self._obs_lock:  # ones were attributed when taken), now and then a report
                 if counts:
                     obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
-                if obs.report_due():
-                    obs.report(self._ops())
+                if obs.report_due() and not self._seg.purged:  # (purged: its files are
+                    obs.report(self._ops())  # gone, and a report would make them again)
         if self._hot_pending:  # (threads flush at once: each takes what it adds, whole)
             with self._hot_lock:
                 pending, self._hot_pending = self._hot_pending, {}
@@ -56,7 +56,7 @@ class HotKeys(ClientBase):
         never reaches the flush of sampled reads)."""
         self._report_at = self._puts + REPORT_PUTS
         obs = self._observer
-        if obs is not None and not self._unusable and obs.report_due():
+        if obs is not None and not self._unusable and obs.report_due() and not self._seg.purged:
             with self._obs_lock:
                 obs.report(self._ops())
 
