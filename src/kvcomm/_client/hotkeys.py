@@ -6,7 +6,7 @@ import heapq
 from operator import itemgetter
 
 from ..errors import InvalidArgument
-from ..placement.report import REPORT_PUTS
+from ..placement.report import REPORT_PUTS, AgentStats
 from .base import ClientBase
 
 # sampled read counts kept while the writer lock was busy (beyond: the least read dropped,
@@ -33,8 +33,7 @@ class HotKeys(ClientBase):
             with self._obs_lock:  # ones were attributed when taken), now and then a report
                 if counts:
                     obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
-                if obs.report_due() and not self._seg.purged:  # (purged: its files are
-                    obs.report(self._ops())  # gone, and a report would make them again)
+                self._report_if_due(obs)
         if self._hot_pending:  # (threads flush at once: each takes what it adds, whole)
             with self._hot_lock:
                 pending, self._hot_pending = self._hot_pending, {}
@@ -56,9 +55,15 @@ class HotKeys(ClientBase):
         never reaches the flush of sampled reads)."""
         self._report_at = self._puts + REPORT_PUTS
         obs = self._observer
-        if obs is not None and not self._unusable and obs.report_due() and not self._seg.purged:
+        if obs is not None and not self._unusable:
             with self._obs_lock:
-                obs.report(self._ops())
+                self._report_if_due(obs)
+
+    def _report_if_due(self, obs: AgentStats) -> None:
+        """The placement report, when due (under ``_obs_lock``); never once the namespace
+        is purged: its files are gone, and a report would make them again."""
+        if obs.report_due() and not self._seg.purged:
+            obs.report(self._ops())
 
     def _ops(self) -> int:
         """This client's operations so far: gets, puts (batched ones too) and deletes."""
