@@ -25,7 +25,7 @@ from ..._extras import require
 
 require("langgraph", extra="langgraph", purpose="kvcomm.integrations.langgraph")
 
-from .saver import KVCommSaver  # noqa: E402
+from .saver import KVCommSaver, RunSuperseded  # noqa: E402
 from .store import KVCommStore  # noqa: E402
 
-__all__ = ["KVCommSaver", "KVCommStore"]
+__all__ = ["KVCommSaver", "KVCommStore", "RunSuperseded"]

@@ -82,6 +82,13 @@ class _DeltaThreads(InvalidArgument, NotImplementedError):
     NotImplementedError there; KVCOMM's errors are KVCommErrors: both)."""
 
 
+class RunSuperseded(KVCommError):
+    """A run's put was refused after earlier steps of the run were kept: another writer
+    resumed the thread from one of this run's own checkpoints and carries it on, so this
+    run's input is (or may be) in the thread's state. Unlike ConflictError, running the
+    same input again would apply it twice: read the thread's state and go on from there."""
+
+
 class _NotHead(Exception):
     """put_writes: the checkpoint is no longer the head (the head is left alone)."""
 
@@ -290,7 +297,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         the head is still its parent: when another writer moved it meanwhile, nothing of
         the checkpoint is kept (embedded: not written; cluster mode: its records deleted
         again) and ``kvcomm.ConflictError`` is raised
-        (run again from the thread's latest checkpoint to retry). Any other put (a run
+        (run again from the thread's latest checkpoint to retry), or RunSuperseded when
+        the writer that moved it went on from one of this run's own checkpoints after
+        this run's input was in the thread (do not run that input again; see
+        ``_taken_over``). Any other put (a run
         from an explicit past ``checkpoint_id``: a fork, as LangGraph intends) moves the
         head forward to it only when it is newer."""
         thread_id, ns = self._ids(config)
@@ -346,6 +356,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         except _Moved as moved:
             if self._cluster:  # (written before the head's compare-and-set: gone again)
                 self._delete_keys(keys[:own])
+            resumed = conf.get(RESUMED_HEAD)
+            if resumed is not None and parent is not None and parent != resumed:  # (earlier moves kept)
+                raise self._taken_over(thread_id, ns, parent, moved.head) from None
             raise ConflictError(
                 f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: its "
                 f"latest checkpoint is {moved.head!r}, this run resumed from {parent!r}; another "
@@ -362,6 +375,70 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     self.kv.touch(k.blob(thread_id, ns, ch, versions[ch]), self._left(start))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
+
+    def _taken_over(self, thread_id: str, ns: str, parent: str, head: str | None
+                    ) -> KVCommError:
+        """What a put refused *after* earlier moves of its run were kept raises: the head
+        moved on from ``parent``, this run's own checkpoint, so another writer's run is
+        built on it. ConflictError (a retry is safe) when ``parent`` is the run's input
+        checkpoint and the writer that took over resumed it with new input: LangGraph
+        then discards its unfinished tasks, this run's input among them. RunSuperseded
+        otherwise: this run's input is (or may be) in the thread's state, and running it
+        again would apply it twice."""
+        try:
+            with _Reading(thread=thread_id):
+                source = self._source(thread_id, ns, parent)
+                child = self._child_on_chain(thread_id, ns, head, parent) \
+                    if source == "input" else None
+                dropped = child is not None and self._source(thread_id, ns, child) == "input"
+        except KVCommError:  # (a record unreadable now: the input may be in, say so)
+            dropped = False
+        if dropped:
+            return ConflictError(
+                f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: "
+                f"another writer resumed it from this run's input checkpoint {parent!r} with "
+                f"input of its own (its latest checkpoint is now {head!r}), which discards that "
+                "checkpoint's unfinished tasks: this run's input is not in the thread's state, "
+                "and nothing of this step was kept. Run again from the thread's latest "
+                "checkpoint (without checkpoint_id) to retry")
+        return RunSuperseded(
+            f"thread {thread_id!r} (namespace {ns!r}) was taken over while this run was "
+            f"going: another writer resumed it from this run's own checkpoint {parent!r} (its "
+            f"latest checkpoint is now {head!r}); this run's steps up to that checkpoint stay "
+            "in the thread, so its input is (or may be) in the thread's state, and the rest of "
+            "this run was not kept. Do not run the same input again (it would be applied "
+            "twice): read the thread's state (graph.get_state) and go on from there")
+
+    def _source(self, thread_id: str, ns: str, cid: str) -> str | None:
+        """The ``source`` of checkpoint ``cid``'s metadata ("input", "loop"...; None when
+        it is gone)."""
+        last = self._last.get((thread_id, ns))
+        body = last[1] if last is not None and last[0] == cid else self._body(thread_id, ns, cid)
+        if body is None:
+            return None
+        md = self._loads(body[2], body[3])
+        return md.get("source") if type(md) is dict else None
+
+    def _body(self, thread_id: str, ns: str, cid: str) -> list[Any] | None:
+        key = self.keys.checkpoint(thread_id, ns, cid)
+        body = self.kv.get(key)
+        return None if body is None else _record(body, 6, key)
+
+    def _child_on_chain(self, thread_id: str, ns: str, head: str | None, ancestor: str,
+                        most: int = 64) -> str | None:
+        """The checkpoint whose parent is ``ancestor``, found by following parents back
+        from ``head`` (at most ``most`` records); None when it is not within them."""
+        cid = head
+        for _ in range(most):
+            if cid is None:
+                return None
+            body = self._body(thread_id, ns, cid)
+            if body is None:
+                return None
+            if body[4] == ancestor:
+                return cid
+            cid = body[4] if type(body[4]) is str else None
+        return None
 
     def _inlined_by(self, thread_id: str, ns: str, parent: str, channels: builtins.list[str],
                     versions: dict[str, Any]) -> builtins.list[Any]:
