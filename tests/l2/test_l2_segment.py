@@ -112,6 +112,33 @@ def test_a_client_closed_after_a_purge_leaves_no_file_of_the_namespace(
     assert not os.path.lexists(agents_dir(ns, config.cache.l2_dir))
 
 
+def test_a_report_due_after_its_namespace_was_purged_makes_no_directory_again(
+        ns: str, config: kvcomm.Config) -> None:
+    """The purge lands between the client's check that its segment is not purged and its
+    report's write (the race the check above leaves): the report finds the directory,
+    made at the client's open, gone, and stops reporting, silently, rather than make it
+    again. Crossed here by removing the directory as the purge does, the segment not
+    marked purged."""
+    import shutil
+
+    from kvcomm.placement.report import agents_dir
+
+    table = agents_dir(ns, config.cache.l2_dir)
+    with kvcomm.open(ns, config=config, agent="a1") as kv:
+        assert os.path.isdir(table)  # (made at open)
+        obs = kv._observer
+        assert obs is not None
+        assert obs.report(10) is True
+        shutil.rmtree(table)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert obs.report(11) is False
+            assert obs.report(12) is False
+        assert not [w for w in seen if "cannot report" in str(w.message)], seen
+        assert not os.path.lexists(table) and obs.errors == 0
+    assert not os.path.lexists(table)
+
+
 def test_full_segment_evicts_clean_entries(ns: str) -> None:
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB"}})
     with kvcomm.open(ns, config=cfg) as kv:

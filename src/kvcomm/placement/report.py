@@ -126,6 +126,14 @@ class AgentStats:
         self._warned = False
         self._written = False
         self._closed = False
+        # the directory is made here, at the client's open, and never again by a report
+        # once made: a report that finds it gone (the namespace was purged under a client
+        # still open) stops reporting, instead of making it again (left for good)
+        try:
+            ensure_dir(self._dir, permissions)
+            self._made = True
+        except (OSError, KVCommError):
+            self._made = False  # (the first report tries again, and warns)
 
     # ------------------------------------------------------------------ sampling
 
@@ -220,8 +228,9 @@ class AgentStats:
         path = os.path.join(self._dir, self._file)
         tmp = os.path.join(self._dir, f".{self._file}.tmp")
         try:
-            if not self._written:
+            if not self._made:
                 ensure_dir(self._dir, self._permissions)
+                self._made = True
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                          self._permissions)
             try:
@@ -229,6 +238,9 @@ class AgentStats:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+        except FileNotFoundError:  # (the directory made at open is gone: purged)
+            self._closed = True
+            return False
         except (OSError, KVCommError) as exc:
             self.errors += 1
             if not self._warned:
