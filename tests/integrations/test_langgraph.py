@@ -647,7 +647,8 @@ def test_two_processes_resuming_one_thread_at_once_never_fork_it(ns: str,
         check_one_chain(saver, outs)
 
 
-@pytest.mark.parametrize("taker,kept", [("input", 1), ("input", 2), ("resume", 1)])
+@pytest.mark.parametrize("taker,kept", [("input", 1), ("input", 2), ("resume", 1),
+                                        ("delete", 2)])
 def test_a_run_taken_over_after_its_first_moves_is_told_whether_to_retry(
         kv: kvcomm.Client, taker: str, kept: int) -> None:
     """The race of the test above can end with the loser's first moves taken: the other
@@ -661,13 +662,17 @@ def test_a_run_taken_over_after_its_first_moves_is_told_whether_to_retry(
       and B's retry puts its input in once;
     * B's input applied (its first loop checkpoint kept): RunSuperseded, not retried;
     * A resumed B's input checkpoint without input (``invoke(None)``), which runs B's
-      start task: B's input is in the state: RunSuperseded.
+      start task: B's input is in the state: RunSuperseded;
+    * the thread deleted meanwhile: ConflictError saying so (nothing of it is left).
     (Seen across hosts and on one host in CI: stop 36's ci2 applied B's input twice.)"""
     saver = KVCommSaver(kv)
     cfg: Any = {"configurable": {"thread_id": "shared"}}
     log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
 
     def a_runs() -> None:  # (its own thread: no LangGraph context of B's run inherited)
+        if taker == "delete":
+            saver.delete_thread("shared")
+            return
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pool.submit(log_graph().compile(checkpointer=saver).invoke,
                         {"log": ["A"]} if taker == "input" else None, cfg).result(60)
@@ -683,6 +688,11 @@ def test_a_run_taken_over_after_its_first_moves_is_told_whether_to_retry(
             return out
 
     b = log_graph().compile(checkpointer=TakenOver(kv))
+    if taker == "delete":
+        with pytest.raises(kvcomm.ConflictError, match="was deleted"):
+            b.invoke({"log": ["B"]}, cfg, durability="sync")
+        assert saver.get_tuple(cfg) is None
+        return
     if taker == "input" and kept == 1:
         with pytest.raises(kvcomm.ConflictError, match="not in the thread's state") as told:
             b.invoke({"log": ["B"]}, cfg, durability="sync")

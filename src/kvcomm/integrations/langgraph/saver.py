@@ -385,6 +385,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         then discards its unfinished tasks, this run's input among them. RunSuperseded
         otherwise: this run's input is (or may be) in the thread's state, and running it
         again would apply it twice."""
+        if head is None:  # (deleted, or expired, meanwhile: none of its state is left)
+            return ConflictError(
+                f"thread {thread_id!r} (namespace {ns!r}) was deleted (delete_thread, prune, "
+                "or its ttl) while this run was going: nothing of it is left, this step was "
+                "not kept; run again to start the thread anew")
         try:
             with _Reading(thread=thread_id):
                 source = self._source(thread_id, ns, parent)
