@@ -13,8 +13,9 @@ import pickle
 import random
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -709,6 +710,123 @@ def test_a_run_taken_over_after_its_first_moves_is_told_whether_to_retry(
         tup = saver.get_tuple(cfg)
         assert tup is not None and tup.checkpoint["channel_values"]["log"] == [
             "seed", "work", "B", "work"], tup.checkpoint["channel_values"]
+
+
+def _taken_over_after(kv: kvcomm.Client, kept: int, take: Callable[[], Any]) -> KVCommSaver:
+    """A saver whose run lets ``take`` (another writer) run right after its ``kept``-th
+    put (0: right before its first one, once the writes LangGraph stores first, in the
+    background, are stored)."""
+    stored = threading.Event()
+
+    class TakenOver(KVCommSaver):
+        puts = 0
+
+        def put_writes(self, *args: Any, **kwargs: Any) -> None:
+            super().put_writes(*args, **kwargs)
+            stored.set()
+
+        def put(self, *args: Any, **kwargs: Any) -> Any:
+            if TakenOver.puts == kept == 0:
+                assert stored.wait(60), "the run's writes before its first move"
+                take()
+            out = super().put(*args, **kwargs)
+            TakenOver.puts += 1
+            if TakenOver.puts == kept:
+                take()
+            return out
+
+    return TakenOver(kv)
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a thread of its own (no LangGraph context of the caller's run)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result(60)
+
+
+def test_a_run_told_to_retry_is_one_whose_input_is_not_in_the_thread(kv: kvcomm.Client) -> None:
+    """ConflictError (retry) only where the retry puts the input in once: B's input
+    checkpoint kept, then (a) a run with input of its own, 70 steps long, resumed it;
+    (b) a fork from the thread's first checkpoint moved the head off B's branch. Each
+    time B's retry leaves its input in the state once. (review of stop 37: these were
+    RunSuperseded, "do not retry", with the input lost)"""
+    def long_graph(saver: KVCommSaver) -> Any:
+        g = StateGraph(Log)
+        g.add_node("work", lambda s: {"log": ["work"]})
+        g.add_edge(START, "work")
+        g.add_conditional_edges("work", lambda s: "work" if s["log"].count("work") < 70
+                                else END)
+        return g.compile(checkpointer=saver)
+
+    for case in ("long run", "fork"):
+        saver = KVCommSaver(kv)
+        cfg: Any = {"configurable": {"thread_id": f"told-{case}"}}
+        log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
+        first = list(saver.list(cfg))[-1].config
+
+        def take(case: str = case, cfg: Any = cfg, first: Any = first,
+                 saver: KVCommSaver = saver) -> None:
+            if case == "long run":
+                _in_thread(long_graph(saver).invoke, {"log": ["A"]},
+                           {**cfg, "recursion_limit": 500})
+            else:
+                _in_thread(log_graph().compile(checkpointer=saver).invoke, {"log": ["A"]}, first)
+
+        b = log_graph().compile(checkpointer=_taken_over_after(kv, 1, take))
+        with pytest.raises(kvcomm.ConflictError, match="retry"):
+            b.invoke({"log": ["B"]}, cfg, durability="sync")
+        log_graph().compile(checkpointer=saver).invoke({"log": ["B"]}, cfg)
+        tup = saver.get_tuple(cfg)
+        assert tup is not None and tup.checkpoint["channel_values"]["log"].count("B") == 1, case
+
+
+def test_a_pregel_whose_input_is_state_is_superseded_not_told_to_retry(kv: kvcomm.Client) -> None:
+    """A Pregel whose input channels are state channels has the input in the state from
+    its input checkpoint on (no start task): a run with input of its own that resumed
+    from it carries B's input on, so B is RunSuperseded, not told to retry. (review of
+    stop 37: B's retry applied it twice)"""
+    from langgraph.channels import BinaryOperatorAggregate, EphemeralValue
+    from langgraph.pregel import NodeBuilder, Pregel
+
+    def app(saver: KVCommSaver) -> Any:
+        work = NodeBuilder().subscribe_only("go").do(lambda _: ["work"]).write_to("log")
+        return Pregel(nodes={"work": work},
+                      channels={"log": BinaryOperatorAggregate(list, operator.add),
+                                "go": EphemeralValue(bool)},
+                      input_channels=["log", "go"], output_channels=["log"], checkpointer=saver)
+
+    saver = KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": "pregel"}}
+    app(saver).invoke({"log": ["seed"], "go": True}, cfg)
+    b = app(_taken_over_after(kv, 1, lambda: _in_thread(
+        app(saver).invoke, {"log": ["A"], "go": True}, cfg)))
+    with pytest.raises(RunSuperseded):
+        b.invoke({"log": ["B"], "go": True}, cfg, durability="sync")
+    tup = saver.get_tuple(cfg)
+    assert tup is not None and tup.checkpoint["channel_values"]["log"].count("B") == 1
+
+
+@pytest.mark.parametrize("taker", ["input", "resume"])
+def test_a_command_stored_on_the_head_before_a_refused_first_move_is_not_retried_blindly(
+        kv: kvcomm.Client, taker: str) -> None:
+    """B resumes with ``Command(update=...)``: LangGraph stores the update on the head it
+    read, then puts its first checkpoint. Another writer resumed that head in between
+    (with input, or ``invoke(None)``) and applied the update; B's refused first move is
+    RunSuperseded ("may have applied them"), not ConflictError, whose retry would apply
+    the update twice. (review of stop 37)"""
+    from langgraph.types import Command
+
+    saver = KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": f"command-{taker}"}}
+    log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
+    b = log_graph().compile(checkpointer=_taken_over_after(kv, 0, lambda: _in_thread(
+        log_graph().compile(checkpointer=saver).invoke,
+        {"log": ["A"]} if taker == "input" else None, cfg)))
+    with pytest.raises(RunSuperseded, match="Command"):
+        b.invoke(Command(update={"log": ["B"]}, goto="work"), cfg, durability="sync")
+    tup = saver.get_tuple(cfg)
+    assert tup is not None and tup.checkpoint["channel_values"]["log"].count("B") == 1, \
+        tup.checkpoint["channel_values"]
 
 
 def test_the_loser_of_a_head_race_leaves_nothing_of_its_step(kv: kvcomm.Client) -> None:

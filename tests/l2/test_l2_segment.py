@@ -115,27 +115,31 @@ def test_a_client_closed_after_a_purge_leaves_no_file_of_the_namespace(
 def test_a_report_due_after_its_namespace_was_purged_makes_no_directory_again(
         ns: str, config: kvcomm.Config) -> None:
     """The purge lands between the client's check that its segment is not purged and its
-    report's write (the race the check above leaves): the report finds the directory,
-    made at the client's open, gone, and stops reporting, silently, rather than make it
-    again. Crossed here by removing the directory as the purge does, the segment not
-    marked purged."""
+    report's write (the race that check leaves; crossed here by calling the report
+    itself): the report finds the directory gone and the segment purged, and stops,
+    quietly, rather than make the directory again (left for good). An agent made after
+    the purge (an open racing it) leaves none either. A directory removed by hand, the
+    namespace live, is made again by the next report."""
     import shutil
 
-    from kvcomm.placement.report import agents_dir
+    from kvcomm.placement.report import AgentStats, agents_dir
 
     table = agents_dir(ns, config.cache.l2_dir)
     with kvcomm.open(ns, config=config, agent="a1") as kv:
         assert os.path.isdir(table)  # (made at open)
         obs = kv._observer
-        assert obs is not None
-        assert obs.report(10) is True
-        shutil.rmtree(table)
+        assert obs is not None and obs.report(10) is True
+        shutil.rmtree(table)  # (by hand: the namespace lives on)
+        assert obs.report(11) is True and os.listdir(table), "made again"
+        assert l2.purge(ns) is True and not os.path.lexists(table)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            assert obs.report(11) is False
             assert obs.report(12) is False
+            assert obs.report(13) is False
         assert not [w for w in seen if "cannot report" in str(w.message)], seen
         assert not os.path.lexists(table) and obs.errors == 0
+        late = AgentStats("a2", "h", ns, config.cache.l2_dir, 0o600, purged=lambda: True)
+        assert late.report(1) is False
     assert not os.path.lexists(table)
 
 

@@ -133,8 +133,10 @@ class ClientBase:
         self.agent_named = agent is not None
         self._ext = with_agent(b"", self.agent)
         self._extc = ExtCache(self._ext)  # the field of a write with a deadline (core/expiry.py)
+        seg = self._seg
         self._observer = None if self._sample_every <= 0 else AgentStats(
-            self.agent, self._host, name, c.l2_dir, c.l2_permissions)
+            self.agent, self._host, name, c.l2_dir, c.l2_permissions,
+            purged=lambda: seg.purged)
         self._report_at = REPORT_PUTS if self._observer is not None else 1 << 62
         self._obs_lock = threading.Lock()  # (the observer's edges, between threads' flushes)
         self._strong: Any = None  # StrongStore: cluster mode with cluster.etcd (_client/strong.py)

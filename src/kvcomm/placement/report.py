@@ -45,6 +45,7 @@ so far), ``edges`` ({writer: [reads, bytes]}, estimated from the samples), ``dro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import stat
@@ -104,7 +105,8 @@ class AgentStats:
     are compared)."""
 
     def __init__(self, agent: str, host: str, namespace: str, directory: str,
-                 permissions: int, *, clock: Callable[[], float] = time.time) -> None:
+                 permissions: int, *, clock: Callable[[], float] = time.time,
+                 purged: Callable[[], bool] = lambda: False) -> None:
         self.agent, self.host = agent, host
         self.clock = clock
         self.since = clock()
@@ -126,14 +128,20 @@ class AgentStats:
         self._warned = False
         self._written = False
         self._closed = False
-        # the directory is made here, at the client's open, and never again by a report
-        # once made: a report that finds it gone (the namespace was purged under a client
-        # still open) stops reporting, instead of making it again (left for good)
+        # ``purged()``: whether the namespace's segment was purged. Its files are then
+        # gone, and this agent never makes them again (they would be left for good): not
+        # at open (a purge that landed since the segment was attached: the directory just
+        # made is removed again), not at a report (one that finds the directory gone stops
+        # reporting, quietly, once the segment says purged; otherwise it makes it again)
+        self._purged = purged
         try:
             ensure_dir(self._dir, permissions)
-            self._made = True
         except (OSError, KVCommError):
-            self._made = False  # (the first report tries again, and warns)
+            pass  # (the first report tries again, and warns)
+        if purged():
+            self._closed = True
+            with contextlib.suppress(OSError):
+                os.rmdir(self._dir)
 
     # ------------------------------------------------------------------ sampling
 
@@ -225,22 +233,15 @@ class AgentStats:
             "since": self.since, "t": now, "ops": ops,
             "edges": {w: [round(e[0]), round(e[1])] for w, e in self.edges.items()},
             "dropped": round(self.dropped), "unknown": round(self.unknown)})
-        path = os.path.join(self._dir, self._file)
-        tmp = os.path.join(self._dir, f".{self._file}.tmp")
         try:
-            if not self._made:
-                ensure_dir(self._dir, self._permissions)
-                self._made = True
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         self._permissions)
             try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except FileNotFoundError:  # (the directory made at open is gone: purged)
-            self._closed = True
-            return False
+                self._write(data)
+            except FileNotFoundError:  # (the directory is gone: purged, or removed by hand)
+                if self._purged():
+                    self._closed = True
+                    return False
+                ensure_dir(self._dir, self._permissions)
+                self._write(data)
         except (OSError, KVCommError) as exc:
             self.errors += 1
             if not self._warned:
@@ -252,6 +253,17 @@ class AgentStats:
         self._written = True
         self.reports += 1
         return True
+
+    def _write(self, data: bytes) -> None:
+        """Replace this agent's report file with ``data`` (a temporary file renamed)."""
+        tmp = os.path.join(self._dir, f".{self._file}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     self._permissions)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(self._dir, self._file))
 
     def close(self) -> None:
         """Remove this agent's report (it no longer runs here); later reports write

@@ -74,6 +74,12 @@ from ._serde import NoPickleSerializer, no_pickle
 R = TypeVar("R")
 
 _ANY: Any = object()  # (a head move from any parent: forward only)
+_OFF_CHAIN: Any = object()  # (_child_on_chain: the head does not descend from it)
+_WALK_MAX = 10_000  # (_child_on_chain: the records it reads at most)
+# LangGraph's names (langgraph._internal._constants, stable across its versions)
+_START = "__start__"  # the start channel: a StateGraph's input, until its start task runs
+_NULL_TASK = "00000000-0000-0000-0000-000000000000"  # the task id of a Command's update
+_RESUME = "__resume__"  # the channel of a Command's resume value
 _MAX_HEADS = 65536  # (the remembered heads, one per thread and namespace: bounded)
 
 
@@ -240,6 +246,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # per (thread, namespace), the last checkpoint this saver put (its id and record),
         # so that a put after it need not read it back (_inlined_by); as bounded as _heads
         self._last: dict[tuple[str, str], tuple[str, list[Any]]] = {}
+        # (thread, namespace, checkpoint): a run of this saver stored a Command's writes
+        # (update, resume) on the head it resumed, before its first move; gone once a put
+        # moves on from it. A refused first move then may have had them applied by the
+        # writer that won (put: _refused). As bounded as _heads.
+        self._commands: dict[tuple[str, str, str], None] = {}
         self._cluster = kv.config.cluster.enabled
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
                 and kv.config.cache.l3_consistency != "strong":
@@ -298,9 +309,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         the checkpoint is kept (embedded: not written; cluster mode: its records deleted
         again) and ``kvcomm.ConflictError`` is raised
         (run again from the thread's latest checkpoint to retry), or RunSuperseded when
-        the writer that moved it went on from one of this run's own checkpoints after
-        this run's input was in the thread (do not run that input again; see
-        ``_taken_over``). Any other put (a run
+        this run's input is, or may be, in the thread's latest state (do not run that
+        input again; see ``_refused``). Any other put (a run
         from an explicit past ``checkpoint_id``: a fork, as LangGraph intends) moves the
         head forward to it only when it is newer."""
         thread_id, ns = self._ids(config)
@@ -356,15 +366,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         except _Moved as moved:
             if self._cluster:  # (written before the head's compare-and-set: gone again)
                 self._delete_keys(keys[:own])
-            resumed = conf.get(RESUMED_HEAD)
-            if resumed is not None and parent is not None and parent != resumed:  # (earlier moves kept)
-                raise self._taken_over(thread_id, ns, parent, moved.head) from None
-            raise ConflictError(
-                f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: its "
-                f"latest checkpoint is {moved.head!r}, this run resumed from {parent!r}; another "
-                "writer resumed the thread at the same time and won. Nothing of this step was "
-                "kept: run again from the thread's latest checkpoint (without checkpoint_id) to "
-                "retry, or fork from the old one explicitly (with its checkpoint_id)") from None
+            raise self._refused(thread_id, ns, parent, moved.head,
+                                first=parent == conf.get(RESUMED_HEAD)) from None
+        if self._commands and parent is not None:
+            self._commands.pop((thread_id, ns, parent), None)  # (moved on from it: kept)
         self._last[thread_id, ns] = (cid, record)
         if len(self._last) > _MAX_HEADS:
             self._last.pop(next(iter(self._last)))
@@ -376,73 +381,111 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
 
-    def _taken_over(self, thread_id: str, ns: str, parent: str, head: str | None
-                    ) -> KVCommError:
-        """What a put refused *after* earlier moves of its run were kept raises: the head
-        moved on from ``parent``, this run's own checkpoint, so another writer's run is
-        built on it. ConflictError (a retry is safe) when ``parent`` is the run's input
-        checkpoint and the writer that took over resumed it with new input: LangGraph
-        then discards its unfinished tasks, this run's input among them. RunSuperseded
-        otherwise: this run's input is (or may be) in the thread's state, and running it
-        again would apply it twice."""
+    def _refused(self, thread_id: str, ns: str, parent: str | None, head: str | None, *,
+                 first: bool) -> KVCommError:
+        """What a put refused because the head moved on from ``parent`` raises (``head``:
+        where it is now; ``first``: ``parent`` is the head the run resumed from, so this
+        is the run's first move). ConflictError when a retry is safe: nothing of this
+        run's input is in the thread's latest state. RunSuperseded when it is, or may be:
+        running the same input again could apply it twice. The table of cases, and why:
+        docs/design/langgraph-saver.md, "Two writers never fork a thread by accident"."""
+        where = f"thread {thread_id!r} (checkpoint_ns {ns!r})"
         if head is None:  # (deleted, or expired, meanwhile: none of its state is left)
             return ConflictError(
-                f"thread {thread_id!r} (namespace {ns!r}) was deleted (delete_thread, prune, "
-                "or its ttl) while this run was going: nothing of it is left, this step was "
-                "not kept; run again to start the thread anew")
+                f"{where} was deleted (delete_thread, prune, or its ttl) while this run was "
+                "going: nothing of it is left and this step was not kept; run again to start "
+                "the thread anew")
+        if parent is None or first and (thread_id, ns, parent) not in self._commands:
+            return ConflictError(
+                f"{where} moved on while this run was going: its latest checkpoint is "
+                f"{head!r}, this run resumed from {parent!r}; another writer resumed the "
+                "thread at the same time and won. Nothing of this run was kept: run again "
+                "from the thread's latest checkpoint (without checkpoint_id) to retry, or "
+                "fork from the old one explicitly (with its checkpoint_id)")
         try:
             with _Reading(thread=thread_id):
-                source = self._source(thread_id, ns, parent)
-                child = self._child_on_chain(thread_id, ns, head, parent) \
-                    if source == "input" else None
-                dropped = child is not None and self._source(thread_id, ns, child) == "input"
+                child = self._child_on_chain(thread_id, ns, head, parent)
+                dropped = not first and child is not None and child is not _OFF_CHAIN \
+                    and self._input_only(thread_id, ns, parent) \
+                    and self._meta(thread_id, ns, child)[0].get("source") == "input"
         except KVCommError:  # (a record unreadable now: the input may be in, say so)
-            dropped = False
+            child, dropped = None, False
+        if child is _OFF_CHAIN:
+            return ConflictError(
+                f"{where} moved on while this run was going, to checkpoint {head!r}, which "
+                f"does not descend from this run's checkpoint {parent!r} (another writer forked "
+                "the thread from an older checkpoint): nothing of this run is in the thread's "
+                "latest state. Run again from the thread's latest checkpoint (without "
+                "checkpoint_id) to retry")
         if dropped:
             return ConflictError(
-                f"thread {thread_id!r} (namespace {ns!r}) moved on while this run was going: "
-                f"another writer resumed it from this run's input checkpoint {parent!r} with "
-                f"input of its own (its latest checkpoint is now {head!r}), which discards that "
-                "checkpoint's unfinished tasks: this run's input is not in the thread's state, "
-                "and nothing of this step was kept. Run again from the thread's latest "
-                "checkpoint (without checkpoint_id) to retry")
+                f"{where} moved on while this run was going: another writer resumed it from "
+                f"this run's input checkpoint {parent!r} with input of its own (its latest "
+                f"checkpoint is now {head!r}), which discards that checkpoint's unfinished "
+                "tasks: this run's input is not in the thread's state, and nothing of this step "
+                "was kept. Run again from the thread's latest checkpoint (without "
+                "checkpoint_id) to retry")
+        if first:
+            return RunSuperseded(
+                f"{where} moved on while this run was going, after this run stored its "
+                f"Command's writes (update, resume) on checkpoint {parent!r}, the one it resumed "
+                f"from: another writer resumed that checkpoint (its latest checkpoint is now "
+                f"{head!r}) and may have applied them. This run's step was not kept. Do not "
+                "send the same Command again unread (it could be applied twice): read the "
+                "thread's state (graph.get_state) and go on from there")
         return RunSuperseded(
-            f"thread {thread_id!r} (namespace {ns!r}) was taken over while this run was "
-            f"going: another writer resumed it from this run's own checkpoint {parent!r} (its "
-            f"latest checkpoint is now {head!r}); this run's steps up to that checkpoint stay "
-            "in the thread, so its input is (or may be) in the thread's state, and the rest of "
-            "this run was not kept. Do not run the same input again (it would be applied "
-            "twice): read the thread's state (graph.get_state) and go on from there")
+            f"{where} was taken over while this run was going: another writer resumed it "
+            f"from this run's own checkpoint {parent!r} (its latest checkpoint is now "
+            f"{head!r}); this run's steps up to that checkpoint stay in the thread, so its "
+            "input is (or may be) in the thread's state, and the rest of this run was not "
+            "kept. Do not run the same input again (it would be applied twice): read the "
+            "thread's state (graph.get_state) and go on from there")
 
-    def _source(self, thread_id: str, ns: str, cid: str) -> str | None:
-        """The ``source`` of checkpoint ``cid``'s metadata ("input", "loop"...; None when
-        it is gone)."""
+    def _input_only(self, thread_id: str, ns: str, cid: str) -> bool:
+        """Whether checkpoint ``cid`` is an input checkpoint whose input is only in the
+        start channel (a StateGraph's, an entrypoint's): not yet in the state, which its
+        start task applies. (A Pregel whose input channels are state channels has it in
+        the state at once: not so.)"""
+        md, cp = self._meta(thread_id, ns, cid)
+        updated = cp.get("updated_channels")
+        return md.get("source") == "input" and type(updated) is list \
+            and all(ch == _START for ch in updated)
+
+    def _meta(self, thread_id: str, ns: str, cid: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(metadata, checkpoint without values) of checkpoint ``cid``; ({}, {}) when it is
+        gone or not dicts."""
         last = self._last.get((thread_id, ns))
         body = last[1] if last is not None and last[0] == cid else self._body(thread_id, ns, cid)
         if body is None:
-            return None
-        md = self._loads(body[2], body[3])
-        return md.get("source") if type(md) is dict else None
+            return {}, {}
+        md, cp = self._loads(body[2], body[3]), self._loads(body[0], body[1])
+        return (md if type(md) is dict else {}), (cp if type(cp) is dict else {})
 
     def _body(self, thread_id: str, ns: str, cid: str) -> list[Any] | None:
         key = self.keys.checkpoint(thread_id, ns, cid)
         body = self.kv.get(key)
         return None if body is None else _record(body, 6, key)
 
-    def _child_on_chain(self, thread_id: str, ns: str, head: str | None, ancestor: str,
-                        most: int = 64) -> str | None:
+    def _child_on_chain(self, thread_id: str, ns: str, head: str, ancestor: str) -> Any:
         """The checkpoint whose parent is ``ancestor``, found by following parents back
-        from ``head`` (at most ``most`` records); None when it is not within them."""
+        from ``head``; _OFF_CHAIN when ``head`` does not descend from ``ancestor`` (the walk
+        passed below it: ids grow along a chain); None when that is not known (a record
+        gone or not well formed, or more than _WALK_MAX records between them)."""
         cid = head
-        for _ in range(most):
-            if cid is None:
-                return None
+        for _ in range(_WALK_MAX):
+            if cid <= ancestor:
+                return _OFF_CHAIN
             body = self._body(thread_id, ns, cid)
             if body is None:
                 return None
-            if body[4] == ancestor:
+            up = body[4]
+            if up == ancestor:
                 return cid
-            cid = body[4] if type(body[4]) is str else None
+            if up is None:
+                return _OFF_CHAIN
+            if type(up) is not str or up >= cid:
+                return None  # (not a record this saver wrote: ids grow along a chain)
+            cid = up
         return None
 
     def _inlined_by(self, thread_id: str, ns: str, parent: str, channels: builtins.list[str],
@@ -558,6 +601,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 regular.append(len(keys))
             keys.append(key)
             records.append([task_id, channel, *self._dumps(value), task_path])
+        if keys and config["configurable"].get(RESUMED_HEAD) == cid and (
+                task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
+            self._commands[thread_id, ns, cid] = None  # (before they are stored: see put)
+            if len(self._commands) > _MAX_HEADS:
+                self._commands.pop(next(iter(self._commands)))
         if keys:
             self._put_new_writes(keys, records, regular)
         if slots and self._cluster:
