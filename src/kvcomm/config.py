@@ -789,5 +789,7 @@ def load_config(config: Config | str | os.PathLike[str] | None) -> Config:
         return config
     if isinstance(config, str | os.PathLike):
         return Config.load(config)
-    raise ConfigError("", f"config must be a path or a kvcomm.Config, got {type(config).__name__}")
+    hint = ": pass kvcomm.Config.from_mapping(it)" if isinstance(config, dict) else ""
+    raise ConfigError("", f"config must be a path or a kvcomm.Config, got "
+                          f"{type(config).__name__}{hint}")
 

@@ -390,3 +390,37 @@ def test_a_msgpack_extension_planted_in_l2_is_refused_on_every_read(
                     read()
             other.put("planted", [1, 2])
             assert kv.get("planted") == [1, 2]
+
+
+def test_a_second_client_in_one_process_is_told_its_size_is_ignored(
+        ns: str, config: kvcomm.Config) -> None:
+    """The namespace is attached in this process already: a client asking another
+    ``cache.l2_size`` is warned, at its own line, as one in another process is.
+    (a newcomer's first hour, stop 37: no warning in the same process)"""
+    other = kvcomm.Config.from_mapping({**config.model_dump(mode="json"),
+                                        "cache": {**config.cache.model_dump(mode="json"),
+                                                  "l2_size": "8MB"}})
+    with kvcomm.open(ns, config=config) as a:
+        with pytest.warns(kvcomm.KVCommWarning, match="is ignored until") as seen:
+            b = kvcomm.open(ns, config=other)
+        assert seen[0].filename == __file__, seen[0].filename
+        b.put("k", 1)
+        assert a.get("k") == 1
+        b.close()
+
+
+def test_first_hour_mistakes_say_what_to_do(kv: kvcomm.Client) -> None:
+    """Each error of a newcomer's first hour names the fix. (stop 37's newcomer review)"""
+    with pytest.raises(kvcomm.UnsupportedValue, match=r"store such a number as a str"):
+        kv.put("big", 2**70)
+    with pytest.raises(kvcomm.UnsupportedValue, match=r"str\(n\)"):
+        kv.put("big", {"n": [-(2**64)]})
+    with pytest.raises(kvcomm.InvalidKey, match="shorten it.*raise cache.max_key_bytes"):
+        kv.put("x" * 251, 1)
+    with pytest.raises(kvcomm.ConfigError, match=r"Config.from_mapping"):
+        kvcomm.open("x", config={"cache": {}})  # type: ignore[arg-type]
+    from kvcomm.tiers.l2 import L2Segment
+
+    with pytest.raises(kvcomm.SegmentError, match=r"kvcomm.open\('never-opened-ns'\) creates"):
+        L2Segment("never-opened-ns", create_layout=None, host_id="")
+    assert kv.get("big") is None

@@ -47,10 +47,12 @@ class _Shared:
             if entry is not None and entry.seg.purged:
                 del cls.attached[name]  # its clients keep it (and get SegmentError) until closed
                 entry = None
-            if entry is None:
-                c = config.cache
-                layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
-                                     c.max_value_size, c.l2_keys)
+            c = config.cache
+            layout = Layout.plan(c.l2_size, c.max_key_bytes, c.watch_buffer, c.max_views,
+                                 c.max_value_size, c.l2_keys)
+            if entry is not None:  # (attached already in this process: as it is)
+                l2mod.warn_other_size(entry.seg, layout)
+            else:
                 seg = l2mod.open_segment(name, layout, config.node.host_id, c.l2_permissions,
                                          directory=c.l2_dir, lock_timeout=c.lock_timeout)
                 entry = cls.attached[name] = _Attached(seg, process_budget().cache(),

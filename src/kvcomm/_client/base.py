@@ -457,7 +457,9 @@ class ClientBase:
             if b"\x00" in kb:
                 raise InvalidKey(f"key {key!r} contains NUL; remove it")
             raise InvalidKey(
-                f"key is {len(kb)} bytes of UTF-8, over cache.max_key_bytes={self._max_key}"
+                f"key is {len(kb)} bytes of UTF-8, over cache.max_key_bytes={self._max_key}: "
+                f"shorten it (a hash of its tail, say), or raise cache.max_key_bytes, the "
+                f"same on every host (at most {self._seg.layout.max_key})"
             )
         return kb
 

@@ -299,7 +299,7 @@ def run_demo(args: argparse.Namespace) -> int:
     purge(args.name)
     console.print(f"[bold]KVCOMM swarm demo[/]: {args.agents} drones, {args.rate:g} Hz, "
                   f"{args.seconds:g} s, {args.neighbours} neighbours read per tick; "
-                  f"baseline: {baseline}  (pid {os.getpid()})")
+                  f"baseline: {baseline}; this demo's pid {os.getpid()}")
     if args.cluster:
         return _run_cluster_demo(args, console, results)
     ours = _run_swarm("kvcomm (L1+L2, embedded)", lambda i: KvcommStore(args.name, cfg), args,

@@ -79,7 +79,8 @@ def _reject(value: Any) -> None:
         _number(value)
         return
     if _np is not None and isinstance(value, _np.ndarray):
-        raise UnsupportedValue("numpy arrays can only be stored as the whole value, not nested")
+        raise UnsupportedValue("numpy arrays can only be stored as the whole value, not nested: "
+                               "give the array a key of its own, or store arr.tolist()")
     raise UnsupportedValue(
         f"cannot store a value of type {type(value).__name__}: use bytes, str, int, float, "
         "bool, None, lists, dicts with str keys, or a numeric numpy array (values are never "
@@ -202,13 +203,21 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
     except UnicodeEncodeError as exc:
         raise _surrogate(exc) from None
     except (OverflowError, ValueError) as exc:
-        raise UnsupportedValue(f"cannot encode value: {exc}") from None
+        raise _unencodable(exc) from None
     try:
         return PACKED, b"", msgpack.packb(value, use_bin_type=True, default=_number)
     except UnicodeEncodeError as exc:
         raise _surrogate(exc) from None
     except (OverflowError, ValueError, TypeError) as exc:
-        raise UnsupportedValue(f"cannot encode value: {exc}") from None
+        raise _unencodable(exc) from None
+
+
+def _unencodable(exc: BaseException) -> UnsupportedValue:
+    if isinstance(exc, OverflowError) or "out of range" in str(exc):
+        return UnsupportedValue(
+            f"cannot encode value: an int in it is outside msgpack's range, -2**63 to 2**64-1 "
+            f"({exc}); store such a number as a str (str(n), and int() when read)")
+    return UnsupportedValue(f"cannot encode value: {exc}")
 
 
 def _encode_array(arr: Any) -> tuple[int, bytes, memoryview]:

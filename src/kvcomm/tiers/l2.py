@@ -127,12 +127,34 @@ def open_segment(name: str, layout: Layout, host_id: str, permissions: int,
         raise
     except OSError as exc:
         raise SegmentError(f"cannot map L2 segment {name!r}: {exc.strerror}") from None
-    if not seg.created and seg.layout.total != layout.total:
+    if not seg.created:
+        warn_other_size(seg, layout)
+    return seg
+
+
+def warn_other_size(seg: L2Segment, layout: Layout) -> None:
+    """Warn (KVCommWarning, at the caller's first line outside kvcomm) when ``seg``, an
+    existing namespace's segment, is not the size ``layout`` asks for: it is used as it is."""
+    if seg.layout.total != layout.total:
+        name = seg.name
         warnings.warn(
             f"namespace {name!r} already exists with a segment of {seg.layout.total} bytes; "
             f"the configured cache.l2_size (a {layout.total}-byte segment) is ignored until "
-            f"the namespace is purged (`kvcomm purge --name {name}`)", KVCommWarning, stacklevel=3)
-    return seg
+            f"the namespace is purged (`kvcomm purge --name {name}`)", KVCommWarning,
+            stacklevel=_outside_kvcomm())
+
+
+def _outside_kvcomm() -> int:
+    """The ``stacklevel`` of warnings.warn, called here, that names the first frame outside
+    the kvcomm package (the user's line)."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) -> bool:

@@ -199,7 +199,9 @@ class SegmentCore:
         except FileNotFoundError:
             if layout is not None:
                 return self._new_file(layout, permissions)
-            raise SegmentError(f"no L2 segment for namespace {self.name!r}") from None
+            raise SegmentError(f"no L2 segment for namespace {self.name!r} on this host: "
+                               f"kvcomm.open({self.name!r}) creates it (nothing opened it "
+                               "here since the machine started or since its purge)") from None
         except OSError as exc:
             raise SegmentError(f"cannot open {self.path}: {exc.strerror}") from None
         try:
