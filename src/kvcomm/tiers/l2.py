@@ -149,7 +149,7 @@ def _outside_kvcomm() -> int:
     the kvcomm package (the user's line)."""
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame: Any = sys._getframe(1)
     level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
