@@ -21,6 +21,7 @@ from .errors import ConflictError as ConflictError
 from .errors import CorruptRecord as CorruptRecord
 from .errors import InvalidArgument as InvalidArgument
 from .errors import InvalidKey as InvalidKey
+from .errors import InvalidNamespace as InvalidNamespace
 from .errors import KVCommError as KVCommError
 from .errors import KVCommWarning as KVCommWarning
 from .errors import SegmentError as SegmentError
@@ -54,7 +55,7 @@ _LAZY = {
 
 __all__ = [
     "ABSENT", "Batch", "Client", "Config", "ConfigError", "ConflictError", "CorruptRecord",
-    "Event", "InvalidArgument", "InvalidKey", "Item", "KVCommError", "KVCommWarning",
+    "Event", "InvalidArgument", "InvalidKey", "InvalidNamespace", "Item", "KVCommError", "KVCommWarning",
     "Ordering", "Presence", "SegmentError", "Unavailable", "UnflushedWrites", "UnsupportedValue",
     "ValidationError",
     "ValueTooLarge", "Version", "open",

@@ -99,6 +99,11 @@ class SegmentError(KVCommError):
     """The L2 shared-memory segment cannot be used as it is (foreign, old layout, corrupt)."""
 
 
+class InvalidNamespace(SegmentError, InvalidArgument):
+    """The namespace name is not 1-64 letters, digits, '.', '_' or '-' (an argument error:
+    also an InvalidArgument and a ValueError; a SegmentError as it always was)."""
+
+
 class UnflushedWrites(SegmentError):
     """``kvcomm purge`` refused: the segment holds acknowledged writes L3 has not got yet.
     Let the node daemon deliver them (or ``kvcomm migrate`` an older segment's), or pass

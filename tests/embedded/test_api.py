@@ -185,8 +185,10 @@ def test_bad_consistency_and_expect(kv: kvcomm.Client) -> None:
 def test_errors_share_one_root() -> None:
     for name in ("InvalidKey", "UnsupportedValue", "ValueTooLarge", "ConflictError",
                  "ConfigError", "SegmentError", "Unavailable", "ValidationError",
-                 "InvalidArgument"):
+                 "InvalidArgument", "InvalidNamespace"):
         assert issubclass(getattr(kvcomm, name), kvcomm.KVCommError)
+    with pytest.raises(kvcomm.InvalidArgument, match="is invalid: use 1-64"):
+        kvcomm.open("my app/1")  # (a SegmentError too, as it always was)
 
 
 def test_closed_client_refuses(ns: str, config: kvcomm.Config) -> None:

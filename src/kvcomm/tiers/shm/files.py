@@ -26,7 +26,7 @@ import re
 import secrets
 import stat
 
-from ...errors import SegmentError
+from ...errors import InvalidNamespace, SegmentError
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -36,7 +36,7 @@ _VECTOR_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 def segment_path(name: str, directory: str = SHM_DIR) -> str:
     """The file backing namespace ``name``. Raises SegmentError on a bad name."""
     if type(name) is not str or not _NAME_RE.match(name):
-        raise SegmentError(
+        raise InvalidNamespace(
             f"namespace {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
         )
     return os.path.join(directory, f"kvcomm.{name}")
