@@ -716,7 +716,7 @@ def _taken_over_after(kv: kvcomm.Client, kept: int, take: Callable[[], Any]) -> 
     """A saver whose run lets ``take`` (another writer) run right after its ``kept``-th
     put (0: right before its first one, once the writes LangGraph stores first, in the
     background, are stored)."""
-    stored = threading.Event()
+    stored, taken = threading.Event(), []
 
     class TakenOver(KVCommSaver):
         puts = 0
@@ -726,12 +726,14 @@ def _taken_over_after(kv: kvcomm.Client, kept: int, take: Callable[[], Any]) -> 
             stored.set()
 
         def put(self, *args: Any, **kwargs: Any) -> Any:
-            if TakenOver.puts == kept == 0:
+            if TakenOver.puts == kept == 0 and not taken:
+                taken.append(1)  # (once: the taker may run on this very saver)
                 assert stored.wait(60), "the run's writes before its first move"
                 take()
             out = super().put(*args, **kwargs)
             TakenOver.puts += 1
-            if TakenOver.puts == kept:
+            if TakenOver.puts == kept and not taken:
+                taken.append(1)
                 take()
             return out
 
@@ -780,6 +782,42 @@ def test_a_run_told_to_retry_is_one_whose_input_is_not_in_the_thread(kv: kvcomm.
         assert tup is not None and tup.checkpoint["channel_values"]["log"].count("B") == 1, case
 
 
+def test_a_taker_on_a_host_whose_clock_is_behind_still_supersedes(
+        kv: kvcomm.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LangGraph's checkpoint ids are times of the host that makes them: a writer on a
+    host whose clock is 50 ms behind resumes B's latest checkpoint and makes checkpoints
+    that descend from it with smaller ids. B is still RunSuperseded (its input is in the
+    thread), not told that the head left its branch. (review of stop 37: ids were
+    compared, and B's retry applied its input twice)"""
+    import langgraph.checkpoint.base.id as lgid
+
+    class Behind:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def time_ns(self) -> int:
+            return time.time_ns() - 50_000_000
+
+    saver = KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": "skew"}}
+    log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
+
+    def on_a_host_behind() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(lgid, "time", Behind())
+            m.setattr(lgid, "_last_v6_timestamp", None)  # (another process's generator)
+            _in_thread(log_graph().compile(checkpointer=KVCommSaver(kv)).invoke,
+                       {"log": ["W"]}, cfg)
+
+    b = log_graph().compile(checkpointer=_taken_over_after(kv, 2, on_a_host_behind))
+    with pytest.raises(RunSuperseded):
+        b.invoke({"log": ["B"]}, cfg, durability="sync")
+    head = saver.get_tuple(cfg)
+    assert head is not None
+    chain = [h.checkpoint["id"] for h in saver.list(cfg)]
+    assert head.checkpoint["id"] < max(chain)  # (the head's id is older than B's: skewed)
+
+
 def test_a_pregel_whose_input_is_state_is_superseded_not_told_to_retry(kv: kvcomm.Client) -> None:
     """A Pregel whose input channels are state channels has the input in the state from
     its input checkpoint on (no start task): a run with input of its own that resumed
@@ -806,22 +844,25 @@ def test_a_pregel_whose_input_is_state_is_superseded_not_told_to_retry(kv: kvcom
     assert tup is not None and tup.checkpoint["channel_values"]["log"].count("B") == 1
 
 
+@pytest.mark.parametrize("same", [False, True], ids=["own saver", "same saver"])
 @pytest.mark.parametrize("taker", ["input", "resume"])
 def test_a_command_stored_on_the_head_before_a_refused_first_move_is_not_retried_blindly(
-        kv: kvcomm.Client, taker: str) -> None:
+        kv: kvcomm.Client, taker: str, same: bool) -> None:
     """B resumes with ``Command(update=...)``: LangGraph stores the update on the head it
     read, then puts its first checkpoint. Another writer resumed that head in between
     (with input, or ``invoke(None)``) and applied the update; B's refused first move is
     RunSuperseded ("may have applied them"), not ConflictError, whose retry would apply
-    the update twice. (review of stop 37)"""
+    the update twice. The other writer may run on the same saver (one server, one
+    checkpointer: its own first move must not clear what B stored). (reviews of stop 37)"""
     from langgraph.types import Command
 
     saver = KVCommSaver(kv)
     cfg: Any = {"configurable": {"thread_id": f"command-{taker}"}}
     log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
-    b = log_graph().compile(checkpointer=_taken_over_after(kv, 0, lambda: _in_thread(
-        log_graph().compile(checkpointer=saver).invoke,
-        {"log": ["A"]} if taker == "input" else None, cfg)))
+    b_saver = _taken_over_after(kv, 0, lambda: _in_thread(
+        log_graph().compile(checkpointer=b_saver if same else saver).invoke,
+        {"log": ["A"]} if taker == "input" else None, cfg))
+    b = log_graph().compile(checkpointer=b_saver)
     with pytest.raises(RunSuperseded, match="Command"):
         b.invoke(Command(update={"log": ["B"]}, goto="work"), cfg, durability="sync")
     tup = saver.get_tuple(cfg)

@@ -716,9 +716,13 @@ def main(argv: list[str] | None = None) -> int:
     except KVCommError as exc:
         print(f"kvcomm: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # (its output piped into a reader that stopped: `| head`)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no error at exit)
-        return 1
+    except BrokenPipeError:
+        try:  # (its output piped into a reader that stopped, `| head`: then stdout fails)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (quiet at exit)
+            return 1
+        raise  # (another pipe, a socket: a real error)
 
 
 if __name__ == "__main__":

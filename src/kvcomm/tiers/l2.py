@@ -139,8 +139,9 @@ def warn_other_size(seg: L2Segment, layout: Layout) -> None:
         name = seg.name
         warnings.warn(
             f"namespace {name!r} already exists with a segment of {seg.layout.total} bytes; "
-            f"the configured cache.l2_size (a {layout.total}-byte segment) is ignored until "
-            f"the namespace is purged (`kvcomm purge --name {name}`)", KVCommWarning,
+            f"the configured cache (l2_size, l2_keys, max_key_bytes, watch_buffer, max_views: "
+            f"a {layout.total}-byte segment) is ignored until the namespace is purged "
+            f"(`kvcomm purge --name {name}`)", KVCommWarning,
             stacklevel=_outside_kvcomm())
 
 

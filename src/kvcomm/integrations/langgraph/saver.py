@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import itertools
 import math
 import random
 import time
@@ -113,6 +114,10 @@ class _Moved(Exception):
 # compare-and-set against its parent, never forking the thread. ("__" keys are kept out
 # of checkpoint metadata by LangGraph.)
 RESUMED_HEAD = "__kvcomm_resumed_head__"
+# And the run it starts: a number of this saver's, new at each such get_tuple, so that
+# what a run did before its first move (put_writes: a Command's writes on the head) is
+# told apart from another run's on the same head (put: _refused).
+RUN = "__kvcomm_run__"
 
 
 # what reading a record of another shape than KVCommSaver's raises (a planted one)
@@ -246,11 +251,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # per (thread, namespace), the last checkpoint this saver put (its id and record),
         # so that a put after it need not read it back (_inlined_by); as bounded as _heads
         self._last: dict[tuple[str, str], tuple[str, list[Any]]] = {}
-        # (thread, namespace, checkpoint): a run of this saver stored a Command's writes
-        # (update, resume) on the head it resumed, before its first move; gone once a put
-        # moves on from it. A refused first move then may have had them applied by the
-        # writer that won (put: _refused). As bounded as _heads.
-        self._commands: dict[tuple[str, str, str], None] = {}
+        # run (RUN) -> (thread, namespace, checkpoint): the run stored a Command's writes
+        # (update, resume) on the head it resumed, before its first move; gone at its
+        # first put (kept or refused). A refused first move then may have had them applied
+        # by the writer that won (put: _refused). As bounded as _heads (a run that failed
+        # before its first put leaves its entry: its number never comes again).
+        self._commands: dict[Any, tuple[str, str, str]] = {}
+        self._runs = itertools.count(1)
         self._cluster = kv.config.cluster.enabled
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
                 and kv.config.cache.l3_consistency != "strong":
@@ -366,10 +373,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         except _Moved as moved:
             if self._cluster:  # (written before the head's compare-and-set: gone again)
                 self._delete_keys(keys[:own])
-            raise self._refused(thread_id, ns, parent, moved.head,
-                                first=parent == conf.get(RESUMED_HEAD)) from None
-        if self._commands and parent is not None:
-            self._commands.pop((thread_id, ns, parent), None)  # (moved on from it: kept)
+            first = parent == conf.get(RESUMED_HEAD)
+            stored = self._commands.pop(conf.get(RUN), None) if self._commands else None
+            raise self._refused(thread_id, ns, parent, moved.head, first=first,
+                                commands=first and stored == (thread_id, ns, parent)) from None
+        if self._commands:
+            self._commands.pop(conf.get(RUN), None)  # (its first move made: kept)
         self._last[thread_id, ns] = (cid, record)
         if len(self._last) > _MAX_HEADS:
             self._last.pop(next(iter(self._last)))
@@ -382,10 +391,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                                  "checkpoint_id": cid}}
 
     def _refused(self, thread_id: str, ns: str, parent: str | None, head: str | None, *,
-                 first: bool) -> KVCommError:
+                 first: bool, commands: bool) -> KVCommError:
         """What a put refused because the head moved on from ``parent`` raises (``head``:
         where it is now; ``first``: ``parent`` is the head the run resumed from, so this
-        is the run's first move). ConflictError when a retry is safe: nothing of this
+        is the run's first move; ``commands``: the run stored a Command's writes on it
+        before). ConflictError when a retry is safe: nothing of this
         run's input is in the thread's latest state. RunSuperseded when it is, or may be:
         running the same input again could apply it twice. The table of cases, and why:
         docs/design/langgraph-saver.md, "Two writers never fork a thread by accident"."""
@@ -395,7 +405,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 f"{where} was deleted (delete_thread, prune, or its ttl) while this run was "
                 "going: nothing of it is left and this step was not kept; run again to start "
                 "the thread anew")
-        if parent is None or first and (thread_id, ns, parent) not in self._commands:
+        if parent is None or first and not commands:
             return ConflictError(
                 f"{where} moved on while this run was going: its latest checkpoint is "
                 f"{head!r}, this run resumed from {parent!r}; another writer resumed the "
@@ -468,13 +478,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     def _child_on_chain(self, thread_id: str, ns: str, head: str, ancestor: str) -> Any:
         """The checkpoint whose parent is ``ancestor``, found by following parents back
-        from ``head``; _OFF_CHAIN when ``head`` does not descend from ``ancestor`` (the walk
-        passed below it: ids grow along a chain); None when that is not known (a record
-        gone or not well formed, or more than _WALK_MAX records between them)."""
-        cid = head
+        from ``head``; _OFF_CHAIN when ``head`` does not descend from ``ancestor`` (the
+        walk reached the thread's first checkpoint); None when that is not known (a record
+        gone or not well formed, a loop, or more than _WALK_MAX records on the way). Ids
+        are not compared: they are times of the hosts that made them, whose clocks differ."""
+        cid, seen = head, set()
         for _ in range(_WALK_MAX):
-            if cid <= ancestor:
-                return _OFF_CHAIN
             body = self._body(thread_id, ns, cid)
             if body is None:
                 return None
@@ -483,8 +492,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 return cid
             if up is None:
                 return _OFF_CHAIN
-            if type(up) is not str or up >= cid:
-                return None  # (not a record this saver wrote: ids grow along a chain)
+            seen.add(cid)
+            if type(up) is not str or up in seen:
+                return None  # (not a record this saver wrote)
             cid = up
         return None
 
@@ -601,9 +611,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 regular.append(len(keys))
             keys.append(key)
             records.append([task_id, channel, *self._dumps(value), task_path])
-        if keys and config["configurable"].get(RESUMED_HEAD) == cid and (
+        conf = config["configurable"]
+        if keys and conf.get(RESUMED_HEAD) == cid and conf.get(RUN) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
-            self._commands[thread_id, ns, cid] = None  # (before they are stored: see put)
+            self._commands[conf[RUN]] = (thread_id, ns, cid)  # (before they are stored: put)
             if len(self._commands) > _MAX_HEADS:
                 self._commands.pop(next(iter(self._commands)))
         if keys:
@@ -709,6 +720,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         tup = self._tuple(thread_id, ns, cid, body, writes, referenced is not None, raw)
         # (a run resuming from it moves the head from it, or not at all: see put)
         tup.config["configurable"][RESUMED_HEAD] = None if head_item is None else cid
+        if head_item is not None:
+            tup.config["configurable"][RUN] = next(self._runs)
         if self.ttl is not None and self.refresh_on_read:
             self._refresh(thread_id, ns, cid, body, raw or {}, writes, head_item)
         return tup
