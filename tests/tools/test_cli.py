@@ -69,7 +69,75 @@ def test_info_and_purge(ns: str, config: kvcomm.Config) -> None:
     assert run("purge", "--name", ns).returncode == 0
     missing = run("info", "--name", ns)
     assert missing.returncode == 2 and "no L2 segment" in missing.stderr
-    assert run("purge", "--name", ns).returncode == 1
+    assert "creates it" in missing.stderr  # (what to do)
+    again = run("purge", "--name", ns)
+    assert again.returncode == 1 and "no L2 segment" in again.stderr, again.stderr
+
+
+def test_list_shows_this_hosts_namespaces_and_skips_their_other_files(
+        ns: str, config: kvcomm.Config, tmp_path: Path) -> None:
+    """``kvcomm list``: each namespace's segment with its entries, not the namespace's
+    other files (status, placement reports), nor a file that is not a segment; one of
+    another layout is listed as unreadable. (a newcomer's first hour: only ls /dev/shm
+    showed them)"""
+    d = tmp_path / "shm"
+    d.mkdir()
+    cfg = kvcomm.Config.from_mapping({**config.model_dump(mode="json"),
+                                      "cache": {**config.cache.model_dump(mode="json"),
+                                                "l2_dir": str(d)}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    empty = run("list", "--config", str(path))
+    assert empty.returncode == 0 and "no namespace on this host" in empty.stdout, empty
+    with kvcomm.open(ns, config=cfg, agent="a") as kv:
+        kv.put("a", 1)
+        kv.put("b", 2)
+        (d / f"kvcomm.{ns}.node.json").write_text("{}")
+        (d / "kvcomm.not-a-segment").write_bytes(b"hello there, not KVCOMM")
+        out = run("list", "--config", str(path), "--json")
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        assert [r["name"] for r in rows] == [ns] and rows[0]["entries"] == 2, rows
+        text = run("list", "--config", str(path))
+        assert text.returncode == 0 and ns in text.stdout and "agents" not in text.stdout
+    kvcomm.tiers.l2.purge(ns, str(d))
+
+
+def test_a_command_piped_into_a_reader_that_stops_exits_quietly() -> None:
+    """``kvcomm ... | head -1``: no BrokenPipeError traceback; a broken pipe that is not
+    stdout still raises."""
+    code = ("import sys, kvcomm.cli as cli\n"
+            "def big(args):\n"
+            "    for i in range(200000): print('line', i)\n"
+            "    return 0\n"
+            "cli._config = big\n"
+            "sys.exit(cli.main(['config']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"line 0\n"
+    proc.stdout.close()
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and b"Traceback" not in err, err
+    import socket
+
+    import kvcomm.cli as cli
+
+    a, b = socket.socketpair()
+    b.close()
+
+    def sends(args: object) -> int:
+        for _ in range(100):
+            a.send(b"x" * 65536)
+        return 0
+
+    real = cli._config
+    cli._config = sends  # type: ignore[assignment]
+    try:
+        with pytest.raises(BrokenPipeError):
+            cli.main(["config"])
+    finally:
+        cli._config = real  # type: ignore[assignment]
+        a.close()
 
 
 def test_info_in_partition_mode_says_so_instead_of_a_dead_daemon(ns: str,

@@ -128,6 +128,70 @@ def _since_beat(beat_ms: int) -> str:
     return f" (the last daemon's last heartbeat: {at}, {time.time() - beat_ms / 1000:.0f}s ago)"
 
 
+def _list(args: argparse.Namespace) -> int:
+    """The namespaces whose L2 segments are on this host (in cache.l2_dir): each one's
+    size, the memory it holds and its entries. A segment of another KVCOMM layout, or
+    one this user may not open, is listed with what stops it being read. Exit status 0."""
+    from ..tiers.shm.files import _NAME_RE
+    from ..tiers.shm.layout import MAGIC
+
+    c = load_config(args.config).cache
+    rows: list[dict[str, Any]] = []
+    try:
+        names = sorted(os.listdir(c.l2_dir))
+    except OSError as exc:
+        print(f"kvcomm: cannot list {c.l2_dir} (cache.l2_dir): {exc.strerror}", file=sys.stderr)
+        return 2
+    for file in names:
+        name = file[len("kvcomm."):]
+        if not file.startswith("kvcomm.") or not _NAME_RE.match(name):
+            continue
+        path = os.path.join(c.l2_dir, file)
+        try:  # (a segment starts with KVCOMM's magic; the namespace's other files do not)
+            with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW
+                                                              | os.O_NONBLOCK)) as f:
+                head = f.read(8)
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        if len(head) < 8 or int.from_bytes(head, "little") & 0x00FFFFFFFFFFFFFF \
+                != MAGIC & 0x00FFFFFFFFFFFFFF:
+            continue
+        row: dict[str, Any] = {"name": name, "path": path, "size_bytes": st.st_size,
+                               "reserved_bytes": st.st_blocks * 512}
+        try:
+            from ..tiers.l2 import L2Segment
+
+            seg = L2Segment(name, create_layout=None, host_id="", directory=c.l2_dir,
+                            permissions=0o777, lock_timeout=c.lock_timeout, attach_timeout=0)
+            try:
+                info = seg.info()
+                row.update(entries=info["entries"], daemon_alive=info["daemon_alive"])
+            finally:
+                seg.close()
+        except Exception as exc:  # (listed all the same, with why it cannot be read)
+            row["unreadable"] = str(exc)[:200]
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no namespace on this host (no segment in {c.l2_dir}): kvcomm.open(NAME) "
+              "creates one")
+        return 0
+    print(f"{'namespace':<24} {'size MiB':>9} {'held MiB':>9} {'entries':>9}  daemon")
+    for r in rows:
+        if "unreadable" in r:
+            print(f"{r['name']:<24} {r['size_bytes'] / 2**20:9.1f} "
+                  f"{r['reserved_bytes'] / 2**20:9.1f}  unreadable: {r['unreadable']}")
+            continue
+        print(f"{r['name']:<24} {r['size_bytes'] / 2**20:9.1f} "
+              f"{r['reserved_bytes'] / 2**20:9.1f} {r['entries']:9d}  "
+              f"{'alive' if r['daemon_alive'] else '-'}")
+    print("(`kvcomm info --name NS` for one in detail, `kvcomm purge --name NS` to remove one)")
+    return 0
+
+
 def _purge(args: argparse.Namespace) -> int:
     """Remove a namespace's L2 segment. It refuses a segment that holds writes not yet in
     L3 (of this layout or an older one) unless --force. Exit status 0: removed; 1: there
@@ -154,7 +218,8 @@ def _purge(args: argparse.Namespace) -> int:
     if removed:
         print(f"purged namespace {name!r}")
         return 0
-    print(f"no segment for namespace {name!r}", file=sys.stderr)
+    print(f"kvcomm: no L2 segment for namespace {name!r} on this host: nothing to purge "
+          "(`kvcomm list` lists the namespaces there are)", file=sys.stderr)
     return 1
 
 
@@ -542,6 +607,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a kvcomm YAML config (for cache.l2_dir and the namespace)")
     i.add_argument("--json", action="store_true", help="print every field as JSON")
 
+    ls = _command(sub, "list", _list, "list this host's namespaces (their L2 segments)")
+    ls.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (for cache.l2_dir)")
+    ls.add_argument("--json", action="store_true", help="print every field as JSON")
+
     u = _command(sub, "purge", _purge, "remove a namespace's L2 segment")
     u.add_argument("--name", required=True, metavar="NS", help="the namespace to remove")
     u.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (for cache.l2_dir)")
@@ -717,12 +786,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvcomm: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        try:  # (its output piped into a reader that stopped, `| head`: then stdout fails)
-            sys.stdout.flush()
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (quiet at exit)
-            return 1
-        raise  # (another pipe, a socket: a real error)
+        if not _stdout_closed():
+            raise  # (another pipe, a socket: a real error)
+        # (its output piped into a reader that stopped, `| head`: done, quietly)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no error at exit)
+        return 1
+
+
+def _stdout_closed() -> bool:
+    """Whether nothing reads stdout any more (the read end of its pipe is closed)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 if __name__ == "__main__":
