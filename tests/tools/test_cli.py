@@ -94,12 +94,26 @@ def test_list_shows_this_hosts_namespaces_and_skips_their_other_files(
         kv.put("b", 2)
         (d / f"kvcomm.{ns}.node.json").write_text("{}")
         (d / "kvcomm.not-a-segment").write_bytes(b"hello there, not KVCOMM")
-        out = run("list", "--config", str(path), "--json")
+        seg = (d / f"kvcomm.{ns}").read_bytes()[:8]
+        (d / f"kvcomm.{ns}.v2.migrating").write_bytes(seg)  # (a migration's aside file)
+        (d / "kvcomm.older").write_bytes(seg[:7] + bytes([seg[7] - 1]) + b"\xff" * 64)
+        fifo = d / "kvcomm.fifo"
+        os.mkfifo(fifo)
+        held = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # (a writer, and its bytes)
+        os.write(held, seg + b"not for list")
+        try:
+            out = run("list", "--config", str(path), "--json", timeout=60)
+            assert os.read(held, 100) == seg + b"not for list"  # (list read none of it)
+        finally:
+            os.close(held)
         assert out.returncode == 0, out.stderr
         rows = json.loads(out.stdout)
-        assert [r["name"] for r in rows] == [ns] and rows[0]["entries"] == 2, rows
+        by = {r["name"]: r for r in rows}
+        assert sorted(by) == sorted([ns, "older"]) and by[ns]["entries"] == 2, rows
+        assert "layout" in by["older"]["unreadable"], rows
         text = run("list", "--config", str(path))
         assert text.returncode == 0 and ns in text.stdout and "agents" not in text.stdout
+        assert f"--name=NS --config {path}" in text.stdout, text.stdout
     kvcomm.tiers.l2.purge(ns, str(d))
 
 

@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -128,50 +129,23 @@ def _since_beat(beat_ms: int) -> str:
     return f" (the last daemon's last heartbeat: {at}, {time.time() - beat_ms / 1000:.0f}s ago)"
 
 
+# the names of a namespace's files that are not its segment (tiers/shm/files.py,
+# tiers/shm/oldlayout.py's aside file of a migration under way): `kvcomm list` skips them
+_NOT_SEGMENTS = re.compile(r"\.(keys|node\.json|watch|agents|vec\.[0-9a-f]{16}|v\d+\.migrating)$")
+
+
 def _list(args: argparse.Namespace) -> int:
     """The namespaces whose L2 segments are on this host (in cache.l2_dir): each one's
     size, the memory it holds and its entries. A segment of another KVCOMM layout, or
-    one this user may not open, is listed with what stops it being read. Exit status 0."""
-    from ..tiers.shm.files import _NAME_RE
-    from ..tiers.shm.layout import MAGIC
-
+    one this user may not read, is listed with what stops it being read; it reads 8
+    bytes of a regular file to know a segment, and changes nothing. Exit status 0."""
     c = load_config(args.config).cache
-    rows: list[dict[str, Any]] = []
     try:
         names = sorted(os.listdir(c.l2_dir))
     except OSError as exc:
         print(f"kvcomm: cannot list {c.l2_dir} (cache.l2_dir): {exc.strerror}", file=sys.stderr)
         return 2
-    for file in names:
-        name = file[len("kvcomm."):]
-        if not file.startswith("kvcomm.") or not _NAME_RE.match(name):
-            continue
-        path = os.path.join(c.l2_dir, file)
-        try:  # (a segment starts with KVCOMM's magic; the namespace's other files do not)
-            with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW
-                                                              | os.O_NONBLOCK)) as f:
-                head = f.read(8)
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
-            continue
-        if len(head) < 8 or int.from_bytes(head, "little") & 0x00FFFFFFFFFFFFFF \
-                != MAGIC & 0x00FFFFFFFFFFFFFF:
-            continue
-        row: dict[str, Any] = {"name": name, "path": path, "size_bytes": st.st_size,
-                               "reserved_bytes": st.st_blocks * 512}
-        try:
-            from ..tiers.l2 import L2Segment
-
-            seg = L2Segment(name, create_layout=None, host_id="", directory=c.l2_dir,
-                            permissions=0o777, lock_timeout=c.lock_timeout, attach_timeout=0)
-            try:
-                info = seg.info()
-                row.update(entries=info["entries"], daemon_alive=info["daemon_alive"])
-            finally:
-                seg.close()
-        except Exception as exc:  # (listed all the same, with why it cannot be read)
-            row["unreadable"] = str(exc)[:200]
-        rows.append(row)
+    rows = [row for row in (_segment_row(c, file) for file in names) if row is not None]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -179,17 +153,77 @@ def _list(args: argparse.Namespace) -> int:
         print(f"no namespace on this host (no segment in {c.l2_dir}): kvcomm.open(NAME) "
               "creates one")
         return 0
-    print(f"{'namespace':<24} {'size MiB':>9} {'held MiB':>9} {'entries':>9}  daemon")
+    w = max(9, *(len(r["name"]) for r in rows))
+    print(f"{'namespace':<{w}} {'size MiB':>9} {'held MiB':>9} {'entries':>9}  daemon")
     for r in rows:
+        sizes = f"{r['name']:<{w}} {r['size_bytes'] / 2**20:9.1f} {r['reserved_bytes'] / 2**20:9.1f}"
         if "unreadable" in r:
-            print(f"{r['name']:<24} {r['size_bytes'] / 2**20:9.1f} "
-                  f"{r['reserved_bytes'] / 2**20:9.1f}  unreadable: {r['unreadable']}")
-            continue
-        print(f"{r['name']:<24} {r['size_bytes'] / 2**20:9.1f} "
-              f"{r['reserved_bytes'] / 2**20:9.1f} {r['entries']:9d}  "
-              f"{'alive' if r['daemon_alive'] else '-'}")
-    print("(`kvcomm info --name NS` for one in detail, `kvcomm purge --name NS` to remove one)")
+            print(f"{sizes}  unreadable: {r['unreadable']}")
+        else:
+            print(f"{sizes} {r['entries']:9d}  {'alive' if r['daemon_alive'] else '-'}")
+    conf = f" --config {args.config}" if args.config else ""
+    print(f"(`kvcomm info --name=NS{conf}` for one in detail, `kvcomm purge --name=NS{conf}` "
+          "to remove one)")
     return 0
+
+
+def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
+    """What `kvcomm list` says of ``file`` in ``c.l2_dir``: None when it is not a
+    namespace's segment (or is gone by now)."""
+    import stat
+
+    from ..tiers.shm.files import _NAME_RE
+    from ..tiers.shm.layout import LAYOUT_VERSION, MAGIC
+
+    name = file[len("kvcomm."):]
+    if not file.startswith("kvcomm.") or not _NAME_RE.match(name) or _NOT_SEGMENTS.search(name):
+        return None
+    path = os.path.join(c.l2_dir, file)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):  # (a FIFO, a socket, a link, a directory: never opened)
+        return None
+    row: dict[str, Any] = {"name": name, "path": path, "size_bytes": st.st_size,
+                           "reserved_bytes": st.st_blocks * 512}
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        row["unreadable"] = (f"cannot read it ({exc.strerror}; owner uid {st.st_uid}, mode "
+                             f"{oct(stat.S_IMODE(st.st_mode))})")
+        return row
+    word = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if word & 0x00FFFFFFFFFFFFFF != MAGIC & 0x00FFFFFFFFFFFFFF:
+        return None  # (not a segment: no KVCOMM magic)
+    if word >> 56 != LAYOUT_VERSION:  # (its header is not read further: it may lie)
+        row["unreadable"] = (f"a segment of KVCOMM layout {word >> 56} (this kvcomm reads "
+                             f"{LAYOUT_VERSION}): `kvcomm info --name={name}` says what it holds")
+        return row
+    try:
+        from ..tiers.l2 import L2Segment
+
+        seg = L2Segment(name, create_layout=None, host_id="", directory=c.l2_dir,
+                        permissions=c.l2_permissions, lock_timeout=c.lock_timeout,
+                        attach_timeout=0)
+        try:
+            info = seg.info()
+        finally:
+            seg.close()
+        row.update(entries=info["entries"], daemon_alive=info["daemon_alive"])
+    except Exception as exc:  # (listed all the same, with why it cannot be read)
+        if not os.path.lexists(path):
+            return None  # (purged meanwhile)
+        row["unreadable"] = str(exc)
+    return row
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -218,8 +252,10 @@ def _purge(args: argparse.Namespace) -> int:
     if removed:
         print(f"purged namespace {name!r}")
         return 0
-    print(f"kvcomm: no L2 segment for namespace {name!r} on this host: nothing to purge "
-          "(`kvcomm list` lists the namespaces there are)", file=sys.stderr)
+    conf = f" --config {args.config}" if args.config else ""
+    print(f"kvcomm: no L2 segment for namespace {name!r} on this host (its other files, if "
+          f"any, were removed); `kvcomm list{conf}` lists the namespaces there are",
+          file=sys.stderr)
     return 1
 
 
