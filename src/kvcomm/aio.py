@@ -55,6 +55,7 @@ from ._client.watch import WatchFeed
 from ._l2core import WouldBlock, set_inline_wait
 from .config import Config
 from .errors import InvalidArgument
+from .tiers.l2 import deferred_warnings, warn_outside_kvcomm
 
 __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
 
@@ -557,13 +558,17 @@ class _Opening:
         self._client: AsyncClient | None = None
 
     async def _open(self) -> AsyncClient:
-        # in the pool: opening maps the segment and, in cluster mode, asks L3 and etcd
-        cf = _executor().submit(_open_sync, *self._args, **self._kwargs)
+        # in the pool: opening maps the segment and, in cluster mode, asks L3 and etcd;
+        # its warnings are warned here, on the loop, at the caller's line
+        said: list[str] = []
+        cf = _executor().submit(_open_deferring, said, self._args, self._kwargs)
         try:
             kv = await asyncio.wrap_future(cf)
         except asyncio.CancelledError:  # (an open still under way: closed once made)
             cf.add_done_callback(_close_made)
             raise
+        for message in said:
+            warn_outside_kvcomm(message)
         return AsyncClient(kv)
 
     def __await__(self) -> Generator[Any, None, AsyncClient]:
@@ -585,6 +590,15 @@ class _Opening:
             f"kvcomm.aio.open() was not awaited, so there is no client to call .{name} on: "
             "write `kv = await kvcomm.aio.open(...)` (then `await kv.aclose()`) or "
             "`async with kvcomm.aio.open(...) as kv:`")
+
+
+def _open_deferring(said: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Client:
+    """:func:`kvcomm.open` on this (a pool) thread, its warnings kept in ``said``."""
+    deferred_warnings(said)
+    try:
+        return _open_sync(*args, **kwargs)
+    finally:
+        deferred_warnings(None)
 
 
 def _close_made(f: Future[Client]) -> None:

@@ -128,6 +128,25 @@ def test_the_contract_as_users_call_it_in_both_open_styles(ns: str,
     run(main)
 
 
+def test_an_open_asking_another_size_is_warned_at_the_callers_line(
+        ns: str, aconfig: kvcomm.Config) -> None:
+    """``kvcomm.aio.open`` opens in its pool: the warning that the namespace keeps its size
+    is warned on the loop, at the caller's line, not the pool thread's (review of stop
+    37: it named concurrent/futures/thread.py)."""
+    other = kvcomm.Config.from_mapping({**aconfig.model_dump(mode="json"),
+                                        "cache": {**aconfig.cache.model_dump(mode="json"),
+                                                  "l2_size": "8MB"}})
+
+    async def run() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig):
+            with pytest.warns(kvcomm.KVCommWarning, match="is ignored until") as seen:
+                kv = await kvcomm.aio.open(ns, config=other)
+            await kv.aclose()
+            assert seen[0].filename == __file__, seen[0].filename
+
+    asyncio.run(run())
+
+
 def test_the_first_scan_builds_the_key_index_off_the_loop(ns: str,
                                                            aconfig: kvcomm.Config) -> None:
     async def main() -> None:

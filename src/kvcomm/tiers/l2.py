@@ -35,7 +35,9 @@ docs/design/l2.md.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -132,22 +134,39 @@ def open_segment(name: str, layout: Layout, host_id: str, permissions: int,
     return seg
 
 
+_DEFERRED = threading.local()  # .sink: the warnings of an open run for kvcomm.aio (below)
+
+
+def deferred_warnings(sink: list[str] | None) -> None:
+    """On this thread, from now on: the open's warnings go to ``sink`` (a list of their
+    messages) instead of being warned; None: warned again. kvcomm.aio opens a client in
+    its pool and warns them on the event loop, where the caller's line is."""
+    _DEFERRED.sink = sink
+
+
 def warn_other_size(seg: L2Segment, layout: Layout) -> None:
     """Warn (KVCommWarning, at the caller's first line outside kvcomm) when ``seg``, an
     existing namespace's segment, is not the size ``layout`` asks for: it is used as it is."""
     if seg.layout.total != layout.total:
         name = seg.name
-        warnings.warn(
+        sink = getattr(_DEFERRED, "sink", None)
+        warn = sink.append if sink is not None else functools.partial(
+            warnings.warn, category=KVCommWarning, stacklevel=_outside_kvcomm())
+        warn(
             f"namespace {name!r} already exists with a segment of {seg.layout.total} bytes; "
             f"the configured cache (l2_size, l2_keys, max_key_bytes, watch_buffer, max_views: "
             f"a {layout.total}-byte segment) is ignored until the namespace is purged "
-            f"(`kvcomm purge --name {name}`)", KVCommWarning,
-            stacklevel=_outside_kvcomm())
+            f"(`kvcomm purge --name {name}`)")
+
+
+def warn_outside_kvcomm(message: str) -> None:
+    """A KVCommWarning at the caller's first line outside kvcomm."""
+    warnings.warn(message, KVCommWarning, stacklevel=_outside_kvcomm())
 
 
 def _outside_kvcomm() -> int:
-    """The ``stacklevel`` of warnings.warn, called here, that names the first frame outside
-    the kvcomm package (the user's line)."""
+    """The ``stacklevel`` of warnings.warn, called in this function's caller, that names
+    the first frame outside the kvcomm package (the user's line)."""
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
