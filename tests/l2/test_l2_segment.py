@@ -143,6 +143,31 @@ def test_a_report_due_after_its_namespace_was_purged_makes_no_directory_again(
     assert not os.path.lexists(table)
 
 
+def test_a_purge_that_could_not_mark_the_segment_still_stops_the_reports(
+        ns: str, config: kvcomm.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A purge whose mark failed (a lock held by a stopped process) removed the segment's
+    file and the agents' directory all the same: a report then finds the directory gone
+    and the segment unmarked, and stops (its file is gone) rather than make it again.
+    (review of stop 37)"""
+    from kvcomm.placement.report import agents_dir
+    from kvcomm.tiers.l2 import L2Segment
+
+    def cannot(self: object) -> None:
+        raise kvcomm.SegmentError("the lock is held (forced by the test)")
+
+    table = agents_dir(ns, config.cache.l2_dir)
+    with kvcomm.open(ns, config=config, agent="a1") as kv:
+        obs = kv._observer
+        assert obs is not None and obs.report(10) is True
+        monkeypatch.setattr(L2Segment, "mark_purged", cannot)
+        assert l2.purge(ns) is True and not kv._seg.purged  # (not marked)
+        assert not os.path.lexists(table)
+        assert obs.report(11) is False
+        assert not os.path.lexists(table)
+        monkeypatch.undo()
+    assert not os.path.lexists(table)
+
+
 def test_full_segment_evicts_clean_entries(ns: str) -> None:
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "4MB"}})
     with kvcomm.open(ns, config=cfg) as kv:

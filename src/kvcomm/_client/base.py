@@ -59,6 +59,25 @@ def _network(where: str) -> None:
         raise WouldBlock(f"{where} is a network round trip")
 
 
+def _file_of(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _purged_test(seg: Any) -> Callable[[], bool]:
+    """Whether ``seg``'s namespace was purged: the segment says so, or its file is gone
+    or another (a purge that could not mark it: a lock held by a stopped process)."""
+    mine = _file_of(seg.path)
+
+    def purged() -> bool:
+        return bool(seg.purged) or _file_of(seg.path) != mine
+
+    return purged
+
+
 class ClientBase:
     """What every layer stands on: the state of a client (made here) and its primitives."""
 
@@ -133,10 +152,9 @@ class ClientBase:
         self.agent_named = agent is not None
         self._ext = with_agent(b"", self.agent)
         self._extc = ExtCache(self._ext)  # the field of a write with a deadline (core/expiry.py)
-        seg = self._seg
         self._observer = None if self._sample_every <= 0 else AgentStats(
             self.agent, self._host, name, c.l2_dir, c.l2_permissions,
-            purged=lambda: seg.purged)
+            purged=_purged_test(self._seg))
         self._report_at = REPORT_PUTS if self._observer is not None else 1 << 62
         self._obs_lock = threading.Lock()  # (the observer's edges, between threads' flushes)
         self._strong: Any = None  # StrongStore: cluster mode with cluster.etcd (_client/strong.py)
