@@ -870,6 +870,26 @@ def test_a_command_stored_on_the_head_before_a_refused_first_move_is_not_retried
         tup.checkpoint["channel_values"]
 
 
+def test_a_callers_config_with_odd_marks_gets_a_kvcomm_error(kv: kvcomm.Client) -> None:
+    """The saver's configurable marks (the resumed head, the run's number) come back from
+    the caller: any value there gives a KVCommError on a refused move, never a TypeError
+    of an unhashable run number."""
+    from langgraph.checkpoint.base import create_checkpoint, empty_checkpoint
+
+    saver = KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": "odd", "checkpoint_ns": ""}}
+    base = empty_checkpoint()
+    first = saver.put(cfg, base, {"step": 0}, {})
+    saver.put(first, create_checkpoint(base, None, 1), {"step": 1}, {})  # (the head moves)
+    for run in (["unhashable"], {"a": 1}, "7", 7, None):
+        odd: Any = {"configurable": {**first["configurable"], "__kvcomm_run__": run,
+                                     "__kvcomm_resumed_head__": first["configurable"][
+                                         "checkpoint_id"]}}
+        saver.put_writes(odd, [("__resume__", "x")], "t")
+        with pytest.raises(kvcomm.KVCommError):
+            saver.put(odd, create_checkpoint(base, None, 2), {"step": 2}, {})
+
+
 def test_the_loser_of_a_head_race_leaves_nothing_of_its_step(kv: kvcomm.Client) -> None:
     """Two savers (two head caches) resume one thread from the same head; the first put
     wins; the second, judged once on the head it read and once on a head it remembers

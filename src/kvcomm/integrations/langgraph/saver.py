@@ -256,7 +256,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # first put (kept or refused). A refused first move then may have had them applied
         # by the writer that won (put: _refused). As bounded as _heads (a run that failed
         # before its first put leaves its entry: its number never comes again).
-        self._commands: dict[Any, tuple[str, str, str]] = {}
+        self._commands: dict[int | None, tuple[str, str, str]] = {}
         self._runs = itertools.count(1)
         self._cluster = kv.config.cluster.enabled
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
@@ -374,11 +374,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             if self._cluster:  # (written before the head's compare-and-set: gone again)
                 self._delete_keys(keys[:own])
             first = parent == conf.get(RESUMED_HEAD)
-            stored = self._commands.pop(conf.get(RUN), None) if self._commands else None
+            stored = self._commands.pop(_run_of(conf), None) if self._commands else None
             raise self._refused(thread_id, ns, parent, moved.head, first=first,
                                 commands=first and stored == (thread_id, ns, parent)) from None
         if self._commands:
-            self._commands.pop(conf.get(RUN), None)  # (its first move made: kept)
+            self._commands.pop(_run_of(conf), None)  # (its first move made: kept)
         self._last[thread_id, ns] = (cid, record)
         if len(self._last) > _MAX_HEADS:
             self._last.pop(next(iter(self._last)))
@@ -612,9 +612,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             keys.append(key)
             records.append([task_id, channel, *self._dumps(value), task_path])
         conf = config["configurable"]
-        if keys and conf.get(RESUMED_HEAD) == cid and conf.get(RUN) is not None and (
+        run = _run_of(conf)
+        if keys and run is not None and conf.get(RESUMED_HEAD) == cid and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
-            self._commands[conf[RUN]] = (thread_id, ns, cid)  # (before they are stored: put)
+            self._commands[run] = (thread_id, ns, cid)  # (before they are stored: see put)
             if len(self._commands) > _MAX_HEADS:
                 self._commands.pop(next(iter(self._commands)))
         if keys:
@@ -1021,6 +1022,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """:meth:`prune`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.prune, thread_ids, strategy=strategy)
+
+
+def _run_of(conf: dict[str, Any]) -> int | None:
+    """The run number get_tuple gave the config (RUN); None for none, or anything else
+    a caller's config put there."""
+    run = conf.get(RUN)
+    return run if type(run) is int else None
 
 
 def _forward(cid: str, parent: Any, old: dict[str, Any] | None) -> dict[str, Any]:
