@@ -347,7 +347,7 @@ def test_purge_removes_a_corrupt_or_foreign_segment(ns: str, size: int) -> None:
     assert out.returncode == 0, out.stderr
     assert not path.exists()
     missing = run("purge", "--name", ns)
-    assert missing.returncode == 1 and "no segment" in missing.stderr
+    assert missing.returncode == 1 and "no L2 segment" in missing.stderr
 
 
 def test_purge_of_an_unreadable_segment_never_prints_a_traceback(ns: str) -> None:
