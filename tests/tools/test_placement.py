@@ -1048,3 +1048,19 @@ def test_a_hostile_writer_id_in_a_record_is_an_unknown_writer(ns: str, agent: An
         r.hot_keys(1)
         obs = r._observer
         assert obs is not None and obs.edges == {} and obs.unknown >= 1
+
+
+def test_an_agent_id_carrying_a_damaged_host_id_still_reports(tmp_path: Path, ns: str) -> None:
+    """An unnamed agent's id is PID@HOST, HOST read from the segment's header: a damaged
+    header may put a NUL or a slash in it. The report file's name keeps only safe
+    characters and the report is written (it used to raise ValueError, "embedded null
+    byte", out of a client's flush: found by the segment fuzzer, FUZZ_SEED=180826016
+    FUZZ_CASE=9)."""
+    obs = report.AgentStats("123@h\x00st/../x", "h\x00st", ns, str(tmp_path), 0o600)
+    obs.edges["w"] = [1.0, 10.0]
+    assert obs.report(5) is True and obs.errors == 0
+    (name,) = os.listdir(report.agents_dir(ns, str(tmp_path)))
+    assert "\x00" not in name and "/" not in name
+    # (its readers refuse such an agent id: placement skips it, nothing crashes)
+    assert report.read_reports(report.agents_dir(ns, str(tmp_path)), clean=False) == []
+    obs.close()

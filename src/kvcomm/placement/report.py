@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import stat
 import time
@@ -123,7 +124,9 @@ class AgentStats:
         self._permissions = permissions
         self._dir = agents_dir(namespace, directory)
         self._pid = os.getpid()
-        self._file = f"{agent}.{self._pid}.{secrets.token_hex(4)}"
+        # (the file's name is only an id; an unnamed agent's id carries the host id the
+        # segment's header holds, which a damaged header may fill with any byte)
+        self._file = f"{_SAFE.sub('_', agent)[:100]}.{self._pid}.{secrets.token_hex(4)}"
         self._next = 0.0
         self._warned = False
         self._written = False
@@ -242,7 +245,7 @@ class AgentStats:
                     return False
                 ensure_dir(self._dir, self._permissions)
                 self._write(data)
-        except (OSError, KVCommError) as exc:
+        except (OSError, ValueError, KVCommError) as exc:  # (ValueError: a path it refuses)
             self.errors += 1
             if not self._warned:
                 self._warned = True
@@ -277,6 +280,7 @@ class AgentStats:
             self._written = False
 
 
+_SAFE = re.compile(r"[^A-Za-z0-9_.@:=+-]")  # (what a report file's name may hold)
 _FIELDS = ("f", "agent", "host", "pid", "since", "t", "ops", "edges", "dropped", "unknown")
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-")
 
