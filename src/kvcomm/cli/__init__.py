@@ -173,7 +173,7 @@ def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
     import stat
 
     from ..tiers.shm.files import _NAME_RE
-    from ..tiers.shm.layout import LAYOUT_VERSION, MAGIC
+    from ..tiers.shm.layout import LAYOUT_VERSION, is_segment_magic
 
     name = file[len("kvcomm."):]
     if not file.startswith("kvcomm.") or not _NAME_RE.match(name) or _NOT_SEGMENTS.search(name):
@@ -202,7 +202,7 @@ def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
                              f"{oct(stat.S_IMODE(st.st_mode))})")
         return row
     word = int.from_bytes(head, "little") if len(head) == 8 else 0
-    if word & 0x00FFFFFFFFFFFFFF != MAGIC & 0x00FFFFFFFFFFFFFF:
+    if not is_segment_magic(word):
         return None  # (not a segment: no KVCOMM magic)
     if word >> 56 != LAYOUT_VERSION:  # (its header is not read further: it may lie)
         row["unreadable"] = (f"a segment of KVCOMM layout {word >> 56} (this kvcomm reads "

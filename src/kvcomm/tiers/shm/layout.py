@@ -32,6 +32,13 @@ from __future__ import annotations
 LAYOUT_VERSION = 6  # 6: the reservation map (5: the expiry hint; 4: the metrics region; 3:
 # records' extension field)
 MAGIC = int.from_bytes(b"KVCOMM\x00" + bytes([LAYOUT_VERSION]), "little")
+MAGIC_STEM = MAGIC & 0x00FFFFFFFFFFFFFF  # b"KVCOMM\0": a segment of any layout starts so
+
+
+def is_segment_magic(word: int) -> bool:
+    """Whether ``word``, a file's first 8 bytes (little-endian), begins a KVCOMM segment of
+    any layout (the layout's version is its top byte)."""
+    return word & 0x00FFFFFFFFFFFFFF == MAGIC_STEM
 
 HEADER_SIZE = 4096
 MIN_ORDER = 6  # the smallest heap block is 64 bytes

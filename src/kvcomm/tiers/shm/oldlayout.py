@@ -23,9 +23,7 @@ from typing import Any
 from ...core.versions import MAX_COUNTER, counters_valid, decode_others
 from ...errors import SegmentError
 from .files import check_owner
-from .layout import LAYOUT_VERSION, MAGIC
-
-_MAGIC_STEM = MAGIC & 0x00FFFFFFFFFFFFFF  # b"KVCOMM\0" + the version byte on top
+from .layout import LAYOUT_VERSION, is_segment_magic
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +138,7 @@ def layout_version(path: str, permissions: int) -> int | None:
         if mm is None or len(mm) < 16:
             return None
         magic, version = struct.unpack_from("<QQ", mm, 0)
-        if magic & 0x00FFFFFFFFFFFFFF != _MAGIC_STEM:
+        if not is_segment_magic(magic):
             return None
         return int(version)
 
@@ -153,7 +151,7 @@ def unflushed(path: str, permissions: int) -> tuple[int, str, list[OldRecord]] |
         if mm is None or len(mm) < 4096:
             return None
         magic, version = struct.unpack_from("<QQ", mm, 0)
-        if magic & 0x00FFFFFFFFFFFFFF != _MAGIC_STEM or version == LAYOUT_VERSION:
+        if not is_segment_magic(magic) or version == LAYOUT_VERSION:
             return None
         reader = READERS.get(int(version))
         if reader is None:

@@ -41,6 +41,7 @@ from .layout import (
     SLOT,
     STATE_OK,
     H,
+    is_segment_magic,
 )
 from .oldlayout import unflushed
 
@@ -269,7 +270,7 @@ class SegmentCore:
                 f"{self.path} was never initialised (its creator died?); "
                 f"run `kvcomm purge --name {self.name}`"
             )
-        if magic & 0x00FFFFFFFFFFFFFF != MAGIC & 0x00FFFFFFFFFFFFFF:
+        if not is_segment_magic(magic):
             raise SegmentError(f"{self.path} is not a KVCOMM segment (foreign file); not touching it")
         if magic != MAGIC or layout != LAYOUT_VERSION:
             raise SegmentError(self._other_layout(layout))
