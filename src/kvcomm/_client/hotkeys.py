@@ -60,9 +60,9 @@ class HotKeys(ClientBase):
                 self._report_if_due(obs)
 
     def _report_if_due(self, obs: AgentStats) -> None:
-        """The placement report, when due (under ``_obs_lock``); never once the namespace
-        is purged: its files are gone, and a report would make them again."""
-        if obs.report_due() and not self._seg.purged:
+        """The placement report, when due (under ``_obs_lock``; once the namespace is
+        purged, ``obs`` writes none: AgentStats.report)."""
+        if obs.report_due():
             obs.report(self._ops())
 
     def _ops(self) -> int:

@@ -227,6 +227,9 @@ class AgentStats:
         self._next = now + REPORT_EVERY
         if self._closed:
             return False  # (a late flush of another thread: the agent is gone)
+        if self._purged():  # (its files are gone: a report would make them again)
+            self._closed = True
+            return False
         self._idle = [w for w in self.edges if w not in self._touched]
         self._touched.clear()
         if ops <= 0 and not self.edges:

@@ -35,7 +35,6 @@ docs/design/l2.md.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import warnings
@@ -150,9 +149,7 @@ def warn_other_size(seg: L2Segment, layout: Layout) -> None:
     if seg.layout.total != layout.total:
         name = seg.name
         sink = getattr(_DEFERRED, "sink", None)
-        warn = sink.append if sink is not None else functools.partial(
-            warnings.warn, category=KVCommWarning, stacklevel=_outside_kvcomm())
-        warn(
+        (sink.append if sink is not None else warn_outside_kvcomm)(
             f"namespace {name!r} already exists with a segment of {seg.layout.total} bytes; "
             f"the configured cache (l2_size, l2_keys, max_key_bytes, watch_buffer, max_views: "
             f"a {layout.total}-byte segment) is ignored until the namespace is purged "

@@ -464,14 +464,18 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def _meta(self, thread_id: str, ns: str, cid: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, checkpoint without values) of checkpoint ``cid``; ({}, {}) when it is
         gone or not dicts."""
-        last = self._last.get((thread_id, ns))
-        body = last[1] if last is not None and last[0] == cid else self._body(thread_id, ns, cid)
+        body = self._body(thread_id, ns, cid)
         if body is None:
             return {}, {}
         md, cp = self._loads(body[2], body[3]), self._loads(body[0], body[1])
         return (md if type(md) is dict else {}), (cp if type(cp) is dict else {})
 
     def _body(self, thread_id: str, ns: str, cid: str) -> list[Any] | None:
+        """The record of checkpoint ``cid`` (checked), None when it is gone: the last one
+        this saver put is known without a read (a record it built: no check)."""
+        last = self._last.get((thread_id, ns))
+        if last is not None and last[0] == cid:
+            return last[1]
         key = self.keys.checkpoint(thread_id, ns, cid)
         body = self.kv.get(key)
         return None if body is None else _record(body, 6, key)
@@ -507,15 +511,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         parent is gone or holds none of them (then they have records of their own).
         LangGraph passes every value but the empty channels': the parent is then the last
         checkpoint this saver put, known without a read."""
-        last = self._last.get((thread_id, ns))
-        if last is not None and last[0] == parent:
-            body = last[1]  # (a record this saver built: no check)
-        else:
-            key = self.keys.checkpoint(thread_id, ns, parent)
-            body = self.kv.get(key)
-            if body is None:
-                return []
-            _record(body, 6, key)
+        body = self._body(thread_id, ns, parent)
+        if body is None:
+            return []
         found = [i for i in range(6, len(body), 3) if body[i] in channels]
         if not found:  # (LangGraph's own puts: only empty channels come without values)
             return []
@@ -612,8 +610,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             keys.append(key)
             records.append([task_id, channel, *self._dumps(value), task_path])
         conf = config["configurable"]
-        run = _run_of(conf)
-        if keys and run is not None and conf.get(RESUMED_HEAD) == cid and (
+        if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
             self._commands[run] = (thread_id, ns, cid)  # (before they are stored: see put)
             if len(self._commands) > _MAX_HEADS:
