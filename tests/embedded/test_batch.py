@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import random
+import re
 import subprocess
 import sys
 
@@ -238,6 +239,66 @@ def test_put_records_is_all_or_nothing_and_stores_what_put_would(kv: kvcomm.Clie
     assert item is not None and item.expires_at is not None
     raw = kv._seg.read(*kv._key_hash("r/a"))
     assert raw is not None and raw.value == Packed(["a", b"b", None]).payload
+
+
+def test_put_records_in_one_kernel_call_does_what_its_batch_does(
+        kv: kvcomm.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch.put_records (the saver's step: records, new-only writes, a head moved by a
+    compare-and-set) in one call of the kernel stores, versions, counts and refuses
+    exactly as the batch it stands for: run both ways, the same keys, values, ttls,
+    counters and errors; a failed new-only write is not counted as a conflict, a failed
+    head is; a validator on a key sends it the batch's way (the validator sees it)."""
+    from kvcomm._client import batch as batch_mod
+
+    def run(way: str, tag: str) -> list[object]:
+        if way == "batch":  # (the general path, as with a validator or in cluster mode)
+            monkeypatch.setattr(kv, "_has_validators", True)
+            monkeypatch.setattr(kv._validators, "lookup", lambda key: None)
+        seen: list[object] = []
+        p = f"{tag}/"
+        v1 = batch_mod.put_records(kv, [p + "c1", p + "b1"], [["c", None], ["b", b"x"]], 60,
+                                   last=(p + "h", Packed.built({"id": "1"}), kvcomm.ABSENT, 30))
+        seen.append(v1 == kv.get_item(p + "h").version)
+        item = kv.get_item(p + "c1")
+        seen.append(item is not None and item.expires_at is not None)
+        counters = dict(kv.counters)
+        assert batch_mod.put_records(kv, [p + "w0", p + "w1"], [["w", "0"], ["w", "1"]],
+                                     absent=[0, 1]) is None
+        seen.append((kv.counters["batches"] - counters["batches"],))
+        for stored_write in (True, False):
+            conflicts = kv.counters["conflicts"]
+            with pytest.raises(kvcomm.ConflictError) as err:
+                if stored_write:  # (a write stored already: not counted)
+                    batch_mod.put_records(kv, [p + "x", p + "w1"], [["x"], ["again"]],
+                                          absent=[1])
+                else:  # (the head moved on meanwhile: counted)
+                    kv.put(p + "h", {"id": "other"})
+                    batch_mod.put_records(kv, [p + "y"], [["y"]],
+                                          last=(p + "h", Packed.built({"id": "2"}), v1, None))
+            said = re.sub(r"v\[[^ ]*", "V", str(err.value).replace(tag, "T"))
+            seen.append((said, kv.counters["conflicts"] - conflicts,
+                         kv.get(p + "x"), kv.get(p + "y")))
+        v3 = batch_mod.put_records(kv, [p + "z"], [["z"]], last=(
+            p + "h", Packed.built({"id": "3"}), kv.get_item(p + "h").version, None))
+        seen.append((v3 == kv.get_item(p + "h").version, kv.get(p + "h"), kv.get(p + "w1"),
+                     kv.get_item(p + "h").expires_at))
+        monkeypatch.undo()
+        return seen
+
+    one_call = run("kernel", "q-one")
+    assert one_call[0] is True and one_call[1] is True
+    assert one_call[3][1:] == (0, None, None) and one_call[4][1:] == (1, None, None)
+    assert one_call[5][:3] == (True, {"id": "3"}, ["w", "1"]) and one_call[5][3] is None
+    as_batch = run("batch", "q-two")
+    assert [x for i, x in enumerate(one_call) if i != 2] == \
+        [x for i, x in enumerate(as_batch) if i != 2]
+    assert one_call[2][0] == as_batch[2][0] == 1  # (one batch each)
+    seen: list[object] = []
+    kv.register_validator("v/", lambda key, old, new: seen.append((key, new)))
+    batch_mod.put_records(kv, ["v/a"], [["a"]], last=("v/h", Packed.built({"id": "1"}),
+                                                       kvcomm.ABSENT, None))
+    assert seen == [("v/a", ["a"]), ("v/h", {"id": "1"})]
+    assert kv._seg.check() == []
 
 
 def test_a_batchs_new_keys_are_checked_and_hashed_as_the_client_does(kv: kvcomm.Client) -> None:

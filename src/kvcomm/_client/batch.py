@@ -142,11 +142,7 @@ class Batch(BatchOps):
                         f"{k!r} is a strong key (cache.strong_prefixes): a batch is applied "
                         "in L2, strong keys live in etcd; write it with put()/delete() "
                         "outside the batch (nothing of this batch was written)")
-        c._lat_left -= 1
-        t0 = 0
-        if c._lat_left <= 0:  # this batch's turn to be timed (metrics)
-            c._lat_left = c._lat_every
-            t0 = time.perf_counter_ns()
+        t0 = _timed(c)
         check = None
         if c._has_validators and any(c._validators.lookup(k) is not None for k in self._keys):
             if c._cluster:  # bring L3's values into L2 for the validators
@@ -185,13 +181,7 @@ class Batch(BatchOps):
                                               max_dirty=c._max_dirty, tombstones=c._cluster,
                                               check=self._guard(None), compact=True)
         w = self._packed = memoryview(packed).cast("Q")
-        puts = len(self._vvxs) - self._deletes
-        c._puts += puts
-        c.counters["batches"] += 1
-        if c._default_strong:
-            c.counters["puts_strong"] += puts
-        if t0:
-            c._note_latency("batch", "l2", time.perf_counter_ns() - t0)
+        _applied(c, len(self._vvxs) - self._deletes, t0)
         if self._deletes:
             for i, (key, vvx) in enumerate(zip(self._keys, self._vvxs, strict=True)):
                 if vvx is None:
@@ -207,20 +197,10 @@ class Batch(BatchOps):
         out: list[tuple[Any, ...]] = []
         for key, expect, _count in self._expects or ():
             kb, h = c._key_hash(key)
-            if expect is ABSENT:
-                out.append((kb, h))
-                continue
-            if type(expect) is not Version:
-                return None  # (_guard raises InvalidArgument, or judges a subclass)
-            vec, hlc = expect
-            if not (type(vec) is tuple and len(vec) == 1 and type(vec[0]) is tuple
-                    and len(vec[0]) == 2 and vec[0][0] == c._host):
+            judged = _kernel_expect(c, kb, h, expect)
+            if judged is None:
                 return None
-            counter = vec[0][1]
-            if not (type(counter) is int and type(hlc) is int
-                    and 0 <= counter < 1 << 64 and 0 <= hlc < 1 << 64):
-                return None
-            out.append((kb, h, counter, hlc))
+            out.append(judged)
         return out
 
     def _conflict(self, index: int) -> None:
@@ -268,3 +248,104 @@ class Batch(BatchOps):
                 _run_validator(fn, key, old, value)
             pending[key] = None if len(op) <= 3 else Item(key, value, Version((), 0), "batch")
 
+
+
+def _kernel_expect(c: Writes, kb: bytes, h: int, expect: Any) -> tuple[Any, ...] | None:
+    """A compare-and-set of key ``(kb, h)`` as the C kernel judges it: ``(kb, h)`` for
+    ABSENT, ``(kb, h, counter, hlc)`` for a Version of this host alone (every Version in
+    embedded mode); None for any other (Python's check judges it: Batch._guard)."""
+    if expect is ABSENT:
+        return kb, h
+    if type(expect) is not Version:
+        return None  # (_guard raises InvalidArgument, or judges a subclass)
+    vec, hlc = expect
+    if not (type(vec) is tuple and len(vec) == 1 and type(vec[0]) is tuple
+            and len(vec[0]) == 2 and vec[0][0] == c._host):
+        return None
+    counter = vec[0][1]
+    if not (type(counter) is int and type(hlc) is int
+            and 0 <= counter < 1 << 64 and 0 <= hlc < 1 << 64):
+        return None
+    return kb, h, counter, hlc
+
+
+def _timed(c: Writes) -> int:
+    """perf_counter_ns() when this batch's turn to be timed (metrics) has come, else 0."""
+    c._lat_left -= 1
+    if c._lat_left > 0:
+        return 0
+    c._lat_left = c._lat_every
+    return time.perf_counter_ns()
+
+
+def _applied(c: Writes, puts: int, t0: int) -> None:
+    """Count a batch applied with ``puts`` puts (and its latency, when timed from ``t0``)."""
+    c._puts += puts
+    c.counters["batches"] += 1
+    if c._default_strong:
+        c.counters["puts_strong"] += puts
+    if t0:
+        c._note_latency("batch", "l2", time.perf_counter_ns() - t0)
+
+
+def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float | None = None,
+                *, absent: list[int] | range = range(0),
+                last: tuple[str, Packed, Any, float | None] | None = None) -> Version | None:
+    """The batch that KVCOMM's LangGraph saver writes at each step, applied::
+
+        with c.batch() as b:
+            b._put_records(keys, records, ttl)
+            for j in absent:                   # (a task's writes: new keys only)
+                b._expect(keys[j], ABSENT, count=False)
+            if last is not None:               # (a checkpoint's: the thread head, moved
+                key, value, expect, last_ttl = last  # by a compare-and-set)
+                b.put(key, value, ttl=last_ttl)
+                b._expect(key, expect)
+
+    Returns the Version of ``last``'s put (None without one). Same semantics and errors
+    as that batch (ConflictError, nothing written, when a compare-and-set fails). In
+    embedded mode, with no validator registered and no strong key, it is one call of the
+    C kernel, which judges the compare-and-sets under the writer lock, without the
+    batch's general machinery (a graph step's cost: #26's graph target); otherwise, or
+    when the kernel finds a compare-and-set failed, it is that batch."""
+    if c._cluster or c._strong_on or c._has_validators:
+        return _put_records_batch(c, keys, records, ttl, absent, last)
+    b = BatchOps(*c._batch_ops)  # (validates and encodes, as a batch's own ops)
+    b._put_packed(keys, records, None if ttl is None else c._ext_with(ttl, None))
+    ops = b._ops
+    expects = [ops[j][:2] for j in absent]
+    if last is not None:
+        key, value, expect, last_ttl = last
+        b.put(key, value)
+        op = ops[-1]
+        if last_ttl is not None:
+            ops[-1] = (*op[:5], c._ext_with(last_ttl, None))
+        judged = _kernel_expect(c, op[0], op[1], expect)
+        if judged is None:
+            return _put_records_batch(c, keys, records, ttl, absent, last)
+        expects.append(judged)
+    c._live()
+    t0 = _timed(c)
+    try:
+        packed, vvxs = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty,
+                                    compact=True, expects=expects or None)
+    except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
+        return _put_records_batch(c, keys, records, ttl, absent, last)
+    _applied(c, len(vvxs), t0)
+    if last is None:
+        return None
+    w = memoryview(packed).cast("Q")
+    return c._version(w[-2], w[-1], vvxs[-1])
+
+
+def _put_records_batch(c: Writes, keys: list[str], records: list[list[Any]], ttl: float | None,
+                       absent: list[int] | range,
+                       last: tuple[str, Packed, Any, float | None] | None) -> Version | None:
+    with c.batch() as b:
+        b._put_records(keys, records, ttl)
+        for j in absent:
+            b._expect(keys[j], ABSENT, count=False)
+        if last is not None:
+            b.put(last[0], last[1], ttl=last[3])
+            b._expect(last[0], last[2])
+    return None if last is None else b._version_at(len(b) - 1)  # type: ignore[return-value]

@@ -56,6 +56,7 @@ from langgraph.checkpoint.base import (
 )
 
 from ..._client import ABSENT, Client
+from ..._client.batch import put_records
 from ...aio import AsyncClient
 from ...core.codec import Packed
 from ...core.expiry import MAX_TTL
@@ -359,17 +360,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             records.append([*dumps(values[channel])] if channel in values else ["empty", b""])
             own += n < len(new_versions)
 
-        def put_records(b: Any) -> None:
-            # (one deadline for the checkpoint and its values, counted from this call; the
-            # head, after them, with the ttl from before them: it never outlives them)
-            b._put_records(keys, records, ttl)
-
         start = time.time()
         try:
             with _Reading(thread=thread_id):
                 self._update_head(k.head(thread_id, ns), functools.partial(
                     _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
-                    put_records)
+                    (keys, records))
         except _Moved as moved:
             if self._cluster:  # (written before the head's compare-and-set: gone again)
                 self._delete_keys(keys[:own])
@@ -526,14 +522,15 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return None if self.ttl is None else max(self.ttl - (time.time() - start), 0.001)
 
     def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]],
-                     records: Callable[[Any], None] | None = None) -> None:
+                     records: tuple[builtins.list[str], builtins.list[Any]] | None = None
+                     ) -> None:
         """``kv.update(key, fn)``, starting from the head this saver last saw (no read
         when it is still current); ``fn`` returning its argument itself writes no head.
         ``fn`` may run more than once; what it raises on the head read now propagates
         and nothing is written (on a remembered head: the head is read again first).
 
-        ``records(batch)`` (put: the checkpoint's records) puts records the head will
-        name, before it: in embedded mode in one batch with the head, whose compare-and-set
+        ``records`` (put: the checkpoint's keys and records) are records the head will
+        name, put before it: in embedded mode in one batch with the head, whose compare-and-set
         is judged under the writer lock (one lock hold; a lost race writes nothing); in
         cluster mode in a batch of their own, then the head (strong: in etcd; eventual:
         decided on L3). Records and head get the saver's ttl counted from before the
@@ -544,8 +541,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         cached = self._heads.get(key)
         start = time.time()
         if records is not None and self._cluster:
-            with self.kv.batch() as b:
-                records(b)
+            put_records(self.kv, *records, self.ttl)
         for _ in range(10_000):
             if cached is None:
                 item = self.kv.get_item(key)
@@ -567,14 +563,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             version: Version | None = None
             try:
                 if records is not None and not self._cluster:
+                    # (one deadline for the checkpoint and its values, counted from this
+                    # call; the head's, from before it: it never outlives them)
                     start = time.time()
-                    with self.kv.batch() as b:
-                        records(b)
-                        if not unchanged:
-                            b.put(key, Packed.built(new), ttl=self._left(start))
-                            b._expect(key, expect)
-                    if not unchanged:
-                        version = b._version_at(len(b) - 1)  # type: ignore[assignment]
+                    version = put_records(self.kv, *records, self.ttl, last=None if unchanged
+                                          else (key, Packed.built(new), expect, self._left(start)))
                 elif not unchanged:
                     version = self.kv.put(key, new, expect=expect,
                                           ttl=None if records is None else self._left(start))
@@ -595,21 +588,21 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         A regular write (index >= 0) already stored is kept, as in LangGraph's savers;
         special ones (errors, interrupts...) replace theirs."""
         thread_id, ns = self._ids(config)
-        cid = config["configurable"]["checkpoint_id"]
-        slots: list[list[Any]] = []
+        conf = config["configurable"]
+        cid = conf["checkpoint_id"]
         prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
+        task_write, dumps = self.keys.task_write, self.serde.dumps_typed
         keys: list[str] = []
         records: list[list[Any]] = []
+        indices: list[int] = []  # (of the writes, as keyed)
         regular: list[int] = []  # (indices in keys of the writes kept when stored already)
         for idx, (channel, value) in enumerate(writes):
             i = WRITES_IDX_MAP.get(channel, idx)
-            key = self.keys.task_write(prefix, i, task_id, thread_id)
-            slots.append([task_id, i])  # (even when stored already: see _kv.run_async)
             if i >= 0:
                 regular.append(len(keys))
-            keys.append(key)
-            records.append([task_id, channel, *self._dumps(value), task_path])
-        conf = config["configurable"]
+            keys.append(task_write(prefix, i, task_id, thread_id))
+            indices.append(i)
+            records.append([task_id, channel, *dumps(value), task_path])
         if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
             self._commands[run] = (thread_id, ns, cid)  # (before they are stored: see put)
@@ -617,9 +610,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 self._commands.pop(next(iter(self._commands)))
         if keys:
             self._put_new_writes(keys, records, regular)
-        if slots and self._cluster:
-            with _Reading(thread=thread_id):
-                self._note_writes(thread_id, ns, cid, slots)
+        if keys and self._cluster:  # (all of them, even those stored already: see
+            with _Reading(thread=thread_id):  # _kv.run_async)
+                self._note_writes(thread_id, ns, cid, [[task_id, i] for i in indices])
 
     def _put_new_writes(self, keys: list[str], records: list[list[Any]],
                         regular: list[int]) -> None:
@@ -629,10 +622,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         without those stored. Cluster mode: each looked up first (L3 holds them)."""
         if regular and not self._cluster:
             try:
-                with self.kv.batch() as b:
-                    b._put_records(keys, records, self.ttl)
-                    for j in regular:
-                        b._expect(keys[j], ABSENT, count=False)
+                put_records(self.kv, keys, records, self.ttl, absent=regular)
                 return
             except ConflictError:
                 pass  # (a task run again: its writes stored already are kept, below)
@@ -641,8 +631,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             keep = [j for j in range(len(keys)) if j not in stored]
             keys, records = [keys[j] for j in keep], [records[j] for j in keep]
         if keys:
-            with self.kv.batch() as b:
-                b._put_records(keys, records, self.ttl)
+            put_records(self.kv, keys, records, self.ttl)
 
     def _note_writes(self, thread_id: str, ns: str, cid: str, slots: list[list[Any]]) -> None:
         """Cluster mode: list the writes of checkpoint ``cid`` in the head, so that a read
