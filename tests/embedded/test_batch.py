@@ -301,6 +301,37 @@ def test_put_records_in_one_kernel_call_does_what_its_batch_does(
     assert kv._seg.check() == []
 
 
+def test_put_records_edges_its_review_found(kv: kvcomm.Client) -> None:
+    """(Found in review, each a difference from the batch put_records stands for, or from
+    the saver's promise.) The head's deadline is never after its records', however long
+    they take to encode (its ttl was counted from after them: 4,000 records put it 8 ms
+    later); an empty call applies and counts nothing; a bad head ttl is refused before a
+    bad head key, as the batch does; a refused compare-and-set takes one turn of latency
+    sampling, not two."""
+    from kvcomm._client import batch as batch_mod
+
+    keys = [f"t/r{i}" for i in range(4000)]
+    batch_mod.put_records(kv, keys, [[f"value {i}" * 4] for i in range(4000)], 60,
+                          last=("t/h", Packed.built({"id": "1"}), kvcomm.ABSENT, 60))
+    head = kv.get_item("t/h")
+    assert head is not None and head.expires_at is not None
+    assert head.expires_at <= min(kv.get_item(k).expires_at for k in keys)  # type: ignore[union-attr]
+    batches, turn = kv.counters["batches"], kv._lat_left
+    assert batch_mod.put_records(kv, [], []) is None
+    assert (kv.counters["batches"], kv._lat_left) == (batches, turn)
+    with pytest.raises(kvcomm.InvalidArgument, match="ttl"):
+        batch_mod.put_records(kv, [], [], -1)
+    with pytest.raises(kvcomm.InvalidArgument, match="ttl"):
+        batch_mod.put_records(kv, ["t/x"], [["x"]], last=("", Packed.built({}), kvcomm.ABSENT, -1))
+    with pytest.raises(kvcomm.InvalidKey):
+        batch_mod.put_records(kv, ["t/x"], [["x"]], last=("", Packed.built({}), kvcomm.ABSENT, 5))
+    assert kv.get("t/x") is None
+    turn = kv._lat_left
+    with pytest.raises(kvcomm.ConflictError):
+        batch_mod.put_records(kv, ["t/y"], [["y"]], last=("t/h", Packed.built({}), kvcomm.ABSENT, None))
+    assert kv._lat_left in (turn - 1, kv._lat_every) and kv.get("t/y") is None
+
+
 def test_a_batchs_new_keys_are_checked_and_hashed_as_the_client_does(kv: kvcomm.Client) -> None:
     """New keys are validated and hashed in the batch's C kernel (no call back into
     Python): the same bytes and hash as segment.key_hash, the same refusals as the

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._l2core import BatchOps, WouldBlock
 from ..core.codec import Packed
+from ..core.expiry import check_ttl
 from ..core.versions import Version
 from ..errors import InvalidArgument
 from ..tiers.shm.writes import ExpectFailed
@@ -302,27 +303,28 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
                 b.put(key, value, ttl=last_ttl)
                 b._expect(key, expect)
 
-    Returns the Version of ``last``'s put (None without one). Same semantics and errors
-    as that batch (ConflictError, nothing written, when a compare-and-set fails). In
-    embedded mode, with no validator registered and no strong key, it is one call of the
-    C kernel, which judges the compare-and-sets under the writer lock, without the
-    batch's general machinery (a graph step's cost: #26's graph target); otherwise, or
-    when the kernel finds a compare-and-set failed, it is that batch."""
+    but with both ttls counted from one instant: with ``last_ttl <= ttl`` the head never
+    expires before the records it names. Returns the Version of ``last``'s put (None
+    without one). Same semantics, counters and errors as that batch (ConflictError,
+    nothing written, when a compare-and-set fails). In embedded mode, with no validator
+    registered and no strong key, it is one call of the C kernel, which judges the
+    compare-and-sets under the writer lock, without the batch's general machinery (a
+    graph step's cost: #26's graph target); otherwise, or when the kernel finds a
+    compare-and-set failed, it is that batch."""
+    now = time.time()
+    if not keys and last is None:  # (an empty batch: nothing applied, nothing counted)
+        _deadline(now, ttl)
+        return None
     if c._cluster or c._strong_on or c._has_validators:
-        return _put_records_batch(c, keys, records, ttl, absent, last)
+        return _put_records_batch(c, keys, records, now, ttl, absent, last)
     b = BatchOps(*c._batch_ops)  # (validates and encodes, as a batch's own ops)
-    b._put_packed(keys, records, None if ttl is None else c._ext_with(ttl, None))
+    _step_ops(c, b, keys, records, now, ttl, last)
     ops = b._ops
     expects = [ops[j][:2] for j in absent]
     if last is not None:
-        key, value, expect, last_ttl = last
-        b.put(key, value)
-        op = ops[-1]
-        if last_ttl is not None:
-            ops[-1] = (*op[:5], c._ext_with(last_ttl, None))
-        judged = _kernel_expect(c, op[0], op[1], expect)
+        judged = _kernel_expect(c, ops[-1][0], ops[-1][1], last[2])
         if judged is None:
-            return _put_records_batch(c, keys, records, ttl, absent, last)
+            return _put_records_batch(c, keys, records, now, ttl, absent, last)
         expects.append(judged)
     c._live()
     t0 = _timed(c)
@@ -330,7 +332,8 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         packed, vvxs = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty,
                                     compact=True, expects=expects or None)
     except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
-        return _put_records_batch(c, keys, records, ttl, absent, last)
+        c._lat_left = 1 if t0 else c._lat_left + 1  # (its turn to be timed, if it was this)
+        return _put_records_batch(c, keys, records, now, ttl, absent, last)
     _applied(c, len(vvxs), t0)
     if last is None:
         return None
@@ -338,14 +341,31 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
     return c._version(w[-2], w[-1], vvxs[-1])
 
 
-def _put_records_batch(c: Writes, keys: list[str], records: list[list[Any]], ttl: float | None,
-                       absent: list[int] | range,
+def _deadline(now: float, ttl: float | None) -> float | None:
+    return None if ttl is None else now + check_ttl(ttl, allow_none=False)  # type: ignore[operator]
+
+
+def _step_ops(c: Writes, b: BatchOps, keys: list[str], records: list[list[Any]], now: float,
+              ttl: float | None, last: tuple[str, Packed, Any, float | None] | None) -> None:
+    """Add put_records' puts to ``b``, their ttls counted from ``now``, each checked where
+    the batch checks it (a ttl before its puts)."""
+    deadline = _deadline(now, ttl)
+    b._put_packed(keys, records, None if deadline is None else c._ext_with(None, deadline))
+    if last is not None:
+        deadline = _deadline(now, last[3])
+        BatchOps.put(b, last[0], last[1])
+        if deadline is not None:
+            ops = b._ops
+            ops[-1] = (*ops[-1][:5], c._ext_with(None, deadline))
+
+
+def _put_records_batch(c: Writes, keys: list[str], records: list[list[Any]], now: float,
+                       ttl: float | None, absent: list[int] | range,
                        last: tuple[str, Packed, Any, float | None] | None) -> Version | None:
     with c.batch() as b:
-        b._put_records(keys, records, ttl)
+        _step_ops(c, b, keys, records, now, ttl, last)
         for j in absent:
             b._expect(keys[j], ABSENT, count=False)
         if last is not None:
-            b.put(last[0], last[1], ttl=last[3])
             b._expect(last[0], last[2])
     return None if last is None else b._version_at(len(b) - 1)  # type: ignore[return-value]
