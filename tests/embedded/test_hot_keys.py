@@ -147,6 +147,33 @@ def test_hot_counts_kept_while_the_lock_was_busy_are_added_later(kv: kvcomm.Clie
     assert not kv._hot_pending
 
 
+def test_a_reads_flush_adds_a_bounded_number_of_keys_the_most_read_first(
+        kv: kvcomm.Client) -> None:
+    """A flush from a read (the getter's, inside a get: under the host's writer lock, on
+    an event loop's thread under kvcomm.aio) adds at most _HOT_FLUSH_MAX keys to the
+    sketch, the most read ones; the others wait for the next flush, none lost: 4,096 keys
+    kept while the lock was busy made one get take 60 ms. hot_keys() (wait) adds all."""
+    from kvcomm._client import hotkeys
+
+    n = hotkeys._HOT_FLUSH_MAX + 300
+    kv._hot_pending = {f"k/{i}": 1 if i < 300 else 2 for i in range(n)}  # (kept while the
+    # lock was busy; small counts: the sketch does not age meanwhile)
+    added: list[int] = []
+    real = kv._seg.count_accesses
+
+    def counted(counts: dict[bytes, int], wait: bool = True) -> bool:
+        added.append(len(counts))
+        return real(counts, wait)
+
+    kv._seg.count_accesses = counted  # type: ignore[method-assign]
+    kv._flush_hot()
+    assert added == [hotkeys._HOT_FLUSH_MAX]
+    assert kv._hot_pending == {f"k/{i}": 1 for i in range(300)}  # (the least read wait)
+    top = kv.hot_keys(3)
+    assert added[1:] == [300] and not kv._hot_pending
+    assert len(top) == 3 and all(n >= 2 for _k, n in top)  # (estimates never low)
+
+
 def test_a_flush_that_spans_agings_ages_the_top_keys_with_the_sketch(kv: kvcomm.Client) -> None:
     """(Found while fixing the above: a flush kept while the lock was busy is larger. A
     flush whose additions cross the sketch's aging point once or more halved the top-k at

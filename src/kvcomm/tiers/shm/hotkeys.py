@@ -24,20 +24,12 @@ class HotKeys(SegmentCore):
                 self._lock()
             elif not self._try_lock():
                 return False
-            sketch, topk = self.sketch, self.topk
-            add = sketch.add
-            offers: list[tuple[bytes, int]] = []
-            for kb, n in counts.items():
-                expected = sketch.additions + n
-                est = add(kb, n)
-                if sketch.additions != expected:
-                    # the sketch aged during this add (a flush may span several agings):
-                    # age the top-k and the estimates taken so far with it, this one too
-                    topk.halve()
-                    offers = [(k, e >> 1) for k, e in offers]
-                    est >>= 1
-                offers.append((kb, est))
-            topk.offer_many(offers)
+            # (the sketch may age during the adds, several times: the top-k ages with
+            # it, and the estimates taken before each aging are aged too)
+            offers, halvings = self.sketch.add_many(counts.items())
+            for _ in range(halvings):
+                self.topk.halve()
+            self.topk.offer_many(offers)
         finally:
             core.unlock()
         return True
