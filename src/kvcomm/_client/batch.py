@@ -308,9 +308,9 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
     without one). Same semantics, counters and errors as that batch (ConflictError,
     nothing written, when a compare-and-set fails). In embedded mode, with no validator
     registered and no strong key, it is one call of the C kernel, which judges the
-    compare-and-sets under the writer lock, without the batch's general machinery (a
-    graph step's cost: #26's graph target); otherwise, or when the kernel finds a
-    compare-and-set failed, it is that batch."""
+    compare-and-sets under the writer lock, without the batch's general machinery (most
+    of what a LangGraph step cost beyond InMemorySaver's); otherwise, or when the kernel
+    finds a compare-and-set failed, it is that batch."""
     now = time.time()
     if not keys and last is None:  # (an empty batch: nothing applied, nothing counted)
         _deadline(now, ttl)

@@ -14,7 +14,8 @@ from .base import ClientBase
 _HOT_PENDING_MAX = 4096
 # keys a read's flush adds to the sketch, at most (the most read; the others at the next
 # flush): it runs inside a get, under the host's writer lock (about 2 ms for 512 keys;
-# all 4,096 kept while the lock was busy took 60 ms, the event loop's longest lag)
+# all 4,096 kept while the lock was busy took 76 ms before the top-k's heap and add_many,
+# the longest lag of a kvcomm.aio event loop)
 _HOT_FLUSH_MAX = 512
 
 
