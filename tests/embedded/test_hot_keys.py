@@ -174,6 +174,85 @@ def test_a_reads_flush_adds_a_bounded_number_of_keys_the_most_read_first(
     assert len(top) == 3 and all(n >= 2 for _k, n in top)  # (estimates never low)
 
 
+def test_a_close_during_a_reads_flush_still_adds_the_keys_that_flush_put_off(
+        kv: kvcomm.Client) -> None:
+    """(Found in review.) A read's flush puts off the keys past _HOT_FLUSH_MAX; a close()
+    (or hot_keys()) flushing while it runs found nothing pending, and the keys put off
+    went to a closed client's pending counts, never added. They are kept before the
+    read's flush now: the other flush adds them."""
+    from kvcomm._client import hotkeys
+
+    n = hotkeys._HOT_FLUSH_MAX + 200
+    kv._hot_pending = {f"k/{i}": 1 for i in range(n)}
+    real = kv._seg.count_accesses
+    inner: list[int] = []
+
+    def racing_close(counts: dict[bytes, int], wait: bool = True) -> bool:
+        done = real(counts, wait)
+        if not inner:  # (the read's flush: another thread's close() flushes now)
+            inner.append(len(counts))
+            kv._flush_hot(wait=True)
+        return done
+
+    kv._seg.count_accesses = racing_close  # type: ignore[method-assign]
+    kv._flush_hot()
+    assert inner == [hotkeys._HOT_FLUSH_MAX] and not kv._hot_pending
+    kv._seg.count_accesses = real  # type: ignore[method-assign]
+    assert all(kv._seg.sketch.estimate(f"k/{i}".encode()) >= 1 for i in range(n))
+
+
+def test_a_reads_flush_while_the_lock_is_busy_only_merges_its_own_counts(
+        kv: kvcomm.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found in review.) With the writer lock held by another thread and thousands of
+    counts kept, every read's flush selected, split and trimmed all of them again (about
+    6 ms inside a get, each time). Now it sees the lock held and merges its own counts:
+    no selection, no trim, nothing lost; kept keys stay bounded (2 x _HOT_PENDING_MAX),
+    and they reach the sketch once the lock is free."""
+    import threading
+    import types
+
+    from kvcomm._client import hotkeys
+
+    kept = {f"k/{i}": 2 for i in range(hotkeys._HOT_PENDING_MAX)}
+    kv._hot_pending = dict(kept)
+    picked: list[int] = []
+    real_nlargest = hotkeys.heapq.nlargest
+
+    def counted(n: int, *a: object, **k: object) -> object:
+        picked.append(n)
+        return real_nlargest(n, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hotkeys.heapq, "nlargest", counted)
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        kv._seg._core.lock(5.0)
+        try:
+            held.set()
+            release.wait(10)
+        finally:
+            kv._seg._core.unlock()
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        monkeypatch.setattr(kv, "_observer", None)  # (placement reports: not this test's)
+        for i in range(50):  # (50 flushes of 100 newly sampled keys each)
+            monkeypatch.setattr(kv, "_getter", types.SimpleNamespace(
+                take_hot=lambda i=i: {f"n/{i}/{j}": 1 for j in range(100)}))
+            kv._flush_hot()
+        assert picked == [hotkeys._HOT_PENDING_MAX]  # (one trim, past twice the bound)
+        assert len(kv._hot_pending) <= 2 * hotkeys._HOT_PENDING_MAX
+        assert all(kv._hot_pending.get(k) == 2 for k in kept)  # (the most read kept)
+    finally:
+        release.set()
+        t.join()
+    monkeypatch.undo()
+    kv.hot_keys(1)  # (the lock free: all of them added)
+    assert not kv._hot_pending
+
+
 def test_a_flush_that_spans_agings_ages_the_top_keys_with_the_sketch(kv: kvcomm.Client) -> None:
     """(Found while fixing the above: a flush kept while the lock was busy is larger. A
     flush whose additions cross the sketch's aging point once or more halved the top-k at

@@ -9,8 +9,8 @@ from ..errors import InvalidArgument
 from ..placement.report import REPORT_PUTS, AgentStats
 from .base import ClientBase
 
-# sampled read counts kept while the writer lock was busy (beyond: the least read dropped,
-# which sampling, an estimate, can afford)
+# sampled read counts kept while the writer lock was busy (beyond twice as many keys: the
+# least read dropped down to this many, which sampling, an estimate, can afford)
 _HOT_PENDING_MAX = 4096
 # keys a read's flush adds to the sketch, at most (the most read; the others at the next
 # flush): it runs inside a get, under the host's writer lock (about 2 ms for 512 keys;
@@ -29,7 +29,8 @@ class HotKeys(ClientBase):
 
         Without ``wait`` a read never waits for the writer lock: while it is held (by a
         writer, by a process stopped inside it, by this thread in a validator) the counts
-        are kept for the next flush, up to _HOT_PENDING_MAX keys (the most read ones)."""
+        are kept for the next flush (at most 2 x _HOT_PENDING_MAX keys, the most read), and
+        a flush adds at most _HOT_FLUSH_MAX keys, the most read (the others at the next)."""
         if self._unusable:
             return
         counts = self._getter.take_hot()
@@ -39,6 +40,10 @@ class HotKeys(ClientBase):
                 if counts:
                     obs.sampled(counts, self._keys, self._key_hash, self._seg._core.writers)
                 self._report_if_due(obs)
+        if not wait and self._seg.lock_owner():  # (held now: the new counts kept, a merge
+            if counts:  # of their own keys, nothing selected or trimmed: the next flush
+                self._keep_hot(counts)  # adds them)
+            return
         if self._hot_pending:  # (threads flush at once: each takes what it adds, whole)
             with self._hot_lock:
                 pending, self._hot_pending = self._hot_pending, {}
@@ -46,25 +51,29 @@ class HotKeys(ClientBase):
             counts = pending
         if not counts:
             return
-        later: dict[str, int] = {}
         if not wait and len(counts) > _HOT_FLUSH_MAX:
             now = dict(heapq.nlargest(_HOT_FLUSH_MAX, counts.items(), key=itemgetter(1)))
-            later = {k: n for k, n in counts.items() if k not in now}
+            # (kept before the flush, not after: a close() flushing meanwhile adds them)
+            self._keep_hot({k: n for k, n in counts.items() if k not in now})
             counts = now
         by_bytes = {k.encode("utf-8", "surrogatepass"): n for k, n in counts.items()}
         if not self._seg.count_accesses(by_bytes, wait):
-            _add(later, counts)
-        if later:
-            self._keep_hot(later)
+            self._keep_hot(counts)
 
     def _keep_hot(self, counts: dict[str, int]) -> None:
-        """Keep ``counts`` for the next flush, with those kept already, at most
-        _HOT_PENDING_MAX keys (the most read)."""
+        """Keep ``counts`` (a dict of the caller's, merged into) for the next flush, added
+        to those kept already. Past 2 x _HOT_PENDING_MAX keys the _HOT_PENDING_MAX most
+        read are kept: trimmed now and then, not at every flush (while the lock stays
+        busy, a read's flush merges its own counts, about 256 keys, nothing more)."""
         with self._hot_lock:
-            _add(counts, self._hot_pending)
-            if len(counts) > _HOT_PENDING_MAX:
-                counts = dict(heapq.nlargest(_HOT_PENDING_MAX, counts.items(), key=itemgetter(1)))
-            self._hot_pending = counts
+            pending = self._hot_pending
+            if len(counts) > len(pending):
+                pending, counts = counts, pending
+            _add(pending, counts)
+            if len(pending) > 2 * _HOT_PENDING_MAX:
+                pending = dict(heapq.nlargest(_HOT_PENDING_MAX, pending.items(),
+                                              key=itemgetter(1)))
+            self._hot_pending = pending
 
     def _report_writes(self) -> None:
         """Every REPORT_PUTS puts: report if a report is due (an agent that only writes

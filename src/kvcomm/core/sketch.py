@@ -22,7 +22,7 @@ Buffer layout: ``[additions u64][reserved u64][counters u32 × depth × width]``
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import xxhash
 
@@ -80,13 +80,14 @@ class CountMinSketch:
             hdr[0] = total
         return est
 
-    def add_many(self, counts: Iterable[tuple[bytes, int]]) -> tuple[list[tuple[bytes, int]], int]:
+    def add_many(self, counts: Iterable[tuple[bytes, int]],
+                 on_halve: Callable[[], None] | None = None) -> list[tuple[bytes, int]]:
         """:meth:`add` of each ``(key, n)`` in turn (a process's buffered reads, under the
         host's lock: one call, not one per key). Returns the keys' estimates, each aged
-        with every halving that came after its add (as the counters were), and how many
-        halvings the adds caused (the caller's top-k ages as often)."""
+        with every halving that came after its add, its own included (as the counters
+        were); ``on_halve()`` runs at each halving (the caller's top-k ages with it)."""
         c, hdr, cells_of, reset = self._c, self._hdr, self._cells, self.reset_every
-        out: list[tuple[bytes, int]] = []
+        out: list[tuple[bytes, int, int]] = []  # (key, estimate, halvings before its add)
         halvings = 0
         for key, n in counts:
             cells = cells_of(key)
@@ -96,17 +97,17 @@ class CountMinSketch:
             for j in cells:
                 if c[j] < est:
                     c[j] = est
+            out.append((key, est, halvings))
             total = hdr[0] + n  # (in shared memory the word may hold anything)
             if total >= reset:
                 hdr[0] = min(total, reset)
                 self.halve()
                 halvings += 1
-                out = [(k, e >> 1) for k, e in out]
-                est >>= 1
+                if on_halve is not None:
+                    on_halve()
             else:
                 hdr[0] = total
-            out.append((key, est))
-        return out, halvings
+        return [(k, e >> (halvings - h)) for k, e, h in out]
 
     def estimate(self, key: bytes) -> int:
         """Never below the true count since the last halving (halved with it)."""

@@ -26,10 +26,7 @@ class HotKeys(SegmentCore):
                 return False
             # (the sketch may age during the adds, several times: the top-k ages with
             # it, and the estimates taken before each aging are aged too)
-            offers, halvings = self.sketch.add_many(counts.items())
-            for _ in range(halvings):
-                self.topk.halve()
-            self.topk.offer_many(offers)
+            self.topk.offer_many(self.sketch.add_many(counts.items(), self.topk.halve))
         finally:
             core.unlock()
         return True
