@@ -1023,6 +1023,63 @@ def test_an_aio_client_makes_the_async_methods_native(ns: str, config: kvcomm.Co
     assert off_loop == 0
 
 
+def test_the_documented_async_agent_runs_and_its_answer_survives_a_second_writer(
+        ns: str) -> None:
+    """docs/integrations/langgraph.md's async agent, run as pasted (its namespace made
+    this test's): it prints the state it promises. Then its ``answer`` from two clients
+    at once on one interrupted thread, as two processes would: the loser gets what the
+    saver raises for a resumed Command (RunSuperseded, or ConflictError), reads the
+    thread and returns the winner's state; the interrupt is answered once. (A newcomer
+    found the example caught ConflictError alone: the loser's RunSuperseded escaped.)"""
+    import re
+    import types
+
+    import kvcomm.aio
+
+    doc = (Path(__file__).parents[2] / "docs/integrations/langgraph.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S)
+                 if "async def answer(" in b)
+    code, _, last = block.rstrip().rpartition("\n")
+    assert last.startswith("print(asyncio.run(main()))")
+    module = types.ModuleType("langgraph_md_example")  # (LangGraph reads the State's
+    sys.modules[module.__name__] = module  # annotations through its module)
+    example = module.__dict__
+    exec(compile(code.replace('"lg-docs-example"', repr(ns)), "langgraph.md", "exec"), example)
+    assert asyncio.run(example["main"]()) == {"steps": ["plan", "ask", "act:yes"],
+                                              "answer": "yes"}
+    lost: list[str] = []
+
+    async def race(thread: str) -> list[dict[str, Any]]:
+        async with kvcomm.aio.open(ns) as one, kvcomm.aio.open(ns) as two:
+            graphs = [example["builder"].compile(checkpointer=KVCommSaver(c)) for c in (one, two)]
+            cfg: Any = {"configurable": {"thread_id": thread}}
+            await graphs[0].ainvoke({"steps": [], "answer": ""}, cfg)
+            for g in graphs:  # (the losers' errors, counted as they pass)
+                real = g.ainvoke
+
+                async def counted(*a: Any, _real: Any = real, **k: Any) -> Any:
+                    try:
+                        return await _real(*a, **k)
+                    except (kvcomm.ConflictError, RunSuperseded) as exc:
+                        lost.append(type(exc).__name__)
+                        raise
+
+                g.ainvoke = counted  # type: ignore[method-assign]
+            out = await asyncio.gather(*(example["answer"](g, cfg, "yes") for g in graphs))
+            history = [t async for t in graphs[0].checkpointer.alist(cfg)]  # type: ignore[union-attr]
+            ids = [t.config["configurable"]["checkpoint_id"] for t in history]
+            parents = [(t.parent_config or {}).get("configurable", {}).get("checkpoint_id")
+                       for t in history]
+            assert parents == ids[1:] + [None]  # (one chain, newest first)
+            return out
+
+    for i in range(10):
+        for state in asyncio.run(race(f"race-{i}")):
+            assert state == {"steps": ["plan", "ask", "act:yes"], "answer": "yes"}
+    assert lost, "no race was lost in 10 tries: the retry path was not exercised"
+    print(f"losers told: {sorted(set(lost))} ({len(lost)} times)")
+
+
 def test_two_async_writers_on_one_thread_never_fork_it(ns: str, config: kvcomm.Config) -> None:
     """The fork rule with ``ainvoke`` on aio clients: two tasks resume one thread from the
     same head; one is told (ConflictError) and retries; one chain."""
