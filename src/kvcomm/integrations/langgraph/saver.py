@@ -268,10 +268,6 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                           KVCommWarning, stacklevel=2)
 
     # ---------------------------------------------------------------- helpers
-    def _dumps(self, obj: Any) -> list[Any]:
-        t, b = self.serde.dumps_typed(obj)
-        return [t, b]
-
     def _loads(self, t: str, b: bytes) -> Any:
         return self.serde.loads_typed((t, b))
 
@@ -563,8 +559,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             version: Version | None = None
             try:
                 if records is not None and not self._cluster:
-                    # (one deadline for the checkpoint and its values, counted from this
-                    # call; the head's, from before it: it never outlives them)
+                    # (the records' ttl and the head's, a hair less, counted from one
+                    # instant in put_records: the head never outlives them)
                     start = time.time()
                     version = put_records(self.kv, *records, self.ttl, last=None if unchanged
                                           else (key, Packed.built(new), expect, self._left(start)))
