@@ -15,7 +15,7 @@ import pytest
 import kvcomm
 from kvcomm import ABSENT, ConflictError
 from kvcomm.tiers.l2 import key_hash
-from tests.support.devcluster import dev_cluster_fixture, host, l3, live_record
+from tests.support.devcluster import dev_cluster_fixture, host, l3, live_record, stop_daemon
 from tests.support.helpers import wait_for
 
 dev = dev_cluster_fixture(3)
@@ -147,7 +147,7 @@ def test_a_conditional_write_over_this_host_s_unpushed_write(dev: dict[str, Any]
 
     try:
         first = a.put(k, "first", expect=ABSENT)
-        os.kill(pid, signal.SIGSTOP)
+        stop_daemon(pid, a)
         try:
             old = a.put(k, "plain")
             assert waiting()

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 import kvcomm
-from tests.support.devcluster import dev_cluster_fixture, host, l3
+from tests.support.devcluster import dev_cluster_fixture, host, l3, stop_daemon
 from tests.support.helpers import wait_for
 
 dev = dev_cluster_fixture(2, dirname="devcluster-bounds")
@@ -55,7 +55,7 @@ def test_a_delete_survives_a_feed_overflow_while_the_daemon_is_paused(dev: dict[
         a.put("ovf/k", "v")
         wait_for(lambda: store.get("ovf/k") is not None, 10, "the put to reach L3")
         wait_for(lambda: b.get("ovf/k") == "v", 10, "host 2 to hold it")
-        os.kill(pid, signal.SIGSTOP)
+        stop_daemon(pid, a)
         try:
             assert a.delete("ovf/k") is True
             head = a._seg.feed_head()

@@ -18,7 +18,7 @@ import pytest
 
 import kvcomm
 from kvcomm.tiers.l3 import META_INDEX, L3Store
-from tests.support.devcluster import all_live_in_l3, dev_cluster_fixture, host, l3
+from tests.support.devcluster import all_live_in_l3, dev_cluster_fixture, host, l3, stop_daemon
 from tests.support.helpers import wait_for
 
 CTX = mp.get_context("fork")
@@ -100,7 +100,7 @@ def test_writes_not_yet_in_l3_appear(dev: dict[str, Any]) -> None:
         a.put("dirty/b", "in L3")
         a.put("dirty/d", "in L3, deleted while the daemon is stopped")
         wait_for(lambda: all_live_in_l3(store, ["dirty/b", "dirty/d"]), 20, "the puts to reach L3")
-        os.kill(pid, signal.SIGSTOP)
+        stop_daemon(pid, a)
         try:
             a.put("dirty/a", "local")
             a.put("dirty/c", "local")
@@ -511,7 +511,7 @@ def test_a_scan_never_serves_l2s_stale_view_of_what_l3_acknowledged(dev: dict[st
         b.delete("f6/back")
         wait_for(lambda: _l3_state(store, "f6/back") == "tombstone" and not _dirty(b, "f6/back"),
                  30, "host 2's delete in L3")
-        os.kill(pid, 19)  # SIGSTOP: host 2's daemon applies nothing from now on
+        stop_daemon(pid, b)  # (SIGSTOP: host 2's daemon applies nothing from now on)
         stopped = True
         a.delete("f6/gone")
         a.put("f6/back", 2)

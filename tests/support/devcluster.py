@@ -25,6 +25,7 @@ from kvcomm import devcluster
 from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.tiers import l2
 from kvcomm.tiers.l3 import L3Record, L3Store
+from tests.support.helpers import wait_for
 from tests.support.servers import starts
 
 DevState = dict[str, Any]
@@ -112,6 +113,38 @@ def restart_daemon(dev: DevState, i: int) -> None:
 def kill_daemon(dev: DevState, i: int) -> None:
     """SIGKILL host ``i``'s daemon (a crash; :func:`restart_daemon` brings it back)."""
     os.kill(dev["hosts"][i]["pid"], signal.SIGKILL)
+
+
+def stop_daemon(pid: int, client: kvcomm.Client, tries: int = 100) -> None:
+    """SIGSTOP the node daemon ``pid`` at a moment it does not hold its host's L2 writer
+    lock (``client``: a client of that host). The daemon takes the lock to mark what it
+    delivered clean; stopped inside it, every writer of the host waits
+    ``cache.lock_timeout`` and fails (a CI run of test_writes_not_yet_in_l3_appear did).
+    These tests mean a daemon that delivers nothing, not a stuck lock: stopped inside it,
+    it is let go on and stopped again. Waits for the stop to take effect (kill() returns
+    before the process is stopped)."""
+    for _ in range(tries):
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: _stopped(pid), 10, f"every thread of process {pid} to stop")
+        owner = client._seg.lock_owner()
+        if owner == 0 or not os.path.exists(f"/proc/{pid}/task/{owner}"):
+            return
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda held=owner: client._seg.lock_owner() != held, 10,
+                 "the daemon to leave the lock")
+    raise AssertionError(f"daemon {pid} held the writer lock at each of {tries} stops")
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (a group stop reaches them one by one)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "T":
+                    return False
+        except FileNotFoundError:  # (a thread that ended meanwhile)
+            continue
+    return True
 
 
 # ---------------------------------------------------------------- etcd alone
