@@ -63,9 +63,30 @@ class CountMinSketch:
 
     def add(self, key: bytes, n: int = 1) -> int:
         """Count ``n`` more accesses of ``key`` (conservative update); returns its estimate."""
+        return self._count(key, n)[0]
+
+    def add_many(self, counts: Iterable[tuple[bytes, int]],
+                 on_halve: Callable[[], None] | None = None) -> list[tuple[bytes, int]]:
+        """:meth:`add` of each ``(key, n)`` in turn (a process's buffered reads, under the
+        host's lock: one call, not one per key). Returns the keys' estimates, each aged
+        with every halving that came after its add, its own included (as the counters
+        were); ``on_halve()`` runs at each halving (the caller's top-k ages with it)."""
+        out: list[tuple[bytes, int, int]] = []  # (key, estimate, halvings before its add)
+        halvings = 0
+        for key, n in counts:
+            est, halved = self._count(key, n)
+            out.append((key, est, halvings))
+            if halved:
+                halvings += 1
+                if on_halve is not None:
+                    on_halve()
+        return [(k, e >> (halvings - h)) for k, e, h in out]
+
+    def _count(self, key: bytes, n: int) -> tuple[int, bool]:
+        """(estimate before any halving, whether this add halved the sketch)."""
         c = self._c
         cells = self._cells(key)
-        est = min(c[j] for j in cells) + n
+        est = min([c[j] for j in cells]) + n
         if est > _MAX32:
             est = _MAX32
         for j in cells:
@@ -76,38 +97,9 @@ class CountMinSketch:
         if total >= self.reset_every:
             hdr[0] = min(total, self.reset_every)
             self.halve()
-        else:
-            hdr[0] = total
-        return est
-
-    def add_many(self, counts: Iterable[tuple[bytes, int]],
-                 on_halve: Callable[[], None] | None = None) -> list[tuple[bytes, int]]:
-        """:meth:`add` of each ``(key, n)`` in turn (a process's buffered reads, under the
-        host's lock: one call, not one per key). Returns the keys' estimates, each aged
-        with every halving that came after its add, its own included (as the counters
-        were); ``on_halve()`` runs at each halving (the caller's top-k ages with it)."""
-        c, hdr, cells_of, reset = self._c, self._hdr, self._cells, self.reset_every
-        out: list[tuple[bytes, int, int]] = []  # (key, estimate, halvings before its add)
-        halvings = 0
-        for key, n in counts:
-            cells = cells_of(key)
-            est = min([c[j] for j in cells]) + n
-            if est > _MAX32:
-                est = _MAX32
-            for j in cells:
-                if c[j] < est:
-                    c[j] = est
-            out.append((key, est, halvings))
-            total = hdr[0] + n  # (in shared memory the word may hold anything)
-            if total >= reset:
-                hdr[0] = min(total, reset)
-                self.halve()
-                halvings += 1
-                if on_halve is not None:
-                    on_halve()
-            else:
-                hdr[0] = total
-        return [(k, e >> (halvings - h)) for k, e, h in out]
+            return est, True
+        hdr[0] = total
+        return est, False
 
     def estimate(self, key: bytes) -> int:
         """Never below the true count since the last halving (halved with it)."""
