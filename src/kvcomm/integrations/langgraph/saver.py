@@ -38,11 +38,13 @@ import math
 import random
 import time
 import warnings
+from collections import ChainMap
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
+    EXCLUDED_METADATA_KEYS,
     WRITES_IDX_MAP,
     BaseCheckpointSaver,
     ChannelVersions,
@@ -171,6 +173,37 @@ def _head_of(value: Any, key: str) -> dict[str, Any] | None:
         return value
     raise CorruptRecord(f"the thread head {key!r} in KVCOMM is not one KVCommSaver wrote "
                         f"({str(value)[:120]}); delete the thread (delete_thread) or that key")
+
+
+def _metadata(config: RunnableConfig, metadata: CheckpointMetadata) -> dict[str, Any]:
+    """``get_checkpoint_metadata(config, metadata)``, LangGraph's, the same dict in the same
+    order, without iterating a ChainMap in Python: in a running graph ``config["metadata"]``
+    is a ChainMap of dicts, whose ``items()`` runs four Python methods a key (13 µs of a
+    put in a running graph, against 3 µs here). Any other shape of config: LangGraph's own
+    function. A test holds the two equal (tests/integrations/test_langgraph_metadata.py)."""
+    meta = config.get("metadata")
+    if type(meta) is ChainMap:
+        maps = meta.maps
+        if not all(type(m) is dict for m in maps):
+            return get_checkpoint_metadata(config, metadata)
+        meta = {}
+        for m in reversed(maps):  # (ChainMap's order of keys; the first map's value wins)
+            meta.update(m)
+    conf = config.get("configurable")
+    if not (meta is None or type(meta) is dict) or not (conf is None or type(conf) is dict) \
+            or type(metadata) is not dict:
+        return get_checkpoint_metadata(config, metadata)
+    md = {k: v.replace("\u0000", "") if isinstance(v, str) else v for k, v in metadata.items()}
+    for obj in (meta, conf):
+        if obj:
+            for key, v in obj.items():
+                if key in md or key in EXCLUDED_METADATA_KEYS or key.startswith("__"):
+                    continue
+                if isinstance(v, str):
+                    md[key] = v.replace("\u0000", "")
+                elif isinstance(v, (int, bool, float)):
+                    md[key] = v
+    return md
 
 
 def _inline(value: Any) -> bool:
@@ -322,7 +355,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         parent = conf.get("checkpoint_id")
         c: dict[str, Any] = dict(checkpoint)
         values: dict[str, Any] = c.pop("channel_values")
-        md = get_checkpoint_metadata(config, metadata)
+        md = _metadata(config, metadata)
         cid = checkpoint["id"]
         k, ttl = self.keys, self.ttl
         dumps = self.serde.dumps_typed
