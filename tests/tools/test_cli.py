@@ -117,6 +117,36 @@ def test_list_shows_this_hosts_namespaces_and_skips_their_other_files(
     kvcomm.tiers.l2.purge(ns, str(d))
 
 
+def test_list_shows_the_files_killed_creators_left_and_purge_removes_them(tmp_path: Path) -> None:
+    """A process killed while creating a namespace's file leaves its temporary file (a
+    dot file, invisible to `ls`); `kvcomm list` says so, `kvcomm purge --dead-temps`
+    removes it, and a temporary file whose creator is still at work is left alone.
+    (a newcomer's first hour: stray .kvcomm.*.tmp files of killed test runs)"""
+    from kvcomm.tiers.shm.files import create_temp
+
+    d = tmp_path / "shm"
+    d.mkdir()
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"cache": {"l2_dir": str(d)}}))
+    dead, fd = create_temp(str(d / "kvcomm.lost"), 0o600)
+    os.posix_fallocate(fd, 0, 1 << 20)
+    os.close(fd)  # (its lock goes with it: a killed creator's)
+    busy, held = create_temp(str(d / "kvcomm.building"), 0o600)
+    try:
+        out = run("list", "--config", str(path))
+        assert out.returncode == 0, out.stderr
+        assert "1 temporary file(s)" in out.stdout and "1.0 MiB held" in out.stdout, out.stdout
+        assert f"kvcomm purge --dead-temps --config {path}" in out.stdout, out.stdout
+        gone = run("purge", "--dead-temps", "--config", str(path))
+        assert gone.returncode == 0 and "removed 1 temporary file(s)" in gone.stdout, gone
+        assert not os.path.exists(dead) and os.path.exists(busy)
+        assert "temporary file" not in run("list", "--config", str(path)).stdout
+    finally:
+        os.close(held)
+    both = run("purge", "--dead-temps", "--name", "x")
+    assert both.returncode == 2 and "not allowed with" in both.stderr, both.stderr
+
+
 def test_a_command_piped_into_a_reader_that_stops_exits_quietly() -> None:
     """``kvcomm ... | head -1``: no BrokenPipeError traceback; a broken pipe that is not
     stdout still raises."""

@@ -149,6 +149,8 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    conf = f" --config {args.config}" if args.config else ""
+    _list_dead_temps(c.l2_dir, conf)
     if not rows:
         print(f"no namespace on this host (no segment in {c.l2_dir}): kvcomm.open(NAME) "
               "creates one")
@@ -161,10 +163,20 @@ def _list(args: argparse.Namespace) -> int:
             print(f"{sizes}  unreadable: {r['unreadable']}")
         else:
             print(f"{sizes} {r['entries']:9d}  {'alive' if r['daemon_alive'] else '-'}")
-    conf = f" --config {args.config}" if args.config else ""
     print(f"(`kvcomm info --name=NS{conf}` for one in detail, `kvcomm purge --name=NS{conf}` "
           "to remove one)")
     return 0
+
+
+def _list_dead_temps(directory: str, conf: str) -> None:
+    """Say what temporary files killed creators left in ``directory`` (not in --json)."""
+    from ..tiers.shm.files import dead_temps
+
+    dead = dead_temps(directory)
+    if dead:
+        print(f"{len(dead)} temporary file(s) in {directory} were left by processes killed while "
+              f"creating a namespace's files ({sum(n for _p, n in dead) / 2**20:.1f} MiB held); "
+              f"nobody uses them: `kvcomm purge --dead-temps{conf}` removes them")
 
 
 def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
@@ -229,11 +241,19 @@ def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
 def _purge(args: argparse.Namespace) -> int:
     """Remove a namespace's L2 segment. It refuses a segment that holds writes not yet in
     L3 (of this layout or an older one) unless --force. Exit status 0: removed; 1: there
-    was none; 2: it could not be removed, or was refused (the message says why)."""
+    was none; 2: it could not be removed, or was refused (the message says why). With
+    --dead-temps instead of --name: remove every temporary file a killed creator left
+    (exit status 0)."""
     from ..tiers.l2 import purge, segment_path
+    from ..tiers.shm.files import dead_temps
 
     name = args.name
     directory = load_config(args.config).cache.l2_dir
+    if args.dead_temps:
+        gone = dead_temps(directory, remove=True)
+        print(f"removed {len(gone)} temporary file(s) left by killed creators in {directory}, "
+              f"{sum(n for _p, n in gone) / 2**20:.1f} MiB held")
+        return 0
     try:
         removed = purge(name, directory, keep_unflushed=not args.force)
     except KVCommError as exc:
@@ -648,7 +668,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print every field as JSON")
 
     u = _command(sub, "purge", _purge, "remove a namespace's L2 segment")
-    u.add_argument("--name", required=True, metavar="NS", help="the namespace to remove")
+    what = u.add_mutually_exclusive_group(required=True)
+    what.add_argument("--name", metavar="NS", help="the namespace to remove")
+    what.add_argument("--dead-temps", action="store_true",
+                      help="remove the temporary files that processes killed while creating a "
+                      "namespace's files left (`kvcomm list` shows them); nobody uses them")
     u.add_argument("--config", metavar="FILE", help="a kvcomm YAML config (for cache.l2_dir)")
     u.add_argument("--force", action="store_true",
                    help="remove it even if it holds writes not yet in L3 (they are lost)")

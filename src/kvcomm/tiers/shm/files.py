@@ -160,11 +160,25 @@ def remove_dead_temps(path: str) -> None:
     gone: killed, or interrupted before they could remove them. Files of other users,
     and those still locked by their builder, are left alone."""
     directory, base = os.path.split(path)
-    pattern = re.compile(_TEMP_RE.format(base=re.escape(base)))
+    dead_temps(directory, re.escape(base), remove=True)
+
+
+_ANY_BASE = r"kvcomm\..+"  # (a temporary file of any of KVCOMM's files)
+
+
+def dead_temps(directory: str, base: str = _ANY_BASE, *,
+               remove: bool = False) -> list[tuple[str, int]]:
+    """``(path, bytes held)`` of each temporary file in ``directory`` (:func:`create_temp`)
+    of a file whose name matches the regex ``base`` (default: any of KVCOMM's) whose
+    builder is gone; with ``remove``, each is removed too (checked under its lock, so that
+    a builder that has just created its file keeps it). Files of other users, and those
+    still locked by their builder, are left out."""
+    pattern = re.compile(_TEMP_RE.format(base=base))
     try:
         names = [n for n in os.listdir(directory or ".") if pattern.fullmatch(n)]
     except OSError:
-        return
+        return []
+    found = []
     for name in names:
         tmp = os.path.join(directory, name)
         try:
@@ -181,8 +195,11 @@ def remove_dead_temps(path: str) -> None:
                 continue  # its builder is at work
             here = os.stat(tmp, follow_symlinks=False)
             if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
-                os.unlink(tmp)
+                if remove:
+                    os.unlink(tmp)
+                found.append((tmp, st.st_blocks * 512))
         except OSError:
             pass
         finally:
             os.close(fd)
+    return found
