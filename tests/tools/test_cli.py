@@ -236,6 +236,9 @@ def test_demo_smoke(tmp_path: Path) -> None:
               "--name", f"demo-test-{tmp_path.name}", "--plot", str(plot))
     assert out.returncode == 0, out.stderr
     assert "get latency p50" in out.stdout and "3/3" in out.stdout
+    # (one header line at the width of a pipe, and a gain that says which way it goes)
+    assert "kvcomm's gain" in out.stdout, out.stdout
+    assert re.search(r"get latency p50 \(µs\).* \d+\.\d\dx (faster|slower)", out.stdout), out.stdout
     assert plot.stat().st_size > 1000
 
 

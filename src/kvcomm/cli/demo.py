@@ -368,24 +368,31 @@ def _report(console: Any, args: argparse.Namespace, ours: dict[str, Any],
     table.add_column("metric")
     table.add_column("kvcomm", justify="right")
     table.add_column(baseline if theirs else "baseline", justify="right")
-    table.add_column("ratio (baseline/kvcomm)", justify="right")
+    table.add_column("kvcomm's gain", justify="right")
 
-    def row(name: str, ours_v: float, theirs_v: float | None, fmt: str = "{:.1f}") -> None:
-        ratio = "" if theirs_v is None or not ours_v else f"{theirs_v / ours_v:.1f}x"
+    def row(name: str, ours_v: float, theirs_v: float | None, fmt: str = "{:.1f}",
+            better: str = "") -> None:
+        """``better``: "lower" (a latency: "2.00x faster", or "slower"), "higher" (work
+        done: "1.20x more", or "fewer"), "" (no gain to show)."""
+        gain = ""
+        if theirs_v is not None and ours_v and theirs_v and better:
+            r = theirs_v / ours_v if better == "lower" else ours_v / theirs_v
+            words = ("faster", "slower") if better == "lower" else ("more", "fewer")
+            gain = "same" if r == 1 else f"{max(r, 1 / r):.2f}x {words[r < 1]}"
         table.add_row(name, fmt.format(ours_v), "" if theirs_v is None else fmt.format(theirs_v),
-                      ratio)
+                      gain)
 
     def both(fn: Callable[[dict[str, Any]], float]) -> tuple[float, float | None]:
         return fn(ours), (None if theirs is None else fn(theirs))
 
-    row("ticks flown", *both(lambda r: r["ticks"]), "{:.0f}")
-    row("get ops", *both(lambda r: len(r["gets"])), "{:.0f}")
-    row("put ops", *both(lambda r: len(r["puts"])), "{:.0f}")
+    row("ticks flown", *both(lambda r: r["ticks"]), "{:.0f}", "higher")
+    row("get ops", *both(lambda r: len(r["gets"])), "{:.0f}", "higher")
+    row("put ops", *both(lambda r: len(r["puts"])), "{:.0f}", "higher")
     for op in ("gets", "puts"):
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
             ours_p = _pct(ours[op], q)
             theirs_p = None if theirs is None else _pct(theirs[op], q)
-            row(f"{op[:-1]} latency {qn} (µs)", ours_p, theirs_p, "{:.2f}")
+            row(f"{op[:-1]} latency {qn} (µs)", ours_p, theirs_p, "{:.2f}", "lower")
     t = ours["tiers"]
     lookups = t["l1"] + t["l2"] + t["miss"]
     if lookups:
