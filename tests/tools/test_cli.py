@@ -238,6 +238,7 @@ def test_demo_smoke(tmp_path: Path) -> None:
     assert "get latency p50" in out.stdout and "3/3" in out.stdout
     # (one header line at the width of a pipe, and a gain that says which way it goes)
     assert "kvcomm's gain" in out.stdout, out.stdout
+    assert "L2 misses (L3 in cluster mode)" in out.stdout and "baseline: manager;" in out.stdout
     assert re.search(r"get latency p50 \(µs\).* \d+\.\d\dx (faster|slower)", out.stdout), out.stdout
     assert plot.stat().st_size > 1000
 

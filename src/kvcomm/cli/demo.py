@@ -298,8 +298,8 @@ def run_demo(args: argparse.Namespace) -> int:
     results = (f"{args.name}-results", Config.from_mapping({"cache": {"l2_size": "64MB"}}))
     purge(args.name)
     console.print(f"[bold]KVCOMM swarm demo[/]: {args.agents} drones, {args.rate:g} Hz, "
-                  f"{args.seconds:g} s, {args.neighbours} neighbours read per tick; "
-                  f"baseline: {baseline}; this demo's pid {os.getpid()}")
+                  f"{args.seconds:g} s, {args.neighbours} neighbours read per tick")
+    console.print(f"baseline: {baseline}; this demo's pid {os.getpid()}")
     if args.cluster:
         return _run_cluster_demo(args, console, results)
     ours = _run_swarm("kvcomm (L1+L2, embedded)", lambda i: KvcommStore(args.name, cfg), args,
@@ -398,7 +398,7 @@ def _report(console: Any, args: argparse.Namespace, ours: dict[str, Any],
     if lookups:
         table.add_row("served by L1 (this process)", f"{100 * t['l1'] / lookups:.1f}%", "", "")
         table.add_row("served by L2 (host shm)", f"{100 * t['l2'] / lookups:.1f}%", "", "")
-        table.add_row("L2 misses (read from L3 in cluster mode)",
+        table.add_row("L2 misses (L3 in cluster mode)",
                       f"{100 * t['miss'] / lookups:.2f}%", "", "")
     m = ours["mission"]
     tm = theirs["mission"] if theirs else None
