@@ -545,10 +545,10 @@ def test_any_loopback_address_keeps_dns_rebinding_protection(ns: str) -> None:
         assert out == b""
 
 
-@pytest.mark.xfail(strict=True, reason="the SDK's stdio transport drops a line its JSON parser "
-                   "refuses (nesting 200 deep or more, a lone surrogate escape) without a reply: "
-                   "the client's call waits forever; answering it needs kvcomm's own stdin reader")
 def test_an_unparseable_request_gets_a_reply(ns: str) -> None:
+    """The SDK's stdio reader drops a line its JSON parser refuses (nesting 200 deep or
+    more, a lone surrogate escape) without a reply, and the client's call waited forever:
+    kvcomm answers it with a parse error naming its id, and serves on."""
     init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
             "params": {"protocolVersion": "2025-06-18", "capabilities": {},
                        "clientInfo": {"name": "raw", "version": "0"}}}
@@ -556,6 +556,10 @@ def test_an_unparseable_request_gets_a_reply(ns: str) -> None:
     lines = [json.dumps(init), json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
              '{"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "kv_put", '
              '"arguments": {"key": "d", "value": ' + deep + '}}}',
+             # (a notification nested as deep: nothing to answer, and nothing breaks)
+             '{"jsonrpc": "2.0", "method": "notifications/x", "params": {"v": ' + deep + '}}',
+             '{"jsonrpc": "2.0", "id": "s", "method": "tools/call", "params": {"name": "kv_put", '
+             '"arguments": {"key": "e", "value": "\\ud800"}}}',
              json.dumps({"jsonrpc": "2.0", "id": 3, "method": "tools/call",
                          "params": {"name": "kv_get", "arguments": {"key": "d"}}})]
     p = subprocess.Popen(_cmd("--name", ns), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -564,13 +568,18 @@ def test_an_unparseable_request_gets_a_reply(ns: str) -> None:
     try:
         p.stdin.write("\n".join(lines) + "\n")
         p.stdin.flush()
-        ids = []
-        while 3 not in ids:  # (the kv_get after it is answered: the server keeps serving)
+        replies = {}
+        while 3 not in replies:  # (the kv_get after it is answered: the server keeps serving)
             line = p.stdout.readline()
             assert line, p.communicate()
-            ids.append(json.loads(line).get("id"))
-        # the refused line is answered before the call after it (an error, with its id)
-        assert 2 in ids
+            reply = json.loads(line)
+            replies[reply.get("id")] = reply
+        # each refused line is answered before the calls after it: a parse error, its id
+        assert list(replies) == [1, 2, "s", 3], replies
+        for rid in (2, "s"):
+            assert replies[rid]["error"]["code"] == -32700, replies[rid]
+            assert "nested 200 levels" in replies[rid]["error"]["message"], replies[rid]
+        assert replies[3]["result"]["structuredContent"]["found"] is False, replies[3]  # (no put)
     finally:
         p.stdin.close()
         p.wait(timeout=30)
