@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -120,31 +121,51 @@ def test_list_shows_this_hosts_namespaces_and_skips_their_other_files(
 def test_list_shows_the_files_killed_creators_left_and_purge_removes_them(tmp_path: Path) -> None:
     """A process killed while creating a namespace's file leaves its temporary file (a
     dot file, invisible to `ls`); `kvcomm list` says so, `kvcomm purge --dead-temps`
-    removes it, and a temporary file whose creator is still at work is left alone.
-    (a newcomer's first hour: stray .kvcomm.*.tmp files of killed test runs)"""
+    removes it. A temporary file whose creator is still at work is left alone, and so is
+    a FIFO named like one (never opened); one younger than 2 s is not listed (its creator
+    may be about to lock it); one also linked into place holds no memory of its own. (a
+    newcomer's first hour: stray .kvcomm.*.tmp files of killed test runs)"""
     from kvcomm.tiers.shm.files import create_temp
 
     d = tmp_path / "shm"
     d.mkdir()
-    path = tmp_path / "c.yaml"
+    path = tmp_path / "c d.yaml"  # (a space: the hint quotes it)
     path.write_text(yaml.safe_dump({"cache": {"l2_dir": str(d)}}))
+    old = time.time() - 60
     dead, fd = create_temp(str(d / "kvcomm.lost"), 0o600)
     os.posix_fallocate(fd, 0, 1 << 20)
     os.close(fd)  # (its lock goes with it: a killed creator's)
+    linked, fd = create_temp(str(d / "kvcomm.placed"), 0o600)
+    os.posix_fallocate(fd, 0, 1 << 20)
+    os.close(fd)
+    os.link(linked, d / "kvcomm.placed")  # (killed between the link and the unlink)
+    young, fd = create_temp(str(d / "kvcomm.young"), 0o600)
+    os.close(fd)
+    for p in (dead, linked):
+        os.utime(p, (old, old))
+    fifo = d / ".kvcomm.fifo.1.0123abcd.tmp"
+    os.mkfifo(fifo)
     busy, held = create_temp(str(d / "kvcomm.building"), 0o600)
+    os.utime(busy, (old, old))
     try:
         out = run("list", "--config", str(path))
         assert out.returncode == 0, out.stderr
-        assert "1 temporary file(s)" in out.stdout and "1.0 MiB held" in out.stdout, out.stdout
-        assert f"kvcomm purge --dead-temps --config {path}" in out.stdout, out.stdout
+        assert "2 temporary file(s)" in out.stdout and "hold 1.0 MiB" in out.stdout, out.stdout
+        assert f"kvcomm purge --dead-temps --config '{path}'" in out.stdout, out.stdout
         gone = run("purge", "--dead-temps", "--config", str(path))
-        assert gone.returncode == 0 and "removed 1 temporary file(s)" in gone.stdout, gone
-        assert not os.path.exists(dead) and os.path.exists(busy)
+        assert gone.returncode == 0 and "removed 3 temporary file(s)" in gone.stdout, gone
+        assert not os.path.exists(dead) and not os.path.exists(linked)
+        assert os.path.exists(busy) and fifo.exists() and (d / "kvcomm.placed").exists()
         assert "temporary file" not in run("list", "--config", str(path)).stdout
     finally:
         os.close(held)
     both = run("purge", "--dead-temps", "--name", "x")
     assert both.returncode == 2 and "not allowed with" in both.stderr, both.stderr
+    force = run("purge", "--dead-temps", "--force", "--config", str(path))
+    assert force.returncode == 2 and "--force is for --name" in force.stderr, force.stderr
+    path.write_text(yaml.safe_dump({"cache": {"l2_dir": str(tmp_path / "none")}}))
+    missing = run("purge", "--dead-temps", "--config", str(path))
+    assert missing.returncode == 2 and "cannot list" in missing.stderr, missing
 
 
 def test_a_command_piped_into_a_reader_that_stops_exits_quietly() -> None:
@@ -232,15 +253,34 @@ def test_info_in_partition_mode_says_so_instead_of_a_dead_daemon(ns: str,
 @pytest.mark.multiprocess
 def test_demo_smoke(tmp_path: Path) -> None:
     plot = tmp_path / "lat.png"
+    shm = tmp_path / "shm"  # (--config's l2_dir: the demo's namespace is purged there)
+    shm.mkdir()
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"cache": {"l2_dir": str(shm)}}))
     out = run("demo", "--agents", "3", "--seconds", "1", "--rate", "20", "--baseline", "manager",
-              "--name", f"demo-test-{tmp_path.name}", "--plot", str(plot))
+              "--name", f"demo-test-{tmp_path.name}", "--plot", str(plot), "--config", str(config))
     assert out.returncode == 0, out.stderr
+    assert os.listdir(shm) == [], os.listdir(shm)
     assert "get latency p50" in out.stdout and "3/3" in out.stdout
     # (one header line at the width of a pipe, and a gain that says which way it goes)
     assert "kvcomm's gain" in out.stdout, out.stdout
-    assert "L2 misses (L3 in cluster mode)" in out.stdout and "baseline: manager;" in out.stdout
-    assert re.search(r"get latency p50 \(µs\).* \d+\.\d\dx (faster|slower)", out.stdout), out.stdout
+    assert "L2 misses (L3 in a cluster)" in out.stdout and "baseline: manager;" in out.stdout
+    assert re.search(r"get latency p50 \(µs\).* \d+(\.\d)?x (faster|slower)", out.stdout), out.stdout
     assert plot.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(("ours", "theirs", "better", "cell"), [
+    (4.9, 83.5, "lower", "17x faster"), (100.0, 50.0, "lower", "2.0x slower"),
+    (80, 40, "higher", "2.0x more"), (40, 80, "higher", "2.0x fewer"),
+    (1.0, 1.04, "lower", "same"), (1001, 1000, "higher", "same"), (1.0, 1.6, "lower", "1.6x faster"), (80, 80, "higher", "same"),
+    (float("nan"), 5.0, "lower", ""), (5.0, float("nan"), "lower", ""),  # (nothing timed)
+    (0, 100, "higher", "none"), (100, 0, "higher", "more (baseline: none)"),
+    (0.0, 1.0, "lower", ""), (5.0, None, "lower", ""), (80, 80, "", "")])
+def test_the_demos_gain_cell_says_which_way_and_never_nan(ours: float, theirs: float | None,
+                                                          better: str, cell: str) -> None:
+    from kvcomm.cli.demo import _gain
+
+    assert _gain(ours, theirs, better) == cell
 
 
 def test_demo_rejects_bad_arguments() -> None:

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -149,7 +150,7 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    conf = f" --config {args.config}" if args.config else ""
+    conf = f" --config {shlex.quote(args.config)}" if args.config else ""
     _list_dead_temps(c.l2_dir, conf)
     if not rows:
         print(f"no namespace on this host (no segment in {c.l2_dir}): kvcomm.open(NAME) "
@@ -172,10 +173,13 @@ def _list_dead_temps(directory: str, conf: str) -> None:
     """Say what temporary files killed creators left in ``directory`` (not in --json)."""
     from ..tiers.shm.files import dead_temps
 
-    dead = dead_temps(directory)
+    try:
+        dead = dead_temps(directory)
+    except OSError:
+        return  # (listed a moment ago: gone meanwhile; the caller's listing says so)
     if dead:
-        print(f"{len(dead)} temporary file(s) in {directory} were left by processes killed while "
-              f"creating a namespace's files ({sum(n for _p, n in dead) / 2**20:.1f} MiB held); "
+        print(f"{len(dead)} temporary file(s) in {directory}, left by processes killed while "
+              f"creating a namespace's files,\nhold {sum(n for _p, n in dead) / 2**20:.1f} MiB; "
               f"nobody uses them: `kvcomm purge --dead-temps{conf}` removes them")
 
 
@@ -250,7 +254,16 @@ def _purge(args: argparse.Namespace) -> int:
     name = args.name
     directory = load_config(args.config).cache.l2_dir
     if args.dead_temps:
-        gone = dead_temps(directory, remove=True)
+        if args.force:
+            print("kvcomm purge: --force is for --name (a segment holding writes not yet in "
+                  "L3); --dead-temps removes only files nobody uses", file=sys.stderr)
+            return 2
+        try:
+            gone = dead_temps(directory, remove=True)
+        except OSError as exc:
+            print(f"kvcomm: cannot list {directory} (cache.l2_dir): {exc.strerror}",
+                  file=sys.stderr)
+            return 2
         print(f"removed {len(gone)} temporary file(s) left by killed creators in {directory}, "
               f"{sum(n for _p, n in gone) / 2**20:.1f} MiB held")
         return 0
@@ -272,7 +285,7 @@ def _purge(args: argparse.Namespace) -> int:
     if removed:
         print(f"purged namespace {name!r}")
         return 0
-    conf = f" --config {args.config}" if args.config else ""
+    conf = f" --config {shlex.quote(args.config)}" if args.config else ""
     print(f"kvcomm: no L2 segment for namespace {name!r} on this host (its other files, if "
           f"any, were removed); `kvcomm list{conf}` lists the namespaces there are",
           file=sys.stderr)

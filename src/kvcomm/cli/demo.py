@@ -296,7 +296,7 @@ def run_demo(args: argparse.Namespace) -> int:
     console = Console()
     cfg = load_config(args.config)
     results = (f"{args.name}-results", Config.from_mapping({"cache": {"l2_size": "64MB"}}))
-    purge(args.name)
+    purge(args.name, cfg.cache.l2_dir)
     console.print(f"[bold]KVCOMM swarm demo[/]: {args.agents} drones, {args.rate:g} Hz, "
                   f"{args.seconds:g} s, {args.neighbours} neighbours read per tick")
     console.print(f"baseline: {baseline}; this demo's pid {os.getpid()}")
@@ -304,7 +304,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return _run_cluster_demo(args, console, results)
     ours = _run_swarm("kvcomm (L1+L2, embedded)", lambda i: KvcommStore(args.name, cfg), args,
                       results, use_watch=True)
-    purge(args.name)
+    purge(args.name, cfg.cache.l2_dir)
     theirs: dict[str, Any] | None = None
     server = manager = None
     try:
@@ -327,7 +327,7 @@ def run_demo(args: argparse.Namespace) -> int:
             manager.shutdown()
 
     _report(console, args, ours, theirs, baseline)
-    purge(args.name)
+    purge(args.name, cfg.cache.l2_dir)
     return 0
 
 
@@ -372,15 +372,9 @@ def _report(console: Any, args: argparse.Namespace, ours: dict[str, Any],
 
     def row(name: str, ours_v: float, theirs_v: float | None, fmt: str = "{:.1f}",
             better: str = "") -> None:
-        """``better``: "lower" (a latency: "2.00x faster", or "slower"), "higher" (work
-        done: "1.20x more", or "fewer"), "" (no gain to show)."""
-        gain = ""
-        if theirs_v is not None and ours_v and theirs_v and better:
-            r = theirs_v / ours_v if better == "lower" else ours_v / theirs_v
-            words = ("faster", "slower") if better == "lower" else ("more", "fewer")
-            gain = "same" if r == 1 else f"{max(r, 1 / r):.2f}x {words[r < 1]}"
+        """A row; ``better``: which way a gain goes (see _gain)."""
         table.add_row(name, fmt.format(ours_v), "" if theirs_v is None else fmt.format(theirs_v),
-                      gain)
+                      _gain(ours_v, theirs_v, better))
 
     def both(fn: Callable[[dict[str, Any]], float]) -> tuple[float, float | None]:
         return fn(ours), (None if theirs is None else fn(theirs))
@@ -398,18 +392,46 @@ def _report(console: Any, args: argparse.Namespace, ours: dict[str, Any],
     if lookups:
         table.add_row("served by L1 (this process)", f"{100 * t['l1'] / lookups:.1f}%", "", "")
         table.add_row("served by L2 (host shm)", f"{100 * t['l2'] / lookups:.1f}%", "", "")
-        table.add_row("L2 misses (L3 in cluster mode)",
+        table.add_row("L2 misses (L3 in a cluster)",
                       f"{100 * t['miss'] / lookups:.2f}%", "", "")
     m = ours["mission"]
     tm = theirs["mission"] if theirs else None
-    table.add_row("mission control: drones tracked", f"{m['tracked']}/{args.agents}",
+    table.add_row("mission: drones tracked", f"{m['tracked']}/{args.agents}",
                   f"{tm['tracked']}/{args.agents}" if tm else "", "")
-    table.add_row("mission control: updates seen", f"{m['updates']} (watch)",
-                  f"{tm['updates']} (polling)" if tm else "", "")
+    table.add_row("mission: updates seen", _share(m["updates"], len(ours["puts"]), "watch"),
+                  _share(tm["updates"], len(theirs["puts"]), "polling") if tm and theirs else "",
+                  _gain(m["updates"], tm["updates"] if tm else None, "higher"))
     console.print(table)
+    console.print(f"({args.agents} drone processes and mission control on {os.cpu_count()} "
+                  "cores: latencies include their scheduling, and move from run to run; "
+                  "bench/ times one operation at a time)")
     if args.plot:
         _plot(args.plot, ours, theirs, baseline)
         console.print(f"latency plot written to {args.plot}")
+
+
+def _share(seen: int, of: int, how: str) -> str:
+    """The updates mission control saw, as a share of the drones' puts."""
+    return f"{100 * seen / of:.0f}% ({how})" if of else f"{seen} ({how})"
+
+
+def _gain(ours: float, theirs: float | None, better: str) -> str:
+    """The report's last cell: ``better`` "lower" (a latency: "2.0x faster" or
+    "slower"), "higher" (work done: "1.2x more" or "fewer"), "" (no gain to show); two
+    figures ("17x", "1.6x"), "same" when the ratio shows as 1.0; "none" when kvcomm did no work and the baseline
+    did; empty when either side has no figure (NaN: nothing was timed) or a latency is 0."""
+    if theirs is None or not better or math.isnan(ours) or math.isnan(theirs):
+        return ""
+    if better == "higher" and (not ours or not theirs):
+        return "same" if ours == theirs else "none" if not ours else "more (baseline: none)"
+    if not ours or not theirs:
+        return ""
+    r = theirs / ours if better == "lower" else ours / theirs
+    big = max(r, 1 / r)  # (to two figures: one run of processes on a few cores, no more)
+    shown = f"{big:.0f}" if big >= 10 else f"{big:.1f}"
+    if shown == "1.0":
+        return "same"
+    return f"{shown}x " + ("faster", "slower", "more", "fewer")[(r < 1) + 2 * (better == "higher")]
 
 
 def _plot(path: str, ours: dict[str, Any], theirs: dict[str, Any] | None, baseline: str) -> None:

@@ -25,6 +25,7 @@ import pwd
 import re
 import secrets
 import stat
+import time
 
 from ...errors import InvalidNamespace, SegmentError
 
@@ -160,28 +161,38 @@ def remove_dead_temps(path: str) -> None:
     gone: killed, or interrupted before they could remove them. Files of other users,
     and those still locked by their builder, are left alone."""
     directory, base = os.path.split(path)
-    dead_temps(directory, re.escape(base), remove=True)
+    try:
+        dead_temps(directory, re.escape(base), remove=True)
+    except OSError:
+        pass  # (the directory unreadable: the build that follows says so)
 
 
 _ANY_BASE = r"kvcomm\..+"  # (a temporary file of any of KVCOMM's files)
+_NEWBORN_S = 2.0  # (dead_temps' listing: a younger file may be a builder's not yet locked)
 
 
 def dead_temps(directory: str, base: str = _ANY_BASE, *,
                remove: bool = False) -> list[tuple[str, int]]:
-    """``(path, bytes held)`` of each temporary file in ``directory`` (:func:`create_temp`)
-    of a file whose name matches the regex ``base`` (default: any of KVCOMM's) whose
-    builder is gone; with ``remove``, each is removed too (checked under its lock, so that
-    a builder that has just created its file keeps it). Files of other users, and those
-    still locked by their builder, are left out."""
+    """``(path, bytes it alone holds)`` of each temporary file in ``directory``
+    (:func:`create_temp`) of a file whose name matches the regex ``base`` (default: any of
+    KVCOMM's) whose builder is gone. With ``remove``, each is removed too, under its lock
+    (a builder that opened its file and has not locked it yet finds its name gone and
+    starts again); without, it only looks (a shared lock, and files changed in the last
+    2 s are left out: a builder may be about to lock one). Only regular files of this
+    user are opened; those still locked by their builder are left out. A temporary file
+    that is also linked into place (a builder killed between the link and the unlink)
+    holds no memory of its own: 0 bytes. Raises OSError when ``directory`` cannot be
+    listed."""
     pattern = re.compile(_TEMP_RE.format(base=base))
-    try:
-        names = [n for n in os.listdir(directory or ".") if pattern.fullmatch(n)]
-    except OSError:
-        return []
+    names = [n for n in os.listdir(directory or ".") if pattern.fullmatch(n)]
     found = []
     for name in names:
         tmp = os.path.join(directory, name)
         try:
+            before = os.lstat(tmp)  # (never open a FIFO, a device or a link)
+            if not stat.S_ISREG(before.st_mode) or before.st_uid != os.geteuid() or (
+                    not remove and time.time() - before.st_mtime < _NEWBORN_S):
+                continue
             fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
@@ -190,14 +201,14 @@ def dead_temps(directory: str, base: str = _ANY_BASE, *,
             if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_EX if remove else fcntl.LOCK_SH) | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its builder is at work
             here = os.stat(tmp, follow_symlinks=False)
             if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
                 if remove:
                     os.unlink(tmp)
-                found.append((tmp, st.st_blocks * 512))
+                found.append((tmp, st.st_blocks * 512 if st.st_nlink == 1 else 0))
         except OSError:
             pass
         finally:
