@@ -40,8 +40,8 @@ test: $(STAMP)          ## the test suite, less the long fault runs (make test-s
 # The inner loop: the tests that start no server (markers redis and etcd, which the
 # fixtures that start one give: tests/conftest.py) and no swarm of processes on one L2
 # (marker multiprocess): the pure structures, the embedded client, the simulations, the
-# tools' offline parts, the integrations on one host. `make test` runs them all. 1,134
-# tests (collected 2026-12-02), about 240 s of CPU: 2 1/2 minutes on 2 idle cores in
+# tools' offline parts, the integrations on one host. `make test` runs them all. 1,206
+# tests (collected 2026-12-03), about 240 s of CPU: 2 1/2 minutes on 2 idle cores in
 # TEST_WORKERS workers, as make test; 5 1/2 at a load average of 5-7.
 test-fast: $(STAMP)     ## the tests that need no server and fork no process swarm (the inner loop)
 	$(BIN)/python -m pytest -q -m "not slow and not redis and not etcd and not multiprocess" -n $(TEST_WORKERS) --dist loadfile --durations=10
@@ -116,9 +116,9 @@ check-minimal:          ## the plain install (no extra) in a fresh venv
 	$(MIN_VENV)/bin/kvcomm dev-cluster up --dir $(MIN_VENV)/dc 2>&1 | grep -F "pip install 'kvcomm[cluster]'"
 	rm -rf $(MIN_VENV)
 
-lint: $(STAMP)
+lint: $(STAMP)          ## ruff and mypy
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 
-clean:
+clean:                  ## remove the .venv, build outputs and the site
 	rm -rf $(VENV) build site src/*.egg-info src/kvcomm/*.so

@@ -31,6 +31,7 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 import kvcomm
+from kvcomm.tiers.l2 import purge
 
 
 def planner(kv: kvcomm.Client, n: int, ready: threading.Event, out: dict[str, Any]) -> None:
@@ -90,10 +91,10 @@ async def worker(server: list[str], n: int, ready: threading.Event) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", type=int, default=5)
-    ap.add_argument("--name", default=f"taskboard-{os.getpid()}", help="the namespace")
+    ap.add_argument("--name", help="the namespace (default: taskboard-PID, purged at the end)")
     ap.add_argument("--config", help="a kvcomm YAML config (a host config in cluster mode)")
     args = ap.parse_args()
-    kv = kvcomm.open(args.name, config=args.config)
+    kv = kvcomm.open(args.name or f"taskboard-{os.getpid()}", config=args.config)
     server = ["-m", "kvcomm", "mcp", "--name", kv.name, "--prefix", "board/"]
     if args.config:
         server += ["--config", args.config]
@@ -106,6 +107,8 @@ def main() -> int:
         ready.set()
         t.join()
         kv.close()
+        if args.name is None and not kv.config.cluster.enabled:  # (a namespace of its own,
+            purge(kv.name, kv.config.cache.l2_dir)  # made up for this run: not left behind)
     ok = out.get("done") == args.tasks and all(v["state"] == "done" for v in out["tasks"].values())
     print(f"board: {out.get('done')} of {args.tasks} tasks done" + ("" if ok else " (INCOMPLETE)"))
     return 0 if ok else 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import math
 import socket
 import subprocess
@@ -462,12 +463,19 @@ def test_stdout_carries_only_protocol_messages(ns: str) -> None:
     assert by_id[3]["result"]["isError"] and by_id[4]["result"]["isError"]
 
 
-def test_the_task_board_example_runs(ns: str) -> None:
+def test_the_task_board_example_runs_and_leaves_no_namespace(tmp_path: Path) -> None:
+    """As docs/integrations/mcp.md runs it (no --name: a namespace of its own, purged at
+    the end; it left one in /dev/shm at each run)."""
     example = ROOT / "examples" / "mcp_task_board.py"
-    r = subprocess.run([sys.executable, str(example), "--name", ns, "--tasks", "3"],
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    config = tmp_path / "c.yaml"
+    config.write_text(f"cache:\n  l2_dir: {shm}\n")
+    r = subprocess.run([sys.executable, str(example), "--tasks", "3", "--config", str(config)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "board: 3 of 3 tasks done" in r.stdout
+    assert os.listdir(shm) == [], os.listdir(shm)
 
 
 def test_many_pending_watches_hold_up_no_other_watch(ns: str, kv: kvcomm.Client) -> None:
