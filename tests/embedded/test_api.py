@@ -222,6 +222,14 @@ def test_namespaces_are_separate(ns: str, config: kvcomm.Config) -> None:
         kvcomm.tiers.l2.purge(other)
 
 
+@pytest.mark.parametrize("name", [7, b"my-app", ["my-app"], "", "a/b", "x" * 65])
+def test_a_bad_namespace_is_an_invalid_argument_that_says_what_a_name_is(name: object) -> None:
+    """(a newcomer's first hour: open(7) raised a bare SegmentError)"""
+    with pytest.raises(kvcomm.InvalidNamespace, match="1-64 letters, digits") as e:
+        kvcomm.open(name)  # type: ignore[arg-type]
+    assert isinstance(e.value, kvcomm.InvalidArgument) and isinstance(e.value, kvcomm.SegmentError)
+
+
 def test_stats(kv: kvcomm.Client) -> None:
     kv.put("k", b"x" * 100)
     kv.get("k")

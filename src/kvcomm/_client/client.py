@@ -10,7 +10,7 @@ from .._extras import require_cluster
 from .._l2core import Getter
 from ..config import Config, load_config
 from ..core import codec
-from ..errors import InvalidKey, KVCommError, SegmentError
+from ..errors import InvalidKey, InvalidNamespace, KVCommError, SegmentError
 from ..metrics import agent as metrics_agent
 from ..placement.agents import check_agent
 from ..tiers.l1 import process_budget
@@ -189,7 +189,8 @@ def open(name: str | None = None, *,  # noqa: A001
     if name is None:
         name = cfg.node.namespace
     if type(name) is not str:
-        raise SegmentError(f"namespace must be a str, got {type(name).__name__}")
+        raise InvalidNamespace(f"a namespace is a str such as 'my-app' (1-64 letters, digits, "
+                               f"'.', '_' or '-'), got {type(name).__name__}")
     path = None if config is None or isinstance(config, Config) else os.fspath(config)
     return Client(name, cfg, agent, wait_daemon, _config_file=path)
 
