@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -554,20 +554,30 @@ def test_any_loopback_address_keeps_dns_rebinding_protection(ns: str) -> None:
 
 
 def test_an_unparseable_request_gets_a_reply(ns: str) -> None:
-    """The SDK's stdio reader drops a line its JSON parser refuses (nesting 200 deep or
-    more, a lone surrogate escape) without a reply, and the client's call waited forever:
-    kvcomm answers it with a parse error naming its id, and serves on."""
+    """The SDK's stdio reader drops a line it cannot read as a JSON-RPC message without a
+    reply, and the client's call waited forever: kvcomm answers each request among them
+    with its id (-32700 for JSON its parser refuses, -32600 for JSON that is no JSON-RPC
+    request), in order, and serves on (kvcomm/mcp/stdio.py)."""
     init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
             "params": {"protocolVersion": "2025-06-18", "capabilities": {},
                        "clientInfo": {"name": "raw", "version": "0"}}}
+
+    def call(rid: str, value: str) -> str:
+        return ('{"jsonrpc": "2.0", "id": ' + rid + ', "method": "tools/call", "params": '
+                '{"name": "kv_put", "arguments": {"key": "d", "value": ' + value + '}}}')
+
     deep = "[" * 300 + "1" + "]" * 300
     lines = [json.dumps(init), json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-             '{"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "kv_put", '
-             '"arguments": {"key": "d", "value": ' + deep + '}}}',
+             call("2", deep),
              # (a notification nested as deep: nothing to answer, and nothing breaks)
              '{"jsonrpc": "2.0", "method": "notifications/x", "params": {"v": ' + deep + '}}',
-             '{"jsonrpc": "2.0", "id": "s", "method": "tools/call", "params": {"name": "kv_put", '
-             '"arguments": {"key": "e", "value": "\\ud800"}}}',
+             call('"s"', '"\\ud800"'),
+             call('"\\ud800"', "1"),  # (an id that cannot be written back: null)
+             call("20", "[" * 100_000 + "]" * 100_000),  # (past Python's json too)
+             call("21", "1" * 5000),  # (an integer of 5000 digits)
+             '{"jsonrpc": "2.0", "id": 22, "method": 5}',  # (JSON, no JSON-RPC request)
+             '{"id": 23, "method": "ping"}',
+             "not json at all", "", "[1, 2]",
              json.dumps({"jsonrpc": "2.0", "id": 3, "method": "tools/call",
                          "params": {"name": "kv_get", "arguments": {"key": "d"}}})]
     p = subprocess.Popen(_cmd("--name", ns), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -576,21 +586,20 @@ def test_an_unparseable_request_gets_a_reply(ns: str) -> None:
     try:
         p.stdin.write("\n".join(lines) + "\n")
         p.stdin.flush()
-        replies = {}
-        while 3 not in replies:  # (the kv_get after it is answered: the server keeps serving)
+        replies: list[dict[str, Any]] = []
+        while not replies or replies[-1].get("id") != 3:  # (the kv_get after them: served)
             line = p.stdout.readline()
             assert line, p.communicate()
-            reply = json.loads(line)
-            replies[reply.get("id")] = reply
-        # each refused line is answered before the calls after it: a parse error, its id
-        assert list(replies) == [1, 2, "s", 3], replies
-        for rid in (2, "s"):
-            assert replies[rid]["error"]["code"] == -32700, replies[rid]
-            assert "nested 200 levels" in replies[rid]["error"]["message"], replies[rid]
-        assert replies[3]["result"]["structuredContent"]["found"] is False, replies[3]  # (no put)
+            replies.append(json.loads(line))
+        assert [r.get("id") for r in replies] == [1, 2, "s", None, 20, 21, 22, 23, 3], replies
+        codes = [r["error"]["code"] for r in replies[1:-1]]
+        assert codes == [-32700] * 5 + [-32600] * 2, replies
+        assert "nested 200 levels" in replies[1]["error"]["message"], replies[1]
+        assert '"jsonrpc": "2.0"' in replies[6]["error"]["message"], replies[6]
+        assert replies[-1]["result"]["structuredContent"]["found"] is False, replies[-1]
     finally:
         p.stdin.close()
-        p.wait(timeout=30)
+        assert p.wait(timeout=30) == 0
 
 
 def test_a_scan_page_of_large_values_is_bounded_in_bytes(ns: str, kv: kvcomm.Client) -> None:

@@ -272,7 +272,8 @@ def test_demo_smoke(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("ours", "theirs", "better", "cell"), [
     (4.9, 83.5, "lower", "17x faster"), (100.0, 50.0, "lower", "2.0x slower"),
     (80, 40, "higher", "2.0x more"), (40, 80, "higher", "2.0x fewer"),
-    (1.0, 1.04, "lower", "same"), (1001, 1000, "higher", "same"), (1.0, 1.6, "lower", "1.6x faster"), (80, 80, "higher", "same"),
+    (1.0, 1.04, "lower", "same"), (1001, 1000, "higher", "same"), (80, 80, "higher", "same"),
+    (1.0, 1.6, "lower", "1.6x faster"),
     (float("nan"), 5.0, "lower", ""), (5.0, float("nan"), "lower", ""),  # (nothing timed)
     (0, 100, "higher", "none"), (100, 0, "higher", "more (baseline: none)"),
     (0.0, 1.0, "lower", ""), (5.0, None, "lower", ""), (80, 80, "", "")])

@@ -10,7 +10,7 @@ from .._extras import require_cluster
 from .._l2core import Getter
 from ..config import Config, load_config
 from ..core import codec
-from ..errors import InvalidKey, InvalidNamespace, KVCommError, SegmentError
+from ..errors import InvalidKey, InvalidNamespace, KVCommError
 from ..metrics import agent as metrics_agent
 from ..placement.agents import check_agent
 from ..tiers.l1 import process_budget

@@ -418,8 +418,9 @@ def _share(seen: int, of: int, how: str) -> str:
 def _gain(ours: float, theirs: float | None, better: str) -> str:
     """The report's last cell: ``better`` "lower" (a latency: "2.0x faster" or
     "slower"), "higher" (work done: "1.2x more" or "fewer"), "" (no gain to show); two
-    figures ("17x", "1.6x"), "same" when the ratio shows as 1.0; "none" when kvcomm did no work and the baseline
-    did; empty when either side has no figure (NaN: nothing was timed) or a latency is 0."""
+    figures ("17x", "1.6x"), "same" when the ratio shows as 1.0; "none" when kvcomm did
+    no work and the baseline did; empty when either side has no figure (NaN: nothing was
+    timed) or a latency is 0."""
     if theirs is None or not better or math.isnan(ours) or math.isnan(theirs):
         return ""
     if better == "higher" and (not ours or not theirs):

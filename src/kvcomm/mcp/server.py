@@ -220,67 +220,6 @@ def build_server(tools: KVTools, *, threaded: bool) -> Any:
     return server
 
 
-async def _run_stdio(server: Any) -> None:
-    """``server.run_stdio_async()``, the SDK's, but a request line the SDK's JSON parser
-    refuses gets an error reply. The SDK's stdio reader passes such a line on as an
-    exception, which its session only logs: the client's call would wait forever. What it
-    refuses that Python's ``json`` reads (arrays or objects nested 200 deep or more, a
-    lone surrogate escape such as ``"\\ud800"``) has an id to answer: the reply is the
-    JSON-RPC error -32700 (parse error) with that id, said why; a line with no id to read
-    is logged to stderr, as before."""
-    import anyio
-    from mcp.server.stdio import stdio_server
-
-    low = server._lowlevel_server  # (MCPServer.run_stdio_async runs this one too)
-    async with stdio_server() as (read_stream, write_stream):
-        forward, received = anyio.create_memory_object_stream[Any](0)
-
-        async def answer_unparseable() -> None:
-            async with forward:
-                async for item in read_stream:
-                    reply = _parse_error_reply(item) if isinstance(item, Exception) else None
-                    if reply is None:
-                        await forward.send(item)
-                    else:
-                        await write_stream.send(reply)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(answer_unparseable)
-            await low.run(received, write_stream, low.create_initialization_options())
-            tg.cancel_scope.cancel()
-
-
-def _parse_error_reply(exc: Exception) -> Any:
-    """The SessionMessage answering the request line whose parse failed with ``exc`` (the
-    SDK's pydantic ValidationError carries the line), or None when the line holds no
-    request id to answer (Python's json cannot read it either, or it is a notification)."""
-    import json
-
-    import mcp_types as types
-    from mcp.shared.message import SessionMessage
-    from pydantic import ValidationError
-
-    if not isinstance(exc, ValidationError):
-        return None
-    errors = exc.errors()
-    line = errors[0].get("input") if errors and errors[0].get("type") == "json_invalid" else None
-    if not isinstance(line, str):
-        return None
-    try:
-        request = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    rid = request.get("id") if isinstance(request, dict) else None
-    if type(rid) not in (int, str) or "method" not in request:
-        return None
-    why = str(errors[0].get("msg", "invalid JSON"))[:200]
-    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=rid, error=types.ErrorData(
-        code=types.PARSE_ERROR, message=(
-            f"the request could not be parsed ({why}): JSON nested 200 levels deep or more "
-            "and lone surrogate escapes (such as \"\\ud800\") are refused; send the value "
-            "flatter, or as {\"$bytes\": base64}"))))
-
-
 def serve(kv: Any, *, prefixes: list[str], read_only: bool, transport: str, host: str,
           port: int, token: str | None) -> int:
     """Serve until the client closes stdio (stdio) or SIGINT/SIGTERM (http)."""
@@ -290,7 +229,9 @@ def serve(kv: Any, *, prefixes: list[str], read_only: bool, transport: str, host
     server = build_server(tools, threaded=bool(kv._cluster))
     try:
         if transport == "stdio":
-            anyio.run(_run_stdio, server)
+            from .stdio import run_stdio
+
+            anyio.run(run_stdio, server)
             return 0
         import uvicorn
         from mcp.server.transport_security import TransportSecuritySettings

@@ -181,18 +181,18 @@ def _metadata(config: RunnableConfig, metadata: CheckpointMetadata) -> dict[str,
     is a ChainMap of dicts, whose ``items()`` runs four Python methods a key (13 µs of a
     put in a running graph, against 3 µs here). Any other shape of config: LangGraph's own
     function. A test holds the two equal (tests/integrations/test_langgraph_metadata.py)."""
-    meta = config.get("metadata")
+    meta: Any = config.get("metadata")
     if type(meta) is ChainMap:
         maps = meta.maps
         if not all(type(m) is dict for m in maps):
-            return get_checkpoint_metadata(config, metadata)
+            return get_checkpoint_metadata(config, metadata)  # type: ignore[return-value]
         meta = {}
         for m in reversed(maps):  # (ChainMap's order of keys; the first map's value wins)
             meta.update(m)
     conf = config.get("configurable")
     if not (meta is None or type(meta) is dict) or not (conf is None or type(conf) is dict) \
             or type(metadata) is not dict:
-        return get_checkpoint_metadata(config, metadata)
+        return get_checkpoint_metadata(config, metadata)  # type: ignore[return-value]
     md = {k: v.replace("\u0000", "") if isinstance(v, str) else v for k, v in metadata.items()}
     for obj in (meta, conf):
         if obj:
