@@ -141,6 +141,8 @@ def test_list_shows_the_files_killed_creators_left_and_purge_removes_them(tmp_pa
     os.link(linked, d / "kvcomm.placed")  # (killed between the link and the unlink)
     young, fd = create_temp(str(d / "kvcomm.young"), 0o600)
     os.close(fd)
+    soon = time.time() + 3600  # (changed "now" however slowly the commands below start)
+    os.utime(young, (soon, soon))
     for p in (dead, linked):
         os.utime(p, (old, old))
     fifo = d / ".kvcomm.fifo.1.0123abcd.tmp"

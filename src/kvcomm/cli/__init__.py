@@ -247,7 +247,7 @@ def _purge(args: argparse.Namespace) -> int:
     L3 (of this layout or an older one) unless --force. Exit status 0: removed; 1: there
     was none; 2: it could not be removed, or was refused (the message says why). With
     --dead-temps instead of --name: remove every temporary file a killed creator left
-    (exit status 0)."""
+    (exit status 0; 2 when cache.l2_dir cannot be read)."""
     from ..tiers.l2 import purge, segment_path
     from ..tiers.shm.files import dead_temps
 

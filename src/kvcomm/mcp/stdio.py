@@ -60,7 +60,7 @@ def refusal_reply(exc: Exception) -> Any:
     """The SessionMessage answering the line the SDK's reader refused with ``exc`` (a
     pydantic ValidationError, which carries the line or the object read from it), or None
     when there is no request id to answer."""
-    import mcp_types as types
+    from mcp import types
     from mcp.shared.message import SessionMessage
     from pydantic import ValidationError
 
