@@ -160,7 +160,7 @@ def _skip_value(line: str, i: int) -> int:
             i += 1
             if depth == 0:
                 return i
-    for literal in ("true", "false", "null"):
+    for literal in ("true", "false", "null", "NaN", "Infinity", "-Infinity"):  # (as json's)
         if line.startswith(literal, i):
             return i + len(literal)
     m = _NUMBER.match(line, i)
