@@ -28,6 +28,7 @@ from .errors import SegmentError as SegmentError
 from .errors import Unavailable as Unavailable
 from .errors import UnflushedWrites as UnflushedWrites
 from .errors import UnsupportedValue as UnsupportedValue
+from .errors import UsageError as UsageError
 from .errors import ValidationError as ValidationError
 from .errors import ValueTooLarge as ValueTooLarge
 
@@ -57,7 +58,7 @@ __all__ = [
     "ABSENT", "Batch", "Client", "Config", "ConfigError", "ConflictError", "CorruptRecord",
     "Event", "InvalidArgument", "InvalidKey", "InvalidNamespace", "Item", "KVCommError", "KVCommWarning",
     "Ordering", "Presence", "SegmentError", "Unavailable", "UnflushedWrites", "UnsupportedValue",
-    "ValidationError",
+    "UsageError", "ValidationError",
     "ValueTooLarge", "Version", "open",
 ]
 

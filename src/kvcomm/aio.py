@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._client import Client, Event, Item, Presence
 from ._client import open as _open_sync
@@ -54,7 +54,7 @@ from ._client.scan import check_scan_args
 from ._client.watch import WatchFeed
 from ._l2core import WouldBlock, set_inline_wait
 from .config import Config
-from .errors import InvalidArgument
+from .errors import InvalidArgument, UsageError
 from .tiers.l2 import deferred_warnings, warn_outside_kvcomm
 
 __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
@@ -581,6 +581,14 @@ class _Opening:
     async def __aexit__(self, *exc: object) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+    def __enter__(self) -> NoReturn:
+        raise UsageError("kvcomm.aio.open() is the asyncio face: write `async with "
+                         "kvcomm.aio.open(...) as kv:` or `kv = await kvcomm.aio.open(...)`, "
+                         "or `with kvcomm.open(...) as kv:` for the sync client")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     def __getattr__(self, name: str) -> Any:
         # (a client's method on what open() returned: the open was not awaited)

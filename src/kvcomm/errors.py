@@ -81,6 +81,12 @@ class InvalidArgument(KVCommError, ValueError):
     """An argument other than the key or value is wrong; the message names it."""
 
 
+class UsageError(InvalidArgument, TypeError):
+    """A client used in a way it does not work (subscripted or iterated like a dict, the
+    other face's ``with``): the message says what to write instead. Also a TypeError,
+    what Python raises for such a use."""
+
+
 class WriteUnderLock(InvalidArgument):
     """A write was attempted from a validator (or other code that runs under the host's L2
     writer lock): validators may read, not write. It reaches the caller of the write

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -185,7 +186,7 @@ def test_bad_consistency_and_expect(kv: kvcomm.Client) -> None:
 def test_errors_share_one_root() -> None:
     for name in ("InvalidKey", "UnsupportedValue", "ValueTooLarge", "ConflictError",
                  "ConfigError", "SegmentError", "Unavailable", "ValidationError",
-                 "InvalidArgument", "InvalidNamespace"):
+                 "InvalidArgument", "InvalidNamespace", "UsageError"):
         assert issubclass(getattr(kvcomm, name), kvcomm.KVCommError)
     with pytest.raises(kvcomm.InvalidArgument, match="is invalid: use 1-64"):
         kvcomm.open("my app/1")  # (a SegmentError too, as it always was)
@@ -434,3 +435,33 @@ def test_first_hour_mistakes_say_what_to_do(kv: kvcomm.Client) -> None:
     with pytest.raises(kvcomm.SegmentError, match=r"kvcomm.open\('never-opened-ns'\) creates"):
         L2Segment("never-opened-ns", create_layout=None, host_id="")
     assert kv.get("big") is None
+
+
+def test_a_client_used_like_a_dict_says_what_to_write(kv: kvcomm.Client) -> None:
+    """(a newcomer's first hour: Python's own errors named the client's private class)"""
+    kv.put("k", 1)
+    for use, hint in ((lambda: kv["k"], "kv.get('k')"), (lambda: kv.__setitem__("k", 2), "kv.put('k'"),
+                      (lambda: kv.__delitem__("k"), "kv.delete('k')"), (lambda: "k" in kv, "kv.get('k')"),
+                      (lambda: list(kv), "kv.scan(prefix)")):
+        with pytest.raises(kvcomm.UsageError, match=re.escape(hint)) as e:
+            use()
+        assert isinstance(e.value, TypeError) and isinstance(e.value, kvcomm.InvalidArgument)
+    assert kv.get("k") == 1  # (nothing changed)
+
+
+def test_the_other_faces_with_says_which_to_write(ns: str, config: kvcomm.Config) -> None:
+    import asyncio
+
+    import kvcomm.aio
+
+    async def main() -> None:
+        opened = kvcomm.open(ns, config=config)
+        with pytest.raises(kvcomm.UsageError, match="with kvcomm.open"):
+            async with opened:
+                pass
+        assert opened._closed  # (the block never ran: what the call opened is closed)
+        with pytest.raises(kvcomm.UsageError, match="async with kvcomm.aio.open"):
+            with kvcomm.aio.open(ns, config=config):  # type: ignore[attr-defined]
+                pass
+
+    asyncio.run(main())

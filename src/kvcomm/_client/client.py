@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from .._extras import require_cluster
 from .._l2core import Getter
 from ..config import Config, load_config
 from ..core import codec
-from ..errors import InvalidKey, InvalidNamespace, KVCommError
+from ..errors import InvalidKey, InvalidNamespace, KVCommError, UsageError
 from ..metrics import agent as metrics_agent
 from ..placement.agents import check_agent
 from ..tiers.l1 import process_budget
@@ -130,6 +130,32 @@ class Client(Scanning):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # (what a newcomer tries first, answered with what to write: Python's own errors name
+    # the client's private class)
+    def __getitem__(self, key: object) -> NoReturn:
+        raise UsageError(f"a kvcomm client is not a dict: read with kv.get({key!r}) (or "
+                         "kv.get_item(key) for the version too), write with kv.put(key, value)")
+
+    def __setitem__(self, key: object, value: object) -> NoReturn:
+        raise UsageError(f"a kvcomm client is not a dict: write with kv.put({key!r}, value)")
+
+    def __delitem__(self, key: object) -> NoReturn:
+        raise UsageError(f"a kvcomm client is not a dict: delete with kv.delete({key!r})")
+
+    def __contains__(self, key: object) -> NoReturn:
+        raise UsageError(f"a kvcomm client is not a dict: ask kv.get({key!r}) is not None")
+
+    def __iter__(self) -> NoReturn:
+        raise UsageError("a kvcomm client is not a dict: list keys with kv.scan(prefix)")
+
+    async def __aenter__(self) -> NoReturn:
+        self.close()  # (opened by the call before it: closed, as the block will not run)
+        raise UsageError("kvcomm.open() is the sync client: write `with kvcomm.open(...) as "
+                         "kv:`, or `async with kvcomm.aio.open(...) as kv:` for the asyncio face")
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
 
     def __repr__(self) -> str:
         return f"<kvcomm.Client name={self.name!r} host={self._host!r}{' closed' if self._closed else ''}>"
