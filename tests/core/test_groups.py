@@ -4,8 +4,10 @@ idle daemon's Redis commands per second do not grow with the number of groups.""
 
 from __future__ import annotations
 
+import os
 import random
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +18,7 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.errors import ConfigError
 from kvcomm.tiers.groups import LEGACY_GROUPS, SLOTS, Groups, groups, key_slot, slot_tag
 from kvcomm.tiers.l3 import FEED_MIN, META_GROUPS, L3Store
+from kvcomm.tiers.shm.files import segment_path
 from tests.support.daemon_harness import Host, record, shared_cluster_fixture  # noqa: F401 (the fixture)
 from tests.support.helpers import wait_for
 
@@ -118,9 +121,11 @@ def test_a_daemon_configured_with_another_count_refuses_to_start(fresh: RedisClu
     cluster = fresh
     s = L3Store(cluster.seeds)
     s.rc.set(META_GROUPS, 2048)
+    ns = f"td-wrong-count-{uuid.uuid4().hex[:8]}"
     try:
         with pytest.raises(ConfigError, match="initialised with 2048 groups.*configured with 1024"):
-            Host(cluster, "host-wrong-count", seed=1)
+            Host(cluster, "host-wrong-count", seed=1, ns=ns)
+        assert not os.path.lexists(segment_path(ns))  # (purged: not left in /dev/shm)
     finally:
         s.rc.delete(META_GROUPS)
         s.close()

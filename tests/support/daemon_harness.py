@@ -109,16 +109,22 @@ def host_config(cluster: RedisCluster, host_id: str, ns: str,
 
 class Host:
     def __init__(self, cluster: RedisCluster, host_id: str, seed: int,
-                 cluster_keys: dict[str, Any] | None = None, **cache: Any) -> None:
-        self.ns = f"td-{uuid.uuid4().hex[:10]}"
+                 cluster_keys: dict[str, Any] | None = None, *, ns: str | None = None,
+                 **cache: Any) -> None:
+        self.ns = ns or f"td-{uuid.uuid4().hex[:10]}"
         self.config = host_config(cluster, host_id, self.ns, cluster_keys, **cache)
         self.seed = seed
         self.daemon: NodeDaemon | None = None
         self.thread: threading.Thread | None = None
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
-        self.start()
-        self.kv = kvcomm.open(config=self.config)
+        try:
+            self.start()
+            self.kv = kvcomm.open(config=self.config)
+        except BaseException:  # (a daemon that refuses to start: its namespace goes too;
+            self.stop()  # it was left in /dev/shm at every run of the suite)
+            l2.purge(self.ns)
+            raise
 
     def start(self) -> None:
         self.daemon = NodeDaemon(self.config, rng=random.Random(self.seed))

@@ -66,7 +66,8 @@ def test_info_and_purge(ns: str, config: kvcomm.Config) -> None:
         assert out.returncode == 0, out.stderr
         info = json.loads(out.stdout)
         assert info["entries"] == 1 and info["used_bytes"] > 0
-        assert "entries" in run("info", "--name", ns).stdout
+        text = run("info", "--name", ns).stdout  # (one entry: said so, "1 entry")
+        assert "1 entry in" in text and "1 entries" not in text, text
     assert run("purge", "--name", ns).returncode == 0
     missing = run("info", "--name", ns)
     assert missing.returncode == 2 and "no L2 segment" in missing.stderr

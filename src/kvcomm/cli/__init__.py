@@ -78,16 +78,19 @@ def _info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     used, data = info["used_bytes"], info["data_bytes"]
-    print(f"namespace      {info['name']}  ({info['path']}, host {info['host_id']})")
+    assumed = "" if args.name else " (the config's node.namespace; --name NS for another)"
+    print(f"namespace      {info['name']}  ({info['path']}, host {info['host_id']}){assumed}")
     print(f"segment        {info['size_bytes'] / 2**20:.1f} MiB, data heap {data / 2**20:.1f} MiB")
     print(f"in use         {used / 2**20:.2f} MiB ({100 * used / data:.1f}%), "
-          f"{info['entries']} entries in {info['slots']} slots")
+          f"{_count(info['entries'], 'entry', 'entries')} in {info['slots']} slots")
     print(f"memory         {info['reserved_bytes'] / 2**20:.2f} MiB reserved of "
           f"{info['size_bytes'] / 2**20:.1f} MiB (reserved as it fills; held until purged)")
-    print(f"evictions      {info['evictions']}  "
-          f"recoveries {info['recoveries']}  lock taken from dead holders {info['owner_deaths']}")
-    print(f"views pinning  {info['pinned_deferred_blocks']} replaced blocks")
-    print(f"change feed    {info['feed_events']} events ({info['feed_capacity']} kept)")
+    print(f"evictions      {info['evictions']}  recoveries {info['recoveries']}  "
+          f"writer lock taken over from dead processes {info['owner_deaths']}")
+    print(f"views pinning  {_count(info['pinned_deferred_blocks'], 'block', 'blocks')} of "
+          "replaced values (freed when the views reading them go)")
+    print(f"change feed    {_count(info['feed_events'], 'event', 'events')} "
+          f"({info['feed_capacity']} kept)")
     if st is not None:
         mode = f"PARTITION MODE ({st.get('partition_reason')})" if st.get("partition") \
             else "connected"
@@ -118,6 +121,10 @@ def _info(args: argparse.Namespace) -> int:
               f"{_since_beat(info['daemon_beat_ms'])}; start it: kvcomm node --config "
               f"{args.config or 'FILE'}")
     return 0
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _since_beat(beat_ms: int) -> str:
