@@ -592,11 +592,10 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             version: Version | None = None
             try:
                 if records is not None and not self._cluster:
-                    # (the records' ttl and the head's, a hair less, counted from one
-                    # instant in put_records: the head never outlives them)
-                    start = time.time()
+                    # (the records' ttl and the head's, counted from one instant in
+                    # put_records: one deadline, the head never outlives them)
                     version = put_records(self.kv, *records, self.ttl, last=None if unchanged
-                                          else (key, Packed.built(new), expect, self._left(start)))
+                                          else (key, Packed.built(new), expect, self.ttl))
                 elif not unchanged:
                     version = self.kv.put(key, new, expect=expect,
                                           ttl=None if records is None else self._left(start))
