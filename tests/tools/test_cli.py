@@ -466,3 +466,48 @@ def test_a_failed_purge_leaves_the_segment_working(ns: str) -> None:
         assert out.returncode == 2, out.stderr
         kv.put("k", 2)  # still a working segment
         assert kv.get("k") == 2
+
+
+@pytest.mark.multiprocess
+def test_a_creator_killed_on_a_real_process_leaves_a_file_list_shows_and_purge_removes(
+        tmp_path: Path) -> None:
+    """The fault itself, on real processes: a child that holds its temporary file (alive:
+    neither listed nor removed) is SIGKILLed; then `kvcomm list` shows its file and
+    `kvcomm purge --dead-temps` removes it, and the next namespace opened there works."""
+    import signal
+
+    from kvcomm.tiers.shm.files import create_temp, dead_temps
+
+    d = tmp_path / "shm"
+    d.mkdir()
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"cache": {"l2_dir": str(d), "l2_size": "16MB"}}))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the creator: its file made and locked, then killed mid-build)
+        try:
+            tmp, fd = create_temp(str(d / "kvcomm.built"), 0o600)
+            os.posix_fallocate(fd, 0, 1 << 20)
+            os.write(w, tmp.encode())
+            time.sleep(60)
+        finally:
+            os._exit(1)
+    try:
+        tmp = os.read(r, 4096).decode()
+        assert dead_temps(str(d), remove=True) == [] and os.path.exists(tmp)  # (alive: kept)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+    old = time.time() - 60
+    os.utime(tmp, (old, old))
+    out = run("list", "--config", str(config))
+    assert "1 temporary file(s)" in out.stdout and "hold 1.0 MiB" in out.stdout, out.stdout
+    gone = run("purge", "--dead-temps", "--config", str(config))
+    assert gone.returncode == 0 and "removed 1 temporary file(s)" in gone.stdout, gone
+    assert not os.path.exists(tmp)
+    with kvcomm.open("built", config=str(config)) as kv:
+        kv.put("k", 1)
+        assert kv.get("k") == 1
+    kvcomm.tiers.l2.purge("built", str(d))
