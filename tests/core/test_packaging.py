@@ -221,6 +221,63 @@ def test_the_embedded_default_runs_with_no_extra_installed(ns: str) -> None:
 
 # ---------------------------------------------------------------- the error that names the extra
 
+def test_numpy_is_imported_only_by_a_process_that_uses_arrays(ns: str) -> None:
+    """numpy, installed, is not imported by a client that stores no array (it costs ~90 ms
+    at the first open and objects every full garbage collection walks); an array still
+    round-trips once the caller imports numpy, and a process that never imported it reads
+    one another process stored (imported then), or is told what to install."""
+    cfg = 'kvcomm.Config.from_mapping({"cache": {"l2_size": "8MB"}})'
+    writer = python(f'''
+        import sys
+        import kvcomm
+        with kvcomm.open({ns!r}, config={cfg}) as kv:
+            kv.put("state", {{"pos": [1.5, 2]}})
+            with kv.batch() as b:
+                b.put("b", [1, None])
+            kv.update("n", lambda n: (n or 0) + 1, default=None)
+            try:
+                kv.put("bad", object())
+            except kvcomm.UnsupportedValue:
+                pass
+            assert kv.get("state") == {{"pos": [1.5, 2]}} and [i.key for i in kv.scan("")]
+            assert "numpy" not in sys.modules, "a client without arrays imported numpy"
+            import numpy as np
+            kv.put("arr", np.arange(6, dtype="<i4").reshape(2, 3))
+            kv.put("x", np.float64(2.5))
+            assert kv.get("x") == 2.5 and type(kv.get("x")) is float
+            assert kv.get("arr").tolist() == [[0, 1, 2], [3, 4, 5]]
+        print("ok")
+    ''')
+    assert out_ok(writer)
+    reader = python(f'''
+        import sys
+        import kvcomm
+        with kvcomm.open({ns!r}, config={cfg}) as kv:
+            assert kv.get("state") == {{"pos": [1.5, 2]}}
+            assert "numpy" not in sys.modules
+            arr = kv.get("arr")
+            assert type(arr).__name__ == "ndarray" and arr.tolist() == [[0, 1, 2], [3, 4, 5]]
+        print("ok")
+    ''')
+    assert out_ok(reader)
+    without = python(f'''
+        import kvcomm
+        with kvcomm.open({ns!r}, config={cfg}) as kv:
+            assert kv.get("state") == {{"pos": [1.5, 2]}}
+            try:
+                kv.get("arr")
+            except kvcomm.UnsupportedValue as exc:
+                print(exc)
+    ''', hide={"numpy"})
+    assert without.returncode == 0, without.stderr
+    assert "pip install 'kvcomm[numpy]'" in without.stdout, without.stdout
+
+
+def out_ok(out: subprocess.CompletedProcess[str]) -> bool:
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().endswith("ok")
+
+
 
 def _cluster_config(tmp_path: Path, ns: str) -> Path:
     f = tmp_path / "host.yaml"

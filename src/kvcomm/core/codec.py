@@ -23,6 +23,7 @@ by 30% for more time than the copy it saves.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -40,10 +41,26 @@ COUNTER = 5  # written only by kv.incr (core/counter.py); decodes to its int
 _NUMERIC_KINDS = frozenset("biufc")
 _MAX_DEPTH = 64
 
-try:  # numpy is optional: only needed by users who store arrays
-    import numpy as _np
-except ImportError:  # pragma: no cover - exercised only without numpy
-    _np = None  # type: ignore[assignment]
+
+def _numpy() -> Any:
+    """NumPy when this process has imported it, else None: a value is a NumPy array or
+    scalar only once numpy is imported, so the encoder never imports it to check. (numpy
+    is optional; importing it costs a process that never stores an array ~90 ms at its
+    first ``kvcomm.open`` and ~7,000 objects that every full garbage collection walks.)"""
+    return sys.modules.get("numpy")
+
+
+def _numpy_to_read() -> Any:
+    """NumPy, imported now if need be (a value another process stored as an array is being
+    read); UnsupportedValue saying what to install when it is not installed."""
+    np = _numpy()
+    if np is None:
+        try:
+            import numpy as np
+        except ImportError:
+            raise UnsupportedValue("this value is a numpy array: install numpy "
+                                   "(pip install 'kvcomm[numpy]') to read it") from None
+    return np
 
 
 def _check_tree(value: Any, depth: int = 0) -> None:
@@ -75,10 +92,11 @@ _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 def _reject(value: Any) -> None:
     """Raise UnsupportedValue for ``value``, unless it is a NumPy bool, int or float
     scalar: those are stored as the Python number (``_number``, msgpack's ``default``)."""
-    if _np is not None and isinstance(value, _np.generic):
+    np = _numpy()
+    if np is not None and isinstance(value, np.generic):
         _number(value)
         return
-    if _np is not None and isinstance(value, _np.ndarray):
+    if np is not None and isinstance(value, np.ndarray):
         raise UnsupportedValue("numpy arrays can only be stored as the whole value, not nested: "
                                "give the array a key of its own, or store arr.tolist()")
     raise UnsupportedValue(
@@ -92,8 +110,9 @@ def _number(value: Any) -> bool | int | float:
     """A NumPy bool, int or float scalar as the Python number (``np.float64`` -> float,
     ``np.int64`` -> int, ``np.bool_`` -> bool); UnsupportedValue for any other NumPy
     scalar (complex, long double, datetime, str...)."""
-    if _np is not None and isinstance(value, _np.bool_ | _np.integer | _np.floating):
-        n = value.item()
+    np = _numpy()
+    if np is not None and isinstance(value, np.bool_ | np.integer | np.floating):
+        n: bool | int | float = value.item()
         if type(n) in (bool, int, float):
             return n
     raise UnsupportedValue(
@@ -189,11 +208,12 @@ def encode(value: Any) -> tuple[int, bytes, bytes | memoryview]:
         return BYTES, b"", value.tobytes()
     if t is Packed:
         return PACKED, b"", value.payload
-    if _np is not None and isinstance(value, _np.ndarray):
-        return _encode_array(value)
     if t in (dict, list, tuple):
         _check_tree(value)
     elif t not in _SCALARS:
+        np = _numpy()
+        if np is not None and isinstance(value, np.ndarray):
+            return _encode_array(value)
         _reject(value)
         value = _number(value)  # (_reject returns only for a NumPy scalar)
     try:
@@ -268,12 +288,13 @@ _HEADERS: dict[bytes, tuple[Any, tuple[int, ...]]] = {}  # parsed array headers,
 def _array_header(meta: bytes) -> tuple[Any, tuple[int, ...]]:
     hdr = _HEADERS.get(meta)
     if hdr is None:
+        np = _numpy_to_read()
         try:
             dtype_str, shape = msgpack.unpackb(meta, raw=False)
             if type(dtype_str) is not str or type(shape) is not list:
                 raise ValueError("malformed array header")
             # a corrupt header can name anything; numpy raises TypeError/ValueError
-            dtype = _np.dtype(dtype_str)
+            dtype = np.dtype(dtype_str)
         except (TypeError, ValueError, msgpack.UnpackException) as e:
             raise ValueError(f"malformed array header: {e}") from None
         if dtype.kind not in _NUMERIC_KINDS or not all(type(n) is int and n >= 0 for n in shape):
@@ -287,13 +308,12 @@ def _array_header(meta: bytes) -> tuple[Any, tuple[int, ...]]:
 
 def array_view(meta: bytes, payload: bytes | memoryview) -> Any:
     """A read-only ndarray over ``payload`` (no copy). Raises ValueError if malformed."""
-    if _np is None:
-        raise UnsupportedValue("this value is a numpy array: install numpy to read it")
+    np = _numpy_to_read()
     dtype, shape = _array_header(meta)
     mv = payload if isinstance(payload, memoryview) else memoryview(payload)
     if not mv.readonly:
         mv = mv.toreadonly()
     # frombuffer keeps the read-only memoryview as the base, so WRITEABLE can never be
     # switched back on (np.ndarray(buffer=...) would expose the writable mapping)
-    arr = _np.frombuffer(mv, dtype=dtype)
+    arr = np.frombuffer(mv, dtype=dtype)
     return arr if len(shape) == 1 else arr.reshape(shape)
