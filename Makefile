@@ -40,7 +40,7 @@ test: $(STAMP)          ## the test suite, less the long fault runs (make test-s
 # The inner loop: the tests that start no server (markers redis and etcd, which the
 # fixtures that start one give: tests/conftest.py) and no swarm of processes on one L2
 # (marker multiprocess): the pure structures, the embedded client, the simulations, the
-# tools' offline parts, the integrations on one host. `make test` runs them all. 1,206
+# tools' offline parts, the integrations on one host. `make test` runs them all. About 1,250
 # tests (collected 2026-12-03), about 240 s of CPU: 2 1/2 minutes on 2 idle cores in
 # TEST_WORKERS workers, as make test; 5 1/2 at a load average of 5-7.
 test-fast: $(STAMP)     ## the tests that need no server and fork no process swarm (the inner loop)
