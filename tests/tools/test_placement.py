@@ -1014,6 +1014,40 @@ def test_an_agent_killed_mid_report_leaves_a_table_that_cleans_up(ns: str, tmp_p
         assert os.listdir(table) == []
 
 
+UNCLOSED_AGENT = """
+import os, sys, kvcomm
+from kvcomm.placement import report
+cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 4096}})
+kv = kvcomm.open(sys.argv[1], config=cfg, agent="gone")
+for _ in range(report.REPORT_PUTS):  # (an agent that writes reports)
+    kv.put("gone/state", b"x")
+os._exit(0)  # (no close: its report stays)
+"""
+
+
+def test_a_client_that_opens_removes_the_reports_of_processes_gone_without_closing(
+        ns: str, tmp_path: Path) -> None:
+    """Embedded mode has no daemon to clean the host's table: each process that exited
+    without closing its client left its report file in /dev/shm for good (one per crashed
+    agent, never bounded). A client that opens the namespace removes those (older than
+    GONE_AFTER), and keeps a live agent's."""
+    cfg = _cfg()
+    table = report.agents_dir(ns, cfg.cache.l2_dir)
+    with kvcomm.open(ns, config=cfg, agent="live") as live:
+        for _ in range(report.REPORT_PUTS):
+            live.put("live/state", b"y")
+        script = tmp_path / "agent.py"
+        script.write_text(UNCLOSED_AGENT)
+        subprocess.run([sys.executable, str(script), ns], check=True, timeout=60)
+        got = {r["agent"]: r["id"] for r in report.read_reports(table, clean=False)}
+        assert set(got) == {"live", "gone"}
+        old = time.time() - report.GONE_AFTER - 5
+        for name in got.values():
+            os.utime(os.path.join(table, name), (old, old))
+        with kvcomm.open(ns, config=cfg, agent="next"):
+            assert sorted(os.listdir(table)) == [got["live"]]
+
+
 def test_observe_with_l3_unreachable_exits_2_saying_so(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """(held) `kvcomm placement observe` against a Redis Cluster that cannot be reached

@@ -28,7 +28,9 @@ started — operations, and (reads, bytes) per writer — so that any two report
 over the time between them. A file is written whole under a temporary name and renamed:
 a reader sees the old report or the new one. The node daemon reads the directory,
 publishes it to L3 (:mod:`kvcomm.placement.observe`) and removes the files of processes
-that are gone; a client that closes removes its own. The table is read (and cleaned) only
+that are gone; a client that closes removes its own, and a client that opens removes those
+of processes gone without closing (so a host without a daemon keeps one file per live
+agent, not one per agent that ever crashed). The table is read (and cleaned) only
 when it is a directory of this user, reached without following a symlink, and only this
 user's regular files in it are reports (opened without following symlinks or waiting on
 a FIFO): /dev/shm is world-writable, and a planted name must not lead the daemon to read
@@ -141,6 +143,9 @@ class AgentStats:
             ensure_dir(self._dir, permissions)
         except (OSError, KVCommError):
             pass  # (the first report tries again, and warns)
+        else:  # (the reports of processes gone without closing: a host with no node
+            read_reports(self._dir)  # daemon, the embedded default, has nobody else to
+            # remove them; with one, its cleaning does the same)
         if purged():
             self._closed = True
             with contextlib.suppress(OSError):
