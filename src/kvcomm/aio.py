@@ -54,7 +54,7 @@ from ._client.scan import check_scan_args
 from ._client.watch import WatchFeed
 from ._l2core import WouldBlock, set_inline_wait
 from .config import Config
-from .errors import InvalidArgument, UsageError
+from .errors import UsageError
 from .tiers.l2 import deferred_warnings, warn_outside_kvcomm
 
 __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
@@ -269,8 +269,9 @@ class AsyncClient:
         kv._live()
         index = kv._attached.index
         if index is None or not index.built:
-            return self._scan(None, (prefix, limit, after))
-        return self._scan(kv.scan(prefix, limit=limit, after=after), None)  # (lock-free sync)
+            return _AsyncOnly(self._scan(None, (prefix, limit, after)), "scan")
+        return _AsyncOnly(self._scan(kv.scan(prefix, limit=limit, after=after), None),  # (lock-free
+                          "scan")  # sync)
 
     async def _scan(self, it: Iterator[Item] | None,
                     start: tuple[str, int | None, str | None] | None) -> AsyncIterator[Item]:
@@ -294,7 +295,7 @@ class AsyncClient:
         (same events, same overflow rule; changes from this call on; bad arguments raise
         here). Between events the loop is woken only when the host's feed moves."""
         feed = self._kv._watch_start(prefix, timeout, subscribe=False)
-        return self._watch(feed, timeout)
+        return _AsyncOnly(self._watch(feed, timeout), "watch")
 
     async def _watch(self, feed: WatchFeed, timeout: float | None) -> AsyncIterator[Event]:
         kv = self._kv
@@ -407,6 +408,31 @@ class _Collected:
 _COLLECTED = _Collected()
 
 
+class _AsyncOnly:
+    """What ``scan`` and ``watch`` return: their async generator, for ``async for`` (which
+    iterates the generator itself; ``anext``, ``aclose()``... reach it too), and a
+    UsageError saying so for a plain ``for`` (Python's own error named no fix)."""
+
+    __slots__ = ("_gen", "_what")
+
+    def __init__(self, gen: AsyncIterator[Any], what: str) -> None:
+        self._gen, self._what = gen, what
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._gen
+
+    def __anext__(self) -> Awaitable[Any]:
+        return self._gen.__anext__()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gen, name)
+
+    def __iter__(self) -> NoReturn:
+        raise UsageError(f"kvcomm.aio's {self._what}() is iterated with `async for`: write "
+                         f"`async for x in kv.{self._what}(...)` (a plain `for` is the sync "
+                         "client's, kvcomm.open())")
+
+
 class AsyncBatch:
     """``async with kv.batch() as b`` (see :class:`kvcomm.Batch`): ``b.put`` and
     ``b.delete`` collect at once (and raise at once for bad input), awaited or not; the
@@ -438,6 +464,13 @@ class AsyncBatch:
     async def __aenter__(self) -> AsyncBatch:
         self.sync.__enter__()
         return self
+
+    def __enter__(self) -> NoReturn:
+        raise UsageError("kvcomm.aio's batch() is applied by `async with`: write `async with "
+                         "kv.batch() as b:` (a plain `with` is the sync client's, kvcomm.open())")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     async def __aexit__(self, exc_type: object, *rest: object) -> None:
         b = self.sync
@@ -594,7 +627,7 @@ class _Opening:
         # (a client's method on what open() returned: the open was not awaited)
         if name.startswith("_"):
             raise AttributeError(name)
-        raise InvalidArgument(
+        raise UsageError(
             f"kvcomm.aio.open() was not awaited, so there is no client to call .{name} on: "
             "write `kv = await kvcomm.aio.open(...)` (then `await kv.aclose()`) or "
             "`async with kvcomm.aio.open(...) as kv:`")

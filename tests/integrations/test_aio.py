@@ -9,6 +9,7 @@ import multiprocessing
 import random
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -489,7 +490,43 @@ def test_cancelled_at_random_points_no_lock_held_no_half_write(ns: str, aconfig:
 
 def test_a_client_method_on_an_open_not_awaited_says_to_await_it(ns: str) -> None:
     opening = kvcomm.aio.open(ns)
-    with pytest.raises(kvcomm.InvalidArgument, match="was not awaited"):
+    with pytest.raises(kvcomm.UsageError, match="was not awaited"):
         opening.get("k")  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):
         opening._private  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_first_hour_mistakes_of_the_async_face_say_what_to_write(
+        ns: str, aconfig: kvcomm.Config) -> None:
+    """A newcomer's mistakes got Python's own errors, naming no fix: `for` over an aio scan
+    or watch ('async_generator' object is not iterable), `with` on an aio batch, and the
+    sync client's watch waiting on the event loop's thread said nothing at all."""
+    from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            await kv.put("s/a", 1)
+            for what, it in (("scan", kv.scan("s/")), ("watch", kv.watch("s/", timeout=0.01))):
+                with pytest.raises(kvcomm.UsageError, match=f"async for x in kv.{what}"):
+                    for _x in it:  # type: ignore[attr-defined]
+                        pass
+            assert [i.key async for i in kv.scan("s/")] == ["s/a"]  # (async for: as before)
+            it = kv.scan("s/")
+            assert (await anext(it)).key == "s/a"
+            await it.aclose()  # type: ignore[attr-defined]
+            with pytest.raises(kvcomm.UsageError, match="async with kv.batch"):
+                with kv.batch() as b:  # type: ignore[attr-defined]
+                    b.put("s/b", 2)
+            assert await kv.get("s/b") is None  # (nothing applied)
+            with pytest.warns(kvcomm.KVCommWarning, match="asyncio event loop"):
+                assert list(kv.sync.watch("s/", timeout=0.01)) == []
+        opening = kvcomm.aio.open(ns, config=aconfig)
+        for cls in (KVCommSaver, KVCommStore):
+            with pytest.raises(kvcomm.UsageError, match=f"await kvcomm.aio.open.*{cls.__name__}"):
+                cls(opening)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    with warnings.catch_warnings():  # (no loop on this thread: no warning)
+        warnings.simplefilter("error")
+        with kvcomm.open(ns, config=aconfig) as kv:
+            assert list(kv.watch("s/", timeout=0.01)) == []

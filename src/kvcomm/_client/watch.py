@@ -4,12 +4,14 @@ keys' changes from an etcd watch."""
 
 from __future__ import annotations
 
+import sys
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import InvalidArgument, InvalidKey, SegmentError, Unavailable
+from ..errors import InvalidArgument, InvalidKey, KVCommWarning, SegmentError, Unavailable
 from ..node.watched import register, unregister
 from ..tiers.l2 import KIND_NAMES, KIND_PUT, key_hash
 from .counting import Counting
@@ -90,7 +92,9 @@ class Watching(Counting):
         one ``overflow`` event and continues from the newest: it should rescan what it
         tracks with :meth:`scan`. Writers are never slowed by a watcher. Raises
         InvalidKey, InvalidArgument; SegmentError (cluster mode) when the prefix cannot
-        be registered with the daemon.
+        be registered with the daemon. Warns (KVCommWarning) when iterated on a thread
+        that runs an asyncio event loop: waiting there for events stops its every task
+        (``kvcomm.aio`` has the watch for it).
         """
         feed = self._watch_start(prefix, timeout)
         gen = self._watch(feed, timeout)
@@ -161,6 +165,12 @@ class Watching(Counting):
         """The sync face of a watch: rounds of :meth:`WatchFeed.step`, sleeping between
         empty ones (0.1 ms, doubling up to 5 ms). kvcomm.aio drives the same steps and
         awaits the feed's bell instead."""
+        aio = sys.modules.get("asyncio")  # (no loop runs in a process that never imported it)
+        if aio is not None and aio._get_running_loop() is not None:
+            warnings.warn("kv.watch() of the sync client waits for events on this thread, which "
+                          "runs an asyncio event loop: every other task stops while it waits; "
+                          "use kvcomm.aio.open() and `async for event in kv.watch(...)`",
+                          KVCommWarning, stacklevel=2)
         last_event = time.monotonic()
         idle = 0.0001
         try:

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 from ..._client import Client, Item
 from ..._wait import wait_until
-from ...aio import AsyncClient
-from ...errors import InvalidArgument, Unavailable
+from ...aio import AsyncClient, _Opening
+from ...errors import InvalidArgument, Unavailable, UsageError
 
 R = TypeVar("R")
 
@@ -66,6 +66,10 @@ def sync_and_aio(kv: Any, who: str) -> tuple[Client, AsyncClient | None]:
         return kv.sync, kv
     if isinstance(kv, Client):
         return kv, None
+    if isinstance(kv, _Opening):
+        raise UsageError(f"{who} was given kvcomm.aio.open(...) not awaited, so there is no "
+                         f"client yet: write `kv = await kvcomm.aio.open(...)` or `async with "
+                         f"kvcomm.aio.open(...) as kv:`, then {who}(kv)")
     raise InvalidArgument(f"{who} needs an open kvcomm client (kvcomm.open() or "
                           f"kvcomm.aio.open()), got {type(kv).__name__}")
 
