@@ -164,13 +164,14 @@ def _list(args: argparse.Namespace) -> int:
               "creates one")
         return 0
     w = max(9, *(len(r["name"]) for r in rows))
-    print(f"{'namespace':<{w}} {'size MiB':>9} {'held MiB':>9} {'entries':>9}  daemon")
+    print(f"{'namespace':<{w}} {'file MiB':>9} {'held MiB':>9} {'entries':>9}  daemon")
     for r in rows:
         sizes = f"{r['name']:<{w}} {r['size_bytes'] / 2**20:9.1f} {r['reserved_bytes'] / 2**20:9.1f}"
         if "unreadable" in r:
             print(f"{sizes}  unreadable: {r['unreadable']}")
         else:
             print(f"{sizes} {r['entries']:9d}  {'alive' if r['daemon_alive'] else '-'}")
+    print("(file: the segment's length, mostly unused; held: the memory it takes)")
     print(f"(`kvcomm info --name=NS{conf}` for one in detail, `kvcomm purge --name=NS{conf}` "
           "to remove one)")
     return 0
