@@ -478,6 +478,54 @@ def test_a_saver_ttl_is_seconds_and_checked(kv: kvcomm.Client) -> None:
             KVCommSaver(kv, ttl=bad)  # type: ignore[arg-type]
 
 
+def test_an_async_store_batch_never_puts_back_a_value_replaced_since(
+        ns: str, config: kvcomm.Config) -> None:
+    """abatch([put A=v1, put B]) on a kvcomm.aio client: op 1 applied on the loop; another
+    writer reads v1 and writes A=v2; op 2 meets the host's writer lock held (another
+    thread's validator holds it), so it runs again in the pool. The rerun was the whole
+    batch, which put A=v1 back over v2 (the adversary's find): now it is op 2 alone."""
+    from langgraph.store.base import PutOp
+
+    import kvcomm.aio
+
+    held, release = threading.Event(), threading.Event()
+    other = kvcomm.open(ns, config=config)
+    other_store = KVCommStore(other)
+    loop_thread = threading.get_ident()
+
+    def hold(key: str, old: Any, new: Any) -> None:  # (runs under the writer lock)
+        held.set()
+        assert release.wait(30), "never released"
+
+    other.register_validator("hold/", hold)
+
+    class Meddling(JsonPlusSerializer):
+        def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+            if threading.get_ident() != loop_thread:  # (the rerun, in the pool: the lock
+                release.set()  # goes)
+            elif isinstance(obj, dict) and obj.get("b"):  # (op 2, on the loop: meddle)
+                got = other_store.get(("ns",), "A")
+                assert got is not None and got.value == {"v": 1}
+                other_store.put(("ns",), "A", {"v": 2})
+                threading.Thread(target=other.put, args=("hold/x", 1), daemon=True).start()
+                assert held.wait(30), "the lock was never taken"
+            return super().dumps_typed(obj)
+
+    async def main() -> Any:
+        async with kvcomm.aio.open(ns, config=config) as kv:
+            store = KVCommStore(kv, serde=Meddling(allowed_msgpack_modules=None))
+            await store.abatch([PutOp(("ns",), "A", {"v": 1}), PutOp(("ns",), "B", {"b": 1})])
+            assert kv.off_loop >= 1  # (the fault: op 2 met the held lock, ran in the pool)
+            a, b = await store.aget(("ns",), "A"), await store.aget(("ns",), "B")
+            return a.value, b.value  # type: ignore[union-attr]
+
+    try:
+        assert asyncio.run(main()) == ({"v": 2}, {"b": 1})
+    finally:
+        release.set()
+        other.close()
+
+
 def test_store_ttl_is_langgraphs_minutes_refreshed_on_get_and_search(kv: kvcomm.Client) -> None:
     """LangGraph's store contract: ``put(..., ttl=)`` in minutes; ``TTLConfig``'s
     default_ttl and refresh_on_read; ``refresh_ttl`` per get and search; ttl=None keeps

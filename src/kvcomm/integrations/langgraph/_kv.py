@@ -83,9 +83,11 @@ def run_async(aio: AsyncClient | None, fn: Callable[..., R], args: tuple[Any, ..
     microseconds; no thread hop, no executor). The first client call in it that would wait
     (a round trip to L3 or etcd, another process holding the host's writer lock) raises
     WouldBlock before doing anything, and ``fn`` runs again, whole, in the aio client's
-    pool, awaited: the loop never waits. Running ``fn`` again is safe: what it may have
-    written before is immutable records put again with the same values, deletes, and
-    compare-and-sets judged afresh (each method of the saver and the store is written so).
+    pool, awaited: the loop never waits. Running ``fn`` again must be safe: what it wrote
+    before the call that would wait is immutable records put again with the same values,
+    deletes, and compare-and-sets judged afresh (each method of the saver is written so),
+    or nothing: a store's batch runs one op per attempt (each op's write is its last call
+    that may wait), so a rerun never puts back a value another process replaced since.
     On a sync client: ``fn`` in the loop's default thread executor (it may block).
     What it returns is awaited by the caller: no coroutine of its own (one per step
     of a graph).

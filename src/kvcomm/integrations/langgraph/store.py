@@ -177,7 +177,15 @@ class KVCommStore(BaseStore):
             docs = await emb.aembed_documents([t for _i, _p, t in texts]) if texts else []
             qv = list(await asyncio.gather(*(emb.aembed_query(q) for q in queries)))
             prepared = self._embedded(texts, docs, dict(zip(queries, qv, strict=True)))
-        return await run_async(self.aio, self._batch, (ops, prepared), {})
+        if self.aio is None or len(ops) <= 1:
+            return await run_async(self.aio, self._batch, (ops, prepared), {})
+        # (one op per attempt: an op that meets a held lock runs again in the pool alone,
+        # never the writes of the ops before it, which another process may have replaced
+        # since; each op raises WouldBlock before its own write: see _kv.run_async)
+        results: list[Result] = []
+        for i, op in enumerate(ops):
+            results += await run_async(self.aio, self._batch, ([op], prepared, i), {})
+        return results
 
     def _to_embed(self, ops: list[Op]) -> tuple[list[tuple[int, str, str]], list[str]]:
         """The texts of ``ops``' puts to embed ``(op's position, path, text)``, and their
@@ -215,9 +223,12 @@ class KVCommStore(BaseStore):
                 out[q] = sem.query_vector(v)
         return out
 
-    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
+    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None,
+               first: int = 0) -> list[Result]:
+        """``ops``' results, in order; ``first``: the position of ``ops[0]`` in the batch
+        ``prepared`` was made for."""
         results: list[Result] = []
-        for i, op in enumerate(ops):
+        for i, op in enumerate(ops, first):
             _validate(op)
             if isinstance(op, GetOp):
                 results.append(self._get(op.namespace, op.key, op.refresh_ttl))
