@@ -229,11 +229,14 @@ class AsyncClient:
         return list(parts.values())
 
     async def _off_loop(self, fn: Callable[..., Any], args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> Any:
+                        kwargs: dict[str, Any],
+                        made: Callable[[Any], None] | None = None) -> Any:
         """``fn(*args, **kwargs)`` in the pool, awaited. Cancelled while the call is still
         queued, it never runs; once it runs, the cancellation waits for it to end (a
         thread cannot be stopped mid-call), then reaches the task: when a cancelled task
-        has ended, none of its calls is still running."""
+        has ended, none of its calls is still running. ``made``: what is done with the
+        result of a call that ended after its task was cancelled (a resource nobody else
+        will release)."""
         cf = _executor().submit(fn, *args, **kwargs)
         self.off_loop += 1
         self._inflight.add(cf)
@@ -248,6 +251,8 @@ class AsyncClient:
                         await asyncio.wait([fut])
                     except asyncio.CancelledError:
                         continue
+                if made is not None and not cf.cancelled() and cf.exception() is None:
+                    made(cf.result())
             raise
 
     # ------------------------------------------------- methods with a face of their own
@@ -328,8 +333,19 @@ class AsyncClient:
                        value: Any = b"") -> AsyncPresence:
         """Awaited :meth:`kvcomm.Client.presence`: returns an :class:`AsyncPresence`
         (its refreshes run in the sync handle's thread, never on the loop)."""
-        handle = await self._attempt(self._kv.presence, (prefix, agent_id, ttl, value), {})
+        fn, args = self._kv.presence, (prefix, agent_id, ttl, value)
+        handle = _inline(fn, args, {})
+        if handle is _WOULD_WAIT or handle.__class__ is L3Read:  # (cancelled while it ran
+            # in the pool: the handle it made is stopped, its key removed: nobody else can)
+            handle = await self._off_loop(fn, args, {}, made=self._stop_presence)
         return AsyncPresence(self, handle)
+
+    def _stop_presence(self, handle: Presence) -> None:
+        """A presence made for a task cancelled meanwhile: stopped and its key removed, in
+        the pool (stop waits for the refresh thread); :meth:`close` waits for it."""
+        cf = _executor().submit(handle.stop, remove=True)
+        self._inflight.add(cf)
+        cf.add_done_callback(self._inflight.discard)
 
     async def close(self) -> None:
         """Close the client: waits for its calls still running in the pool (cancelled ones

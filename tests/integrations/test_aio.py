@@ -298,6 +298,33 @@ def test_a_cancellation_waits_for_the_write_under_way(ns: str, aconfig: kvcomm.C
     run(main)
 
 
+def test_a_presence_made_for_a_cancelled_task_is_stopped_and_removed(
+        ns: str, aconfig: kvcomm.Config, lock_holder: Any) -> None:
+    """await kv.presence(...) waiting in the pool for a held lock is cancelled: the handle
+    the call then made reached nobody, and its thread refreshed the agent's key until the
+    client closed (the adversary's find: 3 of 11 cancelled calls left agents present).
+    Now it is stopped and its key removed; close waits for that."""
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            lock_holder(0.3)
+            task = asyncio.create_task(kv.presence("alive/", "ghost", ttl=0.5))
+            deadline = time.monotonic() + 10
+            while not any(f.running() for f in kv._inflight):
+                assert time.monotonic() < deadline, "the presence never ran in the pool"
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 10
+            while "ghost" in await kv.present("alive/"):
+                assert time.monotonic() < deadline, "the cancelled call's agent stays present"
+                await asyncio.sleep(0.01)
+            assert not [t for t in threading.enumerate() if "ghost" in t.name and t.is_alive()]
+
+    run(main)
+
+
 def _put_later(ns: str, cfg: dict[str, Any], delay: float) -> None:
     kv = kvcomm.open(ns, config=kvcomm.Config.from_mapping(cfg))
     time.sleep(delay)
