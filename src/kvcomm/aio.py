@@ -140,6 +140,11 @@ class AsyncClient:
     :func:`kvcomm.aio.open`. Use it from one event loop at a time."""
 
     def __init__(self, client: Client) -> None:
+        if not isinstance(client, Client):  # (an AsyncClient would hand back coroutines as
+            # values, a name or None fail at the first call: say it now)
+            raise UsageError(f"AsyncClient wraps an open sync client (kvcomm.open()); got "
+                             f"{type(client).__name__}: to open one, write `kv = await "
+                             f"kvcomm.aio.open(...)` or `async with kvcomm.aio.open(...) as kv:`")
         self._kv = client
         self._inflight: set[Future[Any]] = set()  # calls running in the pool
         self.off_loop = 0  # calls that ran in the pool (they would have waited on the loop)

@@ -526,6 +526,88 @@ def test_an_async_store_batch_never_puts_back_a_value_replaced_since(
         other.close()
 
 
+def test_wrong_arguments_get_a_clear_error_and_change_nothing(ns: str,
+                                                              config: kvcomm.Config) -> None:
+    """The adversary's finds, through the async faces as agents call them: errors from the
+    KVCommError tree saying what to write, nothing written. Before: prune("t1") deleted
+    threads "t" and "1"; a put with checkpoint_id 7 wrote a parent that broke the thread
+    (CorruptRecord, "delete the thread", on every later read); list's bad arguments said a
+    record was corrupt and to delete the thread; bare KeyError and TypeError elsewhere;
+    a TTLConfig typo was ignored; AsyncClient(anything) was accepted."""
+    from langgraph.store.base import ListNamespacesOp, MatchCondition, PutOp
+
+    import kvcomm.aio
+    from kvcomm.aio import AsyncClient
+
+    g = StateGraph(State)
+    g.add_node("step", lambda s: {"steps": ["x"]})
+    g.add_edge(START, "step")
+    g.add_edge("step", END)
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=config) as kv:
+            saver, store = KVCommSaver(kv), KVCommStore(kv)
+            graph = g.compile(checkpointer=saver)
+            for t in ("t1", "t", "1"):
+                await graph.ainvoke({"steps": []}, {"configurable": {"thread_id": t}})
+            tup = await saver.aget_tuple({"configurable": {"thread_id": "t1"}})
+            assert tup is not None
+            bad: list[tuple[Any, type[Exception], str]] = [
+                (lambda: saver.aprune("t1", strategy="delete"), kvcomm.InvalidArgument,
+                 r"write \['t1'\]"),
+                (lambda: saver.adelete_for_runs("abc"), kvcomm.InvalidArgument, "list of ids"),
+                (lambda: saver.adelete_for_runs(None), kvcomm.InvalidArgument, "list of ids"),
+                (lambda: saver.aprune([1]), kvcomm.InvalidArgument, "str ids"),
+                (lambda: saver.aput({"configurable": {"thread_id": "t1", "checkpoint_id": 7}},
+                                    tup.checkpoint, tup.metadata, {}),
+                 kvcomm.InvalidKey, "checkpoint_id is a str"),
+                (lambda: saver.aput({"configurable": {"thread_id": "t1"}},
+                                    {"id": "x"}, {}, {}),  # type: ignore[typeddict-item]
+                 kvcomm.InvalidArgument, "channel_values"),
+                (lambda: saver.aget_tuple(None), kvcomm.InvalidArgument, "thread_id"),
+                (lambda: saver.aget_tuple({}), kvcomm.InvalidArgument, "thread_id"),
+                (lambda: saver.aput_writes({"configurable": {"thread_id": "t1"}}, [], "task"),
+                 kvcomm.InvalidArgument, "checkpoint_id"),
+                (lambda: saver.aput_writes(tup.config, [("a", 1, 2)], "task"),
+                 kvcomm.InvalidArgument, "pairs"),
+                (lambda: store.asearch(("u",), filter=5), kvcomm.InvalidArgument, "filter"),
+                (lambda: store.asearch(("u",), limit="x"), kvcomm.InvalidArgument, "limit"),
+                (lambda: store.asearch(("u",), offset=-5), kvcomm.InvalidArgument, "offset"),
+                (lambda: store.abatch([ListNamespacesOp(match_conditions=(
+                    MatchCondition("prefix", 5),))]),  # type: ignore[arg-type]
+                 kvcomm.InvalidArgument, "tuples"),
+                (lambda: store.abatch([PutOp(("u",), 5, {"a": 1})]),  # type: ignore[arg-type]
+                 kvcomm.InvalidKey, "write '5'"),
+                (lambda: kv.update("n", _async_inc), kvcomm.InvalidArgument, "async def"),
+            ]
+            for call, exc, match in bad:
+                with pytest.raises(exc, match=match):
+                    await call()
+            for kwargs in ({"filter": 5}, {"filter": ["source"]}, {"limit": "3"},
+                           {"before": "x"}, {"before": {"configurable": {"checkpoint_id": 5}}}):
+                with pytest.raises((kvcomm.InvalidArgument, kvcomm.InvalidKey)):
+                    [t async for t in saver.alist({"configurable": {"thread_id": "t1"}},
+                                                  **kwargs)]
+            for t in ("t1", "t", "1"):  # (nothing deleted, nothing broken)
+                assert (await saver.aget_tuple({"configurable": {"thread_id": t}})) is not None
+            assert await kv.get("n") is None and await store.aget(("u",), "5") is None
+        with pytest.raises(kvcomm.UsageError, match="await kvcomm.aio.open"):
+            AsyncClient(kv)  # type: ignore[arg-type]
+        for arg in (None, "ns", 5):
+            with pytest.raises(kvcomm.UsageError):
+                AsyncClient(arg)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    with kvcomm.open(ns, config=config) as kv:
+        for ttl in ({"default_tll": 60}, {"refresh_on_read": "no"}):
+            with pytest.raises(kvcomm.InvalidArgument, match="tll|True or False"):
+                KVCommStore(kv, ttl=ttl)  # type: ignore[arg-type]
+
+
+async def _async_inc(n: Any) -> int:
+    return (n or 0) + 1
+
+
 def test_store_ttl_is_langgraphs_minutes_refreshed_on_get_and_search(kv: kvcomm.Client) -> None:
     """LangGraph's store contract: ``put(..., ttl=)`` in minutes; ``TTLConfig``'s
     default_ttl and refresh_on_read; ``refresh_ttl`` per get and search; ttl=None keeps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import CoroutineType
 from typing import Any
 
 from .._l2core import WouldBlock
@@ -262,6 +263,7 @@ class Writes(ClusterWrites):
         """
         if not callable(fn):
             raise InvalidArgument(f"update() needs a callable, got {type(fn).__name__}")
+
         check_ttl(ttl)
         self._lat_left -= 1
         if self._lat_left <= 0:  # this update's turn to be timed (metrics)
@@ -271,6 +273,11 @@ class Writes(ClusterWrites):
             for _ in range(_MAX_UPDATE_RETRIES):
                 item = self.get_item(key)
                 new = fn(default if item is None else item.value)
+                if type(new) is CoroutineType:  # (an async def: stored, it would be refused
+                    new.close()  # as a value of type coroutine, naming no fix)
+                    raise InvalidArgument("update()'s function is a plain function, not an "
+                                          "async def (it may run more than once): await what "
+                                          "it needs first, then update(key, lambda old: ...)")
                 try:
                     self.put(key, new, expect=ABSENT if item is None else item.version,
                              ttl=ttl, _deadline=None if ttl is not None or item is None

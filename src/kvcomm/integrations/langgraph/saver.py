@@ -67,6 +67,7 @@ from ...errors import (
     ConflictError,
     CorruptRecord,
     InvalidArgument,
+    InvalidKey,
     KVCommError,
     KVCommWarning,
     Unavailable,
@@ -306,8 +307,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     @staticmethod
     def _ids(config: RunnableConfig) -> tuple[str, str]:
-        c = config["configurable"]
-        return c["thread_id"], c.get("checkpoint_ns", "")
+        try:
+            c = config["configurable"]
+            return c["thread_id"], c.get("checkpoint_ns", "")
+        except (KeyError, TypeError, AttributeError):
+            raise InvalidArgument(f"a LangGraph config names its thread: "
+                                  f"{{'configurable': {{'thread_id': ...}}}}, got "
+                                  f"{str(config)[:200]}") from None
 
     def with_allowlist(self, extra_allowlist: Any) -> KVCommSaver:
         """A shallow clone whose serializer also allows ``extra_allowlist`` (LangGraph's
@@ -353,8 +359,14 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         thread_id, ns = self._ids(config)
         conf = config["configurable"]
         parent = conf.get("checkpoint_id")
+        if parent is not None and type(parent) is not str:  # (it is the record's parent)
+            raise InvalidKey(f"a checkpoint_id is a str, got the {type(parent).__name__} "
+                             f"{parent!r}")
         c: dict[str, Any] = dict(checkpoint)
-        values: dict[str, Any] = c.pop("channel_values")
+        values: dict[str, Any] = c.pop("channel_values", None)
+        if type(values) is not dict:
+            raise InvalidArgument(f"a checkpoint holds its channel_values (a dict), got "
+                                  f"{str(checkpoint)[:200]}")
         md = _metadata(config, metadata)
         cid = checkpoint["id"]
         k, ttl = self.keys, self.ttl
@@ -617,20 +629,30 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         special ones (errors, interrupts...) replace theirs."""
         thread_id, ns = self._ids(config)
         conf = config["configurable"]
-        cid = conf["checkpoint_id"]
+        cid = conf.get("checkpoint_id")
+        if cid is None:
+            raise InvalidArgument("put_writes stores a task's writes at a checkpoint: its "
+                                  "config names one ('checkpoint_id'), as put returned it")
         prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
         task_write, dumps = self.keys.task_write, self.serde.dumps_typed
         keys: list[str] = []
         records: list[list[Any]] = []
         indices: list[int] = []  # (of the writes, as keyed)
         regular: list[int] = []  # (indices in keys of the writes kept when stored already)
-        for idx, (channel, value) in enumerate(writes):
-            i = WRITES_IDX_MAP.get(channel, idx)
-            if i >= 0:
-                regular.append(len(keys))
-            keys.append(task_write(prefix, i, task_id, thread_id))
-            indices.append(i)
-            records.append([task_id, channel, *dumps(value), task_path])
+        try:
+            for idx, (channel, value) in enumerate(writes):
+                i = WRITES_IDX_MAP.get(channel, idx)
+                if i >= 0:
+                    regular.append(len(keys))
+                keys.append(task_write(prefix, i, task_id, thread_id))
+                indices.append(i)
+                records.append([task_id, channel, *dumps(value), task_path])
+        except (TypeError, ValueError):  # (what unpacking a write that is no pair raises)
+            if all(type(w) in (tuple, list) and len(w) == 2 and type(w[0]) is str
+                   for w in writes):
+                raise  # (the serializer's: the value's own error)
+            raise InvalidArgument(f"a task's writes are (channel, value) pairs, channel a str, "
+                                  f"got {str(writes)[:200]}") from None
         if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
             self._commands[run] = (thread_id, ns, cid)  # (before they are stored: see put)
@@ -817,17 +839,22 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         ``limit`` to that many."""
         k = self.keys
         thread_id = ns = cid = None
+        if filter is not None and not isinstance(filter, dict):
+            raise InvalidArgument(f"list's filter is a dict of metadata key -> value, or None, "
+                                  f"got {filter!r}")
+        if limit is not None and (type(limit) is not int or limit < 0):
+            raise InvalidArgument(f"list's limit is an int >= 0, or None, got {limit!r}")
         if config:
-            thread_id = config["configurable"]["thread_id"]
+            thread_id, _ns = self._ids(config)
             ns = config["configurable"].get("checkpoint_ns")
-            cid = get_checkpoint_id(config)
+            cid = _checkpoint_id(config, "config")
         if thread_id is None:
             suffix = ""
         elif ns is None:
             suffix = k.thread("", thread_id)
         else:
             suffix = k.ns("", thread_id, ns)
-        before_id = get_checkpoint_id(before) if before else None
+        before_id = _checkpoint_id(before, "before") if before else None
         records = self._list(suffix, cid, before_id, filter, limit)
         while True:
             try:
@@ -938,7 +965,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         """Delete the checkpoints (and their writes) whose metadata's run id is in
         ``run_ids``, in every thread; heads move back to the latest remaining checkpoint.
         Reads every checkpoint's run id."""
-        runs = set(run_ids)
+        runs = set(_names(run_ids, "run_ids"))
         if not runs:
             return
         k = self.keys
@@ -963,6 +990,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         NotImplementedError, as its); nothing deleted then."""
         if strategy not in ("keep_latest", "delete"):
             raise InvalidArgument(f"prune strategy is 'keep_latest' or 'delete', got {strategy!r}")
+        thread_ids = _names(thread_ids, "thread_ids")
         if strategy == "keep_latest":
             delta = sorted(t for t in thread_ids if self._uses_delta_channels(t))
             if delta:
@@ -1036,6 +1064,33 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """:meth:`prune`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
         await self._run(self.prune, thread_ids, strategy=strategy)
+
+
+def _names(ids: Any, what: str) -> builtins.list[str]:
+    """``ids``, a collection of str ids, as a list: InvalidArgument for a str (which would
+    be taken as its characters: prune("t1") deleted threads "t" and "1") or anything
+    else."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise InvalidArgument(f"{what} is a list of ids, got {ids!r}"
+                              + (f": write [{ids!r}]" if isinstance(ids, str) else ""))
+    out = builtins.list(ids)
+    bad = [i for i in out if type(i) is not str]
+    if bad:
+        raise InvalidArgument(f"{what} are str ids, got {bad[0]!r}")
+    return out
+
+
+def _checkpoint_id(config: Any, what: str) -> str | None:
+    """The checkpoint id ``config`` (list's ``config`` or ``before``) names, or None:
+    InvalidArgument for what is no config, InvalidKey for an id that is no str."""
+    try:
+        cid = get_checkpoint_id(config)
+    except (KeyError, TypeError, AttributeError):
+        raise InvalidArgument(f"list's {what} is a LangGraph config ({{'configurable': "
+                              f"{{...}}}}), got {str(config)[:200]}") from None
+    if cid is not None and type(cid) is not str:
+        raise InvalidKey(f"a checkpoint_id is a str, got the {type(cid).__name__} {cid!r}")
+    return cid
 
 
 def _run_of(conf: dict[str, Any]) -> int | None:

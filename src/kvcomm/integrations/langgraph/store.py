@@ -83,6 +83,7 @@ from ...errors import (
     ConflictError,
     CorruptRecord,
     InvalidArgument,
+    InvalidKey,
     KVCommError,
     Unavailable,
 )
@@ -130,7 +131,14 @@ class KVCommStore(BaseStore):
                 raise InvalidArgument(f"ttl is LangGraph's TTLConfig, a dict such as "
                                       f"{{'default_ttl': 60, 'refresh_on_read': True}} (minutes), "
                                       f"got {ttl!r}")
+            unknown = sorted(set(ttl) - _TTL_KEYS, key=str)
+            if unknown:
+                raise InvalidArgument(f"ttl (LangGraph's TTLConfig) has no key {unknown[0]!r}: "
+                                      f"its keys are {', '.join(sorted(_TTL_KEYS))}")
             _minutes(ttl.get("default_ttl"), "ttl['default_ttl']")
+            for flag in ("refresh_on_read", "omit_expired"):
+                if type(ttl.get(flag, True)) is not bool:
+                    raise InvalidArgument(f"ttl[{flag!r}] is True or False, got {ttl[flag]!r}")
         self.kv = kv
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
         self.serde = no_pickle(serde)
@@ -492,7 +500,38 @@ def _validate(op: Op) -> None:
             f"{tuple(ns)!r}" if isinstance(ns, list) else "a tuple of str labels"
         raise InvalidArgument(f"a namespace is a tuple of str labels, got the "
                               f"{type(ns).__name__} {ns!r}: write {advice}")
+    if isinstance(op, GetOp | PutOp):
+        if type(op.key) is not str:
+            raise InvalidKey(f"a store item's key is a str, got the {type(op.key).__name__} "
+                             f"{op.key!r}: write {str(op.key)!r}")
+    elif isinstance(op, SearchOp):
+        if op.filter is not None and not isinstance(op.filter, dict):
+            raise InvalidArgument(f"a search's filter is a dict of field -> value (or "
+                                  f"{{'$gt': ...}}...), or None, got {op.filter!r}")
+        if op.query is not None and type(op.query) is not str:
+            raise InvalidArgument(f"a search's query is a str or None, got {op.query!r}")
+        _count(op.limit, "a search's limit")
+        _count(op.offset, "a search's offset")
+    elif isinstance(op, ListNamespacesOp):
+        for cond in op.match_conditions or ():
+            if not (isinstance(cond.path, tuple) and all(type(p) is str for p in cond.path)):
+                raise InvalidArgument(f"list_namespaces' prefix and suffix are tuples of str "
+                                      f"labels ('*' matches any), got {cond.path!r}")
+        if op.max_depth is not None:
+            _count(op.max_depth, "list_namespaces' max_depth")
+        _count(op.limit, "list_namespaces' limit")
+        _count(op.offset, "list_namespaces' offset")
     validate_op_namespace(op)
+
+
+_TTL_KEYS = frozenset({"default_ttl", "refresh_on_read", "omit_expired",
+                       "sweep_interval_minutes"})  # (TTLConfig's)
+
+
+def _count(n: Any, what: str) -> None:
+    """InvalidArgument unless ``n`` is an int >= 0."""
+    if type(n) is not int or n < 0:
+        raise InvalidArgument(f"{what} is an int >= 0, got {n!r}")
 
 
 def _check_count(docs: list[Any], texts: list[Any]) -> None:
