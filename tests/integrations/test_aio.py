@@ -274,6 +274,15 @@ def test_a_held_writer_lock_never_stalls_the_loop(ns: str, aconfig: kvcomm.Confi
     run(main)
 
 
+async def running_in_the_pool(kv: AsyncClient, what: str) -> None:
+    """Until a call of ``kv`` met the held lock and runs in the pool (one cancelled while
+    still queued there never runs: on a loaded machine the pool's thread can be late)."""
+    deadline = time.monotonic() + 10
+    while not any(f.running() for f in kv._inflight):
+        assert time.monotonic() < deadline, f"{what} never ran in the pool"
+        await asyncio.sleep(0.001)
+
+
 def test_a_cancellation_waits_for_the_write_under_way(ns: str, aconfig: kvcomm.Config,
                                                       lock_holder: Any) -> None:
     """A put waiting in the pool for a held lock is cancelled: the task ends once the put
@@ -283,12 +292,7 @@ def test_a_cancellation_waits_for_the_write_under_way(ns: str, aconfig: kvcomm.C
         async with kvcomm.aio.open(ns, config=aconfig) as kv:
             lock_holder(0.3)
             task = asyncio.create_task(kv.put("d", 1))
-            # until the put met the lock and runs in the pool (one cancelled while still
-            # queued there never runs: on a loaded machine the pool's thread can be late)
-            deadline = time.monotonic() + 10
-            while not any(f.running() for f in kv._inflight):
-                assert time.monotonic() < deadline, "the put never ran in the pool"
-                await asyncio.sleep(0.001)
+            await running_in_the_pool(kv, "the put")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -309,10 +313,7 @@ def test_a_presence_made_for_a_cancelled_task_is_stopped_and_removed(
         async with kvcomm.aio.open(ns, config=aconfig) as kv:
             lock_holder(0.3)
             task = asyncio.create_task(kv.presence("alive/", "ghost", ttl=0.5))
-            deadline = time.monotonic() + 10
-            while not any(f.running() for f in kv._inflight):
-                assert time.monotonic() < deadline, "the presence never ran in the pool"
-                await asyncio.sleep(0.001)
+            await running_in_the_pool(kv, "the presence")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
