@@ -273,6 +273,51 @@ def test_numpy_is_imported_only_by_a_process_that_uses_arrays(ns: str) -> None:
     assert "pip install 'kvcomm[numpy]'" in without.stdout, without.stdout
 
 
+def test_a_read_while_another_thread_imports_numpy_waits_for_that_import(ns: str) -> None:
+    """The codec takes numpy from sys.modules, where a module being imported sits half
+    made: a thread reading an array (or refusing a set) while another thread ran `import
+    numpy` got 'partially initialized module' errors, an array's record reported as
+    undecodable (the review's find: ~15,000 failed reads a run). It now waits for the
+    import. The reads during the import are counted: the race was run."""
+    out = python(f'''
+        import subprocess, sys, threading
+        import kvcomm
+        subprocess.run([sys.executable, "-c", "import kvcomm, numpy as np\\n"
+                        "with kvcomm.open({ns!r}) as kv: kv.put('arr', np.arange(10)); "
+                        "kv.put('big', np.arange(2000))"], check=True)
+        kv = kvcomm.open({ns!r})
+        errors, during, stop = [], [0], []
+
+        def reader():
+            while "numpy" not in sys.modules:
+                pass
+            while not stop:
+                np = sys.modules.get("numpy")
+                half = getattr(getattr(np, "__spec__", None), "_initializing", False)
+                try:
+                    kv.get("arr"), kv.get("big")
+                    try:
+                        kv.put("bad", {{1, 2}})
+                    except kvcomm.UnsupportedValue:
+                        pass
+                    during[0] += half
+                except Exception as exc:
+                    errors.append(repr(exc)[:200])
+
+        t = threading.Thread(target=reader)
+        t.start()
+        import numpy  # (~100 ms: the reader gets the GIL many times meanwhile)
+        stop.append(1)
+        t.join()
+        kv.close()
+        assert not errors, errors[:3]
+        assert during[0], "no read ran while numpy was being imported"
+        print("ok", during[0])
+    ''')
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok"), out.stdout
+
+
 def out_ok(out: subprocess.CompletedProcess[str]) -> bool:
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().endswith("ok")

@@ -46,8 +46,13 @@ def _numpy() -> Any:
     """NumPy when this process has imported it, else None: a value is a NumPy array or
     scalar only once numpy is imported, so the encoder never imports it to check. (numpy
     is optional; importing it costs a process that never stores an array ~90 ms at its
-    first ``kvcomm.open`` and ~7,000 objects that every full garbage collection walks.)"""
-    return sys.modules.get("numpy")
+    first ``kvcomm.open`` and ~7,000 objects that every full garbage collection walks.)
+    While another thread is importing numpy, its half-made module is in sys.modules:
+    this waits for that import to end (the import lock) instead of using it."""
+    np = sys.modules.get("numpy")
+    if np is not None and getattr(getattr(np, "__spec__", None), "_initializing", False):
+        import numpy as np
+    return np
 
 
 def _numpy_to_read() -> Any:
