@@ -213,8 +213,7 @@ class AsyncClient:
                         fut.set_exception(exc)
                 continue
             self.off_loop += 1
-            self._inflight.add(cf)
-            cf.add_done_callback(self._inflight.discard)
+            self._track(cf)
             asyncio.wrap_future(cf, loop=loop).add_done_callback(
                 functools.partial(_answer_l3_reads, part))
 
@@ -235,29 +234,40 @@ class AsyncClient:
 
     async def _off_loop(self, fn: Callable[..., Any], args: tuple[Any, ...],
                         kwargs: dict[str, Any],
-                        made: Callable[[Any], None] | None = None) -> Any:
+                        made: Callable[[Any], Future[Any]] | None = None) -> Any:
         """``fn(*args, **kwargs)`` in the pool, awaited. Cancelled while the call is still
         queued, it never runs; once it runs, the cancellation waits for it to end (a
         thread cannot be stopped mid-call), then reaches the task: when a cancelled task
         has ended, none of its calls is still running. ``made``: what is done with the
         result of a call that ended after its task was cancelled (a resource nobody else
-        will release)."""
+        will release; it returns the Future of that clean-up, which close() waits for)."""
         cf = _executor().submit(fn, *args, **kwargs)
         self.off_loop += 1
-        self._inflight.add(cf)
-        cf.add_done_callback(self._inflight.discard)
+        self._track(cf)
         fut = asyncio.wrap_future(cf)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             if not cf.cancel():  # (running: let it end first)
+                cleanup: Future[None] | None = None
+                if made is not None:  # (in flight at once, so close() waits for it too)
+                    cleanup = Future()
+                    self._track(cleanup)
                 while not fut.done():
                     try:
                         await asyncio.wait([fut])
                     except asyncio.CancelledError:
                         continue
-                if made is not None and not cf.cancelled() and cf.exception() is None:
-                    made(cf.result())
+                if cleanup is not None:
+                    try:
+                        if made is not None and not cf.cancelled() and cf.exception() is None:
+                            made(cf.result()).add_done_callback(
+                                lambda _f: cleanup.set_result(None))
+                        else:
+                            cleanup.set_result(None)
+                    except BaseException:
+                        cleanup.set_result(None)
+                        raise
             raise
 
     # ------------------------------------------------- methods with a face of their own
@@ -345,10 +355,13 @@ class AsyncClient:
             handle = await self._off_loop(fn, args, {}, made=self._stop_presence)
         return AsyncPresence(self, handle)
 
-    def _stop_presence(self, handle: Presence) -> None:
+    def _stop_presence(self, handle: Presence) -> Future[None]:
         """A presence made for a task cancelled meanwhile: stopped and its key removed, in
         the pool (stop waits for the refresh thread); :meth:`close` waits for it."""
-        cf = _executor().submit(handle.stop, remove=True)
+        return _executor().submit(handle.stop, remove=True)
+
+    def _track(self, cf: Future[Any]) -> None:
+        """``cf`` is in flight until done: :meth:`close` waits for it."""
         self._inflight.add(cf)
         cf.add_done_callback(self._inflight.discard)
 
@@ -359,9 +372,8 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         while self._l3_waiting and self._l3_loop is loop:  # (awaited before close: sent now,
             self._send_l3_reads(loop)  # and waited for below, not run on the closed client)
-        pending = list(self._inflight)
-        if pending:
-            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+        while self._inflight:  # (until none is left: a cancelled call's clean-up joins late)
+            await asyncio.wait([asyncio.wrap_future(f) for f in list(self._inflight)])
         if self._bell is not None:
             self._bell.stop()
         if not self._kv._closed:
