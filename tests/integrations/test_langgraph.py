@@ -602,6 +602,13 @@ def test_wrong_arguments_get_a_clear_error_and_change_nothing(ns: str,
         for ttl in ({"default_tll": 60}, {"refresh_on_read": "no"}):
             with pytest.raises(kvcomm.InvalidArgument, match="tll|True or False"):
                 KVCommStore(kv, ttl=ttl)  # type: ignore[arg-type]
+        # (what worked before the checks still works, as in InMemoryStore: the review's
+        # find on the first version of them)
+        np = pytest.importorskip("numpy")
+        store = KVCommStore(kv, ttl={"refresh_on_read": 1})  # type: ignore[typeddict-item]
+        store.put(("a", "b"), "k", {"x": 1})
+        assert store.list_namespaces(prefix=["a"]) == [("a", "b")]  # type: ignore[arg-type]
+        assert len(store.search(("a",), limit=np.int64(2))) == 1  # type: ignore[arg-type]
 
 
 async def _async_inc(n: Any) -> int:

@@ -58,6 +58,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
+from operator import index as _index
 from typing import Any
 
 from langgraph.store.base import (
@@ -136,8 +137,8 @@ class KVCommStore(BaseStore):
                 raise InvalidArgument(f"ttl (LangGraph's TTLConfig) has no key {unknown[0]!r}: "
                                       f"its keys are {', '.join(sorted(_TTL_KEYS))}")
             _minutes(ttl.get("default_ttl"), "ttl['default_ttl']")
-            for flag in ("refresh_on_read", "omit_expired"):
-                if type(ttl.get(flag, True)) is not bool:
+            for flag in ("refresh_on_read", "omit_expired"):  # (0 and 1 pass, as they did)
+                if not isinstance(ttl.get(flag, True), bool | int):
                     raise InvalidArgument(f"ttl[{flag!r}] is True or False, got {ttl[flag]!r}")
         self.kv = kv
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
@@ -514,7 +515,7 @@ def _validate(op: Op) -> None:
         _count(op.offset, "a search's offset")
     elif isinstance(op, ListNamespacesOp):
         for cond in op.match_conditions or ():
-            if not (isinstance(cond.path, tuple) and all(type(p) is str for p in cond.path)):
+            if not (isinstance(cond.path, tuple | list) and all(type(p) is str for p in cond.path)):
                 raise InvalidArgument(f"list_namespaces' prefix and suffix are tuples of str "
                                       f"labels ('*' matches any), got {cond.path!r}")
         if op.max_depth is not None:
@@ -529,8 +530,12 @@ _TTL_KEYS = frozenset({"default_ttl", "refresh_on_read", "omit_expired",
 
 
 def _count(n: Any, what: str) -> None:
-    """InvalidArgument unless ``n`` is an int >= 0."""
-    if type(n) is not int or n < 0:
+    """InvalidArgument unless ``n`` is an integer >= 0 (a NumPy one too, as before)."""
+    try:
+        ok = _index(n) >= 0
+    except TypeError:
+        ok = False
+    if not ok:
         raise InvalidArgument(f"{what} is an int >= 0, got {n!r}")
 
 
