@@ -144,8 +144,8 @@ class AgentStats:
         except (OSError, KVCommError):
             pass  # (the first report tries again, and warns)
         else:  # (the reports of processes gone without closing: a host with no node
-            read_reports(self._dir)  # daemon, the embedded default, has nobody else to
-            # remove them; with one, its cleaning does the same)
+            read_reports(self._dir, only_clean=True)  # daemon, the embedded default, has
+            # nobody else to remove them; with one, its cleaning does the same)
         if purged():
             self._closed = True
             with contextlib.suppress(OSError):
@@ -362,24 +362,28 @@ def _read_report(dfd: int, name: str) -> Any:
         os.close(fd)
 
 
-def read_reports(path: str, *, clean: bool = True, now: float | None = None) -> list[dict[str, Any]]:
+def read_reports(path: str, *, clean: bool = True, now: float | None = None,
+                 only_clean: bool = False) -> list[dict[str, Any]]:
     """The valid reports in the table ``path`` ([] when there is none, or when ``path`` is
     not a directory of this user: a symlink is never followed), each with its file name
     under ``"id"`` and the fields of the format only. With ``clean``, removes the reports
     of processes that are gone (after GONE_AFTER seconds), left-over temporary files, and
     files that are not reports. Never raises for what it finds: a file that is not a
-    report (another user's, a symlink, a FIFO...) is skipped."""
+    report (another user's, a symlink, a FIFO...) is skipped. ``only_clean``: the cleaning
+    alone (a client's, at open), which reads no file younger than GONE_AFTER (none it
+    could remove), and returns []."""
     now = time.time() if now is None else now
     dfd = _own_dir(path)
     if dfd is None:
         return []
     try:
-        return _read_table(dfd, clean, now)
+        return _read_table(dfd, clean or only_clean, now, only_clean)
     finally:
         os.close(dfd)
 
 
-def _read_table(dfd: int, clean: bool, now: float) -> list[dict[str, Any]]:
+def _read_table(dfd: int, clean: bool, now: float, only_clean: bool = False
+                ) -> list[dict[str, Any]]:
     try:
         names = os.listdir(dfd)
     except OSError:
@@ -391,6 +395,8 @@ def _read_table(dfd: int, clean: bool, now: float) -> list[dict[str, Any]]:
         except OSError:
             continue
         age = now - st.st_mtime
+        if only_clean and age <= GONE_AFTER:
+            continue  # (nothing this young is removed: a live agent's report, say)
         if name.startswith(".") and name.endswith(".tmp"):  # (an agent may be named ".x")
             if clean and age > TMP_AFTER:
                 _unlink(name, dfd)
@@ -403,6 +409,8 @@ def _read_table(dfd: int, clean: bool, now: float) -> list[dict[str, Any]]:
         assert isinstance(report, dict)
         if clean and age > GONE_AFTER and not pid_alive(int(report["pid"])):
             _unlink(name, dfd)
+            continue
+        if only_clean:
             continue
         clean_report = {k: report[k] for k in _FIELDS}  # (unknown keys are not published)
         clean_report["id"] = name
