@@ -290,8 +290,8 @@ class AsyncClient:
         index = kv._attached.index
         if index is None or not index.built:
             return _AsyncOnly(self._scan(None, (prefix, limit, after)), "scan")
-        return _AsyncOnly(self._scan(kv.scan(prefix, limit=limit, after=after), None),  # (lock-free
-                          "scan")  # sync)
+        it = kv.scan(prefix, limit=limit, after=after)  # (the sync scan: lock-free)
+        return _AsyncOnly(self._scan(it, None), "scan")
 
     async def _scan(self, it: Iterator[Item] | None,
                     start: tuple[str, int | None, str | None] | None) -> AsyncIterator[Item]:
@@ -350,8 +350,9 @@ class AsyncClient:
         (its refreshes run in the sync handle's thread, never on the loop)."""
         fn, args = self._kv.presence, (prefix, agent_id, ttl, value)
         handle = _inline(fn, args, {})
-        if handle is _WOULD_WAIT or handle.__class__ is L3Read:  # (cancelled while it ran
-            # in the pool: the handle it made is stopped, its key removed: nobody else can)
+        if handle is _WOULD_WAIT or handle.__class__ is L3Read:
+            # (in the pool; should its task be cancelled meanwhile, the handle made is
+            # stopped and its key removed: nobody else holds it)
             handle = await self._off_loop(fn, args, {}, made=self._stop_presence)
         return AsyncPresence(self, handle)
 
