@@ -145,6 +145,47 @@ def test_a_thread_id_too_long_for_a_key_says_what_to_do(kv: kvcomm.Client) -> No
 _IDS = st.text(alphabet=st.sampled_from("ab/%=é\x01 .:"), max_size=6)
 
 
+@given(st.text(alphabet=st.sampled_from("ab/%=é\x01\x85 .:\u2028"), max_size=40), _IDS, _IDS,
+       st.integers(-5, 10**6), st.integers(40, 80))
+def test_keys_built_from_the_memo_are_the_keys_the_layout_names(
+        thread: str, ns: str, cid: str, idx: int, bound: int) -> None:
+    """Keys memoises each (thread, namespace)'s prefixes and head and checks a task's
+    write keys once (the longest): every key is still the escaped layout of the module
+    docstring, under the bound or InvalidKey, asked first or again."""
+    k = Keys("lg/", bound)
+
+    def expect(key: str) -> str | type[kvcomm.InvalidKey]:
+        return key if len(key.encode("utf-8", "surrogatepass")) <= bound else kvcomm.InvalidKey
+
+    def got(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except kvcomm.InvalidKey:
+            return kvcomm.InvalidKey
+
+    tn = esc(thread) + "/" + esc(ns) + "/"
+    for _again in range(2):
+        assert got(k.head, thread, ns) == expect("lg/cp/h/" + tn)
+        assert got(k.checkpoint, thread, ns, cid) == expect("lg/cp/c/" + tn + esc(cid))
+        assert k.ns(k.blobs, thread, ns) == "lg/cp/b/" + tn
+        prefix = k.task_prefix(thread, ns, cid, "task")
+        assert prefix == "lg/cp/w/" + tn + esc(cid) + "/task/"
+        each = [got(k.task_write, prefix, i, "task", thread) for i in (0, idx)]
+        assert each == [expect(prefix + "0"), expect(prefix + str(idx))]
+        together = got(k.task_writes, prefix, [0, idx], "task", thread)
+        assert together == (kvcomm.InvalidKey if kvcomm.InvalidKey in each else each)
+
+
+def test_an_id_that_is_not_a_str_gets_invalid_key_from_every_key_builder() -> None:
+    k = Keys("lg/", 250)
+    for bad in (["a"], {"a": 1}, 7, None, b"t"):
+        for build in (lambda: k.head(bad, ""), lambda: k.head("t", bad),  # noqa: B023
+                      lambda: k.checkpoint(bad, "", "c"), lambda: k.checkpoint("t", "", bad),  # noqa: B023
+                      lambda: k.task_prefix("t", "", "c", bad)):  # noqa: B023
+            with pytest.raises(kvcomm.InvalidKey, match="must be a str"):
+                build()
+
+
 @given(_IDS, _IDS, _IDS, _IDS)
 def test_escaped_ids_are_injective_and_keep_prefixes_apart(a: str, b: str, c: str, d: str) -> None:
     assert unesc(esc(a)) == a and "/" not in esc(a) and "=" not in esc(a)

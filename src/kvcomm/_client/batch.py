@@ -318,19 +318,26 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
     if c._cluster or c._strong_on or c._has_validators:
         return _put_records_batch(c, keys, records, now, ttl, absent, last)
     b = BatchOps(*c._batch_ops)  # (validates and encodes, as a batch's own ops)
-    _step_ops(c, b, keys, records, now, ttl, last)
+    if ttl is None and (last is None or last[3] is None):  # (_step_ops without a deadline)
+        b._put_packed(keys, records)
+        if last is not None:
+            BatchOps.put(b, last[0], last[1])
+    else:
+        _step_ops(c, b, keys, records, now, ttl, last)
     ops = b._ops
-    expects = [ops[j][:2] for j in absent]
+    expects = [ops[j][:2] for j in absent] if absent else []
     if last is not None:
         judged = _kernel_expect(c, ops[-1][0], ops[-1][1], last[2])
         if judged is None:
             return _put_records_batch(c, keys, records, now, ttl, absent, last)
         expects.append(judged)
-    c._live()
+    if c._closed or c._forked:
+        c._live()  # (raises)
     t0 = _timed(c)
     try:
-        packed, vvxs = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty,
-                                    compact=True, expects=expects or None)
+        packed, vvxs = c._seg.apply(ops, now_ms=time.time_ns() // 1_000_000,
+                                    max_dirty=c._max_dirty, compact=True,
+                                    expects=expects or None)
     except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
         c._lat_left = 1 if t0 else c._lat_left + 1  # (its turn to be timed, if it was this)
         return _put_records_batch(c, keys, records, now, ttl, absent, last)

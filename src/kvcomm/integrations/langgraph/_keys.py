@@ -62,13 +62,13 @@ _esc = functools.lru_cache(maxsize=65536)(_escaped)  # (a run escapes the same i
 
 def _esc_id(component: str) -> str:
     """:func:`esc` of a checkpoint or task id (new at every step: not memoised); the common
-    id, printable without ``%``, ``/`` or ``=``, is itself."""
+    id, with nothing to escape, is itself."""
     if type(component) is not str:
         return esc(component)  # (raises InvalidKey)
-    if component.isprintable() and "%" not in component and "/" not in component \
-            and "=" not in component:
-        return component
-    return _escaped(component)
+    return component if _find_escaped(component) is None else _escaped(component)
+
+
+_find_escaped = _ESCAPE.search
 
 
 def unesc(component: str) -> str:
@@ -100,20 +100,28 @@ class Keys:
         self.blobs = root + "cp/b/"
         self.writes = root + "cp/w/"
         self.store = root + "st/"
-        self._tn: dict[tuple[str, str], str] = {}  # (thread id, namespace) -> "T/N/"
+        # (thread id, namespace) -> ("T/N/", the head's key or None when over the bound,
+        # the prefixes of its checkpoints and of its writes)
+        self._tn: dict[tuple[str, str], tuple[str, str | None, str, str]] = {}
 
-    def _thread_ns(self, thread_id: str, checkpoint_ns: str) -> str:
-        """``esc(thread_id)/esc(checkpoint_ns)/``, memoised (a run builds its keys at every
-        step); at most _TN_MEMO entries, then forgotten all at once."""
-        if type(thread_id) is str and type(checkpoint_ns) is str:
-            tn = self._tn.get((thread_id, checkpoint_ns))
-            if tn is None:
-                if len(self._tn) >= _TN_MEMO:
-                    self._tn.clear()
-                tn = self._tn[thread_id, checkpoint_ns] = (
-                    _esc(thread_id) + "/" + _esc(checkpoint_ns) + "/")
-            return tn
-        return esc(thread_id) + "/" + esc(checkpoint_ns) + "/"  # (raises InvalidKey)
+    def _of(self, thread_id: str, checkpoint_ns: str) -> tuple[str, str | None, str, str]:
+        """``("T/N/", head key, checkpoints' prefix, writes' prefix)`` of a thread's
+        namespace (``T/N/``: ``esc(thread_id)/esc(checkpoint_ns)/``), memoised: a run
+        builds its keys at every step; at most _TN_MEMO entries, then forgotten all at
+        once. Raises InvalidKey for ids that are not str."""
+        try:
+            got = self._tn.get((thread_id, checkpoint_ns))
+        except TypeError:  # (an unhashable id: esc says what is wrong with it)
+            got = None
+        if got is None:
+            tn = esc(thread_id) + "/" + esc(checkpoint_ns) + "/"
+            head = self.heads + tn
+            fits = head.isascii() and len(head) <= self.max
+            got = (tn, head if fits else None, self.checkpoints + tn, self.writes + tn)
+            if len(self._tn) >= _TN_MEMO:
+                self._tn.clear()
+            self._tn[thread_id, checkpoint_ns] = got
+        return got
 
     def fit(self, key: str, what: str, *args: object) -> str:
         """``key``, checked against ``max_key_bytes``: InvalidKey naming ``what`` (formatted
@@ -134,14 +142,14 @@ class Keys:
         return prefix + esc(thread_id) + "/"
 
     def ns(self, prefix: str, thread_id: str, checkpoint_ns: str) -> str:
-        return prefix + self._thread_ns(thread_id, checkpoint_ns)
+        return prefix + self._of(thread_id, checkpoint_ns)[0]
 
     def head(self, thread_id: str, checkpoint_ns: str) -> str:
-        return self.fit(self.ns(self.heads, thread_id, checkpoint_ns),
-                        "the head of thread {!r}", thread_id)
+        of = self._of(thread_id, checkpoint_ns)
+        return of[1] or self.fit(self.heads + of[0], "the head of thread {!r}", thread_id)
 
     def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
-        return self.fit(self.ns(self.checkpoints, thread_id, checkpoint_ns) + _esc_id(checkpoint_id),
+        return self.fit(self._of(thread_id, checkpoint_ns)[2] + _esc_id(checkpoint_id),
                         "checkpoint {!r} of thread {!r}", checkpoint_id, thread_id)
 
     def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
@@ -151,7 +159,7 @@ class Keys:
                         "channel {!r} of thread {!r}", channel, thread_id)
 
     def write_prefix(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
-        return self.ns(self.writes, thread_id, checkpoint_ns) + _esc_id(checkpoint_id) + "/"
+        return self._of(thread_id, checkpoint_ns)[3] + _esc_id(checkpoint_id) + "/"
 
     def write(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
               idx: int) -> str:
@@ -167,6 +175,16 @@ class Keys:
         """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
         return self.fit(prefix + str(idx), "a write of task {!r} in thread {!r}", task_id,
                         thread_id)
+
+    def task_writes(self, prefix: str, indices: list[int], task_id: str,
+                    thread_id: str) -> list[str]:
+        """The keys of writes ``indices`` (ints) under ``prefix``, as :meth:`task_write`
+        makes each: one check of the longest against ``max_keys_bytes``."""
+        keys = [prefix + str(i) for i in indices]
+        if keys:
+            self.fit(max(keys, key=len), "a write of task {!r} in thread {!r}", task_id,
+                     thread_id)
+        return keys
 
     @staticmethod
     def split(key: str, prefix: str) -> list[str]:

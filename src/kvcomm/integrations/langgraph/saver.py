@@ -59,7 +59,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ..._client.batch import put_records
-from ...aio import AsyncClient
+from ...aio import AGAIN, AsyncClient
 from ...core.codec import Packed
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
@@ -151,9 +151,16 @@ class _Reading:
         return None
 
     def __exit__(self, t: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
-        if exc is not None and isinstance(exc, _SHAPE_ERRORS) and not isinstance(exc, KVCommError):
-            raise _corrupt(self.what or f"thread {self.thread!r}", exc) from None
+        if exc is not None and isinstance(exc, _SHAPE_ERRORS):
+            _reraise_corrupt(self.what or f"thread {self.thread!r}", exc)
         return False
+
+
+def _reraise_corrupt(what: str, exc: BaseException) -> None:
+    """What ``_Reading(what)`` raises for ``exc``, one of _SHAPE_ERRORS, at the end of its
+    block: CorruptRecord naming ``what``; nothing (the caller re-raises) for a KVCommError."""
+    if not isinstance(exc, KVCommError):
+        raise _corrupt(what, exc) from None
 
 
 def _slots_ok(w: Any) -> bool:
@@ -375,9 +382,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # retry of the head's compare-and-set)
         keys = [k.checkpoint(thread_id, ns, cid)]
         record = [*dumps(c), *dumps(md), parent, md.get("run_id")]
+        inline = set()
         for channel, value in values.items():
             if _inline(value):
                 record += (channel, *dumps(value))
+                inline.add(channel)
         versions = checkpoint["channel_versions"]
         # (channels it names at an older version without their values: LangGraph passes
         # every value, a caller of put may not; their values are its ancestors')
@@ -393,7 +402,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                          if ch not in new_versions and ch in values]
         own = 1  # (the checkpoint and its new values' records: keys[:own], its own)
         for n, (channel, version) in enumerate(channels):
-            if channel in values and _inline(values[channel]):
+            if channel in inline:
                 continue  # (in the checkpoint's record)
             blobs = blobs or k.ns(k.blobs, thread_id, ns)
             keys.append(k.fit(blobs + esc(channel) + "/" + version_component(version),
@@ -403,10 +412,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
         start = time.time()
         try:
-            with _Reading(thread=thread_id):
-                self._update_head(k.head(thread_id, ns), functools.partial(
-                    _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
-                    (keys, records))
+            self._update_head(k.head(thread_id, ns), functools.partial(
+                _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
+                (keys, records))
+        except _SHAPE_ERRORS as exc:  # (as `with _Reading(thread=...)`, made only then)
+            _reraise_corrupt(f"thread {thread_id!r}", exc)
+            raise
         except _Moved as moved:
             if self._cluster:  # (written before the head's compare-and-set: gone again)
                 self._delete_keys(keys[:own])
@@ -634,17 +645,16 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             raise InvalidArgument("put_writes stores a task's writes at a checkpoint: its "
                                   "config names one ('checkpoint_id'), as put returned it")
         prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
-        task_write, dumps = self.keys.task_write, self.serde.dumps_typed
-        keys: list[str] = []
+        dumps = self.serde.dumps_typed
         records: list[list[Any]] = []
         indices: list[int] = []  # (of the writes, as keyed)
         regular: list[int] = []  # (indices in keys of the writes kept when stored already)
         try:
-            for idx, (channel, value) in enumerate(writes):
+            for idx, write in enumerate(writes):
+                channel, value = write
                 i = WRITES_IDX_MAP.get(channel, idx)
                 if i >= 0:
-                    regular.append(len(keys))
-                keys.append(task_write(prefix, i, task_id, thread_id))
+                    regular.append(len(indices))
                 indices.append(i)
                 records.append([task_id, channel, *dumps(value), task_path])
         except (TypeError, ValueError):  # (what unpacking a write that is no pair raises)
@@ -653,6 +663,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 raise  # (the serializer's: the value's own error)
             raise InvalidArgument(f"a task's writes are (channel, value) pairs, channel a str, "
                                   f"got {str(writes)[:200]}") from None
+        keys = self.keys.task_writes(prefix, indices, task_id, thread_id)
         if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
             self._commands[run] = (thread_id, ns, cid)  # (before they are stored: see put)
@@ -1042,12 +1053,21 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
                    metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
         """:meth:`put`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        return await self._run(self.put, config, checkpoint, metadata, new_versions)
+        args = (config, checkpoint, metadata, new_versions)
+        if self.aio is None:
+            return await self._run(self.put, *args)
+        # (run_async's attempt without its coroutine: a graph does this at every step)
+        out: RunnableConfig = self.aio._at_once(self.put, args)
+        return out if out is not AGAIN else await self.aio._off_loop(self.put, args, {})
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
                           task_id: str, task_path: str = "") -> None:
         """:meth:`put_writes`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        await self._run(self.put_writes, config, writes, task_id, task_path)
+        args = (config, writes, task_id, task_path)
+        if self.aio is None:
+            await self._run(self.put_writes, *args)
+        elif self.aio._at_once(self.put_writes, args) is AGAIN:  # (as aput)
+            await self.aio._off_loop(self.put_writes, args, {})
 
     async def adelete_thread(self, thread_id: str) -> None:
         """:meth:`delete_thread`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
