@@ -271,7 +271,8 @@ def test_c_and_python_read_the_same_deadline_from_random_fields(kv: kvcomm.Clien
         m = {rng.choice(["a", "e", "x", "ee", "E", str(i)]): _random_value(rng)
              for _ in range(rng.randrange(18))}
         if rng.random() < 0.5:
-            m["e"] = rng.choice([time.time() + rng.random() * 100, rng.randrange(1, 2**40),
+            # (a deadline a second away at least: this test reads it back, it does not expire it)
+            m["e"] = rng.choice([time.time() + 1 + rng.random() * 100, rng.randrange(1, 2**40),
                                  _random_value(rng), rng.randrange(1, 2**64)])
         ext = msgpack.packb(m, use_bin_type=True, use_single_float=rng.random() < 0.2)
         if len(ext) > 4096:
