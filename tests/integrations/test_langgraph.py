@@ -598,7 +598,7 @@ def test_wrong_arguments_get_a_clear_error_and_change_nothing(ns: str,
                  r"write \['t1'\]"),
                 (lambda: saver.adelete_for_runs("abc"), kvcomm.InvalidArgument, "list of ids"),
                 (lambda: saver.adelete_for_runs(None), kvcomm.InvalidArgument, "list of ids"),
-                (lambda: saver.aprune([1]), kvcomm.InvalidArgument, "str ids"),
+                (lambda: saver.aprune([1.5]), kvcomm.InvalidArgument, "str ids"),
                 (lambda: saver.aput({"configurable": {"thread_id": "t1", "checkpoint_id": 7}},
                                     tup.checkpoint, tup.metadata, {}),
                  kvcomm.InvalidKey, "checkpoint_id is a str"),
@@ -610,6 +610,8 @@ def test_wrong_arguments_get_a_clear_error_and_change_nothing(ns: str,
                 (lambda: saver.aput_writes({"configurable": {"thread_id": "t1"}}, [], "task"),
                  kvcomm.InvalidArgument, "checkpoint_id"),
                 (lambda: saver.aput_writes(tup.config, [("a", 1, 2)], "task"),
+                 kvcomm.InvalidArgument, "pairs"),
+                (lambda: saver.aput_writes(tup.config, ["ab"], "task"),  # (not ("a", "b"))
                  kvcomm.InvalidArgument, "pairs"),
                 (lambda: store.asearch(("u",), filter=5), kvcomm.InvalidArgument, "filter"),
                 (lambda: store.asearch(("u",), limit="x"), kvcomm.InvalidArgument, "limit"),
@@ -650,6 +652,34 @@ def test_wrong_arguments_get_a_clear_error_and_change_nothing(ns: str,
         store.put(("a", "b"), "k", {"x": 1})
         assert store.list_namespaces(prefix=["a"]) == [("a", "b")]  # type: ignore[arg-type]
         assert len(store.search(("a",), limit=np.int64(2))) == 1  # type: ignore[arg-type]
+
+
+def test_an_int_thread_id_names_the_thread_a_graph_keyed_as_its_str(kv: kvcomm.Client) -> None:
+    """LangGraph's graphs key ``thread_id=1`` as ``"1"`` (invoke, get_state): the saver's
+    own methods given the same config find that thread, as they would given "1" (before:
+    InvalidKey from list, get_tuple, delete_thread, copy_thread and prune)."""
+    g = StateGraph(State)
+    g.add_node("step", lambda s: {"steps": ["x"]})
+    g.add_edge(START, "step")
+    g.add_edge("step", END)
+    saver = KVCommSaver(kv)
+    graph = g.compile(checkpointer=saver)
+    graph.invoke({"steps": []}, {"configurable": {"thread_id": 1}})
+    one = {"configurable": {"thread_id": 1}}
+    assert graph.get_state(one).values == {"steps": ["x"]}
+    got = saver.get_tuple(one)
+    assert got is not None and got.config["configurable"]["thread_id"] == "1"
+    assert [t.checkpoint["id"] for t in saver.list(one)] == \
+        [t.checkpoint["id"] for t in saver.list({"configurable": {"thread_id": "1"}})] != []
+    saver.copy_thread(1, 2)
+    assert saver.get_tuple({"configurable": {"thread_id": "2"}}).checkpoint == got.checkpoint  # type: ignore[union-attr]
+    saver.prune([2], strategy="delete")
+    assert saver.get_tuple({"configurable": {"thread_id": "2"}}) is None
+    saver.delete_thread(1)
+    assert saver.get_tuple({"configurable": {"thread_id": "1"}}) is None
+    for bad in (True, 1.0, None):  # (only an int is a thread id's str; a bool is no int here)
+        with pytest.raises(kvcomm.InvalidKey):
+            saver.delete_thread(bad)  # type: ignore[arg-type]
 
 
 async def _async_inc(n: Any) -> int:

@@ -316,7 +316,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def _ids(config: RunnableConfig) -> tuple[str, str]:
         try:
             c = config["configurable"]
-            return c["thread_id"], c.get("checkpoint_ns", "")
+            thread_id = c["thread_id"]
+            return (thread_id if type(thread_id) is str else _thread(thread_id),
+                    c.get("checkpoint_ns", ""))
         except (KeyError, TypeError, AttributeError):
             raise InvalidArgument(f"a LangGraph config names its thread: "
                                   f"{{'configurable': {{'thread_id': ...}}}}, got "
@@ -410,7 +412,6 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             records.append([*dumps(values[channel])] if channel in values else ["empty", b""])
             own += n < len(new_versions)
 
-        start = time.time()
         try:
             self._update_head(k.head(thread_id, ns), functools.partial(
                 _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
@@ -430,11 +431,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         self._last[thread_id, ns] = (cid, record)
         if len(self._last) > _MAX_HEADS:
             self._last.pop(next(iter(self._last)))
-        if ttl is not None:  # (values only its ancestors' records hold live as long as it)
-            inlined = set(record[6::3])
+        if ttl is not None:  # (values only its ancestors' records hold live as long as it:
+            # counted from now, after its deadline was, so never a microsecond less)
+            inlined, written = set(record[6::3]), time.time()
             for ch in inherited:
                 if ch not in inlined:
-                    self.kv.touch(k.blob(thread_id, ns, ch, versions[ch]), self._left(start))
+                    self.kv.touch(k.blob(thread_id, ns, ch, versions[ch]), self._left(written))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns,
                                  "checkpoint_id": cid}}
 
@@ -651,6 +653,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         regular: list[int] = []  # (indices in keys of the writes kept when stored already)
         try:
             for idx, write in enumerate(writes):
+                if type(write) is str:  # type: ignore[comparison-overlap]
+                    raise ValueError  # (no pair, though two characters unpack as one)
                 channel, value = write
                 i = WRITES_IDX_MAP.get(channel, idx)
                 if i >= 0:
@@ -935,6 +939,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, value and write of ``thread_id`` (heads first, so that
         no reader finds a head whose records are going)."""
+        thread_id = _thread(thread_id)
         for item in list(scan(self.kv, self.keys.thread(self.keys.heads, thread_id))):
             self._heads.pop(item.key, None)
             self.kv.delete(item.key)
@@ -944,6 +949,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         """Copy every checkpoint, value and write of ``source_thread_id`` to
         ``target_thread_id`` (records first, then the heads). Raises CorruptRecord for a
         head of the source that is not one KVCommSaver wrote (its records are copied)."""
+        source_thread_id, target_thread_id = _thread(source_thread_id), _thread(target_thread_id)
         with _Reading(thread=source_thread_id):
             self._copy_thread(source_thread_id, target_thread_id)
 
@@ -1001,7 +1007,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         NotImplementedError, as its); nothing deleted then."""
         if strategy not in ("keep_latest", "delete"):
             raise InvalidArgument(f"prune strategy is 'keep_latest' or 'delete', got {strategy!r}")
-        thread_ids = _names(thread_ids, "thread_ids")
+        thread_ids = [_thread(t) for t in _names(thread_ids, "thread_ids", ints=True)]
         if strategy == "keep_latest":
             delta = sorted(t for t in thread_ids if self._uses_delta_channels(t))
             if delta:
@@ -1086,15 +1092,23 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         await self._run(self.prune, thread_ids, strategy=strategy)
 
 
-def _names(ids: Any, what: str) -> builtins.list[str]:
-    """``ids``, a collection of str ids, as a list: InvalidArgument for a str (which would
-    be taken as its characters: prune("t1") deleted threads "t" and "1") or anything
-    else."""
+def _thread(thread_id: Any) -> Any:
+    """A thread id as KVCommSaver keys it: an int as its str, as LangGraph's graphs do
+    (``graph.get_state`` and ``invoke`` key ``thread_id=1`` as ``"1"``), so that a direct
+    call finds what a graph stored; anything else as it is (a key builder raises
+    InvalidKey for what is not a str)."""
+    return str(thread_id) if type(thread_id) is int else thread_id
+
+
+def _names(ids: Any, what: str, *, ints: bool = False) -> builtins.list[str]:
+    """``ids``, a collection of str ids (``ints``: or ints), as a list: InvalidArgument
+    for a str (which would be taken as its characters: prune("t1") deleted threads "t"
+    and "1") or anything else."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
         raise InvalidArgument(f"{what} is a list of ids, got {ids!r}"
                               + (f": write [{ids!r}]" if isinstance(ids, str) else ""))
     out = builtins.list(ids)
-    bad = [i for i in out if type(i) is not str]
+    bad = [i for i in out if type(i) is not str and not (ints and type(i) is int)]
     if bad:
         raise InvalidArgument(f"{what} are str ids, got {bad[0]!r}")
     return out
