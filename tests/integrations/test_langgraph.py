@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -613,6 +614,14 @@ def test_wrong_arguments_get_a_clear_error_and_change_nothing(ns: str,
                  kvcomm.InvalidArgument, "pairs"),
                 (lambda: saver.aput_writes(tup.config, ["ab"], "task"),  # (not ("a", "b"))
                  kvcomm.InvalidArgument, "pairs"),
+                (lambda: saver.aput_writes(tup.config, iter([("a", 1), "ab"]), "task"),
+                 kvcomm.InvalidArgument, "pairs"),
+                (lambda: saver.aput_writes(tup.config, [_Str("ab")], "task"),
+                 kvcomm.InvalidArgument, "pairs"),
+                (lambda: saver.aput_writes(tup.config, [{"a": 1, "b": 2}], "task"),
+                 kvcomm.InvalidArgument, "pairs"),
+                (lambda: saver.aput_writes(tup.config, [(97, "x")], "task"),  # (a channel that
+                 kvcomm.InvalidArgument, "pairs"),  # broke every later read of the thread)
                 (lambda: store.asearch(("u",), filter=5), kvcomm.InvalidArgument, "filter"),
                 (lambda: store.asearch(("u",), limit="x"), kvcomm.InvalidArgument, "limit"),
                 (lambda: store.asearch(("u",), offset=-5), kvcomm.InvalidArgument, "offset"),
@@ -677,9 +686,56 @@ def test_an_int_thread_id_names_the_thread_a_graph_keyed_as_its_str(kv: kvcomm.C
     assert saver.get_tuple({"configurable": {"thread_id": "2"}}) is None
     saver.delete_thread(1)
     assert saver.get_tuple({"configurable": {"thread_id": "1"}}) is None
-    for bad in (True, 1.0, None):  # (only an int is a thread id's str; a bool is no int here)
-        with pytest.raises(kvcomm.InvalidKey):
+    for bad in (True, 1.0, None, 10**5000):  # (only an int or a UUID is a thread id's str;
+        with pytest.raises(kvcomm.InvalidKey):  # a bool is no int here)
             saver.delete_thread(bad)  # type: ignore[arg-type]
+    u = uuid.uuid4()
+    graph.invoke({"steps": []}, {"configurable": {"thread_id": u}})
+    by_uuid = saver.get_tuple({"configurable": {"thread_id": u}})
+    assert by_uuid is not None and by_uuid.config["configurable"]["thread_id"] == str(u)
+    assert by_uuid.checkpoint == saver.get_tuple(  # type: ignore[union-attr]
+        {"configurable": {"thread_id": str(u)}}).checkpoint
+
+
+class _Str(str):
+    pass
+
+
+class _NoCase(str):
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and self.lower() == other.lower()
+
+    def __hash__(self) -> int:
+        return hash(self.lower())
+
+
+def test_a_str_subclass_id_is_refused_whatever_ids_the_saver_met_before(
+        kv: kvcomm.Client) -> None:
+    """The review's find on the memo of thread keys: looked up before the id's type was
+    checked, a str subclass equal to a thread id met before (a StrEnum, a case-blind
+    str) took that thread's keys, and a run failed or not by what the memo held. Every
+    such id gets InvalidKey, first or after, and an id over the bound is not kept."""
+    saver = KVCommSaver(kv)
+    g = StateGraph(State)
+    g.add_node("step", lambda s: {"steps": ["x"]})
+    g.add_edge(START, "step")
+    g.add_edge("step", END)
+    graph = g.compile(checkpointer=saver)
+    for after in (False, True):
+        if after:
+            graph.invoke({"steps": []}, {"configurable": {"thread_id": "a"}})
+        for odd in (_Str("a"), _NoCase("A")):
+            with pytest.raises(kvcomm.InvalidKey, match="must be a str"):
+                graph.invoke({"steps": []}, {"configurable": {"thread_id": odd}})
+            with pytest.raises(kvcomm.InvalidKey, match="must be a str"):
+                saver.get_tuple({"configurable": {"thread_id": "a", "checkpoint_ns": odd}})
+    assert [t.checkpoint["id"] for t in saver.list({"configurable": {"thread_id": "a"}})] == \
+        [t.checkpoint["id"] for t in saver.list({"configurable": {"thread_id": "a"}})]
+    kept = len(saver.keys._tn)
+    for i in range(20):
+        with pytest.raises(kvcomm.InvalidKey, match="max_key_bytes"):
+            saver.keys.head(f"{i}" + "t" * 400, "")
+    assert len(saver.keys._tn) == kept
 
 
 async def _async_inc(n: Any) -> int:

@@ -100,27 +100,28 @@ class Keys:
         self.blobs = root + "cp/b/"
         self.writes = root + "cp/w/"
         self.store = root + "st/"
-        # (thread id, namespace) -> ("T/N/", the head's key or None when over the bound,
-        # the prefixes of its checkpoints and of its writes)
+        # (thread id, namespace) -> ("T/N/", the head's key, the prefixes of its
+        # checkpoints and of its writes), for ids whose head is within the bound
         self._tn: dict[tuple[str, str], tuple[str, str | None, str, str]] = {}
 
     def _of(self, thread_id: str, checkpoint_ns: str) -> tuple[str, str | None, str, str]:
         """``("T/N/", head key, checkpoints' prefix, writes' prefix)`` of a thread's
-        namespace (``T/N/``: ``esc(thread_id)/esc(checkpoint_ns)/``), memoised: a run
-        builds its keys at every step; at most _TN_MEMO entries, then forgotten all at
-        once. Raises InvalidKey for ids that are not str."""
-        try:
-            got = self._tn.get((thread_id, checkpoint_ns))
-        except TypeError:  # (an unhashable id: esc says what is wrong with it)
-            got = None
-        if got is None:
-            tn = esc(thread_id) + "/" + esc(checkpoint_ns) + "/"
-            head = self.heads + tn
-            fits = head.isascii() and len(head) <= self.max
-            got = (tn, head if fits else None, self.checkpoints + tn, self.writes + tn)
-            if len(self._tn) >= _TN_MEMO:
-                self._tn.clear()
-            self._tn[thread_id, checkpoint_ns] = got
+        namespace (``T/N/``: ``esc(thread_id)/esc(checkpoint_ns)/``; the head key None
+        when over ``max_key_bytes``, as every key of it is then), memoised for str ids
+        whose keys can fit: a run builds its keys at every step; at most _TN_MEMO
+        entries, then forgotten all at once. Raises InvalidKey for ids that are not str."""
+        if type(thread_id) is str and type(checkpoint_ns) is str:  # (only: a str subclass
+            got = self._tn.get((thread_id, checkpoint_ns))  # may equal another id)
+            if got is not None:
+                return got
+        tn = esc(thread_id) + "/" + esc(checkpoint_ns) + "/"  # (raises InvalidKey)
+        head = self.heads + tn
+        if len(head.encode("utf-8", "surrogatepass")) > self.max:
+            return tn, None, self.checkpoints + tn, self.writes + tn  # (no key fits: not kept)
+        got = (tn, head, self.checkpoints + tn, self.writes + tn)
+        if len(self._tn) >= _TN_MEMO:
+            self._tn.clear()
+        self._tn[thread_id, checkpoint_ns] = got
         return got
 
     def fit(self, key: str, what: str, *args: object) -> str:
@@ -179,7 +180,7 @@ class Keys:
     def task_writes(self, prefix: str, indices: list[int], task_id: str,
                     thread_id: str) -> list[str]:
         """The keys of writes ``indices`` (ints) under ``prefix``, as :meth:`task_write`
-        makes each: one check of the longest against ``max_keys_bytes``."""
+        makes each: one check of the longest against ``max_key_bytes``."""
         keys = [prefix + str(i) for i in indices]
         if keys:
             self.fit(max(keys, key=len), "a write of task {!r} in thread {!r}", task_id,

@@ -37,6 +37,7 @@ import itertools
 import math
 import random
 import time
+import uuid
 import warnings
 from collections import ChainMap
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -651,22 +652,20 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         records: list[list[Any]] = []
         indices: list[int] = []  # (of the writes, as keyed)
         regular: list[int] = []  # (indices in keys of the writes kept when stored already)
-        try:
-            for idx, write in enumerate(writes):
-                if type(write) is str:  # type: ignore[comparison-overlap]
-                    raise ValueError  # (no pair, though two characters unpack as one)
+        for idx, write in enumerate(writes):
+            try:
                 channel, value = write
-                i = WRITES_IDX_MAP.get(channel, idx)
-                if i >= 0:
-                    regular.append(len(indices))
-                indices.append(i)
-                records.append([task_id, channel, *dumps(value), task_path])
-        except (TypeError, ValueError):  # (what unpacking a write that is no pair raises)
-            if all(type(w) in (tuple, list) and len(w) == 2 and type(w[0]) is str
-                   for w in writes):
-                raise  # (the serializer's: the value's own error)
-            raise InvalidArgument(f"a task's writes are (channel, value) pairs, channel a str, "
-                                  f"got {str(writes)[:200]}") from None
+            except (TypeError, ValueError):
+                channel = None
+            if type(channel) is not str or not isinstance(write, (tuple, list)):  # (a str
+                raise InvalidArgument(  # of two characters unpacks as a pair)
+                    f"a task's writes are (channel, value) pairs, channel a str, got "
+                    f"{str(write)[:200]} in {str(writes)[:200]}")
+            i = WRITES_IDX_MAP.get(channel, idx)
+            if i >= 0:
+                regular.append(len(indices))
+            indices.append(i)
+            records.append([task_id, channel, *dumps(value), task_path])
         keys = self.keys.task_writes(prefix, indices, task_id, thread_id)
         if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
@@ -1093,24 +1092,32 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
 
 def _thread(thread_id: Any) -> Any:
-    """A thread id as KVCommSaver keys it: an int as its str, as LangGraph's graphs do
-    (``graph.get_state`` and ``invoke`` key ``thread_id=1`` as ``"1"``), so that a direct
-    call finds what a graph stored; anything else as it is (a key builder raises
-    InvalidKey for what is not a str)."""
-    return str(thread_id) if type(thread_id) is int else thread_id
+    """A thread id as KVCommSaver keys it: an int or a UUID as its str, as LangGraph's
+    graphs key them (``invoke`` and ``get_state`` with ``thread_id=1`` use ``"1"``), so
+    that a direct call finds what a graph stored; anything else as it is (a key builder
+    raises InvalidKey for what is not a str)."""
+    if type(thread_id) is int or type(thread_id) is uuid.UUID:
+        try:
+            return str(thread_id)
+        except ValueError:  # (an int of more digits than Python converts)
+            raise InvalidKey(f"a thread id is a str (or an int or UUID, used as its str), "
+                             "got an int too large to write as a str") from None
+    return thread_id
 
 
 def _names(ids: Any, what: str, *, ints: bool = False) -> builtins.list[str]:
-    """``ids``, a collection of str ids (``ints``: or ints), as a list: InvalidArgument
+    """``ids``, a collection of str ids (``ints``: or ints and UUIDs, thread ids), as a
+    list: InvalidArgument
     for a str (which would be taken as its characters: prune("t1") deleted threads "t"
     and "1") or anything else."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
         raise InvalidArgument(f"{what} is a list of ids, got {ids!r}"
                               + (f": write [{ids!r}]" if isinstance(ids, str) else ""))
     out = builtins.list(ids)
-    bad = [i for i in out if type(i) is not str and not (ints and type(i) is int)]
+    bad = [i for i in out if type(i) is not str and not (ints and type(i) in (int, uuid.UUID))]
     if bad:
-        raise InvalidArgument(f"{what} are str ids, got {bad[0]!r}")
+        raise InvalidArgument(f"{what} are str ids{' (or ints or UUIDs)' if ints else ''}, "
+                              f"got {bad[0]!r}")
     return out
 
 
