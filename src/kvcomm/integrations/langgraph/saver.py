@@ -1100,7 +1100,7 @@ def _thread(thread_id: Any) -> Any:
         try:
             return str(thread_id)
         except ValueError:  # (an int of more digits than Python converts)
-            raise InvalidKey(f"a thread id is a str (or an int or UUID, used as its str), "
+            raise InvalidKey("a thread id is a str (or an int or UUID, used as its str), "
                              "got an int too large to write as a str") from None
     return thread_id
 
