@@ -110,6 +110,44 @@ def test_close_with_live_views_keeps_them_valid(ns: str, config: kvcomm.Config) 
     assert np.array_equal(view, BIG)
 
 
+def _child_collects(out: mp.Queue) -> None:  # type: ignore[type-arg]
+    gc.collect()
+    out.put("collected")
+
+
+def test_a_view_outliving_its_closed_client_is_unpinned_when_dropped_even_after_a_fork(
+        ns: str, config: kvcomm.Config) -> None:
+    """A view kept after the namespace's last client closed keeps the mapping and its pin.
+    Dropped, it releases the pin (before, its callback found the segment closed and the
+    block stayed parked until the process ended); a child forked meanwhile neither hangs
+    on the parent's threads when it collects the kernel object the view's callback holds
+    nor releases the parent's pin."""
+    kv = kvcomm.open(ns, config=config)
+    kv.put("a", BIG)
+    view = kv.get("a")
+    kv.close()
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    p = ctx.Process(target=_child_collects, args=(out,))
+    p.start()
+    try:
+        assert out.get(timeout=20) == "collected"
+        p.join(10)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+    with kvcomm.open(ns, config=config) as kv2:
+        kv2.put("a", BIG + 1)
+        assert kv2._seg.info()["pinned_deferred_blocks"] == 1  # (the parent's pin: kept)
+        assert np.array_equal(view, BIG)
+        del view
+        gc.collect()
+        kv2.put("other", 1)  # (the next write sweeps released pins)
+        assert kv2._seg.info()["pinned_deferred_blocks"] == 0
+        assert kv2._seg.check() == []
+
+
 def test_a_view_overwritten_by_a_non_array_while_it_is_read(kv: kvcomm.Client) -> None:
     """Item 7: the record changes between the lock-free read (an array: pin it) and the
     pin; what is pinned is checked again."""

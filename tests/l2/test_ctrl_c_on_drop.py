@@ -90,14 +90,7 @@ def _looper(ns: str, w: Connection, what: str) -> None:
             held.close()
 
 
-@pytest.mark.parametrize("what", [
-    "clients", "namespaces", "segments",
-    pytest.param("views", marks=pytest.mark.xfail(strict=True, reason=(
-        "a view's pin is released by a Python weakref callback (_client/attach.py "
-        "_register_view.unpin): a SIGINT whose handler runs there is dropped (about 1 "
-        "in 10 rounds; 60 rounds miss it about 0.2% of runs), and the pin with it "
-        "until the process ends. Needs a C callback that unpins and unregisters"))),
-])
+@pytest.mark.parametrize("what", ["clients", "namespaces", "segments", "views"])
 def test_ctrl_c_reaches_a_loop_that_opens_and_drops(what: str, ns: str, seed: int) -> None:
     rng = random.Random(seed)
     with kvcomm.open(ns, config=_config()) as kv:

@@ -3,6 +3,7 @@ the live zero-copy views, and what fork() does to them."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -82,14 +83,12 @@ _VIEWS: dict[int, tuple[Any, L2Segment, tuple[int, int]]] = {}
 def _register_view(arr: Any, seg: L2Segment, pin: tuple[int, int]) -> None:
     """Tie ``pin`` to the life of ``arr``: released when the last reference goes. Once
     registered, the pin is the view's (``seg.pin_kept``): no longer the caller's to drop."""
-    def unpin(ref: Any) -> None:
-        _VIEWS.pop(id(ref), None)
-        # (exactly this pin: never a later pin of the same entry, never the parent's in a
-        # forked child)
-        seg.unpin(*pin)
-
-    # a weakref callback costs a tenth of weakref.finalize; the registry keeps the weakref
-    ref = weakref.ref(arr, unpin)
+    # The weakref's callback is C alone (a partial of the kernel's unpin: it removes the
+    # registry's entry and releases exactly this pin, never a later pin of the same entry,
+    # never the parent's in a forked child): a Python callback would let a pending
+    # SIGINT's handler run inside it, and its KeyboardInterrupt be dropped. A weakref
+    # callback costs a tenth of weakref.finalize; the registry keeps the weakref.
+    ref = weakref.ref(arr, functools.partial(seg._core.unpin, pin[0], pin[1], _VIEWS))
     _VIEWS[id(ref)] = (ref, seg, pin)
     seg.pin_kept()
 

@@ -231,22 +231,44 @@ release_pin(Core *c, uint64_t index, uint64_t word)
     return 1;
 }
 
-/* unpin(index, word) -> bool: lock-free; withdraws this process's hazard ``word`` (as
- * pin() returned it) in entry ``index``: never another pin of the entry, never another
- * process's (a forked child's copy of a finalizer). The next writer frees a parked block. */
+/* unpin(index, word[, registry, ref]) -> bool: lock-free; withdraws this process's hazard
+ * ``word`` (as pin() returned it) in entry ``index``: never another pin of the entry, never
+ * another process's (a forked child's copy of a finalizer). The next writer frees a parked
+ * block.
+ *
+ * With ``registry`` (a dict) and ``ref`` (a dead weakref): a view's weakref callback,
+ * ``functools.partial(core.unpin, index, word, registry)``. It also removes
+ * ``registry[id(ref)]``, and raises nothing: Python code run there (a Python callback)
+ * would let a pending SIGINT's handler run where its KeyboardInterrupt is dropped
+ * ("Exception ignored in"); C runs no bytecode, so the signal waits for the caller's next
+ * one. */
 static PyObject *
 Core_unpin(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!c->has_view)
-        Py_RETURN_FALSE;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "unpin(index, word)");
+    if (nargs != 2 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "unpin(index, word[, registry, ref])");
         return NULL;
     }
+    if (nargs == 4) {
+        if (PyDict_Check(args[2])) {
+            PyObject *key = PyLong_FromVoidPtr(args[3]);
+            if (key == NULL || PyDict_DelItem(args[2], key) < 0)
+                PyErr_Clear();  /* (not there: a second call, a registry cleared by fork) */
+            Py_XDECREF(key);
+        }
+    }
+    if (!c->has_view || c->pid != (uint64_t)getpid())
+        Py_RETURN_FALSE;  /* (closed; or a forked child's copy no forked() reached: its
+                             pins are the parent's) */
     uint64_t index = PyLong_AsUnsignedLongLong(args[0]);
     uint64_t word = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred())
+    if (PyErr_Occurred()) {
+        if (nargs == 4) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
         return NULL;
+    }
     return PyBool_FromLong(release_pin(c, index, word));
 }
 

@@ -151,8 +151,10 @@ release_token(Core *c)
     c->sleeper = NULL;
     c->token = 0;
     c->n_owned = 0;
-    if (!s)
-        return;
+    if (!s || c->pid != (uint64_t)getpid())
+        return;  /* (a forked child's copy of a Core no forked() reached: one closed with
+                    views alive, which their callbacks keep; the sleeper thread is the
+                    parent's, and waiting for it would never end) */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&s->m);
     s->stop = 1;
