@@ -85,8 +85,6 @@ typedef struct {
     uint32_t owned[OWNED_MAX]; /* pin entries this process owns and is not using */
     int n_owned;
     int guard;         /* this mapping's entry in the truncation guard (guard.c), or -1 */
-    long long pending_idx;  /* the last pin, until a view owns it (pins.c), or -1 */
-    uint64_t pending_word;
     int quiet;         /* quiet_thread's reads and writes through this mapping leave CLOCK
                           reference bits unset (the node daemon's loop: only agents' reads
                           count; set_quiet) */

@@ -6,6 +6,7 @@ import gc
 import multiprocessing as mp
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -146,6 +147,112 @@ def test_a_view_outliving_its_closed_client_is_unpinned_when_dropped_even_after_
         kv2.put("other", 1)  # (the next write sweeps released pins)
         assert kv2._seg.info()["pinned_deferred_blocks"] == 0
         assert kv2._seg.check() == []
+
+
+def _child_keeps_its_view(ns: str, cfg: kvcomm.Config, out: mp.Queue, go: mp.Event,  # type: ignore[type-arg]
+                          done: mp.Event) -> None:  # type: ignore[type-arg]
+    import kvcomm._client.attach as client_mod
+
+    view = next(v for ref, _, _ in client_mod._VIEWS.values() if (v := ref()) is not None)
+    out.put("ready")
+    go.wait(30)
+    out.put(bool(np.array_equal(view, BIG)))
+    done.wait(30)
+
+
+def test_a_child_keeps_a_view_it_inherited_from_a_closed_client(
+        ns: str, config: kvcomm.Config) -> None:
+    """The review's find on the view callback: a view whose client had closed got no pin
+    of its own in a forked child (only open segments were repinned); once the parent
+    dropped its copy (now really unpinned), the block was reused under the child's view."""
+    kv = kvcomm.open(ns, config=config)
+    kv.put("a", BIG)
+    view = kv.get("a")
+    kv.close()
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    go, done = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_child_keeps_its_view, args=(ns, config, out, go, done))
+    p.start()
+    try:
+        assert out.get(timeout=20) == "ready"
+        del view
+        gc.collect()
+        with kvcomm.open(ns, config=config) as kv2:
+            for i in range(40):  # (the parent's pin gone: its block is free to reuse)
+                kv2.put("a", np.full(1 << 17, float(i)))
+                kv2.put(f"churn{i % 4}", np.full(1 << 14, float(i)))
+            assert kv2._seg.info()["pinned_deferred_blocks"] >= 1  # (the child's pin)
+            go.set()
+            assert out.get(timeout=20) is True
+    finally:
+        done.set()
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+
+
+def test_two_threads_between_a_pin_and_its_view_keep_their_own_pins(kv: kvcomm.Client,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review's find, older than the callback: the pending pin (taken, not yet a
+    view's) was one per client, so thread B's get released thread A's, and A's view read a
+    block reused under it. Deterministic: B's get runs inside A's, between pin and view."""
+    from kvcomm._client import read
+
+    kv.put("a", np.full(1 << 15, 1.0))
+    kv.put("b", np.full(1 << 15, 2.0))
+    orig, got = read.codec.array_view, {}
+
+    def b_inside_a(meta: bytes, buf: memoryview) -> np.ndarray:
+        if not got:
+            got["b"] = None
+            t = threading.Thread(target=lambda: got.__setitem__("b", kv.get("b")))
+            t.start()
+            t.join()
+        return orig(meta, buf)
+
+    monkeypatch.setattr(read.codec, "array_view", b_inside_a)
+    va = kv.get("a")
+    monkeypatch.setattr(read.codec, "array_view", orig)
+    for i in range(30):
+        kv.put("a", np.full(1 << 15, 100.0 + i))
+        kv.put(f"x{i % 3}", np.full(1 << 15, -1.0 * i))
+    assert (va == 1.0).all() and (got["b"] == 2.0).all()
+    del va, got["b"]
+    gc.collect()
+    kv.put("z", 1)
+    assert kv._seg.info()["pinned_deferred_blocks"] == 0
+    assert kv._seg.check() == []
+
+
+def test_a_close_in_another_thread_between_a_pin_and_its_view(
+        ns: str, config: kvcomm.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review's find on the callback's first version: it read the segment's kernel
+    object after the pin, which a close in another thread had set to None (AttributeError,
+    and the pin leaked). The get returns its view; dropped, its pin is released."""
+    from kvcomm._client import attach, read
+
+    kv = kvcomm.open(ns, config=config)
+    kv.put("a", BIG)
+    orig = read.codec.array_view
+
+    def closed_meanwhile(meta: bytes, buf: memoryview) -> np.ndarray:
+        t = threading.Thread(target=kv.close)
+        t.start()
+        t.join()
+        return orig(meta, buf)
+
+    monkeypatch.setattr(read.codec, "array_view", closed_meanwhile)
+    view = kv.get("a")
+    monkeypatch.setattr(read.codec, "array_view", orig)
+    assert np.array_equal(view, BIG)
+    del view
+    gc.collect()
+    with kvcomm.open(ns, config=config) as kv2:
+        kv2.put("a", 1)
+        kv2.put("b", 2)
+        assert kv2._seg.info()["pinned_deferred_blocks"] == 0
+        assert kv2._seg.check() == [] and not attach._VIEWS
 
 
 def test_a_view_overwritten_by_a_non_array_while_it_is_read(kv: kvcomm.Client) -> None:

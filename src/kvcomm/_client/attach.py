@@ -77,20 +77,22 @@ class _Shared:
 _CLIENTS: WeakRegistry[ClientBase] = WeakRegistry()  # (never a WeakSet: _weak.py)
 
 
-_VIEWS: dict[int, tuple[Any, L2Segment, tuple[int, int]]] = {}
+_VIEWS: dict[int, tuple[Any, Any, tuple[int, int]]] = {}  # id(weakref) -> (the weakref, the
+# kernel's Core the pin is in, the pin): the Core outlives its segment's close while views do
 
 
-def _register_view(arr: Any, seg: L2Segment, pin: tuple[int, int]) -> None:
-    """Tie ``pin`` to the life of ``arr``: released when the last reference goes. Once
-    registered, the pin is the view's (``seg.pin_kept``): no longer the caller's to drop."""
+def _register_view(arr: Any, core: Any, pin: tuple[int, int]) -> None:
+    """Tie ``pin`` (taken through ``core``, the segment's kernel object) to the life of
+    ``arr``: released when the last reference goes. Once registered, the pin is the
+    view's (``core.pin_kept``): no longer the caller's to drop."""
     # The weakref's callback is C alone (a partial of the kernel's unpin: it removes the
     # registry's entry and releases exactly this pin, never a later pin of the same entry,
     # never the parent's in a forked child): a Python callback would let a pending
     # SIGINT's handler run inside it, and its KeyboardInterrupt be dropped. A weakref
     # callback costs a tenth of weakref.finalize; the registry keeps the weakref.
-    ref = weakref.ref(arr, functools.partial(seg._core.unpin, pin[0], pin[1], _VIEWS))
-    _VIEWS[id(ref)] = (ref, seg, pin)
-    seg.pin_kept()
+    ref = weakref.ref(arr, functools.partial(core.unpin, pin[0], pin[1], _VIEWS))
+    _VIEWS[id(ref)] = (ref, core, pin)
+    core.pin_kept()
 
 
 def _mark_forked() -> None:
@@ -108,18 +110,23 @@ def _mark_forked() -> None:
     process_budget().forget()
     inherited = list(_VIEWS.values())
     _VIEWS.clear()
-    for ref, seg, pin in inherited:
+    forked: set[int] = set()
+    for ref, core, pin in inherited:
         arr = ref()
-        if arr is None or seg._core is None:
+        if arr is None:
             continue
+        if id(core) not in forked:  # (also a closed segment's Core, which no fork handler
+            core.forked()  # reaches: the parent's token and pins are not the child's)
+            forked.add(id(core))
         try:
-            new = seg.repin([pin[0]])[0]
-        except KVCommError as exc:
+            off = core.pinned_block(pin[0])
+            new = core.pin_block(off) if off else (-1, 0)
+        except (KVCommError, ValueError) as exc:
             warnings.warn(f"a zero-copy view inherited through fork() could not be pinned "
                           f"({exc}); copy it if the child keeps it", KVCommWarning, stacklevel=1)
             continue
         if new[0] >= 0:
-            _register_view(arr, seg, new)
+            _register_view(arr, core, new)
 
 
 

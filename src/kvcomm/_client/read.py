@@ -135,8 +135,9 @@ class Reads(ClusterReads):
         a large array, decoded from a copy instead.
         """
         seg = self._seg
+        core = seg._core  # (the pin's, whatever a close in another thread does meanwhile)
         try:  # (the pin is dropped on any exception, KeyboardInterrupt included, until a
-            #   view owns it: seg.pin_kept in _register_view)
+            #   view owns it: core.pin_kept in _register_view)
             r = seg.pin(kb, h)
             if r is None:
                 return None if want_item else default
@@ -152,10 +153,11 @@ class Reads(ClusterReads):
                     arr = arr.copy()
                     arr.flags.writeable = False
                 else:
-                    _register_view(arr, seg, pin)
+                    _register_view(arr, core, pin)
                     self.counters["views"] += 1
         finally:
-            seg.drop_pending()
+            if core is not None:
+                core.drop_pending()
         if not want_item:
             return arr
         return Item(key, arr, self._version(r[4], r[5], r[6]), "l2", deadline)

@@ -31,6 +31,14 @@ claim_entry(Core *c)
     return -1;
 }
 
+/* The calling thread's last pin, until a view owns it (pin_kept) or it is given back
+ * (drop_pending): per thread, as two threads of one client may each be between a pin and
+ * its view (one pending pin per Core let thread B's pin release thread A's, whose view
+ * then read a block reused under it). */
+static _Thread_local Core *pend_core;
+static _Thread_local long long pend_idx = -1;
+static _Thread_local uint64_t pend_word;
+
 static int release_pin(Core *c, uint64_t index, uint64_t word);
 
 /* publish a hazard on ``off`` in entry ``i`` (this process's): the new block word */
@@ -203,10 +211,11 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
         }
         /* until Python says the view owns it (pin_kept), a release is pending: an
            exception before that gives it back (drop_pending) instead of leaking it */
-        if (c->pending_idx >= 0)
-            release_pin(c, (uint64_t)c->pending_idx, c->pending_word);
-        c->pending_idx = idx;
-        c->pending_word = word;
+        if (pend_core == c && pend_idx >= 0)
+            release_pin(c, (uint64_t)pend_idx, pend_word);
+        pend_core = c;
+        pend_idx = idx;
+        pend_word = word;
         return out;
     }
     if (idx >= 0)
@@ -225,8 +234,8 @@ release_pin(Core *c, uint64_t index, uint64_t word)
     return_entry(c, index);
     if (c->active)
         c->active--;
-    if ((long long)index == c->pending_idx)
-        c->pending_idx = -1;
+    if (pend_core == c && (long long)index == pend_idx)
+        pend_idx = -1;
     __atomic_add_fetch(HW(c, H_RELEASED), 1, __ATOMIC_SEQ_CST);
     return 1;
 }
@@ -276,7 +285,8 @@ Core_unpin(Core *c, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 Core_pin_kept(Core *c, PyObject *Py_UNUSED(ignored))
 {
-    c->pending_idx = -1;
+    if (pend_core == c)
+        pend_idx = -1;
     Py_RETURN_NONE;
 }
 
@@ -284,9 +294,11 @@ Core_pin_kept(Core *c, PyObject *Py_UNUSED(ignored))
 static PyObject *
 Core_drop_pending(Core *c, PyObject *Py_UNUSED(ignored))
 {
-    if (c->has_view && c->pending_idx >= 0)
-        release_pin(c, (uint64_t)c->pending_idx, c->pending_word);
-    c->pending_idx = -1;
+    if (pend_core == c && pend_idx >= 0) {
+        if (c->has_view)
+            release_pin(c, (uint64_t)pend_idx, pend_word);
+        pend_idx = -1;
+    }
     Py_RETURN_NONE;
 }
 
@@ -334,7 +346,8 @@ Core_forked(Core *c, PyObject *Py_UNUSED(ignored))
     c->active = 0;
     c->held = 0;
     held_n = held_over = 0; /* (the parent's locks are not the child's) */
-    c->pending_idx = -1;
+    if (pend_core == c)
+        pend_idx = -1;
     Py_RETURN_NONE;
 }
 

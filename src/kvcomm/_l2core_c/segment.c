@@ -45,7 +45,6 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
     self->token = 0;
     self->sleeper = NULL;
     self->active = 0;
-    self->pending_idx = -1;
     if (((uintptr_t)self->base & 63) || self->size < HEADER_SIZE) {
         PyErr_SetString(SegmentError, "L2 mapping is too small or misaligned");
         return -1;

@@ -18,8 +18,9 @@ class Pins(SegmentCore):
         Returns ``(word, seq, tag, meta, counter, hlc, vvx, size, pin, view)``: ``view`` is a
         read-only memoryview of the value, valid until :meth:`unpin` of ``pin`` (an
         ``(index, hazard word)`` pair); when the pin table is full ``pin`` is ``(-1, 0)``
-        and ``view`` is a private copy instead. Until :meth:`pin_kept`, the pin is pending:
-        :meth:`drop_pending` releases it (call it in a ``finally``).
+        and ``view`` is a private copy instead. Until the kernel's ``pin_kept`` (on this
+        thread: each thread has its own pending pin), the pin is pending: ``drop_pending``
+        releases it (call it in a ``finally``; ``_client/read.py`` ``_get_view``).
         """
         r = self._read_or_repair(lambda: self._core.pin(key_b, h))
         if r is None:
@@ -28,16 +29,6 @@ class Pins(SegmentCore):
             return (*r[:8], (-1, 0), memoryview(r[10]).toreadonly())
         voff, vlen = r[9], r[10]
         return (*r[:8], (r[8], r[11]), self._ro[voff : voff + vlen])
-
-    def pin_kept(self) -> None:
-        """The last pin now belongs to a view (its finalizer releases it)."""
-        if self._core is not None:
-            self._core.pin_kept()
-
-    def drop_pending(self) -> None:
-        """Release the last pin unless a view took it (:meth:`pin_kept`)."""
-        if self._core is not None:
-            self._core.drop_pending()
 
     def unpin(self, index: int, word: int) -> None:
         """Called from a view's finalizer in any thread: lock-free; releases exactly the
@@ -50,11 +41,3 @@ class Pins(SegmentCore):
             core.unpin(index, word)
         except (ValueError, SegmentError):
             pass  # mapping already closed: the entry is swept as a dead process's
-
-    def repin(self, indexes: list[int]) -> list[tuple[int, int]]:
-        """After fork: pins of this process on the blocks the parent's pin entries
-        ``indexes`` name (the parent's pins protect them meanwhile). Returns the new
-        ``(index, word)`` pins, ``(-1, 0)`` where none could be taken."""
-        core = self._core
-        return [core.pin_block(off) if (off := core.pinned_block(i)) else (-1, 0) for i in indexes]
-
