@@ -87,10 +87,6 @@ def _executor() -> ThreadPoolExecutor:
 _WOULD_WAIT: Any = object()  # (_inline: the call would have waited; nothing was done)
 
 
-AGAIN: Any = object()  # (_at_once: run it again off the loop)
-_NO_KWARGS: dict[str, Any] = {}
-
-
 def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``fn(*args, **kwargs)`` on this (the loop's) thread, with the inline budget set:
     its result, or _WOULD_WAIT when it stopped at a held lock or the network (WouldBlock,
@@ -181,13 +177,6 @@ class AsyncClient:
         if out is _WOULD_WAIT or out.__class__ is L3Read:
             out = await self._off_loop(fn, args, kwargs)
         return out
-
-    def _at_once(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """``fn(*args)`` inline, as :meth:`_attempt` tries it first: its result, or AGAIN
-        when it would wait (nothing done: ``await self._off_loop(fn, args, {})`` runs it
-        whole). For callers that save :meth:`_attempt`'s coroutine on a hot path."""
-        out = _inline(fn, args, _NO_KWARGS)
-        return AGAIN if out is _WOULD_WAIT or out.__class__ is L3Read else out
 
     def _read_l3(self, key: str, timed: bool = False) -> asyncio.Future[Any]:
         """The Item (or None) of ``key``, an L2 miss for L3 (:class:`L3Read`), read with

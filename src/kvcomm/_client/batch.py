@@ -318,12 +318,7 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
     if c._cluster or c._strong_on or c._has_validators:
         return _put_records_batch(c, keys, records, now, ttl, absent, last)
     b = BatchOps(*c._batch_ops)  # (validates and encodes, as a batch's own ops)
-    if ttl is None and (last is None or last[3] is None):  # (_step_ops without a deadline)
-        b._put_packed(keys, records)
-        if last is not None:
-            BatchOps.put(b, last[0], last[1])
-    else:
-        _step_ops(c, b, keys, records, now, ttl, last)
+    _step_ops(c, b, keys, records, now, ttl, last)
     ops = b._ops
     expects = [ops[j][:2] for j in absent] if absent else []
     if last is not None:
@@ -331,13 +326,11 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         if judged is None:
             return _put_records_batch(c, keys, records, now, ttl, absent, last)
         expects.append(judged)
-    if c._closed or c._forked:
-        c._live()  # (raises)
+    c._live()
     t0 = _timed(c)
     try:
-        packed, vvxs = c._seg.apply(ops, now_ms=time.time_ns() // 1_000_000,
-                                    max_dirty=c._max_dirty, compact=True,
-                                    expects=expects or None)
+        packed, vvxs = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty,
+                                    compact=True, expects=expects or None)
     except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
         c._lat_left = 1 if t0 else c._lat_left + 1  # (its turn to be timed, if it was this)
         return _put_records_batch(c, keys, records, now, ttl, absent, last)
@@ -355,11 +348,14 @@ def _deadline(now: float, ttl: float | None) -> float | None:
 def _step_ops(c: Writes, b: BatchOps, keys: list[str], records: list[list[Any]], now: float,
               ttl: float | None, last: tuple[str, Packed, Any, float | None] | None) -> None:
     """Add put_records' puts to ``b``, their ttls counted from ``now``, each checked where
-    the batch checks it (a ttl before its puts)."""
-    deadline = _deadline(now, ttl)
-    b._put_packed(keys, records, None if deadline is None else c._ext_with(None, deadline))
+    the batch checks it (a ttl before its puts). Without a ttl (a LangGraph step's
+    common case) no deadline is made."""
+    if ttl is None:
+        b._put_packed(keys, records)
+    else:
+        b._put_packed(keys, records, c._ext_with(None, _deadline(now, ttl)))
     if last is not None:
-        deadline = _deadline(now, last[3])
+        deadline = None if last[3] is None else _deadline(now, last[3])
         BatchOps.put(b, last[0], last[1])
         if deadline is not None:
             ops = b._ops

@@ -174,8 +174,7 @@ class Keys:
 
     def task_write(self, prefix: str, idx: int, task_id: str, thread_id: str) -> str:
         """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
-        return self.fit(prefix + str(idx), "a write of task {!r} in thread {!r}", task_id,
-                        thread_id)
+        return self.task_writes(prefix, [idx], task_id, thread_id)[0]
 
     def task_writes(self, prefix: str, indices: list[int], task_id: str,
                     thread_id: str) -> list[str]:

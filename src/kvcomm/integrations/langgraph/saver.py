@@ -60,7 +60,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ..._client.batch import put_records
-from ...aio import AGAIN, AsyncClient
+from ...aio import AsyncClient
 from ...core.codec import Packed
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
@@ -1058,21 +1058,12 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
                    metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
         """:meth:`put`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        args = (config, checkpoint, metadata, new_versions)
-        if self.aio is None:
-            return await self._run(self.put, *args)
-        # (run_async's attempt without its coroutine: a graph does this at every step)
-        out: RunnableConfig = self.aio._at_once(self.put, args)
-        return out if out is not AGAIN else await self.aio._off_loop(self.put, args, {})
+        return await self._run(self.put, config, checkpoint, metadata, new_versions)
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
                           task_id: str, task_path: str = "") -> None:
         """:meth:`put_writes`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        args = (config, writes, task_id, task_path)
-        if self.aio is None:
-            await self._run(self.put_writes, *args)
-        elif self.aio._at_once(self.put_writes, args) is AGAIN:  # (as aput)
-            await self.aio._off_loop(self.put_writes, args, {})
+        await self._run(self.put_writes, config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
         """:meth:`delete_thread`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
@@ -1107,9 +1098,8 @@ def _thread(thread_id: Any) -> Any:
 
 def _names(ids: Any, what: str, *, ints: bool = False) -> builtins.list[str]:
     """``ids``, a collection of str ids (``ints``: or ints and UUIDs, thread ids), as a
-    list: InvalidArgument
-    for a str (which would be taken as its characters: prune("t1") deleted threads "t"
-    and "1") or anything else."""
+    list: InvalidArgument for a str (which would be taken as its characters: prune("t1")
+    deleted threads "t" and "1") or anything else."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
         raise InvalidArgument(f"{what} is a list of ids, got {ids!r}"
                               + (f": write [{ids!r}]" if isinstance(ids, str) else ""))
