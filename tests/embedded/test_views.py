@@ -7,6 +7,8 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,37 +194,54 @@ def test_a_child_keeps_a_view_it_inherited_from_a_closed_client(
             p.kill()
 
 
+def _get_running_between_pin_and_view(monkeypatch: pytest.MonkeyPatch, kv: kvcomm.Client,
+                                      key: str, hook: Callable[[], Any]) -> Any:
+    """``kv.get(key)`` of a large array, ``hook`` run once in another thread (joined)
+    after the get's pin, before its view is registered."""
+    from kvcomm._client import read
+
+    orig, ran = read.codec.array_view, []
+
+    def view_after_hook(meta: bytes, buf: memoryview) -> np.ndarray:
+        if not ran:
+            ran.append(True)
+            t = threading.Thread(target=hook)
+            t.start()
+            t.join()
+        return orig(meta, buf)
+
+    monkeypatch.setattr(read.codec, "array_view", view_after_hook)
+    try:
+        return kv.get(key)
+    finally:
+        monkeypatch.setattr(read.codec, "array_view", orig)
+
+
+def _assert_every_pin_released(kv: kvcomm.Client) -> None:
+    """Once the views are dropped and collected, the next write sweeps their released
+    pins: no block stays parked, and the segment checks clean."""
+    gc.collect()
+    kv.put("sweep", 1)
+    assert kv._seg.info()["pinned_deferred_blocks"] == 0
+    assert kv._seg.check() == []
+
+
 def test_two_threads_between_a_pin_and_its_view_keep_their_own_pins(kv: kvcomm.Client,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The review's find, older than the callback: the pending pin (taken, not yet a
     view's) was one per client, so thread B's get released thread A's, and A's view read a
     block reused under it. Deterministic: B's get runs inside A's, between pin and view."""
-    from kvcomm._client import read
-
     kv.put("a", np.full(1 << 15, 1.0))
     kv.put("b", np.full(1 << 15, 2.0))
-    orig, got = read.codec.array_view, {}
-
-    def b_inside_a(meta: bytes, buf: memoryview) -> np.ndarray:
-        if not got:
-            got["b"] = None
-            t = threading.Thread(target=lambda: got.__setitem__("b", kv.get("b")))
-            t.start()
-            t.join()
-        return orig(meta, buf)
-
-    monkeypatch.setattr(read.codec, "array_view", b_inside_a)
-    va = kv.get("a")
-    monkeypatch.setattr(read.codec, "array_view", orig)
+    got: dict[str, Any] = {}
+    va = _get_running_between_pin_and_view(
+        monkeypatch, kv, "a", lambda: got.__setitem__("b", kv.get("b")))
     for i in range(30):
         kv.put("a", np.full(1 << 15, 100.0 + i))
         kv.put(f"x{i % 3}", np.full(1 << 15, -1.0 * i))
     assert (va == 1.0).all() and (got["b"] == 2.0).all()
     del va, got["b"]
-    gc.collect()
-    kv.put("z", 1)
-    assert kv._seg.info()["pinned_deferred_blocks"] == 0
-    assert kv._seg.check() == []
+    _assert_every_pin_released(kv)
 
 
 def test_a_close_in_another_thread_between_a_pin_and_its_view(
@@ -230,29 +249,17 @@ def test_a_close_in_another_thread_between_a_pin_and_its_view(
     """The review's find on the callback's first version: it read the segment's kernel
     object after the pin, which a close in another thread had set to None (AttributeError,
     and the pin leaked). The get returns its view; dropped, its pin is released."""
-    from kvcomm._client import attach, read
+    from kvcomm._client import attach
 
     kv = kvcomm.open(ns, config=config)
     kv.put("a", BIG)
-    orig = read.codec.array_view
-
-    def closed_meanwhile(meta: bytes, buf: memoryview) -> np.ndarray:
-        t = threading.Thread(target=kv.close)
-        t.start()
-        t.join()
-        return orig(meta, buf)
-
-    monkeypatch.setattr(read.codec, "array_view", closed_meanwhile)
-    view = kv.get("a")
-    monkeypatch.setattr(read.codec, "array_view", orig)
+    view = _get_running_between_pin_and_view(monkeypatch, kv, "a", kv.close)
     assert np.array_equal(view, BIG)
     del view
-    gc.collect()
     with kvcomm.open(ns, config=config) as kv2:
         kv2.put("a", 1)
-        kv2.put("b", 2)
-        assert kv2._seg.info()["pinned_deferred_blocks"] == 0
-        assert kv2._seg.check() == [] and not attach._VIEWS
+        _assert_every_pin_released(kv2)
+        assert not attach._VIEWS
 
 
 def test_a_view_overwritten_by_a_non_array_while_it_is_read(kv: kvcomm.Client) -> None:
