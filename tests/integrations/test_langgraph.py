@@ -261,6 +261,26 @@ def test_a_serializer_giving_other_than_str_and_bytes_is_refused_at_once(
     assert saver.get_tuple(config) is None  # (nothing stored)
 
 
+def test_a_bytearray_in_a_state_is_stored_as_langgraph_stores_it(kv: kvcomm.Client) -> None:
+    """LangGraph's own serializer gives ("bytearray", a bytearray) for one: stored as its
+    bytes, read back a bytearray, as with InMemorySaver (it was refused, telling the user
+    to fix a serializer they never chose)."""
+
+    class State(TypedDict):
+        b: bytearray
+
+    g = StateGraph(State)
+    g.add_node("n", lambda s: {"b": s["b"] + bytearray(b"!")})
+    g.add_edge(START, "n")
+    g.add_edge("n", END)
+    config = {"configurable": {"thread_id": "t-bytearray"}}
+    for saver in (KVCommSaver(kv), InMemorySaver()):
+        graph = g.compile(checkpointer=saver)
+        assert graph.invoke({"b": bytearray(b"hi")}, config) == {"b": bytearray(b"hi!")}
+        got = graph.get_state(config).values["b"]
+        assert got == bytearray(b"hi!") and type(got) is bytearray
+
+
 def test_a_numpy_scalar_in_a_state_says_to_store_the_python_number(kv: kvcomm.Client) -> None:
     """kv.put stores np.float64(2.5) as 2.5; LangGraph's serializer refuses it (it would
     pickle it): the error says what to store instead, and nothing is stored."""

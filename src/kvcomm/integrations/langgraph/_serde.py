@@ -81,6 +81,8 @@ class NoPickleSerializer(SerializerProtocol):
         if type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")
+        if type(data) is bytearray:  # (JsonPlusSerializer's own, for a bytearray value)
+            data = bytes(data)
         if type(type_) is not str or type(data) is not bytes:  # (what is stored reads back)
             raise UnsupportedValue(
                 f"the serializer gave ({type(type_).__name__}, {type(data).__name__}) for a "
