@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 import kvcomm
-from tests.support.helpers import wait_for
+from tests.support.helpers import SMALL, wait_for
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -74,6 +74,49 @@ def test_info_and_purge(ns: str, config: kvcomm.Config) -> None:
     assert "creates it" in missing.stderr  # (what to do)
     again = run("purge", "--name", ns)
     assert again.returncode == 1 and "no L2 segment" in again.stderr, again.stderr
+
+
+_HOLDER = """
+import json, sys, kvcomm
+kv = kvcomm.open(sys.argv[1], config=kvcomm.Config.from_mapping(json.loads(sys.argv[2])))
+kv.put("k", 1)
+print("open", flush=True)
+sys.stdin.readline()
+try:
+    kv.get("k")
+    print("no error")
+except kvcomm.SegmentError as exc:
+    print("SegmentError:", exc)
+"""
+
+
+def test_info_names_the_processes_that_have_a_namespace_open_and_purge_warns_of_them(
+        ns: str) -> None:
+    """A first hour's mistake: ``kvcomm purge`` while agents still use the namespace. It
+    still purges (the one command that must always work), and says which processes had
+    it open and what they see next; ``kvcomm info`` names them beforehand."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, ns, json.dumps(SMALL)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline() == "open\n"
+        assert json.loads(run("info", "--name", ns, "--json").stdout)["open_by"] == [holder.pid]
+        assert f"open by        1 process (pid {holder.pid})" in run("info", "--name", ns).stdout
+        out = run("purge", "--name", ns)
+        assert out.returncode == 0 and "purged namespace" in out.stdout
+        assert f"1 process had it open (pid {holder.pid})" in out.stderr, out.stderr
+        assert "SegmentError" in out.stderr and "kvcomm.open" in out.stderr
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().startswith("SegmentError:")  # (as the warning said)
+    finally:
+        holder.kill()
+        holder.wait()
+    with kvcomm.open(ns, config=kvcomm.Config.from_mapping(SMALL)):
+        assert f"open by        1 process (pid {os.getpid()})" in run("info", "--name", ns).stdout
+    assert "open by        no process" in run("info", "--name", ns).stdout  # (closed: unmapped)
+    quiet = run("purge", "--name", ns)
+    assert quiet.returncode == 0 and quiet.stderr == ""
 
 
 def test_list_shows_this_hosts_namespaces_and_skips_their_other_files(

@@ -68,12 +68,13 @@ def _info(args: argparse.Namespace) -> int:
         starting_text,
         status_fresh,
     )
-    from ..tiers.shm.files import status_path
+    from ..tiers.shm.files import mapped_by, status_path
 
     st = read_status(status_path(info["name"], c.l2_dir))
     if not status_fresh(st):
         st = None  # (a daemon that died says nothing)
     info["node"] = st
+    info["open_by"] = mapped_by(info["path"])
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -85,6 +86,9 @@ def _info(args: argparse.Namespace) -> int:
           f"{_count(info['entries'], 'entry', 'entries')} in {info['slots']} slots")
     print(f"memory         {info['reserved_bytes'] / 2**20:.2f} MiB reserved of "
           f"{info['size_bytes'] / 2**20:.1f} MiB (reserved as it fills; held until purged)")
+    users = info["open_by"]
+    print(f"open by        {_count(len(users), 'process', 'processes')} ({_pids(users)})"
+          if users else "open by        no process")
     print(f"evictions      {info['evictions']}  recoveries {info['recoveries']}  "
           f"writer lock taken over from dead processes {info['owner_deaths']}")
     print(f"views pinning  {_count(info['pinned_deferred_blocks'], 'block', 'blocks')} of "
@@ -121,6 +125,11 @@ def _info(args: argparse.Namespace) -> int:
               f"{_since_beat(info['daemon_beat_ms'])}; start it: kvcomm node --config "
               f"{args.config or 'FILE'}")
     return 0
+
+
+def _pids(pids: list[int]) -> str:
+    shown = ", ".join(map(str, pids[:8]))
+    return f"pid {shown}" + (f" and {len(pids) - 8} more" if len(pids) > 8 else "")
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -257,7 +266,7 @@ def _purge(args: argparse.Namespace) -> int:
     --dead-temps instead of --name: remove every temporary file a killed creator left
     (exit status 0; 2 when cache.l2_dir cannot be read)."""
     from ..tiers.l2 import purge, segment_path
-    from ..tiers.shm.files import dead_temps
+    from ..tiers.shm.files import dead_temps, mapped_by
 
     name = args.name
     directory = load_config(args.config).cache.l2_dir
@@ -276,6 +285,7 @@ def _purge(args: argparse.Namespace) -> int:
               f"{sum(n for _p, n in gone) / 2**20:.1f} MiB held")
         return 0
     try:
+        users = mapped_by(segment_path(name, directory))
         removed = purge(name, directory, keep_unflushed=not args.force)
     except KVCommError as exc:
         print(f"kvcomm: cannot purge namespace {name!r}: {exc}", file=sys.stderr)
@@ -292,6 +302,11 @@ def _purge(args: argparse.Namespace) -> int:
         return 2
     if removed:
         print(f"purged namespace {name!r}")
+        if users:
+            print(f"kvcomm: {_count(len(users), 'process', 'processes')} had it open "
+                  f"({_pids(users)}): their next call raises SegmentError; to go on, each "
+                  f"opens the namespace again (kvcomm.open), which makes a new, empty segment",
+                  file=sys.stderr)
         return 0
     conf = f" --config {shlex.quote(args.config)}" if args.config else ""
     print(f"kvcomm: no L2 segment for namespace {name!r} on this host (its other files, if "

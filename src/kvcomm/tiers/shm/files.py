@@ -94,6 +94,37 @@ def pid_alive(pid: int) -> bool:
     return data[end + 2 : end + 3] not in (b"Z", b"X")
 
 
+def mapped_by(path: str) -> list[int]:
+    """The pids of the processes, this one excepted, that have the file ``path`` mapped:
+    the clients that have its namespace open, as far as ``/proc`` shows them (another
+    user's processes only to root, another PID namespace's not at all). [] when the file
+    is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    # a maps line: address perms offset dev inode path; the dev as the kernel prints it
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}".encode()
+    ino = str(st.st_ino).encode()
+    me, users = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # (gone meanwhile, or not ours to read)
+        if b" " + ino + b" " not in data:
+            continue
+        for line in data.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) >= 5 and fields[4] == ino and fields[3] == dev:
+                users.append(int(entry.name))
+                break
+    return sorted(users)
+
+
 def check_owner(path: str, st: os.stat_result, permissions: int) -> None:
     """Refuse a shared file another user could have planted or can reach.
 
