@@ -81,7 +81,7 @@ class NoPickleSerializer(SerializerProtocol):
         if type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")
-        if type(data) is bytearray:  # (JsonPlusSerializer's own, for a bytearray value)
+        if type(data) is bytearray:  # type: ignore[comparison-overlap]  # (LangGraph's own, for one)
             data = bytes(data)
         if type(type_) is not str or type(data) is not bytes:  # (what is stored reads back)
             raise UnsupportedValue(
