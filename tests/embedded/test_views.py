@@ -349,6 +349,49 @@ def test_a_forked_child_keeps_a_valid_view_after_the_parent_drops_it(ns: str, co
         p.join(10)
 
 
+def _child_holds_inherited_view(out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import kvcomm._client.attach as client_mod
+
+    views = [ref() for ref, _, _ in client_mod._VIEWS.values()]
+    assert any(v is not None for v in views)  # (repinned as the child's own at the fork)
+    out.put("holding")
+    signal.pause()
+
+
+def test_a_forked_child_killed_while_holding_an_inherited_view(ns: str,
+                                                                config: kvcomm.Config) -> None:
+    """The child's repinned copy of the parent's view dies with it (SIGKILL: nothing of
+    its own runs): the parent's pin still parks the block, its view still reads the old
+    value, and once the parent drops it the block is freed, no pin of the dead child
+    left behind."""
+    ctx = mp.get_context("fork")
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("a", BIG)
+        view = kv.get("a")
+        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+        p = ctx.Process(target=_child_holds_inherited_view, args=(out,))
+        p.start()
+        assert out.get(timeout=20) == "holding"
+        kv.put("a", BIG + 1)  # (the old block: pinned by the parent and by the child)
+        assert kv._seg.info()["pinned_deferred_blocks"] == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert p.exitcode == -signal.SIGKILL
+        for i in range(40):  # (the dead child's pin swept meanwhile; the parent's stays)
+            kv.put(f"churn{i}", np.full(1 << 14, i, dtype=np.float64))
+        assert kv._seg.info()["pinned_deferred_blocks"] == 1
+        assert np.array_equal(view, BIG)
+        del view
+        gc.collect()
+
+        def freed() -> bool:
+            kv.put("tick", 1)  # (writers sweep released pins, dead holders' at most once a second)
+            return kv._seg.info()["pinned_deferred_blocks"] == 0
+
+        wait_for(freed, 5, "the block to be freed once the parent dropped its view")
+        assert kv._seg.check() == []
+
+
 def test_a_stale_release_never_withdraws_a_later_pin(kv: kvcomm.Client) -> None:
     """A finalizer that runs twice (or a release after an exception and again from the
     view) aims at an entry the same process may have reused for a later view of the same
