@@ -31,6 +31,7 @@ pytest.importorskip("langgraph.checkpoint.conformance")
 
 import ormsgpack
 from langgraph.channels.delta import DeltaChannel  # noqa: E402
+from langgraph.checkpoint.base import ERROR, empty_checkpoint  # noqa: E402
 from langgraph.checkpoint.conformance import checkpointer_test, validate  # noqa: E402
 from langgraph.checkpoint.conformance.capabilities import (  # noqa: E402
     BASE_CAPABILITIES,
@@ -521,6 +522,52 @@ def test_reading_a_thread_refreshes_its_ttl_when_asked(kv: kvcomm.Client, refres
     again = {key: kv.get_item(key).expires_at for key in mine}
     for key in mine:
         assert (again[key] > first[key] + 0.04) if refresh else again[key] == first[key], key
+
+
+def _between_read_and_refresh(saver: KVCommSaver, meanwhile: Callable[[], None]) -> None:
+    """Run ``meanwhile`` (another writer's change) once, after the saver's next get_tuple
+    has read a checkpoint and before it refreshes that checkpoint's ttl."""
+    refresh = saver._refresh
+
+    def late(*args: Any) -> None:
+        saver._refresh = refresh  # type: ignore[method-assign]
+        meanwhile()
+        refresh(*args)
+
+    saver._refresh = late  # type: ignore[method-assign]
+
+
+def test_a_refresh_on_read_never_brings_back_a_thread_deleted_meanwhile(
+        kv: kvcomm.Client) -> None:
+    """With a ttl, get_tuple refreshes what it read; a delete_thread (or prune,
+    delete_for_runs) landing between the read and the refresh stays done. It put the
+    records back as read: a race of two processes undid about half the deletes."""
+    cfg: Any = {"configurable": {"thread_id": "ttl-del"}}
+    saver = KVCommSaver(kv, ttl=600)
+    build_graph().compile(checkpointer=saver).invoke({"steps": [], "answer": ""}, cfg)
+    assert _thread_keys(kv, saver, "ttl-del")
+    other = KVCommSaver(kv, ttl=600)  # (another process's saver)
+    _between_read_and_refresh(saver, lambda: other.delete_thread("ttl-del"))
+    assert saver.get_tuple(cfg) is not None  # (read before the delete)
+    assert _thread_keys(kv, saver, "ttl-del") == {}
+    assert saver.get_tuple(cfg) is None and list(saver.list(cfg)) == []
+
+
+def test_a_refresh_on_read_never_reverts_a_write_replaced_meanwhile(kv: kvcomm.Client) -> None:
+    """A special write (an error, an interrupt) replaces the one stored before it; one
+    replaced between a get_tuple's read and its refresh stays replaced."""
+    cfg: Any = {"configurable": {"thread_id": "ttl-err", "checkpoint_ns": ""}}
+    saver = KVCommSaver(kv, ttl=600)
+    cp = empty_checkpoint()
+    at = saver.put(cfg, cp, {}, {})
+    saver.put_writes(at, [(ERROR, "error #1")], "task-1")
+    other = KVCommSaver(kv, ttl=600)
+    _between_read_and_refresh(saver, lambda: other.put_writes(at, [(ERROR, "error #2")],
+                                                              "task-1"))
+    assert saver.get_tuple(cfg).pending_writes == [("task-1", ERROR, "error #1")]  # type: ignore[union-attr]
+    assert saver.get_tuple(cfg).pending_writes == [("task-1", ERROR, "error #2")]  # type: ignore[union-attr]
+    key = next(i.key for i in kv.scan(saver.keys.write_prefix("ttl-err", "", cp["id"])))
+    assert kv.get_item(key).expires_at > time.time() + 590  # type: ignore[union-attr]
 
 
 def test_an_expired_thread_is_gone_and_a_new_run_starts_afresh(kv: kvcomm.Client) -> None:

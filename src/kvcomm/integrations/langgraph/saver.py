@@ -22,7 +22,8 @@ the config it returns, so a put of two writers that resumed the same head raises
 Retention: ``ttl`` (seconds; langgraph-checkpoint-redis's counts minutes) gives every
 record a put writes that lifetime; ``refresh_on_read`` (True by default) makes
 ``get_tuple`` give the checkpoint it returns, with its values, writes and head, its whole
-ttl again. Values go through LangGraph's serializer protocol, never pickle (``_serde.py``).
+ttl again (touched: never bringing back what another writer deleted or replaced since).
+Values go through LangGraph's serializer protocol, never pickle (``_serde.py``).
 
 Design (why a resume on another host never sees a stale thread, with and without etcd;
 what list, prune and delete_for_runs read; async; two writers; retention):
@@ -774,24 +775,27 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if head_item is not None:
             tup.config["configurable"][RUN] = next(self._runs)
         if self.ttl is not None and self.refresh_on_read:
-            self._refresh(thread_id, ns, cid, body, raw or {}, writes, head_item)
+            self._refresh(thread_id, ns, cid, raw or {}, writes, head_item)
         return tup
 
-    def _refresh(self, thread_id: str, ns: str, cid: str, body: list[Any],
-                 blobs: dict[str, Any], writes: list[Any], head_item: Any) -> None:
+    def _refresh(self, thread_id: str, ns: str, cid: str, blobs: dict[str, Any],
+                 writes: list[Any], head_item: Any) -> None:
         """Give the checkpoint read (its record, values, writes, and the head when read)
-        the saver's ttl again, from now. Its records are immutable: they are put again
-        as read; the head is touched (a conditional write: never a head moved meanwhile)."""
+        the saver's ttl again, from now: each touched, a conditional write that refreshes
+        what is there now and never brings back what another writer deleted or replaced
+        since this read (a thread deleted meanwhile stays deleted, a special write replaced
+        meanwhile stays replaced). The checkpoint first, the head last, its deadline
+        counted from before the records' (as put: the head never outlives them)."""
         k, ttl = self.keys, self.ttl
         start = time.time()
-        with self.kv.batch() as b:  # (the checkpoint first, the head last: see put)
-            b.put(k.checkpoint(thread_id, ns, cid), body, ttl=ttl)
-            for key, blob in blobs.items():
-                b.put(key, blob, ttl=ttl)
-            for w in writes:
-                b.put(k.write(thread_id, ns, cid, w[0], w[-1]), w[:-1], ttl=ttl)
+        touch = self.kv.touch
+        touch(k.checkpoint(thread_id, ns, cid), ttl)
+        for key in blobs:
+            touch(key, ttl)
+        for w in writes:
+            touch(k.write(thread_id, ns, cid, w[0], w[-1]), ttl)
         if head_item is not None:
-            self.kv.touch(k.head(thread_id, ns), self._left(start))
+            touch(k.head(thread_id, ns), self._left(start))
 
     def _referenced_writes(self, thread_id: str, ns: str, cid: str,
                            referenced: list[list[Any]]) -> list[Any]:
