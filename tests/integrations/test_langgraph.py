@@ -282,6 +282,46 @@ def test_a_bytearray_in_a_state_is_stored_as_langgraph_stores_it(kv: kvcomm.Clie
         assert got == bytearray(b"hi!") and type(got) is bytearray
 
 
+def test_a_checkpoint_or_write_no_reader_could_read_is_refused_and_nothing_stored(
+        kv: kvcomm.Client) -> None:
+    """A channel named by a non-str, an empty checkpoint id, a non-str task id or path:
+    each was accepted, stored in a record KVCommSaver's own reads refuse, and then
+    list(None) and delete_for_runs raised CorruptRecord for every thread. Now refused at
+    the put, nothing stored, every other thread still listed."""
+    saver = KVCommSaver(kv)
+    cfg: Any = {"configurable": {"thread_id": "good", "checkpoint_ns": ""}}
+    at = saver.put(cfg, empty_checkpoint(), {}, {})
+    bad: Any = {"configurable": {"thread_id": "bad", "checkpoint_ns": ""}}
+    for values, versions, new in (({1: "x"}, {1: "1"}, {1: "1"}), ({None: 1}, {}, {}),
+                                  ({}, {"a": "1"}, {("a",): "1"}), ({"a": 1}, None, {})):
+        cp: Any = {**empty_checkpoint(), "channel_values": values, "channel_versions": versions}
+        with pytest.raises(kvcomm.InvalidArgument, match="named by str"):
+            saver.put(bad, cp, {}, new)
+    with pytest.raises(kvcomm.InvalidKey, match="non-empty str"):
+        saver.put(bad, {**empty_checkpoint(), "id": ""}, {}, {})
+    with pytest.raises(kvcomm.InvalidKey, match="non-empty str"):
+        saver.put_writes({"configurable": {**bad["configurable"], "checkpoint_id": ""}},
+                         [("a", 1)], "task")
+    for task_id, path in ((7, ""), ("task", 5), ("task", None)):
+        with pytest.raises(kvcomm.InvalidArgument, match="id and path are str"):
+            saver.put_writes(at, [("a", 1)], task_id, path)  # type: ignore[arg-type]
+    assert [t.config["configurable"]["thread_id"] for t in saver.list(None)] == ["good"]
+    assert saver.get_tuple(bad) is None and saver.get_tuple(cfg).pending_writes == []  # type: ignore[union-attr]
+    saver.delete_for_runs(["r1"])
+
+
+def test_list_of_a_thread_named_none_lists_nothing_as_langgraphs_savers(
+        kv: kvcomm.Client) -> None:
+    """``list({"configurable": {"thread_id": None}})`` listed every thread's checkpoints
+    (as ``list(None)`` does): another tenant's state to a caller that lost its id."""
+    for saver in (KVCommSaver(kv), InMemorySaver()):
+        for t in ("alice", "bob"):
+            saver.put({"configurable": {"thread_id": t, "checkpoint_ns": ""}},
+                      empty_checkpoint(), {}, {})
+        assert list(saver.list({"configurable": {"thread_id": None}})) == []
+        assert len(list(saver.list(None))) == 2
+
+
 def test_a_numpy_scalar_in_a_state_says_to_store_the_python_number(kv: kvcomm.Client) -> None:
     """kv.put stores np.float64(2.5) as 2.5; LangGraph's serializer refuses it (it would
     pickle it): the error says what to store instead, and nothing is stored."""

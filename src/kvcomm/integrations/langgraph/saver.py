@@ -87,6 +87,7 @@ _WALK_MAX = 10_000  # (_child_on_chain: the records it reads at most)
 _START = "__start__"  # the start channel: a StateGraph's input, until its start task runs
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"  # the task id of a Command's update
 _RESUME = "__resume__"  # the channel of a Command's resume value
+_STR = {str}
 _MAX_HEADS = 65536  # (the remembered heads, one per thread and namespace: bounded)
 
 
@@ -378,8 +379,17 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if type(values) is not dict:
             raise InvalidArgument(f"a checkpoint holds its channel_values (a dict), got "
                                   f"{str(checkpoint)[:200]}")
+        cid, versions = c.get("id"), c.get("channel_versions")
+        if type(cid) is not str or not cid:
+            raise InvalidKey(f"a checkpoint's id is a non-empty str (LangGraph's uuid6()), got "
+                             f"{cid!r}")
+        if type(versions) is not dict or not (  # (each set made in C: a step's few channels)
+                {*map(type, values), *map(type, versions), *map(type, new_versions)} <= _STR):
+            raise InvalidArgument(f"a checkpoint's channels are named by str (the keys of its "
+                                  f"channel_values and channel_versions, a dict, and of "
+                                  f"new_versions), got {str(checkpoint)[:200]} and "
+                                  f"{str(new_versions)[:200]}")
         md = _metadata(config, metadata)
-        cid = checkpoint["id"]
         k, ttl = self.keys, self.ttl
         dumps = self.serde.dumps_typed
         # (each record a list of plain fields, stored as codec.Packed stores it; kept for a
@@ -391,7 +401,6 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             if _inline(value):
                 record += (channel, *dumps(value))
                 inline.add(channel)
-        versions = checkpoint["channel_versions"]
         # (channels it names at an older version without their values: LangGraph passes
         # every value, a caller of put may not; their values are its ancestors')
         inherited = [ch for ch in versions if ch not in values and ch not in new_versions]
@@ -648,6 +657,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if cid is None:
             raise InvalidArgument("put_writes stores a task's writes at a checkpoint: its "
                                   "config names one ('checkpoint_id'), as put returned it")
+        if type(cid) is not str or not cid:
+            raise InvalidKey(f"a checkpoint_id is a non-empty str, got {cid!r}")
+        if type(task_id) is not str or type(task_path) is not str:
+            raise InvalidArgument(f"a task's id and path are str (LangGraph's), got "
+                                  f"{task_id!r} and {task_path!r}")
         prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
         dumps = self.serde.dumps_typed
         records: list[list[Any]] = []
@@ -864,6 +878,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             raise InvalidArgument(f"list's limit is an int >= 0, or None, got {limit!r}")
         if config:
             thread_id, _ns = self._ids(config)
+            if thread_id is None:  # (a thread named None: none, as in LangGraph's savers;
+                return  # not every thread's checkpoints, as no config lists them)
             ns = config["configurable"].get("checkpoint_ns")
             cid = _checkpoint_id(config, "config")
         if thread_id is None:
