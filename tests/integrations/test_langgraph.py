@@ -610,6 +610,62 @@ def test_a_refresh_on_read_never_reverts_a_write_replaced_meanwhile(kv: kvcomm.C
     assert kv.get_item(key).expires_at > time.time() + 590  # type: ignore[union-attr]
 
 
+def _put_at(saver: KVCommSaver, thread: str, cid: str, value: str, *,
+            parent: str | None = None, run: str = "r1") -> None:
+    cp: Any = {**empty_checkpoint(), "id": cid, "channel_values": {"v": value * 300},
+               "channel_versions": {"v": cid}}
+    conf = {"thread_id": thread, "checkpoint_ns": ""} | ({"checkpoint_id": parent} if parent else {})
+    saver.put({"configurable": conf}, cp, {"run_id": run}, {"v": cid})
+
+
+def _latest_value(saver: KVCommSaver, thread: str) -> str:
+    tup = saver.get_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": ""}})
+    assert tup is not None
+    return tup.checkpoint["channel_values"]["v"][:1]  # type: ignore[no-any-return]
+
+
+def test_copy_thread_onto_a_thread_with_a_newer_checkpoint_keeps_it_latest(
+        kv: kvcomm.Client) -> None:
+    """The target's head moves only forward, as a put's: a copy of an older thread into it
+    set it back, and get_tuple then disagreed with list() (the newest id first)."""
+    saver = KVCommSaver(kv)
+    _put_at(saver, "src", "1f0-0001", "s")
+    _put_at(saver, "dst", "1f0-0002", "d")
+    saver.copy_thread("src", "dst")
+    assert _latest_value(saver, "dst") == "d"
+    cfg: Any = {"configurable": {"thread_id": "dst", "checkpoint_ns": ""}}
+    assert [t.checkpoint["id"] for t in saver.list(cfg)] == ["1f0-0002", "1f0-0001"]
+    _put_at(saver, "src2", "1f0-0003", "n")  # (a newer source moves it forward)
+    saver.copy_thread("src2", "dst")
+    assert _latest_value(saver, "dst") == "n"
+
+
+def test_copy_thread_and_a_moved_back_head_keep_the_savers_ttl(kv: kvcomm.Client) -> None:
+    """With a ttl, a thread's copy expires as every record the saver writes, its heads
+    never outliving their checkpoints; so does a head that delete_for_runs or prune moved
+    back (both were written with no deadline: the copy lived for ever, and the head of a
+    thread whose checkpoints had expired stayed)."""
+    saver = KVCommSaver(kv, ttl=600)
+    _put_at(saver, "a", "1f0-1", "x")
+    _put_at(saver, "a", "1f0-2", "y", parent="1f0-1", run="r2")
+    saver.copy_thread("a", "copy")
+    copied = _thread_keys(kv, saver, "copy")
+    assert len(copied) >= 4 and all(i.expires_at is not None for i in copied.values())
+    k = saver.keys
+    head = copied[k.head("copy", "")].expires_at
+    assert head <= copied[k.checkpoint("copy", "", "1f0-2")].expires_at  # (never outlives it)
+    saver.delete_for_runs(["r2"])  # (a's head moves back to 1f0-1)
+    kept = _thread_keys(kv, saver, "a")
+    assert kept[k.head("a", "")].value["id"] == "1f0-1"
+    assert kept[k.head("a", "")].expires_at <= kept[k.checkpoint("a", "", "1f0-1")].expires_at
+    _put_at(saver, "b", "1f0-1", "x")
+    _put_at(saver, "b", "1f0-2", "y", parent="1f0-1")
+    saver.prune(["b"])
+    pruned = _thread_keys(kv, saver, "b")
+    assert pruned[k.head("b", "")].expires_at is not None
+    assert all(i.expires_at is not None for i in pruned.values())
+
+
 def test_an_expired_thread_is_gone_and_a_new_run_starts_afresh(kv: kvcomm.Client) -> None:
     cfg: Any = {"configurable": {"thread_id": "ttl-3"}}
     saver = KVCommSaver(kv, ttl=0.5)

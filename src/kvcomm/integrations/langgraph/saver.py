@@ -88,6 +88,7 @@ _START = "__start__"  # the start channel: a StateGraph's input, until its start
 _NULL_TASK = "00000000-0000-0000-0000-000000000000"  # the task id of a Command's update
 _RESUME = "__resume__"  # the channel of a Command's resume value
 _STR = {str}
+_HEAD_MARGIN = 0.01  # (s: a head moved back expires this much before its checkpoint)
 _MAX_HEADS = 65536  # (the remembered heads, one per thread and namespace: bounded)
 
 
@@ -587,8 +588,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         return None if self.ttl is None else max(self.ttl - (time.time() - start), 0.001)
 
     def _update_head(self, key: str, fn: Callable[[Any], dict[str, Any]],
-                     records: tuple[builtins.list[str], builtins.list[Any]] | None = None
-                     ) -> None:
+                     records: tuple[builtins.list[str], builtins.list[Any]] | None = None,
+                     start: float | None = None) -> None:
         """``kv.update(key, fn)``, starting from the head this saver last saw (no read
         when it is still current); ``fn`` returning its argument itself writes no head.
         ``fn`` may run more than once; what it raises on the head read now propagates
@@ -601,10 +602,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         decided on L3). Records and head get the saver's ttl counted from before the
         records (the head never outlives them); without ``records`` the head is written
         without a deadline (put_writes calls it so only when the saver has no ttl; with
-        one it uses kv.update, which keeps the head's deadline). Raises what ``kv.put`` raises
-        (Unavailable...); a put whose head move raised may have written the records."""
+        one it uses kv.update, which keeps the head's deadline). ``start``: when records
+        the head names were written before this call (copy_thread), the time their ttl
+        counts from (default now). Raises what ``kv.put`` raises (Unavailable...); a put
+        whose head move raised may have written the records."""
         cached = self._heads.get(key)
-        start = time.time()
+        head_ttl = self.ttl if start is None else self._left(start)  # (embedded: see below)
+        start = time.time() if start is None else start
         if records is not None and self._cluster:
             put_records(self.kv, *records, self.ttl)
         for _ in range(10_000):
@@ -631,7 +635,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     # (the records' ttl and the head's, counted from one instant in
                     # put_records: one deadline, the head never outlives them)
                     version = put_records(self.kv, *records, self.ttl, last=None if unchanged
-                                          else (key, Packed.built(new), expect, self.ttl))
+                                          else (key, Packed.built(new), expect, head_ttl))
                 elif not unchanged:
                     version = self.kv.put(key, new, expect=expect,
                                           ttl=None if records is None else self._left(start))
@@ -966,14 +970,18 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, value and write of ``source_thread_id`` to
-        ``target_thread_id`` (records first, then the heads). Raises CorruptRecord for a
-        head of the source that is not one KVCommSaver wrote (its records are copied)."""
+        ``target_thread_id`` (records first, then the heads). A namespace the target has
+        already keeps its latest checkpoint when that is newer than the source's (the
+        head only moves forward, as a put's). With the saver's ttl the copies are written
+        with it, the heads never outliving them. Raises CorruptRecord for a head of the
+        source that is not one KVCommSaver wrote (its records are copied)."""
         source_thread_id, target_thread_id = _thread(source_thread_id), _thread(target_thread_id)
         with _Reading(thread=source_thread_id):
             self._copy_thread(source_thread_id, target_thread_id)
 
     def _copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         k = self.keys
+        start = time.time()
         for prefix in (k.blobs, k.checkpoints, k.writes):
             src, dst = k.thread(prefix, source_thread_id), k.thread(prefix, target_thread_id)
             items = list(scan(self.kv, src))
@@ -981,21 +989,34 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 with self.kv.batch() as b:
                     for item in items[i:i + 256]:
                         b.put(k.fit(dst + item.key[len(src):], f"a copy into thread "
-                                                                f"{target_thread_id!r}"), item.value)
+                                    f"{target_thread_id!r}"), item.value, ttl=self.ttl)
         src = k.thread(k.heads, source_thread_id)
         for item in list(scan(self.kv, src)):
             (ns,) = Keys.split(item.key, src)
             head = _head_of(item.value, item.key)
             if head is not None and head["id"] is not None:
-                self._set_head(target_thread_id, ns, head["id"], head["w"])
+                self._update_head(k.head(target_thread_id, ns),
+                                  functools.partial(_copied, head), ([], []), start=start)
 
     def _set_head(self, thread_id: str, ns: str, cid: str | None, slots: builtins.list[Any]) -> None:
+        """Point the head of (``thread_id``, ``ns``) at checkpoint ``cid`` (None: no head).
+        With the saver's ttl the head expires with that checkpoint, never after it (no
+        head when it is gone already)."""
         key = self.keys.head(thread_id, ns)
         self._heads.pop(key, None)
+        ttl = None
+        if cid is not None and self.ttl is not None:
+            item = self.kv.get_item(self.keys.checkpoint(thread_id, ns, cid))
+            if item is not None and item.expires_at is not None:
+                # (a ttl counts from the put's own clock reading, a little later: the
+                # margin keeps the head's deadline before the checkpoint's)
+                ttl = item.expires_at - time.time() - _HEAD_MARGIN
+            if item is None or ttl is not None and ttl <= 0:
+                cid = None
         if cid is None:
             self.kv.delete(key)
         else:
-            self.kv.put(key, {"id": cid, "w": list(slots)})
+            self.kv.put(key, {"id": cid, "w": list(slots)}, ttl=ttl)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) whose metadata's run id is in
@@ -1168,6 +1189,14 @@ def _forward(cid: str, parent: Any, old: dict[str, Any] | None) -> dict[str, Any
     if later:
         head["p"] = later
     return head
+
+
+def _copied(head: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+    """A target's head after a copy of ``head`` into it: ``old`` itself when it names a
+    checkpoint as new or newer (it stays), else a copy of ``head``."""
+    if old is not None and old["id"] is not None and old["id"] >= head["id"]:
+        return old
+    return {"id": head["id"], "w": list(head["w"])}
 
 
 def _not_latest(latest: dict[str, str], ns: str, cid: str, _body: builtins.list[Any]) -> bool:
