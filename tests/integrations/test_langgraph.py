@@ -731,6 +731,48 @@ def test_an_async_store_batch_never_puts_back_a_value_replaced_since(
         other.close()
 
 
+def test_a_store_batch_runs_its_reads_first_then_its_writes_as_langgraphs_stores(
+        ns: str, config: kvcomm.Config) -> None:
+    """InMemoryStore (and PostgresStore) run a batch's reads on what was stored before it,
+    then its writes, the last of each item's; KVCommStore ran the ops in order, so a get
+    after a put in one batch saw it. Sync and async, on the same batches; and an invalid
+    op raises before any op runs."""
+    from langgraph.store.base import GetOp, ListNamespacesOp, PutOp, SearchOp
+
+    import kvcomm.aio
+
+    # (list_namespaces first: InMemoryStore's get makes an empty namespace it then lists)
+    batch = [PutOp(("n",), "k", {"v": 1}), ListNamespacesOp(None, None, 10, 0),
+             GetOp(("n",), "k"), SearchOp(("n",), None, 10, 0), PutOp(("n",), "k", {"v": 2}),
+             PutOp(("n",), "j", {"v": 3}), PutOp(("n",), "j", None), GetOp(("n",), "j")]
+    second = [GetOp(("n",), "k"), PutOp(("n",), "k", None), GetOp(("n",), "j"),
+              SearchOp(("n",), None, 10, 0)]
+
+    def shape(results: list[Any]) -> list[Any]:
+        return [r.value if hasattr(r, "value") else
+                [i.value for i in r] if isinstance(r, list) and r and hasattr(r[0], "value")
+                else r for r in results]
+
+    ref = InMemoryStore()
+    want = [shape(ref.batch(batch)), shape(ref.batch(second))]
+    assert want[0][:4] == [None, [], None, []] and want[1][0] == {"v": 2}
+    with kvcomm.open(ns, config=config) as kv:
+        store = KVCommStore(kv, root="sync/")
+        assert [shape(store.batch(batch)), shape(store.batch(second))] == want
+
+    async def main() -> list[Any]:
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            store = KVCommStore(akv, root="aio/")
+            return [shape(await store.abatch(batch)), shape(await store.abatch(second))]
+
+    assert asyncio.run(main()) == want
+    with kvcomm.open(ns, config=config) as kv:
+        store = KVCommStore(kv, root="bad/")
+        with pytest.raises(kvcomm.InvalidArgument, match="tuple of str labels"):
+            store.batch([PutOp(("n",), "a", {"v": 1}), GetOp(["n"], "a")])  # type: ignore[arg-type]
+        assert store.get(("n",), "a") is None  # (nothing ran)
+
+
 def test_wrong_arguments_get_a_clear_error_and_change_nothing(ns: str,
                                                               config: kvcomm.Config) -> None:
     """The adversary's finds, through the async faces as agents call them: errors from the

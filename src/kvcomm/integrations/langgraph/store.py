@@ -115,8 +115,9 @@ class KVCommStore(BaseStore):
 
     Operations raise LangGraph's InvalidNamespaceError for a bad namespace label, and
     what the client raises (kvcomm.KVCommError: InvalidKey when a namespace and key do
-    not fit ``cache.max_key_bytes``, Unavailable...). ``batch`` applies its operations
-    in order; one that raises leaves the earlier ones applied.
+    not fit ``cache.max_key_bytes``, Unavailable...). ``batch`` runs its reads first,
+    then its writes (see :meth:`batch`); an invalid op raises before any runs, one that
+    fails when it runs leaves those run before it applied.
     """
 
     __slots__ = ("kv", "keys", "serde", "ttl_config", "aio", "_sem")
@@ -149,7 +150,9 @@ class KVCommStore(BaseStore):
 
     # ---------------------------------------------------------------- batch
     def batch(self, ops: Iterable[Op]) -> list[Result]:
-        """Run ``ops`` in order; their results in the same order."""
+        """Run ``ops``, as LangGraph's own stores run a batch: its reads (get, search,
+        list_namespaces) first, in order, on what was stored before the batch; then its
+        puts and deletes, the last of each item's only. Results in the order of ``ops``."""
         ops = list(ops)
         sem = self._sem
         if sem is None:
@@ -191,9 +194,9 @@ class KVCommStore(BaseStore):
         # (one op per attempt: an op that meets a held lock runs again in the pool alone,
         # never the writes of the ops before it, which another process may have replaced
         # since; each op raises WouldBlock before its own write: see _kv.run_async)
-        results: list[Result] = []
-        for i, op in enumerate(ops):
-            results += await run_async(self.aio, self._batch, ([op], prepared, i), {})
+        results: list[Result] = [None] * len(ops)
+        for i in _reads_then_writes(ops):
+            (results[i],) = await run_async(self.aio, self._run, ([(i, ops[i])], prepared), {})
         return results
 
     def _to_embed(self, ops: list[Op]) -> tuple[list[tuple[int, str, str]], list[str]]:
@@ -232,13 +235,20 @@ class KVCommStore(BaseStore):
                 out[q] = sem.query_vector(v)
         return out
 
-    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None,
-               first: int = 0) -> list[Result]:
-        """``ops``' results, in order; ``first``: the position of ``ops[0]`` in the batch
-        ``prepared`` was made for."""
+    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
+        """``ops``' results, in order, run as :meth:`batch` says."""
+        results: list[Result] = [None] * len(ops)
+        order = _reads_then_writes(ops)
+        for i, result in zip(order, self._run([(i, ops[i]) for i in order], prepared),
+                             strict=True):
+            results[i] = result
+        return results
+
+    def _run(self, ops: list[tuple[int, Op]], prepared: dict[Any, Any] | None) -> list[Result]:
+        """The results of ``ops`` (each with its position in the batch ``prepared`` was
+        made for), run in the order given."""
         results: list[Result] = []
-        for i, op in enumerate(ops, first):
-            _validate(op)
+        for i, op in ops:
             if isinstance(op, GetOp):
                 results.append(self._get(op.namespace, op.key, op.refresh_ttl))
             elif isinstance(op, PutOp):
@@ -621,6 +631,20 @@ def _compare_values(item_value: Any, filter_value: Any) -> bool:
                 and all(_compare_values(i, f) for i, f in zip(item_value, filter_value,
                                                               strict=False)))
     return bool(item_value == filter_value)
+
+
+def _reads_then_writes(ops: list[Op]) -> list[int]:
+    """The positions of ``ops`` in the order a batch runs them (LangGraph's InMemoryStore
+    and PostgresStore: reads first, in order; then the last put or delete of each item)."""
+    writes: dict[tuple[Any, Any], int] = {}
+    reads = []
+    for i, op in enumerate(ops):
+        _validate(op)  # (every op before any runs: a bad one raises with nothing done)
+        if isinstance(op, PutOp):
+            writes[op.namespace, op.key] = i
+        else:
+            reads.append(i)
+    return reads + sorted(writes.values())
 
 
 def _apply_operator(value: Any, operator: str, op_value: Any) -> bool:
