@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._client import Client, Event, Item, Presence
 from ._client import open as _open_sync
+from ._client.client import _NOT_SENT
 from ._client.cluster_read import L3Read
 from ._client.scan import check_scan_args
 from ._client.watch import WatchFeed
@@ -384,6 +385,17 @@ class AsyncClient:
 
     async def __aenter__(self) -> AsyncClient:
         return self
+
+    def __enter__(self) -> NoReturn:
+        raise UsageError("kvcomm.aio's client is entered with `async with`: write `async with "
+                         "kvcomm.aio.open(...) as kv:` (a plain `with` is the sync client's, "
+                         "kvcomm.open())")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __reduce__(self) -> NoReturn:
+        raise UsageError(_NOT_SENT.format(open="kvcomm.aio.open"))
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()

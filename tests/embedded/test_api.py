@@ -463,5 +463,49 @@ def test_the_other_faces_with_says_which_to_write(ns: str, config: kvcomm.Config
         with pytest.raises(kvcomm.UsageError, match="async with kvcomm.aio.open"):
             with kvcomm.aio.open(ns, config=config):  # type: ignore[attr-defined]
                 pass
+        akv = await kvcomm.aio.open(ns, config=config)  # (an awaited client: the same)
+        with pytest.raises(kvcomm.UsageError, match="async with kvcomm.aio.open"):
+            with akv:  # type: ignore[attr-defined]
+                pass
+        await akv.aclose()
 
     asyncio.run(main())
+
+
+def _never_runs(kv: kvcomm.Client) -> None:
+    raise AssertionError("a client reached another process")
+
+
+def test_a_client_sent_to_another_process_says_to_open_one_there(ns: str,
+                                                                 config: kvcomm.Config) -> None:
+    """multiprocessing's spawn (and forkserver, Python 3.14's default) pickle a Process's
+    arguments: a client among them raised a bare TypeError naming the C core's class."""
+    import asyncio
+    import copy
+    import multiprocessing as mp
+    import pickle
+
+    import kvcomm.aio
+
+    with kvcomm.open(ns, config=config) as kv:
+        with pytest.raises(kvcomm.UsageError, match=r"kvcomm\.open\(name, config=config\)"):
+            pickle.dumps(kv)
+        with pytest.raises(kvcomm.UsageError, match="cannot be sent to another process"):
+            mp.get_context("spawn").Process(target=_never_runs, args=(kv,)).start()
+        with pytest.raises(kvcomm.UsageError):
+            copy.copy(kv)
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=config) as akv:
+            with pytest.raises(kvcomm.UsageError, match=r"kvcomm\.aio\.open\(name"):
+                pickle.dumps(akv)
+
+    asyncio.run(main())
+
+
+def test_a_closed_client_entered_again_says_it_is_closed(ns: str, config: kvcomm.Config) -> None:
+    kv = kvcomm.open(ns, config=config)
+    kv.close()
+    with pytest.raises(kvcomm.SegmentError, match="closed"):
+        with kv:
+            pass

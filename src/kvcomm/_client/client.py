@@ -19,6 +19,10 @@ from .presence import Presence, start_presence
 from .read import Reads
 from .scan import Scanning
 
+_NOT_SENT = ("a kvcomm client cannot be sent to another process (pickled, as "
+             "multiprocessing's spawn and forkserver do with a Process's arguments): send its "
+             "namespace and config, and call {open}(name, config=config) in that process")
+
 
 class Client(Scanning):
     """An agent's handle on KVCOMM. Thread-safe. Use :func:`kvcomm.open` to make one."""
@@ -126,6 +130,7 @@ class Client(Scanning):
             _Shared.release(self._attached)
 
     def __enter__(self) -> Client:
+        self._live()  # (a closed client: SegmentError saying so, not a block that fails later)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -148,6 +153,9 @@ class Client(Scanning):
 
     def __iter__(self) -> NoReturn:
         raise UsageError("a kvcomm client is not a dict: list keys with kv.scan(prefix)")
+
+    def __reduce__(self) -> NoReturn:
+        raise UsageError(_NOT_SENT.format(open="kvcomm.open"))
 
     async def __aenter__(self) -> NoReturn:
         self.close()  # (opened by the call before it: closed, as the block will not run)
