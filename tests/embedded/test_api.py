@@ -223,12 +223,30 @@ def test_namespaces_are_separate(ns: str, config: kvcomm.Config) -> None:
         kvcomm.tiers.l2.purge(other)
 
 
-@pytest.mark.parametrize("name", [7, b"my-app", ["my-app"], "", "a/b", "x" * 65])
+@pytest.mark.parametrize("name", [7, b"my-app", ["my-app"], "", "a/b", "x" * 65, ".", "..",
+                                  ".hidden", "-foo", "_x"])
 def test_a_bad_namespace_is_an_invalid_argument_that_says_what_a_name_is(name: object) -> None:
     """(a newcomer's first hour: open(7) raised a bare SegmentError)"""
     with pytest.raises(kvcomm.InvalidNamespace, match="1-64 letters, digits") as e:
         kvcomm.open(name)  # type: ignore[arg-type]
     assert isinstance(e.value, kvcomm.InvalidArgument) and isinstance(e.value, kvcomm.SegmentError)
+
+
+def test_a_namespace_named_as_another_namespaces_file_is_refused(ns: str,
+                                                                 config: kvcomm.Config) -> None:
+    """``kvcomm.open("app.agents")`` opened the directory of namespace app's agent reports
+    (a bare "Is a directory"), and ``"app.watch"`` made a segment where app's watchers
+    register, one ``kvcomm list`` never showed (a newcomer's first hour)."""
+    with kvcomm.open(ns, config=config) as kv:
+        kv.put("k", 1)
+        for end in (".agents", ".watch", ".keys", ".node.json", ".vec.0123456789abcdef",
+                    ".v3.migrating"):
+            with pytest.raises(kvcomm.InvalidNamespace, match=f"namespace {ns!r}'s own file"):
+                kvcomm.open(ns + end, config=config)
+        with kvcomm.open(ns + ".agents2", config=config) as other:  # (a dot is fine)
+            assert other.get("k") is None
+        kvcomm.tiers.l2.purge(ns + ".agents2")
+        assert kv.get("k") == 1
 
 
 def test_stats(kv: kvcomm.Client) -> None:

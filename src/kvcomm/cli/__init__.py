@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -148,7 +147,6 @@ def _since_beat(beat_ms: int) -> str:
 
 # the names of a namespace's files that are not its segment (tiers/shm/files.py,
 # tiers/shm/oldlayout.py's aside file of a migration under way): `kvcomm list` skips them
-_NOT_SEGMENTS = re.compile(r"\.(keys|node\.json|watch|agents|vec\.[0-9a-f]{16}|v\d+\.migrating)$")
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -205,11 +203,11 @@ def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
     namespace's segment (or is gone by now)."""
     import stat
 
-    from ..tiers.shm.files import _NAME_RE
+    from ..tiers.shm.files import _NAME_RE, SIDE_FILES
     from ..tiers.shm.layout import LAYOUT_VERSION, is_segment_magic
 
     name = file[len("kvcomm."):]
-    if not file.startswith("kvcomm.") or not _NAME_RE.match(name) or _NOT_SEGMENTS.search(name):
+    if not file.startswith("kvcomm.") or not _NAME_RE.match(name) or SIDE_FILES.search(name):
         return None
     path = os.path.join(c.l2_dir, file)
     try:

@@ -30,7 +30,11 @@ import time
 from ...errors import InvalidNamespace, SegmentError
 
 SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+SIDE_FILES = re.compile(r"\.(keys|node\.json|watch|agents|vec\.[0-9a-f]{16}|v\d+\.migrating)$")
+"""The ends of the names of a namespace's other files (the table above; a migration's
+``kvcomm.NS.vN.migrating``): no namespace's name ends so, or its segment would be
+another namespace's file."""
 _VECTOR_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -38,7 +42,15 @@ def segment_path(name: str, directory: str = SHM_DIR) -> str:
     """The file backing namespace ``name``. Raises SegmentError on a bad name."""
     if type(name) is not str or not _NAME_RE.match(name):
         raise InvalidNamespace(
-            f"namespace {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
+            f"namespace {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    side = SIDE_FILES.search(name)
+    if side:
+        raise InvalidNamespace(
+            f"namespace {name!r} is invalid: a name ending in {side[0]!r} is the name of "
+            f"namespace {name[:side.start()]!r}'s own file (its key filter, status, watches, "
+            "agents, vector index or a migration); choose another name"
         )
     return os.path.join(directory, f"kvcomm.{name}")
 
