@@ -421,6 +421,38 @@ def test_a_msgpack_extension_planted_in_l2_is_refused_on_every_read(
             assert kv.get("planted") == [1, 2]
 
 
+def _with_max_key(config: kvcomm.Config, n: int) -> kvcomm.Config:
+    return kvcomm.Config.from_mapping({**config.model_dump(mode="json"),
+                                       "cache": {**config.cache.model_dump(mode="json"),
+                                                 "max_key_bytes": n}})
+
+
+def test_a_namespace_keeps_the_max_key_bytes_it_was_made_with(ns: str,
+                                                              config: kvcomm.Config) -> None:
+    """Opened with another cache.max_key_bytes, a namespace is used as it is, as the
+    warning says: a client asking 20 read another process's 30-byte key as InvalidKey
+    (scans failed part-way), and one asking 250 of a namespace made with 20 was told to
+    raise its config, which did nothing."""
+    long_key = "k" * 30
+    with kvcomm.open(ns, config=config) as made:  # (made with the default, 250)
+        made.put(long_key, 1)
+        with pytest.warns(kvcomm.KVCommWarning, match="is ignored until"):
+            small = kvcomm.open(ns, config=_with_max_key(config, 20))
+        with small:
+            assert small.get(long_key) == 1 and [i.key for i in small.scan("k")] == [long_key]
+            small.put(long_key, 2)
+            assert made.get(long_key) == 2
+    kvcomm.tiers.l2.purge(ns)
+    with kvcomm.open(ns, config=_with_max_key(config, 20)) as made:
+        with pytest.warns(kvcomm.KVCommWarning, match="is ignored until"):
+            big = kvcomm.open(ns, config=config)
+        with big, pytest.raises(kvcomm.InvalidKey, match=r"made with cache\.max_key_bytes=20 "
+                                                         r"\(this client's config says 250.*purge"):
+            big.put(long_key, 1)
+        with pytest.raises(kvcomm.InvalidKey, match=r"over cache\.max_key_bytes=20: shorten"):
+            made.put(long_key, 1)
+
+
 def test_a_second_client_in_one_process_is_told_its_size_is_ignored(
         ns: str, config: kvcomm.Config) -> None:
     """The namespace is attached in this process already: a client asking another

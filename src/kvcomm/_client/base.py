@@ -30,6 +30,7 @@ from ..tiers import l2 as l2mod
 from ..tiers.l1 import process_budget
 from ..tiers.l2 import TAG_TOMBSTONE, Record, key_hash
 from ..tiers.shm.counters import Histogram
+from ..tiers.shm.layout import MAX_KEY
 from .attach import _CLIENTS, _Shared
 from .items import Item
 
@@ -101,7 +102,9 @@ class ClientBase:
         self._l1_on = c.l1_size > 0
         process_budget().register(c.l1_size)
         self._l1_entries = self._l1.entries if self._l1_on else {}
-        self._max_key = min(c.max_key_bytes, self._seg.layout.max_key)
+        # (the segment's: a namespace that exists with another config's is used as it is,
+        # as open warns; its keys all within it, readable by every client)
+        self._max_key = self._seg.layout.max_key
         self._max_value = c.max_value_size  # (L2 refuses what its largest block cannot hold)
         self._zc = self.config.network.zero_copy_threshold
         self._default_consistency = c.l3_consistency
@@ -474,10 +477,18 @@ class ClientBase:
                 raise InvalidKey("the key is empty; use a non-empty str such as 'drone/7/pos'")
             if b"\x00" in kb:
                 raise InvalidKey(f"key {key!r} contains NUL; remove it")
+            if self.config.cache.max_key_bytes != self._max_key:
+                raise InvalidKey(
+                    f"key is {len(kb)} bytes of UTF-8, over the {self._max_key} of namespace "
+                    f"{self.name!r}, whose segment was made with cache.max_key_bytes="
+                    f"{self._max_key} (this client's config says "
+                    f"{self.config.cache.max_key_bytes}: it applies once the namespace is "
+                    f"purged and made again, `kvcomm purge --name {self.name}`); or shorten it")
             raise InvalidKey(
                 f"key is {len(kb)} bytes of UTF-8, over cache.max_key_bytes={self._max_key}: "
                 f"shorten it (a hash of its tail, say), or raise cache.max_key_bytes, the "
-                f"same on every host (at most {self._seg.layout.max_key})"
+                f"same on every host (at most {MAX_KEY}; a namespace made already keeps its "
+                f"own until purged)"
             )
         return kb
 
