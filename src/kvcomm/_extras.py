@@ -65,7 +65,7 @@ def require(module: str, *, extra: str, purpose: str) -> ModuleType:
     """Import and return ``module``, which the extra ``extra`` installs.
 
     ``purpose`` says what needs it ("cluster mode (cluster.redis is set)"). Raises
-    ConfigError (key ``""``) naming ``pip install 'kvcomm[<extra>]'`` when it is not
+    ConfigError (key ``""``) naming the command that installs it (:func:`install_hint`) when it is not
     installed, and KeyError when ``extra`` is not one of :data:`EXTRAS` (a bug here).
     Nothing is changed either way.
     """
@@ -77,7 +77,29 @@ def require(module: str, *, extra: str, purpose: str) -> ModuleType:
         if exc.name is not None and exc.name != module and not module.startswith(f"{exc.name}."):
             raise  # the module is there but itself broken: not a missing extra
         raise ConfigError("", f"the Python package {module!r} is needed for {purpose} but is "
-                              f"not installed; install it with: pip install 'kvcomm[{extra}]'") from None
+                              f"not installed; install it with: {install_hint(extra)}") from None
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs the extra ``extra`` into this environment: from the
+    checkout this kvcomm was installed from, when pip recorded one (its
+    ``direct_url.json``; ``-e`` when it was editable), else by name from an index."""
+    import json
+    import shlex
+    import urllib.parse
+    from importlib import metadata
+
+    try:
+        info = json.loads(metadata.distribution("kvcomm").read_text("direct_url.json") or "{}")
+        url = info.get("url", "") if isinstance(info, dict) else ""
+    except (metadata.PackageNotFoundError, ValueError, OSError):
+        url = ""
+    if not (type(url) is str and url.startswith("file://")):
+        return f"pip install 'kvcomm[{extra}]'"
+    path = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
+    dir_info = info.get("dir_info")
+    editable = "-e " if isinstance(dir_info, dict) and dir_info.get("editable") else ""
+    return f"pip install {editable}{shlex.quote(f'{path}[{extra}]')}"
 
 
 def require_cluster(purpose: str = "cluster mode (cluster.redis is set)") -> None:

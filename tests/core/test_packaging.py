@@ -21,6 +21,7 @@ import pytest
 
 import kvcomm
 from kvcomm import _extras
+from kvcomm._extras import install_hint
 from kvcomm.cli import build_parser
 from tests.support import ROOT
 
@@ -270,7 +271,7 @@ def test_numpy_is_imported_only_by_a_process_that_uses_arrays(ns: str) -> None:
                 print(exc)
     ''', hide={"numpy"})
     assert without.returncode == 0, without.stderr
-    assert "pip install 'kvcomm[numpy]'" in without.stdout, without.stdout
+    assert install_hint("numpy") in without.stdout, without.stdout
 
 
 def test_a_read_while_another_thread_imports_numpy_waits_for_that_import(ns: str) -> None:
@@ -350,7 +351,7 @@ def test_cluster_commands_without_redis_py_name_the_extra(tmp_path: Path, ns: st
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 5, out.stdout
     for line in lines:
-        assert " 2 kvcomm: " in line and "pip install 'kvcomm[cluster]'" in line, line
+        assert " 2 kvcomm: " in line and install_hint("cluster") in line, line
     assert not (dev / "cluster.json").exists()  # nothing was started
 
 
@@ -375,7 +376,7 @@ def test_demo_without_rich_or_matplotlib_names_the_extra(ns: str) -> None:
             print(main(["demo", "--name", {ns!r}]), err.getvalue().strip())
     ''', hide={"rich"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("2 ") and "pip install 'kvcomm[demo]'" in out.stdout
+    assert out.stdout.startswith("2 ") and install_hint("demo") in out.stdout
     out = python(f'''
         import contextlib, io
         from kvcomm.cli import main
@@ -384,7 +385,7 @@ def test_demo_without_rich_or_matplotlib_names_the_extra(ns: str) -> None:
             print(main(["demo", "--plot", "x.png", "--name", {ns!r}]), err.getvalue().strip())
     ''', hide={"matplotlib"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("2 ") and "pip install 'kvcomm[plot]'" in out.stdout
+    assert out.stdout.startswith("2 ") and install_hint("plot") in out.stdout
 
 
 def test_demo_auto_baseline_falls_back_to_the_manager_without_redis_py() -> None:
@@ -408,7 +409,7 @@ def test_a_client_reaching_l3_without_redis_py_names_the_extra(tmp_path: Path, n
             print("opened")
     ''', hide={"redis"})
     assert out.returncode == 0, out.stderr
-    assert "ConfigError" in out.stdout and "pip install 'kvcomm[cluster]'" in out.stdout
+    assert "ConfigError" in out.stdout and install_hint("cluster") in out.stdout
 
 
 def test_the_langgraph_integration_without_langgraph_names_the_extra() -> None:
@@ -422,7 +423,7 @@ def test_the_langgraph_integration_without_langgraph_names_the_extra() -> None:
             print("imported")
     ''', hide={"langgraph"})
     assert out.returncode == 0, out.stderr
-    assert "ConfigError" in out.stdout and "pip install 'kvcomm[langgraph]'" in out.stdout
+    assert "ConfigError" in out.stdout and install_hint("langgraph") in out.stdout
 
 
 def test_require_tells_a_missing_extra_from_a_broken_package(
@@ -435,7 +436,7 @@ def test_require_tells_a_missing_extra_from_a_broken_package(
     monkeypatch.setitem(_extras.EXTRAS, "demo", ("kvcomm_test_broken", "kvcomm_test_absent"))
     with pytest.raises(ModuleNotFoundError, match="kvcomm_test_not_there"):  # not our message
         _extras.require("kvcomm_test_broken", extra="demo", purpose="x")
-    with pytest.raises(kvcomm.ConfigError, match=re.escape("pip install 'kvcomm[demo]'")):
+    with pytest.raises(kvcomm.ConfigError, match=re.escape(install_hint("demo"))):
         _extras.require("kvcomm_test_absent", extra="demo", purpose="x")
     assert not _extras.available("kvcomm_test_absent") and _extras.available("kvcomm_test_broken")
 
@@ -523,3 +524,28 @@ def test_the_docs_document_every_option_of_every_command() -> None:
     soak = soak[:soak.index("\n**`kvcomm ")]
     for kind in fault_kinds():
         assert f"`{kind}`" in soak, f"docs/cli.md does not list the fault kind {kind}"
+
+
+def test_the_missing_extra_hint_names_the_checkout_kvcomm_was_installed_from(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvcomm is not on a package index: ``pip install 'kvcomm[demo]'`` typed as told
+    fails (or installs whatever a registry holds under that name). The hint installs from
+    the checkout pip recorded (direct_url.json), and by name only when there is none."""
+    from importlib import metadata
+
+    class Dist:
+        def __init__(self, text: str | None) -> None:
+            self.text = text
+
+        def read_text(self, name: str) -> str | None:
+            assert name == "direct_url.json"
+            return self.text
+
+    for text, want in (
+            ('{"url": "file:///src/my%20kvcomm", "dir_info": {"editable": true}}',
+             "pip install -e '/src/my kvcomm[demo]'"),
+            ('{"url": "file:///src/kvcomm", "dir_info": {}}', "pip install '/src/kvcomm[demo]'"),
+            ('{"url": "https://example.com/kvcomm.whl"}', "pip install 'kvcomm[demo]'"),
+            (None, "pip install 'kvcomm[demo]'"), ("not json", "pip install 'kvcomm[demo]'")):
+        monkeypatch.setattr(metadata, "distribution", lambda _n, t=text: Dist(t))
+        assert install_hint("demo") == want

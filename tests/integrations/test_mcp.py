@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import kvcomm
+from kvcomm._extras import install_hint
 from kvcomm.devcluster.redis_server import free_port
 from tests.support import ROOT
 from tests.support.helpers import SMALL, wait_for
@@ -325,7 +326,7 @@ def test_a_missing_sdk_names_the_extra(ns: str, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setitem(sys.modules, "mcp", None)  # (import mcp: ModuleNotFoundError)
     assert main(["mcp", "--name", ns]) == 2
-    assert "pip install 'kvcomm[mcp]'" in capsys.readouterr().err
+    assert install_hint("mcp") in capsys.readouterr().err
 
 
 def test_bad_command_lines_say_what_to_pass(ns: str, tmp_path: Path,
