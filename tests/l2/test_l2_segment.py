@@ -308,7 +308,10 @@ def test_a_full_tmpfs_is_an_error_not_a_sigbus(ns: str, small_tmpfs: str) -> Non
     assert os.listdir(small_tmpfs) == []
     big = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "l2_dir": small_tmpfs,
                                                 "l1_size": 0}})
-    with kvcomm.open(ns, config=big) as kv:  # 16 MB in a 6 MB tmpfs: it fits until it fills
+    with pytest.warns(kvcomm.KVCommWarning, match=r"more than cache\.l2_dir .* holds") as seen:
+        kv = kvcomm.open(ns, config=big)  # 16 MB in a 6 MB tmpfs: it fits until it fills
+    assert seen[0].filename == __file__  # (said at the caller's line, when it is made)
+    with kv:
         kv.put("k", b"x" * 100_000)
         with pytest.raises(kvcomm.SegmentError, match=f"cannot reserve .*{small_tmpfs}.* is full"):
             for i in range(100):  # 10 MB
@@ -519,3 +522,22 @@ def test_purge_trusts_a_corrupt_dirty_count(tmp_path: pathlib.Path, ns: str) -> 
                           str(cfg_file)], capture_output=True, text=True, timeout=60)
     l2.purge(ns, str(tmp_path))
     assert out.returncode == 0, out.stderr
+
+
+def test_a_huge_l2_size_plans_the_most_slots_a_segment_has() -> None:
+    """``l2_size: 2TB`` was refused as "cache.l2_keys=0 needs 8589934592 slots, over half
+    of cache.l2_size: raise cache.l2_size" (a key never set; advice that cannot work): by
+    default a slot per 256 bytes, at most the 2**32 a segment has. An l2_keys over that
+    says so."""
+    lay = l2.Layout.plan(2 << 40, 250, 16384, 1024, 16 << 20)
+    assert lay.n_slots == 1 << 32
+    with pytest.raises(kvcomm.SegmentError, match=r"over the 2\*\*32 a segment has: lower it"):
+        l2.Layout.plan(1 << 40, 250, 16384, 1024, 16 << 20, keys=10**10)
+    with pytest.raises(kvcomm.SegmentError, match="over half of cache.l2_size"):
+        l2.Layout.plan(16 << 20, 250, 16384, 1024, 16 << 20, keys=10**6)
+
+
+def test_a_missing_l2_dir_is_named(ns: str, tmp_path: pathlib.Path) -> None:
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_dir": str(tmp_path / "nowhere")}})
+    with pytest.raises(kvcomm.SegmentError, match=r"cache\.l2_dir .*nowhere' is not a directory; create"):
+        kvcomm.open(ns, config=cfg)

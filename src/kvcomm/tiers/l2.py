@@ -130,6 +130,8 @@ def open_segment(name: str, layout: Layout, host_id: str, permissions: int,
         raise SegmentError(f"cannot map L2 segment {name!r}: {exc.strerror}") from None
     if not seg.created:
         warn_other_size(seg, layout)
+    else:
+        _warn_larger_than_its_directory(seg, directory)
     return seg
 
 
@@ -154,6 +156,24 @@ def warn_other_size(seg: L2Segment, layout: Layout) -> None:
             f"the configured cache (l2_size, l2_keys, max_key_bytes, watch_buffer, max_views: "
             f"a {layout.total}-byte segment) is ignored until the namespace is purged "
             f"(`kvcomm purge --name {name}`)")
+
+
+def _warn_larger_than_its_directory(seg: L2Segment, directory: str) -> None:
+    """Warn when the new segment ``seg`` is larger than the filesystem it is in can ever
+    hold (its file is sparse: the memory is taken as it fills)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    room = st.f_blocks * st.f_frsize
+    if seg.layout.total > room:
+        sink = getattr(_DEFERRED, "sink", None)
+        (sink.append if sink is not None else warn_outside_kvcomm)(
+            f"namespace {seg.name!r} was made {seg.layout.total / 2**30:.1f} GiB large "
+            f"(cache.l2_size), more than cache.l2_dir {directory!r} holds "
+            f"({room / 2**30:.1f} GiB, shared with every file there): once that is full its "
+            "writes fail with SegmentError (nothing lost); lower cache.l2_size, or grow that "
+            "tmpfs, then purge the namespace and open it again")
 
 
 def warn_outside_kvcomm(message: str) -> None:

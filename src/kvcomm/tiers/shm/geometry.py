@@ -69,11 +69,15 @@ class Layout:
         ``SLOT_SHARE`` bytes). Raises SegmentError when it is too small to be useful."""
         if not 1 <= max_key <= MAX_KEY:
             raise SegmentError(f"cache.max_key_bytes={max_key} is outside 1..{MAX_KEY}")
-        want = int(keys * KEYS_LOAD) if keys else l2_size // SLOT_SHARE
+        # (by default a slot per SLOT_SHARE bytes, at most the 2**32 a segment has)
+        want = int(keys * KEYS_LOAD) if keys else min(l2_size // SLOT_SHARE, 1 << 32)
         n_slots = 1024
         while n_slots < want:
             n_slots *= 2
-        if n_slots * SLOT_WORDS * 8 > l2_size // 2 or n_slots > 1 << 32:
+        if n_slots > 1 << 32:
+            raise SegmentError(f"cache.l2_keys={keys} needs {n_slots} slots, over the 2**32 a "
+                               f"segment has: lower it (at most {(1 << 32) / KEYS_LOAD:.0f})")
+        if n_slots * SLOT_WORDS * 8 > l2_size // 2:
             raise SegmentError(f"cache.l2_keys={keys} needs {n_slots} slots "
                                f"({n_slots * SLOT_WORDS * 8 >> 20} MiB), over half of "
                                f"cache.l2_size={l2_size}: lower it or raise cache.l2_size")

@@ -182,7 +182,7 @@ class SegmentCore:
             except FileExistsError:
                 pass
             except OSError as exc:
-                raise SegmentError(f"cannot create {self.path}: {exc.strerror}") from None
+                raise _cannot_create(self.path, exc) from None
         finally:
             try:
                 if not installed:
@@ -222,7 +222,7 @@ class SegmentCore:
         try:
             tmp, fd = create_temp(self.path, permissions)
         except OSError as exc:
-            raise SegmentError(f"cannot create {self.path}: {exc.strerror}") from None
+            raise _cannot_create(self.path, exc) from None
         try:
             os.ftruncate(fd, layout.total)  # sparse: the slots and heap as they fill
             for off, n in layout.up_front():  # the rest reserved now, not on SIGBUS
@@ -537,3 +537,13 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
+
+def _cannot_create(path: str, exc: OSError) -> SegmentError:
+    """The error of a segment file that could not be made, naming the config key whose
+    directory it is (cache.l2_dir) and, when that is missing, what to do."""
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        return SegmentError(f"cannot create {path}: cache.l2_dir {directory!r} is not a "
+                            "directory; create it (a tmpfs, as /dev/shm is) or set "
+                            "cache.l2_dir to one")
+    return SegmentError(f"cannot create {path}: {exc.strerror} (in cache.l2_dir {directory!r})")
