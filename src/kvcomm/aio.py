@@ -138,7 +138,9 @@ _GATHERED = frozenset({"get", "get_item"})  # (their answer is the L3 read's: _r
 
 class AsyncClient:
     """The asyncio face of a :class:`kvcomm.Client` (see :mod:`kvcomm.aio`). Make one with
-    :func:`kvcomm.aio.open`. Use it from one event loop at a time."""
+    :func:`kvcomm.aio.open`. Use it from one event loop at a time. ``AsyncClient(kv)``
+    wraps a sync client opened already: the two are one client, and closing this face
+    (``await kv.close()``, the end of ``async with``) closes that client too."""
 
     def __init__(self, client: Client) -> None:
         if not isinstance(client, Client):  # (an AsyncClient would hand back coroutines as

@@ -554,3 +554,16 @@ def test_a_creator_killed_on_a_real_process_leaves_a_file_list_shows_and_purge_r
         kv.put("k", 1)
         assert kv.get("k") == 1
     kvcomm.tiers.l2.purge("built", str(d))
+
+
+def test_a_bare_namespace_says_to_name_it_with_name_and_mcp_says_kvcomm_once() -> None:
+    """(a newcomer's first hour: ``kvcomm info my-app`` printed the top-level usage and
+    "unrecognized arguments"; ``kvcomm mcp`` said "kvcomm: kvcomm mcp needs")"""
+    out = run("info", "my-app")
+    assert out.returncode == 2 and "(a namespace is named with --name my-app)" in out.stderr
+    out = run("list", "extra")
+    assert out.returncode == 2 and "unrecognized arguments: extra" in out.stderr
+    assert "--name" not in out.stderr.splitlines()[-1]  # (list names no namespace)
+    pytest.importorskip("mcp")
+    out = run("mcp")
+    assert out.returncode == 2 and out.stderr.startswith("kvcomm: mcp needs --name NS")

@@ -85,7 +85,8 @@ class Watching(Counting):
         most 5 s; a host whose daemon is not running gets the changes once it runs).
         Strong keys under the prefix come from an etcd watch (resumed at the last
         revision + 1 across member failures). With ``timeout``, iteration ends after
-        that many seconds without an event. A watcher that falls a whole feed
+        that many seconds without an event; it also ends when the client is closed (from
+        another thread, say: the way to stop a watch that has no timeout). A watcher that falls a whole feed
         (``cache.watch_buffer`` events) behind (in L2's feed, or in the etcd watch of
         strong keys), or whose daemon may have missed cluster changes (a gap in a group's
         feed), or whose etcd watch was compacted, receives

@@ -630,7 +630,7 @@ def _mcp(args: argparse.Namespace) -> int:
     from ..mcp.server import check_http_binding, serve
 
     if not args.name and not args.config:
-        raise InvalidArgument("kvcomm mcp needs --name NS (the namespace to serve) or --config "
+        raise InvalidArgument("mcp needs --name NS (the namespace to serve) or --config "
                               "FILE (a host config: its node.namespace)")
     token = None
     if args.transport == "http":
@@ -873,7 +873,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # (argparse's own error, with what a namespace given bare should have been)
+        bare = len(extra) == 1 and not extra[0].startswith("-") and "name" in vars(args)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                     + (f" (a namespace is named with --name {extra[0]})" if bare else ""))
     try:
         return int(args.func(args))
     except KVCommError as exc:
