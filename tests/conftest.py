@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import uuid
 from collections.abc import Iterator
 
@@ -13,7 +12,7 @@ from hypothesis import settings
 import kvcomm
 from kvcomm.tiers import l2
 from tests.support.daemon_harness import SharedRedisCluster
-from tests.support.helpers import SMALL
+from tests.support.helpers import SMALL, drawn_seed
 from tests.support.servers import missing, started_by, starts
 
 # CI machines are shared and noisy: no per-example deadline; a failure prints the blob
@@ -26,10 +25,7 @@ settings.load_profile("kvcomm")
 def seed() -> int:
     """A random seed for a randomised test, printed (pytest shows it when the test fails);
     ``KVCOMM_TEST_SEED=N`` runs it again with seed N."""
-    s = int(os.environ["KVCOMM_TEST_SEED"]) if os.environ.get("KVCOMM_TEST_SEED") \
-        else random.randrange(2**32)
-    print(f"seed={s}")
-    return s
+    return drawn_seed(2**32)
 
 
 @pytest.fixture

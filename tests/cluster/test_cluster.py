@@ -22,7 +22,7 @@ from tests.support.devcluster import (
     l3_values,
     restart_daemon,
 )
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 CTX = mp.get_context("fork")
 
@@ -68,8 +68,7 @@ def _writer(config: str, seed: int, n: int) -> None:
 
 
 def test_concurrent_writers_on_three_hosts_converge(dev: dict[str, Any]) -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     procs = [CTX.Process(target=_writer, args=(h["config"], seed + i, 300))
              for i, h in enumerate(dev["hosts"])]
     for p in procs:

@@ -15,6 +15,7 @@ from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.metrics import wire
 from kvcomm.tiers.l3 import L3Store
 from tests.support.daemon_harness import cluster_fixture, record  # noqa: F401 (the fixture)
+from tests.support.helpers import drawn_seed
 
 
 @pytest.fixture(name="fresh")
@@ -190,8 +191,7 @@ def test_a_sweep_of_16384_groups_matches_each_counter_and_tail_read_alone(
     (separators, signs, spaces, 19 and 20 digits, other types): the one-string answer
     gives each group what reading its counter and its stream's last id alone gives.
     (found in review 22: the L3 client's command table, sweeps)"""
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
+    seed = drawn_seed(1 << 30)
     rnd = random.Random(seed)
     store = L3Store(cluster.seeds, groups=16384)
     try:

@@ -3,7 +3,6 @@ failover) on every read, resyncs that group, and serves the new values."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -20,13 +19,12 @@ from tests.support.daemon_harness import (  # noqa: F401 (fixtures)
     shared_cluster_fixture,
     store_fixture,
 )
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 
 @pytest.fixture
 def host(cluster: RedisCluster) -> Iterator[Host]:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, "host-b", seed)
     yield h
     h.close()

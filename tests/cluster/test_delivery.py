@@ -34,6 +34,7 @@ from kvcomm.node.delivery import (
     Skipped,
 )
 from kvcomm.tiers.l3 import FeedEntry, L3Record, PushResult, Unreached
+from tests.support.helpers import drawn_seed
 
 
 def rec(actor: str, counter: int, hlc: int = 0, vector: dict[str, int] | None = None,
@@ -239,8 +240,7 @@ def test_an_unreachable_l3_is_retried_with_backoff_and_the_latest_records() -> N
 def test_the_persisted_cursor_never_passes_an_unanswered_write() -> None:
     """A seeded script of feed reads, pushes and answers (accepted, not durable, L3
     down), checked against a model: every write not yet in L3 is after the cursor."""
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     out = outbound(interval=0.01, max_ops=3, seed=seed)
     feed_pos, now, counter = 0, 0.0, 0

@@ -23,7 +23,7 @@ import kvcomm
 from kvcomm.devcluster import control
 from kvcomm.devcluster.procs import running
 from kvcomm.tiers.etcd import EtcdClient
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 from tests.support.servers import starts
 
 
@@ -201,8 +201,7 @@ def test_the_fault_kinds_through_the_target(dc: Path) -> None:
     target = DevClusterTarget(dc)
     try:
         assert {"etcd", "proxy", "clock"} <= target.capabilities
-        seed = random.randrange(1 << 30)
-        print("seed", seed)
+        seed = drawn_seed(1 << 30)
         rng = random.Random(seed)
         clients = [EtcdClient.from_config(_config(dc, h).cluster, timeout=5.0)
                    for h in target.host_ids]

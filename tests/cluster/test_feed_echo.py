@@ -7,7 +7,6 @@ earlier life of the host are covered by tests/cluster/test_holdback.py."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -15,13 +14,12 @@ import pytest
 from kvcomm.devcluster.redis_cluster import RedisCluster
 from kvcomm.tiers.l3 import L3Store, group_of
 from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 
 @pytest.fixture
 def host(cluster: RedisCluster) -> Iterator[Host]:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, "host-e", seed)
     yield h
     h.close()
@@ -71,8 +69,7 @@ def test_own_sent_is_bounded_in_bytes_when_echoes_are_not_read(cluster: RedisClu
     what own_sent holds stays within OWN_SENT_BYTES (plus one record)."""
     from kvcomm.node.push import OWN_SENT_BYTES
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, "host-big", seed, {"feed_inline": 1 << 20}, l2_size="64MB")
     try:
         d = h.daemon

@@ -3,14 +3,13 @@ the daemon; a key read from L1 only is never served stale once interest decays."
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
 
 from kvcomm.tiers.l3 import L3Store
 from tests.support.daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 
 def _spublish(store: Any, g: int, payload: bytes) -> None:
@@ -50,8 +49,7 @@ def test_a_forged_hinted_entry_never_hides_a_real_change(cluster, store) -> None
     from kvcomm.tiers.l3 import group_of
     from tests.support.daemon_harness import remote_put
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     big = "x" * 1000  # value-less entries (over FEED_INLINE)
     h = Host(cluster, f"fh{seed % 100000}", seed, cluster_keys={"feed_sweep_rate": 2000})
     key = f"fh/{seed}"
@@ -83,7 +81,7 @@ def test_a_hinted_entry_with_a_hostile_key_never_stops_the_daemon(cluster, store
     from kvcomm.tiers.l3 import group_of
     from tests.support.daemon_harness import remote_put
 
-    seed = random.randrange(2**32)
+    seed = drawn_seed(2**32)
     print(f"seed={seed} bad={bad}")
     big = "x" * 1000
     h = Host(cluster, f"hk{seed % 100000}", seed, cluster_keys={"feed_sweep_rate": 2000})
@@ -120,8 +118,7 @@ def test_a_key_read_from_l1_only_is_never_served_stale_after_interest_decays(clu
     (found in review 18: write mark, hinted entries, unread changes)"""
     from tests.support.daemon_harness import remote_put
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     big = "x" * 1000
     h = Host(cluster, f"ud{seed % 100000}", seed, cluster_keys={"unread_changes": 1})
     key = f"ud/{seed}"

@@ -34,7 +34,6 @@ Run alone with ``.venv/bin/python -m pytest -q tests/cluster/test_holdback.py``.
 from __future__ import annotations
 
 import os
-import random
 import time
 from typing import Any
 
@@ -46,7 +45,7 @@ from kvcomm.tiers import l2
 from kvcomm.tiers.groups import groups as groups_of
 from kvcomm.tiers.shm.layout import H
 from tests.support.daemon_harness import Host, record, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 
 def _l3_value(store: Any, key: str) -> object:
@@ -62,7 +61,7 @@ def test_a_replayed_own_record_never_replaces_a_newer_dirty_write(  # type: igno
         cluster, store, path: str, op: str) -> None:
     """The acknowledged write after the reboot (a put, or a delete) reaches L3 and stays
     in L2; the daemon did meet the host's own older record (the fault is forced)."""
-    seed = random.randrange(2**32)
+    seed = drawn_seed(2**32)
     print(f"seed={seed} path={path} op={op}")
     after = "after-reboot" if op == "put" else None
 
@@ -131,8 +130,7 @@ def test_lost_dots_met_on_one_key_do_not_hide_them_on_another(cluster, store) ->
     too (b was written before a, in the earlier life). b's old record, met next (the
     start's resync re-reads held keys in order), no longer looks like an earlier life's
     by the write sequence; b's new, dirty write must not be replaced by it all the same."""
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, f"hx{seed % 100000}", seed)
     a, b = f"hx/{seed}/a", f"hx/{seed}/b"
     host = h.config.node.host_id
@@ -169,8 +167,7 @@ def test_meeting_lost_dots_moves_every_unacknowledged_write_past_them(cluster) -
     from kvcomm.core.versions import Version
     from tests.support.daemon_harness import host_config
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     host = f"hu{seed % 100000}"
     cfg = host_config(cluster, host, f"hu-{seed}")
     kv = kvcomm.open(config=cfg, wait_daemon=False)  # (no daemon)
@@ -210,8 +207,7 @@ def test_old_dots_below_the_write_sequence_do_not_cover_a_new_write(cluster, sto
     looks like one of this life. The daemon's write mark in L3 (how far the host's
     pushed dots may go) moves the new L2's unacknowledged writes past every old dot at
     start, before any record of L3 is merged in."""
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, f"hm{seed % 100000}", seed)
     key = f"hm/{seed}"
     host = h.config.node.host_id
@@ -256,8 +252,7 @@ def test_writes_after_a_host_lost_its_l2_are_kept(cluster, store) -> None:  # ty
     (found in review 7: embedded and cluster mode on real processes)"""
     from tests.support.daemon_harness import Host
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, f"rb{seed % 10000}", seed)
     try:
         for i in range(200):
@@ -296,8 +291,7 @@ def test_a_host_whose_write_sequence_went_backwards_is_rebased(cluster, store) -
     from kvcomm.tiers.shm.layout import H
     from tests.support.daemon_harness import Host
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, f"rs{seed % 10000}", seed)
     try:
         for i in range(50):
@@ -340,8 +334,7 @@ def test_a_host_whose_l2_cannot_hold_a_remote_value_does_not_serve_the_old_one(c
     def hold(h: Host, key: str, value: object) -> None:
         wait_for(lambda: h.kv.get(key) == value, 10, f"the host to hold {key}")
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     small = Host(cluster, f"sm{seed % 10000}", seed, l2_size="2MB", watch_buffer=1024)
     try:
         out = store.push("big/k", record("v1", "host-a", 1, 1))
@@ -378,7 +371,7 @@ def test_key_filter_lives_in_l2_dir(cluster, tmp_path) -> None:  # type: ignore[
 
     d = tmp_path / "shm"
     d.mkdir()
-    seed = random.randrange(2**32)
+    seed = drawn_seed(2**32)
     h = Host(cluster, f"kf{seed % 10000}", seed, l2_dir=str(d))
     try:
         assert os.path.exists(d / f"kvcomm.{h.ns}"), os.listdir(d)
@@ -409,8 +402,7 @@ def test_an_l3_fill_racing_the_feed_never_leaves_a_stale_value(cluster, store) -
     (found in review 7: embedded and cluster mode on real processes)"""
     from tests.support.daemon_harness import Host, remote_put
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     h = Host(cluster, f"rf{seed % 10000}", seed)
     try:
         remote_put(store, "race/k", "v1", "host-a", 1)

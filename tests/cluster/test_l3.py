@@ -34,7 +34,7 @@ from kvcomm.tiers.l3 import (
 )
 from tests.core.test_versions import histories
 from tests.support.daemon_harness import cluster_fixture, record, store_fixture  # noqa: F401 (the fixtures)
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 
 def rec(v: Dotted, value: bytes = b"v", tomb: bool = False) -> L3Record:
@@ -409,8 +409,7 @@ def test_a_record_of_a_newer_format_is_not_replaced(store: L3Store) -> None:
 
 @pytest.mark.redis
 def test_pipelined_pushes_span_every_master(store: L3Store, cluster: RedisCluster) -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     items = [(f"spread/{i}", rec(Dotted((("h", i + 1),), ("h", i + 1), rng.randrange(99))))
              for i in range(600)]

@@ -25,6 +25,7 @@ from kvcomm.tiers.l3 import (
     record_key,
 )
 from tests.support.daemon_harness import cluster_fixture, store_fixture  # noqa: F401 (the fixtures)
+from tests.support.helpers import drawn_seed
 
 
 def rec(v: Dotted, value: bytes = b"v", tomb: bool = False, ext: bytes = EMPTY_EXT) -> L3Record:
@@ -60,8 +61,7 @@ def test_one_call_pushes_a_group_of_records_with_mixed_outcomes(store: L3Store) 
     reply is the one the L3 rule gives that record alone, the malformed one is set aside
     (CorruptRecord) without stopping the others, and the group's feed holds one entry per
     stored change, in the order of the call, numbered one after the other."""
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     names = ["new", "newer", "older", "equal", "conflict", "merged", "delete", "ttl", "bad"]
     k = dict(zip(names, group_keys(f"batch/{seed}", len(names)), strict=True))
     g = group_of(k["new"])

@@ -25,7 +25,7 @@ from kvcomm.devcluster import control
 from kvcomm.devcluster.procs import running
 from kvcomm.node.presence import read_status, status_path
 from kvcomm.tiers.keyfilter import KeyFilter
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 from tests.support.servers import starts
 
 TTL = 2.0
@@ -93,8 +93,7 @@ def test_every_host_holds_a_lease_and_cluster_status_lists_it(dc: Path) -> None:
 
 
 def test_partition_both_sides_write_heal_converges_nothing_lost(dc: Path) -> None:
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
+    seed = drawn_seed(1 << 30)
     rng = random.Random(seed)
     # keys per side; KVCOMM_PARTITION_KEYS=10000 for the figure (README)
     n = int(os.environ.get("KVCOMM_PARTITION_KEYS", "2000"))

@@ -19,7 +19,7 @@ import pytest
 import kvcomm
 from kvcomm.tiers.l3 import META_INDEX, L3Store
 from tests.support.devcluster import all_live_in_l3, dev_cluster_fixture, host, l3, stop_daemon
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 CTX = mp.get_context("fork")
 
@@ -150,8 +150,7 @@ def _churn(config: str, seed: int, n: int) -> None:
 def test_concurrent_writes_never_hide_an_acknowledged_key(dev: dict[str, Any]) -> None:
     """Keys acknowledged by L3 before a scan began and never deleted always appear in
     every scan of both hosts while both hosts put and delete other keys under the prefix."""
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
+    seed = drawn_seed(1 << 30)
     a, b, store = host(dev, 0), host(dev, 1), l3(dev)
     try:
         stable = [f"cw/{i:03d}s" for i in range(0, 300, 11)]  # never touched by churners

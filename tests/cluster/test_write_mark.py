@@ -4,14 +4,12 @@ replica."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 import kvcomm
 from kvcomm.core.versions import MAX_COUNTER
 from tests.support.daemon_harness import Host, cluster_fixture, store_fixture  # noqa: F401 (fixtures)
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 
 @pytest.mark.redis
@@ -23,7 +21,7 @@ def test_a_junk_write_mark_never_stops_the_hosts_writes(cluster, store, junk: st
     write sequence to where every write is refused: the daemon starts, the host's
     writes are acknowledged and reach L3.
     (found in review 18: write mark, hinted entries, unread changes)"""
-    seed = random.randrange(2**32)
+    seed = drawn_seed(2**32)
     print(f"seed={seed} junk={junk}")
     host = f"wm{seed % 100000}"
     store.rc.set(f"kvn:{{{host}}}:wseq", junk)
@@ -82,8 +80,7 @@ def test_a_push_waits_until_the_write_mark_covering_it_is_replicated(cluster, st
     (found in review 18: write mark, hinted entries, unread changes)"""
     from kvcomm.devcluster.redis_cluster import command
 
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     host = f"wr{seed % 100000}"
     mark_name = f"kvn:{{{host}}}:wseq"
     mark_node = store.rc.get_node_from_key(mark_name)

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcomm.core.backoff import Backoff, ceiling, full_jitter
+from tests.support.helpers import drawn_seed
 
 bases = st.floats(min_value=1e-4, max_value=10.0)
 attempts = st.integers(min_value=0, max_value=10_000)
@@ -54,8 +55,7 @@ def test_hosts_that_fail_together_do_not_retry_together() -> None:
     """The point of jitter: 100 hosts failing at the same moment, with differently
     seeded generators, spread their retries over the interval instead of all retrying
     at the ceiling (plain doubling) at the same instant."""
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     master = random.Random(seed)
     hosts = [Backoff(random.Random(master.randrange(2**64)), base=0.05, cap=2.0)
              for _ in range(100)]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvcomm.core.bloom import BloomFilter
 from kvcomm.core.negative import NegativeCache
+from tests.support.helpers import drawn_seed
 
 
 @given(st.lists(st.binary(max_size=20), max_size=200))
@@ -21,8 +22,7 @@ def test_no_false_negatives(keys: list[bytes]) -> None:
 
 
 def test_measured_fpr_at_capacity() -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     f = BloomFilter(20_000, 0.001)
     for i in range(20_000):

@@ -22,6 +22,7 @@ from kvcomm.core.versions import (
     hlc_tick,
 )
 from kvcomm.tiers import l2
+from tests.support.helpers import drawn_seed
 
 NOW = 1_800_000_000_000  # ms since the epoch, in 2027
 
@@ -30,8 +31,7 @@ def test_the_c_hlc_stamps_as_the_python_rules(kv: kvcomm.Client) -> None:
     """Random local writes, deletes, merges with a fresh dot (receive) and versioned
     writes (observe) at random, sometimes backwards, wall times: after each, the stamp
     the kernel returns is the one hlc_tick / hlc_receive give."""
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
+    seed = drawn_seed(1 << 30)
     rng = random.Random(seed)
     seg = kv._seg
     tag, meta, payload = codec.encode(b"v")

@@ -16,7 +16,7 @@ import kvcomm
 from kvcomm.core.codec import Packed
 from kvcomm.tiers.l2 import SLOT, SLOT_WORDS, key_hash
 from tests.support.daemon_harness import Host, shared_cluster_fixture, store_fixture  # noqa: F401 (fixtures)
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 CTX = mp.get_context("fork")
 
@@ -338,8 +338,7 @@ def test_a_batchs_new_keys_are_checked_and_hashed_as_the_client_does(kv: kvcomm.
     client's _key, over random keys (the seed printed), and the key memo stays bounded."""
     from kvcomm._l2core import KEY_MEMO
 
-    seed = random.randrange(2**32)
-    print(f"seed {seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     alphabet = "ab/é\x00\ud800\U0001f600 "
     max_key = kv._max_key
@@ -422,8 +421,7 @@ def _batcher(ns: str, cfg: kvcomm.Config, seed: int, rounds: int) -> None:
 
 @pytest.mark.multiprocess
 def test_readers_never_see_a_failed_batch(ns: str, config: kvcomm.Config) -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     procs = [CTX.Process(target=_batcher, args=(ns, config, seed + i, 150)) for i in range(2)]
     for p in procs:
         p.start()

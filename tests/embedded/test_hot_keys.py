@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import random
 
 import pytest
 
 import kvcomm
+from tests.support.helpers import drawn_seed
 
 CTX = mp.get_context("fork")
 
@@ -43,8 +43,7 @@ def test_hot_keys_aggregate_every_process(ns: str) -> None:
 def test_sampled_counts_are_scaled_back_up(ns: str) -> None:
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "64MB", "hot_key_sample": 4}})
     with kvcomm.open(ns, config=cfg) as kv:
-        seed = random.randrange(1, 1 << 63)
-        print("seed", seed)
+        seed = drawn_seed(1, 1 << 63)
         kv._getter.rng = seed
         kv.put("k", 1)
         for _ in range(2000):
@@ -61,8 +60,7 @@ def test_sampling_does_not_alias_with_the_readers_loop(ns: str) -> None:
     gaps are random, so both keys are counted, about equally."""
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "hot_key_sample": 4}})
     with kvcomm.open(ns, config=cfg) as kv:
-        seed = random.randrange(1, 1 << 63)
-        print("seed", seed)
+        seed = drawn_seed(1, 1 << 63)
         kv._getter.rng = seed
         kv.put("left", 1)
         kv.put("right", 2)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import kvcomm
 from kvcomm.core.sortedkeys import SortedKeys
+from tests.support.helpers import drawn_seed
 
 CTX = mp.get_context("fork")
 
@@ -126,8 +127,7 @@ def test_concurrent_writes_never_hide_a_stable_key(ns: str, config: kvcomm.Confi
     """Every key written before the scan began and not deleted meanwhile appears, while
     other processes put and delete keys around it (the index follows their events, or is
     rebuilt when it fell a ring behind)."""
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
+    seed = drawn_seed(1 << 30)
     stable = {f"c/{i:03d}x" for i in range(0, 400, 7)}  # keys the churners never touch
     with kvcomm.open(ns, config=config) as kv:
         for k in stable:

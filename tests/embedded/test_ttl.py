@@ -23,7 +23,7 @@ from kvcomm._client.sweeper import SLICE
 from kvcomm.core.expiry import MAX_TTL, ExtCache, check_ttl, deadline_of, expired, with_deadline
 from kvcomm.tiers.l2 import H, key_hash
 from tests.support import ROOT
-from tests.support.helpers import SMALL, wait_for
+from tests.support.helpers import SMALL, drawn_seed, wait_for
 
 
 def _until(t: float) -> None:
@@ -288,8 +288,7 @@ def test_c_and_python_read_the_same_deadline_from_random_fields(kv: kvcomm.Clien
 
 
 def test_ext_cache_matches_with_deadline() -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     for base in (b"", msgpack.packb({"a": "drone-7"}), msgpack.packb({"a": "x", "z": [1, 2]}),
                  msgpack.packb({"e": 5.0, "a": "y"})):
@@ -669,8 +668,7 @@ def test_kill_9_of_sweeping_processes_never_wedges_writers(ns: str) -> None:
     import random
     import signal
 
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
+    seed = drawn_seed(1 << 30)
     rnd = random.Random(seed)
     cfg = _cfg(expiry_sweep="1ms", lock_timeout="2s")
     child = textwrap.dedent(f"""

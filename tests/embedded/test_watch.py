@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvcomm
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 
 def test_events_in_order_with_versions(kv: kvcomm.Client) -> None:
@@ -102,8 +102,7 @@ def _writer(ns: str, cfg: kvcomm.Config, wid: int, seed: int, n: int) -> None:
 
 
 def test_last_event_per_key_matches_current_version(ns: str) -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     # a feed that holds all 6,000 events: the consumer may fall any way behind (a loaded
     # CI machine: it overflowed a 4,096-event feed once) and still read every one
     config = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "watch_buffer": 8192}})

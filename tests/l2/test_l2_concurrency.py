@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 import kvcomm
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 
 pytestmark = pytest.mark.multiprocess
 CTX = mp.get_context("fork")
@@ -67,8 +67,7 @@ def _reader(ns: str, cfg: kvcomm.Config, stop_at: float, out: mp.Queue) -> None:
 
 
 def test_readers_never_see_torn_values(ns: str, config: kvcomm.Config) -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     stop_at = time.monotonic() + 3.0
     out: mp.Queue = CTX.Queue()  # type: ignore[type-arg]
     procs = [CTX.Process(target=_overwriter, args=(ns, config, seed + i, stop_at)) for i in range(2)]
@@ -125,8 +124,7 @@ def test_sigkill_mid_write_never_wedges_or_corrupts(ns: str, config: kvcomm.Conf
     """Writers are SIGKILLed at random instants until some died holding the lock, some of
     them mid-mutation (both counted by the segment); after every round a survivor writes
     at once, and at the end every invariant and every value's checksum holds."""
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     with kvcomm.open(ns, config=config) as kv:
         kv.put("k0", checked_value(rng, 10))

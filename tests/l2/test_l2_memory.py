@@ -59,7 +59,10 @@ def test_the_defaults_work_in_a_64mb_shm(ns: str, shm64: str) -> None:
     """Docker's default --shm-size: a default namespace opens there and takes 20 MB; a
     second one opens beside it; `kvcomm info` shows memory reserved and used."""
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_dir": shm64}})
-    with kvcomm.open(ns, config=cfg) as kv, kvcomm.open(ns + "-2", config=cfg) as kv2:
+    with pytest.warns(kvcomm.KVCommWarning, match="more than cache.l2_dir") as seen:
+        kv, kv2 = kvcomm.open(ns, config=cfg), kvcomm.open(ns + "-2", config=cfg)
+    assert len(seen) == 2  # (each said so once, when made: 256MB in a 64MB tmpfs)
+    with kv, kv2:
         for i in range(200):
             kv.put(f"blob/{i}", bytes([i]) * 100_000)
         kv2.put("k", "v")

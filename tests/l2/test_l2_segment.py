@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import kvcomm
 from kvcomm.tiers import l2
-from tests.support.helpers import mount_tmpfs
+from tests.support.helpers import drawn_seed, mount_tmpfs
 
 
 def test_segment_is_owner_only(kv: kvcomm.Client) -> None:
@@ -180,8 +180,7 @@ def test_full_segment_evicts_clean_entries(ns: str) -> None:
 
 
 def test_random_ops_match_a_model(ns: str, config: kvcomm.Config) -> None:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     model: dict[str, object] = {}
     with kvcomm.open(ns, config=config) as kv:

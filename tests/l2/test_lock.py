@@ -25,7 +25,7 @@ import kvcomm
 from kvcomm.tiers import l2
 from kvcomm.tiers.l2 import SLOT
 from kvcomm.tiers.shm.layout import MUTEX_AT
-from tests.support.helpers import proc_state, proc_syscall, process_in, wait_for
+from tests.support.helpers import drawn_seed, proc_state, proc_syscall, process_in, wait_for
 
 pytestmark = pytest.mark.multiprocess
 CTX = mp.get_context("fork")
@@ -83,8 +83,7 @@ def test_ctrl_c_at_any_point_never_leaves_the_lock_held(ns: str) -> None:
     can be hit outside its try block too (then it dies: a fresh one takes over), which
     is the harness's weakness, not the lock's: the parent checks the lock each time."""
     cfg = _config("2s")
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     rng = random.Random(seed)
     counts = CTX.Array("q", 3, lock=False)
     children = 0

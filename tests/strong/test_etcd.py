@@ -31,7 +31,7 @@ from kvcomm.tiers.etcd import (
     prefix_end,
     put_op,
 )
-from tests.support.helpers import wait_for
+from tests.support.helpers import drawn_seed, wait_for
 from tests.support.servers import starts
 
 
@@ -261,8 +261,7 @@ def test_a_paused_member_does_not_stall_reads(healthy: EtcdCluster) -> None:
 
 def test_watch_resumes_across_a_member_restart_without_missed_or_duplicated_events(
         healthy: EtcdCluster, client: EtcdClient) -> None:
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
+    seed = drawn_seed(1 << 30)
     rng = random.Random(seed)
     base = _key("w") + "/"
     start = client.put(base + "start", b"-") + 1

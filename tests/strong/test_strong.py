@@ -23,6 +23,7 @@ from kvcomm.devcluster.etcd_cluster import EtcdCluster
 from kvcomm.devcluster.procs import running
 from kvcomm.tiers.etcd import EtcdClient
 from tests.support.devcluster import StrongHosts, etcd_fixture, strong_hosts_fixture
+from tests.support.helpers import drawn_seed
 
 PREFIXES = ["task/", "shelf/"]
 TIMEOUT = 1.5
@@ -199,8 +200,7 @@ def test_strong_prefixes_in_cluster_mode_need_etcd(ns: str) -> None:
 
 def test_no_majority_is_unavailable_within_twice_the_timeout(hosts: StrongHosts,
                                                              healthy: EtcdCluster) -> None:
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
+    seed = drawn_seed(1 << 30)
     rng = random.Random(seed)
     a = hosts.open("host-a")
     k = _key("maj")

@@ -4,6 +4,7 @@ deadline, a tmpfs to stand in for a small /dev/shm."""
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -14,6 +15,16 @@ from kvcomm._wait import wait_until
 T = TypeVar("T")
 
 SMALL = {"cache": {"l2_size": "16MB", "watch_buffer": 4096}}
+
+
+def drawn_seed(*bounds: int) -> int:
+    """A randomised test's seed: ``random.randrange(*bounds)``, or ``KVCOMM_TEST_SEED`` when
+    set (it replays a failure); printed as ``seed=N`` (pytest shows it when the test fails).
+    The ``seed`` fixture is this with a 32-bit bound."""
+    s = int(os.environ["KVCOMM_TEST_SEED"]) if os.environ.get("KVCOMM_TEST_SEED") \
+        else random.randrange(*bounds)
+    print(f"seed={s}")
+    return s
 
 
 def wait_for(cond: Callable[[], T], timeout: float = 10.0,

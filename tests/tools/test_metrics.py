@@ -33,7 +33,7 @@ from kvcomm.tiers.shm import layout
 from kvcomm.tiers.shm.counters import MetricsRegion
 from tests.support import ROOT
 from tests.support.devcluster import dev_cluster_fixture
-from tests.support.helpers import SMALL, wait_for
+from tests.support.helpers import SMALL, drawn_seed, wait_for
 
 R = "kvcomm_reads_total"
 
@@ -294,8 +294,7 @@ def _scrape(url: str) -> str:
 
 @pytest.mark.redis
 def test_a_dev_cluster_under_a_workload_exposes_every_family(dev: dict[str, Any]) -> None:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
+    seed = drawn_seed(1 << 30)
     hosts = dev["hosts"]
     base = [parse_text(_scrape(h["metrics"])) for h in hosts]
     ctx = mp.get_context("spawn")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import stat
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from kvcomm.placement.launcher import Launcher, imbalance, replan
 from kvcomm.placement.observe import _decode_snapshot, graph_from, host_snapshot, observe
 from kvcomm.placement.plan import make_plan
 from kvcomm.tiers import l2
-from tests.support.helpers import SMALL, wait_for
+from tests.support.helpers import SMALL, drawn_seed, wait_for
 
 
 def _cfg(**cache: Any) -> kvcomm.Config:
@@ -106,7 +105,7 @@ def test_writers_reads_the_extension_and_value_size_of_many_keys(kv: kvcomm.Clie
 
 
 def _seeded(kv: kvcomm.Client) -> int:
-    seed = random.randrange(1, 1 << 63)
+    seed = drawn_seed(1, 1 << 63)
     print("sampling seed", seed)
     kv._getter.rng = seed
     return seed

@@ -30,6 +30,7 @@ from kvcomm.faults.history import (
     value_id,
 )
 from kvcomm.faults.soak import SoakOptions, SoakResult, run_soak
+from tests.support.helpers import drawn_seed
 
 # ---------------------------------------------------------------------- the checker
 
@@ -472,8 +473,7 @@ def test_the_one_line() -> None:
 
 
 def _soak(tmp_path: Path, faults: list[str], seconds: float, **kw: Any) -> SoakResult:
-    seed = random.randrange(2**32)
-    print(f"seed={seed}")
+    seed = drawn_seed(2**32)
     lines: list[str] = []
     result = run_soak(SoakOptions(hosts=3, seconds=seconds, seed=seed, faults=faults,
                                   directory=str(tmp_path / "soak"), converge_timeout=30,

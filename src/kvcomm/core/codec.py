@@ -63,8 +63,10 @@ def _numpy_to_read() -> Any:
         try:
             import numpy as np
         except ImportError:
-            raise UnsupportedValue("this value is a numpy array: install numpy "
-                                   "(pip install 'kvcomm[numpy]') to read it") from None
+            from .._extras import install_hint
+
+            raise UnsupportedValue(f"this value is a numpy array: install numpy "
+                                   f"({install_hint('numpy')}) to read it") from None
     return np
 
 
