@@ -81,9 +81,9 @@ class NoPickleSerializer(SerializerProtocol):
         if type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")
-        if type(data) is bytearray:  # type: ignore[comparison-overlap]  # (LangGraph's own, for one)
-            data = bytes(data)
         if type(type_) is not str or type(data) is not bytes:  # (what is stored reads back)
+            if type(type_) is str and type(data) is bytearray:  # type: ignore[comparison-overlap]
+                return type_, bytes(data)  # (LangGraph's own serializer, for a bytearray)
             raise UnsupportedValue(
                 f"the serializer gave ({type(type_).__name__}, {type(data).__name__}) for a "
                 f"{type(obj).__name__}; a LangGraph serializer's dumps_typed returns (str, "
