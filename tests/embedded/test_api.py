@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -247,6 +248,38 @@ def test_a_namespace_named_as_another_namespaces_file_is_refused(ns: str,
             assert other.get("k") is None
         kvcomm.tiers.l2.purge(ns + ".agents2")
         assert kv.get("k") == 1
+
+
+@pytest.mark.parametrize("legacy", ["_x", "-x", "team.agents", "prod.keys"])
+def test_a_namespace_an_earlier_version_made_under_a_name_now_refused_still_works(
+        legacy: str, config: kvcomm.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names refused for a new namespace now were accepted before: such a namespace still
+    opens, lists and purges (refusing them everywhere left 240 MB segments that only rm
+    could remove)."""
+    import json
+    import subprocess
+    import sys
+
+    from kvcomm.tiers.shm import segment
+
+    name = f"{legacy}-{os.getpid()}" if legacy[0] in "_-" else \
+        legacy.replace(".", f"{os.getpid()}.", 1)
+    with monkeypatch.context() as m:  # (as an earlier version made it)
+        m.setattr(segment, "check_new_name", lambda _n: None)
+        kvcomm.open(name, config=config).close()
+    try:
+        with kvcomm.open(name, config=config) as kv:  # (it exists: opened as it is)
+            kv.put("k", 1)
+        listed = subprocess.run([sys.executable, "-m", "kvcomm", "list", "--json"],
+                                capture_output=True, text=True, timeout=60)
+        assert name in {r["name"] for r in json.loads(listed.stdout)}, listed.stdout
+        out = subprocess.run([sys.executable, "-m", "kvcomm", "purge", f"--name={name}"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        with pytest.raises(kvcomm.InvalidNamespace, match="invalid"):
+            kvcomm.open(name, config=config)  # (gone: not made again under that name)
+    finally:
+        kvcomm.tiers.l2.purge(name)
 
 
 def test_stats(kv: kvcomm.Client) -> None:

@@ -207,7 +207,12 @@ def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
     from ..tiers.shm.layout import LAYOUT_VERSION, is_segment_magic
 
     name = file[len("kvcomm."):]
-    if not file.startswith("kvcomm.") or not _NAME_RE.match(name) or SIDE_FILES.search(name):
+    if not file.startswith("kvcomm.") or not _NAME_RE.match(name):
+        return None
+    # (a namespace's other file, or a namespace an earlier version let be named so: only a
+    # segment of this layout is the latter; a migration's copy of a segment never is)
+    side = SIDE_FILES.search(name)
+    if side and side[0].endswith(".migrating"):
         return None
     path = os.path.join(c.l2_dir, file)
     try:
@@ -229,11 +234,13 @@ def _segment_row(c: Any, file: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
+        if side:
+            return None
         row["unreadable"] = (f"cannot read it ({exc.strerror}; owner uid {st.st_uid}, mode "
                              f"{oct(stat.S_IMODE(st.st_mode))})")
         return row
     word = int.from_bytes(head, "little") if len(head) == 8 else 0
-    if not is_segment_magic(word):
+    if not is_segment_magic(word) or side and word >> 56 != LAYOUT_VERSION:
         return None  # (not a segment: no KVCOMM magic)
     if word >> 56 != LAYOUT_VERSION:  # (its header is not read further: it may lie)
         row["unreadable"] = (f"a segment of KVCOMM layout {word >> 56} (this kvcomm reads "

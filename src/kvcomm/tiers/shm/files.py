@@ -30,7 +30,8 @@ import time
 from ...errors import InvalidNamespace, SegmentError
 
 SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # (a segment's: made by any version)
+_NEW_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # (a namespace made now)
 SIDE_FILES = re.compile(r"\.(keys|node\.json|watch|agents|vec\.[0-9a-f]{16}|v\d+\.migrating)$")
 """The ends of the names of a namespace's other files (the table above; a migration's
 ``kvcomm.NS.vN.migrating``): no namespace's name ends so, or its segment would be
@@ -39,12 +40,25 @@ _VECTOR_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 def segment_path(name: str, directory: str = SHM_DIR) -> str:
-    """The file backing namespace ``name``. Raises SegmentError on a bad name."""
+    """The file backing namespace ``name``. Raises SegmentError on a bad name (names
+    that earlier versions made namespaces with are good here: they can still be opened,
+    listed and purged; :func:`check_new_name` is the rule for a namespace made now)."""
     if type(name) is not str or not _NAME_RE.match(name):
         raise InvalidNamespace(
             f"namespace {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
+    return os.path.join(directory, f"kvcomm.{name}")
+
+
+def check_new_name(name: str) -> None:
+    """Raise InvalidNamespace unless a namespace may be made under ``name`` now: it
+    starts with a letter or digit (a name starting with '-' cannot be given on a command
+    line, one starting with '.' is hidden), and it does not end as a namespace's own
+    files do (``kvcomm.open("app.agents")`` would open namespace app's agents directory)."""
+    if not _NEW_NAME_RE.match(name):
+        raise InvalidNamespace(f"namespace {name!r} is invalid: use 1-64 letters, digits, '.', "
+                               "'_' or '-', starting with a letter or digit")
     side = SIDE_FILES.search(name)
     if side:
         raise InvalidNamespace(
@@ -52,7 +66,6 @@ def segment_path(name: str, directory: str = SHM_DIR) -> str:
             f"namespace {name[:side.start()]!r}'s own file (its key filter, status, watches, "
             "agents, vector index or a migration); choose another name"
         )
-    return os.path.join(directory, f"kvcomm.{name}")
 
 
 def filter_path(namespace: str, directory: str = SHM_DIR) -> str:

@@ -24,6 +24,7 @@ from ...errors import InvalidArgument, SegmentError, Unavailable, WriteUnderLock
 from .files import (
     SHM_DIR,
     _unlink_quietly,
+    check_new_name,
     check_owner,
     create_temp,
     remove_dead_temps,
@@ -199,12 +200,16 @@ class SegmentCore:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             if layout is not None:
+                check_new_name(self.name)
                 return self._new_file(layout, permissions)
             raise SegmentError(f"no L2 segment for namespace {self.name!r} on this host: "
                                f"kvcomm.open({self.name!r}) creates it (nothing opened it "
                                "here since the machine started or since its purge)") from None
+        except IsADirectoryError:  # (a namespace's own directory, by its name: say so)
+            check_new_name(self.name)
+            raise SegmentError(f"{self.path} is a directory, not a segment; remove it") from None
         except OSError as exc:
-            raise SegmentError(f"cannot open {self.path}: {exc.strerror}") from None
+            raise _cannot_create(self.path, exc, "open") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -538,12 +543,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _cannot_create(path: str, exc: OSError) -> SegmentError:
-    """The error of a segment file that could not be made, naming the config key whose
-    directory it is (cache.l2_dir) and, when that is missing, what to do."""
+def _cannot_create(path: str, exc: OSError, what: str = "create") -> SegmentError:
+    """The error of a segment file that could not be made (or opened), naming the config
+    key whose directory it is (cache.l2_dir) and, when that is no directory, what to do."""
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
-        return SegmentError(f"cannot create {path}: cache.l2_dir {directory!r} is not a "
+        return SegmentError(f"cannot {what} {path}: cache.l2_dir {directory!r} is not a "
                             "directory; create it (a tmpfs, as /dev/shm is) or set "
                             "cache.l2_dir to one")
-    return SegmentError(f"cannot create {path}: {exc.strerror} (in cache.l2_dir {directory!r})")
+    return SegmentError(f"cannot {what} {path}: {exc.strerror} (in cache.l2_dir {directory!r})")
