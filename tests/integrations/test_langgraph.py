@@ -666,6 +666,27 @@ def test_copy_thread_and_a_moved_back_head_keep_the_savers_ttl(kv: kvcomm.Client
     assert all(i.expires_at is not None for i in pruned.values())
 
 
+def test_a_refresh_on_read_leaves_a_head_moved_back_meanwhile_its_deadline(
+        kv: kvcomm.Client) -> None:
+    """delete_for_runs moves a head back to an older checkpoint with that checkpoint's
+    remaining ttl; a get_tuple that read the head before gave it its whole ttl again (a
+    touch of whatever head was there), so it outlived its checkpoint: a head naming
+    nothing (in cluster mode a read then waits wait_timeout for it, and fails)."""
+    saver = KVCommSaver(kv, ttl=600)
+    _put_at(saver, "back", "1f0-1", "x")
+    t0 = time.time()
+    wait_until(lambda: time.time() > t0 + 0.05, 5, "the clock to move")
+    _put_at(saver, "back", "1f0-2", "y", parent="1f0-1", run="r2")
+    other = KVCommSaver(kv, ttl=600)
+    _between_read_and_refresh(saver, lambda: other.delete_for_runs(["r2"]))
+    cfg: Any = {"configurable": {"thread_id": "back", "checkpoint_ns": ""}}
+    assert saver.get_tuple(cfg).checkpoint["id"] == "1f0-2"  # type: ignore[union-attr]  # (read before)
+    k = saver.keys
+    head, cp = kv.get_item(k.head("back", "")), kv.get_item(k.checkpoint("back", "", "1f0-1"))
+    assert head is not None and cp is not None and head.value["id"] == "1f0-1"
+    assert head.expires_at <= cp.expires_at  # type: ignore[operator]
+
+
 def test_an_expired_thread_is_gone_and_a_new_run_starts_afresh(kv: kvcomm.Client) -> None:
     cfg: Any = {"configurable": {"thread_id": "ttl-3"}}
     saver = KVCommSaver(kv, ttl=0.5)

@@ -799,21 +799,38 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def _refresh(self, thread_id: str, ns: str, cid: str, blobs: dict[str, Any],
                  writes: list[Any], head_item: Any) -> None:
         """Give the checkpoint read (its record, values, writes, and the head when read)
-        the saver's ttl again, from now: each touched, a conditional write that refreshes
-        what is there now and never brings back what another writer deleted or replaced
-        since this read (a thread deleted meanwhile stays deleted, a special write replaced
-        meanwhile stays replaced). The checkpoint first, the head last, its deadline
-        counted from before the records' (as put: the head never outlives them)."""
-        k, ttl = self.keys, self.ttl
+        the saver's ttl again, from now: each a conditional write, of what is there now
+        (a thread another writer deleted since this read stays deleted, a special write it
+        replaced stays replaced), and the head only at the version this read saw (one moved
+        since, by a put, prune or delete_for_runs, keeps the deadline its mover gave it).
+        Embedded: one batch, its compare-and-sets judged under the writer lock; when one
+        fails (another writer meanwhile), each record is touched on its own. Cluster mode:
+        each decided on L3 (a round trip each). The head's deadline is never after its
+        checkpoint's."""
+        k, ttl, kv = self.keys, self.ttl, self.kv
         start = time.time()
-        touch = self.kv.touch
-        touch(k.checkpoint(thread_id, ns, cid), ttl)
-        for key in blobs:
-            touch(key, ttl)
-        for w in writes:
-            touch(k.write(thread_id, ns, cid, w[0], w[-1]), ttl)
+        keys = [k.checkpoint(thread_id, ns, cid), *blobs,
+                *(k.write(thread_id, ns, cid, w[0], w[-1]) for w in writes)]
+        head_key = k.head(thread_id, ns)
+        if not self._cluster:
+            items = [(key, kv.get_item(key)) for key in keys]
+            try:
+                with kv.batch() as b:  # (the head first: its ttl counts from before theirs)
+                    for key, item in [(head_key, head_item), *items]:
+                        if item is not None:
+                            b.put(key, item.value, ttl=ttl)
+                            b._expect(key, item.version, count=False)
+                return
+            except ConflictError:
+                pass  # (another writer meanwhile: each on its own, below)
+        for key in keys:
+            kv.touch(key, ttl)
         if head_item is not None:
-            touch(k.head(thread_id, ns), self._left(start))
+            try:
+                kv.put(head_key, head_item.value, expect=head_item.version,
+                       ttl=self._left(start))
+            except ConflictError:
+                pass  # (moved since this read: its mover gave it its deadline)
 
     def _referenced_writes(self, thread_id: str, ns: str, cid: str,
                            referenced: list[list[Any]]) -> list[Any]:
