@@ -20,7 +20,7 @@ from kvcomm.tiers import l2
 pytest.importorskip("langgraph.store.memory")
 np = pytest.importorskip("numpy")
 
-from langgraph.store.base import PutOp  # noqa: E402
+from langgraph.store.base import GetOp, PutOp, SearchOp  # noqa: E402
 from langgraph.store.memory import InMemoryStore  # noqa: E402
 from xxhash import xxh3_64_intdigest  # noqa: E402
 
@@ -592,3 +592,35 @@ def test_a_users_first_mistakes_get_clear_errors_and_store_nothing(kv: kvcomm.Cl
     assert store.get(ns, "c") is None and store.search(("user",), query="ok") == []
     store.put(ns, "a", {"text": "fine"})
     assert [i.key for i in store.search(("user",), query="fine")] == ["a"]
+
+
+def test_a_batch_checks_every_op_before_any_runs_or_is_embedded(kv: kvcomm.Client) -> None:
+    """A batch whose later op is bad (a value not a dict, a ttl not in minutes, a key too
+    long, a search's negative limit) raised only when that op ran, the earlier puts
+    written, and embedded its texts first (a paid call); superseded puts of one item were
+    embedded too, which InMemoryStore never does. Now all is checked first, nothing runs
+    or is embedded for a bad batch, and only the puts that run are embedded."""
+    calls: list[list[str]] = []
+
+    def embed(texts: list[str]) -> Any:
+        calls.append(list(texts))
+        return fake_embed(texts)
+
+    ns = ("u",)
+    for semantic in (False, True):
+        store = KVCommStore(kv, root=f"chk{int(semantic)}/", index={
+            "dims": DIMS, "embed": embed, "fields": ["text"]} if semantic else None)
+        for bad, err in ((PutOp(ns, "b", "notadict"), kvcomm.InvalidArgument),  # type: ignore[arg-type]
+                         (PutOp(ns, "b", {"text": "x"}, ttl=-5), kvcomm.InvalidArgument),
+                         (PutOp(ns, "b", {"text": "x"}, ttl="x"), kvcomm.InvalidArgument),  # type: ignore[arg-type]
+                         (PutOp(ns, "k" * 600, {"text": "x"}), kvcomm.InvalidKey),
+                         (GetOp(ns, "k" * 600), kvcomm.InvalidKey),
+                         (SearchOp(ns, None, -1, 0), kvcomm.InvalidArgument)):
+            with pytest.raises(err):
+                store.batch([PutOp(ns, "a", {"text": "first"}), bad])
+            assert store.get(ns, "a") is None and calls == []
+        store.batch([PutOp(ns, "a", {"text": f"v{i}"}) for i in range(5)]
+                    + [PutOp(ns, "a", {"text": "last"}), PutOp(ns, "z", None)])
+        assert calls == ([["last"]] if semantic else [])
+        assert store.get(ns, "a").value == {"text": "last"}  # type: ignore[union-attr]
+        calls.clear()

@@ -152,17 +152,17 @@ class KVCommStore(BaseStore):
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops``, as LangGraph's own stores run a batch: its reads (get, search,
         list_namespaces) first, in order, on what was stored before the batch; then its
-        puts and deletes, the last of each item's only. Results in the order of ``ops``."""
+        puts and deletes, the last of each item's only. Results in the order of ``ops``.
+        Every op is checked before any runs (and before any text is embedded)."""
         ops = list(ops)
+        order = self._order(ops)
         sem = self._sem
         if sem is None:
-            return self._batch(ops, None)
+            return self._batch(ops, None, order)
         op = ops[0] if len(ops) == 1 else None
         if type(op) is PutOp and op.value is not None:
             # (put()'s one op, the common call: its texts embedded and made rows without
             # the tables a batch of many needs; what _batch does with them)
-            _check_value(op.value)
-            _validate(op)  # (before the embedding call, which may cost money)
             pairs = sem.texts(op.value, op.index)
             vectors = None
             if pairs:
@@ -171,44 +171,66 @@ class KVCommStore(BaseStore):
                 vectors = ([p for p, _t in pairs], sem.blobs(docs, finite=True))
             self._put(op.namespace, op.key, op.value, _minutes(op.ttl, "ttl"), vectors)
             return [None]
-        texts, queries = self._to_embed(ops)
+        texts, queries = self._to_embed(ops, order)
         emb = sem.embeddings
         docs = emb.embed_documents([t[2] for t in texts]) if texts else []
         qv = {q: emb.embed_query(q) for q in queries} if queries else {}
-        return self._batch(ops, self._embedded(texts, docs, qv))
+        return self._batch(ops, self._embedded(texts, docs, qv), order)
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
         """:meth:`batch`: the embeddings' async methods called in the loop, the rest native
         on a ``kvcomm.aio`` client, in the loop's default executor on a sync one
         (``_kv.run_async``)."""
         ops = list(ops)
+        order = self._order(ops)
         prepared = None
         if self._sem is not None:
-            texts, queries = self._to_embed(ops)
+            texts, queries = self._to_embed(ops, order)
             emb = self._sem.embeddings
             docs = await emb.aembed_documents([t for _i, _p, t in texts]) if texts else []
             qv = list(await asyncio.gather(*(emb.aembed_query(q) for q in queries)))
             prepared = self._embedded(texts, docs, dict(zip(queries, qv, strict=True)))
         if self.aio is None or len(ops) <= 1:
-            return await run_async(self.aio, self._batch, (ops, prepared), {})
+            return await run_async(self.aio, self._batch, (ops, prepared, order), {})
         # (one op per attempt: an op that meets a held lock runs again in the pool alone,
         # never the writes of the ops before it, which another process may have replaced
         # since; each op raises WouldBlock before its own write: see _kv.run_async)
         results: list[Result] = [None] * len(ops)
-        for i in _reads_then_writes(ops):
+        for i in order:
             (results[i],) = await run_async(self.aio, self._run, ([(i, ops[i])], prepared), {})
         return results
 
-    def _to_embed(self, ops: list[Op]) -> tuple[list[tuple[int, str, str]], list[str]]:
-        """The texts of ``ops``' puts to embed ``(op's position, path, text)``, and their
-        searches' queries."""
+    def _order(self, ops: list[Op]) -> list[int]:
+        """The positions of ``ops`` in the order a batch runs them (LangGraph's
+        InMemoryStore and PostgresStore: reads first, in order; then the last put or
+        delete of each item), each op checked first: what it would raise when run
+        (namespace, key and its length, value, ttl, search and list arguments) it raises
+        here, before anything runs."""
+        writes: dict[tuple[Any, Any], int] = {}
+        reads = []
+        for i, op in enumerate(ops):
+            _validate(op)
+            if isinstance(op, GetOp | PutOp):
+                self.keys.item(op.namespace, op.key)  # (InvalidKey when it cannot fit)
+            if isinstance(op, PutOp):
+                if op.value is not None:
+                    _check_value(op.value)
+                    _minutes(op.ttl, "ttl")
+                writes[op.namespace, op.key] = i
+            else:
+                reads.append(i)
+        return reads + sorted(writes.values())
+
+    def _to_embed(self, ops: list[Op], order: list[int]
+                  ) -> tuple[list[tuple[int, str, str]], list[str]]:
+        """The texts to embed of the puts that run (``order``: :meth:`_order`'s), as
+        ``(op's position, path, text)``, and their searches' queries."""
         assert self._sem is not None
         texts: list[tuple[int, str, str]] = []
         queries: list[str] = []
-        for i, op in enumerate(ops):
+        for i in order:
+            op = ops[i]
             if isinstance(op, PutOp) and op.value is not None:
-                _check_value(op.value)
-                _validate(op)  # (before the embedding call, which may cost money)
                 for p, t in self._sem.texts(op.value, op.index):
                     texts.append((i, p, t))
             elif isinstance(op, SearchOp) and op.query and op.query not in queries:
@@ -235,10 +257,10 @@ class KVCommStore(BaseStore):
                 out[q] = sem.query_vector(v)
         return out
 
-    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None) -> list[Result]:
-        """``ops``' results, in order, run as :meth:`batch` says."""
+    def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None,
+               order: list[int]) -> list[Result]:
+        """``ops``' results, in order, run in ``order`` (:meth:`_order`'s)."""
         results: list[Result] = [None] * len(ops)
-        order = _reads_then_writes(ops)
         for i, result in zip(order, self._run([(i, ops[i]) for i in order], prepared),
                              strict=True):
             results[i] = result
@@ -631,20 +653,6 @@ def _compare_values(item_value: Any, filter_value: Any) -> bool:
                 and all(_compare_values(i, f) for i, f in zip(item_value, filter_value,
                                                               strict=False)))
     return bool(item_value == filter_value)
-
-
-def _reads_then_writes(ops: list[Op]) -> list[int]:
-    """The positions of ``ops`` in the order a batch runs them (LangGraph's InMemoryStore
-    and PostgresStore: reads first, in order; then the last put or delete of each item)."""
-    writes: dict[tuple[Any, Any], int] = {}
-    reads = []
-    for i, op in enumerate(ops):
-        _validate(op)  # (every op before any runs: a bad one raises with nothing done)
-        if isinstance(op, PutOp):
-            writes[op.namespace, op.key] = i
-        else:
-            reads.append(i)
-    return reads + sorted(writes.values())
 
 
 def _apply_operator(value: Any, operator: str, op_value: Any) -> bool:
