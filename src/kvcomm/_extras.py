@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from types import ModuleType
 
 from .errors import ConfigError
@@ -94,12 +95,14 @@ def install_hint(extra: str) -> str:
         url = info.get("url", "") if isinstance(info, dict) else ""
     except (metadata.PackageNotFoundError, ValueError, OSError):
         url = ""
+    pip = f"{shlex.quote(sys.executable)} -m pip install"  # (this environment's, whatever
+    # is first on PATH: a console script of a venv runs without it being activated)
     if not (type(url) is str and url.startswith("file://")):
-        return f"pip install 'kvcomm[{extra}]'"
+        return f"{pip} 'kvcomm[{extra}]'"
     path = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
     dir_info = info.get("dir_info")
     editable = "-e " if isinstance(dir_info, dict) and dir_info.get("editable") else ""
-    return f"pip install {editable}{shlex.quote(f'{path}[{extra}]')}"
+    return f"{pip} {editable}{shlex.quote(f'{path}[{extra}]')}"
 
 
 def require_cluster(purpose: str = "cluster mode (cluster.redis is set)") -> None:

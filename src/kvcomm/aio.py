@@ -386,6 +386,7 @@ class AsyncClient:
     aclose = close
 
     async def __aenter__(self) -> AsyncClient:
+        self._kv._live()  # (a closed client: SegmentError saying so, as the sync face's)
         return self
 
     def __enter__(self) -> NoReturn:

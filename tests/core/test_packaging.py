@@ -530,7 +530,9 @@ def test_the_missing_extra_hint_names_the_checkout_kvcomm_was_installed_from(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """kvcomm is not on a package index: ``pip install 'kvcomm[demo]'`` typed as told
     fails (or installs whatever a registry holds under that name). The hint installs from
-    the checkout pip recorded (direct_url.json), and by name only when there is none."""
+    the checkout pip recorded (direct_url.json), and by name only when there is none; with
+    this environment's pip (``python -m pip``: a venv's console script runs unactivated,
+    and the first pip on PATH may be the system's)."""
     from importlib import metadata
 
     class Dist:
@@ -541,11 +543,12 @@ def test_the_missing_extra_hint_names_the_checkout_kvcomm_was_installed_from(
             assert name == "direct_url.json"
             return self.text
 
+    pip = f"{sys.executable} -m pip install"
     for text, want in (
             ('{"url": "file:///src/my%20kvcomm", "dir_info": {"editable": true}}',
-             "pip install -e '/src/my kvcomm[demo]'"),
-            ('{"url": "file:///src/kvcomm", "dir_info": {}}', "pip install '/src/kvcomm[demo]'"),
-            ('{"url": "https://example.com/kvcomm.whl"}', "pip install 'kvcomm[demo]'"),
-            (None, "pip install 'kvcomm[demo]'"), ("not json", "pip install 'kvcomm[demo]'")):
+             f"{pip} -e '/src/my kvcomm[demo]'"),
+            ('{"url": "file:///src/kvcomm", "dir_info": {}}', f"{pip} '/src/kvcomm[demo]'"),
+            ('{"url": "https://example.com/kvcomm.whl"}', f"{pip} 'kvcomm[demo]'"),
+            (None, f"{pip} 'kvcomm[demo]'"), ("not json", f"{pip} 'kvcomm[demo]'")):
         monkeypatch.setattr(metadata, "distribution", lambda _n, t=text: Dist(t))
         assert install_hint("demo") == want

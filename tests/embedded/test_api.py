@@ -575,7 +575,7 @@ def test_a_client_sent_to_another_process_says_to_open_one_there(ns: str,
             pickle.dumps(kv)
         with pytest.raises(kvcomm.UsageError, match="cannot be sent to another process"):
             mp.get_context("spawn").Process(target=_never_runs, args=(kv,)).start()
-        with pytest.raises(kvcomm.UsageError):
+        with pytest.raises(kvcomm.UsageError, match="cannot be copied"):
             copy.copy(kv)
 
     async def main() -> None:
@@ -587,8 +587,21 @@ def test_a_client_sent_to_another_process_says_to_open_one_there(ns: str,
 
 
 def test_a_closed_client_entered_again_says_it_is_closed(ns: str, config: kvcomm.Config) -> None:
+    import asyncio
+
+    import kvcomm.aio
+
     kv = kvcomm.open(ns, config=config)
     kv.close()
     with pytest.raises(kvcomm.SegmentError, match="closed"):
         with kv:
             pass
+
+    async def main() -> None:
+        akv = await kvcomm.aio.open(ns, config=config)
+        await akv.aclose()
+        with pytest.raises(kvcomm.SegmentError, match="closed"):
+            async with akv:
+                pass
+
+    asyncio.run(main())

@@ -293,10 +293,14 @@ def test_a_checkpoint_or_write_no_reader_could_read_is_refused_and_nothing_store
     at = saver.put(cfg, empty_checkpoint(), {}, {})
     bad: Any = {"configurable": {"thread_id": "bad", "checkpoint_ns": ""}}
     for values, versions, new in (({1: "x"}, {1: "1"}, {1: "1"}), ({None: 1}, {}, {}),
-                                  ({}, {"a": "1"}, {("a",): "1"}), ({"a": 1}, None, {})):
+                                  ({}, {"a": "1"}, {("a",): "1"})):
         cp: Any = {**empty_checkpoint(), "channel_values": values, "channel_versions": versions}
         with pytest.raises(kvcomm.InvalidArgument, match="named by str"):
             saver.put(bad, cp, {}, new)
+    with pytest.raises(kvcomm.InvalidArgument, match="holds its channel_versions"):
+        saver.put(bad, {**empty_checkpoint(), "channel_versions": None}, {}, {})
+    with pytest.raises(kvcomm.InvalidKey, match="got the int 7"):
+        saver.put(bad, {**empty_checkpoint(), "id": 7}, {}, {})
     with pytest.raises(kvcomm.InvalidKey, match="non-empty str"):
         saver.put(bad, {**empty_checkpoint(), "id": ""}, {}, {})
     with pytest.raises(kvcomm.InvalidKey, match="non-empty str"):
@@ -638,6 +642,19 @@ def test_copy_thread_onto_a_thread_with_a_newer_checkpoint_keeps_it_latest(
     _put_at(saver, "src2", "1f0-0003", "n")  # (a newer source moves it forward)
     saver.copy_thread("src2", "dst")
     assert _latest_value(saver, "dst") == "n"
+
+
+def test_a_copied_head_keeps_the_targets_writes_of_a_later_checkpoint() -> None:
+    """(cluster mode) a head keeps aside ("p") the writes LangGraph stored before their
+    checkpoint; a copy moving the head forward keeps those of a later checkpoint, as a
+    put's move does (_forward)."""
+    from kvcomm.integrations.langgraph.saver import _ANY, _copied, _forward
+
+    old = {"id": "B", "w": [], "p": {"D": [["t", 0]], "A": [["t", 1]]}}
+    assert _copied({"id": "C", "w": [["s", 0]]}, old) == {"id": "C", "w": [["s", 0]],
+                                                          "p": {"D": [["t", 0]]}}
+    assert _forward("C", _ANY, old)["p"] == {"D": [["t", 0]]}  # (the same rule)
+    assert _copied({"id": "A", "w": []}, old) is old  # (the target's is newer: it stays)
 
 
 def test_copy_thread_and_a_moved_back_head_keep_the_savers_ttl(kv: kvcomm.Client) -> None:

@@ -19,9 +19,10 @@ from .presence import Presence, start_presence
 from .read import Reads
 from .scan import Scanning
 
-_NOT_SENT = ("a kvcomm client cannot be sent to another process (pickled, as "
-             "multiprocessing's spawn and forkserver do with a Process's arguments): send its "
-             "namespace and config, and call {open}(name, config=config) in that process")
+_NOT_SENT = ("a kvcomm client cannot be copied, nor sent to another process (pickled, as "
+             "multiprocessing's spawn and forkserver do with a Process's arguments): in this "
+             "process share the client itself; to another, send its namespace and config "
+             "and call {open}(name, config=config) there")
 
 
 class Client(Scanning):

@@ -383,13 +383,15 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         cid, versions = c.get("id"), c.get("channel_versions")
         if type(cid) is not str or not cid:
             raise InvalidKey(f"a checkpoint's id is a non-empty str (LangGraph's uuid6()), got "
-                             f"{cid!r}")
-        if type(versions) is not dict or not (  # (each set made in C: a step's few channels)
-                {*map(type, values), *map(type, versions), *map(type, new_versions)} <= _STR):
+                             f"the {type(cid).__name__} {cid!r}")
+        if type(versions) is not dict:
+            raise InvalidArgument(f"a checkpoint holds its channel_versions (a dict), got "
+                                  f"{str(checkpoint)[:200]}")
+        if not ({*map(type, values), *map(type, versions), *map(type, new_versions)} <= _STR):
+            # (each set made in C: a step's few channels)
             raise InvalidArgument(f"a checkpoint's channels are named by str (the keys of its "
-                                  f"channel_values and channel_versions, a dict, and of "
-                                  f"new_versions), got {str(checkpoint)[:200]} and "
-                                  f"{str(new_versions)[:200]}")
+                                  f"channel_values and channel_versions, and of new_versions), "
+                                  f"got {str(checkpoint)[:200]} and {str(new_versions)[:200]}")
         md = _metadata(config, metadata)
         k, ttl = self.keys, self.ttl
         dumps = self.serde.dumps_typed
@@ -662,7 +664,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             raise InvalidArgument("put_writes stores a task's writes at a checkpoint: its "
                                   "config names one ('checkpoint_id'), as put returned it")
         if type(cid) is not str or not cid:
-            raise InvalidKey(f"a checkpoint_id is a non-empty str, got {cid!r}")
+            raise InvalidKey(f"a checkpoint_id is a non-empty str, got the {type(cid).__name__} "
+                             f"{cid!r}")
         if type(task_id) is not str or type(task_path) is not str:
             raise InvalidArgument(f"a task's id and path are str (LangGraph's), got "
                                   f"{task_id!r} and {task_path!r}")
@@ -1213,7 +1216,11 @@ def _copied(head: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
     checkpoint as new or newer (it stays), else a copy of ``head``."""
     if old is not None and old["id"] is not None and old["id"] >= head["id"]:
         return old
-    return {"id": head["id"], "w": list(head["w"])}
+    new = {"id": head["id"], "w": list(head["w"])}
+    later = {} if old is None else {c: w for c, w in old.get("p", {}).items() if c > head["id"]}
+    if later:  # (writes of a later checkpoint noted before it: kept, as _forward keeps them)
+        new["p"] = later
+    return new
 
 
 def _not_latest(latest: dict[str, str], ns: str, cid: str, _body: builtins.list[Any]) -> bool:
