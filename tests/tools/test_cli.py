@@ -561,9 +561,14 @@ def test_a_bare_namespace_says_to_name_it_with_name_and_mcp_says_kvcomm_once() -
     "unrecognized arguments"; ``kvcomm mcp`` said "kvcomm: kvcomm mcp needs")"""
     out = run("info", "my-app")
     assert out.returncode == 2 and "(a namespace is named with --name my-app)" in out.stderr
-    out = run("list", "extra")
-    assert out.returncode == 2 and "unrecognized arguments: extra" in out.stderr
-    assert "--name" not in out.stderr.splitlines()[-1]  # (list names no namespace)
+    out = run("purge", "my-app")  # (the likeliest: nothing removed)
+    assert out.returncode == 2 and "(a namespace is named with --name my-app)" in out.stderr
+    for args in (("list", "extra"), ("purge", "--name", "ns", "extra"), ("demo", "extra")):
+        out = run(*args)  # (no namespace to name, or named already: no hint)
+        assert out.returncode == 2 and "unrecognized arguments: extra" in out.stderr, args
+        assert "--name extra" not in out.stderr, args
+    out = run("purge")
+    assert out.returncode == 2 and "give --name NS" in out.stderr
     pytest.importorskip("mcp")
     out = run("mcp")
     assert out.returncode == 2 and out.stderr.startswith("kvcomm: mcp needs --name NS")

@@ -274,6 +274,10 @@ def _purge(args: argparse.Namespace) -> int:
     from ..tiers.shm.files import dead_temps, mapped_by
 
     name = args.name
+    if name is None and not args.dead_temps:
+        print("kvcomm purge: give --name NS (the namespace to remove) or --dead-temps",
+              file=sys.stderr)
+        return 2
     directory = load_config(args.config).cache.l2_dir
     if args.dead_temps:
         if args.force:
@@ -709,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print every field as JSON")
 
     u = _command(sub, "purge", _purge, "remove a namespace's L2 segment")
-    what = u.add_mutually_exclusive_group(required=True)
+    what = u.add_mutually_exclusive_group()  # (one of them: _purge says so)
     what.add_argument("--name", metavar="NS", help="the namespace to remove")
     what.add_argument("--dead-temps", action="store_true",
                       help="remove the temporary files that processes killed while creating a "
@@ -883,7 +887,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # (argparse's own error, with what a namespace given bare should have been)
-        bare = len(extra) == 1 and not extra[0].startswith("-") and "name" in vars(args)
+        bare = len(extra) == 1 and not extra[0].startswith("-") \
+            and getattr(args, "name", "") is None  # (a command of a --name not given)
         parser.error(f"unrecognized arguments: {' '.join(extra)}"
                      + (f" (a namespace is named with --name {extra[0]})" if bare else ""))
     try:
