@@ -479,9 +479,12 @@ def test_a_namespace_keeps_the_max_key_bytes_it_was_made_with(ns: str,
     with kvcomm.open(ns, config=_with_max_key(config, 20)) as made:
         with pytest.warns(kvcomm.KVCommWarning, match="is ignored until"):
             big = kvcomm.open(ns, config=config)
-        with big, pytest.raises(kvcomm.InvalidKey, match=r"made with cache\.max_key_bytes=20 "
-                                                         r"\(this client's config says 250.*purge"):
-            big.put(long_key, 1)
+        with big:
+            with pytest.raises(kvcomm.InvalidKey, match=r"made with cache\.max_key_bytes=20; "
+                                                        r"this client's 250 is ignored.*or purge"):
+                big.put(long_key, 1)
+            with pytest.raises(kvcomm.InvalidKey, match=r"is ignored until .*\): shorten it$"):
+                big.put("k" * 300, 1)  # (over both: purging would not help)
         with pytest.raises(kvcomm.InvalidKey, match=r"over cache\.max_key_bytes=20: shorten"):
             made.put(long_key, 1)
 

@@ -477,13 +477,15 @@ class ClientBase:
                 raise InvalidKey("the key is empty; use a non-empty str such as 'drone/7/pos'")
             if b"\x00" in kb:
                 raise InvalidKey(f"key {key!r} contains NUL; remove it")
-            if self.config.cache.max_key_bytes != self._max_key:
+            mine = self.config.cache.max_key_bytes
+            if mine != self._max_key:  # (a namespace made with another config's)
+                fix = (f"shorten it, or purge the namespace (`kvcomm purge --name {self.name}`) "
+                       f"and open it again, to make it with your {mine}" if len(kb) <= mine
+                       else "shorten it")
                 raise InvalidKey(
-                    f"key is {len(kb)} bytes of UTF-8, over the {self._max_key} of namespace "
-                    f"{self.name!r}, whose segment was made with cache.max_key_bytes="
-                    f"{self._max_key} (this client's config says "
-                    f"{self.config.cache.max_key_bytes}: it applies once the namespace is "
-                    f"purged and made again, `kvcomm purge --name {self.name}`); or shorten it")
+                    f"key is {len(kb)} bytes of UTF-8, over the {self._max_key} namespace "
+                    f"{self.name!r} takes (it was made with cache.max_key_bytes={self._max_key}; "
+                    f"this client's {mine} is ignored until it is purged and made again): {fix}")
             raise InvalidKey(
                 f"key is {len(kb)} bytes of UTF-8, over cache.max_key_bytes={self._max_key}: "
                 f"shorten it (a hash of its tail, say), or raise cache.max_key_bytes, the "
