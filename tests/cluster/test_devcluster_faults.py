@@ -253,8 +253,11 @@ def test_down_stops_etcd_and_the_proxies(tmp_path: Path) -> None:
 
 
 def test_a_moved_redirection_stays_behind_the_proxy(dc: Path) -> None:
-    """redis-py follows MOVED to the address a node announces (its real port): with
-    follow_remap the host stays behind its proxy; without, it leaks past it."""
+    """redis-py before 8.2 followed MOVED to the address a node announces (its real port),
+    past the proxy; with follow_remap the host stays behind its proxy whatever redis-py
+    does (8.2 remaps a redirection itself: the plain client's leak is only shown where
+    it still happens)."""
+    import redis
     from redis.cluster import ClusterNode, RedisCluster
 
     cfg = _config(dc, "host-1")
@@ -262,7 +265,8 @@ def test_a_moved_redirection_stays_behind_the_proxy(dc: Path) -> None:
     real = {int(a.rpartition(":")[2]) for a in cfg.cluster.address_remap}
     plain = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.cluster.seeds()],
                          address_remap=cfg.cluster.remap_address)
-    for rc, leaks in ((_redis(cfg), False), (plain, True)):
+    old_redis = tuple(int(x) for x in redis.__version__.split(".")[:2]) < (8, 2)
+    for rc, leaks in ((_redis(cfg), False), (plain, old_redis)):
         try:
             rc.set("kvc-test:moved", b"1")
             slot = rc.keyslot("kvc-test:moved")

@@ -144,12 +144,14 @@ def _command_table(nodes: frozenset[str], read: Any, whole: bool = True) -> dict
 
 
 class _Reader:
-    """What redis-py's command parser reads its table from: ``command()``."""
+    """What redis-py's command parser reads its table from: ``command()``, and (redis-py
+    8.2 on) the encoder of the node it asked, ``get_encoder()``."""
 
-    __slots__ = ("command",)
+    __slots__ = ("command", "get_encoder")
 
-    def __init__(self, command: Any) -> None:
+    def __init__(self, command: Any, get_encoder: Any) -> None:
         self.command = command
+        self.get_encoder = get_encoder
 
 
 def counting_cluster() -> type[RedisCluster]:
@@ -203,7 +205,8 @@ def counting_cluster() -> type[RedisCluster]:
                 parser = self.commands_parser
                 seeds = self.kvcomm_seeds
                 type(parser).initialize(parser, _Reader(  # type: ignore[no-untyped-call]
-                    lambda: _command_table(seeds, lambda: self._kvcomm_whole(node))))
+                    lambda: _command_table(seeds, lambda: self._kvcomm_whole(node)),
+                    node.get_encoder))
 
             def _kvcomm_whole(self, node: Any) -> Any:
                 # ``node`` (redis-py's default node) first, then the other masters: redis-py
