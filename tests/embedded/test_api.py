@@ -256,16 +256,18 @@ def test_a_namespace_an_earlier_version_made_under_a_name_now_refused_still_work
     """Names refused for a new namespace now were accepted before: such a namespace still
     opens, lists and purges (refusing them everywhere left 240 MB segments that only rm
     could remove)."""
+    import contextlib
     import json
     import subprocess
     import sys
 
-    from kvcomm.tiers.shm import segment
+    from kvcomm.tiers.shm import files, segment
 
     name = f"{legacy}-{os.getpid()}" if legacy[0] in "_-" else \
         legacy.replace(".", f"{os.getpid()}.", 1)
     with monkeypatch.context() as m:  # (as an earlier version made it)
         m.setattr(segment, "check_new_name", lambda _n: None)
+        m.setattr(files, "_holds_a_segment", lambda _p: True)
         kvcomm.open(name, config=config).close()
     try:
         with kvcomm.open(name, config=config) as kv:  # (it exists: opened as it is)
@@ -279,7 +281,42 @@ def test_a_namespace_an_earlier_version_made_under_a_name_now_refused_still_work
         with pytest.raises(kvcomm.InvalidNamespace, match="invalid"):
             kvcomm.open(name, config=config)  # (gone: not made again under that name)
     finally:
-        kvcomm.tiers.l2.purge(name)
+        with contextlib.suppress(kvcomm.InvalidNamespace):  # (purged: the name is refused)
+            kvcomm.tiers.l2.purge(name)
+
+
+def test_a_namespaces_own_files_are_never_opened_purged_or_migrated_as_a_namespace(
+        ns: str, config: kvcomm.Config) -> None:
+    """``kvcomm purge --name app.keys`` removed namespace app's key filter (and
+    ``app.vec.ID`` its vector index), saying "purged namespace"; open and migrate said to
+    remove them. A side file's name is a namespace only when it holds a segment (one an
+    earlier version made so)."""
+    import subprocess
+    import sys
+
+    from kvcomm.tiers.shm.migrate import migrate
+
+    with kvcomm.open(ns, config=config):
+        d = config.cache.l2_dir
+        planted = {end: os.path.join(d, f"kvcomm.{ns}{end}")
+                   for end in (".keys", ".node.json", ".vec.0123456789abcdef")}
+        for path in planted.values():
+            with open(path, "wb") as f:
+                f.write(b"not a segment, a namespace's own file")
+        try:
+            for end, path in planted.items():
+                for call in (lambda e=end: migrate(ns + e, config),
+                             lambda e=end: kvcomm.open(ns + e, config=config),
+                             lambda e=end: kvcomm.tiers.l2.purge(ns + e, d)):
+                    with pytest.raises(kvcomm.InvalidNamespace, match="own file"):
+                        call()
+                out = subprocess.run([sys.executable, "-m", "kvcomm", "purge", "--name",
+                                      ns + end], capture_output=True, text=True, timeout=60)
+                assert out.returncode == 2 and "own file" in out.stderr, out
+                assert os.path.exists(path)  # (left alone)
+        finally:
+            for path in planted.values():
+                os.unlink(path)
 
 
 def test_stats(kv: kvcomm.Client) -> None:

@@ -592,9 +592,11 @@ def test_a_refresh_on_read_never_brings_back_a_thread_deleted_meanwhile(
     assert _thread_keys(kv, saver, "ttl-del")
     other = KVCommSaver(kv, ttl=600)  # (another process's saver)
     _between_read_and_refresh(saver, lambda: other.delete_thread("ttl-del"))
+    conflicts = kv.counters["conflicts"]
     assert saver.get_tuple(cfg) is not None  # (read before the delete)
     assert _thread_keys(kv, saver, "ttl-del") == {}
     assert saver.get_tuple(cfg) is None and list(saver.list(cfg)) == []
+    assert kv.counters["conflicts"] == conflicts  # (the refresh's own: not the user's)
 
 
 def test_a_refresh_on_read_never_reverts_a_write_replaced_meanwhile(kv: kvcomm.Client) -> None:

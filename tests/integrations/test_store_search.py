@@ -619,6 +619,12 @@ def test_a_batch_checks_every_op_before_any_runs_or_is_embedded(kv: kvcomm.Clien
             with pytest.raises(err):
                 store.batch([PutOp(ns, "a", {"text": "first"}), bad])
             assert store.get(ns, "a") is None and calls == []
+        class Weird:
+            namespace = ns
+
+        with pytest.raises(kvcomm.InvalidArgument, match="unknown LangGraph store operation"):
+            store.batch([PutOp(ns, "a", {"text": "first"}), Weird()])  # type: ignore[list-item]
+        assert store.get(ns, "a") is None and calls == []
         store.batch([PutOp(ns, "a", {"text": f"v{i}"}) for i in range(5)]
                     + [PutOp(ns, "a", {"text": "last"}), PutOp(ns, "z", None)])
         assert calls == ([["last"]] if semantic else [])

@@ -43,7 +43,15 @@ from typing import Any
 from ..errors import KVCommError, KVCommWarning, SegmentError, UnflushedWrites
 from .shm.checker import Checker
 from .shm.feed import Feed, FeedEvent
-from .shm.files import SHM_DIR, check_owner, pid_alive, remove_dead_temps, segment_path, watch_dir
+from .shm.files import (
+    SHM_DIR,
+    check_owner,
+    check_side_name,
+    pid_alive,
+    remove_dead_temps,
+    segment_path,
+    watch_dir,
+)
 from .shm.geometry import Layout
 from .shm.hotkeys import HotKeys
 from .shm.layout import (
@@ -208,6 +216,7 @@ def purge(name: str, directory: str = SHM_DIR, *, keep_unflushed: bool = False) 
     OSError when the file cannot be removed (the caller says what to do).
     """
     path = segment_path(name, directory)
+    check_side_name(name, path)  # (never another namespace's own file)
     remove_dead_temps(path)  # (creators killed while creating it)
     if not os.path.lexists(path):
         from ..placement.report import remove_table

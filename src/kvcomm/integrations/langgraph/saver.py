@@ -828,12 +828,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 pass  # (another writer meanwhile: each on its own, below)
         for key in keys:
             kv.touch(key, ttl)
-        if head_item is not None:
-            try:
+        now = None if head_item is None else kv.get_item(head_key)
+        if now is not None and now.version == head_item.version:  # (moved or gone since
+            try:  # this read: its mover gave it its deadline, nothing to refresh)
                 kv.put(head_key, head_item.value, expect=head_item.version,
                        ttl=self._left(start))
             except ConflictError:
-                pass  # (moved since this read: its mover gave it its deadline)
+                pass  # (moved in between, as above)
 
     def _referenced_writes(self, thread_id: str, ns: str, cid: str,
                            referenced: list[list[Any]]) -> list[Any]:

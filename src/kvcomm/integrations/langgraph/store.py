@@ -209,6 +209,8 @@ class KVCommStore(BaseStore):
         writes: dict[tuple[Any, Any], int] = {}
         reads = []
         for i, op in enumerate(ops):
+            if not isinstance(op, GetOp | PutOp | SearchOp | ListNamespacesOp):
+                raise InvalidArgument(f"unknown LangGraph store operation {type(op).__name__}")
             _validate(op)
             if isinstance(op, GetOp | PutOp):
                 self.keys.item(op.namespace, op.key)  # (InvalidKey when it cannot fit)

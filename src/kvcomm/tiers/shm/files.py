@@ -51,6 +51,39 @@ def segment_path(name: str, directory: str = SHM_DIR) -> str:
     return os.path.join(directory, f"kvcomm.{name}")
 
 
+def check_side_name(name: str, path: str) -> None:
+    """Raise InvalidNamespace when ``name`` ends as a namespace's own files do and
+    ``path`` (its segment's) is not a segment: another namespace's file, never to be
+    opened, purged or migrated as one (a namespace an earlier version made under such a
+    name holds a segment there)."""
+    side = SIDE_FILES.search(name)
+    if side and (side[0].endswith(".migrating") or not _holds_a_segment(path)):
+        _refuse_side_name(name, side)
+
+
+def _holds_a_segment(path: str) -> bool:
+    """Whether ``path`` is a regular file that begins as a KVCOMM segment of any layout."""
+    from .layout import is_segment_magic
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        head = os.pread(fd, 8, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    return len(head) == 8 and is_segment_magic(int.from_bytes(head, "little"))
+
+
+def _refuse_side_name(name: str, side: re.Match[str]) -> None:
+    raise InvalidNamespace(
+        f"namespace {name!r} is invalid: a name ending in {side[0]!r} is the name of "
+        f"namespace {name[:side.start()]!r}'s own file (its key filter, status, watches, "
+        "agents, vector index or a migration); choose another name"
+    )
+
+
 def check_new_name(name: str) -> None:
     """Raise InvalidNamespace unless a namespace may be made under ``name`` now: it
     starts with a letter or digit (a name starting with '-' cannot be given on a command
@@ -61,11 +94,7 @@ def check_new_name(name: str) -> None:
                                "'_' or '-', starting with a letter or digit")
     side = SIDE_FILES.search(name)
     if side:
-        raise InvalidNamespace(
-            f"namespace {name!r} is invalid: a name ending in {side[0]!r} is the name of "
-            f"namespace {name[:side.start()]!r}'s own file (its key filter, status, watches, "
-            "agents, vector index or a migration); choose another name"
-        )
+        _refuse_side_name(name, side)
 
 
 def filter_path(namespace: str, directory: str = SHM_DIR) -> str:

@@ -46,7 +46,7 @@ from ...core.versions import (
 )
 from ...errors import ConflictError, SegmentError, Unavailable
 from ..l2 import open_segment
-from .files import segment_path
+from .files import check_side_name, segment_path
 from .geometry import Layout
 from .layout import LAYOUT_VERSION
 from .oldlayout import READERS, OldRecord, aside_path, layout_version, unflushed
@@ -76,6 +76,7 @@ def migrate(name: str, config: Any) -> Migrated:
     """
     c = config.cache
     path = segment_path(name, c.l2_dir)
+    check_side_name(name, path)  # (never another namespace's own file)
     found = None
     for v in sorted(READERS):
         if os.path.exists(aside_path(path, v)):

@@ -26,6 +26,7 @@ from .files import (
     _unlink_quietly,
     check_new_name,
     check_owner,
+    check_side_name,
     create_temp,
     remove_dead_temps,
     segment_path,
@@ -114,6 +115,7 @@ class SegmentCore:
                  directory: str = SHM_DIR, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
         self.name = name
         self.path = segment_path(name, directory)
+        check_side_name(name, self.path)
         self.directory = directory
         self.lock_timeout = float(lock_timeout)
         self._pid = os.getpid()
