@@ -371,6 +371,33 @@ def test_the_status_file_is_never_written_through_a_planted_link(tmp_path: Any) 
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
 
 
+def test_the_first_status_write_removes_what_killed_writers_left(tmp_path: Any) -> None:
+    """A daemon killed between creating its temporary status file and renaming it left
+    ``status.PID.tmp`` in the namespace's directory for good (a cluster test that kills
+    daemons left them in /dev/shm). The first write of a process removes those of pids not
+    running, once a minute old; a running writer's, and a young one (another PID
+    namespace's writer at work), are left."""
+    import subprocess
+    import sys
+
+    from kvcomm.node import presence
+
+    path = str(tmp_path / "status")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    old_dead, young_dead = Path(f"{path}.{dead}.tmp"), Path(f"{path}.{int(dead) + 1}.tmp")
+    live = Path(f"{path}.{os.getppid()}.tmp")
+    for f in (old_dead, young_dead, live):
+        f.write_text("")
+    for f in (old_dead, live):
+        os.utime(f, (time.time() - 120, time.time() - 120))
+    presence._SWEPT.discard(path)
+    presence.write_status(path, {"updated": 1.0})
+    assert not old_dead.exists() and live.exists()
+    assert young_dead.exists()  # (kept: young, whoever wrote it)
+    assert presence.read_status(path) == {"updated": 1.0}
+
+
 def test_what_hosts_publish_as_masters_down_is_bounded() -> None:
     """(Review.) ``kvcomm cluster status`` printed every name a host published in
     ``masters_down``: now 64 names of 200 characters at most in the JSON, and the

@@ -41,10 +41,12 @@ says nothing).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import re
 import stat
 import threading
 import time
@@ -54,6 +56,7 @@ from typing import Any
 from ..config import Config
 from ..errors import InvalidArgument, KVCommError
 from ..tiers.etcd import EtcdClient, KeyValue
+from ..tiers.shm.files import pid_alive
 from ..tiers.shm.files import status_path as status_path  # (the daemon's and tests' import)
 
 log = logging.getLogger("kvcomm.node")
@@ -66,9 +69,17 @@ STATUS_MAX_BYTES = 1 << 20
 PROBE_WHILE_DOWN = 0.2  # seconds between probes while etcd does not answer
 
 
+_SWEPT: set[str] = set()  # (status paths whose dead writers' leftovers this process removed)
+_LEFTOVER_AGE_S = 60.0  # (a temporary status file this old is no writer's at work)
+
+
 def write_status(path: str, status: dict[str, Any], permissions: int = 0o600) -> None:
     """Replace the status file atomically. Raises OSError (also when another user left a
-    file or a link at the temporary name: it is never followed, nor written through)."""
+    file or a link at the temporary name: it is never followed, nor written through). The
+    first write of a path in a process removes the temporary files dead writers left."""
+    if path not in _SWEPT:
+        _SWEPT.add(path)
+        _remove_dead_writers_temps(path)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:  # (a leftover of a killed daemon with our pid, or a link planted there)
         os.unlink(tmp)
@@ -80,6 +91,27 @@ def write_status(path: str, status: dict[str, Any], permissions: int = 0o600) ->
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def _remove_dead_writers_temps(path: str) -> None:
+    """Remove ``path.PID.tmp`` files that writers killed between their create and their
+    rename left (a daemon killed mid-write): those of a pid not running here and older than
+    _LEFTOVER_AGE_S (a write takes microseconds: one that young may be another PID
+    namespace's writer at work)."""
+    directory, base = os.path.split(path)
+    pattern = re.compile(re.escape(base) + r"\.(\d+)\.tmp")
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
+            continue
+        leftover = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if time.time() - os.lstat(leftover).st_mtime > _LEFTOVER_AGE_S:
+                os.unlink(leftover)
 
 
 def read_status(path: str) -> dict[str, Any] | None:
