@@ -1213,14 +1213,12 @@ def _forward(cid: str, parent: Any, old: dict[str, Any] | None) -> dict[str, Any
 
 
 def _copied(head: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
-    """A target's head after a copy of ``head`` into it: ``old`` itself when it names a
-    checkpoint as new or newer (it stays), else a copy of ``head``."""
-    if old is not None and old["id"] is not None and old["id"] >= head["id"]:
-        return old
-    new = {"id": head["id"], "w": list(head["w"])}
-    later = {} if old is None else {c: w for c, w in old.get("p", {}).items() if c > head["id"]}
-    if later:  # (writes of a later checkpoint noted before it: kept, as _forward keeps them)
-        new["p"] = later
+    """A target's head after a copy of ``head`` into it: moved forward to its checkpoint as
+    a put moves it (:func:`_forward`: ``old`` itself when that names one as new or newer),
+    listing the copied head's writes besides those the target noted for it."""
+    new = _forward(head["id"], _ANY, old)
+    if new is not old:
+        new["w"] = _merged(new["w"], head["w"])
     return new
 
 
