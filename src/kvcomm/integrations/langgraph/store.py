@@ -270,7 +270,7 @@ class KVCommStore(BaseStore):
 
     def _run(self, ops: list[tuple[int, Op]], prepared: dict[Any, Any] | None) -> list[Result]:
         """The results of ``ops`` (each with its position in the batch ``prepared`` was
-        made for), run in the order given."""
+        made for), run in the order given; each op checked by :meth:`_order` already."""
         results: list[Result] = []
         for i, op in ops:
             if isinstance(op, GetOp):
@@ -284,10 +284,8 @@ class KVCommStore(BaseStore):
                 results.append(None)
             elif isinstance(op, SearchOp):
                 results.append(self._search(op, prepared))
-            elif isinstance(op, ListNamespacesOp):
+            else:  # (a ListNamespacesOp: _order let no other kind through)
                 results.append(self._list_namespaces(op))
-            else:
-                raise InvalidArgument(f"unknown LangGraph store operation {type(op).__name__}")
         return results
 
     # ---------------------------------------------------------------- operations
@@ -337,8 +335,8 @@ class KVCommStore(BaseStore):
              vectors: tuple[list[str], list[bytes]] | None = None) -> None:
         """Store the item (keeping its created time) with ``ttl`` minutes to live, or
         none (None: until deleted, whatever deadline it had), and its ``vectors`` (paths,
-        unit rows' bytes) in its record and the host's index."""
-        _check_value(value)
+        unit rows' bytes) in its record and the host's index. ``value``: a put's, checked
+        by :meth:`_order`."""
         t, b = self.serde.dumps_typed(dict(value))
         part = None if vectors is None else self._sem.record_part(*vectors)  # type: ignore[union-attr]
         k = self.keys.item(namespace, key)
