@@ -205,19 +205,18 @@ class KVCommStore(BaseStore):
         InMemoryStore and PostgresStore: reads first, in order; then the last put or
         delete of each item), each op checked first: what it would raise when run
         (namespace, key and its length, value, ttl, search and list arguments) it raises
-        here, before anything runs."""
+        here, before anything runs. One op alone (the store's own get, put, search...) has
+        its key's length checked as it runs: it makes its key before it writes."""
+        if len(ops) == 1:
+            _check(ops[0])
+            return [0]
         writes: dict[tuple[Any, Any], int] = {}
         reads = []
         for i, op in enumerate(ops):
-            if not isinstance(op, GetOp | PutOp | SearchOp | ListNamespacesOp):
-                raise InvalidArgument(f"unknown LangGraph store operation {type(op).__name__}")
-            _validate(op)
+            _check(op)
             if isinstance(op, GetOp | PutOp):
                 self.keys.item(op.namespace, op.key)  # (InvalidKey when it cannot fit)
             if isinstance(op, PutOp):
-                if op.value is not None:
-                    _check_value(op.value)
-                    _minutes(op.ttl, "ttl")
                 writes[op.namespace, op.key] = i
             else:
                 reads.append(i)
@@ -262,6 +261,8 @@ class KVCommStore(BaseStore):
     def _batch(self, ops: list[Op], prepared: dict[Any, Any] | None,
                order: list[int]) -> list[Result]:
         """``ops``' results, in order, run in ``order`` (:meth:`_order`'s)."""
+        if len(ops) == 1:
+            return self._run([(0, ops[0])], prepared)
         results: list[Result] = [None] * len(ops)
         for i, result in zip(order, self._run([(i, ops[i]) for i in order], prepared),
                              strict=True):
@@ -512,6 +513,17 @@ class KVCommStore(BaseStore):
             if all(_does_match(c, namespace) for c in op.match_conditions or ()):
                 seen.add(namespace if op.max_depth is None else namespace[:op.max_depth])
         return sorted(seen)[op.offset:op.offset + op.limit]
+
+
+def _check(op: Op) -> None:
+    """What a batch checks of each op before any runs, but its key's length (the store
+    makes the key: :meth:`KVCommStore._order`)."""
+    if not isinstance(op, GetOp | PutOp | SearchOp | ListNamespacesOp):
+        raise InvalidArgument(f"unknown LangGraph store operation {type(op).__name__}")
+    _validate(op)
+    if isinstance(op, PutOp) and op.value is not None:
+        _check_value(op.value)
+        _minutes(op.ttl, "ttl")
 
 
 def _check_value(value: Any) -> None:
