@@ -371,31 +371,48 @@ def test_the_status_file_is_never_written_through_a_planted_link(tmp_path: Any) 
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
 
 
+_HALF_WRITE = """
+import os, signal, sys
+from kvcomm.tiers.shm.files import create_temp
+tmp, fd = create_temp(sys.argv[1], 0o600)  # (as write_status makes it: killed before its rename)
+os.write(fd, b'{"partial')
+print(tmp, flush=True)
+signal.pause()
+"""
+
+
 def test_the_first_status_write_removes_what_killed_writers_left(tmp_path: Any) -> None:
     """A daemon killed between creating its temporary status file and renaming it left
-    ``status.PID.tmp`` in the namespace's directory for good (a cluster test that kills
-    daemons left them in /dev/shm). The first write of a process removes those of pids not
-    running, once a minute old; a running writer's, and a young one (another PID
-    namespace's writer at work), are left."""
+    that file in the namespace's directory for good (a cluster test that kills daemons
+    left them in /dev/shm). The temporary file is now KVCOMM's locked kind: the first
+    status write of a process removes a killed writer's, and leaves a live writer's."""
     import subprocess
     import sys
 
     from kvcomm.node import presence
+    from kvcomm.tiers.shm.files import create_temp, dead_temps
 
-    path = str(tmp_path / "status")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    old_dead, young_dead = Path(f"{path}.{dead}.tmp"), Path(f"{path}.{int(dead) + 1}.tmp")
-    live = Path(f"{path}.{os.getppid()}.tmp")
-    for f in (old_dead, young_dead, live):
-        f.write_text("")
-    for f in (old_dead, live):
-        os.utime(f, (time.time() - 120, time.time() - 120))
-    presence._SWEPT.discard(path)
-    presence.write_status(path, {"updated": 1.0})
-    assert not old_dead.exists() and live.exists()
-    assert young_dead.exists()  # (kept: young, whoever wrote it)
-    assert presence.read_status(path) == {"updated": 1.0}
+    path = str(tmp_path / "kvcomm.ns.node.json")
+    killed = subprocess.Popen([sys.executable, "-c", _HALF_WRITE, path], stdout=subprocess.PIPE,
+                              text=True)
+    assert killed.stdout is not None
+    left = killed.stdout.readline().strip()
+    killed.kill()
+    killed.wait()
+    assert os.path.exists(left) and killed.returncode == -9  # (the fault: killed mid-write)
+    os.utime(left, (time.time() - 10, time.time() - 10))  # (left a while ago: list shows
+    # only files older than 2 s, one younger may be a writer's not yet locked)
+    live, fd = create_temp(path, 0o600)  # (a writer at work: its lock held)
+    try:
+        assert [p for p, _n in dead_temps(str(tmp_path))] == [left]  # (list sees it)
+        presence._SWEPT.discard(path)
+        presence.write_status(path, {"updated": 1.0})
+        assert not os.path.exists(left) and os.path.exists(live)
+        assert presence.read_status(path) == {"updated": 1.0}
+        assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live),
+                                                       "kvcomm.ns.node.json"])
+    finally:
+        os.close(fd)
 
 
 def test_what_hosts_publish_as_masters_down_is_bounded() -> None:

@@ -46,7 +46,6 @@ import json
 import logging
 import math
 import os
-import re
 import stat
 import threading
 import time
@@ -56,7 +55,7 @@ from typing import Any
 from ..config import Config
 from ..errors import InvalidArgument, KVCommError
 from ..tiers.etcd import EtcdClient, KeyValue
-from ..tiers.shm.files import pid_alive
+from ..tiers.shm.files import create_temp, remove_dead_temps
 from ..tiers.shm.files import status_path as status_path  # (the daemon's and tests' import)
 
 log = logging.getLogger("kvcomm.node")
@@ -70,48 +69,28 @@ PROBE_WHILE_DOWN = 0.2  # seconds between probes while etcd does not answer
 
 
 _SWEPT: set[str] = set()  # (status paths whose dead writers' leftovers this process removed)
-_LEFTOVER_AGE_S = 60.0  # (a temporary status file this old is no writer's at work)
 
 
 def write_status(path: str, status: dict[str, Any], permissions: int = 0o600) -> None:
-    """Replace the status file atomically. Raises OSError (also when another user left a
-    file or a link at the temporary name: it is never followed, nor written through). The
-    first write of a path in a process removes the temporary files dead writers left."""
+    """Replace the status file atomically: written whole under a temporary name (a new
+    one, never another's file or link), then renamed into place. Raises OSError. The
+    temporary file is KVCOMM's kind (tiers/shm/files.py ``create_temp``: locked by its
+    writer), so what a writer killed before its rename leaves is known for a dead one's:
+    the first write of a path in a process removes those, and ``kvcomm list`` /
+    ``kvcomm purge --dead-temps`` see them."""
     if path not in _SWEPT:
         _SWEPT.add(path)
-        _remove_dead_writers_temps(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:  # (a leftover of a killed daemon with our pid, or a link planted there)
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, permissions)
+        remove_dead_temps(path)
+    tmp, fd = create_temp(path, permissions)
     try:
         os.write(fd, json.dumps(status, separators=(",", ":")).encode())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     finally:
         os.close(fd)
-    os.replace(tmp, path)
-
-
-def _remove_dead_writers_temps(path: str) -> None:
-    """Remove ``path.PID.tmp`` files that writers killed between their create and their
-    rename left (a daemon killed mid-write): those of a pid not running here and older than
-    _LEFTOVER_AGE_S (a write takes microseconds: one that young may be another PID
-    namespace's writer at work)."""
-    directory, base = os.path.split(path)
-    pattern = re.compile(re.escape(base) + r"\.(\d+)\.tmp")
-    try:
-        names = os.listdir(directory or ".")
-    except OSError:
-        return
-    for name in names:
-        m = pattern.fullmatch(name)
-        if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
-            continue
-        leftover = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            if time.time() - os.lstat(leftover).st_mtime > _LEFTOVER_AGE_S:
-                os.unlink(leftover)
 
 
 def read_status(path: str) -> dict[str, Any] | None:
