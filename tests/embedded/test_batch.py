@@ -301,6 +301,44 @@ def test_put_records_in_one_kernel_call_does_what_its_batch_does(
     assert kv._seg.check() == []
 
 
+def test_put_records_one_call_hands_what_it_cannot_do_to_the_careful_path(
+        kv: kvcomm.Client, ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """put_records takes the writer lock, applies and releases it in one kernel call; what
+    that call leaves to Python (a segment to repair first, a namespace purged, corruption
+    the kernel found) goes the careful way, as a batch's apply: the repair is made and the
+    step written, the purge raises SegmentError, nothing is written twice."""
+    from kvcomm._client import batch as batch_mod
+    from kvcomm.tiers import l2
+
+    head = ("s/h", Packed.built({"id": "1"}), kvcomm.ABSENT, None)
+    core = kv._seg._core
+    core.lock(5.0)
+    core.set_busy(1)  # (a writer died mid-write: the next lock must repair first)
+    core.unlock()
+    recoveries = kv._seg.info()["recoveries"]
+    v1 = batch_mod.put_records(kv, ["s/c1"], [["c1"]], last=head)
+    assert kv._seg.info()["recoveries"] == recoveries + 1
+    assert (kv.get("s/c1"), kv.get_item("s/h").version) == (["c1"], v1)
+
+    calls: list[int] = []
+
+    def corrupt(*args: object) -> object:
+        calls.append(1)
+        raise kvcomm.SegmentError("found corrupt (injected)")
+    monkeypatch.setattr(kv, "_core_apply", corrupt)
+    v2 = batch_mod.put_records(kv, ["s/c2"], [["c2"]], last=(
+        "s/h", Packed.built({"id": "2"}), v1, None))
+    assert calls == [1] and kv.get("s/c2") == ["c2"] and kv.get_item("s/h").version == v2
+    monkeypatch.undo()
+
+    batches = kv.counters["batches"]
+    l2.purge(ns)
+    with pytest.raises(kvcomm.SegmentError, match="purged"):
+        batch_mod.put_records(kv, ["s/c3"], [["c3"]], last=(
+            "s/h", Packed.built({"id": "3"}), v2, None))
+    assert kv.counters["batches"] == batches
+
+
 def test_put_records_edges_its_review_found(kv: kvcomm.Client) -> None:
     """(Found in review, each a difference from the batch put_records stands for, or from
     the saver's promise.) The head's deadline is never after its records', however long

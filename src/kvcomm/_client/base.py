@@ -117,6 +117,7 @@ class ClientBase:
         self._dirty_flag = l2mod.FLAG_DIRTY if self._cluster else 0
         self._lock_timeout = float(c.lock_timeout)
         self._core_put = self._seg._core.put
+        self._core_apply = self._seg._core.apply_locked
         self._has_validators = False
         self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
         self._l3_opening: Any = None  # its open in flight (a Future: cluster_read._open_l3)
@@ -138,6 +139,7 @@ class ClientBase:
         self._l2_hits = 0
         self._l2_misses = 0
         self._puts = 0
+        self._stepped: Version | None = None  # (batch.put_records: the last Version it made)
         self._hot_pending: dict[str, int] = {}  # sampled reads the sketch has not got yet
         self._hot_lock = threading.Lock()  # (for _hot_pending)
         self._host_vec = ((self._host, 0),)

@@ -10,7 +10,7 @@ from .._l2core import BatchOps, WouldBlock
 from ..core.codec import Packed
 from ..core.expiry import check_ttl
 from ..core.versions import Version
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, SegmentError
 from ..tiers.shm.writes import ExpectFailed
 from .base import _now_ms
 from .items import ABSENT, Item
@@ -322,23 +322,43 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
     ops = b._ops
     expects = [ops[j][:2] for j in absent] if absent else []
     if last is not None:
-        judged = _kernel_expect(c, ops[-1][0], ops[-1][1], last[2])
+        expect = last[2]
+        if expect is c._stepped and expect is not None:  # (the Version this function
+            # returned last, of this host alone: a saver's thread head moved on again)
+            judged: tuple[Any, ...] | None = (ops[-1][0], ops[-1][1], expect[0][0][1],
+                                              expect[1])
+        else:
+            judged = _kernel_expect(c, ops[-1][0], ops[-1][1], expect)
         if judged is None:
             return _put_records_batch(c, keys, records, now, ttl, absent, last)
         expects.append(judged)
-    c._live()
-    t0 = _timed(c)
-    try:
-        packed, vvxs = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty,
-                                    compact=True, expects=expects or None)
-    except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
-        c._lat_left = 1 if t0 else c._lat_left + 1  # (its turn to be timed, if it was this)
-        return _put_records_batch(c, keys, records, now, ttl, absent, last)
+    if c._unusable:
+        c._live()
+    if c._lat_left > 1:  # (_timed's countdown, inline: not this batch's turn)
+        c._lat_left -= 1
+        t0 = 0
+    else:
+        t0 = _timed(c)
+    try:  # (lock, apply, unlock: one call)
+        r = c._core_apply(ops, _now_ms(), c._max_dirty, expects or None, c._lock_timeout)
+    except SegmentError:  # (what the kernel found corrupt: the careful path repairs it)
+        r = None
+    if type(r) is not tuple or type(r[0]) is int:  # (None; ST_LOOK; (status, index)):
+        try:  # nothing written. The careful path: looks first, repairs, raises what a
+            # status means
+            r = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty, compact=True,
+                             expects=expects or None)
+        except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
+            c._lat_left = 1 if t0 else c._lat_left + 1  # (its turn to be timed, if it was this)
+            return _put_records_batch(c, keys, records, now, ttl, absent, last)
+    packed, vvxs = r
     _applied(c, len(vvxs), t0)
     if last is None:
         return None
     w = memoryview(packed).cast("Q")
-    return c._version(w[-2], w[-1], vvxs[-1])
+    version = c._version(w[-2], w[-1], vvxs[-1])
+    c._stepped = None if vvxs[-1] else version  # (see above)
+    return version
 
 
 def _deadline(now: float, ttl: float | None) -> float | None:

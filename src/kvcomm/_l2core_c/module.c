@@ -18,6 +18,8 @@ static PyMethodDef Core_methods[] = {
     {"writers", (PyCFunction)Core_writers, METH_O, "lock-free (ext, value length) of many keys"},
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL, "lock, put one, unlock"},
     {"apply", (PyCFunction)(void (*)(void))Core_apply, METH_FASTCALL, "apply a batch (lock held)"},
+    {"apply_locked", (PyCFunction)(void (*)(void))Core_apply_locked, METH_FASTCALL,
+     "lock, apply a batch (compact), unlock"},
     {"evict_key", (PyCFunction)(void (*)(void))Core_evict_key, METH_FASTCALL, "drop a clean record (lock held)"},
     {"take_ref", (PyCFunction)(void (*)(void))Core_take_ref, METH_FASTCALL, "read and clear the reference bit (lock held)"},
     {"set_quiet", (PyCFunction)Core_set_quiet, METH_O, "the calling thread's reads and writes leave reference bits unset"},

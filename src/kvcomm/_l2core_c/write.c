@@ -822,6 +822,35 @@ apply_ops(Core *c, Op *ops, Py_ssize_t n, uint64_t now_ms, uint64_t flags, uint6
     return results;
 }
 
+/* apply's work on a list of ops (the lock held) */
+static PyObject *
+apply_list(Core *c, PyObject *list, uint64_t now_ms, uint64_t flags, uint64_t max_dirty,
+           int tombstones, int compact, PyObject *expects)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (n == 0)
+        return compact ? Py_BuildValue("(y#N)", "", (Py_ssize_t)0, PyList_New(0)) : PyList_New(0);
+    Op local[4];
+    Op *ops = n <= 4 ? local : PyMem_Calloc((size_t)n, sizeof(Op));
+    if (!ops)
+        return PyErr_NoMemory();
+    PyObject *out = NULL;
+    Py_ssize_t parsed = 0;
+    while (parsed < n) {
+        int rc = parse_op(PyList_GET_ITEM(list, parsed), &ops[parsed]);
+        parsed++;
+        if (rc < 0)
+            goto done;
+    }
+    out = apply_ops(c, ops, n, now_ms, flags, max_dirty, tombstones,
+                    compact ? RESULTS_COMPACT : RESULTS_LIST, expects);
+done:
+    release_ops(ops, parsed);
+    if (ops != local)
+        PyMem_Free(ops);
+    return out;
+}
+
 /* apply(ops, now_ms, flags, max_dirty, tombstones[, compact]) -> results | (status, index)
  *                                                                            [lock held]
  * ops: (key, h[, cover]) delete | (key, h, tag, meta, value[, ext]) put | (..., counter, hlc,
@@ -852,28 +881,35 @@ Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
     int tombstones = PyObject_IsTrue(args[4]);
     if (PyErr_Occurred() || tombstones < 0)
         return NULL;
-    PyObject *list = args[0];
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    if (n == 0)
-        return compact ? Py_BuildValue("(y#N)", "", (Py_ssize_t)0, PyList_New(0)) : PyList_New(0);
-    Op local[4];
-    Op *ops = n <= 4 ? local : PyMem_Calloc((size_t)n, sizeof(Op));
-    if (!ops)
-        return PyErr_NoMemory();
-    PyObject *out = NULL;
-    Py_ssize_t parsed = 0;
-    while (parsed < n) {
-        int rc = parse_op(PyList_GET_ITEM(list, parsed), &ops[parsed]);
-        parsed++;
-        if (rc < 0)
-            goto done;
+    return apply_list(c, args[0], now_ms, flags, max_dirty, tombstones, compact, expects);
+}
+
+/* apply_locked(ops, now_ms, max_dirty, expects, timeout): apply(ops, now_ms, 0, max_dirty,
+ * False, True, expects) under the writer lock, taken within timeout seconds and released
+ * here (kv.batch()'s common case, the LangGraph saver's step: one call). ST_LOOK (an int):
+ * Python must look first (purged, repair, pins to sweep), nothing was written; the
+ * careful path (Writes.apply) runs it then, as it does after a status. */
+static PyObject *
+Core_apply_locked(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    if (nargs != 5 || !PyList_Check(args[0]) || (args[3] != Py_None && !PyList_Check(args[3]))) {
+        PyErr_SetString(PyExc_TypeError, "apply_locked(ops: list, now_ms, max_dirty, "
+                                         "expects: list | None, timeout)");
+        return NULL;
     }
-    out = apply_ops(c, ops, n, now_ms, flags, max_dirty, tombstones,
-                    compact ? RESULTS_COMPACT : RESULTS_LIST, expects);
-done:
-    release_ops(ops, parsed);
-    if (ops != local)
-        PyMem_Free(ops);
+    uint64_t now_ms = PyLong_AsUnsignedLongLong(args[1]);
+    uint64_t max_dirty = PyLong_AsUnsignedLongLong(args[2]);
+    double timeout = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *out = NULL;
+    if (take_lock(c, timeout) == 0) {
+        out = needs_look(c, now_ms) ? PyLong_FromLong(ST_LOOK)
+              : apply_list(c, args[0], now_ms, 0, max_dirty, 0, 1,
+                           args[3] == Py_None ? NULL : args[3]);
+        drop_lock(c);
+    }
     return out;
 }
 
