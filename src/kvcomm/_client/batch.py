@@ -339,13 +339,12 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         t0 = 0
     else:
         t0 = _timed(c)
-    try:  # (lock, apply, unlock: one call)
+    try:  # (lock, apply, unlock: one call; None: nothing written, see below)
         r = c._core_apply(ops, _now_ms(), c._max_dirty, expects or None, c._lock_timeout)
     except SegmentError:  # (what the kernel found corrupt: the careful path repairs it)
         r = None
-    if type(r) is not tuple or type(r[0]) is int:  # (None; ST_LOOK; (status, index)):
-        try:  # nothing written. The careful path: looks first, repairs, raises what a
-            # status means
+    if r is None:  # (the careful path: looks first, repairs, raises what a status means)
+        try:
             r = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty, compact=True,
                              expects=expects or None)
         except ExpectFailed:  # (nothing written: the batch judges it again, and says why)

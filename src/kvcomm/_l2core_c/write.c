@@ -886,9 +886,10 @@ Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
 
 /* apply_locked(ops, now_ms, max_dirty, expects, timeout): apply(ops, now_ms, 0, max_dirty,
  * False, True, expects) under the writer lock, taken within timeout seconds and released
- * here (kv.batch()'s common case, the LangGraph saver's step: one call). ST_LOOK (an int):
- * Python must look first (purged, repair, pins to sweep), nothing was written; the
- * careful path (Writes.apply) runs it then, as it does after a status. */
+ * here (kv.batch()'s common case, the LangGraph saver's step: one call): (packed, vvxs).
+ * None when Python must look first (purged, repair, pins to sweep) or the kernel gave a
+ * status (a compare-and-set failed, no room...): nothing was written, and the careful
+ * path (Writes.apply) runs it again, saying what a status means. */
 static PyObject *
 Core_apply_locked(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -905,11 +906,13 @@ Core_apply_locked(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     PyObject *out = NULL;
     if (take_lock(c, timeout) == 0) {
-        out = needs_look(c, now_ms) ? PyLong_FromLong(ST_LOOK)
+        out = needs_look(c, now_ms) ? Py_NewRef(Py_None)
               : apply_list(c, args[0], now_ms, 0, max_dirty, 0, 1,
                            args[3] == Py_None ? NULL : args[3]);
         drop_lock(c);
     }
+    if (out && PyTuple_Check(out) && PyLong_Check(PyTuple_GET_ITEM(out, 0)))
+        Py_SETREF(out, Py_NewRef(Py_None)); /* a status: nothing written */
     return out;
 }
 

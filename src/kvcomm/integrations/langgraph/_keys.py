@@ -79,7 +79,7 @@ def unesc(component: str) -> str:
 def version_component(version: str | int | float) -> str:
     """A channel version as a key component; the type is kept (``1`` and ``"1"`` differ)."""
     if type(version) is str:  # (LangGraph's own: the common case first)
-        return "s" + _esc(version)
+        return "s" + _esc_id(version)  # (new at every step: not memoised)
     if isinstance(version, bool) or not isinstance(version, str | int | float):
         raise InvalidKey(f"a channel version is a str, int or float, got {version!r}")
     tag = "s" if isinstance(version, str) else "i" if isinstance(version, int) else "f"
@@ -146,12 +146,25 @@ class Keys:
         return prefix + self._of(thread_id, checkpoint_ns)[0]
 
     def head(self, thread_id: str, checkpoint_ns: str) -> str:
-        of = self._of(thread_id, checkpoint_ns)
+        return self._head(self._of(thread_id, checkpoint_ns), thread_id)
+
+    def _head(self, of: tuple[str, str | None, str, str], thread_id: str) -> str:
         return of[1] or self.fit(self.heads + of[0], "the head of thread {!r}", thread_id)
 
     def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
-        return self.fit(self._of(thread_id, checkpoint_ns)[2] + _esc_id(checkpoint_id),
-                        "checkpoint {!r} of thread {!r}", checkpoint_id, thread_id)
+        return self._checkpoint(self._of(thread_id, checkpoint_ns), thread_id, checkpoint_id)
+
+    def _checkpoint(self, of: tuple[str, str | None, str, str], thread_id: str,
+                    checkpoint_id: str) -> str:
+        return self.fit(of[2] + _esc_id(checkpoint_id), "checkpoint {!r} of thread {!r}",
+                        checkpoint_id, thread_id)
+
+    def step(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> tuple[str, str, str]:
+        """(:meth:`checkpoint`, the prefix of the thread's channel values (:meth:`blob`
+        completes it), :meth:`head`): the keys a put makes, the thread's part found once."""
+        of = self._of(thread_id, checkpoint_ns)
+        return (self._checkpoint(of, thread_id, checkpoint_id), self.blobs + of[0],
+                self._head(of, thread_id))
 
     def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
              version: str | int | float) -> str:

@@ -41,7 +41,7 @@ import time
 import uuid
 import warnings
 from collections import ChainMap
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -195,19 +195,22 @@ def _metadata(config: RunnableConfig, metadata: CheckpointMetadata) -> dict[str,
     function. A test holds the two equal (tests/integrations/test_langgraph_metadata.py)."""
     meta: Any = config.get("metadata")
     if type(meta) is ChainMap:
-        maps = meta.maps
-        if not all(type(m) is dict for m in maps):
-            return get_checkpoint_metadata(config, metadata)  # type: ignore[return-value]
-        meta = {}
-        for m in reversed(maps):  # (ChainMap's order of keys; the first map's value wins)
-            meta.update(m)
+        merged: dict[str, Any] = {}
+        for m in reversed(meta.maps):  # (ChainMap's order of keys; the first map's value
+            if type(m) is not dict:  # wins)
+                return get_checkpoint_metadata(config, metadata)  # type: ignore[return-value]
+            merged.update(m)
+        meta = merged
     conf = config.get("configurable")
     if not (meta is None or type(meta) is dict) or not (conf is None or type(conf) is dict) \
             or type(metadata) is not dict:
         return get_checkpoint_metadata(config, metadata)  # type: ignore[return-value]
     md = {k: v.replace("\u0000", "") if isinstance(v, str) else v for k, v in metadata.items()}
     for obj in (meta, conf):
-        if obj:
+        # (only when it has a key to add, found by set differences in C first: a running
+        # graph's config has none, and its keys are then not looped over in Python)
+        if obj and any(not key.startswith("__")
+                       for key in obj.keys() - md.keys() - EXCLUDED_METADATA_KEYS):
             for key, v in obj.items():
                 if key in md or key in EXCLUDED_METADATA_KEYS or key.startswith("__"):
                     continue
@@ -218,13 +221,16 @@ def _metadata(config: RunnableConfig, metadata: CheckpointMetadata) -> dict[str,
     return md
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def _inline(value: Any) -> bool:
     """Whether a channel value is kept in the record of every checkpoint that has it (as
     LangGraph's Postgres saver keeps primitives in its checkpoint row), not in a record of
     its own: a step then writes one record, not one per changed channel. A function of the
     value alone, so that a version's value is inlined by every checkpoint or by none."""
     t = type(value)
-    return t is int or t is float or t is bool or value is None or (t is str and len(value) <= 256)
+    return t in _SCALARS or (t is str and len(value) <= 256)
 
 
 def _shaped(value: list[Any], n: int) -> bool:
@@ -397,7 +403,8 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         dumps = self.serde.dumps_typed
         # (each record a list of plain fields, stored as codec.Packed stores it; kept for a
         # retry of the head's compare-and-set)
-        keys = [k.checkpoint(thread_id, ns, cid)]
+        ckey, blobs, head = k.step(thread_id, ns, cid)
+        keys = [ckey]
         record = [*dumps(c), *dumps(md), parent, md.get("run_id")]
         inline = set()
         for channel, value in values.items():
@@ -406,12 +413,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 inline.add(channel)
         # (channels it names at an older version without their values: LangGraph passes
         # every value, a caller of put may not; their values are its ancestors')
-        inherited = [ch for ch in versions if ch not in values and ch not in new_versions]
+        inherited = versions.keys() - values.keys() - new_versions.keys()
         if inherited and parent is not None:
             with _Reading(thread=thread_id):
                 record += self._inlined_by(thread_id, ns, parent, inherited, versions)
         records: builtins.list[builtins.list[Any]] = [record]
-        blobs = ""  # (the channels' key prefix, made when one needs a record of its own)
         channels = builtins.list(new_versions.items())
         if ttl is not None:  # (the values it shares with its ancestors live as long as it)
             channels += [(ch, v) for ch, v in versions.items()
@@ -420,14 +426,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         for n, (channel, version) in enumerate(channels):
             if channel in inline:
                 continue  # (in the checkpoint's record)
-            blobs = blobs or k.ns(k.blobs, thread_id, ns)
             keys.append(k.fit(blobs + esc(channel) + "/" + version_component(version),
                               "channel {!r} of thread {!r}", channel, thread_id))
             records.append([*dumps(values[channel])] if channel in values else ["empty", b""])
             own += n < len(new_versions)
 
         try:
-            self._update_head(k.head(thread_id, ns), functools.partial(
+            self._update_head(head, functools.partial(
                 _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
                 (keys, records))
         except _SHAPE_ERRORS as exc:  # (as `with _Reading(thread=...)`, made only then)
@@ -566,7 +571,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             cid = up
         return None
 
-    def _inlined_by(self, thread_id: str, ns: str, parent: str, channels: builtins.list[str],
+    def _inlined_by(self, thread_id: str, ns: str, parent: str, channels: Collection[str],
                     versions: dict[str, Any]) -> builtins.list[Any]:
         """The (channel, type, bytes) fields of ``channels`` at ``versions`` that the
         record of checkpoint ``parent`` holds: a checkpoint put without the values of
@@ -1204,7 +1209,9 @@ def _forward(cid: str, parent: Any, old: dict[str, Any] | None) -> dict[str, Any
             raise _Moved(at)
     elif at is not None and at >= cid:
         return old  # type: ignore[return-value]
-    pending = {} if old is None else old.get("p", {})
+    pending = None if old is None else old.get("p")
+    if not pending:  # (writes noted before their checkpoint: cluster mode's, rare)
+        return {"id": cid, "w": []}
     head = {"id": cid, "w": pending.get(cid, [])}
     later = {c: w for c, w in pending.items() if c > cid}
     if later:
