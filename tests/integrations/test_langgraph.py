@@ -1439,6 +1439,21 @@ def test_the_loser_of_a_head_race_leaves_nothing_of_its_step(kv: kvcomm.Client) 
         assert [h.checkpoint["id"] for h in a.list(cfg, limit=1)] == [nxt["id"]]
 
 
+def test_a_savers_records_do_not_fill_the_clients_key_memo(kv: kvcomm.Client) -> None:
+    """The client remembers the keys it wrote (agents reuse theirs) up to KEY_MEMO; a
+    LangGraph record is written once under a new key, so its key is not remembered: a
+    graph run leaves its thread's head there, not every checkpoint, value and write (which
+    held tens of MB of a process and pushed out the keys its agents reuse)."""
+    kv.put("agent/pos", 1)
+    graph = build_graph().compile(checkpointer=KVCommSaver(kv))
+    for n in range(5):
+        graph.invoke({"steps": [], "answer": ""}, {"configurable": {"thread_id": f"memo-{n}"}})
+    written = [k for k in kv._keys if k.startswith("lg/")]
+    assert 0 < len(written) <= 5 and all(k.startswith("lg/cp/h/") for k in written)
+    assert "agent/pos" in kv._keys
+    assert len(list(kv.scan("lg/cp/c/"))) >= 5 * 3  # (the records are there)
+
+
 def test_a_run_from_an_explicit_past_checkpoint_still_forks(kv: kvcomm.Client) -> None:
     """LangGraph's time travel: invoking with a past checkpoint_id branches from it (no
     ConflictError); the head moves to the branch, the old branch stays listed."""

@@ -142,7 +142,7 @@ batch_refuse(BatchOps *b)
 #define BATCH_USABLE(b) ((b)->state == BATCH_OPEN && (b)->getter->core)
 
 /* (bytes, hash) of a key valid as _client/base.py _key says, computed here and memoised
- * in ``memo``
+ * in ``memo`` (NULL: not memoised)
  * as _key_hash does (the memo cleared when it holds KEY_MEMO keys); NULL without an error
  * set for a key that is not (the caller asks key_hash, which raises InvalidKey). */
 static PyObject *
@@ -170,8 +170,8 @@ key_in_memo(PyObject *memo, Py_ssize_t max_key, PyObject *key)
     PyObject *kh = hh ? PyTuple_Pack(2, kb, hh) : NULL;
     Py_DECREF(kb);
     Py_XDECREF(hh);
-    if (!kh)
-        return NULL;
+    if (!kh || !memo)
+        return kh;
     if (PyDict_GET_SIZE(memo) >= KEY_MEMO)
         PyDict_Clear(memo);
     if (PyDict_SetItem(memo, key, kh) < 0) {
@@ -202,9 +202,10 @@ key_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* (bytes, hash) of a valid key, new reference */
+/* (bytes, hash) of a valid key, new reference; memoised if ``remember`` (a key put once,
+ * such as a LangGraph record's, is not: it would only push out the keys agents reuse) */
 static PyObject *
-batch_key(BatchOps *b, PyObject *key)
+batch_key(BatchOps *b, PyObject *key, int remember)
 {
     if (PyUnicode_CheckExact(key)) {
         PyObject *kh = PyDict_GetItemWithError(b->memo, key);
@@ -215,7 +216,7 @@ batch_key(BatchOps *b, PyObject *key)
         if (PyErr_Occurred())
             return NULL;
         if (KeyHasher && b->max_key > 0) {
-            kh = key_in_memo(b->memo, b->max_key, key);
+            kh = key_in_memo(remember ? b->memo : NULL, b->max_key, key);
             if (kh || PyErr_Occurred())
                 return kh;
         }
@@ -284,7 +285,7 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *kwn
     }
     if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
         return NULL;
-    PyObject *kh = batch_key(b, args[0]);
+    PyObject *kh = batch_key(b, args[0], 1);
     if (!kh)
         return NULL;
     if (!PyTuple_Check(kh) || PyTuple_GET_SIZE(kh) != 2) {
@@ -350,7 +351,7 @@ BatchOps_delete(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *
     }
     if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
         return NULL;
-    PyObject *kh = batch_key(b, key);
+    PyObject *kh = batch_key(b, key, 1);
     if (!kh)
         return NULL;
     int rc = batch_add(b, kh, key, Py_None);
@@ -385,7 +386,7 @@ BatchOps_put_packed(BatchOps *b, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t start = PyList_GET_SIZE(b->ops);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
         PyObject *key = PyList_GET_ITEM(keys, i), *fields = PyList_GET_ITEM(records, i);
-        PyObject *kh = batch_key(b, key);
+        PyObject *kh = batch_key(b, key, 0);
         if (!kh)
             goto fail;
         if (!PyTuple_Check(kh) || PyTuple_GET_SIZE(kh) != 2) {
