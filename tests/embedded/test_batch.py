@@ -373,7 +373,8 @@ def test_put_records_edges_its_review_found(kv: kvcomm.Client) -> None:
 def test_a_batchs_new_keys_are_checked_and_hashed_as_the_client_does(kv: kvcomm.Client) -> None:
     """New keys are validated and hashed in the batch's C kernel (no call back into
     Python): the same bytes and hash as segment.key_hash, the same refusals as the
-    client's _key, over random keys (the seed printed), and the key memo stays bounded."""
+    client's _key, over random keys (the seed printed), and the key memo stays bounded. A
+    put remembers its key in the memo; a record's (_put_packed: written once) does not."""
     from kvcomm._l2core import KEY_MEMO
 
     seed = drawn_seed(2**32)
@@ -392,14 +393,18 @@ def test_a_batchs_new_keys_are_checked_and_hashed_as_the_client_does(kv: kvcomm.
         kv._keys.clear()  # (a new key each time: the kernel's own path)
         if ok:
             b._put_packed([key], [["v"]])
+            assert b._ops[-1][:2] == (kb, key_hash(kb)) and key not in kv._keys
+            b.put(key, "v")
             assert b._ops[-1][:2] == (kb, key_hash(kb)) and kv._keys[key] == b._ops[-1][:2]
         else:
             with pytest.raises(kvcomm.InvalidKey):
                 b._put_packed([key], [["v"]])
+            with pytest.raises(kvcomm.InvalidKey):
+                b.put(key, "v")
     kv._keys.clear()
-    many = [f"m/{i}" for i in range(KEY_MEMO + 10)]
-    b._put_packed(many, [["v"]] * len(many))
-    assert len(kv._keys) <= KEY_MEMO and len(b) >= len(many)
+    for i in range(KEY_MEMO + 10):
+        b.put(f"m/{i}", "v")
+    assert 0 < len(kv._keys) <= KEY_MEMO and len(b) >= KEY_MEMO + 10
 
 
 def test_batch_validators_run_at_apply_time_under_the_lock(kv: kvcomm.Client) -> None:
