@@ -82,6 +82,8 @@ typedef struct {
     uint64_t token;    /* this process's owner token (procs.c), 0 until it takes a pin */
     void *sleeper;     /* the thread that keeps the token alive */
     uint64_t active;   /* pins of this process in use through this mapping */
+    int waiting;       /* threads of this process asleep on the writer lock (GIL released):
+                          the mapping is not dropped under them (release, dealloc) */
     uint32_t owned[OWNED_MAX]; /* pin entries this process owns and is not using */
     int n_owned;
     int guard;         /* this mapping's entry in the truncation guard (guard.c), or -1 */

@@ -652,3 +652,54 @@ def test_reads_stay_available_while_a_stopped_process_holds_the_writer_lock(
         holder.kill()
         holder.wait()
         l2.purge("hk", str(tmp_path))
+
+
+_CLOSE_WHILE_WAITING = """
+import multiprocessing as mp, sys, threading
+import kvcomm
+from tests.support.helpers import proc_syscall, wait_for
+ns, how = sys.argv[1], sys.argv[2]
+cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "8MB", "lock_timeout": "10s"}})
+ctx = mp.get_context("fork")
+held, release = ctx.Event(), ctx.Event()
+def hold():  # (another process: this one's clients of a namespace share one mapping)
+    h = kvcomm.open(ns, config=cfg)
+    h._seg._core.lock(5.0)
+    held.set()
+    release.wait(10)
+    h._seg._core.unlock()
+    h.close()
+p = ctx.Process(target=hold); p.start(); held.wait(10)
+kv = kvcomm.open(ns, config=cfg)
+out = []
+def write():
+    try:
+        if how == "put":
+            kv.put("k", "v")
+        else:
+            from kvcomm._client.batch import put_records
+            put_records(kv, ["r/1", "r/2"], [["a"], ["b"]])
+        out.append("written")
+    except kvcomm.KVCommError as exc:
+        out.append(type(exc).__name__)
+w = threading.Thread(target=write); w.start()
+wait_for(lambda: proc_syscall(w.native_id) == "202", 10, "the writer to sleep on the lock")
+kv.close()  # (its thread w is asleep on the writer lock through this client's mapping)
+release.set(); p.join(10); w.join(10)
+with kvcomm.open(ns, config=cfg) as again:
+    print(out[0], again.get("k") if how == "put" else again.get("r/2"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["put", "put_records"])
+def test_closing_a_client_while_another_thread_waits_for_the_lock_through_it(
+        ns: str, how: str) -> None:
+    """A client closed by one thread while another of its threads is asleep on the writer
+    lock (the GIL released): the mapping stays until that call returns, its write goes on
+    and lands; it used to be unmapped under the sleeper, which crashed the process
+    (SIGSEGV) when the lock was let go."""
+    r = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_WAITING, ns, how],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.split() == ["written", "v" if how == "put" else "['b']"]

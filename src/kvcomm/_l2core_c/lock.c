@@ -196,9 +196,11 @@ wait_for_lock(Core *c, double until, int *other)
         double left = until - mono_now();
         if (left <= 0)
             return ETIMEDOUT;
+        c->waiting++; /* (the GIL held: a close meanwhile keeps the mapping: Core_release) */
         Py_BEGIN_ALLOW_THREADS
         sleep_on(c->mutex, left);
         Py_END_ALLOW_THREADS
+        c->waiting--;
         int rc = try_once(c, other);
         if (rc != EBUSY) {
             if (rc == 0 || rc == EOWNERDEAD)

@@ -344,6 +344,7 @@ Core_forked(Core *c, PyObject *Py_UNUSED(ignored))
     c->sleeper = NULL;
     c->n_owned = 0;
     c->active = 0;
+    c->waiting = 0; /* (the parent's waiting threads are not here) */
     c->held = 0;
     held_n = held_over = 0; /* (the parent's locks are not the child's) */
     if (pend_core == c)

@@ -45,6 +45,7 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
     self->token = 0;
     self->sleeper = NULL;
     self->active = 0;
+    self->waiting = 0;
     if (((uintptr_t)self->base & 63) || self->size < HEADER_SIZE) {
         PyErr_SetString(SegmentError, "L2 mapping is too small or misaligned");
         return -1;
@@ -114,7 +115,7 @@ Core_dealloc(Core *self)
         close(self->fd);
         self->has_fd = 0;
     }
-    if (self->has_view && !self->held && !self->active) {
+    if (self->has_view && !self->held && !self->active && !self->waiting) {
         if (self->token)
             release_token(self);
         guard_remove(self->guard);
@@ -128,8 +129,10 @@ Core_dealloc(Core *self)
 static PyObject *
 Core_release(Core *self, PyObject *Py_UNUSED(ignored))
 {
-    if (self->held || self->active) {
-        /* see Core_dealloc: leave the mapping in place */
+    if (self->held || self->active || self->waiting) {
+        /* see Core_dealloc: leave the mapping in place (a thread asleep on the writer lock
+           would wake in unmapped memory: it goes on with its write, and the mapping goes
+           with this Core, once its last call has returned) */
         Py_RETURN_FALSE;
     }
     if (self->token)
