@@ -262,6 +262,67 @@ def test_a_serializer_giving_other_than_str_and_bytes_is_refused_at_once(
     assert saver.get_tuple(config) is None  # (nothing stored)
 
 
+def test_a_serializer_is_judged_by_the_real_types_it_gives_and_may_be_swapped(
+        kv: kvcomm.Client) -> None:
+    """What a serde gives is judged by its real types (an object passing itself off as
+    bytes through ``__class__`` is refused, naming the serde); the saver's serializer asks
+    its ``inner`` serde at each call (one swapped in is the one used, both ways)."""
+    from unittest import mock
+
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from kvcomm.integrations.langgraph._serde import no_pickle
+
+    class Posing(JsonPlusSerializer):
+        def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+            return "msgpack", mock.Mock(spec=bytes)
+
+    saver = KVCommSaver(kv, serde=Posing(allowed_msgpack_modules=None))
+    config = {"configurable": {"thread_id": "t-posing", "checkpoint_ns": ""}}
+    with pytest.raises(kvcomm.UnsupportedValue, match=r"\(str, bytes\): fix the serializer"):
+        saver.put(config, empty_checkpoint(), {}, {})  # type: ignore[arg-type]
+    assert saver.get_tuple(config) is None
+
+    class Tagged(JsonPlusSerializer):
+        def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+            return "tagged", b"x"
+
+    serde = no_pickle(None)
+    serde.inner = Tagged(allowed_msgpack_modules=None)
+    assert serde.dumps_typed(1) == ("tagged", b"x")
+
+
+def test_a_value_whose_type_is_unhashable_is_stored_by_its_serializer(kv: kvcomm.Client) -> None:
+    """Whether a channel value is kept in its checkpoint's record is decided from its type
+    by identity: a class whose metaclass defines __eq__ without __hash__ (its type is
+    unhashable) is stored by the serde that knows it, and read back."""
+    import json
+
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    class Meta(type):
+        def __eq__(cls, other: object) -> bool:
+            return cls is other
+
+    class Val(metaclass=Meta):
+        def __init__(self, x: int) -> None:
+            self.x = x
+
+    class Serde(JsonPlusSerializer):
+        def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+            if isinstance(obj, Val):
+                return "json", json.dumps({"x": obj.x}).encode()
+            return super().dumps_typed(obj)
+
+    saver = KVCommSaver(kv, serde=Serde(allowed_msgpack_modules=None))
+    cp = empty_checkpoint()
+    cp["channel_values"], cp["channel_versions"] = {"a": Val(1)}, {"a": "1"}
+    config: Any = {"configurable": {"thread_id": "t-meta", "checkpoint_ns": ""}}
+    saver.put(config, cp, {"step": -1}, {"a": "1"})  # type: ignore[typeddict-item]
+    got = saver.get_tuple(config)
+    assert got is not None and got.checkpoint["channel_values"] == {"a": {"x": 1}}
+
+
 def test_a_bytearray_in_a_state_is_stored_as_langgraph_stores_it(kv: kvcomm.Client) -> None:
     """LangGraph's own serializer gives ("bytearray", a bytearray) for one: stored as its
     bytes, read back a bytearray, as with InMemorySaver (it was refused, telling the user

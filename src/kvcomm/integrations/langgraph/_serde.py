@@ -63,13 +63,12 @@ class NoPickleSerializer(SerializerProtocol):
 
     def __init__(self, inner: SerializerProtocol) -> None:
         self.inner = inner
-        self._dumps = inner.dumps_typed
 
     def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
         """``inner.dumps_typed(obj)``. Raises UnsupportedValue when it would be a pickle or
         the inner serializer cannot serialize it (its TypeError); nothing is stored."""
         try:
-            type_, data = self._dumps(obj)
+            type_, data = self.inner.dumps_typed(obj)
         except UnsupportedValue:
             raise
         except TypeError as exc:  # (JsonPlusSerializer: "Type is not msgpack serializable")
@@ -79,7 +78,7 @@ class NoPickleSerializer(SerializerProtocol):
                 "as np.float64(2.5): its .item(), the Python number; kv.put converts those, "
                 "LangGraph's serializer does not), or name your class in "
                 "JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
-        if data.__class__ is bytes and type_.__class__ is str and type_ not in _PICKLE_TYPES:
+        if type(data) is bytes and type(type_) is str and type_ not in _PICKLE_TYPES:
             return type_, data  # (what is stored reads back: the common case, one test)
         if type(type_) is str and type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "

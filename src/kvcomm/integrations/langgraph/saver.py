@@ -221,16 +221,13 @@ def _metadata(config: RunnableConfig, metadata: CheckpointMetadata) -> dict[str,
     return md
 
 
-_SCALARS = frozenset({int, float, bool, type(None)})
-
-
 def _inline(value: Any) -> bool:
     """Whether a channel value is kept in the record of every checkpoint that has it (as
     LangGraph's Postgres saver keeps primitives in its checkpoint row), not in a record of
     its own: a step then writes one record, not one per changed channel. A function of the
     value alone, so that a version's value is inlined by every checkpoint or by none."""
-    t = type(value)
-    return t in _SCALARS or (t is str and len(value) <= 256)
+    t = type(value)  # (compared by identity: a type need not be hashable)
+    return t is int or t is float or t is bool or value is None or (t is str and len(value) <= 256)
 
 
 def _shaped(value: list[Any], n: int) -> bool:
