@@ -84,6 +84,8 @@ typedef struct {
     uint64_t active;   /* pins of this process in use through this mapping */
     int waiting;       /* threads of this process asleep on the writer lock (GIL released):
                           the mapping is not dropped under them (release, dealloc) */
+    int closing;       /* release() asked: every call refuses (NEED_VIEW), a waiter wakes to
+                          SegmentError, and the last one drops the mapping (core_drop) */
     uint32_t owned[OWNED_MAX]; /* pin entries this process owns and is not using */
     int n_owned;
     int guard;         /* this mapping's entry in the truncation guard (guard.c), or -1 */

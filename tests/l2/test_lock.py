@@ -680,8 +680,8 @@ def write():
             from kvcomm._client.batch import put_records
             put_records(kv, ["r/1", "r/2"], [["a"], ["b"]])
         out.append("written")
-    except kvcomm.KVCommError as exc:
-        out.append(type(exc).__name__)
+    except kvcomm.SegmentError as exc:
+        out.append("SegmentError" if "closed while this call waited" in str(exc) else repr(exc))
 w = threading.Thread(target=write); w.start()
 wait_for(lambda: proc_syscall(w.native_id) == "202", 10, "the writer to sleep on the lock")
 kv.close()  # (its thread w is asleep on the writer lock through this client's mapping)
@@ -690,16 +690,59 @@ with kvcomm.open(ns, config=cfg) as again:
     print(out[0], again.get("k") if how == "put" else again.get("r/2"), flush=True)
 """
 
+_CLOSE_FROM_A_SIGNAL_HANDLER = """
+import multiprocessing as mp, signal, sys
+import kvcomm
+ns = sys.argv[1]
+cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "8MB", "lock_timeout": "10s"}})
+ctx = mp.get_context("fork")
+held, release = ctx.Event(), ctx.Event()
+def hold():
+    h = kvcomm.open(ns, config=cfg)
+    h._seg._core.lock(5.0)
+    held.set()
+    release.wait(10)
+    h._seg._core.unlock()
+    h.close()
+p = ctx.Process(target=hold); p.start(); held.wait(10)
+kv = kvcomm.open(ns, config=cfg)
+def on_alarm(signum, frame):  # (closes the client and returns: the put goes on waiting)
+    kv.close()
+    release.set()
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.2)
+try:
+    kv.put("k", "v")
+    print("written")
+except kvcomm.SegmentError as exc:
+    print("SegmentError", "closed while this call waited" in str(exc))
+p.join(10)
+with kvcomm.open(ns, config=cfg) as again:
+    print(again.get("k"), flush=True)
+"""
+
 
 @pytest.mark.parametrize("how", ["put", "put_records"])
 def test_closing_a_client_while_another_thread_waits_for_the_lock_through_it(
         ns: str, how: str) -> None:
     """A client closed by one thread while another of its threads is asleep on the writer
-    lock (the GIL released): the mapping stays until that call returns, its write goes on
-    and lands; it used to be unmapped under the sleeper, which crashed the process
-    (SIGSEGV) when the lock was let go."""
+    lock (the GIL released): the sleeper wakes to SegmentError, nothing written, and the
+    last such thread lets go of the mapping; it used to be unmapped under the sleeper,
+    which crashed the process (SIGSEGV) when the lock was let go."""
     r = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_WAITING, ns, how],
                        capture_output=True, text=True, timeout=60,
                        cwd=pathlib.Path(__file__).resolve().parents[2])
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
-    assert r.stdout.split() == ["written", "v" if how == "put" else "['b']"]
+    assert r.stdout.split() == ["SegmentError", "None"]
+
+
+def test_closing_a_client_from_a_signal_handler_while_its_thread_waits_for_the_lock(
+        ns: str) -> None:
+    """A signal handler that closes the client and returns, run between two waits of the
+    main thread for the writer lock: the wait ends in SegmentError (the mapping may be
+    gone already), nothing written, no crash."""
+    r = subprocess.run([sys.executable, "-c", _CLOSE_FROM_A_SIGNAL_HANDLER, ns],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.split() == ["SegmentError", "True", "None"]

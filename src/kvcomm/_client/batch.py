@@ -341,7 +341,9 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         t0 = _timed(c)
     try:  # (lock, apply, unlock: one call; None: nothing written, see below)
         r = c._core_apply(ops, _now_ms(), c._max_dirty, expects or None, c._lock_timeout)
-    except SegmentError:  # (what the kernel found corrupt: the careful path repairs it)
+    except SegmentError:  # (what the kernel found corrupt: the careful path repairs it;
+        if c._unusable:  # a client closed meanwhile, by another thread: what it says)
+            raise
         r = None
     if r is None:  # (the careful path: looks first, repairs, raises what a status means)
         try:

@@ -186,6 +186,20 @@ try_once(Core *c, int *other)
     return *other ? EBUSY : rc;
 }
 
+/* The client was closed while this thread slept on its writer lock: ECANCELED, with
+ * SegmentError set, nothing held or written; the last such thread lets go of the mapping
+ * (Core_release left it to the waiters). Also after a signal handler ran between two
+ * waits, which may have closed it (then the mapping is gone already). */
+static int
+closed_while_waiting(Core *c)
+{
+    if (!c->waiting && !c->held && !c->active)
+        core_drop(c);
+    PyErr_SetString(SegmentError, "this kvcomm client was closed while this call waited for "
+                                  "the L2 writer lock; nothing was written");
+    return ECANCELED;
+}
+
 /* Wait for the lock until monotonic time ``until``: asleep on its lock word (sleep_on,
  * never inside the mutex: see the top), taking it with trylock when it lets go. ETIMEDOUT
  * at ``until``; the GIL released while asleep. */
@@ -201,6 +215,8 @@ wait_for_lock(Core *c, double until, int *other)
         sleep_on(c->mutex, left);
         Py_END_ALLOW_THREADS
         c->waiting--;
+        if (c->closing)
+            return closed_while_waiting(c);
         int rc = try_once(c, other);
         if (rc != EBUSY) {
             if (rc == 0 || rc == EOWNERDEAD)
@@ -243,6 +259,8 @@ take_lock_or_not(Core *c, double timeout, int quiet)
         }
         if (rc == EBUSY && inline_wait > 0)
             rc = wait_for_lock(c, mono_now() + inline_wait, &other);
+        if (rc == ECANCELED)
+            return -1;
         if (rc == EBUSY || rc == ETIMEDOUT) {
             PyErr_SetString(WouldBlock, "the L2 writer lock is held by another thread or "
                                         "process (this call runs again off the event loop)");
@@ -254,10 +272,16 @@ take_lock_or_not(Core *c, double timeout, int quiet)
         for (;;) {
             double now = mono_now();
             rc = wait_for_lock(c, now + 0.05 < deadline ? now + 0.05 : deadline, &other);
+            if (rc == ECANCELED)
+                return -1;
             if (rc != ETIMEDOUT)
                 break;
             if (PyErr_CheckSignals() < 0)
                 return -1; /* e.g. KeyboardInterrupt while waiting: nothing is held */
+            if (c->closing) { /* (a signal handler closed the client) */
+                closed_while_waiting(c);
+                return -1;
+            }
             if (mono_now() >= deadline) {
                 long owner = 0;
 #ifdef __GLIBC__

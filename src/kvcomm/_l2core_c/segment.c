@@ -126,15 +126,12 @@ Core_dealloc(Core *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *
-Core_release(Core *self, PyObject *Py_UNUSED(ignored))
+/* Let go of the mapping (the token, the file, the buffer), closing set first: a call that
+ * comes in while release_token has the GIL released is refused (NEED_VIEW) */
+static void
+core_drop(Core *self)
 {
-    if (self->held || self->active || self->waiting) {
-        /* see Core_dealloc: leave the mapping in place (a thread asleep on the writer lock
-           would wake in unmapped memory: it goes on with its write, and the mapping goes
-           with this Core, once its last call has returned) */
-        Py_RETURN_FALSE;
-    }
+    self->closing = 1;
     if (self->token)
         release_token(self);
     if (self->has_fd) {
@@ -148,11 +145,27 @@ Core_release(Core *self, PyObject *Py_UNUSED(ignored))
         self->has_view = 0;
         self->base = NULL;
     }
+}
+
+static PyObject *
+Core_release(Core *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->held || self->active) {
+        /* see Core_dealloc: leave the mapping in place */
+        Py_RETURN_FALSE;
+    }
+    if (self->waiting) {
+        /* threads asleep on the writer lock through this mapping would wake in unmapped
+           memory: they wake to SegmentError instead, the last one drops it (lock.c) */
+        self->closing = 1;
+        Py_RETURN_FALSE;
+    }
+    core_drop(self);
     Py_RETURN_NONE;
 }
 
 #define NEED_VIEW(c)                                                                  \
-    if (!(c)->has_view) {                                                             \
+    if (!(c)->has_view || (c)->closing) {                                             \
         PyErr_SetString(SegmentError, "this L2 mapping is closed; reopen");           \
         return NULL;                                                                  \
     }                                                                                 \
