@@ -686,8 +686,9 @@ w = threading.Thread(target=write); w.start()
 wait_for(lambda: proc_syscall(w.native_id) == "202", 10, "the writer to sleep on the lock")
 kv.close()  # (its thread w is asleep on the writer lock through this client's mapping)
 release.set(); p.join(10); w.join(10)
+mapped = sum(f"/kvcomm.{ns}" in line and line.rstrip().endswith(ns) for line in open("/proc/self/maps"))
 with kvcomm.open(ns, config=cfg) as again:
-    print(out[0], again.get("k") if how == "put" else again.get("r/2"), flush=True)
+    print(out[0], again.get("k") if how == "put" else again.get("r/2"), mapped, flush=True)
 """
 
 _CLOSE_FROM_A_SIGNAL_HANDLER = """
@@ -727,13 +728,14 @@ def test_closing_a_client_while_another_thread_waits_for_the_lock_through_it(
         ns: str, how: str) -> None:
     """A client closed by one thread while another of its threads is asleep on the writer
     lock (the GIL released): the sleeper wakes to SegmentError, nothing written, and the
-    last such thread lets go of the mapping; it used to be unmapped under the sleeper,
+    last such thread lets go of the mapping (unmapped once it returns); it used to be
+    unmapped under the sleeper,
     which crashed the process (SIGSEGV) when the lock was let go."""
     r = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_WAITING, ns, how],
                        capture_output=True, text=True, timeout=60,
                        cwd=pathlib.Path(__file__).resolve().parents[2])
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
-    assert r.stdout.split() == ["SegmentError", "None"]
+    assert r.stdout.split() == ["SegmentError", "None", "0"]  # (0: no longer mapped)
 
 
 def test_closing_a_client_from_a_signal_handler_while_its_thread_waits_for_the_lock(

@@ -194,7 +194,7 @@ static int
 closed_while_waiting(Core *c)
 {
     if (!c->waiting && !c->held && !c->active)
-        core_drop(c);
+        core_drop(c, 1);
     PyErr_SetString(SegmentError, "this kvcomm client was closed while this call waited for "
                                   "the L2 writer lock; nothing was written");
     return ECANCELED;

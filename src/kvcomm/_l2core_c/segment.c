@@ -127,9 +127,11 @@ Core_dealloc(Core *self)
 }
 
 /* Let go of the mapping (the token, the file, the buffer), closing set first: a call that
- * comes in while release_token has the GIL released is refused (NEED_VIEW) */
+ * comes in while release_token has the GIL released is refused (NEED_VIEW). unmap: also
+ * close the mmap the buffer came from (a close the segment's own close() left to the
+ * waiters: its mm.close() could not unmap it then); one still exported stays mapped */
 static void
-core_drop(Core *self)
+core_drop(Core *self, int unmap)
 {
     self->closing = 1;
     if (self->token)
@@ -139,11 +141,23 @@ core_drop(Core *self)
         self->has_fd = 0;
     }
     if (self->has_view) {
+        PyObject *mm = unmap ? Py_XNewRef(self->view.obj) : NULL;
         guard_remove(self->guard);
         self->guard = -1;
         PyBuffer_Release(&self->view);
         self->has_view = 0;
         self->base = NULL;
+        if (mm) {
+            PyObject *et, *ev, *tb; /* (none set when called: kept all the same) */
+            PyErr_Fetch(&et, &ev, &tb);
+            PyObject *r = PyObject_CallMethod(mm, "close", NULL);
+            if (r)
+                Py_DECREF(r);
+            else
+                PyErr_Clear(); /* (BufferError: views of it alive; unmapped when they go) */
+            PyErr_Restore(et, ev, tb);
+            Py_DECREF(mm);
+        }
     }
 }
 
@@ -160,7 +174,7 @@ Core_release(Core *self, PyObject *Py_UNUSED(ignored))
         self->closing = 1;
         Py_RETURN_FALSE;
     }
-    core_drop(self);
+    core_drop(self, 0);
     Py_RETURN_NONE;
 }
 
