@@ -100,7 +100,10 @@ class Client(Scanning):
         return [item.key for item in self.scan(prefix)]
 
     def close(self) -> None:
-        """Release this client's share of the process's L2 mapping and L1. Idempotent."""
+        """Release this client's share of the process's L2 mapping and L1. Idempotent. A
+        call of this client that another thread has under way while it waits for the
+        host's writer lock ends in SegmentError, nothing written; every later call raises
+        SegmentError."""
         if self._closed:
             return
         if not self._unusable:
