@@ -654,11 +654,13 @@ def test_reads_stay_available_while_a_stopped_process_holds_the_writer_lock(
         l2.purge("hk", str(tmp_path))
 
 
-_CLOSE_WHILE_WAITING = """
-import multiprocessing as mp, sys, threading
+# (a process whose client kv waits for the writer lock, held by another process until
+# release is set)
+_HELD_BY_ANOTHER = """
+import multiprocessing as mp, signal, sys, threading
 import kvcomm
 from tests.support.helpers import proc_syscall, wait_for
-ns, how = sys.argv[1], sys.argv[2]
+ns = sys.argv[1]
 cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "8MB", "lock_timeout": "10s"}})
 ctx = mp.get_context("fork")
 held, release = ctx.Event(), ctx.Event()
@@ -671,6 +673,10 @@ def hold():  # (another process: this one's clients of a namespace share one map
     h.close()
 p = ctx.Process(target=hold); p.start(); held.wait(10)
 kv = kvcomm.open(ns, config=cfg)
+"""
+
+_CLOSE_WHILE_WAITING = _HELD_BY_ANOTHER + """
+how = sys.argv[2]
 out = []
 def write():
     try:
@@ -691,22 +697,7 @@ with kvcomm.open(ns, config=cfg) as again:
     print(out[0], again.get("k") if how == "put" else again.get("r/2"), mapped, flush=True)
 """
 
-_CLOSE_FROM_A_SIGNAL_HANDLER = """
-import multiprocessing as mp, signal, sys
-import kvcomm
-ns = sys.argv[1]
-cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "8MB", "lock_timeout": "10s"}})
-ctx = mp.get_context("fork")
-held, release = ctx.Event(), ctx.Event()
-def hold():
-    h = kvcomm.open(ns, config=cfg)
-    h._seg._core.lock(5.0)
-    held.set()
-    release.wait(10)
-    h._seg._core.unlock()
-    h.close()
-p = ctx.Process(target=hold); p.start(); held.wait(10)
-kv = kvcomm.open(ns, config=cfg)
+_CLOSE_FROM_A_SIGNAL_HANDLER = _HELD_BY_ANOTHER + """
 def on_alarm(signum, frame):  # (closes the client and returns: the put goes on waiting)
     kv.close()
     release.set()
