@@ -4,6 +4,7 @@ SqliteSaver; with ``--async``, the async savers.
     python bench/bench_langgraph.py [--n 2000] [--rounds 5] [--graphs 20] [--cluster]
     python bench/bench_langgraph.py --async [--n 500] [--rounds 3] [--concurrency 50]
     python bench/bench_langgraph.py --graph-only [--n 300] [--rounds 15] [--graphs 2]
+    python bench/bench_langgraph.py --bytecodes
 
 For each saver, interleaved in ``--rounds`` rounds (a noisy neighbour hits all alike):
 
@@ -42,6 +43,10 @@ threads, interleaved: min and median µs per step). Then KVCommSaver (over
 ``kvcomm.aio``) and InMemorySaver in ``--rounds`` interleaved pairs of ``--graphs`` waves
 of ``--concurrency`` concurrent 20-step graphs: the median of the pairs' ratios of graphs
 per CPU-second.
+
+``--bytecodes``: the Python bytecodes (and calls) a graph step runs in each sync saver,
+counted with ``sys.settrace`` over one replay of the recorded calls: a count, which the
+machine's speed does not move (the C a call runs is not in it).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import shutil
 import sqlite3
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -321,10 +327,9 @@ async def graph_pairs(pairs: int, waves: int, concurrency: int) -> list[float]:
             l2.purge(ns)
 
 
-def step_costs(reps: int) -> dict[str, list[float]]:
-    """µs per graph step (a put and a task's writes) of each sync saver, replaying the
-    calls a 20-step graph made (recorded once from InMemorySaver) on a new thread id per
-    replay: the saver's own CPU, without LangGraph's."""
+def recorded_steps() -> tuple[list[tuple[str, Any]], int]:
+    """The calls (("put" | "writes", args)) a 20-step graph made, recorded once from
+    InMemorySaver, and its number of steps (puts)."""
     calls: list[tuple[str, Any]] = []
 
     class Recording(InMemorySaver):
@@ -337,29 +342,84 @@ def step_costs(reps: int) -> dict[str, list[float]]:
             super().put_writes(config, writes, task_id, task_path)
 
     graph(Recording()).invoke({"n": 0}, {"configurable": {"thread_id": "recorded"}})
-    steps = sum(kind == "put" for kind, _a in calls)
+    return calls, sum(kind == "put" for kind, _a in calls)
 
-    def on_thread(args: Any, thread: str) -> Any:
+
+def replay(saver: BaseCheckpointSaver[Any], calls: list[tuple[str, Any]], thread: str) -> None:
+    """The recorded calls, on ``thread`` (a new thread id each replay)."""
+    for kind, args in calls:
         cfg = args[0]
-        return ({**cfg, "configurable": {**cfg["configurable"], "thread_id": thread}},
-                *args[1:])
+        args = ({**cfg, "configurable": {**cfg["configurable"], "thread_id": thread}}, *args[1:])
+        (saver.put if kind == "put" else saver.put_writes)(*args)
 
+
+@contextmanager
+def step_savers() -> Iterator[dict[str, BaseCheckpointSaver[Any]]]:
+    """InMemorySaver and a KVCommSaver on an embedded namespace of this process (purged at
+    the end), with the shipped defaults but a 256 MB L2."""
     ns = f"bench-lg-steps-{os.getpid()}"
-    out: dict[str, list[float]] = {"InMemorySaver": [], "KVCommSaver": []}
     with kvcomm.open(ns, config=kvcomm.Config.from_mapping(
             {"cache": {"l2_size": "256MB"}})) as kv:
         try:
-            made = {"InMemorySaver": InMemorySaver(), "KVCommSaver": KVCommSaver(kv)}
-            for rep in range(reps):
-                for name, saver in made.items():  # (interleaved)
-                    replay = [(kind, on_thread(a, f"{name}-{rep}")) for kind, a in calls]
-                    t0 = time.perf_counter_ns()
-                    for kind, a in replay:
-                        (saver.put if kind == "put" else saver.put_writes)(*a)
-                    out[name].append((time.perf_counter_ns() - t0) / steps / 1e3)
+            yield {"InMemorySaver": InMemorySaver(), "KVCommSaver": KVCommSaver(kv)}
         finally:
             l2.purge(ns)
+
+
+def step_costs(reps: int) -> dict[str, list[float]]:
+    """µs per graph step (a put and a task's writes) of each sync saver, replaying the
+    calls a 20-step graph made on a new thread id per replay: the saver's own CPU, without
+    LangGraph's."""
+    calls, steps = recorded_steps()
+    out: dict[str, list[float]] = {"InMemorySaver": [], "KVCommSaver": []}
+    with step_savers() as made:
+        for rep in range(reps):
+            for name, saver in made.items():  # (interleaved)
+                t0 = time.perf_counter_ns()
+                replay(saver, calls, f"{name}-{rep}")
+                out[name].append((time.perf_counter_ns() - t0) / steps / 1e3)
     return out
+
+
+def step_bytecodes() -> dict[str, tuple[float, float]]:
+    """(Python bytecodes, Python calls) per graph step of each sync saver: one replay
+    (after two untimed ones) traced by ``sys.settrace`` with opcode events. A count, not a
+    time: the machine's speed does not move it (C code counts as the one call that runs it)."""
+    calls, steps = recorded_steps()
+    out: dict[str, tuple[float, float]] = {}
+    with step_savers() as made:
+        for name, saver in made.items():
+            counts = [0, 0]
+
+            def tracer(frame: Any, event: str, arg: Any, counts: list[int] = counts) -> Any:
+                if event == "call":
+                    if frame.f_code is replay.__code__:
+                        return None  # (the replay loop itself: not the saver's)
+                    frame.f_trace_opcodes = True
+                    counts[1] += 1
+                elif event == "opcode":
+                    counts[0] += 1
+                return tracer
+
+            for rep in range(2):
+                replay(saver, calls, f"{name}-warm-{rep}")
+            sys.settrace(tracer)
+            try:
+                replay(saver, calls, f"{name}-traced")
+            finally:
+                sys.settrace(None)
+            out[name] = (counts[0] / steps, counts[1] / steps)
+    return out
+
+
+def bytecodes() -> None:
+    heading("Python bytecodes and calls per graph step (a put and a task's writes; one "
+            "traced replay of a recorded 20-step graph)")
+    counted = step_bytecodes()
+    for name, (ops, calls) in counted.items():
+        print(f"{name:<16} bytecodes {ops:8.1f}   calls {calls:6.1f}")
+    print(f"KVCommSaver / InMemorySaver: {counted['KVCommSaver'][0] / counted['InMemorySaver'][0]:.2f}x"
+          " the bytecodes")
 
 
 def graph_only(args: argparse.Namespace) -> None:
@@ -392,7 +452,13 @@ def main() -> None:
     ap.add_argument("--graph-only", action="store_true",
                     help="only #26's graph target: a step's cost to each sync saver (--n "
                          "replays), then --rounds interleaved pairs of --graphs waves")
+    ap.add_argument("--bytecodes", action="store_true",
+                    help="only the Python bytecodes a graph step runs in each sync saver (a "
+                         "count: steady on any machine)")
     args = ap.parse_args()
+    if args.bytecodes:
+        bytecodes()
+        return
     if args.graph_only:
         graph_only(args)
         return
