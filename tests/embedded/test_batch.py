@@ -331,6 +331,14 @@ def test_put_records_one_call_hands_what_it_cannot_do_to_the_careful_path(
     assert calls == [1] and kv.get("s/c2") == ["c2"] and kv.get_item("s/h").version == v2
     monkeypatch.undo()
 
+    def closed_meanwhile(*args: object) -> None:  # (another thread closes the segment
+        monkeypatch.setattr(kv._seg, "_core", None)  # between the kernel's "look first"
+        return None  # and the careful path, as SegmentCore.close does)
+    monkeypatch.setattr(kv, "_core_apply", closed_meanwhile)
+    with pytest.raises(kvcomm.SegmentError, match="closed in this process"):
+        batch_mod.put_records(kv, ["s/c9"], [["c9"]])
+    monkeypatch.undo()
+
     batches = kv.counters["batches"]
     l2.purge(ns)
     with pytest.raises(kvcomm.SegmentError, match="purged"):

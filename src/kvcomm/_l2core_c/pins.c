@@ -73,6 +73,24 @@ return_entry(Core *c, uint64_t i)
  * free it: the returned (voff, vlen) stays valid until unpin(pin). pin -1: the pin table is
  * full, and the last element is a private copy of the value instead. None: absent or a
  * tombstone. -1 (an int): a slot stayed odd too long (Python decides). */
+/* After claim_entry: a process's first pin starts its token's sleeper thread with the GIL
+ * released (my_token), and a close in another thread meanwhile left the mapping to this
+ * call (Core_release). Then: the entry given back, the mapping let go if no other call
+ * needs it, SegmentError; 1. Else 0. */
+static int
+closed_meanwhile(Core *c, long long idx)
+{
+    if (!c->closing)
+        return 0;
+    if (idx >= 0)
+        return_entry(c, (uint64_t)idx);
+    if (!c->waiting && !c->held && !c->active)
+        core_drop(c, 1);
+    PyErr_SetString(SegmentError, "this kvcomm client was closed while this read was under "
+                                  "way; open it again");
+    return 1;
+}
+
 static PyObject *
 Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -147,8 +165,11 @@ Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
                 return_entry(c, (uint64_t)idx);
             Py_RETURN_NONE;
         }
-        if (idx == -2)
+        if (idx == -2) {
             idx = claim_entry(c);
+            if (closed_meanwhile(c, idx))
+                return NULL;
+        }
         uint64_t *slot = W(c, so);
         if (idx < 0) {
             /* the pin table is full: a consistent copy instead of a view */
@@ -314,6 +335,8 @@ Core_pin_block(Core *c, PyObject *arg)
     if (!block_ok(c, off))
         return PyLong_FromLong(-1);
     long long idx = claim_entry(c);
+    if (closed_meanwhile(c, idx))
+        return NULL;
     if (idx < 0)
         return Py_BuildValue("(LK)", -1LL, 0ULL);
     uint64_t word = set_hazard(c, (uint64_t)idx, off);

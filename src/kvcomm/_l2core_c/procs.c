@@ -125,12 +125,14 @@ my_token(Core *c)
         free(s);
         return 0;
     }
+    c->waiting++; /* (a close meanwhile keeps the mapping: Core_release; see claimed) */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&s->m);
     while (s->state == 0)
         pthread_cond_wait(&s->cv, &s->m);
     pthread_mutex_unlock(&s->m);
     Py_END_ALLOW_THREADS
+    c->waiting--;
     if (s->state < 0) {
         pthread_mutex_destroy(&s->m);
         pthread_cond_destroy(&s->cv);

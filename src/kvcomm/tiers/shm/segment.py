@@ -444,8 +444,8 @@ class SegmentCore:
         try:
             r = fn()
         except SegmentError:
-            if self._q[_H_STATE] != STATE_OK:
-                raise
+            if self._core is None or self._q[_H_STATE] != STATE_OK:
+                raise  # (closed by another thread meanwhile, or purged: what it says)
             self.repair()
             return fn()
         if type(r) is not int:
