@@ -186,17 +186,13 @@ try_once(Core *c, int *other)
     return *other ? EBUSY : rc;
 }
 
-/* The client was closed while this thread slept on its writer lock: ECANCELED, with
- * SegmentError set, nothing held or written; the last such thread lets go of the mapping
- * (Core_release left it to the waiters). Also after a signal handler ran between two
- * waits, which may have closed it (then the mapping is gone already). */
+/* The client was closed while this thread slept on its writer lock (core_closed):
+ * ECANCELED, nothing held or written. Also after a signal handler ran between two waits,
+ * which may have closed it (then the mapping is gone already). */
 static int
 closed_while_waiting(Core *c)
 {
-    if (!c->waiting && !c->held && !c->active)
-        core_drop(c, 1);
-    PyErr_SetString(SegmentError, "this kvcomm client was closed while this call waited for "
-                                  "the L2 writer lock; nothing was written");
+    core_closed(c, "this call waited for the L2 writer lock; nothing was written");
     return ECANCELED;
 }
 

@@ -67,16 +67,9 @@ return_entry(Core *c, uint64_t i)
     __atomic_compare_exchange_n(&e[1], &expected, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
-/* pin(key, h, zero_copy) -> None | (word, seq, tag, meta, counter, hlc, vvx, size, pin, voff,
- * vlen) | (..., -1, value bytes)   LOCK-FREE
- * Names the key's block in a hazard entry of this process, so that writers park instead of
- * free it: the returned (voff, vlen) stays valid until unpin(pin). pin -1: the pin table is
- * full, and the last element is a private copy of the value instead. None: absent or a
- * tombstone. -1 (an int): a slot stayed odd too long (Python decides). */
 /* After claim_entry: a process's first pin starts its token's sleeper thread with the GIL
  * released (my_token), and a close in another thread meanwhile left the mapping to this
- * call (Core_release). Then: the entry given back, the mapping let go if no other call
- * needs it, SegmentError; 1. Else 0. */
+ * call (Core_release): the entry given back, core_closed; 1. Else 0. */
 static int
 closed_meanwhile(Core *c, long long idx)
 {
@@ -84,13 +77,16 @@ closed_meanwhile(Core *c, long long idx)
         return 0;
     if (idx >= 0)
         return_entry(c, (uint64_t)idx);
-    if (!c->waiting && !c->held && !c->active)
-        core_drop(c, 1);
-    PyErr_SetString(SegmentError, "this kvcomm client was closed while this read was under "
-                                  "way; open it again");
+    core_closed(c, "this read was under way; open it again");
     return 1;
 }
 
+/* pin(key, h, zero_copy) -> None | (word, seq, tag, meta, counter, hlc, vvx, size, pin, voff,
+ * vlen) | (..., -1, value bytes)   LOCK-FREE
+ * Names the key's block in a hazard entry of this process, so that writers park instead of
+ * free it: the returned (voff, vlen) stays valid until unpin(pin). pin -1: the pin table is
+ * full, and the last element is a private copy of the value instead. None: absent or a
+ * tombstone. -1 (an int): a slot stayed odd too long (Python decides). */
 static PyObject *
 Core_pin(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {

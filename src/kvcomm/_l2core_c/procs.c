@@ -125,7 +125,8 @@ my_token(Core *c)
         free(s);
         return 0;
     }
-    c->waiting++; /* (a close meanwhile keeps the mapping: Core_release; see claimed) */
+    c->waiting++; /* (a close meanwhile leaves the mapping to this call: Core_release;
+                     pins.c closed_meanwhile) */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&s->m);
     while (s->state == 0)

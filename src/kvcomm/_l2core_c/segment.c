@@ -103,27 +103,12 @@ Core_init(Core *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-/* A mapping is never unmapped while a thread of this process holds the lock through it:
- * the kernel releases a dead holder's robust mutex by walking the holder's list of held
- * mutexes, which it can only do if the memory is still mapped at exit. So a Core that goes
- * (closed, or collected at interpreter shutdown) while its lock is held keeps its buffer
- * export, and with it the mapping, until the process ends. */
-static void
-Core_dealloc(Core *self)
+/* No call of this process needs the mapping now: no writer lock held through it, no pin
+ * in use, no thread asleep on it with the GIL released */
+static inline int
+core_idle(Core *c)
 {
-    if (self->has_fd) {
-        close(self->fd);
-        self->has_fd = 0;
-    }
-    if (self->has_view && !self->held && !self->active && !self->waiting) {
-        if (self->token)
-            release_token(self);
-        guard_remove(self->guard);
-        PyBuffer_Release(&self->view);
-    }
-    /* (else the mapping stays: a held lock, or pins of this process still in use, which
-       the process table's sleeper vouches for until the process ends) */
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    return !c->held && !c->active && !c->waiting;
 }
 
 /* Let go of the mapping (the token, the file, the buffer), closing set first: a call that
@@ -159,6 +144,36 @@ core_drop(Core *self, int unmap)
             Py_DECREF(mm);
         }
     }
+}
+
+/* A call that let go of the GIL (asleep on the writer lock, starting its token's sleeper)
+ * finds its client closed meanwhile (closing: Core_release left the mapping to it): the
+ * mapping let go if no other call needs it, SegmentError "...closed while <what>" */
+static void
+core_closed(Core *c, const char *what)
+{
+    if (core_idle(c))
+        core_drop(c, 1);
+    PyErr_Format(SegmentError, "this kvcomm client was closed while %s", what);
+}
+
+/* A mapping is never unmapped while a thread of this process holds the lock through it:
+ * the kernel releases a dead holder's robust mutex by walking the holder's list of held
+ * mutexes, which it can only do if the memory is still mapped at exit. So a Core that goes
+ * (closed, or collected at interpreter shutdown) while its lock is held keeps its buffer
+ * export, and with it the mapping, until the process ends. */
+static void
+Core_dealloc(Core *self)
+{
+    if (self->has_view && core_idle(self))
+        core_drop(self, 0);
+    else if (self->has_fd) {
+        close(self->fd);
+        self->has_fd = 0;
+    }
+    /* (else the mapping stays: a held lock, or pins of this process still in use, which
+       the process table's sleeper vouches for until the process ends) */
+    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *
