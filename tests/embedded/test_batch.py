@@ -321,20 +321,25 @@ def test_put_records_one_call_hands_what_it_cannot_do_to_the_careful_path(
     assert (kv.get("s/c1"), kv.get_item("s/h").version) == (["c1"], v1)
 
     calls: list[int] = []
+    step = kv._core_step
 
-    def corrupt(*args: object) -> object:
+    def corrupt(*args: object) -> object:  # (a writer dies mid-write between two steps)
         calls.append(1)
-        raise kvcomm.SegmentError("found corrupt (injected)")
-    monkeypatch.setattr(kv, "_core_apply", corrupt)
+        core.lock(5.0)
+        core.set_busy(1)
+        core.unlock()
+        return step(*args)
+    monkeypatch.setattr(kv, "_core_step", corrupt)
     v2 = batch_mod.put_records(kv, ["s/c2"], [["c2"]], last=(
         "s/h", Packed.built({"id": "2"}), v1, None))
     assert calls == [1] and kv.get("s/c2") == ["c2"] and kv.get_item("s/h").version == v2
+    assert kv._seg.info()["recoveries"] == recoveries + 2
     monkeypatch.undo()
 
-    def closed_meanwhile(*args: object) -> None:  # (another thread closes the segment
-        monkeypatch.setattr(kv._seg, "_core", None)  # between the kernel's "look first"
-        return None  # and the careful path, as SegmentCore.close does)
-    monkeypatch.setattr(kv, "_core_apply", closed_meanwhile)
+    def closed_meanwhile(*args: object) -> tuple[list[object], None, None]:  # (another
+        monkeypatch.setattr(kv._seg, "_core", None)  # thread closes the segment between
+        return [], None, None  # the kernel's "look first" and the careful path, as
+    monkeypatch.setattr(kv, "_core_step", closed_meanwhile)  # SegmentCore.close does)
     with pytest.raises(kvcomm.SegmentError, match="closed in this process"):
         batch_mod.put_records(kv, ["s/c9"], [["c9"]])
     monkeypatch.undo()

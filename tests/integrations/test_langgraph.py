@@ -44,7 +44,7 @@ from langgraph.store.memory import InMemoryStore  # noqa: E402
 from langgraph.types import Command, interrupt  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore, RunSuperseded  # noqa: E402
-from kvcomm.integrations.langgraph._keys import Keys, esc, unesc  # noqa: E402
+from kvcomm.integrations.langgraph._keys import Keys, _esc_id, esc, unesc  # noqa: E402
 from kvcomm.integrations.langgraph.saver import _inline  # noqa: E402
 from tests.support import ROOT
 
@@ -176,6 +176,14 @@ def test_keys_built_from_the_memo_are_the_keys_the_layout_names(
         assert each == [expect(prefix + "0"), expect(prefix + str(idx))]
         together = got(k.task_writes, prefix, [0, idx], "task", thread)
         assert together == (kvcomm.InvalidKey if kvcomm.InvalidKey in each else each)
+
+
+@given(st.text(alphabet=st.characters(codec=None, max_codepoint=0x2030), max_size=12)
+       | st.text(alphabet=st.sampled_from("a1-%/=\x00\x1f\x7f\x85\u2028 é"), max_size=12))
+def test_an_id_new_at_each_step_is_escaped_as_every_other_id(cid: str) -> None:
+    """_esc_id (checkpoint and task ids, versions: not memoised, judged by str methods) is
+    esc: the same key for every str, printable or not."""
+    assert _esc_id(cid) == esc(cid)
 
 
 def test_an_id_that_is_not_a_str_gets_invalid_key_from_every_key_builder() -> None:

@@ -117,7 +117,7 @@ class ClientBase:
         self._dirty_flag = l2mod.FLAG_DIRTY if self._cluster else 0
         self._lock_timeout = float(c.lock_timeout)
         self._core_put = self._seg._core.put
-        self._core_apply = self._seg._core.apply_locked
+        self._core_step = self._seg._core.put_step  # (put_records)
         self._has_validators = False
         self._l3: Any = None  # the L3 adapter, opened on the first L2 miss
         self._l3_opening: Any = None  # its open in flight (a Future: cluster_read._open_l3)

@@ -10,7 +10,7 @@ from .._l2core import BatchOps, WouldBlock
 from ..core.codec import Packed
 from ..core.expiry import check_ttl
 from ..core.versions import Version
-from ..errors import InvalidArgument, SegmentError
+from ..errors import InvalidArgument
 from ..tiers.shm.writes import ExpectFailed
 from .base import _now_ms
 from .items import ABSENT, Item
@@ -255,8 +255,15 @@ def _kernel_expect(c: Writes, kb: bytes, h: int, expect: Any) -> tuple[Any, ...]
     """A compare-and-set of key ``(kb, h)`` as the C kernel judges it: ``(kb, h)`` for
     ABSENT, ``(kb, h, counter, hlc)`` for a Version of this host alone (every Version in
     embedded mode); None for any other (Python's check judges it: Batch._guard)."""
+    judged = _judged(c, expect)
+    return None if judged is None else (kb, h, *judged)
+
+
+def _judged(c: Writes, expect: Any) -> tuple[int, ...] | None:
+    """``expect`` as the C kernel judges it: () for ABSENT, (counter, hlc) for a Version of
+    this host alone; None for any other (see _kernel_expect)."""
     if expect is ABSENT:
-        return kb, h
+        return ()
     if type(expect) is not Version:
         return None  # (_guard raises InvalidArgument, or judges a subclass)
     vec, hlc = expect
@@ -267,7 +274,7 @@ def _kernel_expect(c: Writes, kb: bytes, h: int, expect: Any) -> tuple[Any, ...]
     if not (type(counter) is int and type(hlc) is int
             and 0 <= counter < 1 << 64 and 0 <= hlc < 1 << 64):
         return None
-    return kb, h, counter, hlc
+    return counter, hlc
 
 
 def _timed(c: Writes) -> int:
@@ -317,21 +324,18 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         return None
     if c._cluster or c._strong_on or c._has_validators:
         return _put_records_batch(c, keys, records, now, ttl, absent, last)
-    b = BatchOps(*c._batch_ops)  # (validates and encodes, as a batch's own ops)
-    _step_ops(c, b, keys, records, now, ttl, last)
-    ops = b._ops
-    expects = [ops[j][:2] for j in absent] if absent else []
+    head = None
     if last is not None:
-        expect = last[2]
+        key, value, expect, last_ttl = last
         if expect is c._stepped and expect is not None:  # (the Version this function
             # returned last, of this host alone: a saver's thread head moved on again)
-            judged: tuple[Any, ...] | None = (ops[-1][0], ops[-1][1], expect[0][0][1],
-                                              expect[1])
+            judged: tuple[int, ...] | None = (expect[0][0][1], expect[1])
         else:
-            judged = _kernel_expect(c, ops[-1][0], ops[-1][1], expect)
-        if judged is None:
-            return _put_records_batch(c, keys, records, now, ttl, absent, last)
-        expects.append(judged)
+            judged = _judged(c, expect)
+            if judged is None:
+                return _put_records_batch(c, keys, records, now, ttl, absent, last)
+        head = (key, value, None if last_ttl is None else c._ext_with(None, _deadline(now, last_ttl)),
+                judged)
     if c._unusable:
         c._live()
     if c._lat_left > 1:  # (_timed's countdown, inline: not this batch's turn)
@@ -339,16 +343,15 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         t0 = 0
     else:
         t0 = _timed(c)
-    try:  # (lock, apply, unlock: one call; None: nothing written, see below)
-        r = c._core_apply(ops, _now_ms(), c._max_dirty, expects or None, c._lock_timeout)
-    except SegmentError:  # (what the kernel found corrupt: the careful path repairs it;
-        if c._unusable:  # a client closed meanwhile, by another thread: what it says)
-            raise
-        r = None
-    if r is None:  # (the careful path: looks first, repairs, raises what a status means)
-        try:
+    # (collect (validates, encodes: what a batch's own ops raise), lock, apply, unlock: one
+    # call; no result: nothing written, see below)
+    ops, expects, r = c._core_step(
+        c._batch_ops, keys, records, None if ttl is None else c._ext_with(None, _deadline(now, ttl)),
+        absent, head, _now_ms(), c._max_dirty, c._lock_timeout)
+    if r is None:  # (the careful path: looks first, repairs, raises what a status means,
+        try:  # or that the segment was closed meanwhile, by another thread)
             r = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty, compact=True,
-                             expects=expects or None)
+                             expects=expects)
         except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
             c._lat_left = 1 if t0 else c._lat_left + 1  # (its turn to be timed, if it was this)
             return _put_records_batch(c, keys, records, now, ttl, absent, last)

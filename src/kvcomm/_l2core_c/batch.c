@@ -520,3 +520,128 @@ static PyTypeObject BatchOpsType = {
               "kv.batch()'s "
               "collecting half",
 };
+
+/* ------------------------------------------------------------------ a saver's step, whole
+ *
+ * Core.put_step(batch_args, keys, records, ext, absent, head, now_ms, max_dirty, timeout)
+ *     -> (ops, expects, result)
+ *
+ * kvcomm._client.batch.put_records' embedded path in one call. The batch
+ * BatchOps(*batch_args) collects _put_packed(keys, records, ext), then ``head`` = (key,
+ * value, ext | None, judged) put last with its own ext; the compare-and-sets it is applied
+ * with are each ``absent`` index (that key must be absent) and the head (``judged``: ()
+ * absent, (counter, hlc) that version). Then the writer lock is taken within ``timeout``
+ * seconds, the batch applied as Core.apply(..., compact=True) applies it, the lock released.
+ *
+ * ``result`` is (packed, vvxs), or None when the kernel cannot decide alone (look first, a
+ * status such as a compare-and-set failed, corruption it found: the apply's SegmentError,
+ * cleared): nothing was written, and Python's careful path applies ``ops`` with ``expects``
+ * (a list, or None) and says what happened. What the batch raises (InvalidKey,
+ * UnsupportedValue, a closed client...) and the lock's errors (Unavailable, WouldBlock, a
+ * close meanwhile) propagate, nothing written. */
+static PyObject *
+Core_put_step(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    NEED_VIEW(c);
+    PyObject *head = nargs == 9 ? args[5] : NULL;
+    if (nargs != 9 || !PyTuple_Check(args[0]) ||
+        (head != Py_None && (!PyTuple_Check(head) || PyTuple_GET_SIZE(head) != 4 ||
+                             !PyTuple_Check(PyTuple_GET_ITEM(head, 3))))) {
+        PyErr_SetString(PyExc_TypeError, "put_step(batch_args: tuple, keys, records, ext, "
+                                         "absent, head: (key, value, ext, judged) | None, "
+                                         "now_ms, max_dirty, timeout)");
+        return NULL;
+    }
+    uint64_t now_ms = PyLong_AsUnsignedLongLong(args[6]);
+    uint64_t max_dirty = PyLong_AsUnsignedLongLong(args[7]);
+    double timeout = PyFloat_AsDouble(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *absent = PySequence_Fast(args[4], "put_step: absent is a sequence of indices");
+    if (!absent)
+        return NULL;
+    PyObject *b = NULL, *expects = NULL, *res = NULL, *out = NULL;
+    b = PyObject_Call((PyObject *)&BatchOpsType, args[0], NULL);
+    if (!b)
+        goto done;
+    PyObject *r = BatchOps_put_packed((BatchOps *)b, args + 1, 3);
+    if (!r)
+        goto done;
+    Py_DECREF(r);
+    PyObject *ops = ((BatchOps *)b)->ops;
+    if (head != Py_None) {
+        r = BatchOps_put((BatchOps *)b, &PyTuple_GET_ITEM(head, 0), 2, NULL);
+        if (!r)
+            goto done;
+        Py_DECREF(r);
+        PyObject *hext = PyTuple_GET_ITEM(head, 2);
+        if (hext != Py_None) { /* (the head's own deadline: its put op's ext field) */
+            Py_ssize_t last = PyList_GET_SIZE(ops) - 1;
+            PyObject *op = PyList_GET_ITEM(ops, last);
+            PyObject *with = PyTuple_Pack(6, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1),
+                                          PyTuple_GET_ITEM(op, 2), PyTuple_GET_ITEM(op, 3),
+                                          PyTuple_GET_ITEM(op, 4), hext);
+            if (!with || PyList_SetItem(ops, last, with) < 0)
+                goto done;
+        }
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ops), na = PySequence_Fast_GET_SIZE(absent);
+    if (na || head != Py_None) {
+        expects = PyList_New(0);
+        if (!expects)
+            goto done;
+        for (Py_ssize_t i = 0; i <= na; i++) {
+            PyObject *judged = NULL, *op, *e;
+            Py_ssize_t j;
+            if (i < na) {
+                j = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(absent, i));
+                if (j == -1 && PyErr_Occurred())
+                    goto done;
+            } else if (head != Py_None) {
+                j = n - 1;
+                judged = PyTuple_GET_ITEM(head, 3);
+            } else {
+                break;
+            }
+            if (j < 0 || j >= n) {
+                PyErr_Format(PyExc_IndexError, "put_step: absent index %zd of %zd ops", j, n);
+                goto done;
+            }
+            op = PyList_GET_ITEM(ops, j);
+            if (!judged || PyTuple_GET_SIZE(judged) == 0)
+                e = PyTuple_Pack(2, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1));
+            else if (PyTuple_GET_SIZE(judged) == 2)
+                e = PyTuple_Pack(4, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1),
+                                 PyTuple_GET_ITEM(judged, 0), PyTuple_GET_ITEM(judged, 1));
+            else {
+                PyErr_SetString(PyExc_TypeError, "put_step: a head's judged is () or (counter, hlc)");
+                goto done;
+            }
+            if (!e || PyList_Append(expects, e) < 0) {
+                Py_XDECREF(e);
+                goto done;
+            }
+            Py_DECREF(e);
+        }
+    }
+    if (take_lock(c, timeout) < 0)
+        goto done;
+    res = needs_look(c, now_ms) ? Py_NewRef(Py_None)
+          : apply_list(c, ops, now_ms, 0, max_dirty, 0, 1, expects);
+    drop_lock(c);
+    if (!res) {
+        if (!PyErr_ExceptionMatches(SegmentError))
+            goto done;
+        PyErr_Clear(); /* (what the kernel found corrupt: the careful path repairs it) */
+        res = Py_NewRef(Py_None);
+    } else if (PyTuple_Check(res) && PyLong_Check(PyTuple_GET_ITEM(res, 0))) {
+        Py_SETREF(res, Py_NewRef(Py_None)); /* a status: nothing written */
+    }
+    out = PyTuple_Pack(3, ops, expects ? expects : Py_None, res);
+done:
+    Py_DECREF(absent);
+    Py_XDECREF(b);
+    Py_XDECREF(expects);
+    Py_XDECREF(res);
+    return out;
+}

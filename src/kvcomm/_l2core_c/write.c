@@ -884,38 +884,6 @@ Core_apply(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return apply_list(c, args[0], now_ms, flags, max_dirty, tombstones, compact, expects);
 }
 
-/* apply_locked(ops, now_ms, max_dirty, expects, timeout): apply(ops, now_ms, 0, max_dirty,
- * False, True, expects) under the writer lock, taken within timeout seconds and released
- * here (kv.batch()'s common case, the LangGraph saver's step: one call): (packed, vvxs).
- * None when Python must look first (purged, repair, pins to sweep) or the kernel gave a
- * status (a compare-and-set failed, no room...): nothing was written, and the careful
- * path (Writes.apply) runs it again, saying what a status means. */
-static PyObject *
-Core_apply_locked(Core *c, PyObject *const *args, Py_ssize_t nargs)
-{
-    NEED_VIEW(c);
-    if (nargs != 5 || !PyList_Check(args[0]) || (args[3] != Py_None && !PyList_Check(args[3]))) {
-        PyErr_SetString(PyExc_TypeError, "apply_locked(ops: list, now_ms, max_dirty, "
-                                         "expects: list | None, timeout)");
-        return NULL;
-    }
-    uint64_t now_ms = PyLong_AsUnsignedLongLong(args[1]);
-    uint64_t max_dirty = PyLong_AsUnsignedLongLong(args[2]);
-    double timeout = PyFloat_AsDouble(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    PyObject *out = NULL;
-    if (take_lock(c, timeout) == 0) {
-        out = needs_look(c, now_ms) ? Py_NewRef(Py_None)
-              : apply_list(c, args[0], now_ms, 0, max_dirty, 0, 1,
-                           args[3] == Py_None ? NULL : args[3]);
-        drop_lock(c);
-    }
-    if (out && PyTuple_Check(out) && PyLong_Check(PyTuple_GET_ITEM(out, 0)))
-        Py_SETREF(out, Py_NewRef(Py_None)); /* a status: nothing written */
-    return out;
-}
-
 /* put(key, h, tag, meta, value, now_ms, flags, max_dirty, timeout) -> tuple | int status
  * The common write in one call: take the lock, apply one put, release it. ST_LOOK: Python
  * must look first (purged, repair, pins to sweep): nothing was written. */

@@ -92,6 +92,19 @@ def run_async(aio: AsyncClient | None, fn: Callable[..., R], args: tuple[Any, ..
     What it returns is awaited by the caller: no coroutine of its own (one per step
     of a graph).
     """
+    return runner(aio)(fn, args, kwargs)
+
+
+def runner(aio: AsyncClient | None) -> Callable[[Callable[..., R], tuple[Any, ...],
+                                                  dict[str, Any]], Awaitable[R]]:
+    """:func:`run_async` with its client bound, for a saver to keep: ``aio._attempt`` itself
+    on a ``kvcomm.aio`` client (a graph step's two calls then run no Python frame of this
+    module), else the executor."""
     if aio is not None:
-        return aio._attempt(fn, args, kwargs)
-    return asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+        return aio._attempt
+
+    def in_executor(fn: Callable[..., R], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Awaitable[R]:
+        return asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(fn, *args, **kwargs))
+    return in_executor

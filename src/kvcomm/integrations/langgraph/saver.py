@@ -75,7 +75,7 @@ from ...errors import (
     Unavailable,
 )
 from ._keys import DEFAULT_ROOT, Keys, esc, version_component
-from ._kv import get_referenced, run_async, scan, sync_and_aio
+from ._kv import get_referenced, runner, scan, sync_and_aio
 from ._serde import NoPickleSerializer, no_pickle
 
 R = TypeVar("R")
@@ -89,6 +89,7 @@ _NULL_TASK = "00000000-0000-0000-0000-000000000000"  # the task id of a Command'
 _RESUME = "__resume__"  # the channel of a Command's resume value
 _STR = {str}
 _HEAD_MARGIN = 0.01  # (s: a head moved back expires this much before its checkpoint)
+_NO_KWARGS: dict[str, Any] = {}  # (the async methods' calls have none; never changed)
 _MAX_HEADS = 65536  # (the remembered heads, one per thread and namespace: bounded)
 
 
@@ -308,6 +309,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         self._commands: dict[int | None, tuple[str, str, str]] = {}
         self._runs = itertools.count(1)
         self._cluster = kv.config.cluster.enabled
+        self._attempt = runner(self.aio)  # (the async methods' runner: see _kv.run_async)
         if self._cluster and kv.config.cache.strong_prefix(self.keys.heads + "t/n/") is None \
                 and kv.config.cache.l3_consistency != "strong":
             warnings.warn(f"KVCommSaver in cluster mode with eventual heads: a thread resumed on "
@@ -1104,11 +1106,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
 
     # ---------------------------------------------------------------- async
     def _run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> Awaitable[R]:
-        return run_async(self.aio, fn, args, kwargs)
+        return self._attempt(fn, args, kwargs)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """:meth:`get_tuple`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        return await self._run(self.get_tuple, config)
+        return await self._attempt(self.get_tuple, (config,), _NO_KWARGS)
 
     async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
                     before: RunnableConfig | None = None, limit: int | None = None
@@ -1122,12 +1124,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
                    metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
         """:meth:`put`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        return await self._run(self.put, config, checkpoint, metadata, new_versions)
+        return await self._attempt(self.put, (config, checkpoint, metadata, new_versions),
+                                   _NO_KWARGS)
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
                           task_id: str, task_path: str = "") -> None:
         """:meth:`put_writes`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
-        await self._run(self.put_writes, config, writes, task_id, task_path)
+        await self._attempt(self.put_writes, (config, writes, task_id, task_path), _NO_KWARGS)
 
     async def adelete_thread(self, thread_id: str) -> None:
         """:meth:`delete_thread`, native on a ``kvcomm.aio`` client (see ``_kv.run_async``)."""
