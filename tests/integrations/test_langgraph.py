@@ -176,6 +176,7 @@ def test_keys_built_from_the_memo_are_the_keys_the_layout_names(
         assert each == [expect(prefix + "0"), expect(prefix + str(idx))]
         together = got(k.task_writes, prefix, [0, idx], "task", thread)
         assert together == (kvcomm.InvalidKey if kvcomm.InvalidKey in each else each)
+        assert got(k.step_writes, thread, ns, cid, "task", [0, idx]) == together
 
 
 @given(st.text(alphabet=st.characters(codec=None, max_codepoint=0x2030), max_size=12)

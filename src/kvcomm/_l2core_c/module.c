@@ -132,6 +132,8 @@ static PyMethodDef module_methods[] = {
      "mutex_forget(): in a child after fork, this thread holds no file mutex"},
     {"mutex_release", (PyCFunction)(void (*)(void))mutex_release, METH_FASTCALL,
      "mutex_release(buffer, offset) -> bool: release it if this thread holds it"},
+    {"plain_component", plain_component, METH_O,
+     "plain_component(s) -> bool: s is a str without %, /, =, C0 controls or DEL"},
     {"pack_plain", pack_plain, METH_O,
      "pack_plain(fields) -> bytes | None: msgpack of a list of str, bytes and None fields"},
     {"key_of", (PyCFunction)(void (*)(void))key_of, METH_FASTCALL,

@@ -673,7 +673,6 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if type(task_id) is not str or type(task_path) is not str:
             raise InvalidArgument(f"a task's id and path are str (LangGraph's), got "
                                   f"{task_id!r} and {task_path!r}")
-        prefix = self.keys.task_prefix(thread_id, ns, cid, task_id)
         dumps = self.serde.dumps_typed
         records: list[list[Any]] = []
         indices: list[int] = []  # (of the writes, as keyed)
@@ -692,7 +691,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 regular.append(len(indices))
             indices.append(i)
             records.append([task_id, channel, *dumps(value), task_path])
-        keys = self.keys.task_writes(prefix, indices, task_id, thread_id)
+        keys = self.keys.step_writes(thread_id, ns, cid, task_id, indices)
         if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
             self._commands[run] = (thread_id, ns, cid)  # (before they are stored: see put)
