@@ -300,6 +300,22 @@ def test_a_serializer_is_judged_by_the_real_types_it_gives_and_may_be_swapped(
     serde.inner = Tagged(allowed_msgpack_modules=None)
     assert serde.dumps_typed(1) == ("tagged", b"x")
 
+    class Str(str):
+        pass
+
+    for gives, judged in [(("pickle", b"x"), "as a pickle"), (("pickle5", b"x"), "as a pickle"),
+                          ((Str("pickle"), b"x"), r"\(Str, bytes\)"),
+                          (("msgpack", bytearray(b"x")), ("msgpack", b"x")),
+                          (["msgpack", b"x"], ("msgpack", b"x")), (("msgpack", b"x"), None)]:
+        serde.inner = mock.Mock(dumps_typed=mock.Mock(return_value=gives))
+        if isinstance(judged, str):
+            with pytest.raises(kvcomm.UnsupportedValue, match=judged):
+                serde.dumps_typed(1)
+        else:  # (an exact (str, bytes) pair is handed on as it is)
+            got = serde.dumps_typed(1)
+            assert got == (judged or gives) and type(got) is tuple
+            assert (got is gives) == (judged is None)
+
 
 def test_a_value_whose_type_is_unhashable_is_stored_by_its_serializer(kv: kvcomm.Client) -> None:
     """Whether a channel value is kept in its checkpoint's record is decided from its type

@@ -134,6 +134,8 @@ static PyMethodDef module_methods[] = {
      "mutex_release(buffer, offset) -> bool: release it if this thread holds it"},
     {"plain_component", plain_component, METH_O,
      "plain_component(s) -> bool: s is a str without %, /, =, C0 controls or DEL"},
+    {"plain_pair", plain_pair, METH_O,
+     "plain_pair(x) -> bool: x is a tuple of exactly (str, bytes), exact types"},
     {"pack_plain", pack_plain, METH_O,
      "pack_plain(fields) -> bytes | None: msgpack of a list of str, bytes and None fields"},
     {"key_of", (PyCFunction)(void (*)(void))key_of, METH_FASTCALL,

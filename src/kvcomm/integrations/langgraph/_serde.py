@@ -39,6 +39,12 @@ from ...errors import ConfigError, CorruptRecord, KVCommError, UnsupportedValue
 
 _PICKLE_TYPES = frozenset({"pickle", "pickle5"})
 
+try:
+    from ..._l2core import plain_pair as _pair
+except ImportError:  # pragma: no cover  (the C kernel absent: the same check in Python)
+    def _pair(x: object, /) -> bool:
+        return type(x) is tuple and len(x) == 2 and type(x[0]) is str and type(x[1]) is bytes
+
 
 def _pickles(serde: Any) -> bool:
     if isinstance(serde, JsonPlusSerializer):
@@ -68,7 +74,10 @@ class NoPickleSerializer(SerializerProtocol):
         """``inner.dumps_typed(obj)``. Raises UnsupportedValue when it would be a pickle or
         the inner serializer cannot serialize it (its TypeError); nothing is stored."""
         try:
-            type_, data = self.inner.dumps_typed(obj)
+            out = self.inner.dumps_typed(obj)
+            if _pair(out) and out[0] not in _PICKLE_TYPES:
+                return out  # (what is stored reads back: the common case, one check in C)
+            type_, data = out
         except UnsupportedValue:
             raise
         except TypeError as exc:  # (JsonPlusSerializer: "Type is not msgpack serializable")
@@ -79,7 +88,7 @@ class NoPickleSerializer(SerializerProtocol):
                 "LangGraph's serializer does not), or name your class in "
                 "JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
         if type(data) is bytes and type(type_) is str and type_ not in _PICKLE_TYPES:
-            return type_, data  # (what is stored reads back: the common case, one test)
+            return type_, data  # (a pair of another shape: a list, a tuple subclass)
         if type(type_) is str and type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")
