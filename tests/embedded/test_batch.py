@@ -352,6 +352,31 @@ def test_put_records_one_call_hands_what_it_cannot_do_to_the_careful_path(
     assert kv.counters["batches"] == batches
 
 
+def test_put_records_closed_while_it_collects_its_batch_writes_nothing(ns: str) -> None:
+    """Collecting a step's batch may run Python code (the client's encode for a head that is
+    not Packed, a finalizer), and another thread's close with it: the call then raises
+    SegmentError and writes nothing, never touching the unmapped segment (SIGSEGV). Here
+    the encode closes the client itself, in a process of its own."""
+    out = _run(f"""
+import kvcomm
+from kvcomm._client.batch import put_records
+kv = kvcomm.open({ns!r}, config=kvcomm.Config.from_mapping({{"cache": {{"l2_size": "8MB"}}}}))
+memo, key_hash, encode, *rest = kv._batch_ops
+def closing(value):
+    kv.close()
+    return encode(value)
+kv._batch_ops = (memo, key_hash, closing, *rest)
+try:
+    put_records(kv, ["c/1"], [["x"]], last=("c/h", {{"id": "1"}}, kvcomm.ABSENT, None))
+except kvcomm.SegmentError as exc:
+    print("refused:", exc)
+""")
+    assert out.returncode == 0, (out.returncode, out.stderr[-800:])
+    assert "closed while this call collected its batch" in out.stdout, out.stdout
+    with kvcomm.open(ns, config=kvcomm.Config.from_mapping({"cache": {"l2_size": "8MB"}})) as kv:
+        assert kv.get("c/1") is None and kv.get("c/h") is None and kv._seg.check() == []
+
+
 def test_put_records_edges_its_review_found(kv: kvcomm.Client) -> None:
     """(Found in review, each a difference from the batch put_records stands for, or from
     the saver's promise.) The head's deadline is never after its records', however long
@@ -376,7 +401,14 @@ def test_put_records_edges_its_review_found(kv: kvcomm.Client) -> None:
         batch_mod.put_records(kv, ["t/x"], [["x"]], last=("", Packed.built({}), kvcomm.ABSENT, -1))
     with pytest.raises(kvcomm.InvalidKey):
         batch_mod.put_records(kv, ["t/x"], [["x"]], last=("", Packed.built({}), kvcomm.ABSENT, 5))
-    assert kv.get("t/x") is None
+    for bad_record in (["t/\x00"], [["x"]]), (["t/x"], [[object()]]):  # (and a bad record
+        with pytest.raises((kvcomm.InvalidKey, kvcomm.UnsupportedValue)):  # before a bad head
+            batch_mod.put_records(kv, *bad_record, last=(  # ttl: as the batch finds them)
+                "t/h2", Packed.built({}), kvcomm.ABSENT, -1))
+    with pytest.raises(IndexError):  # (absent names records, never the head after them)
+        batch_mod.put_records(kv, ["t/x"], [["x"]], absent=[1], last=(
+            "t/h2", Packed.built({}), kvcomm.ABSENT, None))
+    assert kv.get("t/x") is None and kv.get("t/h2") is None
     turn = kv._lat_left
     with pytest.raises(kvcomm.ConflictError):
         batch_mod.put_records(kv, ["t/y"], [["y"]], last=("t/h", Packed.built({}), kvcomm.ABSENT, None))

@@ -334,8 +334,11 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
             judged = _judged(c, expect)
             if judged is None:
                 return _put_records_batch(c, keys, records, now, ttl, absent, last)
-        head = (key, value, None if last_ttl is None else c._ext_with(None, _deadline(now, last_ttl)),
-                judged)
+        try:
+            head_ext = None if last_ttl is None else c._ext_with(None, _deadline(now, last_ttl))
+        except InvalidArgument:  # (a bad head ttl: the batch says which input it finds
+            return _put_records_batch(c, keys, records, now, ttl, absent, last)  # wrong first)
+        head = (key, value, head_ext, judged)
     if c._unusable:
         c._live()
     if c._lat_left > 1:  # (_timed's countdown, inline: not this batch's turn)

@@ -606,6 +606,7 @@ Core_put_step(Core *c, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_ssize_t n = PyList_GET_SIZE(ops), na = PySequence_Fast_GET_SIZE(absent);
+    Py_ssize_t nkeys = PyList_GET_SIZE(args[1]); /* (a list: _put_packed took it) */
     if (na || head != Py_None) {
         expects = PyList_New(0);
         if (!expects)
@@ -623,8 +624,9 @@ Core_put_step(Core *c, PyObject *const *args, Py_ssize_t nargs)
             } else {
                 break;
             }
-            if (j < 0 || j >= n) {
-                PyErr_Format(PyExc_IndexError, "put_step: absent index %zd of %zd ops", j, n);
+            if (judged == NULL && (j < 0 || j >= nkeys)) {
+                PyErr_Format(PyExc_IndexError, "put_step: absent index %zd of %zd keys", j,
+                             nkeys);
                 goto done;
             }
             op = PyList_GET_ITEM(ops, j);
@@ -643,6 +645,13 @@ Core_put_step(Core *c, PyObject *const *args, Py_ssize_t nargs)
             }
             Py_DECREF(e);
         }
+    }
+    /* (collecting may have run Python code, an encode or a finalizer, and another thread's
+     * close with it: the mapping is looked at again, nothing in between) */
+    if (!c->has_view || c->closing || guard_lost(c->guard)) {
+        PyErr_SetString(SegmentError, "this kvcomm client was closed while this call collected "
+                                      "its batch; nothing was written");
+        goto done;
     }
     if (take_lock(c, timeout) < 0)
         goto done;
