@@ -42,7 +42,8 @@ sync saver (the calls a 20-step graph made, recorded once, replayed ``--n`` time
 threads, interleaved: min and median µs per step). Then KVCommSaver (over
 ``kvcomm.aio``) and InMemorySaver in ``--rounds`` interleaved pairs of ``--graphs`` waves
 of ``--concurrency`` concurrent 20-step graphs: the median of the pairs' ratios of graphs
-per CPU-second.
+per CPU-second (after three such untimed rounds of each; the heap collected before each
+side's waves).
 
 ``--bytecodes``: the Python bytecodes (and calls) a graph step runs in each sync saver,
 counted with ``sys.settrace`` over one replay of the recorded calls: a count, which the
@@ -55,6 +56,7 @@ import argparse
 import asyncio
 import copy
 import functools
+import gc
 import os
 import shutil
 import sqlite3
@@ -308,6 +310,10 @@ async def graph_pairs(pairs: int, waves: int, concurrency: int) -> list[float]:
             graphs = {"mem": async_graph(InMemorySaver()), "kv": async_graph(KVCommSaver(akv))}
 
             async def rate(g: Any) -> float:
+                # (each side starts from a collected heap: a full collection, which grows
+                # with everything the process holds, InMemorySaver's threads included,
+                # then lands in either side's waves alike, not at random in one of them)
+                gc.collect()
                 c0 = time.process_time()
                 for _ in range(waves):
                     outs = await asyncio.gather(*(g.ainvoke(
@@ -316,8 +322,9 @@ async def graph_pairs(pairs: int, waves: int, concurrency: int) -> list[float]:
                     assert all(o["n"] == 20 for o in outs)
                 return waves * concurrency / (time.process_time() - c0)
 
-            for g in graphs.values():  # (untimed: LangGraph's caches warmed)
-                await rate(g)
+            for g in graphs.values():  # (untimed: LangGraph's caches warmed, and the
+                for _ in range(3):  # namespace's first pages touched)
+                    await rate(g)
             ratios = []
             for _ in range(pairs):
                 mem = await rate(graphs["mem"])

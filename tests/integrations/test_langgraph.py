@@ -1823,6 +1823,29 @@ def test_a_child_put_by_another_saver_reads_its_parents_small_values_back(
     assert got is not None and got.checkpoint["channel_values"] == {"a": 1, "L": [1], "b": 2}
 
 
+def test_a_child_put_over_a_parent_record_of_another_shape_is_corruptrecord(
+        kv: kvcomm.Client) -> None:
+    """The parent's record, read to carry its small values on, holds the value's triple but
+    a body that is not a checkpoint (written by another program): the put raises
+    CorruptRecord naming the thread, and moves nothing."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from kvcomm.core.codec import packb
+
+    first, second = KVCommSaver(kv), KVCommSaver(kv)  # (the second reads the parent)
+    cfg: Any = {"configurable": {"thread_id": "sparse", "checkpoint_ns": ""}}
+    v = first.get_next_version(None, None)
+    c1, c2 = empty_checkpoint(), empty_checkpoint()
+    c1["channel_values"], c1["channel_versions"] = {"a": 1}, {"a": v}
+    c2["channel_values"], c2["channel_versions"] = {}, {"a": v}
+    r1 = first.put(cfg, c1, {}, {"a": v})
+    key = first.keys.checkpoint("sparse", "", r1["configurable"]["checkpoint_id"])
+    kv.put(key, ["msgpack", packb(1), *kv.get(key)[2:]])  # (its checkpoint: the number 1)
+    with pytest.raises(kvcomm.CorruptRecord, match="thread 'sparse'"):
+        second.put(r1, c2, {}, {})
+    assert kv.get(second.keys.checkpoint("sparse", "", c2["id"])) is None
+
+
 def test_a_task_run_again_is_no_conflict(kv: kvcomm.Client) -> None:
     """put_writes of a task run again keeps its stored writes without counting a
     conflict in kvcomm_conflicts_total (nothing failed)."""

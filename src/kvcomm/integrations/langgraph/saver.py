@@ -41,7 +41,8 @@ import time
 import uuid
 import warnings
 from collections import ChainMap
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
@@ -414,8 +415,11 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # every value, a caller of put may not; their values are its ancestors')
         inherited = versions.keys() - values.keys() - new_versions.keys()
         if inherited and parent is not None:
-            with _Reading(thread=thread_id):
+            try:
                 record += self._inlined_by(thread_id, ns, parent, inherited, versions)
+            except _SHAPE_ERRORS as exc:  # (as `with _Reading(thread=...)`, made only then)
+                _reraise_corrupt(f"thread {thread_id!r}", exc)
+                raise
         records: builtins.list[builtins.list[Any]] = [record]
         channels = builtins.list(new_versions.items())
         if ttl is not None:  # (the values it shares with its ancestors live as long as it)
@@ -570,7 +574,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             cid = up
         return None
 
-    def _inlined_by(self, thread_id: str, ns: str, parent: str, channels: Collection[str],
+    def _inlined_by(self, thread_id: str, ns: str, parent: str, channels: AbstractSet[str],
                     versions: dict[str, Any]) -> builtins.list[Any]:
         """The (channel, type, bytes) fields of ``channels`` at ``versions`` that the
         record of checkpoint ``parent`` holds: a checkpoint put without the values of
@@ -580,11 +584,9 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         LangGraph passes every value but the empty channels': the parent is then the last
         checkpoint this saver put, known without a read."""
         body = self._body(thread_id, ns, parent)
-        if body is None:
-            return []
+        if body is None or channels.isdisjoint(body[6::3]):  # (LangGraph's own puts: only
+            return []  # empty channels come without values)
         found = [i for i in range(6, len(body), 3) if body[i] in channels]
-        if not found:  # (LangGraph's own puts: only empty channels come without values)
-            return []
         theirs = self._loads(body[0], body[1])["channel_versions"]
         return [x for i in found if theirs.get(body[i]) == versions[body[i]]
                 for x in body[i:i + 3]]
