@@ -409,6 +409,10 @@ def test_put_records_edges_its_review_found(kv: kvcomm.Client) -> None:
         batch_mod.put_records(kv, ["t/x"], [["x"]], absent=[1], last=(
             "t/h2", Packed.built({}), kvcomm.ABSENT, None))
     assert kv.get("t/x") is None and kv.get("t/h2") is None
+    turn = kv._lat_left  # (a refused call, nothing applied, takes no turn of sampling)
+    with pytest.raises(kvcomm.InvalidKey):
+        batch_mod.put_records(kv, ["t/\x00"], [["x"]])
+    assert kv._lat_left == turn
     turn = kv._lat_left
     with pytest.raises(kvcomm.ConflictError):
         batch_mod.put_records(kv, ["t/y"], [["y"]], last=("t/h", Packed.built({}), kvcomm.ABSENT, None))

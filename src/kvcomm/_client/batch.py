@@ -348,9 +348,14 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         t0 = _timed(c)
     # (collect (validates, encodes: what a batch's own ops raise), lock, apply, unlock: one
     # call; no result: nothing written, see below)
-    ops, expects, r = c._core_step(
-        c._batch_ops, keys, records, None if ttl is None else c._ext_with(None, _deadline(now, ttl)),
-        absent, head, _now_ms(), c._max_dirty, c._lock_timeout)
+    try:
+        ops, expects, r = c._core_step(
+            c._batch_ops, keys, records,
+            None if ttl is None else c._ext_with(None, _deadline(now, ttl)),
+            absent, head, _now_ms(), c._max_dirty, c._lock_timeout)
+    except BaseException:  # (refused, nothing applied: its turn to be timed given back)
+        c._lat_left = 1 if t0 else c._lat_left + 1
+        raise
     if r is None:  # (the careful path: looks first, repairs, raises what a status means,
         try:  # or that the segment was closed meanwhile, by another thread)
             r = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty, compact=True,
