@@ -446,7 +446,8 @@ def graph_only(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000, help="puts and reads per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds (--graph-only: pairs of KVCommSaver and InMemorySaver)")
     ap.add_argument("--graphs", type=int, default=20, help="20-step graph runs per round")
     ap.add_argument("--cluster", action="store_true",
                     help="also KVCommSaver on a one-host dev cluster (needs redis-server, etcd)")
@@ -457,7 +458,8 @@ def main() -> None:
     ap.add_argument("--pg-bin", default="/usr/lib/postgresql/15/bin",
                     help="--async: the folder of PostgreSQL's initdb and pg_ctl")
     ap.add_argument("--graph-only", action="store_true",
-                    help="only #26's graph target: a step's cost to each sync saver (--n "
+                    help="only the graph target (KVCommSaver's graph throughput over "
+                         "InMemorySaver's, >= 0.9): a step's cost to each sync saver (--n "
                          "replays), then --rounds interleaved pairs of --graphs waves")
     ap.add_argument("--bytecodes", action="store_true",
                     help="only the Python bytecodes a graph step runs in each sync saver (a "

@@ -306,7 +306,10 @@ def test_a_serializer_is_judged_by_the_real_types_it_gives_and_may_be_swapped(
     for gives, judged in [(("pickle", b"x"), "as a pickle"), (("pickle5", b"x"), "as a pickle"),
                           ((Str("pickle"), b"x"), r"\(Str, bytes\)"),
                           (("msgpack", bytearray(b"x")), ("msgpack", b"x")),
-                          (["msgpack", b"x"], ("msgpack", b"x")), (("msgpack", b"x"), None)]:
+                          (["msgpack", b"x"], ("msgpack", b"x")), (("msgpack", b"x"), None),
+                          (("msgpack", b"x", 1), "returns \\(str, bytes\\)"),
+                          (("msgpack",), "returns \\(str, bytes\\)"),
+                          (None, "returns \\(str, bytes\\)")]:
         serde.inner = mock.Mock(dumps_typed=mock.Mock(return_value=gives))
         if isinstance(judged, str):
             with pytest.raises(kvcomm.UnsupportedValue, match=judged):

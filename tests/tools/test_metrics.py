@@ -1009,3 +1009,26 @@ def test_hot_keys_read_equally_often_are_all_shown_with_their_reads(ns: str) -> 
             assert 1000 <= hot[k] <= 3000, f"{k} read 2,000 times, estimated {hot[k]}: {hot}"
     finally:
         kv.close()
+
+
+def test_a_latency_series_new_while_a_close_counts_does_not_stop_the_close(
+        config: kvcomm.Config, ns: str) -> None:
+    """Closing counts the client's latency series while another thread's write may add the
+    first of a new one: the count (a snapshot) takes it or not, and the close completes.
+    (It raised RuntimeError "dictionary changed size during iteration" and left the client
+    open.) The other thread is stood for by a series whose counts add one when read."""
+    kv = kvcomm.open(ns, config=config)
+    kv._note_latency("put", "l2", 1000)  # (a series sampled: latencies are one in N)
+    real = kv._lat["put", "l2"]
+
+    class Adding:  # (read in the count's loop: a write of another thread gets in there)
+        @property
+        def counts(self) -> Any:
+            kv._lat.setdefault(("delete", "l2"), real)
+            return real.counts
+
+    kv._lat[("batch", "l2")] = Adding()  # type: ignore[assignment]
+    kv.close()
+    assert kv._closed
+    with pytest.raises(kvcomm.SegmentError, match="closed"):
+        kv.put("k", b"again")

@@ -649,8 +649,12 @@ Core_put_step(Core *c, PyObject *const *args, Py_ssize_t nargs)
     /* (collecting may have run Python code, an encode or a finalizer, and another thread's
      * close with it: the mapping is looked at again, nothing in between) */
     if (!c->has_view || c->closing || guard_lost(c->guard)) {
-        PyErr_SetString(SegmentError, "this kvcomm client was closed while this call collected "
-                                      "its batch; nothing was written");
+        PyErr_SetString(SegmentError, c->has_view && !c->closing
+                        ? "the L2 segment file was truncated under this process while this "
+                          "call collected its batch (its data here is lost); nothing was "
+                          "written: open the namespace again"
+                        : "this kvcomm client was closed while this call collected its batch; "
+                          "nothing was written");
         goto done;
     }
     if (take_lock(c, timeout) < 0)

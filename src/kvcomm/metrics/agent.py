@@ -89,8 +89,9 @@ def client_counts(client: Client) -> dict[int, int]:
     for tier, row in zip(("l1", "l2"), g.latency, strict=True):
         if row[-1]:
             _hist(out, ("get", tier), row)
-    for series, h in client._lat.items():
-        _hist(out, series, h.counts, add=series == ("get", "l2"))
+    for series, h in list(client._lat.items()):  # (a snapshot, taken in C: another thread's
+        _hist(out, series, h.counts, add=series == ("get", "l2"))  # first write of a series
+    # adds one meanwhile, and the dict's own iterator would raise, failing kv.close())
     return out
 
 

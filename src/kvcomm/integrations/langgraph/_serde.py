@@ -75,9 +75,6 @@ class NoPickleSerializer(SerializerProtocol):
         the inner serializer cannot serialize it (its TypeError); nothing is stored."""
         try:
             out = self.inner.dumps_typed(obj)
-            if _pair(out) and out[0] not in _PICKLE_TYPES:
-                return out  # (what is stored reads back: the common case, one check in C)
-            type_, data = out
         except UnsupportedValue:
             raise
         except TypeError as exc:  # (JsonPlusSerializer: "Type is not msgpack serializable")
@@ -87,6 +84,15 @@ class NoPickleSerializer(SerializerProtocol):
                 "as np.float64(2.5): its .item(), the Python number; kv.put converts those, "
                 "LangGraph's serializer does not), or name your class in "
                 "JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
+        if _pair(out) and out[0] not in _PICKLE_TYPES:
+            return out  # (what is stored reads back: the common case, one check in C)
+        try:
+            type_, data = out
+        except (TypeError, ValueError):  # (not a pair at all)
+            raise UnsupportedValue(
+                f"the serializer gave {str(out)[:80]} for a {type(obj).__name__}; a LangGraph "
+                "serializer's dumps_typed returns (str, bytes): fix the serializer given as "
+                "serde") from None
         if type(data) is bytes and type(type_) is str and type_ not in _PICKLE_TYPES:
             return type_, data  # (a pair of another shape: a list, a tuple subclass)
         if type(type_) is str and type_ in _PICKLE_TYPES:
