@@ -43,7 +43,8 @@ threads, interleaved: min and median µs per step). Then KVCommSaver (over
 ``kvcomm.aio``) and InMemorySaver in ``--rounds`` interleaved pairs of ``--graphs`` waves
 of ``--concurrency`` concurrent 20-step graphs: the median of the pairs' ratios of graphs
 per CPU-second (after three such untimed rounds of each; the heap collected before each
-side's waves).
+side's waves; a new InMemorySaver for each pair, so that the threads it keeps in the
+process do not slow every later collection of both sides).
 
 ``--bytecodes``: the Python bytecodes (and calls) a graph step runs in each sync saver,
 counted with ``sys.settrace`` over one replay of the recorded calls: a count, which the
@@ -327,6 +328,10 @@ async def graph_pairs(pairs: int, waves: int, concurrency: int) -> list[float]:
                     await rate(g)
             ratios = []
             for _ in range(pairs):
+                # (a new InMemorySaver each pair: the threads it keeps in the process would
+                # otherwise grow every later collection, on both sides, pair after pair;
+                # KVCommSaver keeps its threads in the segment, and its bounded memos)
+                graphs["mem"] = async_graph(InMemorySaver())
                 mem = await rate(graphs["mem"])
                 ratios.append(await rate(graphs["kv"]) / mem)
             return ratios
