@@ -1849,6 +1849,32 @@ def test_a_child_put_over_a_parent_record_of_another_shape_is_corruptrecord(
     assert kv.get(second.keys.checkpoint("sparse", "", c2["id"])) is None
 
 
+def test_a_client_closed_while_a_put_reads_its_parent_says_closed_not_corrupt(
+        ns: str, config: kvcomm.Config) -> None:
+    """Another thread closes the client while a put reads the parent's record: the read
+    fails (AttributeError, ValueError: the mapping is gone under it), and the put says the
+    client was closed (SegmentError), not that the thread's records are corrupt (it
+    advised deleting the thread). The close is made inside the read, as the race makes it."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    kv = kvcomm.open(ns, config=config)
+    first, second = KVCommSaver(kv), KVCommSaver(kv)  # (the second reads the parent)
+    cfg: Any = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    v = first.get_next_version(None, None)
+    c1, c2 = empty_checkpoint(), empty_checkpoint()
+    c1["channel_values"], c1["channel_versions"] = {"a": 1}, {"a": v}
+    c2["channel_values"], c2["channel_versions"] = {}, {"a": v}
+    r1 = first.put(cfg, c1, {}, {"a": v})
+
+    def closed_under(*args: Any, **kwargs: Any) -> Any:
+        kv.close()
+        raise AttributeError("'NoneType' object has no attribute 'read'")
+
+    kv.get = closed_under  # type: ignore[method-assign]
+    with pytest.raises(kvcomm.SegmentError, match="closed"):
+        second.put(r1, c2, {}, {})
+
+
 def test_a_task_run_again_is_no_conflict(kv: kvcomm.Client) -> None:
     """put_writes of a task run again keeps its stored writes without counting a
     conflict in kvcomm_conflicts_total (nothing failed)."""

@@ -73,6 +73,7 @@ from ...errors import (
     InvalidKey,
     KVCommError,
     KVCommWarning,
+    SegmentError,
     Unavailable,
 )
 from ._keys import DEFAULT_ROOT, Keys, esc, version_component
@@ -135,7 +136,13 @@ _SHAPE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError,
                  NotImplementedError, RecursionError, OverflowError)
 
 
-def _corrupt(what: str, exc: BaseException) -> CorruptRecord:
+def _corrupt(what: str, exc: BaseException, kv: Client | None = None) -> KVCommError:
+    """CorruptRecord naming ``what`` for ``exc``, what a read of a record of another shape
+    raised; SegmentError when ``kv``, the client read, was closed meanwhile (by another
+    thread: its reads then fail so, whatever the records hold)."""
+    if kv is not None and kv._closed:
+        return SegmentError("this kvcomm client was closed (by another thread) while this "
+                            "call read the thread's records; open a new one")
     return CorruptRecord(f"a record of {what} in KVCOMM is not one KVCommSaver wrote "
                          f"({type(exc).__name__}: {str(exc)[:200]}); delete the thread "
                          "(delete_thread) or the record")
@@ -147,26 +154,28 @@ class _Reading:
     raise becomes CorruptRecord naming ``what`` (``_Reading(thread=t)``: "thread t", made
     only then). KVCommErrors pass as they are."""
 
-    __slots__ = ("thread", "what")
+    __slots__ = ("kv", "thread", "what")
 
-    def __init__(self, what: str = "", *, thread: str = "") -> None:
+    def __init__(self, what: str = "", *, thread: str = "", kv: Client | None = None) -> None:
         self.what = what
         self.thread = thread
+        self.kv = kv
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, t: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is not None and isinstance(exc, _SHAPE_ERRORS):
-            _reraise_corrupt(self.what or f"thread {self.thread!r}", exc)
+            _reraise_corrupt(self.what or f"thread {self.thread!r}", exc, self.kv)
         return False
 
 
-def _reraise_corrupt(what: str, exc: BaseException) -> None:
-    """What ``_Reading(what)`` raises for ``exc``, one of _SHAPE_ERRORS, at the end of its
-    block: CorruptRecord naming ``what``; nothing (the caller re-raises) for a KVCommError."""
+def _reraise_corrupt(what: str, exc: BaseException, kv: Client | None = None) -> None:
+    """What ``_Reading(what, kv=kv)`` raises for ``exc``, one of _SHAPE_ERRORS, at the end
+    of its block: ``_corrupt(what, exc, kv)``; nothing (the caller re-raises) for a
+    KVCommError."""
     if not isinstance(exc, KVCommError):
-        raise _corrupt(what, exc) from None
+        raise _corrupt(what, exc, kv) from None
 
 
 def _slots_ok(w: Any) -> bool:
@@ -418,7 +427,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             try:
                 record += self._inlined_by(thread_id, ns, parent, inherited, versions)
             except _SHAPE_ERRORS as exc:  # (as `with _Reading(thread=...)`, made only then)
-                _reraise_corrupt(f"thread {thread_id!r}", exc)
+                _reraise_corrupt(f"thread {thread_id!r}", exc, self.kv)
                 raise
         records: builtins.list[builtins.list[Any]] = [record]
         channels = builtins.list(new_versions.items())
@@ -439,7 +448,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 _forward, cid, parent if conf.get(RESUMED_HEAD) is not None else _ANY),
                 (keys, records))
         except _SHAPE_ERRORS as exc:  # (as `with _Reading(thread=...)`, made only then)
-            _reraise_corrupt(f"thread {thread_id!r}", exc)
+            _reraise_corrupt(f"thread {thread_id!r}", exc, self.kv)
             raise
         except _Moved as moved:
             if self._cluster:  # (written before the head's compare-and-set: gone again)
@@ -485,7 +494,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 "from the thread's latest checkpoint (without checkpoint_id) to retry, or "
                 "fork from the old one explicitly (with its checkpoint_id)")
         try:
-            with _Reading(thread=thread_id):
+            with _Reading(thread=thread_id, kv=self.kv):
                 child = self._child_on_chain(thread_id, ns, head, parent)
                 dropped = not first and child is not None and child is not _OFF_CHAIN \
                     and self._input_only(thread_id, ns, parent) \
@@ -702,7 +711,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if keys:
             self._put_new_writes(keys, records, regular)
         if keys and self._cluster:  # (all of them, even those stored already: see
-            with _Reading(thread=thread_id):  # _kv.run_async)
+            with _Reading(thread=thread_id, kv=self.kv):  # _kv.run_async)
                 self._note_writes(thread_id, ns, cid, [[task_id, i] for i in indices])
 
     def _put_new_writes(self, keys: list[str], records: list[list[Any]],
@@ -763,7 +772,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         except KVCommError:
             raise
         except _SHAPE_ERRORS as exc:
-            raise _corrupt(f"thread {thread_id!r}", exc) from None
+            raise _corrupt(f"thread {thread_id!r}", exc, self.kv) from None
 
     def _get_tuple(self, config: RunnableConfig, thread_id: str,
                    ns: str) -> CheckpointTuple | None:
@@ -928,7 +937,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             except KVCommError:
                 raise
             except _SHAPE_ERRORS as exc:
-                raise _corrupt("a checkpoint listed", exc) from None
+                raise _corrupt("a checkpoint listed", exc, self.kv) from None
             yield tup
 
     def _list(self, suffix: str, cid: str | None, before_id: str | None,
@@ -1002,7 +1011,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         with it, the heads never outliving them. Raises CorruptRecord for a head of the
         source that is not one KVCommSaver wrote (its records are copied)."""
         source_thread_id, target_thread_id = _thread(source_thread_id), _thread(target_thread_id)
-        with _Reading(thread=source_thread_id):
+        with _Reading(thread=source_thread_id, kv=self.kv):
             self._copy_thread(source_thread_id, target_thread_id)
 
     def _copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
@@ -1053,7 +1062,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             return
         k = self.keys
         threads = []
-        with _Reading("a checkpoint"):
+        with _Reading("a checkpoint", kv=self.kv):
             for item in scan(self.kv, k.checkpoints):
                 run = _record(item.value, 6, item.key)[5]
                 if type(run) is str and run in runs:
@@ -1061,7 +1070,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                     if t not in threads:
                         threads.append(t)
         for t in threads:
-            with _Reading(thread=t):
+            with _Reading(thread=t, kv=self.kv):
                 _rewrite(self, t, lambda _ns, _c, body: type(body[5]) is str and body[5] in runs)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -1086,7 +1095,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             if strategy == "delete":
                 self.delete_thread(t)
                 continue
-            with _Reading(thread=t):
+            with _Reading(thread=t, kv=self.kv):
                 latest: dict[str, str] = {}
                 for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, t)):
                     _t, ns, c = Keys.split(item.key, self.keys.checkpoints)
@@ -1096,7 +1105,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
     def _uses_delta_channels(self, thread_id: str) -> bool:
         """Whether a checkpoint of ``thread_id`` was written by a graph with a
         ``DeltaChannel`` (its metadata counts deltas, as LangGraph writes it)."""
-        with _Reading(thread=thread_id):
+        with _Reading(thread=thread_id, kv=self.kv):
             for item in scan(self.kv, self.keys.thread(self.keys.checkpoints, thread_id)):
                 body = _record(item.value, 6, item.key)
                 md = self._loads(body[2], body[3])
