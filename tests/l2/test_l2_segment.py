@@ -540,3 +540,20 @@ def test_a_missing_l2_dir_is_named(ns: str, tmp_path: pathlib.Path) -> None:
     cfg = kvcomm.Config.from_mapping({"cache": {"l2_dir": str(tmp_path / "nowhere")}})
     with pytest.raises(kvcomm.SegmentError, match=r"cache\.l2_dir .*nowhere' is not a directory; create"):
         kvcomm.open(ns, config=cfg)
+
+
+def test_a_segment_closed_under_a_read_says_so(ns: str, config: kvcomm.Config) -> None:
+    """Another thread's close releases the segment while a read of this thread is under
+    way (it got the segment before): the read, the pin and the change feed's read raise
+    SegmentError saying the namespace was closed, not AttributeError or ValueError (which a
+    LangGraph saver reported as corrupt records). The close is made here, between the two."""
+    from kvcomm.tiers.shm.segment import key_hash
+
+    kv = kvcomm.open(ns, config=config)
+    kv.put("k", b"v" * 100)
+    seg, kb = kv._seg, b"k"
+    kv.close()  # (the last client of the namespace in this process: its segment released)
+    for read in (lambda: seg.read(kb, key_hash(kb)), lambda: seg.pin(kb, key_hash(kb)),
+                 lambda: seg.feed_read(0)):
+        with pytest.raises(kvcomm.SegmentError, match="was closed in this process"):
+            read()

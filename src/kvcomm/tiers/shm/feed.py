@@ -31,7 +31,10 @@ class Feed(SegmentCore):
         """
         q = self._q
         lay = self.layout
-        head = int(q[_H_FEED_HEAD])
+        try:
+            head = int(q[_H_FEED_HEAD])
+        except (TypeError, ValueError):  # (released by another thread's close since)
+            raise self._closed("this read of its change feed was under way") from None
         if cursor > head or head - cursor > lay.feed_n:
             return [], head, True
         out: list[FeedEvent] = []

@@ -22,13 +22,17 @@ class Pins(SegmentCore):
         thread: each thread has its own pending pin), the pin is pending: ``drop_pending``
         releases it (call it in a ``finally``; ``_client/read.py`` ``_get_view``).
         """
-        r = self._read_or_repair(lambda: self._core.pin(key_b, h))
+        r = self._read_or_repair(lambda core: core.pin(key_b, h))
         if r is None:
             return None
         if r[8] < 0:  # pin table full: a consistent private copy keeps the promise
             return (*r[:8], (-1, 0), memoryview(r[10]).toreadonly())
         voff, vlen = r[9], r[10]
-        return (*r[:8], (r[8], r[11]), self._ro[voff : voff + vlen])
+        try:
+            view = self._ro[voff : voff + vlen]
+        except (AttributeError, ValueError):  # (released by another thread's close since:
+            raise self._closed("this read was under way") from None  # the pin is pending)
+        return (*r[:8], (r[8], r[11]), view)
 
     def unpin(self, index: int, word: int) -> None:
         """Called from a view's finalizer in any thread: lock-free; releases exactly the

@@ -420,7 +420,7 @@ class SegmentCore:
         the caller takes a view with :meth:`pin`. Raises SegmentError (purged; corrupt and
         not repairable), Unavailable (a writer stopped mid-publish for over the lock timeout).
         """
-        r = self._read_or_repair(lambda: self._core.read(key_b, h, zero_copy))
+        r = self._read_or_repair(lambda core: core.read(key_b, h, zero_copy))
         return None if r is None else _new_record(Record, r)
 
     def version(self, key_b: bytes, h: int) -> tuple[int, int, int, int, int, bytes, int, bytes] | None:
@@ -430,11 +430,18 @@ class SegmentCore:
         a write may attach (the 6th element of a put op, the 9th of a versioned one); L2
         checks it once, when it is written (:mod:`kvcomm.core.ext`: what L3's readers
         accept), and stores it byte for byte. Lock-free, as :meth:`read`."""
-        r = self._read_or_repair(lambda: self._core.version(key_b, h))
+        r = self._read_or_repair(lambda core: core.version(key_b, h))
         return None if r is None else tuple(r)
 
-    def _read_or_repair(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (a lock-free read), seeing through damage and stuck writers.
+    def _closed(self, what: str) -> SegmentError:
+        """The error of a call under way (``what``) when another thread closed the
+        segment: its Core gone meanwhile, nothing more done through it."""
+        return SegmentError(f"namespace {self.name!r} was closed in this process while "
+                            f"{what}: open it again")
+
+    def _read_or_repair(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(core)`` (a lock-free read of the Core), seeing through damage and stuck
+        writers; SegmentError when another thread closed the segment meanwhile.
 
         A corrupt record: the segment is repaired (under the lock) and read once more. A
         slot that stays odd: its writer is slow, stopped, or died mid-publish — so take the
@@ -442,23 +449,25 @@ class SegmentCore:
         ``lock_timeout``: Unavailable for a stopped one). Under the lock no writer
         publishes: a slot still odd then is damage, repaired there.
         """
+        core = self._core
+        if core is None:
+            raise self._closed("this read was under way")
         try:
-            r = fn()
+            r = fn(core)
         except SegmentError:
             if self._core is None or self._q[_H_STATE] != STATE_OK:
                 raise  # (closed by another thread meanwhile, or purged: what it says)
             self.repair()
-            return fn()
+            return fn(core)
         if type(r) is not int:
             return r
-        core = self._core
         try:
             self._lock()
-            r = fn()
+            r = fn(core)
             if type(r) is int:
                 core.set_busy(1)
                 self._recover()
-                r = fn()
+                r = fn(core)
                 if type(r) is int:
                     raise SegmentError(f"an L2 slot of {self.name!r} cannot be repaired; "
                                        "purge the namespace")

@@ -88,8 +88,7 @@ class Writes(SegmentCore):
         """
         core = self._core
         if core is None:  # (closed by another thread since its caller checked)
-            raise SegmentError(f"namespace {self.name!r} was closed in this process while "
-                               "this write was under way; nothing was written: open it again")
+            raise self._closed("this write was under way; nothing was written")
         flags = FLAG_DIRTY if dirty else 0
         try:
             self._lock()
