@@ -264,6 +264,8 @@ def _judged(c: Writes, expect: Any) -> tuple[int, ...] | None:
     this host alone; None for any other (see _kernel_expect)."""
     if expect is ABSENT:
         return ()
+    if expect is c._stepped and expect is not None:  # (the Version put_records returned
+        return expect[0][0][1], expect[1]  # last, of this host alone: its shape known)
     if type(expect) is not Version:
         return None  # (_guard raises InvalidArgument, or judges a subclass)
     vec, hlc = expect
@@ -284,6 +286,12 @@ def _timed(c: Writes) -> int:
         return 0
     c._lat_left = c._lat_every
     return time.perf_counter_ns()
+
+
+def _untimed(c: Writes, t0: int) -> None:
+    """Give back the turn of latency sampling a batch took (``t0``: its _timed) when it
+    applied nothing: the next batch is timed if this one was to be."""
+    c._lat_left = 1 if t0 else c._lat_left + 1
 
 
 def _applied(c: Writes, puts: int, t0: int) -> None:
@@ -327,13 +335,9 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
     head = None
     if last is not None:
         key, value, expect, last_ttl = last
-        if expect is c._stepped and expect is not None:  # (the Version this function
-            # returned last, of this host alone: a saver's thread head moved on again)
-            judged: tuple[int, ...] | None = (expect[0][0][1], expect[1])
-        else:
-            judged = _judged(c, expect)
-            if judged is None:
-                return _put_records_batch(c, keys, records, now, ttl, absent, last)
+        judged = _judged(c, expect)
+        if judged is None:
+            return _put_records_batch(c, keys, records, now, ttl, absent, last)
         try:
             head_ext = None if last_ttl is None else c._ext_with(None, _deadline(now, last_ttl))
         except InvalidArgument:  # (a bad head ttl: the batch says which input it finds
@@ -353,15 +357,15 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
             c._batch_ops, keys, records,
             None if ttl is None else c._ext_with(None, _deadline(now, ttl)),
             absent, head, _now_ms(), c._max_dirty, c._lock_timeout)
-    except BaseException:  # (refused, nothing applied: its turn to be timed given back)
-        c._lat_left = 1 if t0 else c._lat_left + 1
+    except BaseException:  # (refused, nothing applied)
+        _untimed(c, t0)
         raise
     if r is None:  # (the careful path: looks first, repairs, raises what a status means,
         try:  # or that the segment was closed meanwhile, by another thread)
             r = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty, compact=True,
                              expects=expects)
         except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
-            c._lat_left = 1 if t0 else c._lat_left + 1  # (its turn to be timed, if it was this)
+            _untimed(c, t0)
             return _put_records_batch(c, keys, records, now, ttl, absent, last)
     packed, vvxs = r
     _applied(c, len(vvxs), t0)
@@ -369,7 +373,7 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         return None
     w = memoryview(packed).cast("Q")
     version = c._version(w[-2], w[-1], vvxs[-1])
-    c._stepped = None if vvxs[-1] else version  # (see above)
+    c._stepped = None if vvxs[-1] else version  # (of this host alone: see _judged)
     return version
 
 
