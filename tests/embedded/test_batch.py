@@ -261,6 +261,9 @@ def test_put_records_in_one_kernel_call_does_what_its_batch_does(
         seen.append(v1 == kv.get_item(p + "h").version)
         item = kv.get_item(p + "c1")
         seen.append(item is not None and item.expires_at is not None)
+        head = kv.get_item(p + "h")  # (the head's own ttl, 30 s, both ways: not its records')
+        assert head is not None and item is not None and item.expires_at is not None
+        assert head.expires_at is not None and item.expires_at - head.expires_at > 25
         counters = dict(kv.counters)
         assert batch_mod.put_records(kv, [p + "w0", p + "w1"], [["w", "0"], ["w", "1"]],
                                      absent=[0, 1]) is None

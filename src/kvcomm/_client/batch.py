@@ -390,12 +390,9 @@ def _step_ops(c: Writes, b: BatchOps, keys: list[str], records: list[list[Any]],
         b._put_packed(keys, records)
     else:
         b._put_packed(keys, records, c._ext_with(None, _deadline(now, ttl)))
-    if last is not None:
-        deadline = None if last[3] is None else _deadline(now, last[3])
-        BatchOps.put(b, last[0], last[1])
-        if deadline is not None:
-            ops = b._ops
-            ops[-1] = (*ops[-1][:5], c._ext_with(None, deadline))
+    if last is not None:  # (the head's own deadline, checked before its key)
+        b._put_ext(last[0], last[1],
+                   None if last[3] is None else c._ext_with(None, _deadline(now, last[3])))
 
 
 def _put_records_batch(c: Writes, keys: list[str], records: list[list[Any]], now: float,

@@ -271,6 +271,59 @@ batch_args(const char *fn, const char *const *names, Py_ssize_t nparams, PyObjec
     return 0;
 }
 
+/* Add a put of ``value`` under ``key``, its record's extension field ``ext`` (NULL: none):
+ * 0, or -1 with InvalidKey, UnsupportedValue, ValueTooLarge (the batch unchanged) */
+static int
+batch_put(BatchOps *b, PyObject *key, PyObject *value, PyObject *ext)
+{
+    PyObject *kh = batch_key(b, key, 1);
+    if (!kh)
+        return -1;
+    if (!PyTuple_Check(kh) || PyTuple_GET_SIZE(kh) != 2) {
+        Py_DECREF(kh);
+        PyErr_SetString(PyExc_TypeError, "key_hash must return (bytes, hash)");
+        return -1;
+    }
+    PyObject *op;
+    PyObject *payload = NULL; /* a Packed value's bytes (set_packed) */
+    if (PackedType && Py_IS_TYPE(value, (PyTypeObject *)PackedType)) {
+        payload = PyObject_GetAttr(value, PayloadName);
+        if (!payload) {
+            Py_DECREF(kh);
+            return -1;
+        }
+        if (!PyBytes_CheckExact(payload) || PyBytes_GET_SIZE(payload) > b->max_value)
+            Py_CLEAR(payload); /* (encode says what is wrong) */
+    }
+    if (payload) {
+        op = PyTuple_Pack(ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          PackedTag, EmptyBytes, payload, ext);
+        Py_DECREF(payload);
+    } else if (PyBytes_CheckExact(value) && PyBytes_GET_SIZE(value) <= b->max_value) {
+        op = PyTuple_Pack(ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          BytesTag, EmptyBytes, value, ext);
+    } else {
+        PyObject *enc = PyObject_CallOneArg(b->encode, value);
+        if (!enc || !PyTuple_Check(enc) || PyTuple_GET_SIZE(enc) != 3) {
+            if (enc)
+                PyErr_SetString(PyExc_TypeError, "encode must return (tag, meta, payload)");
+            Py_XDECREF(enc);
+            Py_DECREF(kh);
+            return -1;
+        }
+        op = PyTuple_Pack(ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
+                          PyTuple_GET_ITEM(enc, 0), PyTuple_GET_ITEM(enc, 1), PyTuple_GET_ITEM(enc, 2),
+                          ext);
+        Py_DECREF(enc);
+    }
+    Py_DECREF(kh);
+    if (!op)
+        return -1;
+    int rc = batch_add(b, op, key, value);
+    Py_DECREF(op);
+    return rc;
+}
+
 /* put(key, value): add a put. Raises InvalidKey, UnsupportedValue, ValueTooLarge at once;
  * InvalidArgument (or SegmentError) when the batch no longer takes ops. */
 static PyObject *
@@ -285,53 +338,23 @@ BatchOps_put(BatchOps *b, PyObject *const *args, Py_ssize_t nargs, PyObject *kwn
     }
     if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
         return NULL;
-    PyObject *kh = batch_key(b, args[0], 1);
-    if (!kh)
+    if (batch_put(b, args[0], args[1], b->ext) < 0)
         return NULL;
-    if (!PyTuple_Check(kh) || PyTuple_GET_SIZE(kh) != 2) {
-        Py_DECREF(kh);
-        PyErr_SetString(PyExc_TypeError, "key_hash must return (bytes, hash)");
+    Py_RETURN_NONE;
+}
+
+/* _put_ext(key, value, ext): put(key, value) whose record carries ``ext`` (bytes; None: the
+ * batch's own) as its extension field: a saver's thread head, its deadline its own */
+static PyObject *
+BatchOps_put_ext(BatchOps *b, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || (args[2] != Py_None && !PyBytes_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError, "_put_ext(key, value, ext: bytes | None)");
         return NULL;
     }
-    PyObject *op;
-    PyObject *value = args[1];
-    PyObject *payload = NULL; /* a Packed value's bytes (set_packed) */
-    if (PackedType && Py_IS_TYPE(value, (PyTypeObject *)PackedType)) {
-        payload = PyObject_GetAttr(value, PayloadName);
-        if (!payload) {
-            Py_DECREF(kh);
-            return NULL;
-        }
-        if (!PyBytes_CheckExact(payload) || PyBytes_GET_SIZE(payload) > b->max_value)
-            Py_CLEAR(payload); /* (encode says what is wrong) */
-    }
-    if (payload) {
-        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
-                          PackedTag, EmptyBytes, payload, b->ext);
-        Py_DECREF(payload);
-    } else if (PyBytes_CheckExact(value) && PyBytes_GET_SIZE(value) <= b->max_value) {
-        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
-                          BytesTag, EmptyBytes, value, b->ext);
-    } else {
-        PyObject *enc = PyObject_CallOneArg(b->encode, value);
-        if (!enc || !PyTuple_Check(enc) || PyTuple_GET_SIZE(enc) != 3) {
-            if (enc)
-                PyErr_SetString(PyExc_TypeError, "encode must return (tag, meta, payload)");
-            Py_XDECREF(enc);
-            Py_DECREF(kh);
-            return NULL;
-        }
-        op = PyTuple_Pack(b->ext ? 6 : 5, PyTuple_GET_ITEM(kh, 0), PyTuple_GET_ITEM(kh, 1),
-                          PyTuple_GET_ITEM(enc, 0), PyTuple_GET_ITEM(enc, 1), PyTuple_GET_ITEM(enc, 2),
-                          b->ext);
-        Py_DECREF(enc);
-    }
-    Py_DECREF(kh);
-    if (!op)
+    if (!BATCH_USABLE(b) && batch_refuse(b) < 0)
         return NULL;
-    int rc = batch_add(b, op, args[0], value);
-    Py_DECREF(op);
-    if (rc < 0)
+    if (batch_put(b, args[0], args[1], args[2] == Py_None ? b->ext : args[2]) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -490,6 +513,9 @@ static PyMethodDef BatchOps_methods[] = {
      "Add a delete of ``key`` (applied with the batch: :attr:`versions` says whether it "
      "deleted something). Raises InvalidKey and InvalidArgument (a used batch) at once; "
      "the batch is unchanged then."},
+    {"_put_ext", (PyCFunction)(void (*)(void))BatchOps_put_ext, METH_FASTCALL,
+     "_put_ext(key, value, ext): put(key, value), its record's extension field ext (bytes; "
+     "None: the batch's own)"},
     {"_put_packed", (PyCFunction)(void (*)(void))BatchOps_put_packed, METH_FASTCALL,
      "_put_packed(keys, records[, ext]): a put of each list of plain fields, stored as "
      "codec.Packed is; all or nothing"},
@@ -521,26 +547,6 @@ static PyTypeObject BatchOpsType = {
               "collecting half",
 };
 
-/* plain_component(s) -> bool: whether the str ``s`` holds none of ``%``, ``/``, ``=``, a C0
- * control character or DEL, the characters a LangGraph id is percent-escaped for in a key
- * (integrations/langgraph/_keys.py): such an id is its own key component. One pass over
- * the characters; not a str: False (the caller's escape says what is wrong). */
-static PyObject *
-plain_component(PyObject *self, PyObject *s)
-{
-    if (!PyUnicode_Check(s))
-        Py_RETURN_FALSE;
-    int kind = PyUnicode_KIND(s);
-    const void *data = PyUnicode_DATA(s);
-    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_UCS4 ch = PyUnicode_READ(kind, data, i);
-        if (ch < 0x20 || ch == 0x7f || ch == '%' || ch == '/' || ch == '=')
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
-}
-
 /* ------------------------------------------------------------------ a saver's step, whole
  *
  * Core.put_step(batch_args, keys, records, ext, absent, head, now_ms, max_dirty, timeout)
@@ -559,6 +565,28 @@ plain_component(PyObject *self, PyObject *s)
  * (a list, or None) and says what happened. What the batch raises (InvalidKey,
  * UnsupportedValue, a closed client...) and the lock's errors (Unavailable, WouldBlock, a
  * close meanwhile) propagate, nothing written. */
+/* Append to ``expects`` the compare-and-set of ``op``'s key (an op of the batch) as
+ * Core.apply takes it: (key, h) absent for ``judged`` NULL or (), (key, h, counter, hlc)
+ * for (counter, hlc). 0, or -1 with an error set. */
+static int
+add_expect(PyObject *expects, PyObject *op, PyObject *judged)
+{
+    Py_ssize_t n = judged ? PyTuple_GET_SIZE(judged) : 0;
+    PyObject *e;
+    if (n == 0)
+        e = PyTuple_Pack(2, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1));
+    else if (n == 2)
+        e = PyTuple_Pack(4, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1),
+                         PyTuple_GET_ITEM(judged, 0), PyTuple_GET_ITEM(judged, 1));
+    else {
+        PyErr_SetString(PyExc_TypeError, "put_step: a head's judged is () or (counter, hlc)");
+        return -1;
+    }
+    int rc = e ? PyList_Append(expects, e) : -1;
+    Py_XDECREF(e);
+    return rc;
+}
+
 static PyObject *
 Core_put_step(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -588,75 +616,42 @@ Core_put_step(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (!r)
         goto done;
     Py_DECREF(r);
-    PyObject *ops = ((BatchOps *)b)->ops;
     if (head != Py_None) {
-        r = BatchOps_put((BatchOps *)b, &PyTuple_GET_ITEM(head, 0), 2, NULL);
-        if (!r)
+        PyObject *hext = PyTuple_GET_ITEM(head, 2); /* (the head's own deadline) */
+        if (hext != Py_None && !PyBytes_Check(hext)) {
+            PyErr_SetString(PyExc_TypeError, "put_step: a head's ext is bytes or None");
             goto done;
-        Py_DECREF(r);
-        PyObject *hext = PyTuple_GET_ITEM(head, 2);
-        if (hext != Py_None) { /* (the head's own deadline: its put op's ext field) */
-            Py_ssize_t last = PyList_GET_SIZE(ops) - 1;
-            PyObject *op = PyList_GET_ITEM(ops, last);
-            PyObject *with = PyTuple_Pack(6, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1),
-                                          PyTuple_GET_ITEM(op, 2), PyTuple_GET_ITEM(op, 3),
-                                          PyTuple_GET_ITEM(op, 4), hext);
-            if (!with || PyList_SetItem(ops, last, with) < 0)
-                goto done;
         }
+        if (batch_put((BatchOps *)b, PyTuple_GET_ITEM(head, 0), PyTuple_GET_ITEM(head, 1),
+                      hext == Py_None ? ((BatchOps *)b)->ext : hext) < 0)
+            goto done;
     }
-    Py_ssize_t n = PyList_GET_SIZE(ops), na = PySequence_Fast_GET_SIZE(absent);
+    PyObject *ops = ((BatchOps *)b)->ops;
+    Py_ssize_t na = PySequence_Fast_GET_SIZE(absent);
     Py_ssize_t nkeys = PyList_GET_SIZE(args[1]); /* (a list: _put_packed took it) */
     if (na || head != Py_None) {
         expects = PyList_New(0);
         if (!expects)
             goto done;
-        for (Py_ssize_t i = 0; i <= na; i++) {
-            PyObject *judged = NULL, *op, *e;
-            Py_ssize_t j;
-            if (i < na) {
-                j = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(absent, i));
-                if (j == -1 && PyErr_Occurred())
-                    goto done;
-            } else if (head != Py_None) {
-                j = n - 1;
-                judged = PyTuple_GET_ITEM(head, 3);
-            } else {
-                break;
-            }
-            if (judged == NULL && (j < 0 || j >= nkeys)) {
-                PyErr_Format(PyExc_IndexError, "put_step: absent index %zd of %zd keys", j,
-                             nkeys);
-                goto done;
-            }
-            op = PyList_GET_ITEM(ops, j);
-            if (!judged || PyTuple_GET_SIZE(judged) == 0)
-                e = PyTuple_Pack(2, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1));
-            else if (PyTuple_GET_SIZE(judged) == 2)
-                e = PyTuple_Pack(4, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1),
-                                 PyTuple_GET_ITEM(judged, 0), PyTuple_GET_ITEM(judged, 1));
-            else {
-                PyErr_SetString(PyExc_TypeError, "put_step: a head's judged is () or (counter, hlc)");
-                goto done;
-            }
-            if (!e || PyList_Append(expects, e) < 0) {
-                Py_XDECREF(e);
-                goto done;
-            }
-            Py_DECREF(e);
-        }
     }
+    for (Py_ssize_t i = 0; i < na; i++) { /* (a record's key: absent) */
+        Py_ssize_t j = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(absent, i));
+        if (j == -1 && PyErr_Occurred())
+            goto done;
+        if (j < 0 || j >= nkeys) {
+            PyErr_Format(PyExc_IndexError, "put_step: absent index %zd of %zd keys", j, nkeys);
+            goto done;
+        }
+        if (add_expect(expects, PyList_GET_ITEM(ops, j), NULL) < 0)
+            goto done;
+    }
+    if (head != Py_None && add_expect(expects, PyList_GET_ITEM(ops, PyList_GET_SIZE(ops) - 1),
+                                      PyTuple_GET_ITEM(head, 3)) < 0)
+        goto done;
     /* (collecting may have run Python code, an encode or a finalizer, and another thread's
      * close with it: the mapping is looked at again, nothing in between) */
-    if (!c->has_view || c->closing || guard_lost(c->guard)) {
-        PyErr_SetString(SegmentError, c->has_view && !c->closing
-                        ? "the L2 segment file was truncated under this process while this "
-                          "call collected its batch (its data here is lost); nothing was "
-                          "written: open the namespace again"
-                        : "this kvcomm client was closed while this call collected its batch; "
-                          "nothing was written");
+    if (!view_ok(c, "this call collected its batch; nothing was written"))
         goto done;
-    }
     if (take_lock(c, timeout) < 0)
         goto done;
     res = needs_look(c, now_ms) ? Py_NewRef(Py_None)

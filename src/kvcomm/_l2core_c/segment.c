@@ -193,16 +193,30 @@ Core_release(Core *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-#define NEED_VIEW(c)                                                                  \
-    if (!(c)->has_view || (c)->closing) {                                             \
-        PyErr_SetString(SegmentError, "this L2 mapping is closed; reopen");           \
-        return NULL;                                                                  \
-    }                                                                                 \
-    if (guard_lost((c)->guard)) {                                                     \
-        PyErr_SetString(SegmentError, "the L2 segment file was truncated under this "  \
-                        "process (its data here is lost); open the namespace again"); \
-        return NULL;                                                                  \
+/* Whether a call may use the mapping now: 1, or 0 with SegmentError set (closed or being
+ * closed; its file truncated under this process). ``during``: what the call was doing when
+ * it looked again after running Python code (a close may have come then), or NULL */
+static int
+view_ok(Core *c, const char *during)
+{
+    if (!c->has_view || c->closing) {
+        if (during)
+            PyErr_Format(SegmentError, "this kvcomm client was closed while %s", during);
+        else
+            PyErr_SetString(SegmentError, "this L2 mapping is closed; reopen");
+        return 0;
     }
+    if (guard_lost(c->guard)) {
+        PyErr_SetString(SegmentError, "the L2 segment file was truncated under this process "
+                                      "(its data here is lost); open the namespace again");
+        return 0;
+    }
+    return 1;
+}
+
+#define NEED_VIEW(c)          \
+    if (!view_ok((c), NULL))  \
+        return NULL;
 
 #define NEED_LOCK(c)                                                                  \
     if (!(c)->held || !pthread_equal((c)->holder, pthread_self())) {                  \
