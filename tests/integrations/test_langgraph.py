@@ -1826,22 +1826,28 @@ def test_a_child_put_by_another_saver_reads_its_parents_small_values_back(
     assert got is not None and got.checkpoint["channel_values"] == {"a": 1, "L": [1], "b": 2}
 
 
+def _parent_put_and_child(saver: Any, thread_id: str) -> tuple[Any, Any]:
+    """(the config of a checkpoint ``saver`` put on ``thread_id``, holding a=1 in its
+    record; a child of it that names a at the same version without its value)."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    v = saver.get_next_version(None, None)
+    parent, child = empty_checkpoint(), empty_checkpoint()
+    parent["channel_values"], parent["channel_versions"] = {"a": 1}, {"a": v}
+    child["channel_values"], child["channel_versions"] = {}, {"a": v}
+    cfg: Any = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
+    return saver.put(cfg, parent, {}, {"a": v}), child
+
+
 def test_a_child_put_over_a_parent_record_of_another_shape_is_corruptrecord(
         kv: kvcomm.Client) -> None:
     """The parent's record, read to carry its small values on, holds the value's triple but
     a body that is not a checkpoint (written by another program): the put raises
     CorruptRecord naming the thread, and moves nothing."""
-    from langgraph.checkpoint.base import empty_checkpoint
-
     from kvcomm.core.codec import packb
 
     first, second = KVCommSaver(kv), KVCommSaver(kv)  # (the second reads the parent)
-    cfg: Any = {"configurable": {"thread_id": "sparse", "checkpoint_ns": ""}}
-    v = first.get_next_version(None, None)
-    c1, c2 = empty_checkpoint(), empty_checkpoint()
-    c1["channel_values"], c1["channel_versions"] = {"a": 1}, {"a": v}
-    c2["channel_values"], c2["channel_versions"] = {}, {"a": v}
-    r1 = first.put(cfg, c1, {}, {"a": v})
+    r1, c2 = _parent_put_and_child(first, "sparse")
     key = first.keys.checkpoint("sparse", "", r1["configurable"]["checkpoint_id"])
     kv.put(key, ["msgpack", packb(1), *kv.get(key)[2:]])  # (its checkpoint: the number 1)
     with pytest.raises(kvcomm.CorruptRecord, match="thread 'sparse'"):
@@ -1855,16 +1861,9 @@ def test_a_client_closed_while_a_put_reads_its_parent_says_closed_not_corrupt(
     fails (AttributeError, ValueError: the mapping is gone under it), and the put says the
     client was closed (SegmentError), not that the thread's records are corrupt (it
     advised deleting the thread). The close is made inside the read, as the race makes it."""
-    from langgraph.checkpoint.base import empty_checkpoint
-
     kv = kvcomm.open(ns, config=config)
     first, second = KVCommSaver(kv), KVCommSaver(kv)  # (the second reads the parent)
-    cfg: Any = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
-    v = first.get_next_version(None, None)
-    c1, c2 = empty_checkpoint(), empty_checkpoint()
-    c1["channel_values"], c1["channel_versions"] = {"a": 1}, {"a": v}
-    c2["channel_values"], c2["channel_versions"] = {}, {"a": v}
-    r1 = first.put(cfg, c1, {}, {"a": v})
+    r1, c2 = _parent_put_and_child(first, "t")
 
     def closed_under(*args: Any, **kwargs: Any) -> Any:
         kv.close()
