@@ -145,8 +145,7 @@ def bench_saver(saver: BaseCheckpointSaver[Any], n: int, graphs: int) -> dict[st
 def savers(tmp: str, cluster: bool) -> Iterator[dict[str, Callable[[], BaseCheckpointSaver[Any]]]]:
     with ExitStack() as stack:
         ns = f"bench-lg-{os.getpid()}"
-        kv = stack.enter_context(kvcomm.open(ns, config=kvcomm.Config.from_mapping(
-            {"cache": {"l2_size": "256MB"}})))
+        kv = stack.enter_context(kvcomm.open(ns))  # (the shipped defaults)
         stack.callback(l2.purge, ns)
         conn = sqlite3.connect(os.path.join(tmp, "cp.sqlite"), check_same_thread=False)
         stack.callback(conn.close)
@@ -252,8 +251,7 @@ async def amain(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as tmp, postgres(tmp, args.pg_bin) as uri:
         ns = f"bench-lg-aio-{os.getpid()}"
-        async with kvcomm.aio.open(ns, config=kvcomm.Config.from_mapping(
-                {"cache": {"l2_size": "256MB"}})) as akv, \
+        async with kvcomm.aio.open(ns) as akv, \
                 AsyncSqliteSaver.from_conn_string(os.path.join(tmp, "cp.sqlite")) as sqlite, \
                 AsyncConnectionPool(uri, min_size=4, max_size=20, open=False, kwargs={
                     "autocommit": True, "prepare_threshold": 0, "row_factory": dict_row}) as pool:
@@ -305,8 +303,7 @@ async def graph_pairs(pairs: int, waves: int, concurrency: int) -> list[float]:
     import kvcomm.aio
 
     ns = f"bench-lg-pairs-{os.getpid()}"
-    async with kvcomm.aio.open(ns, config=kvcomm.Config.from_mapping(
-            {"cache": {"l2_size": "256MB"}})) as akv:
+    async with kvcomm.aio.open(ns) as akv:  # (the shipped defaults)
         try:
             graphs = {"mem": async_graph(InMemorySaver()), "kv": async_graph(KVCommSaver(akv))}
 
@@ -368,10 +365,9 @@ def replay(saver: BaseCheckpointSaver[Any], calls: list[tuple[str, Any]], thread
 @contextmanager
 def step_savers() -> Iterator[dict[str, BaseCheckpointSaver[Any]]]:
     """InMemorySaver and a KVCommSaver on an embedded namespace of this process (purged at
-    the end), with the shipped defaults but a 256 MB L2."""
+    the end), with the shipped defaults."""
     ns = f"bench-lg-steps-{os.getpid()}"
-    with kvcomm.open(ns, config=kvcomm.Config.from_mapping(
-            {"cache": {"l2_size": "256MB"}})) as kv:
+    with kvcomm.open(ns) as kv:
         try:
             yield {"InMemorySaver": InMemorySaver(), "KVCommSaver": KVCommSaver(kv)}
         finally:
