@@ -355,6 +355,65 @@ def test_put_records_one_call_hands_what_it_cannot_do_to_the_careful_path(
     assert kv.counters["batches"] == batches
 
 
+_HOLDS_THE_LOCK = """
+import sys, time
+import kvcomm
+kv = kvcomm.open(sys.argv[1], config=kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB"}}))
+core = kv._seg._core
+core.lock(5.0)
+if sys.argv[2] == "busy":  # (mid-write: what it changed is to be repaired by the next writer)
+    core.set_busy(1)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_saver_step_against_another_process_holding_or_killed_with_the_lock(
+        ns: str) -> None:
+    """The saver's step (put_records with its head) on real processes: another process holds
+    the writer lock: Unavailable after the lock timeout, nothing written, the head as it was;
+    that process killed in the middle of a write (BUSY raised, the lock held): the next step
+    repairs the segment (one owner death, one recovery) and writes, and every step
+    acknowledged before the kill reads back."""
+    from kvcomm._client import batch as batch_mod
+
+    cfg = kvcomm.Config.from_mapping({"cache": {"l2_size": "16MB", "lock_timeout": "1s"}})
+    kv = kvcomm.open(ns, config=cfg)
+    try:
+        v = kvcomm.ABSENT
+        for i in range(3):  # (acknowledged steps)
+            v = batch_mod.put_records(kv, [f"s/c{i}"], [[f"c{i}"]], last=(
+                "s/h", Packed.built({"id": str(i)}), v, None))
+        for how in ("held", "busy"):
+            holder = subprocess.Popen([sys.executable, "-c", _HOLDS_THE_LOCK, ns, how],
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+                info = kv._seg.info()
+                if how == "held":
+                    with pytest.raises(kvcomm.Unavailable):
+                        batch_mod.put_records(kv, ["s/late"], [["late"]], last=(
+                            "s/h", Packed.built({"id": "late"}), v, None))
+                    assert kv.get("s/late") is None and kv.get_item("s/h").version == v
+                    continue
+                holder.kill()
+                holder.wait(10)
+                v = batch_mod.put_records(kv, ["s/c3"], [["c3"]], last=(
+                    "s/h", Packed.built({"id": "3"}), v, None))
+                after = kv._seg.info()
+                assert after["owner_deaths"] == info["owner_deaths"] + 1
+                assert after["recoveries"] == info["recoveries"] + 1
+            finally:
+                holder.kill()
+                holder.wait(10)
+        assert [kv.get(f"s/c{i}") for i in range(4)] == [[f"c{i}"] for i in range(4)]
+        head = kv.get_item("s/h")
+        assert head is not None and head.value == {"id": "3"} and head.version == v
+        assert kv._seg.check() == []
+    finally:
+        kv.close()
+
+
 def test_put_records_closed_while_it_collects_its_batch_writes_nothing(ns: str) -> None:
     """Collecting a step's batch may run Python code (the client's encode for a head that is
     not Packed, a finalizer), and another thread's close with it: the call then raises
