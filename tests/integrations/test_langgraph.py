@@ -45,7 +45,7 @@ from langgraph.types import Command, interrupt  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore, RunSuperseded  # noqa: E402
 from kvcomm.integrations.langgraph._keys import Keys, _esc_id, esc, unesc  # noqa: E402
-from kvcomm.integrations.langgraph.saver import _inline  # noqa: E402
+from tests.integrations.test_langgraph_step import inline
 from tests.support import ROOT
 
 # ---------------------------------------------------------------- the conformance suite
@@ -600,7 +600,7 @@ def _blob_keys(saver: KVCommSaver, thread_id: str, tup: Any) -> list[str]:
     values = tup.checkpoint["channel_values"]
     return [saver.keys.blob(thread_id, "", ch, v)
             for ch, v in tup.checkpoint["channel_versions"].items()
-            if ch not in values or not _inline(values[ch])]
+            if ch not in values or not inline(values[ch])]
 
 
 def _thread_keys(kv: kvcomm.Client, saver: KVCommSaver, thread_id: str) -> dict[str, Any]:

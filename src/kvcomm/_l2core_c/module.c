@@ -134,8 +134,15 @@ static PyMethodDef module_methods[] = {
      "mutex_release(buffer, offset) -> bool: release it if this thread holds it"},
     {"plain_component", plain_component, METH_O,
      "plain_component(s) -> bool: s is a str without %, /, =, C0 controls or DEL"},
-    {"plain_pair", plain_pair, METH_O,
-     "plain_pair(x) -> bool: x is a tuple of exactly (str, bytes), exact types"},
+    {"step_metadata", (PyCFunction)(void (*)(void))step_metadata, METH_FASTCALL,
+     "step_metadata(excluded, chainmap, fallback, config, metadata) -> dict: LangGraph's "
+     "get_checkpoint_metadata(config, metadata) (fallback's for other shapes)"},
+    {"checkpoint_record", (PyCFunction)(void (*)(void))checkpoint_record, METH_FASTCALL,
+     "checkpoint_record(dumps, checkpoint, metadata, parent, values) -> (record, inline): "
+     "the LangGraph saver's checkpoint record and its inlined channels"},
+    {"task_records", (PyCFunction)(void (*)(void))task_records, METH_FASTCALL,
+     "task_records(dumps, writes, task_id, task_path, idx_map) -> (records, indices, "
+     "regular) | None: the LangGraph saver's records of a task's writes"},
     {"pack_plain", pack_plain, METH_O,
      "pack_plain(fields) -> bytes | None: msgpack of a list of str, bytes and None fields"},
     {"key_of", (PyCFunction)(void (*)(void))key_of, METH_FASTCALL,
@@ -159,7 +166,8 @@ PyInit__l2core(void)
 {
     if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&GetterType) < 0 ||
         PyType_Ready(&BudgetType) < 0 || PyType_Ready(&L1Type) < 0 ||
-        PyType_Ready(&BatchOpsType) < 0)
+        PyType_Ready(&BatchOpsType) < 0 || PyType_Ready(&NoPickleType) < 0 ||
+        lgstep_names() < 0)
         return NULL;
     BytesTag = PyLong_FromLong(TAG_BYTES);
     EmptyBytes = PyBytes_FromStringAndSize("", 0);
@@ -201,6 +209,10 @@ PyInit__l2core(void)
     Py_INCREF(&CoreType);
     Py_INCREF(&BatchOpsType);
     if (PyModule_AddObject(m, "BatchOps", (PyObject *)&BatchOpsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObject(m, "NoPickle", Py_NewRef((PyObject *)&NoPickleType)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

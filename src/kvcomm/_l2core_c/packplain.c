@@ -62,17 +62,6 @@ len_bytes(int small_bits, int has8, uint64_t n)
     return n <= 0xFFFF ? 3 : 5;
 }
 
-/* plain_pair(x) -> bool: whether ``x`` is a tuple of exactly a str and a bytes (a LangGraph
- * serializer's (type, data), stored as two plain fields), exact types, not subclasses */
-static PyObject *
-plain_pair(PyObject *self, PyObject *x)
-{
-    (void)self;
-    return PyBool_FromLong(PyTuple_CheckExact(x) && PyTuple_GET_SIZE(x) == 2 &&
-                           PyUnicode_CheckExact(PyTuple_GET_ITEM(x, 0)) &&
-                           PyBytes_CheckExact(PyTuple_GET_ITEM(x, 1)));
-}
-
 /* plain_component(s) -> bool: whether the str ``s`` holds none of ``%``, ``/``, ``=``, a C0
  * control character or DEL, the characters a LangGraph id is percent-escaped for in a key
  * (integrations/langgraph/_keys.py): such an id is its own key component. One pass over

@@ -35,15 +35,10 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 from langgraph.checkpoint.serde.encrypted import EncryptedSerializer
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
+from ..._l2core import NoPickle
 from ...errors import ConfigError, CorruptRecord, KVCommError, UnsupportedValue
 
-_PICKLE_TYPES = frozenset({"pickle", "pickle5"})
-
-try:
-    from ..._l2core import plain_pair as _pair
-except ImportError:  # pragma: no cover  (the C kernel absent: the same check in Python)
-    def _pair(x: object, /) -> bool:
-        return type(x) is tuple and len(x) == 2 and type(x[0]) is str and type(x[1]) is bytes
+_PICKLE_TYPES = frozenset({"pickle", "pickle5"})  # (the C half, NoPickle, refuses the same)
 
 
 def _pickles(serde: Any) -> bool:
@@ -64,28 +59,34 @@ def _calls_anything(serde: Any) -> bool:
     return False
 
 
-class NoPickleSerializer(SerializerProtocol):
-    """A LangGraph serializer that refuses the ``pickle`` type in both directions."""
+class NoPickleSerializer(NoPickle, SerializerProtocol):
+    """A LangGraph serializer that refuses the ``pickle`` type in both directions.
+
+    ``dumps_typed(obj)`` is ``self.inner.dumps_typed(obj)`` (the inner serializer looked up
+    at each call), in C (``_l2core.NoPickle``: a graph writes several values a step): an
+    exact (str, bytes) pair of a type not in _PICKLE_TYPES is returned as is; whatever
+    else the inner serializer returns or raises is judged by :meth:`_judge`. It raises
+    UnsupportedValue when the value would be a pickle or the inner serializer cannot
+    serialize it (its TypeError); nothing is stored then."""
 
     def __init__(self, inner: SerializerProtocol) -> None:
         self.inner = inner
 
-    def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
-        """``inner.dumps_typed(obj)``. Raises UnsupportedValue when it would be a pickle or
-        the inner serializer cannot serialize it (its TypeError); nothing is stored."""
-        try:
-            out = self.inner.dumps_typed(obj)
-        except UnsupportedValue:
-            raise
-        except TypeError as exc:  # (JsonPlusSerializer: "Type is not msgpack serializable")
-            raise UnsupportedValue(
-                f"{type(obj).__name__} cannot be serialized without pickle ({exc}); KVCOMM "
-                "never stores pickles: use msgpack-serializable values (a NumPy scalar such "
-                "as np.float64(2.5): its .item(), the Python number; kv.put converts those, "
-                "LangGraph's serializer does not), or name your class in "
-                "JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
-        if _pair(out) and out[0] not in _PICKLE_TYPES:
-            return out  # (what is stored reads back: the common case, one check in C)
+    @staticmethod
+    def _judge(obj: Any, out: Any, exc: BaseException | None) -> tuple[str, bytes]:
+        """What ``dumps_typed`` returns for ``obj`` when the inner serializer returned
+        ``out`` of another shape than an exact (str, bytes) pair, or a pickle's type, or
+        raised ``exc``."""
+        if exc is not None:
+            if isinstance(exc, TypeError) and not isinstance(exc, UnsupportedValue):
+                # (JsonPlusSerializer: "Type is not msgpack serializable")
+                raise UnsupportedValue(
+                    f"{type(obj).__name__} cannot be serialized without pickle ({exc}); KVCOMM "
+                    "never stores pickles: use msgpack-serializable values (a NumPy scalar such "
+                    "as np.float64(2.5): its .item(), the Python number; kv.put converts those, "
+                    "LangGraph's serializer does not), or name your class in "
+                    "JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
+            raise exc
         try:
             type_, data = out
         except (TypeError, ValueError):  # (not a pair at all)

@@ -5,7 +5,7 @@ Keys (``_keys.py`` has the layout and the escaping)::
     lg/cp/h/T/N/              head of (thread T, checkpoint namespace N): latest id
     lg/cp/c/T/N/C             checkpoint C: checkpoint (without values), metadata, parent,
                               run id, and its small values (None, bool, int, float, a str of
-                              at most 256 characters: _inline), channel by channel
+                              at most 256 characters), channel by channel
     lg/cp/b/T/N/CH/VER        the value of channel CH at version VER (one not inlined)
     lg/cp/w/T/N/C/TASK/IDX    a pending write of checkpoint C
 
@@ -62,6 +62,7 @@ from langgraph.checkpoint.base import (
 
 from ..._client import ABSENT, Client
 from ..._client.batch import put_records
+from ..._l2core import checkpoint_record, step_metadata, task_records
 from ...aio import AsyncClient
 from ...core.codec import Packed
 from ...core.expiry import MAX_TTL
@@ -198,47 +199,13 @@ def _head_of(value: Any, key: str) -> dict[str, Any] | None:
                         f"({str(value)[:120]}); delete the thread (delete_thread) or that key")
 
 
-def _metadata(config: RunnableConfig, metadata: CheckpointMetadata) -> dict[str, Any]:
-    """``get_checkpoint_metadata(config, metadata)``, LangGraph's, the same dict in the same
-    order, without iterating a ChainMap in Python: in a running graph ``config["metadata"]``
-    is a ChainMap of dicts, whose ``items()`` runs four Python methods a key (13 µs of a
-    put in a running graph, against 3 µs here). Any other shape of config: LangGraph's own
-    function. A test holds the two equal (tests/integrations/test_langgraph_metadata.py)."""
-    meta: Any = config.get("metadata")
-    if type(meta) is ChainMap:
-        merged: dict[str, Any] = {}
-        for m in reversed(meta.maps):  # (ChainMap's order of keys; the first map's value
-            if type(m) is not dict:  # wins)
-                return get_checkpoint_metadata(config, metadata)  # type: ignore[return-value]
-            merged.update(m)
-        meta = merged
-    conf = config.get("configurable")
-    if not (meta is None or type(meta) is dict) or not (conf is None or type(conf) is dict) \
-            or type(metadata) is not dict:
-        return get_checkpoint_metadata(config, metadata)  # type: ignore[return-value]
-    md = {k: v.replace("\u0000", "") if isinstance(v, str) else v for k, v in metadata.items()}
-    for obj in (meta, conf):
-        # (only when it has a key to add, found by set differences in C first: a running
-        # graph's config has none, and its keys are then not looped over in Python)
-        if obj and any(not key.startswith("__")
-                       for key in obj.keys() - md.keys() - EXCLUDED_METADATA_KEYS):
-            for key, v in obj.items():
-                if key in md or key in EXCLUDED_METADATA_KEYS or key.startswith("__"):
-                    continue
-                if isinstance(v, str):
-                    md[key] = v.replace("\u0000", "")
-                elif isinstance(v, (int, bool, float)):
-                    md[key] = v
-    return md
-
-
-def _inline(value: Any) -> bool:
-    """Whether a channel value is kept in the record of every checkpoint that has it (as
-    LangGraph's Postgres saver keeps primitives in its checkpoint row), not in a record of
-    its own: a step then writes one record, not one per changed channel. A function of the
-    value alone, so that a version's value is inlined by every checkpoint or by none."""
-    t = type(value)  # (compared by identity: a type need not be hashable)
-    return t is int or t is float or t is bool or value is None or (t is str and len(value) <= 256)
+# ``get_checkpoint_metadata(config, metadata)``, LangGraph's: the same dict, keys in the
+# same order, in C (``_l2core.step_metadata``; in Python, iterating the ChainMap that a
+# running graph's ``config["metadata"]`` is ran four methods a key, 13 µs of a put); any
+# other shape of config than a running graph's is given to LangGraph's own function. A
+# test holds the two equal (tests/integrations/test_langgraph_metadata.py).
+_metadata: Callable[[RunnableConfig, CheckpointMetadata], dict[str, Any]] = functools.partial(
+    step_metadata, frozenset(EXCLUDED_METADATA_KEYS), ChainMap, get_checkpoint_metadata)
 
 
 def _shaped(value: list[Any], n: int) -> bool:
@@ -414,12 +381,14 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         # retry of the head's compare-and-set)
         ckey, blobs, head = k.step(thread_id, ns, cid)
         keys = [ckey]
-        record = [*dumps(c), *dumps(md), parent, md.get("run_id")]
-        inline = set()
-        for channel, value in values.items():
-            if _inline(value):
-                record += (channel, *dumps(value))
-                inline.add(channel)
+        # (the checkpoint, its metadata, parent and run id, then its small values, channel
+        # by channel, as LangGraph's Postgres saver keeps primitives in its checkpoint row:
+        # a step then writes one record, not one per changed channel. Small: None, a bool,
+        # int or float, a str of at most 256 characters, exact types; a function of the value
+        # alone, so that a version's value is inlined by every checkpoint or by none. In C:
+        # ``[*dumps(c), *dumps(md), parent, md.get("run_id")]``, then ``(channel,
+        # *dumps(value))`` for each small value, and the set of those channels.)
+        record, inline = checkpoint_record(dumps, c, md, parent, values)
         # (channels it names at an older version without their values: LangGraph passes
         # every value, a caller of put may not; their values are its ancestors')
         inherited = versions.keys() - values.keys() - new_versions.keys()
@@ -430,18 +399,20 @@ class KVCommSaver(BaseCheckpointSaver[str]):
                 _reraise_corrupt(f"thread {thread_id!r}", exc, self.kv)
                 raise
         records: builtins.list[builtins.list[Any]] = [record]
-        channels = builtins.list(new_versions.items())
-        if ttl is not None:  # (the values it shares with its ancestors live as long as it)
-            channels += [(ch, v) for ch, v in versions.items()
-                         if ch not in new_versions and ch in values]
         own = 1  # (the checkpoint and its new values' records: keys[:own], its own)
-        for n, (channel, version) in enumerate(channels):
-            if channel in inline:
-                continue  # (in the checkpoint's record)
-            keys.append(k.fit(blobs + esc(channel) + "/" + version_component(version),
-                              "channel {!r} of thread {!r}", channel, thread_id))
-            records.append([*dumps(values[channel])] if channel in values else ["empty", b""])
-            own += n < len(new_versions)
+        if ttl is not None or not inline.issuperset(new_versions):  # (else all in the record)
+            channels = builtins.list(new_versions.items())
+            if ttl is not None:  # (the values it shares with its ancestors live as long as it)
+                channels += [(ch, v) for ch, v in versions.items()
+                             if ch not in new_versions and ch in values]
+            for n, (channel, version) in enumerate(channels):
+                if channel in inline:
+                    continue  # (in the checkpoint's record)
+                keys.append(k.fit(blobs + esc(channel) + "/" + version_component(version),
+                                  "channel {!r} of thread {!r}", channel, thread_id))
+                records.append([*dumps(values[channel])] if channel in values
+                               else ["empty", b""])
+                own += n < len(new_versions)
 
         try:
             self._update_head(head, functools.partial(
@@ -588,7 +559,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         """The (channel, type, bytes) fields of ``channels`` at ``versions`` that the
         record of checkpoint ``parent`` holds: a checkpoint put without the values of
         channels it shares with its parent carries them on, as the parent does (a small
-        value is in the record of every checkpoint that has it: _inline). [] when the
+        value is in the record of every checkpoint that has it: put). [] when the
         parent is gone or holds none of them (then they have records of their own).
         LangGraph passes every value but the empty channels': the parent is then the last
         checkpoint this saver put, known without a read."""
@@ -685,23 +656,13 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             raise InvalidArgument(f"a task's id and path are str (LangGraph's), got "
                                   f"{task_id!r} and {task_path!r}")
         dumps = self.serde.dumps_typed
-        records: list[list[Any]] = []
-        indices: list[int] = []  # (of the writes, as keyed)
-        regular: list[int] = []  # (indices in keys of the writes kept when stored already)
-        for idx, write in enumerate(writes):
-            try:
-                channel, value = write
-            except (TypeError, ValueError):
-                channel = None
-            if type(channel) is not str or not isinstance(write, (tuple, list)):  # (a str
-                raise InvalidArgument(  # of two characters unpacks as a pair)
-                    f"a task's writes are (channel, value) pairs, channel a str, got "
-                    f"{str(write)[:200]} in {str(writes)[:200]}")
-            i = WRITES_IDX_MAP.get(channel, idx)
-            if i >= 0:
-                regular.append(len(indices))
-            indices.append(i)
-            records.append([task_id, channel, *dumps(value), task_path])
+        # (records: [task_id, channel, *dumps(value), task_path] a write; indices: of the
+        # writes, as keyed; regular: their places in keys, of the writes kept when stored
+        # already. In C, for a list, tuple or deque of plain pairs, as LangGraph passes)
+        got = task_records(dumps, writes, task_id, task_path, WRITES_IDX_MAP)
+        if got is None:  # (any other shape: checked, then made such a list)
+            got = task_records(dumps, _pairs(writes), task_id, task_path, WRITES_IDX_MAP)
+        records, indices, regular = got  # type: ignore[misc]
         keys = self.keys.step_writes(thread_id, ns, cid, task_id, indices)
         if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
@@ -1199,6 +1160,23 @@ def _checkpoint_id(config: Any, what: str) -> str | None:
     if cid is not None and type(cid) is not str:
         raise InvalidKey(f"a checkpoint_id is a str, got the {type(cid).__name__} {cid!r}")
     return cid
+
+
+def _pairs(writes: Iterable[Any]) -> builtins.list[tuple[str, Any]]:
+    """A task's ``writes`` as a list of (channel, value) tuples; InvalidArgument for one
+    that is not a pair (a tuple or list) whose channel is a str."""
+    out = []
+    for write in writes:
+        try:
+            channel, value = write
+        except (TypeError, ValueError):
+            channel = None
+        if type(channel) is not str or not isinstance(write, (tuple, list)):  # (a str of
+            raise InvalidArgument(  # two characters unpacks as a pair)
+                f"a task's writes are (channel, value) pairs, channel a str, got "
+                f"{str(write)[:200]} in {str(writes)[:200]}")
+        out.append((channel, value))
+    return out
 
 
 def _run_of(conf: dict[str, Any]) -> int | None:
