@@ -99,7 +99,7 @@ class NoPickleSerializer(NoPickle, SerializerProtocol):
         if type(type_) is str and type_ in _PICKLE_TYPES:
             raise UnsupportedValue(f"{type(obj).__name__} would be stored as a pickle; KVCOMM "
                                    "never stores pickles: make it msgpack-serializable")
-        if type(type_) is str and type(data) is bytearray:  # type: ignore[comparison-overlap]
+        if type(type_) is str and type(data) is bytearray:
             return type_, bytes(data)  # (LangGraph's own serializer, for a bytearray)
         raise UnsupportedValue(
             f"the serializer gave ({type(type_).__name__}, {type(data).__name__}) for a "
