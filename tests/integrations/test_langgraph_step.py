@@ -270,3 +270,34 @@ def test_the_serializers_c_half_refuses_every_pickle_type_and_converts_type_erro
             assert got.value is exc  # (raised as it was)
         else:
             assert "cannot be serialized without pickle" in str(got.value)
+
+
+# ---------------------------------------------------------------- keys
+
+_ids = (st.sampled_from(["t", "", "1f1f0408-1c93-668a-bfff-b6e2fff6bbbf", "a/b", "%", "é" * 3,
+                         "\udcff", "x" * 200]) | st.text(max_size=8))
+
+
+def _outcome(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except kvcomm.KVCommError as exc:
+        return type(exc), str(exc)
+
+
+@settings(max_examples=400)
+@given(_ids, _ids, _ids, _ids, st.lists(st.integers(-4, 12), max_size=3),
+       st.sampled_from([60, 120, 250]))
+def test_the_step_keys_in_c_are_the_python_methods(thread: str, ns: str, cid: str, task: str,
+                                                   indices: list[int], max_bytes: int) -> None:
+    """Keys.step and .step_writes (C, for ids the memo holds) give what the Python methods
+    give, keys or InvalidKey, before the memo holds the thread and after."""
+    from kvcomm.integrations.langgraph._keys import Keys
+
+    keys = Keys("lg/", max_bytes)
+    for _ in range(2):  # (the first call fills the memo, the second takes it)
+        assert _outcome(keys.step, thread, ns, cid) == _outcome(keys._step, thread, ns, cid)
+        assert _outcome(keys.step_writes, thread, ns, cid, task, indices) == _outcome(
+            keys._step_writes, thread, ns, cid, task, indices)
+    assert _outcome(keys.step_writes, thread, ns, cid, task, [True, 2.0]) == _outcome(
+        keys._step_writes, thread, ns, cid, task, [True, 2.0])

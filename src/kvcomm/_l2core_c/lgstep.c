@@ -441,3 +441,148 @@ done:
     Py_XDECREF(regular);
     return out;
 }
+
+/* ---------------------------------------------------------------- keys
+ *
+ * _keys.Keys.step and .step_writes for ids a run has used before: the thread's part of
+ * its keys is in the Keys' memo (``(thread_id, ns) -> (T/N/, head key, checkpoints'
+ * prefix, writes' prefix, blobs' prefix)``), and the checkpoint and task ids, LangGraph's
+ * uuids, need no escaping. Anything else (ids not memoised or not exact str, an id to
+ * escape, a key over max_key_bytes, an index not an exact int) goes to ``fallback``,
+ * the Python method, with the same arguments: it escapes, fills the memo, or raises. */
+
+/* the memo's entry of (thread_id, ns) (borrowed), NULL when there is none or on an error */
+static PyObject *
+memo_of(PyObject *memo, PyObject *thread_id, PyObject *ns)
+{
+    if (!PyDict_CheckExact(memo) || !PyUnicode_CheckExact(thread_id) || !PyUnicode_CheckExact(ns))
+        return NULL;
+    PyObject *pair = PyTuple_Pack(2, thread_id, ns);
+    if (!pair)
+        return NULL;
+    PyObject *of = PyDict_GetItemWithError(memo, pair);
+    Py_DECREF(pair);
+    if (!of || !PyTuple_CheckExact(of) || PyTuple_GET_SIZE(of) != 5)
+        return NULL;
+    for (int i = 0; i < 5; i++)
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(of, i)))
+            return NULL;
+    return of;
+}
+
+/* whether an id is its own key component (plain_component) and an exact str */
+static int
+plain_id(PyObject *s)
+{
+    if (!PyUnicode_CheckExact(s))
+        return 0;
+    PyObject *r = plain_component(NULL, s);
+    int ok = r == Py_True;
+    Py_XDECREF(r);
+    return ok;
+}
+
+/* the UTF-8 length of a str, -1 for a lone surrogate (error cleared) */
+static Py_ssize_t
+utf8_len(PyObject *s)
+{
+    if (PyUnicode_IS_ASCII(s))
+        return PyUnicode_GET_LENGTH(s);
+    Py_ssize_t n;
+    if (!PyUnicode_AsUTF8AndSize(s, &n)) {
+        PyErr_Clear();
+        return -1;
+    }
+    return n;
+}
+
+static PyObject *
+call_fallback(PyObject *fallback, PyObject *const *args, Py_ssize_t n)
+{
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_Vectorcall(fallback, args, n, NULL);
+}
+
+/* step_keys(memo, max, fallback, thread_id, ns, checkpoint_id) -> (checkpoint key,
+ * blobs' prefix of the thread, head key): Keys.step */
+static PyObject *
+step_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "step_keys(memo, max, fallback, thread_id, ns, checkpoint_id)");
+        return NULL;
+    }
+    Py_ssize_t max = PyLong_AsSsize_t(args[1]);
+    if (max == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *of = memo_of(args[0], args[3], args[4]);
+    if (!of || !plain_id(args[5]))
+        return call_fallback(args[2], args + 3, 3);
+    PyObject *ckey = PyUnicode_Concat(PyTuple_GET_ITEM(of, 2), args[5]);
+    if (!ckey)
+        return NULL;
+    Py_ssize_t n = utf8_len(ckey);
+    if (n < 0 || n > max) {
+        Py_DECREF(ckey);
+        return call_fallback(args[2], args + 3, 3);
+    }
+    PyObject *out = PyTuple_Pack(3, ckey, PyTuple_GET_ITEM(of, 4), PyTuple_GET_ITEM(of, 1));
+    Py_DECREF(ckey);
+    return out;
+}
+
+/* write_keys(memo, max, fallback, thread_id, ns, checkpoint_id, task_id, indices) -> the
+ * keys of a task's writes ``indices`` (a list of ints): Keys.step_writes */
+static PyObject *
+write_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "write_keys(memo, max, fallback, thread_id, ns, "
+                                         "checkpoint_id, task_id, indices)");
+        return NULL;
+    }
+    Py_ssize_t max = PyLong_AsSsize_t(args[1]);
+    if (max == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *of = memo_of(args[0], args[3], args[4]), *indices = args[7];
+    if (!of || !plain_id(args[5]) || !plain_id(args[6]) || !PyList_CheckExact(indices))
+        return call_fallback(args[2], args + 3, 5);
+    Py_ssize_t n = PyList_GET_SIZE(indices);
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (!PyLong_CheckExact(PyList_GET_ITEM(indices, j)))
+            return call_fallback(args[2], args + 3, 5);
+    PyObject *prefix = PyUnicode_FromFormat("%U%U/%U/", PyTuple_GET_ITEM(of, 3), args[5],
+                                            args[6]);
+    PyObject *keys = prefix ? PyList_New(n) : NULL;
+    if (!keys) {
+        Py_XDECREF(prefix);
+        return NULL;
+    }
+    Py_ssize_t longest = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *idx = PyObject_Str(PyList_GET_ITEM(indices, j));
+        PyObject *key = idx ? PyUnicode_Concat(prefix, idx) : NULL;
+        Py_XDECREF(idx);
+        if (!key) {
+            Py_DECREF(prefix);
+            Py_DECREF(keys);
+            return NULL;
+        }
+        if (PyUnicode_GET_LENGTH(key) > longest)
+            longest = PyUnicode_GET_LENGTH(key);
+        PyList_SET_ITEM(keys, j, key);
+    }
+    /* (the longest key's UTF-8 bytes: the prefix's, then ASCII digits) */
+    Py_ssize_t bytes = utf8_len(prefix);
+    int over = bytes < 0 || (n && bytes - PyUnicode_GET_LENGTH(prefix) + longest > max);
+    Py_DECREF(prefix);
+    if (over) {
+        Py_DECREF(keys);
+        return call_fallback(args[2], args + 3, 5);
+    }
+    return keys;
+}

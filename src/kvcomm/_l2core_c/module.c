@@ -143,6 +143,12 @@ static PyMethodDef module_methods[] = {
     {"task_records", (PyCFunction)(void (*)(void))task_records, METH_FASTCALL,
      "task_records(dumps, writes, task_id, task_path, idx_map) -> (records, indices, "
      "regular) | None: the LangGraph saver's records of a task's writes"},
+    {"step_keys", (PyCFunction)(void (*)(void))step_keys, METH_FASTCALL,
+     "step_keys(memo, max, fallback, thread_id, ns, checkpoint_id) -> (checkpoint key, "
+     "blobs' prefix, head key): the LangGraph saver's Keys.step"},
+    {"write_keys", (PyCFunction)(void (*)(void))write_keys, METH_FASTCALL,
+     "write_keys(memo, max, fallback, thread_id, ns, checkpoint_id, task_id, indices) -> "
+     "keys: the LangGraph saver's Keys.step_writes"},
     {"pack_plain", pack_plain, METH_O,
      "pack_plain(fields) -> bytes | None: msgpack of a list of str, bytes and None fields"},
     {"key_of", (PyCFunction)(void (*)(void))key_of, METH_FASTCALL,

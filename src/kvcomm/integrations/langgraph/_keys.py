@@ -35,6 +35,8 @@ from __future__ import annotations
 import functools
 import re
 
+from ..._l2core import plain_component as _plain
+from ..._l2core import step_keys, write_keys
 from ...errors import InvalidKey
 
 _ESCAPE = re.compile(r"[%/=\x00-\x1f\x7f]")
@@ -69,13 +71,6 @@ def _esc_id(component: str) -> str:
     return component if _plain(component) else _escaped(component)
 
 
-try:
-    from ..._l2core import plain_component as _plain
-except ImportError:  # pragma: no cover  (the C kernel absent: the same check in Python)
-    def _plain(s: object, /) -> bool:
-        return type(s) is str and _ESCAPE.search(s) is None
-
-
 def unesc(component: str) -> str:
     """The inverse of :func:`esc`."""
     return _UNESCAPE.sub(lambda m: chr(int(m.group(1), 16)), component)
@@ -106,11 +101,18 @@ class Keys:
         self.writes = root + "cp/w/"
         self.store = root + "st/"
         # (thread id, namespace) -> ("T/N/", the head's key, the prefixes of its
-        # checkpoints and of its writes), for ids whose head is within the bound
-        self._tn: dict[tuple[str, str], tuple[str, str | None, str, str]] = {}
+        # checkpoints, of its writes and of its channel values), for ids whose head is
+        # within the bound
+        self._tn: dict[tuple[str, str], tuple[str, str | None, str, str, str]] = {}
+        # (step and step_writes, the keys a put and a task's writes make at every step of
+        # a graph: in C for the ids the memo holds and LangGraph's uuids; any other, the
+        # Python methods, given the same arguments)
+        self.step = functools.partial(step_keys, self._tn, max_key_bytes, self._step)
+        self.step_writes = functools.partial(write_keys, self._tn, max_key_bytes,
+                                             self._step_writes)
 
-    def _of(self, thread_id: str, checkpoint_ns: str) -> tuple[str, str | None, str, str]:
-        """``("T/N/", head key, checkpoints' prefix, writes' prefix)`` of a thread's
+    def _of(self, thread_id: str, checkpoint_ns: str) -> tuple[str, str | None, str, str, str]:
+        """``("T/N/", head key, checkpoints' prefix, writes' prefix, blobs' prefix)`` of a thread's
         namespace (``T/N/``: ``esc(thread_id)/esc(checkpoint_ns)/``; the head key None
         when over ``max_key_bytes``, as every key of it is then), memoised for str ids
         whose keys can fit: a run builds its keys at every step; at most _TN_MEMO
@@ -122,8 +124,9 @@ class Keys:
         tn = esc(thread_id) + "/" + esc(checkpoint_ns) + "/"  # (raises InvalidKey)
         head = self.heads + tn
         if len(head.encode("utf-8", "surrogatepass")) > self.max:
-            return tn, None, self.checkpoints + tn, self.writes + tn  # (no key fits: not kept)
-        got = (tn, head, self.checkpoints + tn, self.writes + tn)
+            # (no key fits: not kept)
+            return tn, None, self.checkpoints + tn, self.writes + tn, self.blobs + tn
+        got = (tn, head, self.checkpoints + tn, self.writes + tn, self.blobs + tn)
         if len(self._tn) >= _TN_MEMO:
             self._tn.clear()
         self._tn[thread_id, checkpoint_ns] = got
@@ -153,23 +156,24 @@ class Keys:
     def head(self, thread_id: str, checkpoint_ns: str) -> str:
         return self._head(self._of(thread_id, checkpoint_ns), thread_id)
 
-    def _head(self, of: tuple[str, str | None, str, str], thread_id: str) -> str:
+    def _head(self, of: tuple[str, str | None, str, str, str], thread_id: str) -> str:
         return of[1] or self.fit(self.heads + of[0], "the head of thread {!r}", thread_id)
 
     def checkpoint(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
         return self._checkpoint(self._of(thread_id, checkpoint_ns), thread_id, checkpoint_id)
 
-    def _checkpoint(self, of: tuple[str, str | None, str, str], thread_id: str,
+    def _checkpoint(self, of: tuple[str, str | None, str, str, str], thread_id: str,
                     checkpoint_id: str) -> str:
         return self.fit(of[2] + _esc_id(checkpoint_id), "checkpoint {!r} of thread {!r}",
                         checkpoint_id, thread_id)
 
-    def step(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> tuple[str, str, str]:
-        """(:meth:`checkpoint`, the prefix of the thread's channel values (:meth:`blob`
-        completes it), :meth:`head`): the keys a put makes, the thread's part found once."""
+    def _step(self, thread_id: str, checkpoint_ns: str,
+              checkpoint_id: str) -> tuple[str, str, str]:
+        """``step(thread_id, checkpoint_ns, checkpoint_id)``: (:meth:`checkpoint`, the prefix
+        of the thread's channel values (:meth:`blob` completes it), :meth:`head`), the keys
+        a put makes, the thread's part found once."""
         of = self._of(thread_id, checkpoint_ns)
-        return (self._checkpoint(of, thread_id, checkpoint_id), self.blobs + of[0],
-                self._head(of, thread_id))
+        return (self._checkpoint(of, thread_id, checkpoint_id), of[4], self._head(of, thread_id))
 
     def blob(self, thread_id: str, checkpoint_ns: str, channel: str,
              version: str | int | float) -> str:
@@ -194,9 +198,10 @@ class Keys:
         """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
         return self.task_writes(prefix, [idx], task_id, thread_id)[0]
 
-    def step_writes(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
-                    indices: list[int]) -> list[str]:
-        """``task_writes(task_prefix(...), indices, ...)``: the keys of a task's writes."""
+    def _step_writes(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
+                     indices: list[int]) -> list[str]:
+        """``step_writes(thread_id, checkpoint_ns, checkpoint_id, task_id, indices)``:
+        ``task_writes(task_prefix(...), indices, ...)``, the keys of a task's writes."""
         return self.task_writes(self._of(thread_id, checkpoint_ns)[3] + _esc_id(checkpoint_id)
                                 + "/" + _esc_id(task_id) + "/", indices, task_id, thread_id)
 
