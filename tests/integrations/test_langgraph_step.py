@@ -301,3 +301,162 @@ def test_the_step_keys_in_c_are_the_python_methods(thread: str, ns: str, cid: st
             keys._step_writes, thread, ns, cid, task, indices)
     assert _outcome(keys.step_writes, thread, ns, cid, task, [True, 2.0]) == _outcome(
         keys._step_writes, thread, ns, cid, task, [True, 2.0])
+
+
+# ---------------------------------------------------------------- what a review tried
+
+_HOSTILE = r'''
+from collections import ChainMap
+from langgraph.checkpoint.base import get_checkpoint_metadata
+from kvcomm.integrations.langgraph.saver import _metadata
+
+def outcome(fn, make):
+    config, metadata = make()
+    try:
+        return ("ok", sorted(map(repr, fn(config, metadata).items())))
+    except Exception as exc:
+        return (type(exc).__name__, str(exc)[:40])
+
+def clearing_config():  # (a metadata key whose __eq__ empties the config's part)
+    key = "".join(["us", "er"]); h = hash(key)
+    class K:
+        def __hash__(self): return h
+        def __eq__(self, o): config["metadata"].clear(); return False
+    config = {"metadata": {key: "".join(["v"] * 40)}, "configurable": {}}
+    return config, {K(): 1}
+
+def clearing_maps():  # (a key of a ChainMap's map whose __eq__ empties its maps)
+    class K:
+        def __hash__(self): return 7
+        def __eq__(self, o): cm.maps.clear(); return False
+    cm = ChainMap(*[{"a%d" % i: "x"} for i in range(30)], {K(): 1}, {K(): 2})
+    return {"metadata": cm}, {}
+
+def raising_first():  # (metadata's key raises on hashing, the config's on comparing)
+    armed = []
+    class H:
+        def __hash__(self):
+            if armed: raise ValueError("hash")
+            return 1
+    class E:
+        def __hash__(self): return hash("metadata")
+        def __eq__(self, o):
+            if armed: raise KeyError("eq")
+            return False
+    config, metadata = {E(): 1, "metadata": {}}, {H(): 1}
+    armed.append(1)
+    return config, metadata
+
+for make in (clearing_config, clearing_maps, raising_first):
+    got, want = outcome(_metadata, make), outcome(get_checkpoint_metadata, make)
+    print(make.__name__, "same" if got == want else f"differs: {got} != {want}")
+'''
+
+
+def test_keys_whose_code_changes_the_config_are_judged_as_langgraph_judges_them() -> None:
+    """Keys whose ``__eq__`` empties the dict or ChainMap being merged (a use after free
+    in C when the review found it) and keys that raise: the same outcome as LangGraph's
+    function, in a process of its own (a crash fails the test, not the suite)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HOSTILE], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["clearing_config", "same", "clearing_maps", "same",
+                                  "raising_first", "same"], out.stdout
+
+
+def test_values_whose_class_is_faked_are_judged_as_isinstance_judges_them() -> None:
+    from unittest import mock
+
+    for value in [mock.Mock(spec=str, replace=lambda *a: "spoofed"), mock.Mock(spec=int)]:
+        for config, md in [({"metadata": {"k": value}}, {}), ({}, {"k": value})]:
+            want = get_checkpoint_metadata(config, md)  # type: ignore[arg-type]
+            assert list(_metadata(config, md).items()) == list(want.items())  # type: ignore[arg-type]
+
+
+def test_a_serializer_answer_of_any_iterable_shape_is_unpacked_as_python_unpacks_it() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "type data")
+    for answer in [Pair("t", b"x"), ("t", b"x", "z"), ("ab",), "ab", ["t", b"x"]]:
+        dumps: Any = lambda obj, answer=answer: answer  # noqa: E731
+        assert checkpoint_record(dumps, {}, {}, None, {"a": 1}) == _checkpoint_record(
+            dumps, {}, {}, None, {"a": 1})
+        assert task_records(dumps, [("a", 1)], "t", "", WRITES_IDX_MAP) == _task_records(
+            dumps, [("a", 1)], "t", "", WRITES_IDX_MAP)
+
+
+def test_a_serializer_changing_what_it_serializes_meets_what_python_meets() -> None:
+    def outcome(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RuntimeError as exc:
+            return str(exc)
+
+    for change in ["swap", "add", "drop", "add after the last"]:
+        got = []
+        for fn in (checkpoint_record, _checkpoint_record):
+            values = {"a": 1, "b": 2}
+
+            def changes(obj: Any, values: dict[str, Any] = values, change: str = change) -> Any:
+                if obj == (2 if change == "add after the last" else 1):
+                    if change in ("swap", "drop"):
+                        del values["b"]
+                    if change != "drop":
+                        values["c"] = 3
+                return ("t", b"x")
+
+            got.append(outcome(fn, changes, {}, {}, None, values))
+        assert got[0] == got[1], change
+    for shape in (list, deque):
+        seen = []
+        for fn in (task_records, _task_records):
+            writes: Any = shape([("a", 1), ("b", 2)])
+
+            def grows(obj: Any, writes: Any = writes) -> Any:
+                if obj == 1:
+                    writes.append(("c", 3))
+                return ("t", b"x")
+
+            seen.append(outcome(fn, grows, writes, "t", "", WRITES_IDX_MAP))
+        assert seen[0] == seen[1], shape
+
+
+def test_only_a_real_deque_is_taken_for_one() -> None:
+    Fake = type("collections.deque", (), {"__iter__": lambda self: iter(self.items)})
+    fake = Fake()
+    fake.items = iter([("a", 1), "ab"])  # (one pass only)
+    assert task_records(no_pickle(None).dumps_typed, fake, "t", "", WRITES_IDX_MAP) is None
+    assert next(fake.items) == ("a", 1)  # (nothing consumed)
+
+
+def test_an_index_is_regular_as_python_compares_it() -> None:
+    dumps = no_pickle(None).dumps_typed
+    for idx_map in [{"a": float("nan")}, {"a": -0.0}, {"a": 2}]:
+        assert task_records(dumps, [("a", 1)], "t", "", idx_map) == _task_records(
+            dumps, [("a", 1)], "t", "", idx_map)
+
+
+def test_the_serializers_c_half_is_called_as_a_python_method_is() -> None:
+    import inspect
+
+    serde = no_pickle(None)
+    assert serde.dumps_typed(obj=1) == serde.dumps_typed(1)
+    assert list(inspect.signature(serde.dumps_typed).parameters) == ["obj"]
+    with pytest.raises(TypeError):
+        serde.dumps_typed(1, 2)  # type: ignore[call-arg]
+
+    class Broken(type(serde)):  # type: ignore[misc]
+        @property
+        def inner(self) -> Any:
+            raise TypeError("no inner")
+
+        @inner.setter
+        def inner(self, value: Any) -> None:
+            pass
+
+    with pytest.raises(kvcomm.UnsupportedValue) as got:
+        Broken(None).dumps_typed(1)
+    assert isinstance(got.value.__context__, TypeError) and got.value.__suppress_context__

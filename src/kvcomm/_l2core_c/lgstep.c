@@ -52,14 +52,25 @@ refused_type(PyObject *t)
 }
 
 static PyObject *
-nopickle_dumps_typed(PyObject *self, PyObject *obj)
+nopickle_dumps_typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *inner = PyObject_GetAttr(self, InnerName);
-    if (!inner)
-        return NULL;
-    PyObject *args[2] = {inner, obj};
-    PyObject *out = PyObject_VectorcallMethod(DumpsTypedName, args, 2, NULL);
-    Py_DECREF(inner);
+    PyObject *obj = nargs == 1 && !kwnames ? args[0] : NULL;
+    if (!obj) { /* (dumps_typed(obj=...): what a Python method takes) */
+        Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+        if (nargs + nkw == 1 && nkw == 1 &&
+            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "obj") == 0)
+            obj = args[0];
+        else {
+            PyErr_SetString(PyExc_TypeError, "dumps_typed() takes one argument, obj");
+            return NULL;
+        }
+    }
+    PyObject *inner = PyObject_GetAttr(self, InnerName), *out = NULL;
+    if (inner) {
+        PyObject *call[2] = {inner, obj};
+        out = PyObject_VectorcallMethod(DumpsTypedName, call, 2, NULL);
+        Py_DECREF(inner);
+    }
     if (out && PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) == 2 &&
         PyUnicode_CheckExact(PyTuple_GET_ITEM(out, 0)) &&
         PyBytes_CheckExact(PyTuple_GET_ITEM(out, 1)) && !refused_type(PyTuple_GET_ITEM(out, 0)))
@@ -84,8 +95,10 @@ nopickle_dumps_typed(PyObject *self, PyObject *obj)
 }
 
 static PyMethodDef NoPickleMethods[] = {
-    {"dumps_typed", nopickle_dumps_typed, METH_O,
-     "dumps_typed(obj) -> (str, bytes): self.inner's, judged (see _serde.NoPickleSerializer)"},
+    {"dumps_typed", (PyCFunction)(void (*)(void))nopickle_dumps_typed,
+     METH_FASTCALL | METH_KEYWORDS,
+     "dumps_typed($self, obj)\n--\n\n(str, bytes): self.inner's answer, judged (see "
+     "_serde.NoPickleSerializer)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -98,7 +111,12 @@ static PyTypeObject NoPickleType = {
     .tp_new = PyType_GenericNew,
 };
 
-/* ---------------------------------------------------------------- step_metadata */
+/* ---------------------------------------------------------------- step_metadata
+ *
+ * Runs no Python code between its checks and its answer: every key it compares or
+ * stores is an exact str, every value it judges is of a type whose ``isinstance`` answer
+ * nothing can fake; any other key or value sends the whole call to LangGraph's function,
+ * which then judges (and raises) as it does. So nothing it iterates can change under it. */
 
 /* ``v.replace("\0", "")`` of an exact str, a new reference (``v`` itself when it holds
  * no NUL) */
@@ -113,19 +131,46 @@ without_nul(PyObject *v)
     return PyUnicode_Replace(v, NulStr, EmptyStr, -1);
 }
 
-/* 1: ``d``'s items added to ``md`` as get_checkpoint_metadata adds a config part's (a key
- * already there, excluded or starting with "__" skipped; a str without its NULs, an int,
- * bool or float as is; anything else left out); 0: a key or value whose handling could
- * run Python code (not an exact str key, a str subclass value): the caller falls back;
- * -1: an error */
+/* what ``isinstance(v, str)`` and ``isinstance(v, (int, bool, float))`` answer for ``v``:
+ * 's' (an exact str), 'n' (an exact int or float, a bool), 'o' (neither: None, or an exact
+ * dict, list or tuple, whose class nothing can fake), 0 (another type: a subclass, or an
+ * object whose ``__class__`` may claim anything) */
+static char
+kind_of(PyObject *v)
+{
+    if (PyUnicode_CheckExact(v))
+        return 's';
+    if (PyLong_CheckExact(v) || PyBool_Check(v) || PyFloat_CheckExact(v))
+        return 'n';
+    if (v == Py_None || PyDict_CheckExact(v) || PyList_CheckExact(v) || PyTuple_CheckExact(v))
+        return 'o';
+    return 0;
+}
+
+/* whether every key of the exact dict ``d`` is an exact str */
 static int
-add_part(PyObject *md, PyObject *d, PyObject *excluded)
+str_keys(PyObject *d)
 {
     Py_ssize_t pos = 0;
     PyObject *key, *v;
-    while (PyDict_Next(d, &pos, &key, &v)) {
+    while (PyDict_Next(d, &pos, &key, &v))
         if (!PyUnicode_CheckExact(key))
             return 0;
+    return 1;
+}
+
+/* 1: ``d``'s items added to ``md`` as get_checkpoint_metadata adds a config part's (a key
+ * already there, excluded or starting with "__" skipped; a str without its NULs, an int,
+ * bool or float as is; anything else left out); 0: a key or value it does not judge (the
+ * caller falls back); -1: an error */
+static int
+add_part(PyObject *md, PyObject *d, PyObject *excluded)
+{
+    if (!str_keys(d))
+        return 0;
+    Py_ssize_t pos = 0;
+    PyObject *key, *v;
+    while (PyDict_Next(d, &pos, &key, &v)) {
         int r = PyDict_Contains(md, key);
         if (r < 0)
             return -1;
@@ -136,59 +181,56 @@ add_part(PyObject *md, PyObject *d, PyObject *excluded)
             return -1;
         if (r || PyUnicode_Tailmatch(key, DunderStr, 0, 2, -1) == 1)
             continue;
-        if (PyUnicode_Check(v)) {
-            if (!PyUnicode_CheckExact(v))
-                return 0;
-            PyObject *clean = without_nul(v);
-            if (!clean || PyDict_SetItem(md, key, clean) < 0) {
-                Py_XDECREF(clean);
-                return -1;
-            }
-            Py_DECREF(clean);
-        } else if (PyLong_Check(v) || PyFloat_Check(v)) {
-            if (PyDict_SetItem(md, key, v) < 0)
-                return -1;
-        }
+        char kind = kind_of(v);
+        if (!kind)
+            return 0;
+        if (kind == 'o')
+            continue;
+        PyObject *kept = kind == 's' ? without_nul(v) : Py_NewRef(v);
+        r = !kept || PyDict_SetItem(md, key, kept) < 0;
+        Py_XDECREF(kept);
+        if (r)
+            return -1;
     }
     return 1;
 }
 
 /* ``part`` of a config as a dict whose items iterate as ``part.items()`` would (a
  * ChainMap of exact dicts merged: the first map's value wins, keys in ChainMap's order), a
- * new reference; Py_None for None; NULL without an error set for another shape */
+ * new reference; Py_None for None; NULL without an error set for another shape (or keys
+ * not all exact str) */
 static PyObject *
 config_part(PyObject *part, PyObject *chainmap)
 {
-    if (part == Py_None || PyDict_CheckExact(part))
+    if (part == Py_None)
         return Py_NewRef(part);
+    if (PyDict_CheckExact(part))
+        return str_keys(part) ? Py_NewRef(part) : NULL;
     if ((PyObject *)Py_TYPE(part) != chainmap)
         return NULL;
     PyObject *maps = PyObject_GetAttr(part, MapsName);
-    if (!maps) {
+    if (!maps || !PyList_CheckExact(maps)) {
         PyErr_Clear();
+        Py_XDECREF(maps);
         return NULL;
     }
-    PyObject *merged = NULL;
-    if (PyList_CheckExact(maps)) {
-        merged = PyDict_New();
-        for (Py_ssize_t i = PyList_GET_SIZE(maps) - 1; merged && i >= 0; i--) {
-            PyObject *m = PyList_GET_ITEM(maps, i);
-            if (!PyDict_CheckExact(m) || PyDict_Update(merged, m) < 0)
-                Py_CLEAR(merged);
-        }
+    PyObject *merged = PyDict_New();
+    for (Py_ssize_t i = PyList_GET_SIZE(maps) - 1; merged && i >= 0; i--) {
+        PyObject *m = PyList_GET_ITEM(maps, i); /* (no code runs: maps stays as it is) */
+        if (!PyDict_CheckExact(m) || !str_keys(m) || PyDict_Update(merged, m) < 0)
+            Py_CLEAR(merged);
     }
     Py_DECREF(maps);
-    if (!merged)
-        PyErr_Clear(); /* (only a dict's update may fail: the fallback raises as it does) */
+    PyErr_Clear(); /* (only a dict's allocation may fail: the fallback raises as it does) */
     return merged;
 }
 
 /* step_metadata(excluded, chainmap, fallback, config, metadata) -> dict: LangGraph's
  * get_checkpoint_metadata(config, metadata) (saver._metadata: the same dict, keys in the
  * same order), or ``fallback(config, metadata)``'s answer for a config or metadata of
- * another shape than a running graph's (config an exact dict whose "metadata" is None, a
- * dict or a ChainMap of dicts and whose "configurable" is None or a dict; metadata a dict;
- * str keys and values of exact types). */
+ * another shape than a running graph's (metadata a dict; config an exact dict whose
+ * "metadata" is None, a dict or a ChainMap of dicts and whose "configurable" is None or a
+ * dict; their keys exact str, their values of the types kind_of judges). */
 static PyObject *
 step_metadata(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -205,29 +247,34 @@ step_metadata(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *parts[2] = {NULL, NULL}, *md = NULL;
-    int ok = PyDict_CheckExact(config) && PyDict_CheckExact(metadata); /* (0: fallback) */
-    PyObject *names[2] = {MetadataName, ConfigurableName};
-    for (int i = 0; ok && i < 2; i++) {
-        PyObject *part = PyDict_GetItemWithError(config, names[i]); /* (borrowed) */
-        if (!part && PyErr_Occurred())
-            goto done;
-        parts[i] = config_part(part ? part : Py_None, chainmap);
-        ok = parts[i] != NULL;
-    }
+    int ok = PyDict_CheckExact(config) && PyDict_CheckExact(metadata) && str_keys(metadata) &&
+             str_keys(config); /* (0: the fallback) */
     if (!ok || !(md = PyDict_New()))
         goto done;
     Py_ssize_t pos = 0;
     PyObject *key, *v;
-    while (PyDict_Next(metadata, &pos, &key, &v)) {
-        if (PyUnicode_Check(v) && !PyUnicode_CheckExact(v)) {
+    while (PyDict_Next(metadata, &pos, &key, &v)) { /* (as LangGraph: metadata first) */
+        char kind = kind_of(v);
+        if (!kind) {
             ok = 0;
             goto done;
         }
-        PyObject *clean = PyUnicode_CheckExact(v) ? without_nul(v) : Py_NewRef(v);
+        PyObject *clean = kind == 's' ? without_nul(v) : Py_NewRef(v);
         int r = !clean || PyDict_SetItem(md, key, clean) < 0;
         Py_XDECREF(clean);
         if (r)
             goto done;
+    }
+    PyObject *names[2] = {MetadataName, ConfigurableName};
+    for (int i = 0; i < 2; i++) {
+        PyObject *part = PyDict_GetItemWithError(config, names[i]); /* (borrowed) */
+        if (!part && PyErr_Occurred())
+            goto done;
+        parts[i] = config_part(part ? part : Py_None, chainmap);
+        if (!parts[i]) {
+            ok = 0;
+            goto done;
+        }
     }
     for (int i = 0; i < 2; i++) {
         if (parts[i] == Py_None || PyDict_GET_SIZE(parts[i]) == 0)
@@ -254,24 +301,18 @@ done:
 
 /* ---------------------------------------------------------------- records */
 
-/* ``record += dumps(obj)`` (``*dumps(obj)``: its items, whatever sequence it gives);
+/* ``record += dumps(obj)`` (``*dumps(obj)``: its items, whatever iterable it gives);
  * -1 on an error */
 static int
 extend_dumped(PyObject *record, PyObject *dumps, PyObject *obj)
 {
     PyObject *out = PyObject_CallOneArg(dumps, obj);
-    if (!out)
-        return -1;
-    int r;
-    if (PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) == 2)
-        r = PyList_Append(record, PyTuple_GET_ITEM(out, 0)) < 0 ||
-                    PyList_Append(record, PyTuple_GET_ITEM(out, 1)) < 0 ? -1 : 0;
-    else {
-        PyObject *ext = PyObject_CallMethod(record, "extend", "O", out);
-        r = ext ? 0 : -1;
-        Py_XDECREF(ext);
-    }
-    Py_DECREF(out);
+    PyObject *items = out ? PySequence_Fast(out, "a serializer's dumps_typed returns (str, bytes)") : NULL;
+    int r = items ? 0 : -1;
+    for (Py_ssize_t i = 0; items && !r && i < PySequence_Fast_GET_SIZE(items); i++)
+        r = PyList_Append(record, PySequence_Fast_GET_ITEM(items, i));
+    Py_XDECREF(items);
+    Py_XDECREF(out);
     return r;
 }
 
@@ -312,9 +353,21 @@ checkpoint_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *run = PyDict_GetItemWithError(args[2], RunIdName);
     if ((!run && PyErr_Occurred()) || PyList_Append(record, run ? run : Py_None) < 0)
         goto fail;
-    Py_ssize_t pos = 0, size = PyDict_GET_SIZE(values);
+    /* (as Python's loop over values.items(): a serializer that changes them meets the
+     * RuntimeError it would meet there) */
+    Py_ssize_t pos = 0, size = PyDict_GET_SIZE(values), left = size;
     PyObject *channel, *value;
-    while (PyDict_Next(values, &pos, &channel, &value)) {
+    for (;;) {
+        if (PyDict_GET_SIZE(values) != size) {
+            PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
+            goto fail;
+        }
+        if (!PyDict_Next(values, &pos, &channel, &value))
+            break;
+        if (left-- == 0) {
+            PyErr_SetString(PyExc_RuntimeError, "dictionary keys changed during iteration");
+            goto fail;
+        }
         if (!inline_value(value))
             continue;
         Py_INCREF(channel); /* (dumps runs Python code: the dict may change under it) */
@@ -325,10 +378,6 @@ checkpoint_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(value);
         if (r)
             goto fail;
-        if (PyDict_GET_SIZE(values) != size) { /* (as Python's loop over its items) */
-            PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
-            goto fail;
-        }
     }
     PyObject *out = PyTuple_Pack(2, record, inline_set);
     Py_DECREF(record);
@@ -340,14 +389,15 @@ fail:
     return NULL;
 }
 
+static PyObject *DequeType; /* collections.deque (module init) */
+
 /* whether ``writes`` is a list, a tuple or a deque (exact types: LangGraph passes a
- * deque), which task_records may copy first without consuming anything the Python loop
- * would then not see (a generator) */
+ * deque), whose iteration runs no Python code and consumes nothing (not a generator) */
 static int
 plain_sequence(PyObject *writes)
 {
     return PyList_CheckExact(writes) || PyTuple_CheckExact(writes) ||
-           strcmp(Py_TYPE(writes)->tp_name, "collections.deque") == 0;
+           (PyObject *)Py_TYPE(writes) == DequeType;
 }
 
 /* whether ``w`` is a plain write: an exact tuple or list of two, the first an exact str */
@@ -357,6 +407,22 @@ plain_write(PyObject *w)
     return ((PyTuple_CheckExact(w) && PyTuple_GET_SIZE(w) == 2) ||
             (PyList_CheckExact(w) && PyList_GET_SIZE(w) == 2)) &&
            PyUnicode_CheckExact(PySequence_Fast_GET_ITEM(w, 0));
+}
+
+/* 1: every write of ``writes`` (plain_sequence) is plain; 0: not; -1: an error */
+static int
+plain_writes(PyObject *writes)
+{
+    PyObject *it = PyObject_GetIter(writes), *w;
+    if (!it)
+        return -1;
+    int ok = 1;
+    while (ok && (w = PyIter_Next(it))) {
+        ok = plain_write(w);
+        Py_DECREF(w);
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : ok;
 }
 
 /* task_records(dumps, writes, task_id, task_path, idx_map) -> (records, indices, regular)
@@ -369,9 +435,11 @@ plain_write(PyObject *w)
            indices.append(i)
            records.append([task_id, channel, *dumps(value), task_path])
 
- * for a list, tuple or deque of exact tuples or lists of two, a str channel each (what
- * LangGraph passes); None for anything else (put_writes' Python loop then does it all
- * again, and says what is wrong) */
+ * for a list, tuple or deque of plain writes, all judged before the first is serialized
+ * (what LangGraph passes); None for anything else, or a write a serializer made not plain
+ * meanwhile (put_writes then checks them in Python, and says what is wrong). The writes
+ * are iterated as that loop iterates them: a serializer adding one to a list adds it, one
+ * changing a deque raises RuntimeError. */
 static PyObject *
 task_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -381,42 +449,35 @@ task_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                         "task_records(dumps, writes, task_id, task_path, idx_map: dict)");
         return NULL;
     }
-    PyObject *dumps = args[0], *task_id = args[2], *task_path = args[3], *idx_map = args[4];
-    if (!plain_sequence(args[1]))
+    PyObject *dumps = args[0], *writes = args[1], *task_id = args[2], *task_path = args[3];
+    PyObject *idx_map = args[4];
+    if (!plain_sequence(writes))
         Py_RETURN_NONE;
-    PyObject *seq = PySequence_List(args[1]); /* (a snapshot) */
-    if (!seq)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(seq);
-    PyObject *records = NULL, *indices = NULL, *regular = NULL, *out = NULL;
-    for (Py_ssize_t idx = 0; idx < n; idx++) { /* (each write judged before any is dumped) */
-        if (!plain_write(PyList_GET_ITEM(seq, idx))) {
-            out = Py_NewRef(Py_None);
-            goto done;
-        }
-    }
-    records = PyList_New(0), indices = PyList_New(0), regular = PyList_New(0);
-    if (!records || !indices || !regular)
+    int plain = plain_writes(writes);
+    if (plain <= 0)
+        return plain < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *records = PyList_New(0), *indices = PyList_New(0), *regular = PyList_New(0);
+    PyObject *it = PyObject_GetIter(writes), *out = NULL, *w;
+    if (!records || !indices || !regular || !it)
         goto done;
-    for (Py_ssize_t idx = 0; idx < n; idx++) {
-        PyObject *w = PyList_GET_ITEM(seq, idx);
-        if (!plain_write(w)) { /* (a list changed by a dumps before: the Python loop) */
-            Py_CLEAR(records);
+    for (Py_ssize_t idx = 0; (w = PyIter_Next(it)); idx++) {
+        if (!plain_write(w)) { /* (made so by a serializer: Python checks them all) */
+            Py_DECREF(w);
             out = Py_NewRef(Py_None);
             goto done;
         }
         PyObject *channel = Py_NewRef(PySequence_Fast_GET_ITEM(w, 0));
-        PyObject *value = Py_NewRef(PySequence_Fast_GET_ITEM(w, 1)); /* (a list may change
-                                                                         while dumps runs) */
+        PyObject *value = Py_NewRef(PySequence_Fast_GET_ITEM(w, 1));
+        Py_DECREF(w);
         PyObject *i = PyDict_GetItemWithError(idx_map, channel), *rec = NULL;
         Py_XINCREF(i);
         if (!i && !PyErr_Occurred())
             i = PyLong_FromSsize_t(idx);
         int bad = !i;
         if (!bad) {
-            int neg = PyObject_RichCompareBool(i, Zero, Py_LT);
-            PyObject *at = neg == 0 ? PyLong_FromSsize_t(idx) : NULL;
-            bad = neg < 0 || (neg == 0 && (!at || PyList_Append(regular, at) < 0)) ||
+            int ge = PyObject_RichCompareBool(i, Zero, Py_GE);
+            PyObject *at = ge > 0 ? PyLong_FromSsize_t(idx) : NULL;
+            bad = ge < 0 || (ge > 0 && (!at || PyList_Append(regular, at) < 0)) ||
                   PyList_Append(indices, i) < 0;
             Py_XDECREF(at);
         }
@@ -433,9 +494,10 @@ task_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (bad)
             goto done;
     }
-    out = PyTuple_Pack(3, records, indices, regular);
+    if (!PyErr_Occurred())
+        out = PyTuple_Pack(3, records, indices, regular);
 done:
-    Py_DECREF(seq);
+    Py_XDECREF(it);
     Py_XDECREF(records);
     Py_XDECREF(indices);
     Py_XDECREF(regular);

@@ -183,8 +183,9 @@ PyInit__l2core(void)
     if (!collections)
         return NULL;
     OrderedDictType = PyObject_GetAttrString(collections, "OrderedDict");
+    DequeType = PyObject_GetAttrString(collections, "deque");
     Py_DECREF(collections);
-    if (!OrderedDictType)
+    if (!OrderedDictType || !DequeType)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)

@@ -78,15 +78,17 @@ class NoPickleSerializer(NoPickle, SerializerProtocol):
         ``out`` of another shape than an exact (str, bytes) pair, or a pickle's type, or
         raised ``exc``."""
         if exc is not None:
-            if isinstance(exc, TypeError) and not isinstance(exc, UnsupportedValue):
-                # (JsonPlusSerializer: "Type is not msgpack serializable")
+            try:
+                raise exc
+            except UnsupportedValue:
+                raise
+            except TypeError:  # (JsonPlusSerializer: "Type is not msgpack serializable")
                 raise UnsupportedValue(
                     f"{type(obj).__name__} cannot be serialized without pickle ({exc}); KVCOMM "
                     "never stores pickles: use msgpack-serializable values (a NumPy scalar such "
                     "as np.float64(2.5): its .item(), the Python number; kv.put converts those, "
                     "LangGraph's serializer does not), or name your class in "
                     "JsonPlusSerializer(allowed_msgpack_modules=[(module, name)])") from None
-            raise exc
         try:
             type_, data = out
         except (TypeError, ValueError):  # (not a pair at all)
