@@ -460,3 +460,13 @@ def test_the_serializers_c_half_is_called_as_a_python_method_is() -> None:
     with pytest.raises(kvcomm.UnsupportedValue) as got:
         Broken(None).dumps_typed(1)
     assert isinstance(got.value.__context__, TypeError) and got.value.__suppress_context__
+
+
+def test_langgraphs_own_set_of_excluded_keys_is_read_at_each_call() -> None:
+    config = {"metadata": {"tenant": "x"}, "configurable": {"thread_id": "t"}}
+    EXCLUDED_METADATA_KEYS.add("tenant")
+    try:
+        assert _metadata(config, {}) == get_checkpoint_metadata(config, {}) == {}  # type: ignore[arg-type]
+    finally:
+        EXCLUDED_METADATA_KEYS.discard("tenant")
+    assert _metadata(config, {}) == {"tenant": "x"}  # type: ignore[arg-type]

@@ -202,10 +202,11 @@ def _head_of(value: Any, key: str) -> dict[str, Any] | None:
 # ``get_checkpoint_metadata(config, metadata)``, LangGraph's: the same dict, keys in the
 # same order, in C (``_l2core.step_metadata``; in Python, iterating the ChainMap that a
 # running graph's ``config["metadata"]`` is ran four methods a key, 13 µs of a put); any
-# other shape of config than a running graph's is given to LangGraph's own function. A
-# test holds the two equal (tests/integrations/test_langgraph_metadata.py).
+# other shape of config than a running graph's is given to LangGraph's own function (and
+# LangGraph's own set of excluded keys is read at each call, as that function reads it).
+# A test holds the two equal (tests/integrations/test_langgraph_step.py).
 _metadata: Callable[[RunnableConfig, CheckpointMetadata], dict[str, Any]] = functools.partial(
-    step_metadata, frozenset(EXCLUDED_METADATA_KEYS), ChainMap, get_checkpoint_metadata)
+    step_metadata, EXCLUDED_METADATA_KEYS, ChainMap, get_checkpoint_metadata)
 
 
 def _shaped(value: list[Any], n: int) -> bool:
