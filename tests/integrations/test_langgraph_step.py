@@ -470,3 +470,65 @@ def test_langgraphs_own_set_of_excluded_keys_is_read_at_each_call() -> None:
     finally:
         EXCLUDED_METADATA_KEYS.discard("tenant")
     assert _metadata(config, {}) == {"tenant": "x"}  # type: ignore[arg-type]
+
+
+def test_an_id_that_is_not_text_is_an_invalid_key_not_a_corrupt_record(kv: kvcomm.Client) -> None:
+    """A lone surrogate in a checkpoint, thread, namespace or task id: InvalidKey, and
+    nothing stored (a checkpoint id's was once reported as a corrupt record)."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from kvcomm.integrations.langgraph import KVCommSaver
+
+    saver = KVCommSaver(kv)
+    for conf, cid, task in [({"thread_id": "t-s1", "checkpoint_ns": ""}, "\ud800", "task"),
+                            ({"thread_id": "t-s2\ud800", "checkpoint_ns": ""}, "c1", "task"),
+                            ({"thread_id": "t-s3", "checkpoint_ns": "\ud800"}, "c1", "task"),
+                            ({"thread_id": "t-s4", "checkpoint_ns": ""}, "c1", "t\ud800")]:
+        cp = empty_checkpoint()
+        cp["id"] = cid
+        with pytest.raises(kvcomm.InvalidKey):
+            saver.put_writes(saver.put({"configurable": conf}, cp, {}, {}), [("a", 1)], task)
+    assert [i.key for i in kv.scan("lg/") if "t-s4" not in i.key] == []
+
+
+def test_the_keys_in_c_hold_their_memo_entry_while_they_allocate_and_keep_no_cycle() -> None:
+    """A collection during step_keys whose finalizer clears the memo (a use after free
+    when a review found it); and a Keys dropped is freed at once, its memo with it."""
+    import gc
+    import subprocess
+    import sys
+    import weakref
+
+    from kvcomm.integrations.langgraph._keys import Keys
+
+    code = r'''
+import gc, sys
+from kvcomm.integrations.langgraph._keys import Keys
+uu = "1ef4f797-8335-6428-8001-8a1503f9b875"; tid = "thread-" + "x" * 20
+keys = Keys("lg/", 250); keys.step(tid, "", uu)
+class B:
+    def __del__(self): keys._tn.clear()
+class A:
+    def __del__(self):
+        global keep; keep = [[] for _ in range(50)]; b = B(); b.self = b
+gc.collect(); gc.disable(); a = A(); a.self = a; del a
+gc.set_threshold(1); gc.enable()
+r = keys.step(tid, "", uu)
+assert sys.getrefcount(r[1]) < 100, sys.getrefcount(r[1])
+print(r[0])
+'''
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True,
+                         text=True, timeout=120, env={**__import__("os").environ,
+                                                      "PYTHONMALLOC": "debug"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "lg/cp/c/thread-xxxxxxxxxxxxxxxxxxxx//" \
+        "1ef4f797-8335-6428-8001-8a1503f9b875"
+    keys = Keys("lg/", 250)
+    keys.step("t", "", "c")
+    gone = weakref.ref(keys)
+    gc.disable()
+    try:
+        del keys
+        assert gone() is None
+    finally:
+        gc.enable()

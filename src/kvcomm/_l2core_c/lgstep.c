@@ -513,7 +513,8 @@ done:
  * escape, a key over max_key_bytes, an index not an exact int) goes to ``fallback``,
  * the Python method, with the same arguments: it escapes, fills the memo, or raises. */
 
-/* the memo's entry of (thread_id, ns) (borrowed), NULL when there is none or on an error */
+/* the memo's entry of (thread_id, ns), a new reference (an allocation may collect, and a
+ * finalizer clear the memo), NULL when there is none or on an error */
 static PyObject *
 memo_of(PyObject *memo, PyObject *thread_id, PyObject *ns)
 {
@@ -529,7 +530,7 @@ memo_of(PyObject *memo, PyObject *thread_id, PyObject *ns)
     for (int i = 0; i < 5; i++)
         if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(of, i)))
             return NULL;
-    return of;
+    return Py_NewRef(of);
 }
 
 /* whether an id is its own key component (plain_component) and an exact str */
@@ -581,18 +582,18 @@ step_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (max == -1 && PyErr_Occurred())
         return NULL;
     PyObject *of = memo_of(args[0], args[3], args[4]);
-    if (!of || !plain_id(args[5]))
-        return call_fallback(args[2], args + 3, 3);
-    PyObject *ckey = PyUnicode_Concat(PyTuple_GET_ITEM(of, 2), args[5]);
-    if (!ckey)
-        return NULL;
-    Py_ssize_t n = utf8_len(ckey);
-    if (n < 0 || n > max) {
-        Py_DECREF(ckey);
+    if (!of || !plain_id(args[5])) {
+        Py_XDECREF(of);
         return call_fallback(args[2], args + 3, 3);
     }
-    PyObject *out = PyTuple_Pack(3, ckey, PyTuple_GET_ITEM(of, 4), PyTuple_GET_ITEM(of, 1));
-    Py_DECREF(ckey);
+    PyObject *ckey = PyUnicode_Concat(PyTuple_GET_ITEM(of, 2), args[5]), *out = NULL;
+    Py_ssize_t n = ckey ? utf8_len(ckey) : 0;
+    if (ckey && (n < 0 || n > max))
+        out = call_fallback(args[2], args + 3, 3);
+    else if (ckey)
+        out = PyTuple_Pack(3, ckey, PyTuple_GET_ITEM(of, 4), PyTuple_GET_ITEM(of, 1));
+    Py_XDECREF(ckey);
+    Py_DECREF(of);
     return out;
 }
 
@@ -611,17 +612,21 @@ write_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (max == -1 && PyErr_Occurred())
         return NULL;
     PyObject *of = memo_of(args[0], args[3], args[4]), *indices = args[7];
-    if (!of || !plain_id(args[5]) || !plain_id(args[6]) || !PyList_CheckExact(indices))
+    int plain = of && plain_id(args[5]) && plain_id(args[6]) && PyList_CheckExact(indices);
+    Py_ssize_t n = plain ? PyList_GET_SIZE(indices) : 0;
+    for (Py_ssize_t j = 0; plain && j < n; j++)
+        plain = PyLong_CheckExact(PyList_GET_ITEM(indices, j));
+    PyObject *prefix = plain ? PyUnicode_FromFormat("%U%U/%U/", PyTuple_GET_ITEM(of, 3),
+                                                    args[5], args[6]) : NULL;
+    Py_XDECREF(of);
+    if (!plain)
         return call_fallback(args[2], args + 3, 5);
-    Py_ssize_t n = PyList_GET_SIZE(indices);
-    for (Py_ssize_t j = 0; j < n; j++)
-        if (!PyLong_CheckExact(PyList_GET_ITEM(indices, j)))
-            return call_fallback(args[2], args + 3, 5);
-    PyObject *prefix = PyUnicode_FromFormat("%U%U/%U/", PyTuple_GET_ITEM(of, 3), args[5],
-                                            args[6]);
-    PyObject *keys = prefix ? PyList_New(n) : NULL;
+    indices = prefix ? PyList_GetSlice(indices, 0, n) : NULL; /* (its own: an allocation may
+                                                                 collect, a finalizer run) */
+    PyObject *keys = indices ? PyList_New(n) : NULL;
     if (!keys) {
         Py_XDECREF(prefix);
+        Py_XDECREF(indices);
         return NULL;
     }
     Py_ssize_t longest = 0;
@@ -631,6 +636,7 @@ write_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(idx);
         if (!key) {
             Py_DECREF(prefix);
+            Py_DECREF(indices);
             Py_DECREF(keys);
             return NULL;
         }
@@ -642,6 +648,7 @@ write_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t bytes = utf8_len(prefix);
     int over = bytes < 0 || (n && bytes - PyUnicode_GET_LENGTH(prefix) + longest > max);
     Py_DECREF(prefix);
+    Py_DECREF(indices);
     if (over) {
         Py_DECREF(keys);
         return call_fallback(args[2], args + 3, 5);

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 
 from ..._l2core import plain_component as _plain
 from ..._l2core import step_keys, write_keys
@@ -106,10 +107,13 @@ class Keys:
         self._tn: dict[tuple[str, str], tuple[str, str | None, str, str, str]] = {}
         # (step and step_writes, the keys a put and a task's writes make at every step of
         # a graph: in C for the ids the memo holds and LangGraph's uuids; any other, the
-        # Python methods, given the same arguments)
-        self.step = functools.partial(step_keys, self._tn, max_key_bytes, self._step)
+        # Python methods, given the same arguments. Through a weak proxy: no reference
+        # cycle keeps the memo until a collection. max_key_bytes: fixed here.)
+        me = weakref.proxy(self)
+        self.step = functools.partial(step_keys, self._tn, max_key_bytes,
+                                      functools.partial(Keys._step, me))
         self.step_writes = functools.partial(write_keys, self._tn, max_key_bytes,
-                                             self._step_writes)
+                                             functools.partial(Keys._step_writes, me))
 
     def _of(self, thread_id: str, checkpoint_ns: str) -> tuple[str, str | None, str, str, str]:
         """``("T/N/", head key, checkpoints' prefix, writes' prefix, blobs' prefix)`` of a thread's
