@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..core.codec import is_text
 from ..core.expiry import expired
 from ..core.sortedkeys import SortedKeys
 from ..core.versions import Version
@@ -112,7 +113,7 @@ def check_scan_args(prefix: Any, limit: Any, after: Any) -> None:
     """Raise InvalidKey / InvalidArgument for arguments ``scan`` does not take."""
     if type(prefix) is not str:
         raise InvalidKey(f"a scan prefix is a str ('' scans every key), got {type(prefix).__name__}")
-    if not _utf8(prefix):
+    if not is_text(prefix):
         raise InvalidKey(f"the scan prefix {prefix!r} is not valid UTF-8 (a lone surrogate?): "
                          "no key starts with it")
     if limit is not None and (type(limit) is not int or limit < 1):
@@ -120,17 +121,9 @@ def check_scan_args(prefix: Any, limit: Any, after: Any) -> None:
     if after is not None and type(after) is not str:
         raise InvalidArgument(f"after is the last key of the previous page (a str) or None, "
                               f"got {type(after).__name__}")
-    if after is not None and not _utf8(after):
+    if after is not None and not is_text(after):
         raise InvalidArgument(f"after={after!r} is not valid UTF-8 (a lone surrogate?): pass "
                               "the last key of the previous page")
-
-
-def _utf8(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class Scanning(Watching):

@@ -188,6 +188,15 @@ class Packed:
         return self
 
 
+def is_text(s: str) -> bool:
+    """Whether the str ``s`` encodes to UTF-8 (holds no lone surrogate)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _surrogate(exc: UnicodeEncodeError) -> UnsupportedValue:
     return UnsupportedValue(
         f"a str holds a lone surrogate ({exc.object[exc.start:exc.end]!r} at {exc.start}), "

@@ -64,7 +64,7 @@ from ..._client import ABSENT, Client
 from ..._client.batch import put_records
 from ..._l2core import checkpoint_record, step_metadata, task_records
 from ...aio import AsyncClient
-from ...core.codec import Packed
+from ...core.codec import Packed, is_text
 from ...core.expiry import MAX_TTL
 from ...core.versions import Version
 from ...errors import (
@@ -364,7 +364,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             raise InvalidArgument(f"a checkpoint holds its channel_values (a dict), got "
                                   f"{str(checkpoint)[:200]}")
         cid, versions = c.get("id"), c.get("channel_versions")
-        if type(cid) is not str or not cid or not (cid.isascii() or _utf8(cid)):
+        if type(cid) is not str or not cid or not (cid.isascii() or is_text(cid)):
             raise InvalidKey(f"a checkpoint's id is a non-empty str of text, no lone surrogate "
                              f"(LangGraph's uuid6()), got the {type(cid).__name__} {cid!r}")
         if type(versions) is not dict:
@@ -1161,15 +1161,6 @@ def _checkpoint_id(config: Any, what: str) -> str | None:
     if cid is not None and type(cid) is not str:
         raise InvalidKey(f"a checkpoint_id is a str, got the {type(cid).__name__} {cid!r}")
     return cid
-
-
-def _utf8(s: str) -> bool:
-    """Whether ``s`` encodes to UTF-8 (no lone surrogate)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _pairs(writes: Iterable[Any]) -> builtins.list[tuple[str, Any]]:
