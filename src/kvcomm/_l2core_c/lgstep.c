@@ -12,6 +12,10 @@
  * step_metadata(excluded, chainmap, fallback, config, metadata): saver._metadata.
  * checkpoint_record(dumps, checkpoint, metadata, parent, values): put's record.
  * task_records(dumps, writes, task_id, task_path, idx_map): put_writes' records.
+ * step_keys(...), write_keys(...): _keys.Keys.step and .step_writes.
+ *
+ * Where one of them calls Python code (a serializer, a fallback) or allocates (which may
+ * collect, and run a finalizer), it holds its own reference to what it still uses.
  */
 
 static PyObject *InnerName, *DumpsTypedName, *JudgeName, *NulStr, *EmptyStr, *DunderStr,
@@ -307,7 +311,8 @@ static int
 extend_dumped(PyObject *record, PyObject *dumps, PyObject *obj)
 {
     PyObject *out = PyObject_CallOneArg(dumps, obj);
-    PyObject *items = out ? PySequence_Fast(out, "a serializer's dumps_typed returns (str, bytes)") : NULL;
+    PyObject *items =
+        out ? PySequence_Fast(out, "a serializer's dumps_typed returns (str, bytes)") : NULL;
     int r = items ? 0 : -1;
     for (Py_ssize_t i = 0; items && !r && i < PySequence_Fast_GET_SIZE(items); i++)
         r = PyList_Append(record, PySequence_Fast_GET_ITEM(items, i));
@@ -316,8 +321,8 @@ extend_dumped(PyObject *record, PyObject *dumps, PyObject *obj)
     return r;
 }
 
-/* saver._inline(value): a value kept in the record of its checkpoint (an int, float,
- * bool, None, or a str of at most 256 characters; exact types) */
+/* whether a channel value is small, kept in the record of every checkpoint that has it
+ * (see put): None, a bool, an int or float, a str of at most 256 characters; exact types */
 static int
 inline_value(PyObject *v)
 {
