@@ -290,17 +290,18 @@ def _outcome(fn: Any, *args: Any) -> Any:
        st.sampled_from([60, 120, 250]))
 def test_the_step_keys_in_c_are_the_python_methods(thread: str, ns: str, cid: str, task: str,
                                                    indices: list[int], max_bytes: int) -> None:
-    """Keys.step and .step_writes (C, for ids the memo holds) give what the Python methods
-    give, keys or InvalidKey, before the memo holds the thread and after."""
+    """Keys.step and .step_writes in C (``Keys.in_c()``, for ids the memo holds) give what
+    the methods give, keys or InvalidKey, before the memo holds the thread and after."""
     from kvcomm.integrations.langgraph._keys import Keys
 
     keys = Keys("lg/", max_bytes)
+    step, step_writes = keys.in_c()
     for _ in range(2):  # (the first call fills the memo, the second takes it)
-        assert _outcome(keys.step, thread, ns, cid) == _outcome(keys._step, thread, ns, cid)
-        assert _outcome(keys.step_writes, thread, ns, cid, task, indices) == _outcome(
-            keys._step_writes, thread, ns, cid, task, indices)
-    assert _outcome(keys.step_writes, thread, ns, cid, task, [True, 2.0]) == _outcome(
-        keys._step_writes, thread, ns, cid, task, [True, 2.0])
+        assert _outcome(step, thread, ns, cid) == _outcome(keys.step, thread, ns, cid)
+        assert _outcome(step_writes, thread, ns, cid, task, indices) == _outcome(
+            keys.step_writes, thread, ns, cid, task, indices)
+    assert _outcome(step_writes, thread, ns, cid, task, [True, 2.0]) == _outcome(
+        keys.step_writes, thread, ns, cid, task, [True, 2.0])
 
 
 # ---------------------------------------------------------------- what a review tried
@@ -491,44 +492,68 @@ def test_an_id_that_is_not_text_is_an_invalid_key_not_a_corrupt_record(kv: kvcom
     assert [i.key for i in kv.scan("lg/") if "t-s4" not in i.key] == []
 
 
-def test_the_keys_in_c_hold_their_memo_entry_while_they_allocate_and_keep_no_cycle() -> None:
-    """A collection during step_keys whose finalizer clears the memo (a use after free
-    when a review found it); and a Keys dropped is freed at once, its memo with it."""
-    import gc
+_COLLECTING = r'''
+import gc, sys
+from kvcomm.integrations.langgraph._keys import Keys
+uu = "1ef4f797-8335-6428-8001-8a1503f9b875"; tid = "thread-" + "x" * 20
+keys = Keys("lg/", 250); step, step_writes = keys.in_c(); step(tid, "", uu)
+which, j = sys.argv[1], int(sys.argv[2])
+L = [10 ** 30 + i for i in range(8)]
+class B:
+    def __del__(self): keys._tn.clear(); L.clear()
+class A:
+    def __del__(self):
+        global keep; keep = [[] for _ in range(50)]; b = B(); b.self = b
+keep2 = [[] for _ in range(200)]
+gc.collect(); gc.disable(); a = A(); a.self = a; del a
+gc.set_threshold(gc.get_count()[0] + j if which == "writes" else 1); gc.enable()
+r = step(tid, "", uu) if which == "step" else step_writes(tid, "", uu, uu, L)
+assert all(sys.getrefcount(x) < 100 for x in r), [sys.getrefcount(x) for x in r]
+print(r[0] if which == "step" else len(r))
+'''
+
+
+def test_the_keys_in_c_hold_what_they_use_while_a_collection_runs_a_finalizer() -> None:
+    """A collection inside step_keys or write_keys whose finalizer clears the memo and the
+    indices (use-after-frees when reviews found them), each in a process of its own under
+    PYTHONMALLOC=debug: a crash fails the test, not the suite."""
+    import os
     import subprocess
     import sys
+
+    runs = [("step", 0)] + [("writes", j) for j in range(7)]  # (j: where the collection lands)
+    for which, j in runs:
+        out = subprocess.run([sys.executable, "-X", "dev", "-c", _COLLECTING, which, str(j)],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONMALLOC": "debug"})
+        assert out.returncode == 0, (which, j, out.stderr[-2000:])
+        if which == "step":
+            assert out.stdout.strip() == ("lg/cp/c/thread-xxxxxxxxxxxxxxxxxxxx//"
+                                          "1ef4f797-8335-6428-8001-8a1503f9b875")
+
+
+def test_keys_hold_no_cycle_and_their_c_partials_outlive_their_holder() -> None:
+    """A Keys dropped is freed at once, its memo with it; the C partials a caller keeps
+    work on after that caller dropped the Keys (and a copy of a Keys is a Keys)."""
+    import copy
+    import gc
     import weakref
 
     from kvcomm.integrations.langgraph._keys import Keys
 
-    code = r'''
-import gc, sys
-from kvcomm.integrations.langgraph._keys import Keys
-uu = "1ef4f797-8335-6428-8001-8a1503f9b875"; tid = "thread-" + "x" * 20
-keys = Keys("lg/", 250); keys.step(tid, "", uu)
-class B:
-    def __del__(self): keys._tn.clear()
-class A:
-    def __del__(self):
-        global keep; keep = [[] for _ in range(50)]; b = B(); b.self = b
-gc.collect(); gc.disable(); a = A(); a.self = a; del a
-gc.set_threshold(1); gc.enable()
-r = keys.step(tid, "", uu)
-assert sys.getrefcount(r[1]) < 100, sys.getrefcount(r[1])
-print(r[0])
-'''
-    out = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True,
-                         text=True, timeout=120, env={**__import__("os").environ,
-                                                      "PYTHONMALLOC": "debug"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "lg/cp/c/thread-xxxxxxxxxxxxxxxxxxxx//" \
-        "1ef4f797-8335-6428-8001-8a1503f9b875"
     keys = Keys("lg/", 250)
-    keys.step("t", "", "c")
+    step, step_writes = keys.in_c()
+    step("t", "", "c")
     gone = weakref.ref(keys)
+    copied = copy.copy(keys)
     gc.disable()
     try:
         del keys
+        assert gone() is not None  # (the partials hold it)
+        assert step("t", "", "a/b") == ("lg/cp/c/t//a%2Fb", "lg/cp/b/t//", "lg/cp/h/t//")
+        assert step_writes("t", "", "a/b", "k", [0]) == ["lg/cp/w/t//a%2Fb/k/0"]
+        del step, step_writes
         assert gone() is None
     finally:
         gc.enable()
+    assert copied.step("t", "", "c") == ("lg/cp/c/t//c", "lg/cp/b/t//", "lg/cp/h/t//")

@@ -619,24 +619,37 @@ write_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *of = memo_of(args[0], args[3], args[4]), *indices = args[7];
     int plain = of && plain_id(args[5]) && plain_id(args[6]) && PyList_CheckExact(indices);
     Py_ssize_t n = plain ? PyList_GET_SIZE(indices) : 0;
-    for (Py_ssize_t j = 0; plain && j < n; j++)
-        plain = PyLong_CheckExact(PyList_GET_ITEM(indices, j));
+    /* (its own copy of the indices, allocated first: an allocation may collect, and a
+     * finalizer change the list; then judged and filled with nothing allocated between) */
+    PyObject *own = plain ? PyTuple_New(n) : NULL;
+    if (plain && !own) {
+        Py_DECREF(of);
+        return NULL;
+    }
+    plain = plain && PyList_GET_SIZE(indices) == n;
+    for (Py_ssize_t j = 0; plain && j < n; j++) {
+        PyObject *i = PyList_GET_ITEM(indices, j);
+        plain = PyLong_CheckExact(i);
+        if (plain)
+            PyTuple_SET_ITEM(own, j, Py_NewRef(i));
+    }
     PyObject *prefix = plain ? PyUnicode_FromFormat("%U%U/%U/", PyTuple_GET_ITEM(of, 3),
                                                     args[5], args[6]) : NULL;
     Py_XDECREF(of);
-    if (!plain)
+    if (!plain) {
+        Py_XDECREF(own);
         return call_fallback(args[2], args + 3, 5);
-    indices = prefix ? PyList_GetSlice(indices, 0, n) : NULL; /* (its own: an allocation may
-                                                                 collect, a finalizer run) */
-    PyObject *keys = indices ? PyList_New(n) : NULL;
+    }
+    indices = own;
+    PyObject *keys = prefix ? PyList_New(n) : NULL;
     if (!keys) {
         Py_XDECREF(prefix);
-        Py_XDECREF(indices);
+        Py_DECREF(indices);
         return NULL;
     }
     Py_ssize_t longest = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *idx = PyObject_Str(PyList_GET_ITEM(indices, j));
+        PyObject *idx = PyObject_Str(PyTuple_GET_ITEM(indices, j));
         PyObject *key = idx ? PyUnicode_Concat(prefix, idx) : NULL;
         Py_XDECREF(idx);
         if (!key) {

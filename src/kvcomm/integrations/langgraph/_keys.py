@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import re
-import weakref
+from collections.abc import Callable
 
 from ..._l2core import plain_component as _plain
 from ..._l2core import step_keys, write_keys
@@ -105,15 +105,6 @@ class Keys:
         # checkpoints, of its writes and of its channel values), for ids whose head is
         # within the bound
         self._tn: dict[tuple[str, str], tuple[str, str | None, str, str, str]] = {}
-        # (step and step_writes, the keys a put and a task's writes make at every step of
-        # a graph: in C for the ids the memo holds and LangGraph's uuids; any other, the
-        # Python methods, given the same arguments. Through a weak proxy: no reference
-        # cycle keeps the memo until a collection. max_key_bytes: fixed here.)
-        me = weakref.proxy(self)
-        self.step = functools.partial(step_keys, self._tn, max_key_bytes,
-                                      functools.partial(Keys._step, me))
-        self.step_writes = functools.partial(write_keys, self._tn, max_key_bytes,
-                                             functools.partial(Keys._step_writes, me))
 
     def _of(self, thread_id: str, checkpoint_ns: str) -> tuple[str, str | None, str, str, str]:
         """``("T/N/", head key, checkpoints' prefix, writes' prefix, blobs' prefix)`` of a thread's
@@ -171,11 +162,9 @@ class Keys:
         return self.fit(of[2] + _esc_id(checkpoint_id), "checkpoint {!r} of thread {!r}",
                         checkpoint_id, thread_id)
 
-    def _step(self, thread_id: str, checkpoint_ns: str,
-              checkpoint_id: str) -> tuple[str, str, str]:
-        """``step(thread_id, checkpoint_ns, checkpoint_id)``: (:meth:`checkpoint`, the prefix
-        of the thread's channel values (:meth:`blob` completes it), :meth:`head`), the keys
-        a put makes, the thread's part found once."""
+    def step(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> tuple[str, str, str]:
+        """(:meth:`checkpoint`, the prefix of the thread's channel values (:meth:`blob`
+        completes it), :meth:`head`): the keys a put makes, the thread's part found once."""
         of = self._of(thread_id, checkpoint_ns)
         return (self._checkpoint(of, thread_id, checkpoint_id), of[4], self._head(of, thread_id))
 
@@ -202,12 +191,21 @@ class Keys:
         """The key of write ``idx`` under ``prefix`` (from :meth:`task_prefix`)."""
         return self.task_writes(prefix, [idx], task_id, thread_id)[0]
 
-    def _step_writes(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
-                     indices: list[int]) -> list[str]:
-        """``step_writes(thread_id, checkpoint_ns, checkpoint_id, task_id, indices)``:
-        ``task_writes(task_prefix(...), indices, ...)``, the keys of a task's writes."""
+    def step_writes(self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, task_id: str,
+                    indices: list[int]) -> list[str]:
+        """``task_writes(task_prefix(...), indices, ...)``: the keys of a task's writes."""
         return self.task_writes(self._of(thread_id, checkpoint_ns)[3] + _esc_id(checkpoint_id)
                                 + "/" + _esc_id(task_id) + "/", indices, task_id, thread_id)
+
+    def in_c(self) -> tuple[Callable[[str, str, str], tuple[str, str, str]],
+                            Callable[[str, str, str, str, list[int]], list[str]]]:
+        """(:meth:`step`, :meth:`step_writes`) in C, for a caller to keep (the saver): the
+        keys a put and a task's writes make at every step of a graph, made in C for ids
+        the memo holds (and LangGraph's uuids, which need no escaping); for any other, the
+        methods themselves, given the same arguments. They hold this Keys, which does not
+        hold them (no reference cycle); ``max_key_bytes`` as it is now."""
+        return (functools.partial(step_keys, self._tn, self.max, self.step),
+                functools.partial(write_keys, self._tn, self.max, self.step_writes))
 
     def task_writes(self, prefix: str, indices: list[int], task_id: str,
                     thread_id: str) -> list[str]:

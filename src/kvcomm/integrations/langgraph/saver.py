@@ -268,6 +268,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         self.ttl: float | None = None if ttl is None else float(ttl)
         self.refresh_on_read = bool(refresh_on_read)
         self.keys = Keys(root, kv.config.cache.max_key_bytes)
+        self._step_keys, self._write_keys = self.keys.in_c()  # (a step's keys, in C)
         self.wait_timeout = float(wait_timeout)
         # cluster mode: reads of records a head names that had to wait for them, and
         # those that gave up (Unavailable) after wait_timeout
@@ -380,7 +381,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         dumps = self.serde.dumps_typed
         # (each record a list of plain fields, stored as codec.Packed stores it; kept for a
         # retry of the head's compare-and-set)
-        ckey, blobs, head = k.step(thread_id, ns, cid)
+        ckey, blobs, head = self._step_keys(thread_id, ns, cid)
         keys = [ckey]
         # (the checkpoint, its metadata, parent and run id, then its small values, channel
         # by channel, as LangGraph's Postgres saver keeps primitives in its checkpoint row:
@@ -664,7 +665,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
         if got is None:  # (any other shape: checked, then made such a list)
             got = task_records(dumps, _pairs(writes), task_id, task_path, WRITES_IDX_MAP)
         records, indices, regular = got  # type: ignore[misc]
-        keys = self.keys.step_writes(thread_id, ns, cid, task_id, indices)
+        keys = self._write_keys(thread_id, ns, cid, task_id, indices)
         if keys and conf.get(RESUMED_HEAD) == cid and (run := _run_of(conf)) is not None and (
                 task_id == _NULL_TASK or any(r[1] == _RESUME for r in records)):
             self._commands[run] = (thread_id, ns, cid)  # (before they are stored: see put)
