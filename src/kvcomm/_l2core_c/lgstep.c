@@ -12,7 +12,8 @@
  * step_metadata(excluded, chainmap, fallback, config, metadata): saver._metadata.
  * checkpoint_record(dumps, checkpoint, metadata, parent, values): put's record.
  * task_records(dumps, writes, task_id, task_path, idx_map): put_writes' records.
- * step_keys(...), write_keys(...): _keys.Keys.step and .step_writes.
+ * step_keys(...), write_keys(...): _keys.Keys.step and .step_writes (plain_component:
+ * their check of an id, which _keys._esc_id also asks).
  *
  * Where one of them calls Python code (a serializer, a fallback) or allocates (which may
  * collect, and run a finalizer), it holds its own reference to what it still uses.
@@ -114,6 +115,16 @@ static PyTypeObject NoPickleType = {
     .tp_methods = NoPickleMethods,
     .tp_new = PyType_GenericNew,
 };
+
+/* ``fallback(*args)``, the Python a function stands for, given the call's arguments;
+ * NULL when an error is set already */
+static PyObject *
+call_fallback(PyObject *fallback, PyObject *const *args, Py_ssize_t n)
+{
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_Vectorcall(fallback, args, n, NULL);
+}
 
 /* ---------------------------------------------------------------- step_metadata
  *
@@ -292,15 +303,10 @@ step_metadata(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_XDECREF(parts[0]);
     Py_XDECREF(parts[1]);
-    if (PyErr_Occurred()) {
-        Py_XDECREF(md);
-        return NULL;
-    }
-    if (ok)
+    if (ok && md && !PyErr_Occurred())
         return md;
-    Py_XDECREF(md);
-    PyObject *fargs[2] = {config, metadata};
-    return PyObject_Vectorcall(fallback, fargs, 2, NULL);
+    Py_XDECREF(md); /* (an error: call_fallback returns it) */
+    return call_fallback(fallback, args + 3, 2);
 }
 
 /* ---------------------------------------------------------------- records */
@@ -538,16 +544,37 @@ memo_of(PyObject *memo, PyObject *thread_id, PyObject *ns)
     return Py_NewRef(of);
 }
 
-/* whether an id is its own key component (plain_component) and an exact str */
+/* whether the str ``s`` holds none of ``%``, ``/``, ``=``, a C0 control character or DEL,
+ * the characters a LangGraph id is percent-escaped for in a key (_keys.py): such an id is
+ * its own key component. One pass over the characters. */
+static int
+plain_chars(PyObject *s)
+{
+    int kind = PyUnicode_KIND(s);
+    const void *data = PyUnicode_DATA(s);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_UCS4 ch = PyUnicode_READ(kind, data, i);
+        if (ch < 0x20 || ch == 0x7f || ch == '%' || ch == '/' || ch == '=')
+            return 0;
+    }
+    return 1;
+}
+
+/* whether an id is an exact str that is its own key component (step_keys, write_keys) */
 static int
 plain_id(PyObject *s)
 {
-    if (!PyUnicode_CheckExact(s))
-        return 0;
-    PyObject *r = plain_component(NULL, s);
-    int ok = r == Py_True;
-    Py_XDECREF(r);
-    return ok;
+    return PyUnicode_CheckExact(s) && plain_chars(s);
+}
+
+/* plain_component(s) -> bool: plain_chars, for _keys._esc_id; not a str: False (the
+ * caller's escape says what is wrong) */
+static PyObject *
+plain_component(PyObject *self, PyObject *s)
+{
+    (void)self;
+    return PyBool_FromLong(PyUnicode_Check(s) && plain_chars(s));
 }
 
 /* the UTF-8 length of a str, -1 for a lone surrogate (error cleared) */
@@ -562,14 +589,6 @@ utf8_len(PyObject *s)
         return -1;
     }
     return n;
-}
-
-static PyObject *
-call_fallback(PyObject *fallback, PyObject *const *args, Py_ssize_t n)
-{
-    if (PyErr_Occurred())
-        return NULL;
-    return PyObject_Vectorcall(fallback, args, n, NULL);
 }
 
 /* step_keys(memo, max, fallback, thread_id, ns, checkpoint_id) -> (checkpoint key,

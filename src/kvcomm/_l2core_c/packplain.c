@@ -62,26 +62,6 @@ len_bytes(int small_bits, int has8, uint64_t n)
     return n <= 0xFFFF ? 3 : 5;
 }
 
-/* plain_component(s) -> bool: whether the str ``s`` holds none of ``%``, ``/``, ``=``, a C0
- * control character or DEL, the characters a LangGraph id is percent-escaped for in a key
- * (integrations/langgraph/_keys.py): such an id is its own key component. One pass over
- * the characters; not a str: False (the caller's escape says what is wrong). */
-static PyObject *
-plain_component(PyObject *self, PyObject *s)
-{
-    if (!PyUnicode_Check(s))
-        Py_RETURN_FALSE;
-    int kind = PyUnicode_KIND(s);
-    const void *data = PyUnicode_DATA(s);
-    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_UCS4 ch = PyUnicode_READ(kind, data, i);
-        if (ch < 0x20 || ch == 0x7f || ch == '%' || ch == '/' || ch == '=')
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
-}
-
 static PyObject *
 pack_plain(PyObject *self, PyObject *fields)
 {
