@@ -352,17 +352,18 @@ def put_records(c: Writes, keys: list[str], records: list[list[Any]], ttl: float
         t0 = _timed(c)
     # (collect (validates, encodes: what a batch's own ops raise), lock, apply, unlock: one
     # call; no result: nothing written, see below)
+    now_ms = int(now * 1000)  # (the records' clock and their ttls': one instant, one read)
     try:
         ops, expects, r = c._core_step(
             c._batch_ops, keys, records,
             None if ttl is None else c._ext_with(None, _deadline(now, ttl)),
-            absent, head, _now_ms(), c._max_dirty, c._lock_timeout)
+            absent, head, now_ms, c._max_dirty, c._lock_timeout)
     except BaseException:  # (refused, nothing applied)
         _untimed(c, t0)
         raise
     if r is None:  # (the careful path: looks first, repairs, raises what a status means,
         try:  # or that the segment was closed meanwhile, by another thread)
-            r = c._seg.apply(ops, now_ms=_now_ms(), max_dirty=c._max_dirty, compact=True,
+            r = c._seg.apply(ops, now_ms=now_ms, max_dirty=c._max_dirty, compact=True,
                              expects=expects)
         except ExpectFailed:  # (nothing written: the batch judges it again, and says why)
             _untimed(c, t0)
