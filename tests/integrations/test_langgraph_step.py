@@ -557,3 +557,31 @@ def test_keys_hold_no_cycle_and_their_c_partials_outlive_their_holder() -> None:
     finally:
         gc.enable()
     assert copied.step("t", "", "c") == ("lg/cp/c/t//c", "lg/cp/b/t//", "lg/cp/h/t//")
+
+
+def test_a_saver_whose_key_memo_is_cleared_at_every_step_keeps_every_thread(
+        kv: kvcomm.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo of threads' keys full (``_TN_MEMO``, cleared all at once): with a bound of 2
+    and four threads written in turn, the C keys miss the memo at every step and the Python
+    fills it again; every checkpoint and write acknowledged reads back, under its keys."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from kvcomm.integrations.langgraph import KVCommSaver, _keys
+
+    monkeypatch.setattr(_keys, "_TN_MEMO", 2)
+    saver = KVCommSaver(kv)
+    threads = [f"t-memo-{i}" for i in range(4)]
+    heads: dict[str, Any] = {t: {"configurable": {"thread_id": t, "checkpoint_ns": ""}}
+                             for t in threads}
+    for step in range(5):
+        for t in threads:
+            cp = empty_checkpoint()
+            heads[t] = saver.put(heads[t], cp, {"step": step}, {})
+            saver.put_writes(heads[t], [("a", step)], f"task-{step}")
+            assert len(saver.keys._tn) <= 2
+    for t in threads:
+        tup = saver.get_tuple({"configurable": {"thread_id": t, "checkpoint_ns": ""}})
+        assert tup is not None
+        assert tup.config["configurable"]["checkpoint_id"] == heads[t]["configurable"]["checkpoint_id"]
+        assert tup.metadata["step"] == 4 and tup.pending_writes == [("task-4", "a", 4)]
+        assert len(list(saver.list({"configurable": {"thread_id": t}}))) == 5
