@@ -61,6 +61,7 @@ import copy
 import functools
 import gc
 import os
+import resource
 import shutil
 import sqlite3
 import statistics
@@ -298,12 +299,14 @@ async def amain(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- the graph target alone
 
 
-async def graph_pairs(pairs: int, waves: int, concurrency: int) -> tuple[list[float], float]:
+async def graph_pairs(pairs: int, waves: int,
+                      concurrency: int) -> tuple[list[float], float, dict[str, list[float]]]:
     """KVCommSaver's graph throughput over InMemorySaver's, per CPU-second, in ``pairs``
     interleaved pairs of ``waves`` waves each (one process, one loop): a noisy neighbour
-    hits both sides of a pair alike. Returns the pairs' ratios, and the ratio of each
-    side's best pair (a neighbour only ever adds CPU time: each side's least is its own
-    cost, as timeit takes the least of its repeats)."""
+    hits both sides of a pair alike. Returns the pairs' ratios, the ratio of each side's
+    best pair (a neighbour only ever adds CPU time: each side's least is its own cost, as
+    timeit takes the least of its repeats), and each side's totals over all pairs: user
+    and system CPU seconds, minor page faults, graphs (``getrusage``)."""
     import kvcomm.aio
 
     ns = f"bench-lg-pairs-{os.getpid()}"
@@ -311,18 +314,28 @@ async def graph_pairs(pairs: int, waves: int, concurrency: int) -> tuple[list[fl
         try:
             graphs = {"mem": async_graph(InMemorySaver()), "kv": async_graph(KVCommSaver(akv))}
 
-            async def rate(g: Any) -> float:
+            totals = {"mem": [0.0] * 4, "kv": [0.0] * 4}  # (user s, system s, faults, graphs)
+
+            async def rate(g: Any, side: str | None = None) -> float:
                 # (each side starts from a collected heap: a full collection, which grows
                 # with everything the process holds, InMemorySaver's threads included,
                 # then lands in either side's waves alike, not at random in one of them)
                 gc.collect()
-                c0 = time.process_time()
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 for _ in range(waves):
                     outs = await asyncio.gather(*(g.ainvoke(
                         {"n": 0}, {"configurable": {"thread_id": f"g-{uuid.uuid4().hex}"}})
                         for _ in range(concurrency)))
                     assert all(o["n"] == 20 for o in outs)
-                return waves * concurrency / (time.process_time() - c0)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+                if side is not None:
+                    t = totals[side]
+                    t[0] += user
+                    t[1] += system
+                    t[2] += r1.ru_minflt - r0.ru_minflt
+                    t[3] += waves * concurrency
+                return waves * concurrency / (user + system)
 
             for g in graphs.values():  # (untimed: LangGraph's caches warmed, and the
                 for _ in range(3):  # namespace's first pages touched)
@@ -333,11 +346,11 @@ async def graph_pairs(pairs: int, waves: int, concurrency: int) -> tuple[list[fl
                 # otherwise grow every later collection, on both sides, pair after pair;
                 # KVCommSaver keeps its threads in the segment, and its bounded memos)
                 graphs["mem"] = async_graph(InMemorySaver())
-                mem = await rate(graphs["mem"])
-                kv = await rate(graphs["kv"])
+                mem = await rate(graphs["mem"], "mem")
+                kv = await rate(graphs["kv"], "kv")
                 ratios.append(kv / mem)
                 best = {"mem": max(best["mem"], mem), "kv": max(best["kv"], kv)}
-            return ratios, best["kv"] / best["mem"]
+            return ratios, best["kv"] / best["mem"], totals
         finally:
             l2.purge(ns)
 
@@ -442,13 +455,24 @@ def graph_only(args: argparse.Namespace) -> None:
             "times; µs)")
     for name, xs in costs.items():
         print(f"{name:<16} min {min(xs):6.1f}   median {statistics.median(xs):6.1f}")
-    ratios, of_best = asyncio.run(graph_pairs(args.rounds, args.graphs, args.concurrency))
+    ratios, of_best, totals = asyncio.run(
+        graph_pairs(args.rounds, args.graphs, args.concurrency))
     heading(f"graph throughput per CPU-second, KVCommSaver (aio) / InMemorySaver: "
             f"{args.rounds} interleaved pairs of {args.graphs} waves of {args.concurrency} "
             "concurrent 20-step graphs (target >= 0.9)")
     print(f"median {statistics.median(ratios):.3f}   pairs "
           + " ".join(f"{r:.2f}" for r in sorted(ratios)))
     print(f"each side's best pair: {of_best:.3f}")
+    # (the sides' totals over every pair: where the CPU a graph costs goes. System time
+    # is mostly new memory: KVCommSaver's namespace grows by what it stores, each new page
+    # of the segment faulted in once; InMemorySaver's dicts reuse the memory the previous
+    # pair's saver freed)
+    cpu = {side: (t[0] + t[1]) / t[3] for side, t in totals.items()}
+    for side, name in (("mem", "InMemorySaver"), ("kv", "KVCommSaver")):
+        t = totals[side]
+        print(f"{name:<16} CPU per graph {cpu[side] * 1e3:6.2f} ms (user {t[0] / t[3] * 1e3:6.2f}, "
+              f"system {t[1] / t[3] * 1e3:5.2f})   page faults per graph {t[2] / t[3]:5.1f}")
+    print(f"the totals' ratio: {cpu['mem'] / cpu['kv']:.3f}")
 
 
 def main() -> None:
