@@ -61,6 +61,9 @@ from .tiers.l2 import deferred_warnings, warn_outside_kvcomm
 __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
 
 INLINE_LOCK_WAIT = 0.0002  # s: the longest a call on the loop waits for a held writer lock
+_LOCK_BUSY_FOR = 0.005  # s: after a call met the lock held that long, calls on the loop only
+# try it (no wait) for this long: N coroutines meeting one long hold cost the loop one
+# INLINE_LOCK_WAIT, not N of them
 POOL_SIZE = 32  # threads for calls that must wait (the network, a held lock), per process
 _SCAN_CHUNK = 256  # items of a scan read per step (inline, or per thread hop)
 _L3_READS = 256  # keys of L3 reads gathered into one thread's pipelined read, at most
@@ -86,18 +89,23 @@ def _executor() -> ThreadPoolExecutor:
 
 
 _WOULD_WAIT: Any = object()  # (_inline: the call would have waited; nothing was done)
+_lock_busy_until = 0.0  # (time.monotonic(): see _LOCK_BUSY_FOR; one per process, as the pool)
 
 
 def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``fn(*args, **kwargs)`` on this (the loop's) thread, with the inline budget set:
     its result, or _WOULD_WAIT when it stopped at a held lock or the network (WouldBlock,
-    raised before it did anything)."""
-    prev = set_inline_wait(INLINE_LOCK_WAIT)
+    raised before it did anything). The budget is INLINE_LOCK_WAIT, or none (one try of
+    the lock) within _LOCK_BUSY_FOR of a call that met it held."""
+    global _lock_busy_until
+    prev = set_inline_wait(INLINE_LOCK_WAIT if time.monotonic() >= _lock_busy_until else 0.0)
     try:
         return fn(*args, **kwargs)
     except L3Read as read:  # (a read for L3: kvcomm.aio may gather it with others)
         return read
-    except WouldBlock:
+    except WouldBlock as exc:
+        if exc.__class__ is WouldBlock:  # (the kernel's: a held lock; not the network's)
+            _lock_busy_until = time.monotonic() + _LOCK_BUSY_FOR
         return _WOULD_WAIT
     finally:
         set_inline_wait(prev)
@@ -129,6 +137,7 @@ def _awaited(name: str, sync_fn: Callable[..., Any]) -> Callable[..., Awaitable[
         return out
 
     functools.update_wrapper(method, sync_fn)  # name, docstring; signature via __wrapped__
+    method.__qualname__, method.__module__ = f"AsyncClient.{name}", __name__  # (its own)
     method.__doc__ = f"Awaited :meth:`kvcomm.Client.{name}`.\n\n{sync_fn.__doc__ or ''}"
     return method
 
@@ -152,6 +161,7 @@ class AsyncClient:
         self._inflight: set[Future[Any]] = set()  # calls running in the pool
         self.off_loop = 0  # calls that ran in the pool (they would have waited on the loop)
         self._bell: _FeedBell | None = None
+        self._closing = False  # (close() began: watches end, as the sync client's on close)
         # L3 reads awaited, not yet sent (_read_l3): one per awaiting coroutine, so bounded
         # by the caller's own concurrency; sent _L3_READS at a time, by the loop they
         # were awaited on (_l3_loop)
@@ -261,6 +271,8 @@ class AsyncClient:
                         await asyncio.wait([fut])
                     except asyncio.CancelledError:
                         continue
+                if not fut.cancelled():  # (its error, if any, went with the cancelled
+                    fut.exception()  # task: retrieved, not logged as never retrieved)
                 if cleanup is not None:
                     try:
                         if made is not None and not cf.cancelled() and cf.exception() is None:
@@ -330,7 +342,7 @@ class AsyncClient:
                 self._bell = _FeedBell(seg)
             bell = self._bell
             last = time.monotonic()
-            while not kv._closed:
+            while not kv._closed and not self._closing:
                 head = seg.feed_head()  # (before the step: a write after it rings the bell)
                 events = feed.step()
                 if events:
@@ -374,6 +386,8 @@ class AsyncClient:
         included), then :meth:`kvcomm.Client.close` (off the loop: it may wait for the
         writer lock). Idempotent."""
         loop = asyncio.get_running_loop()
+        self._closing = True  # (before the bell stops: a watch it wakes then ends, not
+        # waits on a bell no thread rings any more while the sync close runs in the pool)
         while self._l3_waiting and self._l3_loop is loop:  # (awaited before close: sent now,
             self._send_l3_reads(loop)  # and waited for below, not run on the closed client)
         while self._inflight:  # (until none is left: a cancelled call's clean-up joins late)
@@ -570,8 +584,10 @@ class _FeedBell:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         with self._lock:
+            if self._stopped:  # (no thread rings a stopped bell: the caller looks again)
+                return
             self._waiters[fut] = (loop, head)
-            if self._thread is None and not self._stopped:
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="kvcomm-aio-bell")
                 self._thread.start()

@@ -4,6 +4,7 @@ held writer lock, a watch woken by another process, cancellation at random point
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import multiprocessing
 import random
@@ -298,6 +299,110 @@ def test_a_cancellation_waits_for_the_write_under_way(ns: str, aconfig: kvcomm.C
                 await task
             assert kv.sync.get("d") == 1  # applied before the cancellation reached it
             assert not kv._inflight
+
+    run(main)
+
+
+def test_a_cancelled_calls_error_is_not_logged_as_never_retrieved(ns: str,
+                                                                  lock_holder: Any) -> None:
+    """A put waiting in the pool for a held lock is cancelled, and then fails (the lock
+    held past cache.lock_timeout): the task ends cancelled, and asyncio logs nothing ("Future
+    exception was never retrieved ... Unavailable" was logged for each such call)."""
+    config = kvcomm.Config.from_mapping({**SMALL, "cache": {**SMALL["cache"],
+                                                            "lock_timeout": 0.1}})
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        logged: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: logged.append(context))
+        async with kvcomm.aio.open(ns, config=config) as kv:
+            lock_holder(0.6)
+            task = asyncio.create_task(kv.put("d", 1))
+            await running_in_the_pool(kv, "the put")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            del task
+            gc.collect()  # (an unretrieved error is logged when its future is collected)
+            await asyncio.sleep(0)
+            assert kv.sync.get("d") is None  # (it failed: the hold outlasted lock_timeout)
+        assert not logged, [c.get("message") for c in logged]
+
+    run(main)
+
+
+def test_many_calls_meeting_one_long_hold_wait_on_the_loop_once(
+        ns: str, aconfig: kvcomm.Config, lock_holder: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls on the loop wait at most INLINE_LOCK_WAIT for a held writer lock, then run in
+    the pool. Once one met a long hold, the next ones only try the lock (for
+    _LOCK_BUSY_FOR): 300 coroutines meeting one hold stalled the loop 300 x 200 µs."""
+    budgets: list[float] = []
+    real = kvcomm.aio.set_inline_wait
+
+    def recorded(seconds: float) -> float:
+        if seconds >= 0:
+            budgets.append(seconds)
+        return real(seconds)
+
+    monkeypatch.setattr(kvcomm.aio, "set_inline_wait", recorded)
+    monkeypatch.setattr(kvcomm.aio, "_LOCK_BUSY_FOR", 60.0)  # (the whole test: no timing)
+    monkeypatch.setattr(kvcomm.aio, "_lock_busy_until", 0.0)
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            await kv.put("warm", 0)
+            assert budgets == [kvcomm.aio.INLINE_LOCK_WAIT]  # (free: no hold met yet)
+            budgets.clear()
+            lock_holder(0.3)
+            off0 = kv.off_loop
+            await asyncio.gather(*(kv.put(f"k/{i}", i) for i in range(50)))
+            assert kv.off_loop - off0 == 50  # (each met the hold, and ran in the pool)
+            assert budgets[0] == kvcomm.aio.INLINE_LOCK_WAIT and budgets[1:] == [0.0] * 49
+            assert [await kv.get(f"k/{i}") for i in range(50)] == list(range(50))
+            kvcomm.aio._lock_busy_until = 0.0  # (the window over: the budget is back)
+            budgets.clear()
+            await kv.put("after", 1)  # (free again: applied inline)
+            assert budgets == [kvcomm.aio.INLINE_LOCK_WAIT] and kv.off_loop - off0 == 50
+
+    run(main)
+
+
+def test_a_watch_ends_when_its_client_closes_even_while_the_close_is_slow(
+        ns: str, aconfig: kvcomm.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An async watch without a timeout ends when its client closes, as the sync watch
+    does. close() stops the watches' bell first, then closes the sync client in the pool;
+    a watch woken in between looked again, saw the client still open and waited for ever
+    on a bell nobody rang any more (another process holding the writer lock makes close
+    slow enough; a delay stands for it here)."""
+
+    async def main() -> None:
+        kv = await kvcomm.aio.open(ns, config=aconfig)
+        events: list[str] = []
+
+        watch = kv.watch("w/")  # (changes from this call on)
+
+        async def watcher() -> str:
+            async for e in watch:
+                events.append(e.key)
+            return "ended"
+
+        task = asyncio.create_task(watcher())
+        await kv.put("w/1", 1)
+        deadline = time.monotonic() + 10
+        while not events:  # (the watch runs, and waits on the bell)
+            assert time.monotonic() < deadline, "the watch saw no event"
+            await asyncio.sleep(0.001)
+        sync_close = kv.sync.close
+
+        def slow_close() -> None:
+            time.sleep(0.1)
+            sync_close()
+
+        monkeypatch.setattr(kv.sync, "close", slow_close)
+        await kv.aclose()
+        assert await asyncio.wait_for(task, 10) == "ended"
+        assert events == ["w/1"]
 
     run(main)
 

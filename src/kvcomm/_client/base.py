@@ -51,13 +51,18 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+class NetworkWait(WouldBlock):
+    """The WouldBlock of a call about to leave the host (_network); a plain WouldBlock is
+    the C kernel's, a held writer lock (kvcomm.aio tells the two apart)."""
+
+
 def _network(where: str) -> None:
     """Called just before a call leaves the host (``where``: "L3", "etcd"), with nothing
     done yet. On an event loop's thread (kvcomm.aio's inline attempt: an inline budget is
     set, see ``_l2core.set_inline_wait``) raise WouldBlock: the call runs again, whole, in
     a thread. Elsewhere nothing."""
     if inline_wait() >= 0:
-        raise WouldBlock(f"{where} is a network round trip")
+        raise NetworkWait(f"{where} is a network round trip")
 
 
 def _file_of(path: str) -> tuple[int, int] | None:
