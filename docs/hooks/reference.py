@@ -1,12 +1,15 @@
 """The generated pages: the configuration reference from the pydantic model
 (``kvcomm.config.Config``) and the command-line reference from the argparse parser
-(``kvcomm.cli.build_parser``), made at build time so that neither can drift from the code.
+(``kvcomm.cli.build_parser``), and the list of ``kvcomm.aio``'s awaited faces of the sync
+client's methods (made when that module loads, so the API generator reading the source
+does not see them), made at build time so that none can drift from the code.
 
-A page asks for one with a marker line of its own, ``<!-- generated: config -->`` or
-``<!-- generated: cli -->``; mkdocs calls ``on_page_markdown`` for every page (``hooks:``
-in mkdocs.yml) and the marker is replaced by the tables. ``on_page_content`` drops the
-Sphinx roles the API page's docstrings carry. A marker that cannot be filled
-raises, so ``mkdocs build --strict`` fails rather than publish a page without them.
+A page asks for one with a marker line of its own, ``<!-- generated: config -->``,
+``<!-- generated: cli -->`` or ``<!-- generated: aio -->``; mkdocs calls
+``on_page_markdown`` for every page (``hooks:`` in mkdocs.yml) and the marker is replaced
+by the tables. ``on_page_content`` drops the Sphinx roles the API page's docstrings
+carry. A marker that cannot be filled raises, so ``mkdocs build --strict`` fails rather
+than publish a page without them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import yaml
 
-MARKER = re.compile(r"^<!-- generated: (config|cli) -->$", re.MULTILINE)
+MARKER = re.compile(r"^<!-- generated: (config|cli|aio) -->$", re.MULTILINE)
 # a Sphinx role left before a code span by a docstring (":class:`Config`"): the API page
 # reads docstrings as markdown, where the role would show as text
 ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj|const):(?=<code>)")
@@ -155,4 +158,32 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
-_GENERATORS = {"config": config_reference, "cli": cli_reference}
+def aio_reference() -> str:
+    """A table of kvcomm.aio.AsyncClient's awaited faces: each sync method's name, its
+    signature and the first line of its docstring (the whole on kvcomm.Client's entry)."""
+    import inspect
+
+    import kvcomm.aio
+    from kvcomm._client.client import Client
+
+    rows = []
+    for name, fn in sorted(kvcomm.aio._public(Client).items()):
+        if name in kvcomm.aio._OWN_FACES:
+            continue
+        face = getattr(kvcomm.aio.AsyncClient, name)
+        if not inspect.iscoroutinefunction(face):
+            raise RuntimeError(f"kvcomm.aio.AsyncClient.{name} is not awaited")
+        sig = inspect.signature(fn)
+        shown = sig.replace(parameters=[p for p in sig.parameters.values()
+                                        if p.name != "self" and not p.name.startswith("_")])
+        first = (fn.__doc__ or "").strip().split("\n\n")[0]
+        # (a pipe in a code span does not split the row: written as it is there)
+        rows.append(f"| `await kv.{name}{' '.join(str(shown).split())}` | {_cell(first)} "
+                    f"([kvcomm.Client.{name}](#kvcomm.Client.{name})) |")
+    if not rows:
+        raise RuntimeError("kvcomm.aio.AsyncClient has no awaited faces")
+    return "\n".join(["| awaited | what it does (the sync method's docstring) |",
+                      "| --- | --- |", *rows])
+
+
+_GENERATORS = {"config": config_reference, "cli": cli_reference, "aio": aio_reference}
