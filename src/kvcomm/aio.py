@@ -62,8 +62,8 @@ __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
 
 INLINE_LOCK_WAIT = 0.0002  # s: the longest a call on the loop waits for a held writer lock
 _LOCK_BUSY_FOR = 0.005  # s: after a call met the lock held that long, calls on the loop only
-# try it (no wait) for this long: N coroutines meeting one long hold cost the loop one
-# INLINE_LOCK_WAIT, not N of them
+# try it for this long (a few µs of spinning, no sleep): N coroutines meeting one long hold
+# cost the loop one INLINE_LOCK_WAIT, not N of them
 POOL_SIZE = 32  # threads for calls that must wait (the network, a held lock), per process
 _SCAN_CHUNK = 256  # items of a scan read per step (inline, or per thread hop)
 _L3_READS = 256  # keys of L3 reads gathered into one thread's pipelined read, at most
@@ -95,16 +95,19 @@ _lock_busy_until = 0.0  # (time.monotonic(): see _LOCK_BUSY_FOR; one per process
 def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``fn(*args, **kwargs)`` on this (the loop's) thread, with the inline budget set:
     its result, or _WOULD_WAIT when it stopped at a held lock or the network (WouldBlock,
-    raised before it did anything). The budget is INLINE_LOCK_WAIT, or none (one try of
-    the lock) within _LOCK_BUSY_FOR of a call that met it held."""
+    raised before it did anything). The budget is INLINE_LOCK_WAIT, or 0 (the kernel's few
+    µs of spinning, no sleep) within _LOCK_BUSY_FOR of a call that met the lock held for
+    its whole budget."""
     global _lock_busy_until
-    prev = set_inline_wait(INLINE_LOCK_WAIT if time.monotonic() >= _lock_busy_until else 0.0)
+    budget = INLINE_LOCK_WAIT if time.monotonic() >= _lock_busy_until else 0.0
+    prev = set_inline_wait(budget)
     try:
         return fn(*args, **kwargs)
     except L3Read as read:  # (a read for L3: kvcomm.aio may gather it with others)
         return read
     except WouldBlock as exc:
-        if exc.__class__ is WouldBlock:  # (the kernel's: a held lock; not the network's)
+        if exc.__class__ is WouldBlock and budget:  # (the kernel's, after the whole budget:
+            # a long hold; not the network's, nor a short hold met within the window)
             _lock_busy_until = time.monotonic() + _LOCK_BUSY_FOR
         return _WOULD_WAIT
     finally:
@@ -328,7 +331,9 @@ class AsyncClient:
     def watch(self, prefix: str = "", *, timeout: float | None = None) -> AsyncIterator[Event]:
         """``async for event in kv.watch(prefix, timeout=)``: :meth:`kvcomm.Client.watch`
         (same events, same overflow rule; changes from this call on; bad arguments raise
-        here). Between events the loop is woken only when the host's feed moves."""
+        here). Between events the loop is woken only when the host's feed moves. It ends
+        when the client closes (:meth:`close`, once the calls it waits for are done):
+        events not yet delivered then are not, as the sync watch's."""
         feed = self._kv._watch_start(prefix, timeout, subscribe=False)
         return _AsyncOnly(self._watch(feed, timeout), "watch")
 
@@ -386,12 +391,17 @@ class AsyncClient:
         included), then :meth:`kvcomm.Client.close` (off the loop: it may wait for the
         writer lock). Idempotent."""
         loop = asyncio.get_running_loop()
-        self._closing = True  # (before the bell stops: a watch it wakes then ends, not
-        # waits on a bell no thread rings any more while the sync close runs in the pool)
         while self._l3_waiting and self._l3_loop is loop:  # (awaited before close: sent now,
             self._send_l3_reads(loop)  # and waited for below, not run on the closed client)
         while self._inflight:  # (until none is left: a cancelled call's clean-up joins late)
-            await asyncio.wait([asyncio.wrap_future(f) for f in list(self._inflight)])
+            done, _ = await asyncio.wait([asyncio.wrap_future(f) for f in list(self._inflight)])
+            for f in done:  # (each call's error is its caller's: this wait's copy of it
+                if not f.cancelled():  # retrieved, not logged as never retrieved)
+                    f.exception()
+        # (cancelled up to here, the client stays open, its watches running; from here on
+        # the sync close runs whatever befalls this task)
+        self._closing = True  # (before the bell stops: a watch it wakes then ends, not
+        # waits on a bell no thread rings any more while the sync close runs in the pool)
         if self._bell is not None:
             self._bell.stop()
         if not self._kv._closed:

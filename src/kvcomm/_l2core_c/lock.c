@@ -246,9 +246,8 @@ take_lock_or_not(Core *c, double timeout, int quiet)
         /* an event loop's thread: wait at most inline_wait here (holds take microseconds),
          * then WouldBlock, nothing held or written: the caller reruns the call in a thread */
         /* a holder keeps the lock a microsecond or two: try again a few µs before sleeping
-         * (a futex sleep and wake-up on a busy host costs more than the hold); a budget
-         * of 0 (kvcomm.aio while the lock is known held long) is one try, no spin */
-        for (int spin = 0; spin < (inline_wait > 0 ? 256 : 0) && rc == EBUSY; spin++) {
+         * (a futex sleep and wake-up on a busy host costs more than the hold) */
+        for (int spin = 0; spin < 256 && rc == EBUSY; spin++) {
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
