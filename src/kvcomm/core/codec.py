@@ -190,6 +190,8 @@ class Packed:
 
 def is_text(s: str) -> bool:
     """Whether the str ``s`` encodes to UTF-8 (holds no lone surrogate)."""
+    if s.isascii():  # (most: without making the bytes)
+        return True
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:

@@ -365,7 +365,7 @@ class KVCommSaver(BaseCheckpointSaver[str]):
             raise InvalidArgument(f"a checkpoint holds its channel_values (a dict), got "
                                   f"{str(checkpoint)[:200]}")
         cid, versions = c.get("id"), c.get("channel_versions")
-        if type(cid) is not str or not cid or not (cid.isascii() or is_text(cid)):
+        if type(cid) is not str or not cid or not is_text(cid):
             raise InvalidKey(f"a checkpoint's id is a non-empty str of text, no lone surrogate "
                              f"(LangGraph's uuid6()), got the {type(cid).__name__} {cid!r}")
         if type(versions) is not dict:
