@@ -7,7 +7,9 @@ import asyncio
 import gc
 import inspect
 import multiprocessing
+import os
 import random
+import signal
 import threading
 import time
 import warnings
@@ -368,6 +370,50 @@ def test_many_calls_meeting_one_long_hold_wait_on_the_loop_once(
             assert budgets == [kvcomm.aio.INLINE_LOCK_WAIT] and kv.off_loop - off0 == 51
 
     run(main)
+
+
+def _hold_the_lock_until_killed(ns: str, cfg: dict[str, Any], held: Any) -> None:
+    kv = kvcomm.open(ns, config=kvcomm.Config.from_mapping(cfg))
+    kv._seg._core.lock(5.0)
+    held.set()
+    time.sleep(60)  # (SIGKILLed holding it)
+
+
+def test_a_holder_process_killed_while_many_calls_wait_loses_no_acknowledged_put(
+        ns: str, aconfig: kvcomm.Config) -> None:
+    """Another process takes the writer lock and is SIGKILLed holding it while 50
+    coroutines' puts meet the hold (the first waits its budget on the loop, the others
+    only try, in the busy window, then wait in the pool): the lock passes on from the dead
+    holder, every put is acknowledged and reads back, and the loop kept ticking."""
+    ctx = multiprocessing.get_context("spawn")
+    held = ctx.Event()
+    proc = ctx.Process(target=_hold_the_lock_until_killed, args=(ns, SMALL, held))
+
+    async def main() -> None:
+        async with kvcomm.aio.open(ns, config=aconfig) as kv:
+            await kv.put("warm", 0)
+            proc.start()
+            assert held.wait(30), "the holder never took the lock"
+            off0 = kv.off_loop
+            with Ticker() as ticker:
+                puts = asyncio.gather(*(kv.put(f"k/{i}", i) for i in range(50)))
+                deadline = time.monotonic() + 10
+                while kv.off_loop - off0 < 50:  # (all met the hold: in the pool, waiting)
+                    assert time.monotonic() < deadline, "the puts never met the hold"
+                    await asyncio.sleep(0.001)
+                assert kvcomm.aio._lock_busy_until > time.monotonic() - 1  # (the window)
+                os.kill(proc.pid, signal.SIGKILL)
+                versions = await puts
+            print(f"worst lag {ticker.worst * 1000:.1f} ms")
+            assert len(versions) == 50
+            assert [await kv.get(f"k/{i}") for i in range(50)] == list(range(50))
+            assert kv.sync._seg.check() == []
+
+    try:
+        run(main)
+    finally:
+        proc.join(30)
+    assert proc.exitcode == -signal.SIGKILL
 
 
 def test_a_close_cancelled_while_it_waits_leaves_the_client_open_and_its_watches_on(
