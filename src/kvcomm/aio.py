@@ -99,7 +99,12 @@ def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     µs of spinning, no sleep) within _LOCK_BUSY_FOR of a call that met the lock held for
     its whole budget."""
     global _lock_busy_until
-    budget = INLINE_LOCK_WAIT if time.monotonic() >= _lock_busy_until else 0.0
+    budget = INLINE_LOCK_WAIT
+    if _lock_busy_until:  # (a window open: the clock read only then)
+        if time.monotonic() < _lock_busy_until:
+            budget = 0.0
+        else:
+            _lock_busy_until = 0.0
     prev = set_inline_wait(budget)
     try:
         return fn(*args, **kwargs)
