@@ -61,8 +61,8 @@ from .tiers.l2 import deferred_warnings, warn_outside_kvcomm
 __all__ = ["AsyncBatch", "AsyncClient", "AsyncPresence", "open"]
 
 INLINE_LOCK_WAIT = 0.0002  # s: the longest a call on the loop waits for a held writer lock
-_LOCK_BUSY_FOR = 0.005  # s: after a call met the lock held that long, calls on the loop only
-# try it for this long (a few µs of spinning, no sleep): N coroutines meeting one long hold
+_LOCK_BUSY_FOR = 0.005  # s: after a call met the lock held that long, the client's calls on
+# the loop only try it for this long (a few µs of spinning, no sleep): N coroutines meeting one long hold
 # cost the loop one INLINE_LOCK_WAIT, not N of them
 POOL_SIZE = 32  # threads for calls that must wait (the network, a held lock), per process
 _SCAN_CHUNK = 256  # items of a scan read per step (inline, or per thread hop)
@@ -89,22 +89,21 @@ def _executor() -> ThreadPoolExecutor:
 
 
 _WOULD_WAIT: Any = object()  # (_inline: the call would have waited; nothing was done)
-_lock_busy_until = 0.0  # (time.monotonic(): see _LOCK_BUSY_FOR; one per process, as the pool)
 
 
-def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``fn(*args, **kwargs)`` on this (the loop's) thread, with the inline budget set:
-    its result, or _WOULD_WAIT when it stopped at a held lock or the network (WouldBlock,
-    raised before it did anything). The budget is INLINE_LOCK_WAIT, or 0 (the kernel's few
-    µs of spinning, no sleep) within _LOCK_BUSY_FOR of a call that met the lock held for
-    its whole budget."""
-    global _lock_busy_until
+def _inline(client: AsyncClient, fn: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` (a method of ``client``'s sync client) on this (the loop's)
+    thread, with the inline budget set: its result, or _WOULD_WAIT when it stopped at a
+    held lock or the network (WouldBlock, raised before it did anything). The budget is
+    INLINE_LOCK_WAIT, or 0 (the kernel's few µs of spinning, no sleep) within
+    _LOCK_BUSY_FOR of a call of ``client`` that met its lock held for its whole budget."""
     budget = INLINE_LOCK_WAIT
-    if _lock_busy_until:  # (a window open: the clock read only then)
-        if time.monotonic() < _lock_busy_until:
+    if client._busy_until:  # (a window open: the clock read only then)
+        if time.monotonic() < client._busy_until:
             budget = 0.0
         else:
-            _lock_busy_until = 0.0
+            client._busy_until = 0.0
     prev = set_inline_wait(budget)
     try:
         return fn(*args, **kwargs)
@@ -113,7 +112,7 @@ def _inline(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     except WouldBlock as exc:
         if exc.__class__ is WouldBlock and budget:  # (the kernel's, after the whole budget:
             # a long hold; not the network's, nor a short hold met within the window)
-            _lock_busy_until = time.monotonic() + _LOCK_BUSY_FOR
+            client._busy_until = time.monotonic() + _LOCK_BUSY_FOR
         return _WOULD_WAIT
     finally:
         set_inline_wait(prev)
@@ -131,7 +130,7 @@ def _awaited(name: str, sync_fn: Callable[..., Any]) -> Callable[..., Awaitable[
 
     async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self._kv, name)
-        out = _inline(fn, args, kwargs)
+        out = _inline(self, fn, args, kwargs)
         if out.__class__ is L3Read:
             if name in _GATHERED and out.key == (args[0] if args else kwargs.get("key")):
                 item = await self._read_l3(out.key, out.timed)
@@ -170,6 +169,7 @@ class AsyncClient:
         self.off_loop = 0  # calls that ran in the pool (they would have waited on the loop)
         self._bell: _FeedBell | None = None
         self._closing = False  # (close() began: watches end, as the sync client's on close)
+        self._busy_until = 0.0  # (time.monotonic(): its lock met held long; _LOCK_BUSY_FOR)
         # L3 reads awaited, not yet sent (_read_l3): one per awaiting coroutine, so bounded
         # by the caller's own concurrency; sent _L3_READS at a time, by the loop they
         # were awaited on (_l3_loop)
@@ -194,7 +194,7 @@ class AsyncClient:
     async def _attempt(self, fn: Callable[..., Any], args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` inline, or in the pool if it would wait."""
-        out = _inline(fn, args, kwargs)
+        out = _inline(self, fn, args, kwargs)
         if out is _WOULD_WAIT or out.__class__ is L3Read:
             out = await self._off_loop(fn, args, kwargs)
         return out
@@ -374,7 +374,7 @@ class AsyncClient:
         """Awaited :meth:`kvcomm.Client.presence`: returns an :class:`AsyncPresence`
         (its refreshes run in the sync handle's thread, never on the loop)."""
         fn, args = self._kv.presence, (prefix, agent_id, ttl, value)
-        handle = _inline(fn, args, {})
+        handle = _inline(self, fn, args, {})
         if handle is _WOULD_WAIT or handle.__class__ is L3Read:
             # (in the pool; should its task be cancelled meanwhile, the handle made is
             # stopped and its key removed: nobody else holds it)

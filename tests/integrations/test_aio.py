@@ -20,6 +20,7 @@ import pytest
 
 import kvcomm
 import kvcomm.aio
+import kvcomm.tiers.l2
 from kvcomm.aio import AsyncClient
 from tests.support.helpers import SMALL
 
@@ -344,7 +345,6 @@ def test_many_calls_meeting_one_long_hold_wait_on_the_loop_once(
 
     monkeypatch.setattr(kvcomm.aio, "set_inline_wait", recorded)
     monkeypatch.setattr(kvcomm.aio, "_LOCK_BUSY_FOR", 60.0)  # (the whole test: no timing)
-    monkeypatch.setattr(kvcomm.aio, "_lock_busy_until", 0.0)
 
     async def main() -> None:
         async with kvcomm.aio.open(ns, config=aconfig) as kv:
@@ -359,12 +359,17 @@ def test_many_calls_meeting_one_long_hold_wait_on_the_loop_once(
             # (only a call that met the hold for its whole budget opens the window: those
             # within it, meeting holds of any length, leave its end where it was; a steady
             # run of microsecond holds sent each call to the pool for as long as it lasted)
-            opened = kvcomm.aio._lock_busy_until
+            opened = kv._busy_until
             lock_holder(0.2)
             await kv.put("in-window", 1)
-            assert kvcomm.aio._lock_busy_until == opened and budgets[-1] == 0.0
+            assert kv._busy_until == opened and budgets[-1] == 0.0
+            budgets.clear()  # (the window is this client's: another namespace's waits)
+            async with kvcomm.aio.open(f"{ns}-b", config=aconfig) as other:
+                await other.put("x", 1)
+            kvcomm.tiers.l2.purge(f"{ns}-b")
+            assert budgets == [kvcomm.aio.INLINE_LOCK_WAIT]
             assert [await kv.get(f"k/{i}") for i in range(50)] == list(range(50))
-            kvcomm.aio._lock_busy_until = 0.0  # (the window over: the budget is back)
+            kv._busy_until = 0.0  # (the window over: the budget is back)
             budgets.clear()
             await kv.put("after", 1)  # (free again: applied inline)
             assert budgets == [kvcomm.aio.INLINE_LOCK_WAIT] and kv.off_loop - off0 == 51
@@ -401,7 +406,7 @@ def test_a_holder_process_killed_while_many_calls_wait_loses_no_acknowledged_put
                 while kv.off_loop - off0 < 50:  # (all met the hold: in the pool, waiting)
                     assert time.monotonic() < deadline, "the puts never met the hold"
                     await asyncio.sleep(0.001)
-                assert kvcomm.aio._lock_busy_until > time.monotonic() - 1  # (the window)
+                assert kv._busy_until > time.monotonic() - 1  # (the window)
                 os.kill(proc.pid, signal.SIGKILL)
                 versions = await puts
             print(f"worst lag {ticker.worst * 1000:.1f} ms")
