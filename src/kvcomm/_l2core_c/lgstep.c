@@ -9,7 +9,7 @@
  * in, or None returned) rather than judging it in C. Tests hold each equal to the Python.
  *
  * NoPickle: the base of _serde.NoPickleSerializer; its dumps_typed.
- * step_metadata(excluded, chainmap, fallback, config, metadata): saver._metadata.
+ * step_metadata(excluded, fallback, config, metadata): saver._metadata.
  * checkpoint_record(dumps, checkpoint, metadata, parent, values): put's record.
  * task_records(dumps, writes, task_id, task_path, idx_map): put_writes' records.
  * step_keys(...), write_keys(...): _keys.Keys.step and .step_writes (plain_component:
@@ -181,9 +181,7 @@ str_keys(PyObject *d)
 static int
 add_part(PyObject *md, PyObject *d, PyObject *excluded)
 {
-    if (!str_keys(d))
-        return 0;
-    Py_ssize_t pos = 0;
+    Py_ssize_t pos = 0; /* (``d``: config_part's, its keys exact str already) */
     PyObject *key, *v;
     while (PyDict_Next(d, &pos, &key, &v)) {
         int r = PyDict_Contains(md, key);
@@ -214,18 +212,21 @@ add_part(PyObject *md, PyObject *d, PyObject *excluded)
  * ChainMap of exact dicts merged: the first map's value wins, keys in ChainMap's order), a
  * new reference; Py_None for None; NULL without an error set for another shape (or keys
  * not all exact str) */
+static PyObject *ChainMapType; /* collections.ChainMap (module init) */
+
 static PyObject *
-config_part(PyObject *part, PyObject *chainmap)
+config_part(PyObject *part)
 {
     if (part == Py_None)
         return Py_NewRef(part);
     if (PyDict_CheckExact(part))
         return str_keys(part) ? Py_NewRef(part) : NULL;
-    if ((PyObject *)Py_TYPE(part) != chainmap)
+    if ((PyObject *)Py_TYPE(part) != ChainMapType)
         return NULL;
     PyObject *maps = PyObject_GetAttr(part, MapsName);
     if (!maps || !PyList_CheckExact(maps)) {
-        PyErr_Clear();
+        if (!maps)
+            clear_exception(); /* (an Exception: the fallback's; anything else raised) */
         Py_XDECREF(maps);
         return NULL;
     }
@@ -236,11 +237,12 @@ config_part(PyObject *part, PyObject *chainmap)
             Py_CLEAR(merged);
     }
     Py_DECREF(maps);
-    PyErr_Clear(); /* (only a dict's allocation may fail: the fallback raises as it does) */
+    if (!merged && PyErr_Occurred()) /* (only a dict's allocation may fail: the fallback */
+        clear_exception(); /* raises as it does; anything but an Exception is raised) */
     return merged;
 }
 
-/* step_metadata(excluded, chainmap, fallback, config, metadata) -> dict: LangGraph's
+/* step_metadata(excluded, fallback, config, metadata) -> dict: LangGraph's
  * get_checkpoint_metadata(config, metadata) (saver._metadata: the same dict, keys in the
  * same order), or ``fallback(config, metadata)``'s answer for a config or metadata of
  * another shape than a running graph's (metadata a dict; config an exact dict whose
@@ -250,26 +252,24 @@ static PyObject *
 step_metadata(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "step_metadata(excluded, chainmap, fallback, config, metadata)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "step_metadata(excluded, fallback, config, metadata)");
         return NULL;
     }
-    PyObject *excluded = args[0], *chainmap = args[1], *fallback = args[2];
-    PyObject *config = args[3], *metadata = args[4];
+    PyObject *excluded = args[0], *fallback = args[1], *config = args[2], *metadata = args[3];
     if (!PyAnySet_Check(excluded)) {
         PyErr_SetString(PyExc_TypeError, "step_metadata: excluded is a set");
         return NULL;
     }
     PyObject *parts[2] = {NULL, NULL}, *md = NULL;
-    int ok = PyDict_CheckExact(config) && PyDict_CheckExact(metadata) && str_keys(metadata) &&
+    int ok = PyDict_CheckExact(config) && PyDict_CheckExact(metadata) &&
              str_keys(config); /* (0: the fallback) */
     if (!ok || !(md = PyDict_New()))
         goto done;
     Py_ssize_t pos = 0;
     PyObject *key, *v;
     while (PyDict_Next(metadata, &pos, &key, &v)) { /* (as LangGraph: metadata first) */
-        char kind = kind_of(v);
+        char kind = PyUnicode_CheckExact(key) ? kind_of(v) : 0; /* (before it is hashed) */
         if (!kind) {
             ok = 0;
             goto done;
@@ -285,7 +285,7 @@ step_metadata(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *part = PyDict_GetItemWithError(config, names[i]); /* (borrowed) */
         if (!part && PyErr_Occurred())
             goto done;
-        parts[i] = config_part(part ? part : Py_None, chainmap);
+        parts[i] = config_part(part ? part : Py_None);
         if (!parts[i]) {
             ok = 0;
             goto done;
@@ -306,7 +306,7 @@ done:
     if (ok && md && !PyErr_Occurred())
         return md;
     Py_XDECREF(md); /* (an error: call_fallback returns it) */
-    return call_fallback(fallback, args + 3, 2);
+    return call_fallback(fallback, args + 2, 2);
 }
 
 /* ---------------------------------------------------------------- records */
@@ -332,20 +332,16 @@ extend_dumped(PyObject *record, PyObject *dumps, PyObject *obj)
 static int
 inline_value(PyObject *v)
 {
-    return v == Py_None || PyLong_CheckExact(v) || PyFloat_CheckExact(v) || PyBool_Check(v) ||
+    return v == Py_None || kind_of(v) == 'n' ||
            (PyUnicode_CheckExact(v) && PyUnicode_GET_LENGTH(v) <= 256);
 }
 
 /* checkpoint_record(dumps, checkpoint, metadata, parent, values) -> (record, inline): put's
-
-       record = [*dumps(checkpoint), *dumps(metadata), parent, metadata.get("run_id")]
-       inline = set()
-       for channel, value in values.items():
-           if _inline(value):
-               record += (channel, *dumps(value))
-               inline.add(channel)
-
- * (``metadata`` and ``values`` exact dicts, as put makes them) */
+ * checkpoint record, ``[*dumps(checkpoint), *dumps(metadata), parent, metadata.get("run_id")]``
+ * then ``(channel, *dumps(value))`` for each small value (inline_value), and the set of
+ * those channels; the Python it stands for is _checkpoint_record in
+ * tests/integrations/test_langgraph_step.py, which holds the two equal (``metadata`` and
+ * ``values`` exact dicts, as put makes them) */
 static PyObject *
 checkpoint_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -437,16 +433,10 @@ plain_writes(PyObject *writes)
 }
 
 /* task_records(dumps, writes, task_id, task_path, idx_map) -> (records, indices, regular)
- * | None: put_writes'
-
-       for idx, (channel, value) in enumerate(writes):
-           i = idx_map.get(channel, idx)
-           if i >= 0:
-               regular.append(len(indices))
-           indices.append(i)
-           records.append([task_id, channel, *dumps(value), task_path])
-
- * for a list, tuple or deque of plain writes, all judged before the first is serialized
+ * | None: put_writes' records of a task's writes (``[task_id, channel, *dumps(value),
+ * task_path]`` each), their indices as keyed (``idx_map.get(channel, idx)``) and the places
+ * of the regular ones (index >= 0); the Python it stands for is _task_records in
+ * tests/integrations/test_langgraph_step.py, which holds the two equal. For a list, tuple or deque of plain writes, all judged before the first is serialized
  * (what LangGraph passes); None for anything else, or a write a serializer made not plain
  * meanwhile (put_writes then checks them in Python, and says what is wrong). The writes
  * are iterated as that loop iterates them: a serializer adding one to a list adds it, one
@@ -568,13 +558,13 @@ plain_id(PyObject *s)
     return PyUnicode_CheckExact(s) && plain_chars(s);
 }
 
-/* plain_component(s) -> bool: plain_chars, for _keys._esc_id; not a str: False (the
+/* plain_component(s) -> bool: plain_id, for _keys._esc_id; not an exact str: False (the
  * caller's escape says what is wrong) */
 static PyObject *
 plain_component(PyObject *self, PyObject *s)
 {
     (void)self;
-    return PyBool_FromLong(PyUnicode_Check(s) && plain_chars(s));
+    return PyBool_FromLong(plain_id(s));
 }
 
 /* the UTF-8 length of a str, -1 for a lone surrogate (error cleared) */

@@ -135,7 +135,7 @@ static PyMethodDef module_methods[] = {
     {"plain_component", plain_component, METH_O,
      "plain_component(s) -> bool: s is a str without %, /, =, C0 controls or DEL"},
     {"step_metadata", (PyCFunction)(void (*)(void))step_metadata, METH_FASTCALL,
-     "step_metadata(excluded, chainmap, fallback, config, metadata) -> dict: LangGraph's "
+     "step_metadata(excluded, fallback, config, metadata) -> dict: LangGraph's "
      "get_checkpoint_metadata(config, metadata) (fallback's for other shapes)"},
     {"checkpoint_record", (PyCFunction)(void (*)(void))checkpoint_record, METH_FASTCALL,
      "checkpoint_record(dumps, checkpoint, metadata, parent, values) -> (record, inline): "
@@ -184,8 +184,9 @@ PyInit__l2core(void)
         return NULL;
     OrderedDictType = PyObject_GetAttrString(collections, "OrderedDict");
     DequeType = PyObject_GetAttrString(collections, "deque");
+    ChainMapType = PyObject_GetAttrString(collections, "ChainMap");
     Py_DECREF(collections);
-    if (!OrderedDictType || !DequeType)
+    if (!OrderedDictType || !DequeType || !ChainMapType)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)

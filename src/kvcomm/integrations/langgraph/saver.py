@@ -40,7 +40,6 @@ import random
 import time
 import uuid
 import warnings
-from collections import ChainMap
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Literal, TypeVar
@@ -206,7 +205,7 @@ def _head_of(value: Any, key: str) -> dict[str, Any] | None:
 # LangGraph's own set of excluded keys is read at each call, as that function reads it).
 # A test holds the two equal (tests/integrations/test_langgraph_step.py).
 _metadata: Callable[[RunnableConfig, CheckpointMetadata], dict[str, Any]] = functools.partial(
-    step_metadata, EXCLUDED_METADATA_KEYS, ChainMap, get_checkpoint_metadata)
+    step_metadata, EXCLUDED_METADATA_KEYS, get_checkpoint_metadata)
 
 
 def _shaped(value: list[Any], n: int) -> bool:

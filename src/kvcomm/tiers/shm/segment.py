@@ -53,7 +53,8 @@ _l2core.set_key_hasher(xxhash.xxh3_64_intdigest)  # (key_hash below, for kv.batc
 _l2core.set_packed(Packed, PACKED)  # (kv.batch() stores a Packed as its payload, in C)
 if _l2core.MAX_COUNTER != MAX_COUNTER or not hasattr(_l2core.Core, "put_step") \
         or not hasattr(_l2core.BatchOps, "_put_ext") \
-        or not hasattr(_l2core, "task_records"):  # a stale build of the kernel
+        or not hasattr(_l2core, "task_records") \
+        or "chainmap" in (_l2core.step_metadata.__doc__ or ""):  # a stale build of the kernel
     raise ImportError("kvcomm._l2core was built from other sources; rebuild it (pip install -e .)")
 
 NEW_DOT = (1 << 64) - 1  # a versioned put with this counter: a fresh local dot over the vector
