@@ -145,8 +145,8 @@ _Static_assert(sizeof(pthread_mutex_t) <= MUTEX_SPACE, "pthread_mutex_t does not
 #include "_l2core_c/recover.c"
 #include "_l2core_c/l1.c"
 #include "_l2core_c/packplain.c"
-#include "_l2core_c/lgstep.c"
 #include "_l2core_c/batch.c"
+#include "_l2core_c/lgstep.c"  /* (after batch.c: batch_args) */
 #include "_l2core_c/bloom.c"
 #include "_l2core_c/vmutex.c"
 #include "_l2core_c/unitvec.c"

@@ -59,17 +59,12 @@ refused_type(PyObject *t)
 static PyObject *
 nopickle_dumps_typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *obj = nargs == 1 && !kwnames ? args[0] : NULL;
-    if (!obj) { /* (dumps_typed(obj=...): what a Python method takes) */
-        Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-        if (nargs + nkw == 1 && nkw == 1 &&
-            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "obj") == 0)
-            obj = args[0];
-        else {
-            PyErr_SetString(PyExc_TypeError, "dumps_typed() takes one argument, obj");
-            return NULL;
-        }
-    }
+    static const char *const names[] = {"obj"}; /* (dumps_typed(obj=...) too, as in Python) */
+    PyObject *obj;
+    if (nargs == 1 && !kwnames)
+        obj = args[0];
+    else if (batch_args("dumps_typed", names, 1, args, nargs, kwnames, &obj) < 0)
+        return NULL;
     PyObject *inner = PyObject_GetAttr(self, InnerName), *out = NULL;
     if (inner) {
         PyObject *call[2] = {inner, obj};
