@@ -10,6 +10,7 @@ all. Each test heals what it broke.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -189,6 +190,88 @@ def test_kill_and_restart_etcd_from_the_command_line(dc: Path) -> None:
         assert int(st["header"]["revision"]) >= e.get("task/k").mod_revision  # type: ignore[union-attr]
     finally:
         e.close()
+
+
+def _set_pid(dc: Path, member: int, pid: int) -> None:
+    state = control.load_state(dc)
+    state["etcd"]["pids"][member] = pid
+    control.save_state(dc, state)
+
+
+def test_a_members_pid_taken_by_another_process_is_neither_signalled_nor_mistaken(
+        dc: Path) -> None:
+    """pids wrap (32768 on this machine): once a killed member's pid is another process's,
+    restart-etcd starts the member rather than resume that process and wait on it, and
+    kill-etcd and pause refuse it rather than signal it."""
+    import signal
+
+    from kvcomm.devcluster.procs import proc_state
+
+    member = 2
+    control.kill_etcd(str(dc), member)
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        _set_pid(dc, member, other.pid)  # as if the kernel had given its pid to `sleep`
+        with pytest.raises(kvcomm.KVCommError, match="not running"):
+            control.pause_etcd(str(dc), member)
+        with pytest.raises(kvcomm.KVCommError, match="already down"):
+            control.kill_etcd(str(dc), member)
+        assert control.restart_etcd(str(dc), timeout=30) == [member]  # found down
+        pid = int(control.load_state(dc)["etcd"]["pids"][member])
+        assert pid != other.pid and running(pid)
+        assert other.poll() is None and proc_state(other.pid) in ("S", "R")
+        control.kill_etcd(str(dc), member)
+        os.kill(other.pid, signal.SIGSTOP)
+        _set_pid(dc, member, other.pid)  # the same, for a process that is stopped
+        assert control.restart_etcd(str(dc), member, timeout=30) == [member]
+        assert proc_state(other.pid) == "T"  # not resumed: it was never the member
+        assert running(int(control.load_state(dc)["etcd"]["pids"][member]))
+    finally:
+        other.kill()
+        other.wait()
+    control.restart_etcd(str(dc), timeout=60)  # (every member up for the next test)
+
+
+def test_a_restarted_member_whose_port_is_held_is_started_again_or_reported(
+        dc: Path) -> None:
+    """A restarted member that cannot bind its port (another program's check that a port
+    is free holds it for a moment) is started again; held for good, restart-etcd says so
+    with the member's log, well before its timeout."""
+    import socket
+    import threading
+
+    state = control.load_state(dc)
+    member = 0
+    port = state["etcd"]["client_ports"][member]
+
+    def held() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        return s
+
+    control.kill_etcd(str(dc), member)
+    sock = held()
+    release = threading.Timer(1.0, sock.close)
+    release.start()
+    try:
+        assert control.restart_etcd(str(dc), member, timeout=30) == [member]
+    finally:
+        release.join()
+    log = Path(state["etcd"]["dir"]) / f"{state['etcd']['names'][member]}.log"
+    assert "address already in use" in log.read_text(errors="replace")  # the fault happened
+
+    control.kill_etcd(str(dc), member)
+    sock = held()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(kvcomm.Unavailable, match="address already in use"):
+            control.restart_etcd(str(dc), member, timeout=60)
+        assert time.monotonic() - t0 < 45
+    finally:
+        sock.close()
+    assert control.restart_etcd(str(dc), member, timeout=60) == [member]
 
 
 def test_the_fault_kinds_through_the_target(dc: Path) -> None:

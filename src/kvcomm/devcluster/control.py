@@ -41,7 +41,7 @@ from ..errors import KVCommError, SegmentError, Unavailable
 from ..tiers.l2 import L2Segment, purge
 from .etcd_cluster import EtcdCluster, etcd_path, member_argv, stop_members
 from .etcd_cluster import wait_healthy as wait_etcd_healthy
-from .procs import kill, running, spawn, stop
+from .procs import kill, proc_state, running, running_as, spawn, stop
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
 from .redis_server import free_port
 
@@ -289,61 +289,138 @@ def _etcd(state: dict[str, Any]) -> dict[str, Any]:
     return etcd  # type: ignore[no-any-return]
 
 
+def _member_dir(etcd: dict[str, Any], i: int) -> str:
+    return os.path.join(str(etcd["dir"]), str(etcd["names"][i]))
+
+
+def _member_up(etcd: dict[str, Any], i: int) -> bool:
+    """Member ``i``'s recorded process runs, and is that member (its ``--data-dir``), not
+    a process that took its pid after it died."""
+    return running_as(int(etcd["pids"][i]), _member_dir(etcd, i))
+
+
+def _member_index(etcd: dict[str, Any], member: int) -> int:
+    if not 0 <= member < len(etcd["names"]):
+        raise KVCommError(f"etcd member {member + 1} does not exist "
+                          f"(members 1 to {len(etcd['names'])})")
+    return member
+
+
 def etcd_leader(directory: str, timeout: float = 30.0) -> int:
     """The index (0-based) of the etcd member that leads now, once the live members
     agree on one. Raises Unavailable."""
     etcd = _etcd(load_state(directory))
     ports = etcd["client_ports"]
-    live = [p for p, pid in zip(ports, etcd["pids"], strict=True) if running(int(pid))]
+    live = [p for i, p in enumerate(ports) if _member_up(etcd, i)]
     return wait_etcd_healthy(ports, timeout, alive=live)
 
 
 def kill_etcd(directory: str, member: int | None = None, leader: bool = False) -> int:
     """SIGKILL etcd member ``member`` (0-based), or the leader with ``leader``, or (with
-    neither) the first member still running. Returns the index of the member killed.
-    Raises KVCommError for a bad member, Unavailable when no leader can be found."""
+    neither) the first member still running. Returns the index of the member killed,
+    once its process is gone. Raises KVCommError for a bad member, Unavailable when no
+    leader can be found or the process outlives the signal."""
     etcd = _etcd(load_state(directory))
-    pids = [int(p) for p in etcd["pids"]]
     if leader:
         member = etcd_leader(directory)
     elif member is None:
-        member = next((i for i, p in enumerate(pids) if running(p)), None)
+        member = next((i for i in range(len(etcd["names"])) if _member_up(etcd, i)), None)
         if member is None:
             raise KVCommError("every etcd member is already down; `restart-etcd` first")
-    if not 0 <= member < len(pids):
-        raise KVCommError(f"etcd member {member + 1} does not exist (members 1 to {len(pids)})")
-    kill(pids[member])
+    member = _member_index(etcd, member)
+    if not _member_up(etcd, member):
+        raise KVCommError(f"etcd member {member + 1} is already down; `restart-etcd` first")
+    pid = int(etcd["pids"][member])
+    if not kill(pid):
+        raise Unavailable(f"etcd member {member + 1} (pid {pid}) still runs 10 s after "
+                          f"SIGKILL; see `ps -o stat,wchan -p {pid}`")
     return member
 
 
 def pause_etcd(directory: str, member: int, resume: bool = False) -> int:
-    """SIGSTOP (SIGCONT with ``resume``) etcd member ``member``; returns its pid."""
+    """SIGSTOP (SIGCONT with ``resume``) etcd member ``member``; returns its pid. Raises
+    KVCommError when that member is not running."""
     etcd = _etcd(load_state(directory))
+    member = _member_index(etcd, member)
+    if not _member_up(etcd, member):
+        raise KVCommError(f"etcd member {member + 1} is not running; `restart-etcd` first")
     pid = int(etcd["pids"][member])
     os.kill(pid, signal.SIGCONT if resume else signal.SIGSTOP)
     return pid
 
 
+#: How many times :func:`restart_etcd` starts a member whose port another program held
+#: for a moment (a check that a port is free binds it) before it gives up.
+RESTART_BIND_TRIES = 10
+
+
+class _MemberExited(KVCommError):
+    """A restarted member exited (not an Unavailable: that would be waited on)."""
+
+
 def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.0) -> list[int]:
     """Start killed etcd members again (``member``, or every one that is down) with their
-    names, ports and data, and wait until every member is healthy. Returns the indexes
-    restarted. Raises Unavailable when the cluster does not heal within ``timeout``."""
+    names, ports and data, resume a paused one, and wait until every member is healthy.
+    Returns the indexes restarted. Raises Unavailable, with the members' logs, when one
+    exits (a member whose port was taken for a moment is started again, up to
+    :data:`RESTART_BIND_TRIES` times) or the cluster does not heal within ``timeout``."""
     d = Path(directory).resolve()
     state = load_state(d)
     etcd = _etcd(state)
-    pids = [int(p) for p in etcd["pids"]]
-    todo = [member] if member is not None else [i for i, p in enumerate(pids) if not running(p)]
+    n = len(etcd["names"])
+    todo = [_member_index(etcd, member)] if member is not None else \
+        [i for i in range(n) if not _member_up(etcd, i)]
+    started: dict[int, tuple[subprocess.Popen[bytes], int]] = {}  # process, log offset
+    tries = dict.fromkeys(todo, 0)
+
+    def log_of(i: int) -> str:
+        return os.path.join(etcd["dir"], f"{etcd['names'][i]}.log")
+
+    def said(i: int) -> str:
+        """What member ``i``'s log gained since its last start."""
+        try:
+            with open(log_of(i), "rb") as f:
+                f.seek(started[i][1])
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def start(i: int) -> None:
+        log = log_of(i)
+        offset = os.path.getsize(log) if os.path.exists(log) else 0
+        argv = member_argv(etcd["names"][i], _member_dir(etcd, i), etcd["client_ports"][i],
+                           etcd["peer_ports"][i], etcd["initial_cluster"], etcd["token"],
+                           etcd["heartbeat_ms"], etcd["election_ms"])
+        started[i] = (spawn(argv, log), offset)
+        tries[i] += 1
+        etcd["pids"][i] = started[i][0].pid
+        save_state(d, state)
+
+    def exited() -> None:
+        for i, (proc, _) in list(started.items()):
+            if proc.poll() is None:
+                continue
+            text = said(i)
+            if "address already in use" in text and tries[i] < RESTART_BIND_TRIES:
+                start(i)
+                continue
+            raise _MemberExited(f"etcd member {i + 1} exited with status {proc.returncode} "
+                                f"when restarted ({tries[i]} starts); its log:\n"
+                                f"{text[-2000:]}")
+
     for i in todo:
-        if running(pids[i]):
-            os.kill(pids[i], signal.SIGCONT)  # a paused member: resume it
-            continue
-        argv = member_argv(etcd["names"][i], os.path.join(etcd["dir"], etcd["names"][i]),
-                           etcd["client_ports"][i], etcd["peer_ports"][i],
-                           etcd["initial_cluster"], etcd["token"], etcd["heartbeat_ms"],
-                           etcd["election_ms"])
-        etcd["pids"][i] = spawn(argv, os.path.join(etcd["dir"], f"{etcd['names'][i]}.log")).pid
-    save_state(d, state)
-    wait_etcd_healthy(etcd["client_ports"], timeout)
+        if _member_up(etcd, i):
+            os.kill(int(etcd["pids"][i]), signal.SIGCONT)  # a paused member: resume it
+        else:
+            start(i)
+    try:
+        wait_etcd_healthy(etcd["client_ports"], timeout, check=exited)
+    except _MemberExited as exc:
+        raise Unavailable(str(exc)) from None
+    except Unavailable as exc:
+        logs = "\n".join(f"--- member {i + 1} (pid {p.pid}, state {proc_state(p.pid) or 'gone'})"
+                         f"\n{said(i)[-1000:]}" for i, (p, _) in started.items())
+        raise Unavailable(f"{exc}\n{logs}" if logs else str(exc)) from None
     return todo
 
 

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._wait import wait_until
@@ -121,14 +121,18 @@ def stop_members(procs: Sequence[subprocess.Popen[bytes] | int], client_ports: S
 
 
 def wait_healthy(ports: Sequence[int], timeout: float = 30.0,
-                 alive: Sequence[int] | None = None) -> int:
+                 alive: Sequence[int] | None = None,
+                 check: Callable[[], None] | None = None) -> int:
     """Until every member in ``alive`` (default: all) answers, they follow one leader
     among them, and a linearizable read succeeds. Returns the leader's index. Raises
-    Unavailable naming what was missing."""
+    Unavailable naming what was missing. ``check`` is called before each try; what it
+    raises, an Unavailable aside, ends the wait (a member's process that exited)."""
     want = list(ports if alive is None else alive)
     state = {"why": "no answer yet"}
 
     def healthy() -> int:
+        if check is not None:
+            check()
         st = _statuses(want, 1.0)
         if len(st) < len(want):
             state["why"] = f"members {sorted(set(want) - set(st))} do not answer"

@@ -68,15 +68,42 @@ def all_stopped(pid: int) -> bool:
     return bool(states) and all(st in (b"T", b"t") for st in states)
 
 
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 def running(pid: int) -> bool:
-    """True while ``pid`` exists and has not exited (a zombie has exited); reaps it when
-    it is our child and has exited."""
+    """True while ``pid`` exists and has not exited; reaps it when it is our child and
+    has exited. A zombie has exited once its last thread has: a killed process's first
+    thread turns zombie while the others still close its files (etcd's listening port,
+    its database's lock) for some milliseconds."""
     try:
         if os.waitpid(pid, os.WNOHANG)[0]:
             return False  # our child, just reaped
     except ChildProcessError:
         pass  # not our child (or already reaped)
-    return proc_state(pid) not in ("", "Z", "X")
+    state = proc_state(pid)
+    if state in ("Z", "X"):
+        return _threads(pid) > 1
+    return state != ""
+
+
+def running_as(pid: int, marker: str) -> bool:
+    """True while ``pid`` runs (:func:`running`) with ``marker`` among its command line's
+    arguments: the process a dev cluster recorded, not another that took its pid once it
+    had exited (pids wrap at ``kernel.pid_max``, 32768 on many machines, and a test run
+    or a reboot goes through that many)."""
+    if not running(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return os.fsencode(marker) in args
 
 
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:
