@@ -232,6 +232,33 @@ def test_a_members_pid_taken_by_another_process_is_neither_signalled_nor_mistake
     control.restart_etcd(str(dc), timeout=60)  # (every member up for the next test)
 
 
+def test_restart_etcd_resumes_the_paused_and_starts_one_that_died_after_it_looked(
+        dc: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcomm.devcluster.procs import proc_state
+
+    state = control.load_state(dc)
+    paused = int(state["etcd"]["pids"][0])
+    control.pause_etcd(str(dc), 0)
+    control.kill_etcd(str(dc), 1)
+    assert control.restart_etcd(str(dc), timeout=30) == [1]
+    assert proc_state(paused) in ("S", "R")
+    # a member SIGKILLed by someone else, not yet gone when restart-etcd looks
+    pid = int(control.load_state(dc)["etcd"]["pids"][2])
+    os.kill(pid, 9)
+    looked: list[int] = []
+    member_up = control._member_up
+
+    def not_yet_dead(etcd: dict[str, Any], i: int) -> bool:
+        if i == 2 and not looked:
+            looked.append(i)
+            return True
+        return member_up(etcd, i)
+
+    monkeypatch.setattr(control, "_member_up", not_yet_dead)
+    assert control.restart_etcd(str(dc), timeout=30) == [2]
+    assert looked and int(control.load_state(dc)["etcd"]["pids"][2]) != pid
+
+
 def test_a_restarted_member_whose_port_is_held_is_started_again_or_reported(
         dc: Path) -> None:
     """A restarted member that cannot bind its port (another program's check that a port

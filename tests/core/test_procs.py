@@ -13,7 +13,7 @@ import pytest
 from kvcomm import Unavailable
 from kvcomm._wait import wait_until
 from kvcomm.devcluster import RedisServer
-from kvcomm.devcluster.procs import kill, proc_state, running, spawn, stop, wait_gone
+from kvcomm.devcluster.procs import kill, proc_state, running, running_as, spawn, stop, wait_gone
 
 
 class FakeClock:
@@ -73,11 +73,12 @@ def test_wait_until_retries_only_the_exceptions_it_is_told_to() -> None:
 # ---------------------------------------------------------------- processes
 
 
-def _child(code: str) -> subprocess.Popen[bytes]:
-    """A Python child that runs ``code``, then says "ready" and sleeps."""
-    proc = subprocess.Popen([sys.executable, "-c", code + "\nprint('ready', flush=True)\n"
-                             "import time\nwhile True: time.sleep(1)\n"],
-                            stdout=subprocess.PIPE)
+def _child(code: str, *args: str, argv0: str = sys.executable) -> subprocess.Popen[bytes]:
+    """A Python child that runs ``code``, then says "ready" and sleeps; ``args`` and
+    ``argv0`` for its command line."""
+    proc = subprocess.Popen([argv0, "-c", code + "\nprint('ready', flush=True)\n"
+                             "import time\nwhile True: time.sleep(1)\n", *args],
+                            executable=sys.executable, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
     return proc
 
@@ -141,6 +142,66 @@ def test_a_process_whose_first_thread_exited_runs_until_its_last_thread_has() ->
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_running_as_knows_a_process_by_an_argument_or_a_word_of_its_title() -> None:
+    titled = _child("", "--dir", "/d/7")
+    try:
+        assert running_as(titled.pid, "/d/7") and running_as(titled.pid, "x", "/d/7")
+        assert not running_as(titled.pid, "/d/70") and not running_as(titled.pid, "/d")
+        # a server that rewrote its command line into one title (redis-server does)
+        other = _child("", argv0="redis-server 127.0.0.1:16379 [cluster]")
+        try:
+            assert running_as(other.pid, "127.0.0.1:16379")
+            assert not running_as(other.pid, "127.0.0.1:1637")
+        finally:
+            kill(other)
+        assert not running_as(other.pid, "127.0.0.1:16379")  # exited
+    finally:
+        kill(titled)
+
+
+def test_down_after_a_reboot_signals_none_of_the_processes_that_took_the_pids(
+        tmp_path: Path) -> None:
+    """After a reboot, cluster.json's pids are anyone's, and `up` asks for a `down`
+    first: down must leave those processes alone and still remove the state."""
+    from kvcomm.devcluster import control
+
+    others = [_child("") for _ in range(5)]
+    try:
+        pids = [o.pid for o in others]
+        etcd_dir = tmp_path / "etcd"
+        etcd_dir.mkdir()
+        control.save_state(tmp_path, {
+            "hosts": [{"host": "host-1", "namespace": "kvcommtestreboot-host-1",
+                       "config": str(tmp_path / "host-1.yaml"), "pid": pids[0],
+                       "proxy": {"pid": pids[1], "control": str(tmp_path / "p.sock")}}],
+            "redis_pids": [pids[2]], "redis": ["127.0.0.1:16379"],
+            "redis_dir": str(tmp_path / "redis"),
+            "etcd": {"names": ["m1", "m2"], "pids": pids[3:], "dir": str(etcd_dir),
+                     "client_ports": [1, 2], "peer_ports": [3, 4]}})
+        assert control.down(str(tmp_path))
+        assert all(o.poll() is None and proc_state(o.pid) in ("S", "R") for o in others)
+        assert not (tmp_path / control.STATE_FILE).exists() and not etcd_dir.exists()
+    finally:
+        for o in others:
+            kill(o)
+
+
+def test_a_pid_of_zero_or_below_is_never_waited_on_nor_signalled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged cluster.json: waitpid(-1) would reap any child of ours, kill(0) and
+    kill(-1) signal our process group or every process."""
+    import os
+
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
+    wait_until(lambda: proc_state(child.pid) == "Z", 10, "the child to exit")
+    assert not running(0) and not running(-1) and not running_as(-1, "x")
+    assert child.wait(10) == 7  # still ours to reap, with its status
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    stop([0, -1], timeout=0.1)
+    assert kill(0, 0.1) and sent == []
 
 
 def test_spawn_appends_output_to_a_log(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ from ..errors import KVCommError, SegmentError, Unavailable
 from ..tiers.l2 import L2Segment, purge
 from .etcd_cluster import EtcdCluster, etcd_path, member_argv, stop_members
 from .etcd_cluster import wait_healthy as wait_etcd_healthy
-from .procs import kill, proc_state, running, running_as, spawn, stop
+from .procs import kill, proc_state, running, running_as, spawn, stop, wait_gone
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
 from .redis_server import free_port
 
@@ -208,11 +208,26 @@ def restart_daemon(directory: str, index: int, timeout: float = 30.0) -> int:
     d = Path(directory).resolve()
     state = load_state(d)
     h = state["hosts"][index]
-    stop([int(h["pid"])])
+    if _daemon_up(h):
+        stop([int(h["pid"])])
     h["pid"] = spawn_daemon(h["config"], d / f"{h['host']}.log").pid
     save_state(d, state)
     _wait_heartbeat(d, h, timeout)
     return int(h["pid"])
+
+
+def _daemon_up(host: dict[str, Any]) -> bool:
+    """The host's recorded daemon runs (``--config`` its config), not a process that
+    took its pid (see :func:`~kvcomm.devcluster.procs.running_as`)."""
+    return running_as(int(host["pid"]), str(host["config"]))
+
+
+def _redis_up(d: Path, state: dict[str, Any], i: int) -> bool:
+    """Redis node ``i``'s recorded process runs: its title names its port (its ``--dir``
+    before it has set its title)."""
+    port = redis_ports(state)[i]
+    node_dir = str(Path(state.get("redis_dir", d / "redis")) / str(port))
+    return running_as(int(state["redis_pids"][i]), f"127.0.0.1:{port}", node_dir)
 
 
 def _redis_index(state: dict[str, Any], port: int) -> int:
@@ -240,7 +255,7 @@ def restart_redis(directory: str, port: int, timeout: float = 60.0) -> int:
     d = Path(directory).resolve()
     state = load_state(d)
     i = _redis_index(state, port)
-    if running(int(state["redis_pids"][i])):
+    if _redis_up(d, state, i):
         raise Unavailable(f"the Redis node on port {port} is still running: kill it first")
     ports = redis_ports(state)
     wait_failed_over(ports, port, timeout)  # (restarted before that, a master comes back empty)
@@ -260,18 +275,23 @@ def wait_redis_whole(directory: str, timeout: float = 60.0) -> None:
 
 def down(directory: str) -> bool:
     """Stop the dev cluster in ``directory`` and remove its hosts' L2 segments; False
-    (nothing done) when there is none."""
+    (nothing done) when there is none. Only processes that are still the ones recorded
+    (by their command lines) are signalled: after a reboot, ``cluster.json``'s pids may
+    be anyone's, and `up` asks for a `down` first."""
     d = Path(directory).resolve()
     if not (d / STATE_FILE).exists():
         return False
     state = load_state(d)
-    stop([int(h["pid"]) for h in state["hosts"]])
-    stop([int(p) for p in state["redis_pids"]])
+    stop([int(h["pid"]) for h in state["hosts"] if _daemon_up(h)])
+    stop([int(p) for i, p in enumerate(state["redis_pids"]) if _redis_up(d, state, i)])
     etcd = state.get("etcd")
     if etcd:
-        stop_members([int(p) for p in etcd["pids"]], etcd["client_ports"], timeout=10.0)
+        live = [i for i in range(len(etcd["names"])) if _member_up(etcd, i)]
+        stop_members([int(etcd["pids"][i]) for i in live],
+                     [etcd["client_ports"][i] for i in live], timeout=10.0)
         shutil.rmtree(etcd["dir"], ignore_errors=True)
-    stop([int(h["proxy"]["pid"]) for h in state["hosts"] if h.get("proxy")])
+    stop([int(h["proxy"]["pid"]) for h in state["hosts"]
+          if h.get("proxy") and running_as(int(h["proxy"]["pid"]), str(h["proxy"]["control"]))])
     for h in state["hosts"]:
         purge(h["namespace"])
     (d / STATE_FILE).unlink()
@@ -360,18 +380,19 @@ class _MemberExited(KVCommError):
 
 def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.0) -> list[int]:
     """Start killed etcd members again (``member``, or every one that is down) with their
-    names, ports and data, resume a paused one, and wait until every member is healthy.
-    Returns the indexes restarted. Raises Unavailable, with the members' logs, when one
-    exits (a member whose port was taken for a moment is started again, up to
-    :data:`RESTART_BIND_TRIES` times) or the cluster does not heal within ``timeout``."""
+    names, ports and data, resume paused ones, and wait until every member is healthy.
+    Returns the indexes started. A member of those that dies while this waits (a kill
+    not yet acted on when it looked) is started too. Raises Unavailable, with the
+    members' states and logs, when one exits (one whose port was taken for a moment is
+    started again, up to :data:`RESTART_BIND_TRIES` times) or the cluster does not heal
+    within ``timeout``."""
     d = Path(directory).resolve()
     state = load_state(d)
     etcd = _etcd(state)
     n = len(etcd["names"])
-    todo = [_member_index(etcd, member)] if member is not None else \
-        [i for i in range(n) if not _member_up(etcd, i)]
+    mine = [_member_index(etcd, member)] if member is not None else list(range(n))
     started: dict[int, tuple[subprocess.Popen[bytes], int]] = {}  # process, log offset
-    tries = dict.fromkeys(todo, 0)
+    tries = dict.fromkeys(mine, 0)
 
     def log_of(i: int) -> str:
         return os.path.join(etcd["dir"], f"{etcd['names'][i]}.log")
@@ -386,6 +407,9 @@ def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.
             return ""
 
     def start(i: int) -> None:
+        old = int(etcd["pids"][i])
+        if proc_state(old) == "Z":  # its first thread gone, others still closing its files
+            wait_gone(old, 10.0)
         log = log_of(i)
         offset = os.path.getsize(log) if os.path.exists(log) else 0
         argv = member_argv(etcd["names"][i], _member_dir(etcd, i), etcd["client_ports"][i],
@@ -397,6 +421,9 @@ def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.
         save_state(d, state)
 
     def exited() -> None:
+        for i in mine:
+            if i not in started and not _member_up(etcd, i):
+                start(i)  # it died since we looked
         for i, (proc, _) in list(started.items()):
             if proc.poll() is None:
                 continue
@@ -408,9 +435,12 @@ def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.
                                 f"when restarted ({tries[i]} starts); its log:\n"
                                 f"{text[-2000:]}")
 
-    for i in todo:
+    for i in mine:
         if _member_up(etcd, i):
-            os.kill(int(etcd["pids"][i]), signal.SIGCONT)  # a paused member: resume it
+            try:
+                os.kill(int(etcd["pids"][i]), signal.SIGCONT)  # a paused member: resume it
+            except ProcessLookupError:
+                pass  # died since: started while waiting (exited() below)
         else:
             start(i)
     try:
@@ -418,10 +448,13 @@ def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.
     except _MemberExited as exc:
         raise Unavailable(str(exc)) from None
     except Unavailable as exc:
-        logs = "\n".join(f"--- member {i + 1} (pid {p.pid}, state {proc_state(p.pid) or 'gone'})"
-                         f"\n{said(i)[-1000:]}" for i, (p, _) in started.items())
-        raise Unavailable(f"{exc}\n{logs}" if logs else str(exc)) from None
-    return todo
+        def described(i: int) -> str:
+            pid = int(etcd["pids"][i])
+            text = f"--- member {i + 1}: pid {pid}, state {proc_state(pid) or 'gone'}"
+            return text + (f", {tries[i]} starts; its log:\n{said(i)[-1000:]}"
+                           if i in started else "")
+        raise Unavailable(f"{exc}\n" + "\n".join(described(i) for i in mine)) from None
+    return sorted(started)
 
 
 # ---------------------------------------------------------------- network and clock faults

@@ -80,6 +80,8 @@ def running(pid: int) -> bool:
     has exited. A zombie has exited once its last thread has: a killed process's first
     thread turns zombie while the others still close its files (etcd's listening port,
     its database's lock) for some milliseconds."""
+    if pid <= 0:  # (a damaged state file: waitpid(-1) would reap any child of ours)
+        return False
     try:
         if os.waitpid(pid, os.WNOHANG)[0]:
             return False  # our child, just reaped
@@ -91,11 +93,15 @@ def running(pid: int) -> bool:
     return state != ""
 
 
-def running_as(pid: int, marker: str) -> bool:
-    """True while ``pid`` runs (:func:`running`) with ``marker`` among its command line's
-    arguments: the process a dev cluster recorded, not another that took its pid once it
-    had exited (pids wrap at ``kernel.pid_max``, 32768 on many machines, and a test run
-    or a reboot goes through that many)."""
+def running_as(pid: int, *markers: str) -> bool:
+    """True while ``pid`` runs (:func:`running`) with one of ``markers`` among its command
+    line's arguments, or among the words of its first (a server that rewrote its title:
+    ``redis-server 127.0.0.1:PORT [cluster]``). That is the process a dev cluster
+    recorded, not another that took its pid once it had exited: pids wrap at
+    ``kernel.pid_max`` (32768 on many machines; a test run goes through that many), and
+    after a reboot every recorded pid may be anyone's. A process whose first thread has
+    exited while others still run has an empty command line: False, though
+    :func:`running` says True."""
     if not running(pid):
         return False
     try:
@@ -103,7 +109,8 @@ def running_as(pid: int, marker: str) -> bool:
             args = f.read().split(b"\0")
     except OSError:
         return False
-    return os.fsencode(marker) in args
+    words = set(args) | set(args[0].split())
+    return any(os.fsencode(m) in words for m in markers)
 
 
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:
@@ -126,7 +133,7 @@ def _signal(p: Proc, sig: int) -> None:
         if isinstance(p, subprocess.Popen):
             if p.poll() is None:
                 p.send_signal(sig)
-        else:
+        elif p > 0:  # (0 and -1 would signal our process group, or every process)
             os.kill(p, sig)
     except ProcessLookupError:
         pass
