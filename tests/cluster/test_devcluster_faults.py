@@ -47,6 +47,43 @@ def dc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         control.down(str(d))
 
 
+@pytest.mark.redis
+@pytest.mark.etcd
+def test_up_failing_half_way_leaves_no_process_of_the_hosts_it_had_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host 1's daemon and proxy were started and not yet in cluster.json when host 2's
+    proxy failed: `up`'s own `down` left them running."""
+    from kvcomm.devcluster.procs import running
+    from kvcomm.faults import proxy
+
+    started: list[int] = []
+    real_proxy, real_daemon = proxy.start_proxy, control.spawn_daemon
+
+    def start_proxy(*args: Any, **kw: Any) -> Any:
+        if len(started) == 2:  # host-2's
+            raise kvcomm.Unavailable("the fault proxy did not start (injected)")
+        pid, remap = real_proxy(*args, **kw)
+        started.append(pid)
+        return pid, remap
+
+    namespaces: list[str] = []
+
+    def spawn_daemon(config: Any, *args: Any, **kw: Any) -> Any:
+        proc = real_daemon(config, *args, **kw)
+        started.append(proc.pid)
+        namespaces.append(kvcomm.Config.load(config).node.namespace)
+        return proc
+
+    monkeypatch.setattr(proxy, "start_proxy", start_proxy)
+    monkeypatch.setattr(control, "spawn_daemon", spawn_daemon)
+    with pytest.raises(kvcomm.Unavailable, match="injected"):
+        control.up(2, str(tmp_path), proxies=True)
+    assert len(started) == 2  # the fault happened after host 1's proxy and daemon
+    assert not any(running(pid) for pid in started)
+    assert not (tmp_path / control.STATE_FILE).exists()
+    assert namespaces and not [f for f in os.listdir("/dev/shm") if namespaces[0] in f]
+
+
 def _config(d: Path, host: str) -> kvcomm.Config:
     return kvcomm.Config.load(d / f"{host}.yaml")
 
@@ -240,7 +277,7 @@ def test_restart_etcd_resumes_the_paused_and_starts_one_that_died_after_it_looke
     paused = int(state["etcd"]["pids"][0])
     control.pause_etcd(str(dc), 0)
     control.kill_etcd(str(dc), 1)
-    assert control.restart_etcd(str(dc), timeout=30) == [1]
+    assert control.restart_etcd(str(dc), timeout=30) == [0, 1]  # resumed, started
     assert proc_state(paused) in ("S", "R")
     # a member SIGKILLed by someone else, not yet gone when restart-etcd looks
     pid = int(control.load_state(dc)["etcd"]["pids"][2])
@@ -257,6 +294,12 @@ def test_restart_etcd_resumes_the_paused_and_starts_one_that_died_after_it_looke
     monkeypatch.setattr(control, "_member_up", not_yet_dead)
     assert control.restart_etcd(str(dc), timeout=30) == [2]
     assert looked and int(control.load_state(dc)["etcd"]["pids"][2]) != pid
+    monkeypatch.undo()
+    # asked for one member while another is down: the timeout names the one down
+    control.kill_etcd(str(dc), 0)
+    with pytest.raises(kvcomm.Unavailable, match=r"member 1: pid \d+, state (gone|Z)"):
+        control.restart_etcd(str(dc), 1, timeout=3)
+    assert control.restart_etcd(str(dc), timeout=60) == [0]
 
 
 def test_a_restarted_member_whose_port_is_held_is_started_again_or_reported(

@@ -6,6 +6,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,16 @@ import pytest
 from kvcomm import Unavailable
 from kvcomm._wait import wait_until
 from kvcomm.devcluster import RedisServer
-from kvcomm.devcluster.procs import kill, proc_state, running, running_as, spawn, stop, wait_gone
+from kvcomm.devcluster.procs import (
+    kill,
+    proc_state,
+    running,
+    running_as,
+    spawn,
+    stop,
+    wait_exiting,
+    wait_gone,
+)
 
 
 class FakeClock:
@@ -130,18 +141,25 @@ def test_a_process_whose_first_thread_exited_runs_until_its_last_thread_has() ->
     restarted at once could not bind it)."""
     proc = subprocess.Popen([sys.executable, "-c", _LEADER_EXITS_FIRST],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    live = _child("")
     try:
+        t0 = time.monotonic()
+        wait_exiting(live.pid)  # a process that runs: not waited on
+        assert time.monotonic() - t0 < 0.5 and running(live.pid)
         port = int(proc.stdout.readline())  # type: ignore[union-attr]
         wait_until(lambda: proc_state(proc.pid) == "Z", 10, "the first thread to exit")
         assert running(proc.pid) and not _bindable(port)
         assert not wait_gone(proc.pid, 0.2)
-        proc.stdin.write(b"go\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
-        assert wait_gone(proc.pid, 10)
+        threading.Timer(0.3, lambda: (proc.stdin.write(b"go\n"),  # type: ignore[union-attr]
+                                      proc.stdin.flush())).start()  # type: ignore[union-attr]
+        t0 = time.monotonic()
+        wait_exiting(proc.pid)  # (what restart-etcd, -daemon and -redis do first)
+        assert time.monotonic() - t0 > 0.2 and not running(proc.pid)
         assert _bindable(port)
     finally:
         proc.kill()
         proc.wait()
+        kill(live)
 
 
 def test_running_as_knows_a_process_by_an_argument_or_a_word_of_its_title() -> None:

@@ -41,7 +41,7 @@ from ..errors import KVCommError, SegmentError, Unavailable
 from ..tiers.l2 import L2Segment, purge
 from .etcd_cluster import EtcdCluster, etcd_path, member_argv, stop_members
 from .etcd_cluster import wait_healthy as wait_etcd_healthy
-from .procs import kill, proc_state, running, running_as, spawn, stop, wait_gone
+from .procs import kill, proc_state, running, running_as, spawn, stop, wait_exiting
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
 from .redis_server import free_port
 
@@ -129,8 +129,17 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
                                      "strong_prefixes": list(strong_prefixes)}
             if watch_buffer is not None:  # a small feed ring: the soak overflows it on purpose
                 cache["watch_buffer"] = watch_buffer
+            path = d / f"{host}.yaml"
+            clock = d / "clock" / host
+            metrics = free_port()  # each host's own exporter
+            # recorded (and saved) before each process starts: a failure at any point
+            # leaves `down` (below) everything started so far to stop
+            h: dict[str, Any] = {"host": host, "namespace": ns, "config": str(path),
+                                 "proxy": None, "clock": str(clock), "pid": 0,
+                                 "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+            state["hosts"].append(h)
+            save_state(d, state)
             remap: dict[str, str] = {}
-            proxy: dict[str, Any] | None = None
             if proxies:
                 from ..faults.proxy import start_proxy
 
@@ -138,25 +147,21 @@ def up(hosts: int, directory: str, l2_size: str = "64MB", sync_interval: str = "
                 pdir.mkdir(mode=0o700, exist_ok=True)
                 ppid, remap = start_proxy(state["redis"] + etcd_addresses, pdir / f"{host}.sock",
                                           pdir / f"{host}.json", d / f"{host}-proxy.log", timeout)
-                proxy = {"pid": ppid, "control": str(pdir / f"{host}.sock")}
-            clock = d / "clock" / host
+                h["proxy"] = {"pid": ppid, "control": str(pdir / f"{host}.sock")}
+                save_state(d, state)
             clock.write_text("0\n")
             cfg = {"node": {"host_id": host, "namespace": ns, "test_clock_offset_file": str(clock)},
                    "cache": cache,
                    "cluster": {"redis": state["redis"], "etcd": etcd_addresses,
                                "address_remap": remap, "feed_poll": feed_poll,
                                "resolvers": resolvers or {}, **(cluster_settings or {})},
-                   "metrics": {"port": free_port()}}  # each host's own exporter
+                   "metrics": {"port": metrics}}
             if groups is not None:
                 cfg["cluster"]["groups"] = groups
-            path = d / f"{host}.yaml"
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             purge(ns)
-            state["hosts"].append({"host": host, "namespace": ns, "config": str(path),
-                                   "proxy": proxy, "clock": str(clock),
-                                   "pid": spawn_daemon(path, d / f"{host}.log").pid,
-                                   "metrics": f"http://127.0.0.1:{cfg['metrics']['port']}/metrics"})
-        save_state(d, state)
+            h["pid"] = spawn_daemon(path, d / f"{host}.log").pid
+            save_state(d, state)
         for h in state["hosts"]:
             _wait_heartbeat(d, h, timeout)
     except BaseException:
@@ -208,6 +213,7 @@ def restart_daemon(directory: str, index: int, timeout: float = 30.0) -> int:
     d = Path(directory).resolve()
     state = load_state(d)
     h = state["hosts"][index]
+    wait_exiting(int(h["pid"]))
     if _daemon_up(h):
         stop([int(h["pid"])])
     h["pid"] = spawn_daemon(h["config"], d / f"{h['host']}.log").pid
@@ -240,8 +246,12 @@ def _redis_index(state: dict[str, Any], port: int) -> int:
 def kill_redis(directory: str, port: int) -> int:
     """SIGKILL the Redis node on ``port`` (a crash: its replica takes over after the
     node timeout). Returns its pid once the process is gone."""
-    state = load_state(directory)
-    pid = int(state["redis_pids"][_redis_index(state, port)])
+    d = Path(directory).resolve()
+    state = load_state(d)
+    i = _redis_index(state, port)
+    if not _redis_up(d, state, i):
+        raise KVCommError(f"the Redis node on port {port} is already down")
+    pid = int(state["redis_pids"][i])
     kill(pid)
     return pid
 
@@ -255,6 +265,7 @@ def restart_redis(directory: str, port: int, timeout: float = 60.0) -> int:
     d = Path(directory).resolve()
     state = load_state(d)
     i = _redis_index(state, port)
+    wait_exiting(int(state["redis_pids"][i]))
     if _redis_up(d, state, i):
         raise Unavailable(f"the Redis node on port {port} is still running: kill it first")
     ports = redis_ports(state)
@@ -381,7 +392,7 @@ class _MemberExited(KVCommError):
 def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.0) -> list[int]:
     """Start killed etcd members again (``member``, or every one that is down) with their
     names, ports and data, resume paused ones, and wait until every member is healthy.
-    Returns the indexes started. A member of those that dies while this waits (a kill
+    Returns the indexes started or resumed. A member of those that dies while this waits (a kill
     not yet acted on when it looked) is started too. Raises Unavailable, with the
     members' states and logs, when one exits (one whose port was taken for a moment is
     started again, up to :data:`RESTART_BIND_TRIES` times) or the cluster does not heal
@@ -407,9 +418,7 @@ def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.
             return ""
 
     def start(i: int) -> None:
-        old = int(etcd["pids"][i])
-        if proc_state(old) == "Z":  # its first thread gone, others still closing its files
-            wait_gone(old, 10.0)
+        wait_exiting(int(etcd["pids"][i]))
         log = log_of(i)
         offset = os.path.getsize(log) if os.path.exists(log) else 0
         argv = member_argv(etcd["names"][i], _member_dir(etcd, i), etcd["client_ports"][i],
@@ -435,10 +444,14 @@ def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.
                                 f"when restarted ({tries[i]} starts); its log:\n"
                                 f"{text[-2000:]}")
 
+    resumed = []
     for i in mine:
         if _member_up(etcd, i):
+            pid = int(etcd["pids"][i])
+            if proc_state(pid) in ("T", "t"):
+                resumed.append(i)
             try:
-                os.kill(int(etcd["pids"][i]), signal.SIGCONT)  # a paused member: resume it
+                os.kill(pid, signal.SIGCONT)  # a paused member: resume it
             except ProcessLookupError:
                 pass  # died since: started while waiting (exited() below)
         else:
@@ -451,10 +464,10 @@ def restart_etcd(directory: str, member: int | None = None, timeout: float = 60.
         def described(i: int) -> str:
             pid = int(etcd["pids"][i])
             text = f"--- member {i + 1}: pid {pid}, state {proc_state(pid) or 'gone'}"
-            return text + (f", {tries[i]} starts; its log:\n{said(i)[-1000:]}"
+            return text + (f", {tries.get(i, 0)} starts; its log:\n{said(i)[-1000:]}"
                            if i in started else "")
-        raise Unavailable(f"{exc}\n" + "\n".join(described(i) for i in mine)) from None
-    return sorted(started)
+        raise Unavailable(f"{exc}\n" + "\n".join(described(i) for i in range(n))) from None
+    return sorted(set(started) | set(resumed))
 
 
 # ---------------------------------------------------------------- network and clock faults

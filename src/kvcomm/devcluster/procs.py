@@ -110,7 +110,15 @@ def running_as(pid: int, *markers: str) -> bool:
     except OSError:
         return False
     words = set(args) | set(args[0].split())
-    return any(os.fsencode(m) in words for m in markers)
+    return any(m and os.fsencode(m) in words for m in markers)
+
+
+def wait_exiting(pid: int, timeout: float = 10.0) -> None:
+    """When ``pid``'s first thread has exited while its others still close its files (its
+    ports), wait until they have: a process started in its place binds them then. Returns
+    at once for any other process (it is not signalled)."""
+    if pid > 0 and proc_state(pid) == "Z":
+        wait_gone(pid, timeout)
 
 
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:

@@ -219,7 +219,7 @@ def start_proxy(upstreams: Sequence[str], control: str | os.PathLike[str],
     """Start a proxy process for ``upstreams`` (``host:port``); returns its pid and the
     remap (upstream ``host:port`` → ``127.0.0.1:port`` of the proxy) once it listens.
     Raises Unavailable when it does not start within ``timeout``."""
-    from ..devcluster.procs import running, spawn
+    from ..devcluster.procs import running, spawn, stop
 
     Path(ports_file).unlink(missing_ok=True)
     argv = [sys.executable, "-m", "kvcomm.faults.proxy", "--control", str(control),
@@ -234,7 +234,12 @@ def start_proxy(upstreams: Sequence[str], control: str | os.PathLike[str],
         except (OSError, ValueError):
             return {}  # not written yet
 
-    info: dict[str, Any] = wait_until(ready, timeout, "the fault proxy to listen", interval=0.02)
+    try:
+        info: dict[str, Any] = wait_until(ready, timeout, "the fault proxy to listen",
+                                          interval=0.02)
+    except BaseException:
+        stop([proc])  # (a timeout, or Ctrl-C: nothing recorded it yet)
+        raise
     remap = {up: f"127.0.0.1:{port}" for up, port in info["ports"].items()}
     return proc.pid, remap
 
