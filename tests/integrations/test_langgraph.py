@@ -45,6 +45,7 @@ from langgraph.types import Command, interrupt  # noqa: E402
 
 from kvcomm.integrations.langgraph import KVCommSaver, KVCommStore, RunSuperseded  # noqa: E402
 from kvcomm.integrations.langgraph._keys import Keys, _esc_id, esc, unesc  # noqa: E402
+from kvcomm.integrations.langgraph.saver import _NULL_TASK as NULL_TASK_ID  # noqa: E402 (LangGraph's, private there)
 from tests.integrations.test_langgraph_step import inline
 from tests.support import ROOT
 
@@ -1310,18 +1311,24 @@ def test_a_run_taken_over_after_its_first_moves_is_told_whether_to_retry(
             "seed", "work", "B", "work"], tup.checkpoint["channel_values"]
 
 
-def _taken_over_after(kv: kvcomm.Client, kept: int, take: Callable[[], Any]) -> KVCommSaver:
+def _taken_over_after(kv: kvcomm.Client, kept: int, take: Callable[[], Any],
+                      slow_command: float = 0.0) -> KVCommSaver:
     """A saver whose run lets ``take`` (another writer) run right after its ``kept``-th
-    put (0: right before its first one, once the writes LangGraph stores first, in the
-    background, are stored)."""
+    put (0: right before its first one, once its Command's writes are stored). LangGraph
+    stores a task's writes in the background, on a pool of threads, and puts the step's
+    checkpoint without waiting for them: the Command's may still be on their way when
+    another task's are stored. ``slow_command`` (seconds) delays them."""
     stored, taken = threading.Event(), []
 
     class TakenOver(KVCommSaver):
         puts = 0
 
-        def put_writes(self, *args: Any, **kwargs: Any) -> None:
-            super().put_writes(*args, **kwargs)
-            stored.set()
+        def put_writes(self, config: Any, writes: Any, task_id: str, *args: Any) -> None:
+            if task_id == NULL_TASK_ID:
+                time.sleep(slow_command)
+            super().put_writes(config, writes, task_id, *args)
+            if task_id == NULL_TASK_ID:
+                stored.set()
 
         def put(self, *args: Any, **kwargs: Any) -> Any:
             if TakenOver.puts == kept == 0 and not taken:
@@ -1459,7 +1466,7 @@ def test_a_command_stored_on_the_head_before_a_refused_first_move_is_not_retried
     log_graph().compile(checkpointer=saver).invoke({"log": ["seed"]}, cfg)
     b_saver = _taken_over_after(kv, 0, lambda: _in_thread(
         log_graph().compile(checkpointer=b_saver if same else saver).invoke,
-        {"log": ["A"]} if taker == "input" else None, cfg))
+        {"log": ["A"]} if taker == "input" else None, cfg), slow_command=0.2)
     b = log_graph().compile(checkpointer=b_saver)
     with pytest.raises(RunSuperseded, match="Command"):
         b.invoke(Command(update={"log": ["B"]}, goto="work"), cfg, durability="sync")

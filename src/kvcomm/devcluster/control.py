@@ -41,7 +41,7 @@ from ..errors import KVCommError, SegmentError, Unavailable
 from ..tiers.l2 import L2Segment, purge
 from .etcd_cluster import EtcdCluster, etcd_path, member_argv, stop_members
 from .etcd_cluster import wait_healthy as wait_etcd_healthy
-from .procs import kill, proc_state, running, running_as, spawn, stop, wait_exiting
+from .procs import all_stopped, kill, proc_state, running, running_as, spawn, stop, wait_exiting
 from .redis_cluster import RedisCluster, node_argv, wait_failed_over, wait_whole
 from .redis_server import free_port
 
@@ -369,14 +369,18 @@ def kill_etcd(directory: str, member: int | None = None, leader: bool = False) -
 
 
 def pause_etcd(directory: str, member: int, resume: bool = False) -> int:
-    """SIGSTOP (SIGCONT with ``resume``) etcd member ``member``; returns its pid. Raises
-    KVCommError when that member is not running."""
+    """SIGSTOP (SIGCONT with ``resume``) etcd member ``member``; returns its pid, once
+    every thread of it has stopped (a signal reaches each thread on its way back to user
+    space). Raises KVCommError when that member is not running."""
     etcd = _etcd(load_state(directory))
     member = _member_index(etcd, member)
     if not _member_up(etcd, member):
         raise KVCommError(f"etcd member {member + 1} is not running; `restart-etcd` first")
     pid = int(etcd["pids"][member])
     os.kill(pid, signal.SIGCONT if resume else signal.SIGSTOP)
+    if not resume:
+        wait_until(lambda: all_stopped(pid) or not running(pid), 10,
+                   f"etcd member {member + 1} (pid {pid}) to stop", interval=0.001)
     return pid
 
 
