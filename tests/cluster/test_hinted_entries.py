@@ -13,10 +13,14 @@ from tests.support.helpers import drawn_seed, wait_for
 
 
 def _spublish(store: Any, g: int, payload: bytes) -> None:
-    """What anything that can publish on the group's hint channel can send."""
+    """What anything that can publish on the group's hint channel can send, once the
+    host's daemon listens there: it may follow the group (by its sweep) a moment before
+    its subscription is in place, and a message published to no one is gone."""
     channel = store.groups.hint_channel(g)
     node = store.rc.get_node_from_key(channel)
-    store.rc.get_redis_connection(node).execute_command("SPUBLISH", channel, payload)
+    conn = store.rc.get_redis_connection(node)
+    wait_for(lambda: conn.execute_command("SPUBLISH", channel, payload) >= 1, 15,
+             "the daemon to subscribe to the group's hint channel (the hint received)")
 
 
 def _held_and_followed(h: Host, store: L3Store, key: str, big: str) -> int:
